@@ -1,0 +1,5 @@
+import sys
+
+from bigtrain.cli import main
+
+sys.exit(main())

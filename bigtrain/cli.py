@@ -1,0 +1,133 @@
+"""``bigtrain train | report | presets | config``.
+
+``bigtrain train`` validates the config before anything starts. When the layout needs several
+ranks and no launcher started us, it writes the resolved config into the run directory and starts
+itself under torchrun; inside a launcher (ours or a user's) it runs one rank of the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from bigtrain.config import Config, ConfigError, field_docs, load_config, preset_names, to_toml
+from bigtrain.validation import validate
+
+DEFAULT_PRESET = "small"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bigtrain", description="Train models that do not fit on one accelerator.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "train a model (overrides: --section.key=value)"),
+                       ("config", "print the resolved, validated config as TOML")):
+        p = sub.add_parser(name, help=text, description=text)
+        source = p.add_mutually_exclusive_group()
+        source.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())} (default {DEFAULT_PRESET})")
+        source.add_argument("--config", help="a TOML config file")
+        if name == "train":
+            p.add_argument("--output-dir", help="run directory (default runs/<preset>-<time>)")
+            p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    report = sub.add_parser("report", help="write report.md and loss.png for a run directory")
+    report.add_argument("run_dir")
+    sub.add_parser("presets", help="list the shipped presets")
+    sub.add_parser("fields", help="list every config field with its help")
+    return parser
+
+
+def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
+    preset = args.preset or (None if args.config else DEFAULT_PRESET)
+    cfg = load_config(preset=preset, path=args.config, overrides=overrides)
+    if getattr(args, "resume", False):
+        cfg.checkpoint.resume = "auto"
+    return cfg
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    if args.output_dir:
+        return Path(args.output_dir)
+    name = args.preset or (Path(args.config).stem if args.config else DEFAULT_PRESET)
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+
+    from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
+
+    cfg = _resolve(args, overrides)
+    validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
+    run_dir = _run_dir(args)
+    if cfg.parallel.world_size > 1 and not launched_externally():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = run_dir / "config.toml"
+        resolved.write_text(to_toml(cfg))
+        print(f"bigtrain: starting {cfg.parallel.world_size} ranks with torchrun; run directory {run_dir}")
+        code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)])
+        if code != 0:
+            print(f"bigtrain: the ranks exited with status {code}; see the messages above", file=sys.stderr)
+        return code
+    return _run_rank(cfg, run_dir)
+
+
+def _run_rank(cfg: Config, run_dir: Path) -> int:
+    from bigtrain.distributed.launch import init_distributed, shutdown_distributed
+    from bigtrain.distributed.mesh import Mesh
+    from bigtrain.report import write_report
+    from bigtrain.train import Trainer, write_summary
+
+    info = init_distributed(cfg.train.device)
+    try:
+        mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
+        trainer = Trainer(cfg, run_dir, mesh, info.device)
+        history = trainer.fit()
+        if info.rank == 0:
+            write_summary(run_dir, trainer.summary())
+            report = write_report(run_dir) if cfg.logging.report else None
+            if history:
+                print(f"bigtrain: {trainer.step} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}; "
+                      f"run directory {run_dir}" + (f", report {report}" if report else ""))
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, rest = _parser().parse_known_args(argv)
+    unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
+    if unknown or (rest and args.command not in ("train", "config")):
+        print(f"bigtrain {args.command}: unrecognized arguments: {' '.join(unknown or rest)} "
+              f"(config overrides look like --parallel.dp=2)", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "train":
+            return cmd_train(args, rest)
+        if args.command == "config":
+            cfg = _resolve(args, rest)
+            validate(cfg)
+            print(to_toml(cfg))
+        elif args.command == "report":
+            from bigtrain.report import write_report
+
+            path = write_report(Path(args.run_dir))
+            print(path if path else f"no metrics.jsonl in {args.run_dir}")
+        elif args.command == "presets":
+            print("\n".join(preset_names()))
+        elif args.command == "fields":
+            print("\n".join(f"{k:32s} {v}" for k, v in field_docs().items()))
+        return 0
+    except ConfigError as e:
+        print(f"bigtrain: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bigtrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    warnings.simplefilter("default")
+    sys.exit(main())

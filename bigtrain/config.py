@@ -1,0 +1,325 @@
+"""The typed configuration tree: TOML presets, dotted overrides, one validation pass.
+
+A config is a tree of dataclasses. Every field carries its help text in ``metadata["doc"]``
+so that the CLI, the docs and error messages all read from one place. Values come from a
+preset (``bigtrain/presets/NAME.toml``), a user's TOML file, and ``--section.key=value``
+overrides, in that order. :func:`validate` runs once, before any process starts, and
+reports every problem it finds with the field's dotted name and a fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message names the field and the fix."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(f"  - {p}" for p in self.problems))
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A dataclass field with its help text."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": text}, **kw)
+    return field(default=default, metadata={"doc": text}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    """The reference Llama-style decoder."""
+
+    name: str = doc("Architecture; only 'llama' (dense decoder) for now.", "llama")
+    vocab_size: int = doc("Vocabulary size; 256 for the byte-level corpora.", 256)
+    dim: int = doc("Hidden size h.", 128)
+    n_layers: int = doc("Number of transformer blocks L.", 4)
+    n_heads: int = doc("Attention (query) heads.", 4)
+    n_kv_heads: int = doc("Key/value heads for grouped-query attention; 0 means n_heads.", 0)
+    ffn_hidden: int = doc("SwiGLU inner size; 0 means 8/3 h rounded up to a multiple of 64.", 0)
+    max_seq_len: int = doc("Longest sequence the rotary tables cover.", 256)
+    rope_theta: float = doc("Rotary embedding base.", 10000.0)
+    norm_eps: float = doc("RMSNorm epsilon.", 1e-5)
+    tie_embeddings: bool = doc("Share the input embedding with the output projection.", False)
+    init_std: float = doc("Standard deviation of the normal weight init.", 0.02)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return -(-int(8 * self.dim / 3) // 64) * 64
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of each mesh axis; their product is the world size."""
+
+    dp: int = doc("Data-parallel degree.", 1)
+    tp: int = doc("Tensor-parallel degree (not yet supported: keep 1).", 1)
+    pp: int = doc("Pipeline-parallel degree (not yet supported: keep 1).", 1)
+    sp: int = doc("Ulysses sequence-parallel degree (not yet supported: keep 1).", 1)
+    ep: int = doc("Expert-parallel degree (not yet supported: keep 1).", 1)
+    zero: int = doc("ZeRO stage over the dp axis: 0, 1, 2 or 3 (only 0 so far).", 0)
+    bucket_mb: float = doc("Gradient all-reduce bucket size in MiB.", 25.0)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric formats."""
+
+    mode: str = doc("Compute precision: 'fp32' (bf16 and fp16 come with ZeRO).", "fp32")
+
+
+@dataclass
+class MemoryConfig:
+    """Trading compute for memory."""
+
+    checkpointing: str = doc("Activation checkpointing: 'none', 'full', or 'every' (every k-th block).", "none")
+    checkpoint_every: int = doc("With checkpointing='every': checkpoint blocks 0, k, 2k, ...", 2)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = doc("Peak learning rate (before linear scaling, if enabled).", 3e-3)
+    min_lr_ratio: float = doc("Cosine floor as a fraction of the peak.", 0.1)
+    warmup_steps: int = doc("Linear warm-up steps.", 20)
+    weight_decay: float = doc("Decoupled weight decay (not applied to norms).", 0.1)
+    beta1: float = doc("Adam beta1.", 0.9)
+    beta2: float = doc("Adam beta2.", 0.95)
+    eps: float = doc("Adam epsilon.", 1e-8)
+    grad_clip: float = doc("Global gradient-norm clip; 0 disables.", 1.0)
+    lr_scaling: str = doc("'none', or 'linear': lr x global_batch / base_batch (Goyal et al.).", "none")
+    base_batch: int = doc("Reference global batch for linear lr scaling.", 8)
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = doc(
+        "'stdlib' (this machine's Python standard library, bytes), a text file or folder, "
+        "or a pre-tokenized .bin (uint16) / .npy file.",
+        "stdlib",
+    )
+    seq_len: int = doc("Tokens per sample.", 128)
+    cache_dir: str = doc("Where tokenized corpora are cached; '' means ~/.cache/bigtrain.", "")
+    max_bytes: int = doc("Cap on the bytes read from a text corpus (0: no cap).", 16_000_000)
+
+
+@dataclass
+class TrainConfig:
+    """The loop."""
+
+    steps: int = doc("Optimizer steps.", 200)
+    global_batch: int = doc("Sequences per optimizer step = micro_batch x accumulation x dp.", 8)
+    micro_batch: int = doc("Sequences per forward/backward on one rank.", 8)
+    seed: int = doc("Seed for weights and data sampling.", 1234)
+    device: str = doc("'auto' (cuda if present), 'cpu' or 'cuda'.", "auto")
+
+    def grad_accum(self, dp: int) -> int:
+        return self.global_batch // (self.micro_batch * dp)
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    every: int = doc("Save every N steps (0: only at the end).", 0)
+    keep: int = doc("Keep the newest K checkpoints.", 2)
+    resume: str = doc("'none', 'auto' (newest valid checkpoint in the run directory), or a path.", "none")
+    save_final: bool = doc("Save at the end of the run.", True)
+
+
+@dataclass
+class LoggingConfig:
+    """What the run reports."""
+
+    log_every: int = doc("Write a metrics line every N steps.", 10)
+    progress: bool = doc("Show a progress bar on rank 0.", True)
+    report: bool = doc("Write report.md and a loss-curve PNG at the end.", True)
+    measure_memory: bool = doc("Measure saved-activation bytes on logged steps.", True)
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _field_types(section_cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(choices)}"
+
+
+def _coerce(dotted: str, value: Any, typ: type) -> Any:
+    """Turn a TOML or command-line value into the field's type, or raise a ConfigError."""
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                if text.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if text.lower() in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            if typ is int:
+                return int(text)
+            if typ is float:
+                return float(text)
+        except ValueError:
+            raise ConfigError(f"{dotted}: expected {typ.__name__}, got '{value}'") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{dotted}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def apply_values(cfg: Config, values: dict[str, dict[str, Any]], origin: str) -> None:
+    """Merge ``{section: {key: value}}`` into cfg, naming unknown keys with a suggestion."""
+    problems = []
+    sections = _section_types()
+    for section, items in values.items():
+        if section not in sections:
+            problems.append(f"{origin}: unknown section [{section}]{_suggest(section, list(sections))}")
+            continue
+        if not isinstance(items, dict):
+            problems.append(f"{origin}: [{section}] must be a table of key = value")
+            continue
+        obj = getattr(cfg, section)
+        types = _field_types(sections[section])
+        for key, value in items.items():
+            dotted = f"{section}.{key}"
+            if key not in types:
+                problems.append(f"{origin}: unknown key '{dotted}'{_suggest(key, list(types))}")
+                continue
+            try:
+                setattr(obj, key, _coerce(dotted, value, types[key]))
+            except ConfigError as e:
+                problems.extend(e.problems)
+    if problems:
+        raise ConfigError(problems)
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
+    """``['--parallel.dp=2', 'train.steps=5']`` -> ``{'parallel': {'dp': '2'}, 'train': {'steps': '5'}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for arg in args:
+        text = arg[2:] if arg.startswith("--") else arg
+        if "=" not in text or "." not in text.split("=", 1)[0]:
+            raise ConfigError(f"override '{arg}': write it as --section.key=value (e.g. --parallel.dp=2)")
+        key, value = text.split("=", 1)
+        section, name = key.split(".", 1)
+        out.setdefault(section, {})[name.replace("-", "_")] = value
+    return out
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+
+
+def load_config(preset: str | None = None, path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Build a config from a preset and/or a TOML file, then dotted overrides (not yet validated)."""
+    cfg = Config()
+    if preset is not None:
+        if preset not in preset_names():
+            raise ConfigError(f"--preset: no preset '{preset}'{_suggest(preset, preset_names())}")
+        apply_values(cfg, read_toml(PRESET_DIR / f"{preset}.toml"), f"preset {preset}")
+    if path is not None:
+        apply_values(cfg, read_toml(Path(path)), str(path))
+    apply_values(cfg, parse_overrides(list(overrides)), "command line")
+    return cfg
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML, every field written, with its help as a comment."""
+    lines = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(obj):
+            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}  # {f.metadata.get('doc', '')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def field_docs() -> dict[str, str]:
+    """``{'parallel.dp': 'Data-parallel degree.', ...}`` for help screens and docs."""
+    out = {}
+    for section, cls in _section_types().items():
+        for f in dataclasses.fields(cls):
+            out[f"{section}.{f.name}"] = f.metadata.get("doc", "")
+    return out

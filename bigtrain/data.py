@@ -1,0 +1,111 @@
+"""Token corpora and layout-independent sampling.
+
+The default corpus needs no download: this machine's Python standard library sources, as bytes
+(vocabulary 256), cached once as a flat token file that is memory-mapped afterwards. A user's text
+file or folder is read the same way; pre-tokenized ``.bin`` (uint16) and ``.npy`` files are mapped
+as they are.
+
+Sampling depends only on (seed, step, global batch): step ``t`` draws the same ``global_batch``
+windows whatever the layout, and each data-parallel rank takes its contiguous slice. Resuming at
+step ``t`` therefore needs nothing but ``t``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".html")
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    root = Path(os.path.expanduser(cache_dir)) if cache_dir else Path.home() / ".cache" / "bigtrain"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def text_files(source: Path) -> list[Path]:
+    if source.is_file():
+        return [source]
+    return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's own .py files (not site-packages), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+
+
+def _write_atomic(path: Path, data: np.ndarray) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    data.tofile(tmp)
+    os.replace(tmp, path)
+
+
+def build_byte_corpus(files: list[Path], cache: Path, max_bytes: int) -> Path:
+    """Concatenate files as bytes into a cached uint8 token file; reuse it if present."""
+    digest = hashlib.sha1()
+    for f in files:
+        digest.update(str(f).encode())
+        digest.update(str(f.stat().st_size).encode())
+    digest.update(str(max_bytes).encode())
+    path = cache / f"bytes-{digest.hexdigest()[:16]}.u8"
+    if path.exists():
+        return path
+    chunks, total = [], 0
+    for f in files:
+        data = f.read_bytes()
+        if max_bytes and total + len(data) > max_bytes:
+            data = data[: max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+        if max_bytes and total >= max_bytes:
+            break
+    _write_atomic(path, np.frombuffer(b"".join(chunks), dtype=np.uint8))
+    return path
+
+
+def load_tokens(source: str, cache_dir: str = "", max_bytes: int = 0) -> np.ndarray:
+    """A 1-D memory-mapped array of token ids for ``source`` (see ``DataConfig.source``)."""
+    if source == "stdlib":
+        path = build_byte_corpus(stdlib_files(), cache_root(cache_dir), max_bytes)
+        return np.memmap(path, dtype=np.uint8, mode="r")
+    src = Path(os.path.expanduser(source))
+    if src.suffix == ".npy":
+        return np.load(src, mmap_mode="r").reshape(-1)
+    if src.suffix == ".bin":
+        return np.memmap(src, dtype=np.uint16, mode="r")
+    path = build_byte_corpus(text_files(src), cache_root(cache_dir), max_bytes)
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+class TokenSampler:
+    """Random windows of ``seq_len + 1`` tokens; inputs and next-token targets."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
+        if len(tokens) < seq_len + 2:
+            raise ValueError(f"corpus has {len(tokens)} tokens, fewer than data.seq_len + 2 = {seq_len + 2}")
+        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+
+    def starts(self, step: int) -> np.ndarray:
+        """Window starts of the whole global batch at ``step`` (layout-independent)."""
+        rng = np.random.default_rng([self.seed, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)
+
+    def batch(self, step: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``first .. first+count-1`` of the global batch at ``step``."""
+        starts = self.starts(step)[first:first + count]
+        windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        data = torch.from_numpy(windows)
+        return data[:, :-1], data[:, 1:]
+
+    def micro_batches(self, step: int, dp_rank: int, dp: int, micro_batch: int):
+        """This rank's micro-batches at ``step``: its contiguous slice of the global batch, in order."""
+        per_rank = self.global_batch // dp
+        for first in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, micro_batch):
+            yield self.batch(step, first, micro_batch)

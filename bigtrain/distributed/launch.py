@@ -1,0 +1,73 @@
+"""Starting ranks: our own torchrun on one machine, or joining a user's torchrun.
+
+``bigtrain train`` re-executes itself under ``torch.distributed.run --standalone`` when the
+layout needs more than one rank and it is not already inside a launcher. Inside one (ours or a
+user's multi-node torchrun) each rank calls :func:`init_distributed`. Gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def launched_externally() -> bool:
+    """True inside torchrun (or any launcher that sets the torch.distributed environment)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_world_size() -> int | None:
+    return int(os.environ["WORLD_SIZE"]) if launched_externally() else None
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+
+
+def init_distributed(device_request: str = "auto", timeout_s: float = 600.0) -> RankInfo:
+    """Join the process group the launcher describes (or stay single-process without one)."""
+    if not launched_externally() or int(os.environ["WORLD_SIZE"]) == 1:
+        return RankInfo(0, 1, 0, pick_device(device_request, 0))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_request, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return RankInfo(rank, world, local_rank, device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch_local(nproc: int, argv: list[str]) -> int:
+    """Run ``python -m bigtrain <argv>`` under torchrun with ``nproc`` ranks on this machine.
+
+    CPU ranks share the cores: each gets an equal share of threads so they do not oversubscribe.
+    """
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "bigtrain", *argv]
+    return subprocess.call(cmd, env=env)

@@ -1,0 +1,98 @@
+"""The device mesh: named parallel axes, this rank's coordinates, and one process group per axis.
+
+Built once from the config and the world size and passed explicitly; nothing here is global, so
+a test may build two meshes in one process. Ranks are laid out with ``tp`` innermost (adjacent
+ranks, so tensor-parallel traffic stays inside a node), then ``sp``, ``dp``, and ``pp`` outermost,
+as Megatron and torchtitan do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch.distributed as dist
+
+from bigtrain.config import ParallelConfig
+from bigtrain.distributed.comm import AxisComm, CommStats
+
+AXES = ("pp", "dp", "sp", "tp")  # outermost first
+
+
+class Mesh:
+    """Named axes over ``world_size`` ranks; ``groups`` are made only when torch.distributed is up."""
+
+    def __init__(self, sizes: dict[str, int], rank: int = 0, make_groups: bool = True):
+        unknown = set(sizes) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown mesh axes {sorted(unknown)}; known: {AXES}")
+        self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
+        self.world_size = math.prod(self.sizes.values())
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a mesh of {self.world_size} ranks")
+        self.rank = rank
+        self.stats = CommStats()
+        self.coords = self._coords_of(rank)
+        self.groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in AXES}
+        if make_groups and self.world_size > 1:
+            self._make_groups()
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, rank: int = 0, world_size: int = 1) -> "Mesh":
+        sizes = {"pp": parallel.pp, "dp": parallel.dp, "sp": parallel.sp, "tp": parallel.tp}
+        if math.prod(sizes.values()) != world_size:
+            raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} ranks, world size is {world_size}")
+        return cls(sizes, rank)
+
+    def _strides(self) -> dict[str, int]:
+        strides, stride = {}, 1
+        for axis in reversed(AXES):
+            strides[axis] = stride
+            stride *= self.sizes[axis]
+        return strides
+
+    def _coords_of(self, rank: int) -> dict[str, int]:
+        strides = self._strides()
+        return {axis: rank // strides[axis] % self.sizes[axis] for axis in AXES}
+
+    def _rank_of(self, coords: dict[str, int]) -> int:
+        strides = self._strides()
+        return sum(coords[axis] * strides[axis] for axis in AXES)
+
+    def ranks_along(self, axis: str, rank: int | None = None) -> list[int]:
+        """Global ranks of the ``axis`` group that ``rank`` (default: this rank) belongs to."""
+        coords = dict(self._coords_of(self.rank if rank is None else rank))
+        out = []
+        for i in range(self.sizes[axis]):
+            coords[axis] = i
+            out.append(self._rank_of(coords))
+        return out
+
+    def _make_groups(self) -> None:
+        # Every rank must call new_group for every group, in the same order.
+        for axis in AXES:
+            if self.sizes[axis] == 1:
+                continue
+            others = [a for a in AXES if a != axis]
+            for fixed in itertools.product(*(range(self.sizes[a]) for a in others)):
+                coords = dict(zip(others, fixed), **{axis: 0})
+                ranks = self.ranks_along(axis, self._rank_of(coords))
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.groups[axis] = group
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+    def coord(self, axis: str) -> int:
+        return self.coords[axis]
+
+    def comm(self, axis: str) -> AxisComm:
+        """Counted collectives over ``axis`` ("world" means every rank)."""
+        if axis == "world":
+            return AxisComm("world", None, self.world_size, self.rank, self.stats)
+        return AxisComm(axis, self.groups[axis], self.sizes[axis], self.coords[axis], self.stats)
+
+    def __repr__(self) -> str:
+        shape = " x ".join(f"{a}={s}" for a, s in self.sizes.items())
+        return f"Mesh({shape}, rank={self.rank}, coords={self.coords})"

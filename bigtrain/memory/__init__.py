@@ -1,0 +1,1 @@
+"""Memory: activation checkpointing and measured accounting."""

@@ -1,0 +1,57 @@
+"""Metrics: one JSON object per logged step in ``metrics.jsonl``, and a progress bar on rank 0.
+
+The schema only grows: ``step, loss, lr, grad_norm, tokens_per_s, step_time_s`` and
+``mem`` (bytes on the worst rank: params, grads, optimizer, activations) and ``comm``
+(bytes this rank sent in the step, by mesh axis; ``comm_ops`` splits them by collective).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class MetricsLog:
+    """Appends metric records to ``metrics.jsonl`` (rank 0 only) and drives the progress bar."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, first_step: int, progress: bool):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.bar = None
+        if enabled and progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 mem=human_bytes(sum(record["mem"].values())), refresh=False)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,126 @@
+"""Data parallelism: bucketed gradient all-reduce overlapped with backward.
+
+Each parameter's ``.grad`` is a view into a flat bucket buffer, so autograd accumulates straight
+into the buffers and a bucket is all-reduced without copying. Buckets hold parameters in reverse
+registration order, which is roughly the order backward produces their gradients, so the first
+bucket is ready early and its all-reduce runs on Gloo's/NCCL's own thread while backward continues.
+On accumulation steps that do not synchronize, the hooks do nothing at all.
+
+The loss is expected to be normalized by the *global* token count, so gradients are summed, not
+averaged, across ranks: the sum over ranks and micro-batches is then exactly the single-process
+gradient of the mean loss.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from bigtrain.distributed.comm import AxisComm
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    pending: int = 0
+    work: object = None
+    offsets: list[int] = field(default_factory=list)
+
+
+def _unique_trainable(model: nn.Module) -> list[nn.Parameter]:
+    seen, out = set(), []
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters (in reverse order) into buckets of about ``bucket_bytes`` each."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+class DataParallel:
+    """Synchronizes the gradients of ``model`` over ``comm`` (the mesh's dp axis)."""
+
+    def __init__(self, model: nn.Module, comm: AxisComm, bucket_mb: float = 25.0):
+        self.model, self.comm = model, comm
+        self.params = _unique_trainable(model)
+        self.buckets = [self._make_bucket(group) for group in plan_buckets(self.params, int(bucket_mb * 2**20))]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._sync = True
+        self._handles = []
+        if comm.size > 1:
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    def _make_bucket(self, params: list[nn.Parameter]) -> Bucket:
+        dtype, device = params[0].dtype, params[0].device
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        bucket = Bucket(params=params, buffer=buffer, pending=len(params))
+        offset = 0
+        for p in params:
+            bucket.offsets.append(offset)
+            p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return bucket
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True, tag="grads")
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (non-final micro-batches)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket's all-reduce; launches buckets whose parameters got no gradient."""
+        if self.comm.size == 1:
+            return
+        for bucket in self.buckets:  # same order on every rank
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work, bucket.pending = None, len(bucket.params)
+
+    def zero_grad(self) -> None:
+        """Zero the buckets in place (the grads stay views of them)."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            for p, offset in zip(bucket.params, bucket.offsets):
+                if p.grad is None or p.grad.data_ptr() != bucket.buffer[offset:].data_ptr():
+                    p.grad = bucket.buffer[offset:offset + p.numel()].view_as(p)
+
+    def grad_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

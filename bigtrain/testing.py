@@ -1,0 +1,95 @@
+"""Run a function on N real Gloo ranks inside one test process, fast and without hangs.
+
+Ranks are forked from the parent (which has already paid for ``import torch``), each pinned to one
+thread (a forked child that uses the parent's thread pool can deadlock), and joined through a fresh
+``file://`` store so no TCP server has to outlive a fork. Each rank's return value or traceback
+comes back to the caller; a rank that does not finish in time is killed by pid and named.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+import traceback
+import uuid
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def _child(fn: Callable, rank: int, world_size: int, store_path: str, args: tuple, conn) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args)
+        conn.send(("ok", result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+        # Skip interpreter teardown (atexit handlers, Gloo destructors): the parent has the result.
+        os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` forked Gloo ranks; return their results.
+
+    ``fn`` and its results must be picklable only for the results (fork passes ``fn`` as it is).
+    """
+    ctx = mp.get_context("fork")
+    store_dir = tempfile.mkdtemp(prefix="bigtrain-store-")
+    store_path = os.path.join(store_dir, uuid.uuid4().hex)
+    procs, pipes = [], []
+    for rank in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(fn, rank, world_size, store_path, args, child_end), daemon=True)
+        proc.start()
+        child_end.close()
+        procs.append(proc)
+        pipes.append(parent_end)
+    try:
+        return _collect(procs, pipes, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.join(timeout=5)
+        try:
+            os.remove(store_path)
+            os.rmdir(store_dir)
+        except OSError:
+            pass
+
+
+def _collect(procs: list, pipes: list, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    results: dict[int, tuple[str, Any]] = {}
+    while len(results) < len(procs):
+        for rank, pipe in enumerate(pipes):
+            if rank in results:
+                continue
+            if pipe.poll(0.01):
+                try:
+                    results[rank] = pipe.recv()
+                except EOFError:
+                    results[rank] = ("error", f"rank {rank} exited (code {procs[rank].exitcode}) without a result")
+            elif not procs[rank].is_alive() and not pipe.poll(0.05):
+                results[rank] = ("error", f"rank {rank} died with exit code {procs[rank].exitcode}")
+        errors = {r: v for r, (kind, v) in results.items() if kind == "error"}
+        if errors:
+            # One failed rank leaves the others blocked in a collective: report it now.
+            raise RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        if time.monotonic() > deadline:
+            missing = [r for r in range(len(procs)) if r not in results]
+            raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f} s (killed)")
+    return [results[r][1] for r in range(len(procs))]

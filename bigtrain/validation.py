@@ -1,0 +1,160 @@
+"""One validation pass over a whole config, before any process starts.
+
+Each rule is a small function that returns the problems it finds; :func:`validate` runs them all
+and raises one :class:`ConfigError` listing every problem, each naming the dotted field and a fix,
+so a user fixes a config in one round instead of one error per launch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from bigtrain.config import Config, ConfigError
+
+CHECKPOINTING_POLICIES = ("none", "full", "every")
+PRECISIONS = ("fp32",)
+LR_SCALINGS = ("none", "linear")
+DEVICES = ("auto", "cpu", "cuda")
+MODELS = ("llama",)
+
+Rule = Callable[[Config], list[str]]
+
+
+def _positive(cfg: Config, names: list[str]) -> list[str]:
+    problems = []
+    for dotted in names:
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value <= 0:
+            problems.append(f"{dotted} = {value}: must be > 0")
+    return problems
+
+
+def _non_negative(cfg: Config, names: list[str]) -> list[str]:
+    problems = []
+    for dotted in names:
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value < 0:
+            problems.append(f"{dotted} = {value}: must be >= 0")
+    return problems
+
+
+def _one_of(dotted: str, value: str, choices: tuple[str, ...]) -> list[str]:
+    if value in choices:
+        return []
+    return [f"{dotted} = '{value}': must be one of {', '.join(repr(c) for c in choices)}"]
+
+
+def check_model(cfg: Config) -> list[str]:
+    m = cfg.model
+    problems = _positive(cfg, ["model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
+                               "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std"])
+    problems += _non_negative(cfg, ["model.n_kv_heads", "model.ffn_hidden"])
+    problems += _one_of("model.name", m.name, MODELS)
+    if problems:
+        return problems
+    if m.dim % m.n_heads:
+        problems.append(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
+                        f"use a head count that divides it, e.g. {_divisor_near(m.dim, m.n_heads)}")
+    elif m.head_dim % 2:
+        problems.append(f"model.dim / model.n_heads = {m.head_dim} must be even for rotary embeddings")
+    if m.n_heads % m.kv_heads:
+        problems.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}; "
+                        f"e.g. {_divisor_near(m.n_heads, m.kv_heads)}")
+    return problems
+
+
+def _divisor_near(n: int, target: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))
+
+
+def check_parallel(cfg: Config) -> list[str]:
+    p = cfg.parallel
+    problems = _positive(cfg, ["parallel.dp", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep",
+                               "parallel.bucket_mb"])
+    for axis in ("tp", "pp", "sp", "ep"):
+        value = getattr(p, axis)
+        if value > 1:
+            problems.append(f"parallel.{axis} = {value}: not supported yet in this version; set it to 1")
+    if p.zero not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero = {p.zero}: must be 0, 1, 2 or 3")
+    elif p.zero > 0:
+        problems.append(f"parallel.zero = {p.zero}: ZeRO is not supported yet in this version; set it to 0")
+    return problems
+
+
+def check_batch(cfg: Config) -> list[str]:
+    t, dp = cfg.train, cfg.parallel.dp
+    problems = _positive(cfg, ["train.steps", "train.global_batch", "train.micro_batch"])
+    if problems or dp <= 0:
+        return problems
+    if t.global_batch % (t.micro_batch * dp):
+        per_rank = t.micro_batch * dp
+        fix = max(per_rank, t.global_batch // per_rank * per_rank)
+        problems.append(
+            f"train.global_batch = {t.global_batch} is not divisible by train.micro_batch x parallel.dp = "
+            f"{t.micro_batch} x {dp}; use train.global_batch = {fix} or change train.micro_batch")
+    return problems
+
+
+def check_data(cfg: Config) -> list[str]:
+    d, m = cfg.data, cfg.model
+    problems = _positive(cfg, ["data.seq_len"]) + _non_negative(cfg, ["data.max_bytes"])
+    if d.seq_len > m.max_seq_len:
+        problems.append(f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; "
+                        f"raise model.max_seq_len or lower data.seq_len")
+    is_tokens = d.source.endswith((".bin", ".npy"))
+    if d.source != "stdlib" and not Path(os.path.expanduser(d.source)).exists():
+        problems.append(f"data.source = '{d.source}': no such file or folder; use 'stdlib' or an existing path")
+    if not is_tokens and m.vocab_size < 256:
+        problems.append(f"model.vocab_size = {m.vocab_size}: byte-level text needs at least 256; set it to 256")
+    return problems
+
+
+def check_optim(cfg: Config) -> list[str]:
+    o = cfg.optim
+    problems = _positive(cfg, ["optim.lr", "optim.eps", "optim.base_batch"])
+    problems += _non_negative(cfg, ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip"])
+    for name in ("beta1", "beta2"):
+        value = getattr(o, name)
+        if not 0.0 <= value < 1.0:
+            problems.append(f"optim.{name} = {value}: must be in [0, 1), e.g. 0.9")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        problems.append(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
+    problems += _one_of("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
+    return problems
+
+
+def check_runtime(cfg: Config) -> list[str]:
+    problems = _one_of("precision.mode", cfg.precision.mode, PRECISIONS)
+    problems += _one_of("memory.checkpointing", cfg.memory.checkpointing, CHECKPOINTING_POLICIES)
+    problems += _positive(cfg, ["memory.checkpoint_every", "logging.log_every", "checkpoint.keep"])
+    problems += _non_negative(cfg, ["checkpoint.every"])
+    problems += _one_of("train.device", cfg.train.device, DEVICES)
+    resume = cfg.checkpoint.resume
+    if resume not in ("none", "auto") and not Path(resume).exists():
+        problems.append(f"checkpoint.resume = '{resume}': no such checkpoint; use 'auto', 'none' or an existing path")
+    return problems
+
+
+RULES: list[Rule] = [check_model, check_parallel, check_batch, check_data, check_optim, check_runtime]
+
+
+def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None) -> None:
+    """Raise a ConfigError naming every problem; ``world_size`` is checked when launched externally."""
+    problems: list[str] = []
+    for rule in RULES:
+        problems += rule(cfg)
+    if world_size is not None and not problems and world_size != cfg.parallel.world_size:
+        p = cfg.parallel
+        problems.append(
+            f"world size {world_size} (from the launcher) != parallel.dp x tp x pp x sp = "
+            f"{p.dp} x {p.tp} x {p.pp} x {p.sp} = {p.world_size}; "
+            f"set parallel.dp = {max(1, world_size // max(1, p.tp * p.pp * p.sp))} or launch {p.world_size} ranks")
+    if cuda_available is False and cfg.train.device == "cuda":
+        problems.append("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    if problems:
+        raise ConfigError(problems)
