@@ -27,10 +27,18 @@ class MetricsLog:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.bar = None
+        if enabled:
+            self._drop_records_from(first_step)
         if enabled and progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+
+    def _drop_records_from(self, step: int) -> None:
+        """A fresh run starts an empty log; a resumed one keeps only the steps before it resumed."""
+        if self.path.exists():
+            kept = [r for r in read_metrics(self.path.parent) if r["step"] < step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -32,9 +33,11 @@ def _child(fn: Callable, rank: int, world_size: int, store_path: str, args: tupl
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
-        conn.send(("ok", result))
+        # Plain pickle copies tensor data; multiprocessing's pickler would share it through a
+        # helper thread of this process, which is gone once it exits.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         conn.close()
         # Skip interpreter teardown (atexit handlers, Gloo destructors): the parent has the result.
@@ -80,7 +83,7 @@ def _collect(procs: list, pipes: list, timeout: float) -> list[Any]:
                 continue
             if pipe.poll(0.01):
                 try:
-                    results[rank] = pipe.recv()
+                    results[rank] = pickle.loads(pipe.recv_bytes())
                 except EOFError:
                     results[rank] = ("error", f"rank {rank} exited (code {procs[rank].exitcode}) without a result")
             elif not procs[rank].is_alive() and not pipe.poll(0.05):

@@ -110,7 +110,8 @@ class Schedule:
 
     def describe(self) -> str:
         """A text table: one row per rank, its stages, then its compute actions in order."""
-        header = f"{self.kind} schedule: p={self.p} ranks, m={self.m} micro-batches, v={self.v} stage(s) per rank"
+        header = (f"{self.kind} schedule: p={self.p} ranks, m={self.m} micro-batches, "
+                  f"v={self.v} stage(s) per rank")
         cells = [[str(a) for a in self.compute_actions(r)] for r in range(self.p)]
         width = max((len(c) for row in cells for c in row), default=1)
         labels = [f"rank {r} stages {','.join(map(str, self.stages_of_rank(r)))}" for r in range(self.p)]
@@ -211,7 +212,8 @@ def _one_f_one_b_orders(p: int, m: int, v: int) -> list[list[Action]]:
     orders = []
     for r in range(p):
         warmup = min(p - r - 1, m)
-        orders.append(_merge_one_f_one_b([_f(r, mb) for mb in range(m)], [_b(r, mb) for mb in range(m)], warmup))
+        forwards, backwards = [_f(r, mb) for mb in range(m)], [_b(r, mb) for mb in range(m)]
+        orders.append(_merge_one_f_one_b(forwards, backwards, warmup))
     return orders
 
 
@@ -226,8 +228,9 @@ def _interleaved_orders(p: int, m: int, v: int) -> list[list[Action]]:
     for r in range(p):
         forwards = [_f(((k // p) % v) * p + r, microbatch(k)) for k in range(total)]
         backwards = [_b((v - 1 - (k // p) % v) * p + r, microbatch(k)) for k in range(total)]
-        # Megatron's warm-up: enough forwards that the first backward of the last
-        # chunk can arrive before this rank runs out of work.
+        # Megatron's warm-up: all of chunk 0..v-2 for one group of p micro-batches, plus
+        # two per hop to the last rank since each hop delays the first gradient by one
+        # forward and one backward.
         warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
         orders.append(_merge_one_f_one_b(forwards, backwards, warmup))
     return orders
@@ -242,8 +245,8 @@ def _zb_h1_orders(p: int, m: int, v: int) -> list[list[Action]]:
         warmup = min(p - r - 1, m)
         order = [_f(r, mb) for mb in range(warmup)]
         backward_steps = [[Action(Op.BACKWARD_INPUT, r, mb)] for mb in range(m)]
-        for step, mb in enumerate(range(r, m)):
-            backward_steps[mb].append(Action(Op.BACKWARD_WEIGHT, r, step))
+        for mb in range(r, m):  # after I of micro-batch mb, the W of micro-batch mb - r
+            backward_steps[mb].append(Action(Op.BACKWARD_WEIGHT, r, mb - r))
         for i in range(m - warmup):
             order += [_f(r, warmup + i), *backward_steps[i]]
         for mb in range(m - warmup, m):
@@ -271,7 +274,8 @@ def _check_arguments(kind: str, p: int, m: int, v: int) -> None:
             raise ValueError(f"{name}={value!r} must be an integer >= 1, e.g. {name}=1")
     if kind != "interleaved":
         if v != 1:
-            raise ValueError(f"v={v}: kind {kind!r} holds one stage per rank; use v=1 (or kind='interleaved')")
+            raise ValueError(
+                f"v={v}: kind {kind!r} holds one stage per rank; use v=1 (or kind='interleaved')")
         return
     if v < 2:
         raise ValueError(f"v={v}: kind 'interleaved' needs v >= 2 stages per rank; use v=2")
@@ -293,7 +297,8 @@ def _topological_order(orders: list[list[Action]], num_stages: int) -> list[Acti
     while len(result) < sum(map(len, orders)):
         ready = [
             r for r, order in enumerate(orders)
-            if heads[r] < len(order) and all(d in done for d in compute_dependencies(order[heads[r]], num_stages))
+            if heads[r] < len(order)
+            and all(d in done for d in compute_dependencies(order[heads[r]], num_stages))
         ]
         if not ready:
             stuck = [str(order[heads[r]]) for r, order in enumerate(orders) if heads[r] < len(order)]

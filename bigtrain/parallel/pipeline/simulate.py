@@ -65,7 +65,9 @@ def _durations(cost_f: float, cost_b: float, cost_w: float, cost_comm: float, v:
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0, e.g. {name}=1.0")
     if cost_w > cost_b:
-        raise ValueError(f"cost_w={cost_w} is part of the backward and cannot exceed cost_b={cost_b}; use cost_w<={cost_b}")
+        raise ValueError(
+            f"cost_w={cost_w} is the weight-grad part of the backward and cannot exceed "
+            f"cost_b={cost_b}; use cost_w<={cost_b}")
     return {
         Op.FORWARD: cost_f / v,
         Op.BACKWARD: cost_b / v,
@@ -74,7 +76,9 @@ def _durations(cost_f: float, cost_b: float, cost_w: float, cost_comm: float, v:
     }
 
 
-def _inputs_ready(schedule: Schedule, action: Action, end_time: dict[Action, float], cost_comm: float) -> float | None:
+def _inputs_ready(
+    schedule: Schedule, action: Action, end_time: dict[Action, float], cost_comm: float
+) -> float | None:
     """When all of ``action``'s inputs are on its rank, or None if one is not computed yet."""
     ready = 0.0
     for dependency in compute_dependencies(action, schedule.num_stages):

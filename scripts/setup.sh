@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sets up .venv with torch, bigtrain and the test tools. Safe to run again: it skips what is there.
+# torch is installed first and pinned to the local CPU build when none is present, so that pip
+# never resolves bigtrain's torch range to the registry's newest CUDA build (several GB).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${BIGTRAIN_TORCH:-torch==2.13.0}
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+if ! .venv/bin/python - <<'PY' 2>/dev/null
+import sys, torch
+major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+sys.exit(0 if (2, 5) <= (major, minor) < (3, 0) else 1)
+PY
+then
+    echo "setup: installing $TORCH_SPEC"
+    .venv/bin/pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
+fi
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,44 @@
+"""Shared builders for the tests: tiny configs and single-process references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bigtrain.config import Config, load_config
+from bigtrain.distributed.mesh import Mesh
+from bigtrain.train import Trainer
+from bigtrain.validation import validate
+
+CORPUS_BYTES = 400_000
+
+
+def tiny_config(cache_dir: str, *overrides: str) -> Config:
+    """The tiny preset on a small stdlib corpus, no progress bar, logging off."""
+    base = ["--logging.progress=false", "--logging.report=false", f"--data.cache_dir={cache_dir}",
+            f"--data.max_bytes={CORPUS_BYTES}", "--checkpoint.save_final=false"]
+    cfg = load_config(preset="tiny", overrides=base + list(overrides))
+    validate(cfg)
+    return cfg
+
+
+def trainer_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str) -> Trainer:
+    mesh = Mesh.from_config(cfg.parallel, rank, world_size)
+    return Trainer(cfg, Path(run_dir), mesh)
+
+
+def run_steps(trainer: Trainer, steps: int) -> list[float]:
+    return [trainer.train_step().loss for _ in range(steps)]
+
+
+def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
+    """||actual - expected|| <= rtol ||expected||: relative error of the whole tensor, so an element
+    that Adam moved to within 1e-7 of zero does not make the comparison meaningless."""
+    err = float(torch.linalg.vector_norm((actual - expected).double()))
+    scale = float(torch.linalg.vector_norm(expected.double()))
+    assert err <= rtol * scale, f"{what}: relative error {err / max(scale, 1e-30):.3e} > {rtol:.0e}"

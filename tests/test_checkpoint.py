@@ -1,0 +1,88 @@
+"""Checkpoints: a resumed run continues the same loss curve; corrupt or half-written ones are skipped."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from bigtrain import checkpoint as ckpt
+from bigtrain.testing import run_ranks
+from helpers import run_steps, tiny_config, trainer_on_rank
+
+
+def _config(cache, **extra):
+    return tiny_config(cache, "--train.steps=10", "--logging.log_every=1",
+                       *(f"--{k}={v}" for k, v in extra.items()))
+
+
+def test_resume_continues_the_same_losses(corpus_cache, tmp_path):
+    straight = trainer_on_rank(0, 1, _config(corpus_cache), tmp_path / "straight")
+    expected = run_steps(straight, 10)
+
+    first = trainer_on_rank(0, 1, _config(corpus_cache), tmp_path / "resumed")
+    head = run_steps(first, 5)
+    first.save()  # the run "crashes" here, after its step-5 checkpoint
+    second = trainer_on_rank(0, 1, _config(corpus_cache, **{"checkpoint.resume": "auto"}), tmp_path / "resumed")
+    tail = [r.loss for r in second.fit()]
+    assert second.step == 10 and len(tail) == 5
+    assert head + tail == expected  # bit-identical on CPU
+
+
+def _resume_on_ranks(rank, world_size, cfg, run_dir, steps_before):
+    first = trainer_on_rank(rank, world_size, cfg, run_dir)
+    run_steps(first, steps_before)
+    first.save()
+    cfg.checkpoint.resume = "auto"
+    second = trainer_on_rank(rank, world_size, cfg, run_dir)
+    return [r.loss for r in second.fit()]
+
+
+def test_resume_with_two_ranks_matches_one_process(corpus_cache, tmp_path):
+    expected = run_steps(trainer_on_rank(0, 1, _config(corpus_cache), tmp_path / "one"), 10)
+    cfg = _config(corpus_cache, **{"parallel.dp": 2})
+    tails = run_ranks(_resume_on_ranks, 2, cfg, str(tmp_path / "two"), 4)
+    torch.testing.assert_close(torch.tensor(tails[0]), torch.tensor(expected[4:]), rtol=1e-5, atol=0)
+
+
+def test_a_corrupt_checkpoint_is_skipped_with_a_warning(corpus_cache, tmp_path):
+    cfg = _config(corpus_cache, **{"checkpoint.keep": 3})
+    trainer = trainer_on_rank(0, 1, cfg, tmp_path)
+    run_steps(trainer, 3)
+    trainer.save()
+    run_steps(trainer, 2)
+    trainer.save()
+    newest = ckpt.list_checkpoints(trainer.checkpoint_root)[0]
+    assert newest.name == "step_00000005"
+    data = bytearray((newest / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (newest / "model.pt").write_bytes(bytes(data))
+
+    resumed = trainer_on_rank(0, 1, cfg, tmp_path)
+    with pytest.warns(UserWarning, match="checksum mismatch in model.pt"):
+        assert resumed.resume("auto")
+    assert resumed.step == 3
+
+
+def test_unfinished_saves_are_ignored(tmp_path):
+    root = tmp_path / "checkpoints"
+    good = ckpt.save_checkpoint(root, 2, {"model.pt": {"w": torch.ones(3)}}, {}, keep=5)
+    (root / "step_00000009.tmp-4242").mkdir()  # a crash mid-write leaves only a temp dir
+    half = root / "step_00000007"
+    half.mkdir()
+    (half / "model.pt").write_bytes(b"partial")  # no meta.json: the rename never happened
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path, meta = ckpt.newest_valid_checkpoint(root)
+    assert path == good and meta["step"] == 2
+    assert any("step_00000007" in str(w.message) for w in caught)
+
+
+def test_only_the_newest_k_are_kept(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in range(1, 6):
+        ckpt.save_checkpoint(root, step, {"model.pt": {"w": torch.full((2,), float(step))}}, {}, keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000005", "step_00000004"]
+    meta = json.loads((root / "step_00000005" / "meta.json").read_text())
+    assert set(meta["sha256"]) == {"model.pt"}
+    assert torch.equal(ckpt.load_file(root / "step_00000005", "model.pt")["w"], torch.full((2,), 5.0))

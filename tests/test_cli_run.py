@@ -1,0 +1,58 @@
+"""End to end through the command line: one rank in-process, two ranks through torchrun."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bigtrain.cli import main
+from bigtrain.metrics import read_metrics
+
+SCHEMA = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mem", "comm"}
+MEM = {"params", "grads", "optimizer", "activations"}
+
+
+def _args(cache, out, *extra):
+    return ["train", "--preset", "tiny", "--output-dir", str(out), "--logging.progress=false",
+            f"--data.cache_dir={cache}", "--data.max_bytes=400000", "--train.steps=6", "--logging.log_every=1",
+            *extra]
+
+
+def test_one_rank_run_writes_metrics_report_and_config(corpus_cache, tmp_path):
+    assert main(_args(corpus_cache, tmp_path)) == 0
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(6))
+    for r in records:
+        assert SCHEMA <= set(r) and MEM == set(r["mem"])
+        assert r["mem"]["params"] > 0 and r["mem"]["activations"] > 0
+    for name in ("config.toml", "report.md", "loss.png", "summary.json"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert "dim = 64" in (tmp_path / "config.toml").read_text()
+
+
+def test_cli_resume_continues_and_rewrites_the_log(corpus_cache, tmp_path):
+    assert main(_args(corpus_cache, tmp_path / "straight")) == 0
+    straight = [r["loss"] for r in read_metrics(tmp_path / "straight")]
+    assert main(_args(corpus_cache, tmp_path / "resumed", "--checkpoint.every=3")) == 0
+    # Drop the last checkpoint as if the run had died after step 3.
+    import shutil
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000006")
+    assert main(_args(corpus_cache, tmp_path / "resumed", "--checkpoint.every=3", "--resume")) == 0
+    resumed = read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(6))
+    assert [r["loss"] for r in resumed] == straight
+
+
+@pytest.mark.slow
+def test_two_ranks_through_torchrun_match_one_rank(corpus_cache, tmp_path):
+    assert main(_args(corpus_cache, tmp_path / "one")) == 0
+    cmd = [sys.executable, "-m", "bigtrain", *_args(corpus_cache, tmp_path / "two", "--parallel.dp=2")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["comm"]["dp"] > 0 and a["comm"] == {}
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["mesh"]["dp"] == 2

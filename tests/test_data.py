@@ -1,0 +1,261 @@
+"""Token corpora (text folders, .npy, .bin, the stdlib) and layout-independent sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bigtrain.data import TokenSampler, load_tokens, stdlib_files
+
+N_TOKENS = 5000
+
+
+def _arange_sampler(seq_len=16, global_batch=8, seed=7, n=N_TOKENS):
+    # Token i has value i, so a window's values say exactly where it came from.
+    return TokenSampler(np.arange(n, dtype=np.int64), seq_len=seq_len, global_batch=global_batch, seed=seed)
+
+
+# --------------------------------------------------------------------------- TokenSampler
+
+LAYOUTS = [(dp, micro) for dp in (1, 2, 4) for micro in (1, 2, 4, 8) if micro <= 8 // dp and (8 // dp) % micro == 0]
+
+
+def test_layouts_cover_dp_1_2_4():
+    assert {dp for dp, _ in LAYOUTS} == {1, 2, 4}
+    assert len(LAYOUTS) == 9
+
+
+@pytest.mark.parametrize("step", [0, 1, 17])
+@pytest.mark.parametrize("dp, micro", LAYOUTS)
+def test_global_batch_is_the_same_for_every_layout(step, dp, micro):
+    sampler = _arange_sampler()
+    ref_x, ref_y = sampler.batch(step, 0, 8)
+    assert ref_x.shape == ref_y.shape == (8, 16)
+    xs, ys = [], []
+    for rank in range(dp):
+        micro_batches = list(sampler.micro_batches(step, rank, dp, micro))
+        assert len(micro_batches) == 8 // dp // micro
+        for x, y in micro_batches:
+            assert x.shape == y.shape == (micro, 16)
+            xs.append(x)
+            ys.append(y)
+    assert torch.equal(torch.cat(xs), ref_x)
+    assert torch.equal(torch.cat(ys), ref_y)
+
+
+def test_batch_depends_only_on_seed_step_and_global_batch():
+    a = _arange_sampler()
+    b = _arange_sampler()
+    # Asking for steps out of order (as a resumed run does) changes nothing: there is no hidden state.
+    later = b.batch(9, 0, 8)
+    earlier = b.batch(3, 0, 8)
+    assert torch.equal(a.batch(3, 0, 8)[0], earlier[0])
+    assert torch.equal(a.batch(9, 0, 8)[0], later[0])
+    assert np.array_equal(a.starts(3), b.starts(3))
+    assert len(a.starts(3)) == 8
+
+
+def test_targets_are_inputs_shifted_by_one():
+    sampler = _arange_sampler()
+    x, y = sampler.batch(5, 0, 8)
+    assert x.dtype == y.dtype == torch.int64
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    # On an arange corpus each input window is consecutive and each target is the next token.
+    starts = torch.from_numpy(sampler.starts(5))
+    assert torch.equal(x, starts[:, None] + torch.arange(16))
+    assert torch.equal(y, x + 1)
+
+
+def test_windows_stay_inside_the_corpus():
+    sampler = _arange_sampler(seq_len=16, global_batch=64, n=100)
+    for step in range(50):
+        starts = sampler.starts(step)
+        assert starts.min() >= 0
+        assert starts.max() + 16 + 1 <= 100
+        x, y = sampler.batch(step, 0, 64)
+        assert int(y.max()) <= 99
+
+
+def test_different_step_or_seed_gives_a_different_batch():
+    sampler = _arange_sampler()
+    x0, _ = sampler.batch(0, 0, 8)
+    x1, _ = sampler.batch(1, 0, 8)
+    assert not torch.equal(x0, x1)
+    other_seed, _ = _arange_sampler(seed=8).batch(0, 0, 8)
+    assert not torch.equal(x0, other_seed)
+
+
+def test_slices_of_the_global_batch():
+    sampler = _arange_sampler()
+    x, _ = sampler.batch(4, 0, 8)
+    part, _ = sampler.batch(4, 3, 2)
+    assert torch.equal(part, x[3:5])
+
+
+def test_a_corpus_shorter_than_seq_len_plus_2_is_a_value_error():
+    with pytest.raises(ValueError, match=r"corpus has 17 tokens, fewer than data.seq_len \+ 2 = 18"):
+        TokenSampler(np.arange(17), seq_len=16, global_batch=2, seed=0)
+    with pytest.raises(ValueError, match="data.seq_len"):
+        TokenSampler(np.arange(0), seq_len=16, global_batch=2, seed=0)
+    # Exactly seq_len + 2 tokens is enough: one window, starting at 0.
+    sampler = TokenSampler(np.arange(18), seq_len=16, global_batch=2, seed=0)
+    x, y = sampler.batch(0, 0, 2)
+    assert torch.equal(x, torch.arange(16).repeat(2, 1))
+    assert torch.equal(y, torch.arange(1, 17).repeat(2, 1))
+
+
+# --------------------------------------------------------------------------- load_tokens: text
+
+
+@pytest.fixture
+def text_folder(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    files = {
+        "b_second.py": "print('second')\n",
+        "a_first.txt": "first caf\u00e9\n",  # non-ASCII: tokens are UTF-8 bytes, not characters
+        "sub/c_third.txt": "third\n",
+        "ignored.csv": "not,a,text,suffix\n",
+        "ignored.bin": "binary\n",
+    }
+    for name, text in files.items():
+        (src / name).write_text(text, encoding="utf-8")
+    expected = "first caf\u00e9\n".encode() + b"print('second')\n" + b"third\n"
+    return src, expected
+
+
+def test_text_folder_gives_bytes_in_sorted_file_order(tmp_path, text_folder):
+    src, expected = text_folder
+    tokens = load_tokens(str(src), cache_dir=str(tmp_path / "cache"))
+    assert tokens.dtype == np.uint8
+    assert tokens.ndim == 1
+    assert bytes(tokens) == expected
+    assert len(tokens) == len(expected) == 34
+
+
+def test_single_text_file(tmp_path):
+    path = tmp_path / "notes.log"  # a file is read whatever its suffix
+    path.write_bytes(b"\x00\x01hello\xff")
+    tokens = load_tokens(str(path), cache_dir=str(tmp_path / "cache"))
+    assert tokens.tolist() == [0, 1, *b"hello", 255]
+
+
+def test_text_corpus_is_cached_and_reused(tmp_path, text_folder, monkeypatch):
+    src, expected = text_folder
+    cache = tmp_path / "cache"
+    first = load_tokens(str(src), cache_dir=str(cache))
+    cached = list(cache.iterdir())
+    assert len(cached) == 1 and cached[0].suffix == ".u8"
+    assert Path(first.filename) == cached[0]
+    mtime = cached[0].stat().st_mtime_ns
+
+    # The second call must not read the sources again.
+    def no_reading(self):
+        raise AssertionError(f"read {self} again instead of using the cache")
+
+    monkeypatch.setattr(Path, "read_bytes", no_reading)
+    second = load_tokens(str(src), cache_dir=str(cache))
+    assert Path(second.filename) == cached[0]
+    assert cached[0].stat().st_mtime_ns == mtime
+    assert list(cache.iterdir()) == cached
+    assert bytes(second) == expected
+
+
+def test_max_bytes_caps_the_corpus_and_has_its_own_cache_entry(tmp_path, text_folder):
+    src, expected = text_folder
+    cache = tmp_path / "cache"
+    full = load_tokens(str(src), cache_dir=str(cache))
+    capped = load_tokens(str(src), cache_dir=str(cache), max_bytes=20)
+    assert bytes(capped) == expected[:20]
+    assert bytes(full) == expected
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_a_changed_file_is_not_served_from_a_stale_cache(tmp_path, text_folder):
+    src, _ = text_folder
+    cache = tmp_path / "cache"
+    load_tokens(str(src), cache_dir=str(cache))
+    (src / "sub" / "c_third.txt").write_text("fourth\n")  # a different size
+    assert bytes(load_tokens(str(src), cache_dir=str(cache))).endswith(b"fourth\n")
+
+
+@pytest.mark.xfail(strict=True, reason="build_byte_corpus keys the cache on path and size only: an edit that keeps "
+                                       "the size serves the old bytes")
+def test_a_same_size_edit_is_not_served_from_a_stale_cache(tmp_path, text_folder):
+    src, _ = text_folder
+    cache = tmp_path / "cache"
+    load_tokens(str(src), cache_dir=str(cache))
+    (src / "sub" / "c_third.txt").write_text("THIRD\n")  # same size, new content
+    assert bytes(load_tokens(str(src), cache_dir=str(cache))).endswith(b"THIRD\n")
+
+
+@pytest.mark.xfail(strict=True, reason="a folder with no text files passes validation, then np.memmap fails with "
+                                       "'cannot mmap an empty file', which names neither data.source nor the suffixes")
+def test_a_folder_without_text_files_names_data_source(tmp_path):
+    src = tmp_path / "csv_only"
+    src.mkdir()
+    (src / "table.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="data.source"):
+        load_tokens(str(src), cache_dir=str(tmp_path / "cache"))
+
+
+# --------------------------------------------------------------------------- load_tokens: pre-tokenized
+
+
+def test_npy_tokens_are_mapped_flat_with_their_values(tmp_path):
+    values = np.array([[0, 1, 255, 256], [31999, 65535, 70000, 7]], dtype=np.int32)
+    path = tmp_path / "tokens.npy"
+    np.save(path, values)
+    tokens = load_tokens(str(path))
+    assert isinstance(tokens, np.memmap)
+    assert tokens.dtype == np.int32
+    assert tokens.tolist() == [0, 1, 255, 256, 31999, 65535, 70000, 7]
+
+
+def test_bin_tokens_are_uint16(tmp_path):
+    values = [0, 1, 255, 256, 1000, 31999, 65535]
+    path = tmp_path / "tokens.bin"
+    np.array(values, dtype=np.uint16).tofile(path)
+    assert path.stat().st_size == 2 * len(values)
+    tokens = load_tokens(str(path))
+    assert isinstance(tokens, np.memmap)
+    assert tokens.dtype == np.uint16
+    assert tokens.tolist() == values
+
+
+def test_sampler_over_uint16_tokens_keeps_values_above_255(tmp_path):
+    values = np.arange(60000, 60000 + 40, dtype=np.uint16)
+    path = tmp_path / "tokens.bin"
+    values.tofile(path)
+    sampler = TokenSampler(load_tokens(str(path)), seq_len=8, global_batch=4, seed=1)
+    x, y = sampler.batch(0, 0, 4)
+    assert x.dtype == torch.int64
+    assert int(x.min()) >= 60000 and int(y.max()) <= 60039
+    assert torch.equal(y, x + 1)
+
+
+# --------------------------------------------------------------------------- the stdlib corpus
+
+
+def test_stdlib_corpus_is_the_standard_library_bytes(tmp_path):
+    tokens = load_tokens("stdlib", cache_dir=str(tmp_path), max_bytes=200_000)
+    assert tokens.dtype == np.uint8
+    assert len(tokens) == 200_000
+    files = stdlib_files()
+    assert files == sorted(files)
+    assert all(f.suffix == ".py" and "site-packages" not in f.parts and "test" not in f.parts for f in files)
+    expected, total = [], 0
+    for f in files:
+        expected.append(f.read_bytes())
+        total += len(expected[-1])
+        if total >= 200_000:
+            break
+    assert bytes(tokens) == b"".join(expected)[:200_000]
+    # Python source: mostly printable ASCII and newlines.
+    counts = np.bincount(np.asarray(tokens), minlength=256)
+    assert counts[ord("\n")] > 1000
+    printable = counts[32:127].sum() + counts[ord("\n")] + counts[ord("\t")]
+    assert printable / len(tokens) > 0.95
