@@ -24,6 +24,7 @@ bytes all-reduced per step.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -49,6 +50,11 @@ NOISE_FLOOR = 1e-6  # |grad| below this fraction of the tensor's largest |grad| 
 PHASES = ("forward", "backward", "sync", "optimizer", "zero_grad")
 
 
+# torch >= 2.13 renamed DDP's broadcast_buffers (per-forward buffer sync) to forward_sync_buffers.
+_SYNC_BUFFERS = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                 else "broadcast_buffers")
+
+
 class VerificationError(RuntimeError):
     pass
 
@@ -67,8 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-batch")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step (no_sync on all but the last)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size of both (DDP: bucket_cap_mb)")
-    p.add_argument("--ddp-grad-view", action="store_true",
-                   help="DDP(gradient_as_bucket_view=True), as bigtrain does; default: DDP's default (copies)")
+    p.add_argument("--ddp-defaults", action="store_true",
+                   help="DDP out of the box (gradient_as_bucket_view=False: grads copied into and out of the "
+                        "buckets; broadcast_buffers=True: the rotary tables broadcast every forward); default: "
+                        "configured like bigtrain (grads are bucket views, buffers not synchronized)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance of the equivalence check")
@@ -113,8 +121,8 @@ class Runner:
             self.loss_scale = 1.0 / (local_tokens * mesh.size("dp"))  # global token count: grads summed
             self.no_sync = self.dp.no_sync
         else:
-            self.dp = DDP(self.model, process_group=mesh.groups["dp"], bucket_cap_mb=args.bucket_mb,
-                          gradient_as_bucket_view=args.ddp_grad_view)
+            options = {} if args.ddp_defaults else {"gradient_as_bucket_view": True, _SYNC_BUFFERS: False}
+            self.dp = DDP(self.model, process_group=mesh.groups["dp"], bucket_cap_mb=args.bucket_mb, **options)
             self.forward = self.dp
             self.loss_scale = 1.0 / local_tokens  # local mean: DDP averages the grads over ranks
             self.no_sync = self.dp.no_sync
@@ -273,7 +281,9 @@ def summarize(args, results: list[dict], wall_s: float) -> dict:
         out["impl"][name] = {
             "median_s": statistics.median(per_step), "min_s": min(per_step), "max_s": max(per_step),
             "mean_s": statistics.mean(per_step), "step_times_s": per_step, "phase_median_s": phases,
-            "buckets": results[0]["buckets"][name],
+            "buckets": results[0]["buckets"][name], "ddp_config": None if name == OURS else
+            {"gradient_as_bucket_view": not args.ddp_defaults, "sync_buffers_every_forward": args.ddp_defaults,
+             "bucket_cap_mb": args.bucket_mb},
             "allreduce_payload_bytes_per_step": payload, "sent_bytes_per_rank_per_step": payload * ring,
         }
     ours, peer = out["impl"][OURS], out["impl"][PEER]
@@ -304,13 +314,16 @@ def print_report(args, out: dict) -> None:
               f"{ph['optimizer'] * 1e3:6.1f} {ph['zero_grad'] * 1e3:5.1f} | {r['buckets']:7d} "
               f"{r['allreduce_payload_bytes_per_step'] / 2**20:13.2f} MiB {r['sent_bytes_per_rank_per_step'] / 2**20:6.2f} MiB")
     print("(phases: per-rank medians; DDP waits for its all-reduce inside backward, bigtrain in sync)")
-    print(f"paired ratio (median of per-step ours/ddp) = {out['paired_ratio_median']:.2f}; wall {out['wall_s']:.0f} s")
+    load = out["machine"]["loadavg_1min_before_after"]
+    print(f"paired ratio (median of per-step ours/ddp) = {out['paired_ratio_median']:.2f}; wall {out['wall_s']:.0f} s; "
+          f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (the ranks themselves add {args.ranks})")
     print(f"ratio ours/ddp = {out['ratio_ours_over_ddp']:.2f}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # the parent stays idle; each forked rank runs one thread
+    load_before = os.getloadavg()
     start = time.perf_counter()
     try:
         results = run_ranks(_rank_main, args.ranks, args, timeout=args.timeout)
@@ -318,6 +331,7 @@ def main(argv=None) -> int:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
     out = summarize(args, results, time.perf_counter() - start)
+    out["machine"]["loadavg_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
     print_report(args, out)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

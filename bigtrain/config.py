@@ -279,8 +279,10 @@ def read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file '{path}' does not exist") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read: {e.strerror}") from None
 
 
 def load_config(preset: str | None = None, path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -296,11 +298,27 @@ def load_config(preset: str | None = None, path: str | Path | None = None, overr
     return cfg
 
 
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: escapes quotes, backslashes and every control character."""
+    out = []
+    for ch in text:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(value)
     return repr(value)
 
 

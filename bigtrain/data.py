@@ -52,8 +52,11 @@ def build_byte_corpus(files: list[Path], cache: Path, max_bytes: int) -> Path:
     digest = hashlib.sha1()
     for f in files:
         digest.update(str(f).encode())
-        digest.update(str(f.stat().st_size).encode())
+        stat = f.stat()
+        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
     digest.update(str(max_bytes).encode())
+    if not files:
+        raise ValueError(f"data.source: no text files found (looked for {', '.join(TEXT_SUFFIXES)})")
     path = cache / f"bytes-{digest.hexdigest()[:16]}.u8"
     if path.exists():
         return path

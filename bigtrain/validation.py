@@ -7,6 +7,7 @@ so a user fixes a config in one round instead of one error per launch.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Callable
@@ -27,7 +28,7 @@ def _positive(cfg: Config, names: list[str]) -> list[str]:
     for dotted in names:
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
-        if value <= 0:
+        if not (value > 0 and math.isfinite(value)):  # NaN fails every comparison: test the good case
             problems.append(f"{dotted} = {value}: must be > 0")
     return problems
 
@@ -37,7 +38,7 @@ def _non_negative(cfg: Config, names: list[str]) -> list[str]:
     for dotted in names:
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
-        if value < 0:
+        if not (value >= 0 and math.isfinite(value)):
             problems.append(f"{dotted} = {value}: must be >= 0")
     return problems
 

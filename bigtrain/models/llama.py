@@ -118,11 +118,16 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
     @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)create the rotary tables, on ``device`` (default: where they are), in fp32."""
+        device = self.rope_cos.device if device is None else torch.device(device)
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer; the values depend on (seed, parameter name) only."""
-        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.init_buffers()
         for name, param in self.named_parameters():
             param.copy_(init_value(name, tuple(param.shape), seed, self.cfg))
 
