@@ -128,6 +128,7 @@ class Runner:
             self.no_sync = self.dp.no_sync
         self.optimizer = build_adamw(self.model, optim_cfg, args.lr)
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.phases: dict[str, list[float]] = {k: [] for k in PHASES}
 
     def step(self, step: int, record: bool, before_optimizer=None) -> float:
@@ -138,6 +139,7 @@ class Runner:
         clock = time.perf_counter
         spent = dict.fromkeys(PHASES, 0.0)
         loss_total = 0.0
+        cpu_start = time.process_time()  # this rank's CPU time, its Gloo threads included
         start = clock()
         for i, (tokens, targets) in enumerate(batches):
             context = self.no_sync() if i < args.accum - 1 else nullcontext()
@@ -165,29 +167,31 @@ class Runner:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         end = clock()
+        cpu = time.process_time() - cpu_start
         spent["optimizer"] += t2 - t1
         spent["zero_grad"] += end - t2
         if record:
             self.times.append(end - start)
+            self.cpu_times.append(cpu)
             for k, v in spent.items():
                 self.phases[k].append(v)
         return loss_total
+
+    def _ddp_bucket_sizes(self) -> list[int]:
+        """DDP's bucket sizes in bytes, as rebuilt in gradient-ready order after the first iteration."""
+        data = self.dp._get_ddp_logging_data()
+        sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", ""))
+        return [int(s) for s in sizes.split(",") if s.strip()]
 
     def grad_bytes_per_step(self) -> int:
         """Payload bytes all-reduced per step (one sync per step, whatever --accum)."""
         if self.name == OURS:
             return self.dp.grad_bytes()
-        data = self.dp._get_ddp_logging_data()
-        sizes = [int(s) for s in str(data.get("bucket_sizes", "")).split(",") if s.strip()]
-        if sizes:
-            return sum(sizes)
-        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        return sum(self._ddp_bucket_sizes()) or sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
     def num_buckets(self) -> int:
-        if self.name == OURS:
-            return len(self.dp.buckets)
-        sizes = str(self.dp._get_ddp_logging_data().get("bucket_sizes", ""))
-        return len([s for s in sizes.split(",") if s.strip()])
+        return len(self.dp.buckets) if self.name == OURS else len(self._ddp_bucket_sizes())
 
 
 def _verify(ours: Runner, peer: Runner, args) -> dict:
@@ -254,6 +258,7 @@ def _rank_main(rank: int, world_size: int, args) -> dict:
         "params": count_parameters(ours.model),
         "check": check,
         "times": {r.name: r.times for r in (ours, peer)},
+        "cpu_times": {r.name: r.cpu_times for r in (ours, peer)},
         "phases": {r.name: r.phases for r in (ours, peer)},
         "bytes": {OURS: grads_payload // steps_ours if args.warmup > 1 else ours.grad_bytes_per_step(),
                   PEER: peer.grad_bytes_per_step()},
@@ -281,6 +286,8 @@ def summarize(args, results: list[dict], wall_s: float) -> dict:
         out["impl"][name] = {
             "median_s": statistics.median(per_step), "min_s": min(per_step), "max_s": max(per_step),
             "mean_s": statistics.mean(per_step), "step_times_s": per_step, "phase_median_s": phases,
+            "cpu_median_s": statistics.median(statistics.mean(r["cpu_times"][name][i] for r in results)
+                                              for i in range(args.steps)),
             "buckets": results[0]["buckets"][name], "ddp_config": None if name == OURS else
             {"gradient_as_bucket_view": not args.ddp_defaults, "sync_buffers_every_forward": args.ddp_defaults,
              "bucket_cap_mb": args.bucket_mb},
@@ -303,17 +310,18 @@ def print_report(args, out: dict) -> None:
           f"{c['max_param_rel_err']:.1e} ({c['max_param_rel_err_all_entries']:.1e} counting the "
           f"{c['unresolved_grad_entries']} entries whose grad is rounding noise), loss rel err "
           f"{c['loss_rel_err']:.1e}; tolerance {cfg['rtol']:g}: ok")
-    header = (f"{'':22} {'median ms':>9} {'min ms':>7} {'max ms':>7} | {'fwd':>6} {'bwd':>6} {'sync':>6} "
+    header = (f"{'':22} {'median ms':>9} {'min ms':>7} {'max ms':>7} {'cpu ms':>6} | {'fwd':>6} {'bwd':>6} {'sync':>6} "
               f"{'adamw':>6} {'zero':>5} | {'buckets':>7} {'all-reduced/step':>16} {'sent/rank':>10}")
     print(header)
     print("-" * len(header))
     for name, r in out["impl"].items():
         ph = r["phase_median_s"]
-        print(f"{name:22} {r['median_s'] * 1e3:9.1f} {r['min_s'] * 1e3:7.1f} {r['max_s'] * 1e3:7.1f} | "
+        print(f"{name:22} {r['median_s'] * 1e3:9.1f} {r['min_s'] * 1e3:7.1f} {r['max_s'] * 1e3:7.1f} {r['cpu_median_s'] * 1e3:6.1f} | "
               f"{ph['forward'] * 1e3:6.1f} {ph['backward'] * 1e3:6.1f} {ph['sync'] * 1e3:6.1f} "
               f"{ph['optimizer'] * 1e3:6.1f} {ph['zero_grad'] * 1e3:5.1f} | {r['buckets']:7d} "
               f"{r['allreduce_payload_bytes_per_step'] / 2**20:13.2f} MiB {r['sent_bytes_per_rank_per_step'] / 2**20:6.2f} MiB")
-    print("(phases: per-rank medians; DDP waits for its all-reduce inside backward, bigtrain in sync)")
+    print("(step: slowest rank; cpu: CPU time a rank spent in the step, its Gloo threads included; phases: "
+          "per-rank medians; DDP waits for its all-reduces inside backward, bigtrain in sync)")
     load = out["machine"]["loadavg_1min_before_after"]
     print(f"paired ratio (median of per-step ours/ddp) = {out['paired_ratio_median']:.2f}; wall {out['wall_s']:.0f} s; "
           f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (the ranks themselves add {args.ranks})")

@@ -81,8 +81,12 @@ class ParallelConfig:
     pp: int = doc("Pipeline-parallel degree (not yet supported: keep 1).", 1)
     sp: int = doc("Ulysses sequence-parallel degree (not yet supported: keep 1).", 1)
     ep: int = doc("Expert-parallel degree (not yet supported: keep 1).", 1)
-    zero: int = doc("ZeRO stage over the dp axis: 0, 1, 2 or 3 (only 0 so far).", 0)
-    bucket_mb: float = doc("Gradient all-reduce bucket size in MiB.", 25.0)
+    zero: int = doc("ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state), 2 (+ gradients), "
+                    "3 (+ parameters).", 0)
+    bucket_mb: float = doc("Gradient all-reduce bucket size in MiB (stage 0 in fp32).", 25.0)
+    reshard_after_forward: bool = doc("ZeRO-3: free gathered parameters after forward and gather again for "
+                                      "backward (False keeps them: less traffic, more memory).", True)
+    prefetch: bool = doc("ZeRO-3: start gathering the next unit while the current one computes.", True)
 
     @property
     def world_size(self) -> int:
@@ -93,7 +97,11 @@ class ParallelConfig:
 class PrecisionConfig:
     """Numeric formats."""
 
-    mode: str = doc("Compute precision: 'fp32' (bf16 and fp16 come with ZeRO).", "fp32")
+    mode: str = doc("Compute precision: 'fp32', 'bf16' or 'fp16' (both with fp32 master weights).", "fp32")
+    reduce_dtype: str = doc("Gradient reduction dtype: 'auto' (the compute dtype) or 'fp32'.", "auto")
+    loss_scale: float = doc("fp16: initial dynamic loss scale.", 65536.0)
+    scale_growth_interval: int = doc("fp16: double the scale after this many steps without overflow.", 1000)
+    scale_backoff: float = doc("fp16: multiply the scale by this after an overflow.", 0.5)
 
 
 @dataclass

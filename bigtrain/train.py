@@ -19,14 +19,14 @@ from bigtrain import checkpoint as ckpt
 from bigtrain.config import Config, to_toml
 from bigtrain.data import TokenSampler, load_tokens
 from bigtrain.distributed.mesh import Mesh
-from bigtrain.memory.accounting import SavedActivations, model_state_bytes
+from bigtrain.memory.accounting import SavedActivations
 from bigtrain.memory.checkpointing import apply_activation_checkpointing
 from bigtrain.metrics import MetricsLog
-from bigtrain.models.llama import build_model, count_parameters
-from bigtrain.optim import build_adamw
-from bigtrain.optim.clip import clip_grad_norm
-from bigtrain.optim.schedule import lr_at, peak_lr
-from bigtrain.parallel.data import DataParallel
+from bigtrain.models.llama import build_model, count_parameters, init_value
+from bigtrain.optim.schedule import lr_at
+from bigtrain.parallel.replicated import ReplicatedEngine
+from bigtrain.parallel.zero.engine import ZeroEngine
+from bigtrain.precision import DynamicLossScaler, Precision
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
 
@@ -42,11 +42,16 @@ class StepResult:
     mem: dict[str, int] = field(default_factory=dict)
     comm: dict[str, float] = field(default_factory=dict)
     comm_ops: dict[str, dict[str, float]] = field(default_factory=dict)
+    skipped: bool = False
+    loss_scale: float | None = None
 
     def record(self) -> dict:
-        return {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
-                "tokens_per_s": self.tokens / max(self.step_time_s, 1e-9), "step_time_s": self.step_time_s,
-                "mem": self.mem, "comm": self.comm, "comm_ops": self.comm_ops}
+        out = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+               "tokens_per_s": self.tokens / max(self.step_time_s, 1e-9), "step_time_s": self.step_time_s,
+               "mem": self.mem, "comm": self.comm, "comm_ops": self.comm_ops, "skipped": self.skipped}
+        if self.loss_scale is not None:
+            out["loss_scale"] = self.loss_scale
+        return out
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -62,10 +67,7 @@ class Trainer:
         self.model = build_model(cfg.model)  # meta: no memory yet
         self.checkpointed = apply_activation_checkpointing(
             self.model.layers, cfg.memory.checkpointing, cfg.memory.checkpoint_every)
-        self.model.to_empty(device=self.device)
-        self.model.init_weights(cfg.train.seed)
-        self.dp = DataParallel(self.model, self.dp_comm, cfg.parallel.bucket_mb)
-        self.optimizer = build_adamw(self.model, cfg.optim, peak_lr(cfg.optim, cfg.train.global_batch))
+        self.engine = self._build_engine()
         self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),
                                     cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.accum = cfg.train.grad_accum(mesh.size("dp"))
@@ -73,16 +75,31 @@ class Trainer:
         self.step = 0
         self.history: list[StepResult] = []
 
+    def _build_engine(self) -> ReplicatedEngine | ZeroEngine:
+        """Materialize the model's weights as the layout says: full replicas, or ZeRO shards
+        (each rank allocating and initializing only what it keeps)."""
+        cfg, model = self.cfg, self.model
+        if cfg.parallel.zero == 0 and cfg.precision.mode == "fp32":
+            model.to_empty(device=self.device)
+            model.init_weights(cfg.train.seed)
+            return ReplicatedEngine(model, self.dp_comm, cfg.optim, cfg.parallel.bucket_mb)
+        model.init_buffers(self.device)
+        return ZeroEngine(
+            model, self.dp_comm, cfg.parallel.zero, Precision.from_config(cfg.precision), cfg.optim,
+            init_fn=lambda name, shape: init_value(name, shape, cfg.train.seed, cfg.model), device=self.device,
+            reshard_after_forward=cfg.parallel.reshard_after_forward, prefetch=cfg.parallel.prefetch,
+            scaler=DynamicLossScaler.from_config(cfg.precision))
+
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
                           tracker: SavedActivations | None) -> torch.Tensor:
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        context = self.dp.no_sync() if not sync else nullcontext()
+        context = self.engine.no_sync() if not sync else nullcontext()
         with context:
             with tracker if tracker is not None else nullcontext():
                 loss_sum = token_loss_sum(self.model(tokens), targets)
             # Normalizing by the global token count makes the sum over micro-batches and ranks the mean.
-            (loss_sum / self.global_tokens).backward()
+            self.engine.backward(loss_sum / self.global_tokens)
         if tracker is not None:
             tracker.reset()  # backward freed what this micro-batch saved
         return loss_sum.detach()
@@ -90,8 +107,6 @@ class Trainer:
     def train_step(self, measure: bool = False) -> StepResult:
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         before = self.mesh.stats.snapshot()
         tracker = SavedActivations(self.model) if measure else None
         start = time.perf_counter()
@@ -99,20 +114,21 @@ class Trainer:
         batches = self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"), cfg.train.micro_batch)
         for i, (tokens, targets) in enumerate(batches):
             loss_sum += self._forward_backward(tokens, targets, sync=i == self.accum - 1, tracker=tracker)
-        self.dp.finish_grad_sync()
-        grad_norm = clip_grad_norm([p.grad for p in self.dp.params], cfg.optim.grad_clip)
-        self.optimizer.step()
+        self.engine.finish_grad_sync()
+        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)
         step_time = time.perf_counter() - start
         traffic = self.mesh.stats.since(before)
         mem = self._memory(tracker) if measure else {}
         self.dp_comm.all_reduce(loss_sum, tag="metrics")
-        self.dp.zero_grad()
+        self.engine.zero_grad()
         self.step += 1
+        scaler = self.engine.scaler
         return StepResult(step, float(loss_sum) / self.global_tokens, grad_norm, lr, step_time,
-                          self.global_tokens, mem, traffic.by_axis(), traffic.by_op())
+                          self.global_tokens, mem, traffic.by_axis(), traffic.by_op(), skipped,
+                          scaler.scale if scaler is not None else None)
 
     def _memory(self, tracker: SavedActivations) -> dict[str, int]:
-        states = model_state_bytes(self.model, self.optimizer)
+        states = self.engine.state_bytes()
         values = torch.tensor([states["params"], states["grads"], states["optimizer"], tracker.peak],
                               dtype=torch.float64)
         self.mesh.comm("world").max(values)  # the worst rank
@@ -150,10 +166,12 @@ class Trainer:
         return self.run_dir / "checkpoints"
 
     def save(self) -> None:
+        weights, optim_state = self.engine.full_state()  # collective under ZeRO
         if self.is_main:
-            files = {"model.pt": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-                     "optimizer.pt": ckpt.optimizer_state_by_name(self.model, self.optimizer)}
-            meta = {"config": self.cfg.to_dict(), "world_size": self.mesh.world_size}
+            files = {"model.pt": weights, "optimizer.pt": optim_state}
+            scaler = self.engine.scaler
+            meta = {"config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
+                    "loss_scaler": scaler.state_dict() if scaler is not None else None}
             ckpt.save_checkpoint(self.checkpoint_root, self.step, files, meta, self.cfg.checkpoint.keep)
         self.mesh.comm("world").all_reduce(torch.zeros(1), tag="barrier")  # all ranks see the save
 
@@ -165,8 +183,9 @@ class Trainer:
                 raise FileNotFoundError(f"checkpoint.resume = '{where}': no valid checkpoint there")
             return False
         path, meta = found
-        self.model.load_state_dict(ckpt.load_file(path, "model.pt"), strict=True)
-        ckpt.load_optimizer_state_by_name(self.model, self.optimizer, ckpt.load_file(path, "optimizer.pt"))
+        self.engine.load_full_state(ckpt.load_file(path, "model.pt"), ckpt.load_file(path, "optimizer.pt"))
+        if self.engine.scaler is not None and meta.get("loss_scaler"):
+            self.engine.scaler.load_state_dict(meta["loss_scaler"])
         self.step = int(meta["step"])
         return True
 

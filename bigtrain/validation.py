@@ -15,7 +15,8 @@ from typing import Callable
 from bigtrain.config import Config, ConfigError
 
 CHECKPOINTING_POLICIES = ("none", "full", "every")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = ("auto", "fp32")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 MODELS = ("llama",)
@@ -82,8 +83,6 @@ def check_parallel(cfg: Config) -> list[str]:
             problems.append(f"parallel.{axis} = {value}: not supported yet in this version; set it to 1")
     if p.zero not in (0, 1, 2, 3):
         problems.append(f"parallel.zero = {p.zero}: must be 0, 1, 2 or 3")
-    elif p.zero > 0:
-        problems.append(f"parallel.zero = {p.zero}: ZeRO is not supported yet in this version; set it to 0")
     return problems
 
 
@@ -131,6 +130,10 @@ def check_optim(cfg: Config) -> list[str]:
 
 def check_runtime(cfg: Config) -> list[str]:
     problems = _one_of("precision.mode", cfg.precision.mode, PRECISIONS)
+    problems += _one_of("precision.reduce_dtype", cfg.precision.reduce_dtype, REDUCE_DTYPES)
+    problems += _positive(cfg, ["precision.loss_scale", "precision.scale_growth_interval"])
+    if not 0 < cfg.precision.scale_backoff < 1:
+        problems.append(f"precision.scale_backoff = {cfg.precision.scale_backoff}: must be in (0, 1), e.g. 0.5")
     problems += _one_of("memory.checkpointing", cfg.memory.checkpointing, CHECKPOINTING_POLICIES)
     problems += _positive(cfg, ["memory.checkpoint_every", "logging.log_every", "checkpoint.keep"])
     problems += _non_negative(cfg, ["checkpoint.every"])

@@ -37,10 +37,11 @@ CASES = [
     ("negative-max-bytes", ["--data.max_bytes=-1"], "data.max_bytes"),
     ("seq-len-over-max", ["--data.seq_len=128"], "data.seq_len"),
     ("zero-stage-5", ["--parallel.zero=5"], "parallel.zero"),
-    ("zero-stage-1-unsupported", ["--parallel.zero=1"], "parallel.zero"),
+    ("reduce-dtype", ["--precision.reduce_dtype=int8"], "precision.reduce_dtype"),
+    ("scale-backoff", ["--precision.scale_backoff=2"], "precision.scale_backoff"),
     ("tp-unsupported", ["--parallel.tp=2"], "parallel.tp"),
     ("pp-unsupported", ["--parallel.pp=2"], "parallel.pp"),
-    ("precision-mode", ["--precision.mode=bf16"], "precision.mode"),
+    ("precision-mode", ["--precision.mode=fp8"], "precision.mode"),
     ("checkpointing-policy", ["--memory.checkpointing=sometimes"], "memory.checkpointing"),
     ("checkpoint-every-zero", ["--memory.checkpoint_every=0"], "memory.checkpoint_every"),
     ("beta1-one", ["--optim.beta1=1.0"], "optim.beta1"),
@@ -185,7 +186,7 @@ def test_messages_carry_a_fix():
 
 # --------------------------------------------------------------------------- several problems at once
 
-SEVERAL = ["--parallel.dp=0", "--optim.beta1=1.0", "--precision.mode=bf16", "--train.device=tpu",
+SEVERAL = ["--parallel.dp=0", "--optim.beta1=1.0", "--precision.mode=fp8", "--train.device=tpu",
            "--checkpoint.keep=0", "--model.vocab_size=100"]
 SEVERAL_FIELDS = ["parallel.dp", "optim.beta1", "precision.mode", "train.device", "checkpoint.keep",
                   "model.vocab_size"]

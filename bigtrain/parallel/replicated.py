@@ -1,0 +1,59 @@
+"""The plain layout behind the engine interface: full fp32 replicas, our bucketed data parallel,
+and torch's AdamW. The trainer drives it exactly like a :class:`ZeroEngine`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bigtrain import checkpoint as ckpt
+from bigtrain.config import OptimConfig
+from bigtrain.distributed.comm import AxisComm
+from bigtrain.memory.accounting import model_state_bytes
+from bigtrain.optim import build_adamw
+from bigtrain.optim.clip import clip_grad_norm
+from bigtrain.parallel.data import DataParallel
+
+
+class ReplicatedEngine:
+    def __init__(self, model: nn.Module, comm: AxisComm, optim: OptimConfig, bucket_mb: float):
+        self.model = model
+        self.dp = DataParallel(model, comm, bucket_mb)
+        self.optimizer = build_adamw(model, optim, optim.lr)
+        self.scaler = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.dp.params
+
+    def no_sync(self):
+        return self.dp.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def finish_grad_sync(self) -> None:
+        self.dp.finish_grad_sync()
+
+    def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
+        norm = clip_grad_norm([p.grad for p in self.dp.params], max_norm)  # replicas: no reduction
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return norm, False
+
+    def zero_grad(self) -> None:
+        self.dp.zero_grad()
+
+    def state_bytes(self) -> dict[str, int]:
+        return model_state_bytes(self.model, self.optimizer)
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        weights = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+        return weights, ckpt.optimizer_state_by_name(self.model, self.optimizer)
+
+    def load_full_state(self, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(weights[n])
+        ckpt.load_optimizer_state_by_name(self.model, self.optimizer, optim_state)

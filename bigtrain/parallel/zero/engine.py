@@ -1,0 +1,230 @@
+"""ZeRO stages 0-3 with mixed precision over the data-parallel axis.
+
+Memory per rank with P parameters, N ranks, bf16/fp16 compute and fp32 Adam (bytes):
+
+    stage 0: params 2P  grads 2P    master+moments 12P     = 16P
+    stage 1: params 2P  grads 2P    12P/N                  = 4P + 12P/N
+    stage 2: params 2P  grads 2P/N  12P/N                  = 2P + 14P/N
+    stage 3: params 2P/N grads 2P/N 12P/N                  = 16P/N
+
+(in fp32 the master weights are the parameters themselves). Each unit (a transformer block, plus
+a root unit for the rest) is a :class:`FlatUnit`. Gradients are reduced per unit as soon as the
+unit's last gradient arrives in backward, so communication overlaps the rest of backward:
+all-reduce in stage 0, reduce-scatter in stages 1-3. Stages 0 and 1 keep full gradients and skip
+reduction on non-final micro-batches; stages 2 and 3 keep only the gradient shard, so they reduce
+on every micro-batch (as DeepSpeed and FSDP do). Stage 3 also gathers parameters around each
+unit's forward and backward (:mod:`bigtrain.parallel.zero.gather`).
+
+The loss must be normalized by the global token count: gradients are summed over ranks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch import nn
+
+from bigtrain.config import OptimConfig
+from bigtrain.distributed.comm import AxisComm
+from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
+from bigtrain.parallel.zero.flat import FlatUnit
+from bigtrain.parallel.zero.gather import ParameterGatherer
+from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
+from bigtrain.precision import DynamicLossScaler, Precision
+
+InitFn = Callable[[str, tuple], torch.Tensor]  # (name, shape) -> full fp32 value
+
+
+class ZeroEngine:
+    """Owns a model's parameters, gradients and AdamW state, partitioned as ``stage`` says."""
+
+    def __init__(self, model: nn.Module, comm: AxisComm, stage: int, precision: Precision, optim: OptimConfig,
+                 init_fn: InitFn, device: torch.device | str = "cpu", unit_modules: list[nn.Module] | None = None,
+                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 scaler: DynamicLossScaler | None = None):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
+        self.model, self.comm, self.stage, self.precision = model, comm, stage, precision
+        self.device, self.scaler = torch.device(device), scaler
+        shards = comm.size if stage >= 1 else 1
+        modules = default_unit_modules(model) if unit_modules is None else unit_modules
+        self.units, self.unit_modules = build_units(model, modules, shards, comm.rank if stage >= 1 else 0)
+        self._allocate(init_fn)
+        self.optimizer = self._build_optimizer(optim)
+        self._sync = True
+        self._pending: list[tuple[FlatUnit, object, torch.Tensor]] = []
+        self._remaining = {id(u): len(u.params) for u in self.units}
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        for p in self._unit_of_params():
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.gatherer = ParameterGatherer(self, reshard_after_forward, prefetch) if stage == 3 else None
+
+    # -- allocation -----------------------------------------------------------------------------
+    def _allocate(self, init_fn: InitFn) -> None:
+        compute, dev = self.precision.compute, self.device
+        for unit in self.units:
+            value_of = {s.name: (lambda s=s: init_fn(s.name, s.shape)) for s in unit.slots}
+            master = unit.shard_from_full_values(lambda n: value_of[n](), torch.float32, dev)
+            if self.stage == 3:
+                full = torch.empty(unit.padded_numel, dtype=compute, device=dev)
+                unit.shard_param = master if not self.precision.mixed else master.to(compute)
+            else:
+                full = unit.flatten({s.name: value_of[s.name]() for s in unit.slots}, compute, dev)
+                unit.shard_param = unit.shard_of(full)
+            replace_parameters(self.model, unit.bind(full))
+            if self.stage == 3:
+                unit.free_full()
+            unit.master = master if self.precision.mixed else unit.shard_param
+            if self.stage <= 1:
+                unit.full_grad = torch.zeros(unit.padded_numel, dtype=compute, device=dev)
+                for p, slot in zip(unit.params, unit.slots):
+                    p.grad = unit.full_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                unit.grad_shard = unit.shard_of(unit.full_grad)
+            else:
+                unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.precision.reduce, device=dev)
+
+    def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.AdamW:
+        decay, no_decay = [], []
+        for unit in self.units:
+            unit.pieces = [(a, b, unit.master[a:b]) for a, b, d in unit.shard_pieces()]
+            for (a, b, is_decay), (_, _, view) in zip(unit.shard_pieces(), unit.pieces):
+                (decay if is_decay else no_decay).append(view)
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                 eps=cfg.eps, foreach=True)
+
+    def _unit_of_params(self) -> list[nn.Parameter]:
+        return [p for u in self.units for p in u.params]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self._unit_of_params()
+
+    # -- backward: gradient reduction ---------------------------------------------------------------
+    @contextmanager
+    def no_sync(self):
+        """Non-final micro-batches: stages 0-1 accumulate locally; stages 2-3 must reduce anyway."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self.stage <= 1 and not self._sync:
+            return
+        unit = self._unit_of[id(param)]
+        self._remaining[id(unit)] -= 1
+        if self._remaining[id(unit)] == 0:
+            self._reduce(unit)
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        self._remaining[id(unit)] = len(unit.params)
+        reduce_dtype = self.precision.reduce
+        if self.stage <= 1:
+            payload = unit.full_grad if unit.full_grad.dtype == reduce_dtype else unit.full_grad.to(reduce_dtype)
+        else:
+            payload = unit.flat_grads(reduce_dtype)
+            for p in unit.params:
+                p.grad = None  # the full gradient is freed as soon as it is handed to the collective
+        if self.stage == 0:
+            work = self.comm.all_reduce(payload, async_op=True, tag="grads")
+            out = payload
+        else:
+            out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=payload.device)
+            work = self.comm.reduce_scatter(out, payload, async_op=True, tag="grads")
+        self._pending.append((unit, work, out))
+        if self.gatherer is not None:
+            self.gatherer.after_reduce(unit)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every reduction and fold the results into the gradient shards."""
+        if self._sync:
+            reduced = {id(u) for u, _, _ in self._pending}
+            for unit in self.units:  # units whose gradients never arrived (unused parameters)
+                if self._remaining[id(unit)] != len(unit.params) or (self.stage <= 1 and id(unit) not in reduced):
+                    self._reduce(unit)
+        for unit, work, out in self._pending:
+            if work is not None:
+                work.wait()
+            if self.stage <= 1:
+                if out is not unit.full_grad:
+                    unit.grad_shard.copy_(out)
+            else:
+                unit.grad_shard.add_(out)
+        self._pending.clear()
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
+        """Unscale, check for overflow, clip and update; returns (grad norm, skipped)."""
+        grads = [u.grad_shard.float() for u in self.units]
+        if self.scaler is not None:
+            torch._foreach_div_(grads, self.scaler.scale)
+        square_sum = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        stats = torch.stack([square_sum, (~torch.isfinite(square_sum)).float()])
+        if self.stage >= 1:  # partitioned gradients: every rank must agree on the norm and on skipping
+            self.comm.all_reduce(stats, tag="grad_norm")
+        norm, found_inf = float(stats[0].sqrt()), bool(stats[1] > 0)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            return norm, True
+        if max_norm > 0 and norm > max_norm:
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        for unit, grad in zip(self.units, grads):
+            for a, b, view in unit.pieces:
+                view.grad = grad[a:b]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self._publish_weights()
+        return norm, False
+
+    def refresh_compute_weights(self) -> None:
+        """Make the compute weights equal the (just loaded) masters on every rank."""
+        self._publish_weights()
+
+    def _publish_weights(self) -> None:
+        """Copy updated masters into the compute weights and, below stage 3, gather them everywhere."""
+        for unit in self.units:
+            if self.precision.mixed:
+                unit.shard_param.copy_(unit.master)
+            if self.stage in (1, 2) and unit.shards > 1:
+                self.comm.all_gather(unit.full, unit.shard_param.clone(), tag="params")
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            if self.stage <= 1:
+                unit.full_grad.zero_()
+            else:
+                unit.grad_shard.zero_()
+                for p in unit.params:
+                    p.grad = None
+            for _, _, view in unit.pieces:
+                view.grad = None
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        from bigtrain.parallel.zero.state import full_state
+
+        return full_state(self)
+
+    def load_full_state(self, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
+        from bigtrain.parallel.zero.state import load_full_state
+
+        load_full_state(self, weights, optim_state)
+
+    # -- accounting ---------------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Measured bytes of parameters, gradients and optimizer state (with masters) on this rank."""
+        params = [u.full for u in self.units] + [u.shard_param for u in self.units if self.stage == 3]
+        grads = [u.full_grad if self.stage <= 1 else u.grad_shard for u in self.units]
+        grads += [p.grad for p in self.params if p.grad is not None]
+        optimizer = optimizer_tensors(self.optimizer)
+        if self.precision.mixed:
+            optimizer += [u.master for u in self.units]
+        return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}

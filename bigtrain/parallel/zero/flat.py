@@ -1,0 +1,122 @@
+"""One ZeRO unit: a group of parameters laid end to end in a flat buffer and cut into equal shards.
+
+The flat length is padded to a multiple of the group size, so every rank's shard has the same
+length (Gloo cannot all-gather uneven tensors) and a shard may start or end inside a parameter.
+Each parameter of the model becomes a view into the unit's full compute buffer; ZeRO-3 frees that
+buffer by shrinking its storage to zero bytes and gathers it again into the same storage, so the
+views, the autograd graph's saved references to them and the module structure all stay valid.
+
+Inside a unit, parameters with weight decay come first, so the optimizer sees at most two pieces
+of each shard (decayed and not) and can use plain per-group hyper-parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the unit's flat space."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    decay: bool
+
+
+def _decays(param: nn.Parameter) -> bool:
+    return param.ndim >= 2
+
+
+class FlatUnit:
+    """Layout and buffers of one unit on one rank (``shards`` ranks share its state)."""
+
+    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], shards: int, shard_rank: int):
+        ordered = sorted(named_params, key=lambda item: not _decays(item[1]))  # stable: decayed first
+        self.name, self.shards, self.shard_rank = name, shards, shard_rank
+        self.params = [p for _, p in ordered]
+        self.slots, offset = [], 0
+        for pname, p in ordered:
+            self.slots.append(Slot(pname, offset, p.numel(), tuple(p.shape), _decays(p)))
+            offset += p.numel()
+        self.numel = offset
+        self.padded_numel = -(-offset // shards) * shards
+        self.shard_numel = self.padded_numel // shards
+        self.shard_start = shard_rank * self.shard_numel
+        self.decay_end = sum(s.numel for s in self.slots if s.decay)
+        self.full: torch.Tensor | None = None  # compute-dtype flat parameters (padded)
+
+    # -- layout ------------------------------------------------------------------------------
+    def shard_pieces(self) -> list[tuple[int, int, bool]]:
+        """(start, end, decay) ranges of this rank's shard, in shard-local offsets, split at the
+        boundary between decayed and non-decayed parameters (padding counts as non-decayed)."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        pieces = []
+        if lo < self.decay_end:
+            pieces.append((0, min(hi, self.decay_end) - lo, True))
+        if hi > max(lo, self.decay_end):
+            pieces.append((max(lo, self.decay_end) - lo, hi - lo, False))
+        return pieces
+
+    def shard_of(self, full_flat: torch.Tensor) -> torch.Tensor:
+        return full_flat[self.shard_start:self.shard_start + self.shard_numel]
+
+    def flatten(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
+        """Lay full per-parameter tensors out as this unit's padded flat vector."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        for slot in self.slots:
+            flat[slot.offset:slot.offset + slot.numel].copy_(tensors[slot.name].reshape(-1))
+        return flat
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-parameter views of a full (padded) flat vector."""
+        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots}
+
+    def shard_from_full_values(self, value_of, dtype: torch.dtype, device) -> torch.Tensor:
+        """This rank's shard built from ``value_of(name) -> full tensor``, touching only the
+        parameters that overlap the shard (one full parameter at a time, never the whole unit)."""
+        shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                full = value_of(slot.name).reshape(-1)
+                shard[a - lo:b - lo].copy_(full[a - slot.offset:b - slot.offset])
+        return shard
+
+    # -- the full compute buffer ---------------------------------------------------------------
+    def bind(self, full: torch.Tensor) -> dict[int, nn.Parameter]:
+        """New parameters that are views of ``full`` (the padded compute buffer); returns
+        ``{id(old parameter): new parameter}`` for the caller to swap into the model (a meta
+        parameter cannot simply be given CPU data)."""
+        self.full = full
+        swapped = {}
+        for i, (p, slot) in enumerate(zip(self.params, self.slots)):
+            new = nn.Parameter(full[slot.offset:slot.offset + slot.numel].view(slot.shape), requires_grad=True)
+            swapped[id(p)] = new
+            self.params[i] = new
+        return swapped
+
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None and self.full.untyped_storage().nbytes() > 0
+
+    def free_full(self) -> None:
+        """Release the full buffer's memory; the parameter views stay, pointing at no bytes."""
+        self.full.untyped_storage().resize_(0)
+
+    def allocate_full(self) -> None:
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+
+    def flat_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        """The parameters' gradients laid out flat (zeros where a parameter got none), in ``dtype``."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.full.device)
+        for p, slot in zip(self.params, self.slots):
+            if p.grad is not None:
+                flat[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+        return flat
