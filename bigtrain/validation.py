@@ -83,6 +83,9 @@ def check_parallel(cfg: Config) -> list[str]:
             problems.append(f"parallel.{axis} = {value}: not supported yet in this version; set it to 1")
     if p.zero not in (0, 1, 2, 3):
         problems.append(f"parallel.zero = {p.zero}: must be 0, 1, 2 or 3")
+    elif p.zero < 3 and not (p.reshard_after_forward and p.prefetch):
+        problems.append(f"parallel.reshard_after_forward / parallel.prefetch apply only to ZeRO-3 (parameters are "
+                        f"not partitioned at parallel.zero = {p.zero}); set parallel.zero = 3 or leave them true")
     return problems
 
 

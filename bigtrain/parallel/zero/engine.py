@@ -20,6 +20,7 @@ The loss must be normalized by the global token count: gradients are summed over
 
 from __future__ import annotations
 
+import zlib
 from contextlib import contextmanager
 from typing import Callable
 
@@ -51,6 +52,7 @@ class ZeroEngine:
         shards = comm.size if stage >= 1 else 1
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
         self.units, self.unit_modules = build_units(model, modules, shards, comm.rank if stage >= 1 else 0)
+        self._check_same_layout()
         self._allocate(init_fn)
         self.optimizer = self._build_optimizer(optim)
         self._sync = True
@@ -60,6 +62,23 @@ class ZeroEngine:
         for p in self._unit_of_params():
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.gatherer = ParameterGatherer(self, reshard_after_forward, prefetch) if stage == 3 else None
+
+    def _check_same_layout(self) -> None:
+        """Fail loudly, naming the ranks, if ranks built different models: a mismatch would
+        otherwise surface as a collective that never completes."""
+        if self.comm.size == 1:
+            return
+        names = ";".join(f"{s.name}:{s.shape}" for u in self.units for s in u.slots)
+        mine = torch.tensor([len(self.units), sum(u.numel for u in self.units), zlib.crc32(names.encode())],
+                            dtype=torch.int64)
+        everyone = torch.empty(self.comm.size * 3, dtype=torch.int64)
+        self.comm.all_gather(everyone, mine, tag="layout_check")
+        rows = everyone.view(self.comm.size, 3).tolist()
+        differ = [r for r, row in enumerate(rows) if row != rows[0]]
+        if differ:
+            detail = ", ".join(f"rank {r}: {row[1]} parameters in {row[0]} units" for r, row in enumerate(rows))
+            raise RuntimeError(f"ZeRO: ranks {differ} of the dp group built a different model than rank 0 "
+                               f"({detail}); every rank must build the same model")
 
     # -- allocation -----------------------------------------------------------------------------
     def _allocate(self, init_fn: InitFn) -> None:

@@ -33,12 +33,14 @@ class ParameterGatherer:
         self._work[id(unit)] = (work, version)
 
     def _finish(self, unit: FlatUnit) -> None:
-        work, version = self._work.pop(id(unit), (None, None))
-        if work is not None:
+        if id(unit) not in self._work:
+            return
+        work, version = self._work.pop(id(unit))
+        if work is not None:  # None: a group of one rank copied synchronously
             work.wait()
-            # The collective bumps the version counter (on Gloo's thread, whenever it completes);
-            # nothing else writes these bytes, so restore the version autograd saved.
-            torch._C._autograd._unsafe_set_version_counter((unit.full,), (version,))
+        # The collective bumps the version counter (on Gloo's thread, whenever it completes);
+        # nothing else writes these bytes, so restore the version autograd saved.
+        torch._C._autograd._unsafe_set_version_counter((unit.full,), (version,))
 
     def _wait(self, unit: FlatUnit) -> None:
         self._start_gather(unit)

@@ -1,0 +1,222 @@
+"""ZeRO stages 1-3 against one process; measured memory and traffic against the ZeRO formulas.
+
+Tolerances: fp32 per-step loss, gradient norm and final weights within 1e-5 relative; bf16 runs
+against a one-process bf16 run within 2e-2 relative over 20 steps (bf16 keeps 8 bits of mantissa).
+"""
+
+import functools
+
+import pytest
+import torch
+
+from bigtrain.config import ModelConfig, OptimConfig
+from bigtrain.distributed.mesh import Mesh
+from bigtrain.models.llama import build_model, count_parameters, init_value
+from bigtrain.parallel.zero.engine import ZeroEngine
+from bigtrain.precision import DynamicLossScaler, Precision
+from bigtrain.testing import RankFailure, run_fake_rank, run_ranks
+from bigtrain.train import token_loss_sum
+from helpers import assert_rel_close, tiny_config, trainer_on_rank
+
+STEPS = 5
+
+
+def _train(rank, world_size, cfg, run_dir, steps):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    results = [trainer.train_step() for _ in range(steps)]
+    weights, _ = trainer.engine.full_state()
+    return [r.loss for r in results], [r.grad_norm for r in results], weights if rank == 0 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(cache_dir: str, run_dir: str, *overrides: str, steps: int = STEPS):
+    return _train(0, 1, tiny_config(cache_dir, "--train.micro_batch=8", *overrides), run_dir, steps)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dp,micro_batch", [(2, 4), (2, 2), (4, 2), (4, 1)],
+                         ids=["dp2", "dp2-accum2", "dp4", "dp4-accum2"])
+def test_fp32_stages_match_one_process(stage, dp, micro_batch, corpus_cache, tmp_path):
+    # A low clip threshold makes clipping act on every step, so the global norm must be right.
+    ref_losses, ref_norms, ref_weights = _reference(corpus_cache, str(tmp_path / "ref"), "--optim.grad_clip=0.5")
+    cfg = tiny_config(corpus_cache, f"--parallel.dp={dp}", f"--train.micro_batch={micro_batch}",
+                      f"--parallel.zero={stage}", "--optim.grad_clip=0.5")
+    results = run_ranks(_train, dp, cfg, str(tmp_path), STEPS)
+    losses, norms, weights = results[0]
+    assert all(r[0] == losses for r in results), "ranks disagree on the loss"
+    assert min(ref_norms) > 0.5, "clipping must be active for this test to mean anything"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    for name, ref in ref_weights.items():
+        assert_rel_close(weights[name], ref, 1e-5, name)
+
+
+def test_stage3_keeping_parameters_between_forward_and_backward_matches(corpus_cache, tmp_path):
+    ref_losses, _, _ = _reference(corpus_cache, str(tmp_path / "ref"))
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--train.micro_batch=4", "--parallel.zero=3",
+                      "--parallel.reshard_after_forward=false", "--parallel.prefetch=false",
+                      "--memory.checkpointing=full")
+    losses = run_ranks(_train, 2, cfg, str(tmp_path), STEPS)[0][0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+def test_zero_with_one_rank_behaves_as_stage_0(corpus_cache, tmp_path):
+    ref_losses, _, _ = _reference(corpus_cache, str(tmp_path / "ref"))
+    for stage in (1, 3):
+        cfg = tiny_config(corpus_cache, "--train.micro_batch=8", f"--parallel.zero={stage}")
+        losses = _train(0, 1, cfg, str(tmp_path / str(stage)), STEPS)[0]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_stages_match_one_process_bf16(stage, corpus_cache, tmp_path):
+    ref_losses, _, _ = _reference(corpus_cache, str(tmp_path / "ref"), "--precision.mode=bf16", steps=20)
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--train.micro_batch=4", f"--parallel.zero={stage}",
+                      "--precision.mode=bf16")
+    losses = run_ranks(_train, 2, cfg, str(tmp_path), 20)[0][0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    assert losses[-1] < 0.9 * losses[0]
+
+
+# -- memory ----------------------------------------------------------------------------------------
+MEM_MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, vocab_size=250)
+
+
+def _engine(rank, world_size, stage, mode="bf16", **kw):
+    model = build_model(MEM_MODEL)
+    model.init_buffers("cpu")
+    comm = Mesh({"dp": world_size}, rank).comm("dp")
+    return ZeroEngine(model, comm, stage, Precision.from_config(_precision(mode)), OptimConfig(),
+                      init_fn=lambda n, s: init_value(n, s, 0, MEM_MODEL), **kw)
+
+
+def _precision(mode):
+    from bigtrain.config import PrecisionConfig
+
+    return PrecisionConfig(mode=mode)
+
+
+def _states_after_a_step(rank, world_size, stage):
+    engine = _engine(rank, world_size, stage)
+    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(rank))
+    engine.backward(token_loss_sum(engine.model(tokens), tokens) / 64)
+    engine.finish_grad_sync()
+    engine.step(1e-3, 1.0)  # creates the Adam moments
+    padding = sum(u.padded_numel - u.numel for u in engine.units)
+    return engine.state_bytes(), padding
+
+
+FORMULA = {0: lambda P, N: 16 * P, 1: lambda P, N: 4 * P + 12 * P / N,
+           2: lambda P, N: 2 * P + 14 * P / N, 3: lambda P, N: 16 * P / N}
+
+
+def _assert_formula(states, padding, stage, P, N):
+    measured = sum(states.values())
+    # Padding elements carry every per-element state (2 + 2 + 12 bytes) at most once per rank.
+    assert abs(measured - FORMULA[stage](P, N)) <= 0.01 * FORMULA[stage](P, N) + 16 * padding, (stage, N, states)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_measured_model_states_follow_the_zero_formulas(stage, world_size):
+    P = count_parameters(build_model(MEM_MODEL))
+    for states, padding in run_ranks(_states_after_a_step, world_size, stage):
+        _assert_formula(states, padding, stage, P, world_size)
+        if stage == 3:
+            assert states["params"] <= 2 * P / world_size + 2 * padding  # nothing left gathered
+
+
+def _states_at_scale(rank, world_size, stage):
+    engine = _engine(rank, world_size, stage)
+    engine.optimizer.step()  # no gradients: Adam allocates nothing, so count the moments it would
+    shard = sum(u.shard_numel for u in engine.units)
+    states = engine.state_bytes()
+    states["optimizer"] += 8 * shard  # exp_avg + exp_avg_sq in fp32, shaped like the master shard
+    return states, sum(u.padded_numel - u.numel for u in engine.units), [u.shard_numel for u in engine.units]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shards_and_accounting_at_64_ranks_with_the_fake_group(stage):
+    P = count_parameters(build_model(MEM_MODEL))
+    states, padding, shard_sizes = run_fake_rank(_states_at_scale, 64, stage, rank=37)
+    _assert_formula(states, padding, stage, P, 64)
+    assert all(n > 0 for n in shard_sizes)
+
+
+# -- traffic ---------------------------------------------------------------------------------------
+def _grad_and_param_traffic(rank, world_size, stage, reshard):
+    engine = _engine(rank, world_size, stage, mode="fp32", reshard_after_forward=reshard)
+    stats = engine.comm.stats
+    before = stats.snapshot()
+    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(rank))
+    engine.backward(token_loss_sum(engine.model(tokens), tokens) / 64)
+    engine.finish_grad_sync()
+    engine.step(1e-3, 1.0)
+    step = stats.since(before)
+    moved = step.sent_bytes("dp", "reduce_scatter") + step.sent_bytes("dp", "all_gather")
+    return moved, step.sent_bytes("dp", "all_reduce:grads"), sum(u.padded_numel for u in engine.units)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage,reshard,factor", [(1, True, 2), (2, True, 2), (3, True, 3), (3, False, 2)])
+def test_traffic_per_step_is_the_zero_volume(stage, reshard, factor, world_size):
+    for moved, all_reduced, padded in run_ranks(_grad_and_param_traffic, world_size, stage, reshard):
+        assert all_reduced == 0
+        assert moved == pytest.approx(factor * (world_size - 1) / world_size * padded * 4, rel=1e-12)
+
+
+# -- fp16 and failures -------------------------------------------------------------------------
+def _overflow_on_one_rank(rank, world_size):
+    engine = _engine(rank, world_size, 2, mode="fp16", scaler=DynamicLossScaler(init_scale=1024.0))
+    before, _ = engine.full_state()
+    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(rank))
+    if rank == 1:  # one overflowing element on one rank: after reduce-scatter only one shard holds it
+        engine.model.layers[1].feed_forward.w2.weight.register_hook(lambda g: g.index_put((torch.tensor([0]),) * 2,
+                                                                                          torch.tensor(float("inf"), dtype=g.dtype)))
+    engine.backward(token_loss_sum(engine.model(tokens), tokens) / 64)
+    engine.finish_grad_sync()
+    _, skipped = engine.step(1e-3, 0.0)
+    after, _ = engine.full_state()
+    unchanged = all(torch.equal(before[n], after[n]) for n in before)
+    local_inf = any(not torch.isfinite(u.grad_shard).all() for u in engine.units)
+    return skipped, engine.scaler.scale, unchanged, local_inf
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale():
+    results = run_ranks(_overflow_on_one_rank, 2)
+    assert sorted(r[3] for r in results) == [False, True], "the overflow should reach one rank's shard only"
+    for skipped, scale, unchanged, _ in results:
+        assert skipped and unchanged and scale == 512.0
+
+
+def _diverging_model(rank, world_size):
+    global MEM_MODEL
+    if rank == 1:
+        import dataclasses
+
+        MEM_MODEL = dataclasses.replace(MEM_MODEL, n_layers=3)
+    _engine(rank, world_size, 3)
+
+
+def test_ranks_that_built_different_models_fail_naming_the_rank():
+    with pytest.raises(RankFailure, match=r"ranks \[1\] of the dp group built a different model"):
+        run_ranks(_diverging_model, 2, timeout=30)
+
+
+# -- checkpoints move between layouts --------------------------------------------------------------
+def _save_after(rank, world_size, cfg, run_dir, steps):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.save()
+
+
+def test_a_zero3_checkpoint_resumes_in_a_replicated_layout(corpus_cache, tmp_path):
+    ref_losses = _reference(corpus_cache, str(tmp_path / "ref"), "--train.steps=10", steps=10)[0]
+    saved = tiny_config(corpus_cache, "--parallel.dp=2", "--train.micro_batch=4", "--parallel.zero=3",
+                        "--train.steps=10")
+    run_ranks(_save_after, 2, saved, str(tmp_path / "run"), 4)
+    resumed = tiny_config(corpus_cache, "--train.micro_batch=8", "--train.steps=10", "--checkpoint.resume=auto")
+    trainer = trainer_on_rank(0, 1, resumed, str(tmp_path / "run"))
+    tail = [r.loss for r in trainer.fit()]
+    torch.testing.assert_close(torch.tensor(tail), torch.tensor(ref_losses[4:]), rtol=1e-5, atol=0)
