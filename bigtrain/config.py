@@ -77,9 +77,11 @@ class ParallelConfig:
     """Degrees of each mesh axis; their product is the world size."""
 
     dp: int = doc("Data-parallel degree.", 1)
-    tp: int = doc("Tensor-parallel degree (not yet supported: keep 1).", 1)
+    tp: int = doc("Tensor-parallel degree (Megatron: heads and the MLP split over tp ranks).", 1)
     pp: int = doc("Pipeline-parallel degree (not yet supported: keep 1).", 1)
-    sp: int = doc("Ulysses sequence-parallel degree (not yet supported: keep 1).", 1)
+    sp: int = doc("Ulysses sequence-parallel degree (sequence shards, all-to-all around attention).", 1)
+    sequence_parallel: bool = doc("Megatron sequence parallelism on the tp axis: norms and residuals on "
+                                  "sequence shards, all-gather / reduce-scatter instead of all-reduce.", False)
     ep: int = doc("Expert-parallel degree (not yet supported: keep 1).", 1)
     zero: int = doc("ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state), 2 (+ gradients), "
                     "3 (+ parameters).", 0)

@@ -13,20 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from bigtrain import checkpoint as ckpt
 from bigtrain.config import Config, to_toml
 from bigtrain.data import TokenSampler, load_tokens
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.memory.accounting import SavedActivations
-from bigtrain.memory.checkpointing import apply_activation_checkpointing
 from bigtrain.metrics import MetricsLog
-from bigtrain.models.llama import build_model, count_parameters, init_value
+from bigtrain.models.llama import count_parameters
 from bigtrain.optim.schedule import lr_at
-from bigtrain.parallel.replicated import ReplicatedEngine
-from bigtrain.parallel.zero.engine import ZeroEngine
-from bigtrain.precision import DynamicLossScaler, Precision
+from bigtrain.parallel.build import parallelize, token_loss_sum  # noqa: F401 - token_loss_sum re-exported
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
 
@@ -54,41 +50,18 @@ class StepResult:
         return out
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-
-
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, mesh: Mesh, device: torch.device | str = "cpu"):
         self.cfg, self.run_dir, self.mesh, self.device = cfg, Path(run_dir), mesh, torch.device(device)
         self.is_main = mesh.rank == 0
-        self.dp_comm = mesh.comm("dp")
-        self.model = build_model(cfg.model)  # meta: no memory yet
-        self.checkpointed = apply_activation_checkpointing(
-            self.model.layers, cfg.memory.checkpointing, cfg.memory.checkpoint_every)
-        self.engine = self._build_engine()
+        self.parallel = parallelize(cfg, mesh, self.device)
+        self.model, self.engine = self.parallel.model, self.parallel.engine
         self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),
                                     cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.accum = cfg.train.grad_accum(mesh.size("dp"))
         self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
         self.step = 0
         self.history: list[StepResult] = []
-
-    def _build_engine(self) -> ReplicatedEngine | ZeroEngine:
-        """Materialize the model's weights as the layout says: full replicas, or ZeRO shards
-        (each rank allocating and initializing only what it keeps)."""
-        cfg, model = self.cfg, self.model
-        if cfg.parallel.zero == 0 and cfg.precision.mode == "fp32":
-            model.to_empty(device=self.device)
-            model.init_weights(cfg.train.seed)
-            return ReplicatedEngine(model, self.dp_comm, cfg.optim, cfg.parallel.bucket_mb)
-        model.init_buffers(self.device)
-        return ZeroEngine(
-            model, self.dp_comm, cfg.parallel.zero, Precision.from_config(cfg.precision), cfg.optim,
-            init_fn=lambda name, shape: init_value(name, shape, cfg.train.seed, cfg.model), device=self.device,
-            reshard_after_forward=cfg.parallel.reshard_after_forward, prefetch=cfg.parallel.prefetch,
-            scaler=DynamicLossScaler.from_config(cfg.precision))
 
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
@@ -97,7 +70,7 @@ class Trainer:
         context = self.engine.no_sync() if not sync else nullcontext()
         with context:
             with tracker if tracker is not None else nullcontext():
-                loss_sum = token_loss_sum(self.model(tokens), targets)
+                loss_sum = self.parallel.forward_loss(tokens, targets)
             # Normalizing by the global token count makes the sum over micro-batches and ranks the mean.
             self.engine.backward(loss_sum / self.global_tokens)
         if tracker is not None:
@@ -119,7 +92,7 @@ class Trainer:
         step_time = time.perf_counter() - start
         traffic = self.mesh.stats.since(before)
         mem = self._memory(tracker) if measure else {}
-        self.dp_comm.all_reduce(loss_sum, tag="metrics")
+        self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
         self.engine.zero_grad()
         self.step += 1
         scaler = self.engine.scaler
@@ -166,7 +139,7 @@ class Trainer:
         return self.run_dir / "checkpoints"
 
     def save(self) -> None:
-        weights, optim_state = self.engine.full_state()  # collective under ZeRO
+        weights, optim_state = self.parallel.full_state()  # collective under ZeRO and tp
         if self.is_main:
             files = {"model.pt": weights, "optimizer.pt": optim_state}
             scaler = self.engine.scaler
@@ -183,7 +156,7 @@ class Trainer:
                 raise FileNotFoundError(f"checkpoint.resume = '{where}': no valid checkpoint there")
             return False
         path, meta = found
-        self.engine.load_full_state(ckpt.load_file(path, "model.pt"), ckpt.load_file(path, "optimizer.pt"))
+        self.parallel.load_full_state(ckpt.load_file(path, "model.pt"), ckpt.load_file(path, "optimizer.pt"))
         if self.engine.scaler is not None and meta.get("loss_scaler"):
             self.engine.scaler.load_state_dict(meta["loss_scaler"])
         self.step = int(meta["step"])
@@ -191,7 +164,7 @@ class Trainer:
 
     def summary(self) -> dict:
         return {"params": count_parameters(self.model), "steps": self.step,
-                "checkpointed_blocks": self.checkpointed, "grad_accum": self.accum,
+                "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,
                 "mesh": self.mesh.sizes}
 
 

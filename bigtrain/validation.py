@@ -77,7 +77,7 @@ def check_parallel(cfg: Config) -> list[str]:
     p = cfg.parallel
     problems = _positive(cfg, ["parallel.dp", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep",
                                "parallel.bucket_mb"])
-    for axis in ("tp", "pp", "sp", "ep"):
+    for axis in ("pp", "ep"):
         value = getattr(p, axis)
         if value > 1:
             problems.append(f"parallel.{axis} = {value}: not supported yet in this version; set it to 1")
@@ -147,7 +147,37 @@ def check_runtime(cfg: Config) -> list[str]:
     return problems
 
 
-RULES: list[Rule] = [check_model, check_parallel, check_batch, check_data, check_optim, check_runtime]
+def check_model_split(cfg: Config) -> list[str]:
+    """Tensor and sequence parallelism against the model's shapes."""
+    m, p, seq = cfg.model, cfg.parallel, cfg.data.seq_len
+    if p.tp <= 0 or p.sp <= 0 or m.n_heads <= 0 or m.dim <= 0 or m.n_heads % max(1, m.kv_heads):
+        return []
+    problems = []
+    if m.n_heads % p.tp:
+        problems.append(f"parallel.tp = {p.tp} does not divide model.n_heads = {m.n_heads}; "
+                        f"use tp = {_divisor_near(m.n_heads, p.tp)}")
+    elif m.kv_heads % p.tp and p.tp % m.kv_heads:
+        problems.append(f"parallel.tp = {p.tp}: model.n_kv_heads = {m.kv_heads} must divide by tp (split) or divide "
+                        f"tp (replicated); use tp = {_divisor_near(m.kv_heads, p.tp)}")
+    if m.ffn_dim % p.tp:
+        problems.append(f"parallel.tp = {p.tp} does not divide the MLP size {m.ffn_dim} (model.ffn_hidden); "
+                        f"use tp = {_divisor_near(m.ffn_dim, p.tp)}")
+    if p.sp > 1:
+        local_kv = max(1, m.kv_heads // p.tp)
+        if (m.n_heads // max(1, p.tp)) % p.sp or local_kv % p.sp:
+            problems.append(f"parallel.sp = {p.sp}: Ulysses needs query and key/value heads per tp rank "
+                            f"({m.n_heads // max(1, p.tp)} and {local_kv}) to divide by sp; "
+                            f"use sp = {_divisor_near(local_kv, p.sp)}")
+        if seq % p.sp:
+            problems.append(f"data.seq_len = {seq} does not divide by parallel.sp = {p.sp}")
+    if p.sequence_parallel and p.tp > 1 and (seq // p.sp) % p.tp:
+        problems.append(f"parallel.sequence_parallel: data.seq_len / sp = {seq // p.sp} does not divide by "
+                        f"parallel.tp = {p.tp}; change data.seq_len or turn sequence_parallel off")
+    return problems
+
+
+RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_batch, check_data, check_optim,
+                     check_runtime]
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None) -> None:

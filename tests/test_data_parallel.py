@@ -28,15 +28,15 @@ def _train_on_rank(rank, world_size, cfg, run_dir, steps):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(cache_dir: str, run_dir: str):
+def _reference(cache_dir: str):
     cfg = tiny_config(cache_dir, "--train.micro_batch=8")
-    return _train_on_rank(0, 1, cfg, run_dir, STEPS)
+    return _train_on_rank(0, 1, cfg, f"{cache_dir}/ref", STEPS)
 
 
 @pytest.mark.parametrize("dp,micro_batch", [(2, 4), (2, 2), (4, 2), (4, 1)],
                          ids=["dp2", "dp2-accum2", "dp4", "dp4-accum2"])
 def test_losses_and_params_match_one_process(dp, micro_batch, corpus_cache, tmp_path):
-    ref_losses, ref_params = _reference(corpus_cache, str(tmp_path / "ref"))
+    ref_losses, ref_params = _reference(corpus_cache)
     cfg = tiny_config(corpus_cache, f"--parallel.dp={dp}", f"--train.micro_batch={micro_batch}")
     results = run_ranks(_train_on_rank, dp, cfg, str(tmp_path), STEPS)
     losses, params = results[0]

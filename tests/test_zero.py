@@ -29,8 +29,8 @@ def _train(rank, world_size, cfg, run_dir, steps):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(cache_dir: str, run_dir: str, *overrides: str, steps: int = STEPS):
-    return _train(0, 1, tiny_config(cache_dir, "--train.micro_batch=8", *overrides), run_dir, steps)
+def _reference(cache_dir: str, *overrides: str, steps: int = STEPS):
+    return _train(0, 1, tiny_config(cache_dir, "--train.micro_batch=8", *overrides), f"{cache_dir}/ref", steps)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -38,7 +38,7 @@ def _reference(cache_dir: str, run_dir: str, *overrides: str, steps: int = STEPS
                          ids=["dp2", "dp2-accum2", "dp4", "dp4-accum2"])
 def test_fp32_stages_match_one_process(stage, dp, micro_batch, corpus_cache, tmp_path):
     # A low clip threshold makes clipping act on every step, so the global norm must be right.
-    ref_losses, ref_norms, ref_weights = _reference(corpus_cache, str(tmp_path / "ref"), "--optim.grad_clip=0.5")
+    ref_losses, ref_norms, ref_weights = _reference(corpus_cache, "--optim.grad_clip=0.5")
     cfg = tiny_config(corpus_cache, f"--parallel.dp={dp}", f"--train.micro_batch={micro_batch}",
                       f"--parallel.zero={stage}", "--optim.grad_clip=0.5")
     results = run_ranks(_train, dp, cfg, str(tmp_path), STEPS)
@@ -52,7 +52,7 @@ def test_fp32_stages_match_one_process(stage, dp, micro_batch, corpus_cache, tmp
 
 
 def test_stage3_keeping_parameters_between_forward_and_backward_matches(corpus_cache, tmp_path):
-    ref_losses, _, _ = _reference(corpus_cache, str(tmp_path / "ref"))
+    ref_losses, _, _ = _reference(corpus_cache)
     cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--train.micro_batch=4", "--parallel.zero=3",
                       "--parallel.reshard_after_forward=false", "--parallel.prefetch=false",
                       "--memory.checkpointing=full")
@@ -61,7 +61,7 @@ def test_stage3_keeping_parameters_between_forward_and_backward_matches(corpus_c
 
 
 def test_zero_with_one_rank_behaves_as_stage_0(corpus_cache, tmp_path):
-    ref_losses, _, _ = _reference(corpus_cache, str(tmp_path / "ref"))
+    ref_losses, _, _ = _reference(corpus_cache)
     for stage in (1, 3):
         cfg = tiny_config(corpus_cache, "--train.micro_batch=8", f"--parallel.zero={stage}")
         losses = _train(0, 1, cfg, str(tmp_path / str(stage)), STEPS)[0]
@@ -70,7 +70,7 @@ def test_zero_with_one_rank_behaves_as_stage_0(corpus_cache, tmp_path):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_stages_match_one_process_bf16(stage, corpus_cache, tmp_path):
-    ref_losses, _, _ = _reference(corpus_cache, str(tmp_path / "ref"), "--precision.mode=bf16", steps=20)
+    ref_losses, _, _ = _reference(corpus_cache, "--precision.mode=bf16", steps=20)
     cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--train.micro_batch=4", f"--parallel.zero={stage}",
                       "--precision.mode=bf16")
     losses = run_ranks(_train, 2, cfg, str(tmp_path), 20)[0][0]
@@ -212,7 +212,7 @@ def _save_after(rank, world_size, cfg, run_dir, steps):
 
 
 def test_a_zero3_checkpoint_resumes_in_a_replicated_layout(corpus_cache, tmp_path):
-    ref_losses = _reference(corpus_cache, str(tmp_path / "ref"), "--train.steps=10", steps=10)[0]
+    ref_losses = _reference(corpus_cache, "--train.steps=10", steps=10)[0]
     saved = tiny_config(corpus_cache, "--parallel.dp=2", "--train.micro_batch=4", "--parallel.zero=3",
                         "--train.steps=10")
     run_ranks(_save_after, 2, saved, str(tmp_path / "run"), 4)

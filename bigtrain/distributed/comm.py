@@ -136,6 +136,39 @@ class AxisComm:
         self._record("broadcast", _nbytes(tensor), tag)
         dist.broadcast(tensor, src=src_global_rank, group=self.group)
 
+    # -- point to point (pipeline stages) --------------------------------------------------------
+    # ``peer`` is a rank index along this axis (a pp-rank), not a global rank. Only sends are
+    # recorded, under op "send": the receiver's bytes are its peer's sends.
+    def _global_peer(self, peer: int) -> int:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"peer {peer} along axis {self.axis!r} must be another of its {self.size} ranks "
+                             f"(this rank is {self.rank})")
+        return peer if self.group is None else dist.get_global_rank(self.group, peer)
+
+    def send_op(self, tensor: torch.Tensor, peer: int, tag: str | None = None) -> dist.P2POp:
+        """A send of ``tensor`` to ``peer`` for :meth:`batch_isend_irecv`; keep ``tensor`` alive and
+        unmodified until its work completes."""
+        self._record("send", _nbytes(tensor), tag)
+        return dist.P2POp(dist.isend, tensor, self._global_peer(peer), group=self.group)
+
+    def recv_op(self, tensor: torch.Tensor, peer: int) -> dist.P2POp:
+        """A receive from ``peer`` into ``tensor`` for :meth:`batch_isend_irecv`."""
+        return dist.P2POp(dist.irecv, tensor, self._global_peer(peer), group=self.group)
+
+    def batch_isend_irecv(self, ops: list[dist.P2POp]) -> list:
+        """Post ``ops`` at once (coalesced where the backend can); returns one work per op. Transfers
+        between two ranks match in the order both post them."""
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: str | None = None) -> None:
+        """Blocking send (small, rare messages such as shapes)."""
+        self._record("send", _nbytes(tensor), tag)
+        dist.send(tensor, self._global_peer(peer), group=self.group)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        """Blocking receive into ``tensor``."""
+        dist.recv(tensor, self._global_peer(peer), group=self.group)
+
     def max(self, tensor: torch.Tensor, tag: str | None = "metrics") -> torch.Tensor:
         """Element-wise max over the axis, in place (for worst-rank metrics)."""
         self.all_reduce(tensor, op=dist.ReduceOp.MAX, tag=tag)

@@ -17,6 +17,9 @@ from bigtrain.config import ParallelConfig
 from bigtrain.distributed.comm import AxisComm, CommStats
 
 AXES = ("pp", "dp", "sp", "tp")  # outermost first
+# Axes flattened into one group: the replicas of every weight under Ulysses sequence parallelism
+# are the ranks of dp x sp, so gradients are reduced (and ZeRO shards cut) over both at once.
+FLATTENED = {"dp_sp": ("dp", "sp")}
 
 
 class Mesh:
@@ -33,7 +36,7 @@ class Mesh:
         self.rank = rank
         self.stats = CommStats()
         self.coords = self._coords_of(rank)
-        self.groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in AXES}
+        self.groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in (*AXES, *FLATTENED)}
         if make_groups and self.world_size > 1:
             self._make_groups()
 
@@ -61,27 +64,32 @@ class Mesh:
 
     def ranks_along(self, axis: str, rank: int | None = None) -> list[int]:
         """Global ranks of the ``axis`` group that ``rank`` (default: this rank) belongs to."""
-        coords = dict(self._coords_of(self.rank if rank is None else rank))
+        return self.ranks_across((axis,), rank)
+
+    def ranks_across(self, axes: tuple[str, ...], rank: int | None = None) -> list[int]:
+        """Global ranks sharing ``rank``'s coordinates on every axis but ``axes``."""
+        base = self._coords_of(self.rank if rank is None else rank)
         out = []
-        for i in range(self.sizes[axis]):
-            coords[axis] = i
-            out.append(self._rank_of(coords))
-        return out
+        for values in itertools.product(*(range(self.sizes[a]) for a in axes)):
+            out.append(self._rank_of({**base, **dict(zip(axes, values))}))
+        return sorted(out)
 
     def _make_groups(self) -> None:
         # Every rank must call new_group for every group, in the same order.
-        for axis in AXES:
-            if self.sizes[axis] == 1:
-                continue
-            others = [a for a in AXES if a != axis]
+        for name, axes in [(a, (a,)) for a in AXES] + list(FLATTENED.items()):
+            if sum(self.sizes[a] > 1 for a in axes) < len(axes) or self.sizes[axes[0]] == 1:
+                continue  # a flattened axis is made only when all its parts are real
+            others = [a for a in AXES if a not in axes]
             for fixed in itertools.product(*(range(self.sizes[a]) for a in others)):
-                coords = dict(zip(others, fixed), **{axis: 0})
-                ranks = self.ranks_along(axis, self._rank_of(coords))
+                coords = dict(zip(others, fixed), **{a: 0 for a in axes})
+                ranks = self.ranks_across(axes, self._rank_of(coords))
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
-                    self.groups[axis] = group
+                    self.groups[name] = group
 
     def size(self, axis: str) -> int:
+        if axis in FLATTENED:
+            return math.prod(self.sizes[a] for a in FLATTENED[axis])
         return self.sizes[axis]
 
     def coord(self, axis: str) -> int:
@@ -91,6 +99,12 @@ class Mesh:
         """Counted collectives over ``axis`` ("world" means every rank)."""
         if axis == "world":
             return AxisComm("world", None, self.world_size, self.rank, self.stats)
+        if axis in FLATTENED:
+            real = [a for a in FLATTENED[axis] if self.sizes[a] > 1]
+            if len(real) < 2:  # only one part is real: it is that axis
+                return self.comm(real[0] if real else FLATTENED[axis][0])
+            rank = self.ranks_across(FLATTENED[axis]).index(self.rank)
+            return AxisComm(axis, self.groups[axis], self.size(axis), rank, self.stats)
         return AxisComm(axis, self.groups[axis], self.sizes[axis], self.coords[axis], self.stats)
 
     def __repr__(self) -> str:

@@ -11,13 +11,16 @@ from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import model_state_bytes
 from bigtrain.optim import build_adamw
-from bigtrain.optim.clip import clip_grad_norm
+from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import DataParallel
 
 
 class ReplicatedEngine:
-    def __init__(self, model: nn.Module, comm: AxisComm, optim: OptimConfig, bucket_mb: float):
-        self.model = model
+    def __init__(self, model: nn.Module, comm: AxisComm, optim: OptimConfig, bucket_mb: float,
+                 tp: AxisComm | None = None, tp_sharded: set[str] = frozenset()):
+        self.model, self.tp = model, tp
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._tp_replicated = {id(p): names[id(p)] not in tp_sharded for p in model.parameters()}
         self.dp = DataParallel(model, comm, bucket_mb)
         self.optimizer = build_adamw(model, optim, optim.lr)
         self.scaler = None
@@ -36,7 +39,9 @@ class ReplicatedEngine:
         self.dp.finish_grad_sync()
 
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
-        norm = clip_grad_norm([p.grad for p in self.dp.params], max_norm)  # replicas: no reduction
+        grads = [p.grad for p in self.dp.params]
+        norm, _ = global_norm(square_sums((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params), (), self.tp)
+        clip_(grads, norm, max_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

@@ -30,6 +30,7 @@ from torch import nn
 from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
+from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
 from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
@@ -44,11 +45,12 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, comm: AxisComm, stage: int, precision: Precision, optim: OptimConfig,
                  init_fn: InitFn, device: torch.device | str = "cpu", unit_modules: list[nn.Module] | None = None,
                  reshard_after_forward: bool = True, prefetch: bool = True,
-                 scaler: DynamicLossScaler | None = None):
+                 scaler: DynamicLossScaler | None = None, tp: AxisComm | None = None,
+                 tp_sharded: set[str] = frozenset()):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
         self.model, self.comm, self.stage, self.precision = model, comm, stage, precision
-        self.device, self.scaler = torch.device(device), scaler
+        self.device, self.scaler, self.tp, self.tp_sharded = torch.device(device), scaler, tp, set(tp_sharded)
         shards = comm.size if stage >= 1 else 1
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
         self.units, self.unit_modules = build_units(model, modules, shards, comm.rank if stage >= 1 else 0)
@@ -184,17 +186,15 @@ class ZeroEngine:
         grads = [u.grad_shard.float() for u in self.units]
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
-        square_sum = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-        stats = torch.stack([square_sum, (~torch.isfinite(square_sum)).float()])
-        if self.stage >= 1:  # partitioned gradients: every rank must agree on the norm and on skipping
-            self.comm.all_reduce(stats, tag="grad_norm")
-        norm, found_inf = float(stats[0].sqrt()), bool(stats[1] > 0)
+        parts = square_sums((grad[a:b], slot.name not in self.tp_sharded)
+                            for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges())
+        # Partitioned gradients: every rank must agree on the norm and on skipping.
+        norm, found_inf = global_norm(parts, [self.comm] if self.stage >= 1 else [], self.tp)
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:
             return norm, True
-        if max_norm > 0 and norm > max_norm:
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        clip_(grads, norm, max_norm)
         for unit, grad in zip(self.units, grads):
             for a, b, view in unit.pieces:
                 view.grad = grad[a:b]

@@ -63,6 +63,16 @@ class FlatUnit:
             pieces.append((max(lo, self.decay_end) - lo, hi - lo, False))
         return pieces
 
+    def shard_slot_ranges(self) -> list[tuple[Slot, int, int]]:
+        """(slot, start, end) for each parameter overlapping this rank's shard, shard-local offsets."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        out = []
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                out.append((slot, a - lo, b - lo))
+        return out
+
     def shard_of(self, full_flat: torch.Tensor) -> torch.Tensor:
         return full_flat[self.shard_start:self.shard_start + self.shard_numel]
 
@@ -81,12 +91,9 @@ class FlatUnit:
         """This rank's shard built from ``value_of(name) -> full tensor``, touching only the
         parameters that overlap the shard (one full parameter at a time, never the whole unit)."""
         shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
-        lo, hi = self.shard_start, self.shard_start + self.shard_numel
-        for slot in self.slots:
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a < b:
-                full = value_of(slot.name).reshape(-1)
-                shard[a - lo:b - lo].copy_(full[a - slot.offset:b - slot.offset])
+        for slot, a, b in self.shard_slot_ranges():
+            first = self.shard_start + a - slot.offset
+            shard[a:b].copy_(value_of(slot.name).reshape(-1)[first:first + b - a])
         return shard
 
     # -- the full compute buffer ---------------------------------------------------------------

@@ -1,0 +1,312 @@
+"""Execute one rank's action list of a pipeline schedule: compute, transfers, timeline.
+
+``PipelineExecutor.run(micro_batches)`` walks ``schedule.actions[rank]`` once through a small
+dispatch table (one method per :class:`Op`):
+
+* RECV_* posts an ``irecv`` into a fresh buffer and moves on; the compute that consumes the
+  tensor waits for it just before it starts. SEND_* posts an ``isend`` of a tensor that stays
+  referenced until its work completes. Consecutive transfers are posted as one
+  ``batch_isend_irecv`` right before the next compute, so nothing blocks after a transfer and
+  transfers overlap the compute in between (the schedule's lists pair sends and receives in the
+  same order on both ranks, which ``validate`` proves before anything runs).
+* F runs the stage (and the loss on the last stage); the output is cut from the graph of the next
+  stage (``detach().requires_grad_()`` on arrival), so each stage backpropagates on its own.
+* B is ``torch.autograd.backward(outputs, grad)``; the gradient of the stage input goes upstream.
+  The zero-bubble split does I = ``torch.autograd.grad(outputs, input, grad, retain_graph=True)``
+  and later W = ``torch.autograd.backward(outputs, grad, inputs=params)`` on the kept graph (W
+  walks the graph again: simple and exact, not the cheapest).
+
+Gradient synchronization over data parallel stays with the gradient engines: given ``engines``
+(stage -> an object with ``no_sync()``), every gradient-producing action but the last one of each
+stage runs under ``no_sync()``, so the engine's hooks reduce each gradient once, overlapped with
+the last backward; the caller then calls ``finish_grad_sync()`` as after any accumulation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from bigtrain.distributed.comm import AxisComm
+from bigtrain.memory.accounting import SavedActivations
+from bigtrain.parallel.pipeline.partition import PipelineStage, TensorSpec
+from bigtrain.parallel.pipeline.schedules import Action, Op, Schedule
+from bigtrain.parallel.pipeline.validate import validate
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs of the first stage, targets of the last)
+Key = tuple[int, int]  # (stage, micro-batch)
+RecvKey = tuple[Op, int, int]  # (RECV_FWD or RECV_BWD, stage, micro-batch)
+TimelineEntry = tuple[str, float, float]  # ("F3.s1", start, end), perf_counter seconds
+
+_GRAD_OPS = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the actions that accumulate into .grad
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+
+
+class GradSync(Protocol):
+    def no_sync(self) -> AbstractContextManager: ...
+
+
+@dataclass
+class _Step:
+    """What one ``run`` holds between actions; dropped when the step ends."""
+
+    micro_batches: Sequence[MicroBatch]
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # d loss / d output of (s, mb)
+    input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # waiting for SEND_BWD
+    queued: list[tuple[dist.P2POp, RecvKey | None]] = field(default_factory=list)  # not posted yet
+    recvs: dict[RecvKey, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)
+    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # posted, maybe unfinished
+    losses: list[torch.Tensor] = field(default_factory=list)
+    activation_bytes: dict[Key, int] = field(default_factory=dict)
+    held_bytes: int = 0
+
+
+class PipelineExecutor:
+    """Runs this rank's part of ``schedule`` on its ``stages`` (global stage index -> stage).
+
+    ``comm`` is the mesh's pp axis (``mesh.comm("pp")``); its rank is this rank's pp coordinate.
+    ``loss_fn(last_stage_output, targets)`` gives a micro-batch's loss (normalize it by the global
+    token count so gradients sum over micro-batches). With ``measure_activations`` each forward's
+    saved-for-backward bytes are counted and ``peak_activation_bytes`` is the most held at once.
+    """
+
+    def __init__(self, stages: Mapping[int, PipelineStage], schedule: Schedule, comm: AxisComm, loss_fn: LossFn,
+                 engines: Mapping[int, GradSync] | None = None, measure_activations: bool = False):
+        validate(schedule)  # a broken schedule fails here, naming the rank and action, before any transfer
+        if comm.size != schedule.p:
+            raise ValueError(f"schedule is for p={schedule.p} pipeline ranks but the pp axis has {comm.size}")
+        self.rank = comm.rank
+        owned = schedule.stages_of_rank(self.rank)
+        if sorted(stages) != owned:
+            raise ValueError(f"pp rank {self.rank} runs stages {owned} of the schedule but was given {sorted(stages)}")
+        self.stages, self.schedule, self.comm, self.loss_fn = dict(stages), schedule, comm, loss_fn
+        self.engines = dict(engines or {})
+        self.measure_activations = measure_activations
+        self.actions = schedule.actions[self.rank]
+        self._last_grad_action = {a.stage: a for a in self.actions if a.kind in _GRAD_OPS}
+        # model input (shape, dtype) -> {stage: (input spec, output spec)} of this rank's stages
+        self._specs: dict[tuple, dict[int, tuple[TensorSpec, TensorSpec]]] = {}
+        self._dispatch: dict[Op, Callable[[_Step, Action], None]] = {
+            Op.FORWARD: self._forward,
+            Op.BACKWARD: self._backward,
+            Op.BACKWARD_INPUT: self._backward_input,
+            Op.BACKWARD_WEIGHT: self._backward_weight,
+            Op.SEND_FWD: self._send_forward,
+            Op.SEND_BWD: self._send_backward,
+            Op.RECV_FWD: self._recv_forward,
+            Op.RECV_BWD: self._recv_backward,
+        }
+        self.timeline: list[TimelineEntry] = []
+        self.wait_seconds = 0.0  # time the last step spent waiting for received tensors
+        self.peak_activation_bytes = 0
+        self.activation_bytes: dict[Key, int] = {}
+
+    # ------------------------------------------------------------------ the step
+    def run(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor | None:
+        """One step over ``schedule.m`` micro-batches (every rank passes the same list; only the
+        first stage reads the inputs and the last the targets). Returns the sum of the
+        micro-batch losses on the rank holding the last stage, None elsewhere."""
+        if len(micro_batches) != self.schedule.m:
+            raise ValueError(f"schedule has m={self.schedule.m} micro-batches, got {len(micro_batches)}")
+        self._ensure_specs(micro_batches)
+        step = _Step(micro_batches)
+        self.timeline, self.wait_seconds, self.peak_activation_bytes = [], 0.0, 0
+        for action in self.actions:
+            if action.kind.is_compute:
+                self._post_queued(step)
+                self._await_inputs(step, action)
+                start = time.perf_counter()
+                self._dispatch[action.kind](step, action)
+                self.timeline.append((str(action), start, time.perf_counter()))
+            else:
+                self._dispatch[action.kind](step, action)
+        self._post_queued(step)
+        for work, _ in step.sends:  # sends must finish before their buffers go
+            work.wait()
+        self.activation_bytes = step.activation_bytes
+        last = self.schedule.num_stages - 1
+        return torch.stack(step.losses).sum() if last in self.stages else None
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, step: _Step, action: Action) -> None:
+        key, stage = (action.stage, action.microbatch), self.stages[action.stage]
+        inputs, targets = step.micro_batches[action.microbatch]
+        x = inputs if stage.is_first else step.inputs.pop(key)
+        tracker = SavedActivations(stage) if self.measure_activations else None
+        with tracker if tracker is not None else nullcontext():
+            out = stage(x)
+            if stage.is_last:
+                out = self.loss_fn(out, targets)
+                step.losses.append(out.detach())
+        step.outputs[key] = out
+        if not stage.is_first:
+            step.inputs[key] = x
+        if tracker is not None:
+            step.activation_bytes[key] = tracker.current
+            step.held_bytes += tracker.current
+            self.peak_activation_bytes = max(self.peak_activation_bytes, step.held_bytes)
+        if action.stage + 1 in self.stages:  # next stage on this rank (p == 1): hand over in memory
+            step.inputs[(action.stage + 1, action.microbatch)] = out.detach().requires_grad_()
+
+    def _backward(self, step: _Step, action: Action) -> None:
+        key = (action.stage, action.microbatch)
+        out, grad = step.outputs.pop(key), self._output_grad(step, action)
+        with self._sync_context(action):
+            torch.autograd.backward(out, grad)
+        x = step.inputs.pop(key, None)
+        if x is not None:
+            self._hand_upstream(step, action, x.grad)
+        self._release(step, key)
+
+    def _backward_input(self, step: _Step, action: Action) -> None:
+        key = (action.stage, action.microbatch)
+        grad = self._output_grad(step, action)
+        step.output_grads[key] = grad  # W needs it again
+        x = step.inputs.get(key)
+        if x is not None:  # the first stage has no input gradient: its W does the whole backward
+            (input_grad,) = torch.autograd.grad(step.outputs[key], [x], grad, retain_graph=True)
+            self._hand_upstream(step, action, input_grad)
+
+    def _backward_weight(self, step: _Step, action: Action) -> None:
+        key = (action.stage, action.microbatch)
+        out, grad = step.outputs.pop(key), step.output_grads.pop(key)
+        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
+        with self._sync_context(action):
+            torch.autograd.backward(out, grad, inputs=params)
+        step.inputs.pop(key, None)
+        self._release(step, key)
+
+    def _output_grad(self, step: _Step, action: Action) -> torch.Tensor | None:
+        """The gradient flowing into the stage's output: None for the loss, else local or received."""
+        return step.output_grads.pop((action.stage, action.microbatch), None)
+
+    def _await_inputs(self, step: _Step, action: Action) -> None:
+        """Wait for the received tensors ``action`` consumes, just before it computes."""
+        key = (action.stage, action.microbatch)
+        if action.kind is Op.FORWARD and action.stage > 0 and key not in step.inputs:
+            step.inputs[key] = self._wait_recv(step, (Op.RECV_FWD, *key)).requires_grad_()
+        elif (action.kind in (Op.BACKWARD, Op.BACKWARD_INPUT) and action.stage < self.schedule.num_stages - 1
+              and key not in step.output_grads):
+            step.output_grads[key] = self._wait_recv(step, (Op.RECV_BWD, *key))
+
+    def _hand_upstream(self, step: _Step, action: Action, input_grad: torch.Tensor) -> None:
+        upstream = (action.stage - 1, action.microbatch)
+        if upstream[0] in self.stages:
+            step.output_grads[upstream] = input_grad
+        else:
+            step.input_grads[(action.stage, action.microbatch)] = input_grad
+
+    def _sync_context(self, action: Action) -> AbstractContextManager:
+        engine = self.engines.get(action.stage)
+        if engine is None or self._last_grad_action[action.stage] == action:
+            return nullcontext()
+        return engine.no_sync()
+
+    def _release(self, step: _Step, key: Key) -> None:
+        step.held_bytes -= step.activation_bytes.get(key, 0)
+
+    # ------------------------------------------------------------------ transfers
+    def _send_forward(self, step: _Step, action: Action) -> None:
+        tensor = step.outputs[(action.stage, action.microbatch)].detach()
+        step.queued.append((self.comm.send_op(tensor, action.peer, tag="activations"), None))
+
+    def _send_backward(self, step: _Step, action: Action) -> None:
+        tensor = step.input_grads.pop((action.stage, action.microbatch))
+        step.queued.append((self.comm.send_op(tensor, action.peer, tag="input_grads"), None))
+
+    def _recv_forward(self, step: _Step, action: Action) -> None:
+        self._queue_recv(step, action, self._stage_specs(step)[action.stage][0])
+
+    def _recv_backward(self, step: _Step, action: Action) -> None:
+        self._queue_recv(step, action, self._stage_specs(step)[action.stage][1])
+
+    def _queue_recv(self, step: _Step, action: Action, spec: TensorSpec) -> None:
+        buffer = torch.empty(spec.shape, dtype=spec.dtype)
+        step.queued.append((self.comm.recv_op(buffer, action.peer), (action.kind, action.stage, action.microbatch)))
+
+    def _post_queued(self, step: _Step) -> None:
+        """Post the transfers queued since the last compute as one batch; forget finished sends."""
+        if not step.queued:
+            return
+        works = self.comm.batch_isend_irecv([op for op, _ in step.queued])
+        for (op, recv_key), work in zip(step.queued, works):  # one work per op, in order
+            if recv_key is None:
+                step.sends.append((work, op.tensor))
+            else:
+                step.recvs[recv_key] = (work, op.tensor)
+        step.queued.clear()
+        step.sends = [(work, tensor) for work, tensor in step.sends if not work.is_completed()]
+
+    def _wait_recv(self, step: _Step, key: RecvKey) -> torch.Tensor:
+        work, buffer = step.recvs.pop(key)
+        start = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - start
+        return buffer
+
+    # ------------------------------------------------------------------ shapes
+    def _stage_specs(self, step: _Step) -> dict[int, tuple[TensorSpec, TensorSpec]]:
+        return self._specs[_spec_key(step.micro_batches[0][0])]
+
+    def _ensure_specs(self, micro_batches: Sequence[MicroBatch]) -> None:
+        first = micro_batches[0][0]
+        if any(mb[0].shape != first.shape or mb[0].dtype != first.dtype for mb in micro_batches):
+            raise ValueError("all micro-batches of a step must have the same input shape and dtype")
+        key = _spec_key(first)
+        if key not in self._specs:
+            self._specs[key] = self._exchange_specs(TensorSpec(tuple(first.shape), first.dtype))
+
+    def _exchange_specs(self, model_input: TensorSpec) -> dict[int, tuple[TensorSpec, TensorSpec]]:
+        """(input, output) spec of each stage of this rank, passed down the pipeline once per input shape.
+
+        Every rank walks the stages in model order, so the chain of blocking sends cannot cycle.
+        """
+        p, specs = self.schedule.p, {}
+        incoming = model_input
+        for s in range(self.schedule.num_stages):
+            owner, next_owner = s % p, (s + 1) % p
+            if owner == self.rank:
+                output = self.stages[s].output_spec(incoming)
+                specs[s], incoming = (incoming, output), output
+                if s + 1 < self.schedule.num_stages and next_owner != self.rank:
+                    self.comm.send(_encode_spec(incoming), next_owner, tag="meta")
+            elif next_owner == self.rank and s + 1 < self.schedule.num_stages:
+                incoming = _recv_spec(self.comm, owner)
+        return specs
+
+
+def _spec_key(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype
+
+
+_SPEC_SLOTS = 8  # dtype code, ndim, then up to 6 sizes
+
+
+def _encode_spec(spec: TensorSpec) -> torch.Tensor:
+    if len(spec.shape) > _SPEC_SLOTS - 2:
+        raise ValueError(f"stage outputs of more than {_SPEC_SLOTS - 2} dimensions are not supported")
+    values = [_DTYPES.index(spec.dtype), len(spec.shape), *spec.shape]
+    return torch.tensor(values + [0] * (_SPEC_SLOTS - len(values)), dtype=torch.int64)
+
+
+def _recv_spec(comm: AxisComm, peer: int) -> TensorSpec:
+    message = torch.empty(_SPEC_SLOTS, dtype=torch.int64)
+    comm.recv(message, peer)
+    dtype_code, ndim, *sizes = message.tolist()
+    return TensorSpec(tuple(sizes[:ndim]), _DTYPES[dtype_code])
+
+
+def align_timelines(timelines: Sequence[Sequence[TimelineEntry]]) -> list[list[TimelineEntry]]:
+    """Shift per-rank timelines (perf_counter seconds, one machine) so the earliest start is 0,
+    ready for ``draw_timeline``."""
+    origin = min((start for row in timelines for _, start, _ in row), default=0.0)
+    return [[(label, start - origin, end - origin) for label, start, end in row] for row in timelines]

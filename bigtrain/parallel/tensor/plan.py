@@ -1,0 +1,131 @@
+"""Plans as data: ``{module-name pattern: style or [styles]}`` applied by :func:`parallelize_module`,
+the reference Llama's plan, and the :class:`TensorLayout` a parallelized model carries (how every
+local weight is cut from the full one, which gradients are partial, which loss to use)."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from bigtrain.config import ModelConfig
+from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.tensor.functional import _all_gather
+from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
+from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, ReplicatedKVHeads,
+                                             RowParallel, ShardSpec, Style, TPContext, UlyssesAttention,
+                                             VocabParallelEmbedding, VocabParallelOutput)
+
+Plan = dict[str, "Style | list[Style]"]
+
+
+def parallelize_module(model: nn.Module, plan: Plan, ctx: TPContext) -> None:
+    """Apply each pattern's styles to every module whose qualified name matches it (fnmatch), in
+    plan order. An unmatched pattern is an error: a typo must not silently leave a layer whole."""
+    modules = dict(model.named_modules())
+    for pattern, styles in plan.items():
+        matched = [name for name in modules if fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            raise ValueError(f"parallel plan: pattern '{pattern}' matches no module")
+        for name in matched:
+            for style in styles if isinstance(styles, list) else [styles]:
+                style.apply(modules[name], ctx)
+
+
+def llama_plan(cfg: ModelConfig, tp: int, sequence_parallel: bool, ulysses: bool) -> Plan:
+    """Megatron's layout for the reference Llama: attention heads and the SwiGLU inner dimension
+    split over tp (column then row), vocabulary-parallel embedding and head; key/value heads split
+    when they divide by tp, else replicated."""
+    plan: Plan = {}
+    if tp > 1:
+        kv = ColumnParallel() if cfg.kv_heads % tp == 0 else ReplicatedKVHeads(cfg.n_heads, cfg.kv_heads, cfg.head_dim)
+        plan.update({
+            "tok_embeddings": VocabParallelEmbedding(),
+            "layers.*.attention": PrepareInput(),
+            "layers.*.attention.wq": ColumnParallel(),
+            "layers.*.attention.wk": kv,
+            "layers.*.attention.wv": kv,
+            "layers.*.attention.wo": RowParallel(),
+            "layers.*.feed_forward": PrepareInput(),
+            "layers.*.feed_forward.w1": ColumnParallel(),
+            "layers.*.feed_forward.w3": ColumnParallel(),
+            "layers.*.feed_forward.w2": RowParallel(),
+            "output": VocabParallelOutput(),
+        })
+        if sequence_parallel:  # norms see a sequence shard: their weight gradients are partial
+            plan["*norm"] = PartialGradient()
+    if ulysses:
+        plan["layers.*.attention.core"] = UlyssesAttention()
+    return plan
+
+
+@dataclass
+class TensorLayout:
+    """What a tensor/sequence-parallel model carries besides its modules."""
+
+    tp: AxisComm
+    sp: AxisComm
+    specs: dict[str, ShardSpec] = field(default_factory=dict)  # parameter name -> how it is cut
+    partial_grads: list[str] = field(default_factory=list)  # parameter names
+    vocab: tuple[int, int] | None = None
+
+    def local_init(self, full_init: Callable[[str, tuple], torch.Tensor]) -> Callable[[str, tuple], torch.Tensor]:
+        """``init_fn(name, local_shape)`` giving this rank's part of the full initial value."""
+        def init(name: str, local_shape: tuple) -> torch.Tensor:
+            spec = self.specs.get(name)
+            if spec is None:
+                return full_init(name, local_shape)
+            shape = list(local_shape)
+            shape[spec.dim] = spec.full_size
+            return spec.local_from_full(full_init(name, tuple(shape)))
+        return init
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        if self.vocab is None:
+            return None
+        return vocab_parallel_loss_sum(logits, targets, self.tp, *self.vocab)
+
+    def register_grad_hooks(self, model: nn.Module) -> None:
+        """Sum the partial gradients of replicated weights over tp before anything else sees them
+        (a tensor hook runs before accumulation, so it precedes every post-accumulate hook)."""
+        params = dict(model.named_parameters())
+        for name in self.partial_grads:
+            params[name].register_hook(lambda g: _summed(g, self.tp))
+
+    def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Local tensors by parameter name -> full tensors (collective over tp)."""
+        out = {}
+        for name, t in tensors.items():
+            spec = self.specs.get(name)
+            if spec is None:
+                out[name] = t
+                continue
+            gathered = _all_gather(t, self.tp, spec.dim, "checkpoint")
+            out[name] = spec.full_from_parts(list(gathered.chunk(spec.parts, dim=spec.dim))).clone()
+        return out
+
+    def shard_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: self.specs[n].local_from_full(t) if n in self.specs else t for n, t in tensors.items()}
+
+
+def _summed(grad: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    out = grad.clone()
+    comm.all_reduce(out, tag="partial_grads")
+    return out
+
+
+def parallelize_llama(model: nn.Module, cfg: ModelConfig, tp: AxisComm, sp: AxisComm,
+                      sequence_parallel: bool) -> TensorLayout:
+    """Apply the Llama plan on the meta device; returns the layout the rest of the run needs."""
+    ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel and tp.size > 1, sp=sp)
+    parallelize_module(model, llama_plan(cfg, tp.size, ctx.sequence_parallel, sp.size > 1), ctx)
+    layout = TensorLayout(tp=tp, sp=sp, vocab=ctx.vocab)
+    for name, p in model.named_parameters():
+        if id(p) in ctx.specs:
+            layout.specs[name] = ctx.specs[id(p)]
+        if id(p) in ctx.partial_grads:
+            layout.partial_grads.append(name)
+    return layout

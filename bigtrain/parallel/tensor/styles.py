@@ -1,0 +1,183 @@
+"""Parallel styles: what a plan entry does to one module of a plain model.
+
+A style is applied on the meta device, before any memory exists: it replaces the module's weight
+by a meta parameter of the local shape, records how that local tensor is cut from the full one
+(:class:`ShardSpec`, used by init and checkpoints), and adds the communication as forward hooks
+made of differentiable collectives, so the module's own code runs unchanged on its shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.tensor.functional import (all_to_all, copy_to_group, gather_sequence, reduce_from_group,
+                                                 scatter_sequence_sum)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The local tensor is part ``index`` of ``parts`` equal parts of the full tensor along ``dim``,
+    after padding that dimension from ``full_size`` to ``padded_size`` (vocabularies)."""
+
+    dim: int
+    index: int
+    parts: int
+    full_size: int
+    padded_size: int
+
+    def local_from_full(self, full: torch.Tensor) -> torch.Tensor:
+        if self.padded_size > self.full_size:
+            pad_shape = list(full.shape)
+            pad_shape[self.dim] = self.padded_size - self.full_size
+            full = torch.cat([full, full.new_zeros(pad_shape)], dim=self.dim)
+        return full.chunk(self.parts, dim=self.dim)[self.index].contiguous()
+
+    def full_from_parts(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, self.full_size)
+
+
+@dataclass
+class TPContext:
+    """What styles share while a plan is applied: the groups and what they record."""
+
+    tp: AxisComm
+    sequence_parallel: bool = False
+    sp: AxisComm | None = None
+    specs: dict[int, ShardSpec] = field(default_factory=dict)  # id(new param) -> spec
+    partial_grads: set[int] = field(default_factory=set)  # replicated params whose grads are partial sums
+    replaced: dict[int, nn.Parameter] = field(default_factory=dict)  # id(old) -> new (tied weights)
+    vocab: tuple[int, int] | None = None  # (first local vocab id, real vocabulary size)
+
+
+def _shard_param(module: nn.Module, attr: str, dim: int, ctx: TPContext, pad_to: int = 1) -> ShardSpec:
+    old = getattr(module, attr)
+    if id(old) in ctx.replaced:  # already sharded through a tied module
+        new = ctx.replaced[id(old)]
+        setattr(module, attr, new)
+        return ctx.specs[id(new)]
+    size, parts = old.shape[dim], ctx.tp.size
+    padded = -(-size // (parts * pad_to)) * parts * pad_to
+    if padded != size and pad_to == 1:
+        raise ValueError(f"{attr} dimension {dim} of size {size} does not divide by tp = {parts}")
+    spec = ShardSpec(dim, ctx.tp.rank, parts, size, padded)
+    shape = list(old.shape)
+    shape[dim] = padded // parts
+    new = nn.Parameter(torch.empty(shape, dtype=old.dtype, device=old.device), requires_grad=old.requires_grad)
+    setattr(module, attr, new)
+    ctx.specs[id(new)], ctx.replaced[id(old)] = spec, new
+    return spec
+
+
+class Style:
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallel(Style):
+    """Split output features: y_local = x W_local^T. Inputs must be replicated (see PrepareInput)."""
+
+    def __init__(self, pad_to: int = 1):
+        self.pad_to = pad_to  # > 1 pads (vocabulary) so the rows split evenly
+
+    def apply(self, module: nn.Linear, ctx: TPContext) -> None:
+        _shard_param(module, "weight", 0, ctx, self.pad_to)
+        if module.bias is not None:
+            _shard_param(module, "bias", 0, ctx, self.pad_to)
+
+
+class RowParallel(Style):
+    """Split input features; partial outputs are summed (all-reduce), or reduce-scattered along
+    the sequence under sequence parallelism."""
+
+    def apply(self, module: nn.Linear, ctx: TPContext) -> None:
+        if module.bias is not None:
+            raise ValueError("RowParallel: a bias would be added once per rank; use bias=False")
+        _shard_param(module, "weight", 1, ctx)
+        if ctx.sequence_parallel:
+            module.register_forward_hook(lambda m, args, out: scatter_sequence_sum(out, ctx.tp))
+        else:
+            module.register_forward_hook(lambda m, args, out: reduce_from_group(out, ctx.tp))
+
+
+class PrepareInput(Style):
+    """Make a block's input whole for the column-parallel layers inside it: all-gather the
+    sequence (sequence parallel) or mark the entry of a tensor-parallel region (backward all-reduce).
+    Done once per sub-block, not once per linear layer."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        def hook(m, args):
+            x = gather_sequence(args[0], ctx.tp) if ctx.sequence_parallel else copy_to_group(args[0], ctx.tp)
+            return (x,) + tuple(args[1:])
+
+        module.register_forward_pre_hook(hook)
+
+
+class VocabParallelEmbedding(Style):
+    """Rows split by vocabulary id (padded to divide); ids outside this rank's range look up zeros,
+    and the partial embeddings are summed (or reduce-scattered along the sequence)."""
+
+    def apply(self, module: nn.Embedding, ctx: TPContext) -> None:
+        spec = _shard_param(module, "weight", 0, ctx, pad_to=1 if module.num_embeddings % ctx.tp.size == 0 else 8)
+        first = spec.index * (spec.padded_size // spec.parts)
+        local = spec.padded_size // spec.parts
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            outside = (tokens < first) | (tokens >= first + local)
+            rows = F.embedding((tokens - first).masked_fill(outside, 0), module.weight)
+            rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+            if ctx.sequence_parallel:
+                return scatter_sequence_sum(rows, ctx.tp)
+            return reduce_from_group(rows, ctx.tp)
+
+        module.forward = forward
+
+
+class VocabParallelOutput(Style):
+    """The output head split over the vocabulary; the loss must be the vocab-parallel one."""
+
+    def apply(self, module: nn.Linear, ctx: TPContext) -> None:
+        PrepareInput().apply(module, ctx)
+        spec = _shard_param(module, "weight", 0, ctx, pad_to=1 if module.out_features % ctx.tp.size == 0 else 8)
+        ctx.vocab = (spec.index * (spec.padded_size // spec.parts), spec.full_size)
+
+
+class PartialGradient(Style):
+    """A replicated weight whose gradient each rank sees only in part (a norm on a sequence shard)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        for p in module.parameters(recurse=False):
+            ctx.partial_grads.add(id(p))
+
+
+class ReplicatedKVHeads(Style):
+    """More tensor-parallel ranks than key/value heads: keep the whole projection on every rank and
+    use only the head this rank's query heads attend to; gradients are partial sums."""
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int):
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+
+    def apply(self, module: nn.Linear, ctx: TPContext) -> None:
+        first_q_head = ctx.tp.rank * self.n_heads // ctx.tp.size
+        kv = first_q_head // (self.n_heads // self.n_kv_heads)
+        cols = slice(kv * self.head_dim, (kv + 1) * self.head_dim)
+        ctx.partial_grads.add(id(module.weight))
+        module.register_forward_hook(lambda m, args, out: out[..., cols])
+
+
+class UlyssesAttention(Style):
+    """Sequence-sharded q, k, v -> head-sharded over the whole sequence (all-to-all), attention,
+    and back. Heads (after tensor parallelism) must divide by sp."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        sp = ctx.sp
+
+        def before(m, args):
+            return tuple(all_to_all(t, sp, split_dim=2, cat_dim=1) for t in args)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(lambda m, args, out: all_to_all(out, sp, split_dim=1, cat_dim=2))

@@ -1,0 +1,241 @@
+"""Hardware profiles: peak rates, memory, links; custom profiles from files; calibration.
+
+Every number of a preset is a published peak or a stated assumption (see ``source`` of each
+preset and docs/planner.md). ``achievable_fraction`` is the share of the peak matmul rate a whole
+transformer layer sustains (GEMMs plus norms, softmax and elementwise kernels); it is an
+assumption, set once per accelerator and not fitted to the runs docs/planner.md compares with.
+Link bandwidths are the bus bandwidth a ring collective reaches per GPU (NCCL's ``busbw``),
+about 80-90% of the nominal link rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bigtrain.config import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MIB, GIB = 2**20, 2**30
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    peak_flops_bf16: float  # dense, per accelerator, FLOP/s
+    peak_flops_fp32: float  # what an fp32 matmul runs at (no TF32)
+    achievable_fraction: float  # share of peak a transformer layer sustains
+    memory_bytes: int  # what the device reports as total
+    reserved_bytes: int  # never available to tensors: CUDA context, NCCL and cuBLAS workspaces
+    fragmentation: float  # caching-allocator allowance, as a fraction of the bytes tensors need
+    hbm_bandwidth: float  # bytes/s, for the memory-bound optimizer step
+    intra_node_bandwidth: float  # ring bus bandwidth per GPU inside a node (NVLink), bytes/s
+    inter_node_bandwidth: float  # ring bus bandwidth per GPU across nodes (one NIC per GPU), bytes/s
+    intra_node_latency_s: float  # fixed cost of one collective inside a node
+    inter_node_latency_s: float
+    gpus_per_node: int = 8
+    source: str = ""
+
+    def peak_flops(self, precision: str) -> float:
+        return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_bf16
+
+    def sustained_flops(self, precision: str) -> float:
+        return self.peak_flops(precision) * self.achievable_fraction
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.memory_bytes - self.reserved_bytes
+
+    def with_values(self, **values: Any) -> "HardwareProfile":
+        return dataclasses.replace(self, **_coerce_fields(values, "--hw"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_NVIDIA_RESERVE = dict(reserved_bytes=int(1.5 * GIB), fragmentation=0.05, gpus_per_node=8)
+_A100_LINKS = dict(intra_node_bandwidth=240e9, inter_node_bandwidth=22.5e9,
+                   intra_node_latency_s=10e-6, inter_node_latency_s=25e-6)
+_H100_LINKS = dict(intra_node_bandwidth=360e9, inter_node_bandwidth=45e9,
+                   intra_node_latency_s=10e-6, inter_node_latency_s=25e-6)
+_A100_SOURCE = ("A100 datasheet: 312 TFLOP/s dense bf16, 19.5 fp32; DGX A100: NVLink3 300 GB/s per direction "
+                "(80% as ring busbw), 8x200 Gb/s HDR (25 GB/s per GPU, 90%). achievable_fraction 0.65: "
+                "assumption (large GEMMs ~80% of peak, ~20% of layer time in non-GEMM kernels)")
+_H100_SOURCE = ("H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 fp32, 3.35 TB/s HBM3; DGX H100: NVLink4 450 GB/s "
+                "per direction (80% as ring busbw), 8x400 Gb/s NDR (50 GB/s per GPU, 90%). achievable_fraction "
+                "0.55: assumption (GEMMs ~70% of peak; non-GEMM kernels did not speed up as much as tensor cores)")
+
+PRESETS: dict[str, HardwareProfile] = {
+    "a100-40g": HardwareProfile("a100-40g", 312e12, 19.5e12, 0.65, 40960 * MIB, hbm_bandwidth=1.555e12,
+                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS),
+    "a100-80g": HardwareProfile("a100-80g", 312e12, 19.5e12, 0.65, 81920 * MIB, hbm_bandwidth=2.039e12,
+                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS),
+    "h100-80g": HardwareProfile("h100-80g", 989e12, 67e12, 0.55, 81559 * MIB, hbm_bandwidth=3.35e12,
+                                source=_H100_SOURCE, **_NVIDIA_RESERVE, **_H100_LINKS),
+    "h200-141g": HardwareProfile("h200-141g", 989e12, 67e12, 0.55, 143771 * MIB, hbm_bandwidth=4.8e12,
+                                 source=_H100_SOURCE.replace("3.35 TB/s HBM3", "4.8 TB/s HBM3e, 141 GB"),
+                                 **_NVIDIA_RESERVE, **_H100_LINKS),
+    # The CI machine of notes-cpu-distributed.md: 2 cores, Gloo over loopback. bf16 matmuls have no
+    # fast kernel there (a 1024^3 product takes 2.4 s), hence the low bf16 peak. Calibrate your own.
+    "cpu": HardwareProfile("cpu", 2e9, 1.6e11, 0.6, 24 * GIB, reserved_bytes=GIB // 2, fragmentation=0.0,
+                           hbm_bandwidth=10e9, intra_node_bandwidth=0.85e9, inter_node_bandwidth=0.1e9,
+                           intra_node_latency_s=0.7e-3, inter_node_latency_s=1e-3, gpus_per_node=8,
+                           source="measured on the 2-core CI machine (notes-cpu-distributed.md); "
+                                  "fp32 matmul ~126 GFLOP/s at 1024^3; Gloo all-reduce 0.85 GB/s at 2 ranks"),
+}
+
+_FIELDS = {f.name: f.type for f in dataclasses.fields(HardwareProfile)}
+
+
+def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
+    """Check names and types of profile fields, naming the bad one."""
+    problems, out = [], {}
+    for key, value in values.items():
+        if key not in _FIELDS:
+            problems.append(f"{origin}: unknown hardware field '{key}'; known: {', '.join(_FIELDS)}")
+            continue
+        kind = _FIELDS[key]
+        try:
+            if kind in ("int", int):
+                value = int(float(value))
+            elif kind in ("float", float):
+                value = float(value)
+            else:
+                value = str(value)
+        except (TypeError, ValueError):
+            problems.append(f"{origin}: {key} = {value!r} is not a {kind}")
+            continue
+        if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= 0):
+            problems.append(f"{origin}: {key} = {value} must be a finite number >= 0")
+        out[key] = value
+    if "achievable_fraction" in out and not 0 < out["achievable_fraction"] <= 1:
+        problems.append(f"{origin}: achievable_fraction = {out['achievable_fraction']} must be in (0, 1]")
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def get_profile(name: str) -> HardwareProfile:
+    if name not in PRESETS:
+        raise ConfigError(f"--hardware = '{name}': unknown; presets: {', '.join(PRESETS)} "
+                          f"(or --hardware-file PATH)")
+    return PRESETS[name]
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """A profile from a TOML or JSON file; ``base = "h100-80g"`` fills the fields it leaves out."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text.decode())
+    except FileNotFoundError:
+        raise ConfigError(f"--hardware-file '{path}' does not exist") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        raise ConfigError(f"--hardware-file '{path}' is not valid {path.suffix[1:] or 'TOML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--hardware-file '{path}' must hold a table of fields")
+    data = dict(data.get("hardware", data))
+    base = data.pop("base", None)
+    values = _coerce_fields(data, f"--hardware-file {path}")
+    if base is not None:
+        return dataclasses.replace(get_profile(str(base)), **values)
+    missing = [k for k in _FIELDS if k not in values and k not in ("gpus_per_node", "source")]
+    if missing:
+        raise ConfigError(f"--hardware-file {path}: missing {', '.join(missing)} (or give base = 'h100-80g')")
+    return HardwareProfile(**values)
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+    return path
+
+
+# -- calibration -------------------------------------------------------------------------------------
+def measure_matmul_flops(size: int, dtype_name: str = "fp32", repeats: int = 3) -> float:
+    """FLOP/s of a ``size``^3 matmul on this machine's CPU/GPU (best of ``repeats``)."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first call warms up kernels and caches
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def _all_reduce_rank(rank: int, world_size: int, nbytes: int, repeats: int) -> tuple[float, float]:
+    import torch
+    import torch.distributed as dist
+
+    payload = torch.ones(max(1, nbytes // 4))
+    tiny = torch.ones(1)
+    dist.all_reduce(payload)  # warm-up: connections and buffers
+    timings = {}
+    for name, tensor in (("big", payload), ("tiny", tiny)):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(tensor)
+        timings[name] = (time.perf_counter() - start) / repeats
+    return timings["big"], timings["tiny"]
+
+
+def measure_all_reduce(ranks: int = 2, nbytes: int = 16 * MIB, repeats: int = 3) -> tuple[float, float]:
+    """(bus bandwidth in bytes/s, latency in s) of a Gloo all-reduce over forked local ranks."""
+    from bigtrain.testing import run_ranks
+
+    results = run_ranks(_all_reduce_rank, ranks, nbytes, repeats, timeout=300.0)
+    big = max(r[0] for r in results)
+    tiny = max(r[1] for r in results)
+    moved = 2 * (ranks - 1) / ranks * nbytes  # what a ring all-reduce sends per rank
+    return moved / max(big - tiny, 1e-9), tiny
+
+
+def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_size: int = 256,
+              comm_ranks: int = 2, comm_bytes: int = 16 * MIB, measure_comm: bool = True,
+              base: HardwareProfile | None = None) -> HardwareProfile:
+    """Measure this machine and return (and, with ``output``, write) a profile.
+
+    Peaks are set to the measured rates with ``achievable_fraction = 1``: the measurement already
+    is what a matmul achieves here. Memory and anything not measured come from ``base`` (the cpu
+    preset unless given). Links inside a node are the measured all-reduce; across nodes keep base's.
+    """
+    import torch
+
+    base = base or PRESETS["cpu"]
+    values: dict[str, Any] = {"name": "calibrated", "achievable_fraction": 1.0,
+                              "peak_flops_fp32": measure_matmul_flops(matmul_size, "fp32"),
+                              "peak_flops_bf16": measure_matmul_flops(bf16_size, "bf16", repeats=1)}
+    if torch.cuda.is_available():
+        values["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    source = [f"bigtrain bench --calibrate on {time.strftime('%Y-%m-%d')}: matmul {matmul_size}^3 fp32, "
+              f"{bf16_size}^3 bf16"]
+    if measure_comm and comm_ranks > 1:
+        bandwidth, latency = measure_all_reduce(comm_ranks, comm_bytes)
+        values.update(intra_node_bandwidth=bandwidth, intra_node_latency_s=latency)
+        source.append(f"Gloo all-reduce of {comm_bytes / MIB:.0f} MiB over {comm_ranks} forked ranks")
+    values["source"] = "; ".join(source)
+    profile = dataclasses.replace(base, **values)
+    if output is not None:
+        save_profile(profile, output)
+    return profile

@@ -1,0 +1,184 @@
+"""A layout (how a run is cut over GPUs), the cluster it runs on, parsing and validation.
+
+Axes follow bigtrain's mesh (``distributed/mesh.py``): tp innermost (adjacent ranks, inside a
+node), then sp, dp, and pp outermost. ``sp`` is the Ulysses sequence-parallel degree;
+``tp_sp`` is Megatron's sequence parallelism inside the tp group (norms and residuals sharded
+along the sequence). ZeRO shards over dp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+from bigtrain.config import ConfigError
+from bigtrain.parallel.pipeline import SCHEDULE_KINDS
+from bigtrain.plan.hardware import HardwareProfile
+from bigtrain.plan.model import ModelSpec
+
+RECOMPUTE = ("none", "full", "every")
+PRECISIONS = ("fp32", "bf16", "fp16")
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    v: int = 1
+    recompute: str = "none"
+    every: int = 2
+    tp_sp: bool = False
+    precision: str = "bf16"
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+    @property
+    def compute_bytes(self) -> int:
+        return BYTES[self.precision]
+
+    def micro_batches(self, global_batch: int) -> int:
+        """Micro-batches each pipeline (each dp replica) runs per step."""
+        return global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"sp={self.sp}", f"zero={self.zero}",
+                 f"mb={self.micro_batch}"]
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else ""))
+        parts.append(f"recompute={self.recompute}" + (f",every={self.every}" if self.recompute == "every" else ""))
+        if self.tp > 1:
+            parts.append(f"tp_sp={'on' if self.tp_sp else 'off'}")
+        parts.append(self.precision)
+        return ",".join(parts)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    hardware: HardwareProfile
+    gpus_per_node: int = 8
+
+    @classmethod
+    def build(cls, gpus: int, hardware: HardwareProfile, gpus_per_node: int | None = None) -> "Cluster":
+        per_node = hardware.gpus_per_node if gpus_per_node is None else gpus_per_node
+        problems = []
+        if not isinstance(gpus, int) or gpus < 1:
+            problems.append(f"--gpus = {gpus}: must be a positive integer")
+        if not isinstance(per_node, int) or per_node < 1:
+            problems.append(f"--gpus-per-node = {per_node}: must be a positive integer")
+        elif not problems and gpus > per_node and gpus % per_node:
+            problems.append(f"--gpus = {gpus} is not a whole number of nodes of --gpus-per-node = {per_node}; "
+                            f"use {gpus // per_node * per_node} or {(gpus // per_node + 1) * per_node}")
+        if problems:
+            raise ConfigError(problems)
+        return cls(gpus, hardware, per_node)
+
+    @property
+    def nodes(self) -> int:
+        return max(1, -(-self.gpus // self.gpus_per_node))
+
+
+_INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every")
+_ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": "recompute", "tpsp": "tp_sp",
+            "zero_stage": "zero"}
+LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision")
+
+
+def parse_layout(text: str) -> dict:
+    """``'dp=8,tp=4,recompute=full'`` -> ``{'dp': 8, 'tp': 4, 'recompute': 'full'}``; 'auto' -> {}."""
+    text = (text or "auto").strip()
+    if text == "auto":
+        return {}
+    out, problems = {}, []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in item:
+            problems.append(f"--layout: '{item}' must look like key=value (e.g. dp=8)")
+            continue
+        key, value = (s.strip() for s in item.split("=", 1))
+        key = _ALIASES.get(key, key)
+        if key not in LAYOUT_KEYS:
+            close = difflib.get_close_matches(key, LAYOUT_KEYS, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; keys: {', '.join(LAYOUT_KEYS)}"
+            problems.append(f"--layout: unknown key '{key}'{hint}")
+            continue
+        try:
+            out[key] = _parse_value(key, value)
+        except ValueError as e:
+            problems.append(f"--layout: {key} = '{value}': {e}")
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def _parse_value(key: str, value: str):
+    if key in _INT_KEYS:
+        number = int(value)
+        if number < (0 if key == "zero" else 1):
+            raise ValueError("must be >= 1" if key != "zero" else "must be 0, 1, 2 or 3")
+        return number
+    if key == "tp_sp":
+        if value.lower() in ("1", "on", "true", "yes"):
+            return True
+        if value.lower() in ("0", "off", "false", "no"):
+            return False
+        raise ValueError("use on or off")
+    choices = {"schedule": SCHEDULE_KINDS, "recompute": RECOMPUTE, "precision": PRECISIONS}[key]
+    if value not in choices:
+        raise ValueError(f"must be one of {', '.join(choices)}")
+    return value
+
+
+def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_batch: int) -> list[str]:
+    """Why a layout cannot run this model on this cluster (empty when it can), naming each key."""
+    problems = []
+    if layout.gpus != cluster.gpus:
+        problems.append(f"dp x tp x pp x sp = {layout.dp} x {layout.tp} x {layout.pp} x {layout.sp} = "
+                        f"{layout.gpus} != --gpus = {cluster.gpus}")
+    if layout.zero not in (0, 1, 2, 3):
+        problems.append(f"zero = {layout.zero}: must be 0, 1, 2 or 3")
+    for key, divides in (("tp", [("--heads", model.heads), ("--kv-heads", model.kv_heads),
+                                 ("--ffn-hidden", model.ffn_hidden)]),
+                         ("sp", [("--heads", model.heads), ("--kv-heads", model.kv_heads), ("--seq", model.seq)])):
+        degree = getattr(layout, key)
+        for flag, value in divides:
+            if value % degree:
+                problems.append(f"{key} = {degree} must divide {flag} = {value}")
+    if layout.tp_sp and layout.tp == 1:
+        problems.append("tp_sp = on needs tp > 1 (it shards along the sequence inside the tp group)")
+    if layout.pp > model.layers:
+        problems.append(f"pp = {layout.pp} exceeds --layers = {model.layers}")
+    if layout.pp * layout.v > model.layers:
+        problems.append(f"pp x v = {layout.pp * layout.v} stages exceed --layers = {model.layers}")
+    problems += _batch_problems(layout, global_batch)
+    return problems
+
+
+def _batch_problems(layout: Layout, global_batch: int) -> list[str]:
+    problems = []
+    per_step = layout.dp * layout.micro_batch
+    if global_batch % per_step:
+        problems.append(f"--global-batch = {global_batch} is not divisible by dp x micro_batch = {layout.dp} x "
+                        f"{layout.micro_batch}")
+        return problems
+    m = global_batch // per_step
+    if layout.schedule == "interleaved":
+        if layout.v < 2:
+            problems.append("schedule = interleaved needs v >= 2")
+        if m < layout.pp or m % layout.pp:
+            problems.append(f"schedule = interleaved needs the micro-batches per step ({m}) to be a multiple of "
+                            f"pp = {layout.pp}")
+    elif layout.v != 1:
+        problems.append(f"v = {layout.v} needs schedule = interleaved")
+    return problems

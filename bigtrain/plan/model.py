@@ -1,0 +1,174 @@
+"""The planner's description of a model: shapes, parameter inventory and FLOPs per token.
+
+Two families. ``mlp="swiglu"`` is bigtrain's own Llama (``bigtrain/models/llama.py``): RMSNorm
+without bias, rotary positions, bias-free projections wq/wk/wv/wo and a SwiGLU MLP w1/w3/w2,
+an input embedding and an (untied by default) output projection. ``mlp="gelu"`` is the classic
+GPT / Megatron block: LayerNorm with bias, learned position embeddings, biased projections,
+a 4h GELU MLP and an output projection tied to the input embedding.
+
+The inventories list every parameter tensor with its element count and whether it gets weight
+decay (matrices do, vectors do not), in the order the runtime's ZeRO units need: one unit per
+transformer block and one root unit for everything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigtrain.config import ConfigError, ModelConfig
+
+MLP_KINDS = ("swiglu", "gelu")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor: its name, element count, whether AdamW decays it, and how tensor
+    parallelism splits it ('col' / 'row': divided by tp; 'vocab': rows divided by tp; 'rep': replicated)."""
+
+    name: str
+    numel: int
+    decays: bool
+    split: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq: int
+    ffn_hidden: int
+    mlp: str = "swiglu"
+    tie_embeddings: bool = False
+    name: str = ""
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig, seq: int, name: str = "") -> "ModelSpec":
+        """The spec of the runtime's Llama built from ``cfg`` and trained on ``seq``-token samples."""
+        return cls(layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.kv_heads,
+                   vocab=cfg.vocab_size, seq=seq, ffn_hidden=cfg.ffn_dim, mlp="swiglu",
+                   tie_embeddings=cfg.tie_embeddings, name=name)
+
+    @classmethod
+    def build(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, kv_heads: int = 0,
+              ffn_hidden: int = 0, mlp: str = "swiglu", tie_embeddings: bool | None = None,
+              name: str = "") -> "ModelSpec":
+        """A spec from dimensions, with the family's defaults for the unset ones; raises ConfigError."""
+        problems = _dimension_problems(layers, hidden, heads, kv_heads, vocab, seq, ffn_hidden, mlp)
+        if problems:
+            raise ConfigError(problems)
+        if not ffn_hidden:
+            ffn_hidden = ModelConfig(dim=hidden).ffn_dim if mlp == "swiglu" else 4 * hidden
+        if tie_embeddings is None:
+            tie_embeddings = mlp == "gelu"  # GPT-2/3 and Megatron tie; Llama does not
+        return cls(layers, hidden, heads, kv_heads or heads, vocab, seq, ffn_hidden, mlp, tie_embeddings, name)
+
+    # -- shapes ----------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    # -- parameter inventory -------------------------------------------------------------------
+    def block_tensors(self) -> list[Tensor]:
+        """One transformer block's parameters."""
+        h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
+        if self.mlp == "swiglu":
+            return [Tensor("attention.wq", h * h, True, "col"), Tensor("attention.wk", h * kv, True, "col"),
+                    Tensor("attention.wv", h * kv, True, "col"), Tensor("attention.wo", h * h, True, "row"),
+                    Tensor("feed_forward.w1", h * f, True, "col"), Tensor("feed_forward.w3", h * f, True, "col"),
+                    Tensor("feed_forward.w2", f * h, True, "row"), Tensor("attention_norm", h, False, "rep"),
+                    Tensor("ffn_norm", h, False, "rep")]
+        qkv = h + 2 * kv
+        return [Tensor("attn.qkv.weight", h * qkv, True, "col"), Tensor("attn.qkv.bias", qkv, False, "col"),
+                Tensor("attn.proj.weight", h * h, True, "row"), Tensor("attn.proj.bias", h, False, "rep"),
+                Tensor("mlp.fc1.weight", h * f, True, "col"), Tensor("mlp.fc1.bias", f, False, "col"),
+                Tensor("mlp.fc2.weight", f * h, True, "row"), Tensor("mlp.fc2.bias", h, False, "rep"),
+                Tensor("ln_1", 2 * h, False, "rep"), Tensor("ln_2", 2 * h, False, "rep")]
+
+    def embedding_tensors(self) -> list[Tensor]:
+        """What the first pipeline stage holds besides blocks."""
+        out = [Tensor("tok_embeddings", self.vocab * self.hidden, True, "vocab")]
+        if self.mlp == "gelu":
+            out.append(Tensor("pos_embeddings", self.seq * self.hidden, True, "rep"))
+        return out
+
+    def head_tensors(self, separate_copy: bool = False) -> list[Tensor]:
+        """What the last pipeline stage holds besides blocks: the final norm and the output
+        projection (a tied one only when it lives on another stage than the embedding)."""
+        norm = Tensor("norm", self.hidden if self.mlp == "swiglu" else 2 * self.hidden, False, "rep")
+        out = [norm]
+        if not self.tie_embeddings or separate_copy:
+            out.append(Tensor("output", self.vocab * self.hidden, True, "vocab"))
+        return out
+
+    @property
+    def block_params(self) -> int:
+        return sum(t.numel for t in self.block_tensors())
+
+    @property
+    def params(self) -> int:
+        """Distinct parameters (a tied embedding counted once)."""
+        root = self.embedding_tensors() + self.head_tensors()
+        return self.layers * self.block_params + sum(t.numel for t in root)
+
+    # -- FLOPs ---------------------------------------------------------------------------------
+    @property
+    def block_matmul_params(self) -> int:
+        """Weights a token multiplies in one block (biases and norms cost O(h), left out)."""
+        return sum(t.numel for t in self.block_tensors() if t.decays)
+
+    @property
+    def matmul_params(self) -> int:
+        """N of the 6N convention: every weight a token is multiplied by (all block matrices and
+        the output projection); the input embedding is a lookup and costs nothing."""
+        return self.layers * self.block_matmul_params + self.vocab * self.hidden
+
+    def block_forward_flops_per_token(self) -> int:
+        """2 per multiply-add over the block's weights, plus attention's QK^T and AV (4 h s,
+        the full-matrix convention of PaLM and Megatron; a causal kernel does about half)."""
+        return 2 * self.block_matmul_params + 4 * self.hidden * self.seq
+
+    def model_flops_per_token(self) -> int:
+        """Model FLOPs per trained token: 6N + 12 L h s (forward 2N + 4Lhs, backward twice that)."""
+        return 6 * self.matmul_params + 12 * self.layers * self.hidden * self.seq
+
+    def recompute_flops_per_token(self, checkpointed_blocks: int) -> int:
+        """Extra hardware FLOPs of recomputing the forward of ``checkpointed_blocks`` blocks."""
+        return checkpointed_blocks * self.block_forward_flops_per_token()
+
+    def describe(self) -> str:
+        kind = "Llama-style (SwiGLU, RMSNorm, rotary)" if self.mlp == "swiglu" else "GPT-style (GELU, LayerNorm, learned positions)"
+        gqa = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
+        return (f"{self.name + ': ' if self.name else ''}{kind}, {self.layers} layers, hidden {self.hidden}, "
+                f"{self.heads} heads{gqa}, ffn {self.ffn_hidden}, vocab {self.vocab}, seq {self.seq}, "
+                f"{self.params / 1e9:.2f} B parameters")
+
+
+def _dimension_problems(layers, hidden, heads, kv_heads, vocab, seq, ffn_hidden, mlp) -> list[str]:
+    """Every problem with a model's dimensions, each naming the command-line flag."""
+    problems = []
+    for flag, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads), ("--vocab", vocab),
+                        ("--seq", seq)):
+        if not isinstance(value, int) or value <= 0:
+            problems.append(f"{flag} = {value}: must be a positive integer")
+    for flag, value in (("--kv-heads", kv_heads), ("--ffn-hidden", ffn_hidden)):
+        if not isinstance(value, int) or value < 0:
+            problems.append(f"{flag} = {value}: must be >= 0 (0 picks the default)")
+    if mlp not in MLP_KINDS:
+        problems.append(f"--mlp = '{mlp}': must be one of {', '.join(MLP_KINDS)}")
+    if problems:
+        return problems
+    if hidden % heads:
+        problems.append(f"--hidden = {hidden} is not divisible by --heads = {heads}; pick heads that divide it")
+    elif mlp == "swiglu" and (hidden // heads) % 2:
+        problems.append(f"--hidden / --heads = {hidden // heads} must be even for rotary embeddings")
+    if kv_heads and heads % kv_heads:
+        problems.append(f"--kv-heads = {kv_heads} must divide --heads = {heads}")
+    return problems

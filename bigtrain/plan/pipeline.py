@@ -1,0 +1,100 @@
+"""Pipeline terms for the planner: step makespan, bubble and peak in-flight micro-batches.
+
+The numbers come from the schedule simulator (``bigtrain.parallel.pipeline.simulate``), which
+builds the real per-rank action lists and times them. Simulating costs O(actions x p), too slow
+for thousands of micro-batches on 64 stages inside a layout search, so:
+
+* small schedules (at most ``max_actions`` compute actions) are simulated as they are;
+* larger ones are simulated at m1 = 2p and m2 = 3p micro-batches and extrapolated linearly in m
+  (after warm-up a schedule repeats with a fixed period; peak in-flight saturates by m = 2p);
+* when even that is too big, closed forms are used. With no transfer cost they equal the
+  simulator exactly (tests/test_plan.py checks it on a grid):
+      naive       m p (f + b)                       peak 1
+      gpipe       (m + p - 1)(f + b)                peak m
+      1f1b        (m + p - 1)(f + b)                peak min(p - r, m) on rank r
+      interleaved m (f + b) + (p - 1)(f + b) / v    peak min(2(p - r - 1) + (v - 1)p + 1, m v)
+      zb-h1       m (f + b) + (p - 1)(f + b - 2w)   peak min(p, m)
+  and a transfer cost c adds 2(p - 1)c (one fill and one drain), a slight underestimate for
+  1f1b, whose steady state also waits on transfers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigtrain.parallel.pipeline import build_schedule, simulate
+
+
+@dataclass(frozen=True)
+class PipelineTerms:
+    makespan: float  # seconds from the first forward to the last backward on the slowest rank
+    busy: float  # compute seconds of one rank: m (f + b)
+    peak_inflight: tuple[int, ...]  # per pipeline rank, stage-chunks of micro-batches held at once
+    source: str
+
+    @property
+    def bubble(self) -> float:
+        return self.makespan - self.busy
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble / self.makespan if self.makespan > 0 else 0.0
+
+
+def closed_form(kind: str, p: int, m: int, v: int, f: float, b: float, w: float = 0.0,
+                comm: float = 0.0) -> PipelineTerms:
+    """The formulas of the module docstring."""
+    busy = m * (f + b)
+    fill = 2 * (p - 1) * comm
+    if kind == "naive":
+        return PipelineTerms(m * p * (f + b) + m * fill, busy, (1,) * p, "closed form")
+    if kind in ("gpipe", "1f1b"):
+        makespan = (m + p - 1) * (f + b) + fill
+        peaks = (m,) * p if kind == "gpipe" else tuple(min(p - r, m) for r in range(p))
+        return PipelineTerms(makespan, busy, peaks, "closed form")
+    if kind == "interleaved":
+        peaks = tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p))
+        return PipelineTerms(busy + (p - 1) * (f + b) / v + fill, busy, peaks, "closed form")
+    if kind == "zb-h1":
+        return PipelineTerms(busy + (p - 1) * (f + b - 2 * w) + fill, busy, (min(p, m),) * p, "closed form")
+    raise ValueError(f"unknown schedule kind {kind!r}")
+
+
+class PipelineModel:
+    """Pipeline terms with a cache, so a layout search simulates each schedule shape once."""
+
+    def __init__(self, max_actions: int = 3000):
+        self.max_actions = max_actions
+        self._cache: dict[tuple, tuple[float, tuple[int, ...]]] = {}
+
+    def _simulate(self, kind: str, p: int, m: int, v: int, f: float, b: float, w: float, comm: float
+                  ) -> tuple[float, tuple[int, ...]]:
+        """Makespan and peaks at f = 1 (costs are scaled by f: the makespan scales with them)."""
+        key = (kind, p, m, v, round(b / f, 4), round(w / f, 4), round(comm / f, 4))
+        if key not in self._cache:
+            result = simulate(build_schedule(kind, p, m, v), 1.0, key[4], key[5], key[6])
+            self._cache[key] = (result.makespan, tuple(result.peak_inflight))
+        makespan, peaks = self._cache[key]
+        return makespan * f, peaks
+
+    def terms(self, kind: str, p: int, m: int, v: int, f: float, b: float, w: float = 0.0,
+              comm: float = 0.0) -> PipelineTerms:
+        """Makespan and peak in-flight of ``m`` micro-batches on ``p`` ranks, F costing ``f``
+        and B ``b`` seconds per micro-batch on one rank (all its ``v`` chunks together)."""
+        busy = m * (f + b)
+        if p == 1:  # no pipeline: the runtime runs each micro-batch's forward and backward in turn
+            return PipelineTerms(busy, busy, (1,), "no pipeline")
+        if f <= 0:
+            return closed_form(kind, p, m, v, f, b, w, comm)
+        if 2 * p * m * v <= self.max_actions:
+            makespan, peaks = self._simulate(kind, p, m, v, f, b, w, comm)
+            return PipelineTerms(makespan, busy, peaks, "simulator")
+        m1, m2 = 2 * p, 3 * p
+        if 2 * p * m2 * v <= self.max_actions and m > m2:
+            t1, _ = self._simulate(kind, p, m1, v, f, b, w, comm)
+            t2, peaks = self._simulate(kind, p, m2, v, f, b, w, comm)
+            makespan = t2 + (m - m2) * (t2 - t1) / (m2 - m1)
+            if kind == "gpipe":  # gpipe holds every micro-batch: its peak grows with m
+                peaks = (m,) * p
+            return PipelineTerms(makespan, busy, peaks, f"simulator at m={m1},{m2}, extrapolated")
+        return closed_form(kind, p, m, v, f, b, w, comm)
