@@ -22,7 +22,7 @@ from bigtrain.memory.accounting import SavedActivations
 from bigtrain.metrics import MetricsLog
 from bigtrain.models.llama import count_parameters
 from bigtrain.optim.schedule import lr_at
-from bigtrain.parallel.build import parallelize, token_loss_sum  # noqa: F401 - token_loss_sum re-exported
+from bigtrain.parallel.build import parallelize, token_loss_sum  # noqa: F401 - part of this module's API
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
 

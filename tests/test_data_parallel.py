@@ -15,7 +15,7 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model
 from bigtrain.parallel.data import DataParallel
 from bigtrain.testing import run_ranks
-from bigtrain.train import token_loss_sum
+from bigtrain.parallel.build import token_loss_sum
 from helpers import assert_rel_close, params_of, run_steps, tiny_config, trainer_on_rank
 
 STEPS = 5

@@ -7,7 +7,7 @@ from bigtrain.config import ModelConfig
 from bigtrain.memory.accounting import SavedActivations, model_state_bytes
 from bigtrain.memory.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from bigtrain.models.llama import apply_rotary, build_model, count_parameters, rotary_tables
-from bigtrain.train import token_loss_sum
+from bigtrain.parallel.build import token_loss_sum
 
 CFG = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32)
 

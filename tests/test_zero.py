@@ -15,7 +15,7 @@ from bigtrain.models.llama import build_model, count_parameters, init_value
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.precision import DynamicLossScaler, Precision
 from bigtrain.testing import RankFailure, run_fake_rank, run_ranks
-from bigtrain.train import token_loss_sum
+from bigtrain.parallel.build import token_loss_sum
 from helpers import assert_rel_close, tiny_config, trainer_on_rank
 
 STEPS = 5
