@@ -20,7 +20,7 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.memory.checkpointing import apply_activation_checkpointing
 from bigtrain.models.llama import build_model, init_value
 from bigtrain.parallel.replicated import ReplicatedEngine
-from bigtrain.parallel.tensor.functional import _split
+from bigtrain.parallel.tensor.functional import local_chunk
 from bigtrain.parallel.tensor.plan import TensorLayout, parallelize_llama
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.parallel.zero.state import MOMENTS
@@ -50,7 +50,7 @@ class ParallelModel:
         start = 0
         if self.sp.size > 1:
             start = self.sp.rank * tokens.shape[1] // self.sp.size
-            tokens, targets = _split(tokens, self.sp, 1), _split(targets, self.sp, 1)
+            tokens, targets = local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1)
         return self.loss_sum(self.model(tokens, start_pos=start), targets)
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:

@@ -41,77 +41,22 @@ def _reduce_scatter(x: torch.Tensor, comm: AxisComm, dim: int, tag: str) -> torc
     return out.movedim(0, dim)
 
 
-def _split(x: torch.Tensor, comm: AxisComm, dim: int) -> torch.Tensor:
+def local_chunk(x: torch.Tensor, comm: AxisComm, dim: int) -> torch.Tensor:
+    """This rank's equal slice of a replicated tensor (no gradient flows: used for token ids)."""
     return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
 
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
+class _Dual(torch.autograd.Function):
+    """A collective in forward and its dual in backward, given as two functions of a tensor."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.comm, "tp"), None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        return _all_reduce(x, comm, "tp")
+    def forward(ctx, x, forward_fn, backward_fn):
+        ctx.backward_fn = backward_fn
+        return forward_fn(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _all_gather(x, comm, dim, "sp")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.comm, ctx.dim, "sp"), None, None
-
-
-class _ScatterSequenceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _reduce_scatter(x, comm, dim, "sp")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.comm, ctx.dim, "sp"), None, None
-
-
-class _SplitSequence(torch.autograd.Function):
-    """Keep this rank's slice of a replicated tensor; backward gathers the slices."""
-
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _split(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.comm, ctx.dim, "sp"), None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    """Split ``split_dim`` across ranks and concatenate ``cat_dim`` from them (Ulysses)."""
-
-    @staticmethod
-    def forward(ctx, x, comm, split_dim, cat_dim):
-        ctx.comm, ctx.split_dim, ctx.cat_dim = comm, split_dim, cat_dim
-        return _all_to_all(x, comm, split_dim, cat_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.comm, ctx.cat_dim, ctx.split_dim), None, None, None
+        return ctx.backward_fn(grad), None, None
 
 
 def _all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, cat_dim: int) -> torch.Tensor:
@@ -124,24 +69,37 @@ def _all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, cat_dim: int) -
 
 
 def copy_to_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    return x if comm.size == 1 else _CopyToGroup.apply(x, comm)
+    """Enter a column-parallel region: identity forward, all-reduce of the gradient."""
+    if comm.size == 1:
+        return x
+    return _Dual.apply(x, lambda t: t.view_as(t), lambda g: _all_reduce(g, comm, "tp"))
 
 
 def reduce_from_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    return x if comm.size == 1 else _ReduceFromGroup.apply(x, comm)
+    """Leave a row-parallel region: all-reduce forward, identity backward."""
+    if comm.size == 1:
+        return x
+    return _Dual.apply(x, lambda t: _all_reduce(t, comm, "tp"), lambda g: g)
 
 
 def gather_sequence(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
-    return x if comm.size == 1 else _GatherSequence.apply(x, comm, dim)
+    """Sequence shards -> whole sequence; the gradient is reduce-scattered back to shards."""
+    if comm.size == 1:
+        return x
+    return _Dual.apply(x, lambda t: _all_gather(t, comm, dim, "sp"), lambda g: _reduce_scatter(g, comm, dim, "sp"))
 
 
 def scatter_sequence_sum(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
-    return x if comm.size == 1 else _ScatterSequenceSum.apply(x, comm, dim)
-
-
-def split_sequence(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
-    return x if comm.size == 1 else _SplitSequence.apply(x, comm, dim)
+    """Partial sums of the whole sequence -> summed sequence shards; the gradient is all-gathered."""
+    if comm.size == 1:
+        return x
+    return _Dual.apply(x, lambda t: _reduce_scatter(t, comm, dim, "sp"), lambda g: _all_gather(g, comm, dim, "sp"))
 
 
 def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, cat_dim: int) -> torch.Tensor:
-    return x if comm.size == 1 else _AllToAll.apply(x, comm, split_dim, cat_dim)
+    """Split ``split_dim`` across ranks and concatenate ``cat_dim`` from them (Ulysses); the
+    gradient makes the opposite move."""
+    if comm.size == 1:
+        return x
+    return _Dual.apply(x, lambda t: _all_to_all(t, comm, split_dim, cat_dim),
+                       lambda g: _all_to_all(g, comm, cat_dim, split_dim))
