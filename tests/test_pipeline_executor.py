@@ -33,7 +33,7 @@ from bigtrain.parallel.pipeline import (
     stages_for_rank,
 )
 from bigtrain.testing import run_ranks
-from bigtrain.train import token_loss_sum
+from bigtrain.parallel.build import token_loss_sum
 from helpers import assert_rel_close
 
 SEQ, BATCH, STEPS, SEED = 16, 8, 2, 3

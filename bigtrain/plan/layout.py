@@ -181,4 +181,6 @@ def _batch_problems(layout: Layout, global_batch: int) -> list[str]:
                             f"pp = {layout.pp}")
     elif layout.v != 1:
         problems.append(f"v = {layout.v} needs schedule = interleaved")
+    if layout.v > 1 and layout.pp == 1:
+        problems.append(f"v = {layout.v} needs pp > 1 (stages per pipeline rank)")
     return problems

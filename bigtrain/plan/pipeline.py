@@ -4,9 +4,9 @@ The numbers come from the schedule simulator (``bigtrain.parallel.pipeline.simul
 builds the real per-rank action lists and times them. Simulating costs O(actions x p), too slow
 for thousands of micro-batches on 64 stages inside a layout search, so:
 
-* small schedules (at most ``max_actions`` compute actions) are simulated as they are;
-* larger ones are simulated at m1 = 2p and m2 = 3p micro-batches and extrapolated linearly in m
-  (after warm-up a schedule repeats with a fixed period; peak in-flight saturates by m = 2p);
+* up to m = 3p micro-batches (and at most ``max_actions`` compute actions) it is simulated as is;
+* more micro-batches are simulated at m1 = 2p and m2 = 3p and extrapolated linearly in m (after
+  warm-up a schedule repeats with a fixed period; peak in-flight saturates by m = 2p);
 * when even that is too big, closed forms are used. With no transfer cost they equal the
   simulator exactly (tests/test_plan.py checks it on a grid):
       naive       m p (f + b)                       peak 1
@@ -61,7 +61,10 @@ def closed_form(kind: str, p: int, m: int, v: int, f: float, b: float, w: float 
 
 
 class PipelineModel:
-    """Pipeline terms with a cache, so a layout search simulates each schedule shape once."""
+    """Pipeline terms with a cache, so repeated layouts simulate each schedule shape once.
+
+    ``max_actions = 0`` uses the closed forms only (the layout search does, then re-times its
+    best candidates with a simulating model)."""
 
     def __init__(self, max_actions: int = 3000):
         self.max_actions = max_actions
@@ -69,8 +72,8 @@ class PipelineModel:
 
     def _simulate(self, kind: str, p: int, m: int, v: int, f: float, b: float, w: float, comm: float
                   ) -> tuple[float, tuple[int, ...]]:
-        """Makespan and peaks at f = 1 (costs are scaled by f: the makespan scales with them)."""
-        key = (kind, p, m, v, round(b / f, 4), round(w / f, 4), round(comm / f, 4))
+        """Makespan and peaks (the makespan scales with the costs, so the cache keys on ratios)."""
+        key = (kind, p, m, v, round(b / f, 3), round(w / f, 3), round(comm / f, 4))
         if key not in self._cache:
             result = simulate(build_schedule(kind, p, m, v), 1.0, key[4], key[5], key[6])
             self._cache[key] = (result.makespan, tuple(result.peak_inflight))
@@ -84,17 +87,17 @@ class PipelineModel:
         busy = m * (f + b)
         if p == 1:  # no pipeline: the runtime runs each micro-batch's forward and backward in turn
             return PipelineTerms(busy, busy, (1,), "no pipeline")
-        if f <= 0:
+        if f <= 0 or self.max_actions <= 0:
             return closed_form(kind, p, m, v, f, b, w, comm)
-        if 2 * p * m * v <= self.max_actions:
+        m1, m2 = 2 * p, 3 * p
+        if m <= m2 and 2 * p * m * v <= self.max_actions:
             makespan, peaks = self._simulate(kind, p, m, v, f, b, w, comm)
             return PipelineTerms(makespan, busy, peaks, "simulator")
-        m1, m2 = 2 * p, 3 * p
-        if 2 * p * m2 * v <= self.max_actions and m > m2:
+        if m > m2 and 2 * p * m2 * v <= self.max_actions:
             t1, _ = self._simulate(kind, p, m1, v, f, b, w, comm)
             t2, peaks = self._simulate(kind, p, m2, v, f, b, w, comm)
             makespan = t2 + (m - m2) * (t2 - t1) / (m2 - m1)
             if kind == "gpipe":  # gpipe holds every micro-batch: its peak grows with m
                 peaks = (m,) * p
-            return PipelineTerms(makespan, busy, peaks, f"simulator at m={m1},{m2}, extrapolated")
+            return PipelineTerms(makespan, busy, peaks, f"simulator at m={m1},{m2}, extrapolated to {m}")
         return closed_form(kind, p, m, v, f, b, w, comm)

@@ -28,14 +28,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import SavedActivations
-from bigtrain.parallel.pipeline.partition import PipelineStage, TensorSpec
+from bigtrain.parallel.pipeline.partition import PipelineStage
 from bigtrain.parallel.pipeline.schedules import Action, Op, Schedule
 from bigtrain.parallel.pipeline.validate import validate
 
@@ -75,12 +75,19 @@ class PipelineExecutor:
 
     ``comm`` is the mesh's pp axis (``mesh.comm("pp")``); its rank is this rank's pp coordinate.
     ``loss_fn(last_stage_output, targets)`` gives a micro-batch's loss (normalize it by the global
-    token count so gradients sum over micro-batches). With ``measure_activations`` each forward's
-    saved-for-backward bytes are counted and ``peak_activation_bytes`` is the most held at once.
+    token count so gradients sum over micro-batches). ``engines`` maps a stage to its gradient
+    engine (see the module docstring). With ``measure_activations`` each forward's saved-for-backward
+    bytes are counted and ``peak_activation_bytes`` is the most held at once. ``forward_kwargs`` go
+    to every stage call.
+
+    Shapes need no declaring: on the first step with a new input shape, each activation sender
+    tells its receiver the shape once (a small blocking message, counted under ``send:meta``);
+    gradient buffers take the shape of the stage's own output.
     """
 
     def __init__(self, stages: Mapping[int, PipelineStage], schedule: Schedule, comm: AxisComm, loss_fn: LossFn,
-                 engines: Mapping[int, GradSync] | None = None, measure_activations: bool = False):
+                 engines: Mapping[int, GradSync] | None = None, measure_activations: bool = False,
+                 forward_kwargs: Mapping[str, Any] | None = None):
         validate(schedule)  # a broken schedule fails here, naming the rank and action, before any transfer
         if comm.size != schedule.p:
             raise ValueError(f"schedule is for p={schedule.p} pipeline ranks but the pp axis has {comm.size}")
@@ -90,11 +97,16 @@ class PipelineExecutor:
             raise ValueError(f"pp rank {self.rank} runs stages {owned} of the schedule but was given {sorted(stages)}")
         self.stages, self.schedule, self.comm, self.loss_fn = dict(stages), schedule, comm, loss_fn
         self.engines = dict(engines or {})
+        self.forward_kwargs = dict(forward_kwargs or {})  # e.g. start_pos of a sequence-parallel chunk
+        # Receive buffers and shape messages live where the stages compute.
+        self.device = next(p.device for stage in self.stages.values() for p in stage.parameters())
         self.measure_activations = measure_activations
         self.actions = schedule.actions[self.rank]
         self._last_grad_action = {a.stage: a for a in self.actions if a.kind in _GRAD_OPS}
-        # model input (shape, dtype) -> {stage: (input spec, output spec)} of this rank's stages
-        self._specs: dict[tuple, dict[int, tuple[TensorSpec, TensorSpec]]] = {}
+        # Per model-input (shape, dtype): the received (shape, dtype) of each stage's input, and the
+        # stages whose output shape this rank has sent; exchanged once, on the first step.
+        self._input_specs: dict[tuple, dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
+        self._announced: dict[tuple, set[int]] = {}
         self._dispatch: dict[Op, Callable[[_Step, Action], None]] = {
             Op.FORWARD: self._forward,
             Op.BACKWARD: self._backward,
@@ -117,7 +129,9 @@ class PipelineExecutor:
         micro-batch losses on the rank holding the last stage, None elsewhere."""
         if len(micro_batches) != self.schedule.m:
             raise ValueError(f"schedule has m={self.schedule.m} micro-batches, got {len(micro_batches)}")
-        self._ensure_specs(micro_batches)
+        first = micro_batches[0][0]
+        if any(mb[0].shape != first.shape or mb[0].dtype != first.dtype for mb in micro_batches):
+            raise ValueError("all micro-batches of a step must have the same input shape and dtype")
         step = _Step(micro_batches)
         self.timeline, self.wait_seconds, self.peak_activation_bytes = [], 0.0, 0
         for action in self.actions:
@@ -143,7 +157,7 @@ class PipelineExecutor:
         x = inputs if stage.is_first else step.inputs.pop(key)
         tracker = SavedActivations(stage) if self.measure_activations else None
         with tracker if tracker is not None else nullcontext():
-            out = stage(x)
+            out = stage(x, **self.forward_kwargs)
             if stage.is_last:
                 out = self.loss_fn(out, targets)
                 step.losses.append(out.detach())
@@ -217,6 +231,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ transfers
     def _send_forward(self, step: _Step, action: Action) -> None:
         tensor = step.outputs[(action.stage, action.microbatch)].detach()
+        self._announce_shape(step, action, tensor)
         step.queued.append((self.comm.send_op(tensor, action.peer, tag="activations"), None))
 
     def _send_backward(self, step: _Step, action: Action) -> None:
@@ -224,13 +239,16 @@ class PipelineExecutor:
         step.queued.append((self.comm.send_op(tensor, action.peer, tag="input_grads"), None))
 
     def _recv_forward(self, step: _Step, action: Action) -> None:
-        self._queue_recv(step, action, self._stage_specs(step)[action.stage][0])
+        shape, dtype = self._input_spec(step, action)
+        self._queue_recv(step, action, torch.empty(shape, dtype=dtype, device=self.device))
 
     def _recv_backward(self, step: _Step, action: Action) -> None:
-        self._queue_recv(step, action, self._stage_specs(step)[action.stage][1])
+        output = step.outputs.get((action.stage, action.microbatch))
+        if output is None:
+            raise RuntimeError(f"pp rank {self.rank}: {action} comes before the forward of its stage and micro-batch")
+        self._queue_recv(step, action, torch.empty_like(output))  # the gradient of the stage's output
 
-    def _queue_recv(self, step: _Step, action: Action, spec: TensorSpec) -> None:
-        buffer = torch.empty(spec.shape, dtype=spec.dtype)
+    def _queue_recv(self, step: _Step, action: Action, buffer: torch.Tensor) -> None:
         step.queued.append((self.comm.recv_op(buffer, action.peer), (action.kind, action.stage, action.microbatch)))
 
     def _post_queued(self, step: _Step) -> None:
@@ -254,55 +272,47 @@ class PipelineExecutor:
         return buffer
 
     # ------------------------------------------------------------------ shapes
-    def _stage_specs(self, step: _Step) -> dict[int, tuple[TensorSpec, TensorSpec]]:
-        return self._specs[_spec_key(step.micro_batches[0][0])]
+    def _input_key(self, step: _Step) -> tuple:
+        first = step.micro_batches[0][0]
+        return tuple(first.shape), first.dtype
 
-    def _ensure_specs(self, micro_batches: Sequence[MicroBatch]) -> None:
-        first = micro_batches[0][0]
-        if any(mb[0].shape != first.shape or mb[0].dtype != first.dtype for mb in micro_batches):
-            raise ValueError("all micro-batches of a step must have the same input shape and dtype")
-        key = _spec_key(first)
-        if key not in self._specs:
-            self._specs[key] = self._exchange_specs(TensorSpec(tuple(first.shape), first.dtype))
+    def _announce_shape(self, step: _Step, action: Action, tensor: torch.Tensor) -> None:
+        """Before the first activation of a stage for a new input shape, tell the receiver its shape.
 
-    def _exchange_specs(self, model_input: TensorSpec) -> dict[int, tuple[TensorSpec, TensorSpec]]:
-        """(input, output) spec of each stage of this rank, passed down the pipeline once per input shape.
-
-        Every rank walks the stages in model order, so the chain of blocking sends cannot cycle.
+        Blocking, and only once per (input shape, stage): the queue is posted first so that this
+        message stays in list order on the channel, and the validator's proof (every transfer
+        blocking at its place in the list cannot deadlock) covers a blocking transfer here.
         """
-        p, specs = self.schedule.p, {}
-        incoming = model_input
-        for s in range(self.schedule.num_stages):
-            owner, next_owner = s % p, (s + 1) % p
-            if owner == self.rank:
-                output = self.stages[s].output_spec(incoming)
-                specs[s], incoming = (incoming, output), output
-                if s + 1 < self.schedule.num_stages and next_owner != self.rank:
-                    self.comm.send(_encode_spec(incoming), next_owner, tag="meta")
-            elif next_owner == self.rank and s + 1 < self.schedule.num_stages:
-                incoming = _recv_spec(self.comm, owner)
-        return specs
+        announced = self._announced.setdefault(self._input_key(step), set())
+        if action.stage not in announced:
+            self._post_queued(step)
+            self.comm.send(_encode_spec(tensor).to(self.device), action.peer, tag="meta")
+            announced.add(action.stage)
 
-
-def _spec_key(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.dtype
+    def _input_spec(self, step: _Step, action: Action) -> tuple[tuple[int, ...], torch.dtype]:
+        known = self._input_specs.setdefault(self._input_key(step), {})
+        if action.stage not in known:
+            self._post_queued(step)
+            known[action.stage] = _recv_spec(self.comm, action.peer, self.device)
+        return known[action.stage]
 
 
 _SPEC_SLOTS = 8  # dtype code, ndim, then up to 6 sizes
 
 
-def _encode_spec(spec: TensorSpec) -> torch.Tensor:
-    if len(spec.shape) > _SPEC_SLOTS - 2:
-        raise ValueError(f"stage outputs of more than {_SPEC_SLOTS - 2} dimensions are not supported")
-    values = [_DTYPES.index(spec.dtype), len(spec.shape), *spec.shape]
+def _encode_spec(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() > _SPEC_SLOTS - 2 or tensor.dtype not in _DTYPES:
+        raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dimensions between stages; "
+                         f"use at most {_SPEC_SLOTS - 2} dimensions and one of {_DTYPES}")
+    values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
     return torch.tensor(values + [0] * (_SPEC_SLOTS - len(values)), dtype=torch.int64)
 
 
-def _recv_spec(comm: AxisComm, peer: int) -> TensorSpec:
-    message = torch.empty(_SPEC_SLOTS, dtype=torch.int64)
+def _recv_spec(comm: AxisComm, peer: int, device: torch.device) -> tuple[tuple[int, ...], torch.dtype]:
+    message = torch.empty(_SPEC_SLOTS, dtype=torch.int64, device=device)
     comm.recv(message, peer)
     dtype_code, ndim, *sizes = message.tolist()
-    return TensorSpec(tuple(sizes[:ndim]), _DTYPES[dtype_code])
+    return tuple(sizes[:ndim]), _DTYPES[dtype_code]
 
 
 def align_timelines(timelines: Sequence[Sequence[TimelineEntry]]) -> list[list[TimelineEntry]]:

@@ -18,7 +18,6 @@ and 2 stages, ``[1]`` gives stage 0 layer 0 and stage 1 layers 1-3.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -133,16 +132,8 @@ def stage_ranges(n_items: int, num_stages: int, split_points: Sequence[int]) -> 
 
 # ------------------------------------------------------------------ stages
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of a tensor crossing a stage boundary (to size receive buffers)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 class PipelineStage(nn.Module):
-    """One contiguous chunk of a model; ``forward(x)`` takes the previous stage's output
+    """One contiguous chunk of a model; ``forward(x, **kwargs)`` takes the previous stage's output
     (the model's input on the first stage) and returns this chunk's output."""
 
     def __init__(self, index: int, num_stages: int):
@@ -156,14 +147,6 @@ class PipelineStage(nn.Module):
     @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
-
-    def output_spec(self, input_spec: TensorSpec) -> TensorSpec:
-        """This stage's output shape and dtype, found by running it on the meta device (no compute)."""
-        tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
-        meta = {name: torch.empty_like(t, device="meta") for name, t in tensors.items()}
-        x = torch.empty(input_spec.shape, dtype=input_spec.dtype, device="meta")
-        out = torch.func.functional_call(self, meta, (x,))
-        return TensorSpec(tuple(out.shape), out.dtype)
 
 
 class LlamaStage(PipelineStage):
@@ -181,20 +164,14 @@ class LlamaStage(PipelineStage):
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """``x``: tokens on the first stage, hidden states after; ``start_pos`` as in ``Llama.forward``."""
         seq = x.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope_cos[start_pos:start_pos + seq], self.rope_sin[start_pos:start_pos + seq]
         h = self.tok_embeddings(x) if self.is_first else x
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h)) if self.is_last else h
-
-    def output_spec(self, input_spec: TensorSpec) -> TensorSpec:
-        # Closed form, so stages whose weights are sharded or gathered on demand need no meta run.
-        if self.is_last:
-            return TensorSpec((*input_spec.shape[:2], self.output.out_features), self.output.weight.dtype)
-        dtype = self.tok_embeddings.weight.dtype if self.is_first else input_spec.dtype
-        return TensorSpec((*input_spec.shape[:2], self.cfg.dim), dtype)
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:

@@ -23,7 +23,7 @@ def _all_reduce(x: torch.Tensor, comm: AxisComm, tag: str) -> torch.Tensor:
     return out
 
 
-def _all_gather(x: torch.Tensor, comm: AxisComm, dim: int, tag: str) -> torch.Tensor:
+def gather_along(x: torch.Tensor, comm: AxisComm, dim: int, tag: str) -> torch.Tensor:
     """Concatenate equal shards of every rank along ``dim``."""
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((comm.size * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
@@ -86,14 +86,14 @@ def gather_sequence(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tens
     """Sequence shards -> whole sequence; the gradient is reduce-scattered back to shards."""
     if comm.size == 1:
         return x
-    return _Dual.apply(x, lambda t: _all_gather(t, comm, dim, "sp"), lambda g: _reduce_scatter(g, comm, dim, "sp"))
+    return _Dual.apply(x, lambda t: gather_along(t, comm, dim, "sp"), lambda g: _reduce_scatter(g, comm, dim, "sp"))
 
 
 def scatter_sequence_sum(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
     """Partial sums of the whole sequence -> summed sequence shards; the gradient is all-gathered."""
     if comm.size == 1:
         return x
-    return _Dual.apply(x, lambda t: _reduce_scatter(t, comm, dim, "sp"), lambda g: _all_gather(g, comm, dim, "sp"))
+    return _Dual.apply(x, lambda t: _reduce_scatter(t, comm, dim, "sp"), lambda g: gather_along(g, comm, dim, "sp"))
 
 
 def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, cat_dim: int) -> torch.Tensor:

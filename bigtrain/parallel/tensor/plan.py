@@ -13,7 +13,7 @@ from torch import nn
 
 from bigtrain.config import ModelConfig
 from bigtrain.distributed.comm import AxisComm
-from bigtrain.parallel.tensor.functional import _all_gather
+from bigtrain.parallel.tensor.functional import gather_along
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
 from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, ReplicatedKVHeads,
                                              RowParallel, ShardSpec, Style, TPContext, UlyssesAttention,
@@ -103,7 +103,7 @@ class TensorLayout:
             if spec is None:
                 out[name] = t
                 continue
-            gathered = _all_gather(t, self.tp, spec.dim, "checkpoint")
+            gathered = gather_along(t, self.tp, spec.dim, "checkpoint")
             out[name] = spec.full_from_parts(list(gathered.chunk(spec.parts, dim=spec.dim))).clone()
         return out
 
