@@ -127,3 +127,24 @@ def _no_sync_sends_nothing(rank, world_size, cache_dir):
 
 def test_accumulation_steps_do_not_communicate(corpus_cache):
     assert run_ranks(_no_sync_sends_nothing, 2, corpus_cache) == [(0, True), (0, True)]
+
+
+def _torch_zero_grad_stays_synchronized(rank, world_size, cache_dir):
+    cfg = tiny_config(cache_dir)
+    model = build_model(cfg.model, "cpu")
+    model.init_weights(0)
+    dp = DataParallel(model, Mesh({"dp": world_size}, rank).comm("dp"))
+    grads = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)  # torch's way, not dp.zero_grad()
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+        token_loss_sum(model(tokens), tokens).backward()
+        dp.finish_grad_sync()
+        grads.append(model.layers[0].attention.wq.weight.grad.clone())
+    return grads
+
+
+def test_clearing_grads_the_torch_way_keeps_ranks_synchronized(corpus_cache):
+    a, b = run_ranks(_torch_zero_grad_stays_synchronized, 2, corpus_cache)
+    for ga, gb in zip(a, b):
+        torch.testing.assert_close(ga, gb, rtol=0, atol=0)

@@ -4,7 +4,9 @@ Each parameter's ``.grad`` is a view into a flat bucket buffer, so autograd accu
 into the buffers and a bucket is all-reduced without copying. Buckets hold parameters in reverse
 registration order, which is roughly the order backward produces their gradients, so the first
 bucket is ready early and its all-reduce runs on Gloo's/NCCL's own thread while backward continues.
-On accumulation steps that do not synchronize, the hooks do nothing at all.
+On accumulation steps that do not synchronize, the hooks only re-home a gradient that was created
+outside its bucket (after a caller's ``zero_grad(set_to_none=True)``), so any way of clearing
+gradients stays correct.
 
 The loss is expected to be normalized by the *global* token count, so gradients are summed, not
 averaged, across ranks: the sum over ranks and micro-batches is then exactly the single-process
@@ -28,7 +30,7 @@ class Bucket:
     buffer: torch.Tensor
     pending: int = 0
     work: object = None
-    offsets: list[int] = field(default_factory=list)
+    views: list[torch.Tensor] = field(default_factory=list)
 
 
 def _unique_trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -62,6 +64,7 @@ class DataParallel:
         self.params = _unique_trainable(model)
         self.buckets = [self._make_bucket(group) for group in plan_buckets(self.params, int(bucket_mb * 2**20))]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         self._sync = True
         self._handles = []
         if comm.size > 1:
@@ -73,12 +76,22 @@ class DataParallel:
         bucket = Bucket(params=params, buffer=buffer, pending=len(params))
         offset = 0
         for p in params:
-            bucket.offsets.append(offset)
-            p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            bucket.views.append(buffer[offset:offset + p.numel()].view_as(p))
+            p.grad = bucket.views[-1]
             offset += p.numel()
         return bucket
 
+    def _rehome(self, param: nn.Parameter, view: torch.Tensor) -> None:
+        """Put a gradient that autograd or the caller created outside the bucket back into it
+        (after a ``zero_grad(set_to_none=True)`` the first gradient is a fresh tensor)."""
+        if param.grad is None:
+            view.zero_()
+        elif param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+        param.grad = view
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        self._rehome(param, self._view_of[id(param)])
         if not self._sync:
             return
         bucket = self._bucket_of[id(param)]
@@ -104,6 +117,8 @@ class DataParallel:
             return
         for bucket in self.buckets:  # same order on every rank
             if bucket.work is None:
+                for p, view in zip(bucket.params, bucket.views):
+                    self._rehome(p, view)  # no gradient this step contributes zeros
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
@@ -114,9 +129,8 @@ class DataParallel:
         """Zero the buckets in place (the grads stay views of them)."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
-            for p, offset in zip(bucket.params, bucket.offsets):
-                if p.grad is None or p.grad.data_ptr() != bucket.buffer[offset:].data_ptr():
-                    p.grad = bucket.buffer[offset:offset + p.numel()].view_as(p)
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
 
     def grad_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
