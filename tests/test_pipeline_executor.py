@@ -2,8 +2,10 @@
 
 Parity (fp32): per-step loss within 1e-5 relative of one process over two SGD steps, and every
 parameter's gradient within 1e-5 relative, for each schedule at pp = 2 and 4 with m in {1, 4, 8},
-interleaved with v = 2, and pp 2 x dp 2. Memory: the saved-activation bytes measured on each rank
-peak at the simulator's in-flight micro-batches times one micro-batch's bytes.
+interleaved with v = 2, pp 2 x dp 2 (our DataParallel, one reduce per bucket), pp 2 x tp 2 and
+pp 2 x dp 2 x tp 2 (tensor-parallel plan inside the stages), and pp 2 x dp 2 under ZeRO 1 and 3
+(weights after two AdamW steps). Memory: the saved-activation bytes measured on each rank peak at
+the simulator's in-flight micro-batches times one micro-batch's bytes.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from bigtrain.config import ModelConfig
+from bigtrain.config import ModelConfig, OptimConfig
 from bigtrain.distributed.mesh import Mesh
-from bigtrain.models.llama import build_model
+from bigtrain.models.llama import build_model, init_value
 from bigtrain.parallel.data import DataParallel
 from bigtrain.parallel.pipeline import (
     PipelineExecutor,
@@ -32,6 +34,10 @@ from bigtrain.parallel.pipeline import (
     split_model,
     stages_for_rank,
 )
+from bigtrain.optim import build_adamw
+from bigtrain.parallel.tensor.plan import parallelize_llama
+from bigtrain.parallel.zero.engine import ZeroEngine
+from bigtrain.precision import Precision
 from bigtrain.testing import run_ranks
 from bigtrain.parallel.build import token_loss_sum
 from helpers import assert_rel_close
@@ -157,6 +163,91 @@ def test_pp2_dp2_matches_one_process_with_one_grad_reduce_per_bucket():
     check_parity(run_ranks(_train_cases, 4, 4, 2, cases), 4, cases)
 
 
+def _tensor_parallel_stages(rank, world_size, cases):
+    """pp 2 x (dp) x tp 2: the tensor-parallel plan applied to the plain model, then split into stages;
+    each stage's gradients summed over dp by our DataParallel. Returns, per case, this rank's
+    (dp coordinate, loss or None, full gradients on tp rank 0)."""
+    mesh = Mesh({"pp": 2, "dp": world_size // 4, "tp": 2}, rank)
+    tp, dp, results = mesh.comm("tp"), mesh.comm("dp"), []
+    for kind, m in cases:
+        cfg = model_config(4)
+        model = build_model(cfg)
+        layout = parallelize_llama(model, cfg, tp, mesh.comm("sp"), sequence_parallel=False)
+        stages = stages_for_rank(model, 2, mesh.coord("pp"))
+        init = layout.local_init(lambda name, shape: init_value(name, shape, SEED, cfg))
+        for stage in stages.values():
+            stage.to_empty(device="cpu")
+            stage.init_buffers()
+            with torch.no_grad():
+                for name, param in stage.named_parameters():
+                    param.copy_(init(name, tuple(param.shape)))
+        sync = DataParallel(StageGroup(stages.values()), dp)
+        executor = PipelineExecutor(stages, build_schedule(kind, 2, m), mesh.comm("pp"),
+                                    lambda logits, targets: layout.loss_sum(logits, targets) / (BATCH * SEQ),
+                                    engines={s: sync for s in stages})
+        inputs, targets = (t.chunk(dp.size)[dp.rank] for t in global_batch(0))
+        loss = executor.run(list(zip(inputs.chunk(m), targets.chunk(m))))
+        sync.finish_grad_sync()
+        grads = layout.gather_full({n: p.grad for s in stages.values() for n, p in s.named_parameters()})
+        results.append((dp.rank, None if loss is None else float(loss), grads if tp.rank == 0 else {}))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [4, 8], ids=["pp2-tp2", "pp2-dp2-tp2"])
+def test_tensor_parallel_inside_stages_matches_one_process(world_size):
+    cases = [("1f1b", 4), ("zb-h1", 2)] if world_size == 4 else [("1f1b", 2)]
+    results = run_ranks(_tensor_parallel_stages, world_size, cases)
+    ref_losses, ref_grads = reference(4)
+    for i, case in enumerate(cases):
+        losses = {(r[i][0], r[i][1]) for r in results if r[i][1] is not None}
+        assert len(losses) == world_size // 4, "the tensor-parallel ranks of a last stage agree on the loss"
+        torch.testing.assert_close(sum(loss for _, loss in losses), ref_losses[0], rtol=1e-5, atol=0)
+        for rank, per_case in enumerate(results):
+            for name, grad in per_case[i][2].items():
+                assert_rel_close(grad, ref_grads[0][name], 1e-5, f"{case} rank {rank} {name}")
+        assert set().union(*(r[i][2] for r in results)) == set(ref_grads[0])
+
+
+ZERO_OPTIM = OptimConfig(lr=1e-3, grad_clip=0.0)
+
+
+def _zero_stage_weights(rank, world_size, zero, kind, m):
+    """pp 2 x dp 2 under ZeRO: the engine owns the stage (its root unit: embedding or norm + head,
+    gathered around the stage's forward) with one unit per block; weights after STEPS AdamW steps."""
+    mesh, cfg = Mesh({"pp": 2, "dp": 2}, rank), model_config(4)
+    (stage,) = stages_for_rank(build_model(cfg), 2, mesh.coord("pp")).values()
+    engine = ZeroEngine(stage, mesh.comm("dp"), zero, Precision(torch.float32, torch.float32), ZERO_OPTIM,
+                        init_fn=lambda name, shape: init_value(name, shape, SEED, cfg),
+                        unit_modules=list(stage.layers.values()))
+    stage.init_buffers("cpu")
+    executor = PipelineExecutor({stage.index: stage}, build_schedule(kind, 2, m), mesh.comm("pp"), loss_fn,
+                                engines={stage.index: engine})
+    for step in range(STEPS):
+        inputs, targets = (t.chunk(2)[mesh.coord("dp")] for t in global_batch(step))
+        executor.run(list(zip(inputs.chunk(m), targets.chunk(m))))
+        engine.finish_grad_sync()
+        engine.step(ZERO_OPTIM.lr, ZERO_OPTIM.grad_clip)
+        engine.zero_grad()
+    return engine.full_state()[0]
+
+
+@pytest.mark.parametrize("zero,kind,m", [(1, "1f1b", 4), (3, "1f1b", 4), (3, "zb-h1", 2)])
+def test_pp2_dp2_under_zero_matches_one_process(zero, kind, m):
+    model = build_model(model_config(4), "cpu")
+    model.init_weights(SEED)
+    optimizer = build_adamw(model, ZERO_OPTIM, ZERO_OPTIM.lr)
+    for step in range(STEPS):
+        inputs, targets = global_batch(step)
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    per_rank = run_ranks(_zero_stage_weights, 4, zero, kind, m)
+    weights = {name: w for rank_weights in per_rank for name, w in rank_weights.items()}
+    assert set(weights) == {n for n, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        assert_rel_close(weights[name], param.detach(), 1e-5, name)
+
+
 # ------------------------------------------------------------------ measured memory, traffic, timeline
 
 def _measured_step(rank, world_size, kind, m):
@@ -248,6 +339,10 @@ def test_stages_keep_parameter_names_and_chain_to_the_model_output():
     for stage in stages:
         h = stage(h)
     torch.testing.assert_close(h, model(global_batch(0)[0]), rtol=0, atol=0)
+    h = chunk = global_batch(0)[0][:, :8]  # a later sequence chunk, as under sequence parallelism
+    for stage in stages:
+        h = stage(h, start_pos=4)
+    torch.testing.assert_close(h, model(chunk, start_pos=4), rtol=0, atol=0)
     merged = StageGroup([stages[0], stages[2]])
     assert list(stages[0].layers) == ["0", "1"], "merging must leave the stages as they were"
     assert [n for n, _ in merged.named_parameters()] == [n for n, _ in stages[0].named_parameters()] + [
@@ -294,6 +389,8 @@ def test_bad_layouts_name_the_field(args, field):
 
 def test_good_layouts_pass_and_splitting_rejects_bad_input():
     assert check_pipeline_layout(4, 2, 1, 1, "1f1b") == []
+    assert check_pipeline_layout(8, 4, 2, 2, "interleaved", m_field="train.micro_batch")[0].startswith(
+        "train.micro_batch = 2: the 'interleaved' schedule needs a multiple of parallel.pp = 4")
     assert check_pipeline_layout(8, 4, 2, 8, "interleaved", [1, 2, 3, 4, 5, 6, 7]) == []
     model = build_model(model_config(4))
     with pytest.raises(ValueError, match="parallel.pp"):

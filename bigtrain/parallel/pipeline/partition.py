@@ -46,12 +46,14 @@ def check_split_points(split_points: Sequence[int], n_layers: int, num_stages: i
 
 
 def check_pipeline_layout(n_layers: int, pp: int, v: int, m: int, kind: str,
-                          split_points: Sequence[int] | None = None, tie_embeddings: bool = False) -> list[str]:
+                          split_points: Sequence[int] | None = None, tie_embeddings: bool = False,
+                          m_field: str = "parallel.pp_microbatches") -> list[str]:
     """Every problem with a pipeline layout, as strings naming the config field and a fix.
 
     ``pp`` ranks with ``v`` stages each (``parallel.pp_virtual``), ``m`` micro-batches per step
-    (``parallel.pp_microbatches``), schedule ``kind`` (``parallel.pp_schedule``) and optional
-    ``split_points`` (``parallel.pp_split``). Returns ``[]`` when the layout can run.
+    (named ``m_field``, in case the config derives m from another field), schedule ``kind``
+    (``parallel.pp_schedule``) and optional ``split_points`` (``parallel.pp_split``). Returns
+    ``[]`` when the layout can run.
     """
     problems = []
     if kind not in SCHEDULE_KINDS:
@@ -61,13 +63,13 @@ def check_pipeline_layout(n_layers: int, pp: int, v: int, m: int, kind: str,
             problems.append(f"parallel.pp_virtual = {v}: the 'interleaved' schedule needs >= 2 stages per rank; use 2")
         if m < pp or m % pp:
             fixed = max(pp, -(-m // pp) * pp)
-            problems.append(f"parallel.pp_microbatches = {m}: the 'interleaved' schedule needs a multiple of "
+            problems.append(f"{m_field} = {m}: the 'interleaved' schedule needs a multiple of "
                             f"parallel.pp = {pp} micro-batches (at least {pp}); use {fixed}")
     elif v != 1:
         problems.append(f"parallel.pp_virtual = {v}: only the 'interleaved' schedule holds several stages per "
                         f"rank; use 1, or parallel.pp_schedule = 'interleaved'")
     if m < 1:
-        problems.append(f"parallel.pp_microbatches = {m}: must be >= 1; use {pp} or more to fill the pipeline")
+        problems.append(f"{m_field} = {m}: must be >= 1; use {pp} or more to fill the pipeline")
     num_stages = pp * max(v, 1)
     if num_stages > n_layers:
         times_v = f" x parallel.pp_virtual = {v}" if v > 1 else ""
