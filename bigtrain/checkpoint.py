@@ -51,6 +51,8 @@ def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) 
 def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
     params = dict(model.named_parameters())
     for name, s in saved["state"].items():
+        if name not in params:  # another pipeline stage's weight
+            continue
         p = params[name]
         optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.ndim > 0 else v for k, v in s.items()}
 

@@ -78,7 +78,13 @@ class ParallelConfig:
 
     dp: int = doc("Data-parallel degree.", 1)
     tp: int = doc("Tensor-parallel degree (Megatron: heads and the MLP split over tp ranks).", 1)
-    pp: int = doc("Pipeline-parallel degree (not yet supported: keep 1).", 1)
+    pp: int = doc("Pipeline-parallel degree (stages on different ranks; micro-batches = accumulation steps).", 1)
+    pp_schedule: str = doc("Pipeline schedule: 'naive', 'gpipe', '1f1b', 'interleaved' or 'zb-h1'.", "1f1b")
+    pp_virtual: int = doc("Model chunks per pipeline rank (>= 2 only with pp_schedule = 'interleaved').", 1)
+    pp_split: str = doc("Comma-separated layer indices that start stages 1..pp*v-1; '' balances by pp_balance.",
+                        "")
+    pp_balance: str = doc("Without pp_split: balance stages by 'layers' (count) or 'params' (parameter count).",
+                          "layers")
     sp: int = doc("Ulysses sequence-parallel degree (sequence shards, all-to-all around attention).", 1)
     sequence_parallel: bool = doc("Megatron sequence parallelism on the tp axis: norms and residuals on "
                                   "sequence shards, all-gather / reduce-scatter instead of all-reduce.", False)
@@ -93,6 +99,12 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.sp
+
+    @property
+    def split_points(self) -> list[int] | None:
+        """``pp_split`` as layer indices (None when empty); raises ValueError on bad text."""
+        text = self.pp_split.strip()
+        return [int(x) for x in text.split(",")] if text else None
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -47,17 +48,21 @@ def _write_atomic(path: Path, data: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def build_byte_corpus(files: list[Path], cache: Path, max_bytes: int) -> Path:
-    """Concatenate files as bytes into a cached uint8 token file; reuse it if present."""
-    digest = hashlib.sha1()
-    for f in files:
-        digest.update(str(f).encode())
-        stat = f.stat()
-        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
-    digest.update(str(max_bytes).encode())
+def _cache_name(key: str, max_bytes: int) -> str:
+    return f"bytes-{hashlib.sha1(f'{key}|{max_bytes}'.encode()).hexdigest()[:16]}.u8"
+
+
+def files_key(files: list[Path]) -> str:
+    """Every file's path, size and modification time: an edit invalidates the cache."""
+    return ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
+def build_byte_corpus(files: list[Path], cache: Path, max_bytes: int, key: str | None = None) -> Path:
+    """Concatenate files as bytes into a cached uint8 token file; reuse it if present. The cache
+    is named by ``key`` when given, else by :func:`files_key`."""
     if not files:
         raise ValueError(f"data.source: no text files found (looked for {', '.join(TEXT_SUFFIXES)})")
-    path = cache / f"bytes-{digest.hexdigest()[:16]}.u8"
+    path = cache / _cache_name(key if key is not None else files_key(files), max_bytes)
     if path.exists():
         return path
     chunks, total = [], 0
@@ -76,7 +81,12 @@ def build_byte_corpus(files: list[Path], cache: Path, max_bytes: int) -> Path:
 def load_tokens(source: str, cache_dir: str = "", max_bytes: int = 0) -> np.ndarray:
     """A 1-D memory-mapped array of token ids for ``source`` (see ``DataConfig.source``)."""
     if source == "stdlib":
-        path = build_byte_corpus(stdlib_files(), cache_root(cache_dir), max_bytes)
+        # The installed standard library does not change under a given interpreter: key the cache on
+        # it instead of stat-ing a thousand files at every start.
+        key = f"stdlib:{sys.version}:{sysconfig.get_paths()['stdlib']}"
+        path = cache_root(cache_dir) / _cache_name(key, max_bytes)
+        if not path.exists():
+            path = build_byte_corpus(stdlib_files(), cache_root(cache_dir), max_bytes, key)
         return np.memmap(path, dtype=np.uint8, mode="r")
     src = Path(os.path.expanduser(source))
     if src.suffix == ".npy":

@@ -22,6 +22,7 @@ from bigtrain.memory.accounting import SavedActivations
 from bigtrain.metrics import MetricsLog
 from bigtrain.models.llama import count_parameters
 from bigtrain.optim.schedule import lr_at
+from bigtrain.parallel.pipeline.executor import PipelineExecutor
 from bigtrain.parallel.build import parallelize, token_loss_sum  # noqa: F401 - part of this module's API
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
@@ -56,6 +57,7 @@ class Trainer:
         self.is_main = mesh.rank == 0
         self.parallel = parallelize(cfg, mesh, self.device)
         self.model, self.engine = self.parallel.model, self.parallel.engine
+        self.executor = self._build_executor() if self.parallel.schedule is not None else None
         self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),
                                     cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.accum = cfg.train.grad_accum(mesh.size("dp"))
@@ -77,21 +79,55 @@ class Trainer:
             tracker.reset()  # backward freed what this micro-batch saved
         return loss_sum.detach()
 
+    def _micro_batches_in_turn(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
+        """Forward and backward of each micro-batch in turn; (summed loss, peak saved bytes)."""
+        tracker = SavedActivations(self.model) if measure else None
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (tokens, targets) in enumerate(batches):
+            loss_sum += self._forward_backward(tokens, targets, sync=i == self.accum - 1, tracker=tracker)
+        return loss_sum, tracker.peak if tracker is not None else 0
+
+    def _micro_batches_through_pipeline(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
+        """The schedule's order of forwards and backwards over this rank's stages."""
+        chunks = [self.parallel.sequence_chunk(t.to(self.device), y.to(self.device))[:2] for t, y in batches]
+        self.executor.measure_activations = measure
+        out = self.executor.run(chunks)
+        loss_sum = torch.zeros((), device=self.device)
+        if out is not None:  # the last stage: undo the normalization and the loss scale of loss_fn
+            loss_sum = out.detach() * self.global_tokens / self._loss_scale()
+        self.parallel.pp.all_reduce(loss_sum, tag="metrics")
+        return loss_sum, self.executor.peak_activation_bytes
+
+    def _loss_scale(self) -> float:
+        return self.engine.scaler.scale if self.engine.scaler is not None else 1.0
+
+    def _build_executor(self) -> PipelineExecutor:
+        parallel = self.parallel
+        start = parallel.sp.rank * self.cfg.data.seq_len // parallel.sp.size
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            # The executor calls backward itself: normalize (and scale, for fp16) here.
+            return parallel.loss_sum(logits, targets) / self.global_tokens * self._loss_scale()
+
+        return PipelineExecutor(parallel.stages, parallel.schedule, parallel.pp, loss_fn,
+                                engines={s: self.engine for s in parallel.stages},
+                                forward_kwargs={"start_pos": start} if parallel.sp.size > 1 else None)
+
     def train_step(self, measure: bool = False) -> StepResult:
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
         before = self.mesh.stats.snapshot()
-        tracker = SavedActivations(self.model) if measure else None
         start = time.perf_counter()
-        loss_sum = torch.zeros((), device=self.device)
         batches = self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"), cfg.train.micro_batch)
-        for i, (tokens, targets) in enumerate(batches):
-            loss_sum += self._forward_backward(tokens, targets, sync=i == self.accum - 1, tracker=tracker)
+        if self.executor is not None:
+            loss_sum, activations = self._micro_batches_through_pipeline(list(batches), measure)
+        else:
+            loss_sum, activations = self._micro_batches_in_turn(batches, measure)
         self.engine.finish_grad_sync()
         grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)
         step_time = time.perf_counter() - start
         traffic = self.mesh.stats.since(before)
-        mem = self._memory(tracker) if measure else {}
+        mem = self._memory(activations) if measure else {}
         self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
         self.engine.zero_grad()
         self.step += 1
@@ -100,9 +136,9 @@ class Trainer:
                           self.global_tokens, mem, traffic.by_axis(), traffic.by_op(), skipped,
                           scaler.scale if scaler is not None else None)
 
-    def _memory(self, tracker: SavedActivations) -> dict[str, int]:
+    def _memory(self, activations: int) -> dict[str, int]:
         states = self.engine.state_bytes()
-        values = torch.tensor([states["params"], states["grads"], states["optimizer"], tracker.peak],
+        values = torch.tensor([states["params"], states["grads"], states["optimizer"], activations],
                               dtype=torch.float64)
         self.mesh.comm("world").max(values)  # the worst rank
         return dict(zip(MEM_KEYS, (int(v) for v in values.tolist())))

@@ -77,7 +77,7 @@ def check_parallel(cfg: Config) -> list[str]:
     p = cfg.parallel
     problems = _positive(cfg, ["parallel.dp", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep",
                                "parallel.bucket_mb"])
-    for axis in ("pp", "ep"):
+    for axis in ("ep",):
         value = getattr(p, axis)
         if value > 1:
             problems.append(f"parallel.{axis} = {value}: not supported yet in this version; set it to 1")
@@ -176,7 +176,25 @@ def check_model_split(cfg: Config) -> list[str]:
     return problems
 
 
-RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_batch, check_data, check_optim,
+def check_pipeline(cfg: Config) -> list[str]:
+    p, t = cfg.parallel, cfg.train
+    if p.pp < 1 or p.dp < 1 or p.pp_virtual < 1 or t.micro_batch < 1 or cfg.model.n_layers < 1:
+        return [] if p.pp_virtual >= 1 else [f"parallel.pp_virtual = {p.pp_virtual}: must be >= 1"]
+    problems = _one_of("parallel.pp_balance", p.pp_balance, ("layers", "params"))
+    try:
+        split_points = p.split_points
+    except ValueError:
+        return problems + [f"parallel.pp_split = '{p.pp_split}': write layer indices like '2,4,6'"]
+    if p.pp == 1 and p.pp_virtual == 1 and not split_points and p.pp_schedule == "1f1b":
+        return problems
+    from bigtrain.parallel.pipeline.partition import check_pipeline_layout  # imports torch: only when needed
+
+    return problems + check_pipeline_layout(cfg.model.n_layers, p.pp, p.pp_virtual, t.grad_accum(p.dp),
+                                            p.pp_schedule, split_points, cfg.model.tie_embeddings,
+                                            m_field="train.global_batch / (train.micro_batch x parallel.dp)")
+
+
+RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_pipeline, check_batch, check_data, check_optim,
                      check_runtime]
 
 

@@ -169,6 +169,16 @@ class AxisComm:
         """Blocking receive into ``tensor``."""
         dist.recv(tensor, self._global_peer(peer), group=self.group)
 
+    def gather_objects(self, obj):
+        """Every rank's ``obj`` as a list on the axis's first rank (None elsewhere); not counted:
+        it is for checkpoints and timelines, not for training traffic."""
+        if self.size == 1:
+            return [obj]
+        ranks = dist.get_process_group_ranks(self.group)
+        out = [None] * self.size if dist.get_rank() == ranks[0] else None
+        dist.gather_object(obj, out, dst=ranks[0], group=self.group)
+        return out
+
     def max(self, tensor: torch.Tensor, tag: str | None = "metrics") -> torch.Tensor:
         """Element-wise max over the axis, in place (for worst-rank metrics)."""
         self.all_reduce(tensor, op=dist.ReduceOp.MAX, tag=tag)

@@ -13,10 +13,12 @@ import torch
 from torch import nn
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of the storage behind ``t``: the storage object, not its address, which
+    changes when ZeRO-3 frees and re-gathers a parameter buffer in place."""
     if hasattr(t, "to_local"):  # DTensor: account the local shard
         t = t.to_local()
-    return (t.untyped_storage().data_ptr(), t.device.type)
+    return t.untyped_storage()._cdata
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -8,7 +8,7 @@ hold replicas of each weight: dp, times sp under Ulysses).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,8 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.memory.checkpointing import apply_activation_checkpointing
 from bigtrain.models.llama import build_model, init_value
+from bigtrain.parallel.pipeline.partition import PipelineStage, StageGroup, stages_for_rank
+from bigtrain.parallel.pipeline.schedules import Schedule, build_schedule
 from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.parallel.tensor.functional import local_chunk
 from bigtrain.parallel.tensor.plan import TensorLayout, parallelize_llama
@@ -34,27 +36,45 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ParallelModel:
-    model: nn.Module
+    model: nn.Module  # what this rank runs and its engine owns: the model, one pipeline stage, or a group
     engine: ReplicatedEngine | ZeroEngine
     layout: TensorLayout | None
     grad_comm: AxisComm  # the ranks holding replicas of every weight (dp, or dp x sp)
     sp: AxisComm
+    pp: AxisComm
     checkpointed: list[int]
+    stages: dict[int, PipelineStage] = field(default_factory=dict)
+    schedule: Schedule | None = None
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         parallel = self.layout.loss_sum(logits, targets) if self.layout is not None else None
         return parallel if parallel is not None else token_loss_sum(logits, targets)
 
+    def sequence_chunk(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's part of the sequence (all of it without Ulysses) and its first position."""
+        if self.sp.size == 1:
+            return tokens, targets, 0
+        start = self.sp.rank * tokens.shape[1] // self.sp.size
+        return local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1), start
+
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's summed loss over its tokens (its sequence chunk under Ulysses)."""
-        start = 0
-        if self.sp.size > 1:
-            start = self.sp.rank * tokens.shape[1] // self.sp.size
-            tokens, targets = local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1)
+        tokens, targets, start = self.sequence_chunk(tokens, targets)
         return self.loss_sum(self.model(tokens, start_pos=start), targets)
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Full (unsharded) weights and optimizer state by name; a collective on every rank."""
+        """Full (unsharded) weights and optimizer state by name, complete on the first rank of the
+        pipeline (its other stages' parts are gathered there); a collective on every rank."""
+        weights, optim = self._stage_state()
+        if self.pp.size == 1:
+            return weights, optim
+        parts = self.pp.gather_objects((weights, optim))
+        if parts is None:
+            return {}, {"state": {}}
+        return ({k: v for w, _ in parts for k, v in w.items()},
+                {"state": {k: v for _, o in parts for k, v in o.get("state", {}).items()}})
+
+    def _stage_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         weights, optim = self.engine.full_state()
         if self.layout is None:
             return weights, optim
@@ -76,36 +96,51 @@ class ParallelModel:
 def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> ParallelModel:
     """This rank's model, weights and optimizer for ``cfg`` on ``mesh``."""
     device = torch.device(device)
+    p = cfg.parallel
     model = build_model(cfg.model)  # meta: no memory yet
-    tp, sp, grad_comm = mesh.comm("tp"), mesh.comm("sp"), mesh.comm("dp_sp")
+    tp, sp, pp, grad_comm = mesh.comm("tp"), mesh.comm("sp"), mesh.comm("pp"), mesh.comm("dp_sp")
     layout = None
     if tp.size > 1 or sp.size > 1:
-        layout = parallelize_llama(model, cfg.model, tp, sp, cfg.parallel.sequence_parallel)
+        layout = parallelize_llama(model, cfg.model, tp, sp, p.sequence_parallel)
     checkpointed = apply_activation_checkpointing(model.layers, cfg.memory.checkpointing,
                                                   cfg.memory.checkpoint_every)
+    stages, schedule, unit_modules = {}, None, None
+    if pp.size > 1:
+        stages = stages_for_rank(model, pp.size, pp.rank, p.pp_virtual, p.pp_balance, p.split_points)
+        schedule = build_schedule(p.pp_schedule, pp.size, cfg.train.grad_accum(p.dp), p.pp_virtual)
+        if len(stages) == 1:
+            model = next(iter(stages.values()))  # the stage is the root unit, its blocks the others
+            unit_modules = list(model.layers.values())
+        else:  # one engine over all chunks; ZeRO-3 gathers per chunk, the modules the executor calls
+            model, unit_modules = StageGroup(stages.values()), list(stages.values())
 
     def full_init(name: str, shape: tuple) -> torch.Tensor:
         return init_value(name, shape, cfg.train.seed, cfg.model)
 
     init_fn = layout.local_init(full_init) if layout is not None else full_init
     tp_sharded = set(layout.specs) if layout is not None else set()
-    engine = _build_engine(cfg, model, grad_comm, tp, tp_sharded, init_fn, device)
+    engine = _build_engine(cfg, model, grad_comm, tp, pp, tp_sharded, init_fn, device, unit_modules)
+    for module in stages.values() or [model]:  # after to_empty, which would leave them uninitialized
+        module.init_buffers(device)
     if layout is not None:
         layout.register_grad_hooks(model)
-    return ParallelModel(model, engine, layout, grad_comm, sp, checkpointed)
+    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule)
 
 
-def _build_engine(cfg: Config, model: nn.Module, grad_comm: AxisComm, tp: AxisComm, tp_sharded: set[str],
-                  init_fn, device: torch.device) -> ReplicatedEngine | ZeroEngine:
+def _build_engine(cfg: Config, model: nn.Module, grad_comm: AxisComm, tp: AxisComm, pp: AxisComm,
+                  tp_sharded: set[str], init_fn, device: torch.device, unit_modules: list[nn.Module] | None
+                  ) -> ReplicatedEngine | ZeroEngine:
+    # Pipeline stages hold different weights: their squared gradient norms add up over pp.
+    disjoint = [pp] if pp.size > 1 else []
     if cfg.parallel.zero == 0 and cfg.precision.mode == "fp32":
         model.to_empty(device=device)
-        model.init_buffers(device)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(init_fn(name, tuple(p.shape)))
-        return ReplicatedEngine(model, grad_comm, cfg.optim, cfg.parallel.bucket_mb, tp=tp, tp_sharded=tp_sharded)
-    model.init_buffers(device)
+        return ReplicatedEngine(model, grad_comm, cfg.optim, cfg.parallel.bucket_mb, tp=tp, tp_sharded=tp_sharded,
+                                disjoint=disjoint)
     return ZeroEngine(
         model, grad_comm, cfg.parallel.zero, Precision.from_config(cfg.precision), cfg.optim, init_fn=init_fn,
-        device=device, reshard_after_forward=cfg.parallel.reshard_after_forward, prefetch=cfg.parallel.prefetch,
-        scaler=DynamicLossScaler.from_config(cfg.precision), tp=tp, tp_sharded=tp_sharded)
+        device=device, unit_modules=unit_modules, reshard_after_forward=cfg.parallel.reshard_after_forward,
+        prefetch=cfg.parallel.prefetch, scaler=DynamicLossScaler.from_config(cfg.precision), tp=tp,
+        tp_sharded=tp_sharded, disjoint=disjoint)

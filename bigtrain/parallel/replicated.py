@@ -17,8 +17,8 @@ from bigtrain.parallel.data import DataParallel
 
 class ReplicatedEngine:
     def __init__(self, model: nn.Module, comm: AxisComm, optim: OptimConfig, bucket_mb: float,
-                 tp: AxisComm | None = None, tp_sharded: set[str] = frozenset()):
-        self.model, self.tp = model, tp
+                 tp: AxisComm | None = None, tp_sharded: set[str] = frozenset(), disjoint: list[AxisComm] = ()):
+        self.model, self.tp, self.disjoint = model, tp, list(disjoint)
         names = {id(p): n for n, p in model.named_parameters()}
         self._tp_replicated = {id(p): names[id(p)] not in tp_sharded for p in model.parameters()}
         self.dp = DataParallel(model, comm, bucket_mb)
@@ -40,7 +40,7 @@ class ReplicatedEngine:
 
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
         grads = [p.grad for p in self.dp.params]
-        norm, _ = global_norm(square_sums((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params), (), self.tp)
+        norm, _ = global_norm(square_sums((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params), self.disjoint, self.tp)
         clip_(grads, norm, max_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

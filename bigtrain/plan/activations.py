@@ -1,7 +1,7 @@
 """Bytes autograd keeps for backward, tensor by tensor, per token.
 
-Each entry names a tensor the block saves, its bytes per token and whether tensor parallelism
-splits it. For bigtrain's Llama the list was read off ``SavedActivations`` on the real model in
+Each entry names a tensor the block saves, its bytes per token and how tensor parallelism treats
+it (a norm's input, a norm's output, or split over tp). For bigtrain's Llama the list was read off ``SavedActivations`` on the real model in
 fp32 and bf16 (tests/test_plan.py re-measures it). With B bytes per element of the compute dtype,
 h hidden, k = kv_heads x head_dim, F the SwiGLU size and a heads, one block saves per token:
 
@@ -20,10 +20,17 @@ fp32 (B=4): c1 = 24 + 8/h; bf16: c1 = 16 + 8/h. For Llama-2 7B in bf16 (k = h, F
 c2 = 29.5, so one layer keeps 45.5 s b h bytes (Megatron's GPT-3 figure is 34 s b h + 5 a s^2 b
 with dropout and without flash attention).
 
+Layouts (t = tp degree, u = Ulysses degree; every count is per token the rank holds, s b / u):
+    tp:            norms whole on every rank (c1), attention and MLP divided (c2 / t)
+    Megatron SP:   the norms' inputs are sequence shards (/ t), but each column-parallel linear
+                   saves a whole-sequence copy of its gathered input: SP_GATHERED_COPIES x B h
+    Ulysses:       as one rank, on s/u tokens, plus B h for attention's output after the
+                   all-to-all back (a new tensor, where wo otherwise saves a view of SDPA's output)
 A checkpointed block keeps only its input (B h, sharded along the sequence under Megatron SP).
 After the last block: the final norm (as above), the fp32 log-softmax of the logits 4V
-(vocab-parallel under tp), the targets (int64, flattened copy) and the micro-batch's token
-window (int64, b (s+1) values shared by inputs and targets) plus a 4-byte scalar of the loss.
+(vocab-parallel under tp: 4V/t), the targets (int64 copy; under tp plus a bool mask) and a
+4-byte scalar (not under tp). The first stage keeps the token ids: the sampler's (s+1)-token
+window per sample, a copied chunk under Ulysses, shifted ids and a mask (9 bytes) under tp.
 
 GPT-style blocks (not in the runtime; standard fused kernels, flash attention, no dropout):
 LayerNorm keeps its input B h, mean and rstd 8 and its output B h; attention as above; the
@@ -35,24 +42,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigtrain.plan.layout import BYTES
-from bigtrain.plan.model import ModelSpec
+from bigtrain.plan.model import ModelSpec, local_vocab
+
+
+# Under Megatron sequence parallelism the runtime all-gathers a norm's output once per sub-block
+# (attention, MLP) and the column-parallel linears after it all save that one whole-sequence tensor.
+# Megatron keeps only the sharded input and gathers again in backward; if the runtime does that,
+# these become 0 (and tests/test_plan.py will say so).
+SP_GATHERED_COPIES = {"swiglu": 2, "gelu": 2}
 
 
 @dataclass(frozen=True)
 class BlockActivations:
-    """Bytes per token of one block, by how tensor parallelism divides them."""
+    """Bytes per token of one block, by how tensor and sequence parallelism divide them."""
 
-    items: tuple[tuple[str, float, bool], ...]  # (tensor, bytes per token, split by tp)
+    items: tuple[tuple[str, float, str], ...]  # (tensor, bytes per token, kind: norm_in / norm_out / split)
     checkpointed: float  # what a checkpointed block keeps per token (its input)
     hidden: int
+    nbytes: int
+    gathered_copies: int
+
+    def _sum(self, kind: str) -> float:
+        return sum(b for _, b, k in self.items if k == kind)
 
     @property
     def replicated(self) -> float:
-        return sum(b for _, b, split in self.items if not split)
+        return self._sum("norm_in") + self._sum("norm_out")
 
     @property
     def split(self) -> float:
-        return sum(b for _, b, split in self.items if split)
+        return self._sum("split")
 
     @property
     def c1(self) -> float:
@@ -62,41 +81,60 @@ class BlockActivations:
     def c2(self) -> float:
         return self.split / self.hidden
 
-    def per_token(self, tp: int = 1, tp_sp: bool = False, checkpointed: bool = False) -> float:
-        """Bytes per token of the sequence (before Ulysses splits it) on one tp rank."""
+    def per_token(self, tp: int = 1, tp_sp: bool = False, checkpointed: bool = False, ulysses: int = 1) -> float:
+        """Bytes per token this rank holds (tokens: the rank's sequence shard under Ulysses)."""
         if checkpointed:
             return self.checkpointed / (tp if tp_sp else 1)
-        return self.replicated / (tp if tp_sp else 1) + self.split / tp
+        if tp_sp:
+            out = self._sum("norm_in") / tp + self.gathered_copies * self.nbytes * self.hidden + self.split / tp
+        else:
+            out = self.replicated + self.split / tp
+        if ulysses > 1:  # the all-to-all brings attention's output back as a new tensor, which wo saves
+            out += self.nbytes * self.hidden / tp
+        return out
 
 
 @dataclass(frozen=True)
 class HeadActivations:
-    """What the last stage keeps after the blocks, and the first stage's token window."""
+    """What the last stage keeps after the blocks, and what the first keeps of the tokens."""
 
-    norm: float  # final norm, per token (replicated over tp unless Megatron SP)
-    logits: float  # fp32 log-softmax, per token (vocab-parallel: divided by tp)
-    targets: float  # int64 per token
-    tokens_per_sample: int  # int64 window of s + 1 tokens per sample
-    scalar: int = 4  # the loss's saved scalar, once per micro-batch
+    norm_in: float  # final norm, per token, without its output
+    norm_out: float
+    vocab: int  # fp32 softmax / log-softmax: 4 bytes per vocabulary entry (this rank's, under tp)
+    nbytes: int
+    hidden: int
+    seq: int
 
-    def bytes(self, samples: int, seq: int, tp: int = 1, tp_sp: bool = False, last: bool = True,
-              first: bool = True) -> float:
-        tokens = samples * seq
+    def bytes(self, samples: int, tokens_per_sample: int, tp: int = 1, tp_sp: bool = False, ulysses: int = 1,
+              last: bool = True, first: bool = True) -> float:
+        """``tokens_per_sample`` is the rank's share of the sequence (s / Ulysses degree)."""
+        tokens = samples * tokens_per_sample
         out = 0.0
         if last:
-            out += tokens * (self.norm / (tp if tp_sp else 1) + self.logits / tp + self.targets) + self.scalar
+            if tp_sp:
+                norm = self.norm_in / tp + self.nbytes * self.hidden  # the output layer's gathered input
+            else:
+                norm = self.norm_in + self.norm_out
+            # vocab-parallel loss: int64 targets and a bool mask; else int64 targets and a scalar
+            targets = tokens * 9 if tp > 1 else tokens * 8 + 4
+            out += tokens * (norm + 4 * local_vocab(self.vocab, tp)) + targets
         if first:
-            out += samples * self.tokens_per_sample
+            if tp > 1:  # vocab-parallel embedding: shifted ids (int64) and a bool mask
+                out += tokens * 9
+            elif ulysses > 1:  # the rank's chunk of the window, copied
+                out += tokens * 8
+            else:  # the sampler's (s + 1)-token window, shared by inputs and targets
+                out += samples * 8 * (self.seq + 1)
         return out
 
 
-def _norm_items(model: ModelSpec, nbytes: int, prefix: str) -> list[tuple[str, float, bool]]:
+def _norm_items(model: ModelSpec, nbytes: int, prefix: str) -> list[tuple[str, float, str]]:
     h = model.hidden
     if model.mlp == "swiglu":  # RMSNorm in fp32, then cast back and scaled by the weight
-        return [(f"{prefix}.input_fp32", 4 * h, False), (f"{prefix}.rsqrt", 4, False),
-                (f"{prefix}.normalized", nbytes * h, False), (f"{prefix}.output", nbytes * h, False)]
-    return [(f"{prefix}.input", nbytes * h, False), (f"{prefix}.mean_rstd", 8, False),
-            (f"{prefix}.output", nbytes * h, False)]
+        return [(f"{prefix}.input_fp32", 4 * h, "norm_in"), (f"{prefix}.rsqrt", 4, "norm_in"),
+                (f"{prefix}.normalized", nbytes * h, "norm_in"), (f"{prefix}.output", nbytes * h, "norm_out")]
+    return [(f"{prefix}.input", nbytes * h, "norm_in"), (f"{prefix}.mean_rstd", 8, "norm_in"),
+            (f"{prefix}.output", nbytes * h, "norm_out")]
 
 
 def block_activations(model: ModelSpec, precision: str) -> BlockActivations:
@@ -104,20 +142,24 @@ def block_activations(model: ModelSpec, precision: str) -> BlockActivations:
     nbytes, h, k, f = BYTES[precision], model.hidden, model.kv_dim, model.ffn_hidden
     first_norm, second_norm = ("attention_norm", "ffn_norm") if model.mlp == "swiglu" else ("ln_1", "ln_2")
     items = _norm_items(model, nbytes, first_norm)
-    items += [("attention.q", nbytes * h, True), ("attention.k", nbytes * k, True), ("attention.v", nbytes * k, True),
-              ("attention.logsumexp", 4 * model.heads, True), ("attention.output", nbytes * h, True)]
+    items += [("attention.q", nbytes * h, "split"), ("attention.k", nbytes * k, "split"),
+              ("attention.v", nbytes * k, "split"), ("attention.logsumexp", 4 * model.heads, "split"),
+              ("attention.output", nbytes * h, "split")]
     items += _norm_items(model, nbytes, second_norm)
     if model.mlp == "swiglu":
-        items += [("feed_forward.w1_out", nbytes * f, True), ("feed_forward.w3_out", nbytes * f, True),
-                  ("feed_forward.silu_out", nbytes * f, True), ("feed_forward.product", nbytes * f, True)]
+        items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
+                  ("feed_forward.silu_out", nbytes * f, "split"), ("feed_forward.product", nbytes * f, "split")]
     else:
-        items += [("mlp.fc1_out", nbytes * f, True), ("mlp.gelu_out", nbytes * f, True)]
-    return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h)
+        items += [("mlp.fc1_out", nbytes * f, "split"), ("mlp.gelu_out", nbytes * f, "split")]
+    return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
+                            gathered_copies=SP_GATHERED_COPIES[model.mlp])
 
 
 def head_activations(model: ModelSpec, precision: str) -> HeadActivations:
-    norm = sum(b for _, b, _ in _norm_items(model, BYTES[precision], "norm"))
-    return HeadActivations(norm=norm, logits=4 * model.vocab, targets=8, tokens_per_sample=8 * (model.seq + 1))
+    items = _norm_items(model, BYTES[precision], "norm")
+    return HeadActivations(norm_in=sum(b for _, b, k in items if k == "norm_in"),
+                           norm_out=sum(b for _, b, k in items if k == "norm_out"), vocab=model.vocab,
+                           nbytes=BYTES[precision], hidden=model.hidden, seq=model.seq)
 
 
 def checkpointed_block_indices(layers: int, recompute: str, every: int) -> set[int]:

@@ -63,6 +63,14 @@ class Layout:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def to_overrides(self) -> list[str]:
+        """The layout as ``bigtrain train`` overrides (``--parallel.dp=8`` ...), for ``--parallel auto``."""
+        out = [f"--parallel.{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "sp", "zero")]
+        out += [f"--parallel.sequence_parallel={str(self.tp_sp).lower()}", f"--precision.mode={self.precision}",
+                f"--memory.checkpointing={self.recompute}", f"--memory.checkpoint_every={self.every}",
+                f"--train.micro_batch={self.micro_batch}"]
+        return out
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -92,7 +100,7 @@ class Cluster:
 
 _INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every")
 _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": "recompute", "tpsp": "tp_sp",
-            "zero_stage": "zero"}
+            "sequence_parallel": "tp_sp", "zero_stage": "zero", "checkpoint_every": "every"}
 LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision")
 
 

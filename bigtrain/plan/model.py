@@ -29,6 +29,23 @@ class Tensor:
     numel: int
     decays: bool
     split: str
+    rows: int = 0  # vocabulary rows of a 'vocab' tensor
+
+    def local_numel(self, tp: int) -> int:
+        """Elements one of ``tp`` tensor-parallel ranks holds."""
+        if self.split == "rep" or tp == 1:
+            return self.numel
+        if self.split == "vocab":
+            return local_vocab(self.rows, tp) * (self.numel // self.rows)
+        return -(-self.numel // tp)
+
+
+def local_vocab(vocab: int, tp: int) -> int:
+    """Vocabulary rows per tensor-parallel rank: the runtime pads a vocabulary that tp does not
+    divide to a multiple of 8 tp (parallel/tensor/styles.py)."""
+    if vocab % tp == 0:
+        return vocab // tp
+    return -(-vocab // (8 * tp)) * 8
 
 
 @dataclass(frozen=True)
@@ -94,7 +111,7 @@ class ModelSpec:
 
     def embedding_tensors(self) -> list[Tensor]:
         """What the first pipeline stage holds besides blocks."""
-        out = [Tensor("tok_embeddings", self.vocab * self.hidden, True, "vocab")]
+        out = [Tensor("tok_embeddings", self.vocab * self.hidden, True, "vocab", self.vocab)]
         if self.mlp == "gelu":
             out.append(Tensor("pos_embeddings", self.seq * self.hidden, True, "rep"))
         return out
@@ -105,7 +122,7 @@ class ModelSpec:
         norm = Tensor("norm", self.hidden if self.mlp == "swiglu" else 2 * self.hidden, False, "rep")
         out = [norm]
         if not self.tie_embeddings or separate_copy:
-            out.append(Tensor("output", self.vocab * self.hidden, True, "vocab"))
+            out.append(Tensor("output", self.vocab * self.hidden, True, "vocab", self.vocab))
         return out
 
     @property
@@ -148,7 +165,14 @@ class ModelSpec:
         gqa = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
         return (f"{self.name + ': ' if self.name else ''}{kind}, {self.layers} layers, hidden {self.hidden}, "
                 f"{self.heads} heads{gqa}, ffn {self.ffn_hidden}, vocab {self.vocab}, seq {self.seq}, "
-                f"{self.params / 1e9:.2f} B parameters")
+                f"{_count(self.params)} parameters")
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
 
 
 def _dimension_problems(layers, hidden, heads, kv_heads, vocab, seq, ffn_hidden, mlp) -> list[str]:

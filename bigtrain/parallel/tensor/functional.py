@@ -28,7 +28,9 @@ def gather_along(x: torch.Tensor, comm: AxisComm, dim: int, tag: str) -> torch.T
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((comm.size * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
     comm.all_gather(out, moved, tag=tag)
-    return out.movedim(0, dim)
+    # Contiguous, so the column-parallel layers that read it all save this one tensor for backward
+    # (a strided view would be copied, and saved, by each of them).
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, comm: AxisComm, dim: int, tag: str) -> torch.Tensor:

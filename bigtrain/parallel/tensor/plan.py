@@ -93,7 +93,8 @@ class TensorLayout:
         (a tensor hook runs before accumulation, so it precedes every post-accumulate hook)."""
         params = dict(model.named_parameters())
         for name in self.partial_grads:
-            params[name].register_hook(lambda g: _summed(g, self.tp))
+            if name in params:  # a pipeline stage holds only some of the model's weights
+                params[name].register_hook(lambda g: _summed(g, self.tp))
 
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Local tensors by parameter name -> full tensors (collective over tp)."""

@@ -46,11 +46,12 @@ class ZeroEngine:
                  init_fn: InitFn, device: torch.device | str = "cpu", unit_modules: list[nn.Module] | None = None,
                  reshard_after_forward: bool = True, prefetch: bool = True,
                  scaler: DynamicLossScaler | None = None, tp: AxisComm | None = None,
-                 tp_sharded: set[str] = frozenset()):
+                 tp_sharded: set[str] = frozenset(), disjoint: list[AxisComm] = ()):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
         self.model, self.comm, self.stage, self.precision = model, comm, stage, precision
         self.device, self.scaler, self.tp, self.tp_sharded = torch.device(device), scaler, tp, set(tp_sharded)
+        self.disjoint = list(disjoint)  # axes whose ranks hold different weights (pipeline stages)
         shards = comm.size if stage >= 1 else 1
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
         self.units, self.unit_modules = build_units(model, modules, shards, comm.rank if stage >= 1 else 0)
@@ -146,6 +147,8 @@ class ZeroEngine:
 
     def _reduce(self, unit: FlatUnit) -> None:
         self._remaining[id(unit)] = len(unit.params)
+        if self.stage >= 2:  # fold the previous micro-batch's result first: one buffer per unit at most
+            self._complete(lambda u: u is unit)
         reduce_dtype = self.precision.reduce
         if self.stage <= 1:
             payload = unit.full_grad if unit.full_grad.dtype == reduce_dtype else unit.full_grad.to(reduce_dtype)
@@ -170,7 +173,15 @@ class ZeroEngine:
             for unit in self.units:  # units whose gradients never arrived (unused parameters)
                 if self._remaining[id(unit)] != len(unit.params) or (self.stage <= 1 and id(unit) not in reduced):
                     self._reduce(unit)
+        self._complete(lambda u: True)
+
+    def _complete(self, which) -> None:
+        """Wait for the pending reductions of the units ``which`` selects; fold them into the shards."""
+        keep = []
         for unit, work, out in self._pending:
+            if not which(unit):
+                keep.append((unit, work, out))
+                continue
             if work is not None:
                 work.wait()
             if self.stage <= 1:
@@ -178,7 +189,7 @@ class ZeroEngine:
                     unit.grad_shard.copy_(out)
             else:
                 unit.grad_shard.add_(out)
-        self._pending.clear()
+        self._pending = keep
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
@@ -189,7 +200,8 @@ class ZeroEngine:
         parts = square_sums((grad[a:b], slot.name not in self.tp_sharded)
                             for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges())
         # Partitioned gradients: every rank must agree on the norm and on skipping.
-        norm, found_inf = global_norm(parts, [self.comm] if self.stage >= 1 else [], self.tp)
+        partitions = ([self.comm] if self.stage >= 1 else []) + self.disjoint
+        norm, found_inf = global_norm(parts, partitions, self.tp)
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:

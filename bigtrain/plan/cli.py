@@ -1,0 +1,155 @@
+"""``bigtrain plan`` and ``bigtrain bench --calibrate``.
+
+Wire into ``bigtrain/cli.py`` with ``add_plan_parser(sub)`` and ``add_bench_parser(sub)`` in
+``_parser()``; each sets ``args.run`` to its command, which returns the exit status: 0 when a
+layout fits, 1 when none does, 2 for invalid input (a ConfigError naming the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bigtrain.config import ConfigError, load_config, preset_names
+from bigtrain.plan.hardware import HardwareProfile, calibrate, get_profile, load_profile
+from bigtrain.plan.layout import Cluster, parse_layout
+from bigtrain.plan.model import MLP_KINDS, ModelSpec
+from bigtrain.plan.report import json_report, text_report, write_png
+from bigtrain.plan.search import search
+
+DEFAULT_BATCH_TOKENS = 2**22  # Llama's 4 M tokens per step, when neither a preset nor a flag says
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="predict per-rank memory and step time; find the fastest layout",
+                              description="Will it fit, and which layout is fastest? Memory on the worst rank and "
+                                          "step time for a model, a batch and a cluster, before launch.")
+    p.add_argument("--preset", help=f"model and batch from a shipped preset: {', '.join(preset_names())}")
+    dims = p.add_argument_group("model dimensions (override the preset's)")
+    for flag, text in (("--layers", "transformer blocks L"), ("--hidden", "hidden size h"),
+                       ("--heads", "attention heads"), ("--kv-heads", "key/value heads (0: = heads)"),
+                       ("--vocab", "vocabulary size"), ("--seq", "sequence length s"),
+                       ("--ffn-hidden", "MLP inner size (0: 8h/3 rounded to 64 for swiglu, 4h for gelu)")):
+        dims.add_argument(flag, type=int, help=text)
+    dims.add_argument("--mlp", choices=MLP_KINDS, help="swiglu: Llama-style; gelu: GPT-style with learned positions")
+    dims.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                      help="share the embedding with the output layer (default: gelu yes, swiglu no)")
+    hw = p.add_argument_group("cluster")
+    hw.add_argument("--hardware", default="h100-80g", help="a100-40g, a100-80g, h100-80g, h200-141g or cpu")
+    hw.add_argument("--hardware-file", help="a TOML/JSON profile (e.g. from bigtrain bench --calibrate)")
+    hw.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one profile field, e.g. --hw achievable_fraction=0.5")
+    hw.add_argument("--gpus", type=int, default=1, help="accelerators in the job (default 1)")
+    hw.add_argument("--gpus-per-node", type=int, help="default: the profile's (8)")
+    run = p.add_argument_group("batch and layout")
+    run.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the preset's, or ~4M tokens)")
+    run.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: searched)")
+    run.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    run.add_argument("--layout", default="auto",
+                     help="'auto' or keys dp,tp,pp,sp,zero,micro_batch,schedule,v,recompute,every,tp_sp,precision, "
+                          "e.g. dp=8,tp=4,pp=2,zero=1,schedule=interleaved,v=2,recompute=full; missing keys are "
+                          "chosen by the planner")
+    out = p.add_argument_group("output")
+    out.add_argument("--top", type=int, default=5, help="how many ranked layouts to show")
+    out.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out.add_argument("--png", metavar="PATH", help="write a PNG of the memory breakdown and the ranked layouts")
+    p.set_defaults(run=cmd_plan)
+    return p
+
+
+def _model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, int | None]:
+    """The model, and the preset's global batch (None without a preset)."""
+    base, batch = {}, None
+    if args.preset:
+        cfg = load_config(preset=args.preset)
+        m = cfg.model
+        base = dict(layers=m.n_layers, hidden=m.dim, heads=m.n_heads, kv_heads=m.n_kv_heads, vocab=m.vocab_size,
+                    seq=cfg.data.seq_len, ffn_hidden=m.ffn_hidden, tie_embeddings=m.tie_embeddings)
+        batch = cfg.train.global_batch
+    given = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "seq", "ffn_hidden",
+                                          "tie_embeddings") if getattr(args, k) is not None}
+    values = {**base, **given}
+    missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in values]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)}: required without --preset (or give --preset NAME)")
+    mlp = args.mlp or "swiglu"
+    name = args.preset or ""
+    return ModelSpec.build(mlp=mlp, name=name, **values), batch
+
+
+def _hardware_from_args(args: argparse.Namespace) -> HardwareProfile:
+    profile = load_profile(args.hardware_file) if args.hardware_file else get_profile(args.hardware)
+    overrides = {}
+    for item in args.hw:
+        if "=" not in item:
+            raise ConfigError(f"--hw {item}: write it as KEY=VALUE, e.g. --hw achievable_fraction=0.5")
+        key, value = item.split("=", 1)
+        overrides[key.strip()] = value.strip()
+    return profile.with_values(**overrides) if overrides else profile
+
+
+def _global_batch(args: argparse.Namespace, preset_batch: int | None, model: ModelSpec, gpus: int) -> int:
+    if args.global_batch is not None:
+        if args.global_batch < 1:
+            raise ConfigError(f"--global-batch = {args.global_batch}: must be a positive integer")
+        return args.global_batch
+    if preset_batch is not None:
+        return preset_batch
+    sequences = max(1, DEFAULT_BATCH_TOKENS // model.seq)
+    return max(gpus, -(-sequences // gpus) * gpus)
+
+
+def resolve(args: argparse.Namespace):
+    """(model, cluster, global batch, fixed layout keys) from the command line; raises ConfigError."""
+    model, preset_batch = _model_from_args(args)
+    cluster = Cluster.build(args.gpus, _hardware_from_args(args), args.gpus_per_node)
+    fixed = parse_layout(args.layout)
+    if args.micro_batch is not None:
+        if args.micro_batch < 1:
+            raise ConfigError(f"--micro-batch = {args.micro_batch}: must be a positive integer")
+        fixed.setdefault("micro_batch", args.micro_batch)
+    fixed.setdefault("precision", args.precision)
+    if args.top < 1:
+        raise ConfigError(f"--top = {args.top}: must be >= 1")
+    return model, cluster, _global_batch(args, preset_batch, model, cluster.gpus), fixed
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Run ``bigtrain plan``; ConfigError propagates (the main CLI prints it and exits 2)."""
+    model, cluster, global_batch, fixed = resolve(args)
+    result = search(model, cluster, global_batch, fixed, precision=fixed["precision"])
+    if args.json:
+        print(json.dumps(json_report(model, cluster, global_batch, result, args.top), indent=1))
+    else:
+        print(text_report(model, cluster, global_batch, result, args.top))
+    if args.png:
+        path = write_png(args.png, result)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0 if result.best is not None else 1
+
+
+# -- bench ---------------------------------------------------------------------------------------
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="measure this machine (--calibrate writes a hardware profile)")
+    p.add_argument("--calibrate", action="store_true", help="measure matmul rate and all-reduce bandwidth")
+    p.add_argument("--output", default="hardware.json", help="where to write the profile (default hardware.json)")
+    p.add_argument("--ranks", type=int, default=2, help="local Gloo ranks for the all-reduce (1: skip it)")
+    p.add_argument("--matmul-size", type=int, default=1024, help="n of the n x n x n fp32 matmul")
+    p.set_defaults(run=cmd_bench)
+    return p
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if not args.calibrate:
+        print("bigtrain bench: nothing to do; use --calibrate [--output PATH]", file=sys.stderr)
+        return 2
+    if args.ranks < 1 or args.matmul_size < 1:
+        raise ConfigError("--ranks and --matmul-size must be positive integers")
+    profile = calibrate(args.output, matmul_size=args.matmul_size, comm_ranks=args.ranks,
+                        measure_comm=args.ranks > 1)
+    print(f"matmul fp32 {profile.peak_flops_fp32 / 1e9:,.1f} GFLOP/s, bf16 {profile.peak_flops_bf16 / 1e9:,.1f} "
+          f"GFLOP/s; all-reduce {profile.intra_node_bandwidth / 1e9:.2f} GB/s, latency "
+          f"{profile.intra_node_latency_s * 1e3:.2f} ms; wrote {args.output} "
+          f"(use: bigtrain plan --hardware-file {args.output})")
+    return 0

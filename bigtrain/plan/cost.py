@@ -1,0 +1,192 @@
+"""Step time: compute from FLOPs, each axis's traffic over the link it crosses, the pipeline.
+
+Conventions (docs/planner.md has the derivations):
+
+* Model FLOPs per token 6N + 12 L h s (``ModelSpec.model_flops_per_token``); hardware FLOPs add
+  one more forward of every checkpointed block (2 N_block + 4 h s per token). MFU divides model
+  FLOPs, HFU hardware FLOPs, by the step time and the peak of the precision used.
+* Compute runs at ``peak x achievable_fraction`` of the hardware profile. The output projection's
+  FLOPs are spread evenly over the pipeline stages.
+* Ranks are placed tp innermost, then sp, dp, pp (the mesh's order): an axis whose group spans
+  ``stride x size > gpus_per_node`` ranks crosses nodes and runs at the inter-node bandwidth.
+  A collective over n ranks moving a buffer of S bytes takes latency (1 + log2 n) plus
+  2 (n-1)/n S / bw (ring all-reduce), (n-1)/n S / bw (all-gather, reduce-scatter, all-to-all)
+  or S / bw (point to point).
+* Exposed vs overlapped: tensor-parallel and Ulysses collectives sit on the critical path of
+  every layer (exposed, as in Megatron without communication overlap). Pipeline transfers are
+  the simulator's transfer cost. Gradient reduction (stage 0-1: once per step on the last
+  micro-batch; stage 2-3: every micro-batch) hides behind ``OVERLAP`` of the backward it runs
+  under, except the last unit's collective; ZeRO-3's gathers hide behind the forward/backward
+  the same way. Stage 1-2's all-gather of updated weights after the step is exposed (the runtime
+  does it synchronously), and so is the memory-bound AdamW step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from bigtrain.plan.activations import checkpointed_block_indices
+from bigtrain.plan.layout import BYTES, Cluster, Layout
+from bigtrain.plan.memory import checked_pp_ranks, rank_units
+from bigtrain.plan.model import ModelSpec
+from bigtrain.plan.pipeline import PipelineModel
+
+OVERLAP = 0.9  # share of a compute window that can hide a collective launched during it (assumption)
+OPTIMIZER_BYTES_PER_PARAM = {"mixed": 32, "fp32": 28}  # read+write master, moments, grad, weight
+
+
+@dataclass
+class StepTime:
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    micro_batches: int
+    pipeline_source: str
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    def achieved_flops_per_gpu(self, gpus: int, hardware: bool = False) -> float:
+        flops = self.hardware_flops_per_step if hardware else self.model_flops_per_step
+        return flops / (self.step_time_s * gpus)
+
+    def to_dict(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "hfu": self.hfu, "model_flops_per_step": self.model_flops_per_step,
+                "hardware_flops_per_step": self.hardware_flops_per_step, "micro_batches": self.micro_batches,
+                "pipeline": self.pipeline_source, "breakdown": dict(self.breakdown)}
+
+
+# -- links and collectives --------------------------------------------------------------------------
+_STRIDE_AXES = ("tp", "sp", "dp", "pp")  # innermost first, as the mesh lays ranks out
+
+
+def axis_crosses_nodes(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    """Whether the group spanned by ``axes`` (adjacent in the mesh order) spans several nodes."""
+    stride = 1
+    for axis in _STRIDE_AXES:
+        if axis in axes:
+            break
+        stride *= getattr(layout, axis)
+    size = math.prod(getattr(layout, a) for a in axes)
+    return size > 1 and stride * size > gpus_per_node
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float
+    latency: float
+
+    def collective(self, op: str, nbytes: float, n: int) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        fraction = {"all_reduce": 2 * (n - 1) / n, "p2p": 1.0}.get(op, (n - 1) / n)
+        return self.latency * (1 + math.log2(n)) + fraction * nbytes / self.bandwidth
+
+
+def link_of(cluster: Cluster, layout: Layout, axes: tuple[str, ...]) -> Link:
+    hw = cluster.hardware
+    if axis_crosses_nodes(layout, axes, cluster.gpus_per_node):
+        return Link(hw.inter_node_bandwidth, hw.inter_node_latency_s)
+    return Link(hw.intra_node_bandwidth, hw.intra_node_latency_s)
+
+
+# -- per micro-batch stage costs -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageCosts:
+    compute_f: float  # seconds of FLOPs, one micro-batch, this rank's share of the layers
+    compute_b: float  # backward, recompute included
+    comm_f: float  # exposed tp/sp collectives in the forward
+    comm_b: float
+    p2p: float  # one pipeline transfer
+
+
+def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCosts:
+    hw, nbytes = cluster.hardware, BYTES[layout.precision]
+    rate = hw.sustained_flops(layout.precision)
+    tokens = layout.micro_batch * model.seq
+    layers = model.layers / layout.pp
+    recomputed = len(checkpointed_block_indices(model.layers, layout.recompute, layout.every)) / layout.pp
+    split = layout.tp * layout.sp  # each of these ranks does 1/split of the stage's FLOPs
+    forward = tokens * (layers * model.block_forward_flops_per_token() + 2 * model.vocab * model.hidden / layout.pp)
+    backward = 2 * forward + tokens * recomputed * model.block_forward_flops_per_token()
+    local_tokens = tokens / layout.sp
+    tp_link, sp_link = link_of(cluster, layout, ("tp",)), link_of(cluster, layout, ("sp",))
+    # Megatron: two all-reduces (or all-gather + reduce-scatter with SP, the same volume) per layer
+    # in the forward, two in the backward, two more per recomputed layer.
+    tp_op = tp_link.collective("all_reduce", local_tokens * model.hidden * nbytes, layout.tp)
+    # Ulysses: q, k, v to head-sharded layout and the output back, per layer and direction.
+    qkv = local_tokens * (model.hidden + 2 * model.kv_dim) * nbytes / layout.tp
+    sp_op = (sp_link.collective("all_to_all", qkv, layout.sp)
+             + sp_link.collective("all_to_all", local_tokens * model.hidden * nbytes / layout.tp, layout.sp))
+    comm_f = layers * (2 * tp_op + sp_op)
+    comm_b = layers * (2 * tp_op + sp_op) + recomputed * (2 * tp_op + sp_op)
+    boundary = local_tokens * model.hidden * nbytes / (layout.tp if layout.tp_sp else 1)
+    p2p = link_of(cluster, layout, ("pp",)).collective("p2p", boundary, layout.pp)
+    return StageCosts(forward / split / rate, backward / split / rate, comm_f, comm_b, p2p)
+
+
+# -- data parallel / ZeRO ----------------------------------------------------------------------------
+def _largest_rank_params(model: ModelSpec, layout: Layout) -> tuple[int, int]:
+    """(parameters, largest unit) of the pipeline rank holding the most parameters."""
+    best = (0, 0)
+    for r in checked_pp_ranks(layout.pp):
+        root, blocks = rank_units(model, layout, r)
+        units = ([root] if root else []) + blocks
+        best = max(best, (sum(u.numel for u in units), max(u.numel for u in units)))
+    return best
+
+
+def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: StageCosts,
+                        micro_batches: int) -> dict[str, float]:
+    """Exposed seconds of gradient reduction, weight gathers and the optimizer step."""
+    nbytes = BYTES[layout.precision]
+    params, largest = _largest_rank_params(model, layout)
+    group = layout.dp * layout.sp  # parameters are replicated over dp and sp
+    link = link_of(cluster, layout, ("sp", "dp") if layout.sp > 1 else ("dp",))
+    grads, unit = params * nbytes, largest * nbytes
+    window_f = OVERLAP * (costs.compute_f + costs.comm_f)
+    window_b = OVERLAP * (costs.compute_b + costs.comm_b)
+    out = {"dp_grad_sync": 0.0, "zero_param_gather": 0.0}
+    if layout.zero == 0:
+        out["dp_grad_sync"] = max(link.collective("all_reduce", unit, group),
+                                  link.collective("all_reduce", grads, group) - window_b)
+    else:
+        reduce = max(link.collective("reduce_scatter", unit, group),
+                     link.collective("reduce_scatter", grads, group) - window_b)
+        out["dp_grad_sync"] = reduce * (micro_batches if layout.zero >= 2 else 1)
+    if layout.zero in (1, 2):
+        out["zero_param_gather"] = link.collective("all_gather", grads, group)
+    elif layout.zero == 3:
+        gather = link.collective("all_gather", grads, group)
+        tail = link.collective("all_gather", unit, group)
+        out["zero_param_gather"] = micro_batches * (max(tail, gather - window_f) + max(tail, gather - window_b))
+    shard = params / (group if layout.zero >= 1 else 1)
+    per_param = OPTIMIZER_BYTES_PER_PARAM["fp32" if layout.precision == "fp32" else "mixed"]
+    out["optimizer_step"] = shard * per_param / cluster.hardware.hbm_bandwidth
+    return out
+
+
+# -- the step --------------------------------------------------------------------------------------
+def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,
+              pipeline: PipelineModel | None = None) -> StepTime:
+    pipeline = pipeline or PipelineModel()
+    m = layout.micro_batches(global_batch)
+    costs = stage_costs(model, layout, cluster)
+    f, b = costs.compute_f + costs.comm_f, costs.compute_b + costs.comm_b
+    weight_grad = costs.compute_f if layout.schedule == "zb-h1" else 0.0  # W costs about a forward
+    terms = pipeline.terms(layout.schedule, layout.pp, m, layout.v, f, b, weight_grad, costs.p2p)
+    extra = data_parallel_costs(model, layout, cluster, costs, m)
+    total = terms.makespan + sum(extra.values())
+    tokens = global_batch * model.seq
+    model_flops = tokens * model.model_flops_per_token()
+    recomputed = len(checkpointed_block_indices(model.layers, layout.recompute, layout.every))
+    hardware_flops = model_flops + tokens * model.recompute_flops_per_token(recomputed)
+    peak = cluster.hardware.peak_flops(layout.precision) * cluster.gpus
+    breakdown = {"compute": m * (costs.compute_f + costs.compute_b),
+                 "tp_sp_comm": m * (costs.comm_f + costs.comm_b),
+                 "pipeline_bubble": terms.bubble, **extra}
+    return StepTime(total, tokens / total, model_flops / (total * peak), hardware_flops / (total * peak),
+                    model_flops, hardware_flops, m, terms.source, breakdown)

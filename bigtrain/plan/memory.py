@@ -1,0 +1,238 @@
+"""Per-rank memory: model states, saved activations, buffers and an allocator allowance.
+
+Model states follow the runtime byte for byte (engine.py, flat.py, units.py, replicated.py):
+one ZeRO unit per transformer block plus a root unit (embedding, final norm, output), each
+padded to a multiple of the ranks holding replicas (dp, times sp under Ulysses) from stage 1 on; with P the unit's padded elements, N the
+shards, B the compute dtype's bytes and a "piece" the decayed / non-decayed part of a shard:
+
+    fp32, stage 0 (replicated engine): params 4P, grads 4P (bucket views), AdamW 8P + 4 per tensor
+    stage 0-2: params B P; stage 3: the shard, B P/N (mixed) or 4 P/N (fp32: it is the master)
+    stage 0-1: grads B P;  stage 2-3: grads B P/N
+    optimizer: (4 master if mixed + 8 moments) P/N + 4 per piece (AdamW's step tensor)
+
+Activations are the saved tensors of ``activations.py`` for one micro-batch, times the pipeline's
+peak in-flight micro-batches on the rank (from the schedule simulator). Buffers are what the
+runtime allocates besides (named so tests can compare those they can measure):
+
+    zero_reduce_outputs  one reduce-scatter output per unit, held until the step (stages 2-3 fold
+                         a unit's previous micro-batch in before reducing its next one)
+    zero_reduce_in_flight  stage 2-3: the flat gradient of one unit handed to the collective
+    zero3_gathered       stage 3: the root unit (gathered for the whole forward and backward)
+                         plus two blocks (the current one and the prefetched one)
+    tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
+
+They are added to the end-of-forward activation peak although most live during backward, when
+activations are being freed: a conservative bound. The allocator allowance is the profile's
+``fragmentation`` share of all that plus its fixed ``reserved_bytes`` (CUDA context, NCCL and
+cuBLAS workspaces); a layout fits when the total is at most the device's memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from bigtrain.plan.activations import (block_activations, checkpointed_block_indices,
+                                       head_activations)
+from bigtrain.plan.hardware import HardwareProfile
+from bigtrain.plan.layout import BYTES, Layout
+from bigtrain.plan.model import ModelSpec, Tensor
+from bigtrain.plan.pipeline import PipelineModel
+
+MEASURABLE_BUFFERS = ("zero_reduce_outputs", "zero3_gathered")
+
+
+@dataclass(frozen=True)
+class Unit:
+    numel: int
+    decay_numel: int  # decayed parameters come first in the flat unit
+    tensors: int
+
+
+@dataclass
+class RankMemory:
+    pp_rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: dict[str, int]
+    inflight: int
+    activation_per_microbatch: int
+    allocator: int = 0
+    capacity: int = 0
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        """States + saved activations + buffers: what tensors hold at the worst moment."""
+        return self.model_states + self.activations + sum(self.buffers.values())
+
+    @property
+    def total(self) -> int:
+        return self.peak + self.allocator
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def to_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "model_states": self.model_states, "activations": self.activations,
+                "buffers": sum(self.buffers.values()), "buffer_detail": dict(self.buffers),
+                "allocator": self.allocator, "total": self.total, "capacity": self.capacity,
+                "worst_pp_rank": self.pp_rank, "inflight_microbatches": self.inflight,
+                "activations_per_microbatch": self.activation_per_microbatch, **self.detail}
+
+
+# -- what each pipeline rank holds -----------------------------------------------------------------
+def stage_blocks(layers: int, stages: int) -> list[range]:
+    """Blocks of each pipeline stage, as even as possible (the first stages take the extra ones)."""
+    base, extra = divmod(layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def _sharded(tensors: list[Tensor], tp: int) -> Unit:
+    sizes = [t.local_numel(tp) for t in tensors]
+    return Unit(sum(sizes), sum(s for s, t in zip(sizes, tensors) if t.decays), len(tensors))
+
+
+def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | None, list[Unit]]:
+    """(root unit or None, block units) held by one tp rank of pipeline rank ``pp_rank``."""
+    stages = layout.pp * layout.v
+    mine = range(pp_rank, stages, layout.pp)
+    per_stage = stage_blocks(model.layers, stages)
+    blocks = sum(len(per_stage[s]) for s in mine)
+    root: list[Tensor] = []
+    if 0 in mine:
+        root += model.embedding_tensors()
+    if stages - 1 in mine:
+        root += model.head_tensors(separate_copy=layout.pp > 1)
+    block = _sharded(model.block_tensors(), layout.tp)
+    return (_sharded(root, layout.tp) if root else None), [block] * blocks
+
+
+def _pieces(unit: Unit, shards: int, shard_rank: int) -> int:
+    """AdamW parameters a shard becomes: its decayed part and its non-decayed part (flat.py)."""
+    shard = -(-unit.numel // shards)
+    lo, hi = shard_rank * shard, (shard_rank + 1) * shard
+    return int(lo < unit.decay_numel) + int(hi > max(lo, unit.decay_numel))
+
+
+def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int) -> dict[str, int]:
+    """Model-state bytes on the worst rank of the ``replicas`` ranks holding these units (dp, times
+    sp under Ulysses), as the runtime allocates and measures them."""
+    nbytes, mixed = BYTES[precision], precision != "fp32"
+    numel = sum(u.numel for u in units)
+    if zero == 0 and not mixed:  # ReplicatedEngine: torch AdamW keeps a step tensor per parameter
+        return {"params": 4 * numel, "grads": 4 * numel,
+                "optimizer": 8 * numel + 4 * sum(u.tensors for u in units)}
+    shards = replicas if zero >= 1 else 1
+    padded = sum(-(-u.numel // shards) * shards for u in units)
+    shard = padded // shards
+    if shards <= 1024:
+        distinct = Counter(units)  # blocks are alike: count each kind of unit once per rank
+        pieces = max(sum(n * _pieces(u, shards, r) for u, n in distinct.items()) for r in range(shards))
+    else:  # each shard becomes at most two AdamW parameters: a bound is exact enough
+        pieces = 2 * len(units)
+    return {"params": nbytes * padded if zero < 3 else (nbytes if mixed else 4) * shard,
+            "grads": nbytes * (padded if zero <= 1 else shard),
+            "optimizer": (4 * mixed + 8) * shard + 4 * pieces}
+
+
+def zero_formula_bytes(params: float, zero: int, dp: int, precision: str = "bf16") -> dict[str, float]:
+    """The ZeRO paper's per-rank model states, without padding: 2+2+12 bytes per parameter in
+    mixed precision (4+4+8 in fp32), the stage deciding which parts are divided by dp."""
+    weight = BYTES[precision] if precision != "fp32" else 4
+    optimizer = 12 if precision != "fp32" else 8
+    return {"params": weight * params / (dp if zero >= 3 else 1),
+            "grads": weight * params / (dp if zero >= 2 else 1),
+            "optimizer": optimizer * params / (dp if zero >= 1 else 1)}
+
+
+# -- activations and buffers ---------------------------------------------------------------------------
+def _chunk_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> int:
+    """Saved bytes of one micro-batch on the rank's largest stage chunk."""
+    stages = layout.pp * layout.v
+    blocks = stage_blocks(model.layers, stages)
+    checkpointed = checkpointed_block_indices(model.layers, layout.recompute, layout.every)
+    acts, head = block_activations(model, layout.precision), head_activations(model, layout.precision)
+    samples, seq = layout.micro_batch, model.seq // layout.sp
+    tokens = samples * seq
+    mode = dict(tp=layout.tp, tp_sp=layout.tp_sp, ulysses=layout.sp)
+    best = 0.0
+    for s in range(pp_rank, stages, layout.pp):
+        chunk = sum(tokens * acts.per_token(checkpointed=i in checkpointed, **mode) for i in blocks[s])
+        chunk += head.bytes(samples, seq, last=s == stages - 1, first=s == 0, **mode)
+        best = max(best, chunk)
+    return math.ceil(best)
+
+
+def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: list[Unit]) -> dict[str, int]:
+    nbytes, units = BYTES[layout.precision], ([root] if root else []) + blocks
+    shards = layout.dp * layout.sp if layout.zero >= 1 else 1  # ZeRO shards over every replica: dp x sp
+    padded = [-(-u.numel // shards) * shards for u in units]
+    shard_total = sum(padded) // shards
+    out: dict[str, int] = {}
+    if layout.zero >= 1:
+        out["zero_reduce_outputs"] = nbytes * shard_total
+    if layout.zero >= 2:
+        out["zero_reduce_in_flight"] = nbytes * max(padded, default=0)
+    if layout.zero == 3:
+        weight = nbytes if layout.precision != "fp32" else 4
+        block_sizes = sorted((-(-u.numel // shards) * shards for u in blocks), reverse=True)
+        root_size = -(-root.numel // shards) * shards if root else 0
+        out["zero3_gathered"] = weight * (root_size + sum(block_sizes[:2]))
+    tokens = layout.micro_batch * model.seq // layout.sp
+    if layout.tp > 1:
+        out["tp_collective"] = 2 * tokens * model.hidden * nbytes
+    if layout.sp > 1:
+        out["sp_all_to_all"] = tokens * (2 * model.hidden + 2 * model.kv_dim) * nbytes // layout.tp
+    if layout.pp > 1:
+        out["pp_p2p"] = 2 * tokens * model.hidden * nbytes // (layout.tp if layout.tp_sp else 1)
+    return out
+
+
+# -- one rank, and the worst one ----------------------------------------------------------------------
+def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int, pp_rank: int,
+                inflight: int) -> RankMemory:
+    root, blocks = rank_units(model, layout, pp_rank)
+    units = ([root] if root else []) + blocks
+    states = state_bytes(units, layout.zero, layout.precision, layout.dp * layout.sp)
+    per_mb = _chunk_activation_bytes(model, layout, pp_rank)
+    buffers = buffer_bytes(model, layout, root, blocks)
+    mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], per_mb * inflight, buffers,
+                     inflight, per_mb, capacity=hardware.memory_bytes)
+    mem.allocator = math.ceil(hardware.fragmentation * mem.peak) + hardware.reserved_bytes
+    return mem
+
+
+def checked_pp_ranks(pp: int) -> list[int]:
+    """Pipeline ranks that can be the worst: the first holds the embedding, the most blocks (the
+    first stages take the extra ones) and the most micro-batches in flight (peaks never grow with
+    the rank in any schedule); the last holds the output layer and the logits."""
+    return sorted({0, pp - 1})
+
+
+def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int,
+                    pipeline: PipelineModel | None = None) -> RankMemory:
+    """The worst rank's memory (every tp/sp/dp rank of a pipeline rank is alike, up to the bytes
+    of AdamW's step tensors, which are taken at their worst)."""
+    pipeline = pipeline or PipelineModel()
+    peaks = pipeline.terms(layout.schedule, layout.pp, layout.micro_batches(global_batch), layout.v,
+                           1.0, 2.0, 1.0 if layout.schedule == "zb-h1" else 0.0).peak_inflight
+    ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r]) for r in checked_pp_ranks(layout.pp)]
+    worst = max(ranks, key=lambda m: m.total)
+    acts = block_activations(model, layout.precision)
+    worst.detail = {"activation_c1": round(acts.c1, 4), "activation_c2": round(acts.c2, 4)}
+    return worst

@@ -1,0 +1,125 @@
+"""Published large runs and the planner's predictions of them (``python -m bigtrain.plan.published``).
+
+Each run fixes what its paper reports (model, hardware, GPUs, batch, mesh, and recomputation or
+sequence parallelism where stated); the planner chooses what is not reported (micro-batch,
+schedule and v, and otherwise recomputation and ZeRO stage) by its own search, as it would for a
+user. The metric is the one the source reports:
+
+* ``hfu_tflops``: achieved TFLOP/s per GPU counting recomputation (Megatron-LM 2021 counts
+  96 B s L h^2 (1 + s/6h + V/16Lh) per step, which is exactly our hardware FLOPs with full recompute);
+* ``mfu``: model FLOPs utilization (Korthikanti et al. 2022, via the Megatron-LM README);
+* ``mfu_tflops``: model TFLOP/s per GPU (Llama 3);
+* ``tokens_per_gpu_s``: tokens per GPU-second derived from reported GPU-hours and tokens (Llama 2);
+  it includes every stall of a months-long run, so a prediction above it is expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigtrain.plan.hardware import get_profile
+from bigtrain.plan.layout import Cluster
+from bigtrain.plan.model import ModelSpec
+from bigtrain.plan.search import Plan, search
+
+GPT = dict(vocab=51200, seq=2048, mlp="gelu")
+LLAMA3_405B = dict(layers=126, hidden=16384, heads=128, kv_heads=8, vocab=128256, seq=8192, ffn_hidden=53248)
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    source: str
+    model: dict
+    hardware: str
+    gpus: int
+    global_batch: int
+    fixed: dict  # layout keys the source reports
+    metric: str
+    value: float
+    precision: str = "bf16"
+
+
+NARAYANAN = "Narayanan et al., SC'21 (arXiv 2104.04473), Table 1; README: 502 PFLOP/s on 3072 A100 for 1T"
+KORTHIKANTI = "Korthikanti et al., MLSys'23 (arXiv 2205.05198), via the Megatron-LM README MFU table"
+LLAMA3 = "Llama 3 Herd of Models (arXiv 2407.21783), Table 4 (also Balaji, SC'24)"
+LLAMA2 = "Llama 2 (arXiv 2307.09288), Table 2: GPU-hours for 2.0 T tokens on A100-80GB"
+
+RUNS = [
+    PublishedRun("GPT 1.7B, 32 x A100", NARAYANAN, dict(layers=24, hidden=2304, heads=24, **GPT), "a100-80g", 32,
+                 512, dict(dp=32, tp=1, pp=1, sp=1, zero=0, recompute="full"), "hfu_tflops", 137, "fp16"),
+    PublishedRun("GPT 18.4B, 256 x A100", NARAYANAN, dict(layers=40, hidden=6144, heads=48, **GPT), "a100-80g", 256,
+                 1024, dict(dp=32, tp=8, pp=1, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 135, "fp16"),
+    PublishedRun("GPT 145.6B, 1536 x A100", NARAYANAN, dict(layers=80, hidden=12288, heads=96, **GPT), "a100-80g",
+                 1536, 2304, dict(dp=24, tp=8, pp=8, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 148,
+                 "fp16"),
+    PublishedRun("GPT 529.6B, 2520 x A100", NARAYANAN, dict(layers=105, hidden=20480, heads=128, **GPT), "a100-80g",
+                 2520, 2520, dict(dp=9, tp=8, pp=35, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 163,
+                 "fp16"),
+    PublishedRun("GPT 1T, 3072 x A100", NARAYANAN, dict(layers=128, hidden=25600, heads=160, **GPT), "a100-80g",
+                 3072, 3072, dict(dp=6, tp=8, pp=64, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 163,
+                 "fp16"),
+    PublishedRun("GPT 22B, 8 x A100", KORTHIKANTI, dict(layers=48, hidden=6144, heads=64, **GPT), "a100-80g", 8, 4,
+                 dict(dp=1, tp=8, pp=1, sp=1, tp_sp=True), "mfu", 0.415),
+    PublishedRun("GPT 175B, 64 x A100", KORTHIKANTI, dict(layers=96, hidden=12288, heads=96, **GPT), "a100-80g", 64,
+                 64, dict(dp=1, tp=8, pp=8, sp=1, tp_sp=True), "mfu", 0.514),
+    PublishedRun("GPT 530B, 280 x A100", KORTHIKANTI, dict(layers=105, hidden=20480, heads=128, **GPT), "a100-80g",
+                 280, 280, dict(dp=1, tp=8, pp=35, sp=1, tp_sp=True), "mfu", 0.560),
+    PublishedRun("GPT 1T, 512 x A100", KORTHIKANTI, dict(layers=128, hidden=25600, heads=160, **GPT), "a100-80g",
+                 512, 512, dict(dp=1, tp=8, pp=64, sp=1, tp_sp=True), "mfu", 0.563),
+    PublishedRun("Llama 3 405B, 8192 x H100", LLAMA3, LLAMA3_405B, "h100-80g", 8192, 2048,
+                 dict(dp=64, tp=8, pp=16, sp=1, micro_batch=1, tp_sp=True), "mfu_tflops", 430),
+    PublishedRun("Llama 3 405B, 16384 x H100", LLAMA3, LLAMA3_405B, "h100-80g", 16384, 2048,
+                 dict(dp=128, tp=8, pp=16, sp=1, micro_batch=1, tp_sp=True), "mfu_tflops", 400),
+    PublishedRun("Llama 2 7B, A100 (512 assumed)", LLAMA2,
+                 dict(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, ffn_hidden=11008), "a100-80g", 512,
+                 1024, {}, "tokens_per_gpu_s", 2.0e12 / (184_320 * 3600)),
+    PublishedRun("Llama 2 70B, A100 (512 assumed)", LLAMA2,
+                 dict(layers=80, hidden=8192, heads=64, kv_heads=8, vocab=32000, seq=4096, ffn_hidden=28672),
+                 "a100-80g", 512, 1024, {}, "tokens_per_gpu_s", 2.0e12 / (1_720_320 * 3600)),
+]
+
+
+def predicted_metric(plan: Plan, metric: str) -> float:
+    t, gpus = plan.time, plan.cluster.gpus
+    if metric == "hfu_tflops":
+        return t.achieved_flops_per_gpu(gpus, hardware=True) / 1e12
+    if metric == "mfu_tflops":
+        return t.achieved_flops_per_gpu(gpus) / 1e12
+    if metric == "mfu":
+        return t.mfu
+    if metric == "tokens_per_gpu_s":
+        return t.tokens_per_s / gpus
+    raise ValueError(f"unknown metric {metric!r}")
+
+
+def predict(run: PublishedRun) -> Plan | None:
+    """The planner's best layout for the run (None if nothing with the reported keys fits)."""
+    model = ModelSpec.build(name=run.name, **run.model)
+    cluster = Cluster.build(run.gpus, get_profile(run.hardware))
+    return search(model, cluster, run.global_batch, {**run.fixed, "precision": run.precision}).best
+
+
+def comparison_rows() -> list[dict]:
+    rows = []
+    for run in RUNS:
+        plan = predict(run)
+        value = predicted_metric(plan, run.metric) if plan else float("nan")
+        rows.append({"run": run.name, "source": run.source, "metric": run.metric, "published": run.value,
+                     "predicted": value, "ratio": value / run.value,
+                     "layout": plan.layout.describe() if plan else "nothing fits"})
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| run | metric | published | predicted | predicted / published | layout the planner chose |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        fmt = (lambda v: f"{v:.1%}") if r["metric"] == "mfu" else (lambda v: f"{v:,.0f}")
+        lines.append(f"| {r['run']} | {r['metric']} | {fmt(r['published'])} | {fmt(r['predicted'])} | "
+                     f"{r['ratio']:.2f} | `{r['layout']}` |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(markdown_table(comparison_rows()))

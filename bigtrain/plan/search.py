@@ -1,0 +1,257 @@
+"""Layout search: enumerate valid layouts, drop those that do not fit, rank by throughput.
+
+The space: every factorization gpus = dp x tp x pp x sp (tp at most a node, sp at most 8 and
+dividing the heads), ZeRO 0-3 (only 0 without replicas to shard over), micro-batches 1-8, pipeline
+schedules 1f1b / zb-h1 / interleaved with v = 2 or 4 (gpipe and naive hold more and run no faster
+than 1f1b, so they are considered only when asked for), recomputation none / every 2nd / full,
+and Megatron sequence parallelism on and off when tp > 1 (it should only save memory at the same
+traffic, but the runtime's keeps more today: see docs/planner.md, Findings).
+Keys the user fixed (``--layout dp=8,zero=1``) are kept; the planner chooses the rest. Memory is
+evaluated first and only layouts that fit are timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from bigtrain.config import ConfigError
+from bigtrain.plan.cost import StepTime, step_time
+from bigtrain.plan.layout import Cluster, Layout, layout_problems
+from bigtrain.plan.memory import RankMemory, estimate_memory
+from bigtrain.plan.model import ModelSpec
+from bigtrain.plan.pipeline import PipelineModel
+
+MICRO_BATCHES = (1, 2, 4, 8)
+SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4))
+RECOMPUTES = ("none", "every", "full")
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    layout: Layout
+    cluster: Cluster
+    global_batch: int
+    memory: RankMemory
+    time: StepTime | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.time.tokens_per_s if self.time else 0.0
+
+    def to_dict(self) -> dict:
+        out = {"fits": self.fits, "params": self.model.params, "layout": self.layout.to_dict(),
+               "layout_text": self.layout.describe(), "memory": self.memory.to_dict()}
+        if self.time:
+            out.update(step_time_s=self.time.step_time_s, tokens_per_s=self.time.tokens_per_s,
+                       mfu=self.time.mfu, hfu=self.time.hfu, time=self.time.to_dict())
+        return out
+
+
+def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,
+             pipeline: PipelineModel | None = None, with_time: bool = True) -> Plan:
+    """Memory and (optionally) step time of one layout; raises ConfigError if it cannot run."""
+    problems = layout_problems(layout, model, cluster, global_batch)
+    if problems:
+        raise ConfigError(problems)
+    pipeline = pipeline or PipelineModel()
+    memory = estimate_memory(model, layout, cluster.hardware, global_batch, pipeline)
+    time = step_time(model, layout, cluster, global_batch, pipeline) if with_time else None
+    return Plan(model, layout, cluster, global_batch, memory, time)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _options(fixed: dict, key: str, choices) -> list:
+    return [fixed[key]] if key in fixed else list(choices)
+
+
+def _mesh_shapes(model: ModelSpec, cluster: Cluster, fixed: dict) -> Iterator[tuple[int, int, int, int]]:
+    gpus = cluster.gpus
+    for tp in _options(fixed, "tp", [d for d in _divisors(gpus) if d <= cluster.gpus_per_node]):
+        for sp in _options(fixed, "sp", [d for d in _divisors(gpus // tp) if d <= 8 and model.heads % d == 0]):
+            if gpus % (tp * sp):
+                continue
+            for pp in _options(fixed, "pp", [d for d in _divisors(gpus // (tp * sp)) if d <= model.layers]):
+                dp = gpus // (tp * sp * pp) if gpus % (tp * sp * pp) == 0 else 0
+                if dp and ("dp" not in fixed or fixed["dp"] == dp):
+                    yield dp, tp, pp, sp
+    if {"dp", "tp", "pp", "sp"} <= set(fixed):  # a complete but inconsistent mesh: let validation name it
+        yield fixed["dp"], fixed["tp"], fixed["pp"], fixed["sp"]
+
+
+def _schedules(fixed: dict, pp: int) -> list[tuple[str, int]]:
+    if "schedule" in fixed or "v" in fixed:
+        kind = fixed.get("schedule", "interleaved" if fixed.get("v", 1) > 1 else "1f1b")
+        return [(kind, fixed.get("v", 2 if kind == "interleaved" else 1))]
+    return [("1f1b", 1)] if pp == 1 else list(SCHEDULES)
+
+
+def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision: str = "bf16") -> Iterator[Layout]:
+    """Every layout the search considers, honoring the user's fixed keys (valid or not)."""
+    seen = set()
+    for dp, tp, pp, sp in _mesh_shapes(model, cluster, fixed):
+        zeros = _options(fixed, "zero", (0, 1, 2, 3) if dp * sp > 1 else (0,))  # ZeRO shards over dp x sp
+        choices = itertools.product(zeros, _options(fixed, "micro_batch", MICRO_BATCHES), _schedules(fixed, pp),
+                                    _options(fixed, "recompute", RECOMPUTES),
+                                    _options(fixed, "tp_sp", (False, True) if tp > 1 else (False,)))
+        for zero, mb, (schedule, v), recompute, tp_sp in choices:
+            layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule, v=v,
+                            recompute=recompute, every=fixed.get("every", 2), tp_sp=tp_sp,
+                            precision=fixed.get("precision", precision))
+            if layout not in seen:
+                seen.add(layout)
+                yield layout
+
+
+def _mesh_problems(fixed: dict, cluster: Cluster) -> list[str]:
+    """Why no dp x tp x pp x sp factorization of the GPUs matches the fixed degrees."""
+    degrees = {k: fixed[k] for k in ("dp", "tp", "pp", "sp") if k in fixed}
+    product = 1
+    for value in degrees.values():
+        product *= value
+    text = " x ".join(f"{k}={v}" for k, v in degrees.items())
+    if cluster.gpus % product:
+        return [f"--layout: {text} = {product} does not divide --gpus = {cluster.gpus}; dp x tp x pp x sp must "
+                f"equal the GPUs"]
+    return [f"--layout: no layout with {text} fits the search space on {cluster.gpus} GPUs (tp at most "
+            f"{cluster.gpus_per_node}, sp at most 8 and dividing the heads, pp at most the layers); give every "
+            f"degree explicitly to use it anyway"]
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Plan]  # layouts that fit, fastest first
+    closest: Plan | None  # the layout that misses by the least, when none fits
+    considered: int
+    valid: int
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    @property
+    def best(self) -> Plan | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | None = None,
+           precision: str = "bf16", pipeline: PipelineModel | None = None, retime: int = 12) -> SearchResult:
+    """Rank the layouts that fit; raises ConfigError when no layout is even valid.
+
+    Candidates are timed with the pipeline's closed forms (fast, and equal to the simulator when
+    transfers are free); the ``retime`` fastest are then timed again with the simulator."""
+    fixed, pipeline = dict(fixed or {}), pipeline or PipelineModel()
+    fast = PipelineModel(max_actions=0)
+    fitting, closest, considered, valid, rejected, first_problems = [], None, 0, 0, {}, None
+    for layout in candidate_layouts(model, cluster, fixed, precision):
+        considered += 1
+        problems = layout_problems(layout, model, cluster, global_batch)
+        if problems:
+            first_problems = first_problems or problems
+            rejected[problems[0].split(":")[0]] = rejected.get(problems[0].split(":")[0], 0) + 1
+            continue
+        valid += 1
+        memory = estimate_memory(model, layout, cluster.hardware, global_batch, fast)
+        plan = Plan(model, layout, cluster, global_batch, memory)
+        if plan.fits:
+            plan.time = step_time(model, layout, cluster, global_batch, fast)
+            fitting.append(plan)
+        elif closest is None or memory.total / memory.capacity < closest.memory.total / closest.memory.capacity:
+            closest = plan
+    if not valid:
+        raise ConfigError(first_problems or _mesh_problems(fixed, cluster))
+    fitting.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
+    for plan in fitting[:retime]:
+        plan.time = step_time(model, plan.layout, cluster, global_batch, pipeline)
+    fitting[:retime] = sorted(fitting[:retime], key=lambda p: (-p.tokens_per_s, p.memory.total))
+    if not fitting and closest is not None:
+        closest.time = step_time(model, closest.layout, cluster, global_batch, pipeline)
+    return SearchResult(fitting, None if fitting else closest, considered, valid, rejected)
+
+
+# -- explanations -------------------------------------------------------------------------------------
+def readable_bytes(nbytes: float, digits: int = 1) -> str:
+    """Bytes in the largest binary unit that keeps the number readable (GiB for accelerators,
+    smaller units for toy models)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.{digits}f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _differences(a: Layout, b: Layout) -> str:
+    keys = [f.name for f in dataclasses.fields(Layout)]
+    diff = [f"{k} {getattr(a, k)} vs {getattr(b, k)}" for k in keys if getattr(a, k) != getattr(b, k)]
+    return ", ".join(diff) or "the same layout"
+
+
+def explain_ranking(result: SearchResult, top: int = 3) -> list[str]:
+    lines = [f"{result.valid} valid layouts of {result.considered} considered, {len(result.ranked)} fit."]
+    for i, plan in enumerate(result.ranked[:top], 1):
+        t, m = plan.time, plan.memory
+        main = sorted(t.breakdown.items(), key=lambda kv: -kv[1])[:3]
+        parts = ", ".join(f"{k} {v:.3g} s" for k, v in main)
+        lines.append(f"{i}. {plan.layout.describe()}: {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, step "
+                     f"{t.step_time_s:.3g} s ({parts}); {readable_bytes(m.total)} of {readable_bytes(m.capacity)} on the worst rank")
+    if len(result.ranked) >= 2:
+        lines.append(why_best_wins(result.ranked[0], result.ranked[1]))
+    return lines
+
+
+def why_best_wins(best: Plan, runner_up: Plan) -> str:
+    a, b = best.time, runner_up.time
+    gap = b.step_time_s / a.step_time_s - 1
+    deltas = sorted(((k, b.breakdown.get(k, 0.0) - a.breakdown.get(k, 0.0)) for k in a.breakdown),
+                    key=lambda kv: -abs(kv[1]))
+    reasons = "; ".join(f"{'+' if d > 0 else ''}{d:.3g} s {k}" for k, d in deltas[:2] if abs(d) > 0)
+    return (f"Why #1 beats #2 ({_differences(best.layout, runner_up.layout)}): #2's step is {gap:.1%} longer "
+            f"({reasons or 'same time; #1 needs less memory'}).")
+
+
+def explain_memory(memory: RankMemory, model: ModelSpec, layout: Layout, hardware_name: str) -> list[str]:
+    """Where a rank's bytes go, and by how much it misses (or clears) the device."""
+    states = memory.model_states
+    mixed = layout.precision != "fp32"
+    opt_text = ("fp32 master weights + two AdamW moments" if mixed else "two AdamW moments")
+    bytes_per_param = states / model.params if layout.zero == 0 and layout.gpus == 1 else None
+    lines = [f"worst rank (pipeline rank {memory.pp_rank}): {readable_bytes(memory.total)} needed, "
+             f"{readable_bytes(memory.capacity)} on {hardware_name}"
+             + (f", {readable_bytes(memory.total - memory.capacity)} short" if not memory.fits else
+                f", {readable_bytes(memory.capacity - memory.total)} free"),
+             f"  model states {readable_bytes(states)}: parameters {readable_bytes(memory.params)} + gradients {readable_bytes(memory.grads)} "
+             f"+ optimizer {readable_bytes(memory.optimizer)} ({opt_text})"
+             + (f" = {bytes_per_param:.0f} bytes per parameter x {model.params / 1e9:.2f} B parameters"
+                if bytes_per_param else ""),
+             f"  activations {readable_bytes(memory.activations)} ({memory.inflight} micro-batch(es) in flight x "
+             f"{readable_bytes(memory.activation_per_microbatch)}; per layer s b h (c1 + c2/t) with c1 = "
+             f"{memory.detail.get('activation_c1', 0):.1f}, c2 = {memory.detail.get('activation_c2', 0):.1f})",
+             f"  buffers {readable_bytes(sum(memory.buffers.values()))}, allocator allowance {readable_bytes(memory.allocator)}"]
+    return lines
+
+
+def explain_no_fit(result: SearchResult, cluster: Cluster) -> list[str]:
+    """Nothing fits: what comes closest, what it lacks, and what would make it fit."""
+    plan = result.closest
+    hw = cluster.hardware
+    lines = [f"Nothing fits on {cluster.gpus} x {hw.name} ({result.valid} valid layouts tried)."]
+    if plan is None:
+        return lines
+    lines.append(f"Closest: {plan.layout.describe()}")
+    lines += explain_memory(plan.memory, plan.model, plan.layout, hw.name)
+    usable = hw.usable_bytes / (1 + hw.fragmentation)
+    if plan.memory.model_states > usable:
+        full = 16  # 2 + 2 + 12 mixed (bf16 weights and grads, fp32 master and moments) or 4 + 4 + 8 in fp32
+        need = -(-int(full * plan.model.params) // int(usable))
+        lines.append(f"  model states alone exceed the device: full training with AdamW keeps {full} bytes per "
+                     f"parameter; sharded over every GPU (ZeRO-3) it needs at least {need} GPUs of this kind, "
+                     f"before activations")
+    else:
+        lines.append("  model states fit: lower the micro-batch, recompute more, or shard activations (tp, pp, sp)")
+    return lines
