@@ -1,4 +1,4 @@
-"""``bigtrain train | report | presets | config``.
+"""``bigtrain train | plan | bench | report | config | presets | fields``.
 
 ``bigtrain train`` validates the config before anything starts. When the layout needs several
 ranks and no launcher started us, it writes the resolved config into the run directory and starts
@@ -31,6 +31,13 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--output-dir", help="run directory (default runs/<preset>-<time>)")
             p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+            p.add_argument("--parallel", choices=["auto"], help="let the planner choose the layout")
+            p.add_argument("--world-size", type=int, help="ranks to plan for with --parallel auto "
+                                                          "(default: the launcher's, else 1)")
+    from bigtrain.plan.cli import add_bench_parser, add_plan_parser
+
+    add_plan_parser(sub)
+    add_bench_parser(sub)
     report = sub.add_parser("report", help="write report.md and loss.png for a run directory")
     report.add_argument("run_dir")
     sub.add_parser("presets", help="list the shipped presets")
@@ -59,6 +66,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
 
     cfg = _resolve(args, overrides)
+    if args.parallel == "auto":
+        from bigtrain.plan.auto import auto_overrides
+
+        chosen, why = auto_overrides(cfg, args.world_size or env_world_size() or 1)
+        print(why)
+        cfg = _resolve(args, chosen + overrides)  # what the user set explicitly still wins
     validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
     run_dir = _run_dir(args)
     if cfg.parallel.world_size > 1 and not launched_externally():
@@ -104,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(config overrides look like --parallel.dp=2)", file=sys.stderr)
         return 2
     try:
+        if hasattr(args, "run"):  # commands that carry their own entry point (plan, bench)
+            return args.run(args)
         if args.command == "train":
             return cmd_train(args, rest)
         if args.command == "config":

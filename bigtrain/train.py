@@ -7,6 +7,7 @@ test or a user's script can run directly on a mesh it built itself.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ from bigtrain.memory.accounting import SavedActivations
 from bigtrain.metrics import MetricsLog
 from bigtrain.models.llama import count_parameters
 from bigtrain.optim.schedule import lr_at
-from bigtrain.parallel.pipeline.executor import PipelineExecutor
+from bigtrain.parallel.pipeline.draw import draw_timeline
+from bigtrain.parallel.pipeline.executor import PipelineExecutor, align_timelines
+from bigtrain.parallel.pipeline.simulate import simulate
 from bigtrain.parallel.build import parallelize, token_loss_sum  # noqa: F401 - part of this module's API
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
@@ -165,9 +168,30 @@ class Trainer:
                     self.save()
         finally:
             log.close()
+        if self.executor is not None and self.history:
+            self.draw_pipeline()
         if cfg.checkpoint.save_final and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
             self.save()
         return self.history
+
+    def draw_pipeline(self) -> list[Path]:
+        """The last step's measured timeline of every pipeline rank, and the schedule simulated
+        with the measured mean F and B times: the seeds' bubble diagram, twice (rank 0 draws)."""
+        rows = self.parallel.pp.gather_objects(self.executor.timeline)
+        if not self.is_main or rows is None:
+            return []
+        measured = align_timelines(rows)
+        mean = {kind: statistics.mean([end - start for row in measured for label, start, end in row
+                                       if str(label).startswith(kind)] or [0.0]) for kind in "FBIW"}
+        schedule = self.parallel.schedule
+        backward = mean["I"] + mean["W"] if schedule.split_backward else mean["B"]
+        # Simulated costs are per rank's share of the model: undo the per-chunk split of interleaving.
+        sim = simulate(schedule, cost_f=mean["F"] * schedule.v, cost_b=backward * schedule.v,
+                       cost_w=mean["W"] * schedule.v)
+        title = f"{schedule.kind}, p={schedule.p}, m={schedule.m}, v={schedule.v}"
+        return [draw_timeline(measured, self.run_dir / "timeline_measured.png", f"measured: {title}"),
+                draw_timeline(sim.timelines, self.run_dir / "timeline_simulated.png",
+                              f"simulated: {title}, bubble {sim.overall_bubble_fraction:.0%}")]
 
     # -- checkpoints ----------------------------------------------------------------------------
     @property

@@ -56,3 +56,17 @@ def test_two_ranks_through_torchrun_match_one_rank(corpus_cache, tmp_path):
         assert b["comm"]["dp"] > 0 and a["comm"] == {}
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["mesh"]["dp"] == 2
+
+
+def test_parallel_auto_plans_the_layout_before_launch(corpus_cache, tmp_path, capsys):
+    assert main(_args(corpus_cache, tmp_path, "--train.steps=2") + ["--parallel", "auto", "--world-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--parallel auto: dp=1," in out and "tokens/s" in out
+    assert "[parallel]" in (tmp_path / "config.toml").read_text()
+
+
+def test_plan_command_says_why_7b_does_not_fit_one_gpu(capsys):
+    code = main(["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000", "--seq", "4096",
+                 "--gpus", "1", "--hardware", "h100-80g"])
+    out = capsys.readouterr().out
+    assert code == 1 and "Nothing fits" in out and "16 bytes per parameter" in out

@@ -1,0 +1,41 @@
+"""``bigtrain train --parallel auto``: the planner picks the layout of a run before it launches."""
+
+from __future__ import annotations
+
+from bigtrain.config import Config, ConfigError
+from bigtrain.plan.hardware import get_profile
+from bigtrain.plan.layout import Cluster
+from bigtrain.plan.model import ModelSpec
+from bigtrain.plan.search import search
+
+_GPU_NAMES = {"H200": "h200-141g", "H100": "h100-80g", "A100-SXM4-80GB": "a100-80g", "A100": "a100-40g"}
+
+
+def local_hardware() -> str:
+    """The preset that matches this machine's accelerator (cpu without one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0)
+    return next((preset for key, preset in _GPU_NAMES.items() if key in name), "h100-80g")
+
+
+def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None) -> tuple[list[str], str]:
+    """Overrides that set the fastest layout that fits ``world_size`` ranks, and a line saying why.
+
+    The precision stays what the config says; the planner chooses degrees, ZeRO stage, sequence
+    parallelism, micro-batch size and checkpointing."""
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    cluster = Cluster.build(world_size, get_profile(hardware or local_hardware()))
+    result = search(model, cluster, cfg.train.global_batch, fixed={"precision": cfg.precision.mode},
+                    precision=cfg.precision.mode)
+    if result.best is None:
+        closest = result.closest
+        lack = f"; closest: {closest.layout.describe()} needs {closest.memory.total / 2**30:.1f} GiB" if closest else ""
+        raise ConfigError(f"--parallel auto: no layout of {world_size} rank(s) fits this model{lack}; "
+                          f"add ranks or lower train.micro_batch / data.seq_len")
+    best = result.best
+    why = (f"--parallel auto: {best.layout.describe()} on {world_size} x {cluster.hardware.name}, "
+           f"predicted {best.tokens_per_s:,.0f} tokens/s ({len(result.ranked)} layouts fit)")
+    return best.layout.to_overrides(), why
