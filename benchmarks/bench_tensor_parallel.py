@@ -44,7 +44,6 @@ step, and the ratio ours/DTensor of the medians (with the median of the per-pair
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -65,12 +64,12 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model, count_parameters
 from bigtrain.optim import build_adamw
 from bigtrain.parallel.build import parallelize
-from bigtrain.testing import run_ranks
-from bigtrain.train import token_loss_sum
+from bigtrain.parallel.build import token_loss_sum
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
 from bench_data_parallel import PHASES, VerificationError, _batch, _relative_error  # noqa: E402
 from bench_zero import _rel  # noqa: E402
+from common import run_and_report  # noqa: E402
 
 # CommDebugMode's module tracker (the untimed counting step) registers full backward hooks; harmless.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -414,23 +413,7 @@ def print_report(args, out: dict) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(1)  # the parent stays idle; each forked rank runs one thread
-    load_before = os.getloadavg()
-    start = time.perf_counter()
-    try:
-        results = run_ranks(_rank_main, args.ranks, args, timeout=args.timeout)
-    except Exception as exc:  # noqa: BLE001 - a rank's traceback, a verification failure, a timeout
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    out = summarize(args, results, time.perf_counter() - start)
-    out["machine"]["loadavg_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
-    print_report(args, out)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    return run_and_report(_rank_main, parse_args(argv), summarize, print_report)
 
 
 if __name__ == "__main__":

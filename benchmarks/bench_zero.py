@@ -62,7 +62,7 @@ from bigtrain.optim import build_adamw
 from bigtrain.parallel.zero import ZeroEngine
 from bigtrain.precision import Precision
 from bigtrain.testing import run_ranks
-from bigtrain.train import token_loss_sum
+from bigtrain.parallel.build import token_loss_sum
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmark, run from anywhere
 from bench_data_parallel import _SYNC_BUFFERS, PHASES, VerificationError, _batch  # noqa: E402

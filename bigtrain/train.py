@@ -26,7 +26,7 @@ from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.draw import draw_timeline
 from bigtrain.parallel.pipeline.executor import PipelineExecutor, align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
-from bigtrain.parallel.build import parallelize, token_loss_sum  # noqa: F401 - part of this module's API
+from bigtrain.parallel.build import parallelize
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
 

@@ -7,7 +7,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from bigtrain.distributed.comm import sent_fraction

@@ -19,7 +19,7 @@ from bigtrain.plan.cli import add_bench_parser, add_plan_parser
 from bigtrain.plan.memory import MEASURABLE_BUFFERS
 from bigtrain.plan.published import RUNS, predict, predicted_metric
 from bigtrain.testing import run_ranks
-from bigtrain.train import token_loss_sum
+from bigtrain.parallel.build import token_loss_sum
 from helpers import tiny_config, trainer_on_rank
 
 GIB = 2**30

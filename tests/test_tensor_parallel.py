@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigtrain.config import ModelConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import AttentionCore, FeedForward
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum

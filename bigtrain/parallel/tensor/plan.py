@@ -19,7 +19,7 @@ from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, Pr
                                              RowParallel, ShardSpec, Style, TPContext, UlyssesAttention,
                                              VocabParallelEmbedding, VocabParallelOutput)
 
-Plan = dict[str, "Style | list[Style]"]
+Plan = dict[str, Style | list[Style]]
 
 
 def parallelize_module(model: nn.Module, plan: Plan, ctx: TPContext) -> None:
