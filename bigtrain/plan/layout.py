@@ -66,6 +66,7 @@ class Layout:
     def to_overrides(self) -> list[str]:
         """The layout as ``bigtrain train`` overrides (``--parallel.dp=8`` ...), for ``--parallel auto``."""
         out = [f"--parallel.{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "sp", "zero")]
+        out += [f"--parallel.pp_schedule={self.schedule}", f"--parallel.pp_virtual={self.v}"]
         out += [f"--parallel.sequence_parallel={str(self.tp_sp).lower()}", f"--precision.mode={self.precision}",
                 f"--memory.checkpointing={self.recompute}", f"--memory.checkpoint_every={self.every}",
                 f"--train.micro_batch={self.micro_batch}"]
