@@ -5,7 +5,9 @@ one thread per rank), over the same process group, on copies of the same bigtrai
 init, same tokens, the same AdamW hyper-parameters and gradient clipping):
 
   (a) bigtrain ``ZeroEngine`` stage 3 vs torch FSDP2 (``fully_shard`` on every transformer block
-      and on the root, ``reshard_after_forward=True``);
+      and on the root, ``reshard_after_forward=True``). Both prefetch the next block's all-gather in
+      backward; bigtrain also in forward, which FSDP2 does only when told to (on CPU its forward
+      cannot run ahead of the all-gathers): ``--fsdp2-prefetch`` tells it to;
   (b) bigtrain ``ZeroEngine`` stage 1 vs ``torch.distributed.optim.ZeroRedundancyOptimizer``
       wrapping AdamW, with DDP (configured like ``bench_data_parallel.py``: gradients as bucket
       views, no per-forward buffer broadcast) reducing the gradients.
@@ -31,7 +33,9 @@ round differently).
 
 Drift is cancelled by alternating the members of each pair, A B B A A B B A ..., after
 ``--warmup`` untimed steps; the report gives the median step time of each, the ratios ours/peer of
-the medians (and the median of the per-step ratios), a per-phase breakdown and the state bytes.
+the medians (with the median of the per-step ratios, and the ratios of the fastest steps and of the
+CPU time per step, which other processes' load disturbs less), a per-phase breakdown and the state
+bytes.
 
     python benchmarks/bench_zero.py --ranks 2 --steps 20 --warmup 3 --json out.json
 """
@@ -39,7 +43,6 @@ the medians (and the median of the per-step ratios), a per-phase breakdown and t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -59,13 +62,13 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.memory.accounting import model_state_bytes
 from bigtrain.models.llama import build_model, count_parameters, init_value
 from bigtrain.optim import build_adamw
+from bigtrain.parallel.build import token_loss_sum
 from bigtrain.parallel.zero import ZeroEngine
 from bigtrain.precision import Precision
-from bigtrain.testing import run_ranks
-from bigtrain.parallel.build import token_loss_sum
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmark, run from anywhere
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
 from bench_data_parallel import _SYNC_BUFFERS, PHASES, VerificationError, _batch  # noqa: E402
+from common import run_and_report  # noqa: E402
 
 Z3, FSDP2, Z1, ZRO = "bigtrain ZeRO-3", "torch FSDP2", "bigtrain ZeRO-1", "torch ZeRO-1 (ZRO+DDP)"
 PAIRS = {"fsdp2": (Z3, FSDP2), "zero1": (Z1, ZRO)}
@@ -80,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps of each implementation")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each (the first two are the check)")
     p.add_argument("--compare", choices=("both", *PAIRS), default="both",
-                   help="which comparison(s): (a) fsdp2 = ZeRO-3 vs FSDP2, (b) zero1 = ZeRO-1 vs ZeroRedundancyOptimizer")
+                   help="which comparison(s): (a) fsdp2 = ZeRO-3 vs FSDP2, "
+                        "(b) zero1 = ZeRO-1 vs ZeroRedundancyOptimizer")
     p.add_argument("--precision", choices=tuple(DTYPES), default="fp32",
                    help="compute dtype (bf16: fp32 masters and fp32 gradient reduction on both sides)")
     p.add_argument("--layers", type=int, default=6)
@@ -90,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--no-prefetch", action="store_true", help="bigtrain ZeRO-3 without gather prefetch")
+    p.add_argument("--fsdp2-prefetch", action="store_true",
+                   help="FSDP2 with explicit prefetch of the next block (set_modules_to_forward/backward_prefetch); "
+                        "by default only its backward prefetches, and on CPU its forward cannot run ahead")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (comparison b)")
     p.add_argument("--zro-bucket-view", action="store_true",
                    help="ZeroRedundancyOptimizer(parameters_as_bucket_view=True): one broadcast per rank "
@@ -148,6 +155,11 @@ class Runner:
             for layer in self.model.layers:
                 fully_shard(layer, mesh=device_mesh, reshard_after_forward=True, mp_policy=policy)
             fully_shard(self.model, mesh=device_mesh, reshard_after_forward=True, mp_policy=policy)
+            if args.fsdp2_prefetch:
+                blocks = list(self.model.layers)
+                for i, block in enumerate(blocks):
+                    block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+                    block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i])
             self.forward = self.model
             self.optimizer = build_adamw(self.model, optim_cfg, args.lr)
         else:
@@ -307,7 +319,8 @@ SHORT = {Z3: "fsdp2", Z1: "zero1"}  # for the ratio lines
 
 def print_report(args, out: dict) -> None:
     cfg, mib = out["config"], 2**20
-    print(f"ZeRO, {args.ranks} Gloo ranks x 1 thread on {out['machine']['cpus']} CPUs, torch {out['machine']['torch']}; "
+    print(f"ZeRO, {args.ranks} Gloo ranks x 1 thread on {out['machine']['cpus']} CPUs, "
+          f"torch {out['machine']['torch']}; "
           f"Llama {cfg['layers']} layers d{cfg['dim']} ({out['params'] / 1e6:.2f} M params, {cfg['precision']}), "
           f"seq {cfg['seq']}, micro-batch {cfg['micro_batch']} per rank; {cfg['steps']} timed steps each after "
           f"{cfg['warmup']} warm-up, alternated within each pair")
@@ -335,29 +348,14 @@ def print_report(args, out: dict) -> None:
           f"(the ranks themselves add {args.ranks})")
     for c in out["comparisons"].values():
         peer = SHORT[c["ours"]]
-        print(f"ratio ours/{peer} step time = {c['ratio_step_time']:.2f} (paired median {c['paired_ratio_median']:.2f}, "
-              f"min {c['ratio_min_step_time']:.2f}, cpu {c['ratio_cpu_time']:.2f})")
+        print(f"ratio ours/{peer} step time = {c['ratio_step_time']:.2f} "
+              f"(paired median {c['paired_ratio_median']:.2f}, min {c['ratio_min_step_time']:.2f}, "
+              f"cpu {c['ratio_cpu_time']:.2f})")
         print(f"ratio ours/{peer} state bytes = {c['ratio_state_bytes']:.3f}")
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(1)  # the parent stays idle; each forked rank runs one thread
-    load_before = os.getloadavg()
-    start = time.perf_counter()
-    try:
-        results = run_ranks(_rank_main, args.ranks, args, timeout=args.timeout)
-    except Exception as exc:  # noqa: BLE001 - a rank's traceback, a verification failure, a timeout
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    out = summarize(args, results, time.perf_counter() - start)
-    out["machine"]["loadavg_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
-    print_report(args, out)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    return run_and_report(_rank_main, parse_args(argv), summarize, print_report)
 
 
 if __name__ == "__main__":
