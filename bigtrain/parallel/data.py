@@ -33,6 +33,16 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
 
 
+@contextmanager
+def sync_off(engine):
+    """Clear ``engine._sync`` for the block (gradient engines skip reduction while it is False)."""
+    previous, engine._sync = engine._sync, False
+    try:
+        yield
+    finally:
+        engine._sync = previous
+
+
 def _unique_trainable(model: nn.Module) -> list[nn.Parameter]:
     seen, out = set(), []
     for p in model.parameters():
@@ -102,14 +112,9 @@ class DataParallel:
     def _launch(self, bucket: Bucket) -> None:
         bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True, tag="grads")
 
-    @contextmanager
     def no_sync(self):
         """Accumulate gradients locally (non-final micro-batches)."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
+        return sync_off(self)
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's all-reduce; launches buckets whose parameters got no gradient."""

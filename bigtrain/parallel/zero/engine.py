@@ -21,7 +21,6 @@ The loss must be normalized by the global token count: gradients are summed over
 from __future__ import annotations
 
 import zlib
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -31,6 +30,7 @@ from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim.clip import clip_, global_norm, square_sums
+from bigtrain.parallel.data import sync_off
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
 from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
@@ -125,14 +125,9 @@ class ZeroEngine:
         return self._unit_of_params()
 
     # -- backward: gradient reduction ---------------------------------------------------------------
-    @contextmanager
     def no_sync(self):
         """Non-final micro-batches: stages 0-1 accumulate locally; stages 2-3 must reduce anyway."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
+        return sync_off(self)
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
