@@ -1,4 +1,4 @@
-"""``bigtrain train | plan | bench | report | config | presets | fields``.
+"""``bigtrain train | check | plan | bench | report | config | presets | fields``.
 
 ``bigtrain train`` validates the config before anything starts. When the layout needs several
 ranks and no launcher started us, it writes the resolved config into the run directory and starts
@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--parallel", choices=["auto"], help="let the planner choose the layout")
             p.add_argument("--world-size", type=int, help="ranks to plan for with --parallel auto "
                                                           "(default: the launcher's, else 1)")
+    from bigtrain.check.cli import add_check_parser
     from bigtrain.plan.cli import add_bench_parser, add_plan_parser
 
+    add_check_parser(sub)
     add_plan_parser(sub)
     add_bench_parser(sub)
     report = sub.add_parser("report", help="write report.md and loss.png for a run directory")
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, rest = _parser().parse_known_args(argv)
     unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
-    if unknown or (rest and args.command not in ("train", "config")):
+    if unknown or (rest and args.command not in ("train", "config", "check")):
         print(f"bigtrain {args.command}: unrecognized arguments: {' '.join(unknown or rest)} "
               f"(config overrides look like --parallel.dp=2)", file=sys.stderr)
         return 2
@@ -121,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             return args.run(args)
         if args.command == "train":
             return cmd_train(args, rest)
+        if args.command == "check":
+            from bigtrain.check.cli import cmd_check
+
+            return cmd_check(args, rest)
         if args.command == "config":
             cfg = _resolve(args, rest)
             validate(cfg)

@@ -154,6 +154,8 @@ class DataConfig:
     seq_len: int = doc("Tokens per sample.", 128)
     cache_dir: str = doc("Where tokenized corpora are cached; '' means ~/.cache/bigtrain.", "")
     max_bytes: int = doc("Cap on the bytes read from a text corpus (0: no cap).", 16_000_000)
+    ignore_target: int = doc("A token id whose next-token targets are left out of the loss (padding or a "
+                             "separator, say); the loss is the mean over the targets kept. -1: keep all.", -1)
 
 
 @dataclass

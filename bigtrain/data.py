@@ -97,13 +97,18 @@ def load_tokens(source: str, cache_dir: str = "", max_bytes: int = 0) -> np.ndar
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-class TokenSampler:
-    """Random windows of ``seq_len + 1`` tokens; inputs and next-token targets."""
+IGNORE_INDEX = -100  # the target id that cross-entropy (torch's default ignore_index) leaves out
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
+
+class TokenSampler:
+    """Random windows of ``seq_len + 1`` tokens; inputs and next-token targets. Targets equal to
+    ``ignore_target`` (when >= 0) become :data:`IGNORE_INDEX`, so the loss leaves them out."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, ignore_target: int = -1):
         if len(tokens) < seq_len + 2:
             raise ValueError(f"corpus has {len(tokens)} tokens, fewer than data.seq_len + 2 = {seq_len + 2}")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.ignore_target = ignore_target
 
     def starts(self, step: int) -> np.ndarray:
         """Window starts of the whole global batch at ``step`` (layout-independent)."""
@@ -115,7 +120,17 @@ class TokenSampler:
         starts = self.starts(step)[first:first + count]
         windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
         data = torch.from_numpy(windows)
-        return data[:, :-1], data[:, 1:]
+        targets = data[:, 1:]
+        if self.ignore_target >= 0:
+            targets = targets.masked_fill(targets == self.ignore_target, IGNORE_INDEX)
+        return data[:, :-1], targets
+
+    def counted_targets(self, step: int) -> int:
+        """Targets the loss counts in the whole global batch at ``step``: the normalizer that makes
+        every layout's summed loss the mean of one process (at least 1, so an all-masked batch is 0)."""
+        if self.ignore_target < 0:
+            return self.global_batch * self.seq_len
+        return max(1, int((self.batch(step, 0, self.global_batch)[1] != IGNORE_INDEX).sum()))
 
     def micro_batches(self, step: int, dp_rank: int, dp: int, micro_batch: int):
         """This rank's micro-batches at ``step``: its contiguous slice of the global batch, in order."""

@@ -12,6 +12,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -62,9 +63,10 @@ class Trainer:
         self.model, self.engine = self.parallel.model, self.parallel.engine
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
         self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),
-                                    cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+                                    cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target)
         self.accum = cfg.train.grad_accum(mesh.size("dp"))
         self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
+        self.counted_targets = self.global_tokens  # this step's loss normalizer (fewer when targets are masked)
         self.step = 0
         self.history: list[StepResult] = []
 
@@ -76,8 +78,8 @@ class Trainer:
         with context:
             with tracker if tracker is not None else nullcontext():
                 loss_sum = self.parallel.forward_loss(tokens, targets)
-            # Normalizing by the global token count makes the sum over micro-batches and ranks the mean.
-            self.engine.backward(loss_sum / self.global_tokens)
+            # Normalizing by the global count of targets makes the sum over micro-batches and ranks the mean.
+            self.engine.backward(loss_sum / self.counted_targets)
         if tracker is not None:
             tracker.reset()  # backward freed what this micro-batch saved
         return loss_sum.detach()
@@ -97,7 +99,7 @@ class Trainer:
         out = self.executor.run(chunks)
         loss_sum = torch.zeros((), device=self.device)
         if out is not None:  # the last stage: undo the normalization and the loss scale of loss_fn
-            loss_sum = out.detach() * self.global_tokens / self._loss_scale()
+            loss_sum = out.detach() * self.counted_targets / self._loss_scale()
         self.parallel.pp.all_reduce(loss_sum, tag="metrics")
         return loss_sum, self.executor.peak_activation_bytes
 
@@ -110,23 +112,28 @@ class Trainer:
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             # The executor calls backward itself: normalize (and scale, for fp16) here.
-            return parallel.loss_sum(logits, targets) / self.global_tokens * self._loss_scale()
+            return parallel.loss_sum(logits, targets) / self.counted_targets * self._loss_scale()
 
         return PipelineExecutor(parallel.stages, parallel.schedule, parallel.pp, loss_fn,
                                 engines={s: self.engine for s in parallel.stages},
                                 forward_kwargs={"start_pos": start} if parallel.sp.size > 1 else None)
 
-    def train_step(self, measure: bool = False) -> StepResult:
+    def train_step(self, measure: bool = False, before_update: Callable[[], None] | None = None) -> StepResult:
+        """One optimizer step. ``before_update`` runs once the gradients are reduced and before the
+        optimizer uses them (``bigtrain check`` reads them there)."""
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
         before = self.mesh.stats.snapshot()
         start = time.perf_counter()
+        self.counted_targets = self.sampler.counted_targets(step)
         batches = self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"), cfg.train.micro_batch)
         if self.executor is not None:
             loss_sum, activations = self._micro_batches_through_pipeline(list(batches), measure)
         else:
             loss_sum, activations = self._micro_batches_in_turn(batches, measure)
         self.engine.finish_grad_sync()
+        if before_update is not None:
+            before_update()
         grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)
         step_time = time.perf_counter() - start
         traffic = self.mesh.stats.since(before)
@@ -135,7 +142,7 @@ class Trainer:
         self.engine.zero_grad()
         self.step += 1
         scaler = self.engine.scaler
-        return StepResult(step, float(loss_sum) / self.global_tokens, grad_norm, lr, step_time,
+        return StepResult(step, float(loss_sum) / self.counted_targets, grad_norm, lr, step_time,
                           self.global_tokens, mem, traffic.by_axis(), traffic.by_op(), skipped,
                           scaler.scale if scaler is not None else None)
 

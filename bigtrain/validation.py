@@ -114,6 +114,9 @@ def check_data(cfg: Config) -> list[str]:
         problems.append(f"data.source = '{d.source}': no such file or folder; use 'stdlib' or an existing path")
     if not is_tokens and m.vocab_size < 256:
         problems.append(f"model.vocab_size = {m.vocab_size}: byte-level text needs at least 256; set it to 256")
+    if not -1 <= d.ignore_target < m.vocab_size:
+        problems.append(f"data.ignore_target = {d.ignore_target}: must be -1 (keep every target) or a token id "
+                        f"below model.vocab_size = {m.vocab_size}")
     return problems
 
 

@@ -62,6 +62,24 @@ class ParallelModel:
         tokens, targets, start = self.sequence_chunk(tokens, targets)
         return self.loss_sum(self.model(tokens, start_pos=start), targets)
 
+    def gather_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors by parameter name (full over dp already) -> full tensors of the whole
+        model, complete on the first rank of the pipeline (empty elsewhere); collective over tp and pp."""
+        if self.layout is not None:
+            tensors = self.layout.gather_full(tensors)
+        if self.pp.size == 1:
+            return tensors
+        parts = self.pp.gather_objects(tensors)
+        return {} if parts is None else {k: v for part in parts for k, v in part.items()}
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's fp32 weights by name (see :meth:`gather_named`)."""
+        return self.gather_named(self.engine.full_weights())
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The whole model's reduced, unscaled, unclipped gradients by name (see :meth:`gather_named`)."""
+        return self.gather_named(self.engine.full_grads())
+
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Full (unsharded) weights and optimizer state by name, complete on the first rank of the
         pipeline (its other stages' parts are gathered there); a collective on every rank."""

@@ -53,9 +53,15 @@ class ReplicatedEngine:
     def state_bytes(self) -> dict[str, int]:
         return model_state_bytes(self.model, self.optimizer)
 
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Reduced gradients by name, before clipping (call between finish_grad_sync and step)."""
+        return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        weights = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
-        return weights, ckpt.optimizer_state_by_name(self.model, self.optimizer)
+        return self.full_weights(), ckpt.optimizer_state_by_name(self.model, self.optimizer)
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
         with torch.no_grad():

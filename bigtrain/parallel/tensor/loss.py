@@ -3,13 +3,15 @@
 Each rank holds logits for its slice of the vocabulary. The softmax needs the max and the sum of
 exponentials over the whole vocabulary, and the target's logit lives on one rank: three
 all-reduces of one number per token, instead of gathering (tokens x vocabulary) logits anywhere.
-Padding columns (a vocabulary padded to divide by tp) are masked out, so they never change the loss.
+Padding columns (a vocabulary padded to divide by tp) are masked out, so they never change the loss;
+targets of ``IGNORE_INDEX`` count for nothing, as in the single-device cross-entropy.
 """
 
 from __future__ import annotations
 
 import torch
 
+from bigtrain.data import IGNORE_INDEX
 from bigtrain.distributed.comm import AxisComm
 
 
@@ -26,18 +28,19 @@ class _VocabParallelCrossEntropySum(torch.autograd.Function):
         exp = (logits - row_max.unsqueeze(-1)).exp()
         total = exp.sum(dim=-1)
         comm.all_reduce(total, tag="loss")
+        counted = targets != IGNORE_INDEX
         local_target = targets - first
-        mine = (local_target >= 0) & (local_target < local)
+        mine = (local_target >= 0) & (local_target < local) & counted
         index = local_target.clamp(0, local - 1).unsqueeze(-1)
         target_logit = torch.where(mine, logits.gather(-1, index).squeeze(-1) - row_max, 0.0)
         comm.all_reduce(target_logit, tag="loss")
-        ctx.save_for_backward(exp / total.unsqueeze(-1), mine, index)
-        return (total.log() - target_logit).sum()
+        ctx.save_for_backward(exp / total.unsqueeze(-1), mine, index, counted)
+        return torch.where(counted, total.log() - target_logit, 0.0).sum()
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, mine, index = ctx.saved_tensors
-        grad_logits = softmax.clone()
+        softmax, mine, index, counted = ctx.saved_tensors
+        grad_logits = softmax * counted.unsqueeze(-1)
         grad_logits.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
         return grad_logits * grad, None, None, None, None
 

@@ -239,6 +239,16 @@ class ZeroEngine:
 
         return full_state(self)
 
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        from bigtrain.parallel.zero.state import full_weights
+
+        return full_weights(self)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        from bigtrain.parallel.zero.state import full_grads
+
+        return full_grads(self)
+
     def load_full_state(self, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
         from bigtrain.parallel.zero.state import load_full_state
 

@@ -24,11 +24,30 @@ def _moment_shard(engine, unit: FlatUnit, key: str) -> torch.Tensor | None:
     return torch.cat(pieces) if pieces else torch.zeros(0, device=unit.master.device)
 
 
+def _gather_by_name(engine, shard_of) -> dict[str, torch.Tensor]:
+    """``shard_of(unit)`` of every unit gathered over the shards, as full per-parameter CPU tensors."""
+    out = {}
+    for unit in engine.units:
+        out.update({k: v.clone().cpu() for k, v in unit.unflatten(_gather_flat(engine, unit, shard_of(unit))).items()})
+    return out
+
+
+def full_weights(engine) -> dict[str, torch.Tensor]:
+    """fp32 (master) weights by name, complete on every rank (collective)."""
+    return _gather_by_name(engine, lambda unit: unit.master)
+
+
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    """Reduced gradients by name in fp32, unscaled and before clipping: what the optimizer step is
+    about to use, complete on every rank (collective; call between finish_grad_sync and step)."""
+    scale = engine.scaler.scale if engine.scaler is not None else 1.0
+    return _gather_by_name(engine, lambda unit: unit.grad_shard.float() / scale)
+
+
 def full_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
     """(fp32 weights by name, optimizer state by name), complete on every rank (collective)."""
-    weights, state = {}, {}
+    weights, state = full_weights(engine), {}
     for unit in engine.units:
-        weights.update({k: v.clone().cpu() for k, v in unit.unflatten(_gather_flat(engine, unit, unit.master)).items()})
         step = next((engine.optimizer.state[v]["step"] for _, _, v in unit.pieces if v in engine.optimizer.state), None)
         if step is None:
             continue

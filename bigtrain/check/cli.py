@@ -1,0 +1,88 @@
+"""``bigtrain check [--preset P | --config F] [--steps K] [--section.key=value ...]``.
+
+Validates the layout (exit 2, naming the field, before any rank starts), runs it beside the
+independent reference, prints the comparison and exits 0 when they agree within the precision's
+tolerance, 1 when they do not (with the bisection: step, module, parameter, ranks, size).
+Several ranks are started under torchrun like ``bigtrain train``; the first rank writes
+``check.json`` into the output directory and the launching process reads it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from bigtrain.config import Config, load_config, preset_names, to_toml
+from bigtrain.validation import validate
+
+DEFAULT_PRESET = "tiny"
+REPORT = "check.json"
+
+
+def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    text = "run a layout beside the independent single-process reference and say where they differ"
+    p = subparsers.add_parser("check", help=text, description=text)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())} (default {DEFAULT_PRESET})")
+    source.add_argument("--config", help="a TOML config file")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps to compare (default 4)")
+    p.add_argument("--output-dir", help="where the ranks write (default: a temporary directory)")
+    return p
+
+
+def check_config(preset: str | None, path: str | None, overrides: list[str]) -> Config:
+    cfg = load_config(preset=preset or (None if path else DEFAULT_PRESET), path=path, overrides=overrides)
+    # A check compares numbers: no progress bar, report, checkpoint or resume of an older run.
+    cfg.logging.progress = cfg.logging.report = cfg.checkpoint.save_final = False
+    cfg.checkpoint.every, cfg.checkpoint.resume = 0, "none"
+    return cfg
+
+
+def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+
+    from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
+
+    cfg = check_config(args.preset, args.config, overrides)
+    validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
+    if args.steps < 1:
+        print("bigtrain check: --steps must be at least 1", file=sys.stderr)
+        return 2
+    out = Path(args.output_dir or tempfile.mkdtemp(prefix="bigtrain-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.parallel.world_size > 1 and not launched_externally():
+        resolved = out / "config.toml"
+        resolved.write_text(to_toml(cfg))
+        (out / REPORT).unlink(missing_ok=True)
+        code = launch_local(cfg.parallel.world_size, ["check", "--config", str(resolved), "--steps",
+                                                      str(args.steps), "--output-dir", str(out)])
+        if code != 0 or not (out / REPORT).exists():
+            print(f"bigtrain check: the ranks exited with status {code}; see the messages above", file=sys.stderr)
+            return code or 1
+        report = json.loads((out / REPORT).read_text())
+        print(report["text"])
+        return 0 if report["agree"] else 1
+    return _check_rank(cfg, out, args.steps)
+
+
+def _check_rank(cfg: Config, out: Path, steps: int) -> int:
+    from bigtrain.check.run import check_layout
+    from bigtrain.distributed.launch import init_distributed, launched_externally, shutdown_distributed
+    from bigtrain.distributed.mesh import Mesh
+
+    info = init_distributed(cfg.train.device)
+    try:
+        mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
+        report = check_layout(cfg, mesh, out, steps, info.device)
+    finally:
+        shutdown_distributed()
+    if report is None:
+        return 0
+    (out / REPORT).write_text(json.dumps({"agree": report.agree, "text": report.text(), **report.to_dict()},
+                                         default=str))
+    if not launched_externally():  # under a launcher, whoever started it reads check.json
+        print(report.text())
+    return 0 if report.agree or launched_externally() else 1

@@ -1,0 +1,141 @@
+"""The layout fuzzer: seeded samples of the whole composition space, each proved or rejected.
+
+A sample draws every degree of freedom bigtrain composes (dp, tp, pp, Ulysses sp, Megatron
+sequence parallel, ZeRO stage, pipeline schedule, virtual stages and split points, activation
+checkpointing, accumulation, tied embeddings, grouped and replicated key/value heads, a vocabulary
+that tp does not divide, masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding). Each
+sample must either be rejected by validation before any rank starts, with every problem naming a
+field, or train like the independent reference (:func:`bigtrain.check.run.check_layout`). Anything
+else (a divergence, a crash after launch, a hang) is a bug.
+
+``python -m bigtrain.check.fuzz N SEED`` (``scripts/fuzz-layouts.sh``) runs N samples.
+New techniques add their keys to :func:`sample_layout` when they land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from bigtrain.config import Config, ConfigError, load_config
+from bigtrain.validation import validate
+
+BASE = ["--logging.progress=false", "--logging.report=false", "--checkpoint.save_final=false",
+        "--data.max_bytes=400000"]
+FIELD = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
+
+
+def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
+    """One layout as ``--section.key=value`` overrides of the tiny preset."""
+    while True:
+        dp, tp, pp, sp = (rng.choice(choices) for choices in ([1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2, 3, 4], [1, 1, 2]))
+        if dp * tp * pp * sp <= max_world:
+            break
+    micro = rng.choice([1, 1, 2, 4])
+    accum = rng.choice([1, 2, 4]) if pp == 1 else rng.choice([2, 4, 4])
+    layers = rng.choice([2, 3, 4, 6])
+    out = [f"--parallel.dp={dp}", f"--parallel.tp={tp}", f"--parallel.pp={pp}", f"--parallel.sp={sp}",
+           f"--parallel.zero={rng.choice([0, 1, 2, 3])}", f"--model.n_layers={layers}",
+           f"--train.micro_batch={micro}", f"--train.global_batch={micro * accum * dp}",
+           f"--model.n_kv_heads={rng.choice([0, 2, 1])}", f"--model.vocab_size={rng.choice([256, 256, 257, 258, 260])}",
+           f"--model.tie_embeddings={rng.random() < 0.25}",
+           f"--data.ignore_target={rng.choice([-1, -1, 32, 10])}",
+           f"--precision.mode={rng.choice(['fp32'] * 6 + ['bf16', 'fp16'])}",
+           f"--optim.grad_clip={rng.choice([1.0, 0.5, 0.0])}"]
+    if tp > 1:
+        out.append(f"--parallel.sequence_parallel={rng.random() < 0.5}")
+    if pp > 1:
+        schedule = rng.choice(["1f1b", "gpipe", "interleaved", "zb-h1", "naive"])
+        out.append(f"--parallel.pp_schedule={schedule}")
+        if schedule == "interleaved":
+            out.append(f"--parallel.pp_virtual={rng.choice([2, 3])}")
+        if rng.random() < 0.3:
+            out.append("--parallel.pp_balance=params")
+    policy = rng.choice(["none", "none", "full", "every"])
+    out.append(f"--memory.checkpointing={policy}")
+    if policy == "every":
+        out.append(f"--memory.checkpoint_every={rng.choice([1, 2])}")
+    if rng.random() < 0.3:
+        out += [f"--parallel.reshard_after_forward={rng.random() < 0.5}", f"--parallel.prefetch={rng.random() < 0.5}"]
+    return out
+
+
+@dataclass
+class Outcome:
+    overrides: list[str]
+    verdict: str  # agree | rejected | diverged | crashed | hung | bad-rejection
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict in ("agree", "rejected")
+
+
+def _config(overrides: list[str], cache_dir: str) -> Config:
+    return load_config(preset="tiny", overrides=BASE + [f"--data.cache_dir={cache_dir}"] + overrides)
+
+
+def _check_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str, steps: int):
+    from bigtrain.check.run import check_layout
+    from bigtrain.distributed.mesh import Mesh
+
+    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps)
+
+
+def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: float = 240.0) -> Outcome:
+    """Validate one sample; if valid, check it on forked Gloo ranks against the reference."""
+    from bigtrain.testing import RankFailure, run_ranks
+
+    start = time.perf_counter()
+    cfg = _config(overrides, cache_dir)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        unnamed = [p for p in e.problems if not FIELD.search(p)]
+        verdict = "bad-rejection" if unnamed else "rejected"
+        return Outcome(overrides, verdict, "; ".join(unnamed or e.problems), time.perf_counter() - start)
+    with tempfile.TemporaryDirectory(prefix="bigtrain-fuzz-") as run_dir:
+        try:
+            report = run_ranks(_check_on_rank, cfg.parallel.world_size, cfg, run_dir, steps, timeout=timeout)[0]
+        except RankFailure as e:
+            verdict = "hung" if "did not finish" in str(e) else "crashed"
+            return Outcome(overrides, verdict, str(e)[-3000:], time.perf_counter() - start)
+    verdict = "agree" if report.agree else "diverged"
+    return Outcome(overrides, verdict, report.text(), time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bigtrain.check.fuzz", description=__doc__.split("\n")[0])
+    parser.add_argument("count", type=int, help="layouts to sample")
+    parser.add_argument("seed", type=int, help="the sampler's seed (same seed, same layouts)")
+    parser.add_argument("--max-world", type=int, default=8, help="most ranks a layout may use (default 8)")
+    parser.add_argument("--steps", type=int, default=3, help="steps compared per layout (default 3)")
+    parser.add_argument("--cache-dir", default="", help="corpus cache (default ~/.cache/bigtrain)")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # forked ranks must not inherit a busy thread pool
+    rng = random.Random(args.seed)
+    counts: dict[str, int] = {}
+    bad = []
+    for i in range(args.count):
+        outcome = run_sample(sample_layout(rng, args.max_world), args.cache_dir, args.steps)
+        counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
+        print(f"[{i + 1}/{args.count}] {outcome.verdict:9s} {outcome.seconds:5.1f}s {' '.join(outcome.overrides)}",
+              flush=True)
+        if not outcome.ok:
+            bad.append(outcome)
+            print("    " + outcome.detail.replace("\n", "\n    "), flush=True)
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    print(f"fuzz-layouts: {args.count} layouts, seed {args.seed}: {summary}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

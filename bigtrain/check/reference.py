@@ -1,0 +1,164 @@
+"""The independent reference: a plain single-process PyTorch training loop.
+
+Every layout is proved against this loop. It shares only two things with the trainer: the model
+class (``Llama``, whose initial values depend on the seed and each parameter's name) and the data
+sampler. Everything else is written here again with torch's own pieces, on purpose: no engine, no
+``parallelize``, no bigtrain optimizer, schedule, clipping or loss helper. A bug on the trainer's
+shared path therefore cannot hide in the reference too.
+
+The recipe it states:
+- loss: summed next-token cross-entropy (fp32) over the global batch, divided by the number of
+  targets the loss counts (masked targets are left out), accumulated over micro-batches of
+  ``train.micro_batch`` sequences;
+- precision: fp32; or bf16/fp16 compute weights that are a copy of fp32 masters, gradients
+  accumulated in fp32 on the masters (FSDP's ``param_dtype`` + fp32 ``reduce_dtype`` recipe);
+  fp16 with a dynamic loss scale that skips overflowing steps;
+- ``torch.nn.utils.clip_grad_norm_``, then ``torch.optim.AdamW`` with decay on matrices only, at the
+  learning rate of linear warm-up then cosine decay to ``min_lr_ratio`` of the peak.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from bigtrain.config import Config
+from bigtrain.data import TokenSampler, load_tokens
+from bigtrain.models.llama import Llama
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ReferenceStep:
+    """What one step of the reference produced. ``outputs``, ``grads`` and ``weights`` are filled
+    when the step was captured (full tensors by module / parameter name)."""
+
+    loss: float
+    grad_norm: float
+    skipped: bool
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # after the update
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # reduced, unscaled, before clipping
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # forward outputs over the global batch
+
+
+def captured_module(name: str) -> bool:
+    """The modules whose outputs ``bigtrain check`` compares: embedding, each block and its two
+    sub-blocks, the final norm and the output head (their outputs are whole hidden states or
+    logits, so any layout's pieces can be put back together)."""
+    parts = name.split(".")
+    if name in ("tok_embeddings", "norm", "output"):
+        return True
+    return parts[0] == "layers" and (len(parts) == 2 or (len(parts) == 3 and parts[2] in ("attention", "feed_forward")))
+
+
+class ReferenceRun:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.master = Llama(cfg.model)  # on the CPU, in fp32
+        self.master.init_weights(cfg.train.seed)
+        mode = cfg.precision.mode
+        self.mixed = mode != "fp32"
+        self.compute = copy.deepcopy(self.master).to(COMPUTE_DTYPES[mode]) if self.mixed else self.master
+        self.compute.init_buffers()  # rotary tables stay fp32, as in the model's own init
+        params = list(self.master.parameters())  # de-duplicated: a tied weight once
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
+                                           eps=o.eps)
+        d = cfg.data
+        self.sampler = TokenSampler(load_tokens(d.source, d.cache_dir, d.max_bytes), d.seq_len,
+                                    cfg.train.global_batch, cfg.train.seed, d.ignore_target)
+        self.loss_scale = cfg.precision.loss_scale if mode == "fp16" else 1.0
+        self.clean_steps = 0
+        self.step = 0
+
+    def learning_rate(self, step: int) -> float:
+        o, t = self.cfg.optim, self.cfg.train
+        peak = o.lr * t.global_batch / o.base_batch if o.lr_scaling == "linear" else o.lr
+        if step < o.warmup_steps:
+            return peak * (step + 1) / o.warmup_steps
+        progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
+        floor = peak * o.min_lr_ratio
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def train_step(self, capture: bool = False) -> ReferenceStep:
+        tokens, targets = self.sampler.batch(self.step, 0, self.cfg.train.global_batch)
+        counted = max(1, int((targets != -100).sum()))
+        outputs: dict[str, list[torch.Tensor]] = {}
+        handles = self._capture_outputs(outputs) if capture else []
+        loss_sum = 0.0
+        micro = self.cfg.train.micro_batch
+        try:
+            for first in range(0, tokens.shape[0], micro):
+                logits = self.compute(tokens[first:first + micro])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets[first:first + micro].flatten(),
+                                       reduction="sum")
+                loss_sum += float(loss.detach())
+                (loss / counted * self.loss_scale).backward()
+                if self.mixed:
+                    self._accumulate_into_masters()
+        finally:
+            for h in handles:
+                h.remove()
+        result = self._update()
+        result.loss = loss_sum / counted
+        if capture:
+            result.outputs = {name: torch.cat(parts).float() for name, parts in outputs.items()}
+            result.weights = {n: p.detach().clone() for n, p in self.master.named_parameters()}
+        self.step += 1
+        return result
+
+    def _capture_outputs(self, into: dict[str, list[torch.Tensor]]) -> list:
+        handles = []
+        for name, module in self.compute.named_modules():
+            if captured_module(name):
+                handles.append(module.register_forward_hook(
+                    lambda m, args, out, name=name: into.setdefault(name, []).append(out.detach().clone())))
+        return handles
+
+    def _accumulate_into_masters(self) -> None:
+        for master, low in zip(self.master.parameters(), self.compute.parameters()):
+            if low.grad is None:
+                continue
+            grad = low.grad.float()
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            low.grad = None
+
+    def _update(self) -> ReferenceStep:
+        params = [p for p in self.master.parameters() if p.grad is not None]
+        if self.loss_scale != 1.0:
+            for p in params:
+                p.grad.div_(self.loss_scale)
+        grads = {n: p.grad.detach().clone() for n, p in self.master.named_parameters() if p.grad is not None}
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        skipped = self.cfg.precision.mode == "fp16" and not math.isfinite(norm)
+        if skipped:
+            self.loss_scale = max(1.0, self.loss_scale * self.cfg.precision.scale_backoff)
+            self.clean_steps = 0
+        else:
+            if self.cfg.precision.mode == "fp16":
+                self.clean_steps += 1
+                if self.clean_steps % self.cfg.precision.scale_growth_interval == 0:
+                    self.loss_scale *= 2.0
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.learning_rate(self.step)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.mixed:
+            with torch.no_grad():
+                for master, low in zip(self.master.parameters(), self.compute.parameters()):
+                    low.copy_(master)
+        return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
+
+
+def reference_losses(cfg: Config, steps: int) -> list[float]:
+    """Per-step losses of the reference over ``steps`` steps."""
+    run = ReferenceRun(cfg)
+    return [run.train_step().loss for _ in range(steps)]

@@ -1,0 +1,204 @@
+"""``bigtrain check``: run a layout and the independent reference side by side, and bisect.
+
+Every rank trains the layout step by step; after each step the first rank compares the global loss,
+the gradient norm and every updated weight with the reference (:mod:`bigtrain.check.reference`).
+At the first step where anything differs beyond the precision's tolerance it narrows it down, in
+the order a bug propagates: the first module (in forward order) whose output differs, the first
+parameter (in backward order) whose reduced gradient differs, then the first parameter whose
+updated value differs, each with the ranks that hold it and the size of the difference.
+
+The layout's outputs, gradients and weights are gathered to the first rank every step: this is a
+tool for small configurations (shrink the model, keep the layout), not for a 7B run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bigtrain.check.compare import TOLERANCES, Tolerance, assemble, relative_error, scalar_error
+from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
+from bigtrain.config import Config
+from bigtrain.distributed.mesh import Mesh
+from bigtrain.train import StepResult, Trainer
+
+AXES = ("pp", "dp", "sp", "tp")
+
+
+@dataclass
+class Finding:
+    kind: str  # loss | grad_norm | skipped | forward | gradient | weight | missing | extra
+    name: str  # the module or parameter ('' for loss, grad_norm, skipped)
+    error: float  # relative difference (inf when not comparable)
+    ranks: list[int] = field(default_factory=list)
+    detail: str = ""
+
+    def line(self) -> str:
+        where = f" on ranks {self.ranks}" if self.ranks else ""
+        what = {"loss": "loss", "grad_norm": "gradient norm", "skipped": "skipped step",
+                "forward": f"module {self.name} output", "gradient": f"parameter {self.name} gradient",
+                "weight": f"parameter {self.name} updated value",
+                "missing": f"parameter {self.name}", "extra": f"parameter {self.name}"}[self.kind]
+        size = f": relative difference {self.error:.3e}" if self.error != float("inf") else ""
+        return f"{what}{where}{size}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class CheckReport:
+    agree: bool
+    steps: int  # steps compared
+    tolerance: Tolerance
+    losses: list[tuple[float, float]]  # (layout, reference) per step
+    first_step: int | None = None
+    findings: list[Finding] = field(default_factory=list)  # at first_step, most telling first
+
+    def first(self, kind: str) -> Finding | None:
+        return next((f for f in self.findings if f.kind == kind), None)
+
+    def text(self) -> str:
+        lines = [f"step {i}: loss {a:.6f} (reference {b:.6f})" for i, (a, b) in enumerate(self.losses)]
+        if self.agree:
+            tol = self.tolerance
+            lines.append(f"agree: {self.steps} steps, loss and gradient norm within {tol.scalar:.0e} relative, "
+                         f"every weight within {tol.tensor:.0e}")
+            return "\n".join(lines)
+        lines.append(f"DIFFER from step {self.first_step} (tolerance {self.tolerance.scalar:.0e} relative, "
+                     f"{self.tolerance.tensor:.0e} for tensors):")
+        for kind, title in (("forward", "first module whose forward output differs"),
+                            ("gradient", "first parameter whose gradient differs"),
+                            ("weight", "first parameter whose updated value differs")):
+            found = self.first(kind)
+            count = sum(f.kind == kind for f in self.findings)
+            lines.append(f"  {title}: " + (f"{found.line()}" + (f" [{count} in all]" if count > 1 else "")
+                                            if found else "none"))
+        for f in self.findings:
+            if f.kind in ("loss", "grad_norm", "skipped", "missing", "extra") or f.error == float("inf"):
+                lines.append(f"  {f.line()}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class OutputProbe:
+    """Records the outputs of the compared modules on this rank during forward. Recomputation
+    inside backward (activation checkpointing) is not a new output: it is skipped."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]]):
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+        self.handles = [m.register_forward_hook(lambda mod, args, out, name=name: self._record(name, out))
+                        for name, m in modules if captured_module(name)]
+
+    def _record(self, name: str, out) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self.outputs.setdefault(name, []).append(out.detach().float().cpu().clone())
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """This step's outputs (micro-batches in order, along the batch), and forget them."""
+        out = {name: torch.cat(parts) for name, parts in self.outputs.items()}
+        self.outputs = {}
+        return out
+
+
+def _modules(trainer: Trainer) -> list[tuple[str, nn.Module]]:
+    return list(trainer.model.named_modules())
+
+
+def _compare_scalars(result: StepResult, ref: ReferenceStep, tol: Tolerance) -> list[Finding]:
+    found = []
+    if result.skipped != ref.skipped:
+        found.append(Finding("skipped", "", float("inf"), detail=f"layout {result.skipped}, reference {ref.skipped}"))
+    for kind, mine, theirs in (("loss", result.loss, ref.loss), ("grad_norm", result.grad_norm, ref.grad_norm)):
+        err = scalar_error(mine, theirs)
+        if not err <= tol.scalar:
+            found.append(Finding(kind, "", err, detail=f"layout {mine:.7g}, reference {theirs:.7g}"))
+    return found
+
+
+def _compare_tensors(kind: str, names: list[str], mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                     owners: dict[str, list[int]], tol: Tolerance) -> list[Finding]:
+    found = []
+    for name in names:
+        if name not in mine:
+            if kind == "weight":
+                found.append(Finding("missing", name, float("inf"), detail="the layout has no such parameter"))
+            continue
+        err = relative_error(mine[name], ref[name])
+        if not err <= tol.tensor:
+            found.append(Finding(kind, name, err, owners.get(name, [])))
+    return found
+
+
+def _compare_outputs(shared: list[dict], ref: ReferenceStep, sizes: dict[str, int], tol: Tolerance) -> list[Finding]:
+    found = []
+    for name, expected in ref.outputs.items():  # forward order: hooks fired in that order
+        pieces = [(s["coords"], s["outputs"][name]) for s in shared if name in s["outputs"]]
+        ranks = [s["rank"] for s in shared if name in s["outputs"]]
+        full = assemble(pieces, expected.shape, sizes) if pieces else None
+        if full is None:
+            continue  # not comparable in this layout; the gradient and weight comparisons still are
+        err = relative_error(full, expected)
+        if not err <= tol.tensor:
+            found.append(Finding("forward", name, err, ranks))
+    return found
+
+
+def _owners(shared: list[dict], key: str) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for s in shared:
+        for name in s[key]:
+            out.setdefault(name, []).append(s["rank"])
+    return out
+
+
+def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
+                 device: torch.device | str = "cpu") -> CheckReport | None:
+    """Run ``steps`` steps of ``cfg`` on ``mesh`` (every rank calls this) and compare them with the
+    reference on the first rank; returns the report there, None elsewhere."""
+    trainer = Trainer(cfg, Path(run_dir), mesh, device)
+    world, is_first = mesh.comm("world"), mesh.rank == 0
+    reference = ReferenceRun(cfg) if is_first else None
+    probe = OutputProbe(_modules(trainer))
+    tol = TOLERANCES[cfg.precision.mode]
+    coords = {axis: mesh.coord(axis) for axis in AXES}
+    mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
+            "modules": [n for n, _ in _modules(trainer)]}
+    report = CheckReport(agree=True, steps=0, tolerance=tol, losses=[]) if is_first else None
+    for step in range(steps):
+        grads: dict[str, torch.Tensor] = {}
+        result = trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads()))
+        weights = trainer.parallel.full_weights()
+        shared = world.gather_objects({**mine, "outputs": probe.take()})
+        verdict = torch.zeros(1)
+        if is_first:
+            ref = reference.train_step(capture=True)
+            findings = _step_findings(result, ref, grads, weights, shared, mesh, tol)
+            report.losses.append((result.loss, ref.loss))
+            report.steps = step + 1
+            if findings:
+                report.agree, report.first_step, report.findings = False, step, findings
+                verdict.fill_(1)
+        world.all_reduce(verdict, tag="check")  # every rank stops at the first divergence
+        if verdict.item():
+            break
+    return report
+
+
+def _step_findings(result: StepResult, ref: ReferenceStep, grads: dict, weights: dict, shared: list[dict],
+                   mesh: Mesh, tol: Tolerance) -> list[Finding]:
+    findings = _compare_scalars(result, ref, tol)
+    owners = _owners(shared, "params")
+    order = list(ref.weights)
+    findings += _compare_tensors("weight", order, weights, ref.weights, owners, tol)
+    findings += [Finding("extra", n, float("inf"), owners.get(n, []), "not a parameter of the reference model")
+                 for n in weights if n not in ref.weights]
+    if not findings:
+        return []
+    sizes = {axis: mesh.size(axis) for axis in AXES}
+    findings += _compare_outputs(shared, ref, sizes, tol)
+    findings += _compare_tensors("gradient", list(reversed(order)), grads, ref.grads, owners, tol)
+    return findings

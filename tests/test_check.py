@@ -1,0 +1,124 @@
+"""``bigtrain check``: the independent reference, putting a layout's pieces back together, and a
+bisection that names the step, the unit and the ranks of an injected fault."""
+
+import pytest
+import torch
+
+from bigtrain.check.compare import TOLERANCES, assemble, relative_error
+from bigtrain.check.reference import ReferenceRun, captured_module
+from bigtrain.check.run import check_layout
+from bigtrain.cli import main
+from bigtrain.distributed.mesh import Mesh
+from bigtrain.parallel.zero.engine import ZeroEngine
+from bigtrain.testing import run_ranks
+from helpers import tiny_config
+
+SIZES = {"dp": 2, "tp": 2, "sp": 2, "pp": 1}
+
+
+def _coords(dp=0, tp=0, sp=0):
+    return {"dp": dp, "tp": tp, "sp": sp, "pp": 0}
+
+
+def test_assemble_puts_batch_sequence_and_vocabulary_pieces_back_in_order():
+    full = torch.randn(4, 8, 10)
+    # dp cuts the batch; Ulysses (sp) then Megatron SP (tp) cut the sequence.
+    seq = [(_coords(dp, tp, sp), full[2 * dp:2 * dp + 2, 4 * sp + 2 * tp:4 * sp + 2 * tp + 2])
+           for dp in range(2) for sp in range(2) for tp in range(2)]
+    assert torch.equal(assemble(seq, full.shape, SIZES), full)
+    # A vocabulary cut over tp with padding (10 -> 12), the sequence over sp.
+    padded = torch.cat([full, torch.zeros(4, 8, 2)], dim=-1)
+    vocab = [(_coords(dp, tp, sp), padded[2 * dp:2 * dp + 2, 4 * sp:4 * sp + 4, 6 * tp:6 * tp + 6])
+             for dp in range(2) for sp in range(2) for tp in range(2)]
+    assert torch.equal(assemble(vocab, full.shape, SIZES), full)
+
+
+def test_assemble_refuses_what_it_cannot_place():
+    full = torch.randn(4, 8, 10)
+    only_one_replica = [(_coords(0), full[:2])]
+    assert assemble(only_one_replica, full.shape, {"dp": 2}) is None
+    odd = [(_coords(0), full[:, :3])]
+    assert assemble(odd, full.shape, {"dp": 1}) is None
+
+
+def test_relative_error_is_of_the_whole_tensor_and_can_fail():
+    a = torch.ones(100)
+    assert relative_error(a, a) == 0
+    b = a.clone()
+    b[0] += 1e-3
+    assert relative_error(b, a) == pytest.approx(1e-4, rel=1e-3)  # b was rounded to fp32
+    assert not relative_error(b, a) <= TOLERANCES["fp32"].tensor
+    assert relative_error(torch.ones(3), torch.ones(4)) == float("inf")
+
+
+def test_the_reference_records_every_compared_module_in_forward_order(corpus_cache):
+    cfg = tiny_config(corpus_cache, "--train.global_batch=4", "--train.micro_batch=2")
+    step = ReferenceRun(cfg).train_step(capture=True)
+    assert list(step.outputs) == ["tok_embeddings", "layers.0.attention", "layers.0.feed_forward", "layers.0",
+                                  "layers.1.attention", "layers.1.feed_forward", "layers.1", "norm", "output"]
+    assert step.outputs["output"].shape == (4, 32, 256)
+    assert all(captured_module(n) for n in step.outputs)
+    assert set(step.grads) == set(step.weights)
+
+
+def _check(rank, world_size, cfg, run_dir, steps):
+    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps)
+
+
+def test_check_agrees_on_a_correct_layout(corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", "--train.global_batch=4",
+                      "--train.micro_batch=1")
+    report = run_ranks(_check, 2, cfg, str(tmp_path), 3)[0]
+    assert report.agree and report.steps == 3 and report.first_step is None, report.text()
+
+
+def _lose_one_ranks_contribution(unit_name: str, rank: int):
+    """A fault in one unit's gradient reduction: one rank's gradients of that unit never arrive."""
+    original = ZeroEngine._reduce
+
+    def faulty(self, unit):
+        if unit.name == unit_name and self.comm.rank == rank:
+            for p in unit.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        return original(self, unit)
+
+    return faulty
+
+
+def test_check_names_the_step_the_unit_and_the_ranks_of_a_broken_reduction(corpus_cache, tmp_path, monkeypatch):
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", "--train.global_batch=4",
+                      "--train.micro_batch=1")
+    monkeypatch.setattr(ZeroEngine, "_reduce", _lose_one_ranks_contribution("unit1", rank=1))  # layers.1
+    report = run_ranks(_check, 2, cfg, str(tmp_path), 3)[0]
+    assert not report.agree
+    assert report.first_step == 0
+    assert report.first("forward") is None  # the first step's forward ran on the initial weights
+    wrong = [f.name for f in report.findings if f.kind == "gradient"]
+    assert wrong and all(name.startswith("layers.1.") for name in wrong), report.text()
+    assert report.first("gradient").ranks == [0, 1]
+    assert report.first("gradient").error > 0.1
+    assert "layers.1." in report.text() and "DIFFER from step 0" in report.text()
+
+
+def test_the_check_command_exits_0_when_the_layout_agrees(corpus_cache, tmp_path, capsys):
+    code = main(["check", "--steps", "2", "--output-dir", str(tmp_path), f"--data.cache_dir={corpus_cache}",
+                 "--data.max_bytes=400000", "--train.global_batch=4", "--train.micro_batch=2"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "agree: 2 steps" in out
+    assert (tmp_path / "check.json").exists()
+
+
+def test_the_check_command_rejects_a_bad_layout_before_starting(tmp_path, capsys):
+    assert main(["check", "--parallel.dp=3", "--output-dir", str(tmp_path)]) == 2
+    assert "train.global_batch" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_check_command_runs_several_ranks_under_torchrun(corpus_cache, tmp_path, capsys):
+    code = main(["check", "--steps", "2", "--output-dir", str(tmp_path), "--parallel.dp=2", "--parallel.zero=3",
+                 f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000", "--train.global_batch=4",
+                 "--train.micro_batch=1"])
+    assert code == 0
+    assert "agree: 2 steps" in capsys.readouterr().out
