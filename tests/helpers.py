@@ -42,3 +42,20 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, 
     err = float(torch.linalg.vector_norm((actual - expected).double()))
     scale = float(torch.linalg.vector_norm(expected.double()))
     assert err <= rtol * scale, f"{what}: relative error {err / max(scale, 1e-30):.3e} > {rtol:.0e}"
+
+
+def lose_one_ranks_gradients(unit_name: str, rank: int):
+    """A ``ZeroEngine._reduce`` with a fault in one unit's gradient reduction: ``rank``'s gradients
+    of that unit never arrive (monkeypatch it in; forked ranks inherit it)."""
+    from bigtrain.parallel.zero.engine import ZeroEngine
+
+    original = ZeroEngine._reduce
+
+    def faulty(self, unit):
+        if unit.name == unit_name and self.comm.rank == rank:
+            for p in unit.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        return original(self, unit)
+
+    return faulty

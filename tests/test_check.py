@@ -11,7 +11,7 @@ from bigtrain.cli import main
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.testing import run_ranks
-from helpers import tiny_config
+from helpers import lose_one_ranks_gradients, tiny_config
 
 SIZES = {"dp": 2, "tp": 2, "sp": 2, "pp": 1}
 
@@ -72,24 +72,10 @@ def test_check_agrees_on_a_correct_layout(corpus_cache, tmp_path):
     assert report.agree and report.steps == 3 and report.first_step is None, report.text()
 
 
-def _lose_one_ranks_contribution(unit_name: str, rank: int):
-    """A fault in one unit's gradient reduction: one rank's gradients of that unit never arrive."""
-    original = ZeroEngine._reduce
-
-    def faulty(self, unit):
-        if unit.name == unit_name and self.comm.rank == rank:
-            for p in unit.params:
-                if p.grad is not None:
-                    p.grad.zero_()
-        return original(self, unit)
-
-    return faulty
-
-
 def test_check_names_the_step_the_unit_and_the_ranks_of_a_broken_reduction(corpus_cache, tmp_path, monkeypatch):
     cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", "--train.global_batch=4",
                       "--train.micro_batch=1")
-    monkeypatch.setattr(ZeroEngine, "_reduce", _lose_one_ranks_contribution("unit1", rank=1))  # layers.1
+    monkeypatch.setattr(ZeroEngine, "_reduce", lose_one_ranks_gradients("unit1", rank=1))  # layers.1
     report = run_ranks(_check, 2, cfg, str(tmp_path), 3)[0]
     assert not report.agree
     assert report.first_step == 0
