@@ -18,6 +18,10 @@ REPRODUCTIONS = {
     "tp2-masked-targets": ["--parallel.tp=2", "--data.ignore_target=32"],
     "tp2-sp-masked-targets-padded-vocab": ["--parallel.tp=2", "--parallel.sequence_parallel=true",
                                            "--data.ignore_target=10", "--model.vocab_size=257"],
+    # Pipeline stages sliced the rotary tables by their sequence-sharded input, and sent strided
+    # sequence shards (found by the layout fuzzer: both crashed after launch).
+    "pp2-tp2-sequence-parallel": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                                  "--model.n_layers=4", "--train.micro_batch=2", "--train.global_batch=4"],
 }
 
 

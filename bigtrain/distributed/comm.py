@@ -147,9 +147,10 @@ class AxisComm:
 
     def send_op(self, tensor: torch.Tensor, peer: int, tag: str | None = None) -> dist.P2POp:
         """A send of ``tensor`` to ``peer`` for :meth:`batch_isend_irecv`; keep ``tensor`` alive and
-        unmodified until its work completes."""
+        unmodified until its work completes. A strided view (a sequence shard under Megatron
+        sequence parallelism) is sent as a contiguous copy, which the op keeps alive."""
         self._record("send", _nbytes(tensor), tag)
-        return dist.P2POp(dist.isend, tensor, self._global_peer(peer), group=self.group)
+        return dist.P2POp(dist.isend, tensor.contiguous(), self._global_peer(peer), group=self.group)
 
     def recv_op(self, tensor: torch.Tensor, peer: int) -> dist.P2POp:
         """A receive from ``peer`` into ``tensor`` for :meth:`batch_isend_irecv`."""

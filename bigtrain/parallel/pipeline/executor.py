@@ -246,7 +246,8 @@ class PipelineExecutor:
         output = step.outputs.get((action.stage, action.microbatch))
         if output is None:
             raise RuntimeError(f"pp rank {self.rank}: {action} comes before the forward of its stage and micro-batch")
-        self._queue_recv(step, action, torch.empty_like(output))  # the gradient of the stage's output
+        # The gradient of the stage's output: dense, even when the output is a strided sequence shard.
+        self._queue_recv(step, action, torch.empty_like(output, memory_format=torch.contiguous_format))
 
     def _queue_recv(self, step: _Step, action: Action, buffer: torch.Tensor) -> None:
         step.queued.append((self.comm.recv_op(buffer, action.peer), (action.kind, action.stage, action.microbatch)))

@@ -167,9 +167,10 @@ class LlamaStage(PipelineStage):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """``x``: tokens on the first stage, hidden states after; ``start_pos`` as in ``Llama.forward``."""
-        seq = x.shape[1]
-        cos, sin = self.rope_cos[start_pos:start_pos + seq], self.rope_sin[start_pos:start_pos + seq]
+        """``x``: tokens on the first stage, hidden states after; ``start_pos`` as in ``Llama.forward``.
+        The rotary tables go from ``start_pos`` to the end: attention takes as many positions as its
+        queries have, which under Megatron sequence parallelism is more than ``x`` (a sequence shard)."""
+        cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
         h = self.tok_embeddings(x) if self.is_first else x
         for layer in self.layers.values():
             h = layer(h, cos, sin)
