@@ -126,7 +126,7 @@ class Trainer:
             loss_sum, activations = self._micro_batches_through_pipeline(list(batches), measure)
         else:
             loss_sum, activations = self._micro_batches_in_turn(batches, measure)
-        self.engine.finish_grad_sync()
+        self.parallel.finish_grad_sync()
         grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)
         step_time = time.perf_counter() - start
         traffic = self.mesh.stats.since(before)
