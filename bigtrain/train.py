@@ -131,7 +131,7 @@ class Trainer:
             loss_sum, activations = self._micro_batches_through_pipeline(list(batches), measure)
         else:
             loss_sum, activations = self._micro_batches_in_turn(batches, measure)
-        self.engine.finish_grad_sync()
+        self.parallel.finish_grad_sync()
         if before_update is not None:
             before_update()
         grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)

@@ -193,7 +193,7 @@ def check_pipeline(cfg: Config) -> list[str]:
     from bigtrain.parallel.pipeline.partition import check_pipeline_layout  # imports torch: only when needed
 
     return problems + check_pipeline_layout(cfg.model.n_layers, p.pp, p.pp_virtual, t.grad_accum(p.dp),
-                                            p.pp_schedule, split_points, cfg.model.tie_embeddings,
+                                            p.pp_schedule, split_points,
                                             m_field="train.global_batch / (train.micro_batch x parallel.dp)")
 
 

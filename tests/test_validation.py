@@ -89,6 +89,19 @@ def test_the_tiny_preset_itself_is_valid():
     validate(load_config(preset="tiny"), world_size=1, cuda_available=False)
 
 
+TIED_PIPELINES = {
+    "pp2": ["--parallel.pp=2"],
+    "interleaved": ["--model.n_layers=4", "--parallel.pp=2", "--parallel.pp_schedule=interleaved",
+                    "--parallel.pp_virtual=2"],
+}
+
+
+@pytest.mark.parametrize("pipeline", list(TIED_PIPELINES.values()), ids=list(TIED_PIPELINES))
+def test_tied_embeddings_are_valid_with_pipelines(pipeline):
+    """The first and last stage each hold a copy and sum their gradients (tests/test_tied_embeddings.py)."""
+    validate(load_config(preset="tiny", overrides=["--model.tie_embeddings=true", *pipeline]), world_size=2)
+
+
 @pytest.mark.parametrize("case_id, overrides, field", CASES, ids=_ids(CASES))
 def test_validate_rejects(case_id, overrides, field):
     with pytest.raises(ConfigError) as e:

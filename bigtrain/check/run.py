@@ -23,6 +23,7 @@ from bigtrain.check.compare import TOLERANCES, Tolerance, assemble, relative_err
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import Mesh
+from bigtrain.parallel.tied import shared_parameter_names
 from bigtrain.train import StepResult, Trainer
 
 AXES = ("pp", "dp", "sp", "tp")
@@ -120,16 +121,20 @@ def _compare_scalars(result: StepResult, ref: ReferenceStep, tol: Tolerance) -> 
 
 
 def _compare_tensors(kind: str, names: list[str], mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
-                     owners: dict[str, list[int]], tol: Tolerance) -> list[Finding]:
+                     owners: dict[str, list[int]], tol: Tolerance, aliases: dict[str, str]) -> list[Finding]:
+    """Compare ``names`` of the reference, and every copy of a tied weight the layout holds under
+    another name (the output head's copy on the last pipeline stage) with the same reference."""
     found = []
+    copies = {name: [name] + [a for a, c in aliases.items() if c == name and a in mine] for name in names}
     for name in names:
         if name not in mine:
             if kind == "weight":
                 found.append(Finding("missing", name, float("inf"), detail="the layout has no such parameter"))
             continue
-        err = relative_error(mine[name], ref[name])
-        if not err <= tol.tensor:
-            found.append(Finding(kind, name, err, owners.get(name, [])))
+        for held in copies[name]:
+            err = relative_error(mine[held], ref[name])
+            if not err <= tol.tensor:
+                found.append(Finding(kind, held, err, owners.get(held, [])))
     return found
 
 
@@ -162,6 +167,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     trainer = Trainer(cfg, Path(run_dir), mesh, device)
     world, is_first = mesh.comm("world"), mesh.rank == 0
     reference = ReferenceRun(cfg) if is_first else None
+    aliases = shared_parameter_names(reference.master) if is_first else {}  # tied weights: alias -> name
     probe = OutputProbe(_modules(trainer))
     tol = TOLERANCES[cfg.precision.mode]
     coords = {axis: mesh.coord(axis) for axis in AXES}
@@ -176,7 +182,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
         verdict = torch.zeros(1)
         if is_first:
             ref = reference.train_step(capture=True)
-            findings = _step_findings(result, ref, grads, weights, shared, mesh, tol)
+            findings = _step_findings(result, ref, grads, weights, shared, mesh, tol, aliases)
             report.losses.append((result.loss, ref.loss))
             report.steps = step + 1
             if findings:
@@ -189,16 +195,16 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
 
 
 def _step_findings(result: StepResult, ref: ReferenceStep, grads: dict, weights: dict, shared: list[dict],
-                   mesh: Mesh, tol: Tolerance) -> list[Finding]:
+                   mesh: Mesh, tol: Tolerance, aliases: dict[str, str]) -> list[Finding]:
     findings = _compare_scalars(result, ref, tol)
     owners = _owners(shared, "params")
     order = list(ref.weights)
-    findings += _compare_tensors("weight", order, weights, ref.weights, owners, tol)
+    findings += _compare_tensors("weight", order, weights, ref.weights, owners, tol, aliases)
     findings += [Finding("extra", n, float("inf"), owners.get(n, []), "not a parameter of the reference model")
-                 for n in weights if n not in ref.weights]
+                 for n in weights if aliases.get(n, n) not in ref.weights]
     if not findings:
         return []
     sizes = {axis: mesh.size(axis) for axis in AXES}
     findings += _compare_outputs(shared, ref, sizes, tol)
-    findings += _compare_tensors("gradient", list(reversed(order)), grads, ref.grads, owners, tol)
+    findings += _compare_tensors("gradient", list(reversed(order)), grads, ref.grads, owners, tol, aliases)
     return findings

@@ -20,6 +20,9 @@ AXES = ("pp", "dp", "sp", "tp")  # outermost first
 # Axes flattened into one group: the replicas of every weight under Ulysses sequence parallelism
 # are the ranks of dp x sp, so gradients are reduced (and ZeRO shards cut) over both at once.
 FLATTENED = {"dp_sp": ("dp", "sp")}
+# The first and last rank of an axis: the pipeline ranks holding the first stage (the embedding)
+# and the last (the output head), which keep one copy each of a weight tied between the two.
+ENDS = {"pp_ends": "pp"}
 
 
 class Mesh:
@@ -36,7 +39,7 @@ class Mesh:
         self.rank = rank
         self.stats = CommStats()
         self.coords = self._coords_of(rank)
-        self.groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in (*AXES, *FLATTENED)}
+        self.groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in (*AXES, *FLATTENED, *ENDS)}
         if make_groups and self.world_size > 1:
             self._make_groups()
 
@@ -86,8 +89,26 @@ class Mesh:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.groups[name] = group
+        for name, axis in ENDS.items():
+            if self.sizes[axis] <= 2:
+                continue  # two ranks or fewer: the ends are the whole axis, whose group serves (see comm)
+            for ranks in self._end_rank_pairs(axis):
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.groups[name] = group
+
+    def _end_rank_pairs(self, axis: str) -> list[list[int]]:
+        """[rank at coordinate 0, rank at the last coordinate] of ``axis``, for every setting of the others."""
+        others = [a for a in AXES if a != axis]
+        pairs = []
+        for fixed in itertools.product(*(range(self.sizes[a]) for a in others)):
+            coords = dict(zip(others, fixed))
+            pairs.append([self._rank_of({**coords, axis: 0}), self._rank_of({**coords, axis: self.sizes[axis] - 1})])
+        return pairs
 
     def size(self, axis: str) -> int:
+        if axis in ENDS:
+            return min(2, self.sizes[ENDS[axis]])
         if axis in FLATTENED:
             return math.prod(self.sizes[a] for a in FLATTENED[axis])
         return self.sizes[axis]
@@ -99,6 +120,8 @@ class Mesh:
         """Counted collectives over ``axis`` ("world" means every rank)."""
         if axis == "world":
             return AxisComm("world", None, self.world_size, self.rank, self.stats)
+        if axis in ENDS:
+            return self._ends_comm(axis)
         if axis in FLATTENED:
             real = [a for a in FLATTENED[axis] if self.sizes[a] > 1]
             if len(real) < 2:  # only one part is real: it is that axis
@@ -106,6 +129,15 @@ class Mesh:
             rank = self.ranks_across(FLATTENED[axis]).index(self.rank)
             return AxisComm(axis, self.groups[axis], self.size(axis), rank, self.stats)
         return AxisComm(axis, self.groups[axis], self.sizes[axis], self.coords[axis], self.stats)
+
+    def _ends_comm(self, name: str) -> AxisComm:
+        """The two end ranks of the axis (this rank alone when it is not an end, or the axis has one rank)."""
+        axis = ENDS[name]
+        size, coord = self.sizes[axis], self.coords[axis]
+        if size == 1 or coord not in (0, size - 1):
+            return AxisComm(name, None, 1, 0, self.stats)
+        group = self.groups[axis] if size == 2 else self.groups[name]
+        return AxisComm(name, group, 2, 0 if coord == 0 else 1, self.stats)
 
     def __repr__(self) -> str:
         shape = " x ".join(f"{a}={s}" for a, s in self.sizes.items())

@@ -120,6 +120,14 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
 
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "Llama":
+        # nn.Module.to_empty gives each registration of a meta parameter a tensor of its own: without
+        # tying the head again, a tied model would silently train two weights.
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
     def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """``start_pos``: position of the first token (a sequence-parallel rank holds a later chunk)."""
         s = tokens.shape[1]

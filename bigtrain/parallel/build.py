@@ -24,6 +24,7 @@ from bigtrain.parallel.pipeline.schedules import Schedule, build_schedule
 from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.parallel.tensor.functional import local_chunk
 from bigtrain.parallel.tensor.plan import TensorLayout, parallelize_llama
+from bigtrain.parallel.tied import TiedCopies, shared_parameter_names
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.parallel.zero.state import MOMENTS
 from bigtrain.precision import DynamicLossScaler, Precision
@@ -45,6 +46,13 @@ class ParallelModel:
     checkpointed: list[int]
     stages: dict[int, PipelineStage] = field(default_factory=dict)
     schedule: Schedule | None = None
+    tied: TiedCopies | None = None  # copies of tied weights whose twin is on another pipeline rank
+
+    def finish_grad_sync(self) -> None:
+        """Complete the gradient reduction (after the last micro-batch), tied copies included."""
+        self.engine.finish_grad_sync()
+        if self.tied is not None:
+            self.tied.sum_grads(self.engine)
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         parallel = self.layout.loss_sum(logits, targets) if self.layout is not None else None
@@ -94,6 +102,8 @@ class ParallelModel:
 
     def _stage_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         weights, optim = self.engine.full_state()
+        if self.tied is not None:
+            weights, optim = self.tied.to_canonical(weights), {"state": self.tied.to_canonical(optim.get("state", {}))}
         if self.layout is None:
             return weights, optim
         weights = self.layout.gather_full(weights)
@@ -103,6 +113,8 @@ class ParallelModel:
         return weights, optim
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict) -> None:
+        if self.tied is not None:
+            weights, optim = self.tied.with_aliases(weights), {"state": self.tied.with_aliases(optim.get("state", {}))}
         if self.layout is not None:
             weights = self.layout.shard_full(weights)
             state = optim.get("state", {})
@@ -120,6 +132,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
     layout = None
     if tp.size > 1 or sp.size > 1:
         layout = parallelize_llama(model, cfg.model, tp, sp, p.sequence_parallel)
+    ties = shared_parameter_names(model)  # after tensor parallelism, which shards a tied weight once
     checkpointed = apply_activation_checkpointing(model.layers, cfg.memory.checkpointing,
                                                   cfg.memory.checkpoint_every)
     stages, schedule, unit_modules = {}, None, None
@@ -131,23 +144,55 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
             unit_modules = list(model.layers.values())
         else:  # one engine over all chunks; ZeRO-3 gathers per chunk, the modules the executor calls
             model, unit_modules = StageGroup(stages.values()), list(stages.values())
+    tied = TiedCopies.of(model, ties, mesh.comm("pp_ends")) if ties else None
+    if tied is not None and tied.names:
+        unit_modules = _units_isolating(model, unit_modules, tied.names)
 
     def full_init(name: str, shape: tuple) -> torch.Tensor:
-        return init_value(name, shape, cfg.train.seed, cfg.model)
+        # A tied copy starts as the weight it copies: the values depend on the canonical name.
+        return init_value(ties.get(name, name), shape, cfg.train.seed, cfg.model)
 
     init_fn = layout.local_init(full_init) if layout is not None else full_init
     tp_sharded = set(layout.specs) if layout is not None else set()
-    engine = _build_engine(cfg, model, grad_comm, tp, pp, tp_sharded, init_fn, device, unit_modules)
+    counted_elsewhere = tied.aliases if tied is not None else set()
+    engine = _build_engine(cfg, model, grad_comm, tp, pp, tp_sharded, counted_elsewhere, init_fn, device,
+                           unit_modules)
+    if tied is not None:
+        tied.check_layout(engine)
     for module in stages.values() or [model]:  # after to_empty, which would leave them uninitialized
         module.init_buffers(device)
     if layout is not None:
         layout.register_grad_hooks(model)
-    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule)
+    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule, tied)
+
+
+def _units_isolating(model: nn.Module, unit_modules: list[nn.Module], names: list[str]) -> list[nn.Module]:
+    """ZeRO units in which each of the weights ``names`` is alone, so that the two copies of a tied
+    weight are cut into the same dp shards and can be summed shard by shard (see
+    ``TiedCopies.check_layout``). The module holding the weight becomes a unit, placed before the
+    unit module that would otherwise take it along (the first chunk of an interleaved rank), or
+    last when it would share the root unit (the head beside the final norm; the embedding is alone
+    in its stage's root already)."""
+    units = list(unit_modules)
+    for name in names:
+        param, owner = model.get_parameter(name), model.get_submodule(name.rpartition(".")[0])
+        holder = next((i for i, m in enumerate(units) if any(q is param for q in m.parameters())), None)
+        if holder is not None:
+            units.insert(holder, owner)
+        elif any(q is not param for q in _root_parameters(model, units)):
+            units.append(owner)
+    return units
+
+
+def _root_parameters(model: nn.Module, unit_modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters no unit module holds: ZeRO's root unit."""
+    taken = {id(q) for m in unit_modules for q in m.parameters()}
+    return [q for q in model.parameters() if id(q) not in taken]
 
 
 def _build_engine(cfg: Config, model: nn.Module, grad_comm: AxisComm, tp: AxisComm, pp: AxisComm,
-                  tp_sharded: set[str], init_fn, device: torch.device, unit_modules: list[nn.Module] | None
-                  ) -> ReplicatedEngine | ZeroEngine:
+                  tp_sharded: set[str], counted_elsewhere: set[str], init_fn, device: torch.device,
+                  unit_modules: list[nn.Module] | None) -> ReplicatedEngine | ZeroEngine:
     # Pipeline stages hold different weights: their squared gradient norms add up over pp.
     disjoint = [pp] if pp.size > 1 else []
     if cfg.parallel.zero == 0 and cfg.precision.mode == "fp32":
@@ -156,9 +201,9 @@ def _build_engine(cfg: Config, model: nn.Module, grad_comm: AxisComm, tp: AxisCo
             for name, p in model.named_parameters():
                 p.copy_(init_fn(name, tuple(p.shape)))
         return ReplicatedEngine(model, grad_comm, cfg.optim, cfg.parallel.bucket_mb, tp=tp, tp_sharded=tp_sharded,
-                                disjoint=disjoint)
+                                disjoint=disjoint, counted_elsewhere=counted_elsewhere)
     return ZeroEngine(
         model, grad_comm, cfg.parallel.zero, Precision.from_config(cfg.precision), cfg.optim, init_fn=init_fn,
         device=device, unit_modules=unit_modules, reshard_after_forward=cfg.parallel.reshard_after_forward,
         prefetch=cfg.parallel.prefetch, scaler=DynamicLossScaler.from_config(cfg.precision), tp=tp,
-        tp_sharded=tp_sharded, disjoint=disjoint)
+        tp_sharded=tp_sharded, disjoint=disjoint, counted_elsewhere=counted_elsewhere)

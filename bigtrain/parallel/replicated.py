@@ -17,10 +17,14 @@ from bigtrain.parallel.data import DataParallel
 
 class ReplicatedEngine:
     def __init__(self, model: nn.Module, comm: AxisComm, optim: OptimConfig, bucket_mb: float,
-                 tp: AxisComm | None = None, tp_sharded: set[str] = frozenset(), disjoint: list[AxisComm] = ()):
+                 tp: AxisComm | None = None, tp_sharded: set[str] = frozenset(), disjoint: list[AxisComm] = (),
+                 counted_elsewhere: set[str] = frozenset()):
         self.model, self.tp, self.disjoint = model, tp, list(disjoint)
-        names = {id(p): n for n, p in model.named_parameters()}
+        self._named = dict(model.named_parameters())
+        names = {id(p): n for n, p in self._named.items()}
         self._tp_replicated = {id(p): names[id(p)] not in tp_sharded for p in model.parameters()}
+        # Copies of a tied weight whose twin on another rank is the one counted in the norm.
+        self._in_norm = {id(p): names[id(p)] not in counted_elsewhere for p in model.parameters()}
         self.dp = DataParallel(model, comm, bucket_mb)
         self.optimizer = build_adamw(model, optim, optim.lr)
         self.scaler = None
@@ -38,9 +42,15 @@ class ReplicatedEngine:
     def finish_grad_sync(self) -> None:
         self.dp.finish_grad_sync()
 
+    def grad_piece(self, name: str) -> tuple[torch.Tensor, int]:
+        """The gradient of parameter ``name`` (all of it, reduced once gradients are synchronized) and
+        the index of its first element in the parameter (0): as :meth:`ZeroEngine.grad_piece`."""
+        return self._named[name].grad, 0
+
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
         grads = [p.grad for p in self.dp.params]
-        norm, _ = global_norm(square_sums((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params), self.disjoint, self.tp)
+        parts = square_sums((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params if self._in_norm[id(p)])
+        norm, _ = global_norm(parts, self.disjoint, self.tp)
         clip_(grads, norm, max_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -6,6 +6,11 @@ stays ``layers.3.attention.wq.weight``), so initialization by name, checkpoints 
 comparisons with one process work unchanged. Build the plain model on the meta device, split it,
 and materialize only the stages this rank owns.
 
+A weight tied between the embedding and the head (``model.tie_embeddings``) is then held by the
+first stage as ``tok_embeddings.weight`` and by the last as ``output.weight``: two copies, which
+must start equal (``init_weights`` initializes the head's copy as the embedding) and have their
+gradients summed after backward (``bigtrain.parallel.tied``).
+
 For the reference Llama the embedding goes to the first stage and the final norm and output head
 to the last (the executor applies the loss there); the transformer blocks are divided by count,
 by parameter count (embedding and head included in the balance), or at given split points. A
@@ -24,6 +29,7 @@ from torch import nn
 
 from bigtrain.models.llama import Llama, init_value, rotary_tables
 from bigtrain.parallel.pipeline.schedules import SCHEDULE_KINDS
+from bigtrain.parallel.tied import shared_parameter_names
 
 BALANCE_MODES = ("layers", "params")
 
@@ -46,7 +52,7 @@ def check_split_points(split_points: Sequence[int], n_layers: int, num_stages: i
 
 
 def check_pipeline_layout(n_layers: int, pp: int, v: int, m: int, kind: str,
-                          split_points: Sequence[int] | None = None, tie_embeddings: bool = False,
+                          split_points: Sequence[int] | None = None,
                           m_field: str = "parallel.pp_microbatches") -> list[str]:
     """Every problem with a pipeline layout, as strings naming the config field and a fix.
 
@@ -77,9 +83,6 @@ def check_pipeline_layout(n_layers: int, pp: int, v: int, m: int, kind: str,
                         f"every stage needs at least one layer; use parallel.pp <= {max(n_layers // max(v, 1), 1)}")
     elif split_points:
         problems += check_split_points(split_points, n_layers, num_stages)
-    if tie_embeddings and num_stages > 1:
-        problems.append("model.tie_embeddings = true: the embedding (first stage) and the output head (last stage) "
-                        "would share a weight across ranks; use model.tie_embeddings = false with parallel.pp > 1")
     return problems
 
 
@@ -157,6 +160,7 @@ class LlamaStage(PipelineStage):
     def __init__(self, model: Llama, index: int, num_stages: int, layer_ids: range):
         super().__init__(index, num_stages)
         self.cfg = model.cfg
+        self.tied_names = shared_parameter_names(model)  # alias -> the name a tied copy is initialized as
         if self.is_first:
             self.tok_embeddings = model.tok_embeddings
         # A ModuleDict keyed by the layer index keeps the plain model's parameter names.
@@ -184,10 +188,11 @@ class LlamaStage(PipelineStage):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """The same values as ``Llama.init_weights`` gives these parameters (they depend on the name only)."""
+        """The same values as ``Llama.init_weights`` gives these parameters (they depend on the name
+        only; the last stage's copy of a tied head takes the embedding's)."""
         self.init_buffers(next(self.parameters()).device)  # the buffers may still be on meta
         for name, param in self.named_parameters():
-            param.copy_(init_value(name, tuple(param.shape), seed, self.cfg))
+            param.copy_(init_value(self.tied_names.get(name, name), tuple(param.shape), seed, self.cfg))
 
 
 class SequentialStage(PipelineStage):
@@ -231,9 +236,6 @@ def _split_points(items: Sequence[nn.Module], num_stages: int, balance: str, spl
 def split_llama(model: Llama, num_stages: int, balance: str = "layers",
                 split_points: Sequence[int] | None = None) -> list[LlamaStage]:
     """All ``num_stages`` stages of ``model`` (sharing its modules); see the module docstring."""
-    if model.cfg.tie_embeddings and num_stages > 1:
-        raise ValueError(check_pipeline_layout(len(model.layers), num_stages, 1, num_stages, "gpipe",
-                                               tie_embeddings=True)[-1])
     head = _param_count(model.norm) + _param_count(model.output)
     points = _split_points(list(model.layers), num_stages, balance, split_points,
                            _param_count(model.tok_embeddings), head)

@@ -124,7 +124,9 @@ def parallelize_llama(model: nn.Module, cfg: ModelConfig, tp: AxisComm, sp: Axis
     ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel and tp.size > 1, sp=sp)
     parallelize_module(model, llama_plan(cfg, tp.size, ctx.sequence_parallel, sp.size > 1), ctx)
     layout = TensorLayout(tp=tp, sp=sp, vocab=ctx.vocab)
-    for name, p in model.named_parameters():
+    # Every name of a shared (tied) weight: once pipeline stages split the model, the head's copy is
+    # known by its own name only, and must still find how it is cut.
+    for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in ctx.specs:
             layout.specs[name] = ctx.specs[id(p)]
         if id(p) in ctx.partial_grads:

@@ -46,12 +46,14 @@ class ZeroEngine:
                  init_fn: InitFn, device: torch.device | str = "cpu", unit_modules: list[nn.Module] | None = None,
                  reshard_after_forward: bool = True, prefetch: bool = True,
                  scaler: DynamicLossScaler | None = None, tp: AxisComm | None = None,
-                 tp_sharded: set[str] = frozenset(), disjoint: list[AxisComm] = ()):
+                 tp_sharded: set[str] = frozenset(), disjoint: list[AxisComm] = (),
+                 counted_elsewhere: set[str] = frozenset()):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
         self.model, self.comm, self.stage, self.precision = model, comm, stage, precision
         self.device, self.scaler, self.tp, self.tp_sharded = torch.device(device), scaler, tp, set(tp_sharded)
         self.disjoint = list(disjoint)  # axes whose ranks hold different weights (pipeline stages)
+        self.counted_elsewhere = set(counted_elsewhere)  # tied copies whose twin on another rank is in the norm
         shards = comm.size if stage >= 1 else 1
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
         self.units, self.unit_modules = build_units(model, modules, shards, comm.rank if stage >= 1 else 0)
@@ -186,6 +188,15 @@ class ZeroEngine:
                 unit.grad_shard.add_(out)
         self._pending = keep
 
+    def grad_piece(self, name: str) -> tuple[torch.Tensor, int]:
+        """This rank's reduced gradient of parameter ``name`` after :meth:`finish_grad_sync` (a view
+        the step reads: changing it changes the update), and the index in the parameter of its
+        first element; empty where this rank's shard holds none of it."""
+        for unit in self.units:
+            if any(slot.name == name for slot in unit.slots):
+                return unit.slot_grad_piece(name)
+        raise KeyError(f"no parameter named {name!r} in this engine")
+
     # -- the step --------------------------------------------------------------------------------
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
         """Unscale, check for overflow, clip and update; returns (grad norm, skipped)."""
@@ -193,7 +204,8 @@ class ZeroEngine:
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
         parts = square_sums((grad[a:b], slot.name not in self.tp_sharded)
-                            for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges())
+                            for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges()
+                            if slot.name not in self.counted_elsewhere)
         # Partitioned gradients: every rank must agree on the norm and on skipping.
         partitions = ([self.comm] if self.stage >= 1 else []) + self.disjoint
         norm, found_inf = global_norm(parts, partitions, self.tp)

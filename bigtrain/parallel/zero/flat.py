@@ -73,6 +73,14 @@ class FlatUnit:
                 out.append((slot, a - lo, b - lo))
         return out
 
+    def slot_grad_piece(self, name: str) -> tuple[torch.Tensor, int]:
+        """(the part of ``grad_shard`` holding parameter ``name``, index in the parameter of its first
+        element); empty when this rank's shard does not overlap the parameter."""
+        for slot, a, b in self.shard_slot_ranges():
+            if slot.name == name:
+                return self.grad_shard[a:b], self.shard_start + a - slot.offset
+        return self.grad_shard[:0], 0
+
     def shard_of(self, full_flat: torch.Tensor) -> torch.Tensor:
         return full_flat[self.shard_start:self.shard_start + self.shard_numel]
 
