@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from bigtrain.check.reference import reference_trajectory
 from bigtrain.distributed.comm import sent_fraction
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model
@@ -28,8 +29,9 @@ def _train_on_rank(rank, world_size, cfg, run_dir, steps):
 
 @functools.lru_cache(maxsize=None)
 def _reference(cache_dir: str):
-    cfg = tiny_config(cache_dir, "--train.micro_batch=8")
-    return _train_on_rank(0, 1, cfg, f"{cache_dir}/ref", STEPS)
+    """The independent single-process loop (bigtrain.check.reference): losses and final weights."""
+    losses, _, weights = reference_trajectory(tiny_config(cache_dir), STEPS)
+    return losses, weights
 
 
 @pytest.mark.parametrize("dp,micro_batch", [(2, 4), (2, 2), (4, 2), (4, 1)],

@@ -9,6 +9,8 @@ import shutil
 import pytest
 import torch
 
+from bigtrain.check.reference import reference_losses
+
 from bigtrain.testing import run_ranks
 from helpers import run_steps, tiny_config, trainer_on_rank
 
@@ -18,7 +20,8 @@ MODEL = ["--model.n_layers=4", "--train.micro_batch=2", f"--train.steps={STEPS}"
 
 @functools.lru_cache(maxsize=None)
 def _reference(cache_dir):
-    return run_steps(trainer_on_rank(0, 1, tiny_config(cache_dir, *MODEL), f"{cache_dir}/ref"), STEPS)
+    """Per-step losses of the independent single-process loop (bigtrain.check.reference)."""
+    return reference_losses(tiny_config(cache_dir, *MODEL), STEPS)
 
 
 def _losses(rank, world_size, cfg, run_dir):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigtrain.check.reference import reference_losses
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import AttentionCore, FeedForward
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
@@ -146,7 +147,8 @@ def _losses(rank, world_size, cfg, run_dir):
 
 @functools.lru_cache(maxsize=None)
 def _reference(cache_dir, *model_overrides):
-    return _losses(0, 1, tiny_config(cache_dir, "--train.micro_batch=8", *model_overrides), f"{cache_dir}/ref")
+    """Per-step losses of the independent single-process loop (bigtrain.check.reference)."""
+    return reference_losses(tiny_config(cache_dir, *model_overrides), STEPS)
 
 
 LAYOUTS = {

@@ -2,8 +2,9 @@
 layout: tensor parallel (both uses share one vocabulary shard), data parallel with ZeRO 0-3, and
 pipelines, where the first and last stage hold one copy each and sum their gradients.
 
-The reference is a plain PyTorch loop sharing only the model class and the data sampler with the
-trainer, so a bug in the trainer at one process (which once untied the weights) cannot hide.
+The reference is the independent single-process loop (``bigtrain.check.reference``), sharing only
+the model class and the data sampler with the trainer, so a bug in the trainer at one process
+(which once untied the weights) cannot hide.
 Tolerance: fp32, per-step loss and gradient norm within 1e-5 relative.
 """
 
@@ -12,14 +13,11 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from bigtrain import checkpoint as ckpt
-from bigtrain.config import Config
-from bigtrain.data import TokenSampler, load_tokens
+from bigtrain.check.reference import reference_trajectory
 from bigtrain.distributed.mesh import Mesh
-from bigtrain.models.llama import Llama, count_parameters
-from bigtrain.optim.schedule import lr_at
+from bigtrain.models.llama import count_parameters
 from bigtrain.testing import RankFailure, run_ranks
 from helpers import tiny_config, trainer_on_rank
 
@@ -27,38 +25,11 @@ STEPS = 4
 TIED = ["--model.n_layers=4", "--model.tie_embeddings=true", "--train.micro_batch=2", f"--train.steps={STEPS}"]
 
 
-def plain_pytorch_run(cfg: Config, steps: int) -> list[tuple[float, float]]:
-    """(loss, gradient norm before clipping) per step of a single-process loop written from scratch."""
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    params = list(model.parameters())  # a tied weight once
-    o = cfg.optim
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                                  lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    t = cfg.train
-    sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes), cfg.data.seq_len,
-                           t.global_batch, t.seed)
-    tokens_per_step = t.global_batch * cfg.data.seq_len
-    out = []
-    for step in range(steps):
-        loss_sum = 0.0
-        for tokens, targets in sampler.micro_batches(step, 0, 1, t.micro_batch):
-            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), reduction="sum")
-            (loss / tokens_per_step).backward()
-            loss_sum += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, t.steps, o, t.global_batch)
-        optimizer.step()
-        optimizer.zero_grad()
-        out.append((loss_sum / tokens_per_step, float(norm)))
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def _reference(cache_dir: str) -> list[tuple[float, float]]:
-    return plain_pytorch_run(tiny_config(cache_dir, *TIED), STEPS)
+    """(loss, gradient norm) per step of the independent single-process loop (bigtrain.check.reference)."""
+    losses, norms, _ = reference_trajectory(tiny_config(cache_dir, *TIED), STEPS)
+    return list(zip(losses, norms))
 
 
 def _assert_matches(results: list[tuple[float, float]], expected: list[tuple[float, float]]) -> None:

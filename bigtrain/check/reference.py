@@ -160,5 +160,12 @@ class ReferenceRun:
 
 def reference_losses(cfg: Config, steps: int) -> list[float]:
     """Per-step losses of the reference over ``steps`` steps."""
+    return reference_trajectory(cfg, steps)[0]
+
+
+def reference_trajectory(cfg: Config, steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """(per-step losses, per-step gradient norms, fp32 weights by name after the last step)."""
     run = ReferenceRun(cfg)
-    return [run.train_step().loss for _ in range(steps)]
+    records = [run.train_step() for _ in range(steps)]
+    weights = {n: p.detach().clone() for n, p in run.master.named_parameters()}
+    return [r.loss for r in records], [r.grad_norm for r in records], weights
