@@ -189,6 +189,7 @@ class ZeroEngine:
     # -- the step --------------------------------------------------------------------------------
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
         """Unscale, check for overflow, clip and update; returns (grad norm, skipped)."""
+        self._drop_gathered()
         grads = [u.grad_shard.float() for u in self.units]
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
@@ -213,7 +214,14 @@ class ZeroEngine:
 
     def refresh_compute_weights(self) -> None:
         """Make the compute weights equal the (just loaded) masters on every rank."""
+        self._drop_gathered()
         self._publish_weights()
+
+    def _drop_gathered(self) -> None:
+        """ZeRO-3: a unit still gathered now (a prefetch that the model or a pipeline schedule
+        never used) holds the weights of before the update; the next forward must gather anew."""
+        if self.gatherer is not None:
+            self.gatherer.free_all()
 
     def _publish_weights(self) -> None:
         """Copy updated masters into the compute weights and, below stage 3, gather them everywhere."""

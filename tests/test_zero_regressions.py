@@ -1,0 +1,95 @@
+"""Regressions of the gradient engines that trained silently wrong, each against what it should equal.
+
+Tolerances: fp32 per-step losses within 1e-5 relative of one process (the trainer at world size 1,
+until the plain-PyTorch reference of ``bigtrain.check`` replaces it).
+"""
+
+import functools
+
+import pytest
+import torch
+
+from bigtrain.config import OptimConfig
+from bigtrain.distributed.mesh import Mesh
+from bigtrain.parallel.zero.engine import ZeroEngine
+from bigtrain.precision import Precision
+from bigtrain.testing import run_ranks
+from helpers import run_steps, tiny_config, trainer_on_rank
+from test_examples import zero3_custom_module
+
+STEPS = 4
+BATCH = ["--train.global_batch=4", f"--train.steps={STEPS}"]
+
+
+@functools.lru_cache(maxsize=None)
+def _one_process(cache_dir: str, *overrides: str) -> list[float]:
+    cfg = tiny_config(cache_dir, *BATCH, "--train.micro_batch=4", *overrides)
+    return run_steps(trainer_on_rank(0, 1, cfg, f"{cache_dir}/ref-{'-'.join(overrides)}"), STEPS)
+
+
+def _losses(rank, world_size, cfg, run_dir):
+    return run_steps(trainer_on_rank(rank, world_size, cfg, run_dir), STEPS)
+
+
+# -- 1. ZeRO-3 under pipelines: no unit may be read with the weights of before a step ---------------
+# Stages without a root unit (pp=3's middle stage: blocks only; interleaved chunks: no unit spans the
+# rank's model) and a dp group of one rank (pp=3, dp=1) or two.
+PIPELINES = {
+    "pp3": (3, ["--parallel.pp=3"]),
+    "pp2-interleaved-v3": (2, ["--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=3"]),
+    "dp2-pp2": (4, ["--parallel.dp=2", "--parallel.pp=2"]),
+    "dp2-pp2-interleaved-v3": (4, ["--parallel.dp=2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved",
+                                   "--parallel.pp_virtual=3"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(PIPELINES))
+def test_zero3_under_a_pipeline_matches_one_process(layout, corpus_cache, tmp_path):
+    world_size, parallel = PIPELINES[layout]
+    expected = _one_process(corpus_cache, "--model.n_layers=6")
+    cfg = tiny_config(corpus_cache, *BATCH, "--model.n_layers=6", "--train.micro_batch=1", "--parallel.zero=3",
+                      *parallel)
+    for losses in run_ranks(_losses, world_size, cfg, str(tmp_path), timeout=180):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def _gathered_after_step(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    trainer.train_step()
+    return [u.name for u in trainer.engine.units if u.gathered]
+
+
+def test_no_zero3_unit_stays_gathered_across_the_optimizer_step(corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, *BATCH, "--model.n_layers=6", "--train.micro_batch=1", "--parallel.zero=3",
+                      *PIPELINES["pp3"][1])
+    assert run_ranks(_gathered_after_step, 3, cfg, str(tmp_path)) == [[], [], []]
+
+
+class _BlocksCalledInReverse(zero3_custom_module.ResidualMLP):
+    def forward(self, x):
+        for block in reversed(self.blocks):  # not the order the units were given in
+            x = x + block(x)
+        return self.head(x).squeeze(-1)
+
+
+def _zero3_losses(prefetch: bool) -> list[float]:
+    with torch.device("meta"):
+        model = _BlocksCalledInReverse(dim=16, hidden=32, n_blocks=3)
+    engine = ZeroEngine(model, Mesh({"dp": 1}).comm("dp"), 3, Precision(torch.float32, torch.float32),
+                        OptimConfig(lr=1e-2), init_fn=zero3_custom_module.init_fn, unit_modules=list(model.blocks),
+                        prefetch=prefetch)
+    losses = []
+    for step in range(3):
+        x, y = zero3_custom_module.batch(step, 0, 8, 16)
+        loss = (model(x) - y).pow(2).mean()
+        engine.backward(loss)
+        engine.finish_grad_sync()
+        engine.step(1e-2, max_norm=1.0)
+        engine.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_a_prefetch_the_model_did_not_use_is_not_read_after_the_step():
+    # Prefetching follows the order the units were given in; whatever it gathered in vain must go at the step.
+    assert _zero3_losses(prefetch=True) == _zero3_losses(prefetch=False)
