@@ -43,6 +43,20 @@ def sync_off(engine):
         engine._sync = previous
 
 
+def rehome_grad(param: nn.Parameter, home: torch.Tensor) -> None:
+    """Make ``param.grad`` its view ``home`` in a flat gradient buffer again, keeping its value.
+
+    After a caller's ``zero_grad(set_to_none=True)`` autograd puts the next gradient in a fresh
+    tensor outside the buffer, where a reduction of the buffer would never see it; a parameter
+    that got no gradient since then must contribute zeros, not what the buffer held before.
+    """
+    if param.grad is None:
+        home.zero_()
+    elif param.grad.data_ptr() != home.data_ptr():
+        home.copy_(param.grad)
+    param.grad = home
+
+
 def _unique_trainable(model: nn.Module) -> list[nn.Parameter]:
     seen, out = set(), []
     for p in model.parameters():
@@ -91,17 +105,8 @@ class DataParallel:
             offset += p.numel()
         return bucket
 
-    def _rehome(self, param: nn.Parameter, view: torch.Tensor) -> None:
-        """Put a gradient that autograd or the caller created outside the bucket back into it
-        (after a ``zero_grad(set_to_none=True)`` the first gradient is a fresh tensor)."""
-        if param.grad is None:
-            view.zero_()
-        elif param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-        param.grad = view
-
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        self._rehome(param, self._view_of[id(param)])
+        rehome_grad(param, self._view_of[id(param)])
         if not self._sync:
             return
         bucket = self._bucket_of[id(param)]
@@ -123,7 +128,7 @@ class DataParallel:
         for bucket in self.buckets:  # same order on every rank
             if bucket.work is None:
                 for p, view in zip(bucket.params, bucket.views):
-                    self._rehome(p, view)  # no gradient this step contributes zeros
+                    rehome_grad(p, view)  # no gradient this step contributes zeros
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:

@@ -30,7 +30,7 @@ from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim.clip import clip_, global_norm, square_sums
-from bigtrain.parallel.data import sync_off
+from bigtrain.parallel.data import rehome_grad, sync_off
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
 from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
@@ -62,6 +62,7 @@ class ZeroEngine:
         self._pending: list[tuple[FlatUnit, object, torch.Tensor]] = []
         self._remaining = {id(u): len(u.params) for u in self.units}
         self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self._grad_home = {id(p): view for u in self.units for p, view in zip(u.params, getattr(u, "grad_views", ()))}
         for p in self._unit_of_params():
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.gatherer = ParameterGatherer(self, reshard_after_forward, prefetch) if stage == 3 else None
@@ -101,8 +102,10 @@ class ZeroEngine:
             unit.master = master if self.precision.mixed else unit.shard_param
             if self.stage <= 1:
                 unit.full_grad = torch.zeros(unit.padded_numel, dtype=compute, device=dev)
-                for p, slot in zip(unit.params, unit.slots):
-                    p.grad = unit.full_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                views = unit.unflatten(unit.full_grad)
+                unit.grad_views = [views[slot.name] for slot in unit.slots]
+                for p, view in zip(unit.params, unit.grad_views):
+                    p.grad = view
                 unit.grad_shard = unit.shard_of(unit.full_grad)
             else:
                 unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.precision.reduce, device=dev)
@@ -133,9 +136,11 @@ class ZeroEngine:
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if self.stage <= 1 and not self._sync:
-            return
         unit = self._unit_of[id(param)]
+        if self.stage <= 1:
+            rehome_grad(param, self._grad_home[id(param)])
+            if not self._sync:
+                return
         self._remaining[id(unit)] -= 1
         if self._remaining[id(unit)] == 0:
             self._reduce(unit)
@@ -146,6 +151,8 @@ class ZeroEngine:
             self._complete(lambda u: u is unit)
         reduce_dtype = self.precision.reduce
         if self.stage <= 1:
+            for p, view in zip(unit.params, unit.grad_views):
+                rehome_grad(p, view)  # a parameter without a gradient since torch's zero_grad adds zeros
             payload = unit.full_grad if unit.full_grad.dtype == reduce_dtype else unit.full_grad.to(reduce_dtype)
         else:
             payload = unit.flat_grads(reduce_dtype)
@@ -235,6 +242,8 @@ class ZeroEngine:
         for unit in self.units:
             if self.stage <= 1:
                 unit.full_grad.zero_()
+                for p, view in zip(unit.params, unit.grad_views):
+                    p.grad = view
             else:
                 unit.grad_shard.zero_()
                 for p in unit.params:
