@@ -1,16 +1,21 @@
 """Regressions of the gradient engines that trained silently wrong, each against what it should equal.
 
 Tolerances: fp32 per-step losses within 1e-5 relative of one process (the trainer at world size 1,
-until the plain-PyTorch reference of ``bigtrain.check`` replaces it).
+until the plain-PyTorch reference of ``bigtrain.check`` replaces it); accumulated bf16 gradients
+within fp32 rounding (1e-6 relative) of their fp32 sum, where a bf16 sum is ~1e-3 off.
 """
 
 import functools
+from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from bigtrain.config import OptimConfig
+from bigtrain.config import ModelConfig, OptimConfig, PrecisionConfig
 from bigtrain.distributed.mesh import Mesh
+from bigtrain.models.llama import build_model, init_value
+from bigtrain.parallel.build import token_loss_sum
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.precision import Precision
 from bigtrain.testing import run_ranks
@@ -122,3 +127,61 @@ def test_torch_zero_grad_between_steps_matches_one_process_in_fp32(corpus_cache,
     got = run_ranks(_losses_clearing_grads_the_torch_way, 2, cfg, str(tmp_path))[0]
     torch.testing.assert_close(torch.tensor([loss for loss, _ in got]), torch.tensor(_one_process(corpus_cache)),
                                rtol=1e-5, atol=0)
+
+
+# -- 3. bf16 gradients accumulate in fp32; an fp32 reduction stays fp32 ------------------------------
+SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, vocab_size=250)
+MICRO_BATCHES = 4
+
+
+def _tokens(rank: int, micro_batch: int) -> torch.Tensor:
+    return torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(100 * rank + micro_batch))
+
+
+def _bf16_grads_summed_in_fp32(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's gradient of every micro-batch, computed by plain PyTorch in bf16, summed in fp32."""
+    model = build_model(SMALL, "cpu")
+    model.init_buffers("cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init_value(name, tuple(p.shape), 0, SMALL))
+    for p in model.parameters():  # the rotary tables stay fp32, as in the engine's model
+        p.data = p.data.to(torch.bfloat16)
+    total = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
+    for mb in range(MICRO_BATCHES):
+        tokens = _tokens(rank, mb)
+        grads = torch.autograd.grad(token_loss_sum(model(tokens), tokens) / 64, list(model.parameters()))
+        for (name, _), grad in zip(model.named_parameters(), grads):
+            total[name] += grad.float()
+    return total
+
+
+def _accumulated_grad_shards(rank, world_size, stage, reduce_dtype):
+    model = build_model(SMALL)
+    comm = Mesh({"dp": world_size}, rank).comm("dp")
+    precision = Precision.from_config(PrecisionConfig(mode="bf16", reduce_dtype=reduce_dtype))
+    engine = ZeroEngine(model, comm, stage, precision, OptimConfig(), init_fn=lambda n, s: init_value(n, s, 0, SMALL))
+    model.init_buffers("cpu")
+    for mb in range(MICRO_BATCHES):
+        tokens = _tokens(rank, mb)
+        with engine.no_sync() if mb < MICRO_BATCHES - 1 else nullcontext():
+            engine.backward(token_loss_sum(model(tokens), tokens) / 64)
+    engine.finish_grad_sync()
+    expected = _bf16_grads_summed_in_fp32(rank)
+    for grad in expected.values():  # the sum over ranks, in fp32
+        dist.all_reduce(grad) if world_size > 1 else None
+    out = []
+    for unit in engine.units:
+        want = unit.shard_of(unit.flatten(expected, torch.float32, "cpu"))
+        out.append((unit.name, unit.grad_shard.dtype, unit.grad_shard.float(), want))
+    return out
+
+
+@pytest.mark.parametrize("world_size,reduce_dtype", [(1, "auto"), (2, "fp32")], ids=["one-rank", "fp32-reduce"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_micro_batch_gradients_accumulate_in_fp32(stage, world_size, reduce_dtype):
+    for rank_shards in run_ranks(_accumulated_grad_shards, world_size, stage, reduce_dtype):
+        for name, dtype, got, want in rank_shards:
+            err = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+            assert err < 1e-6, f"stage {stage}, {name}: {err:.1e} from the fp32 sum of the bf16 gradients"
+            assert dtype == torch.float32, f"{name}: the gradient the optimizer reads is {dtype}"
