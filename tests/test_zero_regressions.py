@@ -16,6 +16,7 @@ from bigtrain.config import ModelConfig, OptimConfig, PrecisionConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model, init_value
 from bigtrain.parallel.build import token_loss_sum
+from bigtrain.parallel.data import DataParallel
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.precision import Precision
 from bigtrain.testing import run_ranks
@@ -185,3 +186,28 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32(stage, world_size, reduce
             err = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
             assert err < 1e-6, f"stage {stage}, {name}: {err:.1e} from the fp32 sum of the bf16 gradients"
             assert dtype == torch.float32, f"{name}: the gradient the optimizer reads is {dtype}"
+
+
+# -- 4. DataParallel starts every replica from rank 0's weights --------------------------------------
+def _replicas_after_construction(rank, world_size, cache_dir):
+    cfg = tiny_config(cache_dir)
+    model = build_model(cfg.model, "cpu")
+    model.init_weights(seed=rank)  # a user's script that seeded every rank differently
+    model.rope_cos.add_(rank)  # and a buffer that differs
+    comm = Mesh({"dp": world_size}, rank).comm("dp")
+    DataParallel(model, comm)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state.update({"rope_cos": model.rope_cos.clone()})
+    return state, comm.stats.calls.get(("dp", "broadcast:init"), 0)
+
+
+def test_data_parallel_broadcasts_the_first_ranks_weights_and_buffers(corpus_cache):
+    (first, calls), (second, _) = run_ranks(_replicas_after_construction, 2, corpus_cache)
+    assert calls > 0, "the initial broadcast goes through the counted AxisComm"
+    reference = build_model(tiny_config(corpus_cache).model, "cpu")
+    reference.init_weights(seed=0)
+    for name, value in first.items():
+        assert torch.equal(second[name], value), name
+    for name, p in reference.named_parameters():
+        assert torch.equal(first[name], p.detach()), f"{name} is not rank 0's initial value"
+    assert torch.equal(first["rope_cos"], reference.rope_cos)

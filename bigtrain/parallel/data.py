@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
@@ -92,6 +93,7 @@ class DataParallel:
         self._sync = True
         self._handles = []
         if comm.size > 1:
+            self._broadcast_from_first_rank()
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _make_bucket(self, params: list[nn.Parameter]) -> Bucket:
@@ -104,6 +106,23 @@ class DataParallel:
             p.grad = bucket.views[-1]
             offset += p.numel()
         return bucket
+
+    @torch.no_grad()
+    def _broadcast_from_first_rank(self) -> None:
+        """Start every replica from dp rank 0's weights and buffers, as torch DDP does: ranks that
+        initialized with different seeds would otherwise train different models, silently."""
+        src = dist.get_global_rank(self.comm.group, 0)
+        for bucket in self.buckets:  # one message per bucket, packed in its (still zero) gradient buffer
+            for p, view in zip(bucket.params, bucket.views):
+                view.copy_(p)
+            self.comm.broadcast(bucket.buffer, src, tag="init")
+            for p, view in zip(bucket.params, bucket.views):
+                p.copy_(view)
+            bucket.buffer.zero_()
+        trainable = {id(p) for p in self.params}
+        frozen = [p for p in self.model.parameters() if id(p) not in trainable]
+        for tensor in frozen + list(self.model.buffers()):
+            self.comm.broadcast(tensor, src, tag="init")
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         rehome_grad(param, self._view_of[id(param)])
