@@ -6,11 +6,13 @@ within fp32 rounding (1e-6 relative) of their fp32 sum, where a bf16 sum is ~1e-
 """
 
 import functools
+import warnings
 from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from bigtrain.config import ModelConfig, OptimConfig, PrecisionConfig
 from bigtrain.distributed.mesh import Mesh
@@ -211,3 +213,36 @@ def test_data_parallel_broadcasts_the_first_ranks_weights_and_buffers(corpus_cac
     for name, p in reference.named_parameters():
         assert torch.equal(first[name], p.detach()), f"{name} is not rank 0's initial value"
     assert torch.equal(first["rope_cos"], reference.rope_cos)
+
+
+# -- 5. ZeroEngine finds the blocks of a user's module, or says it cannot ----------------------------
+def _engine_on(model: nn.Module, stage: int = 3) -> ZeroEngine:
+    return ZeroEngine(model, Mesh({"dp": 1}).comm("dp"), stage, Precision(torch.float32, torch.float32),
+                      OptimConfig(), init_fn=zero3_custom_module.init_fn)
+
+
+def test_zero_engine_finds_blocks_that_are_not_named_layers():
+    with torch.device("meta"):
+        model = zero3_custom_module.ResidualMLP(dim=16, hidden=32, n_blocks=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = _engine_on(model)
+    assert engine.unit_modules == [model, *model.blocks]  # the root (the head) and one unit per block
+    assert [len(u.params) for u in engine.units] == [2, 6, 6, 6]
+
+
+class _NoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(8, 4), nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+
+def test_zero_engine_warns_when_it_finds_no_blocks():
+    with torch.device("meta"):
+        model = _NoBlocks()
+    with pytest.warns(UserWarning, match=r"_NoBlocks.*unit_modules"):
+        engine = _engine_on(model)
+    assert len(engine.units) == 1
