@@ -205,14 +205,14 @@ def _replicas_after_construction(rank, world_size, cache_dir):
 
 def test_data_parallel_broadcasts_the_first_ranks_weights_and_buffers(corpus_cache):
     (first, calls), (second, _) = run_ranks(_replicas_after_construction, 2, corpus_cache)
-    assert calls > 0, "the initial broadcast goes through the counted AxisComm"
     reference = build_model(tiny_config(corpus_cache).model, "cpu")
     reference.init_weights(seed=0)
     for name, value in first.items():
-        assert torch.equal(second[name], value), name
+        assert torch.equal(second[name], value), f"the replicas differ in {name}"
     for name, p in reference.named_parameters():
         assert torch.equal(first[name], p.detach()), f"{name} is not rank 0's initial value"
     assert torch.equal(first["rope_cos"], reference.rope_cos)
+    assert calls > 0, "the initial broadcast goes through the counted AxisComm"
 
 
 # -- 5. ZeroEngine finds the blocks of a user's module, or says it cannot ----------------------------
