@@ -6,7 +6,8 @@ registration order, which is roughly the order backward produces their gradients
 bucket is ready early and its all-reduce runs on Gloo's/NCCL's own thread while backward continues.
 On accumulation steps that do not synchronize, the hooks only re-home a gradient that was created
 outside its bucket (after a caller's ``zero_grad(set_to_none=True)``), so any way of clearing
-gradients stays correct.
+gradients stays correct. At construction every replica takes dp rank 0's parameters and buffers,
+as torch DDP does, so replicas never start apart.
 
 The loss is expected to be normalized by the *global* token count, so gradients are summed, not
 averaged, across ranks: the sum over ranks and micro-batches is then exactly the single-process
