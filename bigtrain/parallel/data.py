@@ -6,7 +6,8 @@ registration order, which is roughly the order backward produces their gradients
 bucket is ready early and its all-reduce runs on Gloo's/NCCL's own thread while backward continues.
 On accumulation steps that do not synchronize, the hooks only re-home a gradient that was created
 outside its bucket (after a caller's ``zero_grad(set_to_none=True)``), so any way of clearing
-gradients stays correct.
+gradients stays correct. At construction every replica takes dp rank 0's parameters and buffers,
+as torch DDP does, so replicas never start apart.
 
 The loss is expected to be normalized by the *global* token count, so gradients are summed, not
 averaged, across ranks: the sum over ranks and micro-batches is then exactly the single-process
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
@@ -41,6 +43,20 @@ def sync_off(engine):
         yield
     finally:
         engine._sync = previous
+
+
+def rehome_grad(param: nn.Parameter, home: torch.Tensor) -> None:
+    """Make ``param.grad`` its view ``home`` in a flat gradient buffer again, keeping its value.
+
+    After a caller's ``zero_grad(set_to_none=True)`` autograd puts the next gradient in a fresh
+    tensor outside the buffer, where a reduction of the buffer would never see it; a parameter
+    that got no gradient since then must contribute zeros, not what the buffer held before.
+    """
+    if param.grad is None:
+        home.zero_()
+    elif param.grad.data_ptr() != home.data_ptr():
+        home.copy_(param.grad)
+    param.grad = home
 
 
 def _unique_trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -78,6 +94,7 @@ class DataParallel:
         self._sync = True
         self._handles = []
         if comm.size > 1:
+            self._broadcast_from_first_rank()
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _make_bucket(self, params: list[nn.Parameter]) -> Bucket:
@@ -91,17 +108,25 @@ class DataParallel:
             offset += p.numel()
         return bucket
 
-    def _rehome(self, param: nn.Parameter, view: torch.Tensor) -> None:
-        """Put a gradient that autograd or the caller created outside the bucket back into it
-        (after a ``zero_grad(set_to_none=True)`` the first gradient is a fresh tensor)."""
-        if param.grad is None:
-            view.zero_()
-        elif param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-        param.grad = view
+    @torch.no_grad()
+    def _broadcast_from_first_rank(self) -> None:
+        """Start every replica from dp rank 0's weights and buffers, as torch DDP does: ranks that
+        initialized with different seeds would otherwise train different models, silently."""
+        src = dist.get_global_rank(self.comm.group, 0)
+        for bucket in self.buckets:  # one message per bucket, packed in its (still zero) gradient buffer
+            for p, view in zip(bucket.params, bucket.views):
+                view.copy_(p)
+            self.comm.broadcast(bucket.buffer, src, tag="init")
+            for p, view in zip(bucket.params, bucket.views):
+                p.copy_(view)
+            bucket.buffer.zero_()
+        trainable = {id(p) for p in self.params}
+        frozen = [p for p in self.model.parameters() if id(p) not in trainable]
+        for tensor in frozen + list(self.model.buffers()):
+            self.comm.broadcast(tensor, src, tag="init")
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        self._rehome(param, self._view_of[id(param)])
+        rehome_grad(param, self._view_of[id(param)])
         if not self._sync:
             return
         bucket = self._bucket_of[id(param)]
@@ -123,7 +148,7 @@ class DataParallel:
         for bucket in self.buckets:  # same order on every rank
             if bucket.work is None:
                 for p, view in zip(bucket.params, bucket.views):
-                    self._rehome(p, view)  # no gradient this step contributes zeros
+                    rehome_grad(p, view)  # no gradient this step contributes zeros
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:

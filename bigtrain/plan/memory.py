@@ -7,7 +7,7 @@ shards, B the compute dtype's bytes and a "piece" the decayed / non-decayed part
 
     fp32, stage 0 (replicated engine): params 4P, grads 4P (bucket views), AdamW 8P + 4 per tensor
     stage 0-2: params B P; stage 3: the shard, B P/N (mixed) or 4 P/N (fp32: it is the master)
-    stage 0-1: grads B P;  stage 2-3: grads B P/N
+    stage 0-1: grads 4P;   stage 2-3: grads 4P/N (fp32 whatever the compute dtype, see engine.py)
     optimizer: (4 master if mixed + 8 moments) P/N + 4 per piece (AdamW's step tensor)
 
 Activations are the saved tensors of ``activations.py`` for one micro-batch, times the pipeline's
@@ -15,8 +15,10 @@ peak in-flight micro-batches on the rank (from the schedule simulator). Buffers 
 runtime allocates besides (named so tests can compare those they can measure):
 
     zero_reduce_outputs  one reduce-scatter output per unit, held until the step (stages 2-3 fold
-                         a unit's previous micro-batch in before reducing its next one)
-    zero_reduce_in_flight  stage 2-3: the flat gradient of one unit handed to the collective
+                         a unit's previous micro-batch in before reducing its next one); mixed
+                         stage 0: the compute-dtype copy of the fp32 gradients, all-reduced in place
+    zero_reduce_in_flight  stage 2-3: the flat gradient of one unit handed to the collective;
+                         mixed stage 1: a unit's compute-dtype copy of its fp32 gradient
     zero3_gathered       stage 3: the root unit (gathered for the whole forward and backward)
                          plus two blocks (the current one and the prefetched one)
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
@@ -146,7 +148,7 @@ def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int) -> 
     else:  # each shard becomes at most two AdamW parameters: a bound is exact enough
         pieces = 2 * len(units)
     return {"params": nbytes * padded if zero < 3 else (nbytes if mixed else 4) * shard,
-            "grads": nbytes * (padded if zero <= 1 else shard),
+            "grads": 4 * (padded if zero <= 1 else shard),
             "optimizer": (4 * mixed + 8) * shard + 4 * pieces}
 
 
@@ -184,9 +186,12 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
     padded = [-(-u.numel // shards) * shards for u in units]
     shard_total = sum(padded) // shards
     out: dict[str, int] = {}
-    if layout.zero >= 1:
+    reduced, mixed = layout.dp * layout.sp > 1, layout.precision != "fp32"  # one replica reduces nothing
+    if layout.zero >= 2 or (layout.zero == 1 and reduced):
         out["zero_reduce_outputs"] = nbytes * shard_total
-    if layout.zero >= 2:
+    elif layout.zero == 0 and mixed and reduced:
+        out["zero_reduce_outputs"] = nbytes * sum(padded)
+    if layout.zero >= 2 or (layout.zero == 1 and mixed and reduced):
         out["zero_reduce_in_flight"] = nbytes * max(padded, default=0)
     if layout.zero == 3:
         weight = nbytes if layout.precision != "fp32" else 4

@@ -2,17 +2,25 @@
 
 Memory per rank with P parameters, N ranks, bf16/fp16 compute and fp32 Adam (bytes):
 
-    stage 0: params 2P  grads 2P    master+moments 12P     = 16P
-    stage 1: params 2P  grads 2P    12P/N                  = 4P + 12P/N
-    stage 2: params 2P  grads 2P/N  12P/N                  = 2P + 14P/N
-    stage 3: params 2P/N grads 2P/N 12P/N                  = 16P/N
+    stage 0: params 2P  grads 4P    master+moments 12P     = 18P
+    stage 1: params 2P  grads 4P    12P/N                  = 6P + 12P/N
+    stage 2: params 2P  grads 4P/N  12P/N                  = 2P + 16P/N
+    stage 3: params 2P/N grads 4P/N 12P/N                  = 18P/N
 
-(in fp32 the master weights are the parameters themselves). Each unit (a transformer block, plus
-a root unit for the rest) is a :class:`FlatUnit`. Gradients are reduced per unit as soon as the
-unit's last gradient arrives in backward, so communication overlaps the rest of backward:
-all-reduce in stage 0, reduce-scatter in stages 1-3. Stages 0 and 1 keep full gradients and skip
-reduction on non-final micro-batches; stages 2 and 3 keep only the gradient shard, so they reduce
-on every micro-batch (as DeepSpeed and FSDP do). Stage 3 also gathers parameters around each
+(in fp32 the master weights are the parameters themselves: 16P, 8P + 8P/N, 4P + 12P/N, 16P/N).
+Gradients are kept in fp32 whatever the compute dtype, 2 bytes per parameter more than the ZeRO
+paper's 16P, as Megatron's ``main_grad`` and DeepSpeed's bf16 optimizer do: micro-batches then
+accumulate without bf16 rounding (a bf16 sum of 4 micro-batches is ~1e-3 off), and a reduction in
+fp32 reaches the optimizer unrounded. In stages 0-1 a compute-dtype gradient is added into the fp32
+buffer as it arrives and then dropped (``param.grad`` stays None: clear with :meth:`zero_grad`);
+in fp32 ``param.grad`` is a view of the buffer, so autograd accumulates in place.
+
+Each unit (a transformer block, plus a root unit for the rest) is a :class:`FlatUnit`. Gradients
+are reduced per unit as soon as the unit's last gradient arrives in backward, so communication
+overlaps the rest of backward: all-reduce in stage 0, reduce-scatter in stages 1-3, in the reduce
+dtype (a compute-dtype copy of the fp32 gradient when that is narrower). Stages 0 and 1 keep full
+gradients and skip reduction on non-final micro-batches; stages 2 and 3 keep only the gradient
+shard, so they reduce on every micro-batch (as DeepSpeed and FSDP do). Stage 3 also gathers parameters around each
 unit's forward and backward (:mod:`bigtrain.parallel.zero.gather`).
 
 The loss must be normalized by the global token count: gradients are summed over ranks.
@@ -30,7 +38,7 @@ from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim.clip import clip_, global_norm, square_sums
-from bigtrain.parallel.data import sync_off
+from bigtrain.parallel.data import rehome_grad, sync_off
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
 from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
@@ -55,6 +63,8 @@ class ZeroEngine:
         self.disjoint = list(disjoint)  # axes whose ranks hold different weights (pipeline stages)
         self.counted_elsewhere = set(counted_elsewhere)  # tied copies whose twin on another rank is in the norm
         shards = comm.size if stage >= 1 else 1
+        # Autograd accumulates straight into the fp32 gradient buffer only when it computes in fp32.
+        self._grads_in_place = stage <= 1 and not precision.mixed
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
         self.units, self.unit_modules = build_units(model, modules, shards, comm.rank if stage >= 1 else 0)
         self._check_same_layout()
@@ -64,6 +74,7 @@ class ZeroEngine:
         self._pending: list[tuple[FlatUnit, object, torch.Tensor]] = []
         self._remaining = {id(u): len(u.params) for u in self.units}
         self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self._grad_home = {id(p): view for u in self.units for p, view in zip(u.params, getattr(u, "grad_views", ()))}
         for p in self._unit_of_params():
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.gatherer = ParameterGatherer(self, reshard_after_forward, prefetch) if stage == 3 else None
@@ -101,13 +112,19 @@ class ZeroEngine:
             if self.stage == 3:
                 unit.free_full()
             unit.master = master if self.precision.mixed else unit.shard_param
-            if self.stage <= 1:
-                unit.full_grad = torch.zeros(unit.padded_numel, dtype=compute, device=dev)
-                for p, slot in zip(unit.params, unit.slots):
-                    p.grad = unit.full_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
-                unit.grad_shard = unit.shard_of(unit.full_grad)
-            else:
-                unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.precision.reduce, device=dev)
+            self._allocate_grads(unit)
+
+    def _allocate_grads(self, unit: FlatUnit) -> None:
+        if self.stage >= 2:
+            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=self.device)
+            return
+        unit.full_grad = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
+        views = unit.unflatten(unit.full_grad)
+        unit.grad_views = [views[slot.name] for slot in unit.slots]
+        if self._grads_in_place:
+            for p, view in zip(unit.params, unit.grad_views):
+                p.grad = view
+        unit.grad_shard = unit.shard_of(unit.full_grad)
 
     def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.AdamW:
         decay, no_decay = [], []
@@ -135,12 +152,23 @@ class ZeroEngine:
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if self.stage <= 1 and not self._sync:
-            return
         unit = self._unit_of[id(param)]
+        if self.stage <= 1:
+            self._accumulate(param)
+            if not self._sync:
+                return
         self._remaining[id(unit)] -= 1
         if self._remaining[id(unit)] == 0:
             self._reduce(unit)
+
+    def _accumulate(self, param: nn.Parameter) -> None:
+        """Stages 0-1: bring a parameter's new gradient into its place in the fp32 buffer."""
+        home = self._grad_home[id(param)]
+        if self._grads_in_place:
+            rehome_grad(param, home)
+        else:
+            home.add_(param.grad)
+            param.grad = None
 
     def _reduce(self, unit: FlatUnit) -> None:
         self._remaining[id(unit)] = len(unit.params)
@@ -148,6 +176,11 @@ class ZeroEngine:
             self._complete(lambda u: u is unit)
         reduce_dtype = self.precision.reduce
         if self.stage <= 1:
+            if self._grads_in_place:
+                for p, view in zip(unit.params, unit.grad_views):
+                    rehome_grad(p, view)  # a parameter without a gradient since torch's zero_grad adds zeros
+            if self.comm.size == 1:
+                return  # the local sum is the result; a cast to the reduce dtype would only round it
             payload = unit.full_grad if unit.full_grad.dtype == reduce_dtype else unit.full_grad.to(reduce_dtype)
         else:
             payload = unit.flat_grads(reduce_dtype)
@@ -200,7 +233,8 @@ class ZeroEngine:
     # -- the step --------------------------------------------------------------------------------
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
         """Unscale, check for overflow, clip and update; returns (grad norm, skipped)."""
-        grads = [u.grad_shard.float() for u in self.units]
+        self._drop_gathered()
+        grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
         parts = square_sums((grad[a:b], slot.name not in self.tp_sharded)
@@ -225,7 +259,14 @@ class ZeroEngine:
 
     def refresh_compute_weights(self) -> None:
         """Make the compute weights equal the (just loaded) masters on every rank."""
+        self._drop_gathered()
         self._publish_weights()
+
+    def _drop_gathered(self) -> None:
+        """ZeRO-3: a unit still gathered now (a prefetch that the model or a pipeline schedule
+        never used) holds the weights of before the update; the next forward must gather anew."""
+        if self.gatherer is not None:
+            self.gatherer.free_all()
 
     def _publish_weights(self) -> None:
         """Copy updated masters into the compute weights and, below stage 3, gather them everywhere."""
@@ -239,6 +280,8 @@ class ZeroEngine:
         for unit in self.units:
             if self.stage <= 1:
                 unit.full_grad.zero_()
+                for p, view in zip(unit.params, unit.grad_views):
+                    p.grad = view if self._grads_in_place else None
             else:
                 unit.grad_shard.zero_()
                 for p in unit.params:

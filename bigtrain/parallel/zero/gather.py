@@ -6,19 +6,51 @@ unit's, so the next gather overlaps this unit's compute; its forward hook frees 
 gathers it again and prefetches the unit that backward reaches next; the engine frees it once its
 gradients are reduced. The all-gather writes into the parameters' storage behind autograd's back,
 so its version counter is restored afterwards: the graph saved references to exactly these views.
+
+Which unit runs next comes from how the units' modules nest, not from their positions: a unit
+that contains others (the root unit of a model, or of a pipeline stage) runs around them, so it
+comes first both ways; units side by side (a stage's blocks, a rank's interleaved pipeline chunks)
+run forward in the order given and backward in reverse. A stage may have no root unit at all (a
+middle stage holds only blocks), and a pipeline runs other micro-batches in between, so a
+prefetched unit can outlive the pass that wanted it: :meth:`free_all` at every optimizer step
+makes sure no gathered copy of the old weights is ever read after an update.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from bigtrain.parallel.zero.flat import FlatUnit
+
+
+def call_orders(modules: list[nn.Module]) -> tuple[list[int], list[int]]:
+    """Indices of ``modules`` in the order their forwards start and their backwards start."""
+    inside = [{id(m) for m in module.modules()} for module in modules]
+    children: dict[int | None, list[int]] = {}
+    for i, module in enumerate(modules):
+        holders = [j for j in range(len(modules)) if j != i and id(module) in inside[j]]
+        parent = min(holders, key=lambda j: len(inside[j]), default=None)  # the innermost holder
+        children.setdefault(parent, []).append(i)
+
+    def walk(node: int | None, backward: bool):
+        for child in reversed(children.get(node, [])) if backward else children.get(node, []):
+            yield child
+            yield from walk(child, backward)
+
+    return list(walk(None, False)), list(walk(None, True))
+
+
+def _successors(order: list[int]) -> dict[int, int]:
+    return dict(zip(order, order[1:]))
 
 
 class ParameterGatherer:
     def __init__(self, engine, reshard_after_forward: bool, prefetch: bool):
         self.engine, self.reshard_after_forward, self.prefetch = engine, reshard_after_forward, prefetch
-        self.units: list[FlatUnit] = engine.units  # forward order: root first, then blocks
+        self.units: list[FlatUnit] = engine.units
+        forward, backward = call_orders(engine.unit_modules)
+        self._next_forward, self._next_backward = _successors(forward), _successors(backward)
         self._work: dict[int, object] = {}
         for i, module in enumerate(engine.unit_modules):
             module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
@@ -47,9 +79,12 @@ class ParameterGatherer:
         self._finish(unit)
 
     def _before_forward(self, i: int) -> None:
+        self._run_then_prefetch(i, self._next_forward)
+
+    def _run_then_prefetch(self, i: int, successors: dict[int, int]) -> None:
         self._wait(self.units[i])
-        if self.prefetch and i + 1 < len(self.units):
-            self._start_gather(self.units[i + 1])
+        if self.prefetch and i in successors:
+            self._start_gather(self.units[successors[i]])
 
     def _after_forward(self, i: int, out) -> None:
         # The root unit wraps the whole model: its forward hook runs after the model's forward.
@@ -62,11 +97,7 @@ class ParameterGatherer:
             first.register_hook(lambda grad, i=i: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
-        self._wait(self.units[i])
-        # Backward runs the blocks in reverse; the root (index 0) spans it all, prefetch the last block.
-        following = len(self.units) - 1 if i == 0 else i - 1
-        if self.prefetch and following > 0:
-            self._start_gather(self.units[following])
+        self._run_then_prefetch(i, self._next_backward)
 
     def _free(self, unit: FlatUnit) -> None:
         self._finish(unit)
@@ -78,6 +109,7 @@ class ParameterGatherer:
         self._free(unit)
 
     def free_all(self) -> None:
+        """Drop every gathered copy (waiting for gathers in flight): the weights are about to change."""
         for unit in self.units:
             self._free(unit)
 
