@@ -14,6 +14,12 @@ from helpers import lose_one_ranks_gradients, tiny_config, trainer_on_rank
 SMALL_BATCH = ["--train.global_batch=4", "--train.micro_batch=1"]
 
 REPRODUCTIONS = {
+    # A prefetched ZeRO-3 unit stayed gathered across the optimizer step (stale weights read next).
+    "zero3-pp3": ["--model.n_layers=6", "--parallel.pp=3", "--parallel.zero=3"],
+    "zero3-pp2-interleaved-v3": ["--model.n_layers=6", "--parallel.pp=2", "--parallel.pp_schedule=interleaved",
+                                 "--parallel.pp_virtual=3", "--parallel.zero=3"],
+    # fp16 micro-batch gradients summed in fp16 overflowed where the fp32 sum does not.
+    "fp16-accumulation": ["--precision.mode=fp16", "--parallel.zero=1", "--model.tie_embeddings=true"],
     # The vocabulary-parallel loss counted masked targets that the single-device loss skips.
     "tp2-masked-targets": ["--parallel.tp=2", "--data.ignore_target=32"],
     "tp2-sp-masked-targets-padded-vocab": ["--parallel.tp=2", "--parallel.sequence_parallel=true",

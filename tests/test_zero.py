@@ -1,7 +1,9 @@
-"""ZeRO stages 1-3 against one process; measured memory and traffic against the ZeRO formulas.
+"""ZeRO stages 1-3 against the independent single-process loop (``bigtrain.check.reference``);
+measured memory and traffic against the ZeRO formulas.
 
-Tolerances: fp32 per-step loss, gradient norm and final weights within 1e-5 relative; bf16 runs
-against a one-process bf16 run within 2e-2 relative over 20 steps (bf16 keeps 8 bits of mantissa).
+Tolerances: fp32 per-step loss, gradient norm and final weights within 1e-5 relative. bf16 against
+the bf16 reference at 1e-3 over 20 steps lives in tests/test_reference_parity.py, with the mutation
+that shows the bound can fail.
 """
 
 import functools
@@ -9,6 +11,7 @@ import functools
 import pytest
 import torch
 
+from bigtrain.check.reference import reference_trajectory
 from bigtrain.config import ModelConfig, OptimConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model, count_parameters, init_value
@@ -30,7 +33,7 @@ def _train(rank, world_size, cfg, run_dir, steps):
 
 @functools.lru_cache(maxsize=None)
 def _reference(cache_dir: str, *overrides: str, steps: int = STEPS):
-    return _train(0, 1, tiny_config(cache_dir, "--train.micro_batch=8", *overrides), f"{cache_dir}/ref", steps)
+    return reference_trajectory(tiny_config(cache_dir, *overrides), steps)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -66,16 +69,6 @@ def test_zero_with_one_rank_behaves_as_stage_0(corpus_cache, tmp_path):
         cfg = tiny_config(corpus_cache, "--train.micro_batch=8", f"--parallel.zero={stage}")
         losses = _train(0, 1, cfg, str(tmp_path / str(stage)), STEPS)[0]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_bf16_stages_match_one_process_bf16(stage, corpus_cache, tmp_path):
-    ref_losses, _, _ = _reference(corpus_cache, "--precision.mode=bf16", steps=20)
-    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--train.micro_batch=4", f"--parallel.zero={stage}",
-                      "--precision.mode=bf16")
-    losses = run_ranks(_train, 2, cfg, str(tmp_path), 20)[0][0]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
-    assert losses[-1] < 0.9 * losses[0]
 
 
 # -- memory ----------------------------------------------------------------------------------------

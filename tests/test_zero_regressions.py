@@ -1,7 +1,7 @@
 """Regressions of the gradient engines that trained silently wrong, each against what it should equal.
 
-Tolerances: fp32 per-step losses within 1e-5 relative of one process (the trainer at world size 1,
-until the plain-PyTorch reference of ``bigtrain.check`` replaces it); accumulated bf16 gradients
+Tolerances: fp32 per-step losses within 1e-5 relative of the independent single-process loop
+(``bigtrain.check.reference``); accumulated bf16 gradients
 within fp32 rounding (1e-6 relative) of their fp32 sum, where a bf16 sum is ~1e-3 off.
 """
 
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bigtrain.check.reference import reference_losses
 from bigtrain.config import ModelConfig, OptimConfig, PrecisionConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model, init_value
@@ -31,8 +32,7 @@ BATCH = ["--train.global_batch=4", f"--train.steps={STEPS}"]
 
 @functools.lru_cache(maxsize=None)
 def _one_process(cache_dir: str, *overrides: str) -> list[float]:
-    cfg = tiny_config(cache_dir, *BATCH, "--train.micro_batch=4", *overrides)
-    return run_steps(trainer_on_rank(0, 1, cfg, f"{cache_dir}/ref-{'-'.join(overrides)}"), STEPS)
+    return reference_losses(tiny_config(cache_dir, *BATCH, "--train.micro_batch=4", *overrides), STEPS)
 
 
 def _losses(rank, world_size, cfg, run_dir):

@@ -121,11 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # forked ranks must not inherit a busy thread pool
-    rng = random.Random(args.seed)
     counts: dict[str, int] = {}
     bad = []
     for i in range(args.count):
-        outcome = run_sample(sample_layout(rng, args.max_world), args.cache_dir, args.steps)
+        # One generator per sample: sample i of a seed is the same whatever the count.
+        outcome = run_sample(sample_layout(random.Random(f"{args.seed}:{i}"), args.max_world), args.cache_dir,
+                             args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         print(f"[{i + 1}/{args.count}] {outcome.verdict:9s} {outcome.seconds:5.1f}s {' '.join(outcome.overrides)}",
               flush=True)
