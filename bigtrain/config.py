@@ -112,7 +112,8 @@ class PrecisionConfig:
     """Numeric formats."""
 
     mode: str = doc("Compute precision: 'fp32', 'bf16' or 'fp16' (both with fp32 master weights).", "fp32")
-    reduce_dtype: str = doc("Gradient reduction dtype: 'auto' (the compute dtype) or 'fp32'.", "auto")
+    reduce_dtype: str = doc("Gradient reduction dtype: 'auto' (bf16 for bf16, fp32 for fp32 and fp16: summing "
+                            "loss-scaled fp16 gradients over ranks overflows) or 'fp32'.", "auto")
     loss_scale: float = doc("fp16: initial dynamic loss scale.", 65536.0)
     scale_growth_interval: int = doc("fp16: double the scale after this many steps without overflow.", 1000)
     scale_backoff: float = doc("fp16: multiply the scale by this after an overflow.", 0.5)

@@ -27,7 +27,9 @@ class Precision:
     @classmethod
     def from_config(cls, cfg: PrecisionConfig) -> "Precision":
         compute = DTYPES[cfg.mode]
-        reduce = torch.float32 if cfg.reduce_dtype == "fp32" else compute
+        # fp16 gradients carry the loss scale: their sum over N ranks overflows fp16's range where
+        # each rank's part and an fp32 sum do not, and would skip steps one process takes.
+        reduce = torch.float32 if cfg.reduce_dtype == "fp32" or compute == torch.float16 else compute
         return cls(compute=compute, reduce=reduce)
 
     @property

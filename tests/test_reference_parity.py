@@ -20,6 +20,8 @@ REPRODUCTIONS = {
                                  "--parallel.pp_virtual=3", "--parallel.zero=3"],
     # fp16 micro-batch gradients summed in fp16 overflowed where the fp32 sum does not.
     "fp16-accumulation": ["--precision.mode=fp16", "--parallel.zero=1", "--model.tie_embeddings=true"],
+    # ... and so did the fp16 sum of four ranks' scaled gradients (the reduction now runs in fp32).
+    "fp16-dp4-zero3": ["--precision.mode=fp16", "--parallel.dp=4", "--parallel.zero=3", "--model.n_layers=3"],
     # The vocabulary-parallel loss counted masked targets that the single-device loss skips.
     "tp2-masked-targets": ["--parallel.tp=2", "--data.ignore_target=32"],
     "tp2-sp-masked-targets-padded-vocab": ["--parallel.tp=2", "--parallel.sequence_parallel=true",
