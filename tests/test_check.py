@@ -47,7 +47,7 @@ def test_relative_error_is_of_the_whole_tensor_and_can_fail():
     b = a.clone()
     b[0] += 1e-3
     assert relative_error(b, a) == pytest.approx(1e-4, rel=1e-3)  # b was rounded to fp32
-    assert not relative_error(b, a) <= TOLERANCES["fp32"].tensor
+    assert not relative_error(b, a) <= TOLERANCES["fp32"].loss
     assert relative_error(torch.ones(3), torch.ones(4)) == float("inf")
 
 
@@ -70,6 +70,7 @@ def test_check_agrees_on_a_correct_layout(corpus_cache, tmp_path):
                       "--train.micro_batch=1")
     report = run_ranks(_check, 2, cfg, str(tmp_path), 3)[0]
     assert report.agree and report.steps == 3 and report.first_step is None, report.text()
+    assert 0 < report.worst["loss"] <= 1e-5 and report.worst["weight"] <= 1e-4  # measured, not just passed
 
 
 def test_check_names_the_step_the_unit_and_the_ranks_of_a_broken_reduction(corpus_cache, tmp_path, monkeypatch):
