@@ -22,11 +22,10 @@ from torch import nn
 from bigtrain.check.compare import TOLERANCES, Tolerance, assemble, relative_error, scalar_error
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
 from bigtrain.config import Config
-from bigtrain.distributed.mesh import Mesh
+from bigtrain.distributed.mesh import AXES, Mesh
 from bigtrain.parallel.tied import shared_parameter_names
 from bigtrain.train import StepResult, Trainer
 
-AXES = ("pp", "dp", "sp", "tp")
 
 
 @dataclass
