@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bigtrain.optim import OptimizerSpec, load_state
+
 PREFIX = "step_"
 
 
@@ -40,21 +42,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name instead of position, so it survives re-layouts."""
+def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name instead of position, so it survives re-layouts;
+    each entry holds exactly the state ``spec`` declares (checked)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    state = {names[id(p)]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-             for p, s in optimizer.state.items()}
-    return {"state": state}
-
-
-def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    params = dict(model.named_parameters())
-    for name, s in saved["state"].items():
-        if name not in params:  # another pipeline stage's weight
+    state = {}
+    for p, s in optimizer.state.items():
+        if not s:  # an entry torch's defaultdict made on a look-up: no state yet
             continue
-        p = params[name]
-        optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.ndim > 0 else v for k, v in s.items()}
+        spec.check_state(s, f"the optimizer's state of {names[id(p)]}")
+        state[names[id(p)]] = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+    return {"optimizer": spec.name, "state": state}
+
+
+def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, spec: OptimizerSpec,
+                                 saved: dict[str, Any]) -> None:
+    params = dict(model.named_parameters())
+    entries = spec.saved_state(saved)
+    # Another pipeline stage's weights are not this model's: skipped. Copies: no two parameters, nor the
+    # caller's dict, may share a state tensor that the optimizer updates in place.
+    load_state(optimizer, {params[name]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                           for name, s in entries.items() if name in params})
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -130,13 +130,16 @@ class MemoryConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule."""
+    """The optimizer and its learning-rate schedule."""
 
+    name: str = doc("Optimizer: 'adamw' (fused kernel where the device has one). Others plug in through "
+                    "bigtrain.optim.register_optimizer; the tests register 'sgd_momentum'.", "adamw")
     lr: float = doc("Peak learning rate (before linear scaling, if enabled).", 3e-3)
     min_lr_ratio: float = doc("Cosine floor as a fraction of the peak.", 0.1)
     warmup_steps: int = doc("Linear warm-up steps.", 20)
-    weight_decay: float = doc("Decoupled weight decay (not applied to norms).", 0.1)
-    beta1: float = doc("Adam beta1.", 0.9)
+    weight_decay: float = doc("Weight decay on matrices, not on norms or vectors (AdamW: decoupled; "
+                              "'sgd_momentum': L2, added to the gradient).", 0.1)
+    beta1: float = doc("Adam beta1; the momentum of momentum SGD ('sgd_momentum').", 0.9)
     beta2: float = doc("Adam beta2.", 0.95)
     eps: float = doc("Adam epsilon.", 1e-8)
     grad_clip: float = doc("Global gradient-norm clip; 0 disables.", 1.0)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from bigtrain.config import Config, ConfigError
+from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -148,6 +149,12 @@ def check_optim(cfg: Config) -> list[str]:
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
     problems += _one_of("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
+    problems += _one_of("optim.name", o.name, optimizer_names())
+    if o.name in optimizer_names() and not get_optimizer(o.name).elementwise:
+        if cfg.parallel.zero >= 1 or cfg.precision.mode != "fp32":
+            problems.append(f"optim.name = '{o.name}' needs each parameter's shape, but the ZeRO engine "
+                            f"(parallel.zero >= 1, or precision.mode other than fp32) runs the optimizer on "
+                            f"flat shards; use parallel.zero = 0 with precision.mode = 'fp32'")
     return problems
 
 

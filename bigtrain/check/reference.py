@@ -14,7 +14,10 @@ The recipe it states:
   accumulated in fp32 on the masters (FSDP's ``param_dtype`` + fp32 ``reduce_dtype`` recipe);
   fp16 with a dynamic loss scale that skips overflowing steps;
 - ``torch.nn.utils.clip_grad_norm_``, then ``torch.optim.AdamW`` with decay on matrices only, at the
-  learning rate of linear warm-up then cosine decay to ``min_lr_ratio`` of the peak.
+  learning rate of linear warm-up then cosine decay to ``min_lr_ratio`` of the peak;
+- ``optim.name = 'sgd_momentum'`` (the tests' optimizer, plugged into the trainer through
+  ``bigtrain.optim.register_optimizer``): ``torch.optim.SGD`` with momentum ``optim.beta1``, no
+  dampening, and its L2 weight decay (added to the gradient) on matrices only.
 """
 
 from __future__ import annotations
@@ -68,9 +71,7 @@ class ReferenceRun:
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
-                                           eps=o.eps)
+        self.optimizer = _optimizer([g for g in groups if g["params"]], cfg.optim)
         d = cfg.data
         self.sampler = TokenSampler(load_tokens(d.source, d.cache_dir, d.max_bytes), d.seq_len,
                                     cfg.train.global_batch, cfg.train.seed, d.ignore_target)
@@ -156,6 +157,14 @@ class ReferenceRun:
                 for master, low in zip(self.master.parameters(), self.compute.parameters()):
                     low.copy_(master)
         return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
+
+
+def _optimizer(groups: list[dict], o) -> torch.optim.Optimizer:
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if o.name == "sgd_momentum":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.beta1)
+    raise ValueError(f"optim.name = '{o.name}': the reference knows 'adamw' and 'sgd_momentum' only")
 
 
 def reference_losses(cfg: Config, steps: int) -> list[float]:

@@ -26,7 +26,6 @@ from bigtrain.parallel.tensor.functional import local_chunk
 from bigtrain.parallel.tensor.plan import TensorLayout, parallelize_llama
 from bigtrain.parallel.tied import TiedCopies, shared_parameter_names
 from bigtrain.parallel.zero.engine import ZeroEngine
-from bigtrain.parallel.zero.state import MOMENTS
 from bigtrain.precision import DynamicLossScaler, Precision
 
 
@@ -94,33 +93,40 @@ class ParallelModel:
         weights, optim = self._stage_state()
         if self.pp.size == 1:
             return weights, optim
+        spec = self.engine.optim_spec
         parts = self.pp.gather_objects((weights, optim))
         if parts is None:
-            return {}, {"state": {}}
+            return {}, {"optimizer": spec.name, "state": {}}
         return ({k: v for w, _ in parts for k, v in w.items()},
-                {"state": {k: v for _, o in parts for k, v in o.get("state", {}).items()}})
+                {"optimizer": spec.name, "state": {k: v for _, o in parts for k, v in o.get("state", {}).items()}})
 
     def _stage_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        spec = self.engine.optim_spec
         weights, optim = self.engine.full_state()
-        if self.tied is not None:
-            weights, optim = self.tied.to_canonical(weights), {"state": self.tied.to_canonical(optim.get("state", {}))}
-        if self.layout is None:
-            return weights, optim
-        weights = self.layout.gather_full(weights)
         state = optim.get("state", {})
-        moments = {k: self.layout.gather_full({n: s[k] for n, s in state.items()}) for k in MOMENTS}
-        optim = {"state": {n: {**s, **{k: moments[k][n] for k in MOMENTS}} for n, s in state.items()}}
-        return weights, optim
+        if self.tied is not None:
+            weights, state = self.tied.to_canonical(weights), self.tied.to_canonical(state)
+        if self.layout is not None:  # state shaped like a weight is sharded like it over tp
+            weights = self.layout.gather_full(weights)
+            state = self._by_element_state(state, self.layout.gather_full)
+        return weights, {"optimizer": spec.name, "state": state}
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict) -> None:
+        spec = self.engine.optim_spec
+        state = spec.saved_state(optim)  # before resharding: a foreign optimizer's state fails here, by name
         if self.tied is not None:
-            weights, optim = self.tied.with_aliases(weights), {"state": self.tied.with_aliases(optim.get("state", {}))}
+            weights, state = self.tied.with_aliases(weights), self.tied.with_aliases(state)
         if self.layout is not None:
             weights = self.layout.shard_full(weights)
-            state = optim.get("state", {})
-            moments = {k: self.layout.shard_full({n: s[k] for n, s in state.items()}) for k in MOMENTS}
-            optim = {"state": {n: {**s, **{k: moments[k][n] for k in MOMENTS}} for n, s in state.items()}}
-        self.engine.load_full_state(weights, optim)
+            state = self._by_element_state(state, self.layout.shard_full)
+        self.engine.load_full_state(weights, {"optimizer": spec.name, "state": state})
+
+    def _by_element_state(self, state: dict[str, dict], reshard) -> dict[str, dict]:
+        """``reshard`` ({param name: tensor} -> same, as for the weights) applied to each of the
+        optimizer's per-element state tensors; per-tensor state (a step count) is kept as it is."""
+        names = self.engine.optim_spec.element_state
+        moved = {k: reshard({n: s[k] for n, s in state.items()}) for k in names}
+        return {n: {**s, **{k: moved[k][n] for k in names}} for n, s in state.items()}
 
 
 def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> ParallelModel:

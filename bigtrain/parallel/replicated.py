@@ -1,5 +1,6 @@
 """The plain layout behind the engine interface: full fp32 replicas, our bucketed data parallel,
-and torch's AdamW. The trainer drives it exactly like a :class:`ZeroEngine`."""
+and the configured optimizer on whole parameters (so it may need their shapes: it need not be
+elementwise). The trainer drives it exactly like a :class:`ZeroEngine`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from bigtrain import checkpoint as ckpt
 from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import model_state_bytes
-from bigtrain.optim import build_adamw
+from bigtrain.optim import build_optimizer, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import DataParallel
 
@@ -26,7 +27,8 @@ class ReplicatedEngine:
         # Copies of a tied weight whose twin on another rank is the one counted in the norm.
         self._in_norm = {id(p): names[id(p)] not in counted_elsewhere for p in model.parameters()}
         self.dp = DataParallel(model, comm, bucket_mb)
-        self.optimizer = build_adamw(model, optim, optim.lr)
+        self.optim_spec = get_optimizer(optim.name)
+        self.optimizer = build_optimizer(model, optim, self.optim_spec)
         self.scaler = None
 
     @property
@@ -71,10 +73,10 @@ class ReplicatedEngine:
         return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        return self.full_weights(), ckpt.optimizer_state_by_name(self.model, self.optimizer)
+        return self.full_weights(), ckpt.optimizer_state_by_name(self.model, self.optimizer, self.optim_spec)
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(weights[n])
-        ckpt.load_optimizer_state_by_name(self.model, self.optimizer, optim_state)
+        ckpt.load_optimizer_state_by_name(self.model, self.optimizer, self.optim_spec, optim_state)
