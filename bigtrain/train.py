@@ -134,22 +134,25 @@ class Trainer:
         self.parallel.finish_grad_sync()
         if before_update is not None:
             before_update()
-        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)
-        step_time = time.perf_counter() - start
+        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)  # host sync 1: norm and overflow
         traffic = self.mesh.stats.since(before)
-        mem = self._memory(activations) if measure else {}
         self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
+        # Host sync 2, the step's last: on CUDA it waits for the current stream, where the optimizer's
+        # kernels (and, over NCCL, the wait for this all-reduce) were queued before it, so the step
+        # time below is the device's, not the time it took to queue the kernels.
+        loss = float(loss_sum) / self.counted_targets
+        step_time = time.perf_counter() - start
+        mem = self._memory(activations) if measure else {}  # one more sync, on measured steps only
         self.engine.zero_grad()
         self.step += 1
         scaler = self.engine.scaler
-        return StepResult(step, float(loss_sum) / self.counted_targets, grad_norm, lr, step_time,
-                          self.global_tokens, mem, traffic.by_axis(), traffic.by_op(), skipped,
-                          scaler.scale if scaler is not None else None)
+        return StepResult(step, loss, grad_norm, lr, step_time, self.global_tokens, mem, traffic.by_axis(),
+                          traffic.by_op(), skipped, scaler.scale if scaler is not None else None)
 
     def _memory(self, activations: int) -> dict[str, int]:
         states = self.engine.state_bytes()
         values = torch.tensor([states["params"], states["grads"], states["optimizer"], activations],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         self.mesh.comm("world").max(values)  # the worst rank
         return dict(zip(MEM_KEYS, (int(v) for v in values.tolist())))
 
@@ -213,7 +216,11 @@ class Trainer:
             meta = {"config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
                     "loss_scaler": scaler.state_dict() if scaler is not None else None}
             ckpt.save_checkpoint(self.checkpoint_root, self.step, files, meta, self.cfg.checkpoint.keep)
-        self.mesh.comm("world").all_reduce(torch.zeros(1), tag="barrier")  # all ranks see the save
+        # A barrier, so that every rank sees the save. On NCCL the all-reduce only makes the stream
+        # wait; reading the result makes the host wait too.
+        done = torch.zeros(1, device=self.device)
+        self.mesh.comm("world").all_reduce(done, tag="barrier")
+        done.item()
 
     def resume(self, where: str) -> bool:
         root = self.checkpoint_root if where == "auto" else Path(where)

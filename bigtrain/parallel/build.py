@@ -47,6 +47,7 @@ class ParallelModel:
     stages: dict[int, PipelineStage] = field(default_factory=dict)
     schedule: Schedule | None = None
     tied: TiedCopies | None = None  # copies of tied weights whose twin is on another pipeline rank
+    device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives run)
 
     def finish_grad_sync(self) -> None:
         """Complete the gradient reduction (after the last micro-batch), tied copies included."""
@@ -74,7 +75,7 @@ class ParallelModel:
         """This rank's tensors by parameter name (full over dp already) -> full tensors of the whole
         model, complete on the first rank of the pipeline (empty elsewhere); collective over tp and pp."""
         if self.layout is not None:
-            tensors = self.layout.gather_full(tensors)
+            tensors = self.layout.gather_full(tensors, self.device)
         if self.pp.size == 1:
             return tensors
         parts = self.pp.gather_objects(tensors)
@@ -106,9 +107,9 @@ class ParallelModel:
             weights, optim = self.tied.to_canonical(weights), {"state": self.tied.to_canonical(optim.get("state", {}))}
         if self.layout is None:
             return weights, optim
-        weights = self.layout.gather_full(weights)
+        weights = self.layout.gather_full(weights, self.device)
         state = optim.get("state", {})
-        moments = {k: self.layout.gather_full({n: s[k] for n, s in state.items()}) for k in MOMENTS}
+        moments = {k: self.layout.gather_full({n: s[k] for n, s in state.items()}, self.device) for k in MOMENTS}
         optim = {"state": {n: {**s, **{k: moments[k][n] for k in MOMENTS}} for n, s in state.items()}}
         return weights, optim
 
@@ -163,7 +164,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
         module.init_buffers(device)
     if layout is not None:
         layout.register_grad_hooks(model)
-    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule, tied)
+    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule, tied, device)
 
 
 def _units_isolating(model: nn.Module, unit_modules: list[nn.Module], names: list[str]) -> list[nn.Module]:
