@@ -88,7 +88,8 @@ class ParallelConfig:
     sp: int = doc("Ulysses sequence-parallel degree (sequence shards, all-to-all around attention).", 1)
     sequence_parallel: bool = doc("Megatron sequence parallelism on the tp axis: norms and residuals on "
                                   "sequence shards, all-gather / reduce-scatter instead of all-reduce.", False)
-    ep: int = doc("Expert-parallel degree (not yet supported: keep 1).", 1)
+    ep: int = doc("Expert-parallel degree: experts are sharded over ep adjacent ranks of the dp x sp replicas "
+                  "(ep divides dp x sp and adds no ranks). Needs a mixture-of-experts model: keep 1 for now.", 1)
     zero: int = doc("ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state), 2 (+ gradients), "
                     "3 (+ parameters).", 0)
     bucket_mb: float = doc("Gradient all-reduce bucket size in MiB (stage 0 in fp32).", 25.0)

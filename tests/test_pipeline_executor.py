@@ -4,7 +4,8 @@ Parity (fp32): per-step loss within 1e-5 relative of one process over two SGD st
 parameter's gradient within 1e-5 relative, for each schedule at pp = 2 and 4 with m in {1, 4, 8},
 interleaved with v = 2, pp 2 x dp 2 (our DataParallel, one reduce per bucket), pp 2 x tp 2 and
 pp 2 x dp 2 x tp 2 (tensor-parallel plan inside the stages), and pp 2 x dp 2 under ZeRO 1 and 3
-(weights after two AdamW steps). Memory: the saved-activation bytes measured on each rank peak at
+(weights after two AdamW steps); zb-h1 also with activation checkpointing (full and every 2nd
+block) at pp 2 and 4, with dp, tp and ZeRO-3 (the split itself: tests/test_split_backward.py). Memory: the saved-activation bytes measured on each rank peak at
 the simulator's in-flight micro-batches times one micro-batch's bytes.
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from bigtrain.config import ModelConfig, OptimConfig
 from bigtrain.distributed.mesh import Mesh
+from bigtrain.memory.checkpointing import apply_activation_checkpointing
 from bigtrain.models.llama import build_model, init_value
 from bigtrain.parallel.data import DataParallel
 from bigtrain.parallel.pipeline import (
@@ -89,14 +91,16 @@ def reference(n_layers: int) -> tuple[list[float], list[dict[str, torch.Tensor]]
     return losses, grads
 
 
-def _train_cases(rank, world_size, n_layers, pp, cases):
+def _train_cases(rank, world_size, n_layers, pp, cases, checkpointing="none"):
     """Every (kind, m, v) of ``cases`` for STEPS steps on a pp x dp mesh; per case, per step: this
     rank's loss (None off the last stage) and its stages' gradients."""
     dp = world_size // pp
     mesh = Mesh({"pp": pp, "dp": dp}, rank)
     results = []
     for kind, m, v in cases:
-        stages = stages_for_rank(build_model(model_config(n_layers)), pp, mesh.coord("pp"), v)
+        model = build_model(model_config(n_layers))
+        apply_activation_checkpointing(model.layers, checkpointing, every=2)
+        stages = stages_for_rank(model, pp, mesh.coord("pp"), v)
         for stage in stages.values():
             stage.to_empty(device="cpu")
             stage.init_weights(SEED)
@@ -163,16 +167,26 @@ def test_pp2_dp2_matches_one_process_with_one_grad_reduce_per_bucket():
     check_parity(run_ranks(_train_cases, 4, 4, 2, cases), 4, cases)
 
 
+@pytest.mark.parametrize("world_size,pp,checkpointing", [(2, 2, "full"), (4, 4, "every"), (4, 2, "every")],
+                         ids=["pp2-full", "pp4-every", "pp2-dp2-every"])
+def test_zero_bubble_with_checkpointing_matches_one_process(world_size, pp, checkpointing):
+    # Checkpointed blocks take their weight gradients in I, the others in W: with dp, each bucket
+    # must still be reduced once, after the last of the two.
+    n_layers, cases = 2 * pp, [("zb-h1", m, 1) for m in (1, 4)]
+    check_parity(run_ranks(_train_cases, world_size, n_layers, pp, cases, checkpointing), n_layers, cases)
+
+
 def _tensor_parallel_stages(rank, world_size, cases):
     """pp 2 x (dp) x tp 2: the tensor-parallel plan applied to the plain model, then split into stages;
     each stage's gradients summed over dp by our DataParallel. Returns, per case, this rank's
     (dp coordinate, loss or None, full gradients on tp rank 0)."""
     mesh = Mesh({"pp": 2, "dp": world_size // 4, "tp": 2}, rank)
     tp, dp, results = mesh.comm("tp"), mesh.comm("dp"), []
-    for kind, m in cases:
+    for kind, m, checkpointing in cases:
         cfg = model_config(4)
         model = build_model(cfg)
         layout = parallelize_llama(model, cfg, tp, mesh.comm("sp"), sequence_parallel=False)
+        apply_activation_checkpointing(model.layers, checkpointing, every=2)
         stages = stages_for_rank(model, 2, mesh.coord("pp"))
         init = layout.local_init(lambda name, shape: init_value(name, shape, SEED, cfg))
         for stage in stages.values():
@@ -195,7 +209,8 @@ def _tensor_parallel_stages(rank, world_size, cases):
 
 @pytest.mark.parametrize("world_size", [4, 8], ids=["pp2-tp2", "pp2-dp2-tp2"])
 def test_tensor_parallel_inside_stages_matches_one_process(world_size):
-    cases = [("1f1b", 4), ("zb-h1", 2)] if world_size == 4 else [("1f1b", 2)]
+    cases = [("1f1b", 4, "none"), ("zb-h1", 2, "none"), ("zb-h1", 4, "every")] if world_size == 4 else \
+        [("1f1b", 2, "none")]
     results = run_ranks(_tensor_parallel_stages, world_size, cases)
     ref_losses, ref_grads = reference(4)
     for i, case in enumerate(cases):
@@ -211,11 +226,13 @@ def test_tensor_parallel_inside_stages_matches_one_process(world_size):
 ZERO_OPTIM = OptimConfig(lr=1e-3, grad_clip=0.0)
 
 
-def _zero_stage_weights(rank, world_size, zero, kind, m):
+def _zero_stage_weights(rank, world_size, zero, kind, m, checkpointing):
     """pp 2 x dp 2 under ZeRO: the engine owns the stage (its root unit: embedding or norm + head,
     gathered around the stage's forward) with one unit per block; weights after STEPS AdamW steps."""
     mesh, cfg = Mesh({"pp": 2, "dp": 2}, rank), model_config(4)
-    (stage,) = stages_for_rank(build_model(cfg), 2, mesh.coord("pp")).values()
+    model = build_model(cfg)
+    apply_activation_checkpointing(model.layers, checkpointing)
+    (stage,) = stages_for_rank(model, 2, mesh.coord("pp")).values()
     engine = ZeroEngine(stage, mesh.comm("dp"), zero, Precision(torch.float32, torch.float32), ZERO_OPTIM,
                         init_fn=lambda name, shape: init_value(name, shape, SEED, cfg),
                         unit_modules=list(stage.layers.values()))
@@ -231,8 +248,11 @@ def _zero_stage_weights(rank, world_size, zero, kind, m):
     return engine.full_state()[0]
 
 
-@pytest.mark.parametrize("zero,kind,m", [(1, "1f1b", 4), (3, "1f1b", 4), (3, "zb-h1", 2)])
-def test_pp2_dp2_under_zero_matches_one_process(zero, kind, m):
+@pytest.mark.parametrize("zero,kind,m,checkpointing", [(1, "1f1b", 4, "none"), (3, "1f1b", 4, "none"),
+                                                       (3, "zb-h1", 2, "none"), (3, "zb-h1", 4, "full")])
+def test_pp2_dp2_under_zero_matches_one_process(zero, kind, m, checkpointing):
+    # ZeRO-3 with checkpointing: the recomputed forward needs the gathered weights (why
+    # checkpointed blocks are not split, see split_backward).
     model = build_model(model_config(4), "cpu")
     model.init_weights(SEED)
     optimizer = build_adamw(model, ZERO_OPTIM, ZERO_OPTIM.lr)
@@ -241,7 +261,7 @@ def test_pp2_dp2_under_zero_matches_one_process(zero, kind, m):
         loss_fn(model(inputs), targets).backward()
         optimizer.step()
         optimizer.zero_grad()
-    per_rank = run_ranks(_zero_stage_weights, 4, zero, kind, m)
+    per_rank = run_ranks(_zero_stage_weights, 4, zero, kind, m, checkpointing)
     weights = {name: w for rank_weights in per_rank for name, w in rank_weights.items()}
     assert set(weights) == {n for n, _ in model.named_parameters()}
     for name, param in model.named_parameters():

@@ -16,6 +16,7 @@ from bigtrain.plan import (PRESETS, Cluster, Layout, ModelSpec, PipelineModel, b
                            closed_form, estimate_memory, evaluate, get_profile, head_activations, load_profile,
                            zero_formula_bytes)
 from bigtrain.plan.cli import add_bench_parser, add_plan_parser
+from bigtrain.plan.cost import stage_costs, step_time
 from bigtrain.plan.memory import MEASURABLE_BUFFERS
 from bigtrain.plan.published import RUNS, predict, predicted_metric
 from bigtrain.testing import run_ranks
@@ -215,6 +216,25 @@ def test_pipeline_extrapolation_matches_a_full_simulation():
     assert list(terms.peak_inflight) == exact.peak_inflight
 
 
+def test_zero_bubble_w_is_the_measured_fraction_of_the_deferred_backward():
+    # W defers the weight gradients of the blocks that are not checkpointed (their dW runs in I)
+    # and of the output layer; it costs the profile's measured fraction of their backward.
+    model = ModelSpec.build(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024)
+    hw = get_profile("h100-80g").with_values(weight_grad_fraction=0.4)
+    cluster = Cluster.build(8, hw)
+    costs = {r: stage_costs(model, Layout(pp=8, schedule="zb-h1", recompute=r), cluster)
+             for r in ("none", "every", "full")}
+    plain = costs["none"]
+    assert plain.compute_w == pytest.approx(0.4 * plain.compute_b)  # no recompute: backward = 2 forwards
+    head = 2 * model.vocab * model.hidden / 8 * model.seq / hw.sustained_flops("bf16")  # forward of 1/8 head
+    assert costs["full"].compute_w == pytest.approx(0.4 * 2 * head)
+    assert costs["none"].compute_w > costs["every"].compute_w > costs["full"].compute_w
+    layout = Layout(pp=8, schedule="zb-h1", micro_batch=1)
+    slow, fast = (step_time(model, layout, Cluster.build(8, hw.with_values(weight_grad_fraction=f)), 16)
+                  for f in (0.1, 0.5))
+    assert fast.step_time_s < slow.step_time_s  # a bigger deferrable W fills more of the bubble
+
+
 def test_pipeline_memory_uses_peak_inflight():
     model = ModelSpec.build(layers=8, hidden=512, heads=8, vocab=1000, seq=256)
     cluster = Cluster.build(4, get_profile("a100-80g"))
@@ -312,10 +332,17 @@ def test_profile_file_with_base_and_errors(tmp_path):
         load_profile(path)
 
 
-def test_calibration_writes_a_loadable_profile(tmp_path):
+def test_calibration_writes_a_loadable_profile(tmp_path, capsys):
     path = tmp_path / "cal.json"
-    profile = calibrate(path, matmul_size=128, bf16_size=32, comm_ranks=2, comm_bytes=2**20)
+    tiny = dict(layers=1, dim=32, heads=2, seq=8, batch=2, repeats=1)
+    profile = calibrate(path, matmul_size=128, bf16_size=32, comm_ranks=2, comm_bytes=2**20, split_stage=tiny)
     assert profile.peak_flops_fp32 > 1e8 and profile.intra_node_bandwidth > 1e6
+    assert 0 < profile.weight_grad_fraction < 1 and "split backward" in profile.source
     assert load_profile(path) == profile
-    assert _cli("bench", "--calibrate", "--output", tmp_path / "b.json", "--ranks", 1, "--matmul-size", 64) == 0
+    stage = [f"--{k}={v}" for k, v in tiny.items()]
+    assert _cli("bench", "--calibrate", "--output", tmp_path / "b.json", "--ranks", 1, "--matmul-size", 64, *stage) == 0
     assert load_profile(tmp_path / "b.json").peak_flops_fp32 > 0
+    assert _cli("bench", "--split-backward", *stage) == 0
+    assert "I + W =" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="weight_grad_fraction = 1.0 must be in"):
+        get_profile("cpu").with_values(weight_grad_fraction=1)

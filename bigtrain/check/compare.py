@@ -16,17 +16,32 @@ import torch
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Relative bounds: ``scalar`` for the per-step loss and gradient norm, ``tensor`` for a whole
-    weight, gradient or activation. In fp32 both are 1e-5. In bf16/fp16 the loss over 20 steps
-    stays within about 1e-4 of the bf16 reference (measured), so 1e-3 can still fail; single
-    tensors carry the rounding of bf16 reductions (a tp all-reduce, a dp reduce-scatter), measured
-    at 1e-3 to 3e-3 relative, so they get 1e-2: a missing or doubled reduction is off by ~50%."""
+    """Relative bounds, by what is compared.
 
-    scalar: float
+    ``loss`` and ``grad_norm``: the per-step global loss and gradient norm. ``tensor``: each updated
+    weight, each reduced gradient, each module's output. In fp32 the loss and gradient norm get 1e-5
+    and single tensors 1e-4: Adam divides g by |g| + eps, so where |g| is near eps (1e-8) reduction
+    order alone (1e-12 absolute) moves an element's update by a sizeable part of the learning rate;
+    measured: every gradient within 1e-5 at step 0, one weight 3.4e-5 off after it, and the next
+    step's activations 4.6e-5 off, the loss within 1e-7. In bf16/fp16 the loss over 20 steps stays
+    within ~1e-4 of the bf16 reference (measured), so 1e-3 can still fail; the gradient norm and single
+    tensors carry the rounding of bf16 reductions and of bf16 copies of drifting weights (1e-3 to
+    1.1e-2 measured), hence 2e-2. A missing or doubled reduction is off by ~50%.
+    """
+
+    loss: float
+    grad_norm: float
     tensor: float
 
+    def of(self, kind: str) -> float:
+        return {"loss": self.loss, "grad_norm": self.grad_norm}.get(kind, self.tensor)
 
-TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5), "bf16": Tolerance(1e-3, 1e-2), "fp16": Tolerance(1e-3, 1e-2)}
+    def text(self) -> str:
+        return f"loss {self.loss:.0e}, gradient norm {self.grad_norm:.0e}, tensors {self.tensor:.0e} relative"
+
+
+TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": Tolerance(1e-3, 2e-2, 2e-2),
+              "fp16": Tolerance(1e-3, 2e-2, 2e-2)}
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -1,4 +1,4 @@
-"""``bigtrain plan`` and ``bigtrain bench --calibrate``.
+"""``bigtrain plan`` and ``bigtrain bench --calibrate`` / ``--split-backward``.
 
 Wire into ``bigtrain/cli.py`` with ``add_plan_parser(sub)`` and ``add_bench_parser(sub)`` in
 ``_parser()``; each sets ``args.run`` to its command, which returns the exit status: 0 when a
@@ -17,6 +17,7 @@ from bigtrain.plan.layout import Cluster, parse_layout
 from bigtrain.plan.model import MLP_KINDS, ModelSpec
 from bigtrain.plan.report import json_report, text_report, write_png
 from bigtrain.plan.search import search
+from bigtrain.plan.weight_grad import measure_backward_split
 
 DEFAULT_BATCH_TOKENS = 2**22  # Llama's 4 M tokens per step, when neither a preset nor a flag says
 
@@ -132,24 +133,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # -- bench ---------------------------------------------------------------------------------------
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="measure this machine (--calibrate writes a hardware profile)")
-    p.add_argument("--calibrate", action="store_true", help="measure matmul rate and all-reduce bandwidth")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure matmul rate, all-reduce bandwidth and the split backward's weight_grad_fraction")
+    p.add_argument("--split-backward", action="store_true",
+                   help="time F, B, I and W of zb-h1's split backward on a middle pipeline stage")
     p.add_argument("--output", default="hardware.json", help="where to write the profile (default hardware.json)")
     p.add_argument("--ranks", type=int, default=2, help="local Gloo ranks for the all-reduce (1: skip it)")
     p.add_argument("--matmul-size", type=int, default=1024, help="n of the n x n x n fp32 matmul")
+    stage = p.add_argument_group("the stage of the split-backward measurement (default: the 5M-parameter Llama)")
+    for name, default in (("layers", 6), ("dim", 256), ("heads", 4), ("seq", 128), ("batch", 8), ("repeats", 5)):
+        stage.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
     p.set_defaults(run=cmd_bench)
     return p
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if not args.calibrate:
-        print("bigtrain bench: nothing to do; use --calibrate [--output PATH]", file=sys.stderr)
+    if not (args.calibrate or args.split_backward):
+        print("bigtrain bench: nothing to do; use --calibrate [--output PATH] or --split-backward", file=sys.stderr)
         return 2
-    if args.ranks < 1 or args.matmul_size < 1:
-        raise ConfigError("--ranks and --matmul-size must be positive integers")
+    split_stage = {k: getattr(args, k) for k in ("layers", "dim", "heads", "seq", "batch", "repeats")}
+    if args.ranks < 1 or args.matmul_size < 1 or min(split_stage.values()) < 1:
+        raise ConfigError("--ranks, --matmul-size and the stage sizes must be positive integers")
+    if args.split_backward:
+        print(f"split backward, stage of {args.layers} blocks: {measure_backward_split(**split_stage).describe()}")
+    if not args.calibrate:
+        return 0
     profile = calibrate(args.output, matmul_size=args.matmul_size, comm_ranks=args.ranks,
-                        measure_comm=args.ranks > 1)
+                        measure_comm=args.ranks > 1, split_stage=split_stage)
     print(f"matmul fp32 {profile.peak_flops_fp32 / 1e9:,.1f} GFLOP/s, bf16 {profile.peak_flops_bf16 / 1e9:,.1f} "
           f"GFLOP/s; all-reduce {profile.intra_node_bandwidth / 1e9:.2f} GB/s, latency "
-          f"{profile.intra_node_latency_s * 1e3:.2f} ms; wrote {args.output} "
-          f"(use: bigtrain plan --hardware-file {args.output})")
+          f"{profile.intra_node_latency_s * 1e3:.2f} ms; weight_grad_fraction {profile.weight_grad_fraction:.3f}; "
+          f"wrote {args.output} (use: bigtrain plan --hardware-file {args.output})")
     return 0

@@ -12,6 +12,10 @@ Conventions (docs/planner.md has the derivations):
   A collective over n ranks moving a buffer of S bytes takes latency (1 + log2 n) plus
   2 (n-1)/n S / bw (ring all-reduce), (n-1)/n S / bw (all-gather, reduce-scatter, all-to-all)
   or S / bw (point to point).
+* zb-h1 splits each backward into I and W (``parallel/pipeline/split_backward.py``). W is the
+  weight-gradient part of the backward of the layers it defers: ``weight_grad_fraction`` (a
+  measured property of the hardware profile, see ``weight_grad.py``) of their backward. Checkpointed
+  blocks are not deferred (their dW runs in I), so recomputation shrinks W.
 * Exposed vs overlapped: tensor-parallel and Ulysses collectives sit on the critical path of
   every layer (exposed, as in Megatron without communication overlap). Pipeline transfers are
   the simulator's transfer cost. Gradient reduction (stage 0-1: once per step on the last
@@ -98,6 +102,7 @@ def link_of(cluster: Cluster, layout: Layout, axes: tuple[str, ...]) -> Link:
 class StageCosts:
     compute_f: float  # seconds of FLOPs, one micro-batch, this rank's share of the layers
     compute_b: float  # backward, recompute included
+    compute_w: float  # the part of compute_b a split backward (zb-h1) defers to W
     comm_f: float  # exposed tp/sp collectives in the forward
     comm_b: float
     p2p: float  # one pipeline transfer
@@ -110,8 +115,12 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     layers = model.layers / layout.pp
     recomputed = len(checkpointed_block_indices(model.layers, layout.recompute, layout.every)) / layout.pp
     split = layout.tp * layout.sp  # each of these ranks does 1/split of the stage's FLOPs
-    forward = tokens * (layers * model.block_forward_flops_per_token() + 2 * model.vocab * model.hidden / layout.pp)
+    head = 2 * model.vocab * model.hidden / layout.pp
+    forward = tokens * (layers * model.block_forward_flops_per_token() + head)
     backward = 2 * forward + tokens * recomputed * model.block_forward_flops_per_token()
+    # W defers the weight gradients of the layers that are not checkpointed (split_backward.py).
+    deferred_backward = 2 * tokens * ((layers - recomputed) * model.block_forward_flops_per_token() + head)
+    weight_grad = hw.weight_grad_fraction * deferred_backward
     local_tokens = tokens / layout.sp
     tp_link, sp_link = link_of(cluster, layout, ("tp",)), link_of(cluster, layout, ("sp",))
     # Megatron: two all-reduces (or all-gather + reduce-scatter with SP, the same volume) per layer
@@ -125,7 +134,11 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     comm_b = layers * (2 * tp_op + sp_op) + recomputed * (2 * tp_op + sp_op)
     boundary = local_tokens * model.hidden * nbytes / (layout.tp if layout.tp_sp else 1)
     p2p = link_of(cluster, layout, ("pp",)).collective("p2p", boundary, layout.pp)
-    return StageCosts(forward / split / rate, backward / split / rate, comm_f, comm_b, p2p)
+
+    def seconds(flops: float) -> float:
+        return flops / split / rate
+
+    return StageCosts(seconds(forward), seconds(backward), seconds(weight_grad), comm_f, comm_b, p2p)
 
 
 # -- data parallel / ZeRO ----------------------------------------------------------------------------
@@ -176,7 +189,7 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
     m = layout.micro_batches(global_batch)
     costs = stage_costs(model, layout, cluster)
     f, b = costs.compute_f + costs.comm_f, costs.compute_b + costs.comm_b
-    weight_grad = costs.compute_f if layout.schedule == "zb-h1" else 0.0  # W costs about a forward
+    weight_grad = costs.compute_w if layout.schedule == "zb-h1" else 0.0
     terms = pipeline.terms(layout.schedule, layout.pp, m, layout.v, f, b, weight_grad, costs.p2p)
     extra = data_parallel_costs(model, layout, cluster, costs, m)
     total = terms.makespan + sum(extra.values())

@@ -5,7 +5,8 @@ preset and docs/planner.md). ``achievable_fraction`` is the share of the peak ma
 transformer layer sustains (GEMMs plus norms, softmax and elementwise kernels); it is an
 assumption, set once per accelerator and not fitted to the runs docs/planner.md compares with.
 Link bandwidths are the bus bandwidth a ring collective reaches per GPU (NCCL's ``busbw``),
-about 80-90% of the nominal link rate.
+about 80-90% of the nominal link rate. ``weight_grad_fraction`` is the share of a backward that
+zb-h1's W takes, measured (``weight_grad.py``), not assumed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MIB, GIB = 2**20, 2**30
+# W / (I + W) of the split backward on a middle stage of the 5M-parameter Llama (6 blocks, d256,
+# seq 128, batch 8, fp32) on the 2-core CI CPU: `bigtrain bench --split-backward` (docs/planner.md
+# has the figures). Not measured on GPUs: `bigtrain bench --calibrate` measures the machine it runs on.
+WEIGHT_GRAD_FRACTION = 0.42
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class HardwareProfile:
     intra_node_latency_s: float  # fixed cost of one collective inside a node
     inter_node_latency_s: float
     gpus_per_node: int = 8
+    weight_grad_fraction: float = WEIGHT_GRAD_FRACTION  # W / (I + W) of a split backward, measured
     source: str = ""
 
     def peak_flops(self, precision: str) -> float:
@@ -120,6 +126,8 @@ def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
         out[key] = value
     if "achievable_fraction" in out and not 0 < out["achievable_fraction"] <= 1:
         problems.append(f"{origin}: achievable_fraction = {out['achievable_fraction']} must be in (0, 1]")
+    if "weight_grad_fraction" in out and not 0 < out["weight_grad_fraction"] < 1:
+        problems.append(f"{origin}: weight_grad_fraction = {out['weight_grad_fraction']} must be in (0, 1)")
     if problems:
         raise ConfigError(problems)
     return out
@@ -149,7 +157,8 @@ def load_profile(path: str | Path) -> HardwareProfile:
     values = _coerce_fields(data, f"--hardware-file {path}")
     if base is not None:
         return dataclasses.replace(get_profile(str(base)), **values)
-    missing = [k for k in _FIELDS if k not in values and k not in ("gpus_per_node", "source")]
+    missing = [f.name for f in dataclasses.fields(HardwareProfile)
+               if f.name not in values and f.default is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"--hardware-file {path}: missing {', '.join(missing)} (or give base = 'h100-80g')")
     return HardwareProfile(**values)
@@ -213,14 +222,18 @@ def measure_all_reduce(ranks: int = 2, nbytes: int = 16 * MIB, repeats: int = 3)
 
 def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_size: int = 256,
               comm_ranks: int = 2, comm_bytes: int = 16 * MIB, measure_comm: bool = True,
-              base: HardwareProfile | None = None) -> HardwareProfile:
+              base: HardwareProfile | None = None, split_stage: dict[str, int] | None = None) -> HardwareProfile:
     """Measure this machine and return (and, with ``output``, write) a profile.
 
     Peaks are set to the measured rates with ``achievable_fraction = 1``: the measurement already
     is what a matmul achieves here. Memory and anything not measured come from ``base`` (the cpu
     preset unless given). Links inside a node are the measured all-reduce; across nodes keep base's.
+    ``weight_grad_fraction`` is measured on a pipeline stage shaped by ``split_stage`` (keyword
+    arguments of ``weight_grad.measure_backward_split``; its defaults if None).
     """
     import torch
+
+    from bigtrain.plan.weight_grad import measure_backward_split
 
     base = base or PRESETS["cpu"]
     values: dict[str, Any] = {"name": "calibrated", "achievable_fraction": 1.0,
@@ -234,6 +247,9 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
         bandwidth, latency = measure_all_reduce(comm_ranks, comm_bytes)
         values.update(intra_node_bandwidth=bandwidth, intra_node_latency_s=latency)
         source.append(f"Gloo all-reduce of {comm_bytes / MIB:.0f} MiB over {comm_ranks} forked ranks")
+    split = measure_backward_split(**(split_stage or {}))
+    values["weight_grad_fraction"] = split.weight_grad_fraction
+    source.append(f"split backward: {split.describe()}")
     values["source"] = "; ".join(source)
     profile = dataclasses.replace(base, **values)
     if output is not None:

@@ -12,14 +12,16 @@ dispatch table (one method per :class:`Op`):
 * F runs the stage (and the loss on the last stage); the output is cut from the graph of the next
   stage (``detach().requires_grad_()`` on arrival), so each stage backpropagates on its own.
 * B is ``torch.autograd.backward(outputs, grad)``; the gradient of the stage input goes upstream.
-  The zero-bubble split does I = ``torch.autograd.grad(outputs, input, grad, retain_graph=True)``
-  and later W = ``torch.autograd.backward(outputs, grad, inputs=params)`` on the kept graph (W
-  walks the graph again: simple and exact, not the cheapest).
+  The zero-bubble split (``split_backward``): I computes the input gradient (and the weight
+  gradients of checkpointed blocks), keeping the graph and the gradients flowing into each other
+  weight's matmul; W later computes those weight gradients only, without walking the
+  input-gradient part again.
 
 Gradient synchronization over data parallel stays with the gradient engines: given ``engines``
-(stage -> an object with ``no_sync()``), every gradient-producing action but the last one of each
-stage runs under ``no_sync()``, so the engine's hooks reduce each gradient once, overlapped with
-the last backward; the caller then calls ``finish_grad_sync()`` as after any accumulation.
+(stage -> an object with ``no_sync()``), every gradient-producing action but the last B, I and W
+of each stage runs under ``no_sync()``, so the engine's hooks reduce each gradient once (each
+parameter's last accumulation is in one of them), overlapped with the last backward; the caller
+then calls ``finish_grad_sync()`` as after any accumulation.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.parallel.pipeline.partition import PipelineStage
 from bigtrain.parallel.pipeline.schedules import Action, Op, Schedule
+from bigtrain.parallel.pipeline.split_backward import WeightGrads, backward_input, split_parameters
 from bigtrain.parallel.pipeline.validate import validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,7 +48,8 @@ Key = tuple[int, int]  # (stage, micro-batch)
 RecvKey = tuple[Op, int, int]  # (RECV_FWD or RECV_BWD, stage, micro-batch)
 TimelineEntry = tuple[str, float, float]  # ("F3.s1", start, end), perf_counter seconds
 
-_GRAD_OPS = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the actions that accumulate into .grad
+# The actions that accumulate into .grad (I only for the parameters of checkpointed blocks).
+_GRAD_OPS = (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
 
 
@@ -62,6 +66,7 @@ class _Step:
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # d loss / d output of (s, mb)
     input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # waiting for SEND_BWD
+    weight_grads: dict[Key, WeightGrads] = field(default_factory=dict)  # I done, W to come
     queued: list[tuple[dist.P2POp, RecvKey | None]] = field(default_factory=list)  # not posted yet
     recvs: dict[RecvKey, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # posted, maybe unfinished
@@ -102,7 +107,7 @@ class PipelineExecutor:
         self.device = next(p.device for stage in self.stages.values() for p in stage.parameters())
         self.measure_activations = measure_activations
         self.actions = schedule.actions[self.rank]
-        self._last_grad_action = {a.stage: a for a in self.actions if a.kind in _GRAD_OPS}
+        self._last_grad_actions = set({(a.stage, a.kind): a for a in self.actions if a.kind in _GRAD_OPS}.values())
         # Per model-input (shape, dtype): the received (shape, dtype) of each stage's input, and the
         # stages whose output shape this rank has sent; exchanged once, on the first step.
         self._input_specs: dict[tuple, dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
@@ -183,20 +188,20 @@ class PipelineExecutor:
 
     def _backward_input(self, step: _Step, action: Action) -> None:
         key = (action.stage, action.microbatch)
-        grad = self._output_grad(step, action)
-        step.output_grads[key] = grad  # W needs it again
-        x = step.inputs.get(key)
-        if x is not None:  # the first stage has no input gradient: its W does the whole backward
-            (input_grad,) = torch.autograd.grad(step.outputs[key], [x], grad, retain_graph=True)
-            self._hand_upstream(step, action, input_grad)
+        out, grad = step.outputs.pop(key), self._output_grad(step, action)
+        x = step.inputs.pop(key, None)  # None on the first stage: its W does the whole backward
+        inputs = [] if x is None else [x]
+        # What W needs stays reachable from step.weight_grads; the rest of the graph can go now.
+        deferred, eager = split_parameters(self.stages[action.stage])  # read now: engines replace parameters
+        with self._sync_context(action):
+            input_grads, step.weight_grads[key] = backward_input([out], [grad], inputs, deferred, eager)
+        if x is not None:
+            self._hand_upstream(step, action, input_grads[0])
 
     def _backward_weight(self, step: _Step, action: Action) -> None:
         key = (action.stage, action.microbatch)
-        out, grad = step.outputs.pop(key), step.output_grads.pop(key)
-        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
         with self._sync_context(action):
-            torch.autograd.backward(out, grad, inputs=params)
-        step.inputs.pop(key, None)
+            step.weight_grads.pop(key).run()
         self._release(step, key)
 
     def _output_grad(self, step: _Step, action: Action) -> torch.Tensor | None:
@@ -221,7 +226,7 @@ class PipelineExecutor:
 
     def _sync_context(self, action: Action) -> AbstractContextManager:
         engine = self.engines.get(action.stage)
-        if engine is None or self._last_grad_action[action.stage] == action:
+        if engine is None or action in self._last_grad_actions:
             return nullcontext()
         return engine.no_sync()
 
