@@ -73,7 +73,7 @@ class Trainer:
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
                           tracker: SavedActivations | None) -> torch.Tensor:
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        tokens, targets = self._to_device(tokens), self._to_device(targets)
         context = self.engine.no_sync() if not sync else nullcontext()
         with context:
             with tracker if tracker is not None else nullcontext():
@@ -83,6 +83,15 @@ class Trainer:
         if tracker is not None:
             tracker.reset()  # backward freed what this micro-batch saved
         return loss_sum.detach()
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the compute device. To a GPU it is copied from pinned memory without
+        blocking: from pageable memory torch would synchronize the stream, and the host would wait
+        for the previous micro-batch's backward before it could queue the next forward (the pinned
+        buffer is not reused before the copy ran: torch's host allocator records it on the stream)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.contiguous().pin_memory().to(self.device, non_blocking=True)
 
     def _micro_batches_in_turn(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
         """Forward and backward of each micro-batch in turn; (summed loss, peak saved bytes)."""
@@ -94,7 +103,7 @@ class Trainer:
 
     def _micro_batches_through_pipeline(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
         """The schedule's order of forwards and backwards over this rank's stages."""
-        chunks = [self.parallel.sequence_chunk(t.to(self.device), y.to(self.device))[:2] for t, y in batches]
+        chunks = [self.parallel.sequence_chunk(self._to_device(t), self._to_device(y))[:2] for t, y in batches]
         self.executor.measure_activations = measure
         out = self.executor.run(chunks)
         loss_sum = torch.zeros((), device=self.device)
