@@ -73,7 +73,7 @@ class Trainer:
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
                           tracker: SavedActivations | None) -> torch.Tensor:
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        tokens, targets = self._to_device(tokens), self._to_device(targets)
         context = self.engine.no_sync() if not sync else nullcontext()
         with context:
             with tracker if tracker is not None else nullcontext():
@@ -83,6 +83,15 @@ class Trainer:
         if tracker is not None:
             tracker.reset()  # backward freed what this micro-batch saved
         return loss_sum.detach()
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the compute device. To a GPU it is copied from pinned memory without
+        blocking: from pageable memory torch would synchronize the stream, and the host would wait
+        for the previous micro-batch's backward before it could queue the next forward (the pinned
+        buffer is not reused before the copy ran: torch's host allocator records it on the stream)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.contiguous().pin_memory().to(self.device, non_blocking=True)
 
     def _micro_batches_in_turn(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
         """Forward and backward of each micro-batch in turn; (summed loss, peak saved bytes)."""
@@ -94,7 +103,7 @@ class Trainer:
 
     def _micro_batches_through_pipeline(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
         """The schedule's order of forwards and backwards over this rank's stages."""
-        chunks = [self.parallel.sequence_chunk(t.to(self.device), y.to(self.device))[:2] for t, y in batches]
+        chunks = [self.parallel.sequence_chunk(self._to_device(t), self._to_device(y))[:2] for t, y in batches]
         self.executor.measure_activations = measure
         out = self.executor.run(chunks)
         loss_sum = torch.zeros((), device=self.device)
@@ -134,22 +143,25 @@ class Trainer:
         self.parallel.finish_grad_sync()
         if before_update is not None:
             before_update()
-        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)
-        step_time = time.perf_counter() - start
+        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)  # host sync 1: norm and overflow
         traffic = self.mesh.stats.since(before)
-        mem = self._memory(activations) if measure else {}
         self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
+        # Host sync 2, the step's last: on CUDA it waits for the current stream, where the optimizer's
+        # kernels (and, over NCCL, the wait for this all-reduce) were queued before it, so the step
+        # time below is the device's, not the time it took to queue the kernels.
+        loss = float(loss_sum) / self.counted_targets
+        step_time = time.perf_counter() - start
+        mem = self._memory(activations) if measure else {}  # one more sync, on measured steps only
         self.engine.zero_grad()
         self.step += 1
         scaler = self.engine.scaler
-        return StepResult(step, float(loss_sum) / self.counted_targets, grad_norm, lr, step_time,
-                          self.global_tokens, mem, traffic.by_axis(), traffic.by_op(), skipped,
-                          scaler.scale if scaler is not None else None)
+        return StepResult(step, loss, grad_norm, lr, step_time, self.global_tokens, mem, traffic.by_axis(),
+                          traffic.by_op(), skipped, scaler.scale if scaler is not None else None)
 
     def _memory(self, activations: int) -> dict[str, int]:
         states = self.engine.state_bytes()
         values = torch.tensor([states["params"], states["grads"], states["optimizer"], activations],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         self.mesh.comm("world").max(values)  # the worst rank
         return dict(zip(MEM_KEYS, (int(v) for v in values.tolist())))
 
@@ -213,7 +225,11 @@ class Trainer:
             meta = {"config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
                     "loss_scaler": scaler.state_dict() if scaler is not None else None}
             ckpt.save_checkpoint(self.checkpoint_root, self.step, files, meta, self.cfg.checkpoint.keep)
-        self.mesh.comm("world").all_reduce(torch.zeros(1), tag="barrier")  # all ranks see the save
+        # A barrier, so that every rank sees the save. On NCCL the all-reduce only makes the stream
+        # wait; reading the result makes the host wait too.
+        done = torch.zeros(1, device=self.device)
+        self.mesh.comm("world").all_reduce(done, tag="barrier")
+        done.item()
 
     def resume(self, where: str) -> bool:
         root = self.checkpoint_root if where == "auto" else Path(where)

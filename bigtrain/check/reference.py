@@ -18,6 +18,10 @@ The recipe it states:
 - ``optim.name = 'sgd_momentum'`` (the tests' optimizer, plugged into the trainer through
   ``bigtrain.optim.register_optimizer``): ``torch.optim.SGD`` with momentum ``optim.beta1``, no
   dampening, and its L2 weight decay (added to the gradient) on matrices only.
+
+It computes on ``device`` (the CPU by default; a GPU run is compared with the reference on the same
+GPU, in the same precision). The initial values are drawn on the CPU whatever the device, and what
+a captured step returns (outputs, gradients, weights) is copied to the CPU.
 """
 
 from __future__ import annotations
@@ -60,9 +64,10 @@ def captured_module(name: str) -> bool:
 
 
 class ReferenceRun:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.master = Llama(cfg.model)  # on the CPU, in fp32
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
+        self.cfg, self.device = cfg, torch.device(device)
+        with self.device:
+            self.master = Llama(cfg.model)  # fp32
         self.master.init_weights(cfg.train.seed)
         mode = cfg.precision.mode
         self.mixed = mode != "fp32"
@@ -91,6 +96,7 @@ class ReferenceRun:
     def train_step(self, capture: bool = False) -> ReferenceStep:
         tokens, targets = self.sampler.batch(self.step, 0, self.cfg.train.global_batch)
         counted = max(1, int((targets != -100).sum()))
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
         outputs: dict[str, list[torch.Tensor]] = {}
         handles = self._capture_outputs(outputs) if capture else []
         loss_sum = 0.0
@@ -110,8 +116,8 @@ class ReferenceRun:
         result = self._update()
         result.loss = loss_sum / counted
         if capture:
-            result.outputs = {name: torch.cat(parts).float() for name, parts in outputs.items()}
-            result.weights = {n: p.detach().clone() for n, p in self.master.named_parameters()}
+            result.outputs = {name: torch.cat(parts).float().cpu() for name, parts in outputs.items()}
+            result.weights = {n: p.detach().cpu().clone() for n, p in self.master.named_parameters()}
         self.step += 1
         return result
 
@@ -136,7 +142,7 @@ class ReferenceRun:
         if self.loss_scale != 1.0:
             for p in params:
                 p.grad.div_(self.loss_scale)
-        grads = {n: p.grad.detach().clone() for n, p in self.master.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.detach().cpu().clone() for n, p in self.master.named_parameters() if p.grad is not None}
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         skipped = self.cfg.precision.mode == "fp16" and not math.isfinite(norm)
@@ -167,14 +173,15 @@ def _optimizer(groups: list[dict], o) -> torch.optim.Optimizer:
     raise ValueError(f"optim.name = '{o.name}': the reference knows 'adamw' and 'sgd_momentum' only")
 
 
-def reference_losses(cfg: Config, steps: int) -> list[float]:
+def reference_losses(cfg: Config, steps: int, device: torch.device | str = "cpu") -> list[float]:
     """Per-step losses of the reference over ``steps`` steps."""
-    return reference_trajectory(cfg, steps)[0]
+    return reference_trajectory(cfg, steps, device)[0]
 
 
-def reference_trajectory(cfg: Config, steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """(per-step losses, per-step gradient norms, fp32 weights by name after the last step)."""
-    run = ReferenceRun(cfg)
+def reference_trajectory(cfg: Config, steps: int, device: torch.device | str = "cpu"
+                         ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """(per-step losses, per-step gradient norms, fp32 weights by name on the CPU after the last step)."""
+    run = ReferenceRun(cfg, device)
     records = [run.train_step() for _ in range(steps)]
-    weights = {n: p.detach().clone() for n, p in run.master.named_parameters()}
+    weights = {n: p.detach().cpu().clone() for n, p in run.master.named_parameters()}
     return [r.loss for r in records], [r.grad_norm for r in records], weights

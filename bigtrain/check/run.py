@@ -157,7 +157,9 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     reference on the first rank; returns the report there, None elsewhere."""
     trainer = Trainer(cfg, Path(run_dir), mesh, device)
     world, is_first = mesh.comm("world"), mesh.rank == 0
-    reference = ReferenceRun(cfg) if is_first else None
+    # The reference computes on this rank's device: the same kernels on both sides, so the
+    # precision's tolerance measures the layout, not the hardware's arithmetic.
+    reference = ReferenceRun(cfg, trainer.device) if is_first else None
     aliases = shared_parameter_names(reference.master) if is_first else {}  # tied weights: alias -> name
     probe = OutputProbe(_modules(trainer))
     tol = TOLERANCES[cfg.precision.mode]
@@ -170,7 +172,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
         result = trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads()))
         weights = trainer.parallel.full_weights()
         shared = world.gather_objects({**mine, "outputs": probe.take()})
-        verdict = torch.zeros(1)
+        verdict = torch.zeros(1, device=trainer.device)  # NCCL reduces device tensors only
         if is_first:
             ref = reference.train_step(capture=True)
             report.losses.append((result.loss, ref.loss))
@@ -183,7 +185,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
                 report.agree, report.first_step, report.findings = False, step, findings
                 verdict.fill_(1)
         world.all_reduce(verdict, tag="check")  # every rank stops at the first divergence
-        if verdict.item():
+        if verdict.item():  # the host waits for the verdict (on NCCL the all-reduce does not block it)
             break
     return report
 

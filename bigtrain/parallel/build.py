@@ -46,6 +46,7 @@ class ParallelModel:
     stages: dict[int, PipelineStage] = field(default_factory=dict)
     schedule: Schedule | None = None
     tied: TiedCopies | None = None  # copies of tied weights whose twin is on another pipeline rank
+    device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives run)
 
     def finish_grad_sync(self) -> None:
         """Complete the gradient reduction (after the last micro-batch), tied copies included."""
@@ -73,7 +74,7 @@ class ParallelModel:
         """This rank's tensors by parameter name (full over dp already) -> full tensors of the whole
         model, complete on the first rank of the pipeline (empty elsewhere); collective over tp and pp."""
         if self.layout is not None:
-            tensors = self.layout.gather_full(tensors)
+            tensors = self.layout.gather_full(tensors, self.device)
         if self.pp.size == 1:
             return tensors
         parts = self.pp.gather_objects(tensors)
@@ -107,8 +108,9 @@ class ParallelModel:
         if self.tied is not None:
             weights, state = self.tied.to_canonical(weights), self.tied.to_canonical(state)
         if self.layout is not None:  # state shaped like a weight is sharded like it over tp
-            weights = self.layout.gather_full(weights)
-            state = self._by_element_state(state, self.layout.gather_full)
+            gather = lambda tensors: self.layout.gather_full(tensors, self.device)  # noqa: E731
+            weights = gather(weights)
+            state = self._by_element_state(state, gather)
         return weights, {"optimizer": spec.name, "state": state}
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict) -> None:
@@ -169,7 +171,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
         module.init_buffers(device)
     if layout is not None:
         layout.register_grad_hooks(model)
-    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule, tied)
+    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule, tied, device)
 
 
 def _units_isolating(model: nn.Module, unit_modules: list[nn.Module], names: list[str]) -> list[nn.Module]:

@@ -51,7 +51,8 @@ class ReplicatedEngine:
 
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
         grads = [p.grad for p in self.dp.params]
-        parts = square_sums((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params if self._in_norm[id(p)])
+        parts = square_sums(((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params if self._in_norm[id(p)]),
+                            grads[0].device)
         norm, _ = global_norm(parts, self.disjoint, self.tp)
         clip_(grads, norm, max_norm)
         for group in self.optimizer.param_groups:

@@ -91,8 +91,8 @@ class ZeroEngine:
             return
         names = ";".join(f"{s.name}:{s.shape}" for u in self.units for s in u.slots)
         mine = torch.tensor([len(self.units), sum(u.numel for u in self.units), zlib.crc32(names.encode())],
-                            dtype=torch.int64)
-        everyone = torch.empty(self.comm.size * 3, dtype=torch.int64)
+                            dtype=torch.int64, device=self.device)  # NCCL: device tensors only
+        everyone = torch.empty(self.comm.size * 3, dtype=torch.int64, device=self.device)
         self.comm.all_gather(everyone, mine, tag="layout_check")
         rows = everyone.view(self.comm.size, 3).tolist()
         differ = [r for r, row in enumerate(rows) if row != rows[0]]
@@ -190,6 +190,13 @@ class ZeroEngine:
             payload = unit.flat_grads(reduce_dtype)
             for p in unit.params:
                 p.grad = None  # the full gradient is freed as soon as it is handed to the collective
+        # On CUDA the collective runs on NCCL's own stream, which first waits for everything queued
+        # so far on the current stream (the gradients copied into ``payload``). ``out`` stays
+        # referenced in ``_pending`` until ``_complete`` has waited for it. ``payload`` may be a
+        # temporary (a cast, or the flat copy of stages 2-3) that we drop here: c10d keeps the
+        # input of an asynchronous collective from the caching allocator until it is done (it
+        # records it on NCCL's stream, or, in newer torch, holds it until ``wait()``), as Gloo's
+        # work holds it until it completes.
         if self.stage == 0:
             work = self.comm.all_reduce(payload, async_op=True, tag="grads")
             out = payload
@@ -217,6 +224,8 @@ class ZeroEngine:
                 keep.append((unit, work, out))
                 continue
             if work is not None:
+                # NCCL: makes the current stream wait for the collective (the host does not block),
+                # so the fold below and everything after it reads the reduced values.
                 work.wait()
             if self.stage <= 1:
                 if out is not unit.full_grad:
@@ -241,9 +250,9 @@ class ZeroEngine:
         grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
-        parts = square_sums((grad[a:b], slot.name not in self.tp_sharded)
-                            for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges()
-                            if slot.name not in self.counted_elsewhere)
+        parts = square_sums(((grad[a:b], slot.name not in self.tp_sharded)
+                             for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges()
+                             if slot.name not in self.counted_elsewhere), self.device)
         # Partitioned gradients: every rank must agree on the norm and on skipping.
         partitions = ([self.comm] if self.stage >= 1 else []) + self.disjoint
         norm, found_inf = global_norm(parts, partitions, self.tp)
@@ -278,6 +287,8 @@ class ZeroEngine:
             if self.precision.mixed:
                 unit.shard_param.copy_(unit.master)
             if self.stage in (1, 2) and unit.shards > 1:
+                # Synchronous: on NCCL the current stream waits for the gather before the clone is
+                # freed and before the next forward reads ``unit.full``.
                 self.comm.all_gather(unit.full, unit.shard_param.clone(), tag="params")
 
     def zero_grad(self) -> None:
