@@ -79,7 +79,24 @@ class _ChunkSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self._data[(write_item.index.fqn, tuple(write_item.index.offset))]
+        return _exact_storage(self._data[(write_item.index.fqn, tuple(write_item.index.offset))])
+
+
+_NUMPY_FREE = {torch.bfloat16: torch.int16}  # dtypes numpy lacks: aliased through a same-size integer
+
+
+def _exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """The same bytes as the contiguous CPU ``view``, as a tensor whose storage is exactly them (no
+    copy: numpy aliases the memory and keeps ``view`` alive). FileSystemWriter clones a tensor whose
+    storage is larger than itself, and in torch 2.13 it keeps every tensor it wrote to a file
+    (``tensor_dict``, for its safetensors branch) until the file is closed: clones of views would
+    add up to the whole shard. Aliases cost nothing."""
+    if view.device.type != "cpu" or not view.is_contiguous() or view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    as_int = _NUMPY_FREE.get(view.dtype)
+    if as_int is not None:
+        return torch.from_numpy(view.view(as_int).numpy()).view(view.dtype)
+    return torch.from_numpy(view.numpy())
 
 
 def save_chunks(path: Path, chunks: list[SavedChunk], process_group=None) -> Metadata:

@@ -101,6 +101,8 @@ class ReplicatedEngine:
         from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
         spec, states = self.optim_spec, {}
+        if with_state:  # replaced below: do not hold the old and the loaded state at once
+            self.optimizer.state.clear()
         for name, p in self.model.named_parameters():
             fresh = {k: torch.zeros_like(p, memory_format=torch.contiguous_format) for k in spec.element_state} \
                 if with_state else {}

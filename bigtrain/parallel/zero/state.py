@@ -127,6 +127,8 @@ def checkpoint_load_batches(engine, with_state: bool):
 
     spec, dev, states = engine.optim_spec, engine.device, {}
     declared = {s.name: _DTYPES[s.dtype] for s in spec.state}
+    if with_state:  # replaced below: do not hold the old and the loaded state at once
+        engine.optimizer.state.clear()
     for unit in engine.units:
         fresh = [{k: torch.zeros(b - a, dtype=declared[k], device=dev) for k in spec.element_state}
                  for a, b, _ in unit.pieces] if with_state else []
