@@ -185,6 +185,16 @@ class CheckpointConfig:
     keep: int = doc("Keep the newest K checkpoints.", 2)
     resume: str = doc("'none', 'auto' (newest valid checkpoint in the run directory), or a path.", "none")
     save_final: bool = doc("Save at the end of the run.", True)
+    # ``checkpoint.async`` is a Python keyword: declared through the class namespace, outside
+    # ``__init__`` (whose generated signature could not name it), default set below; read it with
+    # ``getattr(cfg.checkpoint, "async")``.
+    __annotations__["async"] = bool
+    locals()["async"] = field(init=False, repr=False, compare=False, metadata={"doc": (
+        "Write checkpoints in a background thread, overlapping training: each rank snapshots its shards "
+        "at the save step; the manifest is written once every rank's files are.")})
+
+
+setattr(CheckpointConfig, "async", False)
 
 
 @dataclass

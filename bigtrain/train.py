@@ -9,14 +9,17 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from bigtrain import checkpoint as ckpt
+from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
 from bigtrain.data import TokenSampler, load_tokens
 from bigtrain.distributed.mesh import Mesh
@@ -69,6 +72,9 @@ class Trainer:
         self.counted_targets = self.global_tokens  # this step's loss normalizer (fewer when targets are masked)
         self.step = 0
         self.history: list[StepResult] = []
+        self._pending_save: Future | None = None  # a background checkpoint write (checkpoint.async)
+        self._save_thread: ThreadPoolExecutor | None = None
+        self._checkpoint_group = None
 
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
@@ -191,6 +197,7 @@ class Trainer:
             self.draw_pipeline()
         if cfg.checkpoint.save_final and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
             self.save()
+        self.wait_for_save()
         return self.history
 
     def draw_pipeline(self) -> list[Path]:
@@ -218,20 +225,48 @@ class Trainer:
         return self.run_dir / "checkpoints"
 
     def save(self) -> None:
-        weights, optim_state = self.parallel.full_state()  # collective under ZeRO and tp
+        """Write checkpoint ``step`` in the sharded format: every rank writes the chunks it owns, in
+        parallel (torch.distributed.checkpoint); rank 0 commits it (manifest, checksums, rename)
+        once all are written. With ``checkpoint.async`` the chunks are snapshotted here and written
+        in a background thread while training goes on (see :meth:`wait_for_save`)."""
+        self.wait_for_save()
+        background = getattr(self.cfg.checkpoint, "async")
+        chunks = self.parallel.owned_chunks(copy=background)
+        scaler = self.engine.scaler
+        meta = {"format": ckpt.FORMAT, "config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
+                "optimizer": self.engine.optim_spec.name,
+                "loss_scaler": scaler.state_dict() if scaler is not None else None}
+        if not background:
+            self._write_checkpoint(self.step, chunks, meta, None)
+            return
+        if self._checkpoint_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # The background write's collectives get their own group, apart from training's.
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        if self._save_thread is None:
+            self._save_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending_save = self._save_thread.submit(self._write_checkpoint, self.step, chunks, meta,
+                                                      self._checkpoint_group)
+
+    def _write_checkpoint(self, step: int, chunks: list, meta: dict, group) -> None:
+        root, keep = self.checkpoint_root, self.cfg.checkpoint.keep
+        tmp = ckpt.temp_dir(root, step)
+        if self.is_main:  # before any rank writes: the plan exchange in save_chunks waits for rank 0
+            root.mkdir(parents=True, exist_ok=True)
+            ckpt.fresh_temp_dir(root, step)
+        save_chunks(tmp, chunks, group)  # returns once every rank's files and the metadata are written
         if self.is_main:
-            files = {"model.pt": weights, "optimizer.pt": optim_state}
-            scaler = self.engine.scaler
-            meta = {"config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
-                    "loss_scaler": scaler.state_dict() if scaler is not None else None}
-            ckpt.save_checkpoint(self.checkpoint_root, self.step, files, meta, self.cfg.checkpoint.keep)
-        # A barrier, so that every rank sees the save. On NCCL the all-reduce only makes the stream
-        # wait; reading the result makes the host wait too.
-        done = torch.zeros(1, device=self.device)
-        self.mesh.comm("world").all_reduce(done, tag="barrier")
-        done.item()
+            ckpt.commit_checkpoint(root, step, tmp, meta, keep)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank sees the committed save
+            dist.barrier(group)
+
+    def wait_for_save(self) -> None:
+        """Block until a background checkpoint write is committed (re-raising its error)."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            pending.result()
 
     def resume(self, where: str) -> bool:
+        self.wait_for_save()
         root = self.checkpoint_root if where == "auto" else Path(where)
         found = ckpt.newest_valid_checkpoint(root)
         if found is None:
@@ -239,7 +274,14 @@ class Trainer:
                 raise FileNotFoundError(f"checkpoint.resume = '{where}': no valid checkpoint there")
             return False
         path, meta = found
-        self.parallel.load_full_state(ckpt.load_file(path, "model.pt"), ckpt.load_file(path, "optimizer.pt"))
+        if meta.get("format") != ckpt.FORMAT:
+            raise ValueError(f"{path} is an old-format checkpoint ({meta.get('format', 'full tensors in model.pt')}); "
+                             f"this version loads sharded '{ckpt.FORMAT}' checkpoints only: start the run afresh")
+        saved_by, name = meta.get("optimizer"), self.engine.optim_spec.name
+        if saved_by != name:
+            raise ValueError(f"the checkpoint's optimizer state is {saved_by!r}'s but optim.name = '{name}'; "
+                             f"resume with optim.name = '{saved_by}'")
+        self.parallel.load_sharded(path)
         if self.engine.scaler is not None and meta.get("loss_scaler"):
             self.engine.scaler.load_state_dict(meta["loss_scaler"])
         self.step = int(meta["step"])

@@ -123,6 +123,82 @@ class ParallelModel:
             state = self._by_element_state(state, self.layout.shard_full)
         self.engine.load_full_state(weights, {"optimizer": spec.name, "state": state})
 
+    # -- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
+    def _spec(self, name: str):
+        return self.layout.specs.get(name) if self.layout is not None else None
+
+    def _canonical(self, name: str) -> str:
+        return self.tied.canonical_name(name) if self.tied is not None else name
+
+    def _pieces(self):
+        engine = self.engine
+        if isinstance(engine, ZeroEngine):
+            from bigtrain.parallel.zero.state import checkpoint_pieces
+            return checkpoint_pieces(engine)
+        return engine.checkpoint_pieces()
+
+    def _load_batches(self, with_state: bool):
+        engine = self.engine
+        if isinstance(engine, ZeroEngine):
+            from bigtrain.parallel.zero.state import checkpoint_load_batches
+            return checkpoint_load_batches(engine, with_state)
+        return engine.checkpoint_load_batches(with_state)
+
+    def owned_chunks(self, copy: bool = False) -> list:
+        """The chunks of full tensors this rank writes (:class:`SavedChunk`): one entry per parameter
+        under its canonical name (a tied weight once) and ``optim/<name>/<state>`` per optimizer
+        state tensor. Every element has one owner: its ZeRO shard's rank; among replicas (ZeRO stage
+        0, the replicated engine) an even split of each parameter's range; tp rank 0 for weights
+        tp does not cut; the canonical copy of a tied weight. Per-tensor state (a step count) is
+        written whole by the owner of the parameter's first element. ``copy``: clone the data (a
+        snapshot for a write that overlaps training); else views of the live shards."""
+        from bigtrain.checkpoint.chunks import WEIGHT, chunks, full_shape, owned_range
+        from bigtrain.checkpoint.sharded import SavedChunk
+
+        tp_rank = self.layout.tp.rank if self.layout is not None else 0
+        aliases = self.tied.aliases if self.tied is not None else set()
+        out = []
+        for batch in self._pieces():
+            for piece in batch:
+                spec = self._spec(piece.name)
+                if piece.name in aliases or (spec is None and tp_rank != 0):
+                    continue
+                lo, hi = owned_range(piece)
+                shape = full_shape(piece.shape, spec)
+                for c in chunks(lo, hi, piece.shape, spec):
+                    for key, flat in piece.tensors.items():
+                        data = flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)
+                        fqn = piece.name if key == WEIGHT else f"optim/{piece.name}/{key}"
+                        out.append(SavedChunk(fqn, shape, c.offsets, data.clone() if copy else data))
+                if lo == 0 < hi and (spec is None or spec.index == 0):
+                    out += [SavedChunk(f"optim/{piece.name}/{k}", tuple(v.shape), (0,) * v.dim(),
+                                       v.detach().clone() if copy else v.detach()) for k, v in piece.scalars.items()]
+        return out
+
+    def load_sharded(self, path) -> None:
+        """Fill this rank's shards (weights and optimizer state) from the sharded checkpoint at
+        ``path``, whatever layout wrote it: each batch (a ZeRO unit, or one parameter) reads only the
+        rectangles this rank's new layout holds. No collectives."""
+        from bigtrain.checkpoint.chunks import WEIGHT, chunks
+        from bigtrain.checkpoint.sharded import ChunkReader
+
+        reader = ChunkReader(path)
+        spec = self.engine.optim_spec
+        with_state = any(k.startswith("optim/") for k in reader.entries)
+        for batch in self._load_batches(with_state):
+            requests = []
+            for piece in batch:
+                name, tp_spec = self._canonical(piece.name), self._spec(piece.name)
+                for c in chunks(piece.lo, piece.hi, piece.shape, tp_spec):
+                    for key, flat in piece.tensors.items():
+                        fqn = name if key == WEIGHT else f"optim/{name}/{key}"
+                        requests.append((fqn, c.offsets, flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)))
+                if with_state:
+                    for k in spec.tensor_state:
+                        piece.scalars[k] = reader.empty(f"optim/{name}/{k}")
+                        requests.append((f"optim/{name}/{k}", (0,) * piece.scalars[k].dim(), piece.scalars[k]))
+            reader.read(requests)
+
     def _by_element_state(self, state: dict[str, dict], reshard) -> dict[str, dict]:
         """``reshard`` ({param name: tensor} -> same, as for the weights) applied to each of the
         optimizer's per-element state tensors; per-tensor state (a step count) is kept as it is."""

@@ -11,7 +11,7 @@ from bigtrain import checkpoint as ckpt
 from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import model_state_bytes
-from bigtrain.optim import build_optimizer, get_optimizer
+from bigtrain.optim import build_optimizer, get_optimizer, load_state
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import DataParallel
 
@@ -81,3 +81,36 @@ class ReplicatedEngine:
             for n, p in self.model.named_parameters():
                 p.copy_(weights[n])
         ckpt.load_optimizer_state_by_name(self.model, self.optimizer, self.optim_spec, optim_state)
+
+    # -- sharded checkpoints ------------------------------------------------------------------------
+    def checkpoint_pieces(self):
+        """One batch per parameter: all of it (a replica over ``comm``), with its optimizer state."""
+        from bigtrain.checkpoint.chunks import WEIGHT, Piece
+
+        spec = self.optim_spec
+        for name, p in self.model.named_parameters():
+            state = self.optimizer.state.get(p)
+            tensors, scalars = {WEIGHT: p.detach().reshape(-1)}, {}
+            if state:
+                spec.check_state(state, f"the optimizer's state of {name}")
+                tensors.update({k: state[k].detach().reshape(-1) for k in spec.element_state})
+                scalars = {k: state[k] for k in spec.tensor_state}
+            yield [Piece(name, tuple(p.shape), 0, p.numel(), tensors, scalars, self.dp.comm.size, self.dp.comm.rank)]
+
+    def checkpoint_load_batches(self, with_state: bool):
+        """One batch per parameter: the parameter itself and fresh (zero) state tensors to fill."""
+        from bigtrain.checkpoint.chunks import WEIGHT, Piece
+
+        spec, states = self.optim_spec, {}
+        if with_state:  # replaced below: do not hold the old and the loaded state at once
+            self.optimizer.state.clear()
+        for name, p in self.model.named_parameters():
+            fresh = {k: torch.zeros_like(p, memory_format=torch.contiguous_format) for k in spec.element_state} \
+                if with_state else {}
+            piece = Piece(name, tuple(p.shape), 0, p.numel(),
+                          {WEIGHT: p.detach().view(-1), **{k: v.view(-1) for k, v in fresh.items()}})
+            yield [piece]
+            if with_state:
+                states[p] = {**{k: piece.scalars[k].clone() for k in spec.tensor_state}, **fresh}
+        if states:
+            load_state(self.optimizer, states)

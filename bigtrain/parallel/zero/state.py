@@ -84,3 +84,69 @@ def load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict)
     if states:
         load_state(engine.optimizer, states)
     engine.refresh_compute_weights()
+
+
+# -- sharded checkpoints: what this rank holds, without gathering anything --------------------------
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8,
+           "uint8": torch.uint8}
+
+
+def _piece_index(unit: FlatUnit, a: int, b: int) -> int:
+    """The optimizer piece holding shard range [a, b) (a parameter never straddles the decay split)."""
+    return next(i for i, (pa, pb, _) in enumerate(unit.pieces) if pa <= a and b <= pb)
+
+
+def checkpoint_pieces(engine):
+    """Per unit, one :class:`Piece` for each parameter overlapping this rank's shard: views of its
+    fp32 master range and of the optimizer's per-element state over it (no copies)."""
+    from bigtrain.checkpoint.chunks import WEIGHT, Piece
+
+    spec = engine.optim_spec
+    replicas, replica = (1, 0) if engine.units and engine.units[0].shards > 1 else (engine.comm.size, engine.comm.rank)
+    for unit in engine.units:
+        states = _piece_states(engine, unit)
+        batch = []
+        for slot, a, b in unit.shard_slot_ranges():
+            first = unit.shard_start + a - slot.offset
+            tensors, scalars = {WEIGHT: unit.master[a:b]}, {}
+            if states is not None:
+                i = _piece_index(unit, a, b)
+                pa = unit.pieces[i][0]
+                tensors.update({k: states[i][k][a - pa:b - pa] for k in spec.element_state})
+                scalars = {k: states[i][k] for k in spec.tensor_state}
+            batch.append(Piece(slot.name, slot.shape, first, first + b - a, tensors, scalars, replicas, replica))
+        yield batch
+
+
+def checkpoint_load_batches(engine, with_state: bool):
+    """Per unit, :class:`Piece` s whose tensors are this rank's master shard and fresh optimizer
+    state (zeros) to be filled by the caller; after the last batch the optimizer gets the state and
+    the compute weights are refreshed. The last piece of each batch, with an empty range, asks for
+    the unit's per-tensor state (alike on every piece: a step count)."""
+    from bigtrain.checkpoint.chunks import WEIGHT, Piece
+
+    spec, dev, states = engine.optim_spec, engine.device, {}
+    declared = {s.name: _DTYPES[s.dtype] for s in spec.state}
+    if with_state:  # replaced below: do not hold the old and the loaded state at once
+        engine.optimizer.state.clear()
+    for unit in engine.units:
+        fresh = [{k: torch.zeros(b - a, dtype=declared[k], device=dev) for k in spec.element_state}
+                 for a, b, _ in unit.pieces] if with_state else []
+        batch = []
+        for slot, a, b in unit.shard_slot_ranges():
+            first = unit.shard_start + a - slot.offset
+            tensors = {WEIGHT: unit.master[a:b]}
+            if with_state:
+                i = _piece_index(unit, a, b)
+                pa = unit.pieces[i][0]
+                tensors.update({k: fresh[i][k][a - pa:b - pa] for k in spec.element_state})
+            batch.append(Piece(slot.name, slot.shape, first, first + b - a, tensors))
+        carrier = Piece(unit.slots[0].name, unit.slots[0].shape, 0, 0, {})
+        batch.append(carrier)
+        yield batch
+        if with_state:
+            for (_, _, view), values in zip(unit.pieces, fresh):
+                states[view] = {**{k: carrier.scalars[k].clone() for k in spec.tensor_state}, **values}
+    if states:
+        load_state(engine.optimizer, states)
+    engine.refresh_compute_weights()
