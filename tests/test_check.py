@@ -118,3 +118,15 @@ def test_steps_both_sides_skip_on_fp16_overflow_compare_as_equal(corpus_cache, t
                       "--train.micro_batch=2", "--model.vocab_size=258", "--model.n_layers=3")
     report = _check(0, 1, cfg, str(tmp_path), 3)
     assert report.agree, report.text()
+
+
+def test_in_bf16_the_gradient_norm_decides_and_the_bisection_still_names_the_unit(corpus_cache, tmp_path,
+                                                                                  monkeypatch):
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", "--train.global_batch=4",
+                      "--train.micro_batch=1", "--precision.mode=bf16")
+    monkeypatch.setattr(ZeroEngine, "_reduce", lose_one_ranks_gradients("unit1", rank=1))
+    report = run_ranks(_check, 2, cfg, str(tmp_path), 3)[0]
+    assert not report.agree and report.first_step == 0
+    assert report.first("grad_norm") is not None  # what decides in bf16
+    wrong = [f.name for f in report.findings if f.kind == "gradient"]
+    assert wrong and all(name.startswith("layers.1.") for name in wrong), report.text()

@@ -25,24 +25,32 @@ class Tolerance:
     measured: every gradient within 1e-5 at step 0, one weight 3.4e-5 off after it, and the next
     step's activations 4.6e-5 off, the loss within 1e-7. In bf16/fp16 the loss over 20 steps stays
     within ~1e-4 of the bf16 reference (measured), so 1e-3 can still fail; the gradient norm and single
-    tensors carry the rounding of bf16 reductions and of bf16 copies of drifting weights (1e-3 to
-    2.1e-2 measured, the most on small tensors such as replicated key/value heads under tp=4), hence
-    5e-2 for them and 2e-2 for the gradient norm. A missing or doubled reduction is off by ~50%.
+    tensors carry the rounding of bf16 reductions and of bf16 copies of drifting weights: the norm
+    up to 2.3e-3, but single gradients of small tensors deep in the model up to 6.5e-2 and their
+    weights, through Adam's sign-like first steps, up to 2.4e-2 after 3 steps (layer 7 of 12, tp=2 x
+    pp=3, the loss within 9e-5), which no fixed bound separates from a bug. So in bf16/fp16 single
+    tensors are ``diagnostic``: reported beyond 5e-2 once the loss or the gradient norm shows a
+    divergence, but not deciding one. A missing or doubled reduction moves the gradient norm by ~50%.
     """
 
     loss: float
     grad_norm: float
     tensor: float
+    diagnostic: tuple[str, ...] = ()  # kinds reported beyond the bound but not deciding a divergence
 
     def of(self, kind: str) -> float:
         return {"loss": self.loss, "grad_norm": self.grad_norm}.get(kind, self.tensor)
 
+    def decides(self, kind: str) -> bool:
+        return kind not in self.diagnostic
+
     def text(self) -> str:
-        return f"loss {self.loss:.0e}, gradient norm {self.grad_norm:.0e}, tensors {self.tensor:.0e} relative"
+        return (f"loss {self.loss:.0e}, gradient norm {self.grad_norm:.0e}, tensors {self.tensor:.0e} relative"
+                + (f" ({', '.join(self.diagnostic)} diagnostic only)" if self.diagnostic else ""))
 
 
-TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": Tolerance(1e-3, 2e-2, 5e-2),
-              "fp16": Tolerance(1e-3, 2e-2, 5e-2)}
+_LOW_PRECISION = Tolerance(1e-3, 2e-2, 5e-2, diagnostic=("gradient", "forward", "weight"))
+TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": _LOW_PRECISION, "fp16": _LOW_PRECISION}
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
