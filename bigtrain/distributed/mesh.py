@@ -14,7 +14,7 @@ import math
 import torch.distributed as dist
 
 from bigtrain.config import ParallelConfig
-from bigtrain.distributed.comm import AxisComm, CommStats
+from bigtrain.distributed.comm import AxisComm, CommStats, world_timeout
 
 AXES = ("pp", "dp", "sp", "tp")  # outermost first
 # Axes flattened into one group: the replicas of every weight under Ulysses sequence parallelism
@@ -78,7 +78,9 @@ class Mesh:
         return sorted(out)
 
     def _make_groups(self) -> None:
-        # Every rank must call new_group for every group, in the same order.
+        # Every rank must call new_group for every group, in the same order; each waits as long as
+        # the world group (distributed.timeout_s), not torch's 30-minute default for new groups.
+        timeout = world_timeout()
         for name, axes in [(a, (a,)) for a in AXES] + list(FLATTENED.items()):
             if sum(self.sizes[a] > 1 for a in axes) < len(axes) or self.sizes[axes[0]] == 1:
                 continue  # a flattened axis is made only when all its parts are real
@@ -86,14 +88,14 @@ class Mesh:
             for fixed in itertools.product(*(range(self.sizes[a]) for a in others)):
                 coords = dict(zip(others, fixed), **{a: 0 for a in axes})
                 ranks = self.ranks_across(axes, self._rank_of(coords))
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
                     self.groups[name] = group
         for name, axis in ENDS.items():
             if self.sizes[axis] <= 2:
                 continue  # two ranks or fewer: the ends are the whole axis, whose group serves (see comm)
             for ranks in self._end_rank_pairs(axis):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
                     self.groups[name] = group
 
