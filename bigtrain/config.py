@@ -197,9 +197,9 @@ class LoggingConfig:
 class DistributedConfig:
     """The process group."""
 
-    timeout_s: float = doc("Seconds a rank waits in a collective (or for its peers to join) before it fails, "
-                           "naming the collective, its axis and tag; a frozen or dead peer is found this long "
-                           "after it stopped.", 600.0)
+    timeout_s: float = doc("Seconds (1 to a year) a rank waits in a collective, or for its peers to join, "
+                           "before it fails naming the collective, its axis and tag; a frozen or dead peer is "
+                           "found this long after it stopped.", 600.0)
 
 
 @dataclass

@@ -236,11 +236,11 @@ BUCKET_MB_MAX = 2**20  # 1 TiB: a bucket is never larger than the model; more ov
 
 
 def check_distributed(cfg: Config) -> list[str]:
-    problems = _positive(cfg, ["distributed.timeout_s"])
-    if not problems and cfg.distributed.timeout_s > TIMEOUT_MAX_S:
-        problems.append(f"distributed.timeout_s = {cfg.distributed.timeout_s:g}: at most {TIMEOUT_MAX_S} (a year); "
-                        f"the default 600 finds a frozen rank in 10 minutes")
-    return problems
+    timeout = cfg.distributed.timeout_s
+    if not 1 <= timeout <= TIMEOUT_MAX_S:  # NaN fails too
+        return [f"distributed.timeout_s = {timeout:g}: must be between 1 (a step's collectives take longer than "
+                f"less) and {TIMEOUT_MAX_S} (a year); the default 600 finds a frozen rank in 10 minutes"]
+    return []
 
 
 def check_limits(cfg: Config) -> list[str]:

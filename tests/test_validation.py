@@ -82,6 +82,7 @@ CASES = [
     ("timeout-zero", ["--distributed.timeout_s=0"], "distributed.timeout_s"),
     ("timeout-nan", ["--distributed.timeout_s=nan"], "distributed.timeout_s"),
     ("timeout-beyond-a-year", ["--distributed.timeout_s=1e308"], "distributed.timeout_s"),
+    ("timeout-below-a-second", ["--distributed.timeout_s=5e-324"], "distributed.timeout_s"),
     ("bucket-beyond-1-tib", ["--parallel.bucket_mb=1e308"], "parallel.bucket_mb"),
     ("undecodable-text", ["--data.cache_dir=a\udcffb"], "data.cache_dir"),
     ("dim-prime-and-huge", [f"--model.dim={2**61 - 1}"], "model.dim"),
