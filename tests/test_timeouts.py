@@ -17,6 +17,22 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.testing import RankFailure, run_ranks
 
 
+def test_a_report_names_a_dead_peer_and_survives_pickling():
+    import pickle
+
+    from bigtrain.distributed.comm import Collective
+
+    cause = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5548")
+    error = CollectiveError(0, Collective("send to rank 3", "pp", "activations", 2048), [0, 3], 0.01,
+                            [Collective("all_reduce", "dp", "grads", 3 * 2**20)], cause)
+    error.step = 7
+    text = str(pickle.loads(pickle.dumps(error)))
+    assert text.startswith("rank 0 at step 7: send to rank 3 on axis 'pp' tag 'activations' (2.0 KiB) failed after "
+                           "0.0 s in the group of ranks [0, 3]: [pair.cc:553] Connection closed by peer")
+    assert "did not take part" not in text  # that line is for timeouts
+    assert "    all_reduce on axis 'dp' tag 'grads' (3.0 MiB)" in text
+
+
 def _freeze(note: Path | None = None) -> None:
     if note is not None:
         note.write_text(repr(time.time()))

@@ -95,6 +95,16 @@ class CollectiveError(RuntimeError):
     def __str__(self) -> str:
         return self.describe()
 
+    def __reduce__(self):  # survives pickling (a rank's report sent to a parent process)
+        args = (self.rank, self.collective, self.group, self.elapsed_s, self.recent, RuntimeError(str(self.cause)))
+        return _rebuild_collective_error, (args, self.step)
+
+
+def _rebuild_collective_error(args: tuple, step: int | None) -> CollectiveError:
+    error = CollectiveError(*args)
+    error.step = step
+    return error
+
 
 def world_timeout() -> timedelta | None:
     """The default group's timeout, for groups made after it (``new_group`` alone would give them
