@@ -170,7 +170,7 @@ class Runner:
                 [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
                 optimizer_class=torch.optim.AdamW, process_group=mesh.groups["dp"],
                 parameters_as_bucket_view=args.zro_bucket_view, lr=args.lr,
-                betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps, foreach=True)
+                betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps, fused=True)  # as bigtrain's AdamW
             if args.precision != "fp32":
                 self.autocast = lambda: torch.autocast("cpu", dtype=compute)
 

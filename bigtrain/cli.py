@@ -1,4 +1,4 @@
-"""``bigtrain train | check | plan | bench | report | config | presets | fields``.
+"""``bigtrain train | check | plan | bench | report | export | config | presets | fields``.
 
 ``bigtrain train`` validates the config before anything starts. When the layout needs several
 ranks and no launcher started us, it writes the resolved config into the run directory and starts
@@ -44,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     report = sub.add_parser("report", help="write report.md and loss.png for a run directory")
     report.add_argument("run_dir")
+    export = sub.add_parser("export", help="write the newest checkpoint's weights as one safetensors file "
+                                           "(a .pt file without the optional safetensors package)")
+    export.add_argument("run_dir", help="a run directory, its checkpoints/, or one checkpoint")
+    export.add_argument("out", help="the file to write, e.g. model.safetensors")
+    export.set_defaults(run=cmd_export)
     sub.add_parser("presets", help="list the shipped presets")
     sub.add_parser("fields", help="list every config field with its help")
     return parser
@@ -156,6 +161,22 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
                       f"run directory {run_dir}" + (f", report {report}" if report else ""))
     finally:
         shutdown_distributed()
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from bigtrain.checkpoint.export import export
+
+    try:
+        path, kind = export(Path(args.run_dir), Path(args.out))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"bigtrain export: {e}", file=sys.stderr)
+        return 1
+    if kind == "torch":
+        print(f"bigtrain export: safetensors is not installed (pip install safetensors); wrote a torch.save "
+              f"file instead: {path}")
+    else:
+        print(f"bigtrain export: wrote {path}")
     return 0
 
 

@@ -88,7 +88,8 @@ class ParallelConfig:
     sp: int = doc("Ulysses sequence-parallel degree (sequence shards, all-to-all around attention).", 1)
     sequence_parallel: bool = doc("Megatron sequence parallelism on the tp axis: norms and residuals on "
                                   "sequence shards, all-gather / reduce-scatter instead of all-reduce.", False)
-    ep: int = doc("Expert-parallel degree (not yet supported: keep 1).", 1)
+    ep: int = doc("Expert-parallel degree: experts are sharded over ep adjacent ranks of the dp x sp replicas "
+                  "(ep divides dp x sp and adds no ranks). Needs a mixture-of-experts model: keep 1 for now.", 1)
     zero: int = doc("ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state), 2 (+ gradients), "
                     "3 (+ parameters).", 0)
     bucket_mb: float = doc("Gradient all-reduce bucket size in MiB (stage 0 in fp32).", 25.0)
@@ -129,13 +130,16 @@ class MemoryConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule."""
+    """The optimizer and its learning-rate schedule."""
 
+    name: str = doc("Optimizer: 'adamw' (fused kernel where the device has one). Others plug in through "
+                    "bigtrain.optim.register_optimizer; the tests register 'sgd_momentum'.", "adamw")
     lr: float = doc("Peak learning rate (before linear scaling, if enabled).", 3e-3)
     min_lr_ratio: float = doc("Cosine floor as a fraction of the peak.", 0.1)
     warmup_steps: int = doc("Linear warm-up steps.", 20)
-    weight_decay: float = doc("Decoupled weight decay (not applied to norms).", 0.1)
-    beta1: float = doc("Adam beta1.", 0.9)
+    weight_decay: float = doc("Weight decay on matrices, not on norms or vectors (AdamW: decoupled; "
+                              "'sgd_momentum': L2, added to the gradient).", 0.1)
+    beta1: float = doc("Adam beta1; the momentum of momentum SGD ('sgd_momentum').", 0.9)
     beta2: float = doc("Adam beta2.", 0.95)
     eps: float = doc("Adam epsilon.", 1e-8)
     grad_clip: float = doc("Global gradient-norm clip; 0 disables.", 1.0)
@@ -181,6 +185,16 @@ class CheckpointConfig:
     keep: int = doc("Keep the newest K checkpoints.", 2)
     resume: str = doc("'none', 'auto' (newest valid checkpoint in the run directory), or a path.", "none")
     save_final: bool = doc("Save at the end of the run.", True)
+    # ``checkpoint.async`` is a Python keyword: declared through the class namespace, outside
+    # ``__init__`` (whose generated signature could not name it), default set below; read it with
+    # ``getattr(cfg.checkpoint, "async")``.
+    __annotations__["async"] = bool
+    locals()["async"] = field(init=False, repr=False, compare=False, metadata={"doc": (
+        "Write checkpoints in a background thread, overlapping training: each rank snapshots its shards "
+        "at the save step; the manifest is written once every rank's files are.")})
+
+
+setattr(CheckpointConfig, "async", False)
 
 
 @dataclass

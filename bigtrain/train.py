@@ -9,14 +9,17 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from bigtrain import checkpoint as ckpt
+from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
 from bigtrain.data import TokenSampler, load_tokens
 from bigtrain.distributed.mesh import Mesh
@@ -69,11 +72,14 @@ class Trainer:
         self.counted_targets = self.global_tokens  # this step's loss normalizer (fewer when targets are masked)
         self.step = 0
         self.history: list[StepResult] = []
+        self._pending_save: Future | None = None  # a background checkpoint write (checkpoint.async)
+        self._save_thread: ThreadPoolExecutor | None = None
+        self._checkpoint_group = None
 
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
                           tracker: SavedActivations | None) -> torch.Tensor:
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        tokens, targets = self._to_device(tokens), self._to_device(targets)
         context = self.engine.no_sync() if not sync else nullcontext()
         with context:
             with tracker if tracker is not None else nullcontext():
@@ -83,6 +89,15 @@ class Trainer:
         if tracker is not None:
             tracker.reset()  # backward freed what this micro-batch saved
         return loss_sum.detach()
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the compute device. To a GPU it is copied from pinned memory without
+        blocking: from pageable memory torch would synchronize the stream, and the host would wait
+        for the previous micro-batch's backward before it could queue the next forward (the pinned
+        buffer is not reused before the copy ran: torch's host allocator records it on the stream)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.contiguous().pin_memory().to(self.device, non_blocking=True)
 
     def _micro_batches_in_turn(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
         """Forward and backward of each micro-batch in turn; (summed loss, peak saved bytes)."""
@@ -94,7 +109,7 @@ class Trainer:
 
     def _micro_batches_through_pipeline(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
         """The schedule's order of forwards and backwards over this rank's stages."""
-        chunks = [self.parallel.sequence_chunk(t.to(self.device), y.to(self.device))[:2] for t, y in batches]
+        chunks = [self.parallel.sequence_chunk(self._to_device(t), self._to_device(y))[:2] for t, y in batches]
         self.executor.measure_activations = measure
         out = self.executor.run(chunks)
         loss_sum = torch.zeros((), device=self.device)
@@ -134,22 +149,25 @@ class Trainer:
         self.parallel.finish_grad_sync()
         if before_update is not None:
             before_update()
-        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)
-        step_time = time.perf_counter() - start
+        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)  # host sync 1: norm and overflow
         traffic = self.mesh.stats.since(before)
-        mem = self._memory(activations) if measure else {}
         self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
+        # Host sync 2, the step's last: on CUDA it waits for the current stream, where the optimizer's
+        # kernels (and, over NCCL, the wait for this all-reduce) were queued before it, so the step
+        # time below is the device's, not the time it took to queue the kernels.
+        loss = float(loss_sum) / self.counted_targets
+        step_time = time.perf_counter() - start
+        mem = self._memory(activations) if measure else {}  # one more sync, on measured steps only
         self.engine.zero_grad()
         self.step += 1
         scaler = self.engine.scaler
-        return StepResult(step, float(loss_sum) / self.counted_targets, grad_norm, lr, step_time,
-                          self.global_tokens, mem, traffic.by_axis(), traffic.by_op(), skipped,
-                          scaler.scale if scaler is not None else None)
+        return StepResult(step, loss, grad_norm, lr, step_time, self.global_tokens, mem, traffic.by_axis(),
+                          traffic.by_op(), skipped, scaler.scale if scaler is not None else None)
 
     def _memory(self, activations: int) -> dict[str, int]:
         states = self.engine.state_bytes()
         values = torch.tensor([states["params"], states["grads"], states["optimizer"], activations],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         self.mesh.comm("world").max(values)  # the worst rank
         return dict(zip(MEM_KEYS, (int(v) for v in values.tolist())))
 
@@ -179,6 +197,7 @@ class Trainer:
             self.draw_pipeline()
         if cfg.checkpoint.save_final and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
             self.save()
+        self.wait_for_save()
         return self.history
 
     def draw_pipeline(self) -> list[Path]:
@@ -206,16 +225,48 @@ class Trainer:
         return self.run_dir / "checkpoints"
 
     def save(self) -> None:
-        weights, optim_state = self.parallel.full_state()  # collective under ZeRO and tp
+        """Write checkpoint ``step`` in the sharded format: every rank writes the chunks it owns, in
+        parallel (torch.distributed.checkpoint); rank 0 commits it (manifest, checksums, rename)
+        once all are written. With ``checkpoint.async`` the chunks are snapshotted here and written
+        in a background thread while training goes on (see :meth:`wait_for_save`)."""
+        self.wait_for_save()
+        background = getattr(self.cfg.checkpoint, "async")
+        chunks = self.parallel.owned_chunks(copy=background)
+        scaler = self.engine.scaler
+        meta = {"format": ckpt.FORMAT, "config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
+                "optimizer": self.engine.optim_spec.name,
+                "loss_scaler": scaler.state_dict() if scaler is not None else None}
+        if not background:
+            self._write_checkpoint(self.step, chunks, meta, None)
+            return
+        if self._checkpoint_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # The background write's collectives get their own group, apart from training's.
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        if self._save_thread is None:
+            self._save_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending_save = self._save_thread.submit(self._write_checkpoint, self.step, chunks, meta,
+                                                      self._checkpoint_group)
+
+    def _write_checkpoint(self, step: int, chunks: list, meta: dict, group) -> None:
+        root, keep = self.checkpoint_root, self.cfg.checkpoint.keep
+        tmp = ckpt.temp_dir(root, step)
+        if self.is_main:  # before any rank writes: the plan exchange in save_chunks waits for rank 0
+            root.mkdir(parents=True, exist_ok=True)
+            ckpt.fresh_temp_dir(root, step)
+        save_chunks(tmp, chunks, group)  # returns once every rank's files and the metadata are written
         if self.is_main:
-            files = {"model.pt": weights, "optimizer.pt": optim_state}
-            scaler = self.engine.scaler
-            meta = {"config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
-                    "loss_scaler": scaler.state_dict() if scaler is not None else None}
-            ckpt.save_checkpoint(self.checkpoint_root, self.step, files, meta, self.cfg.checkpoint.keep)
-        self.mesh.comm("world").all_reduce(torch.zeros(1), tag="barrier")  # all ranks see the save
+            ckpt.commit_checkpoint(root, step, tmp, meta, keep)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank sees the committed save
+            dist.barrier(group)
+
+    def wait_for_save(self) -> None:
+        """Block until a background checkpoint write is committed (re-raising its error)."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            pending.result()
 
     def resume(self, where: str) -> bool:
+        self.wait_for_save()
         root = self.checkpoint_root if where == "auto" else Path(where)
         found = ckpt.newest_valid_checkpoint(root)
         if found is None:
@@ -223,7 +274,14 @@ class Trainer:
                 raise FileNotFoundError(f"checkpoint.resume = '{where}': no valid checkpoint there")
             return False
         path, meta = found
-        self.parallel.load_full_state(ckpt.load_file(path, "model.pt"), ckpt.load_file(path, "optimizer.pt"))
+        if meta.get("format") != ckpt.FORMAT:
+            raise ValueError(f"{path} is an old-format checkpoint ({meta.get('format', 'full tensors in model.pt')}); "
+                             f"this version loads sharded '{ckpt.FORMAT}' checkpoints only: start the run afresh")
+        saved_by, name = meta.get("optimizer"), self.engine.optim_spec.name
+        if saved_by != name:
+            raise ValueError(f"the checkpoint's optimizer state is {saved_by!r}'s but optim.name = '{name}'; "
+                             f"resume with optim.name = '{saved_by}'")
+        self.parallel.load_sharded(path)
         if self.engine.scaler is not None and meta.get("loss_scaler"):
             self.engine.scaler.load_state_dict(meta["loss_scaler"])
         self.step = int(meta["step"])

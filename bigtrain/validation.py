@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from bigtrain.config import Config, ConfigError
+from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -20,6 +21,7 @@ REDUCE_DTYPES = ("auto", "fp32")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 MODELS = ("llama",)
+MOE_MODELS: tuple[str, ...] = ()  # models with experts, which expert parallelism shards; none yet
 
 Rule = Callable[[Config], list[str]]
 
@@ -84,15 +86,31 @@ def check_parallel(cfg: Config) -> list[str]:
     p = cfg.parallel
     problems = _positive(cfg, ["parallel.dp", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep",
                                "parallel.bucket_mb"])
-    for axis in ("ep",):
-        value = getattr(p, axis)
-        if value > 1:
-            problems.append(f"parallel.{axis} = {value}: not supported yet in this version; set it to 1")
+    problems += _check_expert_parallel(cfg)
     if p.zero not in (0, 1, 2, 3):
         problems.append(f"parallel.zero = {p.zero}: must be 0, 1, 2 or 3")
     elif p.zero < 3 and not (p.reshard_after_forward and p.prefetch):
         problems.append(f"parallel.reshard_after_forward / parallel.prefetch apply only to ZeRO-3 (parameters are "
                         f"not partitioned at parallel.zero = {p.zero}); set parallel.zero = 3 or leave them true")
+    return problems
+
+
+def _check_expert_parallel(cfg: Config) -> list[str]:
+    """ep shards experts over part of the dp x sp replicas (distributed/mesh.py): it must divide them."""
+    p, problems = cfg.parallel, []
+    if p.ep < 1 or p.dp < 1 or p.sp < 1:
+        return problems  # named by _positive
+    replicas = p.dp * p.sp
+    if replicas % p.ep:
+        over = "parallel.dp" if p.sp == 1 else "parallel.dp x parallel.sp"
+        value = f"{p.dp}" if p.sp == 1 else f"{p.dp} x {p.sp} = {replicas}"
+        problems.append(f"parallel.ep = {p.ep} does not divide {over} = {value}: experts are sharded over ep of "
+                        f"the data-parallel ranks (ep adds no ranks); use parallel.ep = "
+                        f"{_divisor_near(replicas, p.ep)} or make {over} a multiple of {p.ep}")
+    if p.ep > 1 and cfg.model.name not in MOE_MODELS:
+        problems.append(f"parallel.ep = {p.ep}: expert parallelism needs a mixture-of-experts model, and "
+                        f"model.name = '{cfg.model.name}' is dense (MoE models land with the MoE issue); "
+                        f"set parallel.ep = 1")
     return problems
 
 
@@ -140,6 +158,12 @@ def check_optim(cfg: Config) -> list[str]:
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
     problems += _one_of("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
+    problems += _one_of("optim.name", o.name, optimizer_names())
+    if o.name in optimizer_names() and not get_optimizer(o.name).elementwise:
+        if cfg.parallel.zero >= 1 or cfg.precision.mode != "fp32":
+            problems.append(f"optim.name = '{o.name}' needs each parameter's shape, but the ZeRO engine "
+                            f"(parallel.zero >= 1, or precision.mode other than fp32) runs the optimizer on "
+                            f"flat shards; use parallel.zero = 0 with precision.mode = 'fp32'")
     return problems
 
 

@@ -109,3 +109,12 @@ def test_the_check_command_runs_several_ranks_under_torchrun(corpus_cache, tmp_p
                  "--train.micro_batch=1"])
     assert code == 0
     assert "agree: 2 steps" in capsys.readouterr().out
+
+
+def test_steps_both_sides_skip_on_fp16_overflow_compare_as_equal(corpus_cache, tmp_path):
+    # A loss scale of 2^16 overflows this model's first fp16 gradients on both sides: the skipped
+    # steps must agree (inf gradients are not a difference), and the later ones be compared.
+    cfg = tiny_config(corpus_cache, "--parallel.zero=3", "--precision.mode=fp16", "--train.global_batch=2",
+                      "--train.micro_batch=2", "--model.vocab_size=258", "--model.n_layers=3")
+    report = _check(0, 1, cfg, str(tmp_path), 3)
+    assert report.agree, report.text()

@@ -54,12 +54,13 @@ def test_a_corrupt_checkpoint_is_skipped_with_a_warning(corpus_cache, tmp_path):
     trainer.save()
     newest = ckpt.list_checkpoints(trainer.checkpoint_root)[0]
     assert newest.name == "step_00000005"
-    data = bytearray((newest / "model.pt").read_bytes())
+    shard = next(newest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (newest / "model.pt").write_bytes(bytes(data))
+    shard.write_bytes(bytes(data))
 
     resumed = trainer_on_rank(0, 1, cfg, tmp_path)
-    with pytest.warns(UserWarning, match="checksum mismatch in model.pt"):
+    with pytest.warns(UserWarning, match=f"checksum mismatch in {shard.name}"):
         assert resumed.resume("auto")
     assert resumed.step == 3
 
@@ -86,3 +87,54 @@ def test_only_the_newest_k_are_kept(tmp_path):
     meta = json.loads((root / "step_00000005" / "meta.json").read_text())
     assert set(meta["sha256"]) == {"model.pt"}
     assert torch.equal(ckpt.load_file(root / "step_00000005", "model.pt")["w"], torch.full((2,), 5.0))
+
+
+def _async_saves_then_resume(rank, world_size, cfg, run_dir):
+    cfg.checkpoint.keep = 3
+    first = trainer_on_rank(rank, world_size, cfg, run_dir)
+    head = run_steps(first, 2)
+    first.save()  # returns at once: the write runs while steps 3-4 train
+    pending = first._pending_save is not None
+    head += run_steps(first, 2)
+    first.save()
+    first.wait_for_save()
+    tails = {}
+    for where, step in ((str(first.checkpoint_root / "step_00000002"), 2), ("auto", 4)):
+        again = trainer_on_rank(rank, world_size, cfg, run_dir)
+        assert again.resume(where) and again.step == step
+        tails[step] = run_steps(again, 10 - step)
+    return pending, head, tails
+
+
+def test_async_saves_resume_identically(corpus_cache, tmp_path):
+    """checkpoint.async: the snapshot is the state at the save step although training went on
+    while it was written, and the run resumes from it as from a synchronous save."""
+    expected = run_steps(trainer_on_rank(0, 1, _config(corpus_cache), tmp_path / "one"), 10)
+    cfg = _config(corpus_cache, **{"parallel.dp": 2, "parallel.zero": 2, "checkpoint.async": "true"})
+    for pending, head, tails in run_ranks(_async_saves_then_resume, 2, cfg, str(tmp_path / "two")):
+        assert pending
+        for start, tail in tails.items():
+            torch.testing.assert_close(torch.tensor(head[:start] + tail), torch.tensor(expected), rtol=1e-5, atol=0)
+    committed = ckpt.list_checkpoints(tmp_path / "two" / "checkpoints")
+    assert [p.name for p in committed] == ["step_00000004", "step_00000002"]
+    assert not list((tmp_path / "two" / "checkpoints").glob("*.tmp*"))
+
+
+def test_export_writes_one_consolidated_file(corpus_cache, tmp_path, capsys):
+    from bigtrain.cli import main
+
+    trainer = trainer_on_rank(0, 1, _config(corpus_cache), tmp_path / "run")
+    run_steps(trainer, 2)
+    trainer.save()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "model.safetensors")]) == 0
+    printed = capsys.readouterr().out
+    try:
+        from safetensors.torch import load_file
+        weights = load_file(str(tmp_path / "model.safetensors"))
+    except ImportError:
+        assert "safetensors is not installed" in printed
+        weights = torch.load(tmp_path / "model.pt", weights_only=True)["weights"]
+    expected = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    assert set(weights) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(weights[name], value), name

@@ -26,7 +26,8 @@ class Tolerance:
     step's activations 4.6e-5 off, the loss within 1e-7. In bf16/fp16 the loss over 20 steps stays
     within ~1e-4 of the bf16 reference (measured), so 1e-3 can still fail; the gradient norm and single
     tensors carry the rounding of bf16 reductions and of bf16 copies of drifting weights (1e-3 to
-    1.1e-2 measured), hence 2e-2. A missing or doubled reduction is off by ~50%.
+    2.1e-2 measured, the most on small tensors such as replicated key/value heads under tp=4), hence
+    5e-2 for them and 2e-2 for the gradient norm. A missing or doubled reduction is off by ~50%.
     """
 
     loss: float
@@ -40,8 +41,8 @@ class Tolerance:
         return f"loss {self.loss:.0e}, gradient norm {self.grad_norm:.0e}, tensors {self.tensor:.0e} relative"
 
 
-TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": Tolerance(1e-3, 2e-2, 2e-2),
-              "fp16": Tolerance(1e-3, 2e-2, 2e-2)}
+TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": Tolerance(1e-3, 2e-2, 5e-2),
+              "fp16": Tolerance(1e-3, 2e-2, 5e-2)}
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

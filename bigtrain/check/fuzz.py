@@ -39,6 +39,12 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     micro = rng.choice([1, 1, 2, 4])
     accum = rng.choice([1, 2, 4]) if pp == 1 else rng.choice([2, 4, 4])
     layers = rng.choice([2, 3, 4, 6])
+    schedule = rng.choice(["1f1b", "gpipe", "interleaved", "zb-h1", "naive"]) if pp > 1 else None
+    virtual = rng.choice([2, 3]) if schedule == "interleaved" else 1
+    if schedule == "interleaved":
+        # Most random draws break interleaving's constraints (a layer per chunk, micro-batches in
+        # multiples of pp): draw those two from what it accepts, or it would hardly ever run.
+        layers, accum = pp * virtual * rng.choice([1, 1, 2]), pp * rng.choice([1, 2])
     out = [f"--parallel.dp={dp}", f"--parallel.tp={tp}", f"--parallel.pp={pp}", f"--parallel.sp={sp}",
            f"--parallel.zero={rng.choice([0, 1, 2, 3])}", f"--model.n_layers={layers}",
            f"--train.micro_batch={micro}", f"--train.global_batch={micro * accum * dp}",
@@ -50,10 +56,9 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     if tp > 1:
         out.append(f"--parallel.sequence_parallel={rng.random() < 0.5}")
     if pp > 1:
-        schedule = rng.choice(["1f1b", "gpipe", "interleaved", "zb-h1", "naive"])
         out.append(f"--parallel.pp_schedule={schedule}")
         if schedule == "interleaved":
-            out.append(f"--parallel.pp_virtual={rng.choice([2, 3])}")
+            out.append(f"--parallel.pp_virtual={virtual}")
         if rng.random() < 0.3:
             out.append("--parallel.pp_balance=params")
     policy = rng.choice(["none", "none", "full", "every"])

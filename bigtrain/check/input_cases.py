@@ -76,13 +76,14 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
     "optim.grad_clip": (0, True, math.inf, False), "distributed.timeout_s": (1, True, 365 * 86400, True),
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
-               "parallel.prefetch", "checkpoint.save_final", "logging.progress", "logging.report",
-               "logging.measure_memory"]
+               "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",
+               "logging.report", "logging.measure_memory"]
 ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "model.name": ("llama",), "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
     "parallel.pp_balance": ("layers", "params"), "precision.mode": ("fp32", "bf16", "fp16"),
     "precision.reduce_dtype": ("auto", "fp32"), "memory.checkpointing": ("none", "full", "every"),
-    "optim.lr_scaling": ("none", "linear"), "train.device": ("auto", "cpu"),  # cuda: only with a GPU
+    "optim.lr_scaling": ("none", "linear"), "optim.name": ("adamw",),  # others register at run time
+    "train.device": ("auto", "cpu"),  # cuda: only with a GPU
 }
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -477,7 +478,7 @@ def _clumsy_case(rng: random.Random) -> Case:
 # -- drawing cases -------------------------------------------------------------------------------------
 # bigtrain check sets these itself (no checkpoints, no resume, no report): a value of the right type is ignored.
 CHECK_OVERWRITES = {"checkpoint.resume", "checkpoint.every", "checkpoint.save_final", "logging.progress",
-                    "logging.report"}
+                    "logging.report"}  # (a value of the wrong type is still rejected when the config loads)
 KINDS = {"field": 50, "data": 17, "output": 6, "env": 6, "toml": 9, "flag": 5, "clumsy": 7}
 
 

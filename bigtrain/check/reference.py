@@ -14,7 +14,14 @@ The recipe it states:
   accumulated in fp32 on the masters (FSDP's ``param_dtype`` + fp32 ``reduce_dtype`` recipe);
   fp16 with a dynamic loss scale that skips overflowing steps;
 - ``torch.nn.utils.clip_grad_norm_``, then ``torch.optim.AdamW`` with decay on matrices only, at the
-  learning rate of linear warm-up then cosine decay to ``min_lr_ratio`` of the peak.
+  learning rate of linear warm-up then cosine decay to ``min_lr_ratio`` of the peak;
+- ``optim.name = 'sgd_momentum'`` (the tests' optimizer, plugged into the trainer through
+  ``bigtrain.optim.register_optimizer``): ``torch.optim.SGD`` with momentum ``optim.beta1``, no
+  dampening, and its L2 weight decay (added to the gradient) on matrices only.
+
+It computes on ``device`` (the CPU by default; a GPU run is compared with the reference on the same
+GPU, in the same precision). The initial values are drawn on the CPU whatever the device, and what
+a captured step returns (outputs, gradients, weights) is copied to the CPU.
 """
 
 from __future__ import annotations
@@ -57,9 +64,10 @@ def captured_module(name: str) -> bool:
 
 
 class ReferenceRun:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.master = Llama(cfg.model)  # on the CPU, in fp32
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
+        self.cfg, self.device = cfg, torch.device(device)
+        with self.device:
+            self.master = Llama(cfg.model)  # fp32
         self.master.init_weights(cfg.train.seed)
         mode = cfg.precision.mode
         self.mixed = mode != "fp32"
@@ -68,9 +76,7 @@ class ReferenceRun:
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
-                                           eps=o.eps)
+        self.optimizer = _optimizer([g for g in groups if g["params"]], cfg.optim)
         d = cfg.data
         self.sampler = TokenSampler(load_tokens(d.source, d.cache_dir, d.max_bytes), d.seq_len,
                                     cfg.train.global_batch, cfg.train.seed, d.ignore_target)
@@ -90,6 +96,7 @@ class ReferenceRun:
     def train_step(self, capture: bool = False) -> ReferenceStep:
         tokens, targets = self.sampler.batch(self.step, 0, self.cfg.train.global_batch)
         counted = max(1, int((targets != -100).sum()))
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
         outputs: dict[str, list[torch.Tensor]] = {}
         handles = self._capture_outputs(outputs) if capture else []
         loss_sum = 0.0
@@ -109,8 +116,8 @@ class ReferenceRun:
         result = self._update()
         result.loss = loss_sum / counted
         if capture:
-            result.outputs = {name: torch.cat(parts).float() for name, parts in outputs.items()}
-            result.weights = {n: p.detach().clone() for n, p in self.master.named_parameters()}
+            result.outputs = {name: torch.cat(parts).float().cpu() for name, parts in outputs.items()}
+            result.weights = {n: p.detach().cpu().clone() for n, p in self.master.named_parameters()}
         self.step += 1
         return result
 
@@ -135,7 +142,7 @@ class ReferenceRun:
         if self.loss_scale != 1.0:
             for p in params:
                 p.grad.div_(self.loss_scale)
-        grads = {n: p.grad.detach().clone() for n, p in self.master.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.detach().cpu().clone() for n, p in self.master.named_parameters() if p.grad is not None}
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         skipped = self.cfg.precision.mode == "fp16" and not math.isfinite(norm)
@@ -158,14 +165,23 @@ class ReferenceRun:
         return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
 
 
-def reference_losses(cfg: Config, steps: int) -> list[float]:
+def _optimizer(groups: list[dict], o) -> torch.optim.Optimizer:
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if o.name == "sgd_momentum":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.beta1)
+    raise ValueError(f"optim.name = '{o.name}': the reference knows 'adamw' and 'sgd_momentum' only")
+
+
+def reference_losses(cfg: Config, steps: int, device: torch.device | str = "cpu") -> list[float]:
     """Per-step losses of the reference over ``steps`` steps."""
-    return reference_trajectory(cfg, steps)[0]
+    return reference_trajectory(cfg, steps, device)[0]
 
 
-def reference_trajectory(cfg: Config, steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """(per-step losses, per-step gradient norms, fp32 weights by name after the last step)."""
-    run = ReferenceRun(cfg)
+def reference_trajectory(cfg: Config, steps: int, device: torch.device | str = "cpu"
+                         ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """(per-step losses, per-step gradient norms, fp32 weights by name on the CPU after the last step)."""
+    run = ReferenceRun(cfg, device)
     records = [run.train_step() for _ in range(steps)]
-    weights = {n: p.detach().clone() for n, p in run.master.named_parameters()}
+    weights = {n: p.detach().cpu().clone() for n, p in run.master.named_parameters()}
     return [r.loss for r in records], [r.grad_norm for r in records], weights

@@ -35,23 +35,40 @@ def env_world_size() -> int | None:
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
+    """This rank's device: one GPU per local rank (NCCL cannot run two ranks on one GPU), or the CPU."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise RuntimeError(f"train.device = '{requested}' but no CUDA device is available; use 'auto' or 'cpu'")
+    if count == 1:
+        return torch.device("cuda", 0)  # one visible GPU per process (a launcher set CUDA_VISIBLE_DEVICES)
+    if local_rank >= count:
+        raise RuntimeError(f"train.device = '{requested}': local rank {local_rank} needs its own GPU but this "
+                           f"machine shows {count}; start at most {count} ranks per machine, or use device 'cpu'")
+    return torch.device("cuda", local_rank)
 
 
 def init_distributed(device_request: str = "auto", timeout_s: float = 600.0) -> RankInfo:
     """Join the process group the launcher describes (or stay single-process without one)."""
     if not launched_externally() or int(os.environ["WORLD_SIZE"]) == 1:
-        return RankInfo(0, 1, 0, pick_device(device_request, 0))
+        device = pick_device(device_request, 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return RankInfo(0, 1, 0, device)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(device_request, local_rank)
+    extra = {}
     if device.type == "cuda":
+        # Before any CUDA work: the current device is where NCCL puts its communicators, and where
+        # tensors made without an explicit device would land. ``device_id`` binds the group to it
+        # (no guessing in barrier() or object collectives, which need the current device too).
         torch.cuda.set_device(device)
+        extra["device_id"] = device
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **extra)
     return RankInfo(rank, world, local_rank, device)
 
 

@@ -155,13 +155,13 @@ class Llama(nn.Module):
 def init_value(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> torch.Tensor:
     """The initial value of parameter ``name`` (full, unsharded), on the CPU in fp32."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(shape, device="cpu")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     std = cfg.init_std
     if name.endswith(("wo.weight", "w2.weight")):
         # GPT-2's scaled init for projections into the residual stream keeps its variance flat in depth.
         std = std / (2 * cfg.n_layers) ** 0.5
-    return torch.randn(shape, generator=gen) * std
+    return torch.randn(shape, generator=gen, device="cpu") * std
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Llama:

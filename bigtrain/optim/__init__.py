@@ -1,17 +1,54 @@
-"""Optimizers, learning-rate schedules and gradient clipping."""
+"""Optimizers (the seam in :mod:`bigtrain.optim.spec`), learning-rate schedules and gradient clipping.
+
+Importing this package does not import torch (config validation lists the optimizers' names).
+"""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
-from bigtrain.config import OptimConfig
+from bigtrain.optim import adamw as _adamw  # noqa: F401 - registers "adamw"
+from bigtrain.optim.spec import (OptimizerSpec, StateTensor, get_optimizer, optimizer_names,
+                                 register_optimizer, unregister_optimizer)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from bigtrain.config import OptimConfig
+
+__all__ = ["OptimizerSpec", "StateTensor", "build_adamw", "build_optimizer", "decay_groups", "get_optimizer",
+           "load_state", "optimizer_names", "register_optimizer", "unregister_optimizer"]
 
 
-def build_adamw(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and vectors are not decayed)."""
-    params = {id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}
-    decay = [p for n, p in params.values() if p.ndim >= 2]
-    no_decay = [p for n, p in params.values() if p.ndim < 2]
+def decay_groups(decay: list, no_decay: list, cfg: "OptimConfig") -> list[dict]:
+    """Parameter groups with weight decay on ``decay`` only; empty groups left out."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: "nn.Module", cfg: "OptimConfig", spec: OptimizerSpec | None = None
+                    ) -> "torch.optim.Optimizer":
+    """``cfg.name``'s optimizer (or ``spec``'s) over ``model``'s parameters, with weight decay on
+    matrices only (norm gains and vectors are not decayed)."""
+    spec = spec or get_optimizer(cfg.name)
+    params = [p for p in model.parameters() if p.requires_grad]  # de-duplicated: a tied weight once
+    return spec.build(decay_groups([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg), cfg)
+
+
+def build_adamw(model: "nn.Module", cfg: "OptimConfig", lr: float) -> "torch.optim.Optimizer":
+    """AdamW (fused where the device has the kernel) at learning rate ``lr``, whatever ``cfg.name``."""
+    optimizer = build_optimizer(model, cfg, get_optimizer("adamw"))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return optimizer
+
+
+def load_state(optimizer: "torch.optim.Optimizer", states: dict) -> None:
+    """Give ``optimizer`` the per-parameter ``states`` ({param: {name: tensor}}) through its own
+    ``load_state_dict``, which places each tensor as that optimizer needs it (a fused kernel's step
+    count on the parameter's device, a state tensor in the parameter's dtype)."""
+    order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    packed = optimizer.state_dict()
+    packed["state"] = {order[id(p)]: s for p, s in states.items()}
+    optimizer.load_state_dict(packed)

@@ -26,7 +26,6 @@ from bigtrain.parallel.tensor.functional import local_chunk
 from bigtrain.parallel.tensor.plan import TensorLayout, parallelize_llama
 from bigtrain.parallel.tied import TiedCopies, shared_parameter_names
 from bigtrain.parallel.zero.engine import ZeroEngine
-from bigtrain.parallel.zero.state import MOMENTS
 from bigtrain.precision import DynamicLossScaler, Precision
 
 
@@ -47,6 +46,7 @@ class ParallelModel:
     stages: dict[int, PipelineStage] = field(default_factory=dict)
     schedule: Schedule | None = None
     tied: TiedCopies | None = None  # copies of tied weights whose twin is on another pipeline rank
+    device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives run)
 
     def finish_grad_sync(self) -> None:
         """Complete the gradient reduction (after the last micro-batch), tied copies included."""
@@ -74,7 +74,7 @@ class ParallelModel:
         """This rank's tensors by parameter name (full over dp already) -> full tensors of the whole
         model, complete on the first rank of the pipeline (empty elsewhere); collective over tp and pp."""
         if self.layout is not None:
-            tensors = self.layout.gather_full(tensors)
+            tensors = self.layout.gather_full(tensors, self.device)
         if self.pp.size == 1:
             return tensors
         parts = self.pp.gather_objects(tensors)
@@ -94,33 +94,117 @@ class ParallelModel:
         weights, optim = self._stage_state()
         if self.pp.size == 1:
             return weights, optim
+        spec = self.engine.optim_spec
         parts = self.pp.gather_objects((weights, optim))
         if parts is None:
-            return {}, {"state": {}}
+            return {}, {"optimizer": spec.name, "state": {}}
         return ({k: v for w, _ in parts for k, v in w.items()},
-                {"state": {k: v for _, o in parts for k, v in o.get("state", {}).items()}})
+                {"optimizer": spec.name, "state": {k: v for _, o in parts for k, v in o.get("state", {}).items()}})
 
     def _stage_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        spec = self.engine.optim_spec
         weights, optim = self.engine.full_state()
-        if self.tied is not None:
-            weights, optim = self.tied.to_canonical(weights), {"state": self.tied.to_canonical(optim.get("state", {}))}
-        if self.layout is None:
-            return weights, optim
-        weights = self.layout.gather_full(weights)
         state = optim.get("state", {})
-        moments = {k: self.layout.gather_full({n: s[k] for n, s in state.items()}) for k in MOMENTS}
-        optim = {"state": {n: {**s, **{k: moments[k][n] for k in MOMENTS}} for n, s in state.items()}}
-        return weights, optim
+        if self.tied is not None:
+            weights, state = self.tied.to_canonical(weights), self.tied.to_canonical(state)
+        if self.layout is not None:  # state shaped like a weight is sharded like it over tp
+            gather = lambda tensors: self.layout.gather_full(tensors, self.device)  # noqa: E731
+            weights = gather(weights)
+            state = self._by_element_state(state, gather)
+        return weights, {"optimizer": spec.name, "state": state}
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict) -> None:
+        spec = self.engine.optim_spec
+        state = spec.saved_state(optim)  # before resharding: a foreign optimizer's state fails here, by name
         if self.tied is not None:
-            weights, optim = self.tied.with_aliases(weights), {"state": self.tied.with_aliases(optim.get("state", {}))}
+            weights, state = self.tied.with_aliases(weights), self.tied.with_aliases(state)
         if self.layout is not None:
             weights = self.layout.shard_full(weights)
-            state = optim.get("state", {})
-            moments = {k: self.layout.shard_full({n: s[k] for n, s in state.items()}) for k in MOMENTS}
-            optim = {"state": {n: {**s, **{k: moments[k][n] for k in MOMENTS}} for n, s in state.items()}}
-        self.engine.load_full_state(weights, optim)
+            state = self._by_element_state(state, self.layout.shard_full)
+        self.engine.load_full_state(weights, {"optimizer": spec.name, "state": state})
+
+    # -- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
+    def _spec(self, name: str):
+        return self.layout.specs.get(name) if self.layout is not None else None
+
+    def _canonical(self, name: str) -> str:
+        return self.tied.canonical_name(name) if self.tied is not None else name
+
+    def _pieces(self):
+        engine = self.engine
+        if isinstance(engine, ZeroEngine):
+            from bigtrain.parallel.zero.state import checkpoint_pieces
+            return checkpoint_pieces(engine)
+        return engine.checkpoint_pieces()
+
+    def _load_batches(self, with_state: bool):
+        engine = self.engine
+        if isinstance(engine, ZeroEngine):
+            from bigtrain.parallel.zero.state import checkpoint_load_batches
+            return checkpoint_load_batches(engine, with_state)
+        return engine.checkpoint_load_batches(with_state)
+
+    def owned_chunks(self, copy: bool = False) -> list:
+        """The chunks of full tensors this rank writes (:class:`SavedChunk`): one entry per parameter
+        under its canonical name (a tied weight once) and ``optim/<name>/<state>`` per optimizer
+        state tensor. Every element has one owner: its ZeRO shard's rank; among replicas (ZeRO stage
+        0, the replicated engine) an even split of each parameter's range; tp rank 0 for weights
+        tp does not cut; the canonical copy of a tied weight. Per-tensor state (a step count) is
+        written whole by the owner of the parameter's first element. ``copy``: clone the data (a
+        snapshot for a write that overlaps training); else views of the live shards."""
+        from bigtrain.checkpoint.chunks import WEIGHT, chunks, full_shape, owned_range
+        from bigtrain.checkpoint.sharded import SavedChunk
+
+        tp_rank = self.layout.tp.rank if self.layout is not None else 0
+        aliases = self.tied.aliases if self.tied is not None else set()
+        out = []
+        for batch in self._pieces():
+            for piece in batch:
+                spec = self._spec(piece.name)
+                if piece.name in aliases or (spec is None and tp_rank != 0):
+                    continue
+                lo, hi = owned_range(piece)
+                shape = full_shape(piece.shape, spec)
+                for c in chunks(lo, hi, piece.shape, spec):
+                    for key, flat in piece.tensors.items():
+                        data = flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)
+                        fqn = piece.name if key == WEIGHT else f"optim/{piece.name}/{key}"
+                        out.append(SavedChunk(fqn, shape, c.offsets, data.clone() if copy else data))
+                if lo == 0 < hi and (spec is None or spec.index == 0):
+                    out += [SavedChunk(f"optim/{piece.name}/{k}", tuple(v.shape), (0,) * v.dim(),
+                                       v.detach().clone() if copy else v.detach()) for k, v in piece.scalars.items()]
+        return out
+
+    def load_sharded(self, path) -> None:
+        """Fill this rank's shards (weights and optimizer state) from the sharded checkpoint at
+        ``path``, whatever layout wrote it: each batch (a ZeRO unit, or one parameter) reads only the
+        rectangles this rank's new layout holds. No collectives."""
+        from bigtrain.checkpoint.chunks import WEIGHT, chunks
+        from bigtrain.checkpoint.sharded import ChunkReader
+
+        reader = ChunkReader(path)
+        spec = self.engine.optim_spec
+        with_state = any(k.startswith("optim/") for k in reader.entries)
+        for batch in self._load_batches(with_state):
+            requests = []
+            for piece in batch:
+                name, tp_spec = self._canonical(piece.name), self._spec(piece.name)
+                for c in chunks(piece.lo, piece.hi, piece.shape, tp_spec):
+                    for key, flat in piece.tensors.items():
+                        fqn = name if key == WEIGHT else f"optim/{name}/{key}"
+                        requests.append((fqn, c.offsets, flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)))
+                if with_state:
+                    for k in spec.tensor_state:
+                        piece.scalars[k] = reader.empty(f"optim/{name}/{k}")
+                        requests.append((f"optim/{name}/{k}", (0,) * piece.scalars[k].dim(), piece.scalars[k]))
+            reader.read(requests)
+
+    def _by_element_state(self, state: dict[str, dict], reshard) -> dict[str, dict]:
+        """``reshard`` ({param name: tensor} -> same, as for the weights) applied to each of the
+        optimizer's per-element state tensors; per-tensor state (a step count) is kept as it is."""
+        names = self.engine.optim_spec.element_state
+        moved = {k: reshard({n: s[k] for n, s in state.items()}) for k in names}
+        return {n: {**s, **{k: moved[k][n] for k in names}} for n, s in state.items()}
 
 
 def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> ParallelModel:
@@ -163,7 +247,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
         module.init_buffers(device)
     if layout is not None:
         layout.register_grad_hooks(model)
-    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule, tied)
+    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule, tied, device)
 
 
 def _units_isolating(model: nn.Module, unit_modules: list[nn.Module], names: list[str]) -> list[nn.Module]:

@@ -135,6 +135,10 @@ class DataParallel:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
+        # On CUDA this runs on NCCL's stream, after the work already queued on the compute stream
+        # (the bucket's gradients). The buffer lives as long as the bucket, so no allocator reuse
+        # can race the collective; nothing writes it until finish_grad_sync has waited (every
+        # gradient of the bucket has arrived, and the next writes are the next step's).
         bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True, tag="grads")
 
     def no_sync(self):
@@ -152,7 +156,7 @@ class DataParallel:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
-                bucket.work.wait()
+                bucket.work.wait()  # NCCL: the current stream waits; clipping and AdamW read reduced grads
             bucket.work, bucket.pending = None, len(bucket.params)
 
     def zero_grad(self) -> None:

@@ -1,5 +1,6 @@
 """The plain layout behind the engine interface: full fp32 replicas, our bucketed data parallel,
-and torch's AdamW. The trainer drives it exactly like a :class:`ZeroEngine`."""
+and the configured optimizer on whole parameters (so it may need their shapes: it need not be
+elementwise). The trainer drives it exactly like a :class:`ZeroEngine`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from bigtrain import checkpoint as ckpt
 from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import model_state_bytes
-from bigtrain.optim import build_adamw
+from bigtrain.optim import build_optimizer, get_optimizer, load_state
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import DataParallel
 
@@ -26,7 +27,8 @@ class ReplicatedEngine:
         # Copies of a tied weight whose twin on another rank is the one counted in the norm.
         self._in_norm = {id(p): names[id(p)] not in counted_elsewhere for p in model.parameters()}
         self.dp = DataParallel(model, comm, bucket_mb)
-        self.optimizer = build_adamw(model, optim, optim.lr)
+        self.optim_spec = get_optimizer(optim.name)
+        self.optimizer = build_optimizer(model, optim, self.optim_spec)
         self.scaler = None
 
     @property
@@ -49,7 +51,8 @@ class ReplicatedEngine:
 
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
         grads = [p.grad for p in self.dp.params]
-        parts = square_sums((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params if self._in_norm[id(p)])
+        parts = square_sums(((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params if self._in_norm[id(p)]),
+                            grads[0].device)
         norm, _ = global_norm(parts, self.disjoint, self.tp)
         clip_(grads, norm, max_norm)
         for group in self.optimizer.param_groups:
@@ -71,10 +74,43 @@ class ReplicatedEngine:
         return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        return self.full_weights(), ckpt.optimizer_state_by_name(self.model, self.optimizer)
+        return self.full_weights(), ckpt.optimizer_state_by_name(self.model, self.optimizer, self.optim_spec)
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(weights[n])
-        ckpt.load_optimizer_state_by_name(self.model, self.optimizer, optim_state)
+        ckpt.load_optimizer_state_by_name(self.model, self.optimizer, self.optim_spec, optim_state)
+
+    # -- sharded checkpoints ------------------------------------------------------------------------
+    def checkpoint_pieces(self):
+        """One batch per parameter: all of it (a replica over ``comm``), with its optimizer state."""
+        from bigtrain.checkpoint.chunks import WEIGHT, Piece
+
+        spec = self.optim_spec
+        for name, p in self.model.named_parameters():
+            state = self.optimizer.state.get(p)
+            tensors, scalars = {WEIGHT: p.detach().reshape(-1)}, {}
+            if state:
+                spec.check_state(state, f"the optimizer's state of {name}")
+                tensors.update({k: state[k].detach().reshape(-1) for k in spec.element_state})
+                scalars = {k: state[k] for k in spec.tensor_state}
+            yield [Piece(name, tuple(p.shape), 0, p.numel(), tensors, scalars, self.dp.comm.size, self.dp.comm.rank)]
+
+    def checkpoint_load_batches(self, with_state: bool):
+        """One batch per parameter: the parameter itself and fresh (zero) state tensors to fill."""
+        from bigtrain.checkpoint.chunks import WEIGHT, Piece
+
+        spec, states = self.optim_spec, {}
+        if with_state:  # replaced below: do not hold the old and the loaded state at once
+            self.optimizer.state.clear()
+        for name, p in self.model.named_parameters():
+            fresh = {k: torch.zeros_like(p, memory_format=torch.contiguous_format) for k in spec.element_state} \
+                if with_state else {}
+            piece = Piece(name, tuple(p.shape), 0, p.numel(),
+                          {WEIGHT: p.detach().view(-1), **{k: v.view(-1) for k, v in fresh.items()}})
+            yield [piece]
+            if with_state:
+                states[p] = {**{k: piece.scalars[k].clone() for k in spec.tensor_state}, **fresh}
+        if states:
+            load_state(self.optimizer, states)

@@ -83,8 +83,9 @@ class TiedCopies:
             return
         pieces = [(self.canonical_name(n), engine.grad_piece(n)) for n in self.names]
         described = ";".join(f"{c}:{start}+{piece.numel()}" for c, (piece, start) in pieces)
-        mine = torch.tensor([len(pieces), zlib.crc32(described.encode())], dtype=torch.int64)
-        both = torch.empty(2 * self.comm.size, dtype=torch.int64)
+        device = pieces[0][1][0].device if pieces else torch.device("cpu")  # the gradients' (NCCL: not the CPU)
+        mine = torch.tensor([len(pieces), zlib.crc32(described.encode())], dtype=torch.int64, device=device)
+        both = torch.empty(2 * self.comm.size, dtype=torch.int64, device=device)
         self.comm.all_gather(both, mine, tag="layout_check")
         first, last = both.view(self.comm.size, 2).tolist()
         if first != last:

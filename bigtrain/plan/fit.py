@@ -82,17 +82,19 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False) -> tupl
     sharing = 1 if cuda else max(1, local_ranks)
     on_machine = f" x {sharing} ranks on this machine" if sharing > 1 else ""
     spec = ModelSpec.from_model_config(m, d.seq_len)
-    states = sum(zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, p.dp * p.sp, cfg.precision.mode).values())
+    optimizer = cfg.optim.name
+    states = sum(zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, p.dp * p.sp, cfg.precision.mode,
+                                    optimizer).values())
     if states * sharing > capacity:
         return [f"{_model_fields(cfg)} make {spec.params:.3g} parameters: their weights, gradients and "
                 f"optimizer state alone take {_size(states)} per rank (the planner's ZeRO formula at "
-                f"parallel.zero = {p.zero}, {cfg.precision.mode}){on_machine}, and {has} {_size(capacity)}; "
+                f"parallel.zero = {p.zero}, {cfg.precision.mode}, {optimizer}){on_machine}, and {has} {_size(capacity)}; "
                 f"make the model smaller, shard it (parallel.zero, parallel.tp, parallel.pp) or use more machines"], []
     if m.n_layers > EXACT_LAYERS_MAX:
         return [], []
     try:
         hardware = get_profile("cpu" if not cuda else "h100-80g")
-        mem = estimate_memory(spec, _layout(cfg), hardware, t.global_batch)
+        mem = estimate_memory(spec, _layout(cfg), hardware, t.global_batch, optimizer=optimizer)
     except Exception:  # noqa: BLE001 - a layout the planner does not model is no reason to refuse a run
         return [], []
     parts = {

@@ -3,12 +3,14 @@
 Model states follow the runtime byte for byte (engine.py, flat.py, units.py, replicated.py):
 one ZeRO unit per transformer block plus a root unit (embedding, final norm, output), each
 padded to a multiple of the ranks holding replicas (dp, times sp under Ulysses) from stage 1 on; with P the unit's padded elements, N the
-shards, B the compute dtype's bytes and a "piece" the decayed / non-decayed part of a shard:
+shards, B the compute dtype's bytes, a "piece" the decayed / non-decayed part of a shard, and the
+optimizer's declared state (``bigtrain.optim``) of E bytes per element and T bytes per tensor it is
+given (AdamW: E = 8, two fp32 moments; T = 4, its step count):
 
-    fp32, stage 0 (replicated engine): params 4P, grads 4P (bucket views), AdamW 8P + 4 per tensor
+    fp32, stage 0 (replicated engine): params 4P, grads 4P (bucket views), optimizer E P + T per tensor
     stage 0-2: params B P; stage 3: the shard, B P/N (mixed) or 4 P/N (fp32: it is the master)
     stage 0-1: grads 4P;   stage 2-3: grads 4P/N (fp32 whatever the compute dtype, see engine.py)
-    optimizer: (4 master if mixed + 8 moments) P/N + 4 per piece (AdamW's step tensor)
+    optimizer: (4 master if mixed + E) P/N + T per piece
 
 Activations are the saved tensors of ``activations.py`` for one micro-batch, times the pipeline's
 peak in-flight micro-batches on the rank (from the schedule simulator). Buffers are what the
@@ -35,6 +37,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from bigtrain.optim import get_optimizer
 from bigtrain.plan.activations import (block_activations, checkpointed_block_indices,
                                        head_activations)
 from bigtrain.plan.hardware import HardwareProfile
@@ -125,41 +128,46 @@ def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | N
 
 
 def _pieces(unit: Unit, shards: int, shard_rank: int) -> int:
-    """AdamW parameters a shard becomes: its decayed part and its non-decayed part (flat.py)."""
+    """Optimizer parameters a shard becomes: its decayed part and its non-decayed part (flat.py)."""
     shard = -(-unit.numel // shards)
     lo, hi = shard_rank * shard, (shard_rank + 1) * shard
     return int(lo < unit.decay_numel) + int(hi > max(lo, unit.decay_numel))
 
 
-def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int) -> dict[str, int]:
+def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int, optimizer: str = "adamw"
+                ) -> dict[str, int]:
     """Model-state bytes on the worst rank of the ``replicas`` ranks holding these units (dp, times
-    sp under Ulysses), as the runtime allocates and measures them."""
+    sp under Ulysses), as the runtime allocates and measures them, with ``optimizer``'s declared state."""
     nbytes, mixed = BYTES[precision], precision != "fp32"
+    spec = get_optimizer(optimizer)
+    per_element, per_tensor = spec.bytes_per_param, spec.bytes_per_tensor
     numel = sum(u.numel for u in units)
-    if zero == 0 and not mixed:  # ReplicatedEngine: torch AdamW keeps a step tensor per parameter
+    if zero == 0 and not mixed:  # ReplicatedEngine: the optimizer is given each parameter tensor
         return {"params": 4 * numel, "grads": 4 * numel,
-                "optimizer": 8 * numel + 4 * sum(u.tensors for u in units)}
+                "optimizer": per_element * numel + per_tensor * sum(u.tensors for u in units)}
     shards = replicas if zero >= 1 else 1
     padded = sum(-(-u.numel // shards) * shards for u in units)
     shard = padded // shards
     if shards <= 1024:
         distinct = Counter(units)  # blocks are alike: count each kind of unit once per rank
         pieces = max(sum(n * _pieces(u, shards, r) for u, n in distinct.items()) for r in range(shards))
-    else:  # each shard becomes at most two AdamW parameters: a bound is exact enough
+    else:  # each shard becomes at most two optimizer parameters: a bound is exact enough
         pieces = 2 * len(units)
     return {"params": nbytes * padded if zero < 3 else (nbytes if mixed else 4) * shard,
             "grads": 4 * (padded if zero <= 1 else shard),
-            "optimizer": (4 * mixed + 8) * shard + 4 * pieces}
+            "optimizer": (4 * mixed + per_element) * shard + per_tensor * pieces}
 
 
-def zero_formula_bytes(params: float, zero: int, dp: int, precision: str = "bf16") -> dict[str, float]:
-    """The ZeRO paper's per-rank model states, without padding: 2+2+12 bytes per parameter in
-    mixed precision (4+4+8 in fp32), the stage deciding which parts are divided by dp."""
+def zero_formula_bytes(params: float, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw"
+                       ) -> dict[str, float]:
+    """The ZeRO paper's per-rank model states, without padding: 2+2+K bytes per parameter in mixed
+    precision (4+4+K' in fp32), the stage deciding which parts are divided by dp. K is the fp32
+    master plus the optimizer's state, K' the state alone: 12 and 8 for AdamW."""
     weight = BYTES[precision] if precision != "fp32" else 4
-    optimizer = 12 if precision != "fp32" else 8
+    optimizer_bytes = (4 if precision != "fp32" else 0) + get_optimizer(optimizer).bytes_per_param
     return {"params": weight * params / (dp if zero >= 3 else 1),
             "grads": weight * params / (dp if zero >= 2 else 1),
-            "optimizer": optimizer * params / (dp if zero >= 1 else 1)}
+            "optimizer": optimizer_bytes * params / (dp if zero >= 1 else 1)}
 
 
 # -- activations and buffers ---------------------------------------------------------------------------
@@ -210,10 +218,10 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
 
 # -- one rank, and the worst one ----------------------------------------------------------------------
 def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int, pp_rank: int,
-                inflight: int) -> RankMemory:
+                inflight: int, optimizer: str = "adamw") -> RankMemory:
     root, blocks = rank_units(model, layout, pp_rank)
     units = ([root] if root else []) + blocks
-    states = state_bytes(units, layout.zero, layout.precision, layout.dp * layout.sp)
+    states = state_bytes(units, layout.zero, layout.precision, layout.dp * layout.sp, optimizer)
     per_mb = _chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
     mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], per_mb * inflight, buffers,
@@ -230,13 +238,15 @@ def checked_pp_ranks(pp: int) -> list[int]:
 
 
 def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int,
-                    pipeline: PipelineModel | None = None) -> RankMemory:
-    """The worst rank's memory (every tp/sp/dp rank of a pipeline rank is alike, up to the bytes
-    of AdamW's step tensors, which are taken at their worst)."""
+                    pipeline: PipelineModel | None = None, optimizer: str = "adamw") -> RankMemory:
+    """The worst rank's memory with ``optimizer`` (a registered ``optim.name``); every tp/sp/dp rank
+    of a pipeline rank is alike, up to the optimizer's per-tensor state (AdamW's step counts),
+    taken at its worst."""
     pipeline = pipeline or PipelineModel()
     peaks = pipeline.terms(layout.schedule, layout.pp, layout.micro_batches(global_batch), layout.v,
                            1.0, 2.0, 1.0 if layout.schedule == "zb-h1" else 0.0).peak_inflight
-    ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r]) for r in checked_pp_ranks(layout.pp)]
+    ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer)
+             for r in checked_pp_ranks(layout.pp)]
     worst = max(ranks, key=lambda m: m.total)
     acts = block_activations(model, layout.precision)
     worst.detail = {"activation_c1": round(acts.c1, 4), "activation_c2": round(acts.c2, 4)}

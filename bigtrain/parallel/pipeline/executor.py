@@ -268,6 +268,11 @@ class PipelineExecutor:
             else:
                 step.recvs[recv_key] = (work, op.tensor)
         step.queued.clear()
+        # On CUDA the transfers run on NCCL's streams, after the compute queued so far. A send's
+        # tensor stays referenced until its work has completed on the device (``is_completed``
+        # asks NCCL's event, not the host), so its memory is not reused while NCCL reads it. A
+        # received buffer is read only after ``_wait_recv``, whose ``wait()`` makes the current
+        # stream wait for the transfer.
         step.sends = [(work, tensor) for work, tensor in step.sends if not work.is_completed()]
 
     def _wait_recv(self, step: _Step, key: RecvKey) -> torch.Tensor:
@@ -292,7 +297,7 @@ class PipelineExecutor:
         announced = self._announced.setdefault(self._input_key(step), set())
         if action.stage not in announced:
             self._post_queued(step)
-            self.comm.send(_encode_spec(tensor).to(self.device), action.peer, tag="meta")
+            self.comm.send(_encode_spec(tensor, self.device), action.peer, tag="meta")
             announced.add(action.stage)
 
     def _input_spec(self, step: _Step, action: Action) -> tuple[tuple[int, ...], torch.dtype]:
@@ -306,12 +311,12 @@ class PipelineExecutor:
 _SPEC_SLOTS = 8  # dtype code, ndim, then up to 6 sizes
 
 
-def _encode_spec(tensor: torch.Tensor) -> torch.Tensor:
+def _encode_spec(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tensor.dim() > _SPEC_SLOTS - 2 or tensor.dtype not in _DTYPES:
         raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dimensions between stages; "
                          f"use at most {_SPEC_SLOTS - 2} dimensions and one of {_DTYPES}")
     values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-    return torch.tensor(values + [0] * (_SPEC_SLOTS - len(values)), dtype=torch.int64)
+    return torch.tensor(values + [0] * (_SPEC_SLOTS - len(values)), dtype=torch.int64, device=device)
 
 
 def _recv_spec(comm: AxisComm, peer: int, device: torch.device) -> tuple[tuple[int, ...], torch.dtype]:

@@ -96,16 +96,20 @@ class TensorLayout:
             if name in params:  # a pipeline stage holds only some of the model's weights
                 params[name].register_hook(lambda g: _summed(g, self.tp))
 
-    def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Local tensors by parameter name -> full tensors (collective over tp)."""
+    def gather_full(self, tensors: dict[str, torch.Tensor], device: torch.device | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """Local tensors by parameter name -> full tensors (collective over tp). The gather runs on
+        ``device`` when given (the model's: NCCL cannot gather the host copies a checkpoint holds);
+        each full tensor comes back on the device its local part was on."""
         out = {}
         for name, t in tensors.items():
             spec = self.specs.get(name)
             if spec is None:
                 out[name] = t
                 continue
-            gathered = gather_along(t, self.tp, spec.dim, "checkpoint")
-            out[name] = spec.full_from_parts(list(gathered.chunk(spec.parts, dim=spec.dim))).clone()
+            local = t.to(device) if device is not None else t
+            gathered = gather_along(local, self.tp, spec.dim, "checkpoint")
+            out[name] = spec.full_from_parts(list(gathered.chunk(spec.parts, dim=spec.dim))).to(t.device).clone()
         return out
 
     def shard_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

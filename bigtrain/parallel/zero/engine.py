@@ -1,6 +1,8 @@
 """ZeRO stages 0-3 with mixed precision over the data-parallel axis.
 
-Memory per rank with P parameters, N ranks, bf16/fp16 compute and fp32 Adam (bytes):
+Memory per rank with P parameters, N ranks, bf16/fp16 compute and AdamW (fp32 master 4P and
+moments 8P; another optimizer's state is its declared ``bytes_per_param`` instead of 8, see
+:mod:`bigtrain.optim.spec`) (bytes):
 
     stage 0: params 2P  grads 4P    master+moments 12P     = 18P
     stage 1: params 2P  grads 4P    12P/N                  = 6P + 12P/N
@@ -8,6 +10,7 @@ Memory per rank with P parameters, N ranks, bf16/fp16 compute and fp32 Adam (byt
     stage 3: params 2P/N grads 4P/N 12P/N                  = 18P/N
 
 (in fp32 the master weights are the parameters themselves: 16P, 8P + 8P/N, 4P + 12P/N, 16P/N).
+The optimizer runs on flat pieces of the master shard, so it must be elementwise.
 Gradients are kept in fp32 whatever the compute dtype, 2 bytes per parameter more than the ZeRO
 paper's 16P, as Megatron's ``main_grad`` and DeepSpeed's bf16 optimizer do: micro-batches then
 accumulate without bf16 rounding (a bf16 sum of 4 micro-batches is ~1e-3 off), and a reduction in
@@ -37,6 +40,7 @@ from torch import nn
 from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
+from bigtrain.optim import OptimizerSpec, decay_groups, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import rehome_grad, sync_off
 from bigtrain.parallel.zero.flat import FlatUnit
@@ -48,7 +52,7 @@ InitFn = Callable[[str, tuple], torch.Tensor]  # (name, shape) -> full fp32 valu
 
 
 class ZeroEngine:
-    """Owns a model's parameters, gradients and AdamW state, partitioned as ``stage`` says."""
+    """Owns a model's parameters, gradients and optimizer state, partitioned as ``stage`` says."""
 
     def __init__(self, model: nn.Module, comm: AxisComm, stage: int, precision: Precision, optim: OptimConfig,
                  init_fn: InitFn, device: torch.device | str = "cpu", unit_modules: list[nn.Module] | None = None,
@@ -58,6 +62,7 @@ class ZeroEngine:
                  counted_elsewhere: set[str] = frozenset()):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
+        self.optim_spec = _elementwise(get_optimizer(optim.name), stage)
         self.model, self.comm, self.stage, self.precision = model, comm, stage, precision
         self.device, self.scaler, self.tp, self.tp_sharded = torch.device(device), scaler, tp, set(tp_sharded)
         self.disjoint = list(disjoint)  # axes whose ranks hold different weights (pipeline stages)
@@ -86,8 +91,8 @@ class ZeroEngine:
             return
         names = ";".join(f"{s.name}:{s.shape}" for u in self.units for s in u.slots)
         mine = torch.tensor([len(self.units), sum(u.numel for u in self.units), zlib.crc32(names.encode())],
-                            dtype=torch.int64)
-        everyone = torch.empty(self.comm.size * 3, dtype=torch.int64)
+                            dtype=torch.int64, device=self.device)  # NCCL: device tensors only
+        everyone = torch.empty(self.comm.size * 3, dtype=torch.int64, device=self.device)
         self.comm.all_gather(everyone, mine, tag="layout_check")
         rows = everyone.view(self.comm.size, 3).tolist()
         differ = [r for r, row in enumerate(rows) if row != rows[0]]
@@ -126,15 +131,14 @@ class ZeroEngine:
                 p.grad = view
         unit.grad_shard = unit.shard_of(unit.full_grad)
 
-    def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.AdamW:
+    def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
+        """The optimizer over at most two flat pieces of each unit's master shard (decayed / not)."""
         decay, no_decay = [], []
         for unit in self.units:
             unit.pieces = [(a, b, unit.master[a:b]) for a, b, d in unit.shard_pieces()]
             for (a, b, is_decay), (_, _, view) in zip(unit.shard_pieces(), unit.pieces):
                 (decay if is_decay else no_decay).append(view)
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                 eps=cfg.eps, foreach=True)
+        return self.optim_spec.build(decay_groups(decay, no_decay, cfg), cfg)
 
     def _unit_of_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params]
@@ -186,6 +190,13 @@ class ZeroEngine:
             payload = unit.flat_grads(reduce_dtype)
             for p in unit.params:
                 p.grad = None  # the full gradient is freed as soon as it is handed to the collective
+        # On CUDA the collective runs on NCCL's own stream, which first waits for everything queued
+        # so far on the current stream (the gradients copied into ``payload``). ``out`` stays
+        # referenced in ``_pending`` until ``_complete`` has waited for it. ``payload`` may be a
+        # temporary (a cast, or the flat copy of stages 2-3) that we drop here: c10d keeps the
+        # input of an asynchronous collective from the caching allocator until it is done (it
+        # records it on NCCL's stream, or, in newer torch, holds it until ``wait()``), as Gloo's
+        # work holds it until it completes.
         if self.stage == 0:
             work = self.comm.all_reduce(payload, async_op=True, tag="grads")
             out = payload
@@ -213,6 +224,8 @@ class ZeroEngine:
                 keep.append((unit, work, out))
                 continue
             if work is not None:
+                # NCCL: makes the current stream wait for the collective (the host does not block),
+                # so the fold below and everything after it reads the reduced values.
                 work.wait()
             if self.stage <= 1:
                 if out is not unit.full_grad:
@@ -237,9 +250,9 @@ class ZeroEngine:
         grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
-        parts = square_sums((grad[a:b], slot.name not in self.tp_sharded)
-                            for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges()
-                            if slot.name not in self.counted_elsewhere)
+        parts = square_sums(((grad[a:b], slot.name not in self.tp_sharded)
+                             for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges()
+                             if slot.name not in self.counted_elsewhere), self.device)
         # Partitioned gradients: every rank must agree on the norm and on skipping.
         partitions = ([self.comm] if self.stage >= 1 else []) + self.disjoint
         norm, found_inf = global_norm(parts, partitions, self.tp)
@@ -274,6 +287,8 @@ class ZeroEngine:
             if self.precision.mixed:
                 unit.shard_param.copy_(unit.master)
             if self.stage in (1, 2) and unit.shards > 1:
+                # Synchronous: on NCCL the current stream waits for the gather before the clone is
+                # freed and before the next forward reads ``unit.full``.
                 self.comm.all_gather(unit.full, unit.shard_param.clone(), tag="params")
 
     def zero_grad(self) -> None:
@@ -319,3 +334,13 @@ class ZeroEngine:
         if self.precision.mixed:
             optimizer += [u.master for u in self.units]
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
+
+
+def _elementwise(spec: OptimizerSpec, stage: int) -> OptimizerSpec:
+    """``spec``, if it can run on flat pieces that cut parameters anywhere (every stage does: even
+    stage 0 hands the optimizer a unit's parameters laid end to end)."""
+    if not spec.elementwise:
+        raise ValueError(f"optim.name = '{spec.name}' needs each parameter's shape (it is not elementwise), but "
+                         f"the ZeRO engine (parallel.zero = {stage}) runs the optimizer on flat shards that cut "
+                         f"parameters; use parallel.zero = 0 with precision.mode = 'fp32' (the replicated engine)")
+    return spec

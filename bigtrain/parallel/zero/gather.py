@@ -14,6 +14,16 @@ run forward in the order given and backward in reverse. A stage may have no root
 middle stage holds only blocks), and a pipeline runs other micro-batches in between, so a
 prefetched unit can outlive the pass that wanted it: :meth:`free_all` at every optimizer step
 makes sure no gathered copy of the old weights is ever read after an update.
+
+On CUDA the all-gathers run on NCCL's stream, overlapping compute on the current stream; three
+orderings keep that safe without ``record_stream``. (1) The buffer is allocated on the current
+stream just before the gather, and NCCL's stream first waits for the work queued there, so the
+gather cannot overwrite memory that compute queued earlier still reads. (2) ``work.wait()`` in
+:meth:`_finish`, before the unit's forward or backward, makes the current stream wait for the
+gather (the host does not block), so compute reads gathered weights. (3) A buffer is freed only
+through :meth:`_free`, which finishes its gather first; the kernels that read it were queued on
+the current stream before the free, and the caching allocator reuses the block only for work
+queued after them on that stream, or for a later gather, which waits for them by (1).
 """
 
 from __future__ import annotations

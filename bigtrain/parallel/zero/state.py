@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from bigtrain.optim import load_state
 from bigtrain.parallel.zero.flat import FlatUnit
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _gather_flat(engine, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
@@ -17,11 +16,15 @@ def _gather_flat(engine, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def _moment_shard(engine, unit: FlatUnit, key: str) -> torch.Tensor | None:
-    pieces = [engine.optimizer.state.get(view, {}).get(key) for _, _, view in unit.pieces]
-    if any(p is None for p in pieces):
+def _piece_states(engine, unit: FlatUnit) -> list[dict] | None:
+    """The optimizer's state of each piece of the unit's shard, checked against the declared names;
+    None before the first step (every rank agrees: they step together)."""
+    states = [engine.optimizer.state.get(view) for _, _, view in unit.pieces]
+    if not all(states):
         return None
-    return torch.cat(pieces) if pieces else torch.zeros(0, device=unit.master.device)
+    for state in states:
+        engine.optim_spec.check_state(state, f"the optimizer's state of unit {unit.name}")
+    return states
 
 
 def _gather_by_name(engine, shard_of) -> dict[str, torch.Tensor]:
@@ -45,31 +48,105 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
 
 
 def full_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
-    """(fp32 weights by name, optimizer state by name), complete on every rank (collective)."""
+    """(fp32 weights by name, optimizer state by name), complete on every rank (collective). The
+    optimizer's ``per="element"`` state is gathered and cut by parameter like the weights; its
+    ``per="tensor"`` state (one value per piece, alike on every piece) is copied to each parameter."""
+    spec = engine.optim_spec
     weights, state = full_weights(engine), {}
     for unit in engine.units:
-        step = next((engine.optimizer.state[v]["step"] for _, _, v in unit.pieces if v in engine.optimizer.state), None)
-        if step is None:
+        pieces = _piece_states(engine, unit)
+        if pieces is None:
             continue
-        moments = {}
-        for key in MOMENTS:
-            shard = _moment_shard(engine, unit, key)
-            moments[key] = unit.unflatten(_gather_flat(engine, unit, shard))
+        per_tensor = {k: pieces[0][k] for k in spec.tensor_state}
+        per_element = {k: unit.unflatten(_gather_flat(engine, unit, torch.cat([s[k] for s in pieces])))
+                       for k in spec.element_state}
         for slot in unit.slots:
-            state[slot.name] = {"step": step.clone().cpu(), **{k: moments[k][slot.name].clone().cpu() for k in MOMENTS}}
-    return weights, {"state": state}
+            state[slot.name] = {**{k: v.clone().cpu() for k, v in per_tensor.items()},
+                                **{k: per_element[k][slot.name].clone().cpu() for k in spec.element_state}}
+    return weights, {"optimizer": spec.name, "state": state}
 
 
 def load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
     """Cut saved full tensors into this rank's shards (no communication)."""
-    saved = optim_state.get("state", {})
-    dev = engine.device
+    spec = engine.optim_spec
+    saved = spec.saved_state(optim_state)
+    dev, states = engine.device, {}
     for unit in engine.units:
         unit.master.copy_(unit.shard_from_full_values(lambda n: weights[n], torch.float32, dev))
-        if not saved or unit.slots[0].name not in saved:
+        first = unit.slots[0].name
+        if first not in saved:
             continue
-        moments = {k: unit.shard_from_full_values(lambda n, k=k: saved[n][k], torch.float32, dev) for k in MOMENTS}
-        step = saved[unit.slots[0].name]["step"]
+        per_element = {k: unit.shard_from_full_values(lambda n, k=k: saved[n][k], saved[first][k].dtype, dev)
+                       for k in spec.element_state}
         for a, b, view in unit.pieces:
-            engine.optimizer.state[view] = {"step": step.clone(), **{k: moments[k][a:b].clone() for k in MOMENTS}}
+            states[view] = {**{k: saved[first][k].clone() for k in spec.tensor_state},
+                            **{k: per_element[k][a:b].clone() for k in spec.element_state}}
+    if states:
+        load_state(engine.optimizer, states)
+    engine.refresh_compute_weights()
+
+
+# -- sharded checkpoints: what this rank holds, without gathering anything --------------------------
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8,
+           "uint8": torch.uint8}
+
+
+def _piece_index(unit: FlatUnit, a: int, b: int) -> int:
+    """The optimizer piece holding shard range [a, b) (a parameter never straddles the decay split)."""
+    return next(i for i, (pa, pb, _) in enumerate(unit.pieces) if pa <= a and b <= pb)
+
+
+def checkpoint_pieces(engine):
+    """Per unit, one :class:`Piece` for each parameter overlapping this rank's shard: views of its
+    fp32 master range and of the optimizer's per-element state over it (no copies)."""
+    from bigtrain.checkpoint.chunks import WEIGHT, Piece
+
+    spec = engine.optim_spec
+    replicas, replica = (1, 0) if engine.units and engine.units[0].shards > 1 else (engine.comm.size, engine.comm.rank)
+    for unit in engine.units:
+        states = _piece_states(engine, unit)
+        batch = []
+        for slot, a, b in unit.shard_slot_ranges():
+            first = unit.shard_start + a - slot.offset
+            tensors, scalars = {WEIGHT: unit.master[a:b]}, {}
+            if states is not None:
+                i = _piece_index(unit, a, b)
+                pa = unit.pieces[i][0]
+                tensors.update({k: states[i][k][a - pa:b - pa] for k in spec.element_state})
+                scalars = {k: states[i][k] for k in spec.tensor_state}
+            batch.append(Piece(slot.name, slot.shape, first, first + b - a, tensors, scalars, replicas, replica))
+        yield batch
+
+
+def checkpoint_load_batches(engine, with_state: bool):
+    """Per unit, :class:`Piece` s whose tensors are this rank's master shard and fresh optimizer
+    state (zeros) to be filled by the caller; after the last batch the optimizer gets the state and
+    the compute weights are refreshed. The last piece of each batch, with an empty range, asks for
+    the unit's per-tensor state (alike on every piece: a step count)."""
+    from bigtrain.checkpoint.chunks import WEIGHT, Piece
+
+    spec, dev, states = engine.optim_spec, engine.device, {}
+    declared = {s.name: _DTYPES[s.dtype] for s in spec.state}
+    if with_state:  # replaced below: do not hold the old and the loaded state at once
+        engine.optimizer.state.clear()
+    for unit in engine.units:
+        fresh = [{k: torch.zeros(b - a, dtype=declared[k], device=dev) for k in spec.element_state}
+                 for a, b, _ in unit.pieces] if with_state else []
+        batch = []
+        for slot, a, b in unit.shard_slot_ranges():
+            first = unit.shard_start + a - slot.offset
+            tensors = {WEIGHT: unit.master[a:b]}
+            if with_state:
+                i = _piece_index(unit, a, b)
+                pa = unit.pieces[i][0]
+                tensors.update({k: fresh[i][k][a - pa:b - pa] for k in spec.element_state})
+            batch.append(Piece(slot.name, slot.shape, first, first + b - a, tensors))
+        carrier = Piece(unit.slots[0].name, unit.slots[0].shape, 0, 0, {})
+        batch.append(carrier)
+        yield batch
+        if with_state:
+            for (_, _, view), values in zip(unit.pieces, fresh):
+                states[view] = {**{k: carrier.scalars[k].clone() for k in spec.tensor_state}, **values}
+    if states:
+        load_state(engine.optimizer, states)
     engine.refresh_compute_weights()

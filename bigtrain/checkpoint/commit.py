@@ -1,11 +1,11 @@
-"""Checkpoints that survive crashes and load into any layout.
+"""The commit protocol: a checkpoint counts only once its manifest is written, fsynced and checksummed.
 
-A checkpoint is a directory ``step_00000010/`` holding ``model.pt`` (full tensors by parameter
-name), ``optimizer.pt`` (per-parameter state by name) and ``meta.json`` (step, config, and a SHA-256
-of every file). Tensors are stored unsharded and keyed by name, so a later run with another layout
-can load them. A save is written into a temporary directory, flushed to disk, and renamed into place
-in one step; a crash leaves at worst a ``.tmp`` directory that loading ignores. Loading verifies the
-checksums and falls back to the next-newest checkpoint, with a warning, when one is corrupt.
+A checkpoint is a directory ``step_00000010/``. Its files are written into ``step_00000010.tmp``
+(by one process, or by every rank in parallel for the sharded format), flushed to disk; then one
+process writes ``meta.json``, the manifest (step, config, and a SHA-256 of every file), fsyncs it
+and the directory, and renames the directory into place in one step. A crash leaves at worst a
+``.tmp`` directory that loading ignores. Loading verifies the checksums and falls back to the
+next-newest checkpoint, with a warning, when one is corrupt. Rotation keeps the newest K.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 PREFIX = "step_"
 
@@ -40,23 +39,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name instead of position, so it survives re-layouts."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {names[id(p)]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-             for p, s in optimizer.state.items()}
-    return {"state": state}
-
-
-def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    params = dict(model.named_parameters())
-    for name, s in saved["state"].items():
-        if name not in params:  # another pipeline stage's weight
-            continue
-        p = params[name]
-        optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.ndim > 0 else v for k, v in s.items()}
-
-
 def list_checkpoints(root: Path) -> list[Path]:
     """Finished checkpoints under ``root``, newest first."""
     if not root.is_dir():
@@ -65,27 +47,35 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
 
 
-def save_checkpoint(root: Path, step: int, files: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
-    """Atomically write ``files`` ({'model.pt': obj, ...}) as checkpoint ``step``; keep the newest ``keep``."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+def temp_dir(root: Path, step: int) -> Path:
+    """Where checkpoint ``step`` is written before it is committed: one name every rank agrees on."""
+    return root / f"{PREFIX}{step:08d}.tmp"
+
+
+def fresh_temp_dir(root: Path, step: int) -> Path:
+    """:func:`temp_dir`, emptied of what an earlier crashed save may have left there."""
+    tmp = temp_dir(root, step)
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], keep: int) -> Path:
+    """Checksum every file under ``tmp``, write and fsync the manifest ``meta.json``, rename ``tmp``
+    to ``step_<step>`` and keep the newest ``keep`` checkpoints. Call once every file is written."""
     checksums = {}
-    for name, obj in files.items():
-        path = tmp / name
-        with open(path, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        checksums[name] = _sha256(path)
+    for path in sorted(tmp.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:  # written by other processes: make sure they are on disk
+                os.fsync(f.fileno())
+            checksums[str(path.relative_to(tmp))] = _sha256(path)
     with open(tmp / "meta.json", "w") as f:
         json.dump({**meta, "step": step, "sha256": checksums}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
+    final = root / f"{PREFIX}{step:08d}"
     if final.exists():  # re-saving the same step (e.g. a resumed run ending where it started)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -93,6 +83,19 @@ def save_checkpoint(root: Path, step: int, files: dict[str, Any], meta: dict[str
     for old in list_checkpoints(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(root: Path, step: int, files: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
+    """Atomically write small objects ``files`` ({'extra.pt': obj, ...}) with ``torch.save`` as
+    checkpoint ``step``, through the same commit as the sharded format; keep the newest ``keep``."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = fresh_temp_dir(root, step)
+    for name, obj in files.items():
+        with open(tmp / name, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    return commit_checkpoint(root, step, tmp, meta, keep)
 
 
 class CorruptCheckpoint(RuntimeError):

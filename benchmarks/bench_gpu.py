@@ -1,0 +1,199 @@
+"""bigtrain on one GPU: training tokens/s and MFU in bf16, for the ``small`` and ``llama-1b`` presets.
+
+Each preset runs through the real trainer (``bigtrain.train.Trainer`` on a one-rank mesh, device
+``cuda``, bf16 compute with fp32 master weights, fp32 gradients and AdamW: ZeRO stage 0 on one
+rank), on the preset's own model, sequence length and micro-batch (``--seq`` / ``--micro-batch``
+change them), ``--accum`` micro-batches per optimizer step. A step is what ``bigtrain train`` runs:
+sampling, forward, backward, clipping, AdamW, zeroing. After ``--warmup`` untimed steps, each of
+``--steps`` timed steps is bracketed by ``torch.cuda.synchronize()``; the report gives the median.
+
+    tokens/s = tokens per step / median step time
+    MFU      = tokens/s x (6 N + 12 L h s) / peak
+
+N counts the weights a token is multiplied by (every block matrix and the output projection; the
+input embedding is a lookup, norms are O(h)); 12 L h s is attention's QK^T and AV forward and
+backward over the full s x s matrix (PaLM's convention; a causal kernel does about half). It is the
+planner's ``ModelSpec.model_flops_per_token``. Recomputation (``--checkpointing``) is not counted:
+this is model FLOPs utilization, not hardware FLOPs. The peak is the device's dense bf16 rate:
+989 TFLOP/s for H100 SXM and for H200 (the same chip; GH200 too), 756 for H100 PCIe, 835 for H100
+NVL, 312 for A100; another device needs ``--peak-tflops``.
+
+Without a CUDA device the script prints "no CUDA device: skipped" and exits 0 (``--allow-cpu``
+runs it on the CPU instead: a smoke test of this script, whose figures mean nothing). The report
+is Markdown, ready for the GPU section of docs/benchmarks.md.
+
+    python benchmarks/bench_gpu.py                                   # small and llama-1b
+    python benchmarks/bench_gpu.py --presets llama-1b --micro-batch 8 --checkpointing full
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bigtrain.config import load_config
+from bigtrain.distributed.mesh import Mesh
+from bigtrain.models.llama import count_parameters
+from bigtrain.plan.hardware import PRESETS
+from bigtrain.plan.model import ModelSpec
+from bigtrain.train import Trainer
+from bigtrain.validation import validate
+
+SKIPPED = "no CUDA device: skipped"
+# (substring of torch.cuda.get_device_name, dense bf16 FLOP/s, where the number comes from); first match wins.
+PEAKS = [("GH200", PRESETS["h200-141g"].peak_flops_bf16, "GH200: the H100 chip, 989 TFLOP/s dense bf16"),
+         ("H200", PRESETS["h200-141g"].peak_flops_bf16, "H200: the H100 SXM chip, 989 TFLOP/s dense bf16"),
+         ("H100 PCIe", 756e12, "H100 PCIe datasheet: 756 TFLOP/s dense bf16"),
+         ("H100 NVL", 835e12, "H100 NVL datasheet: 835 TFLOP/s dense bf16"),
+         ("H100", PRESETS["h100-80g"].peak_flops_bf16, "H100 SXM datasheet: 989 TFLOP/s dense bf16"),
+         ("A100", PRESETS["a100-80g"].peak_flops_bf16, "A100 datasheet: 312 TFLOP/s dense bf16")]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default="small,llama-1b", help="comma-separated presets (default small,llama-1b)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per preset (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch (default: the preset's)")
+    p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage (one rank: only the code path changes)")
+    p.add_argument("--checkpointing", default="none", help="memory.checkpointing: none, full or every")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak of the device (default: detected)")
+    p.add_argument("--cache-dir", default="", help="data.cache_dir for the tokenized corpus")
+    p.add_argument("--allow-cpu", action="store_true", help="without CUDA, run on the CPU (a smoke test)")
+    p.add_argument("--json", default="", help="also write every number to this file")
+    return p.parse_args(argv)
+
+
+def detect_peak(device_name: str, override_tflops: float) -> tuple[float | None, str]:
+    if override_tflops > 0:
+        return override_tflops * 1e12, f"--peak-tflops {override_tflops:g}"
+    for key, peak, source in PEAKS:
+        if key.lower() in device_name.lower():
+            return peak, source
+    return None, f"unknown peak for '{device_name}': pass --peak-tflops"
+
+
+def preset_config(name: str, args: argparse.Namespace, device: str):
+    base = load_config(preset=name)
+    micro = args.micro_batch or base.train.micro_batch
+    seq = args.seq or base.data.seq_len
+    overrides = [
+        "--precision.mode=bf16", f"--train.device={device}", f"--parallel.zero={args.zero}",
+        f"--train.micro_batch={micro}", f"--train.global_batch={micro * args.accum}", f"--data.seq_len={seq}",
+        f"--model.max_seq_len={max(seq, base.model.max_seq_len)}", f"--memory.checkpointing={args.checkpointing}",
+        f"--train.steps={args.warmup + args.steps}", "--logging.progress=false", "--logging.report=false",
+        "--logging.measure_memory=false", "--checkpoint.save_final=false"]
+    if args.cache_dir:
+        overrides.append(f"--data.cache_dir={args.cache_dir}")
+    cfg = load_config(preset=name, overrides=overrides)
+    validate(cfg, world_size=1, cuda_available=device == "cuda")
+    return cfg
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as run_dir:
+        cfg = preset_config(name, args, device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        trainer = Trainer(cfg, Path(run_dir), Mesh({}), device)
+        losses = [trainer.train_step().loss for _ in range(args.warmup)]
+        times = []
+        for _ in range(args.steps):
+            _sync(device)
+            start = time.perf_counter()
+            losses.append(trainer.train_step().loss)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    params = count_parameters(trainer.model)
+    del trainer  # the next preset gets the whole device
+    gc.collect()
+    peak_memory = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    spec = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    median = statistics.median(times)
+    tokens_per_s = tokens / median
+    achieved = tokens_per_s * spec.model_flops_per_token()
+    return {"preset": name, "params": params, "matmul_params": spec.matmul_params,
+            "layers": cfg.model.n_layers, "dim": cfg.model.dim, "seq": cfg.data.seq_len,
+            "micro_batch": cfg.train.micro_batch, "accum": args.accum, "tokens_per_step": tokens,
+            "flops_per_token": spec.model_flops_per_token(), "step_s": times, "median_step_s": median,
+            "tokens_per_s": tokens_per_s, "achieved_tflops": achieved / 1e12,
+            "mfu": achieved / peak if peak else None, "loss_first_last": [losses[0], losses[-1]],
+            "peak_memory_gib": peak_memory,
+            "checkpointing": cfg.memory.checkpointing, "zero": cfg.parallel.zero}
+
+
+def machine(device: str, peak: float | None, peak_source: str) -> dict:
+    out = {"device": torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor()})",
+           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "peak_bf16_tflops": peak / 1e12 if peak else None, "peak_source": peak_source}
+    if device == "cuda":
+        out["memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return out
+
+
+def report(args: argparse.Namespace, out: dict) -> None:
+    m = out["machine"]
+    print(f"```\n{out['command']}\n```\n")
+    print(f"Device: {m['device']}; torch {m['torch']}, CUDA {m['cuda']}, Python {m['python']}; peak "
+          + (f"{m['peak_bf16_tflops']:.0f} TFLOP/s dense bf16 ({m['peak_source']})" if m["peak_bf16_tflops"]
+             else m["peak_source"]) + ".\n")
+    print("| preset | params | seq | micro-batch x accum | tokens/step | median step ms | tokens/s | "
+          "model TFLOP/s | MFU | peak memory GiB | loss first -> last |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in out["results"]:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
+        print(f"| {r['preset']} | {r['params'] / 1e6:.1f} M | {r['seq']} | {r['micro_batch']} x {r['accum']} | "
+              f"{r['tokens_per_step']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['achieved_tflops']:.1f} | {mfu} | {mem} | "
+              f"{r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f} |")
+    print("\nMFU = tokens/s x (6 N + 12 L h s) / peak; N = weights in matmuls (blocks and output head), "
+          "L layers, h hidden size, s sequence length.")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif args.allow_cpu:
+        device = "cpu"
+    else:
+        print(f"bench_gpu: {SKIPPED}")
+        return 0
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    peak, peak_source = detect_peak(name, args.peak_tflops)
+    results = [run_preset(p.strip(), args, device, peak) for p in args.presets.split(",") if p.strip()]
+    command = "python benchmarks/bench_gpu.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    out = {"command": command.strip(), "machine": machine(device, peak, peak_source), "results": results}
+    report(args, out)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

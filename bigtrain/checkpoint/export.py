@@ -1,0 +1,58 @@
+"""``bigtrain export RUN_DIR OUT``: one consolidated file of the newest valid checkpoint's weights.
+
+Offline and for models that fit in one process's memory: each parameter is read whole from the
+sharded checkpoint (whatever layout wrote it) under its canonical name, a tied weight once (as
+``tok_embeddings.weight``). The file is safetensors when the optional ``safetensors`` package is
+installed (``pip install safetensors``), else a ``torch.save`` dict ``.pt`` (and the caller says so).
+Optimizer state is not exported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bigtrain.checkpoint.commit import newest_valid_checkpoint
+from bigtrain.checkpoint.sharded import ChunkReader
+
+
+def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every parameter of the checkpoint at ``path``, whole, by name (one at a time from disk)."""
+    reader = ChunkReader(path)
+    out = {}
+    for fqn in sorted(reader.entries):
+        if fqn.startswith("optim/"):
+            continue
+        tensor = reader.empty(fqn)
+        reader.read([(fqn, (0,) * tensor.dim(), tensor)])
+        out[fqn] = tensor
+    return out
+
+
+def export(run_dir: Path, out: Path) -> tuple[Path, str]:
+    """Write the weights of the newest valid checkpoint under ``run_dir`` (a run directory, its
+    ``checkpoints/``, or one checkpoint) to ``out``; returns (the path written, 'safetensors' or 'torch')."""
+    from bigtrain.checkpoint import FORMAT
+
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    found = newest_valid_checkpoint(root)
+    if found is None:
+        raise FileNotFoundError(f"no valid checkpoint under {run_dir}")
+    path, meta = found
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is an old-format checkpoint; export reads sharded '{FORMAT}' checkpoints")
+    weights = checkpoint_weights(path)
+    info = {"step": str(meta["step"]), "source": str(path), "format": FORMAT}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        if out.suffix == ".safetensors":
+            out = out.with_suffix(".pt")
+        torch.save({"weights": weights, "meta": info}, out)
+        return out, "torch"
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out), metadata=info)
+    return out, "safetensors"
