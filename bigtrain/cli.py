@@ -8,6 +8,7 @@ itself under torchrun; inside a launcher (ours or a user's) it runs one rank of 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
@@ -17,6 +18,7 @@ from bigtrain.config import Config, ConfigError, field_docs, load_config, preset
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
+WORLD_SIZE_MAX = 2**20  # --world-size for --parallel auto; the planner enumerates the divisors of it
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
-    preset = args.preset or (None if args.config else DEFAULT_PRESET)
+    preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
     cfg = load_config(preset=preset, path=args.config, overrides=overrides)
     if getattr(args, "resume", False):
         cfg.checkpoint.resume = "auto"
@@ -71,7 +73,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
+    from bigtrain.preflight import check_environment, print_warnings
 
+    env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
+    if args.world_size is not None and not 1 <= args.world_size <= WORLD_SIZE_MAX:
+        raise ConfigError(f"--world-size = {args.world_size}: must be between 1 and {WORLD_SIZE_MAX}")
+    if args.output_dir is not None and not args.output_dir.strip():
+        raise ConfigError("--output-dir is empty; give a folder, or leave the flag out for runs/<preset>-<time>")
     cfg = _resolve(args, overrides)
     if args.parallel == "auto":
         from bigtrain.plan.auto import auto_overrides
@@ -81,6 +89,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = _resolve(args, chosen + overrides)  # what the user set explicitly still wins
     validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
     run_dir = _run_dir(args)
+    print_warnings(env_warnings + check_inputs(cfg, run_dir, "--output-dir"))
     if cfg.parallel.world_size > 1 and not launched_externally():
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = run_dir / "config.toml"
@@ -93,17 +102,57 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return _run_rank(cfg, run_dir)
 
 
+def check_inputs(cfg: Config, output_dir: str | Path, output_name: str) -> list[str]:
+    """The pre-launch checks of the data, the output folder and the run's size (bigtrain.preflight);
+    raises a ConfigError, returns warnings."""
+    import torch
+
+    from bigtrain.distributed.launch import launched_externally
+    from bigtrain.preflight import preflight
+
+    if launched_externally():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
+    else:
+        local = cfg.parallel.world_size
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    return preflight(cfg, output_dir, output_name, local_ranks=local, cuda=cuda)
+
+
+def join_group(cfg: Config):
+    """init_distributed with distributed.timeout_s; a group that never forms is a RunFailure."""
+    import torch.distributed as dist
+
+    from bigtrain.distributed.launch import init_distributed
+
+    try:
+        return init_distributed(cfg.train.device, cfg.distributed.timeout_s)
+    except (dist.DistError, ValueError) as e:  # a store that timed out or refused; a malformed address
+        world, rank = os.environ.get("WORLD_SIZE", "?"), os.environ.get("RANK", "?")
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise RunFailure(f"rank {rank} could not join the group of {world} ranks at {where} within "
+                         f"distributed.timeout_s = {cfg.distributed.timeout_s:g} s: {' '.join(str(e).split())}") from e
+
+
+class RunFailure(RuntimeError):
+    """A run that stopped on an error worth one clear line (exit 1, no traceback)."""
+
+
 def _run_rank(cfg: Config, run_dir: Path) -> int:
-    from bigtrain.distributed.launch import init_distributed, shutdown_distributed
+    from bigtrain.distributed.comm import CollectiveError
+    from bigtrain.distributed.launch import shutdown_distributed
     from bigtrain.distributed.mesh import Mesh
     from bigtrain.report import write_report
     from bigtrain.train import Trainer, write_summary
 
-    info = init_distributed(cfg.train.device)
+    info = join_group(cfg)
     try:
         mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
         trainer = Trainer(cfg, run_dir, mesh, info.device)
-        history = trainer.fit()
+        try:
+            history = trainer.fit()
+        except CollectiveError as e:
+            e.step = trainer.step
+            raise
         if info.rank == 0:
             write_summary(run_dir, trainer.summary())
             report = write_report(run_dir) if cfg.logging.report else None
@@ -165,6 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"bigtrain: invalid configuration:\n{e}", file=sys.stderr)
         return 2
+    except RunFailure as e:
+        print(f"bigtrain: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        from bigtrain.distributed.comm import CollectiveError
+
+        if not isinstance(e, CollectiveError):
+            raise
+        print(f"bigtrain: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("bigtrain: interrupted", file=sys.stderr)
         return 130

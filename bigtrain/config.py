@@ -208,6 +208,15 @@ class LoggingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """The process group."""
+
+    timeout_s: float = doc("Seconds (1 to a year) a rank waits in a collective, or for its peers to join, "
+                           "before it fails naming the collective, its axis and tag; a frozen or dead peer is "
+                           "found this long after it stopped.", 600.0)
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -220,6 +229,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -245,6 +255,10 @@ def _suggest(name: str, choices: list[str]) -> str:
 
 def _coerce(dotted: str, value: Any, typ: type) -> Any:
     """Turn a TOML or command-line value into the field's type, or raise a ConfigError."""
+    return _checked_value(dotted, _typed(dotted, value, typ))
+
+
+def _typed(dotted: str, value: Any, typ: type) -> Any:
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         try:
@@ -266,6 +280,25 @@ def _coerce(dotted: str, value: Any, typ: type) -> Any:
         return int(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{dotted}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+INT64 = 2**63
+
+
+def _checked_value(dotted: str, value: Any) -> Any:
+    """Values every field shares a limit on: integers that numpy and torch hold (64 bits), text
+    that a path, a TOML file and a terminal can carry (no NUL, valid Unicode)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
+        raise ConfigError(f"{dotted} = {value}: does not fit in 64 bits (|value| < 2**63); use a smaller number")
+    if isinstance(value, str):
+        if "\0" in value:
+            raise ConfigError(f"{dotted} = {value!r}: contains a NUL character, which no path or name can hold")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{dotted} = {value!r}: is not valid Unicode (undecodable bytes); "
+                              f"use a UTF-8 name") from None
     return value
 
 
@@ -314,6 +347,9 @@ def preset_names() -> list[str]:
 
 def read_toml(path: Path) -> dict[str, Any]:
     try:
+        # Only a regular file: /dev/zero would be read forever, a FIFO would block the open itself.
+        if path.exists() and not path.is_dir() and not path.is_file():
+            raise ConfigError(f"config file '{path}' is not a regular file (a device, FIFO or socket)")
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:

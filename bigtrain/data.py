@@ -24,8 +24,13 @@ import torch
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".html")
 
 
+def cache_path(cache_dir: str = "") -> Path:
+    """The folder of cached corpora (``data.cache_dir``), not created."""
+    return Path(os.path.expanduser(cache_dir)) if cache_dir else Path.home() / ".cache" / "bigtrain"
+
+
 def cache_root(cache_dir: str = "") -> Path:
-    root = Path(os.path.expanduser(cache_dir)) if cache_dir else Path.home() / ".cache" / "bigtrain"
+    root = cache_path(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -50,6 +55,26 @@ def _write_atomic(path: Path, data: np.ndarray) -> None:
 
 def _cache_name(key: str, max_bytes: int) -> str:
     return f"bytes-{hashlib.sha1(f'{key}|{max_bytes}'.encode()).hexdigest()[:16]}.u8"
+
+
+def cached_corpus(key: str, cache_dir: str, max_bytes: int) -> Path:
+    """Where the byte corpus of ``key`` (:func:`files_key`, :func:`stdlib_key`) is cached."""
+    return cache_path(cache_dir) / _cache_name(key, max_bytes)
+
+
+def stdlib_key() -> str:
+    # The installed standard library does not change under a given interpreter: key the cache on
+    # it instead of stat-ing a thousand files at every start.
+    return f"stdlib:{sys.version}:{sysconfig.get_paths()['stdlib']}"
+
+
+def token_dtype_problem(dtype: np.dtype) -> str | None:
+    """Why an array of ``dtype`` cannot hold token ids (None when it can): ids are integers, and
+    casting floats, complex numbers or booleans to them would train on something else, silently."""
+    if dtype.kind in "ui" and dtype.fields is None:
+        return None
+    return (f"holds {dtype} values, not integer token ids; save the ids as integers "
+            f"(np.uint16 for vocabularies up to 65536, np.int32 above)")
 
 
 def files_key(files: list[Path]) -> str:
@@ -81,16 +106,18 @@ def build_byte_corpus(files: list[Path], cache: Path, max_bytes: int, key: str |
 def load_tokens(source: str, cache_dir: str = "", max_bytes: int = 0) -> np.ndarray:
     """A 1-D memory-mapped array of token ids for ``source`` (see ``DataConfig.source``)."""
     if source == "stdlib":
-        # The installed standard library does not change under a given interpreter: key the cache on
-        # it instead of stat-ing a thousand files at every start.
-        key = f"stdlib:{sys.version}:{sysconfig.get_paths()['stdlib']}"
+        key = stdlib_key()
         path = cache_root(cache_dir) / _cache_name(key, max_bytes)
         if not path.exists():
             path = build_byte_corpus(stdlib_files(), cache_root(cache_dir), max_bytes, key)
         return np.memmap(path, dtype=np.uint8, mode="r")
     src = Path(os.path.expanduser(source))
     if src.suffix == ".npy":
-        return np.load(src, mmap_mode="r").reshape(-1)
+        tokens = np.load(src, mmap_mode="r")
+        problem = token_dtype_problem(tokens.dtype)
+        if problem:
+            raise ValueError(f"data.source = '{source}' {problem}")
+        return tokens.reshape(-1)
     if src.suffix == ".bin":
         return np.memmap(src, dtype=np.uint16, mode="r")
     path = build_byte_corpus(text_files(src), cache_root(cache_dir), max_bytes)

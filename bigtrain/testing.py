@@ -27,20 +27,21 @@ class RankFailure(RuntimeError):
     pass
 
 
-def _init_group(backend: str, store_path: str, rank: int, world_size: int) -> None:
+def _init_group(backend: str, store_path: str, rank: int, world_size: int, group_timeout: float) -> None:
     if backend == "fake":
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     else:
         dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+                                timeout=timedelta(seconds=group_timeout))
 
 
-def _child(fn: Callable, rank: int, world_size: int, store_path: str, args: tuple, conn, backend: str) -> None:
+def _child(fn: Callable, rank: int, world_size: int, store_path: str, args: tuple, conn, backend: str,
+           group_timeout: float) -> None:
     torch.set_num_threads(1)
     try:
-        _init_group(backend, store_path, rank, world_size)
+        _init_group(backend, store_path, rank, world_size, group_timeout)
         result = fn(rank, world_size, *args)
         # Plain pickle copies tensor data; multiprocessing's pickler would share it through a
         # helper thread of this process, which is gone once it exits.
@@ -53,30 +54,33 @@ def _child(fn: Callable, rank: int, world_size: int, store_path: str, args: tupl
         os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+              group_timeout: float = 120.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` forked Gloo ranks; return their results.
 
     ``fn`` and its results must be picklable only for the results (fork passes ``fn`` as it is).
+    ``group_timeout`` is the process group's (what ``distributed.timeout_s`` sets in a run).
     """
-    return _run(fn, range(world_size), world_size, args, timeout, "gloo")
+    return _run(fn, range(world_size), world_size, args, timeout, "gloo", group_timeout)
 
 
 def run_fake_rank(fn: Callable[..., Any], world_size: int, *args: Any, rank: int = 0, timeout: float = 120.0) -> Any:
     """Call ``fn(rank, world_size, *args)`` in one forked process that pretends to be ``rank`` of
     ``world_size`` (torch's fake process group: collectives return at once and move no data), for
     checking shard shapes and accounting at world sizes this machine cannot run."""
-    return _run(fn, [rank], world_size, args, timeout, "fake")[0]
+    return _run(fn, [rank], world_size, args, timeout, "fake", 120.0)[0]
 
 
-def _run(fn: Callable, ranks, world_size: int, args: tuple, timeout: float, backend: str) -> list[Any]:
+def _run(fn: Callable, ranks, world_size: int, args: tuple, timeout: float, backend: str,
+         group_timeout: float) -> list[Any]:
     ctx = mp.get_context("fork")
     store_dir = tempfile.mkdtemp(prefix="bigtrain-store-")
     store_path = os.path.join(store_dir, uuid.uuid4().hex)
     procs, pipes = [], []
     for rank in ranks:
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(fn, rank, world_size, store_path, args, child_end, backend),
-                           daemon=True)
+        proc = ctx.Process(target=_child, daemon=True,
+                           args=(fn, rank, world_size, store_path, args, child_end, backend, group_timeout))
         proc.start()
         child_end.close()
         procs.append(proc)

@@ -71,8 +71,15 @@ def check_model(cfg: Config) -> list[str]:
     return problems
 
 
-def _divisor_near(n: int, target: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))
+def _divisor_near(n: int, target: int, search: int = 100_000) -> int:
+    """The divisor of ``n`` nearest ``target``: searched outwards from it, a bounded number of
+    steps (a suggestion must not take minutes on n = 10^12), else the nearer of 1 and n."""
+    best = min((1, n), key=lambda d: abs(d - target))
+    for k in range(min(abs(best - target), search) + 1):
+        for d in (target - k, target + k):
+            if 1 <= d <= n and n % d == 0:
+                return d
+    return best
 
 
 def check_parallel(cfg: Config) -> list[str]:
@@ -128,7 +135,9 @@ def check_data(cfg: Config) -> list[str]:
         problems.append(f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; "
                         f"raise model.max_seq_len or lower data.seq_len")
     is_tokens = d.source.endswith((".bin", ".npy"))
-    if d.source != "stdlib" and not Path(os.path.expanduser(d.source)).exists():
+    if not d.source.strip():  # Path('') is the current directory: every text file under it
+        problems.append("data.source is empty; use 'stdlib', a text file or folder, or a .bin / .npy token file")
+    elif d.source != "stdlib" and not _exists(d.source):
         problems.append(f"data.source = '{d.source}': no such file or folder; use 'stdlib' or an existing path")
     if not is_tokens and m.vocab_size < 256:
         problems.append(f"model.vocab_size = {m.vocab_size}: byte-level text needs at least 256; set it to 256")
@@ -169,9 +178,17 @@ def check_runtime(cfg: Config) -> list[str]:
     problems += _non_negative(cfg, ["checkpoint.every"])
     problems += _one_of("train.device", cfg.train.device, DEVICES)
     resume = cfg.checkpoint.resume
-    if resume not in ("none", "auto") and not Path(resume).exists():
+    if resume not in ("none", "auto") and not _exists(resume, expand=False):
         problems.append(f"checkpoint.resume = '{resume}': no such checkpoint; use 'auto', 'none' or an existing path")
     return problems
+
+
+def _exists(path: str, expand: bool = True) -> bool:
+    """Like Path.exists, but False for names no file can have (too long, NUL) instead of raising."""
+    try:
+        return Path(os.path.expanduser(path) if expand else path).exists()
+    except (OSError, ValueError):
+        return False
 
 
 def check_model_split(cfg: Config) -> list[str]:
@@ -223,6 +240,45 @@ def check_pipeline(cfg: Config) -> list[str]:
 
 RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_pipeline, check_batch, check_data, check_optim,
                      check_runtime]
+
+
+# init_value seeds torch with seed x 1_000_003 + crc32(name), which must stay below 2**64; numpy's
+# generators (the sampler's default_rng([seed, step])) take no negative seed.
+SEED_MAX = (2**64 - 2**32) // 1_000_003
+
+
+def check_seed(cfg: Config) -> list[str]:
+    seed = cfg.train.seed
+    if 0 <= seed <= SEED_MAX:
+        return []
+    return [f"train.seed = {seed}: must be in [0, {SEED_MAX}] (the range numpy's and torch's generators "
+            f"take once bigtrain mixes in each parameter's name); e.g. {seed % (SEED_MAX + 1)}"]
+
+
+TIMEOUT_MAX_S = 365 * 86400  # far beyond any wait worth having; larger overflows torch's timedelta
+BUCKET_MB_MAX = 2**20  # 1 TiB: a bucket is never larger than the model; more overflows the byte count
+
+
+def check_distributed(cfg: Config) -> list[str]:
+    timeout = cfg.distributed.timeout_s
+    if not 1 <= timeout <= TIMEOUT_MAX_S:  # NaN fails too
+        return [f"distributed.timeout_s = {timeout:g}: must be between 1 (a step's collectives take longer than "
+                f"less) and {TIMEOUT_MAX_S} (a year); the default 600 finds a frozen rank in 10 minutes"]
+    return []
+
+
+def check_limits(cfg: Config) -> list[str]:
+    """Upper bounds the other rules leave open, and text fields that must not be empty."""
+    problems = []
+    if math.isfinite(cfg.parallel.bucket_mb) and cfg.parallel.bucket_mb > BUCKET_MB_MAX:
+        problems.append(f"parallel.bucket_mb = {cfg.parallel.bucket_mb:g}: at most {BUCKET_MB_MAX} (1 TiB); "
+                        f"the default 25 suits most models")
+    if not cfg.checkpoint.resume.strip():
+        problems.append("checkpoint.resume is empty; use 'none', 'auto' or the path of a checkpoint")
+    return problems
+
+
+RULES += [check_seed, check_distributed, check_limits]
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None) -> None:

@@ -77,6 +77,19 @@ CASES = [
     pytest.param("lr-inf", ["--optim.lr=inf"], "optim.lr", id="lr-inf"),
     pytest.param("weight-decay-nan", ["--optim.weight_decay=nan"], "optim.weight_decay",
                  id="weight-decay-nan"),
+    ("empty-source", ["--data.source="], "data.source is empty"),
+    ("blank-source", ["--data.source= "], "data.source"),
+    ("empty-resume", ["--checkpoint.resume="], "checkpoint.resume is empty"),
+    ("seed-negative", ["--train.seed=-1"], "train.seed"),
+    ("seed-beyond-generators", [f"--train.seed={2**50}"], "train.seed"),
+    ("int-beyond-64-bits", [f"--train.steps={2**63}"], "train.steps"),
+    ("timeout-zero", ["--distributed.timeout_s=0"], "distributed.timeout_s"),
+    ("timeout-nan", ["--distributed.timeout_s=nan"], "distributed.timeout_s"),
+    ("timeout-beyond-a-year", ["--distributed.timeout_s=1e308"], "distributed.timeout_s"),
+    ("timeout-below-a-second", ["--distributed.timeout_s=5e-324"], "distributed.timeout_s"),
+    ("bucket-beyond-1-tib", ["--parallel.bucket_mb=1e308"], "parallel.bucket_mb"),
+    ("undecodable-text", ["--data.cache_dir=a\udcffb"], "data.cache_dir"),
+    ("dim-prime-and-huge", [f"--model.dim={2**61 - 1}"], "model.dim"),
 ]
 
 
@@ -126,7 +139,8 @@ def train_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir: started.append(("rank", run_dir)) or 0)
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv: started.append(("torchrun", nproc)) or 0)
     monkeypatch.setattr(launch, "init_distributed", lambda *a, **k: started.append(("init",)) or None)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)  # a default run directory would land here, not in the repository
     run_dir = tmp_path / "run"
@@ -220,8 +234,10 @@ def test_world_size_mismatch_is_named():
 
 
 def test_cli_world_size_mismatch_under_an_external_launcher(train_cli, monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    # What torchrun sets (tests/test_preflight.py covers the same variables left over without it).
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"),
+                        ("TORCHELASTIC_RUN_ID", "test")):
+        monkeypatch.setenv(name, value)
     code, out, err = train_cli("--parallel.dp=2")
     _assert_rejected(train_cli, code, out, err, "parallel.dp", "world size 3")
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bigtrain.config import Config, load_config, preset_names, to_toml
+from bigtrain.config import Config, ConfigError, load_config, preset_names, to_toml
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "tiny"
@@ -34,7 +34,8 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def check_config(preset: str | None, path: str | None, overrides: list[str]) -> Config:
-    cfg = load_config(preset=preset or (None if path else DEFAULT_PRESET), path=path, overrides=overrides)
+    preset = preset if preset is not None else (None if path else DEFAULT_PRESET)
+    cfg = load_config(preset=preset, path=path, overrides=overrides)
     # A check compares numbers: no progress bar, report, checkpoint or resume of an older run.
     cfg.logging.progress = cfg.logging.report = cfg.checkpoint.save_final = False
     cfg.checkpoint.every, cfg.checkpoint.resume = 0, "none"
@@ -44,13 +45,20 @@ def check_config(preset: str | None, path: str | None, overrides: list[str]) -> 
 def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
+    from bigtrain.cli import check_inputs
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
+    from bigtrain.preflight import check_environment, print_warnings
 
+    env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
+    if args.output_dir is not None and not args.output_dir.strip():
+        raise ConfigError("--output-dir is empty; give a folder, or leave the flag out for a temporary one")
     cfg = check_config(args.preset, args.config, overrides)
     validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
     if args.steps < 1:
         print("bigtrain check: --steps must be at least 1", file=sys.stderr)
         return 2
+    print_warnings(env_warnings + check_inputs(cfg, args.output_dir or tempfile.gettempdir(),
+                                               "--output-dir" if args.output_dir else "the temporary folder"))
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="bigtrain-check-"))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.parallel.world_size > 1 and not launched_externally():
@@ -70,10 +78,11 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _check_rank(cfg: Config, out: Path, steps: int) -> int:
     from bigtrain.check.run import check_layout
-    from bigtrain.distributed.launch import init_distributed, launched_externally, shutdown_distributed
+    from bigtrain.cli import join_group
+    from bigtrain.distributed.launch import launched_externally, shutdown_distributed
     from bigtrain.distributed.mesh import Mesh
 
-    info = init_distributed(cfg.train.device)
+    info = join_group(cfg)
     try:
         mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
         report = check_layout(cfg, mesh, out, steps, info.device)

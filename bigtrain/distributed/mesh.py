@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from bigtrain.config import ParallelConfig
-from bigtrain.distributed.comm import AxisComm, CommStats
+from bigtrain.distributed.comm import AxisComm, CommStats, world_timeout
 
 AXES = ("pp", "dp", "sp", "tp")  # outermost first
 # Axes flattened into one group: the replicas of every weight under Ulysses sequence parallelism
@@ -130,11 +130,14 @@ class Mesh:
     def _make_groups(self) -> None:
         # Every rank must call new_group for every group, in the same order. A set of ranks that
         # two names share (edp is dp when ep = 1, ep is dp when ep = dp) gets one process group.
+        # Each waits as long as the world group (distributed.timeout_s), not torch's 30-minute
+        # default for new groups.
+        timeout = world_timeout()
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for name in self._grouped_names():
             for ranks in self.all_groups(name):
                 if tuple(ranks) not in made:
-                    made[tuple(ranks)] = dist.new_group(ranks)
+                    made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
                     self.groups[name] = made[tuple(ranks)]
 

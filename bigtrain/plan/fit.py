@@ -1,0 +1,127 @@
+"""Will this run fit this machine? The planner's memory model, asked before launch.
+
+``bigtrain train`` builds the model and allocates on every rank only after the launch; a model
+of 10^9 layers or a micro-batch of 10^9 sequences would end in the kernel's OOM killer (no
+message on CPU) or a long stall instead of an error. :func:`size_problems` asks the planner
+(``memory.py``: model states byte for byte, saved activations, buffers, the allocator allowance)
+for the worst rank's bytes, adds the two host-side allocations the planner leaves out because they
+are negligible in sane configs (the rotary tables of ``model.max_seq_len`` positions and the
+sampler's per-step arrays of ``train.global_batch`` entries), and compares with this machine: on
+CPU every local rank shares the host's memory, on CUDA each rank has its device.
+
+A run the estimate puts above the memory is rejected (the model states are exact; activations are
+the measured saved tensors, so a larger true peak only makes it worse); above 80% it is a warning.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bigtrain.config import Config
+
+WARN_FRACTION = 0.8
+# Above this many blocks the per-block estimate would build lists as long as the model: the
+# closed-form model states decide alone (a model this deep is rejected by them on any machine).
+EXACT_LAYERS_MAX = 100_000
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
+                        ("KiB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.3g} {unit}" if value < 1e4 else f"{value:.2e} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def host_memory() -> int:
+    """This machine's memory as this process may use it (the cgroup limit when lower)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def machine_memory(cuda: bool) -> tuple[int, str]:
+    if cuda:
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory, "each GPU of this machine has"
+    return host_memory(), "this machine has"
+
+
+def _model_fields(cfg: Config) -> str:
+    m = cfg.model
+    ffn = f"model.ffn_hidden = {m.ffn_hidden}" + (f" (-> {m.ffn_dim})" if not m.ffn_hidden else "")
+    return f"model.n_layers = {m.n_layers}, model.dim = {m.dim}, {ffn}, model.vocab_size = {m.vocab_size}"
+
+
+def _layout(cfg: Config):
+    from bigtrain.plan.layout import Layout
+
+    p = cfg.parallel
+    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, sp=p.sp, zero=p.zero, micro_batch=cfg.train.micro_batch,
+                  schedule=p.pp_schedule, v=p.pp_virtual, recompute=cfg.memory.checkpointing,
+                  every=cfg.memory.checkpoint_every, tp_sp=p.sequence_parallel, precision=cfg.precision.mode)
+
+
+def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False) -> tuple[list[str], list[str]]:
+    """(problems, warnings) comparing the planner's estimate of the run with this machine's memory."""
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.memory import estimate_memory, zero_formula_bytes
+    from bigtrain.plan.model import ModelSpec
+
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    capacity, has = machine_memory(cuda)
+    sharing = 1 if cuda else max(1, local_ranks)
+    on_machine = f" x {sharing} ranks on this machine" if sharing > 1 else ""
+    spec = ModelSpec.from_model_config(m, d.seq_len)
+    optimizer = cfg.optim.name
+    states = sum(zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, p.dp * p.sp, cfg.precision.mode,
+                                    optimizer).values())
+    if states * sharing > capacity:
+        return [f"{_model_fields(cfg)} make {spec.params:.3g} parameters: their weights, gradients and "
+                f"optimizer state alone take {_size(states)} per rank (the planner's ZeRO formula at "
+                f"parallel.zero = {p.zero}, {cfg.precision.mode}, {optimizer}){on_machine}, and {has} {_size(capacity)}; "
+                f"make the model smaller, shard it (parallel.zero, parallel.tp, parallel.pp) or use more machines"], []
+    if m.n_layers > EXACT_LAYERS_MAX:
+        return [], []
+    try:
+        hardware = get_profile("cpu" if not cuda else "h100-80g")
+        mem = estimate_memory(spec, _layout(cfg), hardware, t.global_batch, optimizer=optimizer)
+    except Exception:  # noqa: BLE001 - a layout the planner does not model is no reason to refuse a run
+        return [], []
+    parts = {
+        "states": (mem.model_states, f"{_model_fields(cfg)} ({spec.params:.3g} parameters): weights, gradients "
+                                     f"and optimizer state"),
+        "activations": (mem.activations + sum(mem.buffers.values()),
+                        f"train.micro_batch = {t.micro_batch} x data.seq_len = {d.seq_len} (with model.dim = {m.dim}, "
+                        f"model.n_layers = {m.n_layers}, model.vocab_size = {m.vocab_size}, memory.checkpointing = "
+                        f"'{cfg.memory.checkpointing}'): saved activations and buffers"),
+        "allocator": (mem.allocator, "the per-process allowance of the planner's profile"),
+        "rotary": (4 * m.max_seq_len * max(1, m.head_dim), f"model.max_seq_len = {m.max_seq_len}: the rotary "
+                                                          f"tables (lower it to what data.seq_len needs)"),
+        "sampler": (8 * t.global_batch * (1 + (3 * (d.seq_len + 1) if d.ignore_target >= 0 else 0)),
+                    f"train.global_batch = {t.global_batch}: the sampler's per-step arrays"),
+    }
+    per_rank = sum(nbytes for nbytes, _ in parts.values())
+    need = per_rank * sharing
+    if need <= WARN_FRACTION * capacity:
+        return [], []
+    big, (big_bytes, what) = max(parts.items(), key=lambda kv: kv[1][0])
+    detail = ", ".join(f"{k} {_size(v)}" for k, (v, _) in parts.items())
+    text = (f"{what} take {_size(big_bytes)} of the {_size(per_rank)} the planner estimates per rank ({detail})"
+            f"{on_machine}, and {has} {_size(capacity)}")
+    if need > capacity:
+        fix = {"states": "make the model smaller or shard it (parallel.zero, parallel.tp, parallel.pp)",
+               "activations": "lower train.micro_batch or data.seq_len, or set memory.checkpointing = 'full'",
+               "allocator": "start fewer ranks (parallel.dp, parallel.tp, parallel.pp, parallel.sp)",
+               "rotary": "lower model.max_seq_len", "sampler": "lower train.global_batch"}[big]
+        return [f"{text}; {fix}"], []
+    return [], [f"{text}: close to the limit ({need / capacity:.0%})"]

@@ -1,0 +1,307 @@
+"""What a run will read, write and allocate, checked before any rank starts.
+
+:func:`validate` judges the config alone; these checks look at the machine: the data files (their
+dtype, ids against the vocabulary, their length against the sampler's window), the folders the
+run writes (the run directory, the corpus cache), the environment a launcher leaves (``RANK`` /
+``WORLD_SIZE`` without one makes a plain ``bigtrain train`` wait for peers that never come), and
+the memory the planner's model says the run needs. ``bigtrain train`` and ``bigtrain check`` call
+:func:`check_environment` and :func:`preflight` before they launch anything; each problem names
+the field (or variable) and a fix, and the CLI exits 2 on them without a traceback.
+
+Nothing here creates a file or folder: writability is probed with a temporary file that is removed
+at once, in the nearest folder that already exists.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from bigtrain.config import Config, ConfigError
+from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_key, text_files,
+                           token_dtype_problem)
+
+SCAN_CHUNK = 1 << 24  # token ids compared with the vocabulary per step of the scan (64 MiB of int32)
+LAUNCHER_MARKERS = ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                    "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+NAME_MAX = 255
+
+
+# -- the environment ---------------------------------------------------------------------------------
+def environment_problems(env: Mapping[str, str] = os.environ) -> tuple[list[str], list[str]]:
+    """(problems, warnings) about the torch.distributed variables a launcher sets, or left behind."""
+    rank, world = env.get("RANK"), env.get("WORLD_SIZE")
+    unset = "unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT to train in this one process"
+    if rank is None or world is None:
+        if rank is None and world is None:
+            return [], []
+        present = "RANK" if world is None else "WORLD_SIZE"
+        return [], [f"environment: {present} is set without {'WORLD_SIZE' if world is None else 'RANK'}, so no "
+                    f"launcher started this process (a leftover?); ignoring it and running in one process"]
+    numbers = {}
+    problems = []
+    for name, text in (("RANK", rank), ("WORLD_SIZE", world)):
+        try:
+            numbers[name] = int(text)
+        except ValueError:
+            problems.append(f"environment: {name} = '{text}' is not a whole number; {unset}, "
+                            f"or start the ranks with torchrun")
+    if problems:
+        return problems, []
+    r, n = numbers["RANK"], numbers["WORLD_SIZE"]
+    if n < 1 or not 0 <= r < n:
+        return [f"environment: RANK = {r} and WORLD_SIZE = {n}: need WORLD_SIZE >= 1 and 0 <= RANK < WORLD_SIZE; "
+                f"{unset}"], []
+    if n == 1:
+        return [], []
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if not addr or not port:
+        missing = [k for k, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not v]
+        are = "is" if len(missing) == 1 else "are"
+        return [f"environment: RANK = {r} and WORLD_SIZE = {n} are set but {' and '.join(missing)} {are} not, "
+                f"so no launcher started this process (leftovers of an earlier shell?); {unset} (bigtrain "
+                f"train starts its own ranks), or launch with torchrun"], []
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return [f"environment: MASTER_PORT = '{port}' is not a port number (1-65535); {unset}"], []
+    if not any(k in env for k in LAUNCHER_MARKERS):
+        return [], [f"environment: RANK = {r}, WORLD_SIZE = {n}, MASTER_ADDR = {addr}:{port} are set but no launcher "
+                    f"(torchrun, SLURM, MPI) marked this process: this rank will wait up to distributed.timeout_s "
+                    f"for {n - 1} other rank(s) to join. If these are leftovers, {unset}"]
+    return [], []
+
+
+def check_environment(env: Mapping[str, str] = os.environ) -> list[str]:
+    """Raise a ConfigError on the environment's problems; return its warnings."""
+    problems, warnings = environment_problems(env)
+    if problems:
+        raise ConfigError(problems)
+    return warnings
+
+
+# -- folders the run writes ------------------------------------------------------------------------
+def writable_dir_problem(path: str | Path, name: str) -> str | None:
+    """Why ``path`` cannot be (or become) a folder this process writes into; None when it can."""
+    text = str(path)
+    if not text.strip():
+        return f"{name} is empty; give a folder"
+    try:
+        target = Path(os.path.expanduser(text)).absolute()
+        too_long = [p for p in target.parts if len(os.fsencode(p)) > NAME_MAX]
+        if too_long:
+            return f"{name} = '{text}': the name '{too_long[0][:40]}...' is longer than {NAME_MAX} bytes"
+        probe = target
+        while not os.path.lexists(probe):
+            probe = probe.parent
+        mode = os.stat(probe).st_mode  # follows links: a dangling one raises
+        if not stat.S_ISDIR(mode):
+            where = "it" if probe == target else f"'{probe}'"
+            return f"{name} = '{text}': {where} exists and is not a folder; choose another path"
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".bigtrain-write-test-")
+        os.close(fd)
+        os.unlink(tmp)
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        return f"{name} = '{text}': cannot write there ({reason}); choose a folder you can write"
+    return None
+
+
+# -- data ------------------------------------------------------------------------------------------
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def data_problems(cfg: Config) -> list[str]:
+    """The corpus ``data.source`` names, against the model and the sampler: one problem at most."""
+    d = cfg.data
+    need = d.seq_len + 2  # TokenSampler draws starts in [0, len - seq_len - 1): a window of seq_len + 1, and one more
+    if d.source == "stdlib":
+        problem = _cache_problem(cfg, stdlib_key())
+        if problem is None and d.max_bytes and d.max_bytes < need:
+            problem = (f"data.max_bytes = {d.max_bytes} caps the corpus below data.seq_len + 2 = {need} tokens "
+                       f"(one window and the next target); raise data.max_bytes or set it to 0")
+        return [problem] if problem else []
+    src = Path(os.path.expanduser(d.source))
+    try:
+        mode = os.stat(src).st_mode
+    except (OSError, ValueError) as e:
+        return [f"data.source = '{d.source}': cannot be read ({getattr(e, 'strerror', None) or e})"]
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        return [f"data.source = '{d.source}' is {_kind(mode)}, not a file or folder; give a text file or folder, "
+                f"or a .bin / .npy token file"]
+    if src.suffix in (".bin", ".npy"):  # as load_tokens decides
+        if stat.S_ISDIR(mode):
+            return [f"data.source = '{d.source}' is a folder; a .bin / .npy source must be a token file"]
+        problem = _token_file_problem(d.source, src, cfg.model.vocab_size, need)
+    else:
+        problem = _text_problem(cfg, src, need)
+    return [problem] if problem else []
+
+
+def _unreadable(path: Path) -> str | None:
+    try:
+        with open(path, "rb"):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def _token_file_problem(source: str, path: Path, vocab: int, need: int) -> str | None:
+    field = f"data.source = '{source}'"
+    reason = _unreadable(path)
+    if reason:
+        return f"{field}: cannot be read ({reason})"
+    size = path.stat().st_size
+    if size == 0:
+        return f"{field} is empty; it needs at least data.seq_len + 2 = {need} token ids"
+    if path.suffix == ".bin":
+        if size % 2:
+            return (f"{field} has an odd number of bytes ({size}): a .bin holds uint16 token ids, 2 bytes each; "
+                    f"write it with np.asarray(ids, dtype=np.uint16).tofile(path), or save a .npy")
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    else:
+        problem = _npy_header_problem(path, size)
+        if problem:
+            return f"{field} {problem}"
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except Exception as e:  # noqa: BLE001 - numpy raises several kinds on a damaged header or size
+            return f"{field} is not a readable .npy array ({' '.join(str(e).split())[:200]}); save it with np.save"
+        tokens = tokens.reshape(-1) if tokens.flags.c_contiguous else tokens.ravel(order="K")
+    if len(tokens) < need:
+        return (f"{field} has {len(tokens)} token ids, fewer than data.seq_len + 2 = {need} (one window and the "
+                f"next target); lower data.seq_len or give a longer corpus")
+    return _id_range_problem(field, tokens, vocab)
+
+
+def _npy_header_problem(path: Path, size: int) -> str | None:
+    """The header alone: not a .npy at all, ids that are not integers, or fewer bytes than it promises."""
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            return "is not a .npy file (no NumPy header); save the ids with np.save, or name a text file .txt"
+        f.seek(0)
+        try:
+            version = fmt.read_magic(f)
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(f)
+        except Exception as e:  # noqa: BLE001 - a damaged header: say what numpy says
+            return f"has a damaged .npy header ({' '.join(str(e).split())[:200]}); save it again with np.save"
+        problem = token_dtype_problem(dtype)
+        if problem:
+            return problem
+        promised = f.tell() + int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if promised > size:
+        return (f"is truncated: its header promises {int(np.prod(shape, dtype=object))} ids ({promised} bytes), "
+                f"the file has {size} bytes; save it again with np.save")
+    return None
+
+
+def _id_range_problem(field: str, tokens: np.ndarray, vocab: int) -> str | None:
+    """Scan the ids chunk by chunk (memory-mapped: the file is never loaded whole): the first id
+    out of range, and the largest and smallest of all, for the fix."""
+    info = np.iinfo(tokens.dtype)
+    if info.min >= 0 and info.max < vocab:
+        return None  # every value the dtype can hold is a valid id: nothing to scan
+    first, low, high = None, 0, 0
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = np.asarray(tokens[start:start + SCAN_CHUNK])
+        low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+        if first is None and (low < 0 or high >= vocab):
+            bad = (chunk < 0) | (chunk >= vocab)
+            at = int(np.argmax(bad))
+            first = (start + at, int(chunk[at]))
+    if first is None:
+        return None
+    at, value = first
+    text = f"{field} holds token id {value} at position {at}, outside 0 .. model.vocab_size - 1 = {vocab - 1}"
+    if high >= vocab:
+        text += f"; the largest id is {high}: set model.vocab_size to at least {high + 1}, or re-tokenize"
+    if low < 0:
+        text += f"; the smallest is {low}: ids cannot be negative, re-tokenize"
+    return text
+
+
+def _text_problem(cfg: Config, src: Path, need: int) -> str | None:
+    d = cfg.data
+    field = f"data.source = '{d.source}'"
+    if cfg.model.vocab_size < 256:  # validate judged the name ('x.bin/' ends otherwise than its suffix)
+        return f"{field} is read as byte-level text, which needs model.vocab_size >= 256; set it to 256"
+    if src.is_dir():
+        try:
+            next(os.scandir(src), None)
+        except OSError as e:
+            return f"{field}: the folder cannot be listed ({e.strerror})"
+    files = text_files(src)
+    if not files:
+        return (f"{field}: no text files in this folder (looked for {', '.join(TEXT_SUFFIXES)}); give a folder "
+                f"with such files, a text file, or a .bin / .npy token file")
+    total = 0
+    for f in files:
+        reason = _unreadable(f)
+        if reason:
+            return f"{field}: '{f}' cannot be read ({reason})"
+        total += f.stat().st_size
+        if d.max_bytes and total >= d.max_bytes:
+            total = d.max_bytes
+            break
+    if total < need:
+        cap = f" (data.max_bytes = {d.max_bytes})" if d.max_bytes and total == d.max_bytes else ""
+        return (f"{field} has {total} bytes of text{cap}, fewer than data.seq_len + 2 = {need} tokens (one window "
+                f"and the next target); lower data.seq_len or give a longer corpus")
+    try:
+        key = files_key(files)
+    except OSError as e:
+        return f"{field}: a file changed while it was read ({e.strerror}); try again"
+    return _cache_problem(cfg, key)
+
+
+def _cache_problem(cfg: Config, key: str) -> str | None:
+    """A text corpus is tokenized into data.cache_dir once: the folder must be writable unless
+    the corpus is already there."""
+    try:
+        if cached_corpus(key, cfg.data.cache_dir, cfg.data.max_bytes).is_file():
+            return None
+    except (OSError, ValueError):
+        pass
+    where = cfg.data.cache_dir or str(cache_path(""))
+    problem = writable_dir_problem(where, "data.cache_dir")
+    if problem and not cfg.data.cache_dir:
+        problem += " (the default, under your home folder; set data.cache_dir)"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    if problem is None and cfg.data.source == "stdlib" and not (stdlib / "os.py").is_file():
+        problem = "data.source = 'stdlib': this Python has no standard library sources to read; give a corpus"
+    return problem
+
+
+# -- memory ----------------------------------------------------------------------------------------
+def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-dir",
+              local_ranks: int = 1, cuda: bool = False) -> list[str]:
+    """Raise a ConfigError naming every problem with the data, the output folder and the size of
+    the run; return warnings (the caller prints them)."""
+    from bigtrain.plan.fit import size_problems
+
+    problems = data_problems(cfg)
+    out = writable_dir_problem(output_dir, output_name)
+    if out:
+        problems.append(out)
+    size, warnings = size_problems(cfg, local_ranks, cuda)
+    problems += size
+    if problems:
+        raise ConfigError(problems)
+    return warnings
+
+
+def print_warnings(warnings: list[str]) -> None:
+    for text in warnings:
+        print(f"bigtrain: warning: {text}", file=sys.stderr)

@@ -1,0 +1,271 @@
+"""Checks before launch (bigtrain/preflight.py, bigtrain/plan/fit.py): the data, the output folder,
+leftover launcher variables and the run's size, each named with a fix; and what is valid passes."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import bigtrain.cli as cli
+import bigtrain.distributed.launch as launch
+import bigtrain.plan.fit as fit
+from bigtrain.config import ConfigError, load_config
+from bigtrain.data import load_tokens
+from bigtrain.preflight import data_problems, environment_problems, preflight, writable_dir_problem
+
+SEQ = 32  # the tiny preset's data.seq_len: a corpus needs SEQ + 2 tokens
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(preset="tiny", overrides=[f"--data.cache_dir={tmp_path / 'cache'}", *overrides])
+
+
+def _problems(tmp_path, source, *overrides):
+    return data_problems(_cfg(tmp_path, f"--data.source={source}", *overrides))
+
+
+# --------------------------------------------------------------------------- data that is fine
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "int32", "uint32", "int64"])
+def test_integer_npy_within_the_vocabulary_passes(tmp_path, dtype):
+    path = tmp_path / "t.npy"
+    np.save(path, (np.arange(1000) % 256).astype(dtype))
+    assert _problems(tmp_path, path) == []
+
+
+def test_bin_2_d_fortran_npy_and_text_pass(tmp_path):
+    (np.arange(SEQ + 2) % 256).astype(np.uint16).tofile(tmp_path / "exact.bin")  # exactly the minimum
+    np.save(tmp_path / "f.npy", np.asfortranarray(np.arange(600).reshape(20, 30) % 256, dtype=np.int32))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("x" * (SEQ + 2))
+    for source in ("exact.bin", "f.npy", "src", "src/a.txt"):
+        assert _problems(tmp_path, tmp_path / source) == [], source
+    assert data_problems(_cfg(tmp_path)) == []  # stdlib
+    cfg = _cfg(tmp_path, f"--data.source={tmp_path / 'f.npy'}", "--model.vocab_size=300")
+    assert data_problems(cfg) == []
+
+
+def test_ids_up_to_the_vocabulary_pass_with_a_larger_vocabulary(tmp_path):
+    path = tmp_path / "t.bin"
+    np.array([0, 65535] * 40, dtype=np.uint16).tofile(path)
+    assert _problems(tmp_path, path, "--model.vocab_size=65536") == []
+    assert "65535" in _problems(tmp_path, path, "--model.vocab_size=65535")[0]
+
+
+# --------------------------------------------------------------------------- data that is not
+
+
+def _written(suffix: str, write):
+    def make(path):
+        path = path.with_suffix(suffix)
+        write(path)
+        return path
+    return make
+
+
+def _npy(array):
+    return _written(".npy", lambda path: np.save(path, array))
+
+
+def _bin(data: bytes):
+    return _written(".bin", lambda path: path.write_bytes(data))
+
+
+BAD_DATA = {
+    "float32": (_npy(np.arange(100, dtype=np.float32)), "float32 values, not integer token ids"),
+    "complex": (_npy(np.arange(100, dtype=np.complex64)), "complex64 values"),
+    "bool": (_npy(np.ones(100, dtype=bool)), "bool values"),
+    "id-at-vocab": (_npy(np.r_[np.zeros(50), 256, np.zeros(50)].astype(np.int32)),
+                    "token id 256 at position 50, outside 0 .. model.vocab_size - 1 = 255; "
+                    "the largest id is 256: set model.vocab_size to at least 257"),
+    "negative-id": (_npy(np.r_[np.zeros(70), -3].astype(np.int64)), "token id -3 at position 70, outside 0 .. model.vocab_size - 1 = 255; the smallest is -3"),
+    "short-npy": (_npy(np.zeros(SEQ + 1, dtype=np.uint16)), "has 33 token ids, fewer than data.seq_len + 2 = 34"),
+    "empty-npy": (_npy(np.zeros(0, dtype=np.uint16)), "has 0 token ids"),
+    "not-npy": (_written(".npy", lambda path: path.write_text("hello")), "is not a .npy file"),
+    "odd-bin": (_bin(b"\x00" * 101), "odd number of bytes (101): a .bin holds uint16 token ids"),
+    "empty-bin": (_bin(b""), "is empty"),
+    "short-bin": (_bin(b"\x00\x00" * (SEQ + 1)), "has 33 token ids"),
+    "id-in-bin": (_bin(np.r_[np.zeros(40), 9999].astype(np.uint16).tobytes()), "token id 9999 at position 40"),
+    "short-text": (_written(".txt", lambda path: path.write_text("tiny")),
+                   "has 4 bytes of text, fewer than data.seq_len + 2 = 34"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA), ids=list(BAD_DATA))
+def test_bad_token_files_are_named_with_a_fix(tmp_path, case):
+    write, needle = BAD_DATA[case]
+    path = write(tmp_path / "t")
+    problems = _problems(tmp_path, path)
+    assert len(problems) == 1 and needle in problems[0], problems
+    assert problems[0].startswith(f"data.source = '{path}'")
+
+
+def test_folders_without_text_and_special_files(tmp_path):
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "t.csv").write_text("a,b\n" * 100)
+    assert "no text files in this folder" in _problems(tmp_path, tmp_path / "csv")[0]
+    os.mkfifo(tmp_path / "pipe.txt")  # reading it would block forever
+    assert "is a FIFO" in _problems(tmp_path, tmp_path / "pipe.txt")[0]
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "s.bin"))
+    sock.close()
+    assert "is a socket" in _problems(tmp_path, tmp_path / "s.bin")[0]
+    (tmp_path / "zero.npy").symlink_to("/dev/zero")
+    assert "is a character device" in _problems(tmp_path, tmp_path / "zero.npy")[0]
+    assert "is a character device" in _problems(tmp_path, "/dev/zero")[0]
+    (tmp_path / "d.bin").mkdir()
+    assert "is a folder; a .bin / .npy source must be a token file" in _problems(tmp_path, tmp_path / "d.bin")[0]
+
+
+def test_a_cap_below_one_window_names_max_bytes(tmp_path):
+    assert "data.max_bytes = 20 caps the corpus" in data_problems(_cfg(tmp_path, "--data.max_bytes=20"))[0]
+
+
+def test_an_unwritable_cache_is_named_unless_the_corpus_is_cached(tmp_path):
+    (tmp_path / "file").write_text("x")
+    cfg = _cfg(tmp_path, f"--data.cache_dir={tmp_path / 'file' / 'cache'}")
+    assert "data.cache_dir" in data_problems(cfg)[0]
+
+
+def test_load_tokens_refuses_to_cast_floats(tmp_path):
+    np.save(tmp_path / "f.npy", np.arange(100, dtype=np.float64))
+    with pytest.raises(ValueError, match="float64 values, not integer token ids"):
+        load_tokens(str(tmp_path / "f.npy"))
+
+
+def test_a_large_file_is_scanned_in_chunks(tmp_path, monkeypatch):
+    import bigtrain.preflight as preflight_module
+
+    monkeypatch.setattr(preflight_module, "SCAN_CHUNK", 1000)
+    ids = np.zeros(10_000, dtype=np.uint16)
+    ids[7654], ids[9999] = 300, 500  # the first in one chunk, the largest in a later one
+    ids.tofile(tmp_path / "t.bin")
+    problem = _problems(tmp_path, tmp_path / "t.bin")[0]
+    assert "token id 300 at position 7654" in problem and "the largest id is 500" in problem
+
+
+# --------------------------------------------------------------------------- folders the run writes
+
+
+def test_writable_folders_pass_and_nothing_is_created(tmp_path):
+    before = sorted(tmp_path.rglob("*"))
+    assert writable_dir_problem(tmp_path / "a" / "b" / "c", "--output-dir") is None
+    assert writable_dir_problem(tmp_path, "--output-dir") is None
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_unwritable_folders_say_why(tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert "exists and is not a folder" in writable_dir_problem(tmp_path / "file", "--output-dir")
+    assert f"'{tmp_path / 'file'}' exists and is not a folder" in writable_dir_problem(tmp_path / "file" / "run", "--x")
+    assert "cannot write there" in writable_dir_problem("/proc/bigtrain-test/run", "--output-dir")
+    assert "longer than 255 bytes" in writable_dir_problem(tmp_path / ("n" * 300), "--output-dir")
+    assert "is empty" in writable_dir_problem("", "--output-dir")
+
+
+# --------------------------------------------------------------------------- the environment
+
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+            "TORCHELASTIC_RUN_ID": "abc", "LOCAL_RANK": "1"}
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT are not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_PORT is not"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE = 'two' is not a whole number"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "0 <= RANK < WORLD_SIZE"),
+    ({**TORCHRUN, "MASTER_PORT": "99999"}, "MASTER_PORT = '99999' is not a port"),
+])
+def test_leftover_or_malformed_launcher_variables_are_problems(env, needle):
+    problems, warnings = environment_problems(env)
+    assert len(problems) == 1 and needle in problems[0] and "unset RANK WORLD_SIZE" in problems[0], problems
+
+
+def test_launchers_pass_and_unmarked_groups_are_warned_about():
+    assert environment_problems({}) == ([], [])
+    assert environment_problems(TORCHRUN) == ([], [])
+    assert environment_problems({"RANK": "0", "WORLD_SIZE": "1"}) == ([], [])
+    unmarked = {k: v for k, v in TORCHRUN.items() if k != "TORCHELASTIC_RUN_ID"}
+    problems, warnings = environment_problems(unmarked)
+    assert problems == [] and "will wait up to distributed.timeout_s for 1 other rank(s)" in warnings[0]
+    assert "ignoring it" in environment_problems({"RANK": "3"})[1][0]
+
+
+@pytest.fixture
+def cli_sentinels(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir: started.append("rank") or 0)
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv: started.append("torchrun") or 0)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return started
+
+
+def test_cli_warns_before_joining_an_unlaunched_group(tmp_path, capsys, monkeypatch, cli_sentinels):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    code = cli.main(["train", "--preset", "tiny", "--parallel.dp=2", "--output-dir", str(tmp_path / "run"),
+                     f"--data.cache_dir={tmp_path / 'cache'}"])
+    assert code == 0 and cli_sentinels == ["rank"]
+    assert "bigtrain: warning: environment: RANK = 0, WORLD_SIZE = 2" in capsys.readouterr().err
+
+
+def test_cli_rejects_an_empty_source_before_anything_starts(tmp_path, capsys, cli_sentinels):
+    code = cli.main(["train", "--preset", "tiny", "--data.source=", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "data.source is empty" in err and "Traceback" not in err
+    assert cli_sentinels == [] and not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def test_the_tiny_and_small_presets_fit():
+    for preset in ("tiny", "small"):
+        assert fit.size_problems(load_config(preset=preset), local_ranks=2) == ([], [])
+
+
+@pytest.mark.parametrize("override, field", [
+    ("--model.n_layers=1000000000", "model.n_layers = 1000000000"),
+    ("--model.vocab_size=100000000000", "model.vocab_size = 100000000000"),
+    ("--model.max_seq_len=1000000000000", "model.max_seq_len = 1000000000000: the rotary tables"),
+    ("--train.global_batch=4000000000000", "train.global_batch = 4000000000000"),
+])
+def test_absurd_sizes_are_rejected_with_the_planners_estimate(override, field):
+    problems, _ = fit.size_problems(load_config(preset="tiny", overrides=[override]))
+    assert len(problems) == 1 and field in problems[0], problems
+    assert "this machine has" in problems[0]
+
+
+def test_activations_beyond_memory_name_the_micro_batch(monkeypatch):
+    cfg = load_config(preset="small", overrides=["--train.micro_batch=16", "--train.global_batch=16"])
+    # The planner's estimate of this run, then machines a little larger and much smaller than it.
+    monkeypatch.setattr(fit, "host_memory", lambda: 2**50)
+    assert fit.size_problems(cfg) == ([], [])
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+
+    per_rank = estimate_memory(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), fit._layout(cfg),
+                               get_profile("cpu"), 16).total
+    monkeypatch.setattr(fit, "host_memory", lambda: int(per_rank * 1.1))
+    problems, warnings = fit.size_problems(cfg)
+    assert problems == [] and "close to the limit" in warnings[0]
+    monkeypatch.setattr(fit, "host_memory", lambda: per_rank // 4)
+    problems, _ = fit.size_problems(cfg, local_ranks=2)
+    assert "x 2 ranks on this machine" in problems[0] and "the planner estimates per rank" in problems[0]
+
+
+def test_preflight_lists_every_problem_at_once(tmp_path):
+    (tmp_path / "file").write_text("x")
+    cfg = _cfg(tmp_path, "--data.source=/dev/zero", "--model.n_layers=1000000000")
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, tmp_path / "file")
+    text = str(e.value)
+    assert len(e.value.problems) == 3
+    assert "data.source = '/dev/zero'" in text and "--output-dir" in text and "model.n_layers" in text
