@@ -6,9 +6,8 @@ import torch
 
 from bigtrain.check.compare import TOLERANCES, assemble, relative_error
 from bigtrain.check.reference import ReferenceRun, captured_module
-from bigtrain.check.run import check_layout
+from bigtrain.check.run import check_on_rank
 from bigtrain.cli import main
-from bigtrain.distributed.mesh import Mesh
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.testing import run_ranks
 from helpers import lose_one_ranks_gradients, tiny_config
@@ -61,14 +60,10 @@ def test_the_reference_records_every_compared_module_in_forward_order(corpus_cac
     assert set(step.grads) == set(step.weights)
 
 
-def _check(rank, world_size, cfg, run_dir, steps):
-    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps)
-
-
 def test_check_agrees_on_a_correct_layout(corpus_cache, tmp_path):
     cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", "--train.global_batch=4",
                       "--train.micro_batch=1")
-    report = run_ranks(_check, 2, cfg, str(tmp_path), 3)[0]
+    report = run_ranks(check_on_rank, 2, cfg, str(tmp_path), 3)[0]
     assert report.agree and report.steps == 3 and report.first_step is None, report.text()
     assert 0 < report.worst["loss"] <= 1e-5 and report.worst["weight"] <= 1e-4  # measured, not just passed
 
@@ -77,7 +72,7 @@ def test_check_names_the_step_the_unit_and_the_ranks_of_a_broken_reduction(corpu
     cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", "--train.global_batch=4",
                       "--train.micro_batch=1")
     monkeypatch.setattr(ZeroEngine, "_reduce", lose_one_ranks_gradients("unit1", rank=1))  # layers.1
-    report = run_ranks(_check, 2, cfg, str(tmp_path), 3)[0]
+    report = run_ranks(check_on_rank, 2, cfg, str(tmp_path), 3)[0]
     assert not report.agree
     assert report.first_step == 0
     assert report.first("forward") is None  # the first step's forward ran on the initial weights
@@ -116,7 +111,7 @@ def test_steps_both_sides_skip_on_fp16_overflow_compare_as_equal(corpus_cache, t
     # steps must agree (inf gradients are not a difference), and the later ones be compared.
     cfg = tiny_config(corpus_cache, "--parallel.zero=3", "--precision.mode=fp16", "--train.global_batch=2",
                       "--train.micro_batch=2", "--model.vocab_size=258", "--model.n_layers=3")
-    report = _check(0, 1, cfg, str(tmp_path), 3)
+    report = check_on_rank(0, 1, cfg, str(tmp_path), 3)
     assert report.agree, report.text()
 
 
@@ -125,7 +120,7 @@ def test_in_bf16_the_gradient_norm_decides_and_the_bisection_still_names_the_uni
     cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", "--train.global_batch=4",
                       "--train.micro_batch=1", "--precision.mode=bf16")
     monkeypatch.setattr(ZeroEngine, "_reduce", lose_one_ranks_gradients("unit1", rank=1))
-    report = run_ranks(_check, 2, cfg, str(tmp_path), 3)[0]
+    report = run_ranks(check_on_rank, 2, cfg, str(tmp_path), 3)[0]
     assert not report.agree and report.first_step == 0
     assert report.first("grad_norm") is not None  # what decides in bf16
     wrong = [f.name for f in report.findings if f.kind == "gradient"]

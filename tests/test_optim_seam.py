@@ -15,7 +15,7 @@ import torch
 
 import sgd_momentum
 from bigtrain.check.reference import reference_losses
-from bigtrain.check.run import check_layout
+from bigtrain.check.run import check_on_rank
 from bigtrain.checkpoint.sharded import ChunkReader
 from bigtrain.config import ConfigError, ModelConfig, OptimConfig, PrecisionConfig
 from bigtrain.distributed.mesh import Mesh
@@ -43,14 +43,10 @@ LAYOUTS = {
 }
 
 
-def _check(rank, world_size, cfg, run_dir, steps):
-    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_sgd_momentum_matches_the_reference(name, corpus_cache, tmp_path):
     cfg = tiny_config(corpus_cache, *SGD, *LAYOUTS[name])
-    report = run_ranks(_check, cfg.parallel.world_size, cfg, str(tmp_path), 4, timeout=240)[0]
+    report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 4, timeout=240)[0]
     assert report.agree, report.text()
 
 
@@ -61,7 +57,7 @@ def test_the_engine_runs_the_configured_optimizer(corpus_cache, tmp_path):
     try:
         register_optimizer(OptimizerSpec("sgd_momentum", sgd_momentum.SGD_MOMENTUM.state, adamw.build),
                            replace=True)
-        report = run_ranks(_check, 2, cfg, str(tmp_path), 2, timeout=240)[0]
+        report = run_ranks(check_on_rank, 2, cfg, str(tmp_path), 2, timeout=240)[0]
     finally:
         register_optimizer(sgd_momentum.SGD_MOMENTUM, replace=True)
     assert not report.agree

@@ -5,8 +5,7 @@ weight within 1e-5 relative at every step (``check_layout``)."""
 import pytest
 
 from bigtrain.check.reference import reference_losses
-from bigtrain.check.run import check_layout
-from bigtrain.distributed.mesh import Mesh
+from bigtrain.check.run import check_on_rank
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.testing import run_ranks
 from helpers import lose_one_ranks_gradients, tiny_config, trainer_on_rank
@@ -37,14 +36,10 @@ REPRODUCTIONS = {
 }
 
 
-def _check(rank, world_size, cfg, run_dir, steps):
-    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps)
-
-
 @pytest.mark.parametrize("name", list(REPRODUCTIONS))
 def test_reproduction_matches_the_reference(name, corpus_cache, tmp_path):
     cfg = tiny_config(corpus_cache, *SMALL_BATCH, *REPRODUCTIONS[name])
-    report = run_ranks(_check, cfg.parallel.world_size, cfg, str(tmp_path), 4, timeout=240)[0]
+    report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 4, timeout=240)[0]
     assert report.agree, report.text()
 
 

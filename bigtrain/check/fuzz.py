@@ -86,15 +86,9 @@ def _config(overrides: list[str], cache_dir: str) -> Config:
     return load_config(preset="tiny", overrides=BASE + [f"--data.cache_dir={cache_dir}"] + overrides)
 
 
-def _check_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str, steps: int):
-    from bigtrain.check.run import check_layout
-    from bigtrain.distributed.mesh import Mesh
-
-    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps)
-
-
 def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: float = 240.0) -> Outcome:
     """Validate one sample; if valid, check it on forked Gloo ranks against the reference."""
+    from bigtrain.check.run import check_on_rank
     from bigtrain.testing import RankFailure, run_ranks
 
     start = time.perf_counter()
@@ -107,7 +101,7 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
         return Outcome(overrides, verdict, "; ".join(unnamed or e.problems), time.perf_counter() - start)
     with tempfile.TemporaryDirectory(prefix="bigtrain-fuzz-") as run_dir:
         try:
-            report = run_ranks(_check_on_rank, cfg.parallel.world_size, cfg, run_dir, steps, timeout=timeout)[0]
+            report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, run_dir, steps, timeout=timeout)[0]
         except RankFailure as e:
             verdict = "hung" if "did not finish" in str(e) else "crashed"
             return Outcome(overrides, verdict, str(e)[-3000:], time.perf_counter() - start)

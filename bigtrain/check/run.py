@@ -205,3 +205,9 @@ def _step_measurements(result: StepResult, ref: ReferenceStep, grads: dict, weig
         # Both overflowed (fp16) and skipped: their gradients are inf or NaN alike, nothing to compare.
         return [m for m in measured if m.kind != "grad_norm"]
     return measured + _compare_tensors("gradient", list(reversed(order)), grads, ref.grads, owners, aliases)
+
+
+def check_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int) -> CheckReport | None:
+    """:func:`check_layout` on the mesh ``cfg`` describes, for rank ``rank`` of ``world_size``: the
+    shape ``bigtrain.testing.run_ranks`` calls (the fuzzer and the tests use it)."""
+    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps)
