@@ -17,10 +17,11 @@ token loss over the global token count, so both sum gradients over micro-batches
                (1F1B, backward split into     with one stage per rank is ZB-H1: each rank r delays
                I and W)                       r weight-gradient passes into the cool-down)
 
-Both zero-bubble sides split the backward into an input-gradient pass and a weight-gradient pass;
-torch's weight pass starts from the intermediate gradients its input pass kept, ours (as of this
-writing) walks the stage's graph again, so zb-h1 measures that difference too. To refresh only
-that figure: ``python benchmarks/bench_pipeline.py --schedules zb-h1``.
+Both zero-bubble sides split the backward into an input-gradient pass (I) and a weight-gradient
+pass (W) that starts from the gradients I kept at each weight's matmul (torch's
+``stage_backward_weight``; ours since the executor's W stopped walking the input-gradient part
+again), so zb-h1 measures how each implements that split. To refresh only those rows:
+``python benchmarks/bench_pipeline.py --schedules zb-h1`` (or ``benchmarks/run_all.sh runs/bench zb-h1``).
 
 A timed step is one pipeline step (every micro-batch's forward and backward, with the transfers)
 plus dropping the gradients, measured on every rank after a barrier; a step's time is the slowest
