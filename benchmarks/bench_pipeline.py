@@ -52,6 +52,9 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleI
                                           ScheduleInterleavedZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
+from common import checkout  # noqa: E402  (before bigtrain: this checkout's, not an installed one)
+
 from bigtrain.config import ModelConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model, count_parameters
@@ -312,6 +315,8 @@ def main(argv=None) -> int:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
     machine["loadavg_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
+    machine["checkout"] = code = checkout()
+    print(f"bigtrain from {code['bigtrain']} at {code['commit']}{' (modified)' if code['dirty'] else ''}")
     print_report(args, rows, machine)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -66,6 +66,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
+from common import run_and_report  # noqa: E402  (before bigtrain: this checkout's, not an installed one)
+
 from bigtrain.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model, count_parameters
@@ -73,10 +76,8 @@ from bigtrain.optim import build_adamw
 from bigtrain.parallel.build import parallelize
 from bigtrain.parallel.build import token_loss_sum
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
 from bench_data_parallel import PHASES, VerificationError, _batch, _relative_error  # noqa: E402
 from bench_zero import _rel  # noqa: E402
-from common import run_and_report  # noqa: E402
 
 # CommDebugMode's module tracker (the untimed counting step) registers full backward hooks; harmless.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")

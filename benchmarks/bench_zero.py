@@ -76,6 +76,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
+from common import run_and_report  # noqa: E402  (before bigtrain: this checkout's, not an installed one)
+
 from bigtrain.config import ModelConfig, OptimConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.memory.accounting import model_state_bytes
@@ -85,9 +88,7 @@ from bigtrain.parallel.build import token_loss_sum
 from bigtrain.parallel.zero import ZeroEngine
 from bigtrain.precision import Precision
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
 from bench_data_parallel import _SYNC_BUFFERS, PHASES, VerificationError, _batch  # noqa: E402
-from common import run_and_report  # noqa: E402
 
 Z3, FSDP2, Z1, ZRO = "bigtrain ZeRO-3", "torch FSDP2", "bigtrain ZeRO-1", "torch ZeRO-1 (ZRO+DDP)"
 PAIRS = {"fsdp2": (Z3, FSDP2), "zero1": (Z1, ZRO)}
