@@ -44,6 +44,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
+from common import run_and_report  # noqa: E402  (before bigtrain: this checkout's, not an installed one)
+
 from bigtrain.config import ModelConfig, OptimConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model, count_parameters
@@ -51,8 +54,6 @@ from bigtrain.optim import build_adamw
 from bigtrain.parallel.data import DataParallel
 from bigtrain.parallel.build import token_loss_sum
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
-from common import run_and_report  # noqa: E402
 
 OURS, PEER = "bigtrain DataParallel", "torch DDP"
 NOISE_FLOOR = 1e-6  # |grad| below this fraction of the tensor's largest |grad| is fp32 rounding noise

@@ -1,13 +1,27 @@
 """bigtrain's pipeline executor vs torch.distributed.pipelining: step time on the same ranks, in one run.
 
-For every pipeline size in ``--ranks``, schedule (GPipe, 1F1B) and micro-batch count in
+For every pipeline size in ``--ranks``, schedule in ``--schedules`` and micro-batch count in
 ``--microbatches``, both implementations run in the same forked Gloo ranks (one thread each), over
-the same pp process group, on two copies of the same stage of the bigtrain Llama (fp32, CPU, same
-init, same split), fed the same tokens: ours is ``PipelineExecutor`` on ``build_schedule(kind, p, m)``;
-the peer is ``torch.distributed.pipelining.PipelineStage`` driven by ``ScheduleGPipe`` or
-``Schedule1F1B`` (``scale_grads=False`` and the same loss, the summed token loss over the global
-token count, so both sum gradients over micro-batches; ``return_outputs=False``, since ours does
-not gather the logits either).
+the same pp process group, on two copies of the same stages of the bigtrain Llama (fp32, CPU, same
+init, same split, same placement), fed the same tokens: ours is ``PipelineExecutor`` on
+``build_schedule(kind, p, m, v)``; the peer is ``torch.distributed.pipelining.PipelineStage``
+driven by the torch schedule of the same kind (``scale_grads=False`` and the same loss, the summed
+token loss over the global token count, so both sum gradients over micro-batches;
+``return_outputs=False``, since ours does not gather the logits either):
+
+  gpipe        ours "gpipe"                vs ``ScheduleGPipe``                 (v = 1 stage per rank)
+  1f1b         ours "1f1b"                 vs ``Schedule1F1B``                  (v = 1)
+  interleaved  ours "interleaved", v = 2   vs ``ScheduleInterleaved1F1B``       (v = 2; stage s on rank
+                                                                                 s % p on both sides)
+  zb-h1        ours "zb-h1"                vs ``ScheduleInterleavedZeroBubble`` (v = 1; torch's ZB1P
+               (1F1B, backward split into     with one stage per rank is ZB-H1: each rank r delays
+               I and W)                       r weight-gradient passes into the cool-down)
+
+Both zero-bubble sides split the backward into an input-gradient pass (I) and a weight-gradient
+pass (W) that starts from the gradients I kept at each weight's matmul (torch's
+``stage_backward_weight``; ours since the executor's W stopped walking the input-gradient part
+again), so zb-h1 measures how each implements that split. To refresh only those rows:
+``python benchmarks/bench_pipeline.py --schedules zb-h1`` (or ``benchmarks/run_all.sh runs/bench zb-h1``).
 
 A timed step is one pipeline step (every micro-batch's forward and backward, with the transfers)
 plus dropping the gradients, measured on every rank after a barrier; a step's time is the slowest
@@ -17,7 +31,8 @@ processes, thermal) is cancelled by alternating the two, A B B A ..., after ``--
 steps of each (they include both sides' one-off shape exchange). The report gives the median step
 time of each, the ratio ours/torch of the medians and the median of the per-pair ratios.
 
-    python benchmarks/bench_pipeline.py --ranks 2,4 --microbatches 4,8 --steps 12 --json out.json
+    python benchmarks/bench_pipeline.py --ranks 2,4 --microbatches 4,8 --steps 20 --json out.json
+    python benchmarks/bench_pipeline.py --schedules zb-h1 --steps 20 --json zb.json   # one schedule
 """
 
 from __future__ import annotations
@@ -33,7 +48,12 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage as TorchStage
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
+from common import checkout  # noqa: E402  (before bigtrain: this checkout's, not an installed one)
 
 from bigtrain.config import ModelConfig
 from bigtrain.distributed.mesh import Mesh
@@ -43,7 +63,10 @@ from bigtrain.testing import run_ranks
 from bigtrain.parallel.build import token_loss_sum
 
 OURS, PEER = "bigtrain PipelineExecutor", "torch.distributed.pipelining"
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# kind -> (torch's schedule class, stages per rank v); v = 1 classes derived from PipelineScheduleSingle
+# take one stage, the others (PipelineScheduleMulti) a list of this rank's stages.
+TORCH_SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1),
+                   "interleaved": (ScheduleInterleaved1F1B, 2), "zb-h1": (ScheduleInterleavedZeroBubble, 1)}
 
 
 class VerificationError(RuntimeError):
@@ -55,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ranks", default="2,4", help="pipeline sizes, comma-separated (Gloo ranks, one thread each)")
     p.add_argument("--microbatches", default="4,8", help="micro-batches per step, comma-separated")
-    p.add_argument("--schedules", default="gpipe,1f1b", help=f"comma-separated, of {', '.join(TORCH_SCHEDULES)}")
+    p.add_argument("--schedules", default=",".join(TORCH_SCHEDULES),
+                   help=f"comma-separated, of {', '.join(TORCH_SCHEDULES)}")
     p.add_argument("--steps", type=int, default=12, help="timed steps of each implementation")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each (the first is the check)")
     p.add_argument("--layers", type=int, default=8)
@@ -72,10 +96,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.ranks = [int(r) for r in args.ranks.split(",")]
     args.microbatches = [int(m) for m in args.microbatches.split(",")]
     args.schedules = args.schedules.split(",")
-    if min(args.ranks) < 2 or any(args.layers % r for r in args.ranks):
-        p.error("every --ranks value must be >= 2 and divide --layers")
-    if any(args.batch % m for m in args.microbatches) or set(args.schedules) - set(TORCH_SCHEDULES):
-        p.error("every --microbatches value must divide --batch; --schedules from gpipe, 1f1b")
+    if set(args.schedules) - set(TORCH_SCHEDULES):
+        p.error(f"--schedules from {', '.join(TORCH_SCHEDULES)}")
+    stages = {r * TORCH_SCHEDULES[k][1] for r in args.ranks for k in args.schedules}
+    if min(args.ranks) < 2 or any(args.layers % n for n in stages):
+        p.error(f"every --ranks value must be >= 2, and --layers divisible by every stage count ({sorted(stages)}: "
+                "ranks x stages per rank)")
+    if any(args.batch % m for m in args.microbatches):
+        p.error("every --microbatches value must divide --batch")
+    if "interleaved" in args.schedules and any(m % r for r in args.ranks for m in args.microbatches):
+        p.error("interleaved needs every --microbatches value to be a multiple of every --ranks value")
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be at least 1")
     return args
@@ -90,10 +120,11 @@ def _batch(args, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _stage(args, mesh: Mesh):
+def _stages(args, mesh: Mesh, v: int) -> dict:
+    """This rank's stages (global index -> module), stage s on rank s % p, as torch places them."""
     cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       max_seq_len=args.seq)
-    stages = stages_for_rank(build_model(cfg), mesh.size("pp"), mesh.rank)
+    stages = stages_for_rank(build_model(cfg), mesh.size("pp"), mesh.rank, v=v)
     for stage in stages.values():
         stage.to_empty(device="cpu")
         stage.init_weights(args.seed)
@@ -101,23 +132,28 @@ def _stage(args, mesh: Mesh):
 
 
 class Runner:
-    """One implementation on one rank: its copy of the stage and its schedule."""
+    """One implementation on one rank: its copy of the rank's stages and its schedule."""
 
     def __init__(self, name: str, args, mesh: Mesh, kind: str, m: int):
         self.name, self.args, self.mesh, self.m = name, args, mesh, m
-        p, rank = mesh.size("pp"), mesh.rank
-        stages = _stage(args, mesh)
-        self.module = stages[rank]
+        p = mesh.size("pp")
+        schedule_class, v = TORCH_SCHEDULES[kind]
+        stages = _stages(args, mesh, v)
+        self.modules = {s: stages[s] for s in sorted(stages)}
         tokens = args.batch * args.seq
 
         def loss_fn(logits, targets):
             return token_loss_sum(logits, targets) / tokens  # global token count: grads summed over micro-batches
 
         if name == OURS:
-            self.executor = PipelineExecutor(stages, build_schedule(kind, p, m), mesh.comm("pp"), loss_fn)
+            self.plan = build_schedule(kind, p, m, v)
+            self.executor = PipelineExecutor(stages, self.plan, mesh.comm("pp"), loss_fn)
         else:
-            stage = TorchStage(self.module, rank, p, torch.device("cpu"), group=mesh.groups["pp"])
-            self.schedule = TORCH_SCHEDULES[kind](stage, m, loss_fn=loss_fn, scale_grads=False)
+            torch_stages = [TorchStage(module, s, p * v, torch.device("cpu"), group=mesh.groups["pp"])
+                            for s, module in self.modules.items()]
+            single = issubclass(schedule_class, PipelineScheduleSingle)
+            self.schedule = schedule_class(torch_stages[0] if single else torch_stages, m, loss_fn=loss_fn,
+                                           scale_grads=False)
         self.times: list[float] = []
         self.cpu_times: list[float] = []
 
@@ -141,18 +177,22 @@ class Runner:
         dist.barrier(group=self.mesh.groups["pp"])  # every rank starts together; not timed
         cpu_start, start = time.process_time(), time.perf_counter()
         loss = self._run(inputs, targets)
-        for p in self.module.parameters():
-            p.grad = None
+        self._drop_grads()
         if record:
             self.times.append(time.perf_counter() - start)
             self.cpu_times.append(time.process_time() - cpu_start)  # less sensitive to other load
         return loss
 
+    def _drop_grads(self) -> None:
+        for module in self.modules.values():
+            for p in module.parameters():
+                p.grad = None
+
     def grads_after_first_step(self) -> tuple[float | None, dict[str, torch.Tensor]]:
         loss = self._run(*_batch(self.args, 0))
-        grads = {n: p.grad.detach().clone() for n, p in self.module.named_parameters()}
-        for p in self.module.parameters():
-            p.grad = None
+        grads = {f"stage{s}.{n}": p.grad.detach().clone()
+                 for s, module in self.modules.items() for n, p in module.named_parameters()}
+        self._drop_grads()
         return loss, grads
 
 
@@ -162,12 +202,30 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def _compute_order(runner: Runner) -> list[tuple[int, str, int]] | None:
+    """This rank's compute actions in order, as (stage, F/B/I/W, micro-batch); None for torch's
+    single-stage schedules (GPipe, 1F1B), whose ``step`` runs a loop of its own: their
+    ``pipeline_order`` only describes it (and in torch 2.13 describes 1F1B's last rank wrongly,
+    from F1 to F4 at m = 4), while the multi-stage ones execute theirs."""
+    rank = runner.mesh.rank
+    if runner.name == OURS:
+        return [(a.stage, a.kind.value, a.microbatch) for a in runner.plan.compute_actions(rank)]
+    if isinstance(runner.schedule, PipelineScheduleSingle):
+        return None
+    order = runner.schedule.pipeline_order
+    return [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in order[rank]
+            if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
+
+
 def _verify(ours: Runner, peer: Runner, args) -> dict:
     loss_ours, grads_ours = ours.grads_after_first_step()
     loss_peer, grads_peer = peer.grads_after_first_step()
     worst = max(((_relative_error(g, grads_peer[n]), n) for n, g in grads_ours.items()), default=(0.0, ""))
     loss_err = None if loss_ours is None else abs(loss_ours - loss_peer) / abs(loss_peer)
-    report = {"max_grad_rel_err": worst[0], "worst_grad": worst[1], "loss_rel_err": loss_err, "loss": loss_ours}
+    peer_order = _compute_order(peer)
+    same_order = None if peer_order is None else peer_order == _compute_order(ours)
+    report = {"max_grad_rel_err": worst[0], "worst_grad": worst[1], "loss_rel_err": loss_err, "loss": loss_ours,
+              "same_compute_order": same_order}
     if worst[0] > args.rtol or (loss_err is not None and loss_err > args.rtol):
         raise VerificationError(f"rank {ours.mesh.rank}: {OURS} and {PEER} disagree after one step: {report}")
     return report
@@ -183,7 +241,8 @@ def _compare(args, mesh: Mesh, kind: str, m: int) -> dict:
         for runner in ((ours, peer) if i % 2 == 0 else (peer, ours)):
             runner.step(args.warmup + i, record=True)
     return {"check": check, "times": {OURS: ours.times, PEER: peer.times},
-            "cpu_times": {OURS: ours.cpu_times, PEER: peer.cpu_times}, "params": count_parameters(ours.module)}
+            "cpu_times": {OURS: ours.cpu_times, PEER: peer.cpu_times},
+            "params": sum(count_parameters(module) for module in ours.modules.values())}
 
 
 def _rank_main(rank: int, world_size: int, args) -> dict:
@@ -214,6 +273,9 @@ def summarize(args, p: int, results: list[dict]) -> list[dict]:
             "max_grad_rel_err": max(c["max_grad_rel_err"] for c in checks),
             "loss_rel_err": checks[-1]["loss_rel_err"],
             "params_per_rank": [r[case]["params"] for r in results],
+            # True: torch runs the same F/B/I/W actions in the same order on every rank as ours.
+            "same_compute_order": (None if any(c["same_compute_order"] is None for c in checks)
+                                   else all(c["same_compute_order"] for c in checks)),
         })
     return rows
 
@@ -222,19 +284,21 @@ def print_report(args, rows: list[dict], machine: dict) -> None:
     print(f"pipeline parallel, Gloo ranks x 1 thread on {machine['cpus']} CPUs, torch {machine['torch']}; "
           f"Llama {args.layers} layers d{args.dim} (fp32), seq {args.seq}, {args.batch} sequences per step; "
           f"{args.steps} timed steps each after {args.warmup} warm-up, alternated; step = slowest rank")
-    header = (f"{'ranks':>5} {'schedule':>8} {'m':>3} | {'ours ms':>8} {'torch ms':>8} {'ours/torch':>10} "
-              f"{'paired':>6} | {'cpu ratio':>9} | {'grad err':>8} {'loss err':>8}")
+    header = (f"{'ranks':>5} {'schedule':>11} {'m':>3} | {'ours ms':>8} {'torch ms':>8} {'ours/torch':>10} "
+              f"{'paired':>6} | {'cpu ratio':>9} | {'grad err':>8} {'loss err':>8} {'same order':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['ranks']:5d} {r['schedule']:>8} {r['microbatches']:3d} | {r['ours_median_s'] * 1e3:8.1f} "
+        print(f"{r['ranks']:5d} {r['schedule']:>11} {r['microbatches']:3d} | {r['ours_median_s'] * 1e3:8.1f} "
               f"{r['torch_median_s'] * 1e3:8.1f} {r['ratio_ours_over_torch']:10.2f} {r['paired_ratio_median']:6.2f} | "
               f"{r['cpu_ratio_ours_over_torch']:9.2f} | "
-              f"{r['max_grad_rel_err']:8.1e} {r['loss_rel_err']:8.1e}")
+              f"{r['max_grad_rel_err']:8.1e} {r['loss_rel_err']:8.1e} "
+              f"{ {True: 'yes', False: 'no', None: 'n/a'}[r['same_compute_order']]:>10}")
     load = machine["loadavg_1min_before_after"]
     print(f"(paired: median of per-step ratios; cpu ratio: of the median CPU seconds of the busiest rank; "
-          f"errors: after one step from the same weights, tolerance "
-          f"{args.rtol:g}; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after)")
+          f"errors: after one step from the same weights, tolerance {args.rtol:g}; same order: torch's "
+          f"schedule runs the same compute actions in the same order on every rank; 1-min load average "
+          f"{load[0]:.1f} before, {load[1]:.1f} after)")
 
 
 def main(argv=None) -> int:
@@ -251,6 +315,8 @@ def main(argv=None) -> int:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
     machine["loadavg_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
+    machine["checkout"] = code = checkout()
+    print(f"bigtrain from {code['bigtrain']} at {code['commit']}{' (modified)' if code['dirty'] else ''}")
     print_report(args, rows, machine)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

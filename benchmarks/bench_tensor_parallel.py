@@ -13,13 +13,19 @@ hyper-parameters and gradient clipping:
           ``ColwiseParallel`` for wq/wk/wv/w1/w3, ``RowwiseParallel`` for wo/w2, the embedding
           vocab-parallel (``RowwiseParallel(input_layouts=Replicate())``), the output head
           ``ColwiseParallel(use_local_output=False)`` with the loss under ``loss_parallel()``;
-          with sequence parallelism the norms are ``SequenceParallel()``, attention and the
-          feed-forward all-gather their input (``PrepareModuleInput``: Shard(1) -> Replicate),
-          wo/w2 and the embedding reduce-scatter (``output_layouts=Shard(1)``) and the head
-          all-gathers (``input_layouts=Shard(1)``), as torchtitan does. AdamW (``build_adamw``,
-          foreach) on the DTensor parameters; clipping by the global norm (DTensor gradients'
-          norm is a DTensor; without sequence parallelism the norms' weights stay plain tensors,
-          so the two kinds are normed separately and combined).
+          torchtitan's ``PrepareModuleInput`` on attention and the feed-forward, so each block's
+          input becomes a DTensor once and its input gradient is reduced once (plain tp:
+          Replicate -> Replicate; without it, ``ColwiseParallel`` converts the input of each of
+          wq/wk/wv/w1/w3 on its own and backward all-reduces once per linear, 48 collectives a
+          step instead of 30 at 6 layers). With sequence parallelism the plan is torchtitan's
+          ``apply_tp``: the norms are ``SequenceParallel()``, attention and the feed-forward
+          all-gather their input (``PrepareModuleInput``: Shard(1) -> Replicate), wo/w2 and the
+          embedding reduce-scatter (``output_layouts=Shard(1)``) and the head all-gathers
+          (``input_layouts=Shard(1)``). AdamW (``build_adamw``, foreach) on the DTensor
+          parameters; clipping by the global norm (DTensor gradients' norm is a DTensor; without
+          sequence parallelism the norms' weights stay plain tensors, so the two kinds are normed
+          separately and combined). ``--dtensor-reduce-grads`` (a variant, not torchtitan's loop)
+          reduces DTensor's ``Partial`` gradients once after backward.
 
 The bigtrain attention reshapes with ``view(b, s, -1, head_dim)``, so the local head counts that
 ``ColwiseParallel``'s default ``use_local_output=True`` hands it work unchanged.
@@ -32,9 +38,10 @@ gradient norm and the loss of step 1 (after one update) agree within ``--rtol`` 
 
 Drift and other processes' load are cancelled by interleaving the two, A B B A A B B A ..., after
 ``--warmup`` untimed steps of each (the check, one step that counts the collectives: ours through
-the mesh's counters, DTensor's with ``CommDebugMode``, then plain warm-up). The report gives, for tp alone and for tp + sequence parallel,
-the median step time of each, a per-phase breakdown, the CPU time per step and the collectives per
-step, and the ratio ours/DTensor of the medians (with the median of the per-pair ratios).
+the mesh's counters, DTensor's with ``CommDebugMode``, then plain warm-up). The report gives, for
+tp alone and for tp + sequence parallel, the median step time of each, a per-phase breakdown, the
+CPU time per step and the collectives per step, and the ratio ours/DTensor of the medians (with
+the median of the per-pair ratios).
 
     python benchmarks/bench_tensor_parallel.py --ranks 2 --steps 20 --json out.json
     python benchmarks/bench_tensor_parallel.py --ranks 4 --sequence-parallel       # tp + sp only
@@ -59,6 +66,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
+from common import run_and_report  # noqa: E402  (before bigtrain: this checkout's, not an installed one)
+
 from bigtrain.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model, count_parameters
@@ -66,10 +76,8 @@ from bigtrain.optim import build_adamw
 from bigtrain.parallel.build import parallelize
 from bigtrain.parallel.build import token_loss_sum
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks, run from anywhere
 from bench_data_parallel import PHASES, VerificationError, _batch, _relative_error  # noqa: E402
 from bench_zero import _rel  # noqa: E402
-from common import run_and_report  # noqa: E402
 
 # CommDebugMode's module tracker (the untimed counting step) registers full backward hooks; harmless.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -92,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequence-parallel", nargs="?", const="on", default="both", choices=("off", "on", "both"),
                    help="Megatron sequence parallelism: 'on' (the bare flag) compares tp + sp only, 'off' tp only, "
                         "'both' runs both comparisons in the same ranks")
+    p.add_argument("--dtensor-reduce-grads", action="store_true",
+                   help="a variant, not torchtitan's loop: reduce DTensor's Partial gradients (the norms' weights "
+                        "under sequence parallelism) once after backward instead of in clipping and every AdamW op")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -141,7 +152,17 @@ def dtensor_plans(sequence_parallel: bool) -> tuple[dict, dict]:
         "feed_forward.w3": ColwiseParallel(),
     }
     if not sequence_parallel:
-        block.update({"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
+        # torchtitan's PrepareModuleInput before attention and the MLP, with the replicated layout of
+        # plain tp: the block input becomes a DTensor once, so wq/wk/wv (w1/w3) share it and their
+        # Partial input gradients are summed locally and all-reduced once, at the block's entry,
+        # instead of once per linear (ColwiseParallel alone converts each linear's input itself).
+        block.update({
+            "attention": PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w2": RowwiseParallel(),
+        })
         top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
                "output": ColwiseParallel(use_local_output=False)}
         return top, block
@@ -179,6 +200,19 @@ def _dtensor_clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
             if group:
                 torch._foreach_mul_(group, coef)
     return norm
+
+
+def _reduce_partial_grads(model: torch.nn.Module) -> None:
+    """Reduce every ``Partial`` DTensor gradient to its parameter's placements, once, after backward.
+
+    Not what torchtitan does: under sequence parallelism the norms' replicated weights get
+    ``Partial`` gradients, which clipping and each of AdamW's foreach ops then all-reduce again
+    (4 all-reduces per norm weight a step). ``--dtensor-reduce-grads`` shows what one reduction
+    per weight, as bigtrain does, would give DTensor."""
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 class Runner:
@@ -238,7 +272,9 @@ class Runner:
                 t1 = clock()
                 (loss_sum / self.tokens).backward()
             t2 = clock()
-            t3 = t2  # DTensor reduces the gradients inside backward (or lazily, in the clip and the step)
+            if args.dtensor_reduce_grads:
+                _reduce_partial_grads(self.model)
+            t3 = clock()  # by default DTensor reduces inside backward, or lazily in the clip and the step
             if before_optimizer is not None:
                 before_optimizer(self)
                 t3 = clock()
@@ -384,6 +420,9 @@ def print_report(args, out: dict) -> None:
           f"{out['machine']['torch']}; Llama {cfg['layers']} layers d{cfg['dim']} {cfg['heads']} heads "
           f"({out['params'] / 1e6:.2f} M params, fp32), seq {cfg['seq']}, micro-batch {cfg['micro_batch']}; "
           f"{cfg['steps']} timed steps each after {cfg['warmup']} warm-up, interleaved within each mode")
+    if cfg["dtensor_reduce_grads"]:
+        print("variant --dtensor-reduce-grads: DTensor's Partial gradients reduced once after backward (in 'sync'), "
+              "not torchtitan's loop")
     for mode, c in out["comparisons"].items():
         k = c["check"]
         print(f"check {mode}: loss rel err {k['loss_step0_rel_err']:.1e} at step 0, {k['loss_step1_rel_err']:.1e} "
