@@ -250,13 +250,16 @@ class Trainer:
     def _write_checkpoint(self, step: int, chunks: list, meta: dict, group) -> None:
         root, keep = self.checkpoint_root, self.cfg.checkpoint.keep
         tmp = ckpt.temp_dir(root, step)
-        if self.is_main:  # before any rank writes: the plan exchange in save_chunks waits for rank 0
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        if self.is_main:
             root.mkdir(parents=True, exist_ok=True)
             ckpt.fresh_temp_dir(root, step)
+        if several:  # DCP's writers create the directory too: they must find rank 0's fresh one, not race it
+            dist.barrier(group)
         save_chunks(tmp, chunks, group)  # returns once every rank's files and the metadata are written
         if self.is_main:
             ckpt.commit_checkpoint(root, step, tmp, meta, keep)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank sees the committed save
+        if several:  # every rank sees the committed save
             dist.barrier(group)
 
     def wait_for_save(self) -> None:
