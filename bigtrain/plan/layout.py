@@ -73,6 +73,9 @@ class Layout:
         return out
 
 
+MAX_GPUS = 2**20
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpus: int
@@ -85,6 +88,8 @@ class Cluster:
         problems = []
         if not isinstance(gpus, int) or gpus < 1:
             problems.append(f"--gpus = {gpus}: must be a positive integer")
+        elif gpus > MAX_GPUS:  # beyond any cluster built; the search enumerates layouts over the divisors
+            problems.append(f"--gpus = {gpus}: at most {MAX_GPUS} (2**20) accelerators can be planned for")
         if not isinstance(per_node, int) or per_node < 1:
             problems.append(f"--gpus-per-node = {per_node}: must be a positive integer")
         elif not problems and gpus > per_node and gpus % per_node:

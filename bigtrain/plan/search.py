@@ -68,7 +68,9 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: i
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, in O(sqrt(n))."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _options(fixed: dict, key: str, choices) -> list:
