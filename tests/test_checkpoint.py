@@ -1,6 +1,7 @@
 """Checkpoints: a resumed run continues the same loss curve; corrupt or half-written ones are skipped."""
 
 import json
+import sys
 import warnings
 
 import pytest
@@ -120,18 +121,22 @@ def test_async_saves_resume_identically(corpus_cache, tmp_path):
     assert not list((tmp_path / "two" / "checkpoints").glob("*.tmp*"))
 
 
-def test_export_writes_one_consolidated_file(corpus_cache, tmp_path, capsys):
+@pytest.mark.parametrize("safetensors_installed", [True, False])
+def test_export_writes_one_consolidated_file(corpus_cache, tmp_path, capsys, monkeypatch, safetensors_installed):
     from bigtrain.cli import main
 
+    if safetensors_installed:
+        load_file = pytest.importorskip("safetensors.torch").load_file  # a test extra: scripts/setup.sh has it
+    else:
+        monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails as if not installed
     trainer = trainer_on_rank(0, 1, _config(corpus_cache), tmp_path / "run")
     run_steps(trainer, 2)
     trainer.save()
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "model.safetensors")]) == 0
     printed = capsys.readouterr().out
-    try:
-        from safetensors.torch import load_file
+    if safetensors_installed:
         weights = load_file(str(tmp_path / "model.safetensors"))
-    except ImportError:
+    else:
         assert "safetensors is not installed" in printed
         weights = torch.load(tmp_path / "model.pt", weights_only=True)["weights"]
     expected = {n: p.detach() for n, p in trainer.model.named_parameters()}
