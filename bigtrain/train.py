@@ -12,6 +12,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -240,8 +241,10 @@ class Trainer:
             self._write_checkpoint(self.step, chunks, meta, None)
             return
         if self._checkpoint_group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            # The background write's collectives get their own group, apart from training's.
-            self._checkpoint_group = dist.new_group(backend="gloo")
+            # The background write's collectives get their own group, apart from training's, with
+            # the run's timeout (a new group's default is torch's 30 minutes).
+            self._checkpoint_group = dist.new_group(backend="gloo",
+                                                    timeout=timedelta(seconds=self.cfg.distributed.timeout_s))
         if self._save_thread is None:
             self._save_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending_save = self._save_thread.submit(self._write_checkpoint, self.step, chunks, meta,
