@@ -23,8 +23,9 @@ from bigtrain.parallel.pipeline.partition import PipelineStage, StageGroup, stag
 from bigtrain.parallel.pipeline.schedules import Schedule, build_schedule
 from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.parallel.tensor.functional import local_chunk
-from bigtrain.parallel.tensor.plan import TensorLayout, parallelize_llama
-from bigtrain.parallel.tied import TiedCopies, shared_parameter_names
+from bigtrain.parallel.placement import Placements
+from bigtrain.parallel.tensor.plan import TensorLayout, parallelize_llama, register_partial_grad_hooks
+from bigtrain.parallel.tied import TiedCopies, record_tied_copies, shared_parameter_names
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.precision import DynamicLossScaler, Precision
 
@@ -39,7 +40,8 @@ class ParallelModel:
     model: nn.Module  # what this rank runs and its engine owns: the model, one pipeline stage, or a group
     engine: ReplicatedEngine | ZeroEngine
     layout: TensorLayout | None
-    grad_comm: AxisComm  # the ranks holding replicas of every weight (dp, or dp x sp)
+    placements: Placements  # where each of this rank's parameters lives: everyone below reads it
+    grad_comm: AxisComm  # the ranks holding replicas of the dense weights (dp, or dp x sp)
     sp: AxisComm
     pp: AxisComm
     checkpointed: list[int]
@@ -73,8 +75,7 @@ class ParallelModel:
     def gather_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tensors by parameter name (full over dp already) -> full tensors of the whole
         model, complete on the first rank of the pipeline (empty elsewhere); collective over tp and pp."""
-        if self.layout is not None:
-            tensors = self.layout.gather_full(tensors, self.device)
+        tensors = self.placements.gather_full(tensors, self.device)
         if self.pp.size == 1:
             return tensors
         parts = self.pp.gather_objects(tensors)
@@ -105,31 +106,27 @@ class ParallelModel:
         spec = self.engine.optim_spec
         weights, optim = self.engine.full_state()
         state = optim.get("state", {})
-        if self.tied is not None:
-            weights, state = self.tied.to_canonical(weights), self.tied.to_canonical(state)
-        if self.layout is not None:  # state shaped like a weight is sharded like it over tp
-            gather = lambda tensors: self.layout.gather_full(tensors, self.device)  # noqa: E731
-            weights = gather(weights)
-            state = self._by_element_state(state, gather)
+        copies = self.placements.copies()  # the first stage saves a tied weight, once
+        weights = {n: t for n, t in weights.items() if n not in copies}
+        state = {n: t for n, t in state.items() if n not in copies}
+        gather = lambda tensors: self.placements.gather_full(tensors, self.device)  # noqa: E731
+        weights = gather(weights)
+        state = self._by_element_state(state, gather)  # state shaped like a weight is cut like it
         return weights, {"optimizer": spec.name, "state": state}
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict) -> None:
         spec = self.engine.optim_spec
         state = spec.saved_state(optim)  # before resharding: a foreign optimizer's state fails here, by name
-        if self.tied is not None:
-            weights, state = self.tied.with_aliases(weights), self.tied.with_aliases(state)
-        if self.layout is not None:
-            weights = self.layout.shard_full(weights)
-            state = self._by_element_state(state, self.layout.shard_full)
+        for name, canonical in self.placements.copies().items():  # a copy loads the weight it copies
+            if canonical in weights:
+                weights = {**weights, name: weights[canonical]}
+            if canonical in state:
+                state = {**state, name: state[canonical]}
+        weights = self.placements.shard_full(weights)
+        state = self._by_element_state(state, self.placements.shard_full)
         self.engine.load_full_state(weights, {"optimizer": spec.name, "state": state})
 
     # -- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
-    def _spec(self, name: str):
-        return self.layout.specs.get(name) if self.layout is not None else None
-
-    def _canonical(self, name: str) -> str:
-        return self.tied.canonical_name(name) if self.tied is not None else name
-
     def _pieces(self):
         engine = self.engine
         if isinstance(engine, ZeroEngine):
@@ -147,30 +144,30 @@ class ParallelModel:
     def owned_chunks(self, copy: bool = False) -> list:
         """The chunks of full tensors this rank writes (:class:`SavedChunk`): one entry per parameter
         under its canonical name (a tied weight once) and ``optim/<name>/<state>`` per optimizer
-        state tensor. Every element has one owner: its ZeRO shard's rank; among replicas (ZeRO stage
-        0, the replicated engine) an even split of each parameter's range; tp rank 0 for weights
-        tp does not cut; the canonical copy of a tied weight. Per-tensor state (a step count) is
+        state tensor. Every element has one owner, as the placement record says: its ZeRO shard's
+        rank; among the data-parallel replicas of a range (ZeRO stage 0, the replicated engine) an
+        even split of it; of the ranks holding the same values over any other axis (tp for a
+        replicated norm, pp_ends for a tied copy) the first. Per-tensor state (a step count) is
         written whole by the owner of the parameter's first element. ``copy``: clone the data (a
         snapshot for a write that overlaps training); else views of the live shards."""
-        from bigtrain.checkpoint.chunks import WEIGHT, chunks, full_shape, owned_range
+        from bigtrain.checkpoint.chunks import WEIGHT, chunks, owned_range
         from bigtrain.checkpoint.sharded import SavedChunk
 
-        tp_rank = self.layout.tp.rank if self.layout is not None else 0
-        aliases = self.tied.aliases if self.tied is not None else set()
+        placements = self.placements
         out = []
         for batch in self._pieces():
             for piece in batch:
-                spec = self._spec(piece.name)
-                if piece.name in aliases or (spec is None and tp_rank != 0):
+                if not placements.writes_checkpoint(piece.name):
                     continue
+                placement = placements[piece.name]
                 lo, hi = owned_range(piece)
-                shape = full_shape(piece.shape, spec)
-                for c in chunks(lo, hi, piece.shape, spec):
+                shape = placement.full_shape(piece.shape)
+                for c in chunks(lo, hi, piece.shape, placement.shards):
                     for key, flat in piece.tensors.items():
                         data = flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)
                         fqn = piece.name if key == WEIGHT else f"optim/{piece.name}/{key}"
                         out.append(SavedChunk(fqn, shape, c.offsets, data.clone() if copy else data))
-                if lo == 0 < hi and (spec is None or spec.index == 0):
+                if lo == 0 < hi and placements.first_part(piece.name):
                     out += [SavedChunk(f"optim/{piece.name}/{k}", tuple(v.shape), (0,) * v.dim(),
                                        v.detach().clone() if copy else v.detach()) for k, v in piece.scalars.items()]
         return out
@@ -188,8 +185,8 @@ class ParallelModel:
         for batch in self._load_batches(with_state):
             requests = []
             for piece in batch:
-                name, tp_spec = self._canonical(piece.name), self._spec(piece.name)
-                for c in chunks(piece.lo, piece.hi, piece.shape, tp_spec):
+                name, shards = self.placements.saved_name(piece.name), self.placements[piece.name].shards
+                for c in chunks(piece.lo, piece.hi, piece.shape, shards):
                     for key, flat in piece.tensors.items():
                         fqn = name if key == WEIGHT else f"optim/{name}/{key}"
                         requests.append((fqn, c.offsets, flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)))
@@ -213,9 +210,11 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
     p = cfg.parallel
     model = build_model(cfg.model)  # meta: no memory yet
     tp, sp, pp, grad_comm = mesh.comm("tp"), mesh.comm("sp"), mesh.comm("pp"), mesh.comm("dp_sp")
+    placements = Placements.of_model(model, mesh.comm)  # each step below records what it does
     layout = None
     if tp.size > 1 or sp.size > 1:
         layout = parallelize_llama(model, cfg.model, tp, sp, p.sequence_parallel)
+        layout.record(placements)
     ties = shared_parameter_names(model)  # after tensor parallelism, which shards a tied weight once
     checkpointed = apply_activation_checkpointing(model.layers, cfg.memory.checkpointing,
                                                   cfg.memory.checkpoint_every)
@@ -228,26 +227,23 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
             unit_modules = list(model.layers.values())
         else:  # one engine over all chunks; ZeRO-3 gathers per chunk, the modules the executor calls
             model, unit_modules = StageGroup(stages.values()), list(stages.values())
-    tied = TiedCopies.of(model, ties, mesh.comm("pp_ends")) if ties else None
-    if tied is not None and tied.names:
+        placements = placements.restricted_to(model)
+        record_tied_copies(model, ties, placements)
+    tied = TiedCopies.from_placements(placements)
+    if tied.names:
         unit_modules = _units_isolating(model, unit_modules, tied.names)
 
     def full_init(name: str, shape: tuple) -> torch.Tensor:
         # A tied copy starts as the weight it copies: the values depend on the canonical name.
-        return init_value(ties.get(name, name), shape, cfg.train.seed, cfg.model)
+        return init_value(placements.saved_name(name), shape, cfg.train.seed, cfg.model)
 
-    init_fn = layout.local_init(full_init) if layout is not None else full_init
-    tp_sharded = set(layout.specs) if layout is not None else set()
-    counted_elsewhere = tied.aliases if tied is not None else set()
-    engine = _build_engine(cfg, model, grad_comm, tp, pp, tp_sharded, counted_elsewhere, init_fn, device,
-                           unit_modules)
-    if tied is not None:
-        tied.check_layout(engine)
+    engine = _build_engine(cfg, model, grad_comm, placements, placements.local_init(full_init), device, unit_modules)
+    tied.check_layout(engine)
     for module in stages.values() or [model]:  # after to_empty, which would leave them uninitialized
         module.init_buffers(device)
-    if layout is not None:
-        layout.register_grad_hooks(model)
-    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule, tied, device)
+    register_partial_grad_hooks(model, placements)
+    return ParallelModel(model, engine, layout, placements, grad_comm, sp, pp, checkpointed, stages, schedule,
+                         tied if tied.names else None, device)
 
 
 def _units_isolating(model: nn.Module, unit_modules: list[nn.Module], names: list[str]) -> list[nn.Module]:
@@ -274,20 +270,15 @@ def _root_parameters(model: nn.Module, unit_modules: list[nn.Module]) -> list[nn
     return [q for q in model.parameters() if id(q) not in taken]
 
 
-def _build_engine(cfg: Config, model: nn.Module, grad_comm: AxisComm, tp: AxisComm, pp: AxisComm,
-                  tp_sharded: set[str], counted_elsewhere: set[str], init_fn, device: torch.device,
-                  unit_modules: list[nn.Module] | None) -> ReplicatedEngine | ZeroEngine:
-    # Pipeline stages hold different weights: their squared gradient norms add up over pp.
-    disjoint = [pp] if pp.size > 1 else []
+def _build_engine(cfg: Config, model: nn.Module, grad_comm: AxisComm, placements: Placements, init_fn,
+                  device: torch.device, unit_modules: list[nn.Module] | None) -> ReplicatedEngine | ZeroEngine:
     if cfg.parallel.zero == 0 and cfg.precision.mode == "fp32":
         model.to_empty(device=device)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(init_fn(name, tuple(p.shape)))
-        return ReplicatedEngine(model, grad_comm, cfg.optim, cfg.parallel.bucket_mb, tp=tp, tp_sharded=tp_sharded,
-                                disjoint=disjoint, counted_elsewhere=counted_elsewhere)
+        return ReplicatedEngine(model, grad_comm, cfg.optim, cfg.parallel.bucket_mb, placements)
     return ZeroEngine(
         model, grad_comm, cfg.parallel.zero, Precision.from_config(cfg.precision), cfg.optim, init_fn=init_fn,
         device=device, unit_modules=unit_modules, reshard_after_forward=cfg.parallel.reshard_after_forward,
-        prefetch=cfg.parallel.prefetch, scaler=DynamicLossScaler.from_config(cfg.precision), tp=tp,
-        tp_sharded=tp_sharded, disjoint=disjoint, counted_elsewhere=counted_elsewhere)
+        prefetch=cfg.parallel.prefetch, scaler=DynamicLossScaler.from_config(cfg.precision), placements=placements)

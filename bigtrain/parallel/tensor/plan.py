@@ -1,22 +1,22 @@
 """Plans as data: ``{module-name pattern: style or [styles]}`` applied by :func:`parallelize_module`,
-the reference Llama's plan, and the :class:`TensorLayout` a parallelized model carries (how every
-local weight is cut from the full one, which gradients are partial, which loss to use)."""
+the reference Llama's plan, and the :class:`TensorLayout` applying a plan leaves (how every local
+weight is cut from the full one and which gradients are partial, for the placement record; which
+loss to use)."""
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
 
 from bigtrain.config import ModelConfig
 from bigtrain.distributed.comm import AxisComm
-from bigtrain.parallel.tensor.functional import gather_along
+from bigtrain.parallel.placement import Placements, ShardSpec
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
 from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, ReplicatedKVHeads,
-                                             RowParallel, ShardSpec, Style, TPContext, UlyssesAttention,
+                                             RowParallel, Style, TPContext, UlyssesAttention,
                                              VocabParallelEmbedding, VocabParallelOutput)
 
 Plan = dict[str, Style | list[Style]]
@@ -64,7 +64,9 @@ def llama_plan(cfg: ModelConfig, tp: int, sequence_parallel: bool, ulysses: bool
 
 @dataclass
 class TensorLayout:
-    """What a tensor/sequence-parallel model carries besides its modules."""
+    """What applying a tensor/sequence-parallel plan leaves besides the modules: how each weight
+    is cut and which replicated weights get partial gradients (both written into the placement
+    record by :meth:`record`, which everyone else reads), and which loss to use."""
 
     tp: AxisComm
     sp: AxisComm
@@ -72,48 +74,37 @@ class TensorLayout:
     partial_grads: list[str] = field(default_factory=list)  # parameter names
     vocab: tuple[int, int] | None = None
 
-    def local_init(self, full_init: Callable[[str, tuple], torch.Tensor]) -> Callable[[str, tuple], torch.Tensor]:
-        """``init_fn(name, local_shape)`` giving this rank's part of the full initial value."""
-        def init(name: str, local_shape: tuple) -> torch.Tensor:
-            spec = self.specs.get(name)
-            if spec is None:
-                return full_init(name, local_shape)
-            shape = list(local_shape)
-            shape[spec.dim] = spec.full_size
-            return spec.local_from_full(full_init(name, tuple(shape)))
-        return init
+    def record(self, placements: Placements) -> None:
+        """Write the cuts over tp, and the gradients partial over tp, into ``placements``."""
+        for name, spec in self.specs.items():
+            if name in placements:
+                placements.update(name, placements[name].with_shard(spec))
+        for name in self.partial_grads:
+            if name in placements:
+                placements.update(name, placements[name].with_partial("tp"))
+
+    def placements(self, model: nn.Module) -> Placements:
+        """A placement record of ``model`` holding only what this plan did (for code that drives the
+        pieces by hand: tests, benchmarks)."""
+        placements = Placements.of_model(model, {"tp": self.tp}.__getitem__, model_axes=("tp",))
+        self.record(placements)
+        return placements
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         if self.vocab is None:
             return None
         return vocab_parallel_loss_sum(logits, targets, self.tp, *self.vocab)
 
-    def register_grad_hooks(self, model: nn.Module) -> None:
-        """Sum the partial gradients of replicated weights over tp before anything else sees them
-        (a tensor hook runs before accumulation, so it precedes every post-accumulate hook)."""
-        params = dict(model.named_parameters())
-        for name in self.partial_grads:
-            if name in params:  # a pipeline stage holds only some of the model's weights
-                params[name].register_hook(lambda g: _summed(g, self.tp))
 
-    def gather_full(self, tensors: dict[str, torch.Tensor], device: torch.device | None = None
-                    ) -> dict[str, torch.Tensor]:
-        """Local tensors by parameter name -> full tensors (collective over tp). The gather runs on
-        ``device`` when given (the model's: NCCL cannot gather the host copies a checkpoint holds);
-        each full tensor comes back on the device its local part was on."""
-        out = {}
-        for name, t in tensors.items():
-            spec = self.specs.get(name)
-            if spec is None:
-                out[name] = t
-                continue
-            local = t.to(device) if device is not None else t
-            gathered = gather_along(local, self.tp, spec.dim, "checkpoint")
-            out[name] = spec.full_from_parts(list(gathered.chunk(spec.parts, dim=spec.dim))).to(t.device).clone()
-        return out
-
-    def shard_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: self.specs[n].local_from_full(t) if n in self.specs else t for n, t in tensors.items()}
+def register_partial_grad_hooks(model: nn.Module, placements: Placements) -> None:
+    """Sum the gradients that the placement record says are partial over tp (replicated weights
+    seeing a sequence shard or part of a projection) before anything else sees them: a tensor hook
+    runs before accumulation, so it precedes every engine's post-accumulate hook."""
+    params = dict(model.named_parameters())
+    tp = placements.comm("tp")
+    for name in placements.names_partial_over("tp"):
+        if name in params:
+            params[name].register_hook(lambda g: _summed(g, tp))
 
 
 def _summed(grad: torch.Tensor, comm: AxisComm) -> torch.Tensor:
