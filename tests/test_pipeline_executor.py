@@ -185,7 +185,7 @@ def _tensor_parallel_stages(rank, world_size, cases):
     for kind, m, checkpointing in cases:
         cfg = model_config(4)
         model = build_model(cfg)
-        layout = parallelize_llama(model, cfg, tp, mesh.comm("sp"), sequence_parallel=False)
+        layout = parallelize_llama(model, tp, mesh.comm("sp"), sequence_parallel=False)
         apply_activation_checkpointing(model.layers, checkpointing, every=2)
         stages = stages_for_rank(model, 2, mesh.coord("pp"))
         placements = layout.placements(model)

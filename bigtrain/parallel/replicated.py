@@ -4,17 +4,21 @@ elementwise). The trainer drives it exactly like a :class:`ZeroEngine`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from bigtrain import checkpoint as ckpt
-from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import model_state_bytes
 from bigtrain.optim import build_optimizer, get_optimizer, load_state
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import DataParallel
 from bigtrain.parallel.placement import NORM_AXIS, Placements
+
+if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
+    from bigtrain.config import OptimConfig
 
 
 class ReplicatedEngine:

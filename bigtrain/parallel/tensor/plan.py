@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from bigtrain.config import ModelConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.parallel.placement import Placements, ShardSpec
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
@@ -35,13 +34,15 @@ def parallelize_module(model: nn.Module, plan: Plan, ctx: TPContext) -> None:
                 style.apply(modules[name], ctx)
 
 
-def llama_plan(cfg: ModelConfig, tp: int, sequence_parallel: bool, ulysses: bool) -> Plan:
-    """Megatron's layout for the reference Llama: attention heads and the SwiGLU inner dimension
-    split over tp (column then row), vocabulary-parallel embedding and head; key/value heads split
-    when they divide by tp, else replicated."""
+def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -> Plan:
+    """Megatron's layout for the reference Llama (its head counts read from ``model``): attention
+    heads and the SwiGLU inner dimension split over tp (column then row), vocabulary-parallel
+    embedding and head; key/value heads split when they divide by tp, else replicated."""
     plan: Plan = {}
     if tp > 1:
-        kv = ColumnParallel() if cfg.kv_heads % tp == 0 else ReplicatedKVHeads(cfg.n_heads, cfg.kv_heads, cfg.head_dim)
+        attention = model.layers[0].attention
+        heads, kv_heads, head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
+        kv = ColumnParallel() if kv_heads % tp == 0 else ReplicatedKVHeads(heads, kv_heads, head_dim)
         plan.update({
             "tok_embeddings": VocabParallelEmbedding(),
             "layers.*.attention": PrepareInput(),
@@ -113,11 +114,26 @@ def _summed(grad: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     return out
 
 
-def parallelize_llama(model: nn.Module, cfg: ModelConfig, tp: AxisComm, sp: AxisComm,
-                      sequence_parallel: bool) -> TensorLayout:
+def default_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -> Plan:
+    """The plan a model brings: the reference Llama's; any other model must be given one."""
+    from bigtrain.models.llama import Llama
+
+    if not isinstance(model, Llama):
+        raise ValueError(f"no tensor-parallel plan for a {type(model).__name__}: give TensorParallelPlan(styles="
+                         f"{{module pattern: style}}) (see bigtrain.parallel.tensor.plan.llama_plan)")
+    return llama_plan(model, tp, sequence_parallel and tp > 1, ulysses)
+
+
+def parallelize_llama(model: nn.Module, tp: AxisComm, sp: AxisComm, sequence_parallel: bool) -> TensorLayout:
     """Apply the Llama plan on the meta device; returns the layout the rest of the run needs."""
+    return apply_plan(model, default_plan(model, tp.size, sequence_parallel, sp.size > 1), tp, sp, sequence_parallel)
+
+
+def apply_plan(model: nn.Module, plan: Plan, tp: AxisComm, sp: AxisComm, sequence_parallel: bool) -> TensorLayout:
+    """Apply ``plan`` on the meta device; returns how each weight was cut (for the placement record)
+    and which loss to use."""
     ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel and tp.size > 1, sp=sp)
-    parallelize_module(model, llama_plan(cfg, tp.size, ctx.sequence_parallel, sp.size > 1), ctx)
+    parallelize_module(model, plan, ctx)
     layout = TensorLayout(tp=tp, sp=sp, vocab=ctx.vocab)
     # Every name of a shared (tied) weight: once pipeline stages split the model, the head's copy is
     # known by its own name only, and must still find how it is cut.

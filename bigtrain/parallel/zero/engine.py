@@ -32,12 +32,11 @@ The loss must be normalized by the global token count: gradients are summed over
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
-from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim import OptimizerSpec, decay_groups, get_optimizer
@@ -48,6 +47,9 @@ from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
 from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
 from bigtrain.precision import DynamicLossScaler, Precision
+
+if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
+    from bigtrain.config import OptimConfig
 
 InitFn = Callable[[str, tuple], torch.Tensor]  # (name, shape) -> full fp32 value
 
