@@ -73,6 +73,7 @@ from bigtrain.config import Config, ModelConfig, OptimConfig, ParallelConfig, Tr
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import build_model, count_parameters
 from bigtrain.optim import build_adamw
+from bigtrain.from_config import parallel_plan
 from bigtrain.parallel.build import parallelize
 from bigtrain.parallel.build import token_loss_sum
 
@@ -230,7 +231,7 @@ class Runner:
                          parallel=ParallelConfig(tp=args.ranks, sequence_parallel=sequence_parallel),
                          optim=_optim_config(args),
                          train=TrainConfig(seed=args.seed, micro_batch=args.micro_batch, global_batch=args.micro_batch))
-            self.parallel = parallelize(cfg, mesh, "cpu")
+            self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg), "cpu")
             self.model, self.engine = self.parallel.model, self.parallel.engine
             return
         self.model = build_model(_model_config(args))

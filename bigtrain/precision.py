@@ -10,10 +10,12 @@ skipped on every rank and the scale lowered, and after ``growth_interval`` clean
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from bigtrain.config import PrecisionConfig
+if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
+    from bigtrain.config import PrecisionConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -24,9 +24,10 @@ from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
 from bigtrain.data import TokenSampler, load_tokens
 from bigtrain.distributed.mesh import Mesh
+from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.metrics import MetricsLog
-from bigtrain.models.llama import count_parameters
+from bigtrain.models.llama import build_model, count_parameters
 from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.draw import draw_timeline
 from bigtrain.parallel.pipeline.executor import PipelineExecutor, align_timelines
@@ -63,7 +64,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, mesh: Mesh, device: torch.device | str = "cpu"):
         self.cfg, self.run_dir, self.mesh, self.device = cfg, Path(run_dir), mesh, torch.device(device)
         self.is_main = mesh.rank == 0
-        self.parallel = parallelize(cfg, mesh, self.device)
+        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg), self.device)
         self.model, self.engine = self.parallel.model, self.parallel.engine
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
         self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),

@@ -185,10 +185,11 @@ def _tensor_parallel_stages(rank, world_size, cases):
     for kind, m, checkpointing in cases:
         cfg = model_config(4)
         model = build_model(cfg)
-        layout = parallelize_llama(model, cfg, tp, mesh.comm("sp"), sequence_parallel=False)
+        layout = parallelize_llama(model, tp, mesh.comm("sp"), sequence_parallel=False)
         apply_activation_checkpointing(model.layers, checkpointing, every=2)
         stages = stages_for_rank(model, 2, mesh.coord("pp"))
-        init = layout.local_init(lambda name, shape: init_value(name, shape, SEED, cfg))
+        placements = layout.placements(model)
+        init = placements.local_init(lambda name, shape: init_value(name, shape, SEED, cfg))
         for stage in stages.values():
             stage.to_empty(device="cpu")
             stage.init_buffers()
@@ -202,7 +203,7 @@ def _tensor_parallel_stages(rank, world_size, cases):
         inputs, targets = (t.chunk(dp.size)[dp.rank] for t in global_batch(0))
         loss = executor.run(list(zip(inputs.chunk(m), targets.chunk(m))))
         sync.finish_grad_sync()
-        grads = layout.gather_full({n: p.grad for s in stages.values() for n, p in s.named_parameters()})
+        grads = placements.gather_full({n: p.grad for s in stages.values() for n, p in s.named_parameters()})
         results.append((dp.rank, None if loss is None else float(loss), grads if tp.rank == 0 else {}))
     return results
 

@@ -23,7 +23,6 @@ from bigtrain.check.compare import TOLERANCES, Tolerance, assemble, relative_err
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
-from bigtrain.parallel.tied import shared_parameter_names
 from bigtrain.train import StepResult, Trainer
 
 
@@ -160,7 +159,10 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     # The reference computes on this rank's device: the same kernels on both sides, so the
     # precision's tolerance measures the layout, not the hardware's arithmetic.
     reference = ReferenceRun(cfg, trainer.device) if is_first else None
-    aliases = shared_parameter_names(reference.master) if is_first else {}  # tied weights: alias -> name
+    # Copies of a weight under another name (a tied head on the last pipeline stage), from the
+    # placement record of the ranks holding them: compared with the weight they copy.
+    copies = world.gather_objects(trainer.parallel.placements.copies())
+    aliases = {n: c for held in copies or [] for n, c in held.items()}
     probe = OutputProbe(_modules(trainer))
     tol = TOLERANCES[cfg.precision.mode]
     coords = {axis: mesh.coord(axis) for axis in AXES}

@@ -5,8 +5,9 @@ flattened *tp-local* tensor: a ZeRO shard cuts a unit's flat buffer anywhere, so
 parameter it is such a range; a replica holds ``[0, numel)``. In the 2-D view ``(-1, last_dim)``
 of the local tensor (a 1-D tensor is one row) a range is at most three rectangles: a partial first
 row, whole rows, a partial last row. Each is contiguous in the range, so its data is a plain slice
-of the rank's flat buffer, and tensor parallelism only shifts it: by the ShardSpec's offset along
-dim 0 or dim 1 of the full tensor, dropping vocabulary padding rows beyond the real size.
+of the rank's flat buffer, and the placement's cuts (tensor parallelism's, an expert's over ep)
+only shift it: by each ShardSpec's offset along dim 0 or dim 1 of the full tensor, dropping
+vocabulary padding rows beyond the real size.
 
 :class:`Piece` is what an engine hands the checkpoint code: for one parameter, the range it holds
 and 1-D views of its weight and per-element optimizer state over that range (``tensors``), plus
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bigtrain.parallel.tensor.styles import ShardSpec
+from bigtrain.parallel.placement import ShardSpec
 
 WEIGHT = "weight"
 
@@ -45,31 +46,23 @@ class Chunk:
     sizes: tuple[int, ...]
 
 
-def full_shape(local_shape: tuple[int, ...], spec: ShardSpec | None) -> tuple[int, ...]:
-    if spec is None:
-        return tuple(local_shape)
-    shape = list(local_shape)
-    shape[spec.dim] = spec.full_size
-    return tuple(shape)
-
-
-def chunks(lo: int, hi: int, local_shape: tuple[int, ...], spec: ShardSpec | None) -> list[Chunk]:
-    """The rectangles of the full tensor that the flat range ``[lo, hi)`` of the tp-local tensor
-    covers (at most three), in order; vocabulary padding is left out."""
+def chunks(lo: int, hi: int, local_shape: tuple[int, ...], shards: tuple[ShardSpec, ...] = ()) -> list[Chunk]:
+    """The rectangles of the full tensor that the flat range ``[lo, hi)`` of the local tensor (cut
+    from the full one as ``shards``, a placement's, say) covers (at most three), in order;
+    vocabulary padding is left out."""
     if len(local_shape) > 2 or len(local_shape) == 0:
         raise NotImplementedError(f"sharded checkpoints handle 1-D and 2-D parameters; got shape {local_shape}")
-    if spec is not None and spec.dim == 1 and spec.padded_size != spec.full_size:
+    if any(s.dim == 1 and s.padded_size != s.full_size for s in shards):
         raise NotImplementedError("padding along dim 1 would make chunks non-contiguous")
     cols = local_shape[-1]
     rows_local = local_shape[0] if len(local_shape) == 2 else 1
     row_shift = col_shift = 0
     real_rows, real_cols = rows_local, cols
-    if spec is not None:
-        shift = spec.index * (spec.padded_size // spec.parts)
+    for spec in shards:
         if spec.dim == 0 and len(local_shape) == 2:
-            row_shift, real_rows = shift, max(0, min(rows_local, spec.full_size - shift))
+            row_shift, real_rows = spec.offset, max(0, min(rows_local, spec.full_size - spec.offset))
         else:  # along the last dimension (a 1-D tensor's only one)
-            col_shift, real_cols = shift, max(0, min(cols, spec.full_size - shift))
+            col_shift, real_cols = spec.offset, max(0, min(cols, spec.full_size - spec.offset))
     out = []
 
     def add(row: int, nrows: int, c0: int, ncols: int) -> None:

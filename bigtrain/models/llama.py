@@ -144,6 +144,10 @@ class Llama(nn.Module):
         cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
         self.rope_cos, self.rope_sin = cos, sin
 
+    def initial_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """Parameter ``name``'s full initial value (what ``parallelize`` cuts each rank's part from)."""
+        return init_value(name, shape, seed, self.cfg)
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer; the values depend on (seed, parameter name) only."""

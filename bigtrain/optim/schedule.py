@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from bigtrain.config import OptimConfig
+if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
+    from bigtrain.config import OptimConfig
 
 
 def peak_lr(cfg: OptimConfig, global_batch: int) -> float:

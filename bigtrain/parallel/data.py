@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,11 +26,19 @@ from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
 
+if TYPE_CHECKING:
+    from bigtrain.parallel.placement import Placements
+
+
+def _first_rank(comm: AxisComm) -> int:
+    return dist.get_global_rank(comm.group, 0) if comm.group is not None else 0
+
 
 @dataclass
 class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
+    comm: AxisComm  # the group that reduces these gradients (one per bucket)
     pending: int = 0
     work: object = None
     views: list[torch.Tensor] = field(default_factory=list)
@@ -68,13 +77,14 @@ def _unique_trainable(model: nn.Module) -> list[nn.Parameter]:
     return out
 
 
-def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Group parameters (in reverse order) into buckets of about ``bucket_bytes`` each."""
+def plan_buckets(params: list[nn.Parameter], bucket_bytes: int, group_of=lambda p: None) -> list[list[nn.Parameter]]:
+    """Group parameters (in reverse order) into buckets of about ``bucket_bytes`` each; a bucket
+    holds parameters of one ``group_of(param)`` only (they are reduced by one collective)."""
     buckets: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
+        if buckets[-1] and (size + nbytes > bucket_bytes or group_of(p) != group_of(buckets[-1][0])):
             buckets.append([])
             size = 0
         buckets[-1].append(p)
@@ -83,24 +93,34 @@ def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
 
 
 class DataParallel:
-    """Synchronizes the gradients of ``model`` over ``comm`` (the mesh's dp axis)."""
+    """Synchronizes the gradients of ``model`` over ``comm`` (the mesh's dp axis), or, with
+    ``placements``, each over the group the placement record names for it (experts over edp,
+    dense weights over dp x sp; a gradient with no data-parallel axis is left alone)."""
 
-    def __init__(self, model: nn.Module, comm: AxisComm, bucket_mb: float = 25.0):
+    def __init__(self, model: nn.Module, comm: AxisComm, bucket_mb: float = 25.0,
+                 placements: "Placements | None" = None):
         self.model, self.comm = model, comm
         self.params = _unique_trainable(model)
-        self.buckets = [self._make_bucket(group) for group in plan_buckets(self.params, int(bucket_mb * 2**20))]
+        if placements is None:
+            self._comm_of = {id(p): comm for p in self.params}
+        else:
+            names = {id(p): n for n, p in model.named_parameters()}
+            self._comm_of = {id(p): placements.grad_comm(names[id(p)]) for p in self.params}
+        groups = plan_buckets(self.params, int(bucket_mb * 2**20), lambda p: id(self._comm_of[id(p)]))
+        self.buckets = [self._make_bucket(group) for group in groups]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         self._sync = True
         self._handles = []
-        if comm.size > 1:
+        self._reduces = any(b.comm.size > 1 for b in self.buckets)
+        if self._reduces:
             self._broadcast_from_first_rank()
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _make_bucket(self, params: list[nn.Parameter]) -> Bucket:
         dtype, device = params[0].dtype, params[0].device
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
-        bucket = Bucket(params=params, buffer=buffer, pending=len(params))
+        bucket = Bucket(params=params, buffer=buffer, comm=self._comm_of[id(params[0])], pending=len(params))
         offset = 0
         for p in params:
             bucket.views.append(buffer[offset:offset + p.numel()].view_as(p))
@@ -112,18 +132,21 @@ class DataParallel:
     def _broadcast_from_first_rank(self) -> None:
         """Start every replica from dp rank 0's weights and buffers, as torch DDP does: ranks that
         initialized with different seeds would otherwise train different models, silently."""
-        src = dist.get_global_rank(self.comm.group, 0)
         for bucket in self.buckets:  # one message per bucket, packed in its (still zero) gradient buffer
+            if bucket.comm.size == 1:
+                continue
             for p, view in zip(bucket.params, bucket.views):
                 view.copy_(p)
-            self.comm.broadcast(bucket.buffer, src, tag="init")
+            bucket.comm.broadcast(bucket.buffer, _first_rank(bucket.comm), tag="init")
             for p, view in zip(bucket.params, bucket.views):
                 p.copy_(view)
             bucket.buffer.zero_()
+        if self.comm.size == 1:
+            return
         trainable = {id(p) for p in self.params}
         frozen = [p for p in self.model.parameters() if id(p) not in trainable]
         for tensor in frozen + list(self.model.buffers()):
-            self.comm.broadcast(tensor, src, tag="init")
+            self.comm.broadcast(tensor, _first_rank(self.comm), tag="init")
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         rehome_grad(param, self._view_of[id(param)])
@@ -139,7 +162,7 @@ class DataParallel:
         # (the bucket's gradients). The buffer lives as long as the bucket, so no allocator reuse
         # can race the collective; nothing writes it until finish_grad_sync has waited (every
         # gradient of the bucket has arrived, and the next writes are the next step's).
-        bucket.work = self.comm.all_reduce(bucket.buffer, async_op=True, tag="grads")
+        bucket.work = bucket.comm.all_reduce(bucket.buffer, async_op=True, tag="grads")
 
     def no_sync(self):
         """Accumulate gradients locally (non-final micro-batches)."""
@@ -147,7 +170,7 @@ class DataParallel:
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's all-reduce; launches buckets whose parameters got no gradient."""
-        if self.comm.size == 1:
+        if not self._reduces:
             return
         for bucket in self.buckets:  # same order on every rank
             if bucket.work is None:
@@ -168,6 +191,9 @@ class DataParallel:
 
     def grad_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def grad_comm(self, param: nn.Parameter) -> AxisComm:
+        return self._comm_of[id(param)]
 
     def remove(self) -> None:
         for h in self._handles:

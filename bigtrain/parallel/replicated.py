@@ -4,29 +4,34 @@ elementwise). The trainer drives it exactly like a :class:`ZeroEngine`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from bigtrain import checkpoint as ckpt
-from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import model_state_bytes
 from bigtrain.optim import build_optimizer, get_optimizer, load_state
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import DataParallel
+from bigtrain.parallel.placement import NORM_AXIS, Placements
+
+if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
+    from bigtrain.config import OptimConfig
 
 
 class ReplicatedEngine:
+    """``placements``: where each parameter lives (default: replicated over ``comm`` and nothing
+    else); it names the group reducing each gradient and the parts this rank counts in the norm."""
+
     def __init__(self, model: nn.Module, comm: AxisComm, optim: OptimConfig, bucket_mb: float,
-                 tp: AxisComm | None = None, tp_sharded: set[str] = frozenset(), disjoint: list[AxisComm] = (),
-                 counted_elsewhere: set[str] = frozenset()):
-        self.model, self.tp, self.disjoint = model, tp, list(disjoint)
+                 placements: Placements | None = None):
+        self.model, self.comm = model, comm
+        self.placements = placements if placements is not None else Placements.data_parallel(model, comm)
         self._named = dict(model.named_parameters())
-        names = {id(p): n for n, p in self._named.items()}
-        self._tp_replicated = {id(p): names[id(p)] not in tp_sharded for p in model.parameters()}
-        # Copies of a tied weight whose twin on another rank is the one counted in the norm.
-        self._in_norm = {id(p): names[id(p)] not in counted_elsewhere for p in model.parameters()}
-        self.dp = DataParallel(model, comm, bucket_mb)
+        self._in_norm = [p for n, p in self._named.items() if self.placements.counted_in_norm(n)]
+        self.dp = DataParallel(model, comm, bucket_mb, self.placements)
         self.optim_spec = get_optimizer(optim.name)
         self.optimizer = build_optimizer(model, optim, self.optim_spec)
         self.scaler = None
@@ -51,9 +56,8 @@ class ReplicatedEngine:
 
     def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
         grads = [p.grad for p in self.dp.params]
-        parts = square_sums(((p.grad, self._tp_replicated[id(p)]) for p in self.dp.params if self._in_norm[id(p)]),
-                            grads[0].device)
-        norm, _ = global_norm(parts, self.disjoint, self.tp)
+        parts = square_sums((p.grad for p in self._in_norm), grads[0].device)
+        norm, _ = global_norm(parts, self.placements.comm(NORM_AXIS))
         clip_(grads, norm, max_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -95,7 +99,8 @@ class ReplicatedEngine:
                 spec.check_state(state, f"the optimizer's state of {name}")
                 tensors.update({k: state[k].detach().reshape(-1) for k in spec.element_state})
                 scalars = {k: state[k] for k in spec.tensor_state}
-            yield [Piece(name, tuple(p.shape), 0, p.numel(), tensors, scalars, self.dp.comm.size, self.dp.comm.rank)]
+            replicas = self.dp.grad_comm(p)  # they hold the same range: each writes a part of it
+            yield [Piece(name, tuple(p.shape), 0, p.numel(), tensors, scalars, replicas.size, replicas.rank)]
 
     def checkpoint_load_batches(self, with_state: bool):
         """One batch per parameter: the parameter itself and fresh (zero) state tensors to fill."""

@@ -6,10 +6,13 @@ model initializes it under that name and checkpoints store it under that name, o
 
 On one rank the tie is kept as it is: one tensor, one gradient (the sum of both uses), one optimizer
 state. Pipeline stages split it: the first stage holds the embedding, the last the head, so each of
-those two ranks holds a copy (Megatron's "embedding group"). The copies start equal (both are
-initialized, or loaded, from the canonical name), and after backward their gradients are summed
-over the two ranks, so both take the same update and stay equal. The gradient norm counts the
-weight once, on the rank holding the canonical name.
+those two ranks holds a copy (Megatron's "embedding group"). The placement record says so
+(:func:`record_tied_copies`): both copies are replicas over the mesh's ``pp_ends`` axis with
+gradients partial there, and the head's copy names the canonical weight it copies. From that
+record the copies start equal (both are initialized, or loaded, from the canonical name), their
+gradients are summed over the two ranks after backward (:class:`TiedCopies`), so both take the
+same update and stay equal; the gradient norm counts the first replica only (the canonical name)
+and checkpoints write it once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import torch
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.placement import Placements
+
+ENDS_AXIS = "pp_ends"  # the first and last pipeline rank: where the two copies of a tied weight live
 
 
 def shared_parameter_names(model: nn.Module) -> dict[str, str]:
@@ -35,6 +41,23 @@ def shared_parameter_names(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+def record_tied_copies(model: nn.Module, canonical: dict[str, str], placements: Placements) -> None:
+    """Mark in ``placements`` the weights of ``model`` (this rank's part) whose tie ``canonical``
+    ({alias: canonical name}) the pipeline split: held here under one of the two names only, the
+    other end of the pipeline holding the other copy."""
+    registered = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    held_once = []
+    for alias, name in canonical.items():
+        held = [n for n in (name, alias) if n in registered]
+        if len(held) == 1:  # both held: one parameter here, tied as in the plain model
+            held_once += held
+    if held_once and placements.comm(ENDS_AXIS).size == 1:
+        raise ValueError(f"weights tied across pipeline ranks ({', '.join(held_once)}) must sit on the first and "
+                         f"last stage; this rank is neither")
+    for name in held_once:
+        placements.update(name, placements[name].with_copy(ENDS_AXIS, canonical.get(name)))
+
+
 class GradientEngine(Protocol):
     def grad_piece(self, name: str) -> tuple[torch.Tensor, int]: ...
 
@@ -43,8 +66,8 @@ class TiedCopies:
     """This rank's copies of weights tied to a copy on the other end of the pipeline.
 
     ``names``: this rank's parameter names that have a twin on the other end rank (the canonical
-    name on the first stage, the alias on the last); ``canonical``: alias -> canonical name for the
-    whole model; ``comm``: the two end ranks (the mesh's ``pp_ends``).
+    name on the first stage, the alias on the last); ``canonical``: alias -> canonical name;
+    ``comm``: the two end ranks (the mesh's ``pp_ends``).
     """
 
     def __init__(self, names: list[str], canonical: dict[str, str], comm: AxisComm):
@@ -53,27 +76,12 @@ class TiedCopies:
         self.canonical, self.comm = canonical, comm
 
     @classmethod
-    def of(cls, model: nn.Module, canonical: dict[str, str], ends: AxisComm) -> "TiedCopies":
-        """The copies ``model`` (this rank's part) holds of the ties ``canonical`` describes."""
-        registered = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        names = []
-        for alias, name in canonical.items():
-            held = [n for n in (name, alias) if n in registered]
-            if len(held) == 1:  # both held: one parameter here, tied as in the plain model
-                names += held
-        if names and ends.size == 1:
-            raise ValueError(f"weights tied across pipeline ranks ({', '.join(names)}) must sit on the first and "
-                             f"last stage; this rank is neither")
-        return cls(names, canonical, ends)
+    def from_placements(cls, placements: Placements) -> "TiedCopies":
+        """The copies the placement record marks (gradients partial over ``pp_ends``)."""
+        return cls(placements.names_partial_over(ENDS_AXIS), placements.copies(), placements.comm(ENDS_AXIS))
 
     def canonical_name(self, name: str) -> str:
         return self.canonical.get(name, name)
-
-    @property
-    def aliases(self) -> set[str]:
-        """Copies held under an alias: the other end holds the canonical name, counts the weight in the
-        gradient norm and saves it in checkpoints."""
-        return {n for n in self.names if n in self.canonical}
 
     def check_layout(self, engine: GradientEngine) -> None:
         """Both ends must hold the same part of each tied gradient (same tensor-parallel shard, same
@@ -101,15 +109,3 @@ class TiedCopies:
             piece, _ = engine.grad_piece(name)
             if piece.numel():  # the layout check made both ends agree on empty pieces
                 self.comm.all_reduce(piece, tag="tied_grads")
-
-    def to_canonical(self, tensors: dict[str, object]) -> dict[str, object]:
-        """A stage's state by name without the aliases: the first stage saves the weight once."""
-        return {n: t for n, t in tensors.items() if n not in self.aliases}
-
-    def with_aliases(self, tensors: dict[str, object]) -> dict[str, object]:
-        """Saved state by canonical name, plus the entries this rank's aliases load from."""
-        out = dict(tensors)
-        for name in self.aliases:
-            if self.canonical[name] in tensors:
-                out[name] = tensors[self.canonical[name]]
-        return out

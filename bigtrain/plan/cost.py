@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from bigtrain.plan.activations import checkpointed_block_indices
 from bigtrain.plan.layout import BYTES, Cluster, Layout
-from bigtrain.plan.memory import checked_pp_ranks, rank_units
+from bigtrain.plan.memory import checked_pp_ranks, rank_units, replicas
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel
 
@@ -157,7 +157,7 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
     """Exposed seconds of gradient reduction, weight gathers and the optimizer step."""
     nbytes = BYTES[layout.precision]
     params, largest = _largest_rank_params(model, layout)
-    group = layout.dp * layout.sp  # parameters are replicated over dp and sp
+    group = replicas(layout)  # the dense weights' gradient group (dp x sp), as the placement record says
     link = link_of(cluster, layout, ("sp", "dp") if layout.sp > 1 else ("dp",))
     grads, unit = params * nbytes, largest * nbytes
     window_f = OVERLAP * (costs.compute_f + costs.comm_f)

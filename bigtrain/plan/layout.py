@@ -41,6 +41,13 @@ class Layout:
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp * self.sp
 
+    def size(self, axis: str) -> int:
+        """The ranks of a mesh axis, named as the runtime's mesh and placement record name them
+        (``dp_sp``: the replicas of a dense weight; ``pp_ends``: the two ends of the pipeline)."""
+        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp, "dp_sp": self.dp * self.sp,
+                 "pp_ends": min(2, self.pp)}
+        return sizes[axis]
+
     @property
     def compute_bytes(self) -> int:
         return BYTES[self.precision]

@@ -38,6 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from bigtrain.optim import get_optimizer
+from bigtrain.parallel.placement import dense
 from bigtrain.plan.activations import (block_activations, checkpointed_block_indices,
                                        head_activations)
 from bigtrain.plan.hardware import HardwareProfile
@@ -105,6 +106,12 @@ def stage_blocks(layers: int, stages: int) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+def replicas(layout: Layout) -> int:
+    """The ranks holding replicas of a dense weight, which reduce its gradient and, from ZeRO
+    stage 1, cut its unit: the size of its placement's gradient axis (dp x sp)."""
+    return layout.size(dense().grad_axis)
 
 
 def _sharded(tensors: list[Tensor], tp: int) -> Unit:
@@ -190,11 +197,11 @@ def _chunk_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> i
 
 def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: list[Unit]) -> dict[str, int]:
     nbytes, units = BYTES[layout.precision], ([root] if root else []) + blocks
-    shards = layout.dp * layout.sp if layout.zero >= 1 else 1  # ZeRO shards over every replica: dp x sp
+    shards = replicas(layout) if layout.zero >= 1 else 1
     padded = [-(-u.numel // shards) * shards for u in units]
     shard_total = sum(padded) // shards
     out: dict[str, int] = {}
-    reduced, mixed = layout.dp * layout.sp > 1, layout.precision != "fp32"  # one replica reduces nothing
+    reduced, mixed = replicas(layout) > 1, layout.precision != "fp32"  # one replica reduces nothing
     if layout.zero >= 2 or (layout.zero == 1 and reduced):
         out["zero_reduce_outputs"] = nbytes * shard_total
     elif layout.zero == 0 and mixed and reduced:
@@ -221,7 +228,7 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
                 inflight: int, optimizer: str = "adamw") -> RankMemory:
     root, blocks = rank_units(model, layout, pp_rank)
     units = ([root] if root else []) + blocks
-    states = state_bytes(units, layout.zero, layout.precision, layout.dp * layout.sp, optimizer)
+    states = state_bytes(units, layout.zero, layout.precision, replicas(layout), optimizer)
     per_mb = _chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
     mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], per_mb * inflight, buffers,

@@ -13,39 +13,48 @@ transformer block and one root unit for everything else.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from bigtrain.config import ConfigError, ModelConfig
+from bigtrain.parallel.placement import Placement, dense, even_shard, vocab_pad_to
 
 MLP_KINDS = ("swiglu", "gelu")
 
 
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter tensor: its name, element count, whether AdamW decays it, and how tensor
-    parallelism splits it ('col' / 'row': divided by tp; 'vocab': rows divided by tp; 'rep': replicated)."""
+    """One parameter tensor: its name, shape, whether AdamW decays it, and how tensor parallelism
+    splits it ('col': output rows; 'row': input columns; 'vocab': vocabulary rows, padded as the
+    runtime pads them; 'rep': replicated). What a rank holds of it is read from the same placement
+    record the runtime keeps (:mod:`bigtrain.parallel.placement`)."""
 
     name: str
-    numel: int
+    shape: tuple[int, ...]
     decays: bool
     split: str
-    rows: int = 0  # vocabulary rows of a 'vocab' tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def placement(self, tp: int, index: int = 0) -> Placement:
+        """Where tensor-parallel rank ``index`` of ``tp`` holds it (a dense weight over dp x sp)."""
+        placed = dense()
+        if self.split == "rep" or tp == 1:
+            return placed
+        dim = 1 if self.split == "row" else 0
+        pad_to = vocab_pad_to(self.shape[0], tp) if self.split == "vocab" else 1
+        return placed.with_shard(even_shard(self.shape[dim], tp, index, dim, pad_to))
 
     def local_numel(self, tp: int) -> int:
         """Elements one of ``tp`` tensor-parallel ranks holds."""
-        if self.split == "rep" or tp == 1:
-            return self.numel
-        if self.split == "vocab":
-            return local_vocab(self.rows, tp) * (self.numel // self.rows)
-        return -(-self.numel // tp)
+        return math.prod(self.placement(tp).local_shape(self.shape))
 
 
 def local_vocab(vocab: int, tp: int) -> int:
-    """Vocabulary rows per tensor-parallel rank: the runtime pads a vocabulary that tp does not
-    divide to a multiple of 8 tp (parallel/tensor/styles.py)."""
-    if vocab % tp == 0:
-        return vocab // tp
-    return -(-vocab // (8 * tp)) * 8
+    """Vocabulary rows per tensor-parallel rank, padding included (the runtime's rule)."""
+    return even_shard(vocab, tp, 0, 0, vocab_pad_to(vocab, tp)).local_size
 
 
 @dataclass(frozen=True)
@@ -97,32 +106,32 @@ class ModelSpec:
         """One transformer block's parameters."""
         h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
         if self.mlp == "swiglu":
-            return [Tensor("attention.wq", h * h, True, "col"), Tensor("attention.wk", h * kv, True, "col"),
-                    Tensor("attention.wv", h * kv, True, "col"), Tensor("attention.wo", h * h, True, "row"),
-                    Tensor("feed_forward.w1", h * f, True, "col"), Tensor("feed_forward.w3", h * f, True, "col"),
-                    Tensor("feed_forward.w2", f * h, True, "row"), Tensor("attention_norm", h, False, "rep"),
-                    Tensor("ffn_norm", h, False, "rep")]
+            return [Tensor("attention.wq", (h, h), True, "col"), Tensor("attention.wk", (kv, h), True, "col"),
+                    Tensor("attention.wv", (kv, h), True, "col"), Tensor("attention.wo", (h, h), True, "row"),
+                    Tensor("feed_forward.w1", (f, h), True, "col"), Tensor("feed_forward.w3", (f, h), True, "col"),
+                    Tensor("feed_forward.w2", (h, f), True, "row"), Tensor("attention_norm", (h,), False, "rep"),
+                    Tensor("ffn_norm", (h,), False, "rep")]
         qkv = h + 2 * kv
-        return [Tensor("attn.qkv.weight", h * qkv, True, "col"), Tensor("attn.qkv.bias", qkv, False, "col"),
-                Tensor("attn.proj.weight", h * h, True, "row"), Tensor("attn.proj.bias", h, False, "rep"),
-                Tensor("mlp.fc1.weight", h * f, True, "col"), Tensor("mlp.fc1.bias", f, False, "col"),
-                Tensor("mlp.fc2.weight", f * h, True, "row"), Tensor("mlp.fc2.bias", h, False, "rep"),
-                Tensor("ln_1", 2 * h, False, "rep"), Tensor("ln_2", 2 * h, False, "rep")]
+        return [Tensor("attn.qkv.weight", (qkv, h), True, "col"), Tensor("attn.qkv.bias", (qkv,), False, "col"),
+                Tensor("attn.proj.weight", (h, h), True, "row"), Tensor("attn.proj.bias", (h,), False, "rep"),
+                Tensor("mlp.fc1.weight", (f, h), True, "col"), Tensor("mlp.fc1.bias", (f,), False, "col"),
+                Tensor("mlp.fc2.weight", (h, f), True, "row"), Tensor("mlp.fc2.bias", (h,), False, "rep"),
+                Tensor("ln_1", (2, h), False, "rep"), Tensor("ln_2", (2, h), False, "rep")]
 
     def embedding_tensors(self) -> list[Tensor]:
         """What the first pipeline stage holds besides blocks."""
-        out = [Tensor("tok_embeddings", self.vocab * self.hidden, True, "vocab", self.vocab)]
+        out = [Tensor("tok_embeddings", (self.vocab, self.hidden), True, "vocab")]
         if self.mlp == "gelu":
-            out.append(Tensor("pos_embeddings", self.seq * self.hidden, True, "rep"))
+            out.append(Tensor("pos_embeddings", (self.seq, self.hidden), True, "rep"))
         return out
 
     def head_tensors(self, separate_copy: bool = False) -> list[Tensor]:
         """What the last pipeline stage holds besides blocks: the final norm and the output
         projection (a tied one only when it lives on another stage than the embedding)."""
-        norm = Tensor("norm", self.hidden if self.mlp == "swiglu" else 2 * self.hidden, False, "rep")
+        norm = Tensor("norm", (self.hidden,) if self.mlp == "swiglu" else (2, self.hidden), False, "rep")
         out = [norm]
         if not self.tie_embeddings or separate_copy:
-            out.append(Tensor("output", self.vocab * self.hidden, True, "vocab", self.vocab))
+            out.append(Tensor("output", (self.vocab, self.hidden), True, "vocab"))
         return out
 
     @property

@@ -1,22 +1,21 @@
 """Plans as data: ``{module-name pattern: style or [styles]}`` applied by :func:`parallelize_module`,
-the reference Llama's plan, and the :class:`TensorLayout` a parallelized model carries (how every
-local weight is cut from the full one, which gradients are partial, which loss to use)."""
+the reference Llama's plan, and the :class:`TensorLayout` applying a plan leaves (how every local
+weight is cut from the full one and which gradients are partial, for the placement record; which
+loss to use)."""
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
 
-from bigtrain.config import ModelConfig
 from bigtrain.distributed.comm import AxisComm
-from bigtrain.parallel.tensor.functional import gather_along
+from bigtrain.parallel.placement import Placements, ShardSpec
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
 from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, ReplicatedKVHeads,
-                                             RowParallel, ShardSpec, Style, TPContext, UlyssesAttention,
+                                             RowParallel, Style, TPContext, UlyssesAttention,
                                              VocabParallelEmbedding, VocabParallelOutput)
 
 Plan = dict[str, Style | list[Style]]
@@ -35,13 +34,15 @@ def parallelize_module(model: nn.Module, plan: Plan, ctx: TPContext) -> None:
                 style.apply(modules[name], ctx)
 
 
-def llama_plan(cfg: ModelConfig, tp: int, sequence_parallel: bool, ulysses: bool) -> Plan:
-    """Megatron's layout for the reference Llama: attention heads and the SwiGLU inner dimension
-    split over tp (column then row), vocabulary-parallel embedding and head; key/value heads split
-    when they divide by tp, else replicated."""
+def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -> Plan:
+    """Megatron's layout for the reference Llama (its head counts read from ``model``): attention
+    heads and the SwiGLU inner dimension split over tp (column then row), vocabulary-parallel
+    embedding and head; key/value heads split when they divide by tp, else replicated."""
     plan: Plan = {}
     if tp > 1:
-        kv = ColumnParallel() if cfg.kv_heads % tp == 0 else ReplicatedKVHeads(cfg.n_heads, cfg.kv_heads, cfg.head_dim)
+        attention = model.layers[0].attention
+        heads, kv_heads, head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
+        kv = ColumnParallel() if kv_heads % tp == 0 else ReplicatedKVHeads(heads, kv_heads, head_dim)
         plan.update({
             "tok_embeddings": VocabParallelEmbedding(),
             "layers.*.attention": PrepareInput(),
@@ -64,7 +65,9 @@ def llama_plan(cfg: ModelConfig, tp: int, sequence_parallel: bool, ulysses: bool
 
 @dataclass
 class TensorLayout:
-    """What a tensor/sequence-parallel model carries besides its modules."""
+    """What applying a tensor/sequence-parallel plan leaves besides the modules: how each weight
+    is cut and which replicated weights get partial gradients (both written into the placement
+    record by :meth:`record`, which everyone else reads), and which loss to use."""
 
     tp: AxisComm
     sp: AxisComm
@@ -72,48 +75,37 @@ class TensorLayout:
     partial_grads: list[str] = field(default_factory=list)  # parameter names
     vocab: tuple[int, int] | None = None
 
-    def local_init(self, full_init: Callable[[str, tuple], torch.Tensor]) -> Callable[[str, tuple], torch.Tensor]:
-        """``init_fn(name, local_shape)`` giving this rank's part of the full initial value."""
-        def init(name: str, local_shape: tuple) -> torch.Tensor:
-            spec = self.specs.get(name)
-            if spec is None:
-                return full_init(name, local_shape)
-            shape = list(local_shape)
-            shape[spec.dim] = spec.full_size
-            return spec.local_from_full(full_init(name, tuple(shape)))
-        return init
+    def record(self, placements: Placements) -> None:
+        """Write the cuts over tp, and the gradients partial over tp, into ``placements``."""
+        for name, spec in self.specs.items():
+            if name in placements:
+                placements.update(name, placements[name].with_shard(spec))
+        for name in self.partial_grads:
+            if name in placements:
+                placements.update(name, placements[name].with_partial("tp"))
+
+    def placements(self, model: nn.Module) -> Placements:
+        """A placement record of ``model`` holding only what this plan did (for code that drives the
+        pieces by hand: tests, benchmarks)."""
+        placements = Placements.of_model(model, {"tp": self.tp}.__getitem__, model_axes=("tp",))
+        self.record(placements)
+        return placements
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         if self.vocab is None:
             return None
         return vocab_parallel_loss_sum(logits, targets, self.tp, *self.vocab)
 
-    def register_grad_hooks(self, model: nn.Module) -> None:
-        """Sum the partial gradients of replicated weights over tp before anything else sees them
-        (a tensor hook runs before accumulation, so it precedes every post-accumulate hook)."""
-        params = dict(model.named_parameters())
-        for name in self.partial_grads:
-            if name in params:  # a pipeline stage holds only some of the model's weights
-                params[name].register_hook(lambda g: _summed(g, self.tp))
 
-    def gather_full(self, tensors: dict[str, torch.Tensor], device: torch.device | None = None
-                    ) -> dict[str, torch.Tensor]:
-        """Local tensors by parameter name -> full tensors (collective over tp). The gather runs on
-        ``device`` when given (the model's: NCCL cannot gather the host copies a checkpoint holds);
-        each full tensor comes back on the device its local part was on."""
-        out = {}
-        for name, t in tensors.items():
-            spec = self.specs.get(name)
-            if spec is None:
-                out[name] = t
-                continue
-            local = t.to(device) if device is not None else t
-            gathered = gather_along(local, self.tp, spec.dim, "checkpoint")
-            out[name] = spec.full_from_parts(list(gathered.chunk(spec.parts, dim=spec.dim))).to(t.device).clone()
-        return out
-
-    def shard_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: self.specs[n].local_from_full(t) if n in self.specs else t for n, t in tensors.items()}
+def register_partial_grad_hooks(model: nn.Module, placements: Placements) -> None:
+    """Sum the gradients that the placement record says are partial over tp (replicated weights
+    seeing a sequence shard or part of a projection) before anything else sees them: a tensor hook
+    runs before accumulation, so it precedes every engine's post-accumulate hook."""
+    params = dict(model.named_parameters())
+    tp = placements.comm("tp")
+    for name in placements.names_partial_over("tp"):
+        if name in params:
+            params[name].register_hook(lambda g: _summed(g, tp))
 
 
 def _summed(grad: torch.Tensor, comm: AxisComm) -> torch.Tensor:
@@ -122,11 +114,26 @@ def _summed(grad: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     return out
 
 
-def parallelize_llama(model: nn.Module, cfg: ModelConfig, tp: AxisComm, sp: AxisComm,
-                      sequence_parallel: bool) -> TensorLayout:
+def default_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -> Plan:
+    """The plan a model brings: the reference Llama's; any other model must be given one."""
+    from bigtrain.models.llama import Llama
+
+    if not isinstance(model, Llama):
+        raise ValueError(f"no tensor-parallel plan for a {type(model).__name__}: give TensorParallelPlan(styles="
+                         f"{{module pattern: style}}) (see bigtrain.parallel.tensor.plan.llama_plan)")
+    return llama_plan(model, tp, sequence_parallel and tp > 1, ulysses)
+
+
+def parallelize_llama(model: nn.Module, tp: AxisComm, sp: AxisComm, sequence_parallel: bool) -> TensorLayout:
     """Apply the Llama plan on the meta device; returns the layout the rest of the run needs."""
+    return apply_plan(model, default_plan(model, tp.size, sequence_parallel, sp.size > 1), tp, sp, sequence_parallel)
+
+
+def apply_plan(model: nn.Module, plan: Plan, tp: AxisComm, sp: AxisComm, sequence_parallel: bool) -> TensorLayout:
+    """Apply ``plan`` on the meta device; returns how each weight was cut (for the placement record)
+    and which loss to use."""
     ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel and tp.size > 1, sp=sp)
-    parallelize_module(model, llama_plan(cfg, tp.size, ctx.sequence_parallel, sp.size > 1), ctx)
+    parallelize_module(model, plan, ctx)
     layout = TensorLayout(tp=tp, sp=sp, vocab=ctx.vocab)
     # Every name of a shared (tied) weight: once pipeline stages split the model, the head's copy is
     # known by its own name only, and must still find how it is cut.

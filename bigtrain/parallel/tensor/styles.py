@@ -15,30 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.placement import ShardSpec, even_shard, vocab_pad_to
 from bigtrain.parallel.tensor.functional import (all_to_all, copy_to_group, gather_sequence, reduce_from_group,
                                                  scatter_sequence_sum)
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """The local tensor is part ``index`` of ``parts`` equal parts of the full tensor along ``dim``,
-    after padding that dimension from ``full_size`` to ``padded_size`` (vocabularies)."""
-
-    dim: int
-    index: int
-    parts: int
-    full_size: int
-    padded_size: int
-
-    def local_from_full(self, full: torch.Tensor) -> torch.Tensor:
-        if self.padded_size > self.full_size:
-            pad_shape = list(full.shape)
-            pad_shape[self.dim] = self.padded_size - self.full_size
-            full = torch.cat([full, full.new_zeros(pad_shape)], dim=self.dim)
-        return full.chunk(self.parts, dim=self.dim)[self.index].contiguous()
-
-    def full_from_parts(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, self.full_size)
 
 
 @dataclass
@@ -61,12 +40,11 @@ def _shard_param(module: nn.Module, attr: str, dim: int, ctx: TPContext, pad_to:
         setattr(module, attr, new)
         return ctx.specs[id(new)]
     size, parts = old.shape[dim], ctx.tp.size
-    padded = -(-size // (parts * pad_to)) * parts * pad_to
-    if padded != size and pad_to == 1:
+    spec = even_shard(size, parts, ctx.tp.rank, dim, pad_to)
+    if spec.padded_size != size and pad_to == 1:
         raise ValueError(f"{attr} dimension {dim} of size {size} does not divide by tp = {parts}")
-    spec = ShardSpec(dim, ctx.tp.rank, parts, size, padded)
     shape = list(old.shape)
-    shape[dim] = padded // parts
+    shape[dim] = spec.local_size
     new = nn.Parameter(torch.empty(shape, dtype=old.dtype, device=old.device), requires_grad=old.requires_grad)
     setattr(module, attr, new)
     ctx.specs[id(new)], ctx.replaced[id(old)] = spec, new
@@ -122,9 +100,8 @@ class VocabParallelEmbedding(Style):
     and the partial embeddings are summed (or reduce-scattered along the sequence)."""
 
     def apply(self, module: nn.Embedding, ctx: TPContext) -> None:
-        spec = _shard_param(module, "weight", 0, ctx, pad_to=1 if module.num_embeddings % ctx.tp.size == 0 else 8)
-        first = spec.index * (spec.padded_size // spec.parts)
-        local = spec.padded_size // spec.parts
+        spec = _shard_param(module, "weight", 0, ctx, pad_to=vocab_pad_to(module.num_embeddings, ctx.tp.size))
+        first, local = spec.offset, spec.local_size
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:
             outside = (tokens < first) | (tokens >= first + local)
@@ -142,8 +119,8 @@ class VocabParallelOutput(Style):
 
     def apply(self, module: nn.Linear, ctx: TPContext) -> None:
         PrepareInput().apply(module, ctx)
-        spec = _shard_param(module, "weight", 0, ctx, pad_to=1 if module.out_features % ctx.tp.size == 0 else 8)
-        ctx.vocab = (spec.index * (spec.padded_size // spec.parts), spec.full_size)
+        spec = _shard_param(module, "weight", 0, ctx, pad_to=vocab_pad_to(module.out_features, ctx.tp.size))
+        ctx.vocab = (spec.offset, spec.full_size)
 
 
 class PartialGradient(Style):

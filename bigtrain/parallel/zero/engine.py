@@ -32,21 +32,24 @@ The loss must be normalized by the global token count: gradients are summed over
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
-from bigtrain.config import OptimConfig
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim import OptimizerSpec, decay_groups, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import rehome_grad, sync_off
+from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
 from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
 from bigtrain.precision import DynamicLossScaler, Precision
+
+if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
+    from bigtrain.config import OptimConfig
 
 InitFn = Callable[[str, tuple], torch.Tensor]  # (name, shape) -> full fp32 value
 
@@ -57,21 +60,22 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, comm: AxisComm, stage: int, precision: Precision, optim: OptimConfig,
                  init_fn: InitFn, device: torch.device | str = "cpu", unit_modules: list[nn.Module] | None = None,
                  reshard_after_forward: bool = True, prefetch: bool = True,
-                 scaler: DynamicLossScaler | None = None, tp: AxisComm | None = None,
-                 tp_sharded: set[str] = frozenset(), disjoint: list[AxisComm] = (),
-                 counted_elsewhere: set[str] = frozenset()):
+                 scaler: DynamicLossScaler | None = None, placements: Placements | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
         self.optim_spec = _elementwise(get_optimizer(optim.name), stage)
         self.model, self.comm, self.stage, self.precision = model, comm, stage, precision
-        self.device, self.scaler, self.tp, self.tp_sharded = torch.device(device), scaler, tp, set(tp_sharded)
-        self.disjoint = list(disjoint)  # axes whose ranks hold different weights (pipeline stages)
-        self.counted_elsewhere = set(counted_elsewhere)  # tied copies whose twin on another rank is in the norm
-        shards = comm.size if stage >= 1 else 1
+        self.device, self.scaler = torch.device(device), scaler
+        # Where each parameter lives (default: replicated over ``comm``): which group reduces its
+        # gradient and cuts its unit, which parts this rank counts in the norm. ZeRO records its cut.
+        self.placements = placements if placements is not None else Placements.data_parallel(model, comm)
+        if stage >= 1:
+            for name in list(self.placements):
+                self.placements.update(name, self.placements[name].sharded_flat())
         # Autograd accumulates straight into the fp32 gradient buffer only when it computes in fp32.
         self._grads_in_place = stage <= 1 and not precision.mixed
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
-        self.units, self.unit_modules = build_units(model, modules, shards, comm.rank if stage >= 1 else 0)
+        self.units, self.unit_modules = build_units(model, modules, self.placements.grad_comm, sharded=stage >= 1)
         self._check_same_layout()
         self._allocate(init_fn)
         self.optimizer = self._build_optimizer(optim)
@@ -84,22 +88,30 @@ class ZeroEngine:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.gatherer = ParameterGatherer(self, reshard_after_forward, prefetch) if stage == 3 else None
 
+    def _groups(self) -> list[tuple[AxisComm, list[FlatUnit]]]:
+        """The units by the group that reduces (and shards) them, groups in order of first unit."""
+        groups: dict[int, tuple[AxisComm, list[FlatUnit]]] = {}
+        for unit in self.units:
+            groups.setdefault(id(unit.comm), (unit.comm, []))[1].append(unit)
+        return list(groups.values())
+
     def _check_same_layout(self) -> None:
-        """Fail loudly, naming the ranks, if ranks built different models: a mismatch would
-        otherwise surface as a collective that never completes."""
-        if self.comm.size == 1:
-            return
-        names = ";".join(f"{s.name}:{s.shape}" for u in self.units for s in u.slots)
-        mine = torch.tensor([len(self.units), sum(u.numel for u in self.units), zlib.crc32(names.encode())],
-                            dtype=torch.int64, device=self.device)  # NCCL: device tensors only
-        everyone = torch.empty(self.comm.size * 3, dtype=torch.int64, device=self.device)
-        self.comm.all_gather(everyone, mine, tag="layout_check")
-        rows = everyone.view(self.comm.size, 3).tolist()
-        differ = [r for r, row in enumerate(rows) if row != rows[0]]
-        if differ:
-            detail = ", ".join(f"rank {r}: {row[1]} parameters in {row[0]} units" for r, row in enumerate(rows))
-            raise RuntimeError(f"ZeRO: ranks {differ} of the dp group built a different model than rank 0 "
-                               f"({detail}); every rank must build the same model")
+        """Fail loudly, naming the ranks, if the ranks of a group built different units: a mismatch
+        would otherwise surface as a collective that never completes."""
+        for comm, units in self._groups():
+            if comm.size == 1:
+                continue
+            names = ";".join(f"{s.name}:{s.shape}" for u in units for s in u.slots)
+            mine = torch.tensor([len(units), sum(u.numel for u in units), zlib.crc32(names.encode())],
+                                dtype=torch.int64, device=self.device)  # NCCL: device tensors only
+            everyone = torch.empty(comm.size * 3, dtype=torch.int64, device=self.device)
+            comm.all_gather(everyone, mine, tag="layout_check")
+            rows = everyone.view(comm.size, 3).tolist()
+            differ = [r for r, row in enumerate(rows) if row != rows[0]]
+            if differ:
+                detail = ", ".join(f"rank {r}: {row[1]} parameters in {row[0]} units" for r, row in enumerate(rows))
+                raise RuntimeError(f"ZeRO: ranks {differ} of the {comm.axis} group built a different model than "
+                                   f"its rank 0 ({detail}); every rank must build the same model")
 
     # -- allocation -----------------------------------------------------------------------------
     def _allocate(self, init_fn: InitFn) -> None:
@@ -183,7 +195,7 @@ class ZeroEngine:
             if self._grads_in_place:
                 for p, view in zip(unit.params, unit.grad_views):
                     rehome_grad(p, view)  # a parameter without a gradient since torch's zero_grad adds zeros
-            if self.comm.size == 1:
+            if unit.comm.size == 1:
                 return  # the local sum is the result; a cast to the reduce dtype would only round it
             payload = unit.full_grad if unit.full_grad.dtype == reduce_dtype else unit.full_grad.to(reduce_dtype)
         else:
@@ -198,11 +210,11 @@ class ZeroEngine:
         # records it on NCCL's stream, or, in newer torch, holds it until ``wait()``), as Gloo's
         # work holds it until it completes.
         if self.stage == 0:
-            work = self.comm.all_reduce(payload, async_op=True, tag="grads")
+            work = unit.comm.all_reduce(payload, async_op=True, tag="grads")
             out = payload
         else:
             out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=payload.device)
-            work = self.comm.reduce_scatter(out, payload, async_op=True, tag="grads")
+            work = unit.comm.reduce_scatter(out, payload, async_op=True, tag="grads")
         self._pending.append((unit, work, out))
         if self.gatherer is not None:
             self.gatherer.after_reduce(unit)
@@ -250,12 +262,11 @@ class ZeroEngine:
         grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
-        parts = square_sums(((grad[a:b], slot.name not in self.tp_sharded)
-                             for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges()
-                             if slot.name not in self.counted_elsewhere), self.device)
-        # Partitioned gradients: every rank must agree on the norm and on skipping.
-        partitions = ([self.comm] if self.stage >= 1 else []) + self.disjoint
-        norm, found_inf = global_norm(parts, partitions, self.tp)
+        counted = self.placements.counted_in_norm
+        parts = square_sums((grad[a:b] for unit, grad in zip(self.units, grads)
+                             for slot, a, b in unit.shard_slot_ranges() if counted(slot.name)), self.device)
+        # Summed over every rank: all agree on the norm and on skipping.
+        norm, found_inf = global_norm(parts, self.placements.comm(NORM_AXIS))
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:
@@ -289,7 +300,7 @@ class ZeroEngine:
             if self.stage in (1, 2) and unit.shards > 1:
                 # Synchronous: on NCCL the current stream waits for the gather before the clone is
                 # freed and before the next forward reads ``unit.full``.
-                self.comm.all_gather(unit.full, unit.shard_param.clone(), tag="params")
+                unit.comm.all_gather(unit.full, unit.shard_param.clone(), tag="params")
 
     def zero_grad(self) -> None:
         for unit in self.units:

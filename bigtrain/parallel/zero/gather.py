@@ -56,23 +56,33 @@ def _successors(order: list[int]) -> dict[int, int]:
 
 
 class ParameterGatherer:
+    """Gathers around each unit module; a module holding units of several groups (dense weights
+    and experts) gathers all of them together. Indices below are positions in ``modules``."""
+
     def __init__(self, engine, reshard_after_forward: bool, prefetch: bool):
         self.engine, self.reshard_after_forward, self.prefetch = engine, reshard_after_forward, prefetch
-        self.units: list[FlatUnit] = engine.units
-        forward, backward = call_orders(engine.unit_modules)
+        self.modules: list[nn.Module] = []
+        self.units: list[list[FlatUnit]] = []  # per module
+        for unit, module in zip(engine.units, engine.unit_modules):
+            if not any(m is module for m in self.modules):
+                self.modules.append(module)
+                self.units.append([])
+            self.units[next(i for i, m in enumerate(self.modules) if m is module)].append(unit)
+        forward, backward = call_orders(self.modules)
         self._next_forward, self._next_backward = _successors(forward), _successors(backward)
         self._work: dict[int, object] = {}
-        for i, module in enumerate(engine.unit_modules):
+        for i, module in enumerate(self.modules):
             module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
             module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
 
-    def _start_gather(self, unit: FlatUnit) -> None:
-        if unit.gathered or id(unit) in self._work:
-            return
-        unit.allocate_full()
-        version = unit.full._version
-        work = self.engine.comm.all_gather(unit.full, unit.shard_param, async_op=True, tag="params")
-        self._work[id(unit)] = (work, version)
+    def _start_gather(self, units: list[FlatUnit]) -> None:
+        for unit in units:
+            if unit.gathered or id(unit) in self._work:
+                continue
+            unit.allocate_full()
+            version = unit.full._version
+            work = unit.comm.all_gather(unit.full, unit.shard_param, async_op=True, tag="params")
+            self._work[id(unit)] = (work, version)
 
     def _finish(self, unit: FlatUnit) -> None:
         if id(unit) not in self._work:
@@ -84,9 +94,10 @@ class ParameterGatherer:
         # nothing else writes these bytes, so restore the version autograd saved.
         torch._C._autograd._unsafe_set_version_counter((unit.full,), (version,))
 
-    def _wait(self, unit: FlatUnit) -> None:
-        self._start_gather(unit)
-        self._finish(unit)
+    def _wait(self, units: list[FlatUnit]) -> None:
+        self._start_gather(units)
+        for unit in units:
+            self._finish(unit)
 
     def _before_forward(self, i: int) -> None:
         self._run_then_prefetch(i, self._next_forward)
@@ -99,7 +110,8 @@ class ParameterGatherer:
     def _after_forward(self, i: int, out) -> None:
         # The root unit wraps the whole model: its forward hook runs after the model's forward.
         if self.reshard_after_forward or not torch.is_grad_enabled():
-            self._free(self.units[i])
+            for unit in self.units[i]:
+                self._free(unit)
         first = next((t for t in (out if isinstance(out, (tuple, list)) else (out,))
                       if torch.is_tensor(t) and t.requires_grad), None)
         if first is not None:
@@ -120,6 +132,7 @@ class ParameterGatherer:
 
     def free_all(self) -> None:
         """Drop every gathered copy (waiting for gathers in flight): the weights are about to change."""
-        for unit in self.units:
-            self._free(unit)
+        for units in self.units:
+            for unit in units:
+                self._free(unit)
 

@@ -12,7 +12,7 @@ from bigtrain.parallel.zero.flat import FlatUnit
 
 def _gather_flat(engine, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
     full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=shard.device)
-    engine.comm.all_gather(full, shard.contiguous(), tag="checkpoint") if unit.shards > 1 else full.copy_(shard)
+    unit.comm.all_gather(full, shard.contiguous(), tag="checkpoint") if unit.shards > 1 else full.copy_(shard)
     return full
 
 
@@ -102,8 +102,9 @@ def checkpoint_pieces(engine):
     from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
     spec = engine.optim_spec
-    replicas, replica = (1, 0) if engine.units and engine.units[0].shards > 1 else (engine.comm.size, engine.comm.rank)
     for unit in engine.units:
+        # A unit not cut into shards is held whole by each rank of its group: each writes a part.
+        replicas, replica = (1, 0) if unit.shards > 1 else (unit.comm.size, unit.comm.rank)
         states = _piece_states(engine, unit)
         batch = []
         for slot, a, b in unit.shard_slot_ranges():

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 from torch import nn
 
+from bigtrain.distributed.comm import AxisComm
 from bigtrain.parallel.zero.flat import FlatUnit
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -36,29 +38,49 @@ def default_unit_modules(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def build_units(model: nn.Module, unit_modules: list[nn.Module], shards: int, shard_rank: int
-                ) -> tuple[list[FlatUnit], list[nn.Module]]:
-    """One FlatUnit per unit module plus a root unit (the model) for every parameter left over.
+def build_units(model: nn.Module, unit_modules: list[nn.Module], group_of: Callable[[str], AxisComm],
+                sharded: bool) -> tuple[list[FlatUnit], list[nn.Module]]:
+    """FlatUnits for each unit module plus a root (the model) for every parameter left over.
 
-    Returns the units and their modules, root first. A parameter shared by two modules (tied
-    embeddings) belongs to the first unit that holds it, in the order root-last.
+    A unit's parameters share one group, ``group_of(name)`` (the placement record's gradient
+    group: dp x sp for dense weights, edp for experts), which reduces its gradients and, when
+    ``sharded`` (ZeRO stages 1-3), cuts it into that group's shards: a module holding parameters of
+    two groups (an MoE block's attention and experts) becomes two units, the first named as usual
+    (``unit<i>``), the others after their axis (``unit<i>:edp``). Every unit has its ``comm``.
+
+    Returns the units and their modules, root first (a module once per unit). A parameter shared by
+    two modules (tied embeddings) belongs to the first unit that holds it, in the order root-last.
     """
     names = {}
     for name, p in model.named_parameters():  # named_parameters de-duplicates shared parameters
         names.setdefault(id(p), name)
     taken: set[int] = set()
     units, modules = [], []
+
+    def add(name: str, module: nn.Module, own: list[tuple[str, nn.Parameter]], at: int | None = None) -> None:
+        for j, (comm, params) in enumerate(_by_group(own, group_of)):
+            unit = FlatUnit(name if j == 0 else f"{name}:{comm.axis}", params, comm.size if sharded else 1,
+                            comm.rank if sharded else 0)
+            unit.comm = comm
+            units.insert(len(units) if at is None else at + j, unit)
+            modules.insert(len(modules) if at is None else at + j, module)
+
     for i, module in enumerate(unit_modules):
         own = [(names[id(p)], p) for p in module.parameters() if id(p) not in taken and p.requires_grad]
         taken.update(id(p) for _, p in own)
-        if own:
-            units.append(FlatUnit(f"unit{i}", own, shards, shard_rank))
-            modules.append(module)
+        add(f"unit{i}", module, own)
     rest = [(n, p) for n, p in model.named_parameters() if id(p) not in taken and p.requires_grad]
-    if rest:
-        units.insert(0, FlatUnit("root", rest, shards, shard_rank))
-        modules.insert(0, model)
+    add("root", model, rest, at=0)
     return units, modules
+
+
+def _by_group(named: list[tuple[str, nn.Parameter]], group_of) -> list[tuple[AxisComm, list]]:
+    """``named`` split by group, groups in order of first appearance (alike on every rank)."""
+    groups: dict[int, tuple[AxisComm, list]] = {}
+    for name, p in named:
+        comm = group_of(name)
+        groups.setdefault(id(comm), (comm, []))[1].append((name, p))
+    return list(groups.values())
 
 
 def replace_parameters(model: nn.Module, new_of: dict[int, nn.Parameter]) -> None:

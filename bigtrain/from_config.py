@@ -1,0 +1,28 @@
+"""The Trainer's adapter: the parallelize plan a Config describes.
+
+The only place where a :class:`bigtrain.config.Config` meets ``bigtrain.parallel``: everything
+below it takes its own section or a small plan object (:mod:`bigtrain.parallel.parallel_plan`),
+so the same steps run on a user's model without a Config.
+"""
+
+from __future__ import annotations
+
+from bigtrain.config import Config
+from bigtrain.parallel.parallel_plan import (CheckpointingPlan, EnginePlan, LossScaling, ParallelPlan, PipelinePlan,
+                                             TensorParallelPlan)
+from bigtrain.precision import Precision
+
+
+def parallel_plan(cfg: Config) -> ParallelPlan:
+    p, precision = cfg.parallel, cfg.precision
+    split_points = tuple(p.split_points) if p.split_points is not None else None
+    return ParallelPlan(
+        optim=cfg.optim,
+        tensor=TensorParallelPlan(sequence_parallel=p.sequence_parallel),
+        checkpointing=CheckpointingPlan(cfg.memory.checkpointing, cfg.memory.checkpoint_every),
+        pipeline=PipelinePlan(cfg.train.grad_accum(p.dp), p.pp_schedule, p.pp_virtual, p.pp_balance, split_points),
+        engine=EnginePlan(p.zero, Precision.from_config(precision),
+                          LossScaling(precision.loss_scale, precision.scale_growth_interval, precision.scale_backoff),
+                          p.reshard_after_forward, p.prefetch, p.bucket_mb),
+        seed=cfg.train.seed,
+    )

@@ -1,0 +1,195 @@
+"""What :func:`bigtrain.parallel.build.parallelize` returns: this rank's part of the model with its
+engine, the placement record, and what reads it (full weights and state by name, sharded
+checkpoint chunks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.pipeline.partition import PipelineStage
+from bigtrain.parallel.pipeline.schedules import Schedule
+from bigtrain.parallel.placement import Placements
+from bigtrain.parallel.replicated import ReplicatedEngine
+from bigtrain.parallel.tensor.functional import local_chunk
+from bigtrain.parallel.tensor.plan import TensorLayout
+from bigtrain.parallel.tied import TiedCopies
+from bigtrain.parallel.zero.engine import ZeroEngine
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+@dataclass
+class ParallelModel:
+    model: nn.Module  # what this rank runs and its engine owns: the model, one pipeline stage, or a group
+    engine: ReplicatedEngine | ZeroEngine
+    layout: TensorLayout | None
+    placements: Placements  # where each of this rank's parameters lives: everyone below reads it
+    grad_comm: AxisComm  # the ranks holding replicas of the dense weights (dp, or dp x sp)
+    sp: AxisComm
+    pp: AxisComm
+    checkpointed: list[int]
+    stages: dict[int, PipelineStage] = field(default_factory=dict)
+    schedule: Schedule | None = None
+    tied: TiedCopies | None = None  # copies of tied weights whose twin is on another pipeline rank
+    device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives run)
+
+    def finish_grad_sync(self) -> None:
+        """Complete the gradient reduction (after the last micro-batch), tied copies included."""
+        self.engine.finish_grad_sync()
+        if self.tied is not None:
+            self.tied.sum_grads(self.engine)
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        parallel = self.layout.loss_sum(logits, targets) if self.layout is not None else None
+        return parallel if parallel is not None else token_loss_sum(logits, targets)
+
+    def sequence_chunk(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's part of the sequence (all of it without Ulysses) and its first position."""
+        if self.sp.size == 1:
+            return tokens, targets, 0
+        start = self.sp.rank * tokens.shape[1] // self.sp.size
+        return local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1), start
+
+    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's summed loss over its tokens (its sequence chunk under Ulysses)."""
+        tokens, targets, start = self.sequence_chunk(tokens, targets)
+        return self.loss_sum(self.model(tokens, start_pos=start), targets)
+
+    def gather_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors by parameter name (full over dp already) -> full tensors of the whole
+        model, complete on the first rank of the pipeline (empty elsewhere); collective over tp and pp."""
+        tensors = self.placements.gather_full(tensors, self.device)
+        if self.pp.size == 1:
+            return tensors
+        parts = self.pp.gather_objects(tensors)
+        return {} if parts is None else {k: v for part in parts for k, v in part.items()}
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's fp32 weights by name (see :meth:`gather_named`)."""
+        return self.gather_named(self.engine.full_weights())
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The whole model's reduced, unscaled, unclipped gradients by name (see :meth:`gather_named`)."""
+        return self.gather_named(self.engine.full_grads())
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Full (unsharded) weights and optimizer state by name, complete on the first rank of the
+        pipeline (its other stages' parts are gathered there); a collective on every rank."""
+        weights, optim = self._stage_state()
+        if self.pp.size == 1:
+            return weights, optim
+        spec = self.engine.optim_spec
+        parts = self.pp.gather_objects((weights, optim))
+        if parts is None:
+            return {}, {"optimizer": spec.name, "state": {}}
+        return ({k: v for w, _ in parts for k, v in w.items()},
+                {"optimizer": spec.name, "state": {k: v for _, o in parts for k, v in o.get("state", {}).items()}})
+
+    def _stage_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        spec = self.engine.optim_spec
+        weights, optim = self.engine.full_state()
+        state = optim.get("state", {})
+        copies = self.placements.copies()  # the first stage saves a tied weight, once
+        weights = {n: t for n, t in weights.items() if n not in copies}
+        state = {n: t for n, t in state.items() if n not in copies}
+        gather = lambda tensors: self.placements.gather_full(tensors, self.device)  # noqa: E731
+        weights = gather(weights)
+        state = self._by_element_state(state, gather)  # state shaped like a weight is cut like it
+        return weights, {"optimizer": spec.name, "state": state}
+
+    def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict) -> None:
+        spec = self.engine.optim_spec
+        state = spec.saved_state(optim)  # before resharding: a foreign optimizer's state fails here, by name
+        for name, canonical in self.placements.copies().items():  # a copy loads the weight it copies
+            if canonical in weights:
+                weights = {**weights, name: weights[canonical]}
+            if canonical in state:
+                state = {**state, name: state[canonical]}
+        weights = self.placements.shard_full(weights)
+        state = self._by_element_state(state, self.placements.shard_full)
+        self.engine.load_full_state(weights, {"optimizer": spec.name, "state": state})
+
+    # -- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
+    def _pieces(self):
+        engine = self.engine
+        if isinstance(engine, ZeroEngine):
+            from bigtrain.parallel.zero.state import checkpoint_pieces
+            return checkpoint_pieces(engine)
+        return engine.checkpoint_pieces()
+
+    def _load_batches(self, with_state: bool):
+        engine = self.engine
+        if isinstance(engine, ZeroEngine):
+            from bigtrain.parallel.zero.state import checkpoint_load_batches
+            return checkpoint_load_batches(engine, with_state)
+        return engine.checkpoint_load_batches(with_state)
+
+    def owned_chunks(self, copy: bool = False) -> list:
+        """The chunks of full tensors this rank writes (:class:`SavedChunk`): one entry per parameter
+        under its canonical name (a tied weight once) and ``optim/<name>/<state>`` per optimizer
+        state tensor. Every element has one owner, as the placement record says: its ZeRO shard's
+        rank; among the data-parallel replicas of a range (ZeRO stage 0, the replicated engine) an
+        even split of it; of the ranks holding the same values over any other axis (tp for a
+        replicated norm, pp_ends for a tied copy) the first. Per-tensor state (a step count) is
+        written whole by the owner of the parameter's first element. ``copy``: clone the data (a
+        snapshot for a write that overlaps training); else views of the live shards."""
+        from bigtrain.checkpoint.chunks import WEIGHT, chunks, owned_range
+        from bigtrain.checkpoint.sharded import SavedChunk
+
+        placements = self.placements
+        out = []
+        for batch in self._pieces():
+            for piece in batch:
+                if not placements.writes_checkpoint(piece.name):
+                    continue
+                placement = placements[piece.name]
+                lo, hi = owned_range(piece)
+                shape = placement.full_shape(piece.shape)
+                for c in chunks(lo, hi, piece.shape, placement.shards):
+                    for key, flat in piece.tensors.items():
+                        data = flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)
+                        fqn = piece.name if key == WEIGHT else f"optim/{piece.name}/{key}"
+                        out.append(SavedChunk(fqn, shape, c.offsets, data.clone() if copy else data))
+                if lo == 0 < hi and placements.first_part(piece.name):
+                    out += [SavedChunk(f"optim/{piece.name}/{k}", tuple(v.shape), (0,) * v.dim(),
+                                       v.detach().clone() if copy else v.detach()) for k, v in piece.scalars.items()]
+        return out
+
+    def load_sharded(self, path) -> None:
+        """Fill this rank's shards (weights and optimizer state) from the sharded checkpoint at
+        ``path``, whatever layout wrote it: each batch (a ZeRO unit, or one parameter) reads only the
+        rectangles this rank's new layout holds. No collectives."""
+        from bigtrain.checkpoint.chunks import WEIGHT, chunks
+        from bigtrain.checkpoint.sharded import ChunkReader
+
+        reader = ChunkReader(path)
+        spec = self.engine.optim_spec
+        with_state = any(k.startswith("optim/") for k in reader.entries)
+        for batch in self._load_batches(with_state):
+            requests = []
+            for piece in batch:
+                name, shards = self.placements.saved_name(piece.name), self.placements[piece.name].shards
+                for c in chunks(piece.lo, piece.hi, piece.shape, shards):
+                    for key, flat in piece.tensors.items():
+                        fqn = name if key == WEIGHT else f"optim/{name}/{key}"
+                        requests.append((fqn, c.offsets, flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)))
+                if with_state:
+                    for k in spec.tensor_state:
+                        piece.scalars[k] = reader.empty(f"optim/{name}/{k}")
+                        requests.append((f"optim/{name}/{k}", (0,) * piece.scalars[k].dim(), piece.scalars[k]))
+            reader.read(requests)
+
+    def _by_element_state(self, state: dict[str, dict], reshard) -> dict[str, dict]:
+        """``reshard`` ({param name: tensor} -> same, as for the weights) applied to each of the
+        optimizer's per-element state tensors; per-tensor state (a step count) is kept as it is."""
+        names = self.engine.optim_spec.element_state
+        moved = {k: reshard({n: s[k] for n, s in state.items()}) for k in names}
+        return {n: {**s, **{k: moved[k][n] for k in names}} for n, s in state.items()}

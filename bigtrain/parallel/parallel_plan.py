@@ -1,0 +1,94 @@
+"""What :func:`bigtrain.parallel.build.parallelize` does to a model, as small plan objects, one per step.
+
+A user's script builds them directly; the Trainer builds them from its Config
+(:func:`bigtrain.from_config.parallel_plan`), the only place a Config meets ``bigtrain.parallel``.
+Each plan is what one public step takes, so a step can also be called on its own:
+
+    apply_tensor_parallel(model, mesh, TensorParallelPlan, placements)
+    apply_activation_checkpointing(blocks, CheckpointingPlan.policy, CheckpointingPlan.every)
+    build_pipeline(model, mesh, PipelinePlan, placements)
+    apply_data_parallel / apply_zero(model, mesh, EnginePlan, optim, init_fn, placements, ...)
+
+The optimizer's own settings (``optim.name``, lr, betas, weight decay: what an optimizer's build
+function reads) travel as the config section they are, :class:`bigtrain.config.OptimConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from bigtrain.precision import Precision
+
+if TYPE_CHECKING:
+    from bigtrain.config import OptimConfig
+    from bigtrain.parallel.tensor.plan import Plan
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Tensor parallelism over the mesh's ``tp`` axis, Ulysses over ``sp`` (each applied when its
+    axis has more than one rank). ``styles``: ``{module-name pattern: style}``; None takes the
+    model's own plan (the reference Llama's Megatron layout)."""
+
+    styles: "Plan | None" = None
+    sequence_parallel: bool = False  # Megatron sequence parallelism on the tp axis
+
+
+@dataclass(frozen=True)
+class CheckpointingPlan:
+    """Activation checkpointing of the model's blocks: 'none', 'full', or 'every' k-th block."""
+
+    policy: str = "none"
+    every: int = 1
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Pipeline stages over the mesh's ``pp`` axis (applied when it has more than one rank)."""
+
+    microbatches: int = 1  # per step and pipeline (the gradient-accumulation steps)
+    schedule: str = "1f1b"
+    virtual: int = 1  # stages per rank (the 'interleaved' schedule)
+    balance: str = "layers"  # without split_points: balance by 'layers' or 'params'
+    split_points: tuple[int, ...] | None = None  # first layer of stages 1..pp*v-1
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """fp16's dynamic loss scale (see :class:`bigtrain.precision.DynamicLossScaler`)."""
+
+    init_scale: float = 2.0**16
+    growth_interval: int = 1000
+    backoff: float = 0.5
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Who owns the weights, gradients and optimizer state: the replicated engine (``zero = 0`` in
+    fp32) or the ZeRO engine (stages 0-3, any precision), over each weight's data-parallel group."""
+
+    zero: int = 0
+    precision: Precision = field(default_factory=lambda: Precision(torch.float32, torch.float32))
+    loss_scaling: LossScaling = LossScaling()  # used in fp16 only
+    reshard_after_forward: bool = True  # ZeRO-3
+    prefetch: bool = True  # ZeRO-3
+    bucket_mb: float = 25.0  # the replicated engine's all-reduce buckets
+
+    @property
+    def replicated(self) -> bool:
+        return self.zero == 0 and not self.precision.mixed
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Everything :func:`parallelize` needs besides the model and the mesh."""
+
+    optim: "OptimConfig"
+    tensor: TensorParallelPlan = TensorParallelPlan()
+    checkpointing: CheckpointingPlan = CheckpointingPlan()
+    pipeline: PipelinePlan = PipelinePlan()
+    engine: EnginePlan = EnginePlan()
+    seed: int = 0  # of the model's initial values (which depend on the name and the seed only)
