@@ -244,8 +244,9 @@ class ZeroEngine:
         raise KeyError(f"no parameter named {name!r} in this engine")
 
     # -- the step --------------------------------------------------------------------------------
-    def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
-        """Unscale, check for overflow, clip and update; returns (grad norm, skipped)."""
+    def step(self, lr: float, max_norm: float, skip: torch.Tensor | None = None) -> tuple[float, bool]:
+        """Unscale, check for overflow, clip and update; returns (grad norm, skipped). A non-zero
+        ``skip`` (a flag every rank shares, e.g. a non-finite loss) skips like an overflow."""
         self._drop_gathered()
         grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
         if self.scaler is not None:
@@ -253,6 +254,8 @@ class ZeroEngine:
         parts = square_sums(((grad[a:b], slot.name not in self.tp_sharded)
                              for unit, grad in zip(self.units, grads) for slot, a, b in unit.shard_slot_ranges()
                              if slot.name not in self.counted_elsewhere), self.device)
+        if skip is not None:
+            parts[2] += skip
         # Partitioned gradients: every rank must agree on the norm and on skipping.
         partitions = ([self.comm] if self.stage >= 1 else []) + self.disjoint
         norm, found_inf = global_norm(parts, partitions, self.tp)
