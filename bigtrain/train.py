@@ -248,8 +248,8 @@ class Trainer:
         """Save now, unless the last step was a bad one (the newest checkpoint stays the last
         finite state while a streak lasts); whether a checkpoint was written."""
         if bad.streak:
-            log.note(f"bigtrain: step {self.step}: no checkpoint while steps are not finite "
-                     f"({bad.streak} in a row)")
+            if bad.streak == 1:
+                log.note(f"bigtrain: step {self.step}: no checkpoint is written until a step is finite again")
             return False
         return self.save()
 
