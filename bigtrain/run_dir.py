@@ -143,8 +143,9 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) ->
         if explicit_resume or resume != "auto" or list_checkpoints(source):
             why = "; ".join(str(w.message) for w in skipped) or f"no checkpoint under {source}"
             flag = "--resume" if explicit_resume else f"checkpoint.resume = '{resume}'"
-            raise ConfigError(f"{flag}: nothing valid to resume from in '{source}' ({why}); start afresh "
-                              f"without it, or give checkpoint.resume the path of a good checkpoint")
+            raise ConfigError(f"{flag}: nothing valid to resume from in '{source}' ({why}); give "
+                              f"checkpoint.resume the path of a good checkpoint, or start a new run (another "
+                              f"--output-dir, or --overwrite)")
         return  # 'auto' with nothing saved yet: a fresh start (a first launch, or a restart before any save)
     path, meta = found
     errors, _ = compare_configs(meta.get("config", {}), cfg, path.name)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from bigtrain import checkpoint as ckpt
-from bigtrain.checkpoint.resume import resume_checkpoint
+from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
 from bigtrain.data import TokenSampler, load_tokens
@@ -193,8 +193,8 @@ class Trainer:
             self.resume(cfg.checkpoint.resume)
         elif ckpt.list_checkpoints(self.checkpoint_root):  # a fresh run would rotate them away, or resume them
             newest = ckpt.list_checkpoints(self.checkpoint_root)[0].name
-            raise ValueError(f"{self.run_dir} holds checkpoints of a run (newest {newest}): continue it with "
-                             f"checkpoint.resume = 'auto', or use another run directory")
+            raise ResumeError(f"{self.run_dir} holds checkpoints of a run (newest {newest}): continue it with "
+                              f"checkpoint.resume = 'auto', or use another run directory")
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._run_id = ensure_run_id(self.run_dir)

@@ -16,7 +16,7 @@ show() {
     "${BT[@]}" "$@" >"$W/out.txt" 2>"$W/err.txt"
     local code=$?
     # The first line bigtrain printed and its last two (a stop's message, a rejection's reasons).
-    grep -h "^bigtrain\|^  - " "$W/out.txt" "$W/err.txt" | grep -v "steps, loss\|starting 2 ranks\|ranks exited" \
+    grep -h "^bigtrain:\|^  - " "$W/out.txt" "$W/err.txt" | grep -v "steps, loss\|starting 2 ranks\|ranks exited" \
         | sed "s#$W#W#g" | cut -c1-500 \
         | awk '{line[NR] = $0} END {if (NR) print line[1]; for (i = (NR > 3 ? NR - 1 : 2); i <= NR; i++) print line[i]}'
     echo "exit $code"

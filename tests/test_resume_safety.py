@@ -274,6 +274,36 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(corpus_cache, tmp
     ckpt.verify_checkpoint(out / "checkpoints" / "step_00000002")
 
 
+def _save_twice(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    run_steps(trainer, 1)
+    trainer.save()
+    run_steps(trainer, 1)
+    try:
+        trainer.save()
+    except ckpt.CheckpointWriteError as e:
+        return str(e)
+    return None
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank(corpus_cache, tmp_path, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    original = dcp_files._write_item
+
+    def full_disk_on_rank_1(transforms, stream, data, write_item, *args):
+        name = getattr(stream, "name", "")
+        if "step_00000002" in name and os.path.basename(name).startswith("__1_"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(transforms, stream, data, write_item, *args)
+
+    monkeypatch.setattr(dcp_files, "_write_item", full_disk_on_rank_1)  # the forked ranks inherit it
+    errors = run_ranks(_save_twice, 2, tiny_config(corpus_cache, "--parallel.dp=2"), str(tmp_path))
+    for error in errors:
+        assert "checkpoint step 2: no space left on device" in error and "step_00000001 is intact" in error
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000001"]
+
+
 # -- SIGINT / SIGTERM save at the next step boundary -----------------------------------------------
 def _signal_at(step, signum, only_rank=None):
     original = Trainer.train_step

@@ -25,7 +25,8 @@ from bigtrain.distributed.comm import CollectiveError
 
 
 class ResumeError(ValueError):
-    """A checkpoint that cannot serve the run, nothing to resume from, or ranks that disagree (exit 1)."""
+    """A checkpoint that cannot serve the run, nothing to resume from, ranks that disagree, or a fresh
+    run in a directory that holds another's checkpoints (exit 1)."""
 
 
 def agree_on_step(world, step: int, device: torch.device | str) -> None:
