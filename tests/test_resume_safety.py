@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import warnings
 
 import pytest
 import torch
@@ -243,6 +244,46 @@ def test_a_checkpoint_that_verifies_but_fails_to_load_falls_back(corpus_cache, t
     again = trainer_on_rank(0, 1, cfg, tmp_path)
     with pytest.warns(UserWarning, match="step_00000004 verifies but failed to load"):
         assert again.resume("auto") and again.step == 2
+
+
+def _fall_back_when_rank_1_cannot_load(rank, world_size, cfg, run_dir):
+    from bigtrain.checkpoint.sharded import ChunkReader
+
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    for _ in range(2):
+        run_steps(trainer, 2)
+        trainer.save()
+    original = ChunkReader.read
+
+    def read(self, requests):
+        if rank == 1 and self.path.name == "step_00000004":
+            raise OSError(errno.EIO, "Input/output error")
+        return original(self, requests)
+
+    ChunkReader.read = read  # this forked rank's copy only
+    again = trainer_on_rank(rank, world_size, cfg, run_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert again.resume("auto")
+    return again.step, [str(w.message) for w in caught if "failed to load" in str(w.message)]
+
+
+def test_a_load_that_fails_on_one_rank_falls_back_on_every_rank(corpus_cache, tmp_path):
+    """ZeRO-1: a load ends with a gather of the loaded masters; the rank that failed joins it."""
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=1", "--checkpoint.keep=3")
+    (step0, warned0), (step1, warned1) = run_ranks(_fall_back_when_rank_1_cannot_load, 2, cfg, str(tmp_path))
+    assert step0 == step1 == 2
+    assert "on another rank" in warned0[0] and "Input/output error" in warned1[0]
+
+
+def test_non_finite_state_is_never_saved(corpus_cache, tmp_path, capsys):
+    trainer = trainer_on_rank(0, 1, tiny_config(corpus_cache), tmp_path)
+    run_steps(trainer, 1)
+    with torch.no_grad():
+        next(trainer.model.parameters()).view(-1)[0] = float("inf")
+    assert not trainer.save()
+    assert "not saving a checkpoint: the weights or optimizer state are not finite" in capsys.readouterr().out
+    assert ckpt.list_checkpoints(trainer.checkpoint_root) == []
 
 
 def test_a_stray_folder_and_leftover_temporaries_do_not_stop_a_fresh_run(corpus_cache, tmp_path):
