@@ -115,6 +115,20 @@ def test_the_policy_counts_bad_steps_and_lets_fp16_calibrate():
         fp32.observe(0, 2.0, math.inf, True)
 
 
+def test_fp16_overflowing_forever_stops_once_the_scale_is_at_its_minimum(corpus_cache, tmp_path):
+    """Finite losses, gradients that overflow on every step: two halvings (4 -> 2 -> 1) are
+    calibration, then three overflows at the minimum scale stop the run."""
+    cfg = tiny_config(corpus_cache, "--precision.mode=fp16", "--precision.loss_scale=4", "--train.max_bad_steps=3",
+                      "--train.steps=20", "--logging.log_every=1")
+    trainer = trainer_on_rank(0, 1, cfg, tmp_path)
+    _inject(trainer, "grad")
+    with pytest.raises(NonFiniteStop, match=r"stopped at step 4: the gradient norm was nan \(loss 5.\d+\); "
+                                            r"3 consecutive steps were not finite \(steps 2-4\)"):
+        trainer.fit()
+    records = read_metrics(tmp_path)
+    assert [r["loss_scale"] for r in records] == [2.0, 1.0, 1.0, 1.0, 1.0] and all(r["skipped"] for r in records)
+
+
 def _args(cache, out, *extra):
     return ["train", "--preset", "tiny", "--output-dir", str(out), "--logging.progress=false",
             "--logging.report=false", f"--data.cache_dir={cache}", "--data.max_bytes=400000",
