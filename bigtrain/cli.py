@@ -32,7 +32,11 @@ def _parser() -> argparse.ArgumentParser:
         source.add_argument("--config", help="a TOML config file")
         if name == "train":
             p.add_argument("--output-dir", help="run directory (default runs/<preset>-<time>)")
-            p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+            p.add_argument("--resume", action="store_true",
+                           help="continue the run in --output-dir: its own config.toml (overrides on top) from its "
+                                "newest valid checkpoint")
+            p.add_argument("--overwrite", action="store_true",
+                           help="replace the run --output-dir holds (its checkpoints, metrics and records)")
             p.add_argument("--parallel", choices=["auto"], help="let the planner choose the layout")
             p.add_argument("--world-size", type=int, help="ranks to plan for with --parallel auto "
                                                           "(default: the launcher's, else 1)")
@@ -55,11 +59,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
-    preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
-    cfg = load_config(preset=preset, path=args.config, overrides=overrides)
-    if getattr(args, "resume", False):
+    resume = getattr(args, "resume", False)
+    if resume and args.preset is None and args.config is None:  # the run's own settings, not the default preset
+        cfg = load_config(path=_run_config(args), overrides=overrides)
+    else:
+        preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
+        cfg = load_config(preset=preset, path=args.config, overrides=overrides)
+    if resume:
         cfg.checkpoint.resume = "auto"
     return cfg
+
+
+def _run_config(args: argparse.Namespace) -> Path:
+    """``--output-dir``'s config.toml, which ``--resume`` continues from."""
+    if not args.output_dir:
+        raise ConfigError("--resume continues the run in --output-dir: give --output-dir RUN_DIR")
+    path = Path(args.output_dir) / "config.toml"
+    if not path.is_file():
+        raise ConfigError(f"--resume: --output-dir = '{args.output_dir}' holds no bigtrain run ({path} does not "
+                          f"exist; a mistyped folder?); give the run directory to continue, or leave out --resume "
+                          f"to start a new run")
+    return path
 
 
 def _run_dir(args: argparse.Namespace) -> Path:
@@ -74,6 +94,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
     from bigtrain.preflight import check_environment, print_warnings
+    from bigtrain.run_dir import check_run_dir, clear_run, forget_stop, recorded_exit_code
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
     if args.world_size is not None and not 1 <= args.world_size <= WORLD_SIZE_MAX:
@@ -90,13 +111,19 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
     run_dir = _run_dir(args)
     print_warnings(env_warnings + check_inputs(cfg, run_dir, "--output-dir"))
+    check_run_dir(cfg, run_dir, args.resume, args.overwrite)
+    if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
+        clear_run(run_dir)
     if cfg.parallel.world_size > 1 and not launched_externally():
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = run_dir / "config.toml"
         resolved.write_text(to_toml(cfg))
+        forget_stop(run_dir)
         print(f"bigtrain: starting {cfg.parallel.world_size} ranks with torchrun; run directory {run_dir}")
         code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)])
         if code != 0:
+            # torchrun reports any failed rank as 1: a run that stopped on purpose recorded its own code.
+            code = recorded_exit_code(run_dir) or code
             print(f"bigtrain: the ranks exited with status {code}; see the messages above", file=sys.stderr)
         return code
     return _run_rank(cfg, run_dir)
@@ -141,6 +168,8 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     from bigtrain.distributed.comm import CollectiveError
     from bigtrain.distributed.launch import shutdown_distributed
     from bigtrain.distributed.mesh import Mesh
+    from bigtrain.nonfinite import NonFiniteStop
+    from bigtrain.preemption import Preempted
     from bigtrain.report import write_report
     from bigtrain.train import Trainer, write_summary
 
@@ -152,6 +181,10 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
             history = trainer.fit()
         except CollectiveError as e:
             e.step = trainer.step
+            raise
+        except (NonFiniteStop, Preempted) as e:
+            if info.rank != 0:  # every rank stopped at the same step; rank 0 says so once
+                return e.exit_code
             raise
         if info.rank == 0:
             write_summary(run_dir, trainer.summary())
@@ -180,7 +213,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_code(error: RuntimeError) -> int | None:
+    """The exit code of a run that stopped on purpose or on a named failure; None for a bug."""
+    from bigtrain.checkpoint import CheckpointWriteError
+    from bigtrain.distributed.comm import CollectiveError
+    from bigtrain.nonfinite import NonFiniteStop
+    from bigtrain.preemption import Preempted
+
+    if isinstance(error, (NonFiniteStop, Preempted)):
+        return error.exit_code
+    if isinstance(error, (CollectiveError, CheckpointWriteError)):
+        return 1
+    return None
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Our own warnings as one line each, like the checks' ``bigtrain: warning: ...``."""
+    if issubclass(category, UserWarning):
+        print(f"bigtrain: warning: {message}", file=sys.stderr)
+    else:
+        print(warnings.formatwarning(message, category, filename, lineno, line), file=sys.stderr, end="")
+
+
 def main(argv: list[str] | None = None) -> int:
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, rest = _parser().parse_known_args(argv)
     unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
@@ -217,10 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailure as e:
         print(f"bigtrain: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:
-        from bigtrain.distributed.comm import CollectiveError
+    except RuntimeError as e:  # the run's own stops, each with its exit code (docs/reliability.md)
+        code = _stop_code(e)
+        if code is None:
+            raise
+        print(f"bigtrain: {e}", file=sys.stderr)
+        return code
+    except ValueError as e:
+        from bigtrain.checkpoint.resume import ResumeError
 
-        if not isinstance(e, CollectiveError):
+        if not isinstance(e, ResumeError):
             raise
         print(f"bigtrain: {e}", file=sys.stderr)
         return 1

@@ -172,6 +172,9 @@ class TrainConfig:
     micro_batch: int = doc("Sequences per forward/backward on one rank.", 8)
     seed: int = doc("Seed for weights and data sampling.", 1234)
     device: str = doc("'auto' (cuda if present), 'cpu' or 'cuda'.", "auto")
+    max_bad_steps: int = doc("Stop the run (exit code 3) after this many consecutive steps with a non-finite loss "
+                             "or gradient norm; each is skipped on every rank, weights untouched. fp16 overflows "
+                             "count only once the loss scale is at its minimum.", 5)
 
     def grad_accum(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)
@@ -183,7 +186,10 @@ class CheckpointConfig:
 
     every: int = doc("Save every N steps (0: only at the end).", 0)
     keep: int = doc("Keep the newest K checkpoints.", 2)
-    resume: str = doc("'none', 'auto' (newest valid checkpoint in the run directory), or a path.", "none")
+    resume: str = doc("'none', 'auto' (continue this run: its newest valid checkpoint in the run directory, "
+                      "or a fresh start if it has none), or the path of a checkpoint (or a checkpoints/ folder) "
+                      "to start from. `bigtrain train --output-dir RUN --resume` sets 'auto' and reads "
+                      "RUN/config.toml.", "none")
     save_final: bool = doc("Save at the end of the run.", True)
     # ``checkpoint.async`` is a Python keyword: declared through the class namespace, outside
     # ``__init__`` (whose generated signature could not name it), default set below; read it with

@@ -2,12 +2,16 @@
 
 The schema only grows: ``step, loss, lr, grad_norm, tokens_per_s, step_time_s`` and
 ``mem`` (bytes on the worst rank: params, grads, optimizer, activations) and ``comm``
-(bytes this rank sent in the step, by mesh axis; ``comm_ops`` splits them by collective).
+(bytes this rank sent in the step, by mesh axis; ``comm_ops`` splits them by collective),
+``skipped`` (the NaN policy skipped the update; skipped steps are always logged) and, in fp16,
+``loss_scale``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +39,13 @@ class MetricsLog:
             self.bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
     def _drop_records_from(self, step: int) -> None:
-        """A fresh run starts an empty log; a resumed one keeps only the steps before it resumed."""
+        """A fresh run starts an empty log; a resumed one keeps only the steps before it resumed
+        (a torn last line, from a run that died mid-write, is dropped with them)."""
         if self.path.exists():
             kept = [r for r in read_metrics(self.path.parent) if r["step"] < step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.path)  # a crash now leaves the old log or the new one, not half of it
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -48,6 +55,15 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mem=human_bytes(sum(record["mem"].values())), refresh=False)
+
+    def note(self, text: str) -> None:
+        """One line on stdout (rank 0), above the progress bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -59,7 +75,22 @@ class MetricsLog:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl``. A line that is not a whole record (the torn last
+    line of a run killed mid-write, or a damaged one) is skipped with a warning."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
+    if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            warnings.warn(f"{path}: line {number} is not a whole metrics record (a run killed mid-write?); "
+                          f"skipped", stacklevel=2)
+            continue
+        records.append(record)
+    return records

@@ -7,6 +7,8 @@ test or a user's script can run directly on a mesh it built itself.
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,8 +20,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bigtrain import checkpoint as ckpt
+from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
 from bigtrain.data import TokenSampler, load_tokens
@@ -28,11 +32,14 @@ from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.metrics import MetricsLog
 from bigtrain.models.llama import build_model, count_parameters
+from bigtrain.nonfinite import BadSteps, NonFiniteStop
 from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.draw import draw_timeline
 from bigtrain.parallel.pipeline.executor import PipelineExecutor, align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
 from bigtrain.parallel.build import parallelize
+from bigtrain.preemption import Preempted, SignalWatch
+from bigtrain.run_dir import ensure_run_id, forget_stop, read_run_id, record_stop
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
 
@@ -77,6 +84,7 @@ class Trainer:
         self._pending_save: Future | None = None  # a background checkpoint write (checkpoint.async)
         self._save_thread: ThreadPoolExecutor | None = None
         self._checkpoint_group = None
+        self._run_id: str | None = None
 
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
@@ -151,12 +159,15 @@ class Trainer:
         self.parallel.finish_grad_sync()
         if before_update is not None:
             before_update()
-        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip)  # host sync 1: norm and overflow
-        traffic = self.mesh.stats.since(before)
+        # Every rank's loss before the update: a non-finite one (anywhere) vetoes the step on every
+        # rank, through the overflow flag the gradient norm's reduction carries (the NaN policy).
         self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
+        veto = (~torch.isfinite(loss_sum)).float()
+        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip, skip=veto)  # host sync 1: norm, skip
+        traffic = self.mesh.stats.since(before)
         # Host sync 2, the step's last: on CUDA it waits for the current stream, where the optimizer's
-        # kernels (and, over NCCL, the wait for this all-reduce) were queued before it, so the step
-        # time below is the device's, not the time it took to queue the kernels.
+        # kernels were queued before it, so the step time below is the device's, not the time it
+        # took to queue the kernels.
         loss = float(loss_sum) / self.counted_targets
         step_time = time.perf_counter() - start
         mem = self._memory(activations) if measure else {}  # one more sync, on measured steps only
@@ -175,24 +186,35 @@ class Trainer:
 
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> list[StepResult]:
+        """Train to ``train.steps``, resuming first if the config says so. Raises NonFiniteStop
+        (``train.max_bad_steps`` bad steps in a row) or Preempted (SIGINT / SIGTERM, after saving)."""
         cfg = self.cfg
+        if self.is_main:  # unfinished saves of an earlier attempt: nothing reads them, they take space
+            ckpt.remove_temp_dirs(self.checkpoint_root)
         if cfg.checkpoint.resume != "none":
             self.resume(cfg.checkpoint.resume)
+        elif ckpt.list_checkpoints(self.checkpoint_root):  # a fresh run would rotate them away, or resume them
+            newest = ckpt.list_checkpoints(self.checkpoint_root)[0].name
+            raise ResumeError(f"{self.run_dir} holds checkpoints of a run (newest {newest}): continue it with "
+                              f"checkpoint.resume = 'auto', or use another run directory")
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._run_id = ensure_run_id(self.run_dir)
+            forget_stop(self.run_dir)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
         log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress)
+        scaler = self.engine.scaler
+        bad = BadSteps(cfg.train.max_bad_steps, scaler.min_scale if scaler is not None else None)
         try:
-            while self.step < cfg.train.steps:
-                logged = (self.step + 1) % cfg.logging.log_every == 0 or self.step == 0 \
-                    or self.step + 1 == cfg.train.steps
-                result = self.train_step(measure=logged and cfg.logging.measure_memory)
-                self.history.append(result)
-                if logged:
-                    log.write(result.record())
-                log.advance()
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.save()
+            with SignalWatch(self.mesh.comm("world")) as signals:
+                while self.step < cfg.train.steps:
+                    self._run_step(log, bad)
+                    saved = False
+                    if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                        saved = self._save_unless_bad(bad, log)
+                    signum = signals.agreed(self.device)  # every rank, every boundary: one decision
+                    if signum is not None and self.step < cfg.train.steps:
+                        self._stop_on_signal(signum, saved or self._save_unless_bad(bad, log))
         finally:
             log.close()
         if self.executor is not None and self.history:
@@ -201,6 +223,54 @@ class Trainer:
             self.save()
         self.wait_for_save()
         return self.history
+
+    def _run_step(self, log: MetricsLog, bad: BadSteps) -> None:
+        """One step, logged (always when skipped), and counted by the NaN policy."""
+        cfg = self.cfg
+        logged = (self.step + 1) % cfg.logging.log_every == 0 or self.step == 0 or self.step + 1 == cfg.train.steps
+        scale_before = self.engine.scaler.scale if self.engine.scaler is not None else None
+        result = self.train_step(measure=logged and cfg.logging.measure_memory)
+        self.history.append(result)
+        if logged or result.skipped:
+            log.write(result.record())
+        log.advance()
+        try:
+            note = bad.observe(result.step, result.loss, result.grad_norm, result.skipped, scale_before,
+                               result.loss_scale)
+        except NonFiniteStop as stop:
+            self.wait_for_save()
+            newest = ckpt.list_checkpoints(self.checkpoint_root)
+            where = (f"the newest checkpoint, {newest[0].name}, holds the last finite state" if newest else
+                     "no checkpoint was written")
+            raise self._record(NonFiniteStop(f"{stop}; {where}", stop.step))
+        if note is not None:
+            log.note(f"bigtrain: {note}")
+
+    def _save_unless_bad(self, bad: BadSteps, log: MetricsLog) -> bool:
+        """Save now, unless the last step was a bad one (the newest checkpoint stays the last
+        finite state while a streak lasts); whether a checkpoint was written."""
+        if bad.streak:
+            if bad.streak == 1:
+                log.note(f"bigtrain: step {self.step}: no checkpoint is written until a step is finite again")
+            return False
+        return self.save()
+
+    def _stop_on_signal(self, signum: int, saved: bool) -> None:
+        self.wait_for_save()
+        name = signal_name(signum)
+        if saved:
+            what = (f"saved checkpoint step_{self.step:08d}; continue with bigtrain train --output-dir "
+                    f"{self.run_dir} --resume")
+        else:
+            newest = ckpt.list_checkpoints(self.checkpoint_root)
+            what = f"nothing saved now; the newest checkpoint is {newest[0].name if newest else 'none'}"
+        raise self._record(Preempted(f"stopped by {name} after step {self.step}: {what}", signum))
+
+    def _record(self, stop: NonFiniteStop | Preempted) -> NonFiniteStop | Preempted:
+        """``stop``, recorded in the run directory (the launcher reads its exit code from there)."""
+        if self.is_main:
+            record_stop(self.run_dir, stop.exit_code, str(stop), self.step)
+        return stop
 
     def draw_pipeline(self) -> list[Path]:
         """The last step's measured timeline of every pipeline rank, and the schedule simulated
@@ -226,21 +296,34 @@ class Trainer:
     def checkpoint_root(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def save(self) -> None:
+    @property
+    def run_id(self) -> str | None:
+        """This run's id (recorded in ``run.json`` and in every checkpoint's manifest; rank 0)."""
+        if self._run_id is None and self.is_main:
+            self._run_id = ensure_run_id(self.run_dir)
+        return self._run_id
+
+    def save(self) -> bool:
         """Write checkpoint ``step`` in the sharded format: every rank writes the chunks it owns, in
         parallel (torch.distributed.checkpoint); rank 0 commits it (manifest, checksums, rename)
         once all are written. With ``checkpoint.async`` the chunks are snapshotted here and written
-        in a background thread while training goes on (see :meth:`wait_for_save`)."""
+        in a background thread while training goes on (see :meth:`wait_for_save`). Nothing is
+        written, and False returned, when any rank's weights or optimizer state are not finite."""
         self.wait_for_save()
         background = getattr(self.cfg.checkpoint, "async")
         chunks = self.parallel.owned_chunks(copy=background)
+        if not self._all_finite(chunks):
+            if self.is_main:
+                print(f"bigtrain: step {self.step}: not saving a checkpoint: the weights or optimizer state are "
+                      f"not finite", flush=True)
+            return False
         scaler = self.engine.scaler
         meta = {"format": ckpt.FORMAT, "config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
-                "optimizer": self.engine.optim_spec.name,
+                "optimizer": self.engine.optim_spec.name, "run_id": self.run_id,
                 "loss_scaler": scaler.state_dict() if scaler is not None else None}
         if not background:
             self._write_checkpoint(self.step, chunks, meta, None)
-            return
+            return True
         if self._checkpoint_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             # The background write's collectives get their own group, apart from training's, with
             # the run's timeout (a new group's default is torch's 30 minutes).
@@ -250,21 +333,56 @@ class Trainer:
             self._save_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending_save = self._save_thread.submit(self._write_checkpoint, self.step, chunks, meta,
                                                       self._checkpoint_group)
+        return True
+
+    def _all_finite(self, chunks: list) -> bool:
+        """Whether every rank's chunks (weights, optimizer state) are finite; collective."""
+        finite = [torch.isfinite(c.data).all() for c in chunks if c.data.is_floating_point()]
+        flag = torch.zeros(1, device=self.device)
+        if finite:  # one host sync for all of them
+            flag += (~torch.stack(finite).all()).to(self.device, torch.float32)
+        self.mesh.comm("world").max(flag, tag="checkpoint")
+        return not flag.item()
 
     def _write_checkpoint(self, step: int, chunks: list, meta: dict, group) -> None:
+        """Every rank writes its chunks, rank 0 commits. The ranks agree after each phase whether all
+        succeeded (instead of barriers), so a failure on one rank stops all of them; the partial
+        temporary directory is removed and earlier checkpoints stay as they were."""
         root, keep = self.checkpoint_root, self.cfg.checkpoint.keep
         tmp = ckpt.temp_dir(root, step)
         several = dist.is_initialized() and dist.get_world_size() > 1
-        if self.is_main:
-            root.mkdir(parents=True, exist_ok=True)
-            ckpt.fresh_temp_dir(root, step)
+        # A group of the async write is Gloo (host tensors); the default group may be NCCL.
+        device = torch.device("cpu") if group is not None else self.device
+        error: BaseException | None = None
+        try:
+            if self.is_main:
+                root.mkdir(parents=True, exist_ok=True)
+                ckpt.fresh_temp_dir(root, step)
+        except OSError as e:
+            error = e
         if several:  # DCP's writers create the directory too: they must find rank 0's fresh one, not race it
-            dist.barrier(group)
-        save_chunks(tmp, chunks, group)  # returns once every rank's files and the metadata are written
+            error = _agree(error, group, device, f"rank 0 could not create {tmp}")
+        if error is None:
+            try:
+                save_chunks(tmp, chunks, group)  # returns once every rank's files and the metadata are written
+                if self.is_main:
+                    ckpt.commit_checkpoint(root, step, tmp, meta, keep)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises a BaseException
+                error = e
+            if several:  # every rank sees the committed save, or the failure
+                error = _agree(error, group, device, f"another rank failed to write checkpoint step {step}")
+        if error is None:
+            return
         if self.is_main:
-            ckpt.commit_checkpoint(root, step, tmp, meta, keep)
-        if several:  # every rank sees the committed save
-            dist.barrier(group)
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = [p.name for p in ckpt.list_checkpoints(root)]
+        kept = f"the previous checkpoint {previous[0]} is intact" if previous else "no earlier checkpoint exists"
+        if ckpt.is_disk_full(error):
+            raise ckpt.CheckpointWriteError(f"checkpoint step {step}: no space left on device in {root}; the partial "
+                                            f"save was removed and {kept}; free space or choose another "
+                                            f"--output-dir, then continue with --resume") from error
+        raise ckpt.CheckpointWriteError(f"checkpoint step {step} could not be written to {root} "
+                                        f"({' '.join(str(error).split())[:300]}); {kept}") from error
 
     def wait_for_save(self) -> None:
         """Block until a background checkpoint write is committed (re-raising its error)."""
@@ -273,31 +391,35 @@ class Trainer:
             pending.result()
 
     def resume(self, where: str) -> bool:
+        """Continue from checkpoint ``where`` ('auto': this run's newest that verifies and loads);
+        collective. False when 'auto' finds nothing (a fresh start). See :mod:`bigtrain.checkpoint.resume`."""
         self.wait_for_save()
-        root = self.checkpoint_root if where == "auto" else Path(where)
-        found = ckpt.newest_valid_checkpoint(root)
+        found = resume_checkpoint(self, where, read_run_id(self.run_dir))
         if found is None:
-            if where != "auto":
-                raise FileNotFoundError(f"checkpoint.resume = '{where}': no valid checkpoint there")
             return False
-        path, meta = found
-        if meta.get("format") != ckpt.FORMAT:
-            raise ValueError(f"{path} is an old-format checkpoint ({meta.get('format', 'full tensors in model.pt')}); "
-                             f"this version loads sharded '{ckpt.FORMAT}' checkpoints only: start the run afresh")
-        saved_by, name = meta.get("optimizer"), self.engine.optim_spec.name
-        if saved_by != name:
-            raise ValueError(f"the checkpoint's optimizer state is {saved_by!r}'s but optim.name = '{name}'; "
-                             f"resume with optim.name = '{saved_by}'")
-        self.parallel.load_sharded(path)
-        if self.engine.scaler is not None and meta.get("loss_scaler"):
-            self.engine.scaler.load_state_dict(meta["loss_scaler"])
-        self.step = int(meta["step"])
+        self.step = int(found[1]["step"])
         return True
 
     def summary(self) -> dict:
         return {"params": count_parameters(self.model), "steps": self.step,
                 "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,
                 "mesh": self.mesh.sizes}
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _agree(error: BaseException | None, group, device: torch.device, elsewhere: str) -> BaseException | None:
+    """This rank's ``error``, or one naming ``elsewhere`` if only another rank failed; collective."""
+    failed = torch.tensor([1 if error is not None else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is None and failed.item():
+        return RuntimeError(elsewhere)
+    return error
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

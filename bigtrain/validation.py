@@ -117,6 +117,7 @@ def _check_expert_parallel(cfg: Config) -> list[str]:
 def check_batch(cfg: Config) -> list[str]:
     t, dp = cfg.train, cfg.parallel.dp
     problems = _positive(cfg, ["train.steps", "train.global_batch", "train.micro_batch"])
+    problems += _positive(cfg, ["train.max_bad_steps"])
     if problems or dp <= 0:
         return problems
     if t.global_batch % (t.micro_batch * dp):

@@ -63,6 +63,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "optim.warmup_steps": (0, None), "optim.base_batch": (1, None), "data.seq_len": (1, 65),
     "data.max_bytes": (0, None), "data.ignore_target": (-1, 256), "train.steps": (1, None),
     "train.global_batch": (1, 2**40), "train.micro_batch": (1, 9), "train.seed": (0, SEED_MAX + 1),
+    "train.max_bad_steps": (1, None),
     "checkpoint.every": (0, None), "checkpoint.keep": (1, None), "logging.log_every": (1, None),
 }
 # (low, low inclusive, high, high inclusive)

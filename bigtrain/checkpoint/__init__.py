@@ -1,6 +1,7 @@
 """Checkpoints: sharded (torch.distributed.checkpoint), resharding on load, committed atomically.
 
-- :mod:`.commit`: the commit protocol (temp dir, manifest with checksums, rename, rotation, verify).
+- :mod:`.commit`: the commit protocol (temp dir, checksummed manifest, rename, rotation, verify).
+- :mod:`.compat`: what a checkpoint's config allows a resumed run to change.
 - :mod:`.chunks`: what a rank holds and owns of each parameter, as rectangles of the full tensor.
 - :mod:`.sharded`: DCP planners that write owned chunks and read requested ones, in bounded batches.
 - :mod:`.export`: one consolidated file from a checkpoint, offline.
@@ -8,8 +9,9 @@
 """
 
 from bigtrain.checkpoint.by_name import load_optimizer_state_by_name, optimizer_state_by_name
-from bigtrain.checkpoint.commit import (PREFIX, CorruptCheckpoint, commit_checkpoint, fresh_temp_dir, list_checkpoints,
-                                        load_file, newest_valid_checkpoint, save_checkpoint, temp_dir,
-                                        verify_checkpoint)
+from bigtrain.checkpoint.commit import (PREFIX, CheckpointWriteError, CorruptCheckpoint, commit_checkpoint,
+                                        fresh_temp_dir, is_disk_full, list_checkpoints, load_file,
+                                        newest_valid_checkpoint, read_manifest, remove_temp_dirs, save_checkpoint,
+                                        temp_dir, valid_checkpoints, verify_checkpoint)
 
 FORMAT = "dcp/1"  # meta.json "format" of the sharded checkpoints this version writes and reads

@@ -2,33 +2,78 @@
 
 A checkpoint is a directory ``step_00000010/``. Its files are written into ``step_00000010.tmp``
 (by one process, or by every rank in parallel for the sharded format), flushed to disk; then one
-process writes ``meta.json``, the manifest (step, config, and a SHA-256 of every file), fsyncs it
-and the directory, and renames the directory into place in one step. A crash leaves at worst a
-``.tmp`` directory that loading ignores. Loading verifies the checksums and falls back to the
-next-newest checkpoint, with a warning, when one is corrupt. Rotation keeps the newest K.
+process writes ``meta.json``, the manifest (step, config, the run's id, and a SHA-256 of every
+file), fsyncs it and the directory, and renames the directory into place in one step. A crash
+leaves at worst a ``.tmp`` directory that loading ignores and the next run removes
+(:func:`remove_temp_dirs`). Rotation keeps the newest K.
+
+The manifest is trusted no more than the files: it carries a checksum of itself (so an edited step
+or a deleted checksum map is found), may name only the files this code writes (no ``..``, no
+absolute path, no subfolder), and every file is opened as a regular file, never through a link, a
+FIFO or a device (``/dev/zero`` listed in it would be read forever). Only ``step_<digits>``
+folders are checkpoints: a stray ``step_latest`` is ignored by listing and by rotation.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 PREFIX = "step_"
+MANIFEST = "meta.json"
+_CHECKPOINT_NAME = re.compile(r"step_(\d+)")
+_TEMP_NAME = re.compile(r"step_\d+\.tmp.*")
+# What a checkpoint may hold: DCP's metadata and per-rank files, and the small torch.save files of
+# :func:`save_checkpoint`. One path component each: nothing outside the checkpoint can be named.
+_KNOWN_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|[A-Za-z0-9_-]+\.pt")
+_MANIFEST_MAX_BYTES = 64 << 20  # a manifest is config + checksums: kilobytes; refuse a runaway file
+
+
+class CorruptCheckpoint(RuntimeError):
+    pass
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, say); the partial one was removed (exit 1)."""
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file, without following a link and
+    without blocking on a FIFO (``O_NONBLOCK``); raises CorruptCheckpoint otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{path.parent}: missing {path.name}") from None
+    except OSError as e:  # ELOOP: a symbolic link
+        raise CorruptCheckpoint(f"{path.parent}: {path.name} cannot be opened as a plain file ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpoint(f"{path.parent}: {path.name} is not a regular file (a FIFO, device or socket)")
+    return fd
 
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(_open_regular(path), "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _manifest_digest(meta: dict[str, Any]) -> str:
+    """The checksum of a manifest's content (everything but the checksum itself)."""
+    body = {k: v for k, v in meta.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,12 +84,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The step a checkpoint folder's name says (None for any other name)."""
+    match = _CHECKPOINT_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
 def list_checkpoints(root: Path) -> list[Path]:
-    """Finished checkpoints under ``root``, newest first."""
+    """Finished checkpoints under ``root`` (folders named ``step_<digits>``), newest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and ".tmp" not in p.name]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    return sorted(found, key=checkpoint_step, reverse=True)
 
 
 def temp_dir(root: Path, step: int) -> Path:
@@ -61,17 +112,58 @@ def fresh_temp_dir(root: Path, step: int) -> Path:
     return tmp
 
 
+def remove_temp_dirs(root: Path) -> list[str]:
+    """Remove the ``step_*.tmp*`` folders that crashed or interrupted saves left under ``root``
+    (they can hold a whole checkpoint's bytes, and after a full disk keep it full); their names."""
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in root.iterdir():
+        if _TEMP_NAME.fullmatch(path.name):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return sorted(removed)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it, or a rank's failure inside DCP's CheckpointException)
+    is an OSError for a full disk or quota."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return False
+
+
 def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], keep: int) -> Path:
-    """Checksum every file under ``tmp``, write and fsync the manifest ``meta.json``, rename ``tmp``
-    to ``step_<step>`` and keep the newest ``keep`` checkpoints. Call once every file is written."""
+    """Checksum every file under ``tmp``, write and fsync the manifest ``meta.json`` (itself
+    checksummed), rename ``tmp`` to ``step_<step>`` and keep the newest ``keep`` checkpoints. Call
+    once every file is written."""
     checksums = {}
     for path in sorted(tmp.rglob("*")):
         if path.is_file():
+            name = str(path.relative_to(tmp))
+            if not _KNOWN_FILE.fullmatch(name):
+                raise ValueError(f"checkpoint {step}: unexpected file {name!r} in {tmp}; the manifest lists "
+                                 f"only DCP's files and *.pt")
             with open(path, "rb") as f:  # written by other processes: make sure they are on disk
                 os.fsync(f.fileno())
-            checksums[str(path.relative_to(tmp))] = _sha256(path)
-    with open(tmp / "meta.json", "w") as f:
-        json.dump({**meta, "step": step, "sha256": checksums}, f, indent=1)
+            checksums[name] = _sha256(path)
+    manifest = {**meta, "step": step, "sha256": checksums}
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
@@ -98,34 +190,69 @@ def save_checkpoint(root: Path, step: int, files: dict[str, Any], meta: dict[str
     return commit_checkpoint(root, step, tmp, meta, keep)
 
 
-class CorruptCheckpoint(RuntimeError):
-    pass
-
-
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint's meta after checking every file's checksum; raises CorruptCheckpoint."""
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``meta.json`` after checking it: a regular file, its own checksum, a checksum
+    map naming only files a checkpoint holds, and the step its folder's name says."""
+    fd = _open_regular(path / MANIFEST)
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(_MANIFEST_MAX_BYTES + 1)
+    if len(text) > _MANIFEST_MAX_BYTES:
+        raise CorruptCheckpoint(f"{path}: {MANIFEST} is larger than {_MANIFEST_MAX_BYTES >> 20} MiB")
     try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"{path}: unreadable meta.json ({e})") from None
-    for name, expected in meta.get("sha256", {}).items():
-        file = path / name
-        if not file.exists():
-            raise CorruptCheckpoint(f"{path}: missing {name}")
-        if _sha256(file) != expected:
-            raise CorruptCheckpoint(f"{path}: checksum mismatch in {name}")
+        meta = json.loads(text)
+    except ValueError as e:
+        raise CorruptCheckpoint(f"{path}: unreadable {MANIFEST} ({e})") from None
+    if not isinstance(meta, dict) or "manifest_sha256" not in meta:
+        raise CorruptCheckpoint(f"{path}: {MANIFEST} has no manifest checksum (edited, or written by an older "
+                                f"bigtrain)")
+    if meta["manifest_sha256"] != _manifest_digest(meta):
+        raise CorruptCheckpoint(f"{path}: {MANIFEST} was modified after it was written (its checksum does not match)")
+    checksums = meta.get("sha256")
+    if not isinstance(checksums, dict) or not checksums:
+        raise CorruptCheckpoint(f"{path}: {MANIFEST} lists no file checksums")
+    for name, digest in checksums.items():
+        if not isinstance(name, str) or not _KNOWN_FILE.fullmatch(name) or not isinstance(digest, str):
+            raise CorruptCheckpoint(f"{path}: {MANIFEST} lists {name!r}, which is not a checkpoint file's name")
+    named = checkpoint_step(path)
+    if not isinstance(meta.get("step"), int) or (named is not None and meta["step"] != named):
+        raise CorruptCheckpoint(f"{path}: {MANIFEST} says step {meta.get('step')!r} but the folder is step {named}")
     return meta
 
 
-def newest_valid_checkpoint(root_or_path: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies (a path to one checkpoint is checked as it is)."""
-    candidates = [root_or_path] if (root_or_path / "meta.json").exists() else list_checkpoints(root_or_path)
-    for path in candidates:
+def verify_checkpoint(path: Path, files: bool = True) -> dict[str, Any]:
+    """The checkpoint's manifest after checking it and (``files``) every file's checksum; raises
+    CorruptCheckpoint."""
+    meta = read_manifest(path)
+    if files:
+        for name, expected in meta["sha256"].items():
+            if _sha256(path / name) != expected:
+                raise CorruptCheckpoint(f"{path}: checksum mismatch in {name}")
+    return meta
+
+
+def valid_checkpoints(root_or_path: Path, run_id: str | None = None, files: bool = True
+                      ) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The checkpoints that verify, newest first (a path to one checkpoint is checked as it is),
+    each with its manifest; corrupt ones, and ones another run wrote (``run_id`` given, and their
+    manifest names another), are skipped with a warning."""
+    root_or_path = Path(root_or_path)
+    one = os.path.lexists(root_or_path / MANIFEST)
+    for path in [root_or_path] if one else list_checkpoints(root_or_path):
         try:
-            return path, verify_checkpoint(path)
+            meta = verify_checkpoint(path, files)
         except CorruptCheckpoint as e:
             warnings.warn(f"skipping corrupt checkpoint: {e}", stacklevel=2)
-    return None
+            continue
+        if run_id is not None and meta.get("run_id") not in (None, run_id):
+            warnings.warn(f"skipping checkpoint {path}: written by another run (run id {meta['run_id']}, "
+                          f"this run is {run_id})", stacklevel=2)
+            continue
+        yield path, meta
+
+
+def newest_valid_checkpoint(root_or_path: Path, run_id: str | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies (see :func:`valid_checkpoints`)."""
+    return next(valid_checkpoints(root_or_path, run_id), None)
 
 
 def load_file(path: Path, name: str) -> Any:

@@ -87,4 +87,23 @@ def launch_local(nproc: int, argv: list[str]) -> int:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "bigtrain", *argv]
-    return subprocess.call(cmd, env=env)
+    return wait_for_ranks(subprocess.Popen(cmd, env=env))
+
+
+def wait_for_ranks(proc: subprocess.Popen) -> int:
+    """Wait for torchrun while the ranks save on a signal (bigtrain.preemption): SIGTERM to this
+    process is passed on to torchrun, which passes it to the ranks; a Ctrl-C reached the ranks from
+    the terminal already, so this process keeps waiting (``subprocess.call`` would SIGKILL torchrun
+    and return while the ranks still write their checkpoint)."""
+    import signal
+
+    def forward(signum, frame):
+        if signum == signal.SIGTERM:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)

@@ -54,10 +54,16 @@ class ReplicatedEngine:
         the index of its first element in the parameter (0): as :meth:`ZeroEngine.grad_piece`."""
         return self._named[name].grad, 0
 
-    def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
+    def step(self, lr: float, max_norm: float, skip: torch.Tensor | None = None) -> tuple[float, bool]:
+        """Clip and update; returns (grad norm, skipped). A non-finite norm, or a non-zero ``skip``
+        (a flag every rank shares, e.g. a non-finite loss), skips the update on every rank."""
         grads = [p.grad for p in self.dp.params]
         parts = square_sums((p.grad for p in self._in_norm), grads[0].device)
-        norm, _ = global_norm(parts, self.placements.comm(NORM_AXIS))
+        if skip is not None:
+            parts[1] += skip
+        norm, found_inf = global_norm(parts, self.placements.comm(NORM_AXIS))
+        if found_inf:  # summed over every rank: every replica sees the same flag
+            return norm, True
         clip_(grads, norm, max_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -256,8 +256,9 @@ class ZeroEngine:
         raise KeyError(f"no parameter named {name!r} in this engine")
 
     # -- the step --------------------------------------------------------------------------------
-    def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
-        """Unscale, check for overflow, clip and update; returns (grad norm, skipped)."""
+    def step(self, lr: float, max_norm: float, skip: torch.Tensor | None = None) -> tuple[float, bool]:
+        """Unscale, check for overflow, clip and update; returns (grad norm, skipped). A non-zero
+        ``skip`` (a flag every rank shares, e.g. a non-finite loss) skips like an overflow."""
         self._drop_gathered()
         grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
         if self.scaler is not None:
@@ -265,6 +266,8 @@ class ZeroEngine:
         counted = self.placements.counted_in_norm
         parts = square_sums((grad[a:b] for unit, grad in zip(self.units, grads)
                              for slot, a, b in unit.shard_slot_ranges() if counted(slot.name)), self.device)
+        if skip is not None:
+            parts[1] += skip
         # Summed over every rank: all agree on the norm and on skipping.
         norm, found_inf = global_norm(parts, self.placements.comm(NORM_AXIS))
         if self.scaler is not None:

@@ -1,0 +1,82 @@
+"""What a resumed run may change of the run that wrote its checkpoint.
+
+A checkpoint's manifest holds the whole config it was written under. A resumed run compares its
+own config with it, field by field:
+
+- the fields that give the parameters their shapes (and the model its meaning): a checkpoint of
+  another architecture cannot serve the run. Loading by name would fill what matches and drop or
+  leave the rest (a 4-layer checkpoint "loaded" into 2 layers): an error naming each field.
+- the data, the learning-rate schedule and the optimizer's settings: the checkpoint serves, but the
+  run no longer continues the loss curve it was on. A warning naming each field and what changes.
+- the layout (parallel.*), precision, logging, checkpointing, timeouts: free; checkpoints reshard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from bigtrain.config import Config, ModelConfig
+
+# The model's parameter shapes (compared on effective values: ffn_hidden 0 means a computed size).
+SHAPE_FIELDS = ("model.name", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
+                "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings")
+CHANGES = {
+    "model.rope_theta": "the positional encoding the weights were trained with",
+    "model.norm_eps": "the normalization the weights were trained with",
+    "model.max_seq_len": "the rotary tables",
+    "data.source": "the data the run trains on",
+    "data.seq_len": "the sequences the run trains on (and the activations' shapes)",
+    "data.max_bytes": "the corpus the run samples from",
+    "data.ignore_target": "which targets count in the loss",
+    "train.seed": "the order of the data from here on",
+    "train.global_batch": "the data per step and the learning rate's meaning",
+    "train.steps": "the learning-rate schedule: its cosine decay ends at the new step count",
+    "optim.lr": "the learning-rate schedule",
+    "optim.min_lr_ratio": "the learning-rate schedule",
+    "optim.warmup_steps": "the learning-rate schedule",
+    "optim.lr_scaling": "the learning-rate schedule",
+    "optim.base_batch": "the learning-rate schedule (with optim.lr_scaling)",
+    "optim.weight_decay": "the optimizer's update",
+    "optim.beta1": "the optimizer's update",
+    "optim.beta2": "the optimizer's update",
+    "optim.eps": "the optimizer's update",
+    "optim.grad_clip": "the optimizer's update",
+}
+
+
+def _model(values: dict[str, Any]) -> ModelConfig:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def _effective(section: str, name: str, values: dict[str, Any]) -> Any:
+    if section == "model" and name in ("n_kv_heads", "ffn_hidden"):
+        model = _model(values)
+        return model.kv_heads if name == "n_kv_heads" else model.ffn_dim
+    return values.get(name)
+
+
+def compare_configs(saved: dict[str, dict[str, Any]], run: Config, where: str) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for resuming ``run`` from a checkpoint written under config ``saved``
+    (a ``Config.to_dict()``); ``where`` names the checkpoint in the messages."""
+    current = run.to_dict()
+    errors, changes = [], []
+    for dotted in SHAPE_FIELDS:
+        section, name = dotted.split(".")
+        before = _effective(section, name, saved.get(section, {}))
+        after = _effective(section, name, current[section])
+        if before != after:
+            errors.append(f"{dotted} = {after!r}, but the checkpoint {where} was written with {dotted} = {before!r}")
+    for dotted, what in CHANGES.items():
+        section, name = dotted.split(".")
+        if name not in saved.get(section, {}):
+            continue  # a field newer than the checkpoint: nothing to compare
+        before, after = saved[section][name], current[section][name]
+        if before != after:
+            changes.append(f"{dotted} = {after!r} differs from the checkpoint's {before!r}: this changes {what}")
+    if errors:
+        errors.append("a checkpoint of another model cannot serve this run: resume with the run's own model "
+                      "settings (bigtrain train --output-dir RUN --resume reads RUN/config.toml), or start a "
+                      "new run in another --output-dir")
+    return errors, changes

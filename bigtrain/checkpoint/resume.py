@@ -1,0 +1,119 @@
+"""Resuming on every rank: pick the checkpoint, check it against the run, load it, agree.
+
+Every rank walks the valid checkpoints newest first (each verifies the manifest and checksums
+itself). Before loading one, the ranks all-gather its step: ranks that see different checkpoints
+(no shared filesystem, a copy that lags) would otherwise train on from different steps, so a
+mismatch stops every rank naming each one's step. A checkpoint that verifies but fails to load on
+any rank (a truncated shard whose manifest was rewritten, a DCP file of another model) is given up
+by all ranks together, with a warning, for the next older one. With ``'auto'`` and no checkpoint at
+all the run starts fresh; with checkpoints none of which serves, or an explicit path that does not,
+it stops (a half-loaded model must not train).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from bigtrain.checkpoint.commit import list_checkpoints, valid_checkpoints
+from bigtrain.checkpoint.compat import compare_configs
+from bigtrain.distributed.comm import CollectiveError
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot serve the run, nothing to resume from, ranks that disagree, or a fresh
+    run in a directory that holds another's checkpoints (exit 1)."""
+
+
+def agree_on_step(world, step: int, device: torch.device | str) -> None:
+    """Raise on every rank, naming each rank's step, unless all ranks pass the same ``step``."""
+    if world.size == 1:
+        return
+    mine = torch.tensor([step], dtype=torch.int64, device=device)
+    everyone = torch.empty(world.size, dtype=torch.int64, device=device)
+    world.all_gather(everyone, mine, tag="resume_step")
+    steps = everyone.tolist()
+    if len(set(steps)) > 1:
+        seen = ", ".join(f"rank {r}: {f'step {s}' if s >= 0 else 'none'}" for r, s in enumerate(steps))
+        raise ResumeError(f"the ranks found different checkpoints to resume from ({seen}); every rank must see the "
+                          f"same run directory (a shared filesystem), or give checkpoint.resume one checkpoint's "
+                          f"path that every rank can read")
+
+
+def _all_loaded(world, ok: bool, device) -> bool:
+    if world.size == 1:
+        return ok
+    failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    world.max(failed, tag="resume_load")
+    return not int(failed.item())
+
+
+def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, dict[str, Any]] | None:
+    """Load the checkpoint ``where`` names ('auto': the newest of this run's) into ``trainer``'s
+    model, optimizer and loss scaler, collectively; its (path, manifest), or None for a fresh start."""
+    world, device = trainer.mesh.comm("world"), trainer.device
+    source = trainer.checkpoint_root if where == "auto" else Path(where)
+    candidates = valid_checkpoints(source, run_id if where == "auto" else None)
+    tried = []
+    while True:
+        found = next(candidates, None)
+        agree_on_step(world, int(found[1]["step"]) if found else -1, device)
+        if found is None:
+            break
+        path, meta = found
+        _check_serves(trainer, path, meta)
+        try:
+            trainer.parallel.load_sharded(path)
+            error = None
+        except CollectiveError:
+            raise
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises a BaseException
+            error = " ".join(str(e).split())[:400]
+            tried.append(f"{path.name}: {error}")
+            _finish_like_the_others(trainer.engine)
+        if _all_loaded(world, error is None, device):
+            if trainer.engine.scaler is not None and meta.get("loss_scaler"):
+                trainer.engine.scaler.load_state_dict(meta["loss_scaler"])
+            return path, meta
+        warnings.warn(f"checkpoint {path} verifies but failed to load ({error or 'on another rank'}); "
+                      f"falling back to the previous one", stacklevel=2)
+    if where == "auto" and not tried and not list_checkpoints(source):
+        return None
+    if tried:
+        raise ResumeError(f"checkpoint.resume = '{where}': no checkpoint under {source} loads ({'; '.join(tried)}); "
+                          f"remove the broken ones to start afresh, or give checkpoint.resume a good one's path")
+    raise ResumeError(f"checkpoint.resume = '{where}': {source} holds no checkpoint that verifies (see the warnings "
+                      f"above); remove the broken ones to start afresh, or give checkpoint.resume a good one's path")
+
+
+def _finish_like_the_others(engine) -> None:
+    """A load ends with a collective on the ranks where it succeeded (ZeRO 1-2 gather the loaded
+    masters into the compute weights); a rank whose load stopped early takes part in it too, so
+    that all ranks meet in the agreement that follows rather than wait in different collectives.
+    What it gathers is discarded: the next checkpoint is loaded over it."""
+    refresh = getattr(engine, "refresh_compute_weights", None)
+    if refresh is not None:
+        refresh()
+
+
+def _check_serves(trainer, path: Path, meta: dict[str, Any]) -> None:
+    """The format, optimizer and model must match (an error); data and schedule changes warn (rank 0)."""
+    from bigtrain import checkpoint as ckpt
+
+    if meta.get("format") != ckpt.FORMAT:
+        raise ResumeError(f"{path} is an old-format checkpoint ({meta.get('format', 'full tensors in model.pt')}); "
+                         f"this version loads sharded '{ckpt.FORMAT}' checkpoints only: start the run afresh")
+    saved_by, name = meta.get("optimizer"), trainer.engine.optim_spec.name
+    if saved_by != name:
+        raise ResumeError(f"the checkpoint's optimizer state is {saved_by!r}'s but optim.name = '{name}'; "
+                         f"resume with optim.name = '{saved_by}'")
+    errors, changes = compare_configs(meta.get("config", {}), trainer.cfg, path.name)
+    if errors:
+        raise ResumeError("; ".join(errors))
+    if trainer.is_main:
+        for text in changes:
+            warnings.warn(f"resuming from {path.name}: {text}", stacklevel=3)

@@ -1,0 +1,160 @@
+"""A run directory's identity and records: which run it holds, and why that run stopped.
+
+A run gets an id when it starts (``run.json``, written by rank 0) and every checkpoint's manifest
+carries it, so resuming never picks up another run's checkpoints. ``bigtrain train`` refuses an
+``--output-dir`` that holds a run unless it continues that run (``--resume``, or
+``checkpoint.resume = 'auto'``: what a restarted rank runs) or ``--overwrite`` replaces it.
+
+``stopped.json`` records a run that stopped on purpose with an exit code of its own (the NaN
+policy's 3, a signal's 128 + N): torchrun reports any failing rank as 1, so the process that
+launched the ranks reads the code from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from bigtrain.checkpoint.commit import list_checkpoints
+
+RUN_FILE = "run.json"
+STOP_FILE = "stopped.json"
+# What a run writes into its directory (and --overwrite removes); anything else is left alone.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "config.toml", RUN_FILE, STOP_FILE, "summary.json", "report.md",
+               "report.json", "loss.png", "timeline_measured.png", "timeline_simulated.png")
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """Written whole or not at all: another rank may read it at any moment."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        if not path.is_file():
+            return None
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_run_id(run_dir: Path) -> str | None:
+    value = (_read_json(Path(run_dir) / RUN_FILE) or {}).get("run_id")
+    return value if isinstance(value, str) else None
+
+
+def ensure_run_id(run_dir: Path) -> str:
+    """The run's id, made and recorded now if the directory has none (rank 0 only)."""
+    run_dir = Path(run_dir)
+    found = read_run_id(run_dir)
+    if found is not None:
+        return found
+    run_id = uuid.uuid4().hex[:16]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(run_dir / RUN_FILE, {"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return run_id
+
+
+def held_run(run_dir: Path) -> str | None:
+    """A description of the run ``run_dir`` holds (its checkpoints or metrics), None if it holds
+    none. A config.toml alone is not a run: the launcher writes it for the ranks it starts."""
+    run_dir = Path(run_dir)
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    metrics = run_dir / "metrics.jsonl"
+    has_metrics = metrics.is_file() and metrics.stat().st_size > 0
+    if not checkpoints and not has_metrics:
+        return None
+    parts = [f"run id {read_run_id(run_dir) or 'unknown'}"]
+    if checkpoints:
+        parts.append(f"checkpoints {', '.join(p.name for p in checkpoints[:3])}" + (", ..." if len(checkpoints) > 3
+                                                                                   else ""))
+    if has_metrics:
+        parts.append("metrics.jsonl")
+    return "; ".join(parts)
+
+
+def clear_run(run_dir: Path) -> list[str]:
+    """Remove what a run wrote into ``run_dir`` (``--overwrite``); other files stay. The names removed."""
+    removed = []
+    for name in RUN_OUTPUTS:
+        path = Path(run_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def record_stop(run_dir: Path, exit_code: int, message: str, step: int) -> None:
+    _write_json(Path(run_dir) / STOP_FILE, {"exit_code": exit_code, "step": step, "message": message})
+
+
+def recorded_exit_code(run_dir: Path) -> int | None:
+    code = (_read_json(Path(run_dir) / STOP_FILE) or {}).get("exit_code")
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def forget_stop(run_dir: Path) -> None:
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+
+
+def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) -> None:
+    """Before launch: may this run write into ``run_dir``, and can what it resumes from serve it?
+    Raises a ConfigError naming the flag or field and the fix.
+
+    Continuing the run the directory holds is the accepted path: ``--resume``, or
+    ``checkpoint.resume = 'auto'`` (a restarted rank: ``train --config RUN/config.toml
+    --output-dir RUN`` with resume 'auto'). A fresh start, or one from another run's checkpoint
+    path, into a directory that holds a run is refused without ``--overwrite``.
+    """
+    import warnings
+
+    from bigtrain.checkpoint.commit import valid_checkpoints
+    from bigtrain.checkpoint.compat import compare_configs
+    from bigtrain.config import ConfigError
+
+    run_dir = Path(run_dir)
+    resume = cfg.checkpoint.resume
+    if explicit_resume and overwrite:
+        raise ConfigError("--resume continues the run in --output-dir and --overwrite replaces it: give one of them")
+    root = run_dir / "checkpoints"
+    source = root if resume == "auto" else Path(resume) if resume != "none" else None
+    continuing = resume == "auto" or (source is not None and _inside(source, root))
+    held = held_run(run_dir)
+    if held is not None and not continuing and not overwrite:
+        raise ConfigError(f"--output-dir = '{run_dir}' holds a run ({held}); continue it with --resume, choose "
+                          f"another --output-dir, or pass --overwrite to replace it")
+    if source is None or (overwrite and continuing):  # what it would continue is about to be removed
+        return
+    with warnings.catch_warnings(record=True) as skipped:
+        warnings.simplefilter("always")
+        found = next(valid_checkpoints(source, read_run_id(run_dir) if continuing else None, files=False), None)
+    if found is None:
+        if explicit_resume or resume != "auto" or list_checkpoints(source):
+            why = "; ".join(str(w.message) for w in skipped) or f"no checkpoint under {source}"
+            flag = "--resume" if explicit_resume else f"checkpoint.resume = '{resume}'"
+            raise ConfigError(f"{flag}: nothing valid to resume from in '{source}' ({why}); give "
+                              f"checkpoint.resume the path of a good checkpoint, or start a new run (another "
+                              f"--output-dir, or --overwrite)")
+        return  # 'auto' with nothing saved yet: a fresh start (a first launch, or a restart before any save)
+    path, meta = found
+    errors, _ = compare_configs(meta.get("config", {}), cfg, path.name)
+    if errors:
+        raise ConfigError(errors)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except (OSError, ValueError):
+        return False
