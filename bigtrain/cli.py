@@ -19,6 +19,7 @@ from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
 WORLD_SIZE_MAX = 2**20  # --world-size for --parallel auto; the planner enumerates the divisors of it
+MAX_RESTARTS_MAX = 10_000  # --max-restarts: a bound that still reads as a number of failures, not an accident
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--parallel", choices=["auto"], help="let the planner choose the layout")
             p.add_argument("--world-size", type=int, help="ranks to plan for with --parallel auto "
                                                           "(default: the launcher's, else 1)")
+            p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                           help="after a rank fails, restart all ranks up to N times (torchrun elastic); "
+                                "each restart resumes from the run directory's newest checkpoint (default 0)")
     from bigtrain.check.cli import add_check_parser
     from bigtrain.plan.cli import add_bench_parser, add_plan_parser
 
@@ -72,6 +76,7 @@ def _run_dir(args: argparse.Namespace) -> Path:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
+    from bigtrain.distributed.elastic import elastic_warnings, restart_round, resume_after_restart
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
     from bigtrain.preflight import check_environment, print_warnings
 
@@ -80,6 +85,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--world-size = {args.world_size}: must be between 1 and {WORLD_SIZE_MAX}")
     if args.output_dir is not None and not args.output_dir.strip():
         raise ConfigError("--output-dir is empty; give a folder, or leave the flag out for runs/<preset>-<time>")
+    check_max_restarts(args.max_restarts)
     cfg = _resolve(args, overrides)
     if args.parallel == "auto":
         from bigtrain.plan.auto import auto_overrides
@@ -89,17 +95,40 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = _resolve(args, chosen + overrides)  # what the user set explicitly still wins
     validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
     run_dir = _run_dir(args)
-    print_warnings(env_warnings + check_inputs(cfg, run_dir, "--output-dir"))
-    if cfg.parallel.world_size > 1 and not launched_externally():
+    if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
+        cfg.checkpoint.resume = resume_after_restart(cfg.checkpoint.resume, run_dir)
+    print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
+                   + check_inputs(cfg, run_dir, "--output-dir"))
+    if (cfg.parallel.world_size > 1 or args.max_restarts) and not launched_externally():
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = run_dir / "config.toml"
         resolved.write_text(to_toml(cfg))
-        print(f"bigtrain: starting {cfg.parallel.world_size} ranks with torchrun; run directory {run_dir}")
-        code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)])
+        restarts = f", restarted up to {args.max_restarts} times after a failure" if args.max_restarts else ""
+        print(f"bigtrain: starting {cfg.parallel.world_size} ranks with torchrun{restarts}; run directory {run_dir}")
+        code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)],
+                            max_restarts=args.max_restarts)
         if code != 0:
             print(f"bigtrain: the ranks exited with status {code}; see the messages above", file=sys.stderr)
         return code
     return _run_rank(cfg, run_dir)
+
+
+def check_max_restarts(max_restarts: int) -> None:
+    """``--max-restarts`` is for the launcher we start; inside someone else's, theirs decides."""
+    from bigtrain.distributed.launch import launched_externally
+
+    if not 0 <= max_restarts <= MAX_RESTARTS_MAX:
+        raise ConfigError(f"--max-restarts = {max_restarts}: must be between 0 and {MAX_RESTARTS_MAX}")
+    if max_restarts and launched_externally():
+        raise ConfigError(f"--max-restarts = {max_restarts}, but a launcher (torchrun?) already started this rank "
+                          f"and its own restart setting applies; pass --max-restarts to the launcher instead")
+
+
+def restart_warnings(cfg: Config, max_restarts: int) -> list[str]:
+    if max_restarts and not cfg.checkpoint.every:
+        return [f"--max-restarts = {max_restarts} with checkpoint.every = 0: a restarted run has no checkpoint "
+                f"to resume from and starts again at step 0; set checkpoint.every"]
+    return []
 
 
 def check_inputs(cfg: Config, output_dir: str | Path, output_name: str) -> list[str]:
