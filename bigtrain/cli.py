@@ -76,7 +76,7 @@ def _run_dir(args: argparse.Namespace) -> Path:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from bigtrain.distributed.elastic import elastic_warnings, restart_round, resume_after_restart
+    from bigtrain.distributed.elastic import elastic_warnings, restart_notice, restart_round, resume_after_restart
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
     from bigtrain.preflight import check_environment, print_warnings
 
@@ -97,13 +97,16 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir = _run_dir(args)
     if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
         cfg.checkpoint.resume = resume_after_restart(cfg.checkpoint.resume, run_dir)
+        if notice := restart_notice(cfg.checkpoint.resume, run_dir):
+            print(notice, file=sys.stderr)
     print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
                    + check_inputs(cfg, run_dir, "--output-dir"))
     if (cfg.parallel.world_size > 1 or args.max_restarts) and not launched_externally():
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = run_dir / "config.toml"
         resolved.write_text(to_toml(cfg))
-        restarts = f", restarted up to {args.max_restarts} times after a failure" if args.max_restarts else ""
+        times = f"{args.max_restarts} time{'s' if args.max_restarts > 1 else ''}"
+        restarts = f", restarted up to {times} after a failure" if args.max_restarts else ""
         print(f"bigtrain: starting {cfg.parallel.world_size} ranks with torchrun{restarts}; run directory {run_dir}")
         code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)],
                             max_restarts=args.max_restarts)

@@ -155,6 +155,16 @@ def test_a_restarted_round_resumes_the_runs_newest_checkpoint(tmp_path, monkeypa
     assert elastic.resume_after_restart("/elsewhere/step_00000100", tmp_path) == "auto"
 
 
+def test_a_restart_is_announced_once_by_rank_0(tmp_path):
+    env = {"TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "3", "RANK": "0"}
+    assert elastic.restart_notice("auto", tmp_path, env) == (
+        f"bigtrain: the launcher restarted the ranks after a failure (restart 2 of 3); resuming from the "
+        f"newest valid checkpoint in {tmp_path / 'checkpoints'}")
+    assert "resuming from '/a/step_00000100'" in elastic.restart_notice("/a/step_00000100", tmp_path, env)
+    assert elastic.restart_notice("auto", tmp_path, {**env, "RANK": "1"}) is None
+    assert elastic.restart_notice("auto", tmp_path, {**env, "TORCHELASTIC_RESTART_COUNT": "0"}) is None
+
+
 # -- the flag --------------------------------------------------------------------------------------------
 def _train(corpus_cache, out, *extra):
     return ["train", "--preset", "tiny", "--output-dir", str(out), "--logging.progress=false",
@@ -274,6 +284,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_losses_match(corpus_cache, t
         if job.poll() is None:  # a failed assertion: leave nothing running
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+    assert "the launcher restarted the ranks after a failure (restart 1 of 1)" in log.read_text()
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed] == list(range(STEPS)), "steps logged twice or lost across the restart"
     # It resumed rather than starting over: the steps before the newest checkpoint at the kill were

@@ -75,6 +75,15 @@ def elastic_warnings(env: Mapping[str, str] = os.environ) -> list[str]:
     return []
 
 
+def restart_notice(resume: str, run_dir: Path, env: Mapping[str, str] = os.environ) -> str | None:
+    """The line rank 0 prints when a restarted round begins: a restart is never silent."""
+    if restart_round(env) == 0 or env.get("RANK", "0") != "0":
+        return None
+    where = f"the newest valid checkpoint in {run_dir / 'checkpoints'}" if resume == "auto" else f"'{resume}'"
+    return (f"bigtrain: the launcher restarted the ranks after a failure (restart {restart_round(env)} of "
+            f"{env.get('TORCHELASTIC_MAX_RESTARTS', '?')}); resuming from {where}")
+
+
 def resume_after_restart(resume: str, run_dir: Path) -> str:
     """``checkpoint.resume`` for a restarted round: the run directory's newest checkpoint.
 
