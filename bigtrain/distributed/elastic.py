@@ -34,7 +34,7 @@ def restart_round(env: Mapping[str, str] = os.environ) -> int:
 
 
 def shares_agent_store(env: Mapping[str, str] = os.environ) -> bool:
-    """True when torchrun hands its ranks its own rendezvous TCPStore (the default of torch >= 2.4)."""
+    """True when torchrun hands its ranks its own rendezvous TCPStore (its default since pytorch#128096, 2024)."""
     return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
