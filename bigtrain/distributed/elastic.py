@@ -45,8 +45,10 @@ def round_store(world_size: int, timeout: timedelta, env: Mapping[str, str] = os
     on the same ``MASTER_PORT``, for every restart round. ``init_process_group`` names its keys the
     same way in every round, and a read of a key returns the value already there: a restarted rank
     that reads a peer's address before that peer has written it this round gets the address its
-    killed predecessor left, and Gloo's connectFullMesh dials a port nobody listens on (``Connection
-    refused``). Torch's ranks add no per-round prefix under a shared store (its rendezvous handler
+    killed predecessor left. Gloo picks the side of a pair that dials by comparing the two
+    addresses, so that rank either dials a port nobody listens on (``connectFullMesh ... Connection
+    refused``) or waits to be dialled by a peer that, comparing the true addresses, may wait too (a
+    hang for the group's timeout); NCCL would read a stale unique id the same way. Torch's ranks add no per-round prefix under a shared store (its rendezvous handler
     assumes a fresh store per round, which the agent no longer makes). So each round gets its own
     key space here.
 

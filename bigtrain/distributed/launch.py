@@ -72,7 +72,7 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 600.0) -> 
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        store = round_store(world, timeout)  # None: torch's env:// store, fresh in every round
+        store = round_store(world, timeout)  # None: torch's own env:// store
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store, **extra)
     return RankInfo(rank, world, local_rank, device)
 
