@@ -107,7 +107,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         resolved.write_text(to_toml(cfg))
         times = f"{args.max_restarts} time{'s' if args.max_restarts > 1 else ''}"
         restarts = f", restarted up to {times} after a failure" if args.max_restarts else ""
-        print(f"bigtrain: starting {cfg.parallel.world_size} ranks with torchrun{restarts}; run directory {run_dir}")
+        ranks = f"{cfg.parallel.world_size} rank{'s' if cfg.parallel.world_size > 1 else ''}"
+        print(f"bigtrain: starting {ranks} with torchrun{restarts}; run directory {run_dir}")
         code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)],
                             max_restarts=args.max_restarts)
         if code != 0:
