@@ -41,18 +41,27 @@ def _env() -> dict[str, str]:
 
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """A job in its own session (killable as a whole), its output in a file (no pipe to fill while we poll)."""
+    """A job, its output in a file (no pipe to fill while we poll)."""
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """Kill a job and every process under it: torchrun starts each rank in a session of its own."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def _finish(proc: subprocess.Popen, log: Path, what: str) -> None:
-    """Wait for a job; on a timeout kill its session and say so, with the end of its output."""
+    """Wait for a job; on a timeout kill it and say so, with the end of its output."""
     try:
         proc.wait(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill_job(proc)
         pytest.fail(f"{what} did not finish within {RUN_TIMEOUT_S} s; its output ends:\n{log.read_text()[-4000:]}")
     assert proc.returncode == 0, f"{what} exited with {proc.returncode}; its output ends:\n{log.read_text()[-4000:]}"
 
@@ -282,8 +291,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_losses_match(corpus_cache, t
         _finish(job, log, f"the run whose rank 1 was SIGKILLed after {len(before_kill)} logged steps")
     finally:
         if job.poll() is None:  # a failed assertion: leave nothing running
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+            _kill_job(job)
     assert "the launcher restarted the ranks after a failure (restart 1 of 1)" in log.read_text()
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed] == list(range(STEPS)), "steps logged twice or lost across the restart"
