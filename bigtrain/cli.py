@@ -19,6 +19,7 @@ from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
 WORLD_SIZE_MAX = 2**20  # --world-size for --parallel auto; the planner enumerates the divisors of it
+MAX_RESTARTS_MAX = 10_000  # --max-restarts: a bound that still reads as a number of failures, not an accident
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--parallel", choices=["auto"], help="let the planner choose the layout")
             p.add_argument("--world-size", type=int, help="ranks to plan for with --parallel auto "
                                                           "(default: the launcher's, else 1)")
+            p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                           help="after a rank fails, restart all ranks up to N times (torchrun elastic); "
+                                "each restart resumes from the run directory's newest checkpoint (default 0)")
     from bigtrain.check.cli import add_check_parser
     from bigtrain.plan.cli import add_bench_parser, add_plan_parser
 
@@ -92,6 +96,7 @@ def _run_dir(args: argparse.Namespace) -> Path:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
+    from bigtrain.distributed.elastic import elastic_warnings, restart_notice, restart_round, resume_after_restart
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
     from bigtrain.preflight import check_environment, print_warnings
     from bigtrain.run_dir import check_run_dir, clear_run, forget_stop, recorded_exit_code
@@ -101,6 +106,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--world-size = {args.world_size}: must be between 1 and {WORLD_SIZE_MAX}")
     if args.output_dir is not None and not args.output_dir.strip():
         raise ConfigError("--output-dir is empty; give a folder, or leave the flag out for runs/<preset>-<time>")
+    check_max_restarts(args.max_restarts)
     cfg = _resolve(args, overrides)
     if args.parallel == "auto":
         from bigtrain.plan.auto import auto_overrides
@@ -110,23 +116,57 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = _resolve(args, chosen + overrides)  # what the user set explicitly still wins
     validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
     run_dir = _run_dir(args)
-    print_warnings(env_warnings + check_inputs(cfg, run_dir, "--output-dir"))
+    if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
+        if (stopped := recorded_exit_code(run_dir)) is not None:
+            # The previous round stopped on purpose (the NaN policy, a signal): torchrun restarts on
+            # any failure, but going on would only repeat the stop. Leave at once with its code.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"bigtrain: not resuming after the restart: the previous round stopped on purpose with "
+                      f"exit code {stopped} ({run_dir / 'stopped.json'})", file=sys.stderr)
+            return stopped
+        cfg.checkpoint.resume = resume_after_restart(cfg.checkpoint.resume, run_dir)
+        if notice := restart_notice(cfg.checkpoint.resume, run_dir):
+            print(notice, file=sys.stderr)
+    print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
+                   + check_inputs(cfg, run_dir, "--output-dir"))
     check_run_dir(cfg, run_dir, args.resume, args.overwrite)
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
         clear_run(run_dir)
-    if cfg.parallel.world_size > 1 and not launched_externally():
+    if (cfg.parallel.world_size > 1 or args.max_restarts) and not launched_externally():
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = run_dir / "config.toml"
         resolved.write_text(to_toml(cfg))
         forget_stop(run_dir)
-        print(f"bigtrain: starting {cfg.parallel.world_size} ranks with torchrun; run directory {run_dir}")
-        code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)])
+        times = f"{args.max_restarts} time{'s' if args.max_restarts > 1 else ''}"
+        restarts = f", restarted up to {times} after a failure" if args.max_restarts else ""
+        ranks = f"{cfg.parallel.world_size} rank{'s' if cfg.parallel.world_size > 1 else ''}"
+        print(f"bigtrain: starting {ranks} with torchrun{restarts}; run directory {run_dir}")
+        code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)],
+                            max_restarts=args.max_restarts)
         if code != 0:
             # torchrun reports any failed rank as 1: a run that stopped on purpose recorded its own code.
             code = recorded_exit_code(run_dir) or code
             print(f"bigtrain: the ranks exited with status {code}; see the messages above", file=sys.stderr)
         return code
     return _run_rank(cfg, run_dir)
+
+
+def check_max_restarts(max_restarts: int) -> None:
+    """``--max-restarts`` is for the launcher we start; inside someone else's, theirs decides."""
+    from bigtrain.distributed.launch import launched_externally
+
+    if not 0 <= max_restarts <= MAX_RESTARTS_MAX:
+        raise ConfigError(f"--max-restarts = {max_restarts}: must be between 0 and {MAX_RESTARTS_MAX}")
+    if max_restarts and launched_externally():
+        raise ConfigError(f"--max-restarts = {max_restarts}, but a launcher (torchrun?) already started this rank "
+                          f"and its own restart setting applies; pass --max-restarts to the launcher instead")
+
+
+def restart_warnings(cfg: Config, max_restarts: int) -> list[str]:
+    if max_restarts and not cfg.checkpoint.every:
+        return [f"--max-restarts = {max_restarts} with checkpoint.every = 0: a restarted run has no checkpoint "
+                f"to resume from and starts again at step 0; set checkpoint.every"]
+    return []
 
 
 def check_inputs(cfg: Config, output_dir: str | Path, output_name: str) -> list[str]:

@@ -170,12 +170,17 @@ def test_a_diverging_run_stops_with_exit_3_and_keeps_the_last_finite_checkpoint(
 
 
 @pytest.mark.slow
-def test_two_ranks_through_torchrun_stop_with_exit_3(corpus_cache, tmp_path):
+@pytest.mark.parametrize("restarts", [[], ["--max-restarts", "1"]])
+def test_two_ranks_through_torchrun_stop_with_exit_3(corpus_cache, tmp_path, restarts):
+    """Through torchrun (which exits 1 for any failed rank) the launcher still exits 3; under
+    --max-restarts the restarted round sees the recorded stop and leaves instead of diverging again."""
     cmd = [sys.executable, "-m", "bigtrain", *_args(corpus_cache, tmp_path, "--train.steps=40", "--parallel.dp=2",
-                                                    "--parallel.zero=1", "--checkpoint.every=1", "--optim.lr=1e6")]
+                                                    "--parallel.zero=1", "--checkpoint.every=1", "--optim.lr=1e6",
+                                                    *restarts)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 3, done.stderr[-3000:]
     assert done.stderr.count("stopped at step") == 1  # rank 0 says it once
+    assert done.stderr.count("not resuming after the restart") == (1 if restarts else 0), done.stderr[-3000:]
     _assert_stopped_with_last_finite_checkpoint(tmp_path)
 
 

@@ -81,7 +81,7 @@ def _patched(started: list[str]):
     saved = (cli._run_rank, check_cli._check_rank, launch.launch_local, launch.init_distributed)
     cli._run_rank = lambda cfg, run_dir: started.append("rank") or 0
     check_cli._check_rank = lambda cfg, out, steps: started.append("check rank") or 0
-    launch.launch_local = lambda nproc, argv: started.append(f"torchrun x {nproc}") or 0
+    launch.launch_local = lambda nproc, argv, **_: started.append(f"torchrun x {nproc}") or 0
     launch.init_distributed = lambda *a, **k: started.append("init_distributed")
     try:
         yield

@@ -1,8 +1,9 @@
 """Starting ranks: our own torchrun on one machine, or joining a user's torchrun.
 
 ``bigtrain train`` re-executes itself under ``torch.distributed.run --standalone`` when the
-layout needs more than one rank and it is not already inside a launcher. Inside one (ours or a
-user's multi-node torchrun) each rank calls :func:`init_distributed`. Gloo on CPU, NCCL on CUDA.
+layout needs more than one rank (or restarts, ``--max-restarts``) and it is not already inside a
+launcher. Inside one (ours or a user's multi-node torchrun) each rank calls :func:`init_distributed`.
+Gloo on CPU, NCCL on CUDA. What a restarted round needs is in :mod:`bigtrain.distributed.elastic`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from bigtrain.distributed.elastic import round_store
 
 
 @dataclass
@@ -68,7 +71,9 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 600.0) -> 
         extra["device_id"] = device
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **extra)
+        timeout = timedelta(seconds=timeout_s)
+        store = round_store(world, timeout)  # None: torch's own env:// store
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store, **extra)
     return RankInfo(rank, world, local_rank, device)
 
 
@@ -77,16 +82,23 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
+def torchrun_command(nproc: int, max_restarts: int = 0) -> list[str]:
+    """torchrun on this machine, up to its entry point (one agent: restart rounds count the same on every rank)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}"]
+
+
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """Run ``python -m bigtrain <argv>`` under torchrun with ``nproc`` ranks on this machine.
 
-    CPU ranks share the cores: each gets an equal share of threads so they do not oversubscribe.
+    With ``max_restarts`` the agent restarts the whole group (the same command) up to that many
+    times after a rank fails. CPU ranks share the cores: each gets an equal share of threads so they
+    do not oversubscribe.
     """
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "bigtrain", *argv]
+    cmd = [*torchrun_command(nproc, max_restarts), "-m", "bigtrain", *argv]
     return wait_for_ranks(subprocess.Popen(cmd, env=env))
 
 
