@@ -52,10 +52,14 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     report = sub.add_parser("report", help="write report.md and loss.png for a run directory")
     report.add_argument("run_dir")
-    export = sub.add_parser("export", help="write the newest checkpoint's weights as one safetensors file "
-                                           "(a .pt file without the optional safetensors package)")
+    export = sub.add_parser("export", help="write the newest checkpoint's weights: one safetensors file, or a "
+                                           "Hugging Face Llama folder (--format hf)")
     export.add_argument("run_dir", help="a run directory, its checkpoints/, or one checkpoint")
-    export.add_argument("out", help="the file to write, e.g. model.safetensors")
+    export.add_argument("out", help="the file to write (model.safetensors), or with --format hf the folder")
+    export.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                        help="'safetensors': one file of bigtrain's weights by name (default); 'hf': config.json "
+                             "and model.safetensors that transformers' LlamaForCausalLM.from_pretrained loads, "
+                             "and model.init_from = 'hf:OUT' starts a run from")
     export.set_defaults(run=cmd_export)
     sub.add_parser("presets", help="list the shipped presets")
     sub.add_parser("fields", help="list every config field with its help")
@@ -69,9 +73,26 @@ def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
     else:
         preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
         cfg = load_config(preset=preset, path=args.config, overrides=overrides)
+        if architecture := init_from_architecture(cfg):  # the folder's shape, under what the user set
+            cfg = load_config(preset=preset, path=args.config, overrides=architecture + list(overrides))
     if resume:
         cfg.checkpoint.resume = "auto"
     return cfg
+
+
+def init_from_architecture(cfg: Config) -> list[str]:
+    """``model.init_from = "hf:PATH"``: the [model] fields of PATH/config.json as overrides (the
+    model's shape is the folder's, whatever the preset says); [] without one."""
+    from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, read_hf_config
+
+    folder = hf_folder(cfg.model.init_from)
+    if folder is None or not folder.is_dir():
+        return []  # validation names the problem
+    try:
+        values = model_values(read_hf_config(folder), str(folder))
+    except HFFormatError as e:
+        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}") from None
+    return [f"--model.{k}={v}" for k, v in values.items()]
 
 
 def _run_config(args: argparse.Namespace) -> Path:
@@ -241,8 +262,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bigtrain.checkpoint.export import export
 
     try:
-        path, kind = export(Path(args.run_dir), Path(args.out))
-    except (FileNotFoundError, ValueError) as e:
+        path, kind = export(Path(args.run_dir), Path(args.out), args.format)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"bigtrain export: {e}", file=sys.stderr)
         return 1
     if kind == "torch":

@@ -56,6 +56,9 @@ class ModelConfig:
     norm_eps: float = doc("RMSNorm epsilon.", 1e-5)
     tie_embeddings: bool = doc("Share the input embedding with the output projection.", False)
     init_std: float = doc("Standard deviation of the normal weight init.", 0.02)
+    init_from: str = doc("Start from existing weights instead of a random init: 'hf:PATH', a local Hugging Face "
+                         "Llama folder (config.json, *.safetensors; `bigtrain export --format hf` writes one). "
+                         "`bigtrain train` takes the [model] shape from its config.json. '' for a random init.", "")
 
     @property
     def kv_heads(self) -> int:

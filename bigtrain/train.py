@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from bigtrain import checkpoint as ckpt
+from bigtrain.checkpoint.hf import initial_weights
 from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
@@ -71,7 +72,8 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, mesh: Mesh, device: torch.device | str = "cpu"):
         self.cfg, self.run_dir, self.mesh, self.device = cfg, Path(run_dir), mesh, torch.device(device)
         self.is_main = mesh.rank == 0
-        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg), self.device)
+        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg), self.device,
+                                    init_fn=initial_weights(cfg.model))
         self.model, self.engine = self.parallel.model, self.parallel.engine
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
         self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),

@@ -68,7 +68,26 @@ def check_model(cfg: Config) -> list[str]:
     if m.n_heads % m.kv_heads:
         problems.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}; "
                         f"e.g. {_divisor_near(m.n_heads, m.kv_heads)}")
-    return problems
+    return problems + check_init_from(m)
+
+
+def check_init_from(m) -> list[str]:
+    """``model.init_from``: '' or a local Hugging Face folder whose architecture is the model's."""
+    from bigtrain.checkpoint.hf import HFFormatError, architecture_problems, hf_folder
+
+    if not m.init_from:
+        return []
+    folder = hf_folder(m.init_from)
+    if folder is None:
+        return [f"model.init_from = {m.init_from!r}: write 'hf:PATH' (a local Hugging Face Llama folder), "
+                f"or '' for a random init"]
+    if not folder.is_dir():
+        return [f"model.init_from = {m.init_from!r}: {folder} is not a folder; give the folder that holds "
+                f"config.json and model.safetensors (bigtrain export RUN OUT --format hf writes one)"]
+    try:
+        return architecture_problems(m, folder)
+    except HFFormatError as e:
+        return [f"model.init_from = {m.init_from!r}: {e}"]
 
 
 def _divisor_near(n: int, target: int, search: int = 100_000) -> int:

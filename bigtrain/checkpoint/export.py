@@ -1,4 +1,6 @@
-"""``bigtrain export RUN_DIR OUT``: one consolidated file of the newest valid checkpoint's weights.
+"""``bigtrain export RUN_DIR OUT [--format safetensors|hf]``: the newest valid checkpoint's weights,
+consolidated: one file (``safetensors``, the default), or a Hugging Face Llama folder (``hf``,
+:mod:`bigtrain.checkpoint.hf`) that ``LlamaForCausalLM.from_pretrained`` loads.
 
 Offline and for models that fit in one process's memory: each parameter is read whole from the
 sharded checkpoint (whatever layout wrote it) under its canonical name, a tied weight once (as
@@ -30,11 +32,17 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def export(run_dir: Path, out: Path) -> tuple[Path, str]:
+FORMATS = ("safetensors", "hf")
+
+
+def export(run_dir: Path, out: Path, fmt: str = "safetensors") -> tuple[Path, str]:
     """Write the weights of the newest valid checkpoint under ``run_dir`` (a run directory, its
-    ``checkpoints/``, or one checkpoint) to ``out``; returns (the path written, 'safetensors' or 'torch')."""
+    ``checkpoints/``, or one checkpoint) to ``out``; returns (the path written, 'safetensors', 'torch'
+    or 'hf')."""
     from bigtrain.checkpoint import FORMAT
 
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r}: must be one of {', '.join(FORMATS)}")
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
     found = newest_valid_checkpoint(root)
@@ -44,6 +52,10 @@ def export(run_dir: Path, out: Path) -> tuple[Path, str]:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is an old-format checkpoint; export reads sharded '{FORMAT}' checkpoints")
     weights = checkpoint_weights(path)
+    if fmt == "hf":
+        from bigtrain.checkpoint.hf import model_config, save_hf
+
+        return save_hf(weights, model_config(meta["config"]["model"]), out), "hf"
     info = {"step": str(meta["step"]), "source": str(path), "format": FORMAT}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,218 @@
+"""The Hugging Face Llama format: a folder with ``config.json`` and ``model.safetensors`` that
+``transformers.LlamaForCausalLM.from_pretrained`` reads, written from bigtrain's weights and read
+back into them (``model.init_from = "hf:PATH"``). No network, and no ``transformers`` import: the
+format is plain JSON and safetensors.
+
+Two conventions differ. Names: ``layers.0.attention.wq.weight`` is
+``model.layers.0.self_attn.q_proj.weight`` and so on (:data:`LAYER_NAMES`). Rotary pairs: bigtrain
+rotates interleaved pairs (x[2i], x[2i+1]) of each head (Meta's original Llama); Hugging Face
+rotates halves (x[i], x[i + head_dim/2]). The same model in the other convention has the rows of
+each head of wq and wk reordered: even rows first, then odd ones (:func:`to_rotate_half`). The
+reordering is a permutation, so export then import gives back the very same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from bigtrain.config import ModelConfig
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+# bigtrain name inside a block -> Hugging Face name inside ``model.layers.N``.
+LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+
+
+class HFFormatError(ValueError):
+    """A folder that is not a Llama model bigtrain can load; the message says what differs."""
+
+
+def hf_name(name: str) -> str:
+    """bigtrain's canonical parameter name -> the Hugging Face Llama name."""
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    raise HFFormatError(f"parameter '{name}' has no Hugging Face Llama counterpart")
+
+
+def to_rotate_half(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of wq / wk from interleaved rotary pairs to rotate-half order, per head."""
+    rows, cols = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def from_rotate_half(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of :func:`to_rotate_half`."""
+    rows, cols = weight.shape
+    return weight.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _rotary_heads(name: str, cfg: ModelConfig) -> int | None:
+    """Heads whose rotary pairs a weight's rows hold (None for weights rotary does not touch)."""
+    if name.endswith("attention.wq.weight"):
+        return cfg.n_heads
+    if name.endswith("attention.wk.weight"):
+        return cfg.kv_heads
+    return None
+
+
+def model_config(values: dict) -> ModelConfig:
+    """The ModelConfig a checkpoint's manifest recorded (fields newer than it keep their defaults)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """``config.json`` for ``cfg``: every field LlamaConfig needs, nothing run-specific (so the same
+    weights always give the same file)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "initializer_range": cfg.init_std,
+        # Byte-level vocabularies have no special tokens.
+        "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32",
+    }
+
+
+def to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """bigtrain's full weights by canonical name -> Hugging Face's (a tied head written once, as the
+    embedding, which is what ``tie_word_embeddings`` loads)."""
+    out = {}
+    for name, tensor in weights.items():
+        if name == "output.weight" and cfg.tie_embeddings:
+            continue
+        heads = _rotary_heads(name, cfg)
+        out[hf_name(name)] = (to_rotate_half(tensor, heads) if heads else tensor).contiguous()
+    return out
+
+
+def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: Path) -> Path:
+    """Write the folder ``out`` (config.json, model.safetensors); returns it."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ValueError("--format hf writes safetensors: pip install safetensors") from None
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; --format hf writes a folder: give a folder name")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2, sort_keys=True) + "\n")
+    save_file(to_hf(weights, cfg), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out
+
+
+# -- import -----------------------------------------------------------------------------------
+def read_hf_config(folder: str | Path) -> dict:
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise HFFormatError(f"{folder} is not a Hugging Face model folder: {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise HFFormatError(f"{path} is not valid JSON: {e}") from None
+
+
+def model_values(hf: dict, where: str) -> dict[str, object]:
+    """The ``[model]`` fields a Hugging Face Llama ``config.json`` sets; raises HFFormatError for
+    what bigtrain's Llama does not have (biases, other activations, rope scaling)."""
+    problems = []
+    if hf.get("model_type", "llama") != "llama":
+        problems.append(f"model_type = {hf.get('model_type')!r}, not 'llama'")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act = {hf['hidden_act']!r}; bigtrain's MLP is SwiGLU ('silu')")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            problems.append(f"{key} = true; bigtrain's Llama has no biases")
+    if hf.get("rope_scaling"):
+        problems.append(f"rope_scaling = {hf['rope_scaling']!r}; bigtrain supports plain rotary embeddings only")
+    heads = hf.get("num_attention_heads", 0)
+    if heads and hf.get("head_dim") not in (None, hf.get("hidden_size", 0) // heads):
+        problems.append(f"head_dim = {hf['head_dim']} is not hidden_size / num_attention_heads")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in hf]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if problems:
+        raise HFFormatError(f"{where}: cannot load into bigtrain's Llama: {'; '.join(problems)}")
+    return {"name": "llama", "vocab_size": hf["vocab_size"], "dim": hf["hidden_size"],
+            "n_layers": hf["num_hidden_layers"], "n_heads": heads,
+            "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
+            "max_seq_len": hf.get("max_position_embeddings", 2048), "rope_theta": float(hf.get("rope_theta", 1e4)),
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings"))}
+
+
+def hf_folder(init_from: str) -> Path | None:
+    """The folder of ``model.init_from = "hf:PATH"`` (None when it names none)."""
+    return Path(init_from[3:]).expanduser() if init_from.startswith("hf:") else None
+
+
+def architecture_problems(cfg: ModelConfig, folder: Path) -> list[str]:
+    """How ``cfg`` differs from the folder's architecture, each with the override that fixes it."""
+    values = model_values(read_hf_config(folder), str(folder / CONFIG_FILE))
+    return [f"model.{k} = {getattr(cfg, k)!r}, but model.init_from's {folder / CONFIG_FILE} has {v!r}; "
+            f"set --model.{k}={v} (or leave the [model] section to the folder)"
+            for k, v in values.items() if getattr(cfg, k) != v and not (k == "n_kv_heads" and cfg.kv_heads == v)
+            and not (k == "ffn_hidden" and cfg.ffn_dim == v)]
+
+
+class HFWeights:
+    """Initial values from a Hugging Face folder, by bigtrain name: what ``parallelize`` cuts each
+    rank's shard from (``init_fn``). Tensors are read one at a time, lazily, from the mapped file."""
+
+    def __init__(self, folder: str | Path, cfg: ModelConfig):
+        from safetensors import safe_open
+
+        self.folder, self.cfg = Path(folder), cfg
+        problems = architecture_problems(cfg, self.folder)
+        if problems:
+            raise HFFormatError("; ".join(problems))
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise HFFormatError(f"{self.folder} holds no .safetensors file (only safetensors weights are read)")
+        self._where = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                self._where.update({k: f for k in handle.keys()})
+
+    def __call__(self, name: str, shape: tuple) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name == "output.weight" and self.cfg.tie_embeddings:
+            name = "tok_embeddings.weight"
+        key = hf_name(name)
+        if key not in self._where:
+            raise HFFormatError(f"{self.folder}: no tensor '{key}' (bigtrain's '{name}')")
+        with safe_open(str(self._where[key]), framework="pt") as handle:
+            tensor = handle.get_tensor(key).float()
+        if tuple(tensor.shape) != tuple(shape):
+            raise HFFormatError(f"{self.folder}: '{key}' has shape {tuple(tensor.shape)}, the model needs {tuple(shape)}")
+        heads = _rotary_heads(name, self.cfg)
+        return from_rotate_half(tensor, heads).contiguous() if heads else tensor
+
+
+def initial_weights(cfg: ModelConfig) -> HFWeights | None:
+    """``parallelize``'s ``init_fn`` for ``model.init_from`` (None: the model's own random init)."""
+    folder = hf_folder(cfg.init_from)
+    return HFWeights(folder, cfg) if folder is not None else None

@@ -1,0 +1,90 @@
+"""Hugging Face interop: ``bigtrain export --format hf`` loads in transformers' LlamaForCausalLM with
+the same logits, and ``model.init_from = "hf:PATH"`` reads it back bit for bit. Offline: the
+transformers model is built from the exported local folder, never downloaded."""
+
+import json
+
+import pytest
+import torch
+
+from bigtrain.checkpoint.export import checkpoint_weights
+from bigtrain.checkpoint.hf import from_rotate_half, to_rotate_half
+from bigtrain.cli import main
+from bigtrain.config import ConfigError
+from bigtrain.models.llama import build_model
+from bigtrain.testing import run_ranks
+from bigtrain.validation import validate
+from tests.helpers import run_steps, tiny_config, trainer_on_rank
+
+
+def _train_and_save(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    run_steps(trainer, 2)
+    trainer.save()
+
+
+def _bigtrain_logits(run_dir, cfg, tokens):
+    model = build_model(cfg.model, device="cpu")
+    model.init_buffers()
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    model.load_state_dict(checkpoint_weights(newest), strict=False)  # a tied head is the embedding
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_rotate_half_permutation_is_inverted_exactly():
+    w = torch.randn(2 * 8, 5)
+    assert torch.equal(from_rotate_half(to_rotate_half(w, 2), 2), w)
+    # Head 0's interleaved pairs (rows 0,1), (2,3), ... become (0, 4), (1, 5), ...: evens first.
+    assert to_rotate_half(torch.arange(8.0)[:, None], 1).flatten().tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+@pytest.mark.parametrize("tp, tied", [(2, False), (1, True)])
+def test_exported_folder_gives_llama_for_causal_lm_the_same_logits(corpus_cache, tmp_path, tp, tied):
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_config(corpus_cache, f"--parallel.tp={tp}", f"--model.tie_embeddings={tied}")
+    run_ranks(_train_and_save, tp, cfg, str(tmp_path / "run"))
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--format", "hf"]) == 0
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
+    assert hf.config.tie_word_embeddings is tied and hf.config.num_key_value_heads == 2
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    ours = _bigtrain_logits(tmp_path / "run", cfg, tokens)
+    assert (theirs - ours).abs().max().item() < 1e-5
+
+
+def test_init_from_then_export_round_trips_bit_for_bit(corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache)
+    run_ranks(_train_and_save, 1, cfg, str(tmp_path / "run"))
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "a"), "--format", "hf"]) == 0
+
+    imported = tiny_config(corpus_cache, f"--model.init_from=hf:{tmp_path / 'a'}", "--parallel.tp=2")
+    run_ranks(lambda rank, world, c, d: trainer_on_rank(rank, world, c, d).save(), 2, imported,
+              str(tmp_path / "imported"))
+    assert main(["export", str(tmp_path / "imported"), str(tmp_path / "b"), "--format", "hf"]) == 0
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_train_takes_the_model_shape_from_the_folder(corpus_cache, tmp_path, capsys):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    hf = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
+    (folder / "config.json").write_text(json.dumps(hf))
+    assert main(["config", "--preset", "tiny", f"--model.init_from=hf:{folder}"]) == 0
+    out = capsys.readouterr().out
+    assert "dim = 32" in out and "n_layers = 1" in out and "ffn_hidden = 64" in out
+
+    (folder / "config.json").write_text(json.dumps({**hf, "mlp_bias": True}))
+    assert main(["config", "--preset", "tiny", f"--model.init_from=hf:{folder}"]) == 2
+    assert "mlp_bias = true; bigtrain's Llama has no biases" in capsys.readouterr().err
+
+
+def test_init_from_problems_name_the_field_and_the_fix(corpus_cache, tmp_path):
+    with pytest.raises(ConfigError, match=r"model.init_from = 'runs/x': write 'hf:PATH'"):
+        validate(tiny_config(corpus_cache, "--model.init_from=runs/x"))
+    with pytest.raises(ConfigError, match="is not a folder"):
+        validate(tiny_config(corpus_cache, f"--model.init_from=hf:{tmp_path / 'missing'}"))
