@@ -94,9 +94,10 @@ class MoEStats:
     """What one MoE block saw since the last reset, summed over forwards (detached, this rank only)."""
 
     def __init__(self, num_experts: int):
-        self.load = torch.zeros(num_experts, dtype=torch.float64)  # routings per expert (before drops)
-        self.dropped = torch.zeros((), dtype=torch.float64)  # routings past capacity
-        self.aux = torch.zeros((), dtype=torch.float64)  # sum over sequences of the balance loss
+        # On the CPU whatever the default device (the model is built on meta); moved where first added to.
+        self.load = torch.zeros(num_experts, dtype=torch.float64, device="cpu")  # routings per expert, before drops
+        self.dropped = torch.zeros((), dtype=torch.float64, device="cpu")  # routings past capacity
+        self.aux = torch.zeros((), dtype=torch.float64, device="cpu")  # sum over sequences of the balance loss
         self.sequences = 0
 
     def add(self, load: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor, sequences: int) -> None:
