@@ -59,6 +59,20 @@ class ModelConfig:
     init_from: str = doc("Start from existing weights instead of a random init: 'hf:PATH', a local Hugging Face "
                          "Llama folder (config.json, *.safetensors; `bigtrain export --format hf` writes one). "
                          "`bigtrain train` takes the [model] shape from its config.json. '' for a random init.", "")
+    moe_experts: int = doc("Mixture of experts: experts E per MoE block; 0 keeps every block dense.", 0)
+    moe_top_k: int = doc("MoE: experts each token is routed to (1 = Switch, 2 = Mixtral); <= moe_experts.", 2)
+    moe_every: int = doc("MoE: every k-th block is an MoE block (blocks k-1, 2k-1, ...; 1 = all of them).", 1)
+    moe_capacity_factor: float = doc("MoE: capacity per expert and sequence = ceil(factor x seq x top_k / E); "
+                                     "routings past it are dropped (first choices before second ones, earlier "
+                                     "tokens first). 0 = dropless.", 0.0)
+    moe_aux_loss_coef: float = doc("MoE: weight of the Switch load-balancing loss E sum_e f_e P_e, computed per "
+                                   "sequence and averaged over the global batch (router 'softmax' only).", 0.01)
+    moe_router: str = doc("MoE router: 'softmax' (top-k of softmax scores, aux loss) or 'sigmoid-bias' "
+                          "(aux-loss-free: a per-expert bias, updated outside the gradient after each step, "
+                          "steers selection towards under-loaded experts).", "softmax")
+    moe_ffn_hidden: int = doc("MoE: each expert's SwiGLU inner size; 0 means the dense ffn size.", 0)
+    moe_shared_expert: bool = doc("MoE: add a dense shared expert (a SwiGLU of the expert size) every token goes "
+                                  "through.", False)
 
     @property
     def kv_heads(self) -> int:
@@ -73,6 +87,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_dim
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` (from 0) has experts: every ``moe_every``-th one, counting from 1."""
+        return self.moe_experts > 0 and (index + 1) % max(1, self.moe_every) == 0
 
 
 @dataclass
@@ -92,7 +114,10 @@ class ParallelConfig:
     sequence_parallel: bool = doc("Megatron sequence parallelism on the tp axis: norms and residuals on "
                                   "sequence shards, all-gather / reduce-scatter instead of all-reduce.", False)
     ep: int = doc("Expert-parallel degree: experts are sharded over ep adjacent ranks of the dp x sp replicas "
-                  "(ep divides dp x sp and adds no ranks). Needs a mixture-of-experts model: keep 1 for now.", 1)
+                  "(ep divides dp x sp and adds no ranks; model.moe_experts divisible by ep). Tokens reach their "
+                  "experts by all-to-all.", 1)
+    moe_grouped_mm: bool = doc("Run each rank's experts with torch._grouped_mm (one grouped GEMM; CPU and "
+                               "CUDA sm90+) instead of a loop over experts.", False)
     zero: int = doc("ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state), 2 (+ gradients), "
                     "3 (+ parameters).", 0)
     bucket_mb: float = doc("Gradient all-reduce bucket size in MiB (stage 0 in fp32).", 25.0)

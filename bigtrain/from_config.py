@@ -8,8 +8,8 @@ so the same steps run on a user's model without a Config.
 from __future__ import annotations
 
 from bigtrain.config import Config
-from bigtrain.parallel.parallel_plan import (CheckpointingPlan, EnginePlan, LossScaling, ParallelPlan, PipelinePlan,
-                                             TensorParallelPlan)
+from bigtrain.parallel.parallel_plan import (CheckpointingPlan, EnginePlan, ExpertPlan, LossScaling, ParallelPlan,
+                                             PipelinePlan, TensorParallelPlan)
 from bigtrain.precision import Precision
 
 
@@ -19,6 +19,7 @@ def parallel_plan(cfg: Config) -> ParallelPlan:
     return ParallelPlan(
         optim=cfg.optim,
         tensor=TensorParallelPlan(sequence_parallel=p.sequence_parallel),
+        experts=ExpertPlan(grouped_mm=p.moe_grouped_mm),
         checkpointing=CheckpointingPlan(cfg.memory.checkpointing, cfg.memory.checkpoint_every),
         pipeline=PipelinePlan(cfg.train.grad_accum(p.dp), p.pp_schedule, p.pp_virtual, p.pp_balance, split_points),
         engine=EnginePlan(p.zero, Precision.from_config(precision),

@@ -38,6 +38,7 @@ from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.draw import draw_timeline
 from bigtrain.parallel.pipeline.executor import PipelineExecutor, align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
+from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 from bigtrain.parallel.build import parallelize
 from bigtrain.preemption import Preempted, SignalWatch
 from bigtrain.run_dir import ensure_run_id, forget_stop, read_run_id, record_stop
@@ -58,6 +59,7 @@ class StepResult:
     comm_ops: dict[str, dict[str, float]] = field(default_factory=dict)
     skipped: bool = False
     loss_scale: float | None = None
+    moe: dict[str, dict] = field(default_factory=dict)  # per MoE block: expert load, dropped routings, aux loss
 
     def record(self) -> dict:
         out = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
@@ -65,6 +67,8 @@ class StepResult:
                "mem": self.mem, "comm": self.comm, "comm_ops": self.comm_ops, "skipped": self.skipped}
         if self.loss_scale is not None:
             out["loss_scale"] = self.loss_scale
+        if self.moe:
+            out["moe"] = self.moe
         return out
 
 
@@ -75,6 +79,7 @@ class Trainer:
         self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg), self.device,
                                     init_fn=initial_weights(cfg.model))
         self.model, self.engine = self.parallel.model, self.parallel.engine
+        set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
         self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),
                                     cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target)
@@ -166,6 +171,7 @@ class Trainer:
         self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
         veto = (~torch.isfinite(loss_sum)).float()
         grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip, skip=veto)  # host sync 1: norm, skip
+        moe = update_router_biases(self.model, self.parallel.grad_comm)  # the replicas' loads summed
         traffic = self.mesh.stats.since(before)
         # Host sync 2, the step's last: on CUDA it waits for the current stream, where the optimizer's
         # kernels were queued before it, so the step time below is the device's, not the time it
@@ -177,7 +183,7 @@ class Trainer:
         self.step += 1
         scaler = self.engine.scaler
         return StepResult(step, loss, grad_norm, lr, step_time, self.global_tokens, mem, traffic.by_axis(),
-                          traffic.by_op(), skipped, scaler.scale if scaler is not None else None)
+                          traffic.by_op(), skipped, scaler.scale if scaler is not None else None, moe)
 
     def _memory(self, activations: int) -> dict[str, int]:
         states = self.engine.state_bytes()

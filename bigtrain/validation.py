@@ -21,7 +21,7 @@ REDUCE_DTYPES = ("auto", "fp32")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 MODELS = ("llama",)
-MOE_MODELS: tuple[str, ...] = ()  # models with experts, which expert parallelism shards; none yet
+MOE_ROUTERS = ("softmax", "sigmoid-bias")  # bigtrain.models.moe.ROUTERS (this module imports no torch)
 
 Rule = Callable[[Config], list[str]]
 
@@ -126,10 +126,46 @@ def _check_expert_parallel(cfg: Config) -> list[str]:
         problems.append(f"parallel.ep = {p.ep} does not divide {over} = {value}: experts are sharded over ep of "
                         f"the data-parallel ranks (ep adds no ranks); use parallel.ep = "
                         f"{_divisor_near(replicas, p.ep)} or make {over} a multiple of {p.ep}")
-    if p.ep > 1 and cfg.model.name not in MOE_MODELS:
+    experts = cfg.model.moe_experts
+    if p.ep > 1 and experts <= 0:
         problems.append(f"parallel.ep = {p.ep}: expert parallelism needs a mixture-of-experts model, and "
-                        f"model.name = '{cfg.model.name}' is dense (MoE models land with the MoE issue); "
-                        f"set parallel.ep = 1")
+                        f"model.moe_experts = {experts} makes every block dense; set model.moe_experts to a "
+                        f"multiple of {p.ep} (e.g. {2 * p.ep}) or parallel.ep = 1")
+    elif p.ep > 1 and experts % p.ep:
+        problems.append(f"parallel.ep = {p.ep} does not divide model.moe_experts = {experts}: each ep rank holds "
+                        f"E / ep whole experts (ep is the number of ranks the experts are spread over, not the "
+                        f"number of experts); use parallel.ep = {_divisor_near(experts, p.ep)} or "
+                        f"model.moe_experts = {-(-experts // p.ep) * p.ep}")
+    return problems
+
+
+def check_moe(cfg: Config) -> list[str]:
+    """The mixture-of-experts keys (bigtrain/models/moe.py), when model.moe_experts > 0."""
+    m, p = cfg.model, cfg.parallel
+    problems = _non_negative(cfg, ["model.moe_experts", "model.moe_capacity_factor", "model.moe_aux_loss_coef",
+                                   "model.moe_ffn_hidden"])
+    if problems or m.moe_experts == 0:
+        return problems
+    problems += _positive(cfg, ["model.moe_top_k", "model.moe_every"])
+    problems += _one_of("model.moe_router", m.moe_router, MOE_ROUTERS)
+    if m.moe_top_k > m.moe_experts:
+        problems.append(f"model.moe_top_k = {m.moe_top_k} > model.moe_experts = {m.moe_experts}: a token cannot "
+                        f"go to more experts than there are; use model.moe_top_k <= {m.moe_experts} "
+                        f"(1 or 2 are usual)")
+    if m.moe_every > m.n_layers:
+        problems.append(f"model.moe_every = {m.moe_every} > model.n_layers = {m.n_layers}: no block would have "
+                        f"experts; use model.moe_every <= {m.n_layers}")
+    if p.sp > 1:
+        problems.append(f"parallel.sp = {p.sp} with model.moe_experts > 0: capacity and the balance loss are "
+                        f"computed per whole sequence, which Ulysses splits; use parallel.sp = 1")
+    if p.tp > 1 and p.sequence_parallel:
+        problems.append("parallel.sequence_parallel with model.moe_experts > 0: MoE blocks keep their experts "
+                        "whole on every tp rank and need the whole sequence there; set "
+                        "parallel.sequence_parallel = false")
+    if cfg.precision.mode == "fp16" and m.moe_aux_loss_coef > 0 and m.moe_router == "softmax":
+        problems.append("precision.mode = 'fp16' with model.moe_aux_loss_coef > 0: the balance loss's gradient "
+                        "joins outside the loss and would miss the loss scale; use bf16, fp32, "
+                        "model.moe_router = 'sigmoid-bias' or model.moe_aux_loss_coef = 0")
     return problems
 
 
@@ -298,7 +334,7 @@ def check_limits(cfg: Config) -> list[str]:
     return problems
 
 
-RULES += [check_seed, check_distributed, check_limits]
+RULES += [check_seed, check_distributed, check_limits, check_moe]
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None) -> None:

@@ -52,6 +52,12 @@ CASES = [
     ("ep-zero", ["--parallel.ep=0"], "parallel.ep"),
     ("ep-negative", ["--parallel.ep=-2"], "parallel.ep"),
     ("ep-dense-model", ["--parallel.dp=2", "--parallel.ep=2"], "mixture-of-experts"),
+    ("ep-not-dividing-experts", ["--parallel.dp=4", "--parallel.ep=4", "--train.micro_batch=2", "--model.moe_experts=6"], "model.moe_experts"),
+    ("ep-not-dividing-dp", ["--parallel.dp=3", "--parallel.ep=2", "--model.moe_experts=4", "--train.global_batch=12"], "parallel.ep"),
+    ("moe-top-k-above-experts", ["--model.moe_experts=4", "--model.moe_top_k=5"], "model.moe_top_k"),
+    ("moe-router-unknown", ["--model.moe_experts=4", "--model.moe_router=hash"], "model.moe_router"),
+    ("moe-negative-capacity", ["--model.moe_experts=4", "--model.moe_capacity_factor=-1"], "model.moe_capacity_factor"),
+    ("moe-ulysses", ["--model.moe_experts=4", "--parallel.sp=2"], "parallel.sp"),
     ("unknown-axis", ["--parallel.cp=2"], "parallel.cp"),
     ("precision-mode", ["--precision.mode=fp8"], "precision.mode"),
     ("checkpointing-policy", ["--memory.checkpointing=sometimes"], "memory.checkpointing"),
@@ -188,7 +194,7 @@ def test_cli_rejects_with_exit_2(train_cli, case_id, overrides, field):
     _assert_rejected(train_cli, code, out, err, field)
 
 
-# ep = 3 over dp = 4: two problems, both fixed by ep = 1 today; the first one stays once MoE lands.
+# ep = 3 over dp = 4 of a dense model: two problems, each named with its fix.
 EP_NOT_DIVIDING = ["--parallel.dp=4", "--parallel.ep=3", "--train.global_batch=16"]
 
 
@@ -199,7 +205,7 @@ def test_ep_not_dividing_dp_is_named_with_a_fix():
     assert divide.startswith("parallel.ep = 3 does not divide parallel.dp = 4")
     assert "use parallel.ep = 2 or make parallel.dp a multiple of 3" in divide
     assert dense.startswith("parallel.ep = 3: expert parallelism needs a mixture-of-experts model")
-    assert dense.endswith("set parallel.ep = 1")
+    assert dense.endswith("or parallel.ep = 1")
     # Under Ulysses the replicas are dp x sp, and ep divides their product.
     with pytest.raises(ConfigError) as e:
         validate(load_config(preset="tiny", overrides=["--parallel.dp=2", "--parallel.sp=2", "--parallel.ep=8",

@@ -1,8 +1,8 @@
 """The independent reference: a plain single-process PyTorch training loop.
 
 Every layout is proved against this loop. It shares only two things with the trainer: the model
-class (``Llama``, whose initial values depend on the seed and each parameter's name) and the data
-sampler. Everything else is written here again with torch's own pieces, on purpose: no engine, no
+class (``Llama``, whose initial values depend on the seed and each parameter's name; with experts,
+its MoE blocks route and run every expert in one plain loop, no all-to-all) and the data sampler. Everything else is written here again with torch's own pieces, on purpose: no engine, no
 ``parallelize``, no bigtrain optimizer, schedule, clipping or loss helper. A bug on the trainer's
 shared path therefore cannot hide in the reference too.
 
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from bigtrain.config import Config
 from bigtrain.data import TokenSampler, load_tokens
 from bigtrain.models.llama import Llama
+from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,6 +74,7 @@ class ReferenceRun:
         self.mixed = mode != "fp32"
         self.compute = copy.deepcopy(self.master).to(COMPUTE_DTYPES[mode]) if self.mixed else self.master
         self.compute.init_buffers()  # rotary tables stay fp32, as in the model's own init
+        set_aux_loss_scale(self.compute, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -157,6 +159,7 @@ class ReferenceRun:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.learning_rate(self.step)
             self.optimizer.step()
+        update_router_biases(self.compute)  # MoE: this process saw every token of the step
         self.optimizer.zero_grad(set_to_none=True)
         if self.mixed:
             with torch.no_grad():

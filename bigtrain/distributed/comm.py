@@ -277,12 +277,18 @@ class AxisComm:
         return self._run("reduce_scatter", _nbytes(full), tag, async_op,
                          lambda: _reduce_scatter_single(shard, full, op=op, group=self.group, async_op=async_op))
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str | None = None):
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str | None = None,
+                   output_splits: list[int] | None = None, input_splits: list[int] | None = None):
+        """Rows ``input_splits[r]`` of ``input`` go to rank r, ``output_splits[r]`` rows come from it
+        (None: equal parts). The payload recorded is the whole input, like the equal case, so the
+        sent bytes are (N-1)/N of it: the expected share under balanced routing."""
         if self.size == 1:
             output.copy_(input)
             return None
         return self._run("all_to_all", _nbytes(input), tag, async_op,
-                         lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op))
+                         lambda: dist.all_to_all_single(output, input, output_split_sizes=output_splits,
+                                                        input_split_sizes=input_splits, group=self.group,
+                                                        async_op=async_op))
 
     def broadcast(self, tensor: torch.Tensor, src_global_rank: int, tag: str | None = None) -> None:
         if self.size == 1:

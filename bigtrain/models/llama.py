@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config import ModelConfig
+from bigtrain.models.moe import MoEFeedForward
 
 
 class RMSNorm(nn.Module):
@@ -92,12 +93,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = moe_feed_forward(cfg) if cfg.is_moe_block(index) else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -111,7 +112,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -162,10 +163,15 @@ def init_value(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -
         return torch.ones(shape, device="cpu")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     std = cfg.init_std
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         # GPT-2's scaled init for projections into the residual stream keeps its variance flat in depth.
         std = std / (2 * cfg.n_layers) ** 0.5
     return torch.randn(shape, generator=gen, device="cpu") * std
+
+
+def moe_feed_forward(cfg: ModelConfig) -> MoEFeedForward:
+    return MoEFeedForward(cfg.dim, cfg.moe_ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor,
+                          cfg.moe_aux_loss_coef, cfg.moe_router, cfg.moe_shared_expert)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Llama:

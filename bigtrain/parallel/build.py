@@ -2,7 +2,7 @@
 of it, ready to train; and its steps, each a public function of its own plan object.
 
 The order is the design's: tensor / sequence parallel plans (module structure, still meta) ->
-activation checkpointing -> pipeline stages -> precision and ZeRO / data parallel, which
+experts over ep (:mod:`bigtrain.parallel.experts`) -> activation checkpointing -> pipeline stages -> precision and ZeRO / data parallel, which
 materializes only this rank's weights (full replicas, or ZeRO shards over the ranks that hold
 replicas of each weight). Each step records what it does to a parameter in the placement record
 (:mod:`bigtrain.parallel.placement`), which the later steps and everything after read.
@@ -19,6 +19,7 @@ from torch import nn
 
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.memory.checkpointing import apply_activation_checkpointing
+from bigtrain.parallel.experts import apply_expert_parallel
 from bigtrain.parallel.parallel_model import ParallelModel, token_loss_sum
 from bigtrain.parallel.parallel_plan import EnginePlan, ParallelPlan, PipelinePlan, TensorParallelPlan
 from bigtrain.parallel.pipeline.partition import PipelineStage, StageGroup, stages_for_rank
@@ -30,7 +31,8 @@ from bigtrain.parallel.tied import TiedCopies, record_tied_copies, shared_parame
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.precision import DynamicLossScaler
 
-__all__ = ["ParallelModel", "Pipeline", "apply_data_parallel", "apply_engine", "apply_tensor_parallel", "apply_zero",
+__all__ = ["ParallelModel", "Pipeline", "apply_data_parallel", "apply_engine", "apply_expert_parallel",
+           "apply_tensor_parallel", "apply_zero",
            "build_pipeline", "parallelize", "token_loss_sum"]
 
 InitFn = Callable[[str, tuple], torch.Tensor]  # (parameter name, full shape) -> full fp32 value
@@ -45,6 +47,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     init_fn = init_fn or (lambda name, shape: model.initial_value(name, shape, plan.seed))
     placements = Placements.of_model(model, mesh.comm)  # every weight dense; each step records its change
     layout = apply_tensor_parallel(model, mesh, plan.tensor, placements)
+    apply_expert_parallel(model, mesh, plan.experts, placements)
     ties = shared_parameter_names(model)  # after tensor parallelism, which shards a tied weight once
     checkpointed = apply_activation_checkpointing(model.layers, plan.checkpointing.policy, plan.checkpointing.every) \
         if plan.checkpointing.policy != "none" else []

@@ -5,6 +5,7 @@ A user's script builds them directly; the Trainer builds them from its Config
 Each plan is what one public step takes, so a step can also be called on its own:
 
     apply_tensor_parallel(model, mesh, TensorParallelPlan, placements)
+    apply_expert_parallel(model, mesh, ExpertPlan, placements)
     apply_activation_checkpointing(blocks, CheckpointingPlan.policy, CheckpointingPlan.every)
     build_pipeline(model, mesh, PipelinePlan, placements)
     apply_data_parallel / apply_zero(model, mesh, EnginePlan, optim, init_fn, placements, ...)
@@ -35,6 +36,15 @@ class TensorParallelPlan:
 
     styles: "Plan | None" = None
     sequence_parallel: bool = False  # Megatron sequence parallelism on the tp axis
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Mixture-of-experts blocks' experts over the mesh's ``ep`` axis (cut when it has more than one
+    rank); ``grouped_mm``: run each rank's experts with ``torch._grouped_mm`` (one kernel) rather
+    than a loop over them."""
+
+    grouped_mm: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class ParallelPlan:
 
     optim: "OptimConfig"
     tensor: TensorParallelPlan = TensorParallelPlan()
+    experts: ExpertPlan = ExpertPlan()
     checkpointing: CheckpointingPlan = CheckpointingPlan()
     pipeline: PipelinePlan = PipelinePlan()
     engine: EnginePlan = EnginePlan()

@@ -50,12 +50,17 @@ def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool
             "layers.*.attention.wk": kv,
             "layers.*.attention.wv": kv,
             "layers.*.attention.wo": RowParallel(),
-            "layers.*.feed_forward": PrepareInput(),
-            "layers.*.feed_forward.w1": ColumnParallel(),
-            "layers.*.feed_forward.w3": ColumnParallel(),
-            "layers.*.feed_forward.w2": RowParallel(),
             "output": VocabParallelOutput(),
         })
+        # Dense MLPs only: an MoE block keeps its experts whole on every tp rank (they route the
+        # same whole hidden states; docs/moe.md), so it needs no tp region around it.
+        dense = [i for i, block in enumerate(model.layers) if not getattr(block.feed_forward, "is_moe", False)]
+        blocks = ["*"] if len(dense) == len(model.layers) else [str(i) for i in dense]
+        for i in blocks:
+            plan.update({f"layers.{i}.feed_forward": PrepareInput(),
+                         f"layers.{i}.feed_forward.w1": ColumnParallel(),
+                         f"layers.{i}.feed_forward.w3": ColumnParallel(),
+                         f"layers.{i}.feed_forward.w2": RowParallel()})
         if sequence_parallel:  # norms see a sequence shard: their weight gradients are partial
             plan["*norm"] = PartialGradient()
     if ulysses:

@@ -1,0 +1,246 @@
+"""Mixture of experts for the reference Llama: a router, a bank of SwiGLU experts, and the MoE block.
+
+Plain single-device PyTorch, like the rest of the model: ``MoEFeedForward`` routes its tokens,
+applies the capacity rule, sorts the kept routings by expert and hands them to its ``dispatcher``.
+The model's own dispatcher (:class:`LocalExperts`) runs them through the local experts, one plain
+loop over experts; expert parallelism (:mod:`bigtrain.parallel.experts`) swaps in a dispatcher that
+moves them to the rank holding their expert by all-to-all and back, and may switch the experts to
+grouped GEMM. Routing, capacity and the combine never change with the layout, which is what makes
+a layout comparable with one process.
+
+The rules (docs/moe.md):
+- router in fp32 whatever the compute dtype: 'softmax' takes the top-k softmax scores (renormalized
+  over the k chosen when k > 1, as Mixtral; raw for k = 1, as Switch); 'sigmoid-bias' selects the
+  top-k of sigmoid(score) + bias and weights by the sigmoid scores renormalized over the k chosen;
+  the bias moves outside the gradient after each step (:func:`update_router_biases`).
+- capacity, per sequence (the group): C = ceil(factor x seq_len x top_k / E) routings per expert;
+  every first choice ranks before every second choice, then earlier tokens first; routings past
+  C are dropped (the token keeps its residual). Factor 0 is dropless.
+- load-balancing loss (Switch), per sequence: E sum_e f_e P_e with f_e the fraction of the
+  sequence's top-k routings (before drops) that chose e and P_e its mean router probability;
+  its contribution to the objective is coef x aux_scale x sum over sequences (aux_scale is
+  1 / global batch under the trainer, :func:`set_aux_loss_scale`), added to the gradient by
+  :class:`_AddAuxGradient` so the training loop needs no second loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTERS = ("softmax", "sigmoid-bias")
+BIAS_UPDATE_RATE = 1e-3  # aux-loss-free balancing's step (DeepSeek-V3, torchtitan)
+
+
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU experts, stored 2-D so checkpoint chunks stay rectangles: rows
+    [e F, (e+1) F) of ``w1`` / ``w3`` / ``w2`` are expert e's (F, dim) matrices (``w2`` transposed).
+    Expert parallelism keeps a contiguous run of experts: a cut along dim 0."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.w1 = nn.Parameter(torch.empty(num_experts * hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts * hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts * hidden, dim))
+        self.grouped_mm = False  # torch._grouped_mm instead of the loop (set by parallel.experts)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x``: rows sorted by expert, ``counts[e]`` of them for expert e; returns the same rows' outputs."""
+        if self.grouped_mm:
+            return self._grouped(x, counts)
+        out, first = [], 0
+        for e, n in enumerate(counts):
+            w1, w3, w2 = (w[e * self.hidden:(e + 1) * self.hidden] for w in (self.w1, self.w3, self.w2))
+            rows = x[first:first + n]
+            out.append((F.silu(rows @ w1.t()) * (rows @ w3.t())) @ w2)
+            first += n
+        return torch.cat(out) if out else x[:0]
+
+    def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        e = len(counts)
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        w1, w3, w2 = (w.view(e, self.hidden, self.dim) for w in (self.w1, self.w3, self.w2))
+        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * \
+            torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2, offs=offs)
+
+
+class LocalExperts:
+    """The model's own dispatcher: every expert is here; the rows go straight through them."""
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        return experts(x, counts.tolist())
+
+
+class _AddAuxGradient(torch.autograd.Function):
+    """Identity on ``out``; in backward, also d(aux)/d(aux) = 1: the aux loss joins the objective
+    without the loop adding it to the loss (Megatron's MoEAuxLossAutoScaler). fp32 / bf16 only:
+    an fp16 loss scale would not reach it (validation rejects the pair)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), device=grad.device, dtype=torch.float32)
+
+
+class MoEStats:
+    """What one MoE block saw since the last reset, summed over forwards (detached, this rank only)."""
+
+    def __init__(self, num_experts: int):
+        # On the CPU whatever the default device (the model is built on meta); moved where first added to.
+        self.load = torch.zeros(num_experts, dtype=torch.float64, device="cpu")  # routings per expert, before drops
+        self.dropped = torch.zeros((), dtype=torch.float64, device="cpu")  # routings past capacity
+        self.aux = torch.zeros((), dtype=torch.float64, device="cpu")  # sum over sequences of the balance loss
+        self.sequences = 0
+
+    def add(self, load: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor, sequences: int) -> None:
+        self.load = self.load.to(load.device) + load.double()
+        self.dropped = self.dropped.to(load.device) + dropped.double()
+        self.aux = self.aux.to(load.device) + aux.double()
+        self.sequences += sequences
+
+
+class MoEFeedForward(nn.Module):
+    """(batch, seq, dim) -> (batch, seq, dim): each token through its top-k experts, weighted."""
+
+    is_moe = True
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, capacity_factor: float = 0.0,
+                 aux_loss_coef: float = 0.0, router: str = "softmax", shared_expert: bool = False):
+        super().__init__()
+        if router not in ROUTERS:
+            raise ValueError(f"router {router!r}: must be one of {ROUTERS}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k = {top_k} must be between 1 and the {num_experts} experts")
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.aux_loss_coef, self.router_kind = aux_loss_coef, router
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = Experts(num_experts, dim, hidden)
+        self.shared = _SwiGLU(dim, hidden) if shared_expert else None
+        self.dispatcher = LocalExperts()
+        self.aux_scale: float | None = None  # per sequence; None: 1 / the sequences of each forward
+        # Not buffers: derived state the engines need not own (zeroed where first used, see docs/moe.md).
+        self.expert_bias: torch.Tensor | None = None
+        self.stats = MoEStats(num_experts)
+
+    def capacity(self, seq_len: int) -> int | None:
+        if self.capacity_factor <= 0:
+            return None
+        return math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, dim = x.shape
+        tokens = x.reshape(b * s, dim)
+        scores, chosen, weights = self._route(tokens)  # (N, E) fp32, (N, k), (N, k) fp32
+        keep = self._within_capacity(chosen.view(b, s, self.top_k)).reshape(-1)
+        flat_expert = chosen.reshape(-1)[keep]
+        flat_token = torch.arange(b * s, device=x.device).repeat_interleave(self.top_k)[keep]
+        flat_weight = weights.reshape(-1)[keep]
+        order = torch.argsort(flat_expert, stable=True)  # by expert; within one, by token and choice
+        token_of_row = flat_token[order]
+        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        rows = self.dispatcher(tokens[token_of_row], counts, self.experts)
+        weighted = (rows.float() * flat_weight[order, None]).to(x.dtype)
+        out = torch.zeros_like(tokens).index_add(0, token_of_row, weighted)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        aux = self._balance_loss(scores.view(b, s, -1), chosen.view(b, s, -1))
+        load = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        self.stats.add(load.detach(), (~keep).sum().detach(), aux.detach(), b)
+        if self.aux_loss_coef > 0 and self.router_kind == "softmax" and torch.is_grad_enabled():
+            scale = self.aux_scale if self.aux_scale is not None else 1.0 / b
+            out = _AddAuxGradient.apply(out, aux * (self.aux_loss_coef * scale))
+        return out.view(b, s, dim)
+
+    def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # fp32 whatever the compute dtype: bf16 scores tie and flip the top-k between layouts.
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        if self.router_kind == "softmax":
+            scores = logits.softmax(-1)
+            weights, chosen = scores.topk(self.top_k, dim=-1)
+            if self.top_k > 1:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return scores, chosen, weights
+        scores = torch.sigmoid(logits)
+        _, chosen = (scores.detach() + self.bias(tokens.device)).topk(self.top_k, dim=-1)
+        weights = scores.gather(-1, chosen)
+        return scores, chosen, weights / weights.sum(-1, keepdim=True)
+
+    def bias(self, device: torch.device) -> torch.Tensor:
+        if self.expert_bias is None or self.expert_bias.device != device:
+            self.expert_bias = torch.zeros(self.num_experts, device=device) if self.expert_bias is None \
+                else self.expert_bias.to(device)
+        return self.expert_bias
+
+    def _within_capacity(self, chosen: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, k) -> bool (batch, seq, k): routings inside their expert's capacity in their
+        sequence, first choices before second ones, then in token order."""
+        b, s, k = chosen.shape
+        cap = self.capacity(s)
+        if cap is None:
+            return torch.ones_like(chosen, dtype=torch.bool)
+        by_priority = chosen.transpose(1, 2).reshape(b, k * s)  # choice-major
+        onehot = F.one_hot(by_priority, self.num_experts)
+        position = ((onehot.cumsum(1) - 1) * onehot).sum(-1)  # place in its expert's queue
+        return (position < cap).view(b, k, s).transpose(1, 2)
+
+    def _balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Sum over sequences of E sum_e f_e P_e (scores: (b, s, E) probabilities, chosen (b, s, k))."""
+        b, s, k = chosen.shape
+        fraction = F.one_hot(chosen, self.num_experts).sum((1, 2)).float() / (s * k)  # (b, E), no gradient
+        mean_prob = scores.mean(1)  # (b, E)
+        return (fraction * mean_prob).sum() * self.num_experts
+
+
+class _SwiGLU(nn.Module):
+    """The shared expert: the same SwiGLU as the dense block's (names w1, w2, w3)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Each sequence's balance loss counts ``scale`` (1 / global batch: the mean over the batch,
+    whatever the micro-batches and ranks that see its sequences)."""
+    for _, block in moe_blocks(model):
+        block.aux_scale = scale
+
+
+@torch.no_grad()
+def update_router_biases(model: nn.Module, comm=None) -> dict[str, dict]:
+    """After a step: sum each block's statistics over ``comm`` (the data-parallel ranks, which hold
+    the same router and see different tokens; None: this process saw them all), move the
+    sigmoid-bias routers' biases towards the under-loaded experts, reset the statistics; returns
+    {block name: {"load": [...], "dropped": n, "aux": mean per sequence}} for the metrics."""
+    out = {}
+    for name, block in moe_blocks(model):
+        st = block.stats
+        packed = torch.cat([st.load, st.dropped.view(1), st.aux.view(1),
+                            torch.tensor([float(st.sequences)], dtype=torch.float64, device=st.load.device)])
+        if comm is not None:
+            comm.all_reduce(packed, tag="moe_metrics")
+        load, dropped, aux, sequences = packed[:-3], packed[-3], packed[-2], packed[-1]
+        if block.router_kind == "sigmoid-bias" and float(load.sum()) > 0:
+            bias = block.bias(load.device)
+            bias += BIAS_UPDATE_RATE * torch.sign(load.mean() - load).to(bias.dtype)
+        out[name] = {"load": [int(v) for v in load.tolist()], "dropped": int(dropped),
+                     "aux": float(aux) / max(1.0, float(sequences))}
+        block.stats = MoEStats(block.num_experts)
+    return out
