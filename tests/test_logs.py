@@ -27,3 +27,9 @@ def test_log_line_reads_well():
               "eval_loss": 3.5}
     assert log_line(record, 300, 65.2) == "step 10/300 | loss 3.2101 | eval 3.5000 | 8,723 tok/s | mem 3.0 MiB | eta 1m05s"
     assert log_line({**record, "mem": {}}, 300, None) == "step 10/300 | loss 3.2101 | eval 3.5000 | 8,723 tok/s"
+
+
+def test_report_on_a_missing_or_empty_folder_fails(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nonexistent")]) == 1
+    assert main(["report", str(tmp_path)]) == 1
+    assert "not a folder" in capsys.readouterr().err
