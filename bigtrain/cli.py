@@ -326,8 +326,15 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.command == "report":
             from bigtrain.report import write_report
 
+            if not Path(args.run_dir).is_dir():
+                print(f"bigtrain report: {args.run_dir} is not a folder; give a run directory (runs/<name>)",
+                      file=sys.stderr)
+                return 1
             path = write_report(Path(args.run_dir))
-            print(path if path else f"no metrics.jsonl in {args.run_dir}")
+            if path is None:
+                print(f"bigtrain report: no metrics.jsonl in {args.run_dir}; is it a run directory?", file=sys.stderr)
+                return 1
+            print(path)
         elif args.command == "presets":
             print("\n".join(preset_names()))
         elif args.command == "fields":

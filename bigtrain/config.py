@@ -236,7 +236,8 @@ class LoggingConfig:
     """What the run reports."""
 
     log_every: int = doc("Write a metrics line every N steps.", 10)
-    progress: bool = doc("Show a progress bar on rank 0.", True)
+    progress: bool = doc("Show a progress bar on rank 0 when stdout is a terminal (elsewhere, and with false: "
+                         "one plain line per logged step).", True)
     report: bool = doc("Write report.md and a loss-curve PNG at the end.", True)
     measure_memory: bool = doc("Measure saved-activation bytes on logged steps.", True)
 

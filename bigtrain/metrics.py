@@ -1,4 +1,7 @@
-"""Metrics: one JSON object per logged step in ``metrics.jsonl``, and a progress bar on rank 0.
+"""Metrics: one JSON object per logged step in ``metrics.jsonl``, and what rank 0 shows while
+training: a progress bar on a terminal; elsewhere (a log file, a CI job, ``logging.progress =
+false``) one plain line per logged step, so a log holds steps / log_every lines and no carriage
+returns.
 
 The schema only grows: ``step, loss, lr, grad_norm, tokens_per_s, step_time_s`` and
 ``mem`` (bytes on the worst rank: params, grads, optimizer, activations) and ``comm``
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,16 +29,43 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def human_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def log_line(record: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
+    """``step 10/300 | loss 3.2101 | 8,723 tok/s | mem 12.3 MiB | eta 1m05s`` (steps counted from 1)."""
+    parts = [f"step {record['step'] + 1}/{total_steps}", f"loss {record['loss']:.4f}"]
+    if "eval_loss" in record:
+        parts.append(f"eval {record['eval_loss']:.4f}")
+    parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    if record.get("mem"):
+        parts.append(f"mem {human_bytes(sum(record['mem'].values()))}")
+    if eta_s is not None:
+        parts.append(f"eta {human_duration(eta_s)}")
+    if record.get("skipped"):
+        parts.append("skipped")
+    return " | ".join(parts)
+
+
 class MetricsLog:
-    """Appends metric records to ``metrics.jsonl`` (rank 0 only) and drives the progress bar."""
+    """Appends metric records to ``metrics.jsonl`` (rank 0 only) and shows progress: a bar when
+    ``progress`` and stdout is a terminal, else a plain line per record."""
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, first_step: int, progress: bool):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
+        self.total_steps, self.first_step = total_steps, first_step
+        self._pace_from: tuple[int, float] | None = None  # (steps done, time) at the first record
         self.bar = None
         if enabled:
             self._drop_records_from(first_step)
-        if enabled and progress:
+        if enabled and progress and sys.stdout.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
@@ -55,6 +87,19 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mem=human_bytes(sum(record["mem"].values())), refresh=False)
+        else:
+            print(log_line(record, self.total_steps, self._eta(record["step"] + 1)), flush=True)
+
+    def _eta(self, done: int) -> float | None:
+        """Seconds left at the mean pace since the first record: the first step (warm-up, allocation)
+        is slower than the rest and would inflate the estimate."""
+        now = time.perf_counter()
+        if self._pace_from is None:
+            self._pace_from = (done, now)
+        first_done, first_time = self._pace_from
+        if done <= first_done or done >= self.total_steps:
+            return None
+        return (now - first_time) / (done - first_done) * (self.total_steps - done)
 
     def note(self, text: str) -> None:
         """One line on stdout (rank 0), above the progress bar."""
