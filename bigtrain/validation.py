@@ -142,12 +142,13 @@ def _check_expert_parallel(cfg: Config) -> list[str]:
 def check_moe(cfg: Config) -> list[str]:
     """The mixture-of-experts keys (bigtrain/models/moe.py), when model.moe_experts > 0."""
     m, p = cfg.model, cfg.parallel
+    # Checked for a dense model too: a value no MoE model could take is a mistake either way.
     problems = _non_negative(cfg, ["model.moe_experts", "model.moe_capacity_factor", "model.moe_aux_loss_coef",
                                    "model.moe_ffn_hidden"])
-    if problems or m.moe_experts == 0:
-        return problems
     problems += _positive(cfg, ["model.moe_top_k", "model.moe_every"])
     problems += _one_of("model.moe_router", m.moe_router, MOE_ROUTERS)
+    if problems or m.moe_experts == 0:
+        return problems
     if m.moe_top_k > m.moe_experts:
         problems.append(f"model.moe_top_k = {m.moe_top_k} > model.moe_experts = {m.moe_experts}: a token cannot "
                         f"go to more experts than there are; use model.moe_top_k <= {m.moe_experts} "

@@ -63,7 +63,8 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "optim.warmup_steps": (0, None), "optim.base_batch": (1, None), "data.seq_len": (1, 65),
     "data.max_bytes": (0, None), "data.ignore_target": (-1, 256), "train.steps": (1, None),
     "train.global_batch": (1, 2**40), "train.micro_batch": (1, 9), "train.seed": (0, SEED_MAX + 1),
-    "train.max_bad_steps": (1, None),
+    "train.max_bad_steps": (1, None), "model.moe_experts": (0, None), "model.moe_top_k": (1, None),
+    "model.moe_every": (1, None), "model.moe_ffn_hidden": (0, None),
     "checkpoint.every": (0, None), "checkpoint.keep": (1, None), "logging.log_every": (1, None),
 }
 # (low, low inclusive, high, high inclusive)
@@ -75,6 +76,7 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
     "optim.weight_decay": (0, True, math.inf, False), "optim.beta1": (0, True, 1, False),
     "optim.beta2": (0, True, 1, False), "optim.eps": (0, False, math.inf, False),
     "optim.grad_clip": (0, True, math.inf, False), "distributed.timeout_s": (1, True, 365 * 86400, True),
+    "model.moe_capacity_factor": (0, True, math.inf, False), "model.moe_aux_loss_coef": (0, True, math.inf, False),
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
                "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",
