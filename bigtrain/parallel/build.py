@@ -17,7 +17,7 @@ from torch import nn
 from bigtrain.config import Config
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.distributed.mesh import Mesh
-from bigtrain.memory.checkpointing import apply_activation_checkpointing
+from bigtrain.memory.activations import ActivationMemory, apply_activation_memory
 from bigtrain.models.llama import build_model, init_value
 from bigtrain.parallel.pipeline.partition import PipelineStage, StageGroup, stages_for_rank
 from bigtrain.parallel.pipeline.schedules import Schedule, build_schedule
@@ -47,6 +47,7 @@ class ParallelModel:
     schedule: Schedule | None = None
     tied: TiedCopies | None = None  # copies of tied weights whose twin is on another pipeline rank
     device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives run)
+    activations: ActivationMemory | None = None  # recomputation, offload, compression, fused head applied
 
     def finish_grad_sync(self) -> None:
         """Complete the gradient reduction (after the last micro-batch), tied copies included."""
@@ -55,6 +56,8 @@ class ParallelModel:
             self.tied.sum_grads(self.engine)
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.activations is not None and self.activations.head is not None:
+            return self.activations.head(logits, targets)  # fused: ``logits`` are the final norm's output
         parallel = self.layout.loss_sum(logits, targets) if self.layout is not None else None
         return parallel if parallel is not None else token_loss_sum(logits, targets)
 
@@ -217,8 +220,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
     if tp.size > 1 or sp.size > 1:
         layout = parallelize_llama(model, cfg.model, tp, sp, p.sequence_parallel)
     ties = shared_parameter_names(model)  # after tensor parallelism, which shards a tied weight once
-    checkpointed = apply_activation_checkpointing(model.layers, cfg.memory.checkpointing,
-                                                  cfg.memory.checkpoint_every)
+    activations = apply_activation_memory(model, cfg, layout)
     stages, schedule, unit_modules = {}, None, None
     if pp.size > 1:
         stages = stages_for_rank(model, pp.size, pp.rank, p.pp_virtual, p.pp_balance, p.split_points)
@@ -247,7 +249,8 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
         module.init_buffers(device)
     if layout is not None:
         layout.register_grad_hooks(model)
-    return ParallelModel(model, engine, layout, grad_comm, sp, pp, checkpointed, stages, schedule, tied, device)
+    return ParallelModel(model, engine, layout, grad_comm, sp, pp, activations.checkpointed, stages, schedule, tied,
+                         device, activations)
 
 
 def _units_isolating(model: nn.Module, unit_modules: list[nn.Module], names: list[str]) -> list[nn.Module]:

@@ -1,0 +1,59 @@
+"""The ``memory`` section applied to a plain (possibly tensor-parallel) Llama: one call for ``parallelize``.
+
+In this order, each on the module structure before any weight exists: int8 compression of the
+linear layers' saved inputs (innermost: it replaces how a linear computes), recomputation (full,
+every k-th or selective), the fused head (``model.fused_loss``), and offload around every module
+(outermost: its hooks also see the checkpoints' inputs). None of them changes a parameter name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from bigtrain.config import Config
+from bigtrain.memory.checkpointing import apply_activation_checkpointing
+from bigtrain.memory.compression import compress_linear_inputs
+from bigtrain.memory.fused_loss import fuse_head_into_loss
+from bigtrain.memory.offload import ActivationOffloader
+from bigtrain.memory.selective import apply_selective_recomputation
+
+
+@dataclass
+class ActivationMemory:
+    """What was applied: the blocks recomputed, the offloader (its stats), the fused head."""
+
+    checkpointed: list[int]  # fully checkpointed blocks (their parameters are eager in a split backward)
+    selective: bool
+    offloader: ActivationOffloader | None = None
+    head: nn.Module | None = None  # with model.fused_loss: call head(hidden, targets) for the loss sum
+    compressed: int = 0  # linear layers saving int8 inputs
+
+
+def offloaded_modules(model: nn.Module) -> list[nn.Module]:
+    """A Llama's modules in forward order: embedding, blocks, final norm, head."""
+    return [model.tok_embeddings, *model.layers, model.norm, model.output]
+
+
+def apply_activation_memory(model: nn.Module, cfg: Config, layout=None) -> ActivationMemory:
+    """Apply ``cfg.memory`` and ``cfg.model.fused_loss`` to ``model`` (after tensor parallelism:
+    ``layout`` is its TensorLayout, or None)."""
+    mem = cfg.memory
+    compressed = 0
+    if mem.activation_compression == "int8":
+        linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+        if not cfg.model.fused_loss:
+            linears.append(model.output)
+        compressed = compress_linear_inputs(linears)
+    if mem.checkpointing == "selective":
+        apply_selective_recomputation(model.layers)
+        checkpointed = []
+    else:
+        checkpointed = apply_activation_checkpointing(model.layers, mem.checkpointing, mem.checkpoint_every)
+    head = None
+    if cfg.model.fused_loss:
+        vocab = layout.vocab if layout is not None else None
+        head = fuse_head_into_loss(model, cfg.model.fused_loss_chunk, layout.tp if vocab is not None else None, vocab)
+    offloader = ActivationOffloader(offloaded_modules(model), mem.offload_min_bytes) if mem.activation_offload else None
+    return ActivationMemory(checkpointed, mem.checkpointing == "selective", offloader, head, compressed)
