@@ -18,6 +18,7 @@ from bigtrain.memory.compression import compress_linear_inputs
 from bigtrain.memory.fused_loss import fuse_head_into_loss
 from bigtrain.memory.offload import ActivationOffloader
 from bigtrain.memory.selective import apply_selective_recomputation
+from bigtrain.parallel.zero.units import default_unit_modules
 
 
 @dataclass
@@ -29,6 +30,15 @@ class ActivationMemory:
     offloader: ActivationOffloader | None = None
     head: nn.Module | None = None  # with model.fused_loss: call head(hidden, targets) for the loss sum
     compressed: int = 0  # linear layers saving int8 inputs
+
+    def zero_units(self, model: nn.Module, unit_modules: list[nn.Module] | None) -> list[nn.Module] | None:
+        """ZeRO units with the fused head as one of its own, where ``model`` holds it: the loss
+        calls the head after the model's forward, when ZeRO-3 has released the root unit, so the
+        head's own hooks must gather (and, in backward, gather again) its weight."""
+        if self.head is None or not any(m is self.head for m in model.modules()):
+            return unit_modules
+        units = default_unit_modules(model) if unit_modules is None else list(unit_modules)
+        return units if any(m is self.head for m in units) else units + [self.head]
 
 
 def offloaded_modules(model: nn.Module) -> list[nn.Module]:

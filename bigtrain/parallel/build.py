@@ -233,6 +233,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device | str = "cpu") -> 
     tied = TiedCopies.of(model, ties, mesh.comm("pp_ends")) if ties else None
     if tied is not None and tied.names:
         unit_modules = _units_isolating(model, unit_modules, tied.names)
+    unit_modules = activations.zero_units(model, unit_modules)
 
     def full_init(name: str, shape: tuple) -> torch.Tensor:
         # A tied copy starts as the weight it copies: the values depend on the canonical name.
