@@ -59,10 +59,11 @@ class _FusedLinearCrossEntropySum(torch.autograd.Function):
             counted, mine, index = vocab.target_index(targets[lo:lo + chunk], logits.shape[-1])
             row_max = logits.max(dim=-1).values
             vocab.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX)
-            sum_exp = (logits - row_max.unsqueeze(-1)).exp_().sum(dim=-1)
-            vocab.all_reduce(sum_exp)
             target_logit = torch.where(mine, logits.gather(-1, index).squeeze(-1) - row_max, 0.0)
             vocab.all_reduce(target_logit)
+            # In place: one chunk of logits is the largest thing held.
+            sum_exp = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+            vocab.all_reduce(sum_exp)
             lse[lo:lo + chunk] = row_max + sum_exp.log()
             total += torch.where(counted, sum_exp.log() - target_logit, 0.0).sum()
         ctx.save_for_backward(hidden, weight, targets, lse)
@@ -79,7 +80,7 @@ class _FusedLinearCrossEntropySum(torch.autograd.Function):
             logits = ctx.vocab.logits(h, weight)
             counted, mine, index = ctx.vocab.target_index(targets[lo:lo + ctx.chunk], logits.shape[-1])
             # d loss / d logits = softmax - onehot(target), for the counted targets only
-            probs = (logits - lse[lo:lo + ctx.chunk].unsqueeze(-1)).exp_().mul_(counted.unsqueeze(-1))
+            probs = logits.sub_(lse[lo:lo + ctx.chunk].unsqueeze(-1)).exp_().mul_(counted.unsqueeze(-1))
             probs.scatter_add_(-1, index, -mine.to(probs.dtype).unsqueeze(-1))
             probs = probs.mul_(grad).to(hidden.dtype)
             if grad_hidden is not None:
