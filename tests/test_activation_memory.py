@@ -275,3 +275,38 @@ def test_fused_loss_peak_is_under_a_fifth_of_the_plain_one():
     plain, fused = run_ranks(_loss_peaks, 1, 2048, 128, 32000, 128)[0]
     assert plain > 2048 * 32000 * 4  # at least the fp32 logits
     assert fused <= 0.2 * plain, (fused, plain)
+
+
+# -- config and planner interface ----------------------------------------------------------------------
+def test_bad_activation_options_are_named_before_launch(corpus_cache):
+    from bigtrain.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        tiny_config(corpus_cache, "--memory.activation_compression=int4", "--model.fused_loss_chunk=0",
+                    "--memory.offload_min_bytes=-1", "--memory.checkpointing=selektive")
+    text = str(e.value)
+    for name in ("memory.activation_compression", "model.fused_loss_chunk", "memory.offload_min_bytes",
+                 "memory.checkpointing"):
+        assert name in text, text
+    assert "'selective'" in text and "'int8'" in text  # the fix: what the key accepts
+
+
+def test_the_planner_reads_and_prices_each_option():
+    from bigtrain.plan import Cluster, Layout, evaluate, get_profile
+    from bigtrain.plan.layout import parse_layout
+
+    assert parse_layout("recompute=selective,offload=on,compression=int8,fused_loss=on") == {
+        "recompute": "selective", "offload": True, "compression": "int8", "fused_loss": True}
+    model = ModelSpec(layers=8, hidden=1024, heads=16, kv_heads=16, ffn_hidden=2816, vocab=128000, seq=4096)
+    cluster = Cluster.build(8, get_profile("h100-80g"))
+    plan = {name: evaluate(model, Layout(dp=8, micro_batch=1, **kw), cluster, global_batch=64)
+            for name, kw in {"none": {}, "selective": {"recompute": "selective"}, "full": {"recompute": "full"},
+                             "offload": {"offload": True}, "int8": {"compression": "int8"},
+                             "fused": {"fused_loss": True}}.items()}
+    act = {k: p.memory.activations for k, p in plan.items()}
+    step = {k: p.time.step_time_s for k, p in plan.items()}
+    assert act["full"] < act["offload"] < act["selective"] < act["none"]
+    assert act["int8"] < act["none"] and act["fused"] < act["none"]
+    assert plan["offload"].memory.detail["host_activations"] >= act["none"]
+    assert step["none"] < step["selective"] < step["full"]  # selective recomputes less than full
+    assert step["none"] < step["fused"] and step["none"] < step["offload"]
