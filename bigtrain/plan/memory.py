@@ -13,7 +13,9 @@ given (AdamW: E = 8, two fp32 moments; T = 4, its step count):
     optimizer: (4 master if mixed + E) P/N + T per piece
 
 Activations are the saved tensors of ``activations.py`` for one micro-batch, times the pipeline's
-peak in-flight micro-batches on the rank (from the schedule simulator). Buffers are what the
+peak in-flight micro-batches on the rank (from the schedule simulator); with activation offload,
+two blocks' worth plus the plain loss's log-softmax per micro-batch in flight stay on the device
+and the rest is host memory (``detail["host_activations"]``). Buffers are what the
 runtime allocates besides (named so tests can compare those they can measure):
 
     zero_reduce_outputs  one reduce-scatter output per unit, held until the step (stages 2-3 fold
@@ -24,6 +26,7 @@ runtime allocates besides (named so tests can compare those they can measure):
     zero3_gathered       stage 3: the root unit (gathered for the whole forward and backward)
                          plus two blocks (the current one and the prefetched one)
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
+    fused_loss_chunk     the fused loss's one chunk of fp32 logits and exponentials (model.fused_loss)
 
 They are added to the end-of-forward activation peak although most live during backward, when
 activations are being freed: a conservative bound. The allocator allowance is the profile's
