@@ -7,6 +7,7 @@ Parts (``--part``, default ``time,memory``; ``int8`` is the long one):
   is built first, then timed steps go round the trainers in turn so load from other processes hits
   them alike; the figures are the median seconds per step after ``--warmup`` steps, wall and CPU
   time of this process (``--threads``, default 1: on a shared machine CPU time is the fairer one).
+  Afterwards every variant's losses must equal none's (within 1e-6; int8 within 2%), or it exits 1.
 - ``memory``: on the same preset, the saved-activation bytes the trainer measures
   (``SavedActivations``, by storage) against the planner's per-micro-batch figure; with offload, the
   most saved bytes resident on the compute device (``OffloadStats.peak_resident``) against one
@@ -65,19 +66,31 @@ def part_time(args, run_dir: str) -> dict:
     trainers = {name: _trainer(args.preset, o, run_dir) for name, o in VARIANTS.items()}
     wall: dict[str, list[float]] = {name: [] for name in trainers}
     cpu: dict[str, list[float]] = {name: [] for name in trainers}
+    losses: dict[str, list[float]] = {name: [] for name in trainers}
     for step in range(args.warmup + args.steps):
         for name, trainer in trainers.items():
             start, start_cpu = time.perf_counter(), time.process_time()
-            trainer.train_step()
+            losses[name].append(trainer.train_step().loss)
             if step >= args.warmup:
                 wall[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
+    _check_same_losses(losses)
     out = {}
     for name in trainers:
         w, c = statistics.median(wall[name]), statistics.median(cpu[name])
         out[name] = {"median_step_s": round(w, 4), "vs_none": round(w / statistics.median(wall["none"]), 3),
                      "median_cpu_s": round(c, 4), "cpu_vs_none": round(c / statistics.median(cpu["none"]), 3)}
     return out
+
+
+def _check_same_losses(losses: dict[str, list[float]]) -> None:
+    """The options must not change the numbers: every variant's losses equal none's (fp32: within
+    1e-6, the fused loss's chunked sums included), except int8's (approximate, within 2%)."""
+    for name, curve in losses.items():
+        bound = 2e-2 if name == "int8" else 1e-6
+        worst = max(abs(a - b) / abs(b) for a, b in zip(curve, losses["none"]))
+        if not worst <= bound:
+            raise SystemExit(f"{name}: losses differ from none's by {worst:.2e} relative (bound {bound:.0e})")
 
 
 def _compressed_ratio(trainer: Trainer) -> float:
