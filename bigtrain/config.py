@@ -130,9 +130,13 @@ class MemoryConfig:
     """Trading compute for memory."""
 
     checkpointing: str = doc("Activation checkpointing: 'none', 'full', 'every' (every k-th block), or "
-                             "'selective' (every block recomputes its norms, attention core and SwiGLU "
-                             "activation in backward and keeps its linear layers' inputs).", "none")
+                             "'selective' (every block recomputes its norms and SwiGLU activation in backward "
+                             "and keeps its linear layers' inputs; see selective_attention).", "none")
     checkpoint_every: int = doc("With checkpointing='every': checkpoint blocks 0, k, 2k, ...", 2)
+    selective_attention: bool = doc("With checkpointing='selective': also recompute the attention core (SDPA). "
+                                    "Off by default: flash attention keeps no attention matrix, so this drops only "
+                                    "its log-sum-exp (4 bytes a head a token) for one more attention forward.",
+                                    False)
     activation_offload: bool = doc("Move saved activations of at least offload_min_bytes to host memory during "
                                    "forward (pinned, on a side stream on GPU) and prefetch them one block ahead "
                                    "in backward. Composes with checkpointing (their inputs move too).", False)

@@ -16,9 +16,10 @@ RTOL = 1e-6
 FAMILIES = {
     "dp2": ["--parallel.dp=2"],
     "dp2-zero3": ["--parallel.dp=2", "--parallel.zero=3"],
-    "tp2-sequence-parallel": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--model.vocab_size=257"],
+    "tp2-sequence-parallel": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--model.vocab_size=257",
+                              "--memory.selective_attention=true"],
     "pp2-zb-h1": ["--parallel.pp=2", "--parallel.pp_schedule=zb-h1", "--model.n_layers=4"],
-    "ulysses-sp2": ["--parallel.sp=2"],
+    "ulysses-sp2": ["--parallel.sp=2", "--memory.selective_attention=true"],
 }
 
 

@@ -67,6 +67,8 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     out.append(f"--memory.checkpointing={policy}")
     if policy == "every":
         out.append(f"--memory.checkpoint_every={rng.choice([1, 2])}")
+    if policy == "selective" and rng.random() < 0.5:
+        out.append("--memory.selective_attention=true")
     if rng.random() < 0.3:  # a low threshold: the tiny model's tensors are small
         out += ["--memory.activation_offload=true", f"--memory.offload_min_bytes={rng.choice([0, 256, 4096])}"]
     if rng.random() < 0.3:

@@ -57,7 +57,7 @@ def apply_activation_memory(model: nn.Module, cfg: Config, layout=None) -> Activ
             linears.append(model.output)
         compressed = compress_linear_inputs(linears)
     if mem.checkpointing == "selective":
-        apply_selective_recomputation(model.layers)
+        apply_selective_recomputation(model.layers, mem.selective_attention)
         checkpointed = []
     else:
         checkpointed = apply_activation_checkpointing(model.layers, mem.checkpointing, mem.checkpoint_every)

@@ -32,12 +32,14 @@ After the last block: the final norm (as above), the fp32 log-softmax of the log
 4-byte scalar (not under tp). The first stage keeps the token ids: the sampler's (s+1)-token
 window per sample, a copied chunk under Ulysses, shifted ids and a mask (9 bytes) under tp.
 
-Selective recomputation (``memory/selective.py``: the norms, attention core and SwiGLU activation
-recompute, the linears keep their inputs) keeps per token: each norm's input B h and output B h,
-q B h, k and v 2 B k, attention's output B h (now only wo keeps it: no extra copy under Ulysses),
-w1 x, w3 x and their product 3 B F; no fp32 norm internals, no log-sum-exp, no silu output:
+Selective recomputation (``memory/selective.py``: the norms and the SwiGLU activation recompute,
+the linears keep their inputs) keeps per token: each norm's input B h and output B h, attention as
+in a plain block, w1 x, w3 x and their product 3 B F; no fp32 norm internals, no silu output:
 
-    selective: c1 = 4B,  c2 = (2Bh + 2Bk + 3BF) / h      (fp32: 16 + 8 + 12 F/h)
+    selective: c1 = 4B,  c2 = (2Bh + 2Bk + 4a + 3BF) / h      (fp32: 16 + 8 + 4a/h + 12 F/h)
+
+With ``selective_attention`` (the core recomputed too) the log-sum-exp goes, and attention's
+output is kept by wo alone (no extra copy under Ulysses).
 
 int8 compression (``memory/compression.py``) stores a linear's input as 1 byte an element plus a
 4-byte scale per token: the norms' outputs (and Megatron SP's gathered copies), w2's input, and
@@ -168,42 +170,42 @@ def _int8(elements: int) -> float:
 
 
 def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
-                      compression: str = "none") -> BlockActivations:
+                      compression: str = "none", selective_attention: bool = False) -> BlockActivations:
     """The itemized saved tensors of one block (see the module docstring)."""
     nbytes, h, k, f = BYTES[precision], model.hidden, model.kv_dim, model.ffn_hidden
     first_norm, second_norm = ("attention_norm", "ffn_norm") if model.mlp == "swiglu" else ("ln_1", "ln_2")
     int8 = compression == "int8"
     linear_in = _int8(h) if int8 else nbytes * h  # a norm's output, as the linears after it keep it
-    if recompute == "selective" and model.mlp == "swiglu":
-        return _selective_block(model, nbytes, linear_in, int8)
-    items = _norm_items(model, nbytes, first_norm, linear_in)
+    selective = recompute == "selective" and model.mlp == "swiglu"
+    core_recomputed = selective and selective_attention
+    if selective:
+        items = [(f"{first_norm}.input", nbytes * h, "norm_in"), (f"{first_norm}.output", linear_in, "norm_out")]
+    else:
+        items = _norm_items(model, nbytes, first_norm, linear_in)
     items += [("attention.q", nbytes * h, "split"), ("attention.k", nbytes * k, "split"),
-              ("attention.v", nbytes * k, "split"), ("attention.logsumexp", 4 * model.heads, "split"),
-              ("attention.output", nbytes * h, "split")]
-    if int8:  # wo's int8 copy; SDPA keeps its output all the same
-        items.append(("attention.wo_input", _int8(h), "split"))
-    items += _norm_items(model, nbytes, second_norm, linear_in)
-    if model.mlp == "swiglu":
-        product = _int8(f) if int8 else nbytes * f
+              ("attention.v", nbytes * k, "split")]
+    if core_recomputed:  # no log-sum-exp; wo alone keeps attention's output
+        items.append(("attention.output", _int8(h) if int8 else nbytes * h, "split"))
+    else:
+        items += [("attention.logsumexp", 4 * model.heads, "split"), ("attention.output", nbytes * h, "split")]
+        if int8:  # wo's int8 copy; SDPA keeps its output all the same
+            items.append(("attention.wo_input", _int8(h), "split"))
+    if selective:
+        items += [(f"{second_norm}.input", nbytes * h, "norm_in"), (f"{second_norm}.output", linear_in, "norm_out")]
+    else:
+        items += _norm_items(model, nbytes, second_norm, linear_in)
+    product = _int8(f) if int8 else nbytes * f
+    if selective:
+        items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
+                  ("feed_forward.product", product, "split")]
+    elif model.mlp == "swiglu":
         items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
                   ("feed_forward.silu_out", nbytes * f, "split"), ("feed_forward.product", product, "split")]
     else:
         items += [("mlp.fc1_out", nbytes * f, "split"), ("mlp.gelu_out", nbytes * f, "split")]
     return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
                             gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
-                            ulysses_extra=0.0 if int8 else nbytes * h)
-
-
-def _selective_block(model: ModelSpec, nbytes: int, linear_in: float, int8: bool) -> BlockActivations:
-    h, k, f = model.hidden, model.kv_dim, model.ffn_hidden
-    items = [("attention_norm.input", nbytes * h, "norm_in"), ("attention_norm.output", linear_in, "norm_out"),
-             ("attention.q", nbytes * h, "split"), ("attention.k", nbytes * k, "split"),
-             ("attention.v", nbytes * k, "split"), ("attention.output", _int8(h) if int8 else nbytes * h, "split"),
-             ("ffn_norm.input", nbytes * h, "norm_in"), ("ffn_norm.output", linear_in, "norm_out"),
-             ("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
-             ("feed_forward.product", _int8(f) if int8 else nbytes * f, "split")]
-    return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
-                            gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in)
+                            ulysses_extra=0.0 if int8 or core_recomputed else nbytes * h)
 
 
 def head_activations(model: ModelSpec, precision: str, compression: str = "none",

@@ -23,9 +23,9 @@ Conventions (docs/planner.md has the derivations):
   under, except the last unit's collective; ZeRO-3's gathers hide behind the forward/backward
   the same way. Stage 1-2's all-gather of updated weights after the step is exposed (the runtime
   does it synchronously), and so is the memory-bound AdamW step.
-* Activation options (``memory/``): selective recomputation adds one more attention forward per
-  block (4 h s per token; its elementwise recomputation is not counted); the fused loss one more
-  output projection (2 V h per token). Offload moves every micro-batch's saved bytes out and back
+* Activation options (``memory/``): selective recomputation is elementwise and memory-bound: the
+  tensors it drops are written and read once more at ``hbm_bandwidth``; the fused loss adds one
+  more output projection (2 V h FLOPs per token). Offload moves every micro-batch's saved bytes out and back
   over the host link (``host_bandwidth``), overlapped with that micro-batch's compute up to
   ``OVERLAP``; int8 compression is memory-bound traffic (quantize in forward, dequantize in
   backward) at ``hbm_bandwidth``.
@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from bigtrain.plan.activations import checkpointed_block_indices
+from bigtrain.plan.activations import block_activations, checkpointed_block_indices
 from bigtrain.plan.layout import BYTES, Cluster, Layout
 from bigtrain.plan.memory import checked_pp_ranks, rank_units
 from bigtrain.plan.model import ModelSpec
@@ -149,10 +149,9 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
 
 
 def activation_recompute_flops_per_token(model: ModelSpec, layout: Layout) -> float:
-    """Extra FLOPs per token of selective recomputation and the fused loss (whole model)."""
+    """Extra FLOPs per token of the fused loss (whole model); selective recomputation's are
+    elementwise (see :func:`activation_option_costs`)."""
     flops = 0.0
-    if layout.recompute == "selective":
-        flops += model.layers * 4 * model.hidden * model.seq  # attention's QK^T and AV once more
     if layout.fused_loss:
         flops += 2 * model.vocab * model.hidden  # each chunk's logits again in backward
     return flops
@@ -165,13 +164,17 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
 
     out = {}
     hw = cluster.hardware
+    tokens = layout.micro_batch * model.seq / (layout.sp * layout.tp)
+    if layout.recompute == "selective":  # the norms' internals and silu's output, made again
+        dropped = (block_activations(model, layout.precision).per_token()
+                   - block_activations(model, layout.precision, "selective").per_token())
+        out["selective_recompute"] = micro_batches * 2 * dropped * tokens * model.layers / layout.pp / hw.hbm_bandwidth
     if layout.offload:
         moved = max(_chunk_activation_bytes(model, layout, r) for r in checked_pp_ranks(layout.pp))
         window = OVERLAP * (costs.compute_f + costs.compute_b)
         out["activation_offload"] = micro_batches * max(0.0, 2 * moved / hw.host_bandwidth - window)
     if layout.compression == "int8":
         nbytes = BYTES[layout.precision]
-        tokens = layout.micro_batch * model.seq / (layout.sp * layout.tp)  # tp splits F, and h under SP
         per_block = 3 * model.hidden + model.ffn_hidden  # the linear inputs compressed (norms, wo, w2)
         traffic = 2 * (nbytes + 1) * per_block * tokens * model.layers / layout.pp
         out["activation_compression"] = micro_batches * traffic / hw.hbm_bandwidth
