@@ -16,7 +16,7 @@ in fp32 per norm) and silu's output (B F). The recomputed work is elementwise.
 The attention core: Korthikanti's selective recomputation exists to drop the attention matrices
 (the 5 a s / h term). SDPA (flash attention, on CPU and GPU) never keeps them, so recomputing the
 core drops only its log-sum-exp, 4 bytes a head a token, for one more attention forward (measured
-on ``small``: +8.6% CPU time for 0.2% of the saved bytes, where the norms and the activation give
+on ``small``: +9% CPU time for 0.2% of the saved bytes, where the norms and the activation give
 21% for +6%). ``memory.selective_attention`` adds it (then wo alone keeps attention's output, and
 under Ulysses no extra copy of it is kept). Parameter names and numerics are those of the plain
 model: recomputation runs the same kernels.
