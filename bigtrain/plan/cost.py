@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from bigtrain.plan.activations import block_activations, checkpointed_block_indices
 from bigtrain.plan.layout import BYTES, Cluster, Layout
-from bigtrain.plan.memory import checked_pp_ranks, rank_units
+from bigtrain.plan.memory import checked_pp_ranks, chunk_activation_bytes, rank_units
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel
 
@@ -159,9 +159,8 @@ def activation_recompute_flops_per_token(model: ModelSpec, layout: Layout) -> fl
 
 def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: StageCosts,
                             micro_batches: int) -> dict[str, float]:
-    """Exposed seconds of activation offload and int8 compression per step."""
-    from bigtrain.plan.memory import _chunk_activation_bytes
-
+    """Seconds per step of selective recomputation (memory-bound), activation offload (what compute
+    does not hide) and int8 compression (memory-bound), on the busiest rank."""
     out = {}
     hw = cluster.hardware
     tokens = layout.micro_batch * model.seq / (layout.sp * layout.tp)
@@ -170,7 +169,7 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
                    - block_activations(model, layout.precision, "selective").per_token())
         out["selective_recompute"] = micro_batches * 2 * dropped * tokens * model.layers / layout.pp / hw.hbm_bandwidth
     if layout.offload:
-        moved = max(_chunk_activation_bytes(model, layout, r) for r in checked_pp_ranks(layout.pp))
+        moved = max(chunk_activation_bytes(model, layout, r) for r in checked_pp_ranks(layout.pp))
         window = OVERLAP * (costs.compute_f + costs.compute_b)
         out["activation_offload"] = micro_batches * max(0.0, 2 * moved / hw.host_bandwidth - window)
     if layout.compression == "int8":

@@ -175,7 +175,7 @@ def zero_formula_bytes(params: float, zero: int, dp: int, precision: str = "bf16
 
 
 # -- activations and buffers ---------------------------------------------------------------------------
-def _chunk_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> int:
+def chunk_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> int:
     """Saved bytes of one micro-batch on the rank's largest stage chunk."""
     return math.ceil(max(blocks + head for blocks, head, _ in _stage_chunks(model, layout, pp_rank)))
 
@@ -249,7 +249,7 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     root, blocks = rank_units(model, layout, pp_rank)
     units = ([root] if root else []) + blocks
     states = state_bytes(units, layout.zero, layout.precision, layout.dp * layout.sp, optimizer)
-    per_mb = _chunk_activation_bytes(model, layout, pp_rank)
+    per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
     activations, host = per_mb * inflight, 0
     if layout.offload:
