@@ -38,7 +38,7 @@ import torch
 
 from bigtrain.config import load_config
 from bigtrain.distributed.mesh import Mesh
-from bigtrain.memory.compression import _Int8SavedLinear
+from bigtrain.memory.compression import _Int8WeightGrad
 from bigtrain.memory.fused_loss import fused_linear_cross_entropy_sum
 from bigtrain.parallel.build import token_loss_sum
 from bigtrain.plan import ModelSpec, PRESETS, block_activations, estimate_memory
@@ -96,17 +96,17 @@ def _check_same_losses(losses: dict[str, list[float]]) -> None:
 def _compressed_ratio(trainer: Trainer) -> float:
     """Largest (int8 values + scales) / input bytes over the linears of one step."""
     ratios = []
-    original = _Int8SavedLinear.forward
+    original = _Int8WeightGrad.forward
 
-    def watch(ctx, x, weight, bias, q, scale):
-        ratios.append((q.numel() + 4 * scale.numel()) / (x.numel() * x.element_size()))
-        return original(ctx, x, weight, bias, q, scale)
+    def watch(ctx, y, weight, bias, q, scale):  # the compressed input x has q's shape and y's dtype
+        ratios.append((q.numel() + 4 * scale.numel()) / (q.numel() * y.element_size()))
+        return original(ctx, y, weight, bias, q, scale)
 
-    _Int8SavedLinear.forward = staticmethod(watch)
+    _Int8WeightGrad.forward = staticmethod(watch)
     try:
         trainer.train_step()
     finally:
-        _Int8SavedLinear.forward = staticmethod(original)
+        _Int8WeightGrad.forward = staticmethod(original)
     return max(ratios)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.memory.activations import apply_activation_memory
-from bigtrain.memory.compression import _Int8SavedLinear, compress_linear_inputs, quantize_rows
+from bigtrain.memory.compression import _Int8WeightGrad, compress_linear_inputs, quantize_rows
 from bigtrain.memory.fused_loss import fused_linear_cross_entropy_sum
 from bigtrain.models.llama import build_model
 from bigtrain.parallel.build import token_loss_sum
@@ -151,20 +151,20 @@ def test_int8_keeps_under_0_3x_of_each_compressed_input_and_reports_the_gradient
     cfg = tiny_config(corpus_cache, "--memory.activation_compression=int8")
     plain, compressed = _model(cfg), _model(cfg)
     ratios = []
-    original = _Int8SavedLinear.forward
+    original = _Int8WeightGrad.forward
 
-    def watch(ctx, x, weight, bias, q, scale):
-        ratios.append((q.numel() * q.element_size() + scale.numel() * 4) / (x.numel() * x.element_size()))
-        return original(ctx, x, weight, bias, q, scale)
+    def watch(ctx, y, weight, bias, q, scale):  # the compressed input x has q's shape and y's dtype
+        ratios.append((q.numel() * q.element_size() + scale.numel() * 4) / (q.numel() * y.element_size()))
+        return original(ctx, y, weight, bias, q, scale)
 
     apply_activation_memory(compressed, cfg)
     tokens, targets = _batch(cfg)
     loss, grads = _loss_and_grads(plain, tokens, targets)
-    _Int8SavedLinear.forward = staticmethod(watch)
+    _Int8WeightGrad.forward = staticmethod(watch)
     try:
         loss2, grads2 = _loss_and_grads(compressed, tokens, targets)
     finally:
-        _Int8SavedLinear.forward = staticmethod(original)
+        _Int8WeightGrad.forward = staticmethod(original)
     assert ratios and max(ratios) <= 0.3, ratios  # (h + 4) / 4h = 0.266 at h = 64
     assert loss == loss2  # the forward is exact
     errors = {n: float((grads2[n] - g).norm() / g.norm()) for n, g in grads.items()}

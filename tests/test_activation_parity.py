@@ -61,3 +61,17 @@ def test_int8_compression_is_outside_the_parity_bound(corpus_cache, tmp_path):
     (_, plain_weights), (_, weights) = results[0]
     worst = max(float((weights[n] - w).norm() / w.norm()) for n, w in plain_weights.items())
     assert worst < 0.05, f"int8 moved a weight by {worst:.2e} relative in {STEPS} steps"
+
+
+def test_int8_composes_with_zero3_and_the_split_backward(corpus_cache, tmp_path):
+    """int8 runs where its weight gradient is deferred (zero-bubble W) and the weights are gathered
+    and released (ZeRO-3), and stays close to the exact run (its only difference: rounding of x)."""
+    common = ["--train.global_batch=4", "--train.micro_batch=1", "--parallel.pp=2", "--parallel.zero=3",
+              "--parallel.pp_schedule=zb-h1", "--model.n_layers=4", "--memory.checkpointing=selective"]
+    plain = tiny_config(corpus_cache, *common)
+    int8 = tiny_config(corpus_cache, *common, "--memory.activation_compression=int8", "--model.fused_loss=true")
+    (plain_losses, plain_weights), (losses, weights) = run_ranks(_plain_then_options, 2, plain, int8,
+                                                                 str(tmp_path), timeout=240)[0]
+    assert all(abs(a - b) <= 1e-2 * b for a, b in zip(losses, plain_losses)), (losses, plain_losses)
+    for name, expected in plain_weights.items():
+        assert_rel_close(weights[name], expected, 5e-2, name)

@@ -38,7 +38,14 @@ class ActivationMemory:
         if self.head is None or not any(m is self.head for m in model.modules()):
             return unit_modules
         units = default_unit_modules(model) if unit_modules is None else list(unit_modules)
-        return units if any(m is self.head for m in units) else units + [self.head]
+        if any(m is self.head for m in units):
+            return units
+        # Before the unit module that holds it (an interleaved rank's last chunk), which would
+        # otherwise take its weight along (units take parameters first come, first served).
+        holder = next((i for i, m in enumerate(units) if any(sub is self.head for sub in m.modules())), None)
+        if holder is None:
+            return units + [self.head]
+        return units[:holder] + [self.head] + units[holder:]
 
 
 def offloaded_modules(model: nn.Module) -> list[nn.Module]:

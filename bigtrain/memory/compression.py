@@ -32,24 +32,32 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale).to(dtype)
 
 
-class _Int8SavedLinear(torch.autograd.Function):
+class _Int8WeightGrad(torch.autograd.Function):
+    """Identity on a linear's output that carries the weight gradient, from the int8 input.
+
+    The output itself comes from ``F.linear(x, weight.detach())``, so the input gradient is torch's
+    own (exact; and that matmul saves only the weight, not x). Keeping the two apart matters to the
+    zero-bubble split backward: its W re-enters this node for the weight gradient alone, and it
+    reads nothing there but the int8 copy and the incoming gradient (never the weight, which
+    ZeRO-3 may have released by then)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, q, scale):
-        ctx.save_for_backward(q, scale, weight)
-        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
-        return F.linear(x, weight, bias)
+    def forward(ctx, y, weight, bias, q, scale):
+        ctx.save_for_backward(q, scale)
+        ctx.x_dtype, ctx.has_bias = y.dtype, bias is not None
+        return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
-        q, scale, weight = ctx.saved_tensors
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        q, scale = ctx.saved_tensors
         grad_w = grad_b = None
+        rows = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
             x = dequantize_rows(q, scale, ctx.x_dtype)
-            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            grad_w = rows.t().matmul(x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_x, grad_w, grad_b, None, None
+            grad_b = rows.sum(0)
+        return grad, grad_w, grad_b, None, None
 
 
 class _SharedQuantization:
@@ -72,10 +80,16 @@ def compress_linear_inputs(modules: list[nn.Linear]) -> int:
     shared = _SharedQuantization()
     for linear in modules:
         def forward(x: torch.Tensor, linear=linear) -> torch.Tensor:
-            if not torch.is_grad_enabled() or not (x.requires_grad or linear.weight.requires_grad):
-                return F.linear(x, linear.weight, linear.bias)
+            weight, bias = linear.weight, linear.bias
+            if not torch.is_grad_enabled() or not weight.requires_grad:
+                return F.linear(x, weight, bias)
             q, scale = shared.of(x)
-            return _Int8SavedLinear.apply(x, linear.weight, linear.bias, q, scale)
+            y = F.linear(x, weight.detach(), bias.detach() if bias is not None else None)
+            out = _Int8WeightGrad.apply(y, weight, bias, q, scale)
+            # A view on top, as F.linear's own output is a view of its matmul: hooks put on the
+            # module's output (ZeRO-3 gathers before backward with one) must not sit on the node
+            # that the split backward's W re-enters, or they run again there.
+            return out.view_as(out)
 
         linear.forward = forward
     return len(modules)

@@ -113,5 +113,9 @@ def fuse_head_into_loss(model: nn.Module, chunk: int, tp=None, vocab: tuple[int,
 
     head.forward = forward
     head.returns_loss = True  # bigtrain check: its output is the loss, not logits to compare
+    # Its backward computes the logits again from the weight, as a checkpointed block does: the
+    # zero-bubble split backward then takes its weight gradient in I, while ZeRO-3 still has the
+    # weight gathered, instead of deferring it to a W that would read a released weight.
+    head.is_checkpointed = True
     model.head_in_loss = True
     return head

@@ -150,6 +150,8 @@ class ActivationOffloader:
         self._stream = None  # CUDA side stream, made on first use
         self._hooks: list = []
         self._groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._modules = list(modules)
+        self._weights: set[int] = set()
         for i, module in enumerate(modules):
             module.register_forward_pre_hook(lambda m, args, i=i: self._enter(i))
             module.register_forward_hook(lambda m, args, out, i=i: self._exit(i))
@@ -162,6 +164,8 @@ class ActivationOffloader:
         if index <= self._last_index:  # a module again: the next micro-batch's forward
             self._pass += 1
         self._last_index = index
+        # The module's weights by storage: a detached view of one (int8 compression's matmul) is one too.
+        self._weights = {p.untyped_storage()._cdata for p in self._modules[index].parameters()}
         self._current = _Group(index, self._pass)
         self._groups[(self._pass, index)] = self._current  # weakly: it lives as long as its saved tensors
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -176,7 +180,7 @@ class ActivationOffloader:
             self._current = None
 
     def _pack(self, t: torch.Tensor):
-        if _is_weight(t):
+        if t.untyped_storage()._cdata in self._weights or _is_weight(t):
             return t  # resident anyway, and not an activation
         nbytes = t.numel() * t.element_size()
         if nbytes < self.min_bytes:
