@@ -73,6 +73,11 @@ class ModelConfig:
     moe_ffn_hidden: int = doc("MoE: each expert's SwiGLU inner size; 0 means the dense ffn size.", 0)
     moe_shared_expert: bool = doc("MoE: add a dense shared expert (a SwiGLU of the expert size) every token goes "
                                   "through.", False)
+    fused_loss: bool = doc("Compute the output projection and the cross-entropy together in chunks of tokens, "
+                           "recomputing each chunk's logits in backward: the (tokens x vocabulary) logits are "
+                           "never held (with tp: the vocabulary-parallel loss, chunk by chunk). Same loss.", False)
+    fused_loss_chunk: int = doc("With fused_loss: tokens per chunk (the largest logits held: chunk x vocabulary "
+                                "/ tp, in fp32).", 1024)
 
     @property
     def kv_heads(self) -> int:
@@ -152,8 +157,21 @@ class PrecisionConfig:
 class MemoryConfig:
     """Trading compute for memory."""
 
-    checkpointing: str = doc("Activation checkpointing: 'none', 'full', or 'every' (every k-th block).", "none")
+    checkpointing: str = doc("Activation checkpointing: 'none', 'full', 'every' (every k-th block), or "
+                             "'selective' (every block recomputes its norms and SwiGLU activation in backward "
+                             "and keeps its linear layers' inputs; see selective_attention).", "none")
     checkpoint_every: int = doc("With checkpointing='every': checkpoint blocks 0, k, 2k, ...", 2)
+    selective_attention: bool = doc("With checkpointing='selective': also recompute the attention core (SDPA). "
+                                    "Off by default: flash attention keeps no attention matrix, so this drops only "
+                                    "its log-sum-exp (4 bytes a head a token) for one more attention forward.",
+                                    False)
+    activation_offload: bool = doc("Move saved activations of at least offload_min_bytes to host memory during "
+                                   "forward (pinned, on a side stream on GPU) and prefetch them one block ahead "
+                                   "in backward. Composes with checkpointing (their inputs move too).", False)
+    offload_min_bytes: int = doc("With activation_offload: smaller saved tensors stay on the device.", 1024)
+    activation_compression: str = doc("'none', or 'int8': linear layers keep their saved inputs as int8 with one "
+                                      "scale per row (token) and dequantize them for the weight gradient "
+                                      "(approximate weight gradients; input gradients exact).", "none")
 
 
 @dataclass

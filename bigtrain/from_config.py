@@ -8,9 +8,15 @@ so the same steps run on a user's model without a Config.
 from __future__ import annotations
 
 from bigtrain.config import Config
-from bigtrain.parallel.parallel_plan import (CheckpointingPlan, EnginePlan, ExpertPlan, LossScaling, ParallelPlan,
+from bigtrain.parallel.parallel_plan import (ActivationPlan, EnginePlan, ExpertPlan, LossScaling, ParallelPlan,
                                              PipelinePlan, TensorParallelPlan)
 from bigtrain.precision import Precision
+
+
+def activation_plan(cfg: Config) -> ActivationPlan:
+    m = cfg.memory
+    return ActivationPlan(m.checkpointing, m.checkpoint_every, m.selective_attention, m.activation_offload,
+                          m.offload_min_bytes, m.activation_compression, cfg.model.fused_loss, cfg.model.fused_loss_chunk)
 
 
 def parallel_plan(cfg: Config) -> ParallelPlan:
@@ -20,7 +26,7 @@ def parallel_plan(cfg: Config) -> ParallelPlan:
         optim=cfg.optim,
         tensor=TensorParallelPlan(sequence_parallel=p.sequence_parallel),
         experts=ExpertPlan(grouped_mm=p.moe_grouped_mm),
-        checkpointing=CheckpointingPlan(cfg.memory.checkpointing, cfg.memory.checkpoint_every),
+        activations=activation_plan(cfg),
         pipeline=PipelinePlan(cfg.train.grad_accum(p.dp), p.pp_schedule, p.pp_virtual, p.pp_balance, split_points),
         engine=EnginePlan(p.zero, Precision.from_config(precision),
                           LossScaling(precision.loss_scale, precision.scale_growth_interval, precision.scale_backoff),

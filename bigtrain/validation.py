@@ -15,7 +15,8 @@ from typing import Callable
 from bigtrain.config import Config, ConfigError
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
-CHECKPOINTING_POLICIES = ("none", "full", "every")
+CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
+ACTIVATION_COMPRESSIONS = ("none", "int8")
 PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("auto", "fp32")
 LR_SCALINGS = ("none", "linear")
@@ -231,7 +232,10 @@ def check_runtime(cfg: Config) -> list[str]:
     if not 0 < cfg.precision.scale_backoff < 1:
         problems.append(f"precision.scale_backoff = {cfg.precision.scale_backoff}: must be in (0, 1), e.g. 0.5")
     problems += _one_of("memory.checkpointing", cfg.memory.checkpointing, CHECKPOINTING_POLICIES)
-    problems += _positive(cfg, ["memory.checkpoint_every", "logging.log_every", "checkpoint.keep"])
+    problems += _one_of("memory.activation_compression", cfg.memory.activation_compression, ACTIVATION_COMPRESSIONS)
+    problems += _positive(cfg, ["memory.checkpoint_every", "logging.log_every", "checkpoint.keep",
+                                "model.fused_loss_chunk"])
+    problems += _non_negative(cfg, ["memory.offload_min_bytes"])
     problems += _non_negative(cfg, ["checkpoint.every"])
     problems += _one_of("train.device", cfg.train.device, DEVICES)
     resume = cfg.checkpoint.resume

@@ -28,20 +28,28 @@ GIB = 2**30
 # -- (a) against measurement ---------------------------------------------------------------------------
 # Layouts the runtime supports, grouped by world size (one forked group runs each group in turn):
 # dp 1/2/4 x ZeRO 0-3 x fp32/bf16 x checkpointing none/full/every x micro-batch 1/2/4, and tensor
-# parallel, Megatron sequence parallel, Ulysses and pipelines on top: 32 layouts.
-def _layouts(dp=1, tp=1, sp=1, tp_sp=False, zeros=(0,), variants=(), pp=1, schedule="1f1b"):
+# parallel, Megatron sequence parallel, Ulysses and pipelines on top; selective recomputation, int8
+# compression and the fused loss.
+def _layouts(dp=1, tp=1, sp=1, tp_sp=False, zeros=(0,), variants=(), pp=1, schedule="1f1b", **options):
     return [Layout(dp=dp, tp=tp, sp=sp, tp_sp=tp_sp, zero=z, precision=p, recompute=c, micro_batch=mb, pp=pp,
-                   schedule=schedule) for z in zeros for p, c, mb in variants]
+                   schedule=schedule, **options) for z in zeros for p, c, mb in variants]
 
 
 MEASURED = {
-    1: _layouts(zeros=(0, 1, 3), variants=[("fp32", "none", 4), ("bf16", "full", 2)]),
+    1: _layouts(zeros=(0, 1, 3), variants=[("fp32", "none", 4), ("bf16", "full", 2)])
+    # selective recomputation, int8 compression and the fused loss (memory/, plan/activations.py)
+    + _layouts(variants=[("fp32", "selective", 4), ("bf16", "selective", 2)])
+    + _layouts(variants=[("fp32", "none", 2), ("fp32", "selective", 2)], compression="int8", fused_loss=True)
+    + _layouts(variants=[("bf16", "none", 2)], compression="int8"),
     2: _layouts(dp=2, zeros=(0, 1, 2, 3), variants=[("fp32", "none", 4), ("bf16", "full", 2), ("fp32", "every", 1)])
     + _layouts(tp=2, variants=[("fp32", "none", 4), ("bf16", "every", 2)])
     + _layouts(tp=2, tp_sp=True, zeros=(1,), variants=[("fp32", "none", 2), ("bf16", "full", 2)])
     + _layouts(sp=2, zeros=(0, 3), variants=[("bf16", "none", 2)])
     + _layouts(pp=2, variants=[("fp32", "none", 1), ("bf16", "full", 2)])
-    + _layouts(pp=2, schedule="gpipe", variants=[("fp32", "none", 1)]),
+    + _layouts(pp=2, schedule="gpipe", variants=[("fp32", "none", 1)])
+    + _layouts(tp=2, tp_sp=True, variants=[("fp32", "selective", 2)], compression="int8")
+    + _layouts(tp=2, variants=[("bf16", "selective", 2)], fused_loss=True)
+    + _layouts(sp=2, variants=[("fp32", "selective", 2), ("fp32", "none", 2)], compression="int8"),
     4: _layouts(dp=4, zeros=(2, 3), variants=[("bf16", "every", 2)])
     + _layouts(dp=2, tp=2, tp_sp=True, zeros=(2,), variants=[("bf16", "none", 2)])
     + _layouts(dp=2, sp=2, zeros=(1,), variants=[("fp32", "full", 1)])

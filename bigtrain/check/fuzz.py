@@ -2,8 +2,10 @@
 
 A sample draws every degree of freedom bigtrain composes (dp, tp, pp, Ulysses sp, Megatron
 sequence parallel, ZeRO stage, pipeline schedule, virtual stages and split points, activation
-checkpointing, accumulation, tied embeddings, grouped and replicated key/value heads, a vocabulary
-that tp does not divide, masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding). Each
+checkpointing (full, every k-th, selective), activation offload, the fused loss, accumulation,
+tied embeddings, grouped and replicated key/value heads, a vocabulary that tp does not divide,
+masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding). int8 activation compression is
+not drawn: it changes the weight gradients on purpose (tests/test_activation_memory.py). Each
 sample must either be rejected by validation before any rank starts, with every problem naming a
 field, or train like the independent reference (:func:`bigtrain.check.run.check_layout`). Anything
 else (a divergence, a crash after launch, a hang) is a bug.
@@ -61,10 +63,16 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
             out.append(f"--parallel.pp_virtual={virtual}")
         if rng.random() < 0.3:
             out.append("--parallel.pp_balance=params")
-    policy = rng.choice(["none", "none", "full", "every"])
+    policy = rng.choice(["none", "none", "full", "every", "selective"])
     out.append(f"--memory.checkpointing={policy}")
     if policy == "every":
         out.append(f"--memory.checkpoint_every={rng.choice([1, 2])}")
+    if policy == "selective" and rng.random() < 0.5:
+        out.append("--memory.selective_attention=true")
+    if rng.random() < 0.3:  # a low threshold: the tiny model's tensors are small
+        out += ["--memory.activation_offload=true", f"--memory.offload_min_bytes={rng.choice([0, 256, 4096])}"]
+    if rng.random() < 0.3:
+        out += ["--model.fused_loss=true", f"--model.fused_loss_chunk={rng.choice([7, 32, 1024])}"]
     if rng.random() < 0.3:
         out += [f"--parallel.reshard_after_forward={rng.random() < 0.5}", f"--parallel.prefetch={rng.random() < 0.5}"]
     return out

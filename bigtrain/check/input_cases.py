@@ -66,6 +66,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "train.max_bad_steps": (1, None), "model.moe_experts": (0, None), "model.moe_top_k": (1, None),
     "model.moe_every": (1, None), "model.moe_ffn_hidden": (0, None),
     "checkpoint.every": (0, None), "checkpoint.keep": (1, None), "logging.log_every": (1, None),
+    "model.fused_loss_chunk": (1, None), "memory.offload_min_bytes": (0, None),
 }
 # (low, low inclusive, high, high inclusive)
 FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
@@ -80,11 +81,13 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
                "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",
-               "logging.report", "logging.measure_memory"]
+               "logging.report", "logging.measure_memory", "model.fused_loss", "memory.activation_offload",
+               "memory.selective_attention"]
 ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "model.name": ("llama",), "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
     "parallel.pp_balance": ("layers", "params"), "precision.mode": ("fp32", "bf16", "fp16"),
-    "precision.reduce_dtype": ("auto", "fp32"), "memory.checkpointing": ("none", "full", "every"),
+    "precision.reduce_dtype": ("auto", "fp32"), "memory.checkpointing": ("none", "full", "every", "selective"),
+    "memory.activation_compression": ("none", "int8"),
     "optim.lr_scaling": ("none", "linear"), "optim.name": ("adamw",),  # others register at run time
     "train.device": ("auto", "cpu"),  # cuda: only with a GPU
 }

@@ -87,8 +87,9 @@ class OutputProbe:
 
     def __init__(self, modules: list[tuple[str, nn.Module]]):
         self.outputs: dict[str, list[torch.Tensor]] = {}
+        # A fused head (model.fused_loss) returns the loss, not logits: nothing to compare there.
         self.handles = [m.register_forward_hook(lambda mod, args, out, name=name: self._record(name, out))
-                        for name, m in modules if captured_module(name)]
+                        for name, m in modules if captured_module(name) and not getattr(m, "returns_loss", False)]
 
     def _record(self, name: str, out) -> None:
         if torch._C._current_graph_task_id() != -1:

@@ -79,6 +79,13 @@ class Attention(nn.Module):
         return self.wo(out.reshape(b, s, -1))
 
 
+class SwiGLU(nn.Module):
+    """silu(a) * b. A module of its own (no parameters) so selective recomputation can wrap it."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.silu(a) * b
+
+
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
@@ -87,9 +94,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.activation = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.activation(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -106,11 +114,13 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Tokens (batch, seq) -> logits (batch, seq, vocab)."""
+    """Tokens (batch, seq) -> logits (batch, seq, vocab); or the final norm's output when
+    ``head_in_loss`` is set (the fused loss then calls the output head with the targets)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.head_in_loss = False  # set by bigtrain.memory.fused_loss.fuse_head_into_loss
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -136,7 +146,8 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return h if self.head_in_loss else self.output(h)
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from bigtrain.distributed.mesh import Mesh
-from bigtrain.memory.checkpointing import apply_activation_checkpointing
+from bigtrain.memory.activations import apply_activation_memory
 from bigtrain.parallel.experts import apply_expert_parallel
 from bigtrain.parallel.parallel_model import ParallelModel, token_loss_sum
 from bigtrain.parallel.parallel_plan import EnginePlan, ParallelPlan, PipelinePlan, TensorParallelPlan
@@ -49,8 +49,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     layout = apply_tensor_parallel(model, mesh, plan.tensor, placements)
     apply_expert_parallel(model, mesh, plan.experts, placements)
     ties = shared_parameter_names(model)  # after tensor parallelism, which shards a tied weight once
-    checkpointed = apply_activation_checkpointing(model.layers, plan.checkpointing.policy, plan.checkpointing.every) \
-        if plan.checkpointing.policy != "none" else []
+    activations = apply_activation_memory(model, plan.activations, layout)
     pipeline = build_pipeline(model, mesh, plan.pipeline, placements, ties)
     placements, tied = pipeline.placements, TiedCopies.from_placements(pipeline.placements)
 
@@ -58,15 +57,15 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
         return init_fn(placements.saved_name(name), shape)  # a tied copy starts as the weight it copies
 
     engine = apply_engine(pipeline.module, mesh, plan, placements.local_init(full_init), placements, device,
-                          pipeline.unit_modules)
+                          activations.zero_units(pipeline.module, pipeline.unit_modules))
     tied.check_layout(engine)
     for module in pipeline.stages.values() or [pipeline.module]:  # after to_empty, which leaves them unset
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)
     register_partial_grad_hooks(pipeline.module, placements)
     return ParallelModel(pipeline.module, engine, layout, placements, mesh.comm("dp_sp"), mesh.comm("sp"),
-                         mesh.comm("pp"), checkpointed, pipeline.stages, pipeline.schedule,
-                         tied if tied.names else None, device)
+                         mesh.comm("pp"), activations.checkpointed, pipeline.stages, pipeline.schedule,
+                         tied if tied.names else None, device, activations)
 
 
 # -- tensor and sequence parallelism ----------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigtrain.memory.activations import ActivationMemory
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.parallel.pipeline.partition import PipelineStage
 from bigtrain.parallel.pipeline.schedules import Schedule
@@ -40,6 +41,7 @@ class ParallelModel:
     schedule: Schedule | None = None
     tied: TiedCopies | None = None  # copies of tied weights whose twin is on another pipeline rank
     device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives run)
+    activations: ActivationMemory | None = None  # recomputation, offload, compression, fused head applied
 
     def finish_grad_sync(self) -> None:
         """Complete the gradient reduction (after the last micro-batch), tied copies included."""
@@ -48,6 +50,8 @@ class ParallelModel:
             self.tied.sum_grads(self.engine)
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.activations is not None and self.activations.head is not None:
+            return self.activations.head(logits, targets)  # fused: ``logits`` are the final norm's output
         parallel = self.layout.loss_sum(logits, targets) if self.layout is not None else None
         return parallel if parallel is not None else token_loss_sum(logits, targets)
 

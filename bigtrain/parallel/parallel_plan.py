@@ -6,7 +6,7 @@ Each plan is what one public step takes, so a step can also be called on its own
 
     apply_tensor_parallel(model, mesh, TensorParallelPlan, placements)
     apply_expert_parallel(model, mesh, ExpertPlan, placements)
-    apply_activation_checkpointing(blocks, CheckpointingPlan.policy, CheckpointingPlan.every)
+    apply_activation_memory(model, ActivationPlan, layout)   # recomputation, offload, int8, fused head
     build_pipeline(model, mesh, PipelinePlan, placements)
     apply_data_parallel / apply_zero(model, mesh, EnginePlan, optim, init_fn, placements, ...)
 
@@ -48,11 +48,17 @@ class ExpertPlan:
 
 
 @dataclass(frozen=True)
-class CheckpointingPlan:
-    """Activation checkpointing of the model's blocks: 'none', 'full', or 'every' k-th block."""
+class ActivationPlan:
+    """What the model keeps for backward (bigtrain/memory/activations.py, docs/activations.md)."""
 
-    policy: str = "none"
+    policy: str = "none"  # recomputation: 'none', 'full', 'every' k-th block, or 'selective'
     every: int = 1
+    selective_attention: bool = False  # with 'selective': recompute the attention core too
+    offload: bool = False  # saved tensors to host memory, prefetched one module ahead in backward
+    offload_min_bytes: int = 0  # smaller saved tensors stay where they are
+    compression: str = "none"  # 'int8': linear layers' saved inputs as int8 with per-row scales
+    fused_loss: bool = False  # the head and the cross-entropy in chunks of tokens, never all logits
+    fused_loss_chunk: int = 1024
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,7 @@ class ParallelPlan:
     optim: "OptimConfig"
     tensor: TensorParallelPlan = TensorParallelPlan()
     experts: ExpertPlan = ExpertPlan()
-    checkpointing: CheckpointingPlan = CheckpointingPlan()
+    activations: ActivationPlan = ActivationPlan()
     pipeline: PipelinePlan = PipelinePlan()
     engine: EnginePlan = EnginePlan()
     seed: int = 0  # of the model's initial values (which depend on the name and the seed only)

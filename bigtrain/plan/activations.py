@@ -32,6 +32,25 @@ After the last block: the final norm (as above), the fp32 log-softmax of the log
 4-byte scalar (not under tp). The first stage keeps the token ids: the sampler's (s+1)-token
 window per sample, a copied chunk under Ulysses, shifted ids and a mask (9 bytes) under tp.
 
+Selective recomputation (``memory/selective.py``: the norms and the SwiGLU activation recompute,
+the linears keep their inputs) keeps per token: each norm's input B h and output B h, attention as
+in a plain block, w1 x, w3 x and their product 3 B F; no fp32 norm internals, no silu output:
+
+    selective: c1 = 4B,  c2 = (2Bh + 2Bk + 4a + 3BF) / h      (fp32: 16 + 8 + 4a/h + 12 F/h)
+
+With ``selective_attention`` (the core recomputed too) the log-sum-exp goes, and attention's
+output is kept by wo alone (no extra copy under Ulysses).
+
+int8 compression (``memory/compression.py``) stores a linear's input as 1 byte an element plus a
+4-byte scale per token: the norms' outputs (and Megatron SP's gathered copies), w2's input, and
+wo's input (an extra copy in a plain block, where SDPA keeps its output anyway). Full
+checkpointing keeps no linear input, so int8 changes nothing there.
+
+The fused loss (``memory/fused_loss.py``) keeps of the head the final norm as above, 4 bytes of
+log-sum-exp and the int64 targets per token, instead of the fp32 log-softmax over the vocabulary;
+while it runs it holds one chunk's logits and exponentials (``fused_chunk_bytes``). Offload keeps
+at most two modules' offloadable tensors on the device (``memory/offload.py``; memory.py).
+
 GPT-style blocks (not in the runtime; standard fused kernels, flash attention, no dropout):
 LayerNorm keeps its input B h, mean and rstd 8 and its output B h; attention as above; the
 GELU MLP keeps fc1's output and the GELU's output, 2 B F.
@@ -61,6 +80,8 @@ class BlockActivations:
     hidden: int
     nbytes: int
     gathered_copies: int
+    gathered_bytes: float = 0.0  # per token of one Megatron-SP gathered copy (B h; h + 4 in int8)
+    ulysses_extra: float = 0.0  # per token: wo's own copy of attention's output after the all-to-all
 
     def _sum(self, kind: str) -> float:
         return sum(b for _, b, k in self.items if k == kind)
@@ -86,11 +107,11 @@ class BlockActivations:
         if checkpointed:
             return self.checkpointed / (tp if tp_sp else 1)
         if tp_sp:
-            out = self._sum("norm_in") / tp + self.gathered_copies * self.nbytes * self.hidden + self.split / tp
+            out = self._sum("norm_in") / tp + self.gathered_copies * self.gathered_bytes + self.split / tp
         else:
             out = self.replicated + self.split / tp
         if ulysses > 1:  # the all-to-all brings attention's output back as a new tensor, which wo saves
-            out += self.nbytes * self.hidden / tp
+            out += self.ulysses_extra / tp
         return out
 
 
@@ -104,6 +125,8 @@ class HeadActivations:
     nbytes: int
     hidden: int
     seq: int
+    fused: bool = False  # model.fused_loss: log-sum-exp and targets instead of the log-softmax
+    linear_input: float = 0.0  # per token: the head's saved input (B h; h + 4 in int8)
 
     def bytes(self, samples: int, tokens_per_sample: int, tp: int = 1, tp_sp: bool = False, ulysses: int = 1,
               last: bool = True, first: bool = True) -> float:
@@ -112,12 +135,15 @@ class HeadActivations:
         out = 0.0
         if last:
             if tp_sp:
-                norm = self.norm_in / tp + self.nbytes * self.hidden  # the output layer's gathered input
+                norm = self.norm_in / tp + self.linear_input  # the output layer's gathered input
             else:
-                norm = self.norm_in + self.norm_out
-            # vocab-parallel loss: int64 targets and a bool mask; else int64 targets and a scalar
-            targets = tokens * 9 if tp > 1 else tokens * 8 + 4
-            out += tokens * (norm + 4 * local_vocab(self.vocab, tp)) + targets
+                norm = self.norm_in + self.linear_input
+            if self.fused:  # log-sum-exp (fp32) and the int64 targets; masks are recomputed
+                out += tokens * (norm + 4 + 8)
+            else:
+                # vocab-parallel loss: int64 targets and a bool mask; else int64 targets and a scalar
+                targets = tokens * 9 if tp > 1 else tokens * 8 + 4
+                out += tokens * (norm + 4 * local_vocab(self.vocab, tp)) + targets
         if first:
             if tp > 1:  # vocab-parallel embedding: shifted ids (int64) and a bool mask
                 out += tokens * 9
@@ -128,38 +154,74 @@ class HeadActivations:
         return out
 
 
-def _norm_items(model: ModelSpec, nbytes: int, prefix: str) -> list[tuple[str, float, str]]:
+def _norm_items(model: ModelSpec, nbytes: int, prefix: str, output: float) -> list[tuple[str, float, str]]:
+    """``output``: bytes per token of the norm's output as the linears after it keep it."""
     h = model.hidden
     if model.mlp == "swiglu":  # RMSNorm in fp32, then cast back and scaled by the weight
         return [(f"{prefix}.input_fp32", 4 * h, "norm_in"), (f"{prefix}.rsqrt", 4, "norm_in"),
-                (f"{prefix}.normalized", nbytes * h, "norm_in"), (f"{prefix}.output", nbytes * h, "norm_out")]
+                (f"{prefix}.normalized", nbytes * h, "norm_in"), (f"{prefix}.output", output, "norm_out")]
     return [(f"{prefix}.input", nbytes * h, "norm_in"), (f"{prefix}.mean_rstd", 8, "norm_in"),
-            (f"{prefix}.output", nbytes * h, "norm_out")]
+            (f"{prefix}.output", output, "norm_out")]
 
 
-def block_activations(model: ModelSpec, precision: str) -> BlockActivations:
+def _int8(elements: int) -> float:
+    """Bytes per token of a linear input of ``elements`` per token kept as int8 with a row scale."""
+    return elements + 4
+
+
+def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
+                      compression: str = "none", selective_attention: bool = False) -> BlockActivations:
     """The itemized saved tensors of one block (see the module docstring)."""
     nbytes, h, k, f = BYTES[precision], model.hidden, model.kv_dim, model.ffn_hidden
     first_norm, second_norm = ("attention_norm", "ffn_norm") if model.mlp == "swiglu" else ("ln_1", "ln_2")
-    items = _norm_items(model, nbytes, first_norm)
+    int8 = compression == "int8"
+    linear_in = _int8(h) if int8 else nbytes * h  # a norm's output, as the linears after it keep it
+    selective = recompute == "selective" and model.mlp == "swiglu"
+    core_recomputed = selective and selective_attention
+    if selective:
+        items = [(f"{first_norm}.input", nbytes * h, "norm_in"), (f"{first_norm}.output", linear_in, "norm_out")]
+    else:
+        items = _norm_items(model, nbytes, first_norm, linear_in)
     items += [("attention.q", nbytes * h, "split"), ("attention.k", nbytes * k, "split"),
-              ("attention.v", nbytes * k, "split"), ("attention.logsumexp", 4 * model.heads, "split"),
-              ("attention.output", nbytes * h, "split")]
-    items += _norm_items(model, nbytes, second_norm)
-    if model.mlp == "swiglu":
+              ("attention.v", nbytes * k, "split")]
+    if core_recomputed:  # no log-sum-exp; wo alone keeps attention's output
+        items.append(("attention.output", _int8(h) if int8 else nbytes * h, "split"))
+    else:
+        items += [("attention.logsumexp", 4 * model.heads, "split"), ("attention.output", nbytes * h, "split")]
+        if int8:  # wo's int8 copy; SDPA keeps its output all the same
+            items.append(("attention.wo_input", _int8(h), "split"))
+    if selective:
+        items += [(f"{second_norm}.input", nbytes * h, "norm_in"), (f"{second_norm}.output", linear_in, "norm_out")]
+    else:
+        items += _norm_items(model, nbytes, second_norm, linear_in)
+    product = _int8(f) if int8 else nbytes * f
+    if selective:
         items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
-                  ("feed_forward.silu_out", nbytes * f, "split"), ("feed_forward.product", nbytes * f, "split")]
+                  ("feed_forward.product", product, "split")]
+    elif model.mlp == "swiglu":
+        items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
+                  ("feed_forward.silu_out", nbytes * f, "split"), ("feed_forward.product", product, "split")]
     else:
         items += [("mlp.fc1_out", nbytes * f, "split"), ("mlp.gelu_out", nbytes * f, "split")]
     return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
-                            gathered_copies=SP_GATHERED_COPIES[model.mlp])
+                            gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
+                            ulysses_extra=0.0 if int8 or core_recomputed else nbytes * h)
 
 
-def head_activations(model: ModelSpec, precision: str) -> HeadActivations:
-    items = _norm_items(model, BYTES[precision], "norm")
+def head_activations(model: ModelSpec, precision: str, compression: str = "none",
+                     fused_loss: bool = False) -> HeadActivations:
+    nbytes = BYTES[precision]
+    linear_in = _int8(model.hidden) if compression == "int8" and not fused_loss else nbytes * model.hidden
+    items = _norm_items(model, nbytes, "norm", linear_in)
     return HeadActivations(norm_in=sum(b for _, b, k in items if k == "norm_in"),
                            norm_out=sum(b for _, b, k in items if k == "norm_out"), vocab=model.vocab,
-                           nbytes=BYTES[precision], hidden=model.hidden, seq=model.seq)
+                           nbytes=nbytes, hidden=model.hidden, seq=model.seq, fused=fused_loss,
+                           linear_input=linear_in)
+
+
+def fused_chunk_bytes(model: ModelSpec, chunk: int, tp: int = 1) -> int:
+    """What the fused loss holds while it runs: one chunk's fp32 logits and their exponentials."""
+    return 2 * chunk * 4 * local_vocab(model.vocab, tp)
 
 
 def checkpointed_block_indices(layers: int, recompute: str, every: int) -> set[int]:

@@ -28,8 +28,10 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None) ->
     parallelism, micro-batch size and checkpointing."""
     model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
     cluster = Cluster.build(world_size, get_profile(hardware or local_hardware()))
-    result = search(model, cluster, cfg.train.global_batch, fixed={"precision": cfg.precision.mode},
-                    precision=cfg.precision.mode)
+    # The activation options are the user's to choose: the search keeps them as configured.
+    fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
+             "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss}
+    result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode)
     if result.best is None:
         closest = result.closest
         lack = f"; closest: {closest.layout.describe()} needs {closest.memory.total / 2**30:.1f} GiB" if closest else ""

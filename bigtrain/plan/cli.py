@@ -48,9 +48,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     run.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: searched)")
     run.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     run.add_argument("--layout", default="auto",
-                     help="'auto' or keys dp,tp,pp,sp,zero,micro_batch,schedule,v,recompute,every,tp_sp,precision, "
-                          "e.g. dp=8,tp=4,pp=2,zero=1,schedule=interleaved,v=2,recompute=full; missing keys are "
-                          "chosen by the planner")
+                     help="'auto' or keys dp,tp,pp,sp,zero,micro_batch,schedule,v,recompute,every,tp_sp,precision,"
+                          "offload,compression,fused_loss, e.g. dp=8,tp=4,pp=2,zero=1,schedule=interleaved,v=2,"
+                          "recompute=selective,offload=on; missing keys are chosen by the planner (offload, "
+                          "compression and fused_loss default to off)")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="how many ranked layouts to show")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -23,6 +23,12 @@ Conventions (docs/planner.md has the derivations):
   under, except the last unit's collective; ZeRO-3's gathers hide behind the forward/backward
   the same way. Stage 1-2's all-gather of updated weights after the step is exposed (the runtime
   does it synchronously), and so is the memory-bound AdamW step.
+* Activation options (``memory/``): selective recomputation is elementwise and memory-bound: the
+  tensors it drops are written and read once more at ``hbm_bandwidth``; the fused loss adds one
+  more output projection (2 V h FLOPs per token). Offload moves every micro-batch's saved bytes out and back
+  over the host link (``host_bandwidth``), overlapped with that micro-batch's compute up to
+  ``OVERLAP``; int8 compression is memory-bound traffic (quantize in forward, dequantize in
+  backward) at ``hbm_bandwidth``.
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from bigtrain.plan.activations import checkpointed_block_indices
+from bigtrain.plan.activations import block_activations, checkpointed_block_indices
 from bigtrain.plan.layout import BYTES, Cluster, Layout
-from bigtrain.plan.memory import checked_pp_ranks, rank_units, replicas
+from bigtrain.plan.memory import checked_pp_ranks, chunk_activation_bytes, rank_units, replicas
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel
 
@@ -117,7 +123,8 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     split = layout.tp * layout.sp  # each of these ranks does 1/split of the stage's FLOPs
     head = 2 * model.vocab * model.hidden / layout.pp
     forward = tokens * (layers * model.block_forward_flops_per_token() + head)
-    backward = 2 * forward + tokens * recomputed * model.block_forward_flops_per_token()
+    backward = 2 * forward + tokens * (recomputed * model.block_forward_flops_per_token()
+                                       + activation_recompute_flops_per_token(model, layout) / layout.pp)
     # W defers the weight gradients of the layers that are not checkpointed (split_backward.py).
     deferred_backward = 2 * tokens * ((layers - recomputed) * model.block_forward_flops_per_token() + head)
     weight_grad = hw.weight_grad_fraction * deferred_backward
@@ -139,6 +146,38 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
         return flops / split / rate
 
     return StageCosts(seconds(forward), seconds(backward), seconds(weight_grad), comm_f, comm_b, p2p)
+
+
+def activation_recompute_flops_per_token(model: ModelSpec, layout: Layout) -> float:
+    """Extra FLOPs per token of the fused loss (whole model); selective recomputation's are
+    elementwise (see :func:`activation_option_costs`)."""
+    flops = 0.0
+    if layout.fused_loss:
+        flops += 2 * model.vocab * model.hidden  # each chunk's logits again in backward
+    return flops
+
+
+def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: StageCosts,
+                            micro_batches: int) -> dict[str, float]:
+    """Seconds per step of selective recomputation (memory-bound), activation offload (what compute
+    does not hide) and int8 compression (memory-bound), on the busiest rank."""
+    out = {}
+    hw = cluster.hardware
+    tokens = layout.micro_batch * model.seq / (layout.sp * layout.tp)
+    if layout.recompute == "selective":  # the norms' internals and silu's output, made again
+        dropped = (block_activations(model, layout.precision).per_token()
+                   - block_activations(model, layout.precision, "selective").per_token())
+        out["selective_recompute"] = micro_batches * 2 * dropped * tokens * model.layers / layout.pp / hw.hbm_bandwidth
+    if layout.offload:
+        moved = max(chunk_activation_bytes(model, layout, r) for r in checked_pp_ranks(layout.pp))
+        window = OVERLAP * (costs.compute_f + costs.compute_b)
+        out["activation_offload"] = micro_batches * max(0.0, 2 * moved / hw.host_bandwidth - window)
+    if layout.compression == "int8":
+        nbytes = BYTES[layout.precision]
+        per_block = 3 * model.hidden + model.ffn_hidden  # the linear inputs compressed (norms, wo, w2)
+        traffic = 2 * (nbytes + 1) * per_block * tokens * model.layers / layout.pp
+        out["activation_compression"] = micro_batches * traffic / hw.hbm_bandwidth
+    return out
 
 
 # -- data parallel / ZeRO ----------------------------------------------------------------------------
@@ -192,11 +231,13 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
     weight_grad = costs.compute_w if layout.schedule == "zb-h1" else 0.0
     terms = pipeline.terms(layout.schedule, layout.pp, m, layout.v, f, b, weight_grad, costs.p2p)
     extra = data_parallel_costs(model, layout, cluster, costs, m)
+    extra.update(activation_option_costs(model, layout, cluster, costs, m))
     total = terms.makespan + sum(extra.values())
     tokens = global_batch * model.seq
     model_flops = tokens * model.model_flops_per_token()
     recomputed = len(checkpointed_block_indices(model.layers, layout.recompute, layout.every))
-    hardware_flops = model_flops + tokens * model.recompute_flops_per_token(recomputed)
+    hardware_flops = model_flops + tokens * (model.recompute_flops_per_token(recomputed)
+                                             + activation_recompute_flops_per_token(model, layout))
     peak = cluster.hardware.peak_flops(layout.precision) * cluster.gpus
     breakdown = {"compute": m * (costs.compute_f + costs.compute_b),
                  "tp_sp_comm": m * (costs.comm_f + costs.comm_b),

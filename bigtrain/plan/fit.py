@@ -68,7 +68,9 @@ def _layout(cfg: Config):
     p = cfg.parallel
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, sp=p.sp, zero=p.zero, micro_batch=cfg.train.micro_batch,
                   schedule=p.pp_schedule, v=p.pp_virtual, recompute=cfg.memory.checkpointing,
-                  every=cfg.memory.checkpoint_every, tp_sp=p.sequence_parallel, precision=cfg.precision.mode)
+                  every=cfg.memory.checkpoint_every, tp_sp=p.sequence_parallel, precision=cfg.precision.mode,
+                  offload=cfg.memory.activation_offload, compression=cfg.memory.activation_compression,
+                  fused_loss=cfg.model.fused_loss)
 
 
 def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False) -> tuple[list[str], list[str]]:

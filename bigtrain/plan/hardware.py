@@ -50,6 +50,8 @@ class HardwareProfile:
     inter_node_latency_s: float
     gpus_per_node: int = 8
     weight_grad_fraction: float = WEIGHT_GRAD_FRACTION  # W / (I + W) of a split backward, measured
+    # device <-> host copies (activation offload), per direction: PCIe Gen4 x16 at ~80% (assumption)
+    host_bandwidth: float = 25e9
     source: str = ""
 
     def peak_flops(self, precision: str) -> float:

@@ -17,7 +17,8 @@ from bigtrain.parallel.pipeline import SCHEDULE_KINDS
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.model import ModelSpec
 
-RECOMPUTE = ("none", "full", "every")
+RECOMPUTE = ("none", "full", "every", "selective")
+COMPRESSIONS = ("none", "int8")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -36,6 +37,9 @@ class Layout:
     every: int = 2
     tp_sp: bool = False
     precision: str = "bf16"
+    offload: bool = False  # memory.activation_offload
+    compression: str = "none"  # memory.activation_compression
+    fused_loss: bool = False  # model.fused_loss
 
     @property
     def gpus(self) -> int:
@@ -65,6 +69,8 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp_sp={'on' if self.tp_sp else 'off'}")
         parts.append(self.precision)
+        parts += [k for k, on in (("offload", self.offload), ("int8", self.compression == "int8"),
+                                  ("fused_loss", self.fused_loss)) if on]
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -76,7 +82,10 @@ class Layout:
         out += [f"--parallel.pp_schedule={self.schedule}", f"--parallel.pp_virtual={self.v}"]
         out += [f"--parallel.sequence_parallel={str(self.tp_sp).lower()}", f"--precision.mode={self.precision}",
                 f"--memory.checkpointing={self.recompute}", f"--memory.checkpoint_every={self.every}",
-                f"--train.micro_batch={self.micro_batch}"]
+                f"--train.micro_batch={self.micro_batch}",
+                f"--memory.activation_offload={str(self.offload).lower()}",
+                f"--memory.activation_compression={self.compression}",
+                f"--model.fused_loss={str(self.fused_loss).lower()}"]
         return out
 
 
@@ -113,8 +122,10 @@ class Cluster:
 
 _INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every")
 _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": "recompute", "tpsp": "tp_sp",
-            "sequence_parallel": "tp_sp", "zero_stage": "zero", "checkpoint_every": "every"}
-LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision")
+            "sequence_parallel": "tp_sp", "zero_stage": "zero", "checkpoint_every": "every",
+            "activation_offload": "offload", "activation_compression": "compression"}
+_BOOL_KEYS = ("tp_sp", "offload", "fused_loss")
+LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss")
 
 
 def parse_layout(text: str) -> dict:
@@ -149,13 +160,14 @@ def _parse_value(key: str, value: str):
         if number < (0 if key == "zero" else 1):
             raise ValueError("must be >= 1" if key != "zero" else "must be 0, 1, 2 or 3")
         return number
-    if key == "tp_sp":
+    if key in _BOOL_KEYS:
         if value.lower() in ("1", "on", "true", "yes"):
             return True
         if value.lower() in ("0", "off", "false", "no"):
             return False
         raise ValueError("use on or off")
-    choices = {"schedule": SCHEDULE_KINDS, "recompute": RECOMPUTE, "precision": PRECISIONS}[key]
+    choices = {"schedule": SCHEDULE_KINDS, "recompute": RECOMPUTE, "precision": PRECISIONS,
+               "compression": COMPRESSIONS}[key]
     if value not in choices:
         raise ValueError(f"must be one of {', '.join(choices)}")
     return value

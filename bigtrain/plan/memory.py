@@ -13,7 +13,9 @@ given (AdamW: E = 8, two fp32 moments; T = 4, its step count):
     optimizer: (4 master if mixed + E) P/N + T per piece
 
 Activations are the saved tensors of ``activations.py`` for one micro-batch, times the pipeline's
-peak in-flight micro-batches on the rank (from the schedule simulator). Buffers are what the
+peak in-flight micro-batches on the rank (from the schedule simulator); with activation offload,
+two blocks' worth plus the plain loss's log-softmax per micro-batch in flight stay on the device
+and the rest is host memory (``detail["host_activations"]``). Buffers are what the
 runtime allocates besides (named so tests can compare those they can measure):
 
     zero_reduce_outputs  one reduce-scatter output per unit, held until the step (stages 2-3 fold
@@ -24,6 +26,7 @@ runtime allocates besides (named so tests can compare those they can measure):
     zero3_gathered       stage 3: the root unit (gathered for the whole forward and backward)
                          plus two blocks (the current one and the prefetched one)
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
+    fused_loss_chunk     the fused loss's one chunk of fp32 logits and exponentials (model.fused_loss)
 
 They are added to the end-of-forward activation peak although most live during backward, when
 activations are being freed: a conservative bound. The allocator allowance is the profile's
@@ -39,14 +42,15 @@ from dataclasses import dataclass, field
 
 from bigtrain.optim import get_optimizer
 from bigtrain.parallel.placement import dense
-from bigtrain.plan.activations import (block_activations, checkpointed_block_indices,
+from bigtrain.plan.activations import (block_activations, checkpointed_block_indices, fused_chunk_bytes,
                                        head_activations)
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
-from bigtrain.plan.model import ModelSpec, Tensor
+from bigtrain.plan.model import ModelSpec, Tensor, local_vocab
 from bigtrain.plan.pipeline import PipelineModel
 
 MEASURABLE_BUFFERS = ("zero_reduce_outputs", "zero3_gathered")
+FUSED_LOSS_CHUNK = 1024  # model.fused_loss_chunk's default: the planner's layouts do not carry it
 
 
 @dataclass(frozen=True)
@@ -178,21 +182,42 @@ def zero_formula_bytes(params: float, zero: int, dp: int, precision: str = "bf16
 
 
 # -- activations and buffers ---------------------------------------------------------------------------
-def _chunk_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> int:
+def chunk_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> int:
     """Saved bytes of one micro-batch on the rank's largest stage chunk."""
+    return math.ceil(max(blocks + head for blocks, head, _ in _stage_chunks(model, layout, pp_rank)))
+
+
+def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> list[tuple[float, float, float]]:
+    """Per stage chunk of the rank, one micro-batch: (its blocks' saved bytes, the embedding's and
+    head's, the largest block's)."""
     stages = layout.pp * layout.v
     blocks = stage_blocks(model.layers, stages)
     checkpointed = checkpointed_block_indices(model.layers, layout.recompute, layout.every)
-    acts, head = block_activations(model, layout.precision), head_activations(model, layout.precision)
+    acts = block_activations(model, layout.precision, layout.recompute, layout.compression)
+    head = head_activations(model, layout.precision, layout.compression, layout.fused_loss)
     samples, seq = layout.micro_batch, model.seq // layout.sp
     tokens = samples * seq
     mode = dict(tp=layout.tp, tp_sp=layout.tp_sp, ulysses=layout.sp)
-    best = 0.0
+    out = []
     for s in range(pp_rank, stages, layout.pp):
-        chunk = sum(tokens * acts.per_token(checkpointed=i in checkpointed, **mode) for i in blocks[s])
-        chunk += head.bytes(samples, seq, last=s == stages - 1, first=s == 0, **mode)
-        best = max(best, chunk)
-    return math.ceil(best)
+        per_block = [tokens * acts.per_token(checkpointed=i in checkpointed, **mode) for i in blocks[s]]
+        ends = head.bytes(samples, seq, last=s == stages - 1, first=s == 0, **mode)
+        out.append((sum(per_block), ends, max(per_block, default=0.0)))
+    return out
+
+
+def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, inflight: int) -> tuple[int, int]:
+    """With activation offload: (saved bytes left on the device, bytes on the host). The device keeps
+    two blocks' worth (the one backward is in and the one prefetched; the head's and embedding's
+    groups are smaller for the models planned) and, per micro-batch in flight, what no module saves:
+    the plain loss's log-softmax (none with the fused loss)."""
+    chunks = _stage_chunks(model, layout, pp_rank)
+    largest = max(b for _, _, b in chunks)
+    samples, seq = layout.micro_batch, model.seq // layout.sp
+    last = any(s == layout.pp * layout.v - 1 for s in range(pp_rank, layout.pp * layout.v, layout.pp))
+    loss = 0.0 if layout.fused_loss or not last else samples * seq * 4 * local_vocab(model.vocab, layout.tp)
+    host = max(blocks + ends for blocks, ends, _ in chunks) * inflight
+    return math.ceil(2 * largest + inflight * loss), math.ceil(host)
 
 
 def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: list[Unit]) -> dict[str, int]:
@@ -220,6 +245,8 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
         out["sp_all_to_all"] = tokens * (2 * model.hidden + 2 * model.kv_dim) * nbytes // layout.tp
     if layout.pp > 1:
         out["pp_p2p"] = 2 * tokens * model.hidden * nbytes // (layout.tp if layout.tp_sp else 1)
+    if layout.fused_loss:  # on the last stage; counted on every rank (a bound)
+        out["fused_loss_chunk"] = fused_chunk_bytes(model, FUSED_LOSS_CHUNK, layout.tp)
     return out
 
 
@@ -229,10 +256,14 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     root, blocks = rank_units(model, layout, pp_rank)
     units = ([root] if root else []) + blocks
     states = state_bytes(units, layout.zero, layout.precision, replicas(layout), optimizer)
-    per_mb = _chunk_activation_bytes(model, layout, pp_rank)
+    per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
-    mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], per_mb * inflight, buffers,
+    activations, host = per_mb * inflight, 0
+    if layout.offload:
+        activations, host = offloaded_activation_bytes(model, layout, pp_rank, inflight)
+    mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], activations, buffers,
                      inflight, per_mb, capacity=hardware.memory_bytes)
+    mem.detail["host_activations"] = host
     mem.allocator = math.ceil(hardware.fragmentation * mem.peak) + hardware.reserved_bytes
     return mem
 
@@ -255,6 +286,6 @@ def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile,
     ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer)
              for r in checked_pp_ranks(layout.pp)]
     worst = max(ranks, key=lambda m: m.total)
-    acts = block_activations(model, layout.precision)
-    worst.detail = {"activation_c1": round(acts.c1, 4), "activation_c2": round(acts.c2, 4)}
+    acts = block_activations(model, layout.precision, layout.recompute, layout.compression)
+    worst.detail.update({"activation_c1": round(acts.c1, 4), "activation_c2": round(acts.c2, 4)})
     return worst

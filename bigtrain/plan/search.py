@@ -26,7 +26,7 @@ from bigtrain.plan.pipeline import PipelineModel
 
 MICRO_BATCHES = (1, 2, 4, 8)
 SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4))
-RECOMPUTES = ("none", "every", "full")
+RECOMPUTES = ("none", "selective", "every", "full")
 
 
 @dataclass
@@ -109,7 +109,8 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
         for zero, mb, (schedule, v), recompute, tp_sp in choices:
             layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule, v=v,
                             recompute=recompute, every=fixed.get("every", 2), tp_sp=tp_sp,
-                            precision=fixed.get("precision", precision))
+                            precision=fixed.get("precision", precision), offload=fixed.get("offload", False),
+                            compression=fixed.get("compression", "none"), fused_loss=fixed.get("fused_loss", False))
             if layout not in seen:
                 seen.add(layout)
                 yield layout

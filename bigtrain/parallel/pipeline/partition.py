@@ -167,6 +167,7 @@ class LlamaStage(PipelineStage):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         if self.is_last:
             self.norm, self.output = model.norm, model.output
+        self.head_in_loss = model.head_in_loss  # the fused loss calls the head itself (see Llama)
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
@@ -178,7 +179,10 @@ class LlamaStage(PipelineStage):
         h = self.tok_embeddings(x) if self.is_first else x
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h)) if self.is_last else h
+        if not self.is_last:
+            return h
+        h = self.norm(h)
+        return h if self.head_in_loss else self.output(h)
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:

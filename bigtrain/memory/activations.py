@@ -1,0 +1,78 @@
+"""The ``memory`` section applied to a plain (possibly tensor-parallel) Llama: one call for ``parallelize``.
+
+In this order, each on the module structure before any weight exists: int8 compression of the
+linear layers' saved inputs (innermost: it replaces how a linear computes), recomputation (full,
+every k-th or selective), the fused head (``model.fused_loss``), and offload around every module
+(outermost: its hooks also see the checkpoints' inputs). None of them changes a parameter name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from bigtrain.memory.checkpointing import apply_activation_checkpointing
+from bigtrain.memory.compression import compress_linear_inputs
+from bigtrain.memory.fused_loss import fuse_head_into_loss
+from bigtrain.memory.offload import ActivationOffloader
+from bigtrain.memory.selective import apply_selective_recomputation
+from bigtrain.parallel.zero.units import default_unit_modules
+
+if TYPE_CHECKING:
+    from bigtrain.parallel.parallel_plan import ActivationPlan
+
+
+@dataclass
+class ActivationMemory:
+    """What was applied: the blocks recomputed, the offloader (its stats), the fused head."""
+
+    checkpointed: list[int]  # fully checkpointed blocks (their parameters are eager in a split backward)
+    selective: bool
+    offloader: ActivationOffloader | None = None
+    head: nn.Module | None = None  # with model.fused_loss: call head(hidden, targets) for the loss sum
+    compressed: int = 0  # linear layers saving int8 inputs
+
+    def zero_units(self, model: nn.Module, unit_modules: list[nn.Module] | None) -> list[nn.Module] | None:
+        """ZeRO units with the fused head as one of its own, where ``model`` holds it: the loss
+        calls the head after the model's forward, when ZeRO-3 has released the root unit, so the
+        head's own hooks must gather (and, in backward, gather again) its weight."""
+        if self.head is None or not any(m is self.head for m in model.modules()):
+            return unit_modules
+        units = default_unit_modules(model) if unit_modules is None else list(unit_modules)
+        if any(m is self.head for m in units):
+            return units
+        # Before the unit module that holds it (an interleaved rank's last chunk), which would
+        # otherwise take its weight along (units take parameters first come, first served).
+        holder = next((i for i, m in enumerate(units) if any(sub is self.head for sub in m.modules())), None)
+        if holder is None:
+            return units + [self.head]
+        return units[:holder] + [self.head] + units[holder:]
+
+
+def offloaded_modules(model: nn.Module) -> list[nn.Module]:
+    """A Llama's modules in forward order: embedding, blocks, final norm, head."""
+    return [model.tok_embeddings, *model.layers, model.norm, model.output]
+
+
+def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=None) -> ActivationMemory:
+    """Apply ``plan`` to ``model`` (after tensor parallelism: ``layout`` is its TensorLayout, or None)."""
+    compressed = 0
+    if plan.compression == "int8":
+        linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+        if not plan.fused_loss:
+            linears.append(model.output)
+        compressed = compress_linear_inputs(linears)
+    if plan.policy == "selective":
+        apply_selective_recomputation(model.layers, plan.selective_attention)
+        checkpointed = []
+    else:
+        checkpointed = apply_activation_checkpointing(model.layers, plan.policy, plan.every) \
+            if plan.policy != "none" else []
+    head = None
+    if plan.fused_loss:
+        vocab = layout.vocab if layout is not None else None
+        head = fuse_head_into_loss(model, plan.fused_loss_chunk, layout.tp if vocab is not None else None, vocab)
+    offloader = ActivationOffloader(offloaded_modules(model), plan.offload_min_bytes) if plan.offload else None
+    return ActivationMemory(checkpointed, plan.policy == "selective", offloader, head, compressed)
