@@ -236,6 +236,13 @@ def check_runtime(cfg: Config) -> list[str]:
     problems += _positive(cfg, ["memory.checkpoint_every", "logging.log_every", "checkpoint.keep",
                                 "model.fused_loss_chunk"])
     problems += _non_negative(cfg, ["memory.offload_min_bytes"])
+    if cfg.model.fused_loss and cfg.model.tie_embeddings and cfg.parallel.zero == 3:
+        # The fused head is a ZeRO-3 unit of its own; tied, its weight is the embedding's, which the
+        # root unit must hold gathered too: unit ownership of one parameter by two units is not built
+        # (found by the layout fuzzer, seed 20261124: the embedding ran on a released weight).
+        problems.append("model.fused_loss = true with model.tie_embeddings = true is not supported at "
+                        "parallel.zero = 3 yet; use parallel.zero <= 2, or model.tie_embeddings = false, or "
+                        "model.fused_loss = false")
     problems += _non_negative(cfg, ["checkpoint.every"])
     problems += _one_of("train.device", cfg.train.device, DEVICES)
     resume = cfg.checkpoint.resume

@@ -61,6 +61,8 @@ CASES = [
     ("unknown-axis", ["--parallel.cp=2"], "parallel.cp"),
     ("precision-mode", ["--precision.mode=fp8"], "precision.mode"),
     ("checkpointing-policy", ["--memory.checkpointing=sometimes"], "memory.checkpointing"),
+    ("fused-tied-zero3", ["--model.fused_loss=true", "--model.tie_embeddings=true", "--parallel.dp=2",
+                          "--parallel.zero=3"], "model.fused_loss = true with model.tie_embeddings"),
     ("checkpoint-every-zero", ["--memory.checkpoint_every=0"], "memory.checkpoint_every"),
     ("beta1-one", ["--optim.beta1=1.0"], "optim.beta1"),
     ("min-lr-ratio-two", ["--optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
