@@ -123,7 +123,10 @@ class MoEFeedForward(nn.Module):
         self.aux_loss_coef, self.router_kind = aux_loss_coef, router
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, hidden)
-        self.shared = _SwiGLU(dim, hidden) if shared_expert else None
+        # The dense block's SwiGLU (names w1, w2, w3); imported here because llama.py imports this module.
+        from bigtrain.models.llama import FeedForward
+
+        self.shared = FeedForward(dim, hidden) if shared_expert else None
         self.dispatcher = LocalExperts()
         self.aux_scale: float | None = None  # per sequence; None: 1 / the sequences of each forward
         # Not buffers: derived state the engines need not own (zeroed where first used, see docs/moe.md).
@@ -197,19 +200,6 @@ class MoEFeedForward(nn.Module):
         fraction = F.one_hot(chosen, self.num_experts).sum((1, 2)).float() / (s * k)  # (b, E), no gradient
         mean_prob = scores.mean(1)  # (b, E)
         return (fraction * mean_prob).sum() * self.num_experts
-
-
-class _SwiGLU(nn.Module):
-    """The shared expert: the same SwiGLU as the dense block's (names w1, w2, w3)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
