@@ -178,7 +178,9 @@ class MemoryConfig:
 class OptimConfig:
     """The optimizer and its learning-rate schedule."""
 
-    name: str = doc("Optimizer: 'adamw' (fused kernel where the device has one). Others plug in through "
+    name: str = doc("Optimizer: 'adamw' (fused kernel where the device has one), 'adamw8bit' (both moments "
+                    "block-wise 8-bit), 'adafactor' (factored second moment) or 'lion' (sign of momentum; "
+                    "use a 3-10x smaller lr, beta2 0.99). Others plug in through "
                     "bigtrain.optim.register_optimizer; the tests register 'sgd_momentum'.", "adamw")
     lr: float = doc("Peak learning rate (before linear scaling, if enabled).", 3e-3)
     min_lr_ratio: float = doc("Cosine floor as a fraction of the peak.", 0.1)
@@ -189,6 +191,13 @@ class OptimConfig:
     beta2: float = doc("Adam beta2.", 0.95)
     eps: float = doc("Adam epsilon.", 1e-8)
     grad_clip: float = doc("Global gradient-norm clip; 0 disables.", 1.0)
+    block_size: int = doc("adamw8bit: elements per quantization block (one fp32 scale per moment each); "
+                          "ZeRO and tensor-parallel cuts must fall on block boundaries.", 256)
+    adafactor_decay: float = doc("adafactor: 1 - beta2 at step t is t ** adafactor_decay (torch's beta2_decay).",
+                                 -0.8)
+    adafactor_clip: float = doc("adafactor: the update is scaled down to this RMS at most (torch's d).", 1.0)
+    adafactor_eps: float = doc("adafactor: the smallest parameter RMS the relative step size uses (torch's "
+                               "eps[1]).", 1e-3)
     lr_scaling: str = doc("'none', or 'linear': lr x global_batch / base_batch (Goyal et al.).", "none")
     base_batch: int = doc("Reference global batch for linear lr scaling.", 8)
 

@@ -9,8 +9,15 @@ parameters from their ``.grad`` (a ``torch.optim.Optimizer``: ``param_groups``, 
 - the engines build the optimizer through the spec and call ``step()``; the ZeRO engine hands it
   flat pieces of the master shard, so it refuses an optimizer that is not elementwise;
 - full state and checkpoints gather and cut the ``per="element"`` state tensors exactly like the
-  parameters they belong to, and copy the ``per="tensor"`` ones (a step count) to every piece;
-- the planner (``plan/memory.py``) counts ``bytes_per_param`` and ``bytes_per_tensor``.
+  parameters they belong to, the ``per="block"`` ones (one value per block of ``block_size``
+  elements, 8-bit AdamW's scales) like the parameters' blocks, and copy the ``per="tensor"`` ones
+  (a step count, Adafactor's row and column statistics of the whole parameter) to every piece;
+- what the engines may hand the optimizer is ``needs``: ``"elements"`` (any flat piece, cut
+  anywhere), ``"blocks"`` (pieces of one parameter starting at a block boundary: ZeRO aligns its
+  cuts) or ``"shapes"`` (pieces of one parameter, each told where it sits in the whole parameter
+  and which groups hold the rest, :mod:`bigtrain.optim.pieces`);
+- the planner (``plan/memory.py``) counts ``bytes_per_param``, ``bytes_per_tensor`` and the
+  ``factored_bytes`` of a parameter's shape.
 
 This module does not import torch, so config validation can list the registered names cheaply.
 """
@@ -24,7 +31,8 @@ if TYPE_CHECKING:
     from bigtrain.config import OptimConfig
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "uint8": 1}
-PER = ("element", "tensor")
+PER = ("element", "block", "tensor")
+NEEDS = ("elements", "blocks", "shapes")
 
 
 @dataclass(frozen=True)
@@ -34,14 +42,19 @@ class StateTensor:
     name: str  # the key in ``optimizer.state[param]``
     dtype: str = "fp32"
     # "element": one value per parameter element, shaped like the parameter: reshards like it.
-    # "tensor": one value per parameter tensor (Adam's step count): copied to every shard.
+    # "block": one value per block of ``block_size`` elements of the flattened parameter (a scale).
+    # "tensor": one copy per parameter tensor, whatever its shape (Adam's step count, Adafactor's
+    # statistics of the whole parameter): alike on every rank holding part of it, copied to each.
     per: str = "element"
+    # per = "tensor" state whose size follows the parameter's shape (Adafactor's row and column
+    # statistics): the spec's ``factored_bytes`` counts it, not ``bytes_per_tensor``.
+    factored: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"state {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         if self.per not in PER:
-            raise ValueError(f"state {self.name!r}: per = {self.per!r} must be 'element' or 'tensor'")
+            raise ValueError(f"state {self.name!r}: per = {self.per!r} must be one of {', '.join(PER)}")
 
     @property
     def nbytes(self) -> int:
@@ -57,16 +70,39 @@ class OptimizerSpec:
     name: str
     state: tuple[StateTensor, ...]
     build: BuildFn
-    # True: the update of each element reads only that element's parameter, gradient and state, so
-    # it can run on flat ZeRO shards that cut parameters anywhere. False: it needs parameter shapes
-    # (Adafactor's row and column statistics); only the replicated engine can run it for now.
-    elementwise: bool = True
+    # "elements": each element's update reads only its own parameter, gradient and state, so it
+    # runs on flat ZeRO shards that cut parameters anywhere. "blocks": elementwise within blocks of
+    # ``block_size(cfg)`` elements counted from each parameter's first (a block shares a scale).
+    # "shapes": it needs the whole parameter's shape and sums over all of it (Adafactor).
+    needs: str = "elements"
     summary: str = ""
+    block_size: Callable[["OptimConfig"], int] | None = None
+    # Bytes of per-tensor state for a parameter of this full shape (Adafactor: rows + columns).
+    factored_bytes: Callable[[tuple], int] | None = None
+
+    def __post_init__(self):
+        if self.needs not in NEEDS:
+            raise ValueError(f"optimizer {self.name!r}: needs = {self.needs!r} must be one of {', '.join(NEEDS)}")
+        if (self.needs == "blocks") != (self.block_size is not None):
+            raise ValueError(f"optimizer {self.name!r}: needs = 'blocks' goes with a block_size, and only it")
+
+    @property
+    def elementwise(self) -> bool:
+        return self.needs == "elements"
+
+    def alignment(self, cfg: "OptimConfig") -> int:
+        """Elements a ZeRO cut must be a multiple of, counted from each parameter's start."""
+        return self.block_size(cfg) if self.block_size is not None else 1
 
     @property
     def element_state(self) -> tuple[str, ...]:
         """Names of the state tensors shaped like the parameter (they reshard with it)."""
         return tuple(s.name for s in self.state if s.per == "element")
+
+    @property
+    def block_state(self) -> tuple[str, ...]:
+        """Names of the state tensors with one value per block of the flattened parameter."""
+        return tuple(s.name for s in self.state if s.per == "block")
 
     @property
     def tensor_state(self) -> tuple[str, ...]:
@@ -78,10 +114,22 @@ class OptimizerSpec:
         """State bytes per parameter element (AdamW: two fp32 moments, 8)."""
         return sum(s.nbytes for s in self.state if s.per == "element")
 
+    def state_bytes(self, numel: int, tensors: int, cfg: "OptimConfig | None" = None,
+                    shapes: Iterable[tuple] = ()) -> float:
+        """State bytes for ``numel`` elements held as ``tensors`` pieces (of parameters of full
+        ``shapes``, for factored state): elements x bytes_per_param, plus blocks, plus per tensor."""
+        total = numel * self.bytes_per_param + tensors * self.bytes_per_tensor
+        if self.block_state and cfg is not None:
+            per_block = sum(s.nbytes for s in self.state if s.per == "block")
+            total += per_block * numel / self.block_size(cfg)
+        if self.factored_bytes is not None:
+            total += sum(self.factored_bytes(shape) for shape in shapes)
+        return total
+
     @property
     def bytes_per_tensor(self) -> int:
         """State bytes per parameter tensor the optimizer is given (AdamW: its fp32 step, 4)."""
-        return sum(s.nbytes for s in self.state if s.per == "tensor")
+        return sum(s.nbytes for s in self.state if s.per == "tensor" and not s.factored)
 
     def check_state(self, keys: Iterable[str], where: str) -> None:
         """Raise unless ``keys`` (of one parameter's state, found at ``where``) are exactly the
