@@ -217,12 +217,31 @@ def check_optim(cfg: Config) -> list[str]:
         problems.append(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
     problems += _one_of("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
     problems += _one_of("optim.name", o.name, optimizer_names())
-    if o.name in optimizer_names() and not get_optimizer(o.name).elementwise:
-        if cfg.parallel.zero >= 1 or cfg.precision.mode != "fp32":
-            problems.append(f"optim.name = '{o.name}' needs each parameter's shape, but the ZeRO engine "
-                            f"(parallel.zero >= 1, or precision.mode other than fp32) runs the optimizer on "
-                            f"flat shards; use parallel.zero = 0 with precision.mode = 'fp32'")
+    problems += _positive(cfg, ["optim.block_size", "optim.adafactor_clip", "optim.adafactor_eps"])
+    if o.name in optimizer_names():
+        problems += _optimizer_serves_layout(cfg, get_optimizer(o.name))
     return problems
+
+
+def _optimizer_serves_layout(cfg: Config, spec) -> list[str]:
+    """An optimizer that needs more than single elements, checked against the layout's cuts."""
+    o, par = cfg.optim, cfg.parallel
+    if spec.needs == "whole" and (par.zero >= 1 or cfg.precision.mode != "fp32" or par.tp > 1):
+        return [f"optim.name = '{o.name}' needs each parameter's shape (whole parameters), but the ZeRO engine "
+                f"(parallel.zero >= 1, or precision.mode other than fp32) runs the optimizer on flat shards and "
+                f"tensor parallelism (parallel.tp > 1) cuts parameters; use parallel.zero = 0, "
+                f"precision.mode = 'fp32' and parallel.tp = 1"]
+    if spec.needs == "blocks" and par.tp > 1 and o.block_size > 0:
+        # Row-parallel weights are cut along their rows: a block must not straddle two ranks' parts.
+        m = cfg.model
+        widths = {"model.dim / parallel.tp": m.dim // par.tp, "ffn_dim / parallel.tp": m.ffn_dim // par.tp}
+        bad = {k: w for k, w in widths.items() if w % o.block_size}
+        if bad:
+            fit = math.gcd(o.block_size, *widths.values())
+            return [f"optim.block_size = {o.block_size} must divide each tensor-parallel slice of a row "
+                    f"({', '.join(f'{k} = {w}' for k, w in bad.items())}), so that no quantization block "
+                    f"straddles two ranks; use optim.block_size = {fit} or a smaller parallel.tp"]
+    return []
 
 
 def check_runtime(cfg: Config) -> list[str]:

@@ -154,7 +154,7 @@ def test_state_the_declaration_misses_fails_loudly(stage, registered):
 
 
 def _shaped_spec() -> OptimizerSpec:
-    return OptimizerSpec("needs_shapes", sgd_momentum.SGD_MOMENTUM.state, sgd_momentum.build, needs="shapes")
+    return OptimizerSpec("needs_shapes", sgd_momentum.SGD_MOMENTUM.state, sgd_momentum.build, needs="whole")
 
 
 @pytest.mark.parametrize("stage,mode", [(0, "bf16"), (1, "fp32"), (2, "fp32"), (3, "bf16")])

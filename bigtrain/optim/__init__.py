@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bigtrain.optim import adafactor as _adafactor  # noqa: F401 - registers "adafactor"
 from bigtrain.optim import adamw as _adamw  # noqa: F401 - registers "adamw"
-from bigtrain.optim import adamw8bit as _adamw8bit  # noqa: F401 - registers "adamw8bit"
-from bigtrain.optim import lion as _lion  # noqa: F401 - registers "lion"
+from bigtrain.optim import efficient as _efficient  # noqa: F401 - registers "adamw8bit", "adafactor", "lion"
 from bigtrain.optim.spec import (OptimizerSpec, StateTensor, get_optimizer, optimizer_names,
                                  register_optimizer, unregister_optimizer)
 

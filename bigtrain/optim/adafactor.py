@@ -17,24 +17,11 @@ exactly the whole-parameter rule. The statistics are per-tensor state, alike on 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 
+from bigtrain.optim.efficient import stat_sizes
 from bigtrain.optim.pieces import ParamPiece, sum_over, whole
-from bigtrain.optim.spec import OptimizerSpec, StateTensor, register_optimizer
 
-if TYPE_CHECKING:
-    from bigtrain.config import OptimConfig
-
-
-def stat_sizes(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(row statistics, column statistics) kept for a parameter of ``shape`` (a vector: its full
-    second moment as the "rows", no columns)."""
-    if len(shape) < 2:
-        return math.prod(shape), 0
-    lead = math.prod(shape[:-2])
-    return lead * shape[-2], lead * shape[-1]
 
 
 class Adafactor(torch.optim.Optimizer):
@@ -135,20 +122,3 @@ class Adafactor(torch.optim.Optimizer):
                 var = row_var[row] * col_var[col] / row_mean[row // grid[-2]]
         update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
         return update, alpha
-
-
-def build_adafactor(groups: list[dict], cfg: "OptimConfig") -> Adafactor:
-    return Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.adafactor_decay, d=cfg.adafactor_clip,
-                     eps2=cfg.adafactor_eps)
-
-
-def _factored_bytes(shape: tuple) -> int:
-    return 4 * sum(stat_sizes(tuple(shape)))
-
-
-ADAFACTOR = register_optimizer(OptimizerSpec(
-    name="adafactor",
-    state=(StateTensor("step", per="tensor"), StateTensor("row_var", per="tensor", factored=True),
-           StateTensor("col_var", per="tensor", factored=True)),
-    build=build_adafactor, needs="shapes", factored_bytes=_factored_bytes,
-    summary="Adafactor (Shazeer & Stern 2018): factored second moment, O(rows + columns) fp32 per matrix"))

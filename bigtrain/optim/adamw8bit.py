@@ -14,15 +14,10 @@ whole blocks, so the fp32 temporaries stay small.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 
 from bigtrain.optim.quantize import SIGNED, UNSIGNED, blocks_of, dequantize, quantize
-from bigtrain.optim.spec import OptimizerSpec, StateTensor, register_optimizer
 
-if TYPE_CHECKING:
-    from bigtrain.config import OptimConfig
 
 SLICE_BLOCKS = 4096  # blocks per slice of work: 1M elements at block 256
 
@@ -86,16 +81,3 @@ class AdamW8bit(torch.optim.Optimizer):
                     codes, scales = quantize(v, UNSIGNED, block)
                     v_codes[lo:hi].copy_(codes)
                     state["exp_avg_sq_scale"][blo:bhi].copy_(scales)
-
-
-def build_adamw8bit(groups: list[dict], cfg: "OptimConfig") -> AdamW8bit:
-    return AdamW8bit(groups, lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, block_size=cfg.block_size)
-
-
-ADAMW8BIT = register_optimizer(OptimizerSpec(
-    name="adamw8bit",
-    state=(StateTensor("step", per="tensor"), StateTensor("exp_avg", "int8"), StateTensor("exp_avg_sq", "uint8"),
-           StateTensor("exp_avg_scale", per="block"), StateTensor("exp_avg_sq_scale", per="block")),
-    build=build_adamw8bit, needs="blocks", block_size=lambda cfg: cfg.block_size,
-    summary="AdamW with both moments block-wise 8-bit (Dettmers et al. 2022): 2 bytes per parameter "
-            "+ 8 per block of optim.block_size"))

@@ -11,14 +11,9 @@ weight decay 3-10x above (the update's every element has magnitude lr): ``optim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from bigtrain.optim.spec import OptimizerSpec, StateTensor, register_optimizer
 
-if TYPE_CHECKING:
-    from bigtrain.config import OptimConfig
 
 
 class Lion(torch.optim.Optimizer):
@@ -42,12 +37,3 @@ class Lion(torch.optim.Optimizer):
             torch._foreach_sign_(signs)
             torch._foreach_add_(params, signs, alpha=-lr)
             torch._foreach_lerp_(moments, grads, 1 - group["beta2"])
-
-
-def build_lion(groups: list[dict], cfg: "OptimConfig") -> Lion:
-    return Lion(groups, lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2)
-
-
-LION = register_optimizer(OptimizerSpec(
-    name="lion", state=(StateTensor("exp_avg"),), build=build_lion,
-    summary="Lion (Chen et al. 2023): sign of interpolated momentum, one fp32 moment, 4 bytes per parameter"))

@@ -14,8 +14,8 @@ parameters from their ``.grad`` (a ``torch.optim.Optimizer``: ``param_groups``, 
   (a step count, Adafactor's row and column statistics of the whole parameter) to every piece;
 - what the engines may hand the optimizer is ``needs``: ``"elements"`` (any flat piece, cut
   anywhere), ``"blocks"`` (pieces of one parameter starting at a block boundary: ZeRO aligns its
-  cuts) or ``"shapes"`` (pieces of one parameter, each told where it sits in the whole parameter
-  and which groups hold the rest, :mod:`bigtrain.optim.pieces`);
+  cuts), ``"shapes"`` (pieces of one parameter, each told where it sits in the whole parameter
+  and which groups hold the rest, :mod:`bigtrain.optim.pieces`) or ``"whole"`` (whole parameters);
 - the planner (``plan/memory.py``) counts ``bytes_per_param``, ``bytes_per_tensor`` and the
   ``factored_bytes`` of a parameter's shape.
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "uint8": 1}
 PER = ("element", "block", "tensor")
-NEEDS = ("elements", "blocks", "shapes")
+NEEDS = ("elements", "blocks", "shapes", "whole")
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,9 @@ class OptimizerSpec:
     # "elements": each element's update reads only its own parameter, gradient and state, so it
     # runs on flat ZeRO shards that cut parameters anywhere. "blocks": elementwise within blocks of
     # ``block_size(cfg)`` elements counted from each parameter's first (a block shares a scale).
-    # "shapes": it needs the whole parameter's shape and sums over all of it (Adafactor).
+    # "shapes": it needs sums over the whole parameter (Adafactor) and takes pieces of parameters,
+    # told where each sits (an ``attach_pieces({id(tensor): ParamPiece})`` method on the optimizer).
+    # "whole": it needs whole parameters; only the replicated engine (without tp) runs it.
     needs: str = "elements"
     summary: str = ""
     block_size: Callable[["OptimConfig"], int] | None = None

@@ -10,7 +10,10 @@ moments 8P; another optimizer's state is its declared ``bytes_per_param`` instea
     stage 3: params 2P/N grads 4P/N 12P/N                  = 18P/N
 
 (in fp32 the master weights are the parameters themselves: 16P, 8P + 8P/N, 4P + 12P/N, 16P/N).
-The optimizer runs on flat pieces of the master shard, so it must be elementwise.
+An elementwise optimizer runs on (at most two) flat pieces of each unit's master shard; one that
+needs blocks (8-bit AdamW) or shapes (Adafactor) gets one piece per parameter in the shard, the
+unit laid out so cuts fall on block boundaries, and a shape-needing one is told where each piece
+sits in its parameter (:mod:`bigtrain.optim.pieces`).
 Gradients are kept in fp32 whatever the compute dtype, 2 bytes per parameter more than the ZeRO
 paper's 16P, as Megatron's ``main_grad`` and DeepSpeed's bf16 optimizer do: micro-batches then
 accumulate without bf16 rounding (a bf16 sum of 4 micro-batches is ~1e-3 off), and a reduction in
@@ -63,7 +66,7 @@ class ZeroEngine:
                  scaler: DynamicLossScaler | None = None, placements: Placements | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
-        self.optim_spec = _elementwise(get_optimizer(optim.name), stage)
+        self.optim_spec = _servable(get_optimizer(optim.name), stage)
         self.model, self.comm, self.stage, self.precision = model, comm, stage, precision
         self.device, self.scaler = torch.device(device), scaler
         # Where each parameter lives (default: replicated over ``comm``): which group reduces its
@@ -75,7 +78,8 @@ class ZeroEngine:
         # Autograd accumulates straight into the fp32 gradient buffer only when it computes in fp32.
         self._grads_in_place = stage <= 1 and not precision.mixed
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
-        self.units, self.unit_modules = build_units(model, modules, self.placements.grad_comm, sharded=stage >= 1)
+        self.units, self.unit_modules = build_units(model, modules, self.placements.grad_comm, sharded=stage >= 1,
+                                                    align=self.optim_spec.alignment(optim))
         self._check_same_layout()
         self._allocate(init_fn)
         self.optimizer = self._build_optimizer(optim)
@@ -144,13 +148,35 @@ class ZeroEngine:
         unit.grad_shard = unit.shard_of(unit.full_grad)
 
     def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
-        """The optimizer over at most two flat pieces of each unit's master shard (decayed / not)."""
-        decay, no_decay = [], []
+        """The optimizer over at most two flat pieces of each unit's master shard (decayed / not),
+        or, for an optimizer that is not elementwise, over one piece per parameter in the shard."""
+        decay, no_decay, where = [], [], {}
         for unit in self.units:
-            unit.pieces = [(a, b, unit.master[a:b]) for a, b, d in unit.shard_pieces()]
-            for (a, b, is_decay), (_, _, view) in zip(unit.shard_pieces(), unit.pieces):
+            if self.optim_spec.elementwise:
+                ranges = [(a, b, is_decay) for a, b, is_decay in unit.shard_pieces()]
+            else:
+                ranges = [(a, b, slot.decay) for slot, a, b in unit.shard_slot_ranges()]
+            unit.pieces = [(a, b, unit.master[a:b]) for a, b, _ in ranges]
+            for (a, b, is_decay), (_, _, view) in zip(ranges, unit.pieces):
                 (decay if is_decay else no_decay).append(view)
-        return self.optim_spec.build(decay_groups(decay, no_decay, cfg), cfg)
+            if self.optim_spec.needs == "shapes":
+                where.update(self._param_pieces(unit))
+        optimizer = self.optim_spec.build(decay_groups(decay, no_decay, cfg), cfg)
+        if where:
+            optimizer.attach_pieces(where)
+        return optimizer
+
+    def _param_pieces(self, unit: FlatUnit) -> dict:
+        """{id(piece view): ParamPiece} for the parameters overlapping this rank's shard: its range of
+        the (tensor-parallel) local parameter, the cuts, and the groups holding the rest of it."""
+        from bigtrain.optim.pieces import ParamPiece
+
+        out = {}
+        for (slot, a, b), (_, _, view) in zip(unit.shard_slot_ranges(), unit.pieces):
+            cuts = self.placements[slot.name].shards
+            comms = tuple(self.placements.comm(c.axis) for c in cuts) + ((unit.comm,) if unit.shards > 1 else ())
+            out[id(view)] = ParamPiece(slot.shape, unit.shard_start + a - slot.offset, b - a, cuts, comms)
+        return out
 
     def _unit_of_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params]
@@ -350,11 +376,13 @@ class ZeroEngine:
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
 
 
-def _elementwise(spec: OptimizerSpec, stage: int) -> OptimizerSpec:
-    """``spec``, if it can run on flat pieces that cut parameters anywhere (every stage does: even
-    stage 0 hands the optimizer a unit's parameters laid end to end)."""
-    if not spec.elementwise:
-        raise ValueError(f"optim.name = '{spec.name}' needs each parameter's shape (it is not elementwise), but "
-                         f"the ZeRO engine (parallel.zero = {stage}) runs the optimizer on flat shards that cut "
-                         f"parameters; use parallel.zero = 0 with precision.mode = 'fp32' (the replicated engine)")
+def _servable(spec: OptimizerSpec, stage: int) -> OptimizerSpec:
+    """``spec``, if the ZeRO engine can run it: anything but an optimizer that needs whole parameters
+    (elementwise ones on flat pieces, blocked ones on aligned pieces, shape-needing ones on pieces
+    they are told the place of)."""
+    if spec.needs == "whole":
+        raise ValueError(f"optim.name = '{spec.name}' needs each parameter's shape (needs = 'whole'), but the "
+                         f"ZeRO engine (parallel.zero = {stage}) hands it pieces of parameters; use "
+                         f"parallel.zero = 0 with precision.mode = 'fp32' (the replicated engine), or declare "
+                         f"needs = 'shapes' and take pieces (bigtrain.optim.pieces)")
     return spec

@@ -8,6 +8,10 @@ views, the autograd graph's saved references to them and the module structure al
 
 Inside a unit, parameters with weight decay come first, so the optimizer sees at most two pieces
 of each shard (decayed and not) and can use plain per-group hyper-parameters.
+
+``align`` (an optimizer's block size, :meth:`OptimizerSpec.alignment`): every parameter starts at a
+multiple of it and the shards are a multiple of it long, so every cut falls on a block boundary
+counted from the parameter's first element (the gaps between parameters are padding).
 """
 
 from __future__ import annotations
@@ -36,19 +40,22 @@ def _decays(param: nn.Parameter) -> bool:
 class FlatUnit:
     """Layout and buffers of one unit on one rank (``shards`` ranks share its state)."""
 
-    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], shards: int, shard_rank: int):
+    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], shards: int, shard_rank: int,
+                 align: int = 1):
         ordered = sorted(named_params, key=lambda item: not _decays(item[1]))  # stable: decayed first
-        self.name, self.shards, self.shard_rank = name, shards, shard_rank
+        self.name, self.shards, self.shard_rank, self.align = name, shards, shard_rank, align
         self.params = [p for _, p in ordered]
         self.slots, offset = [], 0
         for pname, p in ordered:
+            offset = -(-offset // align) * align
             self.slots.append(Slot(pname, offset, p.numel(), tuple(p.shape), _decays(p)))
             offset += p.numel()
         self.numel = offset
-        self.padded_numel = -(-offset // shards) * shards
+        self.padded_numel = -(-offset // (shards * align)) * shards * align
         self.shard_numel = self.padded_numel // shards
         self.shard_start = shard_rank * self.shard_numel
-        self.decay_end = sum(s.numel for s in self.slots if s.decay)
+        decayed = [s for s in self.slots if s.decay]
+        self.decay_end = decayed[-1].offset + decayed[-1].numel if decayed else 0
         self.full: torch.Tensor | None = None  # compute-dtype flat parameters (padded)
 
     # -- layout ------------------------------------------------------------------------------

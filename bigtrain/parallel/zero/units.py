@@ -39,7 +39,7 @@ def default_unit_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def build_units(model: nn.Module, unit_modules: list[nn.Module], group_of: Callable[[str], AxisComm],
-                sharded: bool) -> tuple[list[FlatUnit], list[nn.Module]]:
+                sharded: bool, align: int = 1) -> tuple[list[FlatUnit], list[nn.Module]]:
     """FlatUnits for each unit module plus a root (the model) for every parameter left over.
 
     A unit's parameters share one group, ``group_of(name)`` (the placement record's gradient
@@ -47,6 +47,7 @@ def build_units(model: nn.Module, unit_modules: list[nn.Module], group_of: Calla
     ``sharded`` (ZeRO stages 1-3), cuts it into that group's shards: a module holding parameters of
     two groups (an MoE block's attention and experts) becomes two units, the first named as usual
     (``unit<i>``), the others after their axis (``unit<i>:edp``). Every unit has its ``comm``.
+    ``align``: the optimizer's block size, which every parameter's start and every cut respect.
 
     Returns the units and their modules, root first (a module once per unit). A parameter shared by
     two modules (tied embeddings) belongs to the first unit that holds it, in the order root-last.
@@ -60,7 +61,7 @@ def build_units(model: nn.Module, unit_modules: list[nn.Module], group_of: Calla
     def add(name: str, module: nn.Module, own: list[tuple[str, nn.Parameter]], at: int | None = None) -> None:
         for j, (comm, params) in enumerate(_by_group(own, group_of)):
             unit = FlatUnit(name if j == 0 else f"{name}:{comm.axis}", params, comm.size if sharded else 1,
-                            comm.rank if sharded else 0)
+                            comm.rank if sharded else 0, align)
             unit.comm = comm
             units.insert(len(units) if at is None else at + j, unit)
             modules.insert(len(modules) if at is None else at + j, module)
