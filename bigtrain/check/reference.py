@@ -17,7 +17,9 @@ The recipe it states:
   learning rate of linear warm-up then cosine decay to ``min_lr_ratio`` of the peak;
 - ``optim.name = 'sgd_momentum'`` (the tests' optimizer, plugged into the trainer through
   ``bigtrain.optim.register_optimizer``): ``torch.optim.SGD`` with momentum ``optim.beta1``, no
-  dampening, and its L2 weight decay (added to the gradient) on matrices only.
+  dampening, and its L2 weight decay (added to the gradient) on matrices only;
+- ``adafactor``, ``lion``, ``adamw8bit``: ``torch.optim.Adafactor``, and plain transcriptions of
+  Lion and 8-bit AdamW (:mod:`bigtrain.check.reference_optim`).
 
 It computes on ``device`` (the CPU by default; a GPU run is compared with the reference on the same
 GPU, in the same precision). The initial values are drawn on the CPU whatever the device, and what
@@ -173,7 +175,13 @@ def _optimizer(groups: list[dict], o) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     if o.name == "sgd_momentum":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.beta1)
-    raise ValueError(f"optim.name = '{o.name}': the reference knows 'adamw' and 'sgd_momentum' only")
+    from bigtrain.check.reference_optim import reference_optimizer
+
+    optimizer = reference_optimizer(groups, o)
+    if optimizer is None:
+        raise ValueError(f"optim.name = '{o.name}': the reference knows 'adamw', 'adamw8bit', 'adafactor', 'lion' "
+                         f"and 'sgd_momentum' only")
+    return optimizer
 
 
 def reference_losses(cfg: Config, steps: int, device: torch.device | str = "cpu") -> list[float]:

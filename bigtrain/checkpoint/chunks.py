@@ -11,8 +11,8 @@ vocabulary padding rows beyond the real size.
 
 :class:`Piece` is what an engine hands the checkpoint code: for one parameter, the range it holds
 and 1-D views of its weight and per-element optimizer state over that range (``tensors``), plus
-the per-tensor state (``scalars``). :func:`owned_range` splits replicated copies so that every
-element is written by exactly one rank.
+the per-tensor state (``scalars``) and per-block state (``blocks``, a blocked optimizer's).
+:func:`owned_range` splits replicated copies so that every element is written by exactly one rank.
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ class Piece:
     scalars: dict[str, torch.Tensor] = field(default_factory=dict)  # per-tensor optimizer state
     replicas: int = 1  # ranks holding this same range (a replica group: dp without ZeRO sharding)
     replica: int = 0  # this rank's place among them
+    # per-block optimizer state (8-bit AdamW's scales): 1-D views over the blocks of [lo, hi),
+    # ``block`` elements each, counted from the parameter's first element (lo is a block boundary)
+    blocks: dict[str, torch.Tensor] = field(default_factory=dict)
+    block: int = 1
+
+    def block_range(self, lo: int, hi: int) -> tuple[int, int]:
+        """The blocks whose first element lies in [lo, hi) (each block is written by one rank)."""
+        return -(-lo // self.block), -(-hi // self.block)
 
 
 @dataclass(frozen=True)

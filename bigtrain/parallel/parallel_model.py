@@ -107,6 +107,7 @@ class ParallelModel:
         gather = lambda tensors: self.placements.gather_full(tensors, self.device)  # noqa: E731
         weights = gather(weights)
         state = self._by_element_state(state, gather)  # state shaped like a weight is cut like it
+        state = self._by_block_state(state, gather=True)
         return weights, {"optimizer": spec.name, "state": state}
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict) -> None:
@@ -119,6 +120,7 @@ class ParallelModel:
                 state = {**state, name: state[canonical]}
         weights = self.placements.shard_full(weights)
         state = self._by_element_state(state, self.placements.shard_full)
+        state = self._by_block_state(state, gather=False)
         self.engine.load_full_state(weights, {"optimizer": spec.name, "state": state})
 
     # -- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
@@ -162,6 +164,8 @@ class ParallelModel:
                         data = flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)
                         fqn = piece.name if key == WEIGHT else f"optim/{piece.name}/{key}"
                         out.append(SavedChunk(fqn, shape, c.offsets, data.clone() if copy else data))
+                if piece.blocks:
+                    out += self._block_chunks(piece, lo, hi, copy)
                 if lo == 0 < hi and placements.first_part(piece.name):
                     out += [SavedChunk(f"optim/{piece.name}/{k}", tuple(v.shape), (0,) * v.dim(),
                                        v.detach().clone() if copy else v.detach()) for k, v in piece.scalars.items()]
@@ -185,11 +189,77 @@ class ParallelModel:
                     for key, flat in piece.tensors.items():
                         fqn = name if key == WEIGHT else f"optim/{name}/{key}"
                         requests.append((fqn, c.offsets, flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)))
+                if piece.blocks:
+                    requests += self._block_requests(piece, name)
                 if with_state:
                     for k in spec.tensor_state:
                         piece.scalars[k] = reader.empty(f"optim/{name}/{k}")
                         requests.append((f"optim/{name}/{k}", (0,) * piece.scalars[k].dim(), piece.scalars[k]))
             reader.read(requests)
+
+    def _block_layout(self, names):
+        """(block size, the per-block state's placements) for the parameters ``names``."""
+        from bigtrain.parallel.blocks import block_placements
+
+        block = self.engine.block
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters() if n in names}
+        return block, block_placements(self.placements, shapes, block)
+
+    def _by_block_state(self, state: dict[str, dict], gather: bool) -> dict[str, dict]:
+        """Per-block state (flat, one value per block of the local or the whole parameter) gathered
+        to the whole parameter's blocks, or cut to this rank's, through the block grid's placements."""
+        from bigtrain.parallel.blocks import block_grid
+
+        keys = self.engine.optim_spec.block_state
+        if not keys or not state:
+            return state
+        block, placed = self._block_layout(set(state))
+        local = {n: tuple(p.shape) for n, p in self.model.named_parameters() if n in state}
+        out = {n: dict(s) for n, s in state.items()}
+        for k in keys:
+            if gather:
+                grids = {n: s[k].reshape(block_grid(local[n], block)) for n, s in state.items()}
+                moved = placed.gather_full(grids, self.device)
+            else:
+                grids = {n: s[k].reshape(block_grid(self.placements[n].full_shape(local[n]), block))
+                         for n, s in state.items()}
+                moved = placed.shard_full(grids)
+            for n in out:
+                out[n][k] = moved[n].reshape(-1).contiguous()
+        return out
+
+    def _block_rectangles(self, piece, blo: int, bhi: int):
+        """(chunks of the whole parameter's block grid covering this rank's blocks [blo, bhi), the
+        grid's full shape); piece.lo is a block boundary, so its blocks start at piece.lo / block."""
+        from bigtrain.checkpoint.chunks import chunks
+        from bigtrain.parallel.blocks import block_cuts, block_grid
+
+        placement = self.placements[piece.name]
+        cuts = block_cuts(piece.name, placement, piece.shape, piece.block)
+        grid = block_grid(piece.shape, piece.block)
+        full = block_grid(placement.full_shape(piece.shape), piece.block)
+        return chunks(blo, bhi, grid, cuts), full
+
+    def _block_chunks(self, piece, lo: int, hi: int, copy: bool) -> list:
+        from bigtrain.checkpoint.sharded import SavedChunk
+
+        blo, bhi = piece.block_range(lo, hi)
+        first = piece.lo // piece.block
+        rects, full = self._block_rectangles(piece, blo, bhi)
+        name = self.placements.saved_name(piece.name)
+        out = []
+        for c in rects:
+            for key, flat in piece.blocks.items():
+                data = flat[c.start - first:c.stop - first].view(c.sizes)
+                out.append(SavedChunk(f"optim/{name}/{key}", full, c.offsets, data.clone() if copy else data))
+        return out
+
+    def _block_requests(self, piece, name: str) -> list:
+        blo, bhi = piece.block_range(piece.lo, piece.hi)
+        rects, _ = self._block_rectangles(piece, blo, bhi)
+        first = piece.lo // piece.block
+        return [(f"optim/{name}/{key}", c.offsets, flat[c.start - first:c.stop - first].view(c.sizes))
+                for c in rects for key, flat in piece.blocks.items()]
 
     def _by_element_state(self, state: dict[str, dict], reshard) -> dict[str, dict]:
         """``reshard`` ({param name: tensor} -> same, as for the weights) applied to each of the

@@ -16,6 +16,7 @@ from bigtrain.optim import build_optimizer, get_optimizer, load_state
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import DataParallel
 from bigtrain.parallel.placement import NORM_AXIS, Placements
+from bigtrain.parallel.zero.state import STATE_DTYPES
 
 if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
     from bigtrain.config import OptimConfig
@@ -33,8 +34,29 @@ class ReplicatedEngine:
         self._in_norm = [p for n, p in self._named.items() if self.placements.counted_in_norm(n)]
         self.dp = DataParallel(model, comm, bucket_mb, self.placements)
         self.optim_spec = get_optimizer(optim.name)
+        self.block = self.optim_spec.alignment(optim)
         self.optimizer = build_optimizer(model, optim, self.optim_spec)
+        self._tell_optimizer_the_cuts()
         self.scaler = None
+
+    def _tell_optimizer_the_cuts(self) -> None:
+        """Tensor parallelism cuts some parameters: a shape-needing optimizer learns where each part
+        sits and which groups hold the rest; a blocked one is refused a cut that splits a block."""
+        from bigtrain.optim.pieces import ParamPiece
+        from bigtrain.parallel.blocks import block_cuts
+
+        cut = {n: p for n, p in self._named.items() if self.placements[n].shards}
+        if self.optim_spec.needs == "blocks":
+            for n, p in cut.items():
+                block_cuts(n, self.placements[n], tuple(p.shape), self.block)
+        elif self.optim_spec.needs == "shapes" and cut:
+            self.optimizer.attach_pieces({
+                id(p): ParamPiece(tuple(p.shape), cuts=self.placements[n].shards,
+                                  comms=tuple(self.placements.comm(c.axis) for c in self.placements[n].shards))
+                for n, p in cut.items()})
+        elif self.optim_spec.needs == "whole" and cut:
+            raise ValueError(f"optim.name = '{self.optim_spec.name}' needs whole parameters (needs = 'whole'), "
+                             f"but tensor or expert parallelism cuts {next(iter(cut))}; use parallel.tp = 1")
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -100,26 +122,33 @@ class ReplicatedEngine:
         spec = self.optim_spec
         for name, p in self.model.named_parameters():
             state = self.optimizer.state.get(p)
-            tensors, scalars = {WEIGHT: p.detach().reshape(-1)}, {}
+            tensors, scalars, blocks = {WEIGHT: p.detach().reshape(-1)}, {}, {}
             if state:
                 spec.check_state(state, f"the optimizer's state of {name}")
                 tensors.update({k: state[k].detach().reshape(-1) for k in spec.element_state})
                 scalars = {k: state[k] for k in spec.tensor_state}
+                blocks = {k: state[k].detach().reshape(-1) for k in spec.block_state}
             replicas = self.dp.grad_comm(p)  # they hold the same range: each writes a part of it
-            yield [Piece(name, tuple(p.shape), 0, p.numel(), tensors, scalars, replicas.size, replicas.rank)]
+            yield [Piece(name, tuple(p.shape), 0, p.numel(), tensors, scalars, replicas.size, replicas.rank,
+                         blocks, self.block)]
 
     def checkpoint_load_batches(self, with_state: bool):
         """One batch per parameter: the parameter itself and fresh (zero) state tensors to fill."""
         from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
         spec, states = self.optim_spec, {}
+        dtype = {s.name: STATE_DTYPES[s.dtype] for s in spec.state}
         if with_state:  # replaced below: do not hold the old and the loaded state at once
             self.optimizer.state.clear()
         for name, p in self.model.named_parameters():
-            fresh = {k: torch.zeros_like(p, memory_format=torch.contiguous_format) for k in spec.element_state} \
+            fresh = {k: torch.zeros(p.shape, dtype=dtype[k], device=p.device) for k in spec.element_state} \
                 if with_state else {}
+            blocks = {k: torch.zeros(-(-p.numel() // self.block), dtype=dtype[k], device=p.device)
+                      for k in spec.block_state} if with_state else {}
             piece = Piece(name, tuple(p.shape), 0, p.numel(),
-                          {WEIGHT: p.detach().view(-1), **{k: v.view(-1) for k, v in fresh.items()}})
+                          {WEIGHT: p.detach().view(-1), **{k: v.view(-1) for k, v in fresh.items()}},
+                          blocks=blocks, block=self.block)
+            fresh.update(blocks)
             yield [piece]
             if with_state:
                 states[p] = {**{k: piece.scalars[k].clone() for k in spec.tensor_state}, **fresh}

@@ -67,6 +67,7 @@ class ZeroEngine:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
         self.optim_spec = _servable(get_optimizer(optim.name), stage)
+        self.block = self.optim_spec.alignment(optim)  # every cut of a parameter is a multiple of it
         self.model, self.comm, self.stage, self.precision = model, comm, stage, precision
         self.device, self.scaler = torch.device(device), scaler
         # Where each parameter lives (default: replicated over ``comm``): which group reduces its
@@ -79,7 +80,7 @@ class ZeroEngine:
         self._grads_in_place = stage <= 1 and not precision.mixed
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
         self.units, self.unit_modules = build_units(model, modules, self.placements.grad_comm, sharded=stage >= 1,
-                                                    align=self.optim_spec.alignment(optim))
+                                                    align=self.block)
         self._check_same_layout()
         self._allocate(init_fn)
         self.optimizer = self._build_optimizer(optim)
@@ -157,6 +158,8 @@ class ZeroEngine:
             else:
                 ranges = [(a, b, slot.decay) for slot, a, b in unit.shard_slot_ranges()]
             unit.pieces = [(a, b, unit.master[a:b]) for a, b, _ in ranges]
+            unit.piece_slots = [None] * len(ranges) if self.optim_spec.elementwise else \
+                [slot for slot, _, _ in unit.shard_slot_ranges()]
             for (a, b, is_decay), (_, _, view) in zip(ranges, unit.pieces):
                 (decay if is_decay else no_decay).append(view)
             if self.optim_spec.needs == "shapes":

@@ -1,17 +1,30 @@
 """Full, layout-independent state of a ZeRO engine: gather shards into per-parameter tensors, or
 cut per-parameter tensors into this rank's shards. Used by checkpoints, so a run saved with one
-stage and world size resumes under any other."""
+stage and world size resumes under any other.
+
+The optimizer's state comes in three kinds (:class:`~bigtrain.optim.spec.StateTensor`): per element
+(gathered and cut like the weights), per block of the flattened parameter (the unit is laid out so
+cuts fall on block boundaries: in units of blocks it is a flat layout like the elements', with every
+offset divided by the block), and per tensor (alike on every piece of a parameter: copied). An
+elementwise optimizer holds at most two flat pieces per unit, sharing their per-tensor state (a step
+count); any other holds one piece per parameter in the shard (``unit.piece_slots``), each with its
+own per-tensor state, which only the ranks holding part of that parameter have.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from bigtrain.optim import load_state
 from bigtrain.parallel.zero.flat import FlatUnit
 
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8,
+           "uint8": torch.uint8}
+
 
 def _gather_flat(engine, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
-    full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=shard.device)
+    full = torch.empty(shard.numel() * unit.shards, dtype=shard.dtype, device=shard.device)
     unit.comm.all_gather(full, shard.contiguous(), tag="checkpoint") if unit.shards > 1 else full.copy_(shard)
     return full
 
@@ -25,6 +38,11 @@ def _piece_states(engine, unit: FlatUnit) -> list[dict] | None:
     for state in states:
         engine.optim_spec.check_state(state, f"the optimizer's state of unit {unit.name}")
     return states
+
+
+def _slot_of_piece(unit: FlatUnit) -> list:
+    """The slot each optimizer piece belongs to (None for the flat pieces of an elementwise one)."""
+    return getattr(unit, "piece_slots", [None] * len(unit.pieces))
 
 
 def _gather_by_name(engine, shard_of) -> dict[str, torch.Tensor]:
@@ -47,23 +65,72 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
     return _gather_by_name(engine, lambda unit: unit.grad_shard.float() / scale)
 
 
+# -- the block layout of a unit ------------------------------------------------------------------------
+def _block(engine, unit: FlatUnit) -> int:
+    return unit.align
+
+
+def _blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def _shard_of_states(unit: FlatUnit, states: list[dict], key: str, per_block: int = 0) -> torch.Tensor:
+    """The unit's shard of one state tensor (in elements, or in blocks of ``per_block``), each
+    piece's part written where the piece lies, zeros in the gaps between parameters."""
+    scale = per_block or 1
+    first = states[0][key]
+    shard = torch.zeros(unit.shard_numel // scale, dtype=first.dtype, device=first.device)
+    for (a, b, _), state in zip(unit.pieces, states):
+        lo = a // scale
+        shard[lo:lo + state[key].numel()].copy_(state[key].reshape(-1))
+    return shard
+
+
+def _per_slot_tensor_state(engine, unit: FlatUnit, states: list[dict]) -> dict[str, dict]:
+    """{slot name: per-tensor state} for every parameter of the unit, complete on every rank of its
+    group: each parameter's is sent by the rank holding its first element."""
+    spec, slots = engine.optim_spec, _slot_of_piece(unit)
+    if slots and slots[0] is None:  # flat pieces share one per-tensor state: every slot gets it
+        shared = {k: states[0][k].cpu() for k in spec.tensor_state}
+        return {slot.name: shared for slot in unit.slots}
+    mine = {slot.name: {k: state[k].cpu() for k in spec.tensor_state}
+            for slot, (a, _, _), state in zip(slots, unit.pieces, states)
+            if unit.shard_start + a - slot.offset == 0}
+    if unit.shards == 1:
+        return mine
+    everyone = [None] * unit.comm.size
+    dist.all_gather_object(everyone, mine, group=unit.comm.group)
+    return {name: entry for part in everyone for name, entry in part.items()}
+
+
 def full_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
-    """(fp32 weights by name, optimizer state by name), complete on every rank (collective). The
-    optimizer's ``per="element"`` state is gathered and cut by parameter like the weights; its
-    ``per="tensor"`` state (one value per piece, alike on every piece) is copied to each parameter."""
+    """(fp32 weights by name, optimizer state by name), complete on every rank (collective). Block
+    state comes out flat, one value per block of the parameter's (tp-local) elements."""
     spec = engine.optim_spec
     weights, state = full_weights(engine), {}
     for unit in engine.units:
         pieces = _piece_states(engine, unit)
         if pieces is None:
             continue
-        per_tensor = {k: pieces[0][k] for k in spec.tensor_state}
-        per_element = {k: unit.unflatten(_gather_flat(engine, unit, torch.cat([s[k] for s in pieces])))
+        per_tensor = _per_slot_tensor_state(engine, unit, pieces)
+        per_element = {k: unit.unflatten(_gather_flat(engine, unit, _shard_of_states(unit, pieces, k)))
                        for k in spec.element_state}
+        block = _block(engine, unit)
+        per_block = {k: _gather_flat(engine, unit, _shard_of_states(unit, pieces, k, block))
+                     for k in spec.block_state}
         for slot in unit.slots:
-            state[slot.name] = {**{k: v.clone().cpu() for k, v in per_tensor.items()},
-                                **{k: per_element[k][slot.name].clone().cpu() for k in spec.element_state}}
+            entry = {k: v.clone() for k, v in per_tensor[slot.name].items()}
+            entry.update({k: per_element[k][slot.name].clone().cpu() for k in spec.element_state})
+            lo = slot.offset // block
+            entry.update({k: v[lo:lo + _blocks(slot.numel, block)].clone().cpu() for k, v in per_block.items()})
+            state[slot.name] = entry
     return weights, {"optimizer": spec.name, "state": state}
+
+
+def _piece_range(unit: FlatUnit, slot, a: int, b: int) -> tuple[int, int]:
+    """The range of the parameter ``slot`` that shard range [a, b) holds."""
+    first = unit.shard_start + a - slot.offset
+    return first, first + b - a
 
 
 def load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
@@ -78,19 +145,23 @@ def load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict)
             continue
         per_element = {k: unit.shard_from_full_values(lambda n, k=k: saved[n][k], saved[first][k].dtype, dev)
                        for k in spec.element_state}
-        for a, b, view in unit.pieces:
-            states[view] = {**{k: saved[first][k].clone() for k in spec.tensor_state},
-                            **{k: per_element[k][a:b].clone() for k in spec.element_state}}
+        block = _block(engine, unit)
+        for (a, b, view), slot in zip(unit.pieces, _slot_of_piece(unit)):
+            entry = saved[first] if slot is None else saved[slot.name]
+            state = {k: entry[k].clone().to(dev) if entry[k].dim() else entry[k].clone()
+                     for k in spec.tensor_state}
+            state.update({k: per_element[k][a:b].clone() for k in spec.element_state})
+            if slot is not None and spec.block_state:
+                lo, hi = _piece_range(unit, slot, a, b)
+                state.update({k: entry[k].reshape(-1)[lo // block:_blocks(hi, block)].clone().to(dev)
+                              for k in spec.block_state})
+            states[view] = state
     if states:
         load_state(engine.optimizer, states)
     engine.refresh_compute_weights()
 
 
 # -- sharded checkpoints: what this rank holds, without gathering anything --------------------------
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8,
-           "uint8": torch.uint8}
-
-
 def _piece_index(unit: FlatUnit, a: int, b: int) -> int:
     """The optimizer piece holding shard range [a, b) (a parameter never straddles the decay split)."""
     return next(i for i, (pa, pb, _) in enumerate(unit.pieces) if pa <= a and b <= pb)
@@ -98,7 +169,7 @@ def _piece_index(unit: FlatUnit, a: int, b: int) -> int:
 
 def checkpoint_pieces(engine):
     """Per unit, one :class:`Piece` for each parameter overlapping this rank's shard: views of its
-    fp32 master range and of the optimizer's per-element state over it (no copies)."""
+    fp32 master range and of the optimizer's per-element and per-block state over it (no copies)."""
     from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
     spec = engine.optim_spec
@@ -108,46 +179,53 @@ def checkpoint_pieces(engine):
         states = _piece_states(engine, unit)
         batch = []
         for slot, a, b in unit.shard_slot_ranges():
-            first = unit.shard_start + a - slot.offset
-            tensors, scalars = {WEIGHT: unit.master[a:b]}, {}
+            lo, hi = _piece_range(unit, slot, a, b)
+            tensors, scalars, blocks = {WEIGHT: unit.master[a:b]}, {}, {}
             if states is not None:
                 i = _piece_index(unit, a, b)
                 pa = unit.pieces[i][0]
-                tensors.update({k: states[i][k][a - pa:b - pa] for k in spec.element_state})
+                tensors.update({k: states[i][k].view(-1)[a - pa:b - pa] for k in spec.element_state})
                 scalars = {k: states[i][k] for k in spec.tensor_state}
-            batch.append(Piece(slot.name, slot.shape, first, first + b - a, tensors, scalars, replicas, replica))
+                blocks = {k: states[i][k] for k in spec.block_state}  # a piece per parameter: all of it
+            batch.append(Piece(slot.name, slot.shape, lo, hi, tensors, scalars, replicas, replica, blocks, unit.align))
         yield batch
 
 
 def checkpoint_load_batches(engine, with_state: bool):
     """Per unit, :class:`Piece` s whose tensors are this rank's master shard and fresh optimizer
     state (zeros) to be filled by the caller; after the last batch the optimizer gets the state and
-    the compute weights are refreshed. The last piece of each batch, with an empty range, asks for
-    the unit's per-tensor state (alike on every piece: a step count)."""
+    the compute weights are refreshed. Each piece's ``scalars`` are filled with its parameter's
+    per-tensor state (flat pieces of an elementwise optimizer share their first parameter's)."""
     from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
     spec, dev, states = engine.optim_spec, engine.device, {}
-    declared = {s.name: _DTYPES[s.dtype] for s in spec.state}
+    declared = {s.name: STATE_DTYPES[s.dtype] for s in spec.state}
     if with_state:  # replaced below: do not hold the old and the loaded state at once
         engine.optimizer.state.clear()
     for unit in engine.units:
+        block = unit.align
         fresh = [{k: torch.zeros(b - a, dtype=declared[k], device=dev) for k in spec.element_state}
+                 | {k: torch.zeros(_blocks(b - a, block), dtype=declared[k], device=dev) for k in spec.block_state}
                  for a, b, _ in unit.pieces] if with_state else []
-        batch = []
+        batch, holder = [], []
         for slot, a, b in unit.shard_slot_ranges():
-            first = unit.shard_start + a - slot.offset
-            tensors = {WEIGHT: unit.master[a:b]}
+            lo, hi = _piece_range(unit, slot, a, b)
+            tensors, blocks = {WEIGHT: unit.master[a:b]}, {}
+            i = _piece_index(unit, a, b) if unit.pieces else None
             if with_state:
-                i = _piece_index(unit, a, b)
                 pa = unit.pieces[i][0]
                 tensors.update({k: fresh[i][k][a - pa:b - pa] for k in spec.element_state})
-            batch.append(Piece(slot.name, slot.shape, first, first + b - a, tensors))
+                blocks = {k: fresh[i][k] for k in spec.block_state}
+            batch.append(Piece(slot.name, slot.shape, lo, hi, tensors, {}, 1, 0, blocks, block))
+            holder.append(i)
         carrier = Piece(unit.slots[0].name, unit.slots[0].shape, 0, 0, {})
         batch.append(carrier)
         yield batch
         if with_state:
-            for (_, _, view), values in zip(unit.pieces, fresh):
-                states[view] = {**{k: carrier.scalars[k].clone() for k in spec.tensor_state}, **values}
+            per_piece = {i: piece for piece, i in zip(batch, holder) if i is not None}
+            for i, ((_, _, view), values) in enumerate(zip(unit.pieces, fresh)):
+                source = carrier if _slot_of_piece(unit)[i] is None else per_piece[i]
+                states[view] = {**{k: source.scalars[k].clone() for k in spec.tensor_state}, **values}
     if states:
         load_state(engine.optimizer, states)
     engine.refresh_compute_weights()
