@@ -150,16 +150,19 @@ class ZeroEngine:
 
     def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
         """The optimizer over at most two flat pieces of each unit's master shard (decayed / not),
-        or, for an optimizer that is not elementwise, over one piece per parameter in the shard."""
+        or, for an optimizer that is not elementwise, over one piece per parameter of the unit: the
+        range of it in this rank's shard, empty where the shard holds none of it (so every rank of
+        the group holds the same list of parameters, and sums over a parameter's pieces line up)."""
         decay, no_decay, where = [], [], {}
         for unit in self.units:
             if self.optim_spec.elementwise:
-                ranges = [(a, b, is_decay) for a, b, is_decay in unit.shard_pieces()]
+                ranges = unit.shard_pieces()
+                unit.piece_slots = [None] * len(ranges)
             else:
-                ranges = [(a, b, slot.decay) for slot, a, b in unit.shard_slot_ranges()]
+                held = {slot.name: (a, b) for slot, a, b in unit.shard_slot_ranges()}
+                ranges = [(*held.get(slot.name, (_empty_at(unit, slot),) * 2), slot.decay) for slot in unit.slots]
+                unit.piece_slots = list(unit.slots)
             unit.pieces = [(a, b, unit.master[a:b]) for a, b, _ in ranges]
-            unit.piece_slots = [None] * len(ranges) if self.optim_spec.elementwise else \
-                [slot for slot, _, _ in unit.shard_slot_ranges()]
             for (a, b, is_decay), (_, _, view) in zip(ranges, unit.pieces):
                 (decay if is_decay else no_decay).append(view)
             if self.optim_spec.needs == "shapes":
@@ -170,15 +173,16 @@ class ZeroEngine:
         return optimizer
 
     def _param_pieces(self, unit: FlatUnit) -> dict:
-        """{id(piece view): ParamPiece} for the parameters overlapping this rank's shard: its range of
-        the (tensor-parallel) local parameter, the cuts, and the groups holding the rest of it."""
+        """{id(piece view): ParamPiece} for each parameter of the unit: its range of the (tensor-
+        parallel) local parameter held in this rank's shard, the cuts, the groups holding the rest."""
         from bigtrain.optim.pieces import ParamPiece
 
         out = {}
-        for (slot, a, b), (_, _, view) in zip(unit.shard_slot_ranges(), unit.pieces):
+        for slot, (a, b, view) in zip(unit.piece_slots, unit.pieces):
             cuts = self.placements[slot.name].shards
             comms = tuple(self.placements.comm(c.axis) for c in cuts) + ((unit.comm,) if unit.shards > 1 else ())
-            out[id(view)] = ParamPiece(slot.shape, unit.shard_start + a - slot.offset, b - a, cuts, comms)
+            start = min(max(unit.shard_start + a - slot.offset, 0), slot.numel)
+            out[id(view)] = ParamPiece(slot.shape, start, b - a, cuts, comms)
         return out
 
     def _unit_of_params(self) -> list[nn.Parameter]:
@@ -377,6 +381,11 @@ class ZeroEngine:
         if self.precision.mixed:
             optimizer += [u.master for u in self.units]
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
+
+
+def _empty_at(unit: FlatUnit, slot) -> int:
+    """Where in the shard an empty piece of a parameter the shard does not hold goes (keeps order)."""
+    return min(max(slot.offset - unit.shard_start, 0), unit.shard_numel)
 
 
 def _servable(spec: OptimizerSpec, stage: int) -> OptimizerSpec:

@@ -14,7 +14,6 @@ own per-tensor state, which only the ranks holding part of that parameter have.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from bigtrain.optim import load_state
 from bigtrain.parallel.zero.flat import FlatUnit
@@ -87,20 +86,14 @@ def _shard_of_states(unit: FlatUnit, states: list[dict], key: str, per_block: in
 
 
 def _per_slot_tensor_state(engine, unit: FlatUnit, states: list[dict]) -> dict[str, dict]:
-    """{slot name: per-tensor state} for every parameter of the unit, complete on every rank of its
-    group: each parameter's is sent by the rank holding its first element."""
-    spec, slots = engine.optim_spec, _slot_of_piece(unit)
-    if slots and slots[0] is None:  # flat pieces share one per-tensor state: every slot gets it
-        shared = {k: states[0][k].cpu() for k in spec.tensor_state}
+    """{slot name: per-tensor state} for every parameter of the unit: flat pieces share theirs (a
+    step count); otherwise each parameter has its piece on every rank (empty where the shard holds
+    none of it), so every rank holds every parameter's per-tensor state."""
+    keys, slots = engine.optim_spec.tensor_state, _slot_of_piece(unit)
+    if slots and slots[0] is None:
+        shared = {k: states[0][k].cpu() for k in keys}
         return {slot.name: shared for slot in unit.slots}
-    mine = {slot.name: {k: state[k].cpu() for k in spec.tensor_state}
-            for slot, (a, _, _), state in zip(slots, unit.pieces, states)
-            if unit.shard_start + a - slot.offset == 0}
-    if unit.shards == 1:
-        return mine
-    everyone = [None] * unit.comm.size
-    dist.all_gather_object(everyone, mine, group=unit.comm.group)
-    return {name: entry for part in everyone for name, entry in part.items()}
+    return {slot.name: {k: state[k].cpu() for k in keys} for slot, state in zip(slots, states)}
 
 
 def full_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
@@ -151,7 +144,8 @@ def load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict)
             state = {k: entry[k].clone().to(dev) if entry[k].dim() else entry[k].clone()
                      for k in spec.tensor_state}
             state.update({k: per_element[k][a:b].clone() for k in spec.element_state})
-            if slot is not None and spec.block_state:
+            state.update({k: torch.zeros(0, dtype=entry[k].dtype, device=dev) for k in spec.block_state})
+            if slot is not None and spec.block_state and a < b:
                 lo, hi = _piece_range(unit, slot, a, b)
                 state.update({k: entry[k].reshape(-1)[lo // block:_blocks(hi, block)].clone().to(dev)
                               for k in spec.block_state})
@@ -220,9 +214,13 @@ def checkpoint_load_batches(engine, with_state: bool):
             holder.append(i)
         carrier = Piece(unit.slots[0].name, unit.slots[0].shape, 0, 0, {})
         batch.append(carrier)
+        per_piece = {i: piece for piece, i in zip(batch, holder) if i is not None}
+        for i, ((a, b, _), slot) in enumerate(zip(unit.pieces, _slot_of_piece(unit))):
+            if slot is not None and i not in per_piece:  # an empty piece: its per-tensor state only
+                per_piece[i] = Piece(slot.name, slot.shape, 0, 0, {})
+                batch.append(per_piece[i])
         yield batch
         if with_state:
-            per_piece = {i: piece for piece, i in zip(batch, holder) if i is not None}
             for i, ((_, _, view), values) in enumerate(zip(unit.pieces, fresh)):
                 source = carrier if _slot_of_piece(unit)[i] is None else per_piece[i]
                 states[view] = {**{k: source.scalars[k].clone() for k in spec.tensor_state}, **values}
