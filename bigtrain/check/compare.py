@@ -51,6 +51,18 @@ class Tolerance:
 
 _LOW_PRECISION = Tolerance(1e-3, 2e-2, 5e-2, diagnostic=("gradient", "forward", "weight"))
 TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": _LOW_PRECISION, "fp16": _LOW_PRECISION}
+# 8-bit optimizer state in fp32: a gradient a rounding error away from the reference's can land a
+# moment on the other side of a code boundary, 4.7% of that element's moment away, so a layout's
+# single tensors drift by up to ~1e-3 relative after a few steps (measured: 1.9e-4 after one step,
+# each layout and the one-process run alike). Bit-for-bit state equality is proved where the
+# gradients are equal (tests/test_optimizer_layouts.py); the loss and gradient norm keep the fp32 bounds.
+_QUANTIZED_STATE = Tolerance(1e-5, 1e-5, 5e-3)
+
+
+def tolerance_for(precision: str, optimizer: str) -> Tolerance:
+    if precision == "fp32" and optimizer == "adamw8bit":
+        return _QUANTIZED_STATE
+    return TOLERANCES[precision]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

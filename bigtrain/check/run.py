@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bigtrain.check.compare import TOLERANCES, Tolerance, assemble, relative_error, scalar_error
+from bigtrain.check.compare import Tolerance, assemble, relative_error, scalar_error, tolerance_for
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
@@ -165,7 +165,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     copies = world.gather_objects(trainer.parallel.placements.copies())
     aliases = {n: c for held in copies or [] for n, c in held.items()}
     probe = OutputProbe(_modules(trainer))
-    tol = TOLERANCES[cfg.precision.mode]
+    tol = tolerance_for(cfg.precision.mode, cfg.optim.name)
     coords = {axis: mesh.coord(axis) for axis in AXES}
     mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
             "modules": [n for n, _ in _modules(trainer)]}

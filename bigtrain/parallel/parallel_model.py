@@ -182,7 +182,7 @@ class ParallelModel:
         spec = self.engine.optim_spec
         with_state = any(k.startswith("optim/") for k in reader.entries)
         for batch in self._load_batches(with_state):
-            requests = []
+            requests, asked = [], {}
             for piece in batch:
                 name, shards = self.placements.saved_name(piece.name), self.placements[piece.name].shards
                 for c in chunks(piece.lo, piece.hi, piece.shape, shards):
@@ -193,8 +193,13 @@ class ParallelModel:
                     requests += self._block_requests(piece, name)
                 if with_state:
                     for k in spec.tensor_state:
-                        piece.scalars[k] = reader.empty(f"optim/{name}/{k}")
-                        requests.append((f"optim/{name}/{k}", (0,) * piece.scalars[k].dim(), piece.scalars[k]))
+                        # One request per entry: two pieces of a parameter (or the unit's carrier)
+                        # share the tensor read (the reader fills one destination per rectangle).
+                        fqn = f"optim/{name}/{k}"
+                        if fqn not in asked:
+                            asked[fqn] = reader.empty(fqn)
+                            requests.append((fqn, (0,) * asked[fqn].dim(), asked[fqn]))
+                        piece.scalars[k] = asked[fqn]
             reader.read(requests)
 
     def _block_layout(self, names):
