@@ -96,6 +96,10 @@ class OptimizerSpec:
         """Elements a ZeRO cut must be a multiple of, counted from each parameter's start."""
         return self.block_size(cfg) if self.block_size is not None else 1
 
+    def alignment_of(self, block_size: int) -> int:
+        """:meth:`alignment` for a configured ``optim.block_size`` (the planner has no config)."""
+        return block_size if self.block_size is not None else 1
+
     @property
     def element_state(self) -> tuple[str, ...]:
         """Names of the state tensors shaped like the parameter (they reshard with it)."""

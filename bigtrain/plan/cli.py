@@ -12,6 +12,7 @@ import json
 import sys
 
 from bigtrain.config import ConfigError, load_config, preset_names
+from bigtrain.optim import optimizer_names
 from bigtrain.plan.hardware import HardwareProfile, calibrate, get_profile, load_profile
 from bigtrain.plan.layout import Cluster, parse_layout
 from bigtrain.plan.model import MLP_KINDS, ModelSpec
@@ -47,6 +48,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     run.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the preset's, or ~4M tokens)")
     run.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: searched)")
     run.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    run.add_argument("--optim", default="adamw", choices=optimizer_names(),
+                     help="the optimizer whose declared state is counted (optim.name; default adamw)")
+    run.add_argument("--block-size", type=int, default=256, help="adamw8bit's optim.block_size (default 256)")
     run.add_argument("--layout", default="auto",
                      help="'auto' or keys dp,tp,pp,sp,zero,micro_batch,schedule,v,recompute,every,tp_sp,precision,"
                           "offload,compression,fused_loss, e.g. dp=8,tp=4,pp=2,zero=1,schedule=interleaved,v=2,"
@@ -120,7 +124,10 @@ def resolve(args: argparse.Namespace):
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run ``bigtrain plan``; ConfigError propagates (the main CLI prints it and exits 2)."""
     model, cluster, global_batch, fixed = resolve(args)
-    result = search(model, cluster, global_batch, fixed, precision=fixed["precision"])
+    if args.block_size < 1:
+        raise ConfigError(f"--block-size = {args.block_size}: must be a positive integer")
+    result = search(model, cluster, global_batch, fixed, precision=fixed["precision"], optimizer=args.optim,
+                    block=args.block_size)
     if args.json:
         print(json.dumps(json_report(model, cluster, global_batch, result, args.top), indent=1))
     else:

@@ -58,6 +58,11 @@ class Unit:
     numel: int
     decay_numel: int  # decayed parameters come first in the flat unit
     tensors: int
+    # Each tensor's local elements in the unit's order (decayed first) and the whole parameter's
+    # padded shape (its grid: Adafactor's statistics): what an optimizer that is not elementwise
+    # needs counted (the runtime gives it one piece per parameter, blocks aligned).
+    sizes: tuple[int, ...] = ()
+    grids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -73,6 +78,7 @@ class RankMemory:
     allocator: int = 0
     capacity: int = 0
     detail: dict = field(default_factory=dict)
+    optimizer_name: str = "adamw"  # whose declared state ``optimizer`` counts
 
     @property
     def model_states(self) -> int:
@@ -118,9 +124,19 @@ def replicas(layout: Layout) -> int:
     return layout.size(dense().grad_axis)
 
 
+def _grid(t: Tensor, tp: int) -> tuple[int, ...]:
+    placement = t.placement(tp)
+    grid = list(placement.local_shape(t.shape))
+    for cut in placement.shards:
+        grid[cut.dim] = cut.padded_size
+    return tuple(grid)
+
+
 def _sharded(tensors: list[Tensor], tp: int) -> Unit:
-    sizes = [t.local_numel(tp) for t in tensors]
-    return Unit(sum(sizes), sum(s for s, t in zip(sizes, tensors) if t.decays), len(tensors))
+    ordered = sorted(tensors, key=lambda t: not t.decays)  # the runtime's order: decayed first
+    sizes = [t.local_numel(tp) for t in ordered]
+    return Unit(sum(sizes), sum(s for s, t in zip(sizes, ordered) if t.decays), len(ordered), tuple(sizes),
+                tuple(_grid(t, tp) for t in ordered))
 
 
 def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | None, list[Unit]]:
@@ -145,12 +161,37 @@ def _pieces(unit: Unit, shards: int, shard_rank: int) -> int:
     return int(lo < unit.decay_numel) + int(hi > max(lo, unit.decay_numel))
 
 
-def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int, optimizer: str = "adamw"
-                ) -> dict[str, int]:
+def _piecewise(unit: Unit, shards: int, rank: int, spec, block: int, mixed: bool) -> tuple[int, int]:
+    """(padded elements, optimizer bytes on shard ``rank``) of a unit laid out for an optimizer that
+    is not elementwise: each parameter starts at a multiple of ``block``, the unit is padded to a
+    multiple of ``shards x block``; the optimizer holds a piece of every parameter (empty where
+    the shard holds none: its per-tensor state only) and, per piece, element and block state."""
+    offsets, at = [], 0
+    for n in unit.sizes:
+        at = -(-at // block) * block
+        offsets.append(at)
+        at += n
+    padded = -(-at // (shards * block)) * shards * block
+    shard = padded // shards
+    lo, hi = rank * shard, (rank + 1) * shard
+    per_block = sum(s.nbytes for s in spec.state if s.per == "block")
+    total = 4 * mixed * shard
+    for offset, n, grid in zip(offsets, unit.sizes, unit.grids):
+        held = max(0, min(hi, offset + n) - max(lo, offset))
+        total += spec.bytes_per_param * held + per_block * -(-held // block) + spec.bytes_per_tensor
+        total += spec.factored_bytes(grid) if spec.factored_bytes else 0
+    return padded, total
+
+
+def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int, optimizer: str = "adamw",
+                block: int = 256) -> dict[str, int]:
     """Model-state bytes on the worst rank of the ``replicas`` ranks holding these units (dp, times
-    sp under Ulysses), as the runtime allocates and measures them, with ``optimizer``'s declared state."""
+    sp under Ulysses), as the runtime allocates and measures them, with ``optimizer``'s declared state
+    (``block``: ``optim.block_size``, for a blocked optimizer)."""
     nbytes, mixed = BYTES[precision], precision != "fp32"
     spec = get_optimizer(optimizer)
+    if not spec.elementwise and all(u.sizes for u in units):
+        return _piecewise_state_bytes(units, zero, nbytes, mixed, replicas, spec, spec.alignment_of(block))
     per_element, per_tensor = spec.bytes_per_param, spec.bytes_per_tensor
     numel = sum(u.numel for u in units)
     if zero == 0 and not mixed:  # ReplicatedEngine: the optimizer is given each parameter tensor
@@ -169,13 +210,34 @@ def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int, opt
             "optimizer": (4 * mixed + per_element) * shard + per_tensor * pieces}
 
 
+def _piecewise_state_bytes(units: list[Unit], zero: int, nbytes: int, mixed: bool, replicas: int, spec,
+                           block: int) -> dict[str, int]:
+    if zero == 0 and not mixed:  # ReplicatedEngine: each parameter whole, with its own blocks
+        numel = sum(u.numel for u in units)
+        per_block = sum(s.nbytes for s in spec.state if s.per == "block")
+        optimizer = sum(spec.bytes_per_param * n + per_block * -(-n // block) + spec.bytes_per_tensor
+                        + (spec.factored_bytes(g) if spec.factored_bytes else 0)
+                        for u in units for n, g in zip(u.sizes, u.grids))
+        return {"params": 4 * numel, "grads": 4 * numel, "optimizer": optimizer}
+    shards = replicas if zero >= 1 else 1
+    distinct = Counter(units)
+    padded = sum(n * _piecewise(u, shards, 0, spec, block, mixed)[0] for u, n in distinct.items())
+    shard = padded // shards
+    worst = max(sum(n * _piecewise(u, shards, r, spec, block, mixed)[1] for u, n in distinct.items())
+                for r in range(min(shards, 1024)))
+    return {"params": nbytes * padded if zero < 3 else (nbytes if mixed else 4) * shard,
+            "grads": 4 * (padded if zero <= 1 else shard), "optimizer": worst}
+
+
 def zero_formula_bytes(params: float, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw"
                        ) -> dict[str, float]:
     """The ZeRO paper's per-rank model states, without padding: 2+2+K bytes per parameter in mixed
     precision (4+4+K' in fp32), the stage deciding which parts are divided by dp. K is the fp32
     master plus the optimizer's state, K' the state alone: 12 and 8 for AdamW."""
     weight = BYTES[precision] if precision != "fp32" else 4
-    optimizer_bytes = (4 if precision != "fp32" else 0) + get_optimizer(optimizer).bytes_per_param
+    spec = get_optimizer(optimizer)
+    per_block = sum(s.nbytes for s in spec.state if s.per == "block")
+    optimizer_bytes = (4 if precision != "fp32" else 0) + spec.bytes_per_param + per_block / spec.alignment_of(256)
     return {"params": weight * params / (dp if zero >= 3 else 1),
             "grads": weight * params / (dp if zero >= 2 else 1),
             "optimizer": optimizer_bytes * params / (dp if zero >= 1 else 1)}
@@ -252,10 +314,10 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
 
 # -- one rank, and the worst one ----------------------------------------------------------------------
 def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int, pp_rank: int,
-                inflight: int, optimizer: str = "adamw") -> RankMemory:
+                inflight: int, optimizer: str = "adamw", block: int = 256) -> RankMemory:
     root, blocks = rank_units(model, layout, pp_rank)
     units = ([root] if root else []) + blocks
-    states = state_bytes(units, layout.zero, layout.precision, replicas(layout), optimizer)
+    states = state_bytes(units, layout.zero, layout.precision, replicas(layout), optimizer, block)
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
     activations, host = per_mb * inflight, 0
@@ -276,16 +338,18 @@ def checked_pp_ranks(pp: int) -> list[int]:
 
 
 def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int,
-                    pipeline: PipelineModel | None = None, optimizer: str = "adamw") -> RankMemory:
+                    pipeline: PipelineModel | None = None, optimizer: str = "adamw", block: int = 256
+                    ) -> RankMemory:
     """The worst rank's memory with ``optimizer`` (a registered ``optim.name``); every tp/sp/dp rank
     of a pipeline rank is alike, up to the optimizer's per-tensor state (AdamW's step counts),
     taken at its worst."""
     pipeline = pipeline or PipelineModel()
     peaks = pipeline.terms(layout.schedule, layout.pp, layout.micro_batches(global_batch), layout.v,
                            1.0, 2.0, 1.0 if layout.schedule == "zb-h1" else 0.0).peak_inflight
-    ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer)
+    ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer, block)
              for r in checked_pp_ranks(layout.pp)]
     worst = max(ranks, key=lambda m: m.total)
     acts = block_activations(model, layout.precision, layout.recompute, layout.compression)
     worst.detail.update({"activation_c1": round(acts.c1, 4), "activation_c2": round(acts.c2, 4)})
+    worst.optimizer_name = optimizer
     return worst

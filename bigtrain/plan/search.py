@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from bigtrain.config import ConfigError
+from bigtrain.optim import get_optimizer
 from bigtrain.plan.cost import StepTime, step_time
 from bigtrain.plan.layout import Cluster, Layout, layout_problems
 from bigtrain.plan.memory import RankMemory, estimate_memory
@@ -56,13 +57,14 @@ class Plan:
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,
-             pipeline: PipelineModel | None = None, with_time: bool = True) -> Plan:
+             pipeline: PipelineModel | None = None, with_time: bool = True, optimizer: str = "adamw",
+             block: int = 256) -> Plan:
     """Memory and (optionally) step time of one layout; raises ConfigError if it cannot run."""
     problems = layout_problems(layout, model, cluster, global_batch)
     if problems:
         raise ConfigError(problems)
     pipeline = pipeline or PipelineModel()
-    memory = estimate_memory(model, layout, cluster.hardware, global_batch, pipeline)
+    memory = estimate_memory(model, layout, cluster.hardware, global_batch, pipeline, optimizer, block)
     time = step_time(model, layout, cluster, global_batch, pipeline) if with_time else None
     return Plan(model, layout, cluster, global_batch, memory, time)
 
@@ -145,7 +147,8 @@ class SearchResult:
 
 
 def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | None = None,
-           precision: str = "bf16", pipeline: PipelineModel | None = None, retime: int = 12) -> SearchResult:
+           precision: str = "bf16", pipeline: PipelineModel | None = None, retime: int = 12,
+           optimizer: str = "adamw", block: int = 256) -> SearchResult:
     """Rank the layouts that fit; raises ConfigError when no layout is even valid.
 
     Candidates are timed with the pipeline's closed forms (fast, and equal to the simulator when
@@ -161,7 +164,7 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | 
             rejected[problems[0].split(":")[0]] = rejected.get(problems[0].split(":")[0], 0) + 1
             continue
         valid += 1
-        memory = estimate_memory(model, layout, cluster.hardware, global_batch, fast)
+        memory = estimate_memory(model, layout, cluster.hardware, global_batch, fast, optimizer, block)
         plan = Plan(model, layout, cluster, global_batch, memory)
         if plan.fits:
             plan.time = step_time(model, layout, cluster, global_batch, fast)
@@ -222,7 +225,8 @@ def explain_memory(memory: RankMemory, model: ModelSpec, layout: Layout, hardwar
     """Where a rank's bytes go, and by how much it misses (or clears) the device."""
     states = memory.model_states
     mixed = layout.precision != "fp32"
-    opt_text = ("fp32 master weights + two AdamW moments" if mixed else "two AdamW moments")
+    spec = get_optimizer(memory.optimizer_name)
+    opt_text = ("fp32 master weights + " if mixed else "") + f"{spec.name}'s state"
     bytes_per_param = states / model.params if layout.zero == 0 and layout.gpus == 1 else None
     lines = [f"worst rank (pipeline rank {memory.pp_rank}): {readable_bytes(memory.total)} needed, "
              f"{readable_bytes(memory.capacity)} on {hardware_name}"
