@@ -168,3 +168,27 @@ def test_state_bytes_measured_match_the_planner(optimizer, per_param, layout, co
     if layout == "replicated-fp32":
         lo, hi = per_param
         assert lo <= measured["optimizer"] / local <= hi, measured["optimizer"] / local
+
+
+# -- bad input: rejected before launch, naming the field and the fix -----------------------------------
+def test_a_block_that_tp_would_split_is_rejected_at_validation():
+    from bigtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim.block_size = 256 must divide .*model.dim / parallel.tp = 32.*"
+                                          r"use optim.block_size = 32"):
+        tiny_config("", "--optim.name=adamw8bit", "--parallel.tp=2")
+    with pytest.raises(ConfigError, match=r"optim.block_size = 0: must be"):
+        tiny_config("", "--optim.name=adamw8bit", "--optim.block_size=0")
+    tiny_config("", "--optim.name=adamw8bit", "--parallel.tp=2", "--optim.block_size=32")  # accepted
+
+
+def test_the_engine_refuses_a_cut_that_splits_a_block():
+    """What validation prevents, the runtime refuses too, naming the parameter (a model the
+    validation rule does not know)."""
+    from bigtrain.parallel.blocks import block_cuts
+    from bigtrain.parallel.placement import dense, even_shard
+
+    placement = dense().with_shard(even_shard(64, 2, 0, dim=1))  # a row-parallel 48 x 64 weight
+    with pytest.raises(ValueError, match=r"w: its part \(48, 32\) of \(48, 64\).*block of 64 elements"):
+        block_cuts("w", placement, (48, 32), 64)
+    assert block_cuts("w", placement, (48, 32), 32)[0].padded_size == 2

@@ -75,7 +75,19 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
         out += ["--model.fused_loss=true", f"--model.fused_loss_chunk={rng.choice([7, 32, 1024])}"]
     if rng.random() < 0.3:
         out += [f"--parallel.reshard_after_forward={rng.random() < 0.5}", f"--parallel.prefetch={rng.random() < 0.5}"]
+    out += _optimizer_choice(rng)
     return out
+
+
+def _optimizer_choice(rng: random.Random) -> list[str]:
+    """AdamW most often; otherwise a memory-efficient optimizer (8-bit AdamW with a block size that
+    tp may have to reject, Adafactor, Lion at its own learning rate)."""
+    name = rng.choice(["adamw"] * 4 + ["adamw8bit", "adafactor", "lion"])
+    if name == "adamw8bit":
+        return [f"--optim.name={name}", f"--optim.block_size={rng.choice([32, 64, 256])}"]
+    if name == "lion":
+        return [f"--optim.name={name}", "--optim.lr=3e-4", "--optim.beta2=0.99"]
+    return [f"--optim.name={name}"] if name != "adamw" else []
 
 
 @dataclass
