@@ -218,6 +218,9 @@ def check_optim(cfg: Config) -> list[str]:
     problems += _one_of("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
     problems += _one_of("optim.name", o.name, optimizer_names())
     problems += _positive(cfg, ["optim.block_size", "optim.adafactor_clip", "optim.adafactor_eps"])
+    if not -1.0 <= o.adafactor_decay <= 0.0:
+        problems.append(f"optim.adafactor_decay = {o.adafactor_decay}: must be in [-1, 0] (1 - beta2 at step t is "
+                        f"t ** adafactor_decay; the paper and torch use -0.8)")
     if o.name in optimizer_names():
         problems += _optimizer_serves_layout(cfg, get_optimizer(o.name))
     return problems

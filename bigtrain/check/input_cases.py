@@ -60,7 +60,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "model.max_seq_len": (32, 10**12), "parallel.dp": (1, 3), "parallel.tp": (1, 5), "parallel.pp": (1, 3),
     "parallel.sp": (1, 3), "parallel.ep": (1, None), "parallel.pp_virtual": (1, 2), "parallel.zero": (0, 4),
     "precision.scale_growth_interval": (1, None), "memory.checkpoint_every": (1, None),
-    "optim.warmup_steps": (0, None), "optim.base_batch": (1, None), "data.seq_len": (1, 65),
+    "optim.warmup_steps": (0, None), "optim.base_batch": (1, None), "optim.block_size": (1, None), "data.seq_len": (1, 65),
     "data.max_bytes": (0, None), "data.ignore_target": (-1, 256), "train.steps": (1, None),
     "train.global_batch": (1, 2**40), "train.micro_batch": (1, 9), "train.seed": (0, SEED_MAX + 1),
     "train.max_bad_steps": (1, None), "model.moe_experts": (0, None), "model.moe_top_k": (1, None),
@@ -76,7 +76,8 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
     "optim.lr": (0, False, math.inf, False), "optim.min_lr_ratio": (0, True, 1, True),
     "optim.weight_decay": (0, True, math.inf, False), "optim.beta1": (0, True, 1, False),
     "optim.beta2": (0, True, 1, False), "optim.eps": (0, False, math.inf, False),
-    "optim.grad_clip": (0, True, math.inf, False), "distributed.timeout_s": (1, True, 365 * 86400, True),
+    "optim.grad_clip": (0, True, math.inf, False), "optim.adafactor_decay": (-1, True, 0, True),
+    "optim.adafactor_clip": (0, False, math.inf, False), "optim.adafactor_eps": (0, False, math.inf, False), "distributed.timeout_s": (1, True, 365 * 86400, True),
     "model.moe_capacity_factor": (0, True, math.inf, False), "model.moe_aux_loss_coef": (0, True, math.inf, False),
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
@@ -88,7 +89,7 @@ ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "parallel.pp_balance": ("layers", "params"), "precision.mode": ("fp32", "bf16", "fp16"),
     "precision.reduce_dtype": ("auto", "fp32"), "memory.checkpointing": ("none", "full", "every", "selective"),
     "memory.activation_compression": ("none", "int8"),
-    "optim.lr_scaling": ("none", "linear"), "optim.name": ("adamw",),  # others register at run time
+    "optim.lr_scaling": ("none", "linear"), "optim.name": ("adamw", "adamw8bit", "adafactor", "lion"),  # others register at run time
     "train.device": ("auto", "cpu"),  # cuda: only with a GPU
 }
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
