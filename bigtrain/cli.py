@@ -1,4 +1,4 @@
-"""``bigtrain train | check | plan | bench | report | export | config | presets | fields``.
+"""``bigtrain train | check | plan | bench | report | export | generate | config | presets | fields``.
 
 ``bigtrain train`` validates the config before anything starts. When the layout needs several
 ranks and no launcher started us, it writes the resolved config into the run directory and starts
@@ -61,6 +61,17 @@ def _parser() -> argparse.ArgumentParser:
                              "and model.safetensors that transformers' LlamaForCausalLM.from_pretrained loads, "
                              "and model.init_from = 'hf:OUT' starts a run from")
     export.set_defaults(run=cmd_export)
+    generate = sub.add_parser("generate", help="print text a trained model writes after a prompt (byte-level)")
+    generate.add_argument("run_dir", help="a run directory, its checkpoints/, one checkpoint, or a Hugging Face "
+                                          "Llama folder")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--tokens", type=int, default=200, help="new tokens (bytes) to write (default 200)")
+    generate.add_argument("--temperature", type=float, default=0.8,
+                          help="sampling temperature; 0 is greedy (the most likely token each time) (default 0.8)")
+    generate.add_argument("--top-k", type=int, default=0,
+                          help="sample among the k most likely tokens only; 0: all of them (default 0)")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    generate.set_defaults(run=cmd_generate)
     sub.add_parser("presets", help="list the shipped presets")
     sub.add_parser("fields", help="list every config field with its help")
     return parser
@@ -271,6 +282,18 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"file instead: {path}")
     else:
         print(f"bigtrain export: wrote {path}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from bigtrain.generate import GenerateError, generate_text
+
+    try:
+        text = generate_text(Path(args.run_dir), args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    except (GenerateError, FileNotFoundError) as e:
+        print(f"bigtrain generate: {e}", file=sys.stderr)
+        return 1
+    print(text)
     return 0
 
 
