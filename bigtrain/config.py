@@ -207,6 +207,8 @@ class DataConfig:
     max_bytes: int = doc("Cap on the bytes read from a text corpus (0: no cap).", 16_000_000)
     ignore_target: int = doc("A token id whose next-token targets are left out of the loss (padding or a "
                              "separator, say); the loss is the mean over the targets kept. -1: keep all.", -1)
+    val_fraction: float = doc("Hold out this fraction of the corpus (its last tokens) for validation: training "
+                              "windows never reach into it, whatever the layout. 0: no held-out data.", 0.0)
 
 
 @dataclass
@@ -221,6 +223,10 @@ class TrainConfig:
     max_bad_steps: int = doc("Stop the run (exit code 3) after this many consecutive steps with a non-finite loss "
                              "or gradient norm; each is skipped on every rank, weights untouched. fp16 overflows "
                              "count only once the loss scale is at its minimum.", 5)
+    eval_every: int = doc("Every N steps (and at the last one), the mean loss over train.eval_batches global "
+                          "batches of held-out windows (data.val_fraction), logged as eval_loss. 0: never.", 0)
+    eval_batches: int = doc("With eval_every: global batches of held-out windows per evaluation (the same "
+                            "windows every time, spread evenly over the held-out slice).", 4)
 
     def grad_accum(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)
