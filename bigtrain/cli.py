@@ -14,6 +14,8 @@ import time
 import warnings
 from pathlib import Path
 
+from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog,
+                               unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_docs, load_config, preset_names, to_toml
 from bigtrain.validation import validate
 
@@ -27,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model (overrides: --section.key=value)"),
                        ("config", "print the resolved, validated config as TOML")):
-        p = sub.add_parser(name, help=text, description=text)
+        extra = {"epilog": train_epilog(DEFAULT_PRESET), "formatter_class": argparse.RawDescriptionHelpFormatter} \
+            if name == "train" else {}
+        p = sub.add_parser(name, help=text, description=text, **extra)
         source = p.add_mutually_exclusive_group()
         source.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())} (default {DEFAULT_PRESET})")
         source.add_argument("--config", help="a TOML config file")
@@ -39,8 +43,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--overwrite", action="store_true",
                            help="replace the run --output-dir holds (its checkpoints, metrics and records)")
             p.add_argument("--parallel", choices=["auto"], help="let the planner choose the layout")
-            p.add_argument("--world-size", type=int, help="ranks to plan for with --parallel auto "
-                                                          "(default: the launcher's, else 1)")
+            p.add_argument("--world-size", type=int, help="ranks of the run: with --parallel auto, what the planner "
+                                                          "plans for; otherwise parallel.dp follows from it when "
+                                                          "no preset, file or override sets dp (default: the "
+                                                          "launcher's, else 1)")
             p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                            help="after a rank fails, restart all ranks up to N times (torchrun elastic); "
                                 "each restart resumes from the run directory's newest checkpoint (default 0)")
@@ -146,7 +152,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         chosen, why = auto_overrides(cfg, args.world_size or env_world_size() or 1)
         print(why)
         cfg = _resolve(args, chosen + overrides)  # what the user set explicitly still wins
-    validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
+    else:
+        cfg = _infer_dp(args, overrides, cfg, args.world_size or env_world_size())
+    validate(cfg, world_size=env_world_size() or (args.world_size if args.parallel != "auto" else None),
+             cuda_available=torch.cuda.is_available())
     run_dir = _run_dir(args)
     if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
         if (stopped := recorded_exit_code(run_dir)) is not None:
@@ -181,6 +190,20 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"bigtrain: the ranks exited with status {code}; see the messages above", file=sys.stderr)
         return code
     return _run_rank(cfg, run_dir)
+
+
+def _infer_dp(args: argparse.Namespace, overrides: list[str], cfg: Config, world_size: int | None) -> Config:
+    """``parallel.dp`` from the world size (``--world-size``, or the launcher's) when nothing sets
+    it: under a user's ``torchrun --nproc-per-node 4``, a tp=2 config runs dp=2."""
+    if world_size is None or world_size == cfg.parallel.world_size or getattr(args, "resume", False):
+        return cfg
+    preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
+    dp = inferred_dp(cfg, world_size)
+    if dp is None or dp_given(preset, args.config, overrides):
+        return cfg  # validation names the mismatch and the fix
+    print(f"bigtrain: parallel.dp = {dp} (world size {world_size} / tp x pp x sp = "
+          f"{cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp})")
+    return _resolve(args, [f"--parallel.dp={dp}"] + list(overrides))
 
 
 def check_max_restarts(max_restarts: int) -> None:
@@ -327,11 +350,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, rest = _parser().parse_known_args(argv)
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if wrong := suggest_command(argv, list(commands)):
+        print(wrong, file=sys.stderr)
+        return 2
+    args, rest = parser.parse_known_args(argv)
+    takes_overrides = args.command in ("train", "config", "check")
     unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
-    if unknown or (rest and args.command not in ("train", "config", "check")):
-        print(f"bigtrain {args.command}: unrecognized arguments: {' '.join(unknown or rest)} "
-              f"(config overrides look like --parallel.dp=2)", file=sys.stderr)
+    if unknown or (rest and not takes_overrides):
+        print(unknown_arguments_message(args.command, unknown or rest, commands[args.command], takes_overrides),
+              file=sys.stderr)
         return 2
     try:
         if hasattr(args, "run"):  # commands that carry their own entry point (plan, bench)
