@@ -79,6 +79,9 @@ def suggest_flag(arg: str, parser: argparse.ArgumentParser, takes_overrides: boo
     spelled = "--" + name.lstrip("-").replace("_", "-")
     if spelled in options:
         return spelled + eq + value
+    flat = {f.replace(".", "-").replace("_", "-"): f for f in fields}  # --parallel-dp, --train_steps
+    if spelled[2:].replace(".", "-") in flat:
+        return f"--{flat[spelled[2:].replace('.', '-')]}" + ("=" + value if eq else "=VALUE")
     close = difflib.get_close_matches(spelled, options, n=1, cutoff=0.7)  # the command's own flags first
     if close:
         return close[0] + eq + value
@@ -94,7 +97,7 @@ def suggest_flag(arg: str, parser: argparse.ArgumentParser, takes_overrides: boo
 
 def unknown_arguments_message(command: str, unknown: list[str], parser: argparse.ArgumentParser,
                               takes_overrides: bool) -> str:
-    lines = [f"bigtrain {command}: unrecognized argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}"]
+    lines = [f"bigtrain {command}: unrecognized arguments: {' '.join(unknown)}"]
     for arg in unknown:
         if arg.startswith("-") and (hint := suggest_flag(arg, parser, takes_overrides)):
             lines.append(f"  {arg}: did you mean {hint}?")

@@ -10,6 +10,7 @@ from bigtrain.cli import _infer_dp, _parser, _resolve, main
     (["train", "--steps=5"], "--steps=5: did you mean --train.steps=5?"),
     (["train", "--output_dir", "x"], "--output_dir: did you mean --output-dir?"),
     (["train", "--seq-len=64"], "did you mean --data.seq_len=64?"),
+    (["train", "--parallel-dp=2"], "--parallel-dp=2: did you mean --parallel.dp=2?"),
     (["config", "--global_batch=4"], "did you mean --train.global_batch=4?"),
     (["plan", "--layuot", "auto"], "--layuot: did you mean --layout?"),
     (["check", "--stpes=2"], "did you mean --steps=2?"),
