@@ -72,3 +72,32 @@ def test_loss_plot_has_integer_step_ticks_and_the_eval_curve(run):
         assert [line.get_label() for line in ax.get_lines()] == ["training", "held-out"]
         assert all(float(t).is_integer() for t in ax.get_xticks())
         plt.close("all")
+
+
+def test_plan_png_shows_speed_differences_and_memory_per_ranked_layout(tmp_path):
+    from unittest import mock
+
+    import matplotlib.pyplot as plt
+
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.layout import Cluster
+    from bigtrain.plan.model import ModelSpec
+    from bigtrain.plan.report import write_png
+    from bigtrain.plan.search import search
+
+    cfg = load_config(preset="llama-7b")
+    result = search(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len),
+                    Cluster.build(4, get_profile("h100-80g")), cfg.train.global_batch)
+    with mock.patch("matplotlib.pyplot.close"):
+        write_png(tmp_path / "plan.png", result, top=6)
+        _, speed, memory = plt.gcf().axes
+        plt.close("all")
+    speeds = [p.tokens_per_s for p in result.ranked[:6]]
+    assert speed.get_xlim()[0] > 0.9 * min(speeds)  # not from 0: the top layouts differ by a few percent
+    assert "vs #1)" in speed.texts[0].get_text()
+    totals = sorted(round(sum(b.get_width() for b in memory.patches if round(b.get_y() + b.get_height() / 2) == y), 3)
+                    for y in range(6))
+    expected = sorted(round(sum(p.memory.to_dict()[k] for k in ("params", "grads", "optimizer", "activations",
+                                                                 "buffers", "allocator")) / 2**30, 3)
+                      for p in result.ranked[:6])
+    assert totals == expected
