@@ -264,6 +264,9 @@ class LoggingConfig:
                          "one plain line per logged step).", True)
     report: bool = doc("Write report.md and a loss-curve PNG at the end.", True)
     measure_memory: bool = doc("Measure saved-activation bytes on logged steps.", True)
+    tensorboard: bool = doc("Also write each logged step's loss, held-out loss, learning rate, gradient norm, "
+                            "tokens/s and memory as TensorBoard event files in RUN_DIR/tensorboard (torch's "
+                            "SummaryWriter; needs `pip install tensorboard`, else a warning and no files).", False)
 
 
 @dataclass

@@ -218,7 +218,8 @@ class Trainer:
             self._run_id = ensure_run_id(self.run_dir)
             forget_stop(self.run_dir)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
-        log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress)
+        log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress,
+                         cfg.logging.tensorboard)
         scaler = self.engine.scaler
         bad = BadSteps(cfg.train.max_bad_steps, scaler.min_scale if scaler is not None else None)
         try:

@@ -83,7 +83,7 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
                "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",
-               "logging.report", "logging.measure_memory", "model.fused_loss", "memory.activation_offload",
+               "logging.report", "logging.measure_memory", "logging.tensorboard", "model.fused_loss", "memory.activation_offload",
                "memory.selective_attention"]
 ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "model.name": ("llama",), "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
