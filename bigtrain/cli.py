@@ -1,4 +1,4 @@
-"""``bigtrain train | check | plan | bench | report | export | config | presets | fields``.
+"""``bigtrain train | check | plan | bench | report | export | generate | config | presets | fields``.
 
 ``bigtrain train`` validates the config before anything starts. When the layout needs several
 ranks and no launcher started us, it writes the resolved config into the run directory and starts
@@ -14,6 +14,8 @@ import time
 import warnings
 from pathlib import Path
 
+from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog,
+                               unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_docs, load_config, preset_names, to_toml
 from bigtrain.validation import validate
 
@@ -27,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model (overrides: --section.key=value)"),
                        ("config", "print the resolved, validated config as TOML")):
-        p = sub.add_parser(name, help=text, description=text)
+        extra = {"epilog": train_epilog(DEFAULT_PRESET), "formatter_class": argparse.RawDescriptionHelpFormatter} \
+            if name == "train" else {}
+        p = sub.add_parser(name, help=text, description=text, **extra)
         source = p.add_mutually_exclusive_group()
         source.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())} (default {DEFAULT_PRESET})")
         source.add_argument("--config", help="a TOML config file")
@@ -39,8 +43,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--overwrite", action="store_true",
                            help="replace the run --output-dir holds (its checkpoints, metrics and records)")
             p.add_argument("--parallel", choices=["auto"], help="let the planner choose the layout")
-            p.add_argument("--world-size", type=int, help="ranks to plan for with --parallel auto "
-                                                          "(default: the launcher's, else 1)")
+            p.add_argument("--world-size", type=int, help="ranks of the run: with --parallel auto, what the planner "
+                                                          "plans for; otherwise parallel.dp follows from it when "
+                                                          "no preset, file or override sets dp (default: the "
+                                                          "launcher's, else 1)")
             p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                            help="after a rank fails, restart all ranks up to N times (torchrun elastic); "
                                 "each restart resumes from the run directory's newest checkpoint (default 0)")
@@ -61,6 +67,17 @@ def _parser() -> argparse.ArgumentParser:
                              "and model.safetensors that transformers' LlamaForCausalLM.from_pretrained loads, "
                              "and model.init_from = 'hf:OUT' starts a run from")
     export.set_defaults(run=cmd_export)
+    generate = sub.add_parser("generate", help="print text a trained model writes after a prompt (byte-level)")
+    generate.add_argument("run_dir", help="a run directory, its checkpoints/, one checkpoint, or a Hugging Face "
+                                          "Llama folder")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--tokens", type=int, default=200, help="new tokens (bytes) to write (default 200)")
+    generate.add_argument("--temperature", type=float, default=0.8,
+                          help="sampling temperature; 0 is greedy (the most likely token each time) (default 0.8)")
+    generate.add_argument("--top-k", type=int, default=0,
+                          help="sample among the k most likely tokens only; 0: all of them (default 0)")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    generate.set_defaults(run=cmd_generate)
     sub.add_parser("presets", help="list the shipped presets")
     sub.add_parser("fields", help="list every config field with its help")
     return parser
@@ -135,7 +152,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         chosen, why = auto_overrides(cfg, args.world_size or env_world_size() or 1)
         print(why)
         cfg = _resolve(args, chosen + overrides)  # what the user set explicitly still wins
-    validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
+    else:
+        cfg = _infer_dp(args, overrides, cfg, args.world_size or env_world_size())
+    validate(cfg, world_size=env_world_size() or (args.world_size if args.parallel != "auto" else None),
+             cuda_available=torch.cuda.is_available())
     run_dir = _run_dir(args)
     if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
         if (stopped := recorded_exit_code(run_dir)) is not None:
@@ -170,6 +190,21 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"bigtrain: the ranks exited with status {code}; see the messages above", file=sys.stderr)
         return code
     return _run_rank(cfg, run_dir)
+
+
+def _infer_dp(args: argparse.Namespace, overrides: list[str], cfg: Config, world_size: int | None) -> Config:
+    """``parallel.dp`` from the world size (``--world-size``, or the launcher's) when nothing sets
+    it: under a user's ``torchrun --nproc-per-node 4``, a tp=2 config runs dp=2."""
+    if world_size is None or world_size == cfg.parallel.world_size or getattr(args, "resume", False):
+        return cfg
+    preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
+    dp = inferred_dp(cfg, world_size)
+    if dp is None or dp_given(preset, args.config, overrides):
+        return cfg  # validation names the mismatch and the fix
+    if os.environ.get("RANK", "0") == "0":  # under a launcher every rank comes here; one says it
+        print(f"bigtrain: parallel.dp = {dp} (world size {world_size} / tp x pp x sp = "
+              f"{cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp})")
+    return _resolve(args, [f"--parallel.dp={dp}"] + list(overrides))
 
 
 def check_max_restarts(max_restarts: int) -> None:
@@ -274,6 +309,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from bigtrain.generate import GenerateError, generate_text
+
+    try:
+        text = generate_text(Path(args.run_dir), args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    except (GenerateError, FileNotFoundError) as e:
+        print(f"bigtrain generate: {e}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
+
+
 def _stop_code(error: RuntimeError) -> int | None:
     """The exit code of a run that stopped on purpose or on a named failure; None for a bug."""
     from bigtrain.checkpoint import CheckpointWriteError
@@ -304,11 +351,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, rest = _parser().parse_known_args(argv)
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if wrong := suggest_command(argv, list(commands)):
+        print(wrong, file=sys.stderr)
+        return 2
+    args, rest = parser.parse_known_args(argv)
+    takes_overrides = args.command in ("train", "config", "check")
     unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
-    if unknown or (rest and args.command not in ("train", "config", "check")):
-        print(f"bigtrain {args.command}: unrecognized arguments: {' '.join(unknown or rest)} "
-              f"(config overrides look like --parallel.dp=2)", file=sys.stderr)
+    if unknown or (rest and not takes_overrides):
+        print(unknown_arguments_message(args.command, unknown or rest, commands[args.command], takes_overrides),
+              file=sys.stderr)
         return 2
     try:
         if hasattr(args, "run"):  # commands that carry their own entry point (plan, bench)

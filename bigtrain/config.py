@@ -216,6 +216,8 @@ class DataConfig:
     max_bytes: int = doc("Cap on the bytes read from a text corpus (0: no cap).", 16_000_000)
     ignore_target: int = doc("A token id whose next-token targets are left out of the loss (padding or a "
                              "separator, say); the loss is the mean over the targets kept. -1: keep all.", -1)
+    val_fraction: float = doc("Hold out this fraction of the corpus (its last tokens) for validation: training "
+                              "windows never reach into it, whatever the layout. 0: no held-out data.", 0.0)
 
 
 @dataclass
@@ -230,6 +232,10 @@ class TrainConfig:
     max_bad_steps: int = doc("Stop the run (exit code 3) after this many consecutive steps with a non-finite loss "
                              "or gradient norm; each is skipped on every rank, weights untouched. fp16 overflows "
                              "count only once the loss scale is at its minimum.", 5)
+    eval_every: int = doc("Every N steps (and at the last one), the mean loss over train.eval_batches global "
+                          "batches of held-out windows (data.val_fraction), logged as eval_loss. 0: never.", 0)
+    eval_batches: int = doc("With eval_every: global batches of held-out windows per evaluation (the same "
+                            "windows every time, spread evenly over the held-out slice).", 4)
 
     def grad_accum(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)
@@ -267,6 +273,9 @@ class LoggingConfig:
                          "one plain line per logged step).", True)
     report: bool = doc("Write report.md and a loss-curve PNG at the end.", True)
     measure_memory: bool = doc("Measure saved-activation bytes on logged steps.", True)
+    tensorboard: bool = doc("Also write each logged step's loss, held-out loss, learning rate, gradient norm, "
+                            "tokens/s and memory as TensorBoard event files in RUN_DIR/tensorboard (torch's "
+                            "SummaryWriter; needs `pip install tensorboard`, else a warning and no files).", False)
 
 
 @dataclass

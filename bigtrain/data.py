@@ -129,11 +129,23 @@ IGNORE_INDEX = -100  # the target id that cross-entropy (torch's default ignore_
 
 class TokenSampler:
     """Random windows of ``seq_len + 1`` tokens; inputs and next-token targets. Targets equal to
-    ``ignore_target`` (when >= 0) become :data:`IGNORE_INDEX`, so the loss leaves them out."""
+    ``ignore_target`` (when >= 0) become :data:`IGNORE_INDEX`, so the loss leaves them out.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, ignore_target: int = -1):
+    ``val_fraction`` holds out the corpus's last tokens: training windows lie wholly before them,
+    validation windows (:meth:`eval_batch`) wholly inside them, so the two never share a token.
+    The split depends on the corpus and the fraction only, not on the layout or the seed."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, ignore_target: int = -1,
+                 val_fraction: float = 0.0):
+        held_out = int(len(tokens) * val_fraction)
+        self.val_tokens = tokens[len(tokens) - held_out:] if held_out else tokens[:0]
+        tokens = tokens[:len(tokens) - held_out]
         if len(tokens) < seq_len + 2:
-            raise ValueError(f"corpus has {len(tokens)} tokens, fewer than data.seq_len + 2 = {seq_len + 2}")
+            raise ValueError(f"corpus has {len(tokens)} tokens" + (" before the held-out slice" if held_out else "") +
+                             f", fewer than data.seq_len + 2 = {seq_len + 2}")
+        if held_out and len(self.val_tokens) < seq_len + 1:
+            raise ValueError(f"data.val_fraction = {val_fraction:g} holds out {held_out} tokens, fewer than one window "
+                             f"(data.seq_len + 1 = {seq_len + 1}); raise data.val_fraction or give a longer corpus")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.ignore_target = ignore_target
 
@@ -142,15 +154,17 @@ class TokenSampler:
         rng = np.random.default_rng([self.seed, step])
         return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)
 
-    def batch(self, step: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples ``first .. first+count-1`` of the global batch at ``step``."""
-        starts = self.starts(step)[first:first + count]
-        windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+    def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
         data = torch.from_numpy(windows)
         targets = data[:, 1:]
         if self.ignore_target >= 0:
             targets = targets.masked_fill(targets == self.ignore_target, IGNORE_INDEX)
         return data[:, :-1], targets
+
+    def batch(self, step: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``first .. first+count-1`` of the global batch at ``step``."""
+        return self._windows(self.tokens, self.starts(step)[first:first + count])
 
     def counted_targets(self, step: int) -> int:
         """Targets the loss counts in the whole global batch at ``step``: the normalizer that makes
@@ -164,3 +178,30 @@ class TokenSampler:
         per_rank = self.global_batch // dp
         for first in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, micro_batch):
             yield self.batch(step, first, micro_batch)
+
+    # -- the held-out slice ---------------------------------------------------------------------
+    def eval_starts(self, batch: int, batches: int) -> np.ndarray:
+        """Window starts (in the held-out slice) of validation global batch ``batch`` of
+        ``batches``: all ``batches x global_batch`` windows spread evenly over the slice, the same
+        at every evaluation (no randomness: the evaluations of a run are comparable)."""
+        last = len(self.val_tokens) - self.seq_len - 1
+        every = np.linspace(0, last, batches * self.global_batch).round().astype(np.int64)
+        return every[batch * self.global_batch:(batch + 1) * self.global_batch]
+
+    def eval_batch(self, batch: int, batches: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``first .. first+count-1`` of validation global batch ``batch``."""
+        return self._windows(self.val_tokens, self.eval_starts(batch, batches)[first:first + count])
+
+    def eval_targets(self, batches: int) -> int:
+        """Targets the validation loss counts over all ``batches`` (its normalizer; at least 1)."""
+        if self.ignore_target < 0:
+            return batches * self.global_batch * self.seq_len
+        return max(1, sum(int((self.eval_batch(b, batches, 0, self.global_batch)[1] != IGNORE_INDEX).sum())
+                          for b in range(batches)))
+
+    def eval_micro_batches(self, batches: int, dp_rank: int, dp: int, micro_batch: int):
+        """This rank's micro-batches of every validation batch, as :meth:`micro_batches` cuts them."""
+        per_rank = self.global_batch // dp
+        for batch in range(batches):
+            for first in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, micro_batch):
+                yield self.eval_batch(batch, batches, first, micro_batch)

@@ -57,8 +57,10 @@ class MetricsLog:
     """Appends metric records to ``metrics.jsonl`` (rank 0 only) and shows progress: a bar when
     ``progress`` and stdout is a terminal, else a plain line per record."""
 
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, first_step: int, progress: bool):
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, first_step: int, progress: bool,
+                 tensorboard: bool = False):
         self.enabled = enabled
+        self.board = tensorboard_writer(run_dir) if enabled and tensorboard else None
         self.path = run_dir / "metrics.jsonl"
         self.total_steps, self.first_step = total_steps, first_step
         self._pace_from: tuple[int, float] | None = None  # (steps done, time) at the first record
@@ -84,6 +86,8 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            write_scalars(self.board, record)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mem=human_bytes(sum(record["mem"].values())), refresh=False)
@@ -117,6 +121,33 @@ class MetricsLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.board is not None:
+            self.board.close()
+
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_writer(run_dir: Path):
+    """torch's SummaryWriter into ``run_dir/tensorboard``; None (with a warning) without the
+    ``tensorboard`` package, which torch's writer needs."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warnings.warn("logging.tensorboard = true, but the tensorboard package is not installed "
+                      "(pip install tensorboard); no event files are written", stacklevel=2)
+        return None
+    return SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+
+
+def write_scalars(writer, record: dict[str, Any]) -> None:
+    """One record's scalars, at its step counted from 1 (as the log lines count)."""
+    step = record["step"] + 1
+    for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        if key in record:
+            writer.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", record[key], step)
+    if record.get("mem"):
+        writer.add_scalar("memory/total_bytes", sum(record["mem"].values()), step)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -1,4 +1,6 @@
-"""The end-of-run report: a loss-curve PNG and a short markdown summary of memory and traffic."""
+"""The end-of-run report: a loss-curve PNG and a short markdown summary that says which run it is
+(config hash, code, torch, layout, model, data), what it reached (final and held-out loss, tokens,
+wall time), and the planner's prediction beside what was measured (step time, tokens/s, memory)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import json
 import statistics
 from pathlib import Path
 
-from bigtrain.metrics import human_bytes, read_metrics
+from bigtrain.metrics import human_bytes, human_duration, read_metrics
+
+MEM_KEYS = ("params", "grads", "optimizer", "activations")
 
 
 def plot_loss(records: list[dict], path: Path) -> None:
@@ -14,12 +18,19 @@ def plot_loss(records: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
+    # Steps counted from 1, as the log lines count them.
+    ax.plot([r["step"] + 1 for r in records], [r["loss"] for r in records], marker=".", label="training")
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] + 1 for r in evals], [r["eval_loss"] for r in evals], marker="o", label="held-out")
+        ax.legend()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
-    ax.set_title("training loss")
+    ax.set_title("loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -28,12 +39,68 @@ def plot_loss(records: list[dict], path: Path) -> None:
 
 def summarize(records: list[dict]) -> dict:
     first, last = records[0], records[-1]
-    speeds = [r["tokens_per_s"] for r in records[1:]] or [first["tokens_per_s"]]
+    timed = records[1:] or [first]  # the first step (allocation, warm-up) is not the pace
+    speeds = [r["tokens_per_s"] for r in timed]
     mem = next((r["mem"] for r in reversed(records) if r.get("mem")), {})
-    return {"first_loss": first["loss"], "last_loss": last["loss"],
-            "loss_drop": 1 - last["loss"] / first["loss"], "steps": last["step"] + 1,
-            "median_tokens_per_s": statistics.median(speeds), "mem": mem, "comm_per_step": last.get("comm", {}),
-            "comm_ops_per_step": last.get("comm_ops", {})}
+    evals = [r for r in records if "eval_loss" in r]
+    out = {"first_loss": first["loss"], "last_loss": last["loss"],
+           "loss_drop": 1 - last["loss"] / first["loss"], "steps": last["step"] + 1,
+           "median_tokens_per_s": statistics.median(speeds),
+           "median_step_time_s": statistics.median(r.get("step_time_s", 0.0) for r in timed),
+           "mem": mem, "comm_per_step": last.get("comm", {}), "comm_ops_per_step": last.get("comm_ops", {})}
+    if evals:
+        out.update(eval_loss=evals[-1]["eval_loss"], eval_step=evals[-1]["step"] + 1)
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _identity_lines(run: dict, s: dict) -> list[str]:
+    """Which run this is; from summary.json (absent for a run that did not finish: then less)."""
+    if not run:
+        return []
+    ident, data, mesh = run.get("run", {}), run.get("data", {}), run.get("mesh", {})
+    lines = []
+    if ident:
+        lines.append(f"- run: config {ident.get('config_hash')}, code {ident.get('git_commit') or 'not a git checkout'}, "
+                     f"torch {ident.get('torch')}, Python {ident.get('python')}")
+        lines.append(f"- layout: {ident.get('layout')} (mesh " + " x ".join(f"{k} {v}" for k, v in mesh.items()) + ")")
+    if "model_params" in run:
+        lines.append(f"- model: {run['model_params']:,} parameters")
+    if data:
+        held = f", {data['held_out_tokens']:,} held out" if data.get("held_out_tokens") else ""
+        lines.append(f"- data: {data.get('source')} ({data.get('train_tokens', 0):,} training tokens{held})")
+    if "tokens_seen" in run:
+        wall = run.get("wall_time_s")
+        lines.append(f"- tokens seen: {run['tokens_seen']:,}" +
+                     (f"; wall time {human_duration(wall)} ({wall:.1f} s)" if wall is not None else ""))
+    return lines
+
+
+def _prediction_lines(predicted: dict | None, s: dict) -> list[str]:
+    if not predicted:
+        return []
+    lines = ["", f"## Predicted (planner, profile '{predicted['hardware']}') vs measured", "",
+             "| what | predicted | measured | measured / predicted |", "|---|---|---|---|"]
+
+    def row(what: str, p: float, m: float, fmt) -> None:
+        ratio = f"{m / p:.3g}" if p and m else "-"
+        lines.append(f"| {what} | {fmt(p)} | {fmt(m) if m else '-'} | {ratio} |")
+
+    row("step time", predicted["step_time_s"], s["median_step_time_s"], lambda v: f"{v * 1e3:.1f} ms")
+    row("tokens/s", predicted["tokens_per_s"], s["median_tokens_per_s"], lambda v: f"{v:,.0f}")
+    for key in MEM_KEYS:
+        row(f"memory: {key}", predicted["mem"].get(key, 0), s["mem"].get(key, 0), human_bytes)
+    lines.append("")
+    lines.append("Measured: the median logged step after the first; memory on the worst rank (live tensors, saved "
+                 "activations at their peak). The planner's profile is a nominal one; `bigtrain bench "
+                 "--calibrate` measures this machine's.")
+    return lines
 
 
 def write_report(run_dir: Path) -> Path | None:
@@ -44,12 +111,14 @@ def write_report(run_dir: Path) -> Path | None:
         return None
     plot_loss(records, run_dir / "loss.png")
     s = summarize(records)
-    lines = [f"# Run report: {run_dir.name}", "",
+    run = _read_json(run_dir / "summary.json")
+    held_out = (f"; held-out loss {s['eval_loss']:.4f} (after step {s['eval_step']})" if "eval_loss" in s else "")
+    lines = [f"# Run report: {run_dir.name}", "", *_identity_lines(run, s),
              f"- steps: {s['steps']}; loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} "
-             f"({100 * s['loss_drop']:.1f}% lower)",
+             f"({100 * s['loss_drop']:.1f}% lower){held_out}",
              f"- median throughput: {s['median_tokens_per_s']:.0f} tokens/s", "",
-             "![loss](loss.png)", "", "## Memory on the worst rank (measured)", "",
-             "| what | bytes |", "|---|---|"]
+             "![loss](loss.png)", *_prediction_lines(run.get("predicted"), s),
+             "", "## Memory on the worst rank (measured)", "", "| what | bytes |", "|---|---|"]
     lines += [f"| {k} | {human_bytes(v)} ({v}) |" for k, v in s["mem"].items()]
     lines += ["", "## Traffic sent per rank in the last logged step (measured)", "",
               "| axis | collective | bytes |", "|---|---|---|"]
@@ -59,5 +128,5 @@ def write_report(run_dir: Path) -> Path | None:
         lines.append("| - | none (one rank) | 0 |")
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
-    (run_dir / "report.json").write_text(json.dumps(s, indent=1))
+    (run_dir / "report.json").write_text(json.dumps({**s, "run": run}, indent=1))
     return path

@@ -25,7 +25,7 @@ RUN_FILE = "run.json"
 STOP_FILE = "stopped.json"
 # What a run writes into its directory (and --overwrite removes); anything else is left alone.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "config.toml", RUN_FILE, STOP_FILE, "summary.json", "report.md",
-               "report.json", "loss.png", "timeline_measured.png", "timeline_simulated.png")
+               "report.json", "loss.png", "timeline_measured.png", "timeline_simulated.png", "tensorboard")
 
 
 def _write_json(path: Path, value: dict) -> None:

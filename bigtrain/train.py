@@ -23,12 +23,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from bigtrain import checkpoint as ckpt
+from bigtrain import run_info
 from bigtrain.checkpoint.hf import initial_weights
 from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
 from bigtrain.data import TokenSampler, load_tokens
 from bigtrain.distributed.mesh import Mesh
+from bigtrain.evaluate import held_out_loss
 from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.metrics import MetricsLog
@@ -60,6 +62,7 @@ class StepResult:
     skipped: bool = False
     loss_scale: float | None = None
     moe: dict[str, dict] = field(default_factory=dict)  # per MoE block: expert load, dropped routings, aux loss
+    eval_loss: float | None = None  # the held-out loss after this step (train.eval_every)
 
     def record(self) -> dict:
         out = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
@@ -69,6 +72,8 @@ class StepResult:
             out["loss_scale"] = self.loss_scale
         if self.moe:
             out["moe"] = self.moe
+        if self.eval_loss is not None:
+            out["eval_loss"] = self.eval_loss
         return out
 
 
@@ -82,7 +87,8 @@ class Trainer:
         set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
         self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),
-                                    cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target)
+                                    cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target,
+                                    cfg.data.val_fraction)
         self.accum = cfg.train.grad_accum(mesh.size("dp"))
         self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
         self.counted_targets = self.global_tokens  # this step's loss normalizer (fewer when targets are masked)
@@ -92,6 +98,7 @@ class Trainer:
         self._save_thread: ThreadPoolExecutor | None = None
         self._checkpoint_group = None
         self._run_id: str | None = None
+        self.wall_time_s: float | None = None  # of the last fit() (this attempt, when resumed)
 
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
@@ -197,6 +204,7 @@ class Trainer:
         """Train to ``train.steps``, resuming first if the config says so. Raises NonFiniteStop
         (``train.max_bad_steps`` bad steps in a row) or Preempted (SIGINT / SIGTERM, after saving)."""
         cfg = self.cfg
+        started = time.perf_counter()
         if self.is_main:  # unfinished saves of an earlier attempt: nothing reads them, they take space
             ckpt.remove_temp_dirs(self.checkpoint_root)
         if cfg.checkpoint.resume != "none":
@@ -210,7 +218,8 @@ class Trainer:
             self._run_id = ensure_run_id(self.run_dir)
             forget_stop(self.run_dir)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
-        log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress)
+        log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress,
+                         cfg.logging.tensorboard)
         scaler = self.engine.scaler
         bad = BadSteps(cfg.train.max_bad_steps, scaler.min_scale if scaler is not None else None)
         try:
@@ -230,6 +239,7 @@ class Trainer:
         if cfg.checkpoint.save_final and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
             self.save()
         self.wait_for_save()
+        self.wall_time_s = time.perf_counter() - started
         return self.history
 
     def _run_step(self, log: MetricsLog, bad: BadSteps) -> None:
@@ -238,8 +248,11 @@ class Trainer:
         logged = (self.step + 1) % cfg.logging.log_every == 0 or self.step == 0 or self.step + 1 == cfg.train.steps
         scale_before = self.engine.scaler.scale if self.engine.scaler is not None else None
         result = self.train_step(measure=logged and cfg.logging.measure_memory)
+        every = cfg.train.eval_every
+        if every and (self.step % every == 0 or self.step == cfg.train.steps):
+            result.eval_loss = self.evaluate()
         self.history.append(result)
-        if logged or result.skipped:
+        if logged or result.skipped or result.eval_loss is not None:
             log.write(result.record())
         log.advance()
         try:
@@ -253,6 +266,12 @@ class Trainer:
             raise self._record(NonFiniteStop(f"{stop}; {where}", stop.step))
         if note is not None:
             log.note(f"bigtrain: {note}")
+
+    def evaluate(self) -> float:
+        """The mean loss over the held-out windows (``train.eval_batches`` global batches of
+        ``data.val_fraction``) at the current weights; collective (:mod:`bigtrain.evaluate`)."""
+        return held_out_loss(self.parallel, self.sampler, self.cfg.train.eval_batches, self.mesh.coord("dp"),
+                             self.mesh.size("dp"), self.cfg.train.micro_batch, self._to_device)
 
     def _save_unless_bad(self, bad: BadSteps, log: MetricsLog) -> bool:
         """Save now, unless the last step was a bad one (the newest checkpoint stays the last
@@ -409,9 +428,17 @@ class Trainer:
         return True
 
     def summary(self) -> dict:
+        """What ``summary.json`` records (the report reads it): the run's size and shape, what
+        identifies it (:mod:`bigtrain.run_info`), and the planner's prediction for its layout."""
+        cfg = self.cfg
         return {"params": count_parameters(self.model), "steps": self.step,
                 "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,
-                "mesh": self.mesh.sizes}
+                "mesh": self.mesh.sizes, "model_params": count_parameters(build_model(cfg.model)),  # whole, on meta
+                "tokens_seen": self.step * self.global_tokens,
+                "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg),
+                "data": {"source": cfg.data.source, "train_tokens": len(self.sampler.tokens),
+                         "held_out_tokens": len(self.sampler.val_tokens)},
+                "predicted": run_info.prediction(cfg, self.device.type == "cuda")}
 
 
 def signal_name(signum: int) -> str:

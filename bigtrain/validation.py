@@ -371,6 +371,21 @@ def check_limits(cfg: Config) -> list[str]:
 RULES += [check_seed, check_distributed, check_limits, check_moe]
 
 
+def check_evaluation(cfg: Config) -> list[str]:
+    """``data.val_fraction``, ``train.eval_every`` and ``train.eval_batches``: a held-out slice to evaluate on."""
+    d, t = cfg.data, cfg.train
+    problems = _non_negative(cfg, ["train.eval_every"]) + _positive(cfg, ["train.eval_batches"])
+    if not 0.0 <= d.val_fraction < 1.0:  # NaN fails too
+        problems.append(f"data.val_fraction = {d.val_fraction:g}: must be in [0, 1), e.g. 0.01 (0: no held-out data)")
+    elif t.eval_every > 0 and d.val_fraction == 0:
+        problems.append(f"train.eval_every = {t.eval_every} needs held-out data: set data.val_fraction, e.g. 0.01, "
+                        f"or train.eval_every = 0")
+    return problems
+
+
+RULES.append(check_evaluation)
+
+
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None) -> None:
     """Raise a ConfigError naming every problem; ``world_size`` is checked when launched externally."""
     problems: list[str] = []

@@ -33,3 +33,44 @@ def test_report_on_a_missing_or_empty_folder_fails(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nonexistent")]) == 1
     assert main(["report", str(tmp_path)]) == 1
     assert "not a folder" in capsys.readouterr().err
+
+
+def _tiny_run(cache, out, *extra):
+    return main(["train", "--preset", "tiny", "--output-dir", str(out), f"--data.cache_dir={cache}",
+                 "--data.max_bytes=400000", "--train.steps=4", "--logging.log_every=2", "--logging.progress=false",
+                 "--logging.report=false", "--checkpoint.save_final=false", *extra])
+
+
+def test_tensorboard_scalars_go_through_torchs_writer(corpus_cache, tmp_path, monkeypatch):
+    import sys
+    import types
+
+    written, closed = [], []
+
+    class Writer:  # stands in for torch.utils.tensorboard.SummaryWriter (tensorboard is an optional extra)
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, tag, value, step):
+            written.append((self.log_dir, tag, value, step))
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    assert _tiny_run(corpus_cache, tmp_path, "--logging.tensorboard=true", "--data.val_fraction=0.05",
+                     "--train.eval_every=4", "--train.eval_batches=1") == 0
+    assert {w[0] for w in written} == {str(tmp_path / "tensorboard")} and closed == [True]
+    losses = [(step, value) for _, tag, value, step in written if tag == "train/loss"]
+    assert [s for s, _ in losses] == [1, 2, 4]  # logged steps, counted from 1
+    assert [tag for _, tag, _, step in written if step == 4].count("eval/loss") == 1
+    assert {"train/lr", "train/tokens_per_s", "memory/total_bytes"} <= {tag for _, tag, _, _ in written}
+
+
+def test_tensorboard_without_the_package_warns_and_trains(corpus_cache, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    assert _tiny_run(corpus_cache, tmp_path, "--logging.tensorboard=true") == 0
+    assert "pip install tensorboard" in capsys.readouterr().err
+    assert not (tmp_path / "tensorboard").exists()

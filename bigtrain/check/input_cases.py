@@ -67,6 +67,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "model.moe_every": (1, None), "model.moe_ffn_hidden": (0, None),
     "checkpoint.every": (0, None), "checkpoint.keep": (1, None), "logging.log_every": (1, None),
     "model.fused_loss_chunk": (1, None), "memory.offload_min_bytes": (0, None),
+    "train.eval_every": (0, None), "train.eval_batches": (1, None),
 }
 # (low, low inclusive, high, high inclusive)
 FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
@@ -79,10 +80,11 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
     "optim.grad_clip": (0, True, math.inf, False), "optim.adafactor_decay": (-1, True, 0, True),
     "optim.adafactor_clip": (0, False, math.inf, False), "optim.adafactor_eps": (0, False, math.inf, False), "distributed.timeout_s": (1, True, 365 * 86400, True),
     "model.moe_capacity_factor": (0, True, math.inf, False), "model.moe_aux_loss_coef": (0, True, math.inf, False),
+    "data.val_fraction": (0, True, 1, False),
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
                "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",
-               "logging.report", "logging.measure_memory", "model.fused_loss", "memory.activation_offload",
+               "logging.report", "logging.measure_memory", "logging.tensorboard", "model.fused_loss", "memory.activation_offload",
                "memory.selective_attention"]
 ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "model.name": ("llama",), "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),

@@ -83,7 +83,7 @@ class ReferenceRun:
         self.optimizer = _optimizer([g for g in groups if g["params"]], cfg.optim)
         d = cfg.data
         self.sampler = TokenSampler(load_tokens(d.source, d.cache_dir, d.max_bytes), d.seq_len,
-                                    cfg.train.global_batch, cfg.train.seed, d.ignore_target)
+                                    cfg.train.global_batch, cfg.train.seed, d.ignore_target, d.val_fraction)
         self.loss_scale = cfg.precision.loss_scale if mode == "fp16" else 1.0
         self.clean_steps = 0
         self.step = 0

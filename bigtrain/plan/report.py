@@ -92,16 +92,19 @@ def json_report(model: ModelSpec, cluster: Cluster, global_batch: int, result: S
 
 
 def write_png(path: str | Path, result: SearchResult, top: int = 10) -> Path:
-    """Left: the chosen layout's memory on its worst rank against the device; right: ranked layouts."""
+    """Left: the chosen layout's memory on its worst rank against the device; middle: the ranked
+    layouts' predicted speed (axis from the slowest shown, each labelled with its gap to #1); right:
+    each ranked layout's memory on its worst rank, by kind, against the device."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     plan = result.best or result.closest
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [1, 2.2]})
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 5.5), gridspec_kw={"width_ratios": [1, 2.2, 1.4]})
     _memory_panel(left, plan)
-    _ranking_panel(right, result.ranked[:top], len(result.ranked))
+    _ranking_panel(middle, result.ranked[:top], len(result.ranked))
+    _ranked_memory_panel(right, result.ranked[:top])
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -132,8 +135,35 @@ def _ranking_panel(ax, ranked: list[Plan], total: int) -> None:
         return
     speeds = [p.tokens_per_s for p in ranked][::-1]
     ax.barh(range(len(ranked)), speeds, color="tab:blue", alpha=0.35)
+    low, high = min(speeds), max(speeds)
+    # The top layouts are often within a few percent: an axis from 0 draws equal bars.
+    ax.set_xlim(low - 0.15 * (high - low or high * 0.05), high + 0.02 * (high - low or high * 0.05))
+    left = ax.get_xlim()[0]
     for y, plan in enumerate(ranked[::-1]):
-        ax.text(max(speeds) * 0.01, y, f"{plan.layout.describe()}   MFU {plan.time.mfu:.1%}", va="center", fontsize=7)
+        gap = plan.tokens_per_s / high - 1
+        ax.text(left, y, f" {plan.layout.describe()}   MFU {plan.time.mfu:.1%}   "
+                         f"{plan.tokens_per_s:,.0f} tok/s" + (f" ({gap:+.1%} vs #1)" if y < len(ranked) - 1 else ""),
+                va="center", fontsize=7)
     ax.set_yticks(range(len(ranked)), [f"#{i}" for i in range(len(ranked), 0, -1)])
-    ax.set_xlabel("predicted tokens/s")
+    ax.set_xlabel("predicted tokens/s (axis starts near the slowest shown)")
     ax.set_title(f"top {len(ranked)} of {total} layouts that fit", fontsize=10)
+
+
+def _ranked_memory_panel(ax, ranked: list[Plan]) -> None:
+    if not ranked:
+        ax.set_axis_off()
+        return
+    kinds = ("params", "grads", "optimizer", "activations", "buffers", "allocator")
+    rows = [p.memory.to_dict() for p in ranked][::-1]
+    left = [0.0] * len(rows)
+    for kind in kinds:
+        values = [r[kind] / GIB for r in rows]
+        ax.barh(range(len(rows)), values, left=left, label=kind)
+        left = [a + b for a, b in zip(left, values)]
+    for y, total in enumerate(left):
+        ax.text(total, y, f" {total:.1f}", va="center", fontsize=7)
+    ax.axvline(rows[0]["capacity"] / GIB, color="black", linestyle="--", label="device")
+    ax.set_yticks(range(len(rows)), [f"#{i}" for i in range(len(rows), 0, -1)])
+    ax.set_xlabel("GiB on the worst rank")
+    ax.set_title("memory of each ranked layout", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)

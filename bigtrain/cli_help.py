@@ -1,0 +1,138 @@
+"""What the command line says to a user who is finding their way: a suggestion for a mistyped flag
+or command ("did you mean ...?"), the config fields and examples under ``bigtrain train --help``, and
+the data-parallel degree a launcher's world size implies when the config leaves it unset."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from pathlib import Path
+
+from bigtrain.config import Config, field_docs, load_config, parse_overrides, read_toml
+
+COMMON_FIELDS = ("train.steps", "train.global_batch", "train.micro_batch", "parallel.dp", "parallel.tp",
+                 "parallel.pp", "parallel.sp", "parallel.zero", "precision.mode", "memory.checkpointing",
+                 "data.source", "data.seq_len", "data.val_fraction", "train.eval_every", "checkpoint.every",
+                 "logging.log_every", "model.init_from")
+
+TRAIN_EXAMPLES = """\
+examples:
+  bigtrain train --preset tiny                              # seconds
+  bigtrain train --train.steps=500 --output-dir runs/mine   # the small preset, longer
+  bigtrain train --parallel.dp=2 --parallel.zero=3          # two ranks (bigtrain starts torchrun), ZeRO-3
+  bigtrain train --parallel auto --world-size 4             # the planner picks the layout
+  bigtrain train --data.val_fraction=0.01 --train.eval_every=50   # held-out loss in the metrics
+  bigtrain train --output-dir runs/mine --resume            # continue that run
+  torchrun --nproc-per-node 2 -m bigtrain train --preset tiny   # your launcher: dp = 2 when left unset"""
+
+
+def _value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value if value and " " not in value else repr(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _gist(text: str, width: int = 72) -> str:
+    first = text.split(". ")[0].rstrip(".")
+    return first if len(first) <= width else first[:width - 3].rsplit(" ", 1)[0] + " ..."
+
+
+def train_epilog(preset: str) -> str:
+    """Examples, the common fields with their help, then every field with its default."""
+    try:
+        cfg = load_config(preset=preset)
+    except Exception:  # noqa: BLE001 - help must print even if a preset is broken
+        cfg = Config()
+    docs = field_docs()
+    lines = [TRAIN_EXAMPLES, "", f"common fields (--section.key=value; defaults of the '{preset}' preset):"]
+    for name in COMMON_FIELDS:
+        section, key = name.split(".")
+        lines.append(f"  --{name}={_value(getattr(getattr(cfg, section), key))}".ljust(36) + f" {_gist(docs[name])}")
+    lines += ["", "all fields with their defaults (bigtrain fields: each one's help):"]
+    by_section: dict[str, list[str]] = {}
+    for name in docs:
+        section, key = name.split(".")
+        by_section.setdefault(section, []).append(f"{key}={_value(getattr(getattr(cfg, section), key))}")
+    for section, items in by_section.items():
+        line = f"  [{section}]"
+        for item in items:
+            if len(line) + len(item) + 1 > 110:
+                lines.append(line)
+                line = "   "
+            line += " " + item
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# -- suggestions ------------------------------------------------------------------------------------
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+
+
+def suggest_flag(arg: str, parser: argparse.ArgumentParser, takes_overrides: bool) -> str | None:
+    """The flag (or config override) ``arg`` was probably meant to be, with its value kept."""
+    name, eq, value = arg.partition("=")
+    options = _options(parser)
+    fields = list(field_docs()) if takes_overrides else []
+    spelled = "--" + name.lstrip("-").replace("_", "-")
+    if spelled in options:
+        return spelled + eq + value
+    flat = {f.replace(".", "-").replace("_", "-"): f for f in fields}  # --parallel-dp, --train_steps
+    if spelled[2:].replace(".", "-") in flat:
+        return f"--{flat[spelled[2:].replace('.', '-')]}" + ("=" + value if eq else "=VALUE")
+    close = difflib.get_close_matches(spelled, options, n=1, cutoff=0.7)  # the command's own flags first
+    if close:
+        return close[0] + eq + value
+    bare = name.lstrip("-")
+    if fields and "." not in bare:  # --steps=5: a field's key without its section
+        keys = {f.split(".", 1)[1]: f for f in fields}
+        close = difflib.get_close_matches(bare.replace("-", "_"), list(keys), n=1, cutoff=0.75)
+        if close:
+            return f"--{keys[close[0]]}" + ("=" + value if eq else "=VALUE")
+    close = difflib.get_close_matches(name, [f"--{f}" for f in fields], n=1, cutoff=0.7)
+    return close[0] + ("=" + value if eq else "=VALUE") if close else None
+
+
+def unknown_arguments_message(command: str, unknown: list[str], parser: argparse.ArgumentParser,
+                              takes_overrides: bool) -> str:
+    lines = [f"bigtrain {command}: unrecognized arguments: {' '.join(unknown)}"]
+    for arg in unknown:
+        if arg.startswith("-") and (hint := suggest_flag(arg, parser, takes_overrides)):
+            lines.append(f"  {arg}: did you mean {hint}?")
+    if takes_overrides:
+        lines.append(f"  (config fields are given as --section.key=value, e.g. --train.steps=5; "
+                     f"bigtrain {command} --help lists them)")
+    else:
+        lines.append(f"  (bigtrain {command} --help lists its flags)")
+    return "\n".join(lines)
+
+
+def suggest_command(argv: list[str], commands: list[str]) -> str | None:
+    """For ``bigtrain trian ...``: 'did you mean train?' (None when the command is known)."""
+    if not argv or argv[0].startswith("-") or argv[0] in commands:
+        return None
+    close = difflib.get_close_matches(argv[0], commands, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"bigtrain: no command '{argv[0]}'{hint} (commands: {', '.join(commands)})"
+
+
+# -- the data-parallel degree a world size implies ------------------------------------------------
+def dp_given(preset: str | None, config_path: str | None, overrides: list[str]) -> bool:
+    """Whether ``parallel.dp`` is set anywhere: the preset, the config file or an override."""
+    from bigtrain.config import PRESET_DIR
+
+    sources = [parse_overrides(list(overrides))]
+    if config_path:
+        sources.append(read_toml(Path(config_path)))
+    if preset:
+        sources.append(read_toml(PRESET_DIR / f"{preset}.toml"))
+    return any(isinstance(s.get("parallel"), dict) and "dp" in s["parallel"] for s in sources)
+
+
+def inferred_dp(cfg: Config, world_size: int) -> int | None:
+    """``parallel.dp`` that makes the mesh ``world_size`` ranks (None when tp x pp x sp does not divide it)."""
+    p = cfg.parallel
+    rest = p.tp * p.pp * p.sp
+    return world_size // rest if world_size % rest == 0 else None

@@ -1,0 +1,66 @@
+"""The command line for a user finding their way: suggestions for mistyped flags and commands
+(exit 2), ``train --help`` with fields, defaults and examples, dp from the world size."""
+
+import pytest
+
+from bigtrain.cli import _infer_dp, _parser, _resolve, main
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["train", "--steps=5"], "--steps=5: did you mean --train.steps=5?"),
+    (["train", "--output_dir", "x"], "--output_dir: did you mean --output-dir?"),
+    (["train", "--seq-len=64"], "did you mean --data.seq_len=64?"),
+    (["train", "--parallel-dp=2"], "--parallel-dp=2: did you mean --parallel.dp=2?"),
+    (["config", "--global_batch=4"], "did you mean --train.global_batch=4?"),
+    (["plan", "--layuot", "auto"], "--layuot: did you mean --layout?"),
+    (["check", "--stpes=2"], "did you mean --steps=2?"),
+    (["export", "run", "out", "--formt", "hf"], "did you mean --format?"),
+    (["generate", "run", "--prompt", "x", "--temprature=0"], "did you mean --temperature=0?"),
+    (["trian", "--preset", "tiny"], "no command 'trian'; did you mean 'train'?"),
+])
+def test_a_mistyped_flag_or_command_gets_a_suggestion_and_exit_2(argv, hint, capsys):
+    assert main(argv) == 2
+    assert hint in capsys.readouterr().err
+
+
+def test_a_mistyped_config_key_is_named_with_the_close_one(capsys):
+    assert main(["config", "--train.stesp=5"]) == 2
+    assert "unknown key 'train.stesp'; did you mean 'steps'?" in capsys.readouterr().err
+
+
+def test_plan_does_not_suggest_config_overrides(capsys):
+    assert main(["plan", "--parallel.dp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "section.key" not in err and "bigtrain plan --help lists its flags" in err
+
+
+def test_train_help_lists_fields_defaults_and_examples(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "bigtrain train --preset tiny" in out
+    assert "--train.steps=300" in out  # the default preset's value
+    assert "[parallel] dp=1 tp=1" in out and "[train] steps=300" in out and "val_fraction=0" in out
+
+
+def _train_args(*argv):
+    args, rest = _parser().parse_known_args(["train", *argv])
+    return args, rest
+
+
+@pytest.mark.parametrize("argv, world, dp", [
+    (("--preset", "tiny"), 2, 2),
+    (("--preset", "tiny", "--parallel.tp=2"), 4, 2),
+    (("--preset", "tiny", "--parallel.dp=1"), 2, 1),  # set by the user: theirs, and validation names the mismatch
+    (("--preset", "tiny", "--parallel.tp=3"), 4, 1),  # tp does not divide the world: left to validation
+])
+def test_dp_follows_the_world_size_when_nothing_sets_it(argv, world, dp, capsys):
+    args, rest = _train_args(*argv)
+    cfg = _infer_dp(args, rest, _resolve(args, rest), world)
+    assert cfg.parallel.dp == dp
+
+
+def test_world_size_without_auto_is_checked_against_the_layout(capsys):
+    assert main(["train", "--preset", "tiny", "--parallel.dp=1", "--world-size", "2"]) == 2
+    assert "world size 2" in capsys.readouterr().err

@@ -1,0 +1,128 @@
+"""``data.val_fraction`` and ``train.eval_every``: a held-out slice that training never reads, and its
+loss, equal in every layout to a plain PyTorch loop's and without effect on training."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bigtrain.config import ConfigError, load_config
+from bigtrain.data import TokenSampler, load_tokens
+from bigtrain.models.llama import build_model
+from bigtrain.testing import run_ranks
+from bigtrain.validation import validate
+from tests.helpers import tiny_config, trainer_on_rank
+
+HELD_OUT = ("--data.val_fraction=0.05", "--train.eval_batches=2", "--model.n_layers=4")  # 4 stages at pp 2 x v 2
+
+
+def test_held_out_windows_never_share_a_token_with_training_windows():
+    n, seq = 10_000, 16
+    sampler = TokenSampler(np.arange(n), seq_len=seq, global_batch=8, seed=3, val_fraction=0.1)
+    first_held_out = n - 1000
+    for step in range(200):
+        x, y = sampler.batch(step, 0, 8)
+        assert int(y.max()) < first_held_out  # inputs and targets alike
+    windows = [sampler.eval_batch(b, 3, 0, 8) for b in range(3)]
+    assert all(int(x.min()) >= first_held_out and int(y.max()) < n for x, y in windows)
+    starts = np.concatenate([sampler.eval_starts(b, 3) for b in range(3)])
+    assert starts[0] == 0 and starts[-1] == 1000 - seq - 1 and (np.diff(starts) > 0).all()  # spread evenly
+    # Each data-parallel rank's micro-batches are its rows of the same windows, whatever dp and micro_batch.
+    whole = torch.cat([x for x, _ in windows])
+    for dp, micro in ((1, 8), (2, 2), (4, 1)):
+        per_rank = [list(sampler.eval_micro_batches(3, r, dp, micro)) for r in range(dp)]
+        rows = [torch.cat([x for x, _ in per_rank[r][b * (8 // dp // micro):(b + 1) * (8 // dp // micro)]])
+                for b in range(3) for r in range(dp)]
+        assert torch.equal(torch.cat(rows), whole)
+    # Without a held-out slice, training draws exactly what it drew before val_fraction existed.
+    plain, none = TokenSampler(np.arange(n), seq, 8, 3), TokenSampler(np.arange(n), seq, 8, 3, val_fraction=0.0)
+    assert np.array_equal(plain.starts(7), none.starts(7)) and len(none.val_tokens) == 0
+
+
+def test_a_held_out_slice_shorter_than_a_window_is_refused():
+    with pytest.raises(ValueError, match="holds out 10 tokens, fewer than one window"):
+        TokenSampler(np.arange(1000), seq_len=16, global_batch=2, seed=0, val_fraction=0.01)
+
+
+def test_settings_are_checked_before_launch():
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(preset="tiny", overrides=["--train.eval_every=10"]))
+    assert "needs held-out data: set data.val_fraction" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(preset="tiny", overrides=["--data.val_fraction=1", "--train.eval_batches=0",
+                                                       "--train.eval_every=-1"]))
+    text = str(e.value)
+    assert "data.val_fraction = 1: must be in [0, 1)" in text and "train.eval_batches" in text
+    assert "train.eval_every" in text
+
+
+def _plain_loss(cfg) -> float:
+    """The held-out loss of the initial weights, by a plain model and torch's cross-entropy."""
+    model = build_model(cfg.model, device="cpu")
+    model.init_weights(cfg.train.seed)
+    d = cfg.data
+    sampler = TokenSampler(load_tokens(d.source, d.cache_dir, d.max_bytes), d.seq_len, cfg.train.global_batch,
+                           cfg.train.seed, val_fraction=d.val_fraction)
+    losses = []
+    with torch.no_grad():
+        for b in range(cfg.train.eval_batches):
+            x, y = sampler.eval_batch(b, cfg.train.eval_batches, 0, cfg.train.global_batch)
+            logits = model(x)
+            losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+    return float(sum(losses)) / (cfg.train.eval_batches * cfg.train.global_batch * cfg.data.seq_len)
+
+
+def _eval_around_steps(rank, world_size, cfg, run_dir):
+    """[eval at init, loss 1, eval, loss 2, eval], and the two losses of a trainer that never evaluates."""
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    seen = [trainer.evaluate()]
+    for _ in range(2):
+        seen += [trainer.train_step().loss, trainer.evaluate()]
+    untouched = trainer_on_rank(rank, world_size, cfg, run_dir)
+    return seen, [untouched.train_step().loss for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def one_rank(corpus_cache, tmp_path_factory):
+    cfg = tiny_config(corpus_cache, *HELD_OUT)
+    return cfg, run_ranks(_eval_around_steps, 1, cfg, str(tmp_path_factory.mktemp("one")))[0]
+
+
+def test_one_rank_equals_a_plain_loop_and_evaluation_changes_nothing(one_rank):
+    cfg, (seen, untouched) = one_rank
+    assert seen[0] == pytest.approx(_plain_loss(cfg), rel=1e-5)
+    assert [seen[1], seen[3]] == untouched  # bit for bit: evaluating leaves the training alone
+    assert seen[4] < seen[0]
+
+
+@pytest.mark.parametrize("layout", [
+    ("--parallel.dp=2", "--parallel.zero=3"),
+    ("--parallel.tp=2", "--parallel.sequence_parallel=true"),
+    ("--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2", "--train.micro_batch=2"),
+    ("--parallel.sp=2",),
+], ids=["dp2-zero3", "tp2-megatron-sp", "pp2-interleaved", "ulysses-sp2"])
+def test_every_layout_gives_one_process_eval_loss(corpus_cache, tmp_path, one_rank, layout):
+    _, (expected, expected_untouched) = one_rank
+    cfg = tiny_config(corpus_cache, *HELD_OUT, *layout)
+    seen, untouched = run_ranks(_eval_around_steps, 2, cfg, str(tmp_path))[0]
+    assert seen == pytest.approx(expected, rel=1e-5)
+    assert [seen[1], seen[3]] == untouched
+
+
+def _routing_loads(rank, world_size, cfg, run_dir, evaluate):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    loads = []
+    for _ in range(2):
+        if evaluate:
+            trainer.evaluate()
+        loads.append(trainer.train_step().moe)
+    return loads
+
+
+def test_evaluation_leaves_moe_routing_statistics_alone(corpus_cache, tmp_path):
+    # Routers count the loads of the step's forwards (sigmoid-bias routers move their biases by
+    # them): an evaluation's forwards must not count.
+    cfg = tiny_config(corpus_cache, *HELD_OUT, "--model.moe_experts=4", "--model.moe_router=sigmoid-bias")
+    evaluated = run_ranks(_routing_loads, 1, cfg, str(tmp_path), True)[0]
+    assert evaluated == run_ranks(_routing_loads, 1, cfg, str(tmp_path), False)[0]
+    assert sum(evaluated[0]["layers.0.feed_forward"]["load"]) == 8 * 32 * 2  # tokens x top_k of one batch

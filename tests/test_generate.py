@@ -1,0 +1,75 @@
+"""``bigtrain generate``: text from a trained run, greedy or sampled, from its checkpoint or its
+Hugging Face export."""
+
+import pytest
+import torch
+
+from bigtrain.cli import main
+from bigtrain.generate import GenerateError, load_model, sample
+
+
+@pytest.fixture(scope="module")
+def trained_run(corpus_cache, tmp_path_factory):
+    run = tmp_path_factory.mktemp("generate") / "run"
+    assert main(["train", "--preset", "tiny", "--output-dir", str(run), f"--data.cache_dir={corpus_cache}",
+                 "--data.max_bytes=400000", "--train.steps=40", "--logging.progress=false",
+                 "--logging.report=false", "--logging.log_every=40"]) == 0
+    return run
+
+
+def _generated(capsys, *args) -> str:
+    capsys.readouterr()
+    assert main(["generate", *map(str, args)]) == 0
+    return capsys.readouterr().out[:-1]  # print's newline
+
+
+def test_a_trained_run_continues_the_prompt_with_text(trained_run, capsys):
+    text = _generated(capsys, trained_run, "--prompt", "def ", "--tokens", 100, "--seed", 1)
+    assert text.startswith("def ")
+    written = text[4:].encode()
+    # An untrained model draws bytes about uniformly (about 37% of them printable ASCII); 40 steps
+    # on Python sources already write mostly letters, spaces and punctuation.
+    printable = sum(32 <= b < 127 or b == 10 for b in written) / len(written)
+    assert printable > 0.8, text
+
+
+def test_greedy_takes_the_most_likely_byte_each_time(trained_run, capsys):
+    model, _ = load_model(trained_run)
+    prompt = list(b"import ")
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert sample(model, prompt, 12, temperature=0) == ids[len(prompt):]
+    assert sample(model, prompt, 12, temperature=1.0, top_k=1, seed=5) == ids[len(prompt):]  # top-1 is greedy
+    greedy = _generated(capsys, trained_run, "--prompt", "import ", "--tokens", 12, "--temperature", 0)
+    assert greedy.encode() == bytes(ids)
+
+
+def test_sampling_is_seeded_and_top_k_limits_the_choice(trained_run):
+    model, _ = load_model(trained_run)
+    prompt = list(b"class ")
+    assert sample(model, prompt, 30, seed=3) == sample(model, prompt, 30, seed=3)
+    assert sample(model, prompt, 30, seed=3) != sample(model, prompt, 30, seed=4)
+    with torch.no_grad():
+        top3 = set(model(torch.tensor([prompt]))[0, -1].topk(3).indices.tolist())
+    assert {sample(model, prompt, 1, temperature=5.0, top_k=3, seed=s)[0] for s in range(40)} <= top3
+
+
+def test_the_hf_export_writes_the_same_text(trained_run, tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    assert main(["export", str(trained_run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    args = ("--prompt", "for i in ", "--tokens", 20, "--temperature", 0)
+    assert _generated(capsys, tmp_path / "hf", *args) == _generated(capsys, trained_run, *args)
+
+
+def test_what_generation_cannot_use_is_refused(trained_run, tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "missing"), "--prompt", "x"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 1
+    assert "no valid checkpoint" in capsys.readouterr().err
+    assert main(["generate", str(trained_run), "--prompt", "x", "--temperature", "-1", "--top-k", "-2"]) == 1
+    err = capsys.readouterr().err
+    assert "--temperature = -1.0" in err and "--top-k = -2" in err
+    with pytest.raises(GenerateError, match="prompt is empty"):
+        sample(load_model(trained_run)[0], [], 3)
