@@ -1,0 +1,108 @@
+"""The embedding sharding planner: where each table goes, balancing memory and all-to-all volume.
+
+Per table (``embedding.sharding = 'auto'``):
+
+1. a table larger than an even share of all the tables (their bytes / W) cannot be balanced whole:
+   it is cut row-wise when W divides its rows (each rank then pools a part of every lookup), else
+   column-wise when W divides the dimension, else it stays whole;
+2. the other tables are placed whole (table-wise), largest first, each on the rank where the larger
+   of its two normalized loads stays smallest: memory (bytes held / all bytes) and traffic (the
+   pooled embeddings it sends back, 4 W B D per table per step / all of them);
+3. if a rank still holds more than ``budget`` bytes, the largest whole table that divides is cut
+   row-wise, and placement runs again, until every rank fits or nothing more can be cut.
+
+An explicit ``embedding.sharding`` (one kind, or one per table) is kept; only the owners of
+table-wise tables are chosen, by step 2. Bytes: fp32 weights plus the sparse optimizer's state
+(4 bytes a row for row-wise Adagrad).
+"""
+
+from __future__ import annotations
+
+from bigtrain.parallel.embedding import KINDS, VALUE_BYTES, EmbeddingLayout, all_to_all_payload, check_layout
+
+
+def table_bytes(rows: int, dim: int, state_bytes_per_row: int) -> int:
+    return rows * (dim * VALUE_BYTES + state_bytes_per_row)
+
+
+def requested_kinds(sharding: str, tables: int) -> list[str]:
+    """'row' -> ['row'] * tables; 'table,row,...' -> per table (its length must be ``tables``)."""
+    kinds = [k.strip() for k in sharding.split(",")]
+    if len(kinds) == 1:
+        return kinds * tables
+    if len(kinds) != tables:
+        raise ValueError(f"embedding.sharding lists {len(kinds)} kinds for {tables} tables; give one kind, or one "
+                         f"per table")
+    return kinds
+
+
+def plan_embedding(rows: list[int], dim: int, world: int, sharding: str = "auto", state_bytes_per_row: int = 4,
+                   budget_bytes: int = 0) -> EmbeddingLayout:
+    """The layout of ``rows`` (one table each) over ``world`` ranks; raises ValueError naming the field
+    when a requested sharding cannot divide or (with ``budget_bytes``) the tables do not fit."""
+    kinds = requested_kinds(sharding, len(rows))
+    if "auto" in kinds:
+        kinds = _auto_kinds(rows, dim, world, kinds, state_bytes_per_row)
+    problems = check_layout(rows, dim, world, kinds)
+    if problems:
+        raise ValueError("; ".join(problems))
+    while True:
+        layout = EmbeddingLayout(tuple(rows), dim, world, tuple(kinds), _owners(rows, dim, world, kinds,
+                                                                               state_bytes_per_row))
+        worst = max(layout.rank_bytes(r, state_bytes_per_row) for r in range(world))
+        if not budget_bytes or worst <= budget_bytes:
+            return layout
+        whole = [t for t, k in enumerate(kinds) if k == "table" and rows[t] % world == 0 and sharding == "auto"]
+        if not whole:
+            raise ValueError(f"embedding.budget_gb: a rank needs {worst / 2**30:.3f} GiB for its tables, over the "
+                             f"budget of {budget_bytes / 2**30:.3f} GiB on {world} ranks; use more ranks, a larger "
+                             f"budget, or row-wise sharding")
+        kinds[max(whole, key=lambda t: rows[t])] = "row"
+
+
+def _auto_kinds(rows: list[int], dim: int, world: int, kinds: list[str], state_bytes_per_row: int) -> list[str]:
+    share = sum(table_bytes(r, dim, state_bytes_per_row) for r in rows) / world
+    out = []
+    for r, kind in zip(rows, kinds):
+        if kind != "auto":
+            out.append(kind)
+        elif world > 1 and table_bytes(r, dim, state_bytes_per_row) > share and r % world == 0:
+            out.append("row")
+        elif world > 1 and table_bytes(r, dim, state_bytes_per_row) > share and dim % world == 0:
+            out.append("column")
+        else:
+            out.append("table")
+    return out
+
+
+def _owners(rows: list[int], dim: int, world: int, kinds: list[str], state_bytes_per_row: int) -> tuple[int, ...]:
+    """Greedy: whole tables, largest first, each where max(memory share, traffic share) grows least."""
+    memory, traffic = [0.0] * world, [0.0] * world
+    total_memory = sum(table_bytes(r, dim, state_bytes_per_row) for r in rows) or 1
+    whole = [t for t, k in enumerate(kinds) if k == "table"]
+    total_traffic = len(whole) or 1
+    for t, kind in enumerate(kinds):  # what the cut and replicated tables put on every rank
+        if kind in ("row", "column", "data"):
+            per_rank = table_bytes(rows[t], dim, state_bytes_per_row) / (1 if kind == "data" else world)
+            for r in range(world):
+                memory[r] += per_rank / total_memory
+    owners = [-1] * len(rows)
+    for t in sorted(whole, key=lambda t: (-rows[t], t)):
+        m = table_bytes(rows[t], dim, state_bytes_per_row) / total_memory
+        best = min(range(world), key=lambda r: (max(memory[r] + m, traffic[r] + 1 / total_traffic), r))
+        owners[t] = best
+        memory[best] += m
+        traffic[best] += 1 / total_traffic
+    return tuple(owners)
+
+
+def describe_plan(layout: EmbeddingLayout, batch: int, hotness: int, state_bytes_per_row: int = 4) -> str:
+    """The table placement and, per rank, its bytes and its all-to-all payload per step."""
+    lines = [f"embedding tables over {layout.world} ranks (batch {batch} per rank, {hotness} ids per feature):",
+             layout.describe(), "", f"{'rank':>4}  {'tables GiB':>11}  {'all-to-all MiB/step':>20}"]
+    for r in range(layout.world):
+        payload = sum(all_to_all_payload(layout, r, batch, hotness).values())
+        lines.append(f"{r:>4}  {layout.rank_bytes(r, state_bytes_per_row) / 2**30:>11.3f}  {payload / 2**20:>20.2f}")
+    counts = {k: layout.kinds.count(k) for k in KINDS if k in layout.kinds}
+    lines.append("kinds: " + ", ".join(f"{n} {k}-wise" for k, n in counts.items()))
+    return "\n".join(lines)
