@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from bigtrain.check.reference import ReferenceRun, _optimizer
 from bigtrain.config import Config
-from bigtrain.models.dlrm import build_dlrm, parse_sizes
+from bigtrain.models.dlrm import build_dlrm
+from bigtrain.recsys.tables import parse_sizes
 from bigtrain.recsys.data import sampler_for
 
 
@@ -52,7 +53,7 @@ class DlrmReference:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return float(loss)
+        return float(loss.detach())
 
     @torch.no_grad()
     def _sparse_update(self, ids: torch.Tensor) -> None:

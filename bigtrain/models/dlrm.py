@@ -21,16 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def parse_sizes(text: str) -> list[int]:
-    """'64,32' -> [64, 32]; '26x1000' -> [1000] * 26 (mixed: '2x10,500'); '' -> []."""
-    sizes: list[int] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        count, _, size = part.rpartition("x")
-        sizes += [int(size)] * (int(count) if count else 1)
-    return sizes
+from bigtrain.recsys.tables import parse_sizes
 
 
 def mlp(sizes: list[int], last_relu: bool) -> nn.Sequential:

@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-SPARSE_OPTIMIZERS = ("rowwise_adagrad", "sgd")
+from bigtrain.recsys.tables import SPARSE_OPTIMIZERS
+
 
 Combine = Callable[[torch.Tensor], torch.Tensor]  # per-row partial sums of squares -> whole-row sums
 

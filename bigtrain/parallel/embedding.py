@@ -43,9 +43,8 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.models.dlrm import pooled_lookup
 from bigtrain.optim.sparse import SparseOptimizer, row_gradient
 from bigtrain.parallel.placement import Placement, ShardSpec
+from bigtrain.recsys.tables import KINDS, check_layout
 
-KINDS = ("table", "row", "column", "data")
-SHARDINGS = ("auto", *KINDS)
 ID_BYTES, VALUE_BYTES = 8, 4
 AXIS = "dp_sp"  # the embedding tables are cut over the data-parallel ranks
 
@@ -132,23 +131,6 @@ class EmbeddingLayout:
         return "\n".join(lines)
 
 
-def check_layout(rows: list[int], dim: int, world: int, kinds: list[str]) -> list[str]:
-    """What stops tables being placed as ``kinds`` says on ``world`` ranks (field names as in the config)."""
-    problems = []
-    for t, (r, kind) in enumerate(zip(rows, kinds)):
-        if r < 1:
-            problems.append(f"embedding.tables: table {t} has {r} rows; every table needs at least one")
-        elif kind not in KINDS:
-            problems.append(f"embedding.sharding: table {t} is '{kind}'; use one of {', '.join(SHARDINGS)}")
-        elif kind == "row" and r % world:
-            problems.append(f"embedding.sharding: table {t} ({r} rows) cannot be cut row-wise over {world} ranks; "
-                            f"give it a multiple of {world} rows in embedding.tables or shard it 'table'")
-        elif kind == "column" and dim % world:
-            problems.append(f"embedding.sharding: table {t} cannot be cut column-wise over {world} ranks: "
-                            f"embedding.dim = {dim} is not a multiple of {world}")
-    return problems
-
-
 def all_to_all_payload(layout: EmbeddingLayout, rank: int, batch: int, hotness: int) -> dict[str, int]:
     """Bytes this rank hands each all-to-all of one step (per-rank ``batch``), by tag."""
     pieces = layout.pieces
@@ -158,6 +140,21 @@ def all_to_all_payload(layout: EmbeddingLayout, rank: int, batch: int, hotness: 
     return {"emb_ids": ID_BYTES * batch * hotness * len(pieces),
             "emb_pooled": VALUE_BYTES * layout.world * batch * local,
             "emb_pooled_backward": VALUE_BYTES * batch * sum(p.width for p in pieces)}
+
+
+def check_ids(ids: torch.Tensor, rows: tuple[int, ...]) -> None:
+    """ids [batch, tables, hotness] each within its table's rows, else a ValueError naming the table."""
+    if ids.dim() != 3 or ids.shape[1] != len(rows):
+        raise ValueError(f"ids of shape {tuple(ids.shape)}: expected [batch, {len(rows)} tables (embedding.tables), "
+                         f"hotness]")
+    limit = torch.tensor(rows, device=ids.device).view(1, -1, 1)
+    bad = ((ids < 0) | (ids >= limit)).any(2).any(0)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0])
+        column = ids[:, t]
+        wrong = int(column[(column < 0) | (column >= rows[t])][0])
+        raise ValueError(f"embedding.tables: id {wrong} of sparse feature {t} is outside its table's "
+                         f"{rows[t]} rows (0 .. {rows[t] - 1})")
 
 
 class TablePiece(nn.Module):
@@ -201,6 +198,7 @@ class ShardedEmbeddingBags(nn.Module):
         return [s for state in self.state.values() for s in state.values()]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_ids(ids, self.layout.rows)
         anchor = torch.empty(0, device=ids.device, requires_grad=torch.is_grad_enabled())
         return _ShardedLookup.apply(anchor, ids, self)
 

@@ -18,22 +18,12 @@ table-wise tables are chosen, by step 2. Bytes: fp32 weights plus the sparse opt
 
 from __future__ import annotations
 
-from bigtrain.parallel.embedding import KINDS, VALUE_BYTES, EmbeddingLayout, all_to_all_payload, check_layout
+from bigtrain.parallel.embedding import VALUE_BYTES, EmbeddingLayout, all_to_all_payload
+from bigtrain.recsys.tables import KINDS, check_layout, requested_kinds
 
 
 def table_bytes(rows: int, dim: int, state_bytes_per_row: int) -> int:
     return rows * (dim * VALUE_BYTES + state_bytes_per_row)
-
-
-def requested_kinds(sharding: str, tables: int) -> list[str]:
-    """'row' -> ['row'] * tables; 'table,row,...' -> per table (its length must be ``tables``)."""
-    kinds = [k.strip() for k in sharding.split(",")]
-    if len(kinds) == 1:
-        return kinds * tables
-    if len(kinds) != tables:
-        raise ValueError(f"embedding.sharding lists {len(kinds)} kinds for {tables} tables; give one kind, or one "
-                         f"per table")
-    return kinds
 
 
 def plan_embedding(rows: list[int], dim: int, world: int, sharding: str = "auto", state_bytes_per_row: int = 4,

@@ -22,7 +22,8 @@ from torch import nn
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
-from bigtrain.models.dlrm import DLRM, bce_loss_sum, build_dlrm, init_value, parse_sizes
+from bigtrain.models.dlrm import DLRM, bce_loss_sum, build_dlrm, init_value
+from bigtrain.recsys.tables import parse_sizes
 from bigtrain.optim.schedule import lr_at
 from bigtrain.optim.sparse import SparseOptimizer
 from bigtrain.parallel.build import apply_engine
@@ -87,11 +88,6 @@ class DlrmTrainer:
 
     def _local(self, sampler, step: int):
         dense, ids, labels = sampler.batch(step, self.rank * self.local_batch, self.local_batch)
-        rows = torch.tensor(self.layout.rows).view(1, -1, 1)
-        if ids.min() < 0 or (ids >= rows).any():
-            t = int(((ids < 0) | (ids >= rows)).any(2).any(0).nonzero()[0])
-            raise ValueError(f"embedding.tables: step {step} looks up an id outside table {t}'s "
-                             f"{self.layout.rows[t]} rows")
         return dense.to(self.device), ids.to(self.device), labels.to(self.device)
 
     def train_step(self) -> DlrmStep:
@@ -123,10 +119,6 @@ class DlrmTrainer:
             labels.append(gathered[:, 1].reshape(-1))
         logits, labels = torch.cat(logits).cpu(), torch.cat(labels).cpu()
         return {"auc": auc(logits, labels), "log_loss": log_loss(logits, labels)}
-
-    def full_tables(self) -> dict[int, torch.Tensor]:
-        """Every table whole (a collective: every rank calls it), for comparisons and checkpoints."""
-        return {t: gathered for t, gathered in gather_tables(self.parallel, self.layout).items()}
 
     def embedding_bytes(self) -> int:
         """Measured: the live storages of this rank's table parts and their optimizer state."""
