@@ -3,13 +3,15 @@
 Per table (``embedding.sharding = 'auto'``):
 
 1. a table larger than an even share of all the tables (their bytes / W) cannot be balanced whole:
-   it is cut row-wise when W divides its rows (each rank then pools a part of every lookup), else
-   column-wise when W divides the dimension, else it stays whole;
+   it is cut column-wise when W divides the dimension (each rank pools D/W of every lookup and sends
+   back only that: B D per table, as a whole table), else row-wise when W divides its rows (each
+   rank sends back a partial sum of the whole width: W B D), else it stays whole;
 2. the other tables are placed whole (table-wise), largest first, each on the rank where the larger
    of its two normalized loads stays smallest: memory (bytes held / all bytes) and traffic (the
    pooled embeddings it sends back, 4 W B D per table per step / all of them);
-3. if a rank still holds more than ``budget`` bytes, the largest whole table that divides is cut
-   row-wise, and placement runs again, until every rank fits or nothing more can be cut.
+3. if a rank still holds more than ``budget`` bytes, or more than 1.25 times the mean, the largest
+   whole table that divides is cut (column-wise, else row-wise) and placement runs again, until
+   every rank fits and the ranks are balanced, or nothing more can be cut.
 
 An explicit ``embedding.sharding`` (one kind, or one per table) is kept; only the owners of
 table-wise tables are chosen, by step 2. Bytes: fp32 weights plus the sparse optimizer's state
@@ -17,6 +19,8 @@ table-wise tables are chosen, by step 2. Bytes: fp32 weights plus the sparse opt
 """
 
 from __future__ import annotations
+
+import json
 
 from bigtrain.parallel.embedding import VALUE_BYTES, EmbeddingLayout, all_to_all_payload
 from bigtrain.recsys.tables import KINDS, check_layout, requested_kinds
@@ -36,33 +40,40 @@ def plan_embedding(rows: list[int], dim: int, world: int, sharding: str = "auto"
     problems = check_layout(rows, dim, world, kinds)
     if problems:
         raise ValueError("; ".join(problems))
+    auto = sharding == "auto"
     while True:
         layout = EmbeddingLayout(tuple(rows), dim, world, tuple(kinds), _owners(rows, dim, world, kinds,
                                                                                state_bytes_per_row))
-        worst = max(layout.rank_bytes(r, state_bytes_per_row) for r in range(world))
-        if not budget_bytes or worst <= budget_bytes:
+        per_rank = [layout.rank_bytes(r, state_bytes_per_row) for r in range(world)]
+        worst, fits = max(per_rank), not budget_bytes or max(per_rank) <= budget_bytes
+        balanced = worst <= IMBALANCE * sum(per_rank) / world
+        whole = [t for t, k in enumerate(kinds) if k == "table" and _cut_kind(rows[t], dim, world)]
+        if fits and (balanced or not auto or not whole):
             return layout
-        whole = [t for t, k in enumerate(kinds) if k == "table" and rows[t] % world == 0 and sharding == "auto"]
-        if not whole:
+        if not auto or not whole:
             raise ValueError(f"embedding.budget_gb: a rank needs {worst / 2**30:.3f} GiB for its tables, over the "
                              f"budget of {budget_bytes / 2**30:.3f} GiB on {world} ranks; use more ranks, a larger "
-                             f"budget, or row-wise sharding")
-        kinds[max(whole, key=lambda t: rows[t])] = "row"
+                             f"budget, or row- or column-wise sharding")
+        largest = max(whole, key=lambda t: rows[t])
+        kinds[largest] = _cut_kind(rows[largest], dim, world)
+
+
+IMBALANCE = 1.25  # 'auto' cuts whole tables until no rank holds more than this times the mean
+
+
+def _cut_kind(rows: int, dim: int, world: int) -> str | None:
+    """How 'auto' cuts a table: column-wise (less pooled traffic) when the ranks divide the dimension."""
+    if world > 1 and dim % world == 0:
+        return "column"
+    if world > 1 and rows % world == 0:
+        return "row"
+    return None
 
 
 def _auto_kinds(rows: list[int], dim: int, world: int, kinds: list[str], state_bytes_per_row: int) -> list[str]:
     share = sum(table_bytes(r, dim, state_bytes_per_row) for r in rows) / world
-    out = []
-    for r, kind in zip(rows, kinds):
-        if kind != "auto":
-            out.append(kind)
-        elif world > 1 and table_bytes(r, dim, state_bytes_per_row) > share and r % world == 0:
-            out.append("row")
-        elif world > 1 and table_bytes(r, dim, state_bytes_per_row) > share and dim % world == 0:
-            out.append("column")
-        else:
-            out.append("table")
-    return out
+    return [k if k != "auto" else (_cut_kind(r, dim, world) if table_bytes(r, dim, state_bytes_per_row) > share
+                                   else None) or "table" for r, k in zip(rows, kinds)]
 
 
 def _owners(rows: list[int], dim: int, world: int, kinds: list[str], state_bytes_per_row: int) -> tuple[int, ...]:
@@ -96,3 +107,26 @@ def describe_plan(layout: EmbeddingLayout, batch: int, hotness: int, state_bytes
     counts = {k: layout.kinds.count(k) for k in KINDS if k in layout.kinds}
     lines.append("kinds: " + ", ".join(f"{n} {k}-wise" for k, n in counts.items()))
     return "\n".join(lines)
+
+
+def cmd_plan_embedding(cfg, gpus: int, as_json: bool = False) -> int:
+    """``bigtrain plan --preset dlrm-... --gpus N``: the tables' placement on N ranks, or why none fits."""
+    from bigtrain.config import ConfigError
+    from bigtrain.optim.sparse import SparseOptimizer
+    from bigtrain.recsys.tables import parse_sizes
+
+    e = cfg.embedding
+    state = SparseOptimizer(e.optimizer, e.lr).state_bytes_per_row()
+    batch = cfg.train.global_batch // gpus
+    try:
+        layout = plan_embedding(parse_sizes(e.tables), e.dim, gpus, e.sharding, state, int(e.budget_gb * 2**30))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if as_json:
+        print(json.dumps({"kinds": layout.kinds, "owners": layout.owners, "batch_per_rank": batch,
+                          "rank_bytes": [layout.rank_bytes(r, state) for r in range(gpus)],
+                          "all_to_all_payload": [all_to_all_payload(layout, r, batch, e.hotness) for r in range(gpus)]},
+                         indent=1))
+    else:
+        print(describe_plan(layout, batch, e.hotness, state))
+    return 0
