@@ -47,27 +47,27 @@ def plan_embedding(rows: list[int], dim: int, world: int, sharding: str = "auto"
         per_rank = [layout.rank_bytes(r, state_bytes_per_row) for r in range(world)]
         worst, fits = max(per_rank), not budget_bytes or max(per_rank) <= budget_bytes
         balanced = worst <= IMBALANCE * sum(per_rank) / world
-        whole = [t for t, k in enumerate(kinds) if k == "table" and _cut_kind(rows[t], dim, world)]
+        # over the budget: cut row-wise first (it splits the optimizer state too); unbalanced: column-wise
+        whole = [t for t, k in enumerate(kinds) if k == "table" and _cut_kind(rows[t], dim, world, not fits)]
         if fits and (balanced or not auto or not whole):
             return layout
         if not auto or not whole:
-            raise ValueError(f"embedding.budget_gb: a rank needs {worst / 2**30:.3f} GiB for its tables, over the "
-                             f"budget of {budget_bytes / 2**30:.3f} GiB on {world} ranks; use more ranks, a larger "
-                             f"budget, or row- or column-wise sharding")
+            raise ValueError(f"embedding.budget_gb: a rank needs {worst:,} bytes ({worst / 2**30:.3f} GiB) for its "
+                             f"tables, over the budget of {budget_bytes:,} bytes on {world} ranks; use more ranks, a "
+                             f"larger budget, or row- or column-wise sharding")
         largest = max(whole, key=lambda t: rows[t])
-        kinds[largest] = _cut_kind(rows[largest], dim, world)
+        kinds[largest] = _cut_kind(rows[largest], dim, world, not fits)
 
 
 IMBALANCE = 1.25  # 'auto' cuts whole tables until no rank holds more than this times the mean
 
 
-def _cut_kind(rows: int, dim: int, world: int) -> str | None:
-    """How 'auto' cuts a table: column-wise (less pooled traffic) when the ranks divide the dimension."""
-    if world > 1 and dim % world == 0:
-        return "column"
-    if world > 1 and rows % world == 0:
-        return "row"
-    return None
+def _cut_kind(rows: int, dim: int, world: int, rows_first: bool = False) -> str | None:
+    """How 'auto' cuts a table: column-wise (less pooled traffic) when the ranks divide the dimension,
+    row-wise otherwise; with ``rows_first`` (memory is short) the other way round: a row cut splits the
+    per-row optimizer state, which each column piece holds whole."""
+    order = [("row", rows), ("column", dim)] if rows_first else [("column", dim), ("row", rows)]
+    return next((kind for kind, size in order if world > 1 and size % world == 0), None)
 
 
 def _auto_kinds(rows: list[int], dim: int, world: int, kinds: list[str], state_bytes_per_row: int) -> list[str]:
