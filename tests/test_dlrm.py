@@ -171,3 +171,13 @@ def test_dlrm_tiny_auc_rises_above_0_7():
     for _ in range(100):
         trainer.train_step()
     assert trainer.evaluate()["auc"] > 0.7
+
+
+def test_plan_cli_shows_the_tables_placement(capsys):
+    from bigtrain.cli import main
+
+    assert main(["plan", "--preset", "dlrm-criteo", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "over 8 ranks" in out and "column-wise" in out and "all-to-all MiB/step" in out
+    assert main(["plan", "--preset", "dlrm-criteo", "--gpus", "1"]) == 2  # 90 GiB of tables, a 70 GiB budget
+    assert "embedding.budget_gb" in capsys.readouterr().err

@@ -13,8 +13,11 @@ dense update at the schedule's learning rate after clipping the dense gradients'
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -104,6 +107,32 @@ class DlrmTrainer:
         self.comm.all_reduce(total, tag="metrics")
         self.step += 1
         return DlrmStep(float(total) / cfg.train.global_batch, norm, skipped)
+
+    def fit(self, run_dir: Path | None = None, eval_batches: int = 4) -> list[dict]:
+        """Train ``train.steps`` steps; every ``logging.log_every`` steps (and at the end) a record of
+        the loss, samples/s and the held-out AUC and log loss, written to ``metrics.jsonl`` by rank 0
+        and printed there."""
+        cfg = self.cfg
+        log = Path(run_dir) / "metrics.jsonl" if run_dir is not None and self.rank == 0 else None
+        if log is not None:
+            log.write_text("")
+        records, started, done = [], time.perf_counter(), 0
+        while self.step < cfg.train.steps:
+            result = self.train_step()
+            done += 1
+            if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
+                elapsed = time.perf_counter() - started
+                record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
+                          "samples_per_s": done * cfg.train.global_batch / elapsed, **self.evaluate(eval_batches)}
+                records.append(record)
+                if log is not None:
+                    with open(log, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                if self.rank == 0:
+                    print(f"step {record['step']:>6}  loss {record['loss']:.4f}  auc {record['auc']:.4f}  "
+                          f"log loss {record['log_loss']:.4f}  {record['samples_per_s']:,.0f} samples/s", flush=True)
+                started, done = time.perf_counter(), 0  # the evaluation is not training time
+        return records
 
     @torch.no_grad()
     def evaluate(self, batches: int = 4) -> dict[str, float]:
