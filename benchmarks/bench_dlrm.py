@@ -5,7 +5,8 @@ The issue's setting: 26 tables of 100k x 64, 13 dense features, bottom MLP 512-2
 Adagrad on the tables (applied in backward on both sides), Adam on the dense part. Both models are
 built in the same ranks and stepped in turn (one bigtrain step, one TorchRec step, ...) so load from
 other processes hits them alike; the figures are the median milliseconds per step after
-``--warmup`` steps and samples/s = ranks x batch / median. ``--sharding row`` runs bigtrain
+``--warmup`` steps, each timed from a barrier to a barrier (the slowest rank's step), and
+samples/s = ranks x batch / median. ``--sharding row`` runs bigtrain
 alone (TorchRec's CPU sharder has no row-wise: torchrec #1252).
 
 TorchRec is an optional extra, installed without touching torch:
@@ -26,6 +27,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from bigtrain.config import load_config
 from bigtrain.distributed.mesh import Mesh
@@ -106,15 +108,20 @@ def bench(rank: int, world: int, batch: int, sharding: str, steps: int, warmup: 
     ours = bigtrain_trainer(rank, world, batch, sharding, steps + warmup)
     theirs = TorchRecDLRM(rank, world, batch) if with_torchrec else None
     times: dict[str, list[float]] = {"bigtrain": [], "torchrec": []}
-    for step in range(steps + warmup):
+
+    def timed(name: str, step_fn) -> None:  # from a common start to the last rank's end
+        dist.barrier()
         start = time.perf_counter()
-        ours.train_step()
-        times["bigtrain"].append(time.perf_counter() - start)
+        step_fn()
+        dist.barrier()
+        times[name].append(time.perf_counter() - start)
+
+    for step in range(steps + warmup):  # the batches are drawn outside the timed steps
+        ours_batch = ours.local_batch_of(step)
+        timed("bigtrain", lambda: ours.train_step(ours_batch))
         if theirs is not None:
-            torchrec_batch = theirs.batch_of(*ours.sampler.batch(step, rank * batch, batch))
-            start = time.perf_counter()
-            theirs.step(torchrec_batch)
-            times["torchrec"].append(time.perf_counter() - start)
+            torchrec_batch = theirs.batch_of(*ours_batch)
+            timed("torchrec", lambda: theirs.step(torchrec_batch))
     return {k: statistics.median(v[warmup:]) for k, v in times.items() if v}
 
 

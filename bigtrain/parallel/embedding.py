@@ -158,29 +158,58 @@ def check_ids(ids: torch.Tensor, rows: tuple[int, ...]) -> None:
 
 
 class TablePiece(nn.Module):
-    """This rank's part of one table (``weight``: a piece or a replica), with its optimizer state."""
+    """This rank's part of one table (``weight``: a piece, a view of its group's store, or a replica)."""
 
-    def __init__(self, shape: tuple[int, int]):
+    def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)  # updated in backward, not by autograd
+        self.weight = nn.Parameter(weight, requires_grad=False)  # updated in backward, not by autograd
+
+
+@dataclass
+class PieceGroup:
+    """This rank's pieces of one width, stacked in one ``store`` (FBGEMM's table-batched embedding):
+    one lookup, one gradient and one optimizer update for all of them. Column pieces form a group of
+    their own (their row-wise state is combined over the ranks)."""
+
+    members: list[int]  # positions in the rank's pieces
+    firsts: list[int]  # each member's first table row
+    sizes: list[int]  # its rows
+    offsets: list[int]  # its first row in the store
+    column: bool
+    store: torch.Tensor
+    state: dict[str, torch.Tensor]
 
 
 class ShardedEmbeddingBags(nn.Module):
     """:class:`~bigtrain.models.dlrm.EmbeddingBags` over ``comm``'s ranks, as ``layout`` says."""
 
-    def __init__(self, layout: EmbeddingLayout, comm: AxisComm, optimizer: SparseOptimizer):
+    def __init__(self, layout: EmbeddingLayout, comm: AxisComm, optimizer: SparseOptimizer,
+                 device: torch.device | str = "cpu"):
         super().__init__()
         if comm.size != layout.world:
             raise ValueError(f"the layout is for {layout.world} ranks, the group has {comm.size}")
         self.layout, self.comm, self.optimizer = layout, comm, optimizer
         self.rank = comm.rank
         self.local = layout.pieces_on(self.rank)
-        self.tables = nn.ModuleDict({str(t): TablePiece(s) for t, s in layout.local_shapes(self.rank).items()})
-        self.state: dict[int, dict[str, torch.Tensor]] = {}
+        by_kind: dict[tuple[int, bool], list[int]] = {}
+        for k, piece in enumerate(self.local):
+            by_kind.setdefault((piece.width, layout.kinds[piece.table] == "column"), []).append(k)
+        self.groups, holders = [], {}
+        for (width, column), members in by_kind.items():
+            sizes = [self.local[k].shape[0] for k in members]
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            store = torch.empty((sum(sizes), width), device=device)
+            self.groups.append(PieceGroup(members, [self.local[k].rows[0] for k in members], sizes, offsets, column,
+                                          store, optimizer.new_state(store)))
+            for k, first, size in zip(members, offsets, sizes):
+                holders[self.local[k].table] = TablePiece(store[first:first + size])
+        for t in layout.data_tables:
+            holders[t] = TablePiece(torch.empty((layout.rows[t], layout.dim), device=device))
+        self.tables = nn.ModuleDict({str(t): holders[t] for t in sorted(holders)})
+        self.data_state = {t: optimizer.new_state(self.weight(t)) for t in layout.data_tables}
 
-    def init_from(self, full_value, device: torch.device | str = "cpu") -> None:
-        """Fill each local part from ``full_value(t)`` (the whole table t) and make fresh optimizer state."""
-        self.to_empty(device=device)
+    def init_from(self, full_value) -> None:
+        """Fill each local part from ``full_value(t)`` (the whole table t)."""
         with torch.no_grad():
             for key, holder in self.tables.items():
                 t = int(key)
@@ -189,13 +218,13 @@ class ShardedEmbeddingBags(nn.Module):
                 if piece is not None:
                     full = full[piece.rows[0]:piece.rows[1], piece.cols[0]:piece.cols[1]]
                 holder.weight.copy_(full)
-                self.state[t] = self.optimizer.new_state(holder.weight)
 
     def weight(self, t: int) -> torch.Tensor:
         return self.tables[str(t)].weight
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [s for state in self.state.values() for s in state.values()]
+        states = [g.state for g in self.groups] + list(self.data_state.values())
+        return [s for state in states for s in state.values()]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, self.layout.rows)
@@ -211,7 +240,7 @@ class ShardedEmbeddingBags(nn.Module):
         return out
 
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """(pooled [B, T, D] of this rank's samples, what backward needs: each local piece's ids)."""
+        """(pooled [B, T, D] of this rank's samples, what backward needs: each group's store rows)."""
         batch, tables, hot = ids.shape
         world, pieces, local = self.layout.world, self.layout.pieces, self.local
         out = torch.zeros((batch, tables, self.layout.dim), device=ids.device)
@@ -224,16 +253,21 @@ class ShardedEmbeddingBags(nn.Module):
         self.comm.all_to_all(recv, send, tag="emb_ids", input_splits=self._splits([batch * hot] * len(pieces)),
                              output_splits=[len(local) * batch * hot] * world)
         recv = recv.view(world, len(local), batch, hot)
-        saved, pooled = [], []
-        for k, piece in enumerate(local):  # each over the global batch: [W B, L]
-            piece_ids = recv[:, k].reshape(world * batch, hot)
-            first, end = piece.rows
-            mask = ((piece_ids >= first) & (piece_ids < end)).float() if end - first < self.layout.rows[piece.table] \
-                else None
-            rows = (piece_ids - first).clamp_(0, end - first - 1)
+        saved, pooled = [], [None] * len(local)
+        for g in self.groups:  # each member over the global batch: [W, B, L]
+            table_ids = torch.stack([recv[:, k] for k in g.members])
+            shape = (len(g.members), 1, 1, 1)
+            first = torch.tensor(g.firsts, device=ids.device).view(shape)
+            size = torch.tensor(g.sizes, device=ids.device).view(shape)
+            local_ids = table_ids - first
+            partial = any(size != self.layout.rows[local[k].table] for k, size in zip(g.members, g.sizes))
+            mask = ((local_ids >= 0) & (local_ids < size)).float().view(-1, hot) if partial else None
+            rows = (torch.minimum(local_ids.clamp_min(0), size - 1)
+                    + torch.tensor(g.offsets, device=ids.device).view(shape)).view(-1, hot)
             saved.append((rows, mask))
-            pooled.append(torch.nn.functional.embedding_bag(rows, self.weight(piece.table), mode="sum",
-                                                            per_sample_weights=mask).view(world, batch, -1))
+            group_pooled = torch.nn.functional.embedding_bag(rows, g.store, mode="sum", per_sample_weights=mask)
+            for i, k in enumerate(group_pooled.view(len(g.members), world, batch, -1)):
+                pooled[g.members[i]] = k
         # to each sample's rank, its rows of every local piece
         send_pooled = torch.cat([torch.cat([p[s].reshape(-1) for p in pooled]) for s in range(world)]) if local \
             else out.new_empty(0)
@@ -257,9 +291,10 @@ class ShardedEmbeddingBags(nn.Module):
             self.comm.all_to_all(recv, send.contiguous(), tag="emb_pooled_backward", input_splits=self._splits(widths),
                                  output_splits=[batch * local_width] * world)
             by_source = [part.split([batch * p.width for p in local]) for part in recv.split(batch * local_width)]
-            for k, (piece, (rows, mask)) in enumerate(zip(local, saved)):
-                piece_grad = torch.cat([src[k].view(batch, piece.width) for src in by_source])
-                self._update(piece.table, rows, piece_grad, mask, column=self.layout.kinds[piece.table] == "column")
+            for g, (rows, mask) in zip(self.groups, saved):  # rows in the order [member, source rank, sample]
+                width = g.store.shape[1]
+                group_grad = torch.cat([src[k].view(batch, width) for k in g.members for src in by_source])
+                self._update(g.store, g.state, rows, group_grad, mask, g.column)
         data = self.layout.data_tables
         if data:  # every replica applies the global batch's update
             all_ids = ids.new_empty((world * batch, len(data), hot))
@@ -267,16 +302,17 @@ class ShardedEmbeddingBags(nn.Module):
             all_grads = grad.new_empty((world * batch, len(data), self.layout.dim))
             self.comm.all_gather(all_grads, grad[:, data].contiguous(), tag="emb_data_grads")
             for k, t in enumerate(data):
-                self._update(t, all_ids[:, k], all_grads[:, k], None, column=False)
+                self._update(self.weight(t), self.data_state[t], all_ids[:, k], all_grads[:, k], None, False)
 
-    def _update(self, t: int, rows: torch.Tensor, pooled_grad: torch.Tensor, mask, column: bool) -> None:
+    def _update(self, weight: torch.Tensor, state: dict, rows: torch.Tensor, pooled_grad: torch.Tensor, mask,
+                column: bool) -> None:
         touched, grad = row_gradient(rows, pooled_grad, mask)
         combine = None
-        if column:
+        if column:  # every rank holds the same rows of each column-wise table: the same touched rows
             def combine(squares: torch.Tensor) -> torch.Tensor:
                 self.comm.all_reduce(squares, tag="emb_column_squares")
                 return squares
-        self.optimizer.update(self.weight(t), self.state[t], touched, grad, self.layout.dim, combine)
+        self.optimizer.update(weight, state, touched, grad, self.layout.dim, combine)
 
 
 class _ShardedLookup(torch.autograd.Function):

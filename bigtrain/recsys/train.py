@@ -56,10 +56,9 @@ def parallelize_dlrm(model: DLRM, mesh: Mesh, cfg: Config, layout: EmbeddingLayo
                      device: torch.device | str = "cpu") -> ParallelDLRM:
     comm, seed = mesh.comm("dp_sp"), cfg.train.seed
     e = cfg.embedding
-    sharded = ShardedEmbeddingBags(layout, comm, SparseOptimizer(e.optimizer, e.lr, e.eps))
+    sharded = ShardedEmbeddingBags(layout, comm, SparseOptimizer(e.optimizer, e.lr, e.eps), device)
     model.embeddings = sharded
-    sharded.init_from(lambda t: init_value(f"embeddings.tables.{t}.weight", (layout.rows[t], layout.dim), seed),
-                      device)
+    sharded.init_from(lambda t: init_value(f"embeddings.tables.{t}.weight", (layout.rows[t], layout.dim), seed))
     dense = nn.ModuleDict({"bottom": model.bottom, "top": model.top})  # the same names as in the model
     placements = Placements.of_model(dense, mesh.comm)
     engine = apply_engine(dense, mesh, parallel_plan(cfg), lambda name, shape: init_value(name, shape, seed),
@@ -93,9 +92,14 @@ class DlrmTrainer:
         dense, ids, labels = sampler.batch(step, self.rank * self.local_batch, self.local_batch)
         return dense.to(self.device), ids.to(self.device), labels.to(self.device)
 
-    def train_step(self) -> DlrmStep:
+    def local_batch_of(self, step: int):
+        """This rank's part of step ``step``'s global batch: (dense, ids, labels) on the device."""
+        return self._local(self.sampler, step)
+
+    def train_step(self, batch=None) -> DlrmStep:
+        """One step, on ``batch`` (from :meth:`local_batch_of`) or this step's batch from the sampler."""
         cfg = self.cfg
-        dense, ids, labels = self._local(self.sampler, self.step)
+        dense, ids, labels = batch if batch is not None else self._local(self.sampler, self.step)
         loss_sum = bce_loss_sum(self.model(dense, ids), labels)
         self.engine.backward(loss_sum / cfg.train.global_batch)  # the tables update in here
         self.engine.finish_grad_sync()
