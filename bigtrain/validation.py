@@ -390,6 +390,9 @@ def check_embedding(cfg: Config) -> list[str]:
                         "set parallel.tp, pp, sp and ep to 1")
     if cfg.precision.mode != "fp32":
         problems.append(f"precision.mode = '{cfg.precision.mode}': the DLRM trains in fp32; set it to 'fp32'")
+    if p.zero:
+        problems.append(f"parallel.zero = {p.zero}: the DLRM's dense part trains replicated (ZeRO is not wired to it "
+                        f"yet); set parallel.zero = 0")
     return problems
 
 

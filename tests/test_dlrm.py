@@ -143,6 +143,7 @@ def test_explicit_table_wise_owners_balance_the_tables():
     (["--embedding.optimizer=adam"], "embedding.optimizer"),
     (["--embedding.tables=lots"], "embedding.tables"),
     (["--precision.mode=bf16"], "precision.mode"),
+    (["--parallel.zero=1"], "parallel.zero"),
 ])
 def test_bad_dlrm_config_is_rejected_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field):

@@ -3,8 +3,7 @@ the dense part through the engine like any model.
 
 ``parallelize_dlrm`` swaps the plain model's :class:`EmbeddingBags` for the sharded lookup, records
 each table part's placement next to the dense weights' (``dense``: replicated, partial over
-``dp_sp``), and hands the engine (replicated or ZeRO, as ``parallel.zero`` says) only the dense
-modules: the tables' gradients are never reduced by it, their sparse optimizer runs in backward.
+``dp_sp``), and hands the engine only the dense modules: the tables' gradients are never reduced by it, their sparse optimizer runs in backward.
 
 A step on each of the W ranks: its B = global_batch / W samples of the step's global batch, the
 summed binary cross-entropy divided by the global batch (so the sum over ranks is the mean), the
