@@ -16,6 +16,7 @@ Without it the script measures bigtrain alone and says so.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dlrm.py                    # table-wise, both
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dlrm.py --sharding row     # bigtrain alone
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_dlrm.py --phases           # + forward / backward / step
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dlrm.py --steps 4 --warmup 1   # smoke
 """
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from bigtrain.config import load_config
 from bigtrain.distributed.mesh import Mesh
+from bigtrain.models.dlrm import bce_loss_sum
 from bigtrain.recsys.train import DlrmTrainer
 from bigtrain.testing import run_ranks
 
@@ -103,26 +105,58 @@ class TorchRecDLRM:
         self.optimizer.zero_grad()
 
 
-def bench(rank: int, world: int, batch: int, sharding: str, steps: int, warmup: int, with_torchrec: bool) -> dict:
+def bigtrain_phases(trainer: DlrmTrainer, batch) -> dict[str, float]:
+    """One step of ``trainer`` as its train_step runs it, each phase timed on this rank."""
+    dense, ids, labels = batch
+    marks = [time.perf_counter()]
+    loss_sum = bce_loss_sum(trainer.model(dense, ids), labels)
+    marks.append(time.perf_counter())
+    trainer.engine.backward(loss_sum / trainer.cfg.train.global_batch)
+    trainer.engine.finish_grad_sync()
+    marks.append(time.perf_counter())
+    trainer.engine.step(1e-3, float("inf"))
+    trainer.engine.zero_grad()
+    marks.append(time.perf_counter())
+    return dict(zip(("forward", "backward", "step"), (b - a for a, b in zip(marks, marks[1:]))))
+
+
+def torchrec_phases(theirs: "TorchRecDLRM", batch) -> dict[str, float]:
+    marks = [time.perf_counter()]
+    loss, _ = theirs.model(batch)
+    marks.append(time.perf_counter())
+    loss.backward()
+    marks.append(time.perf_counter())
+    theirs.optimizer.step()
+    theirs.optimizer.zero_grad()
+    marks.append(time.perf_counter())
+    return dict(zip(("forward", "backward", "step"), (b - a for a, b in zip(marks, marks[1:]))))
+
+
+def bench(rank: int, world: int, batch: int, sharding: str, steps: int, warmup: int, with_torchrec: bool,
+          phases: bool = False) -> dict:
     torch.manual_seed(0)
     ours = bigtrain_trainer(rank, world, batch, sharding, steps + warmup)
     theirs = TorchRecDLRM(rank, world, batch) if with_torchrec else None
-    times: dict[str, list[float]] = {"bigtrain": [], "torchrec": []}
+    times: dict[str, list[float]] = {}
 
     def timed(name: str, step_fn) -> None:  # from a common start to the last rank's end
         dist.barrier()
         start = time.perf_counter()
-        step_fn()
+        parts = step_fn()
         dist.barrier()
-        times[name].append(time.perf_counter() - start)
+        times.setdefault(name, []).append(time.perf_counter() - start)
+        for part, seconds in (parts or {}).items():
+            times.setdefault(f"{name}_{part}", []).append(seconds)
 
     for step in range(steps + warmup):  # the batches are drawn outside the timed steps
         ours_batch = ours.local_batch_of(step)
-        timed("bigtrain", lambda: ours.train_step(ours_batch))
+        timed("bigtrain", (lambda: bigtrain_phases(ours, ours_batch)) if phases else
+              (lambda: ours.train_step(ours_batch)))
         if theirs is not None:
             torchrec_batch = theirs.batch_of(*ours_batch)
-            timed("torchrec", lambda: theirs.step(torchrec_batch))
-    return {k: statistics.median(v[warmup:]) for k, v in times.items() if v}
+            timed("torchrec", (lambda: torchrec_phases(theirs, torchrec_batch)) if phases else
+                  (lambda: theirs.step(torchrec_batch)))
+    return {k: statistics.median(v[warmup:]) for k, v in times.items()}
 
 
 def main() -> None:
@@ -132,14 +166,18 @@ def main() -> None:
     parser.add_argument("--sharding", default="table", choices=("table", "row", "column", "data"))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--phases", action="store_true",
+                        help="also time forward, backward (with the sparse update) and the dense step, per rank")
     args = parser.parse_args()
     with_torchrec = args.sharding == "table" and have_torchrec()
     if args.sharding == "table" and not with_torchrec:
         print("torchrec is not installed (or does not load): measuring bigtrain alone")
     per_rank = run_ranks(bench, args.ranks, args.batch, args.sharding, args.steps, args.warmup, with_torchrec,
-                         timeout=3600)
+                         args.phases, timeout=3600)
     result = {"ranks": args.ranks, "batch_per_rank": args.batch, "sharding": args.sharding}
-    for name in per_rank[0]:
+    for name in [n for n in per_rank[0] if "_" in n]:  # phases: the slowest rank's median, ms
+        result[f"{name}_ms"] = round(max(r[name] for r in per_rank) * 1e3, 1)
+    for name in [n for n in per_rank[0] if "_" not in n]:
         seconds = max(r[name] for r in per_rank)  # the slowest rank sets the pace
         result[f"{name}_ms_per_step"] = round(seconds * 1e3, 1)
         result[f"{name}_samples_per_s"] = round(args.ranks * args.batch / seconds)

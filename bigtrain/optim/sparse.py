@@ -44,15 +44,15 @@ class SparseOptimizer:
                full_dim: int | None = None, combine: Combine | None = None) -> None:
         """Apply the gradient ``grad`` [len(rows), width] of the distinct local ``rows`` of ``weight``."""
         if self.name == "sgd":
-            weight.index_add_(0, rows, grad, alpha=-self.lr)
+            weight.index_add_(0, rows, grad * -self.lr)  # index_add_ with alpha is the slower kernel on CPU
             return
         squares = grad.float().pow(2).sum(1)
         if combine is not None:
             squares = combine(squares)
         acc = state["sum"]
         acc.index_add_(0, rows, squares / (full_dim or grad.shape[1]))
-        step = grad / (acc[rows].sqrt() + self.eps).unsqueeze(1)
-        weight.index_add_(0, rows, step.to(weight.dtype), alpha=-self.lr)
+        step = grad * (-self.lr / (acc[rows].sqrt() + self.eps)).unsqueeze(1)
+        weight.index_add_(0, rows, step.to(weight.dtype))
 
 
 def row_gradient(ids: torch.Tensor, pooled_grad: torch.Tensor, weights: torch.Tensor | None = None
@@ -62,7 +62,7 @@ def row_gradient(ids: torch.Tensor, pooled_grad: torch.Tensor, weights: torch.Te
     0 elsewhere, or None: all) -> (distinct rows, their summed gradients)."""
     hot = ids.shape[1]
     flat_ids = ids.reshape(-1)
-    per_id = pooled_grad.repeat_interleave(hot, dim=0)
+    per_id = pooled_grad.repeat_interleave(hot, dim=0) if hot > 1 else pooled_grad
     if weights is not None:
         keep = weights.reshape(-1) != 0
         flat_ids, per_id = flat_ids[keep], per_id[keep]

@@ -31,6 +31,7 @@ from bigtrain.optim.sparse import SparseOptimizer
 from bigtrain.parallel.build import apply_engine
 from bigtrain.parallel.embedding import EmbeddingLayout, ShardedEmbeddingBags
 from bigtrain.parallel.placement import Placements
+from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.plan.embedding import plan_embedding
 from bigtrain.recsys.data import sampler_for
 from bigtrain.recsys.metrics import auc, log_loss
@@ -47,7 +48,7 @@ class ParallelDLRM:
     model: DLRM  # the tables replaced by this rank's sharded lookup
     embeddings: ShardedEmbeddingBags
     dense: nn.Module  # what the engine owns: the bottom and top MLPs
-    engine: object
+    engine: ReplicatedEngine
     placements: Placements  # every parameter this rank holds, tables included
 
 
