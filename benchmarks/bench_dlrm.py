@@ -151,7 +151,7 @@ def bench(rank: int, world: int, batch: int, sharding: str, steps: int, warmup: 
     for step in range(steps + warmup):  # the batches are drawn outside the timed steps
         ours_batch = ours.local_batch_of(step)
         timed("bigtrain", (lambda: bigtrain_phases(ours, ours_batch)) if phases else
-              (lambda: ours.train_step(ours_batch)))
+              (lambda: ours.train_step(ours_batch) and None))
         if theirs is not None:
             torchrec_batch = theirs.batch_of(*ours_batch)
             timed("torchrec", (lambda: torchrec_phases(theirs, torchrec_batch)) if phases else
