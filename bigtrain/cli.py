@@ -272,6 +272,8 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     info = join_group(cfg)
     try:
         mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
+        if cfg.model.name == "dlrm":
+            return _run_dlrm(cfg, run_dir, mesh, info)
         trainer = Trainer(cfg, run_dir, mesh, info.device)
         try:
             history = trainer.fit()
@@ -290,6 +292,20 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
                       f"run directory {run_dir}" + (f", report {report}" if report else ""))
     finally:
         shutdown_distributed()
+    return 0
+
+
+def _run_dlrm(cfg: Config, run_dir: Path, mesh, info) -> int:
+    """A recommender's run (bigtrain.recsys): its tables sharded, metrics.jsonl with AUC and log loss."""
+    from bigtrain.recsys.train import DlrmTrainer
+    from bigtrain.train import write_summary
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = DlrmTrainer(cfg, mesh, info.device)
+    records = trainer.fit(run_dir)
+    if info.rank == 0 and records:
+        write_summary(run_dir, {"steps": trainer.step, **records[-1]})
+        print(f"bigtrain: {trainer.step} steps, held-out AUC {records[-1]['auc']:.4f}; run directory {run_dir}")
     return 0
 
 

@@ -44,7 +44,8 @@ def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
 class ModelConfig:
     """The reference Llama-style decoder."""
 
-    name: str = doc("Architecture; only 'llama' (dense decoder) for now.", "llama")
+    name: str = doc("Architecture: 'llama' (the decoder) or 'dlrm' (a recommender: bottom MLP, the [embedding] "
+                    "tables, dot interaction, top MLP, binary cross-entropy).", "llama")
     vocab_size: int = doc("Vocabulary size; 256 for the byte-level corpora.", 256)
     dim: int = doc("Hidden size h.", 128)
     n_layers: int = doc("Number of transformer blocks L.", 4)
@@ -78,6 +79,11 @@ class ModelConfig:
                            "never held (with tp: the vocabulary-parallel loss, chunk by chunk). Same loss.", False)
     fused_loss_chunk: int = doc("With fused_loss: tokens per chunk (the largest logits held: chunk x vocabulary "
                                 "/ tp, in fp32).", 1024)
+
+    dlrm_dense_features: int = doc("DLRM: dense (continuous) features per sample (Criteo: 13).", 13)
+    dlrm_bottom_mlp: str = doc("DLRM: hidden sizes of the bottom MLP, comma-separated; it ends at embedding.dim.",
+                               "64,32")
+    dlrm_top_mlp: str = doc("DLRM: hidden sizes of the top MLP, comma-separated; it ends at one logit.", "64,32")
 
     @property
     def kv_heads(self) -> int:
@@ -279,6 +285,26 @@ class LoggingConfig:
 
 
 @dataclass
+class EmbeddingConfig:
+    """The recommender's embedding tables (model.name = 'dlrm'): one sum-pooled table per sparse feature."""
+
+    tables: str = doc("Rows of each table, comma-separated; 'NxR' repeats R N times (Criteo: 26 tables).",
+                      "26x1000")
+    dim: int = doc("Embedding dimension (every table; the bottom MLP ends at it).", 16)
+    hotness: int = doc("Ids per sample and sparse feature, summed (1: one-hot; more: multi-hot).", 1)
+    sharding: str = doc("How tables are placed over the ranks: 'auto' (the planner picks per table), 'table' "
+                        "(whole tables, balanced over ranks), 'row' (rows cut over all ranks), 'column' "
+                        "(columns cut over all ranks), 'data' (a replica on every rank), or one of these per "
+                        "table, comma-separated. Lookups travel by all-to-all.", "auto")
+    optimizer: str = doc("Sparse optimizer of the tables, applied in backward to the rows in the batch only: "
+                         "'rowwise_adagrad' (one accumulator per row) or 'sgd'.", "rowwise_adagrad")
+    lr: float = doc("Learning rate of the tables' sparse optimizer (constant).", 0.05)
+    eps: float = doc("Row-wise Adagrad epsilon.", 1e-8)
+    budget_gb: float = doc("Per-rank memory for the tables and their optimizer state, for the planner "
+                           "(GiB; 0: no limit).", 0.0)
+
+
+@dataclass
 class DistributedConfig:
     """The process group."""
 
@@ -301,6 +327,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -124,6 +124,8 @@ def _kind(mode: int) -> str:
 def data_problems(cfg: Config) -> list[str]:
     """The corpus ``data.source`` names, against the model and the sampler: one problem at most."""
     d = cfg.data
+    if cfg.model.name == "dlrm":  # 'synthetic' or a Criteo TSV file: validation checked it exists
+        return []
     need = d.seq_len + 2  # TokenSampler draws starts in [0, len - seq_len - 1): a window of seq_len + 1, and one more
     if d.source == "stdlib":
         problem = _cache_problem(cfg, stdlib_key())
@@ -295,11 +297,22 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     out = writable_dir_problem(output_dir, output_name)
     if out:
         problems.append(out)
-    size, warnings = size_problems(cfg, local_ranks, cuda)
+    size, warnings = size_problems(cfg, local_ranks, cuda) if cfg.model.name != "dlrm" else (_tables_fit(cfg), [])
     problems += size
     if problems:
         raise ConfigError(problems)
     return warnings
+
+
+def _tables_fit(cfg: Config) -> list[str]:
+    """A DLRM: whether the planner places its tables on parallel.dp ranks within embedding.budget_gb."""
+    from bigtrain.recsys.train import layout_for
+
+    try:
+        layout_for(cfg, cfg.parallel.dp)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def print_warnings(warnings: list[str]) -> None:

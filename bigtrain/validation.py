@@ -21,7 +21,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("auto", "fp32")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
-MODELS = ("llama",)
+MODELS = ("llama", "dlrm")
 MOE_ROUTERS = ("softmax", "sigmoid-bias")  # bigtrain.models.moe.ROUTERS (this module imports no torch)
 
 Rule = Callable[[Config], list[str]]
@@ -177,6 +177,8 @@ def check_batch(cfg: Config) -> list[str]:
     problems += _positive(cfg, ["train.max_bad_steps"])
     if problems or dp <= 0:
         return problems
+    if cfg.model.name == "dlrm":
+        return _check_dlrm_batch(cfg)
     if t.global_batch % (t.micro_batch * dp):
         per_rank = t.micro_batch * dp
         fix = max(per_rank, t.global_batch // per_rank * per_rank)
@@ -188,6 +190,8 @@ def check_batch(cfg: Config) -> list[str]:
 
 def check_data(cfg: Config) -> list[str]:
     d, m = cfg.data, cfg.model
+    if m.name == "dlrm":
+        return _check_dlrm_data(cfg)
     problems = _positive(cfg, ["data.seq_len"]) + _non_negative(cfg, ["data.max_bytes"])
     if d.seq_len > m.max_seq_len:
         problems.append(f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; "
@@ -384,6 +388,66 @@ def check_evaluation(cfg: Config) -> list[str]:
 
 
 RULES.append(check_evaluation)
+# -- the recommender (model.name = 'dlrm'): its [embedding] section ----------------------------------
+def check_embedding(cfg: Config) -> list[str]:
+    """The [embedding] fields' own domains (for any model); with a DLRM, whether its tables can be
+    placed as embedding.sharding says on parallel.dp ranks, and what the DLRM trainer supports."""
+    from bigtrain.recsys.tables import SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
+
+    e, m, p = cfg.embedding, cfg.model, cfg.parallel
+    problems = _positive(cfg, ["embedding.dim", "embedding.hotness", "embedding.lr", "embedding.eps",
+                               "model.dlrm_dense_features"])
+    problems += _non_negative(cfg, ["embedding.budget_gb"])
+    problems += _one_of("embedding.optimizer", e.optimizer, SPARSE_OPTIMIZERS)
+    sizes = {}
+    for dotted, text in (("embedding.tables", e.tables), ("model.dlrm_bottom_mlp", m.dlrm_bottom_mlp),
+                         ("model.dlrm_top_mlp", m.dlrm_top_mlp)):
+        try:
+            sizes[dotted] = parse_sizes(text)
+        except ValueError:
+            problems.append(f"{dotted} = '{text}': use comma-separated sizes, 'NxR' for N of size R (e.g. '26x1000')")
+            continue
+        if any(n < 1 for n in sizes[dotted]):
+            what = "a table with no rows" if dotted == "embedding.tables" else "a layer of size 0"
+            problems.append(f"{dotted} = '{text}': {what}; every size must be >= 1")
+    if "embedding.tables" in sizes and not sizes["embedding.tables"]:
+        problems.append("embedding.tables is empty; give the rows of each table, e.g. '26x1000'")
+    if problems or m.name != "dlrm":
+        return problems
+    rows = sizes["embedding.tables"]
+    try:
+        kinds = requested_kinds(e.sharding, len(rows))
+    except ValueError as err:
+        return [str(err)]
+    problems += check_layout(rows, e.dim, p.dp, ["table" if k == "auto" else k for k in kinds])
+    if p.tp * p.pp * p.sp * p.ep != 1:
+        problems.append("model.name = 'dlrm' runs over parallel.dp only (tables sharded over the dp ranks); "
+                        "set parallel.tp, pp, sp and ep to 1")
+    if cfg.precision.mode != "fp32":
+        problems.append(f"precision.mode = '{cfg.precision.mode}': the DLRM trains in fp32; set it to 'fp32'")
+    if p.zero:
+        problems.append(f"parallel.zero = {p.zero}: the DLRM's dense part trains replicated (ZeRO is not wired to it "
+                        f"yet); set parallel.zero = 0")
+    return problems
+
+
+def _check_dlrm_batch(cfg: Config) -> list[str]:
+    t, dp = cfg.train, cfg.parallel.dp
+    if t.global_batch % dp:
+        return [f"train.global_batch = {t.global_batch} is not divisible by parallel.dp = {dp} (each rank takes "
+                f"global_batch / dp samples); use train.global_batch = {max(dp, t.global_batch // dp * dp)}"]
+    return []
+
+
+def _check_dlrm_data(cfg: Config) -> list[str]:
+    source = cfg.data.source
+    if source != "synthetic" and not _exists(source):
+        return [f"data.source = '{source}': the DLRM reads 'synthetic' (the Criteo-like generator) or a Criteo TSV "
+                f"file; no such file"]
+    return []
+
+
+RULES += [check_embedding]
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None) -> None:

@@ -68,6 +68,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "checkpoint.every": (0, None), "checkpoint.keep": (1, None), "logging.log_every": (1, None),
     "model.fused_loss_chunk": (1, None), "memory.offload_min_bytes": (0, None),
     "train.eval_every": (0, None), "train.eval_batches": (1, None),
+    "model.dlrm_dense_features": (1, None), "embedding.dim": (1, None), "embedding.hotness": (1, None),
 }
 # (low, low inclusive, high, high inclusive)
 FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
@@ -81,6 +82,8 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
     "optim.adafactor_clip": (0, False, math.inf, False), "optim.adafactor_eps": (0, False, math.inf, False), "distributed.timeout_s": (1, True, 365 * 86400, True),
     "model.moe_capacity_factor": (0, True, math.inf, False), "model.moe_aux_loss_coef": (0, True, math.inf, False),
     "data.val_fraction": (0, True, 1, False),
+    "embedding.lr": (0, False, math.inf, False), "embedding.eps": (0, False, math.inf, False),
+    "embedding.budget_gb": (0, True, math.inf, False),
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
                "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",

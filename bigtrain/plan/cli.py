@@ -123,6 +123,10 @@ def resolve(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run ``bigtrain plan``; ConfigError propagates (the main CLI prints it and exits 2)."""
+    if args.preset and load_config(preset=args.preset).model.name == "dlrm":
+        from bigtrain.plan.embedding import cmd_plan_embedding  # a recommender: its tables' placement
+
+        return cmd_plan_embedding(load_config(preset=args.preset), args.gpus, args.json)
     model, cluster, global_batch, fixed = resolve(args)
     if args.block_size < 1:
         raise ConfigError(f"--block-size = {args.block_size}: must be a positive integer")
