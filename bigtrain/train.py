@@ -27,7 +27,7 @@ from bigtrain.checkpoint.hf import initial_weights
 from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
-from bigtrain.data import TokenSampler, load_tokens
+from bigtrain.data import IGNORE_INDEX, TokenSampler, load_tokens
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations
@@ -157,10 +157,14 @@ class Trainer:
         lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
         before = self.mesh.stats.snapshot()
         start = time.perf_counter()
-        self.counted_targets = self.sampler.counted_targets(step)
-        batches = self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"), cfg.train.micro_batch)
+        global_targets = self.sampler.counted_targets(step)
+        batches = list(self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"),
+                                                  cfg.train.micro_batch))
+        # Local SGD: each replica's gradient is the mean loss's over its own part of the batch.
+        local = getattr(self.engine, "averaging", None) is not None
+        self.counted_targets = max(1, sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)) if local else global_targets
         if self.executor is not None:
-            loss_sum, activations = self._micro_batches_through_pipeline(list(batches), measure)
+            loss_sum, activations = self._micro_batches_through_pipeline(batches, measure)
         else:
             loss_sum, activations = self._micro_batches_in_turn(batches, measure)
         self.parallel.finish_grad_sync()
@@ -176,7 +180,7 @@ class Trainer:
         # Host sync 2, the step's last: on CUDA it waits for the current stream, where the optimizer's
         # kernels were queued before it, so the step time below is the device's, not the time it
         # took to queue the kernels.
-        loss = float(loss_sum) / self.counted_targets
+        loss = float(loss_sum) / global_targets
         step_time = time.perf_counter() - start
         mem = self._memory(activations) if measure else {}  # one more sync, on measured steps only
         self.engine.zero_grad()

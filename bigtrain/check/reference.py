@@ -65,8 +65,12 @@ def captured_module(name: str) -> bool:
 
 
 class ReferenceRun:
-    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
+    """``replica = (i, n)``: train on the i-th of n equal slices of each global batch, its loss the
+    mean over that slice (a data-parallel replica stepping alone, for local SGD)."""
+
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu", replica: tuple[int, int] = (0, 1)):
         self.cfg, self.device = cfg, torch.device(device)
+        self.replica = replica
         with self.device:
             self.master = Llama(cfg.model)  # fp32
         self.master.init_weights(cfg.train.seed)
@@ -96,7 +100,9 @@ class ReferenceRun:
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def train_step(self, capture: bool = False) -> ReferenceStep:
-        tokens, targets = self.sampler.batch(self.step, 0, self.cfg.train.global_batch)
+        index, replicas = self.replica
+        per_replica = self.cfg.train.global_batch // replicas
+        tokens, targets = self.sampler.batch(self.step, index * per_replica, per_replica)
         counted = max(1, int((targets != -100).sum()))
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         outputs: dict[str, list[torch.Tensor]] = {}
