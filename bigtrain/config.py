@@ -111,6 +111,8 @@ class ParallelConfig:
     pp: int = doc("Pipeline-parallel degree (stages on different ranks; micro-batches = accumulation steps).", 1)
     pp_schedule: str = doc("Pipeline schedule: 'naive', 'gpipe', '1f1b', 'interleaved', 'zb-h1', or the "
                            "asynchronous 'pipedream-2bw' / 'pipedream' (no flush; see docs/async.md).", "1f1b")
+    pp_vertical_sync: bool = doc("pp_schedule = 'pipedream': every stage runs a micro-batch with the weight version "
+                                 "the first stage used (else each stage's newest at the forward).", False)
     pp_virtual: int = doc("Model chunks per pipeline rank (>= 2 only with pp_schedule = 'interleaved').", 1)
     pp_split: str = doc("Comma-separated layer indices that start stages 1..pp*v-1; '' balances by pp_balance.",
                         "")

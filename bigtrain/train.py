@@ -125,7 +125,11 @@ class Trainer:
         return loss_sum, tracker.peak if tracker is not None else 0
 
     def _micro_batches_through_pipeline(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
-        """The schedule's order of forwards and backwards over this rank's stages."""
+        """The schedule's order of forwards and backwards over this rank's stages. An asynchronous
+        schedule also starts the next step's first forwards: it gets that step's micro-batches too."""
+        if self.parallel.schedule.asynchronous:
+            batches = batches + list(self.sampler.micro_batches(self.step + 1, self.mesh.coord("dp"),
+                                                                self.mesh.size("dp"), self.cfg.train.micro_batch))
         chunks = [self.parallel.sequence_chunk(self._to_device(t), self._to_device(y))[:2] for t, y in batches]
         self.executor.measure_activations = measure
         out = self.executor.run(chunks)
@@ -148,7 +152,8 @@ class Trainer:
 
         return PipelineExecutor(parallel.stages, parallel.schedule, parallel.pp, loss_fn,
                                 engines={s: self.engine for s in parallel.stages},
-                                forward_kwargs={"start_pos": start} if parallel.sp.size > 1 else None)
+                                forward_kwargs={"start_pos": start} if parallel.sp.size > 1 else None,
+                                vertical_sync=self.cfg.parallel.pp_vertical_sync)
 
     def train_step(self, measure: bool = False, before_update: Callable[[], None] | None = None) -> StepResult:
         """One optimizer step. ``before_update`` runs once the gradients are reduced and before the

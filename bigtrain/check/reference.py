@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,11 +67,18 @@ def captured_module(name: str) -> bool:
 
 class ReferenceRun:
     """``replica = (i, n)``: train on the i-th of n equal slices of each global batch, its loss the
-    mean over that slice (a data-parallel replica stepping alone, for local SGD)."""
+    mean over that slice (a data-parallel replica stepping alone, for local SGD).
 
-    def __init__(self, cfg: Config, device: torch.device | str = "cpu", replica: tuple[int, int] = (0, 1)):
+    ``gradient_delay`` (fp32 only; steps, or a function of the parameter's name): step t computes
+    its loss and gradient with each weight as it was ``delay`` updates before (the first weights
+    for t < delay) and applies that gradient to the current weights, W(t+1) = W(t) - lr * grad(W(t -
+    delay)): the asynchronous pipelines' rule (2BW: 1 for every weight)."""
+
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu", replica: tuple[int, int] = (0, 1),
+                 gradient_delay: int | Callable[[str], int] = 0):
         self.cfg, self.device = cfg, torch.device(device)
         self.replica = replica
+        self.delay = gradient_delay if callable(gradient_delay) else (lambda name: gradient_delay)
         with self.device:
             self.master = Llama(cfg.model)  # fp32
         self.master.init_weights(cfg.train.seed)
@@ -78,6 +86,11 @@ class ReferenceRun:
         self.mixed = mode != "fp32"
         self.compute = copy.deepcopy(self.master).to(COMPUTE_DTYPES[mode]) if self.mixed else self.master
         self.compute.init_buffers()  # rotary tables stay fp32, as in the model's own init
+        delayed = any(self.delay(n) for n, _ in self.master.named_parameters())
+        if delayed and self.mixed:
+            raise ValueError("gradient_delay: the reference delays fp32 weights only; use precision.mode = 'fp32'")
+        self.stale = copy.deepcopy(self.master) if delayed else None  # computes with the delayed weights
+        self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
         set_aux_loss_scale(self.compute, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
@@ -109,9 +122,10 @@ class ReferenceRun:
         handles = self._capture_outputs(outputs) if capture else []
         loss_sum = 0.0
         micro = self.cfg.train.micro_batch
+        model = self._delayed_model() if self.stale is not None else self.compute
         try:
             for first in range(0, tokens.shape[0], micro):
-                logits = self.compute(tokens[first:first + micro])
+                logits = model(tokens[first:first + micro])
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets[first:first + micro].flatten(),
                                        reduction="sum")
                 loss_sum += float(loss.detach())
@@ -121,13 +135,27 @@ class ReferenceRun:
         finally:
             for h in handles:
                 h.remove()
+        if self.stale is not None:  # the gradient of the delayed weights, applied to the current ones
+            for master, stale in zip(self.master.parameters(), self.stale.parameters()):
+                master.grad, stale.grad = stale.grad, None
         result = self._update()
+        if self.stale is not None:
+            self.history.append(self._weights())
         result.loss = loss_sum / counted
         if capture:
             result.outputs = {name: torch.cat(parts).float().cpu() for name, parts in outputs.items()}
             result.weights = {n: p.detach().cpu().clone() for n, p in self.master.named_parameters()}
         self.step += 1
         return result
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.master.named_parameters()}
+
+    @torch.no_grad()
+    def _delayed_model(self) -> torch.nn.Module:
+        for name, p in self.stale.named_parameters():
+            p.copy_(self.history[max(self.step - self.delay(name), 0)][name])
+        return self.stale
 
     def _capture_outputs(self, into: dict[str, list[torch.Tensor]]) -> list:
         handles = []
