@@ -125,7 +125,7 @@ class PipelineExecutor:
         self._carry: _Step | None = None
         self._in_flight: dict[Key, int] = {}  # (stage, micro-batch) -> weight version of its forward
         self._forwarded = -1  # the newest micro-batch forwarded on this rank
-        self.version_log: list[tuple[str, int]] = []
+        self.version_log: list[tuple[str, int]] = []  # (compute action, weight version), every run
         # Per model-input (shape, dtype): the received (shape, dtype) of each stage's input, and the
         # stages whose output shape this rank has sent; exchanged once, on the first step.
         self._input_specs: dict[tuple, dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
@@ -195,7 +195,6 @@ class PipelineExecutor:
         step.micro_batches, step.first, step.losses = micro_batches, t * m, []
         for versions in self.versions.values():
             versions.snapshot(t)
-        self.version_log = []
         return step, actions
 
     def _end_async_run(self, step: _Step) -> None:

@@ -60,6 +60,7 @@ class WeightVersions:
         self.live = dict(stage.named_parameters())  # de-duplicated: a tied weight once
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.peak = 0  # the most versions held at once
+        self.peak_bytes = 0
 
     @torch.no_grad()
     def snapshot(self, version: int) -> None:
@@ -67,6 +68,7 @@ class WeightVersions:
         if version not in self.versions:
             self.versions[version] = {n: p.detach().clone() for n, p in self.live.items()}
         self.peak = max(self.peak, len(self.versions))
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
         """``functional_call``'s parameters for a forward with ``version``."""
