@@ -126,9 +126,9 @@ class Trainer:
 
     def _micro_batches_through_pipeline(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
         """The schedule's order of forwards and backwards over this rank's stages. An asynchronous
-        schedule also starts the next step's first forwards: it gets that step's micro-batches too."""
-        if self.parallel.schedule.asynchronous:
-            batches = batches + list(self.sampler.micro_batches(self.step + 1, self.mesh.coord("dp"),
+        schedule also starts the next steps' first forwards: it gets their micro-batches too."""
+        for ahead in range(1, self.executor.lookahead_steps + 1):
+            batches = batches + list(self.sampler.micro_batches(self.step + ahead, self.mesh.coord("dp"),
                                                                 self.mesh.size("dp"), self.cfg.train.micro_batch))
         chunks = [self.parallel.sequence_chunk(self._to_device(t), self._to_device(y))[:2] for t, y in batches]
         self.executor.measure_activations = measure

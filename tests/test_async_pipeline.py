@@ -101,23 +101,23 @@ def test_2bw_applies_each_steps_gradient_one_step_late(pp, corpus_cache, tmp_pat
             assert peak_bytes == peak * stage_bytes
 
 
-@pytest.mark.parametrize("vertical_sync", [False, True], ids=["stage-versions", "vertical-sync"])
-def test_pipedream_backward_uses_the_weights_its_forward_used(vertical_sync, corpus_cache, tmp_path):
-    pp = 2
+@pytest.mark.parametrize("pp,vertical_sync", [(2, False), (2, True), (4, True)],
+                         ids=["pp2-stage-versions", "pp2-vertical-sync", "pp4-vertical-sync"])
+def test_pipedream_backward_uses_the_weights_its_forward_used(pp, vertical_sync, corpus_cache, tmp_path):
     args = (*MODEL, "--train.micro_batch=8", f"--parallel.pp={pp}", "--parallel.pp_schedule=pipedream",
             f"--parallel.pp_vertical_sync={str(vertical_sync).lower()}")
     results = run_ranks(_train, pp, tiny_config(corpus_cache, *args), str(tmp_path), timeout=240)
     # Each micro-batch's gradient is taken at the version its stage's forward used: rank r runs
     # micro-batch k with version k - (p - 1 - r), or k - (p - 1) on every rank with vertical sync.
-    _check_parity(results, _reference(corpus_cache, args, 1 if vertical_sync else (1, 0)))
+    _check_parity(results, _reference(corpus_cache, args, pp - 1 if vertical_sync else (1, 0)))
     for rank, (_, _, versions, stage_bytes, log) in enumerate(results):
         for peak, peak_bytes in versions.values():
             assert peak == weight_versions("pipedream", pp, rank, vertical_sync)
             assert peak_bytes == peak * stage_bytes
         forward = {label[1:]: v for label, v in log if label[0] == "F"}
         backward = {label[1:]: v for label, v in log if label[0] == "B"}
-        for mb, version in backward.items():  # the last run's backwards, forwarded there or one run before
-            if mb in forward:
-                assert version == forward[mb]
+        assert backward and set(backward) <= set(forward)
+        for mb, version in backward.items():
+            assert version == forward[mb]
         delay = pp - 1 if vertical_sync else pp - 1 - rank
         assert all(v == max(int(mb.split(".")[0]) - delay, 0) for mb, v in {**forward, **backward}.items())

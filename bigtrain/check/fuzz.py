@@ -4,7 +4,8 @@ A sample draws every degree of freedom bigtrain composes (dp, tp, pp, Ulysses sp
 sequence parallel, ZeRO stage, pipeline schedule, virtual stages and split points, activation
 checkpointing (full, every k-th, selective), activation offload, the fused loss, accumulation,
 tied embeddings, grouped and replicated key/value heads, a vocabulary that tp does not divide,
-masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding). int8 activation compression is
+masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding, the asynchronous pipelines 2BW and PipeDream
+with vertical sync, local SGD at K = 1). int8 activation compression is
 not drawn: it changes the weight gradients on purpose (tests/test_activation_memory.py). Each
 sample must either be rejected by validation before any rank starts, with every problem naming a
 field, or train like the independent reference (:func:`bigtrain.check.run.check_layout`). Anything
@@ -75,6 +76,15 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
         out += ["--model.fused_loss=true", f"--model.fused_loss_chunk={rng.choice([7, 32, 1024])}"]
     if rng.random() < 0.3:
         out += [f"--parallel.reshard_after_forward={rng.random() < 0.5}", f"--parallel.prefetch={rng.random() < 0.5}"]
+    # Drawn last, so the draws above stay those of earlier campaigns' seeds.
+    if pp > 1 and rng.random() < 0.2:  # no flush; PipeDream with vertical sync (the reference's uniform delay)
+        if rng.random() < 0.5:
+            out.append("--parallel.pp_schedule=pipedream-2bw")
+        else:
+            out += ["--parallel.pp_schedule=pipedream", "--parallel.pp_vertical_sync=true",
+                    f"--train.micro_batch={micro * accum}"]
+    if dp > 1 and rng.random() < 0.15:
+        out += ["--parallel.dp_sync=local-sgd", "--parallel.local_sgd_every=1"]  # K = 1: the reference's loop
     return out
 
 

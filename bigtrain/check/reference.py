@@ -72,12 +72,15 @@ class ReferenceRun:
     ``gradient_delay`` (fp32 only; steps, or a function of the parameter's name): step t computes
     its loss and gradient with each weight as it was ``delay`` updates before (the first weights
     for t < delay) and applies that gradient to the current weights, W(t+1) = W(t) - lr * grad(W(t -
-    delay)): the asynchronous pipelines' rule (2BW: 1 for every weight)."""
+    delay)): the asynchronous pipelines' rule. None takes it from the config's schedule
+    (:func:`config_gradient_delay`)."""
 
     def __init__(self, cfg: Config, device: torch.device | str = "cpu", replica: tuple[int, int] = (0, 1),
-                 gradient_delay: int | Callable[[str], int] = 0):
+                 gradient_delay: int | Callable[[str], int] | None = None):
         self.cfg, self.device = cfg, torch.device(device)
         self.replica = replica
+        if gradient_delay is None:
+            gradient_delay = config_gradient_delay(cfg)
         self.delay = gradient_delay if callable(gradient_delay) else (lambda name: gradient_delay)
         with self.device:
             self.master = Llama(cfg.model)  # fp32
@@ -119,10 +122,10 @@ class ReferenceRun:
         counted = max(1, int((targets != -100).sum()))
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         outputs: dict[str, list[torch.Tensor]] = {}
-        handles = self._capture_outputs(outputs) if capture else []
+        model = self._delayed_model() if self.stale is not None else self.compute
+        handles = self._capture_outputs(outputs, model) if capture else []
         loss_sum = 0.0
         micro = self.cfg.train.micro_batch
-        model = self._delayed_model() if self.stale is not None else self.compute
         try:
             for first in range(0, tokens.shape[0], micro):
                 logits = model(tokens[first:first + micro])
@@ -157,9 +160,9 @@ class ReferenceRun:
             p.copy_(self.history[max(self.step - self.delay(name), 0)][name])
         return self.stale
 
-    def _capture_outputs(self, into: dict[str, list[torch.Tensor]]) -> list:
+    def _capture_outputs(self, into: dict[str, list[torch.Tensor]], model: torch.nn.Module) -> list:
         handles = []
-        for name, module in self.compute.named_modules():
+        for name, module in model.named_modules():
             if captured_module(name):
                 handles.append(module.register_forward_hook(
                     lambda m, args, out, name=name: into.setdefault(name, []).append(out.detach().clone())))
@@ -200,6 +203,23 @@ class ReferenceRun:
                 for master, low in zip(self.master.parameters(), self.compute.parameters()):
                     low.copy_(master)
         return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
+
+
+def config_gradient_delay(cfg: Config) -> int:
+    """The gradient delay (in steps) of the config's pipeline schedule: 1 for PipeDream-2BW (a step's
+    gradient is taken at the weights of one step before), pp - 1 for PipeDream with vertical sync
+    (one micro-batch per step, every stage at the first stage's version), 0 for a flushing schedule.
+    PipeDream without vertical sync delays each stage differently; pass ``gradient_delay`` by name."""
+    p = cfg.parallel
+    if p.pp < 2 or p.pp_schedule not in ("pipedream-2bw", "pipedream"):
+        return 0
+    if p.pp_schedule == "pipedream-2bw":
+        return 1
+    if p.pp_vertical_sync:
+        return p.pp - 1
+    raise ValueError("parallel.pp_schedule = 'pipedream' without vertical sync delays each stage by its own "
+                     "count; give ReferenceRun a gradient_delay per parameter name, or set "
+                     "parallel.pp_vertical_sync = true")
 
 
 def _optimizer(groups: list[dict], o) -> torch.optim.Optimizer:

@@ -165,6 +165,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     copies = world.gather_objects(trainer.parallel.placements.copies())
     aliases = {n: c for held in copies or [] for n, c in held.items()}
     probe = OutputProbe(_modules(trainer))
+    asynchronous = trainer.parallel.schedule is not None and trainer.parallel.schedule.asynchronous
     tol = TOLERANCES[cfg.precision.mode]
     coords = {axis: mesh.coord(axis) for axis in AXES}
     mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
@@ -174,7 +175,10 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
         grads: dict[str, torch.Tensor] = {}
         result = trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads()))
         weights = trainer.parallel.full_weights()
-        shared = world.gather_objects({**mine, "outputs": probe.take()})
+        outputs = probe.take()
+        if asynchronous:  # a run also starts the next step's forwards: the loss, gradients and weights decide
+            outputs = {}
+        shared = world.gather_objects({**mine, "outputs": outputs})
         verdict = torch.zeros(1, device=trainer.device)  # NCCL reduces device tensors only
         if is_first:
             ref = reference.train_step(capture=True)

@@ -121,6 +121,8 @@ class PipelineExecutor:
         self.vertical_sync = vertical_sync
         self._segments = steady_segments(schedule, self.rank) if schedule.asynchronous else None
         self.versions = {s: WeightVersions(stage) for s, stage in self.stages.items()} if self._segments else {}
+        # The first rank runs p - 1 forwards ahead: the later steps whose micro-batches a run reads.
+        self.lookahead_steps = -(-(schedule.p - 1) // schedule.m) if self._segments else 0
         self.runs = 0
         self._carry: _Step | None = None
         self._in_flight: dict[Key, int] = {}  # (stage, micro-batch) -> weight version of its forward
@@ -150,9 +152,9 @@ class PipelineExecutor:
         """One step over ``schedule.m`` micro-batches (every rank passes the same list; only the
         first stage reads the inputs and the last the targets). Returns the sum of the
         micro-batch losses on the rank holding the last stage, None elsewhere."""
-        expected = self.schedule.m * (2 if self._segments else 1)
+        expected = self.schedule.m * (1 + self.lookahead_steps)
         if len(micro_batches) != expected:
-            what = " (this step's and the next step's)" if self._segments else ""
+            what = f" (this step's and the next {self.lookahead_steps} steps')" if self._segments else ""
             raise ValueError(f"schedule {self.schedule.kind} needs {expected} micro-batches{what}, "
                              f"got {len(micro_batches)}")
         first = micro_batches[0][0]
