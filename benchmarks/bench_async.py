@@ -7,7 +7,7 @@ After ``--warmup`` untimed steps of each, steps alternate A B B A ... so drift (
 shared machine) hits both alike; a step's time is the slowest rank's ``step_time_s``. Reported: the
 median step time of each, the ratio 2BW / 1F1B of the medians and the median per-pair ratio.
 
-The simulator is fed the measured mean forward and backward times of the last timed step and
+The simulator is fed the measured mean forward and backward times (all ranks, all timed steps) and
 gives each schedule's steady-state step time (``steady_step_time``) and bubble, next to the measured
 bubble (1 - a rank's compute time / its step time, the mean over ranks). ``--png`` draws the four
 timelines (measured and simulated, 1F1B and 2BW) in one figure, side by side.
@@ -75,6 +75,7 @@ def rank_main(rank: int, world_size: int, args) -> dict:
             trainer.train_step()
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     busy: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    durations: dict[str, dict[str, list[float]]] = {kind: {"F": [], "B": []} for kind in KINDS}
     order = [KINDS[(i // 2 + i) % 2] for i in range(2 * args.steps)]  # A B B A A B ...
     for kind in order:
         trainer = trainers[kind]
@@ -83,8 +84,10 @@ def rank_main(rank: int, world_size: int, args) -> dict:
         trainer.mesh.comm("world").max(step_time)
         times[kind].append(float(step_time))
         busy[kind].append(sum(end - start for _, start, end in trainer.executor.timeline))
+        for label, start, end in trainer.executor.timeline:
+            durations[kind][label[0]].append(end - start)
     timelines = {kind: trainers[kind].executor.timeline for kind in KINDS}
-    return {"times": times, "busy": busy, "timelines": timelines}
+    return {"times": times, "busy": busy, "timelines": timelines, "durations": durations}
 
 
 def summarize(args, results, wall_s: float) -> dict:
@@ -98,8 +101,8 @@ def summarize(args, results, wall_s: float) -> dict:
     measured = {kind: align_timelines([r["timelines"][kind] for r in results]) for kind in KINDS}
     simulated, bubbles = {}, {}
     for kind in KINDS:
-        durations = {op: statistics.mean([end - start for row in measured[kind] for label, start, end in row
-                                          if label.startswith(op)]) for op in "FB"}
+        # every rank's every timed step: one step's mean is at the mercy of the machine's other processes
+        durations = {op: statistics.mean([d for r in results for d in r["durations"][kind][op]]) for op in "FB"}
         schedule = build_schedule(kind, args.ranks, args.microbatches)
         sim = simulate(schedule, cost_f=durations["F"], cost_b=durations["B"])
         simulated[kind] = sim
