@@ -121,3 +121,14 @@ def test_pipedream_backward_uses_the_weights_its_forward_used(pp, vertical_sync,
             assert version == forward[mb]
         delay = pp - 1 if vertical_sync else pp - 1 - rank
         assert all(v == max(int(mb.split(".")[0]) - delay, 0) for mb, v in {**forward, **backward}.items())
+
+
+def test_the_planner_counts_the_weight_versions_of_the_worst_rank():
+    from bigtrain.plan import Layout, ModelSpec, estimate_memory, get_profile
+
+    model = ModelSpec.build(layers=8, hidden=512, heads=8, vocab=32000, seq=1024)
+    profile = get_profile("h100-80g")
+    for kind, versions in (("1f1b", 0), ("pipedream-2bw", 2), ("pipedream", 4)):
+        layout = Layout(pp=4, schedule=kind, precision="fp32")
+        mem = estimate_memory(model, layout, profile, global_batch=4 if kind == "pipedream" else 16)
+        assert mem.buffers.get("weight_versions", 0) == versions * mem.params
