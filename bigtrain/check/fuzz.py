@@ -76,15 +76,22 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
         out += ["--model.fused_loss=true", f"--model.fused_loss_chunk={rng.choice([7, 32, 1024])}"]
     if rng.random() < 0.3:
         out += [f"--parallel.reshard_after_forward={rng.random() < 0.5}", f"--parallel.prefetch={rng.random() < 0.5}"]
-    # Drawn last, so the draws above stay those of earlier campaigns' seeds.
-    if pp > 1 and rng.random() < 0.2:  # no flush; PipeDream with vertical sync (the reference's uniform delay)
+    out += _asynchronous_choice(rng, dp, pp, micro * accum)  # last: earlier seeds keep the draws above
+    return out
+
+
+def _asynchronous_choice(rng: random.Random, dp: int, pp: int, per_replica_batch: int) -> list[str]:
+    """Sometimes a pipeline without flush (2BW, or PipeDream with vertical sync: delays the reference
+    expresses for every weight alike), sometimes local SGD at K = 1 (synchronous by definition)."""
+    out = []
+    if pp > 1 and rng.random() < 0.2:
         if rng.random() < 0.5:
             out.append("--parallel.pp_schedule=pipedream-2bw")
-        else:
+        else:  # one micro-batch per step
             out += ["--parallel.pp_schedule=pipedream", "--parallel.pp_vertical_sync=true",
-                    f"--train.micro_batch={micro * accum}"]
+                    f"--train.micro_batch={per_replica_batch}"]
     if dp > 1 and rng.random() < 0.15:
-        out += ["--parallel.dp_sync=local-sgd", "--parallel.local_sgd_every=1"]  # K = 1: the reference's loop
+        out += ["--parallel.dp_sync=local-sgd", "--parallel.local_sgd_every=1"]
     return out
 
 

@@ -165,12 +165,12 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     copies = world.gather_objects(trainer.parallel.placements.copies())
     aliases = {n: c for held in copies or [] for n, c in held.items()}
     probe = OutputProbe(_modules(trainer))
-    asynchronous = trainer.parallel.schedule is not None and trainer.parallel.schedule.asynchronous
     tol = TOLERANCES[cfg.precision.mode]
     coords = {axis: mesh.coord(axis) for axis in AXES}
     mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
             "modules": [n for n, _ in _modules(trainer)]}
     report = CheckReport(agree=True, steps=0, tolerance=tol, losses=[]) if is_first else None
+    asynchronous = trainer.parallel.schedule is not None and trainer.parallel.schedule.asynchronous
     for step in range(steps):
         grads: dict[str, torch.Tensor] = {}
         result = trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads()))
