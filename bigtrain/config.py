@@ -115,7 +115,10 @@ class ParallelConfig:
     dp: int = doc("Data-parallel degree.", 1)
     tp: int = doc("Tensor-parallel degree (Megatron: heads and the MLP split over tp ranks).", 1)
     pp: int = doc("Pipeline-parallel degree (stages on different ranks; micro-batches = accumulation steps).", 1)
-    pp_schedule: str = doc("Pipeline schedule: 'naive', 'gpipe', '1f1b', 'interleaved' or 'zb-h1'.", "1f1b")
+    pp_schedule: str = doc("Pipeline schedule: 'naive', 'gpipe', '1f1b', 'interleaved', 'zb-h1', or the "
+                           "asynchronous 'pipedream-2bw' / 'pipedream' (no flush; see docs/async.md).", "1f1b")
+    pp_vertical_sync: bool = doc("pp_schedule = 'pipedream': every stage runs a micro-batch with the weight version "
+                                 "the first stage used (else each stage's newest at the forward).", False)
     pp_virtual: int = doc("Model chunks per pipeline rank (>= 2 only with pp_schedule = 'interleaved').", 1)
     pp_split: str = doc("Comma-separated layer indices that start stages 1..pp*v-1; '' balances by pp_balance.",
                         "")
@@ -135,6 +138,11 @@ class ParallelConfig:
     reshard_after_forward: bool = doc("ZeRO-3: free gathered parameters after forward and gather again for "
                                       "backward (False keeps them: less traffic, more memory).", True)
     prefetch: bool = doc("ZeRO-3: start gathering the next unit while the current one computes.", True)
+    dp_sync: str = doc("How data-parallel replicas agree: 'sync' (gradients all-reduced every step) or "
+                       "'local-sgd' (each replica steps alone on its own gradients; parameters are averaged "
+                       "every parallel.local_sgd_every steps; optimizer state stays each replica's own).", "sync")
+    local_sgd_every: int = doc("With dp_sync = 'local-sgd': average the replicas' parameters every K steps "
+                               "(K = 1 is synchronous data parallel).", 1)
 
     @property
     def world_size(self) -> int:

@@ -30,6 +30,7 @@ def parallel_plan(cfg: Config) -> ParallelPlan:
         pipeline=PipelinePlan(cfg.train.grad_accum(p.dp), p.pp_schedule, p.pp_virtual, p.pp_balance, split_points),
         engine=EnginePlan(p.zero, Precision.from_config(precision),
                           LossScaling(precision.loss_scale, precision.scale_growth_interval, precision.scale_backoff),
-                          p.reshard_after_forward, p.prefetch, p.bucket_mb),
+                          p.reshard_after_forward, p.prefetch, p.bucket_mb,
+                          p.local_sgd_every if p.dp_sync == "local-sgd" else 1),
         seed=cfg.train.seed,
     )

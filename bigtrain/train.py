@@ -28,7 +28,7 @@ from bigtrain.checkpoint.hf import initial_weights
 from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
-from bigtrain.data import TokenSampler, load_tokens
+from bigtrain.data import IGNORE_INDEX, TokenSampler, load_tokens
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.evaluate import held_out_loss
 from bigtrain.from_config import parallel_plan
@@ -132,7 +132,11 @@ class Trainer:
         return loss_sum, tracker.peak if tracker is not None else 0
 
     def _micro_batches_through_pipeline(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
-        """The schedule's order of forwards and backwards over this rank's stages."""
+        """The schedule's order of forwards and backwards over this rank's stages. An asynchronous
+        schedule also starts the next steps' first forwards: it gets their micro-batches too."""
+        for ahead in range(1, self.executor.lookahead_steps + 1):
+            batches = batches + list(self.sampler.micro_batches(self.step + ahead, self.mesh.coord("dp"),
+                                                                self.mesh.size("dp"), self.cfg.train.micro_batch))
         chunks = [self.parallel.sequence_chunk(self._to_device(t), self._to_device(y))[:2] for t, y in batches]
         self.executor.measure_activations = measure
         out = self.executor.run(chunks)
@@ -155,7 +159,8 @@ class Trainer:
 
         return PipelineExecutor(parallel.stages, parallel.schedule, parallel.pp, loss_fn,
                                 engines={s: self.engine for s in parallel.stages},
-                                forward_kwargs={"start_pos": start} if parallel.sp.size > 1 else None)
+                                forward_kwargs={"start_pos": start} if parallel.sp.size > 1 else None,
+                                vertical_sync=self.cfg.parallel.pp_vertical_sync)
 
     def train_step(self, measure: bool = False, before_update: Callable[[], None] | None = None) -> StepResult:
         """One optimizer step. ``before_update`` runs once the gradients are reduced and before the
@@ -164,10 +169,14 @@ class Trainer:
         lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
         before = self.mesh.stats.snapshot()
         start = time.perf_counter()
-        self.counted_targets = self.sampler.counted_targets(step)
-        batches = self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"), cfg.train.micro_batch)
+        global_targets = self.sampler.counted_targets(step)
+        batches = list(self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"),
+                                                  cfg.train.micro_batch))
+        # Local SGD: each replica's gradient is the mean loss's over its own part of the batch.
+        local = getattr(self.engine, "averaging", None) is not None
+        self.counted_targets = max(1, sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)) if local else global_targets
         if self.executor is not None:
-            loss_sum, activations = self._micro_batches_through_pipeline(list(batches), measure)
+            loss_sum, activations = self._micro_batches_through_pipeline(batches, measure)
         else:
             loss_sum, activations = self._micro_batches_in_turn(batches, measure)
         self.parallel.finish_grad_sync()
@@ -183,7 +192,7 @@ class Trainer:
         # Host sync 2, the step's last: on CUDA it waits for the current stream, where the optimizer's
         # kernels were queued before it, so the step time below is the device's, not the time it
         # took to queue the kernels.
-        loss = float(loss_sum) / self.counted_targets
+        loss = float(loss_sum) / global_targets
         step_time = time.perf_counter() - start
         mem = self._memory(activations) if measure else {}  # one more sync, on measured steps only
         self.engine.zero_grad()

@@ -465,3 +465,60 @@ def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | 
         problems.append("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     if problems:
         raise ConfigError(problems)
+
+
+DP_SYNC = ("sync", "local-sgd")
+
+
+def check_async(cfg: Config) -> list[str]:
+    """Asynchronous training (docs/async.md): local SGD over dp, and the pipelines without a flush."""
+    p, problems = cfg.parallel, []
+    problems += _one_of("parallel.dp_sync", p.dp_sync, DP_SYNC)
+    if p.local_sgd_every < 1:
+        problems.append(f"parallel.local_sgd_every = {p.local_sgd_every}: must be >= 1 (steps between averages)")
+    elif p.dp_sync == "sync" and p.local_sgd_every != 1:
+        problems.append(f"parallel.local_sgd_every = {p.local_sgd_every} applies to parallel.dp_sync = 'local-sgd'; "
+                        f"set parallel.dp_sync = 'local-sgd' or leave parallel.local_sgd_every = 1")
+    if p.dp_sync == "local-sgd":
+        problems += _async_needs_plain_replicas(cfg, "parallel.dp_sync = 'local-sgd'", ("tp", "pp", "sp", "ep"))
+        every, k = cfg.checkpoint.every, p.local_sgd_every
+        if every and k > 1 and every % k:
+            problems.append(f"checkpoint.every = {every} with parallel.local_sgd_every = {k}: a checkpoint between "
+                            f"averages would hold one replica's parameters; use checkpoint.every = "
+                            f"{max(k, every // k * k)} (a multiple of {k})")
+    kind = p.pp_schedule
+    if kind in ("pipedream-2bw", "pipedream"):
+        what = f"parallel.pp_schedule = '{kind}'"
+        if p.pp < 2:
+            problems.append(f"{what} needs parallel.pp >= 2 (with one stage there is no pipeline to keep full); "
+                            f"use parallel.pp = 2 or parallel.pp_schedule = '1f1b'")
+        problems += _async_needs_plain_replicas(cfg, what, ("dp", "tp", "sp", "ep"))
+        if cfg.memory.checkpointing != "none":
+            problems.append(f"memory.checkpointing = '{cfg.memory.checkpointing}' with {what}: recomputation in "
+                            f"backward would read the live weights, not the micro-batch's stashed version; use "
+                            f"memory.checkpointing = 'none'")
+        if cfg.model.fused_loss:
+            problems.append(f"model.fused_loss with {what}: the fused head reads its weight again in backward, "
+                            f"the live one rather than the stashed version; use model.fused_loss = false")
+    if p.pp_vertical_sync and kind != "pipedream":
+        problems.append(f"parallel.pp_vertical_sync applies to parallel.pp_schedule = 'pipedream' (got '{kind}'); "
+                        f"set it false, or use parallel.pp_schedule = 'pipedream'")
+    return problems
+
+
+def _async_needs_plain_replicas(cfg: Config, what: str, axes: tuple[str, ...]) -> list[str]:
+    """The asynchronous modes run on the replicated fp32 engine, on the axes they were proved on."""
+    p, problems = cfg.parallel, []
+    if p.zero != 0:
+        problems.append(f"parallel.zero = {p.zero} with {what}: it keeps whole fp32 weights per rank (ZeRO shards "
+                        f"them over replicas that step together); use parallel.zero = 0")
+    if cfg.precision.mode != "fp32":
+        problems.append(f"precision.mode = '{cfg.precision.mode}' with {what}: only fp32 is supported; use "
+                        f"precision.mode = 'fp32'")
+    for axis in axes:
+        if getattr(p, axis) > 1:
+            problems.append(f"parallel.{axis} = {getattr(p, axis)} with {what}: not supported; use parallel.{axis} = 1")
+    return problems
+
+
+RULES += [check_async]

@@ -93,7 +93,7 @@ def test_stages_of_rank_and_describe():
         ("interleaved", 2, 4, 1, "v=1.*v=2"),
         ("interleaved", 4, 6, 2, "m=6.*m=8"),
         ("interleaved", 4, 2, 2, "m=2.*m=4"),
-        ("pipedream", 2, 4, 1, "kind='pipedream'.*1f1b"),
+        ("chimera", 2, 4, 1, "kind='chimera'.*1f1b"),
     ],
 )
 def test_invalid_arguments_name_the_parameter_and_a_fix(kind, p, m, v, message):
@@ -351,4 +351,4 @@ def test_draw_timeline_writes_png(tmp_path):
 
 
 def test_every_kind_is_listed():
-    assert set(SCHEDULE_KINDS) == {"naive", "gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(SCHEDULE_KINDS) == {"naive", "gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw", "pipedream"}

@@ -4,7 +4,8 @@ A sample draws every degree of freedom bigtrain composes (dp, tp, pp, Ulysses sp
 sequence parallel, ZeRO stage, pipeline schedule, virtual stages and split points, activation
 checkpointing (full, every k-th, selective), activation offload, the fused loss, accumulation,
 tied embeddings, grouped and replicated key/value heads, a vocabulary that tp does not divide,
-masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding). int8 activation compression is
+masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding, the asynchronous pipelines 2BW and PipeDream
+with vertical sync, local SGD at K = 1). int8 activation compression is
 not drawn: it changes the weight gradients on purpose (tests/test_activation_memory.py). Each
 sample must either be rejected by validation before any rank starts, with every problem naming a
 field, or train like the independent reference (:func:`bigtrain.check.run.check_layout`). Anything
@@ -76,6 +77,22 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     if rng.random() < 0.3:
         out += [f"--parallel.reshard_after_forward={rng.random() < 0.5}", f"--parallel.prefetch={rng.random() < 0.5}"]
     out += _optimizer_choice(rng)
+    out += _asynchronous_choice(rng, dp, pp, micro * accum)  # last: earlier seeds keep the draws above
+    return out
+
+
+def _asynchronous_choice(rng: random.Random, dp: int, pp: int, per_replica_batch: int) -> list[str]:
+    """Sometimes a pipeline without flush (2BW, or PipeDream with vertical sync: delays the reference
+    expresses for every weight alike), sometimes local SGD at K = 1 (synchronous by definition)."""
+    out = []
+    if pp > 1 and rng.random() < 0.2:
+        if rng.random() < 0.5:
+            out.append("--parallel.pp_schedule=pipedream-2bw")
+        else:  # one micro-batch per step
+            out += ["--parallel.pp_schedule=pipedream", "--parallel.pp_vertical_sync=true",
+                    f"--train.micro_batch={per_replica_batch}"]
+    if dp > 1 and rng.random() < 0.15:
+        out += ["--parallel.dp_sync=local-sgd", "--parallel.local_sgd_every=1"]
     return out
 
 

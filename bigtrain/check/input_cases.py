@@ -69,6 +69,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "model.fused_loss_chunk": (1, None), "memory.offload_min_bytes": (0, None),
     "train.eval_every": (0, None), "train.eval_batches": (1, None),
     "model.dlrm_dense_features": (1, None), "embedding.dim": (1, None), "embedding.hotness": (1, None),
+    "parallel.local_sgd_every": (1, 2),  # with the preset's dp_sync = 'sync', only 1 is valid
 }
 # (low, low inclusive, high, high inclusive)
 FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
@@ -87,10 +88,11 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
                "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",
-               "logging.report", "logging.measure_memory", "logging.tensorboard", "model.fused_loss", "memory.activation_offload",
-               "memory.selective_attention"]
+               "logging.report", "logging.measure_memory", "logging.tensorboard", "model.fused_loss",
+               "memory.activation_offload", "memory.selective_attention", "parallel.pp_vertical_sync"]
 ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "model.name": ("llama",), "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
+    "parallel.dp_sync": ("sync", "local-sgd"),
     "parallel.pp_balance": ("layers", "params"), "precision.mode": ("fp32", "bf16", "fp16"),
     "precision.reduce_dtype": ("auto", "fp32"), "memory.checkpointing": ("none", "full", "every", "selective"),
     "memory.activation_compression": ("none", "int8"),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +68,22 @@ def captured_module(name: str) -> bool:
 
 
 class ReferenceRun:
-    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
+    """``replica = (i, n)``: train on the i-th of n equal slices of each global batch, its loss the
+    mean over that slice (a data-parallel replica stepping alone, for local SGD).
+
+    ``gradient_delay`` (fp32 only; steps, or a function of the parameter's name): step t computes
+    its loss and gradient with each weight as it was ``delay`` updates before (the first weights
+    for t < delay) and applies that gradient to the current weights, W(t+1) = W(t) - lr * grad(W(t -
+    delay)): the asynchronous pipelines' rule. None takes it from the config's schedule
+    (:func:`config_gradient_delay`)."""
+
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu", replica: tuple[int, int] = (0, 1),
+                 gradient_delay: int | Callable[[str], int] | None = None):
         self.cfg, self.device = cfg, torch.device(device)
+        self.replica = replica
+        if gradient_delay is None:
+            gradient_delay = config_gradient_delay(cfg)
+        self.delay = gradient_delay if callable(gradient_delay) else (lambda name: gradient_delay)
         with self.device:
             self.master = Llama(cfg.model)  # fp32
         self.master.init_weights(cfg.train.seed)
@@ -76,6 +91,11 @@ class ReferenceRun:
         self.mixed = mode != "fp32"
         self.compute = copy.deepcopy(self.master).to(COMPUTE_DTYPES[mode]) if self.mixed else self.master
         self.compute.init_buffers()  # rotary tables stay fp32, as in the model's own init
+        delayed = any(self.delay(n) for n, _ in self.master.named_parameters())
+        if delayed and self.mixed:
+            raise ValueError("gradient_delay: the reference delays fp32 weights only; use precision.mode = 'fp32'")
+        self.stale = copy.deepcopy(self.master) if delayed else None  # computes with the delayed weights
+        self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
         set_aux_loss_scale(self.compute, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
@@ -98,16 +118,19 @@ class ReferenceRun:
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def train_step(self, capture: bool = False) -> ReferenceStep:
-        tokens, targets = self.sampler.batch(self.step, 0, self.cfg.train.global_batch)
+        index, replicas = self.replica
+        per_replica = self.cfg.train.global_batch // replicas
+        tokens, targets = self.sampler.batch(self.step, index * per_replica, per_replica)
         counted = max(1, int((targets != -100).sum()))
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         outputs: dict[str, list[torch.Tensor]] = {}
-        handles = self._capture_outputs(outputs) if capture else []
+        model = self._delayed_model() if self.stale is not None else self.compute
+        handles = self._capture_outputs(outputs, model) if capture else []
         loss_sum = 0.0
         micro = self.cfg.train.micro_batch
         try:
             for first in range(0, tokens.shape[0], micro):
-                logits = self.compute(tokens[first:first + micro])
+                logits = model(tokens[first:first + micro])
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets[first:first + micro].flatten(),
                                        reduction="sum")
                 loss_sum += float(loss.detach())
@@ -117,7 +140,12 @@ class ReferenceRun:
         finally:
             for h in handles:
                 h.remove()
+        if self.stale is not None:  # the gradient of the delayed weights, applied to the current ones
+            for master, stale in zip(self.master.parameters(), self.stale.parameters()):
+                master.grad, stale.grad = stale.grad, None
         result = self._update()
+        if self.stale is not None:
+            self.history.append(self._weights())
         result.loss = loss_sum / counted
         if capture:
             result.outputs = {name: torch.cat(parts).float().cpu() for name, parts in outputs.items()}
@@ -125,9 +153,18 @@ class ReferenceRun:
         self.step += 1
         return result
 
-    def _capture_outputs(self, into: dict[str, list[torch.Tensor]]) -> list:
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.master.named_parameters()}
+
+    @torch.no_grad()
+    def _delayed_model(self) -> torch.nn.Module:
+        for name, p in self.stale.named_parameters():
+            p.copy_(self.history[max(self.step - self.delay(name), 0)][name])
+        return self.stale
+
+    def _capture_outputs(self, into: dict[str, list[torch.Tensor]], model: torch.nn.Module) -> list:
         handles = []
-        for name, module in self.compute.named_modules():
+        for name, module in model.named_modules():
             if captured_module(name):
                 handles.append(module.register_forward_hook(
                     lambda m, args, out, name=name: into.setdefault(name, []).append(out.detach().clone())))
@@ -168,6 +205,23 @@ class ReferenceRun:
                 for master, low in zip(self.master.parameters(), self.compute.parameters()):
                     low.copy_(master)
         return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
+
+
+def config_gradient_delay(cfg: Config) -> int:
+    """The gradient delay (in steps) of the config's pipeline schedule: 1 for PipeDream-2BW (a step's
+    gradient is taken at the weights of one step before), pp - 1 for PipeDream with vertical sync
+    (one micro-batch per step, every stage at the first stage's version), 0 for a flushing schedule.
+    PipeDream without vertical sync delays each stage differently; pass ``gradient_delay`` by name."""
+    p = cfg.parallel
+    if p.pp < 2 or p.pp_schedule not in ("pipedream-2bw", "pipedream"):
+        return 0
+    if p.pp_schedule == "pipedream-2bw":
+        return 1
+    if p.pp_vertical_sync:
+        return p.pp - 1
+    raise ValueError("parallel.pp_schedule = 'pipedream' without vertical sync delays each stage by its own "
+                     "count; give ReferenceRun a gradient_delay per parameter name, or set "
+                     "parallel.pp_vertical_sync = true")
 
 
 def _optimizer(groups: list[dict], o) -> torch.optim.Optimizer:

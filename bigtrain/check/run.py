@@ -170,11 +170,15 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
             "modules": [n for n, _ in _modules(trainer)]}
     report = CheckReport(agree=True, steps=0, tolerance=tol, losses=[]) if is_first else None
+    asynchronous = trainer.parallel.schedule is not None and trainer.parallel.schedule.asynchronous
     for step in range(steps):
         grads: dict[str, torch.Tensor] = {}
         result = trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads()))
         weights = trainer.parallel.full_weights()
-        shared = world.gather_objects({**mine, "outputs": probe.take()})
+        outputs = probe.take()
+        if asynchronous:  # a run also starts the next step's forwards: the loss, gradients and weights decide
+            outputs = {}
+        shared = world.gather_objects({**mine, "outputs": outputs})
         verdict = torch.zeros(1, device=trainer.device)  # NCCL reduces device tensors only
         if is_first:
             ref = reference.train_step(capture=True)

@@ -162,7 +162,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, plan: EnginePlan, optim, i
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(init_fn(name, tuple(p.shape)))
-    return ReplicatedEngine(model, mesh.comm("dp_sp"), optim, plan.bucket_mb, placements)
+    return ReplicatedEngine(model, mesh.comm("dp_sp"), optim, plan.bucket_mb, placements, plan.local_sgd_every)
 
 
 def apply_zero(model: nn.Module, mesh: Mesh, plan: EnginePlan, optim, init_fn: InitFn, placements: Placements,

@@ -95,10 +95,11 @@ def plan_buckets(params: list[nn.Parameter], bucket_bytes: int, group_of=lambda 
 class DataParallel:
     """Synchronizes the gradients of ``model`` over ``comm`` (the mesh's dp axis), or, with
     ``placements``, each over the group the placement record names for it (experts over edp,
-    dense weights over dp x sp; a gradient with no data-parallel axis is left alone)."""
+    dense weights over dp x sp; a gradient with no data-parallel axis is left alone).
+    ``reduce=False`` keeps the flat buffers and the common start but reduces nothing (local SGD)."""
 
     def __init__(self, model: nn.Module, comm: AxisComm, bucket_mb: float = 25.0,
-                 placements: "Placements | None" = None):
+                 placements: "Placements | None" = None, reduce: bool = True):
         self.model, self.comm = model, comm
         self.params = _unique_trainable(model)
         if placements is None:
@@ -112,9 +113,11 @@ class DataParallel:
         self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         self._sync = True
         self._handles = []
-        self._reduces = any(b.comm.size > 1 for b in self.buckets)
-        if self._reduces:
+        replicated = any(b.comm.size > 1 for b in self.buckets)
+        self._reduces = reduce and replicated  # reduce=False: replicas keep their own gradients (local SGD)
+        if replicated:
             self._broadcast_from_first_rank()
+        if self._reduces:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _make_bucket(self, params: list[nn.Parameter]) -> Bucket:

@@ -92,6 +92,7 @@ class EnginePlan:
     reshard_after_forward: bool = True  # ZeRO-3
     prefetch: bool = True  # ZeRO-3
     bucket_mb: float = 25.0  # the replicated engine's all-reduce buckets
+    local_sgd_every: int = 1  # > 1: replicas step alone, parameters averaged every K steps (local SGD)
 
     @property
     def replicated(self) -> bool:

@@ -15,6 +15,7 @@ from bigtrain.memory.accounting import model_state_bytes
 from bigtrain.optim import build_optimizer, get_optimizer, load_state
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import DataParallel
+from bigtrain.parallel.local_sgd import ParameterAveraging
 from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.state import STATE_DTYPES
 
@@ -27,12 +28,16 @@ class ReplicatedEngine:
     else); it names the group reducing each gradient and the parts this rank counts in the norm."""
 
     def __init__(self, model: nn.Module, comm: AxisComm, optim: OptimConfig, bucket_mb: float,
-                 placements: Placements | None = None):
+                 placements: Placements | None = None, local_sgd_every: int = 1):
         self.model, self.comm = model, comm
         self.placements = placements if placements is not None else Placements.data_parallel(model, comm)
         self._named = dict(model.named_parameters())
-        self._in_norm = [p for n, p in self._named.items() if self.placements.counted_in_norm(n)]
-        self.dp = DataParallel(model, comm, bucket_mb, self.placements)
+        local = local_sgd_every > 1
+        # Local SGD: each replica clips by its own gradients' norm (validation keeps it to pure dp).
+        self._in_norm = [p for n, p in self._named.items() if local or self.placements.counted_in_norm(n)]
+        self._norm_comm = None if local else self.placements.comm(NORM_AXIS)
+        self.dp = DataParallel(model, comm, bucket_mb, self.placements, reduce=not local)
+        self.averaging = ParameterAveraging(self.dp.params, comm, local_sgd_every) if local else None
         self.optim_spec = get_optimizer(optim.name)
         self.block = self.optim_spec.alignment(optim)
         self.optimizer = build_optimizer(model, optim, self.optim_spec)
@@ -83,14 +88,15 @@ class ReplicatedEngine:
         parts = square_sums((p.grad for p in self._in_norm), grads[0].device)
         if skip is not None:
             parts[1] += skip
-        norm, found_inf = global_norm(parts, self.placements.comm(NORM_AXIS))
-        if found_inf:  # summed over every rank: every replica sees the same flag
-            return norm, True
-        clip_(grads, norm, max_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        return norm, False
+        norm, found_inf = global_norm(parts, self._norm_comm)
+        if not found_inf:  # summed over every rank: every replica sees the same flag (local SGD: its own)
+            clip_(grads, norm, max_norm)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        if self.averaging is not None:  # also after a skipped step: every replica joins each average
+            self.averaging.after_step()
+        return norm, found_inf
 
     def zero_grad(self) -> None:
         self.dp.zero_grad()

@@ -47,7 +47,7 @@ from bigtrain.plan.activations import (block_activations, checkpointed_block_ind
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.model import ModelSpec, Tensor, local_vocab
-from bigtrain.plan.pipeline import PipelineModel
+from bigtrain.plan.pipeline import PipelineModel, weight_versions
 
 MEASURABLE_BUFFERS = ("zero_reduce_outputs", "zero3_gathered")
 FUSED_LOSS_CHUNK = 1024  # model.fused_loss_chunk's default: the planner's layouts do not carry it
@@ -320,6 +320,9 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     states = state_bytes(units, layout.zero, layout.precision, replicas(layout), optimizer, block)
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
+    versions = weight_versions(layout.schedule, layout.pp, pp_rank)
+    if versions:  # asynchronous pipelines: stashed copies of the rank's weights
+        buffers["weight_versions"] = versions * states["params"]
     activations, host = per_mb * inflight, 0
     if layout.offload:
         activations, host = offloaded_activation_bytes(model, layout, pp_rank, inflight)

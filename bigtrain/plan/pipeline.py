@@ -14,6 +14,9 @@ for thousands of micro-batches on 64 stages inside a layout search, so:
       1f1b        (m + p - 1)(f + b)                peak min(p - r, m) on rank r
       interleaved m (f + b) + (p - 1)(f + b) / v    peak min(2(p - r - 1) + (v - 1)p + 1, m v)
       zb-h1       m (f + b) + (p - 1)(f + b - 2w)   peak min(p, m)
+      pipedream-2bw, pipedream (no flush; a step in the steady state)
+                  m (f + b)                         peak p - r
+  (the asynchronous kinds always use their closed form: their simulated lists unroll several steps),
   and a transfer cost c adds 2(p - 1)c (one fill and one drain), a slight underestimate for
   1f1b, whose steady state also waits on transfers.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigtrain.parallel.pipeline import build_schedule, simulate
+from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ def closed_form(kind: str, p: int, m: int, v: int, f: float, b: float, w: float 
         return PipelineTerms(busy + (p - 1) * (f + b) / v + fill, busy, peaks, "closed form")
     if kind == "zb-h1":
         return PipelineTerms(busy + (p - 1) * (f + b - 2 * w) + fill, busy, (min(p, m),) * p, "closed form")
+    if kind in ASYNC_KINDS:  # the next step's forwards fill this one's drain: no bubble once steady
+        return PipelineTerms(busy, busy, tuple(p - r for r in range(p)), "closed form (steady state)")
     raise ValueError(f"unknown schedule kind {kind!r}")
 
 
@@ -87,7 +93,7 @@ class PipelineModel:
         busy = m * (f + b)
         if p == 1:  # no pipeline: the runtime runs each micro-batch's forward and backward in turn
             return PipelineTerms(busy, busy, (1,), "no pipeline")
-        if f <= 0 or self.max_actions <= 0:
+        if f <= 0 or self.max_actions <= 0 or kind in ASYNC_KINDS:
             return closed_form(kind, p, m, v, f, b, w, comm)
         m1, m2 = 2 * p, 3 * p
         if m <= m2 and 2 * p * m * v <= self.max_actions:
@@ -101,3 +107,15 @@ class PipelineModel:
                 peaks = (m,) * p
             return PipelineTerms(makespan, busy, peaks, f"simulator at m={m1},{m2}, extrapolated to {m}")
         return closed_form(kind, p, m, v, f, b, w, comm)
+
+
+def weight_versions(kind: str, p: int, rank: int, vertical_sync: bool = False) -> int:
+    """Copies of its stage's weights pipeline rank ``rank`` keeps for micro-batches in flight, besides
+    the live parameters (:mod:`bigtrain.parallel.pipeline.versions`): 2 for 2BW (the step finishing
+    and the next one's early forwards), one per micro-batch in flight for PipeDream (p - rank; p on
+    every rank with vertical sync, which keeps the first stage's versions), none for a flush."""
+    if kind == "pipedream-2bw":
+        return 2
+    if kind == "pipedream":
+        return p if vertical_sync else p - rank
+    return 0

@@ -17,6 +17,12 @@ dispatch table (one method per :class:`Op`):
   weight's matmul; W later computes those weight gradients only, without walking the
   input-gradient part again.
 
+The asynchronous schedules (``pipedream-2bw``, ``pipedream``) never flush: ``run`` executes this
+rank's segment of one step (:func:`steady_segments`), and micro-batches still in flight at its end
+(activations, posted transfers) carry over to the next ``run``. Each micro-batch runs with a weight
+version kept apart from the live parameters (:mod:`bigtrain.parallel.pipeline.versions`), the
+stage called through ``torch.func.functional_call``; the caller steps the optimizer between runs.
+
 Gradient synchronization over data parallel stays with the gradient engines: given ``engines``
 (stage -> an object with ``no_sync()``), every gradient-producing action but the last B, I and W
 of each stage runs under ``no_sync()``, so the engine's hooks reduce each gradient once (each
@@ -38,9 +44,10 @@ import torch.distributed as dist
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.parallel.pipeline.partition import PipelineStage
-from bigtrain.parallel.pipeline.schedules import Action, Op, Schedule
+from bigtrain.parallel.pipeline.schedules import Action, Op, Schedule, replace_microbatch, steady_segments
 from bigtrain.parallel.pipeline.split_backward import WeightGrads, backward_input, split_parameters
 from bigtrain.parallel.pipeline.validate import validate
+from bigtrain.parallel.pipeline.versions import WeightVersions, version_of
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs of the first stage, targets of the last)
@@ -62,6 +69,7 @@ class _Step:
     """What one ``run`` holds between actions; dropped when the step ends."""
 
     micro_batches: Sequence[MicroBatch]
+    first: int = 0  # the micro-batch number of micro_batches[0] (asynchronous runs count on across steps)
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # d loss / d output of (s, mb)
@@ -92,7 +100,7 @@ class PipelineExecutor:
 
     def __init__(self, stages: Mapping[int, PipelineStage], schedule: Schedule, comm: AxisComm, loss_fn: LossFn,
                  engines: Mapping[int, GradSync] | None = None, measure_activations: bool = False,
-                 forward_kwargs: Mapping[str, Any] | None = None):
+                 forward_kwargs: Mapping[str, Any] | None = None, vertical_sync: bool = False):
         validate(schedule)  # a broken schedule fails here, naming the rank and action, before any transfer
         if comm.size != schedule.p:
             raise ValueError(f"schedule is for p={schedule.p} pipeline ranks but the pp axis has {comm.size}")
@@ -107,7 +115,19 @@ class PipelineExecutor:
         self.device = next(p.device for stage in self.stages.values() for p in stage.parameters())
         self.measure_activations = measure_activations
         self.actions = schedule.actions[self.rank]
-        self._last_grad_actions = set({(a.stage, a.kind): a for a in self.actions if a.kind in _GRAD_OPS}.values())
+        self._last_grad_actions = _last_grad_actions(self.actions)
+        # Asynchronous kinds: this rank's first and steady segments, one weight-version store per
+        # stage, what carries over between runs, and which version each compute used (last run).
+        self.vertical_sync = vertical_sync
+        self._segments = steady_segments(schedule, self.rank) if schedule.asynchronous else None
+        self.versions = {s: WeightVersions(stage) for s, stage in self.stages.items()} if self._segments else {}
+        # The first rank runs p - 1 forwards ahead: the later steps whose micro-batches a run reads.
+        self.lookahead_steps = -(-(schedule.p - 1) // schedule.m) if self._segments else 0
+        self.runs = 0
+        self._carry: _Step | None = None
+        self._in_flight: dict[Key, int] = {}  # (stage, micro-batch) -> weight version of its forward
+        self._forwarded = -1  # the newest micro-batch forwarded on this rank
+        self.version_log: list[tuple[str, int]] = []  # (compute action, weight version), every run
         # Per model-input (shape, dtype): the received (shape, dtype) of each stage's input, and the
         # stages whose output shape this rank has sent; exchanged once, on the first step.
         self._input_specs: dict[tuple, dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
@@ -132,14 +152,20 @@ class PipelineExecutor:
         """One step over ``schedule.m`` micro-batches (every rank passes the same list; only the
         first stage reads the inputs and the last the targets). Returns the sum of the
         micro-batch losses on the rank holding the last stage, None elsewhere."""
-        if len(micro_batches) != self.schedule.m:
-            raise ValueError(f"schedule has m={self.schedule.m} micro-batches, got {len(micro_batches)}")
+        expected = self.schedule.m * (1 + self.lookahead_steps)
+        if len(micro_batches) != expected:
+            what = f" (this step's and the next {self.lookahead_steps} steps')" if self._segments else ""
+            raise ValueError(f"schedule {self.schedule.kind} needs {expected} micro-batches{what}, "
+                             f"got {len(micro_batches)}")
         first = micro_batches[0][0]
         if any(mb[0].shape != first.shape or mb[0].dtype != first.dtype for mb in micro_batches):
             raise ValueError("all micro-batches of a step must have the same input shape and dtype")
-        step = _Step(micro_batches)
         self.timeline, self.wait_seconds, self.peak_activation_bytes = [], 0.0, 0
-        for action in self.actions:
+        if self._segments:
+            step, actions = self._start_async_run(micro_batches)
+        else:
+            step, actions = _Step(micro_batches), self.actions
+        for action in actions:
             if action.kind.is_compute:
                 self._post_queued(step)
                 self._await_inputs(step, action)
@@ -149,20 +175,67 @@ class PipelineExecutor:
             else:
                 self._dispatch[action.kind](step, action)
         self._post_queued(step)
-        for work, _ in step.sends:  # sends must finish before their buffers go
-            work.wait()
+        if self._segments:
+            self._end_async_run(step)
+        else:
+            for work, _ in step.sends:  # sends must finish before their buffers go
+                work.wait()
         self.activation_bytes = step.activation_bytes
         last = self.schedule.num_stages - 1
         return torch.stack(step.losses).sum() if last in self.stages else None
 
+    # ------------------------------------------------------------------ asynchronous runs
+    def _start_async_run(self, micro_batches: Sequence[MicroBatch]) -> tuple[_Step, list[Action]]:
+        """This step's state (carried over) and actions (micro-batches numbered from the first step),
+        after keeping the live weights as version ``runs`` (the updates they have seen)."""
+        t, m = self.runs, self.schedule.m
+        segment = self._segments[0] if t == 0 else self._segments[1]
+        shift = 0 if t == 0 else (t - 1) * m
+        actions = [replace_microbatch(a, a.microbatch + shift) for a in segment]
+        self._last_grad_actions = _last_grad_actions(actions)
+        step = self._carry if self._carry is not None else _Step(micro_batches)
+        step.micro_batches, step.first, step.losses = micro_batches, t * m, []
+        for versions in self.versions.values():
+            versions.snapshot(t)
+        return step, actions
+
+    def _end_async_run(self, step: _Step) -> None:
+        """Carry the micro-batches in flight to the next run; drop versions nobody will use again.
+        Sends stay posted (their receivers may post the receive in their next run)."""
+        self._carry = step
+        self.runs += 1
+        upcoming = self._version_for(self._forwarded + 1)
+        oldest = min([*self._in_flight.values(), upcoming])
+        for versions in self.versions.values():
+            versions.release_below(oldest)
+
+    def _version_for(self, microbatch: int) -> int:
+        return version_of(self.schedule.kind, microbatch, self.schedule.m, self.schedule.p, self.rank,
+                          self.vertical_sync, newest=self.runs)
+
+    def _call_stage(self, action: Action, x: torch.Tensor) -> torch.Tensor:
+        stage = self.stages[action.stage]
+        if not self._segments:
+            return stage(x, **self.forward_kwargs)
+        version = self._version_for(action.microbatch)
+        self._in_flight[(action.stage, action.microbatch)] = version
+        self._forwarded = max(self._forwarded, action.microbatch)
+        self.version_log.append((str(action), version))
+        weights = self.versions[action.stage].weights(version)
+        return torch.func.functional_call(stage, weights, (x,), dict(self.forward_kwargs))
+
+    def _log_backward_version(self, action: Action) -> None:
+        if self._segments:
+            self.version_log.append((str(action), self._in_flight.pop((action.stage, action.microbatch))))
+
     # ------------------------------------------------------------------ compute
     def _forward(self, step: _Step, action: Action) -> None:
         key, stage = (action.stage, action.microbatch), self.stages[action.stage]
-        inputs, targets = step.micro_batches[action.microbatch]
+        inputs, targets = step.micro_batches[action.microbatch - step.first]
         x = inputs if stage.is_first else step.inputs.pop(key)
         tracker = SavedActivations(stage) if self.measure_activations else None
         with tracker if tracker is not None else nullcontext():
-            out = stage(x, **self.forward_kwargs)
+            out = self._call_stage(action, x)
             if stage.is_last:
                 out = self.loss_fn(out, targets)
                 step.losses.append(out.detach())
@@ -181,6 +254,7 @@ class PipelineExecutor:
         out, grad = step.outputs.pop(key), self._output_grad(step, action)
         with self._sync_context(action):
             torch.autograd.backward(out, grad)
+        self._log_backward_version(action)
         x = step.inputs.pop(key, None)
         if x is not None:
             self._hand_upstream(step, action, x.grad)
@@ -324,6 +398,11 @@ def _recv_spec(comm: AxisComm, peer: int, device: torch.device) -> tuple[tuple[i
     comm.recv(message, peer)
     dtype_code, ndim, *sizes = message.tolist()
     return tuple(sizes[:ndim]), _DTYPES[dtype_code]
+
+
+def _last_grad_actions(actions: Sequence[Action]) -> set[Action]:
+    """Each stage's last gradient-producing action of each kind (the ones that reduce over dp)."""
+    return set({(a.stage, a.kind): a for a in actions if a.kind in _GRAD_OPS}.values())
 
 
 def align_timelines(timelines: Sequence[Sequence[TimelineEntry]]) -> list[list[TimelineEntry]]:

@@ -74,6 +74,10 @@ def check_pipeline_layout(n_layers: int, pp: int, v: int, m: int, kind: str,
     elif v != 1:
         problems.append(f"parallel.pp_virtual = {v}: only the 'interleaved' schedule holds several stages per "
                         f"rank; use 1, or parallel.pp_schedule = 'interleaved'")
+    if kind == "pipedream" and m != 1:
+        problems.append(f"{m_field} = {m}: the 'pipedream' schedule updates the weights after every micro-batch, "
+                        f"so a step has one; make train.micro_batch = train.global_batch / parallel.dp, or use "
+                        f"parallel.pp_schedule = 'pipedream-2bw' (one update per step of m micro-batches)")
     if m < 1:
         problems.append(f"{m_field} = {m}: must be >= 1; use {pp} or more to fill the pipeline")
     num_stages = pp * max(v, 1)

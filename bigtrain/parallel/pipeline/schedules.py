@@ -78,17 +78,33 @@ class Action:
 
 @dataclass
 class Schedule:
-    """Per-rank action lists of one training step (``actions[rank]`` in execution order)."""
+    """Per-rank action lists of one training step (``actions[rank]`` in execution order).
+
+    An asynchronous kind (``ASYNC_KINDS``: no flush between steps) lists ``steps`` consecutive
+    optimizer steps unrolled, micro-batch ``k`` belonging to step ``k // m``, so that the validator,
+    simulator and drawing see how one step's backwards overlap the next step's forwards;
+    :func:`step_segments` cuts a rank's list into its steps.
+    """
 
     kind: str
     p: int
     m: int
     v: int
     actions: list[list[Action]]
+    steps: int = 1
 
     @property
     def num_stages(self) -> int:
         return self.p * self.v
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches the lists cover: ``m`` per step over ``steps`` steps."""
+        return self.m * self.steps
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.kind in ASYNC_KINDS
 
     @property
     def split_backward(self) -> bool:
@@ -111,7 +127,7 @@ class Schedule:
     def describe(self) -> str:
         """A text table: one row per rank, its stages, then its compute actions in order."""
         header = (f"{self.kind} schedule: p={self.p} ranks, m={self.m} micro-batches, "
-                  f"v={self.v} stage(s) per rank")
+                  f"v={self.v} stage(s) per rank" + (f", {self.steps} steps unrolled" if self.steps > 1 else ""))
         cells = [[str(a) for a in self.compute_actions(r)] for r in range(self.p)]
         width = max((len(c) for row in cells for c in row), default=1)
         labels = [f"rank {r} stages {','.join(map(str, self.stages_of_rank(r)))}" for r in range(self.p)]
@@ -262,8 +278,24 @@ _GENERATORS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
     "1f1b": _one_f_one_b_orders,
     "interleaved": _interleaved_orders,
     "zb-h1": _zb_h1_orders,
+    # No flush: 1F1B over the micro-batches of consecutive steps, so rank r starts the next step's
+    # first p - r - 1 forwards before the current step's last backwards. What differs between the
+    # two is which weight version each micro-batch runs with (the executor's WeightVersions):
+    # 2BW updates once per step of m micro-batches, the step's gradients computed with the weights
+    # of one step before; PipeDream updates after every micro-batch (m = 1) and stashes one
+    # version per micro-batch in flight.
+    "pipedream-2bw": _one_f_one_b_orders,
+    "pipedream": _one_f_one_b_orders,
 }
 SCHEDULE_KINDS: tuple[str, ...] = tuple(_GENERATORS)
+ASYNC_KINDS: tuple[str, ...] = ("pipedream-2bw", "pipedream")
+
+
+def unrolled_steps(p: int, m: int) -> int:
+    """Steps an asynchronous schedule lists by default: the warm-up step, two steady ones (whose
+    equality :func:`steady_segments` checks) and enough more that the drain (rank 0's forwards
+    run out p - 1 micro-batches before the end) starts after them."""
+    return 3 + -(-p // m) + 1
 
 
 def _check_arguments(kind: str, p: int, m: int, v: int) -> None:
@@ -272,6 +304,9 @@ def _check_arguments(kind: str, p: int, m: int, v: int) -> None:
     for name, value in (("p", p), ("m", m), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1, e.g. {name}=1")
+    if kind == "pipedream" and m != 1:
+        raise ValueError(f"m={m}: kind 'pipedream' updates the weights after every micro-batch; use m=1 "
+                         f"(or kind='pipedream-2bw' to update once per step of m micro-batches)")
     if kind != "interleaved":
         if v != 1:
             raise ValueError(
@@ -331,19 +366,71 @@ def _add_transfers(orders: list[list[Action]], p: int, num_stages: int) -> list[
     return actions
 
 
-def build_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
+def build_schedule(kind: str, p: int, m: int, v: int = 1, steps: int | None = None) -> Schedule:
     """Build the per-rank action lists of one step of pipeline schedule ``kind``.
 
     Args:
         kind: one of ``SCHEDULE_KINDS``: "naive" (one micro-batch at a time through
             the whole pipe), "gpipe" (all forwards, then backwards in micro-batch
             order), "1f1b", "interleaved" (Megatron virtual pipeline, needs v >= 2
-            and m a multiple of p), "zb-h1" (1F1B with backward split into I and W).
+            and m a multiple of p), "zb-h1" (1F1B with backward split into I and W), and the
+            asynchronous "pipedream-2bw" and "pipedream" (m = 1), which never flush.
         p: pipeline ranks. m: micro-batches per step. v: stages per rank.
+        steps: optimizer steps the lists cover: 1 for a synchronous kind (each step is alike), at
+            least 2 (default ``unrolled_steps(p, m)``) for an asynchronous one.
 
     Raises:
         ValueError: naming the bad parameter and a value that works.
     """
     _check_arguments(kind, p, m, v)
-    orders = _GENERATORS[kind](p, m, v)
-    return Schedule(kind=kind, p=p, m=m, v=v, actions=_add_transfers(orders, p, p * v))
+    asynchronous = kind in ASYNC_KINDS
+    steps = (unrolled_steps(p, m) if asynchronous else 1) if steps is None else steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < (2 if asynchronous else 1) or (
+            steps > 1 and not asynchronous):
+        fix = f"steps >= 2 (default {unrolled_steps(p, m)})" if asynchronous else "steps=1 (a flush ends every step)"
+        raise ValueError(f"steps={steps!r}: kind {kind!r} needs {fix}")
+    orders = _GENERATORS[kind](p, m * steps, v)
+    return Schedule(kind=kind, p=p, m=m, v=v, actions=_add_transfers(orders, p, p * v), steps=steps)
+
+
+def step_segments(schedule: Schedule, rank: int) -> list[list[Action]]:
+    """``rank``'s list cut into its steps: each segment ends with the backward of the step's last
+    micro-batch on the rank's stages (and the transfer shipping it); the last takes the rest.
+
+    Cut there, every segment of an asynchronous schedule finishes its step's gradients, so the
+    optimizer can step between segments; and no compute waits on a tensor a peer sends only in a
+    later segment (a forward's producer upstream has a longer warm-up, so it runs no later).
+    """
+    row, m = schedule.actions[rank], schedule.m
+    grad_done = Op.BACKWARD_WEIGHT if schedule.split_backward else Op.BACKWARD
+    segments, start = [], 0
+    for index, action in enumerate(row):
+        if action.kind is grad_done and action.microbatch % m == m - 1 and len(segments) < schedule.steps - 1:
+            end = index + 1
+            if end < len(row) and row[end].kind is Op.SEND_BWD and row[end].microbatch == action.microbatch:
+                end += 1
+            segments.append(row[start:end])
+            start = end
+    segments.append(row[start:])
+    return segments
+
+
+def steady_segments(schedule: Schedule, rank: int) -> tuple[list[Action], list[Action]]:
+    """(first step's segment, a steady step's segment) of ``rank`` in an asynchronous schedule, with
+    the steady one's micro-batches renumbered as if it were step 1: run step t >= 1 as the steady
+    segment with micro-batch k standing for k + (t - 1) m.
+
+    Raises ValueError unless segments 1 and 2 are the same up to that renumbering (so stitching
+    the steady segment step after step runs the never-flushed pipeline), which needs the default
+    ``steps = unrolled_steps(p, m)``.
+    """
+    segments = step_segments(schedule, rank)
+    shifted = [replace_microbatch(a, a.microbatch - schedule.m) for a in segments[2]]
+    if shifted != segments[1]:
+        raise ValueError(f"{schedule.kind} p={schedule.p} m={schedule.m}: rank {rank}'s steps 1 and 2 differ; "
+                         f"the schedule has no steady state to repeat")
+    return segments[0], segments[1]
+
+
+def replace_microbatch(action: Action, microbatch: int) -> Action:
+    return Action(action.kind, action.stage, microbatch, action.peer)

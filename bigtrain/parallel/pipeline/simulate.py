@@ -139,3 +139,19 @@ def simulate(
         overall_bubble_fraction=sum(bubbles) / len(bubbles),
         peak_inflight=peak_inflight(schedule),
     )
+
+
+def steady_step_time(schedule: Schedule, result: SimResult) -> float:
+    """How long one optimizer step takes once the pipeline runs steadily: the makespan for a
+    synchronous kind (each step ends in a flush); for an asynchronous one, whose lists unroll
+    several steps, the time between the ends of steps 1 and 2 (each step's end: its last
+    micro-batch's last backward on any rank)."""
+    if not schedule.asynchronous:
+        return result.makespan
+    ends = {}
+    for row in result.timelines:
+        for action, _, end in row:
+            if action.kind in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+                step = action.microbatch // schedule.m
+                ends[step] = max(ends.get(step, 0.0), end)
+    return ends[2] - ends[1]

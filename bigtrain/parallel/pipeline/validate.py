@@ -66,8 +66,8 @@ def _check_placement(schedule: Schedule) -> None:
             if schedule.rank_of_stage(action.stage) != rank:
                 raise _error(rank, index, action, f"rank does not own stage {action.stage} "
                              f"(it owns {schedule.stages_of_rank(rank)})")
-            if not 0 <= action.microbatch < schedule.m:
-                raise _error(rank, index, action, f"micro-batch out of range 0..{schedule.m - 1}")
+            if not 0 <= action.microbatch < schedule.num_microbatches:
+                raise _error(rank, index, action, f"micro-batch out of range 0..{schedule.num_microbatches - 1}")
             if not action.kind.is_compute:
                 _check_peer(schedule, rank, index, action)
 
@@ -103,7 +103,7 @@ def _check_complete(schedule: Schedule) -> None:
                 raise _error(rank, index, action, "duplicated")
             seen.add(action)
     for stage in range(schedule.num_stages):
-        for mb in range(schedule.m):
+        for mb in range(schedule.num_microbatches):
             for kind in required:
                 missing = Action(kind, stage, mb)
                 if missing not in seen:
