@@ -92,10 +92,17 @@ class EnginePlan:
     reshard_after_forward: bool = True  # ZeRO-3
     prefetch: bool = True  # ZeRO-3
     bucket_mb: float = 25.0  # the replicated engine's all-reduce buckets
+    offload: "OffloadPlan" = field(default_factory=lambda: _no_offload())  # ZeRO-Offload / -Infinity tiers
 
     @property
     def replicated(self) -> bool:
         return self.zero == 0 and not self.precision.mixed
+
+
+def _no_offload():
+    from bigtrain.parallel.zero.offload import OffloadPlan
+
+    return OffloadPlan()
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ The loss must be normalized by the global token count: gradients are summed over
 
 from __future__ import annotations
 
+import tempfile
 import zlib
 from typing import TYPE_CHECKING, Callable
 
@@ -48,6 +49,7 @@ from bigtrain.parallel.data import rehome_grad, sync_off
 from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
+from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
 from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
 from bigtrain.precision import DynamicLossScaler, Precision
 
@@ -63,7 +65,8 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, comm: AxisComm, stage: int, precision: Precision, optim: OptimConfig,
                  init_fn: InitFn, device: torch.device | str = "cpu", unit_modules: list[nn.Module] | None = None,
                  reshard_after_forward: bool = True, prefetch: bool = True,
-                 scaler: DynamicLossScaler | None = None, placements: Placements | None = None):
+                 scaler: DynamicLossScaler | None = None, placements: Placements | None = None,
+                 offload: "OffloadPlan | None" = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
         self.optim_spec = _servable(get_optimizer(optim.name), stage)
@@ -92,6 +95,11 @@ class ZeroEngine:
         for p in self._unit_of_params():
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.gatherer = ParameterGatherer(self, reshard_after_forward, prefetch) if stage == 3 else None
+        self.offload = None
+        if offload is not None and offload.active:
+            directory = offload.nvme_dir or tempfile.mkdtemp(prefix="bigtrain-offload-")
+            self.offload = UnitOffload(self, offload, directory)
+            self.offload.release_all()
 
     def _groups(self) -> list[tuple[AxisComm, list[FlatUnit]]]:
         """The units by the group that reduces (and shards) them, groups in order of first unit."""
@@ -308,6 +316,9 @@ class ZeroEngine:
         if found_inf:
             return norm, True
         clip_(grads, norm, max_norm)
+        if self.offload is not None:
+            self.offload.step(grads, lr)  # unit by unit, each unit's weights published after its step
+            return norm, False
         for unit, grad in zip(self.units, grads):
             for a, b, view in unit.pieces:
                 view.grad = grad[a:b]
@@ -331,12 +342,15 @@ class ZeroEngine:
     def _publish_weights(self) -> None:
         """Copy updated masters into the compute weights and, below stage 3, gather them everywhere."""
         for unit in self.units:
-            if self.precision.mixed:
-                unit.shard_param.copy_(unit.master)
-            if self.stage in (1, 2) and unit.shards > 1:
-                # Synchronous: on NCCL the current stream waits for the gather before the clone is
-                # freed and before the next forward reads ``unit.full``.
-                unit.comm.all_gather(unit.full, unit.shard_param.clone(), tag="params")
+            self.publish_unit(unit)
+
+    def publish_unit(self, unit: FlatUnit) -> None:
+        if self.precision.mixed:
+            unit.shard_param.copy_(unit.master)
+        if self.stage in (1, 2) and unit.shards > 1:
+            # Synchronous: on NCCL the current stream waits for the gather before the clone is
+            # freed and before the next forward reads ``unit.full``.
+            unit.comm.all_gather(unit.full, unit.shard_param.clone(), tag="params")
 
     def zero_grad(self) -> None:
         for unit in self.units:
