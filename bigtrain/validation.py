@@ -388,6 +388,10 @@ def check_offload(cfg: Config) -> list[str]:
     if o.params != "none" and p.zero != 3:
         problems.append(f"offload.params = '{o.params}' keeps ZeRO-3's parameter shards off the device, but "
                         f"parallel.zero = {p.zero}; set parallel.zero = 3")
+    if o.optimizer == "nvme" and p.zero >= 2 and p.pp > 1 and cfg.model.tie_embeddings:
+        problems.append("offload.optimizer = 'nvme' keeps gradient shards in files, but a weight tied across "
+                        "pipeline stages (model.tie_embeddings with parallel.pp > 1) sums its gradient in place; "
+                        "set model.tie_embeddings = false, parallel.pp = 1 or offload.optimizer = 'cpu'")
     if "nvme" in (o.optimizer, o.params) and o.nvme_dir:
         problems += _writable_dir("offload.nvme_dir", o.nvme_dir)
     return problems

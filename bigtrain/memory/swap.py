@@ -105,6 +105,13 @@ class SwapStore:
         if job is not None:
             job.result()
 
+    def wait_for(self, keys) -> None:
+        """Wait for the jobs of ``keys`` (bounds the bytes held by writes still in flight)."""
+        for key in keys:
+            job = self._jobs.get(key)
+            if job is not None:
+                job.result()
+
     def wait(self) -> None:
         for job in list(self._jobs.values()):
             job.result()

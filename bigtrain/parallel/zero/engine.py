@@ -85,6 +85,10 @@ class ZeroEngine:
         self.units, self.unit_modules = build_units(model, modules, self.placements.grad_comm, sharded=stage >= 1,
                                                     align=self.block)
         self._check_same_layout()
+        self.offload = None
+        if offload is not None and offload.active:
+            directory = offload.nvme_dir or tempfile.mkdtemp(prefix="bigtrain-offload-")
+            self.offload = UnitOffload(self, offload, directory)
         self._allocate(init_fn)
         self.optimizer = self._build_optimizer(optim)
         self._sync = True
@@ -95,11 +99,6 @@ class ZeroEngine:
         for p in self._unit_of_params():
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.gatherer = ParameterGatherer(self, reshard_after_forward, prefetch) if stage == 3 else None
-        self.offload = None
-        if offload is not None and offload.active:
-            directory = offload.nvme_dir or tempfile.mkdtemp(prefix="bigtrain-offload-")
-            self.offload = UnitOffload(self, offload, directory)
-            self.offload.release_all()
 
     def _groups(self) -> list[tuple[AxisComm, list[FlatUnit]]]:
         """The units by the group that reduces (and shards) them, groups in order of first unit."""
@@ -142,7 +141,12 @@ class ZeroEngine:
             if self.stage == 3:
                 unit.free_full()
             unit.master = master if self.precision.mixed else unit.shard_param
+            self._cut_pieces(unit)
+            if self.offload is not None:  # to its file before the next unit is allocated
+                self.offload.release(unit)
             self._allocate_grads(unit)
+            if self.offload is not None:
+                self.offload.release_grad(unit)
 
     def _allocate_grads(self, unit: FlatUnit) -> None:
         if self.stage >= 2:
@@ -163,15 +167,7 @@ class ZeroEngine:
         the group holds the same list of parameters, and sums over a parameter's pieces line up)."""
         decay, no_decay, where = [], [], {}
         for unit in self.units:
-            if self.optim_spec.elementwise:
-                ranges = unit.shard_pieces()
-                unit.piece_slots = [None] * len(ranges)
-            else:
-                held = {slot.name: (a, b) for slot, a, b in unit.shard_slot_ranges()}
-                ranges = [(*held.get(slot.name, (_empty_at(unit, slot),) * 2), slot.decay) for slot in unit.slots]
-                unit.piece_slots = list(unit.slots)
-            unit.pieces = [(a, b, unit.master[a:b]) for a, b, _ in ranges]
-            for (a, b, is_decay), (_, _, view) in zip(ranges, unit.pieces):
+            for is_decay, (_, _, view) in zip(unit.piece_decay, unit.pieces):
                 (decay if is_decay else no_decay).append(view)
             if self.optim_spec.needs == "shapes":
                 where.update(self._param_pieces(unit))
@@ -179,6 +175,19 @@ class ZeroEngine:
         if where:
             optimizer.attach_pieces(where)
         return optimizer
+
+    def _cut_pieces(self, unit: FlatUnit) -> None:
+        """The views of the unit's master shard the optimizer will be given (made while the master
+        is in memory: an offloaded one is not, later)."""
+        if self.optim_spec.elementwise:
+            ranges = unit.shard_pieces()
+            unit.piece_slots = [None] * len(ranges)
+        else:
+            held = {slot.name: (a, b) for slot, a, b in unit.shard_slot_ranges()}
+            ranges = [(*held.get(slot.name, (_empty_at(unit, slot),) * 2), slot.decay) for slot in unit.slots]
+            unit.piece_slots = list(unit.slots)
+        unit.pieces = [(a, b, unit.master[a:b]) for a, b, _ in ranges]
+        unit.piece_decay = [is_decay for _, _, is_decay in ranges]
 
     def _param_pieces(self, unit: FlatUnit) -> dict:
         """{id(piece view): ParamPiece} for each parameter of the unit: its range of the (tensor-
@@ -256,6 +265,9 @@ class ZeroEngine:
         else:
             out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=payload.device)
             work = unit.comm.reduce_scatter(out, payload, async_op=True, tag="grads")
+        if self.offload is not None and self.offload.grads_in_files:
+            # Gradients go to their files as reductions complete: hold one unit's output, not all.
+            self._complete(lambda u: True)
         self._pending.append((unit, work, out))
         if self.gatherer is not None:
             self.gatherer.after_reduce(unit)
@@ -283,6 +295,8 @@ class ZeroEngine:
             if self.stage <= 1:
                 if out is not unit.full_grad:
                     unit.grad_shard.copy_(out)
+            elif self.offload is not None and self.offload.grads_in_files:
+                self.offload.fold_grad(unit, out)
             else:
                 unit.grad_shard.add_(out)
         self._pending = keep
@@ -301,6 +315,8 @@ class ZeroEngine:
         """Unscale, check for overflow, clip and update; returns (grad norm, skipped). A non-zero
         ``skip`` (a flag every rank shares, e.g. a non-finite loss) skips like an overflow."""
         self._drop_gathered()
+        if self.offload is not None and self.offload.grads_in_files:
+            return self.offload.step_streaming(lr, max_norm, skip)
         grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
@@ -359,7 +375,10 @@ class ZeroEngine:
                 for p, view in zip(unit.params, unit.grad_views):
                     p.grad = view if self._grads_in_place else None
             else:
-                unit.grad_shard.zero_()
+                if self.offload is not None and self.offload.grads_in_files:
+                    self.offload.zero_grad(unit)
+                else:
+                    unit.grad_shard.zero_()
                 for p in unit.params:
                     p.grad = None
             for _, _, view in unit.pieces:

@@ -64,7 +64,8 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
     """Reduced gradients by name in fp32, unscaled and before clipping: what the optimizer step is
     about to use, complete on every rank (collective; call between finish_grad_sync and step)."""
     scale = engine.scaler.scale if engine.scaler is not None else 1.0
-    return _gather_by_name(engine, lambda unit: unit.grad_shard.float() / scale)
+    with _resident(engine):
+        return _gather_by_name(engine, lambda unit: unit.grad_shard.float() / scale)
 
 
 # -- the block layout of a unit ------------------------------------------------------------------------
