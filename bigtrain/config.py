@@ -217,6 +217,20 @@ class OptimConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """Model states beyond device memory (ZeRO-Offload / ZeRO-Infinity)."""
+
+    optimizer: str = doc("'none', 'cpu' (fp32 master weights and optimizer state in host memory, stepped there "
+                         "unit by unit with the fused CPU kernel) or 'nvme' (the same, kept in files under "
+                         "offload.nvme_dir and read in for their unit's step). Needs parallel.zero >= 1.", "none")
+    params: str = doc("'none', or 'nvme': ZeRO-3's parameter shards (fp32 masters in fp32) live in files and are "
+                      "read in just before their unit is gathered. Needs parallel.zero = 3.", "none")
+    nvme_dir: str = doc("Directory for offload files (a fast local disk); '' means <run dir>/offload.", "")
+    prefetch_depth: int = doc("NVMe: units read ahead of the one being stepped or gathered.", 1)
+    delayed_update: bool = doc("ZeRO-Offload's one-step delayed parameter update (not built yet: rejected).", False)
+
+
+@dataclass
 class DataConfig:
     """Where tokens come from."""
 
@@ -330,6 +344,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

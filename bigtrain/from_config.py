@@ -10,6 +10,7 @@ from __future__ import annotations
 from bigtrain.config import Config
 from bigtrain.parallel.parallel_plan import (ActivationPlan, EnginePlan, ExpertPlan, LossScaling, ParallelPlan,
                                              PipelinePlan, TensorParallelPlan)
+from bigtrain.parallel.zero.offload import OffloadPlan
 from bigtrain.precision import Precision
 
 
@@ -19,7 +20,13 @@ def activation_plan(cfg: Config) -> ActivationPlan:
                           m.offload_min_bytes, m.activation_compression, cfg.model.fused_loss, cfg.model.fused_loss_chunk)
 
 
-def parallel_plan(cfg: Config) -> ParallelPlan:
+def offload_plan(cfg: Config, run_dir: str | None = None) -> OffloadPlan:
+    o = cfg.offload
+    directory = o.nvme_dir or (f"{run_dir}/offload" if run_dir else "")
+    return OffloadPlan(o.optimizer, o.params, directory, o.prefetch_depth)
+
+
+def parallel_plan(cfg: Config, run_dir: str | None = None) -> ParallelPlan:
     p, precision = cfg.parallel, cfg.precision
     split_points = tuple(p.split_points) if p.split_points is not None else None
     return ParallelPlan(
@@ -31,6 +38,6 @@ def parallel_plan(cfg: Config) -> ParallelPlan:
         engine=EnginePlan(p.zero, Precision.from_config(precision),
                           LossScaling(precision.loss_scale, precision.scale_growth_interval, precision.scale_backoff),
                           p.reshard_after_forward, p.prefetch, p.bucket_mb,
-                          p.local_sgd_every if p.dp_sync == "local-sgd" else 1),
+                          p.local_sgd_every if p.dp_sync == "local-sgd" else 1, offload_plan(cfg, run_dir)),
         seed=cfg.train.seed,
     )

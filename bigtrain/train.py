@@ -81,7 +81,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, mesh: Mesh, device: torch.device | str = "cpu"):
         self.cfg, self.run_dir, self.mesh, self.device = cfg, Path(run_dir), mesh, torch.device(device)
         self.is_main = mesh.rank == 0
-        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg), self.device,
+        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg, str(self.run_dir)), self.device,
                                     init_fn=initial_weights(cfg.model))
         self.model, self.engine = self.parallel.model, self.parallel.engine
         set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean

@@ -372,7 +372,47 @@ def check_limits(cfg: Config) -> list[str]:
     return problems
 
 
-RULES += [check_seed, check_distributed, check_limits, check_moe]
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
+
+
+def check_offload(cfg: Config) -> list[str]:
+    """Offload needs the ZeRO engine's units (it steps and stores them one at a time), and a
+    directory it can write for the NVMe tier."""
+    o, p = cfg.offload, cfg.parallel
+    problems = _one_of("offload.optimizer", o.optimizer, OFFLOAD_TIERS)
+    problems += _one_of("offload.params", o.params, ("none", "nvme"))
+    if o.prefetch_depth < 0:
+        problems.append(f"offload.prefetch_depth = {o.prefetch_depth}: must be >= 0")
+    if o.delayed_update:
+        problems.append("offload.delayed_update = true: the one-step delayed update is not built yet; "
+                        "set offload.delayed_update = false")
+    if o.optimizer != "none" and p.zero < 1:
+        problems.append(f"offload.optimizer = '{o.optimizer}' steps the ZeRO engine's units one at a time, but "
+                        f"parallel.zero = {p.zero}; set parallel.zero = 1, 2 or 3")
+    if o.params != "none" and p.zero != 3:
+        problems.append(f"offload.params = '{o.params}' keeps ZeRO-3's parameter shards off the device, but "
+                        f"parallel.zero = {p.zero}; set parallel.zero = 3")
+    if o.optimizer == "nvme" and p.zero >= 2 and p.pp > 1 and cfg.model.tie_embeddings:
+        problems.append("offload.optimizer = 'nvme' keeps gradient shards in files, but a weight tied across "
+                        "pipeline stages (model.tie_embeddings with parallel.pp > 1) sums its gradient in place; "
+                        "set model.tie_embeddings = false, parallel.pp = 1 or offload.optimizer = 'cpu'")
+    if "nvme" in (o.optimizer, o.params) and o.nvme_dir:
+        problems += _writable_dir("offload.nvme_dir", o.nvme_dir)
+    return problems
+
+
+def _writable_dir(field: str, path: str) -> list[str]:
+    target = Path(path)
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        return [f"{field} = '{path}': {probe} is not a directory this user can write; give a writable local "
+                f"directory (a fast NVMe disk)"]
+    return []
+
+
+RULES += [check_seed, check_distributed, check_limits, check_moe, check_offload]
 
 
 def check_evaluation(cfg: Config) -> list[str]:

@@ -175,4 +175,4 @@ def apply_zero(model: nn.Module, mesh: Mesh, plan: EnginePlan, optim, init_fn: I
         scaler = DynamicLossScaler(s.init_scale, s.growth_interval, s.backoff)
     return ZeroEngine(model, mesh.comm("dp_sp"), plan.zero, plan.precision, optim, init_fn=init_fn, device=device,
                       unit_modules=unit_modules, reshard_after_forward=plan.reshard_after_forward,
-                      prefetch=plan.prefetch, scaler=scaler, placements=placements)
+                      prefetch=plan.prefetch, scaler=scaler, placements=placements, offload=plan.offload)

@@ -151,6 +151,8 @@ class ParallelModel:
         from bigtrain.checkpoint.sharded import SavedChunk
 
         placements = self.placements
+        # Offloaded masters and state are resident only while their pieces are listed: copy them.
+        copy = copy or getattr(self.engine, "offload", None) is not None
         out = []
         for batch in self._pieces():
             for piece in batch:

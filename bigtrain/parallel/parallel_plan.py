@@ -93,10 +93,17 @@ class EnginePlan:
     prefetch: bool = True  # ZeRO-3
     bucket_mb: float = 25.0  # the replicated engine's all-reduce buckets
     local_sgd_every: int = 1  # > 1: replicas step alone, parameters averaged every K steps (local SGD)
+    offload: "OffloadPlan" = field(default_factory=lambda: _no_offload())  # ZeRO-Offload / -Infinity tiers
 
     @property
     def replicated(self) -> bool:
         return self.zero == 0 and not self.precision.mixed
+
+
+def _no_offload():
+    from bigtrain.parallel.zero.offload import OffloadPlan
+
+    return OffloadPlan()
 
 
 @dataclass(frozen=True)

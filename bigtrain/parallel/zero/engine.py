@@ -34,6 +34,7 @@ The loss must be normalized by the global token count: gradients are summed over
 
 from __future__ import annotations
 
+import tempfile
 import zlib
 from typing import TYPE_CHECKING, Callable
 
@@ -48,6 +49,7 @@ from bigtrain.parallel.data import rehome_grad, sync_off
 from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
+from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
 from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
 from bigtrain.precision import DynamicLossScaler, Precision
 
@@ -63,7 +65,8 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, comm: AxisComm, stage: int, precision: Precision, optim: OptimConfig,
                  init_fn: InitFn, device: torch.device | str = "cpu", unit_modules: list[nn.Module] | None = None,
                  reshard_after_forward: bool = True, prefetch: bool = True,
-                 scaler: DynamicLossScaler | None = None, placements: Placements | None = None):
+                 scaler: DynamicLossScaler | None = None, placements: Placements | None = None,
+                 offload: "OffloadPlan | None" = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero = {stage}: must be 0, 1, 2 or 3")
         self.optim_spec = _servable(get_optimizer(optim.name), stage)
@@ -82,6 +85,10 @@ class ZeroEngine:
         self.units, self.unit_modules = build_units(model, modules, self.placements.grad_comm, sharded=stage >= 1,
                                                     align=self.block)
         self._check_same_layout()
+        self.offload = None
+        if offload is not None and offload.active:
+            directory = offload.nvme_dir or tempfile.mkdtemp(prefix="bigtrain-offload-")
+            self.offload = UnitOffload(self, offload, directory)
         self._allocate(init_fn)
         self.optimizer = self._build_optimizer(optim)
         self._sync = True
@@ -134,7 +141,12 @@ class ZeroEngine:
             if self.stage == 3:
                 unit.free_full()
             unit.master = master if self.precision.mixed else unit.shard_param
+            self._cut_pieces(unit)
+            if self.offload is not None:  # to its file before the next unit is allocated
+                self.offload.release(unit)
             self._allocate_grads(unit)
+            if self.offload is not None:
+                self.offload.release_grad(unit)
 
     def _allocate_grads(self, unit: FlatUnit) -> None:
         if self.stage >= 2:
@@ -155,15 +167,7 @@ class ZeroEngine:
         the group holds the same list of parameters, and sums over a parameter's pieces line up)."""
         decay, no_decay, where = [], [], {}
         for unit in self.units:
-            if self.optim_spec.elementwise:
-                ranges = unit.shard_pieces()
-                unit.piece_slots = [None] * len(ranges)
-            else:
-                held = {slot.name: (a, b) for slot, a, b in unit.shard_slot_ranges()}
-                ranges = [(*held.get(slot.name, (_empty_at(unit, slot),) * 2), slot.decay) for slot in unit.slots]
-                unit.piece_slots = list(unit.slots)
-            unit.pieces = [(a, b, unit.master[a:b]) for a, b, _ in ranges]
-            for (a, b, is_decay), (_, _, view) in zip(ranges, unit.pieces):
+            for is_decay, (_, _, view) in zip(unit.piece_decay, unit.pieces):
                 (decay if is_decay else no_decay).append(view)
             if self.optim_spec.needs == "shapes":
                 where.update(self._param_pieces(unit))
@@ -171,6 +175,19 @@ class ZeroEngine:
         if where:
             optimizer.attach_pieces(where)
         return optimizer
+
+    def _cut_pieces(self, unit: FlatUnit) -> None:
+        """The views of the unit's master shard the optimizer will be given (made while the master
+        is in memory: an offloaded one is not, later)."""
+        if self.optim_spec.elementwise:
+            ranges = unit.shard_pieces()
+            unit.piece_slots = [None] * len(ranges)
+        else:
+            held = {slot.name: (a, b) for slot, a, b in unit.shard_slot_ranges()}
+            ranges = [(*held.get(slot.name, (_empty_at(unit, slot),) * 2), slot.decay) for slot in unit.slots]
+            unit.piece_slots = list(unit.slots)
+        unit.pieces = [(a, b, unit.master[a:b]) for a, b, _ in ranges]
+        unit.piece_decay = [is_decay for _, _, is_decay in ranges]
 
     def _param_pieces(self, unit: FlatUnit) -> dict:
         """{id(piece view): ParamPiece} for each parameter of the unit: its range of the (tensor-
@@ -248,6 +265,9 @@ class ZeroEngine:
         else:
             out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=payload.device)
             work = unit.comm.reduce_scatter(out, payload, async_op=True, tag="grads")
+        if self.offload is not None and self.offload.grads_in_files:
+            # Gradients go to their files as reductions complete: hold one unit's output, not all.
+            self._complete(lambda u: True)
         self._pending.append((unit, work, out))
         if self.gatherer is not None:
             self.gatherer.after_reduce(unit)
@@ -275,6 +295,8 @@ class ZeroEngine:
             if self.stage <= 1:
                 if out is not unit.full_grad:
                     unit.grad_shard.copy_(out)
+            elif self.offload is not None and self.offload.grads_in_files:
+                self.offload.fold_grad(unit, out)
             else:
                 unit.grad_shard.add_(out)
         self._pending = keep
@@ -293,6 +315,8 @@ class ZeroEngine:
         """Unscale, check for overflow, clip and update; returns (grad norm, skipped). A non-zero
         ``skip`` (a flag every rank shares, e.g. a non-finite loss) skips like an overflow."""
         self._drop_gathered()
+        if self.offload is not None and self.offload.grads_in_files:
+            return self.offload.step_streaming(lr, max_norm, skip)
         grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
@@ -308,6 +332,9 @@ class ZeroEngine:
         if found_inf:
             return norm, True
         clip_(grads, norm, max_norm)
+        if self.offload is not None:
+            self.offload.step(grads, lr)  # unit by unit, each unit's weights published after its step
+            return norm, False
         for unit, grad in zip(self.units, grads):
             for a, b, view in unit.pieces:
                 view.grad = grad[a:b]
@@ -331,12 +358,15 @@ class ZeroEngine:
     def _publish_weights(self) -> None:
         """Copy updated masters into the compute weights and, below stage 3, gather them everywhere."""
         for unit in self.units:
-            if self.precision.mixed:
-                unit.shard_param.copy_(unit.master)
-            if self.stage in (1, 2) and unit.shards > 1:
-                # Synchronous: on NCCL the current stream waits for the gather before the clone is
-                # freed and before the next forward reads ``unit.full``.
-                unit.comm.all_gather(unit.full, unit.shard_param.clone(), tag="params")
+            self.publish_unit(unit)
+
+    def publish_unit(self, unit: FlatUnit) -> None:
+        if self.precision.mixed:
+            unit.shard_param.copy_(unit.master)
+        if self.stage in (1, 2) and unit.shards > 1:
+            # Synchronous: on NCCL the current stream waits for the gather before the clone is
+            # freed and before the next forward reads ``unit.full``.
+            unit.comm.all_gather(unit.full, unit.shard_param.clone(), tag="params")
 
     def zero_grad(self) -> None:
         for unit in self.units:
@@ -345,7 +375,10 @@ class ZeroEngine:
                 for p, view in zip(unit.params, unit.grad_views):
                     p.grad = view if self._grads_in_place else None
             else:
-                unit.grad_shard.zero_()
+                if self.offload is not None and self.offload.grads_in_files:
+                    self.offload.zero_grad(unit)
+                else:
+                    unit.grad_shard.zero_()
                 for p in unit.params:
                     p.grad = None
             for _, _, view in unit.pieces:

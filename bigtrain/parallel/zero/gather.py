@@ -80,6 +80,8 @@ class ParameterGatherer:
             if unit.gathered or id(unit) in self._work:
                 continue
             unit.allocate_full()
+            if self.engine.offload is not None:
+                self.engine.offload.before_gather(unit)  # the shard read back from its file
             version = unit.full._version
             work = unit.comm.all_gather(unit.full, unit.shard_param, async_op=True, tag="params")
             self._work[id(unit)] = (work, version)
@@ -93,6 +95,8 @@ class ParameterGatherer:
         # The collective bumps the version counter (on Gloo's thread, whenever it completes);
         # nothing else writes these bytes, so restore the version autograd saved.
         torch._C._autograd._unsafe_set_version_counter((unit.full,), (version,))
+        if self.engine.offload is not None:
+            self.engine.offload.after_gather(unit)
 
     def _wait(self, units: list[FlatUnit]) -> None:
         self._start_gather(units)

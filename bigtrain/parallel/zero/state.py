@@ -13,6 +13,8 @@ own per-tensor state, which only the ranks holding part of that parameter have.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from bigtrain.optim import load_state
@@ -54,14 +56,16 @@ def _gather_by_name(engine, shard_of) -> dict[str, torch.Tensor]:
 
 def full_weights(engine) -> dict[str, torch.Tensor]:
     """fp32 (master) weights by name, complete on every rank (collective)."""
-    return _gather_by_name(engine, lambda unit: unit.master)
+    with _resident(engine):
+        return _gather_by_name(engine, lambda unit: unit.master)
 
 
 def full_grads(engine) -> dict[str, torch.Tensor]:
     """Reduced gradients by name in fp32, unscaled and before clipping: what the optimizer step is
     about to use, complete on every rank (collective; call between finish_grad_sync and step)."""
     scale = engine.scaler.scale if engine.scaler is not None else 1.0
-    return _gather_by_name(engine, lambda unit: unit.grad_shard.float() / scale)
+    with _resident(engine):
+        return _gather_by_name(engine, lambda unit: unit.grad_shard.float() / scale)
 
 
 # -- the block layout of a unit ------------------------------------------------------------------------
@@ -96,9 +100,19 @@ def _per_slot_tensor_state(engine, unit: FlatUnit, states: list[dict]) -> dict[s
     return {slot.name: {k: state[k].cpu() for k in keys} for slot, state in zip(slots, states)}
 
 
+def _resident(engine):
+    """Offloaded masters and state read back for the duration (nothing to do without offload)."""
+    return engine.offload.all_resident() if engine.offload is not None else contextlib.nullcontext()
+
+
 def full_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
     """(fp32 weights by name, optimizer state by name), complete on every rank (collective). Block
     state comes out flat, one value per block of the parameter's (tp-local) elements."""
+    with _resident(engine):
+        return _full_state(engine)
+
+
+def _full_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
     spec = engine.optim_spec
     weights, state = full_weights(engine), {}
     for unit in engine.units:
@@ -128,6 +142,11 @@ def _piece_range(unit: FlatUnit, slot, a: int, b: int) -> tuple[int, int]:
 
 def load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
     """Cut saved full tensors into this rank's shards (no communication)."""
+    with _resident(engine):
+        _load_full_state(engine, weights, optim_state)
+
+
+def _load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
     spec = engine.optim_spec
     saved = spec.saved_state(optim_state)
     dev, states = engine.device, {}
@@ -164,6 +183,11 @@ def _piece_index(unit: FlatUnit, a: int, b: int) -> int:
 def checkpoint_pieces(engine):
     """Per unit, one :class:`Piece` for each parameter overlapping this rank's shard: views of its
     fp32 master range and of the optimizer's per-element and per-block state over it (no copies)."""
+    with _resident(engine):
+        yield from _checkpoint_pieces(engine)
+
+
+def _checkpoint_pieces(engine):
     from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
     spec = engine.optim_spec
@@ -190,6 +214,11 @@ def checkpoint_load_batches(engine, with_state: bool):
     state (zeros) to be filled by the caller; after the last batch the optimizer gets the state and
     the compute weights are refreshed. Each piece's ``scalars`` are filled with its parameter's
     per-tensor state (flat pieces of an elementwise optimizer share their first parameter's)."""
+    with _resident(engine):
+        yield from _checkpoint_load_batches(engine, with_state)
+
+
+def _checkpoint_load_batches(engine, with_state: bool):
     from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
     spec, dev, states = engine.optim_spec, engine.device, {}

@@ -1,0 +1,124 @@
+"""Tensors kept in files and read back on demand: the NVMe tier of offload (ZeRO-Infinity's idea).
+
+A :class:`SwapStore` owns one file per tensor under a directory. :meth:`swap_out` writes a tensor's
+bytes to its file and releases its storage (``untyped_storage().resize_(0)``: every view of it, the
+optimizer's state entries and the engine's pieces, stays valid and points at no bytes, as ZeRO-3's
+freed parameters do); :meth:`swap_in` gives the storage its bytes back and reads them. Reads and
+writes run on a small thread pool (file I/O releases the GIL), so the next unit's tensors are read
+while this one is stepped and the last one's written: :meth:`prefetch` starts a read, :meth:`swap_in`
+waits for it. Each write completes before the tensor's next read (a tensor's jobs are chained).
+No native code: ``os.pwrite`` / ``os.preadv`` of the tensor's storage, seen through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+
+class SwapStore:
+    def __init__(self, directory: str | Path, threads: int = 2):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bigtrain-swap")
+        self._jobs: dict[str, Future] = {}
+        self._nbytes: dict[str, int] = {}
+        self._fds: dict[str, int] = {}
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    def _fd(self, key: str) -> int:
+        if key not in self._fds:
+            self._fds[key] = os.open(self.dir / key.replace("/", "_"), os.O_RDWR | os.O_CREAT, 0o600)
+        return self._fds[key]
+
+    @staticmethod
+    def _buffer(t: torch.Tensor) -> memoryview:
+        # Through ctypes, not .numpy(): a storage that numpy has seen can never be resized again.
+        nbytes = t.untyped_storage().nbytes()
+        return memoryview((ctypes.c_char * nbytes).from_address(t.untyped_storage().data_ptr())).cast("B")
+
+    def _after(self, key: str, fn) -> Future:
+        previous = self._jobs.get(key)
+
+        def run():
+            if previous is not None:
+                previous.result()
+            return fn()
+
+        self._jobs[key] = self._pool.submit(run)
+        return self._jobs[key]
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of all tensors currently kept in files."""
+        return sum(self._nbytes.values())
+
+    def resident(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().nbytes() > 0
+
+    def swap_out(self, key: str, t: torch.Tensor) -> None:
+        """Write ``t`` (a CPU tensor owning its whole storage) to its file, then free its bytes."""
+        if not self.resident(t):
+            return
+        nbytes = t.untyped_storage().nbytes()
+        self._nbytes[key] = nbytes
+        fd = self._fd(key)
+
+        def write():
+            view = self._buffer(t)
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(fd, view[done:], done)
+            t.untyped_storage().resize_(0)
+
+        self.bytes_written += nbytes
+        self._after(key, write)
+
+    def prefetch(self, key: str, t: torch.Tensor) -> None:
+        """Start reading ``t`` back (its storage is given its bytes first, on this thread)."""
+        if key not in self._nbytes:
+            return
+        self._after(key, lambda: None).result()  # the write must be done before the storage regrows
+        if self.resident(t):
+            return
+        t.untyped_storage().resize_(self._nbytes[key])
+        fd = self._fd(key)
+
+        def read():
+            view = self._buffer(t)
+            done = 0
+            while done < len(view):
+                done += os.preadv(fd, [view[done:]], done)
+
+        self.bytes_read += self._nbytes[key]
+        self._after(key, read)
+
+    def swap_in(self, key: str, t: torch.Tensor) -> None:
+        """Make ``t`` resident with the bytes last written (waits for its read)."""
+        self.prefetch(key, t)
+        job = self._jobs.get(key)
+        if job is not None:
+            job.result()
+
+    def wait_for(self, keys) -> None:
+        """Wait for the jobs of ``keys`` (bounds the bytes held by writes still in flight)."""
+        for key in keys:
+            job = self._jobs.get(key)
+            if job is not None:
+                job.result()
+
+    def wait(self) -> None:
+        for job in list(self._jobs.values()):
+            job.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,273 @@
+"""ZeRO-Offload and ZeRO-Infinity for the ZeRO engine: the optimizer steps unit by unit on the host,
+its fp32 masters and state optionally kept in files (the NVMe tier), and ZeRO-3's parameter shards
+optionally kept in files too, read in just before their unit is gathered.
+
+What lives where (``offload.optimizer`` / ``offload.params``):
+
+- ``optimizer = "cpu"``: the step runs one unit at a time on the host with the optimizer's own
+  kernel (AdamW: torch's fused CPU kernel, one pass over the flat shard), publishing each unit's
+  weights as soon as it is stepped. On a CPU device the host is the device: only the order changes.
+- ``optimizer = "nvme"``: the same, and between steps each unit's optimizer state, and its fp32
+  masters where they are not the live parameters (mixed precision; ZeRO-3 fp32 with
+  ``params = "nvme"``), are in files: read in (the next unit's read overlapping this unit's step)
+  and written back after the unit's step.
+- ``params = "nvme"`` (ZeRO-3): a unit's parameter shard is in its file except while it is
+  gathered (read in when the gather starts, which the gatherer's static prefetch order already
+  runs a unit ahead; released when the gather completes) and while it is stepped.
+
+Checkpoints and full state read everything back first (:meth:`UnitOffload.all_resident`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bigtrain.memory.swap import SwapStore
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    optimizer: str = "none"  # none | cpu | nvme
+    params: str = "none"  # none | nvme
+    nvme_dir: str = ""
+    prefetch_depth: int = 1
+
+    @property
+    def active(self) -> bool:
+        return self.optimizer != "none" or self.params != "none"
+
+
+class UnitOffload:
+    def __init__(self, engine, plan: OffloadPlan, directory: str | Path):
+        if engine.device.type != "cpu":
+            raise ValueError(f"offload.optimizer / offload.params: the host and NVMe tiers are built for CPU "
+                             f"devices so far, not {engine.device.type}; set offload.optimizer = 'none' and "
+                             f"offload.params = 'none'")
+        self.engine, self.plan = engine, plan
+        self.store = SwapStore(directory) if "nvme" in (plan.optimizer, plan.params) else None
+        self._stepping = False
+        self._depth = 0  # nested all_resident contexts
+        # ZeRO-Infinity keeps gradients off the device too: with the NVMe tier at stages 2-3 each
+        # unit's fp32 gradient shard is in its file except while a reduction is folded into it and
+        # while its unit is stepped. ``_zero``: shards whose file is stale and whose value is zero
+        # (after zero_grad), so neither a read nor a write is needed.
+        self.grads_in_files = plan.optimizer == "nvme" and engine.stage >= 2
+        self._zero: set[int] = set()
+
+    # -- which tensors of a unit go to files ---------------------------------------------------------
+    def _keys(self, unit) -> str:
+        return f"{self.engine.comm.rank}.{unit.name.replace(':', '-')}"
+
+    def _state_tensors(self, unit) -> list[tuple[str, torch.Tensor]]:
+        if self.plan.optimizer != "nvme":
+            return []
+        out, optimizer = [], getattr(self.engine, "optimizer", None)
+        for i, (_, _, view) in enumerate(getattr(unit, "pieces", []) if optimizer is not None else []):
+            for name, t in optimizer.state.get(view, {}).items():
+                if torch.is_tensor(t) and t.dim() > 0:
+                    out.append((f"{self._keys(unit)}.piece{i}.{name}", t))
+        return out
+
+    def _master(self, unit) -> list[tuple[str, torch.Tensor]]:
+        """The fp32 master shard, where it is not the live parameter shard."""
+        separate = unit.master is not unit.shard_param
+        if (self.plan.optimizer == "nvme" and separate) or (self.plan.params == "nvme" and not separate):
+            return [(f"{self._keys(unit)}.master", unit.master)]
+        return []
+
+    def _shard(self, unit) -> list[tuple[str, torch.Tensor]]:
+        if self.plan.params == "nvme" and unit.master is not unit.shard_param:
+            return [(f"{self._keys(unit)}.shard", unit.shard_param)]
+        return []
+
+    def _optimizer_side(self, unit):
+        return self._master(unit) + self._state_tensors(unit)
+
+    def _grad_key(self, unit) -> str:
+        return f"{self._keys(unit)}.grad"
+
+    # -- gradients in files ------------------------------------------------------------------------
+    def grad_in(self, unit) -> torch.Tensor:
+        """The unit's gradient shard, in memory (zeros if it was zeroed since its last write)."""
+        g = unit.grad_shard
+        if id(unit) in self._zero:
+            g.untyped_storage().resize_(g.numel() * g.element_size())
+            g.zero_()
+            self._zero.discard(id(unit))
+        else:
+            self.store.swap_in(self._grad_key(unit), g)
+        return g
+
+    def grad_out(self, unit) -> None:
+        self.store.swap_out(self._grad_key(unit), unit.grad_shard)
+
+    def fold_grad(self, unit, reduced: torch.Tensor) -> None:
+        """Add a reduced gradient into the unit's shard, which then goes back to its file."""
+        if id(unit) in self._zero:  # nothing to add to: no read
+            g = unit.grad_shard
+            g.untyped_storage().resize_(g.numel() * g.element_size())
+            g.copy_(reduced)
+            self._zero.discard(id(unit))
+        else:
+            self.grad_in(unit).add_(reduced)
+        self.grad_out(unit)
+
+    def zero_grad(self, unit) -> None:
+        self.store.wait_for([self._grad_key(unit)])
+        self.zero_grad_now(unit)
+
+    def zero_grad_now(self, unit) -> None:
+        unit.grad_shard.untyped_storage().resize_(0)
+        self._zero.add(id(unit))
+
+    # -- moves -----------------------------------------------------------------------------------------
+    def _out(self, tensors) -> None:
+        for key, t in tensors:
+            self.store.swap_out(key, t)
+
+    def _in(self, tensors, wait: bool = True) -> None:
+        for key, t in tensors:
+            (self.store.swap_in if wait else self.store.prefetch)(key, t)
+
+    def release(self, unit) -> None:
+        """One unit's file-kept tensors to their files (waits: the memory is free on return)."""
+        if self.store is not None:
+            self._out(self._optimizer_side(unit) + self._shard(unit))
+            self.store.wait()
+
+    def release_grad(self, unit) -> None:
+        """A newly allocated (zero) gradient shard: no bytes until a reduction is folded in."""
+        if self.grads_in_files:
+            unit.grad_shard.untyped_storage().resize_(0)
+            self._zero.add(id(unit))
+
+    def release_all(self) -> None:
+        """After construction and after a step: everything that lives in files goes there."""
+        if self.store is None:
+            return
+        for unit in self.engine.units:
+            self._out(self._optimizer_side(unit) + self._shard(unit))
+        self.store.wait()  # the memory is free when this returns
+
+    def before_gather(self, unit) -> None:
+        if self.store is not None and self.plan.params == "nvme" and not self._stepping:
+            self._in(self._shard(unit) + (self._master(unit) if unit.master is unit.shard_param else []))
+
+    def after_gather(self, unit) -> None:
+        if self.store is not None and self.plan.params == "nvme" and not self._stepping:
+            self._out(self._shard(unit) + (self._master(unit) if unit.master is unit.shard_param else []))
+
+    @contextlib.contextmanager
+    def all_resident(self):
+        """Everything in memory for the duration (checkpoints, full state, loading)."""
+        if self.store is None or self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._stepping, self._depth = True, 1
+        try:
+            for unit in self.engine.units:
+                self._in(self._optimizer_side(unit) + self._shard(unit))
+                if self.grads_in_files:
+                    self.grad_in(unit)
+            yield
+        finally:
+            self._stepping, self._depth = False, 0
+            if self.grads_in_files:
+                for unit in self.engine.units:
+                    self.grad_out(unit)
+            self.release_all()
+
+    # -- the step, unit by unit ----------------------------------------------------------------------
+    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+        """Step each unit alone (its pieces given their gradient, the others none), publishing its
+        weights before the next; with files, the next units' reads overlap this unit's step."""
+        engine, units = self.engine, self.engine.units
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        self._stepping = True
+        try:
+            ahead, in_flight = max(1, self.plan.prefetch_depth), []
+            if self.store is not None:
+                for unit in units[:ahead]:
+                    self._in(self._optimizer_side(unit) + self._shard(unit), wait=False)
+            for i, (unit, grad) in enumerate(zip(units, grads)):
+                if self.store is not None:
+                    for nxt in units[i + 1:i + 1 + ahead]:
+                        self._in(self._optimizer_side(nxt) + self._shard(nxt), wait=False)
+                    self._in(self._optimizer_side(unit) + self._shard(unit))
+                if isinstance(grad, _Lazy):
+                    grad = grad.read()
+                for a, b, view in unit.pieces:
+                    view.grad = grad[a:b]
+                engine.optimizer.step()
+                for _, _, view in unit.pieces:
+                    view.grad = None
+                engine.publish_unit(unit)
+                if self.store is not None:
+                    written = self._optimizer_side(unit) + self._shard(unit)
+                    if self.grads_in_files:  # stepped: its gradient is spent, no write needed
+                        self.zero_grad_now(unit)
+                    self._out(written)
+                    # At most one unit's writes in flight: a slow disk must not pile units up in memory.
+                    self.store.wait_for([key for key, _ in in_flight])
+                    in_flight = written
+        finally:
+            self._stepping = False
+        if self.store is not None:
+            self.store.wait()
+
+    def step_streaming(self, lr: float, max_norm: float, skip) -> tuple[float, bool]:
+        """The engine's step with gradients in files: unscale each shard and add up its squared norm
+        one unit at a time, agree on the norm (and on skipping) over every rank, then read each
+        shard once more for its unit's clipped step. Returns (norm, skipped)."""
+        from bigtrain.optim.clip import global_norm, square_sums
+        from bigtrain.parallel.placement import NORM_AXIS
+
+        engine = self.engine
+        counted = engine.placements.counted_in_norm
+        parts = torch.zeros(2, dtype=torch.float32, device=engine.device)
+        for unit in engine.units:
+            g = self.grad_in(unit)
+            if engine.scaler is not None:
+                g.div_(engine.scaler.scale)
+            parts += square_sums((g[a:b] for slot, a, b in unit.shard_slot_ranges() if counted(slot.name)),
+                                 engine.device)
+            self.grad_out(unit)
+        if skip is not None:
+            parts[1] += skip
+        norm, found_inf = global_norm(parts, engine.placements.comm(NORM_AXIS))
+        if engine.scaler is not None:
+            engine.scaler.update(found_inf)
+        if found_inf:
+            return norm, True
+        scale = max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
+        self.step([_Lazy(self, unit, scale) for unit in engine.units], lr)
+        return norm, False
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        return {"nvme": self.store.stored_bytes if self.store is not None else 0}
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+class _Lazy:
+    """A unit's gradient shard still in its file: read (and clipped) when its unit is stepped."""
+
+    def __init__(self, offload: UnitOffload, unit, scale: float):
+        self.offload, self.unit, self.scale = offload, unit, scale
+
+    def read(self) -> torch.Tensor:
+        g = self.offload.grad_in(self.unit)
+        if self.scale != 1.0:
+            g.mul_(self.scale)
+        return g
