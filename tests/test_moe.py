@@ -40,7 +40,7 @@ def plain_forward(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
             w = w / w.sum(-1, keepdim=True) if k > 1 else w
         else:
             scores = torch.sigmoid(logits)
-            _, e = (scores.detach() + moe.bias(x.device)).topk(k, dim=-1)
+            _, e = (scores.detach() + moe.expert_bias).topk(k, dim=-1)
             w = scores.gather(-1, e)
             w = w / w.sum(-1, keepdim=True)
         used = [0] * EXPERTS
