@@ -42,7 +42,7 @@ def plain_forward(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
             scores = torch.sigmoid(logits)
             _, e = (scores.detach() + moe.expert_bias).topk(k, dim=-1)
             w = scores.gather(-1, e)
-            w = w / w.sum(-1, keepdim=True)
+            w = w / w.sum(-1, keepdim=True) if k > 1 else w
         used = [0] * EXPERTS
         for choice in range(k):
             for t in range(s):
@@ -75,6 +75,7 @@ CASES = {
     "top2-capacity-1.0": dict(top_k=2, capacity=1.0),
     "top1-capacity-0.5": dict(top_k=1, capacity=0.5),
     "sigmoid-bias-shared": dict(top_k=2, router="sigmoid-bias", shared=True),
+    "sigmoid-bias-top1": dict(top_k=1, router="sigmoid-bias"),
 }
 
 

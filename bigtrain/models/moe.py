@@ -11,7 +11,8 @@ a layout comparable with one process.
 The rules (docs/moe.md):
 - router in fp32 whatever the compute dtype: 'softmax' takes the top-k softmax scores (renormalized
   over the k chosen when k > 1, as Mixtral; raw for k = 1, as Switch); 'sigmoid-bias' selects the
-  top-k of sigmoid(score) + bias and weights by the sigmoid scores renormalized over the k chosen;
+  top-k of sigmoid(score) + bias and weights by the sigmoid scores renormalized over the k chosen
+  (raw for k = 1: renormalized, the one weight would be 1 and the router would get no gradient);
   the bias moves outside the gradient after each applied step (:func:`update_router_biases`);
   it is model state: a persistent buffer, in checkpoints under its module name.
 - capacity, per sequence (the group): C = ceil(factor x seq_len x top_k / E) routings per expert;
@@ -179,7 +180,9 @@ class MoEFeedForward(nn.Module):
         scores = torch.sigmoid(logits)
         _, chosen = (scores.detach() + self.expert_bias.float()).topk(self.top_k, dim=-1)
         weights = scores.gather(-1, chosen)
-        return scores, chosen, weights / weights.sum(-1, keepdim=True)
+        if self.top_k > 1:  # for k = 1 renormalizing would make every weight 1: the router would learn nothing
+            weights = weights / weights.sum(-1, keepdim=True)
+        return scores, chosen, weights
 
     def _within_capacity(self, chosen: torch.Tensor) -> torch.Tensor:
         """(batch, seq, k) -> bool (batch, seq, k): routings inside their expert's capacity in their
