@@ -43,6 +43,7 @@ def _step(layer: torch.nn.Module, x: torch.Tensor) -> None:
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
