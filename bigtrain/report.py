@@ -1,6 +1,7 @@
 """The end-of-run report: a loss-curve PNG and a short markdown summary that says which run it is
 (config hash, code, torch, layout, model, data), what it reached (final and held-out loss, tokens,
-wall time), and the planner's prediction beside what was measured (step time, tokens/s, memory)."""
+wall time), and the planner's prediction beside what was measured (step time, tokens/s, memory); for
+a mixture of experts, each MoE block's expert load over the steps (a PNG) and at the last step (a table)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,61 @@ def plot_loss(records: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+MAX_BLOCKS_DRAWN = 6  # MoE blocks with a panel of their own in expert_load.png (the first ones)
+
+
+def expert_load(records: list[dict]) -> dict[str, tuple[list[int], list[list[float]]]]:
+    """{MoE block: (logged steps, per step each expert's share of the block's routings)} from the
+    ``moe`` metrics (empty for a dense run)."""
+    out: dict[str, tuple[list[int], list[list[float]]]] = {}
+    for r in records:
+        for block, m in (r.get("moe") or {}).items():
+            total = sum(m["load"]) or 1
+            steps, shares = out.setdefault(block, ([], []))
+            steps.append(r["step"])
+            shares.append([n / total for n in m["load"]])
+    return out
+
+
+def plot_expert_load(load: dict[str, tuple[list[int], list[list[float]]]], path: Path) -> None:
+    """One panel per MoE block: each expert's share of the routings over the steps (1/E is balance)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = list(load)[:MAX_BLOCKS_DRAWN]
+    fig, axes = plt.subplots(len(blocks), 1, figsize=(6, 1.8 * len(blocks) + 0.6), sharex=True, squeeze=False)
+    for ax, block in zip(axes[:, 0], blocks):
+        steps, shares = load[block]
+        experts = len(shares[0])
+        for e in range(experts):
+            ax.plot(steps, [row[e] for row in shares], linewidth=1, label=f"expert {e}")
+        ax.axhline(1 / experts, color="black", linewidth=0.8, linestyle="--")
+        ax.set_ylabel("share")
+        ax.set_title(block, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=6, ncol=4, loc="upper right")
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _expert_load_lines(records: list[dict], load: dict) -> list[str]:
+    last = next(r["moe"] for r in reversed(records) if r.get("moe"))
+    lines = ["", "## Expert load (routings per expert, before capacity drops)", "", "![expert load](expert_load.png)",
+             "", f"Last logged step ({next(r['step'] for r in reversed(records) if r.get('moe'))}); the dashed line "
+             "in the plot is an even share, 1/E:", "", "| block | share per expert | max / mean | dropped | aux loss |",
+             "|---|---|---|---|---|"]
+    for block, m in last.items():
+        total, experts = sum(m["load"]) or 1, len(m["load"])
+        shares = " ".join(f"{n / total:.2f}" for n in m["load"])
+        lines.append(f"| {block} | {shares} | {max(m['load']) * experts / total:.2f} | {m['dropped']} | "
+                     f"{m['aux']:.4f} |")
+    return lines
 
 
 def summarize(records: list[dict]) -> dict:
@@ -104,7 +160,8 @@ def _prediction_lines(predicted: dict | None, s: dict) -> list[str]:
 
 
 def write_report(run_dir: Path) -> Path | None:
-    """Write ``loss.png`` and ``report.md`` into ``run_dir``; returns the report path."""
+    """Write ``loss.png`` and ``report.md`` (and, with experts, ``expert_load.png``) into ``run_dir``;
+    returns the report path."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     if not records:
@@ -126,6 +183,10 @@ def write_report(run_dir: Path) -> Path | None:
         lines += [f"| {axis} | {op} | {human_bytes(v)} ({v:.0f}) |" for op, v in ops.items()]
     if not s["comm_ops_per_step"]:
         lines.append("| - | none (one rank) | 0 |")
+    load = expert_load(records)
+    if load:
+        plot_expert_load(load, run_dir / "expert_load.png")
+        lines += _expert_load_lines(records, load)
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     (run_dir / "report.json").write_text(json.dumps({**s, "run": run}, indent=1))

@@ -187,7 +187,8 @@ class Trainer:
         self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
         veto = (~torch.isfinite(loss_sum)).float()
         grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip, skip=veto)  # host sync 1: norm, skip
-        moe = update_router_biases(self.model, self.parallel.grad_comm)  # the replicas' loads summed
+        # The replicas' loads summed; a skipped step leaves the routers' biases as they were.
+        moe = update_router_biases(self.model, self.parallel.grad_comm, move_biases=not skipped)
         traffic = self.mesh.stats.since(before)
         # Host sync 2, the step's last: on CUDA it waits for the current stream, where the optimizer's
         # kernels were queued before it, so the step time below is the device's, not the time it

@@ -27,5 +27,6 @@ def test_the_sample_spans_the_composition_space():
     seen = {o.split("=")[0] + ("" if o.endswith(("=1", "=False", "=none", "=-1", "=0", "=fp32")) else "*")
             for layout in LAYOUTS for o in layout}
     for key in ("dp", "tp", "pp", "sp", "zero", "sequence_parallel", "pp_virtual", "tie_embeddings",
-                "checkpointing", "ignore_target", "mode", "activation_offload", "fused_loss"):
+                "checkpointing", "ignore_target", "mode", "activation_offload", "fused_loss", "moe_experts", "ep",
+                "moe_capacity_factor"):
         assert any(k.endswith(key + "*") for k in seen), f"no sampled layout sets {key}"

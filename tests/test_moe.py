@@ -40,9 +40,9 @@ def plain_forward(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
             w = w / w.sum(-1, keepdim=True) if k > 1 else w
         else:
             scores = torch.sigmoid(logits)
-            _, e = (scores.detach() + moe.bias(x.device)).topk(k, dim=-1)
+            _, e = (scores.detach() + moe.expert_bias).topk(k, dim=-1)
             w = scores.gather(-1, e)
-            w = w / w.sum(-1, keepdim=True)
+            w = w / w.sum(-1, keepdim=True) if k > 1 else w
         used = [0] * EXPERTS
         for choice in range(k):
             for t in range(s):
@@ -75,6 +75,7 @@ CASES = {
     "top2-capacity-1.0": dict(top_k=2, capacity=1.0),
     "top1-capacity-0.5": dict(top_k=1, capacity=0.5),
     "sigmoid-bias-shared": dict(top_k=2, router="sigmoid-bias", shared=True),
+    "sigmoid-bias-top1": dict(top_k=1, router="sigmoid-bias"),
 }
 
 
@@ -158,3 +159,25 @@ def _per_sequence_loads(moe, x, cap):
             chosen = scores.topk(1, dim=-1).indices.flatten()
             out += [int((chosen == e).sum()) for e in range(EXPERTS)]
     return out
+
+
+def test_the_report_draws_expert_load(tmp_path):
+    """A run whose metrics carry ``moe`` gets expert_load.png and a per-block table (shares at the
+    last logged step, max / mean, drops, aux); a dense run gets neither."""
+    import json
+
+    from bigtrain.report import write_report
+
+    def record(step, load):
+        return {"step": step, "loss": 5.0 - step, "tokens_per_s": 100.0, "tokens": 256,
+                "moe": {"layers.0.feed_forward": {"load": load, "dropped": 3, "aux": 1.25}}}
+
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        record(0, [10, 30, 20, 4]), record(1, [16, 16, 16, 16]))) + "\n")
+    report = write_report(tmp_path).read_text()
+    assert (tmp_path / "expert_load.png").stat().st_size > 0
+    assert "| layers.0.feed_forward | 0.25 0.25 0.25 0.25 | 1.00 | 3 | 1.2500 |" in report
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 5.0, "tokens_per_s": 1.0}) + "\n")
+    assert "Expert load" not in write_report(dense).read_text() and not (dense / "expert_load.png").exists()

@@ -5,7 +5,8 @@ sequence parallel, ZeRO stage, pipeline schedule, virtual stages and split point
 checkpointing (full, every k-th, selective), activation offload, the fused loss, accumulation,
 tied embeddings, grouped and replicated key/value heads, a vocabulary that tp does not divide,
 masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding, the asynchronous pipelines 2BW and PipeDream
-with vertical sync, local SGD at K = 1). int8 activation compression is
+with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture of experts with its ep
+degree, capacity, router, balance loss, shared expert and grouped GEMM). int8 activation compression is
 not drawn: it changes the weight gradients on purpose (tests/test_activation_memory.py). Each
 sample must either be rejected by validation before any rank starts, with every problem naming a
 field, or train like the independent reference (:func:`bigtrain.check.run.check_layout`). Anything
@@ -78,6 +79,8 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
         out += [f"--parallel.reshard_after_forward={rng.random() < 0.5}", f"--parallel.prefetch={rng.random() < 0.5}"]
     out += _optimizer_choice(rng)
     out += _asynchronous_choice(rng, dp, pp, micro * accum)  # last: earlier seeds keep the draws above
+    if rng.random() < 0.4:  # drawn last: the draws above, and so the samples without experts, stay as they were
+        out = _with_experts(rng, out, dp)
     return out
 
 
@@ -105,6 +108,28 @@ def _optimizer_choice(rng: random.Random) -> list[str]:
     if name == "lion":
         return [f"--optim.name={name}", "--optim.lr=3e-4", "--optim.beta2=0.99"]
     return [f"--optim.name={name}"] if name != "adamw" else []
+
+
+def _with_experts(rng: random.Random, out: list[str], dp: int) -> list[str]:
+    """A mixture-of-experts variant of sample ``out``: experts, top-k, MoE blocks, capacity, router,
+    balance loss, shared expert, grouped GEMM, and an ep degree. Mostly a valid one: ep a divisor of
+    dp and of E, and, as MoE rejects Ulysses and Megatron sequence parallelism, usually without
+    them; the rest of the time whatever was drawn, which validation must reject by name."""
+    experts = rng.choice([2, 4, 4, 8, 6])
+    top_k = rng.choice([1, 2, 2, 3])
+    valid_ep = [d for d in (1, 2, 4) if dp % d == 0 and experts % d == 0]
+    ep = rng.choice(valid_ep[1:] or valid_ep) if rng.random() < 0.85 else rng.choice([2, 3, 4])
+    if rng.random() < 0.8:
+        out = [o for o in out if not o.startswith("--parallel.sequence_parallel=")]
+        out = ["--parallel.sp=1" if o.startswith("--parallel.sp=") else o for o in out]
+    return out + [f"--model.moe_experts={experts}", f"--model.moe_top_k={top_k}", f"--parallel.ep={ep}",
+                  f"--model.moe_every={rng.choice([1, 1, 2])}",
+                  f"--model.moe_capacity_factor={rng.choice([0.0, 0.0, 1.0, 1.25, 0.5])}",
+                  f"--model.moe_router={rng.choice(['softmax', 'softmax', 'sigmoid-bias'])}",
+                  f"--model.moe_aux_loss_coef={rng.choice([0.0, 0.01, 0.1])}",
+                  f"--model.moe_ffn_hidden={rng.choice([0, 0, 48])}",
+                  f"--model.moe_shared_expert={rng.random() < 0.25}",
+                  f"--parallel.moe_grouped_mm={rng.random() < 0.3}"]
 
 
 @dataclass

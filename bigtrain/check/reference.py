@@ -198,7 +198,7 @@ class ReferenceRun:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.learning_rate(self.step)
             self.optimizer.step()
-        update_router_biases(self.compute)  # MoE: this process saw every token of the step
+        update_router_biases(self.compute, move_biases=not skipped)  # MoE: this process saw every token
         self.optimizer.zero_grad(set_to_none=True)
         if self.mixed:
             with torch.no_grad():

@@ -42,8 +42,14 @@ def recompute_in_backward(module: nn.Module) -> None:
 
 
 def selective_parts(block: nn.Module, attention: bool = False) -> list[nn.Module]:
-    """The modules of a Llama block that selective recomputation wraps (``attention``: the core too)."""
-    parts = [block.attention_norm, block.ffn_norm, block.feed_forward.activation]
+    """The modules of a Llama block that selective recomputation wraps (``attention``: the core too);
+    of an MoE block the norms and the shared expert's activation."""
+    parts = [block.attention_norm, block.ffn_norm]
+    ffn = block.feed_forward
+    if getattr(ffn, "is_moe", False):  # the experts' SwiGLU runs inside their loop or grouped GEMM: kept
+        ffn = ffn.shared
+    if ffn is not None:
+        parts.append(ffn.activation)
     return parts + [block.attention.core] if attention else parts
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config import ModelConfig
-from bigtrain.models.moe import MoEFeedForward
+from bigtrain.models.moe import MoEFeedForward, init_router_biases
 
 
 class RMSNorm(nn.Module):
@@ -151,10 +151,12 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """(Re)create the rotary tables, on ``device`` (default: where they are), in fp32."""
+        """(Re)create the rotary tables and zero the routers' biases, on ``device`` (default: where
+        they are), in fp32."""
         device = self.rope_cos.device if device is None else torch.device(device)
         cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
         self.rope_cos, self.rope_sin = cos, sin
+        init_router_biases(self, device)
 
     def initial_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """Parameter ``name``'s full initial value (what ``parallelize`` cuts each rank's part from)."""

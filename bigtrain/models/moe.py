@@ -11,8 +11,10 @@ a layout comparable with one process.
 The rules (docs/moe.md):
 - router in fp32 whatever the compute dtype: 'softmax' takes the top-k softmax scores (renormalized
   over the k chosen when k > 1, as Mixtral; raw for k = 1, as Switch); 'sigmoid-bias' selects the
-  top-k of sigmoid(score) + bias and weights by the sigmoid scores renormalized over the k chosen;
-  the bias moves outside the gradient after each step (:func:`update_router_biases`).
+  top-k of sigmoid(score) + bias and weights by the sigmoid scores renormalized over the k chosen
+  (raw for k = 1: renormalized, the one weight would be 1 and the router would get no gradient);
+  the bias moves outside the gradient after each applied step (:func:`update_router_biases`);
+  it is model state: a persistent buffer, in checkpoints under its module name.
 - capacity, per sequence (the group): C = ceil(factor x seq_len x top_k / E) routings per expert;
   every first choice ranks before every second choice, then earlier tokens first; routings past
   C are dropped (the token keeps its residual). Factor 0 is dropless.
@@ -129,8 +131,12 @@ class MoEFeedForward(nn.Module):
         self.shared = FeedForward(dim, hidden) if shared_expert else None
         self.dispatcher = LocalExperts()
         self.aux_scale: float | None = None  # per sequence; None: 1 / the sequences of each forward
-        # Not buffers: derived state the engines need not own (zeroed where first used, see docs/moe.md).
-        self.expert_bias: torch.Tensor | None = None
+        # sigmoid-bias: model state outside the gradient (a persistent buffer: checkpointed by name,
+        # whole on every rank that holds the block); fp32 zeros from init_router_biases.
+        if router == "sigmoid-bias":
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        else:
+            self.expert_bias: torch.Tensor | None = None
         self.stats = MoEStats(num_experts)
 
     def capacity(self, seq_len: int) -> int | None:
@@ -172,15 +178,11 @@ class MoEFeedForward(nn.Module):
                 weights = weights / weights.sum(-1, keepdim=True)
             return scores, chosen, weights
         scores = torch.sigmoid(logits)
-        _, chosen = (scores.detach() + self.bias(tokens.device)).topk(self.top_k, dim=-1)
+        _, chosen = (scores.detach() + self.expert_bias.float()).topk(self.top_k, dim=-1)
         weights = scores.gather(-1, chosen)
-        return scores, chosen, weights / weights.sum(-1, keepdim=True)
-
-    def bias(self, device: torch.device) -> torch.Tensor:
-        if self.expert_bias is None or self.expert_bias.device != device:
-            self.expert_bias = torch.zeros(self.num_experts, device=device) if self.expert_bias is None \
-                else self.expert_bias.to(device)
-        return self.expert_bias
+        if self.top_k > 1:  # for k = 1 renormalizing would make every weight 1: the router would learn nothing
+            weights = weights / weights.sum(-1, keepdim=True)
+        return scores, chosen, weights
 
     def _within_capacity(self, chosen: torch.Tensor) -> torch.Tensor:
         """(batch, seq, k) -> bool (batch, seq, k): routings inside their expert's capacity in their
@@ -213,11 +215,22 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
         block.aux_scale = scale
 
 
+def init_router_biases(model: nn.Module, device: torch.device | str | None = None) -> None:
+    """Every sigmoid-bias router's bias zeroed, fp32, on ``device`` (default: where it is): after
+    ``to_empty`` (which leaves it unset, or on meta under ZeRO) or a cast to a compute dtype (a bf16
+    bias would round the 1e-3 steps away). A checkpoint's values are loaded after this."""
+    for _, block in moe_blocks(model):
+        if block.expert_bias is not None:
+            where = block.expert_bias.device if device is None else torch.device(device)
+            block.expert_bias = torch.zeros(block.num_experts, device=where)
+
+
 @torch.no_grad()
-def update_router_biases(model: nn.Module, comm=None) -> dict[str, dict]:
+def update_router_biases(model: nn.Module, comm=None, move_biases: bool = True) -> dict[str, dict]:
     """After a step: sum each block's statistics over ``comm`` (the data-parallel ranks, which hold
     the same router and see different tokens; None: this process saw them all), move the
-    sigmoid-bias routers' biases towards the under-loaded experts, reset the statistics; returns
+    sigmoid-bias routers' biases towards the under-loaded experts (unless ``move_biases`` is False:
+    a step the NaN policy skipped leaves all model state as it was), reset the statistics; returns
     {block name: {"load": [...], "dropped": n, "aux": mean per sequence}} for the metrics."""
     out = {}
     for name, block in moe_blocks(model):
@@ -227,9 +240,9 @@ def update_router_biases(model: nn.Module, comm=None) -> dict[str, dict]:
         if comm is not None:
             comm.all_reduce(packed, tag="moe_metrics")
         load, dropped, aux, sequences = packed[:-3], packed[-3], packed[-2], packed[-1]
-        if block.router_kind == "sigmoid-bias" and float(load.sum()) > 0:
-            bias = block.bias(load.device)
-            bias += BIAS_UPDATE_RATE * torch.sign(load.mean() - load).to(bias.dtype)
+        if move_biases and block.expert_bias is not None and float(load.sum()) > 0:
+            bias = block.expert_bias
+            bias += BIAS_UPDATE_RATE * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
         out[name] = {"load": [int(v) for v in load.tolist()], "dropped": int(dropped),
                      "aux": float(aux) / max(1.0, float(sequences))}
         block.stats = MoEStats(block.num_experts)

@@ -22,6 +22,14 @@ from bigtrain.parallel.tied import TiedCopies
 from bigtrain.parallel.zero.engine import ZeroEngine
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model state that is not a parameter and that checkpoints carry, by name: what
+    ``state_dict`` holds besides the parameters (a sigmoid-bias router's bias; the rotary tables
+    are not persistent, being derived from the config)."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {n: t for n, t in model.state_dict(keep_vars=True).items() if n not in params}
+
+
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
@@ -171,7 +179,15 @@ class ParallelModel:
                 if lo == 0 < hi and placements.first_part(piece.name):
                     out += [SavedChunk(f"optim/{piece.name}/{k}", tuple(v.shape), (0,) * v.dim(),
                                        v.detach().clone() if copy else v.detach()) for k, v in piece.scalars.items()]
+        if self._writes_buffers():
+            out += [SavedChunk(name, tuple(b.shape), (0,) * b.dim(), b.detach().clone() if copy else b.detach())
+                    for name, b in persistent_buffers(self.model).items()]
         return out
+
+    def _writes_buffers(self) -> bool:
+        """Model state outside the parameters (a router's bias) is whole and equal on every rank
+        of a pipeline stage: the first rank over the data-parallel and tp axes writes it."""
+        return all(self.placements.comm(axis).rank == 0 for axis in ("dp_sp", "tp"))
 
     def load_sharded(self, path) -> None:
         """Fill this rank's shards (weights and optimizer state) from the sharded checkpoint at
@@ -203,6 +219,12 @@ class ParallelModel:
                             requests.append((fqn, (0,) * asked[fqn].dim(), asked[fqn]))
                         piece.scalars[k] = asked[fqn]
             reader.read(requests)
+        buffers = persistent_buffers(self.model)
+        missing = [n for n in buffers if not reader.has(n)]
+        if missing:
+            raise ValueError(f"{path} has no {', '.join(missing)} (model state outside the parameters, saved since "
+                             f"the sigmoid-bias router's bias became a buffer); resume from a newer checkpoint")
+        reader.read([(name, (0,) * b.dim(), b) for name, b in buffers.items()])
 
     def _block_layout(self, names):
         """(block size, the per-block state's placements) for the parameters ``names``."""

@@ -172,7 +172,7 @@ def _int8(elements: int) -> float:
 def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                       compression: str = "none", selective_attention: bool = False) -> BlockActivations:
     """The itemized saved tensors of one block (see the module docstring)."""
-    nbytes, h, k, f = BYTES[precision], model.hidden, model.kv_dim, model.ffn_hidden
+    nbytes, h, k, f = BYTES[precision], model.hidden, model.kv_dim, model.activation_ffn
     first_norm, second_norm = ("attention_norm", "ffn_norm") if model.mlp == "swiglu" else ("ln_1", "ln_2")
     int8 = compression == "int8"
     linear_in = _int8(h) if int8 else nbytes * h  # a norm's output, as the linears after it keep it

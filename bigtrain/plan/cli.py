@@ -15,7 +15,7 @@ from bigtrain.config import ConfigError, load_config, preset_names
 from bigtrain.optim import optimizer_names
 from bigtrain.plan.hardware import HardwareProfile, calibrate, get_profile, load_profile
 from bigtrain.plan.layout import Cluster, parse_layout
-from bigtrain.plan.model import MLP_KINDS, ModelSpec
+from bigtrain.plan.model import MLP_KINDS, ModelSpec, moe_fields
 from bigtrain.plan.report import json_report, text_report, write_png
 from bigtrain.plan.search import search
 from bigtrain.plan.weight_grad import measure_backward_split
@@ -71,7 +71,7 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, int | None]:
         cfg = load_config(preset=args.preset)
         m = cfg.model
         base = dict(layers=m.n_layers, hidden=m.dim, heads=m.n_heads, kv_heads=m.n_kv_heads, vocab=m.vocab_size,
-                    seq=cfg.data.seq_len, ffn_hidden=m.ffn_hidden, tie_embeddings=m.tie_embeddings)
+                    seq=cfg.data.seq_len, ffn_hidden=m.ffn_hidden, tie_embeddings=m.tie_embeddings, **moe_fields(m))
         batch = cfg.train.global_batch
     given = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "seq", "ffn_hidden",
                                           "tie_embeddings") if getattr(args, k) is not None}

@@ -112,6 +112,7 @@ class StageCosts:
     comm_f: float  # exposed tp/sp collectives in the forward
     comm_b: float
     p2p: float  # one pipeline transfer
+    moe_comm: float = 0.0  # the experts' all-to-all, forward and backward (part of comm_f and comm_b)
 
 
 def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCosts:
@@ -139,13 +140,34 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
              + sp_link.collective("all_to_all", local_tokens * model.hidden * nbytes / layout.tp, layout.sp))
     comm_f = layers * (2 * tp_op + sp_op)
     comm_b = layers * (2 * tp_op + sp_op) + recomputed * (2 * tp_op + sp_op)
+    moe_f, moe_b = expert_all_to_all(model, layout, cluster, recomputed / max(layers, 1e-9))
+    comm_f, comm_b = comm_f + moe_f, comm_b + moe_b
     boundary = local_tokens * model.hidden * nbytes / (layout.tp if layout.tp_sp else 1)
     p2p = link_of(cluster, layout, ("pp",)).collective("p2p", boundary, layout.pp)
 
     def seconds(flops: float) -> float:
         return flops / split / rate
 
-    return StageCosts(seconds(forward), seconds(backward), seconds(weight_grad), comm_f, comm_b, p2p)
+    return StageCosts(seconds(forward), seconds(backward), seconds(weight_grad), comm_f, comm_b, p2p, moe_f + moe_b)
+
+
+def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomputed_share: float = 0.0
+                      ) -> tuple[float, float]:
+    """Exposed seconds of one micro-batch's expert all-to-alls on a pipeline rank: (forward,
+    backward). Per MoE layer, dispatch and combine each move the tokens' top_k copies of the
+    hidden state, (ep-1)/ep of them leaving the rank (tests/test_expert_parallel.py measures it);
+    backward runs both again, and a recomputed layer's forward once more. The ep ranks are
+    adjacent inside dp x sp, tp apart: they cross nodes when tp x ep exceeds a node."""
+    if not model.experts or layout.ep == 1:
+        return 0.0, 0.0
+    hw = cluster.hardware
+    crosses = layout.tp * layout.ep > cluster.gpus_per_node
+    link = Link(hw.inter_node_bandwidth, hw.inter_node_latency_s) if crosses else \
+        Link(hw.intra_node_bandwidth, hw.intra_node_latency_s)
+    rows = layout.micro_batch * model.seq * model.top_k * model.hidden * BYTES[layout.precision]
+    layer = 2 * link.collective("all_to_all", rows, layout.ep)
+    layers = model.moe_layers / layout.pp
+    return layers * layer, layers * layer * (1 + recomputed_share)
 
 
 def activation_recompute_flops_per_token(model: ModelSpec, layout: Layout) -> float:
@@ -240,7 +262,8 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
                                              + activation_recompute_flops_per_token(model, layout))
     peak = cluster.hardware.peak_flops(layout.precision) * cluster.gpus
     breakdown = {"compute": m * (costs.compute_f + costs.compute_b),
-                 "tp_sp_comm": m * (costs.comm_f + costs.comm_b),
+                 "tp_sp_comm": m * (costs.comm_f + costs.comm_b - costs.moe_comm),
+                 **({"moe_all_to_all": m * costs.moe_comm} if costs.moe_comm else {}),
                  "pipeline_bubble": terms.bubble, **extra}
     return StepTime(total, tokens / total, model_flops / (total * peak), hardware_flops / (total * peak),
                     model_flops, hardware_flops, m, terms.source, breakdown)

@@ -40,6 +40,7 @@ class Layout:
     offload: bool = False  # memory.activation_offload
     compression: str = "none"  # memory.activation_compression
     fused_loss: bool = False  # model.fused_loss
+    ep: int = 1  # parallel.ep: experts sharded over ep of the dp x sp ranks (adds no ranks)
 
     @property
     def gpus(self) -> int:
@@ -49,7 +50,7 @@ class Layout:
         """The ranks of a mesh axis, named as the runtime's mesh and placement record name them
         (``dp_sp``: the replicas of a dense weight; ``pp_ends``: the two ends of the pipeline)."""
         sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp, "dp_sp": self.dp * self.sp,
-                 "pp_ends": min(2, self.pp)}
+                 "pp_ends": min(2, self.pp), "ep": self.ep, "edp": self.dp * self.sp // self.ep}
         return sizes[axis]
 
     @property
@@ -62,7 +63,7 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"sp={self.sp}", f"zero={self.zero}",
-                 f"mb={self.micro_batch}"]
+                 f"mb={self.micro_batch}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else ""))
         parts.append(f"recompute={self.recompute}" + (f",every={self.every}" if self.recompute == "every" else ""))
@@ -78,7 +79,7 @@ class Layout:
 
     def to_overrides(self) -> list[str]:
         """The layout as ``bigtrain train`` overrides (``--parallel.dp=8`` ...), for ``--parallel auto``."""
-        out = [f"--parallel.{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "sp", "zero")]
+        out = [f"--parallel.{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "sp", "zero", "ep")]
         out += [f"--parallel.pp_schedule={self.schedule}", f"--parallel.pp_virtual={self.v}"]
         out += [f"--parallel.sequence_parallel={str(self.tp_sp).lower()}", f"--precision.mode={self.precision}",
                 f"--memory.checkpointing={self.recompute}", f"--memory.checkpoint_every={self.every}",
@@ -120,7 +121,7 @@ class Cluster:
         return max(1, -(-self.gpus // self.gpus_per_node))
 
 
-_INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every")
+_INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every", "ep")
 _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": "recompute", "tpsp": "tp_sp",
             "sequence_parallel": "tp_sp", "zero_stage": "zero", "checkpoint_every": "every",
             "activation_offload": "offload", "activation_compression": "compression"}
@@ -195,6 +196,26 @@ def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_b
     if layout.pp * layout.v > model.layers:
         problems.append(f"pp x v = {layout.pp * layout.v} stages exceed --layers = {model.layers}")
     problems += _batch_problems(layout, global_batch)
+    problems += _expert_problems(layout, model)
+    return problems
+
+
+def _expert_problems(layout: Layout, model: ModelSpec) -> list[str]:
+    """Experts and ep (the runtime's rules, validation.py): ep part of the dp x sp ranks and
+    dividing the experts; no Ulysses or Megatron sequence parallelism with experts."""
+    problems = []
+    if model.experts and layout.sp > 1:
+        problems.append(f"sp = {layout.sp} with experts: capacity and the balance loss need whole sequences")
+    if model.experts and layout.tp_sp:
+        problems.append("tp_sp = on with experts: MoE blocks need the whole sequence on every tp rank")
+    if layout.ep == 1:
+        return problems
+    if not model.experts:
+        return [f"ep = {layout.ep} needs a mixture-of-experts model (--preset with model.moe_experts > 0)"]
+    if (layout.dp * layout.sp) % layout.ep:
+        problems.append(f"ep = {layout.ep} must divide dp x sp = {layout.dp * layout.sp}")
+    if model.experts % layout.ep:
+        problems.append(f"ep = {layout.ep} must divide the {model.experts} experts")
     return problems
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bigtrain.optim import get_optimizer
 from bigtrain.parallel.placement import dense
@@ -63,6 +63,7 @@ class Unit:
     # needs counted (the runtime gives it one piece per parameter, blocks aligned).
     sizes: tuple[int, ...] = ()
     grids: tuple[tuple[int, ...], ...] = ()
+    axis: str = "dp_sp"  # the ranks that reduce its gradients and, from ZeRO stage 1, cut it (edp: experts)
 
 
 @dataclass
@@ -150,8 +151,30 @@ def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | N
         root += model.embedding_tensors()
     if stages - 1 in mine:
         root += model.head_tensors(separate_copy=layout.pp > 1)
-    block = _sharded(model.block_tensors(), layout.tp)
-    return (_sharded(root, layout.tp) if root else None), [block] * blocks
+    if not model.experts:
+        block = _sharded(model.block_tensors(), layout.tp)
+        return (_sharded(root, layout.tp) if root else None), [block] * blocks
+    units = []
+    for i in (i for s in mine for i in per_stage[s]):
+        if not model.is_moe_block(i):
+            units.append(_sharded(model.block_tensors(), layout.tp))
+        elif layout.ep == 1:  # the experts reduce over dp x sp like the rest: one unit
+            units.append(_sharded(model.moe_block_tensors() + model.expert_tensors(), layout.tp))
+        else:  # units.py: a block holding parameters of two gradient groups becomes two units
+            units += [_sharded(model.moe_block_tensors(), layout.tp),
+                      replace(_sharded(model.expert_tensors(layout.ep), layout.tp), axis="edp")]
+    return (_sharded(root, layout.tp) if root else None), units
+
+
+def unit_state_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw", block: int = 256
+                     ) -> dict[str, int]:
+    """:func:`state_bytes` of each group of units that shares a gradient axis (the experts' edp
+    apart from the dense weights' dp x sp), summed."""
+    out: Counter = Counter()
+    for axis in dict.fromkeys(u.axis for u in units):
+        out.update(state_bytes([u for u in units if u.axis == axis], layout.zero, layout.precision,
+                               layout.size(axis), optimizer, block))
+    return {k: out[k] for k in ("params", "grads", "optimizer")}
 
 
 def _pieces(unit: Unit, shards: int, shard_rank: int) -> int:
@@ -307,6 +330,8 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
         out["sp_all_to_all"] = tokens * (2 * model.hidden + 2 * model.kv_dim) * nbytes // layout.tp
     if layout.pp > 1:
         out["pp_p2p"] = 2 * tokens * model.hidden * nbytes // (layout.tp if layout.tp_sp else 1)
+    if model.experts and layout.ep > 1:  # one MoE layer's dispatch: the rows sent and received
+        out["moe_all_to_all"] = 2 * tokens * model.top_k * model.hidden * nbytes
     if layout.fused_loss:  # on the last stage; counted on every rank (a bound)
         out["fused_loss_chunk"] = fused_chunk_bytes(model, FUSED_LOSS_CHUNK, layout.tp)
     return out
@@ -317,7 +342,7 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
                 inflight: int, optimizer: str = "adamw", block: int = 256) -> RankMemory:
     root, blocks = rank_units(model, layout, pp_rank)
     units = ([root] if root else []) + blocks
-    states = state_bytes(units, layout.zero, layout.precision, replicas(layout), optimizer, block)
+    states = unit_state_bytes(units, layout, optimizer, block)
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
     versions = weight_versions(layout.schedule, layout.pp, pp_rank)

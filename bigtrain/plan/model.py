@@ -69,6 +69,13 @@ class ModelSpec:
     mlp: str = "swiglu"
     tie_embeddings: bool = False
     name: str = ""
+    # Mixture of experts (bigtrain/models/moe.py), swiglu only: experts per MoE block (0: dense),
+    # each token's experts, every k-th block MoE, each expert's SwiGLU size (0: ffn_hidden).
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    expert_hidden: int = 0
+    shared_expert: bool = False
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -76,12 +83,12 @@ class ModelSpec:
         """The spec of the runtime's Llama built from ``cfg`` and trained on ``seq``-token samples."""
         return cls(layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.kv_heads,
                    vocab=cfg.vocab_size, seq=seq, ffn_hidden=cfg.ffn_dim, mlp="swiglu",
-                   tie_embeddings=cfg.tie_embeddings, name=name)
+                   tie_embeddings=cfg.tie_embeddings, name=name, **moe_fields(cfg))
 
     @classmethod
     def build(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, kv_heads: int = 0,
               ffn_hidden: int = 0, mlp: str = "swiglu", tie_embeddings: bool | None = None,
-              name: str = "") -> "ModelSpec":
+              name: str = "", **moe) -> "ModelSpec":
         """A spec from dimensions, with the family's defaults for the unset ones; raises ConfigError."""
         problems = _dimension_problems(layers, hidden, heads, kv_heads, vocab, seq, ffn_hidden, mlp)
         if problems:
@@ -90,7 +97,7 @@ class ModelSpec:
             ffn_hidden = ModelConfig(dim=hidden).ffn_dim if mlp == "swiglu" else 4 * hidden
         if tie_embeddings is None:
             tie_embeddings = mlp == "gelu"  # GPT-2/3 and Megatron tie; Llama does not
-        return cls(layers, hidden, heads, kv_heads or heads, vocab, seq, ffn_hidden, mlp, tie_embeddings, name)
+        return cls(layers, hidden, heads, kv_heads or heads, vocab, seq, ffn_hidden, mlp, tie_embeddings, name, **moe)
 
     # -- shapes ----------------------------------------------------------------------------------
     @property
@@ -134,27 +141,85 @@ class ModelSpec:
             out.append(Tensor("output", (self.vocab, self.hidden), True, "vocab"))
         return out
 
+    # -- mixture of experts ----------------------------------------------------------------------
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` (from 0) has experts (the runtime's rule, ModelConfig.is_moe_block)."""
+        return self.experts > 0 and (index + 1) % max(1, self.moe_every) == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_block(i) for i in range(self.layers))
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.expert_hidden or self.ffn_hidden
+
+    def moe_block_tensors(self) -> list[Tensor]:
+        """An MoE block's parameters outside its experts: attention and norms as a dense block's,
+        the router, and the shared expert (whole on every tp rank, like the experts: docs/moe.md)."""
+        h, f = self.hidden, self.expert_ffn
+        out = [t for t in self.block_tensors() if not t.name.startswith("feed_forward.")]
+        out.append(Tensor("feed_forward.router.weight", (self.experts, h), True, "rep"))
+        if self.shared_expert:
+            out += [Tensor(f"feed_forward.shared.{w}", (f, h) if w != "w2" else (h, f), True, "rep")
+                    for w in ("w1", "w3", "w2")]
+        return out
+
+    def expert_tensors(self, ep: int = 1) -> list[Tensor]:
+        """An MoE block's experts as one of ``ep`` expert-parallel ranks holds them: E/ep experts,
+        stored as (E/ep x F, h) matrices w1, w3, w2 (models/moe.py), whole over tp."""
+        rows = self.experts // ep * self.expert_ffn
+        return [Tensor(f"feed_forward.experts.{w}", (rows, self.hidden), True, "rep") for w in ("w1", "w3", "w2")]
+
+    def block_tensors_at(self, index: int) -> list[Tensor]:
+        """Block ``index``'s parameters, experts whole."""
+        if self.is_moe_block(index):
+            return self.moe_block_tensors() + self.expert_tensors()
+        return self.block_tensors()
+
+    def _active_block_params(self, index: int) -> int:
+        """Weights a token multiplies in block ``index``: of an MoE block top_k of the E experts."""
+        dense = sum(t.numel for t in (self.moe_block_tensors() if self.is_moe_block(index) else self.block_tensors())
+                    if t.decays)
+        return dense + (self.top_k * 3 * self.expert_ffn * self.hidden if self.is_moe_block(index) else 0)
+
+    @property
+    def activation_ffn(self) -> float:
+        """The SwiGLU width a token's saved activations span, averaged over the blocks: the dense
+        ffn; of an MoE block top_k experts' (and the shared expert's)."""
+        if not self.experts:
+            return self.ffn_hidden
+        moe = self.top_k * self.expert_ffn + (self.expert_ffn if self.shared_expert else 0)
+        return (self.moe_layers * moe + (self.layers - self.moe_layers) * self.ffn_hidden) / self.layers
+
     @property
     def block_params(self) -> int:
         return sum(t.numel for t in self.block_tensors())
 
     @property
     def params(self) -> int:
-        """Distinct parameters (a tied embedding counted once)."""
+        """Distinct parameters (a tied embedding counted once; every expert)."""
         root = self.embedding_tensors() + self.head_tensors()
+        if self.experts:
+            return sum(t.numel for i in range(self.layers) for t in self.block_tensors_at(i)) + \
+                sum(t.numel for t in root)
         return self.layers * self.block_params + sum(t.numel for t in root)
 
     # -- FLOPs ---------------------------------------------------------------------------------
     @property
-    def block_matmul_params(self) -> int:
-        """Weights a token multiplies in one block (biases and norms cost O(h), left out)."""
+    def block_matmul_params(self) -> float:
+        """Weights a token multiplies in one block (biases and norms cost O(h), left out); with
+        experts, the active ones (top_k of E), averaged over the blocks."""
+        if self.experts:
+            return sum(self._active_block_params(i) for i in range(self.layers)) / self.layers
         return sum(t.numel for t in self.block_tensors() if t.decays)
 
     @property
     def matmul_params(self) -> int:
         """N of the 6N convention: every weight a token is multiplied by (all block matrices and
-        the output projection); the input embedding is a lookup and costs nothing."""
-        return self.layers * self.block_matmul_params + self.vocab * self.hidden
+        the output projection; of an MoE block's experts the top_k active ones); the input
+        embedding is a lookup and costs nothing."""
+        return round(self.layers * self.block_matmul_params) + self.vocab * self.hidden
 
     def block_forward_flops_per_token(self) -> int:
         """2 per multiply-add over the block's weights, plus attention's QK^T and AV (4 h s,
@@ -172,9 +237,22 @@ class ModelSpec:
     def describe(self) -> str:
         kind = "Llama-style (SwiGLU, RMSNorm, rotary)" if self.mlp == "swiglu" else "GPT-style (GELU, LayerNorm, learned positions)"
         gqa = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
+        moe = ""
+        if self.experts:
+            where = "every block" if self.moe_every == 1 else f"every {self.moe_every}th block"
+            moe = (f", {self.experts} experts of {self.expert_ffn} top-{self.top_k} in {where} "
+                   f"({_count(self.matmul_params)} active)")
         return (f"{self.name + ': ' if self.name else ''}{kind}, {self.layers} layers, hidden {self.hidden}, "
                 f"{self.heads} heads{gqa}, ffn {self.ffn_hidden}, vocab {self.vocab}, seq {self.seq}, "
-                f"{_count(self.params)} parameters")
+                f"{_count(self.params)} parameters{moe}")
+
+
+def moe_fields(cfg: ModelConfig) -> dict:
+    """The ModelSpec fields of ``cfg``'s mixture of experts (none for a dense model)."""
+    if cfg.moe_experts <= 0:
+        return {}
+    return dict(experts=cfg.moe_experts, top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
+                expert_hidden=cfg.moe_ffn_hidden, shared_expert=cfg.moe_shared_expert)
 
 
 def _count(n: int) -> str:

@@ -109,13 +109,20 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                     _options(fixed, "recompute", RECOMPUTES),
                                     _options(fixed, "tp_sp", (False, True) if tp > 1 else (False,)))
         for zero, mb, (schedule, v), recompute, tp_sp in choices:
-            layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule, v=v,
-                            recompute=recompute, every=fixed.get("every", 2), tp_sp=tp_sp,
-                            precision=fixed.get("precision", precision), offload=fixed.get("offload", False),
-                            compression=fixed.get("compression", "none"), fused_loss=fixed.get("fused_loss", False))
-            if layout not in seen:
-                seen.add(layout)
-                yield layout
+            for ep in _expert_degrees(model, fixed, dp * sp):
+                layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule, v=v,
+                                recompute=recompute, every=fixed.get("every", 2), tp_sp=tp_sp,
+                                precision=fixed.get("precision", precision), offload=fixed.get("offload", False),
+                                compression=fixed.get("compression", "none"),
+                                fused_loss=fixed.get("fused_loss", False), ep=ep)
+                if layout not in seen:
+                    seen.add(layout)
+                    yield layout
+
+
+def _expert_degrees(model: ModelSpec, fixed: dict, replicas: int) -> list[int]:
+    """ep choices: the divisors of the dp x sp ranks that divide the experts (1 for a dense model)."""
+    return _options(fixed, "ep", [d for d in _divisors(replicas) if model.experts % d == 0] if model.experts else [1])
 
 
 def _mesh_problems(fixed: dict, cluster: Cluster) -> list[str]:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from bigtrain.models.llama import Llama, init_value, rotary_tables
+from bigtrain.models.moe import init_router_biases
 from bigtrain.parallel.pipeline.schedules import SCHEDULE_KINDS
 from bigtrain.parallel.tied import shared_parameter_names
 
@@ -193,6 +194,7 @@ class LlamaStage(PipelineStage):
         device = self.rope_cos.device if device is None else torch.device(device)
         self.rope_cos, self.rope_sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
                                                      device)
+        init_router_biases(self, device)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

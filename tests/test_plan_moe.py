@@ -1,0 +1,84 @@
+"""The planner with experts: per-rank parameter bytes under expert parallelism equal the storages
+the runtime allocates (measured on forked Gloo ranks); active FLOPs count top_k of E experts; the
+all-to-all is timed only when ep > 1; Mixtral 8x7B's size and a plan for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bigtrain.config import load_config
+from bigtrain.plan.cost import expert_all_to_all
+from bigtrain.plan.hardware import get_profile
+from bigtrain.plan.layout import Cluster, Layout, layout_problems
+from bigtrain.plan.memory import rank_units, unit_state_bytes
+from bigtrain.plan.model import ModelSpec
+from bigtrain.plan.search import search
+from bigtrain.testing import run_ranks
+from helpers import tiny_config, trainer_on_rank
+
+MOE = ["--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_ffn_hidden=96", "--model.n_layers=3",
+       "--train.global_batch=8", "--train.micro_batch=1"]
+LAYOUTS = {  # (world, overrides): ep cuts the experts, edp = dp / ep cuts their ZeRO units
+    "dp4-ep2-zero1-bf16": (4, ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=1", "--precision.mode=bf16"]),
+    "dp2-ep2-replicated-fp32": (2, ["--parallel.dp=2", "--parallel.ep=2"]),
+    "dp4-ep4-zero2-every2": (4, ["--parallel.dp=4", "--parallel.ep=4", "--parallel.zero=2", "--model.moe_every=2",
+                                 "--model.moe_shared_expert=true"]),
+    "dp2-tp2-ep2-zero1": (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=1"]),
+}
+
+
+def _parameter_storage_bytes(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in trainer.model.parameters()}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_planned_parameter_bytes_equal_the_live_storages(name, corpus_cache, tmp_path):
+    world, overrides = LAYOUTS[name]
+    cfg = tiny_config(corpus_cache, *MOE, *overrides)
+    p = cfg.parallel
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    layout = Layout(dp=p.dp, tp=p.tp, zero=p.zero, precision=cfg.precision.mode, ep=p.ep)
+    root, blocks = rank_units(model, layout, 0)
+    planned = unit_state_bytes([root] + blocks, layout)["params"]
+    measured = run_ranks(_parameter_storage_bytes, world, cfg, str(tmp_path), timeout=240)
+    assert all(m == planned for m in measured), (planned, measured)
+    dense = Layout(dp=p.dp, tp=p.tp, zero=p.zero, precision=cfg.precision.mode)  # the experts whole: more
+    assert unit_state_bytes([root] + rank_units(model, dense, 0)[1], dense)["params"] > planned
+
+
+def test_active_flops_count_top_k_of_the_experts():
+    cfg = load_config(preset="mixtral-8x7b")
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    assert model.params == pytest.approx(46.70e9, rel=1e-3)  # Mixtral 8x7B
+    expert = 3 * model.hidden * model.expert_ffn
+    assert model.params - model.matmul_params == pytest.approx(
+        model.layers * 6 * expert + model.vocab * model.hidden, rel=1e-3)  # 6 idle experts a block, embedding
+    top1 = ModelSpec(**{**model.__dict__, "top_k": 1})
+    assert model.model_flops_per_token() - top1.model_flops_per_token() == 6 * model.layers * expert
+
+
+def test_all_to_all_time_only_with_expert_parallelism():
+    cfg = load_config(preset="mixtral-8x7b")
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    cluster = Cluster.build(64, get_profile("h100-80g"))
+    assert expert_all_to_all(model, Layout(dp=8, pp=8), cluster) == (0.0, 0.0)
+    inside, _ = expert_all_to_all(model, Layout(dp=8, pp=8, ep=8), cluster)
+    across, _ = expert_all_to_all(model, Layout(dp=8, tp=2, pp=4, ep=8), cluster)  # tp x ep = 16 > a node
+    assert 0 < inside < across
+    assert layout_problems(Layout(dp=4, sp=2, pp=8, ep=3), model, cluster, 1024) == [
+        "sp = 2 with experts: capacity and the balance loss need whole sequences", "ep = 3 must divide dp x sp = 8",
+        "ep = 3 must divide the 8 experts"]
+
+
+def test_mixtral_plan_uses_what_the_runtime_accepts():
+    cfg = load_config(preset="mixtral-8x7b")
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    result = search(model, Cluster.build(64, get_profile("h100-80g")), cfg.train.global_batch, fixed={"pp": 8, "micro_batch": 1, "schedule": "1f1b", "zero": 1})
+    best = result.best
+    assert best is not None and best.fits
+    assert all(p.layout.sp == 1 and not p.layout.tp_sp for p in result.ranked)
+    assert any(p.layout.ep > 1 for p in result.ranked)
+    assert torch.tensor(best.memory.total).item() <= best.memory.capacity
