@@ -42,7 +42,8 @@ def _speed(params: int, units: int, steps: int) -> dict:
     grads = [torch.randn(per) for _ in range(units)]
     cfg = OptimConfig()
     fused = build_optimizer(torch.nn.ParameterList(ours), cfg)  # what the engine builds: fused on CPU
-    foreach = torch.optim.AdamW(theirs, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    foreach = torch.optim.AdamW(theirs, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=0.0,
+                                foreach=True)  # vectors: no decay, as build_optimizer gives them
     assert fused.defaults.get("fused"), "torch has no fused CPU AdamW here"
 
     def offloaded_step():
