@@ -52,6 +52,13 @@ class HardwareProfile:
     weight_grad_fraction: float = WEIGHT_GRAD_FRACTION  # W / (I + W) of a split backward, measured
     # device <-> host copies (activation offload), per direction: PCIe Gen4 x16 at ~80% (assumption)
     host_bandwidth: float = 25e9
+    # Shape-aware compute (plan/gemm.py); gemm_fraction = 0 keeps achievable_fraction for everything.
+    gemm_fraction: float = 0.0  # share of the dense peak a large GEMM sustains
+    gemm_half_dim: float = 0.0  # a GEMM dimension this small halves that share
+    attention_fraction: float = 0.5  # share of the peak a flash attention kernel sustains (forward)
+    memory_fraction: float = 0.8  # share of hbm_bandwidth element-wise kernels reach (STREAM-like)
+    op_overhead_s: float = 0.0  # dispatch cost per kernel (0 on GPUs: asynchronous launches)
+    attention_kernel: str = "flash"  # or "unfused" (softmax over the materialized s x s scores)
     source: str = ""
 
     def peak_flops(self, precision: str) -> float:
@@ -72,6 +79,12 @@ class HardwareProfile:
 
 
 _NVIDIA_RESERVE = dict(reserved_bytes=int(1.5 * GIB), fragmentation=0.05, gpus_per_node=8)
+# Shape-aware compute (plan/gemm.py). gemm_fraction and gemm_half_dim were fitted to the published runs
+# (scripts/planner-published.py --fit; cuBLAS reaches about 85-90% of the A100's and 70-75% of the
+# H100's dense bf16 peak on large GEMMs); attention_fraction from FlashAttention-2's paper (forward
+# ~70% of peak on A100, ~50% on H100 without FA3); memory_fraction 0.8: what STREAM-like kernels reach.
+_A100_SHAPES = dict(gemm_fraction=0.7, gemm_half_dim=64, attention_fraction=0.7, memory_fraction=0.8)
+_H100_SHAPES = dict(gemm_fraction=0.8, gemm_half_dim=64, attention_fraction=0.5, memory_fraction=0.8)
 _A100_LINKS = dict(intra_node_bandwidth=240e9, inter_node_bandwidth=22.5e9,
                    intra_node_latency_s=10e-6, inter_node_latency_s=25e-6)
 _H100_LINKS = dict(intra_node_bandwidth=360e9, inter_node_bandwidth=45e9,
@@ -85,14 +98,14 @@ _H100_SOURCE = ("H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 fp32, 3.35 TB/s 
 
 PRESETS: dict[str, HardwareProfile] = {
     "a100-40g": HardwareProfile("a100-40g", 312e12, 19.5e12, 0.65, 40960 * MIB, hbm_bandwidth=1.555e12,
-                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS),
+                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS, **_A100_SHAPES),
     "a100-80g": HardwareProfile("a100-80g", 312e12, 19.5e12, 0.65, 81920 * MIB, hbm_bandwidth=2.039e12,
-                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS),
+                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS, **_A100_SHAPES),
     "h100-80g": HardwareProfile("h100-80g", 989e12, 67e12, 0.55, 81559 * MIB, hbm_bandwidth=3.35e12,
-                                source=_H100_SOURCE, **_NVIDIA_RESERVE, **_H100_LINKS),
+                                source=_H100_SOURCE, **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
     "h200-141g": HardwareProfile("h200-141g", 989e12, 67e12, 0.55, 143771 * MIB, hbm_bandwidth=4.8e12,
                                  source=_H100_SOURCE.replace("3.35 TB/s HBM3", "4.8 TB/s HBM3e, 141 GB"),
-                                 **_NVIDIA_RESERVE, **_H100_LINKS),
+                                 **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
     # The CI machine of notes-cpu-distributed.md: 2 cores, Gloo over loopback. bf16 matmuls have no
     # fast kernel there (a 1024^3 product takes 2.4 s), hence the low bf16 peak. Calibrate your own.
     "cpu": HardwareProfile("cpu", 2e9, 1.6e11, 0.6, 24 * GIB, reserved_bytes=GIB // 2, fragmentation=0.0,
@@ -128,6 +141,8 @@ def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
         out[key] = value
     if "achievable_fraction" in out and not 0 < out["achievable_fraction"] <= 1:
         problems.append(f"{origin}: achievable_fraction = {out['achievable_fraction']} must be in (0, 1]")
+    if out.get("attention_kernel", "flash") not in ("flash", "unfused"):
+        problems.append(f"{origin}: attention_kernel = {out['attention_kernel']!r} must be 'flash' or 'unfused'")
     if "weight_grad_fraction" in out and not 0 < out["weight_grad_fraction"] < 1:
         problems.append(f"{origin}: weight_grad_fraction = {out['weight_grad_fraction']} must be in (0, 1)")
     if problems:
