@@ -264,6 +264,13 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
         bandwidth, latency = measure_all_reduce(comm_ranks, comm_bytes)
         values.update(intra_node_bandwidth=bandwidth, intra_node_latency_s=latency)
         source.append(f"Gloo all-reduce of {comm_bytes / MIB:.0f} MiB over {comm_ranks} forked ranks")
+    from bigtrain.plan.calibrate import fit_gemm_curve, measure_gemms, measure_op_overhead
+
+    points = measure_gemms("fp32")
+    fraction, half_dim = fit_gemm_curve(points, values["peak_flops_fp32"])
+    values.update(gemm_fraction=fraction, gemm_half_dim=half_dim, op_overhead_s=measure_op_overhead())
+    source.append(f"GEMM curve fitted to {len(points)} fp32 shapes (plan/calibrate.py): gemm_fraction "
+                  f"{fraction:.2f}, gemm_half_dim {half_dim:g}; op overhead {values['op_overhead_s'] * 1e6:.1f} us")
     split = measure_backward_split(**(split_stage or {}))
     values["weight_grad_fraction"] = split.weight_grad_fraction
     source.append(f"split backward: {split.describe()}")
