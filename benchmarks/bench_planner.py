@@ -3,7 +3,7 @@
     PYTHONPATH=. python -m bigtrain bench --calibrate --output /tmp/cpu.json
     PYTHONPATH=. python benchmarks/bench_planner.py --hardware-file /tmp/cpu.json [--steps 8] [--json out.json]
 
-Each layout trains the ``small`` preset (seq 128) for ``--steps`` steps with ``bigtrain train`` (its own
+Each layout trains the ``tiny`` preset (or ``--preset small``) for ``--steps`` steps with ``bigtrain train`` (its own
 torchrun, Gloo); measured = the median tokens/s of the logged steps after the first two. Predicted =
 ``bigtrain.plan.evaluate`` on the calibrated profile, the ranks' compute rate scaled by
 min(1, cores / ranks): the planner models one accelerator per rank, this machine's ranks share its
@@ -33,7 +33,7 @@ from bigtrain.plan.layout import Cluster  # noqa: E402
 from bigtrain.plan.model import ModelSpec  # noqa: E402
 from bigtrain.plan.search import evaluate  # noqa: E402
 
-BASE = ["--data.seq_len=128", "--train.global_batch=16", "--train.micro_batch=4", "--logging.log_every=1", "--checkpoint.every=0"]
+BASE = ["--train.global_batch=16", "--train.micro_batch=4", "--logging.log_every=1", "--checkpoint.every=0"]
 LAYOUTS = {
     "single": [],
     "ckpt full": ["--memory.checkpointing=full"],
@@ -49,9 +49,12 @@ LAYOUTS = {
 }
 
 
+PRESET = "tiny"
+
+
 def measure(overrides: list[str], steps: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "bigtrain", "train", "--preset", "small", f"--train.steps={steps}", *BASE,
+        cmd = [sys.executable, "-m", "bigtrain", "train", "--preset", PRESET, f"--train.steps={steps}", *BASE,
                *overrides, "--output-dir", f"{tmp}/run"]
         subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         records = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
@@ -60,7 +63,7 @@ def measure(overrides: list[str], steps: int) -> float:
 
 
 def predict(overrides: list[str], hardware) -> float:
-    cfg = load_config(preset="small", overrides=BASE + overrides)
+    cfg = load_config(preset=PRESET, overrides=BASE + overrides)
     ranks = cfg.parallel.world_size
     shared = min(1.0, (os.cpu_count() or 1) / ranks)
     hw = dataclasses.replace(hardware, peak_flops_fp32=hardware.peak_flops_fp32 * shared,
@@ -71,11 +74,14 @@ def predict(overrides: list[str], hardware) -> float:
 
 
 def main() -> int:
+    global PRESET
     parser = argparse.ArgumentParser()
     parser.add_argument("--hardware-file")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json")
+    parser.add_argument("--preset", default="tiny", help="tiny (default) or small")
     args = parser.parse_args()
+    PRESET = args.preset
     hardware = load_profile(args.hardware_file) if args.hardware_file else get_profile("cpu")
     load = os.getloadavg()[0]
     rows = []

@@ -6,7 +6,9 @@ transformer layer sustains (GEMMs plus norms, softmax and elementwise kernels); 
 assumption, set once per accelerator and not fitted to the runs docs/planner.md compares with.
 Link bandwidths are the bus bandwidth a ring collective reaches per GPU (NCCL's ``busbw``),
 about 80-90% of the nominal link rate. ``weight_grad_fraction`` is the share of a backward that
-zb-h1's W takes, measured (``weight_grad.py``), not assumed.
+zb-h1's W takes, measured (``weight_grad.py``), not assumed. Profiles with ``gemm_fraction > 0`` time
+each op from its shapes instead (``gemm.py``); their GEMM curve is the two parameters fitted to the
+published runs (GPU presets) or measured by ``bench --calibrate`` (``calibrate.py``).
 """
 
 from __future__ import annotations
