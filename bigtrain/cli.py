@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                                                           "plans for; otherwise parallel.dp follows from it when "
                                                           "no preset, file or override sets dp (default: the "
                                                           "launcher's, else 1)")
+            p.add_argument("--force", action="store_true",
+                           help="launch even when the planner says the run does not fit this machine's memory")
             p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                            help="after a rank fails, restart all ranks up to N times (torchrun elastic); "
                                 "each restart resumes from the run directory's newest checkpoint (default 0)")
@@ -169,7 +171,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         if notice := restart_notice(cfg.checkpoint.resume, run_dir):
             print(notice, file=sys.stderr)
     print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
-                   + check_inputs(cfg, run_dir, "--output-dir"))
+                   + check_inputs(cfg, run_dir, "--output-dir", check_size=not args.force))
     check_run_dir(cfg, run_dir, args.resume, args.overwrite)
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
         clear_run(run_dir)
@@ -182,7 +184,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         restarts = f", restarted up to {times} after a failure" if args.max_restarts else ""
         ranks = f"{cfg.parallel.world_size} rank{'s' if cfg.parallel.world_size > 1 else ''}"
         print(f"bigtrain: starting {ranks} with torchrun{restarts}; run directory {run_dir}")
-        code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)],
+        forced = ["--force"] if args.force else []
+        code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)]
+                            + forced,
                             max_restarts=args.max_restarts)
         if code != 0:
             # torchrun reports any failed rank as 1: a run that stopped on purpose recorded its own code.
@@ -225,9 +229,9 @@ def restart_warnings(cfg: Config, max_restarts: int) -> list[str]:
     return []
 
 
-def check_inputs(cfg: Config, output_dir: str | Path, output_name: str) -> list[str]:
-    """The pre-launch checks of the data, the output folder and the run's size (bigtrain.preflight);
-    raises a ConfigError, returns warnings."""
+def check_inputs(cfg: Config, output_dir: str | Path, output_name: str, check_size: bool = True) -> list[str]:
+    """The pre-launch checks of the data, the output folder and the run's size (bigtrain.preflight;
+    ``check_size=False``: ``--force``, no size check); raises a ConfigError, returns warnings."""
     import torch
 
     from bigtrain.distributed.launch import launched_externally
@@ -238,7 +242,7 @@ def check_inputs(cfg: Config, output_dir: str | Path, output_name: str) -> list[
     else:
         local = cfg.parallel.world_size
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    return preflight(cfg, output_dir, output_name, local_ranks=local, cuda=cuda)
+    return preflight(cfg, output_dir, output_name, local_ranks=local, cuda=cuda, check_size=check_size)
 
 
 def join_group(cfg: Config):

@@ -288,16 +288,20 @@ def _cache_problem(cfg: Config, key: str) -> str | None:
 
 # -- memory ----------------------------------------------------------------------------------------
 def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-dir",
-              local_ranks: int = 1, cuda: bool = False) -> list[str]:
+              local_ranks: int = 1, cuda: bool = False, check_size: bool = True) -> list[str]:
     """Raise a ConfigError naming every problem with the data, the output folder and the size of
-    the run; return warnings (the caller prints them)."""
+    the run (not with ``check_size=False``: ``bigtrain train --force``); return warnings (the caller
+    prints them)."""
     from bigtrain.plan.fit import size_problems
 
     problems = data_problems(cfg)
     out = writable_dir_problem(output_dir, output_name)
     if out:
         problems.append(out)
-    size, warnings = size_problems(cfg, local_ranks, cuda) if cfg.model.name != "dlrm" else (_tables_fit(cfg), [])
+    if not check_size:
+        size, warnings = [], []
+    else:
+        size, warnings = size_problems(cfg, local_ranks, cuda) if cfg.model.name != "dlrm" else (_tables_fit(cfg), [])
     problems += size
     if problems:
         raise ConfigError(problems)

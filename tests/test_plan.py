@@ -228,7 +228,8 @@ def test_zero_bubble_w_is_the_measured_fraction_of_the_deferred_backward():
     # W defers the weight gradients of the blocks that are not checkpointed (their dW runs in I)
     # and of the output layer; it costs the profile's measured fraction of their backward.
     model = ModelSpec.build(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024)
-    hw = get_profile("h100-80g").with_values(weight_grad_fraction=0.4)
+    # the uniform model (one achievable_fraction), whose arithmetic this checks; gemm.py has its own
+    hw = get_profile("h100-80g").with_values(weight_grad_fraction=0.4, gemm_fraction=0)
     cluster = Cluster.build(8, hw)
     costs = {r: stage_costs(model, Layout(pp=8, schedule="zb-h1", recompute=r), cluster)
              for r in ("none", "every", "full")}
@@ -296,7 +297,7 @@ def test_auto_on_8_gpus_finds_a_layout_that_fits(capsys, tmp_path):
     assert layout["dp"] * layout["tp"] * layout["pp"] * layout["sp"] == 8
     for key in ("params", "grads", "optimizer", "model_states", "activations", "total"):
         assert out["memory"][key] >= 0
-    assert out["step_time_s"] > 0 and out["tokens_per_s"] > 0 and 0 < out["mfu"] < 0.55
+    assert out["step_time_s"] > 0 and out["tokens_per_s"] > 0 and 0 < out["mfu"] < 0.65  # the shape-aware model predicts 57%
     assert len(out["ranked"]) == 5 and png.stat().st_size > 10_000
 
 

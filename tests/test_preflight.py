@@ -269,3 +269,47 @@ def test_preflight_lists_every_problem_at_once(tmp_path):
     text = str(e.value)
     assert len(e.value.problems) == 3
     assert "data.source = '/dev/zero'" in text and "--output-dir" in text and "model.n_layers" in text
+
+
+# --------------------------------------------------------------------------- a layout that would fit
+
+
+def test_llama_7b_on_a_24_gib_machine_is_refused_before_launch_with_a_fix(tmp_path, capsys, monkeypatch,
+                                                                           cli_sentinels):
+    monkeypatch.setattr(fit, "host_memory", lambda: 24 * 2**30)
+    code = cli.main(["train", "--preset", "llama-7b", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and cli_sentinels == [] and not (tmp_path / "run").exists()
+    assert "6.74e+09 parameters" in err and "100 GiB per rank" in err and "this machine has 24 GiB" in err
+    # 100 GiB of states over 23.5 usable GiB: at least 5 machines, so 8 (the search doubles).
+    assert "No layout of 1 rank fits this machine; on 8 machines like this one (one rank each)" in err
+    assert "--parallel.zero=3" in err
+
+
+def test_force_launches_what_the_fit_check_refuses(tmp_path, monkeypatch, cli_sentinels):
+    monkeypatch.setattr(fit, "host_memory", lambda: 2**20)
+    code = cli.main(["train", "--preset", "tiny", "--force", "--output-dir", str(tmp_path / "run"),
+                     f"--data.cache_dir={tmp_path / 'cache'}"])
+    assert code == 0 and cli_sentinels == ["rank"]
+    code = cli.main(["train", "--preset", "tiny", "--output-dir", str(tmp_path / "run2"),
+                     f"--data.cache_dir={tmp_path / 'cache'}"])
+    assert code == 2 and cli_sentinels == ["rank"]
+
+
+def test_the_proposed_layout_fits_the_same_machine(monkeypatch):
+    cfg = load_config(preset="small", overrides=["--parallel.dp=2", "--train.micro_batch=128", "--train.global_batch=256",
+                                                 "--data.seq_len=128"])
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+
+    per_rank = estimate_memory(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), fit._layout(cfg),
+                               get_profile("cpu"), 256).total
+    memory = int(2 * per_rank * 0.9)  # two ranks share it: 10% short
+    monkeypatch.setattr(fit, "host_memory", lambda: memory)
+    problems, _ = fit.size_problems(cfg, local_ranks=2)
+    assert len(problems) == 1 and "A layout that fits on this machine (2 ranks): --" in problems[0], problems
+    overrides = problems[0].split("(2 ranks): ")[1].split(" (the planner:")[0].split()
+    fixed = load_config(preset="small", overrides=["--parallel.dp=2", "--train.micro_batch=128",
+                                                   "--train.global_batch=256", "--data.seq_len=128", *overrides])
+    assert fixed.parallel.world_size == 2 and fit.size_problems(fixed, local_ranks=2)[0] == []

@@ -148,6 +148,12 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     def seconds(flops: float) -> float:
         return flops / split / rate
 
+    if hw.gemm_fraction > 0:  # shape-aware: each op from its shapes (gemm.py)
+        from bigtrain.plan.gemm import shape_aware_compute
+
+        extra = seconds(tokens * activation_recompute_flops_per_token(model, layout) / layout.pp)
+        f, b, w = shape_aware_compute(model, layout, hw, layers, recomputed)
+        return StageCosts(f, b + extra, w, comm_f, comm_b, p2p, moe_f + moe_b)
     return StageCosts(seconds(forward), seconds(backward), seconds(weight_grad), comm_f, comm_b, p2p, moe_f + moe_b)
 
 

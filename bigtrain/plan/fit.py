@@ -73,8 +73,20 @@ def _layout(cfg: Config):
                   fused_loss=cfg.model.fused_loss)
 
 
-def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False) -> tuple[list[str], list[str]]:
-    """(problems, warnings) comparing the planner's estimate of the run with this machine's memory."""
+def _with_fix(cfg: Config, capacity: int, sharing: int, cuda: bool, suggest: bool, problem: str) -> str:
+    """The problem, followed by a layout the planner finds that fits (``refit.py``)."""
+    if not suggest or cfg.model.n_layers > EXACT_LAYERS_MAX:
+        return problem
+    from bigtrain.plan.refit import fitting_layout
+
+    layout = fitting_layout(cfg, capacity, sharing, cuda)
+    return f"{problem}. {layout[0].upper()}{layout[1:]}" if layout else problem
+
+
+def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
+                  suggest: bool = True) -> tuple[list[str], list[str]]:
+    """(problems, warnings) comparing the planner's estimate of the run with this machine's memory;
+    with ``suggest`` a problem ends with a layout that would fit (``refit.py``)."""
     from bigtrain.plan.hardware import get_profile
     from bigtrain.plan.memory import estimate_memory, zero_formula_bytes
     from bigtrain.plan.model import ModelSpec
@@ -88,10 +100,10 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False) -> tupl
     states = sum(zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, p.dp * p.sp, cfg.precision.mode,
                                     optimizer).values())
     if states * sharing > capacity:
-        return [f"{_model_fields(cfg)} make {spec.params:.3g} parameters: their weights, gradients and "
+        return [_with_fix(cfg, capacity, sharing, cuda, suggest, f"{_model_fields(cfg)} make {spec.params:.3g} parameters: their weights, gradients and "
                 f"optimizer state alone take {_size(states)} per rank (the planner's ZeRO formula at "
                 f"parallel.zero = {p.zero}, {cfg.precision.mode}, {optimizer}){on_machine}, and {has} {_size(capacity)}; "
-                f"make the model smaller, shard it (parallel.zero, parallel.tp, parallel.pp) or use more machines"], []
+                f"make the model smaller, shard it (parallel.zero, parallel.tp, parallel.pp) or use more machines")], []
     if m.n_layers > EXACT_LAYERS_MAX:
         return [], []
     try:
@@ -125,5 +137,6 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False) -> tupl
                "activations": "lower train.micro_batch or data.seq_len, or set memory.checkpointing = 'full'",
                "allocator": "start fewer ranks (parallel.dp, parallel.tp, parallel.pp, parallel.sp)",
                "rotary": "lower model.max_seq_len", "sampler": "lower train.global_batch"}[big]
-        return [f"{text}; {fix}"], []
+        layout_helps = big in ("states", "activations", "allocator")  # not the rotary tables, nor the sampler
+        return [_with_fix(cfg, capacity, sharing, cuda, suggest and layout_helps, f"{text}; {fix}")], []
     return [], [f"{text}: close to the limit ({need / capacity:.0%})"]

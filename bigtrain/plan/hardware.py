@@ -6,7 +6,9 @@ transformer layer sustains (GEMMs plus norms, softmax and elementwise kernels); 
 assumption, set once per accelerator and not fitted to the runs docs/planner.md compares with.
 Link bandwidths are the bus bandwidth a ring collective reaches per GPU (NCCL's ``busbw``),
 about 80-90% of the nominal link rate. ``weight_grad_fraction`` is the share of a backward that
-zb-h1's W takes, measured (``weight_grad.py``), not assumed.
+zb-h1's W takes, measured (``weight_grad.py``), not assumed. Profiles with ``gemm_fraction > 0`` time
+each op from its shapes instead (``gemm.py``); their GEMM curve is the two parameters fitted to the
+published runs (GPU presets) or measured by ``bench --calibrate`` (``calibrate.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ class HardwareProfile:
     weight_grad_fraction: float = WEIGHT_GRAD_FRACTION  # W / (I + W) of a split backward, measured
     # device <-> host copies (activation offload), per direction: PCIe Gen4 x16 at ~80% (assumption)
     host_bandwidth: float = 25e9
+    # Shape-aware compute (plan/gemm.py); gemm_fraction = 0 keeps achievable_fraction for everything.
+    gemm_fraction: float = 0.0  # share of the dense peak a large GEMM sustains
+    gemm_half_dim: float = 0.0  # a GEMM dimension this small halves that share
+    attention_fraction: float = 0.5  # share of the peak a flash attention kernel sustains (forward)
+    memory_fraction: float = 0.8  # share of hbm_bandwidth element-wise kernels reach (STREAM-like)
+    op_overhead_s: float = 0.0  # dispatch cost per kernel (0 on GPUs: asynchronous launches)
+    attention_kernel: str = "flash"  # or "unfused" (softmax over the materialized s x s scores)
     source: str = ""
 
     def peak_flops(self, precision: str) -> float:
@@ -72,6 +81,12 @@ class HardwareProfile:
 
 
 _NVIDIA_RESERVE = dict(reserved_bytes=int(1.5 * GIB), fragmentation=0.05, gpus_per_node=8)
+# Shape-aware compute (plan/gemm.py). gemm_fraction and gemm_half_dim were fitted to the published runs
+# (scripts/planner-published.py --fit; cuBLAS reaches about 85-90% of the A100's and 70-75% of the
+# H100's dense bf16 peak on large GEMMs); attention_fraction from FlashAttention-2's paper (forward
+# ~70% of peak on A100, ~50% on H100 without FA3); memory_fraction 0.8: what STREAM-like kernels reach.
+_A100_SHAPES = dict(gemm_fraction=0.7, gemm_half_dim=64, attention_fraction=0.7, memory_fraction=0.8)
+_H100_SHAPES = dict(gemm_fraction=0.8, gemm_half_dim=64, attention_fraction=0.5, memory_fraction=0.8)
 _A100_LINKS = dict(intra_node_bandwidth=240e9, inter_node_bandwidth=22.5e9,
                    intra_node_latency_s=10e-6, inter_node_latency_s=25e-6)
 _H100_LINKS = dict(intra_node_bandwidth=360e9, inter_node_bandwidth=45e9,
@@ -85,14 +100,14 @@ _H100_SOURCE = ("H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 fp32, 3.35 TB/s 
 
 PRESETS: dict[str, HardwareProfile] = {
     "a100-40g": HardwareProfile("a100-40g", 312e12, 19.5e12, 0.65, 40960 * MIB, hbm_bandwidth=1.555e12,
-                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS),
+                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS, **_A100_SHAPES),
     "a100-80g": HardwareProfile("a100-80g", 312e12, 19.5e12, 0.65, 81920 * MIB, hbm_bandwidth=2.039e12,
-                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS),
+                                source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS, **_A100_SHAPES),
     "h100-80g": HardwareProfile("h100-80g", 989e12, 67e12, 0.55, 81559 * MIB, hbm_bandwidth=3.35e12,
-                                source=_H100_SOURCE, **_NVIDIA_RESERVE, **_H100_LINKS),
+                                source=_H100_SOURCE, **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
     "h200-141g": HardwareProfile("h200-141g", 989e12, 67e12, 0.55, 143771 * MIB, hbm_bandwidth=4.8e12,
                                  source=_H100_SOURCE.replace("3.35 TB/s HBM3", "4.8 TB/s HBM3e, 141 GB"),
-                                 **_NVIDIA_RESERVE, **_H100_LINKS),
+                                 **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
     # The CI machine of notes-cpu-distributed.md: 2 cores, Gloo over loopback. bf16 matmuls have no
     # fast kernel there (a 1024^3 product takes 2.4 s), hence the low bf16 peak. Calibrate your own.
     "cpu": HardwareProfile("cpu", 2e9, 1.6e11, 0.6, 24 * GIB, reserved_bytes=GIB // 2, fragmentation=0.0,
@@ -128,6 +143,8 @@ def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
         out[key] = value
     if "achievable_fraction" in out and not 0 < out["achievable_fraction"] <= 1:
         problems.append(f"{origin}: achievable_fraction = {out['achievable_fraction']} must be in (0, 1]")
+    if out.get("attention_kernel", "flash") not in ("flash", "unfused"):
+        problems.append(f"{origin}: attention_kernel = {out['attention_kernel']!r} must be 'flash' or 'unfused'")
     if "weight_grad_fraction" in out and not 0 < out["weight_grad_fraction"] < 1:
         problems.append(f"{origin}: weight_grad_fraction = {out['weight_grad_fraction']} must be in (0, 1)")
     if problems:
@@ -249,6 +266,13 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
         bandwidth, latency = measure_all_reduce(comm_ranks, comm_bytes)
         values.update(intra_node_bandwidth=bandwidth, intra_node_latency_s=latency)
         source.append(f"Gloo all-reduce of {comm_bytes / MIB:.0f} MiB over {comm_ranks} forked ranks")
+    from bigtrain.plan.calibrate import fit_gemm_curve, measure_gemms, measure_op_overhead
+
+    points = measure_gemms("fp32")
+    fraction, half_dim = fit_gemm_curve(points, values["peak_flops_fp32"])
+    values.update(gemm_fraction=fraction, gemm_half_dim=half_dim, op_overhead_s=measure_op_overhead())
+    source.append(f"GEMM curve fitted to {len(points)} fp32 shapes (plan/calibrate.py): gemm_fraction "
+                  f"{fraction:.2f}, gemm_half_dim {half_dim:g}; op overhead {values['op_overhead_s'] * 1e6:.1f} us")
     split = measure_backward_split(**(split_stage or {}))
     values["weight_grad_fraction"] = split.weight_grad_fraction
     source.append(f"split backward: {split.describe()}")

@@ -100,6 +100,46 @@ def predict(run: PublishedRun) -> Plan | None:
     return search(model, cluster, run.global_batch, {**run.fixed, "precision": run.precision}).best
 
 
+# The keys a source leaves out, as the planner's search chose them (docs/planner.md): with these the
+# whole layout is given and the comparison judges the time model alone (scripts/planner-published.py).
+CHOSEN = [dict(micro_batch=4), dict(micro_batch=8), dict(micro_batch=1, schedule="interleaved", v=4),
+          dict(micro_batch=1, schedule="interleaved", v=2), dict(micro_batch=1, schedule="interleaved", v=2),
+          dict(zero=0, micro_batch=4, recompute="none"),
+          dict(zero=0, micro_batch=1, schedule="interleaved", v=4, recompute="none"),
+          dict(zero=0, micro_batch=1, schedule="zb-h1", recompute="none"),
+          dict(zero=0, micro_batch=1, schedule="interleaved", v=2, recompute="every", every=2),
+          dict(zero=1, schedule="interleaved", v=4, recompute="full"),
+          dict(zero=1, schedule="interleaved", v=4, recompute="full"),
+          dict(dp=512, tp=1, pp=1, sp=1, zero=3, micro_batch=2, recompute="none"),
+          dict(dp=1, tp=1, pp=64, sp=8, zero=1, micro_batch=1, schedule="zb-h1", recompute="none")]
+# Megatron-LM 2021-22 materialized the s x s scores (no flash kernel); Llama 2 and 3 used flash attention.
+UNFUSED = (NARAYANAN, KORTHIKANTI)
+
+
+def full_layout(index: int):
+    from bigtrain.plan.layout import Layout
+
+    run = RUNS[index]
+    return Layout(**{**run.fixed, **CHOSEN[index], "precision": run.precision})
+
+
+def evaluate_published(run: PublishedRun, hardware: dict | None = None) -> dict:
+    """The run with its whole layout given, on its profile (``hardware`` overrides fields)."""
+    import dataclasses
+
+    from bigtrain.plan.search import evaluate
+
+    index = RUNS.index(run)
+    profile = dataclasses.replace(get_profile(run.hardware), **(hardware or {}),
+                                  attention_kernel="unfused" if run.source in UNFUSED else "flash")
+    model = ModelSpec.build(name=run.name, **run.model)
+    plan = evaluate(model, full_layout(index), Cluster.build(run.gpus, profile), run.global_batch)
+    value = predicted_metric(plan, run.metric)
+    return {"run": run.name, "source": run.source, "metric": run.metric, "published": run.value, "predicted": value,
+            "ratio": value / run.value, "fits": plan.fits,
+            "layout": plan.layout.describe() + ("" if plan.fits else " (does not fit)")}
+
+
 def comparison_rows() -> list[dict]:
     rows = []
     for run in RUNS:

@@ -1,0 +1,103 @@
+"""Predicted vs measured tokens/s on this machine, for >= 10 layouts (issue 19).
+
+    PYTHONPATH=. python -m bigtrain bench --calibrate --output /tmp/cpu.json
+    PYTHONPATH=. python benchmarks/bench_planner.py --hardware-file /tmp/cpu.json [--steps 8] [--json out.json]
+
+Each layout trains the ``tiny`` preset (or ``--preset small``) for ``--steps`` steps with ``bigtrain train`` (its own
+torchrun, Gloo); measured = the median tokens/s of the logged steps after the first two. Predicted =
+``bigtrain.plan.evaluate`` on the calibrated profile, the ranks' compute rate scaled by
+min(1, cores / ranks): the planner models one accelerator per rank, this machine's ranks share its
+cores (stated, not fitted). Reports each ratio, how many are within 25%, and whether the planner's top
+3 equals the measured top 3. The machine is shared: say how loaded it was next to any figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bigtrain.config import load_config  # noqa: E402
+from bigtrain.plan.fit import _layout  # noqa: E402
+from bigtrain.plan.hardware import get_profile, load_profile  # noqa: E402
+from bigtrain.plan.layout import Cluster  # noqa: E402
+from bigtrain.plan.model import ModelSpec  # noqa: E402
+from bigtrain.plan.search import evaluate  # noqa: E402
+
+BASE = ["--train.global_batch=16", "--train.micro_batch=4", "--logging.log_every=1", "--checkpoint.every=0"]
+LAYOUTS = {
+    "single": [],
+    "ckpt full": ["--memory.checkpointing=full"],
+    "mb 2": ["--train.micro_batch=2"],
+    "dp 2": ["--parallel.dp=2"],
+    "dp 2 zero 1": ["--parallel.dp=2", "--parallel.zero=1"],
+    "dp 2 zero 2": ["--parallel.dp=2", "--parallel.zero=2"],
+    "dp 2 zero 3": ["--parallel.dp=2", "--parallel.zero=3"],
+    "tp 2": ["--parallel.tp=2"],
+    "pp 2": ["--parallel.pp=2"],
+    "dp 2 ckpt full": ["--parallel.dp=2", "--memory.checkpointing=full"],
+    "dp 4": ["--parallel.dp=4"],
+}
+
+
+PRESET = "tiny"
+
+
+def measure(overrides: list[str], steps: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "bigtrain", "train", "--preset", PRESET, f"--train.steps={steps}", *BASE,
+               *overrides, "--output-dir", f"{tmp}/run"]
+        subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        records = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r.get("step", 0) > 2]
+    return statistics.median(rates)
+
+
+def predict(overrides: list[str], hardware) -> float:
+    cfg = load_config(preset=PRESET, overrides=BASE + overrides)
+    ranks = cfg.parallel.world_size
+    shared = min(1.0, (os.cpu_count() or 1) / ranks)
+    hw = dataclasses.replace(hardware, peak_flops_fp32=hardware.peak_flops_fp32 * shared,
+                             peak_flops_bf16=hardware.peak_flops_bf16 * shared)
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    plan = evaluate(model, _layout(cfg), Cluster.build(ranks, hw), cfg.train.global_batch)
+    return plan.tokens_per_s
+
+
+def main() -> int:
+    global PRESET
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hardware-file")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--json")
+    parser.add_argument("--preset", default="tiny", help="tiny (default) or small")
+    args = parser.parse_args()
+    PRESET = args.preset
+    hardware = load_profile(args.hardware_file) if args.hardware_file else get_profile("cpu")
+    load = os.getloadavg()[0]
+    rows = []
+    for name, overrides in LAYOUTS.items():
+        predicted, measured = predict(overrides, hardware), measure(overrides, args.steps)
+        rows.append({"layout": name, "predicted": predicted, "measured": measured, "ratio": predicted / measured})
+        print(f"{name:16s} predicted {predicted:9,.0f}  measured {measured:9,.0f} tokens/s  ratio {predicted / measured:.2f}",
+              flush=True)
+    within = sum(abs(r["ratio"] - 1) <= 0.25 for r in rows)
+    top = lambda key: [r["layout"] for r in sorted(rows, key=lambda r: -r[key])[:3]]  # noqa: E731
+    print(f"\n{within} of {len(rows)} within 25%; top 3 predicted {top('predicted')}, measured {top('measured')}: "
+          f"{'same' if top('predicted') == top('measured') else 'different'}; load {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "within_25": within, "load": load}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

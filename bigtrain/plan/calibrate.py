@@ -1,0 +1,60 @@
+"""This machine's GEMM curve and per-kernel overhead, for the shape-aware time model (``gemm.py``).
+
+``bigtrain bench --calibrate`` times a few matmul shapes (best of ``repeats`` each) and fits the two
+parameters of ``gemm.gemm_efficiency`` to them: ``gemm_fraction`` (what a large GEMM sustains, as a
+share of the measured peak) and ``gemm_half_dim`` (the dimension that halves it), by least squares on
+log time over a grid of half dims. ``op_overhead_s`` is the time of a tiny element-wise op (dispatch).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+SHAPES = ((64, 64, 64), (128, 512, 128), (256, 256, 256), (512, 512, 512), (2048, 256, 256),
+          (1024, 1024, 1024), (4096, 512, 512))
+HALF_DIMS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_gemms(dtype_name: str = "fp32", shapes=SHAPES, repeats: int = 5) -> list[tuple[int, int, int, float]]:
+    """(m, n, k, seconds) of each shape on this machine's CPU."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    out = []
+    for m, n, k in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        out.append((m, n, k, _best_seconds(lambda: torch.mm(a, b), repeats)))
+    return out
+
+
+def measure_op_overhead(repeats: int = 200) -> float:
+    """Seconds of one tiny element-wise op: what each kernel costs besides its bytes."""
+    import torch
+
+    x = torch.ones(8)
+    return _best_seconds(lambda: [x.add(1.0) for _ in range(repeats)], 5) / repeats
+
+
+def fit_gemm_curve(points: list[tuple[int, int, int, float]], peak: float) -> tuple[float, float]:
+    """(gemm_fraction, gemm_half_dim) minimizing the squared log error of predicted vs measured time."""
+    best = (math.inf, 1.0, HALF_DIMS[0])
+    for d in HALF_DIMS:
+        # log t = log(2mnk / peak) - log f - sum log(x / (x + d)): log f is the mean residual.
+        logs = [math.log(2 * m * n * k / peak) - sum(math.log(x / (x + d)) for x in (m, n, k)) - math.log(t)
+                for m, n, k, t in points]
+        log_f = sum(logs) / len(logs)
+        error = sum((v - log_f) ** 2 for v in logs)
+        if error < best[0]:
+            best = (error, math.exp(log_f), d)
+    return min(1.0, best[1]), float(best[2])

@@ -1,0 +1,137 @@
+"""Shape-aware compute time: each op of a transformer layer timed from its shapes.
+
+Used by ``cost.stage_costs`` when the hardware profile has ``gemm_fraction > 0`` (otherwise the
+planner keeps one ``achievable_fraction`` for everything). Per micro-batch and rank:
+
+* **GEMMs** (m x k times k x n): ``max(2 m n k / (peak x eff), bytes / (hbm x memory_fraction))``
+  with ``eff = gemm_fraction x m/(m+d) x n/(n+d) x k/(k+d)``, d = ``gemm_half_dim``: a large GEMM
+  sustains ``gemm_fraction`` of the dense peak; a dimension of d halves it (tile and wave
+  quantization, too little work per launch). Backward: dX (m, k, n) and dW (n, k, m) per GEMM.
+* **Attention**: with a flash kernel (``attention_kernel = "flash"``) its causal FLOPs (half of
+  the 4 s^2 h convention) at ``attention_fraction`` of the peak, backward 2.5x (recomputes S);
+  unfused (Megatron 2021-22) two batched GEMMs with k = head_dim (or s) plus the softmax /
+  mask / dropout passes over the b a s^2 score matrix, memory-bound.
+* **Element-wise ops** (norms, rotary, activation, residuals, bias-dropout-add, loss) by the bytes
+  they read and write at ``hbm_bandwidth x memory_fraction``; backward moves twice the bytes.
+  bigtrain's Llama (``mlp = swiglu``) is unfused (RMSNorm in fp32, SwiGLU in three kernels);
+  the GPT block (``mlp = gelu``) is Megatron's, with fused LayerNorm, bias-GeLU and bias-dropout-add.
+* **Op overhead**: ``op_overhead_s`` per kernel (the framework's dispatch; 0 on GPUs, where
+  launches are asynchronous and hidden behind kernels of this size; measured on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigtrain.plan.layout import BYTES, Layout
+from bigtrain.plan.model import ModelSpec
+
+FLASH_BACKWARD = 2.5  # FlashAttention-2's backward: 5 matmuls of the forward's 2 (S recomputed)
+OPS_PER_BLOCK = {"swiglu": 40, "gelu": 16}  # forward kernels of one block (backward: twice)
+
+
+def gemm_efficiency(hw, m: float, n: float, k: float) -> float:
+    d = hw.gemm_half_dim
+    return hw.gemm_fraction * (m / (m + d)) * (n / (n + d)) * (k / (k + d))
+
+
+def gemm_seconds(hw, precision: str, m: float, n: float, k: float, batch: float = 1) -> float:
+    if min(m, n, k) <= 0:
+        return 0.0
+    compute = 2 * m * n * k * batch / (hw.peak_flops(precision) * gemm_efficiency(hw, m, n, k))
+    moved = batch * BYTES[precision] * (m * k + k * n + m * n) / (hw.hbm_bandwidth * hw.memory_fraction)
+    return max(compute, moved)
+
+
+def gemm_fwd_bwd(hw, precision: str, m: float, n: float, k: float, batch: float = 1) -> tuple[float, float, float]:
+    """(forward, backward, the backward's weight-gradient part) of one GEMM."""
+    dw = gemm_seconds(hw, precision, n, k, m, batch)
+    return gemm_seconds(hw, precision, m, n, k, batch), gemm_seconds(hw, precision, m, k, n, batch) + dw, dw
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    forward: float
+    backward: float
+    weight_grad: float  # the dW GEMMs of the backward (what zb-h1 defers)
+
+
+def _linears(model: ModelSpec, t: int) -> list[tuple[float, float]]:
+    """(n, k) of each linear of a block on a tp rank (columns or rows divided by t)."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    if model.mlp == "swiglu":
+        return [(h / t, h), (kv / t, h), (kv / t, h), (h, h / t), (f / t, h), (f / t, h), (h, f / t)]
+    return [((h + 2 * kv) / t, h), (h, h / t), (f / t, h), (h, f / t)]
+
+
+def _elementwise_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes one token moves through a block's element-wise kernels in the forward, on one rank."""
+    b, h, kv, f, t = BYTES[layout.precision], model.hidden, model.kv_dim, model.ffn_hidden, layout.tp
+    whole = t if layout.tp_sp else 1  # norms and residuals are divided only under sequence parallelism
+    if model.mlp == "swiglu":
+        norms = 2 * (4 * b + 28) * h  # x.float(), pow, mean, x * rsqrt, .type_as, * weight
+        rotary = 6 * b * (h + kv) / t
+        swiglu = 5 * b * f / t  # silu(w1 x) and its product with w3 x
+        copies = 2 * b * (h + 2 * kv) / t  # q, k, v to heads-first and the output back
+        residual = 6 * b * h
+        return (norms + residual) / whole + rotary + swiglu + copies
+    norms = 2 * 2 * b * h  # fused LayerNorm
+    gelu = 2 * b * f / t  # fused bias-GeLU
+    bias_dropout_add = 2 * (3 * b + 1) * h
+    return (norms + bias_dropout_add) / whole + gelu
+
+
+def _memory_seconds(hw, nbytes: float) -> float:
+    return nbytes / (hw.hbm_bandwidth * hw.memory_fraction)
+
+
+def block_times(model: ModelSpec, layout: Layout, hw) -> BlockTimes:
+    """One block, one micro-batch, one rank (tp and Ulysses sp shares)."""
+    p, t, u = layout.precision, layout.tp, layout.sp
+    tokens = layout.micro_batch * model.seq / u  # what the linears see under Ulysses
+    fwd = bwd = dw = 0.0
+    for n, k in _linears(model, t):
+        f, b, w = gemm_fwd_bwd(hw, p, tokens, n, k)
+        fwd, bwd, dw = fwd + f, bwd + b, dw + w
+    heads = model.heads / (t * u)  # attention sees the whole sequence and heads / (t u)
+    s, d = model.seq, model.head_dim
+    if hw.attention_kernel == "flash":
+        flops = 2 * layout.micro_batch * heads * s * s * d  # causal: half of QK^T and AV's 4 s^2 d
+        attention = flops / (hw.peak_flops(p) * hw.attention_fraction)
+        fwd, bwd = fwd + attention, bwd + FLASH_BACKWARD * attention
+    else:
+        batch = layout.micro_batch * heads
+        for m, n, k in ((s, s, d), (s, d, s)):
+            f, b, _ = gemm_fwd_bwd(hw, p, m, n, k, batch)
+            fwd, bwd = fwd + f, bwd + b
+        scores = batch * s * s
+        nbytes = BYTES[p]
+        fwd += _memory_seconds(hw, scores * (2 * nbytes + 2 * nbytes + 1))  # scale-mask-softmax, dropout
+        bwd += _memory_seconds(hw, scores * (5 * nbytes + 1))
+    moved = _elementwise_bytes(model, layout) * tokens
+    fwd += _memory_seconds(hw, moved)
+    bwd += _memory_seconds(hw, 2 * moved)
+    ops = OPS_PER_BLOCK[model.mlp] * hw.op_overhead_s
+    return BlockTimes(fwd + ops, bwd + 2 * ops, dw)
+
+
+def head_times(model: ModelSpec, layout: Layout, hw) -> tuple[float, float, float]:
+    """(forward, backward, weight gradient) of the output projection and the loss, one micro-batch."""
+    tokens = layout.micro_batch * model.seq / layout.sp
+    vocab = model.vocab / layout.tp
+    f, b, w = gemm_fwd_bwd(hw, layout.precision, tokens, vocab, model.hidden)
+    loss = _memory_seconds(hw, (BYTES[layout.precision] + 8) * vocab * tokens)  # fp32 log-softmax
+    return f + loss, b + loss, w
+
+
+def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
+                        recomputed: float) -> tuple[float, float, float]:
+    """(forward, backward with recomputation, zb-h1's W) seconds of one micro-batch on a pipeline
+    rank holding ``layers`` blocks (``recomputed`` of them checkpointed) and 1/pp of the head.
+    W is ``weight_grad_fraction`` of the deferred backward, as the uniform model takes it."""
+    block = block_times(model, layout, hw)
+    head = head_times(model, layout, hw)
+    forward = layers * block.forward + head[0] / layout.pp
+    backward = layers * block.backward + head[1] / layout.pp + recomputed * block.forward
+    deferred = (layers - recomputed) * block.backward + head[1] / layout.pp
+    return forward, backward, hw.weight_grad_fraction * deferred
