@@ -56,36 +56,48 @@ def blocks_of(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
-def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
-    """The largest magnitude in each block of flat ``x`` (the last block may be short)."""
-    n = x.numel()
-    full = n // block * block
-    scales = x.new_empty(blocks_of(n, block))
-    if full:
-        scales[:full // block] = x[:full].view(-1, block).abs().amax(dim=1)
-    if full < n:
-        scales[-1] = x[full:].abs().max()
+def _blocked(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the whole blocks of flat ``t`` as a (blocks, block) view, the short last block's elements)."""
+    full = t.numel() // block * block
+    return t[:full].view(-1, block), t[full:]
+
+
+def _per_block(t: torch.Tensor, per_block: torch.Tensor, block: int, op) -> torch.Tensor:
+    """``op(t, scale)`` in place for every element of flat ``t`` and its block's value, through a
+    broadcast view (no per-element copy of the scales)."""
+    whole, tail = _blocked(t, block)
+    nb = whole.shape[0]
+    op(whole, per_block[:nb, None])
+    if tail.numel():
+        op(tail, per_block[nb])
+    return t
+
+
+def block_absmax(magnitudes: torch.Tensor, block: int) -> torch.Tensor:
+    """The largest of each block of flat, non-negative ``magnitudes`` (the last block may be short)."""
+    whole, tail = _blocked(magnitudes, block)
+    scales = magnitudes.new_empty(blocks_of(magnitudes.numel(), block))
+    if whole.numel():
+        torch.amax(whole, dim=1, out=scales[:whole.shape[0]])
+    if tail.numel():
+        scales[-1] = tail.max()
     return scales
-
-
-def _per_element(scales: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    return scales.repeat_interleave(block)[:n] if n % block else scales.repeat_interleave(block)
 
 
 def quantize(x: torch.Tensor, cmap: CodeMap, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes like flat ``x`` in ``cmap.dtype``, one fp32 scale per block)."""
     x = x.reshape(-1)
-    scales = block_absmax(x, block)
-    scale = _per_element(torch.where(scales > 0, scales, torch.ones_like(scales)), x.numel(), block)
-    rel = x.abs().div_(scale)
+    rel = x.abs() if cmap.signed else x.clone()  # the second moment is >= 0 already
+    scales = block_absmax(rel, block)
+    _per_block(rel, torch.where(scales > 0, scales, torch.ones_like(scales)), block, torch.Tensor.div_)
     k = rel.div(cmap.smallest).log_().div_(cmap.log_ratio).round_().clamp_(0, cmap.steps - 1).add_(1)
     k.masked_fill_(rel < cmap.smallest / 2, 0)
     if cmap.signed:
-        k.mul_(x.sign())
+        k.copysign_(x)
     return k.to(cmap.dtype), scales
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
     """fp32 values of ``codes`` (flat), ``table`` from :meth:`CodeMap.table`."""
-    values = table[codes.view(torch.uint8).long()]
-    return values.mul_(_per_element(scales, codes.numel(), block))
+    values = table.index_select(0, codes.reshape(-1).view(torch.uint8).int())
+    return _per_block(values, scales, block, torch.Tensor.mul_)
