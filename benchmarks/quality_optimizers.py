@@ -1,0 +1,152 @@
+"""Quality of the memory-efficient optimizers: the `small` preset trained 300 steps with each, the
+final loss set against AdamW's (issue 12: within 5%).
+
+Each run is the CLI exactly as a user types it, one after another (never in parallel: they share
+the machine's cores), with the same data, seed, schedule (30 warm-up steps, cosine to 10%) and
+gradient clipping; only ``optim.*`` differs, as listed in ``RUNS`` (learning rates are each
+optimizer's own scale: Lion's update has magnitude lr in every element, so it takes a 3-10x
+smaller lr and a 3-10x larger weight decay; Adafactor's step is relative to the parameter's RMS).
+Every step is logged (``--logging.log_every=1``). The figure compared is the mean training loss
+over the last ``--tail`` steps (one step's loss is one batch's, noisy); the last step's loss is
+reported too. A run whose directory already holds all its steps is read, not re-run, unless
+``--rerun``.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/quality_optimizers.py                  # all runs, ~2-10 min each
+    PYTHONPATH=. .venv/bin/python benchmarks/quality_optimizers.py --only adamw lion-3e-4
+    PYTHONPATH=. .venv/bin/python benchmarks/quality_optimizers.py --steps 20 --out runs/q-smoke  # a smoke run
+
+Writes ``--plot`` (default docs/optimizers-loss.png: the loss curves, smoothed) and ``--json``.
+Exits 1 when an optimizer's best setting misses the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (label, optimizer, optim.* overrides). The first run of each optimizer is its recommended setting;
+# the others are the settings tried around it (all reported).
+RUNS = [
+    ("adamw", "adamw", {"lr": 3e-3}),
+    ("adamw8bit", "adamw8bit", {"lr": 3e-3}),
+    ("adafactor", "adafactor", {"lr": 1e-2}),
+    ("lion-3e-4", "lion", {"lr": 3e-4, "beta2": 0.99, "weight_decay": 1.0}),
+    ("lion-1e-3", "lion", {"lr": 1e-3, "beta2": 0.99, "weight_decay": 0.3}),
+    ("lion-5e-4", "lion", {"lr": 5e-4, "beta2": 0.99, "weight_decay": 0.6}),
+]
+BASELINE = "adamw"
+
+
+def command(optimizer: str, overrides: dict, steps: int, out_dir: str) -> list[str]:
+    cmd = [sys.executable, "-m", "bigtrain", "train", "--preset", "small", f"--optim.name={optimizer}"]
+    cmd += [f"--optim.{k}={v:g}" for k, v in overrides.items()]
+    return cmd + [f"--train.steps={steps}", "--logging.log_every=1", "--logging.report=false",
+                  "--logging.measure_memory=false", "--output-dir", out_dir, "--overwrite"]
+
+
+def read_losses(run_dir: str) -> list[float]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"]) if "loss" in r]
+
+
+def run_one(label: str, optimizer: str, overrides: dict, args) -> dict:
+    run_dir = os.path.join(args.out, label)
+    cmd = command(optimizer, overrides, args.steps, run_dir)
+    shown = " ".join(["PYTHONPATH=.", ".venv/bin/python"] + cmd[1:])
+    losses = read_losses(run_dir)
+    wall = None
+    if args.rerun or len(losses) != args.steps:
+        print(f"== {label}: {shown}", flush=True)
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        start = time.perf_counter()
+        with open(os.path.join(args.out, f"{label}.log"), "w") as log:
+            subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+        wall = time.perf_counter() - start
+        losses = read_losses(run_dir)
+    tail = losses[-args.tail:]
+    return {"label": label, "optimizer": optimizer, "optim": overrides, "command": shown, "wall_s": wall,
+            "losses": losses, "final_loss": losses[-1], "tail_mean_loss": statistics.fmean(tail)}
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(results: list[dict], path: str, window: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        settings = ", ".join(f"{k} {v:g}" for k, v in r["optim"].items())
+        ax.plot(range(1, len(r["losses"]) + 1), smooth(r["losses"], window), label=f"{r['label']} ({settings})",
+                linewidth=1.4 if "-" not in r["label"] else 1.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (mean of {window} steps)")
+    ax.set_title("small preset, 300 steps: loss by optimizer")
+    ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--out", default="runs/quality", help="run directories (one per label) and their logs")
+    p.add_argument("--only", nargs="*", help=f"labels to run or read (of {', '.join(r[0] for r in RUNS)})")
+    p.add_argument("--tail", type=int, default=20, help="steps whose mean loss is the figure compared")
+    p.add_argument("--target", type=float, default=0.05, help="largest relative excess over AdamW's loss")
+    p.add_argument("--rerun", action="store_true", help="run again even where a run directory is complete")
+    p.add_argument("--plot", default="docs/optimizers-loss.png", help="'' for no plot")
+    p.add_argument("--smooth", type=int, default=10, help="moving-average window of the plotted curves")
+    p.add_argument("--json", help="also write every number here")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    chosen = [r for r in RUNS if not args.only or r[0] in args.only or r[0] == BASELINE]
+    results = [run_one(label, name, overrides, args) for label, name, overrides in chosen]
+    base = next(r for r in results if r["label"] == BASELINE)
+    for r in results:
+        r["over_adamw"] = r["tail_mean_loss"] / base["tail_mean_loss"] - 1
+    print(f"small preset, {args.steps} steps; loss = mean of the last {args.tail} steps' training losses; "
+          f"target: within {args.target:.0%} of {BASELINE}'s")
+    print(f"{'run':>12} {'settings':>40} {'last-step loss':>15} {'tail loss':>10} {'vs adamw':>9}")
+    best: dict[str, float] = {}
+    for r in results:
+        settings = " ".join(f"{k}={v:g}" for k, v in r["optim"].items())
+        print(f"{r['label']:>12} {settings:>40} {r['final_loss']:>15.4f} {r['tail_mean_loss']:>10.4f} "
+              f"{r['over_adamw']:>+9.1%}")
+        best[r["optimizer"]] = min(best.get(r["optimizer"], float("inf")), r["over_adamw"])
+    missed = sorted(name for name, excess in best.items() if excess > args.target)
+    if args.plot:
+        plot(results, args.plot, args.smooth)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": results, "best_over_adamw": best, "missed": missed}, f, indent=1)
+    if missed:
+        print(f"missed the {args.target:.0%} target: {', '.join(missed)}", file=sys.stderr)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
