@@ -20,8 +20,9 @@ per parameter are measured from the live storages of ``optimizer.state`` (a tens
 torchao's, counted by its inner tensors) and set against bigtrain's declared figure
 (``OptimizerSpec.state_bytes``, the planner's). Each optimizer's total update is compared with
 its reference's (``vs``): AdamW fused for the AdamW family, ``torch adafactor`` for Adafactor;
-the 8-bit ones differ by their quantization error (a few %), the others by rounding (<= 1e-5,
-else the script exits 1). ``--profile`` also prints where bigtrain's adamw8bit step spends its time.
+the 8-bit ones differ by their quantization error (a few %), the others by rounding (foreach
+AdamW <= 1e-5, Adafactor <= 1e-3 as ``TOLERANCE`` explains; else the script exits 1).
+``--profile`` also prints where bigtrain's adamw8bit step spends its time.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_optimizers.py                    # ~50M, 10 steps
     PYTHONPATH=. .venv/bin/python benchmarks/bench_optimizers.py --numel 1000000 --steps 3   # a smoke run
@@ -98,7 +99,11 @@ OPTIMIZERS = {
     "torch adafactor": (_torch_adafactor, "adafactor", False, None, None),
     "lion": (_ours("lion"), "lion", True, None, None),
 }
-QUANTIZED = {"adamw8bit", "torchao adamw8bit", "bnb adamw8bit"}  # differ from fp32 by their code maps
+# Largest relative update difference from the reference, where one is enforced (the 8-bit ones
+# differ from fp32 AdamW by their code maps: shown, not checked). Adafactor: torch.optim.Adafactor
+# takes the parameter's RMS from ``Tensor.norm``, whose fp32 sum over an 11.5M-element matrix on
+# CPU is off by 4e-4 relative (bigtrain's, 4e-6 from an fp64 transcription of the same rule).
+TOLERANCE = {"adamw foreach": 1e-5, "adafactor": 1e-3}
 
 
 def importable(module: str | None) -> bool:
@@ -201,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         difference = None
         if ref in runs:
             difference = relative_difference(run["params"], runs[ref]["params"], list(start.values()))
-            failed |= name not in QUANTIZED and not difference <= 1e-5
+            failed |= name in TOLERANCE and not difference <= TOLERANCE[name]
         median = statistics.median(run["times"])
         rows.append({"optimizer": name, "ms_median": median, "ms_all": run["times"],
                      "first_step_ms": run["first_step_ms"],
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 "elements": numel, "shapes": shapes, "optimizers": rows, "skipped": skipped,
                 "adamw8bit_profile": profile}, f, indent=1)
     if failed:
-        print("an unquantized optimizer's update differs from its reference by more than 1e-5", file=sys.stderr)
+        print(f"an optimizer's update differs from its reference by more than {TOLERANCE}", file=sys.stderr)
     return 1 if failed else 0
 
 
