@@ -6,7 +6,7 @@ the machine's cores), with the same data, seed, schedule (30 warm-up steps, cosi
 gradient clipping; only ``optim.*`` differs, as listed in ``RUNS`` (learning rates are each
 optimizer's own scale: Lion's update has magnitude lr in every element, so it takes a 3-10x
 smaller lr and a 3-10x larger weight decay; Adafactor's step is relative to the parameter's RMS).
-Every step is logged (``--logging.log_every=1``). The figure compared is the mean training loss
+Every step is logged (``--logging.log_every=1``); each run has one thread (``--threads``). The figure compared is the mean training loss
 over the last ``--tail`` steps (one step's loss is one batch's, noisy); the last step's loss is
 reported too. A run whose directory already holds all its steps is read, not re-run, unless
 ``--rerun``.
@@ -68,7 +68,8 @@ def run_one(label: str, optimizer: str, overrides: dict, args) -> dict:
     wall = None
     if args.rerun or len(losses) != args.steps:
         print(f"== {label}: {shown}", flush=True)
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_NUM_THREADS=str(args.threads))
         start = time.perf_counter()
         with open(os.path.join(args.out, f"{label}.log"), "w") as log:
             subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rerun", action="store_true", help="run again even where a run directory is complete")
     p.add_argument("--plot", default="docs/optimizers-loss.png", help="'' for no plot")
     p.add_argument("--smooth", type=int, default=10, help="moving-average window of the plotted curves")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of each run (1: on a shared machine, two threads per run stall each other)")
     p.add_argument("--json", help="also write every number here")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
