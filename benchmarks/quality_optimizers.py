@@ -6,9 +6,9 @@ the machine's cores), with the same data, seed, schedule (30 warm-up steps, cosi
 gradient clipping; only ``optim.*`` differs, as listed in ``RUNS`` (learning rates are each
 optimizer's own scale: Lion's update has magnitude lr in every element, so it takes a 3-10x
 smaller lr and a 3-10x larger weight decay; Adafactor's step is relative to the parameter's RMS).
-Every step is logged (``--logging.log_every=1``); each run has one thread (``--threads``). The figure compared is the mean training loss
-over the last ``--tail`` steps (one step's loss is one batch's, noisy); the last step's loss is
-reported too. A run whose directory already holds all its steps is read, not re-run, unless
+Every step is logged (``--logging.log_every=1``); each run has one thread (``--threads``). The
+figure compared is the mean training loss over the last ``--tail`` steps (one step's loss is one
+batch's, noisy); the last step's loss is reported too. A run whose directory already holds all its steps is read, not re-run, unless
 ``--rerun``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/quality_optimizers.py                  # all runs, ~2-10 min each
