@@ -8,14 +8,14 @@ optimizer's own scale: Lion's update has magnitude lr in every element, so it ta
 smaller lr and a 3-10x larger weight decay; Adafactor's step is relative to the parameter's RMS).
 Every step is logged (``--logging.log_every=1``); each run has one thread (``--threads``). The
 figure compared is the mean training loss over the last ``--tail`` steps (one step's loss is one
-batch's, noisy); the last step's loss is reported too. A run whose directory already holds all its steps is read, not re-run, unless
-``--rerun``.
+batch's, noisy); the last step's loss is reported too. A run whose directory already holds all its
+steps is read, not re-run, unless ``--rerun``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/quality_optimizers.py                  # all runs, ~2-10 min each
     PYTHONPATH=. .venv/bin/python benchmarks/quality_optimizers.py --only adamw lion-3e-4
     PYTHONPATH=. .venv/bin/python benchmarks/quality_optimizers.py --steps 20 --out runs/q-smoke  # a smoke run
 
-Writes ``--plot`` (default docs/optimizers-loss.png: the loss curves, smoothed) and ``--json``.
+Writes ``--plot`` (default docs/optimizers-loss.png: each optimizer's best run, smoothed) and ``--json``.
 Exits 1 when an optimizer's best setting misses the target.
 """
 
@@ -31,8 +31,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (label, optimizer, optim.* overrides). The first run of each optimizer is its recommended setting;
-# the others are the settings tried around it (all reported).
+# (label, optimizer, optim.* overrides). The first run of each optimizer is the usual starting point
+# (adamw8bit: AdamW's; adafactor: torch's default lr; lion: the paper's 10x smaller lr, 10x larger
+# decay); the others are the settings tried after it, all reported. Each optimizer's best setting is
+# the one held to the target and plotted.
 RUNS = [
     ("adamw", "adamw", {"lr": 3e-3}),
     ("adamw8bit", "adamw8bit", {"lr": 3e-3}),
@@ -40,6 +42,16 @@ RUNS = [
     ("lion-3e-4", "lion", {"lr": 3e-4, "beta2": 0.99, "weight_decay": 1.0}),
     ("lion-1e-3", "lion", {"lr": 1e-3, "beta2": 0.99, "weight_decay": 0.3}),
     ("lion-5e-4", "lion", {"lr": 5e-4, "beta2": 0.99, "weight_decay": 0.6}),
+    # Adafactor's step is lr x the parameter's RMS (~0.02 for these matrices): at lr 1e-2 that is
+    # ~2e-4 per element against AdamW's ~3e-3, so larger rates (capped by 1/sqrt(t) all the same),
+    # with the weight decay scaled down to keep lr x weight_decay at AdamW's 3e-4.
+    ("adafactor-3e-2", "adafactor", {"lr": 3e-2, "weight_decay": 0.01}),
+    ("adafactor-1e-1", "adafactor", {"lr": 1e-1, "weight_decay": 0.003}),
+    ("lion-3e-3", "lion", {"lr": 3e-3, "beta2": 0.99, "weight_decay": 0.1}),
+    ("lion-2e-3", "lion", {"lr": 2e-3, "beta2": 0.99, "weight_decay": 0.15}),
+    ("lion-1e-3-b95", "lion", {"lr": 1e-3, "beta1": 0.95, "beta2": 0.98, "weight_decay": 0.3}),
+    ("lion-1e-3-wd1", "lion", {"lr": 1e-3, "beta2": 0.99, "weight_decay": 0.1}),
+    ("lion-1.4e-3", "lion", {"lr": 1.4e-3, "beta2": 0.99, "weight_decay": 0.2}),
 ]
 BASELINE = "adamw"
 
@@ -89,6 +101,7 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot(results: list[dict], path: str, window: int) -> None:
+    """The loss curves of ``results`` (each optimizer's best run), smoothed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,11 +110,11 @@ def plot(results: list[dict], path: str, window: int) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:
         settings = ", ".join(f"{k} {v:g}" for k, v in r["optim"].items())
-        ax.plot(range(1, len(r["losses"]) + 1), smooth(r["losses"], window), label=f"{r['label']} ({settings})",
-                linewidth=1.4 if "-" not in r["label"] else 1.0)
+        ax.plot(range(1, len(r["losses"]) + 1), smooth(r["losses"], window),
+                label=f"{r['optimizer']} ({settings}): {r['tail_mean_loss']:.3f}, {r['over_adamw']:+.1%}")
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (mean of {window} steps)")
-    ax.set_title("small preset, 300 steps: loss by optimizer")
+    ax.set_title(f"small preset, {len(results[0]['losses'])} steps: each optimizer's best setting")
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -133,19 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"small preset, {args.steps} steps; loss = mean of the last {args.tail} steps' training losses; "
           f"target: within {args.target:.0%} of {BASELINE}'s")
     print(f"{'run':>12} {'settings':>40} {'last-step loss':>15} {'tail loss':>10} {'vs adamw':>9}")
-    best: dict[str, float] = {}
+    best: dict[str, dict] = {}
     for r in results:
         settings = " ".join(f"{k}={v:g}" for k, v in r["optim"].items())
         print(f"{r['label']:>12} {settings:>40} {r['final_loss']:>15.4f} {r['tail_mean_loss']:>10.4f} "
               f"{r['over_adamw']:>+9.1%}")
-        best[r["optimizer"]] = min(best.get(r["optimizer"], float("inf")), r["over_adamw"])
-    missed = sorted(name for name, excess in best.items() if excess > args.target)
+        if r["optimizer"] not in best or r["over_adamw"] < best[r["optimizer"]]["over_adamw"]:
+            best[r["optimizer"]] = r
+    missed = sorted(name for name, r in best.items() if r["over_adamw"] > args.target)
     if args.plot:
-        plot(results, args.plot, args.smooth)
+        plot(list(best.values()), args.plot, args.smooth)
         print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": results, "best_over_adamw": best, "missed": missed}, f, indent=1)
+            json.dump({"args": vars(args), "runs": results, "best": {n: r["label"] for n, r in best.items()},
+                       "missed": missed}, f, indent=1)
     if missed:
         print(f"missed the {args.target:.0%} target: {', '.join(missed)}", file=sys.stderr)
     return 1 if missed else 0
