@@ -235,14 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         profile = profile_step(runs["adamw8bit"]["optimizer"], rows=15)
         print("bigtrain adamw8bit, one step, by operator:\n" + profile)
     if args.json:
-        import json
-
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "torch": torch.__version__, "machine": {
+        common.write_json(args.json, {
+            "args": vars(args), "torch": torch.__version__, "machine": {
                 "loadavg_1min_before_after": [load_before, load_after], "checkout": common.checkout()},
-                "elements": numel, "shapes": shapes, "optimizers": rows, "skipped": skipped,
-                "adamw8bit_profile": profile}, f, indent=1)
+            "elements": numel, "shapes": shapes, "optimizers": rows, "skipped": skipped, "adamw8bit_profile": profile})
     if failed:
         print(f"an optimizer's update differs from its reference by more than {TOLERANCE}", file=sys.stderr)
     return 1 if failed else 0

@@ -29,7 +29,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import common
+
+ROOT = common.ROOT
 
 # (label, optimizer, optim.* overrides). The first run of each optimizer is the usual starting point
 # (adamw8bit: AdamW's; adafactor: torch's default lr; lion: the paper's 10x smaller lr, 10x larger
@@ -158,9 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(list(best.values()), args.plot, args.smooth)
         print(f"plot: {args.plot}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": results, "best": {n: r["label"] for n, r in best.items()},
-                       "missed": missed}, f, indent=1)
+        common.write_json(args.json, {"args": vars(args), "runs": results, "missed": missed,
+                                      "best": {n: r["label"] for n, r in best.items()}})
     if missed:
         print(f"missed the {args.target:.0%} target: {', '.join(missed)}", file=sys.stderr)
     return 1 if missed else 0
