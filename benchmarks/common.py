@@ -62,3 +62,10 @@ def run_and_report(rank_main: Callable, args: Any, summarize: Callable, print_re
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def write_json(path: str, out: dict) -> None:
+    """``out`` as indented JSON at ``path`` (its folder made if missing): a benchmark's --json."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)

@@ -4,8 +4,10 @@
 #   benchmarks/run_all.sh [OUT_DIR] [NAME ...]
 #
 # OUT_DIR (default runs/bench, ignored by git) gets NAME.json and NAME.txt per benchmark; NAMEs pick some
-# (dp2 dp4 tp2 tp4 pp zero2 zero4 zero2-bf16 zb-h1). zb-h1 is the pipeline's zero-bubble rows alone
-# (already part of pp), to refresh that figure after a change to the executor's weight pass.
+# (dp2 dp4 tp2 tp4 pp zero2 zero4 zero2-bf16 zb-h1 optim optim-quality). zb-h1 is the pipeline's zero-bubble rows alone
+# (already part of pp), to refresh that figure after a change to the executor's weight pass. optim (one optimizer
+# step of each, ~5 min) and optim-quality (six 300-step training runs, 2-10 min each; it also redraws
+# docs/optimizers-loss.png) run only when named.
 # Python: $PYTHON if set, else .venv/bin/python if there is one, else python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,8 @@ declare -A CMD=(
   [zero4]="benchmarks/bench_zero.py --ranks 4"
   [zero2-bf16]="benchmarks/bench_zero.py --ranks 2 --precision bf16"
   [zb-h1]="benchmarks/bench_pipeline.py --schedules zb-h1 --ranks 2,4 --microbatches 4,8 --steps 20"
+  [optim]="benchmarks/bench_optimizers.py --profile"
+  [optim-quality]="benchmarks/quality_optimizers.py"
 )
 NAMES=("$@")
 [ ${#NAMES[@]} -gt 0 ] || NAMES=(dp2 dp4 tp2 tp4 pp zero2 zero4 zero2-bf16)
