@@ -9,6 +9,7 @@
 """
 
 import ctypes
+import ctypes
 import gc
 import os
 
@@ -61,7 +62,17 @@ WIDE = ["--model.dim=512", "--model.n_layers=8", "--model.n_heads=4", "--model.n
         "--train.micro_batch=1", "--train.global_batch=2", "--data.seq_len=16"]
 
 
+def _trim_heap() -> None:
+    """Return the heap's free pages to the OS (glibc): a forked rank inherits the test session's freed
+    memory, and reusing it would not show as growth (the test was flaky late in a full suite)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _rss_growth(rank, world_size, cfg, run_dir):
+    _trim_heap()
     before = _rss()
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     trainer.train_step()
