@@ -9,7 +9,6 @@
 """
 
 import ctypes
-import ctypes
 import gc
 import os
 
