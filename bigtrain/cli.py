@@ -130,7 +130,12 @@ def _run_dir(args: argparse.Namespace) -> Path:
     if args.output_dir:
         return Path(args.output_dir)
     name = args.preset or (Path(args.config).stem if args.config else DEFAULT_PRESET)
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():  # two runs started within one second get their own folders
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
