@@ -28,6 +28,14 @@ def trainer_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str) -> Tr
     return Trainer(cfg, Path(run_dir), mesh)
 
 
+def save_after_steps(rank: int, world_size: int, cfg: Config, run_dir: str, steps: int) -> None:
+    """On one rank (``run_ranks``): train ``steps`` steps, then save a checkpoint."""
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.save()
+
+
 def run_steps(trainer: Trainer, steps: int) -> list[float]:
     return [trainer.train_step().loss for _ in range(steps)]
 

@@ -10,7 +10,7 @@ import torch
 
 from bigtrain.config import ConfigError
 from bigtrain.testing import run_ranks
-from helpers import assert_rel_close, tiny_config, trainer_on_rank
+from helpers import assert_rel_close, save_after_steps, tiny_config, trainer_on_rank
 
 STEPS = 4
 
@@ -55,13 +55,6 @@ def test_offload_equals_the_same_run_without_it(name, corpus_cache, tmp_path):
         assert b[4]["nvme"] > 0 and b[3]["optimizer"] < a[3]["optimizer"] / 10, (a[3], b[3], b[4])
 
 
-def _save_resume(rank, world_size, cfg, run_dir, steps):
-    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
-    for _ in range(steps):
-        trainer.train_step()
-    trainer.save()
-
-
 def _resumed_losses(rank, world_size, cfg, run_dir):
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     assert trainer.resume("auto")
@@ -71,7 +64,7 @@ def _resumed_losses(rank, world_size, cfg, run_dir):
 def test_a_checkpoint_of_an_offloaded_run_resumes_without_offload(corpus_cache, tmp_path):
     offloaded = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=nvme",
                             "--offload.params=nvme", "--train.steps=8")
-    run_ranks(_save_resume, 2, offloaded, str(tmp_path / "run"), 2, timeout=240)
+    run_ranks(save_after_steps, 2, offloaded, str(tmp_path / "run"), 2, timeout=240)
     plain = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=3", "--train.steps=8",
                         "--checkpoint.resume=auto")
     resumed = run_ranks(_resumed_losses, 2, plain, str(tmp_path / "run"), timeout=240)[0]

@@ -26,7 +26,7 @@ from bigtrain.plan import PRESETS, Layout, ModelSpec, estimate_memory, state_byt
 from bigtrain.plan.memory import Unit
 from bigtrain.precision import Precision
 from bigtrain.testing import run_ranks
-from helpers import tiny_config, trainer_on_rank
+from helpers import save_after_steps, tiny_config, trainer_on_rank
 
 # A learning rate at which SGD moves the weights visibly in a few steps (clipping active: norms > 1),
 # so a wrong or lost momentum buffer shows far above 1e-5.
@@ -64,13 +64,6 @@ def test_the_engine_runs_the_configured_optimizer(corpus_cache, tmp_path):
 
 
 # -- checkpoints: state moves between stages by its declared names -----------------------------
-def _save_after(rank, world_size, cfg, run_dir, steps):
-    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
-    for _ in range(steps):
-        trainer.train_step()
-    trainer.save()
-
-
 def _resume(rank, world_size, cfg, run_dir):
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     return [r.loss for r in trainer.fit()]
@@ -79,7 +72,7 @@ def _resume(rank, world_size, cfg, run_dir):
 def _resumed_tail(corpus_cache, tmp_path, saved_layout, resumed_layout):
     common = [*SGD, "--train.steps=8"]
     saved = tiny_config(corpus_cache, *common, *saved_layout)
-    run_ranks(_save_after, saved.parallel.world_size, saved, str(tmp_path / "run"), 4)
+    run_ranks(save_after_steps, saved.parallel.world_size, saved, str(tmp_path / "run"), 4)
     resumed = tiny_config(corpus_cache, *common, *resumed_layout, "--checkpoint.resume=auto")
     return run_ranks(_resume, resumed.parallel.world_size, resumed, str(tmp_path / "run"))[0], resumed
 
@@ -105,7 +98,7 @@ def test_a_resume_that_drops_the_momentum_fails_the_tolerance(corpus_cache, tmp_
 
 def test_a_checkpoint_of_another_optimizer_is_refused_by_name(corpus_cache, tmp_path):
     saved = tiny_config(corpus_cache, "--train.steps=4")
-    _save_after(0, 1, saved, str(tmp_path), 2)
+    save_after_steps(0, 1, saved, str(tmp_path), 2)
     resumed = tiny_config(corpus_cache, *SGD, "--train.steps=4", "--checkpoint.resume=auto")
     with pytest.raises(ValueError, match=r"optimizer state is 'adamw''s but optim.name = 'sgd_momentum'"):
         _resume(0, 1, resumed, str(tmp_path))

@@ -323,12 +323,7 @@ class ZeroEngine:
         counted = self.placements.counted_in_norm
         parts = square_sums((grad[a:b] for unit, grad in zip(self.units, grads)
                              for slot, a, b in unit.shard_slot_ranges() if counted(slot.name)), self.device)
-        if skip is not None:
-            parts[1] += skip
-        # Summed over every rank: all agree on the norm and on skipping.
-        norm, found_inf = global_norm(parts, self.placements.comm(NORM_AXIS))
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
+        norm, found_inf = self.agree_on_norm(parts, skip)
         if found_inf:
             return norm, True
         clip_(grads, norm, max_norm)
@@ -343,6 +338,17 @@ class ZeroEngine:
         self.optimizer.step()
         self._publish_weights()
         return norm, False
+
+    def agree_on_norm(self, parts: torch.Tensor, skip: torch.Tensor | None) -> tuple[float, bool]:
+        """(global norm, skip) from this rank's [sum of squares, overflow] ``parts``: summed over every
+        rank, so all agree on the norm and on skipping (an overflow, or a non-zero ``skip`` flag);
+        the loss scaler, if any, learns of the overflow."""
+        if skip is not None:
+            parts[1] += skip
+        norm, found_inf = global_norm(parts, self.placements.comm(NORM_AXIS))
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        return norm, found_inf
 
     def refresh_compute_weights(self) -> None:
         """Make the compute weights equal the (just loaded) masters on every rank."""

@@ -228,8 +228,7 @@ class UnitOffload:
         """The engine's step with gradients in files: unscale each shard and add up its squared norm
         one unit at a time, agree on the norm (and on skipping) over every rank, then read each
         shard once more for its unit's clipped step. Returns (norm, skipped)."""
-        from bigtrain.optim.clip import global_norm, square_sums
-        from bigtrain.parallel.placement import NORM_AXIS
+        from bigtrain.optim.clip import square_sums
 
         engine = self.engine
         counted = engine.placements.counted_in_norm
@@ -241,11 +240,7 @@ class UnitOffload:
             parts += square_sums((g[a:b] for slot, a, b in unit.shard_slot_ranges() if counted(slot.name)),
                                  engine.device)
             self.grad_out(unit)
-        if skip is not None:
-            parts[1] += skip
-        norm, found_inf = global_norm(parts, engine.placements.comm(NORM_AXIS))
-        if engine.scaler is not None:
-            engine.scaler.update(found_inf)
+        norm, found_inf = engine.agree_on_norm(parts, skip)
         if found_inf:
             return norm, True
         scale = max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
