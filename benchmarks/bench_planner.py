@@ -4,10 +4,12 @@
     PYTHONPATH=. python benchmarks/bench_planner.py --hardware-file /tmp/cpu.json [--steps 8] [--json out.json]
 
 Each layout trains the ``tiny`` preset (or ``--preset small``) for ``--steps`` steps with ``bigtrain train`` (its own
-torchrun, Gloo); measured = the median tokens/s of the logged steps after the first two. Predicted =
-``bigtrain.plan.evaluate`` on the calibrated profile, the ranks' compute rate scaled by
-min(1, cores / ranks): the planner models one accelerator per rank, this machine's ranks share its
-cores (stated, not fitted). Reports each ratio, how many are within 25%, and whether the planner's top
+torchrun, Gloo); measured = the median tokens/s of the logged steps after the first two. Every rank,
+the one-process layouts' included, runs one intra-op thread (``OMP_NUM_THREADS=1``, torchrun's
+default), and the profile is one thread's (``bench --calibrate --threads 1``, the default): one rank
+is one core, as the planner's one accelerator per rank. Predicted = ``bigtrain.plan.evaluate`` on the
+calibrated profile, each rank's compute rate scaled by min(1, cores / ranks) where ranks outnumber
+this machine's cores (stated, not fitted). Reports each ratio, how many are within 25%, and whether the planner's top
 3 equals the measured top 3. The machine is shared: say how loaded it was next to any figure.
 """
 
@@ -56,7 +58,8 @@ def measure(overrides: list[str], steps: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "bigtrain", "train", "--preset", PRESET, f"--train.steps={steps}", *BASE,
                *overrides, "--output-dir", f"{tmp}/run"]
-        subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, env=env)
         records = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r.get("step", 0) > 2]
     return statistics.median(rates)

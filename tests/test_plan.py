@@ -345,9 +345,12 @@ def test_profile_file_with_base_and_errors(tmp_path):
 def test_calibration_writes_a_loadable_profile(tmp_path, capsys):
     path = tmp_path / "cal.json"
     tiny = dict(layers=1, dim=32, heads=2, seq=8, batch=2, repeats=1)
+    threads = torch.get_num_threads()
     profile = calibrate(path, matmul_size=128, bf16_size=32, comm_ranks=2, comm_bytes=2**20, split_stage=tiny)
     assert profile.peak_flops_fp32 > 1e8 and profile.intra_node_bandwidth > 1e6
     assert 0 < profile.weight_grad_fraction < 1 and "split backward" in profile.source
+    # one rank's rate (torchrun's ranks run one thread), and the caller's thread count left alone
+    assert "1 intra-op thread(s) per rank" in profile.source and torch.get_num_threads() == threads
     assert load_profile(path) == profile
     stage = [f"--{k}={v}" for k, v in tiny.items()]
     assert _cli("bench", "--calibrate", "--output", tmp_path / "b.json", "--ranks", 1, "--matmul-size", 64, *stage) == 0

@@ -152,6 +152,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--output", default="hardware.json", help="where to write the profile (default hardware.json)")
     p.add_argument("--ranks", type=int, default=2, help="local Gloo ranks for the all-reduce (1: skip it)")
     p.add_argument("--matmul-size", type=int, default=1024, help="n of the n x n x n fp32 matmul")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU: intra-op threads of the measurement, i.e. of one rank (default 1, as torchrun's ranks; "
+                        "0: torch's current setting)")
     stage = p.add_argument_group("the stage of the split-backward measurement (default: the 5M-parameter Llama)")
     for name, default in (("layers", 6), ("dim", 256), ("heads", 4), ("seq", 128), ("batch", 8), ("repeats", 5)):
         stage.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
@@ -164,14 +167,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("bigtrain bench: nothing to do; use --calibrate [--output PATH] or --split-backward", file=sys.stderr)
         return 2
     split_stage = {k: getattr(args, k) for k in ("layers", "dim", "heads", "seq", "batch", "repeats")}
-    if args.ranks < 1 or args.matmul_size < 1 or min(split_stage.values()) < 1:
-        raise ConfigError("--ranks, --matmul-size and the stage sizes must be positive integers")
+    if args.ranks < 1 or args.matmul_size < 1 or args.threads < 0 or min(split_stage.values()) < 1:
+        raise ConfigError("--ranks, --matmul-size and the stage sizes must be positive integers (--threads >= 0)")
     if args.split_backward:
         print(f"split backward, stage of {args.layers} blocks: {measure_backward_split(**split_stage).describe()}")
     if not args.calibrate:
         return 0
     profile = calibrate(args.output, matmul_size=args.matmul_size, comm_ranks=args.ranks,
-                        measure_comm=args.ranks > 1, split_stage=split_stage)
+                        measure_comm=args.ranks > 1, split_stage=split_stage, threads=args.threads or None)
     print(f"matmul fp32 {profile.peak_flops_fp32 / 1e9:,.1f} GFLOP/s, bf16 {profile.peak_flops_bf16 / 1e9:,.1f} "
           f"GFLOP/s; all-reduce {profile.intra_node_bandwidth / 1e9:.2f} GB/s, latency "
           f"{profile.intra_node_latency_s * 1e3:.2f} ms; weight_grad_fraction {profile.weight_grad_fraction:.3f}; "

@@ -241,8 +241,14 @@ def measure_all_reduce(ranks: int = 2, nbytes: int = 16 * MIB, repeats: int = 3)
 
 def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_size: int = 256,
               comm_ranks: int = 2, comm_bytes: int = 16 * MIB, measure_comm: bool = True,
-              base: HardwareProfile | None = None, split_stage: dict[str, int] | None = None) -> HardwareProfile:
+              base: HardwareProfile | None = None, split_stage: dict[str, int] | None = None,
+              threads: int | None = 1) -> HardwareProfile:
     """Measure this machine and return (and, with ``output``, write) a profile.
+
+    On a CPU the rates are one rank's, measured with ``threads`` intra-op threads (1: what a rank
+    started by torchrun runs, ``OMP_NUM_THREADS=1``; None: torch's current setting). The planner
+    gives each rank the profile's rate, so a profile taken with every core would count the cores
+    once per rank.
 
     Peaks are set to the measured rates with ``achievable_fraction = 1``: the measurement already
     is what a matmul achieves here. Memory and anything not measured come from ``base`` (the cpu
@@ -250,6 +256,24 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
     ``weight_grad_fraction`` is measured on a pipeline stage shaped by ``split_stage`` (keyword
     arguments of ``weight_grad.measure_backward_split``; its defaults if None).
     """
+    import torch
+
+    if threads is None or torch.cuda.is_available():
+        return _calibrate(output, matmul_size, bf16_size, comm_ranks, comm_bytes, measure_comm, base, split_stage)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        profile = _calibrate(None, matmul_size, bf16_size, comm_ranks, comm_bytes, measure_comm, base, split_stage)
+    finally:
+        torch.set_num_threads(before)
+    profile = dataclasses.replace(profile, source=f"{profile.source}; {threads} intra-op thread(s) per rank")
+    if output is not None:
+        save_profile(profile, output)
+    return profile
+
+
+def _calibrate(output, matmul_size, bf16_size, comm_ranks, comm_bytes, measure_comm, base,
+               split_stage) -> HardwareProfile:
     import torch
 
     from bigtrain.plan.weight_grad import measure_backward_split
