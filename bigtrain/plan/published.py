@@ -48,10 +48,23 @@ LLAMA2 = "Llama 2 (arXiv 2307.09288), Table 2: GPU-hours for 2.0 T tokens on A10
 RUNS = [
     PublishedRun("GPT 1.7B, 32 x A100", NARAYANAN, dict(layers=24, hidden=2304, heads=24, **GPT), "a100-80g", 32,
                  512, dict(dp=32, tp=1, pp=1, sp=1, zero=0, recompute="full"), "hfu_tflops", 137, "fp16"),
+    PublishedRun("GPT 3.6B, 64 x A100", NARAYANAN, dict(layers=30, hidden=3072, heads=32, **GPT), "a100-80g", 64,
+                 512, dict(dp=32, tp=2, pp=1, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 138, "fp16"),
+    PublishedRun("GPT 7.5B, 128 x A100", NARAYANAN, dict(layers=36, hidden=4096, heads=32, **GPT), "a100-80g", 128,
+                 512, dict(dp=32, tp=4, pp=1, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 142, "fp16"),
     PublishedRun("GPT 18.4B, 256 x A100", NARAYANAN, dict(layers=40, hidden=6144, heads=48, **GPT), "a100-80g", 256,
                  1024, dict(dp=32, tp=8, pp=1, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 135, "fp16"),
+    PublishedRun("GPT 39.1B, 512 x A100", NARAYANAN, dict(layers=48, hidden=8192, heads=64, **GPT), "a100-80g", 512,
+                 1536, dict(dp=32, tp=8, pp=2, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 138,
+                 "fp16"),
+    PublishedRun("GPT 76.1B, 1024 x A100", NARAYANAN, dict(layers=60, hidden=10240, heads=80, **GPT), "a100-80g",
+                 1024, 1792, dict(dp=32, tp=8, pp=4, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 140,
+                 "fp16"),
     PublishedRun("GPT 145.6B, 1536 x A100", NARAYANAN, dict(layers=80, hidden=12288, heads=96, **GPT), "a100-80g",
                  1536, 2304, dict(dp=24, tp=8, pp=8, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 148,
+                 "fp16"),
+    PublishedRun("GPT 310.1B, 1920 x A100", NARAYANAN, dict(layers=96, hidden=16384, heads=128, **GPT), "a100-80g",
+                 1920, 2160, dict(dp=15, tp=8, pp=16, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 155,
                  "fp16"),
     PublishedRun("GPT 529.6B, 2520 x A100", NARAYANAN, dict(layers=105, hidden=20480, heads=128, **GPT), "a100-80g",
                  2520, 2520, dict(dp=9, tp=8, pp=35, sp=1, zero=0, recompute="full", tp_sp=False), "hfu_tflops", 163,
@@ -102,25 +115,35 @@ def predict(run: PublishedRun) -> Plan | None:
 
 # The keys a source leaves out, as the planner's search chose them (docs/planner.md): with these the
 # whole layout is given and the comparison judges the time model alone (scripts/planner-published.py).
-CHOSEN = [dict(micro_batch=4), dict(micro_batch=8), dict(micro_batch=1, schedule="interleaved", v=4),
-          dict(micro_batch=1, schedule="interleaved", v=2), dict(micro_batch=1, schedule="interleaved", v=2),
-          dict(zero=0, micro_batch=4, recompute="none"),
-          dict(zero=0, micro_batch=1, schedule="interleaved", v=4, recompute="none"),
-          dict(zero=0, micro_batch=1, schedule="zb-h1", recompute="none"),
-          dict(zero=0, micro_batch=1, schedule="interleaved", v=2, recompute="every", every=2),
-          dict(zero=1, schedule="interleaved", v=4, recompute="full"),
-          dict(zero=1, schedule="interleaved", v=4, recompute="full"),
-          dict(dp=512, tp=1, pp=1, sp=1, zero=3, micro_batch=2, recompute="none"),
-          dict(dp=1, tp=1, pp=64, sp=8, zero=1, micro_batch=1, schedule="zb-h1", recompute="none")]
+CHOSEN = {
+    "GPT 1.7B, 32 x A100": dict(micro_batch=4),
+    "GPT 3.6B, 64 x A100": dict(micro_batch=8),
+    "GPT 7.5B, 128 x A100": dict(micro_batch=8),
+    "GPT 18.4B, 256 x A100": dict(micro_batch=8),
+    "GPT 39.1B, 512 x A100": dict(micro_batch=4, schedule="interleaved", v=4),
+    "GPT 76.1B, 1024 x A100": dict(micro_batch=2, schedule="interleaved", v=4),
+    "GPT 145.6B, 1536 x A100": dict(micro_batch=1, schedule="interleaved", v=4),
+    "GPT 310.1B, 1920 x A100": dict(micro_batch=1, schedule="interleaved", v=4),
+    "GPT 529.6B, 2520 x A100": dict(micro_batch=1, schedule="interleaved", v=2),
+    "GPT 1T, 3072 x A100": dict(micro_batch=1, schedule="interleaved", v=2),
+    "GPT 22B, 8 x A100": dict(zero=0, micro_batch=4, recompute="none"),
+    "GPT 175B, 64 x A100": dict(zero=0, micro_batch=1, schedule="interleaved", v=4, recompute="none"),
+    "GPT 530B, 280 x A100": dict(zero=0, micro_batch=1, schedule="zb-h1", recompute="none"),
+    "GPT 1T, 512 x A100": dict(zero=0, micro_batch=1, schedule="interleaved", v=2, recompute="every", every=2),
+    "Llama 3 405B, 8192 x H100": dict(zero=1, schedule="interleaved", v=4, recompute="full"),
+    "Llama 3 405B, 16384 x H100": dict(zero=1, schedule="interleaved", v=4, recompute="full"),
+    "Llama 2 7B, A100 (512 assumed)": dict(dp=512, tp=1, pp=1, sp=1, zero=3, micro_batch=2, recompute="none"),
+    "Llama 2 70B, A100 (512 assumed)": dict(dp=1, tp=1, pp=64, sp=8, zero=1, micro_batch=1, schedule="zb-h1",
+                                            recompute="none"),
+}
 # Megatron-LM 2021-22 materialized the s x s scores (no flash kernel); Llama 2 and 3 used flash attention.
 UNFUSED = (NARAYANAN, KORTHIKANTI)
 
 
-def full_layout(index: int):
+def full_layout(run: PublishedRun):
     from bigtrain.plan.layout import Layout
 
-    run = RUNS[index]
-    return Layout(**{**run.fixed, **CHOSEN[index], "precision": run.precision})
+    return Layout(**{**run.fixed, **CHOSEN[run.name], "precision": run.precision})
 
 
 def evaluate_published(run: PublishedRun, hardware: dict | None = None) -> dict:
@@ -129,11 +152,10 @@ def evaluate_published(run: PublishedRun, hardware: dict | None = None) -> dict:
 
     from bigtrain.plan.search import evaluate
 
-    index = RUNS.index(run)
     profile = dataclasses.replace(get_profile(run.hardware), **(hardware or {}),
                                   attention_kernel="unfused" if run.source in UNFUSED else "flash")
     model = ModelSpec.build(name=run.name, **run.model)
-    plan = evaluate(model, full_layout(index), Cluster.build(run.gpus, profile), run.global_batch)
+    plan = evaluate(model, full_layout(run), Cluster.build(run.gpus, profile), run.global_batch)
     value = predicted_metric(plan, run.metric)
     return {"run": run.name, "source": run.source, "metric": run.metric, "published": run.value, "predicted": value,
             "ratio": value / run.value, "fits": plan.fits,
