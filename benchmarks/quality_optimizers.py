@@ -22,16 +22,11 @@ Exits 1 when an optimizer's best setting misses the target.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 import common
-
-ROOT = common.ROOT
+import learning
 
 # (label, optimizer, optim.* overrides). The first run of each optimizer is the usual starting point
 # (adamw8bit: AdamW's; adafactor: torch's default lr; lion: the paper's 10x smaller lr, 10x larger
@@ -58,48 +53,10 @@ RUNS = [
 BASELINE = "adamw"
 
 
-def command(optimizer: str, overrides: dict, steps: int, out_dir: str) -> list[str]:
-    cmd = [sys.executable, "-m", "bigtrain", "train", "--preset", "small", f"--optim.name={optimizer}"]
-    cmd += [f"--optim.{k}={v:g}" for k, v in overrides.items()]
-    return cmd + [f"--train.steps={steps}", "--logging.log_every=1", "--logging.report=false",
-                  "--logging.measure_memory=false", "--output-dir", out_dir, "--overwrite"]
-
-
-def read_losses(run_dir: str) -> list[float]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"]) if "loss" in r]
-
-
 def run_one(label: str, optimizer: str, overrides: dict, args) -> dict:
-    run_dir = os.path.join(args.out, label)
-    cmd = command(optimizer, overrides, args.steps, run_dir)
-    shown = " ".join(["PYTHONPATH=.", ".venv/bin/python"] + cmd[1:])
-    losses = read_losses(run_dir)
-    wall = None
-    if args.rerun or len(losses) != args.steps:
-        print(f"== {label}: {shown}", flush=True)
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS=str(args.threads))
-        start = time.perf_counter()
-        with open(os.path.join(args.out, f"{label}.log"), "w") as log:
-            subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
-        wall = time.perf_counter() - start
-        losses = read_losses(run_dir)
-    tail = losses[-args.tail:]
-    return {"label": label, "optimizer": optimizer, "optim": overrides, "command": shown, "wall_s": wall,
-            "losses": losses, "final_loss": losses[-1], "tail_mean_loss": statistics.fmean(tail)}
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
+    flags = [f"--optim.name={optimizer}"] + [f"--optim.{k}={v:g}" for k, v in overrides.items()]
+    result = learning.train(label, flags, args.steps, args.out, args.threads, args.tail, rerun=args.rerun)
+    return {**result, "optimizer": optimizer, "optim": overrides}
 
 
 def plot(results: list[dict], path: str, window: int) -> None:
@@ -112,7 +69,7 @@ def plot(results: list[dict], path: str, window: int) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:
         settings = ", ".join(f"{k} {v:g}" for k, v in r["optim"].items())
-        ax.plot(range(1, len(r["losses"]) + 1), smooth(r["losses"], window),
+        ax.plot(range(1, len(r["losses"]) + 1), learning.smooth(r["losses"], window),
                 label=f"{r['optimizer']} ({settings}): {r['tail_mean_loss']:.3f}, {r['over_adamw']:+.1%}")
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (mean of {window} steps)")
