@@ -81,8 +81,60 @@ def test_a_checkpoint_of_an_offloaded_run_resumes_without_offload(corpus_cache, 
      r"offload.nvme_dir = '/etc/hostname/offload'.*not a directory this user can write"),
     (["--parallel.zero=2", "--parallel.pp=2", "--model.tie_embeddings=true", "--offload.optimizer=nvme"],
      r"set model.tie_embeddings = false"),
-    (["--parallel.zero=1", "--offload.delayed_update=true"], r"offload.delayed_update = true.*not built yet"),
+    (["--parallel.zero=1", "--offload.delayed_update=true"], r"offload.delayed_update = true.*set offload.optimizer = .cpu."),
+    (["--parallel.zero=1", "--parallel.pp=2", "--offload.optimizer=cpu", "--offload.delayed_update=true"],
+     r"offload.delayed_update = true with parallel.pp = 2.*set parallel.pp = 1"),
 ])
 def test_offload_that_cannot_work_is_rejected_before_launch(flags, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config("", *flags)
+
+
+# -- the one-step delayed update (offload.delayed_update) --------------------------------------------
+DELAYED_CASES = {
+    "cpu-zero1": ["--parallel.zero=1", "--offload.optimizer=cpu"],
+    "cpu-zero3-dp2": ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu"],
+    "cpu-zero2-dp2-clipped": ["--parallel.dp=2", "--parallel.zero=2", "--offload.optimizer=cpu",
+                              "--optim.grad_clip=0.05"],
+    "both-nvme-zero3-dp2": ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=nvme",
+                            "--offload.params=nvme"],
+    "nvme-zero2-clipped": ["--parallel.zero=2", "--offload.optimizer=nvme", "--optim.grad_clip=0.05"],
+}
+
+
+def _reference_delayed(cfg, steps):
+    from bigtrain.check.reference import ReferenceRun
+
+    run = ReferenceRun(cfg, gradient_delay=1)
+    records = [run.train_step() for _ in range(steps)]
+    return [r.loss for r in records], [r.grad_norm for r in records], \
+        {n: p.detach().clone() for n, p in run.master.named_parameters()}
+
+
+def _train_delayed(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    results = [trainer.train_step() for _ in range(STEPS)]
+    weights = trainer.parallel.full_weights()  # waits for the last update, still on the worker
+    return [r.loss for r in results], [r.grad_norm for r in results], weights
+
+
+@pytest.mark.parametrize("name", list(DELAYED_CASES))
+def test_delayed_update_equals_a_reference_that_applies_each_update_one_step_late(name, corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, *DELAYED_CASES[name], "--offload.delayed_update=true", "--optim.warmup_steps=2",
+                      f"--offload.nvme_dir={tmp_path / 'nvme'}", f"--train.steps={STEPS}")
+    losses, norms, weights = run_ranks(_train_delayed, cfg.parallel.world_size, cfg, str(tmp_path / "run"),
+                                       timeout=240)[0]
+    ref_losses, ref_norms, ref_weights = _reference_delayed(cfg, STEPS)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    for n, w in ref_weights.items():
+        assert_rel_close(weights[n], w, 1e-6, n)
+    # The delay is real: the same run without it differs (step 1 computes at the first weights again).
+    assert losses[1] != pytest.approx(_train_plain_loss(cfg, tmp_path), rel=1e-6)
+
+
+def _train_plain_loss(cfg, tmp_path):
+    from bigtrain.check.reference import ReferenceRun
+
+    run = ReferenceRun(cfg, gradient_delay=0)
+    return [run.train_step().loss for _ in range(2)][1]

@@ -211,8 +211,11 @@ def config_gradient_delay(cfg: Config) -> int:
     """The gradient delay (in steps) of the config's pipeline schedule: 1 for PipeDream-2BW (a step's
     gradient is taken at the weights of one step before), pp - 1 for PipeDream with vertical sync
     (one micro-batch per step, every stage at the first stage's version), 0 for a flushing schedule.
-    PipeDream without vertical sync delays each stage differently; pass ``gradient_delay`` by name."""
+    PipeDream without vertical sync delays each stage differently; pass ``gradient_delay`` by name.
+    ZeRO-Offload's delayed update (``offload.delayed_update``) is a delay of 1 too."""
     p = cfg.parallel
+    if cfg.offload.delayed_update:
+        return 1
     if p.pp < 2 or p.pp_schedule not in ("pipedream-2bw", "pipedream"):
         return 0
     if p.pp_schedule == "pipedream-2bw":
