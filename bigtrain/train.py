@@ -249,6 +249,11 @@ class Trainer:
         if cfg.checkpoint.save_final and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
             self.save()
         self.wait_for_save()
+        # Offload's delayed update: the last step's update, still on the host, lands in the model
+        # (after the save, which holds it and the weights in use: a longer run resumes exactly).
+        finish_update = getattr(self.engine, "finish_update", None)
+        if finish_update is not None:
+            finish_update()
         self.wall_time_s = time.perf_counter() - started
         return self.history
 

@@ -138,3 +138,29 @@ def _train_plain_loss(cfg, tmp_path):
 
     run = ReferenceRun(cfg, gradient_delay=0)
     return [run.train_step().loss for _ in range(2)][1]
+
+
+def _train_then_weights(rank, world_size, cfg, run_dir, steps):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    if cfg.checkpoint.resume != "none":
+        assert trainer.resume("auto")
+    losses = [trainer.train_step().loss for _ in range(steps)]
+    return losses, trainer.parallel.full_weights()
+
+
+@pytest.mark.parametrize("layout", [
+    ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu"],
+    ["--parallel.dp=2", "--parallel.zero=2", "--offload.optimizer=nvme"],
+])
+def test_a_delayed_update_run_resumes_onto_the_uninterrupted_run(layout, corpus_cache, tmp_path):
+    """The checkpoint holds the masters with the update of its last step applied, and the weights
+    still in use (one update behind): the resumed step 2 computes at them, as the uninterrupted does."""
+    flags = [*layout, "--offload.delayed_update=true", "--train.steps=4", f"--offload.nvme_dir={tmp_path / 'nvme'}"]
+    cfg = tiny_config(corpus_cache, *flags)
+    run_ranks(save_after_steps, 2, cfg, str(tmp_path / "run"), 2, timeout=240)
+    resumed = run_ranks(_train_then_weights, 2, tiny_config(corpus_cache, *flags, "--checkpoint.resume=auto"),
+                        str(tmp_path / "run"), 2, timeout=240)[0]
+    straight = run_ranks(_train_then_weights, 2, cfg, str(tmp_path / "straight"), 4, timeout=240)[0]
+    torch.testing.assert_close(torch.tensor(resumed[0]), torch.tensor(straight[0][2:]), rtol=1e-6, atol=0)
+    for n, w in straight[1].items():
+        assert_rel_close(resumed[1][n], w, 1e-6, n)

@@ -358,6 +358,12 @@ class ZeroEngine:
             self.scaler.update(found_inf)
         return norm, found_inf
 
+    def finish_update(self) -> None:
+        """A delayed update still running (``offload.delayed_update``): finished, and its weights
+        published (the end of training: the model then holds every update)."""
+        if self.offload is not None:
+            self.offload.before_step()
+
     def refresh_compute_weights(self) -> None:
         """Make the compute weights equal the (just loaded) masters on every rank."""
         self._drop_gathered()
@@ -376,9 +382,11 @@ class ZeroEngine:
         for unit in self.units:
             self.publish_unit(unit)
 
-    def publish_unit(self, unit: FlatUnit) -> None:
-        if unit.master is not unit.shard_param:
-            unit.shard_param.copy_(unit.master)
+    def publish_unit(self, unit: FlatUnit, value: torch.Tensor | None = None) -> None:
+        """The unit's compute weights from its masters (or from ``value``, an fp32 shard)."""
+        value = unit.master if value is None else value
+        if value is not unit.shard_param:
+            unit.shard_param.copy_(value)
         if self.stage in (1, 2) and unit.shards > 1:
             # Synchronous: on NCCL the current stream waits for the gather before the clone is
             # freed and before the next forward reads ``unit.full``.
