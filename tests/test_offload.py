@@ -164,3 +164,42 @@ def test_a_delayed_update_run_resumes_onto_the_uninterrupted_run(layout, corpus_
     torch.testing.assert_close(torch.tensor(resumed[0]), torch.tensor(straight[0][2:]), rtol=1e-6, atol=0)
     for n, w in straight[1].items():
         assert_rel_close(resumed[1][n], w, 1e-6, n)
+
+
+def _skip_with_a_delayed_update(rank, world_size, cfg, run_dir):
+    """Two clean steps, a step whose loss is NaN on rank 1, a clean step: (skipped flags, whether the
+    skipped step left the masters as they were, whether the last step changed them)."""
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    flags = [trainer.train_step().skipped for _ in range(2)]
+    before = trainer.parallel.full_weights()  # step 1's update waited for: the masters are current
+    original = trainer.parallel.loss_sum
+    if rank == 1:
+        trainer.parallel.loss_sum = lambda logits, targets: original(logits, targets) + float("nan")
+    flags.append(trainer.train_step().skipped)
+    trainer.parallel.loss_sum = original
+    after = trainer.parallel.full_weights()
+    flags.append(trainer.train_step().skipped)
+    last = trainer.parallel.full_weights()
+    return (flags, all(torch.equal(after[n], w) for n, w in before.items()),
+            any(not torch.equal(last[n], w) for n, w in after.items()))
+
+
+def test_a_non_finite_loss_skips_only_its_own_delayed_update(corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu",
+                      "--offload.delayed_update=true")
+    flags, unchanged, moved = run_ranks(_skip_with_a_delayed_update, 2, cfg, str(tmp_path), timeout=240)[0]
+    assert flags == [False, False, True, False] and unchanged and moved
+
+
+def _fit_model_weights(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    trainer.fit()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer.parallel.full_weights()
+
+
+def test_fit_ends_with_every_delayed_update_in_the_model(corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, "--parallel.zero=1", "--offload.optimizer=cpu", "--offload.delayed_update=true",
+                      "--train.steps=3")
+    model, masters = run_ranks(_fit_model_weights, 1, cfg, str(tmp_path), timeout=240)[0]
+    for n, w in masters.items():
+        torch.testing.assert_close(model[n], w, rtol=0, atol=0)
