@@ -203,3 +203,51 @@ def test_fit_ends_with_every_delayed_update_in_the_model(corpus_cache, tmp_path)
     model, masters = run_ranks(_fit_model_weights, 1, cfg, str(tmp_path), timeout=240)[0]
     for n, w in masters.items():
         torch.testing.assert_close(model[n], w, rtol=0, atol=0)
+
+
+# -- metrics: the tiers' bytes and the overlap timeline ------------------------------------------------
+MEM_CASES = {  # layout -> (host, nvme) bytes per parameter of this rank's shard, fp32 AdamW
+    "cpu-zero1": (["--parallel.zero=1", "--offload.optimizer=cpu"], 8, 0),  # moments; the masters are the weights
+    "cpu-zero1-delayed": (["--parallel.zero=1", "--offload.optimizer=cpu", "--offload.delayed_update=true"],
+                          16, 0),  # moments, masters apart, the handed-over gradient
+    "cpu-zero2-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=2", "--precision.mode=bf16",
+                            "--offload.optimizer=cpu"], 12, 0),  # moments, fp32 masters
+    "nvme-both-zero3-dp2": (["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=nvme",
+                             "--offload.params=nvme"], 0, 16),  # masters (= the shards), moments, gradients
+}
+
+
+def _measured_mem(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    mem = [trainer.train_step(measure=True).mem for _ in range(2)][-1]
+    local = sum(u.shard_numel for u in trainer.engine.units)
+    return mem, local, len(trainer.engine.units), sum(p.numel() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("name", list(MEM_CASES))
+def test_mem_reports_the_host_and_nvme_bytes_of_the_formula(name, corpus_cache, tmp_path):
+    layout, host, nvme = MEM_CASES[name]
+    cfg = tiny_config(corpus_cache, *layout, f"--offload.nvme_dir={tmp_path / 'nvme'}")
+    world = cfg.parallel.world_size
+    mem, local, units, params = run_ranks(_measured_mem, world, cfg, str(tmp_path / "run"), timeout=240)[0]
+    assert 0 <= local * world - params < units * world * 64  # this rank's P/N, up to the units' padding
+    assert (mem["host"], mem["nvme"]) == (host * local, nvme * local), (mem, local)
+
+
+def test_the_overlap_timeline_is_in_metrics_jsonl(corpus_cache, tmp_path):
+    from bigtrain.metrics import read_metrics
+
+    for delayed in ("false", "true"):
+        cfg = tiny_config(corpus_cache, "--parallel.zero=1", "--offload.optimizer=cpu", "--train.steps=4",
+                          "--logging.log_every=1", f"--offload.delayed_update={delayed}")
+        run_ranks(lambda r, w, c, d: trainer_on_rank(r, w, c, d).fit() and None, 1, cfg,
+                  str(tmp_path / delayed), timeout=240)
+        records = read_metrics(tmp_path / delayed)
+        timed = [r for r in records if "offload_step_ms" in r]
+        # The delayed update's host step of step t is waited for, and reported, in step t + 1.
+        assert [r["step"] for r in timed] == ([1, 2, 3] if delayed == "true" else [0, 1, 2, 3])
+        assert all(r["offload_step_ms"] > 0 and 0 <= r["offload_hidden"] <= 1 for r in timed)
+        if delayed == "false":  # it runs after the backward: nothing hidden
+            assert all(r["offload_hidden"] == 0 for r in timed)
+        else:
+            assert {"host", "nvme"} <= set(records[-1]["mem"])

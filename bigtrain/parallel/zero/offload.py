@@ -316,6 +316,15 @@ class UnitOffload:
         self.step([_Lazy(self, unit, scale, held=self.delayed is not None) for unit in engine.units], lr)
         return norm, False
 
+    def take_host_step(self) -> tuple[float, float] | None:
+        """(start, end) of the host step that finished since the last call (the delayed update's
+        when it was waited for), for the run's overlap timeline."""
+        holder = self.delayed if self.delayed is not None else self
+        attr = "finished" if self.delayed is not None else "last_host_step"
+        span = getattr(holder, attr)
+        setattr(holder, attr, None)
+        return span
+
     def offloaded_bytes(self) -> dict[str, int]:
         """Bytes this rank's offload keeps in host memory (``host``: the optimizer's state, masters
         apart from the compute weights and handed-over gradients, as far as they are resident) and
