@@ -32,6 +32,8 @@ CASES = {
                             ["--offload.optimizer=nvme", "--offload.params=nvme"]),
     "both-nvme-zero3-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=3", "--precision.mode=bf16"],
                                  ["--offload.optimizer=nvme", "--offload.params=nvme"]),
+    # Two ranks with the same dp rank and unit names share the directory: their files must not.
+    "both-nvme-zero3-tp2": (["--parallel.tp=2", "--parallel.zero=3"], ["--offload.optimizer=nvme", "--offload.params=nvme"]),
 }
 
 
@@ -251,3 +253,11 @@ def test_the_overlap_timeline_is_in_metrics_jsonl(corpus_cache, tmp_path):
             assert all(r["offload_hidden"] == 0 for r in timed)
         else:
             assert {"host", "nvme"} <= set(records[-1]["mem"])
+
+
+def test_bigtrain_check_delays_its_reference_for_the_delayed_update():
+    from bigtrain.check.reference import config_gradient_delay
+
+    assert config_gradient_delay(tiny_config("", "--parallel.zero=1", "--offload.optimizer=cpu",
+                                             "--offload.delayed_update=true")) == 1
+    assert config_gradient_delay(tiny_config("", "--parallel.zero=1", "--offload.optimizer=cpu")) == 0

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from bigtrain.memory.swap import SwapStore
 from bigtrain.parallel.zero.delayed import DelayedUpdate
@@ -51,6 +52,7 @@ class UnitOffload:
                              f"devices so far, not {engine.device.type}; set offload.optimizer = 'none' and "
                              f"offload.params = 'none'")
         self.engine, self.plan = engine, plan
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.store = SwapStore(directory) if "nvme" in (plan.optimizer, plan.params) else None
         self._stepping = False
         self._depth = 0  # nested all_resident contexts
@@ -65,7 +67,9 @@ class UnitOffload:
 
     # -- which tensors of a unit go to files ---------------------------------------------------------
     def _keys(self, unit) -> str:
-        return f"{self.engine.comm.rank}.{unit.name.replace(':', '-')}"
+        # The process's global rank: ranks of other pipeline stages, tp or sp groups share their
+        # dp rank and unit names, and by default one directory (``<run dir>/offload``).
+        return f"{self._rank}.{unit.name.replace(':', '-')}"
 
     def _state_tensors(self, unit) -> list[tuple[str, torch.Tensor]]:
         if self.plan.optimizer != "nvme":
