@@ -28,6 +28,10 @@ runtime allocates besides (named so tests can compare those they can measure):
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
     fused_loss_chunk     the fused loss's one chunk of fp32 logits and exponentials (model.fused_loss)
 
+Offload (``offload.optimizer`` cpu | nvme, ``offload.params`` nvme) takes the optimizer term (fp32
+masters and state) and ZeRO-3's parameter shard off the device: :func:`offloaded_states`, with the
+bytes moved in ``detail["host_states"]`` and ``detail["nvme_states"]``.
+
 They are added to the end-of-forward activation peak although most live during backward, when
 activations are being freed: a conservative bound. The allocator allowance is the profile's
 ``fragmentation`` share of all that plus its fixed ``reserved_bytes`` (CUDA context, NCCL and
@@ -342,7 +346,7 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
                 inflight: int, optimizer: str = "adamw", block: int = 256) -> RankMemory:
     root, blocks = rank_units(model, layout, pp_rank)
     units = ([root] if root else []) + blocks
-    states = unit_state_bytes(units, layout, optimizer, block)
+    states, moved = offloaded_states(unit_state_bytes(units, layout, optimizer, block), layout)
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
     versions = weight_versions(layout.schedule, layout.pp, pp_rank)
@@ -354,8 +358,24 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], activations, buffers,
                      inflight, per_mb, capacity=hardware.memory_bytes)
     mem.detail["host_activations"] = host
+    mem.detail["host_states"], mem.detail["nvme_states"] = moved["host"], moved["nvme"]
     mem.allocator = math.ceil(hardware.fragmentation * mem.peak) + hardware.reserved_bytes
     return mem
+
+
+def offloaded_states(states: dict[str, int], layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
+    """(model states left on the device, bytes moved to ``host`` and ``nvme``): offload.optimizer
+    moves the optimizer's state with the fp32 masters (the ``optimizer`` term) to the host or its
+    files; offload.params moves ZeRO-3's parameter shard to files (what is gathered stays on the
+    device: ``zero3_gathered``). Gradients stay: they are reduced on the device."""
+    device, moved = dict(states), {"host": 0, "nvme": 0}
+    if layout.offload_optimizer != "none":
+        moved["host" if layout.offload_optimizer == "cpu" else "nvme"] += device["optimizer"]
+        device["optimizer"] = 0
+    if layout.offload_params == "nvme":
+        moved["nvme"] += device["params"]
+        device["params"] = 0
+    return device, moved
 
 
 def checked_pp_ranks(pp: int) -> list[int]:
