@@ -101,6 +101,9 @@ DELAYED_CASES = {
     "both-nvme-zero3-dp2": ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=nvme",
                             "--offload.params=nvme"],
     "nvme-zero2-clipped": ["--parallel.zero=2", "--offload.optimizer=nvme", "--optim.grad_clip=0.05"],
+    # The routers' biases and balance loss are model state outside the optimizer: not delayed.
+    "cpu-zero2-dp2-moe": ["--parallel.dp=2", "--parallel.zero=2", "--offload.optimizer=cpu", "--model.moe_experts=4",
+                          "--model.moe_top_k=2", "--model.moe_router=sigmoid-bias", "--model.moe_aux_loss_coef=0.01"],
 }
 
 

@@ -96,7 +96,8 @@ class ReferenceRun:
             raise ValueError("gradient_delay: the reference delays fp32 weights only; use precision.mode = 'fp32'")
         self.stale = copy.deepcopy(self.master) if delayed else None  # computes with the delayed weights
         self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
-        set_aux_loss_scale(self.compute, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
+        for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
+            set_aux_loss_scale(model, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -198,7 +199,11 @@ class ReferenceRun:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.learning_rate(self.step)
             self.optimizer.step()
-        update_router_biases(self.compute, move_biases=not skipped)  # MoE: this process saw every token
+        # MoE: this process saw every token. The routers' statistics are those of the model that ran
+        # the forward (with a delay, the stale copy), and their biases move there at once: they are
+        # model state outside the optimizer, not delayed (as the trainer moves them after each step).
+        ran = self.stale if self.stale is not None else self.compute
+        update_router_biases(ran, move_biases=not skipped)
         self.optimizer.zero_grad(set_to_none=True)
         if self.mixed:
             with torch.no_grad():

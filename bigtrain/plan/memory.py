@@ -19,7 +19,8 @@ and the rest is host memory (``detail["host_activations"]``). Buffers are what t
 runtime allocates besides (named so tests can compare those they can measure):
 
     zero_reduce_outputs  one reduce-scatter output per unit, held until the step (stages 2-3 fold
-                         a unit's previous micro-batch in before reducing its next one); mixed
+                         a unit's previous micro-batch in before reducing its next one; with
+                         offload.optimizer one unit's: each leaves for its tier when complete); mixed
                          stage 0: the compute-dtype copy of the fp32 gradients, all-reduced in place
     zero_reduce_in_flight  stage 2-3: the flat gradient of one unit handed to the collective;
                          mixed stage 1: a unit's compute-dtype copy of its fp32 gradient
@@ -316,7 +317,9 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
     shard_total = sum(padded) // shards
     out: dict[str, int] = {}
     reduced, mixed = replicas(layout) > 1, layout.precision != "fp32"  # one replica reduces nothing
-    if layout.zero >= 2 or (layout.zero == 1 and reduced):
+    if layout.zero >= 2 and layout.offload_optimizer != "none":  # each output leaves as its reduction completes
+        out["zero_reduce_outputs"] = nbytes * max(padded, default=0) // shards
+    elif layout.zero >= 2 or (layout.zero == 1 and reduced):
         out["zero_reduce_outputs"] = nbytes * shard_total
     elif layout.zero == 0 and mixed and reduced:
         out["zero_reduce_outputs"] = nbytes * sum(padded)
@@ -366,12 +369,16 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
 def offloaded_states(states: dict[str, int], layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
     """(model states left on the device, bytes moved to ``host`` and ``nvme``): offload.optimizer
     moves the optimizer's state with the fp32 masters (the ``optimizer`` term) to the host or its
-    files; offload.params moves ZeRO-3's parameter shard to files (what is gathered stays on the
-    device: ``zero3_gathered``). Gradients stay: they are reduced on the device."""
+    files, and at ZeRO 2-3 the gradient shards too (the host step reads them there; the runtime's
+    NVMe tier keeps them in files as each reduction completes); offload.params moves ZeRO-3's
+    parameter shard to files (what is gathered stays on the device: ``zero3_gathered``)."""
     device, moved = dict(states), {"host": 0, "nvme": 0}
     if layout.offload_optimizer != "none":
-        moved["host" if layout.offload_optimizer == "cpu" else "nvme"] += device["optimizer"]
+        tier = "host" if layout.offload_optimizer == "cpu" else "nvme"
+        moved[tier] += device["optimizer"] + (device["grads"] if layout.zero >= 2 else 0)
         device["optimizer"] = 0
+        if layout.zero >= 2:
+            device["grads"] = 0
     if layout.offload_params == "nvme":
         moved["nvme"] += device["params"]
         device["params"] = 0
