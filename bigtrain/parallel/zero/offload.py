@@ -309,14 +309,14 @@ class UnitOffload:
                 g.div_(engine.scaler.scale)
             parts += square_sums((g[a:b] for slot, a, b in unit.shard_slot_ranges() if counted(slot.name)),
                                  engine.device)
-            self.grad_out(unit)
+            if self.delayed is not None:  # the worker reads it from a file of its own (unused if skipped)
+                self.hand_over(unit, g)
+            else:
+                self.grad_out(unit)
         norm, found_inf = engine.agree_on_norm(parts, skip)
         if found_inf:
             return norm, True
         scale = max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
-        if self.delayed is not None:  # the worker reads each gradient from a file of its own
-            for unit in engine.units:
-                self.hand_over(unit, self.grad_in(unit))
         self.step([_Lazy(self, unit, scale, held=self.delayed is not None) for unit in engine.units], lr)
         return norm, False
 
