@@ -212,15 +212,8 @@ class Trainer:
                           offload=self._host_step(computing, computed))
 
     def _host_step(self, start: float, end: float) -> dict[str, float]:
-        """The offloaded host step that finished in this step: its duration and how much of it ran
-        during this step's forward and backward [start, end] (none of it, unless it is delayed)."""
         offload = getattr(self.engine, "offload", None)
-        span = offload.take_host_step() if offload is not None else None
-        if span is None:
-            return {}
-        duration = max(span[1] - span[0], 1e-9)
-        hidden = max(0.0, min(span[1], end) - max(span[0], start))
-        return {"step_ms": round(duration * 1e3, 3), "hidden": round(hidden / duration, 4)}
+        return offload.host_step_timing(start, end) if offload is not None else {}
 
     def _memory(self, activations: int) -> dict[str, int]:
         states = self.engine.state_bytes()

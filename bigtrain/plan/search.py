@@ -228,8 +228,8 @@ def explain_offload_fit(result: SearchResult, cluster: Cluster) -> list[str]:
             f"  device {readable_bytes(plan.memory.total)} of {readable_bytes(plan.memory.capacity)}; "
             f"host {readable_bytes(detail.get('host_states', 0))}, NVMe {readable_bytes(detail.get('nvme_states', 0))} "
             f"of model states per rank",
-            f"  step {plan.time.step_time_s:.3g} s ({plan.tokens_per_s:,.0f} tokens/s, MFU {plan.time.mfu:.0%}), of which "
-            f"{added:.3g} s offload (PCIe {hw.host_bandwidth / 1e9:.3g} GB/s, host memory "
+            f"  step {plan.time.step_time_s:.3g} s ({plan.tokens_per_s:,.0f} tokens/s, MFU {plan.time.mfu:.0%}), "
+            f"of which {added:.3g} s offload (PCIe {hw.host_bandwidth / 1e9:.3g} GB/s, host memory "
             f"{hw.host_memory_bandwidth / 1e9:.3g} GB/s, NVMe {hw.nvme_bandwidth / 1e9:.3g} GB/s per rank: profile "
             f"assumptions)",
             f"  run it with: {' '.join(plan.layout.to_overrides()[-3:])}"]

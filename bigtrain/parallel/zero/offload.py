@@ -320,14 +320,19 @@ class UnitOffload:
         self.step([_Lazy(self, unit, scale, held=self.delayed is not None) for unit in engine.units], lr)
         return norm, False
 
-    def take_host_step(self) -> tuple[float, float] | None:
-        """(start, end) of the host step that finished since the last call (the delayed update's
-        when it was waited for), for the run's overlap timeline."""
-        holder = self.delayed if self.delayed is not None else self
-        attr = "finished" if self.delayed is not None else "last_host_step"
-        span = getattr(holder, attr)
-        setattr(holder, attr, None)
-        return span
+    def host_step_timing(self, start: float, end: float) -> dict[str, float]:
+        """The run's overlap timeline: the host step that finished since the last call (the delayed
+        update's, when it was waited for), its duration and the share of it that ran during this
+        step's forward and backward [start, end] (none, unless it is delayed); {} if none finished."""
+        if self.delayed is not None:
+            span, self.delayed.finished = self.delayed.finished, None
+        else:
+            span, self.last_host_step = self.last_host_step, None
+        if span is None:
+            return {}
+        duration = max(span[1] - span[0], 1e-9)
+        hidden = max(0.0, min(span[1], end) - max(span[0], start))
+        return {"step_ms": round(duration * 1e3, 3), "hidden": round(hidden / duration, 4)}
 
     def offloaded_bytes(self) -> dict[str, int]:
         """Bytes this rank's offload keeps in host memory (``host``: the optimizer's state, masters
