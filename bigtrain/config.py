@@ -227,7 +227,10 @@ class OffloadConfig:
                       "read in just before their unit is gathered. Needs parallel.zero = 3.", "none")
     nvme_dir: str = doc("Directory for offload files (a fast local disk); '' means <run dir>/offload.", "")
     prefetch_depth: int = doc("NVMe: units read ahead of the one being stepped or gathered.", 1)
-    delayed_update: bool = doc("ZeRO-Offload's one-step delayed parameter update (not built yet: rejected).", False)
+    delayed_update: bool = doc("ZeRO-Offload's one-step delayed parameter update: the host optimizer step of step t "
+                               "runs on a worker thread during step t+1's forward and backward, which computes with "
+                               "the weights from before that update (W(t+1) = W(t) - lr * g(W(t-1))). Needs "
+                               "offload.optimizer = 'cpu' or 'nvme', parallel.pp = 1.", False)
 
 
 @dataclass

@@ -38,6 +38,11 @@ def human_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def device_bytes(mem: dict[str, int]) -> int:
+    """The device's total of a ``mem`` record: offload's ``host`` and ``nvme`` bytes are elsewhere."""
+    return sum(v for k, v in mem.items() if k not in ("host", "nvme"))
+
+
 def log_line(record: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
     """``step 10/300 | loss 3.2101 | 8,723 tok/s | mem 12.3 MiB | eta 1m05s`` (steps counted from 1)."""
     parts = [f"step {record['step'] + 1}/{total_steps}", f"loss {record['loss']:.4f}"]
@@ -45,7 +50,7 @@ def log_line(record: dict[str, Any], total_steps: int, eta_s: float | None) -> s
         parts.append(f"eval {record['eval_loss']:.4f}")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     if record.get("mem"):
-        parts.append(f"mem {human_bytes(sum(record['mem'].values()))}")
+        parts.append(f"mem {human_bytes(device_bytes(record['mem']))}")
     if eta_s is not None:
         parts.append(f"eta {human_duration(eta_s)}")
     if record.get("skipped"):
@@ -90,7 +95,7 @@ class MetricsLog:
             write_scalars(self.board, record)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 mem=human_bytes(sum(record["mem"].values())), refresh=False)
+                                 mem=human_bytes(device_bytes(record["mem"])), refresh=False)
         else:
             print(log_line(record, self.total_steps, self._eta(record["step"] + 1)), flush=True)
 
@@ -143,11 +148,12 @@ def tensorboard_writer(run_dir: Path):
 def write_scalars(writer, record: dict[str, Any]) -> None:
     """One record's scalars, at its step counted from 1 (as the log lines count)."""
     step = record["step"] + 1
-    for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+    for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "offload_step_ms",
+                "offload_hidden"):
         if key in record:
             writer.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", record[key], step)
     if record.get("mem"):
-        writer.add_scalar("memory/total_bytes", sum(record["mem"].values()), step)
+        writer.add_scalar("memory/total_bytes", device_bytes(record["mem"]), step)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

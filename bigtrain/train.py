@@ -46,6 +46,7 @@ from bigtrain.preemption import Preempted, SignalWatch
 from bigtrain.run_dir import ensure_run_id, forget_stop, read_run_id, record_stop
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
+OFFLOAD_MEM_KEYS = ("host", "nvme")  # with offload: bytes its tiers hold (not part of the device's total)
 
 
 @dataclass
@@ -63,6 +64,9 @@ class StepResult:
     loss_scale: float | None = None
     moe: dict[str, dict] = field(default_factory=dict)  # per MoE block: expert load, dropped routings, aux loss
     eval_loss: float | None = None  # the held-out loss after this step (train.eval_every)
+    # offload: the host optimizer step that finished in this step (the previous step's, with the
+    # delayed update): its duration and the fraction of it that ran during this step's forward and backward
+    offload: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict:
         out = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
@@ -74,6 +78,8 @@ class StepResult:
             out["moe"] = self.moe
         if self.eval_loss is not None:
             out["eval_loss"] = self.eval_loss
+        if self.offload:
+            out["offload_step_ms"], out["offload_hidden"] = self.offload["step_ms"], self.offload["hidden"]
         return out
 
 
@@ -175,11 +181,13 @@ class Trainer:
         # Local SGD: each replica's gradient is the mean loss's over its own part of the batch.
         local = getattr(self.engine, "averaging", None) is not None
         self.counted_targets = max(1, sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)) if local else global_targets
+        computing = time.perf_counter()
         if self.executor is not None:
             loss_sum, activations = self._micro_batches_through_pipeline(batches, measure)
         else:
             loss_sum, activations = self._micro_batches_in_turn(batches, measure)
         self.parallel.finish_grad_sync()
+        computed = time.perf_counter()
         if before_update is not None:
             before_update()
         # Every rank's loss before the update: a non-finite one (anywhere) vetoes the step on every
@@ -200,14 +208,26 @@ class Trainer:
         self.step += 1
         scaler = self.engine.scaler
         return StepResult(step, loss, grad_norm, lr, step_time, self.global_tokens, mem, traffic.by_axis(),
-                          traffic.by_op(), skipped, scaler.scale if scaler is not None else None, moe)
+                          traffic.by_op(), skipped, scaler.scale if scaler is not None else None, moe,
+                          offload=self._host_step(computing, computed))
+
+    def _host_step(self, start: float, end: float) -> dict[str, float]:
+        offload = getattr(self.engine, "offload", None)
+        return offload.host_step_timing(start, end) if offload is not None else {}
 
     def _memory(self, activations: int) -> dict[str, int]:
         states = self.engine.state_bytes()
         values = torch.tensor([states["params"], states["grads"], states["optimizer"], activations],
                               dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         self.mesh.comm("world").max(values)  # the worst rank
-        return dict(zip(MEM_KEYS, (int(v) for v in values.tolist())))
+        mem = dict(zip(MEM_KEYS, (int(v) for v in values.tolist())))
+        offload = getattr(self.engine, "offload", None)
+        if offload is not None:  # the worst rank's bytes in host memory and in files
+            tiers = offload.offloaded_bytes()
+            values = torch.tensor([tiers[k] for k in OFFLOAD_MEM_KEYS], dtype=torch.float64, device=self.device)
+            self.mesh.comm("world").max(values)
+            mem.update(zip(OFFLOAD_MEM_KEYS, (int(v) for v in values.tolist())))
+        return mem
 
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> list[StepResult]:
@@ -249,6 +269,11 @@ class Trainer:
         if cfg.checkpoint.save_final and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
             self.save()
         self.wait_for_save()
+        # Offload's delayed update: the last step's update, still on the host, lands in the model
+        # (after the save, which holds it and the weights in use: a longer run resumes exactly).
+        finish_update = getattr(self.engine, "finish_update", None)
+        if finish_update is not None:
+            finish_update()
         self.wall_time_s = time.perf_counter() - started
         return self.history
 

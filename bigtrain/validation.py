@@ -383,9 +383,18 @@ def check_offload(cfg: Config) -> list[str]:
     problems += _one_of("offload.params", o.params, ("none", "nvme"))
     if o.prefetch_depth < 0:
         problems.append(f"offload.prefetch_depth = {o.prefetch_depth}: must be >= 0")
-    if o.delayed_update:
-        problems.append("offload.delayed_update = true: the one-step delayed update is not built yet; "
-                        "set offload.delayed_update = false")
+    if o.delayed_update and o.optimizer == "none":
+        problems.append("offload.delayed_update = true overlaps the host optimizer step with the next step, but "
+                        "offload.optimizer = 'none' has no host step; set offload.optimizer = 'cpu' (or 'nvme')")
+    if o.delayed_update and p.pp > 1:
+        problems.append(f"offload.delayed_update = true with parallel.pp = {p.pp}: the delayed update is built for "
+                        f"the ZeRO engine without a pipeline (pipeline schedules step each stage themselves; "
+                        f"PipeDream-2BW is their own one-step delay); set parallel.pp = 1 or "
+                        f"offload.delayed_update = false")
+    if o.delayed_update and p.dp_sync != "sync":
+        problems.append(f"offload.delayed_update = true with parallel.dp_sync = '{p.dp_sync}': local SGD's "
+                        f"averaging would read masters a step ahead of the weights in use; set "
+                        f"parallel.dp_sync = 'sync' or offload.delayed_update = false")
     if o.optimizer != "none" and p.zero < 1:
         problems.append(f"offload.optimizer = '{o.optimizer}' steps the ZeRO engine's units one at a time, but "
                         f"parallel.zero = {p.zero}; set parallel.zero = 1, 2 or 3")

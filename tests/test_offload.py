@@ -32,6 +32,8 @@ CASES = {
                             ["--offload.optimizer=nvme", "--offload.params=nvme"]),
     "both-nvme-zero3-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=3", "--precision.mode=bf16"],
                                  ["--offload.optimizer=nvme", "--offload.params=nvme"]),
+    # Two ranks with the same dp rank and unit names share the directory: their files must not.
+    "both-nvme-zero3-tp2": (["--parallel.tp=2", "--parallel.zero=3"], ["--offload.optimizer=nvme", "--offload.params=nvme"]),
 }
 
 
@@ -81,8 +83,184 @@ def test_a_checkpoint_of_an_offloaded_run_resumes_without_offload(corpus_cache, 
      r"offload.nvme_dir = '/etc/hostname/offload'.*not a directory this user can write"),
     (["--parallel.zero=2", "--parallel.pp=2", "--model.tie_embeddings=true", "--offload.optimizer=nvme"],
      r"set model.tie_embeddings = false"),
-    (["--parallel.zero=1", "--offload.delayed_update=true"], r"offload.delayed_update = true.*not built yet"),
+    (["--parallel.zero=1", "--offload.delayed_update=true"], r"offload.delayed_update = true.*set offload.optimizer = .cpu."),
+    (["--parallel.zero=1", "--parallel.pp=2", "--offload.optimizer=cpu", "--offload.delayed_update=true"],
+     r"offload.delayed_update = true with parallel.pp = 2.*set parallel.pp = 1"),
 ])
 def test_offload_that_cannot_work_is_rejected_before_launch(flags, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config("", *flags)
+
+
+# -- the one-step delayed update (offload.delayed_update) --------------------------------------------
+DELAYED_CASES = {
+    "cpu-zero1": ["--parallel.zero=1", "--offload.optimizer=cpu"],
+    "cpu-zero3-dp2": ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu"],
+    "cpu-zero2-dp2-clipped": ["--parallel.dp=2", "--parallel.zero=2", "--offload.optimizer=cpu",
+                              "--optim.grad_clip=0.05"],
+    "both-nvme-zero3-dp2": ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=nvme",
+                            "--offload.params=nvme"],
+    "nvme-zero2-clipped": ["--parallel.zero=2", "--offload.optimizer=nvme", "--optim.grad_clip=0.05"],
+    # The routers' biases and balance loss are model state outside the optimizer: not delayed.
+    "cpu-zero2-dp2-moe": ["--parallel.dp=2", "--parallel.zero=2", "--offload.optimizer=cpu", "--model.moe_experts=4",
+                          "--model.moe_top_k=2", "--model.moe_router=sigmoid-bias", "--model.moe_aux_loss_coef=0.01"],
+}
+
+
+def _reference_delayed(cfg, steps):
+    from bigtrain.check.reference import ReferenceRun
+
+    run = ReferenceRun(cfg, gradient_delay=1)
+    records = [run.train_step() for _ in range(steps)]
+    return [r.loss for r in records], [r.grad_norm for r in records], \
+        {n: p.detach().clone() for n, p in run.master.named_parameters()}
+
+
+def _train_delayed(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    results = [trainer.train_step() for _ in range(STEPS)]
+    weights = trainer.parallel.full_weights()  # waits for the last update, still on the worker
+    return [r.loss for r in results], [r.grad_norm for r in results], weights
+
+
+@pytest.mark.parametrize("name", list(DELAYED_CASES))
+def test_delayed_update_equals_a_reference_that_applies_each_update_one_step_late(name, corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, *DELAYED_CASES[name], "--offload.delayed_update=true", "--optim.warmup_steps=2",
+                      f"--offload.nvme_dir={tmp_path / 'nvme'}", f"--train.steps={STEPS}")
+    losses, norms, weights = run_ranks(_train_delayed, cfg.parallel.world_size, cfg, str(tmp_path / "run"),
+                                       timeout=240)[0]
+    ref_losses, ref_norms, ref_weights = _reference_delayed(cfg, STEPS)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    for n, w in ref_weights.items():
+        assert_rel_close(weights[n], w, 1e-6, n)
+    # The delay is real: the same run without it differs (step 1 computes at the first weights again).
+    assert losses[1] != pytest.approx(_train_plain_loss(cfg, tmp_path), rel=1e-6)
+
+
+def _train_plain_loss(cfg, tmp_path):
+    from bigtrain.check.reference import ReferenceRun
+
+    run = ReferenceRun(cfg, gradient_delay=0)
+    return [run.train_step().loss for _ in range(2)][1]
+
+
+def _train_then_weights(rank, world_size, cfg, run_dir, steps):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    if cfg.checkpoint.resume != "none":
+        assert trainer.resume("auto")
+    losses = [trainer.train_step().loss for _ in range(steps)]
+    return losses, trainer.parallel.full_weights()
+
+
+@pytest.mark.parametrize("layout", [
+    ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu"],
+    ["--parallel.dp=2", "--parallel.zero=2", "--offload.optimizer=nvme"],
+])
+def test_a_delayed_update_run_resumes_onto_the_uninterrupted_run(layout, corpus_cache, tmp_path):
+    """The checkpoint holds the masters with the update of its last step applied, and the weights
+    still in use (one update behind): the resumed step 2 computes at them, as the uninterrupted does."""
+    flags = [*layout, "--offload.delayed_update=true", "--train.steps=4", f"--offload.nvme_dir={tmp_path / 'nvme'}"]
+    cfg = tiny_config(corpus_cache, *flags)
+    run_ranks(save_after_steps, 2, cfg, str(tmp_path / "run"), 2, timeout=240)
+    resumed = run_ranks(_train_then_weights, 2, tiny_config(corpus_cache, *flags, "--checkpoint.resume=auto"),
+                        str(tmp_path / "run"), 2, timeout=240)[0]
+    straight = run_ranks(_train_then_weights, 2, cfg, str(tmp_path / "straight"), 4, timeout=240)[0]
+    torch.testing.assert_close(torch.tensor(resumed[0]), torch.tensor(straight[0][2:]), rtol=1e-6, atol=0)
+    for n, w in straight[1].items():
+        assert_rel_close(resumed[1][n], w, 1e-6, n)
+
+
+def _skip_with_a_delayed_update(rank, world_size, cfg, run_dir):
+    """Two clean steps, a step whose loss is NaN on rank 1, a clean step: (skipped flags, whether the
+    skipped step left the masters as they were, whether the last step changed them)."""
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    flags = [trainer.train_step().skipped for _ in range(2)]
+    before = trainer.parallel.full_weights()  # step 1's update waited for: the masters are current
+    original = trainer.parallel.loss_sum
+    if rank == 1:
+        trainer.parallel.loss_sum = lambda logits, targets: original(logits, targets) + float("nan")
+    flags.append(trainer.train_step().skipped)
+    trainer.parallel.loss_sum = original
+    after = trainer.parallel.full_weights()
+    flags.append(trainer.train_step().skipped)
+    last = trainer.parallel.full_weights()
+    return (flags, all(torch.equal(after[n], w) for n, w in before.items()),
+            any(not torch.equal(last[n], w) for n, w in after.items()))
+
+
+def test_a_non_finite_loss_skips_only_its_own_delayed_update(corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu",
+                      "--offload.delayed_update=true")
+    flags, unchanged, moved = run_ranks(_skip_with_a_delayed_update, 2, cfg, str(tmp_path), timeout=240)[0]
+    assert flags == [False, False, True, False] and unchanged and moved
+
+
+def _fit_model_weights(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    trainer.fit()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer.parallel.full_weights()
+
+
+def test_fit_ends_with_every_delayed_update_in_the_model(corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, "--parallel.zero=1", "--offload.optimizer=cpu", "--offload.delayed_update=true",
+                      "--train.steps=3")
+    model, masters = run_ranks(_fit_model_weights, 1, cfg, str(tmp_path), timeout=240)[0]
+    for n, w in masters.items():
+        torch.testing.assert_close(model[n], w, rtol=0, atol=0)
+
+
+# -- metrics: the tiers' bytes and the overlap timeline ------------------------------------------------
+MEM_CASES = {  # layout -> (host, nvme) bytes per parameter of this rank's shard, fp32 AdamW
+    "cpu-zero1": (["--parallel.zero=1", "--offload.optimizer=cpu"], 8, 0),  # moments; the masters are the weights
+    "cpu-zero1-delayed": (["--parallel.zero=1", "--offload.optimizer=cpu", "--offload.delayed_update=true"],
+                          16, 0),  # moments, masters apart, the handed-over gradient
+    "cpu-zero2-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=2", "--precision.mode=bf16",
+                            "--offload.optimizer=cpu"], 12, 0),  # moments, fp32 masters
+    "nvme-both-zero3-dp2": (["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=nvme",
+                             "--offload.params=nvme"], 0, 16),  # masters (= the shards), moments, gradients
+}
+
+
+def _measured_mem(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    mem = [trainer.train_step(measure=True).mem for _ in range(2)][-1]
+    local = sum(u.shard_numel for u in trainer.engine.units)
+    return mem, local, len(trainer.engine.units), sum(p.numel() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("name", list(MEM_CASES))
+def test_mem_reports_the_host_and_nvme_bytes_of_the_formula(name, corpus_cache, tmp_path):
+    layout, host, nvme = MEM_CASES[name]
+    cfg = tiny_config(corpus_cache, *layout, f"--offload.nvme_dir={tmp_path / 'nvme'}")
+    world = cfg.parallel.world_size
+    mem, local, units, params = run_ranks(_measured_mem, world, cfg, str(tmp_path / "run"), timeout=240)[0]
+    assert 0 <= local * world - params < units * world * 64  # this rank's P/N, up to the units' padding
+    assert (mem["host"], mem["nvme"]) == (host * local, nvme * local), (mem, local)
+
+
+def test_the_overlap_timeline_is_in_metrics_jsonl(corpus_cache, tmp_path):
+    from bigtrain.metrics import read_metrics
+
+    for delayed in ("false", "true"):
+        cfg = tiny_config(corpus_cache, "--parallel.zero=1", "--offload.optimizer=cpu", "--train.steps=4",
+                          "--logging.log_every=1", f"--offload.delayed_update={delayed}")
+        run_ranks(lambda r, w, c, d: trainer_on_rank(r, w, c, d).fit() and None, 1, cfg,
+                  str(tmp_path / delayed), timeout=240)
+        records = read_metrics(tmp_path / delayed)
+        timed = [r for r in records if "offload_step_ms" in r]
+        # The delayed update's host step of step t is waited for, and reported, in step t + 1.
+        assert [r["step"] for r in timed] == ([1, 2, 3] if delayed == "true" else [0, 1, 2, 3])
+        assert all(r["offload_step_ms"] > 0 and 0 <= r["offload_hidden"] <= 1 for r in timed)
+        if delayed == "false":  # it runs after the backward: nothing hidden
+            assert all(r["offload_hidden"] == 0 for r in timed)
+        else:
+            assert {"host", "nvme"} <= set(records[-1]["mem"])
+
+
+def test_bigtrain_check_delays_its_reference_for_the_delayed_update():
+    from bigtrain.check.reference import config_gradient_delay
+
+    assert config_gradient_delay(tiny_config("", "--parallel.zero=1", "--offload.optimizer=cpu",
+                                             "--offload.delayed_update=true")) == 1
+    assert config_gradient_delay(tiny_config("", "--parallel.zero=1", "--offload.optimizer=cpu")) == 0

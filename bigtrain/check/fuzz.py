@@ -6,11 +6,12 @@ checkpointing (full, every k-th, selective), activation offload, the fused loss,
 tied embeddings, grouped and replicated key/value heads, a vocabulary that tp does not divide,
 masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding, the asynchronous pipelines 2BW and PipeDream
 with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture of experts with its ep
-degree, capacity, router, balance loss, shared expert and grouped GEMM). int8 activation compression is
-not drawn: it changes the weight gradients on purpose (tests/test_activation_memory.py). Each
-sample must either be rejected by validation before any rank starts, with every problem naming a
-field, or train like the independent reference (:func:`bigtrain.check.run.check_layout`). Anything
-else (a divergence, a crash after launch, a hang) is a bug.
+degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
+update). int8 activation compression is not drawn: it changes the weight gradients on purpose
+(tests/test_activation_memory.py). Each sample must either be rejected by validation before any rank
+starts, with every problem naming a field, or train like the independent reference
+(:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
+a bug.
 
 ``python -m bigtrain.check.fuzz N SEED`` (``scripts/fuzz-layouts.sh``) runs N samples.
 New techniques add their keys to :func:`sample_layout` when they land.
@@ -81,6 +82,17 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     out += _asynchronous_choice(rng, dp, pp, micro * accum)  # last: earlier seeds keep the draws above
     if rng.random() < 0.4:  # drawn last: the draws above, and so the samples without experts, stay as they were
         out = _with_experts(rng, out, dp)
+    if rng.random() < 0.2:  # after the experts, for the same reason
+        out += _offload_choice(rng, "--precision.mode=fp32" in out)
+    return out
+
+
+def _offload_choice(rng: random.Random, fp32: bool) -> list[str]:
+    """ZeRO-Offload / -Infinity tiers (validation rejects them without the ZeRO engine's units), and
+    in fp32, where the reference can delay the weights, sometimes the one-step delayed update."""
+    out = [f"--offload.optimizer={rng.choice(['cpu', 'nvme'])}", f"--offload.params={rng.choice(['none', 'nvme'])}"]
+    if fp32 and rng.random() < 0.5:
+        out.append("--offload.delayed_update=true")
     return out
 
 

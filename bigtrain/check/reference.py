@@ -96,7 +96,8 @@ class ReferenceRun:
             raise ValueError("gradient_delay: the reference delays fp32 weights only; use precision.mode = 'fp32'")
         self.stale = copy.deepcopy(self.master) if delayed else None  # computes with the delayed weights
         self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
-        set_aux_loss_scale(self.compute, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
+        for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
+            set_aux_loss_scale(model, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -198,7 +199,11 @@ class ReferenceRun:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.learning_rate(self.step)
             self.optimizer.step()
-        update_router_biases(self.compute, move_biases=not skipped)  # MoE: this process saw every token
+        # MoE: this process saw every token. The routers' statistics are those of the model that ran
+        # the forward (with a delay, the stale copy), and their biases move there at once: they are
+        # model state outside the optimizer, not delayed (as the trainer moves them after each step).
+        ran = self.stale if self.stale is not None else self.compute
+        update_router_biases(ran, move_biases=not skipped)
         self.optimizer.zero_grad(set_to_none=True)
         if self.mixed:
             with torch.no_grad():
@@ -211,8 +216,11 @@ def config_gradient_delay(cfg: Config) -> int:
     """The gradient delay (in steps) of the config's pipeline schedule: 1 for PipeDream-2BW (a step's
     gradient is taken at the weights of one step before), pp - 1 for PipeDream with vertical sync
     (one micro-batch per step, every stage at the first stage's version), 0 for a flushing schedule.
-    PipeDream without vertical sync delays each stage differently; pass ``gradient_delay`` by name."""
+    PipeDream without vertical sync delays each stage differently; pass ``gradient_delay`` by name.
+    ZeRO-Offload's delayed update (``offload.delayed_update``) is a delay of 1 too."""
     p = cfg.parallel
+    if cfg.offload.delayed_update:
+        return 1
     if p.pp < 2 or p.pp_schedule not in ("pipedream-2bw", "pipedream"):
         return 0
     if p.pp_schedule == "pipedream-2bw":

@@ -24,6 +24,10 @@ import torch
 from bigtrain.parallel.placement import ShardSpec
 
 WEIGHT = "weight"
+# With offload.delayed_update the compute weights are one update behind the masters between steps:
+# saved apart (``optim/<name>/weight_in_use``) so a resumed run computes its next step as the
+# uninterrupted one does. A checkpoint without them resumes with the masters as the weights in use.
+WEIGHT_IN_USE = "weight_in_use"
 
 
 @dataclass

@@ -33,7 +33,9 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    # Snapshots (list() of a dict is one step under the GIL): a delayed offloaded update may be
+    # adding state on its worker thread meanwhile.
+    return [v for state in list(optimizer.state.values()) for v in list(state.values()) if torch.is_tensor(v)]
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

@@ -193,15 +193,18 @@ class ParallelModel:
         """Fill this rank's shards (weights and optimizer state) from the sharded checkpoint at
         ``path``, whatever layout wrote it: each batch (a ZeRO unit, or one parameter) reads only the
         rectangles this rank's new layout holds. No collectives."""
-        from bigtrain.checkpoint.chunks import WEIGHT, chunks
+        from bigtrain.checkpoint.chunks import WEIGHT, WEIGHT_IN_USE, chunks
         from bigtrain.checkpoint.sharded import ChunkReader
 
         reader = ChunkReader(path)
         spec = self.engine.optim_spec
         with_state = any(k.startswith("optim/") for k in reader.entries)
+        in_use = any(k.endswith(f"/{WEIGHT_IN_USE}") for k in reader.entries)
         for batch in self._load_batches(with_state):
             requests, asked = [], {}
             for piece in batch:
+                if not in_use:  # saved without a delayed update: the loader sees it is not filled
+                    piece.tensors.pop(WEIGHT_IN_USE, None)
                 name, shards = self.placements.saved_name(piece.name), self.placements[piece.name].shards
                 for c in chunks(piece.lo, piece.hi, piece.shape, shards):
                     for key, flat in piece.tensors.items():

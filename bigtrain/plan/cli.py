@@ -17,7 +17,7 @@ from bigtrain.plan.hardware import HardwareProfile, calibrate, get_profile, load
 from bigtrain.plan.layout import Cluster, parse_layout
 from bigtrain.plan.model import MLP_KINDS, ModelSpec, moe_fields
 from bigtrain.plan.report import json_report, text_report, write_png
-from bigtrain.plan.search import search
+from bigtrain.plan.search import explain_offload_fit, offload_fit, search
 from bigtrain.plan.weight_grad import measure_backward_split
 
 DEFAULT_BATCH_TOKENS = 2**22  # Llama's 4 M tokens per step, when neither a preset nor a flag says
@@ -132,10 +132,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--block-size = {args.block_size}: must be a positive integer")
     result = search(model, cluster, global_batch, fixed, precision=fixed["precision"], optimizer=args.optim,
                     block=args.block_size)
+    # Nothing fits on the device: would offloading model states to the host or NVMe make it fit?
+    fit = offload_fit(model, cluster, global_batch, fixed, fixed["precision"], args.optim, args.block_size) \
+        if result.best is None else None
     if args.json:
-        print(json.dumps(json_report(model, cluster, global_batch, result, args.top), indent=1))
+        report = json_report(model, cluster, global_batch, result, args.top)
+        if fit is not None:
+            report["offload_fit"] = {**fit.best.to_dict(), "explanation": explain_offload_fit(fit, cluster)}
+        print(json.dumps(report, indent=1))
     else:
         print(text_report(model, cluster, global_batch, result, args.top))
+        if fit is not None:
+            print("\n".join(explain_offload_fit(fit, cluster)))
     if args.png:
         path = write_png(args.png, result)
         print(f"wrote {path}", file=sys.stderr)

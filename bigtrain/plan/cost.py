@@ -23,6 +23,9 @@ Conventions (docs/planner.md has the derivations):
   under, except the last unit's collective; ZeRO-3's gathers hide behind the forward/backward
   the same way. Stage 1-2's all-gather of updated weights after the step is exposed (the runtime
   does it synchronously), and so is the memory-bound AdamW step.
+* Offload (``offload_costs``): PCIe transfers, the host optimizer step and NVMe reads and writes at
+  the profile's ``host_bandwidth``, ``host_memory_bandwidth`` and ``nvme_bandwidth``; exposed after
+  the backward unless the delayed update hides them behind the next step's compute.
 * Activation options (``memory/``): selective recomputation is elementwise and memory-bound: the
   tensors it drops are written and read once more at ``hbm_bandwidth``; the fused loss adds one
   more output projection (2 V h FLOPs per token). Offload moves every micro-batch's saved bytes out and back
@@ -245,8 +248,52 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
         out["zero_param_gather"] = micro_batches * (max(tail, gather - window_f) + max(tail, gather - window_b))
     shard = params / (group if layout.zero >= 1 else 1)
     per_param = OPTIMIZER_BYTES_PER_PARAM["fp32" if layout.precision == "fp32" else "mixed"]
-    out["optimizer_step"] = shard * per_param / cluster.hardware.hbm_bandwidth
+    # With offload.optimizer the step runs on the host instead (offload_costs).
+    on_device = layout.offload_optimizer == "none"
+    out["optimizer_step"] = shard * per_param / cluster.hardware.hbm_bandwidth if on_device else 0.0
     return out
+
+
+# -- offload -------------------------------------------------------------------------------------------
+def offload_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: StageCosts,
+                  micro_batches: int) -> dict[str, float]:
+    """Exposed seconds per step of the offload tiers on the busiest rank (AdamW's state).
+
+    offload.optimizer: the fp32 gradient shard goes to the host and the updated weights come back
+    over PCIe (``host_bandwidth``); the host step streams the masters and state twice, the gradient
+    and the weights once (``host_memory_bandwidth``); with ``nvme`` the masters and state are read
+    and written once (``nvme_bandwidth``) and, at ZeRO 2-3, the gradient shard written once and read
+    twice (the norm, the step). All of it follows the backward, exposed, unless ``delayed_update``:
+    then it hides behind the next step's compute up to ``OVERLAP``.
+    offload.params: ZeRO-3's shard is read before each gather (forward and backward of every
+    micro-batch) and written after the step; the reads run ahead with the gathers' prefetch, hidden
+    up to ``OVERLAP`` of the compute."""
+    if layout.offload_optimizer == "none" and layout.offload_params == "none":
+        return {}
+    from bigtrain.plan.memory import unit_state_bytes
+
+    hw, nbytes = cluster.hardware, BYTES[layout.precision]
+    window = OVERLAP * micro_batches * (costs.compute_f + costs.compute_b)
+    worst = {}
+    for r in checked_pp_ranks(layout.pp):
+        root, blocks = rank_units(model, layout, r)
+        units = ([root] if root else []) + blocks
+        states = unit_state_bytes(units, layout)
+        shard = sum(-(-u.numel // (layout.size(u.axis) if layout.zero >= 1 else 1)) for u in units)
+        out = {}
+        if layout.offload_optimizer != "none":
+            seconds = (4 + nbytes) * shard / hw.host_bandwidth
+            seconds += (2 * states["optimizer"] + 8 * shard) / hw.host_memory_bandwidth
+            if layout.offload_optimizer == "nvme":
+                files = 2 * states["optimizer"] + (3 * 4 * shard if layout.zero >= 2 else 0)
+                seconds += files / hw.nvme_bandwidth
+            out["offload_optimizer"] = max(0.0, seconds - window) if layout.delayed_update else seconds
+        if layout.offload_params == "nvme":
+            reads = 2 * micro_batches * states["params"] / hw.nvme_bandwidth
+            out["offload_params"] = max(0.0, reads - window) + states["params"] / hw.nvme_bandwidth
+        if sum(out.values()) >= sum(worst.values()):
+            worst = out
+    return worst
 
 
 # -- the step --------------------------------------------------------------------------------------
@@ -260,6 +307,7 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
     terms = pipeline.terms(layout.schedule, layout.pp, m, layout.v, f, b, weight_grad, costs.p2p)
     extra = data_parallel_costs(model, layout, cluster, costs, m)
     extra.update(activation_option_costs(model, layout, cluster, costs, m))
+    extra.update(offload_costs(model, layout, cluster, costs, m))
     total = terms.makespan + sum(extra.values())
     tokens = global_batch * model.seq
     model_flops = tokens * model.model_flops_per_token()

@@ -62,15 +62,23 @@ def _model_fields(cfg: Config) -> str:
     return f"model.n_layers = {m.n_layers}, model.dim = {m.dim}, {ffn}, model.vocab_size = {m.vocab_size}"
 
 
-def _layout(cfg: Config):
+def _offload_tiers(cfg: Config, cuda: bool) -> tuple[str, str]:
+    """(offload.optimizer, offload.params) as far as they take bytes off this machine's device: on
+    a CPU device the host is the device, so only the files (``nvme``) do."""
+    o = cfg.offload
+    return (o.optimizer if cuda or o.optimizer == "nvme" else "none"), o.params
+
+
+def _layout(cfg: Config, cuda: bool = False):
     from bigtrain.plan.layout import Layout
 
     p = cfg.parallel
+    optimizer, params = _offload_tiers(cfg, cuda)
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, sp=p.sp, zero=p.zero, micro_batch=cfg.train.micro_batch,
                   schedule=p.pp_schedule, v=p.pp_virtual, recompute=cfg.memory.checkpointing,
                   every=cfg.memory.checkpoint_every, tp_sp=p.sequence_parallel, precision=cfg.precision.mode,
                   offload=cfg.memory.activation_offload, compression=cfg.memory.activation_compression,
-                  fused_loss=cfg.model.fused_loss)
+                  fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params)
 
 
 def _with_fix(cfg: Config, capacity: int, sharing: int, cuda: bool, suggest: bool, problem: str) -> str:
@@ -97,8 +105,10 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
     on_machine = f" x {sharing} ranks on this machine" if sharing > 1 else ""
     spec = ModelSpec.from_model_config(m, d.seq_len)
     optimizer = cfg.optim.name
-    states = sum(zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, p.dp * p.sp, cfg.precision.mode,
-                                    optimizer).values())
+    formula = zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, p.dp * p.sp, cfg.precision.mode, optimizer)
+    off_optimizer, off_params = _offload_tiers(cfg, cuda)  # what offload keeps off the device
+    states = sum(v for k, v in formula.items()
+                 if not (k == "optimizer" and off_optimizer != "none") and not (k == "params" and off_params != "none"))
     if states * sharing > capacity:
         return [_with_fix(cfg, capacity, sharing, cuda, suggest, f"{_model_fields(cfg)} make {spec.params:.3g} parameters: their weights, gradients and "
                 f"optimizer state alone take {_size(states)} per rank (the planner's ZeRO formula at "
@@ -108,7 +118,7 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
         return [], []
     try:
         hardware = get_profile("cpu" if not cuda else "h100-80g")
-        mem = estimate_memory(spec, _layout(cfg), hardware, t.global_batch, optimizer=optimizer)
+        mem = estimate_memory(spec, _layout(cfg, cuda), hardware, t.global_batch, optimizer=optimizer)
     except Exception:  # noqa: BLE001 - a layout the planner does not model is no reason to refuse a run
         return [], []
     parts = {

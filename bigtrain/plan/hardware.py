@@ -54,6 +54,13 @@ class HardwareProfile:
     weight_grad_fraction: float = WEIGHT_GRAD_FRACTION  # W / (I + W) of a split backward, measured
     # device <-> host copies (activation offload), per direction: PCIe Gen4 x16 at ~80% (assumption)
     host_bandwidth: float = 25e9
+    # offload.optimizer / offload.params = 'nvme': one rank's share of the local NVMe drives, read or
+    # written (assumption: a PCIe Gen4 drive per GPU at ~3 GB/s sustained; ZeRO-Infinity's DGX-2 has
+    # ~25 GB/s over 16 GPUs). Calibrate your own: benchmarks/bench_offload.py --case rss.
+    nvme_bandwidth: float = 3e9
+    # offload.optimizer: bytes per second the host optimizer step streams through host memory (a
+    # server's DRAM with a fused multithreaded Adam; assumption). The 2-core CI machine measured ~20e9.
+    host_memory_bandwidth: float = 50e9
     # Shape-aware compute (plan/gemm.py); gemm_fraction = 0 keeps achievable_fraction for everything.
     gemm_fraction: float = 0.0  # share of the dense peak a large GEMM sustains
     gemm_half_dim: float = 0.0  # a GEMM dimension this small halves that share

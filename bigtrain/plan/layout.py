@@ -41,6 +41,9 @@ class Layout:
     compression: str = "none"  # memory.activation_compression
     fused_loss: bool = False  # model.fused_loss
     ep: int = 1  # parallel.ep: experts sharded over ep of the dp x sp ranks (adds no ranks)
+    offload_optimizer: str = "none"  # offload.optimizer: none | cpu | nvme
+    offload_params: str = "none"  # offload.params: none | nvme (ZeRO-3)
+    delayed_update: bool = False  # offload.delayed_update: the host step overlaps the next step
 
     @property
     def gpus(self) -> int:
@@ -72,6 +75,12 @@ class Layout:
         parts.append(self.precision)
         parts += [k for k, on in (("offload", self.offload), ("int8", self.compression == "int8"),
                                   ("fused_loss", self.fused_loss)) if on]
+        if self.offload_optimizer != "none":
+            parts.append(f"offload_optimizer={self.offload_optimizer}")
+        if self.offload_params != "none":
+            parts.append(f"offload_params={self.offload_params}")
+        if self.delayed_update:
+            parts.append("delayed_update")
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -87,6 +96,9 @@ class Layout:
                 f"--memory.activation_offload={str(self.offload).lower()}",
                 f"--memory.activation_compression={self.compression}",
                 f"--model.fused_loss={str(self.fused_loss).lower()}"]
+        if self.offload_optimizer != "none" or self.offload_params != "none":
+            out += [f"--offload.optimizer={self.offload_optimizer}", f"--offload.params={self.offload_params}",
+                    f"--offload.delayed_update={str(self.delayed_update).lower()}"]
         return out
 
 
@@ -124,9 +136,12 @@ class Cluster:
 _INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every", "ep")
 _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": "recompute", "tpsp": "tp_sp",
             "sequence_parallel": "tp_sp", "zero_stage": "zero", "checkpoint_every": "every",
-            "activation_offload": "offload", "activation_compression": "compression"}
-_BOOL_KEYS = ("tp_sp", "offload", "fused_loss")
-LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss")
+            "activation_offload": "offload", "activation_compression": "compression",
+            "optimizer_offload": "offload_optimizer", "params_offload": "offload_params"}
+_BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update")
+LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss",
+                           "offload_optimizer", "offload_params", "delayed_update")
+OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "nvme")}
 
 
 def parse_layout(text: str) -> dict:
@@ -168,7 +183,7 @@ def _parse_value(key: str, value: str):
             return False
         raise ValueError("use on or off")
     choices = {"schedule": SCHEDULE_KINDS, "recompute": RECOMPUTE, "precision": PRECISIONS,
-               "compression": COMPRESSIONS}[key]
+               "compression": COMPRESSIONS, **OFFLOAD_TIERS}[key]
     if value not in choices:
         raise ValueError(f"must be one of {', '.join(choices)}")
     return value
@@ -197,6 +212,20 @@ def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_b
         problems.append(f"pp x v = {layout.pp * layout.v} stages exceed --layers = {model.layers}")
     problems += _batch_problems(layout, global_batch)
     problems += _expert_problems(layout, model)
+    problems += _offload_problems(layout)
+    return problems
+
+
+def _offload_problems(layout: Layout) -> list[str]:
+    """The runtime's rules (validation.py): the host step needs the ZeRO engine's units, parameter
+    files ZeRO-3's shards, the delayed update a host step and no pipeline."""
+    problems = []
+    if layout.offload_optimizer != "none" and layout.zero < 1:
+        problems.append(f"offload_optimizer = {layout.offload_optimizer} needs zero >= 1 (the ZeRO engine's units)")
+    if layout.offload_params != "none" and layout.zero != 3:
+        problems.append(f"offload_params = {layout.offload_params} needs zero = 3")
+    if layout.delayed_update and (layout.offload_optimizer == "none" or layout.pp > 1):
+        problems.append("delayed_update needs offload_optimizer = cpu or nvme and pp = 1")
     return problems
 
 

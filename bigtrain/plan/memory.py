@@ -19,7 +19,8 @@ and the rest is host memory (``detail["host_activations"]``). Buffers are what t
 runtime allocates besides (named so tests can compare those they can measure):
 
     zero_reduce_outputs  one reduce-scatter output per unit, held until the step (stages 2-3 fold
-                         a unit's previous micro-batch in before reducing its next one); mixed
+                         a unit's previous micro-batch in before reducing its next one; with
+                         offload.optimizer one unit's: each leaves for its tier when complete); mixed
                          stage 0: the compute-dtype copy of the fp32 gradients, all-reduced in place
     zero_reduce_in_flight  stage 2-3: the flat gradient of one unit handed to the collective;
                          mixed stage 1: a unit's compute-dtype copy of its fp32 gradient
@@ -27,6 +28,10 @@ runtime allocates besides (named so tests can compare those they can measure):
                          plus two blocks (the current one and the prefetched one)
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
     fused_loss_chunk     the fused loss's one chunk of fp32 logits and exponentials (model.fused_loss)
+
+Offload (``offload.optimizer`` cpu | nvme, ``offload.params`` nvme) takes the optimizer term (fp32
+masters and state) and ZeRO-3's parameter shard off the device: :func:`offloaded_states`, with the
+bytes moved in ``detail["host_states"]`` and ``detail["nvme_states"]``.
 
 They are added to the end-of-forward activation peak although most live during backward, when
 activations are being freed: a conservative bound. The allocator allowance is the profile's
@@ -312,7 +317,9 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
     shard_total = sum(padded) // shards
     out: dict[str, int] = {}
     reduced, mixed = replicas(layout) > 1, layout.precision != "fp32"  # one replica reduces nothing
-    if layout.zero >= 2 or (layout.zero == 1 and reduced):
+    if layout.zero >= 2 and layout.offload_optimizer != "none":  # each output leaves as its reduction completes
+        out["zero_reduce_outputs"] = nbytes * max(padded, default=0) // shards
+    elif layout.zero >= 2 or (layout.zero == 1 and reduced):
         out["zero_reduce_outputs"] = nbytes * shard_total
     elif layout.zero == 0 and mixed and reduced:
         out["zero_reduce_outputs"] = nbytes * sum(padded)
@@ -342,7 +349,7 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
                 inflight: int, optimizer: str = "adamw", block: int = 256) -> RankMemory:
     root, blocks = rank_units(model, layout, pp_rank)
     units = ([root] if root else []) + blocks
-    states = unit_state_bytes(units, layout, optimizer, block)
+    states, moved = offloaded_states(unit_state_bytes(units, layout, optimizer, block), layout)
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
     versions = weight_versions(layout.schedule, layout.pp, pp_rank)
@@ -354,8 +361,28 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], activations, buffers,
                      inflight, per_mb, capacity=hardware.memory_bytes)
     mem.detail["host_activations"] = host
+    mem.detail["host_states"], mem.detail["nvme_states"] = moved["host"], moved["nvme"]
     mem.allocator = math.ceil(hardware.fragmentation * mem.peak) + hardware.reserved_bytes
     return mem
+
+
+def offloaded_states(states: dict[str, int], layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
+    """(model states left on the device, bytes moved to ``host`` and ``nvme``): offload.optimizer
+    moves the optimizer's state with the fp32 masters (the ``optimizer`` term) to the host or its
+    files, and at ZeRO 2-3 the gradient shards too (the host step reads them there; the runtime's
+    NVMe tier keeps them in files as each reduction completes); offload.params moves ZeRO-3's
+    parameter shard to files (what is gathered stays on the device: ``zero3_gathered``)."""
+    device, moved = dict(states), {"host": 0, "nvme": 0}
+    if layout.offload_optimizer != "none":
+        tier = "host" if layout.offload_optimizer == "cpu" else "nvme"
+        moved[tier] += device["optimizer"] + (device["grads"] if layout.zero >= 2 else 0)
+        device["optimizer"] = 0
+        if layout.zero >= 2:
+            device["grads"] = 0
+    if layout.offload_params == "nvme":
+        moved["nvme"] += device["params"]
+        device["params"] = 0
+    return device, moved
 
 
 def checked_pp_ranks(pp: int) -> list[int]:

@@ -104,7 +104,9 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
     """Every layout the search considers, honoring the user's fixed keys (valid or not)."""
     seen = set()
     for dp, tp, pp, sp in _mesh_shapes(model, cluster, fixed):
-        zeros = _options(fixed, "zero", (0, 1, 2, 3) if dp * sp > 1 else (0,))  # ZeRO shards over dp x sp
+        # ZeRO shards over dp x sp; on one replica its units still serve offload (stepped one at a time)
+        offloading = fixed.get("offload_optimizer", "none") != "none" or fixed.get("offload_params", "none") != "none"
+        zeros = _options(fixed, "zero", (0, 1, 2, 3) if dp * sp > 1 or offloading else (0,))
         choices = itertools.product(zeros, _options(fixed, "micro_batch", MICRO_BATCHES), _schedules(fixed, pp),
                                     _options(fixed, "recompute", RECOMPUTES),
                                     _options(fixed, "tp_sp", (False, True) if tp > 1 else (False,)))
@@ -114,7 +116,10 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                 recompute=recompute, every=fixed.get("every", 2), tp_sp=tp_sp,
                                 precision=fixed.get("precision", precision), offload=fixed.get("offload", False),
                                 compression=fixed.get("compression", "none"),
-                                fused_loss=fixed.get("fused_loss", False), ep=ep)
+                                fused_loss=fixed.get("fused_loss", False), ep=ep,
+                                offload_optimizer=fixed.get("offload_optimizer", "none"),
+                                offload_params=fixed.get("offload_params", "none"),
+                                delayed_update=fixed.get("delayed_update", False))
                 if layout not in seen:
                     seen.add(layout)
                     yield layout
@@ -187,6 +192,47 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | 
     if not fitting and closest is not None:
         closest.time = step_time(model, closest.layout, cluster, global_batch, pipeline)
     return SearchResult(fitting, None if fitting else closest, considered, valid, rejected)
+
+
+OFFLOAD_STEPS = ({"offload_optimizer": "cpu"}, {"offload_optimizer": "cpu", "delayed_update": True},
+                 {"offload_optimizer": "nvme", "offload_params": "nvme", "zero": 3})
+
+
+def offload_fit(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | None = None,
+                precision: str = "bf16", optimizer: str = "adamw", block: int = 256) -> SearchResult | None:
+    """When nothing fits on the device: the first offload that makes something fit (the optimizer on
+    the host, then with the delayed update, then optimizer and parameters on NVMe at ZeRO-3), as a
+    search with those keys fixed; None when the user fixed offload keys already or none helps."""
+    fixed = dict(fixed or {})
+    if any(k in fixed for k in ("offload_optimizer", "offload_params", "delayed_update")):
+        return None
+    for tiers in OFFLOAD_STEPS:
+        if "zero" in tiers and fixed.get("zero", tiers["zero"]) != tiers["zero"]:
+            continue  # the user fixed a ZeRO stage this offload cannot use
+        try:
+            result = search(model, cluster, global_batch, {**fixed, **tiers}, precision, optimizer=optimizer,
+                            block=block)
+        except ConfigError:
+            continue
+        if result.best is not None:
+            return result
+    return None
+
+
+def explain_offload_fit(result: SearchResult, cluster: Cluster) -> list[str]:
+    """What the offload that fits moves off the device and what it costs per step."""
+    plan, hw = result.best, cluster.hardware
+    detail, breakdown = plan.memory.detail, plan.time.breakdown
+    added = breakdown.get("offload_optimizer", 0.0) + breakdown.get("offload_params", 0.0)
+    return [f"With offload it fits: {plan.layout.describe()}",
+            f"  device {readable_bytes(plan.memory.total)} of {readable_bytes(plan.memory.capacity)}; "
+            f"host {readable_bytes(detail.get('host_states', 0))}, NVMe {readable_bytes(detail.get('nvme_states', 0))} "
+            f"of model states per rank",
+            f"  step {plan.time.step_time_s:.3g} s ({plan.tokens_per_s:,.0f} tokens/s, MFU {plan.time.mfu:.0%}), "
+            f"of which {added:.3g} s offload (PCIe {hw.host_bandwidth / 1e9:.3g} GB/s, host memory "
+            f"{hw.host_memory_bandwidth / 1e9:.3g} GB/s, NVMe {hw.nvme_bandwidth / 1e9:.3g} GB/s per rank: profile "
+            f"assumptions)",
+            f"  run it with: {' '.join(plan.layout.to_overrides()[-3:])}"]
 
 
 # -- explanations -------------------------------------------------------------------------------------

@@ -126,6 +126,12 @@ class ZeroEngine:
                                    f"its rank 0 ({detail}); every rank must build the same model")
 
     # -- allocation -----------------------------------------------------------------------------
+    @property
+    def _separate_master(self) -> bool:
+        """fp32 masters apart from the compute weights: in mixed precision, and with the delayed
+        update (its worker updates the masters while the forward reads the compute weights)."""
+        return self.precision.mixed or (self.offload is not None and self.offload.delayed is not None)
+
     def _allocate(self, init_fn: InitFn) -> None:
         compute, dev = self.precision.compute, self.device
         for unit in self.units:
@@ -133,14 +139,14 @@ class ZeroEngine:
             master = unit.shard_from_full_values(lambda n: value_of[n](), torch.float32, dev)
             if self.stage == 3:
                 full = torch.empty(unit.padded_numel, dtype=compute, device=dev)
-                unit.shard_param = master if not self.precision.mixed else master.to(compute)
+                unit.shard_param = master if not self._separate_master else master.to(compute, copy=True)
             else:
                 full = unit.flatten({s.name: value_of[s.name]() for s in unit.slots}, compute, dev)
                 unit.shard_param = unit.shard_of(full)
             replace_parameters(self.model, unit.bind(full))
             if self.stage == 3:
                 unit.free_full()
-            unit.master = master if self.precision.mixed else unit.shard_param
+            unit.master = master if self._separate_master else unit.shard_param
             self._cut_pieces(unit)
             if self.offload is not None:  # to its file before the next unit is allocated
                 self.offload.release(unit)
@@ -315,6 +321,8 @@ class ZeroEngine:
         """Unscale, check for overflow, clip and update; returns (grad norm, skipped). A non-zero
         ``skip`` (a flag every rank shares, e.g. a non-finite loss) skips like an overflow."""
         self._drop_gathered()
+        if self.offload is not None:
+            self.offload.before_step()  # a delayed update: the last step's, published now
         if self.offload is not None and self.offload.grads_in_files:
             return self.offload.step_streaming(lr, max_norm, skip)
         grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
@@ -350,10 +358,18 @@ class ZeroEngine:
             self.scaler.update(found_inf)
         return norm, found_inf
 
+    def finish_update(self) -> None:
+        """A delayed update still running (``offload.delayed_update``): finished, and its weights
+        published (the end of training: the model then holds every update)."""
+        if self.offload is not None:
+            self.offload.before_step()
+
     def refresh_compute_weights(self) -> None:
         """Make the compute weights equal the (just loaded) masters on every rank."""
         self._drop_gathered()
         self._publish_weights()
+        if self.offload is not None and self.offload.delayed is not None:
+            self.offload.delayed.unpublished = False
 
     def _drop_gathered(self) -> None:
         """ZeRO-3: a unit still gathered now (a prefetch that the model or a pipeline schedule
@@ -366,9 +382,11 @@ class ZeroEngine:
         for unit in self.units:
             self.publish_unit(unit)
 
-    def publish_unit(self, unit: FlatUnit) -> None:
-        if self.precision.mixed:
-            unit.shard_param.copy_(unit.master)
+    def publish_unit(self, unit: FlatUnit, value: torch.Tensor | None = None) -> None:
+        """The unit's compute weights from its masters (or from ``value``, an fp32 shard)."""
+        value = unit.master if value is None else value
+        if value is not unit.shard_param:
+            unit.shard_param.copy_(value)
         if self.stage in (1, 2) and unit.shards > 1:
             # Synchronous: on NCCL the current stream waits for the gather before the clone is
             # freed and before the next forward reads ``unit.full``.
@@ -387,8 +405,9 @@ class ZeroEngine:
                     unit.grad_shard.zero_()
                 for p in unit.params:
                     p.grad = None
-            for _, _, view in unit.pieces:
-                view.grad = None
+            if self.offload is None:  # the offloaded step clears them itself (a delayed one is still running)
+                for _, _, view in unit.pieces:
+                    view.grad = None
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         from bigtrain.parallel.zero.state import full_state
@@ -417,8 +436,7 @@ class ZeroEngine:
         grads = [u.full_grad if self.stage <= 1 else u.grad_shard for u in self.units]
         grads += [p.grad for p in self.params if p.grad is not None]
         optimizer = optimizer_tensors(self.optimizer)
-        if self.precision.mixed:
-            optimizer += [u.master for u in self.units]
+        optimizer += [u.master for u in self.units if u.master is not u.shard_param]
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
 
 

@@ -21,12 +21,15 @@ Checkpoints and full state read everything back first (:meth:`UnitOffload.all_re
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from bigtrain.memory.swap import SwapStore
+from bigtrain.parallel.zero.delayed import DelayedUpdate
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class OffloadPlan:
     params: str = "none"  # none | nvme
     nvme_dir: str = ""
     prefetch_depth: int = 1
+    delayed_update: bool = False  # ZeRO-Offload's one-step delayed update (:mod:`.delayed`)
 
     @property
     def active(self) -> bool:
@@ -48,6 +52,7 @@ class UnitOffload:
                              f"devices so far, not {engine.device.type}; set offload.optimizer = 'none' and "
                              f"offload.params = 'none'")
         self.engine, self.plan = engine, plan
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.store = SwapStore(directory) if "nvme" in (plan.optimizer, plan.params) else None
         self._stepping = False
         self._depth = 0  # nested all_resident contexts
@@ -57,10 +62,14 @@ class UnitOffload:
         # (after zero_grad), so neither a read nor a write is needed.
         self.grads_in_files = plan.optimizer == "nvme" and engine.stage >= 2
         self._zero: set[int] = set()
+        self.delayed = DelayedUpdate(self) if plan.delayed_update else None
+        self.last_host_step: tuple[float, float] | None = None  # (start, end) of the last synchronous one
 
     # -- which tensors of a unit go to files ---------------------------------------------------------
     def _keys(self, unit) -> str:
-        return f"{self.engine.comm.rank}.{unit.name.replace(':', '-')}"
+        # The process's global rank: ranks of other pipeline stages, tp or sp groups share their
+        # dp rank and unit names, and by default one directory (``<run dir>/offload``).
+        return f"{self._rank}.{unit.name.replace(':', '-')}"
 
     def _state_tensors(self, unit) -> list[tuple[str, torch.Tensor]]:
         if self.plan.optimizer != "nvme":
@@ -89,6 +98,9 @@ class UnitOffload:
 
     def _grad_key(self, unit) -> str:
         return f"{self._keys(unit)}.grad"
+
+    def _held_key(self, unit) -> str:
+        return f"{self._keys(unit)}.held_grad"
 
     # -- gradients in files ------------------------------------------------------------------------
     def grad_in(self, unit) -> torch.Tensor:
@@ -163,7 +175,10 @@ class UnitOffload:
 
     @contextlib.contextmanager
     def all_resident(self):
-        """Everything in memory for the duration (checkpoints, full state, loading)."""
+        """Everything in memory for the duration (checkpoints, full state, loading); a delayed
+        update still running is waited for first (its masters are what is read)."""
+        if self.delayed is not None:
+            self.delayed.wait()
         if self.store is None or self._depth:
             self._depth += 1
             try:
@@ -186,23 +201,42 @@ class UnitOffload:
             self.release_all()
 
     # -- the step, unit by unit ----------------------------------------------------------------------
-    def step(self, grads: list[torch.Tensor], lr: float) -> None:
-        """Step each unit alone (its pieces given their gradient, the others none), publishing its
-        weights before the next; with files, the next units' reads overlap this unit's step."""
+    def before_step(self) -> None:
+        """Start of the engine's step: a delayed update computed during this step's forward and
+        backward is waited for and its weights published (the next forward computes with them)."""
+        if self.delayed is not None:
+            self.delayed.publish()
+
+    def step(self, grads: list, lr: float) -> None:
+        """Step each unit alone, publishing its weights before the next; with the delayed update,
+        hand the (clipped) gradients to the worker thread instead and return at once."""
+        if self.delayed is not None:
+            self.delayed.start([self.delayed.hold(u, g) for u, g in zip(self.engine.units, grads)], lr)
+            return
+        start = time.perf_counter()
+        self.step_units(grads, lr, publish=True)
+        self.last_host_step = (start, time.perf_counter())
+
+    def step_units(self, grads: list, lr: float, publish: bool) -> None:
+        """Step each unit alone (its pieces given their gradient, the others none); with files, the
+        next units' reads overlap this unit's step. ``publish``: each unit's compute weights are
+        updated after its step (the parameter shard is read in for it); the delayed update leaves
+        them to :meth:`publish_all` and never touches the shards the forward is gathering."""
         engine, units = self.engine, self.engine.units
+        moved = (lambda u: self._optimizer_side(u) + self._shard(u)) if publish else self._optimizer_side
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        self._stepping = True
+        self._stepping = publish
         try:
             ahead, in_flight = max(1, self.plan.prefetch_depth), []
             if self.store is not None:
                 for unit in units[:ahead]:
-                    self._in(self._optimizer_side(unit) + self._shard(unit), wait=False)
+                    self._in(moved(unit), wait=False)
             for i, (unit, grad) in enumerate(zip(units, grads)):
                 if self.store is not None:
                     for nxt in units[i + 1:i + 1 + ahead]:
-                        self._in(self._optimizer_side(nxt) + self._shard(nxt), wait=False)
-                    self._in(self._optimizer_side(unit) + self._shard(unit))
+                        self._in(moved(nxt), wait=False)
+                    self._in(moved(unit))
                 if isinstance(grad, _Lazy):
                     grad = grad.read()
                 for a, b, view in unit.pieces:
@@ -210,19 +244,55 @@ class UnitOffload:
                 engine.optimizer.step()
                 for _, _, view in unit.pieces:
                     view.grad = None
-                engine.publish_unit(unit)
+                if publish:
+                    engine.publish_unit(unit)
+                elif self.grads_in_files:  # the handed-over gradient is spent: no bytes, no write
+                    grad.untyped_storage().resize_(0)
                 if self.store is not None:
-                    written = self._optimizer_side(unit) + self._shard(unit)
-                    if self.grads_in_files:  # stepped: its gradient is spent, no write needed
+                    written = moved(unit)
+                    if self.grads_in_files and publish:  # stepped: its gradient is spent, no write needed
                         self.zero_grad_now(unit)
                     self._out(written)
                     # At most one unit's writes in flight: a slow disk must not pile units up in memory.
                     self.store.wait_for([key for key, _ in in_flight])
                     in_flight = written
+            if self.store is not None:
+                self.store.wait_for([key for u in units for key, _ in moved(u)])
         finally:
             self._stepping = False
-        if self.store is not None:
-            self.store.wait()
+
+    def publish_all(self) -> None:
+        """The delayed update's masters into the compute weights, unit by unit (main thread: stages
+        1-2 all-gather here). Masters and shards kept in files are read for it and written back."""
+        moved = lambda u: self._master(u) + self._shard(u)  # noqa: E731
+        units = self.engine.units
+        self._stepping = True  # the gatherer must not move the shards meanwhile (it does not run now)
+        try:
+            if self.store is not None and units:
+                self._in(moved(units[0]), wait=False)
+            for i, unit in enumerate(units):
+                if self.store is not None:
+                    if i + 1 < len(units):
+                        self._in(moved(units[i + 1]), wait=False)
+                    self._in(moved(unit))
+                self.engine.publish_unit(unit)
+                if self.store is not None:
+                    self._out(moved(unit))
+            if self.store is not None:
+                self.store.wait_for([key for u in units for key, _ in moved(u)])
+        finally:
+            self._stepping = False
+
+    def hand_over(self, unit, g: torch.Tensor) -> None:
+        """Delayed update, gradients in files: the unit's (unscaled) gradient ``g`` goes to a file of
+        its own for the worker, and the shard the next backward folds into starts at zero."""
+        held = self.delayed.held_buffer(unit)
+        self.store.wait_for([self._held_key(unit)])
+        held.untyped_storage().resize_(held.numel() * held.element_size())
+        held.copy_(g)
+        self.store.swap_out(self._held_key(unit), held)
+        self.store.wait_for([self._grad_key(unit)])
+        self.zero_grad_now(unit)
 
     def step_streaming(self, lr: float, max_norm: float, skip) -> tuple[float, bool]:
         """The engine's step with gradients in files: unscale each shard and add up its squared norm
@@ -239,18 +309,52 @@ class UnitOffload:
                 g.div_(engine.scaler.scale)
             parts += square_sums((g[a:b] for slot, a, b in unit.shard_slot_ranges() if counted(slot.name)),
                                  engine.device)
-            self.grad_out(unit)
+            if self.delayed is not None:  # the worker reads it from a file of its own (unused if skipped)
+                self.hand_over(unit, g)
+            else:
+                self.grad_out(unit)
         norm, found_inf = engine.agree_on_norm(parts, skip)
         if found_inf:
             return norm, True
         scale = max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
-        self.step([_Lazy(self, unit, scale) for unit in engine.units], lr)
+        self.step([_Lazy(self, unit, scale, held=self.delayed is not None) for unit in engine.units], lr)
         return norm, False
 
+    def host_step_timing(self, start: float, end: float) -> dict[str, float]:
+        """The run's overlap timeline: the host step that finished since the last call (the delayed
+        update's, when it was waited for), its duration and the share of it that ran during this
+        step's forward and backward [start, end] (none, unless it is delayed); {} if none finished."""
+        if self.delayed is not None:
+            span, self.delayed.finished = self.delayed.finished, None
+        else:
+            span, self.last_host_step = self.last_host_step, None
+        if span is None:
+            return {}
+        duration = max(span[1] - span[0], 1e-9)
+        hidden = max(0.0, min(span[1], end) - max(span[0], start))
+        return {"step_ms": round(duration * 1e3, 3), "hidden": round(hidden / duration, 4)}
+
     def offloaded_bytes(self) -> dict[str, int]:
-        return {"nvme": self.store.stored_bytes if self.store is not None else 0}
+        """Bytes this rank's offload keeps in host memory (``host``: the optimizer's state, masters
+        apart from the compute weights and handed-over gradients, as far as they are resident) and
+        in files (``nvme``)."""
+        host = 0
+        if self.plan.optimizer != "none":
+            tensors = [t for u in self.engine.units for _, t in self._host_side(u)]
+            host = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
+            host += self.delayed.held_bytes() if self.delayed is not None else 0
+        return {"host": host, "nvme": self.store.stored_bytes if self.store is not None else 0}
+
+    def _host_side(self, unit) -> list[tuple[str, torch.Tensor]]:
+        optimizer = getattr(self.engine, "optimizer", None)
+        out = [("master", unit.master)] if unit.master is not unit.shard_param else []
+        for _, _, view in unit.pieces if optimizer is not None else []:
+            out += [(k, t) for k, t in list(optimizer.state.get(view, {}).items()) if torch.is_tensor(t) and t.dim()]
+        return out
 
     def close(self) -> None:
+        if self.delayed is not None:
+            self.delayed.close()
         if self.store is not None:
             self.store.close()
 
@@ -258,11 +362,15 @@ class UnitOffload:
 class _Lazy:
     """A unit's gradient shard still in its file: read (and clipped) when its unit is stepped."""
 
-    def __init__(self, offload: UnitOffload, unit, scale: float):
-        self.offload, self.unit, self.scale = offload, unit, scale
+    def __init__(self, offload: UnitOffload, unit, scale: float, held: bool = False):
+        self.offload, self.unit, self.scale, self.held = offload, unit, scale, held
 
     def read(self) -> torch.Tensor:
-        g = self.offload.grad_in(self.unit)
+        if self.held:  # handed over to the delayed update: its own file
+            g = self.offload.delayed.held_buffer(self.unit)
+            self.offload.store.swap_in(self.offload._held_key(self.unit), g)
+        else:
+            g = self.offload.grad_in(self.unit)
         if self.scale != 1.0:
             g.mul_(self.scale)
         return g

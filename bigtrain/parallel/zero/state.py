@@ -187,8 +187,12 @@ def checkpoint_pieces(engine):
         yield from _checkpoint_pieces(engine)
 
 
+def _delayed(engine) -> bool:
+    return engine.offload is not None and engine.offload.delayed is not None
+
+
 def _checkpoint_pieces(engine):
-    from bigtrain.checkpoint.chunks import WEIGHT, Piece
+    from bigtrain.checkpoint.chunks import WEIGHT, WEIGHT_IN_USE, Piece
 
     spec = engine.optim_spec
     for unit in engine.units:
@@ -199,6 +203,8 @@ def _checkpoint_pieces(engine):
         for slot, a, b in unit.shard_slot_ranges():
             lo, hi = _piece_range(unit, slot, a, b)
             tensors, scalars, blocks = {WEIGHT: unit.master[a:b]}, {}, {}
+            if _delayed(engine):  # the compute weights, one update behind the masters
+                tensors[WEIGHT_IN_USE] = unit.shard_param[a:b].float()
             if states is not None:
                 i = _piece_index(unit, a, b)
                 pa = unit.pieces[i][0]
@@ -219,9 +225,9 @@ def checkpoint_load_batches(engine, with_state: bool):
 
 
 def _checkpoint_load_batches(engine, with_state: bool):
-    from bigtrain.checkpoint.chunks import WEIGHT, Piece
+    from bigtrain.checkpoint.chunks import WEIGHT, WEIGHT_IN_USE, Piece
 
-    spec, dev, states = engine.optim_spec, engine.device, {}
+    spec, dev, states, in_use = engine.optim_spec, engine.device, {}, {}
     declared = {s.name: STATE_DTYPES[s.dtype] for s in spec.state}
     if with_state:  # replaced below: do not hold the old and the loaded state at once
         engine.optimizer.state.clear()
@@ -231,9 +237,12 @@ def _checkpoint_load_batches(engine, with_state: bool):
                  | {k: torch.zeros(_blocks(b - a, block), dtype=declared[k], device=dev) for k in spec.block_state}
                  for a, b, _ in unit.pieces] if with_state else []
         batch, holder = [], []
+        use = torch.empty(unit.shard_numel, dtype=torch.float32, device=dev) if _delayed(engine) else None
         for slot, a, b in unit.shard_slot_ranges():
             lo, hi = _piece_range(unit, slot, a, b)
             tensors, blocks = {WEIGHT: unit.master[a:b]}, {}
+            if use is not None:
+                tensors[WEIGHT_IN_USE] = use[a:b]
             i = _piece_index(unit, a, b) if unit.pieces else None
             if with_state:
                 pa = unit.pieces[i][0]
@@ -241,7 +250,9 @@ def _checkpoint_load_batches(engine, with_state: bool):
                 blocks = {k: fresh[i][k] for k in spec.block_state}
             batch.append(Piece(slot.name, slot.shape, lo, hi, tensors, {}, 1, 0, blocks, block))
             holder.append(i)
-        carrier = Piece(unit.slots[0].name, unit.slots[0].shape, 0, 0, {})
+        # The carrier holds no range; it also says, alike on every rank, whether the weights in use
+        # were in the checkpoint (the loader drops the entry where they were not).
+        carrier = Piece(unit.slots[0].name, unit.slots[0].shape, 0, 0, {WEIGHT_IN_USE: use} if use is not None else {})
         batch.append(carrier)
         per_piece = {i: piece for piece, i in zip(batch, holder) if i is not None}
         for i, ((a, b, _), slot) in enumerate(zip(unit.pieces, _slot_of_piece(unit))):
@@ -249,6 +260,8 @@ def _checkpoint_load_batches(engine, with_state: bool):
                 per_piece[i] = Piece(slot.name, slot.shape, 0, 0, {})
                 batch.append(per_piece[i])
         yield batch
+        if WEIGHT_IN_USE in carrier.tensors:
+            in_use[id(unit)] = use
         if with_state:
             for i, ((_, _, view), values) in enumerate(zip(unit.pieces, fresh)):
                 source = carrier if _slot_of_piece(unit)[i] is None else per_piece[i]
@@ -256,3 +269,7 @@ def _checkpoint_load_batches(engine, with_state: bool):
     if states:
         load_state(engine.optimizer, states)
     engine.refresh_compute_weights()
+    if in_use:  # a delayed update's run: its next step computes with the saved weights in use
+        for unit in engine.units:
+            engine.publish_unit(unit, in_use.get(id(unit), unit.master))
+        engine.offload.delayed.unpublished = True

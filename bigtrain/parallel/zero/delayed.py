@@ -1,0 +1,90 @@
+"""ZeRO-Offload's one-step delayed parameter update (DPU): the host optimizer step of step t runs on
+a worker thread while step t+1's forward and backward run, and step t+1 computes with the weights
+from before step t's update, W(t+1) = W(t) - lr(t) * g(W(t-1)) (the first step computes at W(0)).
+
+The pieces, and why:
+
+- **Masters apart from the compute weights.** The worker updates the fp32 masters in place while
+  the forward reads the compute weights, so the two are different tensors even in fp32 (the
+  engine allocates a separate master when ``offload.delayed_update`` is on). The compute weights
+  catch up in :meth:`DelayedUpdate.publish`, on the main thread (stages 1-2 all-gather there: no
+  collective ever runs on the worker, so every rank issues them in the same order).
+- **The gradient handed over.** Step t+1's backward accumulates into the gradient shards while the
+  worker still reads step t's, so step t's clipped gradient is copied into a host buffer per unit
+  (ZeRO-Offload's host gradient buffer); with gradients in files it is moved to a file of its own
+  (:meth:`~bigtrain.parallel.zero.offload.UnitOffload.hand_over`).
+- **Order in one step** (:meth:`~bigtrain.parallel.zero.engine.ZeroEngine.step`): wait for the
+  worker (step t-1's update), publish it, reduce and agree on step t's norm and skip flag (the
+  norm, the clipping and a non-finite veto are those of the gradient being applied, at its own
+  step's learning rate), then hand step t's gradient to the worker. A skipped step hands nothing.
+- **Anything that reads the masters** (checkpoints, full state) first waits for the worker
+  (:meth:`wait`); the compute weights may then be one update behind the masters, and a checkpoint
+  saves them too (``optim/<name>/weight_in_use``) so a resumed run computes its next step with the
+  same weights as the uninterrupted one.
+
+The worker's own timing, (start, end) of each host step, is kept for the run's overlap timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class DelayedUpdate:
+    def __init__(self, offload):
+        self.offload = offload
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigtrain-host-step")
+        self._running: Future | None = None
+        self._held: dict[int, torch.Tensor] = {}  # id(unit) -> its handed-over gradient buffer
+        self.unpublished = False  # the masters are one update ahead of the compute weights
+        self.finished: tuple[float, float] | None = None  # (start, end) of the last host step waited for
+
+    def held_buffer(self, unit) -> torch.Tensor:
+        """The unit's host buffer for a handed-over gradient (allocated once, fp32)."""
+        if id(unit) not in self._held:
+            self._held[id(unit)] = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.grad_shard.device)
+        return self._held[id(unit)]
+
+    def hold(self, unit, grad):
+        """Step t's gradient of ``unit``, kept apart from the shard the next backward fills."""
+        if not torch.is_tensor(grad):  # already moved to its own file (a lazy read)
+            return grad
+        return self.held_buffer(unit).copy_(grad)
+
+    def start(self, grads: list, lr: float) -> None:
+        """Run the host step of these (held) gradients on the worker; returns at once."""
+        self.wait()
+        self._running = self._worker.submit(self._run, grads, lr)
+
+    def _run(self, grads: list, lr: float) -> tuple[float, float]:
+        start = time.perf_counter()
+        self.offload.step_units(grads, lr, publish=False)
+        return start, time.perf_counter()
+
+    @property
+    def running(self) -> bool:
+        return self._running is not None
+
+    def wait(self) -> None:
+        """The running update is finished: the masters are current, the compute weights not yet."""
+        if self._running is not None:
+            running, self._running = self._running, None
+            self.finished = running.result()  # re-raises the worker's error here, on the main thread
+            self.unpublished = True
+
+    def publish(self) -> None:
+        """Wait for the running update, then copy its masters into the compute weights."""
+        self.wait()
+        if self.unpublished:
+            self.offload.publish_all()
+            self.unpublished = False
+
+    def held_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._held.values())
+
+    def close(self) -> None:
+        self.wait()
+        self._worker.shutdown()

@@ -1,0 +1,114 @@
+"""The planner's offload tiers (issue 13): what offload.optimizer / offload.params take off the device,
+what their transfers cost per step at the profile's bandwidths, and `bigtrain plan` saying when
+offload makes a model fit."""
+
+import argparse
+import json
+from dataclasses import replace
+
+import pytest
+
+from bigtrain.config import ConfigError
+from bigtrain.plan import Cluster, Layout, ModelSpec, estimate_memory, get_profile
+from bigtrain.plan.cli import add_plan_parser
+from bigtrain.plan.cost import OVERLAP, stage_costs, step_time
+from bigtrain.plan.layout import layout_problems, parse_layout
+from helpers import tiny_config
+
+H100 = get_profile("h100-80g")
+
+
+def _model() -> ModelSpec:
+    from bigtrain.config import load_config
+
+    return ModelSpec.from_model_config(load_config(preset="llama-7b").model, 4096)
+
+
+def test_offloaded_states_leave_the_device_and_are_counted_on_their_tier():
+    model, base = _model(), Layout(zero=1, precision="bf16", recompute="full")
+    plain = estimate_memory(model, base, H100, 8)
+    cpu = estimate_memory(model, replace(base, offload_optimizer="cpu"), H100, 8)
+    # bf16 AdamW: the optimizer term is the fp32 masters and two moments, 12 bytes per parameter (+ step counts)
+    assert plain.optimizer == pytest.approx(12 * model.params, rel=1e-3)
+    assert cpu.optimizer == 0 and cpu.detail["host_states"] == plain.optimizer and cpu.detail["nvme_states"] == 0
+    assert (cpu.params, cpu.grads, cpu.activations) == (plain.params, plain.grads, plain.activations)
+    assert plain.total - cpu.total == pytest.approx(plain.optimizer * (1 + H100.fragmentation), abs=1)
+    both = estimate_memory(model, replace(base, zero=3, offload_optimizer="nvme", offload_params="nvme"), H100, 8)
+    zero3 = estimate_memory(model, replace(base, zero=3), H100, 8)
+    assert both.params == both.grads == both.optimizer == 0  # the gradient shards in files too, at ZeRO 2-3
+    assert both.detail["nvme_states"] == zero3.model_states and both.detail["host_states"] == 0
+    assert both.buffers["zero3_gathered"] == zero3.buffers["zero3_gathered"]  # what is gathered stays
+
+
+def test_the_step_adds_the_transfers_at_the_profile_bandwidths():
+    model, cluster = _model(), Cluster.build(1, H100)
+    base = Layout(zero=1, precision="bf16", recompute="full")
+    layout = replace(base, offload_optimizer="cpu")
+    t = step_time(model, layout, cluster, 8)
+    states = estimate_memory(model, base, H100, 8)
+    shard = model.params  # one rank: the whole model, unpadded
+    expected = (4 + 2) * shard / H100.host_bandwidth + (2 * states.optimizer + 8 * shard) / H100.host_memory_bandwidth
+    assert t.breakdown["offload_optimizer"] == pytest.approx(expected, rel=1e-3)
+    assert t.breakdown["optimizer_step"] == 0  # the device no longer steps
+    nvme = step_time(model, replace(layout, offload_optimizer="nvme"), cluster, 8).breakdown["offload_optimizer"]
+    assert nvme == pytest.approx(expected + 2 * states.optimizer / H100.nvme_bandwidth, rel=1e-3)
+    # The delayed update hides the host step behind the next step's compute (8 long micro-batches here).
+    delayed = step_time(model, replace(layout, delayed_update=True), cluster, 8)
+    costs = stage_costs(model, layout, cluster)
+    window = OVERLAP * 8 * (costs.compute_f + costs.compute_b)
+    assert delayed.breakdown["offload_optimizer"] == pytest.approx(max(0.0, expected - window), abs=1e-9)
+    assert delayed.step_time_s < t.step_time_s
+
+
+def test_offload_layout_keys_parse_check_and_run():
+    fixed = parse_layout("zero=3,offload_optimizer=nvme,offload_params=nvme,delayed_update=on")
+    assert fixed == {"zero": 3, "offload_optimizer": "nvme", "offload_params": "nvme", "delayed_update": True}
+    with pytest.raises(ConfigError, match="offload_params = 'cpu': must be one of none, nvme"):
+        parse_layout("offload_params=cpu")
+    model, cluster = _model(), Cluster.build(1, H100)
+    problems = layout_problems(Layout(zero=0, offload_optimizer="cpu", offload_params="nvme"), model, cluster, 8)
+    assert any("offload_optimizer = cpu needs zero >= 1" in p for p in problems)
+    assert any("offload_params = nvme needs zero = 3" in p for p in problems)
+    # The planner's overrides are the runtime's config keys.
+    layout = Layout(zero=3, precision="fp32", offload_optimizer="nvme", offload_params="nvme", delayed_update=True)
+    cfg = tiny_config("", *layout.to_overrides())
+    assert (cfg.offload.optimizer, cfg.offload.params, cfg.offload.delayed_update) == ("nvme", "nvme", True)
+
+
+def _cli(*argv):
+    parser = argparse.ArgumentParser(prog="bigtrain")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args([str(a) for a in argv])
+    return args.run(args)
+
+
+def test_plan_says_when_offload_makes_the_7b_fit_one_h100(capsys):
+    """The seeds' example: 7B with mixed-precision AdamW does not fit one 80 GB H100; with the optimizer's
+    state and masters on the host it does."""
+    assert _cli("plan", "--preset", "llama-7b", "--gpus", 1, "--hardware", "h100-80g") == 1
+    text = capsys.readouterr().out
+    assert "Nothing fits on 1 x h100-80g" in text
+    assert "With offload it fits:" in text and "offload_optimizer=cpu" in text and "--offload.optimizer=cpu" in text
+    assert _cli("plan", "--preset", "llama-7b", "--gpus", 1, "--hardware", "h100-80g", "--json") == 1
+    fit = json.loads(capsys.readouterr().out)["offload_fit"]
+    assert fit["layout"]["offload_optimizer"] == "cpu" and fit["fits"]
+    assert fit["memory"]["total"] <= fit["memory"]["capacity"] and fit["memory"]["host_states"] > 60 * 2**30
+    assert fit["time"]["breakdown"]["offload_optimizer"] > 0
+
+
+def test_preflight_counts_what_offload_keeps_off_the_device(monkeypatch):
+    """A 203M-parameter model (16P = 3.25 GB of states) on a machine of 2.5 GiB: rejected as it is,
+    accepted with the optimizer and parameters in files; on a CPU device 'cpu' offload moves nothing."""
+    from bigtrain.plan import fit
+
+    monkeypatch.setattr(fit, "machine_memory", lambda cuda: (int(2.5 * 2**30), "this machine has"))
+    wide = ["--model.dim=1024", "--model.n_layers=16", "--model.n_heads=8", "--model.n_kv_heads=0",
+            "--data.seq_len=16", "--model.max_seq_len=16", "--train.micro_batch=1", "--train.global_batch=1",
+            "--parallel.zero=3", "--precision.mode=fp32"]
+    problems, _ = fit.size_problems(tiny_config("", *wide), suggest=False)
+    assert problems and "optimizer state alone" in problems[0]
+    problems, _ = fit.size_problems(tiny_config("", *wide, "--offload.optimizer=cpu"), suggest=False)
+    assert problems  # the host is the device
+    problems, _ = fit.size_problems(tiny_config("", *wide, "--offload.optimizer=nvme", "--offload.params=nvme"),
+                                    suggest=False)
+    assert not problems, problems
