@@ -223,8 +223,10 @@ class OffloadConfig:
     optimizer: str = doc("'none', 'cpu' (fp32 master weights and optimizer state in host memory, stepped there "
                          "unit by unit with the fused CPU kernel) or 'nvme' (the same, kept in files under "
                          "offload.nvme_dir and read in for their unit's step). Needs parallel.zero >= 1.", "none")
-    params: str = doc("'none', or 'nvme': ZeRO-3's parameter shards (fp32 masters in fp32) live in files and are "
-                      "read in just before their unit is gathered. Needs parallel.zero = 3.", "none")
+    params: str = doc("'none', 'cpu' (ZeRO-3's parameter shards in host memory, gathered onto the device unit by "
+                      "unit: on a CPU device they are there already) or 'nvme' (the shards, fp32 masters in fp32, "
+                      "live in files and are read in just before their unit is gathered). Needs parallel.zero = 3.",
+                      "none")
     nvme_dir: str = doc("Directory for offload files (a fast local disk); '' means <run dir>/offload.", "")
     prefetch_depth: int = doc("NVMe: units read ahead of the one being stepped or gathered.", 1)
     delayed_update: bool = doc("ZeRO-Offload's one-step delayed parameter update: the host optimizer step of step t "

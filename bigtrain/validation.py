@@ -380,7 +380,7 @@ def check_offload(cfg: Config) -> list[str]:
     directory it can write for the NVMe tier."""
     o, p = cfg.offload, cfg.parallel
     problems = _one_of("offload.optimizer", o.optimizer, OFFLOAD_TIERS)
-    problems += _one_of("offload.params", o.params, ("none", "nvme"))
+    problems += _one_of("offload.params", o.params, OFFLOAD_TIERS)
     if o.prefetch_depth < 0:
         problems.append(f"offload.prefetch_depth = {o.prefetch_depth}: must be >= 0")
     if o.delayed_update and o.optimizer == "none":

@@ -90,7 +90,8 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
 def _offload_choice(rng: random.Random, fp32: bool) -> list[str]:
     """ZeRO-Offload / -Infinity tiers (validation rejects them without the ZeRO engine's units), and
     in fp32, where the reference can delay the weights, sometimes the one-step delayed update."""
-    out = [f"--offload.optimizer={rng.choice(['cpu', 'nvme'])}", f"--offload.params={rng.choice(['none', 'nvme'])}"]
+    out = [f"--offload.optimizer={rng.choice(['cpu', 'nvme'])}",
+           f"--offload.params={rng.choice(['none', 'cpu', 'nvme'])}"]
     if fp32 and rng.random() < 0.5:
         out.append("--offload.delayed_update=true")
     return out

@@ -11,6 +11,10 @@ What lives where (``offload.optimizer`` / ``offload.params``):
   masters where they are not the live parameters (mixed precision; ZeRO-3 fp32 with
   ``params = "nvme"``), are in files: read in (the next unit's read overlapping this unit's step)
   and written back after the unit's step.
+- ``params = "cpu"`` (ZeRO-3): the parameter shards are in host memory and each unit is gathered
+  onto the device when it is used. On a CPU device (the only one built so far) the host is the
+  device and this is ZeRO-3 as it runs anyway: the key is accepted so that a config states where
+  its shards live, and it joins the other tiers in every test.
 - ``params = "nvme"`` (ZeRO-3): a unit's parameter shard is in its file except while it is
   gathered (read in when the gather starts, which the gatherer's static prefetch order already
   runs a unit ahead; released when the gather completes) and while it is stepped.
@@ -35,7 +39,7 @@ from bigtrain.parallel.zero.delayed import DelayedUpdate
 @dataclass(frozen=True)
 class OffloadPlan:
     optimizer: str = "none"  # none | cpu | nvme
-    params: str = "none"  # none | nvme
+    params: str = "none"  # none | cpu | nvme
     nvme_dir: str = ""
     prefetch_depth: int = 1
     delayed_update: bool = False  # ZeRO-Offload's one-step delayed update (:mod:`.delayed`)
