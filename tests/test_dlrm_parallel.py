@@ -111,8 +111,8 @@ def test_payload_formula_by_hand():
     """The formula itself, for two ranks and one table of each kind (4 ids a sample, batch 3 per rank)."""
     layout = plan_embedding([8, 8, 8], 4, 2, "table,row,column")
     for rank in range(2):
-        pieces = 1 + 2 + 2  # the table, two row pieces, two column pieces
+        id_blocks = 1 + 1 + 2  # the table, the row-wise table's ids (bucketized: once), two column pieces
         local_width = (4 if layout.owners[0] == rank else 0) + 4 + 2
         assert all_to_all_payload(layout, rank, 3, 4) == {
-            "emb_ids": 8 * 3 * 4 * pieces, "emb_pooled": 4 * 2 * 3 * local_width,
+            "emb_ids": 8 * 3 * 4 * id_blocks, "emb_id_counts": 8 * 2 * 1, "emb_pooled": 4 * 2 * 3 * local_width,
             "emb_pooled_backward": 4 * 3 * (4 + 2 * 4 + 2 * 2)}
