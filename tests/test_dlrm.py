@@ -39,6 +39,22 @@ def test_interaction_is_the_bottom_output_and_the_pairwise_dots():
     torch.testing.assert_close(out, torch.cat([bottom, torch.stack(dots, 1)], 1))
 
 
+def test_interaction_gradient_equals_autograd_of_the_plain_formula():
+    """The hand-written backward (one bmm on the symmetrized gradient) against autograd of
+    bmm + lower-triangle indexing, in float64, and torch's gradcheck."""
+    bottom, pooled = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, 4, dtype=torch.float64)
+    grad_out = torch.randn(5, 4 + 6, dtype=torch.float64)
+    ours = [t.clone().requires_grad_() for t in (bottom, pooled)]
+    interaction(*ours).backward(grad_out)
+    plain = [t.clone().requires_grad_() for t in (bottom, pooled)]
+    features = torch.cat([plain[0].unsqueeze(1), plain[1]], 1)
+    i, j = torch.tril_indices(4, 4, offset=-1)
+    torch.cat([plain[0], torch.bmm(features, features.transpose(1, 2))[:, i, j]], 1).backward(grad_out)
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(interaction, [t.clone().requires_grad_() for t in (bottom, pooled)])
+
+
 def test_model_shapes_and_initial_values_depend_on_the_seed_and_name_only():
     a, b = DLRM(13, [10, 20], 4, [8], [6]), DLRM(13, [10, 20], 4, [8], [6])
     a.init_weights(3)
