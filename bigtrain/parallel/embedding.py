@@ -389,17 +389,34 @@ class ShardedEmbeddingBags(nn.Module):
 
     # -- backward: the sparse update ------------------------------------------------------------------
     def apply_gradient(self, ids: torch.Tensor, saved: list, grad: torch.Tensor) -> None:
-        batch, _, hot = ids.shape
-        world, pieces = self.layout.world, self.layout.pieces
+        """Send the pooled gradients to the pieces' owners and update the tables, at once."""
+        self.update_tables(ids, saved, grad, self.send_gradient(grad))
+
+    def send_gradient(self, grad: torch.Tensor):
+        """Start the all-to-all of the pooled gradients ``grad`` [B, T, D] to the pieces' owners:
+        (its work handle, the buffer it fills [W, B x local width]), or None without pieces."""
+        batch, pieces = grad.shape[0], self.layout.pieces
+        if not pieces:
+            return None
         by_table = grad.transpose(0, 1)  # [T, B, D]
-        if pieces:
-            if self.full_width:
-                send = by_table.index_select(0, self.piece_tables).view(-1)
-            else:
-                send = torch.cat([by_table[p.table, :, p.cols[0]:p.cols[1]].reshape(-1) for p in pieces])
-            recv = grad.new_empty((world, batch * self.local_width))
-            self.comm.all_to_all(recv.view(-1), send, tag="emb_pooled_backward",
-                                 input_splits=self._splits([batch * p.width for p in pieces]))
+        if self.full_width:
+            send = by_table.index_select(0, self.piece_tables).view(-1)
+        else:
+            send = torch.cat([by_table[p.table, :, p.cols[0]:p.cols[1]].reshape(-1) for p in pieces])
+        recv = grad.new_empty((self.layout.world, batch * self.local_width))
+        work = self.comm.all_to_all(recv.view(-1), send, tag="emb_pooled_backward", async_op=True,
+                                    input_splits=self._splits([batch * p.width for p in pieces]))
+        return work, recv, send
+
+    def update_tables(self, ids: torch.Tensor, saved: list, grad: torch.Tensor, sent) -> None:
+        """The sparse update of every local piece from the gradients ``sent`` brought (waiting for them),
+        then the data tables' (gathered here)."""
+        batch, _, hot = ids.shape
+        world = self.layout.world
+        if sent is not None:
+            work, recv, _ = sent
+            if work is not None:
+                work.wait()
             for g, (rows, bags) in zip(self.groups, saved):  # gradients in the order (member, source, sample)
                 if g.first_member is not None:
                     start = batch * self.local_start[g.first_member]
@@ -442,5 +459,10 @@ class _ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.module.apply_gradient(ctx.ids, ctx.saved, grad)
+        # The gradients' all-to-all runs while autograd goes on with the dense part (the bottom MLP),
+        # and the update at the end of this backward, while the dense gradients' all-reduce runs: the
+        # tables are updated before backward returns, as when done here and now.
+        module, ids, saved = ctx.module, ctx.ids, ctx.saved
+        sent = module.send_gradient(grad)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: module.update_tables(ids, saved, grad, sent))
         return None, None, None
