@@ -5,6 +5,8 @@ any two layouts agree."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -77,3 +79,29 @@ def test_a_fresh_run_differs_from_the_resumed_one(tmp_path):
     lost = run_ranks(resume_weights_only, 2, cfg, path, timeout=300)[0]
     assert lost["losses"][0] == whole["losses"][SAVED_AT]  # the same weights: the same first loss
     assert any(not torch.equal(lost["tables"][t], table) for t, table in whole["tables"].items())
+
+
+def fit_in(rank: int, world: int, cfg, run_dir: str) -> dict:
+    trainer = DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
+    records = trainer.fit(Path(run_dir))
+    return snapshot(trainer, [r["loss"] for r in records])
+
+
+def test_fit_saves_every_n_steps_and_resumes_from_a_checkpoint_on_another_sharding(tmp_path):
+    """``checkpoint.every`` and ``checkpoint.resume`` in :meth:`DlrmTrainer.fit`: a run saving at steps
+    4 and 8, and a run resuming its step-4 checkpoint column-wise, end alike (the resumed one
+    saving its final step)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    saving = dlrm_config(2, MIX, overrides=("--checkpoint.every=4", f"--train.steps={STEPS}"))
+    whole = run_ranks(fit_in, 2, saving, str(first), timeout=300)[0]
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+    resuming = dlrm_config(2, "column", overrides=(
+        f"--checkpoint.resume={first / 'checkpoints' / 'step_00000004'}", f"--train.steps={STEPS}"))
+    resumed = run_ranks(fit_in, 2, resuming, str(second), timeout=300)[0]
+    assert resumed["step"] == whole["step"] == STEPS
+    assert [p.name for p in (second / "checkpoints").iterdir()] == ["step_00000008"]
+    for t, table in whole["tables"].items():
+        assert_rel_close(resumed["tables"][t], table, 1e-5, f"table {t}, resumed column-wise")
+    assert abs(resumed["losses"][-1] - whole["losses"][-1]) <= 1e-5 * abs(whole["losses"][-1])

@@ -25,12 +25,13 @@ MIX = "table,row,column,data,table,row"
 BUDGET_GB = 3000 / 2**30
 
 
-def dlrm_config(world: int, sharding: str, optimizer: str = "rowwise_adagrad", budget_gb: float = 0.0):
+def dlrm_config(world: int, sharding: str, optimizer: str = "rowwise_adagrad", budget_gb: float = 0.0,
+                overrides: tuple[str, ...] = ()):
     cfg = load_config(preset="dlrm-tiny", overrides=[
         f"--parallel.dp={world}", f"--embedding.sharding={sharding}", f"--embedding.tables={TABLES}",
         f"--embedding.dim={DIM}", f"--embedding.hotness={HOT}", f"--embedding.optimizer={optimizer}",
         f"--embedding.budget_gb={budget_gb}", f"--train.global_batch={BATCH}", f"--train.steps={STEPS}",
-        "--embedding.lr=0.1", "--optim.warmup_steps=2", "--optim.grad_clip=0.5"])
+        "--embedding.lr=0.1", "--optim.warmup_steps=2", "--optim.grad_clip=0.5", *overrides])
     validate(cfg)
     return cfg
 

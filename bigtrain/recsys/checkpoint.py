@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
+from bigtrain import checkpoint as ckpt
 from bigtrain.checkpoint.sharded import ChunkReader, SavedChunk, save_chunks
 
 STEP = "trainer/step"
+FORMAT = "dcp-dlrm/1"  # meta.json "format": the entries above, not a language model's
 
 
 def _table(t: int) -> str:
@@ -100,3 +102,34 @@ def load_dlrm(trainer, path: str | Path) -> None:
     reader.read(requests + [(STEP, (), step)])
     trainer.engine.load_full_state(weights, {"optimizer": trainer.engine.optim_spec.name, "state": state})
     trainer.step = int(step)
+
+
+def commit_dlrm(trainer, root: str | Path, keep: int) -> Path:
+    """Checkpoint ``step_<step>`` under ``root`` with bigtrain's commit (rank 0 checksums the files,
+    writes the manifest and renames the folder once every rank's files are written); collective."""
+    root, comm = Path(root), trainer.comm
+    tmp = ckpt.temp_dir(root, trainer.step)
+    if trainer.rank == 0:
+        ckpt.fresh_temp_dir(root, trainer.step)
+    comm.all_reduce(torch.zeros(1), tag="checkpoint")  # DCP's writers must find rank 0's fresh folder
+    save_dlrm(trainer, tmp)
+    final = ckpt.temp_dir(root, trainer.step).with_suffix("")
+    if trainer.rank == 0:
+        meta = {"format": FORMAT, "config": trainer.cfg.to_dict(), "world_size": trainer.world,
+                "optimizer": trainer.engine.optim_spec.name}
+        final = ckpt.commit_checkpoint(root, trainer.step, tmp, meta, keep)
+    comm.all_reduce(torch.zeros(1), tag="checkpoint")  # every rank returns once it is committed
+    return final
+
+
+def resume_dlrm(trainer, where: str | Path) -> Path | None:
+    """Load the newest checkpoint that verifies under ``where`` (a checkpoints folder or one
+    checkpoint), whatever layout wrote it; None (nothing loaded) when there is none."""
+    found = ckpt.newest_valid_checkpoint(Path(where))
+    if found is None:
+        return None
+    if found[1].get("format") != FORMAT:
+        raise ValueError(f"{found[0]} is not a DLRM checkpoint (format {found[1].get('format')!r}, "
+                         f"expected {FORMAT!r})")
+    load_dlrm(trainer, found[0])
+    return found[0]
