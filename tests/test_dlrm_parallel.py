@@ -6,6 +6,7 @@ against the planner's; a budget one rank cannot meet, met on 4."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bigtrain.check.reference_dlrm import reference_dlrm
 from bigtrain.config import load_config
@@ -117,3 +118,29 @@ def test_payload_formula_by_hand():
         assert all_to_all_payload(layout, rank, 3, 4) == {
             "emb_ids": 8 * 3 * 4 * id_blocks, "emb_id_counts": 8 * 2 * 1, "emb_pooled": 4 * 2 * 3 * local_width,
             "emb_pooled_backward": 4 * 3 * (4 + 2 * 4 + 2 * 2)}
+
+
+def lookup_with_an_idle_row_piece(rank: int, world: int) -> dict:
+    """Row-wise tables whose ids all fall in rank 0's rows: rank 1's pieces receive no id at all
+    (every one of their bags is empty) and are left as they were by the update."""
+    from bigtrain.distributed.mesh import Mesh as MeshOf
+    from bigtrain.parallel.embedding import ShardedEmbeddingBags
+
+    layout = plan_embedding([8, 6], 3, world, "row")
+    emb = ShardedEmbeddingBags(layout, MeshOf({"dp": world}, rank).comm("dp_sp"), SparseOptimizer("sgd", 1.0))
+    full = {t: torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) for t, rows in enumerate(layout.rows)}
+    emb.init_from(lambda t: full[t])
+    ids = (torch.tensor([[[0, 3], [2, 2]], [[1, 1], [0, 1]]]) + rank) % 3  # rows < 3: rank 0's pieces
+    out = emb(ids)
+    out.backward(torch.ones_like(out))
+    expected = torch.stack([torch.stack([full[t][ids[b, t]].sum(0) for t in range(2)]) for b in range(2)])
+    return {"out": out.detach(), "expected": expected,
+            "moved": [not torch.equal(emb.weight(t), full[t][layout.pieces_of(t)[rank].rows[0]:]
+                                      [:layout.pieces_of(t)[rank].shape[0]]) for t in range(2)]}
+
+
+def test_row_pieces_that_receive_no_ids_give_empty_bags():
+    results = run_ranks(lookup_with_an_idle_row_piece, 2)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["out"], result["expected"], rtol=0, atol=0)
+    assert results[0]["moved"] == [True, True] and results[1]["moved"] == [False, False]
