@@ -114,6 +114,9 @@ def test_row_gradient_equals_autograd_and_untouched_rows_stay():
     rows, grad = row_gradient(ids, grad_out)
     assert rows.tolist() == [1, 3, 7]
     torch.testing.assert_close(grad, weight.grad[rows])
+    # the same ids listed one by one with the sample each was pooled into (bucketized row pieces)
+    by_bag = row_gradient(ids.reshape(-1), grad_out, torch.arange(3).repeat_interleave(2))
+    assert by_bag[0].tolist() == [1, 3, 7] and torch.equal(by_bag[1], grad)
     for name in ("sgd", "rowwise_adagrad"):
         opt, w = SparseOptimizer(name, 0.1), weight.detach().clone()
         opt.update(w, opt.new_state(w), rows, grad)

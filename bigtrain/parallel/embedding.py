@@ -425,9 +425,7 @@ class ShardedEmbeddingBags(nn.Module):
                 else:
                     starts = [batch * self.local_start[k] for k in g.members]
                     group_grad = torch.stack([recv[:, s:s + batch * g.width] for s in starts]).view(-1, g.width)
-                if bags is not None:  # one gradient row per bucketized id
-                    rows, group_grad = rows.view(-1, 1), group_grad.index_select(0, bags)
-                self._update(g.store, g.state, rows, group_grad, g.kind == "column")
+                self._update(g.store, g.state, rows, group_grad, g.kind == "column", bags)
         data = self.layout.data_tables
         if data:  # every replica applies the global batch's update
             all_ids = ids.new_empty((world * batch, len(data), hot))
@@ -438,8 +436,8 @@ class ShardedEmbeddingBags(nn.Module):
                 self._update(self.weight(t), self.data_state[t], all_ids[:, k], all_grads[:, k], False)
 
     def _update(self, weight: torch.Tensor, state: dict, rows: torch.Tensor, pooled_grad: torch.Tensor,
-                column: bool) -> None:
-        touched, grad = row_gradient(rows, pooled_grad)
+                column: bool, bags: torch.Tensor | None = None) -> None:
+        touched, grad = row_gradient(rows, pooled_grad, bags)
         combine = None
         if column:  # every rank holds the same rows of each column-wise table: the same touched rows
             def combine(squares: torch.Tensor) -> torch.Tensor:
