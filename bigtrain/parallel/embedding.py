@@ -11,22 +11,27 @@ A :class:`EmbeddingLayout` says, per table, how it is placed over the ``W`` rank
 The first three give each table its *pieces* (one, or one per rank). A step, on each rank of a
 local batch of ``B`` samples with ``L`` ids per table:
 
-1. ids, forward: all-to-all; rank s sends each piece's owner the ids of that piece's table for its
-   ``B`` samples (a row piece gets them all and keeps its own: the others weigh 0 in its sum);
-2. each rank pools its pieces over the ``W B`` samples of the global batch;
+1. ids, forward: all-to-all; rank s sends each table or column piece's owner the ids of that
+   piece's table for its ``B`` samples, and each row piece's owner only the ids in its row range
+   (bucketized), each tagged ``sample * piece rows + local row``, after an all-to-all of their counts;
+2. each rank pools its pieces over the ``W B`` samples of the global batch (a row piece's samples
+   bring 0 to ``L`` ids each: bags with offsets);
 3. pooled embeddings, forward: all-to-all back to the samples' ranks, which sum the row pieces and
    put the column pieces side by side;
-4. backward: the pooled gradients travel the reverse all-to-all to the pieces' owners, whose sparse
-   optimizer (:mod:`bigtrain.optim.sparse`) updates the rows the batch touched, there and then
+4. backward: the pooled gradients travel the reverse all-to-all to the pieces' owners (started
+   asynchronously: autograd goes on with the dense part meanwhile), whose sparse optimizer
+   (:mod:`bigtrain.optim.sparse`) updates the rows the batch touched at the end of that backward
    (row-wise Adagrad on a column piece first all-reduces its per-row squares over the ranks).
 
 ``data`` tables look up locally; backward all-gathers their ids and pooled gradients, so every
 replica applies the same update of the global batch and no dense gradient is reduced.
 
 Payload bytes per step and rank (what :class:`AxisComm` records; :func:`all_to_all_payload`):
-ids ``8 B L P`` (P: the pieces of all tables), pooled forward ``4 W B w_r`` (w_r: the widths of
-this rank's pieces summed), pooled backward ``4 B w`` (w: the widths of all pieces summed; D per
-table for table-wise and column-wise tables, W D for row-wise ones).
+ids ``8 B L (P' + R)`` (P': the table and column pieces of all tables, R: the row-wise tables,
+whose ``B L`` ids go out once, whatever their rows), id counts ``8 W R`` (with row-wise tables),
+pooled forward ``4 W B w_r`` (w_r: the widths of this rank's pieces summed), pooled backward
+``4 B w`` (w: the widths of all pieces summed; D per table for table-wise and column-wise tables,
+W D for row-wise ones).
 
 The tables never enter the dense engine: their placement says so (no ``partial`` axis, hence no
 data-parallel reduction), and the engine is handed only the dense modules.
@@ -394,7 +399,8 @@ class ShardedEmbeddingBags(nn.Module):
 
     def send_gradient(self, grad: torch.Tensor):
         """Start the all-to-all of the pooled gradients ``grad`` [B, T, D] to the pieces' owners:
-        (its work handle, the buffer it fills [W, B x local width]), or None without pieces."""
+        (its work handle, the buffer it fills [W, B x local width], the buffer it sends: kept alive
+        until the wait), or None without pieces."""
         batch, pieces = grad.shape[0], self.layout.pieces
         if not pieces:
             return None
