@@ -11,8 +11,11 @@ alone (TorchRec's CPU sharder has no row-wise: torchrec #1252).
 
 TorchRec is an optional extra, installed without touching torch:
     pip install fbgemm-gpu-cpu==1.8.0 && pip install --no-deps torchrec tensordict torchmetrics==1.0.3 \\
-        lightning-utilities pyre-extensions typing-inspect mypy_extensions iopath portalocker pyvers
-Without it the script measures bigtrain alone and says so.
+        lightning-utilities pyre-extensions typing-inspect mypy_extensions iopath portalocker pyvers \\
+        cloudpickle orjson
+or, leaving a shared venv as it is, all of them with ``pip install --target .extra --no-deps ...`` and
+``PYTHONPATH=.:.extra`` (torchrec==1.9.2 was measured). Without it the script measures bigtrain
+alone and says so.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dlrm.py                    # table-wise, both
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dlrm.py --sharding row     # bigtrain alone

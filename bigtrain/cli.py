@@ -310,6 +310,8 @@ def _run_dlrm(cfg: Config, run_dir: Path, mesh, info) -> int:
     from bigtrain.train import write_summary
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    if info.rank == 0:  # what --resume continues from
+        (run_dir / "config.toml").write_text(to_toml(cfg))
     trainer = DlrmTrainer(cfg, mesh, info.device)
     records = trainer.fit(run_dir)
     if info.rank == 0 and records:

@@ -39,6 +39,22 @@ def test_interaction_is_the_bottom_output_and_the_pairwise_dots():
     torch.testing.assert_close(out, torch.cat([bottom, torch.stack(dots, 1)], 1))
 
 
+def test_interaction_gradient_equals_autograd_of_the_plain_formula():
+    """The hand-written backward (one bmm on the symmetrized gradient) against autograd of
+    bmm + lower-triangle indexing, in float64, and torch's gradcheck."""
+    bottom, pooled = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, 4, dtype=torch.float64)
+    grad_out = torch.randn(5, 4 + 6, dtype=torch.float64)
+    ours = [t.clone().requires_grad_() for t in (bottom, pooled)]
+    interaction(*ours).backward(grad_out)
+    plain = [t.clone().requires_grad_() for t in (bottom, pooled)]
+    features = torch.cat([plain[0].unsqueeze(1), plain[1]], 1)
+    i, j = torch.tril_indices(4, 4, offset=-1)
+    torch.cat([plain[0], torch.bmm(features, features.transpose(1, 2))[:, i, j]], 1).backward(grad_out)
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(interaction, [t.clone().requires_grad_() for t in (bottom, pooled)])
+
+
 def test_model_shapes_and_initial_values_depend_on_the_seed_and_name_only():
     a, b = DLRM(13, [10, 20], 4, [8], [6]), DLRM(13, [10, 20], 4, [8], [6])
     a.init_weights(3)
@@ -98,6 +114,9 @@ def test_row_gradient_equals_autograd_and_untouched_rows_stay():
     rows, grad = row_gradient(ids, grad_out)
     assert rows.tolist() == [1, 3, 7]
     torch.testing.assert_close(grad, weight.grad[rows])
+    # the same ids listed one by one with the sample each was pooled into (bucketized row pieces)
+    by_bag = row_gradient(ids.reshape(-1), grad_out, torch.arange(3).repeat_interleave(2))
+    assert by_bag[0].tolist() == [1, 3, 7] and torch.equal(by_bag[1], grad)
     for name in ("sgd", "rowwise_adagrad"):
         opt, w = SparseOptimizer(name, 0.1), weight.detach().clone()
         opt.update(w, opt.new_state(w), rows, grad)

@@ -6,6 +6,7 @@ against the planner's; a budget one rank cannot meet, met on 4."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bigtrain.check.reference_dlrm import reference_dlrm
 from bigtrain.config import load_config
@@ -25,12 +26,13 @@ MIX = "table,row,column,data,table,row"
 BUDGET_GB = 3000 / 2**30
 
 
-def dlrm_config(world: int, sharding: str, optimizer: str = "rowwise_adagrad", budget_gb: float = 0.0):
+def dlrm_config(world: int, sharding: str, optimizer: str = "rowwise_adagrad", budget_gb: float = 0.0,
+                overrides: tuple[str, ...] = ()):
     cfg = load_config(preset="dlrm-tiny", overrides=[
         f"--parallel.dp={world}", f"--embedding.sharding={sharding}", f"--embedding.tables={TABLES}",
         f"--embedding.dim={DIM}", f"--embedding.hotness={HOT}", f"--embedding.optimizer={optimizer}",
         f"--embedding.budget_gb={budget_gb}", f"--train.global_batch={BATCH}", f"--train.steps={STEPS}",
-        "--embedding.lr=0.1", "--optim.warmup_steps=2", "--optim.grad_clip=0.5"])
+        "--embedding.lr=0.1", "--optim.warmup_steps=2", "--optim.grad_clip=0.5", *overrides])
     validate(cfg)
     return cfg
 
@@ -111,8 +113,34 @@ def test_payload_formula_by_hand():
     """The formula itself, for two ranks and one table of each kind (4 ids a sample, batch 3 per rank)."""
     layout = plan_embedding([8, 8, 8], 4, 2, "table,row,column")
     for rank in range(2):
-        pieces = 1 + 2 + 2  # the table, two row pieces, two column pieces
+        id_blocks = 1 + 1 + 2  # the table, the row-wise table's ids (bucketized: once), two column pieces
         local_width = (4 if layout.owners[0] == rank else 0) + 4 + 2
         assert all_to_all_payload(layout, rank, 3, 4) == {
-            "emb_ids": 8 * 3 * 4 * pieces, "emb_pooled": 4 * 2 * 3 * local_width,
+            "emb_ids": 8 * 3 * 4 * id_blocks, "emb_id_counts": 8 * 2 * 1, "emb_pooled": 4 * 2 * 3 * local_width,
             "emb_pooled_backward": 4 * 3 * (4 + 2 * 4 + 2 * 2)}
+
+
+def lookup_with_an_idle_row_piece(rank: int, world: int) -> dict:
+    """Row-wise tables whose ids all fall in rank 0's rows: rank 1's pieces receive no id at all
+    (every one of their bags is empty) and are left as they were by the update."""
+    from bigtrain.distributed.mesh import Mesh as MeshOf
+    from bigtrain.parallel.embedding import ShardedEmbeddingBags
+
+    layout = plan_embedding([8, 6], 3, world, "row")
+    emb = ShardedEmbeddingBags(layout, MeshOf({"dp": world}, rank).comm("dp_sp"), SparseOptimizer("sgd", 1.0))
+    full = {t: torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) for t, rows in enumerate(layout.rows)}
+    emb.init_from(lambda t: full[t])
+    ids = (torch.tensor([[[0, 3], [2, 2]], [[1, 1], [0, 1]]]) + rank) % 3  # rows < 3: rank 0's pieces
+    out = emb(ids)
+    out.backward(torch.ones_like(out))
+    expected = torch.stack([torch.stack([full[t][ids[b, t]].sum(0) for t in range(2)]) for b in range(2)])
+    return {"out": out.detach(), "expected": expected,
+            "moved": [not torch.equal(emb.weight(t), full[t][layout.pieces_of(t)[rank].rows[0]:]
+                                      [:layout.pieces_of(t)[rank].shape[0]]) for t in range(2)]}
+
+
+def test_row_pieces_that_receive_no_ids_give_empty_bags():
+    results = run_ranks(lookup_with_an_idle_row_piece, 2)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["out"], result["expected"], rtol=0, atol=0)
+    assert results[0]["moved"] == [True, True] and results[1]["moved"] == [False, False]

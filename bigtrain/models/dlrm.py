@@ -53,9 +53,35 @@ class EmbeddingBags(nn.Module):
 def interaction(bottom: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
     """[bottom output, the pairwise dots of (bottom output, pooled embeddings)], strictly lower triangle."""
     features = torch.cat([bottom.unsqueeze(1), pooled], dim=1)  # [B, F, D]
-    dots = torch.bmm(features, features.transpose(1, 2))
-    i, j = torch.tril_indices(features.shape[1], features.shape[1], offset=-1, device=dots.device)
-    return torch.cat([bottom, dots[:, i, j]], dim=1)
+    return torch.cat([bottom, _LowerDots.apply(features)], dim=1)
+
+
+def _lower_triangle(count: int, device) -> torch.Tensor:
+    """Flat positions (i * count + j, i > j) of a [count, count] matrix's strict lower triangle, row by row."""
+    i, j = torch.tril_indices(count, count, offset=-1, device=device)
+    return i * count + j
+
+
+class _LowerDots(torch.autograd.Function):
+    """features [B, F, D] -> the dots <f_i, f_j> for i > j, [B, F (F - 1) / 2].
+
+    Autograd of ``bmm(x, x^T)[:, i, j]`` runs two bmms and an accumulating scatter in backward; the
+    Gram matrix is symmetric, so the gradient is one bmm: (G + G^T) x, with G the dots' gradient
+    put back in the lower triangle (zeros elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, features: torch.Tensor) -> torch.Tensor:
+        count = features.shape[1]
+        flat = _lower_triangle(count, features.device)
+        ctx.save_for_backward(features, flat)
+        return torch.bmm(features, features.transpose(1, 2)).view(-1, count * count).index_select(1, flat)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        features, flat = ctx.saved_tensors
+        count = features.shape[1]
+        full = grad.new_zeros((grad.shape[0], count * count)).index_copy_(1, flat, grad).view(-1, count, count)
+        return torch.bmm(full + full.transpose(1, 2), features)
 
 
 class DLRM(nn.Module):

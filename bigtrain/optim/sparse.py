@@ -55,17 +55,18 @@ class SparseOptimizer:
         weight.index_add_(0, rows, step.to(weight.dtype))
 
 
-def row_gradient(ids: torch.Tensor, pooled_grad: torch.Tensor, weights: torch.Tensor | None = None
+def row_gradient(ids: torch.Tensor, pooled_grad: torch.Tensor, bags: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sparse gradient of a sum-pooled lookup: ``ids`` [samples, hotness] (local row numbers),
-    ``pooled_grad`` [samples, width], ``weights`` [samples, hotness] (1 where the id is this piece's,
-    0 elsewhere, or None: all) -> (distinct rows, their summed gradients)."""
-    hot = ids.shape[1]
+    """The sparse gradient of a sum-pooled lookup -> (distinct rows, their summed gradients).
+
+    ``ids``: [samples, hotness] local row numbers, each sample's ids pooled into its row of
+    ``pooled_grad`` [samples, width]; or, with ``bags`` (the row of ``pooled_grad`` each id was pooled
+    into), any shape. The ids are sorted (stably: each row's gradients add up in the ids' order) and
+    each distinct row's gradients summed by ``embedding_bag`` over the sorted positions: one fused
+    gather-and-sum (FBGEMM's kernel on CPU) instead of a scatter-add of every id's gradient row."""
     flat_ids = ids.reshape(-1)
-    per_id = pooled_grad.repeat_interleave(hot, dim=0) if hot > 1 else pooled_grad
-    if weights is not None:
-        keep = weights.reshape(-1) != 0
-        flat_ids, per_id = flat_ids[keep], per_id[keep]
-    rows, inverse = torch.unique(flat_ids, return_inverse=True)
-    grad = per_id.new_zeros((rows.numel(), per_id.shape[1])).index_add_(0, inverse, per_id)
+    sorted_ids, order = flat_ids.sort(stable=True)
+    rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    source = bags.reshape(-1)[order] if bags is not None else order.div(ids.shape[1], rounding_mode="floor")
+    grad = torch.nn.functional.embedding_bag(source, pooled_grad, counts.cumsum(0) - counts, mode="sum")
     return rows, grad

@@ -11,22 +11,27 @@ A :class:`EmbeddingLayout` says, per table, how it is placed over the ``W`` rank
 The first three give each table its *pieces* (one, or one per rank). A step, on each rank of a
 local batch of ``B`` samples with ``L`` ids per table:
 
-1. ids, forward: all-to-all; rank s sends each piece's owner the ids of that piece's table for its
-   ``B`` samples (a row piece gets them all and keeps its own: the others weigh 0 in its sum);
-2. each rank pools its pieces over the ``W B`` samples of the global batch;
+1. ids, forward: all-to-all; rank s sends each table or column piece's owner the ids of that
+   piece's table for its ``B`` samples, and each row piece's owner only the ids in its row range
+   (bucketized), each tagged ``sample * piece rows + local row``, after an all-to-all of their counts;
+2. each rank pools its pieces over the ``W B`` samples of the global batch (a row piece's samples
+   bring 0 to ``L`` ids each: bags with offsets);
 3. pooled embeddings, forward: all-to-all back to the samples' ranks, which sum the row pieces and
    put the column pieces side by side;
-4. backward: the pooled gradients travel the reverse all-to-all to the pieces' owners, whose sparse
-   optimizer (:mod:`bigtrain.optim.sparse`) updates the rows the batch touched, there and then
+4. backward: the pooled gradients travel the reverse all-to-all to the pieces' owners (started
+   asynchronously: autograd goes on with the dense part meanwhile), whose sparse optimizer
+   (:mod:`bigtrain.optim.sparse`) updates the rows the batch touched at the end of that backward
    (row-wise Adagrad on a column piece first all-reduces its per-row squares over the ranks).
 
 ``data`` tables look up locally; backward all-gathers their ids and pooled gradients, so every
 replica applies the same update of the global batch and no dense gradient is reduced.
 
 Payload bytes per step and rank (what :class:`AxisComm` records; :func:`all_to_all_payload`):
-ids ``8 B L P`` (P: the pieces of all tables), pooled forward ``4 W B w_r`` (w_r: the widths of
-this rank's pieces summed), pooled backward ``4 B w`` (w: the widths of all pieces summed; D per
-table for table-wise and column-wise tables, W D for row-wise ones).
+ids ``8 B L (P' + R)`` (P': the table and column pieces of all tables, R: the row-wise tables,
+whose ``B L`` ids go out once, whatever their rows), id counts ``8 W R`` (with row-wise tables),
+pooled forward ``4 W B w_r`` (w_r: the widths of this rank's pieces summed), pooled backward
+``4 B w`` (w: the widths of all pieces summed; D per table for table-wise and column-wise tables,
+W D for row-wise ones).
 
 The tables never enter the dense engine: their placement says so (no ``partial`` axis, hence no
 data-parallel reduction), and the engine is handed only the dense modules.
@@ -34,7 +39,7 @@ data-parallel reduction), and the engine is handed only the dense modules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -132,14 +137,21 @@ class EmbeddingLayout:
 
 
 def all_to_all_payload(layout: EmbeddingLayout, rank: int, batch: int, hotness: int) -> dict[str, int]:
-    """Bytes this rank hands each all-to-all of one step (per-rank ``batch``), by tag."""
+    """Bytes this rank hands each all-to-all of one step (per-rank ``batch``), by tag. A row-wise
+    table's ids are bucketized: each goes to the one piece holding its row, so the table sends
+    ``batch x hotness`` ids in all whatever their rows, after a count per (rank, row-wise table)."""
     pieces = layout.pieces
     if not pieces:
         return {}
+    row_tables = sum(kind == "row" for kind in layout.kinds)
+    fixed = sum(layout.kinds[p.table] != "row" for p in pieces)
     local = sum(p.width for p in pieces if p.rank == rank)
-    return {"emb_ids": ID_BYTES * batch * hotness * len(pieces),
-            "emb_pooled": VALUE_BYTES * layout.world * batch * local,
-            "emb_pooled_backward": VALUE_BYTES * batch * sum(p.width for p in pieces)}
+    out = {"emb_ids": ID_BYTES * batch * hotness * (fixed + row_tables),
+           "emb_pooled": VALUE_BYTES * layout.world * batch * local,
+           "emb_pooled_backward": VALUE_BYTES * batch * sum(p.width for p in pieces)}
+    if row_tables:
+        out["emb_id_counts"] = ID_BYTES * layout.world * row_tables
+    return out
 
 
 def check_ids(ids: torch.Tensor, rows: tuple[int, ...]) -> None:
@@ -167,17 +179,29 @@ class TablePiece(nn.Module):
 
 @dataclass
 class PieceGroup:
-    """This rank's pieces of one width, stacked in one ``store`` (FBGEMM's table-batched embedding):
-    one lookup, one gradient and one optimizer update for all of them. Column pieces form a group of
-    their own (their row-wise state is combined over the ranks)."""
+    """This rank's pieces of one width and one way of receiving ids, stacked in one ``store``
+    (FBGEMM's table-batched embedding): one lookup, one gradient and one optimizer update for all of
+    them. Row pieces receive bucketized ids (a variable number a sample), the others ``hotness`` ids
+    a sample; column pieces form a group of their own (their row-wise state is combined over the ranks)."""
 
     members: list[int]  # positions in the rank's pieces
-    firsts: list[int]  # each member's first table row
-    sizes: list[int]  # its rows
+    sizes: list[int]  # each member's rows
     offsets: list[int]  # its first row in the store
-    column: bool
+    kind: str  # "row", "column" or "table"
     store: torch.Tensor
     state: dict[str, torch.Tensor]
+    first_member: int | None  # members[0] when the members are consecutive positions, else None
+    positions: list[int] = field(default_factory=list)  # each member's place among the ids it receives
+    offsets_t: torch.Tensor | None = None  # ``offsets`` as a tensor
+    positions_t: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        return self.store.shape[1]
+
+
+def _consecutive(members: list[int]) -> int | None:
+    return members[0] if members == list(range(members[0], members[0] + len(members))) else None
 
 
 class ShardedEmbeddingBags(nn.Module):
@@ -191,22 +215,52 @@ class ShardedEmbeddingBags(nn.Module):
         self.layout, self.comm, self.optimizer = layout, comm, optimizer
         self.rank = comm.rank
         self.local = layout.pieces_on(self.rank)
-        by_kind: dict[tuple[int, bool], list[int]] = {}
+        by_kind: dict[tuple[int, str], list[int]] = {}
         for k, piece in enumerate(self.local):
-            by_kind.setdefault((piece.width, layout.kinds[piece.table] == "column"), []).append(k)
+            by_kind.setdefault((piece.width, layout.kinds[piece.table]), []).append(k)
         self.groups, holders = [], {}
-        for (width, column), members in by_kind.items():
+        for (width, kind), members in by_kind.items():
             sizes = [self.local[k].shape[0] for k in members]
             offsets = [sum(sizes[:i]) for i in range(len(sizes))]
             store = torch.empty((sum(sizes), width), device=device)
-            self.groups.append(PieceGroup(members, [self.local[k].rows[0] for k in members], sizes, offsets, column,
-                                          store, optimizer.new_state(store)))
+            self.groups.append(PieceGroup(members, sizes, offsets, kind, store, optimizer.new_state(store),
+                                          _consecutive(members)))
             for k, first, size in zip(members, offsets, sizes):
                 holders[self.local[k].table] = TablePiece(store[first:first + size])
         for t in layout.data_tables:
             holders[t] = TablePiece(torch.empty((layout.rows[t], layout.dim), device=device))
         self.tables = nn.ModuleDict({str(t): holders[t] for t in sorted(holders)})
         self.data_state = {t: optimizer.new_state(self.weight(t)) for t in layout.data_tables}
+        self._plan_exchanges(device)
+
+    def _plan_exchanges(self, device) -> None:
+        """The index tensors and sizes every step's packing reuses."""
+        layout, kinds, world = self.layout, self.layout.kinds, self.layout.world
+        pieces = layout.pieces
+        tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        # ids: to each rank, its table and column pieces' ids (by table), then its row pieces' (bucketized)
+        self.fixed_pieces = [p for p in pieces if kinds[p.table] != "row"]
+        self.fixed_tables = tensor([p.table for p in self.fixed_pieces])
+        self.fixed_per_rank = [sum(p.rank == r for p in self.fixed_pieces) for r in range(world)]
+        self.row_tables = [t for t, k in enumerate(kinds) if k == "row"]
+        self.row_tables_t = tensor(self.row_tables)
+        self.row_steps = tensor([layout.rows[t] // world for t in self.row_tables]).view(-1, 1, 1)
+        local_fixed = [k for k, p in enumerate(self.local) if kinds[p.table] != "row"]
+        local_row = [k for k, p in enumerate(self.local) if kinds[p.table] == "row"]
+        self.fixed_position = {k: i for i, k in enumerate(local_fixed)}  # local piece -> place in the id block
+        self.row_position = {k: i for i, k in enumerate(local_row)}
+        for g in self.groups:
+            g.positions = [(self.row_position if g.kind == "row" else self.fixed_position)[k] for k in g.members]
+            g.positions_t = tensor(g.positions)
+            g.offsets_t = tensor(g.offsets)
+        # pooled embeddings: each piece's place in the [tables, batch, dim] output
+        self.piece_tables = tensor([p.table for p in pieces])
+        self.full_width = all(p.width == layout.dim for p in pieces)
+        once = sorted(p.table for p in pieces) == list(range(len(layout.rows)))
+        self.piece_of_table = tensor(sorted(range(len(pieces)), key=lambda i: pieces[i].table)) if once else None
+        widths = [p.width for p in self.local]
+        self.local_width = sum(widths)
+        self.local_start = [sum(widths[:k]) for k in range(len(widths))]  # per sample, within a rank's block
 
     def init_from(self, full_value) -> None:
         """Fill each local part from ``full_value(t)`` (the whole table t)."""
@@ -232,6 +286,88 @@ class ShardedEmbeddingBags(nn.Module):
         return _ShardedLookup.apply(anchor, ids, self)
 
     # -- forward ------------------------------------------------------------------------------------
+    def _exchange_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]], list[list[int]]]:
+        """(the table and column pieces' ids over the global batch, [W, their count, B, L]; per source
+        rank and local row piece, the ids it sent (``sample * piece rows + local row``); their counts)."""
+        batch, _, hot = ids.shape
+        world, fixed_here = self.layout.world, len(self.fixed_position)
+        by_table = ids.transpose(0, 1)
+        fixed = by_table.index_select(0, self.fixed_tables).view(-1)  # by rank, then table
+        fixed_blocks = fixed.split([n * batch * hot for n in self.fixed_per_rank])
+        if not self.row_tables:
+            recv = ids.new_empty(world * fixed_here * batch * hot)
+            self.comm.all_to_all(recv, fixed, tag="emb_ids", input_splits=[b.numel() for b in fixed_blocks])
+            return recv.view(world, fixed_here, batch, hot), [], []
+        # bucketize the row-wise tables' ids by row range: each row piece gets only its own rows' ids,
+        # each tagged with its sample (a variable number of ids per sample and piece)
+        row_ids = by_table.index_select(0, self.row_tables_t)  # [R, B, L]
+        owner = row_ids.div(self.row_steps, rounding_mode="floor")
+        sample = torch.arange(batch, device=ids.device).view(1, -1, 1)
+        tagged = row_ids - owner * self.row_steps + sample * self.row_steps
+        to_rank = [owner == r for r in range(world)]
+        counts = torch.stack([m.sum((1, 2)) for m in to_rank])  # [W, R]: by table within each destination
+        recv_counts = torch.empty_like(counts)
+        self.comm.all_to_all(recv_counts, counts, tag="emb_id_counts")
+        send = torch.cat([part for r in range(world) for part in (fixed_blocks[r], tagged.masked_select(to_rank[r]))])
+        sent, received = counts.sum(1).tolist(), recv_counts.tolist()
+        output_splits = [fixed_here * batch * hot + sum(c) for c in received]
+        recv = ids.new_empty(sum(output_splits))
+        self.comm.all_to_all(recv, send, tag="emb_ids", output_splits=output_splits,
+                             input_splits=[b.numel() + n for b, n in zip(fixed_blocks, sent)])
+        blocks = recv.split(output_splits)
+        fixed_recv = torch.stack([b[:fixed_here * batch * hot] for b in blocks]).view(world, fixed_here, batch, hot)
+        row_recv = [list(b[fixed_here * batch * hot:].split(c)) for b, c in zip(blocks, received)]
+        return fixed_recv, row_recv, received
+
+    def _group_rows(self, g: PieceGroup, fixed_recv, row_recv, received, batch: int):
+        """(store rows, the bag of each: None when every bag holds ``hotness`` ids, offsets of the bags)
+        of group ``g`` over the global batch, bags in the order (member, source rank, sample)."""
+        world = self.layout.world
+        if g.kind != "row":
+            rows = fixed_recv.transpose(0, 1).index_select(0, g.positions_t)  # [m, W, B, L]
+            rows += g.offsets_t.view(-1, 1, 1, 1)
+            return rows.view(-1, rows.shape[-1]), None, None
+        tagged = torch.cat([row_recv[s][j] for j in g.positions for s in range(world)])
+        lengths = torch.tensor([received[s][j] for j in g.positions for s in range(world)],
+                               device=tagged.device)
+        segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=tagged.device), lengths)
+        size = torch.tensor(g.sizes, device=tagged.device).repeat_interleave(world)[segment]
+        sample = tagged.div(size, rounding_mode="floor")
+        rows = tagged - sample * size + g.offsets_t.repeat_interleave(world)[segment]
+        bags = segment * batch + sample
+        per_bag = torch.bincount(bags, minlength=len(g.members) * world * batch)
+        return rows, bags, per_bag.cumsum(0) - per_bag
+
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """(pooled [B, T, D] of this rank's samples, what backward needs: each group's store rows)."""
+        batch, tables, hot = ids.shape
+        world, pieces, dim = self.layout.world, self.layout.pieces, self.layout.dim
+        if not pieces:
+            out = ids.new_zeros((tables, batch, dim), dtype=torch.float32)
+            for t in self.layout.data_tables:
+                out[t] = pooled_lookup(self.weight(t), ids[:, t])
+            return out.transpose(0, 1), []
+        fixed_recv, row_recv, received = self._exchange_ids(ids)
+        saved = []
+        send = torch.empty((world, batch * self.local_width), device=ids.device)  # per rank: its samples' rows
+        for g in self.groups:
+            rows, bags, offsets = self._group_rows(g, fixed_recv, row_recv, received, batch)
+            saved.append((rows, bags))
+            pooled = torch.nn.functional.embedding_bag(rows, g.store, offsets, mode="sum")
+            pooled = pooled.view(len(g.members), world, batch * g.width)
+            if g.first_member is not None:  # consecutive pieces: one copy
+                start = batch * self.local_start[g.first_member]
+                send[:, start:start + pooled.numel() // world].view(world, len(g.members), -1).copy_(
+                    pooled.transpose(0, 1))
+            else:
+                for k, part in zip(g.members, pooled):
+                    start = batch * self.local_start[k]
+                    send[:, start:start + batch * g.width].copy_(part)
+        widths = [batch * p.width for p in pieces]
+        recv = send.new_empty(sum(widths))
+        self.comm.all_to_all(recv, send.view(-1), tag="emb_pooled", output_splits=self._splits(widths))
+        return self._assemble(recv, ids), saved
+
     def _splits(self, per_piece: list[int]) -> list[int]:
         """Per rank: the sum of ``per_piece`` (one value per piece, in the exchange order) over its pieces."""
         out = [0] * self.layout.world
@@ -239,62 +375,63 @@ class ShardedEmbeddingBags(nn.Module):
             out[piece.rank] += n
         return out
 
-    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """(pooled [B, T, D] of this rank's samples, what backward needs: each group's store rows)."""
-        batch, tables, hot = ids.shape
-        world, pieces, local = self.layout.world, self.layout.pieces, self.local
-        out = torch.zeros((batch, tables, self.layout.dim), device=ids.device)
+    def _assemble(self, recv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] (a view of [T, B, D]) from the pieces' pooled rows: row pieces' partial sums
+        added, column pieces side by side, data tables looked up here."""
+        batch, tables, _ = ids.shape
+        pieces, dim = self.layout.pieces, self.layout.dim
+        if self.full_width and self.piece_of_table is not None:  # table-wise: each table one piece
+            return recv.view(len(pieces), batch, dim).index_select(0, self.piece_of_table).transpose(0, 1)
+        out = recv.new_zeros((tables, batch, dim))
+        if self.full_width:
+            out.index_add_(0, self.piece_tables, recv.view(len(pieces), batch, dim))
+        else:
+            for piece, part in zip(pieces, recv.split([batch * p.width for p in pieces])):
+                out[piece.table, :, piece.cols[0]:piece.cols[1]] += part.view(batch, piece.width)
         for t in self.layout.data_tables:
-            out[:, t] = pooled_lookup(self.weight(t), ids[:, t])
-        if not pieces:
-            return out, []
-        send = torch.cat([ids[:, p.table].reshape(-1) for p in pieces])
-        recv = ids.new_empty(world * len(local) * batch * hot)
-        self.comm.all_to_all(recv, send, tag="emb_ids", input_splits=self._splits([batch * hot] * len(pieces)),
-                             output_splits=[len(local) * batch * hot] * world)
-        recv = recv.view(world, len(local), batch, hot)
-        saved, pooled = [], [None] * len(local)
-        for g in self.groups:  # each member over the global batch: [W, B, L]
-            table_ids = torch.stack([recv[:, k] for k in g.members])
-            shape = (len(g.members), 1, 1, 1)
-            first = torch.tensor(g.firsts, device=ids.device).view(shape)
-            size = torch.tensor(g.sizes, device=ids.device).view(shape)
-            local_ids = table_ids - first
-            partial = any(size != self.layout.rows[local[k].table] for k, size in zip(g.members, g.sizes))
-            mask = ((local_ids >= 0) & (local_ids < size)).float().view(-1, hot) if partial else None
-            rows = (torch.minimum(local_ids.clamp_min(0), size - 1)
-                    + torch.tensor(g.offsets, device=ids.device).view(shape)).view(-1, hot)
-            saved.append((rows, mask))
-            group_pooled = torch.nn.functional.embedding_bag(rows, g.store, mode="sum", per_sample_weights=mask)
-            for i, k in enumerate(group_pooled.view(len(g.members), world, batch, -1)):
-                pooled[g.members[i]] = k
-        # to each sample's rank, its rows of every local piece
-        send_pooled = torch.cat([torch.cat([p[s].reshape(-1) for p in pooled]) for s in range(world)]) if local \
-            else out.new_empty(0)
-        widths = [batch * p.width for p in pieces]
-        recv_pooled = out.new_empty(sum(widths))
-        self.comm.all_to_all(recv_pooled, send_pooled, tag="emb_pooled", output_splits=self._splits(widths),
-                             input_splits=[batch * sum(p.width for p in local)] * world)
-        for piece, part in zip(pieces, recv_pooled.split(widths)):
-            out[:, piece.table, piece.cols[0]:piece.cols[1]] += part.view(batch, piece.width)
-        return out, saved
+            out[t] = pooled_lookup(self.weight(t), ids[:, t])
+        return out.transpose(0, 1)
 
     # -- backward: the sparse update ------------------------------------------------------------------
     def apply_gradient(self, ids: torch.Tensor, saved: list, grad: torch.Tensor) -> None:
+        """Send the pooled gradients to the pieces' owners and update the tables, at once."""
+        self.update_tables(ids, saved, grad, self.send_gradient(grad))
+
+    def send_gradient(self, grad: torch.Tensor):
+        """Start the all-to-all of the pooled gradients ``grad`` [B, T, D] to the pieces' owners:
+        (its work handle, the buffer it fills [W, B x local width], the buffer it sends: kept alive
+        until the wait), or None without pieces."""
+        batch, pieces = grad.shape[0], self.layout.pieces
+        if not pieces:
+            return None
+        by_table = grad.transpose(0, 1)  # [T, B, D]
+        if self.full_width:
+            send = by_table.index_select(0, self.piece_tables).view(-1)
+        else:
+            send = torch.cat([by_table[p.table, :, p.cols[0]:p.cols[1]].reshape(-1) for p in pieces])
+        recv = grad.new_empty((self.layout.world, batch * self.local_width))
+        work = self.comm.all_to_all(recv.view(-1), send, tag="emb_pooled_backward", async_op=True,
+                                    input_splits=self._splits([batch * p.width for p in pieces]))
+        return work, recv, send
+
+    def update_tables(self, ids: torch.Tensor, saved: list, grad: torch.Tensor, sent) -> None:
+        """The sparse update of every local piece from the gradients ``sent`` brought (waiting for them),
+        then the data tables' (gathered here)."""
         batch, _, hot = ids.shape
-        world, pieces, local = self.layout.world, self.layout.pieces, self.local
-        if pieces:
-            send = torch.cat([grad[:, p.table, p.cols[0]:p.cols[1]].reshape(-1) for p in pieces])
-            widths = [batch * p.width for p in pieces]
-            local_width = sum(p.width for p in local)
-            recv = grad.new_empty(world * batch * local_width)
-            self.comm.all_to_all(recv, send.contiguous(), tag="emb_pooled_backward", input_splits=self._splits(widths),
-                                 output_splits=[batch * local_width] * world)
-            by_source = [part.split([batch * p.width for p in local]) for part in recv.split(batch * local_width)]
-            for g, (rows, mask) in zip(self.groups, saved):  # rows in the order [member, source rank, sample]
-                width = g.store.shape[1]
-                group_grad = torch.cat([src[k].view(batch, width) for k in g.members for src in by_source])
-                self._update(g.store, g.state, rows, group_grad, mask, g.column)
+        world = self.layout.world
+        if sent is not None:
+            work, recv, _ = sent
+            if work is not None:
+                work.wait()
+            for g, (rows, bags) in zip(self.groups, saved):  # gradients in the order (member, source, sample)
+                if g.first_member is not None:
+                    start = batch * self.local_start[g.first_member]
+                    part = recv[:, start:start + batch * g.width * len(g.members)].view(world, len(g.members), -1)
+                    group_grad = part.transpose(0, 1).reshape(-1, g.width)
+                else:
+                    starts = [batch * self.local_start[k] for k in g.members]
+                    group_grad = torch.stack([recv[:, s:s + batch * g.width] for s in starts]).view(-1, g.width)
+                self._update(g.store, g.state, rows, group_grad, g.kind == "column", bags)
         data = self.layout.data_tables
         if data:  # every replica applies the global batch's update
             all_ids = ids.new_empty((world * batch, len(data), hot))
@@ -302,11 +439,11 @@ class ShardedEmbeddingBags(nn.Module):
             all_grads = grad.new_empty((world * batch, len(data), self.layout.dim))
             self.comm.all_gather(all_grads, grad[:, data].contiguous(), tag="emb_data_grads")
             for k, t in enumerate(data):
-                self._update(self.weight(t), self.data_state[t], all_ids[:, k], all_grads[:, k], None, False)
+                self._update(self.weight(t), self.data_state[t], all_ids[:, k], all_grads[:, k], False)
 
-    def _update(self, weight: torch.Tensor, state: dict, rows: torch.Tensor, pooled_grad: torch.Tensor, mask,
-                column: bool) -> None:
-        touched, grad = row_gradient(rows, pooled_grad, mask)
+    def _update(self, weight: torch.Tensor, state: dict, rows: torch.Tensor, pooled_grad: torch.Tensor,
+                column: bool, bags: torch.Tensor | None = None) -> None:
+        touched, grad = row_gradient(rows, pooled_grad, bags)
         combine = None
         if column:  # every rank holds the same rows of each column-wise table: the same touched rows
             def combine(squares: torch.Tensor) -> torch.Tensor:
@@ -326,5 +463,10 @@ class _ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.module.apply_gradient(ctx.ids, ctx.saved, grad.contiguous())
+        # The gradients' all-to-all runs while autograd goes on with the dense part (the bottom MLP),
+        # and the update at the end of this backward, while the dense gradients' all-reduce runs: the
+        # tables are updated before backward returns, as when done here and now.
+        module, ids, saved = ctx.module, ctx.ids, ctx.saved
+        sent = module.send_gradient(grad)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: module.update_tables(ids, saved, grad, sent))
         return None, None, None

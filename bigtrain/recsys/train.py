@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bigtrain import checkpoint as ckpt
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
@@ -33,6 +34,7 @@ from bigtrain.parallel.embedding import EmbeddingLayout, ShardedEmbeddingBags
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.plan.embedding import plan_embedding
+from bigtrain.recsys.checkpoint import commit_dlrm, resume_dlrm
 from bigtrain.recsys.data import sampler_for
 from bigtrain.recsys.metrics import auc, log_loss
 
@@ -117,13 +119,19 @@ class DlrmTrainer:
         the loss, samples/s and the held-out AUC and log loss, written to ``metrics.jsonl`` by rank 0
         and printed there."""
         cfg = self.cfg
+        root = Path(run_dir) / "checkpoints" if run_dir is not None else None
+        resumed = root is not None and self.resume(root)
         log = Path(run_dir) / "metrics.jsonl" if run_dir is not None and self.rank == 0 else None
-        if log is not None:
+        if log is not None and not resumed:
             log.write_text("")
         records, started, done = [], time.perf_counter(), 0
+        every, saved = cfg.checkpoint.every, self.step
         while self.step < cfg.train.steps:
             result = self.train_step()
             done += 1
+            if root is not None and every > 0 and self.step % every == 0:
+                commit_dlrm(self, root, cfg.checkpoint.keep)
+                saved = self.step
             if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
                 elapsed = time.perf_counter() - started
                 record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
@@ -136,7 +144,26 @@ class DlrmTrainer:
                     print(f"step {record['step']:>6}  loss {record['loss']:.4f}  auc {record['auc']:.4f}  "
                           f"log loss {record['log_loss']:.4f}  {record['samples_per_s']:,.0f} samples/s", flush=True)
                 started, done = time.perf_counter(), 0  # the evaluation is not training time
+        if root is not None and cfg.checkpoint.save_final and saved != self.step:
+            commit_dlrm(self, root, cfg.checkpoint.keep)
         return records
+
+    def resume(self, root: Path) -> bool:
+        """As ``checkpoint.resume`` says: 'none', 'auto' (the newest valid checkpoint under ``root``,
+        this run's checkpoints folder, if any) or a path; True when a checkpoint was loaded."""
+        where = self.cfg.checkpoint.resume
+        if where == "none":
+            if ckpt.list_checkpoints(root):  # a fresh run would rotate them away
+                raise ValueError(f"{root.parent} holds checkpoints of a run (newest "
+                                 f"{ckpt.list_checkpoints(root)[0].name}): continue it with --resume "
+                                 f"(checkpoint.resume = 'auto'), or use another run directory")
+            return False
+        loaded = resume_dlrm(self, root if where == "auto" else Path(where))
+        if loaded is None and where != "auto":
+            raise ValueError(f"checkpoint.resume = '{where}': no checkpoint there verifies")
+        if loaded is not None and self.rank == 0:
+            print(f"bigtrain: resumed from {loaded} at step {self.step}", flush=True)
+        return loaded is not None
 
     @torch.no_grad()
     def evaluate(self, batches: int = 4) -> dict[str, float]:

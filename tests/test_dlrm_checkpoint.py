@@ -1,0 +1,107 @@
+"""Sharded checkpoints of a DLRM run: saved after 4 of 8 steps and resumed, the run goes on as the
+uninterrupted one did. Resumed on the same layout: bit for bit; on another sharding and another
+number of ranks (the tables' rectangles resharded by torch.distributed.checkpoint): within 1e-5, as
+any two layouts agree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigtrain.distributed.mesh import Mesh
+from bigtrain.recsys.checkpoint import load_dlrm, save_dlrm
+from bigtrain.recsys.train import DlrmTrainer, gather_tables
+from bigtrain.testing import run_ranks
+from tests.helpers import assert_rel_close
+from tests.test_dlrm_parallel import MIX, dlrm_config
+
+SAVED_AT, STEPS = 4, 8
+
+
+def snapshot(trainer: DlrmTrainer, losses: list[float]) -> dict:
+    return {"losses": losses, "tables": gather_tables(trainer.parallel, trainer.layout),
+            "dense": {n: p.detach().clone() for n, p in trainer.parallel.dense.named_parameters()},
+            "step": trainer.step}
+
+
+def train_and_save(rank: int, world: int, cfg, path: str) -> dict:
+    """The uninterrupted run, saving its state after SAVED_AT steps."""
+    trainer = DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
+    losses = [trainer.train_step().loss for _ in range(SAVED_AT)]
+    save_dlrm(trainer, path)
+    losses += [trainer.train_step().loss for _ in range(STEPS - SAVED_AT)]
+    return snapshot(trainer, losses)
+
+
+def resume_and_train(rank: int, world: int, cfg, path: str) -> dict:
+    trainer = DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
+    load_dlrm(trainer, path)
+    assert trainer.step == SAVED_AT
+    return snapshot(trainer, [trainer.train_step().loss for _ in range(STEPS - SAVED_AT)])
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "sgd"])
+def test_resumed_dlrm_run_equals_the_uninterrupted_one(tmp_path, optimizer):
+    path = str(tmp_path / "step4")
+    whole = run_ranks(train_and_save, 2, dlrm_config(2, MIX, optimizer), path, timeout=300)[0]
+    same = run_ranks(resume_and_train, 2, dlrm_config(2, MIX, optimizer), path, timeout=300)[0]
+    assert same["losses"] == whole["losses"][SAVED_AT:]
+    for t, table in whole["tables"].items():
+        assert torch.equal(same["tables"][t], table), f"table {t}"
+    for name, weight in whole["dense"].items():
+        assert torch.equal(same["dense"][name], weight), name
+    # another sharding on another number of ranks: the row pieces of 4 ranks read parts of the
+    # saved whole tables, row pieces and column pieces
+    other = run_ranks(resume_and_train, 4, dlrm_config(4, "row", optimizer), path, timeout=300)[0]
+    for loss, expected in zip(other["losses"], whole["losses"][SAVED_AT:]):
+        assert abs(loss - expected) <= 1e-5 * abs(expected)
+    for t, table in whole["tables"].items():
+        assert_rel_close(other["tables"][t], table, 1e-5, f"table {t}, resumed row-wise on 4 ranks")
+    for name, weight in whole["dense"].items():
+        assert_rel_close(other["dense"][name], weight, 1e-5, name)
+
+
+def test_a_fresh_run_differs_from_the_resumed_one(tmp_path):
+    """The check above can fail: without the checkpoint's accumulators the run goes elsewhere."""
+    path = str(tmp_path / "step4")
+    cfg = dlrm_config(2, MIX)
+    whole = run_ranks(train_and_save, 2, cfg, path, timeout=300)[0]
+
+    def resume_weights_only(rank: int, world: int, cfg, path: str) -> dict:
+        trainer = DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
+        load_dlrm(trainer, path)
+        for state in trainer.parallel.embeddings.state_tensors():
+            state.zero_()  # as if the row-wise Adagrad state had not been saved
+        return snapshot(trainer, [trainer.train_step().loss for _ in range(STEPS - SAVED_AT)])
+
+    lost = run_ranks(resume_weights_only, 2, cfg, path, timeout=300)[0]
+    assert lost["losses"][0] == whole["losses"][SAVED_AT]  # the same weights: the same first loss
+    assert any(not torch.equal(lost["tables"][t], table) for t, table in whole["tables"].items())
+
+
+def fit_in(rank: int, world: int, cfg, run_dir: str) -> dict:
+    trainer = DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
+    records = trainer.fit(Path(run_dir))
+    return snapshot(trainer, [r["loss"] for r in records])
+
+
+def test_fit_saves_every_n_steps_and_resumes_from_a_checkpoint_on_another_sharding(tmp_path):
+    """``checkpoint.every`` and ``checkpoint.resume`` in :meth:`DlrmTrainer.fit`: a run saving at steps
+    4 and 8, and a run resuming its step-4 checkpoint column-wise, end alike (the resumed one
+    saving its final step)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    saving = dlrm_config(2, MIX, overrides=("--checkpoint.every=4", f"--train.steps={STEPS}"))
+    whole = run_ranks(fit_in, 2, saving, str(first), timeout=300)[0]
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+    resuming = dlrm_config(2, "column", overrides=(
+        f"--checkpoint.resume={first / 'checkpoints' / 'step_00000004'}", f"--train.steps={STEPS}"))
+    resumed = run_ranks(fit_in, 2, resuming, str(second), timeout=300)[0]
+    assert resumed["step"] == whole["step"] == STEPS
+    assert [p.name for p in (second / "checkpoints").iterdir()] == ["step_00000008"]
+    for t, table in whole["tables"].items():
+        assert_rel_close(resumed["tables"][t], table, 1e-5, f"table {t}, resumed column-wise")
+    assert abs(resumed["losses"][-1] - whole["losses"][-1]) <= 1e-5 * abs(whole["losses"][-1])
