@@ -49,6 +49,13 @@ RUNS = [
     ("lion-1e-3-b95", "lion", {"lr": 1e-3, "beta1": 0.95, "beta2": 0.98, "weight_decay": 0.3}),
     ("lion-1e-3-wd1", "lion", {"lr": 1e-3, "beta2": 0.99, "weight_decay": 0.1}),
     ("lion-1.4e-3", "lion", {"lr": 1.4e-3, "beta2": 0.99, "weight_decay": 0.2}),
+    # 2026-11-23, second round: the moments' horizons at the best lr (1e-3, wd 0.3).
+    ("lion-1e-3-b2995", "lion", {"lr": 1e-3, "beta2": 0.995, "weight_decay": 0.3}),
+    ("lion-1e-3-b2999", "lion", {"lr": 1e-3, "beta2": 0.999, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-95", "lion", {"lr": 1e-3, "beta1": 0.95, "beta2": 0.99, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-98-b2-995", "lion", {"lr": 1e-3, "beta1": 0.98, "beta2": 0.995, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-80", "lion", {"lr": 1e-3, "beta1": 0.8, "beta2": 0.99, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-50", "lion", {"lr": 1e-3, "beta1": 0.5, "beta2": 0.99, "weight_decay": 0.3}),
 ]
 BASELINE = "adamw"
 
