@@ -351,6 +351,7 @@ def test_calibration_writes_a_loadable_profile(tmp_path, capsys):
     assert 0 < profile.weight_grad_fraction < 1 and "split backward" in profile.source
     # one rank's rate (torchrun's ranks run one thread), and the caller's thread count left alone
     assert "1 intra-op thread(s) per rank" in profile.source and torch.get_num_threads() == threads
+    assert profile.hbm_bandwidth > 1e8 and "element-wise memory bandwidth" in profile.source
     assert load_profile(path) == profile
     stage = [f"--{k}={v}" for k, v in tiny.items()]
     assert _cli("bench", "--calibrate", "--output", tmp_path / "b.json", "--ranks", 1, "--matmul-size", 64, *stage) == 0

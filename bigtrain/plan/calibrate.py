@@ -46,6 +46,18 @@ def measure_op_overhead(repeats: int = 200) -> float:
     return _best_seconds(lambda: [x.add(1.0) for _ in range(repeats)], 5) / repeats
 
 
+def measure_memory_bandwidth(elements: int = 1 << 23, repeats: int = 10) -> float:
+    """Bytes/s of an element-wise kernel over fp32 tensors far larger than the caches (32 MiB in,
+    32 MiB out by default): the rate the planner's memory-bound terms (element-wise ops, the
+    optimizer step) move bytes at. Smaller tensors run faster from cache; the planner does not
+    model caches, so it takes the DRAM rate, the conservative one."""
+    import torch
+
+    x = torch.ones(elements)
+    y = torch.empty_like(x)
+    return 2 * x.element_size() * elements / _best_seconds(lambda: torch.mul(x, 2.0, out=y), repeats)
+
+
 def fit_gemm_curve(points: list[tuple[int, int, int, float]], peak: float) -> tuple[float, float]:
     """(gemm_fraction, gemm_half_dim) minimizing the squared log error of predicted vs measured time."""
     best = (math.inf, 1.0, HALF_DIMS[0])

@@ -185,6 +185,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         measure_comm=args.ranks > 1, split_stage=split_stage, threads=args.threads or None)
     print(f"matmul fp32 {profile.peak_flops_fp32 / 1e9:,.1f} GFLOP/s, bf16 {profile.peak_flops_bf16 / 1e9:,.1f} "
           f"GFLOP/s; all-reduce {profile.intra_node_bandwidth / 1e9:.2f} GB/s, latency "
-          f"{profile.intra_node_latency_s * 1e3:.2f} ms; weight_grad_fraction {profile.weight_grad_fraction:.3f}; "
+          f"{profile.intra_node_latency_s * 1e3:.2f} ms; memory {profile.hbm_bandwidth / 1e9:.1f} GB/s; "
+          f"weight_grad_fraction {profile.weight_grad_fraction:.3f}; "
           f"wrote {args.output} (use: bigtrain plan --hardware-file {args.output})")
     return 0

@@ -297,13 +297,16 @@ def _calibrate(output, matmul_size, bf16_size, comm_ranks, comm_bytes, measure_c
         bandwidth, latency = measure_all_reduce(comm_ranks, comm_bytes)
         values.update(intra_node_bandwidth=bandwidth, intra_node_latency_s=latency)
         source.append(f"Gloo all-reduce of {comm_bytes / MIB:.0f} MiB over {comm_ranks} forked ranks")
-    from bigtrain.plan.calibrate import fit_gemm_curve, measure_gemms, measure_op_overhead
+    from bigtrain.plan.calibrate import fit_gemm_curve, measure_gemms, measure_memory_bandwidth, measure_op_overhead
 
     points = measure_gemms("fp32")
     fraction, half_dim = fit_gemm_curve(points, values["peak_flops_fp32"])
     values.update(gemm_fraction=fraction, gemm_half_dim=half_dim, op_overhead_s=measure_op_overhead())
     source.append(f"GEMM curve fitted to {len(points)} fp32 shapes (plan/calibrate.py): gemm_fraction "
                   f"{fraction:.2f}, gemm_half_dim {half_dim:g}; op overhead {values['op_overhead_s'] * 1e6:.1f} us")
+    if not torch.cuda.is_available():  # a GPU's HBM rate is the preset's published figure
+        values["hbm_bandwidth"] = measure_memory_bandwidth()
+        source.append(f"element-wise memory bandwidth {values['hbm_bandwidth'] / 1e9:.1f} GB/s (32 MiB fp32 tensors)")
     split = measure_backward_split(**(split_stage or {}))
     values["weight_grad_fraction"] = split.weight_grad_fraction
     source.append(f"split backward: {split.describe()}")
