@@ -59,6 +59,28 @@ def train(label: str, overrides: list[str], steps: int, out: str, threads: int =
             "final_loss": losses[-1], "tail_mean_loss": statistics.fmean(losses[-tail:])}
 
 
+def add_arguments(p, out: str, labels: list[str], plot: str, smooth: int) -> None:
+    """The command-line options every quality benchmark takes."""
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--out", default=out, help="run directories (one per label) and their logs")
+    p.add_argument("--only", nargs="*", help=f"labels to run or read (of {', '.join(labels)})")
+    p.add_argument("--tail", type=int, default=20, help="steps whose mean loss is the figure compared")
+    p.add_argument("--rerun", action="store_true", help="run again even where a run directory is complete")
+    p.add_argument("--plot", default=plot, help="'' for no plot")
+    p.add_argument("--smooth", type=int, default=smooth, help="moving-average window of the plotted curves")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of each run (1: on a shared machine, two threads per run stall each other)")
+    p.add_argument("--json", help="also write every number here")
+
+
+def save_figure(fig, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average (the first points average what there is)."""
     out, total = [], 0.0

@@ -63,22 +63,12 @@ def plot(results: dict[str, dict], pairs: list[tuple[str, str]], path: str, wind
         ax.set_ylabel(f"{ylabel} (mean of {window} steps)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    learning.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--out", default="runs/quality-moe", help="run directories (one per label) and their logs")
-    p.add_argument("--only", nargs="*", help=f"labels to run or read (of {', '.join(r[0] for r in RUNS)})")
-    p.add_argument("--tail", type=int, default=20, help="steps whose mean loss is the figure compared")
-    p.add_argument("--rerun", action="store_true")
-    p.add_argument("--plot", default="docs/moe-small.png", help="'' for no plot")
-    p.add_argument("--smooth", type=int, default=25, help="moving-average window of the plotted curves")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json")
+    learning.add_arguments(p, "runs/quality-moe", [r[0] for r in RUNS], "docs/moe-small.png", 25)
     args = p.parse_args(argv)
     wanted = set(args.only or [r[0] for r in RUNS])
     wanted |= {dense for label, dense, _ in RUNS if label in wanted and dense}  # each MoE needs its dense

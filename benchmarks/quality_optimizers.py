@@ -56,6 +56,18 @@ RUNS = [
     ("lion-1e-3-b1-98-b2-995", "lion", {"lr": 1e-3, "beta1": 0.98, "beta2": 0.995, "weight_decay": 0.3}),
     ("lion-1e-3-b1-80", "lion", {"lr": 1e-3, "beta1": 0.8, "beta2": 0.99, "weight_decay": 0.3}),
     ("lion-1e-3-b1-50", "lion", {"lr": 1e-3, "beta1": 0.5, "beta2": 0.99, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-30", "lion", {"lr": 1e-3, "beta1": 0.3, "beta2": 0.99, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-0", "lion", {"lr": 1e-3, "beta1": 0.0, "beta2": 0.99, "weight_decay": 0.3}),
+    ("lion-7e-4-b1-50", "lion", {"lr": 7e-4, "beta1": 0.5, "beta2": 0.99, "weight_decay": 0.45}),
+    ("lion-1.4e-3-b1-50", "lion", {"lr": 1.4e-3, "beta1": 0.5, "beta2": 0.99, "weight_decay": 0.2}),
+    ("lion-1e-3-b1-50-b2-995", "lion", {"lr": 1e-3, "beta1": 0.5, "beta2": 0.995, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-50-b2-98", "lion", {"lr": 1e-3, "beta1": 0.5, "beta2": 0.98, "weight_decay": 0.3}),
+    # Shorter horizons for the moment too: at 2,048 tokens a step the gradient moves fast.
+    ("lion-1e-3-b1-50-b2-95", "lion", {"lr": 1e-3, "beta1": 0.5, "beta2": 0.95, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-50-b2-90", "lion", {"lr": 1e-3, "beta1": 0.5, "beta2": 0.9, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-50-b2-80", "lion", {"lr": 1e-3, "beta1": 0.5, "beta2": 0.8, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-50-b2-60", "lion", {"lr": 1e-3, "beta1": 0.5, "beta2": 0.6, "weight_decay": 0.3}),
+    ("lion-1e-3-b1-90-b2-80", "lion", {"lr": 1e-3, "beta1": 0.9, "beta2": 0.8, "weight_decay": 0.3}),
 ]
 BASELINE = "adamw"
 
@@ -84,24 +96,13 @@ def plot(results: list[dict], path: str, window: int) -> None:
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    learning.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--out", default="runs/quality", help="run directories (one per label) and their logs")
-    p.add_argument("--only", nargs="*", help=f"labels to run or read (of {', '.join(r[0] for r in RUNS)})")
-    p.add_argument("--tail", type=int, default=20, help="steps whose mean loss is the figure compared")
+    learning.add_arguments(p, "runs/quality", [r[0] for r in RUNS], "docs/optimizers-loss.png", 10)
     p.add_argument("--target", type=float, default=0.05, help="largest relative excess over AdamW's loss")
-    p.add_argument("--rerun", action="store_true", help="run again even where a run directory is complete")
-    p.add_argument("--plot", default="docs/optimizers-loss.png", help="'' for no plot")
-    p.add_argument("--smooth", type=int, default=10, help="moving-average window of the plotted curves")
-    p.add_argument("--threads", type=int, default=1,
-                   help="OMP_NUM_THREADS of each run (1: on a shared machine, two threads per run stall each other)")
-    p.add_argument("--json", help="also write every number here")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     chosen = [r for r in RUNS if not args.only or r[0] in args.only or r[0] == BASELINE]
