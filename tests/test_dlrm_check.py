@@ -110,3 +110,11 @@ def test_the_model_draw_keeps_the_decoder_samples_of_a_seed():
         if DLRM not in s:
             assert s == sample_layout(random.Random(f"{SEED}:{i}"), 8)
     assert all(DLRM not in draw_sample(SEED, i, 8, 0.0) for i in range(40))
+
+
+@pytest.mark.slow
+def test_the_check_command_runs_dlrm_ranks_under_torchrun(tmp_path, capsys):
+    code = main(["check", "--preset", "dlrm-tiny", "--steps", "2", "--output-dir", str(tmp_path), *SMALL,
+                 "--parallel.dp=2", "--embedding.sharding=row,column,table"])
+    assert code == 0
+    assert "agree: 2 steps" in capsys.readouterr().out

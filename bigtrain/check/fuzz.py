@@ -9,8 +9,8 @@ with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture
 degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
 update); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
-in backward, the dense part's optimizer, 1 to 4 ranks). int8 activation compression is not drawn: it changes the weight gradients on purpose
-(tests/test_activation_memory.py). Each sample must either be rejected by validation before any rank
+in backward, the dense part's optimizer, 1 to 4 ranks). int8 activation compression is not drawn:
+it changes the weight gradients on purpose (tests/test_activation_memory.py). Each sample must either be rejected by validation before any rank
 starts, with every problem naming a field, or train like the independent reference
 (:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
 a bug.
