@@ -301,14 +301,14 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     if not check_size:
         size, warnings = [], []
     else:
-        size, warnings = size_problems(cfg, local_ranks, cuda) if cfg.model.name != "dlrm" else (_tables_fit(cfg), [])
+        size, warnings = size_problems(cfg, local_ranks, cuda) if cfg.model.name != "dlrm" else (tables_fit_problems(cfg), [])
     problems += size
     if problems:
         raise ConfigError(problems)
     return warnings
 
 
-def _tables_fit(cfg: Config) -> list[str]:
+def tables_fit_problems(cfg: Config) -> list[str]:
     """A DLRM: whether the planner places its tables on parallel.dp ranks within embedding.budget_gb."""
     from bigtrain.recsys.train import layout_for
 

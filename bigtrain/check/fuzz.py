@@ -7,14 +7,17 @@ tied embeddings, grouped and replicated key/value heads, a vocabulary that tp do
 masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding, the asynchronous pipelines 2BW and PipeDream
 with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture of experts with its ep
 degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
-update). int8 activation compression is not drawn: it changes the weight gradients on purpose
-(tests/test_activation_memory.py). Each sample must either be rejected by validation before any rank
+update); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
+column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
+in backward, the dense part's optimizer, 1 to 4 ranks). int8 activation compression is not drawn:
+it changes the weight gradients on purpose (tests/test_activation_memory.py). Each sample must either be rejected by validation before any rank
 starts, with every problem naming a field, or train like the independent reference
 (:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
 a bug.
 
-``python -m bigtrain.check.fuzz N SEED`` (``scripts/fuzz-layouts.sh``) runs N samples.
-New techniques add their keys to :func:`sample_layout` when they land.
+``python -m bigtrain.check.fuzz N SEED [--dlrm-share F]`` (``scripts/fuzz-layouts.sh``) runs N
+samples, a share F of them DLRMs (:func:`draw_sample`). New techniques add their keys to
+:func:`sample_layout` (or :func:`sample_dlrm_layout`) when they land.
 """
 
 from __future__ import annotations
@@ -33,6 +36,53 @@ from bigtrain.validation import validate
 BASE = ["--logging.progress=false", "--logging.report=false", "--checkpoint.save_final=false",
         "--data.max_bytes=400000"]
 FIELD = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
+DLRM = "--model.name=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
+DLRM_SHARE = 0.2
+
+
+def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE) -> list[str]:
+    """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout.
+    The model is drawn from a generator of its own, so a decoder sample is the one
+    :func:`sample_layout` drew for (seed, index) before DLRMs joined, whatever the share."""
+    rng = random.Random(f"{seed}:{index}")
+    if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
+        return sample_dlrm_layout(rng, max_world)
+    return sample_layout(rng, max_world)
+
+
+def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
+    """One DLRM layout as overrides of the dlrm-tiny preset: a few small tables (some row counts or
+    dimensions the ranks do not divide, which validation must reject by name), one sharding or one
+    per table, the sparse and the dense optimizers, sometimes a budget that forces the planner to cut
+    or that nothing meets; now and then a field the DLRM does not support."""
+    dp = rng.choice([d for d in (1, 2, 2, 4, 4) if d <= max_world])
+    rows = [rng.choice([8, 12, 16, 24, 30, 64]) for _ in range(rng.choice([1, 2, 3, 4, 6]))]
+    dim = rng.choice([4, 6, 8, 8, 16])
+    kinds = ["table", "row", "column", "data", "auto"]
+    if len(rows) > 1 and rng.random() < 0.3:
+        count = len(rows) if rng.random() < 0.9 else len(rows) + 1  # a list of the wrong length: rejected
+        sharding = ",".join(rng.choice(kinds) for _ in range(count))
+    else:
+        sharding = rng.choice(kinds)
+    optimizer = rng.choice(["rowwise_adagrad", "rowwise_adagrad", "sgd"])
+    batch = dp * rng.choice([2, 4, 8]) + (1 if dp > 1 and rng.random() < 0.1 else 0)
+    out = [DLRM, f"--parallel.dp={dp}", f"--embedding.tables={','.join(map(str, rows))}", f"--embedding.dim={dim}",
+           f"--embedding.sharding={sharding}", f"--embedding.hotness={rng.choice([1, 2, 3])}",
+           f"--embedding.optimizer={optimizer}", f"--embedding.lr={rng.choice([0.01, 0.05, 0.1])}",
+           f"--train.global_batch={batch}", f"--model.dlrm_dense_features={rng.choice([13, 3])}",
+           f"--model.dlrm_bottom_mlp={rng.choice(['32', '16,8', '8'])}",
+           f"--model.dlrm_top_mlp={rng.choice(['32', '16,8', '4'])}",
+           f"--optim.grad_clip={rng.choice([1.0, 0.5, 0.0])}", f"--optim.warmup_steps={rng.choice([1, 2, 20])}",
+           f"--optim.weight_decay={rng.choice([0.0, 0.01])}"]  # AdamW without decay is Adam
+    out += _optimizer_choice(rng)
+    if rng.random() < (0.4 if sharding == "auto" else 0.1):
+        # A budget of a share of the tables' bytes on one rank: 1.3 / dp fits once cut, 0.5 / dp never.
+        state = 4 if optimizer == "rowwise_adagrad" else 0
+        total = sum(r * (dim * 4 + state) for r in rows)
+        out.append(f"--embedding.budget_gb={total * rng.choice([1.3, 0.5]) / dp / 2**30:.12f}")
+    if rng.random() < 0.1:
+        out.append(rng.choice(["--parallel.tp=2", "--precision.mode=bf16", "--parallel.zero=1"]))
+    return out
 
 
 def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
@@ -158,7 +208,20 @@ class Outcome:
 
 
 def _config(overrides: list[str], cache_dir: str) -> Config:
-    return load_config(preset="tiny", overrides=BASE + [f"--data.cache_dir={cache_dir}"] + overrides)
+    preset = "dlrm-tiny" if DLRM in overrides else "tiny"
+    return load_config(preset=preset, overrides=BASE + [f"--data.cache_dir={cache_dir}"] + overrides)
+
+
+def _validate(cfg: Config) -> None:
+    """What ``bigtrain check`` rejects before any rank starts: validation, and for a DLRM the
+    planner's placement of its tables within embedding.budget_gb (the pre-launch check)."""
+    validate(cfg)
+    if cfg.model.name == "dlrm":
+        from bigtrain.preflight import tables_fit_problems
+
+        problems = tables_fit_problems(cfg)
+        if problems:
+            raise ConfigError(problems)
 
 
 def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: float = 240.0) -> Outcome:
@@ -169,7 +232,7 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
     start = time.perf_counter()
     cfg = _config(overrides, cache_dir)
     try:
-        validate(cfg)
+        _validate(cfg)
     except ConfigError as e:
         unnamed = [p for p in e.problems if not FIELD.search(p)]
         verdict = "bad-rejection" if unnamed else "rejected"
@@ -191,23 +254,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-world", type=int, default=8, help="most ranks a layout may use (default 8)")
     parser.add_argument("--steps", type=int, default=3, help="steps compared per layout (default 3)")
     parser.add_argument("--cache-dir", default="", help="corpus cache (default ~/.cache/bigtrain)")
+    parser.add_argument("--dlrm-share", type=float, default=DLRM_SHARE,
+                        help=f"share of the samples that are DLRMs, 0 to 1 (default {DLRM_SHARE}; 0: decoders only, "
+                             f"as before DLRMs joined)")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # forked ranks must not inherit a busy thread pool
     counts: dict[str, int] = {}
-    bad = []
+    bad, outcomes = [], []
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
-        outcome = run_sample(sample_layout(random.Random(f"{args.seed}:{i}"), args.max_world), args.cache_dir,
-                             args.steps)
+        outcome = run_sample(draw_sample(args.seed, i, args.max_world, args.dlrm_share), args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
+        outcomes.append(outcome)
         print(f"[{i + 1}/{args.count}] {outcome.verdict:9s} {outcome.seconds:5.1f}s {' '.join(outcome.overrides)}",
               flush=True)
         if not outcome.ok:
             bad.append(outcome)
             print("    " + outcome.detail.replace("\n", "\n    "), flush=True)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    dlrm = [o for o in outcomes if DLRM in o.overrides]
+    if dlrm:
+        by_verdict = {v: sum(o.verdict == v for o in dlrm) for v in sorted({o.verdict for o in dlrm})}
+        summary += f" (DLRM: {len(dlrm)}, " + ", ".join(f"{n} {v}" for v, n in by_verdict.items()) + ")"
     print(f"fuzz-layouts: {args.count} layouts, seed {args.seed}: {summary}")
     return 1 if bad else 0
 

@@ -6,6 +6,11 @@ plain ``nn.EmbeddingBag`` weights whose dense gradient autograd computes; the sp
 are written again here on the whole table (rows = the distinct ids of the global batch); the dense
 part uses ``torch.nn.utils.clip_grad_norm_`` and the torch optimizer at the reference schedule
 (:class:`bigtrain.check.reference.ReferenceRun`'s). No all-to-all, no pieces, no engine.
+
+A step returns a :class:`~bigtrain.check.reference.ReferenceStep` like the decoder's reference, so
+``bigtrain check`` compares both models in one loop: the loss, the dense gradients' norm, the dense
+gradients (the tables have none: the trainer updates them in backward), every weight (tables
+whole), and the outputs of the bottom MLP, the pooled lookup and the top MLP over the global batch.
 """
 
 from __future__ import annotations
@@ -15,48 +20,72 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bigtrain.check.reference import ReferenceRun, _optimizer
+from bigtrain.check.reference import ReferenceRun, ReferenceStep, _optimizer
 from bigtrain.config import Config
 from bigtrain.models.dlrm import build_dlrm
-from bigtrain.recsys.tables import parse_sizes
 from bigtrain.recsys.data import sampler_for
+from bigtrain.recsys.tables import parse_sizes
+
+# Whole-batch outputs any table layout can put back together from its ranks' batch slices.
+CAPTURED = ("bottom", "embeddings", "top")
+
+
+def captured_dlrm_module(name: str) -> bool:
+    return name in CAPTURED
 
 
 class DlrmReference:
     learning_rate = ReferenceRun.learning_rate  # reads only self.cfg
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
+        self.cfg, self.device = cfg, torch.device(device)
         self.model = build_dlrm(cfg, "cpu")
-        self.model.init_weights(cfg.train.seed)
+        self.model.init_weights(cfg.train.seed)  # drawn on the CPU whatever the device, as the trainer's
+        self.model.to(self.device)
         dense = [p for n, p in self.model.named_parameters() if not n.startswith("embeddings.")]
         groups = [{"params": [p for p in dense if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                   {"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0}]
         self.optimizer = _optimizer(groups, cfg.optim)
         self.dense = dense
         self.tables = [t.weight for t in self.model.embeddings.tables]
-        self.accumulators = [torch.zeros(w.shape[0]) for w in self.tables]
+        self.accumulators = [torch.zeros(w.shape[0], device=self.device) for w in self.tables]
         self.sampler = sampler_for(cfg, parse_sizes(cfg.embedding.tables))
         self.step = 0
 
-    def train_step(self) -> float:
+    def train_step(self, capture: bool = False) -> ReferenceStep:
         g = self.cfg.train.global_batch
-        dense, ids, labels = self.sampler.batch(self.step, 0, g)
-        logits = self.model(dense, ids)
+        dense, ids, labels = (t.to(self.device) for t in self.sampler.batch(self.step, 0, g))
+        outputs: dict[str, torch.Tensor] = {}
+        handles = [m.register_forward_hook(lambda mod, args, out, name=name: outputs.update({name: out.detach()}))
+                   for name, m in self.model.named_modules() if capture and captured_dlrm_module(name)]
+        try:
+            logits = self.model(dense, ids)
+        finally:
+            for h in handles:
+                h.remove()
         loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="mean")
         loss.backward()
         self._sparse_update(ids)
+        grads = {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()
+                 if p.grad is not None} if capture else {}
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        torch.nn.utils.clip_grad_norm_(self.dense, max_norm)
+        norm = float(torch.nn.utils.clip_grad_norm_(self.dense, max_norm))
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return float(loss.detach())
+        result = ReferenceStep(loss=float(loss.detach()), grad_norm=norm, skipped=False, grads=grads)
+        if capture:
+            result.weights = {n: w.cpu() for n, w in self.weights().items()}
+            result.outputs = {n: outputs[n].float().cpu().clone() for n in CAPTURED}
+        return result
 
     @torch.no_grad()
     def _sparse_update(self, ids: torch.Tensor) -> None:
+        """From the definitions, on whole tables: SGD ``w[r] -= lr g[r]``; row-wise Adagrad
+        ``s[r] += mean_j g[r, j]^2, w[r] -= lr g[r] / (sqrt(s[r]) + eps)``, over the rows the
+        global batch looked up. The tables' gradients are cleared: they never reach the norm."""
         e = self.cfg.embedding
         for t, (weight, acc) in enumerate(zip(self.tables, self.accumulators)):
             rows = torch.unique(ids[:, t])
@@ -74,6 +103,6 @@ class DlrmReference:
 
 def reference_dlrm(cfg: Config, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     run = DlrmReference(cfg)
-    losses = [run.train_step() for _ in range(steps)]
+    losses = [run.train_step().loss for _ in range(steps)]
     assert all(math.isfinite(x) for x in losses)
     return losses, run.weights()

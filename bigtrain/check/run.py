@@ -9,12 +9,20 @@ updated value differs, each with the ranks that hold it and the size of the diff
 
 The layout's outputs, gradients and weights are gathered to the first rank every step: this is a
 tool for small configurations (shrink the model, keep the layout), not for a 7B run.
+
+A DLRM (``model.name = 'dlrm'``) goes through the same loop: its trainer
+(:class:`~bigtrain.recsys.train.DlrmTrainer`) and reference
+(:class:`~bigtrain.check.reference_dlrm.DlrmReference`) answer the same calls, its tables are
+compared whole after every step, its dense gradients before the update (the tables have none:
+their sparse optimizer runs in backward), and its outputs are the bottom MLP's, the pooled lookup's
+and the top MLP's.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -85,11 +93,11 @@ class OutputProbe:
     """Records the outputs of the compared modules on this rank during forward. Recomputation
     inside backward (activation checkpointing) is not a new output: it is skipped."""
 
-    def __init__(self, modules: list[tuple[str, nn.Module]]):
+    def __init__(self, modules: list[tuple[str, nn.Module]], captured: Callable[[str], bool] = captured_module):
         self.outputs: dict[str, list[torch.Tensor]] = {}
         # A fused head (model.fused_loss) returns the loss, not logits: nothing to compare there.
         self.handles = [m.register_forward_hook(lambda mod, args, out, name=name: self._record(name, out))
-                        for name, m in modules if captured_module(name) and not getattr(m, "returns_loss", False)]
+                        for name, m in modules if captured(name) and not getattr(m, "returns_loss", False)]
 
     def _record(self, name: str, out) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -151,26 +159,38 @@ def _owners(shared: list[dict], key: str) -> dict[str, list[int]]:
     return out
 
 
+def _layout_and_reference(cfg: Config, mesh: Mesh, run_dir: str | Path, device: torch.device | str):
+    """(the trainer of ``cfg``'s model on this rank, a factory of its reference on a device, the
+    predicate naming the modules whose outputs are compared)."""
+    if cfg.model.name == "dlrm":
+        from bigtrain.check.reference_dlrm import DlrmReference, captured_dlrm_module
+        from bigtrain.recsys.train import DlrmTrainer
+
+        return DlrmTrainer(cfg, mesh, device), DlrmReference, captured_dlrm_module
+    return Trainer(cfg, Path(run_dir), mesh, device), ReferenceRun, captured_module
+
+
 def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
                  device: torch.device | str = "cpu") -> CheckReport | None:
     """Run ``steps`` steps of ``cfg`` on ``mesh`` (every rank calls this) and compare them with the
     reference on the first rank; returns the report there, None elsewhere."""
-    trainer = Trainer(cfg, Path(run_dir), mesh, device)
+    trainer, reference_of, captured = _layout_and_reference(cfg, mesh, run_dir, device)
     world, is_first = mesh.comm("world"), mesh.rank == 0
     # The reference computes on this rank's device: the same kernels on both sides, so the
     # precision's tolerance measures the layout, not the hardware's arithmetic.
-    reference = ReferenceRun(cfg, trainer.device) if is_first else None
+    reference = reference_of(cfg, trainer.device) if is_first else None
     # Copies of a weight under another name (a tied head on the last pipeline stage), from the
     # placement record of the ranks holding them: compared with the weight they copy.
     copies = world.gather_objects(trainer.parallel.placements.copies())
     aliases = {n: c for held in copies or [] for n, c in held.items()}
-    probe = OutputProbe(_modules(trainer))
+    probe = OutputProbe(_modules(trainer), captured)
     tol = tolerance_for(cfg.precision.mode, cfg.optim.name)
     coords = {axis: mesh.coord(axis) for axis in AXES}
     mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
             "modules": [n for n, _ in _modules(trainer)]}
     report = CheckReport(agree=True, steps=0, tolerance=tol, losses=[]) if is_first else None
-    asynchronous = trainer.parallel.schedule is not None and trainer.parallel.schedule.asynchronous
+    schedule = getattr(trainer.parallel, "schedule", None)  # a DLRM has no pipeline
+    asynchronous = schedule is not None and schedule.asynchronous
     for step in range(steps):
         grads: dict[str, torch.Tensor] = {}
         result = trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads()))

@@ -53,6 +53,16 @@ class ParallelDLRM:
     engine: ReplicatedEngine
     placements: Placements  # every parameter this rank holds, tables included
 
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight by name, tables whole (a collective over the tables' ranks), on the CPU."""
+        tables = gather_tables(self, self.embeddings.layout)
+        return {**self.engine.full_weights(), **{f"embeddings.tables.{t}.weight": w for t, w in tables.items()}}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The dense part's reduced, unclipped gradients by name (between the gradient sync and the
+        step); the tables have none: their sparse optimizer ran in backward."""
+        return self.engine.full_grads()
+
 
 def parallelize_dlrm(model: DLRM, mesh: Mesh, cfg: Config, layout: EmbeddingLayout,
                      device: torch.device | str = "cpu") -> ParallelDLRM:
@@ -98,13 +108,17 @@ class DlrmTrainer:
         """This rank's part of step ``step``'s global batch: (dense, ids, labels) on the device."""
         return self._local(self.sampler, step)
 
-    def train_step(self, batch=None) -> DlrmStep:
-        """One step, on ``batch`` (from :meth:`local_batch_of`) or this step's batch from the sampler."""
+    def train_step(self, batch=None, before_update=None) -> DlrmStep:
+        """One step, on ``batch`` (from :meth:`local_batch_of`) or this step's batch from the sampler;
+        ``before_update`` is called once the dense gradients are reduced, before the dense update
+        (``bigtrain check`` reads them there, as from :meth:`bigtrain.train.Trainer.train_step`)."""
         cfg = self.cfg
         dense, ids, labels = batch if batch is not None else self._local(self.sampler, self.step)
         loss_sum = bce_loss_sum(self.model(dense, ids), labels)
         self.engine.backward(loss_sum / cfg.train.global_batch)  # the tables update in here
         self.engine.finish_grad_sync()
+        if before_update is not None:
+            before_update()
         lr = lr_at(self.step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         norm, skipped = self.engine.step(lr, max_norm)
@@ -187,17 +201,19 @@ class DlrmTrainer:
 
 
 def gather_tables(parallel: ParallelDLRM, layout: EmbeddingLayout) -> dict[int, torch.Tensor]:
-    """Whole tables from their pieces (all-reduce of zero-padded parts, in table order)."""
+    """Whole tables from their pieces (all-reduce of zero-padded parts, in table order), on the CPU.
+    The sum runs on the tables' device: NCCL reduces device tensors only."""
     emb = parallel.embeddings
+    device = next(iter(parallel.dense.parameters())).device  # a rank may hold no table piece
     out = {}
     for t in range(len(layout.rows)):
         if layout.kinds[t] == "data":
-            out[t] = emb.weight(t).detach().clone()
+            out[t] = emb.weight(t).detach().cpu().clone()
             continue
-        full = torch.zeros((layout.rows[t], layout.dim))
+        full = torch.zeros((layout.rows[t], layout.dim), device=device)
         for piece in layout.pieces_of(t):
             if piece.rank == emb.rank:
-                full[piece.rows[0]:piece.rows[1], piece.cols[0]:piece.cols[1]] = emb.weight(t).detach().cpu()
+                full[piece.rows[0]:piece.rows[1], piece.cols[0]:piece.cols[1]] = emb.weight(t).detach()
         emb.comm.all_reduce(full, tag="checkpoint")
-        out[t] = full
+        out[t] = full.cpu()
     return out
