@@ -391,6 +391,15 @@ def check_offload(cfg: Config) -> list[str]:
                         f"the ZeRO engine without a pipeline (pipeline schedules step each stage themselves; "
                         f"PipeDream-2BW is their own one-step delay); set parallel.pp = 1 or "
                         f"offload.delayed_update = false")
+    if o.delayed_update and cfg.parallel.world_size > 1 and cfg.optim.name in optimizer_names() \
+            and get_optimizer(cfg.optim.name).needs == "shapes":
+        # The delayed host step runs on a worker thread beside the next step's collectives; an
+        # optimizer that reduces statistics over the ranks inside its step would interleave its
+        # collectives with them (found by the layout fuzzer: a Gloo size mismatch).
+        problems.append(f"offload.delayed_update = true runs the host optimizer step on a worker thread, but "
+                        f"optim.name = '{cfg.optim.name}' sums its factored statistics over the ranks inside the "
+                        f"step (a collective beside the main thread's); set optim.name = 'adamw' (or 'adamw8bit', "
+                        f"'lion'), or offload.delayed_update = false")
     if o.delayed_update and p.dp_sync != "sync":
         problems.append(f"offload.delayed_update = true with parallel.dp_sync = '{p.dp_sync}': local SGD's "
                         f"averaging would read masters a step ahead of the weights in use; set "

@@ -91,6 +91,9 @@ def test_a_checkpoint_of_an_offloaded_run_resumes_without_offload(corpus_cache, 
     (["--parallel.zero=1", "--offload.delayed_update=true"], r"offload.delayed_update = true.*set offload.optimizer = .cpu."),
     (["--parallel.zero=1", "--parallel.pp=2", "--offload.optimizer=cpu", "--offload.delayed_update=true"],
      r"offload.delayed_update = true with parallel.pp = 2.*set parallel.pp = 1"),
+    # fuzz seed 20261203, sample 110: the factored statistics' all-reduce ran on the worker thread
+    (["--parallel.dp=2", "--parallel.zero=3", "--optim.name=adafactor", "--offload.optimizer=cpu",
+      "--offload.delayed_update=true"], r"optim.name = 'adafactor' sums its factored statistics.*delayed_update = false"),
 ])
 def test_offload_that_cannot_work_is_rejected_before_launch(flags, message):
     with pytest.raises(ConfigError, match=message):
