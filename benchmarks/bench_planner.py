@@ -8,8 +8,8 @@ torchrun, Gloo); measured = the median tokens/s of the logged steps after the fi
 the one-process layouts' included, runs one intra-op thread (``OMP_NUM_THREADS=1``, torchrun's
 default), and the profile is one thread's (``bench --calibrate --threads 1``, the default): one rank
 is one core, as the planner's one accelerator per rank. Predicted = ``bigtrain.plan.evaluate`` on the
-calibrated profile, each rank's compute rate scaled by min(1, cores / ranks) where ranks outnumber
-this machine's cores (stated, not fitted). Reports each ratio, how many are within 25%, and whether the planner's top
+calibrated profile, each rank's rates (GEMM, memory, dispatch) scaled by min(1, cores / ranks) where
+ranks outnumber this machine's cores (stated, not fitted). Reports each ratio, how many are within 25%, and whether the planner's top
 3 equals the measured top 3. The machine is shared: say how loaded it was next to any figure.
 """
 
@@ -69,8 +69,12 @@ def predict(overrides: list[str], hardware) -> float:
     cfg = load_config(preset=PRESET, overrides=BASE + overrides)
     ranks = cfg.parallel.world_size
     shared = min(1.0, (os.cpu_count() or 1) / ranks)
+    # A rank that gets half a core runs everything at half speed: its GEMMs, its memory-bound
+    # kernels and its per-kernel dispatch alike.
     hw = dataclasses.replace(hardware, peak_flops_fp32=hardware.peak_flops_fp32 * shared,
-                             peak_flops_bf16=hardware.peak_flops_bf16 * shared)
+                             peak_flops_bf16=hardware.peak_flops_bf16 * shared,
+                             hbm_bandwidth=hardware.hbm_bandwidth * shared,
+                             op_overhead_s=hardware.op_overhead_s / shared)
     model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
     plan = evaluate(model, _layout(cfg), Cluster.build(ranks, hw), cfg.train.global_batch)
     return plan.tokens_per_s

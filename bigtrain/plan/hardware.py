@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -199,14 +200,15 @@ def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
 
 # -- calibration -------------------------------------------------------------------------------------
 def measure_matmul_flops(size: int, dtype_name: str = "fp32", repeats: int = 3) -> float:
-    """FLOP/s of a ``size``^3 matmul on this machine's CPU/GPU (best of ``repeats``)."""
+    """FLOP/s of a ``size``^3 matmul on this machine's CPU/GPU (the median of ``repeats``: the
+    rate runs sustain on a shared machine, see ``calibrate._median_seconds``)."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    best = math.inf
+    times = []
     for _ in range(repeats + 1):  # the first call warms up kernels and caches
         if device == "cuda":
             torch.cuda.synchronize()
@@ -214,8 +216,8 @@ def measure_matmul_flops(size: int, dtype_name: str = "fp32", repeats: int = 3) 
         torch.mm(a, b)
         if device == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times[1:])
 
 
 def _all_reduce_rank(rank: int, world_size: int, nbytes: int, repeats: int) -> tuple[float, float]:
@@ -287,7 +289,7 @@ def _calibrate(output, matmul_size, bf16_size, comm_ranks, comm_bytes, measure_c
 
     base = base or PRESETS["cpu"]
     values: dict[str, Any] = {"name": "calibrated", "achievable_fraction": 1.0,
-                              "peak_flops_fp32": measure_matmul_flops(matmul_size, "fp32"),
+                              "peak_flops_fp32": measure_matmul_flops(matmul_size, "fp32", repeats=10),
                               "peak_flops_bf16": measure_matmul_flops(bf16_size, "bf16", repeats=1)}
     if torch.cuda.is_available():
         values["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
@@ -299,7 +301,7 @@ def _calibrate(output, matmul_size, bf16_size, comm_ranks, comm_bytes, measure_c
         source.append(f"Gloo all-reduce of {comm_bytes / MIB:.0f} MiB over {comm_ranks} forked ranks")
     from bigtrain.plan.calibrate import fit_gemm_curve, measure_gemms, measure_memory_bandwidth, measure_op_overhead
 
-    points = measure_gemms("fp32")
+    points = measure_gemms("fp32", repeats=10)
     fraction, half_dim = fit_gemm_curve(points, values["peak_flops_fp32"])
     values.update(gemm_fraction=fraction, gemm_half_dim=half_dim, op_overhead_s=measure_op_overhead())
     source.append(f"GEMM curve fitted to {len(points)} fp32 shapes (plan/calibrate.py): gemm_fraction "
