@@ -15,7 +15,7 @@ from bigtrain.recsys.checkpoint import load_dlrm, save_dlrm
 from bigtrain.recsys.train import DlrmTrainer, gather_tables
 from bigtrain.testing import run_ranks
 from tests.helpers import assert_rel_close
-from tests.test_dlrm_parallel import MIX, dlrm_config
+from tests.test_dlrm_parallel import MIX, TABLES, dlrm_config
 
 SAVED_AT, STEPS = 4, 8
 
@@ -105,3 +105,20 @@ def test_fit_saves_every_n_steps_and_resumes_from_a_checkpoint_on_another_shardi
     for t, table in whole["tables"].items():
         assert_rel_close(resumed["tables"][t], table, 1e-5, f"table {t}, resumed column-wise")
     assert abs(resumed["losses"][-1] - whole["losses"][-1]) <= 1e-5 * abs(whole["losses"][-1])
+
+
+def test_a_checkpoint_of_other_tables_or_another_dense_optimizer_is_refused(tmp_path):
+    """Reading fewer rows than were saved would succeed and cut a table short: the run's tables,
+    MLPs and dense optimizer must be the checkpoint's (found by review: a resume with smaller tables
+    loaded the first rows of each)."""
+    from bigtrain.testing import RankFailure
+
+    saving = dlrm_config(2, "table", overrides=("--checkpoint.every=4", "--train.steps=4"))
+    run_ranks(fit_in, 2, saving, str(tmp_path), timeout=300)
+    saved = tmp_path / "checkpoints" / "step_00000004"
+    assert TABLES == "4x64,2x32"
+    for changed, message in (("--embedding.tables=4x32,2x32", r"embedding.tables = .*written with embedding.tables"),
+                             ("--optim.name=lion", r"dense optimizer state is 'adamw'.*resume with optim.name = 'adamw'")):
+        cfg = dlrm_config(2, "table", overrides=(f"--checkpoint.resume={saved}", "--train.steps=8", changed))
+        with pytest.raises(RankFailure, match=f"ResumeError: .*{message}"):
+            run_ranks(fit_in, 2, cfg, str(tmp_path / "again"), timeout=300)

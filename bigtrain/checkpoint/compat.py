@@ -17,10 +17,14 @@ import dataclasses
 from typing import Any
 
 from bigtrain.config import Config, ModelConfig
+from bigtrain.recsys.tables import parse_sizes
 
 # The model's parameter shapes (compared on effective values: ffn_hidden 0 means a computed size).
 SHAPE_FIELDS = ("model.name", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
-                "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings")
+                "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings",
+                # DLRM: its tables (rows each, compared as a list: '2x10' is '10,10') and MLPs
+                "embedding.tables", "embedding.dim", "model.dlrm_dense_features", "model.dlrm_bottom_mlp",
+                "model.dlrm_top_mlp")
 CHANGES = {
     "model.rope_theta": "the positional encoding the weights were trained with",
     "model.norm_eps": "the normalization the weights were trained with",
@@ -51,6 +55,8 @@ def _model(values: dict[str, Any]) -> ModelConfig:
 
 
 def _effective(section: str, name: str, values: dict[str, Any]) -> Any:
+    if section == "embedding" and name == "tables" and isinstance(values.get(name), str):
+        return parse_sizes(values[name])
     if section == "model" and name in ("n_kv_heads", "ffn_hidden"):
         model = _model(values)
         return model.kv_heads if name == "n_kv_heads" else model.ffn_dim

@@ -66,7 +66,7 @@ def _offload_tiers(cfg: Config, cuda: bool) -> tuple[str, str]:
     """(offload.optimizer, offload.params) as far as they take bytes off this machine's device: on
     a CPU device the host is the device, so only the files (``nvme``) do."""
     o = cfg.offload
-    return (o.optimizer if cuda or o.optimizer == "nvme" else "none"), o.params
+    return tuple(tier if cuda or tier == "nvme" else "none" for tier in (o.optimizer, o.params))
 
 
 def _layout(cfg: Config, cuda: bool = False):

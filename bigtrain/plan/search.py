@@ -232,7 +232,8 @@ def explain_offload_fit(result: SearchResult, cluster: Cluster) -> list[str]:
             f"of which {added:.3g} s offload (PCIe {hw.host_bandwidth / 1e9:.3g} GB/s, host memory "
             f"{hw.host_memory_bandwidth / 1e9:.3g} GB/s, NVMe {hw.nvme_bandwidth / 1e9:.3g} GB/s per rank: profile "
             f"assumptions)",
-            f"  run it with: {' '.join(plan.layout.to_overrides()[-3:])}"]
+            f"  run it with: {' '.join(plan.layout.to_overrides())}",
+            "  (the host and NVMe tiers run on CPU devices so far: on a GPU, bigtrain refuses offload at start)"]
 
 
 # -- explanations -------------------------------------------------------------------------------------

@@ -14,11 +14,14 @@ resume: the resumed run draws the batches the uninterrupted one would have drawn
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
 
 from bigtrain import checkpoint as ckpt
+from bigtrain.checkpoint.compat import compare_configs
+from bigtrain.checkpoint.resume import ResumeError
 from bigtrain.checkpoint.sharded import ChunkReader, SavedChunk, save_chunks
 
 STEP = "trainer/step"
@@ -111,14 +114,15 @@ def commit_dlrm(trainer, root: str | Path, keep: int) -> Path:
     tmp = ckpt.temp_dir(root, trainer.step)
     if trainer.rank == 0:
         ckpt.fresh_temp_dir(root, trainer.step)
-    comm.all_reduce(torch.zeros(1), tag="checkpoint")  # DCP's writers must find rank 0's fresh folder
+    # On the tables' device: NCCL takes device tensors only.
+    comm.all_reduce(torch.zeros(1, device=trainer.device), tag="checkpoint")  # DCP's writers need rank 0's folder
     save_dlrm(trainer, tmp)
     final = ckpt.temp_dir(root, trainer.step).with_suffix("")
     if trainer.rank == 0:
         meta = {"format": FORMAT, "config": trainer.cfg.to_dict(), "world_size": trainer.world,
                 "optimizer": trainer.engine.optim_spec.name}
         final = ckpt.commit_checkpoint(root, trainer.step, tmp, meta, keep)
-    comm.all_reduce(torch.zeros(1), tag="checkpoint")  # every rank returns once it is committed
+    comm.all_reduce(torch.zeros(1, device=trainer.device), tag="checkpoint")  # every rank returns once committed
     return final
 
 
@@ -128,8 +132,21 @@ def resume_dlrm(trainer, where: str | Path) -> Path | None:
     found = ckpt.newest_valid_checkpoint(Path(where))
     if found is None:
         return None
-    if found[1].get("format") != FORMAT:
-        raise ValueError(f"{found[0]} is not a DLRM checkpoint (format {found[1].get('format')!r}, "
+    meta = found[1]
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{found[0]} is not a DLRM checkpoint (format {meta.get('format')!r}, "
                          f"expected {FORMAT!r})")
+    # The tables and MLPs the checkpoint holds must be the run's: a read of fewer rows than were
+    # saved would succeed and quietly cut a table short.
+    errors, changes = compare_configs(meta.get("config", {}), trainer.cfg, found[0].name)
+    saved_by = meta.get("optimizer", trainer.engine.optim_spec.name)
+    if saved_by != trainer.engine.optim_spec.name:
+        errors.append(f"the checkpoint's dense optimizer state is {saved_by!r}'s but optim.name = "
+                      f"'{trainer.engine.optim_spec.name}'; resume with optim.name = '{saved_by}'")
+    if errors:
+        raise ResumeError("; ".join(errors))
+    if trainer.rank == 0:
+        for text in changes:
+            warnings.warn(f"resuming from {found[0].name}: {text}", stacklevel=2)
     load_dlrm(trainer, found[0])
     return found[0]
