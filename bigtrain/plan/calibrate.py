@@ -8,6 +8,7 @@ log time over a grid of half dims. ``op_overhead_s`` is the time of a tiny eleme
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -15,6 +16,20 @@ import time
 SHAPES = ((64, 64, 64), (128, 512, 128), (256, 256, 256), (512, 512, 512), (2048, 256, 256),
           (1024, 1024, 1024), (4096, 512, 512))
 HALF_DIMS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None):
+    """torch's intra-op thread count set to ``threads`` for the block (None: left as it is)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _median_seconds(fn, repeats: int) -> float:

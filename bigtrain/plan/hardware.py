@@ -267,49 +267,34 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
     """
     import torch
 
-    if threads is None or torch.cuda.is_available():
-        return _calibrate(output, matmul_size, bf16_size, comm_ranks, comm_bytes, measure_comm, base, split_stage)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        profile = _calibrate(None, matmul_size, bf16_size, comm_ranks, comm_bytes, measure_comm, base, split_stage)
-    finally:
-        torch.set_num_threads(before)
-    profile = dataclasses.replace(profile, source=f"{profile.source}; {threads} intra-op thread(s) per rank")
-    if output is not None:
-        save_profile(profile, output)
-    return profile
-
-
-def _calibrate(output, matmul_size, bf16_size, comm_ranks, comm_bytes, measure_comm, base,
-               split_stage) -> HardwareProfile:
-    import torch
-
+    from bigtrain.plan.calibrate import (fit_gemm_curve, intra_op_threads, measure_gemms, measure_memory_bandwidth,
+                                         measure_op_overhead)
     from bigtrain.plan.weight_grad import measure_backward_split
 
+    cpu = not torch.cuda.is_available()
     base = base or PRESETS["cpu"]
-    values: dict[str, Any] = {"name": "calibrated", "achievable_fraction": 1.0,
-                              "peak_flops_fp32": measure_matmul_flops(matmul_size, "fp32", repeats=10),
-                              "peak_flops_bf16": measure_matmul_flops(bf16_size, "bf16", repeats=1)}
-    if torch.cuda.is_available():
-        values["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
     source = [f"bigtrain bench --calibrate on {time.strftime('%Y-%m-%d')}: matmul {matmul_size}^3 fp32, "
-              f"{bf16_size}^3 bf16"]
-    if measure_comm and comm_ranks > 1:
-        bandwidth, latency = measure_all_reduce(comm_ranks, comm_bytes)
-        values.update(intra_node_bandwidth=bandwidth, intra_node_latency_s=latency)
-        source.append(f"Gloo all-reduce of {comm_bytes / MIB:.0f} MiB over {comm_ranks} forked ranks")
-    from bigtrain.plan.calibrate import fit_gemm_curve, measure_gemms, measure_memory_bandwidth, measure_op_overhead
-
-    points = measure_gemms("fp32", repeats=10)
-    fraction, half_dim = fit_gemm_curve(points, values["peak_flops_fp32"])
-    values.update(gemm_fraction=fraction, gemm_half_dim=half_dim, op_overhead_s=measure_op_overhead())
-    source.append(f"GEMM curve fitted to {len(points)} fp32 shapes (plan/calibrate.py): gemm_fraction "
-                  f"{fraction:.2f}, gemm_half_dim {half_dim:g}; op overhead {values['op_overhead_s'] * 1e6:.1f} us")
-    if not torch.cuda.is_available():  # a GPU's HBM rate is the preset's published figure
-        values["hbm_bandwidth"] = measure_memory_bandwidth()
-        source.append(f"element-wise memory bandwidth {values['hbm_bandwidth'] / 1e9:.1f} GB/s (32 MiB fp32 tensors)")
-    split = measure_backward_split(**(split_stage or {}))
+              f"{bf16_size}^3 bf16" + (f", {threads} intra-op thread(s) per rank" if cpu and threads else "")]
+    with intra_op_threads(threads if cpu else None):
+        values: dict[str, Any] = {"name": "calibrated", "achievable_fraction": 1.0,
+                                  "peak_flops_fp32": measure_matmul_flops(matmul_size, "fp32", repeats=10),
+                                  "peak_flops_bf16": measure_matmul_flops(bf16_size, "bf16", repeats=1)}
+        if not cpu:
+            values["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        if measure_comm and comm_ranks > 1:
+            bandwidth, latency = measure_all_reduce(comm_ranks, comm_bytes)
+            values.update(intra_node_bandwidth=bandwidth, intra_node_latency_s=latency)
+            source.append(f"Gloo all-reduce of {comm_bytes / MIB:.0f} MiB over {comm_ranks} forked ranks")
+        points = measure_gemms("fp32", repeats=10)
+        fraction, half_dim = fit_gemm_curve(points, values["peak_flops_fp32"])
+        values.update(gemm_fraction=fraction, gemm_half_dim=half_dim, op_overhead_s=measure_op_overhead())
+        source.append(f"GEMM curve fitted to {len(points)} fp32 shapes (plan/calibrate.py): gemm_fraction "
+                      f"{fraction:.2f}, gemm_half_dim {half_dim:g}; op overhead {values['op_overhead_s'] * 1e6:.1f} us")
+        if cpu:  # a GPU's HBM rate is the preset's published figure
+            values["hbm_bandwidth"] = measure_memory_bandwidth()
+            source.append(f"element-wise memory bandwidth {values['hbm_bandwidth'] / 1e9:.1f} GB/s "
+                          f"(32 MiB fp32 tensors)")
+        split = measure_backward_split(**(split_stage or {}))
     values["weight_grad_fraction"] = split.weight_grad_fraction
     source.append(f"split backward: {split.describe()}")
     values["source"] = "; ".join(source)
