@@ -125,3 +125,34 @@ def test_in_bf16_the_gradient_norm_decides_and_the_bisection_still_names_the_uni
     assert report.first("grad_norm") is not None  # what decides in bf16
     wrong = [f.name for f in report.findings if f.kind == "gradient"]
     assert wrong and all(name.startswith("layers.1.") for name in wrong), report.text()
+
+
+def test_a_lion_element_whose_sign_ties_passes_and_a_wrong_update_does_not(corpus_cache):
+    """Lion moves each element by +-lr: an element whose interpolated momentum is a rounding error
+    from 0 flips between two exact runs (fuzz seed 20261131 sample 9: one element of 12,288). Its
+    tensor bound admits a few such elements; a wrong update (every sign, or a tenth of them) fails."""
+    from bigtrain.check.compare import tolerance_for
+    from bigtrain.check.fuzz import run_sample
+
+    bound = tolerance_for("fp32", "lion")
+    assert (bound.loss, bound.grad_norm) == (1e-5, 1e-5)  # the loss still catches a wrong earlier step
+    torch.manual_seed(0)
+    weight, lr = torch.randn(12_288) * 0.02, 3e-4
+    update = lr * torch.sign(torch.randn(12_288))
+    one_flip, tenth, all_flipped = update.clone(), update.clone(), -update
+    one_flip[129] *= -1
+    tenth[::10] *= -1
+    assert relative_error(weight + one_flip, weight + update) < bound.tensor
+    for wrong in (tenth, all_flipped):
+        assert relative_error(weight + wrong, weight + update) > bound.tensor
+    sample = ["--parallel.dp=1", "--parallel.tp=1", "--parallel.pp=1", "--parallel.sp=1", "--parallel.zero=1",
+              "--model.n_layers=2", "--train.micro_batch=2", "--train.global_batch=2", "--model.n_kv_heads=1",
+              "--model.vocab_size=260", "--model.tie_embeddings=True", "--data.ignore_target=-1",
+              "--precision.mode=fp32", "--optim.grad_clip=1.0", "--memory.checkpointing=full",
+              "--model.fused_loss=true",
+              "--model.fused_loss_chunk=1024", "--optim.name=lion", "--optim.lr=3e-4", "--optim.beta2=0.99",
+              "--model.moe_experts=8", "--model.moe_top_k=2", "--parallel.ep=1", "--model.moe_every=2",
+              "--model.moe_capacity_factor=0.0", "--model.moe_router=softmax", "--model.moe_aux_loss_coef=0.01",
+              "--model.moe_ffn_hidden=0", "--model.moe_shared_expert=True", "--parallel.moe_grouped_mm=False"]
+    outcome = run_sample(sample, corpus_cache, steps=3)
+    assert outcome.verdict == "agree", outcome.detail

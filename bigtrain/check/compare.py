@@ -57,11 +57,16 @@ TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4), "bf16": _LOW_PRECISION, "fp16
 # each layout and the one-process run alike). Bit-for-bit state equality is proved where the
 # gradients are equal (tests/test_optimizer_layouts.py); the loss and gradient norm keep the fp32 bounds.
 _QUANTIZED_STATE = Tolerance(1e-5, 1e-5, 5e-3)
+# Lion's update is lr x sign(c) per element: an element whose c is a rounding error from 0 moves by
+# +lr in one run and -lr in the other (found by the layout fuzzer, seed 20261131 sample 9: one
+# element of 12,288 at step 2, 3.3e-4 relative on its tensor, gradients equal within 4e-7). The same
+# bounds as the quantized state's: a few such elements pass, a wrong update does not.
+_DISCONTINUOUS_UPDATE = {"adamw8bit": _QUANTIZED_STATE, "lion": _QUANTIZED_STATE}
 
 
 def tolerance_for(precision: str, optimizer: str) -> Tolerance:
-    if precision == "fp32" and optimizer == "adamw8bit":
-        return _QUANTIZED_STATE
+    if precision == "fp32" and optimizer in _DISCONTINUOUS_UPDATE:
+        return _DISCONTINUOUS_UPDATE[optimizer]
     return TOLERANCES[precision]
 
 
