@@ -47,6 +47,7 @@ def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
     """||actual - expected|| <= rtol ||expected||: relative error of the whole tensor, so an element
     that Adam moved to within 1e-7 of zero does not make the comparison meaningless."""
+    actual, expected = actual.detach(), expected.detach()  # outputs of a module under test carry autograd
     err = float(torch.linalg.vector_norm((actual - expected).double()))
     scale = float(torch.linalg.vector_norm(expected.double()))
     assert err <= rtol * scale, f"{what}: relative error {err / max(scale, 1e-30):.3e} > {rtol:.0e}"
