@@ -391,7 +391,7 @@ def check_offload(cfg: Config) -> list[str]:
                         f"the ZeRO engine without a pipeline (pipeline schedules step each stage themselves; "
                         f"PipeDream-2BW is their own one-step delay); set parallel.pp = 1 or "
                         f"offload.delayed_update = false")
-    if o.delayed_update and cfg.parallel.world_size > 1 and cfg.optim.name in optimizer_names() \
+    if o.delayed_update and p.world_size > 1 and cfg.optim.name in optimizer_names() \
             and get_optimizer(cfg.optim.name).needs == "shapes":
         # The delayed host step runs on a worker thread beside the next step's collectives; an
         # optimizer that reduces statistics over the ranks inside its step would interleave its

@@ -118,7 +118,7 @@ def test_a_checkpoint_of_other_tables_or_another_dense_optimizer_is_refused(tmp_
     saved = tmp_path / "checkpoints" / "step_00000004"
     assert TABLES == "4x64,2x32"
     for changed, message in (("--embedding.tables=4x32,2x32", r"embedding.tables = .*written with embedding.tables"),
-                             ("--optim.name=lion", r"dense optimizer state is 'adamw'.*resume with optim.name = 'adamw'")):
+                             ("--optim.name=lion", r"optimizer state is 'adamw'.*resume with optim.name = 'adamw'")):
         cfg = dlrm_config(2, "table", overrides=(f"--checkpoint.resume={saved}", "--train.steps=8", changed))
         with pytest.raises(RankFailure, match=f"ResumeError: .*{message}"):
             run_ranks(fit_in, 2, cfg, str(tmp_path / "again"), timeout=300)

@@ -107,13 +107,20 @@ def _check_serves(trainer, path: Path, meta: dict[str, Any]) -> None:
     if meta.get("format") != ckpt.FORMAT:
         raise ResumeError(f"{path} is an old-format checkpoint ({meta.get('format', 'full tensors in model.pt')}); "
                          f"this version loads sharded '{ckpt.FORMAT}' checkpoints only: start the run afresh")
-    saved_by, name = meta.get("optimizer"), trainer.engine.optim_spec.name
-    if saved_by != name:
-        raise ResumeError(f"the checkpoint's optimizer state is {saved_by!r}'s but optim.name = '{name}'; "
+    check_same_model(trainer.cfg, trainer.engine.optim_spec.name, path, meta, warn=trainer.is_main)
+
+
+def check_same_model(cfg, optimizer: str, path: Path, meta: dict[str, Any], warn: bool) -> None:
+    """The checkpoint's optimizer and model (the fields that give parameters their shapes: a read
+    of fewer rows than were saved would succeed and cut a tensor short) must be the run's, an
+    error; data and schedule changes warn where ``warn``. Shared by the decoder and DLRM resumes."""
+    saved_by = meta.get("optimizer")
+    if saved_by != optimizer:
+        raise ResumeError(f"the checkpoint's optimizer state is {saved_by!r}'s but optim.name = '{optimizer}'; "
                          f"resume with optim.name = '{saved_by}'")
-    errors, changes = compare_configs(meta.get("config", {}), trainer.cfg, path.name)
+    errors, changes = compare_configs(meta.get("config", {}), cfg, path.name)
     if errors:
         raise ResumeError("; ".join(errors))
-    if trainer.is_main:
+    if warn:
         for text in changes:
-            warnings.warn(f"resuming from {path.name}: {text}", stacklevel=3)
+            warnings.warn(f"resuming from {path.name}: {text}", stacklevel=4)

@@ -14,14 +14,12 @@ resume: the resumed run draws the batches the uninterrupted one would have drawn
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 
 from bigtrain import checkpoint as ckpt
-from bigtrain.checkpoint.compat import compare_configs
-from bigtrain.checkpoint.resume import ResumeError
+from bigtrain.checkpoint.resume import check_same_model
 from bigtrain.checkpoint.sharded import ChunkReader, SavedChunk, save_chunks
 
 STEP = "trainer/step"
@@ -136,17 +134,6 @@ def resume_dlrm(trainer, where: str | Path) -> Path | None:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{found[0]} is not a DLRM checkpoint (format {meta.get('format')!r}, "
                          f"expected {FORMAT!r})")
-    # The tables and MLPs the checkpoint holds must be the run's: a read of fewer rows than were
-    # saved would succeed and quietly cut a table short.
-    errors, changes = compare_configs(meta.get("config", {}), trainer.cfg, found[0].name)
-    saved_by = meta.get("optimizer", trainer.engine.optim_spec.name)
-    if saved_by != trainer.engine.optim_spec.name:
-        errors.append(f"the checkpoint's dense optimizer state is {saved_by!r}'s but optim.name = "
-                      f"'{trainer.engine.optim_spec.name}'; resume with optim.name = '{saved_by}'")
-    if errors:
-        raise ResumeError("; ".join(errors))
-    if trainer.rank == 0:
-        for text in changes:
-            warnings.warn(f"resuming from {found[0].name}: {text}", stacklevel=2)
+    check_same_model(trainer.cfg, trainer.engine.optim_spec.name, found[0], meta, warn=trainer.rank == 0)
     load_dlrm(trainer, found[0])
     return found[0]
