@@ -8,9 +8,12 @@ torchrun, Gloo); measured = the median tokens/s of the logged steps after the fi
 the one-process layouts' included, runs one intra-op thread (``OMP_NUM_THREADS=1``, torchrun's
 default), and the profile is one thread's (``bench --calibrate --threads 1``, the default): one rank
 is one core, as the planner's one accelerator per rank. Predicted = ``bigtrain.plan.evaluate`` on the
-calibrated profile, each rank's rates (GEMM, memory, dispatch) scaled by min(1, cores / ranks) where
-ranks outnumber this machine's cores (stated, not fitted). Reports each ratio, how many are within 25%, and whether the planner's top
-3 equals the measured top 3. The machine is shared: say how loaded it was next to any figure.
+calibrated profile, each rank's rates (GEMM, memory, dispatch) scaled by its share when the layout's
+ranks run at once: measured here first (``calibrate.measure_shared_rate``: that many one-thread
+GEMM loops at once, the slowest against one alone), or with ``--shared cores`` min(1, cores / ranks).
+``--rounds N`` measures every layout N times in turn and takes the median. Reports each ratio, how
+many are within 25%, and whether the planner's top 3 equals the measured top 3. The machine is
+shared: say how loaded it was next to any figure.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bigtrain.config import load_config  # noqa: E402
+from bigtrain.plan.calibrate import measure_shared_rate  # noqa: E402
 from bigtrain.plan.fit import _layout  # noqa: E402
 from bigtrain.plan.hardware import get_profile, load_profile  # noqa: E402
 from bigtrain.plan.layout import Cluster  # noqa: E402
@@ -65,10 +69,14 @@ def measure(overrides: list[str], steps: int) -> float:
     return statistics.median(rates)
 
 
-def predict(overrides: list[str], hardware) -> float:
+def world_size(overrides: list[str]) -> int:
+    return load_config(preset=PRESET, overrides=BASE + overrides).parallel.world_size
+
+
+def predict(overrides: list[str], hardware, shared_rates: dict[int, float] | None = None) -> float:
     cfg = load_config(preset=PRESET, overrides=BASE + overrides)
     ranks = cfg.parallel.world_size
-    shared = min(1.0, (os.cpu_count() or 1) / ranks)
+    shared = (shared_rates or {}).get(ranks, min(1.0, (os.cpu_count() or 1) / ranks))
     # A rank that gets half a core runs everything at half speed: its GEMMs, its memory-bound
     # kernels and its per-kernel dispatch alike.
     hw = dataclasses.replace(hardware, peak_flops_fp32=hardware.peak_flops_fp32 * shared,
@@ -87,22 +95,38 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json")
     parser.add_argument("--preset", default="tiny", help="tiny (default) or small")
+    parser.add_argument("--shared", choices=("measured", "cores"), default="measured",
+                        help="each rank's share of its rates when several run at once: measured here "
+                             "(calibrate.measure_shared_rate), or min(1, cores / ranks)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every layout this many times, in turn, and take the median")
     args = parser.parse_args()
     PRESET = args.preset
     hardware = load_profile(args.hardware_file) if args.hardware_file else get_profile("cpu")
     load = os.getloadavg()[0]
+    shared_rates = None
+    if args.shared == "measured":
+        shared_rates = {r: measure_shared_rate(r) for r in sorted({world_size(o) for o in LAYOUTS.values()})}
+        print("one rank's share of its lone rate, by ranks running at once:",
+              ", ".join(f"{r}: {v:.2f}" for r, v in shared_rates.items()), flush=True)
+    measured = {name: [] for name in LAYOUTS}
+    for _ in range(args.rounds):  # in turn, so a slow minute of the machine hits every layout alike
+        for name, overrides in LAYOUTS.items():
+            measured[name].append(measure(overrides, args.steps))
     rows = []
     for name, overrides in LAYOUTS.items():
-        predicted, measured = predict(overrides, hardware), measure(overrides, args.steps)
-        rows.append({"layout": name, "predicted": predicted, "measured": measured, "ratio": predicted / measured})
-        print(f"{name:16s} predicted {predicted:9,.0f}  measured {measured:9,.0f} tokens/s  ratio {predicted / measured:.2f}",
-              flush=True)
+        predicted, median = predict(overrides, hardware, shared_rates), statistics.median(measured[name])
+        rows.append({"layout": name, "predicted": predicted, "measured": median, "rounds": measured[name],
+                     "ratio": predicted / median})
+        print(f"{name:16s} predicted {predicted:9,.0f}  measured {median:9,.0f} tokens/s  ratio {predicted / median:.2f}"
+              f"  (rounds: {', '.join(f'{v:,.0f}' for v in measured[name])})", flush=True)
     within = sum(abs(r["ratio"] - 1) <= 0.25 for r in rows)
     top = lambda key: [r["layout"] for r in sorted(rows, key=lambda r: -r[key])[:3]]  # noqa: E731
     print(f"\n{within} of {len(rows)} within 25%; top 3 predicted {top('predicted')}, measured {top('measured')}: "
           f"{'same' if top('predicted') == top('measured') else 'different'}; load {load:.1f} -> {os.getloadavg()[0]:.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "within_25": within, "load": load}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "within_25": within, "load": load,
+                                               "shared_rates": shared_rates}, indent=1))
     return 0
 
 

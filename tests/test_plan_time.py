@@ -53,3 +53,37 @@ def test_published_runs_with_their_layout_fit_and_land_within_15_percent():
         assert row["fits"], run.name
         if run.metric != "tokens_per_gpu_s":
             assert abs(row["ratio"] - 1) <= 0.15, (run.name, row["ratio"])
+
+
+def test_reduce_scatter_and_all_gather_run_at_their_own_measured_bandwidth():
+    from bigtrain.plan.cost import Link
+
+    nccl, gloo = Link(1e9, 0.0), Link(1e9, 0.0, reduce_scatter_efficiency=0.25, all_gather_efficiency=0.5)
+    size = 8e6
+    assert nccl.collective("reduce_scatter", size, 2) == pytest.approx(0.5 * size / 1e9)
+    assert gloo.collective("reduce_scatter", size, 2) == pytest.approx(4 * nccl.collective("reduce_scatter", size, 2))
+    assert gloo.collective("all_gather", size, 2) == pytest.approx(2 * nccl.collective("all_gather", size, 2))
+    assert gloo.collective("all_reduce", size, 2) == nccl.collective("all_reduce", size, 2)
+
+
+def test_comm_overlap_decides_how_much_of_the_gradient_reduction_is_exposed():
+    from bigtrain.plan.cost import Link, data_parallel_costs, stage_costs
+    from bigtrain.plan.layout import Cluster
+
+    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=1024)
+    layout = Layout(dp=2, micro_batch=1)
+    hidden_away, exposed = (Cluster.build(2, dataclasses.replace(A100, comm_overlap=o)) for o in (1.0, 0.0))
+    full = Link(A100.intra_node_bandwidth, A100.intra_node_latency_s).collective(
+        "all_reduce", model.params * 2, 2)
+    costs = [data_parallel_costs(model, layout, c, stage_costs(model, layout, c), 1)["dp_grad_sync"]
+             for c in (hidden_away, exposed)]
+    assert costs[0] < costs[1] == pytest.approx(full)
+
+
+def test_profile_fields_of_the_collectives_are_checked():
+    from bigtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="reduce_scatter_efficiency = 0.0 must be in"):
+        A100.with_values(reduce_scatter_efficiency=0)
+    with pytest.raises(ConfigError, match="comm_overlap = 1.5 must be in"):
+        A100.with_values(comm_overlap=1.5)

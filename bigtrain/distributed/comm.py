@@ -172,9 +172,10 @@ class CommStats:
         self.calls.clear()
 
 
-# torch 2.13 deprecates the *_tensor names in favour of *_single; older releases have only the former.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 deprecates the *_tensor names in favour of *_single; older releases have only the former
+# (the calibration calls these too, outside a Comm).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -266,7 +267,7 @@ class AxisComm:
             output.copy_(shard.view_as(output))
             return None
         return self._run("all_gather", _nbytes(output), tag, async_op,
-                         lambda: _all_gather_single(output, shard, group=self.group, async_op=async_op))
+                         lambda: all_gather_single(output, shard, group=self.group, async_op=async_op))
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, op=dist.ReduceOp.SUM,
                        async_op: bool = False, tag: str | None = None):
@@ -275,7 +276,7 @@ class AxisComm:
             shard.copy_(full.view_as(shard))
             return None
         return self._run("reduce_scatter", _nbytes(full), tag, async_op,
-                         lambda: _reduce_scatter_single(shard, full, op=op, group=self.group, async_op=async_op))
+                         lambda: reduce_scatter_single(shard, full, op=op, group=self.group, async_op=async_op))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str | None = None,
                    output_splits: list[int] | None = None, input_splits: list[int] | None = None):

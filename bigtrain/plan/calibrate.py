@@ -89,3 +89,51 @@ def fit_gemm_curve(points: list[tuple[int, int, int, float]], peak: float) -> tu
         if error < best[0]:
             best = (error, math.exp(log_f), d)
     return min(1.0, best[1]), float(best[2])
+
+
+def _gemm_mix_rate(seconds: float, start=None, results=None) -> float:
+    """FLOP/s one thread sustains over ``seconds`` on a mix of small and large fp32 GEMMs (from
+    ``SHAPES``), starting when ``start`` (a multiprocessing Event) is set."""
+    import torch
+
+    torch.set_num_threads(1)  # a forked child must not use the parent's thread pool
+    pairs = [(torch.randn(m, k), torch.randn(k, n)) for m, n, k in SHAPES[1:]]
+    for a, b in pairs:
+        torch.mm(a, b)
+    if start is not None:
+        start.wait()
+    flops, began = 0, time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        for a, b in pairs:
+            torch.mm(a, b)
+            flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    rate = flops / (time.perf_counter() - began)
+    if results is not None:
+        results.put(rate)
+    return rate
+
+
+def measure_shared_rate(ranks: int, seconds: float = 2.0) -> float:
+    """What one rank's compute rate becomes when ``ranks`` one-thread ranks run at once on this
+    machine, as a share of a lone process's: about 1 while each rank has its own core (less where
+    they share caches and memory bandwidth), and less than cores / ranks beyond, where the
+    scheduler's time slices and cold caches cost besides (0.3-0.4 measured at 4 ranks on 2 cores
+    under load, against the 0.5 of the cores alone). The slowest rank's rate counts: the step waits
+    for it."""
+    import multiprocessing
+
+    with intra_op_threads(1):
+        alone = _gemm_mix_rate(seconds)
+    if ranks <= 1:
+        return 1.0
+    context = multiprocessing.get_context("fork")
+    start, results = context.Event(), context.Queue()
+    workers = [context.Process(target=_gemm_mix_rate, args=(seconds, start, results)) for _ in range(ranks)]
+    for worker in workers:
+        worker.start()
+    time.sleep(0.2)  # every worker has built its matrices
+    start.set()
+    rates = [results.get(timeout=60 + 10 * seconds) for _ in workers]
+    for worker in workers:
+        worker.join()
+    return min(1.0, min(rates) / alone)

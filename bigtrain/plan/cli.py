@@ -154,7 +154,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="measure this machine (--calibrate writes a hardware profile)")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure matmul rate, all-reduce bandwidth and the split backward's weight_grad_fraction")
+                   help="measure matmul rate, the collectives (bandwidth, latency, overlap) and the split "
+                        "backward's weight_grad_fraction")
     p.add_argument("--split-backward", action="store_true",
                    help="time F, B, I and W of zb-h1's split backward on a middle pipeline stage")
     p.add_argument("--output", default="hardware.json", help="where to write the profile (default hardware.json)")
@@ -184,8 +185,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     profile = calibrate(args.output, matmul_size=args.matmul_size, comm_ranks=args.ranks,
                         measure_comm=args.ranks > 1, split_stage=split_stage, threads=args.threads or None)
     print(f"matmul fp32 {profile.peak_flops_fp32 / 1e9:,.1f} GFLOP/s, bf16 {profile.peak_flops_bf16 / 1e9:,.1f} "
-          f"GFLOP/s; all-reduce {profile.intra_node_bandwidth / 1e9:.2f} GB/s, latency "
-          f"{profile.intra_node_latency_s * 1e3:.2f} ms; memory {profile.hbm_bandwidth / 1e9:.1f} GB/s; "
+          f"GFLOP/s; all-reduce {profile.intra_node_bandwidth / 1e9:.2f} GB/s (reduce-scatter "
+          f"x{profile.reduce_scatter_efficiency:.2f}, all-gather x{profile.all_gather_efficiency:.2f}), latency "
+          f"{profile.intra_node_latency_s * 1e3:.2f} ms, overlap {profile.comm_overlap:.2f}; memory {profile.hbm_bandwidth / 1e9:.1f} GB/s; "
           f"weight_grad_fraction {profile.weight_grad_fraction:.3f}; "
           f"wrote {args.output} (use: bigtrain plan --hardware-file {args.output})")
     return 0

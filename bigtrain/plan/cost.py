@@ -19,8 +19,8 @@ Conventions (docs/planner.md has the derivations):
 * Exposed vs overlapped: tensor-parallel and Ulysses collectives sit on the critical path of
   every layer (exposed, as in Megatron without communication overlap). Pipeline transfers are
   the simulator's transfer cost. Gradient reduction (stage 0-1: once per step on the last
-  micro-batch; stage 2-3: every micro-batch) hides behind ``OVERLAP`` of the backward it runs
-  under, except the last unit's collective; ZeRO-3's gathers hide behind the forward/backward
+  micro-batch; stage 2-3: every micro-batch) hides behind the profile's ``comm_overlap`` of the
+  backward it runs under, except the last unit's collective; ZeRO-3's gathers hide behind the forward/backward
   the same way. Stage 1-2's all-gather of updated weights after the step is exposed (the runtime
   does it synchronously), and so is the memory-bound AdamW step.
 * Offload (``offload_costs``): PCIe transfers, the host optimizer step and NVMe reads and writes at
@@ -45,7 +45,9 @@ from bigtrain.plan.memory import checked_pp_ranks, chunk_activation_bytes, rank_
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel
 
-OVERLAP = 0.9  # share of a compute window that can hide a collective launched during it (assumption)
+# Share of a compute window that hides a host transfer or the host step launched during it
+# (assumption; collectives use the profile's measured ``comm_overlap`` instead).
+OVERLAP = 0.9
 OPTIMIZER_BYTES_PER_PARAM = {"mixed": 32, "fp32": 28}  # read+write master, moments, grad, weight
 
 
@@ -89,21 +91,26 @@ def axis_crosses_nodes(layout: Layout, axes: tuple[str, ...], gpus_per_node: int
 
 @dataclass(frozen=True)
 class Link:
-    bandwidth: float
+    bandwidth: float  # all-reduce bus bandwidth
     latency: float
+    reduce_scatter_efficiency: float = 1.0  # the op's bus bandwidth as a share of all-reduce's
+    all_gather_efficiency: float = 1.0
 
     def collective(self, op: str, nbytes: float, n: int) -> float:
         if n <= 1 or nbytes <= 0:
             return 0.0
         fraction = {"all_reduce": 2 * (n - 1) / n, "p2p": 1.0}.get(op, (n - 1) / n)
-        return self.latency * (1 + math.log2(n)) + fraction * nbytes / self.bandwidth
+        efficiency = {"reduce_scatter": self.reduce_scatter_efficiency,
+                      "all_gather": self.all_gather_efficiency}.get(op, 1.0)
+        return self.latency * (1 + math.log2(n)) + fraction * nbytes / (self.bandwidth * efficiency)
 
 
 def link_of(cluster: Cluster, layout: Layout, axes: tuple[str, ...]) -> Link:
     hw = cluster.hardware
+    ops = dict(reduce_scatter_efficiency=hw.reduce_scatter_efficiency, all_gather_efficiency=hw.all_gather_efficiency)
     if axis_crosses_nodes(layout, axes, cluster.gpus_per_node):
-        return Link(hw.inter_node_bandwidth, hw.inter_node_latency_s)
-    return Link(hw.intra_node_bandwidth, hw.intra_node_latency_s)
+        return Link(hw.inter_node_bandwidth, hw.inter_node_latency_s, **ops)
+    return Link(hw.intra_node_bandwidth, hw.intra_node_latency_s, **ops)
 
 
 # -- per micro-batch stage costs -------------------------------------------------------------------------
@@ -230,8 +237,9 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
     group = replicas(layout)  # the dense weights' gradient group (dp x sp), as the placement record says
     link = link_of(cluster, layout, ("sp", "dp") if layout.sp > 1 else ("dp",))
     grads, unit = params * nbytes, largest * nbytes
-    window_f = OVERLAP * (costs.compute_f + costs.comm_f)
-    window_b = OVERLAP * (costs.compute_b + costs.comm_b)
+    overlap = cluster.hardware.comm_overlap
+    window_f = overlap * (costs.compute_f + costs.comm_f)
+    window_b = overlap * (costs.compute_b + costs.comm_b)
     out = {"dp_grad_sync": 0.0, "zero_param_gather": 0.0}
     if layout.zero == 0:
         out["dp_grad_sync"] = max(link.collective("all_reduce", unit, group),

@@ -69,6 +69,12 @@ class HardwareProfile:
     memory_fraction: float = 0.8  # share of hbm_bandwidth element-wise kernels reach (STREAM-like)
     op_overhead_s: float = 0.0  # dispatch cost per kernel (0 on GPUs: asynchronous launches)
     attention_kernel: str = "flash"  # or "unfused" (softmax over the materialized s x s scores)
+    # Collectives (plan/calibrate_comm.py measures them): reduce-scatter's and all-gather's bus
+    # bandwidth as a share of all-reduce's (NCCL runs all three at one rate: 1), and the share of a
+    # compute window an asynchronous collective hides behind (GPUs: assumption; a CPU measures it).
+    reduce_scatter_efficiency: float = 1.0
+    all_gather_efficiency: float = 1.0
+    comm_overlap: float = 0.9
     source: str = ""
 
     def peak_flops(self, precision: str) -> float:
@@ -155,6 +161,11 @@ def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
         problems.append(f"{origin}: attention_kernel = {out['attention_kernel']!r} must be 'flash' or 'unfused'")
     if "weight_grad_fraction" in out and not 0 < out["weight_grad_fraction"] < 1:
         problems.append(f"{origin}: weight_grad_fraction = {out['weight_grad_fraction']} must be in (0, 1)")
+    for key in ("reduce_scatter_efficiency", "all_gather_efficiency"):
+        if key in out and not 0 < out[key] <= 1:
+            problems.append(f"{origin}: {key} = {out[key]} must be in (0, 1]")
+    if "comm_overlap" in out and not 0 <= out["comm_overlap"] <= 1:
+        problems.append(f"{origin}: comm_overlap = {out['comm_overlap']} must be in [0, 1]")
     if problems:
         raise ConfigError(problems)
     return out
@@ -220,34 +231,6 @@ def measure_matmul_flops(size: int, dtype_name: str = "fp32", repeats: int = 3) 
     return 2 * size**3 / statistics.median(times[1:])
 
 
-def _all_reduce_rank(rank: int, world_size: int, nbytes: int, repeats: int) -> tuple[float, float]:
-    import torch
-    import torch.distributed as dist
-
-    payload = torch.ones(max(1, nbytes // 4))
-    tiny = torch.ones(1)
-    dist.all_reduce(payload)  # warm-up: connections and buffers
-    timings = {}
-    for name, tensor in (("big", payload), ("tiny", tiny)):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(tensor)
-        timings[name] = (time.perf_counter() - start) / repeats
-    return timings["big"], timings["tiny"]
-
-
-def measure_all_reduce(ranks: int = 2, nbytes: int = 16 * MIB, repeats: int = 3) -> tuple[float, float]:
-    """(bus bandwidth in bytes/s, latency in s) of a Gloo all-reduce over forked local ranks."""
-    from bigtrain.testing import run_ranks
-
-    results = run_ranks(_all_reduce_rank, ranks, nbytes, repeats, timeout=300.0)
-    big = max(r[0] for r in results)
-    tiny = max(r[1] for r in results)
-    moved = 2 * (ranks - 1) / ranks * nbytes  # what a ring all-reduce sends per rank
-    return moved / max(big - tiny, 1e-9), tiny
-
-
 def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_size: int = 256,
               comm_ranks: int = 2, comm_bytes: int = 16 * MIB, measure_comm: bool = True,
               base: HardwareProfile | None = None, split_stage: dict[str, int] | None = None,
@@ -269,6 +252,7 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
 
     from bigtrain.plan.calibrate import (fit_gemm_curve, intra_op_threads, measure_gemms, measure_memory_bandwidth,
                                          measure_op_overhead)
+    from bigtrain.plan.calibrate_comm import measure_collectives
     from bigtrain.plan.weight_grad import measure_backward_split
 
     cpu = not torch.cuda.is_available()
@@ -282,9 +266,11 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
         if not cpu:
             values["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
         if measure_comm and comm_ranks > 1:
-            bandwidth, latency = measure_all_reduce(comm_ranks, comm_bytes)
-            values.update(intra_node_bandwidth=bandwidth, intra_node_latency_s=latency)
-            source.append(f"Gloo all-reduce of {comm_bytes / MIB:.0f} MiB over {comm_ranks} forked ranks")
+            rates = measure_collectives(comm_ranks, comm_bytes)
+            values.update(intra_node_bandwidth=rates.bandwidth, intra_node_latency_s=rates.latency_s,
+                          reduce_scatter_efficiency=rates.reduce_scatter_efficiency,
+                          all_gather_efficiency=rates.all_gather_efficiency, comm_overlap=rates.comm_overlap)
+            source.append(rates.describe(comm_ranks, comm_bytes))
         points = measure_gemms("fp32", repeats=10)
         fraction, half_dim = fit_gemm_curve(points, values["peak_flops_fp32"])
         values.update(gemm_fraction=fraction, gemm_half_dim=half_dim, op_overhead_s=measure_op_overhead())

@@ -1,0 +1,114 @@
+"""This machine's collectives, measured the way training calls them, for the planner's links.
+
+``bigtrain bench --calibrate`` forks ``ranks`` Gloo ranks (one intra-op thread each, as torchrun's)
+and measures, taking the median of ``repeats`` timings and the slowest rank:
+
+* **Bandwidth per collective.** The ring all-reduce's bus bandwidth from a large buffer, and how fast
+  reduce-scatter and all-gather move their (n-1)/n share against it (``reduce_scatter_efficiency``,
+  ``all_gather_efficiency``). NCCL runs the three at one bus bandwidth; Gloo's reduce-scatter here
+  took 1.6x an all-reduce of the same buffer, half the bytes (2026-11-23, 2 ranks, 3.7 MB).
+* **Latency in place.** A layer's collective follows its GEMMs: the ranks arrive at slightly
+  different times, and where every core computes, Gloo's transport threads wait for one. Timing
+  tiny all-reduces back to back misses that (0.2-0.4 ms here) while tensor parallelism paid about
+  2 ms a collective; the measurement times a loop of ~1 ms compute bursts each followed by a tiny
+  all-reduce, minus the bursts alone (1.6-1.9 ms here on a loaded machine).
+* **Overlap.** ``comm_overlap``: how much of a large all-reduce started asynchronously hides behind
+  compute on the same rank. On a GPU the copy engines and NCCL's kernels run beside the GEMMs
+  (the profiles' 0.9); on a CPU whose cores all compute, Gloo's threads take the cycles from them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class CollectiveRates:
+    bandwidth: float  # all-reduce bus bandwidth, bytes/s
+    latency_s: float  # per (1 + log2 n) of a collective, as cost.Link charges it
+    reduce_scatter_efficiency: float
+    all_gather_efficiency: float
+    comm_overlap: float
+
+    def describe(self, ranks: int, nbytes: int) -> str:
+        return (f"Gloo collectives of {nbytes / MIB:.0f} MiB over {ranks} forked ranks: all-reduce "
+                f"{self.bandwidth / 1e9:.2f} GB/s, reduce-scatter x{self.reduce_scatter_efficiency:.2f}, "
+                f"all-gather x{self.all_gather_efficiency:.2f} of it; latency after compute "
+                f"{self.latency_s * 1e3:.2f} ms per (1 + log2 n); overlap with compute {self.comm_overlap:.2f}")
+
+
+def _median(fn, repeats: int) -> float:
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _collectives_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from bigtrain.distributed.comm import all_gather_single, reduce_scatter_single
+
+    torch.set_num_threads(1)
+    shard_numel = max(1, nbytes // 4 // world)
+    full, shard, tiny = torch.ones(shard_numel * world), torch.ones(shard_numel), torch.ones(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def burst(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, b)
+
+    ops = {"all_reduce": lambda: dist.all_reduce(full),
+           "reduce_scatter": lambda: reduce_scatter_single(shard, full),
+           "all_gather": lambda: all_gather_single(full, shard),
+           "tiny": lambda: dist.all_reduce(tiny)}
+    for op in ops.values():  # connections and buffers
+        op()
+    out = {name: _median(op, repeats) for name, op in ops.items()}
+    # Bursts of about 1 ms, each followed by a tiny all-reduce, in a loop with no barrier between
+    # them, as a layer calls its collectives: the cost beyond the bursts alone.
+    gemm = _median(lambda: burst(4), repeats) / 4
+    short = max(1, round(1e-3 / max(gemm, 1e-9)))
+    loop = 20
+    out["after_compute"] = max(0.0, _median(lambda: [(burst(short), dist.all_reduce(tiny)) for _ in range(loop)], 3)
+                               - _median(lambda: burst(short * loop), 3)) / loop
+    # As much compute as the all-reduce takes, alone, and with the all-reduce running beside it.
+    long = max(1, round(out["all_reduce"] / max(gemm, 1e-9)))
+    out["compute"] = _median(lambda: burst(long), repeats)
+    out["both"] = _median(lambda: (work := dist.all_reduce(full, async_op=True), burst(long), work.wait()),
+                          repeats)
+    return out
+
+
+def measure_collectives(ranks: int = 2, nbytes: int = 16 * MIB, repeats: int = 7) -> CollectiveRates:
+    """The rates of :class:`CollectiveRates` over ``ranks`` local Gloo ranks (the slowest rank's)."""
+    from bigtrain.testing import run_ranks
+
+    results = run_ranks(_collectives_rank, ranks, nbytes, repeats, timeout=600.0)
+    t = {key: max(r[key] for r in results) for key in results[0]}
+    share = (ranks - 1) / ranks
+    moved = share * (nbytes // 4 // ranks) * ranks * 4  # bytes a rank sends in reduce-scatter or all-gather
+
+    def rate(seconds: float, nbytes_moved: float) -> float:
+        return nbytes_moved / max(seconds - t["tiny"], 1e-9)
+
+    bandwidth = rate(t["all_reduce"], 2 * moved)
+    hidden = t["all_reduce"] + t["compute"] - t["both"]
+    return CollectiveRates(
+        bandwidth=bandwidth,
+        latency_s=max(t["tiny"], t["after_compute"]) / (1 + math.log2(ranks)),
+        reduce_scatter_efficiency=min(1.0, rate(t["reduce_scatter"], moved) / bandwidth),
+        all_gather_efficiency=min(1.0, rate(t["all_gather"], moved) / bandwidth),
+        comm_overlap=min(1.0, max(0.0, hidden / min(t["all_reduce"], t["compute"]))),
+    )
