@@ -127,8 +127,11 @@ PRESETS: dict[str, HardwareProfile] = {
     "cpu": HardwareProfile("cpu", 2e9, 1.6e11, 0.6, 24 * GIB, reserved_bytes=GIB // 2, fragmentation=0.0,
                            hbm_bandwidth=10e9, intra_node_bandwidth=0.85e9, inter_node_bandwidth=0.1e9,
                            intra_node_latency_s=0.7e-3, inter_node_latency_s=1e-3, gpus_per_node=8,
+                           reduce_scatter_efficiency=0.25, all_gather_efficiency=0.55, comm_overlap=0.0,
                            source="measured on the 2-core CI machine (notes-cpu-distributed.md); "
-                                  "fp32 matmul ~126 GFLOP/s at 1024^3; Gloo all-reduce 0.85 GB/s at 2 ranks"),
+                                  "fp32 matmul ~126 GFLOP/s at 1024^3; Gloo all-reduce 0.85 GB/s at 2 ranks; "
+                                  "reduce-scatter / all-gather at 0.25 / 0.55 of its bus bandwidth, "
+                                  "no overlap with compute (plan/calibrate_comm.py, 2026-11-23)"),
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(HardwareProfile)}
