@@ -168,7 +168,8 @@ def _planned_layout(preset: str, hardware: str):
 def _host_rss() -> dict:
     with open("/proc/self/status") as f:
         now = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    return {"host_rss_gib": now / 2**30, "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"host_rss_gib": now / 2**30, "host_peak_rss_gib": peak / 2**30}
 
 
 def _gpu(args) -> dict:
@@ -189,7 +190,8 @@ def _gpu(args) -> dict:
     overrides = ["--precision.mode=bf16", "--train.device=cuda", f"--parallel.zero={max(1, layout.zero)}",
                  f"--train.micro_batch={layout.micro_batch}", f"--train.global_batch={layout.micro_batch * args.accum}",
                  f"--memory.checkpointing={layout.recompute}", f"--memory.checkpoint_every={layout.every}",
-                 "--offload.optimizer=cpu", "--offload.params=none", f"--offload.delayed_update={str(args.delayed).lower()}",
+                 "--offload.optimizer=cpu", "--offload.params=none",
+                 f"--offload.delayed_update={str(args.delayed).lower()}",
                  f"--train.steps={args.warmup + args.steps}", "--logging.progress=false", "--logging.report=false",
                  "--logging.measure_memory=false", "--checkpoint.save_final=false", "--checkpoint.every=0"]
     overrides += [f"--data.cache_dir={args.cache_dir}"] if args.cache_dir else []

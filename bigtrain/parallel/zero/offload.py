@@ -317,7 +317,8 @@ class UnitOffload:
         """The unit's host buffer for its gradient shard (fp32, allocated once): where it comes down
         to from the device, and what a delayed update's worker reads. Pinned unless it goes to files."""
         if id(unit) not in self._host_grads:
-            self._host_grads[id(unit)] = self.link.empty(unit.shard_numel, torch.float32, pinned=not self.grads_in_files)
+            pinned = not self.grads_in_files  # a file's tensor is freed and regrown: plain memory
+            self._host_grads[id(unit)] = self.link.empty(unit.shard_numel, torch.float32, pinned=pinned)
         return self._host_grads[id(unit)]
 
     def host_grad_bytes(self) -> int:
