@@ -19,6 +19,18 @@ first two. On a CPU device the "device work" and the host step share the same co
 
     .venv/bin/python benchmarks/bench_offload.py --case speed
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_offload.py --case overlap
+    .venv/bin/python benchmarks/bench_offload.py --case gpu --preset llama-7b
+
+``--case gpu``: on one CUDA device, a Llama of ``--preset`` (llama-7b by default) trained one process
+in bf16 with ``offload.optimizer = cpu`` (``--delayed`` adds ``offload.delayed_update``), at the ZeRO
+stage, micro-batch and recomputation of the planner's offload fit (what ``bigtrain plan --preset
+<preset> --gpus 1 --hardware <--hardware>`` prints after "With offload it fits"; ZeRO-2, micro-batch
+2, no recomputation for llama-7b on h100-80g), ``--accum`` micro-batches a step. After ``--warmup``
+untimed steps, each of ``--steps`` steps is bracketed by ``torch.cuda.synchronize()``; medians.
+Prints tokens/s, MFU (tokens/s x the planner's ``ModelSpec.model_flops_per_token`` / the device's
+dense bf16 peak, as benchmarks/bench_gpu.py), the peak device memory
+(``torch.cuda.max_memory_allocated``), the host RSS (now and peak) and the bytes the offload copied
+each way. Without a CUDA device it says so and exits 0.
     .venv/bin/python benchmarks/bench_offload.py --case rss --nvme-dir /tmp/bigtrain-nvme
 """
 
@@ -134,6 +146,84 @@ def _overlap(args) -> dict:
     return out
 
 
+def _planned_layout(preset: str, hardware: str):
+    """The layout of the planner's offload fit for ``preset`` on one GPU of ``hardware`` (the
+    search's best layout if the model fits without offload)."""
+    from bigtrain.plan.cli import add_plan_parser, resolve
+    from bigtrain.plan.search import offload_fit, search
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    plan_args = parser.parse_args(["plan", "--preset", preset, "--gpus", "1", "--hardware", hardware])
+    model, cluster, global_batch, fixed = resolve(plan_args)
+    result = search(model, cluster, global_batch, fixed, precision="bf16")
+    if result.best is None:
+        result = offload_fit(model, cluster, global_batch, fixed, "bf16")
+    if result is None or result.best is None:
+        raise SystemExit(f"bench_offload --case gpu: the planner finds no layout of {preset} for one {hardware}, "
+                         f"even with offload")
+    return result.best.layout
+
+
+def _host_rss() -> dict:
+    with open("/proc/self/status") as f:
+        now = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"host_rss_gib": now / 2**30, "host_peak_rss_gib": peak / 2**30}
+
+
+def _gpu(args) -> dict:
+    """Offload on a GPU: one process, bf16, the host optimizer step (see the module's docstring)."""
+    from pathlib import Path
+
+    from bench_gpu import detect_peak
+
+    from bigtrain.config import load_config
+    from bigtrain.distributed.mesh import Mesh
+    from bigtrain.plan.model import ModelSpec
+    from bigtrain.train import Trainer
+    from bigtrain.validation import validate
+
+    layout = _planned_layout(args.preset, args.hardware)
+    peak, peak_source = detect_peak(torch.cuda.get_device_name(), args.peak_tflops)
+    seq = load_config(preset=args.preset).data.seq_len
+    overrides = ["--precision.mode=bf16", "--train.device=cuda", f"--parallel.zero={max(1, layout.zero)}",
+                 f"--train.micro_batch={layout.micro_batch}", f"--train.global_batch={layout.micro_batch * args.accum}",
+                 f"--memory.checkpointing={layout.recompute}", f"--memory.checkpoint_every={layout.every}",
+                 "--offload.optimizer=cpu", "--offload.params=none",
+                 f"--offload.delayed_update={str(args.delayed).lower()}",
+                 f"--train.steps={args.warmup + args.steps}", "--logging.progress=false", "--logging.report=false",
+                 "--logging.measure_memory=false", "--checkpoint.save_final=false", "--checkpoint.every=0"]
+    overrides += [f"--data.cache_dir={args.cache_dir}"] if args.cache_dir else []
+    cfg = load_config(preset=args.preset, overrides=overrides)
+    validate(cfg, world_size=1, cuda_available=True)
+    torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory(prefix="bench-offload-gpu-") as run_dir:
+        trainer = Trainer(cfg, Path(run_dir), Mesh({}), "cuda")
+        losses = [trainer.train_step().loss for _ in range(args.warmup)]
+        times = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            losses.append(trainer.train_step().loss)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        trainer.engine.finish_update()
+        copied = trainer.engine.offload.link.counted()
+    spec = ModelSpec.from_model_config(cfg.model, seq)
+    tokens = cfg.train.global_batch * seq
+    median = statistics.median(times)
+    tokens_per_s = tokens / median
+    return {"device": torch.cuda.get_device_name(), "preset": args.preset, "params": spec.params,
+            "planner_layout": layout.to_overrides(), "zero": cfg.parallel.zero, "micro_batch": cfg.train.micro_batch,
+            "accum": args.accum, "seq": seq, "recompute": cfg.memory.checkpointing, "delayed_update": args.delayed,
+            "tokens_per_step": tokens, "step_s": times, "median_step_s": median, "tokens_per_s": tokens_per_s,
+            "flops_per_token": spec.model_flops_per_token(),
+            "mfu": tokens_per_s * spec.model_flops_per_token() / peak if peak else None, "peak_source": peak_source,
+            "peak_device_memory_gib": torch.cuda.max_memory_allocated() / 2**30, **_host_rss(),
+            "bytes_copied": copied, "losses": [round(x, 4) for x in losses]}
+
+
 def _rss(args) -> dict:
     out = {}
     for offload in (True, False) if not args.offload_only else (True,):
@@ -148,7 +238,14 @@ def _rss(args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", choices=("speed", "rss", "rss-child", "overlap"), default="speed")
+    p.add_argument("--case", choices=("speed", "rss", "rss-child", "overlap", "gpu"), default="speed")
+    p.add_argument("--preset", default="llama-7b", help="gpu: the model")
+    p.add_argument("--hardware", default="h100-80g", help="gpu: the planner's profile of the device")
+    p.add_argument("--accum", type=int, default=8, help="gpu: micro-batches per step")
+    p.add_argument("--warmup", type=int, default=2, help="gpu: untimed steps")
+    p.add_argument("--delayed", action="store_true", help="gpu: offload.delayed_update = true")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="gpu: dense bf16 peak (default: detected)")
+    p.add_argument("--cache-dir", help="gpu: data.cache_dir")
     p.add_argument("--params", type=int, default=100_000_000)
     p.add_argument("--units", type=int, default=10)
     p.add_argument("--steps", type=int, default=5)
@@ -164,8 +261,12 @@ def main() -> int:
     if args.case == "rss-child":
         _rss_child(args)
         return 0
+    if args.case == "gpu" and not torch.cuda.is_available():
+        print("bench_offload --case gpu: no CUDA device: skipped (this case trains on a GPU; the CPU cases are "
+              "speed, rss and overlap)")
+        return 0
     cases = {"speed": lambda: _speed(args.params, args.units, args.steps), "rss": lambda: _rss(args),
-             "overlap": lambda: _overlap(args)}
+             "overlap": lambda: _overlap(args), "gpu": lambda: _gpu(args)}
     result = cases[args.case]()
     result["checkout"] = common.checkout()
     text = json.dumps(result, indent=1)

@@ -3,7 +3,8 @@
 # steps of every ZeRO stage in fp32/bf16/fp16 on cuda, with every tensor handed to a collective and
 # every bookkeeping tensor checked for its device (tests/device_watch.py); fp32 and bf16 runs
 # against the independent reference computing on the same GPU in the same precision (loss within
-# 1e-5 / 1e-3, every weight within 1e-5 / 1e-2 relative); a checkpoint resumed on the GPU. With two
+# 1e-5 / 1e-3, every weight within 1e-5 / 1e-2 relative); a checkpoint resumed on the GPU; offload's
+# host step and copies (tests/test_offload.py) against the run without offload. With two
 # or more GPUs, also `bigtrain check` of 2-rank layouts over NCCL (dp=2 ZeRO-3 bf16, dp=2 buckets,
 # tp=2, pp=2), the only runs here that put the asynchronous collectives on NCCL's streams.
 # Without a CUDA device it prints "no CUDA device: skipped" and exits 0.

@@ -28,6 +28,9 @@ CASES = {
     "optimizer-cpu-zero2-dp2": (["--parallel.dp=2", "--parallel.zero=2"], ["--offload.optimizer=cpu"]),
     "optimizer-nvme-zero1-bf16": (["--parallel.zero=1", "--precision.mode=bf16"], ["--offload.optimizer=nvme"]),
     "params-nvme-zero3": (["--parallel.zero=3"], ["--offload.params=nvme"]),
+    "optimizer-cpu-zero2-bf16": (["--parallel.zero=2", "--precision.mode=bf16"], ["--offload.optimizer=cpu"]),
+    "both-cpu-zero3-bf16": (["--parallel.zero=3", "--precision.mode=bf16"],
+                            ["--offload.optimizer=cpu", "--offload.params=cpu"]),
     "params-cpu-zero3-dp2": (["--parallel.dp=2", "--parallel.zero=3"], ["--offload.params=cpu"]),
     "both-cpu-zero3-dp2": (["--parallel.dp=2", "--parallel.zero=3"],
                            ["--offload.optimizer=cpu", "--offload.params=cpu"]),
@@ -40,8 +43,32 @@ CASES = {
 }
 
 
+# Where the host tier's tensors are: "same" (a CPU device: the host is the device) or "separate"
+# (the GPU path: masters, state and offloaded shards apart from the compute ones, every copy made).
+HOST_MODES = ["same", "separate"]
+
+
+def _host_mode(mode, monkeypatch):
+    """In ``separate`` mode, every trainer built (in this process and the ranks forked from it) keeps
+    separate host copies (``OffloadPlan.separate_host``, a test-only setting, not a config key)."""
+    if mode == "same":
+        return
+    import bigtrain.train
+    from dataclasses import replace
+
+    original = bigtrain.train.parallel_plan
+
+    def separate(cfg, run_dir=None):
+        plan = original(cfg, run_dir)
+        return replace(plan, engine=replace(plan.engine, offload=replace(plan.engine.offload, separate_host=True)))
+
+    monkeypatch.setattr(bigtrain.train, "parallel_plan", separate)
+
+
+@pytest.mark.parametrize("mode", HOST_MODES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_offload_equals_the_same_run_without_it(name, corpus_cache, tmp_path):
+def test_offload_equals_the_same_run_without_it(name, mode, corpus_cache, tmp_path, monkeypatch):
+    _host_mode(mode, monkeypatch)
     layout, offload = CASES[name]
     plain = tiny_config(corpus_cache, *layout)
     moved = tiny_config(corpus_cache, *layout, *offload, f"--offload.nvme_dir={tmp_path / 'nvme'}")
@@ -66,7 +93,9 @@ def _resumed_losses(rank, world_size, cfg, run_dir):
     return [trainer.train_step().loss for _ in range(2)]
 
 
-def test_a_checkpoint_of_an_offloaded_run_resumes_without_offload(corpus_cache, tmp_path):
+@pytest.mark.parametrize("mode", HOST_MODES)
+def test_a_checkpoint_of_an_offloaded_run_resumes_without_offload(mode, corpus_cache, tmp_path, monkeypatch):
+    _host_mode(mode, monkeypatch)
     offloaded = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=nvme",
                             "--offload.params=nvme", "--train.steps=8")
     run_ranks(save_after_steps, 2, offloaded, str(tmp_path / "run"), 2, timeout=240)
@@ -131,8 +160,11 @@ def _train_delayed(rank, world_size, cfg, run_dir):
     return [r.loss for r in results], [r.grad_norm for r in results], weights
 
 
+@pytest.mark.parametrize("mode", HOST_MODES)
 @pytest.mark.parametrize("name", list(DELAYED_CASES))
-def test_delayed_update_equals_a_reference_that_applies_each_update_one_step_late(name, corpus_cache, tmp_path):
+def test_delayed_update_equals_a_reference_that_applies_each_update_one_step_late(name, mode, corpus_cache, tmp_path,
+                                                                                  monkeypatch):
+    _host_mode(mode, monkeypatch)
     cfg = tiny_config(corpus_cache, *DELAYED_CASES[name], "--offload.delayed_update=true", "--optim.warmup_steps=2",
                       f"--offload.nvme_dir={tmp_path / 'nvme'}", f"--train.steps={STEPS}")
     losses, norms, weights = run_ranks(_train_delayed, cfg.parallel.world_size, cfg, str(tmp_path / "run"),
@@ -165,9 +197,11 @@ def _train_then_weights(rank, world_size, cfg, run_dir, steps):
     ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu"],
     ["--parallel.dp=2", "--parallel.zero=2", "--offload.optimizer=nvme"],
 ])
-def test_a_delayed_update_run_resumes_onto_the_uninterrupted_run(layout, corpus_cache, tmp_path):
+@pytest.mark.parametrize("mode", HOST_MODES)
+def test_a_delayed_update_run_resumes_onto_the_uninterrupted_run(layout, mode, corpus_cache, tmp_path, monkeypatch):
     """The checkpoint holds the masters with the update of its last step applied, and the weights
     still in use (one update behind): the resumed step 2 computes at them, as the uninterrupted does."""
+    _host_mode(mode, monkeypatch)
     flags = [*layout, "--offload.delayed_update=true", "--train.steps=4", f"--offload.nvme_dir={tmp_path / 'nvme'}"]
     cfg = tiny_config(corpus_cache, *flags)
     run_ranks(save_after_steps, 2, cfg, str(tmp_path / "run"), 2, timeout=240)
@@ -272,3 +306,106 @@ def test_bigtrain_check_delays_its_reference_for_the_delayed_update():
     assert config_gradient_delay(tiny_config("", "--parallel.zero=1", "--offload.optimizer=cpu",
                                              "--offload.delayed_update=true")) == 1
     assert config_gradient_delay(tiny_config("", "--parallel.zero=1", "--offload.optimizer=cpu")) == 0
+
+
+# -- the GPU path's copies, counted on the CPU (OffloadPlan.separate_host) -----------------------------
+COPY_CASES = {  # layout -> (bytes down, bytes up) per element of this rank's shards, per step
+    # The fp32 gradient shard comes down; the weights go up in the compute dtype.
+    "cpu-zero1-bf16": (["--parallel.zero=1", "--precision.mode=bf16", "--offload.optimizer=cpu"], 4, 2),
+    "cpu-zero2-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=2", "--precision.mode=bf16",
+                            "--offload.optimizer=cpu"], 4, 2),
+    "cpu-zero3-dp2": (["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu"], 4, 4),
+    "cpu-zero3-dp2-delayed": (["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu",
+                               "--offload.delayed_update=true"], 4, 4),
+    # Shards on the host: no weights go up after the step, each unit's shard goes up for each of its
+    # two gathers (forward, and backward after the forward resharded it).
+    "both-cpu-zero3-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=3", "--precision.mode=bf16",
+                                 "--offload.optimizer=cpu", "--offload.params=cpu"], 4, 2 * 2),
+}
+
+
+def _copied_per_step(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    link = trainer.engine.offload.link
+    for _ in range(2):
+        trainer.train_step()
+    before = link.counted()
+    trainer.train_step()
+    after = link.counted()
+    engine = trainer.engine
+    # The masters are tensors of their own, apart from the compute shards (unless those are on the host too).
+    separate = all(u.master is not u.shard_param or engine.offload.params_on_host for u in engine.units)
+    return ({k: after[k] - before[k] for k in after}, sum(u.shard_numel for u in engine.units), separate,
+            engine.offload.params_on_host)
+
+
+@pytest.mark.parametrize("name", list(COPY_CASES))
+def test_the_gpu_path_copies_each_shard_down_and_up_once_a_step(name, corpus_cache, tmp_path, monkeypatch):
+    _host_mode("separate", monkeypatch)
+    layout, down, up = COPY_CASES[name]
+    cfg = tiny_config(corpus_cache, *layout)
+    copied, local, separate, params_on_host = run_ranks(_copied_per_step, cfg.parallel.world_size, cfg,
+                                                        str(tmp_path), timeout=240)[0]
+    assert separate and params_on_host == ("--offload.params=cpu" in layout)
+    assert copied == {"down": down * local, "up": up * local}, (copied, local)
+
+
+def test_the_cpu_path_copies_nothing(corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, "--parallel.zero=2", "--offload.optimizer=cpu")
+    copied = run_ranks(_copied_per_step, 1, cfg, str(tmp_path), timeout=240)[0][0]
+    assert copied == {"down": 0, "up": 0}
+
+
+def test_offload_refuses_a_device_it_has_no_path_for():
+    from types import SimpleNamespace
+
+    from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
+
+    engine = SimpleNamespace(device=torch.device("meta"), stage=2)
+    with pytest.raises(ValueError, match="built for CPU and CUDA devices, not meta"):
+        UnitOffload(engine, OffloadPlan(optimizer="cpu"), "")
+
+
+# -- on a GPU (scripts/test-gpu.sh runs these; skipped without CUDA) -----------------------------------
+on_gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+GPU_CASES = {  # layout, offload -> (loss rtol, weight rtol) against the same run without offload
+    "zero1-fp32": (["--parallel.zero=1"], ["--offload.optimizer=cpu"], 1e-5),
+    "zero2-bf16": (["--parallel.zero=2", "--precision.mode=bf16"], ["--offload.optimizer=cpu"], 1e-3),
+    "zero3-bf16": (["--parallel.zero=3", "--precision.mode=bf16"], ["--offload.optimizer=cpu"], 1e-3),
+    "zero3-bf16-params": (["--parallel.zero=3", "--precision.mode=bf16"],
+                          ["--offload.optimizer=cpu", "--offload.params=cpu"], 1e-3),
+    "zero2-bf16-nvme": (["--parallel.zero=2", "--precision.mode=bf16"], ["--offload.optimizer=nvme"], 1e-3),
+}
+
+
+def _cuda_run(cfg, run_dir):
+    from bigtrain.distributed.mesh import Mesh
+    from bigtrain.train import Trainer
+
+    trainer = Trainer(cfg, run_dir, Mesh({}), "cuda")
+    losses = [trainer.train_step().loss for _ in range(STEPS)]
+    return losses, trainer.parallel.full_weights(), trainer
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=on_gpu) for n in GPU_CASES])
+def test_offload_on_a_gpu_equals_the_same_run_without_it(name, corpus_cache, tmp_path):
+    """One process on cuda: the host step (torch's fused CPU AdamW on the host masters) and the copies
+    down and up against the device step; the two AdamW kernels may differ in the last bits, so bf16
+    compute weights may round differently: losses and weights within 1e-3 in bf16, 1e-5 in fp32."""
+    from device_watch import DeviceWatch
+
+    layout, offload, rtol = GPU_CASES[name]
+    plain = tiny_config(corpus_cache, "--train.global_batch=4", "--train.micro_batch=2", *layout)
+    moved = tiny_config(corpus_cache, "--train.global_batch=4", "--train.micro_batch=2", *layout, *offload,
+                        f"--offload.nvme_dir={tmp_path / 'nvme'}")
+    a_losses, a_weights, _ = _cuda_run(plain, tmp_path / "a")
+    with DeviceWatch("cuda") as watch:  # collectives still get device tensors, never host copies
+        b_losses, b_weights, trainer = _cuda_run(moved, tmp_path / "b")
+    assert not watch.problems, "\n".join(dict.fromkeys(watch.problems))
+    link = trainer.engine.offload.link
+    assert link.separate and link.bytes_down > 0 and link.bytes_up > 0
+    assert all(u.master.device.type == "cpu" for u in trainer.engine.units)
+    assert all(p.device.type == "cuda" for p in trainer.model.parameters())
+    torch.testing.assert_close(torch.tensor(b_losses), torch.tensor(a_losses), rtol=rtol, atol=0)
+    for n, w in a_weights.items():
+        assert_rel_close(b_weights[n], w, rtol, n)

@@ -233,7 +233,8 @@ def explain_offload_fit(result: SearchResult, cluster: Cluster) -> list[str]:
             f"{hw.host_memory_bandwidth / 1e9:.3g} GB/s, NVMe {hw.nvme_bandwidth / 1e9:.3g} GB/s per rank: profile "
             f"assumptions)",
             f"  run it with: {' '.join(plan.layout.to_overrides())}",
-            "  (the host and NVMe tiers run on CPU devices so far: on a GPU, bigtrain refuses offload at start)"]
+            "  (on a GPU the host step and the copies to and from it are built but untested on a GPU so far: "
+            "docs/offload.md)"]
 
 
 # -- explanations -------------------------------------------------------------------------------------

@@ -38,20 +38,21 @@ class DelayedUpdate:
         self.offload = offload
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigtrain-host-step")
         self._running: Future | None = None
-        self._held: dict[int, torch.Tensor] = {}  # id(unit) -> its handed-over gradient buffer
         self.unpublished = False  # the masters are one update ahead of the compute weights
         self.finished: tuple[float, float] | None = None  # (start, end) of the last host step waited for
 
     def held_buffer(self, unit) -> torch.Tensor:
         """The unit's host buffer for a handed-over gradient (allocated once, fp32)."""
-        if id(unit) not in self._held:
-            self._held[id(unit)] = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.grad_shard.device)
-        return self._held[id(unit)]
+        return self.offload.host_grad(unit)
 
     def hold(self, unit, grad):
-        """Step t's gradient of ``unit``, kept apart from the shard the next backward fills."""
+        """Step t's gradient of ``unit``, kept apart from the shard the next backward fills: copied
+        into its host buffer (from a device: on the copy stream, which the worker waits for before it
+        reads it, and which the next backward's writes to the shard wait for)."""
         if not torch.is_tensor(grad):  # already moved to its own file (a lazy read)
             return grad
+        if self.offload.link.separate:
+            return self.offload.to_host_grad(unit, grad)
         return self.held_buffer(unit).copy_(grad)
 
     def start(self, grads: list, lr: float) -> None:
@@ -81,9 +82,6 @@ class DelayedUpdate:
         if self.unpublished:
             self.offload.publish_all()
             self.unpublished = False
-
-    def held_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self._held.values())
 
     def close(self) -> None:
         self.wait()

@@ -128,18 +128,28 @@ class ZeroEngine:
     # -- allocation -----------------------------------------------------------------------------
     @property
     def _separate_master(self) -> bool:
-        """fp32 masters apart from the compute weights: in mixed precision, and with the delayed
-        update (its worker updates the masters while the forward reads the compute weights)."""
-        return self.precision.mixed or (self.offload is not None and self.offload.delayed is not None)
+        """fp32 masters apart from the compute weights: in mixed precision, with the delayed update
+        (its worker updates the masters while the forward reads the compute weights), and on the
+        host apart from the device (offload on a GPU), unless the parameter shards are there too."""
+        if self.precision.mixed or (self.offload is not None and self.offload.delayed is not None):
+            return True
+        return self.offload is not None and self.offload.link.separate and not self.offload.params_on_host
+
+    @property
+    def host_device(self) -> torch.device:
+        """Where the masters and the optimizer's state live: the host with offload, else the device."""
+        return self.offload.link.host if self.offload is not None and self.offload.link.separate else self.device
 
     def _allocate(self, init_fn: InitFn) -> None:
         compute, dev = self.precision.compute, self.device
+        # ZeRO-3 shards kept on the host (offload.params on a GPU) or on the device.
+        shard_dev = self.host_device if self.offload is not None and self.offload.params_on_host else dev
         for unit in self.units:
             value_of = {s.name: (lambda s=s: init_fn(s.name, s.shape)) for s in unit.slots}
-            master = unit.shard_from_full_values(lambda n: value_of[n](), torch.float32, dev)
+            master = unit.shard_from_full_values(lambda n: value_of[n](), torch.float32, self.host_device)
             if self.stage == 3:
                 full = torch.empty(unit.padded_numel, dtype=compute, device=dev)
-                unit.shard_param = master if not self._separate_master else master.to(compute, copy=True)
+                unit.shard_param = master if not self._separate_master else master.to(shard_dev, compute, copy=True)
             else:
                 full = unit.flatten({s.name: value_of[s.name]() for s in unit.slots}, compute, dev)
                 unit.shard_param = unit.shard_of(full)
@@ -156,7 +166,10 @@ class ZeroEngine:
 
     def _allocate_grads(self, unit: FlatUnit) -> None:
         if self.stage >= 2:
-            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=self.device)
+            # Gradients in files (ZeRO-Infinity) are host tensors: reductions come down to be folded in.
+            in_files = self.offload is not None and self.offload.grads_in_files
+            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32,
+                                          device=self.host_device if in_files else self.device)
             return
         unit.full_grad = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
         views = unit.unflatten(unit.full_grad)
@@ -385,8 +398,15 @@ class ZeroEngine:
     def publish_unit(self, unit: FlatUnit, value: torch.Tensor | None = None) -> None:
         """The unit's compute weights from its masters (or from ``value``, an fp32 shard)."""
         value = unit.master if value is None else value
+        link = self.offload.link if self.offload is not None else None
         if value is not unit.shard_param:
-            unit.shard_param.copy_(value)
+            if link is not None and link.separate and not self.offload.params_on_host:
+                # Host -> device on the copy stream; the compute stream waits for it (the host does
+                # not: it goes on with the next unit's step while the weights travel).
+                link.to_device(value, unit.shard_param)
+                link.wait()
+            else:
+                unit.shard_param.copy_(value)
         if self.stage in (1, 2) and unit.shards > 1:
             # Synchronous: on NCCL the current stream waits for the gather before the clone is
             # freed and before the next forward reads ``unit.full``.

@@ -80,16 +80,17 @@ class ParameterGatherer:
             if unit.gathered or id(unit) in self._work:
                 continue
             unit.allocate_full()
-            if self.engine.offload is not None:
-                self.engine.offload.before_gather(unit)  # the shard read back from its file
+            source = unit.shard_param
+            if self.engine.offload is not None:  # the shard read back from its file, or copied up from the host
+                source = self.engine.offload.before_gather(unit)
             version = unit.full._version
-            work = unit.comm.all_gather(unit.full, unit.shard_param, async_op=True, tag="params")
-            self._work[id(unit)] = (work, version)
+            work = unit.comm.all_gather(unit.full, source, async_op=True, tag="params")
+            self._work[id(unit)] = (work, version, source)  # the source lives until the gather is done
 
     def _finish(self, unit: FlatUnit) -> None:
         if id(unit) not in self._work:
             return
-        work, version = self._work.pop(id(unit))
+        work, version, _ = self._work.pop(id(unit))
         if work is not None:  # None: a group of one rank copied synchronously
             work.wait()
         # The collective bumps the version counter (on Gloo's thread, whenever it completes);

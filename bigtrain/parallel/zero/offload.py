@@ -11,15 +11,21 @@ What lives where (``offload.optimizer`` / ``offload.params``):
   masters where they are not the live parameters (mixed precision; ZeRO-3 fp32 with
   ``params = "nvme"``), are in files: read in (the next unit's read overlapping this unit's step)
   and written back after the unit's step.
-- ``params = "cpu"`` (ZeRO-3): the parameter shards are in host memory and each unit is gathered
-  onto the device when it is used. On a CPU device (the only one built so far) the host is the
-  device and this is ZeRO-3 as it runs anyway: the key is accepted so that a config states where
-  its shards live, and it joins the other tiers in every test.
+- ``params = "cpu"`` (ZeRO-3): the parameter shards are in host memory and each unit's shard is
+  copied to the device just before its all-gather (which the gatherer's prefetch runs a unit
+  ahead), the copy freed when the gather completes. On a CPU device the host is the device and
+  this is ZeRO-3 as it runs anyway, unless the link is told to keep separate host copies (tests).
 - ``params = "nvme"`` (ZeRO-3): a unit's parameter shard is in its file except while it is
   gathered (read in when the gather starts, which the gatherer's static prefetch order already
   runs a unit ahead; released when the gather completes) and while it is stepped.
 
 Checkpoints and full state read everything back first (:meth:`UnitOffload.all_resident`).
+
+Host and device (:mod:`.host`): on a GPU the masters, the optimizer's state, the files' tensors and
+the offloaded parameter shards are host tensors; each unit's gradient shard comes down to a pinned
+host buffer before its host step, its updated weights go back up after it, both on a side copy
+stream (:class:`~bigtrain.parallel.zero.host.HostLink`). On a CPU device the link copies nothing
+unless ``OffloadPlan.separate_host`` asks it to (tests: the GPU path's copies, on the CPU).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch.distributed as dist
 
 from bigtrain.memory.swap import SwapStore
 from bigtrain.parallel.zero.delayed import DelayedUpdate
+from bigtrain.parallel.zero.host import HostLink
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,9 @@ class OffloadPlan:
     nvme_dir: str = ""
     prefetch_depth: int = 1
     delayed_update: bool = False  # ZeRO-Offload's one-step delayed update (:mod:`.delayed`)
+    # Not a config key: on a CPU device, keep the host tier's tensors apart from the compute shards
+    # and make every copy a GPU makes (tests run the CUDA path's logic this way). Always so on a GPU.
+    separate_host: bool = False
 
     @property
     def active(self) -> bool:
@@ -51,11 +61,15 @@ class OffloadPlan:
 
 class UnitOffload:
     def __init__(self, engine, plan: OffloadPlan, directory: str | Path):
-        if engine.device.type != "cpu":
+        if engine.device.type not in ("cpu", "cuda"):
             raise ValueError(f"offload.optimizer / offload.params: the host and NVMe tiers are built for CPU "
-                             f"devices so far, not {engine.device.type}; set offload.optimizer = 'none' and "
-                             f"offload.params = 'none'")
+                             f"and CUDA devices, not {engine.device.type}; set offload.optimizer = 'none' and "
+                             f"offload.params = 'none', or train on 'cuda' or 'cpu'")
         self.engine, self.plan = engine, plan
+        self.link = HostLink(engine.device, separate=plan.separate_host)
+        # ZeRO-3's parameter shards in host memory (apart from the device): copied up for each gather.
+        self.params_on_host = engine.stage == 3 and plan.params != "none" and self.link.separate
+        self._host_grads: dict[int, torch.Tensor] = {}  # id(unit) -> its host gradient buffer (fp32)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.store = SwapStore(directory) if "nvme" in (plan.optimizer, plan.params) else None
         self._stepping = False
@@ -123,6 +137,8 @@ class UnitOffload:
 
     def fold_grad(self, unit, reduced: torch.Tensor) -> None:
         """Add a reduced gradient into the unit's shard, which then goes back to its file."""
+        if self.link.separate:  # the shard is a host tensor: the reduced gradient comes down first
+            reduced = self.link.to_host(reduced, self.link.empty(reduced.numel(), reduced.dtype)).read()
         if id(unit) in self._zero:  # nothing to add to: no read
             g = unit.grad_shard
             g.untyped_storage().resize_(g.numel() * g.element_size())
@@ -169,9 +185,17 @@ class UnitOffload:
             self._out(self._optimizer_side(unit) + self._shard(unit))
         self.store.wait()  # the memory is free when this returns
 
-    def before_gather(self, unit) -> None:
+    def before_gather(self, unit) -> torch.Tensor:
+        """The tensor to all-gather the unit from: its shard (read back from its file first), or,
+        kept on the host, a device copy of it made now (freed by the caller after the gather)."""
         if self.store is not None and self.plan.params == "nvme" and not self._stepping:
             self._in(self._shard(unit) + (self._master(unit) if unit.master is unit.shard_param else []))
+        if not self.params_on_host:
+            return unit.shard_param
+        on_device = torch.empty(unit.shard_numel, dtype=unit.shard_param.dtype, device=self.engine.device)
+        self.link.to_device(unit.shard_param, on_device)
+        self.link.wait()  # the gather (queued after this on the compute stream's order) reads the copy
+        return on_device
 
     def after_gather(self, unit) -> None:
         if self.store is not None and self.plan.params == "nvme" and not self._stepping:
@@ -217,6 +241,8 @@ class UnitOffload:
         if self.delayed is not None:
             self.delayed.start([self.delayed.hold(u, g) for u, g in zip(self.engine.units, grads)], lr)
             return
+        if self.link.separate:  # each unit's gradient shard comes down while the units before it step
+            grads = [self.to_host_grad(u, g) for u, g in zip(self.engine.units, grads)]
         start = time.perf_counter()
         self.step_units(grads, lr, publish=True)
         self.last_host_step = (start, time.perf_counter())
@@ -241,7 +267,7 @@ class UnitOffload:
                     for nxt in units[i + 1:i + 1 + ahead]:
                         self._in(moved(nxt), wait=False)
                     self._in(moved(unit))
-                if isinstance(grad, _Lazy):
+                if not torch.is_tensor(grad):  # still in its file, or still coming down from the device
                     grad = grad.read()
                 for a, b, view in unit.pieces:
                     view.grad = grad[a:b]
@@ -286,6 +312,22 @@ class UnitOffload:
                 self.store.wait_for([key for u in units for key, _ in moved(u)])
         finally:
             self._stepping = False
+
+    def host_grad(self, unit) -> torch.Tensor:
+        """The unit's host buffer for its gradient shard (fp32, allocated once): where it comes down
+        to from the device, and what a delayed update's worker reads. Pinned unless it goes to files."""
+        if id(unit) not in self._host_grads:
+            pinned = not self.grads_in_files  # a file's tensor is freed and regrown: plain memory
+            self._host_grads[id(unit)] = self.link.empty(unit.shard_numel, torch.float32, pinned=pinned)
+        return self._host_grads[id(unit)]
+
+    def host_grad_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._host_grads.values())
+
+    def to_host_grad(self, unit, grad):
+        """The unit's (device) gradient shard on its way into its host buffer; a gradient already on
+        the host (read from a file when its unit steps) as it is."""
+        return self.link.to_host(grad, self.host_grad(unit)) if torch.is_tensor(grad) else grad
 
     def hand_over(self, unit, g: torch.Tensor) -> None:
         """Delayed update, gradients in files: the unit's (unscaled) gradient ``g`` goes to a file of
@@ -346,7 +388,7 @@ class UnitOffload:
         if self.plan.optimizer != "none":
             tensors = [t for u in self.engine.units for _, t in self._host_side(u)]
             host = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
-            host += self.delayed.held_bytes() if self.delayed is not None else 0
+            host += self.host_grad_bytes()
         return {"host": host, "nvme": self.store.stored_bytes if self.store is not None else 0}
 
     def _host_side(self, unit) -> list[tuple[str, torch.Tensor]]:

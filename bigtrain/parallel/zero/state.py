@@ -25,6 +25,7 @@ STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 
 def _gather_flat(engine, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+    shard = shard.to(engine.device)  # a host master (offload) goes through the device's collective
     full = torch.empty(shard.numel() * unit.shards, dtype=shard.dtype, device=shard.device)
     unit.comm.all_gather(full, shard.contiguous(), tag="checkpoint") if unit.shards > 1 else full.copy_(shard)
     return full
@@ -149,7 +150,7 @@ def load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict)
 def _load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
     spec = engine.optim_spec
     saved = spec.saved_state(optim_state)
-    dev, states = engine.device, {}
+    dev, states = engine.host_device, {}  # where the masters and the optimizer's state live
     for unit in engine.units:
         unit.master.copy_(unit.shard_from_full_values(lambda n: weights[n], torch.float32, dev))
         first = unit.slots[0].name
@@ -204,7 +205,7 @@ def _checkpoint_pieces(engine):
             lo, hi = _piece_range(unit, slot, a, b)
             tensors, scalars, blocks = {WEIGHT: unit.master[a:b]}, {}, {}
             if _delayed(engine):  # the compute weights, one update behind the masters
-                tensors[WEIGHT_IN_USE] = unit.shard_param[a:b].float()
+                tensors[WEIGHT_IN_USE] = unit.shard_param[a:b].to(unit.master.device, torch.float32)
             if states is not None:
                 i = _piece_index(unit, a, b)
                 pa = unit.pieces[i][0]
@@ -227,7 +228,7 @@ def checkpoint_load_batches(engine, with_state: bool):
 def _checkpoint_load_batches(engine, with_state: bool):
     from bigtrain.checkpoint.chunks import WEIGHT, WEIGHT_IN_USE, Piece
 
-    spec, dev, states, in_use = engine.optim_spec, engine.device, {}, {}
+    spec, dev, states, in_use = engine.optim_spec, engine.host_device, {}, {}
     declared = {s.name: STATE_DTYPES[s.dtype] for s in spec.state}
     if with_state:  # replaced below: do not hold the old and the loaded state at once
         engine.optimizer.state.clear()

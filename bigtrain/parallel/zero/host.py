@@ -1,0 +1,122 @@
+"""The link between the compute device and the host tier of offload: the one place that knows which
+of the two a tensor is on, and moves bytes between them.
+
+On a GPU (ZeRO-Offload / ZeRO-Infinity): the fp32 masters and the optimizer's state are host
+tensors; each unit's gradient shard comes down (:meth:`HostLink.to_host`) into a pinned host buffer
+and the updated weights go up (:meth:`HostLink.to_device`) through a pinned staging buffer in the
+compute dtype (the cast runs on the host, so 2 bytes a parameter cross the bus in bf16, not 4).
+Both run ``non_blocking`` on a side copy stream, so they overlap the compute stream and the host
+step of the other units:
+
+- down: the copy stream first waits for the compute stream (the gradient was unscaled and clipped
+  there); an event recorded after the copy is what the host waits on before it reads the buffer
+  (:class:`Arriving`), and the compute stream waits for the copy stream before anything queued
+  later (the next backward's reductions) writes the gradient shard again.
+- up: the staging buffer is written on the host only after its previous copy's event completed;
+  the compute stream waits for the copy stream (:meth:`HostLink.wait`) before it reads the weights
+  (an all-gather, a forward). The destination is a tensor the engine keeps (a parameter shard) or
+  one allocated on the compute stream just before (a gather's source), freed after that stream
+  waited for the copy: the caching allocator then reuses its block only for work queued after.
+
+``separate`` on a CPU device (tests): the host tier still keeps its own tensors, distinct from
+the compute shards, and every copy happens, so the CUDA path's logic runs in CPU tests; streams,
+events and pinning are no-ops there (pinned memory needs CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostLink:
+    def __init__(self, device: torch.device, separate: bool = False, staging_slots: int = 4):
+        self.device = torch.device(device)
+        self.host = torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.separate = separate or self.device.type != "cpu"  # host tensors apart from the compute ones
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # Pinned staging ring for host -> device copies: a slot is reused once its copy completed.
+        self._slots: list[list] = [[None, None] for _ in range(max(2, staging_slots))]  # [buffer, event]
+        self._next = 0
+        self.bytes_down = 0  # device -> host
+        self.bytes_up = 0  # host -> device
+
+    # -- host memory -----------------------------------------------------------------------------------
+    def empty(self, numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        """A host tensor (pinned on CUDA where it is copied to or from the device)."""
+        return torch.empty(numel, dtype=dtype, device=self.host, pin_memory=pinned and self.cuda)
+
+    def zeros(self, numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        return self.empty(numel, dtype, pinned).zero_()
+
+    def _staging(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        if slot[1] is not None:
+            slot[1].synchronize()  # its last copy has left the buffer
+        buffer = slot[0]
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            slot[0] = buffer = self.empty(numel, dtype)
+        return buffer[:numel], slot
+
+    # -- copies ----------------------------------------------------------------------------------------
+    def to_host(self, source: torch.Tensor, host: torch.Tensor) -> "Arriving":
+        """Start copying the device tensor ``source`` into ``host`` (same dtype); read it after
+        :meth:`Arriving.read`."""
+        self.bytes_down += source.numel() * source.element_size()
+        if not self.cuda:
+            host.copy_(source)
+            return Arriving(host, None)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        # Later writes to ``source`` on the compute stream come after the copy.
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return Arriving(host, done)
+
+    def to_device(self, host: torch.Tensor, target: torch.Tensor) -> None:
+        """Start copying the host tensor ``host`` into ``target`` on the device, cast to its dtype on
+        the host; the compute stream waits for it at :meth:`wait`."""
+        staging, slot = self._staging(host.numel(), target.dtype)
+        staging.copy_(host)  # the cast, on the host
+        self.bytes_up += target.numel() * target.element_size()
+        if not self.cuda:
+            target.copy_(staging)
+            return
+        # The copy may overwrite the target only after the compute stream's reads of it queued so far.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            target.copy_(staging, non_blocking=True)
+            slot[1] = torch.cuda.Event()
+            slot[1].record(self.stream)
+
+    def wait(self) -> None:
+        """The compute stream waits for every copy issued so far (the host does not block)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def synchronize(self) -> None:
+        """The host waits for every copy issued so far."""
+        if self.cuda:
+            self.stream.synchronize()
+
+    def counted(self) -> dict[str, int]:
+        return {"down": self.bytes_down, "up": self.bytes_up}
+
+    def staging_bytes(self) -> int:
+        return sum(s[0].untyped_storage().nbytes() for s in self._slots if s[0] is not None)
+
+
+class Arriving:
+    """A host buffer that a device -> host copy is filling: :meth:`read` waits for the copy."""
+
+    def __init__(self, host: torch.Tensor, done):
+        self.host, self.done = host, done
+
+    def read(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        return self.host
