@@ -143,7 +143,8 @@ def _train_deferred(rank, world_size, cfg, run_dir):
         results += trainer.train_step_deferred()
     results += trainer.flush_update()
     versions = {s: v.peak for s, v in trainer.executor.versions.items()}
-    return [(r.step, r.loss, r.grad_norm, r.skipped) for r in results], params_of(trainer), versions
+    return ([(r.step, r.loss, r.grad_norm, r.skipped) for r in results], params_of(trainer), versions,
+            trainer.deferred.landed_by_forward)
 
 
 def _train_synchronous(rank, world_size, cfg, run_dir):
@@ -158,7 +159,11 @@ def test_2bw_deferred_boundary_gives_the_synchronous_numbers(pp, corpus_cache, t
     cfg = tiny_config(corpus_cache, *args)
     deferred = run_ranks(_train_deferred, pp, cfg, str(tmp_path / "deferred"), timeout=240)
     synchronous = run_ranks(_train_synchronous, pp, cfg, str(tmp_path / "sync"), timeout=240)
-    for rank, ((steps, params, versions), (sync_steps, sync_params)) in enumerate(zip(deferred, synchronous)):
+    for rank, ((steps, params, versions, by_forward), (sync_steps, sync_params)) in enumerate(zip(deferred,
+                                                                                                  synchronous)):
+        # upstream ranks land step s's update inside step s + 1's segment (step s + 2's first forward
+        # needs it), all but the last step's (flushed); the last stage at the end of the next segment
+        assert by_forward == (0 if rank == pp - 1 else STEPS - 1)
         assert [s[0] for s in steps] == list(range(STEPS)), "every step reported once, in order"
         for (_, loss, norm, skipped), (_, sync_loss, sync_norm, sync_skipped) in zip(steps, sync_steps):
             assert (loss, norm, skipped) == (sync_loss, sync_norm, sync_skipped)

@@ -77,6 +77,7 @@ class DeferredUpdate:
         self.spare = [torch.zeros_like(g) for g in self._own]  # zero, and neither .grad nor a pending step's
         self.pending: PendingUpdate | None = None
         self.landed: list[LandedUpdate] = []  # landed, not yet read by the caller
+        self.landed_by_forward = 0  # updates landed inside a segment, by the forward that needed them
         executor.make_version = self._make_version
 
     def post(self, step: int, lr: float, loss_sum: torch.Tensor) -> PendingUpdate:
@@ -134,6 +135,7 @@ class DeferredUpdate:
             raise RuntimeError(f"weight version {version} is needed, but the pending update makes "
                                f"{None if pending is None else pending.run + 1} (held: {held})")
         self.land()
+        self.landed_by_forward += 1
 
 
 def deferrable(parallel, model) -> bool:
