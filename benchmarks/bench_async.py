@@ -21,7 +21,9 @@ of each, the ratios to 1F1B of the medians and the median per-round ratio.
 CPU saturation: per rank, the process CPU time (``time.process_time``: user + sys of all its
 threads, Gloo's included) over the timed blocks, summed over ranks, divided by the blocks' wall time
 x ``os.cpu_count()``. Near 1, the ranks already keep every core busy, so no schedule can make a step
-much faster (a rank idle in a bubble lends its core to the busy ones).
+much faster (a rank idle in a bubble lends its core to the busy ones). Next to it, the machine's busy
+fraction over the same blocks (``/proc/stat``, every process): when it is near 1 and the ranks' share
+is not, other processes took the rest, and the timings are theirs as much as ours.
 
 The simulator is fed the measured mean forward and backward times (all ranks, all timed steps) and
 gives each schedule's steady-state step time (``steady_step_time``) and bubble, next to the measured
@@ -86,6 +88,17 @@ def _config(args, kind: str, run_dir: str):
     return cfg
 
 
+def _machine_cpu() -> tuple[float, float] | None:
+    """(busy, total) jiffies of every core since boot (Linux; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            values = [float(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = values[3] + (values[4] if len(values) > 4 else 0.0)  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
 def rank_main(rank: int, world_size: int, args) -> dict:
     torch.manual_seed(0)
     run_dir = tempfile.mkdtemp(prefix=f"bench_async_{rank}_")
@@ -107,18 +120,24 @@ def rank_main(rank: int, world_size: int, args) -> dict:
     times: dict[str, list[float]] = {n: [] for n in names}  # per-step time of each block (slowest rank)
     cpu: dict[str, list[float]] = {n: [] for n in names}  # CPU seconds of each block, summed over ranks
     busy: dict[str, list[float]] = {n: [] for n in names}  # this rank's compute seconds of each block
+    machine: dict[str, list[float]] = {n: [0.0, 0.0] for n in names}  # (busy, total) jiffies over the blocks
     durations: dict[str, dict[str, list[float]]] = {n: {"F": [], "B": []} for n in names}
     for round_ in range(args.steps // args.block):
         for name in names if round_ % 2 == 0 else names[::-1]:  # A B C C B A ...
             world = trainers[name].mesh.comm("world")
             world.max(torch.zeros(1))  # the block starts together on every rank
             started, cpu_started, computing = time.perf_counter(), time.process_time(), 0.0
+            machine_started = _machine_cpu()
             for _ in range(args.block):
                 step(name)
                 for label, start, end in trainers[name].executor.timeline:
                     computing += end - start
                     durations[name][label[0]].append(end - start)
             measured = torch.tensor([time.perf_counter() - started, time.process_time() - cpu_started])
+            machine_ended = _machine_cpu()
+            if machine_started is not None and machine_ended is not None:
+                for i in range(2):
+                    machine[name][i] += machine_ended[i] - machine_started[i]
             world.max(measured[:1])
             world.all_reduce(measured[1:], tag="metrics")  # summed
             times[name].append(float(measured[0]) / args.block)
@@ -127,7 +146,8 @@ def rank_main(rank: int, world_size: int, args) -> dict:
     for trainer in trainers.values():
         trainer.flush_update()
     timelines = {name: trainers[name].executor.timeline for name in names}
-    return {"times": times, "cpu": cpu, "busy": busy, "timelines": timelines, "durations": durations}
+    return {"times": times, "cpu": cpu, "busy": busy, "timelines": timelines, "durations": durations,
+            "machine": machine}
 
 
 def summarize(args, results, wall_s: float) -> dict:
@@ -141,6 +161,8 @@ def summarize(args, results, wall_s: float) -> dict:
                                  for n in VARIANTS if n != "1f1b"},
            # CPU seconds over every timed block / (their wall seconds x cores)
            "cpu_saturation": {n: sum(cpu[n]) / (sum(times[n]) * args.block * cpus) for n in VARIANTS},
+           "machine_busy": {n: busy / total if total else None
+                            for n, (busy, total) in results[0]["machine"].items()},
            "block_step_s": times, "wall_s": wall_s, "machine": {"cpus": cpus}}
     measured = {n: align_timelines([r["timelines"][n] for r in results]) for n in VARIANTS}
     simulated, bubbles = {}, {}
@@ -200,7 +222,11 @@ def print_report(args, out) -> None:
     print(f"  simulated 2bw / 1f1b: {out['simulated_ratio']:.3f}")
     for n, b in out["bubbles"].items():
         print(f"  {n}: bubble simulated {b['simulated_bubble']:.1%}, measured {b['measured_bubble']:.1%}; "
-              f"CPU saturation {out['cpu_saturation'][n]:.2f}")
+              f"CPU saturation {out['cpu_saturation'][n]:.2f} (machine busy {_fraction(out['machine_busy'][n])})")
+
+
+def _fraction(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":
