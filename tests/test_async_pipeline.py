@@ -135,11 +135,22 @@ def test_the_planner_counts_the_weight_versions_of_the_worst_rank():
 
 
 # -- the deferred 2BW boundary (bigtrain/parallel/pipeline/deferred.py) --------------------------------
-def _train_deferred(rank, world_size, cfg, run_dir):
+def _nan_loss_on_last_stage(trainer, step: int, fault_step: int | None) -> None:
+    """Make the loss of step ``fault_step`` NaN (the last stage runs only its own micro-batches)."""
+    if not hasattr(trainer, "_clean_loss_sum"):
+        trainer._clean_loss_sum = trainer.parallel.loss_sum
+    clean = trainer._clean_loss_sum
+    last = trainer.executor.schedule.num_stages - 1 in trainer.executor.stages
+    faulty = step == fault_step and last
+    trainer.parallel.loss_sum = (lambda logits, targets: clean(logits, targets) + float("nan")) if faulty else clean
+
+
+def _train_deferred(rank, world_size, cfg, run_dir, fault_step=None):
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     assert trainer.start_deferred_updates()
     results = []
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        _nan_loss_on_last_stage(trainer, step, fault_step)
         results += trainer.train_step_deferred()
     results += trainer.flush_update()
     versions = {s: v.peak for s, v in trainer.executor.versions.items()}
@@ -147,9 +158,12 @@ def _train_deferred(rank, world_size, cfg, run_dir):
             trainer.deferred.landed_by_forward)
 
 
-def _train_synchronous(rank, world_size, cfg, run_dir):
+def _train_synchronous(rank, world_size, cfg, run_dir, fault_step=None):
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
-    results = [trainer.train_step() for _ in range(STEPS)]
+    results = []
+    for step in range(STEPS):
+        _nan_loss_on_last_stage(trainer, step, fault_step)
+        results.append(trainer.train_step())
     return [(r.step, r.loss, r.grad_norm, r.skipped) for r in results], params_of(trainer)
 
 
@@ -206,3 +220,15 @@ def test_2bw_deferred_fit_checkpoints_and_resumes_as_the_synchronous_boundary(co
         assert losses == sync[rank][0]
         for name, value in tail[rank][1].items():
             assert torch.equal(value, sync[rank][1][name]), name
+
+
+def test_2bw_deferred_boundary_skips_a_non_finite_step_as_the_synchronous_one(corpus_cache, tmp_path):
+    args = (*MODEL, "--train.micro_batch=2", "--parallel.pp=2", "--parallel.pp_schedule=pipedream-2bw")
+    cfg = tiny_config(corpus_cache, *args)
+    deferred = run_ranks(_train_deferred, 2, cfg, str(tmp_path / "deferred"), 2, timeout=240)
+    synchronous = run_ranks(_train_synchronous, 2, cfg, str(tmp_path / "sync"), 2, timeout=240)
+    for (steps, params, *_), (sync_steps, sync_params) in zip(deferred, synchronous):
+        assert [skipped for *_, skipped in steps] == [False, False, True, False]
+        assert str(steps) == str(sync_steps)  # NaN == NaN as text
+        for name, value in params.items():
+            assert torch.equal(value, sync_params[name]), name
