@@ -175,7 +175,7 @@ class Trainer:
     def train_step(self, measure: bool = False, before_update: Callable[[], None] | None = None) -> StepResult:
         """One optimizer step. ``before_update`` runs once the gradients are reduced and before the
         optimizer uses them (``bigtrain check`` reads them there)."""
-        self.flush_update()  # after deferred steps: their last update first
+        self._land_pending()  # after deferred steps: their last update first
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
         before = self.mesh.stats.snapshot()
@@ -262,6 +262,12 @@ class Trainer:
             return []
         self.deferred.flush()
         return self._landed_results()
+
+    def _land_pending(self) -> None:
+        """Land the deferred update still pending; its result waits for the next ``flush_update`` or
+        ``train_step_deferred`` to return it."""
+        if self.deferred is not None:
+            self.deferred.flush()
 
     def _landed_results(self) -> list[StepResult]:
         landed, self.deferred.landed = self.deferred.landed, []
@@ -461,7 +467,7 @@ class Trainer:
         in a background thread while training goes on (see :meth:`wait_for_save`). Nothing is
         written, and False returned, when any rank's weights or optimizer state are not finite."""
         self.wait_for_save()
-        self.flush_update()  # the pending update lands first; fit records its result
+        self._land_pending()  # the checkpoint holds the update of the step it is named after
         background = getattr(self.cfg.checkpoint, "async")
         chunks = self.parallel.owned_chunks(copy=background)
         if not self._all_finite(chunks):
