@@ -19,6 +19,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _REPEAT_WINDOW_S = 1.0
@@ -45,6 +46,7 @@ class SignalWatch:
         self.received: int | None = None
         self._at = 0.0
         self._previous: dict[int, object] = {}
+        self._posted = None  # agreed_late's flag in flight: (work, tensor)
 
     def __enter__(self) -> "SignalWatch":
         if threading.current_thread() is threading.main_thread():
@@ -72,3 +74,25 @@ class SignalWatch:
         flag = torch.tensor([self.received or 0], dtype=torch.int32, device=device)
         self.world.max(flag, tag="signal")
         return int(flag.item()) or None
+
+    def agreed_late(self, device: torch.device | str = "cpu") -> int | None:
+        """As :meth:`agreed`, without waiting for the other ranks at this boundary: posts this
+        boundary's flag and returns the decision of the previous one's (None at the first), so a
+        signal stops the run one step later. For 2BW's deferred boundary, where a blocking
+        collective would be the barrier it avoids; :meth:`settle` waits for the last one."""
+        if self.world is None or self.world.size == 1:
+            return self.received
+        previous = self._posted
+        flag = torch.tensor([self.received or 0], dtype=torch.int32, device=device)
+        self._posted = (self.world.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True, tag="signal"), flag)
+        if previous is None:
+            return None
+        work, value = previous
+        work.wait()
+        return int(value.item()) or None
+
+    def settle(self) -> None:
+        """Wait for the flag :meth:`agreed_late` posted last (its decision is not needed any more)."""
+        if self._posted is not None:
+            self._posted[0].wait()
+            self._posted = None

@@ -37,6 +37,7 @@ from bigtrain.metrics import MetricsLog
 from bigtrain.models.llama import build_model, count_parameters
 from bigtrain.nonfinite import BadSteps, NonFiniteStop
 from bigtrain.optim.schedule import lr_at
+from bigtrain.parallel.pipeline.deferred import DeferredUpdate, LandedUpdate, deferrable
 from bigtrain.parallel.pipeline.draw import draw_timeline
 from bigtrain.parallel.pipeline.executor import PipelineExecutor, align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
@@ -92,6 +93,7 @@ class Trainer:
         self.model, self.engine = self.parallel.model, self.parallel.engine
         set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
+        self.deferred: DeferredUpdate | None = None  # 2BW's deferred update, once started (fit does)
         self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),
                                     cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target,
                                     cfg.data.val_fraction)
@@ -137,9 +139,10 @@ class Trainer:
             loss_sum += self._forward_backward(tokens, targets, sync=i == self.accum - 1, tracker=tracker)
         return loss_sum, tracker.peak if tracker is not None else 0
 
-    def _micro_batches_through_pipeline(self, batches, measure: bool) -> tuple[torch.Tensor, int]:
+    def _micro_batches_through_pipeline(self, batches, measure: bool, reduce: bool = True) -> tuple[torch.Tensor, int]:
         """The schedule's order of forwards and backwards over this rank's stages. An asynchronous
-        schedule also starts the next steps' first forwards: it gets their micro-batches too."""
+        schedule also starts the next steps' first forwards: it gets their micro-batches too.
+        ``reduce``: sum the loss over the pipeline here (else the caller does, later)."""
         for ahead in range(1, self.executor.lookahead_steps + 1):
             batches = batches + list(self.sampler.micro_batches(self.step + ahead, self.mesh.coord("dp"),
                                                                 self.mesh.size("dp"), self.cfg.train.micro_batch))
@@ -149,7 +152,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         if out is not None:  # the last stage: undo the normalization and the loss scale of loss_fn
             loss_sum = out.detach() * self.counted_targets / self._loss_scale()
-        self.parallel.pp.all_reduce(loss_sum, tag="metrics")
+        if reduce:
+            self.parallel.pp.all_reduce(loss_sum, tag="metrics")
         return loss_sum, self.executor.peak_activation_bytes
 
     def _loss_scale(self) -> float:
@@ -171,6 +175,7 @@ class Trainer:
     def train_step(self, measure: bool = False, before_update: Callable[[], None] | None = None) -> StepResult:
         """One optimizer step. ``before_update`` runs once the gradients are reduced and before the
         optimizer uses them (``bigtrain check`` reads them there)."""
+        self._land_pending()  # after deferred steps: their last update first
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
         before = self.mesh.stats.snapshot()
@@ -195,6 +200,8 @@ class Trainer:
         self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
         veto = (~torch.isfinite(loss_sum)).float()
         grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip, skip=veto)  # host sync 1: norm, skip
+        if self.deferred is not None:  # the executor keeps versions when told: these weights are the next
+            self.executor.keep_version(self.executor.runs)
         # The replicas' loads summed; a skipped step leaves the routers' biases as they were.
         moe = update_router_biases(self.model, self.parallel.grad_comm, move_biases=not skipped)
         traffic = self.mesh.stats.since(before)
@@ -210,6 +217,67 @@ class Trainer:
         return StepResult(step, loss, grad_norm, lr, step_time, self.global_tokens, mem, traffic.by_axis(),
                           traffic.by_op(), skipped, scaler.scale if scaler is not None else None, moe,
                           offload=self._host_step(computing, computed))
+
+    # -- 2BW's deferred update (bigtrain/parallel/pipeline/deferred.py) ---------------------------------
+    def start_deferred_updates(self) -> bool:
+        """From now on, run 2BW steps with :meth:`train_step_deferred`'s boundary, where the layout
+        allows it (:func:`deferrable`); whether it does. ``fit`` starts it."""
+        if self.deferred is None and deferrable(self.parallel, self.model):
+            self.deferred = DeferredUpdate(self.engine, self.executor, self.parallel.pp, self.cfg.optim.grad_clip)
+        return self.deferred is not None
+
+    def train_step_deferred(self, measure: bool = False) -> list[StepResult]:
+        """One 2BW step whose boundary waits for no other rank: its reductions are posted and its
+        update lands when the weights it makes are first needed (in the next step), with the same
+        numbers as :meth:`train_step`. Returns the results of the steps whose updates landed during
+        this call (the previous step's; none for the first): a step's loss, norm and skip are known
+        only then. :meth:`flush_update` lands the last one."""
+        if self.deferred is None:
+            raise RuntimeError("train_step_deferred needs start_deferred_updates() (2BW, on a layout it allows)")
+        cfg, step = self.cfg, self.step
+        lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
+        before = self.mesh.stats.snapshot()
+        start = time.perf_counter()
+        global_targets = self.sampler.counted_targets(step)
+        batches = list(self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"),
+                                                  cfg.train.micro_batch))
+        self.counted_targets = global_targets
+        loss_sum, activations = self._micro_batches_through_pipeline(batches, measure, reduce=False)
+        self.parallel.finish_grad_sync()
+        self.deferred.land()  # the previous step's, if no forward of this segment needed it (the last stage)
+        pending = self.deferred.post(step, lr, loss_sum)
+        traffic = self.mesh.stats.since(before)
+        step_time = time.perf_counter() - start
+        mem = self._memory(activations) if measure else {}  # a blocking collective: on measured steps only
+        pending.info = {"global_targets": global_targets, "step_time": step_time, "mem": mem,
+                        "comm": traffic.by_axis(), "comm_ops": traffic.by_op()}
+        self.step += 1
+        return self._landed_results()
+
+    def flush_update(self) -> list[StepResult]:
+        """Land the deferred update still pending (before a checkpoint, an evaluation, the end of a
+        run, or a synchronous step): a barrier, as the synchronous boundary is. The results of the
+        steps that landed and were not yet returned."""
+        if self.deferred is None:
+            return []
+        self.deferred.flush()
+        return self._landed_results()
+
+    def _land_pending(self) -> None:
+        """Land the deferred update still pending; its result waits for the next ``flush_update`` or
+        ``train_step_deferred`` to return it."""
+        if self.deferred is not None:
+            self.deferred.flush()
+
+    def _landed_results(self) -> list[StepResult]:
+        landed, self.deferred.landed = self.deferred.landed, []
+        return [self._deferred_result(one) for one in landed]
+
+    def _deferred_result(self, landed: LandedUpdate) -> StepResult:
+        pending, info = landed.pending, landed.pending.info
+        return StepResult(pending.step, landed.loss_sum / info["global_targets"], landed.grad_norm, pending.lr,
+                          info["step_time"], self.global_tokens, info["mem"], info["comm"], info["comm_ops"],
+                          landed.skipped)
 
     def _host_step(self, start: float, end: float) -> dict[str, float]:
         offload = getattr(self.engine, "offload", None)
@@ -252,16 +320,23 @@ class Trainer:
                          cfg.logging.tensorboard)
         scaler = self.engine.scaler
         bad = BadSteps(cfg.train.max_bad_steps, scaler.min_scale if scaler is not None else None)
+        deferred = self.start_deferred_updates()
         try:
             with SignalWatch(self.mesh.comm("world")) as signals:
                 while self.step < cfg.train.steps:
                     self._run_step(log, bad)
                     saved = False
                     if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                        self._record_landed(self.flush_update(), log, bad)  # the checkpoint holds this step's update
                         saved = self._save_unless_bad(bad, log)
-                    signum = signals.agreed(self.device)  # every rank, every boundary: one decision
+                    # Every rank, every boundary: one decision. Deferred 2BW reads the previous
+                    # boundary's (a signal stops the run a step later) rather than wait for the others.
+                    signum = signals.agreed_late(self.device) if deferred else signals.agreed(self.device)
                     if signum is not None and self.step < cfg.train.steps:
+                        self._record_landed(self.flush_update(), log, bad)
                         self._stop_on_signal(signum, saved or self._save_unless_bad(bad, log))
+                self._record_landed(self.flush_update(), log, bad)  # the last step's update
+                signals.settle()
         finally:
             log.close()
         if self.executor is not None and self.history:
@@ -277,17 +352,37 @@ class Trainer:
         self.wall_time_s = time.perf_counter() - started
         return self.history
 
-    def _run_step(self, log: MetricsLog, bad: BadSteps) -> None:
-        """One step, logged (always when skipped), and counted by the NaN policy."""
+    def _logged(self, step: int) -> bool:
         cfg = self.cfg
-        logged = (self.step + 1) % cfg.logging.log_every == 0 or self.step == 0 or self.step + 1 == cfg.train.steps
-        scale_before = self.engine.scaler.scale if self.engine.scaler is not None else None
-        result = self.train_step(measure=logged and cfg.logging.measure_memory)
+        return (step + 1) % cfg.logging.log_every == 0 or step == 0 or step + 1 == cfg.train.steps
+
+    def _run_step(self, log: MetricsLog, bad: BadSteps) -> None:
+        """One step, logged (always when skipped), and counted by the NaN policy. With the deferred
+        2BW boundary, the steps whose updates landed meanwhile (the previous one) are."""
+        cfg = self.cfg
+        measure = self._logged(self.step) and cfg.logging.measure_memory
         every = cfg.train.eval_every
+        if self.deferred is not None:
+            results = self.train_step_deferred(measure=measure)
+            if every and (self.step % every == 0 or self.step == cfg.train.steps):
+                results += self.flush_update()  # evaluate the weights after this step's update
+                results[-1].eval_loss = self.evaluate()
+            self._record_landed(results, log, bad)
+            return
+        scale_before = self.engine.scaler.scale if self.engine.scaler is not None else None
+        result = self.train_step(measure=measure)
         if every and (self.step % every == 0 or self.step == cfg.train.steps):
             result.eval_loss = self.evaluate()
+        self._log_result(result, log, bad, scale_before)
+
+    def _record_landed(self, results: list[StepResult], log: MetricsLog, bad: BadSteps) -> None:
+        for result in results:  # fp32 only: no loss scale before or after
+            self._log_result(result, log, bad, None)
+
+    def _log_result(self, result: StepResult, log: MetricsLog, bad: BadSteps, scale_before: float | None) -> None:
+        """Log a finished step and count it for the NaN policy."""
         self.history.append(result)
-        if logged or result.skipped or result.eval_loss is not None:
+        if self._logged(result.step) or result.skipped or result.eval_loss is not None:
             log.write(result.record())
         log.advance()
         try:
@@ -372,6 +467,7 @@ class Trainer:
         in a background thread while training goes on (see :meth:`wait_for_save`). Nothing is
         written, and False returned, when any rank's weights or optimizer state are not finite."""
         self.wait_for_save()
+        self._land_pending()  # the checkpoint holds the update of the step it is named after
         background = getattr(self.cfg.checkpoint, "async")
         chunks = self.parallel.owned_chunks(copy=background)
         if not self._all_finite(chunks):

@@ -132,3 +132,103 @@ def test_the_planner_counts_the_weight_versions_of_the_worst_rank():
         layout = Layout(pp=4, schedule=kind, precision="fp32")
         mem = estimate_memory(model, layout, profile, global_batch=4 if kind == "pipedream" else 16)
         assert mem.buffers.get("weight_versions", 0) == versions * mem.params
+
+
+# -- the deferred 2BW boundary (bigtrain/parallel/pipeline/deferred.py) --------------------------------
+def _nan_loss_on_last_stage(trainer, step: int, fault_step: int | None) -> None:
+    """Make the loss of step ``fault_step`` NaN (the last stage runs only its own micro-batches)."""
+    if not hasattr(trainer, "_clean_loss_sum"):
+        trainer._clean_loss_sum = trainer.parallel.loss_sum
+    clean = trainer._clean_loss_sum
+    last = trainer.executor.schedule.num_stages - 1 in trainer.executor.stages
+    faulty = step == fault_step and last
+    trainer.parallel.loss_sum = (lambda logits, targets: clean(logits, targets) + float("nan")) if faulty else clean
+
+
+def _train_deferred(rank, world_size, cfg, run_dir, fault_step=None):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    assert trainer.start_deferred_updates()
+    results = []
+    for step in range(STEPS):
+        _nan_loss_on_last_stage(trainer, step, fault_step)
+        results += trainer.train_step_deferred()
+    results += trainer.flush_update()
+    versions = {s: v.peak for s, v in trainer.executor.versions.items()}
+    return ([(r.step, r.loss, r.grad_norm, r.skipped) for r in results], params_of(trainer), versions,
+            trainer.deferred.landed_by_forward)
+
+
+def _train_synchronous(rank, world_size, cfg, run_dir, fault_step=None):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    results = []
+    for step in range(STEPS):
+        _nan_loss_on_last_stage(trainer, step, fault_step)
+        results.append(trainer.train_step())
+    return [(r.step, r.loss, r.grad_norm, r.skipped) for r in results], params_of(trainer)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_2bw_deferred_boundary_gives_the_synchronous_numbers(pp, corpus_cache, tmp_path):
+    args = (*MODEL, "--train.micro_batch=2", f"--parallel.pp={pp}", "--parallel.pp_schedule=pipedream-2bw")
+    cfg = tiny_config(corpus_cache, *args)
+    deferred = run_ranks(_train_deferred, pp, cfg, str(tmp_path / "deferred"), timeout=240)
+    synchronous = run_ranks(_train_synchronous, pp, cfg, str(tmp_path / "sync"), timeout=240)
+    for rank, ((steps, params, versions, by_forward), (sync_steps, sync_params)) in enumerate(zip(deferred,
+                                                                                                  synchronous)):
+        # upstream ranks land step s's update inside step s + 1's segment (step s + 2's first forward
+        # needs it), all but the last step's (flushed); the last stage at the end of the next segment
+        assert by_forward == (0 if rank == pp - 1 else STEPS - 1)
+        assert [s[0] for s in steps] == list(range(STEPS)), "every step reported once, in order"
+        for (_, loss, norm, skipped), (_, sync_loss, sync_norm, sync_skipped) in zip(steps, sync_steps):
+            assert (loss, norm, skipped) == (sync_loss, sync_norm, sync_skipped)
+        for name, value in params.items():
+            assert torch.equal(value, sync_params[name]), name
+        assert all(peak <= weight_versions("pipedream-2bw", pp, rank) for peak in versions.values())
+
+
+def _fit(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    history = trainer.fit()
+    return [(r.step, r.loss, r.grad_norm) for r in history], params_of(trainer), trainer.deferred is not None
+
+
+def _steps_then_resume(rank, world_size, cfg, run_dir, first, total):
+    """Today's boundary: ``first`` synchronous steps, save, then a new trainer resumes to ``total``."""
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    losses = [trainer.train_step().loss for _ in range(first)]
+    trainer.save()
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    trainer.resume("auto")
+    losses += [trainer.train_step().loss for _ in range(total - first)]
+    return losses, params_of(trainer)
+
+
+def test_2bw_deferred_fit_checkpoints_and_resumes_as_the_synchronous_boundary(corpus_cache, tmp_path):
+    args = ("--model.n_layers=4", "--train.micro_batch=2", "--parallel.pp=2", "--parallel.pp_schedule=pipedream-2bw",
+            "--checkpoint.every=2", "--checkpoint.keep=5")
+    # an interrupted run: 3 steps (checkpoints at 2), then resumed to 5 (a checkpoint at 4, the last flushed)
+    first = tiny_config(corpus_cache, *args, "--train.steps=3")
+    run_dir = str(tmp_path / "deferred")
+    head = run_ranks(_fit, 2, first, run_dir, timeout=240)
+    resumed = tiny_config(corpus_cache, *args, "--train.steps=5", "--checkpoint.resume=auto")
+    tail = run_ranks(_fit, 2, resumed, run_dir, timeout=240)
+    sync = run_ranks(_steps_then_resume, 2, first, str(tmp_path / "sync"), 2, 5, timeout=240)
+    for rank in range(2):
+        assert head[rank][2] and tail[rank][2], "fit ran the deferred boundary"
+        losses = [loss for _, loss, _ in head[rank][0][:2] + tail[rank][0]]
+        assert [s for s, _, _ in tail[rank][0]] == [2, 3, 4]
+        assert losses == sync[rank][0]
+        for name, value in tail[rank][1].items():
+            assert torch.equal(value, sync[rank][1][name]), name
+
+
+def test_2bw_deferred_boundary_skips_a_non_finite_step_as_the_synchronous_one(corpus_cache, tmp_path):
+    args = (*MODEL, "--train.micro_batch=2", "--parallel.pp=2", "--parallel.pp_schedule=pipedream-2bw")
+    cfg = tiny_config(corpus_cache, *args)
+    deferred = run_ranks(_train_deferred, 2, cfg, str(tmp_path / "deferred"), 2, timeout=240)
+    synchronous = run_ranks(_train_synchronous, 2, cfg, str(tmp_path / "sync"), 2, timeout=240)
+    for (steps, params, *_), (sync_steps, sync_params) in zip(deferred, synchronous):
+        assert [skipped for *_, skipped in steps] == [False, False, True, False]
+        assert str(steps) == str(sync_steps)  # NaN == NaN as text
+        for name, value in params.items():
+            assert torch.equal(value, sync_params[name]), name

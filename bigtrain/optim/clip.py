@@ -36,7 +36,13 @@ def global_norm(parts: torch.Tensor, summed_over: AxisComm | None = None) -> tup
     (every rank, each having counted only its own parts). One host sync."""
     if summed_over is not None:
         summed_over.all_reduce(parts, tag="grad_norm")
-    norm, flag = torch.stack([parts[0].sqrt(), parts[1]]).tolist()
+    return norm_of(parts)
+
+
+def norm_of(summed: torch.Tensor) -> tuple[float, bool]:
+    """(L2 norm, overflow) of :func:`square_sums` already summed over every rank (the half of
+    :func:`global_norm` after its collective, for a caller that posted the collective itself)."""
+    norm, flag = torch.stack([summed[0].sqrt(), summed[1]]).tolist()
     return norm, flag > 0
 
 

@@ -84,19 +84,34 @@ class ReplicatedEngine:
     def step(self, lr: float, max_norm: float, skip: torch.Tensor | None = None) -> tuple[float, bool]:
         """Clip and update; returns (grad norm, skipped). A non-finite norm, or a non-zero ``skip``
         (a flag every rank shares, e.g. a non-finite loss), skips the update on every rank."""
-        grads = [p.grad for p in self.dp.params]
-        parts = square_sums((p.grad for p in self._in_norm), grads[0].device)
+        parts = self.norm_parts()
         if skip is not None:
             parts[1] += skip
         norm, found_inf = global_norm(parts, self._norm_comm)
+        self.update(lr, max_norm, norm, found_inf)
+        return norm, found_inf
+
+    # The three parts of ``step``, for a caller that reduces the norm asynchronously (2BW's deferred
+    # update, bigtrain/parallel/pipeline/deferred.py): local sums, the collective, clip and update.
+    def norm_parts(self) -> torch.Tensor:
+        """[this rank's sum of squares of the gradients it counts in the global norm, overflow flag]."""
+        return square_sums((p.grad for p in self._in_norm), self.dp.params[0].grad.device)
+
+    def post_norm(self, parts: torch.Tensor):
+        """Start summing ``parts`` over every rank; the work handle (None: nothing to sum)."""
+        if self._norm_comm is None:
+            return None
+        return self._norm_comm.all_reduce(parts, async_op=True, tag="grad_norm")
+
+    def update(self, lr: float, max_norm: float, norm: float, found_inf: bool) -> None:
+        """Clip the current ``.grad`` by the global ``norm`` and step, unless ``found_inf``."""
         if not found_inf:  # summed over every rank: every replica sees the same flag (local SGD: its own)
-            clip_(grads, norm, max_norm)
+            clip_([p.grad for p in self.dp.params], norm, max_norm)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
         if self.averaging is not None:  # also after a skipped step: every replica joins each average
             self.averaging.after_step()
-        return norm, found_inf
 
     def zero_grad(self) -> None:
         self.dp.zero_grad()

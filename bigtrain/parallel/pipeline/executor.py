@@ -127,6 +127,11 @@ class PipelineExecutor:
         self._carry: _Step | None = None
         self._in_flight: dict[Key, int] = {}  # (stage, micro-batch) -> weight version of its forward
         self._forwarded = -1  # the newest micro-batch forwarded on this rank
+        # 2BW's deferred update (bigtrain/parallel/pipeline/deferred.py): versions after the first are
+        # kept by ``keep_version`` once the caller has applied the update that makes them, not at the
+        # start of each run; a forward that needs a version not yet held first calls
+        # ``make_version(version)``, which lands that update (and keeps the version).
+        self.make_version: Callable[[int], None] | None = None
         self.version_log: list[tuple[str, int]] = []  # (compute action, weight version), every run
         # Per model-input (shape, dtype): the received (shape, dtype) of each stage's input, and the
         # stages whose output shape this rank has sent; exchanged once, on the first step.
@@ -195,9 +200,15 @@ class PipelineExecutor:
         self._last_grad_actions = _last_grad_actions(actions)
         step = self._carry if self._carry is not None else _Step(micro_batches)
         step.micro_batches, step.first, step.losses = micro_batches, t * m, []
-        for versions in self.versions.values():
-            versions.snapshot(t)
+        if self.make_version is None or t == 0:
+            self.keep_version(t)
         return step, actions
+
+    def keep_version(self, version: int) -> None:
+        """Keep the live weights, which have seen ``version`` updates since this executor's first run,
+        as that version on every stage of this rank."""
+        for versions in self.versions.values():
+            versions.snapshot(version)
 
     def _end_async_run(self, step: _Step) -> None:
         """Carry the micro-batches in flight to the next run; drop versions nobody will use again.
@@ -221,6 +232,8 @@ class PipelineExecutor:
         self._in_flight[(action.stage, action.microbatch)] = version
         self._forwarded = max(self._forwarded, action.microbatch)
         self.version_log.append((str(action), version))
+        if self.make_version is not None and version not in self.versions[action.stage].versions:
+            self.make_version(version)
         weights = self.versions[action.stage].weights(version)
         return torch.func.functional_call(stage, weights, (x,), dict(self.forward_kwargs))
 
