@@ -13,8 +13,10 @@ import math
 import statistics
 import time
 
-SHAPES = ((64, 64, 64), (128, 512, 128), (256, 256, 256), (512, 512, 512), (2048, 256, 256),
-          (1024, 1024, 1024), (4096, 512, 512))
+# Square and transformer-like shapes, small to large; (512, 128, 128) and its kin are a small model's
+# projections (4 x 128 tokens, hidden 128), where the curve's knee decides a CPU layer's time.
+SHAPES = ((64, 64, 64), (512, 128, 128), (128, 512, 128), (512, 384, 128), (512, 128, 512), (256, 256, 256),
+          (512, 512, 512), (2048, 256, 256), (1024, 1024, 1024), (4096, 512, 512))
 HALF_DIMS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 

@@ -9,9 +9,11 @@ and measures, taking the median of ``repeats`` timings and the slowest rank:
   took 1.6x an all-reduce of the same buffer, half the bytes (2026-11-23, 2 ranks, 3.7 MB).
 * **Latency in place.** A layer's collective follows its GEMMs: the ranks arrive at slightly
   different times, and where every core computes, Gloo's transport threads wait for one. Timing
-  tiny all-reduces back to back misses that (0.2-0.4 ms here) while tensor parallelism paid about
-  2 ms a collective; the measurement times a loop of ~1 ms compute bursts each followed by a tiny
-  all-reduce, minus the bursts alone (1.6-1.9 ms here on a loaded machine).
+  tiny all-reduces back to back misses that (0.2-0.4 ms here) while training paid 1.2-2.2 ms for
+  each small synchronous all-reduce (the loss, the norm, the signal agreement; counted by wrapping
+  the Comm, dp 2, 2026-11-23); the measurement times a loop of compute bursts as long as a CPU
+  micro-batch's forward (``burst_s``, 50 ms) each followed by a tiny all-reduce, minus the bursts
+  alone.
 * **Overlap.** ``comm_overlap``: how much of a large all-reduce started asynchronously hides behind
   compute on the same rank. On a GPU the copy engines and NCCL's kernels run beside the GEMMs
   (the profiles' 0.9); on a CPU whose cores all compute, Gloo's threads take the cycles from them.
@@ -54,7 +56,7 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _collectives_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict[str, float]:
+def _collectives_rank(rank: int, world: int, nbytes: int, repeats: int, burst_s: float) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
@@ -76,13 +78,16 @@ def _collectives_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict[
     for op in ops.values():  # connections and buffers
         op()
     out = {name: _median(op, repeats) for name, op in ops.items()}
-    # Bursts of about 1 ms, each followed by a tiny all-reduce, in a loop with no barrier between
-    # them, as a layer calls its collectives: the cost beyond the bursts alone.
+    # Bursts of compute as long as a CPU micro-batch's forward or backward (~50 ms), each followed
+    # by a tiny all-reduce, in a loop with no barrier between them, as training calls its
+    # collectives: the cost beyond the bursts alone. The longer the compute between two
+    # collectives, the further apart the ranks arrive (0.4-0.6 ms after 1 ms bursts, 0.7-1.9 ms
+    # after 20 ms, 0.7-3.1 ms after 50 ms; 2 ranks, 2026-11-23).
     gemm = _median(lambda: burst(4), repeats) / 4
-    short = max(1, round(1e-3 / max(gemm, 1e-9)))
-    loop = 20
-    out["after_compute"] = max(0.0, _median(lambda: [(burst(short), dist.all_reduce(tiny)) for _ in range(loop)], 3)
-                               - _median(lambda: burst(short * loop), 3)) / loop
+    short = max(1, round(burst_s / max(gemm, 1e-9)))
+    loop = 8
+    out["after_compute"] = max(0.0, _median(lambda: [(burst(short), dist.all_reduce(tiny)) for _ in range(loop)], 5)
+                               - _median(lambda: burst(short * loop), 5)) / loop
     # As much compute as the all-reduce takes, alone, and with the all-reduce running beside it.
     long = max(1, round(out["all_reduce"] / max(gemm, 1e-9)))
     out["compute"] = _median(lambda: burst(long), repeats)
@@ -91,11 +96,12 @@ def _collectives_rank(rank: int, world: int, nbytes: int, repeats: int) -> dict[
     return out
 
 
-def measure_collectives(ranks: int = 2, nbytes: int = 16 * MIB, repeats: int = 7) -> CollectiveRates:
+def measure_collectives(ranks: int = 2, nbytes: int = 16 * MIB, repeats: int = 7, burst_s: float = 50e-3
+                        ) -> CollectiveRates:
     """The rates of :class:`CollectiveRates` over ``ranks`` local Gloo ranks (the slowest rank's)."""
     from bigtrain.testing import run_ranks
 
-    results = run_ranks(_collectives_rank, ranks, nbytes, repeats, timeout=600.0)
+    results = run_ranks(_collectives_rank, ranks, nbytes, repeats, burst_s, timeout=600.0)
     t = {key: max(r[key] for r in results) for key in results[0]}
     share = (ranks - 1) / ranks
     moved = share * (nbytes // 4 // ranks) * ranks * 4  # bytes a rank sends in reduce-scatter or all-gather

@@ -262,6 +262,26 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
     return out
 
 
+# -- the step's boundary -----------------------------------------------------------------------------
+# The trainer's small synchronous all-reduces over every rank at each step's end: the loss for the
+# metrics (twice: over the pipeline and the replicas), the gradient norm with the overflow flag, and
+# the signal agreement (train.py, preemption.py). Each waits for the slowest rank: on NCCL a few
+# microseconds, on Gloo a millisecond or two where a layer's compute came before (calibrate_comm.py).
+BOUNDARY_COLLECTIVES = 4
+
+
+def step_boundary_costs(layout: Layout, cluster: Cluster) -> float:
+    """Exposed seconds per step of the boundary's tiny collectives over the whole world."""
+    ranks = layout.gpus
+    if ranks <= 1:
+        return 0.0
+    crosses = ranks > cluster.gpus_per_node
+    hw = cluster.hardware
+    link = Link(hw.inter_node_bandwidth, hw.inter_node_latency_s) if crosses else \
+        Link(hw.intra_node_bandwidth, hw.intra_node_latency_s)
+    return BOUNDARY_COLLECTIVES * link.collective("all_reduce", 8, ranks)
+
+
 # -- offload -------------------------------------------------------------------------------------------
 def offload_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: StageCosts,
                   micro_batches: int) -> dict[str, float]:
@@ -314,6 +334,7 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
     weight_grad = costs.compute_w if layout.schedule == "zb-h1" else 0.0
     terms = pipeline.terms(layout.schedule, layout.pp, m, layout.v, f, b, weight_grad, costs.p2p)
     extra = data_parallel_costs(model, layout, cluster, costs, m)
+    extra["step_boundary"] = step_boundary_costs(layout, cluster)
     extra.update(activation_option_costs(model, layout, cluster, costs, m))
     extra.update(offload_costs(model, layout, cluster, costs, m))
     total = terms.makespan + sum(extra.values())
