@@ -10,7 +10,9 @@ default), and the profile is one thread's (``bench --calibrate --threads 1``, th
 is one core, as the planner's one accelerator per rank. Predicted = ``bigtrain.plan.evaluate`` on the
 calibrated profile, each rank's rates (GEMM, memory, dispatch) scaled by its share when the layout's
 ranks run at once: measured here first (``calibrate.measure_shared_rate``: that many one-thread
-GEMM loops at once, the slowest against one alone), or with ``--shared cores`` min(1, cores / ranks).
+GEMM loops at once, the slowest against one alone), or with ``--shared cores`` min(1, cores / ranks);
+and the collectives of each rank count measured here too (``--links measured``: 4 ranks on 2 cores
+wait longer than 2), or the profile's with ``--links profile``.
 ``--rounds N`` measures every layout N times in turn and takes the median. Reports each ratio, how
 many are within 25%, and whether the planner's top 3 equals the measured top 3. The machine is
 shared: say how loaded it was next to any figure.
@@ -33,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.plan.calibrate import measure_shared_rate  # noqa: E402
+from bigtrain.plan.calibrate_comm import CollectiveRates, measure_collectives  # noqa: E402
 from bigtrain.plan.fit import _layout  # noqa: E402
 from bigtrain.plan.hardware import get_profile, load_profile  # noqa: E402
 from bigtrain.plan.layout import Cluster  # noqa: E402
@@ -73,10 +76,18 @@ def world_size(overrides: list[str]) -> int:
     return load_config(preset=PRESET, overrides=BASE + overrides).parallel.world_size
 
 
-def predict(overrides: list[str], hardware, shared_rates: dict[int, float] | None = None) -> float:
+def predict(overrides: list[str], hardware, shared_rates: dict[int, float] | None = None,
+            links: dict[int, CollectiveRates] | None = None) -> float:
     cfg = load_config(preset=PRESET, overrides=BASE + overrides)
     ranks = cfg.parallel.world_size
     shared = (shared_rates or {}).get(ranks, min(1.0, (os.cpu_count() or 1) / ranks))
+    if links and ranks in links:  # the collectives of this many ranks on this machine
+        rates = links[ranks]
+        hardware = dataclasses.replace(hardware, intra_node_bandwidth=rates.bandwidth,
+                                       intra_node_latency_s=rates.latency_s,
+                                       reduce_scatter_efficiency=rates.reduce_scatter_efficiency,
+                                       all_gather_efficiency=rates.all_gather_efficiency,
+                                       comm_overlap=rates.comm_overlap)
     # A rank that gets half a core runs everything at half speed: its GEMMs, its memory-bound
     # kernels and its per-kernel dispatch alike.
     hw = dataclasses.replace(hardware, peak_flops_fp32=hardware.peak_flops_fp32 * shared,
@@ -98,6 +109,9 @@ def main() -> int:
     parser.add_argument("--shared", choices=("measured", "cores"), default="measured",
                         help="each rank's share of its rates when several run at once: measured here "
                              "(calibrate.measure_shared_rate), or min(1, cores / ranks)")
+    parser.add_argument("--links", choices=("measured", "profile"), default="measured",
+                        help="the collectives of each layout's rank count measured here first "
+                             "(calibrate_comm.measure_collectives), or the profile's (measured at 2 ranks)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every layout this many times, in turn, and take the median")
     args = parser.parse_args()
@@ -109,13 +123,18 @@ def main() -> int:
         shared_rates = {r: measure_shared_rate(r) for r in sorted({world_size(o) for o in LAYOUTS.values()})}
         print("one rank's share of its lone rate, by ranks running at once:",
               ", ".join(f"{r}: {v:.2f}" for r, v in shared_rates.items()), flush=True)
+    links = None
+    if args.links == "measured":
+        links = {r: measure_collectives(r) for r in sorted({world_size(o) for o in LAYOUTS.values()}) if r > 1}
+        for r, rates in links.items():
+            print(rates.describe(r, 16 * 2**20), flush=True)
     measured = {name: [] for name in LAYOUTS}
     for _ in range(args.rounds):  # in turn, so a slow minute of the machine hits every layout alike
         for name, overrides in LAYOUTS.items():
             measured[name].append(measure(overrides, args.steps))
     rows = []
     for name, overrides in LAYOUTS.items():
-        predicted, median = predict(overrides, hardware, shared_rates), statistics.median(measured[name])
+        predicted, median = predict(overrides, hardware, shared_rates, links), statistics.median(measured[name])
         rows.append({"layout": name, "predicted": predicted, "measured": median, "rounds": measured[name],
                      "ratio": predicted / median})
         print(f"{name:16s} predicted {predicted:9,.0f}  measured {median:9,.0f} tokens/s  ratio {predicted / median:.2f}"
@@ -126,7 +145,9 @@ def main() -> int:
           f"{'same' if top('predicted') == top('measured') else 'different'}; load {load:.1f} -> {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "within_25": within, "load": load,
-                                               "shared_rates": shared_rates}, indent=1))
+                                               "shared_rates": shared_rates,
+                                               "links": {r: dataclasses.asdict(v) for r, v in (links or {}).items()}},
+                                              indent=1))
     return 0
 
 

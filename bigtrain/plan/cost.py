@@ -219,13 +219,13 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
 
 
 # -- data parallel / ZeRO ----------------------------------------------------------------------------
-def _largest_rank_params(model: ModelSpec, layout: Layout) -> tuple[int, int]:
-    """(parameters, largest unit) of the pipeline rank holding the most parameters."""
-    best = (0, 0)
+def _largest_rank_params(model: ModelSpec, layout: Layout) -> tuple[int, int, list[int]]:
+    """(parameters, largest unit, every unit's size) of the pipeline rank holding the most parameters."""
+    best = (0, 0, [])
     for r in checked_pp_ranks(layout.pp):
         root, blocks = rank_units(model, layout, r)
-        units = ([root] if root else []) + blocks
-        best = max(best, (sum(u.numel for u in units), max(u.numel for u in units)))
+        sizes = [u.numel for u in ([root] if root else []) + blocks]
+        best = max(best, (sum(sizes), max(sizes), sizes))
     return best
 
 
@@ -233,7 +233,7 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
                         micro_batches: int) -> dict[str, float]:
     """Exposed seconds of gradient reduction, weight gathers and the optimizer step."""
     nbytes = BYTES[layout.precision]
-    params, largest = _largest_rank_params(model, layout)
+    params, largest, sizes = _largest_rank_params(model, layout)
     group = replicas(layout)  # the dense weights' gradient group (dp x sp), as the placement record says
     link = link_of(cluster, layout, ("sp", "dp") if layout.sp > 1 else ("dp",))
     grads, unit = params * nbytes, largest * nbytes
@@ -245,8 +245,10 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
         out["dp_grad_sync"] = max(link.collective("all_reduce", unit, group),
                                   link.collective("all_reduce", grads, group) - window_b)
     else:
-        reduce = max(link.collective("reduce_scatter", unit, group),
-                     link.collective("reduce_scatter", grads, group) - window_b)
+        # ZeRO reduces unit by unit, each a collective of its own: each pays the link's latency
+        # (negligible on NCCL; on Gloo after compute, what decides a small model's step).
+        per_unit = sum(link.collective("reduce_scatter", n * nbytes, group) for n in sizes)
+        reduce = max(link.collective("reduce_scatter", unit, group), per_unit - window_b)
         out["dp_grad_sync"] = reduce * (micro_batches if layout.zero >= 2 else 1)
     if layout.zero in (1, 2):
         out["zero_param_gather"] = link.collective("all_gather", grads, group)
