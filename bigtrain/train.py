@@ -172,17 +172,23 @@ class Trainer:
                                 forward_kwargs={"start_pos": start} if parallel.sp.size > 1 else None,
                                 vertical_sync=self.cfg.parallel.pp_vertical_sync)
 
+    def _step_inputs(self) -> tuple:
+        """What a step starts from: (its learning rate, the traffic counters before it, its start
+        time, the batch's count of targets, this replica's micro-batches)."""
+        cfg, step = self.cfg, self.step
+        lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
+        before = self.mesh.stats.snapshot()
+        start = time.perf_counter()
+        batches = list(self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"),
+                                                  cfg.train.micro_batch))
+        return lr, before, start, self.sampler.counted_targets(step), batches
+
     def train_step(self, measure: bool = False, before_update: Callable[[], None] | None = None) -> StepResult:
         """One optimizer step. ``before_update`` runs once the gradients are reduced and before the
         optimizer uses them (``bigtrain check`` reads them there)."""
         self._land_pending()  # after deferred steps: their last update first
         cfg, step = self.cfg, self.step
-        lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
-        before = self.mesh.stats.snapshot()
-        start = time.perf_counter()
-        global_targets = self.sampler.counted_targets(step)
-        batches = list(self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"),
-                                                  cfg.train.micro_batch))
+        lr, before, start, global_targets, batches = self._step_inputs()
         # Local SGD: each replica's gradient is the mean loss's over its own part of the batch.
         local = getattr(self.engine, "averaging", None) is not None
         self.counted_targets = max(1, sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)) if local else global_targets
@@ -234,13 +240,8 @@ class Trainer:
         only then. :meth:`flush_update` lands the last one."""
         if self.deferred is None:
             raise RuntimeError("train_step_deferred needs start_deferred_updates() (2BW, on a layout it allows)")
-        cfg, step = self.cfg, self.step
-        lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
-        before = self.mesh.stats.snapshot()
-        start = time.perf_counter()
-        global_targets = self.sampler.counted_targets(step)
-        batches = list(self.sampler.micro_batches(step, self.mesh.coord("dp"), self.mesh.size("dp"),
-                                                  cfg.train.micro_batch))
+        step = self.step
+        lr, before, start, global_targets, batches = self._step_inputs()
         self.counted_targets = global_targets
         loss_sum, activations = self._micro_batches_through_pipeline(batches, measure, reduce=False)
         self.parallel.finish_grad_sync()
