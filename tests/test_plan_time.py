@@ -89,17 +89,10 @@ def test_profile_fields_of_the_collectives_are_checked():
         A100.with_values(comm_overlap=1.5)
 
 
-def test_recompute_factor_scales_the_recomputed_forward_and_the_boundary_waits_on_every_rank():
-    from bigtrain.plan.cost import step_boundary_costs, step_time
+def test_the_step_boundary_waits_on_every_rank():
+    from bigtrain.plan.cost import step_boundary_costs
     from bigtrain.plan.layout import Cluster
 
-    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=1024)
-    full = Layout(micro_batch=1, recompute="full")
-    plain, costly = (step_time(model, full, Cluster.build(1, dataclasses.replace(A100, recompute_factor=r)), 8)
-                     for r in (1.0, 2.0))
-    no_recompute = step_time(model, Layout(micro_batch=1), Cluster.build(1, A100), 8)
-    extra = plain.step_time_s - no_recompute.step_time_s
-    assert costly.step_time_s - no_recompute.step_time_s == pytest.approx(2 * extra, rel=1e-6)
     assert step_boundary_costs(Layout(), Cluster.build(1, A100)) == 0
     cpu = get_profile("cpu")
     assert step_boundary_costs(Layout(dp=2), Cluster.build(2, cpu)) == pytest.approx(4 * 2 * cpu.intra_node_latency_s,

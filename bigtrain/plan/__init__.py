@@ -10,6 +10,9 @@
 See docs/planner.md for the formulas, assumptions and comparisons with published runs.
 """
 
+# The submodule plan.calibrate first: importing it later would bind the package's ``calibrate`` to
+# the module instead of the function below.
+import bigtrain.plan.calibrate  # noqa: F401,E402  (isort: keep first)
 from bigtrain.plan.activations import BlockActivations, block_activations, head_activations
 from bigtrain.plan.cost import StepTime, step_time
 from bigtrain.plan.hardware import PRESETS, HardwareProfile, calibrate, get_profile, load_profile, save_profile

@@ -139,3 +139,4 @@ def measure_shared_rate(ranks: int, seconds: float = 2.0) -> float:
     for worker in workers:
         worker.join()
     return min(1.0, min(rates) / alone)
+

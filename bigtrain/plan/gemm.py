@@ -132,6 +132,6 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
     block = block_times(model, layout, hw)
     head = head_times(model, layout, hw)
     forward = layers * block.forward + head[0] / layout.pp
-    backward = layers * block.backward + head[1] / layout.pp + recomputed * block.forward * hw.recompute_factor
+    backward = layers * block.backward + head[1] / layout.pp + recomputed * block.forward
     deferred = (layers - recomputed) * block.backward + head[1] / layout.pp
     return forward, backward, hw.weight_grad_fraction * deferred

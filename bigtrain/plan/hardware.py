@@ -53,9 +53,6 @@ class HardwareProfile:
     inter_node_latency_s: float
     gpus_per_node: int = 8
     weight_grad_fraction: float = WEIGHT_GRAD_FRACTION  # W / (I + W) of a split backward, measured
-    # A checkpointed block's recomputation as a multiple of its forward (weight_grad.py measures it;
-    # 1 on GPUs: assumption). On a CPU with small ops torch.utils.checkpoint costs more.
-    recompute_factor: float = 1.0
     # device <-> host copies (activation offload), per direction: PCIe Gen4 x16 at ~80% (assumption)
     host_bandwidth: float = 25e9
     # offload.optimizer / offload.params = 'nvme': one rank's share of the local NVMe drives, read or
@@ -170,8 +167,6 @@ def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
     for key in ("reduce_scatter_efficiency", "all_gather_efficiency"):
         if key in out and not 0 < out[key] <= 1:
             problems.append(f"{origin}: {key} = {out[key]} must be in (0, 1]")
-    if "recompute_factor" in out and out["recompute_factor"] < 1:
-        problems.append(f"{origin}: recompute_factor = {out['recompute_factor']} must be >= 1")
     if "comm_overlap" in out and not 0 <= out["comm_overlap"] <= 1:
         problems.append(f"{origin}: comm_overlap = {out['comm_overlap']} must be in [0, 1]")
     if problems:
@@ -290,7 +285,6 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
                           f"(32 MiB fp32 tensors)")
         split = measure_backward_split(**(split_stage or {}))
     values["weight_grad_fraction"] = split.weight_grad_fraction
-    values["recompute_factor"] = split.recompute_factor
     source.append(f"split backward: {split.describe()}")
     values["source"] = "; ".join(source)
     profile = dataclasses.replace(base, **values)

@@ -8,8 +8,7 @@ what most stages of a deep pipeline hold), the fastest of ``repeats`` rounds of
 * F: the stage's forward; B: a plain ``autograd.backward`` from its output;
 * I and W: ``split_backward.backward_input`` and ``WeightGrads.run`` on a fresh forward,
 
-and ``weight_grad_fraction = W / (I + W)``; then B again with every block checkpointed, for
-``recompute_factor``. ``bigtrain bench --split-backward`` prints them;
+and ``weight_grad_fraction = W / (I + W)``. ``bigtrain bench --split-backward`` prints them;
 ``bigtrain bench --calibrate`` stores the fraction in the profile it writes.
 """
 
@@ -25,16 +24,6 @@ class BackwardSplitTimes:
     backward_s: float
     input_s: float
     weight_s: float
-    checkpointed_backward_s: float = 0.0  # B with every block checkpointed (its recomputation included)
-
-    @property
-    def recompute_factor(self) -> float:
-        """A checkpointed block's recomputation as a multiple of its forward: (B_ckpt - B) / F.
-        torch.utils.checkpoint's recomputation runs under saved-tensor hooks and rebuilds the
-        block's graph, so it costs more than the forward it repeats where ops are small."""
-        if not self.checkpointed_backward_s:
-            return 1.0
-        return max(1.0, (self.checkpointed_backward_s - self.backward_s) / self.forward_s)
 
     @property
     def weight_grad_fraction(self) -> float:
@@ -50,9 +39,7 @@ class BackwardSplitTimes:
                                        ("W", self.weight_s))}
         return (", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
                 + f"; I + W = {self.split_over_plain:.2f} B, W = {self.weight_s / self.backward_s:.2f} B, "
-                  f"weight_grad_fraction W / (I + W) = {self.weight_grad_fraction:.3f}"
-                + (f"; checkpointed B {1e3 * self.checkpointed_backward_s:.1f} ms, recompute_factor "
-                   f"{self.recompute_factor:.2f}" if self.checkpointed_backward_s else ""))
+                  f"weight_grad_fraction W / (I + W) = {self.weight_grad_fraction:.3f}")
 
 
 def measure_backward_split(layers: int = 6, dim: int = 256, heads: int = 4, seq: int = 128, batch: int = 8,
@@ -73,14 +60,8 @@ def measure_backward_split(layers: int = 6, dim: int = 256, heads: int = 4, seq:
     x = torch.randn(batch, seq, dim, generator=gen).to(device).requires_grad_()
     grad = torch.randn(batch, seq, dim, generator=gen).to(device)
     samples = [_one_round(stage, x, grad, device) for _ in range(repeats + 1)][1:]  # the first warms up
-    # Then every block checkpointed, as memory.checkpointing = 'full' does.
-    from bigtrain.memory.checkpointing import checkpoint_module
-
-    for block in stage.layers.values():
-        checkpoint_module(block)
-    checkpointed = [_one_round(stage, x, grad, device)[1] for _ in range(repeats + 1)][1:]
     # The fastest of each: on a shared machine the slower rounds measure the neighbours.
-    return BackwardSplitTimes(*(min(s[i] for s in samples) for i in range(4)), min(checkpointed))
+    return BackwardSplitTimes(*(min(s[i] for s in samples) for i in range(4)))
 
 
 def _one_round(stage, x, grad, device: str) -> tuple[float, float, float, float]:
