@@ -97,3 +97,22 @@ def test_the_step_boundary_waits_on_every_rank():
     cpu = get_profile("cpu")
     assert step_boundary_costs(Layout(dp=2), Cluster.build(2, cpu)) == pytest.approx(4 * 2 * cpu.intra_node_latency_s,
                                                                                      rel=1e-3)
+
+
+def test_a_recomputed_block_pays_the_checkpoint_overhead_per_kernel():
+    from bigtrain.plan.cost import step_time
+    from bigtrain.plan.gemm import OPS_PER_BLOCK
+    from bigtrain.plan.layout import Cluster
+
+    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=1024)
+    full = Layout(micro_batch=1, recompute="full")
+    plain, costly = (step_time(model, full, Cluster.build(1, dataclasses.replace(A100, recompute_op_overhead_s=o)), 8)
+                     for o in (0.0, 1e-3))
+    # 8 micro-batches, 4 recomputed blocks each, OPS_PER_BLOCK kernels 1 ms dearer apiece
+    assert costly.step_time_s - plain.step_time_s == pytest.approx(8 * 4 * OPS_PER_BLOCK[model.mlp] * 1e-3, rel=1e-6)
+
+
+def test_the_recomputation_overhead_is_measured_and_positive_on_cpu():
+    from bigtrain.plan.calibrate import measure_recompute_overhead
+
+    assert 0 < measure_recompute_overhead(ops=10, repeats=20) < 1e-3

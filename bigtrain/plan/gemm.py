@@ -16,7 +16,8 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
   bigtrain's Llama (``mlp = swiglu``) is unfused (RMSNorm in fp32, SwiGLU in three kernels);
   the GPT block (``mlp = gelu``) is Megatron's, with fused LayerNorm, bias-GeLU and bias-dropout-add.
 * **Op overhead**: ``op_overhead_s`` per kernel (the framework's dispatch; 0 on GPUs, where
-  launches are asynchronous and hidden behind kernels of this size; measured on CPU).
+  launches are asynchronous and hidden behind kernels of this size; measured on CPU), and
+  ``recompute_op_overhead_s`` more per kernel of a recomputed (checkpointed) block.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
     block = block_times(model, layout, hw)
     head = head_times(model, layout, hw)
     forward = layers * block.forward + head[0] / layout.pp
-    backward = layers * block.backward + head[1] / layout.pp + recomputed * block.forward
+    recompute = block.forward + OPS_PER_BLOCK[model.mlp] * hw.recompute_op_overhead_s
+    backward = layers * block.backward + head[1] / layout.pp + recomputed * recompute
     deferred = (layers - recomputed) * block.backward + head[1] / layout.pp
     return forward, backward, hw.weight_grad_fraction * deferred

@@ -75,6 +75,10 @@ class HardwareProfile:
     reduce_scatter_efficiency: float = 1.0
     all_gather_efficiency: float = 1.0
     comm_overlap: float = 0.9
+    # What recomputing a checkpointed kernel costs beyond running it again (torch.utils.checkpoint's
+    # saved-tensor hooks and rebuilt graph; calibrate.measure_recompute_overhead; 0 on GPUs, where
+    # it hides behind kernels of their size: assumption).
+    recompute_op_overhead_s: float = 0.0
     source: str = ""
 
     def peak_flops(self, precision: str) -> float:
@@ -128,10 +132,12 @@ PRESETS: dict[str, HardwareProfile] = {
                            hbm_bandwidth=10e9, intra_node_bandwidth=0.85e9, inter_node_bandwidth=0.1e9,
                            intra_node_latency_s=0.7e-3, inter_node_latency_s=1e-3, gpus_per_node=8,
                            reduce_scatter_efficiency=0.25, all_gather_efficiency=0.55, comm_overlap=0.0,
+                           recompute_op_overhead_s=17e-6,
                            source="measured on the 2-core CI machine (notes-cpu-distributed.md); "
                                   "fp32 matmul ~126 GFLOP/s at 1024^3; Gloo all-reduce 0.85 GB/s at 2 ranks; "
                                   "reduce-scatter / all-gather at 0.25 / 0.55 of its bus bandwidth, "
-                                  "no overlap with compute (plan/calibrate_comm.py, 2026-11-23)"),
+                                  "no overlap with compute (plan/calibrate_comm.py, 2026-11-23); "
+                                  "checkpoint recomputation 17 us per kernel (calibrate.py)"),
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(HardwareProfile)}
@@ -254,7 +260,7 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
     import torch
 
     from bigtrain.plan.calibrate import (fit_gemm_curve, intra_op_threads, measure_gemms, measure_memory_bandwidth,
-                                         measure_op_overhead)
+                                         measure_op_overhead, measure_recompute_overhead)
     from bigtrain.plan.calibrate_comm import measure_collectives
     from bigtrain.plan.weight_grad import measure_backward_split
 
@@ -276,9 +282,11 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
             source.append(rates.describe(comm_ranks, comm_bytes))
         points = measure_gemms("fp32", repeats=10)
         fraction, half_dim = fit_gemm_curve(points, values["peak_flops_fp32"])
-        values.update(gemm_fraction=fraction, gemm_half_dim=half_dim, op_overhead_s=measure_op_overhead())
+        values.update(gemm_fraction=fraction, gemm_half_dim=half_dim, op_overhead_s=measure_op_overhead(),
+                      recompute_op_overhead_s=measure_recompute_overhead() if cpu else 0.0)
         source.append(f"GEMM curve fitted to {len(points)} fp32 shapes (plan/calibrate.py): gemm_fraction "
-                      f"{fraction:.2f}, gemm_half_dim {half_dim:g}; op overhead {values['op_overhead_s'] * 1e6:.1f} us")
+                      f"{fraction:.2f}, gemm_half_dim {half_dim:g}; op overhead {values['op_overhead_s'] * 1e6:.1f} us, "
+                      f"recomputation overhead {values['recompute_op_overhead_s'] * 1e6:.1f} us per kernel")
         if cpu:  # a GPU's HBM rate is the preset's published figure
             values["hbm_bandwidth"] = measure_memory_bandwidth()
             source.append(f"element-wise memory bandwidth {values['hbm_bandwidth'] / 1e9:.1f} GB/s "
