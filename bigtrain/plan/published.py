@@ -8,7 +8,7 @@ user. The metric is the one the source reports:
 * ``hfu_tflops``: achieved TFLOP/s per GPU counting recomputation (Megatron-LM 2021 counts
   96 B s L h^2 (1 + s/6h + V/16Lh) per step, which is exactly our hardware FLOPs with full recompute);
 * ``mfu``: model FLOPs utilization (Korthikanti et al. 2022, via the Megatron-LM README);
-* ``mfu_tflops``: model TFLOP/s per GPU (Llama 3);
+* ``mfu_tflops``: model TFLOP/s per GPU (Llama 3; Megatron-Core's H100 weak-scaling table);
 * ``tokens_per_gpu_s``: tokens per GPU-second derived from reported GPU-hours and tokens (Llama 2);
   it includes every stall of a months-long run, so a prediction above it is expected.
 """
@@ -44,6 +44,18 @@ NARAYANAN = "Narayanan et al., SC'21 (arXiv 2104.04473), Table 1; README: 502 PF
 KORTHIKANTI = "Korthikanti et al., MLSys'23 (arXiv 2205.05198), via the Megatron-LM README MFU table"
 LLAMA3 = "Llama 3 Herd of Models (arXiv 2407.21783), Table 4 (also Balaji, SC'24)"
 LLAMA2 = "Llama 2 (arXiv 2307.09288), Table 2: GPU-hours for 2.0 T tokens on A100-80GB"
+# The Megatron-LM README's "Model table" (images/model_table.png in NVIDIA/Megatron-LM, read
+# 2026-11-23): GPT weak scaling on H100, vocab 131072, seq 4096, communication overlapped in dp
+# (--overlap-grad-reduce, --overlap-param-gather: the distributed optimizer, ZeRO-1), tp and pp.
+MCORE = "Megatron-LM README, Model table (H100 weak scaling; per-GPU model TFLOP/s)"
+MCORE_GPT = dict(vocab=131072, seq=4096, mlp="gelu")
+
+
+def _mcore(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+           tflops: float) -> "PublishedRun":
+    return PublishedRun(f"GPT {size}, {gpus} x H100", MCORE, dict(layers=layers, hidden=hidden, heads=heads, **MCORE_GPT),
+                        "h100-80g", gpus, batch, dict(dp=48, tp=tp, pp=pp, sp=1, zero=1, tp_sp=tp > 1),
+                        "mfu_tflops", tflops)
 
 RUNS = [
     PublishedRun("GPT 1.7B, 32 x A100", NARAYANAN, dict(layers=24, hidden=2304, heads=24, **GPT), "a100-80g", 32,
@@ -80,6 +92,15 @@ RUNS = [
                  280, 280, dict(dp=1, tp=8, pp=35, sp=1, tp_sp=True), "mfu", 0.560),
     PublishedRun("GPT 1T, 512 x A100", KORTHIKANTI, dict(layers=128, hidden=25600, heads=160, **GPT), "a100-80g",
                  512, 512, dict(dp=1, tp=8, pp=64, sp=1, tp_sp=True), "mfu", 0.563),
+    _mcore("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    _mcore("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    _mcore("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1),
+    _mcore("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+    _mcore("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7),
+    _mcore("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+    _mcore("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
+    _mcore("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    _mcore("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
     PublishedRun("Llama 3 405B, 8192 x H100", LLAMA3, LLAMA3_405B, "h100-80g", 8192, 2048,
                  dict(dp=64, tp=8, pp=16, sp=1, micro_batch=1, tp_sp=True), "mfu_tflops", 430),
     PublishedRun("Llama 3 405B, 16384 x H100", LLAMA3, LLAMA3_405B, "h100-80g", 16384, 2048,
@@ -130,6 +151,15 @@ CHOSEN = {
     "GPT 175B, 64 x A100": dict(zero=0, micro_batch=1, schedule="interleaved", v=4, recompute="none"),
     "GPT 530B, 280 x A100": dict(zero=0, micro_batch=1, schedule="zb-h1", recompute="none"),
     "GPT 1T, 512 x A100": dict(zero=0, micro_batch=1, schedule="interleaved", v=2, recompute="every", every=2),
+    "GPT 1.7B, 48 x H100": dict(micro_batch=4, recompute="none"),
+    "GPT 7.1B, 96 x H100": dict(micro_batch=4, recompute="none"),
+    "GPT 16B, 192 x H100": dict(micro_batch=4, recompute="none"),
+    "GPT 32B, 384 x H100": dict(micro_batch=4, recompute="none"),
+    "GPT 70B, 768 x H100": dict(micro_batch=2, schedule="interleaved", v=4, recompute="none"),
+    "GPT 119B, 1536 x H100": dict(micro_batch=1, schedule="interleaved", v=4, recompute="none"),
+    "GPT 177B, 2304 x H100": dict(micro_batch=1, schedule="interleaved", v=4, recompute="none"),
+    "GPT 314B, 3072 x H100": dict(micro_batch=1, schedule="interleaved", v=4, recompute="every", every=2),
+    "GPT 462B, 6144 x H100": dict(micro_batch=1, schedule="interleaved", v=4, recompute="every", every=2),
     "Llama 3 405B, 8192 x H100": dict(zero=1, schedule="interleaved", v=4, recompute="full"),
     "Llama 3 405B, 16384 x H100": dict(zero=1, schedule="interleaved", v=4, recompute="full"),
     "Llama 2 7B, A100 (512 assumed)": dict(dp=512, tp=1, pp=1, sp=1, zero=3, micro_batch=2, recompute="none"),
