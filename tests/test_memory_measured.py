@@ -61,11 +61,19 @@ WIDE = ["--model.dim=512", "--model.n_layers=8", "--model.n_heads=4", "--model.n
         "--train.micro_batch=1", "--train.global_batch=2", "--data.seq_len=16"]
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
 def _trim_heap() -> None:
-    """Return the heap's free pages to the OS (glibc): a forked rank inherits the test session's freed
-    memory, and reusing it would not show as growth (the test was flaky late in a full suite)."""
+    """Return the heap's free pages to the OS (glibc), and map every allocation of 128 KiB or more
+    afresh: a forked rank inherits the test session's freed memory and its malloc's dynamic mmap
+    threshold (raised by every large block the session freed, up to 32 MiB), so tensors would land
+    in reused heap pages that do not show as growth (the test was flaky late in a full suite).
+    Setting the threshold also turns its dynamic adjustment off."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
     except (OSError, AttributeError):
         pass
 
