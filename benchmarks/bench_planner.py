@@ -82,12 +82,7 @@ def predict(overrides: list[str], hardware, shared_rates: dict[int, float] | Non
     ranks = cfg.parallel.world_size
     shared = (shared_rates or {}).get(ranks, min(1.0, (os.cpu_count() or 1) / ranks))
     if links and ranks in links:  # the collectives of this many ranks on this machine
-        rates = links[ranks]
-        hardware = dataclasses.replace(hardware, intra_node_bandwidth=rates.bandwidth,
-                                       intra_node_latency_s=rates.latency_s,
-                                       reduce_scatter_efficiency=rates.reduce_scatter_efficiency,
-                                       all_gather_efficiency=rates.all_gather_efficiency,
-                                       comm_overlap=rates.comm_overlap)
+        hardware = dataclasses.replace(hardware, **links[ranks].profile_fields())
     # A rank that gets half a core runs everything at half speed: its GEMMs, its memory-bound
     # kernels and its per-kernel dispatch alike.
     hw = dataclasses.replace(hardware, peak_flops_fp32=hardware.peak_flops_fp32 * shared,
@@ -118,14 +113,15 @@ def main() -> int:
     PRESET = args.preset
     hardware = load_profile(args.hardware_file) if args.hardware_file else get_profile("cpu")
     load = os.getloadavg()[0]
+    rank_counts = sorted({world_size(o) for o in LAYOUTS.values()})
     shared_rates = None
     if args.shared == "measured":
-        shared_rates = {r: measure_shared_rate(r) for r in sorted({world_size(o) for o in LAYOUTS.values()})}
+        shared_rates = {r: measure_shared_rate(r) for r in rank_counts}
         print("one rank's share of its lone rate, by ranks running at once:",
               ", ".join(f"{r}: {v:.2f}" for r, v in shared_rates.items()), flush=True)
     links = None
     if args.links == "measured":
-        links = {r: measure_collectives(r) for r in sorted({world_size(o) for o in LAYOUTS.values()}) if r > 1}
+        links = {r: measure_collectives(r) for r in rank_counts if r > 1}
         for r, rates in links.items():
             print(rates.describe(r, 16 * 2**20), flush=True)
     measured = {name: [] for name in LAYOUTS}

@@ -37,6 +37,12 @@ class CollectiveRates:
     all_gather_efficiency: float
     comm_overlap: float
 
+    def profile_fields(self) -> dict[str, float]:
+        """These rates as the hardware profile's fields (the link inside a node)."""
+        return dict(intra_node_bandwidth=self.bandwidth, intra_node_latency_s=self.latency_s,
+                    reduce_scatter_efficiency=self.reduce_scatter_efficiency,
+                    all_gather_efficiency=self.all_gather_efficiency, comm_overlap=self.comm_overlap)
+
     def describe(self, ranks: int, nbytes: int) -> str:
         return (f"Gloo collectives of {nbytes / MIB:.0f} MiB over {ranks} forked ranks: all-reduce "
                 f"{self.bandwidth / 1e9:.2f} GB/s, reduce-scatter x{self.reduce_scatter_efficiency:.2f}, "

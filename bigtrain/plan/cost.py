@@ -219,21 +219,21 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
 
 
 # -- data parallel / ZeRO ----------------------------------------------------------------------------
-def _largest_rank_params(model: ModelSpec, layout: Layout) -> tuple[int, int, list[int]]:
-    """(parameters, largest unit, every unit's size) of the pipeline rank holding the most parameters."""
-    best = (0, 0, [])
+def _largest_rank_units(model: ModelSpec, layout: Layout) -> list[int]:
+    """The ZeRO units' sizes on the pipeline rank holding the most parameters."""
+    ranks = []
     for r in checked_pp_ranks(layout.pp):
         root, blocks = rank_units(model, layout, r)
-        sizes = [u.numel for u in ([root] if root else []) + blocks]
-        best = max(best, (sum(sizes), max(sizes), sizes))
-    return best
+        ranks.append([u.numel for u in ([root] if root else []) + blocks])
+    return max(ranks, key=lambda sizes: (sum(sizes), max(sizes)))
 
 
 def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: StageCosts,
                         micro_batches: int) -> dict[str, float]:
     """Exposed seconds of gradient reduction, weight gathers and the optimizer step."""
     nbytes = BYTES[layout.precision]
-    params, largest, sizes = _largest_rank_params(model, layout)
+    sizes = _largest_rank_units(model, layout)
+    params, largest = sum(sizes), max(sizes)
     group = replicas(layout)  # the dense weights' gradient group (dp x sp), as the placement record says
     link = link_of(cluster, layout, ("sp", "dp") if layout.sp > 1 else ("dp",))
     grads, unit = params * nbytes, largest * nbytes
@@ -274,14 +274,7 @@ BOUNDARY_COLLECTIVES = 4
 
 def step_boundary_costs(layout: Layout, cluster: Cluster) -> float:
     """Exposed seconds per step of the boundary's tiny collectives over the whole world."""
-    ranks = layout.gpus
-    if ranks <= 1:
-        return 0.0
-    crosses = ranks > cluster.gpus_per_node
-    hw = cluster.hardware
-    link = Link(hw.inter_node_bandwidth, hw.inter_node_latency_s) if crosses else \
-        Link(hw.intra_node_bandwidth, hw.intra_node_latency_s)
-    return BOUNDARY_COLLECTIVES * link.collective("all_reduce", 8, ranks)
+    return BOUNDARY_COLLECTIVES * link_of(cluster, layout, _STRIDE_AXES).collective("all_reduce", 8, layout.gpus)
 
 
 # -- offload -------------------------------------------------------------------------------------------

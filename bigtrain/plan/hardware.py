@@ -276,9 +276,7 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
             values["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
         if measure_comm and comm_ranks > 1:
             rates = measure_collectives(comm_ranks, comm_bytes)
-            values.update(intra_node_bandwidth=rates.bandwidth, intra_node_latency_s=rates.latency_s,
-                          reduce_scatter_efficiency=rates.reduce_scatter_efficiency,
-                          all_gather_efficiency=rates.all_gather_efficiency, comm_overlap=rates.comm_overlap)
+            values.update(rates.profile_fields())
             source.append(rates.describe(comm_ranks, comm_bytes))
         points = measure_gemms("fp32", repeats=10)
         fraction, half_dim = fit_gemm_curve(points, values["peak_flops_fp32"])
