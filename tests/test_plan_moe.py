@@ -4,6 +4,8 @@ all-to-all is timed only when ep > 1; Mixtral 8x7B's size and a plan for it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -82,3 +84,26 @@ def test_mixtral_plan_uses_what_the_runtime_accepts():
     assert all(p.layout.sp == 1 and not p.layout.tp_sp for p in result.ranked)
     assert any(p.layout.ep > 1 for p in result.ranked)
     assert torch.tensor(best.memory.total).item() <= best.memory.capacity
+
+
+def test_the_shape_aware_time_of_an_moe_block_counts_its_top_k_experts():
+    """On a GPU profile each expert is a GEMM of its share of the routed tokens: an MoE block
+    costs what top_k feed-forwards cost, and no layout beats the profile's GEMM share in MFU."""
+    from bigtrain.plan.gemm import block_times
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.layout import Cluster
+    from bigtrain.plan.search import search
+
+    h100 = get_profile("h100-80g")
+    moe = ModelSpec.build(layers=4, hidden=4096, heads=32, vocab=32000, seq=4096, experts=8, top_k=2)
+    layout = Layout(dp=8, ep=8, micro_batch=1)
+    tokens = moe.seq
+    active = moe._active_block_params(0)
+    seconds = block_times(moe, layout, h100, moe=True).forward
+    assert 2 * active * tokens / (seconds * h100.peak_flops("bf16")) < h100.gemm_fraction
+    top1 = block_times(dataclasses.replace(moe, top_k=1), layout, h100, moe=True).forward
+    ffn = 2 * 3 * moe.hidden * moe.expert_ffn * tokens / (h100.peak_flops("bf16") * h100.gemm_fraction)
+    # one more expert per token: its GEMMs at the large-GEMM share, plus tile losses and its SwiGLU
+    assert ffn < seconds - top1 < 1.2 * ffn
+    best = search(moe, Cluster.build(8, h100), 64, {}).best
+    assert best.time.mfu < h100.gemm_fraction

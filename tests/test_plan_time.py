@@ -45,20 +45,47 @@ def test_unfused_attention_costs_more_than_flash_and_more_with_longer_sequences(
     assert share[1] > share[0]
 
 
-# Rows not yet within 15% (docs/planner.md says why), held to where they are so they cannot drift.
-OUTSIDE_15 = {"GPT 1.7B, 48 x H100": 1.25, "GPT 119B, 1536 x H100": 1.20, "GPT 177B, 2304 x H100": 1.23}
+# Rows outside 15% (docs/planner.md says why), held to where they are so they cannot drift: Llama 3's
+# paper states neither its recomputation nor what its engine overlapped, and the one layout that
+# fits in the planner's memory (full recomputation at 8K tokens) cannot reach Meta's figure on the
+# H100 curve that Megatron-Core's table sets.
+OUTSIDE_15 = {"Llama 3 405B, 8192 x H100": (0.65, 0.85), "Llama 3 405B, 16384 x H100": (0.65, 0.85)}
+# The 19 rows the planner is held to: Megatron-LM 2021 Table 1 and Megatron-Core's H100 table.
+HELD = (published.NARAYANAN, published.MCORE)
 
 
 def test_published_runs_with_their_layout_fit_and_land_within_15_percent():
-    """Every layout fits; every row but Llama 2's GPU-hour averages (months of stalls included)
-    and the three Megatron-Core H100 rows of OUTSIDE_15 within 15% of its published throughput."""
+    """Every layout fits; every Megatron row within 15% of its published throughput, and every
+    other row but Llama 2's GPU-hour averages (months of stalls included) and OUTSIDE_15's."""
+    held = 0
     for run in published.RUNS:
         row = published.evaluate_published(run)
         assert row["fits"], run.name
         if run.name in OUTSIDE_15:
-            assert 1 < row["ratio"] <= OUTSIDE_15[run.name], (run.name, row["ratio"])
+            low, high = OUTSIDE_15[run.name]
+            assert low < row["ratio"] <= high, (run.name, row["ratio"])
         elif run.metric != "tokens_per_gpu_s":
             assert abs(row["ratio"] - 1) <= 0.15, (run.name, row["ratio"])
+        held += run.source in HELD and abs(row["ratio"] - 1) <= 0.15
+    assert held == 19
+
+
+def test_the_engine_decides_which_communication_a_layout_exposes():
+    """Megatron-Core's overlaps (plan/engine.py) hide tensor-parallel and weight-gather traffic
+    that bigtrain's runtime exposes, and its fp32 gradient reduction moves twice the bytes."""
+    from bigtrain.plan.cost import step_time
+    from bigtrain.plan.engine import BIGTRAIN, MEGATRON_CORE, Engine
+    from bigtrain.plan.layout import Cluster
+
+    h100 = get_profile("h100-80g")
+    model = ModelSpec.build(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096)
+    layout = Layout(dp=16, tp=8, zero=1, micro_batch=1, tp_sp=True)
+    ours, theirs, wide = (step_time(model, layout, Cluster.build(128, h100, engine=e), 64).breakdown
+                          for e in (BIGTRAIN, MEGATRON_CORE, Engine("fp32 reduce", grad_reduce_bytes=4)))
+    assert theirs["tp_sp_comm"] == pytest.approx((1 - h100.comm_overlap) * ours["tp_sp_comm"])
+    assert theirs["zero_param_gather"] < 0.6 * ours["zero_param_gather"]
+    assert wide["dp_grad_sync"] > 1.9 * ours["dp_grad_sync"]
+    assert wide["compute"] == ours["compute"] == theirs["compute"]
 
 
 def test_reduce_scatter_and_all_gather_run_at_their_own_measured_bandwidth():

@@ -148,10 +148,9 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     qkv = local_tokens * (model.hidden + 2 * model.kv_dim) * nbytes / layout.tp
     sp_op = (sp_link.collective("all_to_all", qkv, layout.sp)
              + sp_link.collective("all_to_all", local_tokens * model.hidden * nbytes / layout.tp, layout.sp))
-    comm_f = layers * (2 * tp_op + sp_op)
-    comm_b = layers * (2 * tp_op + sp_op) + recomputed * (2 * tp_op + sp_op)
+    tp_f, tp_b = layers * 2 * tp_op, (layers + recomputed) * 2 * tp_op
+    sp_f, sp_b = layers * sp_op, (layers + recomputed) * sp_op
     moe_f, moe_b = expert_all_to_all(model, layout, cluster, recomputed / max(layers, 1e-9))
-    comm_f, comm_b = comm_f + moe_f, comm_b + moe_b
     boundary = local_tokens * model.hidden * nbytes / (layout.tp if layout.tp_sp else 1)
     p2p = link_of(cluster, layout, ("pp",)).collective("p2p", boundary, layout.pp)
 
@@ -163,8 +162,13 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
 
         extra = seconds(tokens * activation_recompute_flops_per_token(model, layout) / layout.pp)
         f, b, w = shape_aware_compute(model, layout, hw, layers, recomputed)
-        return StageCosts(f, b + extra, w, comm_f, comm_b, p2p, moe_f + moe_b)
-    return StageCosts(seconds(forward), seconds(backward), seconds(weight_grad), comm_f, comm_b, p2p, moe_f + moe_b)
+        b += extra
+    else:
+        f, b, w = seconds(forward), seconds(backward), seconds(weight_grad)
+    if cluster.engine.tp_comm_overlap:  # chunked under the GEMMs; the pipeline's tail stays exposed
+        tp_f, tp_b = (max(comm - hw.comm_overlap * compute, (1 - hw.comm_overlap) * comm)
+                      for comm, compute in ((tp_f, f), (tp_b, b)))
+    return StageCosts(f, b, w, tp_f + sp_f + moe_f, tp_b + sp_b + moe_b, p2p, moe_f + moe_b)
 
 
 def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomputed_share: float = 0.0
@@ -236,7 +240,8 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
     params, largest = sum(sizes), max(sizes)
     group = replicas(layout)  # the dense weights' gradient group (dp x sp), as the placement record says
     link = link_of(cluster, layout, ("sp", "dp") if layout.sp > 1 else ("dp",))
-    grads, unit = params * nbytes, largest * nbytes
+    grad_bytes = cluster.engine.grad_reduce_bytes or nbytes
+    grads, unit = params * grad_bytes, largest * grad_bytes
     overlap = cluster.hardware.comm_overlap
     window_f = overlap * (costs.compute_f + costs.comm_f)
     window_b = overlap * (costs.compute_b + costs.comm_b)
@@ -247,14 +252,18 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
     else:
         # ZeRO reduces unit by unit, each a collective of its own: each pays the link's latency
         # (negligible on NCCL; on Gloo after compute, what decides a small model's step).
-        per_unit = sum(link.collective("reduce_scatter", n * nbytes, group) for n in sizes)
+        per_unit = sum(link.collective("reduce_scatter", n * grad_bytes, group) for n in sizes)
         reduce = max(link.collective("reduce_scatter", unit, group), per_unit - window_b)
         out["dp_grad_sync"] = reduce * (micro_batches if layout.zero >= 2 else 1)
+    weights, weight_unit = params * nbytes, largest * nbytes  # gathered in the training precision
     if layout.zero in (1, 2):
-        out["zero_param_gather"] = link.collective("all_gather", grads, group)
+        gather = link.collective("all_gather", weights, group)
+        if cluster.engine.param_gather_overlap:  # under the next step's first forward, bucket by bucket
+            gather = max(link.collective("all_gather", weight_unit, group), gather - window_f)
+        out["zero_param_gather"] = gather
     elif layout.zero == 3:
-        gather = link.collective("all_gather", grads, group)
-        tail = link.collective("all_gather", unit, group)
+        gather = link.collective("all_gather", weights, group)
+        tail = link.collective("all_gather", weight_unit, group)
         out["zero_param_gather"] = micro_batches * (max(tail, gather - window_f) + max(tail, gather - window_b))
     shard = params / (group if layout.zero >= 1 else 1)
     per_param = OPTIMIZER_BYTES_PER_PARAM["fp32" if layout.precision == "fp32" else "mixed"]

@@ -57,17 +57,40 @@ class BlockTimes:
     weight_grad: float  # the dW GEMMs of the backward (what zb-h1 defers)
 
 
-def _linears(model: ModelSpec, t: int) -> list[tuple[float, float]]:
-    """(n, k) of each linear of a block on a tp rank (columns or rows divided by t)."""
-    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+def _linears(model: ModelSpec, layout: Layout, tokens: float, moe: bool = False) -> list[tuple[float, float, float, float]]:
+    """(m, n, k, how many) of each linear of a block on a tp rank (columns or rows divided by t).
+
+    An MoE block's experts are whole on every rank (docs/moe.md): a rank runs its E/ep experts,
+    each on ``tokens x top_k x ep / E`` tokens of a balanced routing, which is ``tokens x top_k``
+    token-expert products in all, as many FLOPs as top_k dense feed-forwards. As in the uniform
+    model, the tp ranks split that work (``tokens / t``)."""
+    h, kv, f, t = model.hidden, model.kv_dim, model.ffn_hidden, layout.tp
     if model.mlp == "swiglu":
-        return [(h / t, h), (kv / t, h), (kv / t, h), (h, h / t), (f / t, h), (f / t, h), (h, f / t)]
-    return [((h + 2 * kv) / t, h), (h, h / t), (f / t, h), (h, f / t)]
+        attention = [(h / t, h), (kv / t, h), (kv / t, h), (h, h / t)]
+        mlp = [(f / t, h), (f / t, h), (h, f / t)]
+    else:
+        attention, mlp = [((h + 2 * kv) / t, h), (h, h / t)], [(f / t, h), (h, f / t)]
+    out = [(tokens, n, k, 1) for n, k in attention]
+    if not moe:
+        return out + [(tokens, n, k, 1) for n, k in mlp]
+    e, share = model.expert_ffn, tokens / t
+    experts = [(e, h), (e, h), (h, e)] if model.mlp == "swiglu" else [(e, h), (h, e)]
+    local = model.experts // layout.ep
+    per_expert = share * model.top_k * layout.ep / model.experts
+    out += [(per_expert, n, k, local) for n, k in experts]
+    out.append((tokens, model.experts, h, 1))  # the router
+    if model.shared_expert:
+        out += [(share, n, k, 1) for n, k in experts]
+    return out
 
 
-def _elementwise_bytes(model: ModelSpec, layout: Layout) -> float:
-    """Bytes one token moves through a block's element-wise kernels in the forward, on one rank."""
-    b, h, kv, f, t = BYTES[layout.precision], model.hidden, model.kv_dim, model.ffn_hidden, layout.tp
+def _elementwise_bytes(model: ModelSpec, layout: Layout, moe: bool = False) -> float:
+    """Bytes one token moves through a block's element-wise kernels in the forward, on one rank
+    (an MoE block's activation spans its top_k experts and the shared one)."""
+    b, h, kv, t = BYTES[layout.precision], model.hidden, model.kv_dim, layout.tp
+    f = model.ffn_hidden
+    if moe:
+        f = (model.top_k + model.shared_expert) * model.expert_ffn
     whole = t if layout.tp_sp else 1  # norms and residuals are divided only under sequence parallelism
     if model.mlp == "swiglu":
         norms = 2 * (4 * b + 28) * h  # x.float(), pow, mean, x * rsqrt, .type_as, * weight
@@ -86,13 +109,13 @@ def _memory_seconds(hw, nbytes: float) -> float:
     return nbytes / (hw.hbm_bandwidth * hw.memory_fraction)
 
 
-def block_times(model: ModelSpec, layout: Layout, hw) -> BlockTimes:
-    """One block, one micro-batch, one rank (tp and Ulysses sp shares)."""
+def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> BlockTimes:
+    """One block (an MoE block if ``moe``), one micro-batch, one rank (tp and Ulysses sp shares)."""
     p, t, u = layout.precision, layout.tp, layout.sp
     tokens = layout.micro_batch * model.seq / u  # what the linears see under Ulysses
     fwd = bwd = dw = 0.0
-    for n, k in _linears(model, t):
-        f, b, w = gemm_fwd_bwd(hw, p, tokens, n, k)
+    for m, n, k, count in _linears(model, layout, tokens, moe):
+        f, b, w = gemm_fwd_bwd(hw, p, m, n, k, count)
         fwd, bwd, dw = fwd + f, bwd + b, dw + w
     heads = model.heads / (t * u)  # attention sees the whole sequence and heads / (t u)
     s, d = model.seq, model.head_dim
@@ -109,7 +132,7 @@ def block_times(model: ModelSpec, layout: Layout, hw) -> BlockTimes:
         nbytes = BYTES[p]
         fwd += _memory_seconds(hw, scores * (2 * nbytes + 2 * nbytes + 1))  # scale-mask-softmax, dropout
         bwd += _memory_seconds(hw, scores * (5 * nbytes + 1))
-    moved = _elementwise_bytes(model, layout) * tokens
+    moved = _elementwise_bytes(model, layout, moe) * tokens
     fwd += _memory_seconds(hw, moved)
     bwd += _memory_seconds(hw, 2 * moved)
     ops = OPS_PER_BLOCK[model.mlp] * hw.op_overhead_s
@@ -131,6 +154,11 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
     rank holding ``layers`` blocks (``recomputed`` of them checkpointed) and 1/pp of the head.
     W is ``weight_grad_fraction`` of the deferred backward, as the uniform model takes it."""
     block = block_times(model, layout, hw)
+    if model.experts:  # the blocks' average, as the layers' FLOPs are averaged (ModelSpec.block_matmul_params)
+        share = model.moe_layers / model.layers
+        moe = block_times(model, layout, hw, moe=True)
+        block = BlockTimes(*((1 - share) * a + share * b for a, b in zip(
+            (block.forward, block.backward, block.weight_grad), (moe.forward, moe.backward, moe.weight_grad))))
     head = head_times(model, layout, hw)
     forward = layers * block.forward + head[0] / layout.pp
     recompute = block.forward + OPS_PER_BLOCK[model.mlp] * hw.recompute_op_overhead_s

@@ -104,7 +104,7 @@ _NVIDIA_RESERVE = dict(reserved_bytes=int(1.5 * GIB), fragmentation=0.05, gpus_p
 # H100's dense bf16 peak on large GEMMs); attention_fraction from FlashAttention-2's paper (forward
 # ~70% of peak on A100, ~50% on H100 without FA3); memory_fraction 0.8: what STREAM-like kernels reach.
 _A100_SHAPES = dict(gemm_fraction=0.7, gemm_half_dim=64, attention_fraction=0.7, memory_fraction=0.8)
-_H100_SHAPES = dict(gemm_fraction=0.8, gemm_half_dim=64, attention_fraction=0.5, memory_fraction=0.8)
+_H100_SHAPES = dict(gemm_fraction=0.58, gemm_half_dim=64, attention_fraction=0.5, memory_fraction=0.8)
 _A100_LINKS = dict(intra_node_bandwidth=240e9, inter_node_bandwidth=22.5e9,
                    intra_node_latency_s=10e-6, inter_node_latency_s=25e-6)
 _H100_LINKS = dict(intra_node_bandwidth=360e9, inter_node_bandwidth=45e9,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from bigtrain.config import ConfigError
 from bigtrain.parallel.pipeline import SCHEDULE_KINDS
+from bigtrain.plan.engine import BIGTRAIN, Engine
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.model import ModelSpec
 
@@ -110,9 +111,11 @@ class Cluster:
     gpus: int
     hardware: HardwareProfile
     gpus_per_node: int = 8
+    engine: Engine = BIGTRAIN  # what the training software overlaps (plan/engine.py)
 
     @classmethod
-    def build(cls, gpus: int, hardware: HardwareProfile, gpus_per_node: int | None = None) -> "Cluster":
+    def build(cls, gpus: int, hardware: HardwareProfile, gpus_per_node: int | None = None,
+              engine: Engine = BIGTRAIN) -> "Cluster":
         per_node = hardware.gpus_per_node if gpus_per_node is None else gpus_per_node
         problems = []
         if not isinstance(gpus, int) or gpus < 1:
@@ -126,7 +129,7 @@ class Cluster:
                             f"use {gpus // per_node * per_node} or {(gpus // per_node + 1) * per_node}")
         if problems:
             raise ConfigError(problems)
-        return cls(gpus, hardware, per_node)
+        return cls(gpus, hardware, per_node, engine)
 
     @property
     def nodes(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bigtrain.plan.engine import BIGTRAIN, MEGATRON_CORE, Engine
 from bigtrain.plan.hardware import get_profile
 from bigtrain.plan.layout import Cluster
 from bigtrain.plan.model import ModelSpec
@@ -38,6 +39,7 @@ class PublishedRun:
     metric: str
     value: float
     precision: str = "bf16"
+    engine: Engine = BIGTRAIN  # what the source's software overlapped, where it says (plan/engine.py)
 
 
 NARAYANAN = "Narayanan et al., SC'21 (arXiv 2104.04473), Table 1; README: 502 PFLOP/s on 3072 A100 for 1T"
@@ -55,7 +57,7 @@ def _mcore(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gp
            tflops: float) -> "PublishedRun":
     return PublishedRun(f"GPT {size}, {gpus} x H100", MCORE, dict(layers=layers, hidden=hidden, heads=heads, **MCORE_GPT),
                         "h100-80g", gpus, batch, dict(dp=48, tp=tp, pp=pp, sp=1, zero=1, tp_sp=tp > 1),
-                        "mfu_tflops", tflops)
+                        "mfu_tflops", tflops, engine=MEGATRON_CORE)
 
 RUNS = [
     PublishedRun("GPT 1.7B, 32 x A100", NARAYANAN, dict(layers=24, hidden=2304, heads=24, **GPT), "a100-80g", 32,
@@ -130,7 +132,7 @@ def predicted_metric(plan: Plan, metric: str) -> float:
 def predict(run: PublishedRun) -> Plan | None:
     """The planner's best layout for the run (None if nothing with the reported keys fits)."""
     model = ModelSpec.build(name=run.name, **run.model)
-    cluster = Cluster.build(run.gpus, get_profile(run.hardware))
+    cluster = Cluster.build(run.gpus, get_profile(run.hardware), engine=run.engine)
     return search(model, cluster, run.global_batch, {**run.fixed, "precision": run.precision}).best
 
 
@@ -185,7 +187,7 @@ def evaluate_published(run: PublishedRun, hardware: dict | None = None) -> dict:
     profile = dataclasses.replace(get_profile(run.hardware), **(hardware or {}),
                                   attention_kernel="unfused" if run.source in UNFUSED else "flash")
     model = ModelSpec.build(name=run.name, **run.model)
-    plan = evaluate(model, full_layout(run), Cluster.build(run.gpus, profile), run.global_batch)
+    plan = evaluate(model, full_layout(run), Cluster.build(run.gpus, profile, engine=run.engine), run.global_batch)
     value = predicted_metric(plan, run.metric)
     return {"run": run.name, "source": run.source, "metric": run.metric, "published": run.value, "predicted": value,
             "ratio": value / run.value, "fits": plan.fits,

@@ -28,7 +28,8 @@ def _header(model: ModelSpec, cluster: Cluster, global_batch: int) -> list[str]:
     return [f"model    {model.describe()}",
             f"cluster  {cluster.gpus} x {hw.name} in {cluster.nodes} node(s) of {cluster.gpus_per_node}: "
             f"{size(hw.memory_bytes)} each, peak {rate(hw.peak_flops_bf16)} bf16 / {rate(hw.peak_flops_fp32)} "
-            f"fp32, x {hw.achievable_fraction:.2f} achievable",
+            f"fp32, " + (f"large GEMMs at {hw.gemm_fraction:.2f} of it (shape-aware)" if hw.gemm_fraction > 0
+                          else f"x {hw.achievable_fraction:.2f} achievable"),
             f"batch    {global_batch} sequences x {model.seq} tokens = {global_batch * model.seq:,} tokens per step"]
 
 
