@@ -156,3 +156,53 @@ def test_a_lion_element_whose_sign_ties_passes_and_a_wrong_update_does_not(corpu
               "--model.moe_ffn_hidden=0", "--model.moe_shared_expert=True", "--parallel.moe_grouped_mm=False"]
     outcome = run_sample(sample, corpus_cache, steps=3)
     assert outcome.verdict == "agree", outcome.detail
+
+
+DEFERRED_CALLS: list[int] = []  # appended to inside each forked rank (its own copy)
+
+
+def _check_2bw(rank, world_size, cfg, run_dir, steps):
+    from bigtrain.check.run import check_layout
+    from bigtrain.distributed.mesh import Mesh
+
+    report = check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps)
+    return report, len(DEFERRED_CALLS)
+
+
+TWO_BW = ("--model.n_layers=4", "--train.micro_batch=2", "--parallel.pp=2", "--parallel.pp_schedule=pipedream-2bw",
+          "--train.global_batch=4")
+
+
+def test_check_runs_2bw_with_its_deferred_boundary_against_the_delayed_reference(corpus_cache, tmp_path, monkeypatch):
+    """2BW trains with the deferred boundary wherever it can (fit starts it), so the check does too:
+    each step is compared once its update has landed, in the next step's forwards."""
+    from bigtrain.train import Trainer
+
+    real = Trainer.train_step_deferred
+
+    def counted(self, *args, **kwargs):
+        DEFERRED_CALLS.append(self.step)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step_deferred", counted)
+    cfg = tiny_config(corpus_cache, *TWO_BW)
+    (report, calls), (_, other) = run_ranks(_check_2bw, 2, cfg, str(tmp_path), 3)
+    assert calls == other == 3
+    assert report.agree and report.steps == 3, report.text()
+    assert 0 < report.worst["weight"] <= 1e-5 and report.worst["loss"] <= 1e-5
+
+
+class _TorchWithoutZeroing:
+    """``torch`` for deferred.py, whose zeroing of a landed step's gradients does nothing."""
+
+    def __getattr__(self, name):
+        return (lambda tensors: None) if name == "_foreach_zero_" else getattr(torch, name)
+
+
+def test_check_catches_a_deferred_update_that_leaves_a_stale_gradient(corpus_cache, tmp_path, monkeypatch):
+    from bigtrain.parallel.pipeline import deferred
+
+    monkeypatch.setattr(deferred, "torch", _TorchWithoutZeroing())  # step s's gradient joins step s + 2's
+    cfg = tiny_config(corpus_cache, *TWO_BW)
+    report, _ = run_ranks(_check_2bw, 2, cfg, str(tmp_path), 4)[0]
+    assert not report.agree and report.first_step == 2, report.text()

@@ -191,9 +191,9 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     report = CheckReport(agree=True, steps=0, tolerance=tol, losses=[]) if is_first else None
     schedule = getattr(trainer.parallel, "schedule", None)  # a DLRM has no pipeline
     asynchronous = schedule is not None and schedule.asynchronous
-    for step in range(steps):
-        grads: dict[str, torch.Tensor] = {}
-        result = trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads()))
+    # 2BW runs with the deferred boundary wherever the layout allows it (fit starts it): check that.
+    deferred = asynchronous and trainer.start_deferred_updates()
+    for step, result, grads in _steps(trainer, steps, deferred):
         weights = trainer.parallel.full_weights()
         outputs = probe.take()
         if asynchronous:  # a run also starts the next step's forwards: the loss, gradients and weights decide
@@ -215,6 +215,24 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
         if verdict.item():  # the host waits for the verdict (on NCCL the all-reduce does not block it)
             break
     return report
+
+
+def _steps(trainer, steps: int, deferred: bool):
+    """(step, its result, its full gradients) of ``steps`` steps, each once its update has landed.
+
+    With 2BW's deferred boundary a step's update lands inside the next step's forwards (or at the
+    flush after the last): its result, and the weights it made, are compared then. Its gradients
+    were moved to the update's buffer by then, so a deferred step compares loss, gradient norm and
+    weights, not gradients."""
+    if not deferred:
+        for step in range(steps):
+            grads: dict[str, torch.Tensor] = {}
+            yield step, trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads())), grads
+        return
+    for call in range(steps + 1):
+        landed = trainer.train_step_deferred() if call < steps else trainer.flush_update()
+        for result in landed:  # every rank lands the same steps in the same call
+            yield result.step, result, {}
 
 
 def _step_measurements(result: StepResult, ref: ReferenceStep, grads: dict, weights: dict, shared: list[dict],
