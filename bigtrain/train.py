@@ -228,7 +228,7 @@ class Trainer:
     def start_deferred_updates(self) -> bool:
         """From now on, run 2BW steps with :meth:`train_step_deferred`'s boundary, where the layout
         allows it (:func:`deferrable`); whether it does. ``fit`` starts it."""
-        if self.deferred is None and deferrable(self.parallel, self.model):
+        if self.deferred is None and deferrable(self.parallel, self.cfg.model):
             self.deferred = DeferredUpdate(self.engine, self.executor, self.parallel.pp, self.cfg.optim.grad_clip)
         return self.deferred is not None
 

@@ -206,3 +206,17 @@ def test_check_catches_a_deferred_update_that_leaves_a_stale_gradient(corpus_cac
     cfg = tiny_config(corpus_cache, *TWO_BW)
     report, _ = run_ranks(_check_2bw, 2, cfg, str(tmp_path), 4)[0]
     assert not report.agree and report.first_step == 2, report.text()
+
+
+@pytest.mark.parametrize("world,extra", [
+    (3, ("--parallel.pp=3", "--model.n_layers=6", "--model.tie_embeddings=true")),  # the middle stage holds no tied weight
+    (2, ("--model.n_layers=2", "--model.moe_experts=2", "--model.moe_every=2")),  # stage 0 holds no MoE block
+])
+def test_2bw_ranks_agree_on_the_boundary_they_run_when_only_some_stages_hold_what_forbids_deferring(
+        world, extra, corpus_cache, tmp_path):
+    """Found by the layout fuzzer: each rank decided from its own stage, so a middle stage deferred
+    while the end stages, holding the tied weights, did not, and their collectives never met."""
+    cfg = tiny_config(corpus_cache, *TWO_BW, *extra)
+    reports = run_ranks(_check_2bw, world, cfg, str(tmp_path), 3, timeout=120)
+    assert reports[0][0].agree, reports[0][0].text()
+    assert {calls for _, calls in reports} == {0}  # all synchronous

@@ -138,14 +138,17 @@ class DeferredUpdate:
         self.landed_by_forward += 1
 
 
-def deferrable(parallel, model) -> bool:
-    """Whether this layout's 2BW boundary can be deferred (see the module docstring for why not)."""
-    from bigtrain.models.moe import moe_blocks
+def deferrable(parallel, model_cfg) -> bool:
+    """Whether this layout's 2BW boundary can be deferred (see the module docstring for why not).
+
+    Every rank must give the same answer, or some ranks run the deferred boundary and the others
+    the synchronous one and their collectives never meet: so the tied weights and the experts are
+    read from the model's config (``model_cfg``: ``cfg.model``), which every rank shares, not from
+    this rank's stage (a middle stage holds no tied weight; a stage may hold no MoE block)."""
     from bigtrain.parallel.replicated import ReplicatedEngine
 
     schedule, engine = parallel.schedule, parallel.engine
     return (schedule is not None and schedule.kind == "pipedream-2bw"
             and isinstance(engine, ReplicatedEngine) and engine.averaging is None and engine.scaler is None
             and parallel.grad_comm.size == 1
-            and (parallel.tied is None or parallel.tied.comm.size == 1)
-            and not list(moe_blocks(model)))
+            and not model_cfg.tie_embeddings and not model_cfg.moe_experts)
