@@ -147,9 +147,10 @@ def _offload_choice(rng: random.Random, fp32: bool) -> list[str]:
     return out
 
 
-# What 2BW runs on (validation.check_async): one replica of the replicated fp32 engine, no
-# recomputation or fused head (both would read the live weights, not the stashed version).
-_TWO_BW_DROPS = ("--parallel.reshard_after_forward=", "--parallel.prefetch=", "--parallel.sequence_parallel=",
+# What the pipelines without flush run on (validation.check_async): one replica of the replicated
+# fp32 engine, no recomputation or fused head (both would read the live weights, not the stashed
+# version).
+_NO_FLUSH_DROPS = ("--parallel.reshard_after_forward=", "--parallel.prefetch=", "--parallel.sequence_parallel=",
                  "--parallel.pp_virtual=", "--memory.checkpoint_every=", "--memory.selective_attention=",
                  "--model.fused_loss_chunk=")
 
@@ -157,15 +158,16 @@ _TWO_BW_DROPS = ("--parallel.reshard_after_forward=", "--parallel.prefetch=", "-
 def _asynchronous_choice(rng: random.Random, out: list[str], dp: int, pp: int, per_replica_batch: int) -> list[str]:
     """Sometimes a pipeline without flush (2BW, or PipeDream with vertical sync: delays the reference
     expresses for every weight alike), sometimes local SGD at K = 1 (synchronous by definition).
-    A 2BW draw is made one 2BW runs (one replica, fp32, ZeRO 0, no recomputation): drawn on top
-    of the rest, it was rejected 59 times in 60, so the deferred boundary was hardly ever checked."""
+    Such a pipeline is made one they run (one replica, fp32, ZeRO 0, no recomputation): drawn on
+    top of the rest, 2BW was rejected 59 times in 60, so its deferred boundary was hardly ever
+    checked."""
     if pp > 1 and rng.random() < 0.2:
+        out = [o for o in out if not o.startswith(_NO_FLUSH_DROPS)]
+        out += ["--parallel.dp=1", "--parallel.tp=1", "--parallel.sp=1", "--parallel.zero=0", "--precision.mode=fp32",
+                "--memory.checkpointing=none", "--model.fused_loss=false", f"--train.global_batch={per_replica_batch}"]
+        dp = 1
         if rng.random() < 0.5:
-            out = [o for o in out if not o.startswith(_TWO_BW_DROPS)]
-            out += ["--parallel.pp_schedule=pipedream-2bw", "--parallel.dp=1", "--parallel.tp=1", "--parallel.sp=1",
-                    "--parallel.zero=0", "--precision.mode=fp32", "--memory.checkpointing=none",
-                    "--model.fused_loss=false", f"--train.global_batch={per_replica_batch}"]
-            dp = 1
+            out.append("--parallel.pp_schedule=pipedream-2bw")
         else:  # one micro-batch per step
             out += ["--parallel.pp_schedule=pipedream", "--parallel.pp_vertical_sync=true",
                     f"--train.micro_batch={per_replica_batch}"]
