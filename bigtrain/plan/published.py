@@ -129,17 +129,25 @@ def predicted_metric(plan: Plan, metric: str) -> float:
     raise ValueError(f"unknown metric {metric!r}")
 
 
+def run_profile(run: PublishedRun, hardware: dict | None = None):
+    """The run's hardware profile (``hardware`` overrides fields), with the attention kernel it had."""
+    import dataclasses
+
+    return dataclasses.replace(get_profile(run.hardware), **(hardware or {}),
+                               attention_kernel="unfused" if run.source in UNFUSED else "flash")
+
+
 def predict(run: PublishedRun) -> Plan | None:
     """The planner's best layout for the run (None if nothing with the reported keys fits)."""
     model = ModelSpec.build(name=run.name, **run.model)
-    cluster = Cluster.build(run.gpus, get_profile(run.hardware), engine=run.engine)
+    cluster = Cluster.build(run.gpus, run_profile(run), engine=run.engine)
     return search(model, cluster, run.global_batch, {**run.fixed, "precision": run.precision}).best
 
 
 # The keys a source leaves out, as the planner's search chose them (docs/planner.md): with these the
 # whole layout is given and the comparison judges the time model alone (scripts/planner-published.py).
 CHOSEN = {
-    "GPT 1.7B, 32 x A100": dict(micro_batch=4),
+    "GPT 1.7B, 32 x A100": dict(micro_batch=8),
     "GPT 3.6B, 64 x A100": dict(micro_batch=8),
     "GPT 7.5B, 128 x A100": dict(micro_batch=8),
     "GPT 18.4B, 256 x A100": dict(micro_batch=8),
@@ -165,8 +173,8 @@ CHOSEN = {
     "Llama 3 405B, 8192 x H100": dict(zero=1, schedule="interleaved", v=4, recompute="full"),
     "Llama 3 405B, 16384 x H100": dict(zero=1, schedule="interleaved", v=4, recompute="full"),
     "Llama 2 7B, A100 (512 assumed)": dict(dp=512, tp=1, pp=1, sp=1, zero=3, micro_batch=2, recompute="none"),
-    "Llama 2 70B, A100 (512 assumed)": dict(dp=1, tp=1, pp=64, sp=8, zero=1, micro_batch=1, schedule="zb-h1",
-                                            recompute="none"),
+    "Llama 2 70B, A100 (512 assumed)": dict(dp=128, tp=4, pp=1, sp=1, zero=3, micro_batch=2, recompute="selective",
+                                            tp_sp=True),
 }
 # Megatron-LM 2021-22 materialized the s x s scores (no flash kernel); Llama 2 and 3 used flash attention.
 UNFUSED = (NARAYANAN, KORTHIKANTI)
@@ -180,12 +188,9 @@ def full_layout(run: PublishedRun):
 
 def evaluate_published(run: PublishedRun, hardware: dict | None = None) -> dict:
     """The run with its whole layout given, on its profile (``hardware`` overrides fields)."""
-    import dataclasses
-
     from bigtrain.plan.search import evaluate
 
-    profile = dataclasses.replace(get_profile(run.hardware), **(hardware or {}),
-                                  attention_kernel="unfused" if run.source in UNFUSED else "flash")
+    profile = run_profile(run, hardware)
     model = ModelSpec.build(name=run.name, **run.model)
     plan = evaluate(model, full_layout(run), Cluster.build(run.gpus, profile, engine=run.engine), run.global_batch)
     value = predicted_metric(plan, run.metric)
