@@ -37,7 +37,7 @@ from bigtrain.config import load_config  # noqa: E402
 from bigtrain.plan.calibrate import measure_shared_rate  # noqa: E402
 from bigtrain.plan.calibrate_comm import CollectiveRates, measure_collectives  # noqa: E402
 from bigtrain.plan.fit import _layout  # noqa: E402
-from bigtrain.plan.hardware import get_profile, load_profile  # noqa: E402
+from bigtrain.plan.hardware import get_profile, host_share, load_profile, sharing_cores  # noqa: E402
 from bigtrain.plan.layout import Cluster  # noqa: E402
 from bigtrain.plan.model import ModelSpec  # noqa: E402
 from bigtrain.plan.search import evaluate  # noqa: E402
@@ -80,15 +80,10 @@ def predict(overrides: list[str], hardware, shared_rates: dict[int, float] | Non
             links: dict[int, CollectiveRates] | None = None) -> float:
     cfg = load_config(preset=PRESET, overrides=BASE + overrides)
     ranks = cfg.parallel.world_size
-    shared = (shared_rates or {}).get(ranks, min(1.0, (os.cpu_count() or 1) / ranks))
+    shared = (shared_rates or {}).get(ranks, host_share(ranks))
     if links and ranks in links:  # the collectives of this many ranks on this machine
         hardware = dataclasses.replace(hardware, **links[ranks].profile_fields())
-    # A rank that gets half a core runs everything at half speed: its GEMMs, its memory-bound
-    # kernels and its per-kernel dispatch alike.
-    hw = dataclasses.replace(hardware, peak_flops_fp32=hardware.peak_flops_fp32 * shared,
-                             peak_flops_bf16=hardware.peak_flops_bf16 * shared,
-                             hbm_bandwidth=hardware.hbm_bandwidth * shared,
-                             op_overhead_s=hardware.op_overhead_s / shared)
+    hw = sharing_cores(hardware, shared)
     model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
     plan = evaluate(model, _layout(cfg), Cluster.build(ranks, hw), cfg.train.global_batch)
     return plan.tokens_per_s

@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                                                           "plans for; otherwise parallel.dp follows from it when "
                                                           "no preset, file or override sets dp (default: the "
                                                           "launcher's, else 1)")
+            p.add_argument("--hardware-file", metavar="PATH",
+                           help="with --parallel auto: plan with this machine's measured profile "
+                                "(bigtrain bench --calibrate --output PATH) instead of the preset")
             p.add_argument("--force", action="store_true",
                            help="launch even when the planner says the run does not fit this machine's memory")
             p.add_argument("--max-restarts", type=int, default=0, metavar="N",
@@ -152,11 +155,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.output_dir is not None and not args.output_dir.strip():
         raise ConfigError("--output-dir is empty; give a folder, or leave the flag out for runs/<preset>-<time>")
     check_max_restarts(args.max_restarts)
+    if args.hardware_file is not None and args.parallel != "auto":
+        raise ConfigError("--hardware-file is what --parallel auto plans with; add --parallel auto, or leave it out")
     cfg = _resolve(args, overrides)
     if args.parallel == "auto":
         from bigtrain.plan.auto import auto_overrides
 
-        chosen, why = auto_overrides(cfg, args.world_size or env_world_size() or 1)
+        chosen, why = auto_overrides(cfg, args.world_size or env_world_size() or 1,
+                                     hardware_file=args.hardware_file)
         print(why)
         cfg = _resolve(args, chosen + overrides)  # what the user set explicitly still wins
     else:

@@ -70,3 +70,30 @@ def test_plan_command_says_why_7b_does_not_fit_one_gpu(capsys):
                  "--gpus", "1", "--hardware", "h100-80g"])
     out = capsys.readouterr().out
     assert code == 1 and "Nothing fits" in out and "16 bytes per parameter" in out
+
+
+def test_parallel_auto_on_cpu_plans_ranks_that_share_the_host_cores(monkeypatch, tmp_path):
+    """4 CPU ranks on 2 cores each get half a core: planned at a whole core each, they were
+    predicted 2.8x faster than they ran. A calibrated profile is taken with --hardware-file."""
+    from bigtrain.config import load_config
+    from bigtrain.plan import auto
+    from bigtrain.plan.hardware import get_profile, save_profile
+
+    monkeypatch.setattr(auto, "_cuda", lambda: False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = load_config(preset="small")
+    predicted = {}
+    for cores in (2, 8):
+        monkeypatch.setattr(auto.os, "cpu_count", lambda: cores)
+        _, why = auto.auto_overrides(cfg, 4)
+        predicted[cores] = float(why.split("predicted ")[1].split(" tokens/s")[0].replace(",", ""))
+    assert predicted[2] < 0.65 * predicted[8]  # half a core per rank: compute at half speed
+    faster = save_profile(get_profile("cpu").with_values(peak_flops_fp32=3.2e11, name="calibrated"),
+                          tmp_path / "hw.json")
+    _, why = auto.auto_overrides(cfg, 4, hardware_file=str(faster))
+    assert "4 x calibrated" in why
+
+
+def test_hardware_file_without_parallel_auto_is_refused(capsys):
+    assert main(["train", "--hardware-file", "hw.json", "--train.steps=1"]) == 2
+    assert "--hardware-file is what --parallel auto plans with" in capsys.readouterr().err

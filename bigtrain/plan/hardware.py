@@ -105,6 +105,9 @@ _NVIDIA_RESERVE = dict(reserved_bytes=int(1.5 * GIB), fragmentation=0.05, gpus_p
 # ~70% of peak on A100, ~50% on H100 without FA3); memory_fraction 0.8: what STREAM-like kernels reach.
 _A100_SHAPES = dict(gemm_fraction=0.7, gemm_half_dim=64, attention_fraction=0.7, memory_fraction=0.8)
 _H100_SHAPES = dict(gemm_fraction=0.58, gemm_half_dim=64, attention_fraction=0.5, memory_fraction=0.8)
+# One rank's single-threaded fp32 GEMMs on the CI machine (bench --calibrate, 2026-11-23: 94 GFLOP/s at
+# 1024^3 = 0.6 of the preset's peak, the curve's half dimension 8) and its dispatch cost per kernel.
+_CPU_SHAPES = dict(gemm_fraction=0.6, gemm_half_dim=8, op_overhead_s=2.2e-6)
 _A100_LINKS = dict(intra_node_bandwidth=240e9, inter_node_bandwidth=22.5e9,
                    intra_node_latency_s=10e-6, inter_node_latency_s=25e-6)
 _H100_LINKS = dict(intra_node_bandwidth=360e9, inter_node_bandwidth=45e9,
@@ -129,15 +132,17 @@ PRESETS: dict[str, HardwareProfile] = {
     # The CI machine of notes-cpu-distributed.md: 2 cores, Gloo over loopback. bf16 matmuls have no
     # fast kernel there (a 1024^3 product takes 2.4 s), hence the low bf16 peak. Calibrate your own.
     "cpu": HardwareProfile("cpu", 2e9, 1.6e11, 0.6, 24 * GIB, reserved_bytes=GIB // 2, fragmentation=0.0,
-                           hbm_bandwidth=10e9, intra_node_bandwidth=0.85e9, inter_node_bandwidth=0.1e9,
+                           hbm_bandwidth=37e9, intra_node_bandwidth=0.85e9, inter_node_bandwidth=0.1e9,
                            intra_node_latency_s=0.7e-3, inter_node_latency_s=1e-3, gpus_per_node=8,
                            reduce_scatter_efficiency=0.25, all_gather_efficiency=0.55, comm_overlap=0.0,
-                           recompute_op_overhead_s=17e-6,
+                           recompute_op_overhead_s=17e-6, **_CPU_SHAPES,
                            source="measured on the 2-core CI machine (notes-cpu-distributed.md); "
                                   "fp32 matmul ~126 GFLOP/s at 1024^3; Gloo all-reduce 0.85 GB/s at 2 ranks; "
                                   "reduce-scatter / all-gather at 0.25 / 0.55 of its bus bandwidth, "
                                   "no overlap with compute (plan/calibrate_comm.py, 2026-11-23); "
-                                  "checkpoint recomputation 17 us per kernel (calibrate.py)"),
+                                  "checkpoint recomputation 17 us per kernel (calibrate.py); shape-aware since 2026-11-23: "
+                                  "GEMMs 0.6 of the peak with half dimension 8, 2.2 us dispatch per kernel, "
+                                  "37 GB/s memory (bench --calibrate)"),
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(HardwareProfile)}
@@ -178,6 +183,27 @@ def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     return out
+
+
+def sharing_cores(profile: HardwareProfile, share: float) -> HardwareProfile:
+    """The profile as one of several CPU ranks on one host sees it, each getting ``share`` of a
+    core (cores / ranks, or ``calibrate.measure_shared_rate``): a rank that gets half a core runs
+    everything at half speed, its GEMMs, its memory-bound kernels and its per-kernel dispatch alike.
+    Profiles hold one rank's rates (``calibrate`` measures them with one thread)."""
+    if share >= 1:
+        return profile
+    return dataclasses.replace(profile, peak_flops_fp32=profile.peak_flops_fp32 * share,
+                               peak_flops_bf16=profile.peak_flops_bf16 * share,
+                               hbm_bandwidth=profile.hbm_bandwidth * share,
+                               op_overhead_s=profile.op_overhead_s / share)
+
+
+def host_share(ranks_on_host: int, cores: int | None = None) -> float:
+    """The share of a core each of ``ranks_on_host`` single-threaded ranks gets: min(1, cores / ranks)."""
+    import os
+
+    cores = cores or os.cpu_count() or 1
+    return min(1.0, cores / max(1, ranks_on_host))
 
 
 def get_profile(name: str) -> HardwareProfile:
