@@ -342,6 +342,25 @@ def test_profile_file_with_base_and_errors(tmp_path):
         load_profile(path)
 
 
+@pytest.mark.parametrize("text,named", [
+    ('{"base": "cpu", "peak_flops_fp32": 0}', "peak_flops_fp32 = 0: a rate or size must be > 0"),
+    ('{"base": "cpu", "hbm_bandwidth": 0}', "hbm_bandwidth = 0"),
+    ('{"base": "cpu", "gpus_per_node": 1e400}', "gpus_per_node = inf is not a finite int"),
+    ('{"base": "tpu"}', "base = 'tpu' is not a preset"),
+    (None, "cannot be read"),  # a folder
+])
+def test_a_profile_file_that_would_crash_the_planner_is_rejected_naming_the_field(tmp_path, text, named):
+    """Found by the input fuzzer's hardware cases: these were a ZeroDivisionError, an OverflowError,
+    an IsADirectoryError, and an error naming --hardware instead of the file."""
+    path = tmp_path / "hw.json"
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        load_profile(path)
+
+
 def test_calibration_writes_a_loadable_profile(tmp_path, capsys):
     path = tmp_path / "cal.json"
     tiny = dict(layers=1, dim=32, heads=2, seq=8, batch=2, repeats=1)

@@ -3,7 +3,7 @@
 A :class:`Case` is a recipe: it writes whatever files it needs into its own folder and returns the
 command line and the environment changes of one invocation, and the names (a dotted field, a flag,
 an environment variable) one of which the rejection must name. :func:`generate` draws cases from a
-seeded generator over seven kinds:
+seeded generator over eight kinds:
 
 * ``field``: a bad value for one field of the tiny preset on the command line: wrong type, empty,
   NaN, infinities, negative, zero, out of 64 bits, absurd sizes, bad enums, undecodable text;
@@ -14,7 +14,9 @@ seeded generator over seven kinds:
 * ``env``: ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` left over without a launcher, or malformed;
 * ``toml``: a config file with wrong types, NUL, NaN, unknown keys, bad syntax, or a special file;
 * ``flag``: bad command-line flags (``--world-size``, ``--steps``, malformed overrides, presets);
-* ``clumsy``: valid-looking values that contradict each other (dim vs heads, batch vs micro-batch).
+* ``clumsy``: valid-looking values that contradict each other (dim vs heads, batch vs micro-batch);
+* ``hardware``: a ``--hardware-file`` for ``--parallel auto`` that is missing, a folder, not a table,
+  names no preset as its base, or holds a bad field (zero rates, infinities, NaN, unknown names).
 
 Valid inputs are excluded by construction: each value is classified by a domain written here,
 independently of ``validation.py`` (a field's lower bound, and the size from which rejection is
@@ -490,11 +492,41 @@ def _clumsy_case(rng: random.Random) -> Case:
     return Case("clumsy", label, (name,), _args(*argv))
 
 
+def _hardware_case(rng: random.Random) -> Case:
+    """A hostile --hardware-file for --parallel auto: the file or one field of it named."""
+    field_name, bad = rng.choice([("peak_flops_fp32", "0"), ("hbm_bandwidth", "0"), ("gpus_per_node", "1e400"),
+                                  ("memory_bytes", "-1"), ("peak_flops_bf16", "NaN"), ("comm_overlap", "2"),
+                                  ("peak_flopz", "1"), ("achievable_fraction", "\"x\"")])
+    recipes = {
+        "missing": (None, "--hardware-file"),
+        "not JSON": (b"{", "--hardware-file"),
+        "a list": (b"[1, 2]", "--hardware-file"),
+        "a folder": ("folder", "--hardware-file"),
+        "base not a preset": (b'{"base": "tpu"}', "base"),
+        f"{field_name} = {bad}": (f'{{"base": "cpu", "{field_name}": {bad}}}'.encode(), field_name),
+        "without --parallel auto": ("plain", "--hardware-file"),
+    }
+    label = rng.choice(sorted(recipes))
+    content, name = recipes[label]
+
+    def build(folder: Path):
+        path = folder / "hw.json"
+        if content == "folder":
+            path.mkdir()
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content == "plain":
+            path.write_text('{"base": "cpu"}')
+            return ["--hardware-file", str(path)], {}
+        return ["--parallel", "auto", "--world-size", "2", "--hardware-file", str(path)], {}
+    return Case("hardware", label, (name,), build)
+
+
 # -- drawing cases -------------------------------------------------------------------------------------
 # bigtrain check sets these itself (no checkpoints, no resume, no report): a value of the right type is ignored.
 CHECK_OVERWRITES = {"checkpoint.resume", "checkpoint.every", "checkpoint.save_final", "logging.progress",
                     "logging.report"}  # (a value of the wrong type is still rejected when the config loads)
-KINDS = {"field": 50, "data": 17, "output": 6, "env": 6, "toml": 9, "flag": 5, "clumsy": 7}
+KINDS = {"field": 50, "data": 17, "output": 6, "env": 6, "toml": 9, "flag": 5, "clumsy": 7, "hardware": 3}
 
 
 @dataclass
@@ -526,6 +558,8 @@ def generate(count: int, seed: int) -> Draw:
             case = _toml_case(rng, command)
         elif kind == "flag":
             case = _flag_case(rng)
+        elif kind == "hardware":
+            case = _hardware_case(rng)
         else:
             case = _clumsy_case(rng)
         if kind in ("field", "data", "clumsy") and not set(case.names) & CHECK_OVERWRITES:

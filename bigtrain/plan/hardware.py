@@ -146,6 +146,9 @@ PRESETS: dict[str, HardwareProfile] = {
 }
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(HardwareProfile)}
+_RATES = ("peak_flops_bf16", "peak_flops_fp32", "memory_bytes", "hbm_bandwidth", "intra_node_bandwidth",
+          "inter_node_bandwidth", "gpus_per_node", "host_bandwidth", "nvme_bandwidth", "host_memory_bandwidth",
+          "attention_fraction", "memory_fraction")
 
 
 def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
@@ -163,12 +166,15 @@ def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
                 value = float(value)
             else:
                 value = str(value)
-        except (TypeError, ValueError):
-            problems.append(f"{origin}: {key} = {value!r} is not a {kind}")
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int() of an infinite float
+            problems.append(f"{origin}: {key} = {value!r} is not a {'finite ' if kind in ('int', int) else ''}{kind}")
             continue
         if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= 0):
             problems.append(f"{origin}: {key} = {value} must be a finite number >= 0")
         out[key] = value
+    for key in _RATES:  # divided by: zero would be a step of infinite time (a ZeroDivisionError)
+        if key in out and out[key] == 0:
+            problems.append(f"{origin}: {key} = 0: a rate or size must be > 0")
     if "achievable_fraction" in out and not 0 < out["achievable_fraction"] <= 1:
         problems.append(f"{origin}: achievable_fraction = {out['achievable_fraction']} must be in (0, 1]")
     if out.get("attention_kernel", "flash") not in ("flash", "unfused"):
@@ -221,6 +227,8 @@ def load_profile(path: str | Path) -> HardwareProfile:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text.decode())
     except FileNotFoundError:
         raise ConfigError(f"--hardware-file '{path}' does not exist") from None
+    except OSError as e:  # a folder, no permission, a device
+        raise ConfigError(f"--hardware-file '{path}' cannot be read: {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError and TOMLDecodeError are ValueErrors
         raise ConfigError(f"--hardware-file '{path}' is not valid {path.suffix[1:] or 'TOML'}: {e}") from None
     if not isinstance(data, dict):
@@ -229,6 +237,8 @@ def load_profile(path: str | Path) -> HardwareProfile:
     base = data.pop("base", None)
     values = _coerce_fields(data, f"--hardware-file {path}")
     if base is not None:
+        if str(base) not in PRESETS:
+            raise ConfigError(f"--hardware-file {path}: base = {base!r} is not a preset; presets: {', '.join(PRESETS)}")
         return dataclasses.replace(get_profile(str(base)), **values)
     missing = [f.name for f in dataclasses.fields(HardwareProfile)
                if f.name not in values and f.default is dataclasses.MISSING]
