@@ -558,6 +558,14 @@ def check_async(cfg: Config) -> list[str]:
         if cfg.model.fused_loss:
             problems.append(f"model.fused_loss with {what}: the fused head reads its weight again in backward, "
                             f"the live one rather than the stashed version; use model.fused_loss = false")
+        if cfg.model.moe_experts and cfg.model.moe_router == "sigmoid-bias":
+            # Found by the layout fuzzer: the balancing bias moves at the step boundary, but upstream
+            # stages ran the next step's first forwards before it, with the old bias; the bias is
+            # model state the weight versions do not stash (gradient norm 2e-5 to 9e-5 off the
+            # delayed reference, expert gradients 7e-2).
+            problems.append(f"model.moe_router = 'sigmoid-bias' with {what}: its balancing bias is updated at the "
+                            f"step boundary, after upstream stages began the next step's forwards with the old "
+                            f"bias (not versioned with the weights); use model.moe_router = 'softmax'")
     if p.pp_vertical_sync and kind != "pipedream":
         problems.append(f"parallel.pp_vertical_sync applies to parallel.pp_schedule = 'pipedream' (got '{kind}'); "
                         f"set it false, or use parallel.pp_schedule = 'pipedream'")

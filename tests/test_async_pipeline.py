@@ -232,3 +232,17 @@ def test_2bw_deferred_boundary_skips_a_non_finite_step_as_the_synchronous_one(co
         assert str(steps) == str(sync_steps)  # NaN == NaN as text
         for name, value in params.items():
             assert torch.equal(value, sync_params[name]), name
+
+
+@pytest.mark.parametrize("kind", ["pipedream-2bw", "pipedream"])
+def test_the_balancing_bias_router_is_refused_without_a_flush(kind):
+    """Found by the layout fuzzer (seed 20261146, sample 38): the sigmoid router's bias moves at the
+    step boundary, after upstream stages began the next step's forwards with the old one."""
+    from bigtrain.config import ConfigError, load_config
+    from bigtrain.validation import validate as validate_config
+
+    cfg = load_config(preset="tiny", overrides=["--parallel.pp=2", f"--parallel.pp_schedule={kind}",
+                                                "--model.moe_experts=4", "--model.moe_router=sigmoid-bias",
+                                                "--train.micro_batch=8", "--train.global_batch=8"])
+    with pytest.raises(ConfigError, match="model.moe_router = 'sigmoid-bias' with parallel.pp_schedule"):
+        validate_config(cfg)

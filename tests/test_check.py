@@ -213,9 +213,14 @@ def test_check_catches_a_deferred_update_that_leaves_a_stale_gradient(corpus_cac
     (2, ("--model.n_layers=2", "--model.moe_experts=2", "--model.moe_every=2")),  # stage 0 holds no MoE block
 ])
 def test_2bw_ranks_agree_on_the_boundary_they_run_when_only_some_stages_hold_what_forbids_deferring(
-        world, extra, corpus_cache, tmp_path):
+        world, extra, corpus_cache, tmp_path, monkeypatch):
     """Found by the layout fuzzer: each rank decided from its own stage, so a middle stage deferred
     while the end stages, holding the tied weights, did not, and their collectives never met."""
+    from bigtrain.train import Trainer
+
+    real = Trainer.train_step_deferred
+    monkeypatch.setattr(Trainer, "train_step_deferred",
+                        lambda self, *a, **k: (DEFERRED_CALLS.append(self.step), real(self, *a, **k))[1])
     cfg = tiny_config(corpus_cache, *TWO_BW, *extra)
     reports = run_ranks(_check_2bw, world, cfg, str(tmp_path), 3, timeout=120)
     assert reports[0][0].agree, reports[0][0].text()

@@ -76,7 +76,7 @@ def test_parallel_auto_on_cpu_plans_ranks_that_share_the_host_cores(monkeypatch,
     """4 CPU ranks on 2 cores each get half a core: planned at a whole core each, they were
     predicted 2.8x faster than they ran. A calibrated profile is taken with --hardware-file."""
     from bigtrain.config import load_config
-    from bigtrain.plan import auto
+    from bigtrain.plan import auto, hardware
     from bigtrain.plan.hardware import get_profile, save_profile
 
     monkeypatch.setattr(auto, "_cuda", lambda: False)
@@ -84,7 +84,7 @@ def test_parallel_auto_on_cpu_plans_ranks_that_share_the_host_cores(monkeypatch,
     cfg = load_config(preset="small")
     predicted = {}
     for cores in (2, 8):
-        monkeypatch.setattr(auto.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(hardware, "usable_cores", lambda: cores)
         _, why = auto.auto_overrides(cfg, 4)
         predicted[cores] = float(why.split("predicted ")[1].split(" tokens/s")[0].replace(",", ""))
     assert predicted[2] < 0.65 * predicted[8]  # half a core per rank: compute at half speed

@@ -343,15 +343,19 @@ def test_profile_file_with_base_and_errors(tmp_path):
 
 
 @pytest.mark.parametrize("text,named", [
-    ('{"base": "cpu", "peak_flops_fp32": 0}', "peak_flops_fp32 = 0: a rate or size must be > 0"),
+    ('{"base": "cpu", "peak_flops_fp32": 0}', "peak_flops_fp32 = 0.0: a rate or size must be >= 1"),
+    ('{"base": "cpu", "peak_flops_fp32": 1e-320}', "peak_flops_fp32 = 1e-320: a rate or size must be >= 1"),
     ('{"base": "cpu", "hbm_bandwidth": 0}', "hbm_bandwidth = 0"),
+    ('{"base": "cpu", "gemm_half_dim": 1e308}', "gemm_half_dim = 1e.308: at most"),
+    ('{"base": "cpu", "memory_fraction": 0}', "memory_fraction = 0.0 must be in"),
     ('{"base": "cpu", "gpus_per_node": 1e400}', "gpus_per_node = inf is not a finite int"),
     ('{"base": "tpu"}', "base = 'tpu' is not a preset"),
     (None, "cannot be read"),  # a folder
 ])
 def test_a_profile_file_that_would_crash_the_planner_is_rejected_naming_the_field(tmp_path, text, named):
-    """Found by the input fuzzer's hardware cases: these were a ZeroDivisionError, an OverflowError,
-    an IsADirectoryError, and an error naming --hardware instead of the file."""
+    """Found by the input fuzzer's hardware cases and a review: these were ZeroDivisionErrors, an
+    OverflowError, an IsADirectoryError, a NaN prediction, and an error naming --hardware instead of
+    the file."""
     path = tmp_path / "hw.json"
     if text is None:
         path.mkdir()

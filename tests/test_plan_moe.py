@@ -105,5 +105,9 @@ def test_the_shape_aware_time_of_an_moe_block_counts_its_top_k_experts():
     ffn = 2 * 3 * moe.hidden * moe.expert_ffn * tokens / (h100.peak_flops("bf16") * h100.gemm_fraction)
     # one more expert per token: its GEMMs at the large-GEMM share, plus tile losses and its SwiGLU
     assert ffn < seconds - top1 < 1.2 * ffn
+    # every tp rank runs its experts on the same whole hidden states: tp does not divide that work
+    at_tp2 = [block_times(m, Layout(dp=8, tp=2, ep=8, micro_batch=1), h100, moe=True).forward
+              for m in (moe, dataclasses.replace(moe, top_k=1))]
+    assert at_tp2[0] - at_tp2[1] == pytest.approx(seconds - top1, rel=1e-6)
     best = search(moe, Cluster.build(8, h100), 64, {}).best
     assert best.time.mfu < h100.gemm_fraction

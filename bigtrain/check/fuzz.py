@@ -129,7 +129,7 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     if rng.random() < 0.3:
         out += [f"--parallel.reshard_after_forward={rng.random() < 0.5}", f"--parallel.prefetch={rng.random() < 0.5}"]
     out += _optimizer_choice(rng)
-    out = _asynchronous_choice(rng, out, dp, pp, micro * accum)  # last: earlier seeds keep the draws above
+    out, dp = _asynchronous_choice(rng, out, dp, pp, micro * accum)  # last: earlier seeds keep the draws above
     if rng.random() < 0.4:  # drawn last: the draws above, and so the samples without experts, stay as they were
         out = _with_experts(rng, out, dp)
     if rng.random() < 0.2:  # after the experts, for the same reason
@@ -155,12 +155,13 @@ _NO_FLUSH_DROPS = ("--parallel.reshard_after_forward=", "--parallel.prefetch=", 
                  "--model.fused_loss_chunk=")
 
 
-def _asynchronous_choice(rng: random.Random, out: list[str], dp: int, pp: int, per_replica_batch: int) -> list[str]:
+def _asynchronous_choice(rng: random.Random, out: list[str], dp: int, pp: int,
+                         per_replica_batch: int) -> tuple[list[str], int]:
     """Sometimes a pipeline without flush (2BW, or PipeDream with vertical sync: delays the reference
     expresses for every weight alike), sometimes local SGD at K = 1 (synchronous by definition).
     Such a pipeline is made one they run (one replica, fp32, ZeRO 0, no recomputation): drawn on
     top of the rest, 2BW was rejected 59 times in 60, so its deferred boundary was hardly ever
-    checked."""
+    checked. Returns the sample and its dp (1 for such a pipeline: what the experts' ep divides)."""
     if pp > 1 and rng.random() < 0.2:
         out = [o for o in out if not o.startswith(_NO_FLUSH_DROPS)]
         out += ["--parallel.dp=1", "--parallel.tp=1", "--parallel.sp=1", "--parallel.zero=0", "--precision.mode=fp32",
@@ -173,7 +174,7 @@ def _asynchronous_choice(rng: random.Random, out: list[str], dp: int, pp: int, p
                     f"--train.micro_batch={per_replica_batch}"]
     if dp > 1 and rng.random() < 0.15:
         out += ["--parallel.dp_sync=local-sgd", "--parallel.local_sgd_every=1"]
-    return out
+    return out, dp
 
 
 def _optimizer_choice(rng: random.Random) -> list[str]:

@@ -62,8 +62,8 @@ def _linears(model: ModelSpec, layout: Layout, tokens: float, moe: bool = False)
 
     An MoE block's experts are whole on every rank (docs/moe.md): a rank runs its E/ep experts,
     each on ``tokens x top_k x ep / E`` tokens of a balanced routing, which is ``tokens x top_k``
-    token-expert products in all, as many FLOPs as top_k dense feed-forwards. As in the uniform
-    model, the tp ranks split that work (``tokens / t``)."""
+    token-expert products in all, as many FLOPs as top_k dense feed-forwards. The tp ranks of a
+    group route the same whole hidden states (parallel/tensor/plan.py), so each does all of it."""
     h, kv, f, t = model.hidden, model.kv_dim, model.ffn_hidden, layout.tp
     if model.mlp == "swiglu":
         attention = [(h / t, h), (kv / t, h), (kv / t, h), (h, h / t)]
@@ -73,7 +73,7 @@ def _linears(model: ModelSpec, layout: Layout, tokens: float, moe: bool = False)
     out = [(tokens, n, k, 1) for n, k in attention]
     if not moe:
         return out + [(tokens, n, k, 1) for n, k in mlp]
-    e, share = model.expert_ffn, tokens / t
+    e, share = model.expert_ffn, tokens
     experts = [(e, h), (e, h), (h, e)] if model.mlp == "swiglu" else [(e, h), (h, e)]
     local = model.experts // layout.ep
     per_expert = share * model.top_k * layout.ep / model.experts
@@ -88,19 +88,19 @@ def _elementwise_bytes(model: ModelSpec, layout: Layout, moe: bool = False) -> f
     """Bytes one token moves through a block's element-wise kernels in the forward, on one rank
     (an MoE block's activation spans its top_k experts and the shared one)."""
     b, h, kv, t = BYTES[layout.precision], model.hidden, model.kv_dim, layout.tp
-    f = model.ffn_hidden
-    if moe:
-        f = (model.top_k + model.shared_expert) * model.expert_ffn
+    # the feed-forward width one rank's activation spans: a tp share of the dense one; an MoE
+    # block's top_k experts (and the shared one) whole, as every tp rank runs them
+    f_rank = (model.top_k + model.shared_expert) * model.expert_ffn if moe else model.ffn_hidden / t
     whole = t if layout.tp_sp else 1  # norms and residuals are divided only under sequence parallelism
     if model.mlp == "swiglu":
         norms = 2 * (4 * b + 28) * h  # x.float(), pow, mean, x * rsqrt, .type_as, * weight
         rotary = 6 * b * (h + kv) / t
-        swiglu = 5 * b * f / t  # silu(w1 x) and its product with w3 x
+        swiglu = 5 * b * f_rank  # silu(w1 x) and its product with w3 x
         copies = 2 * b * (h + 2 * kv) / t  # q, k, v to heads-first and the output back
         residual = 6 * b * h
         return (norms + residual) / whole + rotary + swiglu + copies
     norms = 2 * 2 * b * h  # fused LayerNorm
-    gelu = 2 * b * f / t  # fused bias-GeLU
+    gelu = 2 * b * f_rank  # fused bias-GeLU
     bias_dropout_add = 2 * (3 * b + 1) * h
     return (norms + bias_dropout_add) / whole + gelu
 

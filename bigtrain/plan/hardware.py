@@ -137,7 +137,7 @@ PRESETS: dict[str, HardwareProfile] = {
                            reduce_scatter_efficiency=0.25, all_gather_efficiency=0.55, comm_overlap=0.0,
                            recompute_op_overhead_s=17e-6, **_CPU_SHAPES,
                            source="measured on the 2-core CI machine (notes-cpu-distributed.md); "
-                                  "fp32 matmul ~126 GFLOP/s at 1024^3; Gloo all-reduce 0.85 GB/s at 2 ranks; "
+                                  "fp32 matmul 94-126 GFLOP/s at 1024^3 (one thread; runs differ); Gloo all-reduce 0.85 GB/s at 2 ranks; "
                                   "reduce-scatter / all-gather at 0.25 / 0.55 of its bus bandwidth, "
                                   "no overlap with compute (plan/calibrate_comm.py, 2026-11-23); "
                                   "checkpoint recomputation 17 us per kernel (calibrate.py); shape-aware since 2026-11-23: "
@@ -147,8 +147,7 @@ PRESETS: dict[str, HardwareProfile] = {
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(HardwareProfile)}
 _RATES = ("peak_flops_bf16", "peak_flops_fp32", "memory_bytes", "hbm_bandwidth", "intra_node_bandwidth",
-          "inter_node_bandwidth", "gpus_per_node", "host_bandwidth", "nvme_bandwidth", "host_memory_bandwidth",
-          "attention_fraction", "memory_fraction")
+          "inter_node_bandwidth", "gpus_per_node", "host_bandwidth", "nvme_bandwidth", "host_memory_bandwidth")
 
 
 def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
@@ -173,8 +172,13 @@ def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
             problems.append(f"{origin}: {key} = {value} must be a finite number >= 0")
         out[key] = value
     for key in _RATES:  # divided by: zero would be a step of infinite time (a ZeroDivisionError)
-        if key in out and out[key] == 0:
-            problems.append(f"{origin}: {key} = 0: a rate or size must be > 0")
+        if key in out and out[key] < 1:
+            problems.append(f"{origin}: {key} = {out[key]}: a rate or size must be >= 1")
+    for key in ("attention_fraction", "memory_fraction"):
+        if key in out and not 0 < out[key] <= 1:
+            problems.append(f"{origin}: {key} = {out[key]} must be in (0, 1]")
+    if "gemm_half_dim" in out and out["gemm_half_dim"] > 2**20:  # larger underflows the GEMM curve to 0
+        problems.append(f"{origin}: gemm_half_dim = {out['gemm_half_dim']}: at most 2**20 (a GEMM dimension)")
     if "achievable_fraction" in out and not 0 < out["achievable_fraction"] <= 1:
         problems.append(f"{origin}: achievable_fraction = {out['achievable_fraction']} must be in (0, 1]")
     if out.get("attention_kernel", "flash") not in ("flash", "unfused"):
@@ -201,15 +205,20 @@ def sharing_cores(profile: HardwareProfile, share: float) -> HardwareProfile:
     return dataclasses.replace(profile, peak_flops_fp32=profile.peak_flops_fp32 * share,
                                peak_flops_bf16=profile.peak_flops_bf16 * share,
                                hbm_bandwidth=profile.hbm_bandwidth * share,
-                               op_overhead_s=profile.op_overhead_s / share)
+                               op_overhead_s=profile.op_overhead_s / share,
+                               recompute_op_overhead_s=profile.recompute_op_overhead_s / share)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a cgroup or taskset narrows)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def host_share(ranks_on_host: int, cores: int | None = None) -> float:
     """The share of a core each of ``ranks_on_host`` single-threaded ranks gets: min(1, cores / ranks)."""
-    import os
-
-    cores = cores or os.cpu_count() or 1
-    return min(1.0, cores / max(1, ranks_on_host))
+    return min(1.0, (cores or usable_cores()) / max(1, ranks_on_host))
 
 
 def get_profile(name: str) -> HardwareProfile:
