@@ -79,7 +79,7 @@ def test_parallel_auto_on_cpu_plans_ranks_that_share_the_host_cores(monkeypatch,
     from bigtrain.plan import auto, hardware
     from bigtrain.plan.hardware import get_profile, save_profile
 
-    monkeypatch.setattr(auto, "_cuda", lambda: False)
+    monkeypatch.setattr(auto, "local_hardware", lambda: "cpu")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cfg = load_config(preset="small")
     predicted = {}

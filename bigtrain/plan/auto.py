@@ -23,12 +23,6 @@ def local_hardware() -> str:
     return next((preset for key, preset in _GPU_NAMES.items() if key in name), "h100-80g")
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
                    hardware_file: str | None = None) -> tuple[list[str], str]:
     """Overrides that set the fastest layout that fits ``world_size`` ranks, and a line saying why.
@@ -37,12 +31,14 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     parallelism, micro-batch size and checkpointing. ``hardware_file``: a profile of this machine
     (``bigtrain bench --calibrate --output``) instead of the preset."""
     model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
-    profile = get_profile(hardware or local_hardware()) if hardware_file is None else load_profile(hardware_file)
-    if hardware in (None, "cpu") and not _cuda():  # this machine's CPU ranks
+    here = local_hardware()
+    profile = get_profile(hardware or here) if hardware_file is None else load_profile(hardware_file)
+    if hardware in (None, "cpu") and here == "cpu":  # this machine's CPU ranks
         # CPU ranks of one host share its cores (the launcher starts world_size of them here,
         # LOCAL_WORLD_SIZE under an outside torchrun): planned at one core each, 4 ranks on 2
         # cores were predicted 2.8x faster than they ran.
-        profile = sharing_cores(profile, host_share(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        profile = sharing_cores(profile, host_share(int(local) if local.isdigit() else world_size))
     cluster = Cluster.build(world_size, profile)
     # The activation options are the user's to choose: the search keeps them as configured.
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
