@@ -22,7 +22,7 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.model import ModelSpec
@@ -73,14 +73,13 @@ def _linears(model: ModelSpec, layout: Layout, tokens: float, moe: bool = False)
     out = [(tokens, n, k, 1) for n, k in attention]
     if not moe:
         return out + [(tokens, n, k, 1) for n, k in mlp]
-    e, share = model.expert_ffn, tokens
+    e = model.expert_ffn
     experts = [(e, h), (e, h), (h, e)] if model.mlp == "swiglu" else [(e, h), (h, e)]
-    local = model.experts // layout.ep
-    per_expert = share * model.top_k * layout.ep / model.experts
-    out += [(per_expert, n, k, local) for n, k in experts]
+    per_expert = tokens * model.top_k * layout.ep / model.experts
+    out += [(per_expert, n, k, model.experts // layout.ep) for n, k in experts]
     out.append((tokens, model.experts, h, 1))  # the router
     if model.shared_expert:
-        out += [(share, n, k, 1) for n, k in experts]
+        out += [(tokens, n, k, 1) for n, k in experts]
     return out
 
 
@@ -157,8 +156,7 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
     if model.experts:  # the blocks' average, as the layers' FLOPs are averaged (ModelSpec.block_matmul_params)
         share = model.moe_layers / model.layers
         moe = block_times(model, layout, hw, moe=True)
-        block = BlockTimes(*((1 - share) * a + share * b for a, b in zip(
-            (block.forward, block.backward, block.weight_grad), (moe.forward, moe.backward, moe.weight_grad))))
+        block = BlockTimes(*((1 - share) * a + share * b for a, b in zip(astuple(block), astuple(moe))))
     head = head_times(model, layout, hw)
     forward = layers * block.forward + head[0] / layout.pp
     recompute = block.forward + OPS_PER_BLOCK[model.mlp] * hw.recompute_op_overhead_s
