@@ -22,11 +22,10 @@ def plot_loss(records: list[dict], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    # Steps counted from 1, as the log lines count them.
-    ax.plot([r["step"] + 1 for r in records], [r["loss"] for r in records], marker=".", label="training")
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label="training")
     evals = [r for r in records if "eval_loss" in r]
     if evals:
-        ax.plot([r["step"] + 1 for r in evals], [r["eval_loss"] for r in evals], marker="o", label="held-out")
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="o", label="held-out")
         ax.legend()
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
@@ -100,12 +99,12 @@ def summarize(records: list[dict]) -> dict:
     mem = next((r["mem"] for r in reversed(records) if r.get("mem")), {})
     evals = [r for r in records if "eval_loss" in r]
     out = {"first_loss": first["loss"], "last_loss": last["loss"],
-           "loss_drop": 1 - last["loss"] / first["loss"], "steps": last["step"] + 1,
+           "loss_drop": 1 - last["loss"] / first["loss"], "steps": last["step"],
            "median_tokens_per_s": statistics.median(speeds),
            "median_step_time_s": statistics.median(r.get("step_time_s", 0.0) for r in timed),
            "mem": mem, "comm_per_step": last.get("comm", {}), "comm_ops_per_step": last.get("comm_ops", {})}
     if evals:
-        out.update(eval_loss=evals[-1]["eval_loss"], eval_step=evals[-1]["step"] + 1)
+        out.update(eval_loss=evals[-1]["eval_loss"], eval_step=evals[-1]["step"])
     return out
 
 

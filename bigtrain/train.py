@@ -52,6 +52,8 @@ OFFLOAD_MEM_KEYS = ("host", "nvme")  # with offload: bytes its tiers hold (not p
 
 @dataclass
 class StepResult:
+    # The update's index from 0 (the trainer's own count before it). What a user sees counts from 1:
+    # a record's "step", the console, messages and checkpoint step_k all mean "after k updates".
     step: int
     loss: float
     grad_norm: float
@@ -70,7 +72,7 @@ class StepResult:
     offload: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict:
-        out = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+        out = {"step": self.step + 1, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
                "tokens_per_s": self.tokens / max(self.step_time_s, 1e-9), "step_time_s": self.step_time_s,
                "mem": self.mem, "comm": self.comm, "comm_ops": self.comm_ops, "skipped": self.skipped}
         if self.loss_scale is not None:
@@ -387,7 +389,7 @@ class Trainer:
             log.write(result.record())
         log.advance()
         try:
-            note = bad.observe(result.step, result.loss, result.grad_norm, result.skipped, scale_before,
+            note = bad.observe(result.step + 1, result.loss, result.grad_norm, result.skipped, scale_before,
                                result.loss_scale)
         except NonFiniteStop as stop:
             self.wait_for_save()
