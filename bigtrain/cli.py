@@ -147,7 +147,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from bigtrain.distributed.elastic import elastic_warnings, restart_notice, restart_round, resume_after_restart
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
     from bigtrain.preflight import check_environment, print_warnings
-    from bigtrain.run_dir import check_run_dir, clear_run, forget_stop, recorded_exit_code
+    from bigtrain.run_dir import check_run_dir, clear_run, finished_run, forget_stop, recorded_exit_code
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
     if args.world_size is not None and not 1 <= args.world_size <= WORLD_SIZE_MAX:
@@ -183,7 +183,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(notice, file=sys.stderr)
     print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
                    + check_inputs(cfg, run_dir, "--output-dir", check_size=not args.force))
-    check_run_dir(cfg, run_dir, args.resume, args.overwrite)
+    resumed_from = check_run_dir(cfg, run_dir, args.resume, args.overwrite)
+    if args.resume and (finished := finished_run(run_dir, resumed_from, cfg.train.steps)) is not None:
+        print(finished)  # and nothing in the folder changes: no launch, no report rewritten
+        return 0
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
         clear_run(run_dir)
     if (cfg.parallel.world_size > 1 or args.max_restarts) and not launched_externally():

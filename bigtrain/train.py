@@ -45,6 +45,7 @@ from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 from bigtrain.parallel.build import parallelize
 from bigtrain.preemption import Preempted, SignalWatch
 from bigtrain.run_dir import ensure_run_id, forget_stop, read_run_id, record_stop
+from bigtrain.run_segments import open_segment, update_segment
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
 OFFLOAD_MEM_KEYS = ("host", "nvme")  # with offload: bytes its tiers hold (not part of the device's total)
@@ -109,6 +110,7 @@ class Trainer:
         self._checkpoint_group = None
         self._run_id: str | None = None
         self.wall_time_s: float | None = None  # of the last fit() (this attempt, when resumed)
+        self._fit_started: float | None = None
 
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
@@ -305,7 +307,7 @@ class Trainer:
         """Train to ``train.steps``, resuming first if the config says so. Raises NonFiniteStop
         (``train.max_bad_steps`` bad steps in a row) or Preempted (SIGINT / SIGTERM, after saving)."""
         cfg = self.cfg
-        started = time.perf_counter()
+        started = self._fit_started = time.perf_counter()
         if self.is_main:  # unfinished saves of an earlier attempt: nothing reads them, they take space
             ckpt.remove_temp_dirs(self.checkpoint_root)
         if cfg.checkpoint.resume != "none":
@@ -319,6 +321,7 @@ class Trainer:
             self._run_id = ensure_run_id(self.run_dir)
             forget_stop(self.run_dir)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            open_segment(self.run_dir, self.step, self.global_tokens, run_info.layout_text(cfg), run_info.git_commit())
         log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress,
                          cfg.logging.tensorboard)
         scaler = self.engine.scaler
@@ -342,6 +345,7 @@ class Trainer:
                 signals.settle()
         finally:
             log.close()
+            self._note_segment()  # however the loop ended (a stop, a failure): the steps it got to
         if self.executor is not None and self.history:
             self.draw_pipeline()
         if cfg.checkpoint.save_final and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
@@ -353,7 +357,13 @@ class Trainer:
         if finish_update is not None:
             finish_update()
         self.wall_time_s = time.perf_counter() - started
+        self._note_segment()
         return self.history
+
+    def _note_segment(self) -> None:
+        """This launch's segment of the run has reached ``self.step`` (rank 0 records it)."""
+        if self.is_main and self._fit_started is not None:
+            update_segment(self.run_dir, self.step, time.perf_counter() - self._fit_started)
 
     def _logged(self, step: int) -> bool:
         cfg = self.cfg
@@ -482,6 +492,7 @@ class Trainer:
         meta = {"format": ckpt.FORMAT, "config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
                 "optimizer": self.engine.optim_spec.name, "run_id": self.run_id,
                 "loss_scaler": scaler.state_dict() if scaler is not None else None}
+        self._note_segment()
         if not background:
             self._write_checkpoint(self.step, chunks, meta, None)
             return True
