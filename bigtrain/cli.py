@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog,
                                unknown_arguments_message)
-from bigtrain.config import Config, ConfigError, field_docs, load_config, preset_names, to_toml
+from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
@@ -168,6 +168,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         cfg = _infer_dp(args, overrides, cfg, args.world_size or env_world_size())
     validate(cfg, world_size=env_world_size() or (args.world_size if args.parallel != "auto" else None),
+             world_size_from="from the launcher" if env_world_size() else "--world-size",
              cuda_available=torch.cuda.is_available())
     run_dir = _run_dir(args)
     if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
@@ -393,6 +394,7 @@ def _main(argv: list[str] | None = None) -> int:
         print(wrong, file=sys.stderr)
         return 2
     args, rest = parser.parse_known_args(argv)
+    rest = joined_overrides(rest)
     takes_overrides = args.command in ("train", "config", "check")
     unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if unknown or (rest and not takes_overrides):
@@ -427,7 +429,8 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.command == "presets":
             print("\n".join(preset_names()))
         elif args.command == "fields":
-            print("\n".join(f"{k:32s} {v}" for k, v in field_docs().items()))
+            defaults = field_defaults()
+            print("\n".join(f"{k:32s} {v} (default: {defaults[k]})" for k, v in field_docs().items()))
         return 0
     except ConfigError as e:
         print(f"bigtrain: invalid configuration:\n{e}", file=sys.stderr)

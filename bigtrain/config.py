@@ -375,8 +375,16 @@ def _field_types(section_cls: type) -> dict[str, type]:
 
 
 def _suggest(name: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(choices)}"
+    """"; did you mean 'pp'?", or every match as close as the best ('dpp': 'dp' or 'pp')."""
+    close = difflib.get_close_matches(name, choices, n=len(choices))
+    if not close:
+        return f"; valid: {', '.join(choices)}"
+
+    def score(choice: str) -> float:
+        return difflib.SequenceMatcher(None, name, choice).ratio()
+
+    best = [c for c in close if score(c) == score(close[0])]
+    return "; did you mean " + " or ".join(f"'{c}'" for c in best) + "?"
 
 
 def _coerce(dotted: str, value: Any, typ: type) -> Any:
@@ -454,10 +462,23 @@ def apply_values(cfg: Config, values: dict[str, dict[str, Any]], origin: str) ->
         raise ConfigError(problems)
 
 
+def joined_overrides(args: list[str]) -> list[str]:
+    """``['--optim.lr', '1e-3']`` -> ``['--optim.lr=1e-3']``: a value may follow its flag, as argparse
+    users type it."""
+    out, args = [], list(args)
+    while args:
+        arg = args.pop(0)
+        if arg.startswith("--") and "=" not in arg and "." in arg and args and not args[0].startswith("--"):
+            arg = f"{arg}={args.pop(0)}"
+        out.append(arg)
+    return out
+
+
 def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
-    """``['--parallel.dp=2', 'train.steps=5']`` -> ``{'parallel': {'dp': '2'}, 'train': {'steps': '5'}}``."""
+    """``['--parallel.dp=2', 'train.steps=5', '--optim.lr', '1e-3']`` -> ``{'parallel': {'dp': '2'},
+    'train': {'steps': '5'}, 'optim': {'lr': '1e-3'}}``."""
     out: dict[str, dict[str, str]] = {}
-    for arg in args:
+    for arg in joined_overrides(args):
         text = arg[2:] if arg.startswith("--") else arg
         if "=" not in text or "." not in text.split("=", 1)[0]:
             raise ConfigError(f"override '{arg}': write it as --section.key=value (e.g. --parallel.dp=2)")
@@ -533,6 +554,14 @@ def to_toml(cfg: Config) -> str:
             lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}  # {f.metadata.get('doc', '')}")
         lines.append("")
     return "\n".join(lines)
+
+
+def field_defaults() -> dict[str, str]:
+    """``{'parallel.dp': '1', ...}``: each field's value, as TOML writes it, in a config built with
+    no preset or file."""
+    cfg = Config()
+    return {f"{section}.{f.name}": _toml_value(getattr(getattr(cfg, section), f.name))
+            for section, cls in _section_types().items() for f in dataclasses.fields(cls)}
 
 
 def field_docs() -> dict[str, str]:

@@ -316,6 +316,9 @@ class Trainer:
             newest = ckpt.list_checkpoints(self.checkpoint_root)[0].name
             raise ResumeError(f"{self.run_dir} holds checkpoints of a run (newest {newest}): continue it with "
                               f"checkpoint.resume = 'auto', or use another run directory")
+        if self.is_main and self.step == 0 and cfg.model.init_from:  # resumed runs start from their checkpoint
+            print(f"bigtrain: initial weights from model.init_from = {cfg.model.init_from!r}, not a random init",
+                  flush=True)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._run_id = ensure_run_id(self.run_dir)
