@@ -88,12 +88,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _preset(args: argparse.Namespace) -> str | None:
+    """The preset a command starts from: ``--preset``, none under ``--config``, else the default."""
+    return args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
+
+
 def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
     resume = getattr(args, "resume", False)
     if resume and args.preset is None and args.config is None:  # the run's own settings, not the default preset
         cfg = load_config(path=_run_config(args), overrides=overrides)
     else:
-        preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
+        preset = _preset(args)
         cfg = load_config(preset=preset, path=args.config, overrides=overrides)
         if architecture := init_from_architecture(cfg):  # the folder's shape, under what the user set
             cfg = load_config(preset=preset, path=args.config, overrides=architecture + list(overrides))
@@ -216,7 +221,7 @@ def _infer_dp(args: argparse.Namespace, overrides: list[str], cfg: Config, world
     it: under a user's ``torchrun --nproc-per-node 4``, a tp=2 config runs dp=2."""
     if world_size is None or world_size == cfg.parallel.world_size or getattr(args, "resume", False):
         return cfg
-    preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
+    preset = _preset(args)
     dp = inferred_dp(cfg, world_size)
     if dp is None or dp_given(preset, args.config, overrides):
         return cfg  # validation names the mismatch and the fix
@@ -413,7 +418,9 @@ def _main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             cfg = _resolve(args, rest)
             validate(cfg)
-            print(to_toml(cfg))
+            preset = _preset(args)
+            # dp left to the launcher's world size, so `torchrun ... --config` of this file runs as is
+            print(to_toml(cfg, unset=() if dp_given(preset, args.config, rest) else ("parallel.dp",)))
         elif args.command == "report":
             from bigtrain.report import write_report
 

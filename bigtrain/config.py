@@ -15,7 +15,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -544,14 +544,17 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
-def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML, every field written, with its help as a comment."""
-    lines = []
+def to_toml(cfg: Config, unset: Iterable[str] = ()) -> str:
+    """The resolved config as TOML, every field written, with its help as a comment. The ``unset``
+    fields (dotted) are written commented out: a launcher fills them (``parallel.dp`` from the world
+    size), so a file made from this one still runs at any number of ranks."""
+    lines, unset = [], set(unset)
     for section in SECTIONS:
         obj = getattr(cfg, section)
         lines.append(f"[{section}]")
         for f in dataclasses.fields(obj):
-            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}  # {f.metadata.get('doc', '')}")
+            line = f"{f.name} = {_toml_value(getattr(obj, f.name))}  # {f.metadata.get('doc', '')}"
+            lines.append(f"# {line} (unset: from the world size)" if f"{section}.{f.name}" in unset else line)
         lines.append("")
     return "\n".join(lines)
 
