@@ -243,9 +243,9 @@ def check_max_restarts(max_restarts: int) -> None:
 
 
 def restart_warnings(cfg: Config, max_restarts: int) -> list[str]:
-    if max_restarts and not cfg.checkpoint.every:
-        return [f"--max-restarts = {max_restarts} with checkpoint.every = 0: a restarted run has no checkpoint "
-                f"to resume from and starts again at step 0; set checkpoint.every"]
+    if max_restarts and not cfg.checkpoint.every and not cfg.checkpoint.every_minutes:
+        return [f"--max-restarts = {max_restarts} with checkpoint.every = 0 and checkpoint.every_minutes = 0: a "
+                f"restarted run has no checkpoint to resume from and starts again at step 0; set one of them"]
     return []
 
 

@@ -278,7 +278,10 @@ class TrainConfig:
 class CheckpointConfig:
     """Saving and resuming."""
 
-    every: int = doc("Save every N steps (0: only at the end).", 0)
+    every: int = doc("Save every N steps (0: by every_minutes only).", 0)
+    every_minutes: float = doc("Also save when this many minutes of training have passed since the last save "
+                               "(turned into a step count every rank agrees on, from the measured pace); 0: "
+                               "never by time. With every = 0 as well, only at the end.", 15.0)
     keep: int = doc("Keep the newest K checkpoints.", 2)
     resume: str = doc("'none', 'auto' (continue this run: its newest valid checkpoint in the run directory, "
                       "or a fresh start if it has none), or the path of a checkpoint (or a checkpoints/ folder) "

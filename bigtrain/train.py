@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from bigtrain import checkpoint as ckpt
 from bigtrain import run_info
 from bigtrain.checkpoint.hf import initial_weights
+from bigtrain.checkpoint.interval import SaveInterval
 from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
@@ -330,14 +331,19 @@ class Trainer:
         scaler = self.engine.scaler
         bad = BadSteps(cfg.train.max_bad_steps, scaler.min_scale if scaler is not None else None)
         deferred = self.start_deferred_updates()
+        timed = SaveInterval(cfg.checkpoint.every_minutes, self.mesh.comm("world"), self.device)
+        saved_at = None  # the step of this launch's newest checkpoint
         try:
             with SignalWatch(self.mesh.comm("world")) as signals:
                 while self.step < cfg.train.steps:
                     self._run_step(log, bad)
                     saved = False
-                    if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    by_steps = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
+                    if by_steps or timed.due(self.step):
                         self._record_landed(self.flush_update(), log, bad)  # the checkpoint holds this step's update
                         saved = self._save_unless_bad(bad, log)
+                        saved_at = self.step if saved else saved_at
+                        timed.replan(self.step)
                     # Every rank, every boundary: one decision. Deferred 2BW reads the previous
                     # boundary's (a signal stops the run a step later) rather than wait for the others.
                     signum = signals.agreed_late(self.device) if deferred else signals.agreed(self.device)
@@ -351,7 +357,8 @@ class Trainer:
             self._note_segment()  # however the loop ended (a stop, a failure): the steps it got to
         if self.executor is not None and self.history:
             self.draw_pipeline()
-        if cfg.checkpoint.save_final and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
+        every = cfg.checkpoint.every
+        if cfg.checkpoint.save_final and (not every or self.step % every) and saved_at != self.step:
             self.save()
         self.wait_for_save()
         # Offload's delayed update: the last step's update, still on the host, lands in the model

@@ -269,7 +269,7 @@ def check_runtime(cfg: Config) -> list[str]:
         problems.append("model.fused_loss = true with model.tie_embeddings = true is not supported at "
                         "parallel.zero = 3 yet; use parallel.zero <= 2, or model.tie_embeddings = false, or "
                         "model.fused_loss = false")
-    problems += _non_negative(cfg, ["checkpoint.every"])
+    problems += _non_negative(cfg, ["checkpoint.every", "checkpoint.every_minutes"])
     problems += _one_of("train.device", cfg.train.device, DEVICES)
     resume = cfg.checkpoint.resume
     if resume not in ("none", "auto") and not _exists(resume, expand=False):
