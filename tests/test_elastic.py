@@ -185,8 +185,8 @@ def test_max_restarts_is_passed_to_torchrun_even_for_one_rank(corpus_cache, tmp_
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, max_restarts=0: started.append((nproc, max_restarts)) or 0)
     assert cli.main(_train(corpus_cache, tmp_path / "a", "--max-restarts", "2", "--checkpoint.every=5")) == 0
     assert started == [(1, 2)]
-    assert cli.main(_train(corpus_cache, tmp_path / "b", "--max-restarts", "1")) == 0
-    assert "checkpoint.every = 0: a restarted run has no checkpoint" in capsys.readouterr().err
+    assert cli.main(_train(corpus_cache, tmp_path / "b", "--max-restarts", "1", "--checkpoint.every_minutes=0")) == 0
+    assert "checkpoint.every_minutes = 0: a restarted run has no checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value, words", [("-1", "--max-restarts = -1: must be between 0"),
