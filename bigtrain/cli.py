@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog,
                                unknown_arguments_message)
-from bigtrain.config import Config, ConfigError, field_docs, load_config, preset_names, to_toml
+from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
@@ -88,12 +88,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _preset(args: argparse.Namespace) -> str | None:
+    """The preset a command starts from: ``--preset``, none under ``--config``, else the default."""
+    return args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
+
+
 def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
     resume = getattr(args, "resume", False)
     if resume and args.preset is None and args.config is None:  # the run's own settings, not the default preset
         cfg = load_config(path=_run_config(args), overrides=overrides)
     else:
-        preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
+        preset = _preset(args)
         cfg = load_config(preset=preset, path=args.config, overrides=overrides)
         if architecture := init_from_architecture(cfg):  # the folder's shape, under what the user set
             cfg = load_config(preset=preset, path=args.config, overrides=architecture + list(overrides))
@@ -147,7 +152,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from bigtrain.distributed.elastic import elastic_warnings, restart_notice, restart_round, resume_after_restart
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
     from bigtrain.preflight import check_environment, print_warnings
-    from bigtrain.run_dir import check_run_dir, clear_run, forget_stop, recorded_exit_code
+    from bigtrain.run_dir import check_run_dir, clear_run, finished_run, forget_stop, recorded_exit_code
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
     if args.world_size is not None and not 1 <= args.world_size <= WORLD_SIZE_MAX:
@@ -168,6 +173,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         cfg = _infer_dp(args, overrides, cfg, args.world_size or env_world_size())
     validate(cfg, world_size=env_world_size() or (args.world_size if args.parallel != "auto" else None),
+             world_size_from="from the launcher" if env_world_size() else "--world-size",
              cuda_available=torch.cuda.is_available())
     run_dir = _run_dir(args)
     if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
@@ -183,7 +189,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(notice, file=sys.stderr)
     print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
                    + check_inputs(cfg, run_dir, "--output-dir", check_size=not args.force))
-    check_run_dir(cfg, run_dir, args.resume, args.overwrite)
+    resumed_from = check_run_dir(cfg, run_dir, args.resume, args.overwrite)
+    if args.resume and (finished := finished_run(run_dir, resumed_from, cfg.train.steps)) is not None:
+        print(finished)  # and nothing in the folder changes: no launch, no report rewritten
+        return 0
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
         clear_run(run_dir)
     if (cfg.parallel.world_size > 1 or args.max_restarts) and not launched_externally():
@@ -212,7 +221,7 @@ def _infer_dp(args: argparse.Namespace, overrides: list[str], cfg: Config, world
     it: under a user's ``torchrun --nproc-per-node 4``, a tp=2 config runs dp=2."""
     if world_size is None or world_size == cfg.parallel.world_size or getattr(args, "resume", False):
         return cfg
-    preset = args.preset if args.preset is not None else (None if args.config else DEFAULT_PRESET)
+    preset = _preset(args)
     dp = inferred_dp(cfg, world_size)
     if dp is None or dp_given(preset, args.config, overrides):
         return cfg  # validation names the mismatch and the fix
@@ -234,9 +243,9 @@ def check_max_restarts(max_restarts: int) -> None:
 
 
 def restart_warnings(cfg: Config, max_restarts: int) -> list[str]:
-    if max_restarts and not cfg.checkpoint.every:
-        return [f"--max-restarts = {max_restarts} with checkpoint.every = 0: a restarted run has no checkpoint "
-                f"to resume from and starts again at step 0; set checkpoint.every"]
+    if max_restarts and not cfg.checkpoint.every and not cfg.checkpoint.every_minutes:
+        return [f"--max-restarts = {max_restarts} with checkpoint.every = 0 and checkpoint.every_minutes = 0: a "
+                f"restarted run has no checkpoint to resume from and starts again at step 0; set one of them"]
     return []
 
 
@@ -390,6 +399,7 @@ def _main(argv: list[str] | None = None) -> int:
         print(wrong, file=sys.stderr)
         return 2
     args, rest = parser.parse_known_args(argv)
+    rest = joined_overrides(rest)
     takes_overrides = args.command in ("train", "config", "check")
     unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if unknown or (rest and not takes_overrides):
@@ -408,7 +418,9 @@ def _main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             cfg = _resolve(args, rest)
             validate(cfg)
-            print(to_toml(cfg))
+            preset = _preset(args)
+            # dp left to the launcher's world size, so `torchrun ... --config` of this file runs as is
+            print(to_toml(cfg, unset=() if dp_given(preset, args.config, rest) else ("parallel.dp",)))
         elif args.command == "report":
             from bigtrain.report import write_report
 
@@ -424,7 +436,8 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.command == "presets":
             print("\n".join(preset_names()))
         elif args.command == "fields":
-            print("\n".join(f"{k:32s} {v}" for k, v in field_docs().items()))
+            defaults = field_defaults()
+            print("\n".join(f"{k:32s} {v} (default: {defaults[k]})" for k, v in field_docs().items()))
         return 0
     except ConfigError as e:
         print(f"bigtrain: invalid configuration:\n{e}", file=sys.stderr)

@@ -15,7 +15,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -278,7 +278,10 @@ class TrainConfig:
 class CheckpointConfig:
     """Saving and resuming."""
 
-    every: int = doc("Save every N steps (0: only at the end).", 0)
+    every: int = doc("Save every N steps (0: by every_minutes only).", 0)
+    every_minutes: float = doc("Also save when this many minutes of training have passed since the last save "
+                               "(turned into a step count every rank agrees on, from the measured pace); 0: "
+                               "never by time. With every = 0 as well, only at the end.", 15.0)
     keep: int = doc("Keep the newest K checkpoints.", 2)
     resume: str = doc("'none', 'auto' (continue this run: its newest valid checkpoint in the run directory, "
                       "or a fresh start if it has none), or the path of a checkpoint (or a checkpoints/ folder) "
@@ -375,8 +378,16 @@ def _field_types(section_cls: type) -> dict[str, type]:
 
 
 def _suggest(name: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(choices)}"
+    """"; did you mean 'pp'?", or every match as close as the best ('dpp': 'dp' or 'pp')."""
+    close = difflib.get_close_matches(name, choices, n=len(choices))
+    if not close:
+        return f"; valid: {', '.join(choices)}"
+
+    def score(choice: str) -> float:
+        return difflib.SequenceMatcher(None, name, choice).ratio()
+
+    best = [c for c in close if score(c) == score(close[0])]
+    return "; did you mean " + " or ".join(f"'{c}'" for c in best) + "?"
 
 
 def _coerce(dotted: str, value: Any, typ: type) -> Any:
@@ -454,10 +465,23 @@ def apply_values(cfg: Config, values: dict[str, dict[str, Any]], origin: str) ->
         raise ConfigError(problems)
 
 
+def joined_overrides(args: list[str]) -> list[str]:
+    """``['--optim.lr', '1e-3']`` -> ``['--optim.lr=1e-3']``: a value may follow its flag, as argparse
+    users type it."""
+    out, args = [], list(args)
+    while args:
+        arg = args.pop(0)
+        if arg.startswith("--") and "=" not in arg and "." in arg and args and not args[0].startswith("--"):
+            arg = f"{arg}={args.pop(0)}"
+        out.append(arg)
+    return out
+
+
 def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
-    """``['--parallel.dp=2', 'train.steps=5']`` -> ``{'parallel': {'dp': '2'}, 'train': {'steps': '5'}}``."""
+    """``['--parallel.dp=2', 'train.steps=5', '--optim.lr', '1e-3']`` -> ``{'parallel': {'dp': '2'},
+    'train': {'steps': '5'}, 'optim': {'lr': '1e-3'}}``."""
     out: dict[str, dict[str, str]] = {}
-    for arg in args:
+    for arg in joined_overrides(args):
         text = arg[2:] if arg.startswith("--") else arg
         if "=" not in text or "." not in text.split("=", 1)[0]:
             raise ConfigError(f"override '{arg}': write it as --section.key=value (e.g. --parallel.dp=2)")
@@ -523,16 +547,27 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
-def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML, every field written, with its help as a comment."""
-    lines = []
+def to_toml(cfg: Config, unset: Iterable[str] = ()) -> str:
+    """The resolved config as TOML, every field written, with its help as a comment. The ``unset``
+    fields (dotted) are written commented out: a launcher fills them (``parallel.dp`` from the world
+    size), so a file made from this one still runs at any number of ranks."""
+    lines, unset = [], set(unset)
     for section in SECTIONS:
         obj = getattr(cfg, section)
         lines.append(f"[{section}]")
         for f in dataclasses.fields(obj):
-            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}  # {f.metadata.get('doc', '')}")
+            line = f"{f.name} = {_toml_value(getattr(obj, f.name))}  # {f.metadata.get('doc', '')}"
+            lines.append(f"# {line} (unset: from the world size)" if f"{section}.{f.name}" in unset else line)
         lines.append("")
     return "\n".join(lines)
+
+
+def field_defaults() -> dict[str, str]:
+    """``{'parallel.dp': '1', ...}``: each field's value, as TOML writes it, in a config built with
+    no preset or file."""
+    cfg = Config()
+    return {f"{section}.{f.name}": _toml_value(getattr(getattr(cfg, section), f.name))
+            for section, cls in _section_types().items() for f in dataclasses.fields(cls)}
 
 
 def field_docs() -> dict[str, str]:

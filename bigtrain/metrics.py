@@ -44,8 +44,9 @@ def device_bytes(mem: dict[str, int]) -> int:
 
 
 def log_line(record: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
-    """``step 10/300 | loss 3.2101 | 8,723 tok/s | mem 12.3 MiB | eta 1m05s`` (steps counted from 1)."""
-    parts = [f"step {record['step'] + 1}/{total_steps}", f"loss {record['loss']:.4f}"]
+    """``step 10/300 | loss 3.2101 | 8,723 tok/s | mem 12.3 MiB | eta 1m05s`` (a record's step counts
+    from 1: the number of updates done, as checkpoint ``step_00000010`` does)."""
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}"]
     if "eval_loss" in record:
         parts.append(f"eval {record['eval_loss']:.4f}")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
@@ -78,10 +79,10 @@ class MetricsLog:
             self.bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
     def _drop_records_from(self, step: int) -> None:
-        """A fresh run starts an empty log; a resumed one keeps only the steps before it resumed
-        (a torn last line, from a run that died mid-write, is dropped with them)."""
+        """A fresh run starts an empty log; a resumed one (``step`` updates done) keeps only the
+        records of those steps (a torn last line, from a run that died mid-write, is dropped with them)."""
         if self.path.exists():
-            kept = [r for r in read_metrics(self.path.parent) if r["step"] < step]
+            kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)  # a crash now leaves the old log or the new one, not half of it
@@ -97,7 +98,7 @@ class MetricsLog:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mem=human_bytes(device_bytes(record["mem"])), refresh=False)
         else:
-            print(log_line(record, self.total_steps, self._eta(record["step"] + 1)), flush=True)
+            print(log_line(record, self.total_steps, self._eta(record["step"])), flush=True)
 
     def _eta(self, done: int) -> float | None:
         """Seconds left at the mean pace since the first record: the first step (warm-up, allocation)
@@ -146,8 +147,8 @@ def tensorboard_writer(run_dir: Path):
 
 
 def write_scalars(writer, record: dict[str, Any]) -> None:
-    """One record's scalars, at its step counted from 1 (as the log lines count)."""
-    step = record["step"] + 1
+    """One record's scalars, at its step (counted from 1, as the log lines count)."""
+    step = record["step"]
     for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "offload_step_ms",
                 "offload_hidden"):
         if key in record:

@@ -305,7 +305,17 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     problems += size
     if problems:
         raise ConfigError(problems)
-    return warnings
+    return layout_warnings(cfg) + warnings
+
+
+def layout_warnings(cfg: Config) -> list[str]:
+    """Layouts that run but do not do what their name promises."""
+    p, offload = cfg.parallel, cfg.offload
+    if p.zero and p.dp == 1 and offload.optimizer == "none" and offload.params == "none":  # offload runs on ZeRO's engine
+        return [f"parallel.zero = {p.zero} with parallel.dp = 1: ZeRO shards over the data-parallel ranks, so one "
+                f"rank holds everything and nothing is saved (it only adds the engine's work); use parallel.dp > 1 "
+                f"or parallel.zero = 0"]
+    return []
 
 
 def tables_fit_problems(cfg: Config) -> list[str]:
@@ -320,5 +330,8 @@ def tables_fit_problems(cfg: Config) -> list[str]:
 
 
 def print_warnings(warnings: list[str]) -> None:
+    """On stderr, once: under a launcher every rank finds the same warnings, and rank 0 says them."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     for text in warnings:
         print(f"bigtrain: warning: {text}", file=sys.stderr)

@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 
 from bigtrain.metrics import human_bytes, human_duration, read_metrics
+from bigtrain.run_segments import read_segments, totals
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
 
@@ -22,11 +23,10 @@ def plot_loss(records: list[dict], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    # Steps counted from 1, as the log lines count them.
-    ax.plot([r["step"] + 1 for r in records], [r["loss"] for r in records], marker=".", label="training")
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label="training")
     evals = [r for r in records if "eval_loss" in r]
     if evals:
-        ax.plot([r["step"] + 1 for r in evals], [r["eval_loss"] for r in evals], marker="o", label="held-out")
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="o", label="held-out")
         ax.legend()
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
@@ -100,12 +100,12 @@ def summarize(records: list[dict]) -> dict:
     mem = next((r["mem"] for r in reversed(records) if r.get("mem")), {})
     evals = [r for r in records if "eval_loss" in r]
     out = {"first_loss": first["loss"], "last_loss": last["loss"],
-           "loss_drop": 1 - last["loss"] / first["loss"], "steps": last["step"] + 1,
+           "loss_drop": 1 - last["loss"] / first["loss"], "steps": last["step"],
            "median_tokens_per_s": statistics.median(speeds),
            "median_step_time_s": statistics.median(r.get("step_time_s", 0.0) for r in timed),
            "mem": mem, "comm_per_step": last.get("comm", {}), "comm_ops_per_step": last.get("comm_ops", {})}
     if evals:
-        out.update(eval_loss=evals[-1]["eval_loss"], eval_step=evals[-1]["step"] + 1)
+        out.update(eval_loss=evals[-1]["eval_loss"], eval_step=evals[-1]["step"])
     return out
 
 
@@ -116,8 +116,9 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _identity_lines(run: dict, s: dict) -> list[str]:
-    """Which run this is; from summary.json (absent for a run that did not finish: then less)."""
+def _identity_lines(run: dict, s: dict, segments: list[dict]) -> list[str]:
+    """Which run this is; from summary.json (absent for a run that did not finish: then less) and,
+    for what the whole run took, segments.json."""
     if not run:
         return []
     ident, data, mesh = run.get("run", {}), run.get("data", {}), run.get("mesh", {})
@@ -131,7 +132,16 @@ def _identity_lines(run: dict, s: dict) -> list[str]:
     if data:
         held = f", {data['held_out_tokens']:,} held out" if data.get("held_out_tokens") else ""
         lines.append(f"- data: {data.get('source')} ({data.get('train_tokens', 0):,} training tokens{held})")
-    if "tokens_seen" in run:
+    if segments:  # every launch of the run: the last one's summary covers only itself
+        whole = totals(segments)
+        wall = whole["wall_time_s"]
+        lines.append(f"- tokens seen: {whole['tokens']:,}; wall time {human_duration(wall)} ({wall:.1f} s) "
+                     f"over {len(segments)} segment{'s' if len(segments) > 1 else ''}")
+        if len(segments) > 1:
+            lines += [f"  - steps {seg['first_step'] + 1}-{seg['last_step']}: {seg.get('layout')}, code "
+                      f"{seg.get('git_commit') or 'not a git checkout'}, {human_duration(seg['wall_time_s'])} "
+                      f"({seg['wall_time_s']:.1f} s)" for seg in segments]
+    elif "tokens_seen" in run:
         wall = run.get("wall_time_s")
         lines.append(f"- tokens seen: {run['tokens_seen']:,}" +
                      (f"; wall time {human_duration(wall)} ({wall:.1f} s)" if wall is not None else ""))
@@ -170,7 +180,7 @@ def write_report(run_dir: Path) -> Path | None:
     s = summarize(records)
     run = _read_json(run_dir / "summary.json")
     held_out = (f"; held-out loss {s['eval_loss']:.4f} (after step {s['eval_step']})" if "eval_loss" in s else "")
-    lines = [f"# Run report: {run_dir.name}", "", *_identity_lines(run, s),
+    lines = [f"# Run report: {run_dir.name}", "", *_identity_lines(run, s, read_segments(run_dir)),
              f"- steps: {s['steps']}; loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} "
              f"({100 * s['loss_drop']:.1f}% lower){held_out}",
              f"- median throughput: {s['median_tokens_per_s']:.0f} tokens/s", "",

@@ -20,12 +20,13 @@ import uuid
 from pathlib import Path
 
 from bigtrain.checkpoint.commit import list_checkpoints
+from bigtrain.run_segments import SEGMENTS_FILE
 
 RUN_FILE = "run.json"
 STOP_FILE = "stopped.json"
 # What a run writes into its directory (and --overwrite removes); anything else is left alone.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "config.toml", RUN_FILE, STOP_FILE, "summary.json", "report.md",
-               "report.json", "loss.png", "timeline_measured.png", "timeline_simulated.png", "tensorboard")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "config.toml", RUN_FILE, STOP_FILE, SEGMENTS_FILE, "summary.json",
+               "report.md", "report.json", "loss.png", "timeline_measured.png", "timeline_simulated.png", "tensorboard")
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -108,9 +109,10 @@ def forget_stop(run_dir: Path) -> None:
     (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
 
 
-def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) -> None:
+def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) -> tuple[Path, dict] | None:
     """Before launch: may this run write into ``run_dir``, and can what it resumes from serve it?
-    Raises a ConfigError naming the flag or field and the fix.
+    Raises a ConfigError naming the flag or field and the fix; returns the checkpoint it would resume
+    from (path, manifest), None for a fresh start.
 
     Continuing the run the directory holds is the accepted path: ``--resume``, or
     ``checkpoint.resume = 'auto'`` (a restarted rank: ``train --config RUN/config.toml
@@ -135,7 +137,7 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) ->
         raise ConfigError(f"--output-dir = '{run_dir}' holds a run ({held}); continue it with --resume, choose "
                           f"another --output-dir, or pass --overwrite to replace it")
     if source is None or (overwrite and continuing):  # what it would continue is about to be removed
-        return
+        return None
     with warnings.catch_warnings(record=True) as skipped:
         warnings.simplefilter("always")
         found = next(valid_checkpoints(source, read_run_id(run_dir) if continuing else None, files=False), None)
@@ -146,11 +148,22 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) ->
             raise ConfigError(f"{flag}: nothing valid to resume from in '{source}' ({why}); give "
                               f"checkpoint.resume the path of a good checkpoint, or start a new run (another "
                               f"--output-dir, or --overwrite)")
-        return  # 'auto' with nothing saved yet: a fresh start (a first launch, or a restart before any save)
+        return None  # 'auto' with nothing saved yet: a fresh start (a first launch, or a restart before any save)
     path, meta = found
     errors, _ = compare_configs(meta.get("config", {}), cfg, path.name)
     if errors:
         raise ConfigError(errors)
+    return found
+
+
+def finished_run(run_dir: Path, resumed_from: tuple[Path, dict] | None, steps: int) -> str | None:
+    """The line ``--resume`` prints for a run that has nothing left to train (its newest checkpoint
+    is at or past ``train.steps``), None when it has."""
+    if resumed_from is None or not isinstance(resumed_from[1].get("step"), int) or resumed_from[1]["step"] < steps:
+        return None
+    step = resumed_from[1]["step"]
+    return (f"bigtrain: {run_dir} is finished: {resumed_from[0].name} holds step {step} of train.steps = {steps}; "
+            f"nothing to do (to train further: --resume --train.steps=N with N > {step})")
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from bigtrain import checkpoint as ckpt
 from bigtrain import run_info
 from bigtrain.checkpoint.hf import initial_weights
+from bigtrain.checkpoint.interval import SaveInterval
 from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
@@ -45,6 +46,7 @@ from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 from bigtrain.parallel.build import parallelize
 from bigtrain.preemption import Preempted, SignalWatch
 from bigtrain.run_dir import ensure_run_id, forget_stop, read_run_id, record_stop
+from bigtrain.run_segments import open_segment, update_segment
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
 OFFLOAD_MEM_KEYS = ("host", "nvme")  # with offload: bytes its tiers hold (not part of the device's total)
@@ -52,6 +54,8 @@ OFFLOAD_MEM_KEYS = ("host", "nvme")  # with offload: bytes its tiers hold (not p
 
 @dataclass
 class StepResult:
+    # The update's index from 0 (the trainer's own count before it). What a user sees counts from 1:
+    # a record's "step", the console, messages and checkpoint step_k all mean "after k updates".
     step: int
     loss: float
     grad_norm: float
@@ -70,7 +74,7 @@ class StepResult:
     offload: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict:
-        out = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+        out = {"step": self.step + 1, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
                "tokens_per_s": self.tokens / max(self.step_time_s, 1e-9), "step_time_s": self.step_time_s,
                "mem": self.mem, "comm": self.comm, "comm_ops": self.comm_ops, "skipped": self.skipped}
         if self.loss_scale is not None:
@@ -107,6 +111,7 @@ class Trainer:
         self._checkpoint_group = None
         self._run_id: str | None = None
         self.wall_time_s: float | None = None  # of the last fit() (this attempt, when resumed)
+        self._fit_started: float | None = None
 
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
@@ -303,7 +308,7 @@ class Trainer:
         """Train to ``train.steps``, resuming first if the config says so. Raises NonFiniteStop
         (``train.max_bad_steps`` bad steps in a row) or Preempted (SIGINT / SIGTERM, after saving)."""
         cfg = self.cfg
-        started = time.perf_counter()
+        started = self._fit_started = time.perf_counter()
         if self.is_main:  # unfinished saves of an earlier attempt: nothing reads them, they take space
             ckpt.remove_temp_dirs(self.checkpoint_root)
         if cfg.checkpoint.resume != "none":
@@ -312,24 +317,33 @@ class Trainer:
             newest = ckpt.list_checkpoints(self.checkpoint_root)[0].name
             raise ResumeError(f"{self.run_dir} holds checkpoints of a run (newest {newest}): continue it with "
                               f"checkpoint.resume = 'auto', or use another run directory")
+        if self.is_main and self.step == 0 and cfg.model.init_from:  # resumed runs start from their checkpoint
+            print(f"bigtrain: initial weights from model.init_from = {cfg.model.init_from!r}, not a random init",
+                  flush=True)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._run_id = ensure_run_id(self.run_dir)
             forget_stop(self.run_dir)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            open_segment(self.run_dir, self.step, self.global_tokens, run_info.layout_text(cfg), run_info.git_commit())
         log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress,
                          cfg.logging.tensorboard)
         scaler = self.engine.scaler
         bad = BadSteps(cfg.train.max_bad_steps, scaler.min_scale if scaler is not None else None)
         deferred = self.start_deferred_updates()
+        timed = SaveInterval(cfg.checkpoint.every_minutes, self.mesh.comm("world"), self.device)
+        saved_at = None  # the step of this launch's newest checkpoint
         try:
             with SignalWatch(self.mesh.comm("world")) as signals:
                 while self.step < cfg.train.steps:
                     self._run_step(log, bad)
                     saved = False
-                    if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    by_steps = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
+                    if by_steps or timed.due(self.step):
                         self._record_landed(self.flush_update(), log, bad)  # the checkpoint holds this step's update
                         saved = self._save_unless_bad(bad, log)
+                        saved_at = self.step if saved else saved_at
+                        timed.replan(self.step)
                     # Every rank, every boundary: one decision. Deferred 2BW reads the previous
                     # boundary's (a signal stops the run a step later) rather than wait for the others.
                     signum = signals.agreed_late(self.device) if deferred else signals.agreed(self.device)
@@ -340,9 +354,11 @@ class Trainer:
                 signals.settle()
         finally:
             log.close()
+            self._note_segment()  # however the loop ended (a stop, a failure): the steps it got to
         if self.executor is not None and self.history:
             self.draw_pipeline()
-        if cfg.checkpoint.save_final and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
+        every = cfg.checkpoint.every
+        if cfg.checkpoint.save_final and (not every or self.step % every) and saved_at != self.step:
             self.save()
         self.wait_for_save()
         # Offload's delayed update: the last step's update, still on the host, lands in the model
@@ -351,7 +367,13 @@ class Trainer:
         if finish_update is not None:
             finish_update()
         self.wall_time_s = time.perf_counter() - started
+        self._note_segment()
         return self.history
+
+    def _note_segment(self) -> None:
+        """This launch's segment of the run has reached ``self.step`` (rank 0 records it)."""
+        if self.is_main and self._fit_started is not None:
+            update_segment(self.run_dir, self.step, time.perf_counter() - self._fit_started)
 
     def _logged(self, step: int) -> bool:
         cfg = self.cfg
@@ -387,7 +409,7 @@ class Trainer:
             log.write(result.record())
         log.advance()
         try:
-            note = bad.observe(result.step, result.loss, result.grad_norm, result.skipped, scale_before,
+            note = bad.observe(result.step + 1, result.loss, result.grad_norm, result.skipped, scale_before,
                                result.loss_scale)
         except NonFiniteStop as stop:
             self.wait_for_save()
@@ -480,6 +502,7 @@ class Trainer:
         meta = {"format": ckpt.FORMAT, "config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
                 "optimizer": self.engine.optim_spec.name, "run_id": self.run_id,
                 "loss_scaler": scaler.state_dict() if scaler is not None else None}
+        self._note_segment()
         if not background:
             self._write_checkpoint(self.step, chunks, meta, None)
             return True

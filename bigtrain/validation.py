@@ -269,7 +269,7 @@ def check_runtime(cfg: Config) -> list[str]:
         problems.append("model.fused_loss = true with model.tie_embeddings = true is not supported at "
                         "parallel.zero = 3 yet; use parallel.zero <= 2, or model.tie_embeddings = false, or "
                         "model.fused_loss = false")
-    problems += _non_negative(cfg, ["checkpoint.every"])
+    problems += _non_negative(cfg, ["checkpoint.every", "checkpoint.every_minutes"])
     problems += _one_of("train.device", cfg.train.device, DEVICES)
     resume = cfg.checkpoint.resume
     if resume not in ("none", "auto") and not _exists(resume, expand=False):
@@ -508,17 +508,20 @@ def _check_dlrm_data(cfg: Config) -> list[str]:
 RULES += [check_embedding]
 
 
-def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None) -> None:
-    """Raise a ConfigError naming every problem; ``world_size`` is checked when launched externally."""
+def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None,
+             world_size_from: str = "from the launcher") -> None:
+    """Raise a ConfigError naming every problem; ``world_size`` (``world_size_from`` says whose) is
+    checked against the layout."""
     problems: list[str] = []
     for rule in RULES:
         problems += rule(cfg)
     if world_size is not None and not problems and world_size != cfg.parallel.world_size:
         p = cfg.parallel
         problems.append(
-            f"world size {world_size} (from the launcher) != parallel.dp x tp x pp x sp = "
+            f"world size {world_size} ({world_size_from}) != parallel.dp x tp x pp x sp = "
             f"{p.dp} x {p.tp} x {p.pp} x {p.sp} = {p.world_size}; "
-            f"set parallel.dp = {max(1, world_size // max(1, p.tp * p.pp * p.sp))} or launch {p.world_size} ranks")
+            f"set parallel.dp = {max(1, world_size // max(1, p.tp * p.pp * p.sp))} or launch {p.world_size} "
+            f"rank{'s' if p.world_size > 1 else ''}")
     if cuda_available is False and cfg.train.device == "cuda":
         problems.append("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     if problems:

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Sets up .venv with torch, bigtrain and the test tools. Safe to run again: it skips what is there.
+# Sets up .venv with torch and bigtrain; `--test` adds the test tools and the peers the tests compare
+# with (pytest, transformers, torchao, bitsandbytes: about 1.5 GB more). Safe to run again: it skips
+# what is there.
 # torch is installed first and pinned to the local CPU build when none is present, so that pip
 # never resolves bigtrain's torch range to the registry's newest CUDA build (several GB).
 set -euo pipefail
@@ -17,5 +19,7 @@ then
     echo "setup: installing $TORCH_SPEC"
     .venv/bin/pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".$extras"
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
-    [ -x .venv/bin/python ] || bash scripts/setup.sh
+    [ -x .venv/bin/python ] || bash scripts/setup.sh --test
     PYTHON=.venv/bin/python
 fi
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')

@@ -143,3 +143,36 @@ def test_export_writes_one_consolidated_file(corpus_cache, tmp_path, capsys, mon
     assert set(weights) == set(expected)
     for name, value in expected.items():
         assert torch.equal(weights[name], value), name
+
+
+def test_a_time_based_interval_becomes_a_step_every_rank_agrees_on(monkeypatch):
+    """checkpoint.every_minutes: the pace of steps 2-3 (the slowest rank's) sets the next save."""
+    from bigtrain.checkpoint import interval
+
+    clock = iter([0.0, 10.0, 130.0, 400.0])  # end of step 1, of step 3 (2 steps: 60 s each), after the save
+    monkeypatch.setattr(interval.time, "perf_counter", lambda: next(clock))
+
+    class World:  # a slower rank measured 90 s a step
+        def max(self, tensor, tag=None):
+            tensor.clamp_(min=90.0)
+            return tensor
+
+    saves = interval.SaveInterval(minutes=6.0, comm=World())
+    assert not saves.due(1) and not saves.due(2)
+    assert not saves.due(3) and saves.next_step == 3 + 4  # 6 minutes of 90 s steps
+    assert not saves.due(6) and saves.due(7)
+    saves.replan(7)  # after the save: steps 4-7 took 270 s (67.5 s each), the slow rank's 90 s rules
+    assert saves.next_step == 11
+    assert not interval.SaveInterval(minutes=0.0, comm=World()).due(100)
+
+
+def test_checkpoints_are_written_by_time_by_default(corpus_cache, tmp_path, monkeypatch):
+    from bigtrain.checkpoint.interval import SaveInterval
+    from bigtrain.config import Config
+
+    assert Config().checkpoint.every_minutes == 15.0 and Config().checkpoint.every == 0
+    monkeypatch.setattr(SaveInterval, "replan", lambda self, step: setattr(self, "next_step", step + 2))
+    cfg = tiny_config(corpus_cache, "--train.steps=7", "--checkpoint.keep=10")
+    trainer_on_rank(0, 1, cfg, tmp_path).fit()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000005", "step_00000007"]  # planned at step 3 for 5, then 7 (the last, not saved twice)

@@ -63,4 +63,28 @@ def test_dp_follows_the_world_size_when_nothing_sets_it(argv, world, dp, capsys)
 
 def test_world_size_without_auto_is_checked_against_the_layout(capsys):
     assert main(["train", "--preset", "tiny", "--parallel.dp=1", "--world-size", "2"]) == 2
-    assert "world size 2" in capsys.readouterr().err
+    assert "world size 2 (--world-size) != parallel.dp" in capsys.readouterr().err  # not "from the launcher"
+
+
+def test_a_value_may_follow_its_flag_as_argparse_users_type_it(capsys):
+    assert main(["config", "--preset", "tiny", "--optim.lr", "1e-3", "--parallel.zero", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "\nlr = 0.001 " in out and "\nzero = 1 " in out
+
+
+def test_a_key_as_close_to_two_fields_names_both(capsys):
+    assert main(["config", "--parallel.dpp=2"]) == 2
+    assert "unknown key 'parallel.dpp'; did you mean 'pp' or 'dp'?" in capsys.readouterr().err
+
+
+def test_fields_shows_each_default(capsys):
+    assert main(["fields"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["parallel.dp"].endswith("(default: 1)") and lines["optim.name"].endswith('(default: "adamw")')
+
+
+def test_zero_on_one_rank_is_run_with_a_warning_that_it_shards_nothing(corpus_cache, tmp_path, capsys):
+    assert main(["train", "--preset", "tiny", "--parallel.zero=3", "--train.steps=1", "--output-dir", str(tmp_path),
+                 f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000", "--logging.report=false"]) == 0
+    assert ("warning: parallel.zero = 3 with parallel.dp = 1: ZeRO shards over the data-parallel ranks, so one rank "
+            "holds everything") in capsys.readouterr().err

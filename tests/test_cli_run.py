@@ -22,7 +22,7 @@ def _args(cache, out, *extra):
 def test_one_rank_run_writes_metrics_report_and_config(corpus_cache, tmp_path):
     assert main(_args(corpus_cache, tmp_path)) == 0
     records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == list(range(6))
+    assert [r["step"] for r in records] == list(range(1, 7))
     for r in records:
         assert SCHEMA <= set(r) and MEM == set(r["mem"])
         assert r["mem"]["params"] > 0 and r["mem"]["activations"] > 0
@@ -40,7 +40,7 @@ def test_cli_resume_continues_and_rewrites_the_log(corpus_cache, tmp_path):
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000006")
     assert main(_args(corpus_cache, tmp_path / "resumed", "--checkpoint.every=3", "--resume")) == 0
     resumed = read_metrics(tmp_path / "resumed")
-    assert [r["step"] for r in resumed] == list(range(6))
+    assert [r["step"] for r in resumed] == list(range(1, 7))
     assert [r["loss"] for r in resumed] == straight
 
 

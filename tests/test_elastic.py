@@ -185,8 +185,8 @@ def test_max_restarts_is_passed_to_torchrun_even_for_one_rank(corpus_cache, tmp_
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, max_restarts=0: started.append((nproc, max_restarts)) or 0)
     assert cli.main(_train(corpus_cache, tmp_path / "a", "--max-restarts", "2", "--checkpoint.every=5")) == 0
     assert started == [(1, 2)]
-    assert cli.main(_train(corpus_cache, tmp_path / "b", "--max-restarts", "1")) == 0
-    assert "checkpoint.every = 0: a restarted run has no checkpoint" in capsys.readouterr().err
+    assert cli.main(_train(corpus_cache, tmp_path / "b", "--max-restarts", "1", "--checkpoint.every_minutes=0")) == 0
+    assert "checkpoint.every_minutes = 0: a restarted run has no checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value, words", [("-1", "--max-restarts = -1: must be between 0"),
@@ -294,7 +294,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_losses_match(corpus_cache, t
             _kill_job(job)
     assert "the launcher restarted the ranks after a failure (restart 1 of 1)" in log.read_text()
     resumed = read_metrics(run_dir)
-    assert [r["step"] for r in resumed] == list(range(STEPS)), "steps logged twice or lost across the restart"
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1)), "steps logged twice or lost across the restart"
     # It resumed rather than starting over: the steps before the newest checkpoint at the kill were
     # not run again (their records, measured times included, are the ones written before the kill).
     newest = max(int(p.name.split("_")[1]) for p in saved)
@@ -303,6 +303,6 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_losses_match(corpus_cache, t
     # The same run (its own config.toml), uninterrupted, on two forked ranks: no torchrun to start.
     run_ranks(_uninterrupted, 2, str(run_dir / "config.toml"), str(tmp_path / "straight"), timeout=RUN_TIMEOUT_S)
     straight = read_metrics(tmp_path / "straight")
-    assert [r["step"] for r in straight] == list(range(STEPS))
+    assert [r["step"] for r in straight] == list(range(1, STEPS + 1))
     for a, b in zip(straight, resumed):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])

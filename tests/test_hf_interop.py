@@ -88,3 +88,20 @@ def test_init_from_problems_name_the_field_and_the_fix(corpus_cache, tmp_path):
         validate(tiny_config(corpus_cache, "--model.init_from=runs/x"))
     with pytest.raises(ConfigError, match="is not a folder"):
         validate(tiny_config(corpus_cache, f"--model.init_from=hf:{tmp_path / 'missing'}"))
+
+
+def test_exports_are_readable_like_any_new_file_and_init_from_says_it_was_used(corpus_cache, tmp_path, capsys):
+    import os
+
+    args = ["--preset", "tiny", f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000", "--train.steps=1",
+            "--logging.report=false"]
+    assert main(["train", *args, "--output-dir", str(tmp_path / "run")]) == 0
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "w.safetensors")]) == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in (tmp_path / "hf" / "model.safetensors", tmp_path / "w.safetensors"):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, oct(path.stat().st_mode)  # safetensors alone: 0600
+    capsys.readouterr()
+    assert main(["train", *args, "--output-dir", str(tmp_path / "tuned"), f"--model.init_from=hf:{tmp_path / 'hf'}"]) == 0
+    assert f"bigtrain: initial weights from model.init_from = 'hf:{tmp_path / 'hf'}'" in capsys.readouterr().out

@@ -23,7 +23,7 @@ def test_a_non_tty_run_of_300_steps_writes_plain_lines(corpus_cache, tmp_path, c
 
 
 def test_log_line_reads_well():
-    record = {"step": 9, "loss": 3.21012, "tokens_per_s": 8723.4, "mem": {"params": 3 << 20, "grads": 0},
+    record = {"step": 10, "loss": 3.21012, "tokens_per_s": 8723.4, "mem": {"params": 3 << 20, "grads": 0},
               "eval_loss": 3.5}
     assert log_line(record, 300, 65.2) == "step 10/300 | loss 3.2101 | eval 3.5000 | 8,723 tok/s | mem 3.0 MiB | eta 1m05s"
     assert log_line({**record, "mem": {}}, 300, None) == "step 10/300 | loss 3.2101 | eval 3.5000 | 8,723 tok/s"
@@ -74,3 +74,35 @@ def test_tensorboard_without_the_package_warns_and_trains(corpus_cache, tmp_path
     assert _tiny_run(corpus_cache, tmp_path, "--logging.tensorboard=true") == 0
     assert "pip install tensorboard" in capsys.readouterr().err
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_console_metrics_checkpoints_and_messages_count_steps_alike(corpus_cache, tmp_path, capsys, monkeypatch):
+    """One numbering (docs/reliability.md): step k is the k-th update, in the console line, the
+    metrics record, the checkpoint holding the state after it and the NaN policy's message."""
+    import re
+
+    from bigtrain.metrics import read_metrics
+    from bigtrain.train import Trainer
+
+    original = Trainer.train_step
+
+    def nan_at_third_update(self, *args, **kwargs):  # the update that makes step_00000003
+        if self.step != 2:
+            return original(self, *args, **kwargs)
+        clean = self.parallel.loss_sum
+        self.parallel.loss_sum = lambda logits, targets: clean(logits, targets) + float("nan")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.parallel.loss_sum = clean
+
+    monkeypatch.setattr(Trainer, "train_step", nan_at_third_update)
+    assert _tiny_run(corpus_cache, tmp_path, "--logging.log_every=1", "--checkpoint.every=2",
+                     "--checkpoint.save_final=true") == 0
+    out = capsys.readouterr().out
+    console = [int(m) for m in re.findall(r"^step (\d+)/4 ", out, re.M)]
+    records = read_metrics(tmp_path)
+    assert console == [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if r["skipped"]] == [3]
+    assert re.search(r"^bigtrain: step 3: the loss was nan", out, re.M), out
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]

@@ -122,8 +122,8 @@ def test_fp16_overflowing_forever_stops_once_the_scale_is_at_its_minimum(corpus_
                       "--train.steps=20", "--logging.log_every=1")
     trainer = trainer_on_rank(0, 1, cfg, tmp_path)
     _inject(trainer, "grad")
-    with pytest.raises(NonFiniteStop, match=r"stopped at step 4: the gradient norm was nan \(loss 5.\d+\); "
-                                            r"3 consecutive steps were not finite \(steps 2-4\)"):
+    with pytest.raises(NonFiniteStop, match=r"stopped at step 5: the gradient norm was nan \(loss 5.\d+\); "
+                                            r"3 consecutive steps were not finite \(steps 3-5\)"):
         trainer.fit()
     records = read_metrics(tmp_path)
     assert [r["loss_scale"] for r in records] == [2.0, 1.0, 1.0, 1.0, 1.0] and all(r["skipped"] for r in records)
@@ -138,7 +138,7 @@ def _args(cache, out, *extra):
 def _assert_stopped_with_last_finite_checkpoint(run_dir, max_bad=5):
     records = read_metrics(run_dir)
     applied = [r["step"] for r in records if not r["skipped"]]
-    trailing = [r for r in records if r["step"] > max(applied, default=-1)]
+    trailing = [r for r in records if r["step"] > max(applied, default=0)]
     # Stopped at the max_bad-th bad step in a row, every one of them logged as skipped and not finite.
     assert len(trailing) == max_bad and trailing[-1]["step"] == records[-1]["step"]
     assert all(not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])) for r in trailing)
@@ -146,7 +146,7 @@ def _assert_stopped_with_last_finite_checkpoint(run_dir, max_bad=5):
     if not applied:
         assert not newest
         return
-    assert newest[0].name == f"step_{applied[-1] + 1:08d}"  # the state after the last applied step
+    assert newest[0].name == f"step_{applied[-1]:08d}"  # the state after the last applied step
     reader = ChunkReader(newest[0])
     for fqn in reader.entries:
         tensor = reader.empty(fqn)

@@ -292,7 +292,7 @@ def test_the_overlap_timeline_is_in_metrics_jsonl(corpus_cache, tmp_path):
         records = read_metrics(tmp_path / delayed)
         timed = [r for r in records if "offload_step_ms" in r]
         # The delayed update's host step of step t is waited for, and reported, in step t + 1.
-        assert [r["step"] for r in timed] == ([1, 2, 3] if delayed == "true" else [0, 1, 2, 3])
+        assert [r["step"] for r in timed] == ([2, 3, 4] if delayed == "true" else [1, 2, 3, 4])
         assert all(r["offload_step_ms"] > 0 and 0 <= r["offload_hidden"] <= 1 for r in timed)
         if delayed == "false":  # it runs after the backward: nothing hidden
             assert all(r["offload_hidden"] == 0 for r in timed)

@@ -24,8 +24,8 @@ def run(corpus_cache, tmp_path_factory):
 def test_eval_loss_is_logged_and_reported(run, capsys):
     run_dir, _ = run
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records if "eval_loss" in r] == [3, 7, 11]  # after steps 4, 8 and 12
-    assert [r["step"] for r in records] == [0, 3, 4, 7, 9, 11]  # evaluated steps are logged
+    assert [r["step"] for r in records if "eval_loss" in r] == [4, 8, 12]
+    assert [r["step"] for r in records] == [1, 4, 5, 8, 10, 12]  # evaluated steps are logged
     report = (run_dir / "report.md").read_text()
     assert f"held-out loss {records[-1]['eval_loss']:.4f} (after step 12)" in report
 

@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         if not outcome.ok:
             bad.append(outcome)
             print("    " + outcome.detail.replace("\n", "\n    "), flush=True)
+        elif outcome.verdict == "rejected":  # why, on one line: what validation named (its start)
+            print("    " + " ".join(outcome.detail.split())[:300], flush=True)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
     dlrm = [o for o in outcomes if DLRM in o.overrides]
     if dlrm:

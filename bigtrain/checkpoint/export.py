@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from bigtrain.checkpoint.commit import newest_valid_checkpoint
+from bigtrain.checkpoint.hf import readable_as_umask
 from bigtrain.checkpoint.sharded import ChunkReader
 
 
@@ -67,4 +68,5 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors") -> tuple[Path, st
         torch.save({"weights": weights, "meta": info}, out)
         return out, "torch"
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out), metadata=info)
+    readable_as_umask(out)
     return out, "safetensors"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -120,7 +121,16 @@ def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: Path) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2, sort_keys=True) + "\n")
     save_file(to_hf(weights, cfg), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    readable_as_umask(out / WEIGHTS_FILE)
     return out
+
+
+def readable_as_umask(path: Path) -> None:
+    """Give ``path`` the mode a new file gets here (0644 under the usual umask): safetensors writes
+    through a private temporary file (0600), which another user (a serving job) could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 # -- import -----------------------------------------------------------------------------------
