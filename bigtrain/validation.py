@@ -16,6 +16,7 @@ from bigtrain.config import Config, ConfigError
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
+MINUTES_MAX = 1e7  # checkpoint.every_minutes: 19 years; a larger one only risks overflowing the step count
 ACTIVATION_COMPRESSIONS = ("none", "int8")
 PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("auto", "fp32")
@@ -270,6 +271,9 @@ def check_runtime(cfg: Config) -> list[str]:
                         "parallel.zero = 3 yet; use parallel.zero <= 2, or model.tie_embeddings = false, or "
                         "model.fused_loss = false")
     problems += _non_negative(cfg, ["checkpoint.every", "checkpoint.every_minutes"])
+    if cfg.checkpoint.every_minutes > MINUTES_MAX:
+        problems.append(f"checkpoint.every_minutes = {cfg.checkpoint.every_minutes:g}: at most {MINUTES_MAX:g} "
+                        f"(19 years); use 0 for no time-based checkpoints")
     problems += _one_of("train.device", cfg.train.device, DEVICES)
     resume = cfg.checkpoint.resume
     if resume not in ("none", "auto") and not _exists(resume, expand=False):

@@ -87,7 +87,7 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
     "model.moe_capacity_factor": (0, True, math.inf, False), "model.moe_aux_loss_coef": (0, True, math.inf, False),
     "data.val_fraction": (0, True, 1, False),
     "embedding.lr": (0, False, math.inf, False), "embedding.eps": (0, False, math.inf, False),
-    "embedding.budget_gb": (0, True, math.inf, False),
+    "embedding.budget_gb": (0, True, math.inf, False), "checkpoint.every_minutes": (0, True, 1e7, True),
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
                "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",
