@@ -322,6 +322,7 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
 def _run_dlrm(cfg: Config, run_dir: Path, mesh, info) -> int:
     """A recommender's run (bigtrain.recsys): its tables sharded, metrics.jsonl with AUC and log loss."""
     from bigtrain.recsys.train import DlrmTrainer
+    from bigtrain.report import write_report
     from bigtrain.train import write_summary
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -331,7 +332,9 @@ def _run_dlrm(cfg: Config, run_dir: Path, mesh, info) -> int:
     records = trainer.fit(run_dir)
     if info.rank == 0 and records:
         write_summary(run_dir, {"steps": trainer.step, **records[-1]})
-        print(f"bigtrain: {trainer.step} steps, held-out AUC {records[-1]['auc']:.4f}; run directory {run_dir}")
+        report = write_report(run_dir) if cfg.logging.report else None
+        print(f"bigtrain: {trainer.step} steps, held-out AUC {records[-1]['auc']:.4f}; run directory {run_dir}"
+              + (f", report {report}" if report else ""))
     return 0
 
 

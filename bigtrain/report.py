@@ -116,7 +116,7 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _identity_lines(run: dict, s: dict, segments: list[dict]) -> list[str]:
+def _identity_lines(run: dict, segments: list[dict]) -> list[str]:
     """Which run this is; from summary.json (absent for a run that did not finish: then less) and,
     for what the whole run took, segments.json."""
     if not run:
@@ -177,10 +177,12 @@ def write_report(run_dir: Path) -> Path | None:
     if not records:
         return None
     plot_loss(records, run_dir / "loss.png")
+    if "auc" in records[-1]:  # a recommender's records: samples, AUC and log loss instead of tokens
+        return _write_recommender_report(run_dir, records)
     s = summarize(records)
     run = _read_json(run_dir / "summary.json")
     held_out = (f"; held-out loss {s['eval_loss']:.4f} (after step {s['eval_step']})" if "eval_loss" in s else "")
-    lines = [f"# Run report: {run_dir.name}", "", *_identity_lines(run, s, read_segments(run_dir)),
+    lines = [f"# Run report: {run_dir.name}", "", *_identity_lines(run, read_segments(run_dir)),
              f"- steps: {s['steps']}; loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} "
              f"({100 * s['loss_drop']:.1f}% lower){held_out}",
              f"- median throughput: {s['median_tokens_per_s']:.0f} tokens/s", "",
@@ -200,4 +202,22 @@ def write_report(run_dir: Path) -> Path | None:
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     (run_dir / "report.json").write_text(json.dumps({**s, "run": run}, indent=1))
+    return path
+
+
+def _write_recommender_report(run_dir: Path, records: list[dict]) -> Path:
+    """A click model's report: its loss, held-out AUC and log loss over the logged steps, samples/s."""
+    first, last = records[0], records[-1]
+    speeds = [r["samples_per_s"] for r in records[1:] or records]
+    run = _read_json(run_dir / "summary.json")
+    lines = [f"# Run report: {run_dir.name}", "", *_identity_lines(run, read_segments(run_dir)),
+             f"- steps: {last['step']}; loss {first['loss']:.4f} -> {last['loss']:.4f}",
+             f"- held-out AUC {first['auc']:.4f} -> {last['auc']:.4f}; log loss {first['log_loss']:.4f} -> "
+             f"{last['log_loss']:.4f} (after step {last['step']})",
+             f"- median throughput: {statistics.median(speeds):,.0f} samples/s", "", "![loss](loss.png)", "",
+             "| step | loss | AUC | log loss | samples/s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['step']} | {r['loss']:.4f} | {r['auc']:.4f} | {r['log_loss']:.4f} | {r['samples_per_s']:,.0f} |"
+              for r in records]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
     return path

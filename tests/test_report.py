@@ -101,3 +101,15 @@ def test_plan_png_shows_speed_differences_and_memory_per_ranked_layout(tmp_path)
                                                                  "buffers", "allocator")) / 2**30, 3)
                       for p in result.ranked[:6])
     assert totals == expected
+
+
+def test_a_recommender_run_writes_its_report(tmp_path):
+    from bigtrain.cli import main
+
+    out = tmp_path / "dlrm"
+    assert main(["train", "--preset", "dlrm-tiny", "--output-dir", str(out), "--train.steps=4",
+                 "--logging.log_every=2"]) == 0
+    report = (out / "report.md").read_text()
+    assert "- held-out AUC " in report and "samples/s" in report and (out / "loss.png").is_file()
+    assert [line.split(" | ")[0] for line in report.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")] \
+        == ["| 2", "| 4"]
