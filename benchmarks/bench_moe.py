@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bigtrain.models.llama import FeedForward
+from bigtrain.models.feed_forward import FeedForward
 from bigtrain.models.moe import MoEFeedForward
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog,
                                unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
+from bigtrain.failure import RunFailure
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
@@ -149,9 +150,10 @@ def _run_dir(args: argparse.Namespace) -> Path:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from bigtrain.distributed.elastic import elastic_warnings, restart_notice, restart_round, resume_after_restart
+    from bigtrain.checkpoint.resume import resume_after_restart
+    from bigtrain.distributed.elastic import elastic_warnings, restart_notice, restart_round
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
-    from bigtrain.preflight import check_environment, print_warnings
+    from bigtrain.preflight import check_environment, check_inputs, print_warnings
     from bigtrain.run_dir import check_run_dir, clear_run, finished_run, forget_stop, recorded_exit_code
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
@@ -249,41 +251,6 @@ def restart_warnings(cfg: Config, max_restarts: int) -> list[str]:
     return []
 
 
-def check_inputs(cfg: Config, output_dir: str | Path, output_name: str, check_size: bool = True) -> list[str]:
-    """The pre-launch checks of the data, the output folder and the run's size (bigtrain.preflight;
-    ``check_size=False``: ``--force``, no size check); raises a ConfigError, returns warnings."""
-    import torch
-
-    from bigtrain.distributed.launch import launched_externally
-    from bigtrain.preflight import preflight
-
-    if launched_externally():
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
-    else:
-        local = cfg.parallel.world_size
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    return preflight(cfg, output_dir, output_name, local_ranks=local, cuda=cuda, check_size=check_size)
-
-
-def join_group(cfg: Config):
-    """init_distributed with distributed.timeout_s; a group that never forms is a RunFailure."""
-    import torch.distributed as dist
-
-    from bigtrain.distributed.launch import init_distributed
-
-    try:
-        return init_distributed(cfg.train.device, cfg.distributed.timeout_s)
-    except (dist.DistError, ValueError) as e:  # a store that timed out or refused; a malformed address
-        world, rank = os.environ.get("WORLD_SIZE", "?"), os.environ.get("RANK", "?")
-        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        raise RunFailure(f"rank {rank} could not join the group of {world} ranks at {where} within "
-                         f"distributed.timeout_s = {cfg.distributed.timeout_s:g} s: {' '.join(str(e).split())}") from e
-
-
-class RunFailure(RuntimeError):
-    """A run that stopped on an error worth one clear line (exit 1, no traceback)."""
-
-
 def _run_rank(cfg: Config, run_dir: Path) -> int:
     from bigtrain.distributed.comm import CollectiveError
     from bigtrain.distributed.launch import shutdown_distributed
@@ -292,6 +259,8 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     from bigtrain.preemption import Preempted
     from bigtrain.report import write_report
     from bigtrain.train import Trainer, write_summary
+
+    from bigtrain.distributed.join import join_group  # torch.distributed: only where a rank runs
 
     info = join_group(cfg)
     try:

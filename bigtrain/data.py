@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bigtrain.core.targets import IGNORE_INDEX
+
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".html")
 
 
@@ -124,7 +126,6 @@ def load_tokens(source: str, cache_dir: str = "", max_bytes: int = 0) -> np.ndar
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-IGNORE_INDEX = -100  # the target id that cross-entropy (torch's default ignore_index) leaves out
 
 
 class TokenSampler:

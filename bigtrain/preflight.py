@@ -335,3 +335,19 @@ def print_warnings(warnings: list[str]) -> None:
         return
     for text in warnings:
         print(f"bigtrain: warning: {text}", file=sys.stderr)
+
+
+def check_inputs(cfg: Config, output_dir: str | Path, output_name: str, check_size: bool = True) -> list[str]:
+    """:func:`preflight` for this process: the ranks this machine runs (the launcher's local world, or
+    the layout's when bigtrain launches), on CUDA if the run will be (``check_size=False``:
+    ``--force``, no size check); raises a ConfigError, returns warnings."""
+    import torch
+
+    from bigtrain.distributed.launch import launched_externally
+
+    if launched_externally():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
+    else:
+        local = cfg.parallel.world_size
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    return preflight(cfg, output_dir, output_name, local_ranks=local, cuda=cuda, check_size=check_size)

@@ -29,7 +29,8 @@ from bigtrain.checkpoint.interval import SaveInterval
 from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
-from bigtrain.data import IGNORE_INDEX, TokenSampler, load_tokens
+from bigtrain.core.targets import IGNORE_INDEX
+from bigtrain.data import TokenSampler, load_tokens
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.evaluate import held_out_loss
 from bigtrain.from_config import parallel_plan

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from bigtrain.config import Config, ConfigError
+from bigtrain.core.tables import SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
@@ -454,8 +455,6 @@ RULES.append(check_evaluation)
 def check_embedding(cfg: Config) -> list[str]:
     """The [embedding] fields' own domains (for any model); with a DLRM, whether its tables can be
     placed as embedding.sharding says on parallel.dp ranks, and what the DLRM trainer supports."""
-    from bigtrain.recsys.tables import SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
-
     e, m, p = cfg.embedding, cfg.model, cfg.parallel
     problems = _positive(cfg, ["embedding.dim", "embedding.hotness", "embedding.lr", "embedding.eps",
                                "model.dlrm_dense_features"])

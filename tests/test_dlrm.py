@@ -16,7 +16,7 @@ from bigtrain.optim.sparse import SparseOptimizer, row_gradient
 from bigtrain.plan.embedding import describe_plan, plan_embedding
 from bigtrain.recsys.data import HELD_OUT, CriteoTsv, SyntheticCriteo, read_criteo_tsv
 from bigtrain.recsys.metrics import auc, log_loss
-from bigtrain.recsys.tables import parse_sizes
+from bigtrain.core.tables import parse_sizes
 from bigtrain.recsys.train import DlrmTrainer
 from bigtrain.validation import validate
 

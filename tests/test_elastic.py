@@ -154,14 +154,14 @@ def test_several_machines_sharing_the_agent_store_are_warned():
 
 # -- what a restarted round resumes from ---------------------------------------------------------------
 def test_a_restarted_round_resumes_the_runs_newest_checkpoint(tmp_path, monkeypatch):
-    import bigtrain.checkpoint as ckpt
+    from bigtrain.checkpoint import resume
 
-    assert elastic.resume_after_restart("none", tmp_path) == "auto"
-    assert elastic.resume_after_restart("auto", tmp_path) == "auto"
+    assert resume.resume_after_restart("none", tmp_path) == "auto"
+    assert resume.resume_after_restart("auto", tmp_path) == "auto"
     # An explicit checkpoint to start from stays the start until the run has saved one of its own.
-    assert elastic.resume_after_restart("/elsewhere/step_00000100", tmp_path) == "/elsewhere/step_00000100"
-    monkeypatch.setattr(ckpt, "newest_valid_checkpoint", lambda root: (root / "step_00000004", {"step": 4}))
-    assert elastic.resume_after_restart("/elsewhere/step_00000100", tmp_path) == "auto"
+    assert resume.resume_after_restart("/elsewhere/step_00000100", tmp_path) == "/elsewhere/step_00000100"
+    monkeypatch.setattr(resume, "newest_valid_checkpoint", lambda root: (root / "step_00000004", {"step": 4}))
+    assert resume.resume_after_restart("/elsewhere/step_00000100", tmp_path) == "auto"
 
 
 def test_a_restart_is_announced_once_by_rank_0(tmp_path):

@@ -24,7 +24,7 @@ from torch.func import functional_call
 import sgd_momentum  # noqa: F401 - registers "sgd_momentum" through the optimizer seam
 from pathlib import Path
 
-from bigtrain.checkpoint.sharded import save_chunks
+from bigtrain.checkpoint.sharded import ChunkReader, save_chunks
 from bigtrain.config import OptimConfig
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.parallel.parallel_model import ParallelModel
@@ -203,7 +203,7 @@ def _resume_elsewhere(rank, world_size, pairs, root):
         _one_step(before, 0, rank)
         save_chunks(path, _parallel_model(before, mesh).owned_chunks())  # DCP checks: no overlap, full cover
         after = _engine(mesh, loaded_by, right=True)
-        _parallel_model(after, mesh).load_sharded(path)
+        _parallel_model(after, mesh).load_sharded(ChunkReader(path))
         _one_step(after, 1, rank)
         out[saved_by, loaded_by] = after.full_weights()
     return out

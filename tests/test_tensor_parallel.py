@@ -13,7 +13,8 @@ from torch import nn
 
 from bigtrain.check.reference import reference_losses
 from bigtrain.distributed.mesh import Mesh
-from bigtrain.models.llama import AttentionCore, FeedForward
+from bigtrain.models.feed_forward import FeedForward
+from bigtrain.models.llama import AttentionCore
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
 from bigtrain.parallel.tensor.plan import parallelize_module
 from bigtrain.parallel.tensor.styles import (ColumnParallel, PrepareInput, RowParallel, TPContext,

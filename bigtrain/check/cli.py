@@ -45,9 +45,8 @@ def check_config(preset: str | None, path: str | None, overrides: list[str]) -> 
 def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from bigtrain.cli import check_inputs
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
-    from bigtrain.preflight import check_environment, print_warnings
+    from bigtrain.preflight import check_environment, check_inputs, print_warnings
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
     if args.output_dir is not None and not args.output_dir.strip():
@@ -78,7 +77,7 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _check_rank(cfg: Config, out: Path, steps: int) -> int:
     from bigtrain.check.run import check_layout
-    from bigtrain.cli import join_group
+    from bigtrain.distributed.join import join_group
     from bigtrain.distributed.launch import launched_externally, shutdown_distributed
     from bigtrain.distributed.mesh import Mesh
 

@@ -24,7 +24,7 @@ from bigtrain.check.reference import ReferenceRun, ReferenceStep, _optimizer
 from bigtrain.config import Config
 from bigtrain.models.dlrm import build_dlrm
 from bigtrain.recsys.data import sampler_for
-from bigtrain.recsys.tables import parse_sizes
+from bigtrain.core.tables import parse_sizes
 
 # Whole-batch outputs any table layout can put back together from its ranks' batch slices.
 CAPTURED = ("bottom", "embeddings", "top")

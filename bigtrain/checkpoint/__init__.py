@@ -2,13 +2,10 @@
 
 - :mod:`.commit`: the commit protocol (temp dir, checksummed manifest, rename, rotation, verify).
 - :mod:`.compat`: what a checkpoint's config allows a resumed run to change.
-- :mod:`.chunks`: what a rank holds and owns of each parameter, as rectangles of the full tensor.
 - :mod:`.sharded`: DCP planners that write owned chunks and read requested ones, in bounded batches.
 - :mod:`.export`: one consolidated file from a checkpoint, offline.
-- :mod:`.by_name`: optimizer state by parameter name (the full, unsharded view).
 """
 
-from bigtrain.checkpoint.by_name import load_optimizer_state_by_name, optimizer_state_by_name
 from bigtrain.checkpoint.commit import (PREFIX, CheckpointWriteError, CorruptCheckpoint, commit_checkpoint,
                                         fresh_temp_dir, is_disk_full, list_checkpoints, load_file,
                                         newest_valid_checkpoint, read_manifest, remove_temp_dirs, save_checkpoint,

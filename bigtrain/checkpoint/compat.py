@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from bigtrain.config import Config, ModelConfig
-from bigtrain.recsys.tables import parse_sizes
+from bigtrain.core.tables import parse_sizes
 
 # The model's parameter shapes (compared on effective values: ffn_hidden 0 means a computed size).
 SHAPE_FIELDS = ("model.name", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from bigtrain.checkpoint.commit import list_checkpoints, valid_checkpoints
+from bigtrain.checkpoint.commit import list_checkpoints, newest_valid_checkpoint, valid_checkpoints
 from bigtrain.checkpoint.compat import compare_configs
+from bigtrain.checkpoint.sharded import ChunkReader
 from bigtrain.distributed.comm import CollectiveError
 
 
@@ -67,7 +68,7 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
         path, meta = found
         _check_serves(trainer, path, meta)
         try:
-            trainer.parallel.load_sharded(path)
+            trainer.parallel.load_sharded(ChunkReader(path))
             error = None
         except CollectiveError:
             raise
@@ -124,3 +125,15 @@ def check_same_model(cfg, optimizer: str, path: Path, meta: dict[str, Any], warn
     if warn:
         for text in changes:
             warnings.warn(f"resuming from {path.name}: {text}", stacklevel=4)
+
+
+def resume_after_restart(resume: str, run_dir: Path) -> str:
+    """``checkpoint.resume`` for a restarted round: the run directory's newest checkpoint.
+
+    'auto' when the first round started afresh or resumed that way. After an explicit path, 'auto'
+    only once the run has saved a checkpoint of its own; before that the restarted round starts from
+    the path again, as the first one did (never from step 0 with fresh weights).
+    """
+    if resume in ("none", "auto"):
+        return "auto"
+    return "auto" if newest_valid_checkpoint(run_dir / "checkpoints") is not None else resume

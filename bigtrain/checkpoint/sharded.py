@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint (DCP) with chunks we name ourselves.
 
 Saving: each rank hands :func:`save_chunks` the rectangles of full tensors it owns
-(:class:`SavedChunk`: entry name, full shape, offsets, a view of its data). A
+(:class:`~bigtrain.parallel.chunks.SavedChunk`: entry name, full shape, offsets, a view of its data). A
 :class:`DefaultSavePlanner` subclass turns them into one ``WriteItem`` each (``SHARD`` with a
 ``ChunkStorageMetadata``), so DCP's own global planning merges every rank's chunks into one
 entry per tensor with its full shape, and its validation rejects overlapping chunks and chunks
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadIte
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from bigtrain.parallel.chunks import SavedChunk
 
 _NO_GROUP = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -44,14 +44,6 @@ def _one_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_GROUP)
         yield
-
-
-@dataclass
-class SavedChunk:
-    fqn: str
-    shape: tuple[int, ...]  # the full tensor's
-    offsets: tuple[int, ...]
-    data: torch.Tensor  # shaped like the chunk
 
 
 class _ChunkSavePlanner(DefaultSavePlanner):

@@ -6,7 +6,8 @@ again, with ``TORCHELASTIC_RESTART_COUNT`` one higher and the same command line.
 new round a continuation of the same run rather than a second failure or a silent restart at step 0:
 
 - its process group must not meet the keys the previous round left in the store (:func:`round_store`);
-- it resumes from the run directory's newest checkpoint (:func:`resume_after_restart`).
+- it resumes from the run directory's newest checkpoint
+  (:func:`bigtrain.checkpoint.resume.resume_after_restart`).
 """
 
 from __future__ import annotations
@@ -84,17 +85,3 @@ def restart_notice(resume: str, run_dir: Path, env: Mapping[str, str] = os.envir
     where = f"the newest valid checkpoint in {run_dir / 'checkpoints'}" if resume == "auto" else f"'{resume}'"
     return (f"bigtrain: the launcher restarted the ranks after a failure (restart {restart_round(env)} of "
             f"{env.get('TORCHELASTIC_MAX_RESTARTS', '?')}); resuming from {where}")
-
-
-def resume_after_restart(resume: str, run_dir: Path) -> str:
-    """``checkpoint.resume`` for a restarted round: the run directory's newest checkpoint.
-
-    'auto' when the first round started afresh or resumed that way. After an explicit path, 'auto'
-    only once the run has saved a checkpoint of its own; before that the restarted round starts from
-    the path again, as the first one did (never from step 0 with fresh weights).
-    """
-    if resume in ("none", "auto"):
-        return "auto"
-    from bigtrain.checkpoint import newest_valid_checkpoint
-
-    return "auto" if newest_valid_checkpoint(run_dir / "checkpoints") is not None else resume

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from bigtrain.core.blocks import default_unit_modules
 from bigtrain.memory.checkpointing import apply_activation_checkpointing
 from bigtrain.memory.compression import compress_linear_inputs
 from bigtrain.memory.fused_loss import fuse_head_into_loss
 from bigtrain.memory.offload import ActivationOffloader
 from bigtrain.memory.selective import apply_selective_recomputation
-from bigtrain.parallel.zero.units import default_unit_modules
 
 if TYPE_CHECKING:
     from bigtrain.parallel.parallel_plan import ActivationPlan

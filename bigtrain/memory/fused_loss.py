@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigtrain.data import IGNORE_INDEX
+from bigtrain.core.targets import IGNORE_INDEX
 
 
 class _VocabRange:

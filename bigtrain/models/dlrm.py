@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigtrain.recsys.tables import parse_sizes
+from bigtrain.core.tables import parse_sizes
 
 
 def mlp(sizes: list[int], last_relu: bool) -> nn.Sequential:

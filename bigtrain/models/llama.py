@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config import ModelConfig
+from bigtrain.models.feed_forward import FeedForward
 from bigtrain.models.moe import MoEFeedForward, init_router_biases
 
 
@@ -77,27 +78,6 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         out = self.core(q, k, v)
         return self.wo(out.reshape(b, s, -1))
-
-
-class SwiGLU(nn.Module):
-    """silu(a) * b. A module of its own (no parameters) so selective recomputation can wrap it."""
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return F.silu(a) * b
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.activation = SwiGLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.activation(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigtrain.models.feed_forward import FeedForward
+
 ROUTERS = ("softmax", "sigmoid-bias")
 BIAS_UPDATE_RATE = 1e-3  # aux-loss-free balancing's step (DeepSeek-V3, torchtitan)
 
@@ -125,9 +127,6 @@ class MoEFeedForward(nn.Module):
         self.aux_loss_coef, self.router_kind = aux_loss_coef, router
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, hidden)
-        # The dense block's SwiGLU (names w1, w2, w3); imported here because llama.py imports this module.
-        from bigtrain.models.llama import FeedForward
-
         self.shared = FeedForward(dim, hidden) if shared_expert else None
         self.dispatcher = LocalExperts()
         self.aux_scale: float | None = None  # per sequence; None: 1 / the sequences of each forward

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import torch
 
-from bigtrain.optim.efficient import stat_sizes
+from bigtrain.optim.factored import stat_sizes
 from bigtrain.optim.pieces import ParamPiece, sum_over, whole
 
 

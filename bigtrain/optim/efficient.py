@@ -4,23 +4,13 @@ and :mod:`~bigtrain.optim.lion`, imported when an optimizer is built."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
+from bigtrain.optim.factored import stat_sizes
 from bigtrain.optim.spec import OptimizerSpec, StateTensor, register_optimizer
 
 if TYPE_CHECKING:
     from bigtrain.config import OptimConfig
-
-
-def stat_sizes(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Adafactor's (row statistics, column statistics) for a parameter of ``shape``: a matrix, or a
-    stack of them, factored over its last two dims; a vector keeps its full second moment as the
-    "rows" and no columns."""
-    if len(shape) < 2:
-        return math.prod(shape), 0
-    lead = math.prod(shape[:-2])
-    return lead * shape[-2], lead * shape[-1]
 
 
 def _build_lion(groups: list[dict], cfg: "OptimConfig"):

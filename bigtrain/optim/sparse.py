@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from bigtrain.recsys.tables import SPARSE_OPTIMIZERS
+from bigtrain.core.tables import SPARSE_OPTIMIZERS
 
 
 Combine = Callable[[torch.Tensor], torch.Tensor]  # per-row partial sums of squares -> whole-row sums

@@ -48,7 +48,7 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.models.dlrm import pooled_lookup
 from bigtrain.optim.sparse import SparseOptimizer, row_gradient
 from bigtrain.parallel.placement import Placement, ShardSpec
-from bigtrain.recsys.tables import KINDS, check_layout
+from bigtrain.core.tables import KINDS, check_layout
 
 ID_BYTES, VALUE_BYTES = 8, 4
 AXIS = "dp_sp"  # the embedding tables are cut over the data-parallel ranks

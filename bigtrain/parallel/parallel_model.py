@@ -5,6 +5,7 @@ checkpoint chunks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,12 +15,16 @@ from bigtrain.memory.activations import ActivationMemory
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.parallel.pipeline.partition import PipelineStage
 from bigtrain.parallel.pipeline.schedules import Schedule
+from bigtrain.parallel.chunks import WEIGHT, WEIGHT_IN_USE, SavedChunk, chunks, owned_range
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.parallel.tensor.functional import local_chunk
 from bigtrain.parallel.tensor.plan import TensorLayout
 from bigtrain.parallel.tied import TiedCopies
 from bigtrain.parallel.zero.engine import ZeroEngine
+
+if TYPE_CHECKING:
+    from bigtrain.checkpoint.sharded import ChunkReader
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -155,8 +160,6 @@ class ParallelModel:
         replicated norm, pp_ends for a tied copy) the first. Per-tensor state (a step count) is
         written whole by the owner of the parameter's first element. ``copy``: clone the data (a
         snapshot for a write that overlaps training); else views of the live shards."""
-        from bigtrain.checkpoint.chunks import WEIGHT, chunks, owned_range
-        from bigtrain.checkpoint.sharded import SavedChunk
 
         placements = self.placements
         # Offloaded masters and state are resident only while their pieces are listed: copy them.
@@ -189,14 +192,11 @@ class ParallelModel:
         of a pipeline stage: the first rank over the data-parallel and tp axes writes it."""
         return all(self.placements.comm(axis).rank == 0 for axis in ("dp_sp", "tp"))
 
-    def load_sharded(self, path) -> None:
-        """Fill this rank's shards (weights and optimizer state) from the sharded checkpoint at
-        ``path``, whatever layout wrote it: each batch (a ZeRO unit, or one parameter) reads only the
-        rectangles this rank's new layout holds. No collectives."""
-        from bigtrain.checkpoint.chunks import WEIGHT, WEIGHT_IN_USE, chunks
-        from bigtrain.checkpoint.sharded import ChunkReader
-
-        reader = ChunkReader(path)
+    def load_sharded(self, reader: "ChunkReader") -> None:
+        """Fill this rank's shards (weights and optimizer state) from a sharded checkpoint (its
+        :class:`~bigtrain.checkpoint.sharded.ChunkReader`), whatever layout wrote it: each batch (a
+        ZeRO unit, or one parameter) reads only the rectangles this rank's new layout holds. No
+        collectives."""
         spec = self.engine.optim_spec
         with_state = any(k.startswith("optim/") for k in reader.entries)
         in_use = any(k.endswith(f"/{WEIGHT_IN_USE}") for k in reader.entries)
@@ -263,7 +263,6 @@ class ParallelModel:
     def _block_rectangles(self, piece, blo: int, bhi: int):
         """(chunks of the whole parameter's block grid covering this rank's blocks [blo, bhi), the
         grid's full shape); piece.lo is a block boundary, so its blocks start at piece.lo / block."""
-        from bigtrain.checkpoint.chunks import chunks
         from bigtrain.parallel.blocks import block_cuts, block_grid
 
         placement = self.placements[piece.name]
@@ -273,7 +272,6 @@ class ParallelModel:
         return chunks(blo, bhi, grid, cuts), full
 
     def _block_chunks(self, piece, lo: int, hi: int, copy: bool) -> list:
-        from bigtrain.checkpoint.sharded import SavedChunk
 
         blo, bhi = piece.block_range(lo, hi)
         first = piece.lo // piece.block

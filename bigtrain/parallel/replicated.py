@@ -9,15 +9,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from bigtrain import checkpoint as ckpt
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import model_state_bytes
 from bigtrain.optim import build_optimizer, get_optimizer, load_state
+from bigtrain.optim.by_name import load_optimizer_state_by_name, optimizer_state_by_name
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import DataParallel
 from bigtrain.parallel.local_sgd import ParameterAveraging
 from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.state import STATE_DTYPES
+from bigtrain.parallel.chunks import WEIGHT, Piece
 
 if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
     from bigtrain.config import OptimConfig
@@ -127,18 +128,17 @@ class ReplicatedEngine:
         return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        return self.full_weights(), ckpt.optimizer_state_by_name(self.model, self.optimizer, self.optim_spec)
+        return self.full_weights(), optimizer_state_by_name(self.model, self.optimizer, self.optim_spec)
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.copy_(weights[n])
-        ckpt.load_optimizer_state_by_name(self.model, self.optimizer, self.optim_spec, optim_state)
+        load_optimizer_state_by_name(self.model, self.optimizer, self.optim_spec, optim_state)
 
     # -- sharded checkpoints ------------------------------------------------------------------------
     def checkpoint_pieces(self):
         """One batch per parameter: all of it (a replica over ``comm``), with its optimizer state."""
-        from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
         spec = self.optim_spec
         for name, p in self.model.named_parameters():
@@ -155,7 +155,6 @@ class ReplicatedEngine:
 
     def checkpoint_load_batches(self, with_state: bool):
         """One batch per parameter: the parameter itself and fresh (zero) state tensors to fill."""
-        from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
         spec, states = self.optim_spec, {}
         dtype = {s.name: STATE_DTYPES[s.dtype] for s in spec.state}

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 
+from bigtrain.core.tables import KINDS, check_layout, parse_sizes, requested_kinds
 from bigtrain.parallel.embedding import VALUE_BYTES, EmbeddingLayout, all_to_all_payload
-from bigtrain.recsys.tables import KINDS, check_layout, requested_kinds
 
 
 def table_bytes(rows: int, dim: int, state_bytes_per_row: int) -> int:
@@ -113,7 +113,6 @@ def cmd_plan_embedding(cfg, gpus: int, as_json: bool = False) -> int:
     """``bigtrain plan --preset dlrm-... --gpus N``: the tables' placement on N ranks, or why none fits."""
     from bigtrain.config import ConfigError
     from bigtrain.optim.sparse import SparseOptimizer
-    from bigtrain.recsys.tables import parse_sizes
 
     e = cfg.embedding
     state = SparseOptimizer(e.optimizer, e.lr).state_bytes_per_row()

@@ -20,7 +20,8 @@ import torch
 
 from bigtrain import checkpoint as ckpt
 from bigtrain.checkpoint.resume import check_same_model
-from bigtrain.checkpoint.sharded import ChunkReader, SavedChunk, save_chunks
+from bigtrain.checkpoint.sharded import ChunkReader, save_chunks
+from bigtrain.parallel.chunks import SavedChunk
 
 STEP = "trainer/step"
 FORMAT = "dcp-dlrm/1"  # meta.json "format": the entries above, not a language model's

@@ -26,7 +26,7 @@ from bigtrain.config import Config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
 from bigtrain.models.dlrm import DLRM, bce_loss_sum, build_dlrm, init_value
-from bigtrain.recsys.tables import parse_sizes
+from bigtrain.core.tables import parse_sizes
 from bigtrain.optim.schedule import lr_at
 from bigtrain.optim.sparse import SparseOptimizer
 from bigtrain.parallel.build import apply_engine

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bigtrain.data import IGNORE_INDEX
+from bigtrain.core.targets import IGNORE_INDEX
 from bigtrain.distributed.comm import AxisComm
 
 

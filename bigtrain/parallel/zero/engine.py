@@ -50,7 +50,8 @@ from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
 from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
-from bigtrain.parallel.zero.units import build_units, default_unit_modules, replace_parameters
+from bigtrain.core.blocks import default_unit_modules
+from bigtrain.parallel.zero.units import build_units, replace_parameters
 from bigtrain.precision import DynamicLossScaler, Precision
 
 if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's

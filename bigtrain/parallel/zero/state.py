@@ -19,6 +19,7 @@ import torch
 
 from bigtrain.optim import load_state
 from bigtrain.parallel.zero.flat import FlatUnit
+from bigtrain.parallel.chunks import WEIGHT, WEIGHT_IN_USE, Piece
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8,
            "uint8": torch.uint8}
@@ -193,7 +194,6 @@ def _delayed(engine) -> bool:
 
 
 def _checkpoint_pieces(engine):
-    from bigtrain.checkpoint.chunks import WEIGHT, WEIGHT_IN_USE, Piece
 
     spec = engine.optim_spec
     for unit in engine.units:
@@ -226,7 +226,6 @@ def checkpoint_load_batches(engine, with_state: bool):
 
 
 def _checkpoint_load_batches(engine, with_state: bool):
-    from bigtrain.checkpoint.chunks import WEIGHT, WEIGHT_IN_USE, Piece
 
     spec, dev, states, in_use = engine.optim_spec, engine.host_device, {}, {}
     declared = {s.name: STATE_DTYPES[s.dtype] for s in spec.state}

@@ -1,41 +1,14 @@
-"""Choosing ZeRO units and turning a (meta) model's parameters into views of flat buffers."""
+"""Choosing ZeRO units and turning a (meta) model's parameters into views of flat buffers (the
+default units are the model's blocks, :func:`bigtrain.core.blocks.default_unit_modules`)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.parallel.zero.flat import FlatUnit
-
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def default_unit_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks: the children holding parameters of the container (``nn.ModuleList``,
-    ``nn.Sequential`` or ``nn.ModuleDict``) that holds the most parameters in two or more of them,
-    whatever its name (``model.layers`` of a transformer, ``model.blocks`` of a user's module)."""
-    blocks, most = [], 0
-    for module in model.modules():
-        if isinstance(module, _CONTAINERS):
-            children = [c for c in module.children() if _numel(c) > 0]
-            numel = sum(_numel(c) for c in children)
-            if len(children) >= 2 and numel > most:
-                blocks, most = children, numel
-    if not blocks:
-        # One unit is the whole model: ZeRO-3 would gather all of it at once and no reduction
-        # could start before backward ends. Correct, but rarely what the user meant.
-        warnings.warn(f"ZeroEngine: found no blocks in {type(model).__name__} (no nn.ModuleList, nn.Sequential "
-                      f"or nn.ModuleDict of modules with parameters), so the whole model is one unit, gathered "
-                      f"and reduced at once; pass unit_modules=[...] (e.g. its transformer blocks) to shard it "
-                      f"block by block", UserWarning, stacklevel=3)
-    return blocks
 
 
 def build_units(model: nn.Module, unit_modules: list[nn.Module], group_of: Callable[[str], AxisComm],

@@ -12,7 +12,9 @@ vocabulary padding rows beyond the real size.
 :class:`Piece` is what an engine hands the checkpoint code: for one parameter, the range it holds
 and 1-D views of its weight and per-element optimizer state over that range (``tensors``), plus
 the per-tensor state (``scalars``) and per-block state (``blocks``, a blocked optimizer's).
-:func:`owned_range` splits replicated copies so that every element is written by exactly one rank.
+:func:`owned_range` splits replicated copies so that every element is written by exactly one rank;
+:class:`SavedChunk` is one rectangle as the checkpoint writes it. (Placement geometry, read by the
+engines and by :mod:`bigtrain.checkpoint`, which sits above them.)
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ class Piece:
     def block_range(self, lo: int, hi: int) -> tuple[int, int]:
         """The blocks whose first element lies in [lo, hi) (each block is written by one rank)."""
         return -(-lo // self.block), -(-hi // self.block)
+
+
+@dataclass
+class SavedChunk:
+    """A rectangle of a full tensor that one rank writes into a checkpoint."""
+
+    fqn: str
+    shape: tuple[int, ...]  # the full tensor's
+    offsets: tuple[int, ...]
+    data: torch.Tensor  # shaped like the chunk
 
 
 @dataclass(frozen=True)
