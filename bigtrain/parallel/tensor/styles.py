@@ -91,7 +91,8 @@ class RowParallelLinear(nn.Linear):
 class RowParallel(Style):
     """Split input features; partial outputs are summed (all-reduce), or reduce-scattered along
     the sequence under sequence parallelism. A bias is added once, to the sum (Megatron's
-    RowParallelLinear): whole on every rank, its gradient the same on each."""
+    RowParallelLinear): whole on every rank, its gradient the same on each (a partial sum over the
+    sequence shards under sequence parallelism, summed like the norms')."""
 
     def apply(self, module: nn.Linear, ctx: TPContext) -> nn.Module | None:
         replacement = RowParallelLinear.replacing(module) if module.bias is not None else None
@@ -100,6 +101,8 @@ class RowParallel(Style):
         reduce = scatter_sequence_sum if ctx.sequence_parallel else reduce_from_group
         if module.bias is not None:
             module.register_forward_hook(lambda m, args, out: reduce(out, ctx.tp) + m.bias)
+            if ctx.sequence_parallel:  # added to this rank's sequence shard only: its gradient is partial
+                ctx.partial_grads.add(id(module.bias))
         else:
             module.register_forward_hook(lambda m, args, out: reduce(out, ctx.tp))
         return replacement
