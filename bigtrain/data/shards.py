@@ -1,7 +1,7 @@
 """A text corpus tokenized once, in parallel, into sharded memory-mapped id files.
 
-``data.cache_dir/tok-KEY/`` holds ``shard-NNNNN.bin`` (the ids of consecutive documents, uint16
-for vocabularies up to 65536, else uint32), one ``shard-NNNNN.json`` each (its token count and
+``data.cache_dir/tok-KEY/`` holds ``shard-NNNNN.bin`` (the ids of consecutive documents: uint8 for
+bytes, uint16 for vocabularies up to 65536, else uint32), one ``shard-NNNNN.json`` each (its token count and
 SHA-256, written after the shard, so a shard without one is unfinished) and ``manifest.json``
 (written last: the corpus is complete). KEY is a digest of the content: every file's bytes and
 path under the source, the tokenizer file's bytes, ``data.text_field`` and ``data.max_bytes``: the
@@ -171,6 +171,8 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
     dtype = ids_dtype(tokenizer.vocab_size)
     folder.mkdir(parents=True, exist_ok=True)
     workers = workers or len(os.sched_getaffinity(0))
+    if multiprocessing.current_process().daemon:  # a daemonic process may not start children: tokenize here
+        workers = 1
     context = multiprocessing.get_context("fork")
     pool = context.Pool(workers, initializer=_worker_init) if workers > 1 else None
     markers: dict[int, dict] = {}

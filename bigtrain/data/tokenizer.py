@@ -135,6 +135,8 @@ def load_tokenizer(spec: str):
 
 def ids_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type that holds every id below ``vocab_size``."""
+    if vocab_size <= 1 << 8:
+        return np.dtype(np.uint8)
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
