@@ -22,6 +22,7 @@ from bigtrain.config import ConfigError, DataConfig
 from bigtrain.data import ShardedTokens, TokenSampler, load_corpus, prepare_corpus
 from bigtrain.data.load import shard_folder
 from bigtrain.data.shards import CorpusError, read_manifest
+from bigtrain.data.tokenizer import CL100K_PATTERN, write_for_transformers
 from bigtrain.models.llama import build_model
 from bigtrain.preflight import data_problems
 from bigtrain.testing import run_ranks
@@ -272,3 +273,27 @@ def test_a_corpus_shorter_than_a_window_is_refused_before_launch(bpe, tmp_path):
     assert code == 2
     validate(tiny_config(str(tmp_path), f"--data.source={source}", f"--data.tokenizer={path}",
                          f"--model.vocab_size={MODEL_VOCAB}"))  # the config alone is fine: the length is known later
+
+
+def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tmp_path):
+    """Skipped where tiktoken is not installed (it is optional; the venv has none)."""
+    import base64
+
+    tiktoken = pytest.importorskip("tiktoken")
+    transformers = pytest.importorskip("transformers")
+    merges = [b"de", b"def", b"  ", b"    ", b"in", b"re", b"ret", b"se", b"sel", b"self"]
+    ranks = {bytes([i]): i for i in range(256)}
+    for m in merges:
+        ranks.setdefault(m, len(ranks))
+    enc_file = tmp_path / "small.tiktoken"
+    enc_file.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    d = _data(text_folder, enc_file, tmp_path / "cache")
+    enc = tiktoken.Encoding("small", pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    expected = np.concatenate([np.asarray(enc.encode_ordinary(t)) for t in _texts()])
+    assert np.array_equal(np.asarray(load_corpus(d)), expected)
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_for_transformers(str(enc_file), out, 64)
+    text = "def f(self):\n    return self\n"
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == enc.encode_ordinary(text)

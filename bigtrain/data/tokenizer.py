@@ -162,7 +162,8 @@ def write_for_transformers(spec: str, out: Path, max_len: int) -> list[str]:
         except ImportError:
             raise TokenizerError("converting a tiktoken file to tokenizer.json needs transformers "
                                  "(pip install transformers)") from None
-        TikTokenConverter(vocab_file=str(source), pattern=CL100K_PATTERN).converted().save(str(target))
+        TikTokenConverter(vocab_file=str(source), pattern=CL100K_PATTERN,
+                          additional_special_tokens=[]).converted().save(str(target))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
               "clean_up_tokenization_spaces": False}
     (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
