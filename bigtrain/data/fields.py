@@ -12,7 +12,8 @@ from pathlib import Path
 
 from bigtrain.config import Config
 from bigtrain.data.documents import corpus_files, has_records, parquet_missing
-from bigtrain.data.tokenizer import BYTES, TokenizerError, load_tokenizer, missing_package, tokenizer_file, tokenizer_kind
+from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, load_tokenizer, missing_package, tokenizer_file,
+                                     tokenizer_kind)
 
 
 def data_field_problems(cfg: Config) -> list[str]:
@@ -24,9 +25,13 @@ def data_field_problems(cfg: Config) -> list[str]:
         problems.append("data.tokenizer is empty; use 'bytes', a tokenizer.json (or a folder holding one) or a "
                         ".tiktoken file")
     elif d.tokenizer != BYTES:
-        path = tokenizer_file(d.tokenizer)
-        if not path.is_file():
-            where = f"{path} does not exist" if Path(os.path.expanduser(d.tokenizer)).is_dir() else "no such file"
+        try:
+            path = tokenizer_file(d.tokenizer)
+            where = None if path.is_file() else (f"{path} does not exist" if path.name == HF_FILE
+                                                 and path.parent.is_dir() else "no such file")
+        except (OSError, ValueError) as e:  # a name no file can have (too long)
+            where = f"cannot be read ({getattr(e, 'strerror', None) or e})"
+        if where:
             problems.append(f"data.tokenizer = '{d.tokenizer}': {where}; give a local tokenizer.json, a folder "
                             f"holding one, a .tiktoken file, or 'bytes' (nothing is downloaded)")
         else:
@@ -39,7 +44,7 @@ def data_field_problems(cfg: Config) -> list[str]:
         problems.append("data.text_field is empty; give the key of each JSON Lines record (or Parquet column) that "
                         "holds its text, e.g. 'text'")
     source = Path(os.path.expanduser(d.source))
-    if d.source.endswith(".parquet") or (source.is_dir() and _has_parquet(source)):
+    if d.source.endswith(".parquet") or _has_parquet(source):
         need = parquet_missing()
         if need:
             problems.append(f"data.source = '{d.source}' holds Parquet files, which need pyarrow: {need} (or convert "
@@ -49,8 +54,8 @@ def data_field_problems(cfg: Config) -> list[str]:
 
 def _has_parquet(folder: Path) -> bool:
     try:
-        return any(p.suffix == ".parquet" for p in corpus_files(folder))
-    except OSError:
+        return folder.is_dir() and any(p.suffix == ".parquet" for p in corpus_files(folder))
+    except (OSError, ValueError):  # unreadable, or a name no file can have: data.source's own check says so
         return False
 
 
