@@ -297,3 +297,13 @@ def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tm
     write_for_transformers(str(enc_file), out, 64)
     text = "def f(self):\n    return self\n"
     assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == enc.encode_ordinary(text)
+
+
+def test_generate_refuses_a_model_trained_with_a_tokenizer_by_name():
+    from bigtrain.config import ModelConfig
+    from bigtrain.generate import GenerateError, check_byte_level
+
+    model = build_model(ModelConfig(), device="meta")
+    with pytest.raises(GenerateError, match=r"trained with data.tokenizer = 'tok.json': export it"):
+        check_byte_level(model, {"data": {"source": "corpus", "tokenizer": "tok.json"}})
+    check_byte_level(model, {"data": {"source": "corpus", "tokenizer": "bytes"}})
