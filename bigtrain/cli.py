@@ -197,6 +197,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
         clear_run(run_dir)
+    if cfg.model.name == "llama":  # text tokenized once, here: in the launcher, or by the first rank to come
+        from bigtrain.data.load import prepare_run_data
+
+        prepare_run_data(cfg, run_dir, main=os.environ.get("RANK", "0") == "0", log=print)
     if (cfg.parallel.world_size > 1 or args.max_restarts) and not launched_externally():
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = run_dir / "config.toml"

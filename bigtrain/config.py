@@ -57,6 +57,25 @@ class ModelConfig:
     norm_eps: float = doc("RMSNorm epsilon.", 1e-5)
     tie_embeddings: bool = doc("Share the input embedding with the output projection.", False)
     init_std: float = doc("Standard deviation of the normal weight init.", 0.02)
+    attention_head_dim: int = doc("Size of each attention head (q, k, v rows per head); 0 means dim / n_heads. "
+                                  "Models such as Qwen3 and Gemma set it apart from dim / n_heads.", 0)
+    attention_bias: bool = doc("Biases on the q, k, v and output projections (Hugging Face Llama's "
+                               "attention_bias).", False)
+    qkv_bias: bool = doc("Biases on the q, k and v projections only (Qwen2).", False)
+    mlp_bias: bool = doc("Biases on the three SwiGLU projections (Hugging Face Llama's mlp_bias).", False)
+    rope_scaling: str = doc("Rotary frequency scaling for contexts past the trained one: 'none', 'linear' "
+                            "(every frequency / rope_factor), 'llama3' (Llama 3.1: low frequencies / rope_factor, "
+                            "high ones kept, blended between) or 'yarn' (YaRN: blended over rope_beta_fast .. "
+                            "rope_beta_slow rotations, cos and sin x rope_attention_factor).", "none")
+    rope_factor: float = doc("rope_scaling: the context extension factor (Llama 3.1: 8).", 1.0)
+    rope_original_max_len: int = doc("rope_scaling 'llama3' / 'yarn': the context length before scaling "
+                                     "(original_max_position_embeddings; 'yarn': 0 means max_seq_len).", 0)
+    rope_low_freq_factor: float = doc("rope_scaling 'llama3': low_freq_factor (Llama 3.1: 1).", 1.0)
+    rope_high_freq_factor: float = doc("rope_scaling 'llama3': high_freq_factor (Llama 3.1: 4).", 4.0)
+    rope_beta_fast: float = doc("rope_scaling 'yarn': beta_fast, rotations where interpolation ends.", 32.0)
+    rope_beta_slow: float = doc("rope_scaling 'yarn': beta_slow, rotations where it is complete.", 1.0)
+    rope_attention_factor: float = doc("rope_scaling 'yarn': the factor on cos and sin; 0 means "
+                                       "0.1 ln(rope_factor) + 1.", 0.0)
     init_from: str = doc("Start from existing weights instead of a random init: 'hf:PATH', a local Hugging Face "
                          "Llama folder (config.json, *.safetensors; `bigtrain export --format hf` writes one). "
                          "`bigtrain train` takes the [model] shape from its config.json. '' for a random init.", "")
@@ -97,7 +116,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
+
+    @property
+    def q_bias(self) -> bool:
+        """Whether the q, k and v projections have biases."""
+        return self.attention_bias or self.qkv_bias
 
     @property
     def moe_ffn_dim(self) -> int:
@@ -240,13 +264,19 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = doc(
-        "'stdlib' (this machine's Python standard library, bytes), a text file or folder, "
-        "or a pre-tokenized .bin (uint16) / .npy file.",
+        "'stdlib' (this machine's Python standard library), a text file, a JSON Lines (.jsonl) or Parquet "
+        "(.parquet, needs pyarrow) file of records, a folder of such files, or a pre-tokenized .bin (uint16) / "
+        ".npy file.",
         "stdlib",
     )
+    tokenizer: str = doc("'bytes' (a token is a byte of UTF-8 text; vocabulary 256), or a local Hugging Face "
+                         "tokenizer.json (or a folder holding one; needs the tokenizers package) or tiktoken "
+                         "encoding file (needs tiktoken). Text is tokenized once, in parallel, into shards cached "
+                         "in data.cache_dir; `bigtrain export --format hf` writes it beside the weights.", "bytes")
+    text_field: str = doc("JSON Lines / Parquet sources: the key (column) that holds each record's text.", "text")
     seq_len: int = doc("Tokens per sample.", 128)
     cache_dir: str = doc("Where tokenized corpora are cached; '' means ~/.cache/bigtrain.", "")
-    max_bytes: int = doc("Cap on the bytes read from a text corpus (0: no cap).", 16_000_000)
+    max_bytes: int = doc("Cap on the bytes of text read from a corpus, before tokenizing (0: no cap).", 16_000_000)
     ignore_target: int = doc("A token id whose next-token targets are left out of the loss (padding or a "
                              "separator, say); the loss is the mean over the targets kept. -1: keep all.", -1)
     val_fraction: float = doc("Hold out this fraction of the corpus (its last tokens) for validation: training "

@@ -77,6 +77,11 @@ def _hf_model(folder: Path) -> Llama:
 def check_byte_level(model: Llama, run_config: dict) -> None:
     """The prompt is encoded as bytes: the model must have been trained on bytes."""
     source = str(run_config.get("data", {}).get("source", ""))
+    tokenizer = str(run_config.get("data", {}).get("tokenizer", "bytes"))
+    if tokenizer != "bytes":
+        raise GenerateError(f"generate reads and writes bytes; this model was trained with data.tokenizer = "
+                            f"'{tokenizer}': export it (bigtrain export RUN OUT --format hf) and generate with "
+                            f"transformers, whose AutoTokenizer loads that folder")
     if model.cfg.vocab_size != BYTE_VOCAB or source.endswith((".bin", ".npy")):
         raise GenerateError(f"generate reads and writes bytes (vocabulary {BYTE_VOCAB}); this model has "
                             f"model.vocab_size = {model.cfg.vocab_size}" +

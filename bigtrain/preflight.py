@@ -26,7 +26,8 @@ import numpy as np
 
 from bigtrain.config import Config, ConfigError
 from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_key, text_files,
-                           token_dtype_problem)
+                           token_dtype_problem, uses_shards)
+from bigtrain.data.fields import records_problem, tokenizer_problem
 
 SCAN_CHUNK = 1 << 24  # token ids compared with the vocabulary per step of the scan (64 MiB of int32)
 LAUNCHER_MARKERS = ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
@@ -127,6 +128,10 @@ def data_problems(cfg: Config) -> list[str]:
     if cfg.model.name == "dlrm":  # 'synthetic' or a Criteo TSV file: validation checked it exists
         return []
     need = d.seq_len + 2  # TokenSampler draws starts in [0, len - seq_len - 1): a window of seq_len + 1, and one more
+    if d.tokenizer != "bytes" and (problem := tokenizer_problem(cfg)):
+        return [problem]
+    if d.source == "stdlib" and uses_shards(d):
+        return [problem] if (problem := _writable_cache_problem(cfg)) else []
     if d.source == "stdlib":
         problem = _cache_problem(cfg, stdlib_key())
         if problem is None and d.max_bytes and d.max_bytes < need:
@@ -141,6 +146,9 @@ def data_problems(cfg: Config) -> list[str]:
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         return [f"data.source = '{d.source}' is {_kind(mode)}, not a file or folder; give a text file or folder, "
                 f"or a .bin / .npy token file"]
+    if uses_shards(d):  # tokenized into shards before launch (bigtrain.data.shards); its length is known then
+        problem = records_problem(cfg) or _writable_cache_problem(cfg)
+        return [problem] if problem else []
     if src.suffix in (".bin", ".npy"):  # as load_tokens decides
         if stat.S_ISDIR(mode):
             return [f"data.source = '{d.source}' is a folder; a .bin / .npy source must be a token file"]
@@ -266,6 +274,14 @@ def _text_problem(cfg: Config, src: Path, need: int) -> str | None:
     except OSError as e:
         return f"{field}: a file changed while it was read ({e.strerror}); try again"
     return _cache_problem(cfg, key)
+
+
+def _writable_cache_problem(cfg: Config) -> str | None:
+    where = cfg.data.cache_dir or str(cache_path(""))
+    problem = writable_dir_problem(where, "data.cache_dir")
+    if problem and not cfg.data.cache_dir:
+        problem += " (the default, under your home folder; set data.cache_dir)"
+    return problem
 
 
 def _cache_problem(cfg: Config, key: str) -> str | None:

@@ -30,7 +30,7 @@ from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
 from bigtrain.core.targets import IGNORE_INDEX
-from bigtrain.data import TokenSampler, load_tokens
+from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.evaluate import held_out_loss
 from bigtrain.from_config import parallel_plan
@@ -99,7 +99,7 @@ class Trainer:
         set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
         self.deferred: DeferredUpdate | None = None  # 2BW's deferred update, once started (fit does)
-        self.sampler = TokenSampler(load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes),
+        self.sampler = TokenSampler(load_corpus(cfg.data),
                                     cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target,
                                     cfg.data.val_fraction)
         self.accum = cfg.train.grad_accum(mesh.size("dp"))

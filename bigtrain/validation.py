@@ -14,6 +14,8 @@ from typing import Callable
 
 from bigtrain.config import Config, ConfigError
 from bigtrain.core.tables import SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
+from bigtrain.data.fields import data_field_problems
+from bigtrain.model_fields import llama_field_problems
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
@@ -63,9 +65,12 @@ def check_model(cfg: Config) -> list[str]:
     problems += _one_of("model.name", m.name, MODELS)
     if problems:
         return problems
-    if m.dim % m.n_heads:
+    if m.attention_head_dim:
+        pass  # a head size of its own: bigtrain.model_fields checks it
+    elif m.dim % m.n_heads:
         problems.append(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
-                        f"use a head count that divides it, e.g. {_divisor_near(m.dim, m.n_heads)}")
+                        f"use a head count that divides it (e.g. {_divisor_near(m.dim, m.n_heads)}), "
+                        f"or set model.attention_head_dim")
     elif m.head_dim % 2:
         problems.append(f"model.dim / model.n_heads = {m.head_dim} must be even for rotary embeddings")
     if m.n_heads % m.kv_heads:
@@ -203,7 +208,7 @@ def check_data(cfg: Config) -> list[str]:
         problems.append("data.source is empty; use 'stdlib', a text file or folder, or a .bin / .npy token file")
     elif d.source != "stdlib" and not _exists(d.source):
         problems.append(f"data.source = '{d.source}': no such file or folder; use 'stdlib' or an existing path")
-    if not is_tokens and m.vocab_size < 256:
+    if not is_tokens and d.tokenizer == "bytes" and m.vocab_size < 256:
         problems.append(f"model.vocab_size = {m.vocab_size}: byte-level text needs at least 256; set it to 256")
     if not -1 <= d.ignore_target < m.vocab_size:
         problems.append(f"data.ignore_target = {d.ignore_target}: must be -1 (keep every target) or a token id "
@@ -593,4 +598,4 @@ def _async_needs_plain_replicas(cfg: Config, what: str, axes: tuple[str, ...]) -
     return problems
 
 
-RULES += [check_async]
+RULES += [check_async, llama_field_problems, data_field_problems]

@@ -78,9 +78,15 @@ def test_train_takes_the_model_shape_from_the_folder(corpus_cache, tmp_path, cap
     out = capsys.readouterr().out
     assert "dim = 32" in out and "n_layers = 1" in out and "ffn_hidden = 64" in out
 
-    (folder / "config.json").write_text(json.dumps({**hf, "mlp_bias": True}))
+    (folder / "config.json").write_text(json.dumps({**hf, "mlp_bias": True, "head_dim": 8,
+                                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}))
+    assert main(["config", "--preset", "tiny", f"--model.init_from=hf:{folder}"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp_bias = true" in out and "attention_head_dim = 8" in out and 'rope_scaling = "linear"' in out
+
+    (folder / "config.json").write_text(json.dumps({**hf, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
     assert main(["config", "--preset", "tiny", f"--model.init_from=hf:{folder}"]) == 2
-    assert "mlp_bias = true; bigtrain's Llama has no biases" in capsys.readouterr().err
+    assert "rope_scaling type 'dynamic'; bigtrain has 'linear', 'llama3' and 'yarn'" in capsys.readouterr().err
 
 
 def test_init_from_problems_name_the_field_and_the_fix(corpus_cache, tmp_path):

@@ -165,6 +165,15 @@ LAYOUTS = {
     "tp2-vocab-not-divisible": (2, ["--parallel.tp=2"], ["--model.vocab_size=257"]),
     "tp4-sp-vocab-padded": (4, ["--parallel.tp=4", "--parallel.sequence_parallel=true"],
                             ["--model.vocab_size=258", "--model.n_kv_heads=4"]),
+    # Current Llama configs: biases (row-parallel ones added once, after the sum), a head size apart
+    # from dim / heads, rotary scaling; q/k/v biases on replicated key/value heads (partial gradients).
+    "tp2-biases": (2, ["--parallel.tp=2"], ["--model.attention_bias=true", "--model.mlp_bias=true"]),
+    "tp2-sp-biases-head-dim-llama3": (2, ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
+                                      ["--model.attention_bias=true", "--model.mlp_bias=true",
+                                       "--model.attention_head_dim=24", "--model.rope_scaling=llama3",
+                                       "--model.rope_factor=8", "--model.rope_original_max_len=16"]),
+    "tp4-replicated-kv-qkv-bias-yarn": (4, ["--parallel.tp=4"], ["--model.qkv_bias=true", "--model.rope_scaling=yarn",
+                                                                 "--model.rope_factor=4"]),
 }
 
 

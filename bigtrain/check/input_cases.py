@@ -73,6 +73,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "model.dlrm_dense_features": (1, None), "embedding.dim": (1, None), "embedding.hotness": (1, None),
     "offload.prefetch_depth": (0, None),
     "parallel.local_sgd_every": (1, 2),  # with the preset's dp_sync = 'sync', only 1 is valid
+    "model.attention_head_dim": (0, None), "model.rope_original_max_len": (0, None),
 }
 # (low, low inclusive, high, high inclusive)
 FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
@@ -88,11 +89,15 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
     "data.val_fraction": (0, True, 1, False),
     "embedding.lr": (0, False, math.inf, False), "embedding.eps": (0, False, math.inf, False),
     "embedding.budget_gb": (0, True, math.inf, False), "checkpoint.every_minutes": (0, True, 1e7, True),
+    "model.rope_factor": (0, False, math.inf, False), "model.rope_low_freq_factor": (0, False, math.inf, False),
+    "model.rope_high_freq_factor": (0, False, math.inf, False), "model.rope_beta_fast": (0, False, math.inf, False),
+    "model.rope_beta_slow": (0, False, math.inf, False), "model.rope_attention_factor": (0, True, math.inf, False),
 }
 BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
                "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",
                "logging.report", "logging.measure_memory", "logging.tensorboard", "model.fused_loss",
-               "memory.activation_offload", "memory.selective_attention", "parallel.pp_vertical_sync"]
+               "memory.activation_offload", "memory.selective_attention", "parallel.pp_vertical_sync",
+               "model.attention_bias", "model.qkv_bias", "model.mlp_bias"]
 ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "model.name": ("llama",), "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
     "parallel.dp_sync": ("sync", "local-sgd"),
@@ -101,6 +106,7 @@ ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "memory.activation_compression": ("none", "int8"),
     "optim.lr_scaling": ("none", "linear"), "optim.name": ("adamw", "adamw8bit", "adafactor", "lion"),  # others register at run time
     "train.device": ("auto", "cpu"),  # cuda: only with a GPU
+    "model.rope_scaling": ("none", "linear", "yarn"),  # 'llama3' needs model.rope_original_max_len
 }
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -179,12 +185,14 @@ def _field_case(rng: random.Random) -> tuple[Case | None, str]:
         text = rng.choice(STR_TEXT + [good.upper(), good + " ", " " + good, good[:-1], good + "x", "cuda"])
         bad = str_is_bad(name, text)
     else:
-        name = rng.choice(["data.source", "parallel.pp_split", "checkpoint.resume"])
+        name = rng.choice(["data.source", "parallel.pp_split", "checkpoint.resume", "data.tokenizer"])
         text = rng.choice(STR_TEXT + ["/nonexistent/corpus.txt", "stdlib ", "STDLIB", "1,2", "a,b", "-1", "1,,2"])
         if name == "parallel.pp_split":
             bad = bool(text.strip())  # one stage: any split point is one too many
         elif name == "checkpoint.resume":
             bad = text not in ("none", "auto") and not os.path.lexists(text)
+        elif name == "data.tokenizer":  # 'bytes', or a tokenizer file: none of these texts names one
+            bad = text != "bytes" and not os.path.isfile(os.path.expanduser(text))
         else:
             bad = text != "stdlib" and not os.path.lexists(os.path.expanduser(text))
     label = f"--{name}={text[:40]!r}" + ("..." if len(text) > 40 else "")

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from bigtrain.config import Config
-from bigtrain.data import TokenSampler, load_tokens
+from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.models.llama import Llama
 from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 
@@ -103,7 +103,7 @@ class ReferenceRun:
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         self.optimizer = _optimizer([g for g in groups if g["params"]], cfg.optim)
         d = cfg.data
-        self.sampler = TokenSampler(load_tokens(d.source, d.cache_dir, d.max_bytes), d.seq_len,
+        self.sampler = TokenSampler(load_corpus(d), d.seq_len,
                                     cfg.train.global_batch, cfg.train.seed, d.ignore_target, d.val_fraction)
         self.loss_scale = cfg.precision.loss_scale if mode == "fp16" else 1.0
         self.clean_steps = 0

@@ -21,7 +21,8 @@ from bigtrain.core.tables import parse_sizes
 
 # The model's parameter shapes (compared on effective values: ffn_hidden 0 means a computed size).
 SHAPE_FIELDS = ("model.name", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
-                "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings",
+                "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings", "model.attention_head_dim",
+                "model.attention_bias", "model.qkv_bias", "model.mlp_bias",
                 # DLRM: its tables (rows each, compared as a list: '2x10' is '10,10') and MLPs
                 "embedding.tables", "embedding.dim", "model.dlrm_dense_features", "model.dlrm_bottom_mlp",
                 "model.dlrm_top_mlp")
@@ -29,6 +30,11 @@ CHANGES = {
     "model.rope_theta": "the positional encoding the weights were trained with",
     "model.norm_eps": "the normalization the weights were trained with",
     "model.max_seq_len": "the rotary tables",
+    **{f"model.{name}": "the rotary frequencies the weights were trained with" for name in (
+        "rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor", "rope_high_freq_factor",
+        "rope_beta_fast", "rope_beta_slow", "rope_attention_factor")},
+    "data.tokenizer": "the token ids the embedding rows stand for",
+    "data.text_field": "the text the run trains on",
     "data.source": "the data the run trains on",
     "data.seq_len": "the sequences the run trains on (and the activations' shapes)",
     "data.max_bytes": "the corpus the run samples from",
@@ -60,6 +66,9 @@ def _effective(section: str, name: str, values: dict[str, Any]) -> Any:
     if section == "model" and name in ("n_kv_heads", "ffn_hidden"):
         model = _model(values)
         return model.kv_heads if name == "n_kv_heads" else model.ffn_dim
+    if section == "model" and name in ("attention_head_dim", "attention_bias", "qkv_bias", "mlp_bias"):
+        model = _model(values)  # a checkpoint older than these fields has their defaults
+        return model.head_dim if name == "attention_head_dim" else getattr(model, name)
     return values.get(name)
 
 

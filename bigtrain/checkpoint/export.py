@@ -1,6 +1,7 @@
 """``bigtrain export RUN_DIR OUT [--format safetensors|hf]``: the newest valid checkpoint's weights,
-consolidated: one file (``safetensors``, the default), or a Hugging Face Llama folder (``hf``,
-:mod:`bigtrain.checkpoint.hf`) that ``LlamaForCausalLM.from_pretrained`` loads.
+consolidated: one file (``safetensors``, the default), or a Hugging Face Llama / Qwen2 folder (``hf``,
+:mod:`bigtrain.checkpoint.hf`) that ``AutoModelForCausalLM.from_pretrained`` loads, with the run's
+tokenizer beside it for ``AutoTokenizer`` (when it trained with one).
 
 Offline and for models that fit in one process's memory: each parameter is read whole from the
 sharded checkpoint (whatever layout wrote it) under its canonical name, a tied weight once (as
@@ -11,6 +12,7 @@ Optimizer state is not exported.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -36,6 +38,24 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
 FORMATS = ("safetensors", "hf")
 
 
+def write_tokenizer(checkpoint: Path, data: dict, out: Path, max_len: int) -> None:
+    """Put the run's tokenizer beside the exported weights, so that ``AutoTokenizer`` loads the
+    folder too: the copy the run keeps in its directory (``bigtrain train`` writes one), else the
+    file its ``data.tokenizer`` names. A byte-level run has none to write."""
+    from bigtrain.data.load import run_tokenizer
+    from bigtrain.data.tokenizer import BYTES, TokenizerError, write_for_transformers
+
+    spec = data.get("tokenizer", BYTES)
+    if spec == BYTES:
+        return
+    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    kept = run_tokenizer(run_dir) if run_dir is not None else None
+    try:
+        write_for_transformers(str(kept) if kept else spec, out, max_len)
+    except TokenizerError as e:
+        print(f"bigtrain export: warning: {e}", file=sys.stderr)
+
+
 def export(run_dir: Path, out: Path, fmt: str = "safetensors") -> tuple[Path, str]:
     """Write the weights of the newest valid checkpoint under ``run_dir`` (a run directory, its
     ``checkpoints/``, or one checkpoint) to ``out``; returns (the path written, 'safetensors', 'torch'
@@ -56,7 +76,10 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors") -> tuple[Path, st
     if fmt == "hf":
         from bigtrain.checkpoint.hf import model_config, save_hf
 
-        return save_hf(weights, model_config(meta["config"]["model"]), out), "hf"
+        cfg = model_config(meta["config"]["model"])
+        folder = save_hf(weights, cfg, out)
+        write_tokenizer(path, meta["config"].get("data", {}), folder, cfg.max_seq_len)
+        return folder, "hf"
     info = {"step": str(meta["step"]), "source": str(path), "format": FORMAT}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,11 @@
 """The Hugging Face Llama format: a folder with ``config.json`` and ``model.safetensors`` that
-``transformers.LlamaForCausalLM.from_pretrained`` reads, written from bigtrain's weights and read
+``transformers.AutoModelForCausalLM.from_pretrained`` reads, written from bigtrain's weights and read
 back into them (``model.init_from = "hf:PATH"``). No network, and no ``transformers`` import: the
 format is plain JSON and safetensors.
+
+Two architectures: ``llama`` (LlamaForCausalLM: ``attention_bias`` on q, k, v and o, ``mlp_bias``,
+``head_dim``, ``rope_scaling`` of type linear, llama3 or yarn) and ``qwen2`` (Qwen2ForCausalLM: the
+same decoder with biases on q, k and v only: bigtrain's ``model.qkv_bias``).
 
 Two conventions differ. Names: ``layers.0.attention.wq.weight`` is
 ``model.layers.0.self_attn.q_proj.weight`` and so on (:data:`LAYER_NAMES`). Rotary pairs: bigtrain
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -30,6 +35,13 @@ LAYER_NAMES = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "feed_forward.w1.bias": "mlp.gate_proj.bias",
+    "feed_forward.w3.bias": "mlp.up_proj.bias",
+    "feed_forward.w2.bias": "mlp.down_proj.bias",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -55,22 +67,25 @@ def hf_name(name: str) -> str:
 
 
 def to_rotate_half(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of wq / wk from interleaved rotary pairs to rotate-half order, per head."""
-    rows, cols = weight.shape
-    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Rows of wq / wk (or entries of their biases) from interleaved rotary pairs to rotate-half
+    order, per head."""
+    matrix = weight if weight.dim() == 2 else weight[:, None]
+    rows, cols = matrix.shape
+    return matrix.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(weight.shape)
 
 
 def from_rotate_half(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """The inverse of :func:`to_rotate_half`."""
-    rows, cols = weight.shape
-    return weight.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    matrix = weight if weight.dim() == 2 else weight[:, None]
+    rows, cols = matrix.shape
+    return matrix.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(weight.shape)
 
 
 def _rotary_heads(name: str, cfg: ModelConfig) -> int | None:
-    """Heads whose rotary pairs a weight's rows hold (None for weights rotary does not touch)."""
-    if name.endswith("attention.wq.weight"):
+    """Heads whose rotary pairs a weight's rows (a bias's entries) hold (None where rotary does not act)."""
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return cfg.n_heads
-    if name.endswith("attention.wk.weight"):
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
         return cfg.kv_heads
     return None
 
@@ -81,20 +96,54 @@ def model_config(values: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in values.items() if k in known})
 
 
+def hf_rope_scaling(cfg: ModelConfig) -> dict | None:
+    """``rope_scaling`` of ``config.json`` (None without scaling)."""
+    kind = cfg.rope_scaling
+    if kind == "none":
+        return None
+    out = {"rope_type": kind, "factor": cfg.rope_factor}
+    if kind == "llama3":
+        out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_len)
+    elif kind == "yarn":
+        out.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+        if cfg.rope_original_max_len:
+            out["original_max_position_embeddings"] = cfg.rope_original_max_len
+        if cfg.rope_attention_factor:
+            out["attention_factor"] = cfg.rope_attention_factor
+    return out
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """'qwen2' for biases on q, k, v alone (Qwen2's attention), else 'llama'."""
+    if cfg.qkv_bias and not cfg.attention_bias:
+        if cfg.mlp_bias:
+            raise HFFormatError("model.qkv_bias with model.mlp_bias has no Hugging Face architecture (Qwen2 has no "
+                                "MLP biases; Llama's attention_bias includes the output projection's)")
+        return "qwen2"
+    return "llama"
+
+
 def hf_config(cfg: ModelConfig) -> dict:
-    """``config.json`` for ``cfg``: every field LlamaConfig needs, nothing run-specific (so the same
-    weights always give the same file)."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    """``config.json`` for ``cfg``: every field LlamaConfig (or Qwen2Config) needs, nothing
+    run-specific (so the same weights always give the same file)."""
+    arch = hf_architecture(cfg)
+    out = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"], "model_type": arch,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta, "rope_scaling": hf_rope_scaling(cfg),
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "initializer_range": cfg.init_std,
+        "initializer_range": cfg.init_std,
         # Byte-level vocabularies have no special tokens.
         "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32",
     }
+    if arch == "qwen2":
+        out.update(use_sliding_window=False, max_window_layers=cfg.n_layers)
+    else:
+        out.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
+    return out
 
 
 def to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -144,33 +193,91 @@ def read_hf_config(folder: str | Path) -> dict:
         raise HFFormatError(f"{path} is not valid JSON: {e}") from None
 
 
+ROPE_KEYS = {"linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor",
+                                                "original_max_position_embeddings"},
+             "yarn": {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "attention_factor",
+                      "mscale", "mscale_all_dim", "truncate"}}
+
+
+def _yarn_attention_factor(rope: dict) -> float:
+    """YaRN's factor on cos and sin as Hugging Face derives it; 0 (bigtrain's default formula) when
+    it is that default."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    mscale, mscale_all_dim, factor = rope.get("mscale"), rope.get("mscale_all_dim"), float(rope["factor"])
+    if not (mscale and mscale_all_dim):
+        return 0.0
+
+    def get_mscale(scale: float, m: float) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+
+
+def rope_values(rope, problems: list[str]) -> dict[str, object]:
+    """bigtrain's rope_* fields for a ``rope_scaling`` entry (appends what it cannot represent)."""
+    if not rope:
+        return {"rope_scaling": "none"}
+    if not isinstance(rope, dict):
+        problems.append(f"rope_scaling = {rope!r} is not a table")
+        return {}
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "default":
+        return {"rope_scaling": "none"}
+    if kind not in ROPE_KEYS:
+        problems.append(f"rope_scaling type {kind!r}; bigtrain has 'linear', 'llama3' and 'yarn'")
+        return {}
+    missing = [k for k in ("factor",) + (("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                                         if kind == "llama3" else ()) if rope.get(k) is None]
+    if missing:
+        problems.append(f"rope_scaling ({kind}) without {', '.join(missing)}")
+        return {}
+    if kind == "yarn" and rope.get("truncate", True) is False:
+        problems.append("rope_scaling (yarn) with truncate = false; bigtrain's YaRN truncates the ramp's bounds")
+    values = {"rope_scaling": kind, "rope_factor": float(rope["factor"])}
+    if kind == "llama3":
+        values.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    elif kind == "yarn":
+        values.update(rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
+                      rope_original_max_len=int(rope.get("original_max_position_embeddings") or 0),
+                      rope_attention_factor=_yarn_attention_factor(rope))
+    return values
+
+
 def model_values(hf: dict, where: str) -> dict[str, object]:
-    """The ``[model]`` fields a Hugging Face Llama ``config.json`` sets; raises HFFormatError for
-    what bigtrain's Llama does not have (biases, other activations, rope scaling)."""
+    """The ``[model]`` fields a Hugging Face Llama or Qwen2 ``config.json`` sets; raises
+    HFFormatError for what bigtrain's Llama does not have (other activations, other rotary
+    scalings, partial rotary embeddings, sliding windows)."""
     problems = []
-    if hf.get("model_type", "llama") != "llama":
-        problems.append(f"model_type = {hf.get('model_type')!r}, not 'llama'")
+    arch = hf.get("model_type", "llama")
+    if arch not in ("llama", "qwen2"):
+        problems.append(f"model_type = {arch!r}, not 'llama' or 'qwen2'")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act = {hf['hidden_act']!r}; bigtrain's MLP is SwiGLU ('silu')")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            problems.append(f"{key} = true; bigtrain's Llama has no biases")
-    if hf.get("rope_scaling"):
-        problems.append(f"rope_scaling = {hf['rope_scaling']!r}; bigtrain supports plain rotary embeddings only")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append(f"partial_rotary_factor = {hf['partial_rotary_factor']}; bigtrain rotates whole heads")
+    if arch == "qwen2" and hf.get("use_sliding_window"):
+        problems.append("use_sliding_window = true; bigtrain's attention is full causal attention")
+    rope = rope_values(hf.get("rope_scaling"), problems)
     heads = hf.get("num_attention_heads", 0)
-    if heads and hf.get("head_dim") not in (None, hf.get("hidden_size", 0) // heads):
-        problems.append(f"head_dim = {hf['head_dim']} is not hidden_size / num_attention_heads")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in hf]
     if missing:
         problems.append(f"missing {', '.join(missing)}")
     if problems:
         raise HFFormatError(f"{where}: cannot load into bigtrain's Llama: {'; '.join(problems)}")
+    head_dim = hf.get("head_dim")
+    own_head_dim = 0 if head_dim in (None, hf["hidden_size"] // heads) else int(head_dim)
     return {"name": "llama", "vocab_size": hf["vocab_size"], "dim": hf["hidden_size"],
             "n_layers": hf["num_hidden_layers"], "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
             "max_seq_len": hf.get("max_position_embeddings", 2048), "rope_theta": float(hf.get("rope_theta", 1e4)),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings"))}
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings")),
+            "attention_head_dim": own_head_dim,
+            "attention_bias": arch == "llama" and bool(hf.get("attention_bias")),
+            "qkv_bias": arch == "qwen2", "mlp_bias": arch == "llama" and bool(hf.get("mlp_bias")), **rope}
 
 
 def hf_folder(init_from: str) -> Path | None:
@@ -184,7 +291,8 @@ def architecture_problems(cfg: ModelConfig, folder: Path) -> list[str]:
     return [f"model.{k} = {getattr(cfg, k)!r}, but model.init_from's {folder / CONFIG_FILE} has {v!r}; "
             f"set --model.{k}={v} (or leave the [model] section to the folder)"
             for k, v in values.items() if getattr(cfg, k) != v and not (k == "n_kv_heads" and cfg.kv_heads == v)
-            and not (k == "ffn_hidden" and cfg.ffn_dim == v)]
+            and not (k == "ffn_hidden" and cfg.ffn_dim == v)
+            and not (k == "attention_head_dim" and v == 0 and cfg.head_dim == cfg.dim // max(1, cfg.n_heads))]
 
 
 class HFWeights:

@@ -18,6 +18,7 @@ from torch import nn
 from bigtrain.config import ModelConfig
 from bigtrain.models.feed_forward import FeedForward
 from bigtrain.models.moe import MoEFeedForward, init_router_biases
+from bigtrain.models.rope import rotary_tables_for
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +35,8 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_seq_len, head_dim / 2)."""
+    """cos and sin of shape (max_seq_len, head_dim / 2), unscaled (a model's own tables, with its
+    ``rope_scaling``, come from :func:`bigtrain.models.rope.rotary_tables_for`)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
@@ -63,10 +65,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.q_bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.q_bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.q_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.attention_bias)
         self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,7 +88,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = moe_feed_forward(cfg) if cfg.is_moe_block(index) else FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = (moe_feed_forward(cfg) if cfg.is_moe_block(index)
+                             else FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_bias))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -134,8 +137,7 @@ class Llama(nn.Module):
         """(Re)create the rotary tables and zero the routers' biases, on ``device`` (default: where
         they are), in fp32."""
         device = self.rope_cos.device if device is None else torch.device(device)
-        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
-        self.rope_cos, self.rope_sin = cos, sin
+        self.rope_cos, self.rope_sin = rotary_tables_for(self.cfg, device)
         init_router_biases(self, device)
 
     def initial_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -154,6 +156,8 @@ def init_value(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -
     """The initial value of parameter ``name`` (full, unsharded), on the CPU in fp32."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, device="cpu")
+    if name.endswith(".bias"):  # as Hugging Face initializes linear biases
+        return torch.zeros(shape, device="cpu")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     std = cfg.init_std
     if name.endswith(("wo.weight", "w2.weight", "experts.w2")):

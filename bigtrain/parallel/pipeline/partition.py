@@ -27,8 +27,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from bigtrain.models.llama import Llama, init_value, rotary_tables
+from bigtrain.models.llama import Llama, init_value
 from bigtrain.models.moe import init_router_biases
+from bigtrain.models.rope import rotary_tables_for
 from bigtrain.parallel.pipeline.schedules import SCHEDULE_KINDS
 from bigtrain.parallel.tied import shared_parameter_names
 
@@ -192,8 +193,7 @@ class LlamaStage(PipelineStage):
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         device = self.rope_cos.device if device is None else torch.device(device)
-        self.rope_cos, self.rope_sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
-                                                     device)
+        self.rope_cos, self.rope_sin = rotary_tables_for(self.cfg, device)
         init_router_biases(self, device)
 
     @torch.no_grad()

@@ -31,7 +31,11 @@ def parallelize_module(model: nn.Module, plan: Plan, ctx: TPContext) -> None:
             raise ValueError(f"parallel plan: pattern '{pattern}' matches no module")
         for name in matched:
             for style in styles if isinstance(styles, list) else [styles]:
-                style.apply(modules[name], ctx)
+                replacement = style.apply(modules[name], ctx)
+                if replacement is not None:  # a module of another class (a row-parallel layer's bias)
+                    parent, _, child = name.rpartition(".")
+                    setattr(model.get_submodule(parent), child, replacement)
+                    modules[name] = replacement
 
 
 def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -> Plan:

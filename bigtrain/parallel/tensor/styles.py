@@ -52,7 +52,9 @@ def _shard_param(module: nn.Module, attr: str, dim: int, ctx: TPContext, pad_to:
 
 
 class Style:
-    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module | None:
+        """Shard ``module`` in place and add its hooks; a style that must change the module's class
+        returns the replacement (same parameters, same names), which the plan installs in its place."""
         raise NotImplementedError
 
 
@@ -68,18 +70,42 @@ class ColumnParallel(Style):
             _shard_param(module, "bias", 0, ctx, self.pad_to)
 
 
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose forward leaves its bias out: under row parallelism each rank computes a
+    partial sum, and the bias belongs to the whole sum, added once after the reduction (by the
+    :class:`RowParallel` style's hook). Same parameters and names as the ``nn.Linear`` it replaces."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    @classmethod
+    def replacing(cls, linear: nn.Linear) -> "RowParallelLinear":
+        if linear._forward_hooks or linear._forward_pre_hooks:
+            raise ValueError("RowParallel with a bias must be the first style applied to its layer")
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias  # the same Parameter objects
+        new.train(linear.training)
+        return new
+
+
 class RowParallel(Style):
     """Split input features; partial outputs are summed (all-reduce), or reduce-scattered along
-    the sequence under sequence parallelism."""
+    the sequence under sequence parallelism. A bias is added once, to the sum (Megatron's
+    RowParallelLinear): whole on every rank, its gradient the same on each (a partial sum over the
+    sequence shards under sequence parallelism, summed like the norms')."""
 
-    def apply(self, module: nn.Linear, ctx: TPContext) -> None:
-        if module.bias is not None:
-            raise ValueError("RowParallel: a bias would be added once per rank; use bias=False")
+    def apply(self, module: nn.Linear, ctx: TPContext) -> nn.Module | None:
+        replacement = RowParallelLinear.replacing(module) if module.bias is not None else None
+        module = replacement or module
         _shard_param(module, "weight", 1, ctx)
-        if ctx.sequence_parallel:
-            module.register_forward_hook(lambda m, args, out: scatter_sequence_sum(out, ctx.tp))
+        reduce = scatter_sequence_sum if ctx.sequence_parallel else reduce_from_group
+        if module.bias is not None:
+            module.register_forward_hook(lambda m, args, out: reduce(out, ctx.tp) + m.bias)
+            if ctx.sequence_parallel:  # added to this rank's sequence shard only: its gradient is partial
+                ctx.partial_grads.add(id(module.bias))
         else:
-            module.register_forward_hook(lambda m, args, out: reduce_from_group(out, ctx.tp))
+            module.register_forward_hook(lambda m, args, out: reduce(out, ctx.tp))
+        return replacement
 
 
 class PrepareInput(Style):
@@ -143,6 +169,8 @@ class ReplicatedKVHeads(Style):
         kv = first_q_head // (self.n_heads // self.n_kv_heads)
         cols = slice(kv * self.head_dim, (kv + 1) * self.head_dim)
         ctx.partial_grads.add(id(module.weight))
+        if module.bias is not None:
+            ctx.partial_grads.add(id(module.bias))
         module.register_forward_hook(lambda m, args, out: out[..., cols])
 
 

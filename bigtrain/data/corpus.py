@@ -1,0 +1,123 @@
+"""Byte-level corpora and pre-tokenized files.
+
+The default corpus needs no download: this machine's Python standard library sources, as bytes
+(vocabulary 256), cached once as a flat token file that is memory-mapped afterwards. A user's text
+file or folder is read the same way with ``data.tokenizer = "bytes"``; pre-tokenized ``.bin``
+(uint16) and ``.npy`` files are mapped as they are. Text through a real tokenizer, and JSON Lines or
+Parquet records, go through :mod:`bigtrain.data.shards` instead (:mod:`bigtrain.data.load` decides).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".html")
+
+
+def cache_path(cache_dir: str = "") -> Path:
+    """The folder of cached corpora (``data.cache_dir``), not created."""
+    return Path(os.path.expanduser(cache_dir)) if cache_dir else Path.home() / ".cache" / "bigtrain"
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    root = cache_path(cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def text_files(source: Path) -> list[Path]:
+    if source.is_file():
+        return [source]
+    return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's own .py files (not site-packages), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+
+
+def _write_atomic(path: Path, data: np.ndarray) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    data.tofile(tmp)
+    os.replace(tmp, path)
+
+
+def _cache_name(key: str, max_bytes: int) -> str:
+    return f"bytes-{hashlib.sha1(f'{key}|{max_bytes}'.encode()).hexdigest()[:16]}.u8"
+
+
+def cached_corpus(key: str, cache_dir: str, max_bytes: int) -> Path:
+    """Where the byte corpus of ``key`` (:func:`files_key`, :func:`stdlib_key`) is cached."""
+    return cache_path(cache_dir) / _cache_name(key, max_bytes)
+
+
+def stdlib_key() -> str:
+    # The installed standard library does not change under a given interpreter: key the cache on
+    # it instead of stat-ing a thousand files at every start.
+    return f"stdlib:{sys.version}:{sysconfig.get_paths()['stdlib']}"
+
+
+def token_dtype_problem(dtype: np.dtype) -> str | None:
+    """Why an array of ``dtype`` cannot hold token ids (None when it can): ids are integers, and
+    casting floats, complex numbers or booleans to them would train on something else, silently."""
+    if dtype.kind in "ui" and dtype.fields is None:
+        return None
+    return (f"holds {dtype} values, not integer token ids; save the ids as integers "
+            f"(np.uint16 for vocabularies up to 65536, np.int32 above)")
+
+
+def files_key(files: list[Path]) -> str:
+    """Every file's path, size and modification time: an edit invalidates the cache."""
+    return ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
+def build_byte_corpus(files: list[Path], cache: Path, max_bytes: int, key: str | None = None) -> Path:
+    """Concatenate files as bytes into a cached uint8 token file; reuse it if present. The cache
+    is named by ``key`` when given, else by :func:`files_key`."""
+    if not files:
+        raise ValueError(f"data.source: no text files found (looked for {', '.join(TEXT_SUFFIXES)})")
+    path = cache / _cache_name(key if key is not None else files_key(files), max_bytes)
+    if path.exists():
+        return path
+    chunks, total = [], 0
+    for f in files:
+        data = f.read_bytes()
+        if max_bytes and total + len(data) > max_bytes:
+            data = data[: max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+        if max_bytes and total >= max_bytes:
+            break
+    _write_atomic(path, np.frombuffer(b"".join(chunks), dtype=np.uint8))
+    return path
+
+
+def load_token_file(source: str) -> np.ndarray:
+    """A pre-tokenized ``.npy`` / ``.bin`` file, memory-mapped as a 1-D array of ids."""
+    src = Path(os.path.expanduser(source))
+    if src.suffix == ".npy":
+        tokens = np.load(src, mmap_mode="r")
+        problem = token_dtype_problem(tokens.dtype)
+        if problem:
+            raise ValueError(f"data.source = '{source}' {problem}")
+        return tokens.reshape(-1)
+    return np.memmap(src, dtype=np.uint16, mode="r")
+
+
+def load_byte_corpus(source: str, cache_dir: str = "", max_bytes: int = 0) -> np.ndarray:
+    """The byte-level corpus of 'stdlib' or a text file / folder, cached and memory-mapped."""
+    if source == "stdlib":
+        key = stdlib_key()
+        path = cache_root(cache_dir) / _cache_name(key, max_bytes)
+        if not path.exists():
+            path = build_byte_corpus(stdlib_files(), cache_root(cache_dir), max_bytes, key)
+        return np.memmap(path, dtype=np.uint8, mode="r")
+    path = build_byte_corpus(text_files(Path(os.path.expanduser(source))), cache_root(cache_dir), max_bytes)
+    return np.memmap(path, dtype=np.uint8, mode="r")

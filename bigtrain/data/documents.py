@@ -1,0 +1,94 @@
+"""Documents of a text corpus, in a fixed order: what a tokenizer reads.
+
+``data.source`` names a text file (one document), a JSON Lines file (one document a line: the string
+in its ``data.text_field``), a Parquet file (one document a row of that column; needs ``pyarrow``),
+or a folder of such files (sorted by path, each read as its suffix says). ``data.max_bytes`` caps
+the UTF-8 bytes taken, in that order; the last document is cut at the cap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from bigtrain.data.corpus import TEXT_SUFFIXES
+
+RECORD_SUFFIXES = (".jsonl", ".parquet")  # a document per line / row, in data.text_field
+DOCUMENT_SUFFIXES = TEXT_SUFFIXES + RECORD_SUFFIXES
+
+
+class DocumentError(ValueError):
+    """A corpus file that cannot be read as documents; the message names the file, line and field."""
+
+
+def corpus_files(source: Path) -> list[Path]:
+    """The files a source holds, in the order they are read."""
+    if source.is_file():
+        return [source]
+    return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in DOCUMENT_SUFFIXES)
+
+
+def has_records(files: list[Path]) -> bool:
+    return any(f.suffix in RECORD_SUFFIXES for f in files)
+
+
+def parquet_missing() -> str | None:
+    return None if importlib.util.find_spec("pyarrow") else "pip install pyarrow"
+
+
+def _jsonl(path: Path, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise DocumentError(f"data.source: {path} line {number} is not JSON ({e})") from None
+            text = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                keys = ", ".join(repr(k) for k in list(record)[:8]) if isinstance(record, dict) else "none"
+                raise DocumentError(f"data.text_field = '{field}': {path} line {number} has no text under it "
+                                    f"(its keys: {keys}); set data.text_field to the key that holds the text")
+            yield text
+
+
+def _parquet(path: Path, field: str) -> Iterator[str]:
+    need = parquet_missing()
+    if need:
+        raise DocumentError(f"data.source: {path} is a Parquet file, which needs pyarrow: {need}")
+    import pyarrow.parquet as pq
+
+    handle = pq.ParquetFile(path)
+    if field not in handle.schema_arrow.names:
+        raise DocumentError(f"data.text_field = '{field}': {path} has no such column (its columns: "
+                            f"{', '.join(handle.schema_arrow.names[:8])}); set data.text_field to the text column")
+    for batch in handle.iter_batches(columns=[field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield str(text)
+
+
+def file_documents(path: Path, field: str) -> Iterator[str]:
+    if path.suffix == ".jsonl":
+        yield from _jsonl(path, field)
+    elif path.suffix == ".parquet":
+        yield from _parquet(path, field)
+    else:  # a whole text file; undecodable bytes become U+FFFD rather than stopping the run
+        yield path.read_bytes().decode("utf-8", errors="replace")
+
+
+def documents(files: list[Path], field: str, max_bytes: int = 0) -> Iterator[str]:
+    """Every document of ``files`` in order, at most ``max_bytes`` bytes of UTF-8 in all (0: no cap)."""
+    total = 0
+    for path in files:
+        for text in file_documents(path, field):
+            if max_bytes:
+                data = text.encode("utf-8")
+                if total + len(data) >= max_bytes:
+                    yield data[:max_bytes - total].decode("utf-8", errors="ignore")
+                    return
+                total += len(data)
+            yield text

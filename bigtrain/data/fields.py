@@ -1,0 +1,93 @@
+"""Checks of the ``[data]`` fields that name a tokenizer and records, each naming the field and the fix.
+
+:func:`data_field_problems` is one of :mod:`bigtrain.validation`'s rules (the config and which
+files and packages exist); :func:`tokenizer_problem` reads the tokenizer itself and compares its
+vocabulary with ``model.vocab_size`` (the pre-launch checks of :mod:`bigtrain.preflight`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bigtrain.config import Config
+from bigtrain.data.documents import corpus_files, has_records, parquet_missing
+from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, load_tokenizer, missing_package, tokenizer_file,
+                                     tokenizer_kind)
+
+
+def data_field_problems(cfg: Config) -> list[str]:
+    d = cfg.data
+    if cfg.model.name != "llama":
+        return []
+    problems = []
+    if not d.tokenizer.strip():
+        problems.append("data.tokenizer is empty; use 'bytes', a tokenizer.json (or a folder holding one) or a "
+                        ".tiktoken file")
+    elif d.tokenizer != BYTES:
+        try:
+            path = tokenizer_file(d.tokenizer)
+            where = None if path.is_file() else (f"{path} does not exist" if path.name == HF_FILE
+                                                 and path.parent.is_dir() else "no such file")
+        except (OSError, ValueError) as e:  # a name no file can have (too long)
+            where = f"cannot be read ({getattr(e, 'strerror', None) or e})"
+        if where:
+            problems.append(f"data.tokenizer = '{d.tokenizer}': {where}; give a local tokenizer.json, a folder "
+                            f"holding one, a .tiktoken file, or 'bytes' (nothing is downloaded)")
+        else:
+            kind = tokenizer_kind(d.tokenizer)
+            need = missing_package(kind)
+            if need:
+                problems.append(f"data.tokenizer = '{d.tokenizer}' is a {'tokenizer.json' if kind == 'hf' else 'tiktoken file'}"
+                                f", which needs a package that is not installed: {need} (or use 'bytes')")
+    if not d.text_field.strip():
+        problems.append("data.text_field is empty; give the key of each JSON Lines record (or Parquet column) that "
+                        "holds its text, e.g. 'text'")
+    source = Path(os.path.expanduser(d.source))
+    if d.source.endswith(".parquet") or _has_parquet(source):
+        need = parquet_missing()
+        if need:
+            problems.append(f"data.source = '{d.source}' holds Parquet files, which need pyarrow: {need} (or convert "
+                            f"them to JSON Lines: one {{\"{d.text_field or 'text'}\": ...}} record a line)")
+    return problems
+
+
+def _has_parquet(folder: Path) -> bool:
+    try:
+        return folder.is_dir() and any(p.suffix == ".parquet" for p in corpus_files(folder))
+    except (OSError, ValueError):  # unreadable, or a name no file can have: data.source's own check says so
+        return False
+
+
+def tokenizer_problem(cfg: Config) -> str | None:
+    """The tokenizer can be read, and every id it gives fits the model's vocabulary."""
+    d, m = cfg.data, cfg.model
+    try:
+        tokenizer = load_tokenizer(d.tokenizer)
+    except TokenizerError as e:
+        return str(e)
+    if tokenizer.vocab_size > m.vocab_size:
+        return (f"data.tokenizer = '{d.tokenizer}' has {tokenizer.vocab_size} ids, more than model.vocab_size = "
+                f"{m.vocab_size}: its ids would index past the embedding; set model.vocab_size = "
+                f"{tokenizer.vocab_size} (or a multiple of 64 above it, such as {-(-tokenizer.vocab_size // 64) * 64})"
+                + (" or use the tokenizer that model.init_from's weights were trained with" if m.init_from else ""))
+    return None
+
+
+def records_problem(cfg: Config) -> str | None:
+    """A folder source with nothing to read."""
+    d = cfg.data
+    if d.source == "stdlib":
+        return None
+    source = Path(os.path.expanduser(d.source))
+    try:
+        files = corpus_files(source)
+    except OSError as e:
+        return f"data.source = '{d.source}': the folder cannot be listed ({e.strerror})"
+    if not files:
+        return (f"data.source = '{d.source}': no text, .jsonl or .parquet files in this folder; give a folder with "
+                f"such files, a file, or a .bin / .npy token file")
+    return None
+
+
+__all__ = ["data_field_problems", "has_records", "records_problem", "tokenizer_problem"]

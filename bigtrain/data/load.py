@@ -1,0 +1,129 @@
+"""Which corpus a ``[data]`` section names, made ready and opened as token ids.
+
+- ``.bin`` / ``.npy``: pre-tokenized ids, memory-mapped as they are;
+- 'stdlib', a text file or a folder with ``data.tokenizer = "bytes"``: the byte-level corpus
+  (:mod:`bigtrain.data.corpus`);
+- anything else (a real tokenizer, or JSON Lines / Parquet records): tokenized once into shards
+  (:mod:`bigtrain.data.shards`) under ``data.cache_dir``.
+
+:func:`prepare_corpus` builds what needs building and checks it (``bigtrain train`` calls it before
+the ranks start); :func:`load_corpus` opens it on each rank (and builds it, under the lock, when no
+one prepared it: a Trainer made directly, as the tests do).
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+from bigtrain.config import DataConfig
+from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files
+from bigtrain.data.documents import corpus_files, has_records
+from bigtrain.data.shards import ShardedTokens, corpus_key, prepared
+from bigtrain.data.tokenizer import BYTES, file_digest, tokenizer_file
+
+TOKEN_FILE_SUFFIXES = (".bin", ".npy")
+
+
+def is_token_file(source: str) -> bool:
+    return source.endswith(TOKEN_FILE_SUFFIXES)
+
+
+def source_path(d: DataConfig) -> Path:
+    return Path(sysconfig.get_paths()["stdlib"]) if d.source == "stdlib" else Path(os.path.expanduser(d.source))
+
+
+def source_files(d: DataConfig) -> list[Path]:
+    return stdlib_files() if d.source == "stdlib" else corpus_files(source_path(d))
+
+
+def uses_shards(d: DataConfig) -> bool:
+    """Whether the corpus is tokenized into shards (a real tokenizer, or JSON Lines / Parquet)."""
+    if is_token_file(d.source):
+        return False
+    if d.tokenizer != BYTES:
+        return True
+    if d.source == "stdlib":
+        return False
+    try:
+        return has_records(corpus_files(source_path(d)))
+    except OSError:  # a folder that cannot be listed: the pre-launch checks say so
+        return False
+
+
+def shard_folder(d: DataConfig, files: list[Path] | None = None) -> Path:
+    """``data.cache_dir/tok-KEY``: where this corpus's shards are (or will be), by content."""
+    files = source_files(d) if files is None else files
+    digest = BYTES if d.tokenizer == BYTES else file_digest(tokenizer_file(d.tokenizer))
+    cache = cache_root(d.cache_dir)
+    return cache / f"tok-{corpus_key(source_path(d), files, digest, d.text_field, d.max_bytes, cache)}"
+
+
+def prepare_corpus(d: DataConfig, check: bool = True, log=None, **build_args) -> dict | None:
+    """Tokenize the corpus into shards if it needs them and they are not there yet (``check``:
+    verify an existing one's checksums); returns its manifest, None for the other corpora."""
+    if not uses_shards(d):
+        return None
+    files = source_files(d)
+    if not files:
+        raise ValueError(f"data.source = '{d.source}': no text, .jsonl or .parquet files in it")
+    return prepared(shard_folder(d, files), files, d.tokenizer, d.text_field, d.max_bytes, d.source,
+                    check=check, log=log, **build_args)
+
+
+def load_corpus(d: DataConfig):
+    """The corpus's token ids as a 1-D sequence (a memory-mapped array, or :class:`ShardedTokens`)."""
+    if is_token_file(d.source):
+        return load_token_file(d.source)
+    if not uses_shards(d):
+        return load_byte_corpus(d.source, d.cache_dir, d.max_bytes)
+    files = source_files(d)
+    folder = shard_folder(d, files)
+    manifest = prepared(folder, files, d.tokenizer, d.text_field, d.max_bytes, d.source)
+    return ShardedTokens.open(folder, manifest)
+
+
+def load_tokens(source: str, cache_dir: str = "", max_bytes: int = 0, tokenizer: str = BYTES,
+                text_field: str = "text"):
+    """:func:`load_corpus` from the fields themselves."""
+    return load_corpus(DataConfig(source=source, cache_dir=cache_dir, max_bytes=max_bytes, tokenizer=tokenizer,
+                                  text_field=text_field))
+
+
+RUN_TOKENIZER_NAMES = {"hf": "tokenizer.json", "tiktoken": "tokenizer.tiktoken"}
+
+
+def run_tokenizer(run_dir: Path) -> Path | None:
+    """The copy of its tokenizer a run keeps (what ``bigtrain export`` writes beside the weights)."""
+    for name in RUN_TOKENIZER_NAMES.values():
+        if (Path(run_dir) / name).is_file():
+            return Path(run_dir) / name
+    return None
+
+
+def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
+    """Before the ranks start: tokenize the corpus if it needs it (once; verified when it was there
+    already), refuse one too short for a window, and keep the tokenizer in the run directory (on the
+    main process), so the run's export finds it wherever the original file goes."""
+    import shutil
+
+    from bigtrain.config import ConfigError
+    from bigtrain.data.tokenizer import tokenizer_kind
+
+    d = cfg.data
+    try:
+        manifest = prepare_corpus(d, check=True, log=log if main else None)
+    except ValueError as e:  # a record without its field, a damaged cache: one line naming it
+        raise ConfigError(str(e)) from None
+    if manifest is not None:
+        train = manifest["tokens"] - int(manifest["tokens"] * d.val_fraction)
+        if train < d.seq_len + 2:
+            raise ConfigError(f"data.source = '{d.source}' tokenizes to {manifest['tokens']} tokens"
+                              + (f" ({train} before the held-out slice)" if d.val_fraction else "")
+                              + f", fewer than data.seq_len + 2 = {d.seq_len + 2}; lower data.seq_len or give a "
+                              f"longer corpus")
+    if main and d.tokenizer != BYTES:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tokenizer_file(d.tokenizer), run_dir / RUN_TOKENIZER_NAMES[tokenizer_kind(d.tokenizer)])

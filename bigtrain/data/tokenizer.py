@@ -1,0 +1,170 @@
+"""Tokenizers: ``data.tokenizer = "bytes" | PATH``.
+
+- ``"bytes"``: a token is a byte of the UTF-8 text (vocabulary 256); no package needed.
+- a Hugging Face ``tokenizer.json`` (or a folder holding one, such as a model folder), read with
+  the ``tokenizers`` package (``pip install tokenizers``). Each document is encoded as the file's
+  own post-processor frames it (Llama 3's adds ``<|begin_of_text|>``; GPT-2's adds nothing).
+- a tiktoken encoding file (``NAME.tiktoken``: one base64 token and its rank a line), read with the
+  ``tiktoken`` package; such a file carries no split pattern, so cl100k's (also Llama 3's) is used.
+
+Local files only: nothing is downloaded. A tokenizer is identified by the SHA-256 of its file, so a
+corpus tokenized with it is cached under that digest (:mod:`bigtrain.data.shards`), and
+:func:`write_for_transformers` puts it beside an exported model for ``AutoTokenizer``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+BYTES = "bytes"
+HF_FILE = "tokenizer.json"
+# tiktoken's cl100k_base split pattern (Llama 3 uses the same); a .tiktoken file does not carry one.
+CL100K_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be used; the message names data.tokenizer and the fix."""
+
+
+def tokenizer_file(spec: str) -> Path | None:
+    """The file ``data.tokenizer`` names (a folder's tokenizer.json); None for 'bytes'."""
+    if spec == BYTES:
+        return None
+    path = Path(os.path.expanduser(spec))
+    return path / HF_FILE if path.is_dir() else path
+
+
+def tokenizer_kind(spec: str) -> str:
+    """'bytes', 'hf' (a tokenizer.json) or 'tiktoken' (any other file), from the name alone."""
+    if spec == BYTES:
+        return BYTES
+    path = tokenizer_file(spec)
+    return "hf" if path.suffix == ".json" else "tiktoken"
+
+
+def missing_package(kind: str) -> str | None:
+    """The pip command a tokenizer of ``kind`` needs, when its package is not importable."""
+    import importlib.util
+
+    package = {"hf": "tokenizers", "tiktoken": "tiktoken"}.get(kind)
+    if package and importlib.util.find_spec(package) is None:
+        return f"pip install {package}"
+    return None
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class ByteTokenizer:
+    kind, vocab_size, digest = BYTES, 256, BYTES
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` file."""
+
+    kind = "hf"
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.path, self.digest = path, file_digest(path)
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the Rust library raises its own exception type
+            raise TokenizerError(f"data.tokenizer = '{path}' is not a tokenizers file ({e}); give a "
+                                 f"tokenizer.json saved by the tokenizers or transformers library") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts)]
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding file (mergeable ranks), split with cl100k's pattern."""
+
+    kind = "tiktoken"
+
+    def __init__(self, path: Path):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        self.path, self.digest = path, file_digest(path)
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except Exception as e:  # noqa: BLE001 - base64 / format errors of a file that is not one
+            raise TokenizerError(f"data.tokenizer = '{path}' is not a tiktoken encoding file ({e}); give a "
+                                 f"tokenizer.json, a .tiktoken file or 'bytes'") from None
+        self._enc = tiktoken.Encoding(path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
+        self.vocab_size = self._enc.n_vocab
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int64) for ids in self._enc.encode_ordinary_batch(texts, num_threads=1)]
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer ``data.tokenizer`` names; raises TokenizerError naming the field and the fix."""
+    kind = tokenizer_kind(spec)
+    if kind == BYTES:
+        return ByteTokenizer()
+    path = tokenizer_file(spec)
+    if not path.is_file():
+        raise TokenizerError(f"data.tokenizer = '{spec}': {path} does not exist; give a tokenizer.json, a folder "
+                             f"holding one, a .tiktoken file, or 'bytes'")
+    need = missing_package(kind)
+    if need:
+        what = "a Hugging Face tokenizer.json" if kind == "hf" else "a tiktoken encoding file"
+        raise TokenizerError(f"data.tokenizer = '{spec}' is {what}, which needs a package that is not installed: "
+                             f"{need}")
+    return HFTokenizer(path) if kind == "hf" else TiktokenTokenizer(path)
+
+
+def ids_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type that holds every id below ``vocab_size``."""
+    if vocab_size <= 1 << 8:
+        return np.dtype(np.uint8)
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+# -- beside an exported model --------------------------------------------------------------------
+def write_for_transformers(spec: str, out: Path, max_len: int) -> list[str]:
+    """Write ``spec``'s tokenizer into the model folder ``out`` so that transformers'
+    ``AutoTokenizer.from_pretrained(out)`` loads it (a ``tokenizer.json`` and a
+    ``tokenizer_config.json`` naming the plain fast tokenizer: a model-specific class would add
+    its own special tokens and encode otherwise than training did). Returns the files written."""
+    kind = tokenizer_kind(spec)
+    if kind == BYTES:
+        return []
+    source = tokenizer_file(spec)
+    if not source.is_file():
+        raise TokenizerError(f"the run's data.tokenizer = '{spec}' no longer exists; the weights are exported, "
+                             f"but without a tokenizer")
+    target = Path(out) / HF_FILE
+    if kind == "hf":
+        shutil.copyfile(source, target)
+    else:
+        try:
+            from transformers.convert_slow_tokenizer import TikTokenConverter
+        except ImportError:
+            raise TokenizerError("converting a tiktoken file to tokenizer.json needs transformers "
+                                 "(pip install transformers)") from None
+        TikTokenConverter(vocab_file=str(source), pattern=CL100K_PATTERN,
+                          additional_special_tokens=[]).converted().save(str(target))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False}
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return [HF_FILE, "tokenizer_config.json"]

@@ -1,0 +1,309 @@
+"""Text through a real tokenizer: a small byte-level BPE ``tokenizer.json`` that the tests train
+themselves with the ``tokenizers`` library (no download), corpora as text folders and JSON Lines
+records, tokenized once in parallel into sharded memory-mapped id files (resumable, checksummed,
+cached by content), sampled as any corpus is, and exported beside the weights so that transformers'
+AutoTokenizer and AutoModelForCausalLM load the folder and give bigtrain's logits."""
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bigtrain.check.reference import reference_losses
+from bigtrain.checkpoint.export import checkpoint_weights
+from bigtrain.cli import main
+from bigtrain.config import ConfigError, DataConfig
+from bigtrain.data import ShardedTokens, TokenSampler, load_corpus, prepare_corpus
+from bigtrain.data.load import shard_folder
+from bigtrain.data.shards import CorpusError, read_manifest
+from bigtrain.data.tokenizer import CL100K_PATTERN, write_for_transformers
+from bigtrain.models.llama import build_model
+from bigtrain.preflight import data_problems
+from bigtrain.testing import run_ranks
+from bigtrain.validation import validate
+from tests.helpers import run_steps, tiny_config, trainer_on_rank
+
+tokenizers = pytest.importorskip("tokenizers")
+
+VOCAB = 300  # the BPE's ids; the model's vocabulary is larger (padded), as real models' often are
+MODEL_VOCAB = 320
+
+
+def _texts() -> list[str]:
+    """Twenty standard-library modules: the same text on every run of this machine's Python."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]
+    return [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """(tokenizer.json path, the tokenizers object): a byte-level BPE of VOCAB ids trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.train_from_iterator(_texts(), trainer)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tok.save(str(path))
+    assert tok.get_vocab_size() == VOCAB
+    return path, tok
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text")
+    for i, text in enumerate(_texts()):
+        (folder / f"doc{i:02d}.txt").write_text(text)
+    return folder
+
+
+def _expected_ids(tok, texts) -> np.ndarray:
+    return np.concatenate([np.asarray(tok.encode(t).ids) for t in texts])
+
+
+def _data(source, tokenizer, cache, **kw) -> DataConfig:
+    return DataConfig(**{"source": str(source), "tokenizer": str(tokenizer), "cache_dir": str(cache), "max_bytes": 0,
+                         **kw})
+
+
+# -- the shards ---------------------------------------------------------------------------------
+def test_shards_hold_each_documents_ids_in_order_and_sample_as_one_array(bpe, text_folder, tmp_path):
+    path, tok = bpe
+    d = _data(text_folder, path, tmp_path)
+    manifest = prepare_corpus(d, shard_bytes=60_000, workers=2)
+    assert len(manifest["shards"]) >= 5 and manifest["documents"] == 20 and manifest["dtype"] == "uint16"
+    tokens = load_corpus(d)
+    expected = _expected_ids(tok, _texts())
+    assert isinstance(tokens, ShardedTokens) and len(tokens) == len(expected)
+    assert np.array_equal(np.asarray(tokens), expected)
+    # Slices that straddle shard boundaries, views of views, and the sampler's windows.
+    first_end = manifest["shards"][0]["tokens"]
+    for a, b in ((0, 5), (first_end - 3, first_end + 4), (100, len(expected) - 7)):
+        assert np.array_equal(np.asarray(tokens[a:b]), expected[a:b])
+    assert np.array_equal(np.asarray(tokens[10:][first_end - 20:first_end]), expected[first_end - 10:first_end + 10])
+    ours, plain = (TokenSampler(t, 32, 8, seed=3, val_fraction=0.05) for t in (tokens, expected))
+    for step in (0, 7):
+        for a, b in zip(ours.batch(step, 0, 8) + ours.eval_batch(1, 2, 0, 8),
+                        plain.batch(step, 0, 8) + plain.eval_batch(1, 2, 0, 8)):
+            assert torch.equal(a, b)
+
+
+def test_an_interrupted_build_resumes_and_a_damaged_shard_is_found(bpe, text_folder, tmp_path):
+    path, _ = bpe
+    d = _data(text_folder, path, tmp_path)
+    first = prepare_corpus(d, shard_bytes=60_000, workers=1)
+    folder = shard_folder(d)
+    # As if the build died: no manifest, the last shard never written, one shard's file torn.
+    (folder / "manifest.json").unlink()
+    last = first["shards"][-1]["file"]
+    (folder / last).unlink()
+    torn = folder / first["shards"][1]["file"]
+    torn.write_bytes(torn.read_bytes()[:-2])
+    again = prepare_corpus(d, shard_bytes=60_000, workers=1)
+    assert again["resumed_shards"] == len(first["shards"]) - 2  # all but the missing and the torn one
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in first["shards"]]
+
+    data = bytearray((folder / last).read_bytes())
+    data[10] ^= 1  # a flipped bit, same size: the sizes agree, the checksum does not
+    (folder / last).write_bytes(bytes(data))
+    with pytest.raises(CorpusError, match=rf"damaged \({last} does not match its checksum\); delete that folder"):
+        prepare_corpus(d, check=True)
+
+
+def test_the_cache_is_keyed_by_content(bpe, text_folder, tmp_path):
+    path, _ = bpe
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(text_folder, copy)
+    a, b = _data(text_folder, path, tmp_path / "cache"), _data(copy, path, tmp_path / "cache")
+    assert shard_folder(a) == shard_folder(b)  # the same text, wherever it lies
+    prepare_corpus(a)
+    assert read_manifest(shard_folder(b)) is not None  # found: not tokenized again
+    (copy / "doc03.txt").write_text("an edit")
+    assert shard_folder(b) != shard_folder(a)
+    assert shard_folder(_data(copy, path, tmp_path / "cache", max_bytes=1000)) != shard_folder(b)
+
+
+def test_jsonl_records_are_read_from_data_text_field(bpe, tmp_path):
+    path, tok = bpe
+    texts = ["first document\n", "zweites Dokument: äöü\n", "third"]
+    source = tmp_path / "records.jsonl"
+    source.write_text("\n".join(json.dumps({"id": i, "content": t}) for i, t in enumerate(texts)) + "\n\n")
+    d = _data(source, path, tmp_path, text_field="content")
+    assert np.array_equal(np.asarray(load_corpus(d)), _expected_ids(tok, texts))
+    with pytest.raises(ValueError, match=r"data.text_field = 'text': .*records.jsonl line 1 has no text under it "
+                                         r"\(its keys: 'id', 'content'\); set data.text_field"):
+        load_corpus(_data(source, path, tmp_path))
+
+
+def test_byte_level_jsonl_needs_no_tokenizer(tmp_path):
+    source = tmp_path / "r.jsonl"
+    source.write_text(json.dumps({"text": "héllo"}) + "\n" + json.dumps({"text": "!"}) + "\n")
+    d = _data(source, "bytes", tmp_path)
+    assert bytes(np.asarray(load_corpus(d))) == "héllo!".encode()
+
+
+# -- checks before launch -------------------------------------------------------------------------
+def test_the_vocabulary_is_checked_against_the_model_before_launch(bpe, text_folder, corpus_cache):
+    path, _ = bpe
+    cfg = tiny_config(corpus_cache, f"--data.source={text_folder}", f"--data.tokenizer={path}")
+    assert data_problems(cfg) == [
+        f"data.tokenizer = '{path}' has {VOCAB} ids, more than model.vocab_size = 256: its ids would index past the "
+        f"embedding; set model.vocab_size = {VOCAB} (or a multiple of 64 above it, such as 320)"]
+    fine = tiny_config(corpus_cache, f"--data.source={text_folder}", f"--data.tokenizer={path}",
+                       f"--model.vocab_size={MODEL_VOCAB}")
+    assert data_problems(fine) == []
+
+
+def test_tokenizer_problems_name_the_field_and_the_fix(bpe, corpus_cache, tmp_path, monkeypatch):
+    from bigtrain.data import tokenizer as tokenizer_module
+
+    with pytest.raises(ConfigError, match=r"data.tokenizer = '.*missing.json': no such file; give a local "
+                                          r"tokenizer.json"):
+        tiny_config(corpus_cache, f"--data.tokenizer={tmp_path / 'missing.json'}")
+    with pytest.raises(ConfigError, match=r"data.text_field is empty"):
+        tiny_config(corpus_cache, "--data.text_field=")
+    real = tokenizer_module.missing_package
+    monkeypatch.setattr(tokenizer_module, "missing_package",
+                        lambda kind: "pip install tokenizers" if kind == "hf" else real(kind))
+    monkeypatch.setattr("bigtrain.data.fields.missing_package", tokenizer_module.missing_package)
+    with pytest.raises(ConfigError, match=r"is a tokenizer.json, which needs a package that is not installed: "
+                                          r"pip install tokenizers"):
+        tiny_config(corpus_cache, f"--data.tokenizer={bpe[0]}", f"--model.vocab_size={MODEL_VOCAB}")
+    tiktoken_file = tmp_path / "enc.tiktoken"
+    tiktoken_file.write_text("")
+    if real("tiktoken"):
+        with pytest.raises(ConfigError, match=r"tiktoken file, which needs a package that is not installed: "
+                                              r"pip install tiktoken"):
+            tiny_config(corpus_cache, f"--data.tokenizer={tiktoken_file}")
+
+
+def test_parquet_is_read_when_pyarrow_is_there_and_refused_clearly_when_not(bpe, corpus_cache, tmp_path):
+    path, tok = bpe
+    source = tmp_path / "records.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        source.write_bytes(b"PAR1")
+        with pytest.raises(ConfigError, match=r"holds Parquet files, which need pyarrow: pip install pyarrow"):
+            tiny_config(corpus_cache, f"--data.source={source}")
+        return
+    texts = ["one row", "another row", "a third"]
+    pq.write_table(pa.table({"body": texts, "n": [1, 2, 3]}), source)
+    d = _data(source, path, tmp_path, text_field="body")
+    assert np.array_equal(np.asarray(load_corpus(d)), _expected_ids(tok, texts))
+
+
+# -- end to end: train at dp=2, export, load with transformers --------------------------------------
+def _export_and_compare(run_dir: Path, out: Path, cfg_model, tok) -> None:
+    """Export, load with AutoTokenizer + AutoModelForCausalLM, and compare ids and logits."""
+    transformers = pytest.importorskip("transformers")
+    assert main(["export", str(run_dir), str(out), "--format", "hf"]) == 0
+    text = "def main(argv):\n    return sorted(argv)  # ünïcode\n"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    ids = hf_tok(text)["input_ids"]
+    assert ids == tok.encode(text).ids and hf_tok.decode(ids) == text
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+    tokens = torch.tensor([ids])
+    model = build_model(cfg_model, device="cpu")
+    model.init_buffers()
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    model.load_state_dict(checkpoint_weights(newest), strict=False)
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-5
+
+
+def _train_and_save(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    losses = run_steps(trainer, 3)
+    trainer.save()
+    return losses
+
+
+def test_jsonl_dataset_trains_at_dp2_as_one_process_and_exports_for_transformers(bpe, tmp_path):
+    path, tok = bpe
+    source = tmp_path / "data.jsonl"
+    source.write_text("".join(json.dumps({"content": t}) + "\n" for t in _texts()))
+    cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={source}", f"--data.tokenizer={path}",
+                      "--data.text_field=content", "--data.max_bytes=0", f"--model.vocab_size={MODEL_VOCAB}",
+                      "--parallel.dp=2", "--train.micro_batch=4")
+    # Both ranks open the corpus at once: one tokenizes under the lock, the other waits and maps it.
+    results = run_ranks(_train_and_save, 2, cfg, str(tmp_path / "run"))
+    expected = reference_losses(cfg, 3)
+    for losses in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    _export_and_compare(tmp_path / "run", tmp_path / "hf", cfg.model, tok)
+
+
+@pytest.mark.slow
+def test_text_folder_trains_at_dp2_through_the_launcher_and_exports_for_transformers(bpe, text_folder, tmp_path):
+    path, tok = bpe
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--output-dir", str(run), "--logging.progress=false", "--train.steps=4",
+            f"--data.cache_dir={cache}", f"--data.source={text_folder}", f"--data.tokenizer={path}",
+            "--data.max_bytes=0", f"--model.vocab_size={MODEL_VOCAB}", "--parallel.dp=2"]
+    done = subprocess.run([sys.executable, "-m", "bigtrain", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("bigtrain: tokenizing") == 1  # by the launcher, before the ranks started
+    manifest = read_manifest(shard_folder(_data(text_folder, path, cache)))
+    assert manifest["tokens"] == len(_expected_ids(tok, _texts()))
+    assert (run / "tokenizer.json").read_bytes() == path.read_bytes()  # kept with the run for its export
+    cfg = tiny_config(str(cache), f"--model.vocab_size={MODEL_VOCAB}")
+    _export_and_compare(run, tmp_path / "hf", cfg.model, tok)
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "PreTrainedTokenizerFast"
+
+
+def test_a_corpus_shorter_than_a_window_is_refused_before_launch(bpe, tmp_path):
+    path, _ = bpe
+    source = tmp_path / "short.txt"
+    source.write_text("too short")
+    code = main(["train", "--preset", "tiny", "--output-dir", str(tmp_path / "run"), f"--data.source={source}",
+                 f"--data.tokenizer={path}", f"--data.cache_dir={tmp_path}", f"--model.vocab_size={MODEL_VOCAB}"])
+    assert code == 2
+    validate(tiny_config(str(tmp_path), f"--data.source={source}", f"--data.tokenizer={path}",
+                         f"--model.vocab_size={MODEL_VOCAB}"))  # the config alone is fine: the length is known later
+
+
+def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tmp_path):
+    """Skipped where tiktoken is not installed (it is optional; the venv has none)."""
+    import base64
+
+    tiktoken = pytest.importorskip("tiktoken")
+    transformers = pytest.importorskip("transformers")
+    merges = [b"de", b"def", b"  ", b"    ", b"in", b"re", b"ret", b"se", b"sel", b"self"]
+    ranks = {bytes([i]): i for i in range(256)}
+    for m in merges:
+        ranks.setdefault(m, len(ranks))
+    enc_file = tmp_path / "small.tiktoken"
+    enc_file.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    d = _data(text_folder, enc_file, tmp_path / "cache")
+    enc = tiktoken.Encoding("small", pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    expected = np.concatenate([np.asarray(enc.encode_ordinary(t)) for t in _texts()])
+    assert np.array_equal(np.asarray(load_corpus(d)), expected)
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_for_transformers(str(enc_file), out, 64)
+    text = "def f(self):\n    return self\n"
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == enc.encode_ordinary(text)
+
+
+def test_generate_refuses_a_model_trained_with_a_tokenizer_by_name():
+    from bigtrain.config import ModelConfig
+    from bigtrain.generate import GenerateError, check_byte_level
+
+    model = build_model(ModelConfig(), device="meta")
+    with pytest.raises(GenerateError, match=r"trained with data.tokenizer = 'tok.json': export it"):
+        check_byte_level(model, {"data": {"source": "corpus", "tokenizer": "tok.json"}})
+    check_byte_level(model, {"data": {"source": "corpus", "tokenizer": "bytes"}})
