@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from bigtrain.config import Config
-from bigtrain.data.documents import corpus_files, has_records, parquet_missing
+from bigtrain.data.documents import corpus_files, parquet_missing
 from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, load_tokenizer, missing_package, tokenizer_file,
                                      tokenizer_kind)
 
@@ -89,5 +89,3 @@ def records_problem(cfg: Config) -> str | None:
                 f"such files, a file, or a .bin / .npy token file")
     return None
 
-
-__all__ = ["data_field_problems", "has_records", "records_problem", "tokenizer_problem"]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bigtrain.data.documents import corpus_files, documents
+from bigtrain.data.documents import documents
 from bigtrain.data.tokenizer import ids_dtype, load_tokenizer
 
 FORMAT = 1
