@@ -64,3 +64,23 @@ def test_an_moe_block_counting_only_its_own_part_of_the_sequence_is_caught(broke
     monkeypatch.setattr(sequence_moe.SequenceParts, broken, unchanged)  # forked ranks inherit it
     report = _check(corpus_cache, tmp_path, LAYOUTS["moe-ulysses-sp2"], steps=3)
     assert not report.agree, report.text()
+
+
+def _moe_metrics(rank, world_size, cfg, run_dir):
+    from helpers import trainer_on_rank
+
+    return trainer_on_rank(rank, world_size, cfg, run_dir).train_step().moe
+
+
+@pytest.mark.parametrize("layout", ["moe-ulysses-sp2", "moe-tp2-sequence-parallel"])
+def test_moe_metrics_with_the_sequence_cut_equal_one_process(layout, corpus_cache, tmp_path):
+    """Loads and drops are counted once per routing, the balance loss once per sequence, whoever
+    holds which part of it (metrics.jsonl's ``moe``)."""
+    one = tiny_config(corpus_cache, *SMALL_BATCH, *MOE)
+    cut = tiny_config(corpus_cache, *SMALL_BATCH, *LAYOUTS[layout])
+    expected = run_ranks(_moe_metrics, 1, one, str(tmp_path / "one"))[0]
+    got = run_ranks(_moe_metrics, cut.parallel.world_size, cut, str(tmp_path / "cut"))[0]
+    assert expected and sum(block["dropped"] for block in expected.values()) > 0  # capacity bites
+    for name, block in expected.items():
+        assert got[name]["load"] == block["load"] and got[name]["dropped"] == block["dropped"], (got, expected)
+        assert got[name]["aux"] == pytest.approx(block["aux"], rel=1e-6)
