@@ -142,7 +142,7 @@ def _check_expert_parallel(cfg: Config) -> list[str]:
 
 def check_moe(cfg: Config) -> list[str]:
     """The mixture-of-experts keys (bigtrain/models/moe.py), when model.moe_experts > 0."""
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     # Checked for a dense model too: a value no MoE model could take is a mistake either way.
     problems = _non_negative(cfg, ["model.moe_experts", "model.moe_capacity_factor", "model.moe_aux_loss_coef",
                                    "model.moe_ffn_hidden"])
