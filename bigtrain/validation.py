@@ -149,7 +149,7 @@ def _check_expert_parallel(cfg: Config) -> list[str]:
 
 def check_moe(cfg: Config) -> list[str]:
     """The mixture-of-experts keys (bigtrain/models/moe.py), when model.moe_experts > 0."""
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     # Checked for a dense model too: a value no MoE model could take is a mistake either way.
     problems = _non_negative(cfg, ["model.moe_experts", "model.moe_capacity_factor", "model.moe_aux_loss_coef",
                                    "model.moe_ffn_hidden"])
@@ -164,13 +164,6 @@ def check_moe(cfg: Config) -> list[str]:
     if m.moe_every > m.n_layers:
         problems.append(f"model.moe_every = {m.moe_every} > model.n_layers = {m.n_layers}: no block would have "
                         f"experts; use model.moe_every <= {m.n_layers}")
-    if p.sp > 1:
-        problems.append(f"parallel.sp = {p.sp} with model.moe_experts > 0: capacity and the balance loss are "
-                        f"computed per whole sequence, which Ulysses splits; use parallel.sp = 1")
-    if p.tp > 1 and p.sequence_parallel:
-        problems.append("parallel.sequence_parallel with model.moe_experts > 0: MoE blocks keep their experts "
-                        "whole on every tp rank and need the whole sequence there; set "
-                        "parallel.sequence_parallel = false")
     if cfg.precision.mode == "fp16" and m.moe_aux_loss_coef > 0 and m.moe_router == "softmax":
         problems.append("precision.mode = 'fp16' with model.moe_aux_loss_coef > 0: the balance loss's gradient "
                         "joins outside the loss and would miss the loss scale; use bf16, fp32, "
@@ -269,13 +262,6 @@ def check_runtime(cfg: Config) -> list[str]:
     problems += _positive(cfg, ["memory.checkpoint_every", "logging.log_every", "checkpoint.keep",
                                 "model.fused_loss_chunk"])
     problems += _non_negative(cfg, ["memory.offload_min_bytes"])
-    if cfg.model.fused_loss and cfg.model.tie_embeddings and cfg.parallel.zero == 3:
-        # The fused head is a ZeRO-3 unit of its own; tied, its weight is the embedding's, which the
-        # root unit must hold gathered too: unit ownership of one parameter by two units is not built
-        # (found by the layout fuzzer, seed 20261124: the embedding ran on a released weight).
-        problems.append("model.fused_loss = true with model.tie_embeddings = true is not supported at "
-                        "parallel.zero = 3 yet; use parallel.zero <= 2, or model.tie_embeddings = false, or "
-                        "model.fused_loss = false")
     problems += _non_negative(cfg, ["checkpoint.every", "checkpoint.every_minutes"])
     if cfg.checkpoint.every_minutes > MINUTES_MAX:
         problems.append(f"checkpoint.every_minutes = {cfg.checkpoint.every_minutes:g}: at most {MINUTES_MAX:g} "
@@ -311,11 +297,17 @@ def check_model_split(cfg: Config) -> list[str]:
         problems.append(f"parallel.tp = {p.tp} does not divide the MLP size {m.ffn_dim} (model.ffn_hidden); "
                         f"use tp = {_divisor_near(m.ffn_dim, p.tp)}")
     if p.sp > 1:
-        local_kv = max(1, m.kv_heads // p.tp)
-        if (m.n_heads // max(1, p.tp)) % p.sp or local_kv % p.sp:
-            problems.append(f"parallel.sp = {p.sp}: Ulysses needs query and key/value heads per tp rank "
-                            f"({m.n_heads // max(1, p.tp)} and {local_kv}) to divide by sp; "
-                            f"use sp = {_divisor_near(local_kv, p.sp)}")
+        # Ulysses gives each sp rank whole query heads; key/value heads are split the same way, or,
+        # fewer than sp, replicated (each rank is sent the one its query heads attend to).
+        local_q, local_kv = m.n_heads // max(1, p.tp), max(1, m.kv_heads // max(1, p.tp))
+        if local_q % p.sp:
+            problems.append(f"parallel.sp = {p.sp}: Ulysses gives each sp rank whole attention heads, and there "
+                            f"are {local_q} query heads per tp rank (model.n_heads / parallel.tp); "
+                            f"use sp = {_divisor_near(local_q, p.sp)}")
+        elif local_kv % p.sp and p.sp % local_kv:
+            problems.append(f"parallel.sp = {p.sp}: the {local_kv} key/value heads per tp rank (model.n_kv_heads "
+                            f"/ parallel.tp) must divide by sp (split) or divide sp (replicated); use sp = "
+                            f"{_divisor_near(local_kv, p.sp)}")
         if seq % p.sp:
             problems.append(f"data.seq_len = {seq} does not divide by parallel.sp = {p.sp}")
     if p.sequence_parallel and p.tp > 1 and (seq // p.sp) % p.tp:
@@ -420,10 +412,6 @@ def check_offload(cfg: Config) -> list[str]:
     if o.params != "none" and p.zero != 3:
         problems.append(f"offload.params = '{o.params}' keeps ZeRO-3's parameter shards off the device, but "
                         f"parallel.zero = {p.zero}; set parallel.zero = 3")
-    if o.optimizer == "nvme" and p.zero >= 2 and p.pp > 1 and cfg.model.tie_embeddings:
-        problems.append("offload.optimizer = 'nvme' keeps gradient shards in files, but a weight tied across "
-                        "pipeline stages (model.tie_embeddings with parallel.pp > 1) sums its gradient in place; "
-                        "set model.tie_embeddings = false, parallel.pp = 1 or offload.optimizer = 'cpu'")
     if "nvme" in (o.optimizer, o.params) and o.nvme_dir:
         problems += _writable_dir("offload.nvme_dir", o.nvme_dir)
     return problems

@@ -8,6 +8,7 @@ the model class and the data sampler with the trainer, so a bug in the trainer a
 Tolerance: fp32, per-step loss and gradient norm within 1e-5 relative.
 """
 
+import contextlib
 import functools
 import shutil
 
@@ -105,6 +106,9 @@ class _Pieces:
 
     def grad_piece(self, name):
         return torch.zeros(4), self.start
+
+    def editable_grad_piece(self, name):
+        return contextlib.nullcontext(self.grad_piece(name))
 
 
 def _check_layout(rank, world_size, starts):

@@ -191,15 +191,15 @@ def _optimizer_choice(rng: random.Random) -> list[str]:
 def _with_experts(rng: random.Random, out: list[str], dp: int) -> list[str]:
     """A mixture-of-experts variant of sample ``out``: experts, top-k, MoE blocks, capacity, router,
     balance loss, shared expert, grouped GEMM, and an ep degree. Mostly a valid one: ep a divisor of
-    dp and of E, and, as MoE rejects Ulysses and Megatron sequence parallelism, usually without
-    them; the rest of the time whatever was drawn, which validation must reject by name."""
+    dp and of E; the rest of the time whatever was drawn, which validation must reject by name.
+    Ulysses and Megatron sequence parallelism, as ``out`` drew them (parallel/sequence_moe.py)."""
     experts = rng.choice([2, 4, 4, 8, 6])
     top_k = rng.choice([1, 2, 2, 3])
     valid_ep = [d for d in (1, 2, 4) if dp % d == 0 and experts % d == 0]
     ep = rng.choice(valid_ep[1:] or valid_ep) if rng.random() < 0.85 else rng.choice([2, 3, 4])
-    if rng.random() < 0.8:
-        out = [o for o in out if not o.startswith("--parallel.sequence_parallel=")]
-        out = ["--parallel.sp=1" if o.startswith("--parallel.sp=") else o for o in out]
+    # Drawn and unused: 80% of samples dropped sp and sequence parallelism here while MoE rejected
+    # them; the draw stays so that the rest of each seed's sample is drawn as before.
+    rng.random()
     return out + [f"--model.moe_experts={experts}", f"--model.moe_top_k={top_k}", f"--parallel.ep={ep}",
                   f"--model.moe_every={rng.choice([1, 1, 2])}",
                   f"--model.moe_capacity_factor={rng.choice([0.0, 0.0, 1.0, 1.25, 0.5])}",

@@ -73,6 +73,26 @@ class Experts(nn.Module):
         return torch._grouped_mm(h, w2, offs=offs)
 
 
+class WholeSequences:
+    """The model's own view of a block's tokens: whole sequences, which capacity and the balance
+    loss are defined over. Ulysses leaves a block one part of each sequence:
+    :mod:`bigtrain.parallel.sequence_moe` swaps in a view that adds the other parts' statistics,
+    so the block routes its own tokens and still keeps and balances as one process does."""
+
+    def length(self, local: int) -> int:
+        """The whole sequence's length, from this part's."""
+        return local
+
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (per sequence) summed over the sequence's parts; backward: each part its own share."""
+        return t
+
+    def queue_offsets(self, counts: torch.Tensor) -> torch.Tensor | None:
+        """``counts`` (batch, k, E): this part's routings per choice and expert -> the routings of
+        the other parts ahead of this part's in each (choice, expert) queue; None: there are none."""
+        return None
+
+
 class LocalExperts:
     """The model's own dispatcher: every expert is here; the rows go straight through them."""
 
@@ -129,6 +149,7 @@ class MoEFeedForward(nn.Module):
         self.experts = Experts(num_experts, dim, hidden)
         self.shared = FeedForward(dim, hidden) if shared_expert else None
         self.dispatcher = LocalExperts()
+        self.sequence = WholeSequences()  # what part of each sequence the block holds (Ulysses: one)
         self.aux_scale: float | None = None  # per sequence; None: 1 / the sequences of each forward
         # sigmoid-bias: model state outside the gradient (a persistent buffer: checkpointed by name,
         # whole on every rank that holds the block); fp32 zeros from init_router_biases.
@@ -187,19 +208,26 @@ class MoEFeedForward(nn.Module):
         """(batch, seq, k) -> bool (batch, seq, k): routings inside their expert's capacity in their
         sequence, first choices before second ones, then in token order."""
         b, s, k = chosen.shape
-        cap = self.capacity(s)
+        cap = self.capacity(self.sequence.length(s))
         if cap is None:
             return torch.ones_like(chosen, dtype=torch.bool)
         by_priority = chosen.transpose(1, 2).reshape(b, k * s)  # choice-major
         onehot = F.one_hot(by_priority, self.num_experts)
-        position = ((onehot.cumsum(1) - 1) * onehot).sum(-1)  # place in its expert's queue
+        position = ((onehot.cumsum(1) - 1) * onehot).sum(-1)  # place in its expert's queue (among this part's)
+        per_choice = onehot.view(b, k, s, self.num_experts)
+        ahead = self.sequence.queue_offsets(per_choice.sum(2))
+        if ahead is not None:  # the other parts' routings ahead in the same queue
+            position = position + (per_choice * ahead.unsqueeze(2)).sum(-1).view(b, k * s)
         return (position < cap).view(b, k, s).transpose(1, 2)
 
     def _balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Sum over sequences of E sum_e f_e P_e (scores: (b, s, E) probabilities, chosen (b, s, k))."""
         b, s, k = chosen.shape
-        fraction = F.one_hot(chosen, self.num_experts).sum((1, 2)).float() / (s * k)  # (b, E), no gradient
-        mean_prob = scores.mean(1)  # (b, E)
+        e, whole = self.num_experts, self.sequence.length(s)
+        # One sum over the sequence's parts for both: routings per expert and router probabilities.
+        summed = self.sequence.total(torch.cat([F.one_hot(chosen, e).sum((1, 2)).float(), scores.sum(1)], -1))
+        fraction = summed[:, :e] / (whole * k)  # (b, E), no gradient
+        mean_prob = summed[:, e:] / whole  # (b, E)
         return (fraction * mean_prob).sum() * self.num_experts
 
 

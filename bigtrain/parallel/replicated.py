@@ -4,6 +4,7 @@ elementwise). The trainer drives it exactly like a :class:`ZeroEngine`."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,6 +82,10 @@ class ReplicatedEngine:
         """The gradient of parameter ``name`` (all of it, reduced once gradients are synchronized) and
         the index of its first element in the parameter (0): as :meth:`ZeroEngine.grad_piece`."""
         return self._named[name].grad, 0
+
+    def editable_grad_piece(self, name: str) -> contextlib.AbstractContextManager[tuple[torch.Tensor, int]]:
+        """:meth:`grad_piece` to change in place (always in memory here): as :meth:`ZeroEngine.editable_grad_piece`."""
+        return contextlib.nullcontext(self.grad_piece(name))
 
     def step(self, lr: float, max_norm: float, skip: torch.Tensor | None = None) -> tuple[float, bool]:
         """Clip and update; returns (grad norm, skipped). A non-finite norm, or a non-zero ``skip``

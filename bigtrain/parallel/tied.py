@@ -18,6 +18,7 @@ and checkpoints write it once.
 from __future__ import annotations
 
 import zlib
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
@@ -61,6 +62,8 @@ def record_tied_copies(model: nn.Module, canonical: dict[str, str], placements: 
 class GradientEngine(Protocol):
     def grad_piece(self, name: str) -> tuple[torch.Tensor, int]: ...
 
+    def editable_grad_piece(self, name: str) -> AbstractContextManager[tuple[torch.Tensor, int]]: ...
+
 
 class TiedCopies:
     """This rank's copies of weights tied to a copy on the other end of the pipeline.
@@ -89,9 +92,12 @@ class TiedCopies:
         end names the part it holds). A collective over the two ends."""
         if self.comm.size == 1:
             return
-        pieces = [(self.canonical_name(n), engine.grad_piece(n)) for n in self.names]
-        described = ";".join(f"{c}:{start}+{piece.numel()}" for c, (piece, start) in pieces)
-        device = pieces[0][1][0].device if pieces else torch.device("cpu")  # the gradients' (NCCL: not the CPU)
+        pieces = []
+        for n in self.names:
+            with engine.editable_grad_piece(n) as (piece, start):  # in memory, if kept in a file
+                pieces.append((self.canonical_name(n), start, piece.numel(), piece.device))
+        described = ";".join(f"{c}:{start}+{numel}" for c, start, numel, _ in pieces)
+        device = pieces[0][3] if pieces else torch.device("cpu")  # the gradients' (NCCL: not the CPU)
         mine = torch.tensor([len(pieces), zlib.crc32(described.encode())], dtype=torch.int64, device=device)
         both = torch.empty(2 * self.comm.size, dtype=torch.int64, device=device)
         self.comm.all_gather(both, mine, tag="layout_check")
@@ -106,6 +112,6 @@ class TiedCopies:
         if self.comm.size == 1:
             return
         for name in self.names:
-            piece, _ = engine.grad_piece(name)
-            if piece.numel():  # the layout check made both ends agree on empty pieces
-                self.comm.all_reduce(piece, tag="tied_grads")
+            with engine.editable_grad_piece(name) as (piece, _):  # ZeRO-Infinity: read from its file
+                if piece.numel():  # the layout check made both ends agree on empty pieces
+                    self.comm.all_reduce(piece, tag="tied_grads")

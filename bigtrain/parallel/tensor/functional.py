@@ -77,11 +77,11 @@ def copy_to_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     return _Dual.apply(x, lambda t: t.view_as(t), lambda g: _all_reduce(g, comm, "tp"))
 
 
-def reduce_from_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+def reduce_from_group(x: torch.Tensor, comm: AxisComm, tag: str = "tp") -> torch.Tensor:
     """Leave a row-parallel region: all-reduce forward, identity backward."""
     if comm.size == 1:
         return x
-    return _Dual.apply(x, lambda t: _all_reduce(t, comm, "tp"), lambda g: g)
+    return _Dual.apply(x, lambda t: _all_reduce(t, comm, tag), lambda g: g)
 
 
 def gather_sequence(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
@@ -96,6 +96,23 @@ def scatter_sequence_sum(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch
     if comm.size == 1:
         return x
     return _Dual.apply(x, lambda t: _reduce_scatter(t, comm, dim, "sp"), lambda g: gather_along(g, comm, dim, "sp"))
+
+
+def gather_sequence_replicated(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
+    """Sequence shards -> the whole sequence, for a module every rank then runs alike on it (an
+    MoE block under sequence parallelism): its input gradient is the same on every rank, so
+    backward keeps this rank's shard of it instead of summing ranks' parts."""
+    if comm.size == 1:
+        return x
+    return _Dual.apply(x, lambda t: gather_along(t, comm, dim, "sp"), lambda g: local_chunk(g, comm, dim))
+
+
+def split_sequence(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
+    """The whole sequence, the same on every rank -> this rank's shard; the gradient is all-gathered,
+    so every rank goes on backward through the whole sequence alike (the dual of the above)."""
+    if comm.size == 1:
+        return x
+    return _Dual.apply(x, lambda t: local_chunk(t, comm, dim), lambda g: gather_along(g, comm, dim, "sp"))
 
 
 def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, cat_dim: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.parallel.placement import Placements, ShardSpec
+from bigtrain.parallel.sequence_moe import SequencePartsOverSP, WholeSequenceOverTP
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
 from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, ReplicatedKVHeads,
                                              RowParallel, Style, TPContext, UlyssesAttention,
@@ -69,6 +70,10 @@ def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool
             plan["*norm"] = PartialGradient()
     if ulysses:
         plan["layers.*.attention.core"] = UlyssesAttention()
+    # MoE blocks need whole sequences for capacity and the balance loss (parallel/sequence_moe.py).
+    moe = [i for i, block in enumerate(model.layers) if getattr(block.feed_forward, "is_moe", False)]
+    for i in moe if (tp > 1 and sequence_parallel) or ulysses else []:
+        plan[f"layers.{i}.feed_forward"] = [WholeSequenceOverTP(), SequencePartsOverSP()]
     return plan
 
 

@@ -176,13 +176,30 @@ class ReplicatedKVHeads(Style):
 
 class UlyssesAttention(Style):
     """Sequence-sharded q, k, v -> head-sharded over the whole sequence (all-to-all), attention,
-    and back. Heads (after tensor parallelism) must divide by sp."""
+    and back. Query heads (after tensor parallelism) must divide by sp; key/value heads either
+    divide by sp (split) or divide sp (replicated: as :class:`ReplicatedKVHeads` does over tp,
+    each sp rank is sent a copy of the one key/value head its query heads attend to)."""
 
     def apply(self, module: nn.Module, ctx: TPContext) -> None:
         sp = ctx.sp
 
         def before(m, args):
-            return tuple(all_to_all(t, sp, split_dim=2, cat_dim=1) for t in args)
+            q, *kv = args
+            return (all_to_all(q, sp, split_dim=2, cat_dim=1),
+                    *(all_to_all(replicate_kv_heads(t, sp.size), sp, split_dim=2, cat_dim=1) for t in kv))
 
         module.register_forward_pre_hook(before)
         module.register_forward_hook(lambda m, args, out: all_to_all(out, sp, split_dim=1, cat_dim=2))
+
+
+def replicate_kv_heads(t: torch.Tensor, parts: int) -> torch.Tensor:
+    """(batch, seq, kv heads, head dim) with fewer key/value heads than ``parts`` (a divisor of it)
+    -> ``parts`` heads, part j holding head j * kv / parts: the group of the query heads that part j
+    receives (their heads are a run of h / parts, inside one group of h / kv). Backward sums the
+    copies' gradients into their head."""
+    heads = t.shape[2]
+    if heads % parts == 0:
+        return t
+    if parts % heads:
+        raise ValueError(f"Ulysses: {heads} key/value heads neither divide by sp = {parts} nor divide it")
+    return t.repeat_interleave(parts // heads, dim=2)

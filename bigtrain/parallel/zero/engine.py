@@ -34,6 +34,7 @@ The loss must be normalized by the global token count: gradients are summed over
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import zlib
 from typing import TYPE_CHECKING, Callable
@@ -325,10 +326,29 @@ class ZeroEngine:
         """This rank's reduced gradient of parameter ``name`` after :meth:`finish_grad_sync` (a view
         the step reads: changing it changes the update), and the index in the parameter of its
         first element; empty where this rank's shard holds none of it."""
+        return self._unit_holding(name).slot_grad_piece(name)
+
+    def _unit_holding(self, name: str) -> FlatUnit:
         for unit in self.units:
             if any(slot.name == name for slot in unit.slots):
-                return unit.slot_grad_piece(name)
+                return unit
         raise KeyError(f"no parameter named {name!r} in this engine")
+
+    @contextlib.contextmanager
+    def editable_grad_piece(self, name: str):
+        """:meth:`grad_piece`, kept in memory while the caller changes it in place (the tied copies'
+        sum over the pipeline's ends): with ZeRO-Infinity's gradients in files (offload.optimizer =
+        'nvme' at stages 2-3) the unit's shard is read in first and written back after, so the
+        change reaches the step, which reads the shard from its file."""
+        unit = self._unit_holding(name)
+        in_files = self.offload is not None and self.offload.grads_in_files
+        if in_files:
+            self.offload.grad_in(unit)
+        try:
+            yield unit.slot_grad_piece(name)
+        finally:
+            if in_files:
+                self.offload.grad_out(unit)
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, lr: float, max_norm: float, skip: torch.Tensor | None = None) -> tuple[float, bool]:

@@ -68,12 +68,30 @@ class ParameterGatherer:
                 self.modules.append(module)
                 self.units.append([])
             self.units[next(i for i, m in enumerate(self.modules) if m is module)].append(unit)
+        self._add_borrowed_units(engine)
         forward, backward = call_orders(self.modules)
         self._next_forward, self._next_backward = _successors(forward), _successors(backward)
         self._work: dict[int, object] = {}
         for i, module in enumerate(self.modules):
             module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
             module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+
+    def _add_borrowed_units(self, engine) -> None:
+        """A module also gathers the units owning weights that its own part uses but another unit
+        holds: a weight registered in two modules (tied embeddings) belongs to one unit only, but
+        both modules read it. With the fused loss the head is a unit of its own that runs after
+        the model's forward, when the root unit (the embedding's) is released: tied, the head's
+        unit owns the shared weight and the root borrows it for the embedding's lookup."""
+        owner = {id(p): unit for unit in engine.units for p in unit.params}
+        for i, module in enumerate(self.modules):
+            inside = {id(m) for m in module.modules()}
+            nested = {id(m) for j, other in enumerate(self.modules) if j != i and id(other) in inside
+                      for m in other.modules()}
+            used = [p for m in module.modules() if id(m) not in nested for p in m._parameters.values() if p is not None]
+            for p in used:
+                unit = owner.get(id(p))
+                if unit is not None and not any(unit is u for u in self.units[i]):
+                    self.units[i].append(unit)
 
     def _start_gather(self, units: list[FlatUnit]) -> None:
         for unit in units:

@@ -1,0 +1,71 @@
+"""MoE blocks where the sequence is cut: Megatron sequence parallelism (over tp) and Ulysses (over sp).
+
+An MoE block's capacity and balance loss are defined per whole sequence (:mod:`bigtrain.models.moe`),
+so a block holding a part of each sequence must see the rest, in one of two ways:
+
+- Over tp (Megatron sequence parallelism), :class:`WholeSequenceOverTP`: the block's input is
+  all-gathered along the sequence and its output cut back to this rank's part. Without sequence
+  parallelism every tp rank already runs the block whole on the same tokens (its experts are not
+  split over tp); this keeps exactly that, so the weights stay replicated over tp with equal
+  gradients, and backward mirrors it (the output gradient all-gathered, the input gradient cut).
+  Cost: one all-gather of the block's input forward and one of its output gradient backward.
+- Over sp (Ulysses), :class:`SequencePartsOverSP`: each sp rank routes only its own tokens through
+  the experts (sp ranks are replicas of the dense weights whose gradients are summed, so nothing
+  may be computed twice) and the block's sequence view adds the other parts' statistics: one
+  all-gather of (batch, top_k, experts) counts places each routing in its expert's whole-sequence
+  queue (capacity), one all-reduce of (batch, 2 x experts) sums gives the balance loss's fractions
+  and mean probabilities. That all-reduce's backward is the identity: each rank's balance-loss
+  gradient reaches its own tokens' router scores, so the loss counts once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.tensor.functional import gather_sequence_replicated, reduce_from_group, split_sequence
+from bigtrain.parallel.tensor.styles import Style, TPContext
+
+
+class WholeSequenceOverTP(Style):
+    """An MoE block under Megatron sequence parallelism runs on the whole sequence on every tp rank."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        if not ctx.sequence_parallel:
+            return
+        tp = ctx.tp
+        module.register_forward_pre_hook(lambda m, args: (gather_sequence_replicated(args[0], tp), *args[1:]))
+        module.register_forward_hook(lambda m, args, out: split_sequence(out, tp))
+
+
+class SequenceParts:
+    """An MoE block's view when it holds part ``comm.rank`` of each sequence, the parts equal and in
+    the order of the ranks of ``comm`` (Ulysses' sp); see :class:`bigtrain.models.moe.WholeSequences`."""
+
+    def __init__(self, comm: AxisComm):
+        self.comm = comm
+
+    def length(self, local: int) -> int:
+        return local * self.comm.size
+
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        return reduce_from_group(t, self.comm, tag="moe_sequence")
+
+    def queue_offsets(self, counts: torch.Tensor) -> torch.Tensor:
+        n = self.comm.size
+        parts = torch.empty((n * counts.shape[0], *counts.shape[1:]), dtype=counts.dtype, device=counts.device)
+        self.comm.all_gather(parts, counts.contiguous(), tag="moe_sequence")
+        parts = parts.view(n, *counts.shape)
+        others = parts.sum(0) - counts  # (b, k, E): the other parts' routings of each choice
+        # Queues run choice-major, then token order: ahead of this part's choice-c routings are
+        # every part's routings of earlier choices, and the choice-c routings of earlier parts.
+        return others.cumsum(1) - others + parts[:self.comm.rank].sum(0)
+
+
+class SequencePartsOverSP(Style):
+    """Ulysses: an MoE block routes its part of each sequence, with whole-sequence statistics."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        if ctx.sp is not None and ctx.sp.size > 1:
+            module.sequence = SequenceParts(ctx.sp)
