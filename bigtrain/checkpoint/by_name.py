@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigtrain.optim import OptimizerSpec, load_state
+from bigtrain.optim import OptimizerSpec
+from bigtrain.optim.loading import load_state
 
 
 def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> dict[str, Any]:
@@ -30,4 +31,4 @@ def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimi
     # Another pipeline stage's weights are not this model's: skipped. Copies: no two parameters, nor the
     # caller's dict, may share a state tensor that the optimizer updates in place.
     load_state(optimizer, {params[name]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                           for name, s in entries.items() if name in params})
+                           for name, s in entries.items() if name in params}, spec)

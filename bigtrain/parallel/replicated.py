@@ -12,12 +12,12 @@ from torch import nn
 from bigtrain import checkpoint as ckpt
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import model_state_bytes
-from bigtrain.optim import build_optimizer, get_optimizer, load_state
+from bigtrain.optim import build_optimizer, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
+from bigtrain.optim.loading import declared_dtypes, load_state
 from bigtrain.parallel.data import DataParallel
 from bigtrain.parallel.local_sgd import ParameterAveraging
 from bigtrain.parallel.placement import NORM_AXIS, Placements
-from bigtrain.parallel.zero.state import STATE_DTYPES
 
 if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
     from bigtrain.config import OptimConfig
@@ -158,7 +158,7 @@ class ReplicatedEngine:
         from bigtrain.checkpoint.chunks import WEIGHT, Piece
 
         spec, states = self.optim_spec, {}
-        dtype = {s.name: STATE_DTYPES[s.dtype] for s in spec.state}
+        dtype = declared_dtypes(spec)
         if with_state:  # replaced below: do not hold the old and the loaded state at once
             self.optimizer.state.clear()
         for name, p in self.model.named_parameters():
@@ -174,4 +174,4 @@ class ReplicatedEngine:
             if with_state:
                 states[p] = {**{k: piece.scalars[k].clone() for k in spec.tensor_state}, **fresh}
         if states:
-            load_state(self.optimizer, states)
+            load_state(self.optimizer, states, spec)
