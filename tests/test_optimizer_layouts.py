@@ -240,6 +240,21 @@ def test_a_resume_that_loses_the_8bit_state_fails_the_tolerance(corpus_cache, tm
     assert max(abs(x - y) / y for x, y in zip(losses, expected)) > 1e-4
 
 
+def test_a_resume_in_other_blocks_is_refused_by_name():
+    """8-bit state saved in blocks of 32 read in blocks of 64 would load (each scale on the wrong
+    elements); the block size is compared like the model's shapes, before launch and at the load."""
+    from bigtrain.checkpoint.compat import compare_configs
+
+    saved = tiny_config("", "--optim.name=adamw8bit", "--optim.block_size=32").to_dict()
+    errors, _ = compare_configs(saved, tiny_config("", "--optim.name=adamw8bit", "--optim.block_size=64"), "step_3")
+    assert errors == ["optim.block_size = 64, but the checkpoint step_3 holds adamw8bit's state in blocks of 32 "
+                      "(one scale per block: read in other blocks, each would scale the wrong elements); "
+                      "resume with optim.block_size = 32"]
+    assert compare_configs(saved, tiny_config("", "--optim.name=adamw8bit", "--optim.block_size=32"), "s")[0] == []
+    adamw = tiny_config("", "--optim.block_size=32").to_dict()  # no block state: the block size means nothing
+    assert compare_configs(adamw, tiny_config("", "--optim.block_size=64"), "s")[0] == []
+
+
 # -- memory: measured from live storages, against the planner and the per-parameter figures ----------
 def _measured(rank, world_size, cfg, run_dir):
     from helpers import trainer_on_rank

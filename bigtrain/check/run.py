@@ -32,6 +32,7 @@ from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_modul
 from bigtrain.check.replay import replayed_step
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
+from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS
 from bigtrain.train import StepResult, Trainer
 
 
@@ -245,10 +246,16 @@ def replays_steps(cfg: Config, deferred: bool) -> bool:
             and cfg.parallel.dp_sync != "local-sgd")
 
 
+def schedule_is_asynchronous(cfg: Config) -> bool:
+    """A pipeline without flush (2BW, PipeDream): resumed, it starts empty (docs/async.md)."""
+    return cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ASYNC_KINDS
+
+
 def _resumed_as_saved(trainer: Trainer, reference, report: CheckReport | None, saved: tuple[dict, dict],
                       world) -> bool:
     """Resume ``trainer`` from its run's newest checkpoint and bring the reference to the same step
-    (on the first rank); whether every rank goes on: the loaded full state is the ``saved`` one."""
+    (on the first rank; the run that saved it delayed its gradients as this config says); whether
+    every rank goes on: the loaded full state is the ``saved`` one."""
     if not trainer.resume("auto"):
         raise RuntimeError(f"check: no checkpoint to resume from in {trainer.run_dir}")
     loaded = trainer.parallel.full_state()  # collective
@@ -257,6 +264,8 @@ def _resumed_as_saved(trainer: Trainer, reference, report: CheckReport | None, s
         report.start = trainer.step
         for _ in range(trainer.step):
             reference.train_step()
+        if schedule_is_asynchronous(trainer.cfg):
+            reference.restart_delays()
         findings = loaded_differences(loaded, saved)
         if findings:
             report.agree, report.first_step, report.findings = False, trainer.step, findings
