@@ -287,7 +287,8 @@ def loaded_differences(loaded: tuple[dict, dict], saved: tuple[dict, dict]) -> l
         elif got.dtype != want.dtype:
             out.append(Finding("resumed", what, float("inf"), detail=f"{got.dtype}, saved as {want.dtype}"))
         elif not torch.equal(got.reshape(-1), want.reshape(-1)):
-            out.append(Finding("resumed", what, relative_error(got.reshape(-1), want.reshape(-1)), detail="values differ"))
+            error = relative_error(got.reshape(-1), want.reshape(-1))
+            out.append(Finding("resumed", what, error, detail="values differ"))
     return out
 
 
