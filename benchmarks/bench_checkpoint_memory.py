@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from bigtrain import checkpoint as ckpt  # noqa: E402
+from bigtrain.checkpoint.sharded import ChunkReader  # noqa: E402
 from bigtrain.models.llama import count_parameters  # noqa: E402
 from bigtrain.testing import run_ranks  # noqa: E402
 from helpers import tiny_config, trainer_on_rank  # noqa: E402
@@ -69,7 +70,7 @@ def _measure(rank, world_size, cfg, run_dir):
     base_load = _rss()
     _reset_peak()
     start = time.perf_counter()
-    trainer.parallel.load_sharded(path)
+    trainer.parallel.load_sharded(ChunkReader(path))
     load_s = time.perf_counter() - start
     peak_load = _peak()
     state = sum(trainer.engine.state_bytes().values())

@@ -30,3 +30,31 @@ def test_the_sample_spans_the_composition_space():
                 "checkpointing", "ignore_target", "mode", "activation_offload", "fused_loss", "moe_experts", "ep",
                 "moe_capacity_factor", "offload.optimizer", "offload.params", "delayed_update"):
         assert any(k.endswith(key + "*") for k in seen), f"no sampled layout sets {key}"
+
+
+# -- resume then step ----------------------------------------------------------------------------
+def test_resume_draws_cover_every_optimizer_and_other_layouts():
+    from bigtrain.check.fuzz import OPTIMIZERS, draw_sample, split_resume
+
+    resumed = [split_resume(draw_sample(SEED, i, MAX_WORLD, dlrm_share=0.0, resume_share=1.0)) for i in range(40)]
+    assert all(after in (1, 2) for _, after, _ in resumed)
+    names = {next((o.split("=")[1] for o in first if o.startswith("--optim.name=")), "adamw") for first, _, _ in resumed}
+    assert names == set(OPTIMIZERS)
+    assert any(first != then for first, _, then in resumed) and any(first == then for first, _, then in resumed)
+    assert draw_sample(SEED, 3, MAX_WORLD, resume_share=0.0) == draw_sample(SEED, 3, MAX_WORLD, resume_share=0.0)
+
+
+@pytest.mark.parametrize("sample,verdict", [
+    (["--optim.name=adamw8bit", "--optim.block_size=32", "--parallel.dp=2", "--parallel.zero=3",
+      "--train.global_batch=4", "--train.micro_batch=1", "resume-after=2", "then:--parallel.dp=1",
+      "then:--parallel.tp=2", "then:--parallel.zero=1"], "agree"),
+    (["--optim.name=adamw8bit", "--parallel.dp=2", "--train.global_batch=4", "--train.micro_batch=1",
+      "resume-after=1", "then:--parallel.dp=1", "then:--parallel.tp=2"], "rejected"),  # block 256 > 64 / 2
+], ids=["8bit-zero3-to-tp2", "resumed-layout-rejected"])
+def test_a_resumed_sample_is_checked_after_its_checkpoint(sample, verdict, corpus_cache):
+    outcome = run_sample(sample, corpus_cache, steps=2)
+    assert outcome.verdict == verdict, outcome.detail
+    if verdict == "agree":
+        assert "step 2: loss" in outcome.detail and "replayed" in outcome.detail
+    else:
+        assert "optim.block_size" in outcome.detail

@@ -90,7 +90,7 @@ def test_sgd_momentum_checkpoint_resumes_under_another_stage(saved, resumed, cor
 
 def test_a_resume_that_drops_the_momentum_fails_the_tolerance(corpus_cache, tmp_path, monkeypatch):
     """The mutation the resume test must catch: the loaded momentum never reaches the optimizer."""
-    monkeypatch.setattr("bigtrain.parallel.zero.state.load_state", lambda optimizer, states: None)
+    monkeypatch.setattr("bigtrain.parallel.zero.state.load_state", lambda optimizer, states, spec: None)
     tail, cfg = _resumed_tail(corpus_cache, tmp_path, LAYOUTS["zero1-dp2"], LAYOUTS["zero3-dp2"])
     reference = reference_losses(cfg, 8)[4:]
     assert max(abs(a - b) / b for a, b in zip(tail, reference)) > 1e-3

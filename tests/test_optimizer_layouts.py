@@ -1,13 +1,15 @@
 """The memory-efficient optimizers under layouts, against the independent single-process reference
 (``bigtrain check``: torch.optim.Adafactor, the paper's Lion, a plain 8-bit AdamW), and 8-bit AdamW's
 quantized state bit for bit: ZeRO cuts fall on block boundaries, so with the same gradient a shard
-holds exactly the one-process state of its elements."""
+holds exactly the one-process state of its elements. Loaded state (a resume, at the same or another
+layout) keeps the dtypes the optimizer declares and the run steps on as the uninterrupted reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from bigtrain.check.reference import reference_losses
 from bigtrain.check.run import check_on_rank
 from bigtrain.config import ModelConfig, OptimConfig, PrecisionConfig
 from bigtrain.distributed.mesh import Mesh
@@ -44,6 +46,7 @@ def test_layout_matches_the_reference(name, corpus_cache, tmp_path):
 # -- 8-bit state, bit for bit ---------------------------------------------------------------------
 MODEL = ModelConfig(dim=40, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, vocab_size=72)
 BLOCK = 64  # no parameter of MODEL is a multiple of it: units are padded between parameters
+DTYPES = {"fp32": torch.float32, "int8": torch.int8, "uint8": torch.uint8}  # the spec's names
 
 
 def _exact_gradient_steps(rank, world_size, stage, steps):
@@ -95,7 +98,73 @@ def test_misaligned_cuts_would_change_the_state():
     assert not torch.equal(optimizers[0].state[full]["exp_avg"][32:], optimizers[1].state[part]["exp_avg"])
 
 
-# -- checkpoints: the state reshards to another layout unchanged ------------------------------------
+# -- loading state: the declared dtypes, then the same next step -----------------------------------
+def _engine(kind: str, optimizer: str):
+    """An engine over one rank: the replicated one, or ZeRO at stage ``kind[-1]``."""
+    from bigtrain.parallel.replicated import ReplicatedEngine
+
+    model = build_model(MODEL)
+    cfg = OptimConfig(name=optimizer, block_size=BLOCK, lr=1e-2, weight_decay=0.1)
+    comm = Mesh({"dp": 1}, 0).comm("dp")
+    if kind == "replicated":
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(init_value(n, tuple(p.shape), 0, MODEL))
+        model.init_buffers("cpu")
+        return ReplicatedEngine(model, comm, cfg, bucket_mb=1.0)
+    model.init_buffers("cpu")
+    return ZeroEngine(model, comm, int(kind[-1]), Precision.from_config(PrecisionConfig(mode="fp32")), cfg,
+                      init_fn=lambda n, s: init_value(n, s, 0, MODEL))
+
+
+def _one_step(engine, step: int) -> None:
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
+    engine.backward(engine.model(tokens).float().logsumexp(-1).mean())
+    engine.finish_grad_sync()
+    engine.step(1e-2, 1.0)
+    engine.zero_grad()
+
+
+@pytest.mark.parametrize("kind", ["replicated", "zero1", "zero3"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adafactor", "lion"])
+def test_loaded_state_keeps_its_declared_dtypes_and_steps_like_the_original(optimizer, kind):
+    """An engine given another's full state holds every state tensor in the dtype the optimizer
+    declares (torch's load_state_dict alone made 8-bit codes fp32), and its next step is the
+    original's, bit for bit."""
+    original = _engine(kind, optimizer)
+    for step in range(2):
+        _one_step(original, step)
+    weights, state = original.full_state()
+    resumed = _engine(kind, optimizer)
+    resumed.load_full_state(weights, state)
+    declared = {s.name: DTYPES[s.dtype] for s in get_optimizer(optimizer).state}
+    live = [s for s in resumed.optimizer.state.values() if s]
+    assert live and all({k: v.dtype for k, v in s.items()} == declared for s in live)
+    assert_same_state(resumed.full_state()[1]["state"], state["state"], optimizer)
+    for engine in (original, resumed):
+        _one_step(engine, 2)
+    after = resumed.full_state()
+    for name, w in original.full_state()[0].items():
+        assert torch.equal(after[0][name], w), name
+
+
+def test_state_given_in_another_dtype_than_declared_is_refused():
+    """fp32 values where int8 codes are declared (what the cast made) are not converted back silently."""
+    from bigtrain.optim.loading import load_state
+
+    p = torch.nn.Parameter(torch.zeros(64))
+    spec = get_optimizer("adamw8bit")
+    optimizer = spec.build([{"params": [p], "weight_decay": 0.0}], OptimConfig(name="adamw8bit", block_size=32))
+    state = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(64), "exp_avg_sq": torch.zeros(64, dtype=torch.uint8),
+             "exp_avg_scale": torch.zeros(2), "exp_avg_sq_scale": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"state 'exp_avg' .* is torch.float32 but the optimizer declares torch.int8"):
+        load_state(optimizer, {p: state}, spec)
+    load_state(optimizer, {p: {**state, "exp_avg": torch.zeros(64, dtype=torch.int8)}}, spec)
+    assert optimizer.state[p]["exp_avg"].dtype == torch.int8
+
+
+# -- checkpoints: the state reshards to another layout unchanged, and the run steps on from it ------
 def _save_state(rank, world_size, cfg, run_dir, steps):
     from helpers import trainer_on_rank
 
@@ -106,36 +175,84 @@ def _save_state(rank, world_size, cfg, run_dir, steps):
     return trainer.parallel.full_state()
 
 
-def _loaded_state(rank, world_size, cfg, run_dir):
+def _resumed_then_stepped(rank, world_size, cfg, run_dir):
+    """Resume from ``run_dir``'s checkpoint: (the loaded full state, the losses of the steps after it)."""
     from helpers import trainer_on_rank
 
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     assert trainer.resume("auto")
-    return trainer.parallel.full_state()
+    loaded = trainer.parallel.full_state()
+    return loaded, [trainer.train_step().loss for _ in range(trainer.step, cfg.train.steps)]
 
 
-@pytest.mark.parametrize("optimizer,saved,resumed", [
-    ("adamw8bit", ["--parallel.dp=2", "--parallel.zero=1"], ["--parallel.tp=2"]),
-    ("adamw8bit", ["--parallel.tp=2"], ["--parallel.dp=2", "--parallel.zero=3"]),
-    ("adafactor", ["--parallel.dp=2", "--parallel.zero=2"], ["--parallel.tp=2"]),
-    ("adafactor", ["--parallel.pp=2"], ["--parallel.dp=2", "--parallel.zero=3"]),
-], ids=["8bit-zero1-to-tp2", "8bit-tp2-to-zero3", "adafactor-zero2-to-tp2", "adafactor-pp2-to-zero3"])
-def test_optimizer_state_reshards_exactly(optimizer, saved, resumed, corpus_cache, tmp_path):
-    """Saved under one layout and loaded under another, every state tensor (8-bit codes, per-block
-    scales, factored statistics, step counts) is what was saved, bit for bit."""
-    common = [*COMMON, f"--optim.name={optimizer}", "--train.steps=8"]
-    a = tiny_config(corpus_cache, *common, *saved)
-    before = run_ranks(_save_state, a.parallel.world_size, a, str(tmp_path), 3, timeout=240)[0]
-    b = tiny_config(corpus_cache, *common, *resumed, "--checkpoint.resume=auto")
-    after = run_ranks(_loaded_state, b.parallel.world_size, b, str(tmp_path), timeout=240)[0]
-    assert before[1]["state"] and set(after[1]["state"]) == set(before[1]["state"])
-    for name, state in before[1]["state"].items():
-        assert set(state) == set(get_optimizer(optimizer).element_state + get_optimizer(optimizer).block_state
-                                 + get_optimizer(optimizer).tensor_state)
+def assert_same_state(after: dict, before: dict, optimizer: str) -> None:
+    """Every state tensor of ``before`` in ``after``, in the dtype the optimizer declares, bit for
+    bit (torch.equal alone holds for an fp32 copy of int8 codes: the dtype is compared first)."""
+    spec = get_optimizer(optimizer)
+    declared = {s.name: DTYPES[s.dtype] for s in spec.state}
+    assert before and set(after) == set(before)
+    for name, state in before.items():
+        assert set(state) == set(declared), name
         for key, value in state.items():
-            assert torch.equal(after[1]["state"][name][key].reshape(-1), value.reshape(-1)), (name, key)
+            loaded = after[name][key]
+            assert (value.dtype, loaded.dtype) == (declared[key], declared[key]), (name, key)
+            assert torch.equal(loaded.reshape(-1), value.reshape(-1)), (name, key)
+
+
+LAYOUT = {"one": [], "tp2": ["--parallel.tp=2"], "pp2": ["--parallel.pp=2"],
+          "zero1-dp2": ["--parallel.dp=2", "--parallel.zero=1"], "zero2-dp2": ["--parallel.dp=2", "--parallel.zero=2"],
+          "zero3-dp2": ["--parallel.dp=2", "--parallel.zero=3"]}
+RESUMES = [("adamw8bit", "one", "one"), ("adamw8bit", "tp2", "tp2"), ("adamw8bit", "zero1-dp2", "zero1-dp2"),
+           ("adamw8bit", "zero3-dp2", "zero3-dp2"), ("adamw8bit", "zero1-dp2", "tp2"),
+           ("adamw8bit", "tp2", "zero3-dp2"), ("adamw8bit", "zero3-dp2", "one"), ("adamw8bit", "one", "zero1-dp2"),
+           ("adafactor", "zero2-dp2", "tp2"), ("adafactor", "pp2", "zero3-dp2"), ("lion", "zero2-dp2", "one"),
+           ("adamw", "zero3-dp2", "tp2")]
+
+
+@pytest.mark.parametrize("optimizer,saved,resumed", RESUMES, ids=[f"{o}-{a}-to-{b}" for o, a, b in RESUMES])
+def test_optimizer_state_reshards_exactly_and_steps_on(optimizer, saved, resumed, corpus_cache, tmp_path):
+    """Saved at step 3 under one layout and loaded under another, every state tensor (8-bit codes,
+    per-block scales, factored statistics, step counts) is what was saved, dtype and bits; the
+    steps after the resume (3 to 5) equal the uninterrupted independent reference within fp32's 1e-5."""
+    common = [*COMMON, f"--optim.name={optimizer}", "--train.steps=6"]
+    a = tiny_config(corpus_cache, *common, *LAYOUT[saved])
+    before = run_ranks(_save_state, a.parallel.world_size, a, str(tmp_path), 3, timeout=240)[0]
+    b = tiny_config(corpus_cache, *common, *LAYOUT[resumed], "--checkpoint.resume=auto")
+    after, losses = run_ranks(_resumed_then_stepped, b.parallel.world_size, b, str(tmp_path), timeout=240)[0]
+    assert_same_state(after[1]["state"], before[1]["state"], optimizer)
     for name, w in before[0].items():
         assert torch.equal(after[0][name], w), name
+    expected = reference_losses(b, 6)[3:]
+    assert len(losses) == 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def test_a_resume_that_loses_the_8bit_state_fails_the_tolerance(corpus_cache, tmp_path, monkeypatch):
+    """The mutation the resume test must catch: the loaded moments never reach the optimizer (it
+    starts again from zero moments at step 3)."""
+    monkeypatch.setattr("bigtrain.parallel.zero.state.load_state", lambda optimizer, states, spec: None)
+    common = [*COMMON, "--optim.name=adamw8bit", "--train.steps=6", *LAYOUT["zero1-dp2"]]
+    a = tiny_config(corpus_cache, *common)
+    run_ranks(_save_state, 2, a, str(tmp_path), 3, timeout=240)
+    b = tiny_config(corpus_cache, *common, "--checkpoint.resume=auto")
+    _, losses = run_ranks(_resumed_then_stepped, 2, b, str(tmp_path), timeout=240)[0]
+    expected = reference_losses(b, 6)[3:]
+    assert max(abs(x - y) / y for x, y in zip(losses, expected)) > 1e-4
+
+
+def test_a_resume_in_other_blocks_is_refused_by_name():
+    """8-bit state saved in blocks of 32 read in blocks of 64 would load (each scale on the wrong
+    elements); the block size is compared like the model's shapes, before launch and at the load."""
+    from bigtrain.checkpoint.compat import compare_configs
+
+    saved = tiny_config("", "--optim.name=adamw8bit", "--optim.block_size=32").to_dict()
+    errors, _ = compare_configs(saved, tiny_config("", "--optim.name=adamw8bit", "--optim.block_size=64"), "step_3")
+    assert errors == ["optim.block_size = 64, but the checkpoint step_3 holds adamw8bit's state in blocks of 32 "
+                      "(one scale per block: read in other blocks, each would scale the wrong elements); "
+                      "resume with optim.block_size = 32"]
+    assert compare_configs(saved, tiny_config("", "--optim.name=adamw8bit", "--optim.block_size=32"), "s")[0] == []
+    adamw = tiny_config("", "--optim.block_size=32").to_dict()  # no block state: the block size means nothing
+    assert compare_configs(adamw, tiny_config("", "--optim.block_size=64"), "s")[0] == []
 
 
 # -- memory: measured from live storages, against the planner and the per-parameter figures ----------

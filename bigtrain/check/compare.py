@@ -37,9 +37,12 @@ class Tolerance:
     grad_norm: float
     tensor: float
     diagnostic: tuple[str, ...] = ()  # kinds reported beyond the bound but not deciding a divergence
+    # An optimizer step replayed by the reference from the layout's own fp32 masters, state and
+    # gradient (bigtrain/check/replay.py): fp32 arithmetic whatever the compute precision.
+    replayed: float = 1e-5
 
     def of(self, kind: str) -> float:
-        return {"loss": self.loss, "grad_norm": self.grad_norm}.get(kind, self.tensor)
+        return {"loss": self.loss, "grad_norm": self.grad_norm, "replayed": self.replayed}.get(kind, self.tensor)
 
     def decides(self, kind: str) -> bool:
         return kind not in self.diagnostic

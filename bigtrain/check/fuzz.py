@@ -15,9 +15,15 @@ starts, with every problem naming a field, or train like the independent referen
 (:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
 a bug.
 
-``python -m bigtrain.check.fuzz N SEED [--dlrm-share F]`` (``scripts/fuzz-layouts.sh``) runs N
-samples, a share F of them DLRMs (:func:`draw_sample`). New techniques add their keys to
-:func:`sample_layout` (or :func:`sample_dlrm_layout`) when they land.
+A share of the decoder samples resume then step (:func:`resume_choice`): the run stops at a
+checkpoint after 1 or 2 steps, resumes (at the same or another layout) with any of the four
+optimizers, must load exactly what it saved, and is compared with the reference over the steps
+after the resume.
+
+``python -m bigtrain.check.fuzz N SEED [--dlrm-share F] [--resume-share R]`` (``scripts/fuzz-layouts.sh``)
+runs N samples, a share F of them DLRMs, a share R of the others resumed (:func:`draw_sample`;
+``--resume-share 0`` draws the samples of the seeds recorded before resumes joined). New techniques
+add their keys to :func:`sample_layout` (or :func:`sample_dlrm_layout`) when they land.
 """
 
 from __future__ import annotations
@@ -38,16 +44,21 @@ BASE = ["--logging.progress=false", "--logging.report=false", "--checkpoint.save
 FIELD = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
 DLRM = "--model.name=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
 DLRM_SHARE = 0.2
+RESUME_SHARE = 0.25
 
 
-def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE) -> list[str]:
-    """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout.
-    The model is drawn from a generator of its own, so a decoder sample is the one
-    :func:`sample_layout` drew for (seed, index) before DLRMs joined, whatever the share."""
+def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE,
+                resume_share: float = RESUME_SHARE) -> list[str]:
+    """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
+    resumed then stepped with probability ``resume_share``. The model and the resume are drawn
+    from generators of their own, so a decoder sample that is not resumed is the one
+    :func:`sample_layout` drew for (seed, index) before DLRMs and resumes joined, whatever the shares."""
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
-    return sample_layout(rng, max_world)
+    out = sample_layout(rng, max_world)
+    resume = random.Random(f"{seed}:{index}:resume")
+    return resume_choice(resume, out, max_world) if resume.random() < resume_share else out
 
 
 def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
@@ -177,10 +188,11 @@ def _asynchronous_choice(rng: random.Random, out: list[str], dp: int, pp: int,
     return out, dp
 
 
-def _optimizer_choice(rng: random.Random) -> list[str]:
+def _optimizer_choice(rng: random.Random, names: tuple[str, ...] = ("adamw",) * 4 + ("adamw8bit", "adafactor", "lion")
+                      ) -> list[str]:
     """AdamW most often; otherwise a memory-efficient optimizer (8-bit AdamW with a block size that
     tp may have to reject, Adafactor, Lion at its own learning rate)."""
-    name = rng.choice(["adamw"] * 4 + ["adamw8bit", "adafactor", "lion"])
+    name = rng.choice(names)
     if name == "adamw8bit":
         return [f"--optim.name={name}", f"--optim.block_size={rng.choice([32, 64, 256])}"]
     if name == "lion":
@@ -208,6 +220,61 @@ def _with_experts(rng: random.Random, out: list[str], dp: int) -> list[str]:
                   f"--model.moe_ffn_hidden={rng.choice([0, 0, 48])}",
                   f"--model.moe_shared_expert={rng.random() < 0.25}",
                   f"--parallel.moe_grouped_mm={rng.random() < 0.3}"]
+
+
+# -- resume then step ----------------------------------------------------------------------------
+# A resumed sample is the saved run's overrides, then RESUME_AFTER<k> (steps before the checkpoint),
+# then THEN<override> for each field the resumed run changes (its layout): printable, and replayed
+# by run_sample as it is.
+RESUME_AFTER, THEN = "resume-after=", "then:"
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion")
+_OPTIMIZER_KEYS = ("--optim.name=", "--optim.block_size=", "--optim.lr=", "--optim.beta2=")
+_LAYOUT_KEYS = ("--parallel.dp=", "--parallel.tp=", "--parallel.pp=", "--parallel.sp=", "--parallel.zero=",
+                "--train.micro_batch=", "--parallel.sequence_parallel=")
+
+
+def resume_choice(rng: random.Random, out: list[str], max_world: int = 8, tries: int = 20) -> list[str]:
+    """Sample ``out`` with any of the four optimizers (each alike), stopped at a checkpoint after 1
+    or 2 steps and resumed: a third of the time at its own layout, else at another (dp, tp, pp, sp,
+    ZeRO stage and micro-batch drawn again for the same global batch) that validation accepts, drawn
+    up to ``tries`` times (most random layouts break a constraint of the rest of the sample: the
+    resume would hardly ever run); the sample's own layout when none is accepted or the sample
+    itself is not (it is rejected before anything resumes)."""
+    out = [o for o in out if not o.startswith(_OPTIMIZER_KEYS)] + _optimizer_choice(rng, OPTIMIZERS)
+    after = [f"{RESUME_AFTER}{rng.choice([1, 2])}"]
+    # An asynchronous pipeline resumes at its own layout: the reference replays the steps before
+    # the checkpoint with the resumed run's gradient delay.
+    schedule = [o.split("=", 1)[1] for o in out if o.startswith("--parallel.pp_schedule=")]
+    if rng.random() < 1 / 3 or not _valid(out) or schedule[-1:] in (["pipedream-2bw"], ["pipedream"]):
+        return out + after
+    batch = int(next(o for o in out if o.startswith("--train.global_batch=")).split("=")[1])
+    for _ in range(tries):
+        dp, tp, pp, sp = (rng.choice(c) for c in ([1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2]))
+        if dp * tp * pp * sp > max_world or batch % dp:
+            continue
+        then = [f"--parallel.dp={dp}", f"--parallel.tp={tp}", f"--parallel.pp={pp}", f"--parallel.sp={sp}",
+                f"--parallel.zero={rng.choice([0, 1, 2, 3])}",
+                f"--train.micro_batch={rng.choice([m for m in (1, 2, 4) if (batch // dp) % m == 0])}"]
+        if tp > 1:
+            then.append(f"--parallel.sequence_parallel={rng.random() < 0.5}")
+        if _valid(out + then):
+            return out + after + [THEN + o for o in then]
+    return out + after
+
+
+def _valid(overrides: list[str]) -> bool:
+    try:
+        _validate(_config(overrides, ""))
+    except ConfigError:
+        return False
+    return True
+
+
+def split_resume(sample: list[str]) -> tuple[list[str], int, list[str]]:
+    """(the saved run's overrides, steps before its checkpoint (0: not resumed), the resumed run's)."""
+    saved = [o for o in sample if not o.startswith((RESUME_AFTER, THEN))]
+    after = next((int(o[len(RESUME_AFTER):]) for o in sample if o.startswith(RESUME_AFTER)), 0)
+    return saved, after, saved + [o[len(THEN):] for o in sample if o.startswith(THEN)]
 
 
 @dataclass
@@ -240,21 +307,30 @@ def _validate(cfg: Config) -> None:
 
 
 def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: float = 240.0) -> Outcome:
-    """Validate one sample; if valid, check it on forked Gloo ranks against the reference."""
-    from bigtrain.check.run import check_on_rank
+    """Validate one sample; if valid, check it on forked Gloo ranks against the reference (a
+    resumed sample: run its first part and save, then check the resumed part)."""
+    from bigtrain.check.run import check_on_rank, save_on_rank
     from bigtrain.testing import RankFailure, run_ranks
 
     start = time.perf_counter()
-    cfg = _config(overrides, cache_dir)
+    first, resume_after, resumed = split_resume(overrides)
+    configs = [_config(first, cache_dir)] + ([_config(resumed, cache_dir)] if resume_after else [])
     try:
-        _validate(cfg)
+        for cfg in configs:
+            _validate(cfg)
     except ConfigError as e:
         unnamed = [p for p in e.problems if not FIELD.search(p)]
         verdict = "bad-rejection" if unnamed else "rejected"
         return Outcome(overrides, verdict, "; ".join(unnamed or e.problems), time.perf_counter() - start)
     with tempfile.TemporaryDirectory(prefix="bigtrain-fuzz-") as run_dir:
         try:
-            report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, run_dir, steps, timeout=timeout)[0]
+            saved = None
+            if resume_after:
+                a = configs[0]
+                saved = run_ranks(save_on_rank, a.parallel.world_size, a, run_dir, resume_after, timeout=timeout)[0]
+            cfg = configs[-1]
+            report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, run_dir, steps, saved,
+                               timeout=timeout)[0]
         except RankFailure as e:
             verdict = "hung" if "did not finish" in str(e) else "crashed"
             return Outcome(overrides, verdict, str(e)[-3000:], time.perf_counter() - start)
@@ -272,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dlrm-share", type=float, default=DLRM_SHARE,
                         help=f"share of the samples that are DLRMs, 0 to 1 (default {DLRM_SHARE}; 0: decoders only, "
                              f"as before DLRMs joined)")
+    parser.add_argument("--resume-share", type=float, default=RESUME_SHARE,
+                        help=f"share of the decoder samples resumed then stepped, 0 to 1 (default {RESUME_SHARE}; "
+                             f"0: the samples of seeds recorded before resumes joined)")
     args = parser.parse_args(argv)
     import torch
 
@@ -280,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     bad, outcomes = [], []
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
-        outcome = run_sample(draw_sample(args.seed, i, args.max_world, args.dlrm_share), args.cache_dir, args.steps)
+        sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share)
+        outcome = run_sample(sample, args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)
         print(f"[{i + 1}/{args.count}] {outcome.verdict:9s} {outcome.seconds:5.1f}s {' '.join(outcome.overrides)}",
@@ -291,10 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         elif outcome.verdict == "rejected":  # why, on one line: what validation named (its start)
             print("    " + " ".join(outcome.detail.split())[:300], flush=True)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-    dlrm = [o for o in outcomes if DLRM in o.overrides]
-    if dlrm:
-        by_verdict = {v: sum(o.verdict == v for o in dlrm) for v in sorted({o.verdict for o in dlrm})}
-        summary += f" (DLRM: {len(dlrm)}, " + ", ".join(f"{n} {v}" for v, n in by_verdict.items()) + ")"
+    for label, group in (("DLRM", [o for o in outcomes if DLRM in o.overrides]),
+                         ("resumed", [o for o in outcomes if split_resume(o.overrides)[1]])):
+        if group:
+            by_verdict = {v: sum(o.verdict == v for o in group) for v in sorted({o.verdict for o in group})}
+            summary += f" ({label}: {len(group)}, " + ", ".join(f"{n} {v}" for v, n in by_verdict.items()) + ")"
     print(f"fuzz-layouts: {args.count} layouts, seed {args.seed}: {summary}")
     return 1 if bad else 0
 

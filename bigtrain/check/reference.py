@@ -157,6 +157,13 @@ class ReferenceRun:
     def _weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.master.named_parameters()}
 
+    def restart_delays(self) -> None:
+        """From here on, as a run resumed now: its asynchronous pipeline starts empty (the stashed
+        versions are not saved, docs/async.md), so the next steps compute with the current weights
+        until ``delay`` updates have been made, as the first steps do."""
+        if self.stale is not None:
+            self.history = [self._weights()] * (self.step + 1)
+
     @torch.no_grad()
     def _delayed_model(self) -> torch.nn.Module:
         for name, p in self.stale.named_parameters():

@@ -29,15 +29,17 @@ from torch import nn
 
 from bigtrain.check.compare import Tolerance, assemble, relative_error, scalar_error, tolerance_for
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
+from bigtrain.check.replay import replayed_step
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
+from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS
 from bigtrain.train import StepResult, Trainer
 
 
 
 @dataclass
 class Finding:
-    kind: str  # loss | grad_norm | skipped | forward | gradient | weight | missing | extra
+    kind: str  # loss | grad_norm | skipped | forward | gradient | weight | missing | extra | replayed | resumed
     name: str  # the module or parameter ('' for loss, grad_norm, skipped)
     error: float  # relative difference (inf when not comparable)
     ranks: list[int] = field(default_factory=list)
@@ -48,7 +50,9 @@ class Finding:
         what = {"loss": "loss", "grad_norm": "gradient norm", "skipped": "skipped step",
                 "forward": f"module {self.name} output", "gradient": f"parameter {self.name} gradient",
                 "weight": f"parameter {self.name} updated value",
-                "missing": f"parameter {self.name}", "extra": f"parameter {self.name}"}[self.kind]
+                "missing": f"parameter {self.name}", "extra": f"parameter {self.name}",
+                "replayed": f"{self.name} after the reference's replay of the optimizer step",
+                "resumed": f"{self.name} as the resumed layout loaded it"}[self.kind]
         size = f": relative difference {self.error:.3e}" if self.error != float("inf") else ""
         return f"{what}{where}{size}" + (f" ({self.detail})" if self.detail else "")
 
@@ -62,12 +66,13 @@ class CheckReport:
     first_step: int | None = None
     findings: list[Finding] = field(default_factory=list)  # beyond bounds at first_step
     worst: dict[str, float] = field(default_factory=dict)  # largest difference of each kind, over all steps
+    start: int = 0  # the first step compared (a resumed run's step after its checkpoint)
 
     def first(self, kind: str) -> Finding | None:
         return next((f for f in self.findings if f.kind == kind), None)
 
     def text(self) -> str:
-        lines = [f"step {i}: loss {a:.6f} (reference {b:.6f})" for i, (a, b) in enumerate(self.losses)]
+        lines = [f"step {i}: loss {a:.6f} (reference {b:.6f})" for i, (a, b) in enumerate(self.losses, self.start)]
         worst = ", ".join(f"{kind} {err:.1e}" for kind, err in self.worst.items() if err != float("inf"))
         if self.agree:
             lines.append(f"agree: {self.steps} steps within {self.tolerance.text()} (largest: {worst})")
@@ -81,7 +86,8 @@ class CheckReport:
             lines.append(f"  {title}: " + (f"{found.line()}" + (f" [{count} in all]" if count > 1 else "")
                                             if found else "none"))
         for f in self.findings:
-            if f.kind in ("loss", "grad_norm", "skipped", "missing", "extra") or f.error == float("inf"):
+            if f.kind in ("loss", "grad_norm", "skipped", "missing", "extra", "replayed", "resumed") \
+                    or f.error == float("inf"):
                 lines.append(f"  {f.line()}")
         return "\n".join(lines)
 
@@ -171,9 +177,14 @@ def _layout_and_reference(cfg: Config, mesh: Mesh, run_dir: str | Path, device: 
 
 
 def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
-                 device: torch.device | str = "cpu") -> CheckReport | None:
+                 device: torch.device | str = "cpu", saved: tuple[dict, dict] | None = None) -> CheckReport | None:
     """Run ``steps`` steps of ``cfg`` on ``mesh`` (every rank calls this) and compare them with the
-    reference on the first rank; returns the report there, None elsewhere."""
+    reference on the first rank; returns the report there, None elsewhere.
+
+    ``saved``: the full (weights, optimizer state) a run saved in ``run_dir``'s newest checkpoint
+    (:func:`save_on_rank`'s, on the first rank; anything elsewhere). The layout resumes from it,
+    what it loaded must be what was saved (dtypes and bits), the reference replays the steps
+    before it uncompared, and the ``steps`` after it are compared."""
     trainer, reference_of, captured = _layout_and_reference(cfg, mesh, run_dir, device)
     world, is_first = mesh.comm("world"), mesh.rank == 0
     # The reference computes on this rank's device: the same kernels on both sides, so the
@@ -189,12 +200,17 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
             "modules": [n for n, _ in _modules(trainer)]}
     report = CheckReport(agree=True, steps=0, tolerance=tol, losses=[]) if is_first else None
+    if saved is not None and not _resumed_as_saved(trainer, reference, report, saved, world):
+        return report
     schedule = getattr(trainer.parallel, "schedule", None)  # a DLRM has no pipeline
     asynchronous = schedule is not None and schedule.asynchronous
     # 2BW runs with the deferred boundary wherever the layout allows it (fit starts it): check that.
     deferred = asynchronous and trainer.start_deferred_updates()
+    replaying = replays_steps(cfg, deferred)
+    state = trainer.parallel.full_state() if replaying else None  # before the first step
     for step, result, grads in _steps(trainer, steps, deferred):
         weights = trainer.parallel.full_weights()
+        before, state = state, trainer.parallel.full_state() if replaying else None
         outputs = probe.take()
         if asynchronous:  # a run also starts the next step's forwards: the loss, gradients and weights decide
             outputs = {}
@@ -203,8 +219,11 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
         if is_first:
             ref = reference.train_step(capture=True)
             report.losses.append((result.loss, ref.loss))
-            report.steps = step + 1
+            report.steps += 1
             measured = _step_measurements(result, ref, grads, weights, shared, mesh, aliases)
+            if replaying and not result.skipped:
+                measured += [Finding("replayed", what, error, detail=detail) for what, error, detail
+                             in replayed_step(before, grads, state, reference.learning_rate(step), cfg.optim)]
             for m in measured:
                 report.worst[m.kind] = max(report.worst.get(m.kind, 0.0), m.error)
             findings = [m for m in measured if not m.error <= tol.of(m.kind)]
@@ -217,6 +236,62 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     return report
 
 
+def replays_steps(cfg: Config, deferred: bool) -> bool:
+    """Whether each optimizer step is also replayed by the reference from the layout's own weights,
+    state and gradient (:mod:`bigtrain.check.replay`): 8-bit AdamW, whose state a free run cannot
+    hold to fp32's bound; not where the step's gradient is gone when its update lands (2BW's
+    deferred boundary) or the weights are averaged after it (local SGD). A DLRM's dense part is
+    compared in the free run only (its trainer gathers no full optimizer state)."""
+    return (cfg.optim.name == "adamw8bit" and cfg.model.name != "dlrm" and not deferred
+            and cfg.parallel.dp_sync != "local-sgd")
+
+
+def schedule_is_asynchronous(cfg: Config) -> bool:
+    """A pipeline without flush (2BW, PipeDream): resumed, it starts empty (docs/async.md)."""
+    return cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ASYNC_KINDS
+
+
+def _resumed_as_saved(trainer: Trainer, reference, report: CheckReport | None, saved: tuple[dict, dict],
+                      world) -> bool:
+    """Resume ``trainer`` from its run's newest checkpoint and bring the reference to the same step
+    (on the first rank; the run that saved it delayed its gradients as this config says); whether
+    every rank goes on: the loaded full state is the ``saved`` one."""
+    if not trainer.resume("auto"):
+        raise RuntimeError(f"check: no checkpoint to resume from in {trainer.run_dir}")
+    loaded = trainer.parallel.full_state()  # collective
+    verdict = torch.zeros(1, device=trainer.device)
+    if report is not None:
+        report.start = trainer.step
+        for _ in range(trainer.step):
+            reference.train_step()
+        if schedule_is_asynchronous(trainer.cfg):
+            reference.restart_delays()
+        findings = loaded_differences(loaded, saved)
+        if findings:
+            report.agree, report.first_step, report.findings = False, trainer.step, findings
+            verdict.fill_(1)
+    world.all_reduce(verdict, tag="check")
+    return not verdict.item()
+
+
+def loaded_differences(loaded: tuple[dict, dict], saved: tuple[dict, dict]) -> list[Finding]:
+    """A finding for each weight or optimizer state tensor whose loaded dtype or value is not the saved one's."""
+    pairs = [(name, loaded[0].get(name), w) for name, w in saved[0].items()]
+    held = loaded[1].get("state", {})
+    pairs += [(f"{name} {key}", held.get(name, {}).get(key), v)
+              for name, state in saved[1].get("state", {}).items() for key, v in state.items()]
+    out = []
+    for what, got, want in pairs:
+        if got is None:
+            out.append(Finding("resumed", what, float("inf"), detail="not loaded"))
+        elif got.dtype != want.dtype:
+            out.append(Finding("resumed", what, float("inf"), detail=f"{got.dtype}, saved as {want.dtype}"))
+        elif not torch.equal(got.reshape(-1), want.reshape(-1)):
+            error = relative_error(got.reshape(-1), want.reshape(-1))
+            out.append(Finding("resumed", what, error, detail="values differ"))
+    return out
+
+
 def _steps(trainer, steps: int, deferred: bool):
     """(step, its result, its full gradients) of ``steps`` steps, each once its update has landed.
 
@@ -225,8 +300,9 @@ def _steps(trainer, steps: int, deferred: bool):
     were moved to the update's buffer by then, so a deferred step compares loss, gradient norm and
     weights, not gradients."""
     if not deferred:
-        for step in range(steps):
+        for _ in range(steps):
             grads: dict[str, torch.Tensor] = {}
+            step = trainer.step
             yield step, trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads())), grads
         return
     for call in range(steps + 1):
@@ -252,7 +328,19 @@ def _step_measurements(result: StepResult, ref: ReferenceStep, grads: dict, weig
     return measured + _compare_tensors("gradient", list(reversed(order)), grads, ref.grads, owners, aliases)
 
 
-def check_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int) -> CheckReport | None:
+def check_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int,
+                  saved: tuple[dict, dict] | None = None) -> CheckReport | None:
     """:func:`check_layout` on the mesh ``cfg`` describes, for rank ``rank`` of ``world_size``: the
     shape ``bigtrain.testing.run_ranks`` calls (the fuzzer and the tests use it)."""
-    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps)
+    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps, saved=saved)
+
+
+def save_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int) -> tuple[dict, dict]:
+    """Train ``steps`` steps of ``cfg`` and save a checkpoint in ``run_dir``; the full (weights,
+    optimizer state) saved, complete on the first rank: what :func:`check_on_rank` resumes from."""
+    trainer = Trainer(cfg, Path(run_dir), Mesh.from_config(cfg.parallel, rank, world_size))
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.save()
+    trainer.wait_for_save()
+    return trainer.parallel.full_state()

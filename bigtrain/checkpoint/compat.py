@@ -18,6 +18,7 @@ from typing import Any
 
 from bigtrain.config import Config, ModelConfig
 from bigtrain.core.tables import parse_sizes
+from bigtrain.optim import get_optimizer  # plain data: imports no torch
 
 # The model's parameter shapes (compared on effective values: ffn_hidden 0 means a computed size).
 SHAPE_FIELDS = ("model.name", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
@@ -94,4 +95,17 @@ def compare_configs(saved: dict[str, dict[str, Any]], run: Config, where: str) -
         errors.append("a checkpoint of another model cannot serve this run: resume with the run's own model "
                       "settings (bigtrain train --output-dir RUN --resume reads RUN/config.toml), or start a "
                       "new run in another --output-dir")
-    return errors, changes
+    return errors + _block_errors(saved.get("optim", {}), run, where), changes
+
+
+def _block_errors(saved: dict[str, Any], run: Config, where: str) -> list[str]:
+    """An optimizer whose state is kept per block (8-bit AdamW's scales, one per optim.block_size
+    elements) cannot be read in other blocks: the checkpoint would load, each scale applied to the
+    wrong elements."""
+    name, block = run.optim.name, saved.get("block_size")
+    if saved.get("name") != name or block is None or block == run.optim.block_size \
+            or not get_optimizer(name).block_state:
+        return []
+    return [f"optim.block_size = {run.optim.block_size}, but the checkpoint {where} holds {name}'s state in blocks "
+            f"of {block} (one scale per block: read in other blocks, each would scale the wrong elements); "
+            f"resume with optim.block_size = {block}"]

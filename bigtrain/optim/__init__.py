@@ -1,6 +1,7 @@
 """Optimizers (the seam in :mod:`bigtrain.optim.spec`), learning-rate schedules and gradient clipping.
 
-Importing this package does not import torch (config validation lists the optimizers' names).
+Importing this package does not import torch (config validation lists the optimizers' names); giving
+an optimizer saved state is :func:`bigtrain.optim.loading.load_state`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from bigtrain.config import OptimConfig
 
 __all__ = ["OptimizerSpec", "StateTensor", "build_adamw", "build_optimizer", "decay_groups", "get_optimizer",
-           "load_state", "optimizer_names", "register_optimizer", "unregister_optimizer"]
+           "optimizer_names", "register_optimizer", "unregister_optimizer"]
 
 
 def decay_groups(decay: list, no_decay: list, cfg: "OptimConfig") -> list[dict]:
@@ -43,13 +44,3 @@ def build_adamw(model: "nn.Module", cfg: "OptimConfig", lr: float) -> "torch.opt
     for group in optimizer.param_groups:
         group["lr"] = lr
     return optimizer
-
-
-def load_state(optimizer: "torch.optim.Optimizer", states: dict) -> None:
-    """Give ``optimizer`` the per-parameter ``states`` ({param: {name: tensor}}) through its own
-    ``load_state_dict``, which places each tensor as that optimizer needs it (a fused kernel's step
-    count on the parameter's device, a state tensor in the parameter's dtype)."""
-    order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    packed = optimizer.state_dict()
-    packed["state"] = {order[id(p)]: s for p, s in states.items()}
-    optimizer.load_state_dict(packed)

@@ -12,13 +12,13 @@ from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import model_state_bytes
-from bigtrain.optim import build_optimizer, get_optimizer, load_state
+from bigtrain.optim import build_optimizer, get_optimizer
 from bigtrain.optim.by_name import load_optimizer_state_by_name, optimizer_state_by_name
 from bigtrain.optim.clip import clip_, global_norm, square_sums
+from bigtrain.optim.loading import declared_dtypes, load_state
 from bigtrain.parallel.data import DataParallel
 from bigtrain.parallel.local_sgd import ParameterAveraging
 from bigtrain.parallel.placement import NORM_AXIS, Placements
-from bigtrain.parallel.zero.state import STATE_DTYPES
 from bigtrain.parallel.chunks import WEIGHT, Piece
 
 if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
@@ -162,7 +162,7 @@ class ReplicatedEngine:
         """One batch per parameter: the parameter itself and fresh (zero) state tensors to fill."""
 
         spec, states = self.optim_spec, {}
-        dtype = {s.name: STATE_DTYPES[s.dtype] for s in spec.state}
+        dtype = declared_dtypes(spec)
         if with_state:  # replaced below: do not hold the old and the loaded state at once
             self.optimizer.state.clear()
         for name, p in self.model.named_parameters():
@@ -178,4 +178,4 @@ class ReplicatedEngine:
             if with_state:
                 states[p] = {**{k: piece.scalars[k].clone() for k in spec.tensor_state}, **fresh}
         if states:
-            load_state(self.optimizer, states)
+            load_state(self.optimizer, states, spec)

@@ -17,12 +17,9 @@ import contextlib
 
 import torch
 
-from bigtrain.optim import load_state
+from bigtrain.optim.loading import declared_dtypes, load_state
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.chunks import WEIGHT, WEIGHT_IN_USE, Piece
-
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8,
-           "uint8": torch.uint8}
 
 
 def _gather_flat(engine, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
@@ -172,7 +169,7 @@ def _load_full_state(engine, weights: dict[str, torch.Tensor], optim_state: dict
                               for k in spec.block_state})
             states[view] = state
     if states:
-        load_state(engine.optimizer, states)
+        load_state(engine.optimizer, states, engine.optim_spec)
     engine.refresh_compute_weights()
 
 
@@ -228,7 +225,7 @@ def checkpoint_load_batches(engine, with_state: bool):
 def _checkpoint_load_batches(engine, with_state: bool):
 
     spec, dev, states, in_use = engine.optim_spec, engine.host_device, {}, {}
-    declared = {s.name: STATE_DTYPES[s.dtype] for s in spec.state}
+    declared = declared_dtypes(spec)
     if with_state:  # replaced below: do not hold the old and the loaded state at once
         engine.optimizer.state.clear()
     for unit in engine.units:
@@ -267,7 +264,7 @@ def _checkpoint_load_batches(engine, with_state: bool):
                 source = carrier if _slot_of_piece(unit)[i] is None else per_piece[i]
                 states[view] = {**{k: source.scalars[k].clone() for k in spec.tensor_state}, **values}
     if states:
-        load_state(engine.optimizer, states)
+        load_state(engine.optimizer, states, engine.optim_spec)
     engine.refresh_compute_weights()
     if in_use:  # a delayed update's run: its next step computes with the saved weights in use
         for unit in engine.units:

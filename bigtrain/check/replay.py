@@ -1,0 +1,72 @@
+"""Each 8-bit optimizer step of a layout, replayed by the reference from the layout's own inputs.
+
+Run freely, a layout and the reference part ways in 8-bit state: a gradient a rounding error away
+from the reference's can put a moment on the other side of a code boundary, one code step (up to
+10% of that element) away, and from then on the two runs carry different states (measured: 2 to 30
+of 131,392 codes after 1 to 6 steps of the tiny model, at one process and at tp=2 alike). So the
+free run compares loss and gradient norm at fp32's 1e-5 but single tensors loosely, and this module
+gives the state its fp32 bound: at every step the reference's 8-bit AdamW
+(:func:`~bigtrain.check.reference_optim.replay_adamw8bit`) takes the step from the layout's full
+weights and state before it and the layout's reduced gradient, and what the layout holds after it
+must equal what the replay made, within 1e-5:
+
+- every weight (relative difference of the tensor): the update reads the fp32 moments, not the codes,
+  so the two differ by the rounding of a few fp32 operations;
+- the per-block scales (each block's largest fp32 moment), likewise;
+- every code: one the reference gives to a value within 1e-5 of the replay's fp32 moment, where
+  1e-5 is relative to the terms the moment was summed from (``b1 m + (1 - b1) g`` cancels: its
+  rounding is relative to the terms, not the sum). A code outside that band counts as the distance
+  of its value from the band's nearest code, relative to the tensor's moments: one code step on one
+  element of the tiny model is ~1e-3, a hundred times the bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bigtrain.check.compare import relative_error
+from bigtrain.check.reference_optim import code_values, codes_at, replay_adamw8bit
+
+BOUND = 1e-5  # relative, fp32: a few roundings of one step, far below one code step
+# bigtrain's state names -> (the replay's codes, scales, fp32 moment, its terms, signed)
+MOMENTS = {"exp_avg": ("m", "ms", "m32", "m_terms", True), "exp_avg_sq": ("v", "vs", "v32", "v_terms", False)}
+SCALES = {"exp_avg_scale": "ms", "exp_avg_sq_scale": "vs"}
+
+
+def code_error(codes: torch.Tensor, replay: dict, moment: str, block: int) -> tuple[float, int]:
+    """(relative distance of ``codes`` from the codes the replay allows, number of codes outside)."""
+    key, scale_key, value_key, terms_key, signed = MOMENTS[moment]
+    value, slack, scale = replay[value_key], BOUND * replay[terms_key], replay[scale_key]
+    low, high = codes_at(value - slack, scale, signed, block), codes_at(value + slack, scale, signed, block)
+    codes = codes.reshape(-1).float()
+    nearest = torch.minimum(torch.maximum(codes, low), high)
+    outside = int((nearest != codes).sum())
+    if not outside:
+        return 0.0, 0
+    distance = code_values(codes, scale, signed, block) - code_values(nearest, scale, signed, block)
+    return float(distance.double().norm() / value.double().norm().clamp_min(1e-30)), outside
+
+
+def replayed_step(before: tuple[dict, dict], grads: dict[str, torch.Tensor], after: tuple[dict, dict],
+                  lr: float, optim) -> list[tuple[str, float, str]]:
+    """(what, relative difference, detail) of every weight and state tensor the layout holds
+    ``after`` a step from ``before`` (its full weights and optimizer state, ``full_state()``'s)
+    with its reduced ``grads``, against the reference's replay of that step."""
+    max_norm = optim.grad_clip if optim.grad_clip > 0 else float("inf")
+    weights, state = replay_adamw8bit(before[0], before[1].get("state", {}), grads, lr, max_norm, optim)
+    held_weights, held_state = after[0], after[1].get("state", {})
+    out = []
+    for name, expected in weights.items():
+        if name not in held_weights or name not in held_state:
+            out.append((f"parameter {name}", float("inf"), "the layout holds no such weight or state"))
+            continue
+        out.append((f"parameter {name}", relative_error(held_weights[name].reshape(expected.shape), expected), ""))
+        held, replay = held_state[name], state[name]
+        t = float(held["step"])
+        out.append((f"{name} step", 0.0 if t == replay["t"] else float("inf"), f"layout {t:g}, replay {replay['t']}"))
+        for key, replay_key in SCALES.items():
+            out.append((f"{name} {key}", relative_error(held[key].reshape(-1).float(), replay[replay_key]), ""))
+        for key in MOMENTS:
+            error, outside = code_error(held[key], replay, key, optim.block_size)
+            out.append((f"{name} {key}", error, f"{outside} codes outside the rounding band" if outside else ""))
+    return out
