@@ -9,14 +9,16 @@ with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture
 degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
 update); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
-in backward, the dense part's optimizer, 1 to 4 ranks). int8 activation compression is not drawn:
-it changes the weight gradients on purpose (tests/test_activation_memory.py). Each sample must either be rejected by validation before any rank
+in backward, the dense part's optimizer, 1 to 4 ranks); and, on top of a decoder sample, int8
+activation compression (:func:`draw_sample`), against the reference that quantizes the same linear
+inputs by the same rule. Each sample must either be rejected by validation before any rank
 starts, with every problem naming a field, or train like the independent reference
 (:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
 a bug.
 
-``python -m bigtrain.check.fuzz N SEED [--dlrm-share F]`` (``scripts/fuzz-layouts.sh``) runs N
-samples, a share F of them DLRMs (:func:`draw_sample`). New techniques add their keys to
+``python -m bigtrain.check.fuzz N SEED [--dlrm-share F] [--int8-share G]`` (``scripts/fuzz-layouts.sh``)
+runs N samples, a share F of them DLRMs and a share G of the decoders with int8 compression
+(:func:`draw_sample`). New techniques add their keys to
 :func:`sample_layout` (or :func:`sample_dlrm_layout`) when they land.
 """
 
@@ -38,16 +40,23 @@ BASE = ["--logging.progress=false", "--logging.report=false", "--checkpoint.save
 FIELD = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
 DLRM = "--model.name=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
 DLRM_SHARE = 0.2
+INT8_SHARE = 0.2
+INT8 = "--memory.activation_compression=int8"
 
 
-def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE) -> list[str]:
-    """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout.
-    The model is drawn from a generator of its own, so a decoder sample is the one
-    :func:`sample_layout` drew for (seed, index) before DLRMs joined, whatever the share."""
+def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE,
+                int8_share: float = INT8_SHARE) -> list[str]:
+    """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
+    with int8 activation compression added with probability ``int8_share``. The model and int8 are
+    drawn from generators of their own, so a decoder sample is the one :func:`sample_layout` drew
+    for (seed, index) before DLRMs and int8 joined, whatever the shares."""
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
-    return sample_layout(rng, max_world)
+    sample = sample_layout(rng, max_world)
+    if random.Random(f"{seed}:{index}:int8").random() < int8_share:
+        sample.append(INT8)
+    return sample
 
 
 def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
@@ -272,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dlrm-share", type=float, default=DLRM_SHARE,
                         help=f"share of the samples that are DLRMs, 0 to 1 (default {DLRM_SHARE}; 0: decoders only, "
                              f"as before DLRMs joined)")
+    parser.add_argument("--int8-share", type=float, default=INT8_SHARE,
+                        help=f"share of the decoder samples with int8 activation compression, 0 to 1 (default "
+                             f"{INT8_SHARE}; 0: none, as before int8 joined)")
     args = parser.parse_args(argv)
     import torch
 
@@ -280,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     bad, outcomes = [], []
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
-        outcome = run_sample(draw_sample(args.seed, i, args.max_world, args.dlrm_share), args.cache_dir, args.steps)
+        outcome = run_sample(draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.int8_share),
+                             args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)
         print(f"[{i + 1}/{args.count}] {outcome.verdict:9s} {outcome.seconds:5.1f}s {' '.join(outcome.overrides)}",
@@ -293,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     if dlrm:
         by_verdict = {v: sum(o.verdict == v for o in dlrm) for v in sorted({o.verdict for o in dlrm})}
         summary += f" (DLRM: {len(dlrm)}, " + ", ".join(f"{n} {v}" for v, n in by_verdict.items()) + ")"
+    int8 = [o for o in outcomes if INT8 in o.overrides]
+    if int8:
+        by_verdict = {v: sum(o.verdict == v for o in int8) for v in sorted({o.verdict for o in int8})}
+        summary += f" (int8: {len(int8)}, " + ", ".join(f"{n} {v}" for v, n in by_verdict.items()) + ")"
     print(f"fuzz-layouts: {args.count} layouts, seed {args.seed}: {summary}")
     return 1 if bad else 0
 
