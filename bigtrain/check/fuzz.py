@@ -9,8 +9,9 @@ with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture
 degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
 update); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
-in backward, the dense part's optimizer, 1 to 4 ranks). int8 activation compression is not drawn:
-it changes the weight gradients on purpose (tests/test_activation_memory.py). Each sample must either be rejected by validation before any rank
+in backward, the dense part's optimizer, 1 to 4 ranks); and, on top of a decoder sample, int8
+activation compression (:func:`draw_sample`), against the reference that quantizes the same linear
+inputs by the same rule. Each sample must either be rejected by validation before any rank
 starts, with every problem naming a field, or train like the independent reference
 (:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
 a bug.
@@ -18,12 +19,14 @@ a bug.
 A share of the decoder samples resume then step (:func:`resume_choice`): the run stops at a
 checkpoint after 1 or 2 steps, resumes (at the same or another layout) with any of the four
 optimizers, must load exactly what it saved, and is compared with the reference over the steps
-after the resume.
+after the resume. A share of them compress saved activations to int8, compared with a reference
+that quantizes the same rows.
 
-``python -m bigtrain.check.fuzz N SEED [--dlrm-share F] [--resume-share R]`` (``scripts/fuzz-layouts.sh``)
-runs N samples, a share F of them DLRMs, a share R of the others resumed (:func:`draw_sample`;
-``--resume-share 0`` draws the samples of the seeds recorded before resumes joined). New techniques
-add their keys to :func:`sample_layout` (or :func:`sample_dlrm_layout`) when they land.
+``python -m bigtrain.check.fuzz N SEED [--dlrm-share F] [--resume-share R] [--int8-share G]``
+(``scripts/fuzz-layouts.sh``) runs N samples, a share F of them DLRMs, a share G of the others with
+int8 compression and a share R of them resumed (:func:`draw_sample`; a share of 0 draws the samples
+of the seeds recorded before that draw joined). New techniques add their keys to
+:func:`sample_layout` (or :func:`sample_dlrm_layout`) when they land.
 """
 
 from __future__ import annotations
@@ -45,18 +48,23 @@ FIELD = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
 DLRM = "--model.name=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
 DLRM_SHARE = 0.2
 RESUME_SHARE = 0.25
+INT8_SHARE = 0.2
+INT8 = "--memory.activation_compression=int8"
 
 
 def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE,
-                resume_share: float = RESUME_SHARE) -> list[str]:
+                resume_share: float = RESUME_SHARE, int8_share: float = INT8_SHARE) -> list[str]:
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
-    resumed then stepped with probability ``resume_share``. The model and the resume are drawn
-    from generators of their own, so a decoder sample that is not resumed is the one
-    :func:`sample_layout` drew for (seed, index) before DLRMs and resumes joined, whatever the shares."""
+    with int8 activation compression added with probability ``int8_share``, resumed then stepped
+    with probability ``resume_share``. The model, int8 and the resume are drawn from generators of
+    their own, so a decoder sample with neither is the one :func:`sample_layout` drew for
+    (seed, index) before DLRMs, int8 and resumes joined, whatever the shares."""
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
     out = sample_layout(rng, max_world)
+    if random.Random(f"{seed}:{index}:int8").random() < int8_share:
+        out.append(INT8)
     resume = random.Random(f"{seed}:{index}:resume")
     return resume_choice(resume, out, max_world) if resume.random() < resume_share else out
 
@@ -351,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume-share", type=float, default=RESUME_SHARE,
                         help=f"share of the decoder samples resumed then stepped, 0 to 1 (default {RESUME_SHARE}; "
                              f"0: the samples of seeds recorded before resumes joined)")
+    parser.add_argument("--int8-share", type=float, default=INT8_SHARE,
+                        help=f"share of the decoder samples with int8 activation compression, 0 to 1 (default "
+                             f"{INT8_SHARE}; 0: none, as before int8 joined)")
     args = parser.parse_args(argv)
     import torch
 
@@ -359,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     bad, outcomes = [], []
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
-        sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share)
+        sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share, args.int8_share)
         outcome = run_sample(sample, args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)
@@ -372,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             print("    " + " ".join(outcome.detail.split())[:300], flush=True)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
     for label, group in (("DLRM", [o for o in outcomes if DLRM in o.overrides]),
-                         ("resumed", [o for o in outcomes if split_resume(o.overrides)[1]])):
+                         ("resumed", [o for o in outcomes if split_resume(o.overrides)[1]]),
+                         ("int8", [o for o in outcomes if INT8 in o.overrides])):
         if group:
             by_verdict = {v: sum(o.verdict == v for o in group) for v in sorted({o.verdict for o in group})}
             summary += f" ({label}: {len(group)}, " + ", ".join(f"{n} {v}" for v, n in by_verdict.items()) + ")"

@@ -19,7 +19,12 @@ The recipe it states:
   ``bigtrain.optim.register_optimizer``): ``torch.optim.SGD`` with momentum ``optim.beta1``, no
   dampening, and its L2 weight decay (added to the gradient) on matrices only;
 - ``adafactor``, ``lion``, ``adamw8bit``: ``torch.optim.Adafactor``, and plain transcriptions of
-  Lion and 8-bit AdamW (:mod:`bigtrain.check.reference_optim`).
+  Lion and 8-bit AdamW (:mod:`bigtrain.check.reference_optim`);
+- ``memory.activation_compression = 'int8'``: each linear layer of the blocks (and the head, unless
+  ``model.fused_loss``) computes its output and input gradient from its exact input, and its weight
+  gradient from that input rounded to int8 with one scale per row (token) over all the row's
+  features, s = max|row| / 127 (:func:`int8_round_trip`). The rule is what the layout must apply
+  to the same tensors and rows whatever its cut, so a compressed layout is held to the fp32 bounds.
 
 It computes on ``device`` (the CPU by default; a GPU run is compared with the reference on the same
 GPU, in the same precision). The initial values are drawn on the CPU whatever the device, and what
@@ -95,6 +100,10 @@ class ReferenceRun:
         if delayed and self.mixed:
             raise ValueError("gradient_delay: the reference delays fp32 weights only; use precision.mode = 'fp32'")
         self.stale = copy.deepcopy(self.master) if delayed else None  # computes with the delayed weights
+        if cfg.memory.activation_compression == "int8":
+            for model in (self.compute, self.stale):
+                if model is not None:
+                    _int8_weight_gradients(model, head=not cfg.model.fused_loss)
         self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
         for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
             set_aux_loss_scale(model, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
@@ -217,6 +226,37 @@ class ReferenceRun:
                 for master, low in zip(self.master.parameters(), self.compute.parameters()):
                     low.copy_(master)
         return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
+
+
+# -- int8 activation compression, stated again ---------------------------------------------------------
+def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as int8 compression keeps it for a weight gradient: per row (the last dimension, whole),
+    s = max|row| / 127 in fp32 (never below the smallest normal), q = round(x / s) within +-127,
+    and back as q s in ``x``'s dtype."""
+    x32 = x.detach().float()
+    s = x32.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    return (torch.round(x32 / s).clamp(-127, 127) * s).to(x.dtype)
+
+
+def _weight_gradient_from_int8(module: torch.nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """A forward hook: the linear's output again, its value and input gradient from the exact input
+    (W detached), plus a zero whose only gradient is the weight's (and bias's) from the int8 copy."""
+    if not torch.is_grad_enabled() or not module.weight.requires_grad:
+        return None
+    x = args[0]
+    bias = module.bias
+    exact = F.linear(x, module.weight.detach(), bias.detach() if bias is not None else None)
+    from_int8 = F.linear(int8_round_trip(x), module.weight, bias)
+    return exact + (from_int8 - from_int8.detach())
+
+
+def _int8_weight_gradients(model: Llama, head: bool) -> None:
+    """Every linear module of the blocks, and the head if ``head``, takes its weight gradient from
+    an int8 copy of its input. (An MoE router, which the block applies as ``F.linear`` on its weight
+    and never calls, is exact, as in the trainer.)"""
+    linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    for linear in linears + ([model.output] if head else []):
+        linear.register_forward_hook(_weight_gradient_from_int8)
 
 
 def config_gradient_delay(cfg: Config) -> int:

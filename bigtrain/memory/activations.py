@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from bigtrain.core.blocks import default_unit_modules
+from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.checkpointing import apply_activation_checkpointing
 from bigtrain.memory.compression import compress_linear_inputs
 from bigtrain.memory.fused_loss import fuse_head_into_loss
@@ -22,6 +23,7 @@ from bigtrain.memory.selective import apply_selective_recomputation
 
 if TYPE_CHECKING:
     from bigtrain.parallel.parallel_plan import ActivationPlan
+    from bigtrain.parallel.tensor.plan import TensorLayout
 
 
 @dataclass
@@ -56,6 +58,22 @@ def offloaded_modules(model: nn.Module) -> list[nn.Module]:
     return [model.tok_embeddings, *model.layers, model.norm, model.output]
 
 
+def rows_split_over(model: nn.Module, layout: "TensorLayout | None") -> dict[nn.Module, AxisComm]:
+    """The linear layers whose weight tensor parallelism cut along the input features (row-parallel:
+    each rank sees a share of every input row), each with the tp group that holds the rest of the row."""
+    if layout is None or layout.tp.size == 1:
+        return {}
+    out = {}
+    for name, module in model.named_modules():
+        spec = layout.specs.get(f"{name}.weight") if isinstance(module, nn.Linear) else None
+        if spec is not None and spec.dim == 1 and spec.parts > 1:
+            if spec.axis != "tp":
+                raise ValueError(f"int8 compression: {name}'s input features are cut over {spec.axis}; it "
+                                 f"agrees row scales over tp only")
+            out[module] = layout.tp
+    return out
+
+
 def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=None) -> ActivationMemory:
     """Apply ``plan`` to ``model`` (after tensor parallelism: ``layout`` is its TensorLayout, or None)."""
     compressed = 0
@@ -63,7 +81,7 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
         linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
         if not plan.fused_loss:
             linears.append(model.output)
-        compressed = compress_linear_inputs(linears)
+        compressed = compress_linear_inputs(linears, rows_split_over(model, layout))
     if plan.policy == "selective":
         apply_selective_recomputation(model.layers, plan.selective_attention)
         checkpointed = []

@@ -10,6 +10,15 @@ nearest is the simple end of that trade.)
 
 Linears that read the same input (wq, wk, wv; w1, w3) share one compressed copy: it is made once
 per input tensor and version, so three linears do not keep three.
+
+Under tensor parallelism a row-parallel linear (wo, w2: weight cut along its input features) sees
+only its rank's share of each row, so a scale from the local features alone would differ from one
+process's. Such a linear all-reduces (MAX) its rows' absolute maxima over the ranks that share the
+row (one fp32 value a row, started before the matmul and waited for after it), so every rank
+quantizes with the scale of the whole row: the int8 codes, and so the weight gradients, are those
+of one process, whatever the layout (docs/activations.md says why not per-group scales). Inputs
+whole on every rank (column-parallel linears, the head) and rows split by token (dp, Megatron SP,
+Ulysses, micro-batches) need nothing: a row's scale is its own.
 """
 
 from __future__ import annotations
@@ -17,14 +26,25 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from bigtrain.distributed.comm import AxisComm
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, fp32 scale per row) of ``x`` (..., features)."""
+
+def row_absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over each row of ``x`` (..., features), fp32 (..., 1): exact in any dtype."""
+    return x.detach().float().abs().amax(dim=-1, keepdim=True)
+
+
+def quantize_rows(x: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, fp32 scale per row) of ``x`` (..., features). ``absmax``: each row's max |x|
+    when the row is wider than ``x`` (its other features on other ranks); default ``x``'s own."""
     x32 = x.detach().float()
-    scale = x32.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    if absmax is None:
+        absmax = x32.abs().amax(dim=-1, keepdim=True)
+    scale = absmax.clamp_min(torch.finfo(torch.float32).tiny) / 127.0
     return torch.round(x32 / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
@@ -75,16 +95,28 @@ class _SharedQuantization:
         return q, scale
 
 
-def compress_linear_inputs(modules: list[nn.Linear]) -> int:
-    """Make each linear of ``modules`` save its input in int8; returns how many."""
+def compress_linear_inputs(modules: list[nn.Linear], rows_split_over: dict[nn.Module, AxisComm] | None = None) -> int:
+    """Make each linear of ``modules`` save its input in int8; returns how many. ``rows_split_over``:
+    the linears whose input features are cut over a group of ranks (row-parallel), each with that
+    group, over which its rows' scales are agreed."""
     shared = _SharedQuantization()
+    split = rows_split_over or {}
     for linear in modules:
-        def forward(x: torch.Tensor, linear=linear) -> torch.Tensor:
+        def forward(x: torch.Tensor, linear=linear, comm=split.get(linear)) -> torch.Tensor:
             weight, bias = linear.weight, linear.bias
             if not torch.is_grad_enabled() or not weight.requires_grad:
                 return F.linear(x, weight, bias)
-            q, scale = shared.of(x)
+            pending = None
+            if comm is None:
+                q, scale = shared.of(x)
+            else:  # the whole row's max, on the wire while the matmul runs
+                absmax = row_absmax(x)
+                pending = comm.all_reduce(absmax, op=dist.ReduceOp.MAX, async_op=True, tag="int8_row_absmax")
             y = F.linear(x, weight.detach(), bias.detach() if bias is not None else None)
+            if comm is not None:
+                if pending is not None:
+                    pending.wait()
+                q, scale = quantize_rows(x, absmax)
             out = _Int8WeightGrad.apply(y, weight, bias, q, scale)
             # A view on top, as F.linear's own output is a view of its matmul: hooks put on the
             # module's output (ZeRO-3 gathers before backward with one) must not sit on the node
