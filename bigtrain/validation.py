@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from bigtrain.config import Config, ConfigError
+from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
@@ -430,7 +431,7 @@ def _writable_dir(field: str, path: str) -> list[str]:
     return []
 
 
-RULES += [check_seed, check_distributed, check_limits, check_moe, check_offload]
+RULES += [check_seed, check_distributed, check_limits, check_moe, check_offload, check_fp8]
 
 
 def check_evaluation(cfg: Config) -> list[str]:
@@ -508,8 +509,10 @@ def _check_dlrm_data(cfg: Config) -> list[str]:
 RULES += [check_embedding]
 
 
-def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None) -> None:
-    """Raise a ConfigError naming every problem; ``world_size`` is checked when launched externally."""
+def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None,
+             cuda_capability: tuple[int, int] | None = None) -> None:
+    """Raise a ConfigError naming every problem; ``world_size`` is checked when launched externally,
+    the device (``cuda_available``, and the GPU's ``cuda_capability``) when given."""
     problems: list[str] = []
     for rule in RULES:
         problems += rule(cfg)
@@ -521,6 +524,7 @@ def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | 
             f"set parallel.dp = {max(1, world_size // max(1, p.tp * p.pp * p.sp))} or launch {p.world_size} ranks")
     if cuda_available is False and cfg.train.device == "cuda":
         problems.append("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    problems += check_fp8_device(cfg, cuda_available, cuda_capability)
     if problems:
         raise ConfigError(problems)
 

@@ -19,7 +19,11 @@ The recipe it states:
   ``bigtrain.optim.register_optimizer``): ``torch.optim.SGD`` with momentum ``optim.beta1``, no
   dampening, and its L2 weight decay (added to the gradient) on matrices only;
 - ``adafactor``, ``lion``, ``adamw8bit``: ``torch.optim.Adafactor``, and plain transcriptions of
-  Lion and 8-bit AdamW (:mod:`bigtrain.check.reference_optim`).
+  Lion and 8-bit AdamW (:mod:`bigtrain.check.reference_optim`);
+- ``precision.fp8``: the blocks' linears are :class:`bigtrain.fp8.linear.Float8Linear` on the
+  emulated backend, whatever the device: float8 is part of the model under test here, as the
+  model class is (its numerics are proved on their own against torchao's float8 training and a
+  transcription of the recipe, tests/test_fp8.py), and the kernel a layout runs on is not.
 
 It computes on ``device`` (the CPU by default; a GPU run is compared with the reference on the same
 GPU, in the same precision). The initial values are drawn on the CPU whatever the device, and what
@@ -38,6 +42,8 @@ import torch.nn.functional as F
 
 from bigtrain.config import Config
 from bigtrain.data import TokenSampler, load_tokens
+from bigtrain.fp8.linear import convert_to_float8
+from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.llama import Llama
 from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 
@@ -96,6 +102,9 @@ class ReferenceRun:
             raise ValueError("gradient_delay: the reference delays fp32 weights only; use precision.mode = 'fp32'")
         self.stale = copy.deepcopy(self.master) if delayed else None  # computes with the delayed weights
         self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
+        if cfg.precision.fp8 != "none":
+            for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
+                convert_to_float8(model, Float8Recipe(cfg.precision.fp8), "emulated")
         for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
             set_aux_loss_scale(model, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
