@@ -64,7 +64,7 @@ def check_fp8_device(cfg: Config, cuda_available: bool | None, capability: tuple
     """fp8 without emulation on a device with no float8 matmuls. ``cuda_available`` None: unknown
     (nothing checked); ``capability``: the CUDA device's (major, minor), None if unknown."""
     pr = cfg.precision
-    if pr.fp8 in ("none",) or pr.fp8 not in FP8_RECIPES or pr.fp8_emulate or cuda_available is None:
+    if pr.fp8 == "none" or pr.fp8 not in FP8_RECIPES or pr.fp8_emulate or cuda_available is None:
         return []
     on_cpu = cfg.train.device == "cpu" or not cuda_available
     if on_cpu:

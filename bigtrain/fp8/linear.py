@@ -27,12 +27,16 @@ linears the swap names change class, and their parameters (names, objects) stay 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from bigtrain.fp8.gemm import BACKENDS, float8_matmul_nt
 from bigtrain.fp8.scaling import Float8Recipe
+
+if TYPE_CHECKING:  # a plan object, read here; the parallel plans are the caller's
+    from bigtrain.parallel.parallel_plan import Float8Plan
 
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
 
@@ -163,9 +167,9 @@ def float8_backend(device: torch.device | str, emulate: bool) -> str:
                      f"correct, not faster) or precision.fp8 = 'none'")
 
 
-def apply_float8(model: nn.Module, plan, device: torch.device | str) -> Float8Linears | None:
-    """``plan`` (a :class:`bigtrain.parallel.parallel_plan.Float8Plan`) on a plain model computing
-    on ``device``: the block linears swapped, or None when ``plan.scaling`` is 'none'. Raises
+def apply_float8(model: nn.Module, plan: "Float8Plan", device: torch.device | str) -> Float8Linears | None:
+    """``plan`` on a plain model computing on ``device``: the block linears swapped, or None when
+    ``plan.scaling`` is 'none'. Raises
     ValueError naming the fix when the device has no float8 matmuls and emulation was not asked for."""
     if plan.scaling == "none":
         return None
