@@ -176,7 +176,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = _infer_dp(args, overrides, cfg, args.world_size or env_world_size())
     validate(cfg, world_size=env_world_size() or (args.world_size if args.parallel != "auto" else None),
              world_size_from="from the launcher" if env_world_size() else "--world-size",
-             cuda_available=torch.cuda.is_available())
+             cuda_available=torch.cuda.is_available(),
+             cuda_capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     run_dir = _run_dir(args)
     if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
         if (stopped := recorded_exit_code(run_dir)) is not None:

@@ -189,6 +189,13 @@ class PrecisionConfig:
     loss_scale: float = doc("fp16: initial dynamic loss scale.", 65536.0)
     scale_growth_interval: int = doc("fp16: double the scale after this many steps without overflow.", 1000)
     scale_backoff: float = doc("fp16: multiply the scale by this after an overflow.", 0.5)
+    fp8: str = doc("Float8 linear layers in the transformer blocks (norms, embedding, head, MoE routers and "
+                   "master weights unchanged): 'none', 'tensorwise' or 'rowwise' (dynamic power-of-two scales, "
+                   "one per tensor or one per row along each GEMM's reduction dimension); e4m3 inputs and "
+                   "weights, e5m2 gradients. Needs CUDA capability >= 8.9 and precision.mode = 'bf16', "
+                   "unless fp8_emulate (docs/precision.md).", "none")
+    fp8_emulate: bool = doc("With fp8: quantize to float8 and back and multiply in the compute dtype instead of "
+                            "float8 kernels: the same rounding, no speed-up (CPUs, older GPUs, tests).", False)
 
 
 @dataclass

@@ -8,8 +8,8 @@ so the same steps run on a user's model without a Config.
 from __future__ import annotations
 
 from bigtrain.config import Config
-from bigtrain.parallel.parallel_plan import (ActivationPlan, EnginePlan, ExpertPlan, LossScaling, ParallelPlan,
-                                             PipelinePlan, TensorParallelPlan)
+from bigtrain.parallel.parallel_plan import (ActivationPlan, EnginePlan, ExpertPlan, Float8Plan, LossScaling,
+                                             ParallelPlan, PipelinePlan, TensorParallelPlan)
 from bigtrain.parallel.zero.offload import OffloadPlan
 from bigtrain.precision import Precision
 
@@ -39,5 +39,6 @@ def parallel_plan(cfg: Config, run_dir: str | None = None) -> ParallelPlan:
                           LossScaling(precision.loss_scale, precision.scale_growth_interval, precision.scale_backoff),
                           p.reshard_after_forward, p.prefetch, p.bucket_mb,
                           p.local_sgd_every if p.dp_sync == "local-sgd" else 1, offload_plan(cfg, run_dir)),
+        float8=Float8Plan(precision.fp8, precision.fp8_emulate),
         seed=cfg.train.seed,
     )

@@ -15,6 +15,7 @@ from typing import Callable
 from bigtrain.config import Config, ConfigError
 from bigtrain.core.tables import SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
 from bigtrain.data.fields import data_field_problems
+from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
 from bigtrain.model_fields import llama_field_problems
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
@@ -428,7 +429,7 @@ def _writable_dir(field: str, path: str) -> list[str]:
     return []
 
 
-RULES += [check_seed, check_distributed, check_limits, check_moe, check_offload]
+RULES += [check_seed, check_distributed, check_limits, check_moe, check_offload, check_fp8]
 
 
 def check_evaluation(cfg: Config) -> list[str]:
@@ -505,9 +506,10 @@ RULES += [check_embedding]
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None,
-             world_size_from: str = "from the launcher") -> None:
+             world_size_from: str = "from the launcher", cuda_capability: tuple[int, int] | None = None) -> None:
     """Raise a ConfigError naming every problem; ``world_size`` (``world_size_from`` says whose) is
-    checked against the layout."""
+    checked against the layout, the device (``cuda_available``, and the GPU's ``cuda_capability``)
+    when given."""
     problems: list[str] = []
     for rule in RULES:
         problems += rule(cfg)
@@ -520,6 +522,7 @@ def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | 
             f"rank{'s' if p.world_size > 1 else ''}")
     if cuda_available is False and cfg.train.device == "cuda":
         problems.append("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    problems += check_fp8_device(cfg, cuda_available, cuda_capability)
     if problems:
         raise ConfigError(problems)
 

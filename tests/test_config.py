@@ -214,7 +214,7 @@ def test_unknown_key_without_a_close_match_lists_the_valid_keys():
     with pytest.raises(ConfigError) as e:
         load_config(preset="tiny", overrides=["--precision.qqqqqq=1"])
     assert e.value.problems == ["command line: unknown key 'precision.qqqqqq'; valid: mode, reduce_dtype, loss_scale, "
-                                "scale_growth_interval, scale_backoff"]
+                                "scale_growth_interval, scale_backoff, fp8, fp8_emulate"]
 
 
 def test_unknown_names_in_a_file_name_the_file_and_all_problems(tmp_path):

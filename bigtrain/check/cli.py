@@ -52,7 +52,8 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.output_dir is not None and not args.output_dir.strip():
         raise ConfigError("--output-dir is empty; give a folder, or leave the flag out for a temporary one")
     cfg = check_config(args.preset, args.config, overrides)
-    validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available())
+    validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available(),
+             cuda_capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     if args.steps < 1:
         print("bigtrain check: --steps must be at least 1", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ tied embeddings, grouped and replicated key/value heads, a vocabulary that tp do
 masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding, the asynchronous pipelines 2BW and PipeDream
 with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture of experts with its ep
 degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
-update); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
+update, float8 linears emulated); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
 in backward, the dense part's optimizer, 1 to 4 ranks); and, on top of a decoder sample, int8
 activation compression (:func:`draw_sample`), against the reference that quantizes the same linear
@@ -153,6 +153,10 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
         out = _with_experts(rng, out, dp)
     if rng.random() < 0.2:  # after the experts, for the same reason
         out += _offload_choice(rng, "--precision.mode=fp32" in out)
+    # Float8 linears, emulated (compared at the bf16 bounds: check/compare.py); drawn last, and not
+    # with fp16, which validation refuses with them (the fp16 samples keep training).
+    if "--precision.mode=fp16" not in out and rng.random() < 0.2:
+        out += [f"--precision.fp8={rng.choice(['tensorwise', 'rowwise'])}", "--precision.fp8_emulate=true"]
     return out
 
 

@@ -25,6 +25,10 @@ The recipe it states:
   gradient from that input rounded to int8 with one scale per row (token) over all the row's
   features, s = max|row| / 127 (:func:`int8_round_trip`). The rule is what the layout must apply
   to the same tensors and rows whatever its cut, so a compressed layout is held to the fp32 bounds.
+- ``precision.fp8``: the blocks' linears are :class:`bigtrain.fp8.linear.Float8Linear` on the
+  emulated backend, whatever the device: float8 is part of the model under test here, as the
+  model class is (its numerics are proved on their own against torchao's float8 training and a
+  transcription of the recipe, tests/test_fp8.py), and the kernel a layout runs on is not.
 
 It computes on ``device`` (the CPU by default; a GPU run is compared with the reference on the same
 GPU, in the same precision). The initial values are drawn on the CPU whatever the device, and what
@@ -43,6 +47,8 @@ import torch.nn.functional as F
 
 from bigtrain.config import Config
 from bigtrain.data import TokenSampler, load_corpus
+from bigtrain.fp8.linear import convert_to_float8
+from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.llama import Llama
 from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 
@@ -105,6 +111,9 @@ class ReferenceRun:
                 if model is not None:
                     _int8_weight_gradients(model, head=not cfg.model.fused_loss)
         self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
+        if cfg.precision.fp8 != "none":
+            for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
+                convert_to_float8(model, Float8Recipe(cfg.precision.fp8), "emulated")
         for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
             set_aux_loss_scale(model, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
         params = list(self.master.parameters())  # de-duplicated: a tied weight once

@@ -195,7 +195,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     copies = world.gather_objects(trainer.parallel.placements.copies())
     aliases = {n: c for held in copies or [] for n, c in held.items()}
     probe = OutputProbe(_modules(trainer), captured)
-    tol = tolerance_for(cfg.precision.mode, cfg.optim.name, cfg.memory.activation_compression)
+    tol = tolerance_for(cfg.precision.mode, cfg.optim.name, cfg.memory.activation_compression, cfg.precision.fp8)
     coords = {axis: mesh.coord(axis) for axis in AXES}
     mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
             "modules": [n for n, _ in _modules(trainer)]}

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from bigtrain.distributed.mesh import Mesh
+from bigtrain.fp8.linear import apply_float8
 from bigtrain.memory.activations import apply_activation_memory
 from bigtrain.parallel.experts import apply_expert_parallel
 from bigtrain.parallel.parallel_model import ParallelModel, token_loss_sum
@@ -45,6 +46,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     ``initial_value(name, shape, plan.seed)``, as the reference Llama has)."""
     device = torch.device(device)
     init_fn = init_fn or (lambda name, shape: model.initial_value(name, shape, plan.seed))
+    float8 = apply_float8(model, plan.float8, device)  # first: the plans below cut and hook the float8 linears
     placements = Placements.of_model(model, mesh.comm)  # every weight dense; each step records its change
     layout = apply_tensor_parallel(model, mesh, plan.tensor, placements)
     apply_expert_parallel(model, mesh, plan.experts, placements)
@@ -65,7 +67,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     register_partial_grad_hooks(pipeline.module, placements)
     return ParallelModel(pipeline.module, engine, layout, placements, mesh.comm("dp_sp"), mesh.comm("sp"),
                          mesh.comm("pp"), activations.checkpointed, pipeline.stages, pipeline.schedule,
-                         tied if tied.names else None, device, activations)
+                         tied if tied.names else None, device, activations, float8)
 
 
 # -- tensor and sequence parallelism ----------------------------------------------------------------

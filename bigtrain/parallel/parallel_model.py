@@ -13,6 +13,7 @@ from torch import nn
 
 from bigtrain.memory.activations import ActivationMemory
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.fp8.linear import Float8Linears
 from bigtrain.parallel.pipeline.partition import PipelineStage
 from bigtrain.parallel.pipeline.schedules import Schedule
 from bigtrain.parallel.chunks import WEIGHT, WEIGHT_IN_USE, SavedChunk, chunks, owned_range
@@ -55,6 +56,7 @@ class ParallelModel:
     tied: TiedCopies | None = None  # copies of tied weights whose twin is on another pipeline rank
     device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives run)
     activations: ActivationMemory | None = None  # recomputation, offload, compression, fused head applied
+    float8: Float8Linears | None = None  # the block linears swapped for float8 ones (precision.fp8)
 
     def finish_grad_sync(self) -> None:
         """Complete the gradient reduction (after the last micro-batch), tied copies included."""

@@ -6,6 +6,7 @@ Each plan is what one public step takes, so a step can also be called on its own
 
     apply_tensor_parallel(model, mesh, TensorParallelPlan, placements)
     apply_expert_parallel(model, mesh, ExpertPlan, placements)
+    apply_float8(model, Float8Plan, device)                  # the blocks' linears in float8 (first)
     apply_activation_memory(model, ActivationPlan, layout)   # recomputation, offload, int8, fused head
     build_pipeline(model, mesh, PipelinePlan, placements)
     apply_data_parallel / apply_zero(model, mesh, EnginePlan, optim, init_fn, placements, ...)
@@ -59,6 +60,16 @@ class ActivationPlan:
     compression: str = "none"  # 'int8': linear layers' saved inputs as int8 with per-row scales
     fused_loss: bool = False  # the head and the cross-entropy in chunks of tokens, never all logits
     fused_loss_chunk: int = 1024
+
+
+@dataclass(frozen=True)
+class Float8Plan:
+    """The blocks' linear layers in float8 (bigtrain/fp8, docs/precision.md): ``scaling`` 'none',
+    'tensorwise' or 'rowwise'; ``emulate``: quantize and multiply in the compute dtype instead of
+    float8 kernels (which need CUDA capability >= 8.9)."""
+
+    scaling: str = "none"
+    emulate: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,4 +127,5 @@ class ParallelPlan:
     activations: ActivationPlan = ActivationPlan()
     pipeline: PipelinePlan = PipelinePlan()
     engine: EnginePlan = EnginePlan()
+    float8: Float8Plan = Float8Plan()
     seed: int = 0  # of the model's initial values (which depend on the name and the seed only)

@@ -42,7 +42,8 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     cluster = Cluster.build(world_size, profile)
     # The activation options are the user's to choose: the search keeps them as configured.
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
-             "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss}
+             "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
+             "fp8": cfg.precision.fp8}
     result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode)
     if result.best is None:
         closest = result.closest

@@ -78,7 +78,8 @@ def _layout(cfg: Config, cuda: bool = False):
                   schedule=p.pp_schedule, v=p.pp_virtual, recompute=cfg.memory.checkpointing,
                   every=cfg.memory.checkpoint_every, tp_sp=p.sequence_parallel, precision=cfg.precision.mode,
                   offload=cfg.memory.activation_offload, compression=cfg.memory.activation_compression,
-                  fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params)
+                  fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params,
+                  fp8=cfg.precision.fp8)
 
 
 def _with_fix(cfg: Config, capacity: int, sharing: int, cuda: bool, suggest: bool, problem: str) -> str:

@@ -15,6 +15,13 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
   they read and write at ``hbm_bandwidth x memory_fraction``; backward moves twice the bytes.
   bigtrain's Llama (``mlp = swiglu``) is unfused (RMSNorm in fp32, SwiGLU in three kernels);
   the GPT block (``mlp = gelu``) is Megatron's, with fused LayerNorm, bias-GeLU and bias-dropout-add.
+* **Float8 linears** (``layout.fp8``; the attention, dense MLP and shared-expert linears, not the
+  routers, experts or head): each GEMM at ``peak_flops_fp8`` on the bf16 curve's efficiency (an
+  assumption until measured) with 1-byte operands, plus the casts, memory-bound: every operand is
+  read twice (its amax, then the cast) and written once in float8, and the backward's transposed
+  operands (W^T for dX; dY^T and x^T for dW) are copied first. Without float8 matmuls
+  (``peak_flops_fp8 = 0``: emulation) the GEMMs stay at the compute precision and the casts are
+  added, with one more pass per operand to dequantize.
 * **Op overhead**: ``op_overhead_s`` per kernel (the framework's dispatch; 0 on GPUs, where
   launches are asynchronous and hidden behind kernels of this size; measured on CPU), and
   ``recompute_op_overhead_s`` more per kernel of a recomputed (checkpointed) block.
@@ -50,6 +57,31 @@ def gemm_fwd_bwd(hw, precision: str, m: float, n: float, k: float, batch: float 
     return gemm_seconds(hw, precision, m, n, k, batch), gemm_seconds(hw, precision, m, k, n, batch) + dw, dw
 
 
+def float8_gemm_seconds(hw, precision: str, m: float, n: float, k: float, batch: float = 1,
+                        transposed: tuple[bool, bool] = (False, False)) -> float:
+    """One float8 GEMM (m x k times k x n) with the casts of its two operands (see the module
+    docstring); ``transposed``: which operands are copied to the layout the kernel takes first."""
+    if min(m, n, k) <= 0:
+        return 0.0
+    b = BYTES[precision]
+    cast = 0.0
+    for elements, copied in ((m * k, transposed[0]), (n * k, transposed[1])):
+        passes = 2 * b + 1 + (2 * b if copied else 0) + (0 if hw.peak_flops_fp8 > 0 else 1 + b)
+        cast += batch * elements * passes / (hw.hbm_bandwidth * hw.memory_fraction)
+    if hw.peak_flops_fp8 <= 0:  # emulated: the compute precision's GEMM on the dequantized operands
+        return gemm_seconds(hw, precision, m, n, k, batch) + cast
+    compute = 2 * m * n * k * batch / (hw.peak_flops_fp8 * gemm_efficiency(hw, m, n, k))
+    moved = batch * (m * k + k * n + b * m * n) / (hw.hbm_bandwidth * hw.memory_fraction)
+    return max(compute, moved) + cast
+
+
+def float8_fwd_bwd(hw, precision: str, m: float, n: float, k: float, batch: float = 1) -> tuple[float, float, float]:
+    """(forward, backward, the backward's weight-gradient part) of one float8 linear's GEMMs."""
+    dw = float8_gemm_seconds(hw, precision, n, k, m, batch, (True, True))  # dY^T x: both copied
+    dx = float8_gemm_seconds(hw, precision, m, k, n, batch, (False, True))  # dY W: W^T copied
+    return float8_gemm_seconds(hw, precision, m, n, k, batch), dx + dw, dw
+
+
 @dataclass(frozen=True)
 class BlockTimes:
     forward: float
@@ -57,8 +89,10 @@ class BlockTimes:
     weight_grad: float  # the dW GEMMs of the backward (what zb-h1 defers)
 
 
-def _linears(model: ModelSpec, layout: Layout, tokens: float, moe: bool = False) -> list[tuple[float, float, float, float]]:
-    """(m, n, k, how many) of each linear of a block on a tp rank (columns or rows divided by t).
+def linear_shapes(model: ModelSpec, layout: Layout, tokens: float, moe: bool = False
+             ) -> list[tuple[float, float, float, float, bool]]:
+    """(m, n, k, how many, whether precision.fp8 makes it float8) of each linear of a block on a tp
+    rank (columns or rows divided by t).
 
     An MoE block's experts are whole on every rank (docs/moe.md): a rank runs its E/ep experts,
     each on ``tokens x top_k x ep / E`` tokens of a balanced routing, which is ``tokens x top_k``
@@ -70,16 +104,16 @@ def _linears(model: ModelSpec, layout: Layout, tokens: float, moe: bool = False)
         mlp = [(f / t, h), (f / t, h), (h, f / t)]
     else:
         attention, mlp = [((h + 2 * kv) / t, h), (h, h / t)], [(f / t, h), (h, f / t)]
-    out = [(tokens, n, k, 1) for n, k in attention]
+    out = [(tokens, n, k, 1, True) for n, k in attention]
     if not moe:
-        return out + [(tokens, n, k, 1) for n, k in mlp]
+        return out + [(tokens, n, k, 1, True) for n, k in mlp]
     e = model.expert_ffn
     experts = [(e, h), (e, h), (h, e)] if model.mlp == "swiglu" else [(e, h), (h, e)]
     per_expert = tokens * model.top_k * layout.ep / model.experts
-    out += [(per_expert, n, k, model.experts // layout.ep) for n, k in experts]
-    out.append((tokens, model.experts, h, 1))  # the router
+    out += [(per_expert, n, k, model.experts // layout.ep, False) for n, k in experts]
+    out.append((tokens, model.experts, h, 1, False))  # the router
     if model.shared_expert:
-        out += [(tokens, n, k, 1) for n, k in experts]
+        out += [(tokens, n, k, 1, True) for n, k in experts]
     return out
 
 
@@ -113,8 +147,9 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
     p, t, u = layout.precision, layout.tp, layout.sp
     tokens = layout.micro_batch * model.seq / u  # what the linears see under Ulysses
     fwd = bwd = dw = 0.0
-    for m, n, k, count in _linears(model, layout, tokens, moe):
-        f, b, w = gemm_fwd_bwd(hw, p, m, n, k, count)
+    for m, n, k, count, float8 in linear_shapes(model, layout, tokens, moe):
+        timed = float8_fwd_bwd if float8 and layout.fp8 != "none" else gemm_fwd_bwd
+        f, b, w = timed(hw, p, m, n, k, count)
         fwd, bwd, dw = fwd + f, bwd + b, dw + w
     heads = model.heads / (t * u)  # attention sees the whole sequence and heads / (t u)
     s, d = model.seq, model.head_dim

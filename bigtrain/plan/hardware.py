@@ -79,6 +79,11 @@ class HardwareProfile:
     # saved-tensor hooks and rebuilt graph; calibrate.measure_recompute_overhead; 0 on GPUs, where
     # it hides behind kernels of their size: assumption).
     recompute_op_overhead_s: float = 0.0
+    # Dense float8 matmul rate (precision.fp8's GEMMs, plan/gemm.py); 0: no float8 tensor cores, so
+    # precision.fp8 runs emulated (the compute precision's GEMMs plus the casts). Its sustained share
+    # is taken to follow the bf16 GEMM curve (gemm_fraction, gemm_half_dim): an assumption until a
+    # GPU measures it (docs/precision.md).
+    peak_flops_fp8: float = 0.0
     source: str = ""
 
     def peak_flops(self, precision: str) -> float:
@@ -115,7 +120,8 @@ _H100_LINKS = dict(intra_node_bandwidth=360e9, inter_node_bandwidth=45e9,
 _A100_SOURCE = ("A100 datasheet: 312 TFLOP/s dense bf16, 19.5 fp32; DGX A100: NVLink3 300 GB/s per direction "
                 "(80% as ring busbw), 8x200 Gb/s HDR (25 GB/s per GPU, 90%). achievable_fraction 0.65: "
                 "assumption (large GEMMs ~80% of peak, ~20% of layer time in non-GEMM kernels)")
-_H100_SOURCE = ("H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 fp32, 3.35 TB/s HBM3; DGX H100: NVLink4 450 GB/s "
+_H100_SOURCE = ("H100 SXM datasheet: 989 TFLOP/s dense bf16, 1,979 dense fp8 (3,958 with sparsity), 67 fp32, "
+                "3.35 TB/s HBM3; DGX H100: NVLink4 450 GB/s "
                 "per direction (80% as ring busbw), 8x400 Gb/s NDR (50 GB/s per GPU, 90%). achievable_fraction "
                 "0.55: assumption (GEMMs ~70% of peak; non-GEMM kernels did not speed up as much as tensor cores)")
 
@@ -125,9 +131,11 @@ PRESETS: dict[str, HardwareProfile] = {
     "a100-80g": HardwareProfile("a100-80g", 312e12, 19.5e12, 0.65, 81920 * MIB, hbm_bandwidth=2.039e12,
                                 source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS, **_A100_SHAPES),
     "h100-80g": HardwareProfile("h100-80g", 989e12, 67e12, 0.55, 81559 * MIB, hbm_bandwidth=3.35e12,
-                                source=_H100_SOURCE, **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
+                                peak_flops_fp8=1979e12, source=_H100_SOURCE, **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
     "h200-141g": HardwareProfile("h200-141g", 989e12, 67e12, 0.55, 143771 * MIB, hbm_bandwidth=4.8e12,
-                                 source=_H100_SOURCE.replace("3.35 TB/s HBM3", "4.8 TB/s HBM3e, 141 GB"),
+                                 peak_flops_fp8=1979e12,  # H200 datasheet: 3,958 TFLOP/s fp8 with sparsity
+                                 source=_H100_SOURCE.replace("3.35 TB/s HBM3", "4.8 TB/s HBM3e, 141 GB")
+                                 .replace("H100 SXM datasheet", "H200 SXM datasheet"),
                                  **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
     # The CI machine of notes-cpu-distributed.md: 2 cores, Gloo over loopback. bf16 matmuls have no
     # fast kernel there (a 1024^3 product takes 2.4 s), hence the low bf16 peak. Calibrate your own.
@@ -204,6 +212,7 @@ def sharing_cores(profile: HardwareProfile, share: float) -> HardwareProfile:
         return profile
     return dataclasses.replace(profile, peak_flops_fp32=profile.peak_flops_fp32 * share,
                                peak_flops_bf16=profile.peak_flops_bf16 * share,
+                               peak_flops_fp8=profile.peak_flops_fp8 * share,
                                hbm_bandwidth=profile.hbm_bandwidth * share,
                                op_overhead_s=profile.op_overhead_s / share,
                                recompute_op_overhead_s=profile.recompute_op_overhead_s / share)

@@ -20,6 +20,7 @@ from bigtrain.plan.model import ModelSpec
 
 RECOMPUTE = ("none", "full", "every", "selective")
 COMPRESSIONS = ("none", "int8")
+FP8 = ("none", "tensorwise", "rowwise")  # precision.fp8
 PRECISIONS = ("fp32", "bf16", "fp16")
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -45,6 +46,7 @@ class Layout:
     offload_optimizer: str = "none"  # offload.optimizer: none | cpu | nvme
     offload_params: str = "none"  # offload.params: none | nvme (ZeRO-3)
     delayed_update: bool = False  # offload.delayed_update: the host step overlaps the next step
+    fp8: str = "none"  # precision.fp8: the blocks' linears in float8 (gemm.py times them, memory.py their copies)
 
     @property
     def gpus(self) -> int:
@@ -73,7 +75,7 @@ class Layout:
         parts.append(f"recompute={self.recompute}" + (f",every={self.every}" if self.recompute == "every" else ""))
         if self.tp > 1:
             parts.append(f"tp_sp={'on' if self.tp_sp else 'off'}")
-        parts.append(self.precision)
+        parts.append(self.precision + (f",fp8={self.fp8}" if self.fp8 != "none" else ""))
         parts += [k for k, on in (("offload", self.offload), ("int8", self.compression == "int8"),
                                   ("fused_loss", self.fused_loss)) if on]
         if self.offload_optimizer != "none":
@@ -97,6 +99,8 @@ class Layout:
                 f"--memory.activation_offload={str(self.offload).lower()}",
                 f"--memory.activation_compression={self.compression}",
                 f"--model.fused_loss={str(self.fused_loss).lower()}"]
+        if self.fp8 != "none":
+            out.append(f"--precision.fp8={self.fp8}")
         if self.offload_optimizer != "none" or self.offload_params != "none":
             out += [f"--offload.optimizer={self.offload_optimizer}", f"--offload.params={self.offload_params}",
                     f"--offload.delayed_update={str(self.delayed_update).lower()}"]
@@ -143,7 +147,7 @@ _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": 
             "optimizer_offload": "offload_optimizer", "params_offload": "offload_params"}
 _BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update")
 LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss",
-                           "offload_optimizer", "offload_params", "delayed_update")
+                           "offload_optimizer", "offload_params", "delayed_update", "fp8")
 OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "nvme")}
 
 
@@ -186,7 +190,7 @@ def _parse_value(key: str, value: str):
             return False
         raise ValueError("use on or off")
     choices = {"schedule": SCHEDULE_KINDS, "recompute": RECOMPUTE, "precision": PRECISIONS,
-               "compression": COMPRESSIONS, **OFFLOAD_TIERS}[key]
+               "compression": COMPRESSIONS, "fp8": FP8, **OFFLOAD_TIERS}[key]
     if value not in choices:
         raise ValueError(f"must be one of {', '.join(choices)}")
     return value

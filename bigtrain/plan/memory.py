@@ -28,6 +28,8 @@ runtime allocates besides (named so tests can compare those they can measure):
                          plus two blocks (the current one and the prefetched one)
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
     fused_loss_chunk     the fused loss's one chunk of fp32 logits and exponentials (model.fused_loss)
+    fp8_operands         precision.fp8: the largest float8 linear's operand copies during one GEMM
+                         (:func:`float8_operand_bytes`); its saved activations are unchanged
 
 Offload (``offload.optimizer`` cpu | nvme, ``offload.params`` nvme) takes the optimizer term (fp32
 masters and state) and ZeRO-3's parameter shard off the device: :func:`offloaded_states`, with the
@@ -49,6 +51,7 @@ from bigtrain.optim import get_optimizer
 from bigtrain.parallel.placement import dense
 from bigtrain.plan.activations import (block_activations, checkpointed_block_indices, fused_chunk_bytes,
                                        head_activations)
+from bigtrain.plan.gemm import linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.model import ModelSpec, Tensor, local_vocab
@@ -341,7 +344,23 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
         out["moe_all_to_all"] = 2 * tokens * model.top_k * model.hidden * nbytes
     if layout.fused_loss:  # on the last stage; counted on every rank (a bound)
         out["fused_loss_chunk"] = fused_chunk_bytes(model, FUSED_LOSS_CHUNK, layout.tp)
+    if layout.fp8 != "none":
+        out["fp8_operands"] = float8_operand_bytes(model, layout)
     return out
+
+
+def float8_operand_bytes(model: ModelSpec, layout: Layout) -> int:
+    """What one float8 linear (bigtrain/fp8) allocates during its largest GEMM, the worst linear of a
+    block: forward x and W in float8 (M K + N K bytes); dX = dY W: dY in float8, W^T copied in the
+    compute dtype and cast (M N + (B + 1) N K); dW = dY^T x: dY^T and x^T copied and cast
+    ((B + 1)(M N + M K)). Freed after the GEMM. The linears keep for backward what F.linear keeps (the
+    input and the weight in the compute dtype), so the saved activations are those of bf16."""
+    b, tokens = BYTES[layout.precision], layout.micro_batch * model.seq / layout.sp
+    kinds = [moe for moe, present in ((False, model.layers > model.moe_layers), (True, model.moe_layers > 0))
+             if present]  # dense blocks, MoE blocks
+    shapes = [(n, k) for moe in kinds for _, n, k, _, float8 in linear_shapes(model, layout, tokens, moe) if float8]
+    per_gemm = [max(tokens * k + n * k, tokens * n + (b + 1) * n * k, (b + 1) * tokens * (n + k)) for n, k in shapes]
+    return math.ceil(max(per_gemm, default=0))
 
 
 # -- one rank, and the worst one ----------------------------------------------------------------------

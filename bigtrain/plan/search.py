@@ -119,7 +119,7 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                 fused_loss=fixed.get("fused_loss", False), ep=ep,
                                 offload_optimizer=fixed.get("offload_optimizer", "none"),
                                 offload_params=fixed.get("offload_params", "none"),
-                                delayed_update=fixed.get("delayed_update", False))
+                                delayed_update=fixed.get("delayed_update", False), fp8=fixed.get("fp8", "none"))
                 if layout not in seen:
                     seen.add(layout)
                     yield layout
