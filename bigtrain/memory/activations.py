@@ -1,9 +1,10 @@
 """The ``memory`` section applied to a plain (possibly tensor-parallel) Llama: one call for ``parallelize``.
 
 In this order, each on the module structure before any weight exists: int8 compression of the
-linear layers' saved inputs (innermost: it replaces how a linear computes), recomputation (full,
-every k-th or selective), the fused head (``model.fused_loss``), and offload around every module
-(outermost: its hooks also see the checkpoints' inputs). None of them changes a parameter name.
+linear layers' saved inputs (innermost: a wrapper that changes how a linear computes), recomputation
+(full, every k-th or selective), the fused head (``model.fused_loss``), and offload around every module
+(outermost: its hooks also see the checkpoints' inputs). Each is a wrapper (``bigtrain/wrappers.py``)
+or hooks; none of them changes a parameter name, a module's ``forward`` or its attributes.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
     """Apply ``plan`` to ``model`` (after tensor parallelism: ``layout`` is its TensorLayout, or None)."""
     compressed = 0
     if plan.compression == "int8":
-        linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+        linears = [f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
         if not plan.fused_loss:
-            linears.append(model.output)
-        compressed = compress_linear_inputs(linears)
+            linears.append("output")
+        compressed = compress_linear_inputs(model, linears)
     if plan.policy == "selective":
         apply_selective_recomputation(model.layers, plan.selective_attention)
         checkpointed = []

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigtrain.wrappers import ModuleWrapper, replace_module
+
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values, fp32 scale per row) of ``x`` (..., features)."""
@@ -75,21 +77,37 @@ class _SharedQuantization:
         return q, scale
 
 
-def compress_linear_inputs(modules: list[nn.Linear]) -> int:
-    """Make each linear of ``modules`` save its input in int8; returns how many."""
-    shared = _SharedQuantization()
-    for linear in modules:
-        def forward(x: torch.Tensor, linear=linear) -> torch.Tensor:
-            weight, bias = linear.weight, linear.bias
-            if not torch.is_grad_enabled() or not weight.requires_grad:
-                return F.linear(x, weight, bias)
-            q, scale = shared.of(x)
-            y = F.linear(x, weight.detach(), bias.detach() if bias is not None else None)
-            out = _Int8WeightGrad.apply(y, weight, bias, q, scale)
-            # A view on top, as F.linear's own output is a view of its matmul: hooks put on the
-            # module's output (ZeRO-3 gathers before backward with one) must not sit on the node
-            # that the split backward's W re-enters, or they run again there.
-            return out.view_as(out)
+class Int8SavedInput(ModuleWrapper):
+    """A linear layer that saves its input as int8 rows for its weight gradient (see the module
+    docstring); ``shared``: the copy of the input that linears reading the same input share."""
 
-        linear.forward = forward
-    return len(modules)
+    kind = "int8_saved_input"
+
+    def __init__(self, linear: nn.Linear, shared: _SharedQuantization):
+        super().__init__(linear)
+        object.__setattr__(self, "shared", shared)  # plain state of this wrapper, not a child
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if not torch.is_grad_enabled() or not weight.requires_grad:
+            return F.linear(x, weight, bias)
+        q, scale = self.shared.of(x)
+        y = F.linear(x, weight.detach(), bias.detach() if bias is not None else None)
+        out = _Int8WeightGrad.apply(y, weight, bias, q, scale)
+        # A view on top, as F.linear's own output is a view of its matmul: hooks put on the
+        # module's output (ZeRO-3 gathers before backward with one) must not sit on the node
+        # that the split backward's W re-enters, or they run again there.
+        return out.view_as(out)
+
+
+def int8_linears(linears: list[nn.Linear]) -> list[Int8SavedInput]:
+    """:class:`Int8SavedInput` wrappers of ``linears``, sharing one int8 copy of a common input."""
+    shared = _SharedQuantization()
+    return [Int8SavedInput(linear, shared) for linear in linears]
+
+
+def compress_linear_inputs(root: nn.Module, names: list[str]) -> int:
+    """Make each linear ``names`` of ``root`` save its input in int8 (wrapped in place); returns how many."""
+    for name, wrapper in zip(names, int8_linears([root.get_submodule(n) for n in names])):
+        replace_module(root, name, wrapper)
+    return len(names)

@@ -7,6 +7,7 @@ Each plan is what one public step takes, so a step can also be called on its own
     apply_tensor_parallel(model, mesh, TensorParallelPlan, placements)
     apply_expert_parallel(model, mesh, ExpertPlan, placements)
     apply_activation_memory(model, ActivationPlan, layout)   # recomputation, offload, int8, fused head
+    apply_compile(model, loss_fn)                             # CompilePlan: regional torch.compile
     build_pipeline(model, mesh, PipelinePlan, placements)
     apply_data_parallel / apply_zero(model, mesh, EnginePlan, optim, init_fn, placements, ...)
 
@@ -59,6 +60,14 @@ class ActivationPlan:
     compression: str = "none"  # 'int8': linear layers' saved inputs as int8 with per-row scales
     fused_loss: bool = False  # the head and the cross-entropy in chunks of tokens, never all logits
     fused_loss_chunk: int = 1024
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """Regional ``torch.compile`` of the blocks, the final norm and the plain loss
+    (bigtrain/parallel/compile.py, docs/compile.md)."""
+
+    enabled: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,4 +125,5 @@ class ParallelPlan:
     activations: ActivationPlan = ActivationPlan()
     pipeline: PipelinePlan = PipelinePlan()
     engine: EnginePlan = EnginePlan()
+    compile: CompilePlan = CompilePlan()
     seed: int = 0  # of the model's initial values (which depend on the name and the seed only)
