@@ -92,7 +92,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, mesh: Mesh, device: torch.device | str = "cpu"):
         self.cfg, self.run_dir, self.mesh, self.device = cfg, Path(run_dir), mesh, torch.device(device)
         self.is_main = mesh.rank == 0
-        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg, str(self.run_dir), self.device.type),
+        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg, str(self.run_dir), device_type=self.device.type),
                                     self.device, init_fn=initial_weights(cfg.model))
         self.model, self.engine = self.parallel.model, self.parallel.engine
         self.compile_clock = compile_clock() if self.parallel.compiled is not None else None

@@ -9,7 +9,9 @@ with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture
 degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
 update); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
-in backward, the dense part's optimizer, 1 to 4 ranks). int8 activation compression is not drawn:
+in backward, the dense part's optimizer, 1 to 4 ranks); and, for a decoder, regional compilation
+(``compile.enabled``, a share ``--compile-share`` of the samples, from a generator of its own so the
+rest of a sample is what it was before compilation joined). int8 activation compression is not drawn:
 it changes the weight gradients on purpose (tests/test_activation_memory.py). Each sample must either be rejected by validation before any rank
 starts, with every problem naming a field, or train like the independent reference
 (:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
@@ -38,16 +40,23 @@ BASE = ["--logging.progress=false", "--logging.report=false", "--checkpoint.save
 FIELD = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
 DLRM = "--model.name=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
 DLRM_SHARE = 0.2
+COMPILE_SHARE = 0.25
+COMPILED = "--compile.enabled=true"
 
 
-def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE) -> list[str]:
-    """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout.
-    The model is drawn from a generator of its own, so a decoder sample is the one
-    :func:`sample_layout` drew for (seed, index) before DLRMs joined, whatever the share."""
+def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE,
+                compile_share: float = COMPILE_SHARE) -> list[str]:
+    """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
+    compiled (``compile.enabled``) with probability ``compile_share``. The model and compilation are
+    drawn from generators of their own, so a decoder sample is the one :func:`sample_layout` drew for
+    (seed, index) before DLRMs and compilation joined, whatever the shares."""
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
-    return sample_layout(rng, max_world)
+    sample = sample_layout(rng, max_world)
+    if random.Random(f"{seed}:{index}:compile").random() < compile_share:
+        sample.append(COMPILED)
+    return sample
 
 
 def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
@@ -240,7 +249,9 @@ def _validate(cfg: Config) -> None:
 
 
 def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: float = 240.0) -> Outcome:
-    """Validate one sample; if valid, check it on forked Gloo ranks against the reference."""
+    """Validate one sample; if valid, check it on forked Gloo ranks against the reference. A compiled
+    sample gets 3x the time (each rank compiles its blocks in its first step, 6-25 s a graph on a
+    loaded 2-core machine), and its ranks wait that long for each other in a collective."""
     from bigtrain.check.run import check_on_rank
     from bigtrain.testing import RankFailure, run_ranks
 
@@ -252,9 +263,12 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
         unnamed = [p for p in e.problems if not FIELD.search(p)]
         verdict = "bad-rejection" if unnamed else "rejected"
         return Outcome(overrides, verdict, "; ".join(unnamed or e.problems), time.perf_counter() - start)
+    if COMPILED in overrides:
+        timeout *= 3
     with tempfile.TemporaryDirectory(prefix="bigtrain-fuzz-") as run_dir:
         try:
-            report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, run_dir, steps, timeout=timeout)[0]
+            report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, run_dir, steps, timeout=timeout,
+                               group_timeout=timeout)[0]
         except RankFailure as e:
             verdict = "hung" if "did not finish" in str(e) else "crashed"
             return Outcome(overrides, verdict, str(e)[-3000:], time.perf_counter() - start)
@@ -272,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dlrm-share", type=float, default=DLRM_SHARE,
                         help=f"share of the samples that are DLRMs, 0 to 1 (default {DLRM_SHARE}; 0: decoders only, "
                              f"as before DLRMs joined)")
+    parser.add_argument("--compile-share", type=float, default=COMPILE_SHARE,
+                        help=f"share of the decoder samples compiled (compile.enabled = true), 0 to 1 (default "
+                             f"{COMPILE_SHARE}; 0: as before compilation joined; 1: every decoder sample)")
     args = parser.parse_args(argv)
     import torch
 
@@ -280,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     bad, outcomes = [], []
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
-        outcome = run_sample(draw_sample(args.seed, i, args.max_world, args.dlrm_share), args.cache_dir, args.steps)
+        outcome = run_sample(draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.compile_share),
+                             args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)
         print(f"[{i + 1}/{args.count}] {outcome.verdict:9s} {outcome.seconds:5.1f}s {' '.join(outcome.overrides)}",
@@ -289,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             bad.append(outcome)
             print("    " + outcome.detail.replace("\n", "\n    "), flush=True)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    compiled = [o for o in outcomes if COMPILED in o.overrides]
+    if compiled:
+        summary += f" (compiled: {len(compiled)}, " + ", ".join(
+            f"{sum(o.verdict == v for o in compiled)} {v}" for v in sorted({o.verdict for o in compiled})) + ")"
     dlrm = [o for o in outcomes if DLRM in o.overrides]
     if dlrm:
         by_verdict = {v: sum(o.verdict == v for o in dlrm) for v in sorted({o.verdict for o in dlrm})}

@@ -58,14 +58,16 @@ def _warn_once(message: str) -> None:
 
 class CompiledRegion(WholeBackward, ModuleWrapper):
     """Runs what it wraps through ``torch.compile`` (static shapes). Its one backward computes the
-    input and weight gradients together (``WholeBackward``). If the compiler fails on it, the region
+    input and weight gradients together (``WholeBackward``). ``keep_graph``: backward runs with the
+    graph retained (the zero-bubble split backward), so the compiled backward must not reuse its
+    saved tensors' memory (AOT autograd's donated buffers). If the compiler fails on it, the region
     runs eagerly from then on, after one :class:`CompileFallbackWarning` per process."""
 
     kind = "compile"
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, keep_graph: bool = False):
         super().__init__(module)
-        object.__setattr__(self, "compiled", torch.compile(module.forward, dynamic=False))
+        object.__setattr__(self, "compiled", compiled_function(module.forward, keep_graph))
         object.__setattr__(self, "failed", False)
 
     def forward(self, *args, **kwargs):
@@ -81,11 +83,25 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
             return self.wrapped.forward(*args, **kwargs)
 
 
+def compiled_function(fn, keep_graph: bool = False):
+    """``torch.compile(fn)`` with static shapes; ``keep_graph``: for a backward that retains the graph
+    (see :class:`CompiledRegion`)."""
+    compiled = torch.compile(fn, dynamic=False)
+    if not keep_graph:
+        return compiled
+
+    def call(*args, **kwargs):
+        with torch._functorch.config.patch(donated_buffer=False):  # read when the graph compiles
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 def _holds_eager(module: nn.Module) -> bool:
     return any(isinstance(m, EAGER_MODULES) for m in module.modules())
 
 
-def compile_regions(root: nn.Module, name: str) -> list[str]:
+def compile_regions(root: nn.Module, name: str, keep_graph: bool = False) -> list[str]:
     """Wrap the submodule ``name`` of ``root`` in a :class:`CompiledRegion` in place, or, if it holds
     a module that must run eagerly, each of its children that holds none (recursively). Returns the
     names of the regions."""
@@ -93,9 +109,10 @@ def compile_regions(root: nn.Module, name: str) -> list[str]:
     if isinstance(module, EAGER_MODULES):
         return []
     if not _holds_eager(module):
-        replace_module(root, name, CompiledRegion(module))
+        replace_module(root, name, CompiledRegion(module, keep_graph))
         return [name]
-    return [region for child, _ in module.named_children() for region in compile_regions(root, f"{name}.{child}")]
+    return [region for child, _ in module.named_children()
+            for region in compile_regions(root, f"{name}.{child}", keep_graph)]
 
 
 @dataclass
@@ -106,19 +123,19 @@ class Compiled:
     loss_fn: object | None = None  # a compiled plain loss (None: the model's loss as it is)
 
 
-def apply_compile(model: nn.Module, loss_fn=None) -> Compiled:
+def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False) -> Compiled:
     """Compile every block of ``model`` (the children of its largest container of modules with
     parameters: a Llama's ``layers``) and its final ``norm`` regionally, in place; and ``loss_fn``
-    (a plain function of logits and targets) when given."""
+    (a plain function of logits and targets) when given. ``keep_graph``: see :class:`CompiledRegion`."""
     names = {id(m): n for n, m in model.named_modules()}
     blocks = [names[id(m)] for m in default_unit_modules(model)]
     if not blocks:
         raise ValueError(f"compile.enabled: {type(model).__name__} has no blocks (a list of modules with parameters) "
                          f"to compile one by one; set compile.enabled = false")
-    regions = [region for name in blocks for region in compile_regions(model, name)]
+    regions = [region for name in blocks for region in compile_regions(model, name, keep_graph)]
     if "norm" in dict(model.named_children()):
-        regions += compile_regions(model, "norm")
-    compiled_loss = torch.compile(loss_fn, dynamic=False) if loss_fn is not None else None
+        regions += compile_regions(model, "norm", keep_graph)
+    compiled_loss = compiled_function(loss_fn, keep_graph) if loss_fn is not None else None
     return Compiled(regions, compiled_loss)
 
 
