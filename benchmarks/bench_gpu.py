@@ -18,18 +18,29 @@ this is model FLOPs utilization, not hardware FLOPs. The peak is the device's de
 989 TFLOP/s for H100 SXM and for H200 (the same chip; GH200 too), 756 for H100 PCIe, 835 for H100
 NVL, 312 for A100; another device needs ``--peak-tflops``.
 
+``--variants`` runs each preset several ways: ``eager`` (``compile.enabled = false``), ``compiled``
+(``compile.enabled = true``: each block compiled, bigtrain/parallel/compile.py) and ``fp8``
+(compiled, ``precision.fp8 = rowwise``; listed as skipped where the checkout has no
+``precision.fp8``). Each row reports the seconds its first steps spent compiling. ``--peer
+hf-compiled`` (or ``hf``, or ``hf,hf-compiled``) adds transformers' ``LlamaForCausalLM`` of the same
+shape in the same process and recipe (fp32 weights, bf16 autocast, loss in fp32, gradient clipping,
+fused AdamW with the preset's settings, the same tokens per step), ``torch.compile``-d whole as a
+user would: the peer a compiled bigtrain step is measured against (docs/compile.md).
+
 Without a CUDA device the script prints "no CUDA device: skipped" and exits 0 (``--allow-cpu``
 runs it on the CPU instead: a smoke test of this script, whose figures mean nothing). The report
 is Markdown, ready for the GPU section of docs/benchmarks.md.
 
     python benchmarks/bench_gpu.py                                   # small and llama-1b
     python benchmarks/bench_gpu.py --presets llama-1b --micro-batch 8 --checkpointing full
+    python benchmarks/bench_gpu.py --presets llama-1b --variants eager,compiled,fp8 --peer hf-compiled
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import platform
@@ -41,8 +52,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from bigtrain.config import load_config
+from bigtrain.config import PrecisionConfig, load_config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import count_parameters
 from bigtrain.plan.hardware import PRESETS
@@ -73,8 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpointing", default="none", help="memory.checkpointing: none, full or every")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak of the device (default: detected)")
     p.add_argument("--cache-dir", default="", help="data.cache_dir for the tokenized corpus")
+    p.add_argument("--variants", default="eager", help="comma-separated: eager, compiled, fp8 (default eager)")
+    p.add_argument("--peer", default="none", help="comma-separated peers in the same call: hf (transformers "
+                                                  "LlamaForCausalLM, eager), hf-compiled (torch.compile-d); none")
     p.add_argument("--allow-cpu", action="store_true", help="without CUDA, run on the CPU (a smoke test)")
-    p.add_argument("--json", default="", help="also write every number to this file")
+    p.add_argument("--json", default="", help="also write every number to this file (row by row)")
+    p.add_argument("--report-from", default="", help="print the Markdown report of this --json file and exit")
     return p.parse_args(argv)
 
 
@@ -87,7 +103,20 @@ def detect_peak(device_name: str, override_tflops: float) -> tuple[float | None,
     return None, f"unknown peak for '{device_name}': pass --peak-tflops"
 
 
-def preset_config(name: str, args: argparse.Namespace, device: str):
+VARIANTS = {"eager": ["--compile.enabled=false"], "compiled": ["--compile.enabled=true"],
+            "fp8": ["--compile.enabled=true", "--precision.fp8=rowwise"]}
+
+
+def variant_missing(variant: str) -> str:
+    """Why this checkout cannot run ``variant`` ('' when it can)."""
+    if variant not in VARIANTS:
+        return f"unknown variant (use {', '.join(VARIANTS)})"
+    if variant == "fp8" and "fp8" not in PrecisionConfig.__dataclass_fields__:
+        return "precision.fp8 is not in this checkout"
+    return ""
+
+
+def preset_config(name: str, args: argparse.Namespace, device: str, variant: str = "eager"):
     base = load_config(preset=name)
     micro = args.micro_batch or base.train.micro_batch
     seq = args.seq or base.data.seq_len
@@ -99,7 +128,7 @@ def preset_config(name: str, args: argparse.Namespace, device: str):
         "--logging.measure_memory=false", "--checkpoint.save_final=false"]
     if args.cache_dir:
         overrides.append(f"--data.cache_dir={args.cache_dir}")
-    cfg = load_config(preset=name, overrides=overrides)
+    cfg = load_config(preset=name, overrides=overrides + VARIANTS[variant])
     validate(cfg, world_size=1, cuda_available=device == "cuda")
     return cfg
 
@@ -109,13 +138,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | None) -> dict:
+def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | None, variant: str = "eager") -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as run_dir:
-        cfg = preset_config(name, args, device)
+        cfg = preset_config(name, args, device, variant)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         trainer = Trainer(cfg, Path(run_dir), Mesh({}), device)
-        losses = [trainer.train_step().loss for _ in range(args.warmup)]
+        warm = [trainer.train_step() for _ in range(args.warmup)]
+        losses, compile_s = [r.loss for r in warm], sum(r.compile_s for r in warm)
         times = []
         for _ in range(args.steps):
             _sync(device)
@@ -134,7 +164,8 @@ def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | N
     median = statistics.median(times)
     tokens_per_s = tokens / median
     achieved = tokens_per_s * spec.model_flops_per_token()
-    return {"preset": name, "params": params, "matmul_params": spec.matmul_params,
+    return {"preset": name, "variant": variant, "compile_s": compile_s, "params": params,
+            "matmul_params": spec.matmul_params,
             "layers": cfg.model.n_layers, "dim": cfg.model.dim, "seq": cfg.data.seq_len,
             "micro_batch": cfg.train.micro_batch, "accum": args.accum, "tokens_per_step": tokens,
             "flops_per_token": spec.model_flops_per_token(), "step_s": times, "median_step_s": median,
@@ -142,6 +173,74 @@ def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | N
             "mfu": achieved / peak if peak else None, "loss_first_last": [losses[0], losses[-1]],
             "peak_memory_gib": peak_memory,
             "checkpointing": cfg.memory.checkpointing, "zero": cfg.parallel.zero}
+
+
+def run_hf_peer(name: str, args: argparse.Namespace, device: str, peak: float | None, compiled: bool) -> dict:
+    """transformers' LlamaForCausalLM of the preset's shape, trained with the trainer's recipe: fp32
+    weights, bf16 autocast, fp32 loss, clipping, fused AdamW; ``compiled``: ``torch.compile(model)``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = preset_config(name, args, device)
+    m, o = cfg.model, cfg.optim
+    seq, batch = cfg.data.seq_len, cfg.train.micro_batch
+    # transformers 5 takes the rotary base in rope_parameters, 4.x as rope_theta
+    rope = ({"rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}}
+            if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters else {"rope_theta": m.rope_theta})
+    hf_config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim,
+                            num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads,
+                            max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                            tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False, **rope)
+    hf_config._attn_implementation = "sdpa"
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(cfg.train.seed)
+    model = LlamaForCausalLM(hf_config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=True)
+    run = torch.compile(model) if compiled else model
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    batches = [torch.randint(0, m.vocab_size, (batch, seq + 1), generator=gen).to(device) for _ in range(args.accum)]
+
+    def step() -> float:
+        total = 0.0
+        for tokens in batches:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                logits = run(input_ids=tokens[:, :-1]).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) / args.accum
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(total)
+
+    started = time.perf_counter()
+    losses = [step() for _ in range(args.warmup)]
+    warmup_s = time.perf_counter() - started
+    times = []
+    for _ in range(args.steps):
+        _sync(device)
+        start = time.perf_counter()
+        losses.append(step())
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    params = sum(p.numel() for p in model.parameters())
+    del model, run, optimizer
+    gc.collect()
+    peak_memory = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    spec = ModelSpec.from_model_config(cfg.model, seq)
+    tokens = batch * args.accum * seq
+    median = statistics.median(times)
+    achieved = tokens / median * spec.model_flops_per_token()
+    return {"preset": name, "variant": "hf-compiled" if compiled else "hf", "compile_s": None,
+            "warmup_s": warmup_s, "params": params, "layers": m.n_layers, "dim": m.dim, "seq": seq,
+            "micro_batch": batch, "accum": args.accum, "tokens_per_step": tokens,
+            "flops_per_token": spec.model_flops_per_token(), "step_s": times, "median_step_s": median,
+            "tokens_per_s": tokens / median, "achieved_tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
+            "loss_first_last": [losses[0], losses[-1]], "peak_memory_gib": peak_memory,
+            "checkpointing": "none", "zero": 0}
 
 
 def machine(device: str, peak: float | None, peak_source: str) -> dict:
@@ -159,22 +258,45 @@ def report(args: argparse.Namespace, out: dict) -> None:
     print(f"Device: {m['device']}; torch {m['torch']}, CUDA {m['cuda']}, Python {m['python']}; peak "
           + (f"{m['peak_bf16_tflops']:.0f} TFLOP/s dense bf16 ({m['peak_source']})" if m["peak_bf16_tflops"]
              else m["peak_source"]) + ".\n")
-    print("| preset | params | seq | micro-batch x accum | tokens/step | median step ms | tokens/s | "
-          "model TFLOP/s | MFU | peak memory GiB | loss first -> last |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| preset | variant | params | seq | micro-batch x accum | tokens/step | median step ms | tokens/s | "
+          "model TFLOP/s | MFU | peak memory GiB | compile s | loss first -> last |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["results"]:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
-        print(f"| {r['preset']} | {r['params'] / 1e6:.1f} M | {r['seq']} | {r['micro_batch']} x {r['accum']} | "
-              f"{r['tokens_per_step']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['achieved_tflops']:.1f} | {mfu} | {mem} | "
+        compiled = f"{r['compile_s']:.0f}" if r.get("compile_s") else ("in warm-up" if r["variant"] == "hf-compiled"
+                                                                         else "-")
+        print(f"| {r['preset']} | {r['variant']} | {r['params'] / 1e6:.1f} M | {r['seq']} | {r['micro_batch']} x "
+              f"{r['accum']} | {r['tokens_per_step']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['achieved_tflops']:.1f} | {mfu} | {mem} | {compiled} | "
               f"{r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f} |")
+    for skipped in out.get("skipped", []):
+        print(f"| {skipped['preset']} | {skipped['variant']} | skipped: {skipped['why']} |")
+    for line in ratios(out["results"]):
+        print(line)
     print("\nMFU = tokens/s x (6 N + 12 L h s) / peak; N = weights in matmuls (blocks and output head), "
           "L layers, h hidden size, s sequence length.")
 
 
+def ratios(results: list[dict]) -> list[str]:
+    """Each bigtrain variant's tokens/s and peak memory against the compiled transformers peer's."""
+    lines = []
+    for peer in (r for r in results if r["variant"] == "hf-compiled"):
+        for r in results:
+            if r["preset"] == peer["preset"] and not r["variant"].startswith("hf"):
+                mem = (f", peak memory {r['peak_memory_gib']:.1f} vs {peer['peak_memory_gib']:.1f} GiB"
+                       if r["peak_memory_gib"] is not None and peer["peak_memory_gib"] is not None else "")
+                lines.append(f"- {r['preset']} {r['variant']}: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x the "
+                             f"tokens/s of LlamaForCausalLM + torch.compile{mem}")
+    return [""] + lines if lines else []
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report_from:  # a run's file, finished or cut short
+        with open(args.report_from) as f:
+            report(args, json.load(f))
+        return 0
     if torch.cuda.is_available():
         device = "cuda"
     elif args.allow_cpu:
@@ -184,15 +306,32 @@ def main(argv=None) -> int:
         return 0
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     peak, peak_source = detect_peak(name, args.peak_tflops)
-    results = [run_preset(p.strip(), args, device, peak) for p in args.presets.split(",") if p.strip()]
     command = "python benchmarks/bench_gpu.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    out = {"command": command.strip(), "machine": machine(device, peak, peak_source), "results": results}
+    out = {"command": command.strip(), "machine": machine(device, peak, peak_source), "results": [], "skipped": []}
+    peers = [p.strip() for p in args.peer.split(",") if p.strip() and p.strip() != "none"]
+    if any(p not in ("hf", "hf-compiled") for p in peers):
+        raise SystemExit(f"--peer {args.peer}: use hf, hf-compiled or none")
+    for preset in (p.strip() for p in args.presets.split(",") if p.strip()):
+        for variant in (v.strip() for v in args.variants.split(",") if v.strip()):
+            why = variant_missing(variant)
+            if why:
+                out["skipped"].append({"preset": preset, "variant": variant, "why": why})
+                continue
+            out["results"].append(run_preset(preset, args, device, peak, variant))
+            _save(args, out)  # row by row: a run cut short by a time limit keeps what it measured
+        for peer in peers:
+            out["results"].append(run_hf_peer(preset, args, device, peak, compiled=peer == "hf-compiled"))
+            _save(args, out)
     report(args, out)
+    _save(args, out)
+    return 0
+
+
+def _save(args: argparse.Namespace, out: dict) -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 import torch
 
 from bigtrain.models.feed_forward import FeedForward
-from bigtrain.models.moe import MoEFeedForward
+from bigtrain.models.moe import LocalExperts, MoEFeedForward
 
 
 def _moe(dim: int, hidden: int, experts: int, top_k: int, grouped: bool, seed: int = 0) -> MoEFeedForward:
@@ -33,7 +33,7 @@ def _moe(dim: int, hidden: int, experts: int, top_k: int, grouped: bool, seed: i
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, dim ** -0.5)
-    layer.experts.grouped_mm = grouped
+    layer.dispatcher = LocalExperts(grouped)
     return layer
 
 

@@ -381,6 +381,16 @@ class DistributedConfig:
 
 
 @dataclass
+class CompileConfig:
+    """torch.compile (docs/compile.md)."""
+
+    enabled: str = doc("Compile each transformer block on its own with torch.compile (regional compilation, static "
+                       "shapes; the final norm and the plain loss too): 'auto' (on a CUDA device, not on a CPU: "
+                       "measured in docs/compile.md), true or false. The first step pays the compile time "
+                       "(reported as compile_s); no step after recompiles.", "auto")
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -396,6 +406,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -433,6 +444,8 @@ def _coerce(dotted: str, value: Any, typ: type) -> Any:
 
 
 def _typed(dotted: str, value: Any, typ: type) -> Any:
+    if typ is str and isinstance(value, bool):  # a TOML true / false for a switch that also takes 'auto'
+        return "true" if value else "false"
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         try:

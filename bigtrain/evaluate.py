@@ -12,13 +12,12 @@ after each step) are put back as they were.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
 
 from bigtrain.data import TokenSampler
-from bigtrain.models.moe import MoEFeedForward, MoEStats
+from bigtrain.models.moe import routing_statistics_set_aside
 from bigtrain.parallel.parallel_model import ParallelModel
 from bigtrain.parallel.pipeline.executor import _encode_spec, _recv_spec
 
@@ -28,11 +27,12 @@ def held_out_loss(parallel: ParallelModel, sampler: TokenSampler, batches: int, 
                   micro_batch: int, to_device: Callable[[torch.Tensor], torch.Tensor]) -> float:
     """The mean loss over ``batches`` validation global batches; collective over the whole mesh."""
     loss_sum = torch.zeros((), device=parallel.device)
-    with _routing_statistics_kept(parallel):
+    with routing_statistics_set_aside(parallel.model):
         for tokens, targets in sampler.eval_micro_batches(batches, dp_rank, dp, micro_batch):
             tokens, targets, start = parallel.sequence_chunk(to_device(tokens), to_device(targets))
             if parallel.schedule is None:
-                loss_sum += parallel.loss_sum(parallel.model(tokens, start_pos=start), targets).float()
+                out = parallel.model(tokens, **parallel.forward_kwargs(start))
+                loss_sum += parallel.loss_sum(out, targets).float()
             else:
                 loss_sum += _through_the_stages(parallel, tokens, targets, start)
     if parallel.schedule is not None:
@@ -46,7 +46,7 @@ def _through_the_stages(parallel: ParallelModel, tokens: torch.Tensor, targets: 
     """One micro-batch forward through every pipeline stage in order; its summed loss on the rank of
     the last stage, 0 elsewhere. Each hand-over to another rank sends the shape first."""
     schedule, pp, device = parallel.schedule, parallel.pp, parallel.device
-    kwargs = {"start_pos": start} if parallel.sp.size > 1 else {}
+    kwargs = parallel.forward_kwargs(start if parallel.sp.size > 1 else None)
     h, loss = tokens, torch.zeros((), device=device)
     for stage in range(schedule.num_stages):
         here = schedule.rank_of_stage(stage)
@@ -64,17 +64,3 @@ def _through_the_stages(parallel: ParallelModel, tokens: torch.Tensor, targets: 
     if (schedule.num_stages - 1) in parallel.stages:
         loss = parallel.loss_sum(h, targets).float()
     return loss
-
-
-@contextmanager
-def _routing_statistics_kept(parallel: ParallelModel):
-    """MoE blocks count their routings in every forward: the evaluation's go to a scratch record."""
-    blocks = [m for m in parallel.model.modules() if isinstance(m, MoEFeedForward)]
-    kept = [block.stats for block in blocks]
-    for block in blocks:
-        block.stats = MoEStats(block.num_experts)
-    try:
-        yield
-    finally:
-        for block, stats in zip(blocks, kept):
-            block.stats = stats

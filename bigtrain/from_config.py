@@ -8,7 +8,8 @@ so the same steps run on a user's model without a Config.
 from __future__ import annotations
 
 from bigtrain.config import Config
-from bigtrain.parallel.parallel_plan import (ActivationPlan, EnginePlan, ExpertPlan, Float8Plan, LossScaling,
+from bigtrain.parallel.parallel_plan import (ActivationPlan, CompilePlan, EnginePlan, ExpertPlan, Float8Plan,
+                                             LossScaling,
                                              ParallelPlan, PipelinePlan, TensorParallelPlan)
 from bigtrain.parallel.zero.offload import OffloadPlan
 from bigtrain.precision import Precision
@@ -26,7 +27,14 @@ def offload_plan(cfg: Config, run_dir: str | None = None) -> OffloadPlan:
     return OffloadPlan(o.optimizer, o.params, directory, o.prefetch_depth, o.delayed_update)
 
 
-def parallel_plan(cfg: Config, run_dir: str | None = None) -> ParallelPlan:
+def compile_enabled(cfg: Config, device_type: str) -> bool:
+    """``compile.enabled`` on a device of this type: 'auto' compiles on CUDA only (docs/compile.md:
+    on a CPU the compile time outweighs what the shorter steps save over a run of usual length)."""
+    setting = cfg.compile.enabled
+    return setting == "true" or (setting == "auto" and device_type == "cuda" and cfg.model.name == "llama")
+
+
+def parallel_plan(cfg: Config, run_dir: str | None = None, device_type: str = "cpu") -> ParallelPlan:
     p, precision = cfg.parallel, cfg.precision
     split_points = tuple(p.split_points) if p.split_points is not None else None
     return ParallelPlan(
@@ -40,5 +48,6 @@ def parallel_plan(cfg: Config, run_dir: str | None = None) -> ParallelPlan:
                           p.reshard_after_forward, p.prefetch, p.bucket_mb,
                           p.local_sgd_every if p.dp_sync == "local-sgd" else 1, offload_plan(cfg, run_dir)),
         float8=Float8Plan(precision.fp8, precision.fp8_emulate),
+        compile=CompilePlan(compile_enabled(cfg, device_type)),
         seed=cfg.train.seed,
     )

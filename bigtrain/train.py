@@ -45,6 +45,7 @@ from bigtrain.parallel.pipeline.executor import PipelineExecutor, align_timeline
 from bigtrain.parallel.pipeline.simulate import simulate
 from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 from bigtrain.parallel.build import parallelize
+from bigtrain.parallel.compile import compile_clock
 from bigtrain.preemption import Preempted, SignalWatch
 from bigtrain.run_dir import ensure_run_id, forget_stop, read_run_id, record_stop
 from bigtrain.run_segments import open_segment, update_segment
@@ -73,6 +74,7 @@ class StepResult:
     # offload: the host optimizer step that finished in this step (the previous step's, with the
     # delayed update): its duration and the fraction of it that ran during this step's forward and backward
     offload: dict[str, float] = field(default_factory=dict)
+    compile_s: float = 0.0  # compile.enabled: seconds this rank spent compiling since the step before
 
     def record(self) -> dict:
         out = {"step": self.step + 1, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
@@ -86,6 +88,8 @@ class StepResult:
             out["eval_loss"] = self.eval_loss
         if self.offload:
             out["offload_step_ms"], out["offload_hidden"] = self.offload["step_ms"], self.offload["hidden"]
+        if self.compile_s:
+            out["compile_s"] = self.compile_s
         return out
 
 
@@ -93,9 +97,12 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, mesh: Mesh, device: torch.device | str = "cpu"):
         self.cfg, self.run_dir, self.mesh, self.device = cfg, Path(run_dir), mesh, torch.device(device)
         self.is_main = mesh.rank == 0
-        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg, str(self.run_dir)), self.device,
-                                    init_fn=initial_weights(cfg.model))
+        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg, str(self.run_dir), device_type=self.device.type),
+                                    self.device, init_fn=initial_weights(cfg.model))
         self.model, self.engine = self.parallel.model, self.parallel.engine
+        self.compile_clock = compile_clock() if self.parallel.compiled is not None else None
+        if self.compile_clock is not None:
+            self.compile_clock.take()  # what compiled before this run (another trainer's) is not this run's
         set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
         self.deferred: DeferredUpdate | None = None  # 2BW's deferred update, once started (fit does)
@@ -175,7 +182,7 @@ class Trainer:
 
         return PipelineExecutor(parallel.stages, parallel.schedule, parallel.pp, loss_fn,
                                 engines={s: self.engine for s in parallel.stages},
-                                forward_kwargs={"start_pos": start} if parallel.sp.size > 1 else None,
+                                forward_kwargs=parallel.forward_kwargs(start if parallel.sp.size > 1 else None),
                                 vertical_sync=self.cfg.parallel.pp_vertical_sync)
 
     def _step_inputs(self) -> tuple:
@@ -228,7 +235,12 @@ class Trainer:
         scaler = self.engine.scaler
         return StepResult(step, loss, grad_norm, lr, step_time, self.global_tokens, mem, traffic.by_axis(),
                           traffic.by_op(), skipped, scaler.scale if scaler is not None else None, moe,
-                          offload=self._host_step(computing, computed))
+                          offload=self._host_step(computing, computed), compile_s=self._compile_seconds())
+
+    def _compile_seconds(self) -> float:
+        """Seconds spent compiling since the last step (compile.enabled): the first step's, and any
+        recompilation's, which the metrics show."""
+        return self.compile_clock.take()[0] if self.compile_clock is not None else 0.0
 
     # -- 2BW's deferred update (bigtrain/parallel/pipeline/deferred.py) ---------------------------------
     def start_deferred_updates(self) -> bool:
@@ -284,7 +296,7 @@ class Trainer:
         pending, info = landed.pending, landed.pending.info
         return StepResult(pending.step, landed.loss_sum / info["global_targets"], landed.grad_norm, pending.lr,
                           info["step_time"], self.global_tokens, info["mem"], info["comm"], info["comm_ops"],
-                          landed.skipped)
+                          landed.skipped, compile_s=self._compile_seconds())
 
     def _host_step(self, start: float, end: float) -> dict[str, float]:
         offload = getattr(self.engine, "offload", None)
@@ -406,8 +418,11 @@ class Trainer:
     def _log_result(self, result: StepResult, log: MetricsLog, bad: BadSteps, scale_before: float | None) -> None:
         """Log a finished step and count it for the NaN policy."""
         self.history.append(result)
-        if self._logged(result.step) or result.skipped or result.eval_loss is not None:
+        if self._logged(result.step) or result.skipped or result.eval_loss is not None or result.compile_s:
             log.write(result.record())
+        if result.compile_s:
+            log.note(f"bigtrain: step {result.step + 1} compiled for {result.compile_s:.1f} s (compile.enabled: "
+                     f"each block's forward and backward graph, the first time it runs)")
         log.advance()
         try:
             note = bad.observe(result.step + 1, result.loss, result.grad_norm, result.skipped, scale_before,
@@ -589,6 +604,8 @@ class Trainer:
         cfg = self.cfg
         return {"params": count_parameters(self.model), "steps": self.step,
                 "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,
+                "transforms": {name: list(kinds) for name, kinds in self.parallel.transforms.items()},
+                "compile_s": self.compile_clock.seconds if self.compile_clock is not None else 0.0,
                 "mesh": self.mesh.sizes, "model_params": count_parameters(build_model(cfg.model)),  # whole, on meta
                 "tokens_seen": self.step * self.global_tokens,
                 "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg),

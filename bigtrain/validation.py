@@ -504,6 +504,22 @@ def _check_dlrm_data(cfg: Config) -> list[str]:
 
 RULES += [check_embedding]
 
+COMPILE_SETTINGS = ("auto", "true", "false")
+
+
+def check_compile(cfg: Config) -> list[str]:
+    """``compile.enabled`` (bigtrain/parallel/compile.py): combinations the compiler cannot take are
+    refused here, before launch."""
+    setting = cfg.compile.enabled
+    problems = _one_of("compile.enabled", setting, COMPILE_SETTINGS)
+    if setting == "true" and cfg.model.name != "llama":
+        problems.append(f"compile.enabled = true compiles the decoder's transformer blocks; model.name = "
+                        f"'{cfg.model.name}' has none: use compile.enabled = 'auto' or false")
+    return problems
+
+
+RULES += [check_compile]
+
 
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None,
              world_size_from: str = "from the launcher", cuda_capability: tuple[int, int] | None = None) -> None:

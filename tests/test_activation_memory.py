@@ -13,7 +13,7 @@ import torch
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.from_config import activation_plan
 from bigtrain.memory.activations import apply_activation_memory
-from bigtrain.memory.compression import _Int8WeightGrad, compress_linear_inputs, quantize_rows
+from bigtrain.memory.compression import _Int8WeightGrad, int8_linears, quantize_rows
 from bigtrain.memory.fused_loss import fused_linear_cross_entropy_sum
 from bigtrain.models.llama import build_model
 from bigtrain.parallel.build import token_loss_sum
@@ -184,8 +184,7 @@ def test_int8_rows_round_trip_within_half_a_step():
 
 
 def test_three_linears_reading_one_input_share_one_int8_copy():
-    linears = [torch.nn.Linear(32, 16, bias=False) for _ in range(3)]
-    compress_linear_inputs(linears)
+    linears = int8_linears([torch.nn.Linear(32, 16, bias=False) for _ in range(3)])
     x = torch.randn(8, 32, requires_grad=True)
     with SavedActivations() as tracker:
         outs = [lin(x) for lin in linears]

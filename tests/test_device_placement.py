@@ -145,5 +145,5 @@ def test_a_one_device_run_resumes_where_it_stopped(recipe, device, corpus_cache,
     again = Trainer(cfg, tmp_path / "resumed", Mesh({}), device)
     assert again.resume("auto") and again.step == 2
     resumed = [again.train_step().loss for _ in range(2)]
-    rtol = 1e-6 if device == "cpu" else TOLERANCES[cfg.precision.mode].scalar
+    rtol = 1e-6 if device == "cpu" else TOLERANCES[cfg.precision.mode].loss
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected[2:]), rtol=rtol, atol=0)

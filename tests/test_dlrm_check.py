@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from bigtrain.check.fuzz import DLRM, draw_sample, run_sample, sample_dlrm_layout
+from bigtrain.check.fuzz import COMPILED, DLRM, draw_sample, run_sample, sample_dlrm_layout
 from bigtrain.check.run import check_on_rank
 from bigtrain.cli import main
 from bigtrain.config import load_config
@@ -107,9 +107,19 @@ def test_the_model_draw_keeps_the_decoder_samples_of_a_seed():
     mixed = [draw_sample(SEED, i, 8, 0.5) for i in range(40)]
     assert 5 < sum(DLRM in s for s in mixed) < 35
     for i, s in enumerate(mixed):
-        if DLRM not in s:
-            assert s == sample_layout(random.Random(f"{SEED}:{i}"), 8)
+        if DLRM not in s:  # compilation is drawn on top, from a generator of its own
+            assert [o for o in s if o != COMPILED] == sample_layout(random.Random(f"{SEED}:{i}"), 8)
     assert all(DLRM not in draw_sample(SEED, i, 8, 0.0) for i in range(40))
+
+
+def test_the_compile_draw_keeps_the_decoder_samples_and_never_compiles_a_dlrm():
+    from bigtrain.check.fuzz import sample_layout
+
+    compiled = [draw_sample(SEED, i, 8, 0.0, resume_share=0.0, int8_share=0.0, compile_share=1.0) for i in range(20)]
+    assert all(s[-1] == COMPILED and s[:-1] == sample_layout(random.Random(f"{SEED}:{i}"), 8)
+               for i, s in enumerate(compiled))
+    assert all(COMPILED not in draw_sample(SEED, i, 8, 1.0, compile_share=1.0) for i in range(20))  # DLRMs only
+    assert all(COMPILED not in draw_sample(SEED, i, 8, 0.2, compile_share=0.0) for i in range(20))
 
 
 @pytest.mark.slow

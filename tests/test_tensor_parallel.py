@@ -82,7 +82,7 @@ def _embedding_and_loss_parity(rank, world_size, vocab):
     with torch.device("meta"):
         local = nn.Embedding(vocab, 8)
     ctx = TPContext(tp=Mesh({"tp": world_size}, rank).comm("tp"))
-    VocabParallelEmbedding().apply(local, ctx)
+    local = VocabParallelEmbedding().apply(local, ctx)  # a lookup wrapper in the embedding's place
     spec = _local_copy(full, local, ctx)["weight"]
     out = local(tokens)
     out.pow(2).sum().backward()

@@ -9,9 +9,10 @@ with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture
 degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
 update, float8 linears emulated); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
-in backward, the dense part's optimizer, 1 to 4 ranks); and, on top of a decoder sample, int8
-activation compression (:func:`draw_sample`), against the reference that quantizes the same linear
-inputs by the same rule. Each sample must either be rejected by validation before any rank
+in backward, the dense part's optimizer, 1 to 4 ranks); on top of a decoder sample, int8
+activation compression, against the reference that quantizes the same linear inputs by the same
+rule, and regional compilation (``compile.enabled``), each from a generator of its own so the rest of
+a sample is what it was before it joined (:func:`draw_sample`). Each sample must either be rejected by validation before any rank
 starts, with every problem naming a field, or train like the independent reference
 (:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
 a bug.
@@ -50,21 +51,27 @@ DLRM_SHARE = 0.2
 RESUME_SHARE = 0.25
 INT8_SHARE = 0.2
 INT8 = "--memory.activation_compression=int8"
+COMPILE_SHARE = 0.25
+COMPILED = "--compile.enabled=true"
 
 
 def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE,
-                resume_share: float = RESUME_SHARE, int8_share: float = INT8_SHARE) -> list[str]:
+                resume_share: float = RESUME_SHARE, int8_share: float = INT8_SHARE,
+                compile_share: float = COMPILE_SHARE) -> list[str]:
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
-    with int8 activation compression added with probability ``int8_share``, resumed then stepped
-    with probability ``resume_share``. The model, int8 and the resume are drawn from generators of
-    their own, so a decoder sample with neither is the one :func:`sample_layout` drew for
-    (seed, index) before DLRMs, int8 and resumes joined, whatever the shares."""
+    with int8 activation compression added with probability ``int8_share``, compiled
+    (``compile.enabled``) with probability ``compile_share``, resumed then stepped with probability
+    ``resume_share``. The model, int8, compilation and the resume are drawn from generators of their
+    own, so a decoder sample with none of them is the one :func:`sample_layout` drew for
+    (seed, index) before DLRMs, int8, compilation and resumes joined, whatever the shares."""
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
     out = sample_layout(rng, max_world)
     if random.Random(f"{seed}:{index}:int8").random() < int8_share:
         out.append(INT8)
+    if random.Random(f"{seed}:{index}:compile").random() < compile_share:
+        out.append(COMPILED)
     resume = random.Random(f"{seed}:{index}:resume")
     return resume_choice(resume, out, max_world) if resume.random() < resume_share else out
 
@@ -320,7 +327,9 @@ def _validate(cfg: Config) -> None:
 
 def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: float = 240.0) -> Outcome:
     """Validate one sample; if valid, check it on forked Gloo ranks against the reference (a
-    resumed sample: run its first part and save, then check the resumed part)."""
+    resumed sample: run its first part and save, then check the resumed part). A compiled sample
+    gets 3x the time (each rank compiles its blocks in its first step, 6-25 s a graph on a loaded
+    2-core machine), and its ranks wait that long for each other in a collective."""
     from bigtrain.check.run import check_on_rank, save_on_rank
     from bigtrain.testing import RankFailure, run_ranks
 
@@ -334,15 +343,18 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
         unnamed = [p for p in e.problems if not FIELD.search(p)]
         verdict = "bad-rejection" if unnamed else "rejected"
         return Outcome(overrides, verdict, "; ".join(unnamed or e.problems), time.perf_counter() - start)
+    if COMPILED in overrides:
+        timeout *= 3
     with tempfile.TemporaryDirectory(prefix="bigtrain-fuzz-") as run_dir:
         try:
             saved = None
             if resume_after:
                 a = configs[0]
-                saved = run_ranks(save_on_rank, a.parallel.world_size, a, run_dir, resume_after, timeout=timeout)[0]
+                saved = run_ranks(save_on_rank, a.parallel.world_size, a, run_dir, resume_after, timeout=timeout,
+                                  group_timeout=timeout)[0]
             cfg = configs[-1]
             report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, run_dir, steps, saved,
-                               timeout=timeout)[0]
+                               timeout=timeout, group_timeout=timeout)[0]
         except RankFailure as e:
             verdict = "hung" if "did not finish" in str(e) else "crashed"
             return Outcome(overrides, verdict, str(e)[-3000:], time.perf_counter() - start)
@@ -366,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--int8-share", type=float, default=INT8_SHARE,
                         help=f"share of the decoder samples with int8 activation compression, 0 to 1 (default "
                              f"{INT8_SHARE}; 0: none, as before int8 joined)")
+    parser.add_argument("--compile-share", type=float, default=COMPILE_SHARE,
+                        help=f"share of the decoder samples compiled (compile.enabled = true), 0 to 1 (default "
+                             f"{COMPILE_SHARE}; 0: as before compilation joined; 1: every decoder sample)")
     args = parser.parse_args(argv)
     import torch
 
@@ -374,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     bad, outcomes = [], []
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
-        sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share, args.int8_share)
+        sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share, args.int8_share,
+                             args.compile_share)
         outcome = run_sample(sample, args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)
@@ -388,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
     for label, group in (("DLRM", [o for o in outcomes if DLRM in o.overrides]),
                          ("resumed", [o for o in outcomes if split_resume(o.overrides)[1]]),
-                         ("int8", [o for o in outcomes if INT8 in o.overrides])):
+                         ("int8", [o for o in outcomes if INT8 in o.overrides]),
+                         ("compiled", [o for o in outcomes if COMPILED in o.overrides])):
         if group:
             by_verdict = {v: sum(o.verdict == v for o in group) for v in sorted({o.verdict for o in group})}
             summary += f" ({label}: {len(group)}, " + ", ".join(f"{n} {v}" for v, n in by_verdict.items()) + ")"

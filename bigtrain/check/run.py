@@ -101,9 +101,8 @@ class OutputProbe:
 
     def __init__(self, modules: list[tuple[str, nn.Module]], captured: Callable[[str], bool] = captured_module):
         self.outputs: dict[str, list[torch.Tensor]] = {}
-        # A fused head (model.fused_loss) returns the loss, not logits: nothing to compare there.
         self.handles = [m.register_forward_hook(lambda mod, args, out, name=name: self._record(name, out))
-                        for name, m in modules if captured(name) and not getattr(m, "returns_loss", False)]
+                        for name, m in modules if captured(name)]
 
     def _record(self, name: str, out) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -118,7 +117,13 @@ class OutputProbe:
 
 
 def _modules(trainer: Trainer) -> list[tuple[str, nn.Module]]:
-    return list(trainer.model.named_modules())
+    """This rank's modules whose outputs can be compared, by the record of what wrapped them: not a
+    fused head (its output is the loss, not logits), and nothing inside a compiled region (a hook
+    there would be traced into the compiled graph; the region's own output is compared)."""
+    transforms = getattr(trainer.parallel, "transforms", {})  # a DLRM's parallel model records none
+    compiled = [name + "." for name, kinds in transforms.items() if "compile" in kinds]
+    return [(name, m) for name, m in trainer.model.named_modules()
+            if "fused_loss" not in transforms.get(name, ()) and not name.startswith(tuple(compiled))]
 
 
 def _compare_scalars(result: StepResult, ref: ReferenceStep) -> list[Finding]:

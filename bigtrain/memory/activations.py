@@ -1,9 +1,10 @@
 """The ``memory`` section applied to a plain (possibly tensor-parallel) Llama: one call for ``parallelize``.
 
 In this order, each on the module structure before any weight exists: int8 compression of the
-linear layers' saved inputs (innermost: it replaces how a linear computes), recomputation (full,
-every k-th or selective), the fused head (``model.fused_loss``), and offload around every module
-(outermost: its hooks also see the checkpoints' inputs). None of them changes a parameter name.
+linear layers' saved inputs (innermost: a wrapper that changes how a linear computes), recomputation
+(full, every k-th or selective), the fused head (``model.fused_loss``), and offload around every module
+(outermost: its hooks also see the checkpoints' inputs). Each is a wrapper (``bigtrain/wrappers.py``)
+or hooks; none of them changes a parameter name, a module's ``forward`` or its attributes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def offloaded_modules(model: nn.Module) -> list[nn.Module]:
     return [model.tok_embeddings, *model.layers, model.norm, model.output]
 
 
-def rows_split_over(model: nn.Module, layout: "TensorLayout | None") -> dict[nn.Module, AxisComm]:
+def rows_split_over(model: nn.Module, layout: "TensorLayout | None") -> dict[str, AxisComm]:
     """The linear layers whose weight tensor parallelism cut along the input features (row-parallel:
     each rank sees a share of every input row), each with the tp group that holds the rest of the row."""
     if layout is None or layout.tp.size == 1:
@@ -70,7 +71,7 @@ def rows_split_over(model: nn.Module, layout: "TensorLayout | None") -> dict[nn.
             if spec.axis != "tp":
                 raise ValueError(f"int8 compression: {name}'s input features are cut over {spec.axis}; it "
                                  f"agrees row scales over tp only")
-            out[module] = layout.tp
+            out[name] = layout.tp
     return out
 
 
@@ -78,10 +79,10 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
     """Apply ``plan`` to ``model`` (after tensor parallelism: ``layout`` is its TensorLayout, or None)."""
     compressed = 0
     if plan.compression == "int8":
-        linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+        linears = [f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
         if not plan.fused_loss:
-            linears.append(model.output)
-        compressed = compress_linear_inputs(linears, rows_split_over(model, layout))
+            linears.append("output")
+        compressed = compress_linear_inputs(model, linears, rows_split_over(model, layout))
     if plan.policy == "selective":
         apply_selective_recomputation(model.layers, plan.selective_attention)
         checkpointed = []

@@ -1,7 +1,8 @@
 """Activation checkpointing: keep a block's input, recompute its inside during backward.
 
-Applied to a plain model after it is built, by replacing the chosen blocks' ``forward`` on the
-instance, so parameter names (and so checkpoints and parallel plans) stay the same as without it.
+Applied to a plain model after it is built: each chosen block is put inside a :class:`Checkpointed`
+wrapper (``bigtrain/wrappers.py``), which adds no name, so parameter names (and so checkpoints and
+parallel plans) stay the same as without it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from bigtrain.wrappers import ModuleWrapper, WholeBackward, wrap_all
 
 
 class _KeepInput(torch.autograd.Function):
@@ -36,22 +39,20 @@ def checkpointed_blocks(n_blocks: int, policy: str, every: int = 1) -> list[int]
     raise ValueError(f"memory.checkpointing = '{policy}': must be 'none', 'full' or 'every'")
 
 
-def checkpoint_module(module: nn.Module) -> None:
-    """Make ``module`` recompute its forward during backward (non-reentrant torch checkpoint)."""
-    inner = module.forward
+class Checkpointed(WholeBackward, ModuleWrapper):
+    """A block that keeps only its input and recomputes its forward during backward (non-reentrant
+    torch checkpoint). Hooks on the block run outside the checkpoint, once, as without it."""
 
-    def forward(x, *args, **kwargs):
+    kind = "checkpoint"
+
+    def forward(self, x, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return inner(x, *args, **kwargs)
-        return checkpoint(inner, _KeepInput.apply(x), *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward
-    module.is_checkpointed = True
+            return self.wrapped.forward(x, *args, **kwargs)
+        return checkpoint(self.wrapped.forward, _KeepInput.apply(x), *args, use_reentrant=False, **kwargs)
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList, policy: str, every: int = 1) -> list[int]:
-    """Checkpoint the blocks the policy selects; returns their indices."""
+def apply_activation_checkpointing(blocks: nn.ModuleList | nn.ModuleDict, policy: str, every: int = 1) -> list[int]:
+    """Wrap the blocks the policy selects in :class:`Checkpointed`, in place; returns their indices."""
     chosen = checkpointed_blocks(len(blocks), policy, every)
-    for i in chosen:
-        checkpoint_module(blocks[i])
+    wrap_all(blocks, chosen, Checkpointed)
     return chosen

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.wrappers import ModuleWrapper, replace_module
+
 
 
 def row_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -95,33 +97,55 @@ class _SharedQuantization:
         return q, scale
 
 
-def compress_linear_inputs(modules: list[nn.Linear], rows_split_over: dict[nn.Module, AxisComm] | None = None) -> int:
-    """Make each linear of ``modules`` save its input in int8; returns how many. ``rows_split_over``:
-    the linears whose input features are cut over a group of ranks (row-parallel), each with that
-    group, over which its rows' scales are agreed."""
-    shared = _SharedQuantization()
-    split = rows_split_over or {}
-    for linear in modules:
-        def forward(x: torch.Tensor, linear=linear, comm=split.get(linear)) -> torch.Tensor:
-            weight, bias = linear.weight, linear.bias
-            if not torch.is_grad_enabled() or not weight.requires_grad:
-                return F.linear(x, weight, bias)
-            pending = None
-            if comm is None:
-                q, scale = shared.of(x)
-            else:  # the whole row's max, on the wire while the matmul runs
-                absmax = row_absmax(x)
-                pending = comm.all_reduce(absmax, op=dist.ReduceOp.MAX, async_op=True, tag="int8_row_absmax")
-            y = F.linear(x, weight.detach(), bias.detach() if bias is not None else None)
-            if comm is not None:
-                if pending is not None:
-                    pending.wait()
-                q, scale = quantize_rows(x, absmax)
-            out = _Int8WeightGrad.apply(y, weight, bias, q, scale)
-            # A view on top, as F.linear's own output is a view of its matmul: hooks put on the
-            # module's output (ZeRO-3 gathers before backward with one) must not sit on the node
-            # that the split backward's W re-enters, or they run again there.
-            return out.view_as(out)
+class Int8SavedInput(ModuleWrapper):
+    """A linear layer that saves its input as int8 rows for its weight gradient (see the module
+    docstring); ``shared``: the copy of the input that linears reading the same input share;
+    ``rows_over``: for a row-parallel linear (its input features cut over a group of ranks), that
+    group, over which each row's scale is agreed (its own quantization, not shared)."""
 
-        linear.forward = forward
-    return len(modules)
+    kind = "int8_saved_input"
+
+    def __init__(self, linear: nn.Linear, shared: _SharedQuantization, rows_over: AxisComm | None = None):
+        super().__init__(linear)
+        object.__setattr__(self, "shared", shared)  # plain state of this wrapper, not a child
+        object.__setattr__(self, "rows_over", rows_over)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias, comm = self.weight, self.bias, self.rows_over
+        if not torch.is_grad_enabled() or not weight.requires_grad:
+            return F.linear(x, weight, bias)
+        pending = None
+        if comm is None:
+            q, scale = self.shared.of(x)
+        else:  # the whole row's max, on the wire while the matmul runs
+            absmax = row_absmax(x)
+            pending = comm.all_reduce(absmax, op=dist.ReduceOp.MAX, async_op=True, tag="int8_row_absmax")
+        y = F.linear(x, weight.detach(), bias.detach() if bias is not None else None)
+        if comm is not None:
+            if pending is not None:
+                pending.wait()
+            q, scale = quantize_rows(x, absmax)
+        out = _Int8WeightGrad.apply(y, weight, bias, q, scale)
+        # A view on top, as F.linear's own output is a view of its matmul: hooks put on the
+        # module's output (ZeRO-3 gathers before backward with one) must not sit on the node
+        # that the split backward's W re-enters, or they run again there.
+        return out.view_as(out)
+
+
+def int8_linears(linears: list[nn.Linear], rows_over: list[AxisComm | None] | None = None) -> list[Int8SavedInput]:
+    """:class:`Int8SavedInput` wrappers of ``linears``, sharing one int8 copy of a common input;
+    ``rows_over``: each linear's group for agreed row scales (None: its own rows are whole)."""
+    shared = _SharedQuantization()
+    rows_over = rows_over or [None] * len(linears)
+    return [Int8SavedInput(linear, shared, comm) for linear, comm in zip(linears, rows_over)]
+
+
+def compress_linear_inputs(root: nn.Module, names: list[str], rows_split_over: dict[str, AxisComm] | None = None) -> int:
+    """Make each linear ``names`` of ``root`` save its input in int8 (wrapped in place); returns how
+    many. ``rows_split_over``: the linears (by name) whose input features are cut over a group of
+    ranks (row-parallel), each with that group, over which its rows' scales are agreed."""
+    split = rows_split_over or {}
+    wrappers = int8_linears([root.get_submodule(n) for n in names], [split.get(n) for n in names])
+    for name, wrapper in zip(names, wrappers):
+        replace_module(root, name, wrapper)
+    return len(names)

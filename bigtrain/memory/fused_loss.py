@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.core.targets import IGNORE_INDEX
+from bigtrain.wrappers import ModuleWrapper, WholeBackward
 
 
 class _VocabRange:
@@ -101,21 +102,29 @@ def fused_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, t
                                              _VocabRange(comm, first, vocab_size))
 
 
+class FusedLossHead(WholeBackward, ModuleWrapper):
+    """The output head as a loss: ``head(hidden, targets)`` is the summed cross-entropy of
+    ``hidden @ weight.T`` (:func:`fused_linear_cross_entropy_sum`). It takes the linear's place, so
+    its hooks (tensor-parallel input, ZeRO-3 gathering, activation offload) run around the loss.
+    The model must then end at its final norm (``Llama(..., with_head=False)``): the loss calls the
+    head. Its backward computes the logits again from the weight, as a checkpointed block does: the
+    zero-bubble split backward then takes its weight gradient in I, while ZeRO-3 still has the
+    weight gathered, instead of deferring it to a W that would read a released weight."""
+
+    kind = "fused_loss"
+
+    def __init__(self, head: nn.Linear, chunk: int, tp=None, vocab: tuple[int, int] | None = None):
+        super().__init__(head)
+        first, vocab_size = vocab if vocab is not None else (0, None)
+        object.__setattr__(self, "loss_args", (chunk, tp, first, vocab_size))  # plain state, not a child
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return fused_linear_cross_entropy_sum(hidden, self.weight, targets, *self.loss_args)
+
+
 def fuse_head_into_loss(model: nn.Module, chunk: int, tp=None, vocab: tuple[int, int] | None = None) -> nn.Module:
-    """Make ``model.output(hidden, targets)`` return the summed loss, and the model return the final
-    norm's output. The head stays a module call, so its hooks (tensor-parallel input, ZeRO-3
-    gathering) run as before. ``vocab``: (first local id, vocabulary size) under tp. Returns the head."""
-    head = model.output
-    first, vocab_size = vocab if vocab is not None else (0, None)
-
-    def forward(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return fused_linear_cross_entropy_sum(hidden, head.weight, targets, chunk, tp, first, vocab_size)
-
-    head.forward = forward
-    head.returns_loss = True  # bigtrain check: its output is the loss, not logits to compare
-    # Its backward computes the logits again from the weight, as a checkpointed block does: the
-    # zero-bubble split backward then takes its weight gradient in I, while ZeRO-3 still has the
-    # weight gathered, instead of deferring it to a W that would read a released weight.
-    head.is_checkpointed = True
-    model.head_in_loss = True
-    return head
+    """Put ``model.output`` inside a :class:`FusedLossHead` (in place) and return it: call it with
+    (final norm output, targets) for the summed loss. ``vocab``: (first local id, vocabulary size)
+    under tp."""
+    model.output = FusedLossHead(model.output, chunk, tp, vocab)
+    return model.output

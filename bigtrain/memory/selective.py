@@ -28,35 +28,40 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bigtrain.models.moe import MoEFeedForward
+from bigtrain.wrappers import ModuleWrapper, replace_module
 
-def recompute_in_backward(module: nn.Module) -> None:
-    """Run ``module``'s forward under a non-reentrant checkpoint (its hooks stay outside)."""
-    inner = module.forward
 
-    def forward(*args, **kwargs):
+class Recomputed(ModuleWrapper):
+    """A part of a block run under a non-reentrant checkpoint: its output is recomputed in backward
+    from its input. Its hooks (Ulysses' all-to-all around the attention core) stay outside: they
+    run once, and the recomputation does not communicate."""
+
+    kind = "recompute"
+
+    def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward
+            return self.wrapped.forward(*args, **kwargs)
+        return checkpoint(self.wrapped.forward, *args, use_reentrant=False, **kwargs)
 
 
-def selective_parts(block: nn.Module, attention: bool = False) -> list[nn.Module]:
-    """The modules of a Llama block that selective recomputation wraps (``attention``: the core too);
-    of an MoE block the norms and the shared expert's activation."""
-    parts = [block.attention_norm, block.ffn_norm]
+def selective_parts(block: nn.Module, attention: bool = False) -> list[str]:
+    """The names (in ``block``) of the modules of a Llama block that selective recomputation wraps
+    (``attention``: the core too); of an MoE block the norms and the shared expert's activation."""
+    parts = ["attention_norm", "ffn_norm"]
     ffn = block.feed_forward
-    if getattr(ffn, "is_moe", False):  # the experts' SwiGLU runs inside their loop or grouped GEMM: kept
-        ffn = ffn.shared
-    if ffn is not None:
-        parts.append(ffn.activation)
-    return parts + [block.attention.core] if attention else parts
+    if isinstance(ffn, MoEFeedForward):  # the experts' SwiGLU runs inside their loop or grouped GEMM: kept
+        if ffn.shared is not None:
+            parts.append("feed_forward.shared.activation")
+    else:
+        parts.append("feed_forward.activation")
+    return parts + ["attention.core"] if attention else parts
 
 
 def apply_selective_recomputation(blocks: nn.ModuleList, attention: bool = False) -> list[int]:
-    """Recompute the norms and activation (and with ``attention`` the attention core) of every
-    block; returns their indices."""
+    """Wrap the norms and activation (and with ``attention`` the attention core) of every block in
+    :class:`Recomputed`, in place; returns the blocks' indices."""
     for block in blocks:
-        for part in selective_parts(block, attention):
-            recompute_in_backward(part)
+        for name in selective_parts(block, attention):
+            replace_module(block, name, Recomputed(block.get_submodule(name)))
     return list(range(len(blocks)))

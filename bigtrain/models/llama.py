@@ -97,13 +97,12 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Tokens (batch, seq) -> logits (batch, seq, vocab); or the final norm's output when
-    ``head_in_loss`` is set (the fused loss then calls the output head with the targets)."""
+    """Tokens (batch, seq) -> logits (batch, seq, vocab); or the final norm's output with
+    ``with_head=False`` (a loss that applies the head itself, the fused loss, then calls it)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.head_in_loss = False  # set by bigtrain.memory.fused_loss.fuse_head_into_loss
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -122,15 +121,16 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return self
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """``start_pos``: position of the first token (a sequence-parallel rank holds a later chunk)."""
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True) -> torch.Tensor:
+        """``start_pos``: position of the first token (a sequence-parallel rank holds a later chunk);
+        ``with_head``: False ends at the final norm (its output goes to a fused loss head)."""
         s = tokens.shape[1]
         cos, sin = self.rope_cos[start_pos:start_pos + s], self.rope_sin[start_pos:start_pos + s]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
         h = self.norm(h)
-        return h if self.head_in_loss else self.output(h)
+        return self.output(h) if with_head else h
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:

@@ -2,10 +2,10 @@
 
 Plain single-device PyTorch, like the rest of the model: ``MoEFeedForward`` routes its tokens,
 applies the capacity rule, sorts the kept routings by expert and hands them to its ``dispatcher``.
-The model's own dispatcher (:class:`LocalExperts`) runs them through the local experts, one plain
-loop over experts; expert parallelism (:mod:`bigtrain.parallel.experts`) swaps in a dispatcher that
-moves them to the rank holding their expert by all-to-all and back, and may switch the experts to
-grouped GEMM. Routing, capacity and the combine never change with the layout, which is what makes
+The model's own dispatcher (:class:`LocalExperts`, a child module) runs them through the local
+experts, one plain loop over experts or one grouped GEMM; expert parallelism
+(:mod:`bigtrain.parallel.experts`) puts in its place a dispatcher that moves them to the rank
+holding their expert by all-to-all and back. Routing, capacity and the combine never change with the layout, which is what makes
 a layout comparable with one process.
 
 The rules (docs/moe.md):
@@ -28,6 +28,7 @@ The rules (docs/moe.md):
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +51,11 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts * hidden, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts * hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts * hidden, dim))
-        self.grouped_mm = False  # torch._grouped_mm instead of the loop (set by parallel.experts)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x``: rows sorted by expert, ``counts[e]`` of them for expert e; returns the same rows' outputs."""
-        if self.grouped_mm:
+    def forward(self, x: torch.Tensor, counts: list[int], grouped_mm: bool = False) -> torch.Tensor:
+        """``x``: rows sorted by expert, ``counts[e]`` of them for expert e; returns the same rows'
+        outputs. ``grouped_mm``: one ``torch._grouped_mm`` instead of the loop over experts."""
+        if grouped_mm:
             return self._grouped(x, counts)
         out, first = [], 0
         for e, n in enumerate(counts):
@@ -93,11 +94,16 @@ class WholeSequences:
         return None
 
 
-class LocalExperts:
-    """The model's own dispatcher: every expert is here; the rows go straight through them."""
+class LocalExperts(nn.Module):
+    """The model's own dispatcher: every expert is here; the rows go straight through them
+    (``grouped_mm``: in one grouped GEMM)."""
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
-        return experts(x, counts.tolist())
+    def __init__(self, grouped_mm: bool = False):
+        super().__init__()
+        self.grouped_mm = grouped_mm
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        return experts(x, counts.tolist(), self.grouped_mm)
 
 
 class _AddAuxGradient(torch.autograd.Function):
@@ -133,8 +139,6 @@ class MoEStats:
 
 class MoEFeedForward(nn.Module):
     """(batch, seq, dim) -> (batch, seq, dim): each token through its top-k experts, weighted."""
-
-    is_moe = True
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, capacity_factor: float = 0.0,
                  aux_loss_coef: float = 0.0, router: str = "softmax", shared_expert: bool = False):
@@ -229,6 +233,21 @@ class MoEFeedForward(nn.Module):
         fraction = summed[:, :e] / (whole * k)  # (b, E), no gradient
         mean_prob = summed[:, e:] / whole  # (b, E)
         return (fraction * mean_prob).sum() * self.num_experts
+
+
+@contextmanager
+def routing_statistics_set_aside(model: nn.Module):
+    """MoE blocks count their routings in every forward: inside, those of ``model``'s blocks go to a
+    scratch record (an evaluation's), and the training record is back after."""
+    blocks = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    kept = [block.stats for block in blocks]
+    for block in blocks:
+        block.stats = MoEStats(block.num_experts)
+    try:
+        yield
+    finally:
+        for block, stats in zip(blocks, kept):
+            block.stats = stats
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:

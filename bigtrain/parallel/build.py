@@ -2,7 +2,9 @@
 of it, ready to train; and its steps, each a public function of its own plan object.
 
 The order is the design's: tensor / sequence parallel plans (module structure, still meta) ->
-experts over ep (:mod:`bigtrain.parallel.experts`) -> activation checkpointing -> pipeline stages -> precision and ZeRO / data parallel, which
+experts over ep (:mod:`bigtrain.parallel.experts`) -> activation checkpointing (and the other
+activation-memory wrappers) -> regional compilation (:mod:`bigtrain.parallel.compile`: around
+them, inside the engine's hooks) -> pipeline stages -> precision and ZeRO / data parallel, which
 materializes only this rank's weights (full replicas, or ZeRO shards over the ranks that hold
 replicas of each weight). Each step records what it does to a parameter in the placement record
 (:mod:`bigtrain.parallel.placement`), which the later steps and everything after read.
@@ -20,6 +22,7 @@ from torch import nn
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.fp8.linear import apply_float8
 from bigtrain.memory.activations import apply_activation_memory
+from bigtrain.parallel.compile import apply_compile
 from bigtrain.parallel.experts import apply_expert_parallel
 from bigtrain.parallel.parallel_model import ParallelModel, token_loss_sum
 from bigtrain.parallel.parallel_plan import EnginePlan, ParallelPlan, PipelinePlan, TensorParallelPlan
@@ -31,6 +34,7 @@ from bigtrain.parallel.tensor.plan import TensorLayout, apply_plan, default_plan
 from bigtrain.parallel.tied import TiedCopies, record_tied_copies, shared_parameter_names
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.precision import DynamicLossScaler
+from bigtrain.wrappers import transforms_of
 
 __all__ = ["ParallelModel", "Pipeline", "apply_data_parallel", "apply_engine", "apply_expert_parallel",
            "apply_tensor_parallel", "apply_zero",
@@ -52,6 +56,12 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     apply_expert_parallel(model, mesh, plan.experts, placements)
     ties = shared_parameter_names(model)  # after tensor parallelism, which shards a tied weight once
     activations = apply_activation_memory(model, plan.activations, layout)
+    compiled = None
+    if plan.compile.enabled:  # the plain loss is compiled too; the vocabulary-parallel one communicates
+        plain_loss = activations.head is None and (layout is None or layout.vocab is None)
+        split_backward = mesh.comm("pp").size > 1 and plan.pipeline.schedule == "zb-h1"  # keeps the graph
+        compiled = apply_compile(model, token_loss_sum if plain_loss else None, keep_graph=split_backward)
+    transforms = transforms_of(model)  # before the pipeline split: every rank records the whole model
     pipeline = build_pipeline(model, mesh, plan.pipeline, placements, ties)
     placements, tied = pipeline.placements, TiedCopies.from_placements(pipeline.placements)
 
@@ -67,7 +77,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     register_partial_grad_hooks(pipeline.module, placements)
     return ParallelModel(pipeline.module, engine, layout, placements, mesh.comm("dp_sp"), mesh.comm("sp"),
                          mesh.comm("pp"), activations.checkpointed, pipeline.stages, pipeline.schedule,
-                         tied if tied.names else None, device, activations, float8)
+                         tied if tied.names else None, device, activations, float8, transforms, compiled)
 
 
 # -- tensor and sequence parallelism ----------------------------------------------------------------

@@ -28,7 +28,7 @@ from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.distributed.mesh import Mesh
-from bigtrain.models.moe import Experts, moe_blocks
+from bigtrain.models.moe import Experts, LocalExperts, moe_blocks
 from bigtrain.parallel.parallel_plan import ExpertPlan
 from bigtrain.parallel.placement import Placement, Placements, ShardSpec
 
@@ -53,14 +53,16 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None
 
 
-class AllToAllDispatch:
-    """Rows sorted by (global) expert -> the ep rank holding each expert, through it, and back."""
+class AllToAllDispatch(nn.Module):
+    """Rows sorted by (global) expert -> the ep rank holding each expert, through it (``grouped_mm``:
+    in one grouped GEMM), and back. A child module in the MoE block's ``dispatcher`` place."""
 
-    def __init__(self, comm: AxisComm, num_experts: int):
-        self.comm, self.num_experts = comm, num_experts
+    def __init__(self, comm: AxisComm, num_experts: int, grouped_mm: bool = False):
+        super().__init__()
+        self.comm, self.num_experts, self.grouped_mm = comm, num_experts, grouped_mm
         self.local = num_experts // comm.size
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
         ep, local = self.comm.size, self.local
         received_counts = torch.empty_like(counts)  # [source rank, my local expert]
         self.comm.all_to_all(received_counts, counts.contiguous(), tag=COUNTS_TAG)
@@ -71,7 +73,7 @@ class AllToAllDispatch:
         # Received rows come grouped by source, then expert; the experts want them by expert.
         expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received_counts.reshape(-1))
         by_expert = torch.argsort(expert_of_row, stable=True)
-        out = experts(rows[by_expert], received_counts.sum(0).tolist())
+        out = experts(rows[by_expert], received_counts.sum(0).tolist(), self.grouped_mm)
         back = out[torch.argsort(by_expert)]  # the inverse permutation
         return _AllToAll.apply(back, self.comm, send, recv, COMBINE_TAG)
 
@@ -89,8 +91,8 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, plan: ExpertPlan = Exper
     comm = mesh.comm("ep")
     blocks = moe_blocks(model)
     for name, block in blocks:
-        block.experts.grouped_mm = plan.grouped_mm
         if comm.size == 1:
+            block.dispatcher = LocalExperts(plan.grouped_mm)
             continue
         experts = block.experts
         if experts.num_experts % comm.size:
@@ -98,9 +100,8 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, plan: ExpertPlan = Exper
         local = experts.num_experts // comm.size
         with torch.device(experts.w1.device):
             cut = Experts(local, experts.dim, experts.hidden)
-        cut.grouped_mm = plan.grouped_mm
         block.experts = cut
-        block.dispatcher = AllToAllDispatch(comm, experts.num_experts)
+        block.dispatcher = AllToAllDispatch(comm, experts.num_experts, plan.grouped_mm)
         if placements is not None:
             rows = experts.num_experts * experts.hidden
             spec = ShardSpec(dim=0, index=comm.rank, parts=comm.size, full_size=rows, padded_size=rows, axis="ep")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.memory.activations import ActivationMemory
+from bigtrain.parallel.compile import Compiled
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.fp8.linear import Float8Linears
 from bigtrain.parallel.pipeline.partition import PipelineStage
@@ -57,6 +58,22 @@ class ParallelModel:
     device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives run)
     activations: ActivationMemory | None = None  # recomputation, offload, compression, fused head applied
     float8: Float8Linears | None = None  # the block linears swapped for float8 ones (precision.fp8)
+    # What wrapped which module (bigtrain/wrappers.py): {module name: wrapper kinds, outermost first}
+    transforms: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    compiled: Compiled | None = None  # compile.enabled: the compiled regions and loss
+
+    @property
+    def head_in_loss(self) -> bool:
+        """The output head is the loss (``model.fused_loss``): the model ends at its final norm."""
+        return self.activations is not None and self.activations.head is not None
+
+    def forward_kwargs(self, start: int | None = None) -> dict:
+        """What the model (or a pipeline stage) is called with besides its input: ``start_pos`` of
+        this rank's sequence chunk (given ``start``), and ``with_head=False`` when the head is in the loss."""
+        kwargs = {} if start is None else {"start_pos": start}
+        if self.head_in_loss:
+            kwargs["with_head"] = False
+        return kwargs
 
     def finish_grad_sync(self) -> None:
         """Complete the gradient reduction (after the last micro-batch), tied copies included."""
@@ -68,7 +85,11 @@ class ParallelModel:
         if self.activations is not None and self.activations.head is not None:
             return self.activations.head(logits, targets)  # fused: ``logits`` are the final norm's output
         parallel = self.layout.loss_sum(logits, targets) if self.layout is not None else None
-        return parallel if parallel is not None else token_loss_sum(logits, targets)
+        if parallel is not None:
+            return parallel
+        if self.compiled is not None and self.compiled.loss_fn is not None:
+            return self.compiled.loss_fn(logits, targets)
+        return token_loss_sum(logits, targets)
 
     def sequence_chunk(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """This rank's part of the sequence (all of it without Ulysses) and its first position."""
@@ -80,7 +101,7 @@ class ParallelModel:
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's summed loss over its tokens (its sequence chunk under Ulysses)."""
         tokens, targets, start = self.sequence_chunk(tokens, targets)
-        return self.loss_sum(self.model(tokens, start_pos=start), targets)
+        return self.loss_sum(self.model(tokens, **self.forward_kwargs(start)), targets)
 
     def gather_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tensors by parameter name (full over dp already) -> full tensors of the whole

@@ -8,6 +8,7 @@ Each plan is what one public step takes, so a step can also be called on its own
     apply_expert_parallel(model, mesh, ExpertPlan, placements)
     apply_float8(model, Float8Plan, device)                  # the blocks' linears in float8 (first)
     apply_activation_memory(model, ActivationPlan, layout)   # recomputation, offload, int8, fused head
+    apply_compile(model, loss_fn)                             # CompilePlan: regional torch.compile
     build_pipeline(model, mesh, PipelinePlan, placements)
     apply_data_parallel / apply_zero(model, mesh, EnginePlan, optim, init_fn, placements, ...)
 
@@ -73,6 +74,14 @@ class Float8Plan:
 
 
 @dataclass(frozen=True)
+class CompilePlan:
+    """Regional ``torch.compile`` of the blocks, the final norm and the plain loss
+    (bigtrain/parallel/compile.py, docs/compile.md)."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     """Pipeline stages over the mesh's ``pp`` axis (applied when it has more than one rank)."""
 
@@ -128,4 +137,5 @@ class ParallelPlan:
     pipeline: PipelinePlan = PipelinePlan()
     engine: EnginePlan = EnginePlan()
     float8: Float8Plan = Float8Plan()
+    compile: CompilePlan = CompilePlan()
     seed: int = 0  # of the model's initial values (which depend on the name and the seed only)

@@ -173,12 +173,12 @@ class LlamaStage(PipelineStage):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         if self.is_last:
             self.norm, self.output = model.norm, model.output
-        self.head_in_loss = model.head_in_loss  # the fused loss calls the head itself (see Llama)
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """``x``: tokens on the first stage, hidden states after; ``start_pos`` as in ``Llama.forward``.
+    def forward(self, x: torch.Tensor, start_pos: int = 0, with_head: bool = True) -> torch.Tensor:
+        """``x``: tokens on the first stage, hidden states after; ``start_pos`` and ``with_head`` as
+        in ``Llama.forward``.
         The rotary tables go from ``start_pos`` to the end: attention takes as many positions as its
         queries have, which under Megatron sequence parallelism is more than ``x`` (a sequence shard)."""
         cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
@@ -188,7 +188,7 @@ class LlamaStage(PipelineStage):
         if not self.is_last:
             return h
         h = self.norm(h)
-        return h if self.head_in_loss else self.output(h)
+        return self.output(h) if with_head else h
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:

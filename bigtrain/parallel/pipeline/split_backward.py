@@ -23,8 +23,9 @@ so autograd would compute dX again. Each parameter belongs to one group, so its 
 accumulated once per W and the engines' post-accumulate hooks fire once per micro-batch, as after a
 plain backward.
 
-Checkpointed blocks (``checkpoint_module``) are not split: their parameters are *eager*, I
-accumulates their gradients itself. Checkpointing recomputes a block's forward in every backward
+Checkpointed blocks (the ``Checkpointed`` wrapper), and every wrapper marked ``WholeBackward``
+(the fused loss head, a compiled region whose one backward computes dX and dW together), are not
+split: their parameters are *eager*, I accumulates their gradients itself. Checkpointing recomputes a block's forward in every backward
 call that unpacks one of its saved tensors, so deferring their dW would recompute the block again
 in W: one more forward per micro-batch, against a bubble that only p - 1 of them fill (with dW
 about a forward, that pays below m = 3(p - 1) micro-batches and costs above); and under ZeRO-3
@@ -48,6 +49,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from bigtrain.wrappers import WholeBackward
 
 
 @dataclass
@@ -102,8 +105,9 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
 
 def split_parameters(module: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(parameters whose gradients W computes, eager ones that I computes): the parameters of
-    the blocks ``checkpoint_module`` marked are eager (see the module docstring)."""
-    blocks = [m for m in module.modules() if getattr(m, "is_checkpointed", False)]
+    the modules in a ``WholeBackward`` wrapper (a checkpointed block, the fused head, a compiled
+    region) are eager (see the module docstring)."""
+    blocks = [m for m in module.modules() if isinstance(m, WholeBackward)]
     eager = {id(p): p for block in blocks for p in block.parameters()}
     return [p for p in module.parameters() if id(p) not in eager], list(eager.values())
 

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.models.moe import MoEFeedForward
+from bigtrain.wrappers import replace_module
 from bigtrain.parallel.placement import Placements, ShardSpec
 from bigtrain.parallel.sequence_moe import SequencePartsOverSP, WholeSequenceOverTP
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
@@ -24,7 +26,8 @@ Plan = dict[str, Style | list[Style]]
 
 def parallelize_module(model: nn.Module, plan: Plan, ctx: TPContext) -> None:
     """Apply each pattern's styles to every module whose qualified name matches it (fnmatch), in
-    plan order. An unmatched pattern is an error: a typo must not silently leave a layer whole."""
+    plan order; a style that returns a wrapper has it put in the module's place. An unmatched
+    pattern is an error: a typo must not silently leave a layer whole."""
     modules = dict(model.named_modules())
     for pattern, styles in plan.items():
         matched = [name for name in modules if fnmatch.fnmatchcase(name, pattern)]
@@ -33,9 +36,8 @@ def parallelize_module(model: nn.Module, plan: Plan, ctx: TPContext) -> None:
         for name in matched:
             for style in styles if isinstance(styles, list) else [styles]:
                 replacement = style.apply(modules[name], ctx)
-                if replacement is not None:  # a module of another class (a row-parallel layer's bias)
-                    parent, _, child = name.rpartition(".")
-                    setattr(model.get_submodule(parent), child, replacement)
+                if replacement is not None:  # a wrapper, or a row-parallel layer with a bias
+                    replace_module(model, name, replacement)
                     modules[name] = replacement
 
 
@@ -59,7 +61,7 @@ def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool
         })
         # Dense MLPs only: an MoE block keeps its experts whole on every tp rank (they route the
         # same whole hidden states; docs/moe.md), so it needs no tp region around it.
-        dense = [i for i, block in enumerate(model.layers) if not getattr(block.feed_forward, "is_moe", False)]
+        dense = [i for i, block in enumerate(model.layers) if not isinstance(block.feed_forward, MoEFeedForward)]
         blocks = ["*"] if len(dense) == len(model.layers) else [str(i) for i in dense]
         for i in blocks:
             plan.update({f"layers.{i}.feed_forward": PrepareInput(),

@@ -3,7 +3,10 @@
 A style is applied on the meta device, before any memory exists: it replaces the module's weight
 by a meta parameter of the local shape, records how that local tensor is cut from the full one
 (:class:`ShardSpec`, used by init and checkpoints), and adds the communication as forward hooks
-made of differentiable collectives, so the module's own code runs unchanged on its shard.
+made of differentiable collectives, so the module's own code runs unchanged on its shard. A style
+whose computation differs from the module's (the vocabulary-parallel lookup) returns a wrapper
+(``bigtrain/wrappers.py``) that :func:`~bigtrain.parallel.tensor.plan.parallelize_module` puts in
+the module's place; no style replaces a module's ``forward``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.parallel.placement import ShardSpec, even_shard, vocab_pad_to
 from bigtrain.parallel.tensor.functional import (all_to_all, copy_to_group, gather_sequence, reduce_from_group,
                                                  scatter_sequence_sum)
+from bigtrain.wrappers import ModuleWrapper
 
 
 @dataclass
@@ -53,8 +57,8 @@ def _shard_param(module: nn.Module, attr: str, dim: int, ctx: TPContext, pad_to:
 
 class Style:
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module | None:
-        """Shard ``module`` in place and add its hooks; a style that must change the module's class
-        returns the replacement (same parameters, same names), which the plan installs in its place."""
+        """Shard ``module`` and add its communication; returns what the plan puts in its place (a
+        wrapper, or a module of another class with the same parameters and names), or None."""
         raise NotImplementedError
 
 
@@ -121,23 +125,34 @@ class PrepareInput(Style):
         module.register_forward_pre_hook(hook)
 
 
+class VocabParallelLookup(ModuleWrapper):
+    """An embedding holding the rows ``first .. first + local - 1``: ids outside look up zeros, and
+    the partial embeddings are summed over tp (or reduce-scattered along the sequence)."""
+
+    kind = "vocab_parallel"
+
+    def __init__(self, embedding: nn.Embedding, first: int, local: int, ctx: TPContext):
+        super().__init__(embedding)
+        object.__setattr__(self, "rows", (first, local))  # plain state of this wrapper
+        object.__setattr__(self, "ctx", ctx)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        first, local = self.rows
+        outside = (tokens < first) | (tokens >= first + local)
+        rows = F.embedding((tokens - first).masked_fill(outside, 0), self.weight)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.ctx.sequence_parallel:
+            return scatter_sequence_sum(rows, self.ctx.tp)
+        return reduce_from_group(rows, self.ctx.tp)
+
+
 class VocabParallelEmbedding(Style):
-    """Rows split by vocabulary id (padded to divide); ids outside this rank's range look up zeros,
-    and the partial embeddings are summed (or reduce-scattered along the sequence)."""
+    """Rows split by vocabulary id (padded to divide); the lookup becomes a
+    :class:`VocabParallelLookup` in the embedding's place."""
 
-    def apply(self, module: nn.Embedding, ctx: TPContext) -> None:
+    def apply(self, module: nn.Embedding, ctx: TPContext) -> VocabParallelLookup:
         spec = _shard_param(module, "weight", 0, ctx, pad_to=vocab_pad_to(module.num_embeddings, ctx.tp.size))
-        first, local = spec.offset, spec.local_size
-
-        def forward(tokens: torch.Tensor) -> torch.Tensor:
-            outside = (tokens < first) | (tokens >= first + local)
-            rows = F.embedding((tokens - first).masked_fill(outside, 0), module.weight)
-            rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
-            if ctx.sequence_parallel:
-                return scatter_sequence_sum(rows, ctx.tp)
-            return reduce_from_group(rows, ctx.tp)
-
-        module.forward = forward
+        return VocabParallelLookup(module, spec.offset, spec.local_size, ctx)
 
 
 class VocabParallelOutput(Style):

@@ -1,0 +1,184 @@
+"""Regional compilation (``compile.enabled``): each transformer block compiled on its own, as torchtitan does.
+
+Every block (after tensor parallelism, experts and the activation-memory wrappers, before the
+pipeline split and the engine) is put inside a :class:`CompiledRegion`, a wrapper
+(``bigtrain/wrappers.py``) that calls ``torch.compile`` of what it wraps. One compiled function
+serves every block of the same structure (dynamo's cache is per code object, the weights are
+graph inputs), so a model compiles one forward and one backward graph per kind of block, not per
+block. What the wrapper holds is inside the compiled region: recomputation (torch's checkpoint
+becomes a higher-order op the compiler recomputes from), the tensor-parallel styles' hooks on the
+block's layers (their collectives are ``torch.compiler.disable``-d, so the graph breaks around
+each and the pieces between compile). What sits on the wrapper stays outside, eager: ZeRO's
+gathering hooks, activation offload's saved-tensor hooks (they still see every tensor the
+compiled graph saves), the bigtrain check's output probes.
+
+Some modules cannot be traced into one static graph and run eagerly inside a block: a
+mixture-of-experts layer (data-dependent token counts per expert, routing statistics kept in
+Python) and a linear saving its input in int8 (its shared copy is found by tensor identity). A
+block holding one is not compiled whole: its other children are compiled one by one
+(:func:`compile_regions`). The final norm is a region too, and the plain loss (fp32 log-softmax
+and the target's log-probability, without tensor parallelism) is compiled as a function.
+
+Graphs are static (``dynamic=False``): a step's shapes never change, so after the first step (and
+the first evaluation, which runs without a graph for backward) nothing compiles again;
+:class:`CompileClock` counts what compiled and how long it took, for the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bigtrain.memory.compression import Int8SavedInput
+from bigtrain.models.moe import MoEFeedForward
+from bigtrain.parallel.zero.units import default_unit_modules
+from bigtrain.wrappers import ModuleWrapper, WholeBackward, replace_module
+
+# Modules that run eagerly inside a compiled block (see the module docstring).
+EAGER_MODULES: tuple[type, ...] = (MoEFeedForward, Int8SavedInput)
+
+
+class CompileFallbackWarning(UserWarning):
+    """``compile.enabled``: the compiler failed on a region, which runs eagerly from then on."""
+
+
+_warned = False
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(message, CompileFallbackWarning, stacklevel=3)
+
+
+class CompiledRegion(WholeBackward, ModuleWrapper):
+    """Runs what it wraps through ``torch.compile`` (static shapes). Its one backward computes the
+    input and weight gradients together (``WholeBackward``). ``keep_graph``: backward runs with the
+    graph retained (the zero-bubble split backward), so the compiled backward must not reuse its
+    saved tensors' memory (AOT autograd's donated buffers). If the compiler fails on it, the region
+    runs eagerly from then on, after one :class:`CompileFallbackWarning` per process."""
+
+    kind = "compile"
+
+    def __init__(self, module: nn.Module, keep_graph: bool = False):
+        super().__init__(module)
+        object.__setattr__(self, "compiled", compiled_function(module.forward, keep_graph))
+        object.__setattr__(self, "failed", False)
+
+    def forward(self, *args, **kwargs):
+        if self.failed:
+            return self.wrapped.forward(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.InternalTorchDynamoError) as e:
+            object.__setattr__(self, "failed", True)
+            _warn_once(f"compile.enabled: torch.compile failed on a {type(self.wrapped).__name__} ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200]}); it and any other region that fails run eagerly. "
+                       f"Set compile.enabled = false to silence this.")
+            return self.wrapped.forward(*args, **kwargs)
+
+
+def compiled_function(fn, keep_graph: bool = False):
+    """``torch.compile(fn)`` with static shapes; ``keep_graph``: for a backward that retains the graph
+    (see :class:`CompiledRegion`)."""
+    compiled = torch.compile(fn, dynamic=False)
+    if not keep_graph:
+        return compiled
+
+    def call(*args, **kwargs):
+        with torch._functorch.config.patch(donated_buffer=False):  # read when the graph compiles
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def _holds_eager(module: nn.Module) -> bool:
+    return any(isinstance(m, EAGER_MODULES) for m in module.modules())
+
+
+def compile_regions(root: nn.Module, name: str, keep_graph: bool = False) -> list[str]:
+    """Wrap the submodule ``name`` of ``root`` in a :class:`CompiledRegion` in place, or, if it holds
+    a module that must run eagerly, each of its children that holds none (recursively). Returns the
+    names of the regions."""
+    module = root.get_submodule(name)
+    if isinstance(module, EAGER_MODULES):
+        return []
+    if not _holds_eager(module):
+        replace_module(root, name, CompiledRegion(module, keep_graph))
+        return [name]
+    return [region for child, _ in module.named_children()
+            for region in compile_regions(root, f"{name}.{child}", keep_graph)]
+
+
+@dataclass
+class Compiled:
+    """What :func:`apply_compile` did: the regions, and the loss function to use."""
+
+    regions: list[str]
+    loss_fn: object | None = None  # a compiled plain loss (None: the model's loss as it is)
+
+
+def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False) -> Compiled:
+    """Compile every block of ``model`` (the children of its largest container of modules with
+    parameters: a Llama's ``layers``) and its final ``norm`` regionally, in place; and ``loss_fn``
+    (a plain function of logits and targets) when given. ``keep_graph``: see :class:`CompiledRegion`."""
+    names = {id(m): n for n, m in model.named_modules()}
+    blocks = [names[id(m)] for m in default_unit_modules(model)]
+    if not blocks:
+        raise ValueError(f"compile.enabled: {type(model).__name__} has no blocks (a list of modules with parameters) "
+                         f"to compile one by one; set compile.enabled = false")
+    regions = [region for name in blocks for region in compile_regions(model, name, keep_graph)]
+    if "norm" in dict(model.named_children()):
+        regions += compile_regions(model, "norm", keep_graph)
+    compiled_loss = compiled_function(loss_fn, keep_graph) if loss_fn is not None else None
+    return Compiled(regions, compiled_loss)
+
+
+class CompileClock:
+    """Seconds spent compiling (dynamo, AOT autograd and inductor; backward graphs included, which
+    compile at their first backward) and compilations, in this process, from dynamo's callbacks
+    (one clock per process: :func:`compile_clock`). ``take()``: what accrued since the last call."""
+
+    def __init__(self):
+        self.seconds, self.compiles = 0.0, 0
+        self._taken = (0.0, 0)
+        self._started: float | None = None
+        torch._dynamo.callback.on_compile_start(self._start)
+        torch._dynamo.callback.on_compile_end(self._end)
+
+    def _start(self, *args) -> None:  # torch >= 2.7 passes the trigger; earlier versions nothing
+        self._started = time.perf_counter()
+
+    def _end(self, *args) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self.compiles += 1
+            self._started = None
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, compilations) since the last ``take``."""
+        seconds, compiles = self.seconds - self._taken[0], self.compiles - self._taken[1]
+        self._taken = (self.seconds, self.compiles)
+        return seconds, compiles
+
+
+_clock: CompileClock | None = None
+
+
+def compile_clock() -> CompileClock:
+    """This process's compile clock (started on first use: what compiled before is not counted)."""
+    global _clock
+    if _clock is None:
+        _clock = CompileClock()
+    return _clock
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process (every recompilation adds one): the tests count
+    them across steps."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

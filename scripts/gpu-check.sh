@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# One GPU lease, at most 8 minutes on one H100, with the image's own torch (PYTHONPATH=., no install):
+#   1. the GPU tests (pytest -m gpu: every ZeRO stage on cuda, parity with the reference on the
+#      device, resume, offload against no offload)                                 <= 100 s
+#   2. benchmarks/bench_gpu.py on llama-1b (bf16, 4 x 2048 tokens a step): eager, compiled
+#      (compile.enabled) and, where the checkout has precision.fp8, fp8, with transformers'
+#      LlamaForCausalLM + torch.compile as the peer in the same call             <= 280 s
+#   3. benchmarks/bench_offload.py --case gpu on llama-1b (offload.optimizer = cpu) <=  80 s
+# and writes one Markdown summary, $OUT/gpu-check.md (OUT defaults to runs/gpu-check), with every
+# stage's status, time and figures, next to the logs and JSON files. Each stage has its own time
+# limit: a stage that fails or runs out of time is reported and the next one runs.
+# Without a CUDA device it writes a summary saying so and exits 0; GPU_CHECK_SMOKE=1 then runs the
+# same stages on the CPU with the tiny preset instead (a test of this script; its figures mean nothing).
+# Exit status: 0 when every stage passed, 1 otherwise.
+# Usage: scripts/gpu-check.sh; PYTHON=... picks the interpreter (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+OUT=${OUT:-runs/gpu-check}
+mkdir -p "$OUT"
+SUMMARY="$OUT/gpu-check.md"
+START=$(date +%s)
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+device=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")' 2>/dev/null)
+versions=$("$PY" -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")' 2>/dev/null)
+
+{
+  echo "# bigtrain GPU check"
+  echo
+  echo "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $commit, $device x $gpus, $versions, \`scripts/gpu-check.sh\`"
+  echo
+} > "$SUMMARY"
+
+if [ "$gpus" -eq 0 ] && [ "${GPU_CHECK_SMOKE:-0}" != 1 ]; then
+  echo "no CUDA device: skipped (GPU_CHECK_SMOKE=1 runs the stages on the CPU as a test of this script)" | tee -a "$SUMMARY"
+  exit 0
+fi
+if [ "$gpus" -eq 0 ]; then  # the smoke run: the same stages, on the CPU, the tiny preset
+  PRESET=tiny; CPU=(--allow-cpu); TESTS=(tests/test_compile.py -k validated)
+  echo "**Smoke run on the CPU (GPU_CHECK_SMOKE=1): a test of this script; its figures mean nothing.**" >> "$SUMMARY"
+  echo >> "$SUMMARY"
+else
+  PRESET=llama-1b; CPU=(); TESTS=(-m gpu)
+fi
+
+failed=0
+echo "| stage | status | seconds |" > "$OUT/stages.md"
+echo "|---|---|---|" >> "$OUT/stages.md"
+
+stage() {  # stage NAME LIMIT_S COMMAND...: run with a time limit, log it, record its status
+  local name=$1 limit=$2
+  shift 2
+  local t0 status
+  t0=$(date +%s)
+  echo "== gpu-check: $name (limit ${limit} s): $*"
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  status=$?
+  local took=$(( $(date +%s) - t0 ))
+  if [ $status -eq 0 ]; then
+    echo "| $name | passed | $took |" >> "$OUT/stages.md"
+  elif [ $status -eq 124 ] || [ $status -eq 137 ]; then
+    echo "| $name | **out of time** (limit $limit s) | $took |" >> "$OUT/stages.md"; failed=1
+  else
+    echo "| $name | **failed** (exit $status) | $took |" >> "$OUT/stages.md"; failed=1
+  fi
+  tail -n 3 "$OUT/$name.log"
+}
+
+stage tests 100 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+stage bench_gpu 280 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET" --variants eager,compiled,fp8 \
+  --peer hf-compiled --steps 8 --warmup 3 --json "$OUT/bench_gpu.json"
+stage bench_offload 80 "$PY" benchmarks/bench_offload.py --case gpu --preset "$PRESET" --accum 2 --steps 4 \
+  --warmup 2 --json "$OUT/bench_offload.json"
+
+{
+  cat "$OUT/stages.md"
+  echo
+  echo "Total: $(( $(date +%s) - START )) s."
+  echo
+  echo "## GPU tests"
+  echo
+  echo '```'
+  grep -E "passed|failed|error|skipped" "$OUT/tests.log" | tail -n 15
+  echo '```'
+  echo
+  echo "## Training speed (benchmarks/bench_gpu.py)"
+  echo
+  if [ -s "$OUT/bench_gpu.json" ]; then
+    "$PY" benchmarks/bench_gpu.py --report-from "$OUT/bench_gpu.json"
+  else
+    echo "no result (see bench_gpu.log)"
+  fi
+  echo
+  echo "## Offload (benchmarks/bench_offload.py --case gpu)"
+  echo
+  if [ -s "$OUT/bench_offload.json" ]; then
+    "$PY" - "$OUT/bench_offload.json" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+r = r.get("gpu", r)
+keys = ("device", "preset", "zero", "micro_batch", "accum", "tokens_per_s", "mfu", "median_step_s",
+        "peak_device_memory_gib", "host_peak_rss_gib", "losses")
+for k in keys:
+    if k in r:
+        v = r[k]
+        print(f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}")
+PYEOF
+  else
+    echo '```'
+    tail -n 5 "$OUT/bench_offload.log"
+    echo '```'
+  fi
+} >> "$SUMMARY"
+echo "gpu-check: summary in $SUMMARY ($(( $(date +%s) - START )) s)"
+exit $failed

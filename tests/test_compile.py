@@ -1,0 +1,108 @@
+"""compile.enabled: regional torch.compile of the blocks (bigtrain/parallel/compile.py).
+
+Compiling is slow on this machine (6-25 s a graph, cold): these tests are few and on the tiny
+model; the multi-rank ones are marked slow. The layout fuzzer draws compile on and off against the
+independent (eager) reference (bigtrain/check/fuzz.py), and benchmarks/bench_compile.py measures it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from bigtrain.check.run import check_layout, check_on_rank
+from bigtrain.config import ConfigError, load_config
+from bigtrain.distributed.mesh import Mesh
+from bigtrain.from_config import compile_enabled
+from bigtrain.models.llama import FeedForward
+from bigtrain.parallel.compile import CompiledRegion, CompileFallbackWarning, graphs_compiled
+from bigtrain.testing import run_ranks
+from bigtrain.train import Trainer
+from bigtrain.validation import validate
+from helpers import tiny_config
+
+COMPILE = ["--compile.enabled=true"]
+
+
+def test_compiled_steps_recompile_nothing_after_warm_up_and_report_their_compile_time(corpus_cache, tmp_path):
+    """After the first step and the first evaluation (a graph without backward), no step or
+    evaluation compiles again (dynamo's count of graphs stays put); the first step reports how long
+    it compiled, the later ones nothing."""
+    # A shape no other test compiles, so this process compiles it now, in the first step.
+    cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=every", "--data.val_fraction=0.1",
+                      "--model.dim=48")
+    trainer = Trainer(cfg, tmp_path, Mesh({}), "cpu")
+    assert set(trainer.parallel.transforms) == {"layers.0", "layers.1", "norm"}
+    assert trainer.parallel.transforms["layers.0"] == ("compile", "checkpoint")
+    first = trainer.train_step()
+    trainer.evaluate()
+    warm = graphs_compiled()
+    evaluation, _ = trainer.compile_clock.take()  # the evaluation's graphs (the next step would report them)
+    assert evaluation > 0
+    later = [trainer.train_step() for _ in range(3)]
+    trainer.evaluate()
+    assert graphs_compiled() == warm, "a step after warm-up compiled again"
+    assert first.compile_s > 0 and first.record()["compile_s"] == first.compile_s
+    assert all(r.compile_s == 0.0 and "compile_s" not in r.record() for r in later)
+
+
+def test_a_compiled_run_matches_the_independent_reference(corpus_cache, tmp_path):
+    """One process, fp32: the compiled blocks (recomputed, offloaded, the fused head) train like the
+    eager reference within fp32's 1e-5."""
+    cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=selective", "--memory.activation_offload=true",
+                      "--memory.offload_min_bytes=256", "--model.fused_loss=true", "--model.fused_loss_chunk=32")
+    report = check_layout(cfg, Mesh({}), tmp_path, steps=3)
+    assert report.agree, report.text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.zero=3"],
+    ["--parallel.pp=2", "--train.micro_batch=2", "--parallel.pp_schedule=zb-h1", "--memory.checkpointing=full"],
+    ["--parallel.dp=2", "--parallel.ep=2", "--model.moe_experts=4", "--parallel.moe_grouped_mm=true"],
+], ids=["tp2-sp-zero3", "pp2-zb-h1", "moe-ep2"])
+def test_compiled_layouts_match_the_independent_reference(layout, corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, *COMPILE, *layout)
+    report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=600)[0]
+    assert report.agree, report.text()
+
+
+def test_a_region_the_compiler_fails_on_runs_eagerly_after_one_named_warning():
+    torch.manual_seed(0)
+    block = FeedForward(16, 32)
+    region = CompiledRegion(block)
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("this backend cannot compile anything")
+
+    object.__setattr__(region, "compiled", torch.compile(block.forward, backend=failing_backend))
+    x = torch.randn(2, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import bigtrain.parallel.compile as compile_module
+
+        compile_module._warned = False
+        torch.testing.assert_close(region(x), block.forward(x), rtol=0, atol=0)
+        torch.testing.assert_close(region(x), block.forward(x), rtol=0, atol=0)
+    named = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    assert len(named) == 1 and "compile.enabled" in str(named[0].message)
+    assert region.failed
+
+
+def test_compile_settings_are_validated_before_launch(corpus_cache):
+    cfg = load_config("tiny", overrides=["--compile.enabled=sometimes"])
+    with pytest.raises(ConfigError, match=r"compile\.enabled = 'sometimes': must be one of"):
+        validate(cfg)
+    dlrm = load_config("dlrm-tiny", overrides=["--compile.enabled=true"])
+    with pytest.raises(ConfigError, match=r"compile\.enabled = true compiles the decoder's transformer blocks"):
+        validate(dlrm)
+    assert compile_enabled(load_config("tiny"), "cuda") and not compile_enabled(load_config("tiny"), "cpu")
+    assert compile_enabled(load_config("tiny", overrides=COMPILE), "cpu")
+
+
+def test_a_toml_boolean_sets_compile_enabled(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[compile]\nenabled = true\n")
+    assert load_config("tiny", path=path).compile.enabled == "true"
