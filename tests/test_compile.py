@@ -16,7 +16,7 @@ from bigtrain.check.run import check_layout, check_on_rank
 from bigtrain.config import ConfigError, load_config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import compile_enabled
-from bigtrain.models.llama import FeedForward
+from bigtrain.models.feed_forward import FeedForward
 from bigtrain.parallel.compile import CompiledRegion, CompileFallbackWarning, graphs_compiled
 from bigtrain.testing import run_ranks
 from bigtrain.train import Trainer

@@ -35,7 +35,7 @@ from torch import nn
 
 from bigtrain.memory.compression import Int8SavedInput
 from bigtrain.models.moe import MoEFeedForward
-from bigtrain.parallel.zero.units import default_unit_modules
+from bigtrain.core.blocks import default_unit_modules
 from bigtrain.wrappers import ModuleWrapper, WholeBackward, replace_module
 
 # Modules that run eagerly inside a compiled block (see the module docstring).
