@@ -450,7 +450,7 @@ RULES.append(check_evaluation)
 def check_embedding(cfg: Config) -> list[str]:
     """The [embedding] fields' own domains (for any model); with a DLRM, whether its tables can be
     placed as embedding.sharding says on parallel.dp ranks, and what the DLRM trainer supports."""
-    from bigtrain.recsys.tables import SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
+    from bigtrain.recsys.tables import SHARDINGS, SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
 
     e, m, p = cfg.embedding, cfg.model, cfg.parallel
     problems = _positive(cfg, ["embedding.dim", "embedding.hotness", "embedding.lr", "embedding.eps",
@@ -470,6 +470,10 @@ def check_embedding(cfg: Config) -> list[str]:
             problems.append(f"{dotted} = '{text}': {what}; every size must be >= 1")
     if "embedding.tables" in sizes and not sizes["embedding.tables"]:
         problems.append("embedding.tables is empty; give the rows of each table, e.g. '26x1000'")
+    unknown = sorted({k.strip() for k in e.sharding.split(",")} - set(SHARDINGS))
+    if unknown:  # for any model: a value no model accepts is a typo, whether this one reads it or not
+        problems.append(f"embedding.sharding = '{e.sharding}': {', '.join(repr(k) for k in unknown)} is not one of "
+                        f"{', '.join(SHARDINGS)} (one for every table, or one per table, comma-separated)")
     if problems or m.name != "dlrm":
         return problems
     rows = sizes["embedding.tables"]
