@@ -146,7 +146,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from bigtrain.distributed.elastic import elastic_warnings, restart_notice, restart_round, resume_after_restart
     from bigtrain.distributed.launch import env_world_size, launched_externally, stop_when_orphaned
-    from bigtrain.preflight import check_environment, print_warnings
+    from bigtrain.preflight import LAUNCHER_MARKERS, check_environment, print_warnings
     from bigtrain.run_dir import claim_run_dir, recorded_exit_code
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
@@ -169,8 +169,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = _infer_dp(args, overrides, cfg, args.world_size or env_world_size())
     validate(cfg, world_size=env_world_size() or (args.world_size if args.parallel != "auto" else None),
              cuda_available=torch.cuda.is_available())
-    if launched_externally():  # a rank: stop when whoever started it is gone (bigtrain.distributed.launch)
-        stop_when_orphaned(cfg.distributed.timeout_s)
+    if launched_externally() and any(k in os.environ for k in LAUNCHER_MARKERS):
+        stop_when_orphaned(cfg.distributed.timeout_s)  # a rank: stop when its launcher is gone
     run_dir = _run_dir(args)
     if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
         if (stopped := recorded_exit_code(run_dir)) is not None:

@@ -551,8 +551,8 @@ class Trainer:
             lost.step = step
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            mine = f"this rank's own write had failed first ({_short(error)})" if error is not None else \
-                "this rank had written its part"
+            mine = (f"writing the parts (torch.distributed.checkpoint's own collectives) had failed on this rank "
+                    f"first: {_short(error)}" if error is not None else "this rank had written its part")
             raise ckpt.CheckpointWriteError(f"{lost.describe()}\n  while saving checkpoint step {step} into {root}: "
                                             f"{mine}; the partial save was removed and "
                                             f"{_kept(root)}") from lost

@@ -1,9 +1,15 @@
 """Starting ranks: our own torchrun on one machine, or joining a user's torchrun.
 
-``bigtrain train`` re-executes itself under ``torch.distributed.run --standalone`` when the
-layout needs more than one rank (or restarts, ``--max-restarts``) and it is not already inside a
-launcher. Inside one (ours or a user's multi-node torchrun) each rank calls :func:`init_distributed`.
-Gloo on CPU, NCCL on CUDA. What a restarted round needs is in :mod:`bigtrain.distributed.elastic`.
+``bigtrain train`` re-executes itself under torchrun's agent (``--standalone``, through
+:mod:`bigtrain.distributed.agent`) when the layout needs more than one rank (or restarts,
+``--max-restarts``) and it is not already inside a launcher. Inside one (ours or a user's
+multi-node torchrun) each rank calls :func:`init_distributed`. Gloo on CPU, NCCL on CUDA. What a
+restarted round needs is in :mod:`bigtrain.distributed.elastic`.
+
+Who lives how long: the agent dies with the ``bigtrain train`` that started it (its parent-death
+signal), SIGINT / SIGTERM to ``bigtrain train`` go to the ranks themselves, and a rank whose
+launcher is gone stops on its own (:func:`stop_when_orphaned`): no rank trains on unwatched, and
+the run folder's lock (:mod:`bigtrain.run_lock`) is held until the last of them exits.
 """
 
 from __future__ import annotations
