@@ -152,9 +152,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from bigtrain.checkpoint.resume import resume_after_restart
     from bigtrain.distributed.elastic import elastic_warnings, restart_notice, restart_round
-    from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
-    from bigtrain.preflight import check_environment, check_inputs, print_warnings
-    from bigtrain.run_dir import check_run_dir, clear_run, finished_run, forget_stop, recorded_exit_code
+    from bigtrain.distributed.launch import env_world_size, launched_externally, stop_when_orphaned
+    from bigtrain.preflight import LAUNCHER_MARKERS, check_environment, check_inputs, print_warnings
+    from bigtrain.run_dir import claim_run_dir, finished_run, recorded_exit_code
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
     if args.world_size is not None and not 1 <= args.world_size <= WORLD_SIZE_MAX:
@@ -178,6 +178,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
              world_size_from="from the launcher" if env_world_size() else "--world-size",
              cuda_available=torch.cuda.is_available(),
              cuda_capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
+    if launched_externally() and any(k in os.environ for k in LAUNCHER_MARKERS):
+        stop_when_orphaned(cfg.distributed.timeout_s)  # a rank: stop when its launcher is gone
     run_dir = _run_dir(args)
     if restart_round() > 0:  # torchrun restarted this group: go on from the run's newest checkpoint
         if (stopped := recorded_exit_code(run_dir)) is not None:
@@ -192,10 +194,23 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(notice, file=sys.stderr)
     print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
                    + check_inputs(cfg, run_dir, "--output-dir", check_size=not args.force))
-    resumed_from = check_run_dir(cfg, run_dir, args.resume, args.overwrite)
-    if args.resume and (finished := finished_run(run_dir, resumed_from, cfg.train.steps)) is not None:
-        print(finished)  # and nothing in the folder changes: no launch, no report rewritten
+    if args.resume and (finished := finished_run(run_dir, cfg.train.steps)) is not None:
+        print(finished)  # and nothing in the folder changes: no lock taken, no launch, no report rewritten
         return 0
+    lock = claim_run_dir(cfg, run_dir, args.resume, args.overwrite)  # owned before anything is written
+    try:
+        return _train_in(args, cfg, run_dir, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_in(args: argparse.Namespace, cfg: Config, run_dir: Path, lock) -> int:
+    """``bigtrain train`` once the run directory is this run's (``lock``): launch the ranks, or be one."""
+    from bigtrain.distributed.launch import launch_local, launched_externally
+    from bigtrain.run_dir import clear_run, forget_stop, recorded_exit_code, write_atomic
+    from bigtrain.run_lock import TOKEN_ENV
+
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
         clear_run(run_dir)
     if cfg.model.name == "llama":  # text tokenized once, here: in the launcher, or by the first rank to come
@@ -203,9 +218,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         prepare_run_data(cfg, run_dir, main=os.environ.get("RANK", "0") == "0", log=print)
     if (cfg.parallel.world_size > 1 or args.max_restarts) and not launched_externally():
-        run_dir.mkdir(parents=True, exist_ok=True)
         resolved = run_dir / "config.toml"
-        resolved.write_text(to_toml(cfg))
+        write_atomic(resolved, to_toml(cfg))
         forget_stop(run_dir)
         times = f"{args.max_restarts} time{'s' if args.max_restarts > 1 else ''}"
         restarts = f", restarted up to {times} after a failure" if args.max_restarts else ""
@@ -214,10 +228,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         forced = ["--force"] if args.force else []
         code = launch_local(cfg.parallel.world_size, ["train", "--config", str(resolved), "--output-dir", str(run_dir)]
                             + forced,
-                            max_restarts=args.max_restarts)
+                            max_restarts=args.max_restarts, env={TOKEN_ENV: lock.token} if lock and lock.token else {})
+        # A run that stopped on purpose recorded its code (its ranks exit 0: no restart, no torchrun
+        # traceback); rank 0 said why.
+        stopped = recorded_exit_code(run_dir)
+        if stopped is not None:
+            return stopped
         if code != 0:
-            # torchrun reports any failed rank as 1: a run that stopped on purpose recorded its own code.
-            code = recorded_exit_code(run_dir) or code
             print(f"bigtrain: the ranks exited with status {code}; see the messages above", file=sys.stderr)
         return code
     return _run_rank(cfg, run_dir)
@@ -258,7 +275,7 @@ def restart_warnings(cfg: Config, max_restarts: int) -> list[str]:
 
 def _run_rank(cfg: Config, run_dir: Path) -> int:
     from bigtrain.distributed.comm import CollectiveError
-    from bigtrain.distributed.launch import shutdown_distributed
+    from bigtrain.distributed.launch import launched_by_bigtrain, shutdown_distributed
     from bigtrain.distributed.mesh import Mesh
     from bigtrain.nonfinite import NonFiniteStop
     from bigtrain.preemption import Preempted
@@ -279,8 +296,15 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
             e.step = trainer.step
             raise
         except (NonFiniteStop, Preempted) as e:
-            if info.rank != 0:  # every rank stopped at the same step; rank 0 says so once
-                return e.exit_code
+            # Every rank stopped at the same step; rank 0 says so once. Under bigtrain's launcher the
+            # code is read from stopped.json: exit 0, so torchrun neither restarts the group nor
+            # prints a traceback (rank 0 exits with the code if it could not record it).
+            ours = launched_by_bigtrain()
+            if info.rank != 0:
+                return 0 if ours else e.exit_code
+            if ours:
+                print(f"bigtrain: {e}", file=sys.stderr)
+                return 0 if getattr(e, "recorded", False) else e.exit_code
             raise
         if info.rank == 0:
             write_summary(run_dir, trainer.summary())
@@ -343,13 +367,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _stop_code(error: RuntimeError) -> int | None:
     """The exit code of a run that stopped on purpose or on a named failure; None for a bug."""
     from bigtrain.checkpoint import CheckpointWriteError
+    from bigtrain.data import DataChanged
     from bigtrain.distributed.comm import CollectiveError
     from bigtrain.nonfinite import NonFiniteStop
+    from bigtrain.run_dir import RunDirWriteError
     from bigtrain.preemption import Preempted
 
     if isinstance(error, (NonFiniteStop, Preempted)):
         return error.exit_code
-    if isinstance(error, (CollectiveError, CheckpointWriteError)):
+    if isinstance(error, (CollectiveError, CheckpointWriteError, RunDirWriteError, DataChanged)):
         return 1
     return None
 

@@ -13,12 +13,13 @@ The schema only grows: ``step, loss, lr, grad_norm, tokens_per_s, step_time_s`` 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+from bigtrain.run_dir import write_atomic
 
 
 def human_bytes(n: float) -> str:
@@ -83,9 +84,8 @@ class MetricsLog:
         records of those steps (a torn last line, from a run that died mid-write, is dropped with them)."""
         if self.path.exists():
             kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, self.path)  # a crash now leaves the old log or the new one, not half of it
+            # A crash (or a full disk: RunDirWriteError) leaves the old log or the new one, not half of it.
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

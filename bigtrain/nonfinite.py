@@ -15,7 +15,9 @@ scale and skip) and counts:
   and each further overflow is bad (DeepSpeed stops at its minimum scale too; we allow
   ``max_bad_steps`` of them). From the default scale of 2^16 a run that overflows on every step
   therefore stops after 16 + ``max_bad_steps`` steps.
-- an applied step ends a streak. ``train.max_bad_steps`` consecutive bad steps stop the run.
+- an applied step ends a streak. ``train.max_bad_steps`` consecutive bad steps stop the run, and
+  so does a run that ends while a streak lasts, whatever its length (exit 3 too: its last steps
+  trained nothing, and the NaN must not end as a success).
 
 Checkpoints are not written while a streak lasts: the newest checkpoint is the state after the last
 applied step (and :meth:`Trainer.save` refuses non-finite state outright).
@@ -30,7 +32,8 @@ EXIT_CODE = 3
 
 
 class NonFiniteStop(RuntimeError):
-    """``train.max_bad_steps`` consecutive steps were not finite: the run stopped (exit code 3)."""
+    """``train.max_bad_steps`` consecutive steps were not finite, or the run's last steps were: the
+    run stopped (exit code 3)."""
 
     exit_code = EXIT_CODE
 
@@ -51,6 +54,7 @@ class BadSteps:
     min_loss_scale: float | None = None  # fp16's floor; None without a loss scaler
     streak: int = 0
     first_bad: int | None = None  # the step that began the current streak
+    last_bad: tuple[int, str] = (0, "")  # the streak's last step, and what was not finite in it
 
     def observe(self, step: int, loss: float, grad_norm: float, skipped: bool,
                 scale_before: float | None = None, scale_after: float | None = None) -> str | None:
@@ -66,6 +70,7 @@ class BadSteps:
             return (f"step {step}: fp16 gradients overflowed at loss scale {scale_before:g}; step skipped, scale "
                     f"now {scale_after:g}")
         self.streak += 1
+        self.last_bad = (step, what)
         if self.first_bad is None:
             self.first_bad = step
         if self.streak >= self.max_bad_steps:
@@ -75,6 +80,18 @@ class BadSteps:
         at_floor = " at the minimum loss scale" if self.min_loss_scale is not None and math.isfinite(loss) else ""
         return (f"step {step}: {what}{at_floor}; step skipped, weights and optimizer state unchanged "
                 f"({self.streak} of train.max_bad_steps = {self.max_bad_steps} in a row)")
+
+    def ended_on_bad_steps(self) -> NonFiniteStop | None:
+        """At the end of a run: a stop (exit 3) when its last steps were bad, whatever their number
+        (fewer than ``max_bad_steps`` would otherwise end with exit 0, a NaN loss and no checkpoint
+        of the last steps); None when the last step was applied."""
+        if not self.streak:
+            return None
+        last, what = self.last_bad
+        steps = f"step {last} was" if self.streak == 1 else f"{self.streak} steps ({self.first_bad}-{last}) were"
+        return NonFiniteStop(f"stopped at the end of the run (step {last}): {what}; its last {steps} not "
+                             f"finite (the run ended before train.max_bad_steps = {self.max_bad_steps} of them in a "
+                             f"row)", last)
 
     @staticmethod
     def what_was_not_finite(loss: float, grad_norm: float) -> str:

@@ -7,9 +7,12 @@ The run then exits with 128 + the signal's number (130 for SIGINT, 143 for SIGTE
 reports a process a signal ended: not 0, so that ``bigtrain train ... && next-stage`` does not go
 on, and resumable with ``--resume``.
 
-Repeats: torchrun forwards the signal it gets to its ranks, which the terminal already signalled,
-so a second signal within a second is the same request. A SIGINT a second or more after the first
-is a user who does not want to wait: it raises KeyboardInterrupt at once (nothing saved).
+Under ``bigtrain train``'s own launcher a signal reaches the ranks once, from the launcher
+(:func:`bigtrain.distributed.launch.wait_for_ranks`; torchrun's agent never sees it), and a rank
+whose launcher died sends SIGTERM to itself (:func:`~bigtrain.distributed.launch.stop_when_orphaned`).
+Repeats: another launcher may pass on a signal that a terminal also sent, so a second signal within
+a second is the same request. A SIGINT a second or more after the first is a user who does not want
+to wait: it raises KeyboardInterrupt at once (nothing saved).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ import uuid
 from pathlib import Path
 
 from bigtrain.checkpoint.commit import list_checkpoints
+from bigtrain.distributed.launch import launched_by_bigtrain, launched_externally
+from bigtrain.run_lock import RunLock, own_run_dir
 from bigtrain.run_segments import SEGMENTS_FILE
 
 RUN_FILE = "run.json"
@@ -29,11 +31,36 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "config.toml", RUN_FILE, STOP_FIL
                "report.md", "report.json", "loss.png", "timeline_measured.png", "timeline_simulated.png", "tensorboard")
 
 
+class RunDirWriteError(RuntimeError):
+    """A file of the run directory could not be written (a full disk, say); nothing half-written
+    was left (exit 1)."""
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole, or keeps what it held: written beside it and renamed over
+    it. A failure (a full disk) removes the partial copy and raises RunDirWriteError naming the file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunDirWriteError(f"{path} could not be written ({e.strerror or e}); it was left as it was; "
+                               f"{_fix(e)}") from e
+
+
+def _fix(error: OSError) -> str:
+    import errno
+
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on that disk (or choose another --output-dir), then continue with --resume"
+    return "make the folder writable (or choose another --output-dir), then continue with --resume"
+
+
 def _write_json(path: Path, value: dict) -> None:
     """Written whole or not at all: another rank may read it at any moment."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(value, indent=1) + "\n")
 
 
 def _read_json(path: Path) -> dict | None:
@@ -109,10 +136,30 @@ def forget_stop(run_dir: Path) -> None:
     (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
 
 
-def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) -> tuple[Path, dict] | None:
+def claim_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) -> RunLock | None:
+    """Own ``run_dir`` (:mod:`bigtrain.run_lock`) before anything is written into it, then check
+    under the lock that this run may write there (:func:`check_run_dir`): a ConfigError names the
+    run that holds it, or what the folder's state forbids (and what taking it created is removed).
+    The lock, to release when the run ends; None for a rank that holds none."""
+    rank = int(os.environ["RANK"]) if launched_externally() else 0
+    lock, took = own_run_dir(Path(run_dir), rank, launched_by_bigtrain())
+    try:
+        # The process that took the folder verifies the files of what it resumes from too (every
+        # checkpoint corrupt is refused here, before launch); the ranks its launcher starts need not.
+        check_run_dir(cfg, run_dir, explicit_resume, overwrite, verify_files=took)
+    except BaseException:
+        if lock is not None:
+            lock.release(remove_created=took)
+        raise
+    return lock
+
+
+def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
+                  verify_files: bool = False) -> tuple[Path, dict] | None:
     """Before launch: may this run write into ``run_dir``, and can what it resumes from serve it?
-    Raises a ConfigError naming the flag or field and the fix; returns the checkpoint it would resume
-    from (path, manifest), None for a fresh start.
+    Raises a ConfigError naming the flag or field and the fix; returns the checkpoint it would
+    resume from (path, manifest), None for a fresh start. ``verify_files``: that checkpoint must
+    pass its files' checksums too, not only its manifest's.
 
     Continuing the run the directory holds is the accepted path: ``--resume``, or
     ``checkpoint.resume = 'auto'`` (a restarted rank: ``train --config RUN/config.toml
@@ -140,7 +187,8 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) ->
         return None
     with warnings.catch_warnings(record=True) as skipped:
         warnings.simplefilter("always")
-        found = next(valid_checkpoints(source, read_run_id(run_dir) if continuing else None, files=False), None)
+        found = next(valid_checkpoints(source, read_run_id(run_dir) if continuing else None, files=verify_files),
+                     None)
     if found is None:
         if explicit_resume or resume != "auto" or list_checkpoints(source):
             why = "; ".join(str(w.message) for w in skipped) or f"no checkpoint under {source}"
@@ -156,13 +204,17 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool) ->
     return found
 
 
-def finished_run(run_dir: Path, resumed_from: tuple[Path, dict] | None, steps: int) -> str | None:
-    """The line ``--resume`` prints for a run that has nothing left to train (its newest checkpoint
-    is at or past ``train.steps``), None when it has."""
-    if resumed_from is None or not isinstance(resumed_from[1].get("step"), int) or resumed_from[1]["step"] < steps:
+def finished_run(run_dir: Path, steps: int) -> str | None:
+    """The line ``--resume`` prints for a run that has nothing left to train (its newest valid
+    checkpoint is at or past ``train.steps``), None when it has. Reads only: taking the folder's
+    lock would already change it."""
+    from bigtrain.checkpoint.commit import valid_checkpoints
+
+    found = next(valid_checkpoints(Path(run_dir) / "checkpoints", read_run_id(run_dir), files=False), None)
+    if found is None or not isinstance(found[1].get("step"), int) or found[1]["step"] < steps:
         return None
-    step = resumed_from[1]["step"]
-    return (f"bigtrain: {run_dir} is finished: {resumed_from[0].name} holds step {step} of train.steps = {steps}; "
+    step = found[1]["step"]
+    return (f"bigtrain: {run_dir} is finished: {found[0].name} holds step {step} of train.steps = {steps}; "
             f"nothing to do (to train further: --resume --train.steps=N with N > {step})")
 
 

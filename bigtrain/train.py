@@ -10,6 +10,7 @@ import json
 import shutil
 import signal
 import statistics
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -31,6 +32,7 @@ from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config, to_toml
 from bigtrain.core.targets import IGNORE_INDEX
 from bigtrain.data import TokenSampler, load_corpus
+from bigtrain.distributed.comm import AxisComm, CollectiveError, CommStats
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.evaluate import held_out_loss
 from bigtrain.from_config import parallel_plan
@@ -47,7 +49,7 @@ from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 from bigtrain.parallel.build import parallelize
 from bigtrain.parallel.compile import compile_clock
 from bigtrain.preemption import Preempted, SignalWatch
-from bigtrain.run_dir import ensure_run_id, forget_stop, read_run_id, record_stop
+from bigtrain.run_dir import RunDirWriteError, ensure_run_id, forget_stop, read_run_id, record_stop, write_atomic
 from bigtrain.run_segments import open_segment, update_segment
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
@@ -337,7 +339,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._run_id = ensure_run_id(self.run_dir)
             forget_stop(self.run_dir)
-            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            write_atomic(self.run_dir / "config.toml", to_toml(cfg))  # a full disk keeps the old one whole
             open_segment(self.run_dir, self.step, self.global_tokens, run_info.layout_text(cfg), run_info.git_commit())
         log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress,
                          cfg.logging.tensorboard)
@@ -368,6 +370,9 @@ class Trainer:
         finally:
             log.close()
             self._note_segment()  # however the loop ended (a stop, a failure): the steps it got to
+        if (ended := bad.ended_on_bad_steps()) is not None:  # whatever their number: exit 3, no final save
+            self.wait_for_save()
+            raise self._record(NonFiniteStop(f"{ended}; {self._last_finite_checkpoint()}", ended.step))
         if self.executor is not None and self.history:
             self.draw_pipeline()
         every = cfg.checkpoint.every
@@ -429,12 +434,14 @@ class Trainer:
                                result.loss_scale)
         except NonFiniteStop as stop:
             self.wait_for_save()
-            newest = ckpt.list_checkpoints(self.checkpoint_root)
-            where = (f"the newest checkpoint, {newest[0].name}, holds the last finite state" if newest else
-                     "no checkpoint was written")
-            raise self._record(NonFiniteStop(f"{stop}; {where}", stop.step))
+            raise self._record(NonFiniteStop(f"{stop}; {self._last_finite_checkpoint()}", stop.step))
         if note is not None:
             log.note(f"bigtrain: {note}")
+
+    def _last_finite_checkpoint(self) -> str:
+        newest = ckpt.list_checkpoints(self.checkpoint_root)
+        return (f"the newest checkpoint, {newest[0].name}, holds the last finite state" if newest else
+                "no checkpoint was written")
 
     def evaluate(self) -> float:
         """The mean loss over the held-out windows (``train.eval_batches`` global batches of
@@ -465,7 +472,11 @@ class Trainer:
     def _record(self, stop: NonFiniteStop | Preempted) -> NonFiniteStop | Preempted:
         """``stop``, recorded in the run directory (the launcher reads its exit code from there)."""
         if self.is_main:
-            record_stop(self.run_dir, stop.exit_code, str(stop), self.step)
+            try:
+                record_stop(self.run_dir, stop.exit_code, str(stop), self.step)
+                stop.recorded = True  # the launcher will read its code (bigtrain.cli)
+            except RunDirWriteError as e:
+                print(f"bigtrain: warning: {e}", file=sys.stderr)
         return stop
 
     def draw_pipeline(self) -> list[Path]:
@@ -551,36 +562,50 @@ class Trainer:
         several = dist.is_initialized() and dist.get_world_size() > 1
         # A group of the async write is Gloo (host tensors); the default group may be NCCL.
         device = torch.device("cpu") if group is not None else self.device
+        # The agreements go through a named collective: a rank that dies or freezes during the save
+        # is reported like any other collective's failure (rank, collective, group), not as a raw
+        # Gloo traceback. The background write's group keeps its own counters (another thread).
+        comm = (self.mesh.comm("world") if group is None else
+                AxisComm("world", group, dist.get_world_size(), dist.get_rank(), CommStats())) if several else None
         error: BaseException | None = None
         try:
-            if self.is_main:
-                root.mkdir(parents=True, exist_ok=True)
-                ckpt.fresh_temp_dir(root, step)
-        except OSError as e:
-            error = e
-        if several:  # DCP's writers create the directory too: they must find rank 0's fresh one, not race it
-            error = _agree(error, group, device, f"rank 0 could not create {tmp}")
-        if error is None:
             try:
-                save_chunks(tmp, chunks, group)  # returns once every rank's files and the metadata are written
                 if self.is_main:
-                    ckpt.commit_checkpoint(root, step, tmp, meta, keep)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises a BaseException
+                    root.mkdir(parents=True, exist_ok=True)
+                    ckpt.fresh_temp_dir(root, step)
+            except OSError as e:
                 error = e
-            if several:  # every rank sees the committed save, or the failure
-                error = _agree(error, group, device, f"another rank failed to write checkpoint step {step}")
+            if several:  # DCP's writers create the directory too: they must find rank 0's fresh one, not race it
+                error = _agree(error, comm, device, f"rank 0 could not create {tmp}")
+            if error is None:
+                try:
+                    save_chunks(tmp, chunks, group)  # returns once every rank's files and the metadata are written
+                    if self.is_main:
+                        ckpt.commit_checkpoint(root, step, tmp, meta, keep)
+                except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises a BaseException
+                    error = e
+                if several:  # every rank sees the committed save, or the failure
+                    error = _agree(error, comm, device, f"another rank failed to write checkpoint step {step}")
+        except CollectiveError as lost:  # another rank died or froze during the save
+            lost.step = step
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            mine = (f"writing the parts (torch.distributed.checkpoint's own collectives) had failed on this rank "
+                    f"first: {_short(error)}" if error is not None else "this rank had written its part")
+            raise ckpt.CheckpointWriteError(f"{lost.describe()}\n  while saving checkpoint step {step} into {root}: "
+                                            f"{mine}; the partial save was removed and "
+                                            f"{_kept(root)}") from lost
         if error is None:
             return
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = [p.name for p in ckpt.list_checkpoints(root)]
-        kept = f"the previous checkpoint {previous[0]} is intact" if previous else "no earlier checkpoint exists"
+        kept = _kept(root)
         if ckpt.is_disk_full(error):
             raise ckpt.CheckpointWriteError(f"checkpoint step {step}: no space left on device in {root}; the partial "
                                             f"save was removed and {kept}; free space or choose another "
                                             f"--output-dir, then continue with --resume") from error
         raise ckpt.CheckpointWriteError(f"checkpoint step {step} could not be written to {root} "
-                                        f"({' '.join(str(error).split())[:300]}); {kept}") from error
+                                        f"({_short(error)}); {kept}") from error
 
     def wait_for_save(self) -> None:
         """Block until a background checkpoint write is committed (re-raising its error)."""
@@ -621,13 +646,30 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def _agree(error: BaseException | None, group, device: torch.device, elsewhere: str) -> BaseException | None:
-    """This rank's ``error``, or one naming ``elsewhere`` if only another rank failed; collective."""
+def _agree(error: BaseException | None, comm: AxisComm, device: torch.device, elsewhere: str
+           ) -> BaseException | None:
+    """This rank's ``error``, or one naming ``elsewhere`` if only another rank failed; collective
+    (a CollectiveError naming it when a rank is gone)."""
     failed = torch.tensor([1 if error is not None else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    comm.max(failed, tag="checkpoint")
     if error is None and failed.item():
         return RuntimeError(elsewhere)
     return error
+
+
+def _short(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__
+
+
+def _kept(root: Path) -> str:
+    """What a failed save left of the earlier checkpoints: the newest that verifies (its manifest;
+    a link or a damaged folder under a checkpoint's name is not one)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skipped ones are not news here
+        found = next(ckpt.valid_checkpoints(root, files=False), None)
+    return f"the previous checkpoint {found[0].name} is intact" if found else "no earlier checkpoint exists"
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from bigtrain.config import Config, ConfigError
-from bigtrain.core.tables import SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
+from bigtrain.core.tables import SHARDINGS, SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
 from bigtrain.data.fields import data_field_problems
 from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
 from bigtrain.model_fields import llama_field_problems
@@ -467,6 +467,10 @@ def check_embedding(cfg: Config) -> list[str]:
             problems.append(f"{dotted} = '{text}': {what}; every size must be >= 1")
     if "embedding.tables" in sizes and not sizes["embedding.tables"]:
         problems.append("embedding.tables is empty; give the rows of each table, e.g. '26x1000'")
+    unknown = sorted({k.strip() for k in e.sharding.split(",")} - set(SHARDINGS))
+    if unknown:  # for any model: a value no model accepts is a typo, whether this one reads it or not
+        problems.append(f"embedding.sharding = '{e.sharding}': {', '.join(repr(k) for k in unknown)} is not one of "
+                        f"{', '.join(SHARDINGS)} (one for every table, or one per table, comma-separated)")
     if problems or m.name != "dlrm":
         return problems
     rows = sizes["embedding.tables"]

@@ -182,7 +182,7 @@ def _train(corpus_cache, out, *extra):
 
 def test_max_restarts_is_passed_to_torchrun_even_for_one_rank(corpus_cache, tmp_path, monkeypatch, capsys):
     started = []
-    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, max_restarts=0: started.append((nproc, max_restarts)) or 0)
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, max_restarts=0, **_: started.append((nproc, max_restarts)) or 0)
     assert cli.main(_train(corpus_cache, tmp_path / "a", "--max-restarts", "2", "--checkpoint.every=5")) == 0
     assert started == [(1, 2)]
     assert cli.main(_train(corpus_cache, tmp_path / "b", "--max-restarts", "1", "--checkpoint.every_minutes=0")) == 0

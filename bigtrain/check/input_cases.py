@@ -107,6 +107,7 @@ ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "optim.lr_scaling": ("none", "linear"), "optim.name": ("adamw", "adamw8bit", "adafactor", "lion"),  # others register at run time
     "train.device": ("auto", "cpu"),  # cuda: only with a GPU
     "model.rope_scaling": ("none", "linear", "yarn"),  # 'llama3' needs model.rope_original_max_len
+    "embedding.sharding": ("auto", "table", "row", "column", "data"),  # a DLRM's; refused for any model
 }
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -156,6 +157,8 @@ def bool_is_bad(text: str) -> bool:
 
 
 def str_is_bad(name: str, text: str) -> bool:
+    if name == "embedding.sharding":  # one kind for every table, or one per table: 'table, row'
+        return any(part.strip() not in ENUM_FIELDS[name] for part in text.split(","))
     return text not in ENUM_FIELDS[name]
 
 

@@ -11,7 +11,8 @@ The manifest is trusted no more than the files: it carries a checksum of itself 
 or a deleted checksum map is found), may name only the files this code writes (no ``..``, no
 absolute path, no subfolder), and every file is opened as a regular file, never through a link, a
 FIFO or a device (``/dev/zero`` listed in it would be read forever). Only ``step_<digits>``
-folders are checkpoints: a stray ``step_latest`` is ignored by listing and by rotation.
+folders are checkpoints: a stray ``step_latest``, and a link or a file under a checkpoint's name, are
+ignored by listing and by rotation (a save replaces a file or link in its way).
 """
 
 from __future__ import annotations
@@ -91,11 +92,20 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Finished checkpoints under ``root`` (folders named ``step_<digits>``), newest first."""
+    """Finished checkpoints under ``root`` (folders named ``step_<digits>``, not links: a save never
+    makes one, and rotation must not delete what one points to), newest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=checkpoint_step, reverse=True)
+
+
+def _remove(path: Path) -> None:
+    """Whatever is at ``path`` (a folder, a file, a link: never what a link points to)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
 
 
 def temp_dir(root: Path, step: int) -> Path:
@@ -106,8 +116,7 @@ def temp_dir(root: Path, step: int) -> Path:
 def fresh_temp_dir(root: Path, step: int) -> Path:
     """:func:`temp_dir`, emptied of what an earlier crashed save may have left there."""
     tmp = temp_dir(root, step)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove(tmp)
     tmp.mkdir(parents=True)
     return tmp
 
@@ -168,8 +177,9 @@ def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], ke
         os.fsync(f.fileno())
     _fsync_dir(tmp)
     final = root / f"{PREFIX}{step:08d}"
-    if final.exists():  # re-saving the same step (e.g. a resumed run ending where it started)
-        shutil.rmtree(final)
+    # Re-saving the same step (a resumed run ending where it started), or a stray file or link under
+    # its name, which nothing lists as a checkpoint: replaced, or every resume would die here.
+    _remove(final)
     os.replace(tmp, final)
     _fsync_dir(root)
     for old in list_checkpoints(root)[keep:]:

@@ -12,9 +12,9 @@
 from bigtrain.data.corpus import (TEXT_SUFFIXES, build_byte_corpus, cache_path, cache_root, cached_corpus,
                                   files_key, stdlib_files, stdlib_key, text_files, token_dtype_problem)
 from bigtrain.data.load import load_corpus, load_tokens, prepare_corpus, uses_shards
-from bigtrain.data.sampler import IGNORE_INDEX, TokenSampler
+from bigtrain.data.sampler import IGNORE_INDEX, DataChanged, TokenSampler
 from bigtrain.data.shards import ShardedTokens
 
-__all__ = ["TEXT_SUFFIXES", "IGNORE_INDEX", "ShardedTokens", "TokenSampler", "build_byte_corpus", "cache_path",
+__all__ = ["TEXT_SUFFIXES", "IGNORE_INDEX", "DataChanged", "ShardedTokens", "TokenSampler", "build_byte_corpus", "cache_path",
            "cache_root", "cached_corpus", "files_key", "load_corpus", "load_tokens", "prepare_corpus",
            "stdlib_files", "stdlib_key", "text_files", "token_dtype_problem", "uses_shards"]

@@ -8,10 +8,51 @@ into arrays: a memory-mapped file, or the shards of a tokenized corpus (:class:`
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from bigtrain.core.targets import IGNORE_INDEX
+
+
+class DataChanged(RuntimeError):
+    """The token file a run maps became shorter while the run read it (exit 1)."""
+
+
+class MappedFile:
+    """The file behind a memory-mapped corpus, and its size when the run mapped it. Reading a page
+    of a mapping past the end of a file truncated meanwhile kills the process with SIGBUS, naming
+    nothing; :meth:`check` is called before every read of windows and names the file instead.
+    (A file replaced by a rename keeps the old one mapped and is not a problem.)"""
+
+    def __init__(self, path: str, size: int):
+        self.path, self.size = path, size
+
+    @classmethod
+    def of(cls, tokens: np.ndarray) -> "MappedFile | None":
+        name = getattr(tokens, "filename", None)
+        if not isinstance(tokens, np.memmap) or not name:
+            return None
+        try:
+            return cls(name, os.stat(name).st_size)
+        except OSError:
+            return None
+
+    def check(self) -> None:
+        try:
+            now = os.stat(self.path).st_size
+        except OSError as e:
+            now, why = None, e.strerror
+        else:
+            why = None
+        if now is not None and now >= self.size:
+            return
+        state = f"it has {now} bytes" if now is not None else f"it cannot be read ({why})"
+        raise DataChanged(f"data.source: the token file {self.path} changed while the run read it: {state}, {self.size} when the "
+                          f"run started (truncated or rewritten in place?); the run stopped before reading past its "
+                          f"end. Restore the file (or write a new one under another name: data.source), then "
+                          f"continue with --resume")
 
 
 class TokenSampler:
@@ -35,6 +76,7 @@ class TokenSampler:
                              f"(data.seq_len + 1 = {seq_len + 1}); raise data.val_fraction or give a longer corpus")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.ignore_target = ignore_target
+        self.mapped = MappedFile.of(tokens)
 
     def starts(self, step: int) -> np.ndarray:
         """Window starts of the whole global batch at ``step`` (layout-independent)."""
@@ -42,6 +84,8 @@ class TokenSampler:
         return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mapped is not None:
+            self.mapped.check()
         windows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
         data = torch.from_numpy(windows)
         targets = data[:, 1:]

@@ -1,16 +1,25 @@
 """Starting ranks: our own torchrun on one machine, or joining a user's torchrun.
 
-``bigtrain train`` re-executes itself under ``torch.distributed.run --standalone`` when the
-layout needs more than one rank (or restarts, ``--max-restarts``) and it is not already inside a
-launcher. Inside one (ours or a user's multi-node torchrun) each rank calls :func:`init_distributed`.
-Gloo on CPU, NCCL on CUDA. What a restarted round needs is in :mod:`bigtrain.distributed.elastic`.
+``bigtrain train`` re-executes itself under torchrun's agent (``--standalone``, through
+:mod:`bigtrain.distributed.agent`) when the layout needs more than one rank (or restarts,
+``--max-restarts``) and it is not already inside a launcher. Inside one (ours or a user's
+multi-node torchrun) each rank calls :func:`init_distributed`. Gloo on CPU, NCCL on CUDA. What a
+restarted round needs is in :mod:`bigtrain.distributed.elastic`.
+
+Who lives how long: the agent dies with the ``bigtrain train`` that started it (its parent-death
+signal), SIGINT / SIGTERM to ``bigtrain train`` go to the ranks themselves, and a rank whose
+launcher is gone stops on its own (:func:`stop_when_orphaned`): no rank trains on unwatched, and
+the run folder's lock (:mod:`bigtrain.run_lock`) is held until the last of them exits.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from bigtrain.distributed.elastic import round_store
+from bigtrain.run_lock import process_alive
 
 
 @dataclass
@@ -83,39 +93,148 @@ def shutdown_distributed() -> None:
 
 
 def torchrun_command(nproc: int, max_restarts: int = 0) -> list[str]:
-    """torchrun on this machine, up to its entry point (one agent: restart rounds count the same on every rank)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    """torchrun on this machine, up to its entry point (one agent: restart rounds count the same on
+    every rank), through :mod:`bigtrain.distributed.agent` (no torchrun traceback after a stop)."""
+    return [sys.executable, "-m", "bigtrain.distributed.agent", "--standalone", f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}"]
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Run ``python -m bigtrain <argv>`` under torchrun with ``nproc`` ranks on this machine.
+def launched_by_bigtrain() -> bool:
+    """True in a rank that ``bigtrain train``'s own launcher started (:func:`launch_local`)."""
+    return launched_externally() and LAUNCHER_ENV in os.environ
+
+
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, env: dict[str, str] | None = None) -> int:
+    """Run ``python -m bigtrain <argv>`` under torchrun with ``nproc`` ranks on this machine; its
+    exit code (128 + N when a signal N passed on to the ranks ended them without a recorded stop).
 
     With ``max_restarts`` the agent restarts the whole group (the same command) up to that many
     times after a rank fails. CPU ranks share the cores: each gets an equal share of threads so they
-    do not oversubscribe.
+    do not oversubscribe. ``env``: more variables for the ranks.
+
+    The agent runs in a process group of its own, so a Ctrl-C at the terminal reaches this process
+    only and is passed on to the ranks once (:func:`wait_for_ranks`), and it dies with this process
+    (Linux: the parent-death signal), whose ranks then stop on their own (:func:`stop_when_orphaned`).
     """
-    env = dict(os.environ)
+    child_env = dict(os.environ, **(env or {}), **{LAUNCHER_ENV: str(os.getpid())})
     if not torch.cuda.is_available():
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = [*torchrun_command(nproc, max_restarts), "-m", "bigtrain", *argv]
-    return wait_for_ranks(subprocess.Popen(cmd, env=env))
+    return wait_for_ranks(subprocess.Popen(cmd, env=child_env, preexec_fn=_die_with_parent(os.getpid())))
+
+
+LAUNCHER_ENV = "BIGTRAIN_LAUNCHER_PID"  # set for the ranks of launch_local: the pid of the bigtrain that started them
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int):
+    """A ``preexec_fn``: a process group of its own, and (Linux) SIGKILL when ``parent`` dies.
+    The C library is loaded here, before the fork, not in the child."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before the signal was armed
+                os._exit(1)
+
+    return setup
+
+
+def rank_processes(agent: int) -> list[int]:
+    """The agent's children (the ranks it started), from /proc; [] where it cannot be read."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{agent}/task"):
+            with open(f"/proc/{agent}/task/{task}/children") as f:
+                found += [int(pid) for pid in f.read().split()]
+        return found
+    except OSError:
+        pass
+    try:  # a kernel without the children files: every process's parent
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == agent:
+                            found.append(int(entry))
+                except (OSError, IndexError, ValueError):
+                    continue
+    except OSError:
+        return []
+    return found
 
 
 def wait_for_ranks(proc: subprocess.Popen) -> int:
-    """Wait for torchrun while the ranks save on a signal (bigtrain.preemption): SIGTERM to this
-    process is passed on to torchrun, which passes it to the ranks; a Ctrl-C reached the ranks from
-    the terminal already, so this process keeps waiting (``subprocess.call`` would SIGKILL torchrun
-    and return while the ranks still write their checkpoint)."""
-    import signal
+    """Wait for the agent while the ranks save on a signal (bigtrain.preemption). SIGINT and
+    SIGTERM to this process are passed on to the ranks themselves, not to torchrun's agent: the
+    agent would end with a traceback, and kill ranks still saving after 30 s. Before the ranks
+    exist (the agent's rendezvous) the agent gets the signal. Returns the agent's exit code, or
+    128 + the signal when one was passed on and the group failed."""
+    forwarded: list[int] = []
 
     def forward(signum, frame):
-        if signum == signal.SIGTERM:
+        forwarded.append(signum)
+        ranks = rank_processes(proc.pid)
+        for pid in ranks:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        if not ranks:
             proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    return 128 + forwarded[0] if code != 0 and forwarded else code
+
+
+def stop_when_orphaned(grace_s: float, poll_s: float = 0.2) -> threading.Thread | None:
+    """In a rank: when the process that started it (torchrun's agent) dies, or the bigtrain that
+    started the agent (:data:`LAUNCHER_ENV`), stop as on SIGTERM (a checkpoint at the next step
+    boundary, :mod:`bigtrain.preemption`), and exit regardless ``grace_s`` later. A rank nobody
+    waits for must not train on and write into a folder that a new run may take. Once per process."""
+    global _watching
+    if _watching:
+        return None
+    _watching = True
+    parent = os.getppid()
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    launcher_pid = int(launcher) if launcher.isdigit() else None
+    if parent == 1 and launcher_pid is None:  # started by init (or orphaned already): nothing to watch
+        return None
+
+    def gone() -> str | None:
+        if os.getppid() != parent:
+            return f"the process that started it (pid {parent}, torchrun's agent)"
+        if launcher_pid is not None and not process_alive(launcher_pid):
+            return f"the bigtrain train that started it (pid {launcher_pid})"
+        return None
+
+    def watch() -> None:
+        while (who := gone()) is None:
+            time.sleep(poll_s)
+        rank = os.environ.get("RANK", "?")
+        print(f"bigtrain: rank {rank}: {who} is gone; stopping at the next step boundary (with a checkpoint), "
+              f"at the latest in {grace_s:g} s", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        print(f"bigtrain: rank {rank}: did not stop within {grace_s:g} s of its launcher's death; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="bigtrain-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+_watching = False

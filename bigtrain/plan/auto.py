@@ -44,7 +44,12 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
              "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
              "fp8": cfg.precision.fp8}
-    result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode)
+    try:
+        result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode)
+    except ConfigError as e:  # no layout is valid: the planner's reasons, in train's field names
+        raise ConfigError([f"--parallel auto --world-size {world_size}: no layout is valid: "
+                           + p.replace("--global-batch =", "train.global_batch =") for p in e.problems]
+                          + _batch_hint(cfg.train.global_batch, world_size, e.problems)) from None
     if result.best is None:
         closest = result.closest
         lack = f"; closest: {closest.layout.describe()} needs {closest.memory.total / 2**30:.1f} GiB" if closest else ""
@@ -54,3 +59,13 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     why = (f"--parallel auto: {best.layout.describe()} on {world_size} x {cluster.hardware.name}, "
            f"predicted {best.tokens_per_s:,.0f} tokens/s ({len(result.ranked)} layouts fit)")
     return best.layout.to_overrides(), why
+
+
+def _batch_hint(global_batch: int, world_size: int, problems: list[str]) -> list[str]:
+    """The fix when the batch does not split over the ranks: the sizes near it that do."""
+    if not any(p.startswith("--global-batch =") for p in problems):
+        return []
+    lower = global_batch // world_size * world_size
+    sizes = " or ".join(str(n) for n in (lower, lower + world_size) if n > 0)
+    return [f"set train.global_batch to a multiple of the world size ({sizes}), or choose a --world-size that "
+            f"divides train.global_batch = {global_batch}"]

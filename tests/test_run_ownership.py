@@ -1,0 +1,279 @@
+"""A run folder has one owner (issue 29 item 4, issue 32 item 7): a lock that names its holder,
+taken before anything is written and refused while held; ranks that stop when their launcher dies;
+stops by signal that print one line and the documented exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from bigtrain.cli import main
+from bigtrain.config import ConfigError
+from bigtrain.run_lock import LOCK_FILE, TOKEN_ENV, join_run_dir, take_run_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def _holder(run_dir: Path, then: str = "time.sleep(600)") -> subprocess.Popen:
+    """Another process that takes ``run_dir`` (as a launcher does), says so on stdout, then runs ``then``."""
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from bigtrain.run_lock import take_run_dir
+        lock = take_run_dir({str(run_dir)!r}, command="bigtrain train --the-first-run")
+        print(lock.token, flush=True)
+        {then}
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip(), "the holder did not take the folder"
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+
+
+def _train(cache, out, *extra):
+    return ["train", "--preset", "tiny", "--output-dir", str(out), "--logging.progress=false",
+            "--logging.report=false", f"--data.cache_dir={cache}", "--data.max_bytes=400000", *extra]
+
+
+# -- the lock ----------------------------------------------------------------------------------------
+def test_a_held_folder_is_refused_naming_the_holder_and_recovered_when_it_is_gone(tmp_path):
+    run = tmp_path / "run"
+    holder = _holder(run)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            take_run_dir(run)
+        text = str(refused.value)
+        assert f"pid {holder.pid} on {socket.gethostname()}" in text and "bigtrain train --the-first-run" in text
+        assert "that process is gone" not in text
+    finally:
+        _stop(holder)  # kill -9: the kernel drops its lock
+    with take_run_dir(run, command="the second") as lock:  # recovered, and the file names the new holder
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+        assert lock.token == json.loads((run / LOCK_FILE).read_text())["token"]
+
+
+def test_a_stale_lock_file_of_a_dead_process_is_taken_over(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "token": "x"}))
+    with take_run_dir(run):
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_the_ranks_of_a_dead_launcher_keep_the_folder_and_are_named(tmp_path):
+    """The launcher is gone (kill -9) but a rank it started still runs: the folder stays owned."""
+    run = tmp_path / "run"
+    rank = textwrap.dedent(f"""
+        import os, time
+        from bigtrain.run_lock import join_run_dir
+        lock = join_run_dir({str(run)!r}, os.environ["{TOKEN_ENV}"])
+        print("joined", flush=True)
+        time.sleep(600)
+    """)
+    launcher = _holder(run, then=f"""import subprocess
+        rank = subprocess.Popen([sys.executable, "-c", {rank!r}], env=dict(os.environ, {TOKEN_ENV}=lock.token),
+                                stdout=subprocess.PIPE, text=True)
+        assert rank.stdout.readline().strip() == "joined"
+        print(rank.pid, flush=True)
+        time.sleep(600)""")
+    rank_pid = int(launcher.stdout.readline())
+    try:
+        _stop(launcher)
+        with pytest.raises(ConfigError) as refused:
+            take_run_dir(run)
+        assert f"pid {launcher.pid}" in str(refused.value) and "that process is gone" in str(refused.value)
+    finally:
+        os.kill(rank_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:  # the rank's exit (reaped by whoever adopted it) frees the folder
+        try:
+            take_run_dir(run).release()
+            break
+        except ConfigError:
+            assert time.monotonic() < deadline, "the folder stayed locked after its last holder died"
+            time.sleep(0.1)
+
+
+def test_a_rank_refuses_a_lock_that_another_run_took(tmp_path):
+    run = tmp_path / "run"
+    with take_run_dir(run):
+        with pytest.raises(ConfigError, match="in use by another run"):
+            join_run_dir(run, "not-this-runs-token")
+
+
+def test_train_into_a_held_folder_is_refused_before_anything_is_written(corpus_cache, tmp_path, monkeypatch, capsys):
+    """Two runs into one folder, and --overwrite of a folder a run trains in: refused before launch,
+    naming the first run, with the folder as it was."""
+    from bigtrain import cli
+    from bigtrain.distributed import launch
+
+    monkeypatch.setattr(cli, "_run_rank", lambda *a: pytest.fail("a rank started"))
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: pytest.fail("torchrun started"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')  # the live run's own records
+    (run / "config.toml").write_text("# the live run's config\n")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    holder = _holder(run)
+    try:
+        for extra in ([], ["--overwrite"], ["--parallel.dp=2"], ["--overwrite", "--parallel.dp=2"]):
+            assert main(_train(corpus_cache, run, *extra)) == 2
+            err = capsys.readouterr().err
+            assert f"is in use by another run: pid {holder.pid}" in err and "--the-first-run" in err, err
+            after = {p.name: p.read_bytes() for p in run.iterdir()}
+            assert after == {**before, LOCK_FILE: after[LOCK_FILE]}
+    finally:
+        _stop(holder)
+
+
+def test_a_refused_run_leaves_no_lock_file_behind(corpus_cache, tmp_path, capsys):
+    """A folder the lock created is removed with it when the run-directory rules refuse the run."""
+    run = tmp_path / "typo"
+    assert main(["train", "--output-dir", str(run), "--resume"]) == 2  # no run there: refused before the lock
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text("")
+    assert main(["train", "--preset", "tiny", "--output-dir", str(run), "--resume",
+                 f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000"]) == 2
+    assert "nothing valid to resume from" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.toml"]
+
+
+def test_a_finished_run_releases_its_folder(corpus_cache, tmp_path):
+    run = tmp_path / "run"
+    assert main(_train(corpus_cache, run, "--train.steps=1")) == 0
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    take_run_dir(run).release()  # nobody holds it any more
+    assert main(_train(corpus_cache, run, "--train.steps=2", "--overwrite")) == 0
+    assert (run / LOCK_FILE).exists()  # --overwrite keeps the lock file it holds
+
+
+# -- the ranks of a dead launcher stop; signals stop a multi-rank run with one line -------------------
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _rank_pids(pid: int) -> list[int]:
+    ranks = []
+    for child in _descendants(pid):
+        try:
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(b"RANK=") for v in env):
+            ranks.append(child)
+    return ranks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _start_training(cache, run, log: Path, *extra) -> subprocess.Popen:
+    """``bigtrain train`` at dp=2 in a session of its own (so its process group can be killed), once
+    both ranks are training (a logged step)."""
+    cmd = [sys.executable, "-m", "bigtrain", *_train(cache, run, "--parallel.dp=2", "--train.steps=100000",
+                                                     "--logging.log_every=1", *extra)]
+    with open(log, "w") as out:
+        job = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=out,
+                               start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().count("\n") >= 2:
+        if job.poll() is not None or time.monotonic() > deadline:
+            _kill_all(job)
+            pytest.fail(f"the run did not start training (exit {job.poll()}):\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return job
+
+
+def _kill_all(job: subprocess.Popen) -> None:
+    for pid in [job.pid, *_descendants(job.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait()
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launchers_process_group_leaves_no_rank_alive(corpus_cache, tmp_path):
+    """bigtrain and torchrun's agent killed together (the agent has its own process group, and dies
+    with bigtrain): the ranks notice, save and exit within 2 x distributed.timeout_s."""
+    timeout_s = 15
+    run, log = tmp_path / "run", tmp_path / "log"
+    job = _start_training(corpus_cache, run, log, f"--distributed.timeout_s={timeout_s}")
+    ranks = _rank_pids(job.pid)
+    try:
+        assert len(ranks) == 2, f"ranks {ranks} under {job.pid}"
+        with pytest.raises(ConfigError, match=f"in use by another run: pid {job.pid}"):
+            take_run_dir(run)  # a --resume meanwhile is refused
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in ranks) and time.monotonic() - killed < 2 * timeout_s:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in ranks), f"ranks alive {2 * timeout_s} s after:\n{log.read_text()[-3000:]}"
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    assert text.count("is gone; stopping at the next step boundary") == 2, text[-3000:]
+    stopped = json.loads((run / "stopped.json").read_text())
+    assert stopped["exit_code"] == 143 and (run / "checkpoints" / f"step_{stopped['step']:08d}").is_dir()
+    take_run_dir(run).release()  # the folder is free again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_alone_stops_every_rank_with_one_line(signum, corpus_cache, tmp_path):
+    """kill -TERM / kill -INT to bigtrain's pid only (not its group): the ranks save a checkpoint of one
+    step and stop, exit 128 + N, and stderr holds the one stop line and no traceback (torchrun's agent
+    never sees the signal)."""
+    run, log = tmp_path / "run", tmp_path / "log"
+    job = _start_training(corpus_cache, run, log)
+    try:
+        os.kill(job.pid, signum)
+        code = job.wait(timeout=240)
+    finally:
+        if job.poll() is None:
+            _kill_all(job)
+    err = log.read_text()
+    assert code == 128 + signum, err[-3000:]
+    assert "Traceback" not in err and "Exception" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("bigtrain: stopped by")]
+    assert len(lines) == 1 and signal.Signals(signum).name in lines[0] and "saved checkpoint" in lines[0], err
+    stopped = json.loads((run / "stopped.json").read_text())
+    assert (run / "checkpoints" / f"step_{stopped['step']:08d}" / "meta.json").is_file()
