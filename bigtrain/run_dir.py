@@ -207,10 +207,14 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
 def finished_run(run_dir: Path, steps: int) -> str | None:
     """The line ``--resume`` prints for a run that has nothing left to train (its newest valid
     checkpoint is at or past ``train.steps``), None when it has. Reads only: taking the folder's
-    lock would already change it."""
+    lock would already change it. The checkpoint's files are verified: a corrupt one finishes nothing."""
+    import warnings
+
     from bigtrain.checkpoint.commit import valid_checkpoints
 
-    found = next(valid_checkpoints(Path(run_dir) / "checkpoints", read_run_id(run_dir), files=False), None)
+    with warnings.catch_warnings():  # a corrupt one is skipped here and named by the checks after
+        warnings.simplefilter("ignore")
+        found = next(valid_checkpoints(Path(run_dir) / "checkpoints", read_run_id(run_dir)), None)
     if found is None or not isinstance(found[1].get("step"), int) or found[1]["step"] < steps:
         return None
     step = found[1]["step"]

@@ -208,7 +208,7 @@ def test_a_truncated_token_file_stops_train_with_one_line(corpus_cache, tmp_path
     assert main(_args(corpus_cache, tmp_path / "run", f"--data.source={data}", "--train.steps=4")) == 1
     err = capsys.readouterr().err
     assert "bigtrain: data.source: the token file" in err and "Traceback" not in err, err
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]  # the two steps before it
 
 
 # -- messages that named the wrong thing ----------------------------------------------------------------
