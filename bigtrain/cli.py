@@ -304,7 +304,7 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
                 return 0 if ours else e.exit_code
             if ours:
                 print(f"bigtrain: {e}", file=sys.stderr)
-                return 0 if getattr(e, "recorded", False) else e.exit_code
+                return 0 if e.recorded else e.exit_code
             raise
         if info.rank == 0:
             write_summary(run_dir, trainer.summary())

@@ -36,6 +36,7 @@ class NonFiniteStop(RuntimeError):
     run stopped (exit code 3)."""
 
     exit_code = EXIT_CODE
+    recorded = False  # written to stopped.json, where the launcher reads the code (Trainer._record)
 
     def __init__(self, message: str, step: int):
         super().__init__(message)

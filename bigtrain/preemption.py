@@ -31,6 +31,8 @@ _REPEAT_WINDOW_S = 1.0
 class Preempted(RuntimeError):
     """The run stopped on a signal, after saving (or not) at a step boundary."""
 
+    recorded = False  # written to stopped.json, where the launcher reads the code (Trainer._record)
+
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.signum = signum

@@ -189,7 +189,7 @@ def take_run_dir(run_dir: Path, flag: str = "--output-dir", command: str | None 
             lock.release()
             raise _in_use(run_dir, holder, flag) from None
         except OSError as e:
-            lock.release(remove_created=True)
+            lock.release()
             if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 return _no_flock(run_dir, e)
             raise

@@ -203,10 +203,8 @@ def stop_when_orphaned(grace_s: float, poll_s: float = 0.2) -> threading.Thread 
     started the agent (:data:`LAUNCHER_ENV`), stop as on SIGTERM (a checkpoint at the next step
     boundary, :mod:`bigtrain.preemption`), and exit regardless ``grace_s`` later. A rank nobody
     waits for must not train on and write into a folder that a new run may take. Once per process."""
-    global _watching
-    if _watching:
+    if any(t.name == _WATCH_THREAD for t in threading.enumerate()):
         return None
-    _watching = True
     parent = os.getppid()
     launcher = os.environ.get(LAUNCHER_ENV, "")
     launcher_pid = int(launcher) if launcher.isdigit() else None
@@ -215,9 +213,9 @@ def stop_when_orphaned(grace_s: float, poll_s: float = 0.2) -> threading.Thread 
 
     def gone() -> str | None:
         if os.getppid() != parent:
-            return f"the process that started it (pid {parent}, torchrun's agent)"
+            return f"its launcher (pid {parent})"
         if launcher_pid is not None and not process_alive(launcher_pid):
-            return f"the bigtrain train that started it (pid {launcher_pid})"
+            return f"the bigtrain train that started its launcher (pid {launcher_pid})"
         return None
 
     def watch() -> None:
@@ -232,9 +230,9 @@ def stop_when_orphaned(grace_s: float, poll_s: float = 0.2) -> threading.Thread 
               file=sys.stderr, flush=True)
         os._exit(128 + signal.SIGTERM)
 
-    thread = threading.Thread(target=watch, name="bigtrain-parent-watch", daemon=True)
+    thread = threading.Thread(target=watch, name=_WATCH_THREAD, daemon=True)
     thread.start()
     return thread
 
 
-_watching = False
+_WATCH_THREAD = "bigtrain-parent-watch"
