@@ -95,7 +95,8 @@ class _SharedQuantization:
         return q, scale
 
 
-def compress_linear_inputs(modules: list[nn.Linear], rows_split_over: dict[nn.Module, AxisComm] | None = None) -> int:
+def compress_linear_inputs(modules: list[nn.Linear],
+                           rows_split_over: dict[nn.Module, AxisComm] | None = None) -> int:
     """Make each linear of ``modules`` save its input in int8; returns how many. ``rows_split_over``:
     the linears whose input features are cut over a group of ranks (row-parallel), each with that
     group, over which its rows' scales are agreed."""
@@ -106,14 +107,14 @@ def compress_linear_inputs(modules: list[nn.Linear], rows_split_over: dict[nn.Mo
             weight, bias = linear.weight, linear.bias
             if not torch.is_grad_enabled() or not weight.requires_grad:
                 return F.linear(x, weight, bias)
-            pending = None
+            exact_bias = bias.detach() if bias is not None else None
             if comm is None:
                 q, scale = shared.of(x)
-            else:  # the whole row's max, on the wire while the matmul runs
+                y = F.linear(x, weight.detach(), exact_bias)
+            else:  # the whole row's max over the group, on the wire while the matmul runs
                 absmax = row_absmax(x)
                 pending = comm.all_reduce(absmax, op=dist.ReduceOp.MAX, async_op=True, tag="int8_row_absmax")
-            y = F.linear(x, weight.detach(), bias.detach() if bias is not None else None)
-            if comm is not None:
+                y = F.linear(x, weight.detach(), exact_bias)
                 if pending is not None:
                     pending.wait()
                 q, scale = quantize_rows(x, absmax)
