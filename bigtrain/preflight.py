@@ -317,7 +317,9 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     if not check_size:
         size, warnings = [], []
     else:
-        size, warnings = size_problems(cfg, local_ranks, cuda) if cfg.model.name != "dlrm" else (tables_fit_problems(cfg), [])
+        nvme_dir = cfg.offload.nvme_dir or str(Path(output_dir) / "offload")
+        size, warnings = size_problems(cfg, local_ranks, cuda, nvme_dir=nvme_dir) if cfg.model.name != "dlrm" \
+            else (tables_fit_problems(cfg), [])
     problems += size
     if problems:
         raise ConfigError(problems)

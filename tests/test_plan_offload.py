@@ -30,13 +30,15 @@ def test_offloaded_states_leave_the_device_and_are_counted_on_their_tier():
     cpu = estimate_memory(model, replace(base, offload_optimizer="cpu"), H100, 8)
     # bf16 AdamW: the optimizer term is the fp32 masters and two moments, 12 bytes per parameter (+ step counts)
     assert plain.optimizer == pytest.approx(12 * model.params, rel=1e-3)
-    assert cpu.optimizer == 0 and cpu.detail["host_states"] == plain.optimizer and cpu.detail["nvme_states"] == 0
-    assert (cpu.params, cpu.grads, cpu.activations) == (plain.params, plain.grads, plain.activations)
-    assert plain.total - cpu.total == pytest.approx(plain.optimizer * (1 + H100.fragmentation), abs=1)
+    host = cpu.detail["tiers"]["host"]
+    assert cpu.optimizer == 0 and host["masters"] + host["state"] == plain.optimizer
+    assert cpu.detail["host_states"] == sum(host.values()) and cpu.detail["nvme_states"] == 0
+    assert (cpu.params, cpu.activations) == (plain.params, plain.activations)
     both = estimate_memory(model, replace(base, zero=3, offload_optimizer="nvme", offload_params="nvme"), H100, 8)
     zero3 = estimate_memory(model, replace(base, zero=3), H100, 8)
     assert both.params == both.grads == both.optimizer == 0  # the gradient shards in files too, at ZeRO 2-3
-    assert both.detail["nvme_states"] == zero3.model_states and both.detail["host_states"] == 0
+    # weights, masters, state and gradients in files; the state's per-tensor step counts stay in memory
+    assert both.detail["nvme_states"] + both.detail["tiers"]["host"]["state"] == zero3.model_states
     assert both.buffers["zero3_gathered"] == zero3.buffers["zero3_gathered"]  # what is gathered stays
 
 
@@ -63,8 +65,8 @@ def test_the_step_adds_the_transfers_at_the_profile_bandwidths():
 def test_offload_layout_keys_parse_check_and_run():
     fixed = parse_layout("zero=3,offload_optimizer=nvme,offload_params=nvme,delayed_update=on")
     assert fixed == {"zero": 3, "offload_optimizer": "nvme", "offload_params": "nvme", "delayed_update": True}
-    with pytest.raises(ConfigError, match="offload_params = 'cpu': must be one of none, nvme"):
-        parse_layout("offload_params=cpu")
+    with pytest.raises(ConfigError, match="offload_params = 'gpu': must be one of none, cpu, nvme"):
+        parse_layout("offload_params=gpu")
     model, cluster = _model(), Cluster.build(1, H100)
     problems = layout_problems(Layout(zero=0, offload_optimizer="cpu", offload_params="nvme"), model, cluster, 8)
     assert any("offload_optimizer = cpu needs zero >= 1" in p for p in problems)
@@ -112,3 +114,53 @@ def test_preflight_counts_what_offload_keeps_off_the_device(monkeypatch):
     problems, _ = fit.size_problems(tiny_config("", *wide, "--offload.optimizer=nvme", "--offload.params=nvme"),
                                     suggest=False)
     assert not problems, problems
+
+
+# -- the host and the NVMe are finite (issue 28) --------------------------------------------------------
+def test_the_profile_carries_host_memory_and_nvme_per_gpu_settable_with_hw(capsys):
+    assert H100.host_memory_bytes == 134_000_000_000 and H100.nvme_bytes == 64 * 2**30
+    assert _cli("plan", "--preset", "llama-7b", "--gpus", 1, "--hw", "host_memory_bytes=256e9",
+                "--hw", "nvme_bytes=3.84e12", "--json") == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["hardware"]["host_memory_bytes"] == 256_000_000_000
+    assert report["hardware"]["nvme_bytes"] == 3_840_000_000_000
+    with pytest.raises(ConfigError, match="host_memory_bytes = 0: a rate or size must be >= 1"):
+        _cli("plan", "--preset", "llama-7b", "--hw", "host_memory_bytes=0")
+
+
+def test_no_offload_fit_exceeds_the_hosts_memory(capsys):
+    """13B with fp32 AdamW states (16 bytes a parameter on the host: masters, moments, the gradient's
+    host buffer) does not fit one H100's 125 GiB host: no fit is proposed, and the closest says what
+    it would need; with a DGX H100's share (256 GB) it fits, and says so within that share."""
+    assert _cli("plan", "--preset", "llama-13b", "--gpus", 1, "--hardware", "h100-80g", "--json") == 1
+    report = json.loads(capsys.readouterr().out)
+    assert "offload_fit" not in report
+    closest = report["offload_closest"]
+    assert closest["memory"]["host"] > closest["memory"]["host_capacity"] == 134_000_000_000
+    assert "Even with offload nothing fits" in closest["explanation"][0]
+    assert _cli("plan", "--preset", "llama-13b", "--gpus", 1, "--hardware", "h100-80g", "--json",
+                "--hw", "host_memory_bytes=256e9") == 1
+    fit = json.loads(capsys.readouterr().out)["offload_fit"]
+    assert fit["fits"] and 190 * 2**30 < fit["memory"]["host"] <= fit["memory"]["host_capacity"] == 256e9
+    assert fit["memory"]["total"] <= fit["memory"]["capacity"]
+
+
+def test_an_offload_that_cannot_fit_this_hosts_memory_is_refused_before_launch(monkeypatch):
+    """On a GPU machine: the planner's host tier of every local rank against the host's memory,
+    naming the bytes needed and available; the files against the disk under offload.nvme_dir."""
+    from bigtrain.plan import fit
+
+    monkeypatch.setattr(fit, "machine_memory", lambda cuda: (80 * 2**30, "each GPU of this machine has"))
+    monkeypatch.setattr(fit, "host_memory", lambda: 2 * 2**30)  # less than the process's own allowance
+    cfg = tiny_config("", "--parallel.zero=2", "--offload.optimizer=cpu")
+    problems, _ = fit.size_problems(cfg, local_ranks=2, cuda=True, suggest=False)
+    assert len(problems) == 1, problems
+    assert "offload.optimizer = 'cpu', offload.params = 'none' keep" in problems[0]
+    assert "x 2 ranks on this machine" in problems[0] and "4.01 GiB of host memory needed" in problems[0]
+    assert "this machine has 2 GiB" in problems[0] and "offload.optimizer = 'nvme'" in problems[0]
+    assert not fit.size_problems(tiny_config("", "--parallel.zero=2"), cuda=True, suggest=False)[0]
+    monkeypatch.setattr(fit, "host_memory", lambda: 64 * 2**30)
+    monkeypatch.setattr(fit, "disk_free", lambda path: 1000)
+    nvme = tiny_config("", "--parallel.zero=2", "--offload.optimizer=nvme")
+    problems, _ = fit.size_problems(nvme, cuda=True, suggest=False, nvme_dir="/tmp/bigtrain-nvme")
+    assert len(problems) == 1 and "in files" in problems[0] and "its disk has 1000 B free" in problems[0]

@@ -137,8 +137,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if result.best is None else None
     if args.json:
         report = json_report(model, cluster, global_batch, result, args.top)
-        if fit is not None:
-            report["offload_fit"] = {**fit.best.to_dict(), "explanation": explain_offload_fit(fit, cluster)}
+        if fit is not None and fit.best is not None:
+            report["offload_fit"] = {**fit.best.to_dict(), "optimizer": fit.optimizer,
+                                     "explanation": explain_offload_fit(fit, cluster)}
+        elif fit is not None:
+            report["offload_closest"] = {**fit.off_device.to_dict(), "explanation": explain_offload_fit(fit, cluster)}
         print(json.dumps(report, indent=1))
     else:
         print(text_report(model, cluster, global_batch, result, args.top))

@@ -79,7 +79,8 @@ def _layout(cfg: Config, cuda: bool = False):
                   every=cfg.memory.checkpoint_every, tp_sp=p.sequence_parallel, precision=cfg.precision.mode,
                   offload=cfg.memory.activation_offload, compression=cfg.memory.activation_compression,
                   fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params,
-                  fp8=cfg.precision.fp8)
+                  fp8=cfg.precision.fp8,
+                  delayed_update=cfg.offload.delayed_update and optimizer != "none")
 
 
 def _with_fix(cfg: Config, capacity: int, sharing: int, cuda: bool, suggest: bool, problem: str) -> str:
@@ -93,9 +94,10 @@ def _with_fix(cfg: Config, capacity: int, sharing: int, cuda: bool, suggest: boo
 
 
 def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
-                  suggest: bool = True) -> tuple[list[str], list[str]]:
-    """(problems, warnings) comparing the planner's estimate of the run with this machine's memory;
-    with ``suggest`` a problem ends with a layout that would fit (``refit.py``)."""
+                  suggest: bool = True, nvme_dir: str | None = None) -> tuple[list[str], list[str]]:
+    """(problems, warnings) comparing the planner's estimate of the run with this machine's memory
+    (and, with offload, its host memory and the disk under ``nvme_dir``); with ``suggest`` a problem
+    ends with a layout that would fit (``refit.py``)."""
     from bigtrain.plan.hardware import get_profile
     from bigtrain.plan.memory import estimate_memory, zero_formula_bytes
     from bigtrain.plan.model import ModelSpec
@@ -122,6 +124,9 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
         mem = estimate_memory(spec, _layout(cfg, cuda), hardware, t.global_batch, optimizer=optimizer)
     except Exception:  # noqa: BLE001 - a layout the planner does not model is no reason to refuse a run
         return [], []
+    tiers = offload_problems(cfg, mem, local_ranks, cuda, nvme_dir)
+    if tiers:
+        return tiers, []
     parts = {
         "states": (mem.model_states, f"{_model_fields(cfg)} ({spec.params:.3g} parameters): weights, gradients "
                                      f"and optimizer state"),
@@ -135,6 +140,8 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
         "sampler": (8 * t.global_batch * (1 + (3 * (d.seq_len + 1) if d.ignore_target >= 0 else 0)),
                     f"train.global_batch = {t.global_batch}: the sampler's per-step arrays"),
     }
+    if not cuda and mem.detail.get("host_states"):  # the host is the device: offload's host tier is here too
+        parts["states"] = (mem.model_states + mem.detail["host_states"], parts["states"][1])
     per_rank = sum(nbytes for nbytes, _ in parts.values())
     need = per_rank * sharing
     if need <= WARN_FRACTION * capacity:
@@ -151,3 +158,46 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
         layout_helps = big in ("states", "activations", "allocator")  # not the rotary tables, nor the sampler
         return [_with_fix(cfg, capacity, sharing, cuda, suggest and layout_helps, f"{text}; {fix}")], []
     return [], [f"{text}: close to the limit ({need / capacity:.0%})"]
+
+
+def disk_free(path: str) -> int:
+    """Free bytes on the file system that ``path`` (or its nearest existing parent) is on."""
+    import shutil
+
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free
+
+
+def offload_problems(cfg: Config, mem, local_ranks: int, cuda: bool, nvme_dir: str | None) -> list[str]:
+    """Offload's tiers against this machine: on a GPU what every local rank keeps in host memory
+    (the planner's host tier, byte for byte, and each process's ``host_reserved_bytes``) against
+    the host's memory, and the files of every local rank against the disk under ``nvme_dir``."""
+    o = cfg.offload
+    if o.optimizer == "none" and o.params == "none":
+        return []
+    ranks = max(1, local_ranks)
+    on_machine = f" x {ranks} ranks on this machine" if ranks > 1 else ""
+    tiers = f"offload.optimizer = '{o.optimizer}', offload.params = '{o.params}'"
+    problems = []
+    held = mem.detail.get("tiers", {})
+    if cuda:
+        need, have = mem.host * ranks, host_memory()
+        if need > have:
+            what = ", ".join(f"{k} {_size(v)}" for k, v in held.get("host", {}).items() if v)
+            problems.append(
+                f"{tiers} keep {_size(mem.detail.get('host_states', 0))} per rank in host memory ({what}), plus "
+                f"{_size(mem.host - mem.detail.get('host_states', 0))} for the process and offloaded activations"
+                f"{on_machine}: {_size(need)} of host memory needed, and this machine has {_size(have)}; put the "
+                f"optimizer's state in files (offload.optimizer = 'nvme'), use smaller state (optim.name = "
+                f"'adamw8bit'), or shard over more ranks on more machines (parallel.dp with parallel.zero >= 1)")
+    if mem.nvme and nvme_dir:
+        need, have = mem.nvme * ranks, disk_free(nvme_dir)
+        if need > have:
+            what = ", ".join(f"{k} {_size(v)}" for k, v in held.get("nvme", {}).items() if v)
+            problems.append(f"{tiers} keep {_size(mem.nvme)} per rank in files ({what}){on_machine}: {_size(need)} "
+                            f"needed under offload.nvme_dir = '{nvme_dir}', and its disk has {_size(have)} free; "
+                            f"set offload.nvme_dir to a larger disk, or keep less in files (offload.optimizer = "
+                            f"'cpu', offload.params = 'none')")
+    return problems

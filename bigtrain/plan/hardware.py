@@ -62,6 +62,16 @@ class HardwareProfile:
     # offload.optimizer: bytes per second the host optimizer step streams through host memory (a
     # server's DRAM with a fused multithreaded Adam; assumption). The 2-core CI machine measured ~20e9.
     host_memory_bandwidth: float = 50e9
+    # What offload may keep per accelerator off the device (plan/tiers.py counts it byte for byte; no
+    # fit exceeds it): host memory and NVMe capacity per GPU. Default: the one-H100 machine bigtrain's
+    # first GPU runs used (125 GiB of host memory, a 64 GiB disk; shared/gpu-2026-11-26.md), an
+    # assumption; a DGX H100 has 2 TB and 8 x 3.84 TB NVMe for its 8 GPUs (--hw host_memory_bytes=256e9
+    # --hw nvme_bytes=3.84e12).
+    host_memory_bytes: int = 134_000_000_000
+    nvme_bytes: int = 64 * GIB
+    # Host memory the training process needs besides what offload keeps there (torch and CUDA
+    # libraries, the Python heap, the token corpus): an assumption, counted against host_memory_bytes.
+    host_reserved_bytes: int = 2 * GIB
     # Shape-aware compute (plan/gemm.py); gemm_fraction = 0 keeps achievable_fraction for everything.
     gemm_fraction: float = 0.0  # share of the dense peak a large GEMM sustains
     gemm_half_dim: float = 0.0  # a GEMM dimension this small halves that share
@@ -140,6 +150,7 @@ PRESETS: dict[str, HardwareProfile] = {
     # The CI machine of notes-cpu-distributed.md: 2 cores, Gloo over loopback. bf16 matmuls have no
     # fast kernel there (a 1024^3 product takes 2.4 s), hence the low bf16 peak. Calibrate your own.
     "cpu": HardwareProfile("cpu", 2e9, 1.6e11, 0.6, 24 * GIB, reserved_bytes=GIB // 2, fragmentation=0.0,
+                           host_memory_bytes=24 * GIB,  # the host is the device: the same 24 GiB
                            hbm_bandwidth=37e9, intra_node_bandwidth=0.85e9, inter_node_bandwidth=0.1e9,
                            intra_node_latency_s=0.7e-3, inter_node_latency_s=1e-3, gpus_per_node=8,
                            reduce_scatter_efficiency=0.25, all_gather_efficiency=0.55, comm_overlap=0.0,
@@ -155,7 +166,8 @@ PRESETS: dict[str, HardwareProfile] = {
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(HardwareProfile)}
 _RATES = ("peak_flops_bf16", "peak_flops_fp32", "memory_bytes", "hbm_bandwidth", "intra_node_bandwidth",
-          "inter_node_bandwidth", "gpus_per_node", "host_bandwidth", "nvme_bandwidth", "host_memory_bandwidth")
+          "inter_node_bandwidth", "gpus_per_node", "host_bandwidth", "nvme_bandwidth", "host_memory_bandwidth",
+          "host_memory_bytes", "nvme_bytes")
 
 
 def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:

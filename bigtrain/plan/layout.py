@@ -44,7 +44,7 @@ class Layout:
     fused_loss: bool = False  # model.fused_loss
     ep: int = 1  # parallel.ep: experts sharded over ep of the dp x sp ranks (adds no ranks)
     offload_optimizer: str = "none"  # offload.optimizer: none | cpu | nvme
-    offload_params: str = "none"  # offload.params: none | nvme (ZeRO-3)
+    offload_params: str = "none"  # offload.params: none | cpu | nvme (ZeRO-3)
     delayed_update: bool = False  # offload.delayed_update: the host step overlaps the next step
     fp8: str = "none"  # precision.fp8: the blocks' linears in float8 (gemm.py times them, memory.py their copies)
 
@@ -148,7 +148,7 @@ _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": 
 _BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update")
 LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss",
                            "offload_optimizer", "offload_params", "delayed_update", "fp8")
-OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "nvme")}
+OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "cpu", "nvme")}
 
 
 def parse_layout(text: str) -> dict:

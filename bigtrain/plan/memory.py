@@ -31,9 +31,11 @@ runtime allocates besides (named so tests can compare those they can measure):
     fp8_operands         precision.fp8: the largest float8 linear's operand copies during one GEMM
                          (:func:`float8_operand_bytes`); its saved activations are unchanged
 
-Offload (``offload.optimizer`` cpu | nvme, ``offload.params`` nvme) takes the optimizer term (fp32
-masters and state) and ZeRO-3's parameter shard off the device: :func:`offloaded_states`, with the
-bytes moved in ``detail["host_states"]`` and ``detail["nvme_states"]``.
+Offload (``offload.optimizer`` cpu | nvme, ``offload.params`` cpu | nvme) keeps model states on the
+host and in files as the runtime's GPU path does, byte for byte (:mod:`bigtrain.plan.tiers`): the
+device keeps what :func:`offloaded_states` returns, the host and the files hold
+``detail["host_states"]`` and ``detail["nvme_states"]``; a layout fits when the device, the host
+(with the profile's ``host_reserved_bytes``) and the NVMe each hold what they must.
 
 They are added to the end-of-forward activation peak although most live during backward, when
 activations are being freed: a conservative bound. The allocator allowance is the profile's
@@ -56,6 +58,7 @@ from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.model import ModelSpec, Tensor, local_vocab
 from bigtrain.plan.pipeline import PipelineModel, weight_versions
+from bigtrain.plan.tiers import host_step, piecewise_shard_bytes, shard_pieces, tier_detail
 
 MEASURABLE_BUFFERS = ("zero_reduce_outputs", "zero3_gathered")
 FUSED_LOSS_CHUNK = 1024  # model.fused_loss_chunk's default: the planner's layouts do not carry it
@@ -86,6 +89,12 @@ class RankMemory:
     activation_per_microbatch: int
     allocator: int = 0
     capacity: int = 0
+    # Off the device: host memory (offload's states, offloaded activations, the process's own
+    # allowance ``host_reserved_bytes``) and NVMe files, against the profile's capacities per GPU.
+    host: int = 0
+    host_capacity: int = 0
+    nvme: int = 0
+    nvme_capacity: int = 0
     detail: dict = field(default_factory=dict)
     optimizer_name: str = "adamw"  # whose declared state ``optimizer`` counts
 
@@ -103,14 +112,21 @@ class RankMemory:
         return self.peak + self.allocator
 
     @property
-    def fits(self) -> bool:
+    def fits_device(self) -> bool:
         return self.total <= self.capacity
+
+    @property
+    def fits(self) -> bool:
+        """On the device, in the host's memory and on its NVMe (no fit exceeds any of them)."""
+        return self.fits_device and self.host <= self.host_capacity and self.nvme <= self.nvme_capacity
 
     def to_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "model_states": self.model_states, "activations": self.activations,
                 "buffers": sum(self.buffers.values()), "buffer_detail": dict(self.buffers),
                 "allocator": self.allocator, "total": self.total, "capacity": self.capacity,
+                "host": self.host, "host_capacity": self.host_capacity, "nvme": self.nvme,
+                "nvme_capacity": self.nvme_capacity,
                 "worst_pp_rank": self.pp_rank, "inflight_microbatches": self.inflight,
                 "activations_per_microbatch": self.activation_per_microbatch, **self.detail}
 
@@ -185,35 +201,6 @@ def unit_state_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw"
     return {k: out[k] for k in ("params", "grads", "optimizer")}
 
 
-def _pieces(unit: Unit, shards: int, shard_rank: int) -> int:
-    """Optimizer parameters a shard becomes: its decayed part and its non-decayed part (flat.py)."""
-    shard = -(-unit.numel // shards)
-    lo, hi = shard_rank * shard, (shard_rank + 1) * shard
-    return int(lo < unit.decay_numel) + int(hi > max(lo, unit.decay_numel))
-
-
-def _piecewise(unit: Unit, shards: int, rank: int, spec, block: int, mixed: bool) -> tuple[int, int]:
-    """(padded elements, optimizer bytes on shard ``rank``) of a unit laid out for an optimizer that
-    is not elementwise: each parameter starts at a multiple of ``block``, the unit is padded to a
-    multiple of ``shards x block``; the optimizer holds a piece of every parameter (empty where
-    the shard holds none: its per-tensor state only) and, per piece, element and block state."""
-    offsets, at = [], 0
-    for n in unit.sizes:
-        at = -(-at // block) * block
-        offsets.append(at)
-        at += n
-    padded = -(-at // (shards * block)) * shards * block
-    shard = padded // shards
-    lo, hi = rank * shard, (rank + 1) * shard
-    per_block = sum(s.nbytes for s in spec.state if s.per == "block")
-    total = 4 * mixed * shard
-    for offset, n, grid in zip(offsets, unit.sizes, unit.grids):
-        held = max(0, min(hi, offset + n) - max(lo, offset))
-        total += spec.bytes_per_param * held + per_block * -(-held // block) + spec.bytes_per_tensor
-        total += spec.factored_bytes(grid) if spec.factored_bytes else 0
-    return padded, total
-
-
 def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int, optimizer: str = "adamw",
                 block: int = 256) -> dict[str, int]:
     """Model-state bytes on the worst rank of the ``replicas`` ranks holding these units (dp, times
@@ -233,7 +220,7 @@ def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int, opt
     shard = padded // shards
     if shards <= 1024:
         distinct = Counter(units)  # blocks are alike: count each kind of unit once per rank
-        pieces = max(sum(n * _pieces(u, shards, r) for u, n in distinct.items()) for r in range(shards))
+        pieces = max(sum(n * shard_pieces(u, shards, r) for u, n in distinct.items()) for r in range(shards))
     else:  # each shard becomes at most two optimizer parameters: a bound is exact enough
         pieces = 2 * len(units)
     return {"params": nbytes * padded if zero < 3 else (nbytes if mixed else 4) * shard,
@@ -252,9 +239,9 @@ def _piecewise_state_bytes(units: list[Unit], zero: int, nbytes: int, mixed: boo
         return {"params": 4 * numel, "grads": 4 * numel, "optimizer": optimizer}
     shards = replicas if zero >= 1 else 1
     distinct = Counter(units)
-    padded = sum(n * _piecewise(u, shards, 0, spec, block, mixed)[0] for u, n in distinct.items())
+    padded = sum(n * piecewise_shard_bytes(u, shards, 0, spec, block, mixed)[0] for u, n in distinct.items())
     shard = padded // shards
-    worst = max(sum(n * _piecewise(u, shards, r, spec, block, mixed)[1] for u, n in distinct.items())
+    worst = max(sum(n * piecewise_shard_bytes(u, shards, r, spec, block, mixed)[1] for u, n in distinct.items())
                 for r in range(min(shards, 1024)))
     return {"params": nbytes * padded if zero < 3 else (nbytes if mixed else 4) * shard,
             "grads": 4 * (padded if zero <= 1 else shard), "optimizer": worst}
@@ -368,7 +355,11 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
                 inflight: int, optimizer: str = "adamw", block: int = 256) -> RankMemory:
     root, blocks = rank_units(model, layout, pp_rank)
     units = ([root] if root else []) + blocks
-    states, moved = offloaded_states(unit_state_bytes(units, layout, optimizer, block), layout)
+    tiers = tier_detail(units, layout, optimizer, block) if host_step(layout) else None
+    if tiers is not None:
+        states, moved = offloaded_states(tiers)
+    else:
+        states, moved = unit_state_bytes(units, layout, optimizer, block), {"host": 0, "nvme": 0}
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
     versions = weight_versions(layout.schedule, layout.pp, pp_rank)
@@ -378,30 +369,22 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     if layout.offload:
         activations, host = offloaded_activation_bytes(model, layout, pp_rank, inflight)
     mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], activations, buffers,
-                     inflight, per_mb, capacity=hardware.memory_bytes)
+                     inflight, per_mb, capacity=hardware.memory_bytes,
+                     host=moved["host"] + host + hardware.host_reserved_bytes, host_capacity=hardware.host_memory_bytes,
+                     nvme=moved["nvme"], nvme_capacity=hardware.nvme_bytes)
     mem.detail["host_activations"] = host
     mem.detail["host_states"], mem.detail["nvme_states"] = moved["host"], moved["nvme"]
+    if tiers is not None:
+        mem.detail["tiers"] = tiers
     mem.allocator = math.ceil(hardware.fragmentation * mem.peak) + hardware.reserved_bytes
     return mem
 
 
-def offloaded_states(states: dict[str, int], layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
-    """(model states left on the device, bytes moved to ``host`` and ``nvme``): offload.optimizer
-    moves the optimizer's state with the fp32 masters (the ``optimizer`` term) to the host or its
-    files, and at ZeRO 2-3 the gradient shards too (the host step reads them there; the runtime's
-    NVMe tier keeps them in files as each reduction completes); offload.params moves ZeRO-3's
-    parameter shard to files (what is gathered stays on the device: ``zero3_gathered``)."""
-    device, moved = dict(states), {"host": 0, "nvme": 0}
-    if layout.offload_optimizer != "none":
-        tier = "host" if layout.offload_optimizer == "cpu" else "nvme"
-        moved[tier] += device["optimizer"] + (device["grads"] if layout.zero >= 2 else 0)
-        device["optimizer"] = 0
-        if layout.zero >= 2:
-            device["grads"] = 0
-    if layout.offload_params == "nvme":
-        moved["nvme"] += device["params"]
-        device["params"] = 0
-    return device, moved
+def offloaded_states(tiers: dict[str, dict[str, int]]) -> tuple[dict[str, int], dict[str, int]]:
+    """(model states left on the device, bytes on the ``host`` and in ``nvme`` files) of an offload
+    layout from its :func:`~bigtrain.plan.tiers.tier_detail`, as the runtime's GPU path holds them."""
+    device = {k: tiers["device"].get(k, 0) for k in ("params", "grads", "optimizer")}
+    return device, {tier: sum(tiers[tier].values()) for tier in ("host", "nvme")}
 
 
 def checked_pp_ranks(pp: int) -> list[int]:

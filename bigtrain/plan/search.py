@@ -152,6 +152,10 @@ class SearchResult:
     considered: int
     valid: int
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
+    # Of the layouts that fit the device but not the host's memory or NVMe: the one that misses by least.
+    off_device: Plan | None = None
+    optimizer: str = "adamw"  # whose state was counted
+    replaces: str = ""  # offload_fit: the optimizer asked for, when ``optimizer`` is its smaller-state substitute
 
     @property
     def best(self) -> Plan | None:
@@ -168,6 +172,7 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | 
     fixed, pipeline = dict(fixed or {}), pipeline or PipelineModel()
     fast = PipelineModel(max_actions=0)
     fitting, closest, considered, valid, rejected, first_problems = [], None, 0, 0, {}, None
+    off_device = None
     for layout in candidate_layouts(model, cluster, fixed, precision):
         considered += 1
         problems = layout_problems(layout, model, cluster, global_batch)
@@ -181,7 +186,10 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | 
         if plan.fits:
             plan.time = step_time(model, layout, cluster, global_batch, fast)
             fitting.append(plan)
-        elif closest is None or memory.total / memory.capacity < closest.memory.total / closest.memory.capacity:
+            continue
+        if memory.fits_device and (off_device is None or _beyond(memory) < _beyond(off_device.memory)):
+            off_device = plan
+        if closest is None or memory.total / memory.capacity < closest.memory.total / closest.memory.capacity:
             closest = plan
     if not valid:
         raise ConfigError(first_problems or _mesh_problems(fixed, cluster))
@@ -191,50 +199,88 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | 
     fitting[:retime] = sorted(fitting[:retime], key=lambda p: (-p.tokens_per_s, p.memory.total))
     if not fitting and closest is not None:
         closest.time = step_time(model, closest.layout, cluster, global_batch, pipeline)
-    return SearchResult(fitting, None if fitting else closest, considered, valid, rejected)
+    return SearchResult(fitting, None if fitting else closest, considered, valid, rejected,
+                        None if fitting else off_device, optimizer)
+
+
+def _beyond(memory: RankMemory) -> float:
+    """How far a layout misses the host's memory and the NVMe, as shares of them."""
+    return max(memory.host / max(1, memory.host_capacity), memory.nvme / max(1, memory.nvme_capacity))
 
 
 OFFLOAD_STEPS = ({"offload_optimizer": "cpu"}, {"offload_optimizer": "cpu", "delayed_update": True},
+                 {"offload_optimizer": "cpu", "offload_params": "cpu", "zero": 3},
                  {"offload_optimizer": "nvme", "offload_params": "nvme", "zero": 3})
+# Tried when no offload of the asked optimizer fits the host and its NVMe: 8-bit moments (2 bytes a
+# parameter of state instead of AdamW's 8). A different optimizer: said so, never chosen silently.
+SMALLER_STATE = {"adamw": "adamw8bit"}
 
 
 def offload_fit(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | None = None,
                 precision: str = "bf16", optimizer: str = "adamw", block: int = 256) -> SearchResult | None:
-    """When nothing fits on the device: the first offload that makes something fit (the optimizer on
-    the host, then with the delayed update, then optimizer and parameters on NVMe at ZeRO-3), as a
-    search with those keys fixed; None when the user fixed offload keys already or none helps."""
+    """When nothing fits on the device: the first offload that makes something fit the device, the
+    host's memory and its NVMe (the optimizer on the host, then with the delayed update, then the
+    parameters on the host too at ZeRO-3, then optimizer and parameters on NVMe at ZeRO-3), as a
+    search with those keys fixed, first with ``optimizer`` and then with its smaller-state
+    alternative (``SMALLER_STATE``; the result's ``optimizer`` says which). None when the user fixed
+    offload keys already; when none fits, the result that missed the host or NVMe by least (its
+    ``best`` is None, its ``off_device`` the layout)."""
     fixed = dict(fixed or {})
     if any(k in fixed for k in ("offload_optimizer", "offload_params", "delayed_update")):
         return None
-    for tiers in OFFLOAD_STEPS:
-        if "zero" in tiers and fixed.get("zero", tiers["zero"]) != tiers["zero"]:
-            continue  # the user fixed a ZeRO stage this offload cannot use
-        try:
-            result = search(model, cluster, global_batch, {**fixed, **tiers}, precision, optimizer=optimizer,
-                            block=block)
-        except ConfigError:
-            continue
-        if result.best is not None:
-            return result
-    return None
+    missed = None
+    for name in (optimizer, SMALLER_STATE.get(optimizer)):
+        for tiers in OFFLOAD_STEPS if name else ():
+            if "zero" in tiers and fixed.get("zero", tiers["zero"]) != tiers["zero"]:
+                continue  # the user fixed a ZeRO stage this offload cannot use
+            try:
+                result = search(model, cluster, global_batch, {**fixed, **tiers}, precision, optimizer=name,
+                                block=block)
+            except ConfigError:
+                continue
+            if result.best is not None:
+                result.replaces = optimizer if name != optimizer else ""
+                return result
+            if name == optimizer and result.off_device is not None and (
+                    missed is None or _beyond(result.off_device.memory) < _beyond(missed.off_device.memory)):
+                missed = result
+    return missed
 
 
 def explain_offload_fit(result: SearchResult, cluster: Cluster) -> list[str]:
-    """What the offload that fits moves off the device and what it costs per step."""
-    plan, hw = result.best, cluster.hardware
-    detail, breakdown = plan.memory.detail, plan.time.breakdown
-    added = breakdown.get("offload_optimizer", 0.0) + breakdown.get("offload_params", 0.0)
-    return [f"With offload it fits: {plan.layout.describe()}",
-            f"  device {readable_bytes(plan.memory.total)} of {readable_bytes(plan.memory.capacity)}; "
-            f"host {readable_bytes(detail.get('host_states', 0))}, NVMe {readable_bytes(detail.get('nvme_states', 0))} "
-            f"of model states per rank",
-            f"  step {plan.time.step_time_s:.3g} s ({plan.tokens_per_s:,.0f} tokens/s, MFU {plan.time.mfu:.0%}), "
-            f"of which {added:.3g} s offload (PCIe {hw.host_bandwidth / 1e9:.3g} GB/s, host memory "
-            f"{hw.host_memory_bandwidth / 1e9:.3g} GB/s, NVMe {hw.nvme_bandwidth / 1e9:.3g} GB/s per rank: profile "
-            f"assumptions)",
-            f"  run it with: {' '.join(plan.layout.to_overrides())}",
-            "  (on a GPU the host step and the copies to and from it are built but untested on a GPU so far: "
-            "docs/offload.md)"]
+    """What the offload that fits moves off the device and what it costs per step (or, when none
+    fits, what the closest one would need of the host and its NVMe)."""
+    hw = cluster.hardware
+    if result.best is None:
+        plan = result.off_device
+        m = plan.memory
+        return [f"Even with offload nothing fits: the closest, {plan.layout.describe()}, fits the device "
+                f"({readable_bytes(m.total)} of {readable_bytes(m.capacity)}) but needs "
+                f"{readable_bytes(m.host)} of host memory per GPU ({readable_bytes(m.detail.get('host_states', 0))} of "
+                f"model states, {readable_bytes(hw.host_reserved_bytes)} for the process) of "
+                f"{readable_bytes(m.host_capacity)}, and {readable_bytes(m.nvme)} of NVMe of "
+                f"{readable_bytes(m.nvme_capacity)} (the profile's host_memory_bytes and nvme_bytes: set them "
+                f"with --hw host_memory_bytes=... --hw nvme_bytes=...)"]
+    plan = result.best
+    detail, breakdown, m = plan.memory.detail, plan.time.breakdown, plan.memory
+    added = sum(v for k, v in breakdown.items() if k.startswith("offload_"))
+    lines = [f"With offload it fits: {plan.layout.describe()}"]
+    if result.replaces:
+        lines.append(f"  with optim.name = '{result.optimizer}' instead of '{result.replaces}' (a different optimizer: "
+                     f"no offload of '{result.replaces}'s state fits the host's memory and its NVMe)")
+    lines += [f"  device {readable_bytes(m.total)} of {readable_bytes(m.capacity)}; host "
+              f"{readable_bytes(m.host)} of {readable_bytes(m.host_capacity)} ({readable_bytes(detail.get('host_states', 0))} "
+              f"of model states and offload buffers); NVMe {readable_bytes(detail.get('nvme_states', 0))} of "
+              f"{readable_bytes(m.nvme_capacity)} per GPU",
+              f"  step {plan.time.step_time_s:.3g} s ({plan.tokens_per_s:,.0f} tokens/s, MFU {plan.time.mfu:.0%}), "
+              f"of which {added:.3g} s offload (PCIe {hw.host_bandwidth / 1e9:.3g} GB/s, host memory "
+              f"{hw.host_memory_bandwidth / 1e9:.3g} GB/s, NVMe {hw.nvme_bandwidth / 1e9:.3g} GB/s per rank: profile "
+              f"assumptions)",
+              f"  run it with: {' '.join(plan.layout.to_overrides())}"
+              + (f" --optim.name={result.optimizer}" if result.replaces else ""),
+              "  (on a GPU the host step and the copies to and from it are built but untested on a GPU so far: "
+              "docs/offload.md)"]
+    return lines
 
 
 # -- explanations -------------------------------------------------------------------------------------

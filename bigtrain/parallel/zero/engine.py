@@ -52,6 +52,7 @@ from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
 from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
 from bigtrain.core.blocks import default_unit_modules
+from bigtrain.parallel.zero.tiers import held_bytes
 from bigtrain.parallel.zero.units import build_units, replace_parameters
 from bigtrain.precision import DynamicLossScaler, Precision
 
@@ -148,10 +149,13 @@ class ZeroEngine:
         shard_dev = self.host_device if self.offload is not None and self.offload.params_on_host else dev
         for unit in self.units:
             value_of = {s.name: (lambda s=s: init_fn(s.name, s.shape)) for s in unit.slots}
-            master = unit.shard_from_full_values(lambda n: value_of[n](), torch.float32, self.host_device)
+            master = self._on_host(unit.shard_from_full_values(lambda n: value_of[n](), torch.float32,
+                                                               self.host_device))
             if self.stage == 3:
                 full = torch.empty(unit.padded_numel, dtype=compute, device=dev)
                 unit.shard_param = master if not self._separate_master else master.to(shard_dev, compute, copy=True)
+                if self.offload is not None and self.offload.params_on_host:
+                    self._on_host(unit.shard_param)
             else:
                 full = unit.flatten({s.name: value_of[s.name]() for s in unit.slots}, compute, dev)
                 unit.shard_param = unit.shard_of(full)
@@ -165,6 +169,14 @@ class ZeroEngine:
             self._allocate_grads(unit)
             if self.offload is not None:
                 self.offload.release_grad(unit)
+        if self.offload is not None and self.offload.link.separate:  # pinned once, up front
+            self.offload.link.reserve_staging(max(u.shard_numel for u in self.units), compute)
+
+    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, counted in the host tier when offload keeps it apart from the device."""
+        if self.offload is not None and self.offload.link.separate and t.device == self.host_device:
+            self.offload.link.adopt(t)
+        return t
 
     def _allocate_grads(self, unit: FlatUnit) -> None:
         if self.stage >= 2:
@@ -471,6 +483,11 @@ class ZeroEngine:
         load_full_state(self, weights, optim_state)
 
     # -- accounting ---------------------------------------------------------------------------------
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds on the device, in host memory and in NVMe files, from where each
+        buffer lives (:mod:`bigtrain.parallel.zero.tiers`)."""
+        return held_bytes(self)
+
     def state_bytes(self) -> dict[str, int]:
         """Measured bytes of parameters, gradients and optimizer state (with masters) on this rank."""
         params = [u.full for u in self.units] + [u.shard_param for u in self.units if self.stage == 3]

@@ -40,11 +40,41 @@ class HostLink:
         self._next = 0
         self.bytes_down = 0  # device -> host
         self.bytes_up = 0  # host -> device
+        # The host tier's tensors, by storage: on a CPU device (``separate``) host and device tensors
+        # are both CPU tensors, and this is what tells them apart (kept alive: the identity of a
+        # freed storage could be reused).
+        self._host: dict[int, torch.Tensor] = {}
 
     # -- host memory -----------------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
         """A host tensor (pinned on CUDA where it is copied to or from the device)."""
-        return torch.empty(numel, dtype=dtype, device=self.host, pin_memory=pinned and self.cuda)
+        return self.adopt(torch.empty(numel, dtype=dtype, device=self.host, pin_memory=pinned and self.cuda))
+
+    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t`` (a host tensor made elsewhere: a master, an offloaded shard) in the host tier."""
+        self._host[t.untyped_storage()._cdata] = t
+        return t
+
+    def tier_of(self, t: torch.Tensor) -> str:
+        """Where ``t`` lives: ``device`` or ``host``, from its device on a GPU, and on a CPU device
+        from whether the host tier made or adopted it (``separate``) or not (the host is the device)."""
+        if t.device.type != "cpu":
+            return "device"
+        if self.device.type != "cpu":
+            return "host"
+        return "host" if self.separate and t.untyped_storage()._cdata in self._host else "device"
+
+    def reserve_staging(self, numel: int, dtype: torch.dtype) -> None:
+        """Allocate the staging ring now, each slot ``numel`` elements of ``dtype`` (the largest
+        copy up; pinning is slow, and the first step should not pay for it)."""
+        for slot in self._slots:
+            if slot[0] is None or slot[0].dtype != dtype or slot[0].numel() < numel:
+                slot[0] = self.empty(numel, dtype)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The link's own host buffers (the staging ring)."""
+        return [s[0] for s in self._slots if s[0] is not None]
+
 
     def zeros(self, numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
         return self.empty(numel, dtype, pinned).zero_()

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from bigtrain.memory.swap import SwapStore
 from bigtrain.parallel.zero.delayed import DelayedUpdate
 from bigtrain.parallel.zero.host import HostLink
+from bigtrain.parallel.zero.tiers import held_bytes
 
 
 @dataclass(frozen=True)
@@ -380,10 +381,18 @@ class UnitOffload:
         hidden = max(0.0, min(span[1], end) - max(span[0], start))
         return {"step_ms": round(duration * 1e3, 3), "hidden": round(hidden / duration, 4)}
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The offload's own buffers: the gradients' host buffers and the link's staging ring."""
+        return list(self._host_grads.values()) + self.link.buffers()
+
     def offloaded_bytes(self) -> dict[str, int]:
-        """Bytes this rank's offload keeps in host memory (``host``: the optimizer's state, masters
-        apart from the compute weights and handed-over gradients, as far as they are resident) and
-        in files (``nvme``)."""
+        """Bytes this rank's offload keeps in host memory (``host``) and in files (``nvme``). Kept
+        apart from the device (a GPU, or ``separate_host``): the engine's host tier as measured
+        (:mod:`.tiers`). On a CPU device: the optimizer's state, masters apart from the compute
+        weights and handed-over gradients, as far as they are resident (the host is the device)."""
+        if self.link.separate:
+            tiers = held_bytes(self.engine)
+            return {"host": tiers["host"], "nvme": tiers["nvme"]}
         host = 0
         if self.plan.optimizer != "none":
             tensors = [t for u in self.engine.units for _, t in self._host_side(u)]

@@ -1,0 +1,144 @@
+"""Where a rank's model states live under offload, byte for byte: the device, the host, NVMe files.
+
+The runtime's GPU path (``bigtrain/parallel/zero/offload.py`` and ``host.py``; on a CPU device the
+tests' ``OffloadPlan.separate_host``) between two steps, per ZeRO unit of N shards, with S the
+padded shard's elements, F = N S the padded unit, B the compute dtype's bytes, E the optimizer's
+bytes per element and T its per-tensor state (AdamW: E = 8, T = 4 for each piece's step count):
+
+- **device**: the compute weights (stages 1-2: the whole unit, F B; stage 3: the shard, S B, unless
+  ``offload.params`` keeps it on the host), the gradient (stage 1: F x 4, stages 2-3: S x 4, unless
+  in files) and nothing of the optimizer.
+- **host**: the fp32 masters (S x 4, apart from the compute weights whenever those are on the device,
+  in mixed precision or with the delayed update), the optimizer's state (E S + T per piece), the
+  shard with ``offload.params`` (S B, unless it is the fp32 master itself), the gradient's host
+  buffer (S x 4) and the pinned staging ring (``STAGING_SLOTS`` x the largest shard x B).
+- **nvme** (files): with ``offload.optimizer = nvme`` the masters and the state's tensors of one or
+  more dimensions (the per-tensor scalars stay in memory), at stages 2-3 the gradient shard (and with
+  the delayed update the handed-over one); with ``offload.params = nvme`` the shard (or the fp32
+  master that is the shard).
+
+:func:`tier_bytes` is what ``estimate_memory`` charges to the device and adds up for the host and
+the files; ``ZeroEngine.tier_bytes`` measures the same from where its buffers live, and a test
+compares the two for every offload layout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from bigtrain.optim import get_optimizer
+from bigtrain.plan.layout import BYTES, Layout
+
+STAGING_SLOTS = 4  # HostLink's ring of pinned buffers for host -> device copies
+GRAD_BUCKETS = 4  # offload.grad_buckets (issue 28: not built yet)
+
+
+def reduce_bytes(precision: str) -> int:
+    """Bytes of the reduce dtype (``precision.reduce_dtype = 'auto'``: bf16 in bf16, fp32 otherwise)."""
+    return 2 if precision == "bf16" else 4
+TIERS = ("device", "host", "nvme")
+
+
+# -- what one rank's shard of a unit holds (shared with memory.state_bytes) -------------------------------
+def shard_pieces(unit, shards: int, shard_rank: int) -> int:
+    """Optimizer parameters a shard becomes: its decayed part and its non-decayed part (flat.py)."""
+    shard = -(-unit.numel // shards)
+    lo, hi = shard_rank * shard, (shard_rank + 1) * shard
+    return int(lo < unit.decay_numel) + int(hi > max(lo, unit.decay_numel))
+
+
+def piecewise_shard_bytes(unit, shards: int, rank: int, spec, block: int, mixed: bool) -> tuple[int, int]:
+    """(padded elements, optimizer bytes on shard ``rank``) of a unit laid out for an optimizer that
+    is not elementwise: each parameter starts at a multiple of ``block``, the unit is padded to a
+    multiple of ``shards x block``; the optimizer holds a piece of every parameter (empty where
+    the shard holds none: its per-tensor state only) and, per piece, element and block state."""
+    offsets, at = [], 0
+    for n in unit.sizes:
+        at = -(-at // block) * block
+        offsets.append(at)
+        at += n
+    padded = -(-at // (shards * block)) * shards * block
+    shard = padded // shards
+    lo, hi = rank * shard, (rank + 1) * shard
+    per_block = sum(s.nbytes for s in spec.state if s.per == "block")
+    total = 4 * mixed * shard
+    for offset, n, grid in zip(offsets, unit.sizes, unit.grids):
+        held = max(0, min(hi, offset + n) - max(lo, offset))
+        total += spec.bytes_per_param * held + per_block * -(-held // block) + spec.bytes_per_tensor
+        total += spec.factored_bytes(grid) if spec.factored_bytes else 0
+    return padded, total
+
+
+def _unit_bytes(unit, layout: Layout, spec, align: int, mixed: bool, rank: int) -> tuple[int, int, int, int]:
+    """(F, S, optimizer state bytes, of which per-tensor scalars) of one unit on shard ``rank``."""
+    shards = layout.size(unit.axis) if layout.zero >= 1 else 1
+    if not spec.elementwise and unit.sizes:
+        padded, total = piecewise_shard_bytes(unit, shards, rank, spec, align, mixed)
+        shard = padded // shards
+        scalars = spec.bytes_per_tensor * len(unit.sizes)  # a piece for every parameter, even an empty one
+        return padded, shard, total - 4 * mixed * shard, scalars
+    shard = -(-unit.numel // shards)
+    scalars = spec.bytes_per_tensor * shard_pieces(unit, shards, rank)
+    return shard * shards, shard, spec.bytes_per_param * shard + scalars, scalars
+
+
+def host_step(layout: Layout) -> bool:
+    """Whether the optimizer steps on the host: any offload does (with ``offload.params`` alone the
+    masters are where the shards are)."""
+    return layout.offload_optimizer != "none" or layout.offload_params != "none"
+
+
+def tier_bytes(units: list, layout: Layout, optimizer: str = "adamw", block: int = 256,
+               rank: int | None = None, grad_buckets: int = GRAD_BUCKETS) -> dict[str, int]:
+    """Bytes of model state per tier (``device``, ``host``, ``nvme``) on shard ``rank`` of every
+    unit (None: the worst rank) of an offload layout on a GPU, as the runtime holds them between steps."""
+    detail = tier_detail(units, layout, optimizer, block, rank, grad_buckets)
+    return {tier: sum(detail[tier].values()) for tier in TIERS}
+
+
+def tier_detail(units: list, layout: Layout, optimizer: str = "adamw", block: int = 256,
+                rank: int | None = None, grad_buckets: int = GRAD_BUCKETS) -> dict[str, dict[str, int]]:
+    """:func:`tier_bytes` by what holds them: {tier: {"params" | "masters" | "state" | "grads" |
+    "grad_buckets" | "staging": bytes}}."""
+    if rank is None:
+        shards = max((layout.size(u.axis) for u in units), default=1) if layout.zero >= 1 else 1
+        ranks = [tier_detail(units, layout, optimizer, block, r, grad_buckets) for r in range(min(shards, 1024))]
+        return max(ranks, key=lambda d: (sum(d["host"].values()), sum(d["nvme"].values())))
+    spec = get_optimizer(optimizer)
+    align = spec.alignment_of(block) if not spec.elementwise else 1
+    mixed, nbytes = layout.precision != "fp32", BYTES[layout.precision]
+    params_on_host = layout.zero == 3 and layout.offload_params != "none"
+    separate_master = mixed or layout.delayed_update or not params_on_host
+    opt_files, param_files = layout.offload_optimizer == "nvme", layout.offload_params == "nvme"
+    grads_in_files = opt_files and layout.zero >= 2
+    out = {tier: Counter() for tier in TIERS}
+    largest = 0
+    for unit, count in Counter(units).items():
+        full, shard, state, scalars = _unit_bytes(unit, layout, spec, align, mixed,
+                                                  rank % max(1, layout.size(unit.axis)))
+        largest = max(largest, shard)
+        per = {tier: Counter() for tier in TIERS}
+        # compute weights
+        if layout.zero < 3:
+            per["device"]["params"] += nbytes * full
+        elif separate_master:
+            per["nvme" if param_files else "host" if params_on_host else "device"]["params"] += nbytes * shard
+        # fp32 masters apart from the compute weights (else the stage-3 shard on the host is the master)
+        if separate_master:
+            per["nvme" if opt_files else "host"]["masters"] += 4 * shard
+        else:
+            per["nvme" if param_files else "host"]["masters"] += 4 * shard
+        # the optimizer's state: its tensors in files with the NVMe tier, the scalars in memory
+        per["host"]["state"] += scalars
+        per["nvme" if opt_files else "host"]["state"] += state - scalars
+        # gradients: on the device (the whole unit at stage 1), a host buffer for the host step
+        if grads_in_files:
+            per["nvme"]["grads"] += 4 * shard * (2 if layout.delayed_update else 1)
+        else:
+            per["device"]["grads"] += 4 * (full if layout.zero <= 1 else shard)
+            per["host"]["grads"] += 4 * shard
+        for tier in TIERS:
+            for k, v in per[tier].items():
+                out[tier][k] += count * v
+    out["host"]["staging"] += STAGING_SLOTS * largest * nbytes
+    return {tier: dict(out[tier]) for tier in TIERS}

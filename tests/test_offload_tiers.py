@@ -1,0 +1,85 @@
+"""One truth about memory (issue 28): the bytes an offloaded engine holds on the device, in host
+memory and in NVMe files, measured from where its buffers live, equal the planner's prediction
+exactly, for every offload layout; and the planner never proposes what the host cannot hold.
+
+The engine runs its GPU path on the CPU (``OffloadPlan.separate_host``: host tensors apart from the
+compute ones, every copy made), which is what the planner's tiers describe."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigtrain.plan import ModelSpec
+from bigtrain.plan.fit import _layout
+from bigtrain.plan.memory import rank_units
+from bigtrain.plan.tiers import tier_bytes
+from bigtrain.testing import run_ranks
+from helpers import tiny_config, trainer_on_rank
+from test_offload import _host_mode
+
+# name -> the layout's flags (the fuzzer's offload tiers: ZeRO 1-3, optimizer cpu / nvme, params
+# cpu / nvme, dp 1 / 2, fp32 / bf16, with and without the delayed update, AdamW and 8-bit AdamW)
+TIER_CASES = {
+    "zero1-cpu": ["--parallel.zero=1", "--offload.optimizer=cpu"],
+    "zero1-nvme-bf16": ["--parallel.zero=1", "--precision.mode=bf16", "--offload.optimizer=nvme"],
+    "zero2-cpu-bf16-delayed": ["--parallel.zero=2", "--precision.mode=bf16", "--offload.optimizer=cpu",
+                               "--offload.delayed_update=true"],
+    "zero2-nvme-delayed": ["--parallel.zero=2", "--offload.optimizer=nvme", "--offload.delayed_update=true"],
+    "zero3-both-cpu-bf16": ["--parallel.zero=3", "--precision.mode=bf16", "--offload.optimizer=cpu",
+                            "--offload.params=cpu"],
+    "zero3-params-cpu": ["--parallel.zero=3", "--offload.params=cpu"],
+    "zero3-both-nvme-delayed": ["--parallel.zero=3", "--offload.optimizer=nvme", "--offload.params=nvme",
+                                "--offload.delayed_update=true"],
+    "zero3-both-cpu-delayed": ["--parallel.zero=3", "--offload.optimizer=cpu", "--offload.params=cpu",
+                               "--offload.delayed_update=true"],
+    "zero3-8bit-nvme-bf16": ["--parallel.zero=3", "--precision.mode=bf16", "--optim.name=adamw8bit",
+                             "--optim.block_size=32", "--offload.optimizer=nvme", "--offload.params=nvme"],
+    "dp2-zero1-cpu-bf16": ["--parallel.dp=2", "--parallel.zero=1", "--precision.mode=bf16",
+                           "--offload.optimizer=cpu"],
+    "dp2-zero2-cpu": ["--parallel.dp=2", "--parallel.zero=2", "--offload.optimizer=cpu"],
+    "dp2-zero2-nvme-bf16-delayed": ["--parallel.dp=2", "--parallel.zero=2", "--precision.mode=bf16",
+                                    "--offload.optimizer=nvme", "--offload.delayed_update=true"],
+    "dp2-zero3-both-nvme-bf16": ["--parallel.dp=2", "--parallel.zero=3", "--precision.mode=bf16",
+                                 "--offload.optimizer=nvme", "--offload.params=nvme"],
+    "dp2-zero3-both-cpu-delayed": ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu",
+                                   "--offload.params=cpu", "--offload.delayed_update=true"],
+}
+
+
+def _configs(corpus_cache, tmp_path, names):
+    return [tiny_config(corpus_cache, *TIER_CASES[n], f"--offload.nvme_dir={tmp_path / n}") for n in names]
+
+
+def _held(rank, world_size, cfgs, run_dir):
+    """Each config trained two steps (the optimizer's state exists), its update landed: the tiers."""
+    out = []
+    for i, cfg in enumerate(cfgs):
+        trainer = trainer_on_rank(rank, world_size, cfg, f"{run_dir}/{i}")
+        for _ in range(2):
+            trainer.train_step()
+        trainer.engine.finish_update()
+        out.append(trainer.engine.tier_bytes())
+        trainer.engine.offload.close()
+    return out
+
+
+def _predicted(cfg, rank):
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    layout = _layout(cfg, cuda=True)  # what the GPU path keeps where
+    root, blocks = rank_units(model, layout, 0)
+    return tier_bytes([root] + blocks, layout, cfg.optim.name, cfg.optim.block_size, rank=rank)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_engines_tiers_equal_the_planners_for_every_offload_layout(world, corpus_cache, tmp_path, monkeypatch):
+    _host_mode("separate", monkeypatch)
+    names = [n for n in TIER_CASES if n.startswith("dp2-") == (world == 2)]
+    cfgs = _configs(corpus_cache, tmp_path, names)
+    held = run_ranks(_held, world, cfgs, str(tmp_path / "run"), timeout=600)
+    wrong = []
+    for rank, per_rank in enumerate(held):
+        for name, cfg, measured in zip(names, cfgs, per_rank):
+            predicted = _predicted(cfg, rank)
+            if measured != predicted:
+                wrong.append(f"{name} rank {rank}: measured {measured}, planner {predicted}")
+    assert not wrong, "\n".join(wrong)
