@@ -38,6 +38,12 @@ CASES = {
                             ["--offload.optimizer=nvme", "--offload.params=nvme"]),
     "both-nvme-zero3-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=3", "--precision.mode=bf16"],
                                  ["--offload.optimizer=nvme", "--offload.params=nvme"]),
+    # Accumulation over ranks and micro-batches: on the GPU path ZeRO-1 then reduces every micro-batch
+    # (its gradient leaves the device), an fp32 sum in another order.
+    "optimizer-cpu-zero1-dp2-accum2": (["--parallel.dp=2", "--parallel.zero=1", "--train.micro_batch=2"],
+                                       ["--offload.optimizer=cpu"]),
+    "optimizer-cpu-zero2-dp2-accum2-bf16": (["--parallel.dp=2", "--parallel.zero=2", "--train.micro_batch=2",
+                                             "--precision.mode=bf16"], ["--offload.optimizer=cpu"]),
     # Two ranks with the same dp rank and unit names share the directory: their files must not.
     "both-nvme-zero3-tp2": (["--parallel.tp=2", "--parallel.zero=3"], ["--offload.optimizer=nvme", "--offload.params=nvme"]),
 }
@@ -309,18 +315,19 @@ def test_bigtrain_check_delays_its_reference_for_the_delayed_update():
 
 
 # -- the GPU path's copies, counted on the CPU (OffloadPlan.separate_host) -----------------------------
-COPY_CASES = {  # layout -> (bytes down, bytes up) per element of this rank's shards, per step
-    # The fp32 gradient shard comes down; the weights go up in the compute dtype.
-    "cpu-zero1-bf16": (["--parallel.zero=1", "--precision.mode=bf16", "--offload.optimizer=cpu"], 4, 2),
+COPY_CASES = {  # layout -> (bytes down per element of this rank's shards per micro-batch, bytes up per step)
+    # Every micro-batch's reduced gradient shard comes down in the reduce dtype (bf16 in bf16, fp32 in
+    # fp32) to be added into its fp32 accumulator on the host; the weights go up in the compute dtype.
+    "cpu-zero1-bf16": (["--parallel.zero=1", "--precision.mode=bf16", "--offload.optimizer=cpu"], 2, 2),
     "cpu-zero2-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=2", "--precision.mode=bf16",
-                            "--offload.optimizer=cpu"], 4, 2),
+                            "--offload.optimizer=cpu"], 2, 2),
     "cpu-zero3-dp2": (["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu"], 4, 4),
     "cpu-zero3-dp2-delayed": (["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu",
                                "--offload.delayed_update=true"], 4, 4),
     # Shards on the host: no weights go up after the step, each unit's shard goes up for each of its
     # two gathers (forward, and backward after the forward resharded it).
     "both-cpu-zero3-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=3", "--precision.mode=bf16",
-                                 "--offload.optimizer=cpu", "--offload.params=cpu"], 4, 2 * 2),
+                                 "--offload.optimizer=cpu", "--offload.params=cpu"], 2, 2 * 2),
 }
 
 
@@ -340,14 +347,16 @@ def _copied_per_step(rank, world_size, cfg, run_dir):
 
 
 @pytest.mark.parametrize("name", list(COPY_CASES))
-def test_the_gpu_path_copies_each_shard_down_and_up_once_a_step(name, corpus_cache, tmp_path, monkeypatch):
+def test_the_gpu_path_copies_each_gradient_down_as_produced_and_the_weights_up_once(name, corpus_cache, tmp_path,
+                                                                                   monkeypatch):
     _host_mode("separate", monkeypatch)
     layout, down, up = COPY_CASES[name]
     cfg = tiny_config(corpus_cache, *layout)
+    micro_batches = cfg.train.grad_accum(cfg.parallel.dp)
     copied, local, separate, params_on_host = run_ranks(_copied_per_step, cfg.parallel.world_size, cfg,
                                                         str(tmp_path), timeout=240)[0]
     assert separate and params_on_host == ("--offload.params=cpu" in layout)
-    assert copied == {"down": down * local, "up": up * local}, (copied, local)
+    assert copied == {"down": down * local * micro_batches, "up": up * local}, (copied, local, micro_batches)
 
 
 def test_the_cpu_path_copies_nothing(corpus_cache, tmp_path):
@@ -409,3 +418,4 @@ def test_offload_on_a_gpu_equals_the_same_run_without_it(name, corpus_cache, tmp
     torch.testing.assert_close(torch.tensor(b_losses), torch.tensor(a_losses), rtol=rtol, atol=0)
     for n, w in a_weights.items():
         assert_rel_close(b_weights[n], w, rtol, n)
+

@@ -91,7 +91,8 @@ class TiedCopies:
             return
         pieces = [(self.canonical_name(n), engine.grad_piece(n)) for n in self.names]
         described = ";".join(f"{c}:{start}+{piece.numel()}" for c, (piece, start) in pieces)
-        device = pieces[0][1][0].device if pieces else torch.device("cpu")  # the gradients' (NCCL: not the CPU)
+        # The engine's device (NCCL: not the CPU; offload keeps gradients on the host), else the gradients'.
+        device = getattr(engine, "device", None) or (pieces[0][1][0].device if pieces else torch.device("cpu"))
         mine = torch.tensor([len(pieces), zlib.crc32(described.encode())], dtype=torch.int64, device=device)
         both = torch.empty(2 * self.comm.size, dtype=torch.int64, device=device)
         self.comm.all_gather(both, mine, tag="layout_check")
@@ -108,4 +109,8 @@ class TiedCopies:
         for name in self.names:
             piece, _ = engine.grad_piece(name)
             if piece.numel():  # the layout check made both ends agree on empty pieces
-                self.comm.all_reduce(piece, tag="tied_grads")
+                device = getattr(engine, "device", piece.device)
+                summed = piece if piece.device == device else piece.to(device)  # a host gradient (offload)
+                self.comm.all_reduce(summed, tag="tied_grads")
+                if summed is not piece:
+                    piece.copy_(summed)
