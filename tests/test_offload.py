@@ -419,3 +419,33 @@ def test_offload_on_a_gpu_equals_the_same_run_without_it(name, corpus_cache, tmp
     for n, w in a_weights.items():
         assert_rel_close(b_weights[n], w, rtol, n)
 
+
+def test_pinned_host_memory_is_registered_once_and_unregistered_before_it_is_freed(monkeypatch):
+    """On CUDA the link pins its buffers with cudaHostRegister (exact sizes; torch's caching host
+    allocator rounds each up to a power of two) and unregisters them at close, or when the link is
+    collected. A stand-in for cudart counts the calls on the CPU."""
+    import gc
+
+    from bigtrain.parallel.zero import host
+
+    calls = []
+    fake = type("cudart", (), {"cudaHostRegister": lambda self, ptr, size, flags: calls.append(("pin", ptr, size)) or 0,
+                                "cudaHostUnregister": lambda self, ptr: calls.append(("unpin", ptr)) or 0})()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    link = host.HostLink(torch.device("cpu"), separate=True)
+    link.cuda = True  # the CUDA path's bookkeeping, without a stream
+    a = link.empty(1000, torch.float32)
+    b = link.empty(10, torch.bfloat16)
+    plain = link.empty(10, torch.float32, pinned=False)
+    assert calls == [("pin", a.data_ptr(), 4000), ("pin", b.data_ptr(), 20)] and link.tier_of(plain) == "host"
+    link.synchronize = lambda: None
+    link.close()
+    assert calls[2:] == [("unpin", a.data_ptr()), ("unpin", b.data_ptr())]
+    calls.clear()
+    other = host.HostLink(torch.device("cpu"))
+    other.cuda = True
+    c = other.empty(100, torch.float32)
+    ptr = c.data_ptr()
+    del other, c
+    gc.collect()
+    assert calls == [("pin", ptr, 400), ("unpin", ptr)]

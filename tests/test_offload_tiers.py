@@ -133,7 +133,32 @@ def test_no_whole_fp32_gradient_is_ever_held_on_the_device(layout, corpus_cache,
         assert max(seen) < whole, (max(seen), whole)
 
 
-# -- start fast: each initial value computed once ---------------------------------------------------------
+# -- start fast: everything allocated once, up front ------------------------------------------------------
+def _tiers_before_and_after(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    before = trainer.engine.tier_bytes()
+    for _ in range(2):
+        trainer.train_step()
+    trainer.engine.finish_update()
+    return before, trainer.engine.tier_bytes(), sum(u.shard_numel for u in trainer.engine.units)
+
+
+@pytest.mark.parametrize("name", ["zero2-cpu-bf16-delayed", "zero3-both-nvme-delayed", "dp2-zero3-both-cpu-delayed"])
+def test_every_offload_buffer_is_allocated_before_the_first_step(name, corpus_cache, tmp_path, monkeypatch):
+    """The pinned buffers (gradient buckets, accumulators, staging) and AdamW's state exist, and its
+    NVMe files are written, when the engine is built: the first step allocates none of them (a
+    gradient's file, at ZeRO 2-3 on NVMe, is written by the first reduction folded into it: with the
+    delayed update, two a unit)."""
+    _host_mode("separate", monkeypatch)
+    cfg = _configs(corpus_cache, tmp_path, [name])[0]
+    in_files = cfg.offload.optimizer == "nvme" and cfg.parallel.zero >= 2
+    for before, after, shard in run_ranks(_tiers_before_and_after, cfg.parallel.world_size, cfg,
+                                          str(tmp_path / "run"), timeout=240):
+        assert (before["device"], before["host"]) == (after["device"], after["host"]), (before, after)
+        grad_files = 4 * shard * (2 if cfg.offload.delayed_update else 1) if in_files else 0
+        assert before["nvme"] + grad_files == after["nvme"], (before, after, shard)
+
+
 def test_each_initial_value_is_computed_once(corpus_cache, tmp_path, monkeypatch):
     """Building the engine computes every parameter's initial value once (it was twice below ZeRO-3:
     once for the fp32 master, once for the compute weights), on threads, to the same values."""

@@ -96,6 +96,8 @@ class ZeroEngine:
         self._grads_in_place = stage <= 1 and not precision.mixed and self._host_grads is None
         self._allocate(init_fn)
         self.optimizer = self._build_optimizer(optim)
+        if self.offload is not None:  # up front: the first step should cost what the others do
+            self.offload.allocate_state()
         self._sync = True
         self._pending: list[tuple[FlatUnit, object, torch.Tensor]] = []
         self._remaining = {id(u): len(u.params) for u in self.units}

@@ -25,6 +25,8 @@ events and pinning are no-ops there (pinned memory needs CUDA).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -44,11 +46,24 @@ class HostLink:
         # are both CPU tensors, and this is what tells them apart (kept alive: the identity of a
         # freed storage could be reused).
         self._host: dict[int, torch.Tensor] = {}
+        # Pinned by cudaHostRegister: kept alive here, and unregistered before they are freed (at
+        # close, or when the link is collected: freed memory left registered would make a later
+        # registration of the same addresses fail).
+        self._registered: list[torch.Tensor] = []
+        self._unpin = weakref.finalize(self, _unregister_all, self._registered)
+        self._unpin.atexit = False  # the process's exit frees them; CUDA may be shut down by then
 
     # -- host memory -----------------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
-        """A host tensor (pinned on CUDA where it is copied to or from the device)."""
-        return self.adopt(torch.empty(numel, dtype=dtype, device=self.host, pin_memory=pinned and self.cuda))
+        """A host tensor (pinned on CUDA where it is copied to or from the device). Pinned by
+        registering plain memory with CUDA (``cudaHostRegister``), not through torch's caching host
+        allocator, which rounds every block up to a power of two (a 0.8 GB buffer takes 1 GiB) and
+        keeps freed blocks: the host tier then holds exactly the bytes the planner counts."""
+        t = torch.empty(numel, dtype=dtype, device=self.host)
+        if pinned and self.cuda and t.numel():
+            _register(t)
+            self._registered.append(t)
+        return self.adopt(t)
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:
         """Count ``t`` (a host tensor made elsewhere: a master, an offloaded shard) in the host tier."""
@@ -133,11 +148,31 @@ class HostLink:
         if self.cuda:
             self.stream.synchronize()
 
+    def close(self) -> None:
+        """Unpin what this link pinned (the copies have completed first)."""
+        self.synchronize()
+        self._unpin()
+
     def counted(self) -> dict[str, int]:
         return {"down": self.bytes_down, "up": self.bytes_up}
 
     def staging_bytes(self) -> int:
         return sum(s[0].untyped_storage().nbytes() for s in self._slots if s[0] is not None)
+
+
+def _register(t: torch.Tensor) -> None:
+    """Page-lock ``t``'s memory for asynchronous copies (CUDA only)."""
+    error = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0))
+    if error:
+        raise RuntimeError(f"offload: pinning {t.untyped_storage().nbytes()} bytes of host memory failed "
+                           f"(cudaHostRegister error {error}): the host may lack the memory, or the locked-memory "
+                           f"limit (ulimit -l) is too low")
+
+
+def _unregister_all(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    tensors.clear()
 
 
 class Arriving:

@@ -178,6 +178,21 @@ class UnitOffload:
             self._out(self._optimizer_side(unit) + self._shard(unit))
             self.store.wait()
 
+    def allocate_state(self) -> None:
+        """The optimizer's state allocated (its pages touched) now, unit by unit, and with the NVMe
+        tier written to its files, rather than in the first step. Only AdamW's: its fresh state is
+        zero moments and a zero fp32 step count on the parameter's device, which is what torch
+        creates on the first step (``AdamW._init_group``), so the first step is the same; other
+        optimizers keep their own lazy initialization."""
+        engine = self.engine
+        if engine.optim_spec.name != "adamw":
+            return
+        for unit in engine.units:
+            for _, _, view in unit.pieces:
+                engine.optimizer.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=view.device),
+                                                "exp_avg": torch.zeros_like(view), "exp_avg_sq": torch.zeros_like(view)}
+            self.release(unit)
+
     def release_grad(self, unit) -> None:
         """A newly allocated (zero) gradient shard: no bytes until a reduction is folded in."""
         if self.grads_in_files:
@@ -412,6 +427,7 @@ class UnitOffload:
             self.host_grads.close()
         if self.delayed is not None:
             self.delayed.close()
+        self.link.close()
         if self.store is not None:
             self.store.close()
 
