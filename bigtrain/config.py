@@ -260,6 +260,10 @@ class OffloadConfig:
                       "none")
     nvme_dir: str = doc("Directory for offload files (a fast local disk); '' means <run dir>/offload.", "")
     prefetch_depth: int = doc("NVMe: units read ahead of the one being stepped or gathered.", 1)
+    grad_buckets: int = doc("With the host apart from the device (a GPU): device buffers (the largest unit's "
+                            "gradient shard each, in the reduce dtype) that reduced gradients pass through on "
+                            "their way to their fp32 accumulators in host memory; the device never holds more "
+                            "(nor a whole fp32 gradient). The planner counts this many.", 4)
     delayed_update: bool = doc("ZeRO-Offload's one-step delayed parameter update: the host optimizer step of step t "
                                "runs on a worker thread during step t+1's forward and backward, which computes with "
                                "the weights from before that update (W(t+1) = W(t) - lr * g(W(t-1))). Needs "

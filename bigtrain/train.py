@@ -213,6 +213,8 @@ class Trainer:
         else:
             loss_sum, activations = self._micro_batches_in_turn(batches, measure)
         self.parallel.finish_grad_sync()
+        if self.device.type == "cuda" and getattr(self.engine, "offload", None) is not None:
+            torch.cuda.current_stream(self.device).synchronize()  # the overlap timeline's end: the device's
         computed = time.perf_counter()
         if before_update is not None:
             before_update()

@@ -386,6 +386,9 @@ def check_offload(cfg: Config) -> list[str]:
     problems += _one_of("offload.params", o.params, OFFLOAD_TIERS)
     if o.prefetch_depth < 0:
         problems.append(f"offload.prefetch_depth = {o.prefetch_depth}: must be >= 0")
+    if o.grad_buckets < 1:
+        problems.append(f"offload.grad_buckets = {o.grad_buckets}: must be >= 1 (gradients pass through them "
+                        f"on their way to the host; 4 is the default)")
     if o.delayed_update and o.optimizer == "none":
         problems.append("offload.delayed_update = true overlaps the host optimizer step with the next step, but "
                         "offload.optimizer = 'none' has no host step; set offload.optimizer = 'cpu' (or 'nvme')")

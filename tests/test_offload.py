@@ -38,6 +38,12 @@ CASES = {
                             ["--offload.optimizer=nvme", "--offload.params=nvme"]),
     "both-nvme-zero3-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=3", "--precision.mode=bf16"],
                                  ["--offload.optimizer=nvme", "--offload.params=nvme"]),
+    # Accumulation over ranks and micro-batches: on the GPU path ZeRO-1 then reduces every micro-batch
+    # (its gradient leaves the device), an fp32 sum in another order.
+    "optimizer-cpu-zero1-dp2-accum2": (["--parallel.dp=2", "--parallel.zero=1", "--train.micro_batch=2"],
+                                       ["--offload.optimizer=cpu"]),
+    "optimizer-cpu-zero2-dp2-accum2-bf16": (["--parallel.dp=2", "--parallel.zero=2", "--train.micro_batch=2",
+                                             "--precision.mode=bf16"], ["--offload.optimizer=cpu"]),
     # Two ranks with the same dp rank and unit names share the directory: their files must not.
     "both-nvme-zero3-tp2": (["--parallel.tp=2", "--parallel.zero=3"], ["--offload.optimizer=nvme", "--offload.params=nvme"]),
 }
@@ -307,18 +313,19 @@ def test_bigtrain_check_delays_its_reference_for_the_delayed_update():
 
 
 # -- the GPU path's copies, counted on the CPU (OffloadPlan.separate_host) -----------------------------
-COPY_CASES = {  # layout -> (bytes down, bytes up) per element of this rank's shards, per step
-    # The fp32 gradient shard comes down; the weights go up in the compute dtype.
-    "cpu-zero1-bf16": (["--parallel.zero=1", "--precision.mode=bf16", "--offload.optimizer=cpu"], 4, 2),
+COPY_CASES = {  # layout -> (bytes down per element of this rank's shards per micro-batch, bytes up per step)
+    # Every micro-batch's reduced gradient shard comes down in the reduce dtype (bf16 in bf16, fp32 in
+    # fp32) to be added into its fp32 accumulator on the host; the weights go up in the compute dtype.
+    "cpu-zero1-bf16": (["--parallel.zero=1", "--precision.mode=bf16", "--offload.optimizer=cpu"], 2, 2),
     "cpu-zero2-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=2", "--precision.mode=bf16",
-                            "--offload.optimizer=cpu"], 4, 2),
+                            "--offload.optimizer=cpu"], 2, 2),
     "cpu-zero3-dp2": (["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu"], 4, 4),
     "cpu-zero3-dp2-delayed": (["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu",
                                "--offload.delayed_update=true"], 4, 4),
     # Shards on the host: no weights go up after the step, each unit's shard goes up for each of its
     # two gathers (forward, and backward after the forward resharded it).
     "both-cpu-zero3-dp2-bf16": (["--parallel.dp=2", "--parallel.zero=3", "--precision.mode=bf16",
-                                 "--offload.optimizer=cpu", "--offload.params=cpu"], 4, 2 * 2),
+                                 "--offload.optimizer=cpu", "--offload.params=cpu"], 2, 2 * 2),
 }
 
 
@@ -338,14 +345,16 @@ def _copied_per_step(rank, world_size, cfg, run_dir):
 
 
 @pytest.mark.parametrize("name", list(COPY_CASES))
-def test_the_gpu_path_copies_each_shard_down_and_up_once_a_step(name, corpus_cache, tmp_path, monkeypatch):
+def test_the_gpu_path_copies_each_gradient_down_as_produced_and_the_weights_up_once(name, corpus_cache, tmp_path,
+                                                                                   monkeypatch):
     _host_mode("separate", monkeypatch)
     layout, down, up = COPY_CASES[name]
     cfg = tiny_config(corpus_cache, *layout)
+    micro_batches = cfg.train.grad_accum(cfg.parallel.dp)
     copied, local, separate, params_on_host = run_ranks(_copied_per_step, cfg.parallel.world_size, cfg,
                                                         str(tmp_path), timeout=240)[0]
     assert separate and params_on_host == ("--offload.params=cpu" in layout)
-    assert copied == {"down": down * local, "up": up * local}, (copied, local)
+    assert copied == {"down": down * local * micro_batches, "up": up * local}, (copied, local, micro_batches)
 
 
 def test_the_cpu_path_copies_nothing(corpus_cache, tmp_path):
@@ -442,3 +451,34 @@ def test_the_sign_flip_bound_holds_a_correct_run_and_fails_a_missed_step():
     assert float((flipped - w).norm() / w.norm()) <= adam_sign_flip_bound(w, lrs)
     missed = w - lrs[2] * torch.sign(torch.randn_like(w))
     assert float((missed - w).norm() / w.norm()) > 5 * adam_sign_flip_bound(w, lrs)
+
+
+def test_pinned_host_memory_is_registered_once_and_unregistered_before_it_is_freed(monkeypatch):
+    """On CUDA the link pins its buffers with cudaHostRegister (exact sizes; torch's caching host
+    allocator rounds each up to a power of two) and unregisters them at close, or when the link is
+    collected. A stand-in for cudart counts the calls on the CPU."""
+    import gc
+
+    from bigtrain.parallel.zero import host
+
+    calls = []
+    fake = type("cudart", (), {"cudaHostRegister": lambda self, ptr, size, flags: calls.append(("pin", ptr, size)) or 0,
+                                "cudaHostUnregister": lambda self, ptr: calls.append(("unpin", ptr)) or 0})()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    link = host.HostLink(torch.device("cpu"), separate=True)
+    link.cuda = True  # the CUDA path's bookkeeping, without a stream
+    a = link.empty(1000, torch.float32)
+    b = link.empty(10, torch.bfloat16)
+    plain = link.empty(10, torch.float32, pinned=False)
+    assert calls == [("pin", a.data_ptr(), 4000), ("pin", b.data_ptr(), 20)] and link.tier_of(plain) == "host"
+    link.synchronize = lambda: None
+    link.close()
+    assert calls[2:] == [("unpin", a.data_ptr()), ("unpin", b.data_ptr())]
+    calls.clear()
+    other = host.HostLink(torch.device("cpu"))
+    other.cuda = True
+    c = other.empty(100, torch.float32)
+    ptr = c.data_ptr()
+    del other, c
+    gc.collect()
+    assert calls == [("pin", ptr, 400), ("unpin", ptr)]

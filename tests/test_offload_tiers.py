@@ -8,6 +8,7 @@ compute ones, every copy made), which is what the planner's tiers describe."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bigtrain.plan import ModelSpec
 from bigtrain.plan.fit import _layout
@@ -83,3 +84,100 @@ def test_the_engines_tiers_equal_the_planners_for_every_offload_layout(world, co
             if measured != predicted:
                 wrong.append(f"{name} rank {rank}: measured {measured}, planner {predicted}")
     assert not wrong, "\n".join(wrong)
+
+
+# -- gradients leave the device as they are produced ---------------------------------------------------
+def _device_grads_during_backward(rank, world_size, cfg, run_dir):
+    """The device tier's gradient bytes after every reduction of two steps (the engine's own
+    measure: live parameter gradients, gradient shards and the buckets), the buckets' bytes, whether
+    every fp32 gradient is a host tensor, and the whole fp32 gradient's bytes."""
+    from bigtrain.parallel.zero.engine import ZeroEngine
+
+    seen = []
+    original = ZeroEngine._reduce
+
+    def watched(self, unit):
+        original(self, unit)
+        seen.append(self.state_bytes()["grads"])
+
+    ZeroEngine._reduce = watched
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    for _ in range(2):
+        trainer.train_step()
+    engine = trainer.engine
+    link = engine.offload.link
+    buckets = sum(t.untyped_storage().nbytes() for t in engine.offload.buffers() if link.tier_of(t) == "device")
+    on_host = all(link.tier_of(u.grad_shard) == "host" and u.grad_shard.dtype == torch.float32
+                  and not hasattr(u, "full_grad") for u in engine.units)
+    whole = 4 * sum(u.shard_numel for u in engine.units)
+    largest_unit = max(u.padded_numel for u in engine.units) * engine.precision.compute.itemsize
+    return seen, buckets, engine.state_bytes()["grads"], on_host, whole, largest_unit
+
+
+@pytest.mark.parametrize("layout", [["--parallel.zero=1"], ["--parallel.zero=2", "--precision.mode=bf16"],
+                                    ["--parallel.dp=2", "--parallel.zero=1", "--train.micro_batch=2"],
+                                    ["--parallel.dp=2", "--parallel.zero=3", "--train.micro_batch=2",
+                                     "--offload.params=cpu"]],
+                         ids=["zero1", "zero2-bf16", "zero1-dp2-accum2", "zero3-dp2-accum2-params"])
+def test_no_whole_fp32_gradient_is_ever_held_on_the_device(layout, corpus_cache, tmp_path, monkeypatch):
+    """With one gradient bucket, the device holds at most that bucket and the gradients of the unit
+    whose backward is being reduced (the compute dtype), never a whole fp32 gradient: every unit's
+    fp32 gradient is a host tensor, at any ZeRO stage and dp."""
+    _host_mode("separate", monkeypatch)
+    cfg = tiny_config(corpus_cache, *layout, "--offload.optimizer=cpu", "--offload.grad_buckets=1",
+                      "--model.n_layers=4")
+    for seen, buckets, between, on_host, whole, largest_unit in run_ranks(
+            _device_grads_during_backward, cfg.parallel.world_size, cfg, str(tmp_path), timeout=240):
+        assert on_host and between == buckets < whole
+        assert seen and max(seen) <= buckets + largest_unit, (max(seen), buckets, largest_unit)
+        assert max(seen) < whole, (max(seen), whole)
+
+
+# -- start fast: everything allocated once, up front ------------------------------------------------------
+def _tiers_before_and_after(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    before = trainer.engine.tier_bytes()
+    for _ in range(2):
+        trainer.train_step()
+    trainer.engine.finish_update()
+    return before, trainer.engine.tier_bytes(), sum(u.shard_numel for u in trainer.engine.units)
+
+
+@pytest.mark.parametrize("name", ["zero2-cpu-bf16-delayed", "zero3-both-nvme-delayed", "dp2-zero3-both-cpu-delayed"])
+def test_every_offload_buffer_is_allocated_before_the_first_step(name, corpus_cache, tmp_path, monkeypatch):
+    """The pinned buffers (gradient buckets, accumulators, staging) and AdamW's state exist, and its
+    NVMe files are written, when the engine is built: the first step allocates none of them (a
+    gradient's file, at ZeRO 2-3 on NVMe, is written by the first reduction folded into it: with the
+    delayed update, two a unit)."""
+    _host_mode("separate", monkeypatch)
+    cfg = _configs(corpus_cache, tmp_path, [name])[0]
+    in_files = cfg.offload.optimizer == "nvme" and cfg.parallel.zero >= 2
+    for before, after, shard in run_ranks(_tiers_before_and_after, cfg.parallel.world_size, cfg,
+                                          str(tmp_path / "run"), timeout=240):
+        assert (before["device"], before["host"]) == (after["device"], after["host"]), (before, after)
+        grad_files = 4 * shard * (2 if cfg.offload.delayed_update else 1) if in_files else 0
+        assert before["nvme"] + grad_files == after["nvme"], (before, after, shard)
+
+
+def test_each_initial_value_is_computed_once(corpus_cache, tmp_path, monkeypatch):
+    """Building the engine computes every parameter's initial value once (it was twice below ZeRO-3:
+    once for the fp32 master, once for the compute weights), on threads, to the same values."""
+    from bigtrain.distributed.mesh import Mesh
+    from bigtrain.models.llama import build_model
+    from bigtrain.parallel.build import parallelize
+    from bigtrain.from_config import parallel_plan
+
+    cfg = tiny_config(corpus_cache, "--parallel.zero=2", "--precision.mode=bf16", "--offload.optimizer=cpu")
+    model = build_model(cfg.model)
+    calls = []
+
+    def init(name, shape):
+        calls.append(name)
+        return model.initial_value(name, shape, cfg.train.seed)
+
+    parallel = parallelize(model, Mesh({}), parallel_plan(cfg, str(tmp_path)), "cpu", init_fn=init)
+    assert sorted(calls) == sorted(n for n, _ in parallel.model.named_parameters())
+    reference = build_model(cfg.model, "cpu")
+    reference.init_weights(cfg.train.seed)
+    for n, w in parallel.engine.full_weights().items():
+        assert torch.equal(w, reference.get_parameter(n).detach()), n

@@ -49,14 +49,21 @@ def test_the_step_adds_the_transfers_at_the_profile_bandwidths():
     t = step_time(model, layout, cluster, 8)
     states = estimate_memory(model, base, H100, 8)
     shard = model.params  # one rank: the whole model, unpadded
-    expected = (4 + 2) * shard / H100.host_bandwidth + (2 * states.optimizer + 8 * shard) / H100.host_memory_bandwidth
+    # The host step: the norm and AdamW read the fp32 accumulator (4 + 4), the masters and state go in and
+    # out, the updated weights are cast into the staging ring (2) and go up over PCIe (2).
+    expected = 2 * shard / H100.host_bandwidth + (2 * states.optimizer + 10 * shard) / H100.host_memory_bandwidth
     assert t.breakdown["offload_optimizer"] == pytest.approx(expected, rel=1e-3)
     assert t.breakdown["optimizer_step"] == 0  # the device no longer steps
+    # Each of the 8 micro-batches' bf16 gradients goes down (2 bytes) and is folded into the fp32
+    # accumulator (the first copied: 2 + 4; the others 2 + 8): exposed beyond the backward it overlaps.
+    costs = stage_costs(model, layout, cluster)
+    per_micro_batch = max(2 * shard / H100.host_bandwidth, (6 + 7 * 10) * shard / 8 / H100.host_memory_bandwidth)
+    assert t.breakdown["offload_gradients"] == pytest.approx(8 * max(0.0, per_micro_batch - OVERLAP * costs.compute_b),
+                                                             rel=1e-3, abs=1e-9)
     nvme = step_time(model, replace(layout, offload_optimizer="nvme"), cluster, 8).breakdown["offload_optimizer"]
     assert nvme == pytest.approx(expected + 2 * states.optimizer / H100.nvme_bandwidth, rel=1e-3)
     # The delayed update hides the host step behind the next step's compute (8 long micro-batches here).
     delayed = step_time(model, replace(layout, delayed_update=True), cluster, 8)
-    costs = stage_costs(model, layout, cluster)
     window = OVERLAP * 8 * (costs.compute_f + costs.compute_b)
     assert delayed.breakdown["offload_optimizer"] == pytest.approx(max(0.0, expected - window), abs=1e-9)
     assert delayed.step_time_s < t.step_time_s

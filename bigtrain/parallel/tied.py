@@ -97,7 +97,8 @@ class TiedCopies:
             with engine.editable_grad_piece(n) as (piece, start):  # in memory, if kept in a file
                 pieces.append((self.canonical_name(n), start, piece.numel(), piece.device))
         described = ";".join(f"{c}:{start}+{numel}" for c, start, numel, _ in pieces)
-        device = pieces[0][3] if pieces else torch.device("cpu")  # the gradients' (NCCL: not the CPU)
+        # The engine's device (NCCL: not the CPU; offload keeps gradients on the host), else the gradients'.
+        device = getattr(engine, "device", None) or (pieces[0][3] if pieces else torch.device("cpu"))
         mine = torch.tensor([len(pieces), zlib.crc32(described.encode())], dtype=torch.int64, device=device)
         both = torch.empty(2 * self.comm.size, dtype=torch.int64, device=device)
         self.comm.all_gather(both, mine, tag="layout_check")
@@ -114,4 +115,8 @@ class TiedCopies:
         for name in self.names:
             with engine.editable_grad_piece(name) as (piece, _):  # ZeRO-Infinity: read from its file
                 if piece.numel():  # the layout check made both ends agree on empty pieces
-                    self.comm.all_reduce(piece, tag="tied_grads")
+                    device = getattr(engine, "device", piece.device)
+                    summed = piece if piece.device == device else piece.to(device)  # a host gradient (offload)
+                    self.comm.all_reduce(summed, tag="tied_grads")
+                    if summed is not piece:
+                        piece.copy_(summed)

@@ -23,9 +23,10 @@ Conventions (docs/planner.md has the derivations):
   backward it runs under, except the last unit's collective; ZeRO-3's gathers hide behind the forward/backward
   the same way. Stage 1-2's all-gather of updated weights after the step is exposed (the runtime
   does it synchronously), and so is the memory-bound AdamW step.
-* Offload (``offload_costs``): PCIe transfers, the host optimizer step and NVMe reads and writes at
-  the profile's ``host_bandwidth``, ``host_memory_bandwidth`` and ``nvme_bandwidth``; exposed after
-  the backward unless the delayed update hides them behind the next step's compute.
+* Offload (``offload_costs``): PCIe transfers, the host's gradient folds, the host optimizer step
+  and NVMe reads and writes at the profile's ``host_bandwidth``, ``host_memory_bandwidth`` and
+  ``nvme_bandwidth``; the gradients' way to the host overlaps each micro-batch's backward, the step
+  is exposed after the backward unless the delayed update hides it behind the next step's compute.
 * Activation options (``memory/``): selective recomputation is elementwise and memory-bound: the
   tensors it drops are written and read once more at ``hbm_bandwidth``; the fused loss adds one
   more output projection (2 V h FLOPs per token). Offload moves every micro-batch's saved bytes out and back
@@ -41,9 +42,10 @@ from dataclasses import dataclass, field
 
 from bigtrain.plan.activations import block_activations, checkpointed_block_indices
 from bigtrain.plan.layout import BYTES, Cluster, Layout
-from bigtrain.plan.memory import checked_pp_ranks, chunk_activation_bytes, rank_units, replicas
+from bigtrain.plan.memory import checked_pp_ranks, chunk_activation_bytes, rank_units, replicas, unit_state_bytes
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel
+from bigtrain.plan.tiers import host_step, reduce_bytes
 
 # Share of a compute window that hides a host transfer or the host step launched during it
 # (assumption; collectives use the profile's measured ``comm_overlap`` instead).
@@ -254,7 +256,9 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
         # (negligible on NCCL; on Gloo after compute, what decides a small model's step).
         per_unit = sum(link.collective("reduce_scatter", n * grad_bytes, group) for n in sizes)
         reduce = max(link.collective("reduce_scatter", unit, group), per_unit - window_b)
-        out["dp_grad_sync"] = reduce * (micro_batches if layout.zero >= 2 else 1)
+        # Stages 2-3 reduce every micro-batch, and so does any stage with offload (each micro-batch's
+        # gradient leaves the device: :mod:`bigtrain.plan.tiers`).
+        out["dp_grad_sync"] = reduce * (micro_batches if layout.zero >= 2 or host_step(layout) else 1)
     weights, weight_unit = params * nbytes, largest * nbytes  # gathered in the training precision
     if layout.zero in (1, 2):
         gather = link.collective("all_gather", weights, group)
@@ -268,7 +272,7 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
     shard = params / (group if layout.zero >= 1 else 1)
     per_param = OPTIMIZER_BYTES_PER_PARAM["fp32" if layout.precision == "fp32" else "mixed"]
     # With offload.optimizer the step runs on the host instead (offload_costs).
-    on_device = layout.offload_optimizer == "none"
+    on_device = not host_step(layout)
     out["optimizer_step"] = shard * per_param / cluster.hardware.hbm_bandwidth if on_device else 0.0
     return out
 
@@ -289,22 +293,27 @@ def step_boundary_costs(layout: Layout, cluster: Cluster) -> float:
 # -- offload -------------------------------------------------------------------------------------------
 def offload_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: StageCosts,
                   micro_batches: int) -> dict[str, float]:
-    """Exposed seconds per step of the offload tiers on the busiest rank (AdamW's state).
+    """Exposed seconds per step of the offload tiers on the busiest rank (with the runtime's GPU path,
+    :mod:`bigtrain.plan.tiers`).
 
-    offload.optimizer: the fp32 gradient shard goes to the host and the updated weights come back
-    over PCIe (``host_bandwidth``); the host step streams the masters and state twice, the gradient
-    and the weights once (``host_memory_bandwidth``); with ``nvme`` the masters and state are read
-    and written once (``nvme_bandwidth``) and, at ZeRO 2-3, the gradient shard written once and read
-    twice (the norm, the step). All of it follows the backward, exposed, unless ``delayed_update``:
-    then it hides behind the next step's compute up to ``OVERLAP``.
-    offload.params: ZeRO-3's shard is read before each gather (forward and backward of every
-    micro-batch) and written after the step; the reads run ahead with the gathers' prefetch, hidden
-    up to ``OVERLAP`` of the compute."""
-    if layout.offload_optimizer == "none" and layout.offload_params == "none":
+    Gradients (``offload_gradients``): every micro-batch's reduced shard (R bytes an element, the
+    reduce dtype) goes down over PCIe (``host_bandwidth``) and is added into its fp32 accumulator on
+    the host (the first copied, R + 4 bytes an element; the others read and write it, R + 8), at
+    ``host_memory_bandwidth``, while the backward goes on: exposed where the slower of the two
+    exceeds ``OVERLAP`` of the micro-batch's backward.
+    The host step (``offload_optimizer``): the norm reads the accumulators (4 bytes), AdamW streams
+    the masters and state in and out and reads the gradient (``host_memory_bandwidth``), the updated
+    weights are cast into the staging ring (B) and go up over PCIe; with ``nvme`` the masters and
+    state are read and written once (``nvme_bandwidth``) and, at ZeRO 2-3, each micro-batch's fold
+    reads and writes the accumulator's file and the step reads it twice. All of it follows the
+    backward, exposed, unless ``delayed_update``: then it hides behind the next step's compute up
+    to ``OVERLAP``.
+    ``offload.params``: ZeRO-3's shard goes up (``cpu``) or is read from its file (``nvme``) before
+    each gather (forward and backward of every micro-batch), ahead with the gathers' prefetch,
+    hidden up to ``OVERLAP`` of the compute; with ``nvme`` it is written after the step."""
+    if not host_step(layout):
         return {}
-    from bigtrain.plan.memory import unit_state_bytes
-
-    hw, nbytes = cluster.hardware, BYTES[layout.precision]
+    hw, nbytes, reduce = cluster.hardware, BYTES[layout.precision], reduce_bytes(layout.precision)
     window = OVERLAP * micro_batches * (costs.compute_f + costs.compute_b)
     worst = {}
     for r in checked_pp_ranks(layout.pp):
@@ -312,17 +321,24 @@ def offload_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: Sta
         units = ([root] if root else []) + blocks
         states = unit_state_bytes(units, layout)
         shard = sum(-(-u.numel // (layout.size(u.axis) if layout.zero >= 1 else 1)) for u in units)
+        files = layout.offload_optimizer == "nvme" and layout.zero >= 2
         out = {}
-        if layout.offload_optimizer != "none":
-            seconds = (4 + nbytes) * shard / hw.host_bandwidth
-            seconds += (2 * states["optimizer"] + 8 * shard) / hw.host_memory_bandwidth
-            if layout.offload_optimizer == "nvme":
-                files = 2 * states["optimizer"] + (3 * 4 * shard if layout.zero >= 2 else 0)
-                seconds += files / hw.nvme_bandwidth
-            out["offload_optimizer"] = max(0.0, seconds - window) if layout.delayed_update else seconds
-        if layout.offload_params == "nvme":
-            reads = 2 * micro_batches * states["params"] / hw.nvme_bandwidth
-            out["offload_params"] = max(0.0, reads - window) + states["params"] / hw.nvme_bandwidth
+        down = reduce * shard / hw.host_bandwidth
+        folds = ((reduce + 4) + (micro_batches - 1) * (reduce + 8)) * shard / hw.host_memory_bandwidth
+        if files:  # each fold reads the accumulator's file and writes it back (the first only writes)
+            folds += (2 * micro_batches - 1) * 4 * shard / hw.nvme_bandwidth
+        per_micro_batch = max(down, folds / micro_batches)
+        out["offload_gradients"] = micro_batches * max(0.0, per_micro_batch - OVERLAP * costs.compute_b)
+        masters_and_state = states["optimizer"] + (0 if layout.precision != "fp32" else 4 * shard)
+        seconds = nbytes * shard / hw.host_bandwidth
+        seconds += (2 * masters_and_state + (4 + 4 + nbytes) * shard) / hw.host_memory_bandwidth
+        if layout.offload_optimizer == "nvme":
+            seconds += (2 * masters_and_state + (2 * 4 * shard if files else 0)) / hw.nvme_bandwidth
+        out["offload_optimizer"] = max(0.0, seconds - window) if layout.delayed_update else seconds
+        if layout.offload_params != "none":
+            per_gather = nbytes * shard / (hw.nvme_bandwidth if layout.offload_params == "nvme" else hw.host_bandwidth)
+            written = nbytes * shard / hw.nvme_bandwidth if layout.offload_params == "nvme" else 0.0
+            out["offload_params"] = max(0.0, 2 * micro_batches * per_gather - window) + written
         if sum(out.values()) >= sum(worst.values()):
             worst = out
     return worst

@@ -19,11 +19,12 @@ and the rest is host memory (``detail["host_activations"]``). Buffers are what t
 runtime allocates besides (named so tests can compare those they can measure):
 
     zero_reduce_outputs  one reduce-scatter output per unit, held until the step (stages 2-3 fold
-                         a unit's previous micro-batch in before reducing its next one; with
-                         offload.optimizer one unit's: each leaves for its tier when complete); mixed
+                         a unit's previous micro-batch in before reducing its next one); mixed
                          stage 0: the compute-dtype copy of the fp32 gradients, all-reduced in place
-    zero_reduce_in_flight  stage 2-3: the flat gradient of one unit handed to the collective;
-                         mixed stage 1: a unit's compute-dtype copy of its fp32 gradient
+    zero_reduce_in_flight  stage 2-3 (and any stage with offload, over more than one replica): the
+                         flat gradient of one unit handed to the collective; mixed stage 1: a unit's
+                         compute-dtype copy of its fp32 gradient
+    offload_grad_buckets offload: the device buffers every reduced gradient passes through to the host
     zero3_gathered       stage 3: the root unit (gathered for the whole forward and backward)
                          plus two blocks (the current one and the prefetched one)
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
@@ -58,7 +59,7 @@ from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.model import ModelSpec, Tensor, local_vocab
 from bigtrain.plan.pipeline import PipelineModel, weight_versions
-from bigtrain.plan.tiers import host_step, piecewise_shard_bytes, shard_pieces, tier_detail
+from bigtrain.plan.tiers import host_step, piecewise_shard_bytes, reduce_bytes, shard_pieces, tier_detail
 
 MEASURABLE_BUFFERS = ("zero_reduce_outputs", "zero3_gathered")
 FUSED_LOSS_CHUNK = 1024  # model.fused_loss_chunk's default: the planner's layouts do not carry it
@@ -307,13 +308,14 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
     shard_total = sum(padded) // shards
     out: dict[str, int] = {}
     reduced, mixed = replicas(layout) > 1, layout.precision != "fp32"  # one replica reduces nothing
-    if layout.zero >= 2 and layout.offload_optimizer != "none":  # each output leaves as its reduction completes
-        out["zero_reduce_outputs"] = nbytes * max(padded, default=0) // shards
+    if host_step(layout):  # offload: every micro-batch reduces into the gradient buckets (offload_grad_buckets)
+        if reduced:  # the flat gradient of one unit handed to the collective (one replica writes the bucket)
+            out["zero_reduce_in_flight"] = reduce_bytes(layout.precision) * max(padded, default=0)
     elif layout.zero >= 2 or (layout.zero == 1 and reduced):
         out["zero_reduce_outputs"] = nbytes * shard_total
     elif layout.zero == 0 and mixed and reduced:
         out["zero_reduce_outputs"] = nbytes * sum(padded)
-    if layout.zero >= 2 or (layout.zero == 1 and mixed and reduced):
+    if not host_step(layout) and (layout.zero >= 2 or (layout.zero == 1 and mixed and reduced)):
         out["zero_reduce_in_flight"] = nbytes * max(padded, default=0)
     if layout.zero == 3:
         weight = nbytes if layout.precision != "fp32" else 4
@@ -362,6 +364,8 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
         states, moved = unit_state_bytes(units, layout, optimizer, block), {"host": 0, "nvme": 0}
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, root, blocks)
+    if tiers is not None and tiers["device"].get("grad_buckets"):
+        buffers["offload_grad_buckets"] = tiers["device"]["grad_buckets"]
     versions = weight_versions(layout.schedule, layout.pp, pp_rank)
     if versions:  # asynchronous pipelines: stashed copies of the rank's weights
         buffers["weight_versions"] = versions * states["params"]

@@ -6,16 +6,19 @@ padded shard's elements, F = N S the padded unit, B the compute dtype's bytes, E
 bytes per element and T its per-tensor state (AdamW: E = 8, T = 4 for each piece's step count):
 
 - **device**: the compute weights (stages 1-2: the whole unit, F B; stage 3: the shard, S B, unless
-  ``offload.params`` keeps it on the host), the gradient (stage 1: F x 4, stages 2-3: S x 4, unless
-  in files) and nothing of the optimizer.
+  ``offload.params`` keeps it on the host), no gradient and nothing of the optimizer, and K gradient
+  buckets (``offload.grad_buckets``) of the largest shard in the reduce dtype (R bytes) that every
+  reduced gradient passes through on its way to the host.
 - **host**: the fp32 masters (S x 4, apart from the compute weights whenever those are on the device,
   in mixed precision or with the delayed update), the optimizer's state (E S + T per piece), the
-  shard with ``offload.params`` (S B, unless it is the fp32 master itself), the gradient's host
-  buffer (S x 4) and the pinned staging ring (``STAGING_SLOTS`` x the largest shard x B).
+  shard with ``offload.params`` (S B, unless it is the fp32 master itself), the fp32 gradient
+  accumulator (S x 4; two with the delayed update: one is stepped while the next backward fills the
+  other), and pinned staging: K buckets down (the largest shard x R) and ``STAGING_SLOTS`` up (the
+  largest shard x B).
 - **nvme** (files): with ``offload.optimizer = nvme`` the masters and the state's tensors of one or
-  more dimensions (the per-tensor scalars stay in memory), at stages 2-3 the gradient shard (and with
-  the delayed update the handed-over one); with ``offload.params = nvme`` the shard (or the fp32
-  master that is the shard).
+  more dimensions (the per-tensor scalars stay in memory), at stages 2-3 the gradient accumulator
+  (and with the delayed update the handed-over one); with ``offload.params = nvme`` the shard (or
+  the fp32 master that is the shard).
 
 :func:`tier_bytes` is what ``estimate_memory`` charges to the device and adds up for the host and
 the files; ``ZeroEngine.tier_bytes`` measures the same from where its buffers live, and a test
@@ -26,11 +29,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+from bigtrain.config import OffloadConfig
 from bigtrain.optim import get_optimizer
 from bigtrain.plan.layout import BYTES, Layout
 
 STAGING_SLOTS = 4  # HostLink's ring of pinned buffers for host -> device copies
-GRAD_BUCKETS = 4  # offload.grad_buckets (issue 28: not built yet)
+GRAD_BUCKETS = OffloadConfig().grad_buckets  # the runtime's default
 
 
 def reduce_bytes(precision: str) -> int:
@@ -131,14 +135,12 @@ def tier_detail(units: list, layout: Layout, optimizer: str = "adamw", block: in
         # the optimizer's state: its tensors in files with the NVMe tier, the scalars in memory
         per["host"]["state"] += scalars
         per["nvme" if opt_files else "host"]["state"] += state - scalars
-        # gradients: on the device (the whole unit at stage 1), a host buffer for the host step
-        if grads_in_files:
-            per["nvme"]["grads"] += 4 * shard * (2 if layout.delayed_update else 1)
-        else:
-            per["device"]["grads"] += 4 * (full if layout.zero <= 1 else shard)
-            per["host"]["grads"] += 4 * shard
+        # gradients: the fp32 accumulators, on the host or in files (two with the delayed update)
+        per["nvme" if grads_in_files else "host"]["grads"] += 4 * shard * (2 if layout.delayed_update else 1)
         for tier in TIERS:
             for k, v in per[tier].items():
                 out[tier][k] += count * v
-    out["host"]["staging"] += STAGING_SLOTS * largest * nbytes
+    buckets = grad_buckets * largest * reduce_bytes(layout.precision)
+    out["device"]["grad_buckets"] += buckets
+    out["host"]["staging"] += buckets + STAGING_SLOTS * largest * nbytes
     return {tier: dict(out[tier]) for tier in TIERS}

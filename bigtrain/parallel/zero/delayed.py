@@ -10,8 +10,9 @@ The pieces, and why:
   catch up in :meth:`DelayedUpdate.publish`, on the main thread (stages 1-2 all-gather there: no
   collective ever runs on the worker, so every rank issues them in the same order).
 - **The gradient handed over.** Step t+1's backward accumulates into the gradient shards while the
-  worker still reads step t's, so step t's clipped gradient is copied into a host buffer per unit
-  (ZeRO-Offload's host gradient buffer); with gradients in files it is moved to a file of its own
+  worker still reads step t's: with the host apart from the device each unit has two host
+  accumulators and they swap (:class:`~bigtrain.parallel.zero.grad_stream.HostGradients`); on a CPU
+  device step t's clipped gradient is copied into a host buffer per unit; with gradients in files it is moved to a file of its own
   (:meth:`~bigtrain.parallel.zero.offload.UnitOffload.hand_over`).
 - **Order in one step** (:meth:`~bigtrain.parallel.zero.engine.ZeroEngine.step`): wait for the
   worker (step t-1's update), publish it, reduce and agree on step t's norm and skip flag (the
@@ -46,13 +47,13 @@ class DelayedUpdate:
         return self.offload.host_grad(unit)
 
     def hold(self, unit, grad):
-        """Step t's gradient of ``unit``, kept apart from the shard the next backward fills: copied
-        into its host buffer (from a device: on the copy stream, which the worker waits for before it
-        reads it, and which the next backward's writes to the shard wait for)."""
+        """Step t's gradient of ``unit``, kept apart from the shard the next backward fills: with the
+        host apart from the device, the host accumulator itself (the next backward fills the unit's
+        other one); on a CPU device a copy in its host buffer."""
         if not torch.is_tensor(grad):  # already moved to its own file (a lazy read)
             return grad
-        if self.offload.link.separate:
-            return self.offload.to_host_grad(unit, grad)
+        if self.offload.host_grads is not None:  # accumulated on the host: the other buffer takes the next
+            return self.offload.host_grads.hold(unit)
         return self.held_buffer(unit).copy_(grad)
 
     def start(self, grads: list, lr: float) -> None:

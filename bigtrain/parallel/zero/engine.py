@@ -48,12 +48,13 @@ from bigtrain.optim import OptimizerSpec, decay_groups, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.data import rehome_grad, sync_off
 from bigtrain.parallel.placement import NORM_AXIS, Placements
+from bigtrain.parallel.zero.allocate import allocate_units
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
 from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
 from bigtrain.core.blocks import default_unit_modules
-from bigtrain.parallel.zero.tiers import held_bytes
-from bigtrain.parallel.zero.units import build_units, replace_parameters
+from bigtrain.parallel.zero.tiers import device_state_bytes, held_bytes
+from bigtrain.parallel.zero.units import build_units
 from bigtrain.precision import DynamicLossScaler, Precision
 
 if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
@@ -82,8 +83,6 @@ class ZeroEngine:
         if stage >= 1:
             for name in list(self.placements):
                 self.placements.update(name, self.placements[name].sharded_flat())
-        # Autograd accumulates straight into the fp32 gradient buffer only when it computes in fp32.
-        self._grads_in_place = stage <= 1 and not precision.mixed
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
         self.units, self.unit_modules = build_units(model, modules, self.placements.grad_comm, sharded=stage >= 1,
                                                     align=self.block)
@@ -92,8 +91,15 @@ class ZeroEngine:
         if offload is not None and offload.active:
             directory = offload.nvme_dir or tempfile.mkdtemp(prefix="bigtrain-offload-")
             self.offload = UnitOffload(self, offload, directory)
+        # Offload on a GPU: each unit's gradient leaves the device as the backward produces it, into
+        # its fp32 accumulator on the host (every micro-batch, at any stage: :mod:`.grad_stream`).
+        self._host_grads = self.offload.host_grads if self.offload is not None else None
+        # Autograd accumulates straight into the fp32 gradient buffer only when it computes in fp32.
+        self._grads_in_place = stage <= 1 and not precision.mixed and self._host_grads is None
         self._allocate(init_fn)
         self.optimizer = self._build_optimizer(optim)
+        if self.offload is not None:  # up front: the first step should cost what the others do
+            self.offload.allocate_state()
         self._sync = True
         self._pending: list[tuple[FlatUnit, object, torch.Tensor]] = []
         self._remaining = {id(u): len(u.params) for u in self.units}
@@ -144,54 +150,7 @@ class ZeroEngine:
         return self.offload.link.host if self.offload is not None and self.offload.link.separate else self.device
 
     def _allocate(self, init_fn: InitFn) -> None:
-        compute, dev = self.precision.compute, self.device
-        # ZeRO-3 shards kept on the host (offload.params on a GPU) or on the device.
-        shard_dev = self.host_device if self.offload is not None and self.offload.params_on_host else dev
-        for unit in self.units:
-            value_of = {s.name: (lambda s=s: init_fn(s.name, s.shape)) for s in unit.slots}
-            master = self._on_host(unit.shard_from_full_values(lambda n: value_of[n](), torch.float32,
-                                                               self.host_device))
-            if self.stage == 3:
-                full = torch.empty(unit.padded_numel, dtype=compute, device=dev)
-                unit.shard_param = master if not self._separate_master else master.to(shard_dev, compute, copy=True)
-                if self.offload is not None and self.offload.params_on_host:
-                    self._on_host(unit.shard_param)
-            else:
-                full = unit.flatten({s.name: value_of[s.name]() for s in unit.slots}, compute, dev)
-                unit.shard_param = unit.shard_of(full)
-            replace_parameters(self.model, unit.bind(full))
-            if self.stage == 3:
-                unit.free_full()
-            unit.master = master if self._separate_master else unit.shard_param
-            self._cut_pieces(unit)
-            if self.offload is not None:  # to its file before the next unit is allocated
-                self.offload.release(unit)
-            self._allocate_grads(unit)
-            if self.offload is not None:
-                self.offload.release_grad(unit)
-        if self.offload is not None and self.offload.link.separate:  # pinned once, up front
-            self.offload.link.reserve_staging(max(u.shard_numel for u in self.units), compute)
-
-    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``, counted in the host tier when offload keeps it apart from the device."""
-        if self.offload is not None and self.offload.link.separate and t.device == self.host_device:
-            self.offload.link.adopt(t)
-        return t
-
-    def _allocate_grads(self, unit: FlatUnit) -> None:
-        if self.stage >= 2:
-            # Gradients in files (ZeRO-Infinity) are host tensors: reductions come down to be folded in.
-            in_files = self.offload is not None and self.offload.grads_in_files
-            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32,
-                                          device=self.host_device if in_files else self.device)
-            return
-        unit.full_grad = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
-        views = unit.unflatten(unit.full_grad)
-        unit.grad_views = [views[slot.name] for slot in unit.slots]
-        if self._grads_in_place:
-            for p, view in zip(unit.params, unit.grad_views):
-                p.grad = view
-        unit.grad_shard = unit.shard_of(unit.full_grad)
+        allocate_units(self, init_fn)
 
     def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
         """The optimizer over at most two flat pieces of each unit's master shard (decayed / not),
@@ -208,19 +167,6 @@ class ZeroEngine:
         if where:
             optimizer.attach_pieces(where)
         return optimizer
-
-    def _cut_pieces(self, unit: FlatUnit) -> None:
-        """The views of the unit's master shard the optimizer will be given (made while the master
-        is in memory: an offloaded one is not, later)."""
-        if self.optim_spec.elementwise:
-            ranges = unit.shard_pieces()
-            unit.piece_slots = [None] * len(ranges)
-        else:
-            held = {slot.name: (a, b) for slot, a, b in unit.shard_slot_ranges()}
-            ranges = [(*held.get(slot.name, (_empty_at(unit, slot),) * 2), slot.decay) for slot in unit.slots]
-            unit.piece_slots = list(unit.slots)
-        unit.pieces = [(a, b, unit.master[a:b]) for a, b, _ in ranges]
-        unit.piece_decay = [is_decay for _, _, is_decay in ranges]
 
     def _param_pieces(self, unit: FlatUnit) -> dict:
         """{id(piece view): ParamPiece} for each parameter of the unit: its range of the (tensor-
@@ -252,7 +198,7 @@ class ZeroEngine:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit = self._unit_of[id(param)]
-        if self.stage <= 1:
+        if self.stage <= 1 and self._host_grads is None:
             self._accumulate(param)
             if not self._sync:
                 return
@@ -271,6 +217,9 @@ class ZeroEngine:
 
     def _reduce(self, unit: FlatUnit) -> None:
         self._remaining[id(unit)] = len(unit.params)
+        if self._host_grads is not None:
+            self._reduce_to_host(unit)
+            return
         if self.stage >= 2:  # fold the previous micro-batch's result first: one buffer per unit at most
             self._complete(lambda u: u is unit)
         reduce_dtype = self.precision.reduce
@@ -305,13 +254,33 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.after_reduce(unit)
 
+    def _reduce_to_host(self, unit: FlatUnit) -> None:
+        """The unit's gradient of this micro-batch reduced into a device bucket, which goes down to the
+        host and is added into the unit's fp32 accumulator there (:mod:`.grad_stream`); the bucket
+        is the only device memory it keeps. A group of one writes the flat gradient straight into it."""
+        stream = self._host_grads.stream
+        bucket, out = stream.bucket(unit.shard_numel)
+        work = None
+        if unit.comm.size == 1:
+            unit.flat_grads(self.precision.reduce, out=out)
+        else:
+            work = unit.comm.reduce_scatter(out, unit.flat_grads(self.precision.reduce), async_op=True, tag="grads")
+        for p in unit.params:
+            p.grad = None  # queued on the compute stream before any reuse of the memory: the copy read it
+        stream.send(bucket, unit, unit.shard_numel, work, final=self._sync)
+        if self.gatherer is not None:
+            self.gatherer.after_reduce(unit)
+
     def finish_grad_sync(self) -> None:
         """Wait for every reduction and fold the results into the gradient shards."""
         if self._sync:
             reduced = {id(u) for u, _, _ in self._pending}
+            local = self.stage <= 1 and self._host_grads is None  # accumulated here, reduced once a step
             for unit in self.units:  # units whose gradients never arrived (unused parameters)
-                if self._remaining[id(unit)] != len(unit.params) or (self.stage <= 1 and id(unit) not in reduced):
+                if self._remaining[id(unit)] != len(unit.params) or (local and id(unit) not in reduced):
                     self._reduce(unit)
+        if self._host_grads is not None:
+            self._host_grads.finish(self.units)
         self._complete(lambda u: True)
 
     def _complete(self, which) -> None:
@@ -371,12 +340,14 @@ class ZeroEngine:
             self.offload.before_step()  # a delayed update: the last step's, published now
         if self.offload is not None and self.offload.grads_in_files:
             return self.offload.step_streaming(lr, max_norm, skip)
-        grads = [u.grad_shard for u in self.units]  # fp32: unscaled and clipped in place
+        grads = [u.grad_shard for u in self.units]  # fp32 (on the host with offload): unscaled and clipped in place
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
         counted = self.placements.counted_in_norm
+        where = grads[0].device if grads else self.device
         parts = square_sums((grad[a:b] for unit, grad in zip(self.units, grads)
-                             for slot, a, b in unit.shard_slot_ranges() if counted(slot.name)), self.device)
+                             for slot, a, b in unit.shard_slot_ranges() if counted(slot.name)), where)
+        parts = parts.to(self.device)  # the collective agreeing on the norm takes device tensors
         norm, found_inf = self.agree_on_norm(parts, skip)
         if found_inf:
             return norm, True
@@ -447,7 +418,11 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         for unit in self.units:
-            if self.stage <= 1:
+            if self._host_grads is not None and not self.offload.grads_in_files:
+                self._host_grads.reset(unit)  # the next step's first fold overwrites it: nothing to zero
+                for p in unit.params:
+                    p.grad = None
+            elif self.stage <= 1:
                 unit.full_grad.zero_()
                 for p, view in zip(unit.params, unit.grad_views):
                     p.grad = view if self._grads_in_place else None
@@ -489,18 +464,16 @@ class ZeroEngine:
         return held_bytes(self)
 
     def state_bytes(self) -> dict[str, int]:
-        """Measured bytes of parameters, gradients and optimizer state (with masters) on this rank."""
+        """Measured bytes of parameters, gradients and optimizer state (with masters) on this rank:
+        on the device only when offload keeps a host apart from it (the host's are in :meth:`tier_bytes`)."""
+        if self.offload is not None and self.offload.link.separate:
+            return device_state_bytes(self)
         params = [u.full for u in self.units] + [u.shard_param for u in self.units if self.stage == 3]
         grads = [u.full_grad if self.stage <= 1 else u.grad_shard for u in self.units]
         grads += [p.grad for p in self.params if p.grad is not None]
         optimizer = optimizer_tensors(self.optimizer)
         optimizer += [u.master for u in self.units if u.master is not u.shard_param]
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
-
-
-def _empty_at(unit: FlatUnit, slot) -> int:
-    """Where in the shard an empty piece of a parameter the shard does not hold goes (keeps order)."""
-    return min(max(slot.offset - unit.shard_start, 0), unit.shard_numel)
 
 
 def _servable(spec: OptimizerSpec, stage: int) -> OptimizerSpec:

@@ -135,9 +135,10 @@ class FlatUnit:
     def allocate_full(self) -> None:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
 
-    def flat_grads(self, dtype: torch.dtype) -> torch.Tensor:
-        """The parameters' gradients laid out flat (zeros where a parameter got none), in ``dtype``."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.full.device)
+    def flat_grads(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameters' gradients laid out flat (zeros where a parameter got none), in ``dtype``
+        (into ``out``, of ``padded_numel`` elements, when given)."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.full.device) if out is None else out.zero_()
         for p, slot in zip(self.params, self.slots):
             if p.grad is not None:
                 flat[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))

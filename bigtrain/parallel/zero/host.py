@@ -8,10 +8,10 @@ compute dtype (the cast runs on the host, so 2 bytes a parameter cross the bus i
 Both run ``non_blocking`` on a side copy stream, so they overlap the compute stream and the host
 step of the other units:
 
-- down: the copy stream first waits for the compute stream (the gradient was unscaled and clipped
-  there); an event recorded after the copy is what the host waits on before it reads the buffer
-  (:class:`Arriving`), and the compute stream waits for the copy stream before anything queued
-  later (the next backward's reductions) writes the gradient shard again.
+- down (:mod:`.grad_stream`): the copy stream waits for the compute stream and for the collective
+  that reduced the gradient bucket (not the compute stream: the backward goes on); an event
+  recorded after the copy is what the host waits on before it reads the buffer (:class:`Arriving`);
+  the bucket is written again only after that read.
 - up: the staging buffer is written on the host only after its previous copy's event completed;
   the compute stream waits for the copy stream (:meth:`HostLink.wait`) before it reads the weights
   (an all-gather, a forward). The destination is a tensor the engine keeps (a parameter shard) or
@@ -24,6 +24,8 @@ events and pinning are no-ops there (pinned memory needs CUDA).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -44,11 +46,24 @@ class HostLink:
         # are both CPU tensors, and this is what tells them apart (kept alive: the identity of a
         # freed storage could be reused).
         self._host: dict[int, torch.Tensor] = {}
+        # Pinned by cudaHostRegister: kept alive here, and unregistered before they are freed (at
+        # close, or when the link is collected: freed memory left registered would make a later
+        # registration of the same addresses fail).
+        self._registered: list[torch.Tensor] = []
+        self._unpin = weakref.finalize(self, _unregister_all, self._registered)
+        self._unpin.atexit = False  # the process's exit frees them; CUDA may be shut down by then
 
     # -- host memory -----------------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
-        """A host tensor (pinned on CUDA where it is copied to or from the device)."""
-        return self.adopt(torch.empty(numel, dtype=dtype, device=self.host, pin_memory=pinned and self.cuda))
+        """A host tensor (pinned on CUDA where it is copied to or from the device). Pinned by
+        registering plain memory with CUDA (``cudaHostRegister``), not through torch's caching host
+        allocator, which rounds every block up to a power of two (a 0.8 GB buffer takes 1 GiB) and
+        keeps freed blocks: the host tier then holds exactly the bytes the planner counts."""
+        t = torch.empty(numel, dtype=dtype, device=self.host)
+        if pinned and self.cuda and t.numel():
+            _register(t)
+            self._registered.append(t)
+        return self.adopt(t)
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:
         """Count ``t`` (a host tensor made elsewhere: a master, an offloaded shard) in the host tier."""
@@ -75,7 +90,6 @@ class HostLink:
         """The link's own host buffers (the staging ring)."""
         return [s[0] for s in self._slots if s[0] is not None]
 
-
     def zeros(self, numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
         return self.empty(numel, dtype, pinned).zero_()
 
@@ -90,20 +104,22 @@ class HostLink:
         return buffer[:numel], slot
 
     # -- copies ----------------------------------------------------------------------------------------
-    def to_host(self, source: torch.Tensor, host: torch.Tensor) -> "Arriving":
-        """Start copying the device tensor ``source`` into ``host`` (same dtype); read it after
-        :meth:`Arriving.read`."""
+    def to_host(self, source: torch.Tensor, host: torch.Tensor, after=None) -> "Arriving":
+        """Start copying the device tensor ``source`` into ``host`` (same dtype) once the compute
+        stream's work queued so far and ``after`` (the work handle of a collective writing
+        ``source``, or None) are done; read it with :meth:`Arriving.read`, on any thread. The
+        compute stream does not wait for the copy: the caller writes ``source`` again only after
+        the read (a gradient bucket is reused once its fold has read it)."""
         self.bytes_down += source.numel() * source.element_size()
         if not self.cuda:
-            host.copy_(source)
-            return Arriving(host, None)
+            return Arriving(host, None, source, after)  # copied by the reader, after the collective's wait
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            if after is not None:
+                after.wait()  # NCCL: the copy stream waits for the collective; the compute stream goes on
             host.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        # Later writes to ``source`` on the compute stream come after the copy.
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return Arriving(host, done)
 
     def to_device(self, host: torch.Tensor, target: torch.Tensor) -> None:
@@ -132,6 +148,11 @@ class HostLink:
         if self.cuda:
             self.stream.synchronize()
 
+    def close(self) -> None:
+        """Unpin what this link pinned (the copies have completed first)."""
+        self.synchronize()
+        self._unpin()
+
     def counted(self) -> dict[str, int]:
         return {"down": self.bytes_down, "up": self.bytes_up}
 
@@ -139,14 +160,35 @@ class HostLink:
         return sum(s[0].untyped_storage().nbytes() for s in self._slots if s[0] is not None)
 
 
-class Arriving:
-    """A host buffer that a device -> host copy is filling: :meth:`read` waits for the copy."""
+def _register(t: torch.Tensor) -> None:
+    """Page-lock ``t``'s memory for asynchronous copies (CUDA only)."""
+    error = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0))
+    if error:
+        raise RuntimeError(f"offload: pinning {t.untyped_storage().nbytes()} bytes of host memory failed "
+                           f"(cudaHostRegister error {error}): the host may lack the memory, or the locked-memory "
+                           f"limit (ulimit -l) is too low")
 
-    def __init__(self, host: torch.Tensor, done):
-        self.host, self.done = host, done
+
+def _unregister_all(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    tensors.clear()
+
+
+class Arriving:
+    """A host buffer that a device -> host copy is filling: :meth:`read` waits for the copy (on a
+    CPU device it makes the copy, after the collective that writes the source)."""
+
+    def __init__(self, host: torch.Tensor, done, source: torch.Tensor | None = None, after=None):
+        self.host, self.done, self._source, self._after = host, done, source, after
 
     def read(self) -> torch.Tensor:
         if self.done is not None:
             self.done.synchronize()
             self.done = None
+        if self._source is not None:
+            if self._after is not None:
+                self._after.wait()
+            self.host.copy_(self._source)
+            self._source = self._after = None
         return self.host

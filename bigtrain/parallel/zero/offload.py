@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from bigtrain.memory.swap import SwapStore
 from bigtrain.parallel.zero.delayed import DelayedUpdate
+from bigtrain.parallel.zero.grad_stream import HostGradients
 from bigtrain.parallel.zero.host import HostLink
 from bigtrain.parallel.zero.tiers import held_bytes
 
@@ -51,6 +52,7 @@ class OffloadPlan:
     nvme_dir: str = ""
     prefetch_depth: int = 1
     delayed_update: bool = False  # ZeRO-Offload's one-step delayed update (:mod:`.delayed`)
+    grad_buckets: int = 4  # device buffers reduced gradients pass through on their way to the host (:mod:`.grad_stream`)
     # Not a config key: on a CPU device, keep the host tier's tensors apart from the compute shards
     # and make every copy a GPU makes (tests run the CUDA path's logic this way). Always so on a GPU.
     separate_host: bool = False
@@ -83,6 +85,11 @@ class UnitOffload:
         self._zero: set[int] = set()
         self.delayed = DelayedUpdate(self) if plan.delayed_update else None
         self.last_host_step: tuple[float, float] | None = None  # (start, end) of the last synchronous one
+        # With the host apart from the device, the host steps and every gradient leaves the device as
+        # the backward produces it, accumulated in fp32 on the host (:mod:`.grad_stream`).
+        self.streams_grads = self.link.separate and (plan.optimizer != "none" or self.params_on_host)
+        self.host_grads = HostGradients(self, engine.units, engine.precision.reduce, plan.grad_buckets) \
+            if self.streams_grads else None
 
     # -- which tensors of a unit go to files ---------------------------------------------------------
     def _keys(self, unit) -> str:
@@ -137,9 +144,8 @@ class UnitOffload:
         self.store.swap_out(self._grad_key(unit), unit.grad_shard)
 
     def fold_grad(self, unit, reduced: torch.Tensor) -> None:
-        """Add a reduced gradient into the unit's shard, which then goes back to its file."""
-        if self.link.separate:  # the shard is a host tensor: the reduced gradient comes down first
-            reduced = self.link.to_host(reduced, self.link.empty(reduced.numel(), reduced.dtype)).read()
+        """Add a reduced gradient (in host memory) into the unit's shard, which then goes back to its
+        file (on the fold thread of :mod:`.grad_stream` when the host is apart from the device)."""
         if id(unit) in self._zero:  # nothing to add to: no read
             g = unit.grad_shard
             g.untyped_storage().resize_(g.numel() * g.element_size())
@@ -171,6 +177,21 @@ class UnitOffload:
         if self.store is not None:
             self._out(self._optimizer_side(unit) + self._shard(unit))
             self.store.wait()
+
+    def allocate_state(self) -> None:
+        """The optimizer's state allocated (its pages touched) now, unit by unit, and with the NVMe
+        tier written to its files, rather than in the first step. Only AdamW's: its fresh state is
+        zero moments and a zero fp32 step count on the parameter's device, which is what torch
+        creates on the first step (``AdamW._init_group``), so the first step is the same; other
+        optimizers keep their own lazy initialization."""
+        engine = self.engine
+        if engine.optim_spec.name != "adamw":
+            return
+        for unit in engine.units:
+            for _, _, view in unit.pieces:
+                engine.optimizer.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=view.device),
+                                                "exp_avg": torch.zeros_like(view), "exp_avg_sq": torch.zeros_like(view)}
+            self.release(unit)
 
     def release_grad(self, unit) -> None:
         """A newly allocated (zero) gradient shard: no bytes until a reduction is folded in."""
@@ -242,8 +263,6 @@ class UnitOffload:
         if self.delayed is not None:
             self.delayed.start([self.delayed.hold(u, g) for u, g in zip(self.engine.units, grads)], lr)
             return
-        if self.link.separate:  # each unit's gradient shard comes down while the units before it step
-            grads = [self.to_host_grad(u, g) for u, g in zip(self.engine.units, grads)]
         start = time.perf_counter()
         self.step_units(grads, lr, publish=True)
         self.last_host_step = (start, time.perf_counter())
@@ -315,8 +334,8 @@ class UnitOffload:
             self._stepping = False
 
     def host_grad(self, unit) -> torch.Tensor:
-        """The unit's host buffer for its gradient shard (fp32, allocated once): where it comes down
-        to from the device, and what a delayed update's worker reads. Pinned unless it goes to files."""
+        """The unit's buffer for a gradient handed over to the delayed update (fp32, allocated once):
+        a copy on a CPU device, or the tensor that goes to a file of its own (gradients in files)."""
         if id(unit) not in self._host_grads:
             pinned = not self.grads_in_files  # a file's tensor is freed and regrown: plain memory
             self._host_grads[id(unit)] = self.link.empty(unit.shard_numel, torch.float32, pinned=pinned)
@@ -324,11 +343,6 @@ class UnitOffload:
 
     def host_grad_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self._host_grads.values())
-
-    def to_host_grad(self, unit, grad):
-        """The unit's (device) gradient shard on its way into its host buffer; a gradient already on
-        the host (read from a file when its unit steps) as it is."""
-        return self.link.to_host(grad, self.host_grad(unit)) if torch.is_tensor(grad) else grad
 
     def hand_over(self, unit, g: torch.Tensor) -> None:
         """Delayed update, gradients in files: the unit's (unscaled) gradient ``g`` goes to a file of
@@ -382,8 +396,9 @@ class UnitOffload:
         return {"step_ms": round(duration * 1e3, 3), "hidden": round(hidden / duration, 4)}
 
     def buffers(self) -> list[torch.Tensor]:
-        """The offload's own buffers: the gradients' host buffers and the link's staging ring."""
-        return list(self._host_grads.values()) + self.link.buffers()
+        """The offload's own buffers: the gradients' host buffers and buckets, the staging ring."""
+        streamed = self.host_grads.buffers() if self.host_grads is not None else []
+        return list(self._host_grads.values()) + streamed + self.link.buffers()
 
     def offloaded_bytes(self) -> dict[str, int]:
         """Bytes this rank's offload keeps in host memory (``host``) and in files (``nvme``). Kept
@@ -408,8 +423,11 @@ class UnitOffload:
         return out
 
     def close(self) -> None:
+        if self.host_grads is not None:
+            self.host_grads.close()
         if self.delayed is not None:
             self.delayed.close()
+        self.link.close()
         if self.store is not None:
             self.store.close()
 
