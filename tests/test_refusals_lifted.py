@@ -7,14 +7,15 @@ Adam's first steps; issue 29):
   for the embedding: ``parallel/zero/gather.py``);
 - Ulysses with fewer key/value heads per tp rank than sp (replicated to each sp rank:
   ``parallel/tensor/styles.py``);
-- MoE with Megatron sequence parallelism and with Ulysses (``parallel/sequence_moe.py``);
+- (MoE with Megatron sequence parallelism and with Ulysses, ``parallel/sequence_moe.py``, passed
+  its own layouts, but a fuzzed one, 3 blocks at accumulation 8, differs: refused again, tested at
+  the end of this file);
 - NVMe optimizer offload (gradients in files) with embeddings tied across pipeline stages (the tied
   sum reads the shard in and writes it back: ``ZeroEngine.editable_grad_piece``).
 """
 
 import pytest
 
-import bigtrain.parallel.sequence_moe as sequence_moe
 from bigtrain.check.run import check_on_rank
 from bigtrain.testing import run_ranks
 from helpers import tiny_config
@@ -34,11 +35,6 @@ LAYOUTS = {
                                                "--parallel.reshard_after_forward=false"],
     "ulysses-sp2-kv1": ["--parallel.sp=2", "--model.n_kv_heads=1"],
     "ulysses-tp2-sp2-kv2": ["--parallel.tp=2", "--parallel.sp=2", "--model.n_kv_heads=2"],
-    "moe-ulysses-sp2": [*MOE, "--parallel.sp=2"],
-    "moe-tp2-sequence-parallel": [*MOE, "--parallel.tp=2", "--parallel.sequence_parallel=true"],
-    "moe-ulysses-sp2-dp2-ep2": [*MOE, "--parallel.sp=2", "--parallel.dp=2", "--parallel.ep=2"],
-    "moe-tp2-sequence-parallel-sp2": [*MOE, "--parallel.tp=2", "--parallel.sequence_parallel=true",
-                                      "--parallel.sp=2"],
     "nvme-tied-pp2-zero2": [*NVME_TIED, "--parallel.zero=2"],
     "nvme-tied-pp2-dp2-zero3": [*NVME_TIED, "--parallel.zero=3", "--parallel.dp=2"],
 }
@@ -55,32 +51,13 @@ def test_formerly_refused_layout_matches_the_reference(name, corpus_cache, tmp_p
     assert report.agree, report.text()
 
 
-@pytest.mark.parametrize("broken", ["queue_offsets", "total"])
-def test_an_moe_block_counting_only_its_own_part_of_the_sequence_is_caught(broken, corpus_cache, tmp_path,
-                                                                            monkeypatch):
-    """The comparison can fail: under Ulysses, capacity without the other parts' routings ahead in
-    the queue, or a balance loss over this part only, differs from the reference."""
-    unchanged = {"queue_offsets": lambda self, counts: None, "total": lambda self, t: t}[broken]
-    monkeypatch.setattr(sequence_moe.SequenceParts, broken, unchanged)  # forked ranks inherit it
-    report = _check(corpus_cache, tmp_path, LAYOUTS["moe-ulysses-sp2"], steps=3)
-    assert not report.agree, report.text()
+MOE_CUT = {"moe-ulysses-sp2": [*MOE, "--parallel.sp=2"],
+           "moe-tp2-sequence-parallel": [*MOE, "--parallel.tp=2", "--parallel.sequence_parallel=true"]}
 
 
-def _moe_metrics(rank, world_size, cfg, run_dir):
-    from helpers import trainer_on_rank
+@pytest.mark.parametrize("name", list(MOE_CUT))
+def test_moe_under_a_cut_sequence_is_refused_again(name, corpus_cache):
+    from bigtrain.config import ConfigError
 
-    return trainer_on_rank(rank, world_size, cfg, run_dir).train_step().moe
-
-
-@pytest.mark.parametrize("layout", ["moe-ulysses-sp2", "moe-tp2-sequence-parallel"])
-def test_moe_metrics_with_the_sequence_cut_equal_one_process(layout, corpus_cache, tmp_path):
-    """Loads and drops are counted once per routing, the balance loss once per sequence, whoever
-    holds which part of it (metrics.jsonl's ``moe``)."""
-    one = tiny_config(corpus_cache, *SMALL_BATCH, *MOE)
-    cut = tiny_config(corpus_cache, *SMALL_BATCH, *LAYOUTS[layout])
-    expected = run_ranks(_moe_metrics, 1, one, str(tmp_path / "one"))[0]
-    got = run_ranks(_moe_metrics, cut.parallel.world_size, cut, str(tmp_path / "cut"))[0]
-    assert expected and sum(block["dropped"] for block in expected.values()) > 0  # capacity bites
-    for name, block in expected.items():
-        assert got[name]["load"] == block["load"] and got[name]["dropped"] == block["dropped"], (got, expected)
-        assert got[name]["aux"] == pytest.approx(block["aux"], rel=1e-6)
+    with pytest.raises(ConfigError, match="MoE block's gradients under a cut sequence are not yet proven"):
+        tiny_config(corpus_cache, *SMALL_BATCH, *MOE_CUT[name])
