@@ -22,15 +22,22 @@ first two. On a CPU device the "device work" and the host step share the same co
     .venv/bin/python benchmarks/bench_offload.py --case gpu --preset llama-7b
 
 ``--case gpu``: on one CUDA device, a Llama of ``--preset`` (llama-7b by default) trained one process
-in bf16 with ``offload.optimizer = cpu`` (``--delayed`` adds ``offload.delayed_update``), at the ZeRO
-stage, micro-batch and recomputation of the planner's offload fit (what ``bigtrain plan --preset
-<preset> --gpus 1 --hardware <--hardware>`` prints after "With offload it fits"; ZeRO-2, micro-batch
-2, no recomputation for llama-7b on h100-80g), ``--accum`` micro-batches a step. After ``--warmup``
-untimed steps, each of ``--steps`` steps is bracketed by ``torch.cuda.synchronize()``; medians.
-Prints tokens/s, MFU (tokens/s x the planner's ``ModelSpec.model_flops_per_token`` / the device's
-dense bf16 peak, as benchmarks/bench_gpu.py), the peak device memory
-(``torch.cuda.max_memory_allocated``), the host RSS (now and peak) and the bytes the offload copied
-each way. Without a CUDA device it says so and exits 0.
+in bf16 with ``offload.optimizer = cpu`` (``--delayed`` adds ``offload.delayed_update``) at the
+planner's fit: the fastest layout ``bigtrain plan --preset <preset> --gpus 1 --hardware <--hardware>
+--global-batch <--global-batch> --layout offload_optimizer=cpu`` finds that fits the device, the
+host's memory and its NVMe (``--hw`` sets the profile's fields, e.g. ``host_memory_bytes``; ``--optim
+adamw8bit`` for smaller state). After ``--warmup`` untimed steps, each of ``--steps`` steps is
+bracketed by ``torch.cuda.synchronize()``; medians. Prints the build time, the first step against
+the steady one, tokens/s, MFU (tokens/s x the planner's ``ModelSpec.model_flops_per_token`` / the
+device's dense bf16 peak, as benchmarks/bench_gpu.py), the planner's device peak against
+``torch.cuda.max_memory_allocated``, its host figure against the host RSS (now and peak), the
+engine's bytes per tier against the planner's, the share of the host step hidden (with
+``--delayed``) and the bytes the offload copied each way. Without a CUDA device it says so and
+exits 0; ``--device cpu`` runs the same path on the CPU with the host tier kept apart (the tests'
+``separate_host``), for a small preset (what the test of this benchmark runs).
+    .venv/bin/python benchmarks/bench_offload.py --case gpu --preset llama-7b --delayed --global-batch 16
+    .venv/bin/python benchmarks/bench_offload.py --case gpu --preset llama-13b --optim adamw8bit \
+        --hw host_memory_bytes=134000000000
     .venv/bin/python benchmarks/bench_offload.py --case rss --nvme-dir /tmp/bigtrain-nvme
 """
 
@@ -146,23 +153,27 @@ def _overlap(args) -> dict:
     return out
 
 
-def _planned_layout(preset: str, hardware: str):
-    """The layout of the planner's offload fit for ``preset`` on one GPU of ``hardware`` (the
-    search's best layout if the model fits without offload)."""
+def _planned(args):
+    """The planner's fit for ``--preset`` on one ``--hardware`` (with ``--hw`` overrides) at
+    ``--global-batch`` sequences a step, with the optimizer on the host (and ``--delayed``): the
+    fastest layout it finds that fits the device, the host's memory and its NVMe (``bigtrain plan
+    --preset P --gpus 1 --global-batch B --layout offload_optimizer=cpu[,delayed_update=on]``)."""
     from bigtrain.plan.cli import add_plan_parser, resolve
-    from bigtrain.plan.search import offload_fit, search
+    from bigtrain.plan.search import search
 
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers())
-    plan_args = parser.parse_args(["plan", "--preset", preset, "--gpus", "1", "--hardware", hardware])
-    model, cluster, global_batch, fixed = resolve(plan_args)
-    result = search(model, cluster, global_batch, fixed, precision="bf16")
+    layout = "offload_optimizer=cpu" + (",delayed_update=on" if args.delayed else "")
+    argv = ["plan", "--preset", args.preset, "--gpus", "1", "--hardware", args.hardware, "--layout", layout,
+            "--global-batch", str(args.global_batch), "--optim", args.optim]
+    argv += [x for hw in args.hw for x in ("--hw", hw)]
+    model, cluster, global_batch, fixed = resolve(parser.parse_args(argv))
+    result = search(model, cluster, global_batch, fixed, precision="bf16", optimizer=args.optim)
     if result.best is None:
-        result = offload_fit(model, cluster, global_batch, fixed, "bf16")
-    if result is None or result.best is None:
-        raise SystemExit(f"bench_offload --case gpu: the planner finds no layout of {preset} for one {hardware}, "
-                         f"even with offload")
-    return result.best.layout
+        raise SystemExit(f"bench_offload --case gpu: the planner finds no layout of {args.preset} with the optimizer "
+                         f"on the host that fits one {args.hardware} (device, host memory and NVMe; set them with "
+                         f"--hw host_memory_bytes=... --hw nvme_bytes=...)")
+    return result.best
 
 
 def _host_rss() -> dict:
@@ -172,56 +183,105 @@ def _host_rss() -> dict:
     return {"host_rss_gib": now / 2**30, "host_peak_rss_gib": peak / 2**30}
 
 
-def _gpu(args) -> dict:
-    """Offload on a GPU: one process, bf16, the host optimizer step (see the module's docstring)."""
+def _trainer(cfg, run_dir, device: str):
+    """The Trainer; on a CPU device with the host tier kept apart (``OffloadPlan.separate_host``), so
+    the GPU path's logic runs: every copy, the gradient buckets, the host accumulators."""
+    from dataclasses import replace
     from pathlib import Path
 
+    import bigtrain.train
+    from bigtrain.distributed.mesh import Mesh
+
+    if device == "cpu":
+        original = bigtrain.train.parallel_plan
+
+        def separate(cfg, run_dir=None):
+            plan = original(cfg, run_dir)
+            return replace(plan, engine=replace(plan.engine, offload=replace(plan.engine.offload, separate_host=True)))
+
+        bigtrain.train.parallel_plan = separate
+    return bigtrain.train.Trainer(cfg, Path(run_dir), Mesh({}), device)
+
+
+def _gpu(args) -> dict:
+    """Offload on a GPU at the planner's fit: one process, bf16, the host optimizer step (see the
+    module's docstring); predicted against measured memory. ``--device cpu`` runs the same path on
+    the CPU (the tests' separate host tier), for a small ``--preset``."""
     from bench_gpu import detect_peak
 
     from bigtrain.config import load_config
-    from bigtrain.distributed.mesh import Mesh
+    from bigtrain.plan.memory import rank_units
     from bigtrain.plan.model import ModelSpec
-    from bigtrain.train import Trainer
+    from bigtrain.plan.tiers import tier_bytes
     from bigtrain.validation import validate
 
-    layout = _planned_layout(args.preset, args.hardware)
-    peak, peak_source = detect_peak(torch.cuda.get_device_name(), args.peak_tflops)
-    seq = load_config(preset=args.preset).data.seq_len
-    overrides = ["--precision.mode=bf16", "--train.device=cuda", f"--parallel.zero={max(1, layout.zero)}",
-                 f"--train.micro_batch={layout.micro_batch}", f"--train.global_batch={layout.micro_batch * args.accum}",
-                 f"--memory.checkpointing={layout.recompute}", f"--memory.checkpoint_every={layout.every}",
-                 "--offload.optimizer=cpu", "--offload.params=none",
-                 f"--offload.delayed_update={str(args.delayed).lower()}",
-                 f"--train.steps={args.warmup + args.steps}", "--logging.progress=false", "--logging.report=false",
-                 "--logging.measure_memory=false", "--checkpoint.save_final=false", "--checkpoint.every=0"]
+    device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    plan = _planned(args)
+    layout = plan.layout
+    steps = args.warmup + args.steps
+    overrides = layout.to_overrides() + [
+        f"--train.device={device}", f"--train.global_batch={args.global_batch}", f"--train.steps={steps}",
+        f"--optim.name={args.optim}", f"--offload.grad_buckets={args.grad_buckets}",
+        "--logging.progress=false", "--logging.report=false", "--logging.measure_memory=false",
+        "--checkpoint.save_final=false", "--checkpoint.every=0"]
     overrides += [f"--data.cache_dir={args.cache_dir}"] if args.cache_dir else []
+    overrides += [f"--data.max_bytes={args.max_bytes}"] if args.max_bytes else []
     cfg = load_config(preset=args.preset, overrides=overrides)
-    validate(cfg, world_size=1, cuda_available=True)
-    torch.cuda.reset_peak_memory_stats()
+    validate(cfg, world_size=1, cuda_available=device == "cuda")
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory(prefix="bench-offload-gpu-") as run_dir:
-        trainer = Trainer(cfg, Path(run_dir), Mesh({}), "cuda")
-        losses = [trainer.train_step().loss for _ in range(args.warmup)]
-        times = []
-        for _ in range(args.steps):
+        start = time.perf_counter()
+        trainer = _trainer(cfg, run_dir, device)
+        if cuda:
             torch.cuda.synchronize()
+        build_s = time.perf_counter() - start
+        results, times = [], []
+        for _ in range(steps):
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
-            losses.append(trainer.train_step().loss)
-            torch.cuda.synchronize()
+            results.append(trainer.train_step())
+            if cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         trainer.engine.finish_update()
+        held = trainer.engine.tier_bytes()
         copied = trainer.engine.offload.link.counted()
+        measured_peak = torch.cuda.max_memory_allocated() if cuda else None
+        rss = _host_rss()
+        trainer.engine.offload.close()
+    seq = cfg.data.seq_len
     spec = ModelSpec.from_model_config(cfg.model, seq)
+    root, blocks = rank_units(spec, layout, 0)
+    predicted_tiers = tier_bytes([root] + blocks, layout, args.optim, cfg.optim.block_size,
+                                 grad_buckets=args.grad_buckets)
     tokens = cfg.train.global_batch * seq
-    median = statistics.median(times)
+    timed = times[args.warmup:]
+    median = statistics.median(timed)
     tokens_per_s = tokens / median
-    return {"device": torch.cuda.get_device_name(), "preset": args.preset, "params": spec.params,
-            "planner_layout": layout.to_overrides(), "zero": cfg.parallel.zero, "micro_batch": cfg.train.micro_batch,
-            "accum": args.accum, "seq": seq, "recompute": cfg.memory.checkpointing, "delayed_update": args.delayed,
-            "tokens_per_step": tokens, "step_s": times, "median_step_s": median, "tokens_per_s": tokens_per_s,
-            "flops_per_token": spec.model_flops_per_token(),
-            "mfu": tokens_per_s * spec.model_flops_per_token() / peak if peak else None, "peak_source": peak_source,
-            "peak_device_memory_gib": torch.cuda.max_memory_allocated() / 2**30, **_host_rss(),
-            "bytes_copied": copied, "losses": [round(x, 4) for x in losses]}
+    peak, peak_source = detect_peak(torch.cuda.get_device_name(), args.peak_tflops) if cuda else (None, "cpu")
+    mem = plan.memory
+    hidden = [r.offload["hidden"] for r in results[args.warmup:] if r.offload]
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (the GPU path, host tier apart)",
+        "preset": args.preset, "params": spec.params, "optimizer": args.optim,
+        "planner_layout": layout.describe(), "overrides": layout.to_overrides(),
+        "tokens_per_step": tokens, "build_s": build_s, "first_step_s": times[0], "step_s": times,
+        "median_step_s": median, "first_over_steady": times[0] / median, "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * spec.model_flops_per_token() / peak if peak else None, "peak_source": peak_source,
+        "predicted": {"device_peak_gib": mem.peak / 2**30, "device_total_gib": mem.total / 2**30,
+                      "host_gib": mem.host / 2**30, "host_states_gib": mem.detail["host_states"] / 2**30,
+                      "tiers": predicted_tiers, "step_s": plan.time.step_time_s if plan.time else None,
+                      "mfu": plan.time.mfu if plan.time else None},
+        "measured": {"max_memory_allocated_gib": measured_peak / 2**30 if measured_peak is not None else None,
+                     "tiers": held, **rss},
+        "device_peak_over_predicted": measured_peak / mem.peak if measured_peak else None,
+        "host_rss_over_predicted": rss["host_peak_rss_gib"] * 2**30 / mem.host,
+        "tiers_equal": held == predicted_tiers,
+        "offload_hidden_median": statistics.median(hidden) if hidden else None,
+        "bytes_copied": copied, "losses": [round(r.loss, 4) for r in results]}
 
 
 def _rss(args) -> dict:
@@ -241,11 +301,19 @@ def main() -> int:
     p.add_argument("--case", choices=("speed", "rss", "rss-child", "overlap", "gpu"), default="speed")
     p.add_argument("--preset", default="llama-7b", help="gpu: the model")
     p.add_argument("--hardware", default="h100-80g", help="gpu: the planner's profile of the device")
-    p.add_argument("--accum", type=int, default=8, help="gpu: micro-batches per step")
+    p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
+                   help="gpu: a profile field for the planner, e.g. host_memory_bytes=134000000000")
+    p.add_argument("--global-batch", type=int, default=16, help="gpu: sequences a step (the planner picks the "
+                                                                  "micro-batch)")
+    p.add_argument("--optim", default="adamw", help="gpu: optim.name (adamw8bit: 2 bytes of state a parameter)")
+    p.add_argument("--grad-buckets", type=int, default=4, help="gpu: offload.grad_buckets")
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto",
+                   help="gpu: 'cpu' runs the GPU path on the CPU (a small --preset; the tests' separate host)")
     p.add_argument("--warmup", type=int, default=2, help="gpu: untimed steps")
     p.add_argument("--delayed", action="store_true", help="gpu: offload.delayed_update = true")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="gpu: dense bf16 peak (default: detected)")
     p.add_argument("--cache-dir", help="gpu: data.cache_dir")
+    p.add_argument("--max-bytes", type=int, default=0, help="gpu: data.max_bytes (0: the preset's)")
     p.add_argument("--params", type=int, default=100_000_000)
     p.add_argument("--units", type=int, default=10)
     p.add_argument("--steps", type=int, default=5)
@@ -261,9 +329,9 @@ def main() -> int:
     if args.case == "rss-child":
         _rss_child(args)
         return 0
-    if args.case == "gpu" and not torch.cuda.is_available():
-        print("bench_offload --case gpu: no CUDA device: skipped (this case trains on a GPU; the CPU cases are "
-              "speed, rss and overlap)")
+    if args.case == "gpu" and args.device != "cpu" and not torch.cuda.is_available():
+        print("bench_offload --case gpu: no CUDA device: skipped (this case trains on a GPU; --device cpu runs its "
+              "path on the CPU for a small --preset; the CPU cases are speed, rss and overlap)")
         return 0
     cases = {"speed": lambda: _speed(args.params, args.units, args.steps), "rss": lambda: _rss(args),
              "overlap": lambda: _overlap(args), "gpu": lambda: _gpu(args)}

@@ -435,6 +435,12 @@ def test_offload_on_a_gpu_equals_the_same_run_without_it(name, corpus_cache, tmp
     assert link.separate and link.bytes_down > 0 and link.bytes_up > 0
     assert all(u.master.device.type == "cpu" for u in trainer.engine.units)
     assert all(p.device.type == "cuda" for p in trainer.model.parameters())
+    # Issue 28: the fp32 gradients are host tensors, and the tiers are the planner's, byte for byte.
+    assert all(u.grad_shard.device.type == "cpu" for u in trainer.engine.units)
+    from test_offload_tiers import _predicted
+
+    trainer.engine.finish_update()
+    assert trainer.engine.tier_bytes() == _predicted(moved, 0)
     torch.testing.assert_close(torch.tensor(b_losses), torch.tensor(a_losses), rtol=rtol, atol=0)
     bf16 = "--precision.mode=bf16" in layout
     for n, w in a_weights.items():

@@ -19,7 +19,9 @@ paper's 16P, as Megatron's ``main_grad`` and DeepSpeed's bf16 optimizer do: micr
 accumulate without bf16 rounding (a bf16 sum of 4 micro-batches is ~1e-3 off), and a reduction in
 fp32 reaches the optimizer unrounded. In stages 0-1 a compute-dtype gradient is added into the fp32
 buffer as it arrives and then dropped (``param.grad`` stays None: clear with :meth:`zero_grad`);
-in fp32 ``param.grad`` is a view of the buffer, so autograd accumulates in place.
+in fp32 ``param.grad`` is a view of the buffer, so autograd accumulates in place. With offload on a
+GPU no fp32 gradient stays on the device: every unit's reduced gradient of every micro-batch goes
+through a few device buckets to its fp32 accumulator in host memory (:mod:`.grad_stream`).
 
 Each unit (a transformer block, plus a root unit for the rest) is a :class:`FlatUnit`. Gradients
 are reduced per unit as soon as the unit's last gradient arrives in backward, so communication

@@ -5,13 +5,13 @@ On a GPU (ZeRO-Offload / ZeRO-Infinity): the fp32 masters and the optimizer's st
 tensors; each unit's gradient shard comes down (:meth:`HostLink.to_host`) into a pinned host buffer
 and the updated weights go up (:meth:`HostLink.to_device`) through a pinned staging buffer in the
 compute dtype (the cast runs on the host, so 2 bytes a parameter cross the bus in bf16, not 4).
-Both run ``non_blocking`` on a side copy stream, so they overlap the compute stream and the host
-step of the other units:
+Both run ``non_blocking`` on side copy streams, one each way, so they overlap the compute stream,
+each other and the host's work:
 
-- down (:mod:`.grad_stream`): the copy stream waits for the compute stream and for the collective
-  that reduced the gradient bucket (not the compute stream: the backward goes on); an event
-  recorded after the copy is what the host waits on before it reads the buffer (:class:`Arriving`);
-  the bucket is written again only after that read.
+- down (:mod:`.grad_stream`): its stream waits for the work queued on the compute stream so far
+  and for the collective that reduced the gradient bucket; the compute stream never waits for it
+  (the backward goes on); an event recorded after the copy is what the host waits on before it
+  reads the buffer (:class:`Arriving`); the bucket is written again only after that read.
 - up: the staging buffer is written on the host only after its previous copy's event completed;
   the compute stream waits for the copy stream (:meth:`HostLink.wait`) before it reads the weights
   (an all-gather, a forward). The destination is a tensor the engine keeps (a parameter shard) or
@@ -36,7 +36,10 @@ class HostLink:
         self.host = torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.separate = separate or self.device.type != "cpu"  # host tensors apart from the compute ones
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None  # host -> device
+        # Device -> host on a stream of its own: a gradient's copy waits for its collective there,
+        # and must not hold up the weights going the other way (PCIe carries both at once).
+        self.down_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # Pinned staging ring for host -> device copies: a slot is reused once its copy completed.
         self._slots: list[list] = [[None, None] for _ in range(max(2, staging_slots))]  # [buffer, event]
         self._next = 0
@@ -113,13 +116,13 @@ class HostLink:
         self.bytes_down += source.numel() * source.element_size()
         if not self.cuda:
             return Arriving(host, None, source, after)  # copied by the reader, after the collective's wait
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self.down_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.down_stream):
             if after is not None:
                 after.wait()  # NCCL: the copy stream waits for the collective; the compute stream goes on
             host.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(self.down_stream)
         return Arriving(host, done)
 
     def to_device(self, host: torch.Tensor, target: torch.Tensor) -> None:
@@ -147,6 +150,7 @@ class HostLink:
         """The host waits for every copy issued so far."""
         if self.cuda:
             self.stream.synchronize()
+            self.down_stream.synchronize()
 
     def close(self) -> None:
         """Unpin what this link pinned (the copies have completed first)."""
