@@ -195,8 +195,8 @@ def _trainer(cfg, run_dir, device: str):
     if device == "cpu":
         original = bigtrain.train.parallel_plan
 
-        def separate(cfg, run_dir=None):
-            plan = original(cfg, run_dir)
+        def separate(cfg, run_dir=None, **kwargs):
+            plan = original(cfg, run_dir, **kwargs)
             return replace(plan, engine=replace(plan.engine, offload=replace(plan.engine.offload, separate_host=True)))
 
         bigtrain.train.parallel_plan = separate
