@@ -71,7 +71,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "model.fused_loss_chunk": (1, None), "memory.offload_min_bytes": (0, None),
     "train.eval_every": (0, None), "train.eval_batches": (1, None),
     "model.dlrm_dense_features": (1, None), "embedding.dim": (1, None), "embedding.hotness": (1, None),
-    "offload.prefetch_depth": (0, None),
+    "offload.prefetch_depth": (0, None), "offload.grad_buckets": (1, None),
     "parallel.local_sgd_every": (1, 2),  # with the preset's dp_sync = 'sync', only 1 is valid
     "model.attention_head_dim": (0, None), "model.rope_original_max_len": (0, None),
 }
