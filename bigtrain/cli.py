@@ -194,7 +194,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(notice, file=sys.stderr)
     print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
                    + check_inputs(cfg, run_dir, "--output-dir", check_size=not args.force))
-    if args.resume and (finished := finished_run(run_dir, cfg.train.steps)) is not None:
+    if args.resume and (finished := finished_run(run_dir, cfg)) is not None:
         print(finished)  # and nothing in the folder changes: no lock taken, no launch, no report rewritten
         return 0
     lock = claim_run_dir(cfg, run_dir, args.resume, args.overwrite)  # owned before anything is written

@@ -204,19 +204,24 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
     return found
 
 
-def finished_run(run_dir: Path, steps: int) -> str | None:
+def finished_run(run_dir: Path, cfg) -> str | None:
     """The line ``--resume`` prints for a run that has nothing left to train (its newest valid
-    checkpoint is at or past ``train.steps``), None when it has. Reads only: taking the folder's
-    lock would already change it. The checkpoint's files are verified: a corrupt one finishes nothing."""
+    checkpoint is at or past ``train.steps`` and the config may resume it), None when it has, or
+    when the checks before launch have something to say. Reads only: taking the folder's lock would
+    already change it. The checkpoint's files are verified: a corrupt one finishes nothing."""
     import warnings
 
     from bigtrain.checkpoint.commit import valid_checkpoints
+    from bigtrain.checkpoint.compat import compare_configs
 
+    steps = cfg.train.steps
     with warnings.catch_warnings():  # a corrupt one is skipped here and named by the checks after
         warnings.simplefilter("ignore")
         found = next(valid_checkpoints(Path(run_dir) / "checkpoints", read_run_id(run_dir)), None)
     if found is None or not isinstance(found[1].get("step"), int) or found[1]["step"] < steps:
         return None
+    if compare_configs(found[1].get("config", {}), cfg, found[0].name)[0]:
+        return None  # another model: refused, naming the fields, by check_run_dir
     step = found[1]["step"]
     return (f"bigtrain: {run_dir} is finished: {found[0].name} holds step {step} of train.steps = {steps}; "
             f"nothing to do (to train further: --resume --train.steps=N with N > {step})")
