@@ -1,6 +1,13 @@
 
-import pytest
-import torch
+import os
+
+# Inductor compiles in this process, not in a pool of workers: a test that compiles here and then
+# forks ranks (tests/test_compile.py) must not fork while a pool's threads hold a lock (seen: both
+# ranks of a compiled tp2 layout waiting on a futex from their first second). Set before torch.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # One thread in the test process too: forked ranks inherit a clean pool, and timings do not fight.
 torch.set_num_threads(1)
