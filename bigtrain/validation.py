@@ -165,19 +165,6 @@ def check_moe(cfg: Config) -> list[str]:
     if m.moe_every > m.n_layers:
         problems.append(f"model.moe_every = {m.moe_every} > model.n_layers = {m.n_layers}: no block would have "
                         f"experts; use model.moe_every <= {m.n_layers}")
-    p = cfg.parallel
-    # Lifted once (parallel/sequence_moe.py passed its own parity tests), put back by the final
-    # fuzz campaign (seed 20261302, sample 6: top-2 over 4 experts, 3 blocks, accumulation 8): the
-    # third block's router and expert gradients differ from one process by 5e-1 to 1.05 at step 0,
-    # under Ulysses and under Megatron SP alike, with equal losses. Refused until that is found.
-    if p.sp > 1:
-        problems.append(f"parallel.sp = {p.sp} with model.moe_experts > 0: an MoE block's gradients under a cut "
-                        f"sequence are not yet proven against one process (a fuzzed layout differs); use "
-                        f"parallel.sp = 1 (tensor, pipeline, expert and data parallelism all work with MoE)")
-    if p.tp > 1 and p.sequence_parallel:
-        problems.append("parallel.sequence_parallel with model.moe_experts > 0: an MoE block's gradients under a cut "
-                        "sequence are not yet proven against one process (a fuzzed layout differs); set "
-                        "parallel.sequence_parallel = false")
     if cfg.precision.mode == "fp16" and m.moe_aux_loss_coef > 0 and m.moe_router == "softmax":
         problems.append("precision.mode = 'fp16' with model.moe_aux_loss_coef > 0: the balance loss's gradient "
                         "joins outside the loss and would miss the loss scale; use bf16, fp32, "

@@ -73,7 +73,7 @@ def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool
     if ulysses:
         plan["layers.*.attention.core"] = UlyssesAttention()
     # MoE blocks need whole sequences for capacity and the balance loss (parallel/sequence_moe.py).
-    moe = [i for i, block in enumerate(model.layers) if getattr(block.feed_forward, "is_moe", False)]
+    moe = [i for i, block in enumerate(model.layers) if isinstance(block.feed_forward, MoEFeedForward)]
     for i in moe if (tp > 1 and sequence_parallel) or ulysses else []:
         plan[f"layers.{i}.feed_forward"] = [WholeSequenceOverTP(), SequencePartsOverSP()]
     return plan
