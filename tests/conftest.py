@@ -18,3 +18,15 @@ def corpus_cache(tmp_path_factory):
     """A small stdlib byte corpus cached once per session, shared by every test and rank."""
     path = tmp_path_factory.mktemp("corpus")
     return str(path)
+
+
+# -- lanes: the slow marker and shards from tests/durations.json (tests/lanes.py) ---------------------
+import lanes  # noqa: E402
+
+
+def pytest_addoption(parser):
+    lanes.add_options(parser)
+
+
+def pytest_configure(config):
+    lanes.register(config)

@@ -66,6 +66,10 @@ def _short(cache: str, argv: list[str]) -> list[str]:
                    "--logging.log_every=1", "--logging.progress=false", "--train.eval_batches=1"]
 
 
+# bench --calibrate's length cut: one rank (its collectives are test_plan.py's), small shapes.
+CALIBRATE_SHORT = ["--ranks", "1", "--matmul-size", "64", "--layers=1", "--dim=32", "--seq=8", "--batch=2"]
+
+
 def _skip_reason(command: str, skipped: dict[str, str] = SKIPPED) -> str | None:
     return next((why for start, why in skipped.items() if command.startswith(start)), None)
 
@@ -123,6 +127,8 @@ def test_readme_command_runs(command, workdir, corpus_cache, launches, monkeypat
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         return
     argv = argv[1:] if argv[0] in ("bigtrain", ".venv/bin/bigtrain") else pytest.fail(f"not a bigtrain command: {command}")
+    if argv[:2] == ["bench", "--calibrate"]:
+        argv = argv + CALIBRATE_SHORT
     if argv[0] in ("train", "check"):
         argv = _short(corpus_cache, argv)
         if argv[0] == "check":  # check compares steps of its own (--steps), not train.steps
@@ -175,7 +181,9 @@ def _short_line(cache: str, line: str) -> str:
         argv = shlex.split(part)
         if argv[0].startswith("scripts/fuzz-"):
             argv[1] = "1" if "layouts" in argv[0] else "3"
-        elif "train" in argv[:5] or (argv[:2] == ["bigtrain", "check"]):
+        elif argv[:3] == ["bigtrain", "bench", "--calibrate"]:
+            argv = argv + CALIBRATE_SHORT
+        elif "train" in argv[:7] or (argv[:2] == ["bigtrain", "check"]):  # torchrun ... -m bigtrain train
             argv = _short(cache, argv)
             if argv[1] == "check":
                 argv = [a for a in argv if not a.startswith("--train.steps=")] + ["--steps", "1"]

@@ -1,0 +1,124 @@
+"""Test lanes: which tests are slow, and how the suite splits into shards that run side by side.
+
+Both come from ``tests/durations.json`` (each test's recorded seconds, setup + call + teardown, by
+node id), as pytest-split does, so that nothing is marked slow by hand and a shard's share follows
+what the tests cost:
+
+- a test recorded at ``SLOW_S`` or more gets the ``slow`` marker (besides those marked in code), so
+  ``pytest -m "not slow"`` is the fast lane a developer runs between edits;
+- ``--shard=i/n`` keeps the i-th of n shards: whole test files (a file's module fixtures and order
+  stay together; tests/test_readme.py relies on its order), given out longest first to the shard
+  with the least so far (LPT), each file weighted by its selected tests' recorded seconds
+  (``DEFAULT_S`` for a test not recorded yet). ``scripts/test.sh`` runs the shards at once: many
+  of the long tests wait (launchers, timeouts, a frozen rank) while the other shard computes.
+- ``--record-durations`` writes this run's seconds into the file (merged under a lock, so that
+  shards can record together); run it after adding slow tests: ``scripts/test.sh --record-durations``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+SLOW_S = 1.0  # recorded seconds from which a test leaves the fast lane
+DEFAULT_S = 0.3  # a test with no record yet (about the suite's median)
+
+
+def add_options(parser) -> None:
+    parser.addoption("--shard", default="", metavar="I/N",
+                     help="run the I-th of N shards of the selected tests (whole files, balanced by tests/durations.json)")
+    parser.addoption("--record-durations", action="store_true",
+                     help="merge each test's seconds into tests/durations.json")
+
+
+def recorded() -> dict[str, float]:
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def register(config) -> None:
+    config.pluginmanager.register(SlowMarker(), "bigtrain-slow-marker")
+    config.pluginmanager.register(Shards(), "bigtrain-shards")
+    if config.getoption("--record-durations"):
+        config.pluginmanager.register(DurationRecorder(), "bigtrain-durations")
+
+
+class SlowMarker:
+    """Before ``-m`` selects: a test recorded as slow gets the marker."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        seconds = recorded()
+        for item in items:
+            if seconds.get(item.nodeid, 0.0) >= SLOW_S:
+                item.add_marker(pytest.mark.slow)
+
+
+class Shards:
+    """After ``-m`` and ``-k`` select: keep this shard's files."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        keep_shard(config, items, recorded())
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard={text!r}: write I/N, e.g. --shard=1/2") from None
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"--shard={text}: I must be between 1 and N")
+    return index, count
+
+
+def shard_of_files(items: list, seconds: dict[str, float], count: int) -> dict[str, int]:
+    """Each file of ``items`` -> its shard (0-based), longest files first to the lightest shard."""
+    weight: dict[str, float] = defaultdict(float)
+    for item in items:
+        weight[item.nodeid.split("::")[0]] += seconds.get(item.nodeid, DEFAULT_S)
+    loads = [0.0] * count
+    out = {}
+    for path in sorted(weight, key=lambda p: (-weight[p], p)):
+        lightest = loads.index(min(loads))
+        out[path] = lightest
+        loads[lightest] += weight[path]
+    return out
+
+
+def keep_shard(config, items: list, seconds: dict[str, float]) -> None:
+    text = config.getoption("--shard")
+    if not text:
+        return
+    index, count = parse_shard(text)
+    shards = shard_of_files(items, seconds, count)
+    kept = [item for item in items if shards[item.nodeid.split("::")[0]] == index - 1]
+    dropped = [item for item in items if shards[item.nodeid.split("::")[0]] != index - 1]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
+class DurationRecorder:
+    """Seconds of each test this run (setup + call + teardown), merged into the file at the end."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self.seconds[report.nodeid] += report.duration
+
+    def pytest_sessionfinish(self, session) -> None:
+        if not self.seconds:
+            return
+        with open(DURATIONS.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            merged = {**recorded(), **{k: round(v, 3) for k, v in self.seconds.items()}}
+            DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
