@@ -29,8 +29,10 @@ from bigtrain.models.llama import build_model
 KERNEL = re.compile(r"\b(cpp_fused_\w+|triton_\w+_fused_\w+|triton_\w+)\s*=\s*async_compile")
 LIBRARY = re.compile(r"\b(extern_kernels\.\w+|aten\.\w+\.\w+|torch\.ops\.aten\.\w+(?:\.\w+)?)\(")
 # Which source op each fused kernel's name shows (inductor names a kernel after the aten ops it holds).
-SIGNS = {"RMSNorm (mean of squares, rsqrt, scale)": ("mean", "rsqrt"), "SwiGLU (silu x gate)": ("silu",),
-         "rotary (cos/sin mix of halves)": ("cat", "neg"), "softmax": ("exp",)}
+SIGNS = {"RMSNorm forward (mean of squares, rsqrt, scale)": ("mean", "rsqrt"),
+         "RMSNorm backward": ("div", "pow", "sum"),
+         "SwiGLU (silu x gate), forward and backward": ("silu",),
+         "rotary (halves mixed by cos and sin, restacked), forward and backward": ("stack",)}
 
 
 def _kernels(codes: list[str]) -> tuple[list[str], dict[str, int]]:

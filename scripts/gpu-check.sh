@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU lease, at most 8 minutes on one H100, with the image's own torch (PYTHONPATH=., no install):
 #   1. the GPU tests (pytest -m gpu: every ZeRO stage on cuda, parity with the reference on the
-#      device, resume, offload against no offload)                                 <= 100 s
+#      device, resume, offload against no offload)                                 <=  90 s
 #   2. benchmarks/bench_gpu.py on llama-1b (bf16, 4 x 2048 tokens a step): eager, compiled
 #      (compile.enabled) and, where the checkout has precision.fp8, fp8, with transformers'
 #      LlamaForCausalLM + torch.compile as the peer in the same call             <= 280 s
-#   3. benchmarks/bench_offload.py --case gpu on llama-1b (offload.optimizer = cpu) <=  80 s
+#   3. benchmarks/compile_fusions.py: the kernels inductor generates for one block <=  40 s
+#   4. benchmarks/bench_offload.py --case gpu on llama-1b (offload.optimizer = cpu) <=  70 s
 # and writes one Markdown summary, $OUT/gpu-check.md (OUT defaults to runs/gpu-check), with every
 # stage's status, time and figures, next to the logs and JSON files. Each stage has its own time
 # limit: a stage that fails or runs out of time is reported and the next one runs.
@@ -68,10 +69,11 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run with a time limit, log it, recor
   tail -n 3 "$OUT/$name.log"
 }
 
-stage tests 100 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+stage tests 90 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 stage bench_gpu 280 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET" --variants eager,compiled,fp8 \
   --peer hf-compiled --steps 8 --warmup 3 --json "$OUT/bench_gpu.json"
-stage bench_offload 80 "$PY" benchmarks/bench_offload.py --case gpu --preset "$PRESET" --accum 2 --steps 4 \
+stage fusions 40 "$PY" benchmarks/compile_fusions.py --preset "$PRESET" --batch 1 --json "$OUT/fusions.json"
+stage bench_offload 70 "$PY" benchmarks/bench_offload.py --case gpu --preset "$PRESET" --accum 2 --steps 4 \
   --warmup 2 --json "$OUT/bench_offload.json"
 
 {
@@ -92,6 +94,12 @@ stage bench_offload 80 "$PY" benchmarks/bench_offload.py --case gpu --preset "$P
   else
     echo "no result (see bench_gpu.log)"
   fi
+  echo
+  echo "## What inductor fused in one block (benchmarks/compile_fusions.py)"
+  echo
+  echo '```'
+  cat "$OUT/fusions.log"
+  echo '```'
   echo
   echo "## Offload (benchmarks/bench_offload.py --case gpu)"
   echo
