@@ -258,6 +258,11 @@ class OffloadConfig:
                       "unit: on a CPU device they are there already) or 'nvme' (the shards, fp32 masters in fp32, "
                       "live in files and are read in just before their unit is gathered). Needs parallel.zero = 3.",
                       "none")
+    masters: str = doc("Where the fp32 master weights live when they are apart from the compute weights: 'auto' "
+                       "(with the optimizer's state: in files under offload.optimizer = 'nvme') or 'cpu' (in host "
+                       "memory, while the optimizer's state is in files: ZeRO-Infinity's split, for a host that "
+                       "holds masters and gradients but not the state too). 'cpu' needs offload.optimizer = 'nvme'.",
+                       "auto")
     nvme_dir: str = doc("Directory for offload files (a fast local disk); '' means <run dir>/offload.", "")
     prefetch_depth: int = doc("NVMe: units read ahead of the one being stepped or gathered.", 1)
     grad_buckets: int = doc("With the host apart from the device (a GPU): device buffers (the largest unit's "

@@ -24,7 +24,8 @@ def activation_plan(cfg: Config) -> ActivationPlan:
 def offload_plan(cfg: Config, run_dir: str | None = None) -> OffloadPlan:
     o = cfg.offload
     directory = o.nvme_dir or (f"{run_dir}/offload" if run_dir else "")
-    return OffloadPlan(o.optimizer, o.params, directory, o.prefetch_depth, o.delayed_update, o.grad_buckets)
+    return OffloadPlan(o.optimizer, o.params, directory, o.prefetch_depth, o.delayed_update, o.grad_buckets,
+                       masters=o.masters)
 
 
 def compile_enabled(cfg: Config, device_type: str) -> bool:

@@ -384,6 +384,11 @@ def check_offload(cfg: Config) -> list[str]:
     o, p = cfg.offload, cfg.parallel
     problems = _one_of("offload.optimizer", o.optimizer, OFFLOAD_TIERS)
     problems += _one_of("offload.params", o.params, OFFLOAD_TIERS)
+    problems += _one_of("offload.masters", o.masters, ("auto", "cpu"))
+    if o.masters == "cpu" and o.optimizer != "nvme":
+        problems.append(f"offload.masters = 'cpu' keeps the fp32 masters in host memory while the optimizer's "
+                        f"state is in files, but offload.optimizer = '{o.optimizer}' puts no state in files; set "
+                        f"offload.optimizer = 'nvme', or offload.masters = 'auto'")
     if o.prefetch_depth < 0:
         problems.append(f"offload.prefetch_depth = {o.prefetch_depth}: must be >= 0")
     if o.grad_buckets < 1:

@@ -44,6 +44,12 @@ CASES = {
                                        ["--offload.optimizer=cpu"]),
     "optimizer-cpu-zero2-dp2-accum2-bf16": (["--parallel.dp=2", "--parallel.zero=2", "--train.micro_batch=2",
                                              "--precision.mode=bf16"], ["--offload.optimizer=cpu"]),
+    # The split (offload.masters = cpu): fp32 masters in host memory, only the state in files.
+    "state-nvme-masters-cpu-zero1-bf16": (["--parallel.zero=1", "--precision.mode=bf16"],
+                                          ["--offload.optimizer=nvme", "--offload.masters=cpu"]),
+    "state-nvme-masters-cpu-zero2-dp2-bf16-8bit": (["--parallel.dp=2", "--parallel.zero=2", "--precision.mode=bf16",
+                                                    "--optim.name=adamw8bit", "--optim.block_size=32"],
+                                                   ["--offload.optimizer=nvme", "--offload.masters=cpu"]),
     # Two ranks with the same dp rank and unit names share the directory: their files must not.
     "both-nvme-zero3-tp2": (["--parallel.tp=2", "--parallel.zero=3"], ["--offload.optimizer=nvme", "--offload.params=nvme"]),
 }
@@ -89,8 +95,11 @@ def test_offload_equals_the_same_run_without_it(name, mode, corpus_cache, tmp_pa
         for k, v in state.items():
             assert_rel_close(b[2]["state"][n][k].float(), v.float(), 1e-6, f"{n} {k}")
     if "--offload.optimizer=nvme" in offload:
-        # Between steps the optimizer's state is in files: none of it in memory.
-        assert b[4]["nvme"] > 0 and b[3]["optimizer"] < a[3]["optimizer"] / 10, (a[3], b[3], b[4])
+        # Between steps the optimizer's state is in files: none of it in memory (with offload.masters
+        # = cpu the masters stay in host memory: tests/test_offload_tiers.py has each tier's bytes).
+        assert b[4]["nvme"] > 0, b[4]
+        if "--offload.masters=cpu" not in offload:
+            assert b[3]["optimizer"] < a[3]["optimizer"] / 10, (a[3], b[3], b[4])
 
 
 def _resumed_losses(rank, world_size, cfg, run_dir):
@@ -122,6 +131,9 @@ def test_a_checkpoint_of_an_offloaded_run_resumes_without_offload(mode, corpus_c
     (["--parallel.zero=1", "--offload.optimizer=nvme", "--offload.nvme_dir=/etc/hostname/offload"],
      r"offload.nvme_dir = '/etc/hostname/offload'.*not a directory this user can write"),
     (["--parallel.zero=1", "--offload.delayed_update=true"], r"offload.delayed_update = true.*set offload.optimizer = .cpu."),
+    (["--parallel.zero=1", "--offload.optimizer=cpu", "--offload.masters=cpu"],
+     r"offload.masters = 'cpu'.*offload.optimizer = 'cpu' puts no state in files; set offload.optimizer = 'nvme'"),
+    (["--parallel.zero=1", "--offload.optimizer=nvme", "--offload.masters=nvme"], r"offload.masters = 'nvme'"),
     (["--parallel.zero=1", "--parallel.pp=2", "--offload.optimizer=cpu", "--offload.delayed_update=true"],
      r"offload.delayed_update = true with parallel.pp = 2.*set parallel.pp = 1"),
     # fuzz seed 20261203, sample 110: the factored statistics' all-reduce ran on the worker thread
@@ -265,6 +277,8 @@ MEM_CASES = {  # layout -> (host, nvme) bytes per parameter of this rank's shard
                             "--offload.optimizer=cpu"], 12, 0),  # moments, fp32 masters
     "nvme-both-zero3-dp2": (["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=nvme",
                              "--offload.params=nvme"], 0, 16),  # masters (= the shards), moments, gradients
+    "nvme-state-masters-cpu-zero1-bf16": (["--parallel.zero=1", "--precision.mode=bf16", "--offload.optimizer=nvme",
+                                           "--offload.masters=cpu"], 4, 8),  # masters on the host; moments in files
 }
 
 

@@ -136,20 +136,38 @@ def test_the_profile_carries_host_memory_and_nvme_per_gpu_settable_with_hw(capsy
 
 
 def test_no_offload_fit_exceeds_the_hosts_memory(capsys):
-    """13B with fp32 AdamW states (16 bytes a parameter on the host: masters, moments, the gradient's
-    host buffer) does not fit one H100's 125 GiB host: no fit is proposed, and the closest says what
-    it would need; with a DGX H100's share (256 GB) it fits, and says so within that share."""
-    assert _cli("plan", "--preset", "llama-13b", "--gpus", 1, "--hardware", "h100-80g", "--json") == 1
+    """13B on one H100 with 100 GB of host memory: no offload fits (the smallest, 8-bit state in files
+    with masters and gradients in host memory, needs about 104 GiB): no fit is proposed, and the
+    closest says what it would need; with a DGX H100's share (256 GB) fp32 AdamW fits, and says so
+    within that share."""
+    assert _cli("plan", "--preset", "llama-13b", "--gpus", 1, "--hardware", "h100-80g", "--json",
+                "--hw", "host_memory_bytes=100e9") == 1
     report = json.loads(capsys.readouterr().out)
     assert "offload_fit" not in report
     closest = report["offload_closest"]
-    assert closest["memory"]["host"] > closest["memory"]["host_capacity"] == 134_000_000_000
+    assert closest["memory"]["host"] > closest["memory"]["host_capacity"] == 100_000_000_000
     assert "Even with offload nothing fits" in closest["explanation"][0]
     assert _cli("plan", "--preset", "llama-13b", "--gpus", 1, "--hardware", "h100-80g", "--json",
                 "--hw", "host_memory_bytes=256e9") == 1
     fit = json.loads(capsys.readouterr().out)["offload_fit"]
     assert fit["fits"] and 190 * 2**30 < fit["memory"]["host"] <= fit["memory"]["host_capacity"] == 256e9
     assert fit["memory"]["total"] <= fit["memory"]["capacity"]
+
+
+def test_13b_fits_the_lent_hosts_memory_with_the_state_alone_on_nvme(capsys):
+    """Issue 28: 13B on one H100 with 134 GB of host memory and 64 GiB of NVMe. No offload of fp32
+    AdamW fits, nor 8-bit AdamW's with the masters beside it in host memory (about 128 GiB) or in
+    files (73 GiB of NVMe); ZeRO-Infinity's split does: masters and gradients in host memory, the
+    8-bit state alone in files; the planner says so, names the optimizer it changed, and the layout
+    keys it prints are the ones `bigtrain train` takes."""
+    assert _cli("plan", "--preset", "llama-13b", "--gpus", 1, "--hardware", "h100-80g", "--json",
+                "--hw", "host_memory_bytes=134000000000") == 1
+    report = json.loads(capsys.readouterr().out)
+    fit = report["offload_fit"]
+    assert fit["fits"] and fit["layout"]["offload_optimizer"] == "nvme" and fit["layout"]["offload_masters"] == "cpu"
+    assert fit["memory"]["host"] <= fit["memory"]["host_capacity"] == 134_000_000_000
+    assert 0 < fit["memory"]["nvme"] <= fit["memory"]["nvme_capacity"]
+    assert "adamw8bit" in " ".join(fit["explanation"]) and "--offload.masters=cpu" in " ".join(fit["explanation"])
 
 
 def test_an_offload_that_cannot_fit_this_hosts_memory_is_refused_before_launch(monkeypatch):

@@ -304,7 +304,8 @@ def offload_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: Sta
     The host step (``offload_optimizer``): the norm reads the accumulators (4 bytes), AdamW streams
     the masters and state in and out and reads the gradient (``host_memory_bandwidth``), the updated
     weights are cast into the staging ring (B) and go up over PCIe; with ``nvme`` the masters and
-    state are read and written once (``nvme_bandwidth``) and, at ZeRO 2-3, each micro-batch's fold
+    state (the state alone with ``offload_masters = cpu``) are read and written once
+    (``nvme_bandwidth``) and, at ZeRO 2-3, each micro-batch's fold
     reads and writes the accumulator's file and the step reads it twice. All of it follows the
     backward, exposed, unless ``delayed_update``: then it hides behind the next step's compute up
     to ``OVERLAP``.
@@ -332,8 +333,9 @@ def offload_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: Sta
         masters_and_state = states["optimizer"] + (0 if layout.precision != "fp32" else 4 * shard)
         seconds = nbytes * shard / hw.host_bandwidth
         seconds += (2 * masters_and_state + (4 + 4 + nbytes) * shard) / hw.host_memory_bandwidth
-        if layout.offload_optimizer == "nvme":
-            seconds += (2 * masters_and_state + (2 * 4 * shard if files else 0)) / hw.nvme_bandwidth
+        if layout.offload_optimizer == "nvme":  # the masters stay in host memory with offload_masters = cpu
+            in_files = masters_and_state - (4 * shard if layout.offload_masters == "cpu" else 0)
+            seconds += (2 * in_files + (2 * 4 * shard if files else 0)) / hw.nvme_bandwidth
         out["offload_optimizer"] = max(0.0, seconds - window) if layout.delayed_update else seconds
         if layout.offload_params != "none":
             per_gather = nbytes * shard / (hw.nvme_bandwidth if layout.offload_params == "nvme" else hw.host_bandwidth)

@@ -79,7 +79,7 @@ def _layout(cfg: Config, cuda: bool = False):
                   every=cfg.memory.checkpoint_every, tp_sp=p.sequence_parallel, precision=cfg.precision.mode,
                   offload=cfg.memory.activation_offload, compression=cfg.memory.activation_compression,
                   fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params,
-                  fp8=cfg.precision.fp8,
+                  fp8=cfg.precision.fp8, offload_masters=cfg.offload.masters if optimizer == "nvme" else "auto",
                   delayed_update=cfg.offload.delayed_update and optimizer != "none")
 
 

@@ -45,6 +45,7 @@ class Layout:
     ep: int = 1  # parallel.ep: experts sharded over ep of the dp x sp ranks (adds no ranks)
     offload_optimizer: str = "none"  # offload.optimizer: none | cpu | nvme
     offload_params: str = "none"  # offload.params: none | cpu | nvme (ZeRO-3)
+    offload_masters: str = "auto"  # offload.masters: auto (with the state) | cpu (host, the state in files)
     delayed_update: bool = False  # offload.delayed_update: the host step overlaps the next step
     fp8: str = "none"  # precision.fp8: the blocks' linears in float8 (gemm.py times them, memory.py their copies)
 
@@ -82,6 +83,8 @@ class Layout:
             parts.append(f"offload_optimizer={self.offload_optimizer}")
         if self.offload_params != "none":
             parts.append(f"offload_params={self.offload_params}")
+        if self.offload_masters != "auto":
+            parts.append(f"offload_masters={self.offload_masters}")
         if self.delayed_update:
             parts.append("delayed_update")
         return ",".join(parts)
@@ -104,6 +107,7 @@ class Layout:
         if self.offload_optimizer != "none" or self.offload_params != "none":
             out += [f"--offload.optimizer={self.offload_optimizer}", f"--offload.params={self.offload_params}",
                     f"--offload.delayed_update={str(self.delayed_update).lower()}"]
+            out += [f"--offload.masters={self.offload_masters}"] if self.offload_masters != "auto" else []
         return out
 
 
@@ -144,11 +148,13 @@ _INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every", "ep")
 _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": "recompute", "tpsp": "tp_sp",
             "sequence_parallel": "tp_sp", "zero_stage": "zero", "checkpoint_every": "every",
             "activation_offload": "offload", "activation_compression": "compression",
-            "optimizer_offload": "offload_optimizer", "params_offload": "offload_params"}
+            "optimizer_offload": "offload_optimizer", "params_offload": "offload_params",
+            "masters_offload": "offload_masters"}
 _BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update")
 LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss",
-                           "offload_optimizer", "offload_params", "delayed_update", "fp8")
-OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "cpu", "nvme")}
+                           "offload_optimizer", "offload_params", "offload_masters", "delayed_update", "fp8")
+OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "cpu", "nvme"),
+                 "offload_masters": ("auto", "cpu")}
 
 
 def parse_layout(text: str) -> dict:
@@ -233,6 +239,9 @@ def _offload_problems(layout: Layout) -> list[str]:
         problems.append(f"offload_params = {layout.offload_params} needs zero = 3")
     if layout.delayed_update and (layout.offload_optimizer == "none" or layout.pp > 1):
         problems.append("delayed_update needs offload_optimizer = cpu or nvme and pp = 1")
+    if layout.offload_masters == "cpu" and layout.offload_optimizer != "nvme":
+        problems.append("offload_masters = cpu keeps the masters in host memory while the state is in files: "
+                        "it needs offload_optimizer = nvme")
     return problems
 
 

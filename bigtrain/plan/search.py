@@ -119,6 +119,7 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                 fused_loss=fixed.get("fused_loss", False), ep=ep,
                                 offload_optimizer=fixed.get("offload_optimizer", "none"),
                                 offload_params=fixed.get("offload_params", "none"),
+                                offload_masters=fixed.get("offload_masters", "auto"),
                                 delayed_update=fixed.get("delayed_update", False), fp8=fixed.get("fp8", "none"))
                 if layout not in seen:
                     seen.add(layout)
@@ -210,6 +211,8 @@ def _beyond(memory: RankMemory) -> float:
 
 OFFLOAD_STEPS = ({"offload_optimizer": "cpu"}, {"offload_optimizer": "cpu", "delayed_update": True},
                  {"offload_optimizer": "cpu", "offload_params": "cpu", "zero": 3},
+                 {"offload_optimizer": "nvme", "offload_masters": "cpu", "zero": 1},
+                 {"offload_optimizer": "nvme", "offload_masters": "cpu", "delayed_update": True, "zero": 1},
                  {"offload_optimizer": "nvme", "offload_params": "nvme", "zero": 3})
 # Tried when no offload of the asked optimizer fits the host and its NVMe: 8-bit moments (2 bytes a
 # parameter of state instead of AdamW's 8). A different optimizer: said so, never chosen silently.
@@ -220,13 +223,15 @@ def offload_fit(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: di
                 precision: str = "bf16", optimizer: str = "adamw", block: int = 256) -> SearchResult | None:
     """When nothing fits on the device: the first offload that makes something fit the device, the
     host's memory and its NVMe (the optimizer on the host, then with the delayed update, then the
-    parameters on the host too at ZeRO-3, then optimizer and parameters on NVMe at ZeRO-3), as a
+    parameters on the host too at ZeRO-3, then the optimizer's state alone on NVMe with the masters
+    on the host at ZeRO-1 (ZeRO-Infinity's split; gradients stay in host memory), with and without
+    the delayed update, then optimizer and parameters on NVMe at ZeRO-3), as a
     search with those keys fixed, first with ``optimizer`` and then with its smaller-state
     alternative (``SMALLER_STATE``; the result's ``optimizer`` says which). None when the user fixed
     offload keys already; when none fits, the result that missed the host or NVMe by least (its
     ``best`` is None, its ``off_device`` the layout)."""
     fixed = dict(fixed or {})
-    if any(k in fixed for k in ("offload_optimizer", "offload_params", "delayed_update")):
+    if any(k in fixed for k in ("offload_optimizer", "offload_params", "offload_masters", "delayed_update")):
         return None
     missed = None
     for name in (optimizer, SMALLER_STATE.get(optimizer)):

@@ -114,6 +114,7 @@ def tier_detail(units: list, layout: Layout, optimizer: str = "adamw", block: in
     params_on_host = layout.zero == 3 and layout.offload_params != "none"
     separate_master = mixed or layout.delayed_update or not params_on_host
     opt_files, param_files = layout.offload_optimizer == "nvme", layout.offload_params == "nvme"
+    masters_in_files = opt_files and layout.offload_masters != "cpu"  # else in host memory (the split)
     grads_in_files = opt_files and layout.zero >= 2
     out = {tier: Counter() for tier in TIERS}
     largest = 0
@@ -129,7 +130,7 @@ def tier_detail(units: list, layout: Layout, optimizer: str = "adamw", block: in
             per["nvme" if param_files else "host" if params_on_host else "device"]["params"] += nbytes * shard
         # fp32 masters apart from the compute weights (else the stage-3 shard on the host is the master)
         if separate_master:
-            per["nvme" if opt_files else "host"]["masters"] += 4 * shard
+            per["nvme" if masters_in_files else "host"]["masters"] += 4 * shard
         else:
             per["nvme" if param_files else "host"]["masters"] += 4 * shard
         # the optimizer's state: its tensors in files with the NVMe tier, the scalars in memory

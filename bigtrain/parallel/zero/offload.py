@@ -10,7 +10,8 @@ What lives where (``offload.optimizer`` / ``offload.params``):
 - ``optimizer = "nvme"``: the same, and between steps each unit's optimizer state, and its fp32
   masters where they are not the live parameters (mixed precision; ZeRO-3 fp32 with
   ``params = "nvme"``), are in files: read in (the next unit's read overlapping this unit's step)
-  and written back after the unit's step.
+  and written back after the unit's step. ``masters = "cpu"`` keeps those masters in host memory
+  and only the state in files (a host that holds masters and gradients but not the state too).
 - ``params = "cpu"`` (ZeRO-3): the parameter shards are in host memory and each unit's shard is
   copied to the device just before its all-gather (which the gatherer's prefetch runs a unit
   ahead), the copy freed when the gather completes. On a CPU device the host is the device and
@@ -53,6 +54,7 @@ class OffloadPlan:
     prefetch_depth: int = 1
     delayed_update: bool = False  # ZeRO-Offload's one-step delayed update (:mod:`.delayed`)
     grad_buckets: int = 4  # device buffers reduced gradients pass through on their way to the host (:mod:`.grad_stream`)
+    masters: str = "auto"  # offload.masters: 'cpu' keeps separate fp32 masters in host memory under optimizer = nvme
     # Not a config key: on a CPU device, keep the host tier's tensors apart from the compute shards
     # and make every copy a GPU makes (tests run the CUDA path's logic this way). Always so on a GPU.
     separate_host: bool = False
@@ -110,7 +112,8 @@ class UnitOffload:
     def _master(self, unit) -> list[tuple[str, torch.Tensor]]:
         """The fp32 master shard, where it is not the live parameter shard."""
         separate = unit.master is not unit.shard_param
-        if (self.plan.optimizer == "nvme" and separate) or (self.plan.params == "nvme" and not separate):
+        in_files_with_state = self.plan.optimizer == "nvme" and self.plan.masters != "cpu"
+        if (in_files_with_state and separate) or (self.plan.params == "nvme" and not separate):
             return [(f"{self._keys(unit)}.master", unit.master)]
         return []
 
