@@ -174,6 +174,10 @@ def _offload_choice(rng: random.Random, fp32: bool) -> list[str]:
            f"--offload.params={rng.choice(['none', 'cpu', 'nvme'])}"]
     if fp32 and rng.random() < 0.5:
         out.append("--offload.delayed_update=true")
+    # The split (masters on the host, the state in files), half the time with the NVMe tier: from a
+    # generator seeded by rng's state, which draws nothing from rng (the seeds' samples stay as they were).
+    if out[0] == "--offload.optimizer=nvme" and random.Random(repr(rng.getstate())).random() < 0.5:
+        out.append("--offload.masters=cpu")
     return out
 
 
