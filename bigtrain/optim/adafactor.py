@@ -41,11 +41,13 @@ class Adafactor(torch.optim.Optimizer):
 
     def _state(self, p: torch.Tensor, piece: ParamPiece) -> dict:
         state = self.state[p]
+        rows, cols = stat_sizes(piece.grid_shape)
         if not state:
-            rows, cols = stat_sizes(piece.grid_shape)
             state["step"] = torch.tensor(0.0)
             state["row_var"] = torch.zeros(rows, dtype=torch.float32, device=p.device)
             state["col_var"] = torch.zeros(cols, dtype=torch.float32, device=p.device)
+        elif state["row_var"].numel() != rows:
+            state["row_var"] = _padding_rows_conformed(state["row_var"], rows, piece, cols, state["col_var"])
         return state
 
     @torch.no_grad()
@@ -122,3 +124,19 @@ class Adafactor(torch.optim.Optimizer):
                 var = row_var[row] * col_var[col] / row_mean[row // grid[-2]]
         update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
         return update, alpha
+
+
+def _padding_rows_conformed(row_var: torch.Tensor, rows: int, piece: ParamPiece, cols: int,
+                            col_var: torch.Tensor) -> torch.Tensor:
+    """A row statistic saved by a layout that padded this matrix's rows differently (a vocabulary
+    padded to a multiple of tp: the padding rows come last and have no gradient, so their statistic
+    is 0), cut or zero-extended to this layout's ``rows``. Anything else is not padding: refused."""
+    extra = row_var[rows:]
+    if len(piece.grid_shape) != 2 or col_var.numel() != cols or (extra.numel() and bool(extra.any())):
+        raise ValueError(f"adafactor: a row statistic of {row_var.numel()} rows for a parameter whose layout has "
+                         f"{rows} (grid {tuple(piece.grid_shape)}): not the same parameter's state; resume from a "
+                         f"checkpoint of this model")
+    out = torch.zeros(rows, dtype=row_var.dtype, device=row_var.device)
+    kept = min(rows, row_var.numel())
+    out[:kept].copy_(row_var[:kept])
+    return out
