@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from bigtrain.check.run import check_on_rank
+from bigtrain.config import ConfigError
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.parallel.context import chunk_order, chunks_of, local_positions, local_sequence
 from bigtrain.parallel.ring_attention import ring_attention
 from bigtrain.testing import run_ranks
+from bigtrain.validation import validate
 from helpers import tiny_config
 
 SMALL_BATCH = ["--train.global_batch=4", "--train.micro_batch=1"]
@@ -65,6 +67,15 @@ LAYOUTS = {
     "ring-cp4": ["--parallel.cp=4"],
     "all-to-all-cp2": ["--parallel.cp=2", "--parallel.cp_mode=all-to-all"],
     "all-to-all-cp4": ["--parallel.cp=4", "--parallel.cp_mode=all-to-all"],
+    # Compositions, at 4 ranks (the machine's budget):
+    "ring-cp2-tp2-sequence-parallel": ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
+    "all-to-all-cp2-tp2-sequence-parallel": ["--parallel.cp=2", "--parallel.cp_mode=all-to-all", "--parallel.tp=2",
+                                             "--parallel.sequence_parallel=true"],  # 1 kv head per tp rank: replicated
+    "ring-cp2-dp2-zero3": ["--parallel.cp=2", "--parallel.dp=2", "--parallel.zero=3"],
+    "all-to-all-cp2-dp2-zero3": ["--parallel.cp=2", "--parallel.dp=2", "--parallel.zero=3",
+                                 "--parallel.cp_mode=all-to-all"],
+    "ring-cp2-pp2": ["--parallel.cp=2", "--parallel.pp=2"],
+    "ring-cp2-full-recompute-fused-loss": ["--parallel.cp=2", "--memory.checkpointing=full", "--model.fused_loss=true"],
 }
 
 
@@ -78,3 +89,58 @@ def test_context_parallel_matches_the_reference(name, corpus_cache, tmp_path):
     report = _check(corpus_cache, tmp_path, LAYOUTS[name])
     assert report.agree, report.text()
     assert report.worst["forward"] < 1e-4  # module outputs were put back together and compared
+
+
+# (overrides on the tiny preset: 4 heads, 2 key/value heads, seq_len 32) -> what the message names
+REFUSED = {
+    "seq-not-2cp-chunks": (["--parallel.cp=3"], ["data.seq_len = 32", "2 x parallel.cp = 6", "data.seq_len = 30"]),
+    "all-to-all-above-query-heads": (["--parallel.cp=8", "--parallel.cp_mode=all-to-all"],
+                                     ["parallel.cp = 8", "4 query heads", "cp_mode = 'ring'"]),
+    "all-to-all-kv-heads-neither": (["--parallel.cp=2", "--parallel.cp_mode=all-to-all", "--model.n_kv_heads=3",
+                                     "--model.n_heads=12", "--model.dim=96"],
+                                    ["parallel.cp = 2", "3 key/value heads", "divide by cp"]),
+    "unknown-mode": (["--parallel.cp=2", "--parallel.cp_mode=p2p"], ["parallel.cp_mode = 'p2p'", "'ring'"]),
+    "hybrid-not-built": (["--parallel.cp=2", "--parallel.cp_mode=hybrid"], ["parallel.cp_mode = 'hybrid'", "'ring'"]),
+    "cp-with-ulysses": (["--parallel.cp=2", "--parallel.sp=2"], ["parallel.sp = 2", "parallel.sp = 1"]),
+    "cp-zero": (["--parallel.cp=0"], ["parallel.cp = 0"]),
+    "cp-with-moe": (["--parallel.cp=2", "--model.moe_experts=4"], ["model.moe_experts", "parallel.cp = 1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_bad_context_parallel_input_is_refused_naming_the_field_and_fix(name, corpus_cache):
+    overrides, words = REFUSED[name]
+    with pytest.raises(ConfigError) as err:
+        tiny_config(corpus_cache, *overrides)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_the_axis_product_must_be_the_world_size(corpus_cache):
+    cfg = tiny_config(corpus_cache, "--parallel.cp=2", "--parallel.tp=2")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=2)
+    assert "dp x tp x pp x sp x cp = 1 x 2 x 1 x 1 x 2 = 4" in str(err.value) and "launch 4 ranks" in str(err.value), str(err.value)
+
+
+def test_all_to_all_cp_above_the_kv_heads_replicates_them(corpus_cache):
+    """4 query heads, 2 key/value heads, cp = 4: each cp rank gets one query head and a copy of its
+    key/value head (as Ulysses does over sp); accepted, and trained in the parity tests' layouts."""
+    tiny_config(corpus_cache, "--parallel.cp=4", "--parallel.cp_mode=all-to-all")
+
+
+def test_the_cli_refuses_bad_context_parallel_input_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    import bigtrain.cli as cli
+    import bigtrain.distributed.launch as launch
+
+    started = []
+    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir: started.append("rank") or 0)
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **_: started.append("torchrun") or 0)
+    monkeypatch.setattr(launch, "init_distributed", lambda *a, **k: started.append("init"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", "--preset", "tiny", "--parallel.cp=3", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and started == [] and not (tmp_path / "run").exists()
+    assert "data.seq_len = 32 does not split into 2 x parallel.cp = 6 equal chunks" in err, err

@@ -50,8 +50,9 @@ class Mesh:
         grid = {axis: int(sizes.get(axis, 1)) for axis in AXES}
         ep, replicas = int(sizes.get("ep", 1)), grid["dp"] * grid["cp"] * grid["sp"]
         if ep < 1 or replicas % ep:
-            raise ValueError(f"ep = {ep} must be >= 1 and divide dp x cp x sp = {grid['dp']} x {grid['cp']} x "
-                             f"{grid['sp']}: experts "
+            replica_axes = ("dp", "cp", "sp") if grid["cp"] > 1 else ("dp", "sp")
+            raise ValueError(f"ep = {ep} must be >= 1 and divide {' x '.join(replica_axes)} = "
+                             f"{' x '.join(str(grid[a]) for a in replica_axes)}: experts "
                              f"are sharded over part of the data-parallel ranks, which ep does not multiply")
         self.sizes = {**grid, "ep": ep}  # ep is not a factor of the world size
         self.world_size = math.prod(grid.values())
