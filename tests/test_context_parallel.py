@@ -144,3 +144,56 @@ def test_the_cli_refuses_bad_context_parallel_input_before_any_rank_starts(tmp_p
     err = capsys.readouterr().err
     assert code == 2 and started == [] and not (tmp_path / "run").exists()
     assert "data.seq_len = 32 does not split into 2 x parallel.cp = 6 equal chunks" in err, err
+
+
+# -- measured: saved activations, the ring's traffic, the causal balance --------------------------
+LONG = ["--train.global_batch=1", "--train.micro_batch=1", "--model.max_seq_len=1024", "--data.seq_len=1024"]
+
+
+def _one_step(rank, world_size, cfg, run_dir):
+    from helpers import trainer_on_rank
+
+    result = trainer_on_rank(rank, world_size, cfg, run_dir).train_step(measure=True)
+    return result.mem["activations"], result.comm_ops.get("cp", {})
+
+
+def test_saved_activations_per_rank_at_cp4_are_a_quarter_of_one_process(corpus_cache, tmp_path):
+    """Same 1024-token sequence (tiny model, ring mode). Every saved tensor is per token and the ring
+    saves what one process's SDPA kernel saves for its share (q, k, v, output, log-sum-exp), so a cp
+    rank holds 1/4 of cp = 1's, plus its gathered rotary tables and positions (2 x 256 x 8 fp32 + 256
+    int64 = 18,432 bytes, 0.6%): measured 3,245,060 against 12,906,508 / 4 (the issue asks 5%). Fails
+    if the ring keeps what arrived (autograd through the sends would keep every block and its
+    probabilities) or saves its output in a layout the output projection must copy (measured 4.6%)."""
+    one = run_ranks(_one_step, 1, tiny_config(corpus_cache, *LONG), str(tmp_path / "one"))[0][0]
+    per_rank = max(m for m, _ in run_ranks(_one_step, 4, tiny_config(corpus_cache, *LONG, "--parallel.cp=4"),
+                                           str(tmp_path / "cp4"), timeout=300))
+    assert abs(per_rank / (one / 4) - 1) < 0.01, (per_rank, one)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_bytes_per_layer_equal_the_formula(cp, corpus_cache, tmp_path):
+    """KV = 2 x batch x seq/cp x kv heads x head_dim x 4 bytes (fp32) per rank and layer: the forward
+    sends (cp - 1) KV, the backward (cp - 1) KV again and cp KV of gradients (ring_grad)."""
+    cfg = tiny_config(corpus_cache, *LONG, f"--parallel.cp={cp}")
+    m = cfg.model
+    kv = 2 * 1 * (cfg.data.seq_len // cp) * m.kv_heads * m.head_dim * 4
+    for _, sent in run_ranks(_one_step, cp, cfg, str(tmp_path), timeout=300):
+        assert sent["send:ring"] == m.n_layers * 2 * (cp - 1) * kv
+        assert sent["send:ring_grad"] == m.n_layers * cp * kv
+
+
+def _attention_work(cp: int, rank: int, chunks) -> int:
+    """Query-key pairs rank ``rank`` computes (chunk size 1: a pair of chunks a >= b is a x b work)."""
+    from bigtrain.parallel.ring_attention import _pairs
+
+    return sum(1 for step in range(cp) for _ in _pairs(chunks(cp, rank), chunks(cp, (rank - step) % cp)))
+
+
+def test_the_balanced_chunks_give_every_rank_the_same_causal_work():
+    """Chunk pairs each rank computes (a causal pair on the diagonal counts as one): 2cp + 1 on every
+    rank with chunks i and 2cp-1-i; with a contiguous cut (chunks 2i, 2i+1) rank cp-1 does 4cp - 1
+    against rank 0's 3, about twice the mean."""
+    for cp in (2, 4, 8):
+        assert {_attention_work(cp, r, chunks_of) for r in range(cp)} == {2 * cp + 1}
+        contiguous = [_attention_work(cp, r, lambda n, i: (2 * i, 2 * i + 1)) for r in range(cp)]
+        assert contiguous[0] == 3 and contiguous[-1] == 4 * cp - 1

@@ -102,10 +102,12 @@ class _RingAttention(torch.autograd.Function):
                     lse[qi] = both
             _wait(works)
             block = incoming
-        out_all, lse_all = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out_all, lse_all)
+        # Laid out (batch, seq, heads, dim) in memory, as the output projection reads it: the tensor
+        # saved here is then the one it saves (one process's SDPA kernel does the same).
+        result = torch.cat(out, dim=2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=2))
         ctx.comm, ctx.chunks, ctx.scale = comm, chunks, scale
-        return out_all.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -115,7 +117,7 @@ class _RingAttention(torch.autograd.Function):
         mine = chunks(r)
         parts = len(mine)
         do = _wide(grad_out)
-        delta = (do * out).sum(-1)  # rowsum(dO * O): the softmax's backward term
+        delta = (do * _wide(out)).sum(-1)  # rowsum(dO * O): the softmax's backward term
         qs, dos = _wide(q).chunk(parts, dim=2), do.chunk(parts, dim=2)
         lses, deltas = lse.chunk(parts, dim=2), delta.chunk(parts, dim=2)
         dq = [torch.zeros_like(x) for x in qs]
