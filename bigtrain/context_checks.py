@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from bigtrain.config import Config
 
-CP_MODES = ("ring", "all-to-all", "hybrid")  # bigtrain.parallel.context builds the first two
+CP_MODES = ("ring", "all-to-all", "hybrid")  # bigtrain.parallel.context
 
 
 def _divisor_near(n: int, target: int) -> int:
@@ -24,22 +24,25 @@ def check_context_parallel(cfg: Config) -> list[str]:
     if p.cp == 1:
         return []
     problems = []
-    if p.cp_mode == "hybrid":
-        problems.append("parallel.cp_mode = 'hybrid' (Ulysses inside, ring across) is not built yet; use "
-                        "parallel.cp_mode = 'ring' or 'all-to-all'")
-    if p.sp > 1:
-        problems.append(f"parallel.cp = {p.cp} with parallel.sp = {p.sp}: Ulysses over sp inside context parallelism "
-                        f"is cp_mode 'hybrid', not built yet; use parallel.sp = 1 (cp_mode = 'all-to-all' is "
-                        f"Ulysses over the cp ranks)")
+    if p.cp_mode == "hybrid" and p.sp == 1:
+        problems.append(f"parallel.cp_mode = 'hybrid' runs Ulysses over parallel.sp inside and the ring over "
+                        f"parallel.cp across, and parallel.sp = 1; set parallel.sp > 1 (the sequence is then cut "
+                        f"cp x sp ways) or parallel.cp_mode = 'ring'")
+    if p.cp_mode != "hybrid" and p.sp > 1:
+        problems.append(f"parallel.cp = {p.cp} with parallel.sp = {p.sp} and cp_mode '{p.cp_mode}': Ulysses over sp "
+                        f"inside a ring over cp is parallel.cp_mode = 'hybrid'; set it, or parallel.sp = 1")
     chunks = 2 * p.cp
     if seq <= 0 or seq % chunks:
         near = max(chunks, seq // chunks * chunks)
         problems.append(f"data.seq_len = {seq} does not split into 2 x parallel.cp = {chunks} equal chunks (each cp "
                         f"rank holds chunks i and 2cp-1-i); use data.seq_len = {near} or a parallel.cp whose 2 x cp "
                         f"divides {seq}")
-    elif p.sequence_parallel and p.tp > 1 and (seq // p.cp) % p.tp:
-        problems.append(f"parallel.sequence_parallel: data.seq_len / cp = {seq // p.cp} does not divide by "
-                        f"parallel.tp = {p.tp}; change data.seq_len or turn sequence_parallel off")
+    elif p.sp > 1 and (seq // p.cp) % p.sp:
+        problems.append(f"data.seq_len / parallel.cp = {seq // p.cp} does not divide by parallel.sp = {p.sp} "
+                        f"(Ulysses cuts each cp rank's part); use data.seq_len = {2 * p.cp * p.sp * max(1, seq // (2 * p.cp * p.sp))}")
+    elif p.sequence_parallel and p.tp > 1 and (seq // (p.cp * max(1, p.sp))) % p.tp:
+        problems.append(f"parallel.sequence_parallel: data.seq_len / (cp x sp) = {seq // (p.cp * max(1, p.sp))} does "
+                        f"not divide by parallel.tp = {p.tp}; change data.seq_len or turn sequence_parallel off")
     if p.cp_mode == "all-to-all" and p.tp > 0 and m.n_heads > 0 and m.n_heads % max(1, p.tp) == 0:
         local_q, local_kv = m.n_heads // p.tp, max(1, m.kv_heads // p.tp)
         if local_q % p.cp:

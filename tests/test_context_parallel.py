@@ -75,6 +75,8 @@ LAYOUTS = {
     "all-to-all-cp2-dp2-zero3": ["--parallel.cp=2", "--parallel.dp=2", "--parallel.zero=3",
                                  "--parallel.cp_mode=all-to-all"],
     "ring-cp2-pp2": ["--parallel.cp=2", "--parallel.pp=2"],
+    "hybrid-cp2-sp2": ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"],
+    "hybrid-cp2-sp2-kv1": ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid", "--model.n_kv_heads=1"],
     "ring-cp2-full-recompute-fused-loss": ["--parallel.cp=2", "--memory.checkpointing=full", "--model.fused_loss=true"],
 }
 
@@ -100,8 +102,12 @@ REFUSED = {
                                      "--model.n_heads=12", "--model.dim=96"],
                                     ["parallel.cp = 2", "3 key/value heads", "divide by cp"]),
     "unknown-mode": (["--parallel.cp=2", "--parallel.cp_mode=p2p"], ["parallel.cp_mode = 'p2p'", "'ring'"]),
-    "hybrid-not-built": (["--parallel.cp=2", "--parallel.cp_mode=hybrid"], ["parallel.cp_mode = 'hybrid'", "'ring'"]),
-    "cp-with-ulysses": (["--parallel.cp=2", "--parallel.sp=2"], ["parallel.sp = 2", "parallel.sp = 1"]),
+    "hybrid-without-sp": (["--parallel.cp=2", "--parallel.cp_mode=hybrid"],
+                          ["parallel.cp_mode = 'hybrid'", "set parallel.sp > 1", "cp_mode = 'ring'"]),
+    "ring-with-ulysses": (["--parallel.cp=2", "--parallel.sp=2"], ["parallel.sp = 2", "cp_mode = 'hybrid'"]),
+    "hybrid-cp-part-not-cut-by-sp": (["--parallel.cp=2", "--parallel.sp=4", "--parallel.cp_mode=hybrid",
+                                      "--data.seq_len=20", "--model.n_kv_heads=4"],
+                                     ["data.seq_len / parallel.cp = 10", "parallel.sp = 4", "data.seq_len = 16"]),
     "cp-zero": (["--parallel.cp=0"], ["parallel.cp = 0"]),
     "cp-with-moe": (["--parallel.cp=2", "--model.moe_experts=4"], ["model.moe_experts", "parallel.cp = 1"]),
 }
@@ -197,3 +203,27 @@ def test_the_balanced_chunks_give_every_rank_the_same_causal_work():
         assert {_attention_work(cp, r, chunks_of) for r in range(cp)} == {2 * cp + 1}
         contiguous = [_attention_work(cp, r, lambda n, i: (2 * i, 2 * i + 1)) for r in range(cp)]
         assert contiguous[0] == 3 and contiguous[-1] == 4 * cp - 1
+
+
+def _cores(rank, world_size, cfg, run_dir):
+    from helpers import trainer_on_rank
+    from bigtrain.parallel.context import attention_cores
+
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    model = trainer.model
+    return {name: (type(model.get_submodule(name)).__name__, len(model.get_submodule(name)._forward_pre_hooks),
+                   trainer.parallel.transforms.get(name, ())) for name in attention_cores(model)}
+
+
+@pytest.mark.parametrize("mode,sp,kind,pre_hooks", [("ring", 1, "RingAttention", 0),
+                                                    ("all-to-all", 1, "AttentionCore", 1),
+                                                    ("hybrid", 2, "RingAttention", 1)])
+def test_every_attention_core_gets_its_context_parallel_attention(mode, sp, kind, pre_hooks, corpus_cache, tmp_path):
+    """Named, not by a tolerance: each core (found by type) is the ring wrapper, or carries the
+    all-to-all hooks; under hybrid the ring wrapper carries the Ulysses hooks over sp."""
+    cfg = tiny_config(corpus_cache, "--parallel.cp=2", f"--parallel.sp={sp}", f"--parallel.cp_mode={mode}")
+    for cores in run_ranks(_cores, cfg.parallel.world_size, cfg, str(tmp_path)):
+        assert len(cores) == cfg.model.n_layers
+        for name, (got, hooks, transforms) in cores.items():
+            assert (got, hooks) == (kind, pre_hooks), (name, got, hooks)
+            assert ("ring_attention" in transforms) == (kind == "RingAttention"), (name, transforms)

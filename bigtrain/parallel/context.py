@@ -12,6 +12,10 @@ Attention, per ``parallel.cp_mode``:
 
 - ``ring``: :class:`bigtrain.parallel.ring_attention.RingAttention` takes each attention core's
   place (keys and values passed round the ring, online softmax, a ring backward).
+- ``hybrid``: Ulysses over ``sp`` inside (adjacent ranks: the all-to-all gives each sp rank the
+  whole of its cp rank's part for a share of the heads) and the ring over ``cp`` across, as USP
+  does: the ring wrapper takes the core's place and shares its hooks, so the Ulysses hooks the
+  tensor plan put on the core run around the ring. Each cp rank's two chunks are cut over sp.
 - ``all-to-all``: Ulysses over the cp ranks (the same all-to-alls as ``parallel.sp``, with the same
   key/value head replication), plus one permutation: after the all-to-all the sequence arrives in
   rank order (chunks 0, 2cp-1, 1, 2cp-2, ...), and is put in position order for the causal core and
@@ -105,12 +109,12 @@ def apply_context_parallel(model: nn.Module, comm: AxisComm, mode: str) -> list[
                          f"attention replaces those (bigtrain/parallel/context.py)")
     for name in names:
         core = model.get_submodule(name)
-        if mode == "ring":
+        if mode in ("ring", "hybrid"):  # hybrid: the core's Ulysses hooks (over sp) run around the ring
             replace_module(model, name, RingAttention(core, comm, partial(chunks_of, comm.size)))
         elif mode == "all-to-all":
             hooks = AllToAllContext(comm)
             core.register_forward_pre_hook(hooks.before)
             core.register_forward_hook(hooks.after)
         else:
-            raise ValueError(f"parallel.cp_mode = {mode!r}: built are 'ring' and 'all-to-all'")
+            raise ValueError(f"parallel.cp_mode = {mode!r}: must be 'ring', 'all-to-all' or 'hybrid'")
     return names

@@ -100,17 +100,18 @@ class ParallelModel:
     def sequence_position(self, seq_len: int) -> int | torch.Tensor | None:
         """Where this rank's tokens of a ``seq_len`` sequence sit, for :meth:`forward_kwargs`: their
         global positions under context parallelism, the first one under Ulysses, None when whole."""
-        if self.cp is not None and self.cp.size > 1:
-            return local_positions(seq_len, self.cp, self.device)
+        if self.cp is not None and self.cp.size > 1:  # then cut over sp (cp_mode 'hybrid')
+            return local_chunk(local_positions(seq_len, self.cp, self.device), self.sp, 0)
         return self.sp.rank * seq_len // self.sp.size if self.sp.size > 1 else None
 
     def sequence_chunk(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    int | torch.Tensor]:
         """This rank's part of the sequence (all of it without Ulysses or context parallelism) and
         where it sits (:meth:`sequence_position`; 0 when whole)."""
-        if self.cp is not None and self.cp.size > 1:
-            positions = local_positions(tokens.shape[1], self.cp, tokens.device)
-            return local_sequence(tokens, self.cp), local_sequence(targets, self.cp), positions
+        if self.cp is not None and self.cp.size > 1:  # each cp rank's two chunks, then Ulysses' part of them
+            positions = local_chunk(local_positions(tokens.shape[1], self.cp, tokens.device), self.sp, 0)
+            tokens, targets = local_sequence(tokens, self.cp), local_sequence(targets, self.cp)
+            return local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1), positions
         if self.sp.size == 1:
             return tokens, targets, 0
         start = self.sp.rank * tokens.shape[1] // self.sp.size
