@@ -154,7 +154,8 @@ class ParallelConfig:
                   "as parallel.cp_mode says (docs/context-parallel.md).", 1)
     cp_mode: str = doc("How context-parallel attention sees the other ranks' keys and values: 'ring' (passed "
                        "round the ring, point to point, online softmax), 'all-to-all' (Ulysses over the cp ranks: "
-                       "whole sequence, a share of the heads) or 'hybrid' (not built yet).", "ring")
+                       "whole sequence, a share of the heads) or 'hybrid' (Ulysses over parallel.sp inside, the "
+                       "ring over cp across: the sequence cut cp x sp ways).", "ring")
     sequence_parallel: bool = doc("Megatron sequence parallelism on the tp axis: norms and residuals on "
                                   "sequence shards, all-gather / reduce-scatter instead of all-reduce.", False)
     ep: int = doc("Expert-parallel degree: experts are sharded over ep adjacent ranks of the dp x sp replicas "
