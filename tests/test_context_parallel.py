@@ -76,6 +76,7 @@ LAYOUTS = {
                                  "--parallel.cp_mode=all-to-all"],
     "ring-cp2-pp2": ["--parallel.cp=2", "--parallel.pp=2"],
     "hybrid-cp2-sp2": ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"],
+    "hybrid-cp4-sp2-8-ranks": ["--parallel.cp=4", "--parallel.sp=2", "--parallel.cp_mode=hybrid"],
     "hybrid-cp2-sp2-kv1": ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid", "--model.n_kv_heads=1"],
     "ring-cp2-bf16": ["--parallel.cp=2", "--precision.mode=bf16"],  # against a bf16 reference: 1e-3
     "ring-cp2-full-recompute-fused-loss": ["--parallel.cp=2", "--memory.checkpointing=full", "--model.fused_loss=true"],

@@ -16,7 +16,8 @@ gradients travel with their block and arrive home after cp hops.
 
 Traffic per layer and rank, with KV = 2 x batch x local tokens x kv heads x head_dim x element size:
 forward (cp - 1) KV (tag ``ring``), backward (cp - 1) KV plus cp KV of fp32 gradients (tag
-``ring_grad``) -- measured against this formula in tests/test_context_parallel.py.
+``ring_grad``) -- measured against this formula in tests/test_context_parallel.py. In backward
+both the next block and the current block's gradient so far are in flight while a block is computed.
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ class _RingAttention(torch.autograd.Function):
         lses, deltas = lse.chunk(parts, dim=2), delta.chunk(parts, dim=2)
         dq = [torch.zeros_like(x) for x in qs]
         block = torch.stack((k, v)).contiguous()
-        grads = torch.zeros_like(_wide(block))  # travels with its block
+        # The gradient of a block travels with it, one hop behind: the hop that brings this step's
+        # block's gradient so far from the previous rank runs while this rank computes its share.
+        arrived, grad_works = None, []
         for step in range(n):
             source = (r - step) % n
             incoming, works = _pass_on(comm, block, "ring") if step < n - 1 else (None, [])
@@ -136,13 +139,15 @@ class _RingAttention(torch.autograd.Function):
                 ds = p * (dos[qi] @ vs[ki].transpose(-1, -2) - deltas[qi][..., None])
                 dq[qi] += ds @ ks[ki] * scale
                 dk[ki] += ds.transpose(-1, -2) @ qs[qi] * scale
-            grads += torch.stack((_fold_heads(torch.cat(dk, dim=2), kv_heads),
-                                  _fold_heads(torch.cat(dv, dim=2), kv_heads)))
+            share = torch.stack((_fold_heads(torch.cat(dk, dim=2), kv_heads),
+                                 _fold_heads(torch.cat(dv, dim=2), kv_heads)))
+            _wait(grad_works)  # the previous hop: what the ranks before computed for this block
+            grads = share if arrived is None else arrived + share
+            arrived, grad_works = _pass_on(comm, grads, "ring_grad")  # after the last step: home
             _wait(works)
-            # The block's gradient goes where the block goes; after the last step it reaches home.
-            arrived, grad_works = _pass_on(comm, grads, "ring_grad")
-            _wait(grad_works)
-            grads, block = arrived, incoming
+            block = incoming
+        _wait(grad_works)
+        grads = arrived
         return (torch.cat(dq, dim=2).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None)
 
 
