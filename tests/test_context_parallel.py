@@ -244,3 +244,13 @@ def test_a_checkpoint_moves_between_cp_and_plain_layouts(saved, resumed, corpus_
     b = tiny_config(corpus_cache, *SMALL_BATCH, *resumed)
     report = run_ranks(check_on_rank, b.parallel.world_size, b, str(tmp_path), 3, state, timeout=300)[0]
     assert report.agree and report.start == 2, report.text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ring", "all-to-all"])
+def test_compiled_blocks_under_context_parallelism_match_the_reference(mode, corpus_cache, tmp_path):
+    """compile.enabled: the ring (and the all-to-alls) run eagerly inside the compiled blocks (a graph
+    break around their Python-side traffic), the rest compiled; 3 steps as tests/test_compile.py."""
+    report = _check(corpus_cache, tmp_path, ["--compile.enabled=true", "--parallel.cp=2", f"--parallel.cp_mode={mode}"],
+                    steps=3)
+    assert report.agree, report.text()
