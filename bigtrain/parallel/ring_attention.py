@@ -74,13 +74,33 @@ def _pairs(mine: tuple[int, ...], theirs: tuple[int, ...]):
                 yield qi, ki, b == a
 
 
+def attend_block(qs: list[torch.Tensor], block: torch.Tensor, mine: tuple[int, ...], theirs: tuple[int, ...],
+                 scale: float, out: list, lse: list) -> None:
+    """One ring step's arithmetic: the queries of chunks ``mine`` (``qs``, one (batch, heads, chunk,
+    dim) tensor each) against ``block`` (keys and values stacked, chunks ``theirs``), merged into
+    ``out`` and ``lse`` (per query chunk, None before its first block) in place."""
+    heads = qs[0].shape[1]
+    ks = _expand_heads(_wide(block[0]), heads).chunk(len(theirs), dim=2)
+    vs = _expand_heads(_wide(block[1]), heads).chunk(len(theirs), dim=2)
+    for qi, ki, causal in _pairs(mine, theirs):
+        s = _scores(qs[qi], ks[ki], scale, causal)
+        part_lse = torch.logsumexp(s, dim=-1)
+        part = torch.exp(s - part_lse[..., None]) @ vs[ki]
+        if out[qi] is None:
+            out[qi], lse[qi] = part, part_lse
+        else:  # merge two softmaxes by their log-sum-exp
+            both = torch.logaddexp(lse[qi], part_lse)
+            out[qi] = out[qi] * torch.exp(lse[qi] - both)[..., None] + part * torch.exp(part_lse - both)[..., None]
+            lse[qi] = both
+
+
 class _RingAttention(torch.autograd.Function):
     """q (batch, heads, local seq, dim), k and v (batch, kv heads, local seq, dim), all this rank's
     chunks concatenated; ``chunks(r)``: the global chunk indices rank r holds, in that order."""
 
     @staticmethod
     def forward(ctx, q, k, v, comm: AxisComm, chunks, scale: float):
-        n, r, heads = comm.size, comm.rank, q.shape[1]
+        n, r = comm.size, comm.rank
         mine = chunks(r)
         qs = _wide(q).chunk(len(mine), dim=2)
         out: list[torch.Tensor | None] = [None] * len(mine)
@@ -89,18 +109,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             source = (r - step) % n
             incoming, works = _pass_on(comm, block, "ring") if step < n - 1 else (None, [])
-            ks = _expand_heads(_wide(block[0]), heads).chunk(len(mine), dim=2)
-            vs = _expand_heads(_wide(block[1]), heads).chunk(len(mine), dim=2)
-            for qi, ki, causal in _pairs(mine, chunks(source)):
-                s = _scores(qs[qi], ks[ki], scale, causal)
-                part_lse = torch.logsumexp(s, dim=-1)
-                part = torch.exp(s - part_lse[..., None]) @ vs[ki]
-                if out[qi] is None:
-                    out[qi], lse[qi] = part, part_lse
-                else:  # merge two softmaxes by their log-sum-exp
-                    both = torch.logaddexp(lse[qi], part_lse)
-                    out[qi] = out[qi] * torch.exp(lse[qi] - both)[..., None] + part * torch.exp(part_lse - both)[..., None]
-                    lse[qi] = both
+            attend_block(qs, block, mine, chunks(source), scale, out, lse)
             _wait(works)
             block = incoming
         # Laid out (batch, seq, heads, dim) in memory, as the output projection reads it: the tensor
