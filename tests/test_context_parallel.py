@@ -75,6 +75,8 @@ LAYOUTS = {
     "all-to-all-cp2-dp2-zero3": ["--parallel.cp=2", "--parallel.dp=2", "--parallel.zero=3",
                                  "--parallel.cp_mode=all-to-all"],
     "ring-cp2-pp2": ["--parallel.cp=2", "--parallel.pp=2"],
+    "ring-dp2-cp2-tp2-sequence-parallel-zero2-8-ranks": ["--parallel.dp=2", "--parallel.cp=2", "--parallel.tp=2",
+                                                         "--parallel.sequence_parallel=true", "--parallel.zero=2"],
     "hybrid-cp2-sp2": ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"],
     "hybrid-cp4-sp2-8-ranks": ["--parallel.cp=4", "--parallel.sp=2", "--parallel.cp_mode=hybrid"],
     "hybrid-cp2-sp2-kv1": ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid", "--model.n_kv_heads=1"],
