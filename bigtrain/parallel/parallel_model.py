@@ -109,7 +109,7 @@ class ParallelModel:
         """This rank's part of the sequence (all of it without Ulysses or context parallelism) and
         where it sits (:meth:`sequence_position`; 0 when whole)."""
         if self.cp is not None and self.cp.size > 1:  # each cp rank's two chunks, then Ulysses' part of them
-            positions = local_chunk(local_positions(tokens.shape[1], self.cp, tokens.device), self.sp, 0)
+            positions = self.sequence_position(tokens.shape[1]).to(tokens.device)
             tokens, targets = local_sequence(tokens, self.cp), local_sequence(targets, self.cp)
             return local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1), positions
         if self.sp.size == 1:
