@@ -80,6 +80,9 @@ LAYOUTS = {
     "hybrid-cp2-sp2": ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"],
     "hybrid-cp4-sp2-8-ranks": ["--parallel.cp=4", "--parallel.sp=2", "--parallel.cp_mode=hybrid"],
     "hybrid-cp2-sp2-kv1": ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid", "--model.n_kv_heads=1"],
+    "ring-cp2-selective-recompute-of-attention": ["--parallel.cp=2", "--memory.checkpointing=selective",
+                                                  "--memory.selective_attention=true"],
+    "ring-cp2-activation-offload": ["--parallel.cp=2", "--memory.checkpointing=full", "--memory.activation_offload=true"],
     "ring-cp2-bf16": ["--parallel.cp=2", "--precision.mode=bf16"],  # against a bf16 reference: 1e-3
     "ring-cp2-full-recompute-fused-loss": ["--parallel.cp=2", "--memory.checkpointing=full", "--model.fused_loss=true"],
 }
