@@ -250,8 +250,8 @@ def _infer_dp(args: argparse.Namespace, overrides: list[str], cfg: Config, world
     if dp is None or dp_given(preset, args.config, overrides):
         return cfg  # validation names the mismatch and the fix
     if os.environ.get("RANK", "0") == "0":  # under a launcher every rank comes here; one says it
-        print(f"bigtrain: parallel.dp = {dp} (world size {world_size} / tp x pp x sp = "
-              f"{cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp})")
+        print(f"bigtrain: parallel.dp = {dp} (world size {world_size} / tp x pp x sp x cp = "
+              f"{cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp * cfg.parallel.cp})")
     return _resolve(args, [f"--parallel.dp={dp}"] + list(overrides))
 
 

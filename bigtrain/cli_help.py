@@ -132,7 +132,7 @@ def dp_given(preset: str | None, config_path: str | None, overrides: list[str]) 
 
 
 def inferred_dp(cfg: Config, world_size: int) -> int | None:
-    """``parallel.dp`` that makes the mesh ``world_size`` ranks (None when tp x pp x sp does not divide it)."""
+    """``parallel.dp`` that makes the mesh ``world_size`` ranks (None when tp x pp x sp x cp does not divide it)."""
     p = cfg.parallel
-    rest = p.tp * p.pp * p.sp
+    rest = p.tp * p.pp * p.sp * p.cp
     return world_size // rest if world_size % rest == 0 else None

@@ -149,6 +149,13 @@ class ParallelConfig:
     pp_balance: str = doc("Without pp_split: balance stages by 'layers' (count) or 'params' (parameter count).",
                           "layers")
     sp: int = doc("Ulysses sequence-parallel degree (sequence shards, all-to-all around attention).", 1)
+    cp: int = doc("Context-parallel degree: each rank holds 2 of the sequence's 2 x cp chunks (chunks i and "
+                  "2cp-1-i, which balances causal attention's work) and attention runs over the whole sequence "
+                  "as parallel.cp_mode says (docs/context-parallel.md).", 1)
+    cp_mode: str = doc("How context-parallel attention sees the other ranks' keys and values: 'ring' (passed "
+                       "round the ring, point to point, online softmax), 'all-to-all' (Ulysses over the cp ranks: "
+                       "whole sequence, a share of the heads) or 'hybrid' (Ulysses over parallel.sp inside, the "
+                       "ring over cp across: the sequence cut cp x sp ways).", "ring")
     sequence_parallel: bool = doc("Megatron sequence parallelism on the tp axis: norms and residuals on "
                                   "sequence shards, all-gather / reduce-scatter instead of all-reduce.", False)
     ep: int = doc("Expert-parallel degree: experts are sharded over ep adjacent ranks of the dp x sp replicas "
@@ -170,7 +177,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp
+        return self.dp * self.tp * self.pp * self.sp * self.cp
 
     @property
     def split_points(self) -> list[int] | None:

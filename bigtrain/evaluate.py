@@ -46,7 +46,7 @@ def _through_the_stages(parallel: ParallelModel, tokens: torch.Tensor, targets: 
     """One micro-batch forward through every pipeline stage in order; its summed loss on the rank of
     the last stage, 0 elsewhere. Each hand-over to another rank sends the shape first."""
     schedule, pp, device = parallel.schedule, parallel.pp, parallel.device
-    kwargs = parallel.forward_kwargs(start if parallel.sp.size > 1 else None)
+    kwargs = parallel.forward_kwargs(start if parallel.sp.size > 1 or not isinstance(start, int) else None)
     h, loss = tokens, torch.zeros((), device=device)
     for stage in range(schedule.num_stages):
         here = schedule.rank_of_stage(stage)

@@ -40,7 +40,7 @@ def parallel_plan(cfg: Config, run_dir: str | None = None, device_type: str = "c
     split_points = tuple(p.split_points) if p.split_points is not None else None
     return ParallelPlan(
         optim=cfg.optim,
-        tensor=TensorParallelPlan(sequence_parallel=p.sequence_parallel),
+        tensor=TensorParallelPlan(sequence_parallel=p.sequence_parallel, cp_mode=p.cp_mode),
         experts=ExpertPlan(grouped_mm=p.moe_grouped_mm),
         activations=activation_plan(cfg),
         pipeline=PipelinePlan(cfg.train.grad_accum(p.dp), p.pp_schedule, p.pp_virtual, p.pp_balance, split_points),

@@ -176,7 +176,6 @@ class Trainer:
 
     def _build_executor(self) -> PipelineExecutor:
         parallel = self.parallel
-        start = parallel.sp.rank * self.cfg.data.seq_len // parallel.sp.size
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             # The executor calls backward itself: normalize (and scale, for fp16) here.
@@ -184,7 +183,7 @@ class Trainer:
 
         return PipelineExecutor(parallel.stages, parallel.schedule, parallel.pp, loss_fn,
                                 engines={s: self.engine for s in parallel.stages},
-                                forward_kwargs=parallel.forward_kwargs(start if parallel.sp.size > 1 else None),
+                                forward_kwargs=parallel.forward_kwargs(parallel.sequence_position(self.cfg.data.seq_len)),
                                 vertical_sync=self.cfg.parallel.pp_vertical_sync)
 
     def _step_inputs(self) -> tuple:

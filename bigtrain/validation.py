@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from bigtrain.config import Config, ConfigError
+from bigtrain.context_checks import check_context_parallel  # imports no torch
 from bigtrain.core.tables import SHARDINGS, SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
 from bigtrain.data.fields import data_field_problems
 from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
@@ -544,9 +545,9 @@ def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | 
     if world_size is not None and not problems and world_size != cfg.parallel.world_size:
         p = cfg.parallel
         problems.append(
-            f"world size {world_size} ({world_size_from}) != parallel.dp x tp x pp x sp = "
-            f"{p.dp} x {p.tp} x {p.pp} x {p.sp} = {p.world_size}; "
-            f"set parallel.dp = {max(1, world_size // max(1, p.tp * p.pp * p.sp))} or launch {p.world_size} "
+            f"world size {world_size} ({world_size_from}) != parallel.dp x tp x pp x sp x cp = "
+            f"{p.dp} x {p.tp} x {p.pp} x {p.sp} x {p.cp} = {p.world_size}; "
+            f"set parallel.dp = {max(1, world_size // max(1, p.tp * p.pp * p.sp * p.cp))} or launch {p.world_size} "
             f"rank{'s' if p.world_size > 1 else ''}")
     if cuda_available is False and cfg.train.device == "cuda":
         problems.append("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
@@ -617,4 +618,4 @@ def _async_needs_plain_replicas(cfg: Config, what: str, axes: tuple[str, ...]) -
     return problems
 
 
-RULES += [check_async, llama_field_problems, data_field_problems]
+RULES += [check_async, llama_field_problems, data_field_problems, check_context_parallel]

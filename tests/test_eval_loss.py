@@ -100,7 +100,9 @@ def test_one_rank_equals_a_plain_loop_and_evaluation_changes_nothing(one_rank):
     ("--parallel.tp=2", "--parallel.sequence_parallel=true"),
     ("--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2", "--train.micro_batch=2"),
     ("--parallel.sp=2",),
-], ids=["dp2-zero3", "tp2-megatron-sp", "pp2-interleaved", "ulysses-sp2"])
+    ("--parallel.cp=2",),
+    ("--parallel.cp=2", "--parallel.cp_mode=all-to-all"),
+], ids=["dp2-zero3", "tp2-megatron-sp", "pp2-interleaved", "ulysses-sp2", "cp2-ring", "cp2-all-to-all"])
 def test_every_layout_gives_one_process_eval_loss(corpus_cache, tmp_path, one_rank, layout):
     _, (expected, expected_untouched) = one_rank
     cfg = tiny_config(corpus_cache, *HELD_OUT, *layout)

@@ -96,8 +96,8 @@ def test_every_rank_is_in_one_group_of_each_axis():
 
 def test_from_config_takes_ep_without_growing_the_world():
     mesh = Mesh.from_config(ParallelConfig(dp=4, tp=2, ep=2), rank=5, world_size=8, make_groups=False)
-    assert mesh.sizes == {"pp": 1, "dp": 4, "sp": 1, "tp": 2, "ep": 2}
-    assert mesh.coords == {"pp": 0, "dp": 2, "sp": 0, "tp": 1, "ep": 0, "edp": 1}
+    assert mesh.sizes == {"pp": 1, "dp": 4, "cp": 1, "sp": 1, "tp": 2, "ep": 2}
+    assert mesh.coords == {"pp": 0, "dp": 2, "cp": 0, "sp": 0, "tp": 1, "ep": 0, "edp": 1}
     assert "ep=2 inside dp x sp" in repr(mesh)
     with pytest.raises(ValueError, match="world size is 16"):
         Mesh.from_config(ParallelConfig(dp=4, tp=2, ep=2), rank=0, world_size=16, make_groups=False)
@@ -107,7 +107,8 @@ def test_from_config_takes_ep_without_growing_the_world():
     ({"dp": 4, "ep": 3}, "ep = 3 must be >= 1 and divide dp x sp = 4 x 1"),
     ({"dp": 2, "sp": 2, "ep": 8}, "divide dp x sp = 2 x 2"),
     ({"dp": 2, "ep": 0}, "ep = 0 must be >= 1"),
-    ({"dp": 2, "cp": 2}, r"unknown mesh axes \['cp'\]"),
+    ({"dp": 2, "xp": 2}, r"unknown mesh axes \['xp'\]"),
+    ({"dp": 2, "cp": 2, "ep": 8}, "divide dp x cp x sp = 2 x 2 x 1"),
     ({"edp": 2}, r"unknown mesh axes \['edp'\]"),  # edp follows from dp x sp / ep: not a size to give
 ])
 def test_bad_sizes_are_named(sizes, match):
@@ -203,7 +204,7 @@ def test_1024_ranks_on_the_fake_process_group():
     # pp=4 x dp=32 x tp=8, ep=8: rank 777 = pp 3 (768..1023), dp 1, tp 1.
     sizes = {"pp": 4, "dp": 32, "tp": 8, "ep": 8}
     got = run_fake_rank(_fake_groups, 1024, sizes, ("ep", "edp", "dp", "tp", "pp"), rank=777)
-    assert got["coords"] == {"pp": 3, "dp": 1, "sp": 0, "tp": 1, "ep": 1, "edp": 0}
+    assert got["coords"] == {"pp": 3, "dp": 1, "cp": 0, "sp": 0, "tp": 1, "ep": 1, "edp": 0}
     assert got["held"]["ep"] == [768 + 8 * i + 1 for i in range(8)]  # dp 0..7 of this stage and tp column
     assert got["held"]["edp"] == [768 + 8 * (1 + 8 * i) + 1 for i in range(4)]  # dp 1, 9, 17, 25
     assert got["held"]["dp"] == [768 + 8 * i + 1 for i in range(32)]
@@ -218,7 +219,7 @@ def test_64_ranks_with_ulysses_and_no_duplicate_groups():
     # dp=4 x sp=4 x tp=4, ep=8: replicas are 16 (dp x sp), ep takes 2 dp x 4 sp, edp the other 2 dp.
     sizes = {"dp": 4, "sp": 4, "tp": 4, "ep": 8}
     got = run_fake_rank(_fake_groups, 64, sizes, ("ep", "edp", "dp_sp"), rank=45)  # dp 2, sp 3, tp 1
-    assert got["coords"] == {"pp": 0, "dp": 2, "sp": 3, "tp": 1, "ep": 3, "edp": 1}
+    assert got["coords"] == {"pp": 0, "dp": 2, "cp": 0, "sp": 3, "tp": 1, "ep": 3, "edp": 1}
     assert got["held"]["ep"] == [32 + 4 * i + 1 for i in range(8)]
     assert got["held"]["edp"] == [13, 45]
     assert got["held"]["dp_sp"] == [4 * i + 1 for i in range(16)]

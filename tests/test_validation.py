@@ -72,7 +72,7 @@ CASES = [
     ("moe-top-k-above-experts", ["--model.moe_experts=4", "--model.moe_top_k=5"], "model.moe_top_k"),
     ("moe-router-unknown", ["--model.moe_experts=4", "--model.moe_router=hash"], "model.moe_router"),
     ("moe-negative-capacity", ["--model.moe_experts=4", "--model.moe_capacity_factor=-1"], "model.moe_capacity_factor"),
-    ("unknown-axis", ["--parallel.cp=2"], "parallel.cp"),
+    ("unknown-axis", ["--parallel.xp=2"], "parallel.xp"),
     ("precision-mode", ["--precision.mode=fp8"], "precision.mode"),
     ("checkpointing-policy", ["--memory.checkpointing=sometimes"], "memory.checkpointing"),
     ("checkpoint-every-zero", ["--memory.checkpoint_every=0"], "memory.checkpoint_every"),

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bigtrain.parallel.context import chunks_of
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -134,7 +136,9 @@ def _sequence_index(coords: dict[str, int], parts: int, sizes: dict[str, int]) -
 
 def _assemble_replica(pieces: list[tuple[dict[str, int], torch.Tensor]], full_shape: torch.Size,
                       sizes: dict[str, int]) -> torch.Tensor | None:
-    """One data-parallel replica's batch slice from its ranks' pieces (over tp and sp)."""
+    """One data-parallel replica's batch slice from its ranks' pieces (over tp and sp, and cp)."""
+    if sizes.get("cp", 1) > 1:
+        return _assemble_context(pieces, full_shape, sizes)
     local = pieces[0][1]
     if local.dim() < 2 or full_shape[1] % local.shape[1]:
         return None
@@ -153,6 +157,25 @@ def _assemble_replica(pieces: list[tuple[dict[str, int], torch.Tensor]], full_sh
             chunks.append(torch.cat([unique[tp] for tp in sorted(unique)], dim=-1).narrow(-1, 0, full_shape[-1]))
         else:
             chunks.append(here[0][1])
+    return torch.cat(chunks, dim=1)
+
+
+def _assemble_context(pieces: list[tuple[dict[str, int], torch.Tensor]], full_shape: torch.Size,
+                      sizes: dict[str, int]) -> torch.Tensor | None:
+    """A replica's slice when its sequence is cut over cp: each cp rank's part (itself put together
+    over tp and sp) is its two chunks of 2 x cp, which go back to their places."""
+    cp = sizes["cp"]
+    if len(full_shape) < 2 or full_shape[1] % (2 * cp):
+        return None
+    local_shape = torch.Size((full_shape[0], full_shape[1] // cp, *full_shape[2:]))
+    inner, chunks = {**sizes, "cp": 1}, [None] * (2 * cp)
+    for rank in range(cp):
+        held = [(c, t) for c, t in pieces if c.get("cp", 0) == rank]
+        part = _assemble_replica(held, local_shape, inner) if held else None
+        if part is None or part.shape[1] != local_shape[1]:
+            return None
+        for index, chunk in zip(chunks_of(cp, rank), part.chunk(2, dim=1)):
+            chunks[index] = chunk
     return torch.cat(chunks, dim=1)
 
 

@@ -2,7 +2,7 @@
 
 Built once from the config and the world size and passed explicitly; nothing here is global, so
 a test may build two meshes in one process. Ranks are laid out with ``tp`` innermost (adjacent
-ranks, so tensor-parallel traffic stays inside a node), then ``sp``, ``dp``, and ``pp`` outermost,
+ranks, so tensor-parallel traffic stays inside a node), then ``sp``, ``cp``, ``dp``, ``pp`` outermost,
 as Megatron and torchtitan do. Expert parallelism adds no ranks: ``ep`` and ``edp`` factor the
 data-parallel replicas (see ``EXPERT``). The groups are our own; :meth:`Mesh.device_mesh` shows
 them to torch as a ``DeviceMesh`` without making new ones (docs/architecture.md, "Mesh").
@@ -19,10 +19,12 @@ import torch.distributed as dist
 from bigtrain.config import ParallelConfig
 from bigtrain.distributed.comm import AxisComm, CommStats, world_timeout
 
-AXES = ("pp", "dp", "sp", "tp")  # outermost first
+AXES = ("pp", "dp", "cp", "sp", "tp")  # outermost first
 # Axes flattened into one group: the replicas of every weight under Ulysses sequence parallelism
-# are the ranks of dp x sp, so gradients are reduced (and ZeRO shards cut) over both at once.
-FLATTENED = {"dp_sp": ("dp", "sp")}
+# are the ranks of dp x sp, so gradients are reduced (and ZeRO shards cut) over both at once;
+# context parallelism (cp) cuts the sequence too, so its ranks are replicas of every weight as well.
+# The name predates cp: ``dp_sp`` is every axis that holds whole weights, dp x cp x sp.
+FLATTENED = {"dp_sp": ("dp", "cp", "sp")}
 # The first and last rank of an axis: the pipeline ranks holding the first stage (the embedding)
 # and the last (the output head), which keep one copy each of a weight tied between the two.
 ENDS = {"pp_ends": "pp"}
@@ -46,9 +48,11 @@ class Mesh:
         if unknown:
             raise ValueError(f"unknown mesh axes {sorted(unknown)}; known: {KNOWN}")
         grid = {axis: int(sizes.get(axis, 1)) for axis in AXES}
-        ep, replicas = int(sizes.get("ep", 1)), grid["dp"] * grid["sp"]
+        ep, replicas = int(sizes.get("ep", 1)), grid["dp"] * grid["cp"] * grid["sp"]
         if ep < 1 or replicas % ep:
-            raise ValueError(f"ep = {ep} must be >= 1 and divide dp x sp = {grid['dp']} x {grid['sp']}: experts "
+            replica_axes = ("dp", "cp", "sp") if grid["cp"] > 1 else ("dp", "sp")
+            raise ValueError(f"ep = {ep} must be >= 1 and divide {' x '.join(replica_axes)} = "
+                             f"{' x '.join(str(grid[a]) for a in replica_axes)}: experts "
                              f"are sharded over part of the data-parallel ranks, which ep does not multiply")
         self.sizes = {**grid, "ep": ep}  # ep is not a factor of the world size
         self.world_size = math.prod(grid.values())
@@ -57,7 +61,7 @@ class Mesh:
         self.rank = rank
         self.stats = CommStats()
         self.coords = self._coords_of(rank)
-        replica = self.coords["dp"] * grid["sp"] + self.coords["sp"]  # this rank's index in dp x sp
+        replica = (self.coords["dp"] * grid["cp"] + self.coords["cp"]) * grid["sp"] + self.coords["sp"]  # in dp_sp
         self.coords.update(ep=replica % ep, edp=replica // ep)
         self.groups: dict[str, dist.ProcessGroup | None] = {
             axis: None for axis in (*AXES, *FLATTENED, *ENDS, *EXPERT)}
@@ -145,7 +149,7 @@ class Mesh:
         """The names that get process groups: every axis of more than one rank, except a flattened
         axis with a single real part (it is that part, see comm) and ends of two ranks (the axis)."""
         names = [a for a in AXES if self.sizes[a] > 1]
-        names += [name for name, parts in FLATTENED.items() if all(self.sizes[a] > 1 for a in parts)]
+        names += [name for name, parts in FLATTENED.items() if sum(self.sizes[a] > 1 for a in parts) > 1]
         names += [name for name, axis in ENDS.items() if self.sizes[axis] > 2]
         return names + [name for name in EXPERT if self.size(name) > 1]
 
@@ -161,7 +165,7 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis in EXPERT:
             ep = self.sizes["ep"]
-            return ep if axis == "ep" else self.sizes["dp"] * self.sizes["sp"] // ep
+            return ep if axis == "ep" else self.size("dp_sp") // ep
         if axis in ENDS:
             return min(2, self.sizes[ENDS[axis]])
         if axis in FLATTENED:

@@ -121,11 +121,16 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return self
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """``start_pos``: position of the first token (a sequence-parallel rank holds a later chunk);
-        ``with_head``: False ends at the final norm (its output goes to a fused loss head)."""
+        ``with_head``: False ends at the final norm (its output goes to a fused loss head);
+        ``positions``: each token's position instead (a context-parallel rank holds two chunks)."""
         s = tokens.shape[1]
-        cos, sin = self.rope_cos[start_pos:start_pos + s], self.rope_sin[start_pos:start_pos + s]
+        if positions is not None:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        else:
+            cos, sin = self.rope_cos[start_pos:start_pos + s], self.rope_sin[start_pos:start_pos + s]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)

@@ -23,6 +23,7 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.fp8.linear import apply_float8
 from bigtrain.memory.activations import apply_activation_memory
 from bigtrain.parallel.compile import apply_compile
+from bigtrain.parallel.context import apply_context_parallel
 from bigtrain.parallel.experts import apply_expert_parallel
 from bigtrain.parallel.parallel_model import ParallelModel, token_loss_sum
 from bigtrain.parallel.parallel_plan import EnginePlan, ParallelPlan, PipelinePlan, TensorParallelPlan
@@ -53,6 +54,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     float8 = apply_float8(model, plan.float8, device)  # first: the plans below cut and hook the float8 linears
     placements = Placements.of_model(model, mesh.comm)  # every weight dense; each step records its change
     layout = apply_tensor_parallel(model, mesh, plan.tensor, placements)
+    apply_context_parallel(model, mesh.comm("cp"), plan.tensor.cp_mode)  # attention over the cut sequence
     apply_expert_parallel(model, mesh, plan.experts, placements)
     ties = shared_parameter_names(model)  # after tensor parallelism, which shards a tied weight once
     activations = apply_activation_memory(model, plan.activations, layout)
@@ -77,7 +79,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     register_partial_grad_hooks(pipeline.module, placements)
     return ParallelModel(pipeline.module, engine, layout, placements, mesh.comm("dp_sp"), mesh.comm("sp"),
                          mesh.comm("pp"), activations.checkpointed, pipeline.stages, pipeline.schedule,
-                         tied if tied.names else None, device, activations, float8, transforms, compiled)
+                         tied if tied.names else None, device, activations, float8, transforms, compiled,
+                         cp=mesh.comm("cp"))
 
 
 # -- tensor and sequence parallelism ----------------------------------------------------------------

@@ -17,6 +17,7 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.fp8.linear import Float8Linears
 from bigtrain.parallel.pipeline.partition import PipelineStage
 from bigtrain.parallel.pipeline.schedules import Schedule
+from bigtrain.parallel.context import local_positions, local_sequence
 from bigtrain.parallel.chunks import WEIGHT, WEIGHT_IN_USE, SavedChunk, chunks, owned_range
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
@@ -61,16 +62,21 @@ class ParallelModel:
     # What wrapped which module (bigtrain/wrappers.py): {module name: wrapper kinds, outermost first}
     transforms: dict[str, tuple[str, ...]] = field(default_factory=dict)
     compiled: Compiled | None = None  # compile.enabled: the compiled regions and loss
+    cp: AxisComm | None = None  # context parallelism: the ranks this rank's sequence chunks are cut over
 
     @property
     def head_in_loss(self) -> bool:
         """The output head is the loss (``model.fused_loss``): the model ends at its final norm."""
         return self.activations is not None and self.activations.head is not None
 
-    def forward_kwargs(self, start: int | None = None) -> dict:
+    def forward_kwargs(self, start: int | torch.Tensor | None = None) -> dict:
         """What the model (or a pipeline stage) is called with besides its input: ``start_pos`` of
-        this rank's sequence chunk (given ``start``), and ``with_head=False`` when the head is in the loss."""
-        kwargs = {} if start is None else {"start_pos": start}
+        this rank's sequence chunk (given ``start``), or its tokens' ``positions`` (``start`` a
+        tensor: context parallelism's two chunks), and ``with_head=False`` when the head is in the loss."""
+        if start is None:
+            kwargs = {}
+        else:
+            kwargs = {"positions": start} if isinstance(start, torch.Tensor) else {"start_pos": start}
         if self.head_in_loss:
             kwargs["with_head"] = False
         return kwargs
@@ -91,8 +97,21 @@ class ParallelModel:
             return self.compiled.loss_fn(logits, targets)
         return token_loss_sum(logits, targets)
 
-    def sequence_chunk(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """This rank's part of the sequence (all of it without Ulysses) and its first position."""
+    def sequence_position(self, seq_len: int) -> int | torch.Tensor | None:
+        """Where this rank's tokens of a ``seq_len`` sequence sit, for :meth:`forward_kwargs`: their
+        global positions under context parallelism, the first one under Ulysses, None when whole."""
+        if self.cp is not None and self.cp.size > 1:  # then cut over sp (cp_mode 'hybrid')
+            return local_chunk(local_positions(seq_len, self.cp, self.device), self.sp, 0)
+        return self.sp.rank * seq_len // self.sp.size if self.sp.size > 1 else None
+
+    def sequence_chunk(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   int | torch.Tensor]:
+        """This rank's part of the sequence (all of it without Ulysses or context parallelism) and
+        where it sits (:meth:`sequence_position`; 0 when whole)."""
+        if self.cp is not None and self.cp.size > 1:  # each cp rank's two chunks, then Ulysses' part of them
+            positions = self.sequence_position(tokens.shape[1]).to(tokens.device)
+            tokens, targets = local_sequence(tokens, self.cp), local_sequence(targets, self.cp)
+            return local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1), positions
         if self.sp.size == 1:
             return tokens, targets, 0
         start = self.sp.rank * tokens.shape[1] // self.sp.size

@@ -38,6 +38,7 @@ class TensorParallelPlan:
 
     styles: "Plan | None" = None
     sequence_parallel: bool = False  # Megatron sequence parallelism on the tp axis
+    cp_mode: str = "ring"  # attention over the cp axis (bigtrain/parallel/context.py): 'ring' or 'all-to-all'
 
 
 @dataclass(frozen=True)

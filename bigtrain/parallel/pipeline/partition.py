@@ -176,12 +176,16 @@ class LlamaStage(PipelineStage):
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, start_pos: int = 0, with_head: bool = True) -> torch.Tensor:
-        """``x``: tokens on the first stage, hidden states after; ``start_pos`` and ``with_head`` as
-        in ``Llama.forward``.
+    def forward(self, x: torch.Tensor, start_pos: int = 0, with_head: bool = True,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: tokens on the first stage, hidden states after; ``start_pos``, ``with_head`` and
+        ``positions`` as in ``Llama.forward``.
         The rotary tables go from ``start_pos`` to the end: attention takes as many positions as its
         queries have, which under Megatron sequence parallelism is more than ``x`` (a sequence shard)."""
-        cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
+        if positions is not None:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        else:
+            cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
         h = self.tok_embeddings(x) if self.is_first else x
         for layer in self.layers.values():
             h = layer(h, cos, sin)

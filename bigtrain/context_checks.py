@@ -1,0 +1,64 @@
+"""``parallel.cp`` and ``parallel.cp_mode`` against the rest of a config, before any process starts.
+
+Imports no torch (as :mod:`bigtrain.validation`). What is built and why each rule holds:
+docs/context-parallel.md.
+"""
+
+from __future__ import annotations
+
+from bigtrain.config import Config
+
+CP_MODES = ("ring", "all-to-all", "hybrid")  # bigtrain.parallel.context
+
+
+def _divisor_near(n: int, target: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
+
+
+def check_context_parallel(cfg: Config) -> list[str]:
+    p, m, seq = cfg.parallel, cfg.model, cfg.data.seq_len
+    if p.cp_mode not in CP_MODES:
+        return [f"parallel.cp_mode = {p.cp_mode!r}: must be one of {', '.join(repr(x) for x in CP_MODES)}"]
+    if p.cp < 1:
+        return [f"parallel.cp = {p.cp}: must be >= 1 (1: no context parallelism)"]
+    if p.cp == 1:
+        return []
+    problems = []
+    if p.cp_mode == "hybrid" and p.sp == 1:
+        problems.append(f"parallel.cp_mode = 'hybrid' runs Ulysses over parallel.sp inside and the ring over "
+                        f"parallel.cp across, and parallel.sp = 1; set parallel.sp > 1 (the sequence is then cut "
+                        f"cp x sp ways) or parallel.cp_mode = 'ring'")
+    if p.cp_mode != "hybrid" and p.sp > 1:
+        problems.append(f"parallel.cp = {p.cp} with parallel.sp = {p.sp} and cp_mode '{p.cp_mode}': Ulysses over sp "
+                        f"inside a ring over cp is parallel.cp_mode = 'hybrid'; set it, or parallel.sp = 1")
+    chunks = 2 * p.cp
+    if seq <= 0 or seq % chunks:
+        near = max(chunks, seq // chunks * chunks)
+        problems.append(f"data.seq_len = {seq} does not split into 2 x parallel.cp = {chunks} equal chunks (each cp "
+                        f"rank holds chunks i and 2cp-1-i); use data.seq_len = {near} or a parallel.cp whose 2 x cp "
+                        f"divides {seq}")
+    elif p.sp > 1 and (seq // p.cp) % p.sp:
+        problems.append(f"data.seq_len / parallel.cp = {seq // p.cp} does not divide by parallel.sp = {p.sp} "
+                        f"(Ulysses cuts each cp rank's part); use data.seq_len = {2 * p.cp * p.sp * max(1, seq // (2 * p.cp * p.sp))}")
+    elif p.sequence_parallel and p.tp > 1 and (seq // (p.cp * max(1, p.sp))) % p.tp:
+        problems.append(f"parallel.sequence_parallel: data.seq_len / (cp x sp) = {seq // (p.cp * max(1, p.sp))} does "
+                        f"not divide by parallel.tp = {p.tp}; change data.seq_len or turn sequence_parallel off")
+    if p.cp_mode == "all-to-all" and p.tp > 0 and m.n_heads > 0 and m.n_heads % max(1, p.tp) == 0:
+        local_q, local_kv = m.n_heads // p.tp, max(1, m.kv_heads // p.tp)
+        if local_q % p.cp:
+            problems.append(f"parallel.cp = {p.cp} with cp_mode 'all-to-all': each cp rank takes whole attention "
+                            f"heads, and there are {local_q} query heads per tp rank (model.n_heads / parallel.tp); "
+                            f"use parallel.cp = {_divisor_near(local_q, p.cp)} or cp_mode = 'ring'")
+        elif local_kv % p.cp and p.cp % local_kv:
+            problems.append(f"parallel.cp = {p.cp} with cp_mode 'all-to-all': the {local_kv} key/value heads per tp "
+                            f"rank (model.n_kv_heads / parallel.tp) must divide by cp (split) or divide cp "
+                            f"(replicated); use parallel.cp = {_divisor_near(local_kv, p.cp)} or cp_mode = 'ring'")
+    if m.moe_experts > 0:
+        problems.append(f"parallel.cp = {p.cp} with model.moe_experts = {m.moe_experts}: MoE blocks under context "
+                        f"parallelism are not built yet; use parallel.cp = 1 (or parallel.sp for Ulysses)")
+    if m.name == "dlrm":
+        problems.append(f"parallel.cp = {p.cp}: model.name = 'dlrm' has no sequence; use parallel.cp = 1")
+    if p.dp_sync != "sync":
+        problems.append(f"parallel.cp = {p.cp} with parallel.dp_sync = '{p.dp_sync}': not supported; use "
+                        f"parallel.cp = 1 or dp_sync = 'sync'")
+    return problems

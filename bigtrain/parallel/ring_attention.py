@@ -1,0 +1,185 @@
+"""Ring attention: causal attention over a sequence cut into chunks across the ``cp`` ranks.
+
+Each rank holds its queries, keys and values for the chunks :func:`bigtrain.parallel.context.chunks_of`
+gives it (two of 2 x cp, for causal balance). The keys and values travel round the ring, point to
+point: at step j a rank computes its queries against the block that started on rank r - j while it
+already sends that block on to r + 1 and receives the next (the transfer overlaps the block's
+arithmetic). Blocks are merged by their log-sum-exp (the online softmax of flash attention), so the
+result is softmax attention over the whole causal prefix, up to rounding.
+
+Backward is a custom autograd Function that runs the ring again (as flash attention recomputes its
+probabilities): it saves only this rank's q, k, v, output and log-sum-exp, the same as one
+process's attention kernel saves for its share of the sequence. Autograd through the ring's sends
+would instead keep every block that arrived (the whole sequence's keys and values on every rank) and
+every block's probabilities, which is what context parallelism exists to avoid. The key/value
+gradients travel with their block and arrive home after cp hops.
+
+Traffic per layer and rank, with KV = 2 x batch x local tokens x kv heads x head_dim x element size:
+forward (cp - 1) KV (tag ``ring``), backward (cp - 1) KV plus cp KV of fp32 gradients (tag
+``ring_grad``) -- measured against this formula in tests/test_context_parallel.py. In backward
+both the next block and the current block's gradient so far are in flight while a block is computed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bigtrain.distributed.comm import AxisComm
+from bigtrain.wrappers import ModuleWrapper
+
+
+def _pass_on(comm: AxisComm, tensor: torch.Tensor, tag: str) -> tuple[torch.Tensor, list]:
+    """Send ``tensor`` to the next rank of the ring and receive the previous rank's into a new
+    buffer; returns (that buffer, the works to wait for)."""
+    incoming = torch.empty_like(tensor)
+    after, before = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    works = comm.batch_isend_irecv([comm.send_op(tensor, after, tag=tag), comm.recv_op(incoming, before)])
+    return incoming, works
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the dtype the ring computes in: fp32, or the input's own when wider (float64 tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(batch, kv heads, seq, dim) -> (batch, heads, seq, dim): each key/value head repeated for its
+    group of query heads (grouped-query attention)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The dual of :func:`_expand_heads` for gradients: each group's copies summed into its head."""
+    return t if t.shape[1] == kv_heads else t.unflatten(1, (kv_heads, -1)).sum(2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:  # a chunk against itself: position i sees j <= i
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+def _pairs(mine: tuple[int, ...], theirs: tuple[int, ...]):
+    """(query chunk slot, key chunk slot, causal) for every pair whose keys a query may see."""
+    for qi, a in enumerate(mine):
+        for ki, b in enumerate(theirs):
+            if b <= a:
+                yield qi, ki, b == a
+
+
+def attend_block(qs: list[torch.Tensor], block: torch.Tensor, mine: tuple[int, ...], theirs: tuple[int, ...],
+                 scale: float, out: list, lse: list) -> None:
+    """One ring step's arithmetic: the queries of chunks ``mine`` (``qs``, one (batch, heads, chunk,
+    dim) tensor each) against ``block`` (keys and values stacked, chunks ``theirs``), merged into
+    ``out`` and ``lse`` (per query chunk, None before its first block) in place."""
+    heads = qs[0].shape[1]
+    ks = _expand_heads(_wide(block[0]), heads).chunk(len(theirs), dim=2)
+    vs = _expand_heads(_wide(block[1]), heads).chunk(len(theirs), dim=2)
+    for qi, ki, causal in _pairs(mine, theirs):
+        s = _scores(qs[qi], ks[ki], scale, causal)
+        part_lse = torch.logsumexp(s, dim=-1)
+        part = torch.exp(s - part_lse[..., None]) @ vs[ki]
+        if out[qi] is None:
+            out[qi], lse[qi] = part, part_lse
+        else:  # merge two softmaxes by their log-sum-exp
+            both = torch.logaddexp(lse[qi], part_lse)
+            out[qi] = out[qi] * torch.exp(lse[qi] - both)[..., None] + part * torch.exp(part_lse - both)[..., None]
+            lse[qi] = both
+
+
+class _RingAttention(torch.autograd.Function):
+    """q (batch, heads, local seq, dim), k and v (batch, kv heads, local seq, dim), all this rank's
+    chunks concatenated; ``chunks(r)``: the global chunk indices rank r holds, in that order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm: AxisComm, chunks, scale: float):
+        n, r = comm.size, comm.rank
+        mine = chunks(r)
+        qs = _wide(q).chunk(len(mine), dim=2)
+        out: list[torch.Tensor | None] = [None] * len(mine)
+        lse: list[torch.Tensor | None] = [None] * len(mine)
+        block = torch.stack((k, v)).contiguous()  # what travels: this rank's keys and values
+        for step in range(n):
+            source = (r - step) % n
+            incoming, works = _pass_on(comm, block, "ring") if step < n - 1 else (None, [])
+            attend_block(qs, block, mine, chunks(source), scale, out, lse)
+            _wait(works)
+            block = incoming
+        # Laid out (batch, seq, heads, dim) in memory, as the output projection reads it: the tensor
+        # saved here is then the one it saves (one process's SDPA kernel does the same).
+        result = torch.cat(out, dim=2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=2))
+        ctx.comm, ctx.chunks, ctx.scale = comm, chunks, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, chunks, scale = ctx.comm, ctx.chunks, ctx.scale
+        n, r, heads, kv_heads = comm.size, comm.rank, q.shape[1], k.shape[1]
+        mine = chunks(r)
+        parts = len(mine)
+        do = _wide(grad_out)
+        delta = (do * _wide(out)).sum(-1)  # rowsum(dO * O): the softmax's backward term
+        qs, dos = _wide(q).chunk(parts, dim=2), do.chunk(parts, dim=2)
+        lses, deltas = lse.chunk(parts, dim=2), delta.chunk(parts, dim=2)
+        dq = [torch.zeros_like(x) for x in qs]
+        block = torch.stack((k, v)).contiguous()
+        # The gradient of a block travels with it, one hop behind: the hop that brings this step's
+        # block's gradient so far from the previous rank runs while this rank computes its share.
+        arrived, grad_works = None, []
+        for step in range(n):
+            source = (r - step) % n
+            incoming, works = _pass_on(comm, block, "ring") if step < n - 1 else (None, [])
+            ks = _expand_heads(_wide(block[0]), heads).chunk(parts, dim=2)
+            vs = _expand_heads(_wide(block[1]), heads).chunk(parts, dim=2)
+            dk = [torch.zeros_like(x) for x in ks]
+            dv = [torch.zeros_like(x) for x in vs]
+            for qi, ki, causal in _pairs(mine, chunks(source)):
+                p = torch.exp(_scores(qs[qi], ks[ki], scale, causal) - lses[qi][..., None])
+                dv[ki] += p.transpose(-1, -2) @ dos[qi]
+                ds = p * (dos[qi] @ vs[ki].transpose(-1, -2) - deltas[qi][..., None])
+                dq[qi] += ds @ ks[ki] * scale
+                dk[ki] += ds.transpose(-1, -2) @ qs[qi] * scale
+            share = torch.stack((_fold_heads(torch.cat(dk, dim=2), kv_heads),
+                                 _fold_heads(torch.cat(dv, dim=2), kv_heads)))
+            _wait(grad_works)  # the previous hop: what the ranks before computed for this block
+            grads = share if arrived is None else arrived + share
+            arrived, grad_works = _pass_on(comm, grads, "ring_grad")  # after the last step: home
+            _wait(works)
+            block = incoming
+        _wait(grad_works)
+        grads = arrived
+        return (torch.cat(dq, dim=2).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None)
+
+
+@torch.compiler.disable  # point-to-point traffic in Python: a compiled block breaks around it
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: AxisComm, chunks) -> torch.Tensor:
+    """Causal attention of (batch, local seq, heads, dim) q, k, v whose sequence is cut over
+    ``comm``'s ranks as ``chunks(rank)`` says; returns this rank's (batch, local seq, heads, dim)."""
+    scale = q.shape[-1] ** -0.5
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return _RingAttention.apply(q, k, v, comm, chunks, scale).transpose(1, 2)
+
+
+class RingAttention(ModuleWrapper):
+    """Takes an attention core's place: its causal attention computed by :func:`ring_attention` over
+    the cp ranks. The core's own forward (one process's SDPA over the keys it has) is not called:
+    this wrapper *is* its computation over a cut sequence, as the vocabulary-parallel lookup is an
+    embedding's (the core has no parameters; its hooks still run around this call)."""
+
+    kind = "ring_attention"
+
+    def __init__(self, core: nn.Module, comm: AxisComm, chunks):
+        super().__init__(core)
+        self.comm, self.chunks = comm, chunks
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.comm, self.chunks)
