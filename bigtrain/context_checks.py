@@ -11,8 +11,34 @@ from bigtrain.config import Config
 CP_MODES = ("ring", "all-to-all", "hybrid")  # bigtrain.parallel.context
 
 
-def _divisor_near(n: int, target: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
+def divisor_near(n: int, target: int, search: int = 100_000) -> int:
+    """The divisor of ``n`` nearest ``target``: searched outwards from it, a bounded number of
+    steps (a suggestion must not take minutes on n = 10^12), else the nearer of 1 and n."""
+    best = min((1, n), key=lambda d: abs(d - target))
+    for k in range(min(abs(best - target), search) + 1):
+        for d in (target - k, target + k):
+            if 1 <= d <= n and n % d == 0:
+                return d
+    return best
+
+
+
+
+
+def head_split_problems(what: str, degree: int, local_q: int, local_kv: int, other: str) -> list[str]:
+    """An axis that gives each of its ``degree`` ranks whole attention heads (Ulysses' sp, all-to-all
+    cp): the query heads per tp rank must divide by it; the key/value heads divide by it (split) or
+    divide it (replicated). ``what`` names the setting, ``other`` an alternative to suggest."""
+    field = what.split(" ")[0]
+    axis = field.split(".")[-1]
+    if local_q % degree:
+        return [f"{what}: each rank takes whole attention heads, and there are {local_q} query heads per tp "
+                f"rank (model.n_heads / parallel.tp); use {field} = {divisor_near(local_q, degree)}{other}"]
+    if local_kv % degree and degree % local_kv:
+        return [f"{what}: the {local_kv} key/value heads per tp rank (model.n_kv_heads / parallel.tp) must divide "
+                f"by {axis} (split) or divide {axis} (replicated); use {field} = "
+                f"{divisor_near(local_kv, degree)}{other}"]
+    return []
 
 
 def check_context_parallel(cfg: Config) -> list[str]:
@@ -45,14 +71,8 @@ def check_context_parallel(cfg: Config) -> list[str]:
                         f"not divide by parallel.tp = {p.tp}; change data.seq_len or turn sequence_parallel off")
     if p.cp_mode == "all-to-all" and p.tp > 0 and m.n_heads > 0 and m.n_heads % max(1, p.tp) == 0:
         local_q, local_kv = m.n_heads // p.tp, max(1, m.kv_heads // p.tp)
-        if local_q % p.cp:
-            problems.append(f"parallel.cp = {p.cp} with cp_mode 'all-to-all': each cp rank takes whole attention "
-                            f"heads, and there are {local_q} query heads per tp rank (model.n_heads / parallel.tp); "
-                            f"use parallel.cp = {_divisor_near(local_q, p.cp)} or cp_mode = 'ring'")
-        elif local_kv % p.cp and p.cp % local_kv:
-            problems.append(f"parallel.cp = {p.cp} with cp_mode 'all-to-all': the {local_kv} key/value heads per tp "
-                            f"rank (model.n_kv_heads / parallel.tp) must divide by cp (split) or divide cp "
-                            f"(replicated); use parallel.cp = {_divisor_near(local_kv, p.cp)} or cp_mode = 'ring'")
+        problems += head_split_problems(f"parallel.cp = {p.cp} with cp_mode 'all-to-all'", p.cp, local_q, local_kv,
+                                        " or cp_mode = 'ring'")
     if m.moe_experts > 0:
         problems.append(f"parallel.cp = {p.cp} with model.moe_experts = {m.moe_experts}: MoE blocks under context "
                         f"parallelism are not built yet; use parallel.cp = 1 (or parallel.sp for Ulysses)")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from bigtrain.config import Config, ConfigError
-from bigtrain.context_checks import check_context_parallel  # imports no torch
+from bigtrain.context_checks import check_context_parallel, divisor_near as _divisor_near, head_split_problems  # imports no torch
 from bigtrain.core.tables import SHARDINGS, SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
 from bigtrain.data.fields import data_field_problems
 from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
@@ -98,17 +98,6 @@ def check_init_from(m) -> list[str]:
         return architecture_problems(m, folder)
     except HFFormatError as e:
         return [f"model.init_from = {m.init_from!r}: {e}"]
-
-
-def _divisor_near(n: int, target: int, search: int = 100_000) -> int:
-    """The divisor of ``n`` nearest ``target``: searched outwards from it, a bounded number of
-    steps (a suggestion must not take minutes on n = 10^12), else the nearer of 1 and n."""
-    best = min((1, n), key=lambda d: abs(d - target))
-    for k in range(min(abs(best - target), search) + 1):
-        for d in (target - k, target + k):
-            if 1 <= d <= n and n % d == 0:
-                return d
-    return best
 
 
 def check_parallel(cfg: Config) -> list[str]:
@@ -302,14 +291,7 @@ def check_model_split(cfg: Config) -> list[str]:
         # Ulysses gives each sp rank whole query heads; key/value heads are split the same way, or,
         # fewer than sp, replicated (each rank is sent the one its query heads attend to).
         local_q, local_kv = m.n_heads // max(1, p.tp), max(1, m.kv_heads // max(1, p.tp))
-        if local_q % p.sp:
-            problems.append(f"parallel.sp = {p.sp}: Ulysses gives each sp rank whole attention heads, and there "
-                            f"are {local_q} query heads per tp rank (model.n_heads / parallel.tp); "
-                            f"use sp = {_divisor_near(local_q, p.sp)}")
-        elif local_kv % p.sp and p.sp % local_kv:
-            problems.append(f"parallel.sp = {p.sp}: the {local_kv} key/value heads per tp rank (model.n_kv_heads "
-                            f"/ parallel.tp) must divide by sp (split) or divide sp (replicated); use sp = "
-                            f"{_divisor_near(local_kv, p.sp)}")
+        problems += head_split_problems(f"parallel.sp = {p.sp} (Ulysses)", p.sp, local_q, local_kv, "")
         if seq % p.sp:
             problems.append(f"data.seq_len = {seq} does not divide by parallel.sp = {p.sp}")
     if p.sequence_parallel and p.tp > 1 and (seq // p.sp) % p.tp:

@@ -60,7 +60,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "model.vocab_size": (256, 10**11), "model.dim": (8, 10**7), "model.n_layers": (1, 10**9),
     "model.n_heads": (1, 65), "model.n_kv_heads": (0, 5), "model.ffn_hidden": (0, 10**12),
     "model.max_seq_len": (32, 10**12), "parallel.dp": (1, 3), "parallel.tp": (1, 5), "parallel.pp": (1, 3),
-    "parallel.sp": (1, 3), "parallel.ep": (1, None), "parallel.pp_virtual": (1, 2), "parallel.zero": (0, 4),
+    "parallel.sp": (1, 3), "parallel.cp": (1, 17), "parallel.ep": (1, None), "parallel.pp_virtual": (1, 2), "parallel.zero": (0, 4),
     "precision.scale_growth_interval": (1, None), "memory.checkpoint_every": (1, None),
     "optim.warmup_steps": (0, None), "optim.base_batch": (1, None), "optim.block_size": (1, None), "data.seq_len": (1, 65),
     "data.max_bytes": (0, None), "data.ignore_target": (-1, 256), "train.steps": (1, None),
