@@ -74,6 +74,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     for module in pipeline.stages.values() or [pipeline.module]:  # after to_empty, which leaves them unset
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)
+    unset = [name for name, b in pipeline.module.named_buffers() if b.is_meta]
+    if unset:  # a buffer nobody computed would train on garbage (or fail far from here)
+        raise ValueError(f"buffers {', '.join(unset)} of {type(model).__name__} are still on the meta device after "
+                         f"materialization: give the model an init_buffers(device) method that computes them")
     register_partial_grad_hooks(pipeline.module, placements)
     return ParallelModel(pipeline.module, engine, layout, placements, mesh.comm("dp_sp"), mesh.comm("sp"),
                          mesh.comm("pp"), activations.checkpointed, pipeline.stages, pipeline.schedule,
