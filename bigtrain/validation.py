@@ -17,7 +17,6 @@ from bigtrain.core.tables import SHARDINGS, SPARSE_OPTIMIZERS, parse_sizes
 from bigtrain.data.fields import data_field_problems
 from bigtrain.families import FAMILIES, family_names
 from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
-from bigtrain.model_fields import llama_field_problems
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
@@ -570,4 +569,4 @@ def _async_needs_plain_replicas(cfg: Config, what: str, axes: tuple[str, ...]) -
     return problems
 
 
-RULES += [check_async, llama_field_problems, data_field_problems]
+RULES += [check_async, data_field_problems]  # the Llama fields' rules: bigtrain/families/llama.py

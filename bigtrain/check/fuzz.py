@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 from bigtrain.config import Config, ConfigError, load_config
+from bigtrain.families import family_of
 from bigtrain.validation import validate
 
 BASE = ["--logging.progress=false", "--logging.report=false", "--checkpoint.save_final=false",
@@ -314,15 +315,12 @@ def _config(overrides: list[str], cache_dir: str) -> Config:
 
 
 def _validate(cfg: Config) -> None:
-    """What ``bigtrain check`` rejects before any rank starts: validation, and for a DLRM the
-    planner's placement of its tables within embedding.budget_gb (the pre-launch check)."""
+    """What ``bigtrain check`` rejects before any rank starts: validation, and whether the family's
+    planner can place the model at all (a DLRM's tables within embedding.budget_gb)."""
     validate(cfg)
-    if cfg.model.name == "dlrm":
-        from bigtrain.preflight import tables_fit_problems
-
-        problems = tables_fit_problems(cfg)
-        if problems:
-            raise ConfigError(problems)
+    problems = family_of(cfg).placement_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
 
 
 def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: float = 240.0) -> Outcome:

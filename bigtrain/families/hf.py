@@ -149,9 +149,6 @@ def check_hf(cfg: Config) -> list[str]:
     for field, value, wanted, why in REFUSED:
         if value(cfg) != wanted:
             problems.append(f"{field} = {value(cfg)!r} with model.name = '{NAME}': {why}; set {field} = {wanted!r}")
-    if cfg.precision.fp8 != "none":
-        problems.append(f"precision.fp8 = '{cfg.precision.fp8}' with model.name = '{NAME}': float8 converts "
-                        f"bigtrain's block linears; use precision.fp8 = 'none'")
     tp = cfg.parallel.tp
     heads, kv = fields.get("num_attention_heads", 0), fields.get("num_key_value_heads") or fields.get(
         "num_attention_heads", 0)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from bigtrain.config import Config
 from bigtrain.families.spec import Family
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
+from bigtrain.model_fields import llama_field_problems
 from bigtrain.models.llama import build_model, count_parameters
 
 
 def check_llama(cfg: Config) -> list[str]:
     m = cfg.model
-    return token_batch_problems(cfg) + token_data_problems(cfg, m.vocab_size, m.max_seq_len)
+    return (token_batch_problems(cfg) + token_data_problems(cfg, m.vocab_size, m.max_seq_len)
+            + llama_field_problems(cfg))  # head size, rotary scaling, biases
 
 
 LLAMA = Family(
