@@ -18,7 +18,7 @@ from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epi
                                unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.failure import RunFailure
-from bigtrain.families import Family, family_of
+from bigtrain.families import FAMILIES, Family, family_of
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
@@ -342,7 +342,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bigtrain.checkpoint.export import export
 
     try:
-        path, kind = export(Path(args.run_dir), Path(args.out), args.format)
+        path, kind = export(Path(args.run_dir), Path(args.out), args.format,
+                            folder_writer=lambda model: FAMILIES[model.name].export if model.name in FAMILIES else None)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"bigtrain export: {e}", file=sys.stderr)
         return 1

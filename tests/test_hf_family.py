@@ -131,3 +131,48 @@ def test_qwen3_norms_per_head_are_partial_under_tp():
     validate(cfg)
     plan = tp_plan(build_meta(cfg), 2, False, False)
     assert "model.layers.*.self_attn.[qk]_norm" in plan
+
+
+# -- export: a folder transformers loads -------------------------------------------------------------
+def _train_and_save(rank, world_size, cfg, run_dir, tokens):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    for _ in range(2):
+        trainer.train_step()
+    trainer.save()
+    trainer.wait_for_save()
+    weights = trainer.parallel.full_weights()
+    if world_size > 1:
+        return weights
+    with torch.no_grad():
+        return weights, trainer.parallel.model(tokens)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_equal_logits(corpus_cache, tmp_path, arch):
+    from bigtrain.cli import main
+
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    cfg = hf_config(corpus_cache, arch)
+    weights, logits = _train_and_save(0, 1, cfg, str(tmp_path / "run"), tokens)
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="sdpa")
+    assert type(loaded).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert next(loaded.parameters()).dtype == torch.float32
+    for name, p in loaded.state_dict().items():
+        assert torch.equal(p, weights[name]), name
+    with torch.no_grad():
+        theirs = loaded.eval()(tokens).logits
+    torch.testing.assert_close(theirs, logits, rtol=0, atol=0)  # the same weights through the same ops
+
+
+def test_a_tensor_parallel_checkpoint_exports_whole_weights(corpus_cache, tmp_path):
+    from bigtrain.cli import main
+
+    cfg = hf_config(corpus_cache, "llama", *LAYOUTS["tp2-sp"])
+    weights = run_ranks(_train_and_save, 2, cfg, str(tmp_path / "run"), None)[0]
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    state = loaded.state_dict()
+    assert set(state) == set(weights)
+    for name, p in state.items():
+        assert torch.equal(p, weights[name]), name

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bigtrain.config import Config
+from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
 from bigtrain.models.hf_causal_lm import CausalLM, init_value
@@ -33,13 +33,14 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
 ATTENTION = "sdpa"  # torch's scaled_dot_product_attention: what the reference runs too
 
 
-def config_path(cfg: Config) -> Path:
+def config_path(cfg: Config | ModelConfig) -> Path:
     """``model.hf_config``: a config.json, or the folder holding one."""
-    path = Path(cfg.model.hf_config).expanduser()
+    model = cfg.model if isinstance(cfg, Config) else cfg
+    path = Path(model.hf_config).expanduser()
     return path / CONFIG_FILE if path.is_dir() else path
 
 
-def read_config(cfg: Config) -> dict:
+def read_config(cfg: Config | ModelConfig) -> dict:
     return json.loads(config_path(cfg).read_text())
 
 
@@ -171,14 +172,15 @@ def parameter_count(cfg: Config) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def export_folder(cfg: Config, weights: dict, out) -> Path:
-    """A folder ``from_pretrained`` loads: the run's config.json and ``model.safetensors`` holding
-    ``weights`` (full tensors under the Hugging Face names the model trained with)."""
+def export_folder(model: ModelConfig, weights: dict, out) -> Path:
+    """A folder ``from_pretrained`` loads: the run's config.json (``model.hf_config``, read again
+    now) and ``model.safetensors`` holding ``weights`` (full tensors under the Hugging Face names
+    the model trained with, as they are)."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    fields = read_config(cfg)
+    fields = read_config(model)
     fields.setdefault("architectures", [architecture(fields)])
     fields["torch_dtype"] = "float32"
     (out / CONFIG_FILE).write_text(json.dumps(fields, indent=2) + "\n")

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from bigtrain.config import Config
+    from bigtrain.config import Config, ModelConfig
 
 InitFn = Callable[[str, tuple], "torch.Tensor"]  # (parameter name, full shape) -> full fp32 value
 Rules = Callable[["Config"], list[str]]
@@ -53,8 +53,9 @@ class Family:
     reads_tokens: bool = True  # a token corpus (data.source, data.tokenizer): preflight checks it
     # The model's parameter count from the config (the run summary, the planner).
     parameter_count: Callable[["Config"], int] | None = None
-    # Save the trained weights in the family's own format ({name: full tensor} -> folder); None: none.
-    export: Callable[["Config", dict, Any], Any] | None = None
+    # ``bigtrain export --format hf`` of its checkpoints: (the run's [model], {name: full tensor},
+    # the folder) -> the folder written; None: the Llama conversion (bigtrain.checkpoint.hf).
+    export: Callable[["ModelConfig", dict, Any], Any] | None = None
 
     # -- what the steps above the model ask ---------------------------------------------------
     # Before launch, without measuring the machine: can the planner place the model at all.
