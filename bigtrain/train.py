@@ -105,6 +105,8 @@ def parallelize_family(family: Family, cfg: Config, mesh: Mesh, run_dir: str, de
         tp, sp = mesh.comm("tp").size, mesh.comm("sp").size
         styles = family.tp_plan(model, tp, plan.tensor.sequence_parallel and tp > 1, sp > 1)
         plan = dataclasses.replace(plan, tensor=dataclasses.replace(plan.tensor, styles=styles))
+    if family.split_stages is not None:
+        plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=family.split_stages))
     init_fn = family.init_fn(cfg, model) if family.init_fn is not None else initial_weights(cfg.model)
     return parallelize(model, mesh, plan, device, init_fn=init_fn)
 

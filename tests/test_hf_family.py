@@ -32,6 +32,8 @@ LAYOUTS = {
     "one-process": [],
     "dp2-zero3": ["--parallel.dp=2", "--parallel.zero=3"],
     "tp2-sp": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
+    "pp2": ["--parallel.pp=2"],
+    "dp2-tp2-pp2": ["--parallel.dp=2", "--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch=1"],
 }
 RTOL = 1e-5
 
@@ -111,7 +113,8 @@ def test_a_missing_partial_gradient_sum_fails_the_comparison(corpus_cache, monke
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["--parallel.pp=2", "--parallel.dp=1"], "parallel.pp"),
+    (["--parallel.pp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
+    (["--parallel.pp=2", "--parallel.pp_schedule=zb-h1"], "parallel.pp_schedule"),
     (["--parallel.tp=4"], "parallel.tp"),
     (["--memory.checkpointing=full"], "memory.checkpointing"),
     (["--model.hf_config=/nonexistent/config.json"], "model.hf_config"),

@@ -77,7 +77,6 @@ DLRM = Family(
     name=NAME,
     summary="a recommender: bottom MLP, the [embedding] tables, dot interaction, top MLP, binary cross-entropy",
     check_config=check_dlrm,
-    pipeline=False,
     reads_tokens=False,
     placement_problems=tables_fit_problems,
     size_problems=lambda cfg, *args, **kwargs: (tables_fit_problems(cfg), []),

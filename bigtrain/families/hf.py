@@ -4,9 +4,10 @@ hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalL
 initialized by (seed, name), cut by the Megatron plan below and trained by bigtrain's Trainer.
 Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
 
-Supported layouts: dp with ZeRO 0-3 and tp (+ sequence parallelism); pipeline stages, Ulysses sp,
-experts, activation checkpointing, offload of activations, the fused loss, int8 compression, float8
-and compilation are refused by name (they read bigtrain's own Llama structure).
+Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages) and pp
+(one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py); Ulysses sp, experts, activation
+checkpointing, offload of activations, the fused loss, int8 compression, float8 and compilation are
+refused by name (they read bigtrain's own Llama structure).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
+from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
 from bigtrain.models.hf_causal_lm import CausalLM, init_value
 from bigtrain.parallel.tensor.entry_styles import EnterSequenceShards, PrepareKeywordInput, WholeSequenceEmbedding
@@ -114,8 +116,9 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
     return plan
 
 
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 REFUSED = (  # (field, its value here, the value it must have, why)
-    ("parallel.pp", lambda c: c.parallel.pp, 1, "pipeline stages split bigtrain's Llama only"),
+    ("parallel.pp_virtual", lambda c: c.parallel.pp_virtual, 1, "one stage per pipeline rank is supported"),
     ("parallel.sp", lambda c: c.parallel.sp, 1, "Ulysses cuts bigtrain's attention core"),
     ("parallel.ep", lambda c: c.parallel.ep, 1, "the architectures supported have no experts"),
     ("memory.checkpointing", lambda c: c.memory.checkpointing, "none", "recomputation wraps bigtrain's blocks"),
@@ -150,6 +153,17 @@ def check_hf(cfg: Config) -> list[str]:
     for field, value, wanted, why in REFUSED:
         if value(cfg) != wanted:
             problems.append(f"{field} = {value(cfg)!r} with model.name = '{NAME}': {why}; set {field} = {wanted!r}")
+    p = cfg.parallel
+    if p.pp > 1 and p.pp_schedule not in PIPELINE_SCHEDULES:
+        problems.append(f"parallel.pp_schedule = '{p.pp_schedule}' with model.name = '{NAME}': the schedules "
+                        f"proved for it are {', '.join(PIPELINE_SCHEDULES)}; use parallel.pp_schedule = '1f1b'")
+    if p.pp > 1 and p.sequence_parallel and p.tp > 1:
+        problems.append(f"parallel.sequence_parallel with parallel.pp = {p.pp} and model.name = '{NAME}': its "
+                        f"stages make rotary tables from the sequence they receive, which is cut under sequence "
+                        f"parallelism; set parallel.sequence_parallel = false or parallel.pp = 1")
+    layers = fields.get("num_hidden_layers", 0)
+    if p.pp > layers > 0:
+        problems.append(f"parallel.pp = {p.pp}: more stages than the {layers} num_hidden_layers of {path}")
     tp = cfg.parallel.tp
     heads, kv = fields.get("num_attention_heads", 0), fields.get("num_key_value_heads") or fields.get(
         "num_attention_heads", 0)
@@ -196,7 +210,7 @@ HF = Family(
     build_meta=build_meta,
     init_fn=init_fn,
     tp_plan=tp_plan,
-    pipeline=False,
+    split_stages=split_causal_lm,
     parameter_count=parameter_count,
     export=export_folder,
     size_problems=lambda cfg, *args, **kwargs: ([], [f"model.name = '{NAME}': the planner has no memory model for "

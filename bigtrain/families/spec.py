@@ -49,7 +49,9 @@ class Family:
     # None: parallelize's default (the reference Llama's plan).
     tp_plan: Callable[["nn.Module", int, bool, bool], dict] | None = None
     blocks: Callable[["nn.Module"], list["nn.Module"]] = default_unit_modules  # ZeRO units, recomputation
-    pipeline: bool = True  # parallel/pipeline can split it into stages
+    # Its split into pipeline stages, (model, stages, balance, split points) -> stages; None: the
+    # reference Llama's (bigtrain.parallel.pipeline.partition.split_model).
+    split_stages: Callable[..., list] | None = None
     reads_tokens: bool = True  # a token corpus (data.source, data.tokenizer): preflight checks it
     # The model's parameter count from the config (the run summary, the planner).
     parameter_count: Callable[["Config"], int] | None = None

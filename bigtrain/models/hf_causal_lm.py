@@ -30,17 +30,21 @@ class CausalLM(nn.Module):
         hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
         return self.lm_head(hidden) if with_head else hidden
 
-    @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """The rotary inverse frequencies (buffers derived from the config, left on the meta device
-        by a meta build and unset by ``to_empty``), computed again on ``device`` as transformers
-        computes them."""
-        for module in self.modules():
-            if hasattr(module, "rope_init_fn") and hasattr(module, "inv_freq"):
-                where = module.inv_freq.device if device is None else torch.device(device)
-                inv_freq, module.attention_scaling = module.rope_init_fn(module.config, where)
-                module.inv_freq = inv_freq.float()
-                module.original_inv_freq = module.inv_freq
+        init_rotary_buffers(self, device)
+
+
+@torch.no_grad()
+def init_rotary_buffers(module: nn.Module, device: torch.device | str | None = None) -> None:
+    """The rotary inverse frequencies of every Hugging Face rotary embedding in ``module`` (buffers
+    derived from the config, left on the meta device by a meta build and unset by ``to_empty``),
+    computed again on ``device`` as transformers computes them."""
+    for rotary in module.modules():
+        if hasattr(rotary, "rope_init_fn") and hasattr(rotary, "inv_freq"):
+            where = rotary.inv_freq.device if device is None else torch.device(device)
+            inv_freq, rotary.attention_scaling = rotary.rope_init_fn(rotary.config, where)
+            rotary.inv_freq = inv_freq.float()
+            rotary.original_inv_freq = rotary.inv_freq
 
 
 def init_value(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:

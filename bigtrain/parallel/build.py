@@ -121,11 +121,11 @@ def build_pipeline(model: nn.Module, mesh: Mesh, plan: PipelinePlan, placements:
     if pp.size == 1:
         return Pipeline(model, placements)
     stages = stages_for_rank(model, pp.size, pp.rank, plan.virtual, plan.balance,
-                             list(plan.split_points) if plan.split_points is not None else None)
+                             list(plan.split_points) if plan.split_points is not None else None, plan.split)
     schedule = build_schedule(plan.schedule, pp.size, plan.microbatches, plan.virtual)
     if len(stages) == 1:
         module = next(iter(stages.values()))  # the stage is the root unit, its blocks the others
-        unit_modules = list(module.layers.values())
+        unit_modules = module.blocks()
     else:  # one engine over all chunks; ZeRO-3 gathers per chunk, the modules the executor calls
         module, unit_modules = StageGroup(stages.values()), list(stages.values())
     placements = placements.restricted_to(module)

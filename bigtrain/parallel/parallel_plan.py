@@ -19,7 +19,7 @@ function reads) travel as the config section they are, :class:`bigtrain.config.O
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -90,6 +90,9 @@ class PipelinePlan:
     virtual: int = 1  # stages per rank (the 'interleaved' schedule)
     balance: str = "layers"  # without split_points: balance by 'layers' or 'params'
     split_points: tuple[int, ...] | None = None  # first layer of stages 1..pp*v-1
+    # The model family's split into stages, (model, stages, balance, split_points) -> stages; None:
+    # the reference Llama's or an nn.Sequential's (bigtrain.parallel.pipeline.partition.split_model).
+    split: Callable | None = None
 
 
 @dataclass(frozen=True)
