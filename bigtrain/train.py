@@ -105,6 +105,8 @@ def parallelize_family(family: Family, cfg: Config, mesh: Mesh, run_dir: str, de
         tp, sp = mesh.comm("tp").size, mesh.comm("sp").size
         styles = family.tp_plan(model, tp, plan.tensor.sequence_parallel and tp > 1, sp > 1)
         plan = dataclasses.replace(plan, tensor=dataclasses.replace(plan.tensor, styles=styles))
+    if family.blocks is not None:
+        plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, blocks=family.blocks))
     if family.split_stages is not None:
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=family.split_stages))
     init_fn = family.init_fn(cfg, model) if family.init_fn is not None else initial_weights(cfg.model)
@@ -654,7 +656,8 @@ class Trainer:
                 "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg),
                 "data": {"source": cfg.data.source, "train_tokens": len(self.sampler.tokens),
                          "held_out_tokens": len(self.sampler.val_tokens)},
-                "predicted": run_info.prediction(cfg, self.device.type == "cuda")}
+                # The planner models the decoder the [model] fields describe; another family's is not.
+                "predicted": run_info.prediction(cfg, self.device.type == "cuda") if self.family.model_fields else None}
 
 
 def signal_name(signum: int) -> str:

@@ -34,6 +34,9 @@ LAYOUTS = {
     "tp2-sp": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
     "pp2": ["--parallel.pp=2"],
     "dp2-tp2-pp2": ["--parallel.dp=2", "--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch=1"],
+    "dp2-zero3-tp2-sp-recompute": ["--parallel.dp=2", "--parallel.zero=3", "--parallel.tp=2",
+                                   "--parallel.sequence_parallel=true", "--train.micro_batch=1",
+                                   "--memory.checkpointing=full"],
 }
 RTOL = 1e-5
 
@@ -47,7 +50,7 @@ def hf_config(cache: str, arch: str, *overrides: str):
 def _train(rank, world_size, cfg, run_dir):
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     losses = [trainer.train_step().loss for _ in range(STEPS)]
-    return losses, trainer.parallel.full_weights()
+    return losses, trainer.parallel.full_weights(), trainer.parallel.checkpointed
 
 
 def train_layout(cfg):
@@ -89,7 +92,8 @@ def assert_matches_reference(losses, weights, ref, what):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layout_matches_transformers_reference(corpus_cache, arch, layout):
     cfg = hf_config(corpus_cache, arch, *LAYOUTS[layout])
-    losses, weights = train_layout(cfg)
+    losses, weights, checkpointed = train_layout(cfg)
+    assert checkpointed == ([0, 1] if cfg.memory.checkpointing == "full" else [])  # the layout is what it says
     ref = reference(corpus_cache, arch)
     assert ref[0].losses[-1] < ref[0].losses[0]  # it learns: the comparison is not of four equal numbers
     assert_matches_reference(losses, weights, ref, f"{arch} {layout}")
@@ -107,7 +111,7 @@ def test_a_missing_partial_gradient_sum_fails_the_comparison(corpus_cache, monke
 
     monkeypatch.setitem(registry.FAMILIES, "hf", replace(hf, tp_plan=without_norm_sums))  # forked ranks inherit it
     cfg = hf_config(corpus_cache, "llama", *LAYOUTS["tp2-sp"])
-    losses, weights = train_layout(cfg)
+    losses, weights, _ = train_layout(cfg)
     with pytest.raises(AssertionError):
         assert_matches_reference(losses, weights, reference(corpus_cache, "llama"), "llama tp2-sp without norm sums")
 
@@ -116,7 +120,8 @@ def test_a_missing_partial_gradient_sum_fails_the_comparison(corpus_cache, monke
     (["--parallel.pp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
     (["--parallel.pp=2", "--parallel.pp_schedule=zb-h1"], "parallel.pp_schedule"),
     (["--parallel.tp=4"], "parallel.tp"),
-    (["--memory.checkpointing=full"], "memory.checkpointing"),
+    (["--memory.checkpointing=selective"], "memory.checkpointing"),
+    (["--memory.activation_offload=true"], "memory.activation_offload"),
     (["--model.hf_config=/nonexistent/config.json"], "model.hf_config"),
 ])
 def test_refusals_name_the_field(corpus_cache, overrides, field):

@@ -4,10 +4,11 @@ hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalL
 initialized by (seed, name), cut by the Megatron plan below and trained by bigtrain's Trainer.
 Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
 
-Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages) and pp
-(one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py); Ulysses sp, experts, activation
-checkpointing, offload of activations, the fused loss, int8 compression, float8 and compilation are
-refused by name (they read bigtrain's own Llama structure).
+Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), pp
+(one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py) and full or every-k-th
+recomputation of the blocks; Ulysses sp, experts, selective recomputation, offload of activations,
+the fused loss, int8 compression, float8 and compilation are refused by name (they read bigtrain's
+own Llama structure).
 """
 
 from __future__ import annotations
@@ -121,7 +122,6 @@ REFUSED = (  # (field, its value here, the value it must have, why)
     ("parallel.pp_virtual", lambda c: c.parallel.pp_virtual, 1, "one stage per pipeline rank is supported"),
     ("parallel.sp", lambda c: c.parallel.sp, 1, "Ulysses cuts bigtrain's attention core"),
     ("parallel.ep", lambda c: c.parallel.ep, 1, "the architectures supported have no experts"),
-    ("memory.checkpointing", lambda c: c.memory.checkpointing, "none", "recomputation wraps bigtrain's blocks"),
     ("memory.activation_offload", lambda c: c.memory.activation_offload, False, "it hooks bigtrain's modules"),
     ("memory.activation_compression", lambda c: c.memory.activation_compression, "none", "it wraps bigtrain's linears"),
     ("model.fused_loss", lambda c: c.model.fused_loss, False, "it replaces bigtrain's head"),
@@ -164,6 +164,9 @@ def check_hf(cfg: Config) -> list[str]:
     layers = fields.get("num_hidden_layers", 0)
     if p.pp > layers > 0:
         problems.append(f"parallel.pp = {p.pp}: more stages than the {layers} num_hidden_layers of {path}")
+    if cfg.memory.checkpointing == "selective":
+        problems.append(f"memory.checkpointing = 'selective' with model.name = '{NAME}': it names the parts of "
+                        f"bigtrain's Llama block; use 'full' or 'every'")
     tp = cfg.parallel.tp
     heads, kv = fields.get("num_attention_heads", 0), fields.get("num_key_value_heads") or fields.get(
         "num_attention_heads", 0)
@@ -211,6 +214,7 @@ HF = Family(
     init_fn=init_fn,
     tp_plan=tp_plan,
     split_stages=split_causal_lm,
+    blocks=lambda model: model.model.layers,
     parameter_count=parameter_count,
     export=export_folder,
     size_problems=lambda cfg, *args, **kwargs: ([], [f"model.name = '{NAME}': the planner has no memory model for "

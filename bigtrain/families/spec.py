@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from bigtrain.core.blocks import default_unit_modules
-
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -48,7 +46,9 @@ class Family:
     # {module pattern: style} for tensor / sequence parallelism (model, tp, sequence_parallel, ulysses);
     # None: parallelize's default (the reference Llama's plan).
     tp_plan: Callable[["nn.Module", int, bool, bool], dict] | None = None
-    blocks: Callable[["nn.Module"], list["nn.Module"]] = default_unit_modules  # ZeRO units, recomputation
+    # The container of its blocks (nn.ModuleList): what recomputation wraps, one by one; ZeRO's
+    # units are its entries. None: the model's ``layers`` (the reference Llama's).
+    blocks: Callable[["nn.Module"], "nn.Module"] | None = None
     # Its split into pipeline stages, (model, stages, balance, split points) -> stages; None: the
     # reference Llama's (bigtrain.parallel.pipeline.partition.split_model).
     split_stages: Callable[..., list] | None = None

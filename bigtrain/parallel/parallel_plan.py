@@ -61,6 +61,9 @@ class ActivationPlan:
     compression: str = "none"  # 'int8': linear layers' saved inputs as int8 with per-row scales
     fused_loss: bool = False  # the head and the cross-entropy in chunks of tokens, never all logits
     fused_loss_chunk: int = 1024
+    # The container of the model's blocks (what recomputation wraps), by the model family: model ->
+    # its nn.ModuleList; None: the model's ``layers`` (the reference Llama's).
+    blocks: Callable | None = None
 
 
 @dataclass(frozen=True)
