@@ -77,7 +77,8 @@ def check_model(cfg: Config) -> list[str]:
     if m.n_heads % m.kv_heads:
         problems.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}; "
                         f"e.g. {_divisor_near(m.n_heads, m.kv_heads)}")
-    return problems + check_init_from(m)
+    family = FAMILIES.get(m.name)
+    return problems + (check_init_from(m) if family is not None and family.model_fields else [])
 
 
 def check_init_from(m) -> list[str]:

@@ -184,3 +184,24 @@ def test_a_tensor_parallel_checkpoint_exports_whole_weights(corpus_cache, tmp_pa
     assert set(state) == set(weights)
     for name, p in state.items():
         assert torch.equal(p, weights[name]), name
+
+
+def _initial_weights(rank, world_size, cfg, run_dir):
+    return trainer_on_rank(rank, world_size, cfg, run_dir).parallel.full_weights()
+
+
+def test_init_from_loads_an_exported_folder_shard_by_shard(corpus_cache, tmp_path):
+    """model.init_from = 'hf:PATH' starts from the folder's safetensors, here cut over tp2 + SP ranks."""
+    from bigtrain.cli import main
+
+    cfg = hf_config(corpus_cache, "qwen2")
+    weights, _ = _train_and_save(0, 1, cfg, str(tmp_path / "run"), torch.zeros(1, 4, dtype=torch.long))
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
+    resumed = hf_config(corpus_cache, "qwen2", f"--model.init_from=hf:{tmp_path / 'out'}", *LAYOUTS["tp2-sp"])
+    loaded = run_ranks(_initial_weights, 2, resumed, str(tmp_path / "again"))[0]
+    assert set(loaded) == set(weights)
+    for name, w in weights.items():
+        assert torch.equal(loaded[name], w), name
+    with pytest.raises(ConfigError, match="another model than model.hf_config"):
+        tiny_config(corpus_cache, "--model.name=hf", f"--model.hf_config={FIXTURES / 'llama'}",
+                    f"--model.init_from=hf:{tmp_path / 'out'}")

@@ -61,7 +61,11 @@ def layout_problems(cfg: Config) -> list[str]:
 
 
 def check_dlrm(cfg: Config) -> list[str]:
-    return batch_problems(cfg) + data_problems(cfg) + layout_problems(cfg)
+    problems = batch_problems(cfg) + data_problems(cfg) + layout_problems(cfg)
+    if cfg.model.init_from:
+        problems.append(f"model.init_from = {cfg.model.init_from!r}: the DLRM starts from its random init only; "
+                        f"set model.init_from = ''")
+    return problems
 
 
 def tables_fit_problems(cfg: Config) -> list[str]:

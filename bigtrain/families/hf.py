@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bigtrain.checkpoint.hf import hf_folder
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.hf_stages import split_causal_lm
@@ -81,8 +82,63 @@ def build_meta(cfg: Config) -> CausalLM:
 
 
 def init_fn(cfg: Config, model: nn.Module):
+    """Each parameter's full initial value by name: ``model.init_from``'s safetensors (read one
+    tensor at a time, lazily), else drawn by (seed, name)."""
+    folder = hf_folder(cfg.model.init_from)
+    if folder is not None:
+        return SafetensorsWeights(folder)
     std, seed = model.config.initializer_range, cfg.train.seed
     return lambda name, shape: init_value(name, shape, seed, std)
+
+
+class SafetensorsWeights:
+    """Initial values from a Hugging Face folder's ``*.safetensors`` under the model's own names."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder, self._where = folder, {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as handle:
+                self._where.update({k: f for k in handle.keys()})
+
+    def __call__(self, name: str, shape: tuple) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self._where:
+            raise ValueError(f"model.init_from: {self.folder} has no tensor '{name}'")
+        with safe_open(str(self._where[name]), framework="pt") as handle:
+            tensor = handle.get_tensor(name).float()
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"model.init_from: '{name}' in {self.folder} has shape {tuple(tensor.shape)}, the "
+                             f"model of model.hf_config needs {tuple(shape)}")
+        return tensor
+
+
+# The config.json fields that decide every parameter's name and shape.
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias")
+
+
+def init_from_problems(cfg: Config, fields: dict) -> list[str]:
+    """``model.init_from = "hf:PATH"``: a folder with safetensors of the model model.hf_config describes."""
+    folder = hf_folder(cfg.model.init_from)
+    where = cfg.model.init_from
+    if folder is None:
+        return [f"model.init_from = {where!r}: write 'hf:PATH' (a Hugging Face folder), or '' for a random init"]
+    if not (folder / CONFIG_FILE).is_file() or not any(folder.glob("*.safetensors")):
+        return [f"model.init_from = {where!r}: {folder} holds no {CONFIG_FILE} and *.safetensors; give a folder "
+                f"that does (bigtrain export RUN OUT --format hf writes one)"]
+    try:
+        theirs = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return [f"model.init_from = {where!r}: cannot read {folder / CONFIG_FILE} ({e})"]
+    differ = [k for k in SHAPE_KEYS if fields.get(k) != theirs.get(k)]
+    if architecture(theirs) != architecture(fields) or differ:
+        what = ", ".join(f"{k} {fields.get(k)!r} vs {theirs.get(k)!r}" for k in differ) or "the architecture"
+        return [f"model.init_from = {where!r}: its {CONFIG_FILE} describes another model than model.hf_config "
+                f"({what}); point model.hf_config at {folder / CONFIG_FILE}"]
+    return []
 
 
 def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -> dict:
@@ -125,7 +181,6 @@ REFUSED = (  # (field, its value here, the value it must have, why)
     ("memory.activation_offload", lambda c: c.memory.activation_offload, False, "it hooks bigtrain's modules"),
     ("memory.activation_compression", lambda c: c.memory.activation_compression, "none", "it wraps bigtrain's linears"),
     ("model.fused_loss", lambda c: c.model.fused_loss, False, "it replaces bigtrain's head"),
-    ("model.init_from", lambda c: c.model.init_from, "", "the weights are initialized by seed"),
     ("compile.enabled", lambda c: c.compile.enabled == "true", False, "compilation reads bigtrain's blocks"),
 )
 
@@ -167,6 +222,8 @@ def check_hf(cfg: Config) -> list[str]:
     if cfg.memory.checkpointing == "selective":
         problems.append(f"memory.checkpointing = 'selective' with model.name = '{NAME}': it names the parts of "
                         f"bigtrain's Llama block; use 'full' or 'every'")
+    if cfg.model.init_from:
+        problems += init_from_problems(cfg, fields)
     tp = cfg.parallel.tp
     heads, kv = fields.get("num_attention_heads", 0), fields.get("num_key_value_heads") or fields.get(
         "num_attention_heads", 0)
