@@ -1,7 +1,7 @@
 """The Hugging Face family (``model.name = "hf"``, issue 30): Llama, Mistral, Qwen2 and Qwen3 from
 tiny config.json files (tests/fixtures/hf; no download) trained by bigtrain's Trainer on one process,
 dp=2 with ZeRO-3 and tp=2 with sequence parallelism, each equal to the same transformers model
-trained in one plain process (bigtrain/check/reference_hf.py) within fp32 1e-5 over 4 steps.
+trained in one plain process (bigtrain/families/hf_reference.py) within fp32 1e-5 over 4 steps.
 
 Why 1e-5 can fail: the layouts differ from the reference by the order of fp32 sums only (dp's
 gradient average, tp's partial products, sequence shards), a few ulps per step (~1e-7 relative
@@ -66,7 +66,7 @@ _references = {}
 def reference(cache: str, arch: str):
     """(the reference in float64, each weight's fp32 noise: how far the same loop in fp32 lands
     from it, relative)."""
-    from bigtrain.check.reference_hf import reference_hf
+    from bigtrain.families.hf_reference import reference_hf
 
     if arch not in _references:
         cfg = hf_config(cache, arch)
@@ -205,3 +205,24 @@ def test_init_from_loads_an_exported_folder_shard_by_shard(corpus_cache, tmp_pat
     with pytest.raises(ConfigError, match="another model than model.hf_config"):
         tiny_config(corpus_cache, "--model.name=hf", f"--model.hf_config={FIXTURES / 'llama'}",
                     f"--model.init_from=hf:{tmp_path / 'out'}")
+
+
+# -- bigtrain check ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch, layout", [("qwen3", "dp2-zero3-tp2-sp-recompute"), ("mistral", "dp2-tp2-pp2")])
+def test_check_compares_the_family_step_by_step(corpus_cache, tmp_path, arch, layout):
+    """``bigtrain check`` runs the family's own reference (families/hf_reference.py): losses,
+    gradients, weights and the blocks' outputs agree at every step, and measured, not just passed."""
+    from bigtrain.check.run import check_on_rank, reference_problems
+
+    cfg = hf_config(corpus_cache, arch, *LAYOUTS[layout])
+    assert reference_problems(cfg) == []
+    report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=300)[0]
+    assert report.agree and report.steps == 3, report.text()
+    assert 0 < report.worst["loss"] <= 1e-5 and 0 < report.worst["forward"], report.text()
+
+
+def test_check_refuses_what_the_reference_does_not_state(corpus_cache):
+    from bigtrain.check.run import reference_problems
+
+    cfg = hf_config(corpus_cache, "llama", "--optim.name=lion")
+    assert any("optim.name" in p for p in reference_problems(cfg))

@@ -179,17 +179,22 @@ def _layout_and_reference(cfg: Config, mesh: Mesh, run_dir: str | Path, device: 
     if family.trainer is not None:  # a loop of its own, and the reference written for it
         reference, captured = OWN_LOOP_REFERENCES[family.trainer]
         return family.trainer(cfg, mesh, device), reference, captured
-    return Trainer(cfg, Path(run_dir), mesh, device), ReferenceRun, captured_module
+    return (Trainer(cfg, Path(run_dir), mesh, device), family.reference or ReferenceRun,
+            family.captured or captured_module)
 
 
 def reference_problems(cfg: Config) -> list[str]:
-    """Whether ``bigtrain check`` has a reference for ``cfg``'s model: the decoder reference builds
-    the model of the [model] fields; a loop of its own brings its own (OWN_LOOP_REFERENCES)."""
+    """What ``bigtrain check`` cannot compare for ``cfg``'s model: the family's own reference says
+    what it does not state; the decoder reference builds the model of the [model] fields; a loop of
+    its own brings its own (OWN_LOOP_REFERENCES)."""
     family = family_of(cfg)
-    if family.trainer is not None and family.trainer in OWN_LOOP_REFERENCES or family.model_fields:
-        return []
-    return [f"model.name = '{family.name}': bigtrain check has no step-by-step reference for it yet (its "
-            f"layouts are proved against the plain transformers loop in tests/, bigtrain/check/reference_hf.py)"]
+    if family.trainer is not None:
+        return [] if family.trainer in OWN_LOOP_REFERENCES else [
+            f"model.name = '{family.name}': bigtrain check has no reference for its training loop"]
+    if family.reference is not None:
+        return family.reference.problems(cfg)
+    return [] if family.model_fields else [
+        f"model.name = '{family.name}': bigtrain check has no step-by-step reference for it"]
 
 
 def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,

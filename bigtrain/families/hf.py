@@ -22,6 +22,7 @@ from torch import nn
 from bigtrain.checkpoint.hf import hf_folder
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
+from bigtrain.families.hf_reference import HFReference, captured_module
 from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
 from bigtrain.models.hf_causal_lm import CausalLM, init_value
@@ -272,6 +273,8 @@ HF = Family(
     tp_plan=tp_plan,
     split_stages=split_causal_lm,
     blocks=lambda model: model.model.layers,
+    reference=HFReference,
+    captured=captured_module,
     parameter_count=parameter_count,
     export=export_folder,
     size_problems=lambda cfg, *args, **kwargs: ([], [f"model.name = '{NAME}': the planner has no memory model for "

@@ -67,6 +67,11 @@ class Family:
     size_problems: Callable[..., tuple[list[str], list[str]]] | None = None
     # ``bigtrain plan`` for this family (cfg, gpus, as_json) -> exit code; None: the dense search.
     plan_command: Callable[["Config", int, bool], int] | None = None
+    # Its independent reference for ``bigtrain check``: a class (cfg, device) with train_step(capture)
+    # -> ReferenceStep, learning_rate(step) and problems(cfg) (what it does not state), and which
+    # modules' outputs are compared (by name); None: the decoder reference of bigtrain.check.reference.
+    reference: type | None = None
+    captured: Callable[[str], bool] | None = None
     # Its own training loop (cfg, mesh, device) -> a trainer; None: bigtrain.train.Trainer.
     trainer: Callable[..., Any] | None = None
     # The trainer gathers the full optimizer state (``bigtrain check`` replays 8-bit AdamW steps from it).
