@@ -72,6 +72,9 @@ class Family:
     # modules' outputs are compared (by name); None: the decoder reference of bigtrain.check.reference.
     reference: type | None = None
     captured: Callable[[str], bool] | None = None
+    # ``bigtrain check``'s bound on single tensors for this config when its model's own fp32 rounding
+    # exceeds the usual one (measured against float64; the family says why), else None.
+    tensor_bound: Callable[["Config"], float | None] | None = None
     # Its own training loop (cfg, mesh, device) -> a trainer; None: bigtrain.train.Trainer.
     trainer: Callable[..., Any] | None = None
     # The trainer gathers the full optimizer state (``bigtrain check`` replays 8-bit AdamW steps from it).
