@@ -18,6 +18,7 @@ from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epi
                                unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.failure import RunFailure
+from bigtrain.families import FAMILIES, Family, family_of
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
@@ -213,7 +214,7 @@ def _train_in(args: argparse.Namespace, cfg: Config, run_dir: Path, lock) -> int
 
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
         clear_run(run_dir)
-    if cfg.model.name == "llama":  # text tokenized once, here: in the launcher, or by the first rank to come
+    if family_of(cfg).reads_tokens:  # text tokenized once, here: in the launcher, or by the first rank to come
         from bigtrain.data.load import prepare_run_data
 
         prepare_run_data(cfg, run_dir, main=os.environ.get("RANK", "0") == "0", log=print)
@@ -287,8 +288,9 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     info = join_group(cfg)
     try:
         mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
-        if cfg.model.name == "dlrm":
-            return _run_dlrm(cfg, run_dir, mesh, info)
+        family = family_of(cfg)
+        if family.trainer is not None:
+            return _run_own_loop(family, cfg, run_dir, mesh, info)
         trainer = Trainer(cfg, run_dir, mesh, info.device)
         try:
             history = trainer.fit()
@@ -317,16 +319,16 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     return 0
 
 
-def _run_dlrm(cfg: Config, run_dir: Path, mesh, info) -> int:
-    """A recommender's run (bigtrain.recsys): its tables sharded, metrics.jsonl with AUC and log loss."""
-    from bigtrain.recsys.train import DlrmTrainer
+def _run_own_loop(family: Family, cfg: Config, run_dir: Path, mesh, info) -> int:
+    """The run of a family with a training loop of its own (the recommender's, bigtrain.recsys: its
+    tables sharded, metrics.jsonl with AUC and log loss)."""
     from bigtrain.report import write_report
     from bigtrain.train import write_summary
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if info.rank == 0:  # what --resume continues from
         (run_dir / "config.toml").write_text(to_toml(cfg))
-    trainer = DlrmTrainer(cfg, mesh, info.device)
+    trainer = family.trainer(cfg, mesh, info.device)
     records = trainer.fit(run_dir)
     if info.rank == 0 and records:
         write_summary(run_dir, {"steps": trainer.step, **records[-1]})
@@ -340,7 +342,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bigtrain.checkpoint.export import export
 
     try:
-        path, kind = export(Path(args.run_dir), Path(args.out), args.format)
+        path, kind = export(Path(args.run_dir), Path(args.out), args.format,
+                            folder_writer=lambda model: FAMILIES[model.name].export if model.name in FAMILIES else None)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"bigtrain export: {e}", file=sys.stderr)
         return 1

@@ -44,8 +44,11 @@ def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
 class ModelConfig:
     """The reference Llama-style decoder."""
 
-    name: str = doc("Architecture: 'llama' (the decoder) or 'dlrm' (a recommender: bottom MLP, the [embedding] "
-                    "tables, dot interaction, top MLP, binary cross-entropy).", "llama")
+    name: str = doc("Model family (bigtrain/families): 'llama' (the decoder), 'dlrm' (a recommender: bottom MLP, "
+                    "the [embedding] tables, dot interaction, top MLP, binary cross-entropy) or 'hf' (a Hugging "
+                    "Face Llama, Mistral, Qwen2 or Qwen3 from model.hf_config).", "llama")
+    hf_config: str = doc("model.name = 'hf': a local config.json (or the folder holding one) of a LlamaForCausalLM, "
+                         "MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; no hub access.", "")
     vocab_size: int = doc("Vocabulary size; 256 for the byte-level corpora.", 256)
     dim: int = doc("Hidden size h.", 128)
     n_layers: int = doc("Number of transformer blocks L.", 4)

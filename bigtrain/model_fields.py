@@ -1,6 +1,6 @@
 """Checks of the Llama fields that current checkpoints set: head size, biases, rotary scaling.
 
-Plain data (no torch): :func:`llama_field_problems` is one of :mod:`bigtrain.validation`'s rules.
+Plain data (no torch): :func:`llama_field_problems` is one of the Llama family's rules (bigtrain/families/llama.py).
 Each problem names the field and the value that fixes it.
 """
 

@@ -25,6 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from bigtrain.config import Config, ConfigError
+from bigtrain.families import family_of
 from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_key, text_files,
                            token_dtype_problem, uses_shards)
 from bigtrain.data.fields import records_problem, tokenizer_problem
@@ -125,7 +126,7 @@ def _kind(mode: int) -> str:
 def data_problems(cfg: Config) -> list[str]:
     """The corpus ``data.source`` names, against the model and the sampler: one problem at most."""
     d = cfg.data
-    if cfg.model.name == "dlrm":  # 'synthetic' or a Criteo TSV file: validation checked it exists
+    if not family_of(cfg).reads_tokens:  # its own data (a recommender's): validation checked it
         return []
     need = d.seq_len + 2  # TokenSampler draws starts in [0, len - seq_len - 1): a window of seq_len + 1, and one more
     if d.tokenizer != "bytes" and (problem := tokenizer_problem(cfg)):
@@ -318,8 +319,8 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
         size, warnings = [], []
     else:
         nvme_dir = cfg.offload.nvme_dir or str(Path(output_dir) / "offload")
-        size, warnings = size_problems(cfg, local_ranks, cuda, nvme_dir=nvme_dir) if cfg.model.name != "dlrm" \
-            else (tables_fit_problems(cfg), [])
+        check = family_of(cfg).size_problems or size_problems  # None: the dense planner's
+        size, warnings = check(cfg, local_ranks, cuda, nvme_dir=nvme_dir)
     problems += size
     if problems:
         raise ConfigError(problems)
@@ -333,17 +334,6 @@ def layout_warnings(cfg: Config) -> list[str]:
         return [f"parallel.zero = {p.zero} with parallel.dp = 1: ZeRO shards over the data-parallel ranks, so one "
                 f"rank holds everything and nothing is saved (it only adds the engine's work); use parallel.dp > 1 "
                 f"or parallel.zero = 0"]
-    return []
-
-
-def tables_fit_problems(cfg: Config) -> list[str]:
-    """A DLRM: whether the planner places its tables on parallel.dp ranks within embedding.budget_gb."""
-    from bigtrain.recsys.train import layout_for
-
-    try:
-        layout_for(cfg, cfg.parallel.dp)
-    except ValueError as e:
-        return [str(e)]
     return []
 
 

@@ -6,6 +6,7 @@ test or a user's script can run directly on a mesh it built itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -38,7 +39,8 @@ from bigtrain.evaluate import held_out_loss
 from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.metrics import MetricsLog
-from bigtrain.models.llama import build_model, count_parameters
+from bigtrain.families import Family, family_of
+from bigtrain.models.llama import count_parameters
 from bigtrain.nonfinite import BadSteps, NonFiniteStop
 from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.deferred import DeferredUpdate, LandedUpdate, deferrable
@@ -46,7 +48,7 @@ from bigtrain.parallel.pipeline.draw import draw_timeline
 from bigtrain.parallel.pipeline.executor import PipelineExecutor, align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
 from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
-from bigtrain.parallel.build import parallelize
+from bigtrain.parallel.build import ParallelModel, parallelize
 from bigtrain.parallel.compile import compile_clock
 from bigtrain.preemption import Preempted, SignalWatch
 from bigtrain.run_dir import RunDirWriteError, ensure_run_id, forget_stop, read_run_id, record_stop, write_atomic
@@ -95,12 +97,28 @@ class StepResult:
         return out
 
 
+def parallelize_family(family: Family, cfg: Config, mesh: Mesh, run_dir: str, device: torch.device) -> ParallelModel:
+    """This rank's part of ``cfg``'s model as its family builds, cuts and initializes it."""
+    model = family.build_meta(cfg)
+    plan = parallel_plan(cfg, run_dir, device_type=device.type)
+    if family.tp_plan is not None:
+        tp, sp = mesh.comm("tp").size, mesh.comm("sp").size
+        styles = family.tp_plan(model, tp, plan.tensor.sequence_parallel and tp > 1, sp > 1)
+        plan = dataclasses.replace(plan, tensor=dataclasses.replace(plan.tensor, styles=styles))
+    if family.blocks is not None:
+        plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, blocks=family.blocks))
+    if family.split_stages is not None:
+        plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=family.split_stages))
+    init_fn = family.init_fn(cfg, model) if family.init_fn is not None else initial_weights(cfg.model)
+    return parallelize(model, mesh, plan, device, init_fn=init_fn)
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, mesh: Mesh, device: torch.device | str = "cpu"):
         self.cfg, self.run_dir, self.mesh, self.device = cfg, Path(run_dir), mesh, torch.device(device)
         self.is_main = mesh.rank == 0
-        self.parallel = parallelize(build_model(cfg.model), mesh, parallel_plan(cfg, str(self.run_dir), device_type=self.device.type),
-                                    self.device, init_fn=initial_weights(cfg.model))
+        self.family = family_of(cfg)
+        self.parallel = parallelize_family(self.family, cfg, mesh, str(self.run_dir), self.device)
         self.model, self.engine = self.parallel.model, self.parallel.engine
         self.compile_clock = compile_clock() if self.parallel.compiled is not None else None
         if self.compile_clock is not None:
@@ -632,12 +650,13 @@ class Trainer:
                 "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,
                 "transforms": {name: list(kinds) for name, kinds in self.parallel.transforms.items()},
                 "compile_s": self.compile_clock.seconds if self.compile_clock is not None else 0.0,
-                "mesh": self.mesh.sizes, "model_params": count_parameters(build_model(cfg.model)),  # whole, on meta
+                "mesh": self.mesh.sizes, "model_params": self.family.parameter_count(cfg),  # whole, on meta
                 "tokens_seen": self.step * self.global_tokens,
                 "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg),
                 "data": {"source": cfg.data.source, "train_tokens": len(self.sampler.tokens),
                          "held_out_tokens": len(self.sampler.val_tokens)},
-                "predicted": run_info.prediction(cfg, self.device.type == "cuda")}
+                # The planner models the decoder the [model] fields describe; another family's is not.
+                "predicted": run_info.prediction(cfg, self.device.type == "cuda") if self.family.model_fields else None}
 
 
 def signal_name(signum: int) -> str:

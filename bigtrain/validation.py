@@ -14,10 +14,10 @@ from typing import Callable
 
 from bigtrain.config import Config, ConfigError
 from bigtrain.context_checks import check_context_parallel, divisor_near as _divisor_near, head_split_problems  # imports no torch
-from bigtrain.core.tables import SHARDINGS, SPARSE_OPTIMIZERS, check_layout, parse_sizes, requested_kinds
+from bigtrain.core.tables import SHARDINGS, SPARSE_OPTIMIZERS, parse_sizes
 from bigtrain.data.fields import data_field_problems
+from bigtrain.families import FAMILIES, family_names
 from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
-from bigtrain.model_fields import llama_field_problems
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
@@ -27,7 +27,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("auto", "fp32")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
-MODELS = ("llama", "dlrm")
+MODELS = family_names()
 MOE_ROUTERS = ("softmax", "sigmoid-bias")  # bigtrain.models.moe.ROUTERS (this module imports no torch)
 
 Rule = Callable[[Config], list[str]]
@@ -78,7 +78,8 @@ def check_model(cfg: Config) -> list[str]:
     if m.n_heads % m.kv_heads:
         problems.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}; "
                         f"e.g. {_divisor_near(m.n_heads, m.kv_heads)}")
-    return problems + check_init_from(m)
+    family = FAMILIES.get(m.name)
+    return problems + (check_init_from(m) if family is not None and family.model_fields else [])
 
 
 def check_init_from(m) -> list[str]:
@@ -163,41 +164,24 @@ def check_moe(cfg: Config) -> list[str]:
 
 
 def check_batch(cfg: Config) -> list[str]:
-    t, dp = cfg.train, cfg.parallel.dp
     problems = _positive(cfg, ["train.steps", "train.global_batch", "train.micro_batch"])
     problems += _positive(cfg, ["train.max_bad_steps"])
-    if problems or dp <= 0:
-        return problems
-    if cfg.model.name == "dlrm":
-        return _check_dlrm_batch(cfg)
-    if t.global_batch % (t.micro_batch * dp):
-        per_rank = t.micro_batch * dp
-        fix = max(per_rank, t.global_batch // per_rank * per_rank)
-        problems.append(
-            f"train.global_batch = {t.global_batch} is not divisible by train.micro_batch x parallel.dp = "
-            f"{t.micro_batch} x {dp}; use train.global_batch = {fix} or change train.micro_batch")
-    return problems
+    return problems  # how the global batch divides is the family's rule (check_family)
 
 
 def check_data(cfg: Config) -> list[str]:
-    d, m = cfg.data, cfg.model
-    if m.name == "dlrm":
-        return _check_dlrm_data(cfg)
-    problems = _positive(cfg, ["data.seq_len"]) + _non_negative(cfg, ["data.max_bytes"])
-    if d.seq_len > m.max_seq_len:
-        problems.append(f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; "
-                        f"raise model.max_seq_len or lower data.seq_len")
-    is_tokens = d.source.endswith((".bin", ".npy"))
-    if not d.source.strip():  # Path('') is the current directory: every text file under it
-        problems.append("data.source is empty; use 'stdlib', a text file or folder, or a .bin / .npy token file")
-    elif d.source != "stdlib" and not _exists(d.source):
-        problems.append(f"data.source = '{d.source}': no such file or folder; use 'stdlib' or an existing path")
-    if not is_tokens and d.tokenizer == "bytes" and m.vocab_size < 256:
-        problems.append(f"model.vocab_size = {m.vocab_size}: byte-level text needs at least 256; set it to 256")
-    if not -1 <= d.ignore_target < m.vocab_size:
-        problems.append(f"data.ignore_target = {d.ignore_target}: must be -1 (keep every target) or a token id "
-                        f"below model.vocab_size = {m.vocab_size}")
-    return problems
+    """The domains of the token corpus fields; the data against the model is the family's rule."""
+    family = FAMILIES.get(cfg.model.name)
+    if family is None or not family.reads_tokens:
+        return []
+    return _positive(cfg, ["data.seq_len"]) + _non_negative(cfg, ["data.max_bytes"])
+
+
+def check_family(cfg: Config) -> list[str]:
+    """The model family's own rules (bigtrain/families): its config fields, its batches and data,
+    and the layouts it supports (check_model names an unknown family)."""
+    family = FAMILIES.get(cfg.model.name)
+    return family.check_config(cfg) if family is not None else []
 
 
 def check_optim(cfg: Config) -> list[str]:
@@ -273,8 +257,12 @@ def _exists(path: str, expand: bool = True) -> bool:
 
 
 def check_model_split(cfg: Config) -> list[str]:
-    """Tensor and sequence parallelism against the model's shapes."""
+    """Tensor and sequence parallelism against the model's shapes (the [model] decoder fields, for a
+    family they describe; another family checks its own shapes)."""
     m, p, seq = cfg.model, cfg.parallel, cfg.data.seq_len
+    family = FAMILIES.get(m.name)
+    if family is None or not family.model_fields:
+        return []
     if p.tp <= 0 or p.sp <= 0 or m.n_heads <= 0 or m.dim <= 0 or m.n_heads % max(1, m.kv_heads):
         return []
     problems = []
@@ -318,8 +306,8 @@ def check_pipeline(cfg: Config) -> list[str]:
                                             m_field="train.global_batch / (train.micro_batch x parallel.dp)")
 
 
-RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_pipeline, check_batch, check_data, check_optim,
-                     check_runtime]
+RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_pipeline, check_batch, check_data,
+                     check_family, check_optim, check_runtime]
 
 
 # init_value seeds torch with seed x 1_000_003 + crc32(name), which must stay below 2**64; numpy's
@@ -436,11 +424,12 @@ def check_evaluation(cfg: Config) -> list[str]:
 
 
 RULES.append(check_evaluation)
-# -- the recommender (model.name = 'dlrm'): its [embedding] section ----------------------------------
+# -- the recommender's [embedding] section ---------------------------------------------------------
 def check_embedding(cfg: Config) -> list[str]:
-    """The [embedding] fields' own domains (for any model); with a DLRM, whether its tables can be
-    placed as embedding.sharding says on parallel.dp ranks, and what the DLRM trainer supports."""
-    e, m, p = cfg.embedding, cfg.model, cfg.parallel
+    """The [embedding] fields' own domains, for any model (a value no model accepts is a typo,
+    whether this one reads it or not); whether a recommender's tables can be placed is its family's
+    rule."""
+    e, m = cfg.embedding, cfg.model
     problems = _positive(cfg, ["embedding.dim", "embedding.hotness", "embedding.lr", "embedding.eps",
                                "model.dlrm_dense_features"])
     problems += _non_negative(cfg, ["embedding.budget_gb"])
@@ -462,39 +451,7 @@ def check_embedding(cfg: Config) -> list[str]:
     if unknown:  # for any model: a value no model accepts is a typo, whether this one reads it or not
         problems.append(f"embedding.sharding = '{e.sharding}': {', '.join(repr(k) for k in unknown)} is not one of "
                         f"{', '.join(SHARDINGS)} (one for every table, or one per table, comma-separated)")
-    if problems or m.name != "dlrm":
-        return problems
-    rows = sizes["embedding.tables"]
-    try:
-        kinds = requested_kinds(e.sharding, len(rows))
-    except ValueError as err:
-        return [str(err)]
-    problems += check_layout(rows, e.dim, p.dp, ["table" if k == "auto" else k for k in kinds])
-    if p.tp * p.pp * p.sp * p.ep != 1:
-        problems.append("model.name = 'dlrm' runs over parallel.dp only (tables sharded over the dp ranks); "
-                        "set parallel.tp, pp, sp and ep to 1")
-    if cfg.precision.mode != "fp32":
-        problems.append(f"precision.mode = '{cfg.precision.mode}': the DLRM trains in fp32; set it to 'fp32'")
-    if p.zero:
-        problems.append(f"parallel.zero = {p.zero}: the DLRM's dense part trains replicated (ZeRO is not wired to it "
-                        f"yet); set parallel.zero = 0")
     return problems
-
-
-def _check_dlrm_batch(cfg: Config) -> list[str]:
-    t, dp = cfg.train, cfg.parallel.dp
-    if t.global_batch % dp:
-        return [f"train.global_batch = {t.global_batch} is not divisible by parallel.dp = {dp} (each rank takes "
-                f"global_batch / dp samples); use train.global_batch = {max(dp, t.global_batch // dp * dp)}"]
-    return []
-
-
-def _check_dlrm_data(cfg: Config) -> list[str]:
-    source = cfg.data.source
-    if source != "synthetic" and not _exists(source):
-        return [f"data.source = '{source}': the DLRM reads 'synthetic' (the Criteo-like generator) or a Criteo TSV "
-                f"file; no such file"]
-    return []
 
 
 RULES += [check_embedding]
@@ -507,7 +464,8 @@ def check_compile(cfg: Config) -> list[str]:
     refused here, before launch."""
     setting = cfg.compile.enabled
     problems = _one_of("compile.enabled", setting, COMPILE_SETTINGS)
-    if setting == "true" and cfg.model.name != "llama":
+    family = FAMILIES.get(cfg.model.name)
+    if setting == "true" and family is not None and not family.compiles:
         problems.append(f"compile.enabled = true compiles the decoder's transformer blocks; model.name = "
                         f"'{cfg.model.name}' has none: use compile.enabled = 'auto' or false")
     return problems
@@ -600,4 +558,4 @@ def _async_needs_plain_replicas(cfg: Config, what: str, axes: tuple[str, ...]) -
     return problems
 
 
-RULES += [check_async, llama_field_problems, data_field_problems, check_context_parallel]
+RULES += [check_async, data_field_problems, check_context_parallel]  # the Llama fields' rules: bigtrain/families/llama.py

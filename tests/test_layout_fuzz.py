@@ -36,7 +36,8 @@ def test_the_sample_spans_the_composition_space():
 def test_resume_draws_cover_every_optimizer_and_other_layouts():
     from bigtrain.check.fuzz import OPTIMIZERS, draw_sample, split_resume
 
-    resumed = [split_resume(draw_sample(SEED, i, MAX_WORLD, dlrm_share=0.0, resume_share=1.0)) for i in range(40)]
+    resumed = [split_resume(draw_sample(SEED, i, MAX_WORLD, dlrm_share=0.0, resume_share=1.0, hf_share=0.0))
+               for i in range(40)]
     assert all(after in (1, 2) for _, after, _ in resumed)
     names = {next((o.split("=")[1] for o in first if o.startswith("--optim.name=")), "adamw") for first, _, _ in resumed}
     assert names == set(OPTIMIZERS)

@@ -45,6 +45,7 @@ def check_config(preset: str | None, path: str | None, overrides: list[str]) -> 
 def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
+    from bigtrain.check.run import reference_problems
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
     from bigtrain.preflight import check_environment, check_inputs, print_warnings
 
@@ -54,6 +55,8 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = check_config(args.preset, args.config, overrides)
     validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available(),
              cuda_capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
+    if problems := reference_problems(cfg):
+        raise ConfigError(problems)
     if args.steps < 1:
         print("bigtrain check: --steps must be at least 1", file=sys.stderr)
         return 2

@@ -9,7 +9,9 @@ with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture
 degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
 update, float8 linears emulated); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
-in backward, the dense part's optimizer, 1 to 4 ranks); on top of a decoder sample, int8
+in backward, the dense part's optimizer, 1 to 4 ranks); Hugging Face decoders (:func:`sample_hf_layout`:
+Llama, Mistral, Qwen2 and Qwen3 config.json files drawn tiny, under dp, ZeRO, tp with or without
+sequence parallelism, pp and recomputation, against their own reference); on top of a decoder sample, int8
 activation compression, against the reference that quantizes the same linear inputs by the same
 rule, and regional compilation (``compile.enabled``), each from a generator of its own so the rest of
 a sample is what it was before it joined (:func:`draw_sample`). Each sample must either be rejected by validation before any rank
@@ -23,8 +25,9 @@ optimizers, must load exactly what it saved, and is compared with the reference 
 after the resume. A share of them compress saved activations to int8, compared with a reference
 that quantizes the same rows.
 
-``python -m bigtrain.check.fuzz N SEED [--dlrm-share F] [--resume-share R] [--int8-share G]``
-(``scripts/fuzz-layouts.sh``) runs N samples, a share F of them DLRMs, a share G of the others with
+``python -m bigtrain.check.fuzz N SEED [--dlrm-share F] [--hf-share H] [--resume-share R] [--int8-share G]``
+(``scripts/fuzz-layouts.sh``) runs N samples, a share F of them DLRMs, a share H of the rest Hugging
+Face decoders, a share G of the others with
 int8 compression and a share R of them resumed (:func:`draw_sample`; a share of 0 draws the samples
 of the seeds recorded before that draw joined). New techniques add their keys to
 :func:`sample_layout` (or :func:`sample_dlrm_layout`) when they land.
@@ -33,14 +36,18 @@ of the seeds recorded before that draw joined). New techniques add their keys to
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import re
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from bigtrain.config import Config, ConfigError, load_config
+from bigtrain.families import family_of
 from bigtrain.validation import validate
 
 BASE = ["--logging.progress=false", "--logging.report=false", "--checkpoint.save_final=false",
@@ -48,6 +55,10 @@ BASE = ["--logging.progress=false", "--logging.report=false", "--checkpoint.save
 FIELD = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
 DLRM = "--model.name=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
 DLRM_SHARE = 0.2
+HF = "--model.name=hf"  # a Hugging Face decoder, its config.json written from the next override
+HF_TINY = "--model.hf_config=tiny:"  # tiny:ARCH:LAYERS:KV_HEADS:TIED, made into a file by _config
+HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+HF_SHARE = 0.1
 RESUME_SHARE = 0.25
 INT8_SHARE = 0.2
 INT8 = "--memory.activation_compression=int8"
@@ -57,7 +68,7 @@ COMPILED = "--compile.enabled=true"
 
 def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE,
                 resume_share: float = RESUME_SHARE, int8_share: float = INT8_SHARE,
-                compile_share: float = COMPILE_SHARE) -> list[str]:
+                compile_share: float = COMPILE_SHARE, hf_share: float = HF_SHARE) -> list[str]:
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
     with int8 activation compression added with probability ``int8_share``, compiled
     (``compile.enabled``) with probability ``compile_share``, resumed then stepped with probability
@@ -67,6 +78,8 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
+    if random.Random(f"{seed}:{index}:hf").random() < hf_share:  # 0: the samples drawn before it joined
+        return sample_hf_layout(rng, max_world)
     out = sample_layout(rng, max_world)
     if random.Random(f"{seed}:{index}:int8").random() < int8_share:
         out.append(INT8)
@@ -109,6 +122,59 @@ def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     if rng.random() < 0.1:
         out.append(rng.choice(["--parallel.tp=2", "--precision.mode=bf16", "--parallel.zero=1"]))
     return out
+
+
+def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
+    """One Hugging Face layout (bigtrain/families/hf.py) as overrides of the tiny preset: a tiny
+    config.json of each architecture (blocks, key/value heads, tied head drawn), dp, ZeRO, tp with
+    or without sequence parallelism, pp, recomputation; now and then a field it does not support or
+    a shape tp does not divide, which validation must reject by name."""
+    while True:
+        dp, tp, pp = (rng.choice(c) for c in ([1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2]))
+        if dp * tp * pp <= max_world:
+            break
+    micro = rng.choice([1, 2])
+    accum = rng.choice([1, 2]) if pp == 1 else rng.choice([2, 4])
+    spec = f"{rng.choice(HF_ARCHS)}:{rng.choice([2, 3, 4])}:{rng.choice([1, 2, 2, 4])}:{rng.random() < 0.25}"
+    out = [HF, HF_TINY + spec, f"--parallel.dp={dp}", f"--parallel.tp={tp}", f"--parallel.pp={pp}",
+           f"--parallel.zero={rng.choice([0, 1, 2, 3])}", f"--train.micro_batch={micro}",
+           f"--train.global_batch={micro * accum * dp}", f"--data.ignore_target={rng.choice([-1, -1, 32])}",
+           f"--optim.grad_clip={rng.choice([1.0, 0.5, 0.0])}", f"--optim.warmup_steps={rng.choice([1, 2, 20])}"]
+    if tp > 1:
+        out.append(f"--parallel.sequence_parallel={pp == 1 and rng.random() < 0.6}")
+    if pp > 1:
+        out.append(f"--parallel.pp_schedule={rng.choice(['1f1b', 'gpipe'])}")
+    checkpointing = rng.choice(["none", "none", "full", "every"])
+    out.append(f"--memory.checkpointing={checkpointing}")
+    if checkpointing == "every":
+        out.append("--memory.checkpoint_every=2")
+    if rng.random() < 0.1:
+        out.append(rng.choice(["--precision.mode=bf16", "--parallel.sp=2", "--model.fused_loss=true",
+                               "--memory.checkpointing=selective", "--optim.name=lion", "--parallel.pp_virtual=2"]))
+    return out
+
+
+def tiny_hf_config(spec: str, folder: Path) -> Path:
+    """The config.json a sample's ``tiny:ARCH:LAYERS:KV_HEADS:TIED`` names, written under ``folder``
+    (hidden 64, 4 heads, vocabulary 256, as tests/fixtures/hf)."""
+    arch, layers, kv, tied = spec.split(":")
+    fields = {"architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+              "model_type": arch, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": int(layers), "num_attention_heads": 4, "num_key_value_heads": int(kv),
+              "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
+              "tie_word_embeddings": tied == "True", "rope_theta": 10000.0}
+    if arch == "qwen3":
+        fields["head_dim"] = 16
+    if arch == "mistral":
+        fields["sliding_window"] = None
+    path = folder / f"{arch}-L{layers}-kv{kv}-tied{tied}" / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(fields, indent=1))
+        tmp.replace(path)  # atomic: forked ranks of another sample may read it
+    return path
 
 
 def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
@@ -314,19 +380,21 @@ class Outcome:
 
 def _config(overrides: list[str], cache_dir: str) -> Config:
     preset = "dlrm-tiny" if DLRM in overrides else "tiny"
+    folder = Path(cache_dir or tempfile.gettempdir()) / "bigtrain-fuzz-hf"
+    overrides = [f"--model.hf_config={tiny_hf_config(o[len(HF_TINY):], folder)}" if o.startswith(HF_TINY) else o
+                 for o in overrides]
     return load_config(preset=preset, overrides=BASE + [f"--data.cache_dir={cache_dir}"] + overrides)
 
 
 def _validate(cfg: Config) -> None:
-    """What ``bigtrain check`` rejects before any rank starts: validation, and for a DLRM the
-    planner's placement of its tables within embedding.budget_gb (the pre-launch check)."""
-    validate(cfg)
-    if cfg.model.name == "dlrm":
-        from bigtrain.preflight import tables_fit_problems
+    """What ``bigtrain check`` rejects before any rank starts: validation, and whether the family's
+    planner can place the model at all (a DLRM's tables within embedding.budget_gb)."""
+    from bigtrain.check.run import reference_problems  # imports torch: only where a sample is checked
 
-        problems = tables_fit_problems(cfg)
-        if problems:
-            raise ConfigError(problems)
+    validate(cfg)
+    problems = family_of(cfg).placement_problems(cfg) + reference_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
 
 
 def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: float = 240.0) -> Outcome:
@@ -376,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dlrm-share", type=float, default=DLRM_SHARE,
                         help=f"share of the samples that are DLRMs, 0 to 1 (default {DLRM_SHARE}; 0: decoders only, "
                              f"as before DLRMs joined)")
+    parser.add_argument("--hf-share", type=float, default=HF_SHARE,
+                        help=f"share of the other samples that are Hugging Face decoders, 0 to 1 (default {HF_SHARE}; "
+                             f"0: as before they joined)")
     parser.add_argument("--resume-share", type=float, default=RESUME_SHARE,
                         help=f"share of the decoder samples resumed then stepped, 0 to 1 (default {RESUME_SHARE}; "
                              f"0: the samples of seeds recorded before resumes joined)")
@@ -394,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
         sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share, args.int8_share,
-                             args.compile_share)
+                             args.compile_share, args.hf_share)
         outcome = run_sample(sample, args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)
@@ -407,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             print("    " + " ".join(outcome.detail.split())[:300], flush=True)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
     for label, group in (("DLRM", [o for o in outcomes if DLRM in o.overrides]),
+                         ("hf", [o for o in outcomes if HF in o.overrides]),
                          ("resumed", [o for o in outcomes if split_resume(o.overrides)[1]]),
                          ("int8", [o for o in outcomes if INT8 in o.overrides]),
                          ("compiled", [o for o in outcomes if COMPILED in o.overrides])):

@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from bigtrain.config import Config
+from bigtrain.core.reference_step import ReferenceStep  # every family's reference writes one
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
@@ -53,19 +53,6 @@ from bigtrain.models.llama import Llama
 from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class ReferenceStep:
-    """What one step of the reference produced. ``outputs``, ``grads`` and ``weights`` are filled
-    when the step was captured (full tensors by module / parameter name)."""
-
-    loss: float
-    grad_norm: float
-    skipped: bool
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # after the update
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # reduced, unscaled, before clipping
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # forward outputs over the global batch
 
 
 def captured_module(name: str) -> bool:

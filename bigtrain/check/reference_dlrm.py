@@ -24,6 +24,7 @@ from bigtrain.check.reference import ReferenceRun, ReferenceStep, _optimizer
 from bigtrain.config import Config
 from bigtrain.models.dlrm import build_dlrm
 from bigtrain.recsys.data import sampler_for
+from bigtrain.recsys.train import DlrmTrainer
 from bigtrain.core.tables import parse_sizes
 
 # Whole-batch outputs any table layout can put back together from its ranks' batch slices.
@@ -106,3 +107,7 @@ def reference_dlrm(cfg: Config, steps: int) -> tuple[list[float], dict[str, torc
     losses = [run.train_step().loss for _ in range(steps)]
     assert all(math.isfinite(x) for x in losses)
     return losses, run.weights()
+
+
+# The reference of each family's own training loop (bigtrain.families' ``trainer`` slot), by its class.
+OWN_LOOP_REFERENCES = {DlrmTrainer: (DlrmReference, captured_dlrm_module)}

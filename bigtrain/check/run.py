@@ -10,7 +10,7 @@ updated value differs, each with the ranks that hold it and the size of the diff
 The layout's outputs, gradients and weights are gathered to the first rank every step: this is a
 tool for small configurations (shrink the model, keep the layout), not for a 7B run.
 
-A DLRM (``model.name = 'dlrm'``) goes through the same loop: its trainer
+A DLRM (a family with a loop of its own) goes through the same loop: its trainer
 (:class:`~bigtrain.recsys.train.DlrmTrainer`) and reference
 (:class:`~bigtrain.check.reference_dlrm.DlrmReference`) answer the same calls, its tables are
 compared whole after every step, its dense gradients before the update (the tables have none:
@@ -20,7 +20,7 @@ and the top MLP's.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,9 +29,11 @@ from torch import nn
 
 from bigtrain.check.compare import Tolerance, assemble, relative_error, scalar_error, tolerance_for
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
+from bigtrain.check.reference_dlrm import OWN_LOOP_REFERENCES
 from bigtrain.check.replay import replayed_step
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
+from bigtrain.families import family_of
 from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS
 from bigtrain.train import StepResult, Trainer
 
@@ -173,12 +175,26 @@ def _owners(shared: list[dict], key: str) -> dict[str, list[int]]:
 def _layout_and_reference(cfg: Config, mesh: Mesh, run_dir: str | Path, device: torch.device | str):
     """(the trainer of ``cfg``'s model on this rank, a factory of its reference on a device, the
     predicate naming the modules whose outputs are compared)."""
-    if cfg.model.name == "dlrm":
-        from bigtrain.check.reference_dlrm import DlrmReference, captured_dlrm_module
-        from bigtrain.recsys.train import DlrmTrainer
+    family = family_of(cfg)
+    if family.trainer is not None:  # a loop of its own, and the reference written for it
+        reference, captured = OWN_LOOP_REFERENCES[family.trainer]
+        return family.trainer(cfg, mesh, device), reference, captured
+    return (Trainer(cfg, Path(run_dir), mesh, device), family.reference or ReferenceRun,
+            family.captured or captured_module)
 
-        return DlrmTrainer(cfg, mesh, device), DlrmReference, captured_dlrm_module
-    return Trainer(cfg, Path(run_dir), mesh, device), ReferenceRun, captured_module
+
+def reference_problems(cfg: Config) -> list[str]:
+    """What ``bigtrain check`` cannot compare for ``cfg``'s model: the family's own reference says
+    what it does not state; the decoder reference builds the model of the [model] fields; a loop of
+    its own brings its own (OWN_LOOP_REFERENCES)."""
+    family = family_of(cfg)
+    if family.trainer is not None:
+        return [] if family.trainer in OWN_LOOP_REFERENCES else [
+            f"model.name = '{family.name}': bigtrain check has no reference for its training loop"]
+    if family.reference is not None:
+        return family.reference.problems(cfg)
+    return [] if family.model_fields else [
+        f"model.name = '{family.name}': bigtrain check has no step-by-step reference for it"]
 
 
 def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
@@ -201,6 +217,9 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     aliases = {n: c for held in copies or [] for n, c in held.items()}
     probe = OutputProbe(_modules(trainer), captured)
     tol = tolerance_for(cfg.precision.mode, cfg.optim.name, cfg.memory.activation_compression, cfg.precision.fp8)
+    family = family_of(cfg)
+    if family.tensor_bound is not None and (bound := family.tensor_bound(cfg)) is not None:
+        tol = replace(tol, tensor=max(tol.tensor, bound))  # a model whose own rounding exceeds the usual
     coords = {axis: mesh.coord(axis) for axis in AXES}
     mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
             "modules": [n for n, _ in _modules(trainer)]}
@@ -247,7 +266,7 @@ def replays_steps(cfg: Config, deferred: bool) -> bool:
     hold to fp32's bound; not where the step's gradient is gone when its update lands (2BW's
     deferred boundary) or the weights are averaged after it (local SGD). A DLRM's dense part is
     compared in the free run only (its trainer gathers no full optimizer state)."""
-    return (cfg.optim.name == "adamw8bit" and cfg.model.name != "dlrm" and not deferred
+    return (cfg.optim.name == "adamw8bit" and family_of(cfg).full_optimizer_state and not deferred
             and cfg.parallel.dp_sync != "local-sgd")
 
 

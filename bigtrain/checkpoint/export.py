@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from bigtrain.checkpoint.commit import newest_valid_checkpoint
 from bigtrain.checkpoint.hf import readable_as_umask
 from bigtrain.checkpoint.sharded import ChunkReader
+from bigtrain.config import ModelConfig
 
 
 def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -56,10 +58,12 @@ def write_tokenizer(checkpoint: Path, data: dict, out: Path, max_len: int) -> No
         print(f"bigtrain export: warning: {e}", file=sys.stderr)
 
 
-def export(run_dir: Path, out: Path, fmt: str = "safetensors") -> tuple[Path, str]:
+def export(run_dir: Path, out: Path, fmt: str = "safetensors",
+           folder_writer: Callable[[ModelConfig], Callable | None] | None = None) -> tuple[Path, str]:
     """Write the weights of the newest valid checkpoint under ``run_dir`` (a run directory, its
     ``checkpoints/``, or one checkpoint) to ``out``; returns (the path written, 'safetensors', 'torch'
-    or 'hf')."""
+    or 'hf'). ``folder_writer``: for ``hf``, the writer of the run's model family given its
+    [model] section (``(model, weights, out) -> folder``), or None for the Llama conversion."""
     from bigtrain.checkpoint import FORMAT
 
     if fmt not in FORMATS:
@@ -77,6 +81,9 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors") -> tuple[Path, st
         from bigtrain.checkpoint.hf import model_config, save_hf
 
         cfg = model_config(meta["config"]["model"])
+        writer = folder_writer(cfg) if folder_writer is not None else None
+        if writer is not None:  # a family with names and a config.json of its own
+            return writer(cfg, weights, out), "hf"
         folder = save_hf(weights, cfg, out)
         write_tokenizer(path, meta["config"].get("data", {}), folder, cfg.max_seq_len)
         return folder, "hf"

@@ -87,7 +87,8 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
         apply_selective_recomputation(model.layers, plan.selective_attention)
         checkpointed = []
     else:
-        checkpointed = apply_activation_checkpointing(model.layers, plan.policy, plan.every) \
+        blocks = plan.blocks(model) if plan.blocks is not None else model.layers
+        checkpointed = apply_activation_checkpointing(blocks, plan.policy, plan.every) \
             if plan.policy != "none" else []
     head = None
     if plan.fused_loss:

@@ -76,6 +76,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     for module in pipeline.stages.values() or [pipeline.module]:  # after to_empty, which leaves them unset
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)
+    unset = [name for name, b in pipeline.module.named_buffers() if b.is_meta]
+    if unset:  # a buffer nobody computed would train on garbage (or fail far from here)
+        raise ValueError(f"buffers {', '.join(unset)} of {type(model).__name__} are still on the meta device after "
+                         f"materialization: give the model an init_buffers(device) method that computes them")
     register_partial_grad_hooks(pipeline.module, placements)
     return ParallelModel(pipeline.module, engine, layout, placements, mesh.comm("dp_sp"), mesh.comm("sp"),
                          mesh.comm("pp"), activations.checkpointed, pipeline.stages, pipeline.schedule,
@@ -120,11 +124,11 @@ def build_pipeline(model: nn.Module, mesh: Mesh, plan: PipelinePlan, placements:
     if pp.size == 1:
         return Pipeline(model, placements)
     stages = stages_for_rank(model, pp.size, pp.rank, plan.virtual, plan.balance,
-                             list(plan.split_points) if plan.split_points is not None else None)
+                             list(plan.split_points) if plan.split_points is not None else None, plan.split)
     schedule = build_schedule(plan.schedule, pp.size, plan.microbatches, plan.virtual)
     if len(stages) == 1:
         module = next(iter(stages.values()))  # the stage is the root unit, its blocks the others
-        unit_modules = list(module.layers.values())
+        unit_modules = module.blocks()
     else:  # one engine over all chunks; ZeRO-3 gathers per chunk, the modules the executor calls
         module, unit_modules = StageGroup(stages.values()), list(stages.values())
     placements = placements.restricted_to(module)

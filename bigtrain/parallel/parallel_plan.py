@@ -19,7 +19,7 @@ function reads) travel as the config section they are, :class:`bigtrain.config.O
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -62,6 +62,9 @@ class ActivationPlan:
     compression: str = "none"  # 'int8': linear layers' saved inputs as int8 with per-row scales
     fused_loss: bool = False  # the head and the cross-entropy in chunks of tokens, never all logits
     fused_loss_chunk: int = 1024
+    # The container of the model's blocks (what recomputation wraps), by the model family: model ->
+    # its nn.ModuleList; None: the model's ``layers`` (the reference Llama's).
+    blocks: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ class PipelinePlan:
     virtual: int = 1  # stages per rank (the 'interleaved' schedule)
     balance: str = "layers"  # without split_points: balance by 'layers' or 'params'
     split_points: tuple[int, ...] | None = None  # first layer of stages 1..pp*v-1
+    # The model family's split into stages, (model, stages, balance, split_points) -> stages; None:
+    # the reference Llama's or an nn.Sequential's (bigtrain.parallel.pipeline.partition.split_model).
+    split: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import json
 import sys
 
 from bigtrain.config import ConfigError, load_config, preset_names
+from bigtrain.families import family_of
 from bigtrain.optim import optimizer_names
 from bigtrain.plan.hardware import HardwareProfile, calibrate, get_profile, load_profile
 from bigtrain.plan.layout import Cluster, parse_layout
@@ -123,10 +124,11 @@ def resolve(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run ``bigtrain plan``; ConfigError propagates (the main CLI prints it and exits 2)."""
-    if args.preset and load_config(preset=args.preset).model.name == "dlrm":
-        from bigtrain.plan.embedding import cmd_plan_embedding  # a recommender: its tables' placement
-
-        return cmd_plan_embedding(load_config(preset=args.preset), args.gpus, args.json)
+    if args.preset:  # a family with a planner of its own (a recommender: its tables' placement)
+        cfg = load_config(preset=args.preset)
+        family = family_of(cfg)
+        if family.plan_command is not None:
+            return family.plan_command(cfg, args.gpus, args.json)
     model, cluster, global_batch, fixed = resolve(args)
     if args.block_size < 1:
         raise ConfigError(f"--block-size = {args.block_size}: must be a positive integer")

@@ -33,7 +33,7 @@ from bigtrain.parallel.build import apply_engine
 from bigtrain.parallel.embedding import EmbeddingLayout, ShardedEmbeddingBags
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
-from bigtrain.plan.embedding import plan_embedding
+from bigtrain.recsys.placement import plan_embedding
 from bigtrain.recsys.checkpoint import commit_dlrm, resume_dlrm
 from bigtrain.recsys.data import sampler_for
 from bigtrain.recsys.metrics import auc, log_loss

@@ -159,6 +159,10 @@ class PipelineStage(nn.Module):
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 
+    def blocks(self) -> list[nn.Module]:
+        """This chunk's blocks (ZeRO's units, one at a time), in order."""
+        return list(self.layers.values())
+
 
 class LlamaStage(PipelineStage):
     """A chunk of :class:`Llama`: embedding (first stage), blocks ``layer_ids``, norm + head (last)."""
@@ -277,11 +281,12 @@ def split_model(model: nn.Module, num_stages: int, balance: str = "layers",
 
 
 def stages_for_rank(model: nn.Module, pp: int, pp_rank: int, v: int = 1, balance: str = "layers",
-                    split_points: Sequence[int] | None = None) -> dict[int, PipelineStage]:
-    """The stages pipeline rank ``pp_rank`` runs: global stage ``s`` lives on rank ``s % pp``."""
+                    split_points: Sequence[int] | None = None, split=None) -> dict[int, PipelineStage]:
+    """The stages pipeline rank ``pp_rank`` runs: global stage ``s`` lives on rank ``s % pp``.
+    ``split``: the model family's own split (same arguments as :func:`split_model`, its default)."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1}")
-    stages = split_model(model, pp * v, balance, split_points)
+    stages = (split or split_model)(model, pp * v, balance, split_points)
     return {s: stages[s] for s in range(pp_rank, pp * v, pp)}
 
 

@@ -1,0 +1,90 @@
+"""The recommender (:mod:`bigtrain.models.dlrm`): bottom MLP, the [embedding] tables sharded over
+the dp ranks, dot interaction, top MLP, binary cross-entropy. It trains in a loop of its own
+(:class:`bigtrain.recsys.train.DlrmTrainer`) on dp only, and its planner places tables, not layers.
+The only module that names it (``model.name = "dlrm"``)."""
+
+from __future__ import annotations
+
+from bigtrain.config import Config
+from bigtrain.core.tables import SHARDINGS, check_layout, parse_sizes, requested_kinds
+from bigtrain.families.spec import Family
+from bigtrain.families.tokens import exists
+from bigtrain.recsys.placement import cmd_plan_embedding
+from bigtrain.recsys.train import DlrmTrainer, layout_for
+
+NAME = "dlrm"
+
+
+def batch_problems(cfg: Config) -> list[str]:
+    t, dp = cfg.train, cfg.parallel.dp
+    if t.global_batch <= 0 or dp <= 0:  # validation's own rules name those
+        return []
+    if t.global_batch % dp:
+        return [f"train.global_batch = {t.global_batch} is not divisible by parallel.dp = {dp} (each rank takes "
+                f"global_batch / dp samples); use train.global_batch = {max(dp, t.global_batch // dp * dp)}"]
+    return []
+
+
+def data_problems(cfg: Config) -> list[str]:
+    source = cfg.data.source
+    if source != "synthetic" and not exists(source):
+        return [f"data.source = '{source}': the DLRM reads 'synthetic' (the Criteo-like generator) or a Criteo TSV "
+                f"file; no such file"]
+    return []
+
+
+def layout_problems(cfg: Config) -> list[str]:
+    """Whether its tables can be placed as embedding.sharding says on parallel.dp ranks, and what the
+    DLRM trainer supports (the [embedding] fields' own domains are validation's, for any model)."""
+    e, p = cfg.embedding, cfg.parallel
+    try:
+        rows = parse_sizes(e.tables)
+    except ValueError:  # validation's domain rules name a malformed field
+        return []
+    unknown = {k.strip() for k in e.sharding.split(",")} - set(SHARDINGS)
+    if not rows or any(n < 1 for n in rows) or unknown or e.dim < 1 or p.dp < 1:
+        return []
+    try:
+        kinds = requested_kinds(e.sharding, len(rows))
+    except ValueError as err:
+        return [str(err)]
+    problems = check_layout(rows, e.dim, p.dp, ["table" if k == "auto" else k for k in kinds])
+    if p.tp * p.pp * p.sp * p.ep != 1:
+        problems.append(f"model.name = '{NAME}' runs over parallel.dp only (tables sharded over the dp ranks); "
+                        f"set parallel.tp, pp, sp and ep to 1")
+    if cfg.precision.mode != "fp32":
+        problems.append(f"precision.mode = '{cfg.precision.mode}': the DLRM trains in fp32; set it to 'fp32'")
+    if p.zero:
+        problems.append(f"parallel.zero = {p.zero}: the DLRM's dense part trains replicated (ZeRO is not wired to it "
+                        f"yet); set parallel.zero = 0")
+    return problems
+
+
+def check_dlrm(cfg: Config) -> list[str]:
+    problems = batch_problems(cfg) + data_problems(cfg) + layout_problems(cfg)
+    if cfg.model.init_from:
+        problems.append(f"model.init_from = {cfg.model.init_from!r}: the DLRM starts from its random init only; "
+                        f"set model.init_from = ''")
+    return problems
+
+
+def tables_fit_problems(cfg: Config) -> list[str]:
+    """Whether the planner places its tables on parallel.dp ranks within embedding.budget_gb."""
+    try:
+        layout_for(cfg, cfg.parallel.dp)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+DLRM = Family(
+    name=NAME,
+    summary="a recommender: bottom MLP, the [embedding] tables, dot interaction, top MLP, binary cross-entropy",
+    check_config=check_dlrm,
+    reads_tokens=False,
+    placement_problems=tables_fit_problems,
+    size_problems=lambda cfg, *args, **kwargs: (tables_fit_problems(cfg), []),
+    plan_command=cmd_plan_embedding,
+    trainer=DlrmTrainer,
+    full_optimizer_state=False,  # its trainer gathers no full optimizer state
+)

@@ -1,0 +1,298 @@
+"""Hugging Face decoders (``model.name = "hf"``): a local ``config.json`` (``model.hf_config``; no
+hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
+``Qwen3ForCausalLM``, built by transformers (an optional dependency) on the meta device,
+initialized by (seed, name), cut by the Megatron plan below and trained by bigtrain's Trainer.
+Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
+
+Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), pp
+(one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py) and full or every-k-th
+recomputation of the blocks; Ulysses sp, experts, selective recomputation, offload of activations,
+the fused loss, int8 compression, float8 and compilation are refused by name (they read bigtrain's
+own Llama structure).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bigtrain.checkpoint.hf import hf_folder
+from bigtrain.config import Config, ModelConfig
+from bigtrain.families.spec import Family
+from bigtrain.families.hf_reference import HFReference, captured_module
+from bigtrain.families.hf_stages import split_causal_lm
+from bigtrain.families.tokens import token_batch_problems, token_data_problems
+from bigtrain.models.hf_causal_lm import CausalLM, init_value
+from bigtrain.parallel.tensor.entry_styles import EnterSequenceShards, PrepareKeywordInput, WholeSequenceEmbedding
+from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, RowParallel,
+                                             VocabParallelOutput)
+
+NAME = "hf"
+CONFIG_FILE = "config.json"
+# architecture -> the model_type its config.json carries
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+ATTENTION = "sdpa"  # torch's scaled_dot_product_attention: what the reference runs too
+
+
+def config_path(cfg: Config | ModelConfig) -> Path:
+    """``model.hf_config``: a config.json, or the folder holding one."""
+    model = cfg.model if isinstance(cfg, Config) else cfg
+    path = Path(model.hf_config).expanduser()
+    return path / CONFIG_FILE if path.is_dir() else path
+
+
+def read_config(cfg: Config | ModelConfig) -> dict:
+    return json.loads(config_path(cfg).read_text())
+
+
+def architecture(fields: dict) -> str:
+    """The ForCausalLM class a config.json describes (its ``architectures``, else its model_type)."""
+    named = fields.get("architectures") or []
+    if named:
+        return named[0]
+    by_type = {t: a for a, t in ARCHITECTURES.items()}
+    return by_type.get(fields.get("model_type", ""), f"model_type '{fields.get('model_type', '')}'")
+
+
+def hf_config(cfg: Config):
+    """The transformers config object of ``model.hf_config`` (fp32, bigtrain's attention choice)."""
+    import transformers  # optional: only runs of this family need it
+
+    fields = read_config(cfg)
+    model_type = ARCHITECTURES[architecture(fields)]
+    for key in ("torch_dtype", "dtype", "model_type"):  # bigtrain keeps fp32 masters
+        fields.pop(key, None)
+    conf = transformers.AutoConfig.for_model(model_type, **fields)
+    conf.use_cache = False
+    return conf
+
+
+def build_meta(cfg: Config) -> CausalLM:
+    """The whole model on the meta device: no memory until ``parallelize`` materializes its part."""
+    import transformers
+
+    conf = hf_config(cfg)
+    with torch.device("meta"):
+        causal_lm = getattr(transformers, architecture(read_config(cfg)))._from_config(
+            conf, attn_implementation=ATTENTION, dtype=torch.float32)
+    return CausalLM(causal_lm)
+
+
+def init_fn(cfg: Config, model: nn.Module):
+    """Each parameter's full initial value by name: ``model.init_from``'s safetensors (read one
+    tensor at a time, lazily), else drawn by (seed, name)."""
+    folder = hf_folder(cfg.model.init_from)
+    if folder is not None:
+        return SafetensorsWeights(folder)
+    std, seed = model.config.initializer_range, cfg.train.seed
+    return lambda name, shape: init_value(name, shape, seed, std)
+
+
+class SafetensorsWeights:
+    """Initial values from a Hugging Face folder's ``*.safetensors`` under the model's own names."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder, self._where = folder, {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as handle:
+                self._where.update({k: f for k in handle.keys()})
+
+    def __call__(self, name: str, shape: tuple) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self._where:
+            raise ValueError(f"model.init_from: {self.folder} has no tensor '{name}'")
+        with safe_open(str(self._where[name]), framework="pt") as handle:
+            tensor = handle.get_tensor(name).float()
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"model.init_from: '{name}' in {self.folder} has shape {tuple(tensor.shape)}, the "
+                             f"model of model.hf_config needs {tuple(shape)}")
+        return tensor
+
+
+# The config.json fields that decide every parameter's name and shape.
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias")
+
+
+def init_from_problems(cfg: Config, fields: dict) -> list[str]:
+    """``model.init_from = "hf:PATH"``: a folder with safetensors of the model model.hf_config describes."""
+    folder = hf_folder(cfg.model.init_from)
+    where = cfg.model.init_from
+    if folder is None:
+        return [f"model.init_from = {where!r}: write 'hf:PATH' (a Hugging Face folder), or '' for a random init"]
+    if not (folder / CONFIG_FILE).is_file() or not any(folder.glob("*.safetensors")):
+        return [f"model.init_from = {where!r}: {folder} holds no {CONFIG_FILE} and *.safetensors; give a folder "
+                f"that does (bigtrain export RUN OUT --format hf writes one)"]
+    try:
+        theirs = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return [f"model.init_from = {where!r}: cannot read {folder / CONFIG_FILE} ({e})"]
+    differ = [k for k in SHAPE_KEYS if fields.get(k) != theirs.get(k)]
+    if architecture(theirs) != architecture(fields) or differ:
+        what = ", ".join(f"{k} {fields.get(k)!r} vs {theirs.get(k)!r}" for k in differ) or "the architecture"
+        return [f"model.init_from = {where!r}: its {CONFIG_FILE} describes another model than model.hf_config "
+                f"({what}); point model.hf_config at {folder / CONFIG_FILE}"]
+    return []
+
+
+def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -> dict:
+    """Megatron's layout on the Hugging Face names: q, k, v and the MLP's gate and up projections
+    split by output (heads), o and down by input, vocabulary-parallel embedding and head. The
+    embedding returns the whole sequence and the first block cuts it (parallel/tensor/entry_styles.py).
+    Qwen3's per-head q/k norms see this rank's heads only: their gradients are partial over tp."""
+    if ulysses:
+        raise ValueError(f"model.name = '{NAME}': Ulysses sequence parallelism (parallel.sp) is not supported")
+    if tp == 1:
+        return {}
+    plan = {"model.embed_tokens": WholeSequenceEmbedding()}
+    if sequence_parallel:
+        plan["model.layers.0"] = EnterSequenceShards()
+    plan.update({
+        "model.layers.*.self_attn": PrepareKeywordInput("hidden_states"),
+        "model.layers.*.self_attn.q_proj": ColumnParallel(),
+        "model.layers.*.self_attn.k_proj": ColumnParallel(),
+        "model.layers.*.self_attn.v_proj": ColumnParallel(),
+        "model.layers.*.self_attn.o_proj": RowParallel(),
+        "model.layers.*.mlp": PrepareInput(),
+        "model.layers.*.mlp.gate_proj": ColumnParallel(),
+        "model.layers.*.mlp.up_proj": ColumnParallel(),
+        "model.layers.*.mlp.down_proj": RowParallel(),
+        "lm_head": VocabParallelOutput(),
+    })
+    if any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules()):
+        plan["model.layers.*.self_attn.[qk]_norm"] = PartialGradient()
+    if sequence_parallel:  # norms see a sequence shard: their weight gradients are partial
+        plan["model.layers.*.*_layernorm"] = PartialGradient()
+        plan["model.norm"] = PartialGradient()
+    return plan
+
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+REFUSED = (  # (field, its value here, the value it must have, why)
+    ("parallel.pp_virtual", lambda c: c.parallel.pp_virtual, 1, "one stage per pipeline rank is supported"),
+    ("parallel.sp", lambda c: c.parallel.sp, 1, "Ulysses cuts bigtrain's attention core"),
+    ("parallel.ep", lambda c: c.parallel.ep, 1, "the architectures supported have no experts"),
+    ("memory.activation_offload", lambda c: c.memory.activation_offload, False, "it hooks bigtrain's modules"),
+    ("memory.activation_compression", lambda c: c.memory.activation_compression, "none", "it wraps bigtrain's linears"),
+    ("model.fused_loss", lambda c: c.model.fused_loss, False, "it replaces bigtrain's head"),
+    ("compile.enabled", lambda c: c.compile.enabled == "true", False, "compilation reads bigtrain's blocks"),
+)
+
+
+def check_hf(cfg: Config) -> list[str]:
+    """model.hf_config names a readable config.json of a supported architecture, transformers is
+    installed, the layout is one this family supports and divides its shapes."""
+    where = cfg.model.hf_config
+    if not where.strip():
+        return [f"model.name = '{NAME}' needs model.hf_config: the path of a config.json (or its folder)"]
+    path = config_path(cfg)
+    try:
+        fields = read_config(cfg)
+    except (OSError, ValueError) as e:
+        return [f"model.hf_config = '{where}': cannot read {path} ({type(e).__name__}: {e}); give a config.json "
+                f"or the folder holding one"]
+    problems = []
+    arch = architecture(fields)
+    if arch not in ARCHITECTURES:
+        return [f"model.hf_config = '{where}': {arch} is not supported; use one of {', '.join(ARCHITECTURES)}"]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        problems.append(f"model.name = '{NAME}' needs the transformers package (pip install transformers)")
+    for field, value, wanted, why in REFUSED:
+        if value(cfg) != wanted:
+            problems.append(f"{field} = {value(cfg)!r} with model.name = '{NAME}': {why}; set {field} = {wanted!r}")
+    p = cfg.parallel
+    if p.pp > 1 and p.pp_schedule not in PIPELINE_SCHEDULES:
+        problems.append(f"parallel.pp_schedule = '{p.pp_schedule}' with model.name = '{NAME}': the schedules "
+                        f"proved for it are {', '.join(PIPELINE_SCHEDULES)}; use parallel.pp_schedule = '1f1b'")
+    if p.pp > 1 and p.sequence_parallel and p.tp > 1:
+        problems.append(f"parallel.sequence_parallel with parallel.pp = {p.pp} and model.name = '{NAME}': its "
+                        f"stages make rotary tables from the sequence they receive, which is cut under sequence "
+                        f"parallelism; set parallel.sequence_parallel = false or parallel.pp = 1")
+    layers = fields.get("num_hidden_layers", 0)
+    if p.pp > layers > 0:
+        problems.append(f"parallel.pp = {p.pp}: more stages than the {layers} num_hidden_layers of {path}")
+    if cfg.memory.checkpointing == "selective":
+        problems.append(f"memory.checkpointing = 'selective' with model.name = '{NAME}': it names the parts of "
+                        f"bigtrain's Llama block; use 'full' or 'every'")
+    if cfg.model.init_from:
+        problems += init_from_problems(cfg, fields)
+    tp = cfg.parallel.tp
+    heads, kv = fields.get("num_attention_heads", 0), fields.get("num_key_value_heads") or fields.get(
+        "num_attention_heads", 0)
+    for key, size in (("num_attention_heads", heads), ("num_key_value_heads", kv),
+                      ("intermediate_size", fields.get("intermediate_size", 0))):
+        if tp > 0 and size % tp:
+            problems.append(f"parallel.tp = {tp} does not divide {key} = {size} of {path}; use a tp that divides it")
+    if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_len % tp:
+        problems.append(f"parallel.sequence_parallel: data.seq_len = {cfg.data.seq_len} does not divide by "
+                        f"parallel.tp = {tp}; change data.seq_len or turn sequence_parallel off")
+    vocab, positions = fields.get("vocab_size", 0), fields.get("max_position_embeddings", 0)
+    problems += token_batch_problems(cfg)
+    problems += token_data_problems(cfg, vocab, positions, vocab_field=f"vocab_size of {path}",
+                                    seq_field=f"max_position_embeddings of {path}")
+    return problems
+
+
+def tensor_bound(cfg: Config) -> float | None:
+    """Single tensors' bound for ``bigtrain check`` on a model with key biases (Qwen2's q/k/v biases,
+    ``attention_bias``): the softmax cancels a key bias except through the rotary rotation, so its
+    gradient is a nearly cancelling sum, 5e-6 median and down to 4e-8 (near Adam's eps 1e-8) on the
+    Qwen2 fixture, whose rounding Adam's g / (|g| + eps) carries whole into the update. Measured: the
+    fp32 reference itself lands 4.6e-5 from the float64 one on that bias after 4 steps (every other
+    tensor within 5e-6), two correct fp32 runs up to twice that, and the fuzzer found 1.2e-4 after one
+    step (seed 7, sample 7: dp2 x tp2 + SP, ZeRO-2, every gradient within 4e-6), 2.2e-4 after five.
+    5e-4 keeps 2x over that; a wrong cut or a missing reduction moves tensors by 1e-2 and more, and
+    the loss and the gradient norm still decide at 1e-5."""
+    fields = read_config(cfg)
+    has_key_bias = architecture(fields) == "Qwen2ForCausalLM" or bool(fields.get("attention_bias"))
+    return 5e-4 if has_key_bias else None
+
+
+def parameter_count(cfg: Config) -> int:
+    model = build_meta(cfg)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def export_folder(model: ModelConfig, weights: dict, out) -> Path:
+    """A folder ``from_pretrained`` loads: the run's config.json (``model.hf_config``, read again
+    now) and ``model.safetensors`` holding ``weights`` (full tensors under the Hugging Face names
+    the model trained with, as they are)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fields = read_config(model)
+    fields.setdefault("architectures", [architecture(fields)])
+    fields["torch_dtype"] = "float32"
+    (out / CONFIG_FILE).write_text(json.dumps(fields, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+HF = Family(
+    name=NAME,
+    summary="a Hugging Face Llama, Mistral, Qwen2 or Qwen3 from a local config.json (model.hf_config)",
+    check_config=check_hf,
+    build_meta=build_meta,
+    init_fn=init_fn,
+    tp_plan=tp_plan,
+    split_stages=split_causal_lm,
+    blocks=lambda model: model.model.layers,
+    reference=HFReference,
+    captured=captured_module,
+    tensor_bound=tensor_bound,
+    parameter_count=parameter_count,
+    export=export_folder,
+    size_problems=lambda cfg, *args, **kwargs: ([], [f"model.name = '{NAME}': the planner has no memory model for "
+                                                     f"it yet; its size was not checked before launch"]),
+)

@@ -1,0 +1,153 @@
+"""The independent reference for the Hugging Face family: the transformers model itself, trained in
+one plain process.
+
+It shares with the trainer only the model (the same ``config.json``, built by transformers; the
+same initial values, by seed and name: :func:`bigtrain.models.hf_causal_lm.init_value`) and the
+data sampler. Everything else is written again here: the model is called as transformers calls
+it (``model(input_ids).logits``; no bigtrain adapter, no meta build, no plan, no stages), the loss
+is the summed cross-entropy over the global batch divided by its counted targets (accumulated over
+micro-batches of ``train.micro_batch`` sequences), the gradient is clipped by
+``torch.nn.utils.clip_grad_norm_``, and the step is ``torch.optim.AdamW`` (decay on matrices only)
+at linear warm-up then cosine decay to ``optim.min_lr_ratio`` of the peak. fp32 and AdamW only.
+
+``bigtrain check`` compares a layout with it step by step (:class:`HFReference`, the family's
+``reference``); the tests compare whole runs (:func:`reference_hf`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bigtrain.config import Config
+from bigtrain.core.reference_step import ReferenceStep
+from bigtrain.data import TokenSampler, load_corpus
+from bigtrain.models.hf_causal_lm import init_value
+
+IGNORED = -100  # the target id cross-entropy leaves out (the sampler's masked targets)
+
+
+def captured_module(name: str) -> bool:
+    """The modules whose outputs ``bigtrain check`` compares: the embedding, each block, the final
+    norm and the head (whole hidden states or logits, which any layout's pieces assemble into)."""
+    parts = name.split(".")
+    return name in ("model.embed_tokens", "model.norm", "lm_head") or (
+        len(parts) == 3 and parts[:2] == ["model", "layers"])
+
+
+def transformers_model(config_json: str | Path) -> torch.nn.Module:
+    """The model a config.json describes, built by transformers on the CPU in fp32 (sdpa attention)."""
+    import transformers
+
+    path = Path(config_json).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    fields = json.loads(path.read_text())
+    for key in ("torch_dtype", "dtype"):
+        fields.pop(key, None)
+    conf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return transformers.AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa", dtype=torch.float32)
+
+
+class HFReference:
+    """``train_step(capture)`` as :class:`bigtrain.check.reference.ReferenceRun`'s; ``dtype``
+    float64 measures how far fp32's rounding alone moves each weight (the tests' noise floor)."""
+
+    @staticmethod
+    def problems(cfg: Config) -> list[str]:
+        """What this reference does not state (``bigtrain check`` refuses it before launch)."""
+        out = []
+        if cfg.precision.mode != "fp32":
+            out.append(f"precision.mode = '{cfg.precision.mode}': the Hugging Face reference trains in fp32 only")
+        if cfg.optim.name != "adamw":
+            out.append(f"optim.name = '{cfg.optim.name}': the Hugging Face reference steps with AdamW only")
+        return out
+
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        if self.problems(cfg):
+            raise ValueError("; ".join(self.problems(cfg)))
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.model = transformers_model(cfg.model.hf_config).to(dtype)
+        std = self.model.config.initializer_range
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():  # drawn on the CPU, as the trainer's
+                p.copy_(init_value(name, tuple(p.shape), cfg.train.seed, std))
+        self.model.to(self.device)
+        self.params = list(self.model.parameters())
+        o = cfg.optim
+        groups = [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
+                  {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        d, t = cfg.data, cfg.train
+        self.sampler = TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target,
+                                    d.val_fraction)
+        self.step = 0
+
+    def learning_rate(self, step: int) -> float:
+        o, t = self.cfg.optim, self.cfg.train
+        peak = o.lr * t.global_batch / o.base_batch if o.lr_scaling == "linear" else o.lr
+        if step < o.warmup_steps:
+            return peak * (step + 1) / o.warmup_steps
+        progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
+        floor = peak * o.min_lr_ratio
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def train_step(self, capture: bool = False) -> ReferenceStep:
+        t = self.cfg.train
+        tokens, targets = self.sampler.batch(self.step, 0, t.global_batch)
+        counted = max(1, int((targets != IGNORED).sum()))
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        outputs: dict[str, list[torch.Tensor]] = {}
+        handles = [m.register_forward_hook(lambda mod, args, out, name=name: outputs.setdefault(name, []).append(
+                   out.detach().float().cpu().clone())) for name, m in self.model.named_modules()
+                   if capture and captured_module(name)]
+        loss_sum = 0.0
+        try:
+            for first in range(0, tokens.shape[0], t.micro_batch):
+                logits = self.model(input_ids=tokens[first:first + t.micro_batch]).logits
+                loss = F.cross_entropy(logits.to(self.dtype).flatten(0, 1),
+                                       targets[first:first + t.micro_batch].flatten(), reduction="sum")
+                loss_sum += float(loss.detach())
+                (loss / counted).backward()
+        finally:
+            for h in handles:
+                h.remove()
+        grads = {n: p.grad.detach().float().cpu().clone() for n, p in self.model.named_parameters()
+                 if capture and p.grad is not None}
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(self.step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        result = ReferenceStep(loss=loss_sum / counted, grad_norm=norm, skipped=False, grads=grads)
+        if capture:
+            result.outputs = {name: torch.cat(parts) for name, parts in outputs.items()}
+            result.weights = {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}
+        return result
+
+
+@dataclass
+class HFReferenceRun:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step, by name, fp32
+    weights64: dict[str, torch.Tensor] = field(default_factory=dict)  # the same in float64 (dtype=float64)
+
+
+def reference_hf(cfg: Config, steps: int, dtype: torch.dtype = torch.float32) -> HFReferenceRun:
+    """``steps`` optimizer steps of ``cfg`` (model.name = 'hf') in this process."""
+    run, out = HFReference(cfg, dtype=dtype), HFReferenceRun()
+    for _ in range(steps):
+        step = run.train_step()
+        out.losses.append(step.loss)
+        out.grad_norms.append(step.grad_norm)
+    out.weights = {n: p.detach().float().clone() for n, p in run.model.named_parameters()}
+    if dtype != torch.float32:
+        out.weights64 = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    return out

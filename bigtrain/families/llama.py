@@ -1,0 +1,28 @@
+"""bigtrain's own decoder (:mod:`bigtrain.models.llama`), dense or with MoE blocks: the reference
+model every layout was built around, so most of its slots are the defaults."""
+
+from __future__ import annotations
+
+from bigtrain.config import Config
+from bigtrain.families.spec import Family
+from bigtrain.families.tokens import token_batch_problems, token_data_problems
+from bigtrain.model_fields import llama_field_problems
+from bigtrain.models.llama import build_model, count_parameters
+
+
+def check_llama(cfg: Config) -> list[str]:
+    m = cfg.model
+    return (token_batch_problems(cfg) + token_data_problems(cfg, m.vocab_size, m.max_seq_len)
+            + llama_field_problems(cfg))  # head size, rotary scaling, biases
+
+
+LLAMA = Family(
+    name="llama",
+    summary="the decoder (the [model] fields: dim, n_layers, heads, rotary, MoE)",
+    check_config=check_llama,
+    build_meta=lambda cfg: build_model(cfg.model),
+    # init_fn None: model.init_from's weights, else the model's own initial_value (by seed and name)
+    parameter_count=lambda cfg: count_parameters(build_model(cfg.model)),
+    model_fields=True,
+    compiles=True,
+)

@@ -1,0 +1,25 @@
+"""The model families bigtrain trains, by ``model.name``."""
+
+from __future__ import annotations
+
+from bigtrain.config import Config
+from bigtrain.families.dlrm import DLRM
+from bigtrain.families.hf import HF
+from bigtrain.families.llama import LLAMA
+from bigtrain.families.spec import Family
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, DLRM, HF)}
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(FAMILIES)
+
+
+def family_of(cfg: Config) -> Family:
+    """The family ``cfg.model.name`` names; KeyError naming the choices (validation refuses an
+    unknown name before anything asks)."""
+    try:
+        return FAMILIES[cfg.model.name]
+    except KeyError:
+        raise KeyError(f"model.name = '{cfg.model.name}': must be one of "
+                       f"{', '.join(repr(n) for n in FAMILIES)}") from None

@@ -1,0 +1,85 @@
+"""What a model family is to bigtrain (issue 30; torchtitan's ``TrainSpec``): how its model is built
+and initialized, how tensor parallelism cuts it, its blocks, its loss, its own config checks, and
+what the steps above the model (preflight, the planner, ``bigtrain check``, the launcher) ask of it.
+
+A :class:`Family` is plain data: functions and flags, no state. The registry
+(:mod:`bigtrain.families.registry`) maps ``model.name`` to one. Code outside ``bigtrain/families``
+asks the family and never names one.
+
+Layering: this package sits above the model, parallel and recommender packages (it names their
+pieces) and below validation, the trainer, preflight, the planner, ``check`` and the CLI (they ask
+it). A slot whose usual implementation lives above it (the decoder trainer, the dense planner's size
+check) is ``None`` for the families that use the usual one, and the caller supplies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from bigtrain.config import Config, ModelConfig
+
+InitFn = Callable[[str, tuple], "torch.Tensor"]  # (parameter name, full shape) -> full fp32 value
+Rules = Callable[["Config"], list[str]]
+
+
+def no_problems(cfg: "Config") -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. ``check_config`` holds every rule about its own config fields and the
+    layouts it supports (validation runs it after the generic rules)."""
+
+    name: str
+    summary: str  # one line for help texts and errors
+    check_config: Rules = no_problems
+
+    # -- a decoder trained by bigtrain.train.Trainer: tokens (batch, seq) -> logits -------------
+    build_meta: Callable[["Config"], "nn.Module"] | None = None  # the whole model on the meta device
+    init_fn: Callable[["Config", "nn.Module"], InitFn | None] | None = None  # None: the model's own
+    # {module pattern: style} for tensor / sequence parallelism (model, tp, sequence_parallel, ulysses);
+    # None: parallelize's default (the reference Llama's plan).
+    tp_plan: Callable[["nn.Module", int, bool, bool], dict] | None = None
+    # The container of its blocks (nn.ModuleList): what recomputation wraps, one by one; ZeRO's
+    # units are its entries. None: the model's ``layers`` (the reference Llama's).
+    blocks: Callable[["nn.Module"], "nn.Module"] | None = None
+    # Its split into pipeline stages, (model, stages, balance, split points) -> stages; None: the
+    # reference Llama's (bigtrain.parallel.pipeline.partition.split_model).
+    split_stages: Callable[..., list] | None = None
+    reads_tokens: bool = True  # a token corpus (data.source, data.tokenizer): preflight checks it
+    # The model's parameter count from the config (the run summary, the planner).
+    parameter_count: Callable[["Config"], int] | None = None
+    # ``bigtrain export --format hf`` of its checkpoints: (the run's [model], {name: full tensor},
+    # the folder) -> the folder written; None: the Llama conversion (bigtrain.checkpoint.hf).
+    export: Callable[["ModelConfig", dict, Any], Any] | None = None
+
+    # -- what the steps above the model ask ---------------------------------------------------
+    # Before launch, without measuring the machine: can the planner place the model at all.
+    placement_problems: Rules = no_problems
+    # Preflight's size check (cfg, local ranks, cuda, nvme_dir) -> (problems, warnings); None: the
+    # dense planner's (bigtrain.plan.fit.size_problems).
+    size_problems: Callable[..., tuple[list[str], list[str]]] | None = None
+    # ``bigtrain plan`` for this family (cfg, gpus, as_json) -> exit code; None: the dense search.
+    plan_command: Callable[["Config", int, bool], int] | None = None
+    # Its independent reference for ``bigtrain check``: a class (cfg, device) with train_step(capture)
+    # -> ReferenceStep, learning_rate(step) and problems(cfg) (what it does not state), and which
+    # modules' outputs are compared (by name); None: the decoder reference of bigtrain.check.reference.
+    reference: type | None = None
+    captured: Callable[[str], bool] | None = None
+    # ``bigtrain check``'s bound on single tensors for this config when its model's own fp32 rounding
+    # exceeds the usual one (measured against float64; the family says why), else None.
+    tensor_bound: Callable[["Config"], float | None] | None = None
+    # Its own training loop (cfg, mesh, device) -> a trainer; None: bigtrain.train.Trainer.
+    trainer: Callable[..., Any] | None = None
+    # The trainer gathers the full optimizer state (``bigtrain check`` replays 8-bit AdamW steps from it).
+    full_optimizer_state: bool = True
+    compiles: bool = False  # compile.enabled may compile its blocks (the reference decoder's only)
+    # The decoder-shape fields of [model] (dim, n_layers, n_heads, ...) describe it (validation
+    # checks them against tp and sp); a family with its own description (a config.json) does not.
+    model_fields: bool = False

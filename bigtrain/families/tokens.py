@@ -1,0 +1,51 @@
+"""Config rules every decoder family shares: a token corpus cut into global batches of sequences."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bigtrain.config import Config
+
+
+def exists(path: str) -> bool:
+    """Like Path.exists, but False for names no file can have (too long, NUL) instead of raising."""
+    try:
+        return Path(os.path.expanduser(path)).exists()
+    except (OSError, ValueError):
+        return False
+
+
+def token_batch_problems(cfg: Config) -> list[str]:
+    """Micro-batches of whole sequences: the global batch splits evenly over them and the dp ranks."""
+    t, dp = cfg.train, cfg.parallel.dp
+    if min(t.global_batch, t.micro_batch, dp) <= 0:  # validation's own rules name those
+        return []
+    if t.global_batch % (t.micro_batch * dp):
+        per_rank = t.micro_batch * dp
+        fix = max(per_rank, t.global_batch // per_rank * per_rank)
+        return [f"train.global_batch = {t.global_batch} is not divisible by train.micro_batch x parallel.dp = "
+                f"{t.micro_batch} x {dp}; use train.global_batch = {fix} or change train.micro_batch"]
+    return []
+
+
+def token_data_problems(cfg: Config, vocab_size: int, max_seq_len: int, vocab_field: str = "model.vocab_size",
+                        seq_field: str = "model.max_seq_len") -> list[str]:
+    """data.source, data.seq_len and data.ignore_target against a model of ``vocab_size`` tokens and
+    ``max_seq_len`` positions (the fields named say where those come from)."""
+    d = cfg.data
+    problems = []
+    if d.seq_len > max_seq_len:
+        problems.append(f"data.seq_len = {d.seq_len} exceeds {seq_field} = {max_seq_len}; "
+                        f"raise {seq_field} or lower data.seq_len")
+    is_tokens = d.source.endswith((".bin", ".npy"))
+    if not d.source.strip():  # Path('') is the current directory: every text file under it
+        problems.append("data.source is empty; use 'stdlib', a text file or folder, or a .bin / .npy token file")
+    elif d.source != "stdlib" and not exists(d.source):
+        problems.append(f"data.source = '{d.source}': no such file or folder; use 'stdlib' or an existing path")
+    if not is_tokens and d.tokenizer == "bytes" and vocab_size < 256:
+        problems.append(f"{vocab_field} = {vocab_size}: byte-level text needs at least 256; set it to 256")
+    if not -1 <= d.ignore_target < vocab_size:
+        problems.append(f"data.ignore_target = {d.ignore_target}: must be -1 (keep every target) or a token id "
+                        f"below {vocab_field} = {vocab_size}")
+    return problems

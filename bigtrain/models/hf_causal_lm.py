@@ -1,0 +1,59 @@
+"""A Hugging Face ``*ForCausalLM`` (built by transformers) as bigtrain's trainer calls a decoder:
+tokens (batch, seq) -> logits (batch, seq, vocab).
+
+:class:`CausalLM` holds the transformers model's own ``model`` (embedding, blocks, final norm,
+rotary tables) and ``lm_head`` under the same names, so every parameter keeps its Hugging Face name
+(``model.layers.0.self_attn.q_proj.weight``): checkpoints, tensor-parallel plans and the exported
+safetensors use them as they are. No transformers import here: the family builds the model.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+
+class CausalLM(nn.Module):
+    """``forward(tokens, start_pos, with_head)`` as :class:`bigtrain.models.llama.Llama`'s:
+    ``start_pos`` is the first token's position, ``with_head=False`` ends at the final norm."""
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        self.model = causal_lm.model  # the decoder: embed_tokens, layers, norm, rotary_emb
+        self.lm_head = causal_lm.lm_head
+        self.config = causal_lm.config  # plain data (a PretrainedConfig), not a module
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True) -> torch.Tensor:
+        positions = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device).unsqueeze(0)
+        hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
+        return self.lm_head(hidden) if with_head else hidden
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        init_rotary_buffers(self, device)
+
+
+@torch.no_grad()
+def init_rotary_buffers(module: nn.Module, device: torch.device | str | None = None) -> None:
+    """The rotary inverse frequencies of every Hugging Face rotary embedding in ``module`` (buffers
+    derived from the config, left on the meta device by a meta build and unset by ``to_empty``),
+    computed again on ``device`` as transformers computes them."""
+    for rotary in module.modules():
+        if hasattr(rotary, "rope_init_fn") and hasattr(rotary, "inv_freq"):
+            where = rotary.inv_freq.device if device is None else torch.device(device)
+            inv_freq, rotary.attention_scaling = rotary.rope_init_fn(rotary.config, where)
+            rotary.inv_freq = inv_freq.float()
+            rotary.original_inv_freq = rotary.inv_freq
+
+
+def init_value(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    """Parameter ``name``'s full initial value, on the CPU in fp32, from (seed, name) only: norms
+    one, biases zero (as transformers initializes them), every other weight normal with ``std``
+    (the config's initializer_range)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * std
