@@ -4,7 +4,8 @@ Both come from ``tests/durations.json`` (each test's recorded seconds, setup + c
 node id), as pytest-split does, so that nothing is marked slow by hand and a shard's share follows
 what the tests cost:
 
-- a test recorded at ``SLOW_S`` or more gets the ``slow`` marker (besides those marked in code), so
+- a test recorded at ``SLOW_S`` or more gets the ``slow`` marker (besides those marked in code), and
+  so does every test of a file that says ``RUNS_IN_ORDER = True`` when one of its tests is slow, so
   ``pytest -m "not slow"`` is the fast lane a developer runs between edits;
 - ``--shard=i/n`` keeps the i-th of n shards: whole test files (a file's module fixtures and order
   stay together; tests/test_readme.py relies on its order), given out longest first to the shard
@@ -56,8 +57,16 @@ class SlowMarker:
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config, items) -> None:
         seconds = recorded()
+        slow_files = set()
         for item in items:
             if seconds.get(item.nodeid, 0.0) >= SLOW_S:
+                item.add_marker(pytest.mark.slow)
+                slow_files.add(item.nodeid.split("::")[0])
+        # A file whose tests build on each other (``RUNS_IN_ORDER = True`` in it, as the README's
+        # commands do) leaves the fast lane whole when any of its tests is slow.
+        for item in items:
+            path = item.nodeid.split("::")[0]
+            if path in slow_files and getattr(item.module, "RUNS_IN_ORDER", False):
                 item.add_marker(pytest.mark.slow)
 
 

@@ -24,6 +24,7 @@ import pytest
 from bigtrain.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+RUNS_IN_ORDER = True  # later commands use what earlier ones made (tests/lanes.py keeps the file whole)
 SKIPPED = {
     "bash scripts/setup.sh": "makes .venv and installs packages (needs the network); the train after it runs",
     "bash scripts/test.sh": "the whole test suite, which this test is part of",
