@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from bigtrain.config import Config
-from bigtrain.core.reference_step import ReferenceStep  # every family's reference writes one
+from bigtrain.core.reference_step import ReferenceStep, reference_learning_rate  # every family's reference writes one
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
@@ -115,13 +115,7 @@ class ReferenceRun:
         self.step = 0
 
     def learning_rate(self, step: int) -> float:
-        o, t = self.cfg.optim, self.cfg.train
-        peak = o.lr * t.global_batch / o.base_batch if o.lr_scaling == "linear" else o.lr
-        if step < o.warmup_steps:
-            return peak * (step + 1) / o.warmup_steps
-        progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
-        floor = peak * o.min_lr_ratio
-        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return reference_learning_rate(self.cfg, step)
 
     def train_step(self, capture: bool = False) -> ReferenceStep:
         index, replicas = self.replica

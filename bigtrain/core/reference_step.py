@@ -1,7 +1,10 @@
 """What one step of an independent reference produced (``bigtrain check`` compares a layout's step
-with it): written by each family's reference, read by :mod:`bigtrain.check.run`."""
+with it): written by each family's reference, read by :mod:`bigtrain.check.run`; and the learning
+rate every reference steps with, written apart from the trainer's (``optim/schedule.py``)."""
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass, field
 
@@ -19,3 +22,16 @@ class ReferenceStep:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # after the update
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # reduced, unscaled, before clipping
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # forward outputs over the global batch
+
+
+
+def reference_learning_rate(cfg, step: int) -> float:
+    """Step ``step``'s learning rate as the references compute it, from the config alone: linear
+    warm-up to the (optionally batch-scaled) peak, then a cosine to ``min_lr_ratio`` of it."""
+    o, t = cfg.optim, cfg.train
+    peak = o.lr * t.global_batch / o.base_batch if o.lr_scaling == "linear" else o.lr
+    if step < o.warmup_steps:
+        return peak * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
+    floor = peak * o.min_lr_ratio
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -17,7 +17,6 @@ at linear warm-up then cosine decay to ``optim.min_lr_ratio`` of the peak. fp32 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bigtrain.config import Config
-from bigtrain.core.reference_step import ReferenceStep
+from bigtrain.core.reference_step import ReferenceStep, reference_learning_rate
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.models.hf_causal_lm import init_value
 
@@ -88,13 +87,7 @@ class HFReference:
         self.step = 0
 
     def learning_rate(self, step: int) -> float:
-        o, t = self.cfg.optim, self.cfg.train
-        peak = o.lr * t.global_batch / o.base_batch if o.lr_scaling == "linear" else o.lr
-        if step < o.warmup_steps:
-            return peak * (step + 1) / o.warmup_steps
-        progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
-        floor = peak * o.min_lr_ratio
-        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return reference_learning_rate(self.cfg, step)
 
     def train_step(self, capture: bool = False) -> ReferenceStep:
         t = self.cfg.train
