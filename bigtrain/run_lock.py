@@ -182,33 +182,43 @@ def take_run_dir(run_dir: Path, flag: str = "--output-dir", command: str | None 
     for _ in range(8):  # the file was removed or replaced between open and lock: open it again
         fd, created = _open_lock_file(run_dir)
         lock = RunLock(run_dir, fd, token, created)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # the file is the holder's now, even if this process created it
-            holder = _read_holder(fd)
-            lock.release()
-            raise _in_use(run_dir, holder, flag) from None
-        except OSError as e:
-            lock.release()
-            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                return _no_flock(run_dir, e)
-            raise
+        # Held: the file is the holder's now, even if this process created it.
+        unsupported = _flock_or_refuse(lock, fcntl.LOCK_EX, flag)
+        if unsupported is not None:
+            return _no_flock(run_dir, unsupported)
         if not _same_file(fd, run_dir / LOCK_FILE):
             lock.release()
             continue
         _write_holder(fd, _holder_record(token, command))
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the ranks join; nobody else gets in
-        except BlockingIOError:  # another run took it while the lock changed from exclusive to shared
-            holder = _read_holder(fd)
-            lock.release()
-            raise _in_use(run_dir, holder, flag) from None
+        # The ranks join; nobody else gets in (held: another run took it while the lock changed
+        # from exclusive to shared).
+        unsupported = _flock_or_refuse(lock, fcntl.LOCK_SH, flag)
+        if unsupported is not None:  # it was supported a moment ago
+            raise unsupported
         holder = _read_holder(fd)
         if holder.get("token") not in (token, None):  # None: a full disk kept our name out
             lock.release()
             raise _in_use(run_dir, holder, flag)
         return lock
     raise ConfigError(f"{flag} = '{run_dir}': its {LOCK_FILE} keeps being replaced; is another program removing it?")
+
+
+def _flock_or_refuse(lock: RunLock, mode: int, flag: str) -> OSError | None:
+    """``flock(mode)`` on ``lock``'s file without waiting. Held by another run: ``lock`` released
+    and the run refused, naming the holder. A filesystem without flock: ``lock`` released and the
+    error returned (the caller says what that means); any other error raised."""
+    try:
+        fcntl.flock(lock.fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(lock.fd)
+        lock.release()
+        raise _in_use(lock.run_dir, holder, flag) from None
+    except OSError as e:
+        lock.release()
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return e
+        raise
+    return None
 
 
 def join_run_dir(run_dir: Path, token: str, flag: str = "--output-dir") -> RunLock:
@@ -221,17 +231,8 @@ def join_run_dir(run_dir: Path, token: str, flag: str = "--output-dir") -> RunLo
         raise ConfigError(f"{flag} = '{run_dir}': the launcher's {LOCK_FILE} cannot be opened ({e.strerror}); "
                           f"{TOKEN_ENV} = {token} names a lock that is not there (a leftover? unset it)") from None
     lock = RunLock(run_dir, fd, token)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _read_holder(fd)
-        lock.release()
-        raise _in_use(run_dir, holder, flag) from None
-    except OSError as e:
-        lock.release()
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return RunLock(run_dir, None, token)  # the launcher warned already
-        raise
+    if _flock_or_refuse(lock, fcntl.LOCK_SH, flag) is not None:
+        return RunLock(run_dir, None, token)  # no flock here: the launcher warned already
     holder = _read_holder(fd)
     if holder.get("token") not in (token, None):
         lock.release()
