@@ -68,3 +68,21 @@ def lose_one_ranks_gradients(unit_name: str, rank: int):
         return original(self, unit)
 
     return faulty
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found

@@ -27,7 +27,7 @@ from bigtrain.config import load_config
 from bigtrain.distributed import elastic, launch
 from bigtrain.metrics import read_metrics
 from bigtrain.testing import run_ranks
-from helpers import trainer_on_rank
+from helpers import descendant_pids, trainer_on_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 300  # a whole torchrun job on a loaded 2-core machine; a hang fails here, named
@@ -48,7 +48,7 @@ def _start(cmd: list[str], log: Path) -> subprocess.Popen:
 
 def _kill_job(proc: subprocess.Popen) -> None:
     """Kill a job and every process under it: torchrun starts each rank in a session of its own."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
+    for pid in [proc.pid, *descendant_pids(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -207,27 +207,12 @@ def test_max_restarts_inside_someone_elses_launcher_is_rejected(corpus_cache, tm
 
 
 # -- the acceptance test: SIGKILL a rank mid-run -------------------------------------------------------
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def _rank_process(job: int, rank: int, restart_round: int) -> int | None:
     """The pid of ``rank``'s worker in ``restart_round`` among the job's processes, from their environment."""
     want = {f"RANK={rank}".encode(), f"TORCHELASTIC_RESTART_COUNT={restart_round}".encode()}
-    for pid in _descendants(job):
+    for pid in descendant_pids(job):
         try:
             env = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
         except OSError:

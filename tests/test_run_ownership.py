@@ -19,6 +19,7 @@ import pytest
 from bigtrain.cli import main
 from bigtrain.config import ConfigError
 from bigtrain.run_lock import LOCK_FILE, TOKEN_ENV, join_run_dir, take_run_dir
+from helpers import descendant_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,26 +166,11 @@ def test_a_finished_run_releases_its_folder(corpus_cache, tmp_path):
 
 
 # -- the ranks of a dead launcher stop; signals stop a multi-rank run with one line -------------------
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def _rank_pids(pid: int) -> list[int]:
     ranks = []
-    for child in _descendants(pid):
+    for child in descendant_pids(pid):
         try:
             env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -219,7 +205,7 @@ def _start_training(cache, run, log: Path, *extra) -> subprocess.Popen:
 
 
 def _kill_all(job: subprocess.Popen) -> None:
-    for pid in [job.pid, *_descendants(job.pid)]:
+    for pid in [job.pid, *descendant_pids(job.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
