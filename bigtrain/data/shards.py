@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bigtrain.data.documents import documents
-from bigtrain.data.tokenizer import ids_dtype, load_tokenizer
+from bigtrain.data.tokenizer import file_digest, ids_dtype, load_tokenizer
 
 FORMAT = 1
 SHARD_BYTES = 32 << 20  # text per shard: a worker's unit of work and of resumption
@@ -47,14 +47,6 @@ class CorpusError(ValueError):
 
 
 # -- the content key ------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_digests(files: list[Path], cache: Path) -> list[str]:
     """SHA-256 of each file, remembered in ``cache/file-digests.json`` by (path, size, mtime)."""
     memo_path = cache / DIGESTS
@@ -68,7 +60,7 @@ def file_digests(files: list[Path], cache: Path) -> list[str]:
         stamp = [st.st_size, st.st_mtime_ns]
         entry = memo.get(str(f.absolute()))
         if not (isinstance(entry, list) and entry[:2] == stamp):
-            entry, changed = stamp + [_sha256(f)], True
+            entry, changed = stamp + [file_digest(f)], True
             memo[str(f.absolute())] = entry
         out.append(entry[2])
     if changed:
@@ -156,7 +148,7 @@ def _finished_shard(folder: Path, index: int, text_digest: str, itemsize: int) -
         marker = json.loads((folder / f"{name}.json").read_text())
         path = folder / f"{name}.bin"
         if (marker.get("text_sha256") == text_digest and path.stat().st_size == marker["tokens"] * itemsize
-                and _sha256(path) == marker["sha256"]):
+                and file_digest(path) == marker["sha256"]):
             return marker
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -228,7 +220,7 @@ def verify(folder: Path, manifest: dict) -> None:
     for shard in manifest["shards"]:
         path = folder / shard["file"]
         try:
-            ok = path.stat().st_size == shard["tokens"] * itemsize and _sha256(path) == shard["sha256"]
+            ok = path.stat().st_size == shard["tokens"] * itemsize and file_digest(path) == shard["sha256"]
         except OSError:
             ok = False
         if not ok:
