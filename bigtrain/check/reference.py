@@ -51,6 +51,7 @@ from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.llama import Llama
 from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
+from bigtrain.models.widen import at_least_fp32
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -76,12 +77,14 @@ class ReferenceRun:
     (:func:`config_gradient_delay`)."""
 
     def __init__(self, cfg: Config, device: torch.device | str = "cpu", replica: tuple[int, int] = (0, 1),
-                 gradient_delay: int | Callable[[str], int] | None = None):
+                 gradient_delay: int | Callable[[str], int] | None = None, exact: bool = False):
         self.cfg, self.device = cfg, torch.device(device)
         self.replica = replica
         if gradient_delay is None:
             gradient_delay = config_gradient_delay(cfg)
         self.delay = gradient_delay if callable(gradient_delay) else (lambda name: gradient_delay)
+        if exact and (problem := exact_problem(cfg)):
+            raise ValueError(f"exact reference: {problem}")
         with self.device:
             self.master = Llama(cfg.model)  # fp32
         self.master.init_weights(cfg.train.seed)
@@ -89,6 +92,8 @@ class ReferenceRun:
         self.mixed = mode != "fp32"
         self.compute = copy.deepcopy(self.master).to(COMPUTE_DTYPES[mode]) if self.mixed else self.master
         self.compute.init_buffers()  # rotary tables stay fp32, as in the model's own init
+        if exact:  # the same initial values and tables in float64: fp32's own rounding left out
+            self.master.double()
         delayed = any(self.delay(n) for n, _ in self.master.named_parameters())
         if delayed and self.mixed:
             raise ValueError("gradient_delay: the reference delays fp32 weights only; use precision.mode = 'fp32'")
@@ -131,7 +136,7 @@ class ReferenceRun:
         try:
             for first in range(0, tokens.shape[0], micro):
                 logits = model(tokens[first:first + micro])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets[first:first + micro].flatten(),
+                loss = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets[first:first + micro].flatten(),
                                        reduction="sum")
                 loss_sum += float(loss.detach())
                 (loss / counted * self.loss_scale).backward()
@@ -148,7 +153,7 @@ class ReferenceRun:
             self.history.append(self._weights())
         result.loss = loss_sum / counted
         if capture:
-            result.outputs = {name: torch.cat(parts).float().cpu() for name, parts in outputs.items()}
+            result.outputs = {name: at_least_fp32(torch.cat(parts)).cpu() for name, parts in outputs.items()}
             result.weights = {n: p.detach().cpu().clone() for n, p in self.master.named_parameters()}
         self.step += 1
         return result
@@ -216,6 +221,22 @@ class ReferenceRun:
                 for master, low in zip(self.master.parameters(), self.compute.parameters()):
                     low.copy_(master)
         return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
+
+
+def exact_problem(cfg: Config) -> str | None:
+    """Why ``cfg`` has no float64 twin of its reference (None: it has one). The twin runs the same
+    loop in float64 to measure fp32's own rounding; what quantizes or rounds on purpose (low
+    precision, int8 activations, float8, 8-bit state, Lion's sign) would not be the same function
+    in float64."""
+    if cfg.precision.mode != "fp32":
+        return f"precision.mode = '{cfg.precision.mode}' rounds on purpose"
+    if cfg.memory.activation_compression != "none":
+        return f"memory.activation_compression = '{cfg.memory.activation_compression}' quantizes on purpose"
+    if cfg.precision.fp8 != "none":
+        return f"precision.fp8 = '{cfg.precision.fp8}' quantizes on purpose"
+    if cfg.optim.name in ("adamw8bit", "lion"):
+        return f"optim.name = '{cfg.optim.name}' quantizes its state or its update on purpose"
+    return None
 
 
 # -- int8 activation compression, stated again ---------------------------------------------------------

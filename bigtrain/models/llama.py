@@ -19,6 +19,7 @@ from bigtrain.config import ModelConfig
 from bigtrain.models.feed_forward import FeedForward
 from bigtrain.models.moe import MoEFeedForward, init_router_biases
 from bigtrain.models.rope import rotary_tables_for
+from bigtrain.models.widen import at_least_fp32
 
 
 class RMSNorm(nn.Module):
@@ -29,7 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 whatever the compute dtype: the mean of squares underflows in bf16.
-        x32 = x.float()
+        x32 = at_least_fp32(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
@@ -44,7 +45,7 @@ def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) ->
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x (batch, seq, heads, head_dim) by position."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    x1, x2 = at_least_fp32(x).unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return rotated.type_as(x)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.models.feed_forward import FeedForward
+from bigtrain.models.widen import at_least_fp32
 
 ROUTERS = ("softmax", "sigmoid-bias")
 BIAS_UPDATE_RATE = 1e-3  # aux-loss-free balancing's step (DeepSeek-V3, torchtitan)
@@ -113,11 +114,12 @@ class _AddAuxGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype = aux.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.ones((), device=grad.device, dtype=torch.float32)
+        return grad, torch.ones((), device=grad.device, dtype=ctx.aux_dtype)
 
 
 class MoEStats:
@@ -180,7 +182,7 @@ class MoEFeedForward(nn.Module):
         token_of_row = flat_token[order]
         counts = torch.bincount(flat_expert, minlength=self.num_experts)
         rows = self.dispatcher(tokens[token_of_row], counts, self.experts)
-        weighted = (rows.float() * flat_weight[order, None]).to(x.dtype)
+        weighted = (at_least_fp32(rows) * flat_weight[order, None]).to(x.dtype)
         out = torch.zeros_like(tokens).index_add(0, token_of_row, weighted)
         if self.shared is not None:
             out = out + self.shared(tokens)
@@ -194,7 +196,7 @@ class MoEFeedForward(nn.Module):
 
     def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # fp32 whatever the compute dtype: bf16 scores tie and flip the top-k between layouts.
-        logits = F.linear(tokens.float(), self.router.weight.float())
+        logits = F.linear(at_least_fp32(tokens), at_least_fp32(self.router.weight))
         if self.router_kind == "softmax":
             scores = logits.softmax(-1)
             weights, chosen = scores.topk(self.top_k, dim=-1)
@@ -202,7 +204,7 @@ class MoEFeedForward(nn.Module):
                 weights = weights / weights.sum(-1, keepdim=True)
             return scores, chosen, weights
         scores = torch.sigmoid(logits)
-        _, chosen = (scores.detach() + self.expert_bias.float()).topk(self.top_k, dim=-1)
+        _, chosen = (scores.detach() + at_least_fp32(self.expert_bias)).topk(self.top_k, dim=-1)
         weights = scores.gather(-1, chosen)
         if self.top_k > 1:  # for k = 1 renormalizing would make every weight 1: the router would learn nothing
             weights = weights / weights.sum(-1, keepdim=True)
@@ -229,7 +231,7 @@ class MoEFeedForward(nn.Module):
         b, s, k = chosen.shape
         e, whole = self.num_experts, self.sequence.length(s)
         # One sum over the sequence's parts for both: routings per expert and router probabilities.
-        summed = self.sequence.total(torch.cat([F.one_hot(chosen, e).sum((1, 2)).float(), scores.sum(1)], -1))
+        summed = self.sequence.total(torch.cat([F.one_hot(chosen, e).sum((1, 2)).to(scores.dtype), scores.sum(1)], -1))
         fraction = summed[:, :e] / (whole * k)  # (b, E), no gradient
         mean_prob = summed[:, e:] / whole  # (b, E)
         return (fraction * mean_prob).sum() * self.num_experts
