@@ -312,7 +312,8 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
             write_summary(run_dir, trainer.summary())
             report = write_report(run_dir) if cfg.logging.report else None
             if history:
-                print(f"bigtrain: {trainer.step} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}; "
+                steps = f"{trainer.step} step" + ("" if trainer.step == 1 else "s")
+                print(f"bigtrain: {steps}, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}; "
                       f"run directory {run_dir}" + (f", report {report}" if report else ""))
     finally:
         shutdown_distributed()

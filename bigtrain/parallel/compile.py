@@ -7,7 +7,7 @@ serves every block of the same structure (dynamo's cache is per code object, the
 graph inputs), so a model compiles one forward and one backward graph per kind of block, not per
 block. What the wrapper holds is inside the compiled region: recomputation (torch's checkpoint
 becomes a higher-order op the compiler recomputes from), the tensor-parallel styles' hooks on the
-block's layers (their collectives are ``torch.compiler.disable``-d, so the graph breaks around
+block's layers (their collectives run eagerly, bigtrain/parallel/eager.py, so the graph breaks around
 each and the pieces between compile). What sits on the wrapper stays outside, eager: ZeRO's
 gathering hooks, activation offload's saved-tensor hooks (they still see every tensor the
 compiled graph saves), the bigtrain check's output probes.

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.eager import eager_under_compile
 from bigtrain.wrappers import ModuleWrapper
 
 
@@ -160,7 +161,7 @@ class _RingAttention(torch.autograd.Function):
         return (torch.cat(dq, dim=2).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None)
 
 
-@torch.compiler.disable  # point-to-point traffic in Python: a compiled block breaks around it
+@eager_under_compile  # point-to-point traffic in Python: a compiled block breaks around it
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: AxisComm, chunks) -> torch.Tensor:
     """Causal attention of (batch, local seq, heads, dim) q, k, v whose sequence is cut over
     ``comm``'s ranks as ``chunks(rank)`` says; returns this rank's (batch, local seq, heads, dim)."""

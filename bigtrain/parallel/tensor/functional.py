@@ -8,7 +8,7 @@ all-gather): the same bytes, but activations between them stay sequence-sharded.
 between sequence shards and head shards with one all-to-all each way.
 
 All traffic goes through :class:`AxisComm`, so it is counted per axis and collective. Each public
-function runs eagerly under ``torch.compile`` (``torch.compiler.disable``): a compiled block's graph
+function runs eagerly under ``torch.compile`` (:mod:`bigtrain.parallel.eager`): a compiled block's graph
 breaks around its collectives (Python-side communication the compiler does not trace), and the
 pieces between them compile (``bigtrain/parallel/compile.py``).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.eager import eager_under_compile
 
 
 def _all_reduce(x: torch.Tensor, comm: AxisComm, tag: str) -> torch.Tensor:
@@ -73,7 +74,7 @@ def _all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, cat_dim: int) -
     return torch.cat(recv.unbind(0), dim=cat_dim)
 
 
-@torch.compiler.disable
+@eager_under_compile
 def copy_to_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     """Enter a column-parallel region: identity forward, all-reduce of the gradient."""
     if comm.size == 1:
@@ -81,7 +82,7 @@ def copy_to_group(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
     return _Dual.apply(x, lambda t: t.view_as(t), lambda g: _all_reduce(g, comm, "tp"))
 
 
-@torch.compiler.disable
+@eager_under_compile
 def reduce_from_group(x: torch.Tensor, comm: AxisComm, tag: str = "tp") -> torch.Tensor:
     """Leave a row-parallel region: all-reduce forward, identity backward."""
     if comm.size == 1:
@@ -89,7 +90,7 @@ def reduce_from_group(x: torch.Tensor, comm: AxisComm, tag: str = "tp") -> torch
     return _Dual.apply(x, lambda t: _all_reduce(t, comm, tag), lambda g: g)
 
 
-@torch.compiler.disable
+@eager_under_compile
 def gather_sequence(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
     """Sequence shards -> whole sequence; the gradient is reduce-scattered back to shards."""
     if comm.size == 1:
@@ -97,7 +98,7 @@ def gather_sequence(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tens
     return _Dual.apply(x, lambda t: gather_along(t, comm, dim, "sp"), lambda g: _reduce_scatter(g, comm, dim, "sp"))
 
 
-@torch.compiler.disable
+@eager_under_compile
 def scatter_sequence_sum(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
     """Partial sums of the whole sequence -> summed sequence shards; the gradient is all-gathered."""
     if comm.size == 1:
@@ -105,7 +106,7 @@ def scatter_sequence_sum(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch
     return _Dual.apply(x, lambda t: _reduce_scatter(t, comm, dim, "sp"), lambda g: gather_along(g, comm, dim, "sp"))
 
 
-@torch.compiler.disable
+@eager_under_compile
 def gather_sequence_replicated(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
     """Sequence shards -> the whole sequence, for a module every rank then runs alike on it (an
     MoE block under sequence parallelism): its input gradient is the same on every rank, so
@@ -115,7 +116,7 @@ def gather_sequence_replicated(x: torch.Tensor, comm: AxisComm, dim: int = 1) ->
     return _Dual.apply(x, lambda t: gather_along(t, comm, dim, "sp"), lambda g: local_chunk(g, comm, dim))
 
 
-@torch.compiler.disable
+@eager_under_compile
 def split_sequence(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tensor:
     """The whole sequence, the same on every rank -> this rank's shard; the gradient is all-gathered,
     so every rank goes on backward through the whole sequence alike (the dual of the above)."""
@@ -124,7 +125,7 @@ def split_sequence(x: torch.Tensor, comm: AxisComm, dim: int = 1) -> torch.Tenso
     return _Dual.apply(x, lambda t: local_chunk(t, comm, dim), lambda g: gather_along(g, comm, dim, "sp"))
 
 
-@torch.compiler.disable
+@eager_under_compile
 def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, cat_dim: int) -> torch.Tensor:
     """Split ``split_dim`` across ranks and concatenate ``cat_dim`` from them (Ulysses); the
     gradient makes the opposite move."""
