@@ -73,9 +73,10 @@ def check_context_parallel(cfg: Config) -> list[str]:
         local_q, local_kv = m.n_heads // p.tp, max(1, m.kv_heads // p.tp)
         problems += head_split_problems(f"parallel.cp = {p.cp} with cp_mode 'all-to-all'", p.cp, local_q, local_kv,
                                         " or cp_mode = 'ring'")
-    if m.moe_experts > 0:
-        problems.append(f"parallel.cp = {p.cp} with model.moe_experts = {m.moe_experts}: MoE blocks under context "
-                        f"parallelism are not built yet; use parallel.cp = 1 (or parallel.sp for Ulysses)")
+    if m.moe_experts > 0 and p.sp > 1:
+        problems.append(f"parallel.cp = {p.cp} x parallel.sp = {p.sp} with model.moe_experts = {m.moe_experts}: an MoE "
+                        f"block's part of each sequence would be cut twice (cp's chunk pairs, then Ulysses), which its "
+                        f"capacity queues do not follow yet; use parallel.sp = 1 (cp alone) or parallel.cp = 1")
     if m.name != "llama":  # the ring and the all-to-all attach to the Llama family's attention cores
         problems.append(f"parallel.cp = {p.cp}: context parallelism is built for the Llama family's attention, "
                         f"not model.name = '{m.name}'; use parallel.cp = 1")

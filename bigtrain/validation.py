@@ -115,14 +115,15 @@ def check_parallel(cfg: Config) -> list[str]:
 
 
 def _check_expert_parallel(cfg: Config) -> list[str]:
-    """ep shards experts over part of the dp x sp replicas (distributed/mesh.py): it must divide them."""
+    """ep shards experts over part of the dp x cp x sp replicas (distributed/mesh.py): it must divide them."""
     p, problems = cfg.parallel, []
-    if p.ep < 1 or p.dp < 1 or p.sp < 1:
+    if p.ep < 1 or p.dp < 1 or p.sp < 1 or p.cp < 1:
         return problems  # named by _positive
-    replicas = p.dp * p.sp
+    axes = [("parallel.dp", p.dp)] + [(f"parallel.{a}", n) for a, n in (("cp", p.cp), ("sp", p.sp)) if n > 1]
+    replicas = p.dp * p.cp * p.sp
     if replicas % p.ep:
-        over = "parallel.dp" if p.sp == 1 else "parallel.dp x parallel.sp"
-        value = f"{p.dp}" if p.sp == 1 else f"{p.dp} x {p.sp} = {replicas}"
+        over = " x ".join(name for name, _ in axes)
+        value = f"{p.dp}" if len(axes) == 1 else " x ".join(str(n) for _, n in axes) + f" = {replicas}"
         problems.append(f"parallel.ep = {p.ep} does not divide {over} = {value}: experts are sharded over ep of "
                         f"the data-parallel ranks (ep adds no ranks); use parallel.ep = "
                         f"{_divisor_near(replicas, p.ep)} or make {over} a multiple of {p.ep}")

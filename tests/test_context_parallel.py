@@ -20,6 +20,8 @@ from bigtrain.validation import validate
 from helpers import tiny_config
 
 SMALL_BATCH = ["--train.global_batch=4", "--train.micro_batch=1"]
+MOE = ["--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_capacity_factor=1.0",
+       "--model.moe_aux_loss_coef=0.01"]
 
 
 def test_each_rank_holds_chunks_i_and_2cp_minus_1_minus_i():
@@ -85,6 +87,15 @@ LAYOUTS = {
     "ring-cp2-activation-offload": ["--parallel.cp=2", "--memory.checkpointing=full", "--memory.activation_offload=true"],
     "ring-cp2-bf16": ["--parallel.cp=2", "--precision.mode=bf16"],  # against a bf16 reference: 1e-3
     "ring-cp2-full-recompute-fused-loss": ["--parallel.cp=2", "--memory.checkpointing=full", "--model.fused_loss=true"],
+    # MoE: capacity 1.0 drops routings, so each token's place in its expert's whole-sequence queue
+    # (across the chunk pairs) decides what is kept; the balance loss sums over the cp ranks.
+    "ring-cp2-moe-capacity": ["--parallel.cp=2", *MOE],
+    "ring-cp4-moe-capacity": ["--parallel.cp=4", *MOE],
+    "all-to-all-cp2-moe-ep2": ["--parallel.cp=2", "--parallel.cp_mode=all-to-all", "--parallel.ep=2", *MOE],
+    "ring-cp2-tp2-sequence-parallel-moe": ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                                           *MOE],
+    "ring-cp2-moe-sigmoid-bias-dropless": ["--parallel.cp=2", "--model.moe_experts=4", "--model.moe_top_k=2",
+                                           "--model.moe_router=sigmoid-bias", "--model.moe_capacity_factor=0.0"],
 }
 
 
@@ -116,7 +127,8 @@ REFUSED = {
                                       "--data.seq_len=20", "--model.n_kv_heads=4"],
                                      ["data.seq_len / parallel.cp = 10", "parallel.sp = 4", "data.seq_len = 16"]),
     "cp-zero": (["--parallel.cp=0"], ["parallel.cp = 0"]),
-    "cp-with-moe": (["--parallel.cp=2", "--model.moe_experts=4"], ["model.moe_experts", "parallel.cp = 1"]),
+    "hybrid-with-moe": (["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid", "--model.moe_experts=4"],
+                        ["model.moe_experts", "parallel.sp = 1"]),
 }
 
 

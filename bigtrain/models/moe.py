@@ -89,9 +89,11 @@ class WholeSequences:
         """``t`` (per sequence) summed over the sequence's parts; backward: each part its own share."""
         return t
 
-    def queue_offsets(self, counts: torch.Tensor) -> torch.Tensor | None:
-        """``counts`` (batch, k, E): this part's routings per choice and expert -> the routings of
-        the other parts ahead of this part's in each (choice, expert) queue; None: there are none."""
+    def queue_offsets(self, routed: torch.Tensor) -> torch.Tensor | None:
+        """``routed`` (batch, k, local seq, E): this part's routings, one-hot per choice, token and
+        expert -> the routings of the other parts ahead of each of this part's tokens in each
+        (choice, expert) queue, (batch, k, E) when the same for all its tokens or (batch, k, local
+        seq, E); None: there are none."""
         return None
 
 
@@ -221,9 +223,10 @@ class MoEFeedForward(nn.Module):
         onehot = F.one_hot(by_priority, self.num_experts)
         position = ((onehot.cumsum(1) - 1) * onehot).sum(-1)  # place in its expert's queue (among this part's)
         per_choice = onehot.view(b, k, s, self.num_experts)
-        ahead = self.sequence.queue_offsets(per_choice.sum(2))
+        ahead = self.sequence.queue_offsets(per_choice)
         if ahead is not None:  # the other parts' routings ahead in the same queue
-            position = position + (per_choice * ahead.unsqueeze(2)).sum(-1).view(b, k * s)
+            ahead = ahead.unsqueeze(2) if ahead.dim() == 3 else ahead  # one offset for all this part's tokens
+            position = position + (per_choice * ahead).sum(-1).view(b, k * s)
         return (position < cap).view(b, k, s).transpose(1, 2)
 
     def _balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,9 @@ from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.models.llama import AttentionCore
+from bigtrain.models.moe import MoEFeedForward
 from bigtrain.parallel.ring_attention import RingAttention
+from bigtrain.parallel.sequence_moe import ChunkPairsOverCP
 from bigtrain.parallel.tensor.functional import all_to_all
 from bigtrain.parallel.tensor.styles import replicate_kv_heads
 from bigtrain.wrappers import replace_module, unwrapped
@@ -107,6 +109,9 @@ def apply_context_parallel(model: nn.Module, comm: AxisComm, mode: str) -> list[
     if not names:
         raise ValueError(f"context parallelism: no AttentionCore in a {type(model).__name__}; context-parallel "
                          f"attention replaces those (bigtrain/parallel/context.py)")
+    for module in model.modules():  # MoE blocks: capacity and balance over the whole sequence
+        if isinstance(unwrapped(module), MoEFeedForward):
+            unwrapped(module).sequence = ChunkPairsOverCP(comm)
     for name in names:
         core = model.get_submodule(name)
         if mode in ("ring", "hybrid"):  # hybrid: the core's Ulysses hooks (over sp) run around the ring
