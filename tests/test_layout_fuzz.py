@@ -32,6 +32,28 @@ def test_the_sample_spans_the_composition_space():
         assert any(k.endswith(key + "*") for k in seen), f"no sampled layout sets {key}"
 
 
+def test_context_parallel_draws_fit_the_world_and_leave_other_samples_as_they_were():
+    from bigtrain.check.fuzz import CP, draw_sample
+
+    drawn = [draw_sample(SEED, i, MAX_WORLD, dlrm_share=0.0, hf_share=0.0, cp_share=1.0) for i in range(60)]
+    with_cp = [d for d in drawn if any(o.startswith(CP) for o in d)]
+    assert len(with_cp) > 20
+    for sample in with_cp:
+        first = sample[:sample.index(next(o for o in sample if o.startswith("resume-after=")))] \
+            if any(o.startswith("resume-after=") for o in sample) else sample
+        sizes = {k: 1 for k in ("dp", "tp", "pp", "sp", "cp")}
+        sizes.update({o.split("=")[0][11:]: int(o.split("=")[1]) for o in first
+                      if o.split("=")[0][11:] in sizes and o.startswith("--parallel.")})
+        assert sizes["dp"] * sizes["tp"] * sizes["pp"] * sizes["sp"] * sizes["cp"] <= MAX_WORLD, sample
+        mode = next(o.split("=")[1] for o in sample if o.startswith("--parallel.cp_mode="))
+        assert (mode == "hybrid") == (sizes["sp"] > 1), sample
+    assert {next(o.split("=")[1] for o in d if o.startswith("--parallel.cp_mode=")) for d in with_cp} >= {"ring", "all-to-all"}
+    # cp_share 0: the sample drawn before cp joined
+    assert all(draw_sample(SEED, i, MAX_WORLD, cp_share=0.0) == [o for o in draw_sample(SEED, i, MAX_WORLD, cp_share=1.0)
+                                                                 if not o.startswith((CP, "--parallel.cp_mode="))]
+               for i in range(20) if not any(o.startswith("then:") for o in draw_sample(SEED, i, MAX_WORLD, cp_share=1.0)))
+
+
 # -- resume then step ----------------------------------------------------------------------------
 def test_resume_draws_cover_every_optimizer_and_other_layouts():
     from bigtrain.check.fuzz import OPTIMIZERS, draw_sample, split_resume

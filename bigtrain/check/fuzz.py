@@ -64,13 +64,17 @@ INT8_SHARE = 0.2
 INT8 = "--memory.activation_compression=int8"
 COMPILE_SHARE = 0.25
 COMPILED = "--compile.enabled=true"
+CP_SHARE = 0.15
+CP = "--parallel.cp="
 
 
 def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE,
                 resume_share: float = RESUME_SHARE, int8_share: float = INT8_SHARE,
-                compile_share: float = COMPILE_SHARE, hf_share: float = HF_SHARE) -> list[str]:
+                compile_share: float = COMPILE_SHARE, hf_share: float = HF_SHARE,
+                cp_share: float = CP_SHARE) -> list[str]:
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
-    with int8 activation compression added with probability ``int8_share``, compiled
+    with context parallelism (cp 2 or 4, where the world allows) added with probability ``cp_share``,
+    int8 activation compression with probability ``int8_share``, compiled
     (``compile.enabled``) with probability ``compile_share``, resumed then stepped with probability
     ``resume_share``. The model, int8, compilation and the resume are drawn from generators of their
     own, so a decoder sample with none of them is the one :func:`sample_layout` drew for
@@ -81,12 +85,27 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     if random.Random(f"{seed}:{index}:hf").random() < hf_share:  # 0: the samples drawn before it joined
         return sample_hf_layout(rng, max_world)
     out = sample_layout(rng, max_world)
+    cp = random.Random(f"{seed}:{index}:cp")
+    if cp.random() < cp_share:
+        out += context_parallel_choice(cp, out, max_world)
     if random.Random(f"{seed}:{index}:int8").random() < int8_share:
         out.append(INT8)
     if random.Random(f"{seed}:{index}:compile").random() < compile_share:
         out.append(COMPILED)
     resume = random.Random(f"{seed}:{index}:resume")
     return resume_choice(resume, out, max_world) if resume.random() < resume_share else out
+
+
+def context_parallel_choice(rng: random.Random, out: list[str], max_world: int) -> list[str]:
+    """cp and its mode for a decoder layout ``out``, within ``max_world`` ranks (none if it has no
+    room): hybrid where the layout has Ulysses (sp > 1), ring or all-to-all otherwise."""
+    sizes = {a: int(o.split("=")[1]) for o in out for a in ("dp", "tp", "pp", "sp") if o.startswith(f"--parallel.{a}=")}
+    world = sizes["dp"] * sizes["tp"] * sizes["pp"] * sizes["sp"]
+    cps = [c for c in (2, 2, 4) if world * c <= max_world]
+    if not cps:
+        return []
+    mode = "hybrid" if sizes["sp"] > 1 else rng.choice(["ring", "ring", "all-to-all"])
+    return [f"{CP}{rng.choice(cps)}", f"--parallel.cp_mode={mode}"]
 
 
 def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
@@ -337,9 +356,10 @@ def resume_choice(rng: random.Random, out: list[str], max_world: int = 8, tries:
     if rng.random() < 1 / 3 or not _valid(out) or schedule[-1:] in (["pipedream-2bw"], ["pipedream"]):
         return out + after
     batch = int(next(o for o in out if o.startswith("--train.global_batch=")).split("=")[1])
+    cp = int(next((o[len(CP):] for o in out if o.startswith(CP)), 1))  # kept: the resumed layout's too
     for _ in range(tries):
         dp, tp, pp, sp = (rng.choice(c) for c in ([1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2]))
-        if dp * tp * pp * sp > max_world or batch % dp:
+        if dp * tp * pp * sp * cp > max_world or batch % dp:
             continue
         then = [f"--parallel.dp={dp}", f"--parallel.tp={tp}", f"--parallel.pp={pp}", f"--parallel.sp={sp}",
                 f"--parallel.zero={rng.choice([0, 1, 2, 3])}",
@@ -453,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--int8-share", type=float, default=INT8_SHARE,
                         help=f"share of the decoder samples with int8 activation compression, 0 to 1 (default "
                              f"{INT8_SHARE}; 0: none, as before int8 joined)")
+    parser.add_argument("--cp-share", type=float, default=CP_SHARE,
+                        help=f"share of the decoder samples with context parallelism, 0 to 1 (default {CP_SHARE}; "
+                             f"0: as before cp joined)")
     parser.add_argument("--compile-share", type=float, default=COMPILE_SHARE,
                         help=f"share of the decoder samples compiled (compile.enabled = true), 0 to 1 (default "
                              f"{COMPILE_SHARE}; 0: as before compilation joined; 1: every decoder sample)")
@@ -465,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
         sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share, args.int8_share,
-                             args.compile_share, args.hf_share)
+                             args.compile_share, args.hf_share, args.cp_share)
         outcome = run_sample(sample, args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)
@@ -481,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                          ("hf", [o for o in outcomes if HF in o.overrides]),
                          ("resumed", [o for o in outcomes if split_resume(o.overrides)[1]]),
                          ("int8", [o for o in outcomes if INT8 in o.overrides]),
+                         ("cp", [o for o in outcomes if any(x.startswith(CP) for x in o.overrides)]),
                          ("compiled", [o for o in outcomes if COMPILED in o.overrides])):
         if group:
             by_verdict = {v: sum(o.verdict == v for o in group) for v in sorted({o.verdict for o in group})}
