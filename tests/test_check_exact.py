@@ -127,6 +127,31 @@ def test_a_small_real_fault_in_one_gradient_is_not_excused_as_rounding(corpus_ca
 
 def test_the_twin_replays_the_steps_before_the_one_it_is_asked_for(corpus_cache):
     cfg = tiny_config(corpus_cache)
-    twin, run = ExactTwin(cfg, "cpu"), ReferenceRun(cfg, exact=True)
+    twin, run = ExactTwin.of(ReferenceRun, cfg, "cpu"), ReferenceRun(cfg, exact=True)
     steps = [run.train_step(capture=True) for _ in range(3)]
     assert twin.step(2).loss == steps[2].loss and twin.step(2) is twin.step(2)
+    assert ExactTwin.of(ReferenceRun, tiny_config(corpus_cache, "--optim.name=lion"), "cpu") is None
+
+
+def _nudge_one_weight_after_the_step(factor: float):
+    original = ZeroEngine.step
+
+    def faulty(self, lr, max_norm, skip=None):
+        out = original(self, lr, max_norm, skip)
+        with torch.no_grad():  # the first unit's first parameter: a wrong update of one tensor
+            self.units[0].params[0].mul_(factor)
+        return out
+
+    return faulty
+
+
+def test_a_wrong_update_is_not_explained_by_the_replay(corpus_cache, tmp_path, monkeypatch):
+    """An fp32 AdamW step that moves one tensor 1e-3 off what AdamW makes of its gradient: the
+    replay of the step from the layout's own weights, moments and gradient names it."""
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=1", "--train.global_batch=4",
+                      "--train.micro_batch=1")
+    monkeypatch.setattr(ZeroEngine, "step", _nudge_one_weight_after_the_step(1 + 1e-3))
+    report = run_ranks(check_on_rank, 2, cfg, str(tmp_path), 2)[0]
+    assert not report.agree and report.first_step == 0, report.text()
+    assert any(f.kind == "replayed" and f.error > 1e-4 for f in report.findings), report.text()
+    assert not report.within_rounding

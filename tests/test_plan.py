@@ -17,7 +17,9 @@ from bigtrain.plan import (PRESETS, Cluster, Layout, ModelSpec, PipelineModel, b
                            zero_formula_bytes)
 from bigtrain.plan.cli import add_bench_parser, add_plan_parser
 from bigtrain.plan.cost import stage_costs, step_time
+from bigtrain.plan.layout import layout_problems
 from bigtrain.plan.memory import MEASURABLE_BUFFERS
+from bigtrain.plan.search import search
 from bigtrain.plan.published import RUNS, predict, predicted_metric
 from bigtrain.testing import run_ranks
 from bigtrain.parallel.build import token_loss_sum
@@ -49,11 +51,16 @@ MEASURED = {
     + _layouts(pp=2, schedule="gpipe", variants=[("fp32", "none", 1)])
     + _layouts(tp=2, tp_sp=True, variants=[("fp32", "selective", 2)], compression="int8")
     + _layouts(tp=2, variants=[("bf16", "selective", 2)], fused_loss=True)
-    + _layouts(sp=2, variants=[("fp32", "selective", 2), ("fp32", "none", 2)], compression="int8"),
+    + _layouts(sp=2, variants=[("fp32", "selective", 2), ("fp32", "none", 2)], compression="int8")
+    # context parallelism: the ring, and the all-to-all (issue 31)
+    + _layouts(cp=2, zeros=(0, 3), variants=[("fp32", "none", 2), ("bf16", "full", 2)])
+    + _layouts(cp=2, cp_mode="all-to-all", variants=[("fp32", "none", 2)]),
     4: _layouts(dp=4, zeros=(2, 3), variants=[("bf16", "every", 2)])
     + _layouts(dp=2, tp=2, tp_sp=True, zeros=(2,), variants=[("bf16", "none", 2)])
     + _layouts(dp=2, sp=2, zeros=(1,), variants=[("fp32", "full", 1)])
-    + _layouts(dp=2, pp=2, zeros=(1,), variants=[("bf16", "none", 1)]),
+    + _layouts(dp=2, pp=2, zeros=(1,), variants=[("bf16", "none", 1)])
+    + _layouts(cp=4, zeros=(1,), variants=[("fp32", "none", 2), ("bf16", "selective", 2)])
+    + _layouts(cp=2, tp=2, tp_sp=True, zeros=(2,), variants=[("fp32", "none", 2)]),
 }
 
 
@@ -384,3 +391,31 @@ def test_calibration_writes_a_loadable_profile(tmp_path, capsys):
     assert "I + W =" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="weight_grad_fraction = 1.0 must be in"):
         get_profile("cpu").with_values(weight_grad_fraction=1)
+
+
+# -- context parallelism (issue 31) ---------------------------------------------------------------------
+LONG_SEQUENCE = dict(layers=4, hidden=256, heads=8, vocab=256, seq=65536)  # the small model's shape, 64k tokens
+
+
+def test_cp_divides_activations_and_adds_the_rings_traffic():
+    model = ModelSpec.build(**LONG_SEQUENCE)
+    cluster = Cluster.build(4, PRESETS["cpu"])
+    one, four = (estimate_memory(model, Layout(dp=1, cp=cp, micro_batch=1), PRESETS["cpu"], 1) for cp in (1, 4))
+    assert four.activations == pytest.approx(one.activations / 4, rel=0.01)
+    assert four.buffers["cp_ring"] > 0 and "cp_ring" not in one.buffers
+    ring = step_time(model, Layout(cp=4, micro_batch=1), cluster, 1)
+    assert ring.breakdown["cp_ring"] > 0
+    a2a = step_time(model, Layout(cp=4, cp_mode="all-to-all", micro_batch=1), cluster, 1)
+    assert "cp_ring" not in a2a.breakdown and a2a.breakdown["tp_sp_comm"] > 0
+
+
+def test_the_search_weighs_cp_for_long_sequences_only():
+    cluster = Cluster.build(4, PRESETS["cpu"])
+    long = search(ModelSpec.build(**LONG_SEQUENCE), cluster, 4, fixed={"micro_batch": 1})
+    assert any(p.layout.cp > 1 for p in long.ranked)
+    short = search(ModelSpec.build(**{**LONG_SEQUENCE, "seq": 1024}), cluster, 4, fixed={"micro_batch": 1})
+    assert all(p.layout.cp == 1 for p in short.ranked)
+    fixed = search(ModelSpec.build(**{**LONG_SEQUENCE, "seq": 1024}), cluster, 4, fixed={"cp": 2, "micro_batch": 1})
+    assert fixed.best.layout.cp == 2 and "--parallel.cp=2" in fixed.best.layout.to_overrides()
+    assert "cp = 3" in " ".join(layout_problems(Layout(cp=3, dp=1), ModelSpec.build(**LONG_SEQUENCE),
+                                                Cluster.build(3, PRESETS["cpu"]), 1))

@@ -10,7 +10,8 @@ truth.
 
 So when a single tensor (a module output, a gradient, an updated weight) is over the bound, the
 same reference loop is run in float64 from the same initial values and data
-(``ReferenceRun(exact=True)``) and the tensor is judged against the exact value instead: the
+(the reference class's ``exact``: ``ReferenceRun(exact=True)``, the Hugging Face family's
+in float64) and the tensor is judged against the exact value instead: the
 layout's distance from it may be at most ``ROUNDING_FACTOR`` times the fp32 reference's own
 distance from it (or the fixed bound, where that is larger). Both are one fp32 evaluation of the
 same function in a different order; the factor leaves room for the layout's extra partial sums
@@ -25,11 +26,12 @@ there the float64 loop would be another function, not the same one without round
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
 from bigtrain.check.compare import relative_error
-from bigtrain.check.reference import ReferenceRun, ReferenceStep, exact_problem
+from bigtrain.check.reference import ReferenceStep
 from bigtrain.config import Config
 
 # The layout may land this many times as far from the exact value as the fp32 reference does. The
@@ -40,27 +42,34 @@ SINGLE_TENSORS = ("forward", "gradient", "weight")
 
 
 class ExactTwin:
-    """The reference loop of ``cfg`` in float64, built and stepped only when a finding asks for it.
+    """A family reference's loop in float64, built and stepped only when a finding asks for it.
 
-    ``start``: the first compared step (a resumed check's reference replayed the steps before it);
-    ``restart_delays``: that replay restarted an asynchronous pipeline's delays at ``start``, so the
-    twin does too."""
+    ``build``: makes the float64 reference (the reference class's ``exact(cfg, device)``; it returns
+    None where the reference rounds on purpose). ``start``: the first compared step (a resumed
+    check's reference replayed the steps before it); ``restart_delays``: that replay restarted an
+    asynchronous pipeline's delays at ``start``, so the twin does too."""
 
-    def __init__(self, cfg: Config, device: torch.device | str, start: int = 0, restart_delays: bool = False):
-        self.cfg, self.device, self.start, self.restart_delays = cfg, device, start, restart_delays
-        self.run: ReferenceRun | None = None
+    def __init__(self, build: Callable[[], object], start: int = 0, restart_delays: bool = False):
+        self.build, self.start, self.restart_delays = build, start, restart_delays
+        self.run = None
         self.captured: dict[int, ReferenceStep] = {}
 
     @staticmethod
-    def available(cfg: Config) -> bool:
-        return exact_problem(cfg) is None
+    def of(reference_class, cfg: Config, device: torch.device | str, start: int = 0,
+           restart_delays: bool = False) -> "ExactTwin | None":
+        """The twin of ``reference_class``'s run of ``cfg``, or None where it has none."""
+        exact = getattr(reference_class, "exact", None)
+        problem = getattr(reference_class, "exact_problem", lambda _: None)
+        if exact is None or problem(cfg) is not None:
+            return None
+        return ExactTwin(lambda: exact(cfg, device), start, restart_delays)
 
     def step(self, step: int) -> ReferenceStep:
         """The exact reference's capture of ``step`` (the steps before it are run uncaptured)."""
         if step in self.captured:
             return self.captured[step]
         if self.run is None:
-            self.run = ReferenceRun(self.cfg, self.device, exact=True)
+            self.run = self.build()
         while self.run.step < step:
             self.run.train_step()
             if self.restart_delays and self.run.step == self.start:

@@ -119,6 +119,15 @@ class ReferenceRun:
         self.clean_steps = 0
         self.step = 0
 
+    @classmethod
+    def exact(cls, cfg: Config, device: torch.device | str = "cpu") -> "ReferenceRun":
+        """The same loop in float64 (``bigtrain check``'s measure of fp32's own rounding)."""
+        return cls(cfg, device, exact=True)
+
+    @staticmethod
+    def exact_problem(cfg: Config) -> str | None:
+        return exact_problem(cfg)
+
     def learning_rate(self, step: int) -> float:
         return reference_learning_rate(self.cfg, step)
 

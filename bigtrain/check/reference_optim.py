@@ -132,6 +132,30 @@ def replay_adamw8bit(weights: dict[str, torch.Tensor], state: dict[str, dict], g
     return ({n: p.detach() for n, p in params.items()}, {n: optimizer.state[p] for n, p in params.items()})
 
 
+def replay_adamw(weights: dict[str, torch.Tensor], state: dict[str, dict], grads: dict[str, torch.Tensor],
+                 lr: float, max_norm: float, o) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """One step of ``torch.optim.AdamW`` (the reference's) from given full ``weights`` and state
+    (torch's names: ``exp_avg``, ``exp_avg_sq``, ``step``; empty: the first step) with gradients
+    ``grads``, clipped to ``max_norm``, at learning rate ``lr``, decay on matrices only: the weights
+    and each parameter's state after it."""
+    params = {n: torch.nn.Parameter(w.detach().clone().float()) for n, w in weights.items() if n in grads}
+    for n, p in params.items():
+        p.grad = grads[n].detach().clone().float().view_as(p)
+    groups = [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  foreach=False)
+    for n, p in params.items():
+        if state.get(n):
+            s = state[n]
+            optimizer.state[p].update(step=s["step"].detach().clone().float().reshape(()),
+                                      exp_avg=s["exp_avg"].detach().clone().float().view_as(p),
+                                      exp_avg_sq=s["exp_avg_sq"].detach().clone().float().view_as(p))
+    torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
+    optimizer.step()
+    return {n: p.detach() for n, p in params.items()}, {n: optimizer.state[p] for n, p in params.items()}
+
+
 def reference_optimizer(groups: list[dict], o) -> torch.optim.Optimizer | None:
     if o.name == "adafactor":
         return torch.optim.Adafactor(groups, lr=o.lr, beta2_decay=o.adafactor_decay, d=o.adafactor_clip,

@@ -1,4 +1,4 @@
-"""Each 8-bit optimizer step of a layout, replayed by the reference from the layout's own inputs.
+"""Each AdamW step of a layout (8-bit or fp32), replayed by the reference from the layout's own inputs.
 
 Run freely, a layout and the reference part ways in 8-bit state: a gradient a rounding error away
 from the reference's can put a moment on the other side of a code boundary, one code step (up to
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from bigtrain.check.compare import relative_error
-from bigtrain.check.reference_optim import code_values, codes_at, replay_adamw8bit
+from bigtrain.check.reference_optim import code_values, codes_at, replay_adamw, replay_adamw8bit
 
 BOUND = 1e-5  # relative, fp32: a few roundings of one step, far below one code step
 # bigtrain's state names -> (the replay's codes, scales, fp32 moment, its terms, signed)
@@ -51,8 +51,10 @@ def replayed_step(before: tuple[dict, dict], grads: dict[str, torch.Tensor], aft
                   lr: float, optim) -> list[tuple[str, float, str]]:
     """(what, relative difference, detail) of every weight and state tensor the layout holds
     ``after`` a step from ``before`` (its full weights and optimizer state, ``full_state()``'s)
-    with its reduced ``grads``, against the reference's replay of that step."""
+    with its reduced ``grads``, against the reference's replay of that step (8-bit or fp32 AdamW)."""
     max_norm = optim.grad_clip if optim.grad_clip > 0 else float("inf")
+    if optim.name == "adamw":
+        return _replayed_adamw(before, grads, after, lr, max_norm, optim)
     weights, state = replay_adamw8bit(before[0], before[1].get("state", {}), grads, lr, max_norm, optim)
     held_weights, held_state = after[0], after[1].get("state", {})
     out = []
@@ -70,3 +72,39 @@ def replayed_step(before: tuple[dict, dict], grads: dict[str, torch.Tensor], aft
             error, outside = code_error(held[key], replay, key, optim.block_size)
             out.append((f"{name} {key}", error, f"{outside} codes outside the rounding band" if outside else ""))
     return out
+
+
+def _replayed_adamw(before: tuple[dict, dict], grads: dict[str, torch.Tensor], after: tuple[dict, dict], lr: float,
+                    max_norm: float, optim) -> list[tuple[str, float, str]]:
+    """fp32 AdamW: the weights and both moments the layout holds after the step, against torch's
+    AdamW stepping from the layout's own weights, moments and gradient: the same inputs, so they
+    differ by the rounding of a few fp32 operations (one run's fused kernel, the other's loop)."""
+    weights, state = replay_adamw(before[0], before[1].get("state", {}), grads, lr, max_norm, optim)
+    held_weights, held_state = after[0], after[1].get("state", {})
+    out = []
+    for name, expected in weights.items():
+        if name not in held_weights or name not in held_state:
+            out.append((f"parameter {name}", float("inf"), "the layout holds no such weight or state"))
+            continue
+        out.append((f"parameter {name}", relative_error(held_weights[name].reshape(expected.shape), expected), ""))
+        held, replay = held_state[name], state[name]
+        out.append((f"{name} step", 0.0 if float(held["step"]) == float(replay["step"]) else float("inf"),
+                    f"layout {float(held['step']):g}, replay {float(replay['step']):g}"))
+        for key in ("exp_avg", "exp_avg_sq"):
+            out.append((f"{name} {key}", relative_error(held[key].reshape(-1).float(), replay[key].reshape(-1)), ""))
+    return out
+
+
+def updates_explained(findings: list, bound: float) -> tuple[list, list]:
+    """(the findings that stand, the updated weights that the replay explains). Where every step so
+    far replayed within ``bound`` (the layout's optimizer is the reference's, applied to the
+    layout's own gradient, weights and moments), a weight whose gradient was within its bound at
+    every step can differ from the reference's only by the optimizer amplifying that gradient's
+    rounding: Adam divides by sqrt(v) + eps, so an element whose gradient is near eps moves a
+    sizeable part of the learning rate for a rounding error (the Hugging Face family's key biases:
+    the softmax cancels them but through the rotary rotation, their gradient near 1e-8)."""
+    if any(f.kind == "replayed" for f in findings):
+        return findings, []
+    off_gradients = {f.name for f in findings if f.kind == "gradient"}
+    explained = [f for f in findings if f.kind == "weight" and f.name not in off_gradients]
+    return [f for f in findings if f not in explained], explained

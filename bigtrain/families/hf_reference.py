@@ -66,6 +66,11 @@ class HFReference:
             out.append(f"optim.name = '{cfg.optim.name}': the Hugging Face reference steps with AdamW only")
         return out
 
+    @classmethod
+    def exact(cls, cfg: Config, device: torch.device | str = "cpu") -> "HFReference":
+        """The same loop in float64: ``bigtrain check``'s measure of fp32's own rounding."""
+        return cls(cfg, device, torch.float64)
+
     def __init__(self, cfg: Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         if self.problems(cfg):
             raise ValueError("; ".join(self.problems(cfg)))

@@ -53,8 +53,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                      help="the optimizer whose declared state is counted (optim.name; default adamw)")
     run.add_argument("--block-size", type=int, default=256, help="adamw8bit's optim.block_size (default 256)")
     run.add_argument("--layout", default="auto",
-                     help="'auto' or keys dp,tp,pp,sp,zero,micro_batch,schedule,v,recompute,every,tp_sp,precision,"
-                          "offload,compression,fused_loss, e.g. dp=8,tp=4,pp=2,zero=1,schedule=interleaved,v=2,"
+                     help="'auto' or keys dp,tp,pp,sp,cp,cp_mode,zero,micro_batch,schedule,v,recompute,every,tp_sp,"
+                          "precision,offload,compression,fused_loss, e.g. dp=8,tp=4,pp=2,zero=1,schedule=interleaved,v=2,"
                           "recompute=selective,offload=on; missing keys are chosen by the planner (offload, "
                           "compression and fused_loss default to off)")
     out = p.add_argument_group("output")

@@ -77,7 +77,7 @@ class StepTime:
 
 
 # -- links and collectives --------------------------------------------------------------------------
-_STRIDE_AXES = ("tp", "sp", "dp", "pp")  # innermost first, as the mesh lays ranks out
+_STRIDE_AXES = ("tp", "sp", "cp", "dp", "pp")  # innermost first, as the mesh lays ranks out
 
 
 def axis_crosses_nodes(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
@@ -125,6 +125,7 @@ class StageCosts:
     comm_b: float
     p2p: float  # one pipeline transfer
     moe_comm: float = 0.0  # the experts' all-to-all, forward and backward (part of comm_f and comm_b)
+    ring_comm: float = 0.0  # cp's ring, exposed, forward and backward (part of comm_f and comm_b)
 
 
 def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCosts:
@@ -133,7 +134,7 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     tokens = layout.micro_batch * model.seq
     layers = model.layers / layout.pp
     recomputed = len(checkpointed_block_indices(model.layers, layout.recompute, layout.every)) / layout.pp
-    split = layout.tp * layout.sp  # each of these ranks does 1/split of the stage's FLOPs
+    split = layout.tp * layout.seq_shards  # each of these ranks does 1/split of the stage's FLOPs
     head = 2 * model.vocab * model.hidden / layout.pp
     forward = tokens * (layers * model.block_forward_flops_per_token() + head)
     backward = 2 * forward + tokens * (recomputed * model.block_forward_flops_per_token()
@@ -141,17 +142,21 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     # W defers the weight gradients of the layers that are not checkpointed (split_backward.py).
     deferred_backward = 2 * tokens * ((layers - recomputed) * model.block_forward_flops_per_token() + head)
     weight_grad = hw.weight_grad_fraction * deferred_backward
-    local_tokens = tokens / layout.sp
+    local_tokens = tokens / layout.seq_shards
     tp_link, sp_link = link_of(cluster, layout, ("tp",)), link_of(cluster, layout, ("sp",))
+    cp_link = link_of(cluster, layout, ("cp",))
     # Megatron: two all-reduces (or all-gather + reduce-scatter with SP, the same volume) per layer
     # in the forward, two in the backward, two more per recomputed layer.
     tp_op = tp_link.collective("all_reduce", local_tokens * model.hidden * nbytes, layout.tp)
     # Ulysses: q, k, v to head-sharded layout and the output back, per layer and direction.
     qkv = local_tokens * (model.hidden + 2 * model.kv_dim) * nbytes / layout.tp
-    sp_op = (sp_link.collective("all_to_all", qkv, layout.sp)
-             + sp_link.collective("all_to_all", local_tokens * model.hidden * nbytes / layout.tp, layout.sp))
+    out_bytes = local_tokens * model.hidden * nbytes / layout.tp
+    sp_op = sp_link.collective("all_to_all", qkv, layout.sp) + sp_link.collective("all_to_all", out_bytes, layout.sp)
+    if layout.cp > 1 and layout.ring == 1:  # cp's all-to-all: the same exchange over the cp ranks
+        sp_op += cp_link.collective("all_to_all", qkv, layout.cp) + cp_link.collective("all_to_all", out_bytes, layout.cp)
     tp_f, tp_b = layers * 2 * tp_op, (layers + recomputed) * 2 * tp_op
     sp_f, sp_b = layers * sp_op, (layers + recomputed) * sp_op
+    ring_f, ring_b = ring_seconds(model, layout, cp_link, local_tokens, layers, recomputed)
     moe_f, moe_b = expert_all_to_all(model, layout, cluster, recomputed / max(layers, 1e-9))
     boundary = local_tokens * model.hidden * nbytes / (layout.tp if layout.tp_sp else 1)
     p2p = link_of(cluster, layout, ("pp",)).collective("p2p", boundary, layout.pp)
@@ -170,7 +175,25 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     if cluster.engine.tp_comm_overlap:  # chunked under the GEMMs; the pipeline's tail stays exposed
         tp_f, tp_b = (max(comm - hw.comm_overlap * compute, (1 - hw.comm_overlap) * comm)
                       for comm, compute in ((tp_f, f), (tp_b, b)))
-    return StageCosts(f, b, w, tp_f + sp_f + moe_f, tp_b + sp_b + moe_b, p2p, moe_f + moe_b)
+    # The ring sends each hop while the block pair before it computes (ring_attention.py).
+    ring_f, ring_b = (max(comm - hw.comm_overlap * compute, (1 - hw.comm_overlap) * comm)
+                      for comm, compute in ((ring_f, f), (ring_b, b)))
+    return StageCosts(f, b, w, tp_f + sp_f + moe_f + ring_f, tp_b + sp_b + moe_b + ring_b, p2p, moe_f + moe_b,
+                      ring_f + ring_b)
+
+
+def ring_seconds(model: ModelSpec, layout: Layout, link: Link, local_tokens: float, layers: float,
+                 recomputed: float) -> tuple[float, float]:
+    """Seconds of the cp ring's transfers, one micro-batch, before overlap: (forward, backward).
+    Per layer, forward: cp - 1 hops, each sending this rank's keys and values (its tp share) to the
+    next rank; backward: the keys and values again (cp - 1 hops) and their gradients, which go on
+    home after the last (cp hops); a recomputed layer's forward once more. The bytes are those
+    tests/test_context_parallel.py counts."""
+    if layout.ring == 1:
+        return 0.0, 0.0
+    hop = link.collective("p2p", local_tokens * 2 * model.kv_dim * BYTES[layout.precision] / layout.tp, layout.ring)
+    cp = layout.ring
+    return layers * (cp - 1) * hop, (layers * (2 * cp - 1) + recomputed * (cp - 1)) * hop
 
 
 def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomputed_share: float = 0.0
@@ -207,7 +230,7 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
     does not hide) and int8 compression (memory-bound), on the busiest rank."""
     out = {}
     hw = cluster.hardware
-    tokens = layout.micro_batch * model.seq / (layout.sp * layout.tp)
+    tokens = layout.micro_batch * model.seq / (layout.seq_shards * layout.tp)
     if layout.recompute == "selective":  # the norms' internals and silu's output, made again
         dropped = (block_activations(model, layout.precision).per_token()
                    - block_activations(model, layout.precision, "selective").per_token())
@@ -241,7 +264,7 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
     sizes = _largest_rank_units(model, layout)
     params, largest = sum(sizes), max(sizes)
     group = replicas(layout)  # the dense weights' gradient group (dp x sp), as the placement record says
-    link = link_of(cluster, layout, ("sp", "dp") if layout.sp > 1 else ("dp",))
+    link = link_of(cluster, layout, ("sp", "cp", "dp"))
     grad_bytes = cluster.engine.grad_reduce_bytes or nbytes
     grads, unit = params * grad_bytes, largest * grad_bytes
     overlap = cluster.hardware.comm_overlap
@@ -367,8 +390,9 @@ def step_time(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: 
                                              + activation_recompute_flops_per_token(model, layout))
     peak = cluster.hardware.peak_flops(layout.precision) * cluster.gpus
     breakdown = {"compute": m * (costs.compute_f + costs.compute_b),
-                 "tp_sp_comm": m * (costs.comm_f + costs.comm_b - costs.moe_comm),
+                 "tp_sp_comm": m * (costs.comm_f + costs.comm_b - costs.moe_comm - costs.ring_comm),
                  **({"moe_all_to_all": m * costs.moe_comm} if costs.moe_comm else {}),
+                 **({"cp_ring": m * costs.ring_comm} if costs.ring_comm else {}),
                  "pipeline_bubble": terms.bubble, **extra}
     return StepTime(total, tokens / total, model_flops / (total * peak), hardware_flops / (total * peak),
                     model_flops, hardware_flops, m, terms.source, breakdown)

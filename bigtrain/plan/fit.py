@@ -74,7 +74,8 @@ def _layout(cfg: Config, cuda: bool = False):
 
     p = cfg.parallel
     optimizer, params = _offload_tiers(cfg, cuda)
-    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, sp=p.sp, zero=p.zero, micro_batch=cfg.train.micro_batch,
+    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, sp=p.sp, cp=p.cp, cp_mode=p.cp_mode, zero=p.zero,
+                  micro_batch=cfg.train.micro_batch,
                   schedule=p.pp_schedule, v=p.pp_virtual, recompute=cfg.memory.checkpointing,
                   every=cfg.memory.checkpoint_every, tp_sp=p.sequence_parallel, precision=cfg.precision.mode,
                   offload=cfg.memory.activation_offload, compression=cfg.memory.activation_compression,
@@ -108,7 +109,7 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
     on_machine = f" x {sharing} ranks on this machine" if sharing > 1 else ""
     spec = ModelSpec.from_model_config(m, d.seq_len)
     optimizer = cfg.optim.name
-    formula = zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, p.dp * p.sp, cfg.precision.mode, optimizer)
+    formula = zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, p.dp * p.cp * p.sp, cfg.precision.mode, optimizer)
     off_optimizer, off_params = _offload_tiers(cfg, cuda)  # what offload keeps off the device
     states = sum(v for k, v in formula.items()
                  if not (k == "optimizer" and off_optimizer != "none") and not (k == "params" and off_params != "none"))

@@ -144,21 +144,25 @@ def _memory_seconds(hw, nbytes: float) -> float:
 
 def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> BlockTimes:
     """One block (an MoE block if ``moe``), one micro-batch, one rank (tp and Ulysses sp shares)."""
-    p, t, u = layout.precision, layout.tp, layout.sp
-    tokens = layout.micro_batch * model.seq / u  # what the linears see under Ulysses
+    p, t, u = layout.precision, layout.tp, layout.head_exchange
+    tokens = layout.micro_batch * model.seq / layout.seq_shards  # what the linears see (Ulysses, cp)
     fwd = bwd = dw = 0.0
     for m, n, k, count, float8 in linear_shapes(model, layout, tokens, moe):
         timed = float8_fwd_bwd if float8 and layout.fp8 != "none" else gemm_fwd_bwd
         f, b, w = timed(hw, p, m, n, k, count)
         fwd, bwd, dw = fwd + f, bwd + b, dw + w
-    heads = model.heads / (t * u)  # attention sees the whole sequence and heads / (t u)
-    s, d = model.seq, model.head_dim
+    heads = model.heads / (t * u)  # the all-to-all (Ulysses): the whole sequence and heads / (t u)
+    d, ring = model.head_dim, layout.ring
+    # A ring of cp: each rank attends its 2 chunks of s / 2cp queries over the chunks before them,
+    # 2cp + 1 chunk pairs, each computed whole (the diagonal ones masked, not skipped).
+    s, pairs = (model.seq, 1) if ring == 1 else (model.seq / (2 * ring), 2 * ring + 1)
     if hw.attention_kernel == "flash":
-        flops = 2 * layout.micro_batch * heads * s * s * d  # causal: half of QK^T and AV's 4 s^2 d
+        # causal: half of QK^T and AV's 4 s^2 d; a ring's pairs whole
+        flops = (2 if ring == 1 else 4 * pairs) * layout.micro_batch * heads * s * s * d
         attention = flops / (hw.peak_flops(p) * hw.attention_fraction)
         fwd, bwd = fwd + attention, bwd + FLASH_BACKWARD * attention
     else:
-        batch = layout.micro_batch * heads
+        batch = layout.micro_batch * heads * pairs
         for m, n, k in ((s, s, d), (s, d, s)):
             f, b, _ = gemm_fwd_bwd(hw, p, m, n, k, batch)
             fwd, bwd = fwd + f, bwd + b
@@ -175,7 +179,7 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
 
 def head_times(model: ModelSpec, layout: Layout, hw) -> tuple[float, float, float]:
     """(forward, backward, weight gradient) of the output projection and the loss, one micro-batch."""
-    tokens = layout.micro_batch * model.seq / layout.sp
+    tokens = layout.micro_batch * model.seq / layout.seq_shards
     vocab = model.vocab / layout.tp
     f, b, w = gemm_fwd_bwd(hw, layout.precision, tokens, vocab, model.hidden)
     loss = _memory_seconds(hw, (BYTES[layout.precision] + 8) * vocab * tokens)  # fp32 log-softmax

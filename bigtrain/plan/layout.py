@@ -1,9 +1,10 @@
 """A layout (how a run is cut over GPUs), the cluster it runs on, parsing and validation.
 
 Axes follow bigtrain's mesh (``distributed/mesh.py``): tp innermost (adjacent ranks, inside a
-node), then sp, dp, and pp outermost. ``sp`` is the Ulysses sequence-parallel degree;
+node), then sp, cp, dp, and pp outermost. ``sp`` is the Ulysses sequence-parallel degree; ``cp``
+context parallelism (the sequence in 2 x cp chunks, attention over a ring or an all-to-all);
 ``tp_sp`` is Megatron's sequence parallelism inside the tp group (norms and residuals sharded
-along the sequence). ZeRO shards over dp.
+along the sequence). ZeRO shards over the replicas of a weight, dp x cp x sp.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ RECOMPUTE = ("none", "full", "every", "selective")
 COMPRESSIONS = ("none", "int8")
 FP8 = ("none", "tensorwise", "rowwise")  # precision.fp8
 PRECISIONS = ("fp32", "bf16", "fp16")
+CP_MODES = ("ring", "all-to-all", "hybrid")
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -48,16 +50,35 @@ class Layout:
     offload_masters: str = "auto"  # offload.masters: auto (with the state) | cpu (host, the state in files)
     delayed_update: bool = False  # offload.delayed_update: the host step overlaps the next step
     fp8: str = "none"  # precision.fp8: the blocks' linears in float8 (gemm.py times them, memory.py their copies)
+    cp: int = 1  # parallel.cp: the sequence cut over cp ranks, attention over all of it
+    cp_mode: str = "ring"  # parallel.cp_mode: ring | all-to-all | hybrid (Ulysses over sp inside)
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp
+        return self.dp * self.tp * self.pp * self.sp * self.cp
+
+    @property
+    def seq_shards(self) -> int:
+        """How many ways each sequence is cut between the blocks' linears: Ulysses x cp."""
+        return self.sp * self.cp
+
+    @property
+    def head_exchange(self) -> int:
+        """The degree of the all-to-all that trades sequence shards for head shards around attention:
+        Ulysses' sp, times cp when cp's attention is an all-to-all too."""
+        return self.sp * (self.cp if self.cp_mode == "all-to-all" else 1)
+
+    @property
+    def ring(self) -> int:
+        """The ranks attention passes keys and values around (cp, unless cp's mode is the all-to-all)."""
+        return self.cp if self.cp_mode != "all-to-all" else 1
 
     def size(self, axis: str) -> int:
         """The ranks of a mesh axis, named as the runtime's mesh and placement record name them
         (``dp_sp``: the replicas of a dense weight; ``pp_ends``: the two ends of the pipeline)."""
-        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp, "dp_sp": self.dp * self.sp,
-                 "pp_ends": min(2, self.pp), "ep": self.ep, "edp": self.dp * self.sp // self.ep}
+        replicas = self.dp * self.cp * self.sp
+        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp, "cp": self.cp, "dp_sp": replicas,
+                 "pp_ends": min(2, self.pp), "ep": self.ep, "edp": replicas // self.ep}
         return sizes[axis]
 
     @property
@@ -71,6 +92,8 @@ class Layout:
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"sp={self.sp}", f"zero={self.zero}",
                  f"mb={self.micro_batch}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
+        if self.cp > 1:
+            parts.insert(4, f"cp={self.cp},cp_mode={self.cp_mode}")
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else ""))
         parts.append(f"recompute={self.recompute}" + (f",every={self.every}" if self.recompute == "every" else ""))
@@ -96,6 +119,7 @@ class Layout:
         """The layout as ``bigtrain train`` overrides (``--parallel.dp=8`` ...), for ``--parallel auto``."""
         out = [f"--parallel.{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "sp", "zero", "ep")]
         out += [f"--parallel.pp_schedule={self.schedule}", f"--parallel.pp_virtual={self.v}"]
+        out += [f"--parallel.cp={self.cp}", f"--parallel.cp_mode={self.cp_mode}"] if self.cp > 1 else []
         out += [f"--parallel.sequence_parallel={str(self.tp_sp).lower()}", f"--precision.mode={self.precision}",
                 f"--memory.checkpointing={self.recompute}", f"--memory.checkpoint_every={self.every}",
                 f"--train.micro_batch={self.micro_batch}",
@@ -144,7 +168,7 @@ class Cluster:
         return max(1, -(-self.gpus // self.gpus_per_node))
 
 
-_INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every", "ep")
+_INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every", "ep", "cp")
 _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": "recompute", "tpsp": "tp_sp",
             "sequence_parallel": "tp_sp", "zero_stage": "zero", "checkpoint_every": "every",
             "activation_offload": "offload", "activation_compression": "compression",
@@ -152,7 +176,8 @@ _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": 
             "masters_offload": "offload_masters"}
 _BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update")
 LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss",
-                           "offload_optimizer", "offload_params", "offload_masters", "delayed_update", "fp8")
+                           "offload_optimizer", "offload_params", "offload_masters", "delayed_update", "fp8",
+                           "cp_mode")
 OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "cpu", "nvme"),
                  "offload_masters": ("auto", "cpu")}
 
@@ -196,7 +221,7 @@ def _parse_value(key: str, value: str):
             return False
         raise ValueError("use on or off")
     choices = {"schedule": SCHEDULE_KINDS, "recompute": RECOMPUTE, "precision": PRECISIONS,
-               "compression": COMPRESSIONS, "fp8": FP8, **OFFLOAD_TIERS}[key]
+               "compression": COMPRESSIONS, "fp8": FP8, "cp_mode": CP_MODES, **OFFLOAD_TIERS}[key]
     if value not in choices:
         raise ValueError(f"must be one of {', '.join(choices)}")
     return value
@@ -206,7 +231,8 @@ def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_b
     """Why a layout cannot run this model on this cluster (empty when it can), naming each key."""
     problems = []
     if layout.gpus != cluster.gpus:
-        problems.append(f"dp x tp x pp x sp = {layout.dp} x {layout.tp} x {layout.pp} x {layout.sp} = "
+        cp = (" x cp", f" x {layout.cp}") if layout.cp > 1 else ("", "")
+        problems.append(f"dp x tp x pp x sp{cp[0]} = {layout.dp} x {layout.tp} x {layout.pp} x {layout.sp}{cp[1]} = "
                         f"{layout.gpus} != --gpus = {cluster.gpus}")
     if layout.zero not in (0, 1, 2, 3):
         problems.append(f"zero = {layout.zero}: must be 0, 1, 2 or 3")
@@ -224,6 +250,7 @@ def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_b
     if layout.pp * layout.v > model.layers:
         problems.append(f"pp x v = {layout.pp * layout.v} stages exceed --layers = {model.layers}")
     problems += _batch_problems(layout, global_batch)
+    problems += _context_problems(layout, model)
     problems += _expert_problems(layout, model)
     problems += _offload_problems(layout)
     return problems
@@ -245,20 +272,40 @@ def _offload_problems(layout: Layout) -> list[str]:
     return problems
 
 
-def _expert_problems(layout: Layout, model: ModelSpec) -> list[str]:
-    """Experts and ep (the runtime's rules, validation.py): ep part of the dp x sp ranks and
-    dividing the experts; no Ulysses or Megatron sequence parallelism with experts."""
-    problems = []
+def _context_problems(layout: Layout, model: ModelSpec) -> list[str]:
+    """cp (the runtime's rules, context_checks.py): 2 x cp equal chunks, hybrid with sp and the
+    others without, each cut further by sp and Megatron's tp_sp."""
+    if layout.cp == 1:
+        return []
+    problems, seq = [], model.seq
+    if seq % (2 * layout.cp):
+        problems.append(f"cp = {layout.cp}: --seq = {seq} must split into 2 x cp = {2 * layout.cp} equal chunks")
+    elif (seq // layout.seq_shards) % (layout.tp if layout.tp_sp else 1):
+        problems.append(f"tp_sp = on: --seq / (cp x sp) = {seq // layout.seq_shards} must divide by tp = {layout.tp}")
+    if (layout.cp_mode == "hybrid") != (layout.sp > 1):
+        problems.append(f"cp_mode = {layout.cp_mode} with sp = {layout.sp}: hybrid is Ulysses (sp > 1) inside "
+                        f"the ring, ring and all-to-all need sp = 1")
+    if layout.cp_mode == "all-to-all" and (model.heads // layout.tp) % layout.cp:
+        problems.append(f"cp_mode = all-to-all: cp = {layout.cp} must divide the {model.heads // layout.tp} "
+                        f"query heads per tp rank (or use cp_mode = ring)")
     if model.experts and layout.sp > 1:
-        problems.append(f"sp = {layout.sp} with experts: capacity and the balance loss need whole sequences")
-    if model.experts and layout.tp_sp:
-        problems.append("tp_sp = on with experts: MoE blocks need the whole sequence on every tp rank")
+        problems.append(f"cp = {layout.cp} x sp = {layout.sp} with experts: not built (use sp = 1)")
+    return problems
+
+
+def _expert_problems(layout: Layout, model: ModelSpec) -> list[str]:
+    """Experts and ep (the runtime's rules, validation.py): ep part of the dp x cp x sp ranks and
+    dividing the experts."""
+    problems = []
+    if model.experts and layout.tp_sp:  # the runtime gathers the sequence for them (sequence_moe.py)
+        problems.append("tp_sp = on with experts: MoE blocks run on the whole sequence on every tp rank, which "
+                        "the planner does not count yet; use tp_sp = off")
     if layout.ep == 1:
         return problems
     if not model.experts:
         return [f"ep = {layout.ep} needs a mixture-of-experts model (--preset with model.moe_experts > 0)"]
-    if (layout.dp * layout.sp) % layout.ep:
-        problems.append(f"ep = {layout.ep} must divide dp x sp = {layout.dp * layout.sp}")
+    if layout.size("dp_sp") % layout.ep:
+        problems.append(f"ep = {layout.ep} must divide dp x cp x sp = {layout.size('dp_sp')}")
     if model.experts % layout.ep:
         problems.append(f"ep = {layout.ep} must divide the {model.experts} experts")
     return problems

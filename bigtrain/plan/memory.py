@@ -146,7 +146,7 @@ def stage_blocks(layers: int, stages: int) -> list[range]:
 
 def replicas(layout: Layout) -> int:
     """The ranks holding replicas of a dense weight, which reduce its gradient and, from ZeRO
-    stage 1, cut its unit: the size of its placement's gradient axis (dp x sp)."""
+    stage 1, cut its unit: the size of its placement's gradient axis (dp x cp x sp)."""
     return layout.size(dense().grad_axis)
 
 
@@ -276,9 +276,9 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> list[tuple[
     checkpointed = checkpointed_block_indices(model.layers, layout.recompute, layout.every)
     acts = block_activations(model, layout.precision, layout.recompute, layout.compression)
     head = head_activations(model, layout.precision, layout.compression, layout.fused_loss)
-    samples, seq = layout.micro_batch, model.seq // layout.sp
+    samples, seq = layout.micro_batch, model.seq // layout.seq_shards
     tokens = samples * seq
-    mode = dict(tp=layout.tp, tp_sp=layout.tp_sp, ulysses=layout.sp)
+    mode = dict(tp=layout.tp, tp_sp=layout.tp_sp, ulysses=layout.head_exchange)
     out = []
     for s in range(pp_rank, stages, layout.pp):
         per_block = [tokens * acts.per_token(checkpointed=i in checkpointed, **mode) for i in blocks[s]]
@@ -294,7 +294,7 @@ def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, i
     the plain loss's log-softmax (none with the fused loss)."""
     chunks = _stage_chunks(model, layout, pp_rank)
     largest = max(b for _, _, b in chunks)
-    samples, seq = layout.micro_batch, model.seq // layout.sp
+    samples, seq = layout.micro_batch, model.seq // layout.seq_shards
     last = any(s == layout.pp * layout.v - 1 for s in range(pp_rank, layout.pp * layout.v, layout.pp))
     loss = 0.0 if layout.fused_loss or not last else samples * seq * 4 * local_vocab(model.vocab, layout.tp)
     host = max(blocks + ends for blocks, ends, _ in chunks) * inflight
@@ -322,11 +322,13 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
         block_sizes = sorted((-(-u.numel // shards) * shards for u in blocks), reverse=True)
         root_size = -(-root.numel // shards) * shards if root else 0
         out["zero3_gathered"] = weight * (root_size + sum(block_sizes[:2]))
-    tokens = layout.micro_batch * model.seq // layout.sp
+    tokens = layout.micro_batch * model.seq // layout.seq_shards
     if layout.tp > 1:
         out["tp_collective"] = 2 * tokens * model.hidden * nbytes
-    if layout.sp > 1:
+    if layout.head_exchange > 1:  # Ulysses, or cp's all-to-all: q, k, v out and the output back
         out["sp_all_to_all"] = tokens * (2 * model.hidden + 2 * model.kv_dim) * nbytes // layout.tp
+    if layout.ring > 1:  # the ring's key/value block held and the next arriving
+        out["cp_ring"] = 4 * tokens * model.kv_dim * nbytes // layout.tp
     if layout.pp > 1:
         out["pp_p2p"] = 2 * tokens * model.hidden * nbytes // (layout.tp if layout.tp_sp else 1)
     if model.experts and layout.ep > 1:  # one MoE layer's dispatch: the rows sent and received
@@ -344,7 +346,7 @@ def float8_operand_bytes(model: ModelSpec, layout: Layout) -> int:
     compute dtype and cast (M N + (B + 1) N K); dW = dY^T x: dY^T and x^T copied and cast
     ((B + 1)(M N + M K)). Freed after the GEMM. The linears keep for backward what F.linear keeps (the
     input and the weight in the compute dtype), so the saved activations are those of bf16."""
-    b, tokens = BYTES[layout.precision], layout.micro_batch * model.seq / layout.sp
+    b, tokens = BYTES[layout.precision], layout.micro_batch * model.seq / layout.seq_shards
     kinds = [moe for moe, present in ((False, model.layers > model.moe_layers), (True, model.moe_layers > 0))
              if present]  # dense blocks, MoE blocks
     shapes = [(n, k) for moe in kinds for _, n, k, _, float8 in linear_shapes(model, layout, tokens, moe) if float8]

@@ -79,18 +79,32 @@ def _options(fixed: dict, key: str, choices) -> list:
     return [fixed[key]] if key in fixed else list(choices)
 
 
-def _mesh_shapes(model: ModelSpec, cluster: Cluster, fixed: dict) -> Iterator[tuple[int, int, int, int]]:
+# Context parallelism is searched for sequences this long and more: below, a ring's hops cost more
+# than the attention they split, and every cp choice multiplies the layouts the search prices.
+CP_SEARCHED_FROM = 8192
+
+
+def _cp_choices(model: ModelSpec, fixed: dict, room: int) -> list[int]:
+    long = model.seq >= CP_SEARCHED_FROM
+    return _options(fixed, "cp", [d for d in _divisors(room) if d == 1 or (long and d <= 8 and model.seq % (2 * d) == 0)])
+
+
+def _mesh_shapes(model: ModelSpec, cluster: Cluster, fixed: dict) -> Iterator[tuple[int, int, int, int, int]]:
     gpus = cluster.gpus
     for tp in _options(fixed, "tp", [d for d in _divisors(gpus) if d <= cluster.gpus_per_node]):
         for sp in _options(fixed, "sp", [d for d in _divisors(gpus // tp) if d <= 8 and model.heads % d == 0]):
             if gpus % (tp * sp):
                 continue
-            for pp in _options(fixed, "pp", [d for d in _divisors(gpus // (tp * sp)) if d <= model.layers]):
-                dp = gpus // (tp * sp * pp) if gpus % (tp * sp * pp) == 0 else 0
-                if dp and ("dp" not in fixed or fixed["dp"] == dp):
-                    yield dp, tp, pp, sp
+            for cp in _cp_choices(model, fixed, gpus // (tp * sp)):
+                if gpus % (tp * sp * cp):
+                    continue
+                rest = gpus // (tp * sp * cp)
+                for pp in _options(fixed, "pp", [d for d in _divisors(rest) if d <= model.layers]):
+                    dp = rest // pp if rest % pp == 0 else 0
+                    if dp and ("dp" not in fixed or fixed["dp"] == dp):
+                        yield dp, tp, pp, sp, cp
     if {"dp", "tp", "pp", "sp"} <= set(fixed):  # a complete but inconsistent mesh: let validation name it
-        yield fixed["dp"], fixed["tp"], fixed["pp"], fixed["sp"]
+        yield fixed["dp"], fixed["tp"], fixed["pp"], fixed["sp"], fixed.get("cp", 1)
 
 
 def _schedules(fixed: dict, pp: int) -> list[tuple[str, int]]:
@@ -103,16 +117,17 @@ def _schedules(fixed: dict, pp: int) -> list[tuple[str, int]]:
 def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision: str = "bf16") -> Iterator[Layout]:
     """Every layout the search considers, honoring the user's fixed keys (valid or not)."""
     seen = set()
-    for dp, tp, pp, sp in _mesh_shapes(model, cluster, fixed):
-        # ZeRO shards over dp x sp; on one replica its units still serve offload (stepped one at a time)
+    for dp, tp, pp, sp, cp in _mesh_shapes(model, cluster, fixed):
+        # ZeRO shards over dp x cp x sp; on one replica its units still serve offload (stepped one at a time)
         offloading = fixed.get("offload_optimizer", "none") != "none" or fixed.get("offload_params", "none") != "none"
-        zeros = _options(fixed, "zero", (0, 1, 2, 3) if dp * sp > 1 or offloading else (0,))
+        zeros = _options(fixed, "zero", (0, 1, 2, 3) if dp * sp * cp > 1 or offloading else (0,))
+        cp_mode = fixed.get("cp_mode", "hybrid" if sp > 1 else "ring")
         choices = itertools.product(zeros, _options(fixed, "micro_batch", MICRO_BATCHES), _schedules(fixed, pp),
                                     _options(fixed, "recompute", RECOMPUTES),
                                     _options(fixed, "tp_sp", (False, True) if tp > 1 else (False,)))
         for zero, mb, (schedule, v), recompute, tp_sp in choices:
-            for ep in _expert_degrees(model, fixed, dp * sp):
-                layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule, v=v,
+            for ep in _expert_degrees(model, fixed, dp * sp * cp):
+                layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, cp_mode=cp_mode if cp > 1 else "ring", zero=zero, micro_batch=mb, schedule=schedule, v=v,
                                 recompute=recompute, every=fixed.get("every", 2), tp_sp=tp_sp,
                                 precision=fixed.get("precision", precision), offload=fixed.get("offload", False),
                                 compression=fixed.get("compression", "none"),
