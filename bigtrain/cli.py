@@ -343,7 +343,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         path, kind = export(Path(args.run_dir), Path(args.out), args.format,
-                            folder_writer=lambda model: FAMILIES[model.name].export if model.name in FAMILIES else None)
+                            folder_writer=lambda model: FAMILIES[model.family].export if model.family in FAMILIES else None)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"bigtrain export: {e}", file=sys.stderr)
         return 1

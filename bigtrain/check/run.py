@@ -190,11 +190,11 @@ def reference_problems(cfg: Config) -> list[str]:
     family = family_of(cfg)
     if family.trainer is not None:
         return [] if family.trainer in OWN_LOOP_REFERENCES else [
-            f"model.name = '{family.name}': bigtrain check has no reference for its training loop"]
+            f"model.family = '{family.name}': bigtrain check has no reference for its training loop"]
     if family.reference is not None:
         return family.reference.problems(cfg)
     return [] if family.model_fields else [
-        f"model.name = '{family.name}': bigtrain check has no step-by-step reference for it"]
+        f"model.family = '{family.name}': bigtrain check has no step-by-step reference for it"]
 
 
 def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,

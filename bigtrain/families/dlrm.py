@@ -1,7 +1,7 @@
 """The recommender (:mod:`bigtrain.models.dlrm`): bottom MLP, the [embedding] tables sharded over
 the dp ranks, dot interaction, top MLP, binary cross-entropy. It trains in a loop of its own
 (:class:`bigtrain.recsys.train.DlrmTrainer`) on dp only, and its planner places tables, not layers.
-The only module that names it (``model.name = "dlrm"``)."""
+The only module that names it (``model.family = "dlrm"``)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def layout_problems(cfg: Config) -> list[str]:
         return [str(err)]
     problems = check_layout(rows, e.dim, p.dp, ["table" if k == "auto" else k for k in kinds])
     if p.tp * p.pp * p.sp * p.ep != 1:
-        problems.append(f"model.name = '{NAME}' runs over parallel.dp only (tables sharded over the dp ranks); "
+        problems.append(f"model.family = '{NAME}' runs over parallel.dp only (tables sharded over the dp ranks); "
                         f"set parallel.tp, pp, sp and ep to 1")
     if cfg.precision.mode != "fp32":
         problems.append(f"precision.mode = '{cfg.precision.mode}': the DLRM trains in fp32; set it to 'fp32'")

@@ -3,7 +3,7 @@ and initialized, how tensor parallelism cuts it, its blocks, its loss, its own c
 what the steps above the model (preflight, the planner, ``bigtrain check``, the launcher) ask of it.
 
 A :class:`Family` is plain data: functions and flags, no state. The registry
-(:mod:`bigtrain.families.registry`) maps ``model.name`` to one. Code outside ``bigtrain/families``
+(:mod:`bigtrain.families.registry`) maps ``model.family`` to one. Code outside ``bigtrain/families``
 asks the family and never names one.
 
 Layering: this package sits above the model, parallel and recommender packages (it names their
