@@ -75,8 +75,15 @@ class Family:
     # ``bigtrain check``'s bound on single tensors for this config when its model's own fp32 rounding
     # exceeds the usual one (measured against float64; the family says why), else None.
     tensor_bound: Callable[["Config"], float | None] | None = None
-    # Its own training loop (cfg, mesh, device) -> a trainer; None: bigtrain.train.Trainer.
-    trainer: Callable[..., Any] | None = None
+    # Its own step, taken by bigtrain.train.Trainer (whose run, NaN policy, signals, metrics and
+    # checkpoint commit every family shares): (cfg, mesh, device) -> an object holding ``parallel``
+    # (full_weights, full_grads, owned_chunks, load_sharded, placements), ``model``, ``engine``,
+    # ``per_step`` and ``unit`` (what the throughput counts), ``train_step(step, lr, before_update)``
+    # -> (loss, grad norm, skipped), ``evaluate()`` -> held-out metrics and ``summary()``; None: the
+    # decoder's step (tokens -> logits, micro-batches, pipelines) in the Trainer.
+    own_step: Callable[..., Any] | None = None
+    # The "format" its checkpoints' manifests record and its resume accepts; None: bigtrain.checkpoint.FORMAT.
+    checkpoint_format: str | None = None
     # The trainer gathers the full optimizer state (``bigtrain check`` replays 8-bit AdamW steps from it).
     full_optimizer_state: bool = True
     compiles: bool = False  # compile.enabled may compile its blocks (the reference decoder's only)
