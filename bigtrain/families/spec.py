@@ -63,7 +63,7 @@ class Family:
     # Before launch, without measuring the machine: can the planner place the model at all.
     placement_problems: Rules = no_problems
     # Preflight's size check (cfg, local ranks, cuda, nvme_dir) -> (problems, warnings); None: the
-    # dense planner's (bigtrain.plan.fit.size_problems).
+    # dense planner's (bigtrain.plan.refit.size_problems_and_fixes).
     size_problems: Callable[..., tuple[list[str], list[str]]] | None = None
     # ``bigtrain plan`` for this family (cfg, gpus, as_json) -> exit code; None: the dense search.
     plan_command: Callable[["Config", int, bool], int] | None = None
