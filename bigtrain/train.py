@@ -128,6 +128,7 @@ class Trainer:
         if self.own_step is not None:
             self.parallel, self.model, self.engine = self.own_step.parallel, self.own_step.model, self.own_step.engine
             self.compile_clock, self.executor, self.accum = None, None, 1
+            self.sampler = self.own_step.sampler
             self.global_tokens = self.own_step.per_step  # a step's units (segments and the summary count them)
         else:
             self._build_decoder()
