@@ -78,7 +78,7 @@ class Family:
     # Its own step, taken by bigtrain.train.Trainer (whose run, NaN policy, signals, metrics and
     # checkpoint commit every family shares): (cfg, mesh, device) -> an object holding ``parallel``
     # (full_weights, full_grads, owned_chunks, load_sharded, placements), ``model``, ``engine``,
-    # ``per_step`` and ``unit`` (what the throughput counts), ``train_step(step, lr, before_update)``
+    # ``sampler``, ``per_step`` and ``unit`` (what the throughput counts), ``train_step(step, lr, before_update)``
     # -> (loss, grad norm, skipped), ``evaluate()`` -> held-out metrics and ``summary()``; None: the
     # decoder's step (tokens -> logits, micro-batches, pipelines) in the Trainer.
     own_step: Callable[..., Any] | None = None
