@@ -36,7 +36,7 @@ import torch.distributed as dist
 from bigtrain.config import load_config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.dlrm import bce_loss_sum
-from bigtrain.recsys.train import DlrmTrainer
+from bigtrain.recsys.train import DlrmStep
 from bigtrain.testing import run_ranks
 
 TABLES, ROWS, DIM, DENSE = 26, 100_000, 64, 13
@@ -51,14 +51,14 @@ def have_torchrec() -> bool:
     return True
 
 
-def bigtrain_trainer(rank: int, world: int, batch: int, sharding: str, steps: int) -> DlrmTrainer:
+def bigtrain_trainer(rank: int, world: int, batch: int, sharding: str, steps: int) -> DlrmStep:
     cfg = load_config(preset="dlrm-tiny", overrides=[
         f"--parallel.dp={world}", f"--embedding.tables={TABLES}x{ROWS}", f"--embedding.dim={DIM}",
         "--embedding.hotness=1", f"--embedding.sharding={sharding}", "--embedding.optimizer=rowwise_adagrad",
         f"--model.dlrm_bottom_mlp={','.join(map(str, BOTTOM))}", f"--model.dlrm_top_mlp={','.join(map(str, TOP))}",
         f"--train.global_batch={batch * world}", f"--train.steps={steps}", "--optim.grad_clip=0",
         "--optim.weight_decay=0"])
-    return DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
+    return DlrmStep(cfg, Mesh.from_config(cfg.parallel, rank, world))  # the step the Trainer takes
 
 
 class TorchRecDLRM:
@@ -108,7 +108,7 @@ class TorchRecDLRM:
         self.optimizer.zero_grad()
 
 
-def bigtrain_phases(trainer: DlrmTrainer, batch) -> dict[str, float]:
+def bigtrain_phases(trainer: DlrmStep, batch) -> dict[str, float]:
     """One step of ``trainer`` as its train_step runs it, each phase timed on this rank."""
     dense, ids, labels = batch
     marks = [time.perf_counter()]
@@ -118,6 +118,7 @@ def bigtrain_phases(trainer: DlrmTrainer, batch) -> dict[str, float]:
     trainer.engine.finish_grad_sync()
     marks.append(time.perf_counter())
     trainer.engine.step(1e-3, float("inf"))
+    trainer.parallel.embeddings.finish_update(apply=True)  # the tables' sparse update
     trainer.engine.zero_grad()
     marks.append(time.perf_counter())
     return dict(zip(("forward", "backward", "step"), (b - a for a, b in zip(marks, marks[1:]))))
@@ -154,7 +155,7 @@ def bench(rank: int, world: int, batch: int, sharding: str, steps: int, warmup: 
     for step in range(steps + warmup):  # the batches are drawn outside the timed steps
         ours_batch = ours.local_batch_of(step)
         timed("bigtrain", (lambda: bigtrain_phases(ours, ours_batch)) if phases else
-              (lambda: ours.train_step(ours_batch) and None))
+              (lambda: ours.train_step(step, 1e-3, batch=ours_batch) and None))
         if theirs is not None:
             torchrec_batch = theirs.batch_of(*ours_batch)
             timed("torchrec", (lambda: torchrec_phases(theirs, torchrec_batch)) if phases else
@@ -170,7 +171,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--phases", action="store_true",
-                        help="also time forward, backward (with the sparse update) and the dense step, per rank")
+                        help="also time forward, backward and the step (the dense update and the tables' sparse one), per rank")
     args = parser.parse_args()
     with_torchrec = args.sharding == "table" and have_torchrec()
     if args.sharding == "table" and not with_torchrec:

@@ -18,7 +18,7 @@ from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epi
                                unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.failure import RunFailure
-from bigtrain.families import FAMILIES, Family, family_of
+from bigtrain.families import FAMILIES, family_of
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
@@ -288,9 +288,6 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     info = join_group(cfg)
     try:
         mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
-        family = family_of(cfg)
-        if family.trainer is not None:
-            return _run_own_loop(family, cfg, run_dir, mesh, info)
         trainer = Trainer(cfg, run_dir, mesh, info.device)
         try:
             history = trainer.fit()
@@ -320,31 +317,12 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     return 0
 
 
-def _run_own_loop(family: Family, cfg: Config, run_dir: Path, mesh, info) -> int:
-    """The run of a family with a training loop of its own (the recommender's, bigtrain.recsys: its
-    tables sharded, metrics.jsonl with AUC and log loss)."""
-    from bigtrain.report import write_report
-    from bigtrain.train import write_summary
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if info.rank == 0:  # what --resume continues from
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-    trainer = family.trainer(cfg, mesh, info.device)
-    records = trainer.fit(run_dir)
-    if info.rank == 0 and records:
-        write_summary(run_dir, {"steps": trainer.step, **records[-1]})
-        report = write_report(run_dir) if cfg.logging.report else None
-        print(f"bigtrain: {trainer.step} steps, held-out AUC {records[-1]['auc']:.4f}; run directory {run_dir}"
-              + (f", report {report}" if report else ""))
-    return 0
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from bigtrain.checkpoint.export import export
 
     try:
         path, kind = export(Path(args.run_dir), Path(args.out), args.format,
-                            folder_writer=lambda model: FAMILIES[model.name].export if model.name in FAMILIES else None)
+                            folder_writer=lambda model: FAMILIES[model.family].export if model.family in FAMILIES else None)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"bigtrain export: {e}", file=sys.stderr)
         return 1

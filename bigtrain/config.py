@@ -42,12 +42,13 @@ def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    """The reference Llama-style decoder."""
+    """The model: its family, and the reference Llama-style decoder's fields."""
 
-    name: str = doc("Model family (bigtrain/families): 'llama' (the decoder), 'dlrm' (a recommender: bottom MLP, "
-                    "the [embedding] tables, dot interaction, top MLP, binary cross-entropy) or 'hf' (a Hugging "
-                    "Face Llama, Mistral, Qwen2 or Qwen3 from model.hf_config).", "llama")
-    hf_config: str = doc("model.name = 'hf': a local config.json (or the folder holding one) of a LlamaForCausalLM, "
+    family: str = doc("Model family (bigtrain/families): 'llama' (the decoder), 'dlrm' (a recommender: bottom MLP, "
+                      "the [embedding] tables, dot interaction, top MLP, binary cross-entropy) or 'hf' (a Hugging "
+                      "Face Llama, Mistral, Qwen2 or Qwen3 from model.hf_config). model.name is its older "
+                      "spelling, still read.", "llama")
+    hf_config: str = doc("model.family = 'hf': a local config.json (or the folder holding one) of a LlamaForCausalLM, "
                          "MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; no hub access.", "")
     vocab_size: int = doc("Vocabulary size; 256 for the byte-level corpora.", 256)
     dim: int = doc("Hidden size h.", 128)
@@ -372,7 +373,7 @@ class LoggingConfig:
 
 @dataclass
 class EmbeddingConfig:
-    """The recommender's embedding tables (model.name = 'dlrm'): one sum-pooled table per sparse feature."""
+    """The recommender's embedding tables (model.family = 'dlrm'): one sum-pooled table per sparse feature."""
 
     tables: str = doc("Rows of each table, comma-separated; 'NxR' repeats R N times (Criteo: 26 tables).",
                       "26x1000")
@@ -508,6 +509,26 @@ def _checked_value(dotted: str, value: Any) -> Any:
     return value
 
 
+# Older spellings of a field, still read from config files, overrides and checkpoints' manifests:
+# renamed on reading, so nothing past this module sees them (one field, no second source of truth).
+ALIASES: dict[tuple[str, str], str] = {("model", "name"): "family"}
+
+
+def canonical_keys(section: str, items: dict[str, Any], origin: str) -> dict[str, Any]:
+    """``items`` of ``[section]`` with every older spelling renamed to its field; a ConfigError
+    naming both where the two spellings are given different values."""
+    out = dict(items)
+    for (where, old), new in ALIASES.items():
+        if where != section or old not in out:
+            continue
+        value = out.pop(old)
+        if new in out and out[new] != value:
+            raise ConfigError(f"{origin}: {section}.{old} = {value!r} and {section}.{new} = {out[new]!r} disagree "
+                              f"({section}.{old} is the older name of {section}.{new}); give {section}.{new} only")
+        out.setdefault(new, value)
+    return out
+
+
 def apply_values(cfg: Config, values: dict[str, dict[str, Any]], origin: str) -> None:
     """Merge ``{section: {key: value}}`` into cfg, naming unknown keys with a suggestion."""
     problems = []
@@ -518,6 +539,11 @@ def apply_values(cfg: Config, values: dict[str, dict[str, Any]], origin: str) ->
             continue
         if not isinstance(items, dict):
             problems.append(f"{origin}: [{section}] must be a table of key = value")
+            continue
+        try:
+            items = canonical_keys(section, items, origin)
+        except ConfigError as e:
+            problems.extend(e.problems)
             continue
         obj = getattr(cfg, section)
         types = _field_types(sections[section])

@@ -77,9 +77,9 @@ def check_context_parallel(cfg: Config) -> list[str]:
         problems.append(f"parallel.cp = {p.cp} x parallel.sp = {p.sp} with model.moe_experts = {m.moe_experts}: an MoE "
                         f"block's part of each sequence would be cut twice (cp's chunk pairs, then Ulysses), which its "
                         f"capacity queues do not follow yet; use parallel.sp = 1 (cp alone) or parallel.cp = 1")
-    if m.name != "llama":  # the ring and the all-to-all attach to the Llama family's attention cores
+    if m.family != "llama":  # the ring and the all-to-all attach to the Llama family's attention cores
         problems.append(f"parallel.cp = {p.cp}: context parallelism is built for the Llama family's attention, "
-                        f"not model.name = '{m.name}'; use parallel.cp = 1")
+                        f"not model.family = '{m.family}'; use parallel.cp = 1")
     if p.dp_sync != "sync":
         problems.append(f"parallel.cp = {p.cp} with parallel.dp_sync = '{p.dp_sync}': not supported; use "
                         f"parallel.cp = 1 or dp_sync = 'sync'")

@@ -32,7 +32,7 @@ def compile_enabled(cfg: Config, device_type: str) -> bool:
     """``compile.enabled`` on a device of this type: 'auto' compiles on CUDA only (docs/compile.md:
     on a CPU the compile time outweighs what the shorter steps save over a run of usual length)."""
     setting = cfg.compile.enabled
-    return setting == "true" or (setting == "auto" and device_type == "cuda" and cfg.model.name == "llama")
+    return setting == "true" or (setting == "auto" and device_type == "cuda" and cfg.model.family == "llama")
 
 
 def parallel_plan(cfg: Config, run_dir: str | None = None, device_type: str = "cpu") -> ParallelPlan:

@@ -50,7 +50,10 @@ def log_line(record: dict[str, Any], total_steps: int, eta_s: float | None) -> s
     parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}"]
     if "eval_loss" in record:
         parts.append(f"eval {record['eval_loss']:.4f}")
-    parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    if "auc" in record:  # a recommender's held-out metrics
+        parts.append(f"auc {record['auc']:.4f} | log loss {record['log_loss']:.4f}")
+    parts.append(f"{record['samples_per_s']:,.0f} samples/s" if "samples_per_s" in record
+                 else f"{record['tokens_per_s']:,.0f} tok/s")
     if record.get("mem"):
         parts.append(f"mem {human_bytes(device_bytes(record['mem']))}")
     if eta_s is not None:

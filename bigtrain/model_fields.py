@@ -74,6 +74,6 @@ def bias_problems(cfg: Config) -> list[str]:
 
 def llama_field_problems(cfg: Config) -> list[str]:
     """Head size, rotary scaling and biases (a DLRM has none of them: not checked)."""
-    if cfg.model.name != "llama":
+    if cfg.model.family != "llama":
         return []
     return head_problems(cfg) + rope_problems(cfg) + bias_problems(cfg)

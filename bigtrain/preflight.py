@@ -309,7 +309,7 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     """Raise a ConfigError naming every problem with the data, the output folder and the size of
     the run (not with ``check_size=False``: ``bigtrain train --force``); return warnings (the caller
     prints them)."""
-    from bigtrain.plan.fit import size_problems
+    from bigtrain.plan.refit import size_problems_and_fixes
 
     problems = data_problems(cfg)
     out = writable_dir_problem(output_dir, output_name)
@@ -319,7 +319,7 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
         size, warnings = [], []
     else:
         nvme_dir = cfg.offload.nvme_dir or str(Path(output_dir) / "offload")
-        check = family_of(cfg).size_problems or size_problems  # None: the dense planner's
+        check = family_of(cfg).size_problems or size_problems_and_fixes  # None: the dense planner's
         size, warnings = check(cfg, local_ranks, cuda, nvme_dir=nvme_dir)
     problems += size
     if problems:

@@ -79,6 +79,9 @@ class StepResult:
     # delayed update): its duration and the fraction of it that ran during this step's forward and backward
     offload: dict[str, float] = field(default_factory=dict)
     compile_s: float = 0.0  # compile.enabled: seconds this rank spent compiling since the step before
+    # A family's own step's fields of the record: its throughput in its unit (the recommender's
+    # samples_per_s) and, on logged steps, its held-out metrics (AUC, log loss).
+    extra: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict:
         out = {"step": self.step + 1, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
@@ -94,6 +97,7 @@ class StepResult:
             out["offload_step_ms"], out["offload_hidden"] = self.offload["step_ms"], self.offload["hidden"]
         if self.compile_s:
             out["compile_s"] = self.compile_s
+        out.update(self.extra)
         return out
 
 
@@ -118,20 +122,16 @@ class Trainer:
         self.cfg, self.run_dir, self.mesh, self.device = cfg, Path(run_dir), mesh, torch.device(device)
         self.is_main = mesh.rank == 0
         self.family = family_of(cfg)
-        self.parallel = parallelize_family(self.family, cfg, mesh, str(self.run_dir), self.device)
-        self.model, self.engine = self.parallel.model, self.parallel.engine
-        self.compile_clock = compile_clock() if self.parallel.compiled is not None else None
-        if self.compile_clock is not None:
-            self.compile_clock.take()  # what compiled before this run (another trainer's) is not this run's
-        set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
-        self.executor = self._build_executor() if self.parallel.schedule is not None else None
         self.deferred: DeferredUpdate | None = None  # 2BW's deferred update, once started (fit does)
-        self.sampler = TokenSampler(load_corpus(cfg.data),
-                                    cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target,
-                                    cfg.data.val_fraction)
-        self.accum = cfg.train.grad_accum(mesh.size("dp"))
-        self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
-        self.counted_targets = self.global_tokens  # this step's loss normalizer (fewer when targets are masked)
+        # A family with a step of its own (the recommender's): the run below is this one's all the same.
+        self.own_step = self.family.own_step(cfg, mesh, self.device) if self.family.own_step is not None else None
+        if self.own_step is not None:
+            self.parallel, self.model, self.engine = self.own_step.parallel, self.own_step.model, self.own_step.engine
+            self.compile_clock, self.executor, self.accum = None, None, 1
+            self.sampler = self.own_step.sampler
+            self.global_tokens = self.own_step.per_step  # a step's units (segments and the summary count them)
+        else:
+            self._build_decoder()
         self.step = 0
         self.history: list[StepResult] = []
         self._pending_save: Future | None = None  # a background checkpoint write (checkpoint.async)
@@ -140,6 +140,28 @@ class Trainer:
         self._run_id: str | None = None
         self.wall_time_s: float | None = None  # of the last fit() (this attempt, when resumed)
         self._fit_started: float | None = None
+
+    def _build_decoder(self) -> None:
+        """The decoder's parallel model, executor and token sampler (the Trainer's own step)."""
+        cfg, mesh = self.cfg, self.mesh
+        self.parallel = parallelize_family(self.family, cfg, mesh, str(self.run_dir), self.device)
+        self.model, self.engine = self.parallel.model, self.parallel.engine
+        self.compile_clock = compile_clock() if self.parallel.compiled is not None else None
+        if self.compile_clock is not None:
+            self.compile_clock.take()  # what compiled before this run (another trainer's) is not this run's
+        set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
+        self.executor = self._build_executor() if self.parallel.schedule is not None else None
+        self.sampler = TokenSampler(load_corpus(cfg.data),
+                                    cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target,
+                                    cfg.data.val_fraction)
+        self.accum = cfg.train.grad_accum(mesh.size("dp"))
+        self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
+        self.counted_targets = self.global_tokens  # this step's loss normalizer (fewer when targets are masked)
+
+    @property
+    def checkpoint_format(self) -> str:
+        """The "format" of this run's checkpoints (its family's entries: a recommender's are not a decoder's)."""
+        return self.family.checkpoint_format or ckpt.FORMAT
 
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
@@ -218,6 +240,8 @@ class Trainer:
     def train_step(self, measure: bool = False, before_update: Callable[[], None] | None = None) -> StepResult:
         """One optimizer step. ``before_update`` runs once the gradients are reduced and before the
         optimizer uses them (``bigtrain check`` reads them there)."""
+        if self.own_step is not None:
+            return self._own_train_step(before_update)
         self._land_pending()  # after deferred steps: their last update first
         cfg, step = self.cfg, self.step
         lr, before, start, global_targets, batches = self._step_inputs()
@@ -258,6 +282,19 @@ class Trainer:
                           traffic.by_op(), skipped, scaler.scale if scaler is not None else None, moe,
                           offload=self._host_step(computing, computed), compile_s=self._compile_seconds())
 
+    def _own_train_step(self, before_update: Callable[[], None] | None) -> StepResult:
+        """One step of the family's own step (:attr:`own_step`), at the schedule's learning rate."""
+        cfg, step = self.cfg, self.step
+        lr = lr_at(step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
+        before, start = self.mesh.stats.snapshot(), time.perf_counter()
+        loss, grad_norm, skipped = self.own_step.train_step(step, lr, before_update)
+        step_time = time.perf_counter() - start
+        traffic = self.mesh.stats.since(before)
+        self.step += 1
+        per_s = {f"{self.own_step.unit}_per_s": self.own_step.per_step / max(step_time, 1e-9)}
+        return StepResult(step, loss, grad_norm, lr, step_time, self.own_step.per_step, {}, traffic.by_axis(),
+                          traffic.by_op(), skipped, extra=per_s)
+
     def _compile_seconds(self) -> float:
         """Seconds spent compiling since the last step (compile.enabled): the first step's, and any
         recompilation's, which the metrics show."""
@@ -267,7 +304,7 @@ class Trainer:
     def start_deferred_updates(self) -> bool:
         """From now on, run 2BW steps with :meth:`train_step_deferred`'s boundary, where the layout
         allows it (:func:`deferrable`); whether it does. ``fit`` starts it."""
-        if self.deferred is None and deferrable(self.parallel, self.cfg.model):
+        if self.deferred is None and self.executor is not None and deferrable(self.parallel, self.cfg.model):
             self.deferred = DeferredUpdate(self.engine, self.executor, self.parallel.pp, self.cfg.optim.grad_clip)
         return self.deferred is not None
 
@@ -431,7 +468,10 @@ class Trainer:
             return
         scale_before = self.engine.scaler.scale if self.engine.scaler is not None else None
         result = self.train_step(measure=measure)
-        if every and (self.step % every == 0 or self.step == cfg.train.steps):
+        if self.own_step is not None:  # its held-out metrics on every logged step (the report reads them)
+            if self._logged(result.step):
+                result.extra.update(self.own_step.evaluate())
+        elif every and (self.step % every == 0 or self.step == cfg.train.steps):
             result.eval_loss = self.evaluate()
         self._log_result(result, log, bad, scale_before)
 
@@ -462,9 +502,12 @@ class Trainer:
         return (f"the newest checkpoint, {newest[0].name}, holds the last finite state" if newest else
                 "no checkpoint was written")
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | dict[str, float]:
         """The mean loss over the held-out windows (``train.eval_batches`` global batches of
-        ``data.val_fraction``) at the current weights; collective (:mod:`bigtrain.evaluate`)."""
+        ``data.val_fraction``) at the current weights; collective (:mod:`bigtrain.evaluate`). A family
+        with its own step: its held-out metrics (a recommender's AUC and log loss)."""
+        if self.own_step is not None:
+            return self.own_step.evaluate()
         return held_out_loss(self.parallel, self.sampler, self.cfg.train.eval_batches, self.mesh.coord("dp"),
                              self.mesh.size("dp"), self.cfg.train.micro_batch, self._to_device)
 
@@ -545,7 +588,7 @@ class Trainer:
                       f"not finite", flush=True)
             return False
         scaler = self.engine.scaler
-        meta = {"format": ckpt.FORMAT, "config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
+        meta = {"format": self.checkpoint_format, "config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
                 "optimizer": self.engine.optim_spec.name, "run_id": self.run_id,
                 "loss_scaler": scaler.state_dict() if scaler is not None else None}
         self._note_segment()
@@ -646,6 +689,10 @@ class Trainer:
         """What ``summary.json`` records (the report reads it): the run's size and shape, what
         identifies it (:mod:`bigtrain.run_info`), and the planner's prediction for its layout."""
         cfg = self.cfg
+        if self.own_step is not None:
+            return {"steps": self.step, "mesh": self.mesh.sizes, "wall_time_s": self.wall_time_s,
+                    "run": run_info.identity(cfg), f"{self.own_step.unit}_seen": self.step * self.own_step.per_step,
+                    "predicted": None, **self.own_step.summary()}
         return {"params": count_parameters(self.model), "steps": self.step,
                 "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,
                 "transforms": {name: list(kinds) for name, kinds in self.parallel.transforms.items()},

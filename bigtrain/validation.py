@@ -64,7 +64,7 @@ def check_model(cfg: Config) -> list[str]:
     problems = _positive(cfg, ["model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
                                "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std"])
     problems += _non_negative(cfg, ["model.n_kv_heads", "model.ffn_hidden"])
-    problems += _one_of("model.name", m.name, MODELS)
+    problems += _one_of("model.family", m.family, MODELS)
     if problems:
         return problems
     if m.attention_head_dim:
@@ -78,7 +78,7 @@ def check_model(cfg: Config) -> list[str]:
     if m.n_heads % m.kv_heads:
         problems.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}; "
                         f"e.g. {_divisor_near(m.n_heads, m.kv_heads)}")
-    family = FAMILIES.get(m.name)
+    family = FAMILIES.get(m.family)
     return problems + (check_init_from(m) if family is not None and family.model_fields else [])
 
 
@@ -172,7 +172,7 @@ def check_batch(cfg: Config) -> list[str]:
 
 def check_data(cfg: Config) -> list[str]:
     """The domains of the token corpus fields; the data against the model is the family's rule."""
-    family = FAMILIES.get(cfg.model.name)
+    family = FAMILIES.get(cfg.model.family)
     if family is None or not family.reads_tokens:
         return []
     return _positive(cfg, ["data.seq_len"]) + _non_negative(cfg, ["data.max_bytes"])
@@ -181,7 +181,7 @@ def check_data(cfg: Config) -> list[str]:
 def check_family(cfg: Config) -> list[str]:
     """The model family's own rules (bigtrain/families): its config fields, its batches and data,
     and the layouts it supports (check_model names an unknown family)."""
-    family = FAMILIES.get(cfg.model.name)
+    family = FAMILIES.get(cfg.model.family)
     return family.check_config(cfg) if family is not None else []
 
 
@@ -261,7 +261,7 @@ def check_model_split(cfg: Config) -> list[str]:
     """Tensor and sequence parallelism against the model's shapes (the [model] decoder fields, for a
     family they describe; another family checks its own shapes)."""
     m, p, seq = cfg.model, cfg.parallel, cfg.data.seq_len
-    family = FAMILIES.get(m.name)
+    family = FAMILIES.get(m.family)
     if family is None or not family.model_fields:
         return []
     if p.tp <= 0 or p.sp <= 0 or m.n_heads <= 0 or m.dim <= 0 or m.n_heads % max(1, m.kv_heads):
@@ -465,10 +465,10 @@ def check_compile(cfg: Config) -> list[str]:
     refused here, before launch."""
     setting = cfg.compile.enabled
     problems = _one_of("compile.enabled", setting, COMPILE_SETTINGS)
-    family = FAMILIES.get(cfg.model.name)
+    family = FAMILIES.get(cfg.model.family)
     if setting == "true" and family is not None and not family.compiles:
-        problems.append(f"compile.enabled = true compiles the decoder's transformer blocks; model.name = "
-                        f"'{cfg.model.name}' has none: use compile.enabled = 'auto' or false")
+        problems.append(f"compile.enabled = true compiles the decoder's transformer blocks; model.family = "
+                        f"'{cfg.model.family}' has none: use compile.enabled = 'auto' or false")
     return problems
 
 

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { echo "usage: $0 N SEED [--timeout S] [--quiet]" >&2; exit 2; }
 [ -x .venv/bin/python ] || bash scripts/setup.sh
-exec .venv/bin/python -m bigtrain.check.fuzz_inputs "$@"
+exec .venv/bin/python -m bigtrain.fuzz_inputs "$@"

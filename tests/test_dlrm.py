@@ -17,7 +17,7 @@ from bigtrain.plan.embedding import describe_plan, plan_embedding
 from bigtrain.recsys.data import HELD_OUT, CriteoTsv, SyntheticCriteo, read_criteo_tsv
 from bigtrain.recsys.metrics import auc, log_loss
 from bigtrain.core.tables import parse_sizes
-from bigtrain.recsys.train import DlrmTrainer
+from bigtrain.train import Trainer
 from bigtrain.validation import validate
 
 
@@ -169,10 +169,11 @@ def test_bad_dlrm_config_is_rejected_naming_the_field(overrides, field):
         validate(load_config(preset="dlrm-tiny", overrides=overrides))
 
 
-def tiny_trainer(*overrides: str) -> DlrmTrainer:
+def tiny_trainer(*overrides: str) -> Trainer:
+    """The Trainer every family shares, taking the DLRM's step (no run directory is written here)."""
     cfg = load_config(preset="dlrm-tiny", overrides=list(overrides))
     validate(cfg)
-    return DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, 0, 1))
+    return Trainer(cfg, "unused-run-dir", Mesh.from_config(cfg.parallel, 0, 1))
 
 
 def test_ids_out_of_range_are_rejected_naming_the_table():

@@ -10,43 +10,48 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtrain.distributed.mesh import Mesh
-from bigtrain.recsys.checkpoint import load_dlrm, save_dlrm
-from bigtrain.recsys.train import DlrmTrainer, gather_tables
+from bigtrain.recsys.train import gather_tables
 from bigtrain.testing import run_ranks
-from tests.helpers import assert_rel_close
+from bigtrain.train import Trainer
+from tests.helpers import assert_rel_close, trainer_on_rank
 from tests.test_dlrm_parallel import MIX, TABLES, dlrm_config
 
 SAVED_AT, STEPS = 4, 8
 
 
-def snapshot(trainer: DlrmTrainer, losses: list[float]) -> dict:
-    return {"losses": losses, "tables": gather_tables(trainer.parallel, trainer.layout),
+def snapshot(trainer: Trainer, losses: list[float]) -> dict:
+    return {"losses": losses, "tables": gather_tables(trainer.parallel, trainer.parallel.layout),
             "dense": {n: p.detach().clone() for n, p in trainer.parallel.dense.named_parameters()},
             "step": trainer.step}
 
 
-def train_and_save(rank: int, world: int, cfg, path: str) -> dict:
-    """The uninterrupted run, saving its state after SAVED_AT steps."""
-    trainer = DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
+def saved_checkpoint(run_dir: str) -> str:
+    return str(Path(run_dir) / "checkpoints" / f"step_{SAVED_AT:08d}")
+
+
+def train_and_save(rank: int, world: int, cfg, run_dir: str) -> dict:
+    """The uninterrupted run, saving its state after SAVED_AT steps (the Trainer's save, as any family's)."""
+    trainer = trainer_on_rank(rank, world, cfg, run_dir)
     losses = [trainer.train_step().loss for _ in range(SAVED_AT)]
-    save_dlrm(trainer, path)
+    assert trainer.save()
+    trainer.wait_for_save()
     losses += [trainer.train_step().loss for _ in range(STEPS - SAVED_AT)]
     return snapshot(trainer, losses)
 
 
-def resume_and_train(rank: int, world: int, cfg, path: str) -> dict:
-    trainer = DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
-    load_dlrm(trainer, path)
+def resume_and_train(rank: int, world: int, cfg, run_dir: str, resumed_dir: str) -> dict:
+    trainer = trainer_on_rank(rank, world, cfg, resumed_dir)
+    assert trainer.resume(saved_checkpoint(run_dir))
     assert trainer.step == SAVED_AT
     return snapshot(trainer, [trainer.train_step().loss for _ in range(STEPS - SAVED_AT)])
 
 
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "sgd"])
 def test_resumed_dlrm_run_equals_the_uninterrupted_one(tmp_path, optimizer):
-    path = str(tmp_path / "step4")
+    path = str(tmp_path / "run")
     whole = run_ranks(train_and_save, 2, dlrm_config(2, MIX, optimizer), path, timeout=300)[0]
-    same = run_ranks(resume_and_train, 2, dlrm_config(2, MIX, optimizer), path, timeout=300)[0]
+    same = run_ranks(resume_and_train, 2, dlrm_config(2, MIX, optimizer), path, str(tmp_path / "same"),
+                     timeout=300)[0]
     assert same["losses"] == whole["losses"][SAVED_AT:]
     for t, table in whole["tables"].items():
         assert torch.equal(same["tables"][t], table), f"table {t}"
@@ -54,7 +59,8 @@ def test_resumed_dlrm_run_equals_the_uninterrupted_one(tmp_path, optimizer):
         assert torch.equal(same["dense"][name], weight), name
     # another sharding on another number of ranks: the row pieces of 4 ranks read parts of the
     # saved whole tables, row pieces and column pieces
-    other = run_ranks(resume_and_train, 4, dlrm_config(4, "row", optimizer), path, timeout=300)[0]
+    other = run_ranks(resume_and_train, 4, dlrm_config(4, "row", optimizer), path, str(tmp_path / "other"),
+                      timeout=300)[0]
     for loss, expected in zip(other["losses"], whole["losses"][SAVED_AT:]):
         assert abs(loss - expected) <= 1e-5 * abs(expected)
     for t, table in whole["tables"].items():
@@ -65,13 +71,13 @@ def test_resumed_dlrm_run_equals_the_uninterrupted_one(tmp_path, optimizer):
 
 def test_a_fresh_run_differs_from_the_resumed_one(tmp_path):
     """The check above can fail: without the checkpoint's accumulators the run goes elsewhere."""
-    path = str(tmp_path / "step4")
+    path = str(tmp_path / "run")
     cfg = dlrm_config(2, MIX)
     whole = run_ranks(train_and_save, 2, cfg, path, timeout=300)[0]
 
     def resume_weights_only(rank: int, world: int, cfg, path: str) -> dict:
-        trainer = DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
-        load_dlrm(trainer, path)
+        trainer = trainer_on_rank(rank, world, cfg, str(tmp_path / "lost"))
+        assert trainer.resume(saved_checkpoint(path))
         for state in trainer.parallel.embeddings.state_tensors():
             state.zero_()  # as if the row-wise Adagrad state had not been saved
         return snapshot(trainer, [trainer.train_step().loss for _ in range(STEPS - SAVED_AT)])
@@ -82,13 +88,12 @@ def test_a_fresh_run_differs_from_the_resumed_one(tmp_path):
 
 
 def fit_in(rank: int, world: int, cfg, run_dir: str) -> dict:
-    trainer = DlrmTrainer(cfg, Mesh.from_config(cfg.parallel, rank, world))
-    records = trainer.fit(Path(run_dir))
-    return snapshot(trainer, [r["loss"] for r in records])
+    trainer = trainer_on_rank(rank, world, cfg, run_dir)
+    return snapshot(trainer, [r.loss for r in trainer.fit()])
 
 
 def test_fit_saves_every_n_steps_and_resumes_from_a_checkpoint_on_another_sharding(tmp_path):
-    """``checkpoint.every`` and ``checkpoint.resume`` in :meth:`DlrmTrainer.fit`: a run saving at steps
+    """``checkpoint.every`` and ``checkpoint.resume`` in :meth:`Trainer.fit` taking the DLRM's step: a run saving at steps
     4 and 8, and a run resuming its step-4 checkpoint column-wise, end alike (the resumed one
     saving its final step)."""
     first, second = tmp_path / "first", tmp_path / "second"

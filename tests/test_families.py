@@ -1,9 +1,9 @@
 """The model-family seam (bigtrain/families, issue 30): validation, preflight, the planner, check
-and the CLI ask the family of ``model.name`` and never name one."""
+and the CLI ask the family of ``model.family`` and never name one."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -25,8 +25,43 @@ def test_the_dlrm_is_named_only_in_its_family_module():
 def test_model_names_are_the_registered_families():
     assert set(MODELS) == set(FAMILIES) == {"llama", "dlrm", "hf"}
     assert family_of(load_config(preset="dlrm-tiny")).name == "dlrm"
-    with pytest.raises(ConfigError, match="model.name = 'gpt'.*'llama', 'dlrm', 'hf'"):
-        validate(load_config(preset="tiny", overrides=["--model.name=gpt"]))
+    with pytest.raises(ConfigError, match="model.family = 'gpt'.*'llama', 'dlrm', 'hf'"):
+        validate(load_config(preset="tiny", overrides=["--model.family=gpt"]))
+
+
+def test_model_name_is_read_as_model_family(tmp_path):
+    """``model.name`` is the older spelling of ``model.family``: renamed on reading (from an override, a
+    file or a checkpoint's manifest), so the config has one field and nothing reads a second one."""
+    from bigtrain.checkpoint.compat import compare_configs
+    from bigtrain.config import Config, ModelConfig
+
+    assert "name" not in {f.name for f in fields(ModelConfig)}
+    assert load_config(preset="tiny", overrides=["--model.name=dlrm"]).model.family == "dlrm"
+    path = tmp_path / "old.toml"
+    path.write_text('[model]\nname = "hf"\n')
+    assert load_config(path=path).model.family == "hf"
+    path.write_text('[model]\nname = "hf"\nfamily = "hf"\n')  # both, agreeing: one value
+    assert load_config(path=path).model.family == "hf"
+    # A manifest written before the rename: its model.name compares as model.family.
+    old = Config().to_dict()
+    old["model"]["name"] = old["model"].pop("family")
+    assert compare_configs(old, Config(), "OLD") == ([], [])
+    old["model"]["name"] = "dlrm"
+    errors, _ = compare_configs(old, Config(), "OLD")
+    assert errors and "model.family = 'llama', but the checkpoint OLD was written with model.family = 'dlrm'" in errors[0]
+
+
+@pytest.mark.parametrize("where", ["file", "overrides"])
+def test_model_name_and_family_in_conflict_are_refused_naming_both(tmp_path, where):
+    if where == "file":
+        path = tmp_path / "both.toml"
+        path.write_text('[model]\nfamily = "llama"\nname = "dlrm"\n')
+        kwargs = {"path": path}
+    else:
+        kwargs = {"preset": "tiny", "overrides": ["--model.family=llama", "--model.name=dlrm"]}
+    with pytest.raises(ConfigError, match=r"model\.name = 'dlrm' and model\.family = 'llama' disagree.*"
+                                          r"give model\.family only"):
+        load_config(**kwargs)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "dlrm-tiny"])
@@ -35,7 +70,7 @@ def test_validation_runs_the_familys_own_rules(monkeypatch, preset):
     cfg = load_config(preset=preset)
     family = family_of(cfg)
     monkeypatch.setitem(registry.FAMILIES, family.name,
-                        replace(family, check_config=lambda c: ["model.name: the family's own rule ran"]))
+                        replace(family, check_config=lambda c: ["model.family: the family's own rule ran"]))
     with pytest.raises(ConfigError, match="the family's own rule ran"):
         validate(cfg)
 

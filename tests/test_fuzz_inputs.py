@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import bigtrain.cli as cli
 from bigtrain.check.fuzz_inputs import VERDICTS, run, summary
 from bigtrain.check.input_cases import (FLOAT_FIELDS, INT_FIELDS, float_is_bad, generate, int_is_bad)
 
@@ -13,7 +14,7 @@ SAMPLE, SEED = 40, 11
 
 
 def test_the_sample_of_hostile_inputs_is_rejected_cleanly():
-    outcomes, draw = run(SAMPLE, SEED, verbose=False)
+    outcomes, draw = run(SAMPLE, SEED, cli, verbose=False)
     bad = [f"{o.verdict}: {o.case.label()}\n{(o.detail or o.output)[-1500:]}" for o in outcomes if not o.ok]
     assert not bad, "\n".join(bad) + "\n" + summary(outcomes, draw, SAMPLE, SEED)
     assert len(outcomes) == SAMPLE

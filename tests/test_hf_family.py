@@ -1,4 +1,4 @@
-"""The Hugging Face family (``model.name = "hf"``, issue 30): Llama, Mistral, Qwen2 and Qwen3 from
+"""The Hugging Face family (``model.family = "hf"``, issue 30): Llama, Mistral, Qwen2 and Qwen3 from
 tiny config.json files (tests/fixtures/hf; no download) trained by bigtrain's Trainer on one process,
 dp=2 with ZeRO-3 and tp=2 with sequence parallelism, each equal to the same transformers model
 trained in one plain process (bigtrain/families/hf_reference.py) within fp32 1e-5 over 4 steps.
@@ -42,7 +42,7 @@ RTOL = 1e-5
 
 
 def hf_config(cache: str, arch: str, *overrides: str):
-    return tiny_config(cache, "--model.name=hf", f"--model.hf_config={FIXTURES / arch}", f"--train.steps={STEPS}",
+    return tiny_config(cache, "--model.family=hf", f"--model.hf_config={FIXTURES / arch}", f"--train.steps={STEPS}",
                        "--train.global_batch=4", "--train.micro_batch=2", "--data.seq_len=32",
                        "--optim.name=adamw", "--optim.warmup_steps=1", *overrides)
 
@@ -125,7 +125,7 @@ def test_a_missing_partial_gradient_sum_fails_the_comparison(corpus_cache, monke
     (["--model.hf_config=/nonexistent/config.json"], "model.hf_config"),
 ])
 def test_refusals_name_the_field(corpus_cache, overrides, field):
-    base = ["--model.name=hf", f"--model.hf_config={FIXTURES / 'qwen3'}"]
+    base = ["--model.family=hf", f"--model.hf_config={FIXTURES / 'qwen3'}"]
     with pytest.raises(ConfigError) as err:
         tiny_config(corpus_cache, *base, *overrides)
     assert any(field in p for p in err.value.problems), err.value.problems
@@ -203,7 +203,7 @@ def test_init_from_loads_an_exported_folder_shard_by_shard(corpus_cache, tmp_pat
     for name, w in weights.items():
         assert torch.equal(loaded[name], w), name
     with pytest.raises(ConfigError, match="another model than model.hf_config"):
-        tiny_config(corpus_cache, "--model.name=hf", f"--model.hf_config={FIXTURES / 'llama'}",
+        tiny_config(corpus_cache, "--model.family=hf", f"--model.hf_config={FIXTURES / 'llama'}",
                     f"--model.init_from=hf:{tmp_path / 'out'}")
 
 
@@ -249,7 +249,7 @@ def test_the_fuzzed_key_bias_layout_agrees_within_its_measured_bound(corpus_cach
     models with key biases (families/hf.py tensor_bound, 5e-4) holds it, the usual 1e-4 does not."""
     from bigtrain.check.fuzz import run_sample
 
-    sample = ["--model.name=hf", "--model.hf_config=tiny:qwen2:3:2:False", "--parallel.dp=2", "--parallel.tp=2",
+    sample = ["--model.family=hf", "--model.hf_config=tiny:qwen2:3:2:False", "--parallel.dp=2", "--parallel.tp=2",
               "--parallel.zero=2", "--train.micro_batch=2", "--train.global_batch=4", "--optim.grad_clip=1.0",
               "--optim.warmup_steps=2", "--parallel.sequence_parallel=True", "--memory.checkpointing=full"]
     outcome = run_sample(sample, corpus_cache, steps=2)

@@ -114,12 +114,11 @@ def test_preflight_counts_what_offload_keeps_off_the_device(monkeypatch):
     wide = ["--model.dim=1024", "--model.n_layers=16", "--model.n_heads=8", "--model.n_kv_heads=0",
             "--data.seq_len=16", "--model.max_seq_len=16", "--train.micro_batch=1", "--train.global_batch=1",
             "--parallel.zero=3", "--precision.mode=fp32"]
-    problems, _ = fit.size_problems(tiny_config("", *wide), suggest=False)
+    problems, _ = fit.size_problems(tiny_config("", *wide))
     assert problems and "optimizer state alone" in problems[0]
-    problems, _ = fit.size_problems(tiny_config("", *wide, "--offload.optimizer=cpu"), suggest=False)
+    problems, _ = fit.size_problems(tiny_config("", *wide, "--offload.optimizer=cpu"))
     assert problems  # the host is the device
-    problems, _ = fit.size_problems(tiny_config("", *wide, "--offload.optimizer=nvme", "--offload.params=nvme"),
-                                    suggest=False)
+    problems, _ = fit.size_problems(tiny_config("", *wide, "--offload.optimizer=nvme", "--offload.params=nvme"))
     assert not problems, problems
 
 
@@ -178,14 +177,14 @@ def test_an_offload_that_cannot_fit_this_hosts_memory_is_refused_before_launch(m
     monkeypatch.setattr(fit, "machine_memory", lambda cuda: (80 * 2**30, "each GPU of this machine has"))
     monkeypatch.setattr(fit, "host_memory", lambda: 2 * 2**30)  # less than the process's own allowance
     cfg = tiny_config("", "--parallel.zero=2", "--offload.optimizer=cpu")
-    problems, _ = fit.size_problems(cfg, local_ranks=2, cuda=True, suggest=False)
+    problems, _ = fit.size_problems(cfg, local_ranks=2, cuda=True)
     assert len(problems) == 1, problems
     assert "offload.optimizer = 'cpu', offload.params = 'none' keep" in problems[0]
     assert "x 2 ranks on this machine" in problems[0] and "4.01 GiB of host memory needed" in problems[0]
     assert "this machine has 2 GiB" in problems[0] and "offload.optimizer = 'nvme'" in problems[0]
-    assert not fit.size_problems(tiny_config("", "--parallel.zero=2"), cuda=True, suggest=False)[0]
+    assert not fit.size_problems(tiny_config("", "--parallel.zero=2"), cuda=True)[0]
     monkeypatch.setattr(fit, "host_memory", lambda: 64 * 2**30)
     monkeypatch.setattr(fit, "disk_free", lambda path: 1000)
     nvme = tiny_config("", "--parallel.zero=2", "--offload.optimizer=nvme")
-    problems, _ = fit.size_problems(nvme, cuda=True, suggest=False, nvme_dir="/tmp/bigtrain-nvme")
+    problems, _ = fit.size_problems(nvme, cuda=True, nvme_dir="/tmp/bigtrain-nvme")
     assert len(problems) == 1 and "in files" in problems[0] and "its disk has 1000 B free" in problems[0]

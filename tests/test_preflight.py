@@ -12,6 +12,7 @@ import pytest
 import bigtrain.cli as cli
 import bigtrain.distributed.launch as launch
 import bigtrain.plan.fit as fit
+import bigtrain.plan.refit as refit
 from bigtrain.config import ConfigError, load_config
 from bigtrain.data import load_tokens
 from bigtrain.preflight import data_problems, environment_problems, preflight, writable_dir_problem
@@ -310,7 +311,7 @@ def test_the_proposed_layout_fits_the_same_machine(monkeypatch):
                                get_profile("cpu"), 256).total
     memory = int(2 * per_rank * 0.9)  # two ranks share it: 10% short
     monkeypatch.setattr(fit, "host_memory", lambda: memory)
-    problems, _ = fit.size_problems(cfg, local_ranks=2)
+    problems, _ = refit.size_problems_and_fixes(cfg, local_ranks=2)
     assert len(problems) == 1 and "A layout that fits on this machine (2 ranks): --" in problems[0], problems
     overrides = problems[0].split("(2 ranks): ")[1].split(" (the planner:")[0].split()
     fixed = load_config(preset="small", overrides=["--parallel.dp=2", "--train.micro_batch=128",

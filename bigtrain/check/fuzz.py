@@ -53,9 +53,9 @@ from bigtrain.validation import validate
 BASE = ["--logging.progress=false", "--logging.report=false", "--checkpoint.save_final=false",
         "--data.max_bytes=400000"]
 FIELD = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
-DLRM = "--model.name=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
+DLRM = "--model.family=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
 DLRM_SHARE = 0.2
-HF = "--model.name=hf"  # a Hugging Face decoder, its config.json written from the next override
+HF = "--model.family=hf"  # a Hugging Face decoder, its config.json written from the next override
 HF_TINY = "--model.hf_config=tiny:"  # tiny:ARCH:LAYERS:KV_HEADS:TIED, made into a file by _config
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 HF_SHARE = 0.1

@@ -15,7 +15,10 @@ alarm as the timeout guard. A case passes when the command
 within the timeout. Anything else is counted as a traceback, a hang, accepted (it reached a rank),
 a wrong exit code, an unnamed field, a start, or a leftover, and printed.
 
-``python -m bigtrain.check.fuzz_inputs N SEED`` (``scripts/fuzz-inputs.sh``) runs N cases.
+``python -m bigtrain.fuzz_inputs N SEED`` (``scripts/fuzz-inputs.sh``) runs N cases. This module
+is handed the command-line module (``cli``: its ``main`` runs a case, its ``_run_rank`` is where a
+run would start) by that entry point, above both packages: the CLI runs ``bigtrain check``, so
+importing it from here would make a cycle between ``bigtrain.check`` and ``bigtrain.cli``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import contextlib
 import io
 import os
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -72,10 +74,9 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _patched(started: list[str]):
+def _patched(started: list[str], cli):
     """Every place a run starts, replaced by a recorder."""
     import bigtrain.check.cli as check_cli
-    import bigtrain.cli as cli
     import bigtrain.distributed.launch as launch
 
     saved = (cli._run_rank, check_cli._check_rank, launch.launch_local, launch.init_distributed)
@@ -128,11 +129,10 @@ def argv_of(case: Case, folder: Path, cache: Path, args: list[str]) -> list[str]
     return base + args  # the case's own flags come last and win
 
 
-def run_case(case: Case, root: Path, index: int, timeout: float = 30.0) -> Outcome:
-    """Build the case in its own folder under ``root`` and run it through ``bigtrain.cli.main``."""
+def run_case(case: Case, root: Path, index: int, cli, timeout: float = 30.0) -> Outcome:
+    """Build the case in its own folder under ``root`` and run it through ``cli.main`` (``cli``:
+    the :mod:`bigtrain.cli` module)."""
     import torch.distributed as dist
-
-    from bigtrain.cli import main
 
     folder = root / f"case-{index:04d}"
     folder.mkdir()
@@ -147,10 +147,10 @@ def run_case(case: Case, root: Path, index: int, timeout: float = 30.0) -> Outco
         os.chdir(cwd)
         args, env = case.build(folder)
         before = _tree(root)
-        with _patched(started), _environment(env), contextlib.redirect_stdout(out), \
+        with _patched(started, cli), _environment(env), contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(err), _alarm(timeout):
             try:
-                code = main(argv_of(case, folder, root / "cache", args))
+                code = cli.main(argv_of(case, folder, root / "cache", args))
             except SystemExit as e:  # argparse's own errors
                 code = e.code
     except Hang as e:
@@ -179,8 +179,9 @@ def run_case(case: Case, root: Path, index: int, timeout: float = 30.0) -> Outco
     return outcome
 
 
-def run(count: int, seed: int, timeout: float = 30.0, verbose: bool = True) -> tuple[list[Outcome], object]:
-    """Generate ``count`` cases with ``seed`` and run each; (outcomes, the draw)."""
+def run(count: int, seed: int, cli, timeout: float = 30.0, verbose: bool = True) -> tuple[list[Outcome], object]:
+    """Generate ``count`` cases with ``seed`` and run each through ``cli`` (the :mod:`bigtrain.cli`
+    module); (outcomes, the draw)."""
     import torch
 
     torch.set_num_threads(1)
@@ -195,7 +196,7 @@ def run(count: int, seed: int, timeout: float = 30.0, verbose: bool = True) -> t
         finally:
             os.chdir(here)
         for i, case in enumerate(draw.cases):
-            outcome = run_case(case, root, i, timeout)
+            outcome = run_case(case, root, i, cli, timeout)
             outcomes.append(outcome)
             if verbose:
                 first = next((line for line in outcome.output.splitlines() if line.startswith("  - ")),
@@ -220,21 +221,18 @@ def summary(outcomes: list[Outcome], draw, count: int, seed: int) -> str:
             + ", ".join(f"{counts[v]} {v}" for v in VERDICTS) + f"; slowest case {slowest:.2f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bigtrain.check.fuzz_inputs", description=__doc__.split("\n")[0])
+def main(cli, argv: list[str] | None = None) -> int:
+    """The fuzzer's command line, run against ``cli`` (the :mod:`bigtrain.cli` module)."""
+    parser = argparse.ArgumentParser(prog="python -m bigtrain.fuzz_inputs", description=__doc__.split("\n")[0])
     parser.add_argument("count", type=int, help="cases to run")
     parser.add_argument("seed", type=int, help="the generator's seed (same seed, same cases)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a case may take (default 30)")
     parser.add_argument("--quiet", action="store_true", help="print failures and the summary only")
     args = parser.parse_args(argv)
-    outcomes, draw = run(args.count, args.seed, args.timeout, verbose=not args.quiet)
+    outcomes, draw = run(args.count, args.seed, cli, args.timeout, verbose=not args.quiet)
     if args.quiet:
         for o in outcomes:
             if not o.ok:
                 print(f"{o.verdict}: {o.case.label()}\n    {(o.detail or o.output)[-2500:]}")
     print(summary(outcomes, draw, args.count, args.seed))
     return 0 if all(o.ok for o in outcomes) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

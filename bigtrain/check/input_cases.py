@@ -99,7 +99,7 @@ BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.r
                "memory.activation_offload", "memory.selective_attention", "parallel.pp_vertical_sync",
                "model.attention_bias", "model.qkv_bias", "model.mlp_bias"]
 ENUM_FIELDS: dict[str, tuple[str, ...]] = {
-    "model.name": ("llama",), "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
+    "model.family": ("llama",), "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
     "parallel.dp_sync": ("sync", "local-sgd"),
     "parallel.pp_balance": ("layers", "params"), "precision.mode": ("fp32", "bf16", "fp16"),
     "precision.reduce_dtype": ("auto", "fp32"), "memory.checkpointing": ("none", "full", "every", "selective"),
@@ -403,7 +403,7 @@ TOML_CASES: dict[str, tuple[bytes, tuple[str, ...]]] = {
     "fraction for an int": (b"[train]\nsteps = 2.5\n", ("train.steps",)),
     "int beyond 64 bits": (b"[train]\nsteps = 92233720368547758070\n", ("train.steps",)),
     "int for a bool": (b"[logging]\nprogress = 1\n", ("logging.progress",)),
-    "int for a string": (b"[model]\nname = 5\n", ("model.name",)),
+    "int for a string": (b"[model]\nfamily = 5\n", ("model.family",)),
     "nan": (b"[optim]\nlr = nan\n", ("optim.lr",)),
     "inf": (b"[distributed]\ntimeout_s = inf\n", ("distributed.timeout_s",)),
     "-inf": (b"[optim]\ngrad_clip = -inf\n", ("optim.grad_clip",)),

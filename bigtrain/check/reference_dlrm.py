@@ -9,7 +9,7 @@ part uses ``torch.nn.utils.clip_grad_norm_`` and the torch optimizer at the refe
 
 A step returns a :class:`~bigtrain.check.reference.ReferenceStep` like the decoder's reference, so
 ``bigtrain check`` compares both models in one loop: the loss, the dense gradients' norm, the dense
-gradients (the tables have none: the trainer updates them in backward), every weight (tables
+gradients (the tables have none: their sparse optimizer takes the pooled gradients), every weight (tables
 whole), and the outputs of the bottom MLP, the pooled lookup and the top MLP over the global batch.
 """
 
@@ -24,7 +24,7 @@ from bigtrain.check.reference import ReferenceRun, ReferenceStep, _optimizer
 from bigtrain.config import Config
 from bigtrain.models.dlrm import build_dlrm
 from bigtrain.recsys.data import sampler_for
-from bigtrain.recsys.train import DlrmTrainer
+from bigtrain.recsys.train import DlrmStep
 from bigtrain.core.tables import parse_sizes
 
 # Whole-batch outputs any table layout can put back together from its ranks' batch slices.
@@ -109,5 +109,5 @@ def reference_dlrm(cfg: Config, steps: int) -> tuple[list[float], dict[str, torc
     return losses, run.weights()
 
 
-# The reference of each family's own training loop (bigtrain.families' ``trainer`` slot), by its class.
-OWN_LOOP_REFERENCES = {DlrmTrainer: (DlrmReference, captured_dlrm_module)}
+# The reference of each family's own step (bigtrain.families' ``own_step`` slot), by its class.
+OWN_STEP_REFERENCES = {DlrmStep: (DlrmReference, captured_dlrm_module)}

@@ -10,11 +10,11 @@ updated value differs, each with the ranks that hold it and the size of the diff
 The layout's outputs, gradients and weights are gathered to the first rank every step: this is a
 tool for small configurations (shrink the model, keep the layout), not for a 7B run.
 
-A DLRM (a family with a loop of its own) goes through the same loop: its trainer
-(:class:`~bigtrain.recsys.train.DlrmTrainer`) and reference
+A DLRM (a family with a step of its own) goes through the same loop: the Trainer taking its step
+(:class:`~bigtrain.recsys.train.DlrmStep`) and its reference
 (:class:`~bigtrain.check.reference_dlrm.DlrmReference`) answer the same calls, its tables are
 compared whole after every step, its dense gradients before the update (the tables have none:
-their sparse optimizer runs in backward), and its outputs are the bottom MLP's, the pooled lookup's
+their sparse optimizer takes the pooled gradients), and its outputs are the bottom MLP's, the pooled lookup's
 and the top MLP's.
 """
 
@@ -30,7 +30,7 @@ from torch import nn
 from bigtrain.check.exact import ExactTwin, judge_against_exact
 from bigtrain.check.compare import Tolerance, assemble, relative_error, scalar_error, tolerance_for
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
-from bigtrain.check.reference_dlrm import OWN_LOOP_REFERENCES
+from bigtrain.check.reference_dlrm import OWN_STEP_REFERENCES
 from bigtrain.check.replay import replayed_step, updates_explained
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
@@ -181,25 +181,25 @@ def _layout_and_reference(cfg: Config, mesh: Mesh, run_dir: str | Path, device: 
     """(the trainer of ``cfg``'s model on this rank, a factory of its reference on a device, the
     predicate naming the modules whose outputs are compared)."""
     family = family_of(cfg)
-    if family.trainer is not None:  # a loop of its own, and the reference written for it
-        reference, captured = OWN_LOOP_REFERENCES[family.trainer]
-        return family.trainer(cfg, mesh, device), reference, captured
-    return (Trainer(cfg, Path(run_dir), mesh, device), family.reference or ReferenceRun,
-            family.captured or captured_module)
+    trainer = Trainer(cfg, Path(run_dir), mesh, device)
+    if family.own_step is not None:  # a step of its own, and the reference written for it
+        reference, captured = OWN_STEP_REFERENCES[family.own_step]
+        return trainer, reference, captured
+    return trainer, family.reference or ReferenceRun, family.captured or captured_module
 
 
 def reference_problems(cfg: Config) -> list[str]:
     """What ``bigtrain check`` cannot compare for ``cfg``'s model: the family's own reference says
     what it does not state; the decoder reference builds the model of the [model] fields; a loop of
-    its own brings its own (OWN_LOOP_REFERENCES)."""
+    its own brings its own (OWN_STEP_REFERENCES)."""
     family = family_of(cfg)
-    if family.trainer is not None:
-        return [] if family.trainer in OWN_LOOP_REFERENCES else [
-            f"model.name = '{family.name}': bigtrain check has no reference for its training loop"]
+    if family.own_step is not None:
+        return [] if family.own_step in OWN_STEP_REFERENCES else [
+            f"model.family = '{family.name}': bigtrain check has no reference for its step"]
     if family.reference is not None:
         return family.reference.problems(cfg)
     return [] if family.model_fields else [
-        f"model.name = '{family.name}': bigtrain check has no step-by-step reference for it"]
+        f"model.family = '{family.name}': bigtrain check has no step-by-step reference for it"]
 
 
 def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,

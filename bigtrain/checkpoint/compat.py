@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from bigtrain.config import Config, ModelConfig
+from bigtrain.config import Config, ModelConfig, canonical_keys
 from bigtrain.core.tables import parse_sizes
 from bigtrain.optim import get_optimizer  # plain data: imports no torch
 
 # The model's parameter shapes (compared on effective values: ffn_hidden 0 means a computed size).
-SHAPE_FIELDS = ("model.name", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
+SHAPE_FIELDS = ("model.family", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
                 "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings", "model.attention_head_dim",
                 "model.attention_bias", "model.qkv_bias", "model.mlp_bias",
                 # DLRM: its tables (rows each, compared as a list: '2x10' is '10,10') and MLPs
@@ -77,6 +77,9 @@ def compare_configs(saved: dict[str, dict[str, Any]], run: Config, where: str) -
     """(errors, warnings) for resuming ``run`` from a checkpoint written under config ``saved``
     (a ``Config.to_dict()``); ``where`` names the checkpoint in the messages."""
     current = run.to_dict()
+    # An older manifest spells model.family model.name: read under the field's name.
+    saved = {section: canonical_keys(section, values, f"the checkpoint {where}") if isinstance(values, dict)
+             else values for section, values in saved.items()}
     errors, changes = [], []
     for dotted in SHAPE_FIELDS:
         section, name = dotted.split(".")

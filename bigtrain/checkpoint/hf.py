@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bigtrain.config import ModelConfig
+from bigtrain.config import ModelConfig, canonical_keys
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -93,6 +93,7 @@ def _rotary_heads(name: str, cfg: ModelConfig) -> int | None:
 def model_config(values: dict) -> ModelConfig:
     """The ModelConfig a checkpoint's manifest recorded (fields newer than it keep their defaults)."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
+    values = canonical_keys("model", values, "the checkpoint's manifest")  # older manifests: model.name
     return ModelConfig(**{k: v for k, v in values.items() if k in known})
 
 
@@ -270,7 +271,7 @@ def model_values(hf: dict, where: str) -> dict[str, object]:
         raise HFFormatError(f"{where}: cannot load into bigtrain's Llama: {'; '.join(problems)}")
     head_dim = hf.get("head_dim")
     own_head_dim = 0 if head_dim in (None, hf["hidden_size"] // heads) else int(head_dim)
-    return {"name": "llama", "vocab_size": hf["vocab_size"], "dim": hf["hidden_size"],
+    return {"family": "llama", "vocab_size": hf["vocab_size"], "dim": hf["hidden_size"],
             "n_layers": hf["num_hidden_layers"], "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
             "max_seq_len": hf.get("max_position_embeddings", 2048), "rope_theta": float(hf.get("rope_theta", 1e4)),

@@ -102,12 +102,12 @@ def _finish_like_the_others(engine) -> None:
 
 
 def _check_serves(trainer, path: Path, meta: dict[str, Any]) -> None:
-    """The format, optimizer and model must match (an error); data and schedule changes warn (rank 0)."""
-    from bigtrain import checkpoint as ckpt
-
-    if meta.get("format") != ckpt.FORMAT:
+    """The format (the trainer's family's entries), optimizer and model must match (an error); data
+    and schedule changes warn (rank 0)."""
+    wanted = trainer.checkpoint_format
+    if meta.get("format") != wanted:
         raise ResumeError(f"{path} is an old-format checkpoint ({meta.get('format', 'full tensors in model.pt')}); "
-                         f"this version loads sharded '{ckpt.FORMAT}' checkpoints only: start the run afresh")
+                         f"this run loads sharded '{wanted}' checkpoints only: start the run afresh")
     check_same_model(trainer.cfg, trainer.engine.optim_spec.name, path, meta, warn=trainer.is_main)
 
 

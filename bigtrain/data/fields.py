@@ -18,7 +18,7 @@ from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, load_tokeni
 
 def data_field_problems(cfg: Config) -> list[str]:
     d = cfg.data
-    if cfg.model.name != "llama":
+    if cfg.model.family != "llama":
         return []
     problems = []
     if not d.tokenizer.strip():

@@ -1,7 +1,8 @@
 """The recommender (:mod:`bigtrain.models.dlrm`): bottom MLP, the [embedding] tables sharded over
-the dp ranks, dot interaction, top MLP, binary cross-entropy. It trains in a loop of its own
-(:class:`bigtrain.recsys.train.DlrmTrainer`) on dp only, and its planner places tables, not layers.
-The only module that names it (``model.name = "dlrm"``)."""
+the dp ranks, dot interaction, top MLP, binary cross-entropy. It trains on dp only, in the Trainer
+every family shares, with a step of its own (:class:`bigtrain.recsys.train.DlrmStep`), and its
+planner places tables, not layers.
+The only module that names it (``model.family = "dlrm"``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from bigtrain.core.tables import SHARDINGS, check_layout, parse_sizes, requested
 from bigtrain.families.spec import Family
 from bigtrain.families.tokens import exists
 from bigtrain.recsys.placement import cmd_plan_embedding
-from bigtrain.recsys.train import DlrmTrainer, layout_for
+from bigtrain.recsys.checkpoint import FORMAT
+from bigtrain.recsys.train import DlrmStep, layout_for
 
 NAME = "dlrm"
 
@@ -50,7 +52,7 @@ def layout_problems(cfg: Config) -> list[str]:
         return [str(err)]
     problems = check_layout(rows, e.dim, p.dp, ["table" if k == "auto" else k for k in kinds])
     if p.tp * p.pp * p.sp * p.ep != 1:
-        problems.append(f"model.name = '{NAME}' runs over parallel.dp only (tables sharded over the dp ranks); "
+        problems.append(f"model.family = '{NAME}' runs over parallel.dp only (tables sharded over the dp ranks); "
                         f"set parallel.tp, pp, sp and ep to 1")
     if cfg.precision.mode != "fp32":
         problems.append(f"precision.mode = '{cfg.precision.mode}': the DLRM trains in fp32; set it to 'fp32'")
@@ -85,6 +87,7 @@ DLRM = Family(
     placement_problems=tables_fit_problems,
     size_problems=lambda cfg, *args, **kwargs: (tables_fit_problems(cfg), []),
     plan_command=cmd_plan_embedding,
-    trainer=DlrmTrainer,
-    full_optimizer_state=False,  # its trainer gathers no full optimizer state
+    own_step=DlrmStep,
+    checkpoint_format=FORMAT,
+    full_optimizer_state=False,  # its parallel model gathers no full optimizer state
 )

@@ -1,4 +1,4 @@
-"""Hugging Face decoders (``model.name = "hf"``): a local ``config.json`` (``model.hf_config``; no
+"""Hugging Face decoders (``model.family = "hf"``): a local ``config.json`` (``model.hf_config``; no
 hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
 ``Qwen3ForCausalLM``, built by transformers (an optional dependency) on the meta device,
 initialized by (seed, name), cut by the Megatron plan below and trained by bigtrain's Trainer.
@@ -148,7 +148,7 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
     embedding returns the whole sequence and the first block cuts it (parallel/tensor/entry_styles.py).
     Qwen3's per-head q/k norms see this rank's heads only: their gradients are partial over tp."""
     if ulysses:
-        raise ValueError(f"model.name = '{NAME}': Ulysses sequence parallelism (parallel.sp) is not supported")
+        raise ValueError(f"model.family = '{NAME}': Ulysses sequence parallelism (parallel.sp) is not supported")
     if tp == 1:
         return {}
     plan = {"model.embed_tokens": WholeSequenceEmbedding()}
@@ -191,7 +191,7 @@ def check_hf(cfg: Config) -> list[str]:
     installed, the layout is one this family supports and divides its shapes."""
     where = cfg.model.hf_config
     if not where.strip():
-        return [f"model.name = '{NAME}' needs model.hf_config: the path of a config.json (or its folder)"]
+        return [f"model.family = '{NAME}' needs model.hf_config: the path of a config.json (or its folder)"]
     path = config_path(cfg)
     try:
         fields = read_config(cfg)
@@ -205,23 +205,23 @@ def check_hf(cfg: Config) -> list[str]:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        problems.append(f"model.name = '{NAME}' needs the transformers package (pip install transformers)")
+        problems.append(f"model.family = '{NAME}' needs the transformers package (pip install transformers)")
     for field, value, wanted, why in REFUSED:
         if value(cfg) != wanted:
-            problems.append(f"{field} = {value(cfg)!r} with model.name = '{NAME}': {why}; set {field} = {wanted!r}")
+            problems.append(f"{field} = {value(cfg)!r} with model.family = '{NAME}': {why}; set {field} = {wanted!r}")
     p = cfg.parallel
     if p.pp > 1 and p.pp_schedule not in PIPELINE_SCHEDULES:
-        problems.append(f"parallel.pp_schedule = '{p.pp_schedule}' with model.name = '{NAME}': the schedules "
+        problems.append(f"parallel.pp_schedule = '{p.pp_schedule}' with model.family = '{NAME}': the schedules "
                         f"proved for it are {', '.join(PIPELINE_SCHEDULES)}; use parallel.pp_schedule = '1f1b'")
     if p.pp > 1 and p.sequence_parallel and p.tp > 1:
-        problems.append(f"parallel.sequence_parallel with parallel.pp = {p.pp} and model.name = '{NAME}': its "
+        problems.append(f"parallel.sequence_parallel with parallel.pp = {p.pp} and model.family = '{NAME}': its "
                         f"stages make rotary tables from the sequence they receive, which is cut under sequence "
                         f"parallelism; set parallel.sequence_parallel = false or parallel.pp = 1")
     layers = fields.get("num_hidden_layers", 0)
     if p.pp > layers > 0:
         problems.append(f"parallel.pp = {p.pp}: more stages than the {layers} num_hidden_layers of {path}")
     if cfg.memory.checkpointing == "selective":
-        problems.append(f"memory.checkpointing = 'selective' with model.name = '{NAME}': it names the parts of "
+        problems.append(f"memory.checkpointing = 'selective' with model.family = '{NAME}': it names the parts of "
                         f"bigtrain's Llama block; use 'full' or 'every'")
     if cfg.model.init_from:
         problems += init_from_problems(cfg, fields)
@@ -293,6 +293,6 @@ HF = Family(
     tensor_bound=tensor_bound,
     parameter_count=parameter_count,
     export=export_folder,
-    size_problems=lambda cfg, *args, **kwargs: ([], [f"model.name = '{NAME}': the planner has no memory model for "
+    size_problems=lambda cfg, *args, **kwargs: ([], [f"model.family = '{NAME}': the planner has no memory model for "
                                                      f"it yet; its size was not checked before launch"]),
 )

@@ -139,7 +139,7 @@ class HFReferenceRun:
 
 
 def reference_hf(cfg: Config, steps: int, dtype: torch.dtype = torch.float32) -> HFReferenceRun:
-    """``steps`` optimizer steps of ``cfg`` (model.name = 'hf') in this process."""
+    """``steps`` optimizer steps of ``cfg`` (model.family = 'hf') in this process."""
     run, out = HFReference(cfg, dtype=dtype), HFReferenceRun()
     for _ in range(steps):
         step = run.train_step()

@@ -1,4 +1,4 @@
-"""The model families bigtrain trains, by ``model.name``."""
+"""The model families bigtrain trains, by ``model.family``."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ def family_names() -> tuple[str, ...]:
 
 
 def family_of(cfg: Config) -> Family:
-    """The family ``cfg.model.name`` names; KeyError naming the choices (validation refuses an
+    """The family ``cfg.model.family`` names; KeyError naming the choices (validation refuses an
     unknown name before anything asks)."""
     try:
-        return FAMILIES[cfg.model.name]
+        return FAMILIES[cfg.model.family]
     except KeyError:
-        raise KeyError(f"model.name = '{cfg.model.name}': must be one of "
+        raise KeyError(f"model.family = '{cfg.model.family}': must be one of "
                        f"{', '.join(repr(n) for n in FAMILIES)}") from None

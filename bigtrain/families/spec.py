@@ -3,7 +3,7 @@ and initialized, how tensor parallelism cuts it, its blocks, its loss, its own c
 what the steps above the model (preflight, the planner, ``bigtrain check``, the launcher) ask of it.
 
 A :class:`Family` is plain data: functions and flags, no state. The registry
-(:mod:`bigtrain.families.registry`) maps ``model.name`` to one. Code outside ``bigtrain/families``
+(:mod:`bigtrain.families.registry`) maps ``model.family`` to one. Code outside ``bigtrain/families``
 asks the family and never names one.
 
 Layering: this package sits above the model, parallel and recommender packages (it names their
@@ -63,7 +63,7 @@ class Family:
     # Before launch, without measuring the machine: can the planner place the model at all.
     placement_problems: Rules = no_problems
     # Preflight's size check (cfg, local ranks, cuda, nvme_dir) -> (problems, warnings); None: the
-    # dense planner's (bigtrain.plan.fit.size_problems).
+    # dense planner's (bigtrain.plan.refit.size_problems_and_fixes).
     size_problems: Callable[..., tuple[list[str], list[str]]] | None = None
     # ``bigtrain plan`` for this family (cfg, gpus, as_json) -> exit code; None: the dense search.
     plan_command: Callable[["Config", int, bool], int] | None = None
@@ -75,8 +75,15 @@ class Family:
     # ``bigtrain check``'s bound on single tensors for this config when its model's own fp32 rounding
     # exceeds the usual one (measured against float64; the family says why), else None.
     tensor_bound: Callable[["Config"], float | None] | None = None
-    # Its own training loop (cfg, mesh, device) -> a trainer; None: bigtrain.train.Trainer.
-    trainer: Callable[..., Any] | None = None
+    # Its own step, taken by bigtrain.train.Trainer (whose run, NaN policy, signals, metrics and
+    # checkpoint commit every family shares): (cfg, mesh, device) -> an object holding ``parallel``
+    # (full_weights, full_grads, owned_chunks, load_sharded, placements), ``model``, ``engine``,
+    # ``sampler``, ``per_step`` and ``unit`` (what the throughput counts), ``train_step(step, lr, before_update)``
+    # -> (loss, grad norm, skipped), ``evaluate()`` -> held-out metrics and ``summary()``; None: the
+    # decoder's step (tokens -> logits, micro-batches, pipelines) in the Trainer.
+    own_step: Callable[..., Any] | None = None
+    # The "format" its checkpoints' manifests record and its resume accepts; None: bigtrain.checkpoint.FORMAT.
+    checkpoint_format: str | None = None
     # The trainer gathers the full optimizer state (``bigtrain check`` replays 8-bit AdamW steps from it).
     full_optimizer_state: bool = True
     compiles: bool = False  # compile.enabled may compile its blocks (the reference decoder's only)

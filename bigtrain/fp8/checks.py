@@ -20,8 +20,8 @@ def check_fp8(cfg: Config) -> list[str]:
     if pr.fp8 == "none":
         return []
     problems = []
-    if m.name != "llama":
-        problems.append(f"precision.fp8 = '{pr.fp8}' converts a Llama's block linears; model.name = '{m.name}' "
+    if m.family != "llama":
+        problems.append(f"precision.fp8 = '{pr.fp8}' converts a Llama's block linears; model.family = '{m.family}' "
                         f"has none: use precision.fp8 = 'none'")
     if pr.mode == "fp16":
         problems.append(f"precision.fp8 = '{pr.fp8}' with precision.mode = 'fp16' is not supported (fp16's range "

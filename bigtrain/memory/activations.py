@@ -86,10 +86,11 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
     if plan.policy == "selective":
         apply_selective_recomputation(model.layers, plan.selective_attention)
         checkpointed = []
+    elif plan.policy == "none":  # a model of any shape (no blocks asked for)
+        checkpointed = []
     else:
         blocks = plan.blocks(model) if plan.blocks is not None else model.layers
-        checkpointed = apply_activation_checkpointing(blocks, plan.policy, plan.every) \
-            if plan.policy != "none" else []
+        checkpointed = apply_activation_checkpointing(blocks, plan.policy, plan.every)
     head = None
     if plan.fused_loss:
         vocab = layout.vocab if layout is not None else None

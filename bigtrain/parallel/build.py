@@ -50,6 +50,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     ``init_fn``: each parameter's full initial value by name (default: the model's own
     ``initial_value(name, shape, plan.seed)``, as the reference Llama has)."""
     device = torch.device(device)
+    given_init_fn = init_fn
     init_fn = init_fn or (lambda name, shape: model.initial_value(name, shape, plan.seed))
     float8 = apply_float8(model, plan.float8, device)  # first: the plans below cut and hook the float8 linears
     placements = Placements.of_model(model, mesh.comm)  # every weight dense; each step records its change
@@ -70,16 +71,26 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     def full_init(name: str, shape: tuple) -> torch.Tensor:
         return init_fn(placements.saved_name(name), shape)  # a tied copy starts as the weight it copies
 
+    # The buffers a constructor computed on the meta device: the engine's to_empty gives them memory,
+    # uninitialized (no longer meta), so they are named now.
+    meta_buffers = [name for name, b in pipeline.module.named_buffers() if b.is_meta]
     engine = apply_engine(pipeline.module, mesh, plan, placements.local_init(full_init), placements, device,
                           activations.zero_units(pipeline.module, pipeline.unit_modules))
     tied.check_layout(engine)
+    computed = False
     for module in pipeline.stages.values() or [pipeline.module]:  # after to_empty, which leaves them unset
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)
+            computed = True
+    problems = []
+    if meta_buffers and not computed:  # no method of the model's computes them: init_fn gives them by name
+        problems = (buffers_from_init_fn(pipeline.module, meta_buffers, given_init_fn, device)
+                    if given_init_fn is not None else [f"{', '.join(meta_buffers)}: no init_fn was given"])
     unset = [name for name, b in pipeline.module.named_buffers() if b.is_meta]
-    if unset:  # a buffer nobody computed would train on garbage (or fail far from here)
-        raise ValueError(f"buffers {', '.join(unset)} of {type(model).__name__} are still on the meta device after "
-                         f"materialization: give the model an init_buffers(device) method that computes them")
+    if unset or problems:  # a buffer nobody computed would train on garbage (or fail far from here)
+        raise ValueError(f"buffers of {type(model).__name__} have no values after materialization "
+                         f"({'; '.join(problems) or ', '.join(unset) + ': still on the meta device'}): give init_fn "
+                         f"their values by name (as for parameters) or the model an init_buffers(device) method")
     register_partial_grad_hooks(pipeline.module, placements)
     return ParallelModel(pipeline.module, engine, layout, placements, mesh.comm("dp_sp"), mesh.comm("sp"),
                          mesh.comm("pp"), activations.checkpointed, pipeline.stages, pipeline.schedule,
@@ -137,6 +148,23 @@ def build_pipeline(model: nn.Module, mesh: Mesh, plan: PipelinePlan, placements:
     if copies:
         unit_modules = _units_isolating(module, unit_modules, copies)
     return Pipeline(module, placements, stages, schedule, unit_modules)
+
+
+def buffers_from_init_fn(model: nn.Module, names: list[str], init_fn: InitFn, device: torch.device) -> list[str]:
+    """Give each buffer of ``names`` (ones a module's constructor computed on the meta device,
+    whatever the module calls its own init) its full value from ``init_fn`` by name, as parameters
+    get theirs (buffers are not sharded). What ``init_fn`` could not give, by name."""
+    problems = []
+    for name in names:
+        buffer = model.get_buffer(name)
+        try:
+            value = init_fn(name, tuple(buffer.shape))
+        except Exception as e:  # noqa: BLE001 - named in the caller's error, with the fix
+            problems.append(f"init_fn({name!r}, {tuple(buffer.shape)}) raised {type(e).__name__}: {e}")
+            continue
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value.to(device=device, dtype=buffer.dtype)
+    return problems
 
 
 def _units_isolating(model: nn.Module, unit_modules: list[nn.Module], names: list[str]) -> list[nn.Module]:

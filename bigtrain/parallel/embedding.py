@@ -19,9 +19,12 @@ local batch of ``B`` samples with ``L`` ids per table:
 3. pooled embeddings, forward: all-to-all back to the samples' ranks, which sum the row pieces and
    put the column pieces side by side;
 4. backward: the pooled gradients travel the reverse all-to-all to the pieces' owners (started
-   asynchronously: autograd goes on with the dense part meanwhile), whose sparse optimizer
-   (:mod:`bigtrain.optim.sparse`) updates the rows the batch touched at the end of that backward
-   (row-wise Adagrad on a column piece first all-reduces its per-row squares over the ranks).
+   asynchronously: autograd goes on with the dense part meanwhile); the update waits as
+   :attr:`ShardedEmbeddingBags.pending` until the step decides it (the NaN policy: a step any rank
+   finds non-finite updates nothing, tables included): :meth:`~ShardedEmbeddingBags.finish_update`
+   then has the sparse optimizer (:mod:`bigtrain.optim.sparse`) update the rows the batch touched
+   (row-wise Adagrad on a column piece first all-reduces its per-row squares over the ranks), or
+   drops the gradients.
 
 ``data`` tables look up locally; backward all-gathers their ids and pooled gradients, so every
 replica applies the same update of the global batch and no dense gradient is reduced.
@@ -231,6 +234,9 @@ class ShardedEmbeddingBags(nn.Module):
             holders[t] = TablePiece(torch.empty((layout.rows[t], layout.dim), device=device))
         self.tables = nn.ModuleDict({str(t): holders[t] for t in sorted(holders)})
         self.data_state = {t: optimizer.new_state(self.weight(t)) for t in layout.data_tables}
+        # The last backward's table gradients (ids, saved lookup, pooled gradients, the all-to-all in
+        # flight), until finish_update applies or drops them.
+        self.pending: tuple | None = None
         self._plan_exchanges(device)
 
     def _plan_exchanges(self, device) -> None:
@@ -281,6 +287,9 @@ class ShardedEmbeddingBags(nn.Module):
         return [s for state in states for s in state.values()]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None and torch.is_grad_enabled():
+            raise RuntimeError("the tables' update of the previous backward is still pending: call finish_update "
+                               "(apply or drop it) after the step's decision, before the next forward")
         check_ids(ids, self.layout.rows)
         anchor = torch.empty(0, device=ids.device, requires_grad=torch.is_grad_enabled())
         return _ShardedLookup.apply(anchor, ids, self)
@@ -397,6 +406,27 @@ class ShardedEmbeddingBags(nn.Module):
         """Send the pooled gradients to the pieces' owners and update the tables, at once."""
         self.update_tables(ids, saved, grad, self.send_gradient(grad))
 
+    def pending_nonfinite(self) -> torch.Tensor:
+        """1.0 when the pooled gradients this rank sent in the last backward hold a NaN or inf, else
+        0.0 (a flag the step sums over the ranks: what any rank sent reaches some table's owner)."""
+        if self.pending is None:
+            return torch.zeros((), device=self.piece_tables.device)
+        grad = self.pending[2]
+        return (~torch.isfinite(grad).all()).float()
+
+    def finish_update(self, apply: bool) -> None:
+        """Apply the last backward's update to the tables (``apply``; every rank decides alike: the
+        data tables' and column pieces' updates are collectives) or drop it, waiting for its
+        all-to-all either way."""
+        if self.pending is None:
+            return
+        ids, saved, grad, sent = self.pending
+        self.pending = None
+        if apply:
+            self.update_tables(ids, saved, grad, sent)
+        elif sent is not None and sent[0] is not None:
+            sent[0].wait()  # the buffers live until the exchange is done
+
     def send_gradient(self, grad: torch.Tensor):
         """Start the all-to-all of the pooled gradients ``grad`` [B, T, D] to the pieces' owners:
         (its work handle, the buffer it fills [W, B x local width], the buffer it sends: kept alive
@@ -463,10 +493,9 @@ class _ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # The gradients' all-to-all runs while autograd goes on with the dense part (the bottom MLP),
-        # and the update at the end of this backward, while the dense gradients' all-reduce runs: the
-        # tables are updated before backward returns, as when done here and now.
-        module, ids, saved = ctx.module, ctx.ids, ctx.saved
-        sent = module.send_gradient(grad)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: module.update_tables(ids, saved, grad, sent))
+        # The gradients' all-to-all runs while autograd goes on with the dense part (the bottom MLP);
+        # the update waits for the step's decision (finish_update), which knows whether any rank's
+        # loss or gradients were non-finite.
+        module = ctx.module
+        module.pending = (ctx.ids, ctx.saved, grad, module.send_gradient(grad))
         return None, None, None

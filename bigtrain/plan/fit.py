@@ -16,6 +16,7 @@ the measured saved tensors, so a larger true peak only makes it worse); above 80
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bigtrain.config import Config
@@ -84,21 +85,34 @@ def _layout(cfg: Config, cuda: bool = False):
                   delayed_update=cfg.offload.delayed_update and optimizer != "none")
 
 
-def _with_fix(cfg: Config, capacity: int, sharing: int, cuda: bool, suggest: bool, problem: str) -> str:
-    """The problem, followed by a layout the planner finds that fits (``refit.py``)."""
-    if not suggest or cfg.model.n_layers > EXACT_LAYERS_MAX:
-        return problem
-    from bigtrain.plan.refit import fitting_layout
+@dataclass
+class SizeProblem:
+    text: str
+    layout_helps: bool  # another layout of the same model may fit (not the rotary tables, nor the sampler)
 
-    layout = fitting_layout(cfg, capacity, sharing, cuda)
-    return f"{problem}. {layout[0].upper()}{layout[1:]}" if layout else problem
+
+@dataclass
+class SizeCheck:
+    """What :func:`size_check` found, with the memory it compared against (``refit.py`` proposes a
+    layout that fits the same ``capacity`` shared by ``sharing`` ranks)."""
+
+    problems: list[SizeProblem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    capacity: int = 0
+    sharing: int = 1
 
 
 def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
-                  suggest: bool = True, nvme_dir: str | None = None) -> tuple[list[str], list[str]]:
+                  nvme_dir: str | None = None) -> tuple[list[str], list[str]]:
     """(problems, warnings) comparing the planner's estimate of the run with this machine's memory
-    (and, with offload, its host memory and the disk under ``nvme_dir``); with ``suggest`` a problem
-    ends with a layout that would fit (``refit.py``)."""
+    (and, with offload, its host memory and the disk under ``nvme_dir``). ``refit.py``'s
+    ``size_problems_and_fixes`` adds to a problem a layout that would fit."""
+    check = size_check(cfg, local_ranks, cuda, nvme_dir)
+    return [p.text for p in check.problems], check.warnings
+
+
+def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: str | None = None) -> SizeCheck:
+    """:func:`size_problems`, each problem saying whether another layout may solve it."""
     from bigtrain.plan.hardware import get_profile
     from bigtrain.plan.memory import estimate_memory, zero_formula_bytes
     from bigtrain.plan.model import ModelSpec
@@ -106,6 +120,7 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
     capacity, has = machine_memory(cuda)
     sharing = 1 if cuda else max(1, local_ranks)
+    found = SizeCheck(capacity=capacity, sharing=sharing)
     on_machine = f" x {sharing} ranks on this machine" if sharing > 1 else ""
     spec = ModelSpec.from_model_config(m, d.seq_len)
     optimizer = cfg.optim.name
@@ -114,20 +129,24 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
     states = sum(v for k, v in formula.items()
                  if not (k == "optimizer" and off_optimizer != "none") and not (k == "params" and off_params != "none"))
     if states * sharing > capacity:
-        return [_with_fix(cfg, capacity, sharing, cuda, suggest, f"{_model_fields(cfg)} make {spec.params:.3g} parameters: their weights, gradients and "
+        text = (f"{_model_fields(cfg)} make {spec.params:.3g} parameters: their weights, gradients and "
                 f"optimizer state alone take {_size(states)} per rank (the planner's ZeRO formula at "
                 f"parallel.zero = {p.zero}, {cfg.precision.mode}, {optimizer}){on_machine}, and {has} {_size(capacity)}; "
-                f"make the model smaller, shard it (parallel.zero, parallel.tp, parallel.pp) or use more machines")], []
+                f"make the model smaller, shard it (parallel.zero, parallel.tp, parallel.pp) or use more machines")
+        # A model this deep: the per-block search would build lists as long as the model.
+        found.problems.append(SizeProblem(text, layout_helps=m.n_layers <= EXACT_LAYERS_MAX))
+        return found
     if m.n_layers > EXACT_LAYERS_MAX:
-        return [], []
+        return found
     try:
         hardware = get_profile("cpu" if not cuda else "h100-80g")
         mem = estimate_memory(spec, _layout(cfg, cuda), hardware, t.global_batch, optimizer=optimizer)
     except Exception:  # noqa: BLE001 - a layout the planner does not model is no reason to refuse a run
-        return [], []
+        return found
     tiers = offload_problems(cfg, mem, local_ranks, cuda, nvme_dir)
     if tiers:
-        return tiers, []
+        found.problems += [SizeProblem(text, layout_helps=False) for text in tiers]
+        return found
     parts = {
         "states": (mem.model_states, f"{_model_fields(cfg)} ({spec.params:.3g} parameters): weights, gradients "
                                      f"and optimizer state"),
@@ -146,7 +165,7 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
     per_rank = sum(nbytes for nbytes, _ in parts.values())
     need = per_rank * sharing
     if need <= WARN_FRACTION * capacity:
-        return [], []
+        return found
     big, (big_bytes, what) = max(parts.items(), key=lambda kv: kv[1][0])
     detail = ", ".join(f"{k} {_size(v)}" for k, (v, _) in parts.items())
     text = (f"{what} take {_size(big_bytes)} of the {_size(per_rank)} the planner estimates per rank ({detail})"
@@ -157,8 +176,10 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
                "allocator": "start fewer ranks (parallel.dp, parallel.tp, parallel.pp, parallel.sp)",
                "rotary": "lower model.max_seq_len", "sampler": "lower train.global_batch"}[big]
         layout_helps = big in ("states", "activations", "allocator")  # not the rotary tables, nor the sampler
-        return [_with_fix(cfg, capacity, sharing, cuda, suggest and layout_helps, f"{text}; {fix}")], []
-    return [], [f"{text}: close to the limit ({need / capacity:.0%})"]
+        found.problems.append(SizeProblem(f"{text}; {fix}", layout_helps))
+        return found
+    found.warnings.append(f"{text}: close to the limit ({need / capacity:.0%})")
+    return found
 
 
 def disk_free(path: str) -> int:

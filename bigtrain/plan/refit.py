@@ -1,7 +1,8 @@
 """A layout that would fit: what ``bigtrain train`` proposes when it refuses a run for its size.
 
-The fit check (``fit.py``) says why a run does not fit; this module asks the planner's search for a
-layout of the same model that does, first on this machine (the same number of ranks, each with the
+The fit check (``fit.py``) says why a run does not fit; this module, above it (it asks the fit check
+again of what it proposes), adds the fix (:func:`size_problems_and_fixes`): it asks the planner's
+search for a layout of the same model that does, first on this machine (the same number of ranks, each with the
 memory it really gets: on CPU the host's memory shared by the local ranks, on CUDA one device),
 and, when none does, on the fewest machines like this one (one rank each, doubling up to
 ``MACHINES_MAX``). A layout proposed for this machine is checked again by the fit check itself and
@@ -17,6 +18,7 @@ import copy
 import dataclasses
 
 from bigtrain.config import Config, ConfigError, apply_values, parse_overrides
+from bigtrain.plan.fit import size_check, size_problems
 
 MACHINES_MAX = 1024
 CANDIDATES = 24  # fitting layouts (fastest first) tried against the fit check and validation
@@ -66,7 +68,6 @@ def _search(cfg: Config, ranks: int, memory_bytes: int, cuda: bool):
 def _runnable(cfg: Config, result, local_ranks: int, cuda: bool):
     """The fastest fitting plan the runtime accepts and the fit check passes with ``local_ranks``
     ranks sharing this machine's memory (1: a machine like this one per rank), with its overrides."""
-    from bigtrain.plan.fit import size_problems
     from bigtrain.validation import validate
 
     for plan in (result.ranked[:CANDIDATES] if result else []):
@@ -76,7 +77,7 @@ def _runnable(cfg: Config, result, local_ranks: int, cuda: bool):
             validate(candidate)
         except ConfigError:
             continue  # a layout the planner models but the runtime does not run
-        if size_problems(candidate, local_ranks, cuda, suggest=False)[0]:
+        if size_problems(candidate, local_ranks, cuda)[0]:
             continue
         return plan, overrides
     return None, []
@@ -112,3 +113,15 @@ def fitting_layout(cfg: Config, capacity: int, sharing: int, cuda: bool) -> str:
                     f"{' '.join(overrides)}")
         machines *= 2
     return ""
+
+
+def size_problems_and_fixes(cfg: Config, local_ranks: int = 1, cuda: bool = False,
+                            nvme_dir: str | None = None) -> tuple[list[str], list[str]]:
+    """``fit.size_problems``, each problem that another layout may solve followed by one that fits
+    this machine (or the machines it needs): what preflight tells a user whose run is too large."""
+    check = size_check(cfg, local_ranks, cuda, nvme_dir)
+    problems = []
+    for problem in check.problems:
+        layout = fitting_layout(cfg, check.capacity, check.sharing, cuda) if problem.layout_helps else ""
+        problems.append(f"{problem.text}. {layout[0].upper()}{layout[1:]}" if layout else problem.text)
+    return problems, check.warnings

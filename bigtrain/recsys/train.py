@@ -1,40 +1,35 @@
 """Training a DLRM over the data-parallel ranks: the tables sharded (``bigtrain.parallel.embedding``),
-the dense part through the engine like any model.
+the dense part through the engine like any model, the run by :class:`bigtrain.train.Trainer`
+(:class:`DlrmStep` is the step it takes).
 
 ``parallelize_dlrm`` swaps the plain model's :class:`EmbeddingBags` for the sharded lookup, records
 each table part's placement next to the dense weights' (``dense``: replicated, partial over
-``dp_sp``), and hands the engine only the dense modules: the tables' gradients are never reduced by it, their sparse optimizer runs in backward.
-
-A step on each of the W ranks: its B = global_batch / W samples of the step's global batch, the
-summed binary cross-entropy divided by the global batch (so the sum over ranks is the mean), the
-dense update at the schedule's learning rate after clipping the dense gradients' norm.
+``dp_sp``), and hands the engine only the dense modules: the tables' gradients are never reduced by it,
+their sparse optimizer takes the pooled gradients once the step is decided.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from bigtrain import checkpoint as ckpt
+from bigtrain.checkpoint.sharded import ChunkReader
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
 from bigtrain.models.dlrm import DLRM, bce_loss_sum, build_dlrm, init_value
 from bigtrain.core.tables import parse_sizes
-from bigtrain.optim.schedule import lr_at
 from bigtrain.optim.sparse import SparseOptimizer
 from bigtrain.parallel.build import apply_engine
 from bigtrain.parallel.embedding import EmbeddingLayout, ShardedEmbeddingBags
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.recsys.placement import plan_embedding
-from bigtrain.recsys.checkpoint import commit_dlrm, resume_dlrm
+from bigtrain.parallel.chunks import SavedChunk
+from bigtrain.recsys.checkpoint import dlrm_chunks, load_dlrm
 from bigtrain.recsys.data import sampler_for
 from bigtrain.recsys.metrics import auc, log_loss
 
@@ -53,6 +48,10 @@ class ParallelDLRM:
     engine: ReplicatedEngine
     placements: Placements  # every parameter this rank holds, tables included
 
+    @property
+    def layout(self) -> EmbeddingLayout:
+        return self.embeddings.layout
+
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every weight by name, tables whole (a collective over the tables' ranks), on the CPU."""
         tables = gather_tables(self, self.embeddings.layout)
@@ -60,8 +59,20 @@ class ParallelDLRM:
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The dense part's reduced, unclipped gradients by name (between the gradient sync and the
-        step); the tables have none: their sparse optimizer ran in backward."""
+        step); the tables have none: their sparse optimizer takes the pooled gradients."""
         return self.engine.full_grads()
+
+    # -- checkpoints: what bigtrain.train.Trainer's save and resume ask of a parallel model --------
+    def owned_chunks(self, copy: bool = False) -> list[SavedChunk]:
+        return dlrm_chunks(self, copy)
+
+    def load_sharded(self, reader: ChunkReader) -> None:
+        load_dlrm(self, reader)
+
+    def embedding_bytes(self) -> int:
+        """Measured: the live storages of this rank's table parts and their optimizer state."""
+        tensors = [p for p in self.embeddings.parameters()] + self.embeddings.state_tensors()
+        return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
 
 
 def parallelize_dlrm(model: DLRM, mesh: Mesh, cfg: Config, layout: EmbeddingLayout,
@@ -81,16 +92,21 @@ def parallelize_dlrm(model: DLRM, mesh: Mesh, cfg: Config, layout: EmbeddingLayo
     return ParallelDLRM(model, sharded, dense, engine, Placements(record, mesh.comm))
 
 
-@dataclass
 class DlrmStep:
-    loss: float
-    grad_norm: float
-    skipped: bool
+    """The recommender's step for :class:`bigtrain.train.Trainer` (the family's ``own_step``): its
+    sharded model, engine and sampler, one optimizer step, and the held-out metrics. The run around
+    it (the NaN policy, signals, metrics, checkpoints and their commit, resume) is the Trainer's.
 
+    A step on each of the W ranks: its B = global_batch / W samples of the step's global batch, the
+    summed binary cross-entropy divided by the global batch (so the sum over ranks is the mean), the
+    dense update at the schedule's learning rate after clipping the dense gradients' norm, and the
+    tables' sparse update; a step whose loss or gradients (dense or the tables') are not finite on
+    any rank updates nothing on every rank."""
 
-class DlrmTrainer:
+    unit = "samples"  # what a step's throughput counts (the record's samples_per_s), per_step of them
+
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device | str = "cpu"):
-        self.cfg, self.mesh, self.device = cfg, mesh, torch.device(device)
+        self.cfg, self.device = cfg, torch.device(device)
         self.comm = mesh.comm("dp_sp")
         self.world, self.rank = self.comm.size, self.comm.rank
         self.layout = layout_for(cfg, self.world)
@@ -98,7 +114,7 @@ class DlrmTrainer:
         self.model, self.engine = self.parallel.model, self.parallel.engine
         self.sampler = sampler_for(cfg, parse_sizes(cfg.embedding.tables))
         self.local_batch = cfg.train.global_batch // self.world
-        self.step = 0
+        self.per_step = cfg.train.global_batch  # samples in a step
 
     def _local(self, sampler, step: int):
         dense, ids, labels = sampler.batch(step, self.rank * self.local_batch, self.local_batch)
@@ -108,76 +124,27 @@ class DlrmTrainer:
         """This rank's part of step ``step``'s global batch: (dense, ids, labels) on the device."""
         return self._local(self.sampler, step)
 
-    def train_step(self, batch=None, before_update=None) -> DlrmStep:
-        """One step, on ``batch`` (from :meth:`local_batch_of`) or this step's batch from the sampler;
-        ``before_update`` is called once the dense gradients are reduced, before the dense update
-        (``bigtrain check`` reads them there, as from :meth:`bigtrain.train.Trainer.train_step`)."""
-        cfg = self.cfg
-        dense, ids, labels = batch if batch is not None else self._local(self.sampler, self.step)
+    def train_step(self, step: int, lr: float, before_update=None, batch=None) -> tuple[float, float, bool]:
+        """Step ``step`` at learning rate ``lr`` on ``batch`` (from :meth:`local_batch_of`) or the
+        sampler's; (mean loss, dense gradient norm, skipped). ``before_update`` is called once the
+        dense gradients are reduced, before any update (``bigtrain check`` reads them there)."""
+        cfg, emb = self.cfg, self.parallel.embeddings
+        dense, ids, labels = batch if batch is not None else self._local(self.sampler, step)
         loss_sum = bce_loss_sum(self.model(dense, ids), labels)
-        self.engine.backward(loss_sum / cfg.train.global_batch)  # the tables update in here
+        self.engine.backward(loss_sum / cfg.train.global_batch)  # the tables' update waits: emb.pending
         self.engine.finish_grad_sync()
         if before_update is not None:
             before_update()
-        lr = lr_at(self.step, cfg.train.steps, cfg.optim, cfg.train.global_batch)
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        norm, skipped = self.engine.step(lr, max_norm)
-        self.engine.zero_grad()
         total = loss_sum.detach().clone()
         self.comm.all_reduce(total, tag="metrics")
-        self.step += 1
-        return DlrmStep(float(total) / cfg.train.global_batch, norm, skipped)
-
-    def fit(self, run_dir: Path | None = None, eval_batches: int = 4) -> list[dict]:
-        """Train ``train.steps`` steps; every ``logging.log_every`` steps (and at the end) a record of
-        the loss, samples/s and the held-out AUC and log loss, written to ``metrics.jsonl`` by rank 0
-        and printed there."""
-        cfg = self.cfg
-        root = Path(run_dir) / "checkpoints" if run_dir is not None else None
-        resumed = root is not None and self.resume(root)
-        log = Path(run_dir) / "metrics.jsonl" if run_dir is not None and self.rank == 0 else None
-        if log is not None and not resumed:
-            log.write_text("")
-        records, started, done = [], time.perf_counter(), 0
-        every, saved = cfg.checkpoint.every, self.step
-        while self.step < cfg.train.steps:
-            result = self.train_step()
-            done += 1
-            if root is not None and every > 0 and self.step % every == 0:
-                commit_dlrm(self, root, cfg.checkpoint.keep)
-                saved = self.step
-            if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
-                elapsed = time.perf_counter() - started
-                record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
-                          "samples_per_s": done * cfg.train.global_batch / elapsed, **self.evaluate(eval_batches)}
-                records.append(record)
-                if log is not None:
-                    with open(log, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-                if self.rank == 0:
-                    print(f"step {record['step']:>6}  loss {record['loss']:.4f}  auc {record['auc']:.4f}  "
-                          f"log loss {record['log_loss']:.4f}  {record['samples_per_s']:,.0f} samples/s", flush=True)
-                started, done = time.perf_counter(), 0  # the evaluation is not training time
-        if root is not None and cfg.checkpoint.save_final and saved != self.step:
-            commit_dlrm(self, root, cfg.checkpoint.keep)
-        return records
-
-    def resume(self, root: Path) -> bool:
-        """As ``checkpoint.resume`` says: 'none', 'auto' (the newest valid checkpoint under ``root``,
-        this run's checkpoints folder, if any) or a path; True when a checkpoint was loaded."""
-        where = self.cfg.checkpoint.resume
-        if where == "none":
-            if ckpt.list_checkpoints(root):  # a fresh run would rotate them away
-                raise ValueError(f"{root.parent} holds checkpoints of a run (newest "
-                                 f"{ckpt.list_checkpoints(root)[0].name}): continue it with --resume "
-                                 f"(checkpoint.resume = 'auto'), or use another run directory")
-            return False
-        loaded = resume_dlrm(self, root if where == "auto" else Path(where))
-        if loaded is None and where != "auto":
-            raise ValueError(f"checkpoint.resume = '{where}': no checkpoint there verifies")
-        if loaded is not None and self.rank == 0:
-            print(f"bigtrain: resumed from {loaded} at step {self.step}", flush=True)
-        return loaded is not None
+        # The NaN policy: a non-finite loss, or non-finite pooled gradients on any rank, vetoes the
+        # step on every rank (the flag is summed with the gradient norm); the tables follow the verdict.
+        veto = (~torch.isfinite(total)).float() + emb.pending_nonfinite()
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        norm, skipped = self.engine.step(lr, max_norm, skip=veto)
+        emb.finish_update(apply=not skipped)
+        self.engine.zero_grad()
+        return float(total) / cfg.train.global_batch, norm, skipped
 
     @torch.no_grad()
     def evaluate(self, batches: int = 4) -> dict[str, float]:
@@ -194,10 +161,13 @@ class DlrmTrainer:
         logits, labels = torch.cat(logits).cpu(), torch.cat(labels).cpu()
         return {"auc": auc(logits, labels), "log_loss": log_loss(logits, labels)}
 
-    def embedding_bytes(self) -> int:
-        """Measured: the live storages of this rank's table parts and their optimizer state."""
-        tensors = [p for p in self.parallel.embeddings.parameters()] + self.parallel.embeddings.state_tensors()
-        return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+    def summary(self) -> dict:
+        """What summary.json adds for a recommender: its parameters (tables whole) and this rank's
+        table bytes."""
+        layout = self.layout
+        dense = sum(p.numel() for p in self.parallel.dense.parameters())
+        return {"params": dense + sum(rows * layout.dim for rows in layout.rows),
+                "embedding_bytes": self.parallel.embedding_bytes(), "grad_accum": 1}
 
 
 def gather_tables(parallel: ParallelDLRM, layout: EmbeddingLayout) -> dict[int, torch.Tensor]:
