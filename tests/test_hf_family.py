@@ -243,10 +243,12 @@ def test_fuzzed_hf_layout_is_rejected_or_matches_its_reference(overrides, corpus
     assert outcome.ok, f"{outcome.verdict}: {' '.join(overrides)}\n{outcome.detail}"
 
 
-def test_the_fuzzed_key_bias_layout_agrees_within_its_measured_bound(corpus_cache):
+def test_the_fuzzed_key_bias_layout_agrees_within_the_fp32_bound(corpus_cache):
     """Fuzz seed 7, sample 7: Qwen2's key bias (a nearly cancelling gradient that Adam normalizes)
-    ends 1.2e-4 off the reference after one step with every gradient equal; the family's bound for
-    models with key biases (families/hf.py tensor_bound, 5e-4) holds it, the usual 1e-4 does not."""
+    ends 1.2e-4 off the reference after one step with every gradient equal. The usual 1e-4 holds
+    every gradient; the update is what fp32 AdamW makes of the layout's own gradient (replayed,
+    bigtrain/check/replay.py), so it is reported, not a divergence. (Until 2026-11-27 the family had
+    a bound of its own, 5e-4, for key-bias models; the fuzzer found 8.5e-4.)"""
     from bigtrain.check.fuzz import run_sample
 
     sample = ["--model.family=hf", "--model.hf_config=tiny:qwen2:3:2:False", "--parallel.dp=2", "--parallel.tp=2",
@@ -254,7 +256,7 @@ def test_the_fuzzed_key_bias_layout_agrees_within_its_measured_bound(corpus_cach
               "--optim.warmup_steps=2", "--parallel.sequence_parallel=True", "--memory.checkpointing=full"]
     outcome = run_sample(sample, corpus_cache, steps=2)
     assert outcome.verdict == "agree", outcome.detail
-    assert "tensors 5e-04" in outcome.detail
+    assert "tensors 1e-04" in outcome.detail and "k_proj.bias updated value" in outcome.detail
 
 
 def test_the_hf_draw_keeps_the_other_samples_of_a_seed():

@@ -222,9 +222,6 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     aliases = {n: c for held in copies or [] for n, c in held.items()}
     probe = OutputProbe(_modules(trainer), captured)
     tol = tolerance_for(cfg.precision.mode, cfg.optim.name, cfg.memory.activation_compression, cfg.precision.fp8)
-    family = family_of(cfg)
-    if family.tensor_bound is not None and (bound := family.tensor_bound(cfg)) is not None:
-        tol = replace(tol, tensor=max(tol.tensor, bound))  # a model whose own rounding exceeds the usual
     coords = {axis: mesh.coord(axis) for axis in AXES}
     mine = {"rank": mesh.rank, "coords": coords, "params": [n for n, _ in trainer.model.named_parameters()],
             "modules": [n for n, _ in _modules(trainer)]}

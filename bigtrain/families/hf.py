@@ -242,21 +242,6 @@ def check_hf(cfg: Config) -> list[str]:
     return problems
 
 
-def tensor_bound(cfg: Config) -> float | None:
-    """Single tensors' bound for ``bigtrain check`` on a model with key biases (Qwen2's q/k/v biases,
-    ``attention_bias``): the softmax cancels a key bias except through the rotary rotation, so its
-    gradient is a nearly cancelling sum, 5e-6 median and down to 4e-8 (near Adam's eps 1e-8) on the
-    Qwen2 fixture, whose rounding Adam's g / (|g| + eps) carries whole into the update. Measured: the
-    fp32 reference itself lands 4.6e-5 from the float64 one on that bias after 4 steps (every other
-    tensor within 5e-6), two correct fp32 runs up to twice that, and the fuzzer found 1.2e-4 after one
-    step (seed 7, sample 7: dp2 x tp2 + SP, ZeRO-2, every gradient within 4e-6), 2.2e-4 after five.
-    5e-4 keeps 2x over that; a wrong cut or a missing reduction moves tensors by 1e-2 and more, and
-    the loss and the gradient norm still decide at 1e-5."""
-    fields = read_config(cfg)
-    has_key_bias = architecture(fields) == "Qwen2ForCausalLM" or bool(fields.get("attention_bias"))
-    return 5e-4 if has_key_bias else None
-
-
 def parameter_count(cfg: Config) -> int:
     model = build_meta(cfg)
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -290,7 +275,6 @@ HF = Family(
     blocks=lambda model: model.model.layers,
     reference=HFReference,
     captured=captured_module,
-    tensor_bound=tensor_bound,
     parameter_count=parameter_count,
     export=export_folder,
     size_problems=lambda cfg, *args, **kwargs: ([], [f"model.family = '{NAME}': the planner has no memory model for "

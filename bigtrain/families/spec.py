@@ -72,9 +72,6 @@ class Family:
     # modules' outputs are compared (by name); None: the decoder reference of bigtrain.check.reference.
     reference: type | None = None
     captured: Callable[[str], bool] | None = None
-    # ``bigtrain check``'s bound on single tensors for this config when its model's own fp32 rounding
-    # exceeds the usual one (measured against float64; the family says why), else None.
-    tensor_bound: Callable[["Config"], float | None] | None = None
     # Its own step, taken by bigtrain.train.Trainer (whose run, NaN policy, signals, metrics and
     # checkpoint commit every family shares): (cfg, mesh, device) -> an object holding ``parallel``
     # (full_weights, full_grads, owned_chunks, load_sharded, placements), ``model``, ``engine``,
