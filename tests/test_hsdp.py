@@ -34,3 +34,148 @@ def _check(corpus_cache, tmp_path, overrides, steps=4):
 def test_hybrid_sharding_matches_the_reference(name, corpus_cache, tmp_path):
     report = _check(corpus_cache, tmp_path, LAYOUTS[name])
     assert report.agree, report.text()
+
+
+# -- checkpoints move between HSDP and plain layouts ------------------------------------------------
+@pytest.mark.parametrize("saved,resumed", [
+    ([*HSDP_2X2, "--parallel.zero=3"], ["--parallel.dp=4", "--parallel.zero=3"]),
+    ([*HSDP_2X2, "--parallel.zero=3"], ["--parallel.cp=2", "--parallel.dp=2", "--parallel.zero=3"]),
+    (["--parallel.dp=4", "--parallel.zero=1"], [*HSDP_2X2, "--parallel.zero=2"]),
+], ids=["hsdp2x2-zero3-to-dp4-zero3", "hsdp2x2-zero3-to-cp2-dp2-zero3", "dp4-zero1-to-hsdp2x2-zero2"])
+def test_a_checkpoint_moves_between_hsdp_and_plain_layouts(saved, resumed, corpus_cache, tmp_path):
+    """2 steps saved in one layout, resumed in the other: what loaded is bitwise what was saved
+    (each shard written once, by the first replica group), and the next 3 steps match the reference
+    that replayed the first 2."""
+    a = tiny_config(corpus_cache, *SMALL_BATCH, *saved)
+    state = run_ranks(save_on_rank, a.parallel.world_size, a, str(tmp_path), 2, timeout=600)[0]
+    b = tiny_config(corpus_cache, *SMALL_BATCH, *resumed)
+    report = run_ranks(check_on_rank, b.parallel.world_size, b, str(tmp_path), 3, state, timeout=600)[0]
+    assert report.agree and report.start == 2, report.text()
+
+
+# -- the two levels of traffic, and what each rank holds -----------------------------------------------
+def _one_step(rank, world_size, cfg, run_dir):
+    from helpers import trainer_on_rank
+
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    engine = trainer.parallel.engine
+    units = [(u.comm.axis, u.comm.size, u.replicas.axis, u.replicas.size, u.padded_numel) for u in engine.units]
+    result = trainer.train_step(measure=True)
+    params = sum(p.numel() for _, p in trainer.model.named_parameters())
+    return result.comm_ops, units, engine.state_bytes(), params
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_gradients_are_reduce_scattered_in_the_group_and_all_reduced_across_replicas(zero, corpus_cache, tmp_path):
+    """fp32, one micro-batch a step, padded flat size F (the units' parameters, each unit padded to a
+    multiple of dp_shard = S = 2): each rank sends (S-1)/S x 4F bytes of reduce-scatter over dp_shard
+    and 2(R-1)/R x 4F/S of all-reduce over dp_replicate (R = 2), and no gradient crosses any other
+    group. Fails if the gradient is reduced over all of dp at once (one level) or not across replicas."""
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, f"--parallel.zero={zero}")
+    S = R = 2
+    for ops, units, held, params in run_ranks(_one_step, 4, cfg, str(tmp_path), timeout=600):
+        assert {(a, n, ra, rn) for a, n, ra, rn, _ in units} == {("dp_shard", S, "dp_replicate", R)}, units
+        flat = sum(u[-1] for u in units)
+        assert params <= flat < params + S * len(units)  # the padding: under S elements a unit
+        assert ops["dp_shard"]["reduce_scatter:grads"] == (S - 1) / S * 4 * flat
+        assert ops["dp_replicate"]["all_reduce:grads"] == 2 * (R - 1) / R * 4 * flat / S
+        grads = {axis for axis, by_op in ops.items() for op in by_op if op.endswith(":grads")}
+        assert grads == {"dp_shard", "dp_replicate"}, ops
+        # Sharded only within the group of S: AdamW's two fp32 moments of F / S elements each, and a
+        # step count (a scalar) for each of the at most two pieces of a unit.
+        assert 0 <= held["optimizer"] - 2 * 4 * flat // S <= 8 * 2 * len(units), held
+
+
+# -- the mesh: declared axes, the data rank -------------------------------------------------------------
+def test_the_data_rank_is_replicate_index_times_dp_shard_plus_shard_index():
+    from bigtrain.distributed.mesh import Mesh
+
+    for rank in range(8):  # dp_replicate 2 x dp_shard 2 x tp 2: tp innermost
+        mesh = Mesh({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, rank, make_groups=False)
+        r, s = mesh.coord("dp_replicate"), mesh.coord("dp_shard")
+        assert (r, s) == (rank // 4, rank // 2 % 2)
+        assert mesh.coord("dp") == r * 2 + s and mesh.size("dp") == 4  # the sampler reads these
+        assert mesh.gradient_axes() == ("dp_shard_sp", ("dp_replicate",))
+    plain = Mesh({"dp": 4}, make_groups=False)
+    assert plain.gradient_axes() == ("dp_sp", ()) and plain.counted_name("dp_shard_sp") == "dp"
+
+
+def test_a_replicated_engine_refuses_hybrid_placements():
+    """The seam, by name: zero = 0 reduces each gradient over one group; given HSDP placements it
+    would leave the replica groups apart, so it refuses rather than train them apart."""
+    from torch import nn
+
+    from bigtrain.distributed.comm import AxisComm, CommStats
+    from bigtrain.parallel.data import DataParallel
+    from bigtrain.parallel.placement import Placements
+
+    model = nn.Linear(2, 2)
+    one = AxisComm("dp", None, 1, 0, CommStats())
+    placements = Placements.of_model(model, lambda axis: one, "dp_shard_sp", replica_axes=("dp_replicate",))
+    with pytest.raises(ValueError, match="parallel.dp_replicate > 1"):
+        DataParallel(model, one, placements=placements)
+
+
+# -- bad input, before launch ------------------------------------------------------------------------
+REFUSED = {
+    "product-not-dp": (["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
+                       ["parallel.dp = 2", "dp_replicate x parallel.dp_shard = 2 x 2 = 4", "set parallel.dp = 4"]),
+    "replicate-not-dividing-dp": (["--parallel.dp=3", "--parallel.dp_replicate=2", "--train.global_batch=6"],
+                                  ["parallel.dp_replicate = 2 does not divide parallel.dp = 3"]),
+    "replicate-zero": (["--parallel.dp_replicate=0"], ["parallel.dp_replicate = 0", ">= 1"]),
+    "zero-stage-0": ([*HSDP_2X2, "--parallel.zero=0"], ["parallel.zero = 0", "use parallel.zero = 1, 2 or 3"]),
+    "experts": ([*HSDP_2X2, "--parallel.zero=1", "--parallel.ep=2", "--model.moe_experts=4"],
+                ["parallel.ep = 2", "parallel.dp_replicate = 1"]),
+    "offload": ([*HSDP_2X2, "--parallel.zero=2", "--offload.optimizer=cpu"], ["offload", "parallel.dp_replicate = 1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_bad_hybrid_sharding_input_is_refused_naming_the_field_and_fix(name, corpus_cache):
+    overrides, words = REFUSED[name]
+    with pytest.raises(ConfigError) as err:
+        tiny_config(corpus_cache, *SMALL_BATCH, *overrides)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_the_axis_product_must_be_the_world_size(corpus_cache):
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, "--parallel.zero=1")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=2)
+    assert "dp x tp x pp x sp x cp = 4 x 1 x 1 x 1 x 1 = 4" in str(err.value), str(err.value)
+
+
+def test_dp_shard_given_with_dp_is_accepted(corpus_cache):
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, "--parallel.dp=4", "--parallel.dp_replicate=2",
+                      "--parallel.dp_shard=2", "--parallel.zero=3")
+    assert cfg.parallel.world_size == 4
+
+
+def _cli(tmp_path, monkeypatch, *args):
+    import bigtrain.cli as cli
+    import bigtrain.distributed.launch as launch
+
+    started = []
+    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir: started.append(("rank", cfg)) or 0)
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **_: started.append(("torchrun", nproc)) or 0)
+    monkeypatch.setattr(launch, "init_distributed", lambda *a, **k: started.append(("init", None)))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", "--preset", "tiny", *args, "--output-dir", str(tmp_path / "run")])
+    return code, started
+
+
+def test_the_cli_launches_dp_replicate_times_dp_shard_ranks(tmp_path, capsys, monkeypatch):
+    code, started = _cli(tmp_path, monkeypatch, "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
+                         "--parallel.zero=1", "--train.global_batch=16")
+    assert code == 0 and started == [("torchrun", 4)], (started, capsys.readouterr().err)
+
+
+def test_the_cli_refuses_bad_hybrid_sharding_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    code, started = _cli(tmp_path, monkeypatch, "--parallel.dp=2", "--parallel.dp_replicate=2",
+                         "--parallel.dp_shard=2", "--parallel.zero=1")
+    err = capsys.readouterr().err
+    assert code == 2 and started == [] and not (tmp_path / "run").exists()
+    assert "parallel.dp = 2 but parallel.dp_replicate x parallel.dp_shard = 2 x 2 = 4" in err, err
