@@ -139,7 +139,7 @@ class ModelConfig:
 class ParallelConfig:
     """Degrees of each mesh axis; their product is the world size."""
 
-    dp: int = doc("Data-parallel degree (all of it: dp_replicate x dp_shard under HSDP).", 1)
+    dp: int = doc("Data-parallel degree.", 1)
     dp_replicate: int = doc("Hybrid sharded data parallel (HSDP): the parallel.dp ranks are dp_replicate groups of "
                             "dp_shard adjacent ranks; ZeRO 1-3 cuts weights, gradients and optimizer state only "
                             "within a group (dp_shard x cp x sp ranks), whose reduced gradient shards are all-reduced "
