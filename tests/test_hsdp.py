@@ -20,6 +20,9 @@ LAYOUTS = {
     "hsdp-2x2-zero1": [*HSDP_2X2, "--parallel.zero=1"],
     "hsdp-2x2-zero2": [*HSDP_2X2, "--parallel.zero=2"],
     "hsdp-2x2-zero3": [*HSDP_2X2, "--parallel.zero=3"],
+    # ZeRO groups of one rank (dp_shard = 1): nothing to reduce-scatter, the replicas all-reduce alone.
+    "hsdp-2x1-zero1": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=1"],
+    "hsdp-2x1-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=3"],
     "hsdp-2x2-cp2-zero3-8-ranks": ["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
                                    "--parallel.cp=2", "--parallel.zero=3", "--train.global_batch=8"],
 }
@@ -179,3 +182,52 @@ def test_the_cli_refuses_bad_hybrid_sharding_before_any_rank_starts(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and started == [] and not (tmp_path / "run").exists()
     assert "parallel.dp = 2 but parallel.dp_replicate x parallel.dp_shard = 2 x 2 = 4" in err, err
+
+
+# -- the planner and the fuzzer know HSDP ---------------------------------------------------------------
+def _planned(dp_replicate: int):
+    from bigtrain.plan import Cluster, Layout, ModelSpec, evaluate, get_profile
+
+    model = ModelSpec.build(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096)
+    cluster = Cluster.build(16, get_profile("h100-80g"))  # two nodes of 8
+    layout = Layout(dp=16, zero=3, micro_batch=1, recompute="full", dp_replicate=dp_replicate)
+    return model, layout, cluster, evaluate(model, layout, cluster, global_batch=64)
+
+
+def test_the_planner_prices_the_two_levels_on_their_own_links():
+    """dp 16 on two nodes of 8: ZeRO-3 over all 16 gathers across the nodes; HSDP 2 x 8 gathers and
+    reduce-scatters inside a node and sends only each unit's reduced shard across (an all-reduce of
+    2 ranks on the inter-node link, every micro-batch at ZeRO-3), and holds twice the optimizer state."""
+    from bigtrain.plan.cost import _largest_rank_units
+
+    _, _, _, flat = _planned(1)
+    model, layout, cluster, hsdp = _planned(2)
+    hw, m = cluster.hardware, hsdp.time.micro_batches
+    shards = [-(-n // 8) * 2 for n in _largest_rank_units(model, layout)]  # bf16 gradients, cut over 8
+    across = sum(hw.inter_node_latency_s * 2 + n / hw.inter_node_bandwidth for n in shards) * m
+    assert hsdp.time.breakdown["dp_replica_sync"] == pytest.approx(across, rel=1e-9)
+    assert "dp_replica_sync" not in flat.time.breakdown
+    assert hsdp.time.breakdown["zero_param_gather"] < flat.time.breakdown["zero_param_gather"] / 5  # NVLink
+    assert hsdp.memory.optimizer == pytest.approx(2 * flat.memory.optimizer, rel=1e-3)
+
+
+def test_parallel_auto_searches_dp_replicate_and_writes_it():
+    from bigtrain.plan.layout import Layout, layout_problems, parse_layout
+    from bigtrain.plan.search import candidate_layouts
+
+    model, _, cluster, _ = _planned(2)
+    found = {(l.dp, l.dp_replicate) for l in candidate_layouts(model, cluster, {"tp": 1, "pp": 1, "sp": 1, "zero": 3})}
+    assert (16, 2) in found and (16, 1) in found  # a ZeRO group per node, or ZeRO over all 16
+    assert "--parallel.dp_replicate=2" in Layout(dp=16, zero=3, dp_replicate=2).to_overrides()
+    assert parse_layout("dp=16,dp_replicate=2") == {"dp": 16, "dp_replicate": 2}
+    assert any("needs zero >= 1" in p for p in layout_problems(Layout(dp=16, dp_replicate=2), model, cluster, 64))
+
+
+def test_the_layout_fuzzer_draws_dp_replicate_and_validation_accepts_it():
+    import random
+
+    from bigtrain.check.fuzz import _valid, sample_layout
+
+    rng = random.Random(5)
+    drawn = [s for s in (sample_layout(rng) for _ in range(200)) if any("dp_replicate" in o for o in s)]
+    assert len(drawn) >= 3 and sum(map(_valid, drawn)) >= len(drawn) // 2, drawn

@@ -38,6 +38,10 @@ class Axis:
     grads: str  # what its ranks do with a dense weight's gradient
     data: str  # what its ranks see of the batch
     placement: str  # how a dense weight lies on it
+    # Its part in a dense weight's gradient reduction (Mesh.gradient_axes reads it): "all" the group
+    # it is reduced and ZeRO-cut over when there are no replica groups, "within" the one under
+    # HSDP, "across" the groups that all-reduce the reduced shards; "" none.
+    reduction: str = ""
 
 
 # The grid's dimensions, outermost first: pp, then the data-parallel ranks as dp_replicate x dp_shard
@@ -47,7 +51,8 @@ DIMENSIONS = (
     Axis("pp", ("pp",), "none: each stage holds different weights", "the same micro-batches, in turn",
          "pipeline stages"),
     Axis("dp_replicate", ("dp_replicate",), "all-reduced after the shard group's reduce-scatter (HSDP)",
-         "different samples: the outer part of the data rank", "whole copies of each ZeRO group's shards"),
+         "different samples: the outer part of the data rank", "whole copies of each ZeRO group's shards",
+         "across"),
     Axis("dp_shard", ("dp_shard",), "reduce-scattered (ZeRO 1-3) or all-reduced (ZeRO 0)",
          "different samples: the inner part of the data rank", "ZeRO shards"),
     Axis("cp", ("cp",), "reduced with dp_shard: every cp rank holds every weight", "chunks of each sequence",
@@ -65,10 +70,11 @@ GRID = tuple(a.name for a in DIMENSIONS)
 VIEWS = (
     Axis("dp", ("dp_replicate", "dp_shard"), "-", "different samples: the data rank", "-"),
     Axis("dp_sp", ("dp_replicate", "dp_shard", "cp", "sp"),
-         "reduced (and cut by ZeRO) over all of it when dp_replicate = 1", "different tokens", "replicas of dense weights"),
+         "reduced (and cut by ZeRO) over all of it when dp_replicate = 1", "different tokens", "replicas of dense weights",
+         "all"),
     Axis("dp_shard_sp", ("dp_shard", "cp", "sp"),
          "reduce-scattered over it, then all-reduced over dp_replicate (HSDP)", "different tokens",
-         "one ZeRO group: each rank a flat range of every unit"),
+         "one ZeRO group: each rank a flat range of every unit", "within"),
 )
 FLATTENED = {a.name: a.parts for a in VIEWS}
 DECLARED = {a.name: a for a in (*DIMENSIONS, *VIEWS)}
@@ -154,9 +160,8 @@ class Mesh:
         """(the axis over which a dense weight's gradient is reduced and its ZeRO unit cut, the axes
         over which that reduced shard is then all-reduced): all of dp x cp x sp at once, or, under
         HSDP (dp_replicate > 1), reduce-scatter within one ZeRO group and all-reduce across groups."""
-        if self.grid["dp_replicate"] == 1:
-            return "dp_sp", ()
-        return "dp_shard_sp", ("dp_replicate",)
+        across = tuple(a.name for a in DIMENSIONS if a.reduction == "across" and self.grid[a.name] > 1)
+        return next(a.name for a in VIEWS if a.reduction == ("within" if across else "all")), across
 
     # -- coordinates --------------------------------------------------------------------------------
     def _parts(self, axis: str) -> tuple[str, ...]:
