@@ -20,6 +20,10 @@ LAYOUTS = {
     "hsdp-2x2-zero1": [*HSDP_2X2, "--parallel.zero=1"],
     "hsdp-2x2-zero2": [*HSDP_2X2, "--parallel.zero=2"],
     "hsdp-2x2-zero3": [*HSDP_2X2, "--parallel.zero=3"],
+    # Two micro-batches a step: stage 1 reduces once (both levels), stage 2 every micro-batch.
+    "hsdp-2x2-zero1-accumulating": [*HSDP_2X2, "--parallel.zero=1", "--train.global_batch=8"],
+    "hsdp-2x2-zero2-accumulating-bf16": [*HSDP_2X2, "--parallel.zero=2", "--train.global_batch=8",
+                                         "--precision.mode=bf16"],  # against a bf16 reference: 1e-3
     # ZeRO groups of one rank (dp_shard = 1): nothing to reduce-scatter, the replicas all-reduce alone.
     "hsdp-2x1-zero1": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=1"],
     "hsdp-2x1-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=3"],
