@@ -78,9 +78,19 @@ def test_gradients_are_reduce_scattered_in_the_group_and_all_reduced_across_repl
     multiple of dp_shard = S = 2): each rank sends (S-1)/S x 4F bytes of reduce-scatter over dp_shard
     and 2(R-1)/R x 4F/S of all-reduce over dp_replicate (R = 2), and no gradient crosses any other
     group. Fails if the gradient is reduced over all of dp at once (one level) or not across replicas."""
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+
     cfg = tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, f"--parallel.zero={zero}")
+    planned = estimate_memory(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg),
+                              get_profile("cpu"), cfg.train.global_batch)
     S = R = 2
     for ops, units, held, params in run_ranks(_one_step, 4, cfg, str(tmp_path), timeout=600):
+        # The planner's parameters and gradients per rank are the engine's, byte for byte (its
+        # optimizer state below: the moments exact, the step counts a few scalars).
+        assert (held["params"], held["grads"]) == (planned.params, planned.grads), (held, planned)
         assert {(a, n, ra, rn) for a, n, ra, rn, _ in units} == {("dp_shard", S, "dp_replicate", R)}, units
         flat = sum(u[-1] for u in units)
         assert params <= flat < params + S * len(units)  # the padding: under S elements a unit
@@ -90,7 +100,8 @@ def test_gradients_are_reduce_scattered_in_the_group_and_all_reduced_across_repl
         assert grads == {"dp_shard", "dp_replicate"}, ops
         # Sharded only within the group of S: AdamW's two fp32 moments of F / S elements each, and a
         # step count (a scalar) for each of the at most two pieces of a unit.
-        assert 0 <= held["optimizer"] - 2 * 4 * flat // S <= 8 * 2 * len(units), held
+        for optimizer in (held["optimizer"], planned.optimizer):
+            assert 0 <= optimizer - 2 * 4 * flat // S <= 8 * 2 * len(units), (held, planned)
 
 
 # -- the mesh: declared axes, the data rank -------------------------------------------------------------
@@ -235,3 +246,20 @@ def test_the_layout_fuzzer_draws_dp_replicate_and_validation_accepts_it():
     rng = random.Random(5)
     drawn = [s for s in (sample_layout(rng) for _ in range(200)) if any("dp_replicate" in o for o in s)]
     assert len(drawn) >= 3 and sum(map(_valid, drawn)) >= len(drawn) // 2, drawn
+
+
+def test_the_fit_check_and_the_run_record_see_the_configured_hsdp(corpus_cache):
+    """The layout a run records (run_info) and the fit check estimates is the configured one: its
+    ZeRO states cut over the group of dp_shard, twice what ZeRO over all of dp would hold."""
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.run_info import layout_text
+
+    hsdp = tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, "--parallel.zero=3")
+    plain = tiny_config(corpus_cache, *SMALL_BATCH, "--parallel.dp=4", "--parallel.zero=3")
+    assert "dp_replicate=2" in layout_text(hsdp) and "dp_replicate" not in layout_text(plain)
+    spec = ModelSpec.from_model_config(hsdp.model, hsdp.data.seq_len)
+    held = [estimate_memory(spec, _layout(c), get_profile("cpu"), 4).optimizer for c in (hsdp, plain)]
+    assert held[0] == pytest.approx(2 * held[1], rel=1e-2), held
