@@ -24,6 +24,11 @@ LAYOUTS = {
     "hsdp-2x2-zero1-accumulating": [*HSDP_2X2, "--parallel.zero=1", "--train.global_batch=8"],
     "hsdp-2x2-zero2-accumulating-bf16": [*HSDP_2X2, "--parallel.zero=2", "--train.global_batch=8",
                                          "--precision.mode=bf16"],  # against a bf16 reference: 1e-3
+    # A tied embedding's two copies on the pipeline's ends, summed shard by shard after both levels.
+    "hsdp-2x1-pp2-tied-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.pp=2", "--parallel.zero=3",
+                                "--model.tie_embeddings=true", "--train.global_batch=8"],
+    # An optimizer that needs shapes: its row / column statistics summed over the ZeRO group only.
+    "hsdp-2x2-zero1-adafactor": [*HSDP_2X2, "--parallel.zero=1", "--optim.name=adafactor"],
     # ZeRO groups of one rank (dp_shard = 1): nothing to reduce-scatter, the replicas all-reduce alone.
     "hsdp-2x1-zero1": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=1"],
     "hsdp-2x1-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=3"],
