@@ -245,7 +245,8 @@ class ZeroEngine:
         # input of an asynchronous collective from the caching allocator until it is done (it
         # records it on NCCL's stream, or, in newer torch, holds it until ``wait()``), as Gloo's
         # work holds it until it completes.
-        if self.stage == 0 or unit.comm.size == 1:  # a group of one: only the replicas reduce (in _complete)
+        if self.stage == 0 or (unit.comm.size == 1 and unit.replicas.size > 1):  # HSDP, groups of one rank:
+            # nothing to scatter, only the replicas reduce (in _complete)
             work = unit.comm.all_reduce(payload, async_op=True, tag="grads") if unit.comm.size > 1 else None
             out = payload
         else:
