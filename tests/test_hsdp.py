@@ -268,3 +268,31 @@ def test_the_fit_check_and_the_run_record_see_the_configured_hsdp(corpus_cache):
     spec = ModelSpec.from_model_config(hsdp.model, hsdp.data.seq_len)
     held = [estimate_memory(spec, _layout(c), get_profile("cpu"), 4).optimizer for c in (hsdp, plain)]
     assert held[0] == pytest.approx(2 * held[1], rel=1e-2), held
+
+
+def _hsdp_groups(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from bigtrain.distributed.mesh import Mesh
+
+    mesh = Mesh({"dp_replicate": 2, "dp_shard": 2, "cp": 2}, rank)
+    sums = {}
+    for axis in ("dp_replicate", "dp_shard_sp", "dp"):
+        value = torch.tensor([float(rank)])
+        mesh.comm(axis).all_reduce(value)
+        sums[axis] = value.item()
+    held = {a: dist.get_process_group_ranks(mesh.groups[a]) for a in ("dp_replicate", "dp_shard_sp", "dp")}
+    return sums, held, mesh.groups["dp_shard_sp"] is mesh.groups["dp_shard"], mesh.comm("dp_shard_sp").axis
+
+
+def test_hsdp_groups_on_gloo_ranks():
+    """dp_replicate 2 x dp_shard 2 x cp 2 (8 ranks, cp inner): a ZeRO group is dp_shard x cp (4
+    adjacent ranks), the replicas are 4 apart, and the data rank spans both factors."""
+    groups = {"dp_replicate": [[0, 4], [1, 5], [2, 6], [3, 7]], "dp_shard_sp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+              "dp": [[0, 2, 4, 6], [1, 3, 5, 7]]}
+    for rank, (sums, held, shared, name) in enumerate(run_ranks(_hsdp_groups, 8, timeout=300)):
+        for axis, expected in groups.items():
+            mine = next(g for g in expected if rank in g)
+            assert held[axis] == mine and sums[axis] == sum(mine), (rank, axis, held, sums)
+        assert not shared and name == "dp_shard_sp"  # dp_shard x cp: a group of its own, counted as itself

@@ -19,7 +19,7 @@ from bigtrain.distributed.comm import sent_fraction
 from bigtrain.distributed.mesh import AXES, Mesh
 from bigtrain.testing import run_fake_rank, run_ranks
 
-NAMES = (*AXES, "dp_sp", "ep", "edp")
+NAMES = (*AXES, "dp_sp", "ep", "edp", "dp_replicate", "dp_shard", "dp_shard_sp")
 
 # (sizes, world size, {axis: every group of the axis}) written out by hand, not by the mesh's code.
 LAYOUTS = {
