@@ -243,7 +243,12 @@ def _train_in(args: argparse.Namespace, cfg: Config, run_dir: Path, lock) -> int
 
 def _infer_dp(args: argparse.Namespace, overrides: list[str], cfg: Config, world_size: int | None) -> Config:
     """``parallel.dp`` from the world size (``--world-size``, or the launcher's) when nothing sets
-    it: under a user's ``torchrun --nproc-per-node 4``, a tp=2 config runs dp=2."""
+    it: under a user's ``torchrun --nproc-per-node 4``, a tp=2 config runs dp=2. HSDP's
+    ``parallel.dp_replicate`` x ``parallel.dp_shard``, both given, set it when nothing else does."""
+    p = cfg.parallel
+    if p.dp_shard > 0 and p.dp != p.dp_replicate * p.dp_shard and not getattr(args, "resume", False) \
+            and not dp_given(_preset(args), args.config, overrides):
+        cfg = _resolve(args, [f"--parallel.dp={p.dp_replicate * p.dp_shard}"] + list(overrides))
     if world_size is None or world_size == cfg.parallel.world_size or getattr(args, "resume", False):
         return cfg
     preset = _preset(args)

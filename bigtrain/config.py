@@ -141,6 +141,13 @@ class ParallelConfig:
     """Degrees of each mesh axis; their product is the world size."""
 
     dp: int = doc("Data-parallel degree.", 1)
+    dp_replicate: int = doc("Hybrid sharded data parallel (HSDP): the parallel.dp ranks are dp_replicate groups of "
+                            "dp_shard adjacent ranks; ZeRO 1-3 cuts weights, gradients and optimizer state only "
+                            "within a group (dp_shard x cp x sp ranks), whose reduced gradient shards are all-reduced "
+                            "across the groups (docs/architecture.md, 'Hybrid sharded data parallel'). 1: ZeRO over "
+                            "all of dp.", 1)
+    dp_shard: int = doc("HSDP: data-parallel ranks per ZeRO group; 0 follows as parallel.dp / parallel.dp_replicate "
+                        "(parallel.dp is the product of the two).", 0)
     tp: int = doc("Tensor-parallel degree (Megatron: heads and the MLP split over tp ranks).", 1)
     pp: int = doc("Pipeline-parallel degree (stages on different ranks; micro-batches = accumulation steps).", 1)
     pp_schedule: str = doc("Pipeline schedule: 'naive', 'gpipe', '1f1b', 'interleaved', 'zb-h1', or the "

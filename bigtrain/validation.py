@@ -14,6 +14,7 @@ from typing import Callable
 
 from bigtrain.config import Config, ConfigError
 from bigtrain.context_checks import check_context_parallel, divisor_near as _divisor_near, head_split_problems  # imports no torch
+from bigtrain.hsdp_checks import check_hybrid_sharding  # imports no torch
 from bigtrain.core.tables import SHARDINGS, SPARSE_OPTIMIZERS, parse_sizes
 from bigtrain.data.fields import data_field_problems
 from bigtrain.families import FAMILIES, family_names
@@ -559,4 +560,4 @@ def _async_needs_plain_replicas(cfg: Config, what: str, axes: tuple[str, ...]) -
     return problems
 
 
-RULES += [check_async, data_field_problems, check_context_parallel]  # the Llama fields' rules: bigtrain/families/llama.py
+RULES += [check_async, data_field_problems, check_context_parallel, check_hybrid_sharding]  # the Llama fields' rules: bigtrain/families/llama.py

@@ -28,7 +28,7 @@ def test_the_sample_spans_the_composition_space():
             for layout in LAYOUTS for o in layout}
     for key in ("dp", "tp", "pp", "sp", "zero", "sequence_parallel", "pp_virtual", "tie_embeddings",
                 "checkpointing", "ignore_target", "mode", "activation_offload", "fused_loss", "moe_experts", "ep",
-                "moe_capacity_factor", "offload.optimizer", "offload.params", "delayed_update", "fp8"):
+                "moe_capacity_factor", "offload.optimizer", "offload.params", "delayed_update", "fp8", "dp_replicate"):
         assert any(k.endswith(key + "*") for k in seen), f"no sampled layout sets {key}"
 
 

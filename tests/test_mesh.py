@@ -19,7 +19,7 @@ from bigtrain.distributed.comm import sent_fraction
 from bigtrain.distributed.mesh import AXES, Mesh
 from bigtrain.testing import run_fake_rank, run_ranks
 
-NAMES = (*AXES, "dp_sp", "ep", "edp")
+NAMES = (*AXES, "dp_sp", "ep", "edp", "dp_replicate", "dp_shard", "dp_shard_sp")
 
 # (sizes, world size, {axis: every group of the axis}) written out by hand, not by the mesh's code.
 LAYOUTS = {
@@ -60,6 +60,20 @@ LAYOUTS = {
     }),
     # ep = 1: every rank is its own ep group and edp is dp.
     "dp4-ep1": ({"dp": 4}, 4, {"ep": [[0], [1], [2], [3]], "edp": [[0, 1, 2, 3]]}),
+    # HSDP: dp = 2 replicas (outer) x 2 shards (inner, adjacent); a ZeRO group is dp_shard x cp x sp.
+    "hsdp-2x2": ({"dp": 4, "dp_replicate": 2}, 4, {
+        "dp_replicate": [[0, 2], [1, 3]],
+        "dp_shard": [[0, 1], [2, 3]],
+        "dp_shard_sp": [[0, 1], [2, 3]],
+        "dp": [[0, 1, 2, 3]],
+        "dp_sp": [[0, 1, 2, 3]],
+    }),
+    "hsdp-2x2-cp2-tp2": ({"dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2}, 16, {
+        "dp_replicate": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+        "dp_shard_sp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+        "dp": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
+        "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    }),
 }
 
 
@@ -96,8 +110,9 @@ def test_every_rank_is_in_one_group_of_each_axis():
 
 def test_from_config_takes_ep_without_growing_the_world():
     mesh = Mesh.from_config(ParallelConfig(dp=4, tp=2, ep=2), rank=5, world_size=8, make_groups=False)
-    assert mesh.sizes == {"pp": 1, "dp": 4, "cp": 1, "sp": 1, "tp": 2, "ep": 2}
-    assert mesh.coords == {"pp": 0, "dp": 2, "cp": 0, "sp": 0, "tp": 1, "ep": 0, "edp": 1}
+    assert mesh.sizes == {"pp": 1, "dp": 4, "cp": 1, "sp": 1, "tp": 2, "ep": 2, "dp_replicate": 1, "dp_shard": 4}
+    assert mesh.coords == {"pp": 0, "dp": 2, "cp": 0, "sp": 0, "tp": 1, "ep": 0, "edp": 1, "dp_replicate": 0,
+                           "dp_shard": 2}
     assert "ep=2 inside dp x sp" in repr(mesh)
     with pytest.raises(ValueError, match="world size is 16"):
         Mesh.from_config(ParallelConfig(dp=4, tp=2, ep=2), rank=0, world_size=16, make_groups=False)
@@ -204,7 +219,8 @@ def test_1024_ranks_on_the_fake_process_group():
     # pp=4 x dp=32 x tp=8, ep=8: rank 777 = pp 3 (768..1023), dp 1, tp 1.
     sizes = {"pp": 4, "dp": 32, "tp": 8, "ep": 8}
     got = run_fake_rank(_fake_groups, 1024, sizes, ("ep", "edp", "dp", "tp", "pp"), rank=777)
-    assert got["coords"] == {"pp": 3, "dp": 1, "cp": 0, "sp": 0, "tp": 1, "ep": 1, "edp": 0}
+    assert got["coords"] == {"pp": 3, "dp": 1, "cp": 0, "sp": 0, "tp": 1, "ep": 1, "edp": 0, "dp_replicate": 0,
+                             "dp_shard": 1}
     assert got["held"]["ep"] == [768 + 8 * i + 1 for i in range(8)]  # dp 0..7 of this stage and tp column
     assert got["held"]["edp"] == [768 + 8 * (1 + 8 * i) + 1 for i in range(4)]  # dp 1, 9, 17, 25
     assert got["held"]["dp"] == [768 + 8 * i + 1 for i in range(32)]
@@ -219,7 +235,8 @@ def test_64_ranks_with_ulysses_and_no_duplicate_groups():
     # dp=4 x sp=4 x tp=4, ep=8: replicas are 16 (dp x sp), ep takes 2 dp x 4 sp, edp the other 2 dp.
     sizes = {"dp": 4, "sp": 4, "tp": 4, "ep": 8}
     got = run_fake_rank(_fake_groups, 64, sizes, ("ep", "edp", "dp_sp"), rank=45)  # dp 2, sp 3, tp 1
-    assert got["coords"] == {"pp": 0, "dp": 2, "cp": 0, "sp": 3, "tp": 1, "ep": 3, "edp": 1}
+    assert got["coords"] == {"pp": 0, "dp": 2, "cp": 0, "sp": 3, "tp": 1, "ep": 3, "edp": 1, "dp_replicate": 0,
+                             "dp_shard": 2}
     assert got["held"]["ep"] == [32 + 4 * i + 1 for i in range(8)]
     assert got["held"]["edp"] == [13, 45]
     assert got["held"]["dp_sp"] == [4 * i + 1 for i in range(16)]

@@ -249,7 +249,20 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     # with fp16, which validation refuses with them (the fp16 samples keep training).
     if "--precision.mode=fp16" not in out and rng.random() < 0.2:
         out += [f"--precision.fp8={rng.choice(['tensorwise', 'rowwise'])}", "--precision.fp8_emulate=true"]
-    return out
+    return out + _hybrid_choice(rng, out)
+
+
+def _hybrid_choice(rng: random.Random, out: list[str]) -> list[str]:
+    """HSDP (parallel.dp_replicate) for half the samples it applies to (ZeRO 1-3 over dp >= 2,
+    no experts or offload, which validation refuses with it): drawn from a generator seeded by
+    rng's state, which draws nothing from rng, so every seed's samples stay as they were besides."""
+    last = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in out if "=" in o}
+    dp, zero = int(last.get("--parallel.dp", 1)), int(last.get("--parallel.zero", 0))
+    plain = last.get("--parallel.ep", "1") == "1" and last.get("--offload.optimizer", "none") == "none"
+    side = random.Random(repr(rng.getstate()) + "dp_replicate")
+    if dp < 2 or zero < 1 or not plain or side.random() >= 0.5:
+        return []
+    return [f"--parallel.dp_replicate={side.choice([r for r in (2, 4) if dp % r == 0 and r < dp] or [dp])}"]
 
 
 def _offload_choice(rng: random.Random, fp32: bool) -> list[str]:

@@ -53,7 +53,9 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     given_init_fn = init_fn
     init_fn = init_fn or (lambda name, shape: model.initial_value(name, shape, plan.seed))
     float8 = apply_float8(model, plan.float8, device)  # first: the plans below cut and hook the float8 linears
-    placements = Placements.of_model(model, mesh.comm)  # every weight dense; each step records its change
+    data_axis, replica_axes = mesh.gradient_axes()  # dp x cp x sp, or HSDP's ZeRO group and its replicas
+    # Every weight dense; each step records its change.
+    placements = Placements.of_model(model, mesh.comm, data_axis, replica_axes=replica_axes)
     layout = apply_tensor_parallel(model, mesh, plan.tensor, placements)
     apply_context_parallel(model, mesh.comm("cp"), plan.tensor.cp_mode)  # attention over the cut sequence
     apply_expert_parallel(model, mesh, plan.experts, placements)

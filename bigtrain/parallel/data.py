@@ -106,6 +106,11 @@ class DataParallel:
             self._comm_of = {id(p): comm for p in self.params}
         else:
             names = {id(p): n for n, p in model.named_parameters()}
+            hybrid = [names[id(p)] for p in self.params if placements[names[id(p)]].replica_axes]
+            if hybrid:  # reducing over the ZeRO group alone would leave the replicas apart, silently
+                raise ValueError(f"the replicated engine (parallel.zero = 0) reduces each gradient over one group, "
+                                 f"and {hybrid[0]} is placed for hybrid sharding (parallel.dp_replicate > 1); use "
+                                 f"parallel.zero = 1, 2 or 3, or parallel.dp alone")
             self._comm_of = {id(p): placements.grad_comm(names[id(p)]) for p in self.params}
         groups = plan_buckets(self.params, int(bucket_mb * 2**20), lambda p: id(self._comm_of[id(p)]))
         self.buckets = [self._make_bucket(group) for group in groups]

@@ -9,7 +9,9 @@ A :class:`Placement` says, for one parameter (as this rank holds it):
 - ``replicate``: axes whose ranks hold the same values of it (what they hold of it, after the cuts
   above): such copies are counted once in the gradient norm and written once in checkpoints;
 - ``partial``: axes over which its gradient is a partial sum that must be reduced before the step:
-  the data-parallel axis (``dp_sp`` for dense weights, ``edp`` for experts), ``tp`` for replicated
+  the data-parallel axis (``dp_sp`` for dense weights, ``edp`` for experts; under hybrid sharded
+  data parallelism ``dp_shard_sp``, the ZeRO group, and then ``dp_replicate``, across the groups:
+  :data:`REPLICA_AXES`), ``tp`` for replicated
   weights that see a sequence shard (norms under sequence parallelism) or part of a projection
   (replicated key/value heads), ``pp_ends`` for the two copies of a weight tied across the pipeline;
 - ``canonical``: for a copy of another parameter (the tied head on the last pipeline stage), the
@@ -38,7 +40,10 @@ from bigtrain.distributed.comm import AxisComm, CommStats
 
 # The axes over which an engine reduces (and ZeRO shards) gradients: the replicas of a dense
 # weight (dp, times sp under Ulysses) or of an expert (the expert-data-parallel axis).
-DATA_AXES = ("dp_sp", "edp")
+DATA_AXES = ("dp_sp", "edp", "dp_shard_sp")
+# The axes over which a gradient already reduced over its data axis (and cut there by ZeRO) is
+# all-reduced once more: the replicas of a ZeRO group under HSDP (distributed/mesh.py).
+REPLICA_AXES = ("dp_replicate",)
 NORM_AXIS = "world"  # squared gradient norms are summed over every rank (see counted_in_norm)
 
 
@@ -110,6 +115,11 @@ class Placement:
         engine's group for it), or None when no engine reduction is needed."""
         return next((a for a in self.partial if a in DATA_AXES), None)
 
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The axes over which the gradient, reduced over :attr:`grad_axis`, is then all-reduced."""
+        return tuple(a for a in self.partial if a in REPLICA_AXES)
+
     def shard_over(self, axis: str) -> ShardSpec | None:
         return next((s for s in self.shards if s.axis == axis), None)
 
@@ -167,10 +177,12 @@ def _without(axes: tuple[str, ...], axis: str) -> tuple[str, ...]:
     return tuple(a for a in axes if a != axis)
 
 
-def dense(data_axis: str = "dp_sp", model_axes: tuple[str, ...] = ("tp",)) -> Placement:
-    """A plain weight: whole on every rank of ``model_axes`` and of the data axis, whose ranks
-    see different samples (its gradient is partial there)."""
-    return Placement(replicate=(data_axis, *model_axes), partial=(data_axis,))
+def dense(data_axis: str = "dp_sp", model_axes: tuple[str, ...] = ("tp",),
+          replica_axes: tuple[str, ...] = ()) -> Placement:
+    """A plain weight: whole on every rank of ``model_axes``, of the data axis and of the
+    ``replica_axes`` (HSDP's dp_replicate), whose ranks see different samples (its gradient is
+    partial there: reduced over the data axis, then over the replica axes)."""
+    return Placement(replicate=(data_axis, *replica_axes, *model_axes), partial=(data_axis, *replica_axes))
 
 
 CommOf = Callable[[str], AxisComm]
@@ -185,10 +197,10 @@ class Placements(Mapping[str, Placement]):
 
     @classmethod
     def of_model(cls, model: nn.Module, comm_of: CommOf, data_axis: str = "dp_sp",
-                 model_axes: tuple[str, ...] = ("tp",)) -> "Placements":
+                 model_axes: tuple[str, ...] = ("tp",), replica_axes: tuple[str, ...] = ()) -> "Placements":
         """Every parameter of ``model`` (under every name it is registered as) placed as :func:`dense`."""
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-        return cls({n: dense(data_axis, model_axes) for n in names}, comm_of)
+        return cls({n: dense(data_axis, model_axes, replica_axes) for n in names}, comm_of)
 
     @classmethod
     def data_parallel(cls, model: nn.Module, comm: AxisComm) -> "Placements":
@@ -228,6 +240,14 @@ class Placements(Mapping[str, Placement]):
         its unit); a group of one rank when its gradient needs no data-parallel reduction."""
         axis = self[name].grad_axis
         return self.comm(axis if axis is not None else "none")
+
+    def replica_comm(self, name: str) -> AxisComm:
+        """The group over which parameter ``name``'s reduced gradient (shard) is all-reduced once
+        more (HSDP's dp_replicate); a group of one rank when there is none."""
+        axes = self[name].replica_axes
+        if len(axes) > 1:
+            raise ValueError(f"placement of {name}: more than one replica axis {axes}")
+        return self.comm(axes[0] if axes else "none")
 
     def names_partial_over(self, axis: str) -> list[str]:
         return [n for n, p in self._by_name.items() if axis in p.partial]

@@ -77,11 +77,13 @@ class StepTime:
 
 
 # -- links and collectives --------------------------------------------------------------------------
-_STRIDE_AXES = ("tp", "sp", "cp", "dp", "pp")  # innermost first, as the mesh lays ranks out
+_STRIDE_AXES = ("tp", "sp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first, as the mesh lays ranks out
 
 
 def axis_crosses_nodes(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
-    """Whether the group spanned by ``axes`` (adjacent in the mesh order) spans several nodes."""
+    """Whether the group spanned by ``axes`` (adjacent in the mesh order) spans several nodes;
+    ``dp`` is dp_shard (inner: one ZeRO group's ranks are adjacent) x dp_replicate."""
+    axes = tuple(part for a in axes for part in (("dp_shard", "dp_replicate") if a == "dp" else (a,)))
     stride = 1
     for axis in _STRIDE_AXES:
         if axis in axes:
@@ -264,7 +266,8 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
     sizes = _largest_rank_units(model, layout)
     params, largest = sum(sizes), max(sizes)
     group = replicas(layout)  # the dense weights' gradient group (dp x sp), as the placement record says
-    link = link_of(cluster, layout, ("sp", "cp", "dp"))
+    hybrid = layout.gradient_axes()[1] != ()  # HSDP: that group is one of dp_replicate ZeRO groups
+    link = link_of(cluster, layout, ("sp", "cp", "dp_shard") if hybrid else ("sp", "cp", "dp"))
     grad_bytes = cluster.engine.grad_reduce_bytes or nbytes
     grads, unit = params * grad_bytes, largest * grad_bytes
     overlap = cluster.hardware.comm_overlap
@@ -282,6 +285,13 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
         # Stages 2-3 reduce every micro-batch, and so does any stage with offload (each micro-batch's
         # gradient leaves the device: :mod:`bigtrain.plan.tiers`).
         out["dp_grad_sync"] = reduce * (micro_batches if layout.zero >= 2 or host_step(layout) else 1)
+        if hybrid:
+            # HSDP's second level: each unit's reduced shard all-reduced across the dp_replicate
+            # groups, on that axis's own link (inter-node once a group fills a node). The runtime
+            # runs it as each reduce-scatter completes, synchronously: priced exposed.
+            across = link_of(cluster, layout, ("dp_replicate",))
+            sync = sum(across.collective("all_reduce", -(-n // group) * grad_bytes, layout.dp_replicate) for n in sizes)
+            out["dp_replica_sync"] = sync * (micro_batches if layout.zero >= 2 else 1)
     weights, weight_unit = params * nbytes, largest * nbytes  # gathered in the training precision
     if layout.zero in (1, 2):
         gather = link.collective("all_gather", weights, group)

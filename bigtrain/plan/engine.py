@@ -28,9 +28,12 @@ class Engine:
     # (megatron/training/arguments.py: "bfloat16 requires gradient accumulation and all-reduce
     # to be done in fp32").
     grad_reduce_bytes: int = 0
+    # Hybrid sharded data parallel (ZeRO within a group, replicas across groups: parallel.dp_replicate).
+    # The search offers it only to an engine that has it; the published runs' sources did not use it.
+    hybrid_sharding: bool = False
 
 
-BIGTRAIN = Engine("bigtrain")
+BIGTRAIN = Engine("bigtrain", hybrid_sharding=True)
 # The Megatron-LM README's H100 table: --overlap-grad-reduce, --overlap-param-gather and
 # --tp-comm-overlap, bf16 with the default fp32 gradient reduction.
 MEGATRON_CORE = Engine("Megatron-Core", tp_comm_overlap=True, param_gather_overlap=True, grad_reduce_bytes=4)

@@ -82,7 +82,7 @@ def _layout(cfg: Config, cuda: bool = False):
                   offload=cfg.memory.activation_offload, compression=cfg.memory.activation_compression,
                   fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params,
                   fp8=cfg.precision.fp8, offload_masters=cfg.offload.masters if optimizer == "nvme" else "auto",
-                  delayed_update=cfg.offload.delayed_update and optimizer != "none")
+                  delayed_update=cfg.offload.delayed_update and optimizer != "none", dp_replicate=p.dp_replicate)
 
 
 @dataclass
@@ -124,7 +124,8 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
     on_machine = f" x {sharing} ranks on this machine" if sharing > 1 else ""
     spec = ModelSpec.from_model_config(m, d.seq_len)
     optimizer = cfg.optim.name
-    formula = zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, p.dp * p.cp * p.sp, cfg.precision.mode, optimizer)
+    zero_group = p.dp // max(1, p.dp_replicate) * p.cp * p.sp  # HSDP: ZeRO cuts within one dp_shard x cp x sp group
+    formula = zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, zero_group, cfg.precision.mode, optimizer)
     off_optimizer, off_params = _offload_tiers(cfg, cuda)  # what offload keeps off the device
     states = sum(v for k, v in formula.items()
                  if not (k == "optimizer" and off_optimizer != "none") and not (k == "params" and off_params != "none"))

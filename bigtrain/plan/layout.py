@@ -52,6 +52,9 @@ class Layout:
     fp8: str = "none"  # precision.fp8: the blocks' linears in float8 (gemm.py times them, memory.py their copies)
     cp: int = 1  # parallel.cp: the sequence cut over cp ranks, attention over all of it
     cp_mode: str = "ring"  # parallel.cp_mode: ring | all-to-all | hybrid (Ulysses over sp inside)
+    # parallel.dp_replicate (HSDP): dp is dp_replicate groups of dp_shard ranks; ZeRO cuts within a
+    # group (dp_shard x cp x sp) and all-reduces the reduced shards across the groups.
+    dp_replicate: int = 1
 
     @property
     def gpus(self) -> int:
@@ -73,13 +76,25 @@ class Layout:
         """The ranks attention passes keys and values around (cp, unless cp's mode is the all-to-all)."""
         return self.cp if self.cp_mode != "all-to-all" else 1
 
+    @property
+    def dp_shard(self) -> int:
+        return max(1, self.dp // max(1, self.dp_replicate))
+
     def size(self, axis: str) -> int:
         """The ranks of a mesh axis, named as the runtime's mesh and placement record name them
-        (``dp_sp``: the replicas of a dense weight; ``pp_ends``: the two ends of the pipeline)."""
+        (``dp_sp``: the replicas of a dense weight, dp x cp x sp; ``dp_shard_sp``: one ZeRO group under
+        HSDP; ``pp_ends``: the two ends of the pipeline)."""
         replicas = self.dp * self.cp * self.sp
         sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp, "cp": self.cp, "dp_sp": replicas,
-                 "pp_ends": min(2, self.pp), "ep": self.ep, "edp": replicas // self.ep}
+                 "pp_ends": min(2, self.pp), "ep": self.ep, "edp": replicas // self.ep,
+                 "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                 "dp_shard_sp": self.dp_shard * self.cp * self.sp}
         return sizes[axis]
+
+    def gradient_axes(self) -> tuple[str, tuple[str, ...]]:
+        """As the runtime's ``Mesh.gradient_axes``: the axis a dense weight's gradient is reduced
+        (and its ZeRO unit cut) over, and the axes the reduced shard is then all-reduced over."""
+        return ("dp_sp", ()) if self.dp_replicate == 1 else ("dp_shard_sp", ("dp_replicate",))
 
     @property
     def compute_bytes(self) -> int:
@@ -94,6 +109,7 @@ class Layout:
                  f"mb={self.micro_batch}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
         if self.cp > 1:
             parts.insert(4, f"cp={self.cp},cp_mode={self.cp_mode}")
+        parts[1:1] = [f"dp_replicate={self.dp_replicate}"] if self.dp_replicate > 1 else []
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else ""))
         parts.append(f"recompute={self.recompute}" + (f",every={self.every}" if self.recompute == "every" else ""))
@@ -118,6 +134,7 @@ class Layout:
     def to_overrides(self) -> list[str]:
         """The layout as ``bigtrain train`` overrides (``--parallel.dp=8`` ...), for ``--parallel auto``."""
         out = [f"--parallel.{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "sp", "zero", "ep")]
+        out += [f"--parallel.dp_replicate={self.dp_replicate}"] if self.dp_replicate > 1 else []
         out += [f"--parallel.pp_schedule={self.schedule}", f"--parallel.pp_virtual={self.v}"]
         out += [f"--parallel.cp={self.cp}", f"--parallel.cp_mode={self.cp_mode}"] if self.cp > 1 else []
         out += [f"--parallel.sequence_parallel={str(self.tp_sp).lower()}", f"--precision.mode={self.precision}",
@@ -168,7 +185,7 @@ class Cluster:
         return max(1, -(-self.gpus // self.gpus_per_node))
 
 
-_INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every", "ep", "cp")
+_INT_KEYS = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "v", "every", "ep", "cp", "dp_replicate")
 _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": "recompute", "tpsp": "tp_sp",
             "sequence_parallel": "tp_sp", "zero_stage": "zero", "checkpoint_every": "every",
             "activation_offload": "offload", "activation_compression": "compression",
@@ -253,6 +270,24 @@ def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_b
     problems += _context_problems(layout, model)
     problems += _expert_problems(layout, model)
     problems += _offload_problems(layout)
+    problems += _hybrid_problems(layout)
+    return problems
+
+
+def _hybrid_problems(layout: Layout) -> list[str]:
+    """HSDP (the runtime's rules, hsdp_checks.py): dp_replicate equal groups of dp, ZeRO 1-3, no
+    experts, no offload."""
+    if layout.dp_replicate == 1:
+        return []
+    if layout.dp % layout.dp_replicate:
+        return [f"dp_replicate = {layout.dp_replicate} must divide dp = {layout.dp}"]
+    problems = []
+    if layout.zero == 0:
+        problems.append(f"dp_replicate = {layout.dp_replicate} needs zero >= 1 (it says where ZeRO cuts)")
+    if layout.ep > 1:
+        problems.append(f"dp_replicate = {layout.dp_replicate} with ep = {layout.ep}: not built")
+    if layout.offload_optimizer != "none" or layout.offload_params != "none":
+        problems.append(f"dp_replicate = {layout.dp_replicate} with offload: not built")
     return problems
 
 

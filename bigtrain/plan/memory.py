@@ -146,8 +146,17 @@ def stage_blocks(layers: int, stages: int) -> list[range]:
 
 def replicas(layout: Layout) -> int:
     """The ranks holding replicas of a dense weight, which reduce its gradient and, from ZeRO
-    stage 1, cut its unit: the size of its placement's gradient axis (dp x cp x sp)."""
-    return layout.size(dense().grad_axis)
+    stage 1, cut its unit: the size of its placement's gradient axis (dp x cp x sp; dp_shard x cp x sp
+    under HSDP)."""
+    return layout.size(dense_of(layout).grad_axis)
+
+
+def dense_of(layout: Layout):
+    """A dense weight's placement under ``layout`` (as ``parallelize`` records it from the mesh's
+    ``gradient_axes``): reduced and cut over dp x cp x sp, or under HSDP over one ZeRO group and then
+    all-reduced across the groups."""
+    axis, replica_axes = layout.gradient_axes()
+    return dense(axis, replica_axes=replica_axes)
 
 
 def _grid(t: Tensor, tp: int) -> tuple[int, ...]:
@@ -158,11 +167,11 @@ def _grid(t: Tensor, tp: int) -> tuple[int, ...]:
     return tuple(grid)
 
 
-def _sharded(tensors: list[Tensor], tp: int) -> Unit:
+def _sharded(tensors: list[Tensor], tp: int, axis: str = "dp_sp") -> Unit:
     ordered = sorted(tensors, key=lambda t: not t.decays)  # the runtime's order: decayed first
     sizes = [t.local_numel(tp) for t in ordered]
     return Unit(sum(sizes), sum(s for s, t in zip(sizes, ordered) if t.decays), len(ordered), tuple(sizes),
-                tuple(_grid(t, tp) for t in ordered))
+                tuple(_grid(t, tp) for t in ordered), axis)
 
 
 def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | None, list[Unit]]:
@@ -172,23 +181,24 @@ def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | N
     per_stage = stage_blocks(model.layers, stages)
     blocks = sum(len(per_stage[s]) for s in mine)
     root: list[Tensor] = []
+    axis = dense_of(layout).grad_axis  # the dense weights' ZeRO group
     if 0 in mine:
         root += model.embedding_tensors()
     if stages - 1 in mine:
         root += model.head_tensors(separate_copy=layout.pp > 1)
     if not model.experts:
-        block = _sharded(model.block_tensors(), layout.tp)
-        return (_sharded(root, layout.tp) if root else None), [block] * blocks
+        block = _sharded(model.block_tensors(), layout.tp, axis)
+        return (_sharded(root, layout.tp, axis) if root else None), [block] * blocks
     units = []
     for i in (i for s in mine for i in per_stage[s]):
         if not model.is_moe_block(i):
-            units.append(_sharded(model.block_tensors(), layout.tp))
+            units.append(_sharded(model.block_tensors(), layout.tp, axis))
         elif layout.ep == 1:  # the experts reduce over dp x sp like the rest: one unit
-            units.append(_sharded(model.moe_block_tensors() + model.expert_tensors(), layout.tp))
+            units.append(_sharded(model.moe_block_tensors() + model.expert_tensors(), layout.tp, axis))
         else:  # units.py: a block holding parameters of two gradient groups becomes two units
-            units += [_sharded(model.moe_block_tensors(), layout.tp),
+            units += [_sharded(model.moe_block_tensors(), layout.tp, axis),
                       replace(_sharded(model.expert_tensors(layout.ep), layout.tp), axis="edp")]
-    return (_sharded(root, layout.tp) if root else None), units
+    return (_sharded(root, layout.tp, axis) if root else None), units
 
 
 def unit_state_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw", block: int = 256

@@ -126,8 +126,9 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                     _options(fixed, "recompute", RECOMPUTES),
                                     _options(fixed, "tp_sp", (False, True) if tp > 1 else (False,)))
         for zero, mb, (schedule, v), recompute, tp_sp in choices:
-            for ep in _expert_degrees(model, fixed, dp * sp * cp):
-                layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, cp_mode=cp_mode if cp > 1 else "ring", zero=zero, micro_batch=mb, schedule=schedule, v=v,
+            for ep, dp_replicate in _data_degrees(model, cluster, fixed, dp, tp, sp * cp, zero):
+                layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, cp_mode=cp_mode if cp > 1 else "ring", zero=zero,
+                                micro_batch=mb, schedule=schedule, v=v,
                                 recompute=recompute, every=fixed.get("every", 2), tp_sp=tp_sp,
                                 precision=fixed.get("precision", precision), offload=fixed.get("offload", False),
                                 compression=fixed.get("compression", "none"),
@@ -135,10 +136,28 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                 offload_optimizer=fixed.get("offload_optimizer", "none"),
                                 offload_params=fixed.get("offload_params", "none"),
                                 offload_masters=fixed.get("offload_masters", "auto"),
-                                delayed_update=fixed.get("delayed_update", False), fp8=fixed.get("fp8", "none"))
+                                delayed_update=fixed.get("delayed_update", False), fp8=fixed.get("fp8", "none"),
+                                dp_replicate=dp_replicate)
                 if layout not in seen:
                     seen.add(layout)
                     yield layout
+
+
+def _data_degrees(model: ModelSpec, cluster: Cluster, fixed: dict, dp: int, tp: int, sp: int,
+                  zero: int) -> list[tuple[int, int]]:
+    """(ep, dp_replicate) choices: the expert degrees, with ZeRO over all of dp; and, for a dense
+    model under ZeRO, HSDP with one ZeRO group per node (dp_shard x sp x tp = a node's GPUs), which
+    keeps every gather inside the node and sends only the shards' all-reduce across. ``sp``: every
+    axis that cuts the sequence (Ulysses x cp), replicas of the weights as dp is."""
+    if "dp_replicate" in fixed:
+        return [(ep, fixed["dp_replicate"]) for ep in _expert_degrees(model, fixed, dp * sp)]
+    out = [(ep, 1) for ep in _expert_degrees(model, fixed, dp * sp)]
+    per_node = cluster.gpus_per_node // (tp * sp) if cluster.gpus_per_node % (tp * sp) == 0 else 0
+    offloading = fixed.get("offload_optimizer", "none") != "none" or fixed.get("offload_params", "none") != "none"
+    if cluster.engine.hybrid_sharding and zero >= 1 and not model.experts and not offloading \
+            and 1 < per_node < dp and dp % per_node == 0:
+        out.append((1, dp // per_node))
+    return out
 
 
 def _expert_degrees(model: ModelSpec, fixed: dict, replicas: int) -> list[int]:

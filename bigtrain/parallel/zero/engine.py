@@ -88,6 +88,8 @@ class ZeroEngine:
         modules = default_unit_modules(model) if unit_modules is None else unit_modules
         self.units, self.unit_modules = build_units(model, modules, self.placements.grad_comm, sharded=stage >= 1,
                                                     align=self.block)
+        for unit in self.units:  # HSDP: the group whose ranks hold the same shard, reduced there once more
+            unit.replicas = _replica_comm(unit, self.placements)
         self._check_same_layout()
         self.offload = None
         if offload is not None and offload.active:
@@ -229,7 +231,7 @@ class ZeroEngine:
             if self._grads_in_place:
                 for p, view in zip(unit.params, unit.grad_views):
                     rehome_grad(p, view)  # a parameter without a gradient since torch's zero_grad adds zeros
-            if unit.comm.size == 1:
+            if unit.comm.size == 1 and unit.replicas.size == 1:
                 return  # the local sum is the result; a cast to the reduce dtype would only round it
             payload = unit.full_grad if unit.full_grad.dtype == reduce_dtype else unit.full_grad.to(reduce_dtype)
         else:
@@ -243,8 +245,9 @@ class ZeroEngine:
         # input of an asynchronous collective from the caching allocator until it is done (it
         # records it on NCCL's stream, or, in newer torch, holds it until ``wait()``), as Gloo's
         # work holds it until it completes.
-        if self.stage == 0:
-            work = unit.comm.all_reduce(payload, async_op=True, tag="grads")
+        if self.stage == 0 or (unit.comm.size == 1 and unit.replicas.size > 1):  # HSDP, groups of one rank:
+            # nothing to scatter, only the replicas reduce (in _complete)
+            work = unit.comm.all_reduce(payload, async_op=True, tag="grads") if unit.comm.size > 1 else None
             out = payload
         else:
             out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=payload.device)
@@ -260,6 +263,9 @@ class ZeroEngine:
         """The unit's gradient of this micro-batch reduced into a device bucket, which goes down to the
         host and is added into the unit's fp32 accumulator there (:mod:`.grad_stream`); the bucket
         is the only device memory it keeps. A group of one writes the flat gradient straight into it."""
+        if unit.replicas.size > 1:
+            raise NotImplementedError("ZeRO offload on a GPU under HSDP (parallel.dp_replicate > 1): the replicas' "
+                                      "all-reduce of each streamed gradient is not built; validation refuses it")
         stream = self._host_grads.stream
         bucket, out = stream.bucket(unit.shard_numel)
         work = None
@@ -296,6 +302,10 @@ class ZeroEngine:
                 # NCCL: makes the current stream wait for the collective (the host does not block),
                 # so the fold below and everything after it reads the reduced values.
                 work.wait()
+            if unit.replicas.size > 1:
+                # HSDP: every ZeRO group reduced its own samples; the ranks holding the same shard
+                # in the other groups add theirs (synchronous: the fold below reads the sum).
+                unit.replicas.all_reduce(out, tag="grads")
             if self.stage <= 1:
                 if out is not unit.full_grad:
                     unit.grad_shard.copy_(out)
@@ -476,6 +486,14 @@ class ZeroEngine:
         optimizer = optimizer_tensors(self.optimizer)
         optimizer += [u.master for u in self.units if u.master is not u.shard_param]
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
+
+
+def _replica_comm(unit: FlatUnit, placements: Placements) -> AxisComm:
+    """The replica group of every parameter of ``unit`` (they share one: units are cut per group)."""
+    comms = {id(c): c for c in (placements.replica_comm(slot.name) for slot in unit.slots)}
+    if len(comms) > 1:
+        raise ValueError(f"ZeRO unit {unit.name}: its parameters are replicated over different groups")
+    return next(iter(comms.values())) if comms else placements.comm("none")
 
 
 def _servable(spec: OptimizerSpec, stage: int) -> OptimizerSpec:

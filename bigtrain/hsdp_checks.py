@@ -1,0 +1,48 @@
+"""``parallel.dp_replicate`` and ``parallel.dp_shard`` (hybrid sharded data parallel) against the rest
+of a config, before any process starts.
+
+``parallel.dp`` stays the number of data-parallel ranks; under HSDP they are ``dp_replicate`` groups
+of ``dp_shard`` ranks (``dp_shard`` = 0 follows as dp / dp_replicate). Imports no torch (as
+:mod:`bigtrain.validation`). What is built and why: docs/architecture.md, "Hybrid sharded data parallel".
+"""
+
+from __future__ import annotations
+
+from bigtrain.config import Config
+from bigtrain.context_checks import divisor_near
+
+
+def check_hybrid_sharding(cfg: Config) -> list[str]:
+    p = cfg.parallel
+    if p.dp_replicate < 1:
+        return [f"parallel.dp_replicate = {p.dp_replicate}: must be >= 1 (1: ZeRO over all of parallel.dp)"]
+    if p.dp_shard < 0:
+        return [f"parallel.dp_shard = {p.dp_shard}: must be >= 1, or 0 to follow as parallel.dp / parallel.dp_replicate"]
+    if p.dp < 1:
+        return []  # named by check_parallel
+    if p.dp_shard and p.dp_replicate * p.dp_shard != p.dp:
+        total = p.dp_replicate * p.dp_shard
+        return [f"parallel.dp = {p.dp} but parallel.dp_replicate x parallel.dp_shard = {p.dp_replicate} x {p.dp_shard} "
+                f"= {total}: parallel.dp counts every data-parallel rank; set parallel.dp = {total}, or leave "
+                f"parallel.dp_shard unset (0: it follows as parallel.dp / parallel.dp_replicate)"]
+    if p.dp % p.dp_replicate:
+        return [f"parallel.dp_replicate = {p.dp_replicate} does not divide parallel.dp = {p.dp}: the data-parallel "
+                f"ranks are dp_replicate equal groups; use parallel.dp_replicate = {divisor_near(p.dp, p.dp_replicate)} "
+                f"or parallel.dp = {p.dp_replicate * max(1, p.dp // p.dp_replicate)}"]
+    if p.dp_replicate == 1:
+        return []
+    what, problems = f"parallel.dp_replicate = {p.dp_replicate}", []
+    if p.zero == 0:
+        problems.append(f"{what} with parallel.zero = 0: hybrid sharding says where ZeRO cuts, and stage 0 cuts "
+                        f"nothing (every rank all-reduces everything); use parallel.zero = 1, 2 or 3, or "
+                        f"parallel.dp_replicate = 1")
+    if p.ep > 1:
+        problems.append(f"{what} with parallel.ep = {p.ep}: experts under hybrid sharding are not built yet (their "
+                        f"ZeRO group is edp); use parallel.dp_replicate = 1 or parallel.ep = 1")
+    if cfg.offload.optimizer != "none" or cfg.offload.params != "none":
+        problems.append(f"{what} with offload: the offloaded gradient stream does not all-reduce across the "
+                        f"replicas yet; use parallel.dp_replicate = 1 or offload.optimizer = offload.params = 'none'")
+    if cfg.model.name == "dlrm":
+        problems.append(f"{what}: the DLRM trainer shards its tables over every data-parallel rank and replicates "
+                        f"the rest; use parallel.dp_replicate = 1")
+    return problems

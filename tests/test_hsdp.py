@@ -1,0 +1,298 @@
+"""Hybrid sharded data parallel (parallel.dp_replicate x parallel.dp_shard, docs/architecture.md):
+ZeRO cuts within a group of dp_shard x cp x sp ranks and all-reduces the reduced shards across
+dp_replicate groups. Whole runs against the independent one-process reference (``bigtrain.check``,
+fp32: loss and gradient norm within 1e-5 relative, every weight, gradient and module output within
+1e-4, over 4 steps), checkpoints moved between HSDP and plain layouts, the traffic of each level
+against its formula, the mesh's groups and bad input refused before launch."""
+
+import pytest
+
+from bigtrain.check.run import check_on_rank, save_on_rank
+from bigtrain.config import ConfigError
+from bigtrain.testing import run_ranks
+from bigtrain.validation import validate
+from helpers import tiny_config
+
+SMALL_BATCH = ["--train.global_batch=4", "--train.micro_batch=1"]
+HSDP_2X2 = ["--parallel.dp=4", "--parallel.dp_replicate=2"]
+
+LAYOUTS = {
+    "hsdp-2x2-zero1": [*HSDP_2X2, "--parallel.zero=1"],
+    "hsdp-2x2-zero2": [*HSDP_2X2, "--parallel.zero=2"],
+    "hsdp-2x2-zero3": [*HSDP_2X2, "--parallel.zero=3"],
+    # Two micro-batches a step: stage 1 reduces once (both levels), stage 2 every micro-batch.
+    "hsdp-2x2-zero1-accumulating": [*HSDP_2X2, "--parallel.zero=1", "--train.global_batch=8"],
+    "hsdp-2x2-zero2-accumulating-bf16": [*HSDP_2X2, "--parallel.zero=2", "--train.global_batch=8",
+                                         "--precision.mode=bf16"],  # against a bf16 reference: 1e-3
+    # A tied embedding's two copies on the pipeline's ends, summed shard by shard after both levels.
+    "hsdp-2x1-pp2-tied-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.pp=2", "--parallel.zero=3",
+                                "--model.tie_embeddings=true", "--train.global_batch=8"],
+    # An optimizer that needs shapes: its row / column statistics summed over the ZeRO group only.
+    "hsdp-2x2-zero1-adafactor": [*HSDP_2X2, "--parallel.zero=1", "--optim.name=adafactor"],
+    # ZeRO groups of one rank (dp_shard = 1): nothing to reduce-scatter, the replicas all-reduce alone.
+    "hsdp-2x1-zero1": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=1"],
+    "hsdp-2x1-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=3"],
+    "hsdp-2x2-cp2-zero3-8-ranks": ["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
+                                   "--parallel.cp=2", "--parallel.zero=3", "--train.global_batch=8"],
+}
+
+
+def _check(corpus_cache, tmp_path, overrides, steps=4):
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, *overrides)
+    return run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), steps, timeout=600)[0]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_hybrid_sharding_matches_the_reference(name, corpus_cache, tmp_path):
+    report = _check(corpus_cache, tmp_path, LAYOUTS[name])
+    assert report.agree, report.text()
+
+
+# -- checkpoints move between HSDP and plain layouts ------------------------------------------------
+@pytest.mark.parametrize("saved,resumed", [
+    ([*HSDP_2X2, "--parallel.zero=3"], ["--parallel.dp=4", "--parallel.zero=3"]),
+    ([*HSDP_2X2, "--parallel.zero=3"], ["--parallel.cp=2", "--parallel.dp=2", "--parallel.zero=3"]),
+    (["--parallel.dp=4", "--parallel.zero=1"], [*HSDP_2X2, "--parallel.zero=2"]),
+], ids=["hsdp2x2-zero3-to-dp4-zero3", "hsdp2x2-zero3-to-cp2-dp2-zero3", "dp4-zero1-to-hsdp2x2-zero2"])
+def test_a_checkpoint_moves_between_hsdp_and_plain_layouts(saved, resumed, corpus_cache, tmp_path):
+    """2 steps saved in one layout, resumed in the other: what loaded is bitwise what was saved
+    (each shard written once, by the first replica group), and the next 3 steps match the reference
+    that replayed the first 2."""
+    a = tiny_config(corpus_cache, *SMALL_BATCH, *saved)
+    state = run_ranks(save_on_rank, a.parallel.world_size, a, str(tmp_path), 2, timeout=600)[0]
+    b = tiny_config(corpus_cache, *SMALL_BATCH, *resumed)
+    report = run_ranks(check_on_rank, b.parallel.world_size, b, str(tmp_path), 3, state, timeout=600)[0]
+    assert report.agree and report.start == 2, report.text()
+
+
+# -- the two levels of traffic, and what each rank holds -----------------------------------------------
+def _one_step(rank, world_size, cfg, run_dir):
+    from helpers import trainer_on_rank
+
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    engine = trainer.parallel.engine
+    units = [(u.comm.axis, u.comm.size, u.replicas.axis, u.replicas.size, u.padded_numel) for u in engine.units]
+    result = trainer.train_step(measure=True)
+    params = sum(p.numel() for _, p in trainer.model.named_parameters())
+    return result.comm_ops, units, engine.state_bytes(), params
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_gradients_are_reduce_scattered_in_the_group_and_all_reduced_across_replicas(zero, corpus_cache, tmp_path):
+    """fp32, one micro-batch a step, padded flat size F (the units' parameters, each unit padded to a
+    multiple of dp_shard = S = 2): each rank sends (S-1)/S x 4F bytes of reduce-scatter over dp_shard
+    and 2(R-1)/R x 4F/S of all-reduce over dp_replicate (R = 2), and no gradient crosses any other
+    group. Fails if the gradient is reduced over all of dp at once (one level) or not across replicas."""
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, f"--parallel.zero={zero}")
+    planned = estimate_memory(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg),
+                              get_profile("cpu"), cfg.train.global_batch)
+    S = R = 2
+    for ops, units, held, params in run_ranks(_one_step, 4, cfg, str(tmp_path), timeout=600):
+        # The planner's parameters and gradients per rank are the engine's, byte for byte (its
+        # optimizer state below: the moments exact, the step counts a few scalars).
+        assert (held["params"], held["grads"]) == (planned.params, planned.grads), (held, planned)
+        assert {(a, n, ra, rn) for a, n, ra, rn, _ in units} == {("dp_shard", S, "dp_replicate", R)}, units
+        flat = sum(u[-1] for u in units)
+        assert params <= flat < params + S * len(units)  # the padding: under S elements a unit
+        assert ops["dp_shard"]["reduce_scatter:grads"] == (S - 1) / S * 4 * flat
+        assert ops["dp_replicate"]["all_reduce:grads"] == 2 * (R - 1) / R * 4 * flat / S
+        grads = {axis for axis, by_op in ops.items() for op in by_op if op.endswith(":grads")}
+        assert grads == {"dp_shard", "dp_replicate"}, ops
+        # Sharded only within the group of S: AdamW's two fp32 moments of F / S elements each, and a
+        # step count (a scalar) for each of the at most two pieces of a unit.
+        for optimizer in (held["optimizer"], planned.optimizer):
+            assert 0 <= optimizer - 2 * 4 * flat // S <= 8 * 2 * len(units), (held, planned)
+
+
+# -- the mesh: declared axes, the data rank -------------------------------------------------------------
+def test_the_data_rank_is_replicate_index_times_dp_shard_plus_shard_index():
+    from bigtrain.distributed.mesh import Mesh
+
+    for rank in range(8):  # dp_replicate 2 x dp_shard 2 x tp 2: tp innermost
+        mesh = Mesh({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, rank, make_groups=False)
+        r, s = mesh.coord("dp_replicate"), mesh.coord("dp_shard")
+        assert (r, s) == (rank // 4, rank // 2 % 2)
+        assert mesh.coord("dp") == r * 2 + s and mesh.size("dp") == 4  # the sampler reads these
+        assert mesh.gradient_axes() == ("dp_shard_sp", ("dp_replicate",))
+    plain = Mesh({"dp": 4}, make_groups=False)
+    assert plain.gradient_axes() == ("dp_sp", ()) and plain.counted_name("dp_shard_sp") == "dp"
+
+
+def test_a_replicated_engine_refuses_hybrid_placements():
+    """The seam, by name: zero = 0 reduces each gradient over one group; given HSDP placements it
+    would leave the replica groups apart, so it refuses rather than train them apart."""
+    from torch import nn
+
+    from bigtrain.distributed.comm import AxisComm, CommStats
+    from bigtrain.parallel.data import DataParallel
+    from bigtrain.parallel.placement import Placements
+
+    model = nn.Linear(2, 2)
+    one = AxisComm("dp", None, 1, 0, CommStats())
+    placements = Placements.of_model(model, lambda axis: one, "dp_shard_sp", replica_axes=("dp_replicate",))
+    with pytest.raises(ValueError, match="parallel.dp_replicate > 1"):
+        DataParallel(model, one, placements=placements)
+
+
+# -- bad input, before launch ------------------------------------------------------------------------
+REFUSED = {
+    "product-not-dp": (["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
+                       ["parallel.dp = 2", "dp_replicate x parallel.dp_shard = 2 x 2 = 4", "set parallel.dp = 4"]),
+    "replicate-not-dividing-dp": (["--parallel.dp=3", "--parallel.dp_replicate=2", "--train.global_batch=6"],
+                                  ["parallel.dp_replicate = 2 does not divide parallel.dp = 3"]),
+    "replicate-zero": (["--parallel.dp_replicate=0"], ["parallel.dp_replicate = 0", ">= 1"]),
+    "zero-stage-0": ([*HSDP_2X2, "--parallel.zero=0"], ["parallel.zero = 0", "use parallel.zero = 1, 2 or 3"]),
+    "experts": ([*HSDP_2X2, "--parallel.zero=1", "--parallel.ep=2", "--model.moe_experts=4"],
+                ["parallel.ep = 2", "parallel.dp_replicate = 1"]),
+    "offload": ([*HSDP_2X2, "--parallel.zero=2", "--offload.optimizer=cpu"], ["offload", "parallel.dp_replicate = 1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_bad_hybrid_sharding_input_is_refused_naming_the_field_and_fix(name, corpus_cache):
+    overrides, words = REFUSED[name]
+    with pytest.raises(ConfigError) as err:
+        tiny_config(corpus_cache, *SMALL_BATCH, *overrides)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_the_axis_product_must_be_the_world_size(corpus_cache):
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, "--parallel.zero=1")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=2)
+    assert "dp x tp x pp x sp x cp = 4 x 1 x 1 x 1 x 1 = 4" in str(err.value), str(err.value)
+
+
+def test_dp_shard_given_with_dp_is_accepted(corpus_cache):
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, "--parallel.dp=4", "--parallel.dp_replicate=2",
+                      "--parallel.dp_shard=2", "--parallel.zero=3")
+    assert cfg.parallel.world_size == 4
+
+
+def _cli(tmp_path, monkeypatch, *args):
+    import bigtrain.cli as cli
+    import bigtrain.distributed.launch as launch
+
+    started = []
+    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir: started.append(("rank", cfg)) or 0)
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **_: started.append(("torchrun", nproc)) or 0)
+    monkeypatch.setattr(launch, "init_distributed", lambda *a, **k: started.append(("init", None)))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", "--preset", "tiny", *args, "--output-dir", str(tmp_path / "run")])
+    return code, started
+
+
+def test_the_cli_launches_dp_replicate_times_dp_shard_ranks(tmp_path, capsys, monkeypatch):
+    code, started = _cli(tmp_path, monkeypatch, "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
+                         "--parallel.zero=1", "--train.global_batch=16")
+    assert code == 0 and started == [("torchrun", 4)], (started, capsys.readouterr().err)
+
+
+def test_the_cli_refuses_bad_hybrid_sharding_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    code, started = _cli(tmp_path, monkeypatch, "--parallel.dp=2", "--parallel.dp_replicate=2",
+                         "--parallel.dp_shard=2", "--parallel.zero=1")
+    err = capsys.readouterr().err
+    assert code == 2 and started == [] and not (tmp_path / "run").exists()
+    assert "parallel.dp = 2 but parallel.dp_replicate x parallel.dp_shard = 2 x 2 = 4" in err, err
+
+
+# -- the planner and the fuzzer know HSDP ---------------------------------------------------------------
+def _planned(dp_replicate: int):
+    from bigtrain.plan import Cluster, Layout, ModelSpec, evaluate, get_profile
+
+    model = ModelSpec.build(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096)
+    cluster = Cluster.build(16, get_profile("h100-80g"))  # two nodes of 8
+    layout = Layout(dp=16, zero=3, micro_batch=1, recompute="full", dp_replicate=dp_replicate)
+    return model, layout, cluster, evaluate(model, layout, cluster, global_batch=64)
+
+
+def test_the_planner_prices_the_two_levels_on_their_own_links():
+    """dp 16 on two nodes of 8: ZeRO-3 over all 16 gathers across the nodes; HSDP 2 x 8 gathers and
+    reduce-scatters inside a node and sends only each unit's reduced shard across (an all-reduce of
+    2 ranks on the inter-node link, every micro-batch at ZeRO-3), and holds twice the optimizer state."""
+    from bigtrain.plan.cost import _largest_rank_units
+
+    _, _, _, flat = _planned(1)
+    model, layout, cluster, hsdp = _planned(2)
+    hw, m = cluster.hardware, hsdp.time.micro_batches
+    shards = [-(-n // 8) * 2 for n in _largest_rank_units(model, layout)]  # bf16 gradients, cut over 8
+    across = sum(hw.inter_node_latency_s * 2 + n / hw.inter_node_bandwidth for n in shards) * m
+    assert hsdp.time.breakdown["dp_replica_sync"] == pytest.approx(across, rel=1e-9)
+    assert "dp_replica_sync" not in flat.time.breakdown
+    assert hsdp.time.breakdown["zero_param_gather"] < flat.time.breakdown["zero_param_gather"] / 5  # NVLink
+    assert hsdp.memory.optimizer == pytest.approx(2 * flat.memory.optimizer, rel=1e-3)
+
+
+def test_parallel_auto_searches_dp_replicate_and_writes_it():
+    from bigtrain.plan.layout import Layout, layout_problems, parse_layout
+    from bigtrain.plan.search import candidate_layouts
+
+    model, _, cluster, _ = _planned(2)
+    found = {(l.dp, l.dp_replicate) for l in candidate_layouts(model, cluster, {"tp": 1, "pp": 1, "sp": 1, "zero": 3})}
+    assert (16, 2) in found and (16, 1) in found  # a ZeRO group per node, or ZeRO over all 16
+    assert "--parallel.dp_replicate=2" in Layout(dp=16, zero=3, dp_replicate=2).to_overrides()
+    assert parse_layout("dp=16,dp_replicate=2") == {"dp": 16, "dp_replicate": 2}
+    assert any("needs zero >= 1" in p for p in layout_problems(Layout(dp=16, dp_replicate=2), model, cluster, 64))
+
+
+def test_the_layout_fuzzer_draws_dp_replicate_and_validation_accepts_it():
+    import random
+
+    from bigtrain.check.fuzz import _valid, sample_layout
+
+    rng = random.Random(5)
+    drawn = [s for s in (sample_layout(rng) for _ in range(200)) if any("dp_replicate" in o for o in s)]
+    assert len(drawn) >= 3 and sum(map(_valid, drawn)) >= len(drawn) // 2, drawn
+
+
+def test_the_fit_check_and_the_run_record_see_the_configured_hsdp(corpus_cache):
+    """The layout a run records (run_info) and the fit check estimates is the configured one: its
+    ZeRO states cut over the group of dp_shard, twice what ZeRO over all of dp would hold."""
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.run_info import layout_text
+
+    hsdp = tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, "--parallel.zero=3")
+    plain = tiny_config(corpus_cache, *SMALL_BATCH, "--parallel.dp=4", "--parallel.zero=3")
+    assert "dp_replicate=2" in layout_text(hsdp) and "dp_replicate" not in layout_text(plain)
+    spec = ModelSpec.from_model_config(hsdp.model, hsdp.data.seq_len)
+    held = [estimate_memory(spec, _layout(c), get_profile("cpu"), 4).optimizer for c in (hsdp, plain)]
+    assert held[0] == pytest.approx(2 * held[1], rel=1e-2), held
+
+
+def _hsdp_groups(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from bigtrain.distributed.mesh import Mesh
+
+    mesh = Mesh({"dp_replicate": 2, "dp_shard": 2, "cp": 2}, rank)
+    sums = {}
+    for axis in ("dp_replicate", "dp_shard_sp", "dp"):
+        value = torch.tensor([float(rank)])
+        mesh.comm(axis).all_reduce(value)
+        sums[axis] = value.item()
+    held = {a: dist.get_process_group_ranks(mesh.groups[a]) for a in ("dp_replicate", "dp_shard_sp", "dp")}
+    return sums, held, mesh.groups["dp_shard_sp"] is mesh.groups["dp_shard"], mesh.comm("dp_shard_sp").axis
+
+
+def test_hsdp_groups_on_gloo_ranks():
+    """dp_replicate 2 x dp_shard 2 x cp 2 (8 ranks, cp inner): a ZeRO group is dp_shard x cp (4
+    adjacent ranks), the replicas are 4 apart, and the data rank spans both factors."""
+    groups = {"dp_replicate": [[0, 4], [1, 5], [2, 6], [3, 7]], "dp_shard_sp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+              "dp": [[0, 2, 4, 6], [1, 3, 5, 7]]}
+    for rank, (sums, held, shared, name) in enumerate(run_ranks(_hsdp_groups, 8, timeout=300)):
+        for axis, expected in groups.items():
+            mine = next(g for g in expected if rank in g)
+            assert held[axis] == mine and sums[axis] == sum(mine), (rank, axis, held, sums)
+        assert not shared and name == "dp_shard_sp"  # dp_shard x cp: a group of its own, counted as itself
