@@ -524,6 +524,15 @@ def check_async(cfg: Config) -> list[str]:
             problems.append(f"{what} needs parallel.pp >= 2 (with one stage there is no pipeline to keep full); "
                             f"use parallel.pp = 2 or parallel.pp_schedule = '1f1b'")
         problems += _async_needs_plain_replicas(cfg, what, ("dp", "tp", "sp", "ep"))
+        t = cfg.train
+        micro = t.global_batch // max(1, p.dp * t.micro_batch) if t.micro_batch > 0 else 0
+        if kind == "pipedream-2bw" and p.pp >= 2 and 0 < micro < p.pp:
+            # Found by the layout fuzzer (seed 20261308 sample 43: pp = 4, 2 micro-batches): the first
+            # stage starts the next step's forwards before the version they need exists.
+            problems.append(f"{what} with {micro} micro-batch{'es' if micro > 1 else ''} a step and parallel.pp = "
+                            f"{p.pp}: 2BW keeps two weight versions, which holds when a step has at least as many "
+                            f"micro-batches as stages; use train.global_batch >= {p.pp * p.dp * t.micro_batch} "
+                            f"(train.micro_batch x parallel.pp) or parallel.pp <= {micro}")
         if cfg.memory.checkpointing != "none":
             problems.append(f"memory.checkpointing = '{cfg.memory.checkpointing}' with {what}: recomputation in "
                             f"backward would read the live weights, not the micro-batch's stashed version; use "

@@ -106,3 +106,20 @@ def test_a_toml_boolean_sets_compile_enabled(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[compile]\nenabled = true\n")
     assert load_config("tiny", path=path).compile.enabled == "true"
+
+
+def test_a_split_backward_never_donates_buffers():
+    """zb-h1 keeps the graph for its W pass; AOT autograd's donated buffers forbid that. Graphs also
+    compile in backward (a region whose graph breaks under recomputation, as cp's ring inside a
+    recomputed attention: the fuzzer's seed 20261308 sample 17 crashed so), so it is off for the
+    process, not only inside our calls."""
+    import torch._functorch.config as aot_config
+
+    from bigtrain.parallel.compile import compiled_function
+
+    before = aot_config.donated_buffer
+    try:
+        compiled_function(lambda x: x * 2, keep_graph=True)
+        assert aot_config.donated_buffer is False
+    finally:
+        aot_config.donated_buffer = before

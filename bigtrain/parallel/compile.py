@@ -86,15 +86,16 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
 def compiled_function(fn, keep_graph: bool = False):
     """``torch.compile(fn)`` with static shapes; ``keep_graph``: for a backward that retains the graph
     (see :class:`CompiledRegion`)."""
-    compiled = torch.compile(fn, dynamic=False)
-    if not keep_graph:
-        return compiled
+    if keep_graph:
+        # AOT autograd donates a backward's saved buffers unless told not to, which forbids the
+        # retained graph zb-h1's split backward needs. Read when a graph compiles, and graphs also
+        # compile outside any call of ours: a region whose graph breaks under recomputation (cp's
+        # ring inside a recomputed attention) compiles its pieces again in backward. So it is set for
+        # the process: never donating is always correct, it only keeps some buffers longer.
+        import torch._functorch.config as aot_config  # loaded with dynamo, which may not be yet
 
-    def call(*args, **kwargs):
-        with torch._functorch.config.patch(donated_buffer=False):  # read when the graph compiles
-            return compiled(*args, **kwargs)
-
-    return call
+        aot_config.donated_buffer = False
+    return torch.compile(fn, dynamic=False)
 
 
 def _holds_eager(module: nn.Module) -> bool:
