@@ -72,3 +72,14 @@ def test_a_resumed_check_does_not_explain_updates_from_moments_it_never_verified
     report = run_ranks(check_on_rank, 2, cfg, str(tmp_path), 1, saved)[0]
     assert not report.agree and report.first_step == 2, report.text()
     assert any(f.kind == "weight" for f in report.findings), report.text()
+
+
+def test_the_replay_vouches_for_a_tied_copy_only_while_it_equals_the_weight_it_copies():
+    from bigtrain.check.replay import stepped_parameters
+
+    w, g = torch.randn(4, 3), torch.randn(4, 3)
+    before = ({"emb": w, "norm": torch.ones(3)}, {})
+    grads = {"emb": g}  # "norm" gathered no gradient: not stepped
+    updated = w - 1e-2 * g
+    assert stepped_parameters(before, grads, {"emb": updated, "head": updated.clone()}, {"head": "emb"}) == {"emb", "head"}
+    assert stepped_parameters(before, grads, {"emb": updated, "head": w.clone()}, {"head": "emb"}) == {"emb"}

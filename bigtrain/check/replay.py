@@ -95,12 +95,17 @@ def _replayed_adamw(before: tuple[dict, dict], grads: dict[str, torch.Tensor], a
     return out
 
 
-def stepped_parameters(before: tuple[dict, dict], grads: dict[str, torch.Tensor]) -> set[str]:
+def stepped_parameters(before: tuple[dict, dict], grads: dict[str, torch.Tensor], held: dict[str, torch.Tensor],
+                       copies: dict[str, str]) -> set[str]:
     """The parameters a replay steps: those whose full weight the layout's state holds and whose
-    reduced gradient it gathered (:func:`~bigtrain.check.reference_optim.replay_adamw`'s). A tied
-    weight's copy (``full_state`` holds the canonical name only) and a parameter without a
-    gradient are not among them."""
-    return {n for n in before[0] if n in grads}
+    reduced gradient it gathered (:func:`~bigtrain.check.reference_optim.replay_adamw`'s); and each
+    copy of a tied weight (``copies``: {name: the weight it copies}; ``full_state`` holds the
+    canonical name only) that the layout ``held`` after the step equal, within :data:`BOUND`, to
+    the replayed weight it copies: a stale or wrongly updated copy is not among them, nor is a
+    parameter without a gradient."""
+    stepped = {n for n in before[0] if n in grads}
+    return stepped | {n for n, c in copies.items() if c in stepped and n in held and c in held
+                      and relative_error(held[n], held[c]) <= BOUND}
 
 
 def updates_explained(findings: list, replayed: set[str], gradients: set[str]) -> tuple[list, list]:

@@ -259,7 +259,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
             if replaying and not result.skipped:
                 measured += [Finding("replayed", what, error, detail=detail) for what, error, detail
                              in replayed_step(before, grads, state, reference.learning_rate(step), cfg.optim)]
-                replayed = stepped_parameters(before, grads)
+                replayed = stepped_parameters(before, grads, weights, aliases)
             for m in measured:
                 report.worst[m.kind] = max(report.worst.get(m.kind, 0.0), m.error)
             findings = [m for m in measured if not m.error <= tol.of(m.kind)]
