@@ -83,3 +83,12 @@ def test_the_replay_vouches_for_a_tied_copy_only_while_it_equals_the_weight_it_c
     updated = w - 1e-2 * g
     assert stepped_parameters(before, grads, {"emb": updated, "head": updated.clone()}, {"head": "emb"}) == {"emb", "head"}
     assert stepped_parameters(before, grads, {"emb": updated, "head": w.clone()}, {"head": "emb"}) == {"emb"}
+
+
+def test_a_chain_of_replays_starts_fresh_only_from_no_moments_or_zero_ones():
+    from bigtrain.check.replay import starts_fresh
+
+    zero = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+    assert starts_fresh({"state": {}}) and starts_fresh({}) and starts_fresh({"state": {"w": zero}})  # offload allocates ahead
+    for changed in ({"step": torch.tensor(2.0)}, {"exp_avg": torch.tensor([0.0, 1e-30, 0.0])}):
+        assert not starts_fresh({"state": {"w": {**zero, **changed}}})  # a resumed run's loaded state

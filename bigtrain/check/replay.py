@@ -95,6 +95,13 @@ def _replayed_adamw(before: tuple[dict, dict], grads: dict[str, torch.Tensor], a
     return out
 
 
+def starts_fresh(state: dict) -> bool:
+    """Whether a layout's AdamW state (``full_state()``'s) is what torch's first step starts from:
+    none, or zero step counts and moments (an offloaded engine allocates them ahead of the step)."""
+    return all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+               for s in state.get("state", {}).values())
+
+
 def stepped_parameters(before: tuple[dict, dict], grads: dict[str, torch.Tensor], held: dict[str, torch.Tensor],
                        copies: dict[str, str]) -> set[str]:
     """The parameters a replay steps: those whose full weight the layout's state holds and whose
