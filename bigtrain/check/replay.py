@@ -95,16 +95,43 @@ def _replayed_adamw(before: tuple[dict, dict], grads: dict[str, torch.Tensor], a
     return out
 
 
-def updates_explained(findings: list, bound: float) -> tuple[list, list]:
+def starts_fresh(state: dict) -> bool:
+    """Whether a layout's AdamW state (``full_state()``'s) is what torch's first step starts from:
+    none, or zero step counts and moments (an offloaded engine allocates them ahead of the step)."""
+    return all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+               for s in state.get("state", {}).values())
+
+
+def stepped_parameters(before: tuple[dict, dict], grads: dict[str, torch.Tensor], held: dict[str, torch.Tensor],
+                       copies: dict[str, str]) -> set[str]:
+    """The parameters a replay steps: those whose full weight the layout's state holds and whose
+    reduced gradient it gathered (:func:`~bigtrain.check.reference_optim.replay_adamw`'s); and each
+    copy of a tied weight (``copies``: {name: the weight it copies}; ``full_state`` holds the
+    canonical name only) that the layout ``held`` after the step equal, within :data:`BOUND`, to
+    the replayed weight it copies: a stale or wrongly updated copy is not among them, nor is a
+    parameter without a gradient."""
+    stepped = {n for n in before[0] if n in grads}
+    return stepped | {n for n, c in copies.items() if c in stepped and n in held and c in held
+                      and relative_error(held[n], held[c]) <= BOUND}
+
+
+def updates_explained(findings: list, replayed: set[str], gradients: set[str]) -> tuple[list, list]:
     """(the findings that stand, the updated weights that the replay explains). Where every step so
-    far replayed within ``bound`` (the layout's optimizer is the reference's, applied to the
+    far replayed within its bound (the layout's optimizer is the reference's, applied to the
     layout's own gradient, weights and moments), a weight whose gradient was within its bound at
     every step can differ from the reference's only by the optimizer amplifying that gradient's
     rounding: Adam divides by sqrt(v) + eps, so an element whose gradient is near eps moves a
     sizeable part of the learning rate for a rounding error (the Hugging Face family's key biases:
-    the softmax cancels them but through the rotary rotation, their gradient near 1e-8)."""
+    the softmax cancels them but through the rotary rotation, their gradient near 1e-8).
+
+    Only a weight this step's replay stepped (``replayed``: :func:`stepped_parameters`) and whose
+    gradient was compared (``gradients``: the names of this step's gradient measurements) is
+    explained: a tied weight's copy, or a parameter the layout gathered no gradient for, was
+    neither replayed nor compared, so nothing says its value is the optimizer's doing. A skipped
+    step replays nothing and explains nothing."""
     if any(f.kind == "replayed" for f in findings):
         return findings, []
     off_gradients = {f.name for f in findings if f.kind == "gradient"}
-    explained = [f for f in findings if f.kind == "weight" and f.name not in off_gradients]
+    explained = [f for f in findings if f.kind == "weight" and f.name in replayed and f.name in gradients
+                 and f.name not in off_gradients]
     return [f for f in findings if f not in explained], explained
