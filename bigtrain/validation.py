@@ -526,13 +526,15 @@ def check_async(cfg: Config) -> list[str]:
         problems += _async_needs_plain_replicas(cfg, what, ("dp", "tp", "sp", "ep"))
         t = cfg.train
         micro = t.global_batch // max(1, p.dp * t.micro_batch) if t.micro_batch > 0 else 0
-        if kind == "pipedream-2bw" and p.pp >= 2 and 0 < micro < p.pp:
+        if kind == "pipedream-2bw" and p.pp >= 2 and 0 < micro < p.pp - 1:
             # Found by the layout fuzzer (seed 20261308 sample 43: pp = 4, 2 micro-batches): the first
-            # stage starts the next step's forwards before the version they need exists.
+            # stage starts step s + 2's forwards before step s's update, which makes their version,
+            # was posted. Measured: pp 4 with 2 micro-batches and pp 3 with 1 fail; pp 4 with 3, pp 3
+            # with 2 and pp 2 with 1 agree with the delayed reference.
             problems.append(f"{what} with {micro} micro-batch{'es' if micro > 1 else ''} a step and parallel.pp = "
-                            f"{p.pp}: 2BW keeps two weight versions, which holds when a step has at least as many "
-                            f"micro-batches as stages; use train.global_batch >= {p.pp * p.dp * t.micro_batch} "
-                            f"(train.micro_batch x parallel.pp) or parallel.pp <= {micro}")
+                            f"{p.pp}: 2BW keeps two weight versions, which holds when a step has at least pp - 1 = "
+                            f"{p.pp - 1} micro-batches; use train.global_batch >= "
+                            f"{(p.pp - 1) * p.dp * t.micro_batch} or parallel.pp <= {micro + 1}")
         if cfg.memory.checkpointing != "none":
             problems.append(f"memory.checkpointing = '{cfg.memory.checkpointing}' with {what}: recomputation in "
                             f"backward would read the live weights, not the micro-batch's stashed version; use "
