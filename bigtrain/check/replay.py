@@ -56,16 +56,8 @@ def replayed_step(before: tuple[dict, dict], grads: dict[str, torch.Tensor], aft
     if optim.name == "adamw":
         return _replayed_adamw(before, grads, after, lr, max_norm, optim)
     weights, state = replay_adamw8bit(before[0], before[1].get("state", {}), grads, lr, max_norm, optim)
-    held_weights, held_state = after[0], after[1].get("state", {})
     out = []
-    for name, expected in weights.items():
-        if name not in held_weights or name not in held_state:
-            out.append((f"parameter {name}", float("inf"), "the layout holds no such weight or state"))
-            continue
-        out.append((f"parameter {name}", relative_error(held_weights[name].reshape(expected.shape), expected), ""))
-        held, replay = held_state[name], state[name]
-        t = float(held["step"])
-        out.append((f"{name} step", 0.0 if t == replay["t"] else float("inf"), f"layout {t:g}, replay {replay['t']}"))
+    for name, held, replay in _held_against_replay(weights, state, after, out, step_key="t"):
         for key, replay_key in SCALES.items():
             out.append((f"{name} {key}", relative_error(held[key].reshape(-1).float(), replay[replay_key]), ""))
         for key in MOMENTS:
@@ -74,22 +66,29 @@ def replayed_step(before: tuple[dict, dict], grads: dict[str, torch.Tensor], aft
     return out
 
 
-def _replayed_adamw(before: tuple[dict, dict], grads: dict[str, torch.Tensor], after: tuple[dict, dict], lr: float,
-                    max_norm: float, optim) -> list[tuple[str, float, str]]:
-    """fp32 AdamW: the weights and both moments the layout holds after the step, against torch's
-    AdamW stepping from the layout's own weights, moments and gradient: the same inputs, so they
-    differ by the rounding of a few fp32 operations (one run's fused kernel, the other's loop)."""
-    weights, state = replay_adamw(before[0], before[1].get("state", {}), grads, lr, max_norm, optim)
+def _held_against_replay(weights: dict, state: dict, after: tuple[dict, dict], out: list, step_key: str):
+    """For each replayed parameter the layout holds: append its weight's and step count's findings
+    to ``out`` and yield (name, the layout's state, the replay's state) for the moments."""
     held_weights, held_state = after[0], after[1].get("state", {})
-    out = []
     for name, expected in weights.items():
         if name not in held_weights or name not in held_state:
             out.append((f"parameter {name}", float("inf"), "the layout holds no such weight or state"))
             continue
         out.append((f"parameter {name}", relative_error(held_weights[name].reshape(expected.shape), expected), ""))
         held, replay = held_state[name], state[name]
-        out.append((f"{name} step", 0.0 if float(held["step"]) == float(replay["step"]) else float("inf"),
-                    f"layout {float(held['step']):g}, replay {float(replay['step']):g}"))
+        t, r = float(held["step"]), float(replay[step_key])
+        out.append((f"{name} step", 0.0 if t == r else float("inf"), f"layout {t:g}, replay {r:g}"))
+        yield name, held, replay
+
+
+def _replayed_adamw(before: tuple[dict, dict], grads: dict[str, torch.Tensor], after: tuple[dict, dict], lr: float,
+                    max_norm: float, optim) -> list[tuple[str, float, str]]:
+    """fp32 AdamW: the weights and both moments the layout holds after the step, against torch's
+    AdamW stepping from the layout's own weights, moments and gradient: the same inputs, so they
+    differ by the rounding of a few fp32 operations (one run's fused kernel, the other's loop)."""
+    weights, state = replay_adamw(before[0], before[1].get("state", {}), grads, lr, max_norm, optim)
+    out = []
+    for name, held, replay in _held_against_replay(weights, state, after, out, step_key="step"):
         for key in ("exp_avg", "exp_avg_sq"):
             out.append((f"{name} {key}", relative_error(held[key].reshape(-1).float(), replay[key].reshape(-1)), ""))
     return out

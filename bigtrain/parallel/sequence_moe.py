@@ -67,7 +67,7 @@ class SequenceParts:
         return others.cumsum(1) - others + parts[:self.comm.rank].sum(0)
 
 
-class ChunkPairsOverCP:
+class ChunkPairsOverCP(SequenceParts):
     """An MoE block's view under context parallelism: cp rank i holds chunks i and 2cp-1-i of the
     2 x cp equal chunks of each sequence, in that order (:mod:`bigtrain.parallel.context`).
 
@@ -76,15 +76,6 @@ class ChunkPairsOverCP:
     counts, per chunk, gives each: ahead of chunk c's choice-j routings are every chunk's routings of
     earlier choices and the choice-j routings of chunks before c; this rank's own chunks are
     counted by the block's local queue (its first chunk always comes before its second)."""
-
-    def __init__(self, comm: AxisComm):
-        self.comm = comm
-
-    def length(self, local: int) -> int:
-        return local * self.comm.size
-
-    def total(self, t: torch.Tensor) -> torch.Tensor:
-        return reduce_from_group(t, self.comm, tag="moe_sequence")
 
     def queue_offsets(self, routed: torch.Tensor) -> torch.Tensor:
         n, rank = self.comm.size, self.comm.rank
