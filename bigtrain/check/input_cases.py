@@ -73,6 +73,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "model.dlrm_dense_features": (1, None), "embedding.dim": (1, None), "embedding.hotness": (1, None),
     "offload.prefetch_depth": (0, None), "offload.grad_buckets": (1, None),
     "parallel.local_sgd_every": (1, 2),  # with the preset's dp_sync = 'sync', only 1 is valid
+    "parallel.dp_replicate": (1, 2), "parallel.dp_shard": (0, 2),  # dp = 1: one group of one (dp_shard 0: dp's)
     "model.attention_head_dim": (0, None), "model.rope_original_max_len": (0, None),
 }
 # (low, low inclusive, high, high inclusive)
