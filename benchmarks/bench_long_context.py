@@ -16,7 +16,9 @@ The planner (``plan.evaluate``) predicts on a profile calibrated here, in the sa
 matmul peak included), each rank's rates scaled by its measured share of a core while ``cp`` ranks
 run at once (``calibrate.measure_shared_rate``, taken before and after the steps: the machine is
 shared, so both predictions are printed and the ratio uses their mean). ``--hardware-file`` skips
-the calibration.
+the calibration. Each step's CPU seconds per rank are printed too, against the planner at a whole
+core per rank: what the step would take with no other load, as the planner's one accelerator per
+rank.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class RankResult:
     activations: int  # peak bytes autograd saved in the probe step
     probe_s: float  # the probe step's forward and backward (no update)
     step_s: list[float]  # each timed training step
+    cpu_s: list[float]  # each timed step's CPU seconds of this rank's process (its threads, Gloo's too)
 
 
 def config(seq: int, cp: int, token_file: str, steps: int, overrides=()):
@@ -81,8 +84,12 @@ def _train_on_rank(rank: int, world_size: int, cfg, run_dir: str, steps: int) ->
     trainer.engine.finish_grad_sync()
     probe = time.perf_counter() - start
     trainer.engine.zero_grad()
-    times = [trainer.train_step().step_time_s for _ in range(steps)]
-    return RankResult(rank, tracker.peak, probe, times)
+    times, cpu = [], []
+    for _ in range(steps):
+        began = time.process_time()
+        times.append(trainer.train_step().step_time_s)
+        cpu.append(time.process_time() - began)
+    return RankResult(rank, tracker.peak, probe, times, cpu)
 
 
 def measure(seq: int, cp: int, steps: int, overrides=(), timeout: float = 3600) -> list[RankResult]:
@@ -130,12 +137,16 @@ def main() -> int:
     for r in results:
         print(f"  rank {r.rank}: saved activations {r.activations:,} B, planner {act_pred:,} B, "
               f"ratio {act_pred / r.activations:.4f}; probe step {r.probe_s:.1f} s; steps "
-              + ", ".join(f"{s:.1f}" for s in r.step_s) + " s")
+              + ", ".join(f"{s:.1f}" for s in r.step_s) + " s (CPU " + ", ".join(f"{s:.1f}" for s in r.cpu_s) + " s)")
     per_step = [max(r.step_s[i] for r in results) for i in range(args.steps)]
     measured = statistics.median(per_step)
     print(f"step time (slowest rank, median of {args.steps}): {measured:.2f} s; planner {time_pred:.2f} s "
           f"at a share of {share:.2f} ({span[0]:.2f} s at {before:.2f}, {span[1]:.2f} s at {after:.2f}); "
           f"ratio {time_pred / measured:.3f}")
+    cpu = statistics.median(max(r.cpu_s[i] for r in results) for i in range(args.steps))
+    alone = predict(args.seq, args.cp, hardware, 1.0, overrides)[1]
+    print(f"CPU seconds per step (a core to itself; slowest rank, median): {cpu:.2f} s; planner at a share of 1: "
+          f"{alone:.2f} s; ratio {alone / cpu:.3f}")
     worst = max(abs(act_pred / r.activations - 1) for r in results)
     print(f"activations: worst rank within {worst:.2%} of the planner's; step time within "
           f"{abs(time_pred / measured - 1):.1%}")
