@@ -271,3 +271,25 @@ def test_compiled_blocks_under_context_parallelism_match_the_reference(mode, cor
     report = _check(corpus_cache, tmp_path, ["--compile.enabled=true", "--parallel.cp=2", f"--parallel.cp_mode={mode}"],
                     steps=3)
     assert report.agree, report.text()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_cpu_flash_pair_equals_the_whole_pair(causal):
+    """A chunk pair's forward (output, log-sum-exp) and backward (dq, dk, dv against a merged
+    output and log-sum-exp that are not this pair's alone) by the CPU flash kernel the ring uses
+    on CPU and by the materialized scores it uses elsewhere, in float64: equal to rounding."""
+    from bigtrain.parallel.ring_attention import (_pair_backward, _pair_forward, _whole_pair_backward,
+                                                  _whole_pair_forward)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 3, 64, 16, dtype=torch.float64, generator=gen) for _ in range(4))
+    scale = 16 ** -0.5
+    flash, whole = _pair_forward(q, k, v, scale, causal), _whole_pair_forward(q, k, v, scale, causal)
+    for a, b in zip(flash, whole):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # as if another pair had been merged in: a larger log-sum-exp and a different output
+    out, lse = flash[0] * 0.5 + 0.1, flash[1] + 0.7
+    delta = (do * out).sum(-1)
+    for a, b in zip(_pair_backward(do, q, k, v, out, lse, delta, scale, causal),
+                    _whole_pair_backward(do, q, k, v, lse, delta, scale, causal)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -67,6 +67,46 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
     return s
 
 
+# One pair of chunks on a CPU: torch's flash attention kernel for the CPU, which tiles the scores
+# (a pair of 8k-token chunks would otherwise materialize 8192^2 x heads fp32 scores and as many
+# probabilities and score gradients, 1 GiB each at 4 heads) and, for a chunk against itself, skips
+# the blocks the causal mask removes. Its forward returns the log-sum-exp the ring merges by; its
+# backward, given the ring's merged output and log-sum-exp, computes this pair's share of dq, dk,
+# dv (its delta, rowsum(dO * O), is taken from the merged output: the same as the ring's own).
+# Elsewhere (CUDA) each pair's scores are materialized whole.
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _pair_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q k^T scale) v, its log-sum-exp per query) of one chunk pair, (batch, heads, ...)."""
+    if q.device.type == "cpu":
+        out, lse = _FLASH_CPU(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    return _whole_pair_forward(q, k, v, scale, causal)
+
+
+def _whole_pair_forward(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def _pair_backward(do, q, k, v, out, lse, delta, scale: float, causal: bool):
+    """One pair's (dq, dk, dv) given the ring's merged output ``out``, its log-sum-exp ``lse`` and
+    ``delta`` = rowsum(dO * out)."""
+    if q.device.type == "cpu":
+        return _FLASH_CPU_BACKWARD(do, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _whole_pair_backward(do, q, k, v, lse, delta, scale, causal)
+
+
+def _whole_pair_backward(do, q, k, v, lse, delta, scale: float, causal: bool):
+    p = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
+    ds = p * (do @ v.transpose(-1, -2) - delta[..., None])
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ do
+
+
 def _pairs(mine: tuple[int, ...], theirs: tuple[int, ...]):
     """(query chunk slot, key chunk slot, causal) for every pair whose keys a query may see."""
     for qi, a in enumerate(mine):
@@ -84,9 +124,7 @@ def attend_block(qs: list[torch.Tensor], block: torch.Tensor, mine: tuple[int, .
     ks = _expand_heads(_wide(block[0]), heads).chunk(len(theirs), dim=2)
     vs = _expand_heads(_wide(block[1]), heads).chunk(len(theirs), dim=2)
     for qi, ki, causal in _pairs(mine, theirs):
-        s = _scores(qs[qi], ks[ki], scale, causal)
-        part_lse = torch.logsumexp(s, dim=-1)
-        part = torch.exp(s - part_lse[..., None]) @ vs[ki]
+        part, part_lse = _pair_forward(qs[qi], ks[ki], vs[ki], scale, causal)
         if out[qi] is None:
             out[qi], lse[qi] = part, part_lse
         else:  # merge two softmaxes by their log-sum-exp
@@ -127,9 +165,9 @@ class _RingAttention(torch.autograd.Function):
         n, r, heads, kv_heads = comm.size, comm.rank, q.shape[1], k.shape[1]
         mine = chunks(r)
         parts = len(mine)
-        do = _wide(grad_out)
-        delta = (do * _wide(out)).sum(-1)  # rowsum(dO * O): the softmax's backward term
-        qs, dos = _wide(q).chunk(parts, dim=2), do.chunk(parts, dim=2)
+        do, wide_out = _wide(grad_out), _wide(out)
+        delta = (do * wide_out).sum(-1)  # rowsum(dO * O): the softmax's backward term
+        qs, dos, outs = _wide(q).chunk(parts, dim=2), do.chunk(parts, dim=2), wide_out.chunk(parts, dim=2)
         lses, deltas = lse.chunk(parts, dim=2), delta.chunk(parts, dim=2)
         dq = [torch.zeros_like(x) for x in qs]
         block = torch.stack((k, v)).contiguous()
@@ -144,11 +182,11 @@ class _RingAttention(torch.autograd.Function):
             dk = [torch.zeros_like(x) for x in ks]
             dv = [torch.zeros_like(x) for x in vs]
             for qi, ki, causal in _pairs(mine, chunks(source)):
-                p = torch.exp(_scores(qs[qi], ks[ki], scale, causal) - lses[qi][..., None])
-                dv[ki] += p.transpose(-1, -2) @ dos[qi]
-                ds = p * (dos[qi] @ vs[ki].transpose(-1, -2) - deltas[qi][..., None])
-                dq[qi] += ds @ ks[ki] * scale
-                dk[ki] += ds.transpose(-1, -2) @ qs[qi] * scale
+                dq_pair, dk_pair, dv_pair = _pair_backward(dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi],
+                                                           deltas[qi], scale, causal)
+                dq[qi] += dq_pair
+                dk[ki] += dk_pair
+                dv[ki] += dv_pair
             share = torch.stack((_fold_heads(torch.cat(dk, dim=2), kv_heads),
                                  _fold_heads(torch.cat(dv, dim=2), kv_heads)))
             _wait(grad_works)  # the previous hop: what the ranks before computed for this block

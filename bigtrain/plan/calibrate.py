@@ -79,6 +79,20 @@ def measure_memory_bandwidth(elements: int = 1 << 23, repeats: int = 10) -> floa
     return 2 * x.element_size() * elements / _median_seconds(lambda: torch.mul(x, 2.0, out=y), repeats)
 
 
+def measure_attention_fraction(peak: float, seq: int = 2048, heads: int = 4, head_dim: int = 32,
+                               repeats: int = 5) -> float:
+    """``attention_fraction`` on a CPU: the FLOP/s of torch's CPU flash attention kernel (what a
+    ring's chunk pairs run on a CPU, parallel/ring_attention.py) over ``peak``. Timed on a pair
+    without a mask, 4 s^2 d FLOPs per head (QK^T and AV), as most of a ring's pairs are; the
+    default shape is the ``small`` preset's heads (4 x 32) on 2k-token chunks."""
+    import torch
+
+    q, k, v = (torch.randn(1, heads, seq, head_dim) for _ in range(3))
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    seconds = _median_seconds(lambda: kernel(q, k, v, 0.0, False, scale=head_dim ** -0.5), repeats)
+    return min(1.0, 4 * heads * seq * seq * head_dim / seconds / peak)
+
+
 def fit_gemm_curve(points: list[tuple[int, int, int, float]], peak: float) -> tuple[float, float]:
     """(gemm_fraction, gemm_half_dim) minimizing the squared log error of predicted vs measured time."""
     best = (math.inf, 1.0, HALF_DIMS[0])

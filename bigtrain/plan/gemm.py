@@ -154,11 +154,12 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
     heads = model.heads / (t * u)  # the all-to-all (Ulysses): the whole sequence and heads / (t u)
     d, ring = model.head_dim, layout.ring
     # A ring of cp: each rank attends its 2 chunks of s / 2cp queries over the chunks before them,
-    # 2cp + 1 chunk pairs, each computed whole (the diagonal ones masked, not skipped).
+    # 2cp + 1 chunk pairs, two of them a chunk against itself (causal). A flash kernel (the ring's
+    # on a CPU) skips the masked half of those two: 2cp pairs' work; materialized, all 2cp + 1 whole.
     s, pairs = (model.seq, 1) if ring == 1 else (model.seq / (2 * ring), 2 * ring + 1)
     if hw.attention_kernel == "flash":
-        # causal: half of QK^T and AV's 4 s^2 d; a ring's pairs whole
-        flops = (2 if ring == 1 else 4 * pairs) * layout.micro_batch * heads * s * s * d
+        # causal: half of QK^T and AV's 4 s^2 d; a ring's 2cp - 1 whole pairs and 2 halves
+        flops = (2 if ring == 1 else 4 * (pairs - 1)) * layout.micro_batch * heads * s * s * d
         attention = flops / (hw.peak_flops(p) * hw.attention_fraction)
         fwd, bwd = fwd + attention, bwd + FLASH_BACKWARD * attention
     else:

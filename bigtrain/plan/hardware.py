@@ -326,8 +326,8 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
     """
     import torch
 
-    from bigtrain.plan.calibrate import (fit_gemm_curve, intra_op_threads, measure_gemms, measure_memory_bandwidth,
-                                         measure_op_overhead, measure_recompute_overhead)
+    from bigtrain.plan.calibrate import (fit_gemm_curve, intra_op_threads, measure_attention_fraction, measure_gemms,
+                                         measure_memory_bandwidth, measure_op_overhead, measure_recompute_overhead)
     from bigtrain.plan.calibrate_comm import measure_collectives
     from bigtrain.plan.weight_grad import measure_backward_split
 
@@ -356,6 +356,8 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
             values["hbm_bandwidth"] = measure_memory_bandwidth()
             source.append(f"element-wise memory bandwidth {values['hbm_bandwidth'] / 1e9:.1f} GB/s "
                           f"(32 MiB fp32 tensors)")
+            values["attention_fraction"] = measure_attention_fraction(values["peak_flops_fp32"])
+            source.append(f"flash attention (CPU kernel, 4 x 2048 x 32) at {values['attention_fraction']:.2f} of the matmul peak")
         split = measure_backward_split(**(split_stage or {}))
     values["weight_grad_fraction"] = split.weight_grad_fraction
     source.append(f"split backward: {split.describe()}")
