@@ -41,7 +41,7 @@ def test_train_help_lists_fields_defaults_and_examples(capsys):
     out = capsys.readouterr().out
     assert "examples:" in out and "bigtrain train --preset tiny" in out
     assert "--train.steps=300" in out  # the default preset's value
-    assert "[parallel] dp=1 tp=1" in out and "[train] steps=300" in out and "val_fraction=0" in out
+    assert "[parallel] dp=1 dp_replicate=1 dp_shard=0 tp=1" in out and "[train] steps=300" in out and "val_fraction=0" in out
 
 
 def _train_args(*argv):
