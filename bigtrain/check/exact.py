@@ -44,15 +44,15 @@ SINGLE_TENSORS = ("forward", "gradient", "weight")
 class ExactTwin:
     """A family reference's loop in float64, built and stepped only when a finding asks for it.
 
-    ``build``: makes the float64 reference (the reference class's ``exact(cfg, device)``; it returns
-    None where the reference rounds on purpose). ``start``: the first compared step (a resumed
+    ``build``: makes the float64 reference (the reference class's ``exact(cfg, device)``; :meth:`of`
+    gives no twin where the class's ``exact_problem`` names one). ``start``: the first compared step (a resumed
     check's reference replayed the steps before it); ``restart_delays``: that replay restarted an
     asynchronous pipeline's delays at ``start``, so the twin does too."""
 
     def __init__(self, build: Callable[[], object], start: int = 0, restart_delays: bool = False):
         self.build, self.start, self.restart_delays = build, start, restart_delays
         self.run = None
-        self.captured: dict[int, ReferenceStep] = {}
+        self.captured: tuple[int, ReferenceStep] | None = None  # the last step asked for
 
     @staticmethod
     def of(reference_class, cfg: Config, device: torch.device | str, start: int = 0,
@@ -66,16 +66,16 @@ class ExactTwin:
 
     def step(self, step: int) -> ReferenceStep:
         """The exact reference's capture of ``step`` (the steps before it are run uncaptured)."""
-        if step in self.captured:
-            return self.captured[step]
+        if self.captured is not None and self.captured[0] == step:
+            return self.captured[1]
         if self.run is None:
             self.run = self.build()
         while self.run.step < step:
             self.run.train_step()
             if self.restart_delays and self.run.step == self.start:
                 self.run.restart_delays()
-        self.captured = {step: self.run.train_step(capture=True)}
-        return self.captured[step]
+        self.captured = (step, self.run.train_step(capture=True))
+        return self.captured[1]
 
 
 def rounding_distance(kind: str, name: str, fp32: ReferenceStep, exact: ReferenceStep) -> float:

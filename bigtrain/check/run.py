@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from bigtrain.check.exact import ExactTwin, judge_against_exact
+from bigtrain.check.exact import SINGLE_TENSORS, ExactTwin, judge_against_exact
 from bigtrain.check.compare import Tolerance, assemble, relative_error, scalar_error, tolerance_for
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
 from bigtrain.check.reference_dlrm import OWN_STEP_REFERENCES
@@ -263,7 +263,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
             for m in measured:
                 report.worst[m.kind] = max(report.worst.get(m.kind, 0.0), m.error)
             findings = [m for m in measured if not m.error <= tol.of(m.kind)]
-            if twin is not None and any(m.kind in ("forward", "gradient", "weight") for m in findings):
+            if twin is not None and any(m.kind in SINGLE_TENSORS for m in findings):
                 exact = twin.step(step)
                 against_exact = _step_measurements(result, exact, grads, weights, shared, mesh, aliases)
                 findings, rounding = judge_against_exact(findings, against_exact, ref, exact, aliases, tol.tensor)

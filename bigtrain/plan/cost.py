@@ -174,12 +174,13 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
         b += extra
     else:
         f, b, w = seconds(forward), seconds(backward), seconds(weight_grad)
+    def exposed(comm: float, compute: float) -> float:  # what the compute beside it does not hide
+        return max(comm - hw.comm_overlap * compute, (1 - hw.comm_overlap) * comm)
+
     if cluster.engine.tp_comm_overlap:  # chunked under the GEMMs; the pipeline's tail stays exposed
-        tp_f, tp_b = (max(comm - hw.comm_overlap * compute, (1 - hw.comm_overlap) * comm)
-                      for comm, compute in ((tp_f, f), (tp_b, b)))
+        tp_f, tp_b = exposed(tp_f, f), exposed(tp_b, b)
     # The ring sends each hop while the block pair before it computes (ring_attention.py).
-    ring_f, ring_b = (max(comm - hw.comm_overlap * compute, (1 - hw.comm_overlap) * comm)
-                      for comm, compute in ((ring_f, f), (ring_b, b)))
+    ring_f, ring_b = exposed(ring_f, f), exposed(ring_b, b)
     return StageCosts(f, b, w, tp_f + sp_f + moe_f + ring_f, tp_b + sp_b + moe_b + ring_b, p2p, moe_f + moe_b,
                       ring_f + ring_b)
 
