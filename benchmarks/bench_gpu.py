@@ -128,6 +128,8 @@ def preset_config(name: str, args: argparse.Namespace, device: str, variant: str
         "--logging.measure_memory=false", "--checkpoint.save_final=false"]
     if args.cache_dir:
         overrides.append(f"--data.cache_dir={args.cache_dir}")
+    if variant == "fp8" and device != "cuda":  # the smoke run on the CPU: float8 numerics, emulated
+        overrides.append("--precision.fp8_emulate=true")
     cfg = load_config(preset=name, overrides=overrides + VARIANTS[variant])
     validate(cfg, world_size=1, cuda_available=device == "cuda")
     return cfg
@@ -171,7 +173,7 @@ def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | N
             "flops_per_token": spec.model_flops_per_token(), "step_s": times, "median_step_s": median,
             "tokens_per_s": tokens_per_s, "achieved_tflops": achieved / 1e12,
             "mfu": achieved / peak if peak else None, "loss_first_last": [losses[0], losses[-1]],
-            "peak_memory_gib": peak_memory,
+            "losses": losses, "peak_memory_gib": peak_memory,
             "checkpointing": cfg.memory.checkpointing, "zero": cfg.parallel.zero}
 
 
@@ -239,7 +241,7 @@ def run_hf_peer(name: str, args: argparse.Namespace, device: str, peak: float | 
             "micro_batch": batch, "accum": args.accum, "tokens_per_step": tokens,
             "flops_per_token": spec.model_flops_per_token(), "step_s": times, "median_step_s": median,
             "tokens_per_s": tokens / median, "achieved_tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
-            "loss_first_last": [losses[0], losses[-1]], "peak_memory_gib": peak_memory,
+            "loss_first_last": [losses[0], losses[-1]], "losses": losses, "peak_memory_gib": peak_memory,
             "checkpointing": "none", "zero": 0}
 
 
@@ -272,7 +274,7 @@ def report(args: argparse.Namespace, out: dict) -> None:
               f"{r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f} |")
     for skipped in out.get("skipped", []):
         print(f"| {skipped['preset']} | {skipped['variant']} | skipped: {skipped['why']} |")
-    for line in ratios(out["results"]):
+    for line in ratios(out["results"]) + fp8_losses(out["results"]):
         print(line)
     print("\nMFU = tokens/s x (6 N + 12 L h s) / peak; N = weights in matmuls (blocks and output head), "
           "L layers, h hidden size, s sequence length.")
@@ -288,6 +290,24 @@ def ratios(results: list[dict]) -> list[str]:
                        if r["peak_memory_gib"] is not None and peer["peak_memory_gib"] is not None else "")
                 lines.append(f"- {r['preset']} {r['variant']}: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x the "
                              f"tokens/s of LlamaForCausalLM + torch.compile{mem}")
+    return [""] + lines if lines else []
+
+
+LOSS_WINDOW = 10  # the last steps whose mean loss compares fp8 with bf16: one step's loss is noisy
+
+
+def fp8_losses(results: list[dict]) -> list[str]:
+    """fp8's loss at the end of the run against the compiled bf16 run's (same data, same steps):
+    the mean of the last LOSS_WINDOW steps' losses of each, and their relative difference."""
+    lines = []
+    for fp8 in (r for r in results if r["variant"] == "fp8" and r.get("losses")):
+        for bf16 in (r for r in results if r["preset"] == fp8["preset"] and r["variant"] == "compiled"):
+            if len(bf16.get("losses", [])) != len(fp8["losses"]):
+                continue
+            window = min(LOSS_WINDOW, len(fp8["losses"]))
+            a, b = (statistics.fmean(r["losses"][-window:]) for r in (fp8, bf16))
+            lines.append(f"- {fp8['preset']} fp8 after {len(fp8['losses'])} steps: mean loss of the last {window} "
+                         f"{a:.4f} vs bf16 (compiled) {b:.4f}: {(a - b) / b:+.2%}")
     return [""] + lines if lines else []
 
 
@@ -312,15 +332,16 @@ def main(argv=None) -> int:
     if any(p not in ("hf", "hf-compiled") for p in peers):
         raise SystemExit(f"--peer {args.peer}: use hf, hf-compiled or none")
     for preset in (p.strip() for p in args.presets.split(",") if p.strip()):
+        # The peers first: every ratio needs them, should a time limit cut the variants short.
+        for peer in peers:
+            out["results"].append(run_hf_peer(preset, args, device, peak, compiled=peer == "hf-compiled"))
+            _save(args, out)  # row by row: a run cut short by a time limit keeps what it measured
         for variant in (v.strip() for v in args.variants.split(",") if v.strip()):
             why = variant_missing(variant)
             if why:
                 out["skipped"].append({"preset": preset, "variant": variant, "why": why})
                 continue
             out["results"].append(run_preset(preset, args, device, peak, variant))
-            _save(args, out)  # row by row: a run cut short by a time limit keeps what it measured
-        for peer in peers:
-            out["results"].append(run_hf_peer(preset, args, device, peak, compiled=peer == "hf-compiled"))
             _save(args, out)
     report(args, out)
     _save(args, out)
