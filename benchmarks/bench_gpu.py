@@ -135,6 +135,31 @@ def preset_config(name: str, args: argparse.Namespace, device: str, variant: str
     return cfg
 
 
+class DeviceMemory:
+    """One run's device memory: ``peak_gib`` counts from what was allocated when it started (a
+    run before it that left memory behind does not inflate it), and ``leftover_gib`` is what this
+    run still holds once its objects are deleted and collected (0 for a run that frees everything:
+    more is a leak, reported rather than hidden)."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        self.base = 0
+        if self.cuda:
+            gc.collect()
+            self.base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def finish(self) -> dict:
+        """Call after the run's objects are deleted."""
+        gc.collect()
+        if not self.cuda:
+            return {"peak_memory_gib": None, "leftover_gib": None}
+        out = {"peak_memory_gib": (torch.cuda.max_memory_allocated() - self.base) / 2**30,
+               "leftover_gib": (torch.cuda.memory_allocated() - self.base) / 2**30}
+        torch.cuda.empty_cache()
+        return out
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -143,8 +168,7 @@ def _sync(device: str) -> None:
 def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | None, variant: str = "eager") -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as run_dir:
         cfg = preset_config(name, args, device, variant)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        memory = DeviceMemory(device)
         trainer = Trainer(cfg, Path(run_dir), Mesh({}), device)
         warm = [trainer.train_step() for _ in range(args.warmup)]
         losses, compile_s = [r.loss for r in warm], sum(r.compile_s for r in warm)
@@ -157,10 +181,7 @@ def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | N
             times.append(time.perf_counter() - start)
     params = count_parameters(trainer.model)
     del trainer  # the next preset gets the whole device
-    gc.collect()
-    peak_memory = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    measured = memory.finish()
     spec = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
     tokens = cfg.train.global_batch * cfg.data.seq_len
     median = statistics.median(times)
@@ -173,7 +194,7 @@ def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | N
             "flops_per_token": spec.model_flops_per_token(), "step_s": times, "median_step_s": median,
             "tokens_per_s": tokens_per_s, "achieved_tflops": achieved / 1e12,
             "mfu": achieved / peak if peak else None, "loss_first_last": [losses[0], losses[-1]],
-            "losses": losses, "peak_memory_gib": peak_memory,
+            "losses": losses, **measured,
             "checkpointing": cfg.memory.checkpointing, "zero": cfg.parallel.zero}
 
 
@@ -193,8 +214,7 @@ def run_hf_peer(name: str, args: argparse.Namespace, device: str, peak: float | 
                             max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                             tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False, **rope)
     hf_config._attn_implementation = "sdpa"
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    memory = DeviceMemory(device)
     torch.manual_seed(cfg.train.seed)
     model = LlamaForCausalLM(hf_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -228,10 +248,7 @@ def run_hf_peer(name: str, args: argparse.Namespace, device: str, peak: float | 
         times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
     del model, run, optimizer
-    gc.collect()
-    peak_memory = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    measured = memory.finish()
     spec = ModelSpec.from_model_config(cfg.model, seq)
     tokens = batch * args.accum * seq
     median = statistics.median(times)
@@ -241,7 +258,7 @@ def run_hf_peer(name: str, args: argparse.Namespace, device: str, peak: float | 
             "micro_batch": batch, "accum": args.accum, "tokens_per_step": tokens,
             "flops_per_token": spec.model_flops_per_token(), "step_s": times, "median_step_s": median,
             "tokens_per_s": tokens / median, "achieved_tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
-            "loss_first_last": [losses[0], losses[-1]], "losses": losses, "peak_memory_gib": peak_memory,
+            "loss_first_last": [losses[0], losses[-1]], "losses": losses, **measured,
             "checkpointing": "none", "zero": 0}
 
 
@@ -274,7 +291,10 @@ def report(args: argparse.Namespace, out: dict) -> None:
               f"{r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f} |")
     for skipped in out.get("skipped", []):
         print(f"| {skipped['preset']} | {skipped['variant']} | skipped: {skipped['why']} |")
-    for line in ratios(out["results"]) + fp8_losses(out["results"]):
+    leaks = [f"- {r['preset']} {r['variant']}: {r['leftover_gib']:.2f} GiB still allocated after the run was deleted "
+             "(a leak; the peak memory above counts from the memory allocated before the run)"
+             for r in out["results"] if (r.get("leftover_gib") or 0) > LEAK_GIB]
+    for line in ([""] + leaks if leaks else []) + ratios(out["results"]) + fp8_losses(out["results"]):
         print(line)
     print("\nMFU = tokens/s x (6 N + 12 L h s) / peak; N = weights in matmuls (blocks and output head), "
           "L layers, h hidden size, s sequence length.")
@@ -293,6 +313,7 @@ def ratios(results: list[dict]) -> list[str]:
     return [""] + lines if lines else []
 
 
+LEAK_GIB = 0.01  # what a deleted run may leave allocated (torch's own caches: cuBLAS workspaces, ...)
 LOSS_WINDOW = 10  # the last steps whose mean loss compares fp8 with bf16: one step's loss is noisy
 
 

@@ -77,19 +77,24 @@ class _Watch(TorchFunctionMode):
 class DeviceWatch:
     """``with DeviceWatch(device) as watch: ...`` then ``assert not watch.problems``."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, norms_on: torch.device | str | None = None):
+        """``norms_on``: where ``square_sums`` must put its accumulator, if not on ``device``: on the
+        host when the fp32 gradients live there (offload streams them to the host, issue 28; the
+        engine moves the two sums to ``device`` for the collective, which is still checked)."""
         self.device = torch.device(device)
+        self.norms_on = torch.device(norms_on) if norms_on is not None else self.device
         self.problems: list[str] = []
         self.checked = 0  # tensors handed to collectives that were looked at
         self._saved: dict[str, object] = {}
         self._mode = _Watch(self)
 
-    def _check(self, what: str, tensors) -> None:
+    def _check(self, what: str, tensors, expected: torch.device | None = None) -> None:
+        expected = expected or self.device
         for t in tensors:
             self.checked += 1
-            if not _same_device(t.device, self.device):
+            if not _same_device(t.device, expected):
                 self.problems.append(f"{what}: a {tuple(t.shape)} {t.dtype} tensor on {t.device}, "
-                                     f"expected {self.device}")
+                                     f"expected {expected}")
             elif getattr(t, _HOST, False):
                 self.problems.append(f"{what}: a {tuple(t.shape)} {t.dtype} host copy (made by .cpu()) "
                                      f"handed to a collective")
@@ -110,7 +115,7 @@ class DeviceWatch:
 
         def checked(*args, **kwargs):
             parts = original(*args, **kwargs)
-            watch._check(f"{module.__name__}.square_sums", [parts])
+            watch._check(f"{module.__name__}.square_sums", [parts], watch.norms_on)
             return parts
 
         return original, checked

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.grad_hooks import on_grad_ready
 
 if TYPE_CHECKING:
     from bigtrain.parallel.placement import Placements
@@ -123,7 +124,7 @@ class DataParallel:
         if replicated:
             self._broadcast_from_first_rank()
         if self._reduces:
-            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+            self._handles = on_grad_ready(self.params, self._on_grad_ready)
 
     def _make_bucket(self, params: list[nn.Parameter]) -> Bucket:
         dtype, device = params[0].dtype, params[0].device

@@ -48,6 +48,7 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim import OptimizerSpec, decay_groups, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
+from bigtrain.parallel.grad_hooks import on_grad_ready
 from bigtrain.parallel.data import rehome_grad, sync_off
 from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.allocate import allocate_units
@@ -109,8 +110,7 @@ class ZeroEngine:
         self._remaining = {id(u): len(u.params) for u in self.units}
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._grad_home = {id(p): view for u in self.units for p, view in zip(u.params, getattr(u, "grad_views", ()))}
-        for p in self._unit_of_params():
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        on_grad_ready(self._unit_of_params(), self._on_grad_ready)
         self.gatherer = ParameterGatherer(self, reshard_after_forward, prefetch) if stage == 3 else None
 
     def _groups(self) -> list[tuple[AxisComm, list[FlatUnit]]]:
