@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--fp8", default="none", help="tensorwise or rowwise: the block's linears in float8 "
+                   "(bigtrain/fp8; on a CPU emulated), in bf16: what fp8 adds to the block's kernels")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     cfg = load_config(preset=args.preset)
@@ -57,20 +59,30 @@ def main(argv: list[str] | None = None) -> int:
     model.to_empty(device=device)
     model.init_weights(seed=0)
     block = model.layers[0]
+    if args.fp8 != "none":  # the trainer's fp8 path: bf16 weights, float8 GEMMs, quantization compiled in
+        from bigtrain.fp8.linear import convert_to_float8, float8_matmuls_on
+        from bigtrain.fp8.scaling import Float8Recipe
+
+        backend = "scaled_mm" if device == "cuda" and float8_matmuls_on(device) else "emulated"
+        convert_to_float8(model, Float8Recipe(args.fp8), backend)
+        block = model.layers[0].to(torch.bfloat16)
     seq = min(cfg.data.seq_len, 2048)
     cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
-    x = torch.randn(args.batch, seq, cfg.model.dim, device=device, requires_grad=True)
+    dtype = torch.bfloat16 if args.fp8 != "none" else torch.float32
+    x = torch.randn(args.batch, seq, cfg.model.dim, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = cos.to(dtype), sin.to(dtype)
     compiled = torch.compile(block, dynamic=False)
 
     def step():
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" and args.fp8 == "none"):
             out = compiled(x, cos, sin)
         out.float().square().mean().backward()
 
     _, codes = run_and_get_code(step)
     kernels, library = _kernels(codes)
     fused = {what: [k for k in kernels if all(s in k for s in signs)] for what, signs in SIGNS.items()}
-    print(f"{args.preset} block on {device}: {len(codes)} graphs (forward, backward), {len(kernels)} generated kernels")
+    what = f" with {args.fp8} float8 linears" if args.fp8 != "none" else ""
+    print(f"{args.preset} block{what} on {device}: {len(codes)} graphs (forward, backward), {len(kernels)} generated kernels")
     for k in kernels:
         print(f"  {k}")
     print("library calls: " + ", ".join(f"{name} x{n}" for name, n in sorted(library.items())))

@@ -60,3 +60,19 @@ def test_the_1b_preset_has_about_a_billion_parameters():
     from bigtrain.models.llama import build_model, count_parameters
 
     assert 0.9e9 < count_parameters(build_model(load_config(preset="llama-1b").model)) < 1.1e9
+
+
+def test_the_step_profile_sorts_kernels_into_kinds():
+    """benchmarks/profile_gpu_step.py (issue 27's fp8 reading): kernel names land in the kind the
+    report needs, fp8 GEMMs apart from bf16 ones; the whole script runs through on the CPU."""
+    import profile_gpu_step as prof
+
+    assert prof.kind_of("sm90_xmma_gemm_e4m3e4m3_bf16_f32_tn_n_tilesize128x128x64") == "gemm (fp8)"
+    assert prof.kind_of("void cutlass::device_kernel<at::cuda::detail::f8f8bf16_rowwise>") == "gemm (fp8)"
+    assert prof.kind_of("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNN") == "gemm (bf16)"
+    assert prof.kind_of("triton_red_fused__to_copy_abs_amax_clamp_0") == "fused"
+    assert prof.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert prof.kind_of("void at::native::(anonymous namespace)::fused_adamw_kernel") == "optimizer"
+    assert prof.kind_of("Memcpy HtoD (Pinned -> Device)") == "copy"
+    rows = [prof.profile_variant("tiny", "eager", "cpu", warmup=0, steps=1)]
+    assert rows[0]["ms_per_step"] > 0 and rows[0]["kinds"].get("gemm (bf16)", 0) > 0
