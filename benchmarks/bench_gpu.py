@@ -94,6 +94,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def pick_device(script: str, allow_cpu: bool) -> str | None:
+    """'cuda' when there is one; else 'cpu' if ``allow_cpu`` (a smoke run), or None after saying
+    that the script skipped (the GPU lane's scripts exit 0 on a machine without a GPU)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if allow_cpu:
+        return "cpu"
+    print(f"{script}: {SKIPPED}")
+    return None
+
+
 def detect_peak(device_name: str, override_tflops: float) -> tuple[float | None, str]:
     if override_tflops > 0:
         return override_tflops * 1e12, f"--peak-tflops {override_tflops:g}"
@@ -338,12 +349,8 @@ def main(argv=None) -> int:
         with open(args.report_from) as f:
             report(args, json.load(f))
         return 0
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif args.allow_cpu:
-        device = "cpu"
-    else:
-        print(f"bench_gpu: {SKIPPED}")
+    device = pick_device("bench_gpu", args.allow_cpu)
+    if device is None:
         return 0
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     peak, peak_source = detect_peak(name, args.peak_tflops)

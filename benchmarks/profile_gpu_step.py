@@ -35,7 +35,7 @@ import common  # noqa: F401 - puts this checkout first on the path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_gpu import SKIPPED, parse_args as bench_args, preset_config
+from bench_gpu import parse_args as bench_args, pick_device, preset_config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.train import Trainer
 
@@ -102,12 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--allow-cpu", action="store_true")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif args.allow_cpu:
-        device = "cpu"
-    else:
-        print(f"profile_gpu_step: {SKIPPED}")
+    device = pick_device("profile_gpu_step", args.allow_cpu)
+    if device is None:
         return 0
     rows = [profile_variant(args.preset, v.strip(), device, args.warmup, args.steps)
             for v in args.variants.split(",") if v.strip()]
