@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--presets", default="small,llama-1b", help="comma-separated presets (default small,llama-1b)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per preset (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--loss-steps", type=int, default=0, help="timed steps of the compiled and fp8 variants "
+                   "instead of --steps: enough for fp8's loss to be compared with bf16's (default: --steps)")
     p.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch (default: the preset's)")
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the preset's)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
@@ -127,6 +129,11 @@ def variant_missing(variant: str) -> str:
     return ""
 
 
+def steps_of(variant: str, args: argparse.Namespace) -> int:
+    """Timed steps of ``variant``: --loss-steps for the two whose losses are compared, if given."""
+    return args.loss_steps if args.loss_steps and variant in ("compiled", "fp8") else args.steps
+
+
 def preset_config(name: str, args: argparse.Namespace, device: str, variant: str = "eager"):
     base = load_config(preset=name)
     micro = args.micro_batch or base.train.micro_batch
@@ -135,7 +142,7 @@ def preset_config(name: str, args: argparse.Namespace, device: str, variant: str
         "--precision.mode=bf16", f"--train.device={device}", f"--parallel.zero={args.zero}",
         f"--train.micro_batch={micro}", f"--train.global_batch={micro * args.accum}", f"--data.seq_len={seq}",
         f"--model.max_seq_len={max(seq, base.model.max_seq_len)}", f"--memory.checkpointing={args.checkpointing}",
-        f"--train.steps={args.warmup + args.steps}", "--logging.progress=false", "--logging.report=false",
+        f"--train.steps={args.warmup + steps_of(variant, args)}", "--logging.progress=false", "--logging.report=false",
         "--logging.measure_memory=false", "--checkpoint.save_final=false"]
     if args.cache_dir:
         overrides.append(f"--data.cache_dir={args.cache_dir}")
@@ -184,7 +191,7 @@ def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | N
         warm = [trainer.train_step() for _ in range(args.warmup)]
         losses, compile_s = [r.loss for r in warm], sum(r.compile_s for r in warm)
         times = []
-        for _ in range(args.steps):
+        for _ in range(steps_of(variant, args)):
             _sync(device)
             start = time.perf_counter()
             losses.append(trainer.train_step().loss)
