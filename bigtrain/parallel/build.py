@@ -32,7 +32,7 @@ from bigtrain.parallel.pipeline.schedules import Schedule, build_schedule
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.parallel.tensor.plan import TensorLayout, apply_plan, default_plan, register_partial_grad_hooks
-from bigtrain.parallel.tied import TiedCopies, record_tied_copies, shared_parameter_names
+from bigtrain.parallel.tied import TiedCopies, record_tied_copies, shared_parameter_names, to_empty_keeping_ties
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.precision import DynamicLossScaler
 from bigtrain.wrappers import transforms_of
@@ -207,7 +207,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, plan: EnginePlan, optim, i
                         placements: Placements, device: torch.device | str = "cpu") -> ReplicatedEngine:
     """Materialize ``model`` whole (each weight its rank's part, from ``init_fn``) and replicate it:
     bucketed all-reduce of each gradient over its placement's group, the optimizer on whole weights."""
-    model.to_empty(device=device)
+    to_empty_keeping_ties(model, device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(init_fn(name, tuple(p.shape)))
