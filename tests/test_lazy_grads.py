@@ -217,3 +217,22 @@ def test_the_peak_of_a_one_micro_batch_step_is_the_planners(stage, shape, corpus
     old_rule = pred.grads + pred.activations
     assert abs(predicted - moving) <= 0.05 * moving, (predicted, moving, measured, pred.lazy_grads)
     assert moving < old_rule, (moving, old_rule)  # the gradients are not all held with the activations
+
+
+@pytest.mark.parametrize("layout,global_batch,lazy", [
+    (Layout(zero=0, precision="bf16", micro_batch=4), 4, True),
+    (Layout(zero=2, precision="fp32", micro_batch=4), 4, True),  # stage 2 adds autograd's gradient in
+    (Layout(zero=0, precision="bf16", micro_batch=2), 4, False),  # the first micro-batch's held in the second
+    (Layout(zero=1, precision="fp32", micro_batch=4), 4, False),  # autograd accumulates into the buffer
+    (Layout(zero=3, precision="bf16", micro_batch=4), 4, False),
+    (Layout(zero=1, precision="bf16", micro_batch=1, pp=2), 4, False),
+    (Layout(zero=2, precision="bf16", micro_batch=4, offload_optimizer="cpu"), 4, False),
+], ids=["zero0-bf16", "zero2-fp32", "accumulating", "zero1-fp32", "zero3", "pipeline", "offload"])
+def test_the_planner_counts_lazy_gradients_only_where_a_forward_runs_without_them(layout, global_batch, lazy,
+                                                                                 corpus_cache):
+    cfg = tiny_config(corpus_cache)
+    pred = estimate_memory(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), layout, PRESETS["cpu"],
+                           global_batch)
+    assert (pred.lazy_grads is not None) == lazy
+    everything = pred.params + pred.grads + pred.optimizer + pred.activations + sum(pred.buffers.values())
+    assert pred.peak < everything if lazy else pred.peak == everything
