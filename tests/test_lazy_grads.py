@@ -236,3 +236,13 @@ def test_the_planner_counts_lazy_gradients_only_where_a_forward_runs_without_the
     assert (pred.lazy_grads is not None) == lazy
     everything = pred.params + pred.grads + pred.optimizer + pred.activations + sum(pred.buffers.values())
     assert pred.peak < everything if lazy else pred.peak == everything
+
+
+@pytest.mark.parametrize("schedule,stage", [("zb-h1", 1), ("1f1b", 2)])
+def test_pipelines_agree_with_the_reference(schedule, stage, corpus_cache, tmp_path):
+    """A pipeline's micro-batches accumulate into buffers regrown at their first gradient, through
+    the zero-bubble split backward (weight gradients after the input's) too."""
+    cfg = tiny_config(corpus_cache, "--parallel.pp=2", f"--parallel.pp_schedule={schedule}", f"--parallel.zero={stage}",
+                      "--precision.mode=bf16", "--train.global_batch=4", "--train.micro_batch=1")
+    report = run_ranks(check_on_rank, 2, cfg, str(tmp_path), 3)[0]
+    assert report.agree and report.steps == 3, report.text()
