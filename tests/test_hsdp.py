@@ -74,7 +74,8 @@ def _one_step(rank, world_size, cfg, run_dir):
     units = [(u.comm.axis, u.comm.size, u.replicas.axis, u.replicas.size, u.padded_numel) for u in engine.units]
     result = trainer.train_step(measure=True)
     params = sum(p.numel() for _, p in trainer.model.named_parameters())
-    return result.comm_ops, units, engine.state_bytes(), params
+    # What the step held (measured after its update, before its fp32 gradients are freed: lazy_grads.py).
+    return result.comm_ops, units, {k: result.mem[k] for k in ("params", "grads", "optimizer")}, params
 
 
 @pytest.mark.parametrize("zero", [2, 3])

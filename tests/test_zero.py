@@ -123,6 +123,9 @@ def test_measured_model_states_follow_the_zero_formulas(stage, world_size):
 def _states_at_scale(rank, world_size, stage):
     engine = _engine(rank, world_size, stage)
     engine.optimizer.step()  # no gradients: Adam allocates nothing, so count the moments it would
+    if stage <= 2:  # the fp32 gradients come with the first backward (lazy_grads.py)
+        assert engine.state_bytes()["grads"] == 0
+    engine._lazy.ensure_all()  # as the first gradient of each unit makes them
     shard = sum(u.shard_numel for u in engine.units)
     states = engine.state_bytes()
     states["optimizer"] += 8 * shard  # exp_avg + exp_avg_sq in fp32, shaped like the master shard

@@ -39,7 +39,13 @@ device keeps what :func:`offloaded_states` returns, the host and the files hold
 (with the profile's ``host_reserved_bytes``) and the NVMe each hold what they must.
 
 They are added to the end-of-forward activation peak although most live during backward, when
-activations are being freed: a conservative bound. The allocator allowance is the profile's
+activations are being freed: a conservative bound. The fp32 gradients are counted at that peak too,
+except where the runtime frees them between steps (:mod:`bigtrain.parallel.zero.lazy_grads`: ZeRO
+0-2 without offload, not fp32 at stages 0-1) and a step is one micro-batch without a pipeline: then
+none exist at the end of the forward, and they grow unit by unit while the backward frees
+activations (:func:`lazy_grad_moments`): the peak is the largest sum of activations and gradients
+held at the end of the forward (no gradients), when the first units' gradients are made (the loss's
+and the output layer's activations already freed) and when the last is (one block's activations left). The allocator allowance is the profile's
 ``fragmentation`` share of all that plus its fixed ``reserved_bytes`` (CUDA context, NCCL and
 cuBLAS workspaces); a layout fits when the total is at most the device's memory.
 """
@@ -52,6 +58,7 @@ from dataclasses import dataclass, field, replace
 
 from bigtrain.optim import get_optimizer
 from bigtrain.parallel.placement import dense
+from bigtrain.parallel.zero.lazy_grads import applies as frees_grads_between_steps
 from bigtrain.plan.activations import (block_activations, checkpointed_block_indices, fused_chunk_bytes,
                                        head_activations)
 from bigtrain.plan.gemm import linear_shapes
@@ -98,6 +105,10 @@ class RankMemory:
     nvme_capacity: int = 0
     detail: dict = field(default_factory=dict)
     optimizer_name: str = "adamw"  # whose declared state ``optimizer`` counts
+    # Gradients that do not exist at the end of the forward: the (activation bytes, gradient bytes)
+    # held together at the moments that can be the peak (:func:`lazy_grad_moments`); None: all of
+    # ``grads`` is held through the forward, with all of ``activations``.
+    lazy_grads: tuple[tuple[int, int], ...] | None = None
 
     @property
     def model_states(self) -> int:
@@ -105,8 +116,12 @@ class RankMemory:
 
     @property
     def peak(self) -> int:
-        """States + saved activations + buffers: what tensors hold at the worst moment."""
-        return self.model_states + self.activations + sum(self.buffers.values())
+        """States + saved activations + buffers: what tensors hold at the worst moment (the end of
+        the forward; with lazy gradients, the start or the end of the backward)."""
+        fixed = self.params + self.optimizer + sum(self.buffers.values())
+        if self.lazy_grads is None:
+            return fixed + self.grads + self.activations
+        return fixed + max(activations + grads for activations, grads in self.lazy_grads)
 
     @property
     def total(self) -> int:
@@ -389,11 +404,42 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
                      host=moved["host"] + host + hardware.host_reserved_bytes, host_capacity=hardware.host_memory_bytes,
                      nvme=moved["nvme"], nvme_capacity=hardware.nvme_bytes)
     mem.detail["host_activations"] = host
+    mem.lazy_grads = lazy_grad_moments(model, layout, global_batch, root, blocks, pp_rank, mem.activations,
+                                       mem.grads, optimizer, block)
+    if mem.lazy_grads is not None:
+        mem.detail["lazy_grads"] = [list(moment) for moment in mem.lazy_grads]
     mem.detail["host_states"], mem.detail["nvme_states"] = moved["host"], moved["nvme"]
     if tiers is not None:
         mem.detail["tiers"] = tiers
     mem.allocator = math.ceil(hardware.fragmentation * mem.peak) + hardware.reserved_bytes
     return mem
+
+
+def lazy_grad_moments(model: ModelSpec, layout: Layout, global_batch: int, root: Unit | None,
+                      blocks: list[Unit], pp_rank: int, activations: int, grads: int, optimizer: str = "adamw",
+                      block: int = 256) -> tuple[tuple[int, int], ...] | None:
+    """:attr:`RankMemory.lazy_grads`, where the runtime frees the fp32 gradients between steps and a
+    step is one micro-batch without a pipeline (with more, the gradients of the first are held
+    through the forwards of the others); None elsewhere. The (activations, gradients) held at:
+
+    - the end of the forward: every activation, no gradient;
+    - stages 0-1, the first gradients: a unit's buffer grows at its first gradient, the root unit's
+      at the output layer's (the loss's and the output layer's saved tensors are freed by then:
+      all of the head's are left out, as the final norm's are few) and the last block's next;
+    - stages 0-1, the last block's: every gradient, and that block's activations at most.
+    - stage 2: every reduced shard is folded in after the backward, when no activation is left (the
+      reduce-scatter outputs held until then are the ``zero_reduce_outputs`` buffer).
+    """
+    in_place = layout.zero <= 1 and layout.precision == "fp32"
+    if (not frees_grads_between_steps(layout.zero, in_place, host_step(layout)) or layout.pp > 1
+            or layout.micro_batches(global_batch) > 1):
+        return None
+    if layout.zero >= 2:
+        return (activations, 0), (0, grads)
+    (_, head, largest), = _stage_chunks(model, layout, pp_rank)
+    last_block = blocks[-2:] if model.experts and layout.ep > 1 else blocks[-1:]  # its experts: a unit apart
+    first = sum(unit_state_bytes([u], layout, optimizer, block)["grads"] for u in ([root] if root else []) + last_block)
+    return (activations, 0), (max(0, activations - math.ceil(head)), first), (min(activations, math.ceil(largest)), grads)
 
 
 def offloaded_states(tiers: dict[str, dict[str, int]]) -> tuple[dict[str, int], dict[str, int]]:

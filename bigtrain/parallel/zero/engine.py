@@ -22,6 +22,9 @@ buffer as it arrives and then dropped (``param.grad`` stays None: clear with :me
 in fp32 ``param.grad`` is a view of the buffer, so autograd accumulates in place. With offload on a
 GPU no fp32 gradient stays on the device: every unit's reduced gradient of every micro-batch goes
 through a few device buckets to its fp32 accumulator in host memory (:mod:`.grad_stream`).
+Without offload, where autograd's gradient is a tensor of its own (not fp32 compute at stages 0-1)
+and below stage 3, the fp32 buffers hold memory only from a step's first gradient to its update
+(:mod:`.lazy_grads`): the forward of a one-micro-batch step runs without them.
 
 Each unit (a transformer block, plus a root unit for the rest) is a :class:`FlatUnit`. Gradients
 are reduced per unit as soon as the unit's last gradient arrives in backward, so communication
@@ -54,6 +57,7 @@ from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.allocate import allocate_units
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
+from bigtrain.parallel.zero.lazy_grads import gradient_buffers
 from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
 from bigtrain.core.blocks import default_unit_modules
 from bigtrain.parallel.zero.tiers import device_state_bytes, held_bytes
@@ -102,6 +106,8 @@ class ZeroEngine:
         # Autograd accumulates straight into the fp32 gradient buffer only when it computes in fp32.
         self._grads_in_place = stage <= 1 and not precision.mixed and self._host_grads is None
         self._allocate(init_fn)
+        # fp32 gradient buffers freed between an update and the next gradient, where that applies
+        self._lazy = gradient_buffers(self.units, stage, self._grads_in_place, self.offload is not None)
         self.optimizer = self._build_optimizer(optim)
         if self.offload is not None:  # up front: the first step should cost what the others do
             self.offload.allocate_state()
@@ -203,6 +209,7 @@ class ZeroEngine:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit = self._unit_of[id(param)]
         if self.stage <= 1 and self._host_grads is None:
+            self._lazy.ensure(unit)  # the unit's first gradient of the step: zeros to add into
             self._accumulate(param)
             if not self._sync:
                 return
@@ -231,6 +238,7 @@ class ZeroEngine:
             if self._grads_in_place:
                 for p, view in zip(unit.params, unit.grad_views):
                     rehome_grad(p, view)  # a parameter without a gradient since torch's zero_grad adds zeros
+            self._lazy.ensure(unit)  # a unit whose gradients never came reduces zeros
             if unit.comm.size == 1 and unit.replicas.size == 1:
                 return  # the local sum is the result; a cast to the reduce dtype would only round it
             payload = unit.full_grad if unit.full_grad.dtype == reduce_dtype else unit.full_grad.to(reduce_dtype)
@@ -290,6 +298,7 @@ class ZeroEngine:
         if self._host_grads is not None:
             self._host_grads.finish(self.units)
         self._complete(lambda u: True)
+        self._lazy.ensure_all()  # stage 2: a unit none of whose gradients came is not reduced: zeros
 
     def _complete(self, which) -> None:
         """Wait for the pending reductions of the units ``which`` selects; fold them into the shards."""
@@ -312,6 +321,7 @@ class ZeroEngine:
             elif self.offload is not None and self.offload.grads_in_files:
                 self.offload.fold_grad(unit, out)
             else:
+                self._lazy.ensure(unit)
                 unit.grad_shard.add_(out)
         self._pending = keep
 
@@ -319,7 +329,9 @@ class ZeroEngine:
         """This rank's reduced gradient of parameter ``name`` after :meth:`finish_grad_sync` (a view
         the step reads: changing it changes the update), and the index in the parameter of its
         first element; empty where this rank's shard holds none of it."""
-        return self._unit_holding(name).slot_grad_piece(name)
+        unit = self._unit_holding(name)
+        self._lazy.ensure(unit)
+        return unit.slot_grad_piece(name)
 
     def _unit_holding(self, name: str) -> FlatUnit:
         for unit in self.units:
@@ -337,6 +349,7 @@ class ZeroEngine:
         in_files = self.offload is not None and self.offload.grads_in_files
         if in_files:
             self.offload.grad_in(unit)
+        self._lazy.ensure(unit)
         try:
             yield unit.slot_grad_piece(name)
         finally:
@@ -352,6 +365,7 @@ class ZeroEngine:
             self.offload.before_step()  # a delayed update: the last step's, published now
         if self.offload is not None and self.offload.grads_in_files:
             return self.offload.step_streaming(lr, max_norm, skip)
+        self._lazy.ensure_all()  # a step with no backward since the last: zeros, as before
         grads = [u.grad_shard for u in self.units]  # fp32 (on the host with offload): unscaled and clipped in place
         if self.scaler is not None:
             torch._foreach_div_(grads, self.scaler.scale)
@@ -434,6 +448,10 @@ class ZeroEngine:
                 self._host_grads.reset(unit)  # the next step's first fold overwrites it: nothing to zero
                 for p in unit.params:
                     p.grad = None
+            elif self._lazy.active:  # the update has consumed it: no bytes until the next gradient
+                self._lazy.release(unit)
+                for p in unit.params:
+                    p.grad = None
             elif self.stage <= 1:
                 unit.full_grad.zero_()
                 for p, view in zip(unit.params, unit.grad_views):
@@ -462,6 +480,7 @@ class ZeroEngine:
     def full_grads(self) -> dict[str, torch.Tensor]:
         from bigtrain.parallel.zero.state import full_grads
 
+        self._lazy.ensure_all()
         return full_grads(self)
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim_state: dict) -> None:

@@ -1,0 +1,95 @@
+"""fp32 gradient buffers that hold memory only from a step's first gradient to its optimizer step.
+
+A ZeRO unit's fp32 gradient buffer (``full_grad`` at stages 0-1, the ``grad_shard`` at stage 2) is
+4 bytes per parameter (3.6 GiB for a 1B model). Kept for the whole run it sits in memory through
+every forward, next to the activations, although it holds nothing there: the previous step's
+optimizer consumed it and the next gradient has not come. PyTorch's own loop frees ``p.grad``
+after each step (``zero_grad(set_to_none=True)``) and regrows it in backward; so do we, without
+dropping the tensor: after the step the buffer's storage is resized to zero bytes, and it is
+resized back and zeroed when the unit's first gradient of the next step arrives (stages 0-1: the
+first add of a micro-batch's gradient; stage 2: the first reduced shard folded in, in
+``finish_grad_sync``). Resizing the storage keeps every view of it valid (the per-parameter
+``grad_views``, the ``grad_shard`` of stages 0-1, the optimizer's ``view.grad`` pieces), as
+ZeRO-3's gathered parameter buffers do (:meth:`FlatUnit.free_full`).
+
+Within a step the buffers stay: micro-batches accumulate into them, and a pipeline's later
+forwards run with them allocated; so the saving is a one-micro-batch, no-pipeline step's, where
+no fp32 gradient exists at the end of the forward (:func:`bigtrain.plan.memory.lazy_grad_peak`
+counts it the same way).
+
+Where it applies (:func:`applies`): autograd's gradient arrives in a tensor of its own and is
+added (or reduced, then added) into the fp32 buffer, i.e. not with fp32 compute at stages 0-1,
+where ``param.grad`` *is* a view of the buffer and autograd accumulates into it; not with offload,
+whose gradients live on the host or in files and are managed by :mod:`.offload` / :mod:`.grad_stream`;
+not at stage 3, whose shard is the same 4P/N as stage 2's but which is not built for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bigtrain.parallel.zero.flat import FlatUnit
+
+
+def applies(stage: int, grads_in_place: bool, offloaded: bool) -> bool:
+    """Whether a ZeRO engine of this kind frees its fp32 gradient buffers between steps."""
+    return stage <= 2 and not grads_in_place and not offloaded
+
+
+def gradient_buffers(units: list[FlatUnit], stage: int, grads_in_place: bool, offloaded: bool
+                     ) -> "LazyGrads | KeptGrads":
+    """The engine's gradient buffers' lifetime: :class:`LazyGrads` (released now, until the first
+    gradient) where :func:`applies`, else :class:`KeptGrads` (allocated for the whole run)."""
+    if not applies(stage, grads_in_place, offloaded):
+        return KeptGrads()
+    lazy = LazyGrads(units, stage)
+    lazy.release_all()
+    return lazy
+
+
+class KeptGrads:
+    """Buffers the engine keeps allocated (and zeroes itself): nothing to release or regrow."""
+
+    active = False
+
+    def ensure(self, unit: FlatUnit) -> bool:
+        return False
+
+    def ensure_all(self) -> None:
+        pass
+
+
+class LazyGrads:
+    """The units' fp32 gradient buffers, released after a step and regrown (as zeros) on first use."""
+
+    active = True
+
+    def __init__(self, units: list[FlatUnit], stage: int):
+        self.units, self.stage = units, stage
+
+    def buffer(self, unit: FlatUnit) -> torch.Tensor:
+        """The tensor that owns the unit's fp32 gradient storage (the others are views of it)."""
+        return unit.full_grad if self.stage <= 1 else unit.grad_shard
+
+    def release(self, unit: FlatUnit) -> None:
+        """No bytes until the next gradient (every view stays, pointing at none)."""
+        self.buffer(unit).untyped_storage().resize_(0)
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            self.release(unit)
+
+    def ensure(self, unit: FlatUnit) -> bool:
+        """The unit's buffer in memory, zeros if it was released; whether it was."""
+        buf = self.buffer(unit)
+        storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
+        if storage.nbytes() >= nbytes:
+            return False
+        storage.resize_(nbytes)
+        buf.zero_()
+        return True
+
+    def ensure_all(self) -> None:
+        """Every buffer in memory: a unit whose gradients never came reads as zeros."""
+        for unit in self.units:
+            self.ensure(unit)
