@@ -7,7 +7,10 @@ eager trainer and a compiled one (``compile.enabled = true``) built on the same 
 After ``--warmup`` steps of each (the compiled one's first step compiles), timed steps alternate
 eager, compiled, compiled, eager, ... so that load drift hits both alike; the report gives each
 side's median step and their ratio (eager / compiled: above 1 the compiled step is faster), the
-compile time and the steps it takes to pay for itself. Losses of the two agree within fp32's
+compile time and the steps it takes to pay for itself. The step is wall time; each step's CPU time
+(this thread's, ``time.thread_time``) is reported beside it, with the load average: on a shared
+machine a preempted step's wall time grows and its CPU time does not, so the CPU ratio is the one
+that two runs under different loads can be compared by. Losses of the two agree within fp32's
 1e-5 at every step (checked; compile changes the order of float reductions, not the math).
 
 Parity: ``python -m bigtrain.check.fuzz N SEED --compile-share 1`` (each decoder sample compiled;
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -63,11 +67,17 @@ def _trainer(args, compiled: bool, run_dir: str) -> Trainer:
     return Trainer(cfg, Path(run_dir), Mesh({}), "cpu")
 
 
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
 def speed(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
         eager, compiled = _trainer(args, False, f"{tmp}/eager"), _trainer(args, True, f"{tmp}/compiled")
         losses = {"eager": [], "compiled": []}
         times = {"eager": [], "compiled": []}
+        cpu = {"eager": [], "compiled": []}
+        faults = {"eager": [], "compiled": []}  # minor page faults: memory the allocator gave back, touched again
         compile_s = 0.0
         for side, trainer in (("eager", eager), ("compiled", compiled)):
             for _ in range(args.warmup):
@@ -77,18 +87,23 @@ def speed(args) -> dict:
         for i in range(args.steps):
             for side in (("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")):
                 trainer = eager if side == "eager" else compiled
-                start = time.perf_counter()
+                start, start_cpu, start_faults = time.perf_counter(), time.thread_time(), _minor_faults()
                 result = trainer.train_step()
                 times[side].append(time.perf_counter() - start)
+                cpu[side].append(time.thread_time() - start_cpu)
+                faults[side].append(_minor_faults() - start_faults)
                 losses[side].append(result.loss)
                 compile_s += result.compile_s if side == "compiled" else 0.0
     errors = [abs(a - b) / abs(b) for a, b in zip(losses["compiled"], losses["eager"])]
     if max(errors) > 1e-5:
         raise SystemExit(f"bench_compile: compiled losses differ from eager by {max(errors):.1e} > 1e-5")
     med = {side: statistics.median(t) for side, t in times.items()}
+    med_cpu = {side: statistics.median(t) for side, t in cpu.items()}
     saved = med["eager"] - med["compiled"]
     return {"preset": args.preset, "tokens_per_step": eager.global_tokens, "median_step_s": med,
-            "step_s": times, "speedup": med["eager"] / med["compiled"], "compile_s": compile_s,
+            "step_s": times, "speedup": med["eager"] / med["compiled"], "median_step_cpu_s": med_cpu,
+            "step_cpu_s": cpu, "cpu_speedup": med_cpu["eager"] / med_cpu["compiled"],
+            "median_minor_faults": {side: statistics.median(f) for side, f in faults.items()}, "compile_s": compile_s,
             "break_even_steps": compile_s / saved if saved > 0 else None, "loss_max_rel_diff": max(errors),
             "losses": losses}
 
@@ -119,6 +134,10 @@ def main(argv=None) -> int:
           f"{s['median_step_s']['compiled'] * 1e3:.1f} ms/step: {s['speedup']:.2f}x; compile {s['compile_s']:.1f} s, "
           f"paid back after {s['break_even_steps'] or float('inf'):.0f} steps; losses within "
           f"{s['loss_max_rel_diff']:.1e}", flush=True)
+    print(f"  CPU time: eager {s['median_step_cpu_s']['eager'] * 1e3:.1f} ms/step, compiled "
+          f"{s['median_step_cpu_s']['compiled'] * 1e3:.1f} ms/step: {s['cpu_speedup']:.2f}x; minor page faults "
+          f"{s['median_minor_faults']['eager']:.0f} / {s['median_minor_faults']['compiled']:.0f} a step; load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after", flush=True)
     if args.fuzz:
         p = out["parity"] = parity(args)
         print(f"fuzz: {args.fuzz} samples, seed {args.seed}, decoders compiled: "

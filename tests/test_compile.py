@@ -69,6 +69,36 @@ def test_compiled_layouts_match_the_independent_reference(layout, corpus_cache, 
     assert report.agree, report.text()
 
 
+def test_on_a_cpu_the_graphs_are_called_through_inductor_s_cpp_wrapper(corpus_cache, tmp_path):
+    """The compiled CPU step is MKL-bound and Python launching was the largest cost left outside
+    the kernels (docs/compile.md): on a CPU every region and the loss compile with inductor's C++
+    wrapper, and torch honours it (the generated wrapper is C++); on a GPU, inductor's default."""
+    from torch._inductor.utils import fresh_cache
+
+    from bigtrain.models.llama import Llama
+    from bigtrain.parallel.compile import apply_compile
+
+    trainer = Trainer(tiny_config(corpus_cache, *COMPILE), tmp_path / "run", Mesh({}), "cpu")
+    regions = [m for m in trainer.parallel.model.modules() if isinstance(m, CompiledRegion)]
+    assert len(regions) == 3 and all(r.cpp_wrapper for r in regions)  # two blocks and the final norm
+    assert trainer.parallel.compiled.cpp_wrapper and trainer.parallel.compiled.loss_fn is not None
+    with torch.device("meta"):
+        on_gpu = Llama(trainer.cfg.model)
+    compiled = apply_compile(on_gpu, device="cuda")
+    assert not compiled.cpp_wrapper
+    assert not any(m.cpp_wrapper for m in on_gpu.modules() if isinstance(m, CompiledRegion))
+
+    cache = tmp_path / "inductor"
+    cache.mkdir()
+    torch.manual_seed(0)
+    with fresh_cache(dir=str(cache), delete=False):  # compiles now, whatever this machine's cache holds
+        block = FeedForward(16, 32)
+        x = torch.randn(2, 16, requires_grad=True)
+        CompiledRegion(block, cpp_wrapper=True)(x).sum().backward()
+    wrappers = [p for p in cache.rglob("*.cpp") if "inductor_entry" in p.read_text()]
+    assert len(wrappers) >= 2, "the forward and the backward graph each get a C++ wrapper"
+
+
 def test_a_region_the_compiler_fails_on_runs_eagerly_after_one_named_warning():
     torch.manual_seed(0)
     block = FeedForward(16, 32)

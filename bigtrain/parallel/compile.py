@@ -22,6 +22,13 @@ and the target's log-probability, without tensor parallelism) is compiled as a f
 Graphs are static (``dynamic=False``): a step's shapes never change, so after the first step (and
 the first evaluation, which runs without a graph for backward) nothing compiles again;
 :class:`CompileClock` counts what compiled and how long it took, for the metrics.
+
+On a CPU the graphs are called through inductor's C++ wrapper (``cpp_wrapper``), not its Python
+one: the same kernels and library calls, launched from one compiled function per graph instead of
+a Python function that calls them one by one. The step is MKL-bound and the Python launching was
+the largest cost left outside the kernels: the C++ wrapper took 0.5-6% (4% on average) off the
+compiled ``small`` step's CPU time (docs/compile.md). On a GPU, Python launching hides behind the
+device's queue, and the wrapper is left as inductor's default.
 """
 
 from __future__ import annotations
@@ -60,14 +67,16 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
     """Runs what it wraps through ``torch.compile`` (static shapes). Its one backward computes the
     input and weight gradients together (``WholeBackward``). ``keep_graph``: backward runs with the
     graph retained (the zero-bubble split backward), so the compiled backward must not reuse its
-    saved tensors' memory (AOT autograd's donated buffers). If the compiler fails on it, the region
+    saved tensors' memory (AOT autograd's donated buffers). ``cpp_wrapper``: inductor's C++ wrapper
+    calls the graph (for a CPU: see the module docstring). If the compiler fails on it, the region
     runs eagerly from then on, after one :class:`CompileFallbackWarning` per process."""
 
     kind = "compile"
 
-    def __init__(self, module: nn.Module, keep_graph: bool = False):
+    def __init__(self, module: nn.Module, keep_graph: bool = False, cpp_wrapper: bool = False):
         super().__init__(module)
-        object.__setattr__(self, "compiled", compiled_function(module.forward, keep_graph))
+        object.__setattr__(self, "compiled", compiled_function(module.forward, keep_graph, cpp_wrapper))
+        object.__setattr__(self, "cpp_wrapper", cpp_wrapper)
         object.__setattr__(self, "failed", False)
 
     def forward(self, *args, **kwargs):
@@ -83,9 +92,10 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
             return self.wrapped.forward(*args, **kwargs)
 
 
-def compiled_function(fn, keep_graph: bool = False):
+def compiled_function(fn, keep_graph: bool = False, cpp_wrapper: bool = False):
     """``torch.compile(fn)`` with static shapes; ``keep_graph``: for a backward that retains the graph
-    (see :class:`CompiledRegion`)."""
+    (see :class:`CompiledRegion`); ``cpp_wrapper``: graphs called through inductor's C++ wrapper
+    (regions compiled with the same options share their graphs: dynamo matches them by options)."""
     if keep_graph:
         # AOT autograd donates a backward's saved buffers unless told not to, which forbids the
         # retained graph zb-h1's split backward needs. Read when a graph compiles, and graphs also
@@ -95,14 +105,14 @@ def compiled_function(fn, keep_graph: bool = False):
         import torch._functorch.config as aot_config  # loaded with dynamo, which may not be yet
 
         aot_config.donated_buffer = False
-    return torch.compile(fn, dynamic=False)
+    return torch.compile(fn, dynamic=False, options={"cpp_wrapper": True} if cpp_wrapper else None)
 
 
 def _holds_eager(module: nn.Module) -> bool:
     return any(isinstance(m, EAGER_MODULES) for m in module.modules())
 
 
-def compile_regions(root: nn.Module, name: str, keep_graph: bool = False) -> list[str]:
+def compile_regions(root: nn.Module, name: str, keep_graph: bool = False, cpp_wrapper: bool = False) -> list[str]:
     """Wrap the submodule ``name`` of ``root`` in a :class:`CompiledRegion` in place, or, if it holds
     a module that must run eagerly, each of its children that holds none (recursively). Returns the
     names of the regions."""
@@ -110,10 +120,10 @@ def compile_regions(root: nn.Module, name: str, keep_graph: bool = False) -> lis
     if isinstance(module, EAGER_MODULES):
         return []
     if not _holds_eager(module):
-        replace_module(root, name, CompiledRegion(module, keep_graph))
+        replace_module(root, name, CompiledRegion(module, keep_graph, cpp_wrapper))
         return [name]
     return [region for child, _ in module.named_children()
-            for region in compile_regions(root, f"{name}.{child}", keep_graph)]
+            for region in compile_regions(root, f"{name}.{child}", keep_graph, cpp_wrapper)]
 
 
 @dataclass
@@ -122,22 +132,26 @@ class Compiled:
 
     regions: list[str]
     loss_fn: object | None = None  # a compiled plain loss (None: the model's loss as it is)
+    cpp_wrapper: bool = False  # the graphs are called through inductor's C++ wrapper (on a CPU)
 
 
-def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False) -> Compiled:
+def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False,
+                  device: torch.device | str = "cpu") -> Compiled:
     """Compile every block of ``model`` (the children of its largest container of modules with
     parameters: a Llama's ``layers``) and its final ``norm`` regionally, in place; and ``loss_fn``
-    (a plain function of logits and targets) when given. ``keep_graph``: see :class:`CompiledRegion`."""
+    (a plain function of logits and targets) when given. ``keep_graph``: see :class:`CompiledRegion`;
+    ``device``: where the graphs run (on a CPU through inductor's C++ wrapper)."""
+    cpp_wrapper = torch.device(device).type == "cpu"
     names = {id(m): n for n, m in model.named_modules()}
     blocks = [names[id(m)] for m in default_unit_modules(model)]
     if not blocks:
         raise ValueError(f"compile.enabled: {type(model).__name__} has no blocks (a list of modules with parameters) "
                          f"to compile one by one; set compile.enabled = false")
-    regions = [region for name in blocks for region in compile_regions(model, name, keep_graph)]
+    regions = [region for name in blocks for region in compile_regions(model, name, keep_graph, cpp_wrapper)]
     if "norm" in dict(model.named_children()):
-        regions += compile_regions(model, "norm", keep_graph)
-    compiled_loss = compiled_function(loss_fn, keep_graph) if loss_fn is not None else None
-    return Compiled(regions, compiled_loss)
+        regions += compile_regions(model, "norm", keep_graph, cpp_wrapper)
+    compiled_loss = compiled_function(loss_fn, keep_graph, cpp_wrapper) if loss_fn is not None else None
+    return Compiled(regions, compiled_loss, cpp_wrapper)
 
 
 class CompileClock:
