@@ -3,8 +3,8 @@
 Forward: a unit's pre-forward hook waits for (or starts) its all-gather and starts the next
 unit's, so the next gather overlaps this unit's compute; its forward hook frees it (unless
 ``reshard_after_forward`` is off, the ZeRO-2-like trade-off). Backward: a pre-backward hook
-gathers it again and prefetches the unit that backward reaches next; the engine frees it once its
-gradients are reduced. The all-gather writes into the parameters' storage behind autograd's back,
+gathers it again and prefetches the unit that backward reaches next; once its gradients are reduced
+it is freed when backward reaches the next unit (:meth:`after_reduce` says why not at once). The all-gather writes into the parameters' storage behind autograd's back,
 so its version counter is restored afterwards: the graph saved references to exactly these views.
 
 Which unit runs next comes from how the units' modules nest, not from their positions: a unit
@@ -72,6 +72,7 @@ class ParameterGatherer:
         forward, backward = call_orders(self.modules)
         self._next_forward, self._next_backward = _successors(forward), _successors(backward)
         self._work: dict[int, object] = {}
+        self._reduced: list[FlatUnit] = []  # units whose gradients are reduced, freed when backward moves on
         for i, module in enumerate(self.modules):
             module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
             module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
@@ -142,6 +143,7 @@ class ParameterGatherer:
             first.register_hook(lambda grad, i=i: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
+        self._free_reduced()
         self._run_then_prefetch(i, self._next_backward)
 
     def _free(self, unit: FlatUnit) -> None:
@@ -150,11 +152,22 @@ class ParameterGatherer:
             unit.free_full()
 
     def after_reduce(self, unit: FlatUnit) -> None:
-        """Called once the unit's gradients are handed to the reduce-scatter: its weights are done."""
-        self._free(unit)
+        """Called once the unit's gradients are handed to the reduce-scatter. Its weights may still
+        be read: a linear layer that computes its weight gradient in an autograd node of its own
+        (int8 activation compression, float8) reads the weight for its input gradient after that
+        node. A unit holding only such a weight (a tied head's copy on the last pipeline stage)
+        would be freed under that read. So the unit is freed when backward reaches the next unit,
+        whose output gradient needs every read of this one done, or at the step."""
+        self._reduced.append(unit)
+
+    def _free_reduced(self) -> None:
+        for unit in self._reduced:
+            self._free(unit)
+        self._reduced.clear()
 
     def free_all(self) -> None:
         """Drop every gathered copy (waiting for gathers in flight): the weights are about to change."""
+        self._reduced.clear()
         for units in self.units:
             for unit in units:
                 self._free(unit)
