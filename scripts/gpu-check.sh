@@ -6,7 +6,7 @@
 #      LlamaForCausalLM + torch.compile as the peer in the same call (20 timed steps), then eager
 #      (20), compiled (compile.enabled) and, where the checkout has precision.fp8, fp8 (200 each,
 #      so that fp8's loss can be compared with bf16's at the end, issue 27)        <= 240 s
-#   3. benchmarks/compile_fusions.py: the kernels inductor generates for one block <=  45 s
+#   3. benchmarks/compile_fusions.py: the kernels inductor generates for one block <=  40 s
 #   4. benchmarks/bench_offload.py --case gpu on llama-1b (offload.optimizer = cpu) <=  50 s
 # and writes one Markdown summary, $OUT/gpu-check.md (OUT defaults to runs/gpu-check), with every
 # stage's status, time and figures, next to the logs and JSON files. Each stage has its own time
@@ -73,7 +73,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run with a time limit, log it, recor
 stage tests 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 stage bench_gpu 240 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET" --variants eager,compiled,fp8 \
   --peer hf-compiled --steps 20 --loss-steps "$STEPS" --warmup 2 --json "$OUT/bench_gpu.json"
-stage fusions 45 "$PY" benchmarks/compile_fusions.py --preset "$PRESET" --batch 1 --json "$OUT/fusions.json"
+stage fusions 40 "$PY" benchmarks/compile_fusions.py --preset "$PRESET" --batch 1 --json "$OUT/fusions.json"
 stage bench_offload 50 "$PY" benchmarks/bench_offload.py --case gpu --preset "$PRESET" --global-batch 8 --steps 3 \
   --warmup 1 "${OFFLOAD_CPU[@]}" --json "$OUT/bench_offload.json"
 
