@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import gc
 import os
 import sys
@@ -76,7 +77,7 @@ def main() -> int:
             layout = Layout(zero=stage, precision="bf16", micro_batch=cfg.train.micro_batch)
             pred = estimate_memory(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), layout,
                                    PRESETS["cpu"], cfg.train.global_batch)
-            kept_peak = pred.model_states + pred.activations + sum(pred.buffers.values())
+            kept_peak = dataclasses.replace(pred, lazy_grads=None).peak  # the planner's rule for kept gradients
             for lazy in (False, True):
                 row, = run_ranks(_measure, 1, cfg, str(Path(tmp) / f"run{stage}{lazy}"), lazy, timeout=1200)
                 plan = pred.peak if lazy else kept_peak
