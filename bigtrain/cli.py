@@ -8,6 +8,8 @@ itself under torchrun; inside a launcher (ours or a user's) it runs one rank of 
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import sys
 import time
@@ -20,6 +22,13 @@ from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joi
 from bigtrain.failure import RunFailure
 from bigtrain.families import FAMILIES, family_of
 from bigtrain.validation import validate
+
+# At exit, before the interpreter's last collections, move every object to the collector's
+# permanent generation: shutdown then skips the million-odd objects ``import torch`` made, about
+# 1 s of CPU per process on a 2-core machine (``import bigtrain.cli`` then exit: 3.5-3.8 s user
+# without, 2.6-2.7 s with), paid by the launcher, the agent and every rank. Nothing else changes:
+# files still close, and handlers registered before this one still run (atexit is last in, first out).
+atexit.register(gc.freeze)
 
 DEFAULT_PRESET = "small"
 WORLD_SIZE_MAX = 2**20  # --world-size for --parallel auto; the planner enumerates the divisors of it

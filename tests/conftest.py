@@ -5,6 +5,16 @@ import os
 # forks ranks (tests/test_compile.py) must not fork while a pool's threads hold a lock (seen: both
 # ranks of a compiled tp2 layout waiting on a futex from their first second). Set before torch.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# And one thread in every process a test starts (fresh shells, `python -m bigtrain`, torchrun's
+# ranks): scripts/test.sh runs one shard per core, and an OpenMP pool of two on two busy cores
+# spins at each barrier. Measured beside one busy core: `bigtrain generate` of a `small` run,
+# 200 tokens, 29.7 s with two threads against 4.3 s with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Compiled regions call their graphs through inductor's Python wrapper here, not the C++ one a CPU
+# run uses (bigtrain/parallel/compile.py): from an empty inductor cache, as in CI, each graph's C++
+# wrapper is one more C++ build (the compiled tp2 layout test: 52 s with, 35 s without). The same
+# kernels run either way; tests/test_compile.py proves the C++ wrapper's path against the reference.
+os.environ.setdefault("TORCHINDUCTOR_CPP_WRAPPER", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

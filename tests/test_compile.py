@@ -17,7 +17,7 @@ from bigtrain.config import ConfigError, load_config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import compile_enabled
 from bigtrain.models.feed_forward import FeedForward
-from bigtrain.parallel.compile import CompiledRegion, CompileFallbackWarning, graphs_compiled
+from bigtrain.parallel.compile import CPP_WRAPPER_ENV, CompiledRegion, CompileFallbackWarning, graphs_compiled
 from bigtrain.testing import run_ranks
 from bigtrain.train import Trainer
 from bigtrain.validation import validate
@@ -48,9 +48,11 @@ def test_compiled_steps_recompile_nothing_after_warm_up_and_report_their_compile
     assert all(r.compile_s == 0.0 and "compile_s" not in r.record() for r in later)
 
 
-def test_a_compiled_run_matches_the_independent_reference(corpus_cache, tmp_path):
+def test_a_compiled_run_matches_the_independent_reference(corpus_cache, tmp_path, monkeypatch):
     """One process, fp32: the compiled blocks (recomputed, offloaded, the fused head) train like the
-    eager reference within fp32's 1e-5."""
+    eager reference within fp32's 1e-5, their graphs called as a CPU run calls them (the C++
+    wrapper, which tests/conftest.py turns off for the other compiled tests)."""
+    monkeypatch.delenv(CPP_WRAPPER_ENV, raising=False)
     cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=selective", "--memory.activation_offload=true",
                       "--memory.offload_min_bytes=256", "--model.fused_loss=true", "--model.fused_loss_chunk=32")
     report = check_layout(cfg, Mesh({}), tmp_path, steps=3)
@@ -69,15 +71,21 @@ def test_compiled_layouts_match_the_independent_reference(layout, corpus_cache, 
     assert report.agree, report.text()
 
 
-def test_on_a_cpu_the_graphs_are_called_through_inductor_s_cpp_wrapper(corpus_cache, tmp_path):
+def test_on_a_cpu_the_graphs_are_called_through_inductor_s_cpp_wrapper(corpus_cache, tmp_path, monkeypatch):
     """The compiled CPU step is MKL-bound and Python launching was the largest cost left outside
     the kernels (docs/compile.md): on a CPU every region and the loss compile with inductor's C++
-    wrapper, and torch honours it (the generated wrapper is C++); on a GPU, inductor's default."""
+    wrapper, and torch honours it (the generated wrapper is C++); on a GPU, inductor's default;
+    with inductor's own switch at 0 (``TORCHINDUCTOR_CPP_WRAPPER=0``), the Python wrapper."""
     from torch._inductor.utils import fresh_cache
 
     from bigtrain.models.llama import Llama
     from bigtrain.parallel.compile import apply_compile
 
+    monkeypatch.setenv(CPP_WRAPPER_ENV, "0")
+    with torch.device("meta"):
+        plain = apply_compile(Llama(tiny_config(corpus_cache).model), device="cpu")
+    assert not plain.cpp_wrapper
+    monkeypatch.delenv(CPP_WRAPPER_ENV)
     trainer = Trainer(tiny_config(corpus_cache, *COMPILE), tmp_path / "run", Mesh({}), "cpu")
     regions = [m for m in trainer.parallel.model.modules() if isinstance(m, CompiledRegion)]
     assert len(regions) == 3 and all(r.cpp_wrapper for r in regions)  # two blocks and the final norm

@@ -10,7 +10,11 @@ for a signal.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import sys
+
+atexit.register(gc.freeze)  # torch's objects skipped at shutdown (bigtrain/cli.py says why)
 
 
 def _exit_text(code: int) -> str:

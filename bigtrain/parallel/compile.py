@@ -28,11 +28,15 @@ one: the same kernels and library calls, launched from one compiled function per
 a Python function that calls them one by one. The step is MKL-bound and the Python launching was
 the largest cost left outside the kernels: the C++ wrapper took 0.5-6% (4% on average) off the
 compiled ``small`` step's CPU time (docs/compile.md). On a GPU, Python launching hides behind the
-device's queue, and the wrapper is left as inductor's default.
+device's queue, and the wrapper is left as inductor's default. ``TORCHINDUCTOR_CPP_WRAPPER=0``
+(inductor's own switch) keeps the Python wrapper on a CPU too: a cold compile is shorter without
+the C++ one to build (tests/conftest.py sets it for the suite: a tiny tp2 layout's test, 35 s
+against 52 s from an empty inductor cache).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -135,13 +139,17 @@ class Compiled:
     cpp_wrapper: bool = False  # the graphs are called through inductor's C++ wrapper (on a CPU)
 
 
+CPP_WRAPPER_ENV = "TORCHINDUCTOR_CPP_WRAPPER"  # inductor's switch; '0' here: the Python wrapper on a CPU too
+
+
 def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False,
                   device: torch.device | str = "cpu") -> Compiled:
     """Compile every block of ``model`` (the children of its largest container of modules with
     parameters: a Llama's ``layers``) and its final ``norm`` regionally, in place; and ``loss_fn``
     (a plain function of logits and targets) when given. ``keep_graph``: see :class:`CompiledRegion`;
-    ``device``: where the graphs run (on a CPU through inductor's C++ wrapper)."""
-    cpp_wrapper = torch.device(device).type == "cpu"
+    ``device``: where the graphs run (on a CPU through inductor's C++ wrapper, unless
+    ``TORCHINDUCTOR_CPP_WRAPPER=0``)."""
+    cpp_wrapper = torch.device(device).type == "cpu" and os.environ.get(CPP_WRAPPER_ENV) != "0"
     names = {id(m): n for n, m in model.named_modules()}
     blocks = [names[id(m)] for m in default_unit_modules(model)]
     if not blocks:
