@@ -279,7 +279,7 @@ def _offload_choice(rng: random.Random, fp32: bool) -> list[str]:
     return out
 
 
-# What the pipelines without flush run on (validation.check_async): one replica of the replicated
+# What the pipelines without flush run on (async_checks.check_async): one replica of the replicated
 # fp32 engine, no recomputation or fused head (both would read the live weights, not the stashed
 # version).
 _NO_FLUSH_DROPS = ("--parallel.reshard_after_forward=", "--parallel.prefetch=", "--parallel.sequence_parallel=",
