@@ -190,16 +190,17 @@ def _trainer(cfg, run_dir, device: str):
     from pathlib import Path
 
     import bigtrain.train
+    import bigtrain.train_step
     from bigtrain.distributed.mesh import Mesh
 
     if device == "cpu":
-        original = bigtrain.train.parallel_plan
+        original = bigtrain.train_step.parallel_plan
 
         def separate(cfg, run_dir=None, **kwargs):
             plan = original(cfg, run_dir, **kwargs)
             return replace(plan, engine=replace(plan.engine, offload=replace(plan.engine.offload, separate_host=True)))
 
-        bigtrain.train.parallel_plan = separate
+        bigtrain.train_step.parallel_plan = separate
     return bigtrain.train.Trainer(cfg, Path(run_dir), Mesh({}), device)
 
 

@@ -8,17 +8,18 @@ so a user fixes a config in one round instead of one error per launch.
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 from typing import Callable
 
+from bigtrain.async_checks import check_async  # imports no torch
 from bigtrain.config import Config, ConfigError
 from bigtrain.context_checks import check_context_parallel, divisor_near as _divisor_near, head_split_problems  # imports no torch
+from bigtrain.embedding_checks import check_embedding  # imports no torch
+from bigtrain.field_checks import non_negative, one_of, path_exists, positive
 from bigtrain.hsdp_checks import check_hybrid_sharding  # imports no torch
-from bigtrain.core.tables import SHARDINGS, SPARSE_OPTIMIZERS, parse_sizes
 from bigtrain.data.fields import data_field_problems
 from bigtrain.families import FAMILIES, family_names
 from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
+from bigtrain.offload_checks import check_offload  # imports no torch
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
@@ -34,38 +35,12 @@ MOE_ROUTERS = ("softmax", "sigmoid-bias")  # bigtrain.models.moe.ROUTERS (this m
 Rule = Callable[[Config], list[str]]
 
 
-def _positive(cfg: Config, names: list[str]) -> list[str]:
-    problems = []
-    for dotted in names:
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if not (value > 0 and math.isfinite(value)):  # NaN fails every comparison: test the good case
-            problems.append(f"{dotted} = {value}: must be > 0")
-    return problems
-
-
-def _non_negative(cfg: Config, names: list[str]) -> list[str]:
-    problems = []
-    for dotted in names:
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if not (value >= 0 and math.isfinite(value)):
-            problems.append(f"{dotted} = {value}: must be >= 0")
-    return problems
-
-
-def _one_of(dotted: str, value: str, choices: tuple[str, ...]) -> list[str]:
-    if value in choices:
-        return []
-    return [f"{dotted} = '{value}': must be one of {', '.join(repr(c) for c in choices)}"]
-
-
 def check_model(cfg: Config) -> list[str]:
     m = cfg.model
-    problems = _positive(cfg, ["model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
-                               "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std"])
-    problems += _non_negative(cfg, ["model.n_kv_heads", "model.ffn_hidden"])
-    problems += _one_of("model.family", m.family, MODELS)
+    problems = positive(cfg, ["model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
+                              "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std"])
+    problems += non_negative(cfg, ["model.n_kv_heads", "model.ffn_hidden"])
+    problems += one_of("model.family", m.family, MODELS)
     if problems:
         return problems
     if m.attention_head_dim:
@@ -104,8 +79,8 @@ def check_init_from(m) -> list[str]:
 
 def check_parallel(cfg: Config) -> list[str]:
     p = cfg.parallel
-    problems = _positive(cfg, ["parallel.dp", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep",
-                               "parallel.bucket_mb"])
+    problems = positive(cfg, ["parallel.dp", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep",
+                              "parallel.bucket_mb"])
     problems += _check_expert_parallel(cfg)
     if p.zero not in (0, 1, 2, 3):
         problems.append(f"parallel.zero = {p.zero}: must be 0, 1, 2 or 3")
@@ -145,10 +120,10 @@ def check_moe(cfg: Config) -> list[str]:
     """The mixture-of-experts keys (bigtrain/models/moe.py), when model.moe_experts > 0."""
     m = cfg.model
     # Checked for a dense model too: a value no MoE model could take is a mistake either way.
-    problems = _non_negative(cfg, ["model.moe_experts", "model.moe_capacity_factor", "model.moe_aux_loss_coef",
-                                   "model.moe_ffn_hidden"])
-    problems += _positive(cfg, ["model.moe_top_k", "model.moe_every"])
-    problems += _one_of("model.moe_router", m.moe_router, MOE_ROUTERS)
+    problems = non_negative(cfg, ["model.moe_experts", "model.moe_capacity_factor", "model.moe_aux_loss_coef",
+                                  "model.moe_ffn_hidden"])
+    problems += positive(cfg, ["model.moe_top_k", "model.moe_every"])
+    problems += one_of("model.moe_router", m.moe_router, MOE_ROUTERS)
     if problems or m.moe_experts == 0:
         return problems
     if m.moe_top_k > m.moe_experts:
@@ -166,8 +141,8 @@ def check_moe(cfg: Config) -> list[str]:
 
 
 def check_batch(cfg: Config) -> list[str]:
-    problems = _positive(cfg, ["train.steps", "train.global_batch", "train.micro_batch"])
-    problems += _positive(cfg, ["train.max_bad_steps"])
+    problems = positive(cfg, ["train.steps", "train.global_batch", "train.micro_batch"])
+    problems += positive(cfg, ["train.max_bad_steps"])
     return problems  # how the global batch divides is the family's rule (check_family)
 
 
@@ -176,7 +151,7 @@ def check_data(cfg: Config) -> list[str]:
     family = FAMILIES.get(cfg.model.family)
     if family is None or not family.reads_tokens:
         return []
-    return _positive(cfg, ["data.seq_len"]) + _non_negative(cfg, ["data.max_bytes"])
+    return positive(cfg, ["data.seq_len"]) + non_negative(cfg, ["data.max_bytes"])
 
 
 def check_family(cfg: Config) -> list[str]:
@@ -188,17 +163,17 @@ def check_family(cfg: Config) -> list[str]:
 
 def check_optim(cfg: Config) -> list[str]:
     o = cfg.optim
-    problems = _positive(cfg, ["optim.lr", "optim.eps", "optim.base_batch"])
-    problems += _non_negative(cfg, ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip"])
+    problems = positive(cfg, ["optim.lr", "optim.eps", "optim.base_batch"])
+    problems += non_negative(cfg, ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip"])
     for name in ("beta1", "beta2"):
         value = getattr(o, name)
         if not 0.0 <= value < 1.0:
             problems.append(f"optim.{name} = {value}: must be in [0, 1), e.g. 0.9")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
-    problems += _one_of("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
-    problems += _one_of("optim.name", o.name, optimizer_names())
-    problems += _positive(cfg, ["optim.block_size", "optim.adafactor_clip", "optim.adafactor_eps"])
+    problems += one_of("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
+    problems += one_of("optim.name", o.name, optimizer_names())
+    problems += positive(cfg, ["optim.block_size", "optim.adafactor_clip", "optim.adafactor_eps"])
     if not -1.0 <= o.adafactor_decay <= 0.0:
         problems.append(f"optim.adafactor_decay = {o.adafactor_decay}: must be in [-1, 0] (1 - beta2 at step t is "
                         f"t ** adafactor_decay; the paper and torch use -0.8)")
@@ -229,33 +204,25 @@ def _optimizer_serves_layout(cfg: Config, spec) -> list[str]:
 
 
 def check_runtime(cfg: Config) -> list[str]:
-    problems = _one_of("precision.mode", cfg.precision.mode, PRECISIONS)
-    problems += _one_of("precision.reduce_dtype", cfg.precision.reduce_dtype, REDUCE_DTYPES)
-    problems += _positive(cfg, ["precision.loss_scale", "precision.scale_growth_interval"])
+    problems = one_of("precision.mode", cfg.precision.mode, PRECISIONS)
+    problems += one_of("precision.reduce_dtype", cfg.precision.reduce_dtype, REDUCE_DTYPES)
+    problems += positive(cfg, ["precision.loss_scale", "precision.scale_growth_interval"])
     if not 0 < cfg.precision.scale_backoff < 1:
         problems.append(f"precision.scale_backoff = {cfg.precision.scale_backoff}: must be in (0, 1), e.g. 0.5")
-    problems += _one_of("memory.checkpointing", cfg.memory.checkpointing, CHECKPOINTING_POLICIES)
-    problems += _one_of("memory.activation_compression", cfg.memory.activation_compression, ACTIVATION_COMPRESSIONS)
-    problems += _positive(cfg, ["memory.checkpoint_every", "logging.log_every", "checkpoint.keep",
-                                "model.fused_loss_chunk"])
-    problems += _non_negative(cfg, ["memory.offload_min_bytes"])
-    problems += _non_negative(cfg, ["checkpoint.every", "checkpoint.every_minutes"])
+    problems += one_of("memory.checkpointing", cfg.memory.checkpointing, CHECKPOINTING_POLICIES)
+    problems += one_of("memory.activation_compression", cfg.memory.activation_compression, ACTIVATION_COMPRESSIONS)
+    problems += positive(cfg, ["memory.checkpoint_every", "logging.log_every", "checkpoint.keep",
+                               "model.fused_loss_chunk"])
+    problems += non_negative(cfg, ["memory.offload_min_bytes"])
+    problems += non_negative(cfg, ["checkpoint.every", "checkpoint.every_minutes"])
     if cfg.checkpoint.every_minutes > MINUTES_MAX:
         problems.append(f"checkpoint.every_minutes = {cfg.checkpoint.every_minutes:g}: at most {MINUTES_MAX:g} "
                         f"(19 years); use 0 for no time-based checkpoints")
-    problems += _one_of("train.device", cfg.train.device, DEVICES)
+    problems += one_of("train.device", cfg.train.device, DEVICES)
     resume = cfg.checkpoint.resume
-    if resume not in ("none", "auto") and not _exists(resume, expand=False):
+    if resume not in ("none", "auto") and not path_exists(resume, expand=False):
         problems.append(f"checkpoint.resume = '{resume}': no such checkpoint; use 'auto', 'none' or an existing path")
     return problems
-
-
-def _exists(path: str, expand: bool = True) -> bool:
-    """Like Path.exists, but False for names no file can have (too long, NUL) instead of raising."""
-    try:
-        return Path(os.path.expanduser(path) if expand else path).exists()
-    except (OSError, ValueError):
-        return False
 
 
 def check_model_split(cfg: Config) -> list[str]:
@@ -294,7 +261,7 @@ def check_pipeline(cfg: Config) -> list[str]:
     p, t = cfg.parallel, cfg.train
     if p.pp < 1 or p.dp < 1 or p.pp_virtual < 1 or t.micro_batch < 1 or cfg.model.n_layers < 1:
         return [] if p.pp_virtual >= 1 else [f"parallel.pp_virtual = {p.pp_virtual}: must be >= 1"]
-    problems = _one_of("parallel.pp_balance", p.pp_balance, ("layers", "params"))
+    problems = one_of("parallel.pp_balance", p.pp_balance, ("layers", "params"))
     try:
         split_points = p.split_points
     except ValueError:
@@ -306,10 +273,6 @@ def check_pipeline(cfg: Config) -> list[str]:
     return problems + check_pipeline_layout(cfg.model.n_layers, p.pp, p.pp_virtual, t.grad_accum(p.dp),
                                             p.pp_schedule, split_points,
                                             m_field="train.global_batch / (train.micro_batch x parallel.dp)")
-
-
-RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_pipeline, check_batch, check_data,
-                     check_family, check_optim, check_runtime]
 
 
 # init_value seeds torch with seed x 1_000_003 + crc32(name), which must stay below 2**64; numpy's
@@ -348,75 +311,10 @@ def check_limits(cfg: Config) -> list[str]:
     return problems
 
 
-OFFLOAD_TIERS = ("none", "cpu", "nvme")
-
-
-def check_offload(cfg: Config) -> list[str]:
-    """Offload needs the ZeRO engine's units (it steps and stores them one at a time), and a
-    directory it can write for the NVMe tier."""
-    o, p = cfg.offload, cfg.parallel
-    problems = _one_of("offload.optimizer", o.optimizer, OFFLOAD_TIERS)
-    problems += _one_of("offload.params", o.params, OFFLOAD_TIERS)
-    problems += _one_of("offload.masters", o.masters, ("auto", "cpu"))
-    if o.masters == "cpu" and o.optimizer != "nvme":
-        problems.append(f"offload.masters = 'cpu' keeps the fp32 masters in host memory while the optimizer's "
-                        f"state is in files, but offload.optimizer = '{o.optimizer}' puts no state in files; set "
-                        f"offload.optimizer = 'nvme', or offload.masters = 'auto'")
-    if o.prefetch_depth < 0:
-        problems.append(f"offload.prefetch_depth = {o.prefetch_depth}: must be >= 0")
-    if o.grad_buckets < 1:
-        problems.append(f"offload.grad_buckets = {o.grad_buckets}: must be >= 1 (gradients pass through them "
-                        f"on their way to the host; 4 is the default)")
-    if o.delayed_update and o.optimizer == "none":
-        problems.append("offload.delayed_update = true overlaps the host optimizer step with the next step, but "
-                        "offload.optimizer = 'none' has no host step; set offload.optimizer = 'cpu' (or 'nvme')")
-    if o.delayed_update and p.pp > 1:
-        problems.append(f"offload.delayed_update = true with parallel.pp = {p.pp}: the delayed update is built for "
-                        f"the ZeRO engine without a pipeline (pipeline schedules step each stage themselves; "
-                        f"PipeDream-2BW is their own one-step delay); set parallel.pp = 1 or "
-                        f"offload.delayed_update = false")
-    if o.delayed_update and p.world_size > 1 and cfg.optim.name in optimizer_names() \
-            and get_optimizer(cfg.optim.name).needs == "shapes":
-        # The delayed host step runs on a worker thread beside the next step's collectives; an
-        # optimizer that reduces statistics over the ranks inside its step would interleave its
-        # collectives with them (found by the layout fuzzer: a Gloo size mismatch).
-        problems.append(f"offload.delayed_update = true runs the host optimizer step on a worker thread, but "
-                        f"optim.name = '{cfg.optim.name}' sums its factored statistics over the ranks inside the "
-                        f"step (a collective beside the main thread's); set optim.name = 'adamw' (or 'adamw8bit', "
-                        f"'lion'), or offload.delayed_update = false")
-    if o.delayed_update and p.dp_sync != "sync":
-        problems.append(f"offload.delayed_update = true with parallel.dp_sync = '{p.dp_sync}': local SGD's "
-                        f"averaging would read masters a step ahead of the weights in use; set "
-                        f"parallel.dp_sync = 'sync' or offload.delayed_update = false")
-    if o.optimizer != "none" and p.zero < 1:
-        problems.append(f"offload.optimizer = '{o.optimizer}' steps the ZeRO engine's units one at a time, but "
-                        f"parallel.zero = {p.zero}; set parallel.zero = 1, 2 or 3")
-    if o.params != "none" and p.zero != 3:
-        problems.append(f"offload.params = '{o.params}' keeps ZeRO-3's parameter shards off the device, but "
-                        f"parallel.zero = {p.zero}; set parallel.zero = 3")
-    if "nvme" in (o.optimizer, o.params) and o.nvme_dir:
-        problems += _writable_dir("offload.nvme_dir", o.nvme_dir)
-    return problems
-
-
-def _writable_dir(field: str, path: str) -> list[str]:
-    target = Path(path)
-    probe = target
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        return [f"{field} = '{path}': {probe} is not a directory this user can write; give a writable local "
-                f"directory (a fast NVMe disk)"]
-    return []
-
-
-RULES += [check_seed, check_distributed, check_limits, check_moe, check_offload, check_fp8]
-
-
 def check_evaluation(cfg: Config) -> list[str]:
     """``data.val_fraction``, ``train.eval_every`` and ``train.eval_batches``: a held-out slice to evaluate on."""
     d, t = cfg.data, cfg.train
-    problems = _non_negative(cfg, ["train.eval_every"]) + _positive(cfg, ["train.eval_batches"])
+    problems = non_negative(cfg, ["train.eval_every"]) + positive(cfg, ["train.eval_batches"])
     if not 0.0 <= d.val_fraction < 1.0:  # NaN fails too
         problems.append(f"data.val_fraction = {d.val_fraction:g}: must be in [0, 1), e.g. 0.01 (0: no held-out data)")
     elif t.eval_every > 0 and d.val_fraction == 0:
@@ -425,39 +323,6 @@ def check_evaluation(cfg: Config) -> list[str]:
     return problems
 
 
-RULES.append(check_evaluation)
-# -- the recommender's [embedding] section ---------------------------------------------------------
-def check_embedding(cfg: Config) -> list[str]:
-    """The [embedding] fields' own domains, for any model (a value no model accepts is a typo,
-    whether this one reads it or not); whether a recommender's tables can be placed is its family's
-    rule."""
-    e, m = cfg.embedding, cfg.model
-    problems = _positive(cfg, ["embedding.dim", "embedding.hotness", "embedding.lr", "embedding.eps",
-                               "model.dlrm_dense_features"])
-    problems += _non_negative(cfg, ["embedding.budget_gb"])
-    problems += _one_of("embedding.optimizer", e.optimizer, SPARSE_OPTIMIZERS)
-    sizes = {}
-    for dotted, text in (("embedding.tables", e.tables), ("model.dlrm_bottom_mlp", m.dlrm_bottom_mlp),
-                         ("model.dlrm_top_mlp", m.dlrm_top_mlp)):
-        try:
-            sizes[dotted] = parse_sizes(text)
-        except ValueError:
-            problems.append(f"{dotted} = '{text}': use comma-separated sizes, 'NxR' for N of size R (e.g. '26x1000')")
-            continue
-        if any(n < 1 for n in sizes[dotted]):
-            what = "a table with no rows" if dotted == "embedding.tables" else "a layer of size 0"
-            problems.append(f"{dotted} = '{text}': {what}; every size must be >= 1")
-    if "embedding.tables" in sizes and not sizes["embedding.tables"]:
-        problems.append("embedding.tables is empty; give the rows of each table, e.g. '26x1000'")
-    unknown = sorted({k.strip() for k in e.sharding.split(",")} - set(SHARDINGS))
-    if unknown:  # for any model: a value no model accepts is a typo, whether this one reads it or not
-        problems.append(f"embedding.sharding = '{e.sharding}': {', '.join(repr(k) for k in unknown)} is not one of "
-                        f"{', '.join(SHARDINGS)} (one for every table, or one per table, comma-separated)")
-    return problems
-
-
-RULES += [check_embedding]
-
 COMPILE_SETTINGS = ("auto", "true", "false")
 
 
@@ -465,7 +330,7 @@ def check_compile(cfg: Config) -> list[str]:
     """``compile.enabled`` (bigtrain/parallel/compile.py): combinations the compiler cannot take are
     refused here, before launch."""
     setting = cfg.compile.enabled
-    problems = _one_of("compile.enabled", setting, COMPILE_SETTINGS)
+    problems = one_of("compile.enabled", setting, COMPILE_SETTINGS)
     family = FAMILIES.get(cfg.model.family)
     if setting == "true" and family is not None and not family.compiles:
         problems.append(f"compile.enabled = true compiles the decoder's transformer blocks; model.family = "
@@ -473,7 +338,12 @@ def check_compile(cfg: Config) -> list[str]:
     return problems
 
 
-RULES += [check_compile]
+# Every rule, in the order their problems are listed; the Llama fields' rules: bigtrain/families/llama.py.
+RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_pipeline, check_batch, check_data,
+                     check_family, check_optim, check_runtime,
+                     check_seed, check_distributed, check_limits, check_moe, check_offload, check_fp8,
+                     check_evaluation, check_embedding, check_compile,
+                     check_async, data_field_problems, check_context_parallel, check_hybrid_sharding]
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None,
@@ -498,77 +368,3 @@ def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | 
         raise ConfigError(problems)
 
 
-DP_SYNC = ("sync", "local-sgd")
-
-
-def check_async(cfg: Config) -> list[str]:
-    """Asynchronous training (docs/async.md): local SGD over dp, and the pipelines without a flush."""
-    p, problems = cfg.parallel, []
-    problems += _one_of("parallel.dp_sync", p.dp_sync, DP_SYNC)
-    if p.local_sgd_every < 1:
-        problems.append(f"parallel.local_sgd_every = {p.local_sgd_every}: must be >= 1 (steps between averages)")
-    elif p.dp_sync == "sync" and p.local_sgd_every != 1:
-        problems.append(f"parallel.local_sgd_every = {p.local_sgd_every} applies to parallel.dp_sync = 'local-sgd'; "
-                        f"set parallel.dp_sync = 'local-sgd' or leave parallel.local_sgd_every = 1")
-    if p.dp_sync == "local-sgd":
-        problems += _async_needs_plain_replicas(cfg, "parallel.dp_sync = 'local-sgd'", ("tp", "pp", "sp", "ep"))
-        every, k = cfg.checkpoint.every, p.local_sgd_every
-        if every and k > 1 and every % k:
-            problems.append(f"checkpoint.every = {every} with parallel.local_sgd_every = {k}: a checkpoint between "
-                            f"averages would hold one replica's parameters; use checkpoint.every = "
-                            f"{max(k, every // k * k)} (a multiple of {k})")
-    kind = p.pp_schedule
-    if kind in ("pipedream-2bw", "pipedream"):
-        what = f"parallel.pp_schedule = '{kind}'"
-        if p.pp < 2:
-            problems.append(f"{what} needs parallel.pp >= 2 (with one stage there is no pipeline to keep full); "
-                            f"use parallel.pp = 2 or parallel.pp_schedule = '1f1b'")
-        problems += _async_needs_plain_replicas(cfg, what, ("dp", "tp", "sp", "ep"))
-        t = cfg.train
-        micro = t.global_batch // max(1, p.dp * t.micro_batch) if t.micro_batch > 0 else 0
-        if kind == "pipedream-2bw" and p.pp >= 2 and 0 < micro < p.pp - 1:
-            # Found by the layout fuzzer (seed 20261308 sample 43: pp = 4, 2 micro-batches): the first
-            # stage starts step s + 2's forwards before step s's update, which makes their version,
-            # was posted. Measured: pp 4 with 2 micro-batches and pp 3 with 1 fail; pp 4 with 3, pp 3
-            # with 2 and pp 2 with 1 agree with the delayed reference.
-            problems.append(f"{what} with {micro} micro-batch{'es' if micro > 1 else ''} a step and parallel.pp = "
-                            f"{p.pp}: 2BW keeps two weight versions, which holds when a step has at least pp - 1 = "
-                            f"{p.pp - 1} micro-batches; use train.global_batch >= "
-                            f"{(p.pp - 1) * p.dp * t.micro_batch} or parallel.pp <= {micro + 1}")
-        if cfg.memory.checkpointing != "none":
-            problems.append(f"memory.checkpointing = '{cfg.memory.checkpointing}' with {what}: recomputation in "
-                            f"backward would read the live weights, not the micro-batch's stashed version; use "
-                            f"memory.checkpointing = 'none'")
-        if cfg.model.fused_loss:
-            problems.append(f"model.fused_loss with {what}: the fused head reads its weight again in backward, "
-                            f"the live one rather than the stashed version; use model.fused_loss = false")
-        if cfg.model.moe_experts and cfg.model.moe_router == "sigmoid-bias":
-            # Found by the layout fuzzer: the balancing bias moves at the step boundary, but upstream
-            # stages ran the next step's first forwards before it, with the old bias; the bias is
-            # model state the weight versions do not stash (gradient norm 2e-5 to 9e-5 off the
-            # delayed reference, expert gradients 7e-2).
-            problems.append(f"model.moe_router = 'sigmoid-bias' with {what}: its balancing bias is updated at the "
-                            f"step boundary, after upstream stages began the next step's forwards with the old "
-                            f"bias (not versioned with the weights); use model.moe_router = 'softmax'")
-    if p.pp_vertical_sync and kind != "pipedream":
-        problems.append(f"parallel.pp_vertical_sync applies to parallel.pp_schedule = 'pipedream' (got '{kind}'); "
-                        f"set it false, or use parallel.pp_schedule = 'pipedream'")
-    return problems
-
-
-def _async_needs_plain_replicas(cfg: Config, what: str, axes: tuple[str, ...]) -> list[str]:
-    """The asynchronous modes run on the replicated fp32 engine, on the axes they were proved on."""
-    p, problems = cfg.parallel, []
-    if p.zero != 0:
-        problems.append(f"parallel.zero = {p.zero} with {what}: it keeps whole fp32 weights per rank (ZeRO shards "
-                        f"them over replicas that step together); use parallel.zero = 0")
-    if cfg.precision.mode != "fp32":
-        problems.append(f"precision.mode = '{cfg.precision.mode}' with {what}: only fp32 is supported; use "
-                        f"precision.mode = 'fp32'")
-    for axis in axes:
-        if getattr(p, axis) > 1:
-            problems.append(f"parallel.{axis} = {getattr(p, axis)} with {what}: not supported; use parallel.{axis} = 1")
-    return problems
-
-
-RULES += [check_async, data_field_problems, check_context_parallel, check_hybrid_sharding]  # the Llama fields' rules: bigtrain/families/llama.py

@@ -95,7 +95,7 @@ def _async_saves_then_resume(rank, world_size, cfg, run_dir):
     first = trainer_on_rank(rank, world_size, cfg, run_dir)
     head = run_steps(first, 2)
     first.save()  # returns at once: the write runs while steps 3-4 train
-    pending = first._pending_save is not None
+    pending = first.checkpoint_writer.pending is not None
     head += run_steps(first, 2)
     first.save()
     first.wait_for_save()

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from bigtrain.check.fuzz import COMPILED, DLRM, draw_sample, run_sample, sample_dlrm_layout
+from bigtrain.check.fuzz import COMPILED, draw_sample, run_sample
+from bigtrain.check.fuzz_layouts import DLRM, sample_dlrm_layout
 from bigtrain.check.run import check_on_rank
 from bigtrain.cli import main
 from bigtrain.config import load_config
@@ -102,7 +103,7 @@ def test_the_dlrm_draws_span_shardings_optimizers_and_ranks():
 
 
 def test_the_model_draw_keeps_the_decoder_samples_of_a_seed():
-    from bigtrain.check.fuzz import sample_layout
+    from bigtrain.check.fuzz_layouts import sample_layout
 
     mixed = [draw_sample(SEED, i, 8, 0.5, resume_share=0.0, int8_share=0.0, hf_share=0.0, cp_share=0.0)
              for i in range(40)]
@@ -114,7 +115,7 @@ def test_the_model_draw_keeps_the_decoder_samples_of_a_seed():
 
 
 def test_the_compile_draw_keeps_the_decoder_samples_and_never_compiles_a_dlrm():
-    from bigtrain.check.fuzz import sample_layout
+    from bigtrain.check.fuzz_layouts import sample_layout
 
     compiled = [draw_sample(SEED, i, 8, 0.0, resume_share=0.0, int8_share=0.0, compile_share=1.0, hf_share=0.0,
                 cp_share=0.0)

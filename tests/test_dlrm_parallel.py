@@ -12,7 +12,7 @@ from bigtrain.check.reference_dlrm import reference_dlrm
 from bigtrain.config import load_config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.optim.sparse import SparseOptimizer
-from bigtrain.parallel.embedding import all_to_all_payload
+from bigtrain.parallel.embedding_layout import all_to_all_payload
 from bigtrain.plan.embedding import plan_embedding
 from bigtrain.recsys.train import gather_tables
 from bigtrain.train import Trainer

@@ -8,7 +8,8 @@ import pytest
 
 import bigtrain.cli as cli
 from bigtrain.check.fuzz_inputs import VERDICTS, run, summary
-from bigtrain.check.input_cases import (FLOAT_FIELDS, INT_FIELDS, float_is_bad, generate, int_is_bad)
+from bigtrain.check.input_cases import generate
+from bigtrain.check.input_fields import FLOAT_FIELDS, INT_FIELDS, float_is_bad, int_is_bad
 
 SAMPLE, SEED = 40, 11
 

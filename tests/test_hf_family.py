@@ -274,7 +274,8 @@ def test_a_tied_head_stays_tied_in_every_engine(engine, corpus_cache):
 
 
 def test_the_hf_draw_keeps_the_other_samples_of_a_seed():
-    from bigtrain.check.fuzz import HF, draw_sample
+    from bigtrain.check.fuzz import draw_sample
+    from bigtrain.check.fuzz_layouts import HF
 
     mixed = [draw_sample(5, i, 8, dlrm_share=0.0, hf_share=0.5) for i in range(40)]
     before = [draw_sample(5, i, 8, dlrm_share=0.0, hf_share=0.0) for i in range(40)]

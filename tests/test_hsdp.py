@@ -247,7 +247,8 @@ def test_parallel_auto_searches_dp_replicate_and_writes_it():
 def test_the_layout_fuzzer_draws_dp_replicate_and_validation_accepts_it():
     import random
 
-    from bigtrain.check.fuzz import _valid, sample_layout
+    from bigtrain.check.fuzz import _valid
+    from bigtrain.check.fuzz_layouts import sample_layout
 
     rng = random.Random(5)
     drawn = [s for s in (sample_layout(rng) for _ in range(200)) if any("dp_replicate" in o for o in s)]

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from bigtrain.check.fuzz import run_sample, sample_layout
+from bigtrain.check.fuzz import run_sample
+from bigtrain.check.fuzz_layouts import sample_layout
 
 SEED, COUNT, MAX_WORLD = 20261123, 48, 8
 LAYOUTS = [sample_layout(random.Random(f"{SEED}:{i}"), MAX_WORLD) for i in range(COUNT)]
@@ -33,7 +34,8 @@ def test_the_sample_spans_the_composition_space():
 
 
 def test_context_parallel_draws_fit_the_world_and_leave_other_samples_as_they_were():
-    from bigtrain.check.fuzz import CP, draw_sample
+    from bigtrain.check.fuzz import draw_sample
+    from bigtrain.check.fuzz_layouts import CP
 
     drawn = [draw_sample(SEED, i, MAX_WORLD, dlrm_share=0.0, hf_share=0.0, cp_share=1.0) for i in range(60)]
     with_cp = [d for d in drawn if any(o.startswith(CP) for o in d)]

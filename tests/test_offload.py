@@ -65,16 +65,16 @@ def _host_mode(mode, monkeypatch):
     separate host copies (``OffloadPlan.separate_host``, a test-only setting, not a config key)."""
     if mode == "same":
         return
-    import bigtrain.train
+    import bigtrain.train_step
     from dataclasses import replace
 
-    original = bigtrain.train.parallel_plan
+    original = bigtrain.train_step.parallel_plan
 
     def separate(cfg, run_dir=None, **kwargs):
         plan = original(cfg, run_dir, **kwargs)
         return replace(plan, engine=replace(plan.engine, offload=replace(plan.engine.offload, separate_host=True)))
 
-    monkeypatch.setattr(bigtrain.train, "parallel_plan", separate)
+    monkeypatch.setattr(bigtrain.train_step, "parallel_plan", separate)
 
 
 @pytest.mark.parametrize("mode", HOST_MODES)

@@ -34,7 +34,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from bigtrain.check.input_cases import Case, generate
+from bigtrain.check.input_cases import generate
+from bigtrain.check.input_recipe import Case
 
 CLEAN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "TORCHELASTIC_RUN_ID", "GROUP_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")

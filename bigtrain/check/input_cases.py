@@ -18,316 +18,23 @@ seeded generator over eight kinds:
 * ``hardware``: a ``--hardware-file`` for ``--parallel auto`` that is missing, a folder, not a table,
   names no preset as its base, or holds a bad field (zero rates, infinities, NaN, unknown names).
 
-Valid inputs are excluded by construction: each value is classified by a domain written here,
-independently of ``validation.py`` (a field's lower bound, and the size from which rejection is
+The ``field`` kind is drawn in :mod:`.input_fields`, the ``data`` kind in :mod:`.input_files`;
+:class:`Case` is :mod:`.input_recipe`'s. Valid inputs are excluded by construction: each value is
+classified by a domain written in :mod:`.input_fields`, independently of ``validation.py`` (a field's lower bound, and the size from which rejection is
 certain on any machine); a value that may be valid is skipped and counted, never run.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import random
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
-Build = Callable[[Path], tuple[list[str], dict[str, str | None]]]
-NEED = 34  # the tiny preset's data.seq_len (32) + 2: the shortest corpus the sampler takes
-SEED_MAX = (2**64 - 2**32) // 1_000_003
-INT64 = 2**63
-
-
-@dataclass
-class Case:
-    kind: str
-    name: str
-    names: tuple[str, ...]  # the message must contain one of these
-    build: Build
-    command: str = "train"
-    uses_preset: bool = True
-
-    def label(self) -> str:
-        return f"{self.command}:{self.kind}:{self.name}"
-
-
-# -- the tiny preset's fields and their domains ------------------------------------------------------
-# (lower bound of a valid value, value from which rejection is certain); None: no such bound.
-INT_FIELDS: dict[str, tuple[int, int | None]] = {
-    "model.vocab_size": (256, 10**11), "model.dim": (8, 10**7), "model.n_layers": (1, 10**9),
-    "model.n_heads": (1, 65), "model.n_kv_heads": (0, 5), "model.ffn_hidden": (0, 10**12),
-    "model.max_seq_len": (32, 10**12), "parallel.dp": (1, 3), "parallel.tp": (1, 5), "parallel.pp": (1, 3),
-    "parallel.sp": (1, 3), "parallel.cp": (1, 17), "parallel.ep": (1, None), "parallel.pp_virtual": (1, 2), "parallel.zero": (0, 4),
-    "precision.scale_growth_interval": (1, None), "memory.checkpoint_every": (1, None),
-    "optim.warmup_steps": (0, None), "optim.base_batch": (1, None), "optim.block_size": (1, None), "data.seq_len": (1, 65),
-    "data.max_bytes": (0, None), "data.ignore_target": (-1, 256), "train.steps": (1, None),
-    "train.global_batch": (1, 2**40), "train.micro_batch": (1, 9), "train.seed": (0, SEED_MAX + 1),
-    "train.max_bad_steps": (1, None), "model.moe_experts": (0, None), "model.moe_top_k": (1, None),
-    "model.moe_every": (1, None), "model.moe_ffn_hidden": (0, None),
-    "checkpoint.every": (0, None), "checkpoint.keep": (1, None), "logging.log_every": (1, None),
-    "model.fused_loss_chunk": (1, None), "memory.offload_min_bytes": (0, None),
-    "train.eval_every": (0, None), "train.eval_batches": (1, None),
-    "model.dlrm_dense_features": (1, None), "embedding.dim": (1, None), "embedding.hotness": (1, None),
-    "offload.prefetch_depth": (0, None), "offload.grad_buckets": (1, None),
-    "parallel.local_sgd_every": (1, 2),  # with the preset's dp_sync = 'sync', only 1 is valid
-    "parallel.dp_replicate": (1, 2), "parallel.dp_shard": (0, 2),  # dp = 1: one group of one (dp_shard 0: dp's)
-    "model.attention_head_dim": (0, None), "model.rope_original_max_len": (0, None),
-}
-# (low, low inclusive, high, high inclusive)
-FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
-    "model.rope_theta": (0, False, math.inf, False), "model.norm_eps": (0, False, math.inf, False),
-    "model.init_std": (0, False, math.inf, False), "parallel.bucket_mb": (0, False, 2**20, True),
-    "precision.loss_scale": (0, False, math.inf, False), "precision.scale_backoff": (0, False, 1, False),
-    "optim.lr": (0, False, math.inf, False), "optim.min_lr_ratio": (0, True, 1, True),
-    "optim.weight_decay": (0, True, math.inf, False), "optim.beta1": (0, True, 1, False),
-    "optim.beta2": (0, True, 1, False), "optim.eps": (0, False, math.inf, False),
-    "optim.grad_clip": (0, True, math.inf, False), "optim.adafactor_decay": (-1, True, 0, True),
-    "optim.adafactor_clip": (0, False, math.inf, False), "optim.adafactor_eps": (0, False, math.inf, False), "distributed.timeout_s": (1, True, 365 * 86400, True),
-    "model.moe_capacity_factor": (0, True, math.inf, False), "model.moe_aux_loss_coef": (0, True, math.inf, False),
-    "data.val_fraction": (0, True, 1, False),
-    "embedding.lr": (0, False, math.inf, False), "embedding.eps": (0, False, math.inf, False),
-    "embedding.budget_gb": (0, True, math.inf, False), "checkpoint.every_minutes": (0, True, 1e7, True),
-    "model.rope_factor": (0, False, math.inf, False), "model.rope_low_freq_factor": (0, False, math.inf, False),
-    "model.rope_high_freq_factor": (0, False, math.inf, False), "model.rope_beta_fast": (0, False, math.inf, False),
-    "model.rope_beta_slow": (0, False, math.inf, False), "model.rope_attention_factor": (0, True, math.inf, False),
-}
-BOOL_FIELDS = ["model.tie_embeddings", "parallel.sequence_parallel", "parallel.reshard_after_forward",
-               "parallel.prefetch", "checkpoint.save_final", "checkpoint.async", "logging.progress",
-               "logging.report", "logging.measure_memory", "logging.tensorboard", "model.fused_loss",
-               "memory.activation_offload", "memory.selective_attention", "parallel.pp_vertical_sync",
-               "model.attention_bias", "model.qkv_bias", "model.mlp_bias"]
-ENUM_FIELDS: dict[str, tuple[str, ...]] = {
-    "model.family": ("llama",), "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
-    "parallel.dp_sync": ("sync", "local-sgd"),
-    "parallel.pp_balance": ("layers", "params"), "precision.mode": ("fp32", "bf16", "fp16"),
-    "precision.reduce_dtype": ("auto", "fp32"), "memory.checkpointing": ("none", "full", "every", "selective"),
-    "memory.activation_compression": ("none", "int8"),
-    "optim.lr_scaling": ("none", "linear"), "optim.name": ("adamw", "adamw8bit", "adafactor", "lion"),  # others register at run time
-    "train.device": ("auto", "cpu"),  # cuda: only with a GPU
-    "model.rope_scaling": ("none", "linear", "yarn"),  # 'llama3' needs model.rope_original_max_len
-    "embedding.sharding": ("auto", "table", "row", "column", "data"),  # a DLRM's; refused for any model
-}
-TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-INT_TEXT = ["0", "-1", "-7", "1.5", "abc", "", " ", "1e3", "0x10", "nan", "inf", "true", str(INT64),
-            str(-INT64 - 1), "9" * 30, "9" * 5000, "+-1", "10**3", "1,000", "½", "-0x1", "\t", "٣", "1_0",
-            str(10**12), str(10**15), str(2**62), str(INT64 - 1), "-" + str(10**12)]
-FLOAT_TEXT = ["nan", "NaN", "-nan", "inf", "-inf", "Infinity", "1e400", "-1e400", "0", "-0", "-0.0", "-1",
-              "5e-324", "1e308", "abc", "", "1,5", "0x10", "1/2", "1e", "--1", "2", "1", "1.0000001", "-1e-9",
-              "1e9", "3e7", "1e-300"]
-BOOL_TEXT = ["maybe", "", "2", "-1", "tru", "t", "y", "null", "None", "yes please", "oui", " ", "0.0", "1e0",
-             "TRUE", " true ", "No"]
-STR_TEXT = ["", " ", "\t", "x" * 5000, "\u00e9", "\U0001f642", "../../etc", "$(id)", "\x1b[2J", "null", "None",
-            "0", "-1", "\udcff", "a" * 300, "fp 32"]
-
-
-def _int_value(text: str) -> int | None:
-    try:
-        return int(text.strip())
-    except ValueError:
-        return None
-
-
-def int_is_bad(name: str, text: str) -> bool:
-    """True when ``text`` is certainly not a valid value of int field ``name`` (in the tiny preset)."""
-    value = _int_value(text)
-    if value is None or not -INT64 <= value < INT64:
-        return True
-    low, certain = INT_FIELDS[name]
-    if name == "data.max_bytes" and 0 < value < NEED:
-        return True  # a cap below one window and its target
-    return value < low or (certain is not None and value >= certain)
-
-
-def float_is_bad(name: str, text: str) -> bool:
-    try:
-        value = float(text.strip())
-    except ValueError:
-        return True
-    low, low_in, high, high_in = FLOAT_FIELDS[name]
-    if not math.isfinite(value):
-        return True
-    return not ((value >= low if low_in else value > low) and (value <= high if high_in else value < high))
-
-
-def bool_is_bad(text: str) -> bool:
-    return text.strip().lower() not in TRUE + FALSE
-
-
-def str_is_bad(name: str, text: str) -> bool:
-    if name == "embedding.sharding":  # one kind for every table, or one per table: 'table, row'
-        return any(part.strip() not in ENUM_FIELDS[name] for part in text.split(","))
-    return text not in ENUM_FIELDS[name]
-
-
-# -- building blocks --------------------------------------------------------------------------------
-def _args(*overrides: str, env: dict[str, str | None] | None = None) -> Build:
-    return lambda folder: (list(overrides), dict(env or {}))
-
-
-def _field_case(rng: random.Random) -> tuple[Case | None, str]:
-    """One bad value for one field; (None, label) when the drawn value may be valid (skipped)."""
-    kind = rng.choice(["int"] * 5 + ["float"] * 3 + ["bool", "enum", "enum", "text"])
-    if kind == "int":
-        name = rng.choice(sorted(INT_FIELDS))
-        text = rng.choice(INT_TEXT + [str(rng.randint(-10**6, 10**6)), str(rng.randint(-3, 70)),
-                                      str(10 ** rng.randint(6, 18) * rng.randint(1, 9))])
-        bad = int_is_bad(name, text)
-    elif kind == "float":
-        name = rng.choice(sorted(FLOAT_FIELDS))
-        text = rng.choice(FLOAT_TEXT + [repr(rng.uniform(-5, 5)), f"1e{rng.randint(-330, 330)}"])
-        bad = float_is_bad(name, text)
-    elif kind == "bool":
-        name, text = rng.choice(BOOL_FIELDS), rng.choice(BOOL_TEXT)
-        bad = bool_is_bad(text)
-    elif kind == "enum":
-        name = rng.choice(sorted(ENUM_FIELDS))
-        good = rng.choice(ENUM_FIELDS[name])
-        text = rng.choice(STR_TEXT + [good.upper(), good + " ", " " + good, good[:-1], good + "x", "cuda"])
-        bad = str_is_bad(name, text)
-    else:
-        name = rng.choice(["data.source", "parallel.pp_split", "checkpoint.resume", "data.tokenizer"])
-        text = rng.choice(STR_TEXT + ["/nonexistent/corpus.txt", "stdlib ", "STDLIB", "1,2", "a,b", "-1", "1,,2"])
-        if name == "parallel.pp_split":
-            bad = bool(text.strip())  # one stage: any split point is one too many
-        elif name == "checkpoint.resume":
-            bad = text not in ("none", "auto") and not os.path.lexists(text)
-        elif name == "data.tokenizer":  # 'bytes', or a tokenizer file: none of these texts names one
-            bad = text != "bytes" and not os.path.isfile(os.path.expanduser(text))
-        else:
-            bad = text != "stdlib" and not os.path.lexists(os.path.expanduser(text))
-    label = f"--{name}={text[:40]!r}" + ("..." if len(text) > 40 else "")
-    if not bad:
-        return None, label
-    return Case("field", label, (name,), _args(f"--{name}={text}")), label
-
-
-# -- data files ------------------------------------------------------------------------------------
-def _source(name: str, write: Callable[[Path], None], *extra: str, names=("data.source",)) -> Callable:
-    """A case whose data.source is ``name`` in its folder, written by ``write``."""
-    def build(folder: Path):
-        path = folder / name
-        write(path)
-        return [f"--data.source={path}", *extra], {}
-    return lambda label: Case("data", label, names, build)
-
-
-def _save(array: np.ndarray) -> Callable[[Path], None]:
-    return lambda path: np.save(path, array, allow_pickle=True)
-
-
-def _tofile(array: np.ndarray) -> Callable[[Path], None]:
-    return lambda path: array.tofile(path)
-
-
-def _bytes(data: bytes) -> Callable[[Path], None]:
-    return lambda path: path.write_bytes(data)
-
-
-def _folder(files: dict[str, bytes]) -> Callable[[Path], None]:
-    def write(path: Path) -> None:
-        path.mkdir()
-        for rel, data in files.items():
-            (path / rel).parent.mkdir(parents=True, exist_ok=True)
-            (path / rel).write_bytes(data)
-    return write
-
-
-def _link(target: str) -> Callable[[Path], None]:
-    return lambda path: path.symlink_to(target)
-
-
-def _fifo(path: Path) -> None:
-    os.mkfifo(path)
-
-
-def _socket(path: Path) -> None:
-    sock = socket.socket(socket.AF_UNIX)
-    sock.bind(str(path))  # the file stays after the socket closes
-    sock.close()
-
-
-def _loop(path: Path) -> None:
-    other = path.with_name(path.name + "-other")
-    path.symlink_to(other)
-    other.symlink_to(path)
-
-
-def _truncated_npy(n: int) -> Callable[[Path], None]:
-    def write(path: Path) -> None:
-        np.save(path, np.arange(n, dtype=np.uint16))
-        with open(path, "r+b") as f:
-            f.truncate(path.stat().st_size - n)  # the header promises n ids; half are there
-    return write
-
-
-def _data_case(rng: random.Random) -> Case:
-    n = rng.randint(NEED, 4000)
-    vocab_id = rng.randint(256, 65535)
-    at = rng.randrange(n)
-
-    def with_id(dtype, value):
-        ids = np.random.default_rng(rng.randrange(2**32)).integers(0, 256, n).astype(dtype)
-        ids[at] = value
-        return ids
-
-    float_kind = rng.choice(["float16", "float32", "float64", "complex64", "complex128"])
-    signed = rng.choice(["int8", "int16", "int32", "int64"])
-    wide = rng.choice(["uint16", "int32", "uint32", "int64", "uint64"])
-    recipes = {
-        f"npy of {float_kind}": _source("t.npy", _save(np.arange(n).astype(float_kind))),
-        "npy of bool": _source("t.npy", _save(np.ones(n, dtype=bool))),
-        "npy of text": _source("t.npy", _save(np.array(["ab"] * n))),
-        "npy of dates": _source("t.npy", _save(np.arange(n).astype("datetime64[s]"))),
-        "npy of records": _source("t.npy", _save(np.zeros(n, dtype=[("a", "<i4"), ("b", "<f4")]))),
-        "npy of objects": _source("t.npy", _save(np.array([1, "a", None] * (n // 3 + 1), dtype=object))),
-        f"npy {wide} id {vocab_id} at {at}": _source("t.npy", _save(with_id(wide, vocab_id))),
-        f"npy {signed} id -1 at {at}": _source("t.npy", _save(with_id(signed, -1))),
-        f"npy id {vocab_id} > vocab 300": _source("t.npy", _save(with_id("int32", max(vocab_id, 300))),
-                                                  "--model.vocab_size=300", names=("data.source", "model.vocab_size")),
-        "npy empty": _source("t.npy", _save(np.zeros(0, dtype=np.uint16))),
-        "npy empty 2-d": _source("t.npy", _save(np.zeros((0, 7), dtype=np.int32))),
-        "npy scalar": _source("t.npy", _save(np.array(5, dtype=np.int64))),
-        f"npy short ({NEED - 1} ids)": _source("t.npy", _save(np.arange(NEED - 1, dtype=np.uint8))),
-        "npy short 2-d": _source("t.npy", _save(np.zeros((3, 11), dtype=np.uint16))),
-        "npy truncated": _source("t.npy", _truncated_npy(n)),
-        "npy garbage": _source("t.npy", _bytes(bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))))),
-        "npy that is text": _source("t.npy", _bytes(b"hello world\n" * 10)),
-        "npy header only": _source("t.npy", _bytes(b"\x93NUMPY\x01\x00")),
-        "npy 0 bytes": _source("t.npy", _bytes(b"")),
-        f"bin odd size ({2 * n + 1} bytes)": _source("t.bin", _bytes(b"\x01" * (2 * n + 1))),
-        "bin 1 byte": _source("t.bin", _bytes(b"\x01")),
-        "bin empty": _source("t.bin", _bytes(b"")),
-        f"bin short ({NEED - 1} ids)": _source("t.bin", _tofile(np.arange(NEED - 1, dtype=np.uint16))),
-        f"bin id {vocab_id} at {at}": _source("t.bin", _tofile(with_id(np.uint16, vocab_id))),
-        "text empty": _source("t.txt", _bytes(b"")),
-        f"text short ({NEED - 1} bytes)": _source("t.txt", _bytes(b"x" * (NEED - 1))),
-        "text under a max_bytes cap": _source("t.txt", _bytes(b"y" * 5000),
-                                              f"--data.max_bytes={rng.randint(1, NEED - 1)}",
-                                              names=("data.max_bytes",)),
-        "folder of csv": _source("d", _folder({"a.csv": b"1,2\n" * 100, "b.bin": b"\x00" * 100})),
-        "folder empty": _source("d", _folder({})),
-        "folder of empty text": _source("d", _folder({"a.txt": b"", "sub/b.py": b""})),
-        "folder of short text": _source("d", _folder({"a.txt": b"abc", "sub/b.md": b"def"})),
-        "folder named .bin": _source("d.bin", _folder({"a.txt": b"z" * 500})),
-        "folder named .npy": _source("d.npy", _folder({"a.txt": b"z" * 500})),
-        "FIFO": _source("pipe.txt", _fifo),
-        "FIFO named .bin": _source("pipe.bin", _fifo),
-        "socket": _source("sock.txt", _socket),
-        "link to /dev/zero": _source("zero.txt", _link("/dev/zero")),
-        "link to /dev/zero named .bin": _source("zero.bin", _link("/dev/zero")),
-        "link to /dev/urandom named .npy": _source("r.npy", _link("/dev/urandom")),
-        "dangling link": _source("gone.txt", _link("/nonexistent-bigtrain/x")),
-        "link loop": _source("loop.txt", _loop),
-    }
-    devices = {f"device {d}": d for d in ("/dev/zero", "/dev/null", "/dev/urandom", "/dev/full", "/dev/tty")}
-    label = rng.choice(sorted(recipes) + sorted(devices))
-    if label in devices:
-        return Case("data", label, ("data.source",), _args(f"--data.source={devices[label]}"))
-    return recipes[label](label)
+from bigtrain.check.input_fields import field_case
+from bigtrain.check.input_files import data_case, link_loop
+from bigtrain.check.input_recipe import SEED_MAX, Build, Case, fixed_args
 
 
 # -- output folders, environment, config files, flags, contradictions ---------------------------------
@@ -344,7 +51,7 @@ def _output_case(rng: random.Random, command: str) -> Case:
         return str(path)
 
     def loop(folder: Path) -> str:
-        _loop(folder / "l")
+        link_loop(folder / "l")
         return str(folder / "l")
 
     recipes = {
@@ -392,7 +99,7 @@ def _env_case(rng: random.Random, command: str) -> Case:
     # A layout of as many ranks as WORLD_SIZE says: the leftovers, not a size mismatch, must be the finding.
     layout = [f"--parallel.dp={world}", "--train.micro_batch=1"] if world in ("2", "4") and "TORCHELASTIC_RUN_ID" \
         not in env else []
-    return Case("env", label, names, _args(*layout, env=env), command=command)
+    return Case("env", label, names, fixed_args(*layout, env=env), command=command)
 
 
 TOML_CASES: dict[str, tuple[bytes, tuple[str, ...]]] = {
@@ -440,7 +147,7 @@ def _toml_case(rng: random.Random, command: str) -> Case:
             elif kind == "fifo":
                 os.mkfifo(path)
             elif kind == "loop":
-                _loop(path)
+                link_loop(path)
             elif kind != "missing":
                 path = Path(kind)
         return ["--config", str(path)], {}
@@ -468,7 +175,7 @@ def _flag_case(rng: random.Random) -> Case:
     }
     label = rng.choice(sorted(recipes))
     command, argv, names = recipes[label]
-    return Case("flag", label, names, _args(*argv), command=command, uses_preset=label not in (
+    return Case("flag", label, names, fixed_args(*argv), command=command, uses_preset=label not in (
         "preset typo", "preset empty", "preset and config"))
 
 
@@ -501,7 +208,7 @@ def _clumsy_case(rng: random.Random) -> Case:
 
         if torch.cuda.is_available():
             argv, name = ["--train.device=tpu"], "train.device"
-    return Case("clumsy", label, (name,), _args(*argv))
+    return Case("clumsy", label, (name,), fixed_args(*argv))
 
 
 def _hardware_case(rng: random.Random) -> Case:
@@ -556,12 +263,12 @@ def generate(count: int, seed: int) -> Draw:
         kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
         command = "check" if rng.random() < 0.2 else "train"
         if kind == "field":
-            case, label = _field_case(rng)
+            case, label = field_case(rng)
             if case is None:
                 draw.skipped_valid.append(label)
                 continue
         elif kind == "data":
-            case = _data_case(rng)
+            case = data_case(rng)
         elif kind == "output":
             case = _output_case(rng, command)
         elif kind == "env":

@@ -36,7 +36,8 @@ from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
 from bigtrain.families import family_of
 from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS
-from bigtrain.train import StepResult, Trainer
+from bigtrain.train import Trainer
+from bigtrain.train_step import StepResult
 
 
 

@@ -1,15 +1,10 @@
 """Embedding tables sharded over the ranks, looked up through all-to-all (TorchRec's sharded
 EmbeddingBagCollection, written on our collectives and placement record).
 
-A :class:`EmbeddingLayout` says, per table, how it is placed over the ``W`` ranks of the data axis:
-
-- ``table``: whole on one rank (its ``owner``);
-- ``row``: rows cut in ``W`` equal ranges, one per rank (rank r holds rows [r R/W, (r+1) R/W));
-- ``column``: columns cut in ``W`` equal ranges, one per rank;
-- ``data``: a replica on every rank.
-
-The first three give each table its *pieces* (one, or one per rank). A step, on each rank of a
-local batch of ``B`` samples with ``L`` ids per table:
+A :class:`~bigtrain.parallel.embedding_layout.EmbeddingLayout` says, per table, how it is placed
+over the ``W`` ranks of the data axis (``table``, ``row``, ``column`` or ``data``), and gives the
+first three their *pieces* (one, or one per rank). A step, on each rank of a local batch of ``B``
+samples with ``L`` ids per table:
 
 1. ids, forward: all-to-all; rank s sends each table or column piece's owner the ids of that
    piece's table for its ``B`` samples, and each row piece's owner only the ids in its row range
@@ -29,12 +24,7 @@ local batch of ``B`` samples with ``L`` ids per table:
 ``data`` tables look up locally; backward all-gathers their ids and pooled gradients, so every
 replica applies the same update of the global batch and no dense gradient is reduced.
 
-Payload bytes per step and rank (what :class:`AxisComm` records; :func:`all_to_all_payload`):
-ids ``8 B L (P' + R)`` (P': the table and column pieces of all tables, R: the row-wise tables,
-whose ``B L`` ids go out once, whatever their rows), id counts ``8 W R`` (with row-wise tables),
-pooled forward ``4 W B w_r`` (w_r: the widths of this rank's pieces summed), pooled backward
-``4 B w`` (w: the widths of all pieces summed; D per table for table-wise and column-wise tables,
-W D for row-wise ones).
+The bytes each all-to-all moves: :func:`~bigtrain.parallel.embedding_layout.all_to_all_payload`.
 
 The tables never enter the dense engine: their placement says so (no ``partial`` axis, hence no
 data-parallel reduction), and the engine is handed only the dense modules.
@@ -50,111 +40,7 @@ from torch import nn
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.models.dlrm import pooled_lookup
 from bigtrain.optim.sparse import SparseOptimizer, row_gradient
-from bigtrain.parallel.placement import Placement, ShardSpec
-from bigtrain.core.tables import KINDS, check_layout
-
-ID_BYTES, VALUE_BYTES = 8, 4
-AXIS = "dp_sp"  # the embedding tables are cut over the data-parallel ranks
-
-
-@dataclass(frozen=True)
-class Piece:
-    table: int
-    rank: int
-    rows: tuple[int, int]  # [first, end) of the table's rows
-    cols: tuple[int, int]
-
-    @property
-    def width(self) -> int:
-        return self.cols[1] - self.cols[0]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows[1] - self.rows[0], self.width
-
-
-@dataclass(frozen=True)
-class EmbeddingLayout:
-    rows: tuple[int, ...]
-    dim: int
-    world: int
-    kinds: tuple[str, ...]  # per table, one of KINDS
-    owners: tuple[int, ...]  # per table: the rank of a table-wise table, -1 otherwise
-
-    def __post_init__(self):
-        problems = check_layout(list(self.rows), self.dim, self.world, list(self.kinds))
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    def pieces_of(self, t: int) -> list[Piece]:
-        rows, dim, world, kind = self.rows[t], self.dim, self.world, self.kinds[t]
-        if kind == "table":
-            return [Piece(t, self.owners[t], (0, rows), (0, dim))]
-        if kind == "row":
-            step = rows // world
-            return [Piece(t, r, (r * step, (r + 1) * step), (0, dim)) for r in range(world)]
-        if kind == "column":
-            step = dim // world
-            return [Piece(t, r, (0, rows), (r * step, (r + 1) * step)) for r in range(world)]
-        return []
-
-    @property
-    def pieces(self) -> list[Piece]:
-        """Every piece, by rank then table: the order of every exchange."""
-        return sorted((p for t in range(len(self.rows)) for p in self.pieces_of(t)), key=lambda p: (p.rank, p.table))
-
-    def pieces_on(self, rank: int) -> list[Piece]:
-        return [p for p in self.pieces if p.rank == rank]
-
-    @property
-    def data_tables(self) -> list[int]:
-        return [t for t, k in enumerate(self.kinds) if k == "data"]
-
-    def local_shapes(self, rank: int) -> dict[int, tuple[int, int]]:
-        """{table: the shape this rank holds of it}."""
-        shapes = {p.table: p.shape for p in self.pieces_on(rank)}
-        shapes.update({t: (self.rows[t], self.dim) for t in self.data_tables})
-        return dict(sorted(shapes.items()))
-
-    def rank_bytes(self, rank: int, state_bytes_per_row: int = 0) -> int:
-        """The bytes of the weights (fp32) and the sparse optimizer's state this rank holds."""
-        return sum(r * (w * VALUE_BYTES + state_bytes_per_row) for r, w in self.local_shapes(rank).values())
-
-    def placement(self, t: int, rank: int) -> Placement:
-        """Where this rank's part of table ``t`` lives: never partial over the data axis (no engine
-        reduction; the sparse optimizer updates it from the global batch's gradient)."""
-        kind = self.kinds[t]
-        if kind == "data":
-            return Placement(replicate=(AXIS,))
-        if kind == "table":
-            return Placement()  # whole, on this rank alone
-        dim, full = (0, self.rows[t]) if kind == "row" else (1, self.dim)
-        return Placement(shards=(ShardSpec(dim, rank, self.world, full, full, AXIS),))
-
-    def describe(self) -> str:
-        lines = []
-        for t, (rows, kind) in enumerate(zip(self.rows, self.kinds)):
-            where = f"rank {self.owners[t]}" if kind == "table" else "every rank"
-            lines.append(f"table {t:>3}  {rows:>12,} x {self.dim}  {kind:<6}  {where}")
-        return "\n".join(lines)
-
-
-def all_to_all_payload(layout: EmbeddingLayout, rank: int, batch: int, hotness: int) -> dict[str, int]:
-    """Bytes this rank hands each all-to-all of one step (per-rank ``batch``), by tag. A row-wise
-    table's ids are bucketized: each goes to the one piece holding its row, so the table sends
-    ``batch x hotness`` ids in all whatever their rows, after a count per (rank, row-wise table)."""
-    pieces = layout.pieces
-    if not pieces:
-        return {}
-    row_tables = sum(kind == "row" for kind in layout.kinds)
-    fixed = sum(layout.kinds[p.table] != "row" for p in pieces)
-    local = sum(p.width for p in pieces if p.rank == rank)
-    out = {"emb_ids": ID_BYTES * batch * hotness * (fixed + row_tables),
-           "emb_pooled": VALUE_BYTES * layout.world * batch * local,
-           "emb_pooled_backward": VALUE_BYTES * batch * sum(p.width for p in pieces)}
-    if row_tables:
-        out["emb_id_counts"] = ID_BYTES * layout.world * row_tables
-    return out
+from bigtrain.parallel.embedding_layout import EmbeddingLayout
 
 
 def check_ids(ids: torch.Tensor, rows: tuple[int, ...]) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 
 from bigtrain.core.tables import KINDS, check_layout, parse_sizes, requested_kinds
-from bigtrain.parallel.embedding import VALUE_BYTES, EmbeddingLayout, all_to_all_payload
+from bigtrain.parallel.embedding_layout import VALUE_BYTES, EmbeddingLayout, all_to_all_payload
 
 
 def table_bytes(rows: int, dim: int, state_bytes_per_row: int) -> int:

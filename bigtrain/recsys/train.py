@@ -24,7 +24,8 @@ from bigtrain.models.dlrm import DLRM, bce_loss_sum, build_dlrm, init_value
 from bigtrain.core.tables import parse_sizes
 from bigtrain.optim.sparse import SparseOptimizer
 from bigtrain.parallel.build import apply_engine
-from bigtrain.parallel.embedding import EmbeddingLayout, ShardedEmbeddingBags
+from bigtrain.parallel.embedding import ShardedEmbeddingBags
+from bigtrain.parallel.embedding_layout import EmbeddingLayout
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.recsys.placement import plan_embedding

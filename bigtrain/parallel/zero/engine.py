@@ -27,7 +27,7 @@ and below stage 3, the fp32 buffers hold memory only from a step's first gradien
 (:mod:`.lazy_grads`): the forward of a one-micro-batch step runs without them.
 
 Each unit (a transformer block, plus a root unit for the rest) is a :class:`FlatUnit`. Gradients
-are reduced per unit as soon as the unit's last gradient arrives in backward, so communication
+are reduced per unit (:mod:`.grad_sync`) as soon as the unit's last gradient arrives in backward, so communication
 overlaps the rest of backward: all-reduce in stage 0, reduce-scatter in stages 1-3, in the reduce
 dtype (a compute-dtype copy of the fp32 gradient when that is narrower). Stages 0 and 1 keep full
 gradients and skip reduction on non-final micro-batches; stages 2 and 3 keep only the gradient
@@ -39,7 +39,6 @@ The loss must be normalized by the global token count: gradients are summed over
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 import zlib
 from typing import TYPE_CHECKING, Callable
@@ -52,11 +51,11 @@ from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim import OptimizerSpec, decay_groups, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.grad_hooks import on_grad_ready
-from bigtrain.parallel.data import rehome_grad, sync_off
 from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.allocate import allocate_units
 from bigtrain.parallel.zero.flat import FlatUnit
 from bigtrain.parallel.zero.gather import ParameterGatherer
+from bigtrain.parallel.zero.grad_sync import GradSync
 from bigtrain.parallel.zero.lazy_grads import gradient_buffers
 from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
 from bigtrain.core.blocks import default_unit_modules
@@ -70,7 +69,7 @@ if TYPE_CHECKING:  # a section of the config, read here; the config module is th
 InitFn = Callable[[str, tuple], torch.Tensor]  # (name, shape) -> full fp32 value
 
 
-class ZeroEngine:
+class ZeroEngine(GradSync):
     """Owns a model's parameters, gradients and optimizer state, partitioned as ``stage`` says."""
 
     def __init__(self, model: nn.Module, comm: AxisComm, stage: int, precision: Precision, optim: OptimConfig,
@@ -197,164 +196,6 @@ class ZeroEngine:
     @property
     def params(self) -> list[nn.Parameter]:
         return self._unit_of_params()
-
-    # -- backward: gradient reduction ---------------------------------------------------------------
-    def no_sync(self):
-        """Non-final micro-batches: stages 0-1 accumulate locally; stages 2-3 must reduce anyway."""
-        return sync_off(self)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
-
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        unit = self._unit_of[id(param)]
-        if self.stage <= 1 and self._host_grads is None:
-            self._lazy.ensure(unit)  # the unit's first gradient of the step: zeros to add into
-            self._accumulate(param)
-            if not self._sync:
-                return
-        self._remaining[id(unit)] -= 1
-        if self._remaining[id(unit)] == 0:
-            self._reduce(unit)
-
-    def _accumulate(self, param: nn.Parameter) -> None:
-        """Stages 0-1: bring a parameter's new gradient into its place in the fp32 buffer."""
-        home = self._grad_home[id(param)]
-        if self._grads_in_place:
-            rehome_grad(param, home)
-        else:
-            home.add_(param.grad)
-            param.grad = None
-
-    def _reduce(self, unit: FlatUnit) -> None:
-        self._remaining[id(unit)] = len(unit.params)
-        if self._host_grads is not None:
-            self._reduce_to_host(unit)
-            return
-        if self.stage >= 2:  # fold the previous micro-batch's result first: one buffer per unit at most
-            self._complete(lambda u: u is unit)
-        reduce_dtype = self.precision.reduce
-        if self.stage <= 1:
-            if self._grads_in_place:
-                for p, view in zip(unit.params, unit.grad_views):
-                    rehome_grad(p, view)  # a parameter without a gradient since torch's zero_grad adds zeros
-            self._lazy.ensure(unit)  # a unit whose gradients never came reduces zeros
-            if unit.comm.size == 1 and unit.replicas.size == 1:
-                return  # the local sum is the result; a cast to the reduce dtype would only round it
-            payload = unit.full_grad if unit.full_grad.dtype == reduce_dtype else unit.full_grad.to(reduce_dtype)
-        else:
-            payload = unit.flat_grads(reduce_dtype)
-            for p in unit.params:
-                p.grad = None  # the full gradient is freed as soon as it is handed to the collective
-        # On CUDA the collective runs on NCCL's own stream, which first waits for everything queued
-        # so far on the current stream (the gradients copied into ``payload``). ``out`` stays
-        # referenced in ``_pending`` until ``_complete`` has waited for it. ``payload`` may be a
-        # temporary (a cast, or the flat copy of stages 2-3) that we drop here: c10d keeps the
-        # input of an asynchronous collective from the caching allocator until it is done (it
-        # records it on NCCL's stream, or, in newer torch, holds it until ``wait()``), as Gloo's
-        # work holds it until it completes.
-        if self.stage == 0 or (unit.comm.size == 1 and unit.replicas.size > 1):  # HSDP, groups of one rank:
-            # nothing to scatter, only the replicas reduce (in _complete)
-            work = unit.comm.all_reduce(payload, async_op=True, tag="grads") if unit.comm.size > 1 else None
-            out = payload
-        else:
-            out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=payload.device)
-            work = unit.comm.reduce_scatter(out, payload, async_op=True, tag="grads")
-        if self.offload is not None and self.offload.grads_in_files:
-            # Gradients go to their files as reductions complete: hold one unit's output, not all.
-            self._complete(lambda u: True)
-        self._pending.append((unit, work, out))
-        if self.gatherer is not None:
-            self.gatherer.after_reduce(unit)
-
-    def _reduce_to_host(self, unit: FlatUnit) -> None:
-        """The unit's gradient of this micro-batch reduced into a device bucket, which goes down to the
-        host and is added into the unit's fp32 accumulator there (:mod:`.grad_stream`); the bucket
-        is the only device memory it keeps. A group of one writes the flat gradient straight into it."""
-        if unit.replicas.size > 1:
-            raise NotImplementedError("ZeRO offload on a GPU under HSDP (parallel.dp_replicate > 1): the replicas' "
-                                      "all-reduce of each streamed gradient is not built; validation refuses it")
-        stream = self._host_grads.stream
-        bucket, out = stream.bucket(unit.shard_numel)
-        work = None
-        if unit.comm.size == 1:
-            unit.flat_grads(self.precision.reduce, out=out)
-        else:
-            work = unit.comm.reduce_scatter(out, unit.flat_grads(self.precision.reduce), async_op=True, tag="grads")
-        for p in unit.params:
-            p.grad = None  # queued on the compute stream before any reuse of the memory: the copy read it
-        stream.send(bucket, unit, unit.shard_numel, work, final=self._sync)
-        if self.gatherer is not None:
-            self.gatherer.after_reduce(unit)
-
-    def finish_grad_sync(self) -> None:
-        """Wait for every reduction and fold the results into the gradient shards."""
-        if self._sync:
-            reduced = {id(u) for u, _, _ in self._pending}
-            local = self.stage <= 1 and self._host_grads is None  # accumulated here, reduced once a step
-            for unit in self.units:  # units whose gradients never arrived (unused parameters)
-                if self._remaining[id(unit)] != len(unit.params) or (local and id(unit) not in reduced):
-                    self._reduce(unit)
-        if self._host_grads is not None:
-            self._host_grads.finish(self.units)
-        self._complete(lambda u: True)
-        self._lazy.ensure_all()  # stage 2: a unit none of whose gradients came is not reduced: zeros
-
-    def _complete(self, which) -> None:
-        """Wait for the pending reductions of the units ``which`` selects; fold them into the shards."""
-        keep = []
-        for unit, work, out in self._pending:
-            if not which(unit):
-                keep.append((unit, work, out))
-                continue
-            if work is not None:
-                # NCCL: makes the current stream wait for the collective (the host does not block),
-                # so the fold below and everything after it reads the reduced values.
-                work.wait()
-            if unit.replicas.size > 1:
-                # HSDP: every ZeRO group reduced its own samples; the ranks holding the same shard
-                # in the other groups add theirs (synchronous: the fold below reads the sum).
-                unit.replicas.all_reduce(out, tag="grads")
-            if self.stage <= 1:
-                if out is not unit.full_grad:
-                    unit.grad_shard.copy_(out)
-            elif self.offload is not None and self.offload.grads_in_files:
-                self.offload.fold_grad(unit, out)
-            else:
-                self._lazy.ensure(unit)
-                unit.grad_shard.add_(out)
-        self._pending = keep
-
-    def grad_piece(self, name: str) -> tuple[torch.Tensor, int]:
-        """This rank's reduced gradient of parameter ``name`` after :meth:`finish_grad_sync` (a view
-        the step reads: changing it changes the update), and the index in the parameter of its
-        first element; empty where this rank's shard holds none of it."""
-        unit = self._unit_holding(name)
-        self._lazy.ensure(unit)
-        return unit.slot_grad_piece(name)
-
-    def _unit_holding(self, name: str) -> FlatUnit:
-        for unit in self.units:
-            if any(slot.name == name for slot in unit.slots):
-                return unit
-        raise KeyError(f"no parameter named {name!r} in this engine")
-
-    @contextlib.contextmanager
-    def editable_grad_piece(self, name: str):
-        """:meth:`grad_piece`, kept in memory while the caller changes it in place (the tied copies'
-        sum over the pipeline's ends): with ZeRO-Infinity's gradients in files (offload.optimizer =
-        'nvme' at stages 2-3) the unit's shard is read in first and written back after, so the
-        change reaches the step, which reads the shard from its file."""
-        unit = self._unit_holding(name)
-        in_files = self.offload is not None and self.offload.grads_in_files
-        if in_files:
-            self.offload.grad_in(unit)
-        self._lazy.ensure(unit)
-        try:
-            yield unit.slot_grad_piece(name)
-        finally:
-            if in_files:
-                self.offload.grad_out(unit)
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, lr: float, max_norm: float, skip: torch.Tensor | None = None) -> tuple[float, bool]:

@@ -1,0 +1,59 @@
+"""Checks of one field's value that the validation rules share: > 0, >= 0, one of a set, a path that
+exists, a directory this user can write. Each returns the problems it finds (dotted field, value, fix).
+
+Imports no torch (as :mod:`bigtrain.validation`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from bigtrain.config import Config
+
+
+def positive(cfg: Config, names: list[str]) -> list[str]:
+    problems = []
+    for dotted in names:
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if not (value > 0 and math.isfinite(value)):  # NaN fails every comparison: test the good case
+            problems.append(f"{dotted} = {value}: must be > 0")
+    return problems
+
+
+def non_negative(cfg: Config, names: list[str]) -> list[str]:
+    problems = []
+    for dotted in names:
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if not (value >= 0 and math.isfinite(value)):
+            problems.append(f"{dotted} = {value}: must be >= 0")
+    return problems
+
+
+def one_of(dotted: str, value: str, choices: tuple[str, ...]) -> list[str]:
+    if value in choices:
+        return []
+    return [f"{dotted} = '{value}': must be one of {', '.join(repr(c) for c in choices)}"]
+
+
+def path_exists(path: str, expand: bool = True) -> bool:
+    """Like Path.exists, but False for names no file can have (too long, NUL) instead of raising."""
+    try:
+        return Path(os.path.expanduser(path) if expand else path).exists()
+    except (OSError, ValueError):
+        return False
+
+
+def writable_dir(field: str, path: str) -> list[str]:
+    target = Path(path)
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        return [f"{field} = '{path}': {probe} is not a directory this user can write; give a writable local "
+                f"directory (a fast NVMe disk)"]
+    return []
+
