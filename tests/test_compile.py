@@ -17,6 +17,7 @@ from bigtrain.config import ConfigError, load_config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import compile_enabled
 from bigtrain.models.feed_forward import FeedForward
+from bigtrain.parallel import compile as compile_module
 from bigtrain.parallel.compile import CPP_WRAPPER_ENV, CompiledRegion, CompileFallbackWarning, graphs_compiled
 from bigtrain.testing import run_ranks
 from bigtrain.train import Trainer
@@ -35,8 +36,12 @@ def test_compiled_steps_recompile_nothing_after_warm_up_and_report_their_compile
                       "--model.dim=48")
     trainer = Trainer(cfg, tmp_path, Mesh({}), "cpu")
     assert set(trainer.parallel.transforms) == {"layers.0", "layers.1", "norm"}
-    assert trainer.parallel.transforms["layers.0"] == ("compile", "checkpoint")
-    first = trainer.train_step()
+    # compiled inside its checkpoint (bigtrain/parallel/compile.py says why)
+    assert trainer.parallel.transforms["layers.0"] == ("checkpoint", "compile")
+    compile_module._warned = False  # the fallback warns once a process
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)  # a region that fell back to eager fails here
+        first = trainer.train_step()
     trainer.evaluate()
     warm = graphs_compiled()
     evaluation, _ = trainer.compile_clock.take()  # the evaluation's graphs (the next step would report them)
@@ -55,7 +60,10 @@ def test_a_compiled_run_matches_the_independent_reference(corpus_cache, tmp_path
     monkeypatch.delenv(CPP_WRAPPER_ENV, raising=False)
     cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=selective", "--memory.activation_offload=true",
                       "--memory.offload_min_bytes=256", "--model.fused_loss=true", "--model.fused_loss_chunk=32")
-    report = check_layout(cfg, Mesh({}), tmp_path, steps=3)
+    compile_module._warned = False  # the fallback warns once a process
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        report = check_layout(cfg, Mesh({}), tmp_path, steps=3)
     assert report.agree, report.text()
 
 
@@ -67,8 +75,16 @@ def test_a_compiled_run_matches_the_independent_reference(corpus_cache, tmp_path
 ], ids=["tp2-sp-zero3", "pp2-zb-h1", "moe-ep2"])
 def test_compiled_layouts_match_the_independent_reference(layout, corpus_cache, tmp_path):
     cfg = tiny_config(corpus_cache, *COMPILE, *layout)
-    report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=600)[0]
+    report = run_ranks(_check_compiled_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=600)[0]
     assert report.agree, report.text()
+
+
+def _check_compiled_on_rank(rank, world_size, *args):
+    """check_on_rank, with a region that falls back to eager (which would agree, uncompiled) an error."""
+    compile_module._warned = False  # the fallback warns once a process: this (forked) one must be able to
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        return check_on_rank(rank, world_size, *args)
 
 
 def test_on_a_cpu_the_graphs_are_called_through_inductor_s_cpp_wrapper(corpus_cache, tmp_path, monkeypatch):

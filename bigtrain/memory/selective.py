@@ -45,6 +45,18 @@ class Recomputed(ModuleWrapper):
         return checkpoint(self.wrapped.forward, *args, use_reentrant=False, **kwargs)
 
 
+class RecomputedAttention(Recomputed):
+    """The attention core under recomputation (``memory.selective_attention``). It runs eagerly
+    under ``torch.compile``, a compiled block's graph breaking around it: inductor cannot compile a
+    recomputed SDPA on a CPU (torch 2.13: SDPA's CPU kernel is a seeded-random op, and AOT
+    autograd's replay of its random state inside a recomputed region fails to lower:
+    ``AssertionError: ... RunAndSaveRngState``). Its own kernel is the flash kernel either way."""
+
+    @torch._disable_dynamo  # the decorator bigtrain/parallel/eager.py uses, without its import
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
 def selective_parts(block: nn.Module, attention: bool = False) -> list[str]:
     """The names (in ``block``) of the modules of a Llama block that selective recomputation wraps
     (``attention``: the core too); of an MoE block the norms and the shared expert's activation."""
@@ -63,5 +75,6 @@ def apply_selective_recomputation(blocks: nn.ModuleList, attention: bool = False
     :class:`Recomputed`, in place; returns the blocks' indices."""
     for block in blocks:
         for name in selective_parts(block, attention):
-            replace_module(block, name, Recomputed(block.get_submodule(name)))
+            kind = RecomputedAttention if name == "attention.core" else Recomputed
+            replace_module(block, name, kind(block.get_submodule(name)))
     return list(range(len(blocks)))

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bigtrain.memory.checkpointing import Checkpointed
 from bigtrain.memory.compression import Int8SavedInput
 from bigtrain.models.moe import MoEFeedForward
 from bigtrain.core.blocks import default_unit_modules
@@ -123,6 +124,14 @@ def compile_regions(root: nn.Module, name: str, keep_graph: bool = False, cpp_wr
     module = root.get_submodule(name)
     if isinstance(module, EAGER_MODULES):
         return []
+    if isinstance(module, Checkpointed) and not _holds_eager(module):
+        # Compiled inside its checkpoint, not around it (as its children are when it holds an eager
+        # module, below): traced through, the checkpoint makes AOT autograd replay the random state
+        # of every seeded op it recomputes, SDPA's among them, which inductor cannot lower on a CPU
+        # (torch 2.13: ``AssertionError: ... RunAndSaveRngState``; the block ran eagerly). Inside,
+        # the same compiled forward runs again in backward.
+        replace_module(root, name, Checkpointed(CompiledRegion(module.wrapped, keep_graph, cpp_wrapper)))
+        return [name]
     if not _holds_eager(module):
         replace_module(root, name, CompiledRegion(module, keep_graph, cpp_wrapper))
         return [name]
