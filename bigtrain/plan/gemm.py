@@ -30,7 +30,7 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
   registers, rsqrt 4 bytes:
 
       forward   norm 1 (x -> output, rsqrt)                          2Bh + 4
-                rotary (q, k -> rotated, in the layout SDPA takes)   2B(h + k)
+                rotary (q, k -> rotated, in the layout SDPA takes)   2B(h + k) [+ 8(h + k)]
                 norm 2 with the residual (x, wo's output -> output)  3Bh + 4
                 silu(w1 x) * w3 x                                     3BF
                 the block output x + wo(..) + w2(..)                 4Bh
@@ -38,12 +38,15 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
                 norm 2 (two input gradients, x, wo's output, the
                 block output's gradient, rsqrt -> dh, a row sum)     6Bh + 8
                 log-sum-exp to SDPA's layout (the CPU kernel's)      8a
-                rotary                                                2B(h + k)
+                rotary                                                2B(h + k) [+ 8(h + k)]
                 both norms' weight gradients (7 token tensors)       7Bh + 8
                 norm 1 (dh, three input gradients, x, rsqrt -> dx)   6Bh + 8
 
-  V is a view of its GEMM's output and SDPA's output is in the (b, s, a, d) order wo reads, so
-  nothing is copied. Kernels: 5 + 7 GEMMs + attention forward, 6 + 14 GEMMs + attention backward
+  [In bf16 / fp16 the rotary kernels write the stack of the two rotated halves in fp32 and read
+  it back for the cast (4 + 4 bytes an element), and the key gradient's cast is a kernel of its own:
+  read so on the CPU; the H200's listing was not kept to say whether Triton does the same.] V is
+  a view of its GEMM's output and SDPA's output is in the (b, s, a, d) order wo reads, so nothing
+  is copied. Kernels: 5 + 7 GEMMs + attention forward, 6 (bf16: 7) + 14 GEMMs + attention backward
   (eager: OPS_PER_BLOCK, twice in backward). Under tp the norms and residuals are whole unless
   Megatron SP, the rest a tp share, as eager. An MoE block, and the GPT block (Megatron's fused
   kernels already), keep the eager figures; the head's loss is priced eager (the byte vocabulary's
@@ -62,7 +65,11 @@ from bigtrain.plan.model import ModelSpec
 
 FLASH_BACKWARD = 2.5  # FlashAttention-2's backward: 5 matmuls of the forward's 2 (S recomputed)
 OPS_PER_BLOCK = {"swiglu": 40, "gelu": 16}  # forward kernels of one block (backward: twice)
-COMPILED_OPS_PER_BLOCK = (5 + 7 + 1, 6 + 14 + 1)  # a compiled Llama block: (forward, backward) kernels
+
+
+def compiled_ops_per_block(precision: str) -> tuple[int, int]:
+    """A compiled Llama block's (forward, backward) kernels: generated, GEMMs, attention (docstring)."""
+    return 5 + 7 + 1, 6 + (BYTES[precision] < 4) + 14 + 1
 
 
 def gemm_efficiency(hw, m: float, n: float, k: float) -> float:
@@ -175,7 +182,7 @@ def compiled_elementwise_bytes(model: ModelSpec, layout: Layout) -> tuple[float,
     one rank (the module docstring)."""
     b, h, kv, t, f = BYTES[layout.precision], model.hidden, model.kv_dim, layout.tp, model.ffn_hidden / layout.tp
     whole = t if layout.tp_sp else 1  # norms and residuals are divided only under sequence parallelism
-    rotary = 2 * b * (h + kv) / t
+    rotary = (2 * b + (8 if b < 4 else 0)) * (h + kv) / t  # below fp32: the fp32 stack written and read back
     forward = (2 * b * h + 4 + 3 * b * h + 4 + 4 * b * h) / whole + rotary + 3 * b * f
     backward = (6 * b * h + 8 + 7 * b * h + 8 + 6 * b * h + 8) / whole + rotary + 5 * b * f + 8 * model.heads / t
     return forward, backward
@@ -216,7 +223,7 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
         bwd += _memory_seconds(hw, scores * (5 * nbytes + 1))
     if compiles_block(model, layout, moe):
         moved_forward, moved_backward = compiled_elementwise_bytes(model, layout)
-        ops_forward, ops_backward = COMPILED_OPS_PER_BLOCK
+        ops_forward, ops_backward = compiled_ops_per_block(layout.precision)
     else:
         moved_forward = _elementwise_bytes(model, layout, moe)
         moved_backward = 2 * moved_forward
@@ -247,7 +254,7 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
         block = BlockTimes(*((1 - share) * a + share * b for a, b in zip(astuple(block), astuple(moe))))
     head = head_times(model, layout, hw)
     forward = layers * block.forward + head[0] / layout.pp
-    ops = COMPILED_OPS_PER_BLOCK[0] if compiles_block(model, layout) else OPS_PER_BLOCK[model.mlp]
+    ops = compiled_ops_per_block(layout.precision)[0] if compiles_block(model, layout) else OPS_PER_BLOCK[model.mlp]
     recompute = block.forward + ops * hw.recompute_op_overhead_s
     backward = layers * block.backward + head[1] / layout.pp + recomputed * recompute
     deferred = (layers - recomputed) * block.backward + head[1] / layout.pp
