@@ -42,7 +42,9 @@ MEASURED = {
     # selective recomputation, int8 compression and the fused loss (memory/, plan/activations.py)
     + _layouts(variants=[("fp32", "selective", 4), ("bf16", "selective", 2)])
     + _layouts(variants=[("fp32", "none", 2), ("fp32", "selective", 2)], compression="int8", fused_loss=True)
-    + _layouts(variants=[("bf16", "none", 2)], compression="int8"),
+    + _layouts(variants=[("bf16", "none", 2)], compression="int8")
+    # compiled blocks (compile.enabled = true through Layout.to_overrides; plan/activations.py)
+    + _layouts(variants=[("bf16", "none", 2)], compiled=True),
     2: _layouts(dp=2, zeros=(0, 1, 2, 3), variants=[("fp32", "none", 4), ("bf16", "full", 2), ("fp32", "every", 1)])
     + _layouts(tp=2, variants=[("fp32", "none", 4), ("bf16", "every", 2)])
     + _layouts(tp=2, tp_sp=True, zeros=(1,), variants=[("fp32", "none", 2), ("bf16", "full", 2)])
