@@ -48,8 +48,8 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
   a view of its GEMM's output and SDPA's output is in the (b, s, a, d) order wo reads, so nothing
   is copied. Kernels: 5 + 7 GEMMs + attention forward, 6 (bf16: 7) + 14 GEMMs + attention backward
   (eager: OPS_PER_BLOCK, twice in backward). Under tp the norms and residuals are whole unless
-  Megatron SP, the rest a tp share, as eager. An MoE block, and the GPT block (Megatron's fused
-  kernels already), keep the eager figures; the head's loss is priced eager (the byte vocabulary's
+  Megatron SP, the rest a tp share, as eager. A model with experts (its MoE layers run eagerly,
+  not measured compiled), and the GPT block (Megatron's fused kernels already), keep the eager figures; the head's loss is priced eager (the byte vocabulary's
   log-softmax is a few microseconds).
 * **Op overhead**: ``op_overhead_s`` per kernel (the framework's dispatch; 0 on GPUs, where
   launches are asynchronous and hidden behind kernels of this size; measured on CPU), and
@@ -172,9 +172,10 @@ def _elementwise_bytes(model: ModelSpec, layout: Layout, moe: bool = False) -> f
     return (norms + bias_dropout_add) / whole + gelu
 
 
-def compiles_block(model: ModelSpec, layout: Layout, moe: bool = False) -> bool:
-    """Whether the block is priced compiled (the module docstring): bigtrain's Llama, not an MoE block."""
-    return layout.compiled and model.mlp == "swiglu" and not moe
+def compiles_block(model: ModelSpec, layout: Layout) -> bool:
+    """Whether the blocks are priced compiled (the module docstring): bigtrain's Llama without experts
+    (as plan/activations.py keeps the eager figures of a model with experts)."""
+    return layout.compiled and model.mlp == "swiglu" and not model.experts
 
 
 def compiled_elementwise_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
@@ -221,7 +222,7 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
         nbytes = BYTES[p]
         fwd += _memory_seconds(hw, scores * (2 * nbytes + 2 * nbytes + 1))  # scale-mask-softmax, dropout
         bwd += _memory_seconds(hw, scores * (5 * nbytes + 1))
-    if compiles_block(model, layout, moe):
+    if compiles_block(model, layout):
         moved_forward, moved_backward = compiled_elementwise_bytes(model, layout)
         ops_forward, ops_backward = compiled_ops_per_block(layout.precision)
     else:
