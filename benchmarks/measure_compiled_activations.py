@@ -6,8 +6,12 @@ with ``compile.enabled = true``, then counts what autograd saves over one more s
 (``SavedActivations``: saved-tensor hooks, which see what a compiled graph saves too) and prints it
 next to the planner's figure for the eager and the compiled layout (plan/activations.py). The
 compiled list of docs/planner.md was read off this (14 of 14 equal, 2026-11-27, torch 2.13 CPU).
+``--parallel``: compiled layouts over two forked ranks instead (tp 2, tp 2 with Megatron SP and
+ZeRO-1, Ulysses 2), where the tensor-parallel collectives break the compiled graph; the worst
+rank's saved bytes against the planner's.
 
     PYTHONPATH=. .venv/bin/python benchmarks/measure_compiled_activations.py   (~15 minutes, cold compiles)
+    PYTHONPATH=. .venv/bin/python benchmarks/measure_compiled_activations.py --parallel   (~3 minutes)
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from bigtrain.memory.accounting import SavedActivations  # noqa: E402
 from bigtrain.plan import PRESETS, Layout, ModelSpec, estimate_memory  # noqa: E402
+from bigtrain.testing import run_ranks  # noqa: E402
 from helpers import tiny_config, trainer_on_rank  # noqa: E402
 
 OPTIONS = {"none": {}, "full": dict(recompute="full"), "every": dict(recompute="every"),
@@ -36,7 +41,8 @@ OPTIONS = {"none": {}, "full": dict(recompute="full"), "every": dict(recompute="
 def saved_bytes(trainer) -> int:
     """The most bytes autograd holds for backward over one step's micro-batches."""
     tracker = SavedActivations(trainer.model)
-    batches = trainer.sampler.micro_batches(trainer.step, 0, 1, trainer.cfg.train.micro_batch)
+    batches = trainer.sampler.micro_batches(trainer.step, trainer.mesh.coord("dp"), trainer.mesh.size("dp"),
+                                            trainer.cfg.train.micro_batch)
     for i, (tokens, targets) in enumerate(batches):
         trainer._forward_backward(tokens, targets, sync=i == trainer.accum - 1, tracker=tracker)
     trainer.engine.finish_grad_sync()
@@ -44,14 +50,47 @@ def saved_bytes(trainer) -> int:
     return tracker.peak
 
 
+PARALLEL = [Layout(tp=2, precision="bf16", micro_batch=2, compiled=True),
+            Layout(tp=2, tp_sp=True, zero=1, precision="fp32", micro_batch=2, compiled=True),
+            Layout(sp=2, precision="bf16", micro_batch=2, compiled=True)]
+
+
+def _on_rank(rank: int, world_size: int, tokens: str, tmp: str) -> list[int]:
+    out = []
+    for layout in PARALLEL:
+        trainer = trainer_on_rank(rank, world_size, tiny_config(tmp, f"--data.source={tokens}", *layout.to_overrides()),
+                                  tmp)
+        trainer.train_step()
+        out.append(saved_bytes(trainer))
+    return out
+
+
+def parallel(tokens: str, tmp: str) -> int:
+    measured = [max(per_rank) for per_rank in zip(*run_ranks(_on_rank, 2, tokens, tmp, timeout=1800))]
+    cfg = tiny_config(tmp, f"--data.source={tokens}")
+    spec = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    worst = 0.0
+    for layout, saved in zip(PARALLEL, measured):
+        compiled, eager = (estimate_memory(spec, dataclasses.replace(layout, compiled=c), PRESETS["cpu"],
+                                           cfg.train.global_batch).activations for c in (True, False))
+        worst = max(worst, abs(compiled - saved) / saved)
+        print(f"{layout.describe():70s} measured {saved:>8,}   planner compiled {compiled:>8,} "
+              f"({compiled / saved - 1:+.2%}), eager {eager:>8,}", flush=True)
+    print(f"the planner's compiled figures within {worst:.2%} of the measured")
+    return 0 if worst <= 0.05 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--options", default=",".join(OPTIONS), help=f"of {', '.join(OPTIONS)}")
+    p.add_argument("--parallel", action="store_true", help="the two-rank compiled layouts instead")
     args = p.parse_args(argv)
     tmp = tempfile.mkdtemp()
     tokens = f"{tmp}/tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 256, 50_000, dtype=np.uint16))
+    if args.parallel:
+        return parallel(tokens, tmp)
     wrong = 0
     for precision in args.precisions.split(","):
         for name in args.options.split(","):

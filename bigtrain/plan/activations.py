@@ -86,6 +86,9 @@ activation-memory options (each measured on the trainer at one rank, fp32 and bf
                       B h and rsqrt, the SwiGLU region w1 x and w3 x; the int8 copies as eager
     int8 + selective: the eager figure (measured: nothing saved beyond the final norm's)
     offload, fused loss: the compiled block's list (offload moves what the graph saves)
+    tp, Megatron SP, Ulysses: the same list divided as eager's (the collectives break the graph
+                      into pieces; measured over two ranks within 0.15%,
+                      benchmarks/measure_compiled_activations.py --parallel)
 
 A model with experts keeps the eager figures: its MoE layers run eagerly inside a block compiled
 child by child, not measured compiled. The GPT block below is priced with fused kernels already.
