@@ -29,10 +29,15 @@ def offload_plan(cfg: Config, run_dir: str | None = None) -> OffloadPlan:
 
 
 def compile_enabled(cfg: Config, device_type: str) -> bool:
-    """``compile.enabled`` on a device of this type: 'auto' compiles on CUDA only (docs/compile.md:
-    on a CPU the compile time outweighs what the shorter steps save over a run of usual length)."""
-    setting = cfg.compile.enabled
-    return setting == "true" or (setting == "auto" and device_type == "cuda" and cfg.model.family == "llama")
+    """``compile.enabled`` on a device of this type (:func:`compiles`)."""
+    return compiles(cfg.compile.enabled, device_type, cfg.model.family)
+
+
+def compiles(setting: str, device_type: str, family: str = "llama") -> bool:
+    """Whether ``compile.enabled = setting`` compiles a ``family`` model on a ``device_type`` device:
+    'auto' compiles the Llama on CUDA only (docs/compile.md: on a CPU the compile time outweighs what
+    the shorter steps save over a run of usual length). The planner asks the same (plan/fit.py)."""
+    return setting == "true" or (setting == "auto" and device_type == "cuda" and family == "llama")
 
 
 def parallel_plan(cfg: Config, run_dir: str | None = None, device_type: str = "cpu") -> ParallelPlan:

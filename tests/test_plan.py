@@ -42,7 +42,9 @@ MEASURED = {
     # selective recomputation, int8 compression and the fused loss (memory/, plan/activations.py)
     + _layouts(variants=[("fp32", "selective", 4), ("bf16", "selective", 2)])
     + _layouts(variants=[("fp32", "none", 2), ("fp32", "selective", 2)], compression="int8", fused_loss=True)
-    + _layouts(variants=[("bf16", "none", 2)], compression="int8"),
+    + _layouts(variants=[("bf16", "none", 2)], compression="int8")
+    # compiled blocks (compile.enabled = true through Layout.to_overrides; plan/activations.py)
+    + _layouts(variants=[("bf16", "none", 2)], compiled=True),
     2: _layouts(dp=2, zeros=(0, 1, 2, 3), variants=[("fp32", "none", 4), ("bf16", "full", 2), ("fp32", "every", 1)])
     + _layouts(tp=2, variants=[("fp32", "none", 4), ("bf16", "every", 2)])
     + _layouts(tp=2, tp_sp=True, zeros=(1,), variants=[("fp32", "none", 2), ("bf16", "full", 2)])
@@ -172,6 +174,46 @@ def test_activation_formula_matches_saved_tensors(shape, precision):
     predicted = batch * seq * cfg.n_layers * blocks.per_token() + head.bytes(batch, seq)
     assert tracker.peak == predicted
     assert blocks.c1 == pytest.approx((24 if precision == "fp32" else 16) + 8 / cfg.dim)
+
+
+# Compiled blocks (compile.enabled): the planner's compiled list (plan/activations.py) against what the
+# compiled regions save, read by the same saved-tensor hooks (AOT autograd saves through autograd).
+# The trainer at one rank measured the same for full / every-2 checkpointing, the fused loss and bf16
+# int8 (docs/planner.md); the checkpointed ones are left out here, as this CPU's torch does not compile
+# a checkpointed block (it falls back to eager, with the same bytes).
+COMPILED_CASES = [("fp32", "none", "none"), ("bf16", "none", "none"), ("bf16", "selective", "none"),
+                  ("fp32", "none", "int8"), ("fp32", "selective", "int8")]
+
+
+@pytest.mark.parametrize("precision,recompute,compression", COMPILED_CASES,
+                         ids=["-".join(c) for c in COMPILED_CASES])
+def test_compiled_activation_formula_matches_saved_tensors(precision, recompute, compression, tmp_path):
+    from bigtrain.from_config import activation_plan
+    from bigtrain.memory.activations import apply_activation_memory
+    from bigtrain.parallel.compile import apply_compile
+
+    cfg = tiny_config(str(tmp_path), f"--precision.mode={precision}", f"--memory.checkpointing={recompute}",
+                      f"--memory.activation_compression={compression}", "--model.ffn_hidden=160")
+    model = build_model(cfg.model, "cpu")
+    model.init_weights(0)
+    model.to(torch.float32 if precision == "fp32" else torch.bfloat16)
+    model.init_buffers()
+    apply_activation_memory(model, activation_plan(cfg))
+    compiled = apply_compile(model, token_loss_sum, device="cpu")  # as parallelize does: blocks, norm, loss
+    batch, seq = 3, 24
+    window = torch.randint(0, 256, (batch, seq + 1))
+    with SavedActivations(model) as tracker:
+        compiled.loss_fn(model(window[:, :-1]), window[:, 1:])
+    spec = ModelSpec.from_model_config(cfg.model, seq)
+    blocks = block_activations(spec, precision, recompute, compression, compiled=True)
+    head = head_activations(spec, precision, compression, compiled=True)
+    predicted = batch * seq * cfg.model.n_layers * blocks.per_token() + head.bytes(batch, seq)
+    assert tracker.peak == predicted, (tracker.peak, predicted)
+    eager = block_activations(spec, precision, recompute, compression)
+    if (recompute, compression) == ("selective", "int8"):  # the eager figure, kept (plan/activations.py)
+        assert blocks == eager
+    else:  # the compiled list is the measured one, not the eager list again
+        assert blocks.per_token() < eager.per_token()
 
 
 # -- (b) arithmetic ------------------------------------------------------------------------------------

@@ -51,6 +51,48 @@ log-sum-exp and the int64 targets per token, instead of the fp32 log-softmax ove
 while it runs it holds one chunk's logits and exponentials (``fused_chunk_bytes``). Offload keeps
 at most two modules' offloadable tensors on the device (``memory/offload.py``; memory.py).
 
+Compiled blocks (``compile.enabled``, ``Layout.compiled``; bigtrain/parallel/compile.py): the block
+is one inductor region, and AOT autograd's min-cut partitioner saves for backward what is cheapest
+to keep, recomputing element-wise results from it. Read off ``SavedActivations`` on the compiled
+Llama (saved-tensor hooks see what the compiled graph saves: AOT autograd hands it to autograd
+through ``save_for_backward``) in fp32 and bf16, and in the generated forward graph's outputs
+(``benchmarks/compile_fusions.py``), a compiled block saves per token:
+
+    each norm: its input in the compute dtype B h (the first norm's: the block input; the second's:
+        wo's output, the residual x + wo(...) is recomputed from it), rsqrt 4, its output B h as
+        the linears after it keep it; no fp32 copy of the input, no normalized x (recomputed)
+    attention: as eager (q, k, v, log-sum-exp, SDPA's output)
+    SwiGLU: w1 x, w3 x and their product 3 B F; silu(w1 x) is recomputed
+
+    compiled: c1 = (2Bh + 8 + 2Bh) / h = 4B + 8/h,  c2 = (2Bh + 2Bk + 4a + 3BF) / h
+
+so 8h + 2F fewer bytes a token per block in bf16 (fp32: 8h + 4F), 32 KiB for llama-1b (h 2048,
+F 8192): 4.0 GiB over its 16 blocks at 4 x 2048 tokens, where the H200 measured 4.2 GiB between
+eager and compiled peaks (docs/benchmarks.md). The final norm is a region too (same list), and the
+plain loss (no tp, not fused) is compiled as a function: it keeps the logits in the compute dtype
+B V and the int64 targets, and recomputes the log-softmax (no fp32 4V, no scalar). With the
+activation-memory options (each measured on the trainer at one rank, fp32 and bf16):
+
+    full / every k:   a checkpointed block keeps its input B h, as eager (on this CPU's torch the
+                      compiled checkpoint falls back to eager with a CompileFallbackWarning; the
+                      bytes are the same either way)
+    selective:        each norm's input B h, attention as above, w1 x and w3 x 2 B F: the norms'
+                      outputs and the SwiGLU product, which selective marks for recomputation, are
+                      recomputed too (the compiler recomputes a checkpointed op's output even where
+                      a linear after it needs it); with selective_attention: the eager figure
+                      (not measured compiled)
+    int8:             the block is compiled child by child around its int8 linears
+                      (parallel/compile.py), with the same saving: each norm region keeps its input
+                      B h and rsqrt, the SwiGLU region w1 x and w3 x; the int8 copies as eager
+    int8 + selective: the eager figure (measured: nothing saved beyond the final norm's)
+    offload, fused loss: the compiled block's list (offload moves what the graph saves)
+    tp, Megatron SP, Ulysses: the same list divided as eager's (the collectives break the graph
+                      into pieces; measured over two ranks within 0.15%,
+                      benchmarks/measure_compiled_activations.py --parallel)
+
+A model with experts keeps the eager figures: its MoE layers run eagerly inside a block compiled
+child by child, not measured compiled. The GPT block below is priced with fused kernels already.
+
 GPT-style blocks (not in the runtime; standard fused kernels, flash attention, no dropout):
 LayerNorm keeps its input B h, mean and rstd 8 and its output B h; attention as above; the
 GELU MLP keeps fc1's output and the GELU's output, 2 B F.
@@ -127,6 +169,17 @@ class HeadActivations:
     seq: int
     fused: bool = False  # model.fused_loss: log-sum-exp and targets instead of the log-softmax
     linear_input: float = 0.0  # per token: the head's saved input (B h; h + 4 in int8)
+    compiled: bool = False  # compile.enabled: the plain loss (without tp) is compiled, keeping the logits
+
+    def loss_per_token(self, tp: int = 1) -> float:
+        """What the loss keeps per token besides the targets: the compiled plain loss the logits in
+        the compute dtype, the eager one its fp32 log-softmax (vocab-parallel under tp: not compiled),
+        the fused loss its log-sum-exp."""
+        if self.fused:
+            return 4
+        if self.compiled and tp == 1:
+            return self.nbytes * self.vocab
+        return 4 * local_vocab(self.vocab, tp)
 
     def bytes(self, samples: int, tokens_per_sample: int, tp: int = 1, tp_sp: bool = False, ulysses: int = 1,
               last: bool = True, first: bool = True) -> float:
@@ -140,10 +193,12 @@ class HeadActivations:
                 norm = self.norm_in + self.linear_input
             if self.fused:  # log-sum-exp (fp32) and the int64 targets; masks are recomputed
                 out += tokens * (norm + 4 + 8)
+            elif self.compiled and tp == 1:  # the compiled plain loss: logits and int64 targets, no scalar
+                out += tokens * (norm + self.loss_per_token(tp) + 8)
             else:
                 # vocab-parallel loss: int64 targets and a bool mask; else int64 targets and a scalar
                 targets = tokens * 9 if tp > 1 else tokens * 8 + 4
-                out += tokens * (norm + 4 * local_vocab(self.vocab, tp)) + targets
+                out += tokens * (norm + self.loss_per_token(tp)) + targets
         if first:
             if tp > 1:  # vocab-parallel embedding: shifted ids (int64) and a bool mask
                 out += tokens * 9
@@ -154,9 +209,14 @@ class HeadActivations:
         return out
 
 
-def _norm_items(model: ModelSpec, nbytes: int, prefix: str, output: float) -> list[tuple[str, float, str]]:
-    """``output``: bytes per token of the norm's output as the linears after it keep it."""
+def _norm_items(model: ModelSpec, nbytes: int, prefix: str, output: float,
+                compiled: bool = False) -> list[tuple[str, float, str]]:
+    """``output``: bytes per token of the norm's output as the linears after it keep it;
+    ``compiled``: the RMSNorm inside a compiled region (its input, rsqrt and output only)."""
     h = model.hidden
+    if model.mlp == "swiglu" and compiled:
+        return [(f"{prefix}.input", nbytes * h, "norm_in"), (f"{prefix}.rsqrt", 4, "norm_in"),
+                (f"{prefix}.output", output, "norm_out")]
     if model.mlp == "swiglu":  # RMSNorm in fp32, then cast back and scaled by the weight
         return [(f"{prefix}.input_fp32", 4 * h, "norm_in"), (f"{prefix}.rsqrt", 4, "norm_in"),
                 (f"{prefix}.normalized", nbytes * h, "norm_in"), (f"{prefix}.output", output, "norm_out")]
@@ -169,19 +229,42 @@ def _int8(elements: int) -> float:
     return elements + 4
 
 
+def compiles_blocks(model: ModelSpec, compiled: bool, recompute: str = "none", compression: str = "none",
+                    selective_attention: bool = False) -> bool:
+    """Whether a compiled run's blocks keep the compiled list (module docstring): bigtrain's Llama
+    without experts, except where the eager figure is kept (int8 with selective recomputation,
+    selective_attention)."""
+    if not compiled or model.mlp != "swiglu" or model.experts:
+        return False
+    return not (recompute == "selective" and (compression == "int8" or selective_attention))
+
+
 def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
-                      compression: str = "none", selective_attention: bool = False) -> BlockActivations:
-    """The itemized saved tensors of one block (see the module docstring)."""
+                      compression: str = "none", selective_attention: bool = False,
+                      compiled: bool = False) -> BlockActivations:
+    """The itemized saved tensors of one block (see the module docstring); ``compiled``: the run
+    compiles its blocks (``Layout.compiled``)."""
     nbytes, h, k, f = BYTES[precision], model.hidden, model.kv_dim, model.activation_ffn
     first_norm, second_norm = ("attention_norm", "ffn_norm") if model.mlp == "swiglu" else ("ln_1", "ln_2")
     int8 = compression == "int8"
     linear_in = _int8(h) if int8 else nbytes * h  # a norm's output, as the linears after it keep it
     selective = recompute == "selective" and model.mlp == "swiglu"
     core_recomputed = selective and selective_attention
+    compiled = compiles_blocks(model, compiled, recompute, compression, selective_attention)
+    if compiled and selective:  # the compiler recomputes the norms' outputs and the product as well
+        attention = [("attention.q", nbytes * h, "split"), ("attention.k", nbytes * k, "split"),
+                     ("attention.v", nbytes * k, "split"), ("attention.logsumexp", 4 * model.heads, "split"),
+                     ("attention.output", nbytes * h, "split")]
+        items = [(f"{first_norm}.input", nbytes * h, "norm_in"), *attention,
+                 (f"{second_norm}.input", nbytes * h, "norm_in"),
+                 ("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split")]
+        return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
+                                gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
+                                ulysses_extra=nbytes * h)
     if selective:
         items = [(f"{first_norm}.input", nbytes * h, "norm_in"), (f"{first_norm}.output", linear_in, "norm_out")]
     else:
-        items = _norm_items(model, nbytes, first_norm, linear_in)
+        items = _norm_items(model, nbytes, first_norm, linear_in, compiled)
     items += [("attention.q", nbytes * h, "split"), ("attention.k", nbytes * k, "split"),
               ("attention.v", nbytes * k, "split")]
     if core_recomputed:  # no log-sum-exp; wo alone keeps attention's output
@@ -193,9 +276,12 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
     if selective:
         items += [(f"{second_norm}.input", nbytes * h, "norm_in"), (f"{second_norm}.output", linear_in, "norm_out")]
     else:
-        items += _norm_items(model, nbytes, second_norm, linear_in)
+        items += _norm_items(model, nbytes, second_norm, linear_in, compiled)
     product = _int8(f) if int8 else nbytes * f
     if selective:
+        items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
+                  ("feed_forward.product", product, "split")]
+    elif model.mlp == "swiglu" and compiled:  # silu(w1 x) recomputed
         items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
                   ("feed_forward.product", product, "split")]
     elif model.mlp == "swiglu":
@@ -209,14 +295,16 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
 
 
 def head_activations(model: ModelSpec, precision: str, compression: str = "none",
-                     fused_loss: bool = False) -> HeadActivations:
+                     fused_loss: bool = False, compiled: bool = False) -> HeadActivations:
+    """``compiled``: the final norm is a compiled region and the plain loss a compiled function."""
     nbytes = BYTES[precision]
+    compiled = compiled and model.mlp == "swiglu"  # with experts too: the final norm and the loss are regions
     linear_in = _int8(model.hidden) if compression == "int8" and not fused_loss else nbytes * model.hidden
-    items = _norm_items(model, nbytes, "norm", linear_in)
+    items = _norm_items(model, nbytes, "norm", linear_in, compiled)
     return HeadActivations(norm_in=sum(b for _, b, k in items if k == "norm_in"),
                            norm_out=sum(b for _, b, k in items if k == "norm_out"), vocab=model.vocab,
                            nbytes=nbytes, hidden=model.hidden, seq=model.seq, fused=fused_loss,
-                           linear_input=linear_in)
+                           linear_input=linear_in, compiled=compiled)
 
 
 def fused_chunk_bytes(model: ModelSpec, chunk: int, tp: int = 1) -> int:

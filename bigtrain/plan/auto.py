@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from bigtrain.config import Config, ConfigError
+from bigtrain.from_config import compile_enabled
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, sharing_cores
 from bigtrain.plan.layout import Cluster
 from bigtrain.plan.model import ModelSpec
@@ -40,10 +41,12 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         profile = sharing_cores(profile, host_share(int(local) if local.isdigit() else world_size))
     cluster = Cluster.build(world_size, profile)
-    # The activation options are the user's to choose: the search keeps them as configured.
+    # The activation options are the user's to choose: the search keeps them as configured, and
+    # compile.enabled as the run will resolve it on its device (train.device, else the profile's).
+    device = "cpu" if cfg.train.device == "cpu" else profile.device
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
              "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
-             "fp8": cfg.precision.fp8}
+             "fp8": cfg.precision.fp8, "compiled": compile_enabled(cfg, device)}
     try:
         result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode)
     except ConfigError as e:  # no layout is valid: the planner's reasons, in train's field names

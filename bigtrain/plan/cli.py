@@ -13,6 +13,7 @@ import sys
 
 from bigtrain.config import ConfigError, load_config, preset_names
 from bigtrain.families import family_of
+from bigtrain.from_config import compiles
 from bigtrain.optim import optimizer_names
 from bigtrain.plan.hardware import HardwareProfile, calibrate, get_profile, load_profile
 from bigtrain.plan.layout import Cluster, parse_layout
@@ -54,9 +55,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     run.add_argument("--block-size", type=int, default=256, help="adamw8bit's optim.block_size (default 256)")
     run.add_argument("--layout", default="auto",
                      help="'auto' or keys dp,tp,pp,sp,cp,cp_mode,zero,micro_batch,schedule,v,recompute,every,tp_sp,"
-                          "precision,offload,compression,fused_loss, e.g. dp=8,tp=4,pp=2,zero=1,schedule=interleaved,v=2,"
-                          "recompute=selective,offload=on; missing keys are chosen by the planner (offload, "
-                          "compression and fused_loss default to off)")
+                          "precision,offload,compression,fused_loss,fp8,compiled, e.g. dp=8,tp=4,pp=2,zero=1,"
+                          "schedule=interleaved,v=2,recompute=selective,offload=on; missing keys are chosen by the "
+                          "planner (offload, compression and fused_loss default to off; compiled to what "
+                          "compile.enabled = 'auto' does on the hardware: on for a GPU and --mlp swiglu, off on a CPU)")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="how many ranked layouts to show")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -117,6 +119,9 @@ def resolve(args: argparse.Namespace):
             raise ConfigError(f"--micro-batch = {args.micro_batch}: must be a positive integer")
         fixed.setdefault("micro_batch", args.micro_batch)
     fixed.setdefault("precision", args.precision)
+    # compile.enabled's default ('auto') on this hardware, as the runtime resolves it (bigtrain's Llama
+    # is the swiglu model; the GPT-style block is not one of the runtime's)
+    fixed.setdefault("compiled", compiles("auto", cluster.hardware.device, "llama" if model.mlp == "swiglu" else ""))
     if args.top < 1:
         raise ConfigError(f"--top = {args.top}: must be >= 1")
     return model, cluster, _global_batch(args, preset_batch, model, cluster.gpus), fixed

@@ -235,8 +235,9 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
     hw = cluster.hardware
     tokens = layout.micro_batch * model.seq / (layout.seq_shards * layout.tp)
     if layout.recompute == "selective":  # the norms' internals and silu's output, made again
-        dropped = (block_activations(model, layout.precision).per_token()
-                   - block_activations(model, layout.precision, "selective").per_token())
+        # (compiled: what the compiler recomputes beyond a compiled block's own: the norms' outputs, the product)
+        dropped = (block_activations(model, layout.precision, compiled=layout.compiled).per_token()
+                   - block_activations(model, layout.precision, "selective", compiled=layout.compiled).per_token())
         out["selective_recompute"] = micro_batches * 2 * dropped * tokens * model.layers / layout.pp / hw.hbm_bandwidth
     if layout.offload:
         moved = max(chunk_activation_bytes(model, layout, r) for r in checked_pp_ranks(layout.pp))

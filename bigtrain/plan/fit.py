@@ -71,6 +71,9 @@ def _offload_tiers(cfg: Config, cuda: bool) -> tuple[str, str]:
 
 
 def _layout(cfg: Config, cuda: bool = False):
+    """The planner's layout of ``cfg`` on a CUDA device (``cuda``) or a CPU: offload's tiers as far as
+    they leave this device, compile.enabled resolved as the runtime resolves it for that device."""
+    from bigtrain.from_config import compile_enabled
     from bigtrain.plan.layout import Layout
 
     p = cfg.parallel
@@ -82,7 +85,8 @@ def _layout(cfg: Config, cuda: bool = False):
                   offload=cfg.memory.activation_offload, compression=cfg.memory.activation_compression,
                   fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params,
                   fp8=cfg.precision.fp8, offload_masters=cfg.offload.masters if optimizer == "nvme" else "auto",
-                  delayed_update=cfg.offload.delayed_update and optimizer != "none", dp_replicate=p.dp_replicate)
+                  delayed_update=cfg.offload.delayed_update and optimizer != "none", dp_replicate=p.dp_replicate,
+                  compiled=compile_enabled(cfg, "cuda" if cuda else "cpu"))
 
 
 @dataclass

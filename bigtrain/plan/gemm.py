@@ -22,6 +22,35 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
   operands (W^T for dX; dY^T and x^T for dW) are copied first. Without float8 matmuls
   (``peak_flops_fp8 = 0``: emulation) the GEMMs stay at the compute precision and the casts are
   added, with one more pass per operand to dequantize.
+* **Compiled blocks** (``layout.compiled``: bigtrain's Llama, each block one inductor region).
+  Inductor fuses every element-wise op of the block into 5 forward and 6 backward kernels
+  (read off the generated code of a ``small`` block on the CPU, ``benchmarks/compile_fusions.py``;
+  the H200's Triton listing fuses the same groups, docs/compile.md), each reading its inputs once
+  and writing its outputs once; per token, B bytes of the compute dtype, the reductions in fp32
+  registers, rsqrt 4 bytes:
+
+      forward   norm 1 (x -> output, rsqrt)                          2Bh + 4
+                rotary (q, k -> rotated, in the layout SDPA takes)   2B(h + k) [+ 8(h + k)]
+                norm 2 with the residual (x, wo's output -> output)  3Bh + 4
+                silu(w1 x) * w3 x                                     3BF
+                the block output x + wo(..) + w2(..)                 4Bh
+      backward  SwiGLU (w1 x, w3 x, d product -> their gradients)    5BF
+                norm 2 (two input gradients, x, wo's output, the
+                block output's gradient, rsqrt -> dh, a row sum)     6Bh + 8
+                log-sum-exp to SDPA's layout (the CPU kernel's)      8a
+                rotary                                                2B(h + k) [+ 8(h + k)]
+                both norms' weight gradients (7 token tensors)       7Bh + 8
+                norm 1 (dh, three input gradients, x, rsqrt -> dx)   6Bh + 8
+
+  [In bf16 / fp16 the rotary kernels write the stack of the two rotated halves in fp32 and read
+  it back for the cast (4 + 4 bytes an element), and the key gradient's cast is a kernel of its own:
+  read so on the CPU; the H200's listing was not kept to say whether Triton does the same.] V is
+  a view of its GEMM's output and SDPA's output is in the (b, s, a, d) order wo reads, so nothing
+  is copied. Kernels: 5 + 7 GEMMs + attention forward, 6 (bf16: 7) + 14 GEMMs + attention backward
+  (eager: OPS_PER_BLOCK, twice in backward). Under tp the norms and residuals are whole unless
+  Megatron SP, the rest a tp share, as eager. A model with experts (its MoE layers run eagerly,
+  not measured compiled), and the GPT block (Megatron's fused kernels already), keep the eager figures; the head's loss is priced eager (the byte vocabulary's
+  log-softmax is a few microseconds).
 * **Op overhead**: ``op_overhead_s`` per kernel (the framework's dispatch; 0 on GPUs, where
   launches are asynchronous and hidden behind kernels of this size; measured on CPU), and
   ``recompute_op_overhead_s`` more per kernel of a recomputed (checkpointed) block.
@@ -36,6 +65,11 @@ from bigtrain.plan.model import ModelSpec
 
 FLASH_BACKWARD = 2.5  # FlashAttention-2's backward: 5 matmuls of the forward's 2 (S recomputed)
 OPS_PER_BLOCK = {"swiglu": 40, "gelu": 16}  # forward kernels of one block (backward: twice)
+
+
+def compiled_ops_per_block(precision: str) -> tuple[int, int]:
+    """A compiled Llama block's (forward, backward) kernels: generated, GEMMs, attention (docstring)."""
+    return 5 + 7 + 1, 6 + (BYTES[precision] < 4) + 14 + 1
 
 
 def gemm_efficiency(hw, m: float, n: float, k: float) -> float:
@@ -138,6 +172,23 @@ def _elementwise_bytes(model: ModelSpec, layout: Layout, moe: bool = False) -> f
     return (norms + bias_dropout_add) / whole + gelu
 
 
+def compiles_block(model: ModelSpec, layout: Layout) -> bool:
+    """Whether the blocks are priced compiled (the module docstring): bigtrain's Llama without experts
+    (as plan/activations.py keeps the eager figures of a model with experts)."""
+    return layout.compiled and model.mlp == "swiglu" and not model.experts
+
+
+def compiled_elementwise_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(forward, backward) bytes one token moves through a compiled Llama block's fused kernels, on
+    one rank (the module docstring)."""
+    b, h, kv, t, f = BYTES[layout.precision], model.hidden, model.kv_dim, layout.tp, model.ffn_hidden / layout.tp
+    whole = t if layout.tp_sp else 1  # norms and residuals are divided only under sequence parallelism
+    rotary = (2 * b + (8 if b < 4 else 0)) * (h + kv) / t  # below fp32: the fp32 stack written and read back
+    forward = (2 * b * h + 4 + 3 * b * h + 4 + 4 * b * h) / whole + rotary + 3 * b * f
+    backward = (6 * b * h + 8 + 7 * b * h + 8 + 6 * b * h + 8) / whole + rotary + 5 * b * f + 8 * model.heads / t
+    return forward, backward
+
+
 def _memory_seconds(hw, nbytes: float) -> float:
     return nbytes / (hw.hbm_bandwidth * hw.memory_fraction)
 
@@ -171,11 +222,16 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
         nbytes = BYTES[p]
         fwd += _memory_seconds(hw, scores * (2 * nbytes + 2 * nbytes + 1))  # scale-mask-softmax, dropout
         bwd += _memory_seconds(hw, scores * (5 * nbytes + 1))
-    moved = _elementwise_bytes(model, layout, moe) * tokens
-    fwd += _memory_seconds(hw, moved)
-    bwd += _memory_seconds(hw, 2 * moved)
-    ops = OPS_PER_BLOCK[model.mlp] * hw.op_overhead_s
-    return BlockTimes(fwd + ops, bwd + 2 * ops, dw)
+    if compiles_block(model, layout):
+        moved_forward, moved_backward = compiled_elementwise_bytes(model, layout)
+        ops_forward, ops_backward = compiled_ops_per_block(layout.precision)
+    else:
+        moved_forward = _elementwise_bytes(model, layout, moe)
+        moved_backward = 2 * moved_forward
+        ops_forward, ops_backward = OPS_PER_BLOCK[model.mlp], 2 * OPS_PER_BLOCK[model.mlp]
+    fwd += _memory_seconds(hw, moved_forward * tokens)
+    bwd += _memory_seconds(hw, moved_backward * tokens)
+    return BlockTimes(fwd + ops_forward * hw.op_overhead_s, bwd + ops_backward * hw.op_overhead_s, dw)
 
 
 def head_times(model: ModelSpec, layout: Layout, hw) -> tuple[float, float, float]:
@@ -199,7 +255,8 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
         block = BlockTimes(*((1 - share) * a + share * b for a, b in zip(astuple(block), astuple(moe))))
     head = head_times(model, layout, hw)
     forward = layers * block.forward + head[0] / layout.pp
-    recompute = block.forward + OPS_PER_BLOCK[model.mlp] * hw.recompute_op_overhead_s
+    ops = compiled_ops_per_block(layout.precision)[0] if compiles_block(model, layout) else OPS_PER_BLOCK[model.mlp]
+    recompute = block.forward + ops * hw.recompute_op_overhead_s
     backward = layers * block.backward + head[1] / layout.pp + recomputed * recompute
     deferred = (layers - recomputed) * block.backward + head[1] / layout.pp
     return forward, backward, hw.weight_grad_fraction * deferred

@@ -94,6 +94,9 @@ class HardwareProfile:
     # is taken to follow the bf16 GEMM curve (gemm_fraction, gemm_half_dim): an assumption until a
     # GPU measures it (docs/precision.md).
     peak_flops_fp8: float = 0.0
+    # What the ranks run on: "cuda" or "cpu". compile.enabled = 'auto' compiles on CUDA only
+    # (bigtrain/from_config.py ``compiles``), so ``bigtrain plan`` prices a compiled step on a GPU.
+    device: str = "cuda"
     source: str = ""
 
     def peak_flops(self, precision: str) -> float:
@@ -149,7 +152,7 @@ PRESETS: dict[str, HardwareProfile] = {
                                  **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
     # The CI machine of notes-cpu-distributed.md: 2 cores, Gloo over loopback. bf16 matmuls have no
     # fast kernel there (a 1024^3 product takes 2.4 s), hence the low bf16 peak. Calibrate your own.
-    "cpu": HardwareProfile("cpu", 2e9, 1.6e11, 0.6, 24 * GIB, reserved_bytes=GIB // 2, fragmentation=0.0,
+    "cpu": HardwareProfile("cpu", 2e9, 1.6e11, 0.6, 24 * GIB, reserved_bytes=GIB // 2, fragmentation=0.0, device="cpu",
                            host_memory_bytes=24 * GIB,  # the host is the device: the same 24 GiB
                            hbm_bandwidth=37e9, intra_node_bandwidth=0.85e9, inter_node_bandwidth=0.1e9,
                            intra_node_latency_s=0.7e-3, inter_node_latency_s=1e-3, gpus_per_node=8,
@@ -203,6 +206,8 @@ def _coerce_fields(values: dict[str, Any], origin: str) -> dict[str, Any]:
         problems.append(f"{origin}: achievable_fraction = {out['achievable_fraction']} must be in (0, 1]")
     if out.get("attention_kernel", "flash") not in ("flash", "unfused"):
         problems.append(f"{origin}: attention_kernel = {out['attention_kernel']!r} must be 'flash' or 'unfused'")
+    if out.get("device", "cuda") not in ("cuda", "cpu"):
+        problems.append(f"{origin}: device = {out['device']!r} must be 'cuda' or 'cpu'")
     if "weight_grad_fraction" in out and not 0 < out["weight_grad_fraction"] < 1:
         problems.append(f"{origin}: weight_grad_fraction = {out['weight_grad_fraction']} must be in (0, 1)")
     for key in ("reduce_scatter_efficiency", "all_gather_efficiency"):
@@ -336,7 +341,7 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
     source = [f"bigtrain bench --calibrate on {time.strftime('%Y-%m-%d')}: matmul {matmul_size}^3 fp32, "
               f"{bf16_size}^3 bf16" + (f", {threads} intra-op thread(s) per rank" if cpu and threads else "")]
     with intra_op_threads(threads if cpu else None):
-        values: dict[str, Any] = {"name": "calibrated", "achievable_fraction": 1.0,
+        values: dict[str, Any] = {"name": "calibrated", "achievable_fraction": 1.0, "device": "cpu" if cpu else "cuda",
                                   "peak_flops_fp32": measure_matmul_flops(matmul_size, "fp32", repeats=10),
                                   "peak_flops_bf16": measure_matmul_flops(bf16_size, "bf16", repeats=1)}
         if not cpu:

@@ -55,6 +55,10 @@ class Layout:
     # parallel.dp_replicate (HSDP): dp is dp_replicate groups of dp_shard ranks; ZeRO cuts within a
     # group (dp_shard x cp x sp) and all-reduces the reduced shards across the groups.
     dp_replicate: int = 1
+    # compile.enabled, resolved for the run's device: each block compiled regionally (inductor). The
+    # blocks keep fewer activations (plan/activations.py) and move fewer element-wise bytes in fewer
+    # kernels (plan/gemm.py).
+    compiled: bool = False
 
     @property
     def gpus(self) -> int:
@@ -117,7 +121,7 @@ class Layout:
             parts.append(f"tp_sp={'on' if self.tp_sp else 'off'}")
         parts.append(self.precision + (f",fp8={self.fp8}" if self.fp8 != "none" else ""))
         parts += [k for k, on in (("offload", self.offload), ("int8", self.compression == "int8"),
-                                  ("fused_loss", self.fused_loss)) if on]
+                                  ("fused_loss", self.fused_loss), ("compiled", self.compiled)) if on]
         if self.offload_optimizer != "none":
             parts.append(f"offload_optimizer={self.offload_optimizer}")
         if self.offload_params != "none":
@@ -145,6 +149,8 @@ class Layout:
                 f"--model.fused_loss={str(self.fused_loss).lower()}"]
         if self.fp8 != "none":
             out.append(f"--precision.fp8={self.fp8}")
+        if self.compiled:  # not compiled: the run's own compile.enabled decides ('auto': on CUDA only)
+            out.append("--compile.enabled=true")
         if self.offload_optimizer != "none" or self.offload_params != "none":
             out += [f"--offload.optimizer={self.offload_optimizer}", f"--offload.params={self.offload_params}",
                     f"--offload.delayed_update={str(self.delayed_update).lower()}"]
@@ -190,11 +196,11 @@ _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": 
             "sequence_parallel": "tp_sp", "zero_stage": "zero", "checkpoint_every": "every",
             "activation_offload": "offload", "activation_compression": "compression",
             "optimizer_offload": "offload_optimizer", "params_offload": "offload_params",
-            "masters_offload": "offload_masters"}
-_BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update")
+            "masters_offload": "offload_masters", "compile": "compiled"}
+_BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update", "compiled")
 LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss",
                            "offload_optimizer", "offload_params", "offload_masters", "delayed_update", "fp8",
-                           "cp_mode")
+                           "cp_mode", "compiled")
 OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "cpu", "nvme"),
                  "offload_masters": ("auto", "cpu")}
 
@@ -262,6 +268,9 @@ def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_b
                 problems.append(f"{key} = {degree} must divide {flag} = {value}")
     if layout.tp_sp and layout.tp == 1:
         problems.append("tp_sp = on needs tp > 1 (it shards along the sequence inside the tp group)")
+    if layout.compiled and model.mlp != "swiglu":
+        problems.append("compiled = on compiles bigtrain's Llama blocks (--mlp swiglu); the GPT-style block "
+                        "(--mlp gelu) is priced with Megatron's fused kernels already: use compiled = off")
     if layout.pp > model.layers:
         problems.append(f"pp = {layout.pp} exceeds --layers = {model.layers}")
     if layout.pp * layout.v > model.layers:

@@ -64,7 +64,7 @@ from bigtrain.plan.activations import (block_activations, checkpointed_block_ind
 from bigtrain.plan.gemm import linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
-from bigtrain.plan.model import ModelSpec, Tensor, local_vocab
+from bigtrain.plan.model import ModelSpec, Tensor
 from bigtrain.plan.pipeline import PipelineModel, weight_versions
 from bigtrain.plan.tiers import host_step, piecewise_shard_bytes, reduce_bytes, shard_pieces, tier_detail
 
@@ -299,8 +299,8 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> list[tuple[
     stages = layout.pp * layout.v
     blocks = stage_blocks(model.layers, stages)
     checkpointed = checkpointed_block_indices(model.layers, layout.recompute, layout.every)
-    acts = block_activations(model, layout.precision, layout.recompute, layout.compression)
-    head = head_activations(model, layout.precision, layout.compression, layout.fused_loss)
+    acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled)
+    head = head_activations(model, layout.precision, layout.compression, layout.fused_loss, layout.compiled)
     samples, seq = layout.micro_batch, model.seq // layout.seq_shards
     tokens = samples * seq
     mode = dict(tp=layout.tp, tp_sp=layout.tp_sp, ulysses=layout.head_exchange)
@@ -316,12 +316,13 @@ def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, i
     """With activation offload: (saved bytes left on the device, bytes on the host). The device keeps
     two blocks' worth (the one backward is in and the one prefetched; the head's and embedding's
     groups are smaller for the models planned) and, per micro-batch in flight, what no module saves:
-    the plain loss's log-softmax (none with the fused loss)."""
+    the plain loss's log-softmax (none with the fused loss; compiled, its logits)."""
     chunks = _stage_chunks(model, layout, pp_rank)
     largest = max(b for _, _, b in chunks)
     samples, seq = layout.micro_batch, model.seq // layout.seq_shards
     last = any(s == layout.pp * layout.v - 1 for s in range(pp_rank, layout.pp * layout.v, layout.pp))
-    loss = 0.0 if layout.fused_loss or not last else samples * seq * 4 * local_vocab(model.vocab, layout.tp)
+    head = head_activations(model, layout.precision, layout.compression, layout.fused_loss, layout.compiled)
+    loss = 0.0 if layout.fused_loss or not last else samples * seq * head.loss_per_token(layout.tp)
     host = max(blocks + ends for blocks, ends, _ in chunks) * inflight
     return math.ceil(2 * largest + inflight * loss), math.ceil(host)
 
@@ -468,7 +469,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile,
     ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer, block)
              for r in checked_pp_ranks(layout.pp)]
     worst = max(ranks, key=lambda m: m.total)
-    acts = block_activations(model, layout.precision, layout.recompute, layout.compression)
+    acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled)
     worst.detail.update({"activation_c1": round(acts.c1, 4), "activation_c2": round(acts.c2, 4)})
     worst.optimizer_name = optimizer
     return worst
