@@ -14,9 +14,12 @@ reduce-scatter is done, so that it runs while backward goes on through the earli
 waited for only when the shard is folded (the unit's next micro-batch, or ``finish_grad_sync``).
 The start lags one unit (it happens at the next unit's reduction): waiting for a reduce-scatter
 the moment it is issued would block (Gloo: the host; NCCL: the compute stream) for the whole
-collective, where one unit's backward later it is (nearly always) done. So the exposed part is the
-last-reduced unit's all-reduce alone. Stage 1 reduces once a step, on the final micro-batch: its
-replica all-reduces overlap that micro-batch's backward; the others communicate nothing.
+collective, where one unit's backward later it is (nearly always) done: on NCCL the compute stream
+stalls only if that reduce-scatter outlasted the unit's backward. What stays exposed is the
+all-reduce of the units reduced as the backward ends (the last-reduced one, the root, whose last
+gradient is the embedding's, and the block before it). Stage 1 reduces once a step, on the final
+micro-batch: its replica all-reduces overlap that micro-batch's backward; the others communicate
+nothing.
 
 The state it reads is the engine's (set up in ``ZeroEngine.__init__``): ``units``, ``stage``,
 ``precision``, ``offload``, ``gatherer``, ``_lazy`` (the fp32 buffers, :mod:`.lazy_grads`),
