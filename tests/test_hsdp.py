@@ -24,6 +24,10 @@ LAYOUTS = {
     "hsdp-2x2-zero1-accumulating": [*HSDP_2X2, "--parallel.zero=1", "--train.global_batch=8"],
     "hsdp-2x2-zero2-accumulating-bf16": [*HSDP_2X2, "--parallel.zero=2", "--train.global_batch=8",
                                          "--precision.mode=bf16"],  # against a bf16 reference: 1e-3
+    # Three micro-batches in fp32: each unit's replica all-reduce runs while backward goes on and is
+    # waited for at the unit's next micro-batch (its fold) or at the step's end.
+    "hsdp-2x2-zero2-accumulating": [*HSDP_2X2, "--parallel.zero=2", "--train.global_batch=12"],
+    "hsdp-2x2-zero3-accumulating": [*HSDP_2X2, "--parallel.zero=3", "--train.global_batch=12"],
     # A tied embedding's two copies on the pipeline's ends, summed shard by shard after both levels.
     "hsdp-2x1-pp2-tied-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.pp=2", "--parallel.zero=3",
                                 "--model.tie_embeddings=true", "--train.global_batch=8"],
@@ -108,6 +112,77 @@ def test_gradients_are_reduce_scattered_in_the_group_and_all_reduced_across_repl
         # step count (a scalar) for each of the at most two pieces of a unit.
         for optimizer in (held["optimizer"], planned.optimizer):
             assert 0 <= optimizer - 2 * 4 * flat // S <= 8 * 2 * len(units), (held, planned)
+
+
+# -- the replica all-reduce overlaps the backward --------------------------------------------------------
+class _RecordingComm:
+    """A unit's replica comm that logs each all-reduce it is asked for, then does it."""
+
+    def __init__(self, comm, unit: str, log: list):
+        self._comm, self._unit, self._log = comm, unit, log
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        self._log.append(("replica_all_reduce", self._unit))
+        return self._comm.all_reduce(tensor, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+
+def _replica_order(rank, world_size, cfg, run_dir):
+    """One step, micro-batch by micro-batch, logging in order: each micro-batch's start, each
+    gradient's arrival in a block unit, each replica all-reduce asked for, finish_grad_sync."""
+    from helpers import trainer_on_rank
+
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    engine, log = trainer.engine, []
+    for unit in engine.units:
+        unit.replicas = _RecordingComm(unit.replicas, unit.name, log)
+    handles = [p.register_post_accumulate_grad_hook(lambda _, name=unit.name: log.append(("grad", name)))
+               for unit in engine.units if unit.name != "root" for p in unit.params]
+    batches = trainer.sampler.micro_batches(trainer.step, trainer.mesh.coord("dp"), trainer.mesh.size("dp"),
+                                            cfg.train.micro_batch)
+    for i, (tokens, targets) in enumerate(batches):
+        log.append(("micro_batch", i))
+        trainer._forward_backward(tokens, targets, sync=i == trainer.accum - 1, tracker=None)
+    log.append(("finish_grad_sync", None))
+    engine.finish_grad_sync()
+    for h in handles:
+        h.remove()
+    return log, [u.name for u in engine.units]
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_the_replica_all_reduce_is_started_while_backward_goes_on(zero, corpus_cache, tmp_path):
+    """HSDP 2x2, 4 blocks, 2 micro-batches: in every micro-batch that reduces (stages 2-3: each;
+    stage 1: the last, the first accumulating locally) the replica all-reduce of the last-computed
+    block is asked for before backward reaches the first block, and all but the last-reduced unit's
+    (the root, whose last gradient is the backward's last) before finish_grad_sync; at the end only
+    that one is left. A fact of order, not of timing. Fails on a runtime that all-reduces across
+    the replicas only when it folds the results (in finish_grad_sync, or at the unit's next
+    micro-batch)."""
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, f"--parallel.zero={zero}", "--model.n_layers=4",
+                      "--train.global_batch=8")
+    for log, units in run_ranks(_replica_order, 4, cfg, str(tmp_path), timeout=600):
+        assert units == ["root", "unit0", "unit1", "unit2", "unit3"], units
+        reducing = [0, 1] if zero >= 2 else [1]
+        started = {u: 0 for u in units}  # replica all-reduces asked for so far, per unit
+        reduced = 0  # micro-batches that reduced so far
+        for event, what in log:
+            if event == "micro_batch":
+                reduced += what in reducing
+                reached_first_block = False
+            elif event == "replica_all_reduce":
+                started[what] += 1
+            elif event == "grad" and what == "unit0" and not reached_first_block:
+                reached_first_block = True
+                assert started["unit3"] == reduced, (zero, started, reduced, log)
+            elif event == "finish_grad_sync":
+                assert started == {u: len(reducing) - (u == "root") for u in units}, (zero, started, log)
+        assert started == {u: len(reducing) for u in units}, (zero, started, log)
+        if zero == 1:  # nothing across the replicas while the first micro-batch accumulates
+            first = log[:log.index(("micro_batch", 1))]
+            assert not any(event == "replica_all_reduce" for event, _ in first), log
 
 
 # -- the mesh: declared axes, the data rank -------------------------------------------------------------
@@ -218,15 +293,25 @@ def _planned(dp_replicate: int):
 def test_the_planner_prices_the_two_levels_on_their_own_links():
     """dp 16 on two nodes of 8: ZeRO-3 over all 16 gathers across the nodes; HSDP 2 x 8 gathers and
     reduce-scatters inside a node and sends only each unit's reduced shard across (an all-reduce of
-    2 ranks on the inter-node link, every micro-batch at ZeRO-3), and holds twice the optimizer state."""
-    from bigtrain.plan.cost import _largest_rank_units
+    2 ranks on the inter-node link, every micro-batch at ZeRO-3), and holds twice the optimizer state.
+    The runtime starts each unit's all-reduce while backward goes on: per micro-batch it hides
+    behind comm_overlap of the backward, except the last unit's (the largest unit priced, as the
+    reduce-scatter's tail is): max(largest, sum - window). Here the window (0.9 x 0.41 s) hides the
+    whole sum (0.039 s a micro-batch), so the last unit's 1.5 ms x 4 micro-batches is left."""
+    from bigtrain.plan.cost import _largest_rank_units, stage_costs
 
     _, _, _, flat = _planned(1)
     model, layout, cluster, hsdp = _planned(2)
     hw, m = cluster.hardware, hsdp.time.micro_batches
     shards = [-(-n // 8) * 2 for n in _largest_rank_units(model, layout)]  # bf16 gradients, cut over 8
-    across = sum(hw.inter_node_latency_s * 2 + n / hw.inter_node_bandwidth for n in shards) * m
-    assert hsdp.time.breakdown["dp_replica_sync"] == pytest.approx(across, rel=1e-9)
+    # an all-reduce of 2 ranks: latency x (1 + log2 2), and 2 (2-1)/2 S = S bytes on the link
+    across = [hw.inter_node_latency_s * 2 + n / hw.inter_node_bandwidth for n in shards]
+    costs = stage_costs(model, layout, cluster)
+    window = hw.comm_overlap * (costs.compute_b + costs.comm_b)
+    assert sum(across) < window  # what this layout shows: all but the last unit's hidden
+    assert hsdp.time.breakdown["dp_replica_sync"] == pytest.approx(max(max(across), sum(across) - window) * m,
+                                                                   rel=1e-9)
+    assert hsdp.time.breakdown["dp_replica_sync"] == pytest.approx(max(across) * m, rel=1e-9)
     assert "dp_replica_sync" not in flat.time.breakdown
     assert hsdp.time.breakdown["zero_param_gather"] < flat.time.breakdown["zero_param_gather"] / 5  # NVLink
     assert hsdp.memory.optimizer == pytest.approx(2 * flat.memory.optimizer, rel=1e-3)

@@ -20,7 +20,8 @@ Conventions (docs/planner.md has the derivations):
   every layer (exposed, as in Megatron without communication overlap). Pipeline transfers are
   the simulator's transfer cost. Gradient reduction (stage 0-1: once per step on the last
   micro-batch; stage 2-3: every micro-batch) hides behind the profile's ``comm_overlap`` of the
-  backward it runs under, except the last unit's collective; ZeRO-3's gathers hide behind the forward/backward
+  backward it runs under, except the last unit's collective (HSDP's replica all-reduce too, on its
+  own link); ZeRO-3's gathers hide behind the forward/backward
   the same way. Stage 1-2's all-gather of updated weights after the step is exposed (the runtime
   does it synchronously), and so is the memory-bound AdamW step.
 * Offload (``offload_costs``): PCIe transfers, the host's gradient folds, the host optimizer step
@@ -290,10 +291,14 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
         if hybrid:
             # HSDP's second level: each unit's reduced shard all-reduced across the dp_replicate
             # groups, on that axis's own link (inter-node once a group fills a node). The runtime
-            # runs it as each reduce-scatter completes, synchronously: priced exposed.
+            # starts each asynchronously once the unit's reduce-scatter is done and waits for it at
+            # the fold (parallel/zero/grad_sync.py): it hides behind the backward as the reduction
+            # does (on a link of its own, so beside it, not after it), except the last unit's.
             across = link_of(cluster, layout, ("dp_replicate",))
-            sync = sum(across.collective("all_reduce", -(-n // group) * grad_bytes, layout.dp_replicate) for n in sizes)
-            out["dp_replica_sync"] = sync * (micro_batches if layout.zero >= 2 else 1)
+            shards = [-(-n // group) * grad_bytes for n in sizes]
+            sync = sum(across.collective("all_reduce", shard, layout.dp_replicate) for shard in shards)
+            tail = across.collective("all_reduce", max(shards), layout.dp_replicate)
+            out["dp_replica_sync"] = max(tail, sync - window_b) * (micro_batches if layout.zero >= 2 else 1)
     weights, weight_unit = params * nbytes, largest * nbytes  # gathered in the training precision
     if layout.zero in (1, 2):
         gather = link.collective("all_gather", weights, group)

@@ -6,13 +6,30 @@ overlaps the rest of backward: all-reduce in stage 0, reduce-scatter in stages 1
 dtype. Stages 0-1 accumulate full fp32 gradients locally and reduce once a step (``no_sync`` on the
 other micro-batches); stages 2-3 keep only the shard and reduce every micro-batch. With offload on
 a GPU each reduced gradient goes through a device bucket to its host accumulator
-(:mod:`.grad_stream`). Under HSDP the ranks holding the same shard in the other groups add theirs
-when a reduction completes.
+(:mod:`.grad_stream`).
+
+Under HSDP the ranks holding the same shard in the other groups add theirs: each unit's reduced
+shard is all-reduced over the replicas (:class:`ReplicaReduction`), started asynchronously once its
+reduce-scatter is done, so that it runs while backward goes on through the earlier units, and
+waited for only when the shard is folded (the unit's next micro-batch, or ``finish_grad_sync``).
+The start lags one unit (it happens at the next unit's reduction): waiting for a reduce-scatter
+the moment it is issued would block (Gloo: the host; NCCL: the compute stream) for the whole
+collective, where one unit's backward later it is (nearly always) done: on NCCL the compute stream
+stalls only if that reduce-scatter outlasted the unit's backward. What stays exposed is the
+all-reduce of the units reduced as the backward ends (the last-reduced one, the root, whose last
+gradient is the embedding's, and the block before it). Stage 1 reduces once a step, on the final
+micro-batch: its replica all-reduces overlap that micro-batch's backward; the others communicate
+nothing.
 
 The state it reads is the engine's (set up in ``ZeroEngine.__init__``): ``units``, ``stage``,
 ``precision``, ``offload``, ``gatherer``, ``_lazy`` (the fp32 buffers, :mod:`.lazy_grads`),
 ``_host_grads``, ``_grads_in_place``, ``_sync`` (cleared by ``no_sync``), ``_pending`` (reductions
 in flight), ``_remaining`` (gradients still to come per unit), ``_unit_of`` and ``_grad_home``.
+
+In flight, held in ``_pending`` until folded: at most one reduced shard per unit (a unit's previous
+result is folded before it is reduced again), the unit shards together the rank's gradient shard
+in the reduce dtype, as without HSDP; the replicas' all-reduce works in place on that buffer and
+adds none. Of those at most one (the newest) waits for its replica all-reduce to start.
 """
 
 from __future__ import annotations
@@ -24,6 +41,39 @@ from torch import nn
 
 from bigtrain.parallel.data import rehome_grad, sync_off
 from bigtrain.parallel.zero.flat import FlatUnit
+
+
+class ReplicaReduction:
+    """HSDP's second level of one unit's reduction, as the work handle ``_pending`` holds: the ZeRO
+    group's collective into ``out`` (``group_work``, None where there is nothing to wait for), then
+    ``out`` all-reduced in place over ``replicas``, started by :meth:`start` and waited by :meth:`wait`.
+
+    Every rank of a replica group must start these all-reduces in the same order (a collective
+    matches its peers by order): the engine starts them in the order of ``_pending`` (the order
+    of reduction, alike on every rank), at fixed points, never on whether a collective looks done."""
+
+    def __init__(self, group_work, replicas, out: torch.Tensor):
+        self.group_work, self.replicas, self.out = group_work, replicas, out
+        self.started, self.replica_work = False, None
+
+    def start(self) -> None:
+        """Wait for the group's collective and start the replicas' all-reduce of its result."""
+        if self.started:
+            return
+        if self.group_work is not None:
+            # Gloo: blocks the host until the reduce-scatter is done. NCCL: makes the current stream
+            # wait for it; the all-reduce below, on the replica group's own NCCL stream, waits in
+            # turn for the current stream, so it reads the reduced shard.
+            self.group_work.wait()
+        self.replica_work = self.replicas.all_reduce(self.out, async_op=True, tag="grads")
+        self.started = True
+
+    def wait(self) -> None:
+        """After this the fold may read ``out``: the sum over the group and over the replicas
+        (NCCL: the current stream waits for the all-reduce; the host does not block)."""
+        self.start()
+        if self.replica_work is not None:
+            self.replica_work.wait()
 
 
 class GradSync:
@@ -94,6 +144,14 @@ class GradSync:
         if self.offload is not None and self.offload.grads_in_files:
             # Gradients go to their files as reductions complete: hold one unit's output, not all.
             self._complete(lambda u: True)
+        if unit.replicas.size > 1:
+            # HSDP: the units reduced before this one start their replica all-reduce now, their
+            # reduce-scatter having run during this unit's backward; this one's starts at the next
+            # reduction (or at once where there is no reduce-scatter to wait for: groups of one).
+            self._start_replicas(len(self._pending))
+            work = ReplicaReduction(work, unit.replicas, out)
+            if work.group_work is None:
+                work.start()
         self._pending.append((unit, work, out))
         if self.gatherer is not None:
             self.gatherer.after_reduce(unit)
@@ -131,8 +189,19 @@ class GradSync:
         self._complete(lambda u: True)
         self._lazy.ensure_all()  # stage 2: a unit none of whose gradients came is not reduced: zeros
 
+    def _start_replicas(self, upto: int) -> None:
+        """Start the replica all-reduces of the first ``upto`` pending reductions not yet started,
+        in order (the same order on every rank)."""
+        for _, work, _ in self._pending[:upto]:
+            if isinstance(work, ReplicaReduction):
+                work.start()
+
     def _complete(self, which) -> None:
         """Wait for the pending reductions of the units ``which`` selects; fold them into the shards."""
+        chosen = [i for i, (unit, _, _) in enumerate(self._pending) if which(unit)]
+        if not chosen:
+            return
+        self._start_replicas(chosen[-1])  # the ones before the last chosen first, in order
         keep = []
         for unit, work, out in self._pending:
             if not which(unit):
@@ -140,12 +209,9 @@ class GradSync:
                 continue
             if work is not None:
                 # NCCL: makes the current stream wait for the collective (the host does not block),
-                # so the fold below and everything after it reads the reduced values.
+                # so the fold below and everything after it reads the reduced values. HSDP: the
+                # replicas' all-reduce too (ReplicaReduction.wait), the fold reading their sum.
                 work.wait()
-            if unit.replicas.size > 1:
-                # HSDP: every ZeRO group reduced its own samples; the ranks holding the same shard
-                # in the other groups add theirs (synchronous: the fold below reads the sum).
-                unit.replicas.all_reduce(out, tag="grads")
             if self.stage <= 1:
                 if out is not unit.full_grad:
                     unit.grad_shard.copy_(out)
