@@ -12,12 +12,11 @@ import warnings
 import pytest
 import torch
 
-from bigtrain.check.run import check_layout, check_on_rank
+from bigtrain.check.run import check_compiled_on_rank, check_layout
 from bigtrain.config import ConfigError, load_config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import compile_enabled
 from bigtrain.models.feed_forward import FeedForward
-from bigtrain.parallel import compile as compile_module
 from bigtrain.parallel.compile import CPP_WRAPPER_ENV, CompiledRegion, CompileFallbackWarning, graphs_compiled
 from bigtrain.testing import run_ranks
 from bigtrain.train import Trainer
@@ -38,7 +37,6 @@ def test_compiled_steps_recompile_nothing_after_warm_up_and_report_their_compile
     assert set(trainer.parallel.transforms) == {"layers.0", "layers.1", "norm"}
     # compiled inside its checkpoint (bigtrain/parallel/compile.py says why)
     assert trainer.parallel.transforms["layers.0"] == ("checkpoint", "compile")
-    compile_module._warned = False  # the fallback warns once a process
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)  # a region that fell back to eager fails here
         first = trainer.train_step()
@@ -60,7 +58,6 @@ def test_a_compiled_run_matches_the_independent_reference(corpus_cache, tmp_path
     monkeypatch.delenv(CPP_WRAPPER_ENV, raising=False)
     cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=selective", "--memory.activation_offload=true",
                       "--memory.offload_min_bytes=256", "--model.fused_loss=true", "--model.fused_loss_chunk=32")
-    compile_module._warned = False  # the fallback warns once a process
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)
         report = check_layout(cfg, Mesh({}), tmp_path, steps=3)
@@ -75,16 +72,8 @@ def test_a_compiled_run_matches_the_independent_reference(corpus_cache, tmp_path
 ], ids=["tp2-sp-zero3", "pp2-zb-h1", "moe-ep2"])
 def test_compiled_layouts_match_the_independent_reference(layout, corpus_cache, tmp_path):
     cfg = tiny_config(corpus_cache, *COMPILE, *layout)
-    report = run_ranks(_check_compiled_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=600)[0]
+    report = run_ranks(check_compiled_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=600)[0]
     assert report.agree, report.text()
-
-
-def _check_compiled_on_rank(rank, world_size, *args):
-    """check_on_rank, with a region that falls back to eager (which would agree, uncompiled) an error."""
-    compile_module._warned = False  # the fallback warns once a process: this (forked) one must be able to
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CompileFallbackWarning)
-        return check_on_rank(rank, world_size, *args)
 
 
 def test_on_a_cpu_the_graphs_are_called_through_inductor_s_cpp_wrapper(corpus_cache, tmp_path, monkeypatch):
@@ -134,10 +123,7 @@ def test_a_region_the_compiler_fails_on_runs_eagerly_after_one_named_warning():
     object.__setattr__(region, "compiled", torch.compile(block.forward, backend=failing_backend))
     x = torch.randn(2, 16)
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        import bigtrain.parallel.compile as compile_module
-
-        compile_module._warned = False
+        warnings.simplefilter("always")  # even so, a region warns once: the second call runs eagerly at once
         torch.testing.assert_close(region(x), block.forward(x), rtol=0, atol=0)
         torch.testing.assert_close(region(x), block.forward(x), rtol=0, atol=0)
     named = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
@@ -177,3 +163,19 @@ def test_a_split_backward_never_donates_buffers():
         assert aot_config.donated_buffer is False
     finally:
         aot_config.donated_buffer = before
+
+
+def test_a_compiled_check_that_falls_back_to_eager_fails(corpus_cache, tmp_path, monkeypatch):
+    """Run eagerly, a compiled sample would agree and prove nothing: the fuzzer's compiled samples
+    and the compiled layout tests check through check_compiled_on_rank, where a fallback raises."""
+    import bigtrain.parallel.compile as compile_module
+
+    def failing(fn, keep_graph=False, cpp_wrapper=False):
+        def backend(gm, example_inputs):
+            raise RuntimeError("this backend cannot compile anything")
+        return torch.compile(fn, backend=backend)
+
+    monkeypatch.setattr(compile_module, "compiled_function", failing)
+    cfg = tiny_config(corpus_cache, *COMPILE)
+    with pytest.raises(CompileFallbackWarning, match="torch.compile failed on a TransformerBlock"):
+        check_compiled_on_rank(0, 1, cfg, str(tmp_path), 1)

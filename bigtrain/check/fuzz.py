@@ -184,7 +184,7 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
     resumed sample: run its first part and save, then check the resumed part). A compiled sample
     gets 3x the time (each rank compiles its blocks in its first step, 6-25 s a graph on a loaded
     2-core machine), and its ranks wait that long for each other in a collective."""
-    from bigtrain.check.run import check_on_rank, save_on_rank
+    from bigtrain.check.run import check_compiled_on_rank, check_on_rank, save_on_rank
     from bigtrain.testing import RankFailure, run_ranks
 
     start = time.perf_counter()
@@ -207,7 +207,8 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
                 saved = run_ranks(save_on_rank, a.parallel.world_size, a, run_dir, resume_after, timeout=timeout,
                                   group_timeout=timeout)[0]
             cfg = configs[-1]
-            report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, run_dir, steps, saved,
+            check = check_compiled_on_rank if COMPILED in overrides else check_on_rank  # a fallback: crashed
+            report = run_ranks(check, cfg.parallel.world_size, cfg, run_dir, steps, saved,
                                timeout=timeout, group_timeout=timeout)[0]
         except RankFailure as e:
             verdict = "hung" if "did not finish" in str(e) else "crashed"

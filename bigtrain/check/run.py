@@ -21,6 +21,7 @@ and the top MLP's.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +36,7 @@ from bigtrain.check.replay import replayed_step, starts_fresh, stepped_parameter
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
 from bigtrain.families import family_of
+from bigtrain.parallel.compile import CompileFallbackWarning
 from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS
 from bigtrain.train import Trainer
 from bigtrain.train_step import StepResult
@@ -382,6 +384,16 @@ def check_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, 
     """:func:`check_layout` on the mesh ``cfg`` describes, for rank ``rank`` of ``world_size``: the
     shape ``bigtrain.testing.run_ranks`` calls (the fuzzer and the tests use it)."""
     return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps, saved=saved)
+
+
+def check_compiled_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int,
+                           saved: tuple[dict, dict] | None = None) -> CheckReport | None:
+    """:func:`check_on_rank` where a compiled region that falls back to eager is an error: run
+    eagerly, it would agree with the reference and prove nothing about compiling (the fuzzer's
+    compiled samples, tests/test_compile.py)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        return check_on_rank(rank, world_size, cfg, run_dir, steps, saved)
 
 
 def save_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int) -> tuple[dict, dict]:

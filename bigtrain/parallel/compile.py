@@ -58,16 +58,6 @@ class CompileFallbackWarning(UserWarning):
     """``compile.enabled``: the compiler failed on a region, which runs eagerly from then on."""
 
 
-_warned = False
-
-
-def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(message, CompileFallbackWarning, stacklevel=3)
-
-
 class CompiledRegion(WholeBackward, ModuleWrapper):
     """Runs what it wraps through ``torch.compile`` (static shapes). Its one backward computes the
     input and weight gradients together (``WholeBackward``). ``keep_graph``: backward runs with the
@@ -91,9 +81,12 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
             return self.compiled(*args, **kwargs)
         except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.InternalTorchDynamoError) as e:
             object.__setattr__(self, "failed", True)
-            _warn_once(f"compile.enabled: torch.compile failed on a {type(self.wrapped).__name__} ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:200]}); it and any other region that fails run eagerly. "
-                       f"Set compile.enabled = false to silence this.")
+            # Python's default filter shows a warning once per text and call site: one line for a
+            # model whose blocks all fail alike. A filter set to "error" makes any fallback fail
+            # (the compiled tests, the fuzzer's compiled samples: check.run.check_compiled_on_rank).
+            warnings.warn(f"compile.enabled: torch.compile failed on a {type(self.wrapped).__name__} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]}); it and any other region that fails run eagerly. "
+                          f"Set compile.enabled = false to silence this.", CompileFallbackWarning, stacklevel=2)
             return self.wrapped.forward(*args, **kwargs)
 
 
