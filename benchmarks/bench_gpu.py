@@ -18,6 +18,9 @@ this is model FLOPs utilization, not hardware FLOPs. The peak is the device's de
 989 TFLOP/s for H100 SXM and for H200 (the same chip; GH200 too), 756 for H100 PCIe, 835 for H100
 NVL, 312 for A100; another device needs ``--peak-tflops``.
 
+Each row also gives the planner's step time and peak memory for its layout (``bigtrain.run_info.prediction``:
+compile and fp8 included), in brackets after the measured ones.
+
 ``--variants`` runs each preset several ways: ``eager`` (``compile.enabled = false``), ``compiled``
 (``compile.enabled = true``: each block compiled, bigtrain/parallel/compile.py) and ``fp8``
 (compiled, ``precision.fp8 = rowwise``; listed as skipped where the checkout has no
@@ -59,6 +62,7 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.models.llama import count_parameters
 from bigtrain.plan.hardware import PRESETS
 from bigtrain.plan.model import ModelSpec
+from bigtrain.run_info import prediction
 from bigtrain.train import Trainer
 from bigtrain.validation import validate
 
@@ -205,7 +209,10 @@ def run_preset(name: str, args: argparse.Namespace, device: str, peak: float | N
     median = statistics.median(times)
     tokens_per_s = tokens / median
     achieved = tokens_per_s * spec.model_flops_per_token()
+    planned = prediction(cfg, device == "cuda")  # the planner on this layout, compile and fp8 included
     return {"preset": name, "variant": variant, "compile_s": compile_s, "params": params,
+            "planner_step_s": planned["step_time_s"] if planned else None,
+            "planner_peak_gib": planned["peak_bytes"] / 2**30 if planned else None,
             "matmul_params": spec.matmul_params,
             "layers": cfg.model.n_layers, "dim": cfg.model.dim, "seq": cfg.data.seq_len,
             "micro_batch": cfg.train.micro_batch, "accum": args.accum, "tokens_per_step": tokens,
@@ -295,16 +302,20 @@ def report(args: argparse.Namespace, out: dict) -> None:
     print(f"Device: {m['device']}; torch {m['torch']}, CUDA {m['cuda']}, Python {m['python']}; peak "
           + (f"{m['peak_bf16_tflops']:.0f} TFLOP/s dense bf16 ({m['peak_source']})" if m["peak_bf16_tflops"]
              else m["peak_source"]) + ".\n")
-    print("| preset | variant | params | seq | micro-batch x accum | tokens/step | median step ms | tokens/s | "
-          "model TFLOP/s | MFU | peak memory GiB | compile s | loss first -> last |")
+    print("| preset | variant | params | seq | micro-batch x accum | tokens/step | median step ms (planner) | tokens/s | "
+          "model TFLOP/s | MFU | peak memory GiB (planner) | compile s | loss first -> last |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["results"]:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
+        if r.get("planner_peak_gib") is not None:
+            mem += f" ({r['planner_peak_gib']:.1f})"
+        step = f"{r['median_step_s'] * 1e3:.1f}" + (f" ({r['planner_step_s'] * 1e3:.1f})" if r.get("planner_step_s")
+                                                     else "")
         compiled = f"{r['compile_s']:.0f}" if r.get("compile_s") else ("in warm-up" if r["variant"] == "hf-compiled"
                                                                          else "-")
         print(f"| {r['preset']} | {r['variant']} | {r['params'] / 1e6:.1f} M | {r['seq']} | {r['micro_batch']} x "
-              f"{r['accum']} | {r['tokens_per_step']} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['accum']} | {r['tokens_per_step']} | {step} | {r['tokens_per_s']:,.0f} | "
               f"{r['achieved_tflops']:.1f} | {mfu} | {mem} | {compiled} | "
               f"{r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f} |")
     for skipped in out.get("skipped", []):

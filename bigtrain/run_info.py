@@ -61,11 +61,11 @@ def prediction(cfg: Config, cuda: bool) -> dict | None:
 
     hardware = local_hardware() if cuda else "cpu"
     try:
-            plan = evaluate(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg, cuda),
+        plan = evaluate(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg, cuda),
                         Cluster.build(cfg.parallel.world_size, get_profile(hardware)), cfg.train.global_batch)
     except Exception:  # noqa: BLE001 - a layout the planner does not model is no reason to fail a finished run
         return None
     worst = plan.memory  # the worst rank's
     return {"hardware": hardware, "step_time_s": plan.time.step_time_s, "tokens_per_s": plan.time.tokens_per_s,
             "mem": {"params": worst.params, "grads": worst.grads, "optimizer": worst.optimizer,
-                    "activations": worst.activations}}
+                    "activations": worst.activations}, "peak_bytes": worst.peak}
