@@ -31,7 +31,7 @@ def test_compiled_steps_recompile_nothing_after_warm_up_and_report_their_compile
     evaluation compiles again (dynamo's count of graphs stays put); the first step reports how long
     it compiled, the later ones nothing."""
     # A shape no other test compiles, so this process compiles it now, in the first step.
-    cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=every", "--data.val_fraction=0.1",
+    cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=full", "--data.val_fraction=0.1",
                       "--model.dim=48")
     trainer = Trainer(cfg, tmp_path, Mesh({}), "cpu")
     assert set(trainer.parallel.transforms) == {"layers.0", "layers.1", "norm"}
