@@ -6,7 +6,7 @@ import os
 # ranks of a compiled tp2 layout waiting on a futex from their first second). Set before torch.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # And one thread in every process a test starts (fresh shells, `python -m bigtrain`, torchrun's
-# ranks): scripts/test.sh runs one shard per core, and an OpenMP pool of two on two busy cores
+# ranks): scripts/test.sh runs its shards side by side, and an OpenMP pool of two on two busy cores
 # spins at each barrier. Measured beside one busy core: `bigtrain generate` of a `small` run,
 # 200 tokens, 29.7 s with two threads against 4.3 s with one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
