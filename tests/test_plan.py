@@ -180,10 +180,9 @@ def test_activation_formula_matches_saved_tensors(shape, precision):
 # compiled regions save, read by the same saved-tensor hooks (AOT autograd saves through autograd).
 # The trainer at one rank measured the same for full / every-2 checkpointing, the fused loss and bf16
 # int8 (docs/planner.md). Checkpointed blocks are compiled inside their checkpoint, which keeps the
-# block's input alone, as eager. Each case is a cold compile in CI, so int8 has one case: the one on
-# the branch that keeps the eager figure.
-COMPILED_CASES = [("fp32", "none", "none"), ("bf16", "none", "none"), ("bf16", "selective", "none"),
-                  ("fp32", "selective", "int8")]
+# block's input alone, as eager. Each case is a cold compile in CI: one per dtype and branch of the
+# list (bf16's norm copies, with selective recomputation; int8 on the branch that keeps the eager figure).
+COMPILED_CASES = [("fp32", "none", "none"), ("bf16", "selective", "none"), ("fp32", "selective", "int8")]
 
 
 @pytest.mark.parametrize("precision,recompute,compression", COMPILED_CASES,
