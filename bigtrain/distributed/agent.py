@@ -10,11 +10,7 @@ for a signal.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import sys
-
-atexit.register(gc.freeze)  # torch's objects skipped at shutdown (bigtrain/cli.py says why)
 
 
 def _exit_text(code: int) -> str:
@@ -46,4 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover - the launcher runs it as a module
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)  # shutdown skips torch's objects (bigtrain.cli.main says why)
     sys.exit(main())
