@@ -10,6 +10,8 @@ for a signal.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import sys
 
 
@@ -42,8 +44,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover - the launcher runs it as a module
-    import atexit
-    import gc
-
     atexit.register(gc.freeze)  # shutdown skips torch's objects (bigtrain.cli.main says why)
     sys.exit(main())
