@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass
 
+from bigtrain.plan.activations import compiles_blocks
 from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.model import ModelSpec
 
@@ -173,9 +174,9 @@ def _elementwise_bytes(model: ModelSpec, layout: Layout, moe: bool = False) -> f
 
 
 def compiles_block(model: ModelSpec, layout: Layout) -> bool:
-    """Whether the blocks are priced compiled (the module docstring): bigtrain's Llama without experts
-    (as plan/activations.py keeps the eager figures of a model with experts)."""
-    return layout.compiled and model.mlp == "swiglu" and not model.experts
+    """Whether the blocks are priced compiled (the module docstring): bigtrain's Llama without experts,
+    the rule plan/activations.py applies to their memory (its exceptions there are memory's alone)."""
+    return compiles_blocks(model, layout.compiled)
 
 
 def compiled_elementwise_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
