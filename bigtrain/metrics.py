@@ -3,7 +3,8 @@ training: a progress bar on a terminal; elsewhere (a log file, a CI job, ``loggi
 false``) one plain line per logged step, so a log holds steps / log_every lines and no carriage
 returns.
 
-The schema only grows: ``step, loss, lr, grad_norm, tokens_per_s, step_time_s`` and
+The schema only grows: ``step, loss, lr, grad_norm, tokens_per_s, step_time_s`` (a recommender's
+steps count samples: ``samples_per_s`` in place of ``tokens_per_s``) and
 ``mem`` (bytes on the worst rank: params, grads, optimizer, activations) and ``comm``
 (bytes this rank sent in the step, by mesh axis; ``comm_ops`` splits them by collective),
 ``skipped`` (the NaN policy skipped the update; skipped steps are always logged) and, in fp16,
@@ -98,7 +99,8 @@ class MetricsLog:
         if self.board is not None:
             write_scalars(self.board, record)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+            speed = {"samples_s": record["samples_per_s"]} if "samples_per_s" in record else {"tok_s": record["tokens_per_s"]}
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", **{k: f"{v:.0f}" for k, v in speed.items()},
                                  mem=human_bytes(device_bytes(record["mem"])), refresh=False)
         else:
             print(log_line(record, self.total_steps, self._eta(record["step"])), flush=True)
@@ -152,8 +154,8 @@ def tensorboard_writer(run_dir: Path):
 def write_scalars(writer, record: dict[str, Any]) -> None:
     """One record's scalars, at its step (counted from 1, as the log lines count)."""
     step = record["step"]
-    for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "offload_step_ms",
-                "offload_hidden"):
+    for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s",
+                "offload_step_ms", "offload_hidden"):
         if key in record:
             writer.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", record[key], step)
     if record.get("mem"):

@@ -45,7 +45,7 @@ class StepResult:
     grad_norm: float
     lr: float
     step_time_s: float
-    tokens: int
+    tokens: int  # what the step processed, in ``unit``s
     mem: dict[str, int] = field(default_factory=dict)
     comm: dict[str, float] = field(default_factory=dict)
     comm_ops: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -57,13 +57,15 @@ class StepResult:
     # delayed update): its duration and the fraction of it that ran during this step's forward and backward
     offload: dict[str, float] = field(default_factory=dict)
     compile_s: float = 0.0  # compile.enabled: seconds this rank spent compiling since the step before
-    # A family's own step's fields of the record: its throughput in its unit (the recommender's
-    # samples_per_s) and, on logged steps, its held-out metrics (AUC, log loss).
+    # A family's own step's fields of the record: on logged steps, its held-out metrics (AUC, log loss).
     extra: dict[str, float] = field(default_factory=dict)
+    # What ``tokens`` counts; the record's throughput is ``{unit}_per_s`` (a recommender's step counts
+    # samples: its record has samples_per_s, and no tokens_per_s, which would hold samples a second)
+    unit: str = "tokens"
 
     def record(self) -> dict:
         out = {"step": self.step + 1, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
-               "tokens_per_s": self.tokens / max(self.step_time_s, 1e-9), "step_time_s": self.step_time_s,
+               f"{self.unit}_per_s": self.tokens / max(self.step_time_s, 1e-9), "step_time_s": self.step_time_s,
                "mem": self.mem, "comm": self.comm, "comm_ops": self.comm_ops, "skipped": self.skipped}
         if self.loss_scale is not None:
             out["loss_scale"] = self.loss_scale
@@ -259,9 +261,8 @@ class StepRunner:
         step_time = time.perf_counter() - start
         traffic = self.mesh.stats.since(before)
         self.step += 1
-        per_s = {f"{self.own_step.unit}_per_s": self.own_step.per_step / max(step_time, 1e-9)}
         return StepResult(step, loss, grad_norm, lr, step_time, self.own_step.per_step, {}, traffic.by_axis(),
-                          traffic.by_op(), skipped, extra=per_s)
+                          traffic.by_op(), skipped, unit=self.own_step.unit)
 
     def _compile_seconds(self) -> float:
         """Seconds spent compiling since the last step (compile.enabled): the first step's, and any

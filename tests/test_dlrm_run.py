@@ -25,7 +25,7 @@ from bigtrain import checkpoint as ckpt
 from bigtrain.checkpoint.resume import ResumeError
 from bigtrain.cli import main
 from bigtrain.config import load_config
-from bigtrain.metrics import read_metrics
+from bigtrain.metrics import log_line, read_metrics
 from bigtrain.testing import RankFailure, run_ranks
 from bigtrain.train import Trainer
 from bigtrain.validation import validate
@@ -219,6 +219,14 @@ def test_a_resumed_dlrm_run_rewinds_its_metrics_to_the_checkpoint(straight, tmp_
     assert main(["train", "--output-dir", str(out), "--resume"]) == 0
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))  # steps 5 and 6 once, not twice
     assert _losses(out) == _losses(straight)
+
+
+def test_a_dlrm_records_its_throughput_in_samples_and_claims_no_tokens(straight):
+    """A click model's step counts samples: its records say samples_per_s and nothing holds samples
+    under a tokens name (tokens_per_s once did, and the progress bar showed it as tok/s)."""
+    records = read_metrics(straight)
+    assert all(r["samples_per_s"] > 0 and "tokens_per_s" not in r for r in records)
+    assert log_line(records[-1], 6, None).endswith(" samples/s") and "tok" not in log_line(records[-1], 6, None)
 
 
 def test_a_fresh_dlrm_run_over_a_runs_checkpoints_is_refused(straight, tmp_path):
