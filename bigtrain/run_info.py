@@ -35,18 +35,19 @@ def git_commit(where: Path = Path(__file__).parent) -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def layout_text(cfg: Config) -> str:
-    """``dp=2 tp=1 pp=1 sp=1 zero=3 fp32 ...``: the planner's description of the configured layout."""
+def layout_text(cfg: Config, cuda: bool = False) -> str:
+    """``dp=2 tp=1 pp=1 sp=1 zero=3 fp32 ...``: the planner's description of the configured layout as
+    it runs on a CUDA device (``cuda``) or a CPU (``compile.enabled = 'auto'`` compiles on one only)."""
     from bigtrain.plan.fit import _layout
 
-    return _layout(cfg).describe()
+    return _layout(cfg, cuda).describe()
 
 
-def identity(cfg: Config) -> dict:
+def identity(cfg: Config, cuda: bool = False) -> dict:
     import torch
 
     return {"config_hash": config_hash(cfg), "git_commit": git_commit(), "torch": torch.__version__,
-            "python": platform.python_version(), "layout": layout_text(cfg)}
+            "python": platform.python_version(), "layout": layout_text(cfg, cuda)}
 
 
 def prediction(cfg: Config, cuda: bool) -> dict | None:

@@ -68,7 +68,8 @@ class Trainer(StepRunner):
             self._run_id = ensure_run_id(self.run_dir)
             forget_stop(self.run_dir)
             write_atomic(self.run_dir / "config.toml", to_toml(cfg))  # a full disk keeps the old one whole
-            open_segment(self.run_dir, self.step, self.global_tokens, run_info.layout_text(cfg), run_info.git_commit())
+            layout = run_info.layout_text(cfg, self.device.type == "cuda")
+            open_segment(self.run_dir, self.step, self.global_tokens, layout, run_info.git_commit())
         log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress,
                          cfg.logging.tensorboard)
         scaler = self.engine.scaler
@@ -292,7 +293,7 @@ class Trainer(StepRunner):
         cfg = self.cfg
         if self.own_step is not None:
             return {"steps": self.step, "mesh": self.mesh.sizes, "wall_time_s": self.wall_time_s,
-                    "run": run_info.identity(cfg), f"{self.own_step.unit}_seen": self.step * self.own_step.per_step,
+                    "run": run_info.identity(cfg, self.device.type == "cuda"), f"{self.own_step.unit}_seen": self.step * self.own_step.per_step,
                     "predicted": None, **self.own_step.summary()}
         return {"params": count_parameters(self.model), "steps": self.step,
                 "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,
@@ -300,7 +301,7 @@ class Trainer(StepRunner):
                 "compile_s": self.compile_clock.seconds if self.compile_clock is not None else 0.0,
                 "mesh": self.mesh.sizes, "model_params": self.family.parameter_count(cfg),  # whole, on meta
                 "tokens_seen": self.step * self.global_tokens,
-                "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg),
+                "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg, self.device.type == "cuda"),
                 "data": {"source": cfg.data.source, "train_tokens": len(self.sampler.tokens),
                          "held_out_tokens": len(self.sampler.val_tokens)},
                 # The planner models the decoder the [model] fields describe; another family's is not.

@@ -317,3 +317,22 @@ def test_the_proposed_layout_fits_the_same_machine(monkeypatch):
     fixed = load_config(preset="small", overrides=["--parallel.dp=2", "--train.micro_batch=128",
                                                    "--train.global_batch=256", "--data.seq_len=128", *overrides])
     assert fixed.parallel.world_size == 2 and fit.size_problems(fixed, local_ranks=2)[0] == []
+
+
+def test_the_layouts_proposed_keep_the_runs_fp8_and_say_so():
+    # The search behind a proposal prices the run as configured: fp8's weight copies and its speed
+    # (the planner once searched in bf16 alone and described its layout without fp8).
+    cfg = load_config(preset="small", overrides=["--precision.mode=bf16", "--precision.fp8=rowwise",
+                                                 "--parallel.dp=2"])
+    result = refit._search(cfg, 2, 2**40, cuda=False)
+    assert result.ranked and {plan.layout.fp8 for plan in result.ranked} == {"rowwise"}
+    assert ",fp8=rowwise" in result.ranked[0].layout.describe()
+
+
+def test_the_run_records_its_layout_as_it_runs_on_its_device():
+    # compile.enabled = 'auto' compiles on a GPU and not on a CPU: the layout a run records says which.
+    from bigtrain import run_info
+
+    cfg = load_config(preset="small", overrides=["--compile.enabled=auto"])
+    assert "compiled" in run_info.layout_text(cfg, cuda=True) and "compiled" not in run_info.layout_text(cfg)
+    assert run_info.identity(cfg, cuda=True)["layout"] == run_info.layout_text(cfg, cuda=True)
