@@ -36,9 +36,12 @@ def check_hybrid_sharding(cfg: Config) -> list[str]:
         problems.append(f"{what} with parallel.zero = 0: hybrid sharding says where ZeRO cuts, and stage 0 cuts "
                         f"nothing (every rank all-reduces everything); use parallel.zero = 1, 2 or 3, or "
                         f"parallel.dp_replicate = 1")
-    if p.ep > 1:
-        problems.append(f"{what} with parallel.ep = {p.ep}: experts under hybrid sharding are not built yet (their "
-                        f"ZeRO group is edp); use parallel.dp_replicate = 1 or parallel.ep = 1")
+    group = (p.dp // p.dp_replicate) * p.cp * p.sp  # the ranks of one ZeRO group: dp_shard x cp x sp
+    if p.ep > 1 and group % p.ep:
+        problems.append(f"{what} with parallel.ep = {p.ep}: an expert-parallel group must lie inside one replica "
+                        f"group of dp_shard x cp x sp = {p.dp // p.dp_replicate} x {p.cp} x {p.sp} = {group} ranks, "
+                        f"which ep does not divide; use parallel.ep = {divisor_near(group, p.ep)} or "
+                        f"parallel.dp_replicate = 1")
     if cfg.offload.optimizer != "none" or cfg.offload.params != "none":
         problems.append(f"{what} with offload: the offloaded gradient stream does not all-reduce across the "
                         f"replicas yet; use parallel.dp_replicate = 1 or offload.optimizer = offload.params = 'none'")

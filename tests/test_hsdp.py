@@ -15,6 +15,7 @@ from helpers import tiny_config
 
 SMALL_BATCH = ["--train.global_batch=4", "--train.micro_batch=1"]
 HSDP_2X2 = ["--parallel.dp=4", "--parallel.dp_replicate=2"]
+MOE = ["--model.moe_experts=4", "--model.moe_top_k=2"]
 
 LAYOUTS = {
     "hsdp-2x2-zero1": [*HSDP_2X2, "--parallel.zero=1"],
@@ -36,6 +37,15 @@ LAYOUTS = {
     # ZeRO groups of one rank (dp_shard = 1): nothing to reduce-scatter, the replicas all-reduce alone.
     "hsdp-2x1-zero1": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=1"],
     "hsdp-2x1-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=3"],
+    # Experts under HSDP: ep = 2 inside each replica group; the experts' ZeRO group is the edp ranks
+    # of one replica group (edp_shard: one rank here), their reduced shards all-reduced over
+    # dp_replicate, beside the dense weights' two levels.
+    "hsdp-2x2-ep2-zero1": [*HSDP_2X2, "--parallel.zero=1", "--parallel.ep=2", *MOE],
+    "hsdp-2x2-ep2-zero3-accumulating": [*HSDP_2X2, "--parallel.zero=3", "--parallel.ep=2", *MOE,
+                                        "--train.global_batch=8"],
+    # 8 ranks, ZeRO groups of 4: the experts' ZeRO group has 2 ranks (edp_shard), so both levels cut them.
+    "hsdp-2x4-ep2-zero2-8-ranks": ["--parallel.dp=8", "--parallel.dp_replicate=2", "--parallel.zero=2",
+                                   "--parallel.ep=2", *MOE, "--train.global_batch=8"],
     "hsdp-2x2-cp2-zero3-8-ranks": ["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
                                    "--parallel.cp=2", "--parallel.zero=3", "--train.global_batch=8"],
 }
@@ -56,8 +66,11 @@ def test_hybrid_sharding_matches_the_reference(name, corpus_cache, tmp_path):
 @pytest.mark.parametrize("saved,resumed", [
     ([*HSDP_2X2, "--parallel.zero=3"], ["--parallel.dp=4", "--parallel.zero=3"]),
     ([*HSDP_2X2, "--parallel.zero=3"], ["--parallel.cp=2", "--parallel.dp=2", "--parallel.zero=3"]),
+    ([*HSDP_2X2, "--parallel.zero=3", "--parallel.ep=2", *MOE], ["--parallel.dp=4", "--parallel.zero=3",
+                                                                 "--parallel.ep=4", *MOE]),
     (["--parallel.dp=4", "--parallel.zero=1"], [*HSDP_2X2, "--parallel.zero=2"]),
-], ids=["hsdp2x2-zero3-to-dp4-zero3", "hsdp2x2-zero3-to-cp2-dp2-zero3", "dp4-zero1-to-hsdp2x2-zero2"])
+], ids=["hsdp2x2-zero3-to-dp4-zero3", "hsdp2x2-zero3-to-cp2-dp2-zero3", "hsdp2x2-ep2-zero3-to-dp4-ep4-zero3",
+        "dp4-zero1-to-hsdp2x2-zero2"])
 def test_a_checkpoint_moves_between_hsdp_and_plain_layouts(saved, resumed, corpus_cache, tmp_path):
     """2 steps saved in one layout, resumed in the other: what loaded is bitwise what was saved
     (each shard written once, by the first replica group), and the next 3 steps match the reference
@@ -223,8 +236,8 @@ REFUSED = {
                                   ["parallel.dp_replicate = 2 does not divide parallel.dp = 3"]),
     "replicate-zero": (["--parallel.dp_replicate=0"], ["parallel.dp_replicate = 0", ">= 1"]),
     "zero-stage-0": ([*HSDP_2X2, "--parallel.zero=0"], ["parallel.zero = 0", "use parallel.zero = 1, 2 or 3"]),
-    "experts": ([*HSDP_2X2, "--parallel.zero=1", "--parallel.ep=2", "--model.moe_experts=4"],
-                ["parallel.ep = 2", "parallel.dp_replicate = 1"]),
+    "ep-across-replica-groups": ([*HSDP_2X2, "--parallel.zero=1", "--parallel.ep=4", *MOE],
+                                 ["parallel.ep = 4", "dp_shard x cp x sp = 2 x 1 x 1 = 2", "use parallel.ep = 2"]),
     "offload": ([*HSDP_2X2, "--parallel.zero=2", "--offload.optimizer=cpu"], ["offload", "parallel.dp_replicate = 1"]),
 }
 
@@ -327,6 +340,32 @@ def test_parallel_auto_searches_dp_replicate_and_writes_it():
     assert "--parallel.dp_replicate=2" in Layout(dp=16, zero=3, dp_replicate=2).to_overrides()
     assert parse_layout("dp=16,dp_replicate=2") == {"dp": 16, "dp_replicate": 2}
     assert any("needs zero >= 1" in p for p in layout_problems(Layout(dp=16, dp_replicate=2), model, cluster, 64))
+
+
+def test_the_planner_cuts_experts_within_a_replica_group_and_searches_hsdp_with_ep():
+    """Experts under HSDP are ZeRO-cut over the edp ranks of one replica group (edp_shard = 8 / 4 = 2
+    ranks in a node of 8 with ep 4), not over all of edp (4): their optimizer state is twice that of
+    ZeRO over all 16 with the same ep; the search offers HSDP with an ep inside the node's group."""
+    from bigtrain.plan import Cluster, Layout, ModelSpec, evaluate, get_profile
+    from bigtrain.plan.layout import layout_problems
+    from bigtrain.plan.memory import rank_units
+    from bigtrain.plan.search import candidate_layouts
+
+    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=2048, experts=16, top_k=2)
+    cluster = Cluster.build(16, get_profile("h100-80g"))  # two nodes of 8
+    flat, hsdp = (Layout(dp=16, zero=3, micro_batch=1, ep=4, dp_replicate=r) for r in (1, 2))
+    assert hsdp.size("edp_shard") == 2 and flat.size("edp") == 4
+    assert layout_problems(hsdp, model, cluster, 64) == []
+    expert_axes = {u.axis for u in rank_units(model, hsdp, 0)[1]}
+    assert expert_axes == {"dp_shard_sp", "edp_shard"}, expert_axes
+    assert {u.axis for u in rank_units(model, flat, 0)[1]} == {"dp_sp", "edp"}
+    a, b = evaluate(model, flat, cluster, global_batch=64), evaluate(model, hsdp, cluster, global_batch=64)
+    assert b.memory.optimizer == pytest.approx(2 * a.memory.optimizer, rel=1e-3)  # dense / 8 vs 16, experts / 2 vs 4
+    found = {(l.dp_replicate, l.ep) for l in candidate_layouts(model, cluster, {"tp": 1, "pp": 1, "sp": 1, "zero": 3})}
+    assert (2, 4) in found and (2, 8) in found and (1, 16) in found
+    assert (2, 16) not in found  # ep 16 would cross the nodes' ZeRO groups
+    assert any("must divide dp_shard x cp x sp = 8" in p
+               for p in layout_problems(Layout(dp=16, zero=3, ep=16, dp_replicate=2), model, cluster, 64))
 
 
 def test_the_layout_fuzzer_draws_dp_replicate_and_validation_accepts_it():

@@ -19,7 +19,7 @@ from bigtrain.distributed.comm import sent_fraction
 from bigtrain.distributed.mesh import AXES, Mesh
 from bigtrain.testing import run_fake_rank, run_ranks
 
-NAMES = (*AXES, "dp_sp", "ep", "edp", "dp_replicate", "dp_shard", "dp_shard_sp")
+NAMES = (*AXES, "dp_sp", "ep", "edp", "edp_shard", "dp_replicate", "dp_shard", "dp_shard_sp")
 
 # (sizes, world size, {axis: every group of the axis}) written out by hand, not by the mesh's code.
 LAYOUTS = {
@@ -61,6 +61,15 @@ LAYOUTS = {
     # ep = 1: every rank is its own ep group and edp is dp.
     "dp4-ep1": ({"dp": 4}, 4, {"ep": [[0], [1], [2], [3]], "edp": [[0, 1, 2, 3]]}),
     # HSDP: dp = 2 replicas (outer) x 2 shards (inner, adjacent); a ZeRO group is dp_shard x cp x sp.
+    # HSDP with experts: ep = 2 inside each replica group (ranks 0-3, 4-7); the experts' ZeRO group
+    # (edp_shard) is the edp ranks of one replica group, and dp_replicate pairs the same experts.
+    "hsdp-2x4-ep2": ({"dp": 8, "dp_replicate": 2, "ep": 2}, 8, {
+        "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "edp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        "edp_shard": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "dp_replicate": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "dp_shard_sp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+    }),
     "hsdp-2x2": ({"dp": 4, "dp_replicate": 2}, 4, {
         "dp_replicate": [[0, 2], [1, 3]],
         "dp_shard": [[0, 1], [2, 3]],
@@ -96,6 +105,7 @@ def test_groups_on_paper(name):
             assert mesh.size(axis) == len(groups[0])
         assert mesh.ranks_along("ep").index(rank) == mesh.coord("ep")
         assert mesh.ranks_along("edp").index(rank) == mesh.coord("edp")
+        assert mesh.ranks_along("edp_shard").index(rank) == mesh.coord("edp_shard")
 
 
 def test_every_rank_is_in_one_group_of_each_axis():
@@ -111,8 +121,8 @@ def test_every_rank_is_in_one_group_of_each_axis():
 def test_from_config_takes_ep_without_growing_the_world():
     mesh = Mesh.from_config(ParallelConfig(dp=4, tp=2, ep=2), rank=5, world_size=8, make_groups=False)
     assert mesh.sizes == {"pp": 1, "dp": 4, "cp": 1, "sp": 1, "tp": 2, "ep": 2, "dp_replicate": 1, "dp_shard": 4}
-    assert mesh.coords == {"pp": 0, "dp": 2, "cp": 0, "sp": 0, "tp": 1, "ep": 0, "edp": 1, "dp_replicate": 0,
-                           "dp_shard": 2}
+    assert mesh.coords == {"pp": 0, "dp": 2, "cp": 0, "sp": 0, "tp": 1, "ep": 0, "edp": 1, "edp_shard": 1,
+                           "dp_replicate": 0, "dp_shard": 2}
     assert "ep=2 inside dp x sp" in repr(mesh)
     with pytest.raises(ValueError, match="world size is 16"):
         Mesh.from_config(ParallelConfig(dp=4, tp=2, ep=2), rank=0, world_size=16, make_groups=False)
@@ -122,6 +132,8 @@ def test_from_config_takes_ep_without_growing_the_world():
     ({"dp": 4, "ep": 3}, "ep = 3 must be >= 1 and divide dp x sp = 4 x 1"),
     ({"dp": 2, "sp": 2, "ep": 8}, "divide dp x sp = 2 x 2"),
     ({"dp": 2, "ep": 0}, "ep = 0 must be >= 1"),
+    # under HSDP an ep group must lie inside one replica group of dp_shard x cp x sp ranks
+    ({"dp": 4, "dp_replicate": 2, "ep": 4}, "ep = 4 must divide dp_shard x cp x sp = 2 x 1 x 1"),
     ({"dp": 2, "xp": 2}, r"unknown mesh axes \['xp'\]"),
     ({"dp": 2, "cp": 2, "ep": 8}, "divide dp x cp x sp = 2 x 2 x 1"),
     ({"edp": 2}, r"unknown mesh axes \['edp'\]"),  # edp follows from dp x sp / ep: not a size to give
@@ -219,8 +231,8 @@ def test_1024_ranks_on_the_fake_process_group():
     # pp=4 x dp=32 x tp=8, ep=8: rank 777 = pp 3 (768..1023), dp 1, tp 1.
     sizes = {"pp": 4, "dp": 32, "tp": 8, "ep": 8}
     got = run_fake_rank(_fake_groups, 1024, sizes, ("ep", "edp", "dp", "tp", "pp"), rank=777)
-    assert got["coords"] == {"pp": 3, "dp": 1, "cp": 0, "sp": 0, "tp": 1, "ep": 1, "edp": 0, "dp_replicate": 0,
-                             "dp_shard": 1}
+    assert got["coords"] == {"pp": 3, "dp": 1, "cp": 0, "sp": 0, "tp": 1, "ep": 1, "edp": 0, "edp_shard": 0,
+                             "dp_replicate": 0, "dp_shard": 1}
     assert got["held"]["ep"] == [768 + 8 * i + 1 for i in range(8)]  # dp 0..7 of this stage and tp column
     assert got["held"]["edp"] == [768 + 8 * (1 + 8 * i) + 1 for i in range(4)]  # dp 1, 9, 17, 25
     assert got["held"]["dp"] == [768 + 8 * i + 1 for i in range(32)]
@@ -235,8 +247,8 @@ def test_64_ranks_with_ulysses_and_no_duplicate_groups():
     # dp=4 x sp=4 x tp=4, ep=8: replicas are 16 (dp x sp), ep takes 2 dp x 4 sp, edp the other 2 dp.
     sizes = {"dp": 4, "sp": 4, "tp": 4, "ep": 8}
     got = run_fake_rank(_fake_groups, 64, sizes, ("ep", "edp", "dp_sp"), rank=45)  # dp 2, sp 3, tp 1
-    assert got["coords"] == {"pp": 0, "dp": 2, "cp": 0, "sp": 3, "tp": 1, "ep": 3, "edp": 1, "dp_replicate": 0,
-                             "dp_shard": 2}
+    assert got["coords"] == {"pp": 0, "dp": 2, "cp": 0, "sp": 3, "tp": 1, "ep": 3, "edp": 1, "edp_shard": 1,
+                             "dp_replicate": 0, "dp_shard": 2}
     assert got["held"]["ep"] == [32 + 4 * i + 1 for i in range(8)]
     assert got["held"]["edp"] == [13, 45]
     assert got["held"]["dp_sp"] == [4 * i + 1 for i in range(16)]

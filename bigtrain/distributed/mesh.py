@@ -91,8 +91,11 @@ ENDS = {"pp_ends": "pp"}
 # all-to-all stays close), and replicated over ``edp``, the outer one ("expert data parallel": expert
 # gradients are reduced and ZeRO-sharded there). Every rank of dp x sp holds different tokens at an
 # MoE layer, so ep may take from sp as torchtitan's ep takes from dp_shard x cp; with sp = 1 it is
-# the inner part of dp, as in Megatron-Core.
-EXPERT = ("ep", "edp")
+# the inner part of dp, as in Megatron-Core. Under HSDP ep divides one ZeRO group (dp_shard x cp x
+# sp), so every ep group lies inside one replica group: ``edp_shard``, the edp ranks of this rank's
+# replica group, is the experts' ZeRO group, and their reduced shards are all-reduced over
+# dp_replicate, whose ranks hold the same experts (the same place in the same-sized groups).
+EXPERT = ("ep", "edp", "edp_shard")
 KNOWN = (*AXES, "dp_replicate", "dp_shard", "ep")  # the sizes a mesh is built from
 # torch DeviceMesh views of the same ranks (Mesh.device_mesh): dims of size 1 are left out.
 DEVICE_MESH_LAYOUTS = {"dense": AXES, "expert": ("pp", "edp", "ep", "tp")}
@@ -129,6 +132,9 @@ class Mesh:
             raise ValueError(f"ep = {ep} must be >= 1 and divide {' x '.join(replica_axes)} = "
                              f"{' x '.join(str(values[a]) for a in replica_axes)}: experts "
                              f"are sharded over part of the data-parallel ranks, which ep does not multiply")
+        if replicate > 1 and (replicas // replicate) % ep:
+            raise ValueError(f"ep = {ep} must divide dp_shard x cp x sp = {shard} x {grid['cp']} x {grid['sp']} under "
+                             f"hybrid sharding (dp_replicate = {replicate}): an ep group must lie inside one replica group")
         self.grid = grid
         # Every named size: the config's axes, the data-parallel factors, ep (not a factor of the world size).
         self.sizes = {**{a: grid[a] if a in grid else dp for a in AXES}, "ep": ep,
@@ -140,7 +146,8 @@ class Mesh:
         self.stats = CommStats()
         self.coords = self._named_coords(self._coords_of(rank))
         replica = (self.coords["dp"] * grid["cp"] + self.coords["cp"]) * grid["sp"] + self.coords["sp"]  # in dp_sp
-        self.coords.update(ep=replica % ep, edp=replica // ep)
+        in_group = replica % (replicas // replicate)  # in dp_shard_sp, this rank's replica group
+        self.coords.update(ep=replica % ep, edp=replica // ep, edp_shard=in_group // ep)
         self.groups: dict[str, dist.ProcessGroup | None] = {
             axis: None for axis in (*DECLARED, *ENDS, *EXPERT)}
         self._device_meshes: dict[tuple[str, str], object] = {}
@@ -162,6 +169,12 @@ class Mesh:
         HSDP (dp_replicate > 1), reduce-scatter within one ZeRO group and all-reduce across groups."""
         across = tuple(a.name for a in DIMENSIONS if a.reduction == "across" and self.grid[a.name] > 1)
         return next(a.name for a in VIEWS if a.reduction == ("within" if across else "all")), across
+
+    def expert_gradient_axes(self) -> tuple[str, tuple[str, ...]]:
+        """:meth:`gradient_axes` for experts: reduced and cut over edp, or under HSDP over the edp
+        ranks of one replica group (edp_shard) and then all-reduced over dp_replicate."""
+        across = self.gradient_axes()[1]
+        return ("edp_shard" if across else "edp"), across
 
     # -- coordinates --------------------------------------------------------------------------------
     def _parts(self, axis: str) -> tuple[str, ...]:
@@ -196,7 +209,7 @@ class Mesh:
         order of the group's own ranks; ``axis`` is a declared axis (a dimension or a view) or ep / edp."""
         if axis in EXPERT:
             rank = self.rank if rank is None else rank
-            replicas = self.ranks_across(FLATTENED["dp_sp"], rank)
+            replicas = self.ranks_across(FLATTENED[self._expert_view(axis)], rank)
             return next(ranks for ranks in self._split_replicas(axis, replicas) if rank in ranks)
         return self.ranks_across(self._parts(axis), rank)
 
@@ -214,7 +227,7 @@ class Mesh:
         every rank), whether or not a process group is made for it."""
         if axis in ENDS:
             return self._end_rank_pairs(ENDS[axis])
-        parts = self._parts("dp_sp" if axis in EXPERT else axis)
+        parts = self._parts(self._expert_view(axis) if axis in EXPERT else axis)
         others = [a for a in GRID if a not in parts]
         out = []
         for fixed in itertools.product(*(range(self.grid[a]) for a in others)):
@@ -222,8 +235,14 @@ class Mesh:
             out += self._split_replicas(axis, ranks) if axis in EXPERT else [ranks]
         return out
 
+    @staticmethod
+    def _expert_view(axis: str) -> str:
+        """The view an expert axis cuts: edp_shard one replica group's, the others all of dp x sp."""
+        return "dp_shard_sp" if axis == "edp_shard" else "dp_sp"
+
     def _split_replicas(self, axis: str, replicas: list[int]) -> list[list[int]]:
-        """One dp x sp group (sorted ranks are in flattened order) cut into its ep or edp groups."""
+        """One dp x sp group, or for edp_shard one replica group's part of it (sorted ranks are in
+        flattened order, and ep divides either), cut into its ep or edp(_shard) groups."""
         ep = self.sizes["ep"]
         if axis == "ep":  # consecutive blocks of ep ranks
             return [replicas[i:i + ep] for i in range(0, len(replicas), ep)]
@@ -263,7 +282,7 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis in EXPERT:
             ep = self.sizes["ep"]
-            return ep if axis == "ep" else self.size("dp_sp") // ep
+            return ep if axis == "ep" else self.size(self._expert_view(axis)) // ep
         if axis in ENDS:
             return min(2, self.grid[ENDS[axis]])
         if axis == "ep":

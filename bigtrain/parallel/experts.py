@@ -78,10 +78,12 @@ class AllToAllDispatch(nn.Module):
         return _AllToAll.apply(back, self.comm, send, recv, COMBINE_TAG)
 
 
-def expert_placement(spec: ShardSpec) -> Placement:
+def expert_placement(spec: ShardSpec, data_axis: str = "edp", replica_axes: tuple[str, ...] = ()) -> Placement:
     """A run of experts: cut over ep, whole and equal on the ranks of edp (data parallel across
-    ep groups) and of tp (every tp rank routes the same whole hidden states)."""
-    return Placement(shards=(spec,), replicate=("edp", "tp"), partial=("edp",))
+    ep groups) and of tp (every tp rank routes the same whole hidden states). Under HSDP edp is
+    ``data_axis`` (edp_shard, inside one replica group) and the ``replica_axes`` (dp_replicate)
+    across them (``Mesh.expert_gradient_axes``)."""
+    return Placement(shards=(spec,), replicate=(data_axis, *replica_axes, "tp"), partial=(data_axis, *replica_axes))
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, plan: ExpertPlan = ExpertPlan(),
@@ -105,6 +107,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, plan: ExpertPlan = Exper
         if placements is not None:
             rows = experts.num_experts * experts.hidden
             spec = ShardSpec(dim=0, index=comm.rank, parts=comm.size, full_size=rows, padded_size=rows, axis="ep")
+            placement = expert_placement(spec, *mesh.expert_gradient_axes())
             for weight in ("w1", "w2", "w3"):
-                placements.update(f"{name}.experts.{weight}", expert_placement(spec))
+                placements.update(f"{name}.experts.{weight}", placement)
     return len(blocks)

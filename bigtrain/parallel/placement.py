@@ -10,7 +10,7 @@ A :class:`Placement` says, for one parameter (as this rank holds it):
   above): such copies are counted once in the gradient norm and written once in checkpoints;
 - ``partial``: axes over which its gradient is a partial sum that must be reduced before the step:
   the data-parallel axis (``dp_sp`` for dense weights, ``edp`` for experts; under hybrid sharded
-  data parallelism ``dp_shard_sp``, the ZeRO group, and then ``dp_replicate``, across the groups:
+  data parallelism ``dp_shard_sp`` or ``edp_shard``, the ZeRO group, then ``dp_replicate``, across the groups:
   :data:`REPLICA_AXES`), ``tp`` for replicated
   weights that see a sequence shard (norms under sequence parallelism) or part of a projection
   (replicated key/value heads), ``pp_ends`` for the two copies of a weight tied across the pipeline;
@@ -39,8 +39,9 @@ from torch import nn
 from bigtrain.distributed.comm import AxisComm, CommStats
 
 # The axes over which an engine reduces (and ZeRO shards) gradients: the replicas of a dense
-# weight (dp, times sp under Ulysses) or of an expert (the expert-data-parallel axis).
-DATA_AXES = ("dp_sp", "edp", "dp_shard_sp")
+# weight (dp, times sp under Ulysses) or of an expert (the expert-data-parallel axis); under HSDP
+# the part of either inside one replica group.
+DATA_AXES = ("dp_sp", "edp", "dp_shard_sp", "edp_shard")
 # The axes over which a gradient already reduced over its data axis (and cut there by ZeRO) is
 # all-reduced once more: the replicas of a ZeRO group under HSDP (distributed/mesh.py).
 REPLICA_AXES = ("dp_replicate",)

@@ -92,13 +92,18 @@ class Layout:
         sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp, "cp": self.cp, "dp_sp": replicas,
                  "pp_ends": min(2, self.pp), "ep": self.ep, "edp": replicas // self.ep,
                  "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                 "dp_shard_sp": self.dp_shard * self.cp * self.sp}
+                 "dp_shard_sp": self.dp_shard * self.cp * self.sp,
+                 "edp_shard": self.dp_shard * self.cp * self.sp // self.ep}
         return sizes[axis]
 
     def gradient_axes(self) -> tuple[str, tuple[str, ...]]:
         """As the runtime's ``Mesh.gradient_axes``: the axis a dense weight's gradient is reduced
         (and its ZeRO unit cut) over, and the axes the reduced shard is then all-reduced over."""
         return ("dp_sp", ()) if self.dp_replicate == 1 else ("dp_shard_sp", ("dp_replicate",))
+
+    def expert_gradient_axes(self) -> tuple[str, tuple[str, ...]]:
+        """As ``Mesh.expert_gradient_axes``: edp, or under HSDP edp_shard then dp_replicate."""
+        return ("edp", ()) if self.dp_replicate == 1 else ("edp_shard", ("dp_replicate",))
 
     @property
     def compute_bytes(self) -> int:
@@ -284,8 +289,8 @@ def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_b
 
 
 def _hybrid_problems(layout: Layout) -> list[str]:
-    """HSDP (the runtime's rules, hsdp_checks.py): dp_replicate equal groups of dp, ZeRO 1-3, no
-    experts, no offload."""
+    """HSDP (the runtime's rules, hsdp_checks.py): dp_replicate equal groups of dp, ZeRO 1-3, ep
+    inside one group, no offload."""
     if layout.dp_replicate == 1:
         return []
     if layout.dp % layout.dp_replicate:
@@ -293,8 +298,9 @@ def _hybrid_problems(layout: Layout) -> list[str]:
     problems = []
     if layout.zero == 0:
         problems.append(f"dp_replicate = {layout.dp_replicate} needs zero >= 1 (it says where ZeRO cuts)")
-    if layout.ep > 1:
-        problems.append(f"dp_replicate = {layout.dp_replicate} with ep = {layout.ep}: not built")
+    if layout.size("dp_shard_sp") % layout.ep:
+        problems.append(f"ep = {layout.ep} must divide dp_shard x cp x sp = {layout.size('dp_shard_sp')} under "
+                        f"dp_replicate = {layout.dp_replicate} (an ep group inside one replica group)")
     if layout.offload_optimizer != "none" or layout.offload_params != "none":
         problems.append(f"dp_replicate = {layout.dp_replicate} with offload: not built")
     return problems

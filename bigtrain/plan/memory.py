@@ -212,14 +212,15 @@ def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | N
             units.append(_sharded(model.moe_block_tensors() + model.expert_tensors(), layout.tp, axis))
         else:  # units.py: a block holding parameters of two gradient groups becomes two units
             units += [_sharded(model.moe_block_tensors(), layout.tp, axis),
-                      replace(_sharded(model.expert_tensors(layout.ep), layout.tp), axis="edp")]
+                      replace(_sharded(model.expert_tensors(layout.ep), layout.tp),
+                              axis=layout.expert_gradient_axes()[0])]
     return (_sharded(root, layout.tp, axis) if root else None), units
 
 
 def unit_state_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw", block: int = 256
                      ) -> dict[str, int]:
-    """:func:`state_bytes` of each group of units that shares a gradient axis (the experts' edp
-    apart from the dense weights' dp x sp), summed."""
+    """:func:`state_bytes` of each group of units that shares a gradient axis (the experts' edp, or
+    edp_shard under HSDP, apart from the dense weights'), summed."""
     out: Counter = Counter()
     for axis in dict.fromkeys(u.axis for u in units):
         out.update(state_bytes([u for u in units if u.axis == axis], layout.zero, layout.precision,

@@ -145,18 +145,19 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
 
 def _data_degrees(model: ModelSpec, cluster: Cluster, fixed: dict, dp: int, tp: int, sp: int,
                   zero: int) -> list[tuple[int, int]]:
-    """(ep, dp_replicate) choices: the expert degrees, with ZeRO over all of dp; and, for a dense
-    model under ZeRO, HSDP with one ZeRO group per node (dp_shard x sp x tp = a node's GPUs), which
+    """(ep, dp_replicate) choices: the expert degrees, with ZeRO over all of dp; and, under ZeRO,
+    HSDP with one ZeRO group per node (dp_shard x sp x tp = a node's GPUs), which
     keeps every gather inside the node and sends only the shards' all-reduce across. ``sp``: every
     axis that cuts the sequence (Ulysses x cp), replicas of the weights as dp is."""
-    if "dp_replicate" in fixed:
-        return [(ep, fixed["dp_replicate"]) for ep in _expert_degrees(model, fixed, dp * sp)]
+    if "dp_replicate" in fixed:  # ep inside one ZeRO group (an ep that is not is refused by the layout's check)
+        group = dp // fixed["dp_replicate"] * sp if dp % fixed["dp_replicate"] == 0 else dp * sp
+        return [(ep, fixed["dp_replicate"]) for ep in _expert_degrees(model, fixed, group)]
     out = [(ep, 1) for ep in _expert_degrees(model, fixed, dp * sp)]
     per_node = cluster.gpus_per_node // (tp * sp) if cluster.gpus_per_node % (tp * sp) == 0 else 0
     offloading = fixed.get("offload_optimizer", "none") != "none" or fixed.get("offload_params", "none") != "none"
-    if cluster.engine.hybrid_sharding and zero >= 1 and not model.experts and not offloading \
-            and 1 < per_node < dp and dp % per_node == 0:
-        out.append((1, dp // per_node))
+    if cluster.engine.hybrid_sharding and zero >= 1 and not offloading and 1 < per_node < dp and dp % per_node == 0:
+        # experts: an ep group inside the node's ZeRO group (its all-to-all stays in the node too)
+        out += [(ep, dp // per_node) for ep in _expert_degrees(model, fixed, per_node * sp)]
     return out
 
 
