@@ -42,9 +42,6 @@ def check_hybrid_sharding(cfg: Config) -> list[str]:
                         f"group of dp_shard x cp x sp = {p.dp // p.dp_replicate} x {p.cp} x {p.sp} = {group} ranks, "
                         f"which ep does not divide; use parallel.ep = {divisor_near(group, p.ep)} or "
                         f"parallel.dp_replicate = 1")
-    if cfg.offload.optimizer != "none" or cfg.offload.params != "none":
-        problems.append(f"{what} with offload: the offloaded gradient stream does not all-reduce across the "
-                        f"replicas yet; use parallel.dp_replicate = 1 or offload.optimizer = offload.params = 'none'")
     if cfg.model.family != "llama":  # proved on the Llama family's ZeRO engine (tests/test_hsdp.py)
         problems.append(f"{what}: hybrid sharding is built and proved for the Llama family, not model.family = "
                         f"'{cfg.model.family}' (a DLRM shards its tables over every data-parallel rank); use "

@@ -46,6 +46,9 @@ LAYOUTS = {
     # 8 ranks, ZeRO groups of 4: the experts' ZeRO group has 2 ranks (edp_shard), so both levels cut them.
     "hsdp-2x4-ep2-zero2-8-ranks": ["--parallel.dp=8", "--parallel.dp_replicate=2", "--parallel.zero=2",
                                    "--parallel.ep=2", *MOE, "--train.global_batch=8"],
+    # ZeRO-Offload: the host step reads the shard both levels reduced (tests/test_offload.py runs the
+    # GPU path's stream on the CPU too, against the same HSDP run without offload).
+    "hsdp-2x2-zero2-offload-cpu": [*HSDP_2X2, "--parallel.zero=2", "--offload.optimizer=cpu", "--train.global_batch=8"],
     "hsdp-2x2-cp2-zero3-8-ranks": ["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
                                    "--parallel.cp=2", "--parallel.zero=3", "--train.global_batch=8"],
 }
@@ -238,7 +241,6 @@ REFUSED = {
     "zero-stage-0": ([*HSDP_2X2, "--parallel.zero=0"], ["parallel.zero = 0", "use parallel.zero = 1, 2 or 3"]),
     "ep-across-replica-groups": ([*HSDP_2X2, "--parallel.zero=1", "--parallel.ep=4", *MOE],
                                  ["parallel.ep = 4", "dp_shard x cp x sp = 2 x 1 x 1 = 2", "use parallel.ep = 2"]),
-    "offload": ([*HSDP_2X2, "--parallel.zero=2", "--offload.optimizer=cpu"], ["offload", "parallel.dp_replicate = 1"]),
 }
 
 

@@ -50,6 +50,14 @@ CASES = {
     "state-nvme-masters-cpu-zero2-dp2-bf16-8bit": (["--parallel.dp=2", "--parallel.zero=2", "--precision.mode=bf16",
                                                     "--optim.name=adamw8bit", "--optim.block_size=32"],
                                                    ["--offload.optimizer=nvme", "--offload.masters=cpu"]),
+    # HSDP (2 groups of 2): each reduced shard all-reduced over the replicas before it leaves the device
+    # (the separate mode's stream), or before its fold into the gradient files.
+    "optimizer-cpu-hsdp2x2-zero2": (["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.zero=2",
+                                     "--train.global_batch=16"],
+                                    ["--offload.optimizer=cpu"]),
+    "both-nvme-hsdp2x2-zero3-accum2": (["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.zero=3",
+                                        "--train.global_batch=16", "--train.micro_batch=2"],
+                                       ["--offload.optimizer=nvme", "--offload.params=nvme"]),
     # Two ranks with the same dp rank and unit names share the directory: their files must not.
     "both-nvme-zero3-tp2": (["--parallel.tp=2", "--parallel.zero=3"], ["--offload.optimizer=nvme", "--offload.params=nvme"]),
 }

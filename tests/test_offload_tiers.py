@@ -50,6 +50,9 @@ TIER_CASES = {
                                  "--offload.optimizer=nvme", "--offload.params=nvme"],
     "dp2-zero3-both-cpu-delayed": ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu",
                                    "--offload.params=cpu", "--offload.delayed_update=true"],
+    # HSDP, two groups of one rank: each holds whole units, all-reduced across (not cut over dp = 2)
+    "dp2-hsdp2x1-zero3-both-cpu": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.zero=3",
+                                   "--offload.optimizer=cpu", "--offload.params=cpu"],
 }
 
 

@@ -180,16 +180,15 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
 
 
 def _hybrid_choice(rng: random.Random, out: list[str]) -> list[str]:
-    """HSDP (parallel.dp_replicate) for half the samples it applies to (ZeRO 1-3 over dp >= 2, no
-    offload, which validation refuses with it; with experts, a number of groups that leaves ep
-    inside one): drawn from a generator seeded by rng's state, which draws nothing from rng, so
+    """HSDP (parallel.dp_replicate) for half the samples it applies to (ZeRO 1-3 over dp >= 2; with
+    experts, a number of groups that leaves ep inside one, which validation refuses otherwise): drawn from a generator seeded by rng's state, which draws nothing from rng, so
     every seed's samples stay as they were besides."""
     last = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in out if "=" in o}
     dp, zero = int(last.get("--parallel.dp", 1)), int(last.get("--parallel.zero", 0))
     ep = int(last.get("--parallel.ep", 1))
     sequence = int(last.get("--parallel.cp", 1)) * int(last.get("--parallel.sp", 1))
     side = random.Random(repr(rng.getstate()) + "dp_replicate")
-    if dp < 2 or zero < 1 or last.get("--offload.optimizer", "none") != "none" or side.random() >= 0.5:
+    if dp < 2 or zero < 1 or side.random() >= 0.5:
         return []
     fits = [r for r in (2, 4, dp) if dp % r == 0 and (dp // r * sequence) % ep == 0]
     groups = [r for r in fits if r < dp] or fits[-1:]  # dp groups of one rank only when nothing smaller fits

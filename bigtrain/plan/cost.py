@@ -298,7 +298,9 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
             shards = [-(-n // group) * grad_bytes for n in sizes]
             sync = sum(across.collective("all_reduce", shard, layout.dp_replicate) for shard in shards)
             tail = across.collective("all_reduce", max(shards), layout.dp_replicate)
-            out["dp_replica_sync"] = max(tail, sync - window_b) * (micro_batches if layout.zero >= 2 else 1)
+            # every micro-batch where the reduce-scatter is (stages 2-3, or a gradient that leaves the device)
+            every = layout.zero >= 2 or host_step(layout)
+            out["dp_replica_sync"] = max(tail, sync - window_b) * (micro_batches if every else 1)
     weights, weight_unit = params * nbytes, largest * nbytes  # gathered in the training precision
     if layout.zero in (1, 2):
         gather = link.collective("all_gather", weights, group)

@@ -290,7 +290,7 @@ def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_b
 
 def _hybrid_problems(layout: Layout) -> list[str]:
     """HSDP (the runtime's rules, hsdp_checks.py): dp_replicate equal groups of dp, ZeRO 1-3, ep
-    inside one group, no offload."""
+    inside one group."""
     if layout.dp_replicate == 1:
         return []
     if layout.dp % layout.dp_replicate:
@@ -301,8 +301,6 @@ def _hybrid_problems(layout: Layout) -> list[str]:
     if layout.size("dp_shard_sp") % layout.ep:
         problems.append(f"ep = {layout.ep} must divide dp_shard x cp x sp = {layout.size('dp_shard_sp')} under "
                         f"dp_replicate = {layout.dp_replicate} (an ep group inside one replica group)")
-    if layout.offload_optimizer != "none" or layout.offload_params != "none":
-        problems.append(f"dp_replicate = {layout.dp_replicate} with offload: not built")
     return problems
 
 

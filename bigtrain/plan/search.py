@@ -154,8 +154,7 @@ def _data_degrees(model: ModelSpec, cluster: Cluster, fixed: dict, dp: int, tp: 
         return [(ep, fixed["dp_replicate"]) for ep in _expert_degrees(model, fixed, group)]
     out = [(ep, 1) for ep in _expert_degrees(model, fixed, dp * sp)]
     per_node = cluster.gpus_per_node // (tp * sp) if cluster.gpus_per_node % (tp * sp) == 0 else 0
-    offloading = fixed.get("offload_optimizer", "none") != "none" or fixed.get("offload_params", "none") != "none"
-    if cluster.engine.hybrid_sharding and zero >= 1 and not offloading and 1 < per_node < dp and dp % per_node == 0:
+    if cluster.engine.hybrid_sharding and zero >= 1 and 1 < per_node < dp and dp % per_node == 0:
         # experts: an ep group inside the node's ZeRO group (its all-to-all stays in the node too)
         out += [(ep, dp // per_node) for ep in _expert_degrees(model, fixed, per_node * sp)]
     return out

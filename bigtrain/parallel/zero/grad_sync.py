@@ -6,7 +6,7 @@ overlaps the rest of backward: all-reduce in stage 0, reduce-scatter in stages 1
 dtype. Stages 0-1 accumulate full fp32 gradients locally and reduce once a step (``no_sync`` on the
 other micro-batches); stages 2-3 keep only the shard and reduce every micro-batch. With offload on
 a GPU each reduced gradient goes through a device bucket to its host accumulator
-(:mod:`.grad_stream`).
+(:mod:`.grad_stream`), under HSDP after its replicas' all-reduce.
 
 Under HSDP the ranks holding the same shard in the other groups add theirs: each unit's reduced
 shard is all-reduced over the replicas (:class:`ReplicaReduction`), started asynchronously once its
@@ -159,10 +159,10 @@ class GradSync:
     def _reduce_to_host(self, unit: FlatUnit) -> None:
         """The unit's gradient of this micro-batch reduced into a device bucket, which goes down to the
         host and is added into the unit's fp32 accumulator there (:mod:`.grad_stream`); the bucket
-        is the only device memory it keeps. A group of one writes the flat gradient straight into it."""
-        if unit.replicas.size > 1:
-            raise NotImplementedError("ZeRO offload on a GPU under HSDP (parallel.dp_replicate > 1): the replicas' "
-                                      "all-reduce of each streamed gradient is not built; validation refuses it")
+        is the only device memory it keeps. A group of one writes the flat gradient straight into it.
+        Under HSDP the bucket is all-reduced over the replicas before it leaves, started here, on
+        this thread, in the order of reduction (the fold's thread only waits for it): on NCCL the
+        compute stream waits for the reduce-scatter and goes on, on Gloo the host waits for it."""
         stream = self._host_grads.stream
         bucket, out = stream.bucket(unit.shard_numel)
         work = None
@@ -170,6 +170,9 @@ class GradSync:
             unit.flat_grads(self.precision.reduce, out=out)
         else:
             work = unit.comm.reduce_scatter(out, unit.flat_grads(self.precision.reduce), async_op=True, tag="grads")
+        if unit.replicas.size > 1:
+            work = ReplicaReduction(work, unit.replicas, out)
+            work.start()
         for p in unit.params:
             p.grad = None  # queued on the compute stream before any reuse of the memory: the copy read it
         stream.send(bucket, unit, unit.shard_numel, work, final=self._sync)
