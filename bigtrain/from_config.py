@@ -28,19 +28,24 @@ def offload_plan(cfg: Config, run_dir: str | None = None) -> OffloadPlan:
                        masters=o.masters)
 
 
-def compile_enabled(cfg: Config, device_type: str) -> bool:
-    """``compile.enabled`` on a device of this type (:func:`compiles`)."""
-    return compiles(cfg.compile.enabled, device_type, cfg.model.family)
+def compile_enabled(cfg: Config, device_type: str, family_compiles: bool) -> bool:
+    """``compile.enabled`` on a device of this type, for a model whose family compiles its blocks
+    (``Family.compiles``) or not (:func:`compiles`)."""
+    return compiles(cfg.compile.enabled, device_type, family_compiles)
 
 
-def compiles(setting: str, device_type: str, family: str = "llama") -> bool:
-    """Whether ``compile.enabled = setting`` compiles a ``family`` model on a ``device_type`` device:
-    'auto' compiles the Llama on CUDA only (docs/compile.md: on a CPU the compile time outweighs what
-    the shorter steps save over a run of usual length). The planner asks the same (plan/fit.py)."""
-    return setting == "true" or (setting == "auto" and device_type == "cuda" and family == "llama")
+def compiles(setting: str, device_type: str, family_compiles: bool) -> bool:
+    """Whether ``compile.enabled = setting`` compiles on a ``device_type`` device: 'auto' compiles a
+    family whose blocks compile (bigtrain's Llama, the Hugging Face decoders) on CUDA only
+    (docs/compile.md: on a CPU the compile time outweighs what the shorter steps save over a run of
+    usual length). The planner asks the same (plan/fit.py)."""
+    return setting == "true" or (setting == "auto" and device_type == "cuda" and family_compiles)
 
 
-def parallel_plan(cfg: Config, run_dir: str | None = None, device_type: str = "cpu") -> ParallelPlan:
+def parallel_plan(cfg: Config, run_dir: str | None = None, device_type: str = "cpu",
+                  family_compiles: bool = False) -> ParallelPlan:
+    """``family_compiles``: the model's family compiles its blocks (``Family.compiles``), so
+    ``compile.enabled = 'auto'`` may compile them."""
     p, precision = cfg.parallel, cfg.precision
     split_points = tuple(p.split_points) if p.split_points is not None else None
     return ParallelPlan(
@@ -54,6 +59,6 @@ def parallel_plan(cfg: Config, run_dir: str | None = None, device_type: str = "c
                           p.reshard_after_forward, p.prefetch, p.bucket_mb,
                           p.local_sgd_every if p.dp_sync == "local-sgd" else 1, offload_plan(cfg, run_dir)),
         float8=Float8Plan(precision.fp8, precision.fp8_emulate),
-        compile=CompilePlan(compile_enabled(cfg, device_type)),
+        compile=CompilePlan(compile_enabled(cfg, device_type, family_compiles)),
         seed=cfg.train.seed,
     )

@@ -84,7 +84,7 @@ class StepResult:
 def parallelize_family(family: Family, cfg: Config, mesh: Mesh, run_dir: str, device: torch.device) -> ParallelModel:
     """This rank's part of ``cfg``'s model as its family builds, cuts and initializes it."""
     model = family.build_meta(cfg)
-    plan = parallel_plan(cfg, run_dir, device_type=device.type)
+    plan = parallel_plan(cfg, run_dir, device_type=device.type, family_compiles=family.compiles)
     if family.tp_plan is not None:
         tp, sp = mesh.comm("tp").size, mesh.comm("sp").size
         styles = family.tp_plan(model, tp, plan.tensor.sequence_parallel and tp > 1, sp > 1)

@@ -15,7 +15,7 @@ import torch
 from bigtrain.check.run import check_compiled_on_rank, check_layout
 from bigtrain.config import ConfigError, load_config
 from bigtrain.distributed.mesh import Mesh
-from bigtrain.from_config import compile_enabled
+from bigtrain.plan.fit import runtime_compiles
 from bigtrain.models.feed_forward import FeedForward
 from bigtrain.parallel.compile import CPP_WRAPPER_ENV, CompiledRegion, CompileFallbackWarning, graphs_compiled
 from bigtrain.testing import run_ranks
@@ -138,11 +138,11 @@ def test_compile_settings_are_validated_before_launch(corpus_cache):
     dlrm = load_config("dlrm-tiny", overrides=["--compile.enabled=true"])
     with pytest.raises(ConfigError, match=r"compile\.enabled = true compiles the decoder's transformer blocks"):
         validate(dlrm)
-    assert compile_enabled(load_config("tiny"), "cuda") and not compile_enabled(load_config("tiny"), "cpu")
-    assert compile_enabled(load_config("tiny", overrides=COMPILE), "cpu")
+    assert runtime_compiles(load_config("tiny"), "cuda") and not runtime_compiles(load_config("tiny"), "cpu")
+    assert runtime_compiles(load_config("tiny", overrides=COMPILE), "cpu")
 
 
-def test_a_toml_boolean_sets_compile_enabled(tmp_path):
+def test_a_toml_boolean_sets_runtime_compiles(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[compile]\nenabled = true\n")
     assert load_config("tiny", path=path).compile.enabled == "true"

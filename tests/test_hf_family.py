@@ -99,6 +99,42 @@ def test_layout_matches_transformers_reference(corpus_cache, arch, layout):
     assert_matches_reference(losses, weights, ref, f"{arch} {layout}")
 
 
+def _train_compiled(rank, world_size, cfg, run_dir):
+    """_train where a decoder layer the compiler fails on (which would run eagerly and agree
+    anyway) is an error; also the transforms recorded and the graphs dynamo compiled."""
+    import warnings
+
+    from bigtrain.parallel.compile import CompileFallbackWarning, graphs_compiled
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+        losses = [trainer.train_step().loss for _ in range(STEPS)]
+    return losses, trainer.parallel.full_weights(), trainer.parallel.transforms, graphs_compiled()
+
+
+# Regional compilation of the decoder layers (compile.enabled): one process, and the deepest layout
+# (ZeRO-3 gathers around the compiled layer, tp's collectives break its graph, recomputation
+# around it) on Qwen3, whose per-head q/k norms are inside the graph.
+COMPILED = {"llama-one-process": ("llama", []),
+            "qwen3-dp2-zero3-tp2-sp-recompute": ("qwen3", LAYOUTS["dp2-zero3-tp2-sp-recompute"])}
+
+
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiled_decoder_layers_match_transformers_reference(corpus_cache, name):
+    arch, layout = COMPILED[name]
+    cfg = hf_config(corpus_cache, arch, *layout, "--compile.enabled=true")
+    world = cfg.parallel.world_size
+    with tempfile.TemporaryDirectory() as run_dir:
+        results = (run_ranks(_train_compiled, world, cfg, run_dir, timeout=600) if world > 1
+                   else [_train_compiled(0, 1, cfg, run_dir)])
+    losses, weights, transforms, graphs = results[0]
+    layers = [f"model.layers.{i}" for i in range(2)]
+    assert all("compile" in transforms.get(layer, ()) for layer in layers), transforms
+    assert graphs > 0
+    assert_matches_reference(losses, weights, reference(corpus_cache, arch), f"{arch} {layout} compiled")
+
+
 def test_a_missing_partial_gradient_sum_fails_the_comparison(corpus_cache, monkeypatch):
     """The seam: the tp plan's partial-gradient entries for the norms under sequence parallelism
     are what makes tp2 + SP equal; without them the comparison must fail."""

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from bigtrain.config import ConfigError, load_config
-from bigtrain.from_config import compile_enabled
+from bigtrain.plan.fit import runtime_compiles
 from bigtrain.plan import Cluster, Layout, ModelSpec, estimate_memory, evaluate, get_profile
 from bigtrain.plan.activations import block_activations
 from bigtrain.plan.auto import auto_overrides
@@ -42,14 +42,14 @@ def test_a_layout_carries_compiled_through_its_text_parsing_and_overrides():
     assert "--compile.enabled=true" in on.to_overrides()
     assert not any(o.startswith("--compile.") for o in off.to_overrides())  # the run's own setting decides
     cfg = load_config(preset="tiny", overrides=on.to_overrides())
-    assert compile_enabled(cfg, "cpu") and _layout(cfg).compiled
+    assert runtime_compiles(cfg, "cpu") and _layout(cfg).compiled
 
 
 @pytest.mark.parametrize("setting,cuda,compiled", [("auto", True, True), ("auto", False, False),
                                                    ("true", False, True), ("false", True, False)])
 def test_the_fit_check_sees_the_layout_the_run_compiles(setting, cuda, compiled):
     cfg = load_config(preset="tiny", overrides=[f"--compile.enabled={setting}"])
-    assert compile_enabled(cfg, "cuda" if cuda else "cpu") is compiled  # the runtime's resolution
+    assert runtime_compiles(cfg, "cuda" if cuda else "cpu") is compiled  # the runtime's resolution
     assert _layout(cfg, cuda).compiled is compiled
 
 

@@ -69,23 +69,24 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
                 cp_share: float = CP_SHARE) -> list[str]:
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
     with context parallelism (cp 2 or 4, where the world allows) added with probability ``cp_share``,
-    int8 activation compression with probability ``int8_share``, compiled
-    (``compile.enabled``) with probability ``compile_share``, resumed then stepped with probability
+    int8 activation compression with probability ``int8_share``, compiled (``compile.enabled``; a
+    Hugging Face decoder too) with probability ``compile_share``, resumed then stepped with probability
     ``resume_share``. The model, int8, compilation and the resume are drawn from generators of their
     own, so a decoder sample with none of them is the one :func:`sample_layout` drew for
     (seed, index) before DLRMs, int8, compilation and resumes joined, whatever the shares."""
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
+    compiled = random.Random(f"{seed}:{index}:compile").random() < compile_share
     if random.Random(f"{seed}:{index}:hf").random() < hf_share:  # 0: the samples drawn before it joined
-        return sample_hf_layout(rng, max_world)
+        return sample_hf_layout(rng, max_world) + ([COMPILED] if compiled else [])
     out = sample_layout(rng, max_world)
     cp = random.Random(f"{seed}:{index}:cp")
     if cp.random() < cp_share:
         out += context_parallel_choice(cp, out, max_world)
     if random.Random(f"{seed}:{index}:int8").random() < int8_share:
         out.append(INT8)
-    if random.Random(f"{seed}:{index}:compile").random() < compile_share:
+    if compiled:
         out.append(COMPILED)
     resume = random.Random(f"{seed}:{index}:resume")
     return resume_choice(resume, out, max_world) if resume.random() < resume_share else out

@@ -5,10 +5,11 @@ initialized by (seed, name), cut by the Megatron plan below and trained by bigtr
 Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
 
 Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), pp
-(one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py) and full or every-k-th
-recomputation of the blocks; Ulysses sp, experts, selective recomputation, offload of activations,
-the fused loss, int8 compression, float8 and compilation are refused by name (they read bigtrain's
-own Llama structure).
+(one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py), full or every-k-th
+recomputation of the blocks and regional compilation of the decoder layers (``compile.enabled``;
+'auto' compiles on CUDA as for bigtrain's Llama); Ulysses sp, experts, selective recomputation,
+offload of activations, the fused loss, int8 compression and float8 are refused by name (they read
+bigtrain's own Llama structure).
 """
 
 from __future__ import annotations
@@ -182,7 +183,6 @@ REFUSED = (  # (field, its value here, the value it must have, why)
     ("memory.activation_offload", lambda c: c.memory.activation_offload, False, "it hooks bigtrain's modules"),
     ("memory.activation_compression", lambda c: c.memory.activation_compression, "none", "it wraps bigtrain's linears"),
     ("model.fused_loss", lambda c: c.model.fused_loss, False, "it replaces bigtrain's head"),
-    ("compile.enabled", lambda c: c.compile.enabled == "true", False, "compilation reads bigtrain's blocks"),
 )
 
 
@@ -273,6 +273,7 @@ HF = Family(
     tp_plan=tp_plan,
     split_stages=split_causal_lm,
     blocks=lambda model: model.model.layers,
+    compiles=True,
     reference=HFReference,
     captured=captured_module,
     parameter_count=parameter_count,

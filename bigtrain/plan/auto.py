@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from bigtrain.config import Config, ConfigError
-from bigtrain.from_config import compile_enabled
+from bigtrain.plan.fit import runtime_compiles
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, sharing_cores
 from bigtrain.plan.layout import Cluster
 from bigtrain.plan.model import ModelSpec
@@ -46,7 +46,7 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     device = "cpu" if cfg.train.device == "cpu" else profile.device
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
              "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
-             "fp8": cfg.precision.fp8, "compiled": compile_enabled(cfg, device)}
+             "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, device)}
     try:
         result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode)
     except ConfigError as e:  # no layout is valid: the planner's reasons, in train's field names

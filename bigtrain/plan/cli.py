@@ -121,7 +121,7 @@ def resolve(args: argparse.Namespace):
     fixed.setdefault("precision", args.precision)
     # compile.enabled's default ('auto') on this hardware, as the runtime resolves it (bigtrain's Llama
     # is the swiglu model; the GPT-style block is not one of the runtime's)
-    fixed.setdefault("compiled", compiles("auto", cluster.hardware.device, "llama" if model.mlp == "swiglu" else ""))
+    fixed.setdefault("compiled", compiles("auto", cluster.hardware.device, model.mlp == "swiglu"))
     if args.top < 1:
         raise ConfigError(f"--top = {args.top}: must be >= 1")
     return model, cluster, _global_batch(args, preset_batch, model, cluster.gpus), fixed

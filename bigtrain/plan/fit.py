@@ -73,7 +73,6 @@ def _offload_tiers(cfg: Config, cuda: bool) -> tuple[str, str]:
 def _layout(cfg: Config, cuda: bool = False):
     """The planner's layout of ``cfg`` on a CUDA device (``cuda``) or a CPU: offload's tiers as far as
     they leave this device, compile.enabled resolved as the runtime resolves it for that device."""
-    from bigtrain.from_config import compile_enabled
     from bigtrain.plan.layout import Layout
 
     p = cfg.parallel
@@ -86,7 +85,15 @@ def _layout(cfg: Config, cuda: bool = False):
                   fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params,
                   fp8=cfg.precision.fp8, offload_masters=cfg.offload.masters if optimizer == "nvme" else "auto",
                   delayed_update=cfg.offload.delayed_update and optimizer != "none", dp_replicate=p.dp_replicate,
-                  compiled=compile_enabled(cfg, "cuda" if cuda else "cpu"))
+                  compiled=runtime_compiles(cfg, "cuda" if cuda else "cpu"))
+
+
+def runtime_compiles(cfg: Config, device_type: str) -> bool:
+    """compile.enabled resolved as the runtime resolves it on a device of this type, for cfg's family."""
+    from bigtrain.families.registry import family_of
+    from bigtrain.from_config import compile_enabled
+
+    return compile_enabled(cfg, device_type, family_of(cfg).compiles)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import copy
 import dataclasses
 
 from bigtrain.config import Config, ConfigError, apply_values, parse_overrides
-from bigtrain.from_config import compile_enabled
+from bigtrain.plan.fit import runtime_compiles
 from bigtrain.plan.fit import size_check, size_problems
 
 MACHINES_MAX = 1024
@@ -59,7 +59,7 @@ def _search(cfg: Config, ranks: int, memory_bytes: int, cuda: bool):
     model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
              "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
-             "fp8": cfg.precision.fp8, "compiled": compile_enabled(cfg, "cuda" if cuda else "cpu")}
+             "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, "cuda" if cuda else "cpu")}
     try:
         return search(model, Cluster.build(ranks, hardware), cfg.train.global_batch, fixed=fixed,
                       precision=cfg.precision.mode, retime=0, optimizer=cfg.optim.name)
