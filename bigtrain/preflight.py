@@ -319,8 +319,17 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
         size, warnings = [], []
     else:
         nvme_dir = cfg.offload.nvme_dir or str(Path(output_dir) / "offload")
-        check = family_of(cfg).size_problems or size_problems_and_fixes  # None: the dense planner's
-        size, warnings = check(cfg, local_ranks, cuda, nvme_dir=nvme_dir)
+        family = family_of(cfg)
+        if family.size_problems is not None:
+            size, warnings = family.size_problems(cfg, local_ranks, cuda, nvme_dir=nvme_dir)
+        elif family.planner_config is not None:  # priced as bigtrain's Llama of the same shapes
+            size, warnings = size_problems_and_fixes(family.planner_config(cfg), local_ranks, cuda, nvme_dir=nvme_dir,
+                                                     runs_as=cfg)
+            said = (f"model.family = '{cfg.model.family}', priced as bigtrain's Llama of the same shapes (the model.* "
+                    f"fields named here are its own sizes under bigtrain's names)")
+            size, warnings = [f"{said}: {p}" for p in size], [f"{said}: {w}" for w in warnings]
+        else:
+            size, warnings = size_problems_and_fixes(cfg, local_ranks, cuda, nvme_dir=nvme_dir)
     problems += size
     if problems:
         raise ConfigError(problems)

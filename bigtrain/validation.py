@@ -257,9 +257,24 @@ def check_model_split(cfg: Config) -> list[str]:
     return problems
 
 
+def model_layers(cfg: Config) -> tuple[int, str]:
+    """(the model's blocks, the field that says so): ``model.n_layers``, or, for a family described
+    by its own file (a Hugging Face config.json), the count of the bigtrain Llama of its shapes
+    (``Family.planner_config``)."""
+    family = FAMILIES.get(cfg.model.family)
+    if family is None or family.planner_config is None:
+        return cfg.model.n_layers, "model.n_layers"
+    try:
+        described = f"the layer count of its model.family = '{cfg.model.family}' description"
+        return family.planner_config(cfg).model.n_layers, described
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable description: its family's check names it
+        return cfg.model.n_layers, "model.n_layers"
+
+
 def check_pipeline(cfg: Config) -> list[str]:
     p, t = cfg.parallel, cfg.train
-    if p.pp < 1 or p.dp < 1 or p.pp_virtual < 1 or t.micro_batch < 1 or cfg.model.n_layers < 1:
+    n_layers, layers_field = model_layers(cfg)
+    if p.pp < 1 or p.dp < 1 or p.pp_virtual < 1 or t.micro_batch < 1 or n_layers < 1:
         return [] if p.pp_virtual >= 1 else [f"parallel.pp_virtual = {p.pp_virtual}: must be >= 1"]
     problems = one_of("parallel.pp_balance", p.pp_balance, ("layers", "params"))
     try:
@@ -270,9 +285,10 @@ def check_pipeline(cfg: Config) -> list[str]:
         return problems
     from bigtrain.parallel.pipeline.partition import check_pipeline_layout  # imports torch: only when needed
 
-    return problems + check_pipeline_layout(cfg.model.n_layers, p.pp, p.pp_virtual, t.grad_accum(p.dp),
+    return problems + check_pipeline_layout(n_layers, p.pp, p.pp_virtual, t.grad_accum(p.dp),
                                             p.pp_schedule, split_points,
-                                            m_field="train.global_batch / (train.micro_batch x parallel.dp)")
+                                            m_field="train.global_batch / (train.micro_batch x parallel.dp)",
+                                            layers_field=layers_field)
 
 
 # init_value seeds torch with seed x 1_000_003 + crc32(name), which must stay below 2**64; numpy's

@@ -167,6 +167,56 @@ def test_refusals_name_the_field(corpus_cache, overrides, field):
     assert any(field in p for p in err.value.problems), err.value.problems
 
 
+def test_a_model_too_large_for_the_machine_is_refused_before_launch_with_a_layout_it_runs(corpus_cache, tmp_path,
+                                                                                        monkeypatch):
+    """Llama-2-7B's shapes in a config.json, on a 24 GiB machine: priced as bigtrain's Llama of the
+    same shapes (6.74e9 parameters, 100 GiB of fp32 AdamW states), refused before launch, and the
+    layout proposed is one this family runs (the search's first, interleaved stages with tp + SP,
+    is not)."""
+    import json
+
+    import bigtrain.plan.fit as fit
+    from bigtrain.plan.refit import _with_overrides
+    from bigtrain.preflight import preflight
+
+    folder = tmp_path / "llama-7b"
+    folder.mkdir()
+    fields = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    fields.update(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
+    (folder / "config.json").write_text(json.dumps(fields))
+    monkeypatch.setattr(fit, "host_memory", lambda: 24 * 2**30)
+    cfg = hf_config(corpus_cache, "llama", f"--model.hf_config={folder}", "--data.seq_len=512", "--train.global_batch=16",
+                    "--train.micro_batch=8")
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg, tmp_path / "run")
+    text = str(err.value)
+    assert "model.family = 'hf', priced as bigtrain's Llama" in text and "6.74e+09 parameters" in text, text
+    assert "100 GiB per rank" in text and "this machine has 24 GiB" in text, text
+    proposed = text.split("GiB per rank): ")[1].split()
+    validate(_with_overrides(cfg, proposed))  # the family's own rules accept what is proposed
+    small = hf_config(corpus_cache, "llama")
+    assert preflight(small, tmp_path / "small") == []  # a model that fits: no problem, no warning
+
+
+def test_pipeline_stages_are_checked_against_the_config_jsons_layers(corpus_cache, tmp_path):
+    """The stage count is checked against num_hidden_layers, not the preset's model.n_layers, which
+    this family does not read (the tiny preset's 2 once refused pp = 4 of a 4-layer model)."""
+    import json
+
+    folder = tmp_path / "four-layers"
+    folder.mkdir()
+    fields = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**fields, "num_hidden_layers": 4}))
+    cfg = hf_config(corpus_cache, "llama", f"--model.hf_config={folder}", "--parallel.pp=4", "--train.global_batch=8",
+                    "--train.micro_batch=1")
+    assert cfg.model.n_layers < 4 and cfg.parallel.pp == 4  # accepted
+    with pytest.raises(ConfigError) as err:
+        hf_config(corpus_cache, "llama", "--parallel.pp=4", "--train.global_batch=8", "--train.micro_batch=1")
+    assert any("gives 4 stages but the layer count of its model.family = 'hf' description = 2" in p
+               for p in err.value.problems), err.value.problems
+
+
 def test_qwen3_norms_per_head_are_partial_under_tp():
     """Qwen3's q/k norms see this rank's heads only: the plan marks their gradients partial."""
     from bigtrain.families.hf import build_meta, tp_plan

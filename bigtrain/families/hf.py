@@ -14,6 +14,7 @@ bigtrain's own Llama structure).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -217,9 +218,6 @@ def check_hf(cfg: Config) -> list[str]:
         problems.append(f"parallel.sequence_parallel with parallel.pp = {p.pp} and model.family = '{NAME}': its "
                         f"stages make rotary tables from the sequence they receive, which is cut under sequence "
                         f"parallelism; set parallel.sequence_parallel = false or parallel.pp = 1")
-    layers = fields.get("num_hidden_layers", 0)
-    if p.pp > layers > 0:
-        problems.append(f"parallel.pp = {p.pp}: more stages than the {layers} num_hidden_layers of {path}")
     if cfg.memory.checkpointing == "selective":
         problems.append(f"memory.checkpointing = 'selective' with model.family = '{NAME}': it names the parts of "
                         f"bigtrain's Llama block; use 'full' or 'every'")
@@ -240,6 +238,21 @@ def check_hf(cfg: Config) -> list[str]:
     problems += token_data_problems(cfg, vocab, positions, vocab_field=f"vocab_size of {path}",
                                     seq_field=f"max_position_embeddings of {path}")
     return problems
+
+
+def planner_config(cfg: Config) -> Config:
+    """``cfg`` with bigtrain's Llama of the config.json's shapes in place of the model: what the
+    planner prices before launch (the same GEMMs, attention and saved activations up to the
+    architectures' small differences: Qwen2's q/k/v biases are counted, Qwen3's q/k norms are not)."""
+    fields = read_config(cfg)
+    heads = fields["num_attention_heads"]
+    model = dataclasses.replace(
+        cfg.model, family="llama", hf_config="", init_from="", dim=fields["hidden_size"],
+        n_layers=fields["num_hidden_layers"], n_heads=heads, n_kv_heads=fields.get("num_key_value_heads") or heads,
+        ffn_hidden=fields["intermediate_size"], vocab_size=fields["vocab_size"], max_seq_len=cfg.data.seq_len,
+        tie_embeddings=bool(fields.get("tie_word_embeddings", False)), attention_head_dim=fields.get("head_dim") or 0,
+        qkv_bias=architecture(fields) == "Qwen2ForCausalLM", attention_bias=bool(fields.get("attention_bias", False)))
+    return dataclasses.replace(cfg, model=model)
 
 
 def parameter_count(cfg: Config) -> int:
@@ -278,6 +291,5 @@ HF = Family(
     captured=captured_module,
     parameter_count=parameter_count,
     export=export_folder,
-    size_problems=lambda cfg, *args, **kwargs: ([], [f"model.family = '{NAME}': the planner has no memory model for "
-                                                     f"it yet; its size was not checked before launch"]),
+    planner_config=planner_config,
 )

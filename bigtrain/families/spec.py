@@ -63,8 +63,11 @@ class Family:
     # Before launch, without measuring the machine: can the planner place the model at all.
     placement_problems: Rules = no_problems
     # Preflight's size check (cfg, local ranks, cuda, nvme_dir) -> (problems, warnings); None: the
-    # dense planner's (bigtrain.plan.refit.size_problems_and_fixes).
+    # dense planner's (bigtrain.plan.refit.size_problems_and_fixes), of ``planner_config(cfg)`` if given.
     size_problems: Callable[..., tuple[list[str], list[str]]] | None = None
+    # The config of bigtrain's Llama with this model's shapes (layers, widths, heads, MLP, vocabulary,
+    # ties, biases), which the dense planner prices in its place; None: cfg itself.
+    planner_config: Callable[["Config"], "Config"] | None = None
     # ``bigtrain plan`` for this family (cfg, gpus, as_json) -> exit code; None: the dense search.
     plan_command: Callable[["Config", int, bool], int] | None = None
     # Its independent reference for ``bigtrain check``: a class (cfg, device) with train_step(capture)

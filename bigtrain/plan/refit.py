@@ -18,8 +18,7 @@ import copy
 import dataclasses
 
 from bigtrain.config import Config, ConfigError, apply_values, parse_overrides
-from bigtrain.plan.fit import runtime_compiles
-from bigtrain.plan.fit import size_check, size_problems
+from bigtrain.plan.fit import runtime_compiles, size_check, size_problems
 
 MACHINES_MAX = 1024
 CANDIDATES = 24  # fitting layouts (fastest first) tried against the fit check and validation
@@ -67,9 +66,11 @@ def _search(cfg: Config, ranks: int, memory_bytes: int, cuda: bool):
         return None
 
 
-def _runnable(cfg: Config, result, local_ranks: int, cuda: bool):
+def _runnable(cfg: Config, result, local_ranks: int, cuda: bool, runs_as: Config | None = None):
     """The fastest fitting plan the runtime accepts and the fit check passes with ``local_ranks``
-    ranks sharing this machine's memory (1: a machine like this one per rank), with its overrides."""
+    ranks sharing this machine's memory (1: a machine like this one per rank), with its overrides.
+    ``runs_as``: the run's own config where ``cfg`` prices it (a family priced as bigtrain's Llama),
+    whose validation must accept the overrides too."""
     from bigtrain.validation import validate
 
     for plan in (result.ranked[:CANDIDATES] if result else []):
@@ -77,6 +78,8 @@ def _runnable(cfg: Config, result, local_ranks: int, cuda: bool):
         candidate = _with_overrides(cfg, overrides)
         try:
             validate(candidate)
+            if runs_as is not None:
+                validate(_with_overrides(runs_as, overrides))
         except ConfigError:
             continue  # a layout the planner models but the runtime does not run
         if size_problems(candidate, local_ranks, cuda)[0]:
@@ -85,12 +88,13 @@ def _runnable(cfg: Config, result, local_ranks: int, cuda: bool):
     return None, []
 
 
-def fitting_layout(cfg: Config, capacity: int, sharing: int, cuda: bool) -> str:
+def fitting_layout(cfg: Config, capacity: int, sharing: int, cuda: bool, runs_as: Config | None = None) -> str:
     """One sentence proposing a layout that fits (as ``bigtrain train`` overrides), or saying how
-    many machines like this one the model needs; empty when the planner finds neither."""
+    many machines like this one the model needs; empty when the planner finds neither. ``runs_as``:
+    see :func:`_runnable`."""
     ranks = cfg.parallel.world_size
     plural = "s" if ranks > 1 else ""
-    plan, overrides = _runnable(cfg, _search(cfg, ranks, capacity // sharing, cuda), sharing, cuda)
+    plan, overrides = _runnable(cfg, _search(cfg, ranks, capacity // sharing, cuda), sharing, cuda, runs_as)
     if plan:
         return (f"a layout that fits on this machine ({ranks} rank{plural}): {' '.join(overrides) or '(as configured)'} "
                 f"(the planner: {plan.layout.describe()}, {plan.memory.total / 2**30:.1f} GiB per rank)")
@@ -107,7 +111,7 @@ def fitting_layout(cfg: Config, capacity: int, sharing: int, cuda: bool) -> str:
                 f"one: make the model smaller")
     machines = 1 << (least - 1).bit_length()
     while machines <= MACHINES_MAX:
-        plan, overrides = _runnable(cfg, _search(cfg, machines, capacity, cuda), 1, cuda)
+        plan, overrides = _runnable(cfg, _search(cfg, machines, capacity, cuda), 1, cuda, runs_as)
         if plan:
             where = "GPUs like this one's" if cuda else "machines like this one (one rank each)"
             return (f"no layout of {ranks} rank{plural} fits this machine; on {machines} {where} the planner's "
@@ -118,12 +122,13 @@ def fitting_layout(cfg: Config, capacity: int, sharing: int, cuda: bool) -> str:
 
 
 def size_problems_and_fixes(cfg: Config, local_ranks: int = 1, cuda: bool = False,
-                            nvme_dir: str | None = None) -> tuple[list[str], list[str]]:
+                            nvme_dir: str | None = None, runs_as: Config | None = None) -> tuple[list[str], list[str]]:
     """``fit.size_problems``, each problem that another layout may solve followed by one that fits
-    this machine (or the machines it needs): what preflight tells a user whose run is too large."""
+    this machine (or the machines it needs): what preflight tells a user whose run is too large.
+    ``runs_as``: the run's own config where ``cfg`` prices it (see :func:`_runnable`)."""
     check = size_check(cfg, local_ranks, cuda, nvme_dir)
     problems = []
     for problem in check.problems:
-        layout = fitting_layout(cfg, check.capacity, check.sharing, cuda) if problem.layout_helps else ""
+        layout = fitting_layout(cfg, check.capacity, check.sharing, cuda, runs_as) if problem.layout_helps else ""
         problems.append(f"{problem.text}. {layout[0].upper()}{layout[1:]}" if layout else problem.text)
     return problems, check.warnings

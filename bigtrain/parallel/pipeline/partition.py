@@ -38,8 +38,10 @@ BALANCE_MODES = ("layers", "params")
 
 # ------------------------------------------------------------------ layout checks (no torch work)
 
-def check_split_points(split_points: Sequence[int], n_layers: int, num_stages: int) -> list[str]:
-    """Problems with explicit split points, each naming ``parallel.pp_split``."""
+def check_split_points(split_points: Sequence[int], n_layers: int, num_stages: int,
+                       layers_field: str = "model.n_layers") -> list[str]:
+    """Problems with explicit split points, each naming ``parallel.pp_split`` (and ``layers_field``,
+    where the model's layer count comes from)."""
     points = list(split_points)
     if len(points) != num_stages - 1:
         return [f"parallel.pp_split = {points}: {num_stages} stages need {num_stages - 1} split points "
@@ -47,7 +49,7 @@ def check_split_points(split_points: Sequence[int], n_layers: int, num_stages: i
     missing = [p for p in points if isinstance(p, bool) or not isinstance(p, int) or not 0 < p < n_layers]
     if missing:
         return [f"parallel.pp_split = {points}: split point(s) {missing} do not exist; a split point is the "
-                f"index of a layer that starts a stage, 1..{n_layers - 1} for model.n_layers = {n_layers}"]
+                f"index of a layer that starts a stage, 1..{n_layers - 1} for {layers_field} = {n_layers}"]
     if any(b <= a for a, b in zip(points, points[1:])):
         return [f"parallel.pp_split = {points}: split points must be strictly increasing (no empty stage)"]
     return []
@@ -55,7 +57,7 @@ def check_split_points(split_points: Sequence[int], n_layers: int, num_stages: i
 
 def check_pipeline_layout(n_layers: int, pp: int, v: int, m: int, kind: str,
                           split_points: Sequence[int] | None = None,
-                          m_field: str = "parallel.pp_microbatches") -> list[str]:
+                          m_field: str = "parallel.pp_microbatches", layers_field: str = "model.n_layers") -> list[str]:
     """Every problem with a pipeline layout, as strings naming the config field and a fix.
 
     ``pp`` ranks with ``v`` stages each (``parallel.pp_virtual``), ``m`` micro-batches per step
@@ -85,10 +87,10 @@ def check_pipeline_layout(n_layers: int, pp: int, v: int, m: int, kind: str,
     num_stages = pp * max(v, 1)
     if num_stages > n_layers:
         times_v = f" x parallel.pp_virtual = {v}" if v > 1 else ""
-        problems.append(f"parallel.pp = {pp}{times_v} gives {num_stages} stages but model.n_layers = {n_layers}: "
+        problems.append(f"parallel.pp = {pp}{times_v} gives {num_stages} stages but {layers_field} = {n_layers}: "
                         f"every stage needs at least one layer; use parallel.pp <= {max(n_layers // max(v, 1), 1)}")
     elif split_points:
-        problems += check_split_points(split_points, n_layers, num_stages)
+        problems += check_split_points(split_points, n_layers, num_stages, layers_field)
     return problems
 
 
