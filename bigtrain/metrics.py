@@ -99,8 +99,8 @@ class MetricsLog:
         if self.board is not None:
             write_scalars(self.board, record)
         if self.bar is not None:
-            speed = {"samples_s": record["samples_per_s"]} if "samples_per_s" in record else {"tok_s": record["tokens_per_s"]}
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", **{k: f"{v:.0f}" for k, v in speed.items()},
+            unit, key = ("samples_s", "samples_per_s") if "samples_per_s" in record else ("tok_s", "tokens_per_s")
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", **{unit: f"{record[key]:.0f}"},
                                  mem=human_bytes(device_bytes(record["mem"])), refresh=False)
         else:
             print(log_line(record, self.total_steps, self._eta(record["step"])), flush=True)

@@ -293,7 +293,8 @@ class Trainer(StepRunner):
         cfg = self.cfg
         if self.own_step is not None:
             return {"steps": self.step, "mesh": self.mesh.sizes, "wall_time_s": self.wall_time_s,
-                    "run": run_info.identity(cfg, self.device.type == "cuda"), f"{self.own_step.unit}_seen": self.step * self.own_step.per_step,
+                    "run": run_info.identity(cfg, self.device.type == "cuda"),
+                    f"{self.own_step.unit}_seen": self.step * self.own_step.per_step,
                     "predicted": None, **self.own_step.summary()}
         return {"params": count_parameters(self.model), "steps": self.step,
                 "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,

@@ -186,8 +186,8 @@ def test_a_model_too_large_for_the_machine_is_refused_before_launch_with_a_layou
                   intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
     (folder / "config.json").write_text(json.dumps(fields))
     monkeypatch.setattr(fit, "host_memory", lambda: 24 * 2**30)
-    cfg = hf_config(corpus_cache, "llama", f"--model.hf_config={folder}", "--data.seq_len=512", "--train.global_batch=16",
-                    "--train.micro_batch=8")
+    cfg = hf_config(corpus_cache, "llama", f"--model.hf_config={folder}", "--data.seq_len=512",
+                    "--train.global_batch=16", "--train.micro_batch=8")
     with pytest.raises(ConfigError) as err:
         preflight(cfg, tmp_path / "run")
     text = str(err.value)

@@ -181,8 +181,9 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
 
 def _hybrid_choice(rng: random.Random, out: list[str]) -> list[str]:
     """HSDP (parallel.dp_replicate) for half the samples it applies to (ZeRO 1-3 over dp >= 2; with
-    experts, a number of groups that leaves ep inside one, which validation refuses otherwise): drawn from a generator seeded by rng's state, which draws nothing from rng, so
-    every seed's samples stay as they were besides."""
+    experts, a number of groups that leaves ep inside one, which validation refuses otherwise):
+    drawn from a generator seeded by rng's state, which draws nothing from rng, so every seed's
+    samples stay as they were besides."""
     last = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in out if "=" in o}
     dp, zero = int(last.get("--parallel.dp", 1)), int(last.get("--parallel.zero", 0))
     ep = int(last.get("--parallel.ep", 1))

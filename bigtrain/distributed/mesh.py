@@ -134,7 +134,8 @@ class Mesh:
                              f"are sharded over part of the data-parallel ranks, which ep does not multiply")
         if replicate > 1 and (replicas // replicate) % ep:
             raise ValueError(f"ep = {ep} must divide dp_shard x cp x sp = {shard} x {grid['cp']} x {grid['sp']} under "
-                             f"hybrid sharding (dp_replicate = {replicate}): an ep group must lie inside one replica group")
+                             f"hybrid sharding (dp_replicate = {replicate}): an ep group must lie inside one "
+                             f"replica group")
         self.grid = grid
         # Every named size: the config's axes, the data-parallel factors, ep (not a factor of the world size).
         self.sizes = {**{a: grid[a] if a in grid else dp for a in AXES}, "ep": ep,
