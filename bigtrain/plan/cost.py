@@ -307,12 +307,17 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
             # groups, on that axis's own link (inter-node once a group fills a node). The runtime
             # starts each asynchronously once the unit's reduce-scatter is done and waits for it at
             # the fold (parallel/zero/grad_sync.py): it hides behind the backward as the reduction
-            # does (on a link of its own, so beside it, not after it), except the last unit's.
+            # does (on a link of its own, so beside it, not after it), except the last unit's. The
+            # fold of an earlier micro-batch's is the unit's next reduction, a micro-batch later, and
+            # nothing else uses that link: only what the link cannot carry within a backward's window
+            # is left of those; the last unit's waits once a step.
             across = link_of(cluster, layout, ("dp_replicate",))
             shards = [-(-n // group) * grad_bytes for n in sizes]
             sync = sum(across.collective("all_reduce", shard, layout.dp_replicate) for shard in shards)
             tail = across.collective("all_reduce", max(shards), layout.dp_replicate)
-            out["dp_replica_sync"] = max(tail, sync - window_b) * (micro_batches if layout.zero >= 2 else 1)
+            excess = max(0.0, sync - window_b)
+            reducing = micro_batches if layout.zero >= 2 else 1
+            out["dp_replica_sync"] = max(tail, excess) + (reducing - 1) * excess
     weights, weight_unit = params * nbytes, largest * nbytes  # gathered in the training precision
     if layout.zero in (1, 2):
         gather = link.collective("all_gather", weights, group)
