@@ -179,3 +179,33 @@ def test_a_compiled_check_that_falls_back_to_eager_fails(corpus_cache, tmp_path,
     cfg = tiny_config(corpus_cache, *COMPILE)
     with pytest.raises(CompileFallbackWarning, match="torch.compile failed on a TransformerBlock"):
         check_compiled_on_rank(0, 1, cfg, str(tmp_path), 1)
+
+
+def test_the_record_names_compiled_only_the_regions_that_compile(corpus_cache):
+    """A recomputed attention core runs eagerly by design (memory/selective.py: dynamo is disabled
+    on it). Where int8 compression makes a block compile child by child, a region around the core
+    alone would compile nothing and still be recorded as compiled (ParallelModel.transforms, the
+    run's summary); it is left eager, recorded as recomputed only. In a block compiled whole it
+    stays inside the block's region (a graph break). Meta device: nothing compiles here."""
+    from bigtrain.from_config import activation_plan
+    from bigtrain.memory.activations import apply_activation_memory
+    from bigtrain.models.llama import Llama
+    from bigtrain.parallel.compile import apply_compile
+    from bigtrain.wrappers import transforms_of
+
+    def compiled_record(*overrides):
+        cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=selective",
+                          "--memory.selective_attention=true", *overrides)
+        with torch.device("meta"):
+            model = Llama(cfg.model)
+        apply_activation_memory(model, activation_plan(cfg))
+        regions = apply_compile(model).regions
+        return regions, transforms_of(model)
+
+    regions, record = compiled_record("--memory.activation_compression=int8")
+    assert "layers.0.attention.core" not in regions
+    assert record["layers.0.attention.core"] == ("recompute",)
+    assert record["layers.0.attention_norm"] == ("compile", "recompute")  # a norm's region does compile
+    regions, record = compiled_record()
+    assert "layers.0" in regions and record["layers.0"] == ("compile",)
+    assert record["layers.0.attention.core"] == ("recompute",)

@@ -311,8 +311,9 @@ def test_the_planner_prices_the_two_levels_on_their_own_links():
     2 ranks on the inter-node link, every micro-batch at ZeRO-3), and holds twice the optimizer state.
     The runtime starts each unit's all-reduce while backward goes on: per micro-batch it hides
     behind comm_overlap of the backward, except the last unit's (the largest unit priced, as the
-    reduce-scatter's tail is): max(largest, sum - window). Here the window (0.9 x 0.41 s) hides the
-    whole sum (0.039 s a micro-batch), so the last unit's 1.5 ms x 4 micro-batches is left."""
+    reduce-scatter's tail is), which the step waits for once (an earlier micro-batch's is folded a
+    micro-batch later): max(largest, excess) + (m - 1) excess, excess = max(0, sum - window). Here the
+    window (0.9 x 0.41 s) hides the whole sum (0.039 s a micro-batch), so the last unit's 1.5 ms is left."""
     from bigtrain.plan.cost import _largest_rank_units, stage_costs
 
     _, _, _, flat = _planned(1)
@@ -324,12 +325,35 @@ def test_the_planner_prices_the_two_levels_on_their_own_links():
     costs = stage_costs(model, layout, cluster)
     window = hw.comm_overlap * (costs.compute_b + costs.comm_b)
     assert sum(across) < window  # what this layout shows: all but the last unit's hidden
-    assert hsdp.time.breakdown["dp_replica_sync"] == pytest.approx(max(max(across), sum(across) - window) * m,
+    excess = max(0.0, sum(across) - window)
+    assert hsdp.time.breakdown["dp_replica_sync"] == pytest.approx(max(max(across), excess) + (m - 1) * excess,
                                                                    rel=1e-9)
-    assert hsdp.time.breakdown["dp_replica_sync"] == pytest.approx(max(across) * m, rel=1e-9)
+    assert hsdp.time.breakdown["dp_replica_sync"] == pytest.approx(max(across), rel=1e-9)
     assert "dp_replica_sync" not in flat.time.breakdown
     assert hsdp.time.breakdown["zero_param_gather"] < flat.time.breakdown["zero_param_gather"] / 5  # NVLink
     assert hsdp.memory.optimizer == pytest.approx(2 * flat.memory.optimizer, rel=1e-3)
+
+
+
+def test_the_replica_all_reduces_of_earlier_micro_batches_hide_behind_the_next_one():
+    """grad_sync.py: a unit's replica all-reduce is waited for when its shard is folded, which for
+    every micro-batch but the last is the unit's reduction in the next micro-batch; the root's and
+    block 0's (started as a backward ends) then run during the next micro-batch's forward and
+    backward, on the dp_replicate link, which carries nothing else. So where the backward's window
+    hides the sum of the all-reduces (as in _planned's layout), the step waits on that link only at
+    its end, and 4 micro-batches leave exposed what 1 does. Fails on a planner that charges the
+    tail once per micro-batch (4 x the largest unit's all-reduce here). Where the link cannot keep
+    up, each micro-batch leaves what its window does not hide (a slow replica link below)."""
+    from bigtrain.plan import Cluster, evaluate
+
+    model, layout, cluster, four = _planned(2)
+    one = evaluate(model, layout, cluster, global_batch=16)
+    assert (four.time.micro_batches, one.time.micro_batches) == (4, 1)
+    assert four.time.breakdown["dp_replica_sync"] == pytest.approx(one.time.breakdown["dp_replica_sync"], rel=1e-9)
+    slow = Cluster.build(16, cluster.hardware.with_values(inter_node_bandwidth=cluster.hardware.inter_node_bandwidth / 400))
+    four, one = (evaluate(model, layout, slow, global_batch=b) for b in (64, 16))
+    excess = one.time.breakdown["dp_replica_sync"]  # a sum this slow: the window hides a sliver of it
+    assert four.time.breakdown["dp_replica_sync"] == pytest.approx(4 * excess, rel=1e-9)
 
 
 def test_parallel_auto_searches_dp_replicate_and_writes_it():

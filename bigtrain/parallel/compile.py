@@ -46,6 +46,7 @@ from torch import nn
 
 from bigtrain.memory.checkpointing import Checkpointed
 from bigtrain.memory.compression import Int8SavedInput
+from bigtrain.memory.selective import RecomputedAttention
 from bigtrain.models.moe import MoEFeedForward
 from bigtrain.core.blocks import default_unit_modules
 from bigtrain.wrappers import ModuleWrapper, WholeBackward, replace_module
@@ -115,7 +116,10 @@ def compile_regions(root: nn.Module, name: str, keep_graph: bool = False, cpp_wr
     a module that must run eagerly, each of its children that holds none (recursively). Returns the
     names of the regions."""
     module = root.get_submodule(name)
-    if isinstance(module, EAGER_MODULES):
+    if isinstance(module, EAGER_MODULES + (RecomputedAttention,)):
+        # A recomputed attention core runs eagerly by design (memory/selective.py): a region around
+        # it alone would compile nothing and be recorded as compiled. Inside a block compiled whole
+        # it breaks the graph instead (so it is not one of EAGER_MODULES, which split the block).
         return []
     if isinstance(module, Checkpointed) and not _holds_eager(module):
         # Compiled inside its checkpoint, not around it (as its children are when it holds an eager

@@ -73,9 +73,8 @@ plain loss (no tp, not fused) is compiled as a function: it keeps the logits in 
 B V and the int64 targets, and recomputes the log-softmax (no fp32 4V, no scalar). With the
 activation-memory options (each measured on the trainer at one rank, fp32 and bf16):
 
-    full / every k:   a checkpointed block keeps its input B h, as eager (on this CPU's torch the
-                      compiled checkpoint falls back to eager with a CompileFallbackWarning; the
-                      bytes are the same either way)
+    full / every k:   a checkpointed block keeps its input B h, as eager (the block compiles
+                      inside its checkpoint, parallel/compile.py; the bytes are the same either way)
     selective:        each norm's input B h, attention as above, w1 x and w3 x 2 B F: the norms'
                       outputs and the SwiGLU product, which selective marks for recomputation, are
                       recomputed too (the compiler recomputes a checkpointed op's output even where

@@ -15,7 +15,9 @@ Conventions (docs/planner.md has the derivations):
 * zb-h1 splits each backward into I and W (``parallel/pipeline/split_backward.py``). W is the
   weight-gradient part of the backward of the layers it defers: ``weight_grad_fraction`` (a
   measured property of the hardware profile, see ``weight_grad.py``) of their backward. Checkpointed
-  blocks are not deferred (their dW runs in I), so recomputation shrinks W.
+  blocks are not deferred (their dW runs in I), so recomputation shrinks W; nor are compiled ones
+  (``layout.compiled``: a compiled region's one backward computes dX and dW together), so a
+  compiled dense Llama's W is the head's alone (:func:`blocks_with_weight_grads_in_i`).
 * Exposed vs overlapped: tensor-parallel and Ulysses collectives sit on the critical path of
   every layer (exposed, as in Megatron without communication overlap). Pipeline transfers are
   the simulator's transfer cost. Gradient reduction (stage 0-1: once per step on the last
@@ -142,8 +144,9 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     forward = tokens * (layers * model.block_forward_flops_per_token() + head)
     backward = 2 * forward + tokens * (recomputed * model.block_forward_flops_per_token()
                                        + activation_recompute_flops_per_token(model, layout) / layout.pp)
-    # W defers the weight gradients of the layers that are not checkpointed (split_backward.py).
-    deferred_backward = 2 * tokens * ((layers - recomputed) * model.block_forward_flops_per_token() + head)
+    # W defers the weight gradients of the layers whose dW I does not compute (split_backward.py).
+    in_i = blocks_with_weight_grads_in_i(model, layout, layers, recomputed)
+    deferred_backward = 2 * tokens * ((layers - in_i) * model.block_forward_flops_per_token() + head)
     weight_grad = hw.weight_grad_fraction * deferred_backward
     local_tokens = tokens / layout.seq_shards
     tp_link, sp_link = link_of(cluster, layout, ("tp",)), link_of(cluster, layout, ("sp",))
@@ -171,7 +174,7 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
         from bigtrain.plan.gemm import shape_aware_compute
 
         extra = seconds(tokens * activation_recompute_flops_per_token(model, layout) / layout.pp)
-        f, b, w = shape_aware_compute(model, layout, hw, layers, recomputed)
+        f, b, w = shape_aware_compute(model, layout, hw, layers, recomputed, in_i)
         b += extra
     else:
         f, b, w = seconds(forward), seconds(backward), seconds(weight_grad)
@@ -184,6 +187,17 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     ring_f, ring_b = exposed(ring_f, f), exposed(ring_b, b)
     return StageCosts(f, b, w, tp_f + sp_f + moe_f + ring_f, tp_b + sp_b + moe_b + ring_b, p2p, moe_f + moe_b,
                       ring_f + ring_b)
+
+
+def blocks_with_weight_grads_in_i(model: ModelSpec, layout: Layout, layers: float, recomputed: float) -> float:
+    """Of a pipeline rank's ``layers`` blocks, those whose weight gradients zb-h1's I computes with
+    the input's (split_backward.py: the parameters inside a ``WholeBackward`` wrapper are eager): the
+    ``recomputed`` (checkpointed) ones, and under ``layout.compiled`` every dense Llama block, one
+    compiled region (parallel/compile.py). With int8 compression a block is compiled child by child
+    around its int8 linears, whose dW W defers as eager; a model with experts keeps the eager rule
+    (its attention's dW runs in I, its experts' in W: not split here)."""
+    whole = layout.compiled and model.mlp == "swiglu" and not model.experts and layout.compression != "int8"
+    return layers if whole else recomputed
 
 
 def ring_seconds(model: ModelSpec, layout: Layout, link: Link, local_tokens: float, layers: float,
@@ -293,14 +307,18 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
             # groups, on that axis's own link (inter-node once a group fills a node). The runtime
             # starts each asynchronously once the unit's reduce-scatter is done and waits for it at
             # the fold (parallel/zero/grad_sync.py): it hides behind the backward as the reduction
-            # does (on a link of its own, so beside it, not after it), except the last unit's.
+            # does (on a link of its own, so beside it, not after it), except the last unit's. The
+            # fold of an earlier micro-batch's is the unit's next reduction, a micro-batch later, and
+            # nothing else uses that link: only what the link cannot carry within a backward's window
+            # is left of those; the last unit's waits once a step.
             across = link_of(cluster, layout, ("dp_replicate",))
             shards = [-(-n // group) * grad_bytes for n in sizes]
             sync = sum(across.collective("all_reduce", shard, layout.dp_replicate) for shard in shards)
             tail = across.collective("all_reduce", max(shards), layout.dp_replicate)
+            excess = max(0.0, sync - window_b)
             # every micro-batch where the reduce-scatter is (stages 2-3, or a gradient that leaves the device)
-            every = layout.zero >= 2 or host_step(layout)
-            out["dp_replica_sync"] = max(tail, sync - window_b) * (micro_batches if every else 1)
+            reducing = micro_batches if layout.zero >= 2 or host_step(layout) else 1
+            out["dp_replica_sync"] = max(tail, excess) + (reducing - 1) * excess
     weights, weight_unit = params * nbytes, largest * nbytes  # gathered in the training precision
     if layout.zero in (1, 2):
         gather = link.collective("all_gather", weights, group)

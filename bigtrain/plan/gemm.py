@@ -245,10 +245,11 @@ def head_times(model: ModelSpec, layout: Layout, hw) -> tuple[float, float, floa
 
 
 def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
-                        recomputed: float) -> tuple[float, float, float]:
+                        recomputed: float, in_i: float | None = None) -> tuple[float, float, float]:
     """(forward, backward with recomputation, zb-h1's W) seconds of one micro-batch on a pipeline
-    rank holding ``layers`` blocks (``recomputed`` of them checkpointed) and 1/pp of the head.
-    W is ``weight_grad_fraction`` of the deferred backward, as the uniform model takes it."""
+    rank holding ``layers`` blocks (``recomputed`` of them checkpointed; ``in_i`` of them with their
+    dW in I, not deferred: default the checkpointed ones) and 1/pp of the head. W is
+    ``weight_grad_fraction`` of the deferred backward, as the uniform model takes it."""
     block = block_times(model, layout, hw)
     if model.experts:  # the blocks' average, as the layers' FLOPs are averaged (ModelSpec.block_matmul_params)
         share = model.moe_layers / model.layers
@@ -259,5 +260,5 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
     ops = compiled_ops_per_block(layout.precision)[0] if compiles_block(model, layout) else OPS_PER_BLOCK[model.mlp]
     recompute = block.forward + ops * hw.recompute_op_overhead_s
     backward = layers * block.backward + head[1] / layout.pp + recomputed * recompute
-    deferred = (layers - recomputed) * block.backward + head[1] / layout.pp
+    deferred = (layers - (recomputed if in_i is None else in_i)) * block.backward + head[1] / layout.pp
     return forward, backward, hw.weight_grad_fraction * deferred
