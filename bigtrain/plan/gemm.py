@@ -175,8 +175,11 @@ def _elementwise_bytes(model: ModelSpec, layout: Layout, moe: bool = False) -> f
 
 def compiles_block(model: ModelSpec, layout: Layout) -> bool:
     """Whether the blocks are priced compiled (the module docstring): bigtrain's Llama without experts,
-    the rule plan/activations.py applies to their memory (its exceptions there are memory's alone)."""
-    return compiles_blocks(model, layout.compiled)
+    the rule plan/activations.py applies to their memory (its exceptions there are memory's alone),
+    compiled whole. A block whose linears save int8 inputs is compiled child by child around them
+    (parallel/compile.py: the norms, the attention core and the SwiGLU activation alone; the
+    rotary, residual adds and reshapes between them eager): it is priced eager, the nearer bound."""
+    return compiles_blocks(model, layout.compiled) and layout.compression != "int8"
 
 
 def compiled_elementwise_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
