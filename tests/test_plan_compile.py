@@ -171,6 +171,33 @@ def test_a_compiled_zb_h1_defers_no_block_weight_gradient_to_w(gemm_fraction):
     assert w[True, "none", "int8"] > 5 * w[True, "full", "int8"]  # the int8 linears' dW deferred, as eager
 
 
+def test_the_fused_loss_heads_weight_gradient_is_priced_in_i_as_the_runtime_runs_it():
+    """The fused loss head is a WholeBackward wrapper: zb-h1's I computes its dW with its input's
+    (read off split_parameters), so with every block compiled nothing GEMM-shaped is left for W;
+    the planner once deferred the head's dW to W all the same."""
+    import torch
+
+    from bigtrain.from_config import activation_plan
+    from bigtrain.memory.activations import apply_activation_memory
+    from bigtrain.models.llama import Llama
+    from bigtrain.parallel.compile import apply_compile
+    from bigtrain.parallel.pipeline.split_backward import split_parameters
+    from bigtrain.plan.cost import stage_costs
+
+    cfg = load_config(preset="tiny", overrides=["--model.fused_loss=true"])
+    with torch.device("meta"):
+        llama = Llama(cfg.model)
+    apply_activation_memory(llama, activation_plan(cfg))
+    apply_compile(llama)
+    names = {id(p): n for n, p in llama.named_parameters()}
+    assert {names[id(p)] for p in split_parameters(llama)[0]} == {"tok_embeddings.weight"}
+
+    cluster = Cluster.build(2, H200)
+    w = {fused: stage_costs(_llama_1b(), Layout(pp=2, schedule="zb-h1", compiled=True, fused_loss=fused),
+                            cluster).compute_w for fused in (False, True)}
+    assert w[False] > 0 and w[True] == pytest.approx(0.0, abs=1e-12)
+
+
 def test_an_int8_compressed_compiled_block_is_not_priced_as_one_fused_region():
     """With int8 activation compression a compiled block's linears are Int8SavedInput, which run
     eagerly (parallel/compile.py), so the block and its attention are not regions: only the two

@@ -146,7 +146,8 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
                                        + activation_recompute_flops_per_token(model, layout) / layout.pp)
     # W defers the weight gradients of the layers whose dW I does not compute (split_backward.py).
     in_i = blocks_with_weight_grads_in_i(model, layout, layers, recomputed)
-    deferred_backward = 2 * tokens * ((layers - in_i) * model.block_forward_flops_per_token() + head)
+    head_deferred = 0.0 if layout.fused_loss else head  # the fused loss head's dW runs in I (WholeBackward)
+    deferred_backward = 2 * tokens * ((layers - in_i) * model.block_forward_flops_per_token() + head_deferred)
     weight_grad = hw.weight_grad_fraction * deferred_backward
     local_tokens = tokens / layout.seq_shards
     tp_link, sp_link = link_of(cluster, layout, ("tp",)), link_of(cluster, layout, ("sp",))

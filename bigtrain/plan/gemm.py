@@ -251,7 +251,8 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
                         recomputed: float, in_i: float | None = None) -> tuple[float, float, float]:
     """(forward, backward with recomputation, zb-h1's W) seconds of one micro-batch on a pipeline
     rank holding ``layers`` blocks (``recomputed`` of them checkpointed; ``in_i`` of them with their
-    dW in I, not deferred: default the checkpointed ones) and 1/pp of the head. W is
+    dW in I, not deferred: default the checkpointed ones) and 1/pp of the head (its dW in I too when
+    fused). W is
     ``weight_grad_fraction`` of the deferred backward, as the uniform model takes it."""
     block = block_times(model, layout, hw)
     if model.experts:  # the blocks' average, as the layers' FLOPs are averaged (ModelSpec.block_matmul_params)
@@ -263,5 +264,7 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
     ops = compiled_ops_per_block(layout.precision)[0] if compiles_block(model, layout) else OPS_PER_BLOCK[model.mlp]
     recompute = block.forward + ops * hw.recompute_op_overhead_s
     backward = layers * block.backward + head[1] / layout.pp + recomputed * recompute
-    deferred = (layers - (recomputed if in_i is None else in_i)) * block.backward + head[1] / layout.pp
+    # The fused loss head computes its dW in I too (a WholeBackward wrapper: split_backward.py).
+    head_deferred = 0.0 if layout.fused_loss else head[1] / layout.pp
+    deferred = (layers - (recomputed if in_i is None else in_i)) * block.backward + head_deferred
     return forward, backward, hw.weight_grad_fraction * deferred
