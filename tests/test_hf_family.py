@@ -113,6 +113,25 @@ def _train_compiled(rank, world_size, cfg, run_dir):
     return losses, trainer.parallel.full_weights(), trainer.parallel.transforms, graphs_compiled()
 
 
+def _train_offloaded(rank, world_size, cfg, run_dir):
+    """_train, with the bytes activation offload moved to the host."""
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    losses = [trainer.train_step().loss for _ in range(STEPS)]
+    return losses, trainer.parallel.full_weights(), trainer.parallel.activations.offloader.stats.offloaded
+
+
+@pytest.mark.parametrize("arch, layout", [("llama", "dp2-zero3"), ("qwen3", "tp2-sp")])
+def test_activation_offload_moves_the_decoder_layers_saved_tensors_and_trains_as_the_reference(corpus_cache, arch,
+                                                                                              layout):
+    cfg = hf_config(corpus_cache, arch, *LAYOUTS[layout], "--memory.activation_offload=true",
+                    "--memory.offload_min_bytes=0")
+    with tempfile.TemporaryDirectory() as run_dir:
+        losses, weights, offloaded = run_ranks(_train_offloaded, cfg.parallel.world_size, cfg, run_dir,
+                                               timeout=300)[0]
+    assert offloaded > 0  # the layers' saved tensors went to the host and came back
+    assert_matches_reference(losses, weights, reference(corpus_cache, arch), f"{arch} {layout} offloaded")
+
+
 # Regional compilation of the decoder layers (compile.enabled): one process, and the deepest layout
 # (ZeRO-3 gathers around the compiled layer, tp's collectives break its graph, recomputation
 # around it) on Qwen3, whose per-head q/k norms are inside the graph.
@@ -157,7 +176,6 @@ def test_a_missing_partial_gradient_sum_fails_the_comparison(corpus_cache, monke
     (["--parallel.pp=2", "--parallel.pp_schedule=zb-h1"], "parallel.pp_schedule"),
     (["--parallel.tp=4"], "parallel.tp"),
     (["--memory.checkpointing=selective"], "memory.checkpointing"),
-    (["--memory.activation_offload=true"], "memory.activation_offload"),
     (["--model.hf_config=/nonexistent/config.json"], "model.hf_config"),
 ])
 def test_refusals_name_the_field(corpus_cache, overrides, field):

@@ -73,8 +73,8 @@ def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
 def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     """One Hugging Face layout (bigtrain/families/hf.py) as overrides of the tiny preset: a tiny
     config.json of each architecture (blocks, key/value heads, tied head drawn), dp, ZeRO, tp with
-    or without sequence parallelism, pp, recomputation; now and then a field it does not support or
-    a shape tp does not divide, which validation must reject by name."""
+    or without sequence parallelism, pp, recomputation, activation offload; now and then a field it
+    does not support or a shape tp does not divide, which validation must reject by name."""
     while True:
         dp, tp, pp = (rng.choice(c) for c in ([1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2]))
         if dp * tp * pp <= max_world:
@@ -97,6 +97,10 @@ def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     if rng.random() < 0.1:
         out.append(rng.choice(["--precision.mode=bf16", "--parallel.sp=2", "--model.fused_loss=true",
                                "--memory.checkpointing=selective", "--optim.name=lion", "--parallel.pp_virtual=2"]))
+    # activation offload of the layers' saved tensors, from a generator of its own (it draws nothing
+    # from rng: every seed's samples stay as they were besides)
+    if random.Random(repr(rng.getstate()) + "activation_offload").random() < 0.25:
+        out += ["--memory.activation_offload=true", "--memory.offload_min_bytes=0"]
     return out
 
 

@@ -6,10 +6,10 @@ Parameter names are transformers' own, so a checkpoint exports to a folder ``fro
 
 Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), pp
 (one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py), full or every-k-th
-recomputation of the blocks and regional compilation of the decoder layers (``compile.enabled``;
-'auto' compiles on CUDA as for bigtrain's Llama); Ulysses sp, experts, selective recomputation,
-offload of activations, the fused loss, int8 compression and float8 are refused by name (they read
-bigtrain's own Llama structure).
+recomputation of the blocks, offload of the decoder layers' saved activations and regional
+compilation of the layers (``compile.enabled``; 'auto' compiles on CUDA as for bigtrain's Llama);
+Ulysses sp, experts, selective recomputation, the fused loss, int8 compression and float8 are
+refused by name (they read bigtrain's own Llama structure).
 """
 
 from __future__ import annotations
@@ -181,7 +181,6 @@ REFUSED = (  # (field, its value here, the value it must have, why)
     ("parallel.pp_virtual", lambda c: c.parallel.pp_virtual, 1, "one stage per pipeline rank is supported"),
     ("parallel.sp", lambda c: c.parallel.sp, 1, "Ulysses cuts bigtrain's attention core"),
     ("parallel.ep", lambda c: c.parallel.ep, 1, "the architectures supported have no experts"),
-    ("memory.activation_offload", lambda c: c.memory.activation_offload, False, "it hooks bigtrain's modules"),
     ("memory.activation_compression", lambda c: c.memory.activation_compression, "none", "it wraps bigtrain's linears"),
     ("model.fused_loss", lambda c: c.model.fused_loss, False, "it replaces bigtrain's head"),
 )

@@ -54,8 +54,12 @@ class ActivationMemory:
         return units[:holder] + [self.head] + units[holder:]
 
 
-def offloaded_modules(model: nn.Module) -> list[nn.Module]:
-    """A Llama's modules in forward order: embedding, blocks, final norm, head."""
+def offloaded_modules(model: nn.Module, blocks=None) -> list[nn.Module]:
+    """The modules whose saved tensors activation offload moves, in forward order: a Llama's
+    embedding, blocks, final norm and head; another family's blocks (``blocks``, the plan's: a
+    Hugging Face decoder's layers, where nearly all of its saved activations are)."""
+    if blocks is not None:
+        return list(blocks(model))
     return [model.tok_embeddings, *model.layers, model.norm, model.output]
 
 
@@ -95,5 +99,6 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
     if plan.fused_loss:
         vocab = layout.vocab if layout is not None else None
         head = fuse_head_into_loss(model, plan.fused_loss_chunk, layout.tp if vocab is not None else None, vocab)
-    offloader = ActivationOffloader(offloaded_modules(model), plan.offload_min_bytes) if plan.offload else None
+    offloader = (ActivationOffloader(offloaded_modules(model, plan.blocks), plan.offload_min_bytes)
+                 if plan.offload else None)
     return ActivationMemory(checkpointed, plan.policy == "selective", offloader, head, compressed)
