@@ -270,7 +270,8 @@ def test_compiled_blocks_under_context_parallelism_match_the_reference(mode, cor
     break around their Python-side traffic), the rest compiled; 3 steps as tests/test_compile.py, and
     as there a region that falls back to eager fails the check (check_compiled_on_rank)."""
     warm_compiler()  # the forked ranks inherit inductor's set-up
-    cfg = tiny_config(corpus_cache, *SMALL_BATCH, "--compile.enabled=true", "--parallel.cp=2", f"--parallel.cp_mode={mode}")
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, "--compile.enabled=true", "--parallel.cp=2",
+                      f"--parallel.cp_mode={mode}")
     report = run_ranks(check_compiled_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=300)[0]
     assert report.agree, report.text()
 
