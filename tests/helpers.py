@@ -23,6 +23,16 @@ def tiny_config(cache_dir: str, *overrides: str) -> Config:
     return cfg
 
 
+def warm_compiler() -> None:
+    """Compile one small function in this process before forking ranks that compile: they inherit
+    inductor's imports and its once-a-process set-up (its key of torch's sources, the CPU's vector
+    instruction set, the check of the precompiled header) instead of each paying it again."""
+    from bigtrain.parallel.compile import compiled_function
+
+    x = torch.ones(8, requires_grad=True)
+    compiled_function(lambda t: (t * 2).sin())(x).sum().backward()
+
+
 def trainer_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str) -> Trainer:
     mesh = Mesh.from_config(cfg.parallel, rank, world_size)
     return Trainer(cfg, Path(run_dir), mesh)

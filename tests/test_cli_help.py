@@ -1,5 +1,9 @@
 """The command line for a user finding their way: suggestions for mistyped flags and commands
-(exit 2), ``train --help`` with fields, defaults and examples, dp from the world size."""
+(exit 2), ``train --help`` with fields, defaults and examples, dp from the world size; and what
+importing the command line costs a process."""
+
+import subprocess
+import sys
 
 import pytest
 
@@ -88,3 +92,14 @@ def test_zero_on_one_rank_is_run_with_a_warning_that_it_shards_nothing(corpus_ca
                  f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000", "--logging.report=false"]) == 0
     assert ("warning: parallel.zero = 3 with parallel.dp = 1: ZeRO shards over the data-parallel ranks, so one rank "
             "holds everything") in capsys.readouterr().err
+
+
+def test_the_command_line_and_the_trainer_import_dcp_only_to_save_or_load(tmp_path):
+    """torch.distributed.checkpoint (and the DTensor stack it imports) cost every process that
+    imported the CLI about 1.2 s of CPU (the DLRM family's checkpoint module reached it at start);
+    the suite starts many such processes. It is imported by the first save or load instead."""
+    code = ("import sys, bigtrain.cli, bigtrain.train, bigtrain.families, bigtrain.recsys.train; "
+            "print([m for m in sys.modules if m.startswith('torch.distributed.checkpoint')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -24,15 +24,19 @@ from bigtrain.validation import validate
 from helpers import tiny_config
 
 COMPILE = ["--compile.enabled=true"]
+# The shape of tests/test_plan.py's compiled blocks (3 sequences of 24 tokens, ffn 160): its fp32
+# forward graphs are the warm-up test's, so whichever of the two runs second reads them from inductor's
+# cache (CI starts from an empty one). In one process the warm-up test still compiles in its first
+# step: the backward and evaluation graphs at least, which the plan's test never compiles.
+PLAN_SHAPE = ["--model.ffn_hidden=160", "--train.micro_batch=3", "--train.global_batch=3", "--data.seq_len=24"]
 
 
 def test_compiled_steps_recompile_nothing_after_warm_up_and_report_their_compile_time(corpus_cache, tmp_path):
     """After the first step and the first evaluation (a graph without backward), no step or
     evaluation compiles again (dynamo's count of graphs stays put); the first step reports how long
     it compiled, the later ones nothing."""
-    # A shape no other test compiles, so this process compiles it now, in the first step.
     cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=full", "--data.val_fraction=0.1",
-                      "--model.dim=48")
+                      *PLAN_SHAPE)
     trainer = Trainer(cfg, tmp_path, Mesh({}), "cpu")
     assert set(trainer.parallel.transforms) == {"layers.0", "layers.1", "norm"}
     # compiled inside its checkpoint (bigtrain/parallel/compile.py says why)
@@ -53,15 +57,23 @@ def test_compiled_steps_recompile_nothing_after_warm_up_and_report_their_compile
 
 def test_a_compiled_run_matches_the_independent_reference(corpus_cache, tmp_path, monkeypatch):
     """One process, fp32: the compiled blocks (recomputed, offloaded, the fused head) train like the
-    eager reference within fp32's 1e-5, their graphs called as a CPU run calls them (the C++
-    wrapper, which tests/conftest.py turns off for the other compiled tests)."""
+    eager reference within fp32's 1e-5, their graphs called as a CPU run calls them: through the
+    C++ wrapper (which tests/conftest.py turns off for the other compiled tests), and torch honours
+    it: compiled from an empty inductor cache, each graph's generated wrapper is C++."""
+    from torch._inductor.utils import fresh_cache
+
     monkeypatch.delenv(CPP_WRAPPER_ENV, raising=False)
     cfg = tiny_config(corpus_cache, *COMPILE, "--memory.checkpointing=selective", "--memory.activation_offload=true",
                       "--memory.offload_min_bytes=256", "--model.fused_loss=true", "--model.fused_loss_chunk=32")
-    with warnings.catch_warnings():
+    cache = tmp_path / "inductor"
+    cache.mkdir()
+    # compiles now, whatever this machine's cache holds (as CI does: it starts from an empty one)
+    with fresh_cache(dir=str(cache), delete=False), warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)
-        report = check_layout(cfg, Mesh({}), tmp_path, steps=3)
+        report = check_layout(cfg, Mesh({}), tmp_path / "run", steps=3)
     assert report.agree, report.text()
+    wrappers = [p for p in cache.rglob("*.cpp") if "inductor_entry" in p.read_text()]
+    assert len(wrappers) >= 4, "the forward and the backward graph of the block and of the norm each get a C++ wrapper"
 
 
 @pytest.mark.slow
@@ -79,10 +91,9 @@ def test_compiled_layouts_match_the_independent_reference(layout, corpus_cache, 
 def test_on_a_cpu_the_graphs_are_called_through_inductor_s_cpp_wrapper(corpus_cache, tmp_path, monkeypatch):
     """The compiled CPU step is MKL-bound and Python launching was the largest cost left outside
     the kernels (docs/compile.md): on a CPU every region and the loss compile with inductor's C++
-    wrapper, and torch honours it (the generated wrapper is C++); on a GPU, inductor's default;
-    with inductor's own switch at 0 (``TORCHINDUCTOR_CPP_WRAPPER=0``), the Python wrapper."""
-    from torch._inductor.utils import fresh_cache
-
+    wrapper (that torch honours it, the generated wrapper being C++, is checked where a compiled run
+    is: test_a_compiled_run_matches_the_independent_reference); on a GPU, inductor's default; with
+    inductor's own switch at 0 (``TORCHINDUCTOR_CPP_WRAPPER=0``), the Python wrapper."""
     from bigtrain.models.llama import Llama
     from bigtrain.parallel.compile import apply_compile
 
@@ -100,16 +111,6 @@ def test_on_a_cpu_the_graphs_are_called_through_inductor_s_cpp_wrapper(corpus_ca
     compiled = apply_compile(on_gpu, device="cuda")
     assert not compiled.cpp_wrapper
     assert not any(m.cpp_wrapper for m in on_gpu.modules() if isinstance(m, CompiledRegion))
-
-    cache = tmp_path / "inductor"
-    cache.mkdir()
-    torch.manual_seed(0)
-    with fresh_cache(dir=str(cache), delete=False):  # compiles now, whatever this machine's cache holds
-        block = FeedForward(16, 32)
-        x = torch.randn(2, 16, requires_grad=True)
-        CompiledRegion(block, cpp_wrapper=True)(x).sum().backward()
-    wrappers = [p for p in cache.rglob("*.cpp") if "inductor_entry" in p.read_text()]
-    assert len(wrappers) >= 2, "the forward and the backward graph each get a C++ wrapper"
 
 
 def test_a_region_the_compiler_fails_on_runs_eagerly_after_one_named_warning():

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from bigtrain import checkpoint as ckpt
 from bigtrain import train as train_module
-from bigtrain.checkpoint import writer as checkpoint_writer
+from bigtrain.checkpoint import sharded as checkpoint_sharded
 from bigtrain.cli import main
 from bigtrain.metrics import read_metrics
 from helpers import run_steps, tiny_config, trainer_on_rank
@@ -54,14 +54,14 @@ def _copy(run, tmp_path):
 def _save_with_rank_1_lost(rank, world, store, cfg, run_dir, how, conn):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.distributed.timeout_s))
-    original = checkpoint_writer.save_chunks
+    original = checkpoint_sharded.save_chunks  # the writer imports it when it saves
 
     def save_chunks(tmp, chunks, group):
         if rank == 1:  # killed (or frozen) while the ranks write their parts
             os.kill(os.getpid(), signal.SIGKILL if how == "dies" else signal.SIGSTOP)
         return original(tmp, chunks, group)
 
-    checkpoint_writer.save_chunks = save_chunks
+    checkpoint_sharded.save_chunks = save_chunks
     trainer = trainer_on_rank(rank, world, cfg, run_dir)
     run_steps(trainer, 1)
     try:

@@ -181,7 +181,9 @@ def test_activation_formula_matches_saved_tensors(shape, precision):
 # The trainer at one rank measured the same for full / every-2 checkpointing, the fused loss and bf16
 # int8 (docs/planner.md). Checkpointed blocks are compiled inside their checkpoint, which keeps the
 # block's input alone, as eager. Each case is a cold compile in CI: one per dtype and branch of the
-# list (bf16's norm copies, with selective recomputation; int8 on the branch that keeps the eager figure).
+# list (bf16's norm copies, with selective recomputation; int8 on the branch that keeps the eager figure),
+# but fp32's forward graphs, whose shape (3 x 24 tokens, ffn 160) tests/test_compile.py's warm-up test
+# trains on (PLAN_SHAPE there): whichever of the two runs second reads them from inductor's cache.
 COMPILED_CASES = [("fp32", "none", "none"), ("bf16", "selective", "none"), ("fp32", "selective", "int8")]
 
 

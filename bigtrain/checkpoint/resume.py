@@ -17,11 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from bigtrain.checkpoint.commit import list_checkpoints, newest_valid_checkpoint, valid_checkpoints
 from bigtrain.checkpoint.compat import compare_configs
-from bigtrain.checkpoint.sharded import ChunkReader
 from bigtrain.distributed.comm import CollectiveError
 
 
@@ -67,6 +65,12 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
             break
         path, meta = found
         _check_serves(trainer, path, meta)
+        # DCP is imported when there is a checkpoint to load, not with every run that might resume
+        # (bigtrain.checkpoint.writer says why).
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from bigtrain.checkpoint.sharded import ChunkReader
+
         try:
             trainer.parallel.load_sharded(ChunkReader(path))
             error = None

@@ -16,11 +16,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from bigtrain.checkpoint.commit import (CheckpointWriteError, commit_checkpoint, fresh_temp_dir, is_disk_full,
                                         temp_dir, valid_checkpoints)
-from bigtrain.checkpoint.sharded import save_chunks
 from bigtrain.config import Config
 from bigtrain.distributed.comm import AxisComm, CollectiveError, CommStats
 from bigtrain.distributed.mesh import Mesh
@@ -69,6 +67,12 @@ class CheckpointWriter:
         """Every rank writes its chunks, rank 0 commits. The ranks agree after each phase whether all
         succeeded (instead of barriers), so a failure on one rank stops all of them; the partial
         temporary directory is removed and earlier checkpoints stay as they were."""
+        # DCP is imported by the first save, not with the trainer: a process that never saves (the
+        # CLI's help, a launcher, a run without checkpoints) does not pay its ~1 s import.
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from bigtrain.checkpoint.sharded import save_chunks
+
         root, keep = self.root, self.cfg.checkpoint.keep
         tmp = temp_dir(root, step)
         several = dist.is_initialized() and dist.get_world_size() > 1

@@ -16,10 +16,14 @@ drawn.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from bigtrain.checkpoint.sharded import ChunkReader
 from bigtrain.parallel.chunks import SavedChunk
+
+if TYPE_CHECKING:  # the reader is handed in; importing DCP costs a process that never loads ~1 s
+    from bigtrain.checkpoint.sharded import ChunkReader
 
 FORMAT = "dcp-dlrm/1"  # meta.json "format": the entries above, not a language model's
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from bigtrain.checkpoint.sharded import ChunkReader
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
@@ -33,6 +33,9 @@ from bigtrain.parallel.chunks import SavedChunk
 from bigtrain.recsys.checkpoint import dlrm_chunks, load_dlrm
 from bigtrain.recsys.data import sampler_for
 from bigtrain.recsys.metrics import auc, log_loss
+
+if TYPE_CHECKING:  # the reader is handed in (bigtrain.recsys.checkpoint says why not imported here)
+    from bigtrain.checkpoint.sharded import ChunkReader
 
 
 def layout_for(cfg: Config, world: int) -> EmbeddingLayout:
