@@ -217,6 +217,47 @@ def test_pipeline_stages_are_checked_against_the_config_jsons_layers(corpus_cach
                for p in err.value.problems), err.value.problems
 
 
+# A config.json's shapes the planner must price as the model transformers builds from it: a
+# head_dim that is not hidden / heads (Qwen3-0.6B: 128 at hidden 1024 and 16 heads), kv heads or
+# head_dim left to the architecture's default (Qwen2's and Qwen3's 32 kv heads, Qwen3's head_dim
+# 128, Mistral's 8 kv heads), attention_bias where the architecture reads it (not Mistral's or
+# Qwen2's), Qwen2's q/k/v biases.
+SHAPE_VARIANTS = {
+    "llama-head-dim-32": ("llama", {"head_dim": 32}, {}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}, {}),
+    "mistral-kv-heads-default": ("mistral", {}, {"num_key_value_heads"}),
+    "mistral-attention-bias-unread": ("mistral", {"attention_bias": True}, {}),
+    "qwen2-qkv-biases": ("qwen2", {}, {}),
+    "qwen2-kv-heads-default": ("qwen2", {}, {"num_key_value_heads"}),
+    "qwen2-attention-bias-unread": ("qwen2", {"attention_bias": True}, {}),
+    "qwen3-head-dim-default": ("qwen3", {}, {"head_dim"}),
+    "qwen3-head-dim-32-attention-bias": ("qwen3", {"head_dim": 32, "attention_bias": True}, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPE_VARIANTS))
+def test_the_planner_counts_the_parameters_transformers_builds(corpus_cache, tmp_path, name):
+    """The size check's parameter count (the planner's spec of Family.planner_config) equals the
+    transformers model's, exactly, but for Qwen3's q/k norms (2 x head_dim a layer), which
+    bigtrain's Llama has not. Fails on a planner that reads hidden / heads for the head size, drops
+    the biases, or reads a field the file leaves out as bigtrain's default instead of the
+    architecture's."""
+    import json
+
+    from bigtrain.families.hf import parameter_count, planner_config
+    from bigtrain.plan.model import ModelSpec
+
+    arch, changed, dropped = SHAPE_VARIANTS[name]
+    fields = {k: v for k, v in json.loads((FIXTURES / arch / "config.json").read_text()).items() if k not in dropped}
+    (tmp_path / "config.json").write_text(json.dumps({**fields, **changed}))
+    cfg = hf_config(corpus_cache, arch, f"--model.hf_config={tmp_path}")
+    priced = planner_config(cfg)
+    spec = ModelSpec.from_model_config(priced.model, priced.data.seq_len)
+    built = parameter_count(cfg)
+    qk_norms = 2 * spec.head_dim * spec.layers if arch == "qwen3" else 0
+    assert spec.params + qk_norms == built, (name, spec.params, built)
+
+
 def test_qwen3_norms_per_head_are_partial_under_tp():
     """Qwen3's q/k norms see this rank's heads only: the plan marks their gradients partial."""
     from bigtrain.families.hf import build_meta, tp_plan
