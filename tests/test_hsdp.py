@@ -130,6 +130,30 @@ def test_gradients_are_reduce_scattered_in_the_group_and_all_reduced_across_repl
             assert 0 <= optimizer - 2 * 4 * flat // S <= 8 * 2 * len(units), (held, planned)
 
 
+@pytest.mark.parametrize("layout", [
+    [*HSDP_2X2, "--parallel.zero=1", "--parallel.ep=2", *MOE],
+    ["--parallel.dp=4", "--parallel.zero=2", "--parallel.ep=2", *MOE],
+], ids=["hsdp2x2-ep2-zero1", "dp4-ep2-zero2"])
+def test_the_size_check_prices_the_expert_shards_the_engine_holds(layout, corpus_cache, tmp_path):
+    """The layout the size check, the fit check and the run record price (plan/fit.py _layout) has
+    the configured ep: under ZeRO 1-2 each rank holds E / ep experts' weights and fp32 gradients
+    whole, and the planner's bytes are the engine's, byte for byte (its optimizer state: the moments
+    exact, the step counts a few scalars). Fails on a layout without ep, which prices every expert
+    on every rank (1.7x the engine's parameters here)."""
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, *layout)
+    assert _layout(cfg).ep == 2
+    planned = estimate_memory(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg),
+                              get_profile("cpu"), cfg.train.global_batch)
+    for _, units, held, _ in run_ranks(_one_step, 4, cfg, str(tmp_path), timeout=600):
+        assert (held["params"], held["grads"]) == (planned.params, planned.grads), (held, planned, units)
+        assert 0 <= held["optimizer"] - planned.optimizer <= 8 * 2 * len(units), (held, planned)
+
+
 # -- the replica all-reduce overlaps the backward --------------------------------------------------------
 class _RecordingComm:
     """A unit's replica comm that logs each all-reduce it is asked for, then does it."""
