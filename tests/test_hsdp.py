@@ -46,6 +46,16 @@ LAYOUTS = {
     # 8 ranks, ZeRO groups of 4: the experts' ZeRO group has 2 ranks (edp_shard), so both levels cut them.
     "hsdp-2x4-ep2-zero2-8-ranks": ["--parallel.dp=8", "--parallel.dp_replicate=2", "--parallel.zero=2",
                                    "--parallel.ep=2", *MOE, "--train.global_batch=8"],
+    # The sigmoid-bias router (its bias moved by the loads summed over every data rank, both levels),
+    # clipping that counts each expert shard once (replicated over dp_replicate) and dropped tokens.
+    "hsdp-2x2-ep2-zero2-sigmoid-clip-capacity": [*HSDP_2X2, "--parallel.zero=2", "--parallel.ep=2", *MOE,
+                                                 "--model.moe_router=sigmoid-bias", "--optim.grad_clip=0.05",
+                                                 "--model.moe_capacity_factor=1.0", "--train.global_batch=8"],
+    # ep taken from the sequence axes inside a replica group of one data rank: Ulysses sp, then cp.
+    "hsdp-2x1-sp2-ep2-zero1": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.sp=2", "--parallel.zero=1",
+                               "--parallel.ep=2", *MOE],
+    "hsdp-2x1-cp2-ep2-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.cp=2", "--parallel.zero=3",
+                               "--parallel.ep=2", *MOE, "--train.global_batch=8"],
     # ZeRO-Offload: the host step reads the shard both levels reduced (tests/test_offload.py runs the
     # GPU path's stream on the CPU too, against the same HSDP run without offload).
     "hsdp-2x2-zero2-offload-cpu": [*HSDP_2X2, "--parallel.zero=2", "--offload.optimizer=cpu", "--train.global_batch=8"],
