@@ -199,6 +199,29 @@ def test_a_model_too_large_for_the_machine_is_refused_before_launch_with_a_layou
     assert preflight(small, tmp_path / "small") == []  # a model that fits: no problem, no warning
 
 
+def test_parallel_auto_plans_the_config_jsons_model_with_a_layout_the_family_runs(corpus_cache, tmp_path):
+    """``--parallel auto`` prices the config.json's model (as preflight does: Family.planner_config),
+    not the preset's model.* fields this family does not read: Llama-2-7B's shapes fit no layout of
+    2 CPU ranks of 24 GiB (once it chose dp = 2, ZeRO 0 for the tiny preset's model, predicting 1e5
+    tokens/s), and on 8 the layout chosen is one the family's own rules accept."""
+    import json
+
+    from bigtrain.plan.auto import auto_overrides
+    from bigtrain.plan.refit import _with_overrides
+
+    fields = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    fields.update(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    cfg = hf_config(corpus_cache, "llama", f"--model.hf_config={tmp_path}", "--data.seq_len=512",
+                    "--train.global_batch=16", "--train.micro_batch=8")
+    with pytest.raises(ConfigError, match="no layout of 2 rank"):
+        auto_overrides(cfg, 2, hardware="cpu")
+    chosen, why = auto_overrides(cfg, 8, hardware="cpu")
+    validate(_with_overrides(cfg, chosen))  # the family's rules accept it (no Ulysses, no interleaving)
+    assert "on 8 x cpu" in why, why
+
+
 def test_pipeline_stages_are_checked_against_the_config_jsons_layers(corpus_cache, tmp_path):
     """The stage count is checked against num_hidden_layers, not the preset's model.n_layers, which
     this family does not read (the tiny preset's 2 once refused pp = 4 of a 4-layer model)."""
