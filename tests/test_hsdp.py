@@ -428,6 +428,34 @@ def test_the_planner_cuts_experts_within_a_replica_group_and_searches_hsdp_with_
                for p in layout_problems(Layout(dp=16, zero=3, ep=16, dp_replicate=2), model, cluster, 64))
 
 
+def test_the_planner_prices_each_expert_shard_all_reduced_across_replicas_as_edp_shard_cut_it():
+    """HSDP with experts, ep 4 in node groups of 8: an expert unit is reduce-scattered over its
+    edp_shard (2 ranks), so the shard each rank all-reduces across the replicas is half the unit, not
+    an eighth as a dense unit's (grad_sync.py; the engine's units in test_hsdp's 8-rank layouts). The
+    second level's time is priced from those shards. Fails on a planner that cuts every unit over the
+    dense weights' group of 8 (the experts' inter-node traffic 4x under)."""
+    from bigtrain.plan import Cluster, Layout, ModelSpec, evaluate, get_profile
+    from bigtrain.plan.cost import stage_costs
+    from bigtrain.plan.memory import rank_units
+
+    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=2048, experts=16, top_k=2)
+    cluster = Cluster.build(16, get_profile("h100-80g"))  # two nodes of 8
+    slow = Cluster.build(16, cluster.hardware.with_values(inter_node_bandwidth=cluster.hardware.inter_node_bandwidth / 400))
+    layout = Layout(dp=16, zero=3, micro_batch=1, ep=4, dp_replicate=2)
+    root, blocks = rank_units(model, layout, 0)
+    cuts = {u.axis: layout.size(u.axis) for u in [root, *blocks]}
+    assert cuts == {"dp_shard_sp": 8, "edp_shard": 2}, cuts
+    hw, grad_bytes = slow.hardware, slow.engine.grad_reduce_bytes or 2
+    shards = [-(-u.numel // cuts[u.axis]) * grad_bytes for u in [root, *blocks]]
+    across = [hw.inter_node_latency_s * 2 + n / hw.inter_node_bandwidth for n in shards]
+    costs = stage_costs(model, layout, slow)
+    excess = max(0.0, sum(across) - hw.comm_overlap * (costs.compute_b + costs.comm_b))
+    plan = evaluate(model, layout, slow, global_batch=16)
+    m = plan.time.micro_batches
+    assert plan.time.breakdown["dp_replica_sync"] == pytest.approx(max(max(across), excess) + (m - 1) * excess,
+                                                                   rel=1e-9)
+
+
 def test_the_layout_fuzzer_draws_dp_replicate_and_validation_accepts_it():
     import random
 
