@@ -313,3 +313,22 @@ def test_the_planner_reads_and_prices_each_option():
     assert plan["offload"].memory.detail["host_activations"] >= act["none"]
     assert step["none"] < step["selective"] < step["full"]  # selective recomputes less than full
     assert step["none"] < step["fused"] and step["none"] < step["offload"]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_a_head_size_apart_from_dim_over_heads_saves_what_the_planner_says(checkpointing, corpus_cache):
+    """model.attention_head_dim (a Hugging Face head_dim, as Qwen3's 128 at hidden 1024 and 16 heads):
+    attention's q and output are n_heads x head_dim wide, not dim; measured to the byte. Fails on a
+    planner that sizes them as the hidden width."""
+    cfg = tiny_config(corpus_cache, f"--memory.checkpointing={checkpointing}", "--model.n_layers=2",
+                      "--model.attention_head_dim=32")
+    model = _model(cfg)
+    apply_activation_memory(model, activation_plan(cfg))
+    tokens, targets = _batch(cfg)
+    with SavedActivations(model) as tracker:
+        token_loss_sum(model(tokens), targets)
+    spec = ModelSpec.from_model_config(cfg.model, SEQ)
+    assert spec.heads * spec.head_dim != spec.hidden
+    blocks = block_activations(spec, "fp32", checkpointing)
+    predicted = BATCH * SEQ * cfg.model.n_layers * blocks.per_token() + head_activations(spec, "fp32").bytes(BATCH, SEQ)
+    assert tracker.peak == predicted, (tracker.peak, predicted)

@@ -217,6 +217,29 @@ def test_a_model_too_large_for_the_machine_is_refused_before_launch_with_a_layou
     assert preflight(small, tmp_path / "small") == []  # a model that fits: no problem, no warning
 
 
+def test_parallel_auto_plans_the_config_jsons_model_with_a_layout_the_family_runs(corpus_cache, tmp_path):
+    """``--parallel auto`` prices the config.json's model (as preflight does: Family.planner_config),
+    not the preset's model.* fields this family does not read: Llama-2-7B's shapes fit no layout of
+    2 CPU ranks of 24 GiB (once it chose dp = 2, ZeRO 0 for the tiny preset's model, predicting 1e5
+    tokens/s), and on 8 the layout chosen is one the family's own rules accept."""
+    import json
+
+    from bigtrain.plan.auto import auto_overrides
+    from bigtrain.plan.refit import _with_overrides
+
+    fields = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    fields.update(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    cfg = hf_config(corpus_cache, "llama", f"--model.hf_config={tmp_path}", "--data.seq_len=512",
+                    "--train.global_batch=16", "--train.micro_batch=8")
+    with pytest.raises(ConfigError, match="no layout of 2 rank"):
+        auto_overrides(cfg, 2, hardware="cpu")
+    chosen, why = auto_overrides(cfg, 8, hardware="cpu")
+    validate(_with_overrides(cfg, chosen))  # the family's rules accept it (no Ulysses, no interleaving)
+    assert "on 8 x cpu" in why, why
+
+
 def test_pipeline_stages_are_checked_against_the_config_jsons_layers(corpus_cache, tmp_path):
     """The stage count is checked against num_hidden_layers, not the preset's model.n_layers, which
     this family does not read (the tiny preset's 2 once refused pp = 4 of a 4-layer model)."""
@@ -233,6 +256,47 @@ def test_pipeline_stages_are_checked_against_the_config_jsons_layers(corpus_cach
         hf_config(corpus_cache, "llama", "--parallel.pp=4", "--train.global_batch=8", "--train.micro_batch=1")
     assert any("gives 4 stages but the layer count of its model.family = 'hf' description = 2" in p
                for p in err.value.problems), err.value.problems
+
+
+# A config.json's shapes the planner must price as the model transformers builds from it: a
+# head_dim that is not hidden / heads (Qwen3-0.6B: 128 at hidden 1024 and 16 heads), kv heads or
+# head_dim left to the architecture's default (Qwen2's and Qwen3's 32 kv heads, Qwen3's head_dim
+# 128, Mistral's 8 kv heads), attention_bias where the architecture reads it (not Mistral's or
+# Qwen2's), Qwen2's q/k/v biases.
+SHAPE_VARIANTS = {
+    "llama-head-dim-32": ("llama", {"head_dim": 32}, {}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}, {}),
+    "mistral-kv-heads-default": ("mistral", {}, {"num_key_value_heads"}),
+    "mistral-attention-bias-unread": ("mistral", {"attention_bias": True}, {}),
+    "qwen2-qkv-biases": ("qwen2", {}, {}),
+    "qwen2-kv-heads-default": ("qwen2", {}, {"num_key_value_heads"}),
+    "qwen2-attention-bias-unread": ("qwen2", {"attention_bias": True}, {}),
+    "qwen3-head-dim-default": ("qwen3", {}, {"head_dim"}),
+    "qwen3-head-dim-32-attention-bias": ("qwen3", {"head_dim": 32, "attention_bias": True}, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPE_VARIANTS))
+def test_the_planner_counts_the_parameters_transformers_builds(corpus_cache, tmp_path, name):
+    """The size check's parameter count (the planner's spec of Family.planner_config) equals the
+    transformers model's, exactly, but for Qwen3's q/k norms (2 x head_dim a layer), which
+    bigtrain's Llama has not. Fails on a planner that reads hidden / heads for the head size, drops
+    the biases, or reads a field the file leaves out as bigtrain's default instead of the
+    architecture's."""
+    import json
+
+    from bigtrain.families.hf import parameter_count, planner_config
+    from bigtrain.plan.model import ModelSpec
+
+    arch, changed, dropped = SHAPE_VARIANTS[name]
+    fields = {k: v for k, v in json.loads((FIXTURES / arch / "config.json").read_text()).items() if k not in dropped}
+    (tmp_path / "config.json").write_text(json.dumps({**fields, **changed}))
+    cfg = hf_config(corpus_cache, arch, f"--model.hf_config={tmp_path}")
+    priced = planner_config(cfg)
+    spec = ModelSpec.from_model_config(priced.model, priced.data.seq_len)
+    built = parameter_count(cfg)
+    qk_norms = 2 * spec.head_dim * spec.layers if arch == "qwen3" else 0
+    assert spec.params + qk_norms == built, (name, spec.params, built)
 
 
 def test_qwen3_norms_per_head_are_partial_under_tp():

@@ -46,6 +46,16 @@ LAYOUTS = {
     # 8 ranks, ZeRO groups of 4: the experts' ZeRO group has 2 ranks (edp_shard), so both levels cut them.
     "hsdp-2x4-ep2-zero2-8-ranks": ["--parallel.dp=8", "--parallel.dp_replicate=2", "--parallel.zero=2",
                                    "--parallel.ep=2", *MOE, "--train.global_batch=8"],
+    # The sigmoid-bias router (its bias moved by the loads summed over every data rank, both levels),
+    # clipping that counts each expert shard once (replicated over dp_replicate) and dropped tokens.
+    "hsdp-2x2-ep2-zero2-sigmoid-clip-capacity": [*HSDP_2X2, "--parallel.zero=2", "--parallel.ep=2", *MOE,
+                                                 "--model.moe_router=sigmoid-bias", "--optim.grad_clip=0.05",
+                                                 "--model.moe_capacity_factor=1.0", "--train.global_batch=8"],
+    # ep taken from the sequence axes inside a replica group of one data rank: Ulysses sp, then cp.
+    "hsdp-2x1-sp2-ep2-zero1": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.sp=2", "--parallel.zero=1",
+                               "--parallel.ep=2", *MOE],
+    "hsdp-2x1-cp2-ep2-zero3": ["--parallel.dp=2", "--parallel.dp_replicate=2", "--parallel.cp=2", "--parallel.zero=3",
+                               "--parallel.ep=2", *MOE, "--train.global_batch=8"],
     # ZeRO-Offload: the host step reads the shard both levels reduced (tests/test_offload.py runs the
     # GPU path's stream on the CPU too, against the same HSDP run without offload).
     "hsdp-2x2-zero2-offload-cpu": [*HSDP_2X2, "--parallel.zero=2", "--offload.optimizer=cpu", "--train.global_batch=8"],
@@ -128,6 +138,30 @@ def test_gradients_are_reduce_scattered_in_the_group_and_all_reduced_across_repl
         # step count (a scalar) for each of the at most two pieces of a unit.
         for optimizer in (held["optimizer"], planned.optimizer):
             assert 0 <= optimizer - 2 * 4 * flat // S <= 8 * 2 * len(units), (held, planned)
+
+
+@pytest.mark.parametrize("layout", [
+    [*HSDP_2X2, "--parallel.zero=1", "--parallel.ep=2", *MOE],
+    ["--parallel.dp=4", "--parallel.zero=2", "--parallel.ep=2", *MOE],
+], ids=["hsdp2x2-ep2-zero1", "dp4-ep2-zero2"])
+def test_the_size_check_prices_the_expert_shards_the_engine_holds(layout, corpus_cache, tmp_path):
+    """The layout the size check, the fit check and the run record price (plan/fit.py _layout) has
+    the configured ep: under ZeRO 1-2 each rank holds E / ep experts' weights and fp32 gradients
+    whole, and the planner's bytes are the engine's, byte for byte (its optimizer state: the moments
+    exact, the step counts a few scalars). Fails on a layout without ep, which prices every expert
+    on every rank (1.7x the engine's parameters here)."""
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+
+    cfg = tiny_config(corpus_cache, *SMALL_BATCH, *layout)
+    assert _layout(cfg).ep == 2
+    planned = estimate_memory(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg),
+                              get_profile("cpu"), cfg.train.global_batch)
+    for _, units, held, _ in run_ranks(_one_step, 4, cfg, str(tmp_path), timeout=600):
+        assert (held["params"], held["grads"]) == (planned.params, planned.grads), (held, planned, units)
+        assert 0 <= held["optimizer"] - planned.optimizer <= 8 * 2 * len(units), (held, planned)
 
 
 # -- the replica all-reduce overlaps the backward --------------------------------------------------------
@@ -392,6 +426,34 @@ def test_the_planner_cuts_experts_within_a_replica_group_and_searches_hsdp_with_
     assert (2, 16) not in found  # ep 16 would cross the nodes' ZeRO groups
     assert any("must divide dp_shard x cp x sp = 8" in p
                for p in layout_problems(Layout(dp=16, zero=3, ep=16, dp_replicate=2), model, cluster, 64))
+
+
+def test_the_planner_prices_each_expert_shard_all_reduced_across_replicas_as_edp_shard_cut_it():
+    """HSDP with experts, ep 4 in node groups of 8: an expert unit is reduce-scattered over its
+    edp_shard (2 ranks), so the shard each rank all-reduces across the replicas is half the unit, not
+    an eighth as a dense unit's (grad_sync.py; the engine's units in test_hsdp's 8-rank layouts). The
+    second level's time is priced from those shards. Fails on a planner that cuts every unit over the
+    dense weights' group of 8 (the experts' inter-node traffic 4x under)."""
+    from bigtrain.plan import Cluster, Layout, ModelSpec, evaluate, get_profile
+    from bigtrain.plan.cost import stage_costs
+    from bigtrain.plan.memory import rank_units
+
+    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=2048, experts=16, top_k=2)
+    cluster = Cluster.build(16, get_profile("h100-80g"))  # two nodes of 8
+    slow = Cluster.build(16, cluster.hardware.with_values(inter_node_bandwidth=cluster.hardware.inter_node_bandwidth / 400))
+    layout = Layout(dp=16, zero=3, micro_batch=1, ep=4, dp_replicate=2)
+    root, blocks = rank_units(model, layout, 0)
+    cuts = {u.axis: layout.size(u.axis) for u in [root, *blocks]}
+    assert cuts == {"dp_shard_sp": 8, "edp_shard": 2}, cuts
+    hw, grad_bytes = slow.hardware, slow.engine.grad_reduce_bytes or 2
+    shards = [-(-u.numel // cuts[u.axis]) * grad_bytes for u in [root, *blocks]]
+    across = [hw.inter_node_latency_s * 2 + n / hw.inter_node_bandwidth for n in shards]
+    costs = stage_costs(model, layout, slow)
+    excess = max(0.0, sum(across) - hw.comm_overlap * (costs.compute_b + costs.comm_b))
+    plan = evaluate(model, layout, slow, global_batch=16)
+    m = plan.time.micro_batches
+    assert plan.time.breakdown["dp_replica_sync"] == pytest.approx(max(max(across), excess) + (m - 1) * excess,
+                                                                   rel=1e-9)
 
 
 def test_the_layout_fuzzer_draws_dp_replicate_and_validation_accepts_it():

@@ -55,6 +55,15 @@ CASES = {
     "optimizer-cpu-hsdp2x2-zero2": (["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.zero=2",
                                      "--train.global_batch=16"],
                                     ["--offload.optimizer=cpu"]),
+    # ZeRO-1 whose gradient leaves the device every micro-batch (the stream), and experts (their
+    # shards all-reduced over dp_replicate as the dense ones).
+    "optimizer-cpu-hsdp2x2-zero1-accum2": (["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.zero=1",
+                                            "--train.global_batch=16", "--train.micro_batch=2"],
+                                           ["--offload.optimizer=cpu"]),
+    "optimizer-cpu-hsdp2x2-ep2-zero2": (["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.zero=2",
+                                         "--parallel.ep=2", "--model.moe_experts=4", "--model.moe_top_k=2",
+                                         "--train.global_batch=16", "--train.micro_batch=2"],
+                                        ["--offload.optimizer=cpu"]),
     "both-nvme-hsdp2x2-zero3-accum2": (["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.zero=3",
                                         "--train.global_batch=16", "--train.micro_batch=2"],
                                        ["--offload.optimizer=nvme", "--offload.params=nvme"]),

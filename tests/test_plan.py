@@ -463,3 +463,20 @@ def test_the_search_weighs_cp_for_long_sequences_only():
     assert fixed.best.layout.cp == 2 and "--parallel.cp=2" in fixed.best.layout.to_overrides()
     assert "cp = 3" in " ".join(layout_problems(Layout(cp=3, dp=1), ModelSpec.build(**LONG_SEQUENCE),
                                                 Cluster.build(3, PRESETS["cpu"]), 1))
+
+
+@pytest.mark.parametrize("fields", [
+    {"attention_head_dim": 32},
+    {"qkv_bias": True},
+    {"attention_bias": True, "attention_head_dim": 8, "n_kv_heads": 2},
+], ids=["head-dim", "qkv-bias", "attention-bias-head-dim-gqa"])
+def test_the_spec_counts_the_llama_it_describes(fields):
+    """ModelSpec.from_model_config prices the runtime's Llama: its parameter count is the built
+    model's, with a head size that is not dim / n_heads and with attention biases (the fields a
+    Hugging Face config.json maps to). Fails on a spec that reads dim / n_heads for the head size
+    or leaves the biases out."""
+    from dataclasses import replace as with_fields
+
+    cfg = with_fields(ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=32), **fields)
+    built = sum(p.numel() for p in build_model(cfg).parameters())
+    assert ModelSpec.from_model_config(cfg, 32).params == built, (fields, built)

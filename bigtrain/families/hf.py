@@ -37,6 +37,8 @@ CONFIG_FILE = "config.json"
 # architecture -> the model_type its config.json carries
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3"}
+# the architectures whose attention_bias puts biases on q, k, v and the output projection
+ATTENTION_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 ATTENTION = "sdpa"  # torch's scaled_dot_product_attention: what the reference runs too
 
 
@@ -239,18 +241,39 @@ def check_hf(cfg: Config) -> list[str]:
     return problems
 
 
+# The config.json fields the planner reads, as transformers resolves them: a field left out of the
+# file takes its architecture's default (Qwen2's and Qwen3's 32 kv heads, Qwen3's head_dim of 128,
+# Mistral's 8 kv heads), which is what the model built from it has.
+DESCRIBED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size", "tie_word_embeddings", "head_dim", "attention_bias")
+
+
+def described_fields(cfg: Config) -> dict:
+    """The config.json's fields with its architecture's defaults filled in (by transformers, when
+    it is installed; without it the family is refused by check_hf and the file's own are read)."""
+    fields = read_config(cfg)
+    try:
+        conf = hf_config(cfg)
+    except ImportError:
+        return fields
+    return {**fields, **{k: getattr(conf, k) for k in DESCRIBED if getattr(conf, k, None) is not None}}
+
+
 def planner_config(cfg: Config) -> Config:
     """``cfg`` with bigtrain's Llama of the config.json's shapes in place of the model: what the
     planner prices before launch (the same GEMMs, attention and saved activations up to the
-    architectures' small differences: Qwen2's q/k/v biases are counted, Qwen3's q/k norms are not)."""
-    fields = read_config(cfg)
+    architectures' small differences: head_dim, q/k/v and output biases are counted, Qwen3's q/k
+    norms and Llama's mlp_bias are not). Fields the file leaves out take the architecture's
+    defaults (:func:`described_fields`)."""
+    fields = described_fields(cfg)
     heads = fields["num_attention_heads"]
     model = dataclasses.replace(
         cfg.model, family="llama", hf_config="", init_from="", dim=fields["hidden_size"],
         n_layers=fields["num_hidden_layers"], n_heads=heads, n_kv_heads=fields.get("num_key_value_heads") or heads,
         ffn_hidden=fields["intermediate_size"], vocab_size=fields["vocab_size"], max_seq_len=cfg.data.seq_len,
         tie_embeddings=bool(fields.get("tie_word_embeddings", False)), attention_head_dim=fields.get("head_dim") or 0,
-        qkv_bias=architecture(fields) == "Qwen2ForCausalLM", attention_bias=bool(fields.get("attention_bias", False)))
+        qkv_bias=architecture(fields) == "Qwen2ForCausalLM",  # Mistral and Qwen2 read no attention_bias
+        attention_bias=architecture(fields) in ATTENTION_BIASED and bool(fields.get("attention_bias", False)))
     return dataclasses.replace(cfg, model=model)
 
 

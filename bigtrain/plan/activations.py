@@ -244,6 +244,7 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
     """The itemized saved tensors of one block (see the module docstring); ``compiled``: the run
     compiles its blocks (``Layout.compiled``)."""
     nbytes, h, k, f = BYTES[precision], model.hidden, model.kv_dim, model.activation_ffn
+    q = model.heads * model.head_dim  # attention's query and output width (h unless a head size is set)
     first_norm, second_norm = ("attention_norm", "ffn_norm") if model.mlp == "swiglu" else ("ln_1", "ln_2")
     int8 = compression == "int8"
     linear_in = _int8(h) if int8 else nbytes * h  # a norm's output, as the linears after it keep it
@@ -251,9 +252,9 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
     core_recomputed = selective and selective_attention
     compiled = compiles_blocks(model, compiled, recompute, compression, selective_attention)
     if compiled and selective:  # the compiler recomputes the norms' outputs and the product as well
-        attention = [("attention.q", nbytes * h, "split"), ("attention.k", nbytes * k, "split"),
+        attention = [("attention.q", nbytes * q, "split"), ("attention.k", nbytes * k, "split"),
                      ("attention.v", nbytes * k, "split"), ("attention.logsumexp", 4 * model.heads, "split"),
-                     ("attention.output", nbytes * h, "split")]
+                     ("attention.output", nbytes * q, "split")]
         items = [(f"{first_norm}.input", nbytes * h, "norm_in"), *attention,
                  (f"{second_norm}.input", nbytes * h, "norm_in"),
                  ("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split")]
@@ -264,14 +265,14 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
         items = [(f"{first_norm}.input", nbytes * h, "norm_in"), (f"{first_norm}.output", linear_in, "norm_out")]
     else:
         items = _norm_items(model, nbytes, first_norm, linear_in, compiled)
-    items += [("attention.q", nbytes * h, "split"), ("attention.k", nbytes * k, "split"),
+    items += [("attention.q", nbytes * q, "split"), ("attention.k", nbytes * k, "split"),
               ("attention.v", nbytes * k, "split")]
     if core_recomputed:  # no log-sum-exp; wo alone keeps attention's output
-        items.append(("attention.output", _int8(h) if int8 else nbytes * h, "split"))
+        items.append(("attention.output", _int8(q) if int8 else nbytes * q, "split"))
     else:
-        items += [("attention.logsumexp", 4 * model.heads, "split"), ("attention.output", nbytes * h, "split")]
+        items += [("attention.logsumexp", 4 * model.heads, "split"), ("attention.output", nbytes * q, "split")]
         if int8:  # wo's int8 copy; SDPA keeps its output all the same
-            items.append(("attention.wo_input", _int8(h), "split"))
+            items.append(("attention.wo_input", _int8(q), "split"))
     if selective:
         items += [(f"{second_norm}.input", nbytes * h, "norm_in"), (f"{second_norm}.output", linear_in, "norm_out")]
     else:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
-from bigtrain.config import Config, ConfigError
+from bigtrain.config import Config, ConfigError, apply_values, parse_overrides
+from bigtrain.families import family_of
 from bigtrain.plan.fit import runtime_compiles
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, sharing_cores
 from bigtrain.plan.layout import Cluster
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.search import search
+from bigtrain.validation import validate
 
 _GPU_NAMES = {"H200": "h200-141g", "H100": "h100-80g", "A100-SXM4-80GB": "a100-80g", "A100": "a100-40g"}
 
@@ -31,7 +34,11 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     The precision stays what the config says; the planner chooses degrees, ZeRO stage, sequence
     parallelism, micro-batch size and checkpointing. ``hardware_file``: a profile of this machine
     (``bigtrain bench --calibrate --output``) instead of the preset."""
-    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    # A family described by its own file (a Hugging Face config.json) is priced as bigtrain's Llama
+    # of its shapes (Family.planner_config), as preflight's size check prices it: not the preset's
+    # model.* fields, which such a family does not read.
+    planner_config = family_of(cfg).planner_config
+    model = ModelSpec.from_model_config((planner_config(cfg) if planner_config else cfg).model, cfg.data.seq_len)
     here = local_hardware()
     profile = get_profile(hardware or here) if hardware_file is None else load_profile(hardware_file)
     if hardware in (None, "cpu") and here == "cpu":  # this machine's CPU ranks
@@ -59,9 +66,25 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
         raise ConfigError(f"--parallel auto: no layout of {world_size} rank(s) fits this model{lack}; "
                           f"add ranks or lower train.micro_batch / data.seq_len")
     best = result.best
+    if planner_config is not None:  # the fastest fitting layout the family's own rules accept
+        best = next((plan for plan in result.ranked if _accepted(cfg, plan.layout.to_overrides())), None)
+        if best is None:
+            raise ConfigError(f"--parallel auto: no layout of {world_size} rank(s) that fits this model is one "
+                              f"model.family = '{cfg.model.family}' runs; choose the layout by hand")
     why = (f"--parallel auto: {best.layout.describe()} on {world_size} x {cluster.hardware.name}, "
            f"predicted {best.tokens_per_s:,.0f} tokens/s ({len(result.ranked)} layouts fit)")
     return best.layout.to_overrides(), why
+
+
+def _accepted(cfg: Config, overrides: list[str]) -> bool:
+    """Whether the run's own validation accepts ``cfg`` with the planner's layout ``overrides``."""
+    chosen = copy.deepcopy(cfg)
+    try:
+        apply_values(chosen, parse_overrides(overrides), "the planner's layout")
+        validate(chosen)
+    except ConfigError:
+        return False
+    return True
 
 
 def _batch_hint(global_batch: int, world_size: int, problems: list[str]) -> list[str]:

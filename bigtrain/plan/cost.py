@@ -270,11 +270,17 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
 # -- data parallel / ZeRO ----------------------------------------------------------------------------
 def _largest_rank_units(model: ModelSpec, layout: Layout) -> list[int]:
     """The ZeRO units' sizes on the pipeline rank holding the most parameters."""
+    return [n for n, _ in _largest_rank_unit_groups(model, layout)]
+
+
+def _largest_rank_unit_groups(model: ModelSpec, layout: Layout) -> list[tuple[int, int]]:
+    """(size, ranks of the group that reduces and cuts it) of each ZeRO unit on the pipeline rank
+    holding the most parameters: the dense weights' group, or for experts edp (edp_shard under HSDP)."""
     ranks = []
     for r in checked_pp_ranks(layout.pp):
         root, blocks = rank_units(model, layout, r)
-        ranks.append([u.numel for u in ([root] if root else []) + blocks])
-    return max(ranks, key=lambda sizes: (sum(sizes), max(sizes)))
+        ranks.append([(u.numel, layout.size(u.axis)) for u in ([root] if root else []) + blocks])
+    return max(ranks, key=lambda units: (sum(n for n, _ in units), max(n for n, _ in units)))
 
 
 def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: StageCosts,
@@ -313,7 +319,8 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
             # nothing else uses that link: only what the link cannot carry within a backward's window
             # is left of those; the last unit's waits once a step.
             across = link_of(cluster, layout, ("dp_replicate",))
-            shards = [-(-n // group) * grad_bytes for n in sizes]
+            # each unit's shard as its own group cut it: an expert unit over edp_shard, a dense one over group
+            shards = [-(-n // cut) * grad_bytes for n, cut in _largest_rank_unit_groups(model, layout)]
             sync = sum(across.collective("all_reduce", shard, layout.dp_replicate) for shard in shards)
             tail = across.collective("all_reduce", max(shards), layout.dp_replicate)
             excess = max(0.0, sync - window_b)

@@ -77,7 +77,7 @@ def _layout(cfg: Config, cuda: bool = False):
 
     p = cfg.parallel
     optimizer, params = _offload_tiers(cfg, cuda)
-    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, sp=p.sp, cp=p.cp, cp_mode=p.cp_mode, zero=p.zero,
+    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, sp=p.sp, cp=p.cp, cp_mode=p.cp_mode, zero=p.zero, ep=p.ep,
                   micro_batch=cfg.train.micro_batch,
                   schedule=p.pp_schedule, v=p.pp_virtual, recompute=cfg.memory.checkpointing,
                   every=cfg.memory.checkpoint_every, tp_sp=p.sequence_parallel, precision=cfg.precision.mode,

@@ -76,6 +76,12 @@ class ModelSpec:
     moe_every: int = 1
     expert_hidden: int = 0
     shared_expert: bool = False
+    # Attention shapes beyond hidden / heads (model.attention_head_dim, a Hugging Face head_dim such
+    # as Qwen3's 128 at hidden 1024 and 16 heads: 0 means hidden / heads) and the projections'
+    # biases (model.qkv_bias or attention_bias on q, k, v; attention_bias on the output too).
+    head_size: int = 0
+    qkv_bias: bool = False
+    out_bias: bool = False
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -83,7 +89,8 @@ class ModelSpec:
         """The spec of the runtime's Llama built from ``cfg`` and trained on ``seq``-token samples."""
         return cls(layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.kv_heads,
                    vocab=cfg.vocab_size, seq=seq, ffn_hidden=cfg.ffn_dim, mlp="swiglu",
-                   tie_embeddings=cfg.tie_embeddings, name=name, **moe_fields(cfg))
+                   tie_embeddings=cfg.tie_embeddings, name=name, head_size=cfg.attention_head_dim,
+                   qkv_bias=cfg.q_bias, out_bias=cfg.attention_bias, **moe_fields(cfg))
 
     @classmethod
     def build(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, kv_heads: int = 0,
@@ -102,7 +109,7 @@ class ModelSpec:
     # -- shapes ----------------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     @property
     def kv_dim(self) -> int:
@@ -113,8 +120,12 @@ class ModelSpec:
         """One transformer block's parameters."""
         h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
         if self.mlp == "swiglu":
-            return [Tensor("attention.wq", (h, h), True, "col"), Tensor("attention.wk", (kv, h), True, "col"),
-                    Tensor("attention.wv", (kv, h), True, "col"), Tensor("attention.wo", (h, h), True, "row"),
+            q = self.heads * self.head_dim
+            biases = [Tensor(f"attention.{w}.bias", (n,), False, "col") for w, n in (("wq", q), ("wk", kv), ("wv", kv))
+                      if self.qkv_bias] + ([Tensor("attention.wo.bias", (h,), False, "rep")] if self.out_bias else [])
+            return [Tensor("attention.wq", (q, h), True, "col"), Tensor("attention.wk", (kv, h), True, "col"),
+                    Tensor("attention.wv", (kv, h), True, "col"), Tensor("attention.wo", (h, q), True, "row"),
+                    *biases,
                     Tensor("feed_forward.w1", (f, h), True, "col"), Tensor("feed_forward.w3", (f, h), True, "col"),
                     Tensor("feed_forward.w2", (h, f), True, "row"), Tensor("attention_norm", (h,), False, "rep"),
                     Tensor("ffn_norm", (h,), False, "rep")]
