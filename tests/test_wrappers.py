@@ -96,7 +96,8 @@ def test_no_transform_leaves_an_attribute_on_a_module(policy):
         assert transforms["layers.0"] == ("checkpoint",)  # a dense block holding int8 linears: not compiled whole
         assert "compile" in transforms["layers.0.attention.core"]
     else:
-        assert transforms["layers.0.attention.core"] == ("compile", "recompute")
+        # the recomputed attention core runs eagerly under compile (memory/selective.py): no region of its own
+        assert transforms["layers.0.attention.core"] == ("recompute",)
         assert transforms["layers.1.attention_norm"] == ("compile", "recompute")
 
 
