@@ -177,7 +177,7 @@ def write_report(run_dir: Path) -> Path | None:
     if not records:
         return None
     plot_loss(records, run_dir / "loss.png")
-    if "auc" in records[-1]:  # a recommender's records: samples, AUC and log loss instead of tokens
+    if "samples_per_s" in records[-1]:  # a recommender's records: samples, AUC and log loss instead of tokens
         return _write_recommender_report(run_dir, records)
     s = summarize(records)
     run = _read_json(run_dir / "summary.json")
@@ -206,17 +206,21 @@ def write_report(run_dir: Path) -> Path | None:
 
 
 def _write_recommender_report(run_dir: Path, records: list[dict]) -> Path:
-    """A click model's report: its loss, held-out AUC and log loss over the logged steps, samples/s."""
+    """A click model's report: its loss, held-out AUC and log loss over the logged steps, samples/s
+    (a step logged without held-out metrics, one the NaN policy skipped, shows none)."""
     first, last = records[0], records[-1]
     speeds = [r["samples_per_s"] for r in records[1:] or records]
+    evaluated = [r for r in records if "auc" in r]
     run = _read_json(run_dir / "summary.json")
+    a, b = (evaluated[0], evaluated[-1]) if evaluated else (None, None)
+    held_out = (f"- held-out AUC {a['auc']:.4f} -> {b['auc']:.4f}; log loss {a['log_loss']:.4f} -> "
+                f"{b['log_loss']:.4f} (after step {b['step']})" if evaluated else "- no held-out metrics were logged")
     lines = [f"# Run report: {run_dir.name}", "", *_identity_lines(run, read_segments(run_dir)),
-             f"- steps: {last['step']}; loss {first['loss']:.4f} -> {last['loss']:.4f}",
-             f"- held-out AUC {first['auc']:.4f} -> {last['auc']:.4f}; log loss {first['log_loss']:.4f} -> "
-             f"{last['log_loss']:.4f} (after step {last['step']})",
+             f"- steps: {last['step']}; loss {first['loss']:.4f} -> {last['loss']:.4f}", held_out,
              f"- median throughput: {statistics.median(speeds):,.0f} samples/s", "", "![loss](loss.png)", "",
              "| step | loss | AUC | log loss | samples/s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['step']} | {r['loss']:.4f} | {r['auc']:.4f} | {r['log_loss']:.4f} | {r['samples_per_s']:,.0f} |"
+    held = {r["step"]: f"{r['auc']:.4f} | {r['log_loss']:.4f}" for r in evaluated}
+    lines += [f"| {r['step']} | {r['loss']:.4f} | {held.get(r['step'], '- | -')} | {r['samples_per_s']:,.0f} |"
               for r in records]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")

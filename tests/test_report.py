@@ -113,3 +113,20 @@ def test_a_recommender_run_writes_its_report(tmp_path):
     assert "- held-out AUC " in report and "samples/s" in report and (out / "loss.png").is_file()
     assert [line.split(" | ")[0] for line in report.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")] \
         == ["| 2", "| 4"]
+
+
+def test_a_recommender_report_when_its_last_logged_step_has_no_held_out_metrics(tmp_path):
+    """A step the NaN policy skipped is logged without AUC: the report still reads as a click
+    model's (samples/s, the held-out metrics of the steps that have them), where it once either
+    fell to the decoder's report, which reads tokens/s, or raised on the missing AUC."""
+    import json
+
+    from bigtrain.report import write_report
+
+    records = [{"step": 1, "loss": 0.7, "samples_per_s": 900.0, "auc": 0.51, "log_loss": 0.69},
+               {"step": 2, "loss": 0.6, "samples_per_s": 1000.0, "auc": 0.55, "log_loss": 0.66},
+               {"step": 3, "loss": float("nan"), "samples_per_s": 1100.0, "skipped": True}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = write_report(tmp_path).read_text()
+    assert "- held-out AUC 0.5100 -> 0.5500; log loss 0.6900 -> 0.6600 (after step 2)" in report
+    assert "| 3 | nan | - | - | 1,100 |" in report and "tokens/s" not in report
