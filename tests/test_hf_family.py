@@ -21,7 +21,7 @@ import torch
 from bigtrain.config import ConfigError
 from bigtrain.testing import run_ranks
 from bigtrain.validation import validate
-from tests.helpers import assert_rel_close, tiny_config, trainer_on_rank
+from tests.helpers import assert_rel_close, tiny_config, trainer_on_rank, warm_compiler
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,11 +132,11 @@ def test_activation_offload_moves_the_decoder_layers_saved_tensors_and_trains_as
     assert_matches_reference(losses, weights, reference(corpus_cache, arch), f"{arch} {layout} offloaded")
 
 
-# Regional compilation of the decoder layers (compile.enabled): one process, and the deepest layout
-# (ZeRO-3 gathers around the compiled layer, tp's collectives break its graph, recomputation
-# around it) on Qwen3, whose per-head q/k norms are inside the graph.
-COMPILED = {"llama-one-process": ("llama", []),
-            "qwen3-dp2-zero3-tp2-sp-recompute": ("qwen3", LAYOUTS["dp2-zero3-tp2-sp-recompute"])}
+# Regional compilation of the decoder layers (compile.enabled), on the deepest layout (ZeRO-3
+# gathers around the compiled layer, tp's collectives break its graph, recomputation around it)
+# and Qwen3, whose per-head q/k norms are inside the graph. One case: each is a cold compile on
+# every rank (the fuzzer compiles others: check.fuzz --hf-share 1).
+COMPILED = {"qwen3-dp2-zero3-tp2-sp-recompute": ("qwen3", LAYOUTS["dp2-zero3-tp2-sp-recompute"])}
 
 
 @pytest.mark.parametrize("name", list(COMPILED))
@@ -144,6 +144,7 @@ def test_compiled_decoder_layers_match_transformers_reference(corpus_cache, name
     arch, layout = COMPILED[name]
     cfg = hf_config(corpus_cache, arch, *layout, "--compile.enabled=true")
     world = cfg.parallel.world_size
+    warm_compiler()  # the ranks inherit inductor's once-a-process set-up instead of each paying it
     with tempfile.TemporaryDirectory() as run_dir:
         results = (run_ranks(_train_compiled, world, cfg, run_dir, timeout=600) if world > 1
                    else [_train_compiled(0, 1, cfg, run_dir)])
@@ -398,8 +399,10 @@ def test_check_refuses_what_the_reference_does_not_state(corpus_cache):
 
 # -- the layout fuzzer -------------------------------------------------------------------------------
 FUZZ_SEED = 20261127
+# Not compiled here (compile_share 0: each compiled sample is a cold compile of tens of seconds);
+# compiled layers have their own test above.
 FUZZ_SAMPLES = [s for s in (__import__("bigtrain.check.fuzz", fromlist=["draw_sample"]).draw_sample(
-    FUZZ_SEED, i, 8, dlrm_share=0.0, hf_share=1.0) for i in range(8))]
+    FUZZ_SEED, i, 8, dlrm_share=0.0, hf_share=1.0, compile_share=0.0) for i in range(8))]
 
 
 @pytest.mark.parametrize("overrides", FUZZ_SAMPLES, ids=[" ".join(o.split("=", 1)[1] for o in s[1:6])
