@@ -9,6 +9,7 @@ reports every problem it finds with the field's dotted name and a fix.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import sys
@@ -213,6 +214,13 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
         key, value = text.split("=", 1)
         section, name = key.split(".", 1)
         out.setdefault(section, {})[name.replace("-", "_")] = value
+    return out
+
+
+def with_overrides(cfg: Config, overrides: list[str], origin: str) -> Config:
+    """A copy of ``cfg`` with ``overrides`` (``--section.key=value``) applied; ``origin`` names them in errors."""
+    out = copy.deepcopy(cfg)
+    apply_values(out, parse_overrides(overrides), origin)
     return out
 
 

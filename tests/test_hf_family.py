@@ -196,7 +196,7 @@ def test_a_model_too_large_for_the_machine_is_refused_before_launch_with_a_layou
     import json
 
     import bigtrain.plan.fit as fit
-    from bigtrain.plan.refit import _with_overrides
+    from bigtrain.config import with_overrides
     from bigtrain.preflight import preflight
 
     folder = tmp_path / "llama-7b"
@@ -214,7 +214,7 @@ def test_a_model_too_large_for_the_machine_is_refused_before_launch_with_a_layou
     assert "model.family = 'hf', priced as bigtrain's Llama" in text and "6.74e+09 parameters" in text, text
     assert "100 GiB per rank" in text and "this machine has 24 GiB" in text, text
     proposed = text.split("GiB per rank): ")[1].split()
-    validate(_with_overrides(cfg, proposed))  # the family's own rules accept what is proposed
+    validate(with_overrides(cfg, proposed, "the proposal"))  # the family's own rules accept what is proposed
     small = hf_config(corpus_cache, "llama")
     assert preflight(small, tmp_path / "small") == []  # a model that fits: no problem, no warning
 
@@ -227,7 +227,7 @@ def test_parallel_auto_plans_the_config_jsons_model_with_a_layout_the_family_run
     import json
 
     from bigtrain.plan.auto import auto_overrides
-    from bigtrain.plan.refit import _with_overrides
+    from bigtrain.config import with_overrides
 
     fields = json.loads((FIXTURES / "llama" / "config.json").read_text())
     fields.update(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -238,7 +238,7 @@ def test_parallel_auto_plans_the_config_jsons_model_with_a_layout_the_family_run
     with pytest.raises(ConfigError, match="no layout of 2 rank"):
         auto_overrides(cfg, 2, hardware="cpu")
     chosen, why = auto_overrides(cfg, 8, hardware="cpu")
-    validate(_with_overrides(cfg, chosen))  # the family's rules accept it (no Ulysses, no interleaving)
+    validate(with_overrides(cfg, chosen, "the proposal"))  # the family's rules accept it (no Ulysses, no interleaving)
     assert "on 8 x cpu" in why, why
 
 

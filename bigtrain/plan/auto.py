@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import os
 
-from bigtrain.config import Config, ConfigError, apply_values, parse_overrides
+from bigtrain.config import Config, ConfigError, with_overrides
 from bigtrain.families import family_of
 from bigtrain.plan.fit import runtime_compiles
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, sharing_cores
@@ -78,10 +77,8 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
 
 def _accepted(cfg: Config, overrides: list[str]) -> bool:
     """Whether the run's own validation accepts ``cfg`` with the planner's layout ``overrides``."""
-    chosen = copy.deepcopy(cfg)
     try:
-        apply_values(chosen, parse_overrides(overrides), "the planner's layout")
-        validate(chosen)
+        validate(with_overrides(cfg, overrides, "the planner's layout"))
     except ConfigError:
         return False
     return True

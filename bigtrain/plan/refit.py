@@ -14,10 +14,9 @@ micro-batch; the precision, the optimizer and the activation options stay what t
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
-from bigtrain.config import Config, ConfigError, apply_values, parse_overrides
+from bigtrain.config import Config, ConfigError, with_overrides
 from bigtrain.plan.fit import runtime_compiles, size_check, size_problems
 
 MACHINES_MAX = 1024
@@ -33,12 +32,6 @@ def _overrides_that_differ(cfg: Config, overrides: list[str]) -> list[str]:
         current = str(current).lower() if isinstance(current, bool) else str(current)
         if current != value:
             out.append(text)
-    return out
-
-
-def _with_overrides(cfg: Config, overrides: list[str]) -> Config:
-    out = copy.deepcopy(cfg)
-    apply_values(out, parse_overrides(overrides), "the planner's layout")
     return out
 
 
@@ -75,11 +68,11 @@ def _runnable(cfg: Config, result, local_ranks: int, cuda: bool, runs_as: Config
 
     for plan in (result.ranked[:CANDIDATES] if result else []):
         overrides = _overrides_that_differ(cfg, plan.layout.to_overrides())
-        candidate = _with_overrides(cfg, overrides)
+        candidate = with_overrides(cfg, overrides, "the planner's layout")
         try:
             validate(candidate)
             if runs_as is not None:
-                validate(_with_overrides(runs_as, overrides))
+                validate(with_overrides(runs_as, overrides, "the planner's layout"))
         except ConfigError:
             continue  # a layout the planner models but the runtime does not run
         if size_problems(candidate, local_ranks, cuda)[0]:
