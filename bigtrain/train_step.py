@@ -90,7 +90,9 @@ def parallelize_family(family: Family, cfg: Config, mesh: Mesh, run_dir: str, de
         styles = family.tp_plan(model, tp, plan.tensor.sequence_parallel and tp > 1, sp > 1)
         plan = dataclasses.replace(plan, tensor=dataclasses.replace(plan.tensor, styles=styles))
     if family.blocks is not None:
-        plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, blocks=family.blocks))
+        plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, blocks=family.blocks),
+                                   float8=dataclasses.replace(plan.float8, blocks=family.blocks))
+    plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, head=family.head))
     if family.split_stages is not None:
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=family.split_stages))
     init_fn = family.init_fn(cfg, model) if family.init_fn is not None else initial_weights(cfg.model)

@@ -339,6 +339,21 @@ def check_evaluation(cfg: Config) -> list[str]:
     return problems
 
 
+def check_block_linears(cfg: Config) -> list[str]:
+    """``precision.fp8`` (bigtrain/fp8/checks.py) and ``memory.activation_compression``, which
+    change how the linear layers of a decoder's blocks compute, for the model's family."""
+    family = FAMILIES.get(cfg.model.family)
+    if family is None:  # an unknown family: check_family names it
+        return check_fp8(cfg, shapes=cfg)
+    # A family whose config.json describes it checks the float8 kernels' shapes with its own rules.
+    problems = check_fp8(cfg, family.block_linears, cfg if family.model_fields else None)
+    compression = cfg.memory.activation_compression
+    if compression != "none" and not family.block_linears:
+        problems.append(f"memory.activation_compression = '{compression}' keeps int8 inputs of a decoder's "
+                        f"linear layers; model.family = '{cfg.model.family}' has none: set it to 'none'")
+    return problems
+
+
 COMPILE_SETTINGS = ("auto", "true", "false")
 
 
@@ -357,7 +372,7 @@ def check_compile(cfg: Config) -> list[str]:
 # Every rule, in the order their problems are listed; the Llama fields' rules: bigtrain/families/llama.py.
 RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_pipeline, check_batch, check_data,
                      check_family, check_optim, check_runtime,
-                     check_seed, check_distributed, check_limits, check_moe, check_offload, check_fp8,
+                     check_seed, check_distributed, check_limits, check_moe, check_offload, check_block_linears,
                      check_evaluation, check_embedding, check_compile,
                      check_async, data_field_problems, check_context_parallel, check_hybrid_sharding]
 

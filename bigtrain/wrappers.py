@@ -102,6 +102,14 @@ def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
+def name_in(root: nn.Module, module: nn.Module) -> str:
+    """The qualified name of ``module`` in ``root`` ('' for root itself)."""
+    for name, sub in root.named_modules():
+        if sub is module:
+            return name
+    raise ValueError(f"{type(module).__name__} is not a submodule of {type(root).__name__}")
+
+
 def wrap(root: nn.Module, name: str, make) -> ModuleWrapper:
     """Wrap the submodule ``name`` of ``root`` in ``make(submodule)`` in place; returns the wrapper."""
     wrapper = make(root.get_submodule(name))

@@ -156,6 +156,55 @@ def test_compiled_decoder_layers_match_transformers_reference(corpus_cache, name
     assert_matches_reference(losses, weights, reference(corpus_cache, arch), f"{arch} {layout} compiled")
 
 
+# The fused loss (model.fused_loss: lm_head and the cross-entropy in chunks) is the same function as
+# transformers' head and loss, so it is held to the float64 reference like any layout: a chunk of 7
+# tokens (chunks straddle sequences) under tp2 + SP (vocabulary-parallel chunks), and under pipeline
+# stages with ZeRO-3 (the head in the last stage, a ZeRO unit of its own).
+FUSED = {"qwen3-tp2-sp": ("qwen3", [*LAYOUTS["tp2-sp"], "--model.fused_loss_chunk=7"]),
+         "mistral-dp2-zero3-pp2": ("mistral", ["--parallel.dp=2", "--parallel.zero=3", "--parallel.pp=2",
+                                               "--train.micro_batch=1"])}
+
+
+def _train_recording(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    losses = [trainer.train_step().loss for _ in range(STEPS)]
+    return losses, trainer.parallel.full_weights(), trainer.parallel.transforms
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_the_fused_loss_matches_transformers_reference(corpus_cache, name):
+    arch, layout = FUSED[name]
+    cfg = hf_config(corpus_cache, arch, *layout, "--model.fused_loss=true")
+    with tempfile.TemporaryDirectory() as run_dir:
+        losses, weights, transforms = run_ranks(_train_recording, cfg.parallel.world_size, cfg, run_dir,
+                                                timeout=300)[0]
+    assert transforms.get("lm_head") == ("fused_loss",), transforms  # the head is the loss, not a flag
+    assert_matches_reference(losses, weights, reference(corpus_cache, arch), f"{arch} {name} fused loss")
+
+
+@pytest.mark.parametrize("overrides, linears", [
+    (["--memory.activation_compression=int8"], 7 * 2 + 1),  # q k v o gate up down per layer, and lm_head
+    (["--memory.activation_compression=int8", "--model.fused_loss=true"], 7 * 2),  # the fused head is exact
+    (["--precision.fp8=rowwise", "--precision.fp8_emulate=true"], 7 * 2),  # the decoder layers' only
+])
+def test_the_decoder_layers_linears_are_the_ones_transformed(corpus_cache, tmp_path, overrides, linears):
+    """The seam: int8 compression wraps, and float8 swaps, every linear of the decoder layers found
+    by the family's blocks (and int8 the head unless it is fused); none elsewhere."""
+    from bigtrain.memory.compression import Int8SavedInput
+
+    cfg = hf_config(corpus_cache, "llama", *overrides)
+    trainer = trainer_on_rank(0, 1, cfg, str(tmp_path))
+    trainer.train_step()
+    parallel = trainer.parallel
+    if cfg.precision.fp8 != "none":
+        names = parallel.float8.names
+        assert len(names) == linears and all(n.startswith("model.layers.") for n in names), names
+    else:
+        wrapped = [n for n, m in parallel.model.named_modules() if isinstance(m, Int8SavedInput)]
+        assert parallel.activations.compressed == len(wrapped) == linears, wrapped
+        assert ("lm_head" in wrapped) != cfg.model.fused_loss
+
+
 def test_a_missing_partial_gradient_sum_fails_the_comparison(corpus_cache, monkeypatch):
     """The seam: the tp plan's partial-gradient entries for the norms under sequence parallelism
     are what makes tp2 + SP equal; without them the comparison must fail."""
@@ -178,6 +227,9 @@ def test_a_missing_partial_gradient_sum_fails_the_comparison(corpus_cache, monke
     (["--parallel.pp=2", "--parallel.pp_schedule=zb-h1"], "parallel.pp_schedule"),
     (["--parallel.tp=4"], "parallel.tp"),
     (["--memory.checkpointing=selective"], "memory.checkpointing"),
+    # float8 kernels take multiples of 16: 2 x 20 tokens a micro-batch is not (the config.json's widths are)
+    (["--precision.fp8=rowwise", "--precision.mode=bf16", "--train.micro_batch=2", "--data.seq_len=20"],
+     "train.micro_batch x data.seq_len"),
     (["--model.hf_config=/nonexistent/config.json"], "model.hf_config"),
 ])
 def test_refusals_name_the_field(corpus_cache, overrides, field):
@@ -378,13 +430,24 @@ def test_init_from_loads_an_exported_folder_shard_by_shard(corpus_cache, tmp_pat
 
 
 # -- bigtrain check ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch, layout", [("qwen3", "dp2-zero3-tp2-sp-recompute"), ("mistral", "dp2-tp2-pp2")])
-def test_check_compares_the_family_step_by_step(corpus_cache, tmp_path, arch, layout):
+CHECKED = {
+    "qwen3-dp2-zero3-tp2-sp-recompute": ("qwen3", LAYOUTS["dp2-zero3-tp2-sp-recompute"]),
+    "mistral-dp2-tp2-pp2": ("mistral", LAYOUTS["dp2-tp2-pp2"]),
+    # The reference states int8 compression's rule and float8's recipe again (hf_reference.py).
+    "qwen2-tp2-int8": ("qwen2", ["--parallel.tp=2", "--memory.activation_compression=int8"]),
+    "llama-dp2-zero2-fp8": ("llama", ["--parallel.dp=2", "--parallel.zero=2", "--precision.fp8=rowwise",
+                                      "--precision.fp8_emulate=true"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKED))
+def test_check_compares_the_family_step_by_step(corpus_cache, tmp_path, name):
     """``bigtrain check`` runs the family's own reference (families/hf_reference.py): losses,
     gradients, weights and the blocks' outputs agree at every step, and measured, not just passed."""
     from bigtrain.check.run import check_on_rank, reference_problems
 
-    cfg = hf_config(corpus_cache, arch, *LAYOUTS[layout])
+    arch, layout = CHECKED[name]
+    cfg = hf_config(corpus_cache, arch, *layout)
     assert reference_problems(cfg) == []
     report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=300)[0]
     assert report.agree and report.steps == 3, report.text()

@@ -12,7 +12,7 @@ import torch
 from bigtrain.check.compare import relative_error, tolerance_for
 from bigtrain.check.fuzz import INT8, draw_sample
 from bigtrain.check.fuzz_layouts import sample_layout
-from bigtrain.check.reference import int8_round_trip
+from bigtrain.core.int8_reference import int8_round_trip
 from bigtrain.check.run import check_on_rank
 from bigtrain.memory.activations import rows_split_over
 from bigtrain.memory.compression import dequantize_rows, quantize_rows, row_absmax

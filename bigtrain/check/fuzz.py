@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, context_parallel_choice, optimizer_choice,
+from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, INT8, context_parallel_choice, optimizer_choice,
                                          sample_dlrm_layout, sample_hf_layout, sample_layout, tiny_hf_config)
 from bigtrain.config import Config, ConfigError, load_config
 from bigtrain.families import family_of
@@ -57,7 +57,6 @@ DLRM_SHARE = 0.2
 HF_SHARE = 0.1
 RESUME_SHARE = 0.25
 INT8_SHARE = 0.2
-INT8 = "--memory.activation_compression=int8"
 COMPILE_SHARE = 0.25
 COMPILED = "--compile.enabled=true"
 CP_SHARE = 0.15
@@ -69,8 +68,8 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
                 cp_share: float = CP_SHARE) -> list[str]:
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
     with context parallelism (cp 2 or 4, where the world allows) added with probability ``cp_share``,
-    int8 activation compression with probability ``int8_share``, compiled (``compile.enabled``; a
-    Hugging Face decoder too) with probability ``compile_share``, resumed then stepped with probability
+    int8 activation compression (a Hugging Face decoder too, unless it drew float8) with probability
+    ``int8_share``, compiled (``compile.enabled``; a Hugging Face decoder too) with probability ``compile_share``, resumed then stepped with probability
     ``resume_share``. The model, int8, compilation and the resume are drawn from generators of their
     own, so a decoder sample with none of them is the one :func:`sample_layout` drew for
     (seed, index) before DLRMs, int8, compilation and resumes joined, whatever the shares."""
@@ -78,13 +77,16 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
     compiled = random.Random(f"{seed}:{index}:compile").random() < compile_share
+    int8 = random.Random(f"{seed}:{index}:int8").random() < int8_share
     if random.Random(f"{seed}:{index}:hf").random() < hf_share:  # 0: the samples drawn before it joined
-        return sample_hf_layout(rng, max_world) + ([COMPILED] if compiled else [])
+        out = sample_hf_layout(rng, max_world)
+        float8 = any(o.startswith("--precision.fp8=") for o in out)  # int8 and float8 exclude each other
+        return out + ([INT8] if int8 and not float8 else []) + ([COMPILED] if compiled else [])
     out = sample_layout(rng, max_world)
     cp = random.Random(f"{seed}:{index}:cp")
     if cp.random() < cp_share:
         out += context_parallel_choice(cp, out, max_world)
-    if random.Random(f"{seed}:{index}:int8").random() < int8_share:
+    if int8:
         out.append(INT8)
     if compiled:
         out.append(COMPILED)

@@ -19,6 +19,7 @@ from pathlib import Path
 DLRM = "--model.family=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
 HF = "--model.family=hf"  # a Hugging Face decoder, its config.json written from the next override
 HF_TINY = "--model.hf_config=tiny:"  # tiny:ARCH:LAYERS:KV_HEADS:TIED, made into a file by tiny_hf_config
+INT8 = "--memory.activation_compression=int8"  # int8 compression of the block linears' saved inputs
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 CP = "--parallel.cp="
 
@@ -73,8 +74,9 @@ def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
 def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     """One Hugging Face layout (bigtrain/families/hf.py) as overrides of the tiny preset: a tiny
     config.json of each architecture (blocks, key/value heads, tied head drawn), dp, ZeRO, tp with
-    or without sequence parallelism, pp, recomputation, activation offload; now and then a field it
-    does not support or a shape tp does not divide, which validation must reject by name."""
+    or without sequence parallelism, pp, recomputation, activation offload, the fused loss or
+    emulated float8 linears; now and then a field it does not support or a shape tp
+    does not divide, which validation must reject by name."""
     while True:
         dp, tp, pp = (rng.choice(c) for c in ([1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2]))
         if dp * tp * pp <= max_world:
@@ -101,6 +103,12 @@ def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     # from rng: every seed's samples stay as they were besides)
     if random.Random(repr(rng.getstate()) + "activation_offload").random() < 0.25:
         out += ["--memory.activation_offload=true", "--memory.offload_min_bytes=0"]
+    # the head and the block linears' transforms, from a generator of their own too
+    linears = random.Random(repr(rng.getstate()) + "linears")
+    if linears.random() < 0.2:
+        out += ["--model.fused_loss=true", f"--model.fused_loss_chunk={linears.choice([7, 32, 1024])}"]
+    if linears.random() < 0.15:  # int8 compression instead: drawn by check.fuzz.draw_sample (int8_share)
+        out += [f"--precision.fp8={linears.choice(['tensorwise', 'rowwise'])}", "--precision.fp8_emulate=true"]
     return out
 
 

@@ -23,7 +23,7 @@ The recipe it states:
 - ``memory.activation_compression = 'int8'``: each linear layer of the blocks (and the head, unless
   ``model.fused_loss``) computes its output and input gradient from its exact input, and its weight
   gradient from that input rounded to int8 with one scale per row (token) over all the row's
-  features, s = max|row| / 127 (:func:`int8_round_trip`). The rule is what the layout must apply
+  features, s = max|row| / 127 (:mod:`bigtrain.core.int8_reference`). The rule is what the layout must apply
   to the same tensors and rows whatever its cut, so a compressed layout is held to the fp32 bounds.
 - ``precision.fp8``: the blocks' linears are :class:`bigtrain.fp8.linear.Float8Linear` on the
   emulated backend, whatever the device: float8 is part of the model under test here, as the
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from bigtrain.config import Config
 from bigtrain.core.reference_step import ReferenceStep, reference_learning_rate  # every family's reference writes one
+from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
@@ -101,7 +102,7 @@ class ReferenceRun:
         if cfg.memory.activation_compression == "int8":
             for model in (self.compute, self.stale):
                 if model is not None:
-                    _int8_weight_gradients(model, head=not cfg.model.fused_loss)
+                    int8_weight_gradients(model.layers, None if cfg.model.fused_loss else model.output)
         self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
         if cfg.precision.fp8 != "none":
             for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
@@ -246,37 +247,6 @@ def exact_problem(cfg: Config) -> str | None:
     if cfg.optim.name in ("adamw8bit", "lion"):
         return f"optim.name = '{cfg.optim.name}' quantizes its state or its update on purpose"
     return None
-
-
-# -- int8 activation compression, stated again ---------------------------------------------------------
-def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as int8 compression keeps it for a weight gradient: per row (the last dimension, whole),
-    s = max|row| / 127 in fp32 (never below the smallest normal), q = round(x / s) within +-127,
-    and back as q s in ``x``'s dtype."""
-    x32 = x.detach().float()
-    s = x32.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-    return (torch.round(x32 / s).clamp(-127, 127) * s).to(x.dtype)
-
-
-def _weight_gradient_from_int8(module: torch.nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
-    """A forward hook: the linear's output again, its value and input gradient from the exact input
-    (W detached), plus a zero whose only gradient is the weight's (and bias's) from the int8 copy."""
-    if not torch.is_grad_enabled() or not module.weight.requires_grad:
-        return None
-    x = args[0]
-    bias = module.bias
-    exact = F.linear(x, module.weight.detach(), bias.detach() if bias is not None else None)
-    from_int8 = F.linear(int8_round_trip(x), module.weight, bias)
-    return exact + (from_int8 - from_int8.detach())
-
-
-def _int8_weight_gradients(model: Llama, head: bool) -> None:
-    """Every linear module of the blocks, and the head if ``head``, takes its weight gradient from
-    an int8 copy of its input. (An MoE router, which the block applies as ``F.linear`` on its weight
-    and never calls, is exact, as in the trainer.)"""
-    linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    for linear in linears + ([model.output] if head else []):
-        linear.register_forward_hook(_weight_gradient_from_int8)
 
 
 def config_gradient_delay(cfg: Config) -> int:

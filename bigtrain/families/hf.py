@@ -6,10 +6,12 @@ Parameter names are transformers' own, so a checkpoint exports to a folder ``fro
 
 Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), pp
 (one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py), full or every-k-th
-recomputation of the blocks, offload of the decoder layers' saved activations and regional
-compilation of the layers (``compile.enabled``; 'auto' compiles on CUDA as for bigtrain's Llama);
-Ulysses sp, experts, selective recomputation, the fused loss, int8 compression and float8 are
-refused by name (they read bigtrain's own Llama structure).
+recomputation of the blocks, offload of the decoder layers' saved activations, regional
+compilation of the layers (``compile.enabled``; 'auto' compiles on CUDA as for bigtrain's Llama),
+the fused loss (``lm_head`` and the cross-entropy in chunks: memory/fused_loss.py), int8
+compression of the decoder layers' linear inputs and float8 decoder-layer linears
+(``precision.fp8``); Ulysses sp, experts and selective recomputation are refused by name (they
+read bigtrain's own Llama structure).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from bigtrain.families.spec import Family
 from bigtrain.families.hf_reference import HFReference, captured_module
 from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
+from bigtrain.fp8.checks import kernel_shape_problems
 from bigtrain.models.hf_causal_lm import CausalLM, init_value
 from bigtrain.parallel.tensor.entry_styles import EnterSequenceShards, PrepareKeywordInput, WholeSequenceEmbedding
 from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, RowParallel,
@@ -183,8 +186,6 @@ REFUSED = (  # (field, its value here, the value it must have, why)
     ("parallel.pp_virtual", lambda c: c.parallel.pp_virtual, 1, "one stage per pipeline rank is supported"),
     ("parallel.sp", lambda c: c.parallel.sp, 1, "Ulysses cuts bigtrain's attention core"),
     ("parallel.ep", lambda c: c.parallel.ep, 1, "the architectures supported have no experts"),
-    ("memory.activation_compression", lambda c: c.memory.activation_compression, "none", "it wraps bigtrain's linears"),
-    ("model.fused_loss", lambda c: c.model.fused_loss, False, "it replaces bigtrain's head"),
 )
 
 
@@ -206,7 +207,9 @@ def check_hf(cfg: Config) -> list[str]:
         return [f"model.hf_config = '{where}': {arch} is not supported; use one of {', '.join(ARCHITECTURES)}"]
     try:
         import transformers  # noqa: F401
+        transformers_found = True
     except ImportError:
+        transformers_found = False
         problems.append(f"model.family = '{NAME}' needs the transformers package (pip install transformers)")
     for field, value, wanted, why in REFUSED:
         if value(cfg) != wanted:
@@ -224,6 +227,8 @@ def check_hf(cfg: Config) -> list[str]:
                         f"bigtrain's Llama block; use 'full' or 'every'")
     if cfg.model.init_from:
         problems += init_from_problems(cfg, fields)
+    if cfg.precision.fp8 != "none" and not cfg.precision.fp8_emulate and transformers_found and not problems:
+        problems += kernel_shape_problems(planner_config(cfg))  # the config.json's widths, cut by tp
     tp = cfg.parallel.tp
     heads, kv = fields.get("num_attention_heads", 0), fields.get("num_key_value_heads") or fields.get(
         "num_attention_heads", 0)
@@ -308,7 +313,9 @@ HF = Family(
     tp_plan=tp_plan,
     split_stages=split_causal_lm,
     blocks=lambda model: model.model.layers,
+    head="lm_head",
     compiles=True,
+    block_linears=True,
     reference=HFReference,
     captured=captured_module,
     parameter_count=parameter_count,

@@ -9,6 +9,10 @@ is the summed cross-entropy over the global batch divided by its counted targets
 micro-batches of ``train.micro_batch`` sequences), the gradient is clipped by
 ``torch.nn.utils.clip_grad_norm_``, and the step is ``torch.optim.AdamW`` (decay on matrices only)
 at linear warm-up then cosine decay to ``optim.min_lr_ratio`` of the peak. fp32 and AdamW only.
+The fused loss needs nothing here (it is the same cross-entropy); int8 compression and float8
+decoder-layer linears are stated as for bigtrain's Llama (check/reference.py): the int8 rule of
+:mod:`bigtrain.core.int8_reference`, and :class:`bigtrain.fp8.linear.Float8Linear` on the
+emulated backend as part of the model under test.
 
 ``bigtrain check`` compares a layout with it step by step (:class:`HFReference`, the family's
 ``reference``); the tests compare whole runs (:func:`reference_hf`).
@@ -24,8 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from bigtrain.config import Config
+from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.core.reference_step import ReferenceStep, reference_learning_rate
 from bigtrain.data import TokenSampler, load_corpus
+from bigtrain.fp8.linear import convert_to_float8
+from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.hf_causal_lm import init_value
 
 IGNORED = -100  # the target id cross-entropy leaves out (the sampler's masked targets)
@@ -80,6 +87,10 @@ class HFReference:
         with torch.no_grad():
             for name, p in self.model.named_parameters():  # drawn on the CPU, as the trainer's
                 p.copy_(init_value(name, tuple(p.shape), cfg.train.seed, std))
+        if cfg.memory.activation_compression == "int8":  # the rule stated again, not the trainer's wrapper
+            int8_weight_gradients(self.model.model.layers, None if cfg.model.fused_loss else self.model.lm_head)
+        if cfg.precision.fp8 != "none":  # float8 is part of the model under test (as in check/reference.py)
+            convert_to_float8(self.model, Float8Recipe(cfg.precision.fp8), "emulated", root="model.layers")
         self.model.to(self.device)
         self.params = list(self.model.parameters())
         o = cfg.optim

@@ -25,4 +25,5 @@ LLAMA = Family(
     parameter_count=lambda cfg: count_parameters(build_model(cfg.model)),
     model_fields=True,
     compiles=True,
+    block_linears=True,
 )

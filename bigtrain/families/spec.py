@@ -49,6 +49,9 @@ class Family:
     # The container of its blocks (nn.ModuleList): what recomputation wraps, one by one; ZeRO's
     # units are its entries. None: the model's ``layers`` (the reference Llama's).
     blocks: Callable[["nn.Module"], "nn.Module"] | None = None
+    # The attribute (a dotted path) of its output projection: what model.fused_loss wraps into the
+    # loss and int8 compression takes as the last linear (the reference Llama's ``output``).
+    head: str = "output"
     # Its split into pipeline stages, (model, stages, balance, split points) -> stages; None: the
     # reference Llama's (bigtrain.parallel.pipeline.partition.split_model).
     split_stages: Callable[..., list] | None = None
@@ -87,6 +90,9 @@ class Family:
     # The trainer gathers the full optimizer state (``bigtrain check`` replays 8-bit AdamW steps from it).
     full_optimizer_state: bool = True
     compiles: bool = False  # compile.enabled may compile its blocks (the reference decoder's only)
+    # Its blocks' linear layers may compute in float8 (precision.fp8) and keep int8 copies of their
+    # inputs (memory.activation_compression): plain nn.Linear modules a wrapper or a swap can take.
+    block_linears: bool = False
     # The decoder-shape fields of [model] (dim, n_layers, n_heads, ...) describe it (validation
     # checks them against tp and sp); a family with its own description (a config.json) does not.
     model_fields: bool = False

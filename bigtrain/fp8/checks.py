@@ -12,17 +12,20 @@ MIN_CAPABILITY = (8, 9)  # bigtrain.fp8.linear.MIN_CAPABILITY
 _EMULATE = "set precision.fp8_emulate = true (the same float8 rounding with bf16/fp32 matmuls: correct, not faster)"
 
 
-def check_fp8(cfg: Config) -> list[str]:
-    """The recipe's name, what float8 layers compose with, and the float8 kernels' shapes."""
+def check_fp8(cfg: Config, block_linears: bool = True, shapes: Config | None = None) -> list[str]:
+    """The recipe's name, what float8 layers compose with, and the float8 kernels' shapes.
+    ``block_linears``: the model family has blocks of plain linear layers to convert (its
+    ``Family.block_linears``); ``shapes``: a config whose [model] fields describe the model (the
+    family's planner config; None: ``cfg``'s own, or nothing to check for a family they do not describe)."""
     pr, m = cfg.precision, cfg.model
     if pr.fp8 not in FP8_RECIPES:
         return [f"precision.fp8 = '{pr.fp8}': must be one of {', '.join(repr(r) for r in FP8_RECIPES)}"]
     if pr.fp8 == "none":
         return []
     problems = []
-    if m.family != "llama":
-        problems.append(f"precision.fp8 = '{pr.fp8}' converts a Llama's block linears; model.family = '{m.family}' "
-                        f"has none: use precision.fp8 = 'none'")
+    if not block_linears:
+        problems.append(f"precision.fp8 = '{pr.fp8}' converts the linear layers of a decoder's blocks; "
+                        f"model.family = '{m.family}' has none: use precision.fp8 = 'none'")
     if pr.mode == "fp16":
         problems.append(f"precision.fp8 = '{pr.fp8}' with precision.mode = 'fp16' is not supported (fp16's range "
                         f"and loss scale are not what the float8 recipes were checked with): use precision.mode = "
@@ -35,12 +38,12 @@ def check_fp8(cfg: Config) -> list[str]:
         problems.append(f"precision.fp8 = '{pr.fp8}' with memory.activation_compression = "
                         f"'{cfg.memory.activation_compression}': both change how the block linears compute; "
                         f"use one of them")
-    if not pr.fp8_emulate:
-        problems += _kernel_shapes(cfg)
+    if not pr.fp8_emulate and block_linears and shapes is not None:
+        problems += kernel_shape_problems(shapes)
     return problems
 
 
-def _kernel_shapes(cfg: Config) -> list[str]:
+def kernel_shape_problems(cfg: Config) -> list[str]:
     """torch._scaled_mm takes dimensions that are multiples of 16, in all three GEMMs of a linear:
     the local (tp-cut) features in and out, and the tokens of a micro-batch (dW's reduction)."""
     m, p = cfg.model, cfg.parallel

@@ -34,6 +34,7 @@ from torch import nn
 
 from bigtrain.fp8.gemm import BACKENDS, float8_matmul_nt
 from bigtrain.fp8.scaling import Float8Recipe
+from bigtrain.wrappers import name_in
 
 if TYPE_CHECKING:  # a plan object, read here; the parallel plans are the caller's
     from bigtrain.parallel.parallel_plan import Float8Plan
@@ -173,4 +174,5 @@ def apply_float8(model: nn.Module, plan: "Float8Plan", device: torch.device | st
     ValueError naming the fix when the device has no float8 matmuls and emulation was not asked for."""
     if plan.scaling == "none":
         return None
-    return convert_to_float8(model, Float8Recipe(plan.scaling), float8_backend(device, plan.emulate))
+    root = name_in(model, plan.blocks(model)) if plan.blocks is not None else "layers"
+    return convert_to_float8(model, Float8Recipe(plan.scaling), float8_backend(device, plan.emulate), root)

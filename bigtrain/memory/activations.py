@@ -21,6 +21,7 @@ from bigtrain.memory.compression import compress_linear_inputs
 from bigtrain.memory.fused_loss import fuse_head_into_loss
 from bigtrain.memory.offload import ActivationOffloader
 from bigtrain.memory.selective import apply_selective_recomputation
+from bigtrain.wrappers import name_in
 
 if TYPE_CHECKING:
     from bigtrain.parallel.parallel_plan import ActivationPlan
@@ -63,6 +64,11 @@ def offloaded_modules(model: nn.Module, blocks=None) -> list[nn.Module]:
     return [model.tok_embeddings, *model.layers, model.norm, model.output]
 
 
+def block_list(model: nn.Module, plan: "ActivationPlan") -> nn.Module:
+    """The container of ``model``'s blocks: the family's (``plan.blocks``), else a Llama's ``layers``."""
+    return plan.blocks(model) if plan.blocks is not None else model.layers
+
+
 def rows_split_over(model: nn.Module, layout: "TensorLayout | None") -> dict[str, AxisComm]:
     """The linear layers whose weight tensor parallelism cut along the input features (row-parallel:
     each rank sees a share of every input row), each with the tp group that holds the rest of the row."""
@@ -83,9 +89,11 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
     """Apply ``plan`` to ``model`` (after tensor parallelism: ``layout`` is its TensorLayout, or None)."""
     compressed = 0
     if plan.compression == "int8":
-        linears = [f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
+        blocks = block_list(model, plan)
+        root = name_in(model, blocks)
+        linears = [f"{root}.{n}" for n, m in blocks.named_modules() if isinstance(m, nn.Linear)]
         if not plan.fused_loss:
-            linears.append("output")
+            linears.append(plan.head)
         compressed = compress_linear_inputs(model, linears, rows_split_over(model, layout))
     if plan.policy == "selective":
         apply_selective_recomputation(model.layers, plan.selective_attention)
@@ -93,12 +101,12 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
     elif plan.policy == "none":  # a model of any shape (no blocks asked for)
         checkpointed = []
     else:
-        blocks = plan.blocks(model) if plan.blocks is not None else model.layers
-        checkpointed = apply_activation_checkpointing(blocks, plan.policy, plan.every)
+        checkpointed = apply_activation_checkpointing(block_list(model, plan), plan.policy, plan.every)
     head = None
     if plan.fused_loss:
         vocab = layout.vocab if layout is not None else None
-        head = fuse_head_into_loss(model, plan.fused_loss_chunk, layout.tp if vocab is not None else None, vocab)
+        head = fuse_head_into_loss(model, plan.fused_loss_chunk, layout.tp if vocab is not None else None, vocab,
+                                   name=plan.head)
     offloader = (ActivationOffloader(offloaded_modules(model, plan.blocks), plan.offload_min_bytes)
                  if plan.offload else None)
     return ActivationMemory(checkpointed, plan.policy == "selective", offloader, head, compressed)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.core.targets import IGNORE_INDEX
-from bigtrain.wrappers import ModuleWrapper, WholeBackward
+from bigtrain.wrappers import ModuleWrapper, WholeBackward, wrap
 
 
 class _VocabRange:
@@ -122,9 +122,9 @@ class FusedLossHead(WholeBackward, ModuleWrapper):
         return fused_linear_cross_entropy_sum(hidden, self.weight, targets, *self.loss_args)
 
 
-def fuse_head_into_loss(model: nn.Module, chunk: int, tp=None, vocab: tuple[int, int] | None = None) -> nn.Module:
-    """Put ``model.output`` inside a :class:`FusedLossHead` (in place) and return it: call it with
-    (final norm output, targets) for the summed loss. ``vocab``: (first local id, vocabulary size)
-    under tp."""
-    model.output = FusedLossHead(model.output, chunk, tp, vocab)
-    return model.output
+def fuse_head_into_loss(model: nn.Module, chunk: int, tp=None, vocab: tuple[int, int] | None = None,
+                        name: str = "output") -> nn.Module:
+    """Put the head ``name`` of ``model`` (a Llama's ``output``, a Hugging Face decoder's ``lm_head``)
+    inside a :class:`FusedLossHead` (in place) and return it: call it with (final norm output,
+    targets) for the summed loss. ``vocab``: (first local id, vocabulary size) under tp."""
+    return wrap(model, name, lambda head: FusedLossHead(head, chunk, tp, vocab))

@@ -65,6 +65,7 @@ class ActivationPlan:
     # The container of the model's blocks (what recomputation wraps), by the model family: model ->
     # its nn.ModuleList; None: the model's ``layers`` (the reference Llama's).
     blocks: Callable | None = None
+    head: str = "output"  # the model's output projection (a dotted attribute path): what the fused loss wraps
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Float8Plan:
 
     scaling: str = "none"
     emulate: bool = False
+    blocks: Callable | None = None  # the container of the blocks whose linears turn float8 (None: ``layers``)
 
 
 @dataclass(frozen=True)
