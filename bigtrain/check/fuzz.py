@@ -69,8 +69,8 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
     with context parallelism (cp 2 or 4, where the world allows) added with probability ``cp_share``,
     int8 activation compression (a Hugging Face decoder too, unless it drew float8) with probability
-    ``int8_share``, compiled (``compile.enabled``; a Hugging Face decoder too) with probability ``compile_share``, resumed then stepped with probability
-    ``resume_share``. The model, int8, compilation and the resume are drawn from generators of their
+    ``int8_share``, compiled (``compile.enabled``; a Hugging Face decoder too) with probability
+    ``compile_share``, resumed then stepped with probability ``resume_share``. The model, int8, compilation and the resume are drawn from generators of their
     own, so a decoder sample with none of them is the one :func:`sample_layout` drew for
     (seed, index) before DLRMs, int8, compilation and resumes joined, whatever the shares."""
     rng = random.Random(f"{seed}:{index}")
