@@ -2,23 +2,27 @@
 what a trained model writes after a prompt.
 
 One process, the whole model (as ``bigtrain export``): the newest valid checkpoint's weights, whatever
-layout wrote them, in the plain Llama; or a Hugging Face folder (``config.json`` and
-``*.safetensors``, as ``model.init_from = "hf:PATH"`` reads). The tokenizer is the one the byte-level
+layout wrote them, in the model the run's family builds (bigtrain's Llama; a Hugging Face decoder
+through transformers: ``Family.generation_model``); or a Hugging Face Llama folder (``config.json``
+and ``*.safetensors``, as ``model.init_from = "hf:PATH"`` reads) in bigtrain's Llama. The tokenizer is the one the byte-level
 corpora use: a token is a byte of the UTF-8 text (vocabulary 256). Sampling: temperature 0 is greedy
 (argmax); otherwise softmax(logits / temperature), over the ``top_k`` most likely tokens when
 ``top_k > 0``, drawn from a generator seeded with ``seed`` (same seed, same text). The context is the
-last ``model.max_seq_len`` tokens (the rotary tables end there); no key/value cache: each new token
+last ``model.max_seq_len`` tokens (a config.json's ``max_position_embeddings``); no key/value cache: each new token
 runs the model over the context again, which is what a small model on a CPU can afford.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from bigtrain.config import ModelConfig
-from bigtrain.models.llama import Llama, build_model
+from bigtrain.families import FAMILIES
+from bigtrain.models.llama import build_model
 
 BYTE_VOCAB = 256
 
@@ -27,8 +31,21 @@ class GenerateError(ValueError):
     """A run directory or a setting that generation cannot use; the message says why."""
 
 
-def load_model(source: Path) -> tuple[Llama, dict]:
-    """The plain model with the weights of ``source`` (a run directory, its ``checkpoints/``, one
+@dataclass
+class Decoder:
+    """What generation runs: ``model`` maps tokens (1, T) to logits (1, T, vocabulary)."""
+
+    model: nn.Module
+    vocab_size: int
+    context: int  # the most tokens it reads at once (its rotary tables end there)
+
+    def last_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The next token's logits (fp32) after the last ``context`` tokens of ``ids`` (1, T)."""
+        return self.model(ids[:, -self.context:])[0, -1].float()
+
+
+def load_model(source: Path) -> tuple[Decoder, dict]:
+    """The whole model with the weights of ``source`` (a run directory, its ``checkpoints/``, one
     checkpoint, or a Hugging Face folder), and the config the run recorded ({} for a folder)."""
     from bigtrain.checkpoint.hf import CONFIG_FILE
 
@@ -36,7 +53,7 @@ def load_model(source: Path) -> tuple[Llama, dict]:
     if not source.exists():
         raise GenerateError(f"{source} does not exist; give a run directory (runs/<name>)")
     if (source / CONFIG_FILE).is_file() and not (source / "checkpoints").is_dir():
-        return _hf_model(source), {}
+        return _hf_folder_model(source), {}
     from bigtrain.checkpoint.commit import newest_valid_checkpoint
     from bigtrain.checkpoint.export import checkpoint_weights
     from bigtrain.checkpoint.hf import model_config
@@ -47,34 +64,72 @@ def load_model(source: Path) -> tuple[Llama, dict]:
         raise GenerateError(f"no valid checkpoint under {source} (a run saves one at its end unless "
                             f"checkpoint.save_final = false)")
     path, meta = found
-    cfg = model_config(meta["config"]["model"])
-    model = _plain_model(cfg)
-    missing, _ = model.load_state_dict(checkpoint_weights(path), strict=False)
-    missing = [m for m in missing if not (m == "output.weight" and cfg.tie_embeddings)]
-    if missing:
-        raise GenerateError(f"{path} lacks weights of the model it records: {', '.join(missing[:5])}")
-    return model, meta["config"]
+    decoder = run_model(model_config(meta["config"]["model"]))
+    load_weights(decoder.model, checkpoint_weights(path), str(path))
+    return decoder, meta["config"]
 
 
-def _plain_model(cfg: ModelConfig) -> Llama:
+def run_model(cfg: ModelConfig) -> Decoder:
+    """The whole model of a run's [model] section, built by its family, on the CPU in eval mode."""
+    family = FAMILIES.get(cfg.family)
+    if family is None or not family.reads_tokens:
+        raise GenerateError(f"model.family = '{cfg.family}': generate writes tokens from a decoder, and this "
+                            f"run trained {family.summary if family is not None else 'no family bigtrain knows'}")
+    if family.generation_model is None:
+        return Decoder(_plain_model(cfg), cfg.vocab_size, cfg.max_seq_len)
+    try:
+        model, vocab, context = family.generation_model(cfg)
+    except (OSError, ValueError) as e:  # e.g. a config.json the run read that is no longer there
+        raise GenerateError(f"cannot build the model the run recorded (model.family = '{cfg.family}'): "
+                            f"{type(e).__name__}: {e}") from None
+    return Decoder(model.eval(), vocab, context)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Copy ``weights`` (full tensors by parameter name) into ``model``; a tied weight is found
+    under any of its names."""
+    tensors: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tensors.setdefault(id(param), (param, []))[1].append(name)
+    missing, wrong = [], []
+    for param, names in tensors.values():
+        found = next((n for n in names if n in weights), None)
+        if found is None:
+            missing.append(names[0])
+        elif tuple(weights[found].shape) != tuple(param.shape):
+            wrong.append(f"{found} {tuple(weights[found].shape)} (the model's: {tuple(param.shape)})")
+        else:
+            param.copy_(weights[found])
+    if missing or wrong:
+        raise GenerateError(f"{where} does not hold the weights of the model it records: "
+                            + "; ".join(filter(None, [f"missing {', '.join(missing[:5])}" if missing else "",
+                                                      f"shapes differ: {', '.join(wrong[:5])}" if wrong else ""])))
+
+
+def _plain_model(cfg: ModelConfig) -> nn.Module:
     model = build_model(cfg, device="cpu")
     model.init_buffers()
     return model.eval()
 
 
-def _hf_model(folder: Path) -> Llama:
-    from bigtrain.checkpoint.hf import HFWeights, model_values, read_hf_config
+def _hf_folder_model(folder: Path) -> Decoder:
+    from bigtrain.checkpoint.hf import HFFormatError, HFWeights, model_values, read_hf_config
 
-    cfg = ModelConfig(**model_values(read_hf_config(folder), str(folder)))
+    try:
+        cfg = ModelConfig(**model_values(read_hf_config(folder), str(folder)))
+    except HFFormatError as e:  # a folder is read as bigtrain's Llama; a run directory as its family's model
+        raise GenerateError(f"{e}; generate from the run directory that trained it (its model family builds "
+                            f"the model), or load the folder with transformers") from None
     model = _plain_model(cfg)
     weights = HFWeights(folder, cfg)
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied head is one parameter, visited once
             param.copy_(weights(name, tuple(param.shape)))
-    return model
+    return Decoder(model, cfg.vocab_size, cfg.max_seq_len)
 
 
-def check_byte_level(model: Llama, run_config: dict) -> None:
+def check_byte_level(decoder: Decoder, run_config: dict) -> None:
     """The prompt is encoded as bytes: the model must have been trained on bytes."""
     source = str(run_config.get("data", {}).get("source", ""))
     tokenizer = str(run_config.get("data", {}).get("tokenizer", "bytes"))
@@ -82,14 +137,14 @@ def check_byte_level(model: Llama, run_config: dict) -> None:
         raise GenerateError(f"generate reads and writes bytes; this model was trained with data.tokenizer = "
                             f"'{tokenizer}': export it (bigtrain export RUN OUT --format hf) and generate with "
                             f"transformers, whose AutoTokenizer loads that folder")
-    if model.cfg.vocab_size != BYTE_VOCAB or source.endswith((".bin", ".npy")):
-        raise GenerateError(f"generate reads and writes bytes (vocabulary {BYTE_VOCAB}); this model has "
-                            f"model.vocab_size = {model.cfg.vocab_size}" +
+    if decoder.vocab_size != BYTE_VOCAB or source.endswith((".bin", ".npy")):
+        raise GenerateError(f"generate reads and writes bytes (vocabulary {BYTE_VOCAB}); this model has a "
+                            f"vocabulary of {decoder.vocab_size}" +
                             (f" and was trained on pre-tokenized data ({source})" if source else ""))
 
 
 @torch.no_grad()
-def sample(model: Llama, prompt: list[int], tokens: int, temperature: float = 1.0, top_k: int = 0,
+def sample(decoder: Decoder, prompt: list[int], tokens: int, temperature: float = 1.0, top_k: int = 0,
            seed: int = 0) -> list[int]:
     """``tokens`` new token ids after ``prompt`` (see the module's docstring for the rules)."""
     if not prompt:
@@ -98,7 +153,7 @@ def sample(model: Llama, prompt: list[int], tokens: int, temperature: float = 1.
     ids = torch.tensor([prompt], dtype=torch.long)
     out = []
     for _ in range(tokens):
-        logits = model(ids[:, -model.cfg.max_seq_len:])[0, -1].float()
+        logits = decoder.last_logits(ids)
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -128,8 +183,8 @@ def generate_text(source: Path, prompt: str, tokens: int, temperature: float = 1
                   seed: int = 0) -> str:
     """The prompt and its continuation, as text (bytes that are not valid UTF-8 are shown as U+FFFD)."""
     check_settings(tokens, temperature, top_k)
-    model, run_config = load_model(source)
-    check_byte_level(model, run_config)
+    decoder, run_config = load_model(source)
+    check_byte_level(decoder, run_config)
     ids = list(prompt.encode("utf-8"))
-    new = sample(model, ids, tokens, temperature, top_k, seed)
+    new = sample(decoder, ids, tokens, temperature, top_k, seed)
     return bytes(ids + new).decode("utf-8", errors="replace")

@@ -39,7 +39,7 @@ def test_greedy_takes_the_most_likely_byte_each_time(trained_run, capsys):
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(12):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            ids.append(int(model.model(torch.tensor([ids]))[0, -1].argmax()))
     assert sample(model, prompt, 12, temperature=0) == ids[len(prompt):]
     assert sample(model, prompt, 12, temperature=1.0, top_k=1, seed=5) == ids[len(prompt):]  # top-1 is greedy
     greedy = _generated(capsys, trained_run, "--prompt", "import ", "--tokens", 12, "--temperature", 0)
@@ -52,7 +52,7 @@ def test_sampling_is_seeded_and_top_k_limits_the_choice(trained_run):
     assert sample(model, prompt, 30, seed=3) == sample(model, prompt, 30, seed=3)
     assert sample(model, prompt, 30, seed=3) != sample(model, prompt, 30, seed=4)
     with torch.no_grad():
-        top3 = set(model(torch.tensor([prompt]))[0, -1].topk(3).indices.tolist())
+        top3 = set(model.model(torch.tensor([prompt]))[0, -1].topk(3).indices.tolist())
     assert {sample(model, prompt, 1, temperature=5.0, top_k=3, seed=s)[0] for s in range(40)} <= top3
 
 
@@ -73,3 +73,45 @@ def test_what_generation_cannot_use_is_refused(trained_run, tmp_path, capsys):
     assert "--temperature = -1.0" in err and "--top-k = -2" in err
     with pytest.raises(GenerateError, match="prompt is empty"):
         sample(load_model(trained_run)[0], [], 3)
+
+
+def test_a_hugging_face_family_run_writes_what_its_model_computes(corpus_cache, tmp_path, capsys):
+    """A run of ``model.family = "hf"`` (a Qwen3 config.json) generates through its family's model,
+    under the Hugging Face names its checkpoint holds: greedy is transformers' own argmax, step by
+    step, on the weights the export writes. (Until 2026-11-27 ``generate`` read such a run as
+    bigtrain's Llama and failed on its names.)"""
+    transformers = pytest.importorskip("transformers")
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "hf" / "qwen3"
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--output-dir", str(run), f"--data.cache_dir={corpus_cache}",
+                 "--model.family=hf", f"--model.hf_config={fixture}", "--data.seq_len=32", "--train.steps=3",
+                 "--logging.progress=false", "--logging.report=false"]) == 0
+    assert main(["export", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = list(b"def ")
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+    greedy = _generated(capsys, run, "--prompt", "def ", "--tokens", 8, "--temperature", 0)
+    assert greedy == bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_run_whose_config_json_is_gone_is_refused_by_name(corpus_cache, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import shutil
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
+    moved = tmp_path / "llama"
+    shutil.copytree(fixture, moved)
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--output-dir", str(run), f"--data.cache_dir={corpus_cache}",
+                 "--model.family=hf", f"--model.hf_config={moved}", "--data.seq_len=32", "--train.steps=1",
+                 "--logging.progress=false", "--logging.report=false"]) == 0
+    shutil.rmtree(moved)
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "model.family = 'hf'" in err and str(moved) in err, err

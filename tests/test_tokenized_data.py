@@ -301,9 +301,10 @@ def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tm
 
 def test_generate_refuses_a_model_trained_with_a_tokenizer_by_name():
     from bigtrain.config import ModelConfig
-    from bigtrain.generate import GenerateError, check_byte_level
+    from bigtrain.generate import Decoder, GenerateError, check_byte_level
 
-    model = build_model(ModelConfig(), device="meta")
+    cfg = ModelConfig()
+    decoder = Decoder(build_model(cfg, device="meta"), cfg.vocab_size, cfg.max_seq_len)
     with pytest.raises(GenerateError, match=r"trained with data.tokenizer = 'tok.json': export it"):
-        check_byte_level(model, {"data": {"source": "corpus", "tokenizer": "tok.json"}})
-    check_byte_level(model, {"data": {"source": "corpus", "tokenizer": "bytes"}})
+        check_byte_level(decoder, {"data": {"source": "corpus", "tokenizer": "tok.json"}})
+    check_byte_level(decoder, {"data": {"source": "corpus", "tokenizer": "bytes"}})

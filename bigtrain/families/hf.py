@@ -65,7 +65,7 @@ def architecture(fields: dict) -> str:
     return by_type.get(fields.get("model_type", ""), f"model_type '{fields.get('model_type', '')}'")
 
 
-def hf_config(cfg: Config):
+def hf_config(cfg: Config | ModelConfig):
     """The transformers config object of ``model.hf_config`` (fp32, bigtrain's attention choice)."""
     import transformers  # optional: only runs of this family need it
 
@@ -78,15 +78,27 @@ def hf_config(cfg: Config):
     return conf
 
 
-def build_meta(cfg: Config) -> CausalLM:
-    """The whole model on the meta device: no memory until ``parallelize`` materializes its part."""
+def causal_lm(cfg: Config | ModelConfig, device: str) -> CausalLM:
+    """The whole model built by transformers on ``device`` in fp32."""
     import transformers
 
     conf = hf_config(cfg)
-    with torch.device("meta"):
-        causal_lm = getattr(transformers, architecture(read_config(cfg)))._from_config(
+    with torch.device(device):
+        built = getattr(transformers, architecture(read_config(cfg)))._from_config(
             conf, attn_implementation=ATTENTION, dtype=torch.float32)
-    return CausalLM(causal_lm)
+    return CausalLM(built)
+
+
+def build_meta(cfg: Config) -> CausalLM:
+    """The whole model on the meta device: no memory until ``parallelize`` materializes its part."""
+    return causal_lm(cfg, "meta")
+
+
+def generation_model(model: ModelConfig) -> tuple[CausalLM, int, int]:
+    """``bigtrain generate``'s model: on the CPU, its rotary tables computed by transformers; the
+    checkpoint's weights replace transformers' initial values."""
+    built = causal_lm(model, "cpu")
+    return built, built.config.vocab_size, built.config.max_position_embeddings
 
 
 def init_fn(cfg: Config, model: nn.Module):
@@ -321,4 +333,5 @@ HF = Family(
     parameter_count=parameter_count,
     export=export_folder,
     planner_config=planner_config,
+    generation_model=generation_model,
 )

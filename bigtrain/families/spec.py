@@ -85,6 +85,11 @@ class Family:
     # -> (loss, grad norm, skipped), ``evaluate()`` -> held-out metrics and ``summary()``; None: the
     # decoder's step (tokens -> logits, micro-batches, pipelines) in the Trainer.
     own_step: Callable[..., Any] | None = None
+    # ``bigtrain generate`` from its checkpoints: ([model] section) -> (the whole model on the CPU in
+    # fp32, buffers computed, called as tokens (1, T) -> logits (1, T, vocab); its vocabulary size;
+    # the most tokens it reads at once). The checkpoint's weights are then copied in by name. None:
+    # bigtrain's Llama (a family that reads no tokens writes none either).
+    generation_model: Callable[["ModelConfig"], tuple["nn.Module", int, int]] | None = None
     # The "format" its checkpoints' manifests record and its resume accepts; None: bigtrain.checkpoint.FORMAT.
     checkpoint_format: str | None = None
     # The trainer gathers the full optimizer state (``bigtrain check`` replays 8-bit AdamW steps from it).
