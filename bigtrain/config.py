@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -66,11 +67,13 @@ class Config:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 
+@functools.cache  # the dataclasses' annotations never change; resolving them is most of applying a value
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
     return {name: hints[name] for name in SECTIONS}
 
 
+@functools.cache
 def _field_types(section_cls: type) -> dict[str, type]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}

@@ -353,6 +353,41 @@ def test_the_planner_counts_the_parameters_transformers_builds(corpus_cache, tmp
     assert spec.params + qk_norms == built, (name, spec.params, built)
 
 
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+
+
+def test_plan_prices_a_config_files_model_and_ranks_only_layouts_its_family_runs(tmp_path, capsys):
+    """``bigtrain plan --config run.toml`` for a run of a Qwen3-8B config.json: the model priced is
+    the one transformers builds (8.19e9 parameters, q/k norms aside), and every ranked layout is one
+    the family runs (no interleaved stages, Ulysses or selective recomputation, no sequence
+    parallelism across pipeline stages), though the planner models them all for bigtrain's Llama."""
+    import json
+
+    from bigtrain.cli import main
+    from bigtrain.config import load_config
+    from bigtrain.families.hf import parameter_count
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[model]\nfamily = "hf"\nhf_config = "{tmp_path / "config.json"}"\n'
+                    f'[data]\nseq_len = 4096\n[train]\nglobal_batch = 256\n')
+    capsys.readouterr()
+    assert main(["plan", "--config", str(toml), "--gpus", "4", "--json", "--top", "400"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    built = parameter_count(load_config(path=toml))
+    assert report["params"] + 2 * 128 * 36 == built, (report["params"], built)
+    ranked = [r["layout"] for r in report["ranked"]]
+    assert len(ranked) > 20
+    for layout in ranked:
+        assert layout["sp"] == 1 and layout["v"] == 1 and layout["recompute"] != "selective", layout
+        assert layout["pp"] == 1 or (layout["schedule"] in ("1f1b", "gpipe") and not (layout["tp_sp"] and layout["tp"] > 1))
+    with pytest.raises(SystemExit):  # one source of the model: argparse refuses both
+        main(["plan", "--config", str(toml), "--preset", "tiny"])
+
+
 def test_qwen3_norms_per_head_are_partial_under_tp():
     """Qwen3's q/k norms see this rank's heads only: the plan marks their gradients partial."""
     from bigtrain.families.hf import build_meta, tp_plan

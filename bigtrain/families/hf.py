@@ -17,6 +17,7 @@ read bigtrain's own Llama structure).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -267,10 +268,18 @@ DESCRIBED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key
 
 def described_fields(cfg: Config) -> dict:
     """The config.json's fields with its architecture's defaults filled in (by transformers, when
-    it is installed; without it the family is refused by check_hf and the file's own are read)."""
-    fields = read_config(cfg)
+    it is installed; without it the family is refused by check_hf and the file's own are read).
+    Read once per version of the file: validation and the planner ask for every layout they weigh."""
+    path = config_path(cfg)
+    stat = path.stat()
+    return dict(_described_at(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _described_at(path: str, mtime_ns: int, size: int) -> dict:
+    fields = json.loads(Path(path).read_text())
     try:
-        conf = hf_config(cfg)
+        conf = hf_config(ModelConfig(hf_config=path))
     except ImportError:
         return fields
     return {**fields, **{k: getattr(conf, k) for k in DESCRIBED if getattr(conf, k, None) is not None}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from bigtrain.config import Config, ConfigError, with_overrides
@@ -10,7 +11,7 @@ from bigtrain.plan.fit import runtime_compiles
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, sharing_cores
 from bigtrain.plan.layout import Cluster
 from bigtrain.plan.model import ModelSpec
-from bigtrain.plan.search import search
+from bigtrain.plan.search import SearchResult, search
 from bigtrain.validation import validate
 
 _GPU_NAMES = {"H200": "h200-141g", "H100": "h100-80g", "A100-SXM4-80GB": "a100-80g", "A100": "a100-40g"}
@@ -77,11 +78,25 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
 
 def _accepted(cfg: Config, overrides: list[str]) -> bool:
     """Whether the run's own validation accepts ``cfg`` with the planner's layout ``overrides``."""
+    return not validation_problems(with_overrides(cfg, overrides, "the planner's layout"))
+
+
+def validation_problems(cfg: Config) -> list[str]:
     try:
-        validate(with_overrides(cfg, overrides, "the planner's layout"))
-    except ConfigError:
-        return False
-    return True
+        validate(cfg)
+    except ConfigError as e:
+        return list(e.problems)
+    return []
+
+
+def runnable_plans(cfg: Config, result: SearchResult) -> SearchResult:
+    """``result`` with only the ranked layouts the run's own validation accepts besides what it
+    says of ``cfg`` already (a family priced as bigtrain's Llama runs fewer layouts than the
+    planner models: a Hugging Face decoder has no interleaved stages, for one)."""
+    own = set(validation_problems(cfg))
+    kept = [plan for plan in result.ranked if set(validation_problems(
+        with_overrides(cfg, plan.layout.to_overrides(), "the planner's layout"))) <= own]
+    return dataclasses.replace(result, ranked=kept)
 
 
 def _batch_hint(global_batch: int, world_size: int, problems: list[str]) -> list[str]:

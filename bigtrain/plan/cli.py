@@ -11,10 +11,11 @@ import argparse
 import json
 import sys
 
-from bigtrain.config import ConfigError, load_config, preset_names
-from bigtrain.families import family_of
+from bigtrain.config import Config, ConfigError, ModelConfig, load_config, preset_names
+from bigtrain.families import Family, family_of
 from bigtrain.from_config import compiles
 from bigtrain.optim import optimizer_names
+from bigtrain.plan.auto import runnable_plans
 from bigtrain.plan.hardware import HardwareProfile, calibrate, get_profile, load_profile
 from bigtrain.plan.layout import Cluster, parse_layout
 from bigtrain.plan.model import MLP_KINDS, ModelSpec, moe_fields
@@ -29,7 +30,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p = subparsers.add_parser("plan", help="predict per-rank memory and step time; find the fastest layout",
                               description="Will it fit, and which layout is fastest? Memory on the worst rank and "
                                           "step time for a model, a batch and a cluster, before launch.")
-    p.add_argument("--preset", help=f"model and batch from a shipped preset: {', '.join(preset_names())}")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", help=f"model and batch from a shipped preset: {', '.join(preset_names())}")
+    source.add_argument("--config", metavar="PATH",
+                        help="model and batch from a TOML config of any model family (a Hugging Face config.json's "
+                             "model too: model.family = 'hf', priced as bigtrain's Llama of its shapes)")
     dims = p.add_argument_group("model dimensions (override the preset's)")
     for flag, text in (("--layers", "transformer blocks L"), ("--hidden", "hidden size h"),
                        ("--heads", "attention heads"), ("--kv-heads", "key/value heads (0: = heads)"),
@@ -67,24 +72,52 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return p
 
 
+def _config_from_args(args: argparse.Namespace) -> Config | None:
+    """The config ``--preset`` or ``--config`` names (None for neither)."""
+    if args.config:
+        return load_config(path=args.config)
+    return load_config(preset=args.preset) if args.preset else None
+
+
 def _model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, int | None]:
-    """The model, and the preset's global batch (None without a preset)."""
+    """The model, and the preset's or config's global batch (None without either)."""
     base, batch = {}, None
-    if args.preset:
-        cfg = load_config(preset=args.preset)
-        m = cfg.model
+    cfg = _config_from_args(args)
+    if cfg is not None:
+        m = _priced_model(cfg)
         base = dict(layers=m.n_layers, hidden=m.dim, heads=m.n_heads, kv_heads=m.n_kv_heads, vocab=m.vocab_size,
-                    seq=cfg.data.seq_len, ffn_hidden=m.ffn_hidden, tie_embeddings=m.tie_embeddings, **moe_fields(m))
+                    seq=cfg.data.seq_len, ffn_hidden=m.ffn_hidden, tie_embeddings=m.tie_embeddings,
+                    head_size=m.attention_head_dim, qkv_bias=m.q_bias, out_bias=m.attention_bias, **moe_fields(m))
         batch = cfg.train.global_batch
     given = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "seq", "ffn_hidden",
                                           "tie_embeddings") if getattr(args, k) is not None}
     values = {**base, **given}
     missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in values]
     if missing:
-        raise ConfigError(f"{', '.join(missing)}: required without --preset (or give --preset NAME)")
+        raise ConfigError(f"{', '.join(missing)}: required without --preset or --config")
     mlp = args.mlp or "swiglu"
-    name = args.preset or ""
+    name = args.preset or args.config or ""
     return ModelSpec.build(mlp=mlp, name=name, **values), batch
+
+
+def _family(cfg: Config) -> Family:
+    try:
+        return family_of(cfg)
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None
+
+
+def _priced_model(cfg: Config) -> ModelConfig:
+    """The [model] the dense planner prices for ``cfg``: its family's planner config (a Hugging Face
+    config.json's shapes as bigtrain's Llama), else its own."""
+    family = _family(cfg)
+    if family.planner_config is None:
+        return cfg.model
+    try:
+        return family.planner_config(cfg).model
+    except (OSError, ValueError, ImportError) as e:  # an unreadable config.json, transformers missing
+        raise ConfigError(f"model.family = '{cfg.model.family}': cannot read the model to price ({type(e).__name__}: "
+                          f"{e}); {family.summary}") from None
 
 
 def _hardware_from_args(args: argparse.Namespace) -> HardwareProfile:
@@ -129,9 +162,9 @@ def resolve(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run ``bigtrain plan``; ConfigError propagates (the main CLI prints it and exits 2)."""
-    if args.preset:  # a family with a planner of its own (a recommender: its tables' placement)
-        cfg = load_config(preset=args.preset)
-        family = family_of(cfg)
+    cfg = _config_from_args(args)
+    if cfg is not None:  # a family with a planner of its own (a recommender: its tables' placement)
+        family = _family(cfg)
         if family.plan_command is not None:
             return family.plan_command(cfg, args.gpus, args.json)
     model, cluster, global_batch, fixed = resolve(args)
@@ -139,6 +172,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--block-size = {args.block_size}: must be a positive integer")
     result = search(model, cluster, global_batch, fixed, precision=fixed["precision"], optimizer=args.optim,
                     block=args.block_size)
+    if cfg is not None and _family(cfg).planner_config is not None:  # priced as another model: runs fewer layouts
+        result = runnable_plans(cfg, result)
     # Nothing fits on the device: would offloading model states to the host or NVMe make it fit?
     fit = offload_fit(model, cluster, global_batch, fixed, fixed["precision"], args.optim, args.block_size) \
         if result.best is None else None
