@@ -78,14 +78,20 @@ def test_a_layer_without_the_ulysses_seam_fails_the_comparison(corpus_cache, mon
         assert_matches_reference(losses, weights, reference(corpus_cache, "llama"), "llama sp2 without Ulysses")
 
 
-def test_a_sliding_window_holds_over_the_whole_sequence(corpus_cache, tmp_path):
+def windowed_mistral(folder):
+    fields = json.loads((FIXTURES / "mistral" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**fields, "sliding_window": 8}))
+    return folder
+
+
+@pytest.mark.parametrize("layout", [["--parallel.sp=2"], ["--parallel.sp=2", "--parallel.pp=2", "--train.micro_batch=1"]])
+def test_a_sliding_window_holds_over_the_whole_sequence(corpus_cache, tmp_path, layout):
     """Mistral with a sliding window of 8 tokens in a sequence of 32, over sp = 2 (each rank holds 16
-    tokens): the window is the whole sequence's, as transformers' mask makes it."""
+    tokens), also in pipeline stages (which call their layers with no mask): the window is the whole
+    sequence's, as transformers' mask makes it."""
     from bigtrain.families.hf_reference import reference_hf
 
-    fields = json.loads((FIXTURES / "mistral" / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**fields, "sliding_window": 8}))
-    cfg = hf_config(corpus_cache, "mistral", f"--model.hf_config={tmp_path}", "--parallel.sp=2")
+    cfg = hf_config(corpus_cache, "mistral", f"--model.hf_config={windowed_mistral(tmp_path)}", *layout)
     losses, weights, _ = train_layout(cfg)
     exact, fp32 = reference_hf(cfg, STEPS, torch.float64), reference_hf(cfg, STEPS)
     noise = {n: float((fp32.weights[n].double() - w).norm() / w.norm()) for n, w in exact.weights64.items()}
@@ -93,7 +99,19 @@ def test_a_sliding_window_holds_over_the_whole_sequence(corpus_cache, tmp_path):
     # the window changes the model by far more than the bound (8.7e-4 of the first loss): a rank that
     # ignored it would fail the comparison
     assert abs(exact.losses[0] - whole.losses[0]) > 10 * RTOL * whole.losses[0]
-    assert_matches_reference(losses, weights, (exact, noise), "mistral window 8 sp2")
+    assert_matches_reference(losses, weights, (exact, noise), f"mistral window 8 {' '.join(layout)}")
+
+
+def test_pipeline_stages_without_ulysses_refuse_a_window_narrower_than_the_sequence(corpus_cache, tmp_path):
+    """The stages call their layers with no mask, and sdpa alone ignores a window (measured: pp = 2
+    trained the unwindowed model, its first loss that of the fixture without a window)."""
+    where = f"--model.hf_config={windowed_mistral(tmp_path)}"
+    with pytest.raises(ConfigError) as err:
+        hf_config(corpus_cache, "mistral", where, "--parallel.pp=2", "--train.micro_batch=1")
+    assert any("parallel.pp = 2 with a sliding window of 8 tokens" in p and "parallel.sp = 2" in p
+               for p in err.value.problems), err.value.problems
+    hf_config(corpus_cache, "mistral", where, "--parallel.pp=2", "--train.micro_batch=1", "--data.seq_len=8")
+    hf_config(corpus_cache, "mistral", "--parallel.pp=2", "--train.micro_batch=1")  # no window: accepted
 
 
 @pytest.mark.parametrize("overrides, field", [

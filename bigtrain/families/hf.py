@@ -24,7 +24,7 @@ from torch import nn
 from bigtrain.checkpoint.hf import hf_folder
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
-from bigtrain.families.hf_attention import ulysses_problems, with_ulysses
+from bigtrain.families.hf_attention import pipeline_window_problems, ulysses_problems, with_ulysses
 from bigtrain.families.hf_reference import HFReference, captured_module
 from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
@@ -234,6 +234,8 @@ def check_hf(cfg: Config) -> list[str]:
         problems.append(f"parallel.sequence_parallel: data.seq_len = {cfg.data.seq_len} does not divide by "
                         f"parallel.tp = {tp}; change data.seq_len or turn sequence_parallel off")
     problems += ulysses_problems(cfg, heads, kv, str(path))
+    if cfg.parallel.pp > 1 and not problems:  # a config transformers builds (it reads the window's layers)
+        problems += pipeline_window_problems(cfg, hf_config(cfg), str(path))
     vocab, positions = fields.get("vocab_size", 0), fields.get("max_position_embeddings", 0)
     problems += token_batch_problems(cfg)
     problems += token_data_problems(cfg, vocab, positions, vocab_field=f"vocab_size of {path}",

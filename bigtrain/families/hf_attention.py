@@ -128,3 +128,26 @@ def ulysses_problems(cfg: Config, heads: int, kv_heads: int, where: str) -> list
                         f"parallel.tp = {p.tp}; use data.seq_len = {p.sp * p.tp * max(1, seq // (p.sp * p.tp))} or "
                         f"turn sequence_parallel off")
     return problems
+
+
+def sliding_window(conf) -> int | None:
+    """The sliding window some layer of the transformers config ``conf`` attends within (Mistral's
+    ``sliding_window`` on every layer; Qwen2's and Qwen3's on their ``sliding_attention`` layers),
+    or None when every layer attends to the whole causal prefix."""
+    window = getattr(conf, "sliding_window", None)
+    types = getattr(conf, "layer_types", None)
+    return None if window is None or (types is not None and "sliding_attention" not in types) else int(window)
+
+
+def pipeline_window_problems(cfg: Config, conf, where: str) -> list[str]:
+    """Pipeline stages call their layers without a mask (bigtrain/families/hf_stages.py): sdpa then
+    attends causally over the whole sequence, and a window narrower than it would be lost (measured:
+    Mistral, window 8 of 32 tokens, pp = 2 trained the unwindowed model). Ulysses applies the window
+    itself (:func:`sliding_window_mask`)."""
+    p, window = cfg.parallel, sliding_window(conf)
+    if p.pp <= 1 or p.sp > 1 or window is None or window >= cfg.data.seq_len:
+        return []
+    return [f"parallel.pp = {p.pp} with a sliding window of {window} tokens (sliding_window of {where}) narrower "
+            f"than data.seq_len = {cfg.data.seq_len}: the stages call their layers without a mask and the window "
+            f"would be lost; use parallel.pp = 1, parallel.sp = 2 (Ulysses applies the window) or data.seq_len <= "
+            f"{window}"]
