@@ -143,3 +143,19 @@ def test_key_value_heads_are_split_replicated_or_refused(corpus_cache, tmp_path)
     assert problems(12, 4, 6) == ["parallel.sp = 6 (Ulysses): the 4 key/value heads per tp rank (num_key_value_heads "
                                   f"= 4 of {tmp_path / 'config.json'} / parallel.tp = 1) must divide by sp (split) or "
                                   "divide sp (replicated); use parallel.sp = 4"]
+
+
+# Two samples of the layout fuzzer's Hugging Face draw with Ulysses (check.fuzz 20 4242 --hf-share 1
+# --dlrm-share 0): tp2 + SP + sp2 with recomputation, and sp2 x pp2 x ZeRO-3 with one key/value head
+# (replicated) and activation offload, compared step by step by ``bigtrain check``.
+FUZZ_SAMPLES = [__import__("bigtrain.check.fuzz", fromlist=["draw_sample"]).draw_sample(
+    4242, i, 8, dlrm_share=0.0, hf_share=1.0, compile_share=0.0) for i in (4, 8)]
+
+
+@pytest.mark.parametrize("overrides", FUZZ_SAMPLES, ids=["mistral-tp2-sp-sp2", "qwen3-kv1-pp2-sp2"])
+def test_fuzzed_ulysses_layout_matches_its_reference(overrides, corpus_cache):
+    from bigtrain.check.fuzz import run_sample
+
+    assert "--parallel.sp=2" in overrides
+    outcome = run_sample(overrides, corpus_cache, steps=2)
+    assert outcome.verdict == "agree", f"{outcome.verdict}: {' '.join(overrides)}\n{outcome.detail}"
