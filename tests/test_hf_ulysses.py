@@ -55,14 +55,15 @@ def _attention_implementations(rank, world_size, cfg, run_dir):
     from bigtrain.families.hf_attention import ULYSSES
 
     model = trainer_on_rank(rank, world_size, cfg, run_dir).parallel.model
-    return {type(m).__name__: m.config._attn_implementation for m in model.modules() if hasattr(m, "q_proj")}, ULYSSES
+    return [(type(m).__name__, m.config._attn_implementation, len(m._forward_pre_hooks))
+            for m in model.modules() if hasattr(m, "q_proj")], ULYSSES
 
 
 def test_every_layer_attends_through_the_ulysses_function(corpus_cache):
     cfg = hf_config(corpus_cache, "llama", "--parallel.sp=2")
     with tempfile.TemporaryDirectory() as run_dir:
         used, ulysses = run_ranks(_attention_implementations, 2, cfg, run_dir)[0]
-    assert used == {"LlamaAttention": ulysses}
+    assert used == [("LlamaAttention", ulysses, 1)] * 2  # both layers: the function named, the group's hook
 
 
 def test_a_layer_without_the_ulysses_seam_fails_the_comparison(corpus_cache, monkeypatch):
