@@ -160,3 +160,32 @@ def test_fuzzed_ulysses_layout_matches_its_reference(overrides, corpus_cache):
     assert "--parallel.sp=2" in overrides
     outcome = run_sample(overrides, corpus_cache, steps=2)
     assert outcome.verdict == "agree", f"{outcome.verdict}: {' '.join(overrides)}\n{outcome.detail}"
+
+
+def test_the_planner_prices_ulysses_for_this_family(corpus_cache, tmp_path):
+    """Preflight prices the config.json's model as bigtrain's Llama of its shapes
+    (Family.planner_config) and does not refuse sp: a 1B-like Llama at 8192 tokens holds half the
+    activations per rank at sp = 2 (its sequence shard), plus the all-to-all's buffer."""
+    from bigtrain.families.hf import planner_config
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+    from bigtrain.preflight import preflight
+
+    fields = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    fields.update(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                  intermediate_size=5632, vocab_size=32000, max_position_embeddings=8192)
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    per_rank = {}
+    for sp in (1, 2):
+        cfg = hf_config(corpus_cache, "llama", f"--model.hf_config={tmp_path}", "--data.seq_len=8192",
+                        f"--parallel.sp={sp}", "--train.global_batch=2", "--train.micro_batch=1")
+        priced = planner_config(cfg)
+        assert priced.parallel.sp == sp
+        per_rank[sp] = estimate_memory(ModelSpec.from_model_config(priced.model, priced.data.seq_len), _layout(priced),
+                                       get_profile("cpu"), 2, optimizer="adamw")
+    # about half: the blocks' activations follow the sequence shard (measured 0.524 of sp = 1's)
+    assert 0.45 < per_rank[2].activations / per_rank[1].activations < 0.55
+    assert per_rank[2].buffers.get("sp_all_to_all", 0) > 0
+    assert preflight(hf_config(corpus_cache, "llama", "--parallel.sp=2"), tmp_path / "run") == []
