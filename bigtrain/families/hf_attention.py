@@ -25,6 +25,10 @@ positions start at ``sp.rank * seq / sp`` (``ParallelModel.sequence_position``),
 rotated before the all-to-all. Qwen3's per-head q/k norms also run before it, on the local
 sequence and all heads. Every weight sees its sequence shard only; its gradient is summed over the
 data axis, which counts dp x sp (as for bigtrain's Llama), so no partial-gradient entry is needed.
+
+Also here, the family's checks of these: :func:`ulysses_problems` (head and sequence shapes sp
+must divide) and :func:`pipeline_window_problems` (pipeline stages, which call their layers with no
+mask, would drop a sliding window under sdpa; Ulysses applies it).
 """
 
 from __future__ import annotations
