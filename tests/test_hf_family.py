@@ -290,7 +290,7 @@ def test_parallel_auto_plans_the_config_jsons_model_with_a_layout_the_family_run
     with pytest.raises(ConfigError, match="no layout of 2 rank"):
         auto_overrides(cfg, 2, hardware="cpu")
     chosen, why = auto_overrides(cfg, 8, hardware="cpu")
-    validate(with_overrides(cfg, chosen, "the proposal"))  # the family's rules accept it (no Ulysses, no interleaving)
+    validate(with_overrides(cfg, chosen, "the proposal"))  # the family's rules accept it (no interleaving)
     assert "on 8 x cpu" in why, why
 
 

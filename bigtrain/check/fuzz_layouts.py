@@ -74,8 +74,8 @@ def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
 def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     """One Hugging Face layout (bigtrain/families/hf.py) as overrides of the tiny preset: a tiny
     config.json of each architecture (blocks, key/value heads, tied head drawn), dp, ZeRO, tp with
-    or without sequence parallelism, pp, recomputation, activation offload, the fused loss or
-    emulated float8 linears; now and then a field it does not support or a shape tp
+    or without sequence parallelism, Ulysses sp, pp, recomputation, activation offload, the fused
+    loss or emulated float8 linears; now and then a field it does not support or a shape tp or sp
     does not divide, which validation must reject by name."""
     while True:
         dp, tp, pp = (rng.choice(c) for c in ([1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2]))
@@ -97,12 +97,18 @@ def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     if checkpointing == "every":
         out.append("--memory.checkpoint_every=2")
     if rng.random() < 0.1:
-        out.append(rng.choice(["--precision.mode=bf16", "--parallel.sp=2", "--model.fused_loss=true",
+        out.append(rng.choice(["--precision.mode=bf16", "--parallel.ep=2", "--model.fused_loss=true",
                                "--memory.checkpointing=selective", "--optim.name=lion", "--parallel.pp_virtual=2"]))
     # activation offload of the layers' saved tensors, from a generator of its own (it draws nothing
     # from rng: every seed's samples stay as they were besides)
     if random.Random(repr(rng.getstate()) + "activation_offload").random() < 0.25:
         out += ["--memory.activation_offload=true", "--memory.offload_min_bytes=0"]
+    # Ulysses (sp 2, now and then 4: key/value heads replicated, or query heads per tp rank it does
+    # not divide, which validation must refuse) where the world allows, from a generator of its own
+    ulysses = random.Random(repr(rng.getstate()) + "ulysses")
+    sp = ulysses.choice([2, 2, 4])
+    if ulysses.random() < 0.3 and dp * tp * pp * sp <= max_world:
+        out.append(f"--parallel.sp={sp}")
     # the head and the block linears' transforms, from a generator of their own too
     linears = random.Random(repr(rng.getstate()) + "linears")
     if linears.random() < 0.2:

@@ -4,14 +4,15 @@ hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalL
 initialized by (seed, name), cut by the Megatron plan below and trained by bigtrain's Trainer.
 Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
 
-Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), pp
+Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), Ulysses
+sp (with any of those and pp: bigtrain/families/hf_attention.py), pp
 (one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py), full or every-k-th
 recomputation of the blocks, offload of the decoder layers' saved activations, regional
 compilation of the layers (``compile.enabled``; 'auto' compiles on CUDA as for bigtrain's Llama),
 the fused loss (``lm_head`` and the cross-entropy in chunks: memory/fused_loss.py), int8
 compression of the decoder layers' linear inputs and float8 decoder-layer linears
-(``precision.fp8``); Ulysses sp, experts and selective recomputation are refused by name (they
-read bigtrain's own Llama structure).
+(``precision.fp8``); experts and selective recomputation are refused by name (they read
+bigtrain's own Llama structure).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from bigtrain.checkpoint.hf import hf_folder
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
+from bigtrain.families.hf_attention import pipeline_window_problems, ulysses_problems, with_ulysses
 from bigtrain.families.hf_reference import HFReference, captured_module
 from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
@@ -166,11 +168,10 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
     """Megatron's layout on the Hugging Face names: q, k, v and the MLP's gate and up projections
     split by output (heads), o and down by input, vocabulary-parallel embedding and head. The
     embedding returns the whole sequence and the first block cuts it (parallel/tensor/entry_styles.py).
-    Qwen3's per-head q/k norms see this rank's heads only: their gradients are partial over tp."""
-    if ulysses:
-        raise ValueError(f"model.family = '{NAME}': Ulysses sequence parallelism (parallel.sp) is not supported")
+    Qwen3's per-head q/k norms see this rank's heads only: their gradients are partial over tp.
+    Ulysses (``ulysses``): every layer's attention through bigtrain/families/hf_attention.py."""
     if tp == 1:
-        return {}
+        return with_ulysses({}) if ulysses else {}
     plan = {"model.embed_tokens": WholeSequenceEmbedding()}
     if sequence_parallel:
         plan["model.layers.0"] = EnterSequenceShards()
@@ -191,13 +192,12 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
     if sequence_parallel:  # norms see a sequence shard: their weight gradients are partial
         plan["model.layers.*.*_layernorm"] = PartialGradient()
         plan["model.norm"] = PartialGradient()
-    return plan
+    return with_ulysses(plan) if ulysses else plan
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 REFUSED = (  # (field, its value here, the value it must have, why)
     ("parallel.pp_virtual", lambda c: c.parallel.pp_virtual, 1, "one stage per pipeline rank is supported"),
-    ("parallel.sp", lambda c: c.parallel.sp, 1, "Ulysses cuts bigtrain's attention core"),
     ("parallel.ep", lambda c: c.parallel.ep, 1, "the architectures supported have no experts"),
 )
 
@@ -252,6 +252,9 @@ def check_hf(cfg: Config) -> list[str]:
     if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_len % tp:
         problems.append(f"parallel.sequence_parallel: data.seq_len = {cfg.data.seq_len} does not divide by "
                         f"parallel.tp = {tp}; change data.seq_len or turn sequence_parallel off")
+    problems += ulysses_problems(cfg, heads, kv, str(path))
+    if cfg.parallel.pp > 1 and not problems:  # a config transformers builds (it reads the window's layers)
+        problems += pipeline_window_problems(cfg, hf_config(cfg), str(path))
     vocab, positions = fields.get("vocab_size", 0), fields.get("max_position_embeddings", 0)
     problems += token_batch_problems(cfg)
     problems += token_data_problems(cfg, vocab, positions, vocab_field=f"vocab_size of {path}",

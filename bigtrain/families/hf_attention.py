@@ -1,0 +1,157 @@
+"""Ulysses sequence parallelism (``parallel.sp``) for the Hugging Face family.
+
+bigtrain's Llama applies Ulysses as hooks around its attention core
+(:class:`~bigtrain.parallel.tensor.styles.UlyssesAttention`). A transformers decoder layer has no
+such module: its attention projects q, k, v, applies the rotary tables and then calls a function
+looked up by name, ``config._attn_implementation``, in transformers' ``ALL_ATTENTION_FUNCTIONS``.
+That function is the seam:
+
+- :func:`ulysses_attention` is registered there once under :data:`ULYSSES`. It is a plain function
+  of its arguments: q, k, v of this rank's sequence shard and all its heads
+  (batch, heads, seq / sp, head_dim) -> all-to-all -> the whole sequence and heads / sp -> causal
+  attention -> all-to-all back. Key/value heads follow UlyssesAttention's rule: split when they
+  divide by sp, else (when they divide sp) each rank is sent a copy of the one its query heads use.
+- :class:`UlyssesAttentionGroup`, a plan style on every ``self_attn``, sets the model's config to
+  :data:`ULYSSES` and passes the sp :class:`AxisComm` explicitly, as the keyword :data:`GROUP`,
+  to each call (a forward pre-hook; the layer hands its keywords on to the attention function).
+  A call without it is an error, so a layer the plan skipped cannot silently attend to its shard.
+
+The mask: for an implementation name it has no mask function for, transformers' masking utils
+return no mask (``_preprocess_mask_arguments``), so the decoder builds none (it would be the
+causal mask of the local shard, wrong after the all-to-all). Each rank then attends over the whole
+sequence, causal by ``is_causal`` (a sliding window, Mistral's or Qwen's, by an explicit mask of the
+whole sequence); a mask that does arrive is refused. Rotary tables need no change: each rank's
+positions start at ``sp.rank * seq / sp`` (``ParallelModel.sequence_position``), and q and k are
+rotated before the all-to-all. Qwen3's per-head q/k norms also run before it, on the local
+sequence and all heads. Every weight sees its sequence shard only; its gradient is summed over the
+data axis, which counts dp x sp (as for bigtrain's Llama), so no partial-gradient entry is needed.
+
+Also here, the family's checks of these: :func:`ulysses_problems` (head and sequence shapes sp
+must divide) and :func:`pipeline_window_problems` (pipeline stages, which call their layers with no
+mask, would drop a sliding window under sdpa; Ulysses applies it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigtrain.config import Config
+from bigtrain.context_checks import divisor_near
+from bigtrain.distributed.comm import AxisComm
+from bigtrain.parallel.tensor.functional import all_to_all
+from bigtrain.parallel.tensor.styles import Style, TPContext, replicate_kv_heads
+
+ULYSSES = "bigtrain_ulysses"  # the attention implementation's name in transformers' registry
+GROUP = "ulysses_group"  # the keyword the sp AxisComm travels under, from the hook to the function
+
+
+def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q (batch, heads, seq / sp, head_dim), k and v
+    (batch, kv heads, seq / sp, head_dim) of this rank's shard -> (batch, seq / sp, heads,
+    head_dim), no attention weights."""
+    sp = kwargs.get(GROUP)
+    if not isinstance(sp, AxisComm):
+        raise RuntimeError(f"attention implementation '{ULYSSES}' called without its sp group ('{GROUP}'): the "
+                           f"layer {type(module).__name__} was not prepared by UlyssesAttentionGroup")
+    if attention_mask is not None:
+        raise RuntimeError(f"attention implementation '{ULYSSES}' was given a mask of shape "
+                           f"{tuple(attention_mask.shape)}: a mask of the local shard cannot hold after the all-to-all")
+    q = all_to_all(query, sp, split_dim=1, cat_dim=2)
+    k, v = (all_to_all(replicate_kv_heads(t.transpose(1, 2), sp.size).transpose(1, 2), sp, split_dim=1, cat_dim=2)
+            for t in (key, value))
+    seq = q.shape[2]
+    window = sliding_window_mask(seq, sliding_window, q.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=window, dropout_p=dropout, is_causal=window is None,
+                                         scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    # (batch, heads / sp, seq, head_dim) -> (batch, seq, heads / sp, head_dim) -> this rank's shard, all heads
+    return all_to_all(out.transpose(1, 2), sp, split_dim=1, cat_dim=2).contiguous(), None
+
+
+def sliding_window_mask(seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Where query i may attend to key j within a sliding window, as transformers' masking utils
+    say (causal, and ``j > i - window``); None when the window covers the whole sequence (causal)."""
+    if window is None or window >= seq:
+        return None
+    i = torch.arange(seq, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+
+class UlyssesAttentionGroup(Style):
+    """On a decoder layer's ``self_attn``: its attention runs as :func:`ulysses_attention` (the
+    model's config names it) and each call carries the sp group (a forward pre-hook's keyword)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        from transformers import AttentionInterface  # the family's optional dependency
+
+        if ctx.sp is None or ctx.sp.size == 1:
+            return
+        AttentionInterface.register(ULYSSES, ulysses_attention)  # idempotent: one plain function
+        module.config._attn_implementation = ULYSSES  # the config the whole decoder shares
+        sp = ctx.sp
+
+        def hook(m, args, kwargs):
+            return args, {**kwargs, GROUP: sp}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def with_ulysses(plan: dict) -> dict:
+    """``plan`` (a tensor-parallel plan, or empty) with Ulysses on every decoder layer's attention."""
+    key = "model.layers.*.self_attn"
+    styles = plan.get(key, [])
+    return {**plan, key: [*(styles if isinstance(styles, list) else [styles]), UlyssesAttentionGroup()]}
+
+
+def ulysses_problems(cfg: Config, heads: int, kv_heads: int, where: str) -> list[str]:
+    """``parallel.sp > 1`` against the config.json at ``where`` (its query and key/value head
+    counts) and the sequence: each sp rank takes whole query heads of its tp rank's, key/value heads
+    divide by sp (split) or divide it (replicated), and the sequence cuts evenly over sp (and then
+    over tp under sequence parallelism)."""
+    p, seq = cfg.parallel, cfg.data.seq_len
+    if p.sp <= 1 or p.tp <= 0 or heads % p.tp or kv_heads % p.tp:
+        return []  # no Ulysses, or a tp the family's own check refuses already
+    problems = []
+    local_q, local_kv = heads // p.tp, kv_heads // p.tp
+    if local_q % p.sp:
+        problems.append(f"parallel.sp = {p.sp} (Ulysses) gives each sp rank whole attention heads, and there are "
+                        f"{local_q} per tp rank (num_attention_heads = {heads} of {where} / parallel.tp = {p.tp}); "
+                        f"use parallel.sp = {divisor_near(local_q, p.sp)}")
+    elif local_kv % p.sp and p.sp % local_kv:
+        problems.append(f"parallel.sp = {p.sp} (Ulysses): the {local_kv} key/value heads per tp rank "
+                        f"(num_key_value_heads = {kv_heads} of {where} / parallel.tp = {p.tp}) must divide by sp "
+                        f"(split) or divide sp (replicated); use parallel.sp = {divisor_near(local_kv, p.sp)}")
+    if seq % p.sp:
+        problems.append(f"data.seq_len = {seq} does not divide by parallel.sp = {p.sp} (Ulysses cuts the sequence "
+                        f"evenly); use data.seq_len = {p.sp * max(1, seq // p.sp)}")
+    elif p.sequence_parallel and p.tp > 1 and (seq // p.sp) % p.tp:
+        problems.append(f"parallel.sequence_parallel: data.seq_len / parallel.sp = {seq // p.sp} does not divide by "
+                        f"parallel.tp = {p.tp}; use data.seq_len = {p.sp * p.tp * max(1, seq // (p.sp * p.tp))} or "
+                        f"turn sequence_parallel off")
+    return problems
+
+
+def sliding_window(conf) -> int | None:
+    """The sliding window some layer of the transformers config ``conf`` attends within (Mistral's
+    ``sliding_window`` on every layer; Qwen2's and Qwen3's on their ``sliding_attention`` layers),
+    or None when every layer attends to the whole causal prefix."""
+    window = getattr(conf, "sliding_window", None)
+    types = getattr(conf, "layer_types", None)
+    return None if window is None or (types is not None and "sliding_attention" not in types) else int(window)
+
+
+def pipeline_window_problems(cfg: Config, conf, where: str) -> list[str]:
+    """Pipeline stages call their layers without a mask (bigtrain/families/hf_stages.py): sdpa then
+    attends causally over the whole sequence, and a window narrower than it would be lost (measured:
+    Mistral, window 8 of 32 tokens, pp = 2 trained the unwindowed model). Ulysses applies the window
+    itself (:func:`sliding_window_mask`)."""
+    p, window = cfg.parallel, sliding_window(conf)
+    if p.pp <= 1 or p.sp > 1 or window is None or window >= cfg.data.seq_len:
+        return []
+    return [f"parallel.pp = {p.pp} with a sliding window of {window} tokens (sliding_window of {where}) narrower "
+            f"than data.seq_len = {cfg.data.seq_len}: the stages call their layers without a mask and the window "
+            f"would be lost; use parallel.pp = 1, parallel.sp = 2 (Ulysses applies the window) or data.seq_len <= "
+            f"{window}"]
