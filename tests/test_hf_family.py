@@ -362,8 +362,9 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidde
 def test_plan_prices_a_config_files_model_and_ranks_only_layouts_its_family_runs(tmp_path, capsys):
     """``bigtrain plan --config run.toml`` for a run of a Qwen3-8B config.json: the model priced is
     the one transformers builds (8.19e9 parameters, q/k norms aside), and every ranked layout is one
-    the family runs (no interleaved stages, Ulysses or selective recomputation, no sequence
-    parallelism across pipeline stages), though the planner models them all for bigtrain's Llama."""
+    the family runs (no interleaved or zero-bubble stages, no selective recomputation, no Megatron
+    sequence parallelism across pipeline stages), though the planner models them all for bigtrain's
+    Llama."""
     import json
 
     from bigtrain.cli import main
@@ -382,7 +383,7 @@ def test_plan_prices_a_config_files_model_and_ranks_only_layouts_its_family_runs
     ranked = [r["layout"] for r in report["ranked"]]
     assert len(ranked) > 20
     for layout in ranked:
-        assert layout["sp"] == 1 and layout["v"] == 1 and layout["recompute"] != "selective", layout
+        assert layout["v"] == 1 and layout["recompute"] != "selective", layout
         assert layout["pp"] == 1 or (layout["schedule"] in ("1f1b", "gpipe") and not (layout["tp_sp"] and layout["tp"] > 1))
     with pytest.raises(SystemExit):  # one source of the model: argparse refuses both
         main(["plan", "--config", str(toml), "--preset", "tiny"])
@@ -472,6 +473,9 @@ CHECKED = {
     "qwen2-tp2-int8": ("qwen2", ["--parallel.tp=2", "--memory.activation_compression=int8"]),
     "llama-dp2-zero2-fp8": ("llama", ["--parallel.dp=2", "--parallel.zero=2", "--precision.fp8=rowwise",
                                       "--precision.fp8_emulate=true"]),
+    # bf16 against the reference's own bf16 (a bf16 copy of the weights, fp32 masters)
+    "qwen3-dp2-zero3-tp2-sp-bf16": ("qwen3", [*LAYOUTS["dp2-zero3-tp2-sp-recompute"], "--precision.mode=bf16"]),
+    "mistral-pp2-bf16": ("mistral", ["--parallel.pp=2", "--precision.mode=bf16"]),
 }
 
 
@@ -486,7 +490,9 @@ def test_check_compares_the_family_step_by_step(corpus_cache, tmp_path, name):
     assert reference_problems(cfg) == []
     report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=300)[0]
     assert report.agree and report.steps == 3, report.text()
-    assert 0 < report.worst["loss"] <= 1e-5 and 0 < report.worst["forward"], report.text()
+    # measured, not just passed: the loss moved off the reference by some rounding, and the layers'
+    # outputs were compared (a layout that computes them exactly as the reference may match them exactly)
+    assert 0 < report.worst["loss"] <= report.tolerance.loss and "forward" in report.worst, report.text()
 
 
 def test_check_refuses_what_the_reference_does_not_state(corpus_cache):
@@ -494,6 +500,8 @@ def test_check_refuses_what_the_reference_does_not_state(corpus_cache):
 
     cfg = hf_config(corpus_cache, "llama", "--optim.name=lion")
     assert any("optim.name" in p for p in reference_problems(cfg))
+    cfg = hf_config(corpus_cache, "llama", "--precision.mode=fp16")
+    assert any("precision.mode" in p for p in reference_problems(cfg))
 
 
 # -- the layout fuzzer -------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from torch import nn
 from bigtrain.checkpoint.hf import hf_folder
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
-from bigtrain.families.hf_attention import pipeline_window_problems, ulysses_problems, with_ulysses
+from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
 from bigtrain.families.hf_reference import HFReference, captured_module
 from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
@@ -45,7 +45,9 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "Qwen3ForCausalLM": "qwen3"}
 # the architectures whose attention_bias puts biases on q, k, v and the output projection
 ATTENTION_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM")
-ATTENTION = "sdpa"  # torch's scaled_dot_product_attention: what the reference runs too
+# The layers attend through bigtrain's registered function (families/hf_attention.py: causal sdpa with
+# no mask built by transformers); the reference runs transformers' own "sdpa".
+ATTENTION = CAUSAL
 
 
 def config_path(cfg: Config | ModelConfig) -> Path:
@@ -86,6 +88,7 @@ def causal_lm(cfg: Config | ModelConfig, device: str) -> CausalLM:
     import transformers
 
     conf = hf_config(cfg)
+    register_attention()
     with torch.device(device):
         built = getattr(transformers, architecture(read_config(cfg)))._from_config(
             conf, attn_implementation=ATTENTION, dtype=torch.float32)
@@ -253,8 +256,6 @@ def check_hf(cfg: Config) -> list[str]:
         problems.append(f"parallel.sequence_parallel: data.seq_len = {cfg.data.seq_len} does not divide by "
                         f"parallel.tp = {tp}; change data.seq_len or turn sequence_parallel off")
     problems += ulysses_problems(cfg, heads, kv, str(path))
-    if cfg.parallel.pp > 1 and not problems:  # a config transformers builds (it reads the window's layers)
-        problems += pipeline_window_problems(cfg, hf_config(cfg), str(path))
     vocab, positions = fields.get("vocab_size", 0), fields.get("max_position_embeddings", 0)
     problems += token_batch_problems(cfg)
     problems += token_data_problems(cfg, vocab, positions, vocab_field=f"vocab_size of {path}",

@@ -26,9 +26,13 @@ rotated before the all-to-all. Qwen3's per-head q/k norms also run before it, on
 sequence and all heads. Every weight sees its sequence shard only; its gradient is summed over the
 data axis, which counts dp x sp (as for bigtrain's Llama), so no partial-gradient entry is needed.
 
-Also here, the family's checks of these: :func:`ulysses_problems` (head and sequence shapes sp
-must divide) and :func:`pipeline_window_problems` (pipeline stages, which call their layers with no
-mask, would drop a sliding window under sdpa; Ulysses applies it).
+Without Ulysses the family's layers attend through :func:`causal_attention` (:data:`CAUSAL`, the
+name the family builds its models with): the same sdpa call on the sequence the layer holds, so that
+transformers builds no (batch, 1, seq, seq) mask (see the function) and a sliding window holds in
+pipeline stages too, which call their layers with no mask.
+
+Also here, the family's check of Ulysses: :func:`ulysses_problems` (head and sequence shapes sp
+must divide).
 """
 
 from __future__ import annotations
@@ -43,8 +47,44 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.parallel.tensor.functional import all_to_all
 from bigtrain.parallel.tensor.styles import Style, TPContext, replicate_kv_heads
 
+CAUSAL = "bigtrain_causal"  # the family's attention: causal sdpa over the sequence the layer holds
 ULYSSES = "bigtrain_ulysses"  # the attention implementation's name in transformers' registry
 GROUP = "ulysses_group"  # the keyword the sp AxisComm travels under, from the hook to the function
+
+
+def register_attention() -> None:
+    """Both functions in transformers' registry (idempotent: plain functions under fixed names)."""
+    from transformers import AttentionInterface  # the family's optional dependency
+
+    AttentionInterface.register(CAUSAL, causal_attention)
+    AttentionInterface.register(ULYSSES, ulysses_attention)
+
+
+def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The decoder's attention without transformers' mask: q (batch, heads, seq, head_dim), k and v
+    (batch, kv heads, seq, head_dim) -> (batch, seq, heads, head_dim), no attention weights.
+
+    transformers builds no mask for a name it has no mask function for, and with ``use_cache =
+    False`` (training) it would otherwise build a whole (batch, 1, seq, seq) one for every step
+    (its packed-sequence check of the position ids), which keeps sdpa off its flash kernel and off
+    native grouped-query attention: measured on the CPU in bf16, the key/value gradients then summed
+    over their query heads in bf16 and 3e-3 off the reference's. Here attention is causal by
+    ``is_causal`` (a sliding window, Mistral's or Qwen's, by an explicit mask), as transformers' own
+    sdpa path runs it when it can skip the mask."""
+    if attention_mask is not None:
+        raise RuntimeError(f"attention implementation '{CAUSAL}' was given a mask of shape "
+                           f"{tuple(attention_mask.shape)}: bigtrain's decoders attend causally over whole sequences")
+    return attend(query, key, value, dropout, scaling, sliding_window).transpose(1, 2).contiguous(), None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
+           window: int | None) -> torch.Tensor:
+    """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads."""
+    mask = sliding_window_mask(q.shape[2], window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                          scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,10 +103,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     q = all_to_all(query, sp, split_dim=1, cat_dim=2)
     k, v = (all_to_all(replicate_kv_heads(t.transpose(1, 2), sp.size).transpose(1, 2), sp, split_dim=1, cat_dim=2)
             for t in (key, value))
-    seq = q.shape[2]
-    window = sliding_window_mask(seq, sliding_window, q.device)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=window, dropout_p=dropout, is_causal=window is None,
-                                         scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    out = attend(q, k, v, dropout, scaling, sliding_window)
     # (batch, heads / sp, seq, head_dim) -> (batch, seq, heads / sp, head_dim) -> this rank's shard, all heads
     return all_to_all(out.transpose(1, 2), sp, split_dim=1, cat_dim=2).contiguous(), None
 
@@ -85,11 +122,9 @@ class UlyssesAttentionGroup(Style):
     model's config names it) and each call carries the sp group (a forward pre-hook's keyword)."""
 
     def apply(self, module: nn.Module, ctx: TPContext) -> None:
-        from transformers import AttentionInterface  # the family's optional dependency
-
         if ctx.sp is None or ctx.sp.size == 1:
             return
-        AttentionInterface.register(ULYSSES, ulysses_attention)  # idempotent: one plain function
+        register_attention()
         module.config._attn_implementation = ULYSSES  # the config the whole decoder shares
         sp = ctx.sp
 
@@ -132,26 +167,3 @@ def ulysses_problems(cfg: Config, heads: int, kv_heads: int, where: str) -> list
                         f"parallel.tp = {p.tp}; use data.seq_len = {p.sp * p.tp * max(1, seq // (p.sp * p.tp))} or "
                         f"turn sequence_parallel off")
     return problems
-
-
-def sliding_window(conf) -> int | None:
-    """The sliding window some layer of the transformers config ``conf`` attends within (Mistral's
-    ``sliding_window`` on every layer; Qwen2's and Qwen3's on their ``sliding_attention`` layers),
-    or None when every layer attends to the whole causal prefix."""
-    window = getattr(conf, "sliding_window", None)
-    types = getattr(conf, "layer_types", None)
-    return None if window is None or (types is not None and "sliding_attention" not in types) else int(window)
-
-
-def pipeline_window_problems(cfg: Config, conf, where: str) -> list[str]:
-    """Pipeline stages call their layers without a mask (bigtrain/families/hf_stages.py): sdpa then
-    attends causally over the whole sequence, and a window narrower than it would be lost (measured:
-    Mistral, window 8 of 32 tokens, pp = 2 trained the unwindowed model). Ulysses applies the window
-    itself (:func:`sliding_window_mask`)."""
-    p, window = cfg.parallel, sliding_window(conf)
-    if p.pp <= 1 or p.sp > 1 or window is None or window >= cfg.data.seq_len:
-        return []
-    return [f"parallel.pp = {p.pp} with a sliding window of {window} tokens (sliding_window of {where}) narrower "
-            f"than data.seq_len = {cfg.data.seq_len}: the stages call their layers without a mask and the window "
-            f"would be lost; use parallel.pp = 1, parallel.sp = 2 (Ulysses applies the window) or data.seq_len <= "
-            f"{window}"]

@@ -8,7 +8,9 @@ it (``model(input_ids).logits``; no bigtrain adapter, no meta build, no plan, no
 is the summed cross-entropy over the global batch divided by its counted targets (accumulated over
 micro-batches of ``train.micro_batch`` sequences), the gradient is clipped by
 ``torch.nn.utils.clip_grad_norm_``, and the step is ``torch.optim.AdamW`` (decay on matrices only)
-at linear warm-up then cosine decay to ``optim.min_lr_ratio`` of the peak. fp32 and AdamW only.
+at linear warm-up then cosine decay to ``optim.min_lr_ratio`` of the peak. AdamW only; fp32, or
+bf16 as the trainer's mixed precision computes it (a bf16 copy of the weights runs forward and
+backward, its gradients summed in fp32 into the fp32 masters the optimizer steps).
 The fused loss needs nothing here (it is the same cross-entropy); int8 compression and float8
 decoder-layer linears are stated as for bigtrain's Llama (check/reference.py): the int8 rule of
 :mod:`bigtrain.core.int8_reference`, and :class:`bigtrain.fp8.linear.Float8Linear` on the
@@ -20,6 +22,7 @@ emulated backend as part of the model under test.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +39,7 @@ from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.hf_causal_lm import init_value
 
 IGNORED = -100  # the target id cross-entropy leaves out (the sampler's masked targets)
+MODES = {"fp32": None, "bf16": torch.bfloat16}  # precision.mode -> the compute copy's dtype (None: the masters)
 
 
 def captured_module(name: str) -> bool:
@@ -67,8 +71,9 @@ class HFReference:
     def problems(cfg: Config) -> list[str]:
         """What this reference does not state (``bigtrain check`` refuses it before launch)."""
         out = []
-        if cfg.precision.mode != "fp32":
-            out.append(f"precision.mode = '{cfg.precision.mode}': the Hugging Face reference trains in fp32 only")
+        if cfg.precision.mode not in MODES:
+            out.append(f"precision.mode = '{cfg.precision.mode}': the Hugging Face reference trains in fp32 or bf16 "
+                       f"(fp16's loss scaling is not stated here)")
         if cfg.optim.name != "adamw":
             out.append(f"optim.name = '{cfg.optim.name}': the Hugging Face reference steps with AdamW only")
         return out
@@ -82,16 +87,21 @@ class HFReference:
         if self.problems(cfg):
             raise ValueError("; ".join(self.problems(cfg)))
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.model = transformers_model(cfg.model.hf_config).to(dtype)
+        self.model = transformers_model(cfg.model.hf_config).to(dtype)  # the master weights (fp32)
         std = self.model.config.initializer_range
         with torch.no_grad():
             for name, p in self.model.named_parameters():  # drawn on the CPU, as the trainer's
                 p.copy_(init_value(name, tuple(p.shape), cfg.train.seed, std))
+        # bf16: the forward and backward run on a bf16 copy of the weights (the rotary tables, buffers,
+        # stay fp32), whose gradients are summed into the fp32 masters, as ZeRO's mixed precision does.
+        self.mixed = MODES[cfg.precision.mode] is not None
+        self.compute = parameters_in(self.model, MODES[cfg.precision.mode]) if self.mixed else self.model
         if cfg.memory.activation_compression == "int8":  # the rule stated again, not the trainer's wrapper
-            int8_weight_gradients(self.model.model.layers, None if cfg.model.fused_loss else self.model.lm_head)
+            int8_weight_gradients(self.compute.model.layers, None if cfg.model.fused_loss else self.compute.lm_head)
         if cfg.precision.fp8 != "none":  # float8 is part of the model under test (as in check/reference.py)
-            convert_to_float8(self.model, Float8Recipe(cfg.precision.fp8), "emulated", root="model.layers")
+            convert_to_float8(self.compute, Float8Recipe(cfg.precision.fp8), "emulated", root="model.layers")
         self.model.to(self.device)
+        self.compute.to(self.device)
         self.params = list(self.model.parameters())
         o = cfg.optim
         groups = [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
@@ -112,16 +122,18 @@ class HFReference:
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         outputs: dict[str, list[torch.Tensor]] = {}
         handles = [m.register_forward_hook(lambda mod, args, out, name=name: outputs.setdefault(name, []).append(
-                   out.detach().float().cpu().clone())) for name, m in self.model.named_modules()
+                   out.detach().float().cpu().clone())) for name, m in self.compute.named_modules()
                    if capture and captured_module(name)]
         loss_sum = 0.0
         try:
             for first in range(0, tokens.shape[0], t.micro_batch):
-                logits = self.model(input_ids=tokens[first:first + t.micro_batch]).logits
+                logits = self.compute(input_ids=tokens[first:first + t.micro_batch]).logits
                 loss = F.cross_entropy(logits.to(self.dtype).flatten(0, 1),
                                        targets[first:first + t.micro_batch].flatten(), reduction="sum")
                 loss_sum += float(loss.detach())
                 (loss / counted).backward()
+                if self.mixed:
+                    self._accumulate_into_masters()
         finally:
             for h in handles:
                 h.remove()
@@ -133,12 +145,33 @@ class HFReference:
             group["lr"] = self.learning_rate(self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.mixed:
+            with torch.no_grad():
+                for master, low in zip(self.model.parameters(), self.compute.parameters()):
+                    low.copy_(master)
         self.step += 1
         result = ReferenceStep(loss=loss_sum / counted, grad_norm=norm, skipped=False, grads=grads)
         if capture:
             result.outputs = {name: torch.cat(parts) for name, parts in outputs.items()}
             result.weights = {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}
         return result
+
+
+    def _accumulate_into_masters(self) -> None:
+        for master, low in zip(self.model.parameters(), self.compute.parameters()):
+            if low.grad is not None:
+                grad = low.grad.to(master.dtype)
+                master.grad = grad if master.grad is None else master.grad.add_(grad)
+                low.grad = None
+
+
+def parameters_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters are in ``dtype`` and whose buffers are as they were (a
+    tied weight stays one parameter: ``parameters()`` lists it once)."""
+    low = copy.deepcopy(model)
+    for p in low.parameters():
+        p.data = p.data.to(dtype)
+    return low
 
 
 @dataclass
