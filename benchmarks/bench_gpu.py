@@ -24,7 +24,8 @@ compile and fp8 included), in brackets after the measured ones.
 ``--variants`` runs each preset several ways: ``eager`` (``compile.enabled = false``), ``compiled``
 (``compile.enabled = true``: each block compiled, bigtrain/parallel/compile.py) and ``fp8``
 (compiled, ``precision.fp8 = rowwise``; listed as skipped where the checkout has no
-``precision.fp8``). Each row reports the seconds its first steps spent compiling. ``--peer
+``precision.fp8``) and ``hf-family`` (transformers' ``LlamaForCausalLM`` of the preset's shape,
+from a config.json, trained by bigtrain: ``model.family = "hf"``, its decoder layers compiled). Each row reports the seconds its first steps spent compiling. ``--peer
 hf-compiled`` (or ``hf``, or ``hf,hf-compiled``) adds transformers' ``LlamaForCausalLM`` of the same
 shape in the same process and recipe (fp32 weights, bf16 autocast, loss in fp32, gradient clipping,
 fused AdamW with the preset's settings, the same tokens per step), ``torch.compile``-d whole as a
@@ -91,7 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpointing", default="none", help="memory.checkpointing: none, full or every")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak of the device (default: detected)")
     p.add_argument("--cache-dir", default="", help="data.cache_dir for the tokenized corpus")
-    p.add_argument("--variants", default="eager", help="comma-separated: eager, compiled, fp8 (default eager)")
+    p.add_argument("--variants", default="eager", help="comma-separated: eager, compiled, fp8, hf-family "
+                                                       "(default eager)")
     p.add_argument("--peer", default="none", help="comma-separated peers in the same call: hf (transformers "
                                                   "LlamaForCausalLM, eager), hf-compiled (torch.compile-d); none")
     p.add_argument("--allow-cpu", action="store_true", help="without CUDA, run on the CPU (a smoke test)")
@@ -121,7 +123,11 @@ def detect_peak(device_name: str, override_tflops: float) -> tuple[float | None,
 
 
 VARIANTS = {"eager": ["--compile.enabled=false"], "compiled": ["--compile.enabled=true"],
-            "fp8": ["--compile.enabled=true", "--precision.fp8=rowwise"]}
+            "fp8": ["--compile.enabled=true", "--precision.fp8=rowwise"],
+            # bring your own model: transformers' LlamaForCausalLM of the preset's shape, trained by
+            # bigtrain (model.family = "hf", its decoder layers compiled), against the same model
+            # compiled by hand (--peer hf-compiled)
+            "hf-family": ["--compile.enabled=true", "--model.family=hf"]}
 
 
 def variant_missing(variant: str) -> str:
@@ -152,9 +158,27 @@ def preset_config(name: str, args: argparse.Namespace, device: str, variant: str
         overrides.append(f"--data.cache_dir={args.cache_dir}")
     if variant == "fp8" and device != "cuda":  # the smoke run on the CPU: float8 numerics, emulated
         overrides.append("--precision.fp8_emulate=true")
+    if variant == "hf-family":
+        overrides.append(f"--model.hf_config={llama_config_json(base, seq)}")
     cfg = load_config(preset=name, overrides=overrides + VARIANTS[variant])
     validate(cfg, world_size=1, cuda_available=device == "cuda")
     return cfg
+
+
+def llama_config_json(cfg, seq: int) -> Path:
+    """A config.json of transformers' LlamaForCausalLM with ``cfg``'s model shape (the hf-family
+    variant's model), in a folder of its own under the system's temporary directory."""
+    m = cfg.model
+    fields = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+              "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
+              "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads,
+              "max_position_embeddings": max(seq, m.max_seq_len), "rms_norm_eps": m.norm_eps,
+              "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "attention_bias": False,
+              "mlp_bias": False, "initializer_range": 0.02}
+    folder = Path(tempfile.gettempdir()) / f"bench-gpu-hf-{m.n_layers}x{m.dim}-{seq}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(fields, indent=1))
+    return folder / "config.json"
 
 
 class DeviceMemory:
@@ -334,7 +358,7 @@ def ratios(results: list[dict]) -> list[str]:
     lines = []
     for peer in (r for r in results if r["variant"] == "hf-compiled"):
         for r in results:
-            if r["preset"] == peer["preset"] and not r["variant"].startswith("hf"):
+            if r["preset"] == peer["preset"] and r["variant"] not in ("hf", "hf-compiled"):
                 mem = (f", peak memory {r['peak_memory_gib']:.1f} vs {peer['peak_memory_gib']:.1f} GiB"
                        if r["peak_memory_gib"] is not None and peer["peak_memory_gib"] is not None else "")
                 lines.append(f"- {r['preset']} {r['variant']}: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x the "
