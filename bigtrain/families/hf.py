@@ -35,8 +35,8 @@ from bigtrain.families.tokens import token_batch_problems, token_data_problems
 from bigtrain.fp8.checks import kernel_shape_problems
 from bigtrain.models.hf_causal_lm import CausalLM, init_value
 from bigtrain.parallel.tensor.entry_styles import EnterSequenceShards, PrepareKeywordInput, WholeSequenceEmbedding
-from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, RowParallel,
-                                             VocabParallelOutput)
+from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, ReplicatedKVHeads,
+                                             RowParallel, VocabParallelOutput)
 
 NAME = "hf"
 CONFIG_FILE = "config.json"
@@ -175,14 +175,21 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
     Ulysses (``ulysses``): every layer's attention through bigtrain/families/hf_attention.py."""
     if tp == 1:
         return with_ulysses({}) if ulysses else {}
+    conf = model.config
+    heads = conf.num_attention_heads
+    kv_heads = conf.num_key_value_heads or heads
+    head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // heads  # Qwen3 gives its own
+    # More ranks than key/value heads (a divisor of tp): each rank keeps the whole k and v
+    # projections and uses the head its query heads attend to, as bigtrain's Llama does.
+    kv = ColumnParallel() if kv_heads % tp == 0 else ReplicatedKVHeads(heads, kv_heads, head_dim)
     plan = {"model.embed_tokens": WholeSequenceEmbedding()}
     if sequence_parallel:
         plan["model.layers.0"] = EnterSequenceShards()
     plan.update({
         "model.layers.*.self_attn": PrepareKeywordInput("hidden_states"),
         "model.layers.*.self_attn.q_proj": ColumnParallel(),
-        "model.layers.*.self_attn.k_proj": ColumnParallel(),
-        "model.layers.*.self_attn.v_proj": ColumnParallel(),
+        "model.layers.*.self_attn.k_proj": kv,
+        "model.layers.*.self_attn.v_proj": kv,
         "model.layers.*.self_attn.o_proj": RowParallel(),
         "model.layers.*.mlp": PrepareInput(),
         "model.layers.*.mlp.gate_proj": ColumnParallel(),
@@ -248,10 +255,12 @@ def check_hf(cfg: Config) -> list[str]:
     tp = cfg.parallel.tp
     heads, kv = fields.get("num_attention_heads", 0), fields.get("num_key_value_heads") or fields.get(
         "num_attention_heads", 0)
-    for key, size in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                      ("intermediate_size", fields.get("intermediate_size", 0))):
+    for key, size in (("num_attention_heads", heads), ("intermediate_size", fields.get("intermediate_size", 0))):
         if tp > 0 and size % tp:
             problems.append(f"parallel.tp = {tp} does not divide {key} = {size} of {path}; use a tp that divides it")
+    if tp > 0 and kv > 0 and kv % tp and tp % kv:  # fewer key/value heads than ranks: replicated if they divide tp
+        problems.append(f"parallel.tp = {tp}: num_key_value_heads = {kv} of {path} must divide by tp (split) or "
+                        f"divide it (each rank keeps the head its query heads attend to); use a tp that does")
     if cfg.parallel.sequence_parallel and tp > 1 and cfg.data.seq_len % tp:
         problems.append(f"parallel.sequence_parallel: data.seq_len = {cfg.data.seq_len} does not divide by "
                         f"parallel.tp = {tp}; change data.seq_len or turn sequence_parallel off")

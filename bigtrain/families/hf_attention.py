@@ -147,10 +147,10 @@ def ulysses_problems(cfg: Config, heads: int, kv_heads: int, where: str) -> list
     divide by sp (split) or divide it (replicated), and the sequence cuts evenly over sp (and then
     over tp under sequence parallelism)."""
     p, seq = cfg.parallel, cfg.data.seq_len
-    if p.sp <= 1 or p.tp <= 0 or heads % p.tp or kv_heads % p.tp:
+    if p.sp <= 1 or p.tp <= 0 or heads % p.tp or (kv_heads % p.tp and p.tp % kv_heads):
         return []  # no Ulysses, or a tp the family's own check refuses already
     problems = []
-    local_q, local_kv = heads // p.tp, kv_heads // p.tp
+    local_q, local_kv = heads // p.tp, max(1, kv_heads // p.tp)  # fewer than tp: one replicated head a rank
     if local_q % p.sp:
         problems.append(f"parallel.sp = {p.sp} (Ulysses) gives each sp rank whole attention heads, and there are "
                         f"{local_q} per tp rank (num_attention_heads = {heads} of {where} / parallel.tp = {p.tp}); "
