@@ -4,8 +4,9 @@ hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalL
 initialized by (seed, name), cut by the Megatron plan below and trained by bigtrain's Trainer.
 Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
 
-Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), Ulysses
-sp (with any of those and pp: bigtrain/families/hf_attention.py), pp
+Supported layouts, fp32 or bf16: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline
+stages; key/value heads fewer than tp replicated), Ulysses sp (with any of those and pp:
+bigtrain/families/hf_attention.py, whose causal function every layer attends through), pp
 (one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py), full or every-k-th
 recomputation of the blocks, offload of the decoder layers' saved activations, regional
 compilation of the layers (``compile.enabled``; 'auto' compiles on CUDA as for bigtrain's Llama),
