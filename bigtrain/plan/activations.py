@@ -9,7 +9,8 @@ h hidden, k = kv_heads x head_dim, F the SwiGLU size and a heads, one block save
         input in fp32 4h (in fp32 it *is* the block input / residual; in bf16 a copy)
         rsqrt 4, normalized x B h, x * weight B h (the input the next linears save)
     attention: rotated q B h, rotated k B k, v B k (as SDPA saves them), output B h
-        (SDPA returns it in (b, s, a, d) memory order, so wo's input is a view of it),
+        (SDPA returns it in (b, s, a, d) memory order, so wo's input is a view of it; q and the
+        output are heads x head_dim wide, ``ModelSpec.attention_dim``, h unless a head size is set),
         logsumexp 4 a (fp32); rotary saves only its cos/sin tables (buffers, not counted)
     SwiGLU: w1 x, w3 x, silu(w1 x), and the product w2 multiplies: 4 B F
 
@@ -244,7 +245,7 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
     """The itemized saved tensors of one block (see the module docstring); ``compiled``: the run
     compiles its blocks (``Layout.compiled``)."""
     nbytes, h, k, f = BYTES[precision], model.hidden, model.kv_dim, model.activation_ffn
-    q = model.heads * model.head_dim  # attention's query and output width (h unless a head size is set)
+    q = model.attention_dim  # attention's query and output width (h unless a head size is set)
     first_norm, second_norm = ("attention_norm", "ffn_norm") if model.mlp == "swiglu" else ("ln_1", "ln_2")
     int8 = compression == "int8"
     linear_in = _int8(h) if int8 else nbytes * h  # a norm's output, as the linears after it keep it
@@ -260,7 +261,7 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                  ("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split")]
         return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
                                 gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
-                                ulysses_extra=nbytes * h)
+                                ulysses_extra=nbytes * q)
     if selective:
         items = [(f"{first_norm}.input", nbytes * h, "norm_in"), (f"{first_norm}.output", linear_in, "norm_out")]
     else:
@@ -291,7 +292,7 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
         items += [("mlp.fc1_out", nbytes * f, "split"), ("mlp.gelu_out", nbytes * f, "split")]
     return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
                             gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
-                            ulysses_extra=0.0 if int8 or core_recomputed else nbytes * h)
+                            ulysses_extra=0.0 if int8 or core_recomputed else nbytes * q)
 
 
 def head_activations(model: ModelSpec, precision: str, compression: str = "none",

@@ -2,8 +2,9 @@
 
 Conventions (docs/planner.md has the derivations):
 
-* Model FLOPs per token 6N + 12 L h s (``ModelSpec.model_flops_per_token``); hardware FLOPs add
-  one more forward of every checkpointed block (2 N_block + 4 h s per token). MFU divides model
+* Model FLOPs per token 6N + 12 L a s, a = heads x head_dim (``ModelSpec.model_flops_per_token``,
+  which says why a and not h); hardware FLOPs add one more forward of every checkpointed block
+  (2 N_block + 4 a s per token). MFU divides model
   FLOPs, HFU hardware FLOPs, by the step time and the peak of the precision used.
 * Compute runs at ``peak x achievable_fraction`` of the hardware profile. The output projection's
   FLOPs are spread evenly over the pipeline stages.
@@ -155,9 +156,10 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     # Megatron: two all-reduces (or all-gather + reduce-scatter with SP, the same volume) per layer
     # in the forward, two in the backward, two more per recomputed layer.
     tp_op = tp_link.collective("all_reduce", local_tokens * model.hidden * nbytes, layout.tp)
-    # Ulysses: q, k, v to head-sharded layout and the output back, per layer and direction.
-    qkv = local_tokens * (model.hidden + 2 * model.kv_dim) * nbytes / layout.tp
-    out_bytes = local_tokens * model.hidden * nbytes / layout.tp
+    # Ulysses: q, k, v to head-sharded layout and the output back, per layer and direction (q and
+    # the output span the query heads' width, heads x head_dim).
+    qkv = local_tokens * (model.attention_dim + 2 * model.kv_dim) * nbytes / layout.tp
+    out_bytes = local_tokens * model.attention_dim * nbytes / layout.tp
     sp_op = sp_link.collective("all_to_all", qkv, layout.sp) + sp_link.collective("all_to_all", out_bytes, layout.sp)
     if layout.cp > 1 and layout.ring == 1:  # cp's all-to-all: the same exchange over the cp ranks
         sp_op += cp_link.collective("all_to_all", qkv, layout.cp) + cp_link.collective("all_to_all", out_bytes, layout.cp)
@@ -261,7 +263,7 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
         out["activation_offload"] = micro_batches * max(0.0, 2 * moved / hw.host_bandwidth - window)
     if layout.compression == "int8":
         nbytes = BYTES[layout.precision]
-        per_block = 3 * model.hidden + model.ffn_hidden  # the linear inputs compressed (norms, wo, w2)
+        per_block = 2 * model.hidden + model.attention_dim + model.ffn_hidden  # the linear inputs compressed (norms, wo, w2)
         traffic = 2 * (nbytes + 1) * per_block * tokens * model.layers / layout.pp
         out["activation_compression"] = micro_batches * traffic / hw.hbm_bandwidth
     return out

@@ -353,7 +353,7 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
     if layout.tp > 1:
         out["tp_collective"] = 2 * tokens * model.hidden * nbytes
     if layout.head_exchange > 1:  # Ulysses, or cp's all-to-all: q, k, v out and the output back
-        out["sp_all_to_all"] = tokens * (2 * model.hidden + 2 * model.kv_dim) * nbytes // layout.tp
+        out["sp_all_to_all"] = tokens * (2 * model.attention_dim + 2 * model.kv_dim) * nbytes // layout.tp
     if layout.ring > 1:  # the ring's key/value block held and the next arriving
         out["cp_ring"] = 4 * tokens * model.kv_dim * nbytes // layout.tp
     if layout.pp > 1:
