@@ -121,3 +121,18 @@ def test_zero2_waits_for_the_reduction_tail_once_a_step_and_zero3_every_micro_ba
     assert charged[2][0] > 0 and charged[2][1] == pytest.approx(charged[2][0])
     assert charged[3][1] == pytest.approx(8 * charged[3][0])
     assert charged[1][1] == pytest.approx(charged[1][0])
+
+
+def test_fp16_gradients_are_priced_in_the_reduce_dtype_the_runtime_uses():
+    """bigtrain reduces fp16 gradients in fp32 (precision.py: fp16 sums overflow), bf16 in bf16: with
+    nothing hidden, ZeRO-0's all-reduce moves 4 bytes a parameter in fp16 (it was priced at 2)."""
+    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=1024)
+    cluster = _no_overlap(Cluster.build(8, get_profile("a100-80g")))
+    hw = cluster.hardware
+    link = Link(hw.intra_node_bandwidth, hw.intra_node_latency_s, hw.reduce_scatter_efficiency, hw.all_gather_efficiency)
+    for precision, width in (("fp16", 4), ("bf16", 2)):
+        layout = Layout(dp=8, precision=precision, micro_batch=1)
+        root, blocks = rank_units(model, layout, 0)
+        elements = root.numel + sum(u.numel for u in blocks)
+        costs = data_parallel_costs(model, layout, cluster, stage_costs(model, layout, cluster), 1)
+        assert costs["dp_grad_sync"] == pytest.approx(link.collective("all_reduce", width * elements, 8)), precision

@@ -288,7 +288,7 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
     hybrid = layout.gradient_axes()[1] != ()  # HSDP: that group is one of dp_replicate ZeRO groups
     # The experts' edp ranks span the dense group's ranks (ep is its inner factor): the same link.
     link = link_of(cluster, layout, ("sp", "cp", "dp_shard") if hybrid else ("sp", "cp", "dp"))
-    grad_bytes = cluster.engine.grad_reduce_bytes or nbytes
+    grad_bytes = cluster.engine.grad_reduce_bytes or reduce_bytes(layout.precision)  # the runtime: fp32 in fp16
     m = micro_batches
     collectives = step_collectives(model, layout, m, grad_bytes)
     across = set(layout.gradient_axes()[1])
