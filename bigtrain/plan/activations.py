@@ -9,7 +9,8 @@ h hidden, k = kv_heads x head_dim, F the SwiGLU size and a heads, one block save
         input in fp32 4h (in fp32 it *is* the block input / residual; in bf16 a copy)
         rsqrt 4, normalized x B h, x * weight B h (the input the next linears save)
     attention: rotated q B h, rotated k B k, v B k (as SDPA saves them), output B h
-        (SDPA returns it in (b, s, a, d) memory order, so wo's input is a view of it),
+        (SDPA returns it in (b, s, a, d) memory order, so wo's input is a view of it; q and the
+        output are heads x head_dim wide, ``ModelSpec.attention_dim``, h unless a head size is set),
         logsumexp 4 a (fp32); rotary saves only its cos/sin tables (buffers, not counted)
     SwiGLU: w1 x, w3 x, silu(w1 x), and the product w2 multiplies: 4 B F
 
@@ -116,13 +117,16 @@ SP_GATHERED_COPIES = {"swiglu": 2, "gelu": 2}
 class BlockActivations:
     """Bytes per token of one block, by how tensor and sequence parallelism divide them."""
 
-    items: tuple[tuple[str, float, str], ...]  # (tensor, bytes per token, kind: norm_in / norm_out / split)
+    # (tensor, bytes per token, kind: norm_in / norm_out / split, or whole: an MoE block's routing and
+    # experts, whole on every tp rank, as the tp ranks route the same hidden states)
+    items: tuple[tuple[str, float, str], ...]
     checkpointed: float  # what a checkpointed block keeps per token (its input)
     hidden: int
     nbytes: int
     gathered_copies: int
     gathered_bytes: float = 0.0  # per token of one Megatron-SP gathered copy (B h; h + 4 in int8)
     ulysses_extra: float = 0.0  # per token: wo's own copy of attention's output after the all-to-all
+    per_block: float = 0.0  # bytes a block keeps whatever its tokens (averaged over the blocks), unless checkpointed
 
     def _sum(self, kind: str) -> float:
         return sum(b for _, b, k in self.items if k == kind)
@@ -153,7 +157,7 @@ class BlockActivations:
             out = self.replicated + self.split / tp
         if ulysses > 1:  # the all-to-all brings attention's output back as a new tensor, which wo saves
             out += self.ulysses_extra / tp
-        return out
+        return out + self._sum("whole")
 
 
 @dataclass(frozen=True)
@@ -240,11 +244,12 @@ def compiles_blocks(model: ModelSpec, compiled: bool, recompute: str = "none", c
 
 def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                       compression: str = "none", selective_attention: bool = False,
-                      compiled: bool = False) -> BlockActivations:
+                      compiled: bool = False, ep: int = 1) -> BlockActivations:
     """The itemized saved tensors of one block (see the module docstring); ``compiled``: the run
-    compiles its blocks (``Layout.compiled``)."""
-    nbytes, h, k, f = BYTES[precision], model.hidden, model.kv_dim, model.activation_ffn
-    q = model.heads * model.head_dim  # attention's query and output width (h unless a head size is set)
+    compiles its blocks (``Layout.compiled``); ``ep``: the experts' degree (its dispatch saves more)."""
+    nbytes, h, k = BYTES[precision], model.hidden, model.kv_dim
+    f, f_moe = _ffn_widths(model)
+    q = model.attention_dim  # attention's query and output width (h unless a head size is set)
     first_norm, second_norm = ("attention_norm", "ffn_norm") if model.mlp == "swiglu" else ("ln_1", "ln_2")
     int8 = compression == "int8"
     linear_in = _int8(h) if int8 else nbytes * h  # a norm's output, as the linears after it keep it
@@ -257,10 +262,10 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                      ("attention.output", nbytes * q, "split")]
         items = [(f"{first_norm}.input", nbytes * h, "norm_in"), *attention,
                  (f"{second_norm}.input", nbytes * h, "norm_in"),
-                 ("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split")]
+                 *_ffn("feed_forward.w1_out", nbytes, f, f_moe), *_ffn("feed_forward.w3_out", nbytes, f, f_moe)]
         return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
                                 gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
-                                ulysses_extra=nbytes * h)
+                                ulysses_extra=nbytes * q)
     if selective:
         items = [(f"{first_norm}.input", nbytes * h, "norm_in"), (f"{first_norm}.output", linear_in, "norm_out")]
     else:
@@ -277,21 +282,65 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
         items += [(f"{second_norm}.input", nbytes * h, "norm_in"), (f"{second_norm}.output", linear_in, "norm_out")]
     else:
         items += _norm_items(model, nbytes, second_norm, linear_in, compiled)
-    product = _int8(f) if int8 else nbytes * f
-    if selective:
-        items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
-                  ("feed_forward.product", product, "split")]
-    elif model.mlp == "swiglu" and compiled:  # silu(w1 x) recomputed
-        items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
-                  ("feed_forward.product", product, "split")]
+    product = [("feed_forward.product", _int8(f) if int8 else nbytes * f, "split")]
+    if f_moe:  # the experts' product (their matmuls are no nn.Linear: int8 leaves them as they are)
+        product.append(("feed_forward.product.moe", nbytes * f_moe, "whole"))
+    w1_w3 = [*_ffn("feed_forward.w1_out", nbytes, f, f_moe), *_ffn("feed_forward.w3_out", nbytes, f, f_moe)]
+    if selective or (model.mlp == "swiglu" and compiled):  # silu(w1 x) recomputed
+        items += [*w1_w3, *product]
+        if selective and model.experts:  # but the routed experts' (memory/selective.py): the shared expert's only
+            routed = model.top_k * model.expert_ffn * model.moe_layers / model.layers
+            items.append(("feed_forward.silu_out.moe", nbytes * routed, "whole"))
     elif model.mlp == "swiglu":
-        items += [("feed_forward.w1_out", nbytes * f, "split"), ("feed_forward.w3_out", nbytes * f, "split"),
-                  ("feed_forward.silu_out", nbytes * f, "split"), ("feed_forward.product", product, "split")]
+        items += [*w1_w3, *_ffn("feed_forward.silu_out", nbytes, f, f_moe), *product]
     else:
         items += [("mlp.fc1_out", nbytes * f, "split"), ("mlp.gelu_out", nbytes * f, "split")]
+    per_block = 0.0
+    if model.experts:
+        share = model.moe_layers / model.layers
+        items.append(("feed_forward.routing", moe_routing_bytes(model, nbytes, ep) * share, "whole"))
+        per_block = (4 * model.experts * h if nbytes < 4 else 0) * share  # the router weight's fp32 copy
     return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
                             gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
-                            ulysses_extra=0.0 if int8 or core_recomputed else nbytes * h)
+                            ulysses_extra=0.0 if int8 or core_recomputed else nbytes * q, per_block=per_block)
+
+
+def _ffn_widths(model: ModelSpec) -> tuple[float, float]:
+    """The SwiGLU width a token's saved activations span, averaged over the blocks: (the dense blocks'
+    ffn, split over tp; an MoE block's top_k experts' and shared expert's, whole on every tp rank)."""
+    if not model.experts:
+        return model.ffn_hidden, 0.0
+    share = model.moe_layers / model.layers
+    return (1 - share) * model.ffn_hidden, share * (model.top_k + model.shared_expert) * model.expert_ffn
+
+
+def _ffn(name: str, nbytes: int, split: float, whole: float) -> list[tuple[str, float, str]]:
+    return [(name, nbytes * split, "split")] + ([(f"{name}.moe", nbytes * whole, "whole")] if whole else [])
+
+
+def moe_routing_bytes(model: ModelSpec, nbytes: int, ep: int = 1) -> float:
+    """What an MoE block (models/moe.py, the softmax router) saves per token besides its experts'
+    SwiGLU activations, read off its saved tensors (h hidden, k top_k, E experts, B compute bytes):
+
+        router    its fp32 input 4h (below fp32: a copy of the norm's output, which then nothing
+                  else keeps without a shared expert: B h less), softmax 4E, top-k indices 8k and
+                  values 4k, their sum 4 (the renormalization)
+        dispatch  the capacity mask k (bool), the sort order 8k, each routing's token 8k, the
+                  gathered rows B k h (the experts' input)
+        combine   the experts' rows in fp32 4kh and their weights 4k (the weighted sum), the
+                  weighted rows B k h (index_add's source)
+        balance   two fp32 E-vectors per sequence (8E / s a token)
+        ep > 1    the received rows' permutation to expert order and back, 16k (a balanced routing:
+                  k rows a token)
+
+    Besides, whatever the tokens, below fp32 the router weight's fp32 copy: 4 E h bytes a block
+    (``BlockActivations.per_block``)."""
+    h, k, e = model.hidden, model.top_k, model.experts
+    copy = 4 * h - (0 if model.shared_expert else nbytes * h) if nbytes < 4 else 0
+    router = copy + 4 * e + 12 * k + 4
+    dispatch = k + 16 * k + nbytes * k * h
+    combine = 4 * k * h + 4 * k + nbytes * k * h
+    return router + dispatch + combine + 8 * e / model.seq + (16 * k if ep > 1 else 0)
 
 
 def head_activations(model: ModelSpec, precision: str, compression: str = "none",

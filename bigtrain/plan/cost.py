@@ -2,8 +2,9 @@
 
 Conventions (docs/planner.md has the derivations):
 
-* Model FLOPs per token 6N + 12 L h s (``ModelSpec.model_flops_per_token``); hardware FLOPs add
-  one more forward of every checkpointed block (2 N_block + 4 h s per token). MFU divides model
+* Model FLOPs per token 6N + 12 L a s, a = heads x head_dim (``ModelSpec.model_flops_per_token``,
+  which says why a and not h); hardware FLOPs add one more forward of every checkpointed block
+  (2 N_block + 4 a s per token). MFU divides model
   FLOPs, HFU hardware FLOPs, by the step time and the peak of the precision used.
 * Compute runs at ``peak x achievable_fraction`` of the hardware profile. The output projection's
   FLOPs are spread evenly over the pipeline stages.
@@ -20,10 +21,13 @@ Conventions (docs/planner.md has the derivations):
   compiled dense Llama's W is the head's alone (:func:`blocks_with_weight_grads_in_i`).
 * Exposed vs overlapped: tensor-parallel and Ulysses collectives sit on the critical path of
   every layer (exposed, as in Megatron without communication overlap). Pipeline transfers are
-  the simulator's transfer cost. Gradient reduction (stage 0-1: once per step on the last
-  micro-batch; stage 2-3: every micro-batch) hides behind the profile's ``comm_overlap`` of the
-  backward it runs under, except the last unit's collective (HSDP's replica all-reduce too, on its
-  own link); ZeRO-3's gathers hide behind the forward/backward
+  the simulator's transfer cost. Gradient reduction, each unit over its own group (an expert
+  unit's over edp: ``grad_traffic.py``; stage 0-1: once per step on the last micro-batch; stage
+  2-3: every micro-batch) hides behind the profile's ``comm_overlap`` of the backward it runs
+  under, except the last unit's collective (HSDP's replica all-reduce too, on its own link), which
+  the step's end waits for; at stage 2 an earlier micro-batch's is waited for only at the unit's
+  next reduction, so the next forward hides it too; at stage 3 that forward's gathers queue behind
+  it, exposed every micro-batch. ZeRO-3's gathers hide behind the forward/backward
   the same way. Stage 1-2's all-gather of updated weights after the step is exposed (the runtime
   does it synchronously), and so is the memory-bound AdamW step.
 * Offload (``offload_costs``): PCIe transfers, the host's gradient folds, the host optimizer step
@@ -44,8 +48,9 @@ import math
 from dataclasses import dataclass, field
 
 from bigtrain.plan.activations import block_activations, checkpointed_block_indices
+from bigtrain.plan.grad_traffic import UnitCollective, busiest_rank_units, reduces_every_micro_batch, step_collectives
 from bigtrain.plan.layout import BYTES, Cluster, Layout
-from bigtrain.plan.memory import checked_pp_ranks, chunk_activation_bytes, rank_units, replicas, unit_state_bytes
+from bigtrain.plan.memory import checked_pp_ranks, chunk_activation_bytes, rank_units, unit_state_bytes
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel
 from bigtrain.plan.tiers import host_step, reduce_bytes
@@ -155,9 +160,10 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     # Megatron: two all-reduces (or all-gather + reduce-scatter with SP, the same volume) per layer
     # in the forward, two in the backward, two more per recomputed layer.
     tp_op = tp_link.collective("all_reduce", local_tokens * model.hidden * nbytes, layout.tp)
-    # Ulysses: q, k, v to head-sharded layout and the output back, per layer and direction.
-    qkv = local_tokens * (model.hidden + 2 * model.kv_dim) * nbytes / layout.tp
-    out_bytes = local_tokens * model.hidden * nbytes / layout.tp
+    # Ulysses: q, k, v to head-sharded layout and the output back, per layer and direction (q and
+    # the output span the query heads' width, heads x head_dim).
+    qkv = local_tokens * (model.attention_dim + 2 * model.kv_dim) * nbytes / layout.tp
+    out_bytes = local_tokens * model.attention_dim * nbytes / layout.tp
     sp_op = sp_link.collective("all_to_all", qkv, layout.sp) + sp_link.collective("all_to_all", out_bytes, layout.sp)
     if layout.cp > 1 and layout.ring == 1:  # cp's all-to-all: the same exchange over the cp ranks
         sp_op += cp_link.collective("all_to_all", qkv, layout.cp) + cp_link.collective("all_to_all", out_bytes, layout.cp)
@@ -261,7 +267,7 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
         out["activation_offload"] = micro_batches * max(0.0, 2 * moved / hw.host_bandwidth - window)
     if layout.compression == "int8":
         nbytes = BYTES[layout.precision]
-        per_block = 3 * model.hidden + model.ffn_hidden  # the linear inputs compressed (norms, wo, w2)
+        per_block = 2 * model.hidden + model.attention_dim + model.ffn_hidden  # the linear inputs compressed (norms, wo, w2)
         traffic = 2 * (nbytes + 1) * per_block * tokens * model.layers / layout.pp
         out["activation_compression"] = micro_batches * traffic / hw.hbm_bandwidth
     return out
@@ -270,74 +276,91 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
 # -- data parallel / ZeRO ----------------------------------------------------------------------------
 def _largest_rank_units(model: ModelSpec, layout: Layout) -> list[int]:
     """The ZeRO units' sizes on the pipeline rank holding the most parameters."""
-    return [n for n, _ in _largest_rank_unit_groups(model, layout)]
-
-
-def _largest_rank_unit_groups(model: ModelSpec, layout: Layout) -> list[tuple[int, int]]:
-    """(size, ranks of the group that reduces and cuts it) of each ZeRO unit on the pipeline rank
-    holding the most parameters: the dense weights' group, or for experts edp (edp_shard under HSDP)."""
-    ranks = []
-    for r in checked_pp_ranks(layout.pp):
-        root, blocks = rank_units(model, layout, r)
-        ranks.append([(u.numel, layout.size(u.axis)) for u in ([root] if root else []) + blocks])
-    return max(ranks, key=lambda units: (sum(n for n, _ in units), max(n for n, _ in units)))
+    root, blocks = busiest_rank_units(model, layout)
+    return [u.numel for u in ([root] if root else []) + blocks]
 
 
 def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: StageCosts,
                         micro_batches: int) -> dict[str, float]:
-    """Exposed seconds of gradient reduction, weight gathers and the optimizer step."""
+    """Exposed seconds of gradient reduction, weight gathers and the optimizer step, each unit's
+    collectives over its own group (:mod:`bigtrain.plan.grad_traffic`: an expert unit's over edp)."""
     nbytes = BYTES[layout.precision]
-    sizes = _largest_rank_units(model, layout)
-    params, largest = sum(sizes), max(sizes)
-    group = replicas(layout)  # the dense weights' gradient group (dp x sp), as the placement record says
     hybrid = layout.gradient_axes()[1] != ()  # HSDP: that group is one of dp_replicate ZeRO groups
+    # The experts' edp ranks span the dense group's ranks (ep is its inner factor): the same link.
     link = link_of(cluster, layout, ("sp", "cp", "dp_shard") if hybrid else ("sp", "cp", "dp"))
-    grad_bytes = cluster.engine.grad_reduce_bytes or nbytes
-    grads, unit = params * grad_bytes, largest * grad_bytes
+    grad_bytes = cluster.engine.grad_reduce_bytes or reduce_bytes(layout.precision)  # the runtime: fp32 in fp16
+    m = micro_batches
+    collectives = step_collectives(model, layout, m, grad_bytes)
+    across = set(layout.gradient_axes()[1])
+    reductions = [c for c in collectives if c.tag == "grads" and c.axis not in across]
+    gathers = [c for c in collectives if c.tag == "params"]
+
+    def one_call(c: UnitCollective) -> float:
+        return link.collective(c.op, c.payload, c.ranks)
+
+    def per_group(chosen: list[UnitCollective], op: str, share=lambda c: 1) -> float:
+        """One collective per group of everything ``chosen`` holds there (bucketed)."""
+        groups: dict[tuple[str, int], float] = {}
+        for c in chosen:
+            groups[(c.axis, c.ranks)] = groups.get((c.axis, c.ranks), 0.0) + c.payload * share(c)
+        return sum(link.collective(op, payload, ranks) for (_, ranks), payload in groups.items())
+
     overlap = cluster.hardware.comm_overlap
     window_f = overlap * (costs.compute_f + costs.comm_f)
     window_b = overlap * (costs.compute_b + costs.comm_b)
     out = {"dp_grad_sync": 0.0, "zero_param_gather": 0.0}
+    tail = max((one_call(c) for c in reductions), default=0.0)  # the unit reduced as the backward ends
     if layout.zero == 0:
-        out["dp_grad_sync"] = max(link.collective("all_reduce", unit, group),
-                                  link.collective("all_reduce", grads, group) - window_b)
+        out["dp_grad_sync"] = max(tail, per_group(reductions, "all_reduce") - window_b)
     else:
         # ZeRO reduces unit by unit, each a collective of its own: each pays the link's latency
         # (negligible on NCCL; on Gloo after compute, what decides a small model's step).
-        per_unit = sum(link.collective("reduce_scatter", n * grad_bytes, group) for n in sizes)
-        reduce = max(link.collective("reduce_scatter", unit, group), per_unit - window_b)
-        # Stages 2-3 reduce every micro-batch, and so does any stage with offload (each micro-batch's
-        # gradient leaves the device: :mod:`bigtrain.plan.tiers`).
-        out["dp_grad_sync"] = reduce * (micro_batches if layout.zero >= 2 or host_step(layout) else 1)
+        per_unit = sum(one_call(c) for c in reductions)
+        last = max(tail, per_unit - window_b)  # the step's last micro-batch: its end waits for it
+        if layout.zero == 3 or host_step(layout):
+            # Stage 3: the next micro-batch's forward gathers over the same group, queued behind the
+            # last units' reduce-scatters (one communicator, one stream): the tail every micro-batch.
+            # Offload: every micro-batch's reduced gradient waits for a device bucket (tiers.py).
+            out["dp_grad_sync"] = m * last
+        elif layout.zero == 2:
+            # Stage 2 reduces every micro-batch, but waits for a unit's reduction only at its next
+            # (the fold, a micro-batch later: grad_sync.py): the tail of the earlier micro-batches runs
+            # beside the next forward, which has no collective on that group. Only what neither
+            # window carries is exposed there; the last micro-batch's tail is waited for at the step.
+            out["dp_grad_sync"] = last + (m - 1) * max(0.0, per_unit - window_b - window_f)
+        else:  # stage 1: once a step, on the last micro-batch (the others accumulate locally)
+            out["dp_grad_sync"] = last
         if hybrid:
-            # HSDP's second level: each unit's reduced shard all-reduced across the dp_replicate
-            # groups, on that axis's own link (inter-node once a group fills a node). The runtime
-            # starts each asynchronously once the unit's reduce-scatter is done and waits for it at
-            # the fold (parallel/zero/grad_sync.py): it hides behind the backward as the reduction
-            # does (on a link of its own, so beside it, not after it), except the last unit's. The
-            # fold of an earlier micro-batch's is the unit's next reduction, a micro-batch later, and
-            # nothing else uses that link: only what the link cannot carry within a backward's window
-            # is left of those; the last unit's waits once a step.
-            across = link_of(cluster, layout, ("dp_replicate",))
-            # each unit's shard as its own group cut it: an expert unit over edp_shard, a dense one over group
-            shards = [-(-n // cut) * grad_bytes for n, cut in _largest_rank_unit_groups(model, layout)]
-            sync = sum(across.collective("all_reduce", shard, layout.dp_replicate) for shard in shards)
-            tail = across.collective("all_reduce", max(shards), layout.dp_replicate)
+            # HSDP's second level: each unit's reduced shard (an expert unit's as edp_shard cut it)
+            # all-reduced across the dp_replicate groups, on that axis's own link (inter-node once a
+            # group fills a node). The runtime starts each asynchronously once the unit's
+            # reduce-scatter is done and waits for it at the fold (parallel/zero/grad_sync.py): it
+            # hides behind the backward as the reduction does (on a link of its own, so beside it,
+            # not after it), except the last unit's. The fold of an earlier micro-batch's is the
+            # unit's next reduction, a micro-batch later, and nothing else uses that link: only what
+            # the link cannot carry within a backward's window is left of those; the last unit's
+            # waits once a step.
+            replica = [c for c in collectives if c.tag == "grads" and c.axis in across]
+            link_across = link_of(cluster, layout, ("dp_replicate",))
+            sync = sum(link_across.collective(c.op, c.payload, c.ranks) for c in replica)
+            replica_tail = max(link_across.collective(c.op, c.payload, c.ranks) for c in replica)
             excess = max(0.0, sync - window_b)
-            # every micro-batch where the reduce-scatter is (stages 2-3, or a gradient that leaves the device)
-            reducing = micro_batches if layout.zero >= 2 or host_step(layout) else 1
-            out["dp_replica_sync"] = max(tail, excess) + (reducing - 1) * excess
-    weights, weight_unit = params * nbytes, largest * nbytes  # gathered in the training precision
-    if layout.zero in (1, 2):
-        gather = link.collective("all_gather", weights, group)
+            reducing = m if reduces_every_micro_batch(layout) else 1
+            out["dp_replica_sync"] = max(replica_tail, excess) + (reducing - 1) * excess
+    gather_tail = max((one_call(c) for c in gathers), default=0.0)
+    if layout.zero in (1, 2):  # the updated weights, gathered in the training precision after the step
+        gather = per_group(gathers, "all_gather")
         if cluster.engine.param_gather_overlap:  # under the next step's first forward, bucket by bucket
-            gather = max(link.collective("all_gather", weight_unit, group), gather - window_f)
+            gather = max(gather_tail, gather - window_f)
         out["zero_param_gather"] = gather
     elif layout.zero == 3:
-        gather = link.collective("all_gather", weights, group)
-        tail = link.collective("all_gather", weight_unit, group)
-        out["zero_param_gather"] = micro_batches * (max(tail, gather - window_f) + max(tail, gather - window_b))
-    shard = params / (group if layout.zero >= 1 else 1)
+        # every backward gathers every unit; the forwards after a step's first skip those still
+        # gathered (grad_traffic.py): the forward's share of the calls beyond the backward's m
+        forward = per_group(gathers, "all_gather", lambda c: (c.calls - m) / m)
+        backward = per_group(gathers, "all_gather")
+        out["zero_param_gather"] = m * (max(gather_tail, forward - window_f) + max(gather_tail, backward - window_b))
+    root, blocks = busiest_rank_units(model, layout)
+    shard = sum(u.numel / (layout.size(u.axis) if layout.zero >= 1 else 1) for u in ([root] if root else []) + blocks)
     per_param = OPTIMIZER_BYTES_PER_PARAM["fp32" if layout.precision == "fp32" else "mixed"]
     # With offload.optimizer the step runs on the host instead (offload_costs).
     on_device = not host_step(layout)

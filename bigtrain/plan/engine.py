@@ -23,7 +23,8 @@ class Engine:
     # ZeRO-1/2's all-gather of the updated weights issued bucket by bucket under the next step's
     # first forward (--overlap-param-gather). bigtrain gathers synchronously after the step.
     param_gather_overlap: bool = False
-    # Bytes per gradient element on the wire; 0: the training precision's. Megatron keeps fp32
+    # Bytes per gradient element on the wire; 0: the runtime's reduce dtype (the training precision's,
+    # fp32 under fp16: bigtrain/precision.py). Megatron keeps fp32
     # main gradients under bf16 and reduces them in fp32 unless --grad-reduce-in-bf16
     # (megatron/training/arguments.py: "bfloat16 requires gradient accumulation and all-reduce
     # to be done in fp32").

@@ -134,8 +134,9 @@ def linear_shapes(model: ModelSpec, layout: Layout, tokens: float, moe: bool = F
     token-expert products in all, as many FLOPs as top_k dense feed-forwards. The tp ranks of a
     group route the same whole hidden states (parallel/tensor/plan.py), so each does all of it."""
     h, kv, f, t = model.hidden, model.kv_dim, model.ffn_hidden, layout.tp
-    if model.mlp == "swiglu":
-        attention = [(h / t, h), (kv / t, h), (kv / t, h), (h, h / t)]
+    if model.mlp == "swiglu":  # wq maps h to the query heads' width a, wo back (a = h unless a head size is set)
+        a = model.attention_dim
+        attention = [(a / t, h), (kv / t, h), (kv / t, h), (h, a / t)]
         mlp = [(f / t, h), (f / t, h), (h, f / t)]
     else:
         attention, mlp = [((h + 2 * kv) / t, h), (h, h / t)], [(f / t, h), (h, f / t)]
@@ -155,16 +156,16 @@ def linear_shapes(model: ModelSpec, layout: Layout, tokens: float, moe: bool = F
 def _elementwise_bytes(model: ModelSpec, layout: Layout, moe: bool = False) -> float:
     """Bytes one token moves through a block's element-wise kernels in the forward, on one rank
     (an MoE block's activation spans its top_k experts and the shared one)."""
-    b, h, kv, t = BYTES[layout.precision], model.hidden, model.kv_dim, layout.tp
+    b, h, kv, t, a = BYTES[layout.precision], model.hidden, model.kv_dim, layout.tp, model.attention_dim
     # the feed-forward width one rank's activation spans: a tp share of the dense one; an MoE
     # block's top_k experts (and the shared one) whole, as every tp rank runs them
     f_rank = (model.top_k + model.shared_expert) * model.expert_ffn if moe else model.ffn_hidden / t
     whole = t if layout.tp_sp else 1  # norms and residuals are divided only under sequence parallelism
     if model.mlp == "swiglu":
         norms = 2 * (4 * b + 28) * h  # x.float(), pow, mean, x * rsqrt, .type_as, * weight
-        rotary = 6 * b * (h + kv) / t
+        rotary = 6 * b * (a + kv) / t  # q (the query heads' width a) and k
         swiglu = 5 * b * f_rank  # silu(w1 x) and its product with w3 x
-        copies = 2 * b * (h + 2 * kv) / t  # q, k, v to heads-first and the output back
+        copies = 2 * b * (a + 2 * kv) / t  # q, k, v to heads-first and the output back
         residual = 6 * b * h
         return (norms + residual) / whole + rotary + swiglu + copies
     norms = 2 * 2 * b * h  # fused LayerNorm
@@ -187,7 +188,7 @@ def compiled_elementwise_bytes(model: ModelSpec, layout: Layout) -> tuple[float,
     one rank (the module docstring)."""
     b, h, kv, t, f = BYTES[layout.precision], model.hidden, model.kv_dim, layout.tp, model.ffn_hidden / layout.tp
     whole = t if layout.tp_sp else 1  # norms and residuals are divided only under sequence parallelism
-    rotary = (2 * b + (8 if b < 4 else 0)) * (h + kv) / t  # below fp32: the fp32 stack written and read back
+    rotary = (2 * b + (8 if b < 4 else 0)) * (model.attention_dim + kv) / t  # below fp32: the fp32 stack written and read back
     forward = (2 * b * h + 4 + 3 * b * h + 4 + 4 * b * h) / whole + rotary + 3 * b * f
     backward = (6 * b * h + 8 + 7 * b * h + 8 + 6 * b * h + 8) / whole + rotary + 5 * b * f + 8 * model.heads / t
     return forward, backward

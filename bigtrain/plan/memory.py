@@ -18,7 +18,8 @@ two blocks' worth plus the plain loss's log-softmax per micro-batch in flight st
 and the rest is host memory (``detail["host_activations"]``). Buffers are what the
 runtime allocates besides (named so tests can compare those they can measure):
 
-    zero_reduce_outputs  one reduce-scatter output per unit, held until the step (stages 2-3 fold
+    zero_reduce_outputs  one reduce-scatter output per unit (cut over its own group: an expert unit
+                         over edp), held until the step (stages 2-3 fold
                          a unit's previous micro-batch in before reducing its next one); mixed
                          stage 0: the compute-dtype copy of the fp32 gradients, all-reduced in place
     zero_reduce_in_flight  stage 2-3 (and any stage with offload, over more than one replica): the
@@ -300,14 +301,16 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> list[tuple[
     stages = layout.pp * layout.v
     blocks = stage_blocks(model.layers, stages)
     checkpointed = checkpointed_block_indices(model.layers, layout.recompute, layout.every)
-    acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled)
+    acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled,
+                             ep=layout.ep)
     head = head_activations(model, layout.precision, layout.compression, layout.fused_loss, layout.compiled)
     samples, seq = layout.micro_batch, model.seq // layout.seq_shards
     tokens = samples * seq
     mode = dict(tp=layout.tp, tp_sp=layout.tp_sp, ulysses=layout.head_exchange)
     out = []
     for s in range(pp_rank, stages, layout.pp):
-        per_block = [tokens * acts.per_token(checkpointed=i in checkpointed, **mode) for i in blocks[s]]
+        per_block = [tokens * acts.per_token(checkpointed=i in checkpointed, **mode)
+                     + (0 if i in checkpointed else acts.per_block) for i in blocks[s]]
         ends = head.bytes(samples, seq, last=s == stages - 1, first=s == 0, **mode)
         out.append((sum(per_block), ends, max(per_block, default=0.0)))
     return out
@@ -330,9 +333,15 @@ def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, i
 
 def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: list[Unit]) -> dict[str, int]:
     nbytes, units = BYTES[layout.precision], ([root] if root else []) + blocks
-    shards = replicas(layout) if layout.zero >= 1 else 1
-    padded = [-(-u.numel // shards) * shards for u in units]
-    shard_total = sum(padded) // shards
+
+    def cut(u: Unit) -> int:  # each unit over its own group: an expert unit over edp (units.py)
+        return layout.size(u.axis) if layout.zero >= 1 else 1
+
+    def padded_numel(u: Unit) -> int:
+        return -(-u.numel // cut(u)) * cut(u)
+
+    padded = [padded_numel(u) for u in units]
+    shard_total = sum(padded_numel(u) // cut(u) for u in units)
     out: dict[str, int] = {}
     reduced, mixed = replicas(layout) > 1, layout.precision != "fp32"  # one replica reduces nothing
     if host_step(layout):  # offload: every micro-batch reduces into the gradient buckets (offload_grad_buckets)
@@ -346,14 +355,21 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
         out["zero_reduce_in_flight"] = nbytes * max(padded, default=0)
     if layout.zero == 3:
         weight = nbytes if layout.precision != "fp32" else 4
-        block_sizes = sorted((-(-u.numel // shards) * shards for u in blocks), reverse=True)
-        root_size = -(-root.numel // shards) * shards if root else 0
-        out["zero3_gathered"] = weight * (root_size + sum(block_sizes[:2]))
+        # per block module: an MoE block under ep is two units (its dense weights, its experts over
+        # edp), gathered together (gather.py)
+        modules: list[int] = []
+        for u in blocks:
+            if u.axis != dense_of(layout).grad_axis and modules:
+                modules[-1] += padded_numel(u)
+            else:
+                modules.append(padded_numel(u))
+        root_size = padded_numel(root) if root else 0
+        out["zero3_gathered"] = weight * (root_size + sum(sorted(modules, reverse=True)[:2]))
     tokens = layout.micro_batch * model.seq // layout.seq_shards
     if layout.tp > 1:
         out["tp_collective"] = 2 * tokens * model.hidden * nbytes
     if layout.head_exchange > 1:  # Ulysses, or cp's all-to-all: q, k, v out and the output back
-        out["sp_all_to_all"] = tokens * (2 * model.hidden + 2 * model.kv_dim) * nbytes // layout.tp
+        out["sp_all_to_all"] = tokens * (2 * model.attention_dim + 2 * model.kv_dim) * nbytes // layout.tp
     if layout.ring > 1:  # the ring's key/value block held and the next arriving
         out["cp_ring"] = 4 * tokens * model.kv_dim * nbytes // layout.tp
     if layout.pp > 1:

@@ -115,12 +115,19 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def attention_dim(self) -> int:
+        """The query heads' width, heads x head_dim: what QK^T and AV contract over and wq / wo map
+        to and from. It is ``hidden`` unless a head size is set (Qwen3-0.6B: 16 x 128 = 2048 at
+        hidden 1024)."""
+        return self.heads * self.head_dim
+
     # -- parameter inventory -------------------------------------------------------------------
     def block_tensors(self) -> list[Tensor]:
         """One transformer block's parameters."""
         h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
         if self.mlp == "swiglu":
-            q = self.heads * self.head_dim
+            q = self.attention_dim
             biases = [Tensor(f"attention.{w}.bias", (n,), False, "col") for w, n in (("wq", q), ("wk", kv), ("wv", kv))
                       if self.qkv_bias] + ([Tensor("attention.wo.bias", (h,), False, "rep")] if self.out_bias else [])
             return [Tensor("attention.wq", (q, h), True, "col"), Tensor("attention.wk", (kv, h), True, "col"),
@@ -233,13 +240,21 @@ class ModelSpec:
         return round(self.layers * self.block_matmul_params) + self.vocab * self.hidden
 
     def block_forward_flops_per_token(self) -> int:
-        """2 per multiply-add over the block's weights, plus attention's QK^T and AV (4 h s,
-        the full-matrix convention of PaLM and Megatron; a causal kernel does about half)."""
-        return 2 * self.block_matmul_params + 4 * self.hidden * self.seq
+        """2 per multiply-add over the block's weights, plus attention's QK^T and AV: 4 a s with
+        a = heads x head_dim (:attr:`attention_dim`; h when heads x head_dim = h), the full-matrix
+        convention of PaLM and Megatron (a causal kernel does about half)."""
+        return 2 * self.block_matmul_params + 4 * self.attention_dim * self.seq
 
     def model_flops_per_token(self) -> int:
-        """Model FLOPs per trained token: 6N + 12 L h s (forward 2N + 4Lhs, backward twice that)."""
-        return 6 * self.matmul_params + 12 * self.layers * self.hidden * self.seq
+        """Model FLOPs per trained token: 6N + 12 L a s (forward 2N + 4Las, backward twice that).
+
+        The convention chosen is the peers': attention's score and value products count the query
+        heads' width a = heads x head_dim, not the model's hidden size, as Megatron-LM's
+        ``num_floating_point_operations`` (kv_channels x num_attention_heads) and torchtitan's
+        ``12 * l * h * q * t`` (heads x head_dim) do, so an MFU figure from a model whose heads x
+        head_dim differs from hidden (Qwen3) compares with theirs; the products really contract over
+        a, so it is also the work done. Over the whole s x s matrix, as they count it."""
+        return 6 * self.matmul_params + 12 * self.layers * self.attention_dim * self.seq
 
     def recompute_flops_per_token(self, checkpointed_blocks: int) -> int:
         """Extra hardware FLOPs of recomputing the forward of ``checkpointed_blocks`` blocks."""
