@@ -53,6 +53,8 @@ cuBLAS workspaces); a layout fits when the total is at most the device's memory.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -192,6 +194,14 @@ def _sharded(tensors: list[Tensor], tp: int, axis: str = "dp_sp") -> Unit:
 
 def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | None, list[Unit]]:
     """(root unit or None, block units) held by one tp rank of pipeline rank ``pp_rank``."""
+    root, blocks = _rank_units(model, layout, pp_rank)
+    return root, list(blocks)
+
+
+# The memory estimate and the data-parallel traffic both ask, for every checked pipeline rank of
+# every layout a search weighs: computed once each (all three arguments are frozen values).
+@functools.lru_cache(maxsize=4096)
+def _rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | None, tuple[Unit, ...]]:
     stages = layout.pp * layout.v
     mine = range(pp_rank, stages, layout.pp)
     per_stage = stage_blocks(model.layers, stages)
@@ -204,7 +214,7 @@ def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | N
         root += model.head_tensors(separate_copy=layout.pp > 1)
     if not model.experts:
         block = _sharded(model.block_tensors(), layout.tp, axis)
-        return (_sharded(root, layout.tp, axis) if root else None), [block] * blocks
+        return (_sharded(root, layout.tp, axis) if root else None), (block,) * blocks
     units = []
     for i in (i for s in mine for i in per_stage[s]):
         if not model.is_moe_block(i):
@@ -215,7 +225,7 @@ def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | N
             units += [_sharded(model.moe_block_tensors(), layout.tp, axis),
                       replace(_sharded(model.expert_tensors(layout.ep), layout.tp),
                               axis=layout.expert_gradient_axes()[0])]
-    return (_sharded(root, layout.tp, axis) if root else None), units
+    return (_sharded(root, layout.tp, axis) if root else None), tuple(units)
 
 
 def unit_state_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw", block: int = 256
