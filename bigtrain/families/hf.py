@@ -5,7 +5,8 @@ initialized by (seed, name), cut by the Megatron plan below and trained by bigtr
 Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
 
 Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), Ulysses
-sp (with any of those and pp: bigtrain/families/hf_attention.py), pp
+sp (with any of those and pp: bigtrain/families/hf_attention.py), context parallelism cp (all-to-all,
+ring, hybrid: bigtrain/families/hf_context.py), pp
 (one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py), full or every-k-th
 recomputation of the blocks, offload of the decoder layers' saved activations, regional
 compilation of the layers (``compile.enabled``; 'auto' compiles on CUDA as for bigtrain's Llama),
@@ -29,6 +30,7 @@ from bigtrain.checkpoint.hf import hf_folder
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
+from bigtrain.families.hf_context import attach_context_parallel, attention_window, context_problems
 from bigtrain.families.hf_reference import HFReference, captured_module
 from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
@@ -256,6 +258,9 @@ def check_hf(cfg: Config) -> list[str]:
         problems.append(f"parallel.sequence_parallel: data.seq_len = {cfg.data.seq_len} does not divide by "
                         f"parallel.tp = {tp}; change data.seq_len or turn sequence_parallel off")
     problems += ulysses_problems(cfg, heads, kv, str(path))
+    if p.cp > 1:  # context parallelism: bigtrain/families/hf_context.py
+        window = attention_window(hf_config(cfg)) if transformers_found else None
+        problems += context_problems(cfg, heads, kv, str(path), window)
     vocab, positions = fields.get("vocab_size", 0), fields.get("max_position_embeddings", 0)
     problems += token_batch_problems(cfg)
     problems += token_data_problems(cfg, vocab, positions, vocab_field=f"vocab_size of {path}",
@@ -337,6 +342,7 @@ HF = Family(
     init_fn=init_fn,
     tp_plan=tp_plan,
     split_stages=split_causal_lm,
+    context_parallel=attach_context_parallel,
     blocks=lambda model: model.model.layers,
     head="lm_head",
     compiles=True,
