@@ -89,7 +89,7 @@ def check_context_parallel(cfg: Config, family: "Family | None" = None) -> list[
                         f"capacity queues do not follow yet; use parallel.sp = 1 (cp alone) or parallel.cp = 1")
     if family is not None and family.context_parallel is None:  # nothing to attach the ring or all-to-all to
         problems.append(f"parallel.cp = {p.cp}: model.family = '{m.family}' has no context-parallel attention "
-                        f"(it is built for the 'llama' and 'hf' families); use parallel.cp = 1")
+                        f"(its Family.context_parallel); use parallel.cp = 1")
     if p.dp_sync != "sync":
         problems.append(f"parallel.cp = {p.cp} with parallel.dp_sync = '{p.dp_sync}': not supported; use "
                         f"parallel.cp = 1 or dp_sync = 'sync'")
