@@ -4,7 +4,8 @@ transformers model trained in one plain process (bigtrain/families/hf_reference.
 over 4 steps, with tests/test_hf_family.py's helpers and bound (as tests/test_hf_ulysses.py).
 
 The fixtures have 4 query and 2 key/value heads and 32 tokens: cp = 2 holds chunks (0, 3) and (1, 2)
-of 8 tokens each. all-to-all splits the key/value heads over cp, hybrid sp2 x cp2 replicates them;
+of 8 tokens each. all-to-all splits the key/value heads over cp = 2 and replicates them over cp = 4,
+hybrid sp2 x cp2 splits them over sp;
 the ring passes them round whole. Why 1e-5 can fail here (measured, Llama cp2, both modes): layers
 that attend only to their own two chunks (the ``seam`` test) move the losses by 2.3e-3; rotary
 tables at local rather than global positions by only 4.8e-5 at the fixtures' initializer_range of
@@ -31,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 LAYOUTS = {  # (architecture, overrides)
     "llama-cp2-all-to-all": ("llama", ["--parallel.cp=2", "--parallel.cp_mode=all-to-all"]),
     "llama-cp2-ring": ("llama", ["--parallel.cp=2", "--parallel.cp_mode=ring"]),
+    "llama-cp4-all-to-all": ("llama", ["--parallel.cp=4", "--parallel.cp_mode=all-to-all"]),  # kv heads replicated
     "qwen3-cp2-all-to-all": ("qwen3", ["--parallel.cp=2", "--parallel.cp_mode=all-to-all"]),
     "qwen3-cp2-ring": ("qwen3", ["--parallel.cp=2", "--parallel.cp_mode=ring"]),
     "llama-sp2-cp2-hybrid": ("llama", ["--parallel.sp=2", "--parallel.cp=2", "--parallel.cp_mode=hybrid"]),
