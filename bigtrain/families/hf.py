@@ -5,8 +5,7 @@ initialized by (seed, name), cut by the Megatron plan below and trained by bigtr
 Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
 
 Supported layouts: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline stages), Ulysses
-sp (with any of those and pp: bigtrain/families/hf_attention.py), context parallelism cp (all-to-all,
-ring, hybrid: bigtrain/families/hf_context.py), pp
+sp (with any of those and pp: bigtrain/families/hf_attention.py), pp
 (one stage per rank, 1f1b or gpipe: bigtrain/families/hf_stages.py), full or every-k-th
 recomputation of the blocks, offload of the decoder layers' saved activations, regional
 compilation of the layers (``compile.enabled``; 'auto' compiles on CUDA as for bigtrain's Llama),
@@ -14,6 +13,9 @@ the fused loss (``lm_head`` and the cross-entropy in chunks: memory/fused_loss.p
 compression of the decoder layers' linear inputs and float8 decoder-layer linears
 (``precision.fp8``); experts and selective recomputation are refused by name (they read
 bigtrain's own Llama structure).
+
+Context parallelism (``parallel.cp``: all-to-all, ring and hybrid, with dp/ZeRO, tp and pp) runs
+through the family's own attention function too: bigtrain/families/hf_context.py.
 """
 
 from __future__ import annotations

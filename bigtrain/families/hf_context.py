@@ -140,10 +140,10 @@ def context_problems(cfg: Config, heads: int, kv_heads: int, where: str, window:
     hybrid) has no sliding window, so a ``window`` narrower than data.seq_len is refused. The rules
     every family shares (chunks, sp, dp_sync): bigtrain/context_checks.py."""
     p, seq = cfg.parallel, cfg.data.seq_len
-    if p.cp <= 1 or p.tp <= 0 or heads % p.tp or kv_heads % p.tp:
+    if p.cp <= 1 or p.tp <= 0 or heads % p.tp or (kv_heads % p.tp and p.tp % kv_heads):
         return []  # no cp, or a tp the family's own check refuses already
     problems = []
-    local_q, local_kv = heads // p.tp, kv_heads // p.tp
+    local_q, local_kv = heads // p.tp, max(1, kv_heads // p.tp)  # fewer than tp: one replicated head a rank
     if p.cp_mode == "all-to-all" and local_q % p.cp:
         problems.append(f"parallel.cp = {p.cp} with cp_mode 'all-to-all' gives each cp rank whole attention heads, "
                         f"and there are {local_q} per tp rank (num_attention_heads = {heads} of {where} / "
