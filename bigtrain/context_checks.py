@@ -6,7 +6,12 @@ docs/context-parallel.md.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from bigtrain.config import Config
+
+if TYPE_CHECKING:  # bigtrain.families imports this module (through its Hugging Face family)
+    from bigtrain.families.spec import Family
 
 CP_MODES = ("ring", "all-to-all", "hybrid")  # bigtrain.parallel.context
 
@@ -41,7 +46,11 @@ def head_split_problems(what: str, degree: int, local_q: int, local_kv: int, oth
     return []
 
 
-def check_context_parallel(cfg: Config) -> list[str]:
+def check_context_parallel(cfg: Config, family: "Family | None" = None) -> list[str]:
+    """The rules every family's cp shares; ``family`` (``model.family``'s, when registered) says
+    whether it has context-parallel attention at all (``Family.context_parallel``) and whether the
+    [model] head counts describe its model (``model_fields``; else its own check_config divides its
+    heads, as the Hugging Face family's does with its config.json's)."""
     p, m, seq = cfg.parallel, cfg.model, cfg.data.seq_len
     if p.cp_mode not in CP_MODES:
         return [f"parallel.cp_mode = {p.cp_mode!r}: must be one of {', '.join(repr(x) for x in CP_MODES)}"]
@@ -69,7 +78,8 @@ def check_context_parallel(cfg: Config) -> list[str]:
     elif p.sequence_parallel and p.tp > 1 and (seq // (p.cp * max(1, p.sp))) % p.tp:
         problems.append(f"parallel.sequence_parallel: data.seq_len / (cp x sp) = {seq // (p.cp * max(1, p.sp))} does "
                         f"not divide by parallel.tp = {p.tp}; change data.seq_len or turn sequence_parallel off")
-    if p.cp_mode == "all-to-all" and p.tp > 0 and m.n_heads > 0 and m.n_heads % max(1, p.tp) == 0:
+    heads_described = family is None or family.model_fields
+    if heads_described and p.cp_mode == "all-to-all" and p.tp > 0 and m.n_heads > 0 and m.n_heads % max(1, p.tp) == 0:
         local_q, local_kv = m.n_heads // p.tp, max(1, m.kv_heads // p.tp)
         problems += head_split_problems(f"parallel.cp = {p.cp} with cp_mode 'all-to-all'", p.cp, local_q, local_kv,
                                         " or cp_mode = 'ring'")
@@ -77,9 +87,9 @@ def check_context_parallel(cfg: Config) -> list[str]:
         problems.append(f"parallel.cp = {p.cp} x parallel.sp = {p.sp} with model.moe_experts = {m.moe_experts}: an MoE "
                         f"block's part of each sequence would be cut twice (cp's chunk pairs, then Ulysses), which its "
                         f"capacity queues do not follow yet; use parallel.sp = 1 (cp alone) or parallel.cp = 1")
-    if m.family != "llama":  # the ring and the all-to-all attach to the Llama family's attention cores
-        problems.append(f"parallel.cp = {p.cp}: context parallelism is built for the Llama family's attention, "
-                        f"not model.family = '{m.family}'; use parallel.cp = 1")
+    if family is not None and family.context_parallel is None:  # nothing to attach the ring or all-to-all to
+        problems.append(f"parallel.cp = {p.cp}: model.family = '{m.family}' has no context-parallel attention "
+                        f"(its Family.context_parallel); use parallel.cp = 1")
     if p.dp_sync != "sync":
         problems.append(f"parallel.cp = {p.cp} with parallel.dp_sync = '{p.dp_sync}': not supported; use "
                         f"parallel.cp = 1 or dp_sync = 'sync'")

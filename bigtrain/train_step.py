@@ -95,6 +95,9 @@ def parallelize_family(family: Family, cfg: Config, mesh: Mesh, run_dir: str, de
     plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, head=family.head))
     if family.split_stages is not None:
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=family.split_stages))
+    if family.context_parallel is not None:
+        plan = dataclasses.replace(plan, tensor=dataclasses.replace(plan.tensor,
+                                                                    context_attention=family.context_parallel))
     init_fn = family.init_fn(cfg, model) if family.init_fn is not None else initial_weights(cfg.model)
     return parallelize(model, mesh, plan, device, init_fn=init_fn)
 

@@ -369,12 +369,17 @@ def check_compile(cfg: Config) -> list[str]:
     return problems
 
 
+def check_context(cfg: Config) -> list[str]:
+    """``parallel.cp`` (bigtrain/context_checks.py) for ``model.family``'s attention."""
+    return check_context_parallel(cfg, FAMILIES.get(cfg.model.family))
+
+
 # Every rule, in the order their problems are listed; the Llama fields' rules: bigtrain/families/llama.py.
 RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_pipeline, check_batch, check_data,
                      check_family, check_optim, check_runtime,
                      check_seed, check_distributed, check_limits, check_moe, check_offload, check_block_linears,
                      check_evaluation, check_embedding, check_compile,
-                     check_async, data_field_problems, check_context_parallel, check_hybrid_sharding]
+                     check_async, data_field_problems, check_context, check_hybrid_sharding]
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None,

@@ -66,8 +66,9 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
                 resume_share: float = RESUME_SHARE, int8_share: float = INT8_SHARE,
                 compile_share: float = COMPILE_SHARE, hf_share: float = HF_SHARE,
                 cp_share: float = CP_SHARE) -> list[str]:
-    """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout,
-    with context parallelism (cp 2 or 4, where the world allows) added with probability ``cp_share``,
+    """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout
+    (bigtrain's or a Hugging Face one), with context parallelism (cp 2 or 4, where the world allows)
+    added with probability ``cp_share``,
     int8 activation compression (a Hugging Face decoder too, unless it drew float8) with probability
     ``int8_share``, compiled (``compile.enabled``; a Hugging Face decoder too) with probability
     ``compile_share``, resumed then stepped with probability ``resume_share``. The model, int8, compilation and the resume are drawn from generators of their
@@ -80,6 +81,9 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     int8 = random.Random(f"{seed}:{index}:int8").random() < int8_share
     if random.Random(f"{seed}:{index}:hf").random() < hf_share:  # 0: the samples drawn before it joined
         out = sample_hf_layout(rng, max_world)
+        cp = random.Random(f"{seed}:{index}:cp")  # its own generator: cp_share 0 leaves the samples as they were
+        if cp.random() < cp_share:
+            out += context_parallel_choice(cp, out, max_world)
         float8 = any(o.startswith("--precision.fp8=") for o in out)  # int8 and float8 exclude each other
         return out + ([INT8] if int8 and not float8 else []) + ([COMPILED] if compiled else [])
     out = sample_layout(rng, max_world)

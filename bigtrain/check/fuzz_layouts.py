@@ -25,9 +25,11 @@ CP = "--parallel.cp="
 
 
 def context_parallel_choice(rng: random.Random, out: list[str], max_world: int) -> list[str]:
-    """cp and its mode for a decoder layout ``out``, within ``max_world`` ranks (none if it has no
-    room): hybrid where the layout has Ulysses (sp > 1), ring or all-to-all otherwise."""
-    sizes = {a: int(o.split("=")[1]) for o in out for a in ("dp", "tp", "pp", "sp") if o.startswith(f"--parallel.{a}=")}
+    """cp and its mode for a decoder layout ``out`` (bigtrain's or a Hugging Face one, which sets sp
+    only when it draws Ulysses), within ``max_world`` ranks (none if it has no room): hybrid where the
+    layout has Ulysses (sp > 1), ring or all-to-all otherwise."""
+    sizes = {"dp": 1, "tp": 1, "pp": 1, "sp": 1}
+    sizes.update({a: int(o.split("=")[1]) for o in out for a in sizes if o.startswith(f"--parallel.{a}=")})
     world = sizes["dp"] * sizes["tp"] * sizes["pp"] * sizes["sp"]
     cps = [c for c in (2, 2, 4) if world * c <= max_world]
     if not cps:

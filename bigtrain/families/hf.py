@@ -14,6 +14,9 @@ the fused loss (``lm_head`` and the cross-entropy in chunks: memory/fused_loss.p
 compression of the decoder layers' linear inputs and float8 decoder-layer linears
 (``precision.fp8``); experts and selective recomputation are refused by name (they read
 bigtrain's own Llama structure).
+
+Context parallelism (``parallel.cp``: all-to-all, ring and hybrid, with dp/ZeRO, tp and pp) runs
+through the family's own attention function too: bigtrain/families/hf_context.py.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from bigtrain.checkpoint.hf import hf_folder
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
+from bigtrain.families.hf_context import attach_context_parallel, attention_window, context_problems
 from bigtrain.families.hf_reference import HFReference, captured_module
 from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
@@ -266,6 +270,9 @@ def check_hf(cfg: Config) -> list[str]:
         problems.append(f"parallel.sequence_parallel: data.seq_len = {cfg.data.seq_len} does not divide by "
                         f"parallel.tp = {tp}; change data.seq_len or turn sequence_parallel off")
     problems += ulysses_problems(cfg, heads, kv, str(path))
+    if p.cp > 1:  # context parallelism: bigtrain/families/hf_context.py
+        window = attention_window(hf_config(cfg)) if transformers_found else None
+        problems += context_problems(cfg, heads, kv, str(path), window)
     vocab, positions = fields.get("vocab_size", 0), fields.get("max_position_embeddings", 0)
     problems += token_batch_problems(cfg)
     problems += token_data_problems(cfg, vocab, positions, vocab_field=f"vocab_size of {path}",
@@ -347,6 +354,7 @@ HF = Family(
     init_fn=init_fn,
     tp_plan=tp_plan,
     split_stages=split_causal_lm,
+    context_parallel=attach_context_parallel,
     blocks=lambda model: model.model.layers,
     head="lm_head",
     compiles=True,

@@ -100,12 +100,25 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if attention_mask is not None:
         raise RuntimeError(f"attention implementation '{ULYSSES}' was given a mask of shape "
                            f"{tuple(attention_mask.shape)}: a mask of the local shard cannot hold after the all-to-all")
+    out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, sliding_window)
+    return heads_to_shard(out, sp), None
+
+
+def shard_to_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   sp: AxisComm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ulysses' first all-to-all: (batch, heads, seq / sp, head_dim) of this rank's shard -> the
+    whole sequence (all the sp ranks' shards, in rank order) and this rank's heads / sp (key/value
+    heads split, or replicated when fewer than the ranks)."""
     q = all_to_all(query, sp, split_dim=1, cat_dim=2)
     k, v = (all_to_all(replicate_kv_heads(t.transpose(1, 2), sp.size).transpose(1, 2), sp, split_dim=1, cat_dim=2)
             for t in (key, value))
-    out = attend(q, k, v, dropout, scaling, sliding_window)
-    # (batch, heads / sp, seq, head_dim) -> (batch, seq, heads / sp, head_dim) -> this rank's shard, all heads
-    return all_to_all(out.transpose(1, 2), sp, split_dim=1, cat_dim=2).contiguous(), None
+    return q, k, v
+
+
+def heads_to_shard(out: torch.Tensor, sp: AxisComm) -> torch.Tensor:
+    """Ulysses' return all-to-all: (batch, heads / sp, seq, head_dim) -> (batch, seq, heads / sp,
+    head_dim) -> this rank's shard, all heads, (batch, seq / sp, heads, head_dim)."""
+    return all_to_all(out.transpose(1, 2), sp, split_dim=1, cat_dim=2).contiguous()
 
 
 def sliding_window_mask(seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from bigtrain.models.hf_causal_lm import CausalLM, init_rotary_buffers
+from bigtrain.models.hf_causal_lm import CausalLM, init_rotary_buffers, token_positions
 from bigtrain.parallel.pipeline.partition import PipelineStage, _split_points, stage_ranges
 
 
@@ -36,10 +36,12 @@ class CausalLMStage(PipelineStage):
     def blocks(self) -> list[nn.Module]:
         return list(self.model.layers.values())
 
-    def forward(self, x: torch.Tensor, start_pos: int = 0, with_head: bool = True) -> torch.Tensor:
-        """``x``: tokens on the first stage, hidden states (the whole sequence) after."""
+    def forward(self, x: torch.Tensor, start_pos: int = 0, with_head: bool = True,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: tokens on the first stage, hidden states (this rank's sequence) after; ``positions``
+        as in ``CausalLM.forward`` (context parallelism's chunks)."""
         h = self.model.embed_tokens(x) if self.is_first else x
-        positions = torch.arange(start_pos, start_pos + h.shape[1], device=h.device).unsqueeze(0)
+        positions = token_positions(h.shape[1], start_pos, positions, h.device)
         rotary = self.model.rotary_emb(h, positions)
         for layer in self.model.layers.values():
             h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)

@@ -8,6 +8,7 @@ from bigtrain.families.spec import Family
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
 from bigtrain.model_fields import llama_field_problems
 from bigtrain.models.llama import build_model, count_parameters
+from bigtrain.parallel.context import attach_to_cores
 
 
 def check_llama(cfg: Config) -> list[str]:
@@ -26,4 +27,5 @@ LLAMA = Family(
     model_fields=True,
     compiles=True,
     block_linears=True,
+    context_parallel=attach_to_cores,  # ring or all-to-all around its AttentionCore modules
 )

@@ -55,6 +55,10 @@ class Family:
     # Its split into pipeline stages, (model, stages, balance, split points) -> stages; None: the
     # reference Llama's (bigtrain.parallel.pipeline.partition.split_model).
     split_stages: Callable[..., list] | None = None
+    # Its attention over a sequence cut by context parallelism (parallel.cp > 1), (model, the cp
+    # AxisComm, parallel.cp_mode) -> the names of the modules changed (bigtrain.parallel.context's
+    # apply_context_parallel fails on none); None: the family has none and validation refuses cp.
+    context_parallel: Callable[..., list] | None = None
     reads_tokens: bool = True  # a token corpus (data.source, data.tokenizer): preflight checks it
     # The model's parameter count from the config (the run summary, the planner).
     parameter_count: Callable[["Config"], int] | None = None

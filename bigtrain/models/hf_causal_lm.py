@@ -16,8 +16,9 @@ from torch import nn
 
 
 class CausalLM(nn.Module):
-    """``forward(tokens, start_pos, with_head)`` as :class:`bigtrain.models.llama.Llama`'s:
-    ``start_pos`` is the first token's position, ``with_head=False`` ends at the final norm."""
+    """``forward(tokens, start_pos, with_head, positions)`` as :class:`bigtrain.models.llama.Llama`'s:
+    ``start_pos`` is the first token's position, ``positions`` (a LongTensor, one per token: context
+    parallelism's two chunks) each token's instead, ``with_head=False`` ends at the final norm."""
 
     def __init__(self, causal_lm: nn.Module):
         super().__init__()
@@ -25,13 +26,23 @@ class CausalLM(nn.Module):
         self.lm_head = causal_lm.lm_head
         self.config = causal_lm.config  # plain data (a PretrainedConfig), not a module
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True) -> torch.Tensor:
-        positions = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device).unsqueeze(0)
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        positions = token_positions(tokens.shape[1], start_pos, positions, tokens.device)
         hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
         return self.lm_head(hidden) if with_head else hidden
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         init_rotary_buffers(self, device)
+
+
+def token_positions(seq: int, start_pos: int, positions: torch.Tensor | None, device) -> torch.Tensor:
+    """transformers' ``position_ids`` (1, seq): ``positions`` when given, else ``start_pos`` onwards."""
+    if positions is not None:
+        if positions.shape[-1] != seq:
+            raise ValueError(f"{positions.shape[-1]} positions for {seq} tokens")
+        return positions.to(device).reshape(1, seq)
+    return torch.arange(start_pos, start_pos + seq, device=device).unsqueeze(0)
 
 
 @torch.no_grad()

@@ -57,7 +57,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     # Every weight dense; each step records its change.
     placements = Placements.of_model(model, mesh.comm, data_axis, replica_axes=replica_axes)
     layout = apply_tensor_parallel(model, mesh, plan.tensor, placements)
-    apply_context_parallel(model, mesh.comm("cp"), plan.tensor.cp_mode)  # attention over the cut sequence
+    apply_context_parallel(model, mesh.comm("cp"), plan.tensor.cp_mode,  # attention over the cut sequence
+                           plan.tensor.context_attention)
     apply_expert_parallel(model, mesh, plan.experts, placements)
     ties = shared_parameter_names(model)  # after tensor parallelism, which shards a tied weight once
     activations = apply_activation_memory(model, plan.activations, layout)

@@ -22,12 +22,15 @@ Attention, per ``parallel.cp_mode``:
   back before the return all-to-all.
 
 The cores are found by type (:class:`bigtrain.models.llama.AttentionCore`), not by name or flag, and
-:func:`apply_context_parallel` fails when it finds none.
+:func:`apply_context_parallel` fails when it finds none. A model family without them (the Hugging
+Face decoders) gives its own way to attach (``Family.context_parallel``, carried by
+``TensorParallelPlan.context_attention``).
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
@@ -75,7 +78,10 @@ def _reorder(x: torch.Tensor, order: list[int], dim: int = 1) -> torch.Tensor:
 
 class AllToAllContext:
     """cp_mode 'all-to-all': Ulysses over the cp ranks with the balanced chunks put in position order
-    around the core, as forward hooks (the core's own SDPA runs on the whole sequence)."""
+    around the core. :meth:`to_whole_sequence` and :meth:`to_local_chunks` are the two halves, in
+    the (batch, seq, heads, dim) layout; :meth:`before` and :meth:`after` run them as forward hooks
+    on the Llama's core (its own SDPA runs on the whole sequence), the Hugging Face family's attention
+    function calls them directly (bigtrain/families/hf_context.py)."""
 
     def __init__(self, comm: AxisComm):
         self.comm = comm
@@ -83,15 +89,25 @@ class AllToAllContext:
         self.to_positions = sorted(range(len(order)), key=order.__getitem__)  # where each chunk is held
         self.to_ranks = order
 
-    def before(self, module, args):
-        q, *kv = args
+    def to_whole_sequence(self, q: torch.Tensor, *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(batch, local seq, heads, dim) q and k, v of this rank's two chunks -> the whole sequence
+        in position order and this rank's share of the heads (key/value heads replicated when fewer
+        than the ranks, as Ulysses does)."""
         comm = self.comm
         whole = [all_to_all(q, comm, split_dim=2, cat_dim=1),
                  *(all_to_all(replicate_kv_heads(t, comm.size), comm, split_dim=2, cat_dim=1) for t in kv)]
         return tuple(_reorder(t, self.to_positions) for t in whole)
 
-    def after(self, module, args, out):
+    def to_local_chunks(self, out: torch.Tensor) -> torch.Tensor:
+        """The dual of :meth:`to_whole_sequence` for the attention's (batch, seq, heads / cp, dim)
+        output: this rank's two chunks, all heads."""
         return all_to_all(_reorder(out, self.to_ranks), self.comm, split_dim=1, cat_dim=2)
+
+    def before(self, module, args):
+        return self.to_whole_sequence(*args)
+
+    def after(self, module, args, out):
+        return self.to_local_chunks(out)
 
 
 def attention_cores(model: nn.Module) -> list[str]:
@@ -99,27 +115,40 @@ def attention_cores(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(unwrapped(m), AttentionCore)]
 
 
-def apply_context_parallel(model: nn.Module, comm: AxisComm, mode: str) -> list[str]:
-    """Give every attention core of ``model`` its context-parallel attention over ``comm`` (the cp
-    axis) as ``mode`` says; returns the cores' names. A model with no core is an error: a cp run
-    that attended only to its own chunks would train without a word."""
-    if comm.size == 1:
-        return []
+def attach_to_cores(model: nn.Module, comm: AxisComm, mode: str) -> list[str]:
+    """bigtrain's Llama: each :class:`AttentionCore` replaced by the ring (``ring``, ``hybrid``) or
+    hooked by the all-to-all; returns the cores' names (none for a model without cores)."""
     names = attention_cores(model)
-    if not names:
-        raise ValueError(f"context parallelism: no AttentionCore in a {type(model).__name__}; context-parallel "
-                         f"attention replaces those (bigtrain/parallel/context.py)")
-    for module in model.modules():  # MoE blocks: capacity and balance over the whole sequence
-        if isinstance(unwrapped(module), MoEFeedForward):
-            unwrapped(module).sequence = ChunkPairsOverCP(comm)
     for name in names:
         core = model.get_submodule(name)
         if mode in ("ring", "hybrid"):  # hybrid: the core's Ulysses hooks (over sp) run around the ring
             replace_module(model, name, RingAttention(core, comm, partial(chunks_of, comm.size)))
-        elif mode == "all-to-all":
+        else:
             hooks = AllToAllContext(comm)
             core.register_forward_pre_hook(hooks.before)
             core.register_forward_hook(hooks.after)
-        else:
-            raise ValueError(f"parallel.cp_mode = {mode!r}: must be 'ring', 'all-to-all' or 'hybrid'")
+    return names
+
+
+# (model, the cp axis, parallel.cp_mode) -> the names of the modules that now attend over the cut sequence
+Attach = Callable[[nn.Module, AxisComm, str], list[str]]
+
+
+def apply_context_parallel(model: nn.Module, comm: AxisComm, mode: str, attach: Attach | None = None) -> list[str]:
+    """Give ``model``'s attention its context-parallel form over ``comm`` (the cp axis) as ``mode``
+    says; returns the names of the modules changed. ``attach``: the model family's way
+    (``Family.context_parallel``, e.g. bigtrain/families/hf_context.py); None: bigtrain's Llama's
+    attention cores (:func:`attach_to_cores`). Nothing attached is an error: a cp run that attended
+    only to its own chunks would train without a word."""
+    if comm.size == 1:
+        return []
+    if mode not in ("ring", "all-to-all", "hybrid"):
+        raise ValueError(f"parallel.cp_mode = {mode!r}: must be 'ring', 'all-to-all' or 'hybrid'")
+    names = (attach or attach_to_cores)(model, comm, mode)
+    if not names:
+        raise ValueError(f"context parallelism: nothing in a {type(model).__name__} attends over the cut sequence "
+                         f"({'its family' if attach else 'no AttentionCore'}; bigtrain/parallel/context.py)")
+    for module in model.modules():  # MoE blocks: capacity and balance over the whole sequence
+        if isinstance(unwrapped(module), MoEFeedForward):
+            unwrapped(module).sequence = ChunkPairsOverCP(comm)
     return names

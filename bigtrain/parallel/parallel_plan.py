@@ -38,7 +38,10 @@ class TensorParallelPlan:
 
     styles: "Plan | None" = None
     sequence_parallel: bool = False  # Megatron sequence parallelism on the tp axis
-    cp_mode: str = "ring"  # attention over the cp axis (bigtrain/parallel/context.py): 'ring' or 'all-to-all'
+    cp_mode: str = "ring"  # attention over the cp axis (bigtrain/parallel/context.py): 'ring', 'all-to-all', 'hybrid'
+    # How the model's attention turns context-parallel, (model, cp comm, cp_mode) -> the names of what
+    # changed, by the model family (Family.context_parallel); None: bigtrain's Llama's attention cores.
+    context_attention: Callable | None = None
 
 
 @dataclass(frozen=True)

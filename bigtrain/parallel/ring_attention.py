@@ -200,12 +200,22 @@ class _RingAttention(torch.autograd.Function):
 
 
 @eager_under_compile  # point-to-point traffic in Python: a compiled block breaks around it
+def ring_attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: AxisComm, chunks,
+                               scale: float | None = None) -> torch.Tensor:
+    """The ring itself, in the (batch, heads, seq, dim) layout of sdpa and transformers' attention
+    functions: q (batch, heads, local seq, dim), k and v (batch, kv heads, local seq, dim) of the
+    chunks ``chunks(comm.rank)`` -> this rank's (batch, heads, local seq, dim), laid out (batch,
+    seq, heads, dim) in memory (its ``transpose(1, 2)`` is contiguous). ``scale``: the softmax's,
+    head_dim ** -0.5 when None."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(q, k, v, comm, chunks, scale)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: AxisComm, chunks) -> torch.Tensor:
     """Causal attention of (batch, local seq, heads, dim) q, k, v whose sequence is cut over
     ``comm``'s ranks as ``chunks(rank)`` says; returns this rank's (batch, local seq, heads, dim)."""
-    scale = q.shape[-1] ** -0.5
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return _RingAttention.apply(q, k, v, comm, chunks, scale).transpose(1, 2)
+    return ring_attention_heads_first(q, k, v, comm, chunks).transpose(1, 2)
 
 
 class RingAttention(ModuleWrapper):
