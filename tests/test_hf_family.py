@@ -399,6 +399,24 @@ def test_plan_prices_a_config_files_model_and_ranks_only_layouts_its_family_runs
         main(["plan", "--config", str(toml), "--preset", "tiny"])
 
 
+def test_plan_says_so_when_no_fitting_layout_is_one_the_family_runs(tmp_path, capsys, monkeypatch):
+    """Layouts that fit, none of which the family runs: exit 1 with the reason, not a crash of the
+    report (the first version's --json read the missing best layout)."""
+    import dataclasses
+    import json
+
+    import bigtrain.plan.cli as plan_cli
+    from bigtrain.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[model]\nfamily = "hf"\nhf_config = "{tmp_path / "config.json"}"\n[data]\nseq_len = 4096\n')
+    monkeypatch.setattr(plan_cli, "runnable_plans", lambda cfg, result: dataclasses.replace(result, ranked=[]))
+    capsys.readouterr()
+    assert main(["plan", "--config", str(toml), "--gpus", "4", "--json"]) == 1
+    assert "none is one model.family = 'hf' runs" in capsys.readouterr().err
+
+
 def test_qwen3_norms_per_head_are_partial_under_tp():
     """Qwen3's q/k norms see this rank's heads only: the plan marks their gradients partial."""
     from bigtrain.families.hf import build_meta, tp_plan

@@ -170,19 +170,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, cluster, global_batch, fixed = resolve(args)
     if args.block_size < 1:
         raise ConfigError(f"--block-size = {args.block_size}: must be a positive integer")
+    # A family priced as another model (a Hugging Face config.json as bigtrain's Llama) runs fewer
+    # layouts than the planner models: only those its own validation accepts are ranked or proposed.
+    priced_as = cfg is not None and _family(cfg).planner_config is not None
+    runnable = (lambda found: runnable_plans(cfg, found)) if priced_as else (lambda found: found)
     result = search(model, cluster, global_batch, fixed, precision=fixed["precision"], optimizer=args.optim,
                     block=args.block_size)
-    if cfg is not None and _family(cfg).planner_config is not None:  # priced as another model: runs fewer layouts
-        result = runnable_plans(cfg, result)
+    fitting = len(result.ranked)
+    result = runnable(result)
+    if fitting and result.best is None:
+        print(f"bigtrain plan: {fitting} layouts fit this model on {cluster.gpus} x {cluster.hardware.name}, and "
+              f"none is one model.family = '{cfg.model.family}' runs; choose the layout by hand (--layout) or "
+              f"change the cluster", file=sys.stderr)
+        return 1
     # Nothing fits on the device: would offloading model states to the host or NVMe make it fit?
     fit = offload_fit(model, cluster, global_batch, fixed, fixed["precision"], args.optim, args.block_size) \
         if result.best is None else None
+    if fit is not None and fit.best is not None:
+        fit = runnable(fit)
+        fit = fit if fit.best is not None else None  # an offload the family cannot run is no proposal
     if args.json:
         report = json_report(model, cluster, global_batch, result, args.top)
         if fit is not None and fit.best is not None:
             report["offload_fit"] = {**fit.best.to_dict(), "optimizer": fit.optimizer,
                                      "explanation": explain_offload_fit(fit, cluster)}
-        elif fit is not None:
+        elif fit is not None and fit.off_device is not None:
             report["offload_closest"] = {**fit.off_device.to_dict(), "explanation": explain_offload_fit(fit, cluster)}
         print(json.dumps(report, indent=1))
     else:
