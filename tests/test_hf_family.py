@@ -413,7 +413,7 @@ def test_plan_says_so_when_no_fitting_layout_is_one_the_family_runs(tmp_path, ca
     toml.write_text(f'[model]\nfamily = "hf"\nhf_config = "{tmp_path / "config.json"}"\n[data]\nseq_len = 4096\n')
     monkeypatch.setattr(plan_cli, "runnable_plans", lambda cfg, result: dataclasses.replace(result, ranked=[]))
     capsys.readouterr()
-    assert main(["plan", "--config", str(toml), "--gpus", "4", "--json"]) == 1
+    assert main(["plan", "--config", str(toml), "--gpus", "2", "--json"]) == 1
     assert "none is one model.family = 'hf' runs" in capsys.readouterr().err
 
 
