@@ -23,9 +23,10 @@ import pytest
 
 from bigtrain.config import ConfigError
 from bigtrain.testing import run_ranks
-from tests.helpers import tiny_config, trainer_on_rank
-from tests.test_hf_family import FIXTURES, RTOL, assert_matches_reference, hf_config, reference, train_layout
-from tests.test_hf_ulysses import reference_of, windowed_mistral
+from tests.helpers import tiny_config
+from tests.test_hf_family import (FIXTURES, assert_layout_matches_reference, assert_matches_reference,
+                                  hf_config, reference, train_layout)
+from tests.test_hf_ulysses import attention_implementations, reference_of, windowed_mistral
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,11 +51,7 @@ LAYOUTS = {  # (architecture, overrides)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_layout_matches_transformers_reference(corpus_cache, layout):
     arch, overrides = LAYOUTS[layout]
-    cfg = hf_config(corpus_cache, arch, *overrides)
-    losses, weights, _ = train_layout(cfg)
-    ref = reference(corpus_cache, arch)
-    assert ref[0].losses[-1] < ref[0].losses[0]
-    assert_matches_reference(losses, weights, ref, f"{arch} {layout}")
+    assert_layout_matches_reference(corpus_cache, arch, overrides, layout)
 
 
 def sharper_llama(folder):
@@ -73,19 +70,13 @@ def test_each_chunk_is_rotated_at_its_global_positions(corpus_cache, tmp_path, m
     assert_matches_reference(losses, weights, reference_of(cfg), f"llama cp2 {mode} at initializer_range 0.2")
 
 
-def _attention_implementations(rank, world_size, cfg, run_dir):
+def test_every_layer_attends_through_the_context_function(corpus_cache):
     from bigtrain.families.hf_context import CONTEXT
 
-    model = trainer_on_rank(rank, world_size, cfg, run_dir).parallel.model
-    return [(type(m).__name__, m.config._attn_implementation, len(m._forward_pre_hooks))
-            for m in model.modules() if hasattr(m, "q_proj")], CONTEXT
-
-
-def test_every_layer_attends_through_the_context_function(corpus_cache):
     cfg = hf_config(corpus_cache, "qwen3", "--parallel.cp=2")
     with tempfile.TemporaryDirectory() as run_dir:
-        used, context = run_ranks(_attention_implementations, 2, cfg, run_dir)[0]
-    assert used == [("Qwen3Attention", context, 1)] * 2  # both layers: the function named, the group's hook
+        used = run_ranks(attention_implementations, 2, cfg, run_dir)[0]
+    assert used == [("Qwen3Attention", CONTEXT, 1)] * 2  # both layers: the function named, the group's hook
 
 
 @pytest.mark.parametrize("mode", ["all-to-all", "ring"])

@@ -88,15 +88,20 @@ def assert_matches_reference(losses, weights, ref, what):
         assert_rel_close(weights[name].double(), expected, max(RTOL, 3 * noise[name]), f"{what} {name}")
 
 
+def assert_layout_matches_reference(cache: str, arch: str, overrides: list[str], what: str) -> None:
+    """Train ``arch``'s fixture with ``overrides`` and hold it to the float64 reference."""
+    cfg = hf_config(cache, arch, *overrides)
+    losses, weights, checkpointed = train_layout(cfg)
+    assert checkpointed == ([0, 1] if cfg.memory.checkpointing == "full" else [])  # the layout is what it says
+    ref = reference(cache, arch)
+    assert ref[0].losses[-1] < ref[0].losses[0]  # it learns: the comparison is not of four equal numbers
+    assert_matches_reference(losses, weights, ref, f"{arch} {what}")
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layout_matches_transformers_reference(corpus_cache, arch, layout):
-    cfg = hf_config(corpus_cache, arch, *LAYOUTS[layout])
-    losses, weights, checkpointed = train_layout(cfg)
-    assert checkpointed == ([0, 1] if cfg.memory.checkpointing == "full" else [])  # the layout is what it says
-    ref = reference(corpus_cache, arch)
-    assert ref[0].losses[-1] < ref[0].losses[0]  # it learns: the comparison is not of four equal numbers
-    assert_matches_reference(losses, weights, ref, f"{arch} {layout}")
+    assert_layout_matches_reference(corpus_cache, arch, LAYOUTS[layout], layout)
 
 
 def _train_compiled(rank, world_size, cfg, run_dir):

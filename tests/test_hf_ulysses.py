@@ -26,8 +26,8 @@ import torch
 from bigtrain.config import ConfigError
 from bigtrain.testing import run_ranks
 from tests.helpers import tiny_config, trainer_on_rank
-from tests.test_hf_family import (FIXTURES, RTOL, STEPS, assert_matches_reference, hf_config, reference,
-                                  train_layout)
+from tests.test_hf_family import (FIXTURES, RTOL, STEPS, assert_layout_matches_reference, assert_matches_reference,
+                                  hf_config, reference, train_layout)
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,11 +55,7 @@ def reference_of(cfg):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ulysses_layout_matches_transformers_reference(corpus_cache, layout):
     arch, overrides = LAYOUTS[layout]
-    cfg = hf_config(corpus_cache, arch, *overrides)
-    losses, weights, _ = train_layout(cfg)
-    ref = reference(corpus_cache, arch)
-    assert ref[0].losses[-1] < ref[0].losses[0]
-    assert_matches_reference(losses, weights, ref, f"{arch} {layout}")
+    assert_layout_matches_reference(corpus_cache, arch, overrides, layout)
 
 
 def test_each_shard_is_rotated_at_its_own_positions(corpus_cache, tmp_path):
@@ -72,19 +68,21 @@ def test_each_shard_is_rotated_at_its_own_positions(corpus_cache, tmp_path):
     assert_matches_reference(losses, weights, reference_of(cfg), "llama sp2 at initializer_range 0.2")
 
 
-def _attention_implementations(rank, world_size, cfg, run_dir):
-    from bigtrain.families.hf_attention import ULYSSES
-
+def attention_implementations(rank, world_size, cfg, run_dir):
+    """Each decoder layer's attention on this rank: (its class, the function its config names, its
+    forward pre-hooks)."""
     model = trainer_on_rank(rank, world_size, cfg, run_dir).parallel.model
     return [(type(m).__name__, m.config._attn_implementation, len(m._forward_pre_hooks))
-            for m in model.modules() if hasattr(m, "q_proj")], ULYSSES
+            for m in model.modules() if hasattr(m, "q_proj")]
 
 
 def test_every_layer_attends_through_the_ulysses_function(corpus_cache):
+    from bigtrain.families.hf_attention import ULYSSES
+
     cfg = hf_config(corpus_cache, "llama", "--parallel.sp=2")
     with tempfile.TemporaryDirectory() as run_dir:
-        used, ulysses = run_ranks(_attention_implementations, 2, cfg, run_dir)[0]
-    assert used == [("LlamaAttention", ulysses, 1)] * 2  # both layers: the function named, the group's hook
+        used = run_ranks(attention_implementations, 2, cfg, run_dir)[0]
+    assert used == [("LlamaAttention", ULYSSES, 1)] * 2  # both layers: the function named, the group's hook
 
 
 def test_a_layer_without_the_ulysses_seam_fails_the_comparison(corpus_cache, monkeypatch):

@@ -79,6 +79,22 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return attend(query, key, value, dropout, scaling, sliding_window).transpose(1, 2).contiguous(), None
 
 
+def carried_group(name: str, key: str, kind: type, prepared_by: str, module: nn.Module,
+                  attention_mask: torch.Tensor | None, kwargs: dict):
+    """What a call of the registered attention function ``name`` carries under the keyword ``key``
+    (its group, put there by a forward pre-hook of ``prepared_by``). Raises when it is missing (a
+    layer the plan missed would attend to its own part of the sequence alone) or when a mask
+    arrived (transformers builds none for these names; one of the local part would be wrong)."""
+    group = kwargs.get(key)
+    if not isinstance(group, kind):
+        raise RuntimeError(f"attention implementation '{name}' called without its group ('{key}'): the layer "
+                           f"{type(module).__name__} was not prepared by {prepared_by}")
+    if attention_mask is not None:
+        raise RuntimeError(f"attention implementation '{name}' was given a mask of shape "
+                           f"{tuple(attention_mask.shape)}: a mask of the local part cannot hold over the whole sequence")
+    return group
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
            window: int | None) -> torch.Tensor:
     """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads."""
@@ -93,13 +109,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     """transformers' attention-function signature: q (batch, heads, seq / sp, head_dim), k and v
     (batch, kv heads, seq / sp, head_dim) of this rank's shard -> (batch, seq / sp, heads,
     head_dim), no attention weights."""
-    sp = kwargs.get(GROUP)
-    if not isinstance(sp, AxisComm):
-        raise RuntimeError(f"attention implementation '{ULYSSES}' called without its sp group ('{GROUP}'): the "
-                           f"layer {type(module).__name__} was not prepared by UlyssesAttentionGroup")
-    if attention_mask is not None:
-        raise RuntimeError(f"attention implementation '{ULYSSES}' was given a mask of shape "
-                           f"{tuple(attention_mask.shape)}: a mask of the local shard cannot hold after the all-to-all")
+    sp = carried_group(ULYSSES, GROUP, AxisComm, "UlyssesAttentionGroup", module, attention_mask, kwargs)
     out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, sliding_window)
     return heads_to_shard(out, sp), None
 

@@ -43,7 +43,8 @@ from bigtrain.config import Config
 from bigtrain.context_checks import divisor_near
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.families.hf_attention import GROUP as ULYSSES_GROUP
-from bigtrain.families.hf_attention import attend, heads_to_shard, register_attention, shard_to_heads
+from bigtrain.families.hf_attention import (attend, carried_group, heads_to_shard, register_attention,
+                                            shard_to_heads)
 from bigtrain.parallel.context import AllToAllContext, chunks_of
 from bigtrain.parallel.ring_attention import ring_attention_heads_first
 
@@ -77,13 +78,7 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     """transformers' attention-function signature: q (batch, heads, local seq, head_dim), k and v
     (batch, kv heads, local seq, head_dim) of this rank's chunks -> (batch, local seq, heads,
     head_dim) attended over the whole sequence, no attention weights."""
-    group = kwargs.get(GROUP)
-    if not isinstance(group, ContextGroup):
-        raise RuntimeError(f"attention implementation '{CONTEXT}' called without its cp group ('{GROUP}'): the "
-                           f"layer {type(module).__name__} was not prepared by attach_context_parallel")
-    if attention_mask is not None:
-        raise RuntimeError(f"attention implementation '{CONTEXT}' was given a mask of shape "
-                           f"{tuple(attention_mask.shape)}: a mask of the local chunks cannot hold over the whole sequence")
+    group = carried_group(CONTEXT, GROUP, ContextGroup, "attach_context_parallel", module, attention_mask, kwargs)
     sp = kwargs.get(ULYSSES_GROUP)
     if (group.mode == "hybrid") != (isinstance(sp, AxisComm) and sp.size > 1):
         raise RuntimeError(f"parallel.cp_mode = '{group.mode}' with {'an sp group' if sp else 'no sp group'}: "
