@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass
 
 from bigtrain.config import ConfigError
@@ -88,13 +89,16 @@ class Layout:
         """The ranks of a mesh axis, named as the runtime's mesh and placement record name them
         (``dp_sp``: the replicas of a dense weight, dp x cp x sp; ``dp_shard_sp``: one ZeRO group under
         HSDP; ``pp_ends``: the two ends of the pipeline)."""
+        return self._axis_sizes[axis]
+
+    @functools.cached_property  # a search asks millions of times; the layout is frozen
+    def _axis_sizes(self) -> dict[str, int]:
         replicas = self.dp * self.cp * self.sp
-        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp, "cp": self.cp, "dp_sp": replicas,
-                 "pp_ends": min(2, self.pp), "ep": self.ep, "edp": replicas // self.ep,
-                 "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                 "dp_shard_sp": self.dp_shard * self.cp * self.sp,
-                 "edp_shard": self.dp_shard * self.cp * self.sp // self.ep}
-        return sizes[axis]
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp, "cp": self.cp, "dp_sp": replicas,
+                "pp_ends": min(2, self.pp), "ep": self.ep, "edp": replicas // self.ep,
+                "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                "dp_shard_sp": self.dp_shard * self.cp * self.sp,
+                "edp_shard": self.dp_shard * self.cp * self.sp // self.ep}
 
     def gradient_axes(self) -> tuple[str, tuple[str, ...]]:
         """As the runtime's ``Mesh.gradient_axes``: the axis a dense weight's gradient is reduced

@@ -212,20 +212,20 @@ def _rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | 
         root += model.embedding_tensors()
     if stages - 1 in mine:
         root += model.head_tensors(separate_copy=layout.pp > 1)
+    root_unit = _sharded(root, layout.tp, axis) if root else None
+    dense_block = _sharded(model.block_tensors(), layout.tp, axis)
     if not model.experts:
-        block = _sharded(model.block_tensors(), layout.tp, axis)
-        return (_sharded(root, layout.tp, axis) if root else None), (block,) * blocks
+        return root_unit, (dense_block,) * blocks
+    # Every MoE block's units are alike (and every dense block's): each kind is cut once.
+    if layout.ep == 1:  # the experts reduce over dp x sp like the rest: one unit
+        moe_block = (_sharded(model.moe_block_tensors() + model.expert_tensors(), layout.tp, axis),)
+    else:  # units.py: a block holding parameters of two gradient groups becomes two units
+        moe_block = (_sharded(model.moe_block_tensors(), layout.tp, axis),
+                     replace(_sharded(model.expert_tensors(layout.ep), layout.tp), axis=layout.expert_gradient_axes()[0]))
     units = []
     for i in (i for s in mine for i in per_stage[s]):
-        if not model.is_moe_block(i):
-            units.append(_sharded(model.block_tensors(), layout.tp, axis))
-        elif layout.ep == 1:  # the experts reduce over dp x sp like the rest: one unit
-            units.append(_sharded(model.moe_block_tensors() + model.expert_tensors(), layout.tp, axis))
-        else:  # units.py: a block holding parameters of two gradient groups becomes two units
-            units += [_sharded(model.moe_block_tensors(), layout.tp, axis),
-                      replace(_sharded(model.expert_tensors(layout.ep), layout.tp),
-                              axis=layout.expert_gradient_axes()[0])]
-    return (_sharded(root, layout.tp, axis) if root else None), tuple(units)
+        units += moe_block if model.is_moe_block(i) else (dense_block,)
+    return root_unit, tuple(units)
 
 
 def unit_state_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw", block: int = 256
