@@ -50,10 +50,11 @@ from dataclasses import dataclass, field
 from bigtrain.plan.activations import block_activations, checkpointed_block_indices
 from bigtrain.plan.grad_traffic import UnitCollective, busiest_rank_units, reduces_every_micro_batch, step_collectives
 from bigtrain.plan.layout import BYTES, Cluster, Layout
-from bigtrain.plan.memory import checked_pp_ranks, chunk_activation_bytes, rank_units, unit_state_bytes
+from bigtrain.plan.memory import chunk_activation_bytes, unit_state_bytes
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel
 from bigtrain.plan.tiers import host_step, reduce_bytes
+from bigtrain.plan.units import checked_pp_ranks, rank_units
 
 # Share of a compute window that hides a host transfer or the host step launched during it
 # (assumption; collectives use the profile's measured ``comm_overlap`` instead).

@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigtrain.plan.layout import BYTES, Layout
-from bigtrain.plan.memory import Unit, checked_pp_ranks, rank_units
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.tiers import host_step
+from bigtrain.plan.units import Unit, checked_pp_ranks, rank_units
 
 FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
             "all_gather": lambda n: (n - 1) / n}  # of the full buffer, bandwidth-optimal (comm.py)

@@ -1,0 +1,110 @@
+"""What each pipeline rank holds of the model, as the ZeRO engine groups it: the root unit (embedding,
+head) and one unit per block (an MoE block under ep: its dense weights and its experts, two gradient
+groups), each cut over tensor parallelism and padded as the runtime pads it. The memory estimate
+(memory.py) and the data-parallel traffic (grad_traffic.py) read them."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from bigtrain.parallel.placement import dense
+from bigtrain.plan.layout import Layout
+from bigtrain.plan.model import ModelSpec, Tensor
+
+
+@dataclass(frozen=True)
+class Unit:
+    numel: int
+    decay_numel: int  # decayed parameters come first in the flat unit
+    tensors: int
+    # Each tensor's local elements in the unit's order (decayed first) and the whole parameter's
+    # padded shape (its grid: Adafactor's statistics): what an optimizer that is not elementwise
+    # needs counted (the runtime gives it one piece per parameter, blocks aligned).
+    sizes: tuple[int, ...] = ()
+    grids: tuple[tuple[int, ...], ...] = ()
+    axis: str = "dp_sp"  # the ranks that reduce its gradients and, from ZeRO stage 1, cut it (edp: experts)
+
+
+def stage_blocks(layers: int, stages: int) -> list[range]:
+    """Blocks of each pipeline stage, as even as possible (the first stages take the extra ones)."""
+    base, extra = divmod(layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def replicas(layout: Layout) -> int:
+    """The ranks holding replicas of a dense weight, which reduce its gradient and, from ZeRO
+    stage 1, cut its unit: the size of its placement's gradient axis (dp x cp x sp; dp_shard x cp x sp
+    under HSDP)."""
+    return layout.size(dense_of(layout).grad_axis)
+
+
+def dense_of(layout: Layout):
+    """A dense weight's placement under ``layout`` (as ``parallelize`` records it from the mesh's
+    ``gradient_axes``): reduced and cut over dp x cp x sp, or under HSDP over one ZeRO group and then
+    all-reduced across the groups."""
+    axis, replica_axes = layout.gradient_axes()
+    return dense(axis, replica_axes=replica_axes)
+
+
+def _grid(t: Tensor, tp: int) -> tuple[int, ...]:
+    placement = t.placement(tp)
+    grid = list(placement.local_shape(t.shape))
+    for cut in placement.shards:
+        grid[cut.dim] = cut.padded_size
+    return tuple(grid)
+
+
+def _sharded(tensors: list[Tensor], tp: int, axis: str = "dp_sp") -> Unit:
+    ordered = sorted(tensors, key=lambda t: not t.decays)  # the runtime's order: decayed first
+    sizes = [t.local_numel(tp) for t in ordered]
+    return Unit(sum(sizes), sum(s for s, t in zip(sizes, ordered) if t.decays), len(ordered), tuple(sizes),
+                tuple(_grid(t, tp) for t in ordered), axis)
+
+
+def rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | None, list[Unit]]:
+    """(root unit or None, block units) held by one tp rank of pipeline rank ``pp_rank``."""
+    root, blocks = _rank_units(model, layout, pp_rank)
+    return root, list(blocks)
+
+
+# The memory estimate and the data-parallel traffic both ask, for every checked pipeline rank of
+# every layout a search weighs: computed once each (all three arguments are frozen values).
+@functools.lru_cache(maxsize=4096)
+def _rank_units(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[Unit | None, tuple[Unit, ...]]:
+    stages = layout.pp * layout.v
+    mine = range(pp_rank, stages, layout.pp)
+    per_stage = stage_blocks(model.layers, stages)
+    blocks = sum(len(per_stage[s]) for s in mine)
+    root: list[Tensor] = []
+    axis = dense_of(layout).grad_axis  # the dense weights' ZeRO group
+    if 0 in mine:
+        root += model.embedding_tensors()
+    if stages - 1 in mine:
+        root += model.head_tensors(separate_copy=layout.pp > 1)
+    root_unit = _sharded(root, layout.tp, axis) if root else None
+    dense_block = _sharded(model.block_tensors(), layout.tp, axis)
+    if not model.experts:
+        return root_unit, (dense_block,) * blocks
+    # Every MoE block's units are alike (and every dense block's): each kind is cut once.
+    if layout.ep == 1:  # the experts reduce over dp x sp like the rest: one unit
+        moe_block = (_sharded(model.moe_block_tensors() + model.expert_tensors(), layout.tp, axis),)
+    else:  # units.py: a block holding parameters of two gradient groups becomes two units
+        moe_block = (_sharded(model.moe_block_tensors(), layout.tp, axis),
+                     replace(_sharded(model.expert_tensors(layout.ep), layout.tp), axis=layout.expert_gradient_axes()[0]))
+    units = []
+    for i in (i for s in mine for i in per_stage[s]):
+        units += moe_block if model.is_moe_block(i) else (dense_block,)
+    return root_unit, tuple(units)
+
+
+def checked_pp_ranks(pp: int) -> list[int]:
+    """Pipeline ranks that can be the worst: the first holds the embedding, the most blocks (the
+    first stages take the extra ones) and the most micro-batches in flight (peaks never grow with
+    the rank in any schedule); the last holds the output layer and the logits."""
+    return sorted({0, pp - 1})
