@@ -45,8 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from bigtrain.config import Config
-from bigtrain.core.reference_step import ReferenceStep, reference_learning_rate  # every family's reference writes one
 from bigtrain.core.int8_reference import int8_weight_gradients
+# every family's reference writes a ReferenceStep
+from bigtrain.core.reference_step import (ReferenceStep, accumulate_into_masters, copy_masters_to,
+                                          reference_learning_rate)
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
@@ -151,7 +153,7 @@ class ReferenceRun:
                 loss_sum += float(loss.detach())
                 (loss / counted * self.loss_scale).backward()
                 if self.mixed:
-                    self._accumulate_into_masters()
+                    accumulate_into_masters(self.master, self.compute)
         finally:
             for h in handles:
                 h.remove()
@@ -192,14 +194,6 @@ class ReferenceRun:
                     lambda m, args, out, name=name: into.setdefault(name, []).append(out.detach().clone())))
         return handles
 
-    def _accumulate_into_masters(self) -> None:
-        for master, low in zip(self.master.parameters(), self.compute.parameters()):
-            if low.grad is None:
-                continue
-            grad = low.grad.float()
-            master.grad = grad if master.grad is None else master.grad.add_(grad)
-            low.grad = None
-
     def _update(self) -> ReferenceStep:
         params = [p for p in self.master.parameters() if p.grad is not None]
         if self.loss_scale != 1.0:
@@ -227,9 +221,7 @@ class ReferenceRun:
         update_router_biases(ran, move_biases=not skipped)
         self.optimizer.zero_grad(set_to_none=True)
         if self.mixed:
-            with torch.no_grad():
-                for master, low in zip(self.master.parameters(), self.compute.parameters()):
-                    low.copy_(master)
+            copy_masters_to(self.compute, self.master)
         return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
 
 

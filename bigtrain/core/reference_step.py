@@ -35,3 +35,21 @@ def reference_learning_rate(cfg, step: int) -> float:
     progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
     floor = peak * o.min_lr_ratio
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# -- mixed precision, as the references state it: a low-precision copy computes, fp32 masters step --
+def accumulate_into_masters(masters, low) -> None:
+    """Add each low-precision parameter's gradient (``low``, the compute copy) into its master's,
+    in the master's dtype, and clear it: what the trainer's mixed precision does per micro-batch."""
+    for master, copy in zip(masters.parameters(), low.parameters()):
+        if copy.grad is not None:
+            grad = copy.grad.to(master.dtype)
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            copy.grad = None
+
+
+@torch.no_grad()
+def copy_masters_to(low, masters) -> None:
+    """The compute copy takes the masters' values (rounded to its dtype) after an optimizer step."""
+    for master, copy in zip(masters.parameters(), low.parameters()):
+        copy.copy_(master)

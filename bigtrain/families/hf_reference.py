@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from bigtrain.config import Config
 from bigtrain.core.int8_reference import int8_weight_gradients
-from bigtrain.core.reference_step import ReferenceStep, reference_learning_rate
+from bigtrain.core.reference_step import (ReferenceStep, accumulate_into_masters, copy_masters_to,
+                                          reference_learning_rate)
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
@@ -133,7 +134,7 @@ class HFReference:
                 loss_sum += float(loss.detach())
                 (loss / counted).backward()
                 if self.mixed:
-                    self._accumulate_into_masters()
+                    accumulate_into_masters(self.model, self.compute)
         finally:
             for h in handles:
                 h.remove()
@@ -146,23 +147,13 @@ class HFReference:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.mixed:
-            with torch.no_grad():
-                for master, low in zip(self.model.parameters(), self.compute.parameters()):
-                    low.copy_(master)
+            copy_masters_to(self.compute, self.model)
         self.step += 1
         result = ReferenceStep(loss=loss_sum / counted, grad_norm=norm, skipped=False, grads=grads)
         if capture:
             result.outputs = {name: torch.cat(parts) for name, parts in outputs.items()}
             result.weights = {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}
         return result
-
-
-    def _accumulate_into_masters(self) -> None:
-        for master, low in zip(self.model.parameters(), self.compute.parameters()):
-            if low.grad is not None:
-                grad = low.grad.to(master.dtype)
-                master.grad = grad if master.grad is None else master.grad.add_(grad)
-                low.grad = None
 
 
 def parameters_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
