@@ -15,8 +15,9 @@ _EMULATE = "set precision.fp8_emulate = true (the same float8 rounding with bf16
 def check_fp8(cfg: Config, block_linears: bool = True, shapes: Config | None = None) -> list[str]:
     """The recipe's name, what float8 layers compose with, and the float8 kernels' shapes.
     ``block_linears``: the model family has blocks of plain linear layers to convert (its
-    ``Family.block_linears``); ``shapes``: a config whose [model] fields describe the model (the
-    family's planner config; None: ``cfg``'s own, or nothing to check for a family they do not describe)."""
+    ``Family.block_linears``); ``shapes``: a config whose [model] fields describe the model (``cfg``
+    itself for bigtrain's Llama), or None: its kernel shapes are not checked here (a family described
+    by its own file checks them against it: families/hf.py)."""
     pr, m = cfg.precision, cfg.model
     if pr.fp8 not in FP8_RECIPES:
         return [f"precision.fp8 = '{pr.fp8}': must be one of {', '.join(repr(r) for r in FP8_RECIPES)}"]
