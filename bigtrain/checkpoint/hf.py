@@ -247,6 +247,16 @@ def rope_values(rope, problems: list[str]) -> dict[str, object]:
     return values
 
 
+def rope_scaling_and_theta(hf: dict) -> tuple[dict | None, float]:
+    """(``rope_scaling``, ``rope_theta``) of a ``config.json`` as transformers 4 writes them, or read
+    from transformers 5's ``rope_parameters`` (one table holding both; type 'default' is no scaling)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        scaling = None if params.get("rope_type", params.get("type", "default")) == "default" else params
+        return scaling, float(params.get("rope_theta", hf.get("rope_theta", 1e4)))
+    return hf.get("rope_scaling"), float(hf.get("rope_theta", 1e4))
+
+
 def model_values(hf: dict, where: str) -> dict[str, object]:
     """The ``[model]`` fields a Hugging Face Llama or Qwen2 ``config.json`` sets; raises
     HFFormatError for what bigtrain's Llama does not have (other activations, other rotary
@@ -261,7 +271,8 @@ def model_values(hf: dict, where: str) -> dict[str, object]:
         problems.append(f"partial_rotary_factor = {hf['partial_rotary_factor']}; bigtrain rotates whole heads")
     if arch == "qwen2" and hf.get("use_sliding_window"):
         problems.append("use_sliding_window = true; bigtrain's attention is full causal attention")
-    rope = rope_values(hf.get("rope_scaling"), problems)
+    scaling, theta = rope_scaling_and_theta(hf)
+    rope = rope_values(scaling, problems)
     heads = hf.get("num_attention_heads", 0)
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in hf]
@@ -274,7 +285,7 @@ def model_values(hf: dict, where: str) -> dict[str, object]:
     return {"family": "llama", "vocab_size": hf["vocab_size"], "dim": hf["hidden_size"],
             "n_layers": hf["num_hidden_layers"], "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
-            "max_seq_len": hf.get("max_position_embeddings", 2048), "rope_theta": float(hf.get("rope_theta", 1e4)),
+            "max_seq_len": hf.get("max_position_embeddings", 2048), "rope_theta": theta,
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings")),
             "attention_head_dim": own_head_dim,
             "attention_bias": arch == "llama" and bool(hf.get("attention_bias")),

@@ -49,13 +49,16 @@ def token_positions(seq: int, start_pos: int, positions: torch.Tensor | None, de
 def init_rotary_buffers(module: nn.Module, device: torch.device | str | None = None) -> None:
     """The rotary inverse frequencies of every Hugging Face rotary embedding in ``module`` (buffers
     derived from the config, left on the meta device by a meta build and unset by ``to_empty``),
-    computed again on ``device`` as transformers computes them."""
+    computed again on ``device`` as transformers computes them: by a new rotary module of the same
+    class built from the same config on the CPU (its constructor computes them, in transformers 4
+    and 5 alike, whose functions for it differ in name and signature)."""
     for rotary in module.modules():
-        if hasattr(rotary, "rope_init_fn") and hasattr(rotary, "inv_freq"):
+        if isinstance(getattr(rotary, "inv_freq", None), torch.Tensor) and hasattr(rotary, "config"):
             where = rotary.inv_freq.device if device is None else torch.device(device)
-            inv_freq, rotary.attention_scaling = rotary.rope_init_fn(rotary.config, where)
-            rotary.inv_freq = inv_freq.float()
+            fresh = type(rotary)(rotary.config)
+            rotary.inv_freq = fresh.inv_freq.float().to(where)
             rotary.original_inv_freq = rotary.inv_freq
+            rotary.attention_scaling = fresh.attention_scaling
 
 
 def init_value(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
