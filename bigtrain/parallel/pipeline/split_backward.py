@@ -43,6 +43,7 @@ stage).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -63,16 +64,21 @@ class _Group:
 
 @dataclass
 class WeightGrads:
-    """What I leaves for W: per group, the junctions' captured output gradients."""
+    """What I leaves for W: per group, the junctions' captured output gradients; on a stage whose
+    input needs no gradient, ``whole``: (its outputs, their gradients, every parameter)."""
 
     groups: list[_Group]
     captured: dict[Node, tuple[torch.Tensor | None, ...]]
+    whole: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor | None], list[torch.Tensor]] | None = None
 
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad`` (hooks fire as in a plain backward)."""
+        if self.whole is not None and self.whole[2]:
+            outputs, grads, params = self.whole
+            torch.autograd.backward(outputs, grads, inputs=params)
         for group in self.groups:
             _run_group(group, self.captured)
-        self.groups, self.captured = [], {}  # the graph goes with them
+        self.groups, self.captured, self.whole = [], {}, None  # the graph goes with them
 
 
 def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
@@ -88,10 +94,14 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
     on_input_path = _reaching({get_gradient_edge(x).node for x in needed}, consumers)
     leaf_nodes = _leaf_nodes(consumers)
     deferred, eager = _used(params, leaf_nodes), _used(eager, leaf_nodes)
-    captured = _root_grads(outputs, output_grads, on_input_path)
     if not on_input_path:  # the first stage: nothing for I, and W is the whole backward
-        return [None] * len(inputs), WeightGrads([_Group(list(captured), deferred + eager)], captured)
+        return [None] * len(inputs), WeightGrads([], {}, (list(outputs), list(output_grads), deferred + eager))
+    captured = _root_grads(outputs, output_grads, on_input_path)
     groups = _groups(deferred, leaf_nodes, consumers, on_input_path)
+    if not python_node_edges():  # such groups' weight gradients are computed by I, with the eager ones
+        whole = [g for g in groups if any(isinstance(j, torch._C._FunctionBase) for j in g.junctions)]
+        groups = [g for g in groups if not any(g is w for w in whole)]
+        eager = eager + [p for g in whole for p in g.params]
     handles = [j.register_prehook(_capture(j, captured)) for g in groups for j in g.junctions
                if j in on_input_path]
     try:
@@ -125,6 +135,33 @@ def _used(params: Iterable[torch.Tensor], leaf_nodes: dict[int, Node]) -> list[t
 def _take_grad(x: torch.Tensor) -> torch.Tensor | None:
     grad, x.grad = x.grad, None
     return grad
+
+
+@functools.cache
+def python_node_edges() -> bool:
+    """Whether this torch's autograd keeps the node of a Python ``autograd.Function`` (a compiled
+    region's, float8's, int8 compression's) alive for a ``GradientEdge`` when nothing else holds its
+    graph. torch 2.13 does; 2.11 (the GPU image's) frees it with the tensor it made, and a W from
+    it fails (``'_input_metadata' is invalid for this instance of _C._FunctionBase``). There a
+    group whose junction is such a node is differentiated in I, whole."""
+    x = torch.ones(2, requires_grad=True)
+    node = _Scale.apply(x, 2.0).grad_fn  # the output is gone at once, as a stage's after I
+    try:
+        torch.autograd.backward([GradientEdge(node, 0)], [torch.ones(2)], inputs=[x])
+    except RuntimeError:
+        return False
+    return x.grad is not None
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
 
 
 # ---------------------------------------------------------------------- the graph walk
