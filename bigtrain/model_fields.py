@@ -61,7 +61,8 @@ def rope_problems(cfg: Config) -> list[str]:
 
 def bias_problems(cfg: Config) -> list[str]:
     """Row-parallel biases are added after the tp reduction by a module of their own, which the int8
-    activation compression (it replaces each linear layer's forward) would bypass."""
+    activation compression (it replaces each linear layer's forward) would bypass, and which replaces
+    a float8 linear by a plain one (measured: ``wo`` a RowParallelLinear, still listed as float8)."""
     m, p = cfg.model, cfg.parallel
     if p.tp > 1 and (m.attention_bias or m.mlp_bias) and cfg.memory.activation_compression != "none":
         field = "model.attention_bias" if m.attention_bias else "model.mlp_bias"
@@ -69,6 +70,11 @@ def bias_problems(cfg: Config) -> list[str]:
                 f"'{cfg.memory.activation_compression}' is not supported (the output projections' biases are "
                 f"added after the tensor-parallel sum); set memory.activation_compression = 'none' or "
                 f"parallel.tp = 1"]
+    if p.tp > 1 and (m.attention_bias or m.mlp_bias) and cfg.precision.fp8 != "none":
+        field = "model.attention_bias" if m.attention_bias else "model.mlp_bias"
+        return [f"{field} = true with parallel.tp = {p.tp} and precision.fp8 = '{cfg.precision.fp8}' is not "
+                f"supported (an output projection with a bias is replaced by a plain linear that adds it after the "
+                f"tensor-parallel sum: it would not compute in float8); set precision.fp8 = 'none' or parallel.tp = 1"]
     return []
 
 
