@@ -34,11 +34,16 @@ from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
 from bigtrain.families.hf_context import attach_context_parallel, attention_window, context_problems
+from bigtrain.families.hf_moe import (MOE_ARCHITECTURES, MOE_DESCRIBED, MOE_SHAPE_KEYS, by_transformers_names,
+                                      moe_problems, planner_moe_fields, sparse_blocks, swap_sparse_blocks,
+                                      to_transformers_names)
 from bigtrain.families.hf_reference import HFReference, captured_module
 from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
 from bigtrain.fp8.checks import kernel_shape_problems
 from bigtrain.models.hf_causal_lm import CausalLM, init_value
+from bigtrain.models.hf_moe import SparseMoE
+from bigtrain.parallel.sequence_moe import SequencePartsOverSP, WholeSequenceOverTP
 from bigtrain.parallel.tensor.entry_styles import EnterSequenceShards, PrepareKeywordInput, WholeSequenceEmbedding
 from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, ReplicatedKVHeads,
                                              RowParallel, VocabParallelOutput)
@@ -47,9 +52,9 @@ NAME = "hf"
 CONFIG_FILE = "config.json"
 # architecture -> the model_type its config.json carries
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", **MOE_ARCHITECTURES}
 # the architectures whose attention_bias puts biases on q, k, v and the output projection
-ATTENTION_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+ATTENTION_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # The layers attend through bigtrain's registered function (families/hf_attention.py: causal sdpa with
 # no mask built by transformers); the reference runs transformers' own "sdpa".
 ATTENTION = CAUSAL
@@ -89,7 +94,8 @@ def hf_config(cfg: Config | ModelConfig):
 
 
 def causal_lm(cfg: Config | ModelConfig, device: str) -> CausalLM:
-    """The whole model built by transformers on ``device`` in fp32."""
+    """The whole model built by transformers on ``device`` in fp32, its sparse-MoE blocks (if any)
+    bigtrain's (families/hf_moe.py)."""
     import transformers
 
     conf = hf_config(cfg)
@@ -97,6 +103,9 @@ def causal_lm(cfg: Config | ModelConfig, device: str) -> CausalLM:
     with torch.device(device):
         built = getattr(transformers, architecture(read_config(cfg)))._from_config(
             conf, attn_implementation=ATTENTION, dtype=torch.float32)
+    blocks = sparse_blocks(conf)
+    if blocks is not None:
+        swap_sparse_blocks(built, blocks)
     return CausalLM(built)
 
 
@@ -114,12 +123,14 @@ def generation_model(model: ModelConfig) -> tuple[CausalLM, int, int]:
 
 def init_fn(cfg: Config, model: nn.Module):
     """Each parameter's full initial value by name: ``model.init_from``'s safetensors (read one
-    tensor at a time, lazily), else drawn by (seed, name)."""
+    tensor at a time, lazily), else drawn by (seed, name); an expert bank's value is its experts'
+    by their transformers names (families/hf_moe.py)."""
     folder = hf_folder(cfg.model.init_from)
+    blocks = sparse_blocks(model.config)
     if folder is not None:
-        return SafetensorsWeights(folder)
+        return by_transformers_names(SafetensorsWeights(folder), blocks)
     std, seed = model.config.initializer_range, cfg.train.seed
-    return lambda name, shape: init_value(name, shape, seed, std)
+    return by_transformers_names(lambda name, shape: init_value(name, shape, seed, std), blocks)
 
 
 class SafetensorsWeights:
@@ -148,7 +159,7 @@ class SafetensorsWeights:
 
 # The config.json fields that decide every parameter's name and shape.
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias")
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias", *MOE_SHAPE_KEYS)
 
 
 def init_from_problems(cfg: Config, fields: dict) -> list[str]:
@@ -177,9 +188,16 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
     split by output (heads), o and down by input, vocabulary-parallel embedding and head. The
     embedding returns the whole sequence and the first block cuts it (parallel/tensor/entry_styles.py).
     Qwen3's per-head q/k norms see this rank's heads only: their gradients are partial over tp.
-    Ulysses (``ulysses``): every layer's attention through bigtrain/families/hf_attention.py."""
+    Ulysses (``ulysses``): every layer's attention through bigtrain/families/hf_attention.py.
+    Sparse-MoE blocks (families/hf_moe.py) are left whole on every tp rank, as bigtrain's Llama
+    leaves its MoE blocks (they route the same whole hidden states: docs/moe.md), so no tp region
+    surrounds them; where the sequence is cut they see it whole (sequence parallelism) or add the
+    other parts' routing statistics (Ulysses), as parallel/sequence_moe.py does for the Llama."""
+    sparse = [name for name, m in model.named_modules() if isinstance(m, SparseMoE)]
+    whole_sequences = {f"{name}.moe": [WholeSequenceOverTP(), SequencePartsOverSP()]
+                       for name in sparse if (tp > 1 and sequence_parallel) or ulysses}
     if tp == 1:
-        return with_ulysses({}) if ulysses else {}
+        return with_ulysses(whole_sequences) if ulysses else whole_sequences
     conf = model.config
     heads = conf.num_attention_heads
     kv_heads = conf.num_key_value_heads or heads
@@ -196,12 +214,16 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
         "model.layers.*.self_attn.k_proj": kv,
         "model.layers.*.self_attn.v_proj": kv,
         "model.layers.*.self_attn.o_proj": RowParallel(),
-        "model.layers.*.mlp": PrepareInput(),
-        "model.layers.*.mlp.gate_proj": ColumnParallel(),
-        "model.layers.*.mlp.up_proj": ColumnParallel(),
-        "model.layers.*.mlp.down_proj": RowParallel(),
         "lm_head": VocabParallelOutput(),
     })
+    layers = model.model.layers
+    dense = [str(i) for i, layer in enumerate(layers) if not isinstance(getattr(layer, "mlp", None), (SparseMoE, type(None)))]
+    for i in ["*"] if len(dense) == len(layers) else dense:  # dense MLPs only (Qwen3-MoE's mlp_only_layers)
+        plan.update({f"model.layers.{i}.mlp": PrepareInput(),
+                     f"model.layers.{i}.mlp.gate_proj": ColumnParallel(),
+                     f"model.layers.{i}.mlp.up_proj": ColumnParallel(),
+                     f"model.layers.{i}.mlp.down_proj": RowParallel()})
+    plan.update(whole_sequences)
     if any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules()):
         plan["model.layers.*.self_attn.[qk]_norm"] = PartialGradient()
     if sequence_parallel:  # norms see a sequence shard: their weight gradients are partial
@@ -213,7 +235,6 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 REFUSED = (  # (field, its value here, the value it must have, why)
     ("parallel.pp_virtual", lambda c: c.parallel.pp_virtual, 1, "one stage per pipeline rank is supported"),
-    ("parallel.ep", lambda c: c.parallel.ep, 1, "the architectures supported have no experts"),
 )
 
 
@@ -257,10 +278,17 @@ def check_hf(cfg: Config) -> list[str]:
         problems += init_from_problems(cfg, fields)
     if cfg.precision.fp8 != "none" and not cfg.precision.fp8_emulate and transformers_found and not problems:
         problems += kernel_shape_problems(planner_config(cfg))  # the config.json's widths, cut by tp
+    conf = hf_config(cfg) if transformers_found else None
+    if conf is not None:
+        problems += moe_problems(cfg, conf, str(path))
     tp = cfg.parallel.tp
     heads, kv = fields.get("num_attention_heads", 0), fields.get("num_key_value_heads") or fields.get(
         "num_attention_heads", 0)
-    for key, size in (("num_attention_heads", heads), ("intermediate_size", fields.get("intermediate_size", 0))):
+    blocks = sparse_blocks(conf) if conf is not None else None
+    split = [("num_attention_heads", heads)]
+    if blocks is None or len(blocks.layers) < conf.num_hidden_layers:  # dense MLPs: cut by tp (experts are not)
+        split.append(("intermediate_size", fields.get("intermediate_size", 0)))
+    for key, size in split:
         if tp > 0 and size % tp:
             problems.append(f"parallel.tp = {tp} does not divide {key} = {size} of {path}; use a tp that divides it")
     if tp > 0 and kv > 0 and kv % tp and tp % kv:  # fewer key/value heads than ranks: replicated if they divide tp
@@ -271,7 +299,7 @@ def check_hf(cfg: Config) -> list[str]:
                         f"parallel.tp = {tp}; change data.seq_len or turn sequence_parallel off")
     problems += ulysses_problems(cfg, heads, kv, str(path))
     if p.cp > 1:  # context parallelism: bigtrain/families/hf_context.py
-        window = attention_window(hf_config(cfg)) if transformers_found else None
+        window = attention_window(conf) if conf is not None else None
         problems += context_problems(cfg, heads, kv, str(path), window)
     vocab, positions = fields.get("vocab_size", 0), fields.get("max_position_embeddings", 0)
     problems += token_batch_problems(cfg)
@@ -284,7 +312,7 @@ def check_hf(cfg: Config) -> list[str]:
 # file takes its architecture's default (Qwen2's and Qwen3's 32 kv heads, Qwen3's head_dim of 128,
 # Mistral's 8 kv heads), which is what the model built from it has.
 DESCRIBED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-             "vocab_size", "tie_word_embeddings", "head_dim", "attention_bias")
+             "vocab_size", "tie_word_embeddings", "head_dim", "attention_bias", *MOE_DESCRIBED)
 
 
 def described_fields(cfg: Config) -> dict:
@@ -320,7 +348,8 @@ def planner_config(cfg: Config) -> Config:
         ffn_hidden=fields["intermediate_size"], vocab_size=fields["vocab_size"], max_seq_len=cfg.data.seq_len,
         tie_embeddings=bool(fields.get("tie_word_embeddings", False)), attention_head_dim=fields.get("head_dim") or 0,
         qkv_bias=architecture(fields) == "Qwen2ForCausalLM",  # Mistral and Qwen2 read no attention_bias
-        attention_bias=architecture(fields) in ATTENTION_BIASED and bool(fields.get("attention_bias", False)))
+        attention_bias=architecture(fields) in ATTENTION_BIASED and bool(fields.get("attention_bias", False)),
+        **planner_moe_fields(fields, architecture(fields)))
     return dataclasses.replace(cfg, model=model)
 
 
@@ -337,6 +366,7 @@ def export_folder(model: ModelConfig, weights: dict, out) -> Path:
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    weights = to_transformers_names(weights, sparse_blocks(hf_config(model)))  # experts' banks cut per expert
     fields = read_config(model)
     fields.setdefault("architectures", [architecture(fields)])
     fields["torch_dtype"] = "float32"
@@ -348,7 +378,8 @@ def export_folder(model: ModelConfig, weights: dict, out) -> Path:
 
 HF = Family(
     name=NAME,
-    summary="a Hugging Face Llama, Mistral, Qwen2 or Qwen3 from a local config.json (model.hf_config)",
+    summary="a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE from a local config.json "
+            "(model.hf_config)",
     check_config=check_hf,
     build_meta=build_meta,
     init_fn=init_fn,
