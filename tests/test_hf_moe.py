@@ -138,6 +138,33 @@ def test_check_compares_the_moe_family_step_by_step(corpus_cache, tmp_path, name
     assert 0 < report.worst["loss"] <= report.tolerance.loss and "forward" in report.worst, report.text()
 
 
+# One bf16 rounding is 2^-8 relative; half of it bounds a difference that is no rounding at all.
+HALF_A_BF16_ROUNDING = 2.0 ** -9
+
+
+def test_bf16_routes_with_transformers_rounding(corpus_cache, tmp_path, monkeypatch):
+    """The seam of router_dtype = 'input': in one process in bf16 the sparse blocks compute what
+    transformers' do (the router's linear in bf16, the weights cast to bf16 before weighting), so
+    the layers' outputs differ from the reference's by less than one bf16 rounding (measured: 0);
+    with bigtrain's fp32 routing they differ by more (measured: 6e-3), which the check's bf16
+    tolerance on the loss (1e-3) would let through."""
+    import bigtrain.families.hf_moe as hf_moe
+    from bigtrain.check.run import check_on_rank
+    from bigtrain.models.moe import MoEFeedForward
+
+    cfg = hf_config(corpus_cache, "mixtral", "--precision.mode=bf16")
+    report = run_ranks(check_on_rank, 1, cfg, str(tmp_path / "input"), 2)[0]
+    assert report.agree and report.worst["forward"] <= HALF_A_BF16_ROUNDING, report.text()
+
+    class RoutedInFP32(MoEFeedForward):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "router_dtype": "fp32"})
+
+    monkeypatch.setattr(hf_moe, "MoEFeedForward", RoutedInFP32)  # forked ranks inherit it
+    report = run_ranks(check_on_rank, 1, cfg, str(tmp_path / "fp32"), 2)[0]
+    assert report.worst["forward"] > HALF_A_BF16_ROUNDING, report.text()
+
+
 # -- the name conversion: init, export, init_from, generate -------------------------------------------
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_the_conversion_round_trips_and_the_trainer_starts_from_transformers_initial_values(corpus_cache, tmp_path,
