@@ -1,8 +1,10 @@
 """Hugging Face decoders (``model.family = "hf"``): a local ``config.json`` (``model.hf_config``; no
-hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
-``Qwen3ForCausalLM``, built by transformers (an optional dependency) on the meta device,
-initialized by (seed, name), cut by the Megatron plan below and trained by bigtrain's Trainer.
-Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
+hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``, built by transformers (an
+optional dependency) on the meta device, initialized by (seed, name), cut by the Megatron plan below
+and trained by bigtrain's Trainer. Parameter names are transformers' own, so a checkpoint exports to
+a folder ``from_pretrained`` reads; but for the sparse-MoE blocks, which are bigtrain's own MoE block
+(experts over ``parallel.ep`` included) under names converted once: bigtrain/families/hf_moe.py.
 
 Supported layouts, fp32 or bf16: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline
 stages; key/value heads fewer than tp replicated), Ulysses sp (with any of those and pp:
@@ -12,8 +14,9 @@ recomputation of the blocks, offload of the decoder layers' saved activations, r
 compilation of the layers (``compile.enabled``; 'auto' compiles on CUDA as for bigtrain's Llama),
 the fused loss (``lm_head`` and the cross-entropy in chunks: memory/fused_loss.py), int8
 compression of the decoder layers' linear inputs and float8 decoder-layer linears
-(``precision.fp8``); experts and selective recomputation are refused by name (they read
-bigtrain's own Llama structure).
+(``precision.fp8``; both refused for the MoE architectures: they would take the router but not the
+stacked experts); selective recomputation is refused by name (it reads bigtrain's own Llama
+structure).
 
 Context parallelism (``parallel.cp``: all-to-all, ring and hybrid, with dp/ZeRO, tp and pp) runs
 through the family's own attention function too: bigtrain/families/hf_context.py.
@@ -361,7 +364,7 @@ def parameter_count(cfg: Config) -> int:
 def export_folder(model: ModelConfig, weights: dict, out) -> Path:
     """A folder ``from_pretrained`` loads: the run's config.json (``model.hf_config``, read again
     now) and ``model.safetensors`` holding ``weights`` (full tensors under the Hugging Face names
-    the model trained with, as they are)."""
+    the model trained with, as they are, each expert bank cut into transformers' per-expert weights)."""
     from safetensors.torch import save_file
 
     out = Path(out)
