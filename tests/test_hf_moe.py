@@ -252,6 +252,8 @@ def _variant(tmp_path, arch, **changed):
     ("mixtral", {"output_router_logits": True}, [], "output_router_logits"),
     ("qwen3_moe", {"output_router_logits": True}, [], "output_router_logits"),
     ("mixtral", {"router_jitter_noise": 0.1}, [], "router_jitter_noise"),
+    ("qwen3_moe", {"hidden_act": "gelu"}, [], "hidden_act"),  # the experts are SwiGLU
+    ("mixtral", {"num_experts_per_tok": 5}, [], "num_experts_per_tok"),
     ("mixtral", {}, ["--precision.fp8=rowwise", "--precision.fp8_emulate=true"], "precision.fp8"),
     ("qwen3_moe", {}, ["--memory.activation_compression=int8"], "memory.activation_compression"),
     ("mixtral", {}, ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"], "parallel.cp = 2 x parallel.sp"),

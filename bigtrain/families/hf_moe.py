@@ -174,6 +174,12 @@ def moe_problems(cfg: Config, conf, where: str) -> list[str]:
                         f"with one process reproduces; set router_jitter_noise to 0 in {where}")
     if not blocks.layers:
         return problems
+    if conf.hidden_act != "silu":  # bigtrain's experts are SwiGLU; transformers' take ACT2FN[hidden_act]
+        problems.append(f"hidden_act = '{conf.hidden_act}' in {where}: bigtrain's experts apply SiLU (SwiGLU); "
+                        f"set hidden_act to 'silu' in {where} (or train the model with transformers)")
+    if not 1 <= blocks.top_k <= blocks.experts:
+        problems.append(f"num_experts_per_tok = {blocks.top_k} in {where}: each token goes to between 1 and the "
+                        f"{blocks.experts} experts; set num_experts_per_tok to at most {blocks.experts}")
     if cfg.precision.fp8 != "none":
         problems.append(f"precision.fp8 = '{cfg.precision.fp8}' with the sparse blocks of {where}: float8 takes the "
                         f"decoder layers' nn.Linear modules, i.e. the router but not the stacked experts; set "
