@@ -35,7 +35,8 @@ LAYOUTS = {  # name -> (architecture, overrides)
     "qwen3_moe-one-process": ("qwen3_moe", []),
     "mixtral-dp2-zero3": ("mixtral", ["--parallel.dp=2", "--parallel.zero=3"]),
     "mixtral-dp2-ep2": ("mixtral", EP2),  # the headline: experts cut over ep, tokens moved by all-to-all
-    "qwen3_moe-dp2-ep2-zero3-recompute-grouped_mm": ("qwen3_moe", [*EP2, "--parallel.zero=3", "--memory.checkpointing=full",
+    "qwen3_moe-dp2-ep2-zero3-recompute-grouped_mm": ("qwen3_moe", [*EP2, "--parallel.zero=3",
+                                                                   "--memory.checkpointing=full",
                                                                    "--parallel.moe_grouped_mm=true"]),
     "mixtral-dp2-ep2-pp2": ("mixtral", [*EP2, "--parallel.pp=2", "--train.micro_batch=1"]),
     # experts whole on every tp rank (as bigtrain's Llama's MoE blocks); Qwen3-MoE's dense layer 0 cut
@@ -111,8 +112,9 @@ def test_compiled_moe_layers_compile_around_the_eager_moe_block_and_match_the_re
         layer = f"model.layers.{i}"
         for part in ("self_attn", "input_layernorm", "post_attention_layernorm"):
             assert "compile" in transforms.get(f"{layer}.{part}", ()), transforms
+        moe = f"{layer}.block_sparse_moe"
         assert not any("compile" in t for n, t in transforms.items()
-                       if n in (layer, f"{layer}.block_sparse_moe") or n.startswith(f"{layer}.block_sparse_moe.")), transforms
+                       if n in (layer, moe) or n.startswith(f"{moe}.")), transforms
     assert graphs > 0
     assert_matches_reference(losses, weights, reference(corpus_cache, "mixtral"), "mixtral compiled")
 
@@ -224,6 +226,23 @@ def test_an_moe_checkpoint_exports_to_a_folder_from_pretrained_loads_with_equal_
         torch.testing.assert_close(decoder.model(tokens), logits, rtol=0, atol=0)
 
 
+def test_an_expert_parallel_checkpoint_exports_every_expert(corpus_cache, tmp_path):
+    """Saved at dp2 x ep2 (each rank holding half of each bank), exported whole: transformers loads
+    all 4 experts of every layer, equal to the run's."""
+    from bigtrain.cli import main
+    from bigtrain.families.hf_moe import sparse_blocks, to_transformers_names
+
+    cfg = hf_config(corpus_cache, "mixtral", *EP2)
+    weights = run_ranks(_train_and_save, 2, cfg, str(tmp_path / "run"), None)[0]
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    theirs = to_transformers_names(weights, sparse_blocks(loaded.config))
+    state = loaded.state_dict()
+    assert set(state) == set(theirs) and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in state
+    for name, p in state.items():
+        assert torch.equal(p, theirs[name]), name
+
+
 def _initial_weights(rank, world_size, cfg, run_dir):
     return trainer_on_rank(rank, world_size, cfg, run_dir).parallel.full_weights()
 
@@ -256,7 +275,8 @@ def _variant(tmp_path, arch, **changed):
     ("mixtral", {"num_experts_per_tok": 5}, [], "num_experts_per_tok"),
     ("mixtral", {}, ["--precision.fp8=rowwise", "--precision.fp8_emulate=true"], "precision.fp8"),
     ("qwen3_moe", {}, ["--memory.activation_compression=int8"], "memory.activation_compression"),
-    ("mixtral", {}, ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"], "parallel.cp = 2 x parallel.sp"),
+    ("mixtral", {}, ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"],
+     "parallel.cp = 2 x parallel.sp"),
     ("mixtral", {"num_local_experts": 3}, EP2, "parallel.ep = 2 does not divide the expert count"),
     ("qwen3_moe", {"num_experts": 0}, EP2, "expert parallelism needs a mixture-of-experts model"),
 ])
@@ -273,7 +293,8 @@ def test_expert_parallelism_of_a_dense_config_json_is_refused(corpus_cache):
 
 
 # -- the planner -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch, changed", [("mixtral", {}), ("qwen3_moe", {}), ("qwen3_moe", {"decoder_sparse_step": 1})])
+@pytest.mark.parametrize("arch, changed", [("mixtral", {}), ("qwen3_moe", {}),
+                                           ("qwen3_moe", {"decoder_sparse_step": 1})])
 def test_the_planner_counts_the_moe_parameters_transformers_builds(corpus_cache, tmp_path, arch, changed):
     """The planner's bigtrain Llama of the config.json (experts, top-k, expert size, every k-th block
     sparse) has the parameters transformers builds, Qwen3's q/k norms aside."""
@@ -324,7 +345,9 @@ def test_the_fuzzer_draws_the_moe_architectures_with_expert_parallelism():
     specs = [o for s in samples for o in s if o.startswith("--model.hf_config=tiny:")]
     assert any("tiny:mixtral" in s for s in specs), specs
     assert any("tiny:qwen3_moe" in s for s in specs), specs
-    assert any("--parallel.ep=2" in s and any("moe" in o or "mixtral" in o for o in s) for s in samples)
+    moe = [s for s in samples if any(o.startswith("--model.hf_config=tiny:") and ("mixtral" in o or "qwen3_moe" in o)
+                                     for o in s)]
+    assert any("--parallel.ep=2" in s for s in moe), moe
 
 
 def test_a_fuzzed_moe_sample_with_expert_parallelism_agrees(corpus_cache):

@@ -220,7 +220,8 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
         "lm_head": VocabParallelOutput(),
     })
     layers = model.model.layers
-    dense = [str(i) for i, layer in enumerate(layers) if not isinstance(getattr(layer, "mlp", None), (SparseMoE, type(None)))]
+    dense = [str(i) for i, layer in enumerate(layers)
+             if not isinstance(getattr(layer, "mlp", None), (SparseMoE, type(None)))]
     for i in ["*"] if len(dense) == len(layers) else dense:  # dense MLPs only (Qwen3-MoE's mlp_only_layers)
         plan.update({f"model.layers.{i}.mlp": PrepareInput(),
                      f"model.layers.{i}.mlp.gate_proj": ColumnParallel(),
