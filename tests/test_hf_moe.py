@@ -16,7 +16,6 @@ step by far more (the seam test below shows one such mistake failing).
 from __future__ import annotations
 
 import json
-import tempfile
 
 import pytest
 import torch
@@ -185,6 +184,26 @@ def test_the_conversion_round_trips_and_the_trainer_starts_from_transformers_ini
         assert torch.equal(converted[name], p.detach()), name
     back = from_transformers_names(converted, blocks)
     assert set(back) == set(ours) and all(torch.equal(back[n], ours[n]) for n in ours)
+
+
+@pytest.mark.parametrize("changed, sparse", [({}, (1, 3)), ({"decoder_sparse_step": 3}, (2,)), ({"num_experts": 0}, ()),
+                                             ({"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}, (1, 3))])
+def test_the_sparse_layers_are_the_ones_transformers_builds(corpus_cache, tmp_path, changed, sparse):
+    """Qwen3-MoE's rule (decoder_sparse_step, mlp_only_layers, num_experts) read as its decoder
+    layer reads it: the swap finds transformers' sparse block in exactly those layers (it raises
+    where it finds another) and leaves the dense MLPs of the others."""
+    from bigtrain.config import ModelConfig
+    from bigtrain.families.hf import build_meta
+    from bigtrain.families.hf_moe import sparse_blocks
+    from bigtrain.models.hf_moe import SparseMoE
+
+    fields = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "num_hidden_layers": 4, **changed}))
+    model = build_meta(tiny_config(corpus_cache, "--model.family=hf", f"--model.hf_config={tmp_path}"))
+    assert sparse_blocks(model.config).layers == sparse
+    assert tuple(i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)) == sparse
+    assert all(type(layer.mlp).__name__ == "Qwen3MoeMLP" for i, layer in enumerate(model.model.layers)
+               if i not in sparse)
 
 
 def _train_and_save(rank, world_size, cfg, run_dir, tokens):
