@@ -26,10 +26,11 @@ class ModelConfig:
 
     family: str = doc("Model family (bigtrain/families): 'llama' (the decoder), 'dlrm' (a recommender: bottom MLP, "
                       "the [embedding] tables, dot interaction, top MLP, binary cross-entropy) or 'hf' (a Hugging "
-                      "Face Llama, Mistral, Qwen2 or Qwen3 from model.hf_config). model.name is its older "
-                      "spelling, still read.", "llama")
+                      "Face Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE from model.hf_config). model.name is "
+                      "its older spelling, still read.", "llama")
     hf_config: str = doc("model.family = 'hf': a local config.json (or the folder holding one) of a LlamaForCausalLM, "
-                         "MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; no hub access.", "")
+                         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or "
+                         "Qwen3MoeForCausalLM; no hub access.", "")
     vocab_size: int = doc("Vocabulary size; 256 for the byte-level corpora.", 256)
     dim: int = doc("Hidden size h.", 128)
     n_layers: int = doc("Number of transformer blocks L.", 4)

@@ -103,17 +103,30 @@ def _check_expert_parallel(cfg: Config) -> list[str]:
         problems.append(f"parallel.ep = {p.ep} does not divide {over} = {value}: experts are sharded over ep of "
                         f"the data-parallel ranks (ep adds no ranks); use parallel.ep = "
                         f"{_divisor_near(replicas, p.ep)} or make {over} a multiple of {p.ep}")
-    experts = cfg.model.moe_experts
+    experts, field = model_experts(cfg)
     if p.ep > 1 and experts <= 0:
         problems.append(f"parallel.ep = {p.ep}: expert parallelism needs a mixture-of-experts model, and "
-                        f"model.moe_experts = {experts} makes every block dense; set model.moe_experts to a "
+                        f"{field} = {experts} makes every block dense; set {field} to a "
                         f"multiple of {p.ep} (e.g. {2 * p.ep}) or parallel.ep = 1")
     elif p.ep > 1 and experts % p.ep:
-        problems.append(f"parallel.ep = {p.ep} does not divide model.moe_experts = {experts}: each ep rank holds "
+        problems.append(f"parallel.ep = {p.ep} does not divide {field} = {experts}: each ep rank holds "
                         f"E / ep whole experts (ep is the number of ranks the experts are spread over, not the "
                         f"number of experts); use parallel.ep = {_divisor_near(experts, p.ep)} or "
-                        f"model.moe_experts = {-(-experts // p.ep) * p.ep}")
+                        f"{field} = {-(-experts // p.ep) * p.ep}")
     return problems
+
+
+def model_experts(cfg: Config) -> tuple[int, str]:
+    """(the experts of each MoE block, the field that says so), as :func:`model_layers` reads the
+    layers: ``model.moe_experts``, or the count in a family's own description (a config.json)."""
+    family = FAMILIES.get(cfg.model.family)
+    if family is None or family.planner_config is None:
+        return cfg.model.moe_experts, "model.moe_experts"
+    try:
+        return (family.planner_config(cfg).model.moe_experts,
+                f"the expert count of its model.family = '{cfg.model.family}' description")
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable description: its family's check names it
+        return cfg.model.moe_experts, "model.moe_experts"
 
 
 def check_moe(cfg: Config) -> list[str]:

@@ -21,6 +21,7 @@ HF = "--model.family=hf"  # a Hugging Face decoder, its config.json written from
 HF_TINY = "--model.hf_config=tiny:"  # tiny:ARCH:LAYERS:KV_HEADS:TIED, made into a file by tiny_hf_config
 INT8 = "--memory.activation_compression=int8"  # int8 compression of the block linears' saved inputs
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+HF_MOE_ARCHS = ("mixtral", "qwen3_moe")  # 4 experts, top-2 (families/hf_moe.py)
 CP = "--parallel.cp="
 
 
@@ -117,23 +118,39 @@ def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
         out += ["--model.fused_loss=true", f"--model.fused_loss_chunk={linears.choice([7, 32, 1024])}"]
     if linears.random() < 0.15:  # int8 compression instead: drawn by check.fuzz.draw_sample (int8_share)
         out += [f"--precision.fp8={linears.choice(['tensorwise', 'rowwise'])}", "--precision.fp8_emulate=true"]
+    # a mixture-of-experts architecture in the same shapes, and its experts cut over ep where dp
+    # allows, from a generator of its own (a sample that draws none stays as it was)
+    experts = random.Random(repr(rng.getstate()) + "experts")
+    if experts.random() < 0.3:
+        arch = experts.choice(HF_MOE_ARCHS)
+        out[1] = HF_TINY + ":".join([arch, *spec.split(":")[1:]])
+        if dp % 2 == 0 and experts.random() < 0.6 and "--parallel.ep=2" not in out:
+            out.append("--parallel.ep=2")
+        if experts.random() < 0.3:
+            out.append("--parallel.moe_grouped_mm=true")
     return out
 
 
 def tiny_hf_config(spec: str, folder: Path) -> Path:
     """The config.json a sample's ``tiny:ARCH:LAYERS:KV_HEADS:TIED`` names, written under ``folder``
-    (hidden 64, 4 heads, vocabulary 256, as tests/fixtures/hf)."""
+    (hidden 64, 4 heads, vocabulary 256, as tests/fixtures/hf; the MoE ones 4 experts of 32, top-2)."""
     arch, layers, kv, tied = spec.split(":")
     fields = {"architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]],
               "model_type": arch, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": int(layers), "num_attention_heads": 4, "num_key_value_heads": int(kv),
               "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
               "tie_word_embeddings": tied == "True", "rope_theta": 10000.0}
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         fields["head_dim"] = 16
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         fields["sliding_window"] = None
+    if arch == "mixtral":  # every layer sparse, top-k renormalized
+        fields.update(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3_moe":  # every second layer sparse, top-k weights as the softmax gave them
+        fields.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
+                      mlp_only_layers=[], norm_topk_prob=False)
     path = folder / f"{arch}-L{layers}-kv{kv}-tied{tied}" / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():

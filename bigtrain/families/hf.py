@@ -1,8 +1,10 @@
 """Hugging Face decoders (``model.family = "hf"``): a local ``config.json`` (``model.hf_config``; no
-hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
-``Qwen3ForCausalLM``, built by transformers (an optional dependency) on the meta device,
-initialized by (seed, name), cut by the Megatron plan below and trained by bigtrain's Trainer.
-Parameter names are transformers' own, so a checkpoint exports to a folder ``from_pretrained`` reads.
+hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``, built by transformers (an
+optional dependency) on the meta device, initialized by (seed, name), cut by the Megatron plan below
+and trained by bigtrain's Trainer. Parameter names are transformers' own, so a checkpoint exports to
+a folder ``from_pretrained`` reads; but for the sparse-MoE blocks, which are bigtrain's own MoE block
+(experts over ``parallel.ep`` included) under names converted once: bigtrain/families/hf_moe.py.
 
 Supported layouts, fp32 or bf16: dp with ZeRO 0-3, tp (+ sequence parallelism without pipeline
 stages; key/value heads fewer than tp replicated), Ulysses sp (with any of those and pp:
@@ -12,8 +14,9 @@ recomputation of the blocks, offload of the decoder layers' saved activations, r
 compilation of the layers (``compile.enabled``; 'auto' compiles on CUDA as for bigtrain's Llama),
 the fused loss (``lm_head`` and the cross-entropy in chunks: memory/fused_loss.py), int8
 compression of the decoder layers' linear inputs and float8 decoder-layer linears
-(``precision.fp8``); experts and selective recomputation are refused by name (they read
-bigtrain's own Llama structure).
+(``precision.fp8``; both refused for the MoE architectures: they would take the router but not the
+stacked experts); selective recomputation is refused by name (it reads bigtrain's own Llama
+structure).
 
 Context parallelism (``parallel.cp``: all-to-all, ring and hybrid, with dp/ZeRO, tp and pp) runs
 through the family's own attention function too: bigtrain/families/hf_context.py.
@@ -35,11 +38,16 @@ from bigtrain.families.spec import Family
 from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
 from bigtrain.families.hf_context import attach_context_parallel, attention_window, context_problems
 from bigtrain.families.hf_fields import dropout_problems, rotary_problems, row_bias_problems, row_parallel_biases
+from bigtrain.families.hf_moe import (MOE_ARCHITECTURES, MOE_DESCRIBED, MOE_SHAPE_KEYS, by_transformers_names,
+                                      moe_problems, planner_moe_fields, sparse_blocks, swap_sparse_blocks,
+                                      to_transformers_names)
 from bigtrain.families.hf_reference import HFReference, captured_module
 from bigtrain.families.hf_stages import split_causal_lm
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
 from bigtrain.fp8.checks import kernel_shape_problems
 from bigtrain.models.hf_causal_lm import CausalLM, init_value
+from bigtrain.models.hf_moe import SparseMoE
+from bigtrain.parallel.sequence_moe import SequencePartsOverSP, WholeSequenceOverTP
 from bigtrain.parallel.tensor.entry_styles import EnterSequenceShards, PrepareKeywordInput, WholeSequenceEmbedding
 from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, ReplicatedKVHeads,
                                              RowParallel, VocabParallelOutput)
@@ -48,9 +56,9 @@ NAME = "hf"
 CONFIG_FILE = "config.json"
 # architecture -> the model_type its config.json carries
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", **MOE_ARCHITECTURES}
 # the architectures whose attention_bias puts biases on q, k, v and the output projection
-ATTENTION_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+ATTENTION_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # The layers attend through bigtrain's registered function (families/hf_attention.py: causal sdpa with
 # no mask built by transformers); the reference runs transformers' own "sdpa".
 ATTENTION = CAUSAL
@@ -90,7 +98,8 @@ def hf_config(cfg: Config | ModelConfig):
 
 
 def causal_lm(cfg: Config | ModelConfig, device: str) -> CausalLM:
-    """The whole model built by transformers on ``device`` in fp32."""
+    """The whole model built by transformers on ``device`` in fp32, its sparse-MoE blocks (if any)
+    bigtrain's (families/hf_moe.py)."""
     import transformers
 
     conf = hf_config(cfg)
@@ -98,6 +107,9 @@ def causal_lm(cfg: Config | ModelConfig, device: str) -> CausalLM:
     with torch.device(device):
         built = getattr(transformers, architecture(read_config(cfg)))._from_config(
             conf, attn_implementation=ATTENTION, dtype=torch.float32)
+    blocks = sparse_blocks(conf)
+    if blocks is not None:
+        swap_sparse_blocks(built, blocks)
     return CausalLM(built)
 
 
@@ -115,12 +127,14 @@ def generation_model(model: ModelConfig) -> tuple[CausalLM, int, int]:
 
 def init_fn(cfg: Config, model: nn.Module):
     """Each parameter's full initial value by name: ``model.init_from``'s safetensors (read one
-    tensor at a time, lazily), else drawn by (seed, name)."""
+    tensor at a time, lazily), else drawn by (seed, name); an expert bank's value is its experts'
+    by their transformers names (families/hf_moe.py)."""
     folder = hf_folder(cfg.model.init_from)
+    blocks = sparse_blocks(model.config)
     if folder is not None:
-        return SafetensorsWeights(folder)
+        return by_transformers_names(SafetensorsWeights(folder), blocks)
     std, seed = model.config.initializer_range, cfg.train.seed
-    return lambda name, shape: init_value(name, shape, seed, std)
+    return by_transformers_names(lambda name, shape: init_value(name, shape, seed, std), blocks)
 
 
 class SafetensorsWeights:
@@ -149,7 +163,7 @@ class SafetensorsWeights:
 
 # The config.json fields that decide every parameter's name and shape.
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias")
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias", *MOE_SHAPE_KEYS)
 
 
 def init_from_problems(cfg: Config, fields: dict) -> list[str]:
@@ -178,9 +192,16 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
     split by output (heads), o and down by input, vocabulary-parallel embedding and head. The
     embedding returns the whole sequence and the first block cuts it (parallel/tensor/entry_styles.py).
     Qwen3's per-head q/k norms see this rank's heads only: their gradients are partial over tp.
-    Ulysses (``ulysses``): every layer's attention through bigtrain/families/hf_attention.py."""
+    Ulysses (``ulysses``): every layer's attention through bigtrain/families/hf_attention.py.
+    Sparse-MoE blocks (families/hf_moe.py) are left whole on every tp rank, as bigtrain's Llama
+    leaves its MoE blocks (they route the same whole hidden states: docs/moe.md), so no tp region
+    surrounds them; where the sequence is cut they see it whole (sequence parallelism) or add the
+    other parts' routing statistics (Ulysses), as parallel/sequence_moe.py does for the Llama."""
+    sparse = [name for name, m in model.named_modules() if isinstance(m, SparseMoE)]
+    whole_sequences = {f"{name}.moe": [WholeSequenceOverTP(), SequencePartsOverSP()]
+                       for name in sparse if (tp > 1 and sequence_parallel) or ulysses}
     if tp == 1:
-        return with_ulysses({}) if ulysses else {}
+        return with_ulysses(whole_sequences) if ulysses else whole_sequences
     conf = model.config
     heads = conf.num_attention_heads
     kv_heads = conf.num_key_value_heads or heads
@@ -197,12 +218,17 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
         "model.layers.*.self_attn.k_proj": kv,
         "model.layers.*.self_attn.v_proj": kv,
         "model.layers.*.self_attn.o_proj": RowParallel(),
-        "model.layers.*.mlp": PrepareInput(),
-        "model.layers.*.mlp.gate_proj": ColumnParallel(),
-        "model.layers.*.mlp.up_proj": ColumnParallel(),
-        "model.layers.*.mlp.down_proj": RowParallel(),
         "lm_head": VocabParallelOutput(),
     })
+    layers = model.model.layers
+    dense = [str(i) for i, layer in enumerate(layers)
+             if not isinstance(getattr(layer, "mlp", None), (SparseMoE, type(None)))]
+    for i in ["*"] if len(dense) == len(layers) else dense:  # dense MLPs only (Qwen3-MoE's mlp_only_layers)
+        plan.update({f"model.layers.{i}.mlp": PrepareInput(),
+                     f"model.layers.{i}.mlp.gate_proj": ColumnParallel(),
+                     f"model.layers.{i}.mlp.up_proj": ColumnParallel(),
+                     f"model.layers.{i}.mlp.down_proj": RowParallel()})
+    plan.update(whole_sequences)
     if any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules()):
         plan["model.layers.*.self_attn.[qk]_norm"] = PartialGradient()
     if sequence_parallel:  # norms see a sequence shard: their weight gradients are partial
@@ -214,7 +240,6 @@ def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 REFUSED = (  # (field, its value here, the value it must have, why)
     ("parallel.pp_virtual", lambda c: c.parallel.pp_virtual, 1, "one stage per pipeline rank is supported"),
-    ("parallel.ep", lambda c: c.parallel.ep, 1, "the architectures supported have no experts"),
 )
 
 
@@ -258,10 +283,17 @@ def check_hf(cfg: Config) -> list[str]:
         problems += init_from_problems(cfg, fields)
     if cfg.precision.fp8 != "none" and not cfg.precision.fp8_emulate and transformers_found and not problems:
         problems += kernel_shape_problems(planner_config(cfg))  # the config.json's widths, cut by tp
+    conf = hf_config(cfg) if transformers_found else None
+    if conf is not None:
+        problems += moe_problems(cfg, conf, str(path))
     tp = cfg.parallel.tp
     heads, kv = fields.get("num_attention_heads", 0), fields.get("num_key_value_heads") or fields.get(
         "num_attention_heads", 0)
-    for key, size in (("num_attention_heads", heads), ("intermediate_size", fields.get("intermediate_size", 0))):
+    blocks = sparse_blocks(conf) if conf is not None else None
+    split = [("num_attention_heads", heads)]
+    if blocks is None or len(blocks.layers) < conf.num_hidden_layers:  # dense MLPs: cut by tp (experts are not)
+        split.append(("intermediate_size", fields.get("intermediate_size", 0)))
+    for key, size in split:
         if tp > 0 and size % tp:
             problems.append(f"parallel.tp = {tp} does not divide {key} = {size} of {path}; use a tp that divides it")
     if tp > 0 and kv > 0 and kv % tp and tp % kv:  # fewer key/value heads than ranks: replicated if they divide tp
@@ -272,10 +304,9 @@ def check_hf(cfg: Config) -> list[str]:
                         f"parallel.tp = {tp}; change data.seq_len or turn sequence_parallel off")
     problems += ulysses_problems(cfg, heads, kv, str(path))
     if p.cp > 1:  # context parallelism: bigtrain/families/hf_context.py
-        window = attention_window(hf_config(cfg)) if transformers_found else None
+        window = attention_window(conf) if conf is not None else None
         problems += context_problems(cfg, heads, kv, str(path), window)
-    if transformers_found:  # fields some layouts cannot honour: bigtrain/families/hf_fields.py
-        conf = hf_config(cfg)
+    if conf is not None:  # fields some layouts cannot honour: bigtrain/families/hf_fields.py
         problems += dropout_problems(conf, str(path)) + rotary_problems(cfg, conf, str(path))
         if tp > 1 and not problems and (cfg.memory.activation_compression != "none" or cfg.precision.fp8 != "none"):
             model = build_meta(cfg)
@@ -292,7 +323,7 @@ def check_hf(cfg: Config) -> list[str]:
 # file takes its architecture's default (Qwen2's and Qwen3's 32 kv heads, Qwen3's head_dim of 128,
 # Mistral's 8 kv heads), which is what the model built from it has.
 DESCRIBED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-             "vocab_size", "tie_word_embeddings", "head_dim", "attention_bias")
+             "vocab_size", "tie_word_embeddings", "head_dim", "attention_bias", *MOE_DESCRIBED)
 
 
 def described_fields(cfg: Config) -> dict:
@@ -328,7 +359,8 @@ def planner_config(cfg: Config) -> Config:
         ffn_hidden=fields["intermediate_size"], vocab_size=fields["vocab_size"], max_seq_len=cfg.data.seq_len,
         tie_embeddings=bool(fields.get("tie_word_embeddings", False)), attention_head_dim=fields.get("head_dim") or 0,
         qkv_bias=architecture(fields) == "Qwen2ForCausalLM",  # Mistral and Qwen2 read no attention_bias
-        attention_bias=architecture(fields) in ATTENTION_BIASED and bool(fields.get("attention_bias", False)))
+        attention_bias=architecture(fields) in ATTENTION_BIASED and bool(fields.get("attention_bias", False)),
+        **planner_moe_fields(fields, architecture(fields)))
     return dataclasses.replace(cfg, model=model)
 
 
@@ -340,11 +372,12 @@ def parameter_count(cfg: Config) -> int:
 def export_folder(model: ModelConfig, weights: dict, out) -> Path:
     """A folder ``from_pretrained`` loads: the run's config.json (``model.hf_config``, read again
     now) and ``model.safetensors`` holding ``weights`` (full tensors under the Hugging Face names
-    the model trained with, as they are)."""
+    the model trained with, as they are, each expert bank cut into transformers' per-expert weights)."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    weights = to_transformers_names(weights, sparse_blocks(hf_config(model)))  # experts' banks cut per expert
     fields = read_config(model)
     fields.setdefault("architectures", [architecture(fields)])
     fields["torch_dtype"] = "float32"
@@ -356,7 +389,8 @@ def export_folder(model: ModelConfig, weights: dict, out) -> Path:
 
 HF = Family(
     name=NAME,
-    summary="a Hugging Face Llama, Mistral, Qwen2 or Qwen3 from a local config.json (model.hf_config)",
+    summary="a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE from a local config.json "
+            "(model.hf_config)",
     check_config=check_hf,
     build_meta=build_meta,
     init_fn=init_fn,

@@ -8,13 +8,20 @@ it (``model(input_ids).logits``; no bigtrain adapter, no meta build, no plan, no
 is the summed cross-entropy over the global batch divided by its counted targets (accumulated over
 micro-batches of ``train.micro_batch`` sequences), the gradient is clipped by
 ``torch.nn.utils.clip_grad_norm_``, and the step is ``torch.optim.AdamW`` (decay on matrices only)
-at linear warm-up then cosine decay to ``optim.min_lr_ratio`` of the peak. AdamW only; fp32, or
+at linear warm-up then cosine decay to ``optim.min_lr_ratio`` of the peak; a parameter no token
+reached this step (an expert of an MoE model) steps with a zero gradient, as it is. AdamW only; fp32, or
 bf16 as the trainer's mixed precision computes it (a bf16 copy of the weights runs forward and
 backward, its gradients summed in fp32 into the fp32 masters the optimizer steps).
 The fused loss needs nothing here (it is the same cross-entropy); int8 compression and float8
 decoder-layer linears are stated as for bigtrain's Llama (check/reference.py): the int8 rule of
 :mod:`bigtrain.core.int8_reference`, and :class:`bigtrain.fp8.linear.Float8Linear` on the
 emulated backend as part of the model under test.
+
+A mixture-of-experts model (Mixtral, Qwen3-MoE) runs transformers' own sparse blocks here (its
+loop over experts); only its gradients and weights are reported under the names the trainer's
+model has (each expert's matrices stacked into a bank: families/hf_moe.py's conversion, the one
+the trainer's initialization uses), so they are compared name by name. A wrong conversion cannot
+hide: the trainer would then compute with other values than the reference and the losses differ.
 
 ``bigtrain check`` compares a layout with it step by step (:class:`HFReference`, the family's
 ``reference``); the tests compare whole runs (:func:`reference_hf`).
@@ -35,6 +42,7 @@ from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.core.reference_step import (ReferenceStep, accumulate_into_masters, copy_masters_to,
                                           reference_learning_rate)
 from bigtrain.data import TokenSampler, load_corpus
+from bigtrain.families.hf_moe import from_transformers_names, sparse_blocks
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.hf_causal_lm import init_value
@@ -89,6 +97,7 @@ class HFReference:
             raise ValueError("; ".join(self.problems(cfg)))
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.model = transformers_model(cfg.model.hf_config).to(dtype)  # the master weights (fp32)
+        self.blocks = sparse_blocks(self.model.config)  # None for a dense model
         std = self.model.config.initializer_range
         with torch.no_grad():
             for name, p in self.model.named_parameters():  # drawn on the CPU, as the trainer's
@@ -138,8 +147,14 @@ class HFReference:
         finally:
             for h in handles:
                 h.remove()
-        grads = {n: p.grad.detach().float().cpu().clone() for n, p in self.model.named_parameters()
-                 if capture and p.grad is not None}
+        for p in self.params:
+            # An expert no token of the step reached has no gradient (autograd leaves it None) and
+            # torch's AdamW would skip it: no decay, no moment update. Its gradient is zero, which
+            # is what the trainer's stacked banks (and any flat-buffer engine) step with.
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = from_transformers_names({n: p.grad.detach().float().cpu().clone() for n, p in
+                                         self.model.named_parameters() if capture and p.grad is not None}, self.blocks)
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         for group in self.optimizer.param_groups:
@@ -152,8 +167,13 @@ class HFReference:
         result = ReferenceStep(loss=loss_sum / counted, grad_norm=norm, skipped=False, grads=grads)
         if capture:
             result.outputs = {name: torch.cat(parts) for name, parts in outputs.items()}
-            result.weights = {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}
+            result.weights = self.weights()
         return result
+
+    def weights(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The master weights, on the CPU, under the trainer's names."""
+        return from_transformers_names({n: p.detach().to(dtype).cpu().clone() for n, p in
+                                        self.model.named_parameters()}, self.blocks)
 
 
 def parameters_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -180,7 +200,7 @@ def reference_hf(cfg: Config, steps: int, dtype: torch.dtype = torch.float32) ->
         step = run.train_step()
         out.losses.append(step.loss)
         out.grad_norms.append(step.grad_norm)
-    out.weights = {n: p.detach().float().clone() for n, p in run.model.named_parameters()}
+    out.weights = run.weights()
     if dtype != torch.float32:
-        out.weights64 = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+        out.weights64 = run.weights(dtype)
     return out

@@ -38,6 +38,7 @@ from bigtrain.models.feed_forward import FeedForward
 from bigtrain.models.widen import at_least_fp32
 
 ROUTERS = ("softmax", "sigmoid-bias")
+ROUTER_DTYPES = ("fp32", "input")
 BIAS_UPDATE_RATE = 1e-3  # aux-loss-free balancing's step (DeepSeek-V3, torchtitan)
 
 
@@ -145,14 +146,25 @@ class MoEFeedForward(nn.Module):
     """(batch, seq, dim) -> (batch, seq, dim): each token through its top-k experts, weighted."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, capacity_factor: float = 0.0,
-                 aux_loss_coef: float = 0.0, router: str = "softmax", shared_expert: bool = False):
+                 aux_loss_coef: float = 0.0, router: str = "softmax", shared_expert: bool = False,
+                 renormalize: bool | None = None, router_dtype: str = "fp32"):
+        """``renormalize``: the top-k weights divided by their sum; None: when k > 1 (the rule above),
+        True: always (Mixtral's), False: never (Qwen3-MoE's ``norm_topk_prob = false``).
+        ``router_dtype``: 'fp32' (the rule above) or 'input', transformers' arithmetic for its
+        Mixtral and Qwen3-MoE: the router's logits from the linear in the input's dtype (softmax
+        still in fp32) and the weights cast to the input's dtype before weighting the experts'
+        outputs; the same numbers as 'fp32' when the input is fp32 (families/hf_moe.py)."""
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router {router!r}: must be one of {ROUTERS}")
+        if router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"router_dtype {router_dtype!r}: must be one of {ROUTER_DTYPES}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k = {top_k} must be between 1 and the {num_experts} experts")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.aux_loss_coef, self.router_kind = aux_loss_coef, router
+        self.renormalize = top_k > 1 if renormalize is None else renormalize
+        self.router_dtype = router_dtype
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, hidden)
         self.shared = FeedForward(dim, hidden) if shared_expert else None
@@ -184,7 +196,10 @@ class MoEFeedForward(nn.Module):
         token_of_row = flat_token[order]
         counts = torch.bincount(flat_expert, minlength=self.num_experts)
         rows = self.dispatcher(tokens[token_of_row], counts, self.experts)
-        weighted = (at_least_fp32(rows) * flat_weight[order, None]).to(x.dtype)
+        if self.router_dtype == "input":  # transformers' rounding: weights cast, product in the input dtype
+            weighted = rows * flat_weight[order, None].to(rows.dtype)
+        else:
+            weighted = (at_least_fp32(rows) * flat_weight[order, None]).to(x.dtype)
         out = torch.zeros_like(tokens).index_add(0, token_of_row, weighted)
         if self.shared is not None:
             out = out + self.shared(tokens)
@@ -198,17 +213,20 @@ class MoEFeedForward(nn.Module):
 
     def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # fp32 whatever the compute dtype: bf16 scores tie and flip the top-k between layouts.
-        logits = F.linear(at_least_fp32(tokens), at_least_fp32(self.router.weight))
+        if self.router_dtype == "input":
+            logits = F.linear(tokens, self.router.weight).float()
+        else:
+            logits = F.linear(at_least_fp32(tokens), at_least_fp32(self.router.weight))
         if self.router_kind == "softmax":
             scores = logits.softmax(-1)
             weights, chosen = scores.topk(self.top_k, dim=-1)
-            if self.top_k > 1:
+            if self.renormalize:
                 weights = weights / weights.sum(-1, keepdim=True)
             return scores, chosen, weights
         scores = torch.sigmoid(logits)
         _, chosen = (scores.detach() + at_least_fp32(self.expert_bias)).topk(self.top_k, dim=-1)
         weights = scores.gather(-1, chosen)
-        if self.top_k > 1:  # for k = 1 renormalizing would make every weight 1: the router would learn nothing
+        if self.renormalize:  # for k = 1 renormalizing would make every weight 1: the router would learn nothing
             weights = weights / weights.sum(-1, keepdim=True)
         return scores, chosen, weights
 

@@ -1,0 +1,214 @@
+"""Hugging Face mixture-of-experts decoders in the ``hf`` family: ``MixtralForCausalLM`` and
+``Qwen3MoeForCausalLM``.
+
+transformers builds the model; each of its sparse-MoE blocks is then swapped (a child swap) for a
+:class:`~bigtrain.models.hf_moe.SparseMoE` holding bigtrain's own
+:class:`~bigtrain.models.moe.MoEFeedForward`, set to route as transformers does: softmax in fp32
+over all experts, top-k, renormalized over the k (Mixtral always, Qwen3-MoE when
+``norm_topk_prob``), dropless (capacity factor 0), no balance loss in the objective, the router's
+linear and the weighting in the input's dtype (``router_dtype = 'input'``). Expert parallelism,
+the tp plan, ZeRO, checkpoints, the planner and the fuzzer then know the block as bigtrain's
+Llama's. One MoE implementation, not two: transformers' per-expert loop runs only in the
+independent reference (families/hf_reference.py).
+
+Parameter names therefore differ from transformers' for the router and the experts; the
+conversion is stated once, :func:`stacked_names`, and every place that speaks transformers' names
+uses it (initialization by (seed, name), ``model.init_from``, the export to a folder
+``from_pretrained`` reads, the reference's gradients and weights):
+
+    {P}.moe.router.weight  (E, h)         <-  {P}.gate.weight
+    {P}.moe.experts.w1     (E x F, h)     <-  {P}.experts.{e}.{gate}.weight   (F, h), rows [eF, (e+1)F)
+    {P}.moe.experts.w3     (E x F, h)     <-  {P}.experts.{e}.{up}.weight     (F, h)
+    {P}.moe.experts.w2     (E x F, h)     <-  {P}.experts.{e}.{down}.weight   (h, F), transposed
+
+with {P} = ``model.layers.{i}.block_sparse_moe`` and (gate, up, down) = (w1, w3, w2) for Mixtral,
+{P} = ``model.layers.{i}.mlp`` and (gate_proj, up_proj, down_proj) for Qwen3-MoE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from bigtrain.config import Config
+from bigtrain.models.hf_moe import SparseMoE
+from bigtrain.models.moe import MoEFeedForward
+
+# architecture -> the model_type its config.json carries
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+# The config.json fields (beyond the dense ones) that decide the MoE parameters' names and shapes.
+MOE_SHAPE_KEYS = ("num_local_experts", "num_experts", "moe_intermediate_size", "decoder_sparse_step",
+                  "mlp_only_layers")
+# The MoE fields the planner reads, as transformers resolves them (defaults filled in).
+MOE_DESCRIBED = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "decoder_sparse_step", "mlp_only_layers")
+
+
+@dataclass(frozen=True)
+class SparseBlocks:
+    """Where a transformers MoE model keeps its sparse blocks and what shape they have."""
+
+    attribute: str  # the decoder layer's child that is the block
+    block_class: str  # transformers' class of that child
+    projections: tuple[str, str, str]  # one expert's gate, up and down projections
+    layers: tuple[int, ...]  # the decoder layers holding a sparse block
+    experts: int
+    top_k: int
+    hidden: int  # one expert's inner size
+    renormalize: bool  # the top-k weights divided by their sum
+
+
+def sparse_blocks(conf) -> SparseBlocks | None:
+    """The sparse blocks of the model transformers builds from ``conf`` (a PretrainedConfig); None
+    for a dense architecture. Qwen3-MoE's rule is its decoder layer's: a layer is sparse unless it
+    is in ``mlp_only_layers``, and when (index + 1) is a multiple of ``decoder_sparse_step``."""
+    n = conf.num_hidden_layers
+    if conf.model_type == "mixtral":
+        return SparseBlocks("block_sparse_moe", "MixtralSparseMoeBlock", ("w1", "w3", "w2"), tuple(range(n)),
+                            conf.num_local_experts, conf.num_experts_per_tok, conf.intermediate_size, True)
+    if conf.model_type == "qwen3_moe":
+        layers = tuple(i for i in range(n) if i not in conf.mlp_only_layers and conf.num_experts > 0
+                       and (i + 1) % conf.decoder_sparse_step == 0)
+        return SparseBlocks("mlp", "Qwen3MoeSparseMoeBlock", ("gate_proj", "up_proj", "down_proj"), layers,
+                            conf.num_experts, conf.num_experts_per_tok, conf.moe_intermediate_size,
+                            bool(conf.norm_topk_prob))
+    return None
+
+
+def swap_sparse_blocks(causal_lm: nn.Module, blocks: SparseBlocks) -> None:
+    """Each of transformers' sparse blocks of ``causal_lm`` (a ``*ForCausalLM``, any device)
+    replaced by a :class:`SparseMoE` of the same shape on the same device (its values are set
+    later, by name)."""
+    for i in blocks.layers:
+        layer = causal_lm.model.layers[i]
+        theirs = getattr(layer, blocks.attribute)
+        if type(theirs).__name__ != blocks.block_class:  # the rule above disagrees with transformers'
+            raise ValueError(f"model.layers.{i}.{blocks.attribute} is a {type(theirs).__name__}, not the "
+                             f"{blocks.block_class} its config.json describes")
+        dim = theirs.gate.weight.shape[1]
+        with torch.device(theirs.gate.weight.device):
+            moe = MoEFeedForward(dim, blocks.hidden, blocks.experts, blocks.top_k, capacity_factor=0.0,
+                                 aux_loss_coef=0.0, renormalize=blocks.renormalize, router_dtype="input")
+        setattr(layer, blocks.attribute, SparseMoE(moe))
+
+
+# -- the name conversion ---------------------------------------------------------------------------
+def stacked_names(blocks: SparseBlocks) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """The conversion, stated once: each of bigtrain's MoE parameters -> (the transformers
+    parameters it stacks, in row order; whether each is stored transposed)."""
+    out = {}
+    for i in blocks.layers:
+        prefix = f"model.layers.{i}.{blocks.attribute}"
+        out[f"{prefix}.moe.router.weight"] = ((f"{prefix}.gate.weight",), False)
+        for ours, theirs in zip(("w1", "w3", "w2"), blocks.projections):
+            out[f"{prefix}.moe.experts.{ours}"] = (
+                tuple(f"{prefix}.experts.{e}.{theirs}.weight" for e in range(blocks.experts)), ours == "w2")
+    return out
+
+
+def to_transformers_names(state: dict[str, torch.Tensor], blocks: SparseBlocks | None) -> dict[str, torch.Tensor]:
+    """Full tensors under bigtrain's names -> under transformers' (each stacked bank cut per expert)."""
+    if blocks is None:
+        return dict(state)
+    conversion, out = stacked_names(blocks), {}
+    for name, tensor in state.items():
+        if name not in conversion:
+            out[name] = tensor
+            continue
+        theirs, transposed = conversion[name]
+        for their_name, piece in zip(theirs, tensor.chunk(len(theirs))):
+            out[their_name] = piece.t() if transposed else piece
+    return out
+
+
+def from_transformers_names(state: dict[str, torch.Tensor], blocks: SparseBlocks | None) -> dict[str, torch.Tensor]:
+    """Full tensors under transformers' names -> under bigtrain's (each expert's stacked into its bank)."""
+    if blocks is None:
+        return dict(state)
+    conversion = stacked_names(blocks)
+    stacked = {n for theirs, _ in conversion.values() for n in theirs}
+    out = {name: tensor for name, tensor in state.items() if name not in stacked}
+    for ours, (theirs, transposed) in conversion.items():
+        if all(n in state for n in theirs):
+            out[ours] = torch.cat([state[n].t() if transposed else state[n] for n in theirs])
+    return out
+
+
+ValueOf = Callable[[str, tuple], torch.Tensor]  # (transformers' name, its shape) -> full fp32 value
+
+
+def by_transformers_names(value_of: ValueOf, blocks: SparseBlocks | None) -> ValueOf:
+    """``value_of`` (values by transformers' names) as an init function by bigtrain's names: a
+    stacked bank's value is its experts' values by their own names, so a run and the reference
+    (transformers' model, initialized by its names) start equal."""
+    conversion = stacked_names(blocks) if blocks is not None else {}
+
+    def value(name: str, shape: tuple) -> torch.Tensor:
+        if name not in conversion:
+            return value_of(name, shape)
+        theirs, transposed = conversion[name]
+        rows = shape[0] // len(theirs)
+        piece = (shape[1], rows) if transposed else (rows, shape[1])
+        return torch.cat([value_of(n, piece).t() if transposed else value_of(n, piece) for n in theirs])
+    return value
+
+
+# -- what the family refuses, and the planner's fields -----------------------------------------------
+def moe_problems(cfg: Config, conf, where: str) -> list[str]:
+    """The settings of an MoE config.json, and the layouts, this family does not train (by name)."""
+    blocks = sparse_blocks(conf)
+    if blocks is None:
+        return []
+    problems = []
+    if getattr(conf, "output_router_logits", False):
+        problems.append(f"output_router_logits = true in {where}: transformers then adds its batch-wide "
+                        f"load-balancing loss (router_aux_loss_coef x the balance of every layer's router logits "
+                        f"over the whole batch) to the loss, which bigtrain's MoE blocks do not compute; set "
+                        f"output_router_logits to false in {where}")
+    if getattr(conf, "router_jitter_noise", 0.0):
+        problems.append(f"router_jitter_noise = {conf.router_jitter_noise} in {where}: it multiplies each block's "
+                        f"input by fresh noise in training, which neither bigtrain's MoE block nor a comparison "
+                        f"with one process reproduces; set router_jitter_noise to 0 in {where}")
+    if not blocks.layers:
+        return problems
+    if conf.hidden_act != "silu":  # bigtrain's experts are SwiGLU; transformers' take ACT2FN[hidden_act]
+        problems.append(f"hidden_act = '{conf.hidden_act}' in {where}: bigtrain's experts apply SiLU (SwiGLU); "
+                        f"set hidden_act to 'silu' in {where} (or train the model with transformers)")
+    if not 1 <= blocks.top_k <= blocks.experts:
+        problems.append(f"num_experts_per_tok = {blocks.top_k} in {where}: each token goes to between 1 and the "
+                        f"{blocks.experts} experts; set num_experts_per_tok to at most {blocks.experts}")
+    if cfg.precision.fp8 != "none":
+        problems.append(f"precision.fp8 = '{cfg.precision.fp8}' with the sparse blocks of {where}: float8 takes the "
+                        f"decoder layers' nn.Linear modules, i.e. the router but not the stacked experts; set "
+                        f"precision.fp8 = 'none'")
+    if cfg.memory.activation_compression != "none":
+        problems.append(f"memory.activation_compression = '{cfg.memory.activation_compression}' with the sparse "
+                        f"blocks of {where}: it takes the decoder layers' nn.Linear modules, i.e. the router but "
+                        f"not the stacked experts; set memory.activation_compression = 'none'")
+    p = cfg.parallel
+    if p.cp > 1 and p.sp > 1:
+        problems.append(f"parallel.cp = {p.cp} x parallel.sp = {p.sp} with the sparse blocks of {where}: an MoE "
+                        f"block's part of each sequence would be cut twice (cp's chunk pairs, then Ulysses), which "
+                        f"its sequence view does not follow yet; use parallel.sp = 1 (cp alone) or parallel.cp = 1")
+    return problems
+
+
+def planner_moe_fields(fields: dict, architecture: str) -> dict:
+    """bigtrain Llama's MoE fields for the config.json's (defaults filled in): experts, top-k,
+    each expert's size and every k-th block sparse (Qwen3-MoE's decoder_sparse_step; its
+    mlp_only_layers are priced as sparse, the planner has no such list)."""
+    dense = {"moe_experts": 0}
+    if architecture == "MixtralForCausalLM":
+        experts, every, hidden = fields["num_local_experts"], 1, fields["intermediate_size"]
+    elif architecture == "Qwen3MoeForCausalLM":
+        experts, every, hidden = fields["num_experts"], fields["decoder_sparse_step"], fields["moe_intermediate_size"]
+    else:
+        return dense
+    if not experts:
+        return dense
+    return {"moe_experts": experts, "moe_top_k": fields["num_experts_per_tok"], "moe_ffn_hidden": hidden,
+            "moe_every": every, "moe_capacity_factor": 0.0, "moe_aux_loss_coef": 0.0, "moe_router": "softmax",
+            "moe_shared_expert": False}
