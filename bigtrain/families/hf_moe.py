@@ -12,17 +12,21 @@ Llama's. One MoE implementation, not two: transformers' per-expert loop runs onl
 independent reference (families/hf_reference.py).
 
 Parameter names therefore differ from transformers' for the router and the experts; the
-conversion is stated once, :func:`stacked_names`, and every place that speaks transformers' names
-uses it (initialization by (seed, name), ``model.init_from``, the export to a folder
-``from_pretrained`` reads, the reference's gradients and weights):
+conversion to the names of a Hugging Face checkpoint file is stated once, :func:`stacked_names`,
+and every place that speaks those names uses it (initialization by (seed, name), ``model.init_from``,
+the export to a folder ``from_pretrained`` reads, the reference's gradients and weights):
 
-    {P}.moe.router.weight  (E, h)         <-  {P}.gate.weight
-    {P}.moe.experts.w1     (E x F, h)     <-  {P}.experts.{e}.{gate}.weight   (F, h), rows [eF, (e+1)F)
-    {P}.moe.experts.w3     (E x F, h)     <-  {P}.experts.{e}.{up}.weight     (F, h)
-    {P}.moe.experts.w2     (E x F, h)     <-  {P}.experts.{e}.{down}.weight   (h, F), transposed
+    {P}.moe.router.weight  (E, h)         <-  {F}.gate.weight
+    {P}.moe.experts.w1     (E x F, h)     <-  {F}.experts.{e}.{gate}.weight   (F, h), rows [eF, (e+1)F)
+    {P}.moe.experts.w3     (E x F, h)     <-  {F}.experts.{e}.{up}.weight     (F, h)
+    {P}.moe.experts.w2     (E x F, h)     <-  {F}.experts.{e}.{down}.weight   (h, F), transposed
 
-with {P} = ``model.layers.{i}.block_sparse_moe`` and (gate, up, down) = (w1, w3, w2) for Mixtral,
-{P} = ``model.layers.{i}.mlp`` and (gate_proj, up_proj, down_proj) for Qwen3-MoE.
+with {F} = ``model.layers.{i}.block_sparse_moe`` and (gate, up, down) = (w1, w3, w2) for Mixtral,
+{F} = ``model.layers.{i}.mlp`` and (gate_proj, up_proj, down_proj) for Qwen3-MoE; {P} is {F} under
+transformers 4 and ``model.layers.{i}.mlp`` under transformers 5, which names Mixtral's block so.
+transformers 4's model has the file's names; transformers 5's keeps each block's experts in two
+3-D tensors, which :func:`file_views` cuts into the file's per-expert matrices (the reference uses
+it; transformers 5 reads and writes files with 4's names).
 """
 
 from __future__ import annotations
@@ -51,30 +55,45 @@ MOE_DESCRIBED = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe
 class SparseBlocks:
     """Where a transformers MoE model keeps its sparse blocks and what shape they have."""
 
-    attribute: str  # the decoder layer's child that is the block
+    attribute: str  # the decoder layer's child that is the block, in the installed transformers
+    file_attribute: str  # its name in checkpoint files (the Hugging Face hub's; transformers 5 reads those too)
     block_class: str  # transformers' class of that child
-    projections: tuple[str, str, str]  # one expert's gate, up and down projections
+    projections: tuple[str, str, str]  # one expert's gate, up and down projections (their file names)
     layers: tuple[int, ...]  # the decoder layers holding a sparse block
     experts: int
     top_k: int
     hidden: int  # one expert's inner size
     renormalize: bool  # the top-k weights divided by their sum
+    fused: bool  # transformers keeps each block's experts as two 3-D tensors (gate_up_proj, down_proj)
+    router_dtype: str  # transformers' rounding of the router and the weighting (MoEFeedForward's modes)
+
+
+def transformers_major() -> int:
+    import transformers  # optional: only the hf family reaches this, and check_hf requires it
+
+    return int(transformers.__version__.split(".")[0])
 
 
 def sparse_blocks(conf) -> SparseBlocks | None:
     """The sparse blocks of the model transformers builds from ``conf`` (a PretrainedConfig); None
     for a dense architecture. Qwen3-MoE's rule is its decoder layer's: a layer is sparse unless it
-    is in ``mlp_only_layers``, and when (index + 1) is a multiple of ``decoder_sparse_step``."""
+    is in ``mlp_only_layers``, and when (index + 1) is a multiple of ``decoder_sparse_step``.
+    transformers 5 differs from 4 in three ways this records: its experts are two 3-D tensors
+    (``experts.gate_up_proj`` (E, 2F, h), ``experts.down_proj`` (E, h, F)) where 4 has one module per
+    expert, Mixtral's block is the layer's ``mlp`` (4: ``block_sparse_moe``), and Mixtral's weighting
+    is fp32 (4 casts the weights to the input's dtype first). Files keep 4's names in both."""
     n = conf.num_hidden_layers
+    fused = transformers_major() >= 5
     if conf.model_type == "mixtral":
-        return SparseBlocks("block_sparse_moe", "MixtralSparseMoeBlock", ("w1", "w3", "w2"), tuple(range(n)),
-                            conf.num_local_experts, conf.num_experts_per_tok, conf.intermediate_size, True)
+        return SparseBlocks("mlp" if fused else "block_sparse_moe", "block_sparse_moe", "MixtralSparseMoeBlock",
+                            ("w1", "w3", "w2"), tuple(range(n)), conf.num_local_experts, conf.num_experts_per_tok,
+                            conf.intermediate_size, True, fused, "input-logits" if fused else "input")
     if conf.model_type == "qwen3_moe":
         layers = tuple(i for i in range(n) if i not in conf.mlp_only_layers and conf.num_experts > 0
                        and (i + 1) % conf.decoder_sparse_step == 0)
-        return SparseBlocks("mlp", "Qwen3MoeSparseMoeBlock", ("gate_proj", "up_proj", "down_proj"), layers,
+        return SparseBlocks("mlp", "mlp", "Qwen3MoeSparseMoeBlock", ("gate_proj", "up_proj", "down_proj"), layers,
                             conf.num_experts, conf.num_experts_per_tok, conf.moe_intermediate_size,
-                            bool(conf.norm_topk_prob))
+                            bool(conf.norm_topk_prob), fused, "input")
     return None
 
 
@@ -91,26 +110,51 @@ def swap_sparse_blocks(causal_lm: nn.Module, blocks: SparseBlocks) -> None:
         dim = theirs.gate.weight.shape[1]
         with torch.device(theirs.gate.weight.device):
             moe = MoEFeedForward(dim, blocks.hidden, blocks.experts, blocks.top_k, capacity_factor=0.0,
-                                 aux_loss_coef=0.0, renormalize=blocks.renormalize, router_dtype="input")
-        setattr(layer, blocks.attribute, SparseMoE(moe))
+                                 aux_loss_coef=0.0, renormalize=blocks.renormalize, router_dtype=blocks.router_dtype)
+        setattr(layer, blocks.attribute, SparseMoE(moe, with_router_logits=not blocks.fused))
 
 
 # -- the name conversion ---------------------------------------------------------------------------
 def stacked_names(blocks: SparseBlocks) -> dict[str, tuple[tuple[str, ...], bool]]:
-    """The conversion, stated once: each of bigtrain's MoE parameters -> (the transformers
-    parameters it stacks, in row order; whether each is stored transposed)."""
+    """The conversion, stated once: each of bigtrain's MoE parameters -> (the parameters of a
+    checkpoint file it stacks, in row order; whether each is stored transposed)."""
     out = {}
     for i in blocks.layers:
-        prefix = f"model.layers.{i}.{blocks.attribute}"
-        out[f"{prefix}.moe.router.weight"] = ((f"{prefix}.gate.weight",), False)
+        prefix, file_prefix = f"model.layers.{i}.{blocks.attribute}", f"model.layers.{i}.{blocks.file_attribute}"
+        out[f"{prefix}.moe.router.weight"] = ((f"{file_prefix}.gate.weight",), False)
         for ours, theirs in zip(("w1", "w3", "w2"), blocks.projections):
             out[f"{prefix}.moe.experts.{ours}"] = (
-                tuple(f"{prefix}.experts.{e}.{theirs}.weight" for e in range(blocks.experts)), ours == "w2")
+                tuple(f"{file_prefix}.experts.{e}.{theirs}.weight" for e in range(blocks.experts)), ours == "w2")
+    return out
+
+
+def file_views(state: dict[str, torch.Tensor], blocks: SparseBlocks | None) -> dict[str, torch.Tensor]:
+    """Tensors under the names of the installed transformers' model (its parameters, or their
+    gradients) -> views of them under a checkpoint file's names: the same for transformers 4;
+    transformers 5's two 3-D tensors of each block cut per expert (``gate_up_proj[e]``'s first F
+    rows are the gate's, the next F the up projection's; ``down_proj[e]`` is the down's) and
+    Mixtral's router under its file name. Views: copying into one sets the model's parameter."""
+    if blocks is None or not blocks.fused:
+        return dict(state)
+    out = dict(state)
+    gate, up, down = blocks.projections
+    rows = blocks.hidden
+    for i in blocks.layers:
+        prefix, file_prefix = f"model.layers.{i}.{blocks.attribute}", f"model.layers.{i}.{blocks.file_attribute}"
+        if f"{prefix}.gate.weight" in out:
+            out[f"{file_prefix}.gate.weight"] = out.pop(f"{prefix}.gate.weight")
+        gate_up, down_proj = out.pop(f"{prefix}.experts.gate_up_proj", None), out.pop(f"{prefix}.experts.down_proj", None)
+        for e in range(blocks.experts):
+            if gate_up is not None:
+                out[f"{file_prefix}.experts.{e}.{gate}.weight"] = gate_up[e, :rows]
+                out[f"{file_prefix}.experts.{e}.{up}.weight"] = gate_up[e, rows:]
+            if down_proj is not None:
+                out[f"{file_prefix}.experts.{e}.{down}.weight"] = down_proj[e]
     return out
 
 
 def to_transformers_names(state: dict[str, torch.Tensor], blocks: SparseBlocks | None) -> dict[str, torch.Tensor]:
-    """Full tensors under bigtrain's names -> under transformers' (each stacked bank cut per expert)."""
+    """Full tensors under bigtrain's names -> under a checkpoint file's (each stacked bank cut per expert)."""
     if blocks is None:
         return dict(state)
     conversion, out = stacked_names(blocks), {}
@@ -125,7 +169,7 @@ def to_transformers_names(state: dict[str, torch.Tensor], blocks: SparseBlocks |
 
 
 def from_transformers_names(state: dict[str, torch.Tensor], blocks: SparseBlocks | None) -> dict[str, torch.Tensor]:
-    """Full tensors under transformers' names -> under bigtrain's (each expert's stacked into its bank)."""
+    """Full tensors under a checkpoint file's names -> under bigtrain's (each expert's stacked into its bank)."""
     if blocks is None:
         return dict(state)
     conversion = stacked_names(blocks)

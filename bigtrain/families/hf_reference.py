@@ -42,7 +42,7 @@ from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.core.reference_step import (ReferenceStep, accumulate_into_masters, copy_masters_to,
                                           reference_learning_rate)
 from bigtrain.data import TokenSampler, load_corpus
-from bigtrain.families.hf_moe import from_transformers_names, sparse_blocks
+from bigtrain.families.hf_moe import file_views, from_transformers_names, sparse_blocks, transformers_major
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.hf_causal_lm import init_value
@@ -60,7 +60,9 @@ def captured_module(name: str) -> bool:
 
 
 def transformers_model(config_json: str | Path) -> torch.nn.Module:
-    """The model a config.json describes, built by transformers on the CPU in fp32 (sdpa attention)."""
+    """The model a config.json describes, built by transformers on the CPU in fp32 (sdpa attention;
+    an MoE model's experts in transformers' own loop over experts: transformers 5 would otherwise
+    take torch's grouped GEMM, which has no float64 for the tests' noise floor)."""
     import transformers
 
     path = Path(config_json).expanduser()
@@ -69,7 +71,8 @@ def transformers_model(config_json: str | Path) -> torch.nn.Module:
     for key in ("torch_dtype", "dtype"):
         fields.pop(key, None)
     conf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return transformers.AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa", dtype=torch.float32)
+    loop = {"experts_implementation": "eager"} if sparse_blocks(conf) is not None and transformers_major() >= 5 else {}
+    return transformers.AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa", dtype=torch.float32, **loop)
 
 
 class HFReference:
@@ -100,7 +103,8 @@ class HFReference:
         self.blocks = sparse_blocks(self.model.config)  # None for a dense model
         std = self.model.config.initializer_range
         with torch.no_grad():
-            for name, p in self.model.named_parameters():  # drawn on the CPU, as the trainer's
+            # drawn on the CPU by their names in a checkpoint file, as the trainer's
+            for name, p in file_views(dict(self.model.named_parameters()), self.blocks).items():
                 p.copy_(init_value(name, tuple(p.shape), cfg.train.seed, std))
         # bf16: the forward and backward run on a bf16 copy of the weights (the rotary tables, buffers,
         # stay fp32), whose gradients are summed into the fp32 masters, as ZeRO's mixed precision does.
@@ -153,8 +157,9 @@ class HFReference:
             # is what the trainer's stacked banks (and any flat-buffer engine) step with.
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = from_transformers_names({n: p.grad.detach().float().cpu().clone() for n, p in
-                                         self.model.named_parameters() if capture and p.grad is not None}, self.blocks)
+        grads = from_transformers_names(file_views({n: p.grad.detach().float().cpu().clone() for n, p in
+                                                    self.model.named_parameters() if capture and p.grad is not None},
+                                                   self.blocks), self.blocks)
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         for group in self.optimizer.param_groups:
@@ -172,8 +177,8 @@ class HFReference:
 
     def weights(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The master weights, on the CPU, under the trainer's names."""
-        return from_transformers_names({n: p.detach().to(dtype).cpu().clone() for n, p in
-                                        self.model.named_parameters()}, self.blocks)
+        return from_transformers_names(file_views({n: p.detach().to(dtype).cpu().clone() for n, p in
+                                                   self.model.named_parameters()}, self.blocks), self.blocks)
 
 
 def parameters_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

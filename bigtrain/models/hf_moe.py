@@ -5,9 +5,10 @@ The family (bigtrain/families/hf_moe.py) swaps each ``MixtralSparseMoeBlock`` or
 expert parallelism make theirs. Inside is a :class:`~bigtrain.models.moe.MoEFeedForward` (its
 router, its experts stacked 2-D, its dispatcher), which expert parallelism, the tp plan, ZeRO,
 checkpoints and the planner already know; this module only returns what the decoder layer
-unpacks: ``(hidden_states, router_logits)`` (Mixtral's layer unpacks two; Qwen3-MoE's takes a
-tuple or a tensor). The router logits are not kept (``None``): transformers reads them only for
-its batch-wide load-balancing loss (``output_router_logits``), which the family refuses.
+takes: the hidden states (transformers 5), or ``(hidden_states, router_logits)`` (transformers 4:
+Mixtral's layer unpacks two; Qwen3-MoE's takes a tuple or a tensor). The router logits are not
+kept (``None``): transformers reads them only for its batch-wide load-balancing loss
+(``output_router_logits``), which the family refuses.
 No transformers import here.
 """
 
@@ -20,11 +21,14 @@ from bigtrain.models.moe import MoEFeedForward
 
 
 class SparseMoE(nn.Module):
-    """(batch, seq, hidden) -> ((batch, seq, hidden), None): the tokens through ``moe``."""
+    """(batch, seq, hidden) -> (batch, seq, hidden), or with ``with_router_logits`` the pair
+    ((batch, seq, hidden), None): the tokens through ``moe``."""
 
-    def __init__(self, moe: MoEFeedForward):
+    def __init__(self, moe: MoEFeedForward, with_router_logits: bool):
         super().__init__()
         self.moe = moe
+        self.with_router_logits = with_router_logits
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return self.moe(hidden_states), None
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
+        out = self.moe(hidden_states)
+        return (out, None) if self.with_router_logits else out

@@ -38,7 +38,7 @@ from bigtrain.models.feed_forward import FeedForward
 from bigtrain.models.widen import at_least_fp32
 
 ROUTERS = ("softmax", "sigmoid-bias")
-ROUTER_DTYPES = ("fp32", "input")
+ROUTER_DTYPES = ("fp32", "input", "input-logits")
 BIAS_UPDATE_RATE = 1e-3  # aux-loss-free balancing's step (DeepSeek-V3, torchtitan)
 
 
@@ -150,10 +150,12 @@ class MoEFeedForward(nn.Module):
                  renormalize: bool | None = None, router_dtype: str = "fp32"):
         """``renormalize``: the top-k weights divided by their sum; None: when k > 1 (the rule above),
         True: always (Mixtral's), False: never (Qwen3-MoE's ``norm_topk_prob = false``).
-        ``router_dtype``: 'fp32' (the rule above) or 'input', transformers' arithmetic for its
-        Mixtral and Qwen3-MoE: the router's logits from the linear in the input's dtype (softmax
-        still in fp32) and the weights cast to the input's dtype before weighting the experts'
-        outputs; the same numbers as 'fp32' when the input is fp32 (families/hf_moe.py)."""
+        ``router_dtype``: 'fp32' (the rule above) or transformers' arithmetic for its Mixtral and
+        Qwen3-MoE: 'input', the router's logits from the linear in the input's dtype (softmax still
+        in fp32) and the weights cast to the input's dtype before weighting the experts' outputs;
+        'input-logits' (transformers 5's Mixtral), those logits and fp32 weights, the weighted
+        outputs rounded to the input's dtype. Each gives the same numbers as 'fp32' when the input
+        is fp32 (families/hf_moe.py)."""
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router {router!r}: must be one of {ROUTERS}")
@@ -213,7 +215,7 @@ class MoEFeedForward(nn.Module):
 
     def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # fp32 whatever the compute dtype: bf16 scores tie and flip the top-k between layouts.
-        if self.router_dtype == "input":
+        if self.router_dtype != "fp32":  # transformers' rounding: the logits in the input's dtype
             logits = F.linear(tokens, self.router.weight).float()
         else:
             logits = F.linear(at_least_fp32(tokens), at_least_fp32(self.router.weight))
