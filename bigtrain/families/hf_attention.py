@@ -97,8 +97,14 @@ def carried_group(name: str, key: str, kind: type, prepared_by: str, module: nn.
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
            window: int | None) -> torch.Tensor:
-    """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads."""
+    """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads. With a
+    window's mask the key/value heads are repeated for their query heads first, as transformers'
+    sdpa path does whenever it passes a mask (sdpa's grouped path with a mask is its math kernel
+    anyway): the same call, so a windowed layer rounds as the reference's (in bf16, one process's
+    first gradients were 3.5e-3 off it with the grouped call, bit-equal with this one)."""
     mask = sliding_window_mask(q.shape[2], window, q.device)
+    if mask is not None and k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                           scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
 
