@@ -104,6 +104,7 @@ import functools
 from dataclasses import dataclass
 
 from bigtrain.plan.layout import BYTES
+from bigtrain.plan.memo import cached
 from bigtrain.plan.model import ModelSpec, local_vocab
 
 
@@ -250,7 +251,7 @@ def compiles_blocks(model: ModelSpec, compiled: bool, recompute: str = "none", c
     return not (recompute == "selective" and (compression == "int8" or selective_attention))
 
 
-@functools.lru_cache(maxsize=1024)  # a pure function of frozen values, asked per layout of a search
+@cached()  # a pure function of frozen values, asked per layout of a search
 def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                       compression: str = "none", selective_attention: bool = False,
                       compiled: bool = False, ep: int = 1) -> BlockActivations:
@@ -352,7 +353,7 @@ def moe_routing_bytes(model: ModelSpec, nbytes: int, ep: int = 1) -> float:
     return router + dispatch + combine + 8 * e / model.seq + (16 * k if ep > 1 else 0)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached()
 def head_activations(model: ModelSpec, precision: str, compression: str = "none",
                      fused_loss: bool = False, compiled: bool = False) -> HeadActivations:
     """``compiled``: the final norm is a compiled region and the plain loss a compiled function."""

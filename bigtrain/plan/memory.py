@@ -53,7 +53,6 @@ cuBLAS workspaces); a layout fits when the total is at most the device's memory.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -65,11 +64,13 @@ from bigtrain.plan.activations import (block_activations, checkpointed_block_ind
 from bigtrain.plan.gemm import linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
+from bigtrain.plan.memo import cached
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel, weight_versions
 from bigtrain.plan.tiers import host_step, piecewise_shard_bytes, reduce_bytes, shard_pieces, tier_detail
-from bigtrain.plan.units import (Unit, checked_pp_ranks, dense_of, rank_units, replicas, stage_blocks, units_key,
-                                 units_of_key)
+# rank_units: imported from here by callers that predate units.py
+from bigtrain.plan.units import (Unit, checked_pp_ranks, gradient_axis_names, rank_units, replicas, stage_blocks,
+                                 units_key, units_of_key)
 
 MEASURABLE_BUFFERS = ("zero_reduce_outputs", "zero3_gathered")
 FUSED_LOSS_CHUNK = 1024  # model.fused_loss_chunk's default: the planner's layouts do not carry it
@@ -151,24 +152,19 @@ def _grouped_state_bytes(units, zero: int, precision: str, size_of, optimizer: s
     return {k: out[k] for k in ("params", "grads", "optimizer")}
 
 
-def rank_state_bytes(model: ModelSpec, layout: Layout, pp_rank: int, optimizer: str = "adamw", block: int = 256
-                     ) -> dict[str, int]:
-    """:func:`unit_state_bytes` of pipeline rank ``pp_rank``'s units (without offload), computed once
-    for all the layouts that share the units, the ZeRO stage, the precision and the gradient groups'
-    sizes (a search weighs each with every micro-batch, recomputation and schedule)."""
-    return dict(_rank_state_bytes(units_key(model, layout, pp_rank), layout.zero, layout.precision,
-                                  _group_sizes(layout), optimizer, block))
-
-
 def _group_sizes(layout: Layout) -> tuple[tuple[str, int], ...]:
     """The sizes of the two gradient axes a rank's units are reduced over (the dense weights', the
     experts'), by name."""
-    return tuple((axis, layout.size(axis)) for axis in (dense_of(layout).grad_axis, layout.expert_gradient_axes()[0]))
+    return tuple((axis, layout.size(axis)) for axis in gradient_axis_names(layout))
 
 
-@functools.lru_cache(maxsize=8192)
+@cached()
 def _rank_state_bytes(key: tuple, zero: int, precision: str, sizes: tuple[tuple[str, int], ...], optimizer: str,
                       block: int) -> dict[str, int]:
+    """:func:`unit_state_bytes` of the units of a :func:`units_key` (a rank's, without offload) cut
+    over groups of ``sizes``: computed once for all the layouts that share the units, the ZeRO
+    stage, the precision and the groups' sizes (a search weighs each with every micro-batch,
+    recomputation and schedule)."""
     root, blocks = units_of_key(key)
     return _grouped_state_bytes(([root] if root else []) + list(blocks), zero, precision, dict(sizes).__getitem__,
                                 optimizer, block)
@@ -250,7 +246,7 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[tuple
 
 # Keyed on the layout's fields the saved activations read, so that the layouts of a search that
 # differ only in dp, ZeRO stage, schedule kind or offload share them.
-@functools.lru_cache(maxsize=8192)
+@cached()
 def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, every: int, precision: str,
             compression: str, compiled: bool, ep: int, fused_loss: bool, samples: int, seq_shards: int, tp: int,
             tp_sp: bool, head_exchange: int) -> tuple[tuple[float, float, float], ...]:
@@ -286,12 +282,13 @@ def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, i
     return math.ceil(2 * largest + inflight * loss), math.ceil(host)
 
 
-def buffer_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, int]:
+def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    """The buffers of a rank whose units are those of ``key`` (:func:`units_key`), over gradient
+    groups of ``sizes`` (:func:`_group_sizes`)."""
     nbytes = BYTES[layout.precision]
     # each unit over its own group (an expert unit over edp: units.py), from ZeRO stage 1 on
-    sizes = _group_sizes(layout) if layout.zero >= 1 else tuple((axis, 1) for axis, _ in _group_sizes(layout))
-    padded_total, padded_largest, shard_total, gathered = _padded_sums(units_key(model, layout, pp_rank), sizes,
-                                                                       layout.zero == 3)
+    cuts = sizes if layout.zero >= 1 else tuple((axis, 1) for axis, _ in sizes)
+    padded_total, padded_largest, shard_total, gathered = _padded_sums(key, cuts, layout.zero == 3)
     out: dict[str, int] = {}
     reduced, mixed = replicas(layout) > 1, layout.precision != "fp32"  # one replica reduces nothing
     if host_step(layout):  # offload: every micro-batch reduces into the gradient buckets (offload_grad_buckets)
@@ -324,7 +321,7 @@ def buffer_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, in
     return out
 
 
-@functools.lru_cache(maxsize=8192)
+@cached()
 def _padded_sums(key: tuple, sizes: tuple[tuple[str, int], ...], zero3: bool) -> tuple[int, int, int, int]:
     """Of a rank's units (a :func:`units_key`), each padded to a multiple of its group's ``sizes``:
     (the padded elements, the largest unit's, the shards' elements, and at ZeRO-3 the elements
@@ -371,15 +368,17 @@ def float8_operand_bytes(model: ModelSpec, layout: Layout) -> int:
 # -- one rank, and the worst one ----------------------------------------------------------------------
 def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int, pp_rank: int,
                 inflight: int, optimizer: str = "adamw", block: int = 256) -> RankMemory:
-    root, blocks = rank_units(model, layout, pp_rank)
-    units = ([root] if root else []) + blocks
+    key, sizes = units_key(model, layout, pp_rank), _group_sizes(layout)
+    root, blocks = units_of_key(key)
+    units = ([root] if root else []) + list(blocks)
     tiers = tier_detail(units, layout, optimizer, block) if host_step(layout) else None
     if tiers is not None:
         states, moved = offloaded_states(tiers)
     else:
-        states, moved = rank_state_bytes(model, layout, pp_rank, optimizer, block), {"host": 0, "nvme": 0}
+        states = dict(_rank_state_bytes(key, layout.zero, layout.precision, sizes, optimizer, block))
+        moved = {"host": 0, "nvme": 0}
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
-    buffers = buffer_bytes(model, layout, pp_rank)
+    buffers = buffer_bytes(model, layout, key, sizes)
     if tiers is not None and tiers["device"].get("grad_buckets"):
         buffers["offload_grad_buckets"] = tiers["device"]["grad_buckets"]
     versions = weight_versions(layout.schedule, layout.pp, pp_rank)
@@ -393,7 +392,7 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
                      host=moved["host"] + host + hardware.host_reserved_bytes, host_capacity=hardware.host_memory_bytes,
                      nvme=moved["nvme"], nvme_capacity=hardware.nvme_bytes)
     mem.detail["host_activations"] = host
-    mem.lazy_grads = lazy_grad_moments(model, layout, global_batch, root, blocks, pp_rank, mem.activations,
+    mem.lazy_grads = lazy_grad_moments(model, layout, global_batch, root, list(blocks), pp_rank, mem.activations,
                                        mem.grads, optimizer, block)
     if mem.lazy_grads is not None:
         mem.detail["lazy_grads"] = [list(moment) for moment in mem.lazy_grads]

@@ -5,11 +5,11 @@ groups), each cut over tensor parallelism and padded as the runtime pads it. The
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 from bigtrain.parallel.placement import dense
 from bigtrain.plan.layout import Layout
+from bigtrain.plan.memo import cached
 from bigtrain.plan.model import ModelSpec, Tensor
 
 
@@ -41,19 +41,7 @@ def replicas(layout: Layout) -> int:
     """The ranks holding replicas of a dense weight, which reduce its gradient and, from ZeRO
     stage 1, cut its unit: the size of its placement's gradient axis (dp x cp x sp; dp_shard x cp x sp
     under HSDP)."""
-    return layout.size(dense_of(layout).grad_axis)
-
-
-def dense_of(layout: Layout):
-    """A dense weight's placement under ``layout`` (as ``parallelize`` records it from the mesh's
-    ``gradient_axes``): reduced and cut over dp x cp x sp, or under HSDP over one ZeRO group and then
-    all-reduced across the groups."""
-    return _dense(*layout.gradient_axes())
-
-
-@functools.lru_cache(maxsize=None)  # two placements in all (with and without HSDP), asked per layout
-def _dense(axis: str, replica_axes: tuple[str, ...]):
-    return dense(axis, replica_axes=replica_axes)
+    return layout.size(gradient_axis_names(layout)[0])
 
 
 def _grid(t: Tensor, tp: int) -> tuple[int, ...]:
@@ -81,8 +69,22 @@ def units_key(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple:
     """All that a rank's units depend on: the model, the stages, the tp cut, the experts' degree and
     the names of the two gradient axes (the dense weights', then the experts'); what the memory
     estimate's caches of sums over the units key on."""
-    return (model, layout.pp, layout.v, layout.tp, layout.ep, dense_of(layout).grad_axis,
-            layout.expert_gradient_axes()[0], pp_rank)
+    return (model, layout.pp, layout.v, layout.tp, layout.ep, *gradient_axis_names(layout), pp_rank)
+
+
+def gradient_axis_names(layout: Layout) -> tuple[str, str]:
+    """The axes a dense weight's and an expert's gradients are reduced (and their ZeRO units cut)
+    over: dp_sp and edp, or under HSDP one ZeRO group's, dp_shard_sp and edp_shard."""
+    return _axis_names(layout.gradient_axes(), layout.expert_gradient_axes())
+
+
+@cached(maxsize=64)  # two pairs in all (with and without HSDP), asked per layout
+def _axis_names(gradient_axes: tuple[str, tuple[str, ...]], expert_axes: tuple[str, tuple[str, ...]]
+                ) -> tuple[str, str]:
+    # a dense weight's placement, as ``parallelize`` records it from the mesh's gradient_axes: reduced
+    # and cut over dp x cp x sp, or under HSDP over one ZeRO group and then all-reduced across them
+    axis, replica_axes = gradient_axes
+    return dense(axis, replica_axes=replica_axes).grad_axis, expert_axes[0]
 
 
 def units_of_key(key: tuple) -> tuple[Unit | None, tuple[Unit, ...]]:
@@ -94,7 +96,7 @@ def units_of_key(key: tuple) -> tuple[Unit | None, tuple[Unit, ...]]:
 # every layout a search weighs: computed once per model and the only layout fields the units depend
 # on (the stages, the tp cut, the experts' degree and the names of the gradient axes), so the layouts
 # that differ in dp, ZeRO stage, micro-batch, schedule or recomputation share them.
-@functools.lru_cache(maxsize=4096)
+@cached()
 def _rank_units(model: ModelSpec, pp: int, v: int, tp: int, ep: int, axis: str, expert_axis: str, pp_rank: int
                 ) -> tuple[Unit | None, tuple[Unit, ...]]:
     stages = pp * v
