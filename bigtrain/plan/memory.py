@@ -64,7 +64,7 @@ from bigtrain.plan.activations import (block_activations, checkpointed_block_ind
 from bigtrain.plan.gemm import linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
-from bigtrain.plan.memo import cached
+from bigtrain.plan.memo import by_layout_fields, cached
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel, weight_versions
 from bigtrain.plan.tiers import host_step, piecewise_shard_bytes, reduce_bytes, shard_pieces, tier_detail
@@ -435,6 +435,24 @@ def offloaded_states(tiers: dict[str, dict[str, int]]) -> tuple[dict[str, int], 
     layout from its :func:`~bigtrain.plan.tiers.tier_detail`, as the runtime's GPU path holds them."""
     device = {k: tiers["device"].get(k, 0) for k in ("params", "grads", "optimizer")}
     return device, {tier: sum(tiers[tier].values()) for tier in ("host", "nvme")}
+
+
+@by_layout_fields("micro_batch", "schedule", "recompute", "every", "tp_sp", "offload", "compression", "fused_loss",
+                  "fp8", "compiled", "cp_mode", "offload_masters", "delayed_update")
+def device_lower_bound(model: ModelSpec, layout: Layout, hardware: HardwareProfile, optimizer: str = "adamw",
+                       block: int = 256) -> int:
+    """A bound that :func:`estimate_memory`'s ``total`` never falls below, from the model states alone
+    (cached per units, ZeRO stage and group sizes, so a search can skip the rest of a layout that
+    cannot fit): on any rank the peak holds at least the states (buffers and activations are never
+    negative, and with lazy gradients one of the moments holds all of them) and the total adds the
+    allocator's share of the peak and its reserve. 0 (no bound) under offload, whose states the
+    device holds only in part."""
+    if host_step(layout) or hardware.fragmentation < 0:
+        return 0
+    sizes = _group_sizes(layout)
+    states = max(sum(_rank_state_bytes(units_key(model, layout, r), layout.zero, layout.precision, sizes, optimizer,
+                                       block).values()) for r in checked_pp_ranks(layout.pp))
+    return states + math.ceil(hardware.fragmentation * states) + hardware.reserved_bytes
 
 
 def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int,
