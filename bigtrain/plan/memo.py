@@ -47,15 +47,15 @@ def by_layout_fields(*ignored: str):
         cache: dict = {}
 
         @functools.wraps(fn)
-        def wrapper(model, layout, *rest):
-            key = (model, read(layout), *rest)
+        def wrapper(model, layout, *rest, **named):
+            key = (model, read(layout), *rest, *sorted(named.items()))
             try:
                 return cache[key]
             except KeyError:
                 pass
             if len(cache) >= MAX_ENTRIES:
                 cache.clear()
-            value = cache[key] = fn(model, layout, *rest)
+            value = cache[key] = fn(model, layout, *rest, **named)
             return value
 
         wrapper.cache_clear = cache.clear
