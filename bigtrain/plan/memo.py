@@ -53,6 +53,8 @@ def by_layout_fields(*ignored: str):
                 return cache[key]
             except KeyError:
                 pass
+            except TypeError:  # an unhashable argument (a profile built with a list in it): not cached
+                return fn(model, layout, *rest, **named)
             if len(cache) >= MAX_ENTRIES:
                 cache.clear()
             value = cache[key] = fn(model, layout, *rest, **named)
