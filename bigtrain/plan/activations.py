@@ -100,9 +100,11 @@ GELU MLP keeps fc1's output and the GELU's output, 2 B F.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from bigtrain.plan.layout import BYTES
+from bigtrain.plan.memo import cached
 from bigtrain.plan.model import ModelSpec, local_vocab
 
 
@@ -129,7 +131,14 @@ class BlockActivations:
     per_block: float = 0.0  # bytes a block keeps whatever its tokens (averaged over the blocks), unless checkpointed
 
     def _sum(self, kind: str) -> float:
-        return sum(b for _, b, k in self.items if k == kind)
+        return self._sums.get(kind, 0)
+
+    @functools.cached_property  # a search asks per layout and block; the items are frozen
+    def _sums(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for _, nbytes, kind in self.items:
+            out[kind] = out.get(kind, 0) + nbytes
+        return out
 
     @property
     def replicated(self) -> float:
@@ -242,6 +251,7 @@ def compiles_blocks(model: ModelSpec, compiled: bool, recompute: str = "none", c
     return not (recompute == "selective" and (compression == "int8" or selective_attention))
 
 
+@cached()  # a pure function of frozen values, asked per layout of a search
 def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                       compression: str = "none", selective_attention: bool = False,
                       compiled: bool = False, ep: int = 1) -> BlockActivations:
@@ -343,6 +353,7 @@ def moe_routing_bytes(model: ModelSpec, nbytes: int, ep: int = 1) -> float:
     return router + dispatch + combine + 8 * e / model.seq + (16 * k if ep > 1 else 0)
 
 
+@cached()
 def head_activations(model: ModelSpec, precision: str, compression: str = "none",
                      fused_loss: bool = False, compiled: bool = False) -> HeadActivations:
     """``compiled``: the final norm is a compiled region and the plain loss a compiled function."""

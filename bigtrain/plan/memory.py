@@ -64,10 +64,13 @@ from bigtrain.plan.activations import (block_activations, checkpointed_block_ind
 from bigtrain.plan.gemm import linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
+from bigtrain.plan.memo import by_layout_fields, cached
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel, weight_versions
 from bigtrain.plan.tiers import host_step, piecewise_shard_bytes, reduce_bytes, shard_pieces, tier_detail
-from bigtrain.plan.units import Unit, checked_pp_ranks, dense_of, rank_units, replicas, stage_blocks
+# rank_units: imported from here by callers that predate units.py
+from bigtrain.plan.units import (Unit, checked_pp_ranks, gradient_axis_names, rank_units, replicas, stage_blocks,
+                                 units_key, units_of_key)
 
 MEASURABLE_BUFFERS = ("zero_reduce_outputs", "zero3_gathered")
 FUSED_LOSS_CHUNK = 1024  # model.fused_loss_chunk's default: the planner's layouts do not carry it
@@ -139,11 +142,32 @@ def unit_state_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw"
                      ) -> dict[str, int]:
     """:func:`state_bytes` of each group of units that shares a gradient axis (the experts' edp, or
     edp_shard under HSDP, apart from the dense weights'), summed."""
+    return _grouped_state_bytes(units, layout.zero, layout.precision, layout.size, optimizer, block)
+
+
+def _grouped_state_bytes(units, zero: int, precision: str, size_of, optimizer: str, block: int) -> dict[str, int]:
     out: Counter = Counter()
     for axis in dict.fromkeys(u.axis for u in units):
-        out.update(state_bytes([u for u in units if u.axis == axis], layout.zero, layout.precision,
-                               layout.size(axis), optimizer, block))
+        out.update(state_bytes([u for u in units if u.axis == axis], zero, precision, size_of(axis), optimizer, block))
     return {k: out[k] for k in ("params", "grads", "optimizer")}
+
+
+def _group_sizes(layout: Layout) -> tuple[tuple[str, int], ...]:
+    """The sizes of the two gradient axes a rank's units are reduced over (the dense weights', the
+    experts'), by name."""
+    return tuple((axis, layout.size(axis)) for axis in gradient_axis_names(layout))
+
+
+@cached()
+def _rank_state_bytes(key: tuple, zero: int, precision: str, sizes: tuple[tuple[str, int], ...], optimizer: str,
+                      block: int) -> dict[str, int]:
+    """:func:`unit_state_bytes` of the units of a :func:`units_key` (a rank's, without offload) cut
+    over groups of ``sizes``: computed once for all the layouts that share the units, the ZeRO
+    stage, the precision and the groups' sizes (a search weighs each with every micro-batch,
+    recomputation and schedule)."""
+    root, blocks = units_of_key(key)
+    return _grouped_state_bytes(([root] if root else []) + list(blocks), zero, precision, dict(sizes).__getitem__,
+                                optimizer, block)
 
 
 def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int, optimizer: str = "adamw",
@@ -212,25 +236,35 @@ def chunk_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> in
     return math.ceil(max(blocks + head for blocks, head, _ in _stage_chunks(model, layout, pp_rank)))
 
 
-def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> list[tuple[float, float, float]]:
+def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[tuple[float, float, float], ...]:
     """Per stage chunk of the rank, one micro-batch: (its blocks' saved bytes, the embedding's and
     head's, the largest block's)."""
-    stages = layout.pp * layout.v
+    return _chunks(model, pp_rank, layout.pp, layout.v, layout.recompute, layout.every, layout.precision,
+                   layout.compression, layout.compiled, layout.ep, layout.fused_loss, layout.micro_batch,
+                   layout.seq_shards, layout.tp, layout.tp_sp, layout.head_exchange)
+
+
+# Keyed on the layout's fields the saved activations read, so that the layouts of a search that
+# differ only in dp, ZeRO stage, schedule kind or offload share them.
+@cached()
+def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, every: int, precision: str,
+            compression: str, compiled: bool, ep: int, fused_loss: bool, samples: int, seq_shards: int, tp: int,
+            tp_sp: bool, head_exchange: int) -> tuple[tuple[float, float, float], ...]:
+    stages = pp * v
     blocks = stage_blocks(model.layers, stages)
-    checkpointed = checkpointed_block_indices(model.layers, layout.recompute, layout.every)
-    acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled,
-                             ep=layout.ep)
-    head = head_activations(model, layout.precision, layout.compression, layout.fused_loss, layout.compiled)
-    samples, seq = layout.micro_batch, model.seq // layout.seq_shards
+    checkpointed = checkpointed_block_indices(model.layers, recompute, every)
+    acts = block_activations(model, precision, recompute, compression, compiled=compiled, ep=ep)
+    head = head_activations(model, precision, compression, fused_loss, compiled)
+    seq = model.seq // seq_shards
     tokens = samples * seq
-    mode = dict(tp=layout.tp, tp_sp=layout.tp_sp, ulysses=layout.head_exchange)
+    mode = dict(tp=tp, tp_sp=tp_sp, ulysses=head_exchange)
     out = []
-    for s in range(pp_rank, stages, layout.pp):
+    for s in range(pp_rank, stages, pp):
         per_block = [tokens * acts.per_token(checkpointed=i in checkpointed, **mode)
                      + (0 if i in checkpointed else acts.per_block) for i in blocks[s]]
         ends = head.bytes(samples, seq, last=s == stages - 1, first=s == 0, **mode)
         out.append((sum(per_block), ends, max(per_block, default=0.0)))
-    return out
+    return tuple(out)
 
 
 def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, inflight: int) -> tuple[int, int]:
@@ -248,40 +282,27 @@ def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, i
     return math.ceil(2 * largest + inflight * loss), math.ceil(host)
 
 
-def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: list[Unit]) -> dict[str, int]:
-    nbytes, units = BYTES[layout.precision], ([root] if root else []) + blocks
-
-    def cut(u: Unit) -> int:  # each unit over its own group: an expert unit over edp (units.py)
-        return layout.size(u.axis) if layout.zero >= 1 else 1
-
-    def padded_numel(u: Unit) -> int:
-        return -(-u.numel // cut(u)) * cut(u)
-
-    padded = [padded_numel(u) for u in units]
-    shard_total = sum(padded_numel(u) // cut(u) for u in units)
+def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    """The buffers of a rank whose units are those of ``key`` (:func:`units_key`), over gradient
+    groups of ``sizes`` (:func:`_group_sizes`)."""
+    nbytes = BYTES[layout.precision]
+    # each unit over its own group (an expert unit over edp: units.py), from ZeRO stage 1 on
+    cuts = sizes if layout.zero >= 1 else tuple((axis, 1) for axis, _ in sizes)
+    padded_total, padded_largest, shard_total, gathered = _padded_sums(key, cuts, layout.zero == 3)
     out: dict[str, int] = {}
     reduced, mixed = replicas(layout) > 1, layout.precision != "fp32"  # one replica reduces nothing
     if host_step(layout):  # offload: every micro-batch reduces into the gradient buckets (offload_grad_buckets)
         if reduced:  # the flat gradient of one unit handed to the collective (one replica writes the bucket)
-            out["zero_reduce_in_flight"] = reduce_bytes(layout.precision) * max(padded, default=0)
+            out["zero_reduce_in_flight"] = reduce_bytes(layout.precision) * padded_largest
     elif layout.zero >= 2 or (layout.zero == 1 and reduced):
         out["zero_reduce_outputs"] = nbytes * shard_total
     elif layout.zero == 0 and mixed and reduced:
-        out["zero_reduce_outputs"] = nbytes * sum(padded)
+        out["zero_reduce_outputs"] = nbytes * padded_total
     if not host_step(layout) and (layout.zero >= 2 or (layout.zero == 1 and mixed and reduced)):
-        out["zero_reduce_in_flight"] = nbytes * max(padded, default=0)
+        out["zero_reduce_in_flight"] = nbytes * padded_largest
     if layout.zero == 3:
         weight = nbytes if layout.precision != "fp32" else 4
-        # per block module: an MoE block under ep is two units (its dense weights, its experts over
-        # edp), gathered together (gather.py)
-        modules: list[int] = []
-        for u in blocks:
-            if u.axis != dense_of(layout).grad_axis and modules:
-                modules[-1] += padded_numel(u)
-            else:
-                modules.append(padded_numel(u))
-        root_size = padded_numel(root) if root else 0
-        out["zero3_gathered"] = weight * (root_size + sum(sorted(modules, reverse=True)[:2]))
+        out["zero3_gathered"] = weight * gathered
     tokens = layout.micro_batch * model.seq // layout.seq_shards
     if layout.tp > 1:
         out["tp_collective"] = 2 * tokens * model.hidden * nbytes
@@ -298,6 +319,36 @@ def buffer_bytes(model: ModelSpec, layout: Layout, root: Unit | None, blocks: li
     if layout.fp8 != "none":
         out["fp8_operands"] = float8_operand_bytes(model, layout)
     return out
+
+
+@cached()
+def _padded_sums(key: tuple, sizes: tuple[tuple[str, int], ...], zero3: bool) -> tuple[int, int, int, int]:
+    """Of a rank's units (a :func:`units_key`), each padded to a multiple of its group's ``sizes``:
+    (the padded elements, the largest unit's, the shards' elements, and at ZeRO-3 the elements
+    gathered at once: the root unit and the two largest block modules)."""
+    root, blocks = units_of_key(key)
+    cut = dict(sizes)
+
+    def padded_numel(u: Unit) -> int:
+        return -(-u.numel // cut[u.axis]) * cut[u.axis]
+
+    units = ([root] if root else []) + list(blocks)
+    padded = [padded_numel(u) for u in units]
+    shard_total = sum(padded_numel(u) // cut[u.axis] for u in units)
+    gathered = 0
+    if zero3:
+        # per block module: an MoE block under ep is two units (its dense weights, its experts over
+        # edp), gathered together (gather.py)
+        dense_axis = sizes[0][0]
+        modules: list[int] = []
+        for u in blocks:
+            if u.axis != dense_axis and modules:
+                modules[-1] += padded_numel(u)
+            else:
+                modules.append(padded_numel(u))
+        root_size = padded_numel(root) if root else 0
+        gathered = root_size + sum(sorted(modules, reverse=True)[:2])
+    return sum(padded), max(padded, default=0), shard_total, gathered
 
 
 def float8_operand_bytes(model: ModelSpec, layout: Layout) -> int:
@@ -317,15 +368,17 @@ def float8_operand_bytes(model: ModelSpec, layout: Layout) -> int:
 # -- one rank, and the worst one ----------------------------------------------------------------------
 def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int, pp_rank: int,
                 inflight: int, optimizer: str = "adamw", block: int = 256) -> RankMemory:
-    root, blocks = rank_units(model, layout, pp_rank)
-    units = ([root] if root else []) + blocks
+    key, sizes = units_key(model, layout, pp_rank), _group_sizes(layout)
+    root, blocks = units_of_key(key)
+    units = ([root] if root else []) + list(blocks)
     tiers = tier_detail(units, layout, optimizer, block) if host_step(layout) else None
     if tiers is not None:
         states, moved = offloaded_states(tiers)
     else:
-        states, moved = unit_state_bytes(units, layout, optimizer, block), {"host": 0, "nvme": 0}
+        states = dict(_rank_state_bytes(key, layout.zero, layout.precision, sizes, optimizer, block))
+        moved = {"host": 0, "nvme": 0}
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
-    buffers = buffer_bytes(model, layout, root, blocks)
+    buffers = buffer_bytes(model, layout, key, sizes)
     if tiers is not None and tiers["device"].get("grad_buckets"):
         buffers["offload_grad_buckets"] = tiers["device"]["grad_buckets"]
     versions = weight_versions(layout.schedule, layout.pp, pp_rank)
@@ -339,7 +392,7 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
                      host=moved["host"] + host + hardware.host_reserved_bytes, host_capacity=hardware.host_memory_bytes,
                      nvme=moved["nvme"], nvme_capacity=hardware.nvme_bytes)
     mem.detail["host_activations"] = host
-    mem.lazy_grads = lazy_grad_moments(model, layout, global_batch, root, blocks, pp_rank, mem.activations,
+    mem.lazy_grads = lazy_grad_moments(model, layout, global_batch, root, list(blocks), pp_rank, mem.activations,
                                        mem.grads, optimizer, block)
     if mem.lazy_grads is not None:
         mem.detail["lazy_grads"] = [list(moment) for moment in mem.lazy_grads]
@@ -382,6 +435,24 @@ def offloaded_states(tiers: dict[str, dict[str, int]]) -> tuple[dict[str, int], 
     layout from its :func:`~bigtrain.plan.tiers.tier_detail`, as the runtime's GPU path holds them."""
     device = {k: tiers["device"].get(k, 0) for k in ("params", "grads", "optimizer")}
     return device, {tier: sum(tiers[tier].values()) for tier in ("host", "nvme")}
+
+
+@by_layout_fields("micro_batch", "schedule", "recompute", "every", "tp_sp", "offload", "compression", "fused_loss",
+                  "fp8", "compiled", "cp_mode", "offload_masters", "delayed_update")
+def device_lower_bound(model: ModelSpec, layout: Layout, hardware: HardwareProfile, optimizer: str = "adamw",
+                       block: int = 256) -> int:
+    """A bound that :func:`estimate_memory`'s ``total`` never falls below, from the model states alone
+    (cached per units, ZeRO stage and group sizes, so a search can skip the rest of a layout that
+    cannot fit): on any rank the peak holds at least the states (buffers and activations are never
+    negative, and with lazy gradients one of the moments holds all of them) and the total adds the
+    allocator's share of the peak and its reserve. 0 (no bound) under offload, whose states the
+    device holds only in part."""
+    if host_step(layout) or hardware.fragmentation < 0:
+        return 0
+    sizes = _group_sizes(layout)
+    states = max(sum(_rank_state_bytes(units_key(model, layout, r), layout.zero, layout.precision, sizes, optimizer,
+                                       block).values()) for r in checked_pp_ranks(layout.pp))
+    return states + math.ceil(hardware.fragmentation * states) + hardware.reserved_bytes
 
 
 def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int,

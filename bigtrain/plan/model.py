@@ -13,6 +13,7 @@ transformer block and one root unit for everything else.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -55,6 +56,11 @@ class Tensor:
 def local_vocab(vocab: int, tp: int) -> int:
     """Vocabulary rows per tensor-parallel rank, padding included (the runtime's rule)."""
     return even_shard(vocab, tp, 0, 0, vocab_pad_to(vocab, tp)).local_size
+
+
+# The spec is frozen: its inventory's sums are computed once per spec (a layout search asks for them
+# per layout), in a cache beside it rather than in its __dict__, which reports print.
+_per_spec = functools.lru_cache(maxsize=64)
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,7 @@ class ModelSpec:
         return self.experts > 0 and (index + 1) % max(1, self.moe_every) == 0
 
     @property
+    @_per_spec
     def moe_layers(self) -> int:
         return sum(self.is_moe_block(i) for i in range(self.layers))
 
@@ -202,6 +209,7 @@ class ModelSpec:
         return dense + (self.top_k * 3 * self.expert_ffn * self.hidden if self.is_moe_block(index) else 0)
 
     @property
+    @_per_spec
     def activation_ffn(self) -> float:
         """The SwiGLU width a token's saved activations span, averaged over the blocks: the dense
         ffn; of an MoE block top_k experts' (and the shared expert's)."""
@@ -211,10 +219,12 @@ class ModelSpec:
         return (self.moe_layers * moe + (self.layers - self.moe_layers) * self.ffn_hidden) / self.layers
 
     @property
+    @_per_spec
     def block_params(self) -> int:
         return sum(t.numel for t in self.block_tensors())
 
     @property
+    @_per_spec
     def params(self) -> int:
         """Distinct parameters (a tied embedding counted once; every expert)."""
         root = self.embedding_tensors() + self.head_tensors()
@@ -225,6 +235,7 @@ class ModelSpec:
 
     # -- FLOPs ---------------------------------------------------------------------------------
     @property
+    @_per_spec
     def block_matmul_params(self) -> float:
         """Weights a token multiplies in one block (biases and norms cost O(h), left out); with
         experts, the active ones (top_k of E), averaged over the blocks."""
@@ -233,6 +244,7 @@ class ModelSpec:
         return sum(t.numel for t in self.block_tensors() if t.decays)
 
     @property
+    @_per_spec
     def matmul_params(self) -> int:
         """N of the 6N convention: every weight a token is multiplied by (all block matrices and
         the output projection; of an MoE block's experts the top_k active ones); the input

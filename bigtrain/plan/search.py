@@ -7,7 +7,8 @@ than 1f1b, so they are considered only when asked for), recomputation none / eve
 and Megatron sequence parallelism on and off when tp > 1 (it should only save memory at the same
 traffic, but the runtime's keeps more today: see docs/planner.md, Findings).
 Keys the user fixed (``--layout dp=8,zero=1``) are kept; the planner chooses the rest. Memory is
-evaluated first and only layouts that fit are timed.
+evaluated first and only layouts that fit are timed; a layout whose model states alone exceed the
+device is not estimated further (docs/planner.md, Speed of the search).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from bigtrain.config import ConfigError
 from bigtrain.optim import get_optimizer
 from bigtrain.plan.cost import StepTime, step_time
 from bigtrain.plan.layout import Cluster, Layout, layout_problems
-from bigtrain.plan.memory import RankMemory, estimate_memory
+from bigtrain.plan.memory import RankMemory, device_lower_bound, estimate_memory
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel
 
@@ -199,15 +200,23 @@ class SearchResult:
 
 def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | None = None,
            precision: str = "bf16", pipeline: PipelineModel | None = None, retime: int = 12,
-           optimizer: str = "adamw", block: int = 256) -> SearchResult:
+           optimizer: str = "adamw", block: int = 256, prune: bool = True) -> SearchResult:
     """Rank the layouts that fit; raises ConfigError when no layout is even valid.
 
     Candidates are timed with the pipeline's closed forms (fast, and equal to the simulator when
-    transfers are free); the ``retime`` fastest are then timed again with the simulator."""
+    transfers are free); the ``retime`` fastest are then timed again with the simulator.
+    ``prune``: a layout whose model states alone cannot fit the device (:func:`device_lower_bound`)
+    is neither estimated further nor timed, and when nothing fits it is estimated only if it could
+    be the closest; the result is the exhaustive search's (``prune=False``), which
+    tests/test_plan_search_speed.py checks."""
     fixed, pipeline = dict(fixed or {}), pipeline or PipelineModel()
     fast = PipelineModel(max_actions=0)
-    fitting, closest, considered, valid, rejected, first_problems = [], None, 0, 0, {}, None
-    off_device = None
+    fitting, considered, valid, rejected, first_problems = [], 0, 0, {}, None
+    # The nearest misses: (share of the device or of the host / NVMe, the layout's place, plan); the
+    # first of equals wins, as in the order the layouts come.
+    closest = off_device = None
+    capacity = cluster.hardware.memory_bytes
+    skipped: list[tuple[float, int, Layout]] = []  # (the bound's share of the device, place, layout)
     for layout in candidate_layouts(model, cluster, fixed, precision):
         considered += 1
         problems = layout_problems(layout, model, cluster, global_batch)
@@ -216,18 +225,27 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | 
             rejected[problems[0].split(":")[0]] = rejected.get(problems[0].split(":")[0], 0) + 1
             continue
         valid += 1
+        if prune:
+            bound = device_lower_bound(model, layout, cluster.hardware, optimizer, block)
+            if bound > capacity:
+                skipped.append((bound / capacity, valid, layout))
+                continue
         memory = estimate_memory(model, layout, cluster.hardware, global_batch, fast, optimizer, block)
         plan = Plan(model, layout, cluster, global_batch, memory)
         if plan.fits:
             plan.time = step_time(model, layout, cluster, global_batch, fast)
             fitting.append(plan)
             continue
-        if memory.fits_device and (off_device is None or _beyond(memory) < _beyond(off_device.memory)):
-            off_device = plan
-        if closest is None or memory.total / memory.capacity < closest.memory.total / closest.memory.capacity:
-            closest = plan
+        closest, off_device = _nearer(closest, off_device, plan, valid)
     if not valid:
         raise ConfigError(first_problems or _mesh_problems(fixed, cluster))
+    if not fitting:  # a skipped layout misses by at least its bound: estimated where that is no more
+        for share, place, layout in skipped:
+            if closest is None or share <= closest[0]:
+                memory = estimate_memory(model, layout, cluster.hardware, global_batch, fast, optimizer, block)
+                closest, off_device = _nearer(closest, off_device, Plan(model, layout, cluster, global_batch, memory),
+                                              place)
+    closest, off_device = (closest[2] if closest else None), (off_device[2] if off_device else None)
     fitting.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
     for plan in fitting[:retime]:
         plan.time = step_time(model, plan.layout, cluster, global_batch, pipeline)
@@ -236,6 +254,21 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | 
         closest.time = step_time(model, closest.layout, cluster, global_batch, pipeline)
     return SearchResult(fitting, None if fitting else closest, considered, valid, rejected,
                         None if fitting else off_device, optimizer)
+
+
+def _nearer(closest: tuple | None, off_device: tuple | None, plan: Plan, place: int) -> tuple:
+    """(closest, off_device) with ``plan``, the ``place``-th valid layout, that does not fit: the
+    least share of the device it needs, and of those that fit the device the least share of the
+    host's memory or NVMe it misses by, the earlier place first among equals."""
+    memory = plan.memory
+    ratio = (memory.total / memory.capacity, place)
+    if closest is None or ratio < closest[:2]:
+        closest = (*ratio, plan)
+    if memory.fits_device:
+        beyond = (_beyond(memory), place)
+        if off_device is None or beyond < off_device[:2]:
+            off_device = (*beyond, plan)
+    return closest, off_device
 
 
 def _beyond(memory: RankMemory) -> float:
