@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 from bigtrain.plan import ModelSpec
-from bigtrain.plan.cost import Link, data_parallel_costs, stage_costs
+from bigtrain.plan.cost import data_parallel_costs, stage_costs
+from bigtrain.plan.links import Link
 from bigtrain.plan.fit import _layout
 from bigtrain.plan.grad_traffic import step_collectives
 from bigtrain.plan.hardware import get_profile

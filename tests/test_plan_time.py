@@ -97,7 +97,7 @@ def test_the_engine_decides_which_communication_a_layout_exposes():
 
 
 def test_reduce_scatter_and_all_gather_run_at_their_own_measured_bandwidth():
-    from bigtrain.plan.cost import Link
+    from bigtrain.plan.links import Link
 
     nccl, gloo = Link(1e9, 0.0), Link(1e9, 0.0, reduce_scatter_efficiency=0.25, all_gather_efficiency=0.5)
     size = 8e6
@@ -108,7 +108,8 @@ def test_reduce_scatter_and_all_gather_run_at_their_own_measured_bandwidth():
 
 
 def test_comm_overlap_decides_how_much_of_the_gradient_reduction_is_exposed():
-    from bigtrain.plan.cost import Link, data_parallel_costs, stage_costs
+    from bigtrain.plan.cost import data_parallel_costs, stage_costs
+    from bigtrain.plan.links import Link
     from bigtrain.plan.layout import Cluster
 
     model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=1024)

@@ -32,7 +32,7 @@ MIB = 2**20
 @dataclass(frozen=True)
 class CollectiveRates:
     bandwidth: float  # all-reduce bus bandwidth, bytes/s
-    latency_s: float  # per (1 + log2 n) of a collective, as cost.Link charges it
+    latency_s: float  # per (1 + log2 n) of a collective, as links.Link charges it
     reduce_scatter_efficiency: float
     all_gather_efficiency: float
     comm_overlap: float

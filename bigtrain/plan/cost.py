@@ -44,12 +44,12 @@ Conventions (docs/planner.md has the derivations):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from bigtrain.plan.activations import block_activations, checkpointed_block_indices
 from bigtrain.plan.grad_traffic import UnitCollective, busiest_rank_units, reduces_every_micro_batch, step_collectives
 from bigtrain.plan.layout import BYTES, Cluster, Layout
+from bigtrain.plan.links import MESH_AXES, Link, link_of
 from bigtrain.plan.memo import by_layout_fields
 from bigtrain.plan.memory import chunk_activation_bytes, unit_state_bytes
 from bigtrain.plan.model import ModelSpec
@@ -84,47 +84,6 @@ class StepTime:
                 "hfu": self.hfu, "model_flops_per_step": self.model_flops_per_step,
                 "hardware_flops_per_step": self.hardware_flops_per_step, "micro_batches": self.micro_batches,
                 "pipeline": self.pipeline_source, "breakdown": dict(self.breakdown)}
-
-
-# -- links and collectives --------------------------------------------------------------------------
-_STRIDE_AXES = ("tp", "sp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first, as the mesh lays ranks out
-
-
-def axis_crosses_nodes(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
-    """Whether the group spanned by ``axes`` (adjacent in the mesh order) spans several nodes;
-    ``dp`` is dp_shard (inner: one ZeRO group's ranks are adjacent) x dp_replicate."""
-    axes = tuple(part for a in axes for part in (("dp_shard", "dp_replicate") if a == "dp" else (a,)))
-    stride = 1
-    for axis in _STRIDE_AXES:
-        if axis in axes:
-            break
-        stride *= getattr(layout, axis)
-    size = math.prod(getattr(layout, a) for a in axes)
-    return size > 1 and stride * size > gpus_per_node
-
-
-@dataclass(frozen=True)
-class Link:
-    bandwidth: float  # all-reduce bus bandwidth
-    latency: float
-    reduce_scatter_efficiency: float = 1.0  # the op's bus bandwidth as a share of all-reduce's
-    all_gather_efficiency: float = 1.0
-
-    def collective(self, op: str, nbytes: float, n: int) -> float:
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        fraction = {"all_reduce": 2 * (n - 1) / n, "p2p": 1.0}.get(op, (n - 1) / n)
-        efficiency = {"reduce_scatter": self.reduce_scatter_efficiency,
-                      "all_gather": self.all_gather_efficiency}.get(op, 1.0)
-        return self.latency * (1 + math.log2(n)) + fraction * nbytes / (self.bandwidth * efficiency)
-
-
-def link_of(cluster: Cluster, layout: Layout, axes: tuple[str, ...]) -> Link:
-    hw = cluster.hardware
-    ops = dict(reduce_scatter_efficiency=hw.reduce_scatter_efficiency, all_gather_efficiency=hw.all_gather_efficiency)
-    if axis_crosses_nodes(layout, axes, cluster.gpus_per_node):
-        return Link(hw.inter_node_bandwidth, hw.inter_node_latency_s, **ops)
-    return Link(hw.intra_node_bandwidth, hw.intra_node_latency_s, **ops)
 
 
 # -- per micro-batch stage costs -------------------------------------------------------------------------
@@ -422,7 +381,7 @@ BOUNDARY_COLLECTIVES = 4
 
 def step_boundary_costs(layout: Layout, cluster: Cluster) -> float:
     """Exposed seconds per step of the boundary's tiny collectives over the whole world."""
-    return BOUNDARY_COLLECTIVES * link_of(cluster, layout, _STRIDE_AXES).collective("all_reduce", 8, layout.gpus)
+    return BOUNDARY_COLLECTIVES * link_of(cluster, layout, MESH_AXES).collective("all_reduce", 8, layout.gpus)
 
 
 # -- offload -------------------------------------------------------------------------------------------
