@@ -80,7 +80,7 @@ def _hf_logits(folder, tokens):
         return model(tokens).logits, type(model).__name__
 
 
-def _train_and_save(rank, world_size, cfg, run_dir):
+def train_and_save(rank, world_size, cfg, run_dir):
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     run_steps(trainer, 2)
     trainer.save()
@@ -113,7 +113,7 @@ def test_import_train_at_tp2_and_export_give_transformers_logits(arch, corpus_ca
     assert (ours - theirs).abs().max().item() < 1e-5
 
     # Train at tp=2 from those weights, export, and load the export with transformers' Auto classes.
-    run_ranks(_train_and_save, 2, cfg, str(tmp_path / "run"))
+    run_ranks(train_and_save, 2, cfg, str(tmp_path / "run"))
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "exported"), "--format", "hf"]) == 0
     theirs, loaded_as = _hf_logits(tmp_path / "exported", tokens)
     assert loaded_as == class_name

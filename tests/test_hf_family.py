@@ -433,7 +433,7 @@ def test_qwen3_norms_per_head_are_partial_under_tp():
 
 
 # -- export: a folder transformers loads -------------------------------------------------------------
-def _train_and_save(rank, world_size, cfg, run_dir, tokens):
+def train_and_save(rank, world_size, cfg, run_dir, tokens):
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     for _ in range(2):
         trainer.train_step()
@@ -452,7 +452,7 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_equal_logit
 
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     cfg = hf_config(corpus_cache, arch)
-    weights, logits = _train_and_save(0, 1, cfg, str(tmp_path / "run"), tokens)
+    weights, logits = train_and_save(0, 1, cfg, str(tmp_path / "run"), tokens)
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="sdpa")
     assert type(loaded).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
@@ -468,7 +468,7 @@ def test_a_tensor_parallel_checkpoint_exports_whole_weights(corpus_cache, tmp_pa
     from bigtrain.cli import main
 
     cfg = hf_config(corpus_cache, "llama", *LAYOUTS["tp2-sp"])
-    weights = run_ranks(_train_and_save, 2, cfg, str(tmp_path / "run"), None)[0]
+    weights = run_ranks(train_and_save, 2, cfg, str(tmp_path / "run"), None)[0]
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     state = loaded.state_dict()
@@ -486,7 +486,7 @@ def test_init_from_loads_an_exported_folder_shard_by_shard(corpus_cache, tmp_pat
     from bigtrain.cli import main
 
     cfg = hf_config(corpus_cache, "qwen2")
-    weights, _ = _train_and_save(0, 1, cfg, str(tmp_path / "run"), torch.zeros(1, 4, dtype=torch.long))
+    weights, _ = train_and_save(0, 1, cfg, str(tmp_path / "run"), torch.zeros(1, 4, dtype=torch.long))
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
     resumed = hf_config(corpus_cache, "qwen2", f"--model.init_from=hf:{tmp_path / 'out'}", *LAYOUTS["tp2-sp"])
     loaded = run_ranks(_initial_weights, 2, resumed, str(tmp_path / "again"))[0]

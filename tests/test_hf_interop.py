@@ -17,7 +17,7 @@ from bigtrain.validation import validate
 from tests.helpers import run_steps, tiny_config, trainer_on_rank
 
 
-def _train_and_save(rank, world_size, cfg, run_dir):
+def train_and_save(rank, world_size, cfg, run_dir):
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     run_steps(trainer, 2)
     trainer.save()
@@ -43,7 +43,7 @@ def test_rotate_half_permutation_is_inverted_exactly():
 def test_exported_folder_gives_llama_for_causal_lm_the_same_logits(corpus_cache, tmp_path, tp, tied):
     transformers = pytest.importorskip("transformers")
     cfg = tiny_config(corpus_cache, f"--parallel.tp={tp}", f"--model.tie_embeddings={tied}")
-    run_ranks(_train_and_save, tp, cfg, str(tmp_path / "run"))
+    run_ranks(train_and_save, tp, cfg, str(tmp_path / "run"))
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--format", "hf"]) == 0
 
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
@@ -57,7 +57,7 @@ def test_exported_folder_gives_llama_for_causal_lm_the_same_logits(corpus_cache,
 
 def test_init_from_then_export_round_trips_bit_for_bit(corpus_cache, tmp_path):
     cfg = tiny_config(corpus_cache)
-    run_ranks(_train_and_save, 1, cfg, str(tmp_path / "run"))
+    run_ranks(train_and_save, 1, cfg, str(tmp_path / "run"))
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "a"), "--format", "hf"]) == 0
 
     imported = tiny_config(corpus_cache, f"--model.init_from=hf:{tmp_path / 'a'}", "--parallel.tp=2")

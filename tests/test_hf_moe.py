@@ -25,8 +25,8 @@ from bigtrain.families import hf as hf_family
 from bigtrain.families.hf_moe import sparse_blocks
 from bigtrain.testing import run_ranks
 from tests.helpers import tiny_config, trainer_on_rank, warm_compiler
-from tests.test_hf_family import (FIXTURES, STEPS, assert_layout_matches_reference, assert_matches_reference,
-                                  hf_config, reference, train_layout)
+from tests.test_hf_family import (FIXTURES, STEPS, train_and_save, assert_layout_matches_reference,
+                                  assert_matches_reference, hf_config, reference, train_layout)
 
 transformers = pytest.importorskip("transformers")
 
@@ -233,19 +233,6 @@ def test_the_sparse_layers_are_the_ones_transformers_builds(corpus_cache, tmp_pa
                if i not in sparse)
 
 
-def _train_and_save(rank, world_size, cfg, run_dir, tokens):
-    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
-    for _ in range(2):
-        trainer.train_step()
-    trainer.save()
-    trainer.wait_for_save()
-    weights = trainer.parallel.full_weights()
-    if world_size > 1:
-        return weights
-    with torch.no_grad():
-        return weights, trainer.parallel.model(tokens)
-
-
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_an_moe_checkpoint_exports_to_a_folder_from_pretrained_loads_with_equal_logits(corpus_cache, tmp_path, arch):
     """The export cuts each bank into transformers' per-expert weights: ``from_pretrained`` loads
@@ -257,7 +244,7 @@ def test_an_moe_checkpoint_exports_to_a_folder_from_pretrained_loads_with_equal_
 
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     cfg = hf_config(corpus_cache, arch)
-    weights, logits = _train_and_save(0, 1, cfg, str(tmp_path / "run"), tokens)
+    weights, logits = train_and_save(0, 1, cfg, str(tmp_path / "run"), tokens)
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="sdpa",
                                                                      output_loading_info=True)
@@ -280,7 +267,7 @@ def test_an_expert_parallel_checkpoint_exports_every_expert(corpus_cache, tmp_pa
     from bigtrain.families.hf_moe import file_views, sparse_blocks, to_transformers_names
 
     cfg = hf_config(corpus_cache, "mixtral", *EP2)
-    weights = run_ranks(_train_and_save, 2, cfg, str(tmp_path / "run"), None)[0]
+    weights = run_ranks(train_and_save, 2, cfg, str(tmp_path / "run"), None)[0]
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     blocks = sparse_blocks(loaded.config)
@@ -299,7 +286,7 @@ def test_init_from_loads_an_exported_moe_folder_into_expert_parallel_ranks(corpu
     from bigtrain.cli import main
 
     cfg = hf_config(corpus_cache, "mixtral")
-    weights, _ = _train_and_save(0, 1, cfg, str(tmp_path / "run"), torch.zeros(1, 4, dtype=torch.long))
+    weights, _ = train_and_save(0, 1, cfg, str(tmp_path / "run"), torch.zeros(1, 4, dtype=torch.long))
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
     resumed = hf_config(corpus_cache, "mixtral", f"--model.init_from=hf:{tmp_path / 'out'}", *EP2)
     loaded = run_ranks(_initial_weights, 2, resumed, str(tmp_path / "again"))[0]

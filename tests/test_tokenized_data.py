@@ -223,7 +223,7 @@ def _export_and_compare(run_dir: Path, out: Path, cfg_model, tok) -> None:
     assert (ours - theirs).abs().max().item() < 1e-5
 
 
-def _train_and_save(rank, world_size, cfg, run_dir):
+def train_and_save(rank, world_size, cfg, run_dir):
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     losses = run_steps(trainer, 3)
     trainer.save()
@@ -238,7 +238,7 @@ def test_jsonl_dataset_trains_at_dp2_as_one_process_and_exports_for_transformers
                       "--data.text_field=content", "--data.max_bytes=0", f"--model.vocab_size={MODEL_VOCAB}",
                       "--parallel.dp=2", "--train.micro_batch=4")
     # Both ranks open the corpus at once: one tokenizes under the lock, the other waits and maps it.
-    results = run_ranks(_train_and_save, 2, cfg, str(tmp_path / "run"))
+    results = run_ranks(train_and_save, 2, cfg, str(tmp_path / "run"))
     expected = reference_losses(cfg, 3)
     for losses in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
