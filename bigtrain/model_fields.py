@@ -59,27 +59,10 @@ def rope_problems(cfg: Config) -> list[str]:
     return problems
 
 
-def bias_problems(cfg: Config) -> list[str]:
-    """Row-parallel biases are added after the tp reduction by a module of their own, which the int8
-    activation compression (it replaces each linear layer's forward) would bypass, and which replaces
-    a float8 linear by a plain one (measured: ``wo`` a RowParallelLinear, still listed as float8)."""
-    m, p = cfg.model, cfg.parallel
-    if p.tp > 1 and (m.attention_bias or m.mlp_bias) and cfg.memory.activation_compression != "none":
-        field = "model.attention_bias" if m.attention_bias else "model.mlp_bias"
-        return [f"{field} = true with parallel.tp = {p.tp} and memory.activation_compression = "
-                f"'{cfg.memory.activation_compression}' is not supported (the output projections' biases are "
-                f"added after the tensor-parallel sum); set memory.activation_compression = 'none' or "
-                f"parallel.tp = 1"]
-    if p.tp > 1 and (m.attention_bias or m.mlp_bias) and cfg.precision.fp8 != "none":
-        field = "model.attention_bias" if m.attention_bias else "model.mlp_bias"
-        return [f"{field} = true with parallel.tp = {p.tp} and precision.fp8 = '{cfg.precision.fp8}' is not "
-                f"supported (an output projection with a bias is replaced by a plain linear that adds it after the "
-                f"tensor-parallel sum: it would not compute in float8); set precision.fp8 = 'none' or parallel.tp = 1"]
-    return []
-
-
 def llama_field_problems(cfg: Config) -> list[str]:
-    """Head size, rotary scaling and biases (a DLRM has none of them: not checked)."""
+    """Head size and rotary scaling (a DLRM has none of them: not checked). Biases need no rule: a
+    row-parallel one is added once after the tensor-parallel sum, with int8 compression and float8
+    as without (parallel/tensor/styles.py: ``RowParallel``)."""
     if cfg.model.family != "llama":
         return []
-    return head_problems(cfg) + rope_problems(cfg) + bias_problems(cfg)
+    return head_problems(cfg) + rope_problems(cfg)

@@ -13,7 +13,7 @@ import torch
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.from_config import activation_plan
 from bigtrain.memory.activations import apply_activation_memory
-from bigtrain.memory.compression import _Int8WeightGrad, int8_linears, quantize_rows
+from bigtrain.memory.compression import Int8SavedInput, _Int8WeightGrad, int8_linears, quantize_rows
 from bigtrain.memory.fused_loss import fused_linear_cross_entropy_sum
 from bigtrain.models.llama import build_model
 from bigtrain.parallel.build import token_loss_sum
@@ -174,6 +174,56 @@ def test_int8_keeps_under_0_3x_of_each_compressed_input_and_reports_the_gradient
     assert max(errors.values()) < 2e-2, errors
     assert errors["tok_embeddings.weight"] < max(errors.values())  # exact input gradients reach it
     assert min(errors.values()) < 1e-2
+
+
+# -- int8 with experts: routers left exact, in the trainer, the reference and the planner -------------------
+MOE_INT8 = {"moe": [], "shared-expert": ["--model.moe_shared_expert=true"],
+            "every2-selective": ["--model.moe_every=2", "--memory.checkpointing=selective"]}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", list(MOE_INT8))
+def test_moe_blocks_with_int8_save_what_the_planner_says(precision, variant, corpus_cache):
+    """An MoE router's logits come from ``router.weight`` in fp32 (models/moe.py), never from calling
+    the module: int8 compression leaves routers out (it wrapped them, never ran, and counted them),
+    every wrapper it puts in runs, and the planner counts the router's exact input to the byte (it
+    counted an int8 copy of it, and the shared expert's w2 input uncompressed: off by up to 4h a
+    token and block, measured)."""
+    cfg = tiny_config(corpus_cache, f"--precision.mode={precision}", "--memory.activation_compression=int8",
+                      "--model.moe_experts=4", "--model.moe_top_k=2", "--model.n_layers=2", *MOE_INT8[variant])
+    model = _model(cfg, torch.float32 if precision == "fp32" else torch.bfloat16)
+    memory = apply_activation_memory(model, activation_plan(cfg))
+    wrapped = {n for n, m in model.named_modules() if isinstance(m, Int8SavedInput)}
+    assert memory.compressed == len(wrapped) and not any(n.endswith("router") for n in wrapped), wrapped
+    ran = set()
+    for name in wrapped:
+        model.get_submodule(name).register_forward_pre_hook(lambda m, args, name=name: ran.add(name))
+    tokens, targets = _batch(cfg)
+    with SavedActivations(model) as tracker:
+        token_loss_sum(model(tokens), targets)
+    assert ran == wrapped, sorted(wrapped - ran)  # a wrapper nothing calls compresses nothing
+    spec = ModelSpec.from_model_config(cfg.model, SEQ)
+    blocks = block_activations(spec, precision, cfg.memory.checkpointing, "int8")
+    predicted = (BATCH * SEQ * cfg.model.n_layers * blocks.per_token() + head_activations(spec, precision, "int8")
+                 .bytes(BATCH, SEQ) + cfg.model.n_layers * blocks.per_block)
+    assert tracker.peak == predicted, (tracker.peak, predicted)
+
+
+def test_the_int8_reference_leaves_routers_exact_and_compresses_the_shared_expert(corpus_cache):
+    """The reference's rule (core/int8_reference.py) leaves out the routers the trainer leaves out:
+    their gradients equal the exact ones; the shared expert's do not."""
+    from bigtrain.core.int8_reference import int8_weight_gradients
+
+    cfg = tiny_config(corpus_cache, "--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_shared_expert=true",
+                      "--model.n_layers=1")
+    exact, rounded = _model(cfg), _model(cfg)
+    int8_weight_gradients(rounded.layers, rounded.output)
+    assert not rounded.layers[0].feed_forward.router._forward_hooks
+    tokens, targets = _batch(cfg)
+    _, want = _loss_and_grads(exact, tokens, targets)
+    _, got = _loss_and_grads(rounded, tokens, targets)
+    router, shared = "layers.0.feed_forward.router.weight", "layers.0.feed_forward.shared.w1.weight"
+    assert torch.equal(got[router], want[router]) and not torch.equal(got[shared], want[shared])
 
 
 def test_int8_rows_round_trip_within_half_a_step():

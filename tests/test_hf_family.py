@@ -210,6 +210,34 @@ def test_the_decoder_layers_linears_are_the_ones_transformed(corpus_cache, tmp_p
         assert ("lm_head" in wrapped) != cfg.model.fused_loss
 
 
+def _first_gradients_and_row_layers(rank, world_size, cfg, run_dir):
+    from bigtrain.wrappers import unwrapped
+
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    grads = {}
+    trainer.train_step(before_update=lambda: grads.update(trainer.parallel.full_grads()))
+    kinds = {n: type(unwrapped(m)).__name__ for n, m in trainer.parallel.model.named_modules()
+             if n.endswith(("o_proj", "down_proj"))}
+    return grads, kinds
+
+
+def test_biased_row_parallel_layers_stay_float8_under_tp(corpus_cache, tmp_path):
+    """o_proj and down_proj with biases at tp 2 compute in float8 and add their biases after the sum:
+    step 0's gradients within 1e-4 of the one-process float8 reference (as tests/test_fp8.py holds
+    bigtrain's Llama). Before, they were silently plain linears (refused until fixed)."""
+    from bigtrain.families.hf_reference import HFReference
+    from bigtrain.check.compare import relative_error
+
+    cfg = hf_config(corpus_cache, "llama_biases", "--parallel.tp=2", "--precision.fp8=rowwise",
+                    "--precision.fp8_emulate=true")
+    grads, kinds = run_ranks(_first_gradients_and_row_layers, 2, cfg, str(tmp_path), timeout=300)[0]
+    assert kinds and set(kinds.values()) == {"RowParallelFloat8Linear"}, kinds
+    expected = HFReference(cfg).train_step(capture=True).grads
+    assert grads.keys() == expected.keys()
+    worst = max(expected, key=lambda n: relative_error(grads[n], expected[n]))
+    assert relative_error(grads[worst], expected[worst]) <= 1e-4, (worst, relative_error(grads[worst], expected[worst]))
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_more_tensor_parallel_ranks_than_key_value_heads_replicate_them(corpus_cache, arch):
     """tp = 4 over 2 key/value heads (Qwen2's k/v biases, Qwen3's per-head k norm): each rank keeps
@@ -504,6 +532,10 @@ CHECKED = {
     "mistral-dp2-tp2-pp2": ("mistral", LAYOUTS["dp2-tp2-pp2"]),
     # The reference states int8 compression's rule and float8's recipe again (hf_reference.py).
     "qwen2-tp2-int8": ("qwen2", ["--parallel.tp=2", "--memory.activation_compression=int8"]),
+    # o_proj's and down_proj's biases (row-parallel): added once, after the tp sum, by int8's wrapper too
+    # (before, on every rank as well: refused until fixed; tests/test_row_parallel_bias.py).
+    "llama-biases-tp2-sp-int8": ("llama_biases", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
+                                                  "--memory.activation_compression=int8"]),
     "llama-dp2-zero2-fp8": ("llama", ["--parallel.dp=2", "--parallel.zero=2", "--precision.fp8=rowwise",
                                       "--precision.fp8_emulate=true"]),
     # bf16 against the reference's own bf16 (a bf16 copy of the weights, fp32 masters)

@@ -12,7 +12,6 @@ import pytest
 
 from bigtrain.config import ConfigError
 from bigtrain.testing import run_ranks
-from tests.helpers import tiny_config
 from tests.test_hf_family import FIXTURES, hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -80,32 +79,3 @@ def test_the_refused_longrope_layout_trains_apart_and_the_accepted_one_agrees(co
     report = _check(hf_config(corpus_cache, "llama", f"--model.hf_config={folder}", "--parallel.sp=2"),
                     str(tmp_path / "accepted"))
     assert report.agree, report.text()
-
-
-@pytest.mark.parametrize("arch, fields, refused", [
-    ("llama", {"attention_bias": True}, True),  # o_proj's bias
-    ("llama", {"mlp_bias": True}, True),  # down_proj's bias
-    ("qwen3", {"attention_bias": True}, True),
-    ("qwen2", {}, False),  # biases on q, k and v only: column-parallel, cut with their outputs
-    ("mistral", {"attention_bias": True}, False),  # Mistral reads no attention_bias
-])
-@pytest.mark.parametrize("transform", [["--memory.activation_compression=int8"],
-                                       ["--precision.fp8=rowwise", "--precision.fp8_emulate=true"]])
-def test_row_parallel_biases_with_int8_or_float8_under_tp_are_refused(corpus_cache, tmp_path, arch, fields, refused,
-                                                                       transform):
-    """Accepted before: int8 added o_proj's and down_proj's bias on every tp rank before the sum
-    (their gradients 3x the reference's at tp 2); float8 was silently not applied to them."""
-    folder = fixture_with(tmp_path, arch, **fields)
-    problems = problems_of(corpus_cache, folder, "--parallel.tp=2", *transform)
-    field = transform[0].split("=")[0][2:]
-    assert any(p.startswith(field) and "carry a bias" in p for p in problems) == refused, problems
-    assert problems_of(corpus_cache, folder, *transform) == []  # one tp rank: the bias is added once
-
-
-def test_bigtrains_llama_refuses_an_output_bias_with_float8_under_tp(corpus_cache):
-    """Its wo with a bias became a plain RowParallelLinear while parallel.float8 still listed it."""
-    with pytest.raises(ConfigError) as err:
-        tiny_config(corpus_cache, "--model.attention_bias=true", "--parallel.tp=2", "--precision.fp8=rowwise",
-                    "--precision.fp8_emulate=true")
-    assert any("precision.fp8 = 'rowwise'" in p and "model.attention_bias" in p for p in err.value.problems)
-    tiny_config(corpus_cache, "--model.attention_bias=true", "--precision.fp8=rowwise", "--precision.fp8_emulate=true")

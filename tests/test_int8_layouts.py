@@ -65,10 +65,16 @@ def test_int8_layout_trains_like_one_process_with_int8(layout, one_process, corp
 
 
 # -- the reference quantizes like the layout ---------------------------------------------------------------
+BIASES = ["--model.attention_bias=true", "--model.mlp_bias=true"]  # wo's and w2's: added after the tp sum
+
+
 @pytest.mark.parametrize("layout", [[], ["--parallel.tp=2", "--parallel.sequence_parallel=true",
-                                         "--model.vocab_size=257", "--model.tie_embeddings=true"]],
-                         ids=["one-process", "tp2-sequence-parallel-tied-padded-vocab"])
+                                         "--model.vocab_size=257", "--model.tie_embeddings=true", *BIASES],
+                                    ["--parallel.tp=2", *BIASES]],
+                         ids=["one-process", "tp2-sequence-parallel-tied-padded-vocab-biases", "tp2-biases"])
 def test_check_holds_int8_to_the_fp32_bounds(layout, corpus_cache, tmp_path):
+    """With biases, the row-parallel wo and w2 add theirs once, after the sum (was: on every rank
+    as well: measured, their gradients 2x the reference's at tp 2, 3x with sequence parallelism)."""
     cfg = tiny_config(corpus_cache, *INT8_RUN, *layout)
     report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=300)[0]
     assert report.agree, report.text()

@@ -5,6 +5,8 @@ apart from the trainer's wrapper (``memory/compression.py``), which the referenc
 The rule: a linear layer computes its output and its input gradient from its exact input, and its
 weight (and bias) gradient from the input rounded per row (the last dimension, whole) to int8 with
 s = max|row| / 127 in fp32 (never below the smallest normal), q = round(x / s) within +-127.
+A bias is added once per layer (its gradient the output gradient's sum: no int8 in it), whatever
+cut a layout makes of the layer. An MoE router stays exact (its block's logits are fp32).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from bigtrain.models.moe import MoEFeedForward
 
 
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -34,10 +38,11 @@ def _weight_gradient_from_int8(module: nn.Linear, args: tuple, out: torch.Tensor
 
 
 def int8_weight_gradients(blocks: nn.Module, head: nn.Linear | None) -> None:
-    """Every linear module under ``blocks``, and ``head`` if given (the output projection, unless the
-    fused loss holds it), takes its weight gradient from an int8 copy of its input. (An MoE router,
-    which its block applies as ``F.linear`` on its weight and never calls, stays exact, as in the
-    trainer.)"""
-    linears = [m for m in blocks.modules() if isinstance(m, nn.Linear)]
+    """Every linear module under ``blocks`` but an MoE block's router, and ``head`` if given (the
+    output projection, unless the fused loss holds it), takes its weight gradient from an int8 copy
+    of its input. The router stays exact: its block computes the logits in fp32 from its weight,
+    and its input is the block's, kept whole for them anyway."""
+    routers = {id(m.router) for m in blocks.modules() if isinstance(m, MoEFeedForward)}
+    linears = [m for m in blocks.modules() if isinstance(m, nn.Linear) and id(m) not in routers]
     for linear in linears + ([head] if head is not None else []):
         linear.register_forward_hook(_weight_gradient_from_int8)

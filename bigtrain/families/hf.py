@@ -37,7 +37,7 @@ from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
 from bigtrain.families.hf_context import attach_context_parallel, attention_window, context_problems
-from bigtrain.families.hf_fields import dropout_problems, rotary_problems, row_bias_problems, row_parallel_biases
+from bigtrain.families.hf_fields import dropout_problems, rotary_problems
 from bigtrain.families.hf_moe import (MOE_ARCHITECTURES, MOE_DESCRIBED, MOE_SHAPE_KEYS, by_transformers_names,
                                       moe_problems, planner_moe_fields, sparse_blocks, swap_sparse_blocks,
                                       to_transformers_names)
@@ -308,10 +308,6 @@ def check_hf(cfg: Config) -> list[str]:
         problems += context_problems(cfg, heads, kv, str(path), window)
     if conf is not None:  # fields some layouts cannot honour: bigtrain/families/hf_fields.py
         problems += dropout_problems(conf, str(path)) + rotary_problems(cfg, conf, str(path))
-        if tp > 1 and not problems and (cfg.memory.activation_compression != "none" or cfg.precision.fp8 != "none"):
-            model = build_meta(cfg)
-            plan = tp_plan(model, tp, p.sequence_parallel, p.sp > 1)
-            problems += row_bias_problems(cfg, row_parallel_biases(model, plan), str(path))
     vocab, positions = fields.get("vocab_size", 0), fields.get("max_position_embeddings", 0)
     problems += token_batch_problems(cfg)
     problems += token_data_problems(cfg, vocab, positions, vocab_field=f"vocab_size of {path}",

@@ -13,25 +13,14 @@ would train something else than one process running transformers would, and the 
   sit at or below that length would rotate with the short factors while the whole sequence uses
   the long ones. Measured: Llama, sp 2, 32 tokens, original 16: the first loss 1e-2 off the
   reference's, no error. Refused exactly when some rank would choose differently.
-- Biases on the row-parallel linears (``o_proj`` with ``attention_bias``, Llama's ``down_proj``
-  with ``mlp_bias``) under ``parallel.tp`` with int8 compression or float8: the bias is added once
-  after the tensor-parallel sum by :class:`~bigtrain.parallel.tensor.styles.RowParallel`'s
-  replacement linear; the int8 wrapper adds it again on every rank before the sum (measured: the
-  bias gradients 3x the reference's at tp 2) and the replacement drops the float8 swap (the layer
-  computes in the compute dtype while the run records it as float8). bigtrain's Llama refuses the
-  same combinations (bigtrain/model_fields.py: ``bias_problems``).
 """
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
-from torch import nn
 
 from bigtrain.config import Config
 from bigtrain.parallel.context import chunks_of
-from bigtrain.parallel.tensor.styles import RowParallel
 
 
 def dropout_problems(conf, where: str) -> list[str]:
@@ -71,23 +60,3 @@ def rotary_problems(cfg: Config, conf, where: str) -> list[str]:
             f"rank's tokens reach only position {reached} and transformers would rotate them with the short "
             f"factors; use a data.seq_len of at most {original}, or fewer sp/cp ranks (every rank's tokens must "
             f"reach past {original}: Ulysses' first rank holds data.seq_len / parallel.sp of them)"]
-
-
-def row_parallel_biases(model: nn.Module, plan: dict) -> list[str]:
-    """The modules of ``model`` with a bias that ``plan`` (a tensor-parallel plan) cuts by rows."""
-    rows = [pattern for pattern, styles in plan.items()
-            if any(isinstance(s, RowParallel) for s in (styles if isinstance(styles, list) else [styles]))]
-    return [name for name, m in model.named_modules()
-            if getattr(m, "bias", None) is not None and any(fnmatch.fnmatchcase(name, p) for p in rows)]
-
-
-def row_bias_problems(cfg: Config, biased: list[str], where: str) -> list[str]:
-    """``biased``: :func:`row_parallel_biases` of the model under its tp plan."""
-    p, compression, fp8 = cfg.parallel, cfg.memory.activation_compression, cfg.precision.fp8
-    if p.tp <= 1 or not biased or (compression == "none" and fp8 == "none"):
-        return []
-    field, value = ("memory.activation_compression", compression) if compression != "none" else ("precision.fp8", fp8)
-    return [f"{field} = '{value}' with parallel.tp = {p.tp}: {', '.join(biased[:2])}{' ...' if len(biased) > 2 else ''} "
-            f"of {where} carry a bias, added once after the tensor-parallel sum, which the {value} linears would "
-            f"add on every rank (int8) or skip float8 for (float8); set {field} = 'none', parallel.tp = 1, or "
-            f"attention_bias / mlp_bias to false in {where}"]

@@ -230,8 +230,9 @@ def moe_problems(cfg: Config, conf, where: str) -> list[str]:
                         f"precision.fp8 = 'none'")
     if cfg.memory.activation_compression != "none":
         problems.append(f"memory.activation_compression = '{cfg.memory.activation_compression}' with the sparse "
-                        f"blocks of {where}: it takes the decoder layers' nn.Linear modules, i.e. the router but "
-                        f"not the stacked experts; set memory.activation_compression = 'none'")
+                        f"blocks of {where}: it takes the decoder layers' nn.Linear modules, not the stacked "
+                        f"experts, and leaves routers exact, which the transformers reference (its gate an "
+                        f"nn.Linear) does not state; set memory.activation_compression = 'none'")
     p = cfg.parallel
     if p.cp > 1 and p.sp > 1:
         problems.append(f"parallel.cp = {p.cp} x parallel.sp = {p.sp} with the sparse blocks of {where}: an MoE "

@@ -34,7 +34,7 @@ from torch import nn
 
 from bigtrain.fp8.gemm import BACKENDS, float8_matmul_nt
 from bigtrain.fp8.scaling import Float8Recipe
-from bigtrain.wrappers import name_in
+from bigtrain.wrappers import name_in, unwrapped
 
 if TYPE_CHECKING:  # a plan object, read here; the parallel plans are the caller's
     from bigtrain.parallel.parallel_plan import Float8Plan
@@ -107,6 +107,12 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.float8_product(x)
+        return y if self.bias is None else y + self.bias
+
+    def float8_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T in float8, without the bias (a row-parallel layer adds it after its sum:
+        bigtrain/parallel/tensor/styles.py's ``RowParallelFloat8Linear``)."""
         weight = self.weight
         y = _Float8InputPath.apply(x, weight.detach(), self.recipe, self.backend)
         if weight.requires_grad and torch.is_grad_enabled():
@@ -114,8 +120,7 @@ class Float8Linear(nn.Linear):
         # A view on top, as F.linear's output is a view of its matmul: a hook put on the module's
         # output (ZeRO-3 gathers before backward with one) must not sit on the node that the
         # split backward's W re-enters.
-        y = y.view_as(y)
-        return y if self.bias is None else y + self.bias
+        return y.view_as(y)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, float8={self.recipe.scaling}, backend={self.backend}"
@@ -129,6 +134,16 @@ class Float8Linears:
     names: tuple[str, ...]
     recipe: Float8Recipe
     backend: str
+
+    def check_kept(self, model: nn.Module) -> None:
+        """Raise if a later step put a module that is no :class:`Float8Linear` where one of the named
+        linears was (under any wrappers): the layer would compute in the compute dtype while this
+        record says float8 (a row-parallel bias once did: parallel/tensor/styles.py)."""
+        lost = [n for n in self.names if not isinstance(unwrapped(model.get_submodule(n)), Float8Linear)]
+        if lost:
+            kinds = sorted({type(unwrapped(model.get_submodule(n))).__name__ for n in lost})
+            raise ValueError(f"float8: {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''} no longer compute in "
+                             f"float8 after the parallel plans (now {', '.join(kinds)})")
 
 
 def convert_to_float8(model: nn.Module, recipe: Float8Recipe, backend: str, root: str = "layers",

@@ -21,6 +21,7 @@ from bigtrain.memory.compression import compress_linear_inputs
 from bigtrain.memory.fused_loss import fuse_head_into_loss
 from bigtrain.memory.offload import ActivationOffloader
 from bigtrain.memory.selective import apply_selective_recomputation
+from bigtrain.models.moe import MoEFeedForward
 from bigtrain.wrappers import name_in
 
 if TYPE_CHECKING:
@@ -85,13 +86,22 @@ def rows_split_over(model: nn.Module, layout: "TensorLayout | None") -> dict[str
     return out
 
 
+def compressed_linears(blocks: nn.Module) -> list[str]:
+    """The linear layers of ``blocks`` (names in it) whose inputs int8 compression keeps: all but the
+    MoE routers. A router's logits are computed in fp32 by its block from ``router.weight`` (models/
+    moe.py), never by calling the module, so a wrapper around it would be bypassed; and its input is
+    the block's, which the router keeps exactly all the same (the reference and the planner say so too)."""
+    routers = {id(m.router) for m in blocks.modules() if isinstance(m, MoEFeedForward)}
+    return [n for n, m in blocks.named_modules() if isinstance(m, nn.Linear) and id(m) not in routers]
+
+
 def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=None) -> ActivationMemory:
     """Apply ``plan`` to ``model`` (after tensor parallelism: ``layout`` is its TensorLayout, or None)."""
     compressed = 0
     if plan.compression == "int8":
         blocks = block_list(model, plan)
         root = name_in(model, blocks)
-        linears = [f"{root}.{n}" for n, m in blocks.named_modules() if isinstance(m, nn.Linear)]
+        linears = [f"{root}.{n}" for n in compressed_linears(blocks)]
         if not plan.fused_loss:
             linears.append(plan.head)
         compressed = compress_linear_inputs(model, linears, rows_split_over(model, layout))

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
-from bigtrain.wrappers import ModuleWrapper, replace_module
+from bigtrain.parallel.tensor.styles import RowParallelLinear
+from bigtrain.wrappers import ModuleWrapper, replace_module, unwrapped
 
 
 
@@ -106,12 +107,18 @@ class Int8SavedInput(ModuleWrapper):
     kind = "int8_saved_input"
 
     def __init__(self, linear: nn.Linear, shared: _SharedQuantization, rows_over: AxisComm | None = None):
+        if type(unwrapped(linear)) not in (nn.Linear, RowParallelLinear):  # it computes as nn.Linear does
+            raise ValueError(f"int8 compression: {type(unwrapped(linear)).__name__} computes otherwise than "
+                             f"nn.Linear, which this wrapper would silently replace")
         super().__init__(linear)
         object.__setattr__(self, "shared", shared)  # plain state of this wrapper, not a child
         object.__setattr__(self, "rows_over", rows_over)
+        # A row-parallel layer's forward leaves its bias out: its style adds it once, after the
+        # tensor-parallel sum (parallel/tensor/styles.py); added here too, every rank would add it.
+        object.__setattr__(self, "adds_bias", not isinstance(unwrapped(linear), RowParallelLinear))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias, comm = self.weight, self.bias, self.rows_over
+        weight, bias, comm = self.weight, self.bias if self.adds_bias else None, self.rows_over
         if not torch.is_grad_enabled() or not weight.requires_grad:
             return F.linear(x, weight, bias)
         pending = None

@@ -67,6 +67,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
         plain_loss = activations.head is None and (layout is None or layout.vocab is None)
         split_backward = mesh.comm("pp").size > 1 and plan.pipeline.schedule == "zb-h1"  # keeps the graph
         compiled = apply_compile(model, token_loss_sum if plain_loss else None, keep_graph=split_backward, device=device)
+    if float8 is not None:  # the plans above replace some linears (a row-parallel bias): still float8?
+        float8.check_kept(model)
     transforms = transforms_of(model)  # before the pipeline split: every rank records the whole model
     pipeline = build_pipeline(model, mesh, plan.pipeline, placements, ties)
     placements, tied = pipeline.placements, TiedCopies.from_placements(pipeline.placements)

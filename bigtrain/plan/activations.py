@@ -45,7 +45,9 @@ output is kept by wo alone (no extra copy under Ulysses).
 int8 compression (``memory/compression.py``) stores a linear's input as 1 byte an element plus a
 4-byte scale per token: the norms' outputs (and Megatron SP's gathered copies), w2's input, and
 wo's input (an extra copy in a plain block, where SDPA keeps its output anyway). Full
-checkpointing keeps no linear input, so int8 changes nothing there.
+checkpointing keeps no linear input, so int8 changes nothing there. In an MoE block the router
+keeps its input exactly (routers are left out) and the routed experts are no linear layers: only
+a shared expert's inputs are int8 (``moe_routing_bytes``; measured to the byte, tests/test_plan.py).
 
 The fused loss (``memory/fused_loss.py``) keeps of the head the final norm as above, 4 bytes of
 log-sum-exp and the int64 targets per token, instead of the fp32 log-softmax over the vocabulary;
@@ -292,9 +294,15 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
         items += [(f"{second_norm}.input", nbytes * h, "norm_in"), (f"{second_norm}.output", linear_in, "norm_out")]
     else:
         items += _norm_items(model, nbytes, second_norm, linear_in, compiled)
-    product = [("feed_forward.product", _int8(f) if int8 else nbytes * f, "split")]
+    dense = 1 - model.moe_layers / model.layers if model.experts else 1.0  # the blocks with a plain SwiGLU
+    product = [("feed_forward.product", dense * _int8(model.ffn_hidden) if int8 else nbytes * f, "split")]
     if f_moe:  # the experts' product (their matmuls are no nn.Linear: int8 leaves them as they are)
-        product.append(("feed_forward.product.moe", nbytes * f_moe, "whole"))
+        share = model.moe_layers / model.layers
+        routed = share * model.top_k * model.expert_ffn
+        product.append(("feed_forward.product.moe", nbytes * routed, "whole"))
+        if model.shared_expert:  # but the shared expert's w2 is one: int8 keeps its input
+            product.append(("feed_forward.product.shared", share * (_int8(model.expert_ffn) if int8 else
+                                                                    nbytes * model.expert_ffn), "whole"))
     w1_w3 = [*_ffn("feed_forward.w1_out", nbytes, f, f_moe), *_ffn("feed_forward.w3_out", nbytes, f, f_moe)]
     if selective or (model.mlp == "swiglu" and compiled):  # silu(w1 x) recomputed
         items += [*w1_w3, *product]
@@ -308,7 +316,7 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
     per_block = 0.0
     if model.experts:
         share = model.moe_layers / model.layers
-        items.append(("feed_forward.routing", moe_routing_bytes(model, nbytes, ep) * share, "whole"))
+        items.append(("feed_forward.routing", moe_routing_bytes(model, nbytes, ep, compression) * share, "whole"))
         per_block = (4 * model.experts * h if nbytes < 4 else 0) * share  # the router weight's fp32 copy
     return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
                             gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
@@ -328,13 +336,16 @@ def _ffn(name: str, nbytes: int, split: float, whole: float) -> list[tuple[str, 
     return [(name, nbytes * split, "split")] + ([(f"{name}.moe", nbytes * whole, "whole")] if whole else [])
 
 
-def moe_routing_bytes(model: ModelSpec, nbytes: int, ep: int = 1) -> float:
+def moe_routing_bytes(model: ModelSpec, nbytes: int, ep: int = 1, compression: str = "none") -> float:
     """What an MoE block (models/moe.py, the softmax router) saves per token besides its experts'
     SwiGLU activations, read off its saved tensors (h hidden, k top_k, E experts, B compute bytes):
 
-        router    its fp32 input 4h (below fp32: a copy of the norm's output, which then nothing
-                  else keeps without a shared expert: B h less), softmax 4E, top-k indices 8k and
-                  values 4k, their sum 4 (the renormalization)
+        router    its fp32 input 4h, exact (int8 compression leaves routers out: memory/
+                  activations.py), where the block's list counts the norm's output as the linears
+                  after it keep it (B h; h + 4 in int8): below fp32 a copy, and the norm's output
+                  itself is kept only by a shared expert (B h, or its int8 copy); in fp32 the same
+                  tensor, kept once with a shared expert and no int8 (its int8 copy besides);
+                  softmax 4E, top-k indices 8k and values 4k, their sum 4 (the renormalization)
         dispatch  the capacity mask k (bool), the sort order 8k, each routing's token 8k, the
                   gathered rows B k h (the experts' input)
         combine   the experts' rows in fp32 4kh and their weights 4k (the weighted sum), the
@@ -346,8 +357,10 @@ def moe_routing_bytes(model: ModelSpec, nbytes: int, ep: int = 1) -> float:
     Besides, whatever the tokens, below fp32 the router weight's fp32 copy: 4 E h bytes a block
     (``BlockActivations.per_block``)."""
     h, k, e = model.hidden, model.top_k, model.experts
-    copy = 4 * h - (0 if model.shared_expert else nbytes * h) if nbytes < 4 else 0
-    router = copy + 4 * e + 12 * k + 4
+    int8 = compression == "int8"
+    counted = _int8(h) if int8 else nbytes * h  # the norm's output in the block's list
+    by_shared = (_int8(h) if int8 else (nbytes * h if nbytes < 4 else 0)) if model.shared_expert else 0
+    router = 4 * h + by_shared - counted + 4 * e + 12 * k + 4
     dispatch = k + 16 * k + nbytes * k * h
     combine = 4 * k * h + 4 * k + nbytes * k * h
     return router + dispatch + combine + 8 * e / model.seq + (16 * k if ep > 1 else 0)

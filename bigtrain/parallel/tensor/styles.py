@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.fp8.linear import Float8Linear
 from bigtrain.parallel.placement import ShardSpec, even_shard, vocab_pad_to
 from bigtrain.parallel.tensor.functional import (all_to_all, copy_to_group, gather_sequence, reduce_from_group,
                                                  scatter_sequence_sum)
@@ -77,19 +78,55 @@ class ColumnParallel(Style):
 class RowParallelLinear(nn.Linear):
     """A linear layer whose forward leaves its bias out: under row parallelism each rank computes a
     partial sum, and the bias belongs to the whole sum, added once after the reduction (by the
-    :class:`RowParallel` style's hook). Same parameters and names as the ``nn.Linear`` it replaces."""
+    :class:`RowParallel` style's hook). Same parameters and names as the ``nn.Linear`` it replaces.
+    int8 compression's wrapper (memory/compression.py) reads this type to leave the bias out too."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
     @classmethod
     def replacing(cls, linear: nn.Linear) -> "RowParallelLinear":
-        if linear._forward_hooks or linear._forward_pre_hooks:
-            raise ValueError("RowParallel with a bias must be the first style applied to its layer")
+        _check_unhooked(linear)
         new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
         new.weight, new.bias = linear.weight, linear.bias  # the same Parameter objects
         new.train(linear.training)
         return new
+
+
+class RowParallelFloat8Linear(Float8Linear):
+    """:class:`RowParallelLinear` for a float8 layer: its product in float8 (the same recipe and
+    backend), its bias left to the :class:`RowParallel` hook, added once after the reduction."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.float8_product(x)
+
+    @classmethod
+    def replacing(cls, linear: Float8Linear) -> "RowParallelFloat8Linear":
+        _check_unhooked(linear)
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False, recipe=linear.recipe,
+                      backend=linear.backend)
+        new.weight, new.bias = linear.weight, linear.bias
+        new.train(linear.training)
+        return new
+
+
+def _check_unhooked(linear: nn.Linear) -> None:
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        raise ValueError("RowParallel with a bias must be the first style applied to its layer")
+
+
+def bias_after_the_sum(linear: nn.Linear) -> nn.Linear:
+    """The layer of ``linear``'s class whose forward leaves the bias out, holding its parameters: a
+    float8 layer stays float8. A linear of another class is refused rather than replaced by a plain
+    one (it would silently stop computing as its class does)."""
+    if type(linear) is nn.Linear:
+        return RowParallelLinear.replacing(linear)
+    if type(linear) is Float8Linear:
+        return RowParallelFloat8Linear.replacing(linear)
+    raise ValueError(f"RowParallel: a {type(linear).__name__} with a bias has no row-parallel form here (its bias "
+                     f"must be added once, after the tensor-parallel sum); give it one in "
+                     f"bigtrain/parallel/tensor/styles.py")
 
 
 class RowParallel(Style):
@@ -99,7 +136,7 @@ class RowParallel(Style):
     sequence shards under sequence parallelism, summed like the norms')."""
 
     def apply(self, module: nn.Linear, ctx: TPContext) -> nn.Module | None:
-        replacement = RowParallelLinear.replacing(module) if module.bias is not None else None
+        replacement = bias_after_the_sum(module) if module.bias is not None else None
         module = replacement or module
         _shard_param(module, "weight", 1, ctx)
         reduce = scatter_sequence_sum if ctx.sequence_parallel else reduce_from_group
