@@ -227,10 +227,13 @@ def test_the_int8_reference_leaves_routers_exact_and_compresses_the_shared_exper
 
 
 def test_int8_rows_round_trip_within_half_a_step():
-    x = torch.randn(64, 96) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    """|q s - x| <= s / 2, plus fp32's roundings of x / s and q s (each 2^-24 of up to 127.5 s):
+    the bound's slack is 128 s 2^-23 (unseeded, a draw that lands a value on a half step failed
+    by that rounding, depending on the tests before it)."""
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 64).unsqueeze(1)
     q, scale = quantize_rows(x)
     assert q.dtype == torch.int8 and scale.shape == (64, 1)
-    assert ((q.float() * scale - x).abs() <= scale / 2 + 1e-12).all()
+    assert ((q.float() * scale - x).abs() <= scale * (0.5 + 128 * 2.0 ** -23)).all()
 
 
 def test_three_linears_reading_one_input_share_one_int8_copy():
