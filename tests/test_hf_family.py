@@ -505,7 +505,7 @@ def test_a_tensor_parallel_checkpoint_exports_whole_weights(corpus_cache, tmp_pa
         assert torch.equal(p, weights[name]), name
 
 
-def _initial_weights(rank, world_size, cfg, run_dir):
+def initial_weights(rank, world_size, cfg, run_dir):
     return trainer_on_rank(rank, world_size, cfg, run_dir).parallel.full_weights()
 
 
@@ -517,7 +517,7 @@ def test_init_from_loads_an_exported_folder_shard_by_shard(corpus_cache, tmp_pat
     weights, _ = train_and_save(0, 1, cfg, str(tmp_path / "run"), torch.zeros(1, 4, dtype=torch.long))
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
     resumed = hf_config(corpus_cache, "qwen2", f"--model.init_from=hf:{tmp_path / 'out'}", *LAYOUTS["tp2-sp"])
-    loaded = run_ranks(_initial_weights, 2, resumed, str(tmp_path / "again"))[0]
+    loaded = run_ranks(initial_weights, 2, resumed, str(tmp_path / "again"))[0]
     assert set(loaded) == set(weights)
     for name, w in weights.items():
         assert torch.equal(loaded[name], w), name

@@ -25,8 +25,8 @@ from bigtrain.families import hf as hf_family
 from bigtrain.families.hf_moe import sparse_blocks
 from bigtrain.testing import run_ranks
 from tests.helpers import tiny_config, trainer_on_rank, warm_compiler
-from tests.test_hf_family import (FIXTURES, STEPS, train_and_save, assert_layout_matches_reference,
-                                  assert_matches_reference, hf_config, reference, train_layout)
+from tests.test_hf_family import (FIXTURES, STEPS, assert_layout_matches_reference, assert_matches_reference,
+                                  hf_config, initial_weights, reference, train_and_save, train_layout)
 
 transformers = pytest.importorskip("transformers")
 
@@ -278,10 +278,6 @@ def test_an_expert_parallel_checkpoint_exports_every_expert(corpus_cache, tmp_pa
         assert torch.equal(p, theirs[name]), name
 
 
-def _initial_weights(rank, world_size, cfg, run_dir):
-    return trainer_on_rank(rank, world_size, cfg, run_dir).parallel.full_weights()
-
-
 def test_init_from_loads_an_exported_moe_folder_into_expert_parallel_ranks(corpus_cache, tmp_path):
     from bigtrain.cli import main
 
@@ -289,7 +285,7 @@ def test_init_from_loads_an_exported_moe_folder_into_expert_parallel_ranks(corpu
     weights, _ = train_and_save(0, 1, cfg, str(tmp_path / "run"), torch.zeros(1, 4, dtype=torch.long))
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
     resumed = hf_config(corpus_cache, "mixtral", f"--model.init_from=hf:{tmp_path / 'out'}", *EP2)
-    loaded = run_ranks(_initial_weights, 2, resumed, str(tmp_path / "again"))[0]
+    loaded = run_ranks(initial_weights, 2, resumed, str(tmp_path / "again"))[0]
     assert set(loaded) == set(weights)
     for name, w in weights.items():
         assert torch.equal(loaded[name], w), name
