@@ -210,14 +210,16 @@ def test_moe_blocks_with_int8_save_what_the_planner_says(precision, variant, cor
 
 
 def test_the_int8_reference_leaves_routers_exact_and_compresses_the_shared_expert(corpus_cache):
-    """The reference's rule (core/int8_reference.py) leaves out the routers the trainer leaves out:
-    their gradients equal the exact ones; the shared expert's do not."""
+    """The reference's rule (core/int8_reference.py, given the routers as check/reference.py gives
+    them) leaves out the routers the trainer leaves out: their gradients equal the exact ones; the
+    shared expert's do not."""
     from bigtrain.core.int8_reference import int8_weight_gradients
+    from bigtrain.models.moe import moe_blocks
 
     cfg = tiny_config(corpus_cache, "--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_shared_expert=true",
                       "--model.n_layers=1")
     exact, rounded = _model(cfg), _model(cfg)
-    int8_weight_gradients(rounded.layers, rounded.output)
+    int8_weight_gradients(rounded.layers, rounded.output, exact=[b.router for _, b in moe_blocks(rounded.layers)])
     assert not rounded.layers[0].feed_forward.router._forward_hooks
     tokens, targets = _batch(cfg)
     _, want = _loss_and_grads(exact, tokens, targets)

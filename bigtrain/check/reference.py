@@ -53,7 +53,7 @@ from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.llama import Llama
-from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
+from bigtrain.models.moe import moe_blocks, set_aux_loss_scale, update_router_biases
 from bigtrain.models.widen import at_least_fp32
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,7 +104,8 @@ class ReferenceRun:
         if cfg.memory.activation_compression == "int8":
             for model in (self.compute, self.stale):
                 if model is not None:
-                    int8_weight_gradients(model.layers, None if cfg.model.fused_loss else model.output)
+                    int8_weight_gradients(model.layers, None if cfg.model.fused_loss else model.output,
+                                          exact=[block.router for _, block in moe_blocks(model.layers)])
         self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
         if cfg.precision.fp8 != "none":
             for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():

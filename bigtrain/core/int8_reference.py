@@ -11,11 +11,12 @@ cut a layout makes of the layer. An MoE router stays exact (its block's logits a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigtrain.models.moe import MoEFeedForward
 
 
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -37,12 +38,12 @@ def _weight_gradient_from_int8(module: nn.Linear, args: tuple, out: torch.Tensor
     return exact + (from_int8 - from_int8.detach())
 
 
-def int8_weight_gradients(blocks: nn.Module, head: nn.Linear | None) -> None:
-    """Every linear module under ``blocks`` but an MoE block's router, and ``head`` if given (the
-    output projection, unless the fused loss holds it), takes its weight gradient from an int8 copy
-    of its input. The router stays exact: its block computes the logits in fp32 from its weight,
-    and its input is the block's, kept whole for them anyway."""
-    routers = {id(m.router) for m in blocks.modules() if isinstance(m, MoEFeedForward)}
-    linears = [m for m in blocks.modules() if isinstance(m, nn.Linear) and id(m) not in routers]
+def int8_weight_gradients(blocks: nn.Module, head: nn.Linear | None, exact: Iterable[nn.Module] = ()) -> None:
+    """Every linear module under ``blocks`` but those in ``exact`` (the caller's MoE routers), and
+    ``head`` if given (the output projection, unless the fused loss holds it), takes its weight
+    gradient from an int8 copy of its input. A router stays exact: its block computes the logits in
+    fp32 from its weight, and its input is the block's, kept whole for them anyway."""
+    kept = {id(m) for m in exact}
+    linears = [m for m in blocks.modules() if isinstance(m, nn.Linear) and id(m) not in kept]
     for linear in linears + ([head] if head is not None else []):
         linear.register_forward_hook(_weight_gradient_from_int8)

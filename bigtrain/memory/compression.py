@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
-from bigtrain.parallel.tensor.styles import RowParallelLinear
+from bigtrain.models.row_parallel_linear import RowParallelLinear
 from bigtrain.wrappers import ModuleWrapper, replace_module, unwrapped
 
 

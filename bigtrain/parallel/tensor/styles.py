@@ -19,6 +19,7 @@ from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.fp8.linear import Float8Linear
+from bigtrain.models.row_parallel_linear import RowParallelLinear, check_unhooked
 from bigtrain.parallel.placement import ShardSpec, even_shard, vocab_pad_to
 from bigtrain.parallel.tensor.functional import (all_to_all, copy_to_group, gather_sequence, reduce_from_group,
                                                  scatter_sequence_sum)
@@ -75,24 +76,6 @@ class ColumnParallel(Style):
             _shard_param(module, "bias", 0, ctx, self.pad_to)
 
 
-class RowParallelLinear(nn.Linear):
-    """A linear layer whose forward leaves its bias out: under row parallelism each rank computes a
-    partial sum, and the bias belongs to the whole sum, added once after the reduction (by the
-    :class:`RowParallel` style's hook). Same parameters and names as the ``nn.Linear`` it replaces.
-    int8 compression's wrapper (memory/compression.py) reads this type to leave the bias out too."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-    @classmethod
-    def replacing(cls, linear: nn.Linear) -> "RowParallelLinear":
-        _check_unhooked(linear)
-        new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
-        new.weight, new.bias = linear.weight, linear.bias  # the same Parameter objects
-        new.train(linear.training)
-        return new
-
-
 class RowParallelFloat8Linear(Float8Linear):
     """:class:`RowParallelLinear` for a float8 layer: its product in float8 (the same recipe and
     backend), its bias left to the :class:`RowParallel` hook, added once after the reduction."""
@@ -102,18 +85,13 @@ class RowParallelFloat8Linear(Float8Linear):
 
     @classmethod
     def replacing(cls, linear: Float8Linear) -> "RowParallelFloat8Linear":
-        _check_unhooked(linear)
+        check_unhooked(linear)
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=linear.recipe,
                       backend=linear.backend)
         new.weight, new.bias = linear.weight, linear.bias
         new.train(linear.training)
         return new
-
-
-def _check_unhooked(linear: nn.Linear) -> None:
-    if linear._forward_hooks or linear._forward_pre_hooks:
-        raise ValueError("RowParallel with a bias must be the first style applied to its layer")
 
 
 def bias_after_the_sum(linear: nn.Linear) -> nn.Linear:
