@@ -402,25 +402,33 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidde
             "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
 
 
+def plan_config_json(tmp_path, capsys, fields: dict, seq_len: int, global_batch: int) -> tuple[dict, Path]:
+    """``bigtrain plan --config run.toml --gpus 4 --json`` of a run of the config.json ``fields``:
+    (the report, the run's toml)."""
+    import json
+
+    from bigtrain.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[model]\nfamily = "hf"\nhf_config = "{tmp_path / "config.json"}"\n'
+                    f'[data]\nseq_len = {seq_len}\n[train]\nglobal_batch = {global_batch}\n')
+    capsys.readouterr()
+    assert main(["plan", "--config", str(toml), "--gpus", "4", "--json", "--top", "400"]) == 0
+    return json.loads(capsys.readouterr().out), toml
+
+
 def test_plan_prices_a_config_files_model_and_ranks_only_layouts_its_family_runs(tmp_path, capsys):
     """``bigtrain plan --config run.toml`` for a run of a Qwen3-8B config.json: the model priced is
     the one transformers builds (8.19e9 parameters, q/k norms aside), and every ranked layout is one
     the family runs (no interleaved or zero-bubble stages, no selective recomputation, no Megatron
     sequence parallelism across pipeline stages), though the planner models them all for bigtrain's
     Llama."""
-    import json
-
     from bigtrain.cli import main
     from bigtrain.config import load_config
     from bigtrain.families.hf import parameter_count
 
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
-    toml = tmp_path / "run.toml"
-    toml.write_text(f'[model]\nfamily = "hf"\nhf_config = "{tmp_path / "config.json"}"\n'
-                    f'[data]\nseq_len = 4096\n[train]\nglobal_batch = 256\n')
-    capsys.readouterr()
-    assert main(["plan", "--config", str(toml), "--gpus", "4", "--json", "--top", "400"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report, toml = plan_config_json(tmp_path, capsys, QWEN3_8B, seq_len=4096, global_batch=256)
     built = parameter_count(load_config(path=toml))
     assert report["params"] + 2 * 128 * 36 == built, (report["params"], built)
     ranked = [r["layout"] for r in report["ranked"]]

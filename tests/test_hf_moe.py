@@ -26,7 +26,8 @@ from bigtrain.families.hf_moe import sparse_blocks
 from bigtrain.testing import run_ranks
 from tests.helpers import tiny_config, trainer_on_rank, warm_compiler
 from tests.test_hf_family import (FIXTURES, STEPS, assert_layout_matches_reference, assert_matches_reference,
-                                  hf_config, initial_weights, reference, train_and_save, train_layout)
+                                  hf_config, initial_weights, plan_config_json, reference, train_and_save,
+                                  train_layout)
 
 transformers = pytest.importorskip("transformers")
 
@@ -352,17 +353,10 @@ SMALL_MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral
 def test_plan_prices_a_mixtral_config_json_with_expert_parallel_layouts(tmp_path, capsys):
     """``bigtrain plan --config`` of a Mixtral config.json: the parameters transformers builds and
     ranked layouts that cut the experts over ep, each one the family runs."""
-    from bigtrain.cli import main
     from bigtrain.config import load_config
     from bigtrain.families.hf import parameter_count
 
-    (tmp_path / "config.json").write_text(json.dumps(SMALL_MIXTRAL))
-    toml = tmp_path / "run.toml"
-    toml.write_text(f'[model]\nfamily = "hf"\nhf_config = "{tmp_path / "config.json"}"\n'
-                    f'[data]\nseq_len = 2048\n[train]\nglobal_batch = 64\n')
-    capsys.readouterr()
-    assert main(["plan", "--config", str(toml), "--gpus", "4", "--json", "--top", "400"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report, toml = plan_config_json(tmp_path, capsys, SMALL_MIXTRAL, seq_len=2048, global_batch=64)
     assert report["params"] == parameter_count(load_config(path=toml))
     ranked = [r["layout"] for r in report["ranked"]]
     assert any(layout.get("ep", 1) > 1 for layout in ranked), ranked[:5]
