@@ -556,9 +556,13 @@ CHECKED = {
 def test_check_compares_the_family_step_by_step(corpus_cache, tmp_path, name):
     """``bigtrain check`` runs the family's own reference (families/hf_reference.py): losses,
     gradients, weights and the blocks' outputs agree at every step, and measured, not just passed."""
+    assert_check_agrees(corpus_cache, tmp_path, *CHECKED[name])
+
+
+def assert_check_agrees(corpus_cache, tmp_path, arch: str, layout: list[str]) -> None:
+    """``bigtrain check`` of ``arch``'s fixture at ``layout``, 3 steps, against the family's reference."""
     from bigtrain.check.run import check_on_rank, reference_problems
 
-    arch, layout = CHECKED[name]
     cfg = hf_config(corpus_cache, arch, *layout)
     assert reference_problems(cfg) == []
     report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=300)[0]

@@ -25,9 +25,9 @@ from bigtrain.families import hf as hf_family
 from bigtrain.families.hf_moe import sparse_blocks
 from bigtrain.testing import run_ranks
 from tests.helpers import tiny_config, trainer_on_rank, warm_compiler
-from tests.test_hf_family import (FIXTURES, STEPS, assert_layout_matches_reference, assert_matches_reference,
-                                  hf_config, initial_weights, plan_config_json, reference, train_and_save,
-                                  train_layout)
+from tests.test_hf_family import (FIXTURES, STEPS, assert_check_agrees, assert_layout_matches_reference,
+                                  assert_matches_reference, hf_config, initial_weights, plan_config_json, reference,
+                                  train_and_save, train_layout)
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,14 +132,7 @@ CHECKED = {
 
 @pytest.mark.parametrize("name", list(CHECKED))
 def test_check_compares_the_moe_family_step_by_step(corpus_cache, tmp_path, name):
-    from bigtrain.check.run import check_on_rank, reference_problems
-
-    arch, layout = CHECKED[name]
-    cfg = hf_config(corpus_cache, arch, *layout)
-    assert reference_problems(cfg) == []
-    report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=300)[0]
-    assert report.agree and report.steps == 3, report.text()
-    assert 0 < report.worst["loss"] <= report.tolerance.loss and "forward" in report.worst, report.text()
+    assert_check_agrees(corpus_cache, tmp_path, *CHECKED[name])
 
 
 def test_bf16_routes_with_transformers_rounding(corpus_cache, tmp_path, monkeypatch):
