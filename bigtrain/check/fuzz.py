@@ -44,8 +44,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, INT8, context_parallel_choice, optimizer_choice,
-                                         sample_dlrm_layout, sample_hf_layout, sample_layout, tiny_hf_config)
+from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, INT8, context_parallel_choice, is_hf_moe,
+                                         optimizer_choice, sample_dlrm_layout, sample_hf_layout, sample_layout,
+                                         tiny_hf_config)
 from bigtrain.config import Config, ConfigError, load_config
 from bigtrain.families import family_of
 from bigtrain.validation import validate
@@ -85,7 +86,8 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
         if cp.random() < cp_share:
             out += context_parallel_choice(cp, out, max_world)
         float8 = any(o.startswith("--precision.fp8=") for o in out)  # int8 and float8 exclude each other
-        return out + ([INT8] if int8 and not float8 else []) + ([COMPILED] if compiled else [])
+        int8 = int8 and not float8 and not is_hf_moe(out)  # int8 on an HF MoE sample is refused (families/hf_moe.py)
+        return out + ([INT8] if int8 else []) + ([COMPILED] if compiled else [])
     out = sample_layout(rng, max_world)
     cp = random.Random(f"{seed}:{index}:cp")
     if cp.random() < cp_share:
