@@ -84,26 +84,36 @@ def _fresh(x):
     return x.detach().requires_grad_() if x.is_floating_point() else x
 
 
+def _stage_cases(stages, seed: int):
+    """Each stage with its input, the targets and its output's gradient (None for the loss)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=gen)
+    for stage, x in zip(stages, _stage_inputs(stages, tokens[:, :-1])):
+        yield stage, x, tokens[:, 1:], None if stage.is_last else torch.randn(BATCH, SEQ, 64, generator=gen)
+
+
+def _plain_backward(stage, x, targets, out_grad):
+    """A plain backward's weight gradients, input gradient and record of ops; the stage's
+    gradients are cleared after it."""
+    x = _fresh(x)
+    out = _forward(stage, x, targets)
+    with _Ops() as plain:
+        torch.autograd.backward(out, out_grad)
+    expected, expected_input = _grads(stage), x.grad
+    stage.zero_grad(set_to_none=True)
+    return expected, expected_input, plain
+
+
 @pytest.mark.parametrize("policy", ["none", "every", "full"])
 def test_input_then_weight_pass_equals_a_plain_backward_and_redoes_nothing(policy):
-    stages = _stages(policy)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=gen)
-    inputs = _stage_inputs(stages, tokens[:, :-1])
-    for stage, x in zip(stages, inputs):
-        out_grad = None if stage.is_last else torch.randn(BATCH, SEQ, 64, generator=gen)
-        x = _fresh(x)
-        out = _forward(stage, x, tokens[:, 1:])
-        with _Ops() as plain:
-            torch.autograd.backward(out, out_grad)
-        expected, expected_input = _grads(stage), x.grad
-        stage.zero_grad(set_to_none=True)
+    for stage, x, targets, out_grad in _stage_cases(_stages(policy), 0):
+        expected, expected_input, plain = _plain_backward(stage, x, targets, out_grad)
 
         accumulated = Counter()
         for name, p in stage.named_parameters():
             p.register_post_accumulate_grad_hook(lambda _, name=name: accumulated.update([name]))
         x = _fresh(x)
-        out = _forward(stage, x, tokens[:, 1:])
+        out = _forward(stage, x, targets)
         deferred, eager = split_parameters(stage)
         with _Ops() as input_pass:
             (input_grad,), weight_grads = backward_input([out], [out_grad], [x], deferred, eager)
@@ -149,18 +159,11 @@ def test_python_function_junctions_are_exact_after_the_stage_output_is_gone(edge
     monkeypatch.setattr(split_backward, "python_node_edges", lambda: edges)
     stages = _stages("none", float8=True)
     assert any(isinstance(m, Float8Linear) for m in stages[1].modules())
-    gen = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=gen)
-    inputs = _stage_inputs(stages, tokens[:, :-1])
-    for stage, x in zip(stages, inputs):
-        out_grad = None if stage.is_last else torch.randn(BATCH, SEQ, 64, generator=gen)
-        x = _fresh(x)
-        torch.autograd.backward(_forward(stage, x, tokens[:, 1:]), out_grad)
-        expected, expected_input = _grads(stage), x.grad
-        stage.zero_grad(set_to_none=True)
+    for stage, x, targets, out_grad in _stage_cases(stages, 2):
+        expected, expected_input, _ = _plain_backward(stage, x, targets, out_grad)
         x = _fresh(x)
         deferred, eager = split_parameters(stage)
-        (input_grad,), weight_grads = backward_input([_forward(stage, x, tokens[:, 1:])], [out_grad], [x],
+        (input_grad,), weight_grads = backward_input([_forward(stage, x, targets)], [out_grad], [x],
                                                      deferred, eager)  # the output dies here
         weight_grads.run()
         what = f"stage {stage.index} ({'edges' if edges else 'whole in I'})"
