@@ -78,6 +78,10 @@ class ModelConfig:
     moe_ffn_hidden: int = doc("MoE: each expert's SwiGLU inner size; 0 means the dense ffn size.", 0)
     moe_shared_expert: bool = doc("MoE: add a dense shared expert (a SwiGLU of the expert size) every token goes "
                                   "through.", False)
+    moe_shared_expert_hidden: int = doc("MoE: the shared expert's SwiGLU inner size; 0 means the expert size "
+                                        "(Qwen2-MoE's shared_expert_intermediate_size).", 0)
+    moe_shared_expert_gate: bool = doc("MoE: scale the shared expert's output per token by sigmoid(w x), w one "
+                                       "learned row (Qwen2-MoE's shared_expert_gate).", False)
     fused_loss: bool = doc("Compute the output projection and the cross-entropy together in chunks of tokens, "
                            "recomputing each chunk's logits in backward: the (tokens x vocabulary) logits are "
                            "never held (with tp: the vocabulary-parallel loss, chunk by chunk). Same loss.", False)
@@ -111,6 +115,10 @@ class ModelConfig:
     @property
     def moe_ffn_dim(self) -> int:
         return self.moe_ffn_hidden or self.ffn_dim
+
+    @property
+    def moe_shared_ffn_dim(self) -> int:
+        return self.moe_shared_expert_hidden or self.moe_ffn_dim
 
     def is_moe_block(self, index: int) -> bool:
         """Whether block ``index`` (from 0) has experts: every ``moe_every``-th one, counting from 1."""

@@ -134,7 +134,7 @@ def check_moe(cfg: Config) -> list[str]:
     m = cfg.model
     # Checked for a dense model too: a value no MoE model could take is a mistake either way.
     problems = non_negative(cfg, ["model.moe_experts", "model.moe_capacity_factor", "model.moe_aux_loss_coef",
-                                  "model.moe_ffn_hidden"])
+                                  "model.moe_ffn_hidden", "model.moe_shared_expert_hidden"])
     problems += positive(cfg, ["model.moe_top_k", "model.moe_every"])
     problems += one_of("model.moe_router", m.moe_router, MOE_ROUTERS)
     if problems or m.moe_experts == 0:
@@ -143,6 +143,11 @@ def check_moe(cfg: Config) -> list[str]:
         problems.append(f"model.moe_top_k = {m.moe_top_k} > model.moe_experts = {m.moe_experts}: a token cannot "
                         f"go to more experts than there are; use model.moe_top_k <= {m.moe_experts} "
                         f"(1 or 2 are usual)")
+    for key, value in (("moe_shared_expert_hidden", m.moe_shared_expert_hidden),
+                       ("moe_shared_expert_gate", m.moe_shared_expert_gate)):
+        if value and not m.moe_shared_expert:
+            problems.append(f"model.{key} = {value} without model.moe_shared_expert: it shapes the shared expert, "
+                            f"and there is none; set model.moe_shared_expert = true or leave model.{key} unset")
     if m.moe_every > m.n_layers:
         problems.append(f"model.moe_every = {m.moe_every} > model.n_layers = {m.n_layers}: no block would have "
                         f"experts; use model.moe_every <= {m.n_layers}")

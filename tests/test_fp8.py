@@ -204,7 +204,8 @@ def test_the_scaled_mm_call_matches_the_emulation_on_the_cpu(scaling, dtype):
 # -------------------------------------------------------------------- the swap
 
 def test_the_swap_keeps_parameters_and_names_and_leaves_routers_norms_and_head():
-    cfg = load_config(preset="moe-tiny", overrides=["--model.moe_shared_expert=true"]).model
+    cfg = load_config(preset="moe-tiny", overrides=["--model.moe_shared_expert=true",
+                                                    "--model.moe_shared_expert_gate=true"]).model
     model = build_model(cfg)
     before = dict(model.named_parameters())
     names = list(model.state_dict())
@@ -213,7 +214,7 @@ def test_the_swap_keeps_parameters_and_names_and_leaves_routers_norms_and_head()
     assert all(p is before[n] for n, p in model.named_parameters())
     swapped = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert swapped == set(record.names) and swapped
-    assert not any(n.endswith("router") or n == "output" for n in swapped)
+    assert not any(n.endswith(("router", "shared_gate")) or n == "output" for n in swapped)  # one output wide
     assert any(".shared." in n for n in swapped) and any(n.endswith("attention.wo") for n in swapped)
     # A class swap, not a forward put on the instance (tests grep for those too).
     assert all("forward" not in vars(m) for m in model.modules())

@@ -17,9 +17,11 @@ from helpers import assert_rel_close
 DIM, HIDDEN, EXPERTS, BATCH, SEQ = 8, 16, 4, 3, 12
 
 
-def block(top_k=2, capacity=0.0, aux=0.0, router="softmax", shared=False, seed=0) -> MoEFeedForward:
+def block(top_k=2, capacity=0.0, aux=0.0, router="softmax", shared=False, seed=0, shared_hidden=None,
+          shared_gate=False) -> MoEFeedForward:
     torch.manual_seed(seed)
-    moe = MoEFeedForward(DIM, HIDDEN, EXPERTS, top_k, capacity, aux, router, shared)
+    moe = MoEFeedForward(DIM, HIDDEN, EXPERTS, top_k, capacity, aux, router, shared, shared_hidden=shared_hidden,
+                         shared_gate=shared_gate)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.5)
@@ -54,8 +56,12 @@ def plain_forward(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
                 w1, w3, w2 = moe.experts.w1[rows], moe.experts.w3[rows], moe.experts.w2[rows]
                 y = (F.silu(x[i, t] @ w1.t()) * (x[i, t] @ w3.t())) @ w2
                 out[i, t] = out[i, t] + w[t, choice] * y
-        if moe.shared is not None:
-            out[i] = out[i] + moe.shared(x[i])
+        if moe.shared is not None:  # a SwiGLU of its own size; Qwen2-MoE's gate: sigmoid(g . x) per token
+            w1, w3, w2 = moe.shared.w1.weight, moe.shared.w3.weight, moe.shared.w2.weight
+            y = (F.silu(x[i] @ w1.t()) * (x[i] @ w3.t())) @ w2.t()
+            if moe.shared_gate is not None:
+                y = torch.sigmoid(x[i] @ moe.shared_gate.weight.t()) * y
+            out[i] = out[i] + y
     return out
 
 
@@ -75,6 +81,7 @@ CASES = {
     "top2-capacity-1.0": dict(top_k=2, capacity=1.0),
     "top1-capacity-0.5": dict(top_k=1, capacity=0.5),
     "sigmoid-bias-shared": dict(top_k=2, router="sigmoid-bias", shared=True),
+    "shared-gated-own-size": dict(top_k=2, shared=True, shared_hidden=12, shared_gate=True),
     "sigmoid-bias-top1": dict(top_k=1, router="sigmoid-bias"),
 }
 

@@ -21,7 +21,7 @@ HF = "--model.family=hf"  # a Hugging Face decoder, its config.json written from
 HF_TINY = "--model.hf_config=tiny:"  # tiny:ARCH:LAYERS:KV_HEADS:TIED, made into a file by tiny_hf_config
 INT8 = "--memory.activation_compression=int8"  # int8 compression of the block linears' saved inputs
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-HF_MOE_ARCHS = ("mixtral", "qwen3_moe")  # 4 experts, top-2 (families/hf_moe.py)
+HF_MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")  # 4 experts, top-2 (families/hf_moe.py)
 CP = "--parallel.cp="
 
 
@@ -145,7 +145,8 @@ def tiny_hf_config(spec: str, folder: Path) -> Path:
     arch, layers, kv, tied = spec.split(":")
     fields = {"architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]],
+                                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                 "qwen2_moe": "Qwen2MoeForCausalLM"}[arch]],
               "model_type": arch, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": int(layers), "num_attention_heads": 4, "num_key_value_heads": int(kv),
               "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
@@ -159,6 +160,10 @@ def tiny_hf_config(spec: str, folder: Path) -> Path:
     if arch == "qwen3_moe":  # every second layer sparse, top-k weights as the softmax gave them
         fields.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
                       mlp_only_layers=[], norm_topk_prob=False)
+    if arch == "qwen2_moe":  # every layer sparse, with a gated shared expert of 48; q, k, v biased
+        fields.update(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
+                      qkv_bias=True, use_sliding_window=False)
     path = folder / f"{arch}-L{layers}-kv{kv}-tied{tied}" / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
@@ -309,12 +314,19 @@ def _with_experts(rng: random.Random, out: list[str], dp: int) -> list[str]:
     # Drawn and unused: 80% of samples dropped sp and sequence parallelism here while MoE rejected
     # them; the draw stays so that the rest of each seed's sample is drawn as before.
     rng.random()
-    return out + [f"--model.moe_experts={experts}", f"--model.moe_top_k={top_k}", f"--parallel.ep={ep}",
-                  f"--model.moe_every={rng.choice([1, 1, 2])}",
-                  f"--model.moe_capacity_factor={rng.choice([0.0, 0.0, 1.0, 1.25, 0.5])}",
-                  f"--model.moe_router={rng.choice(['softmax', 'softmax', 'sigmoid-bias'])}",
-                  f"--model.moe_aux_loss_coef={rng.choice([0.0, 0.01, 0.1])}",
-                  f"--model.moe_ffn_hidden={rng.choice([0, 0, 48])}",
-                  f"--model.moe_shared_expert={rng.random() < 0.25}",
-                  f"--parallel.moe_grouped_mm={rng.random() < 0.3}"]
+    drawn = [f"--model.moe_experts={experts}", f"--model.moe_top_k={top_k}", f"--parallel.ep={ep}",
+             f"--model.moe_every={rng.choice([1, 1, 2])}",
+             f"--model.moe_capacity_factor={rng.choice([0.0, 0.0, 1.0, 1.25, 0.5])}",
+             f"--model.moe_router={rng.choice(['softmax', 'softmax', 'sigmoid-bias'])}",
+             f"--model.moe_aux_loss_coef={rng.choice([0.0, 0.01, 0.1])}",
+             f"--model.moe_ffn_hidden={rng.choice([0, 0, 48])}"]
+    # One draw decides the shared expert and its shape (so a seed's other draws stay as they were):
+    # a quarter have one; of those, half gated (Qwen2-MoE's), half of their own size.
+    shared = rng.random()
+    if shared < 0.25:
+        drawn += ["--model.moe_shared_expert=True", f"--model.moe_shared_expert_gate={shared < 0.125}",
+                  f"--model.moe_shared_expert_hidden={40 if 0.0625 <= shared < 0.1875 else 0}"]
+    else:
+        drawn.append("--model.moe_shared_expert=False")
+    return out + drawn + [f"--parallel.moe_grouped_mm={rng.random() < 0.3}"]
 

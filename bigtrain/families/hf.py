@@ -1,8 +1,8 @@
 """Hugging Face decoders (``model.family = "hf"``): a local ``config.json`` (``model.hf_config``; no
 hub access) of a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``, built by transformers (an
-optional dependency) on the meta device, initialized by (seed, name), cut by the Megatron plan below
-and trained by bigtrain's Trainer. Parameter names are transformers' own, so a checkpoint exports to
+``Qwen3ForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM``,
+built by transformers (an optional dependency) on the meta device, initialized by (seed, name), cut
+by the Megatron plan below and trained by bigtrain's Trainer. Parameter names are transformers' own, so a checkpoint exports to
 a folder ``from_pretrained`` reads; but for the sparse-MoE blocks, which are bigtrain's own MoE block
 (experts over ``parallel.ep`` included) under names converted once: bigtrain/families/hf_moe.py.
 
@@ -354,7 +354,9 @@ def planner_config(cfg: Config) -> Config:
         n_layers=fields["num_hidden_layers"], n_heads=heads, n_kv_heads=fields.get("num_key_value_heads") or heads,
         ffn_hidden=fields["intermediate_size"], vocab_size=fields["vocab_size"], max_seq_len=cfg.data.seq_len,
         tie_embeddings=bool(fields.get("tie_word_embeddings", False)), attention_head_dim=fields.get("head_dim") or 0,
-        qkv_bias=architecture(fields) == "Qwen2ForCausalLM",  # Mistral and Qwen2 read no attention_bias
+        # Mistral and Qwen2 read no attention_bias (Qwen2 has q, k, v biases; Qwen2-MoE by qkv_bias)
+        qkv_bias=architecture(fields) == "Qwen2ForCausalLM" or (architecture(fields) == "Qwen2MoeForCausalLM"
+                                                                and bool(fields.get("qkv_bias", True))),
         attention_bias=architecture(fields) in ATTENTION_BIASED and bool(fields.get("attention_bias", False)),
         **planner_moe_fields(fields, architecture(fields)))
     return dataclasses.replace(cfg, model=model)
@@ -385,7 +387,7 @@ def export_folder(model: ModelConfig, weights: dict, out) -> Path:
 
 HF = Family(
     name=NAME,
-    summary="a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE from a local config.json "
+    summary="a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE from a local config.json "
             "(model.hf_config)",
     check_config=check_hf,
     build_meta=build_meta,

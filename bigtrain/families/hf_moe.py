@@ -1,12 +1,14 @@
-"""Hugging Face mixture-of-experts decoders in the ``hf`` family: ``MixtralForCausalLM`` and
-``Qwen3MoeForCausalLM``.
+"""Hugging Face mixture-of-experts decoders in the ``hf`` family: ``MixtralForCausalLM``,
+``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM``.
 
 transformers builds the model; each of its sparse-MoE blocks is then swapped (a child swap) for a
 :class:`~bigtrain.models.hf_moe.SparseMoE` holding bigtrain's own
 :class:`~bigtrain.models.moe.MoEFeedForward`, set to route as transformers does: softmax in fp32
 over all experts, top-k, renormalized over the k (Mixtral always, Qwen3-MoE when
-``norm_topk_prob``), dropless (capacity factor 0), no balance loss in the objective, the router's
-linear and the weighting in the input's dtype (``router_dtype = 'input'``). Expert parallelism,
+``norm_topk_prob``, Qwen2-MoE likewise), dropless (capacity factor 0), no balance loss in the
+objective, the router's linear and the weighting in the input's dtype (``router_dtype = 'input'``);
+Qwen2-MoE's shared expert (a SwiGLU of ``shared_expert_intermediate_size`` every token goes
+through, scaled by sigmoid(``shared_expert_gate`` x)) is the block's gated shared expert. Expert parallelism,
 the tp plan, ZeRO, checkpoints, the planner and the fuzzer then know the block as bigtrain's
 Llama's. One MoE implementation, not two: transformers' per-expert loop runs only in the
 independent reference (families/hf_reference.py).
@@ -20,9 +22,11 @@ the export to a folder ``from_pretrained`` reads, the reference's gradients and 
     {P}.moe.experts.w1     (E x F, h)     <-  {F}.experts.{e}.{gate}.weight   (F, h), rows [eF, (e+1)F)
     {P}.moe.experts.w3     (E x F, h)     <-  {F}.experts.{e}.{up}.weight     (F, h)
     {P}.moe.experts.w2     (E x F, h)     <-  {F}.experts.{e}.{down}.weight   (h, F), transposed
+    {P}.moe.shared.w1.weight, w3, w2       <-  {F}.shared_expert.{gate, up, down}_proj.weight   (Qwen2-MoE)
+    {P}.moe.shared_gate.weight  (1, h)     <-  {F}.shared_expert_gate.weight
 
 with {F} = ``model.layers.{i}.block_sparse_moe`` and (gate, up, down) = (w1, w3, w2) for Mixtral,
-{F} = ``model.layers.{i}.mlp`` and (gate_proj, up_proj, down_proj) for Qwen3-MoE; {P} is {F} under
+{F} = ``model.layers.{i}.mlp`` and (gate_proj, up_proj, down_proj) for Qwen2-MoE and Qwen3-MoE; {P} is {F} under
 transformers 4 and ``model.layers.{i}.mlp`` under transformers 5, which names Mixtral's block so.
 transformers 4's model has the file's names; transformers 5's keeps each block's experts in two
 3-D tensors, which :func:`file_views` cuts into the file's per-expert matrices (the reference uses
@@ -42,13 +46,14 @@ from bigtrain.models.hf_moe import SparseMoE
 from bigtrain.models.moe import MoEFeedForward
 
 # architecture -> the model_type its config.json carries
-MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                     "Qwen3MoeForCausalLM": "qwen3_moe"}
 # The config.json fields (beyond the dense ones) that decide the MoE parameters' names and shapes.
 MOE_SHAPE_KEYS = ("num_local_experts", "num_experts", "moe_intermediate_size", "decoder_sparse_step",
-                  "mlp_only_layers")
+                  "mlp_only_layers", "shared_expert_intermediate_size")
 # The MoE fields the planner reads, as transformers resolves them (defaults filled in).
 MOE_DESCRIBED = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                 "decoder_sparse_step", "mlp_only_layers")
+                 "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "qkv_bias")
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class SparseBlocks:
     renormalize: bool  # the top-k weights divided by their sum
     fused: bool  # transformers keeps each block's experts as two 3-D tensors (gate_up_proj, down_proj)
     router_dtype: str  # transformers' rounding of the router and the weighting (MoEFeedForward's modes)
+    shared_hidden: int = 0  # Qwen2-MoE's gated shared expert's inner size; 0: none
 
 
 def transformers_major() -> int:
@@ -88,12 +94,14 @@ def sparse_blocks(conf) -> SparseBlocks | None:
         return SparseBlocks("mlp" if fused else "block_sparse_moe", "block_sparse_moe", "MixtralSparseMoeBlock",
                             ("w1", "w3", "w2"), tuple(range(n)), conf.num_local_experts, conf.num_experts_per_tok,
                             conf.intermediate_size, True, fused, "input-logits" if fused else "input")
-    if conf.model_type == "qwen3_moe":
+    if conf.model_type in ("qwen2_moe", "qwen3_moe"):  # their decoder layers' rule, their routing alike
         layers = tuple(i for i in range(n) if i not in conf.mlp_only_layers and conf.num_experts > 0
                        and (i + 1) % conf.decoder_sparse_step == 0)
-        return SparseBlocks("mlp", "mlp", "Qwen3MoeSparseMoeBlock", ("gate_proj", "up_proj", "down_proj"), layers,
-                            conf.num_experts, conf.num_experts_per_tok, conf.moe_intermediate_size,
-                            bool(conf.norm_topk_prob), fused, "input")
+        qwen2 = conf.model_type == "qwen2_moe"
+        return SparseBlocks("mlp", "mlp", "Qwen2MoeSparseMoeBlock" if qwen2 else "Qwen3MoeSparseMoeBlock",
+                            ("gate_proj", "up_proj", "down_proj"), layers, conf.num_experts, conf.num_experts_per_tok,
+                            conf.moe_intermediate_size, bool(conf.norm_topk_prob), fused, "input",
+                            conf.shared_expert_intermediate_size if qwen2 else 0)
     return None
 
 
@@ -110,7 +118,9 @@ def swap_sparse_blocks(causal_lm: nn.Module, blocks: SparseBlocks) -> None:
         dim = theirs.gate.weight.shape[1]
         with torch.device(theirs.gate.weight.device):
             moe = MoEFeedForward(dim, blocks.hidden, blocks.experts, blocks.top_k, capacity_factor=0.0,
-                                 aux_loss_coef=0.0, renormalize=blocks.renormalize, router_dtype=blocks.router_dtype)
+                                 aux_loss_coef=0.0, shared_expert=blocks.shared_hidden > 0,
+                                 renormalize=blocks.renormalize, router_dtype=blocks.router_dtype,
+                                 shared_hidden=blocks.shared_hidden, shared_gate=True)
         setattr(layer, blocks.attribute, SparseMoE(moe, with_router_logits=not blocks.fused))
 
 
@@ -125,6 +135,10 @@ def stacked_names(blocks: SparseBlocks) -> dict[str, tuple[tuple[str, ...], bool
         for ours, theirs in zip(("w1", "w3", "w2"), blocks.projections):
             out[f"{prefix}.moe.experts.{ours}"] = (
                 tuple(f"{file_prefix}.experts.{e}.{theirs}.weight" for e in range(blocks.experts)), ours == "w2")
+            if blocks.shared_hidden:  # one matrix each, as nn.Linear keeps it on both sides: a rename
+                out[f"{prefix}.moe.shared.{ours}.weight"] = ((f"{file_prefix}.shared_expert.{theirs}.weight",), False)
+        if blocks.shared_hidden:
+            out[f"{prefix}.moe.shared_gate.weight"] = ((f"{file_prefix}.shared_expert_gate.weight",), False)
     return out
 
 
@@ -221,6 +235,15 @@ def moe_problems(cfg: Config, conf, where: str) -> list[str]:
     if conf.hidden_act != "silu":  # bigtrain's experts are SwiGLU; transformers' take ACT2FN[hidden_act]
         problems.append(f"hidden_act = '{conf.hidden_act}' in {where}: bigtrain's experts apply SiLU (SwiGLU); "
                         f"set hidden_act to 'silu' in {where} (or train the model with transformers)")
+    if conf.model_type == "qwen2_moe" and transformers_major() < 5:
+        import transformers
+
+        problems.append(f"Qwen2MoeForCausalLM ({where}) with transformers {transformers.__version__}: its Qwen2-MoE "
+                        f"attention is a class of its own, not the attention function bigtrain's layouts attend "
+                        f"through (transformers 5 has it); pip install 'transformers>=5'")
+    if conf.model_type == "qwen2_moe" and blocks.shared_hidden <= 0:
+        problems.append(f"shared_expert_intermediate_size = {blocks.shared_hidden} in {where}: Qwen2-MoE's "
+                        f"shared expert needs a positive size; set shared_expert_intermediate_size in {where}")
     if not 1 <= blocks.top_k <= blocks.experts:
         problems.append(f"num_experts_per_tok = {blocks.top_k} in {where}: each token goes to between 1 and the "
                         f"{blocks.experts} experts; set num_experts_per_tok to at most {blocks.experts}")
@@ -243,17 +266,21 @@ def moe_problems(cfg: Config, conf, where: str) -> list[str]:
 
 def planner_moe_fields(fields: dict, architecture: str) -> dict:
     """bigtrain Llama's MoE fields for the config.json's (defaults filled in): experts, top-k,
-    each expert's size and every k-th block sparse (Qwen3-MoE's decoder_sparse_step; its
-    mlp_only_layers are priced as sparse, the planner has no such list)."""
+    each expert's size and every k-th block sparse (Qwen2- and Qwen3-MoE's decoder_sparse_step;
+    their mlp_only_layers are priced as sparse, the planner has no such list), Qwen2-MoE's gated
+    shared expert."""
     dense = {"moe_experts": 0}
+    shared = 0
     if architecture == "MixtralForCausalLM":
         experts, every, hidden = fields["num_local_experts"], 1, fields["intermediate_size"]
-    elif architecture == "Qwen3MoeForCausalLM":
+    elif architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         experts, every, hidden = fields["num_experts"], fields["decoder_sparse_step"], fields["moe_intermediate_size"]
+        if architecture == "Qwen2MoeForCausalLM":
+            shared = fields["shared_expert_intermediate_size"]
     else:
         return dense
     if not experts:
         return dense
     return {"moe_experts": experts, "moe_top_k": fields["num_experts_per_tok"], "moe_ffn_hidden": hidden,
             "moe_every": every, "moe_capacity_factor": 0.0, "moe_aux_loss_coef": 0.0, "moe_router": "softmax",
-            "moe_shared_expert": False}
+            "moe_shared_expert": shared > 0, "moe_shared_expert_hidden": shared, "moe_shared_expert_gate": shared > 0}

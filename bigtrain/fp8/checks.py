@@ -56,7 +56,7 @@ def kernel_shape_problems(cfg: Config) -> list[str]:
             "the feed-forward size / parallel.tp": m.ffn_dim // p.tp,
             "train.micro_batch x data.seq_len / parallel.sp": cfg.train.micro_batch * cfg.data.seq_len // p.sp}
     if m.moe_experts and m.moe_shared_expert:
-        dims["the MoE shared expert's size"] = m.moe_ffn_dim
+        dims["the MoE shared expert's size"] = m.moe_shared_ffn_dim
     bad = [f"{name} = {value}" for name, value in dims.items() if value % 16]
     if not bad:
         return []

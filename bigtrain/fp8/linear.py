@@ -147,10 +147,11 @@ class Float8Linears:
 
 
 def convert_to_float8(model: nn.Module, recipe: Float8Recipe, backend: str, root: str = "layers",
-                      skip: tuple[str, ...] = ("router",)) -> Float8Linears:
+                      skip: tuple[str, ...] = ("router", "shared_gate")) -> Float8Linears:
     """Swap every plain ``nn.Linear`` under ``model.<root>`` (the transformer blocks) for a
     :class:`Float8Linear` holding the same parameters, except those whose attribute name is in
-    ``skip`` (an MoE router's choice is discrete: float8 noise would flip experts). Run it on the
+    ``skip`` (an MoE router's choice is discrete: float8 noise would flip experts; a shared expert's
+    gate is one output wide, no float8 GEMM shape). Run it on the
     plain model before the parallel plans, which then cut and hook the float8 modules as they
     would the linears (they are ``nn.Linear`` instances)."""
     blocks = model.get_submodule(root)

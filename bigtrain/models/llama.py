@@ -174,7 +174,8 @@ def init_value(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -
 
 def moe_feed_forward(cfg: ModelConfig) -> MoEFeedForward:
     return MoEFeedForward(cfg.dim, cfg.moe_ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor,
-                          cfg.moe_aux_loss_coef, cfg.moe_router, cfg.moe_shared_expert)
+                          cfg.moe_aux_loss_coef, cfg.moe_router, cfg.moe_shared_expert,
+                          shared_hidden=cfg.moe_shared_ffn_dim, shared_gate=cfg.moe_shared_expert_gate)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Llama:

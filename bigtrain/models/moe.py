@@ -147,7 +147,8 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, capacity_factor: float = 0.0,
                  aux_loss_coef: float = 0.0, router: str = "softmax", shared_expert: bool = False,
-                 renormalize: bool | None = None, router_dtype: str = "fp32"):
+                 renormalize: bool | None = None, router_dtype: str = "fp32", shared_hidden: int | None = None,
+                 shared_gate: bool = False):
         """``renormalize``: the top-k weights divided by their sum; None: when k > 1 (the rule above),
         True: always (Mixtral's), False: never (Qwen3-MoE's ``norm_topk_prob = false``).
         ``router_dtype``: 'fp32' (the rule above) or transformers' arithmetic for its Mixtral and
@@ -155,7 +156,9 @@ class MoEFeedForward(nn.Module):
         in fp32) and the weights cast to the input's dtype before weighting the experts' outputs;
         'input-logits' (transformers 5's Mixtral), those logits and fp32 weights, the weighted
         outputs rounded to the input's dtype. Each gives the same numbers as 'fp32' when the input
-        is fp32 (families/hf_moe.py)."""
+        is fp32 (families/hf_moe.py).
+        ``shared_hidden``: the shared expert's inner size (None: ``hidden``); ``shared_gate``: its
+        output scaled per token by sigmoid(shared_gate(x)), a learned (1, dim) row (Qwen2-MoE's)."""
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router {router!r}: must be one of {ROUTERS}")
@@ -169,7 +172,8 @@ class MoEFeedForward(nn.Module):
         self.router_dtype = router_dtype
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, hidden)
-        self.shared = FeedForward(dim, hidden) if shared_expert else None
+        self.shared = FeedForward(dim, shared_hidden or hidden) if shared_expert else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_expert and shared_gate else None
         self.dispatcher = LocalExperts()
         self.sequence = WholeSequences()  # what part of each sequence the block holds (Ulysses: one)
         self.aux_scale: float | None = None  # per sequence; None: 1 / the sequences of each forward
@@ -204,7 +208,10 @@ class MoEFeedForward(nn.Module):
             weighted = (at_least_fp32(rows) * flat_weight[order, None]).to(x.dtype)
         out = torch.zeros_like(tokens).index_add(0, token_of_row, weighted)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            shared = self.shared(tokens)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(tokens)) * shared
+            out = out + shared
         aux = self._balance_loss(scores.view(b, s, -1), chosen.view(b, s, -1))
         load = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
         self.stats.add(load.detach(), (~keep).sum().detach(), aux.detach(), b)

@@ -301,8 +301,10 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
         routed = share * model.top_k * model.expert_ffn
         product.append(("feed_forward.product.moe", nbytes * routed, "whole"))
         if model.shared_expert:  # but the shared expert's w2 is one: int8 keeps its input
-            product.append(("feed_forward.product.shared", share * (_int8(model.expert_ffn) if int8 else
-                                                                    nbytes * model.expert_ffn), "whole"))
+            product.append(("feed_forward.product.shared", share * (_int8(model.shared_ffn) if int8 else
+                                                                    nbytes * model.shared_ffn), "whole"))
+        if model.shared_expert_gate:  # sigmoid(gate) x shared: the product keeps both (the sigmoid its own output)
+            product.append(("feed_forward.shared_gate", share * nbytes * (h + 1), "whole"))
     w1_w3 = [*_ffn("feed_forward.w1_out", nbytes, f, f_moe), *_ffn("feed_forward.w3_out", nbytes, f, f_moe)]
     if selective or (model.mlp == "swiglu" and compiled):  # silu(w1 x) recomputed
         items += [*w1_w3, *product]
@@ -329,7 +331,7 @@ def _ffn_widths(model: ModelSpec) -> tuple[float, float]:
     if not model.experts:
         return model.ffn_hidden, 0.0
     share = model.moe_layers / model.layers
-    return (1 - share) * model.ffn_hidden, share * (model.top_k + model.shared_expert) * model.expert_ffn
+    return (1 - share) * model.ffn_hidden, share * (model.top_k * model.expert_ffn + model.shared_ffn)
 
 
 def _ffn(name: str, nbytes: int, split: float, whole: float) -> list[tuple[str, float, str]]:

@@ -149,7 +149,10 @@ def linear_shapes(model: ModelSpec, layout: Layout, tokens: float, moe: bool = F
     out += [(per_expert, n, k, model.experts // layout.ep, False) for n, k in experts]
     out.append((tokens, model.experts, h, 1, False))  # the router
     if model.shared_expert:
-        out += [(tokens, n, k, 1, True) for n, k in experts]
+        f = model.shared_ffn
+        out += [(tokens, n, k, 1, True) for n, k in [(f, h), (f, h), (h, f)]]
+    if model.shared_expert and model.shared_expert_gate:
+        out.append((tokens, 1, h, 1, False))  # its gate
     return out
 
 
@@ -159,7 +162,7 @@ def _elementwise_bytes(model: ModelSpec, layout: Layout, moe: bool = False) -> f
     b, h, kv, t, a = BYTES[layout.precision], model.hidden, model.kv_dim, layout.tp, model.attention_dim
     # the feed-forward width one rank's activation spans: a tp share of the dense one; an MoE
     # block's top_k experts (and the shared one) whole, as every tp rank runs them
-    f_rank = (model.top_k + model.shared_expert) * model.expert_ffn if moe else model.ffn_hidden / t
+    f_rank = model.top_k * model.expert_ffn + model.shared_ffn if moe else model.ffn_hidden / t
     whole = t if layout.tp_sp else 1  # norms and residuals are divided only under sequence parallelism
     if model.mlp == "swiglu":
         norms = 2 * (4 * b + 28) * h  # x.float(), pow, mean, x * rsqrt, .type_as, * weight

@@ -82,6 +82,8 @@ class ModelSpec:
     moe_every: int = 1
     expert_hidden: int = 0
     shared_expert: bool = False
+    shared_expert_hidden: int = 0  # the shared expert's SwiGLU size (0: expert_ffn)
+    shared_expert_gate: bool = False  # its output scaled by sigmoid(w x) per token (Qwen2-MoE's)
     # Attention shapes beyond hidden / heads (model.attention_head_dim, a Hugging Face head_dim such
     # as Qwen3's 128 at hidden 1024 and 16 heads: 0 means hidden / heads) and the projections'
     # biases (model.qkv_bias or attention_bias on q, k, v; attention_bias on the output too).
@@ -179,15 +181,22 @@ class ModelSpec:
     def expert_ffn(self) -> int:
         return self.expert_hidden or self.ffn_hidden
 
+    @property
+    def shared_ffn(self) -> int:
+        """The shared expert's SwiGLU size; 0 without one."""
+        return (self.shared_expert_hidden or self.expert_ffn) if self.shared_expert else 0
+
     def moe_block_tensors(self) -> list[Tensor]:
         """An MoE block's parameters outside its experts: attention and norms as a dense block's,
         the router, and the shared expert (whole on every tp rank, like the experts: docs/moe.md)."""
-        h, f = self.hidden, self.expert_ffn
+        h, f = self.hidden, self.shared_ffn
         out = [t for t in self.block_tensors() if not t.name.startswith("feed_forward.")]
         out.append(Tensor("feed_forward.router.weight", (self.experts, h), True, "rep"))
         if self.shared_expert:
             out += [Tensor(f"feed_forward.shared.{w}", (f, h) if w != "w2" else (h, f), True, "rep")
                     for w in ("w1", "w3", "w2")]
+        if self.shared_expert and self.shared_expert_gate:
+            out.append(Tensor("feed_forward.shared_gate.weight", (1, h), True, "rep"))
         return out
 
     def expert_tensors(self, ep: int = 1) -> list[Tensor]:
@@ -215,7 +224,7 @@ class ModelSpec:
         ffn; of an MoE block top_k experts' (and the shared expert's)."""
         if not self.experts:
             return self.ffn_hidden
-        moe = self.top_k * self.expert_ffn + (self.expert_ffn if self.shared_expert else 0)
+        moe = self.top_k * self.expert_ffn + self.shared_ffn
         return (self.moe_layers * moe + (self.layers - self.moe_layers) * self.ffn_hidden) / self.layers
 
     @property
@@ -290,7 +299,8 @@ def moe_fields(cfg: ModelConfig) -> dict:
     if cfg.moe_experts <= 0:
         return {}
     return dict(experts=cfg.moe_experts, top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
-                expert_hidden=cfg.moe_ffn_hidden, shared_expert=cfg.moe_shared_expert)
+                expert_hidden=cfg.moe_ffn_hidden, shared_expert=cfg.moe_shared_expert,
+                shared_expert_hidden=cfg.moe_shared_expert_hidden, shared_expert_gate=cfg.moe_shared_expert_gate)
 
 
 def _count(n: int) -> str:
