@@ -178,7 +178,9 @@ def test_int8_keeps_under_0_3x_of_each_compressed_input_and_reports_the_gradient
 
 # -- int8 with experts: routers left exact, in the trainer, the reference and the planner -------------------
 MOE_INT8 = {"moe": [], "shared-expert": ["--model.moe_shared_expert=true"],
-            "every2-selective": ["--model.moe_every=2", "--memory.checkpointing=selective"]}
+            "every2-selective": ["--model.moe_every=2", "--memory.checkpointing=selective"],
+            "shared-gated-own-size": ["--model.moe_shared_expert=true", "--model.moe_shared_expert_hidden=64",
+                                      "--model.moe_shared_expert_gate=true"]}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -207,6 +209,31 @@ def test_moe_blocks_with_int8_save_what_the_planner_says(precision, variant, cor
     predicted = (BATCH * SEQ * cfg.model.n_layers * blocks.per_token() + head_activations(spec, precision, "int8")
                  .bytes(BATCH, SEQ) + cfg.model.n_layers * blocks.per_block)
     assert tracker.peak == predicted, (tracker.peak, predicted)
+
+
+@pytest.mark.parametrize("variant", [*MOE_INT8, "dense"])
+def test_the_planner_s_int8_traffic_is_what_the_blocks_quantize(variant, corpus_cache, monkeypatch):
+    """The values per token a block's int8 wrappers quantize (one copy per input tensor, counted in
+    quantize_rows over one forward) are the planner's int8_compressed_width (plan/
+    cost.py): a dense block's four, an MoE block's attention two and only a shared expert's besides
+    (it once priced every MoE block as dense)."""
+    from bigtrain.plan.cost import int8_compressed_width
+
+    overrides = [] if variant == "dense" else ["--model.moe_experts=4", "--model.moe_top_k=2", *MOE_INT8[variant]]
+    cfg = tiny_config(corpus_cache, "--memory.activation_compression=int8", "--model.n_layers=2",
+                      *[o for o in overrides if not o.startswith("--memory.checkpointing")])
+    import bigtrain.memory.compression as compression
+
+    model = _model(cfg)
+    apply_activation_memory(model, activation_plan(cfg))
+    assert isinstance(model.output, Int8SavedInput)  # the head's input is one more copy of h a token
+    quantized = []
+    monkeypatch.setattr(compression, "quantize_rows", lambda x, *a: quantized.append(x.numel()) or quantize_rows(x, *a))
+    tokens, targets = _batch(cfg)
+    token_loss_sum(model(tokens), targets)
+    spec = ModelSpec.from_model_config(cfg.model, SEQ)
+    width = cfg.model.n_layers * int8_compressed_width(spec) + cfg.model.dim
+    assert sum(quantized) == BATCH * SEQ * width, (sum(quantized) / BATCH / SEQ, width)
 
 
 def test_the_int8_reference_leaves_routers_exact_and_compresses_the_shared_expert(corpus_cache):

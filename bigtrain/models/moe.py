@@ -208,10 +208,11 @@ class MoEFeedForward(nn.Module):
             weighted = (at_least_fp32(rows) * flat_weight[order, None]).to(x.dtype)
         out = torch.zeros_like(tokens).index_add(0, token_of_row, weighted)
         if self.shared is not None:
+            # The gate first: it reads the tokens as the shared expert's w1 and w3 do, next to them,
+            # so int8 compression keeps one copy of them for all three (memory/compression.py).
+            gate = torch.sigmoid(self.shared_gate(tokens)) if self.shared_gate is not None else None
             shared = self.shared(tokens)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(tokens)) * shared
-            out = out + shared
+            out = out + (gate * shared if gate is not None else shared)
         aux = self._balance_loss(scores.view(b, s, -1), chosen.view(b, s, -1))
         load = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
         self.stats.add(load.detach(), (~keep).sum().detach(), aux.detach(), b)

@@ -232,10 +232,22 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
         out["activation_offload"] = micro_batches * max(0.0, 2 * moved / hw.host_bandwidth - window)
     if layout.compression == "int8":
         nbytes = BYTES[layout.precision]
-        per_block = 2 * model.hidden + model.attention_dim + model.ffn_hidden  # the linear inputs compressed (norms, wo, w2)
-        traffic = 2 * (nbytes + 1) * per_block * tokens * model.layers / layout.pp
+        traffic = 2 * (nbytes + 1) * int8_compressed_width(model) * tokens * model.layers / layout.pp
         out["activation_compression"] = micro_batches * traffic / hw.hbm_bandwidth
     return out
+
+
+def int8_compressed_width(model: ModelSpec) -> float:
+    """Values per token and block (averaged over the blocks) that int8 compression quantizes: the
+    inputs of the blocks' nn.Linear layers, one copy per input tensor (memory/compression.py): the
+    two norms' outputs, wo's and w2's inputs. An MoE block's experts are no nn.Linear and its router
+    is left exact (memory/activations.py), so it compresses the attention's two, and the second norm's
+    output and w2's input only for a shared expert (its own SwiGLU size)."""
+    dense = 2 * model.hidden + model.attention_dim + model.ffn_hidden
+    if not model.experts:
+        return dense
+    moe = model.hidden + model.attention_dim + (model.hidden + model.shared_ffn if model.shared_expert else 0)
+    return (model.moe_layers * moe + (model.layers - model.moe_layers) * dense) / model.layers
 
 
 # -- data parallel / ZeRO ----------------------------------------------------------------------------
