@@ -148,6 +148,20 @@ def test_check_compares_the_moe_family_step_by_step(corpus_cache, tmp_path, name
     assert_check_agrees(corpus_cache, tmp_path, *CHECKED[name])
 
 
+@pytest.mark.parametrize("layout", [[], ["--parallel.sp=2"], ["--parallel.cp=2", "--parallel.cp_mode=all-to-all"]])
+def test_qwen2_moe_s_sliding_window_is_the_one_its_layers_attend_within(corpus_cache, tmp_path, layout):
+    """transformers 5's Qwen2-MoE sets sliding_window on its windowed layers (every other one below
+    max_window_layers) and does not pass it to the attention function: read from the keyword alone,
+    bigtrain's layers attended over the whole sequence, 25% off the reference's first layer."""
+    needs_its_transformers("qwen2_moe")
+    from bigtrain.check.run import check_on_rank
+
+    windowed = _variant(tmp_path, "qwen2_moe", use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    cfg = hf_config(corpus_cache, "qwen2_moe", windowed, *layout)
+    report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path / "run"), 2)[0]
+    assert report.agree and report.worst["forward"] < 1e-5, report.text()
+
+
 def test_bf16_routes_with_transformers_rounding(corpus_cache, tmp_path, monkeypatch):
     """The seam of router_dtype = 'input' ('input-logits' under transformers 5): in one process in
     bf16 the sparse blocks compute what transformers' do (the router's linear in bf16; the weights

@@ -76,7 +76,17 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if attention_mask is not None:
         raise RuntimeError(f"attention implementation '{CAUSAL}' was given a mask of shape "
                            f"{tuple(attention_mask.shape)}: bigtrain's decoders attend causally over whole sequences")
-    return attend(query, key, value, dropout, scaling, sliding_window).transpose(1, 2).contiguous(), None
+    window = layer_window(module, sliding_window)
+    return attend(query, key, value, dropout, scaling, window).transpose(1, 2).contiguous(), None
+
+
+def layer_window(module: nn.Module, sliding_window: int | None) -> int | None:
+    """The sliding window the attention ``module`` attends within: the keyword its forward passes
+    (Mistral's, Mixtral's, Qwen2's, Qwen3's), else the layer's own ``sliding_window``, which
+    transformers 5's Qwen2-MoE sets on its windowed layers without passing it (its window reaches
+    transformers' sdpa and eager paths only through their mask; read from the keyword alone, such a
+    layer attended over the whole sequence here: 25% off the reference's first layer)."""
+    return sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
 
 
 def carried_group(name: str, key: str, kind: type, prepared_by: str, module: nn.Module,
@@ -116,7 +126,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     (batch, kv heads, seq / sp, head_dim) of this rank's shard -> (batch, seq / sp, heads,
     head_dim), no attention weights."""
     sp = carried_group(ULYSSES, GROUP, AxisComm, "UlyssesAttentionGroup", module, attention_mask, kwargs)
-    out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, sliding_window)
+    out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, layer_window(module, sliding_window))
     return heads_to_shard(out, sp), None
 
 

@@ -43,7 +43,7 @@ from bigtrain.config import Config
 from bigtrain.context_checks import divisor_near
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.families.hf_attention import GROUP as ULYSSES_GROUP
-from bigtrain.families.hf_attention import (attend, carried_group, heads_to_shard, register_attention,
+from bigtrain.families.hf_attention import (attend, carried_group, heads_to_shard, layer_window, register_attention,
                                             shard_to_heads)
 from bigtrain.parallel.context import AllToAllContext, chunks_of
 from bigtrain.parallel.ring_attention import ring_attention_heads_first
@@ -79,6 +79,7 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     (batch, kv heads, local seq, head_dim) of this rank's chunks -> (batch, local seq, heads,
     head_dim) attended over the whole sequence, no attention weights."""
     group = carried_group(CONTEXT, GROUP, ContextGroup, "attach_context_parallel", module, attention_mask, kwargs)
+    sliding_window = layer_window(module, sliding_window)
     sp = kwargs.get(ULYSSES_GROUP)
     if (group.mode == "hybrid") != (isinstance(sp, AxisComm) and sp.size > 1):
         raise RuntimeError(f"parallel.cp_mode = '{group.mode}' with {'an sp group' if sp else 'no sp group'}: "
