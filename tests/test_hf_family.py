@@ -636,3 +636,15 @@ def test_the_hf_draw_keeps_the_other_samples_of_a_seed():
     before = [draw_sample(5, i, 8, dlrm_share=0.0, hf_share=0.0) for i in range(40)]
     assert 5 < sum(HF in s for s in mixed) < 35
     assert all(m == b for m, b in zip(mixed, before) if HF not in m)
+
+
+def test_the_hf_draw_gives_some_architectures_a_sliding_window():
+    """A window of 8 of the 32 tokens, where the architecture has one (Llama has none): Qwen2-MoE's
+    windowed layers attended unwindowed while no sample had a window (tests/test_hf_moe.py)."""
+    from bigtrain.check.fuzz import draw_sample
+    from bigtrain.check.fuzz_layouts import HF_TINY
+
+    specs = [o[len(HF_TINY):] for i in range(80)
+             for o in draw_sample(5, i, 8, dlrm_share=0.0, hf_share=1.0) if o.startswith(HF_TINY)]
+    windowed = [s for s in specs if s.endswith(":W8")]
+    assert 0 < len(windowed) < len(specs) and not any(s.startswith("llama:") for s in windowed), specs

@@ -18,7 +18,7 @@ from pathlib import Path
 
 DLRM = "--model.family=dlrm"  # a sample holding it is overrides of the dlrm-tiny preset, not of tiny
 HF = "--model.family=hf"  # a Hugging Face decoder, its config.json written from the next override
-HF_TINY = "--model.hf_config=tiny:"  # tiny:ARCH:LAYERS:KV_HEADS:TIED, made into a file by tiny_hf_config
+HF_TINY = "--model.hf_config=tiny:"  # tiny:ARCH:LAYERS:KV_HEADS:TIED[:W<window>], made into a file by tiny_hf_config
 INT8 = "--memory.activation_compression=int8"  # int8 compression of the block linears' saved inputs
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 HF_MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")  # 4 experts, top-2 (families/hf_moe.py)
@@ -131,6 +131,11 @@ def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
             out.append("--parallel.ep=2")
         if experts.random() < 0.3:
             out.append("--parallel.moe_grouped_mm=true")
+    # a sliding window of 8 tokens (of data.seq_len's 32) where the architecture has one, from a
+    # generator of its own: the layers it windows are the ones transformers' config rule picks
+    window = random.Random(repr(rng.getstate()) + "window")
+    if not out[1].startswith(HF_TINY + "llama:") and window.random() < 0.2:
+        out[1] += ":W8"
     return out
 
 
@@ -140,9 +145,10 @@ def is_hf_moe(sample: list[str]) -> bool:
 
 
 def tiny_hf_config(spec: str, folder: Path) -> Path:
-    """The config.json a sample's ``tiny:ARCH:LAYERS:KV_HEADS:TIED`` names, written under ``folder``
-    (hidden 64, 4 heads, vocabulary 256, as tests/fixtures/hf; the MoE ones 4 experts of 32, top-2)."""
-    arch, layers, kv, tied = spec.split(":")
+    """The config.json a sample's ``tiny:ARCH:LAYERS:KV_HEADS:TIED[:W<window>]`` names, written under
+    ``folder`` (hidden 64, 4 heads, vocabulary 256, as tests/fixtures/hf; the MoE ones 4 experts of
+    32, top-2; a sliding window of that many tokens where the spec gives one)."""
+    arch, layers, kv, tied, *window = spec.split(":")
     fields = {"architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -164,7 +170,11 @@ def tiny_hf_config(spec: str, folder: Path) -> Path:
         fields.update(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
                       num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
                       qkv_bias=True, use_sliding_window=False)
-    path = folder / f"{arch}-L{layers}-kv{kv}-tied{tied}" / "config.json"
+    if window and arch in ("mistral", "mixtral"):  # every layer windowed
+        fields["sliding_window"] = int(window[0][1:])
+    elif window:  # Qwen's: the layers from (dense), or every other one below (Qwen2-MoE), max_window_layers
+        fields.update(use_sliding_window=True, sliding_window=int(window[0][1:]), max_window_layers=1)
+    path = folder / f"{arch}-L{layers}-kv{kv}-tied{tied}{'-' + window[0] if window else ''}" / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
