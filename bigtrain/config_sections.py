@@ -78,6 +78,8 @@ class ModelConfig:
     moe_ffn_hidden: int = doc("MoE: each expert's SwiGLU inner size; 0 means the dense ffn size.", 0)
     moe_shared_expert: bool = doc("MoE: add a dense shared expert (a SwiGLU of the expert size) every token goes "
                                   "through.", False)
+    moe_dense_layers: str = doc("MoE: blocks kept dense whatever moe_every says, as indices from 0 like '0,1' "
+                                "(Qwen-MoE's mlp_only_layers; DeepSeek's first dense blocks); '' for none.", "")
     moe_shared_expert_hidden: int = doc("MoE: the shared expert's SwiGLU inner size; 0 means the expert size "
                                         "(Qwen2-MoE's shared_expert_intermediate_size).", 0)
     moe_shared_expert_gate: bool = doc("MoE: scale the shared expert's output per token by sigmoid(w x), w one "
@@ -120,9 +122,17 @@ class ModelConfig:
     def moe_shared_ffn_dim(self) -> int:
         return self.moe_shared_expert_hidden or self.moe_ffn_dim
 
+    @property
+    def moe_dense_blocks(self) -> tuple[int, ...]:
+        """``moe_dense_layers`` as block indices; raises ValueError on bad text."""
+        text = self.moe_dense_layers.strip()
+        return tuple(int(x) for x in text.split(",")) if text else ()
+
     def is_moe_block(self, index: int) -> bool:
-        """Whether block ``index`` (from 0) has experts: every ``moe_every``-th one, counting from 1."""
-        return self.moe_experts > 0 and (index + 1) % max(1, self.moe_every) == 0
+        """Whether block ``index`` (from 0) has experts: every ``moe_every``-th one, counting from 1,
+        unless ``moe_dense_layers`` keeps it dense."""
+        return (self.moe_experts > 0 and (index + 1) % max(1, self.moe_every) == 0
+                and index not in self.moe_dense_blocks)
 
 
 @dataclass

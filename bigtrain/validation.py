@@ -148,9 +148,21 @@ def check_moe(cfg: Config) -> list[str]:
         if value and not m.moe_shared_expert:
             problems.append(f"model.{key} = {value} without model.moe_shared_expert: it shapes the shared expert, "
                             f"and there is none; set model.moe_shared_expert = true or leave model.{key} unset")
+    try:
+        dense = m.moe_dense_blocks
+    except ValueError:
+        return problems + [f"model.moe_dense_layers = '{m.moe_dense_layers}': write block indices from 0 like '0,1'"]
+    outside = [i for i in dense if not 0 <= i < m.n_layers]
+    if outside:
+        problems.append(f"model.moe_dense_layers = '{m.moe_dense_layers}': block {outside[0]} is not one of the "
+                        f"model.n_layers = {m.n_layers} blocks (0 to {m.n_layers - 1})")
     if m.moe_every > m.n_layers:
         problems.append(f"model.moe_every = {m.moe_every} > model.n_layers = {m.n_layers}: no block would have "
                         f"experts; use model.moe_every <= {m.n_layers}")
+    elif not outside and not any(m.is_moe_block(i) for i in range(m.n_layers)):
+        problems.append(f"model.moe_dense_layers = '{m.moe_dense_layers}' keeps every block with experts "
+                        f"(model.moe_every = {m.moe_every}) dense: no block would have experts; leave one out of "
+                        f"model.moe_dense_layers")
     if cfg.precision.mode == "fp16" and m.moe_aux_loss_coef > 0 and m.moe_router == "softmax":
         problems.append("precision.mode = 'fp16' with model.moe_aux_loss_coef > 0: the balance loss's gradient "
                         "joins outside the loss and would miss the loss scale; use bf16, fp32, "

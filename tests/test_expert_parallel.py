@@ -24,6 +24,8 @@ LAYOUTS = {
     # size 40 one gradient element of layers.1.attention.wo is 9e-8, 3e-7 of the largest: Adam's
     # first step, g / (|g| + 1e-8), turns its fp32 rounding under tp into a 1.2e-5 weight
     # difference; the layout's replayed step is exact, and bigtrain check agrees by its rule.)
+    "ep2-zero2-first-block-dense": ["--parallel.dp=2", "--parallel.ep=2", "--parallel.zero=2",
+                                    "--model.moe_dense_layers=0"],
     "ep2-tp2-zero3-shared-gated": ["--parallel.dp=2", "--parallel.ep=2", "--parallel.tp=2", "--parallel.zero=3",
                                    "--model.moe_shared_expert=true", "--model.moe_shared_expert_hidden=48",
                                    "--model.moe_shared_expert_gate=true"],

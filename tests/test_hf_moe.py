@@ -360,12 +360,15 @@ def test_expert_parallelism_of_a_dense_config_json_is_refused(corpus_cache):
 
 # -- the planner -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch, changed", [("mixtral", {}), ("qwen3_moe", {}),
-                                           ("qwen3_moe", {"decoder_sparse_step": 1}), ("qwen2_moe", {}),
+                                           ("qwen3_moe", {"decoder_sparse_step": 1}),
+                                           ("qwen3_moe", {"decoder_sparse_step": 1, "mlp_only_layers": [0, 7]}),
+                                           ("qwen2_moe", {}),
                                            ("qwen2_moe", {"qkv_bias": False, "decoder_sparse_step": 2})])
 def test_the_planner_counts_the_moe_parameters_transformers_builds(corpus_cache, tmp_path, arch, changed):
     """The planner's bigtrain Llama of the config.json (experts, top-k, expert size, every k-th block
-    sparse, Qwen2-MoE's gated shared expert and q/k/v biases) has the parameters transformers
-    builds, Qwen3's q/k norms aside."""
+    sparse but mlp_only_layers (7: past the last layer, which transformers ignores), Qwen2-MoE's
+    gated shared expert and q/k/v biases) has the parameters transformers builds, Qwen3's q/k norms
+    aside."""
     from bigtrain.families.hf import parameter_count, planner_config
     from bigtrain.plan.model import ModelSpec
 

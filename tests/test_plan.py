@@ -130,6 +130,7 @@ MEASURED_MOE = {
     (1, "moe"): _layouts(variants=[("fp32", "none", 2), ("bf16", "selective", 2)]),
     (1, "moe-shared-every2"): _layouts(variants=[("bf16", "none", 2), ("fp32", "selective", 2)]),
     (1, "moe-shared-gated"): _layouts(variants=[("fp32", "none", 2), ("bf16", "selective", 2)]),
+    (2, "moe-dense-first"): _layouts(dp=2, ep=2, zeros=(3,), variants=[("fp32", "none", 2)]),
     (2, "moe"): _layouts(tp=2, variants=[("fp32", "none", 2)]),
     (4, "moe"): _layouts(dp=4, ep=2, zeros=(2, 3), variants=[("fp32", "none", 2)])
     + _layouts(dp=4, ep=2, zeros=(1,), variants=[("bf16", "none", 2)]),
@@ -137,7 +138,8 @@ MEASURED_MOE = {
 MOE_MODELS = {"moe": MOE, "moe-shared-every2": [*MOE, "--model.moe_shared_expert=true", "--model.moe_every=2"],
               # Qwen2-MoE's: a shared expert of its own size, gated per token
               "moe-shared-gated": [*MOE, "--model.moe_shared_expert=true", "--model.moe_shared_expert_hidden=64",
-                                   "--model.moe_shared_expert_gate=true"]}
+                                   "--model.moe_shared_expert_gate=true"],
+              "moe-dense-first": [*MOE, "--model.moe_dense_layers=0"]}  # Qwen-MoE's mlp_only_layers
 
 
 @pytest.mark.parametrize("world_size,moe", [(w, m) for w, m in sorted(MEASURED_MOE)] + [(w, "") for w in sorted(MEASURED)],

@@ -313,8 +313,9 @@ def optimizer_choice(rng: random.Random, names: tuple[str, ...] = ("adamw",) * 4
 
 
 def _with_experts(rng: random.Random, out: list[str], dp: int) -> list[str]:
-    """A mixture-of-experts variant of sample ``out``: experts, top-k, MoE blocks, capacity, router,
-    balance loss, shared expert, grouped GEMM, and an ep degree. Mostly a valid one: ep a divisor of
+    """A mixture-of-experts variant of sample ``out``: experts, top-k, MoE blocks (the first one now
+    and then kept dense), capacity, router, balance loss, shared expert (gated, of its own size),
+    grouped GEMM, and an ep degree. Mostly a valid one: ep a divisor of
     dp and of E; the rest of the time whatever was drawn, which validation must reject by name.
     Ulysses and Megatron sequence parallelism, as ``out`` drew them (parallel/sequence_moe.py)."""
     experts = rng.choice([2, 4, 4, 8, 6])
@@ -338,5 +339,7 @@ def _with_experts(rng: random.Random, out: list[str], dp: int) -> list[str]:
                   f"--model.moe_shared_expert_hidden={40 if 0.0625 <= shared < 0.1875 else 0}"]
     else:
         drawn.append("--model.moe_shared_expert=False")
+    if random.Random(repr(rng.getstate()) + "dense_layers").random() < 0.15:  # the first block dense (Qwen-MoE's
+        drawn.append("--model.moe_dense_layers=0")  # mlp_only_layers), from a generator of its own
     return out + drawn + [f"--parallel.moe_grouped_mm={rng.random() < 0.3}"]
 

@@ -266,21 +266,22 @@ def moe_problems(cfg: Config, conf, where: str) -> list[str]:
 
 def planner_moe_fields(fields: dict, architecture: str) -> dict:
     """bigtrain Llama's MoE fields for the config.json's (defaults filled in): experts, top-k,
-    each expert's size and every k-th block sparse (Qwen2- and Qwen3-MoE's decoder_sparse_step;
-    their mlp_only_layers are priced as sparse, the planner has no such list), Qwen2-MoE's gated
-    shared expert."""
+    each expert's size, every k-th block sparse but the dense ones (Qwen2- and Qwen3-MoE's
+    decoder_sparse_step and mlp_only_layers), Qwen2-MoE's gated shared expert."""
     dense = {"moe_experts": 0}
-    shared = 0
+    shared, kept_dense = 0, set()
     if architecture == "MixtralForCausalLM":
         experts, every, hidden = fields["num_local_experts"], 1, fields["intermediate_size"]
     elif architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         experts, every, hidden = fields["num_experts"], fields["decoder_sparse_step"], fields["moe_intermediate_size"]
+        kept_dense = {i for i in fields.get("mlp_only_layers") or () if i < fields["num_hidden_layers"]}
         if architecture == "Qwen2MoeForCausalLM":
             shared = fields["shared_expert_intermediate_size"]
     else:
         return dense
-    if not experts:
-        return dense
+    if not experts or all((i + 1) % every or i in kept_dense for i in range(fields["num_hidden_layers"])):
+        return dense  # no sparse block at all: a dense model, as transformers builds it
     return {"moe_experts": experts, "moe_top_k": fields["num_experts_per_tok"], "moe_ffn_hidden": hidden,
-            "moe_every": every, "moe_capacity_factor": 0.0, "moe_aux_loss_coef": 0.0, "moe_router": "softmax",
-            "moe_shared_expert": shared > 0, "moe_shared_expert_hidden": shared, "moe_shared_expert_gate": shared > 0}
+            "moe_every": every, "moe_dense_layers": ",".join(map(str, sorted(kept_dense))), "moe_capacity_factor": 0.0,
+            "moe_aux_loss_coef": 0.0, "moe_router": "softmax", "moe_shared_expert": shared > 0,
+            "moe_shared_expert_hidden": shared, "moe_shared_expert_gate": shared > 0}

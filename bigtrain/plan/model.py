@@ -84,6 +84,7 @@ class ModelSpec:
     shared_expert: bool = False
     shared_expert_hidden: int = 0  # the shared expert's SwiGLU size (0: expert_ffn)
     shared_expert_gate: bool = False  # its output scaled by sigmoid(w x) per token (Qwen2-MoE's)
+    dense_blocks: tuple[int, ...] = ()  # blocks kept dense whatever moe_every says (model.moe_dense_layers)
     # Attention shapes beyond hidden / heads (model.attention_head_dim, a Hugging Face head_dim such
     # as Qwen3's 128 at hidden 1024 and 16 heads: 0 means hidden / heads) and the projections'
     # biases (model.qkv_bias or attention_bias on q, k, v; attention_bias on the output too).
@@ -170,7 +171,7 @@ class ModelSpec:
     # -- mixture of experts ----------------------------------------------------------------------
     def is_moe_block(self, index: int) -> bool:
         """Whether block ``index`` (from 0) has experts (the runtime's rule, ModelConfig.is_moe_block)."""
-        return self.experts > 0 and (index + 1) % max(1, self.moe_every) == 0
+        return self.experts > 0 and (index + 1) % max(1, self.moe_every) == 0 and index not in self.dense_blocks
 
     @property
     @_per_spec
@@ -300,7 +301,8 @@ def moe_fields(cfg: ModelConfig) -> dict:
         return {}
     return dict(experts=cfg.moe_experts, top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
                 expert_hidden=cfg.moe_ffn_hidden, shared_expert=cfg.moe_shared_expert,
-                shared_expert_hidden=cfg.moe_shared_expert_hidden, shared_expert_gate=cfg.moe_shared_expert_gate)
+                shared_expert_hidden=cfg.moe_shared_expert_hidden, shared_expert_gate=cfg.moe_shared_expert_gate,
+                dense_blocks=cfg.moe_dense_blocks)
 
 
 def _count(n: int) -> str:
