@@ -20,6 +20,7 @@ from pathlib import Path
 from bigtrain.config import DataConfig
 from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files
 from bigtrain.data.documents import corpus_files, has_records
+from bigtrain.data.sampler import split_problem
 from bigtrain.data.shards import ShardedTokens, corpus_key, prepared
 from bigtrain.data.tokenizer import BYTES, file_digest, tokenizer_file
 
@@ -117,12 +118,16 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
     except ValueError as e:  # a record without its field, a damaged cache: one line naming it
         raise ConfigError(str(e)) from None
     if manifest is not None:
-        train = manifest["tokens"] - int(manifest["tokens"] * d.val_fraction)
+        tokens = manifest["tokens"]
+        train = tokens - int(tokens * d.val_fraction)
         if train < d.seq_len + 2:
-            raise ConfigError(f"data.source = '{d.source}' tokenizes to {manifest['tokens']} tokens"
+            raise ConfigError(f"data.source = '{d.source}' tokenizes to {tokens} tokens"
                               + (f" ({train} before the held-out slice)" if d.val_fraction else "")
                               + f", fewer than data.seq_len + 2 = {d.seq_len + 2}; lower data.seq_len or give a "
                               f"longer corpus")
+        problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
+        if problem:
+            raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
     if main and d.tokenizer != BYTES:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

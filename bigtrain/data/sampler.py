@@ -55,6 +55,22 @@ class MappedFile:
                           f"continue with --resume")
 
 
+def split_problem(tokens: int, seq_len: int, val_fraction: float) -> str | None:
+    """Why a corpus of ``tokens`` ids cannot be cut into a training part holding one window and the
+    next target and a held-out slice (``val_fraction``) holding one window; None when it can. The
+    sampler raises it, and the checks before launch ask it of every corpus whose length they know."""
+    held_out = int(tokens * val_fraction)
+    if tokens - held_out < seq_len + 2:
+        if not held_out:
+            return f"corpus has {tokens} tokens, fewer than data.seq_len + 2 = {seq_len + 2}"
+        return (f"data.val_fraction = {val_fraction:g} leaves {tokens - held_out} tokens before the held-out slice, "
+                f"fewer than data.seq_len + 2 = {seq_len + 2}; lower data.val_fraction or give a longer corpus")
+    if held_out and held_out < seq_len + 1:
+        return (f"data.val_fraction = {val_fraction:g} holds out {held_out} tokens, fewer than one window "
+                f"(data.seq_len + 1 = {seq_len + 1}); raise data.val_fraction or give a longer corpus")
+    return None
+
+
 class TokenSampler:
     """Random windows of ``seq_len + 1`` tokens; inputs and next-token targets. Targets equal to
     ``ignore_target`` (when >= 0) become :data:`IGNORE_INDEX`, so the loss leaves them out.
@@ -65,15 +81,12 @@ class TokenSampler:
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, ignore_target: int = -1,
                  val_fraction: float = 0.0):
+        problem = split_problem(len(tokens), seq_len, val_fraction)
+        if problem:
+            raise ValueError(problem)
         held_out = int(len(tokens) * val_fraction)
         self.val_tokens = tokens[len(tokens) - held_out:] if held_out else tokens[:0]
         tokens = tokens[:len(tokens) - held_out]
-        if len(tokens) < seq_len + 2:
-            raise ValueError(f"corpus has {len(tokens)} tokens" + (" before the held-out slice" if held_out else "") +
-                             f", fewer than data.seq_len + 2 = {seq_len + 2}")
-        if held_out and len(self.val_tokens) < seq_len + 1:
-            raise ValueError(f"data.val_fraction = {val_fraction:g} holds out {held_out} tokens, fewer than one window "
-                             f"(data.seq_len + 1 = {seq_len + 1}); raise data.val_fraction or give a longer corpus")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.ignore_target = ignore_target
         self.mapped = MappedFile.of(tokens)

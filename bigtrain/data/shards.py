@@ -36,7 +36,7 @@ import numpy as np
 from bigtrain.data.documents import documents
 from bigtrain.data.tokenizer import file_digest, ids_dtype, load_tokenizer
 
-FORMAT = 1
+FORMAT = 2  # 2: tokenizer.json files read without their truncation and padding, ids sized by the largest
 SHARD_BYTES = 32 << 20  # text per shard: a worker's unit of work and of resumption
 MANIFEST = "manifest.json"
 DIGESTS = "file-digests.json"
