@@ -144,6 +144,15 @@ def test_jsonl_records_are_read_from_data_text_field(bpe, tmp_path):
         load_corpus(_data(source, path, tmp_path))
 
 
+def test_a_jsonl_line_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path):
+    """The launcher printed only "'utf-8' codec can't decode byte 0xff in position 51" (no file, no line)."""
+    source = tmp_path / "r.jsonl"
+    source.write_bytes(b'{"text": "fine"}\r\n{"text": "bad \xff\xfe byte"}\n')
+    with pytest.raises(ValueError, match=r"data.source: .*r.jsonl line 2 is not UTF-8 \(invalid start byte at byte "
+                                         r"14 of the line\); save the file as UTF-8"):
+        load_corpus(_data(source, "bytes", tmp_path))
+
+
 def test_byte_level_jsonl_needs_no_tokenizer(tmp_path):
     source = tmp_path / "r.jsonl"
     source.write_text(json.dumps({"text": "héllo"}) + "\n" + json.dumps({"text": "!"}) + "\n")

@@ -39,8 +39,13 @@ def parquet_missing() -> str | None:
 
 
 def _jsonl(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # name the file and line (the codec's message names neither)
+                raise DocumentError(f"data.source: {path} line {number} is not UTF-8 ({e.reason} at byte {e.start} "
+                                    f"of the line); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
