@@ -368,6 +368,29 @@ def test_a_held_out_slice_shorter_than_a_window_is_refused_before_launch(bpe, tm
         prepare_run_data(short, tmp_path / "run", main=True)
 
 
+def test_a_cap_that_cuts_a_users_corpus_is_said_before_launch(bpe, tmp_path, capsys):
+    """data.max_bytes (16 MB by default, to keep the 'stdlib' demo short) cut a user's corpus without
+    a word: a run on a 10 GB folder trained on its first 16 MB. Said now, for byte-level text (its
+    files' bytes) and tokenized records (the manifest records whether the cap cut); not for a cap
+    the corpus fits exactly, nor without one."""
+    from bigtrain.data.load import prepare_run_data
+
+    path, _ = bpe
+    text = "def f(x):\n    return x\n" * 100  # 2,400 bytes
+    folder, records = tmp_path / "text", tmp_path / "records.jsonl"
+    folder.mkdir()
+    (folder / "a.txt").write_text(text)
+    records.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(3)))
+    for source, tokenizer, size in ((folder, "bytes", 2400), (records, path, 3 * 2400)):
+        for cap, said in ((1000, True), (0, False), (size, False)):
+            cfg = tiny_config(str(tmp_path), f"--data.source={source}", f"--data.tokenizer={tokenizer}",
+                              f"--model.vocab_size={MODEL_VOCAB}", f"--data.max_bytes={cap}")
+            prepare_run_data(cfg, tmp_path / "run", main=True)
+            warning = (f"bigtrain: warning: data.max_bytes = {cap} cut data.source = '{source}' short: the run reads "
+                       f"only its first {cap:,} bytes of text; set data.max_bytes = 0 to read all of it")
+            assert (warning in capsys.readouterr().err) == said, (source, cap)
+
+
 def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tmp_path):
     """Skipped where tiktoken is not installed (it is optional; the venv has none)."""
     import base64

@@ -85,15 +85,33 @@ def file_documents(path: Path, field: str) -> Iterator[str]:
         yield path.read_bytes().decode("utf-8", errors="replace")
 
 
+class Documents:
+    """Every document of ``files`` in order, at most ``max_bytes`` bytes of UTF-8 in all (0: no cap).
+    Once iterated, ``cut`` says whether the cap left text out (the launcher says so: a cap that
+    keeps a demo short must not drop most of a user's corpus without a word)."""
+
+    def __init__(self, files: list[Path], field: str, max_bytes: int = 0):
+        self.files, self.field, self.max_bytes, self.cut = files, field, max_bytes, False
+
+    def __iter__(self) -> Iterator[str]:
+        total, cap = 0, self.max_bytes
+        for path in self.files:
+            for text in file_documents(path, self.field):
+                if cap:
+                    if total >= cap:  # full: a document with any text left is text left out
+                        if text:
+                            self.cut = True
+                            return
+                        continue
+                    data = text.encode("utf-8")
+                    if total + len(data) > cap:
+                        self.cut = True
+                        yield data[:cap - total].decode("utf-8", errors="ignore")
+                        return
+                    total += len(data)
+                yield text
+
+
 def documents(files: list[Path], field: str, max_bytes: int = 0) -> Iterator[str]:
     """Every document of ``files`` in order, at most ``max_bytes`` bytes of UTF-8 in all (0: no cap)."""
-    total = 0
-    for path in files:
-        for text in file_documents(path, field):
-            if max_bytes:
-                data = text.encode("utf-8")
-                if total + len(data) >= max_bytes:
-                    yield data[:max_bytes - total].decode("utf-8", errors="ignore")
-                    return
-                total += len(data)
-            yield text
+    return iter(Documents(files, field, max_bytes))
