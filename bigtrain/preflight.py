@@ -25,7 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from bigtrain.config import Config, ConfigError
-from bigtrain.families import family_of
+from bigtrain.families import family_of, model_vocabulary
 from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_key, text_files,
                            token_dtype_problem, uses_shards)
 from bigtrain.data.fields import records_problem, tokenizer_problem
@@ -129,9 +129,7 @@ def data_problems(cfg: Config) -> list[str]:
     d, family = cfg.data, family_of(cfg)
     if not family.reads_tokens:  # its own data (a recommender's): validation checked it
         return []
-    # The model's vocabulary: a family described by its own file (a config.json) sets it there.
-    vocab, vocab_field = family.vocabulary(cfg) if family.vocabulary is not None else (cfg.model.vocab_size,
-                                                                                      "model.vocab_size")
+    vocab, vocab_field = model_vocabulary(cfg)  # a family described by its own file (a config.json) sets it there
     need = d.seq_len + 2  # TokenSampler draws starts in [0, len - seq_len - 1): a window of seq_len + 1, and one more
     if d.tokenizer != "bytes" and (problem := tokenizer_problem(cfg, vocab, vocab_field)):
         return [problem]
