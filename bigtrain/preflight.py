@@ -26,7 +26,7 @@ import numpy as np
 
 from bigtrain.config import Config, ConfigError
 from bigtrain.families import family_of, model_vocabulary
-from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_key, text_files,
+from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_files, stdlib_key, text_files,
                            token_dtype_problem, uses_shards)
 from bigtrain.data.fields import records_problem, tokenizer_problem
 from bigtrain.data.sampler import split_problem
@@ -140,8 +140,8 @@ def data_problems(cfg: Config) -> list[str]:
         if problem is None and d.max_bytes and d.max_bytes < need:
             problem = (f"data.max_bytes = {d.max_bytes} caps the corpus below data.seq_len + 2 = {need} tokens "
                        f"(one window and the next target); raise data.max_bytes or set it to 0")
-        if problem is None and d.max_bytes:  # the standard library is longer than any cap a run sets
-            problem = _held_out_problem(d, "data.max_bytes caps data.source = 'stdlib' at", d.max_bytes)
+        if problem is None and d.val_fraction:
+            problem = _held_out_problem(d, "data.source = 'stdlib' has", _stdlib_tokens(d))
         return [problem] if problem else []
     src = Path(os.path.expanduser(d.source))
     try:
@@ -161,6 +161,16 @@ def data_problems(cfg: Config) -> list[str]:
     else:
         problem = _text_problem(cfg, src, need)
     return [problem] if problem else []
+
+
+def _stdlib_tokens(d) -> int:
+    """The byte corpus of the standard library: its cached file's length, else its files' bytes up to
+    data.max_bytes (stat-ed only when data.val_fraction needs the length)."""
+    cached = cached_corpus(stdlib_key(), d.cache_dir, d.max_bytes)
+    if cached.is_file():
+        return cached.stat().st_size
+    total = sum(f.stat().st_size for f in stdlib_files())
+    return min(total, d.max_bytes) if d.max_bytes else total
 
 
 def _held_out_problem(d, where: str, tokens: int) -> str | None:

@@ -127,6 +127,17 @@ def test_a_held_out_slice_shorter_than_a_window_is_refused_before_launch(tmp_pat
     assert len(most) == 1 and "before the held-out slice, fewer than data.seq_len + 2" in most[0], most
 
 
+def test_a_held_out_slice_of_the_standard_library_is_checked_too(tmp_path):
+    """'stdlib' without a cap: its length is its files' bytes (or its cached file's)."""
+    assert _problems(tmp_path, "stdlib", "--data.max_bytes=0", "--data.val_fraction=0.01") == []
+    short = _problems(tmp_path, "stdlib", "--data.max_bytes=0", "--data.val_fraction=1e-7")
+    assert len(short) == 1 and short[0].startswith("data.val_fraction = 1e-07 holds out ") and \
+        "(data.source = 'stdlib' has " in short[0], short
+    capped = _problems(tmp_path, "stdlib", "--data.max_bytes=2000", "--data.val_fraction=0.01")
+    assert capped == ["data.val_fraction = 0.01 holds out 20 tokens, fewer than one window (data.seq_len + 1 = 33); "
+                      "raise data.val_fraction or give a longer corpus (data.source = 'stdlib' has 2000 tokens)"], capped
+
+
 def test_folders_without_text_and_special_files(tmp_path):
     (tmp_path / "csv").mkdir()
     (tmp_path / "csv" / "t.csv").write_text("a,b\n" * 100)
