@@ -277,6 +277,40 @@ def test_parquet_is_read_when_pyarrow_is_there_and_refused_clearly_when_not(bpe,
     assert np.array_equal(np.asarray(load_corpus(d)), _expected_ids(tok, texts))
 
 
+def test_a_parquet_column_that_is_not_text_is_named(monkeypatch, tmp_path):
+    """A column of lists (chat messages), bytes or numbers was turned into text by str(): the run
+    trained on "[{'role': 'user', ...}]". Refused as JSON Lines refuses it. (pyarrow stands in here:
+    the venv has none; the reader asks it for nothing but the column's values.)"""
+    import sys
+    import types
+
+    from bigtrain.data import documents as documents_module
+    from bigtrain.data.documents import DocumentError, file_documents
+
+    class ParquetFile:
+        schema_arrow = types.SimpleNamespace(names=["text", "messages"])
+
+        def __init__(self, path):
+            pass
+
+        def iter_batches(self, columns, batch_size):
+            rows = {"text": ["a document", None, "another"], "messages": [None, [{"role": "user", "content": "hi"}]]}
+            yield types.SimpleNamespace(column=lambda i: types.SimpleNamespace(to_pylist=lambda: rows[columns[0]]))
+
+    parquet = types.ModuleType("pyarrow.parquet")
+    parquet.ParquetFile = ParquetFile
+    pyarrow = types.ModuleType("pyarrow")
+    pyarrow.parquet = parquet
+    monkeypatch.setitem(sys.modules, "pyarrow", pyarrow)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", parquet)
+    monkeypatch.setattr(documents_module, "parquet_missing", lambda: None)
+    path = tmp_path / "chat.parquet"
+    assert list(file_documents(path, "text")) == ["a document", "another"]
+    with pytest.raises(DocumentError, match=r"data.text_field = 'messages': .*chat.parquet row 2 holds list, not text; "
+                                            r"set data.text_field to a column of strings"):
+        list(file_documents(path, "messages"))
+
+
 # -- end to end: train at dp=2, export, load with transformers --------------------------------------
 def _export_and_compare(run_dir: Path, out: Path, cfg_model, tok) -> None:
     """Export, load with AutoTokenizer + AutoModelForCausalLM, and compare ids and logits."""

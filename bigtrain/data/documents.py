@@ -70,10 +70,17 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
     if field not in handle.schema_arrow.names:
         raise DocumentError(f"data.text_field = '{field}': {path} has no such column (its columns: "
                             f"{', '.join(handle.schema_arrow.names[:8])}); set data.text_field to the text column")
+    row = 0
     for batch in handle.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
-            if text is not None:
-                yield str(text)
+            row += 1
+            if text is None:
+                continue
+            if not isinstance(text, str):  # str() of a list of messages, bytes or a number is not the text
+                raise DocumentError(f"data.text_field = '{field}': {path} row {row} holds {type(text).__name__}, not "
+                                    f"text; set data.text_field to a column of strings (or turn the column into text "
+                                    f"first, e.g. a chat template applied to its messages)")
+            yield text
 
 
 def file_documents(path: Path, field: str) -> Iterator[str]:
