@@ -117,8 +117,3 @@ class Documents:
                         return
                     total += len(data)
                 yield text
-
-
-def documents(files: list[Path], field: str, max_bytes: int = 0) -> Iterator[str]:
-    """Every document of ``files`` in order, at most ``max_bytes`` bytes of UTF-8 in all (0: no cap)."""
-    return iter(Documents(files, field, max_bytes))
