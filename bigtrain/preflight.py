@@ -25,10 +25,11 @@ from typing import Mapping
 import numpy as np
 
 from bigtrain.config import Config, ConfigError
-from bigtrain.families import family_of
-from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_key, text_files,
+from bigtrain.families import family_of, model_vocabulary
+from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_files, stdlib_key, text_files,
                            token_dtype_problem, uses_shards)
 from bigtrain.data.fields import records_problem, tokenizer_problem
+from bigtrain.data.sampler import split_problem
 
 SCAN_CHUNK = 1 << 24  # token ids compared with the vocabulary per step of the scan (64 MiB of int32)
 LAUNCHER_MARKERS = ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
@@ -125,11 +126,12 @@ def _kind(mode: int) -> str:
 
 def data_problems(cfg: Config) -> list[str]:
     """The corpus ``data.source`` names, against the model and the sampler: one problem at most."""
-    d = cfg.data
-    if not family_of(cfg).reads_tokens:  # its own data (a recommender's): validation checked it
+    d, family = cfg.data, family_of(cfg)
+    if not family.reads_tokens:  # its own data (a recommender's): validation checked it
         return []
+    vocab, vocab_field = model_vocabulary(cfg)  # a family described by its own file (a config.json) sets it there
     need = d.seq_len + 2  # TokenSampler draws starts in [0, len - seq_len - 1): a window of seq_len + 1, and one more
-    if d.tokenizer != "bytes" and (problem := tokenizer_problem(cfg)):
+    if d.tokenizer != "bytes" and (problem := tokenizer_problem(cfg, vocab, vocab_field)):
         return [problem]
     if d.source == "stdlib" and uses_shards(d):
         return [problem] if (problem := _writable_cache_problem(cfg)) else []
@@ -138,6 +140,8 @@ def data_problems(cfg: Config) -> list[str]:
         if problem is None and d.max_bytes and d.max_bytes < need:
             problem = (f"data.max_bytes = {d.max_bytes} caps the corpus below data.seq_len + 2 = {need} tokens "
                        f"(one window and the next target); raise data.max_bytes or set it to 0")
+        if problem is None and d.val_fraction:
+            problem = _held_out_problem(d, "data.source = 'stdlib' has", _stdlib_tokens(d))
         return [problem] if problem else []
     src = Path(os.path.expanduser(d.source))
     try:
@@ -153,10 +157,27 @@ def data_problems(cfg: Config) -> list[str]:
     if src.suffix in (".bin", ".npy"):  # as load_tokens decides
         if stat.S_ISDIR(mode):
             return [f"data.source = '{d.source}' is a folder; a .bin / .npy source must be a token file"]
-        problem = _token_file_problem(d.source, src, cfg.model.vocab_size, need)
+        problem = _token_file_problem(d, src, vocab, vocab_field)
     else:
         problem = _text_problem(cfg, src, need)
     return [problem] if problem else []
+
+
+def _stdlib_tokens(d) -> int:
+    """The byte corpus of the standard library: its cached file's length, else its files' bytes up to
+    data.max_bytes (stat-ed only when data.val_fraction needs the length)."""
+    cached = cached_corpus(stdlib_key(), d.cache_dir, d.max_bytes)
+    if cached.is_file():
+        return cached.stat().st_size
+    total = sum(f.stat().st_size for f in stdlib_files())
+    return min(total, d.max_bytes) if d.max_bytes else total
+
+
+def _held_out_problem(d, where: str, tokens: int) -> str | None:
+    """The corpus of ``tokens`` ids cut by data.val_fraction: a training part and a held-out slice of
+    a window each (the sampler's own rule, asked before launch rather than raised in every rank)."""
+    problem = split_problem(tokens, d.seq_len, d.val_fraction) if d.val_fraction else None
+    return f"{problem} ({where} {tokens} tokens)" if problem else None
 
 
 def _unreadable(path: Path) -> str | None:
@@ -167,8 +188,8 @@ def _unreadable(path: Path) -> str | None:
         return e.strerror or str(e)
 
 
-def _token_file_problem(source: str, path: Path, vocab: int, need: int) -> str | None:
-    field = f"data.source = '{source}'"
+def _token_file_problem(d, path: Path, vocab: int, vocab_field: str) -> str | None:
+    field, need = f"data.source = '{d.source}'", d.seq_len + 2
     reason = _unreadable(path)
     if reason:
         return f"{field}: cannot be read ({reason})"
@@ -192,7 +213,26 @@ def _token_file_problem(source: str, path: Path, vocab: int, need: int) -> str |
     if len(tokens) < need:
         return (f"{field} has {len(tokens)} token ids, fewer than data.seq_len + 2 = {need} (one window and the "
                 f"next target); lower data.seq_len or give a longer corpus")
-    return _id_range_problem(field, tokens, vocab)
+    return (_held_out_problem(d, f"{field} has", len(tokens)) or _id_range_problem(field, tokens, vocab, vocab_field)
+            or (_wide_ids_problem(field, tokens) if path.suffix == ".bin" else None))
+
+
+def _wide_ids_problem(field: str, tokens: np.ndarray) -> str | None:
+    """A .bin of ids written 4 or 8 bytes each (``np.int32(ids).tofile``), read as uint16: every id
+    becomes its low half and a run of high halves, which are 0 (or tiny) for every id below 65536 and
+    so pass the vocabulary check, and the run would train on every other token replaced by 0. Seen in
+    the first ids: the values at odd positions are far below those at even positions. Real uint16 text
+    has no such pattern (its odd positions are as varied as the even ones)."""
+    head = np.asarray(tokens[:min(len(tokens), 1 << 20) // 2 * 2])
+    if len(head) < 64:
+        return None
+    low, high = head[0::2], head[1::2]
+    if int(high.max()) * 256 >= int(low.max()):
+        return None
+    return (f"{field}: every second uint16 value is at most {int(high.max())} while the others reach "
+            f"{int(low.max())}: it looks like 32- or 64-bit ids (np.int32 / np.int64 .tofile) read 2 bytes at a "
+            f"time; a .bin holds uint16 ids: write np.asarray(ids, dtype=np.uint16).tofile(path), or np.save a "
+            f".npy (which keeps its dtype)")
 
 
 def _npy_header_problem(path: Path, size: int) -> str | None:
@@ -218,7 +258,7 @@ def _npy_header_problem(path: Path, size: int) -> str | None:
     return None
 
 
-def _id_range_problem(field: str, tokens: np.ndarray, vocab: int) -> str | None:
+def _id_range_problem(field: str, tokens: np.ndarray, vocab: int, vocab_field: str = "model.vocab_size") -> str | None:
     """Scan the ids chunk by chunk (memory-mapped: the file is never loaded whole): the first id
     out of range, and the largest and smallest of all, for the fix."""
     info = np.iinfo(tokens.dtype)
@@ -235,9 +275,9 @@ def _id_range_problem(field: str, tokens: np.ndarray, vocab: int) -> str | None:
     if first is None:
         return None
     at, value = first
-    text = f"{field} holds token id {value} at position {at}, outside 0 .. model.vocab_size - 1 = {vocab - 1}"
+    text = f"{field} holds token id {value} at position {at}, outside 0 .. {vocab_field} - 1 = {vocab - 1}"
     if high >= vocab:
-        text += f"; the largest id is {high}: set model.vocab_size to at least {high + 1}, or re-tokenize"
+        text += f"; the largest id is {high}: set {vocab_field} to at least {high + 1}, or re-tokenize"
     if low < 0:
         text += f"; the smallest is {low}: ids cannot be negative, re-tokenize"
     return text
@@ -270,6 +310,9 @@ def _text_problem(cfg: Config, src: Path, need: int) -> str | None:
         cap = f" (data.max_bytes = {d.max_bytes})" if d.max_bytes and total == d.max_bytes else ""
         return (f"{field} has {total} bytes of text{cap}, fewer than data.seq_len + 2 = {need} tokens (one window "
                 f"and the next target); lower data.seq_len or give a longer corpus")
+    problem = _held_out_problem(d, f"{field} has", total)
+    if problem:
+        return problem
     try:
         key = files_key(files)
     except OSError as e:

@@ -268,7 +268,7 @@ class Trainer(StepRunner):
         scaler = self.engine.scaler
         meta = {"format": self.checkpoint_format, "config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
                 "optimizer": self.engine.optim_spec.name, "run_id": self.run_id,
-                "loss_scaler": scaler.state_dict() if scaler is not None else None}
+                "loss_scaler": scaler.state_dict() if scaler is not None else None, "data": self.data_extent()}
         self._note_segment()
         self.checkpoint_writer.write(self.step, chunks, meta, background)
         return True
@@ -287,6 +287,14 @@ class Trainer(StepRunner):
         self.step = int(found[1]["step"])
         return True
 
+    def data_extent(self) -> dict | None:
+        """The corpus's training and held-out token counts (None for a family with its own data):
+        a checkpoint records them, so a resume on a corpus that changed under the same data.source
+        says so (:mod:`bigtrain.checkpoint.resume`)."""
+        if self.own_step is not None:
+            return None
+        return {"train_tokens": len(self.sampler.tokens), "held_out_tokens": len(self.sampler.val_tokens)}
+
     def summary(self) -> dict:
         """What ``summary.json`` records (the report reads it): the run's size and shape, what
         identifies it (:mod:`bigtrain.run_info`), and the planner's prediction for its layout."""
@@ -303,8 +311,7 @@ class Trainer(StepRunner):
                 "mesh": self.mesh.sizes, "model_params": self.family.parameter_count(cfg),  # whole, on meta
                 "tokens_seen": self.step * self.global_tokens,
                 "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg, self.device.type == "cuda"),
-                "data": {"source": cfg.data.source, "train_tokens": len(self.sampler.tokens),
-                         "held_out_tokens": len(self.sampler.val_tokens)},
+                "data": {"source": cfg.data.source, **self.data_extent()},
                 # The planner models the decoder the [model] fields describe; another family's is not.
                 "predicted": run_info.prediction(cfg, self.device.type == "cuda") if self.family.model_fields else None}
 

@@ -24,7 +24,7 @@ from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations
-from bigtrain.families import Family, family_of
+from bigtrain.families import Family, family_of, model_vocabulary
 from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.deferred import DeferredUpdate, LandedUpdate, deferrable
 from bigtrain.parallel.pipeline.executor import PipelineExecutor
@@ -131,9 +131,10 @@ class StepRunner:
             self.compile_clock.take()  # what compiled before this run (another trainer's) is not this run's
         set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
+        vocab, vocab_field = model_vocabulary(cfg)
         self.sampler = TokenSampler(load_corpus(cfg.data),
                                     cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target,
-                                    cfg.data.val_fraction)
+                                    cfg.data.val_fraction, vocab_size=vocab, vocab_field=vocab_field)
         self.accum = cfg.train.grad_accum(mesh.size("dp"))
         self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
         self.counted_targets = self.global_tokens  # this step's loss normalizer (fewer when targets are masked)

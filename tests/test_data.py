@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from bigtrain.data import TokenSampler, load_tokens, stdlib_files
+from bigtrain.testing import RankFailure, run_ranks
+from tests.helpers import tiny_config, trainer_on_rank
 
 N_TOKENS = 5000
 
@@ -93,6 +95,37 @@ def test_slices_of_the_global_batch():
     x, _ = sampler.batch(4, 0, 8)
     part, _ = sampler.batch(4, 3, 2)
     assert torch.equal(part, x[3:5])
+
+
+def test_a_window_holding_an_id_past_the_vocabulary_is_named():
+    """The sampler's own guard (a Trainer made directly has no launcher to check the file): the id,
+    where it is in the corpus, and the field; in the held-out windows too."""
+    sampler = TokenSampler(np.full(1000, 300), seq_len=16, global_batch=4, seed=0, vocab_size=256, val_fraction=0.1)
+    with pytest.raises(ValueError, match=r"^data.source: token id 300 at position \d+ of the corpus, outside 0 \.\. "
+                                         r"model.vocab_size - 1 = 255; set model.vocab_size to at least 301, or "
+                                         r"re-tokenize$"):
+        sampler.batch(0, 0, 4)
+    with pytest.raises(ValueError, match=r"token id 300 at position \d+ of the held-out slice"):
+        sampler.eval_batch(0, 1, 0, 4)
+    fine = TokenSampler(np.full(1000, 255), seq_len=16, global_batch=4, seed=0, vocab_size=256)
+    assert int(fine.batch(0, 0, 4)[0].max()) == 255
+
+
+def _first_step(rank, world_size, cfg, run_dir):
+    trainer_on_rank(rank, world_size, cfg, run_dir).train_step()
+
+
+def test_ids_past_the_models_vocabulary_stop_a_tensor_parallel_trainer(corpus_cache, tmp_path):
+    """At tp=2 an id >= model.vocab_size trained without a word (the vocabulary-parallel embedding
+    gives an id no shard holds a zero row, its loss a target no shard holds), where tp=1 crashed in
+    torch.embedding. bigtrain train refuses such a file before launch; a Trainer made directly stops
+    at the first window holding one, naming it, in every layout."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 300, 20_000).astype(np.int32))
+    cfg = tiny_config(corpus_cache, f"--data.source={ids}", "--parallel.tp=2")
+    with pytest.raises(RankFailure, match=r"token id 2\d\d at position \d+ of the corpus, outside 0 \.\. "
+                                          r"model.vocab_size - 1 = 255"):
+        run_ranks(_first_step, 2, cfg, str(tmp_path / "run"))
 
 
 def test_a_corpus_shorter_than_seq_len_plus_2_is_a_value_error():

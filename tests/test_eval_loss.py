@@ -44,6 +44,19 @@ def test_a_held_out_slice_shorter_than_a_window_is_refused():
         TokenSampler(np.arange(1000), seq_len=16, global_batch=2, seed=0, val_fraction=0.01)
 
 
+def test_resuming_with_another_val_fraction_says_what_it_changes():
+    """data.val_fraction moves the line between the training part and the held-out slice: a resumed
+    run with a smaller one trains on tokens its earlier evaluations held out (and its eval_loss is no
+    longer comparable), so it is named with the other fields that change the data."""
+    from bigtrain.checkpoint.compat import compare_configs
+
+    saved = load_config(preset="tiny", overrides=["--data.val_fraction=0.05"]).to_dict()
+    errors, changes = compare_configs(saved, load_config(preset="tiny", overrides=["--data.val_fraction=0.01"]), "C")
+    assert errors == [] and changes == [
+        "data.val_fraction = 0.01 differs from the checkpoint's 0.05: this changes the training part and the held-out "
+        "slice (a smaller one trains on tokens earlier evaluations held out; eval_loss before and after differ)"]
+
+
 def test_settings_are_checked_before_launch():
     with pytest.raises(ConfigError) as e:
         validate(load_config(preset="tiny", overrides=["--train.eval_every=10"]))

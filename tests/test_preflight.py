@@ -91,6 +91,10 @@ BAD_DATA = {
     "empty-bin": (_bin(b""), "is empty"),
     "short-bin": (_bin(b"\x00\x00" * (SEQ + 1)), "has 33 token ids"),
     "id-in-bin": (_bin(np.r_[np.zeros(40), 9999].astype(np.uint16).tobytes()), "token id 9999 at position 40"),
+    # ids written 4 or 8 bytes each (np.int32 / np.int64 .tofile): read as uint16, every other id would be 0
+    "int32-bin": (_bin((np.arange(1, 201) % 250 + 1).astype(np.int32).tobytes()),
+                  "every second uint16 value is at most 0 while the others reach 201: it looks like 32- or 64-bit ids"),
+    "int64-bin": (_bin((np.arange(1, 201) % 250 + 1).astype(np.int64).tobytes()), "looks like 32- or 64-bit ids"),
     "short-text": (_written(".txt", lambda path: path.write_text("tiny")),
                    "has 4 bytes of text, fewer than data.seq_len + 2 = 34"),
 }
@@ -103,6 +107,35 @@ def test_bad_token_files_are_named_with_a_fix(tmp_path, case):
     problems = _problems(tmp_path, path)
     assert len(problems) == 1 and needle in problems[0], problems
     assert problems[0].startswith(f"data.source = '{path}'")
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".bin", ".txt"])
+def test_a_held_out_slice_shorter_than_a_window_is_refused_before_launch(tmp_path, suffix):
+    """data.val_fraction holds out the corpus's last tokens: a slice shorter than one window (or a
+    training part shorter than one) is named before launch, not raised by the sampler in every rank."""
+    path = tmp_path / f"t{suffix}"
+    ids = (np.arange(1000) % 200 + 32).astype(np.uint16)
+    np.save(path, ids) if suffix == ".npy" else ids.tofile(path) if suffix == ".bin" else path.write_bytes(
+        ids.astype(np.uint8).tobytes() * 2)
+    tokens = 2000 if suffix == ".txt" else 1000
+    assert _problems(tmp_path, path, "--data.val_fraction=0.1") == []
+    short = _problems(tmp_path, path, "--data.val_fraction=0.01")
+    assert short == [f"data.val_fraction = 0.01 holds out {tokens // 100} tokens, fewer than one window "
+                     f"(data.seq_len + 1 = {SEQ + 1}); raise data.val_fraction or give a longer corpus "
+                     f"(data.source = '{path}' has {tokens} tokens)"], short
+    most = _problems(tmp_path, path, "--data.val_fraction=0.99")
+    assert len(most) == 1 and "before the held-out slice, fewer than data.seq_len + 2" in most[0], most
+
+
+def test_a_held_out_slice_of_the_standard_library_is_checked_too(tmp_path):
+    """'stdlib' without a cap: its length is its files' bytes (or its cached file's)."""
+    assert _problems(tmp_path, "stdlib", "--data.max_bytes=0", "--data.val_fraction=0.01") == []
+    short = _problems(tmp_path, "stdlib", "--data.max_bytes=0", "--data.val_fraction=1e-7")
+    assert len(short) == 1 and short[0].startswith("data.val_fraction = 1e-07 holds out ") and \
+        "(data.source = 'stdlib' has " in short[0], short
+    capped = _problems(tmp_path, "stdlib", "--data.max_bytes=2000", "--data.val_fraction=0.01")
+    assert capped == ["data.val_fraction = 0.01 holds out 20 tokens, fewer than one window (data.seq_len + 1 = 33); "
+                      "raise data.val_fraction or give a longer corpus (data.source = 'stdlib' has 2000 tokens)"], capped
 
 
 def test_folders_without_text_and_special_files(tmp_path):

@@ -73,6 +73,23 @@ def test_resume_warns_for_each_override_that_changes_the_schedule(straight, tmp_
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
 
 
+def test_resuming_on_a_corpus_that_changed_under_the_same_source_says_so(corpus_cache, tmp_path, capsys):
+    """Documents added to a corpus (the same data.source) move the held-out slice: the run trains on
+    other data from there, possibly on tokens its earlier evaluations held out. Said on resume."""
+    import numpy as np
+
+    ids, out = tmp_path / "ids.npy", tmp_path / "run"
+    np.save(ids, np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint16))
+    assert main(_args(corpus_cache, out, "--train.steps=2", f"--data.source={ids}", "--data.val_fraction=0.1")) == 0
+    assert main(_resume(out, "--train.steps=3")) == 0
+    assert "the corpus changed" not in capsys.readouterr().err  # the same corpus: nothing to say
+    np.save(ids, np.random.default_rng(1).integers(0, 256, 6000).astype(np.uint16))
+    assert main(_resume(out, "--train.steps=4")) == 0
+    assert (f"data.source = '{ids}' now gives 5,400 training and 600 held-out tokens, 3,600 and 400 when the "
+            f"checkpoint was written: the corpus changed, so the run trains on other data from here") \
+        in capsys.readouterr().err
+
+
 def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(straight, tmp_path, capsys, corpus_cache):
     out = _copy(straight, tmp_path)
     assert main(_resume(out, "--model.n_layers=1", "--model.dim=32")) == 2

@@ -144,6 +144,15 @@ def test_jsonl_records_are_read_from_data_text_field(bpe, tmp_path):
         load_corpus(_data(source, path, tmp_path))
 
 
+def test_a_jsonl_line_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path):
+    """The launcher printed only "'utf-8' codec can't decode byte 0xff in position 51" (no file, no line)."""
+    source = tmp_path / "r.jsonl"
+    source.write_bytes(b'{"text": "fine"}\r\n{"text": "bad \xff\xfe byte"}\n')
+    with pytest.raises(ValueError, match=r"data.source: .*r.jsonl line 2 is not UTF-8 \(invalid start byte at byte "
+                                         r"14 of the line\); save the file as UTF-8"):
+        load_corpus(_data(source, "bytes", tmp_path))
+
+
 def test_byte_level_jsonl_needs_no_tokenizer(tmp_path):
     source = tmp_path / "r.jsonl"
     source.write_text(json.dumps({"text": "héllo"}) + "\n" + json.dumps({"text": "!"}) + "\n")
@@ -161,6 +170,71 @@ def test_the_vocabulary_is_checked_against_the_model_before_launch(bpe, text_fol
     fine = tiny_config(corpus_cache, f"--data.source={text_folder}", f"--data.tokenizer={path}",
                        f"--model.vocab_size={MODEL_VOCAB}")
     assert data_problems(fine) == []
+
+
+def test_a_tokenizer_whose_ids_outrun_its_count_is_sized_by_its_largest_id(tmp_path, corpus_cache):
+    """A tokenizer.json may leave ids unused (3 tokens here, the largest id 70000): its size is its
+    largest id + 1, or the check against the model passes and the shards, typed by the count, wrap
+    70000 to 112 in uint8 without a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from bigtrain.data.tokenizer import load_tokenizer
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "c": 70000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    assert load_tokenizer(str(path)).vocab_size == 70001
+    source = tmp_path / "records.jsonl"
+    source.write_text("".join(json.dumps({"text": "a b c " * 30}) + "\n" for _ in range(3)))
+    cfg = tiny_config(corpus_cache, f"--data.source={source}", f"--data.tokenizer={path}")
+    assert data_problems(cfg) == [
+        f"data.tokenizer = '{path}' has 70001 ids, more than model.vocab_size = 256: its ids would index past the "
+        f"embedding; set model.vocab_size = 70001 (or a multiple of 64 above it, such as 70016)"]
+    ids = np.asarray(load_corpus(_data(source, path, tmp_path)))
+    assert np.array_equal(ids, [1, 2, 70000] * 90)
+
+
+def test_truncation_and_padding_saved_in_a_tokenizer_json_do_not_cut_documents(bpe, tmp_path):
+    """A tokenizer.json saved with truncation or padding on (a pipeline's settings) would cut every
+    document to max_length ids and pad the short ones with pad ids: the corpus is each whole document."""
+    from tokenizers import Tokenizer
+
+    path, tok = bpe
+    cutting = Tokenizer.from_file(str(path))
+    cutting.enable_truncation(8)
+    cutting.enable_padding(pad_id=0, pad_token="<|endoftext|>")
+    folder = tmp_path / "cutting"
+    folder.mkdir()
+    cutting.save(str(folder / "tokenizer.json"))
+    texts = ["def main(argv):\n    return sorted(argv)  # a long first document\n" * 4, "x = 1"]
+    source = tmp_path / "records.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    ids = np.asarray(load_corpus(_data(source, folder, tmp_path)))
+    assert np.array_equal(ids, _expected_ids(tok, texts))
+
+
+def test_the_hf_familys_tokenizer_and_ids_are_checked_against_its_config_json(bpe, corpus_cache, tmp_path):
+    """The hf family's embedding has its config.json's vocab_size; model.vocab_size is not read. The
+    checks compare with the config.json's (256 here): with model.vocab_size = 512 a 300-id tokenizer
+    passed, and at tp=2 the vocabulary-parallel embedding trained on the ids past 255 without a word."""
+    path, _ = bpe
+    fixture = Path(__file__).parent / "fixtures" / "hf" / "llama"
+    config_json = fixture / "config.json"
+    hf = ["--model.family=hf", f"--model.hf_config={fixture}", "--model.vocab_size=512"]
+    text = tmp_path / "a.txt"
+    text.write_text("def f(x):\n    return x\n" * 40)
+    cfg = tiny_config(corpus_cache, *hf, f"--data.source={text}", f"--data.tokenizer={path}")
+    assert data_problems(cfg) == [
+        f"data.tokenizer = '{path}' has {VOCAB} ids, more than vocab_size of {config_json} = 256: its ids would "
+        f"index past the embedding; use the tokenizer the model was made for, or a model whose vocab_size of "
+        f"{config_json} is at least {VOCAB}"]
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.r_[np.zeros(50), 300, np.zeros(50)].astype(np.int32))
+    cfg = tiny_config(corpus_cache, *hf, f"--data.source={ids}")
+    assert data_problems(cfg) == [
+        f"data.source = '{ids}' holds token id 300 at position 50, outside 0 .. vocab_size of {config_json} - 1 = "
+        f"255; the largest id is 300: set vocab_size of {config_json} to at least 301, or re-tokenize"]
 
 
 def test_tokenizer_problems_name_the_field_and_the_fix(bpe, corpus_cache, tmp_path, monkeypatch):
@@ -201,6 +275,40 @@ def test_parquet_is_read_when_pyarrow_is_there_and_refused_clearly_when_not(bpe,
     pq.write_table(pa.table({"body": texts, "n": [1, 2, 3]}), source)
     d = _data(source, path, tmp_path, text_field="body")
     assert np.array_equal(np.asarray(load_corpus(d)), _expected_ids(tok, texts))
+
+
+def test_a_parquet_column_that_is_not_text_is_named(monkeypatch, tmp_path):
+    """A column of lists (chat messages), bytes or numbers was turned into text by str(): the run
+    trained on "[{'role': 'user', ...}]". Refused as JSON Lines refuses it. (pyarrow stands in here:
+    the venv has none; the reader asks it for nothing but the column's values.)"""
+    import sys
+    import types
+
+    from bigtrain.data import documents as documents_module
+    from bigtrain.data.documents import DocumentError, file_documents
+
+    class ParquetFile:
+        schema_arrow = types.SimpleNamespace(names=["text", "messages"])
+
+        def __init__(self, path):
+            pass
+
+        def iter_batches(self, columns, batch_size):
+            rows = {"text": ["a document", None, "another"], "messages": [None, [{"role": "user", "content": "hi"}]]}
+            yield types.SimpleNamespace(column=lambda i: types.SimpleNamespace(to_pylist=lambda: rows[columns[0]]))
+
+    parquet = types.ModuleType("pyarrow.parquet")
+    parquet.ParquetFile = ParquetFile
+    pyarrow = types.ModuleType("pyarrow")
+    pyarrow.parquet = parquet
+    monkeypatch.setitem(sys.modules, "pyarrow", pyarrow)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", parquet)
+    monkeypatch.setattr(documents_module, "parquet_missing", lambda: None)
+    path = tmp_path / "chat.parquet"
+    assert list(file_documents(path, "text")) == ["a document", "another"]
+    with pytest.raises(DocumentError, match=r"data.text_field = 'messages': .*chat.parquet row 2 holds list, not text; "
+                                            r"set data.text_field to a column of strings"):
+        list(file_documents(path, "messages"))
 
 
 # -- end to end: train at dp=2, export, load with transformers --------------------------------------
@@ -273,6 +381,48 @@ def test_a_corpus_shorter_than_a_window_is_refused_before_launch(bpe, tmp_path):
     assert code == 2
     validate(tiny_config(str(tmp_path), f"--data.source={source}", f"--data.tokenizer={path}",
                          f"--model.vocab_size={MODEL_VOCAB}"))  # the config alone is fine: the length is known later
+
+
+def test_a_held_out_slice_shorter_than_a_window_is_refused_before_launch(bpe, tmp_path):
+    """Its length is known once tokenized (in the launcher): a data.val_fraction that holds out less
+    than one window is named there, not raised by the sampler in every rank."""
+    from bigtrain.data.load import prepare_run_data
+
+    path, _ = bpe
+    source = tmp_path / "records.jsonl"
+    source.write_text("".join(json.dumps({"text": t[:1000]}) + "\n" for t in _texts()[:3]))
+    fine = tiny_config(str(tmp_path), f"--data.source={source}", f"--data.tokenizer={path}",
+                       f"--model.vocab_size={MODEL_VOCAB}", "--data.val_fraction=0.2")
+    prepare_run_data(fine, tmp_path / "run", main=True)
+    short = tiny_config(str(tmp_path), f"--data.source={source}", f"--data.tokenizer={path}",
+                        f"--model.vocab_size={MODEL_VOCAB}", "--data.val_fraction=0.01")
+    with pytest.raises(ConfigError, match=r"data.val_fraction = 0.01 holds out \d+ tokens, fewer than one window "
+                                          r"\(data.seq_len \+ 1 = 33\); raise data.val_fraction .*\(data.source = "
+                                          r"'.*records.jsonl' tokenizes to \d+ tokens\)$"):
+        prepare_run_data(short, tmp_path / "run", main=True)
+
+
+def test_a_cap_that_cuts_a_users_corpus_is_said_before_launch(bpe, tmp_path, capsys):
+    """data.max_bytes (16 MB by default, to keep the 'stdlib' demo short) cut a user's corpus without
+    a word: a run on a 10 GB folder trained on its first 16 MB. Said now, for byte-level text (its
+    files' bytes) and tokenized records (the manifest records whether the cap cut); not for a cap
+    the corpus fits exactly, nor without one."""
+    from bigtrain.data.load import prepare_run_data
+
+    path, _ = bpe
+    text = "def f(x):\n    return x\n" * 100  # 2,400 bytes
+    folder, records = tmp_path / "text", tmp_path / "records.jsonl"
+    folder.mkdir()
+    (folder / "a.txt").write_text(text)
+    records.write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(3)))
+    for source, tokenizer, size in ((folder, "bytes", 2400), (records, path, 3 * 2400)):
+        for cap, said in ((1000, True), (0, False), (size, False)):
+            cfg = tiny_config(str(tmp_path), f"--data.source={source}", f"--data.tokenizer={tokenizer}",
+                              f"--model.vocab_size={MODEL_VOCAB}", f"--data.max_bytes={cap}")
+            prepare_run_data(cfg, tmp_path / "run", main=True)
+            warning = (f"bigtrain: warning: data.max_bytes = {cap} cut data.source = '{source}' short: the run reads "
+                       f"only its first {cap:,} bytes of text; set data.max_bytes = 0 to read all of it")
+            assert (warning in capsys.readouterr().err) == said, (source, cap)
 
 
 def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tmp_path):

@@ -40,6 +40,8 @@ CHANGES = {
     "data.seq_len": "the sequences the run trains on (and the activations' shapes)",
     "data.max_bytes": "the corpus the run samples from",
     "data.ignore_target": "which targets count in the loss",
+    "data.val_fraction": "the training part and the held-out slice (a smaller one trains on tokens earlier "
+                         "evaluations held out; eval_loss before and after differ)",
     "train.seed": "the order of the data from here on",
     "train.global_batch": "the data per step and the learning rate's meaning",
     "train.steps": "the learning-rate schedule: its cosine decay ends at the new step count",

@@ -113,6 +113,13 @@ def _check_serves(trainer, path: Path, meta: dict[str, Any]) -> None:
         raise ResumeError(f"{path} is an old-format checkpoint ({meta.get('format', 'full tensors in model.pt')}); "
                          f"this run loads sharded '{wanted}' checkpoints only: start the run afresh")
     check_same_model(trainer.cfg, trainer.engine.optim_spec.name, path, meta, warn=trainer.is_main)
+    saved, now = meta.get("data"), trainer.data_extent()
+    if trainer.is_main and saved and now and saved != now:  # the same data.source, another corpus
+        warnings.warn(f"resuming from {path.name}: data.source = '{trainer.cfg.data.source}' now gives "
+                      f"{now['train_tokens']:,} training and {now['held_out_tokens']:,} held-out tokens, "
+                      f"{saved['train_tokens']:,} and {saved['held_out_tokens']:,} when the checkpoint was written: "
+                      f"the corpus changed, so the run trains on other data from here (possibly on tokens held "
+                      f"out before; eval_loss before and after differ)", stacklevel=3)
 
 
 def check_same_model(cfg, optimizer: str, path: Path, meta: dict[str, Any], warn: bool) -> None:

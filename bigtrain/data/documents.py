@@ -39,8 +39,13 @@ def parquet_missing() -> str | None:
 
 
 def _jsonl(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # name the file and line (the codec's message names neither)
+                raise DocumentError(f"data.source: {path} line {number} is not UTF-8 ({e.reason} at byte {e.start} "
+                                    f"of the line); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -65,10 +70,17 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
     if field not in handle.schema_arrow.names:
         raise DocumentError(f"data.text_field = '{field}': {path} has no such column (its columns: "
                             f"{', '.join(handle.schema_arrow.names[:8])}); set data.text_field to the text column")
+    row = 0
     for batch in handle.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
-            if text is not None:
-                yield str(text)
+            row += 1
+            if text is None:
+                continue
+            if not isinstance(text, str):  # str() of a list of messages, bytes or a number is not the text
+                raise DocumentError(f"data.text_field = '{field}': {path} row {row} holds {type(text).__name__}, not "
+                                    f"text; set data.text_field to a column of strings (or turn the column into text "
+                                    f"first, e.g. a chat template applied to its messages)")
+            yield text
 
 
 def file_documents(path: Path, field: str) -> Iterator[str]:
@@ -80,15 +92,28 @@ def file_documents(path: Path, field: str) -> Iterator[str]:
         yield path.read_bytes().decode("utf-8", errors="replace")
 
 
-def documents(files: list[Path], field: str, max_bytes: int = 0) -> Iterator[str]:
-    """Every document of ``files`` in order, at most ``max_bytes`` bytes of UTF-8 in all (0: no cap)."""
-    total = 0
-    for path in files:
-        for text in file_documents(path, field):
-            if max_bytes:
-                data = text.encode("utf-8")
-                if total + len(data) >= max_bytes:
-                    yield data[:max_bytes - total].decode("utf-8", errors="ignore")
-                    return
-                total += len(data)
-            yield text
+class Documents:
+    """Every document of ``files`` in order, at most ``max_bytes`` bytes of UTF-8 in all (0: no cap).
+    Once iterated, ``cut`` says whether the cap left text out (the launcher says so: a cap that
+    keeps a demo short must not drop most of a user's corpus without a word)."""
+
+    def __init__(self, files: list[Path], field: str, max_bytes: int = 0):
+        self.files, self.field, self.max_bytes, self.cut = files, field, max_bytes, False
+
+    def __iter__(self) -> Iterator[str]:
+        total, cap = 0, self.max_bytes
+        for path in self.files:
+            for text in file_documents(path, self.field):
+                if cap:
+                    if total >= cap:  # full: a document with any text left is text left out
+                        if text:
+                            self.cut = True
+                            return
+                        continue
+                    data = text.encode("utf-8")
+                    if total + len(data) > cap:
+                        self.cut = True
+                        yield data[:cap - total].decode("utf-8", errors="ignore")
+                        return
+                    total += len(data)
+                yield text

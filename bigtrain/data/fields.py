@@ -59,17 +59,23 @@ def _has_parquet(folder: Path) -> bool:
         return False
 
 
-def tokenizer_problem(cfg: Config) -> str | None:
-    """The tokenizer can be read, and every id it gives fits the model's vocabulary."""
+def tokenizer_problem(cfg: Config, vocab: int | None = None, vocab_field: str = "model.vocab_size") -> str | None:
+    """The tokenizer can be read, and every id it gives fits the model's vocabulary (``vocab``, set
+    by ``vocab_field``; model.vocab_size by default)."""
     d, m = cfg.data, cfg.model
+    vocab = m.vocab_size if vocab is None else vocab
     try:
         tokenizer = load_tokenizer(d.tokenizer)
     except TokenizerError as e:
         return str(e)
-    if tokenizer.vocab_size > m.vocab_size:
-        return (f"data.tokenizer = '{d.tokenizer}' has {tokenizer.vocab_size} ids, more than model.vocab_size = "
-                f"{m.vocab_size}: its ids would index past the embedding; set model.vocab_size = "
-                f"{tokenizer.vocab_size} (or a multiple of 64 above it, such as {-(-tokenizer.vocab_size // 64) * 64})"
+    if tokenizer.vocab_size > vocab:
+        text = (f"data.tokenizer = '{d.tokenizer}' has {tokenizer.vocab_size} ids, more than {vocab_field} = "
+                f"{vocab}: its ids would index past the embedding; ")
+        if vocab_field != "model.vocab_size":  # the model's own file sets it
+            return text + f"use the tokenizer the model was made for, or a model whose {vocab_field} is at least " \
+                          f"{tokenizer.vocab_size}"
+        return (text + f"set model.vocab_size = {tokenizer.vocab_size} (or a multiple of 64 above it, such as "
+                f"{-(-tokenizer.vocab_size // 64) * 64})"
                 + (" or use the tokenizer that model.init_from's weights were trained with" if m.init_from else ""))
     return None
 

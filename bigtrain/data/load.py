@@ -14,12 +14,14 @@ one prepared it: a Trainer made directly, as the tests do).
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
 from bigtrain.config import DataConfig
-from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files
+from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files, text_files
 from bigtrain.data.documents import corpus_files, has_records
+from bigtrain.data.sampler import split_problem
 from bigtrain.data.shards import ShardedTokens, corpus_key, prepared
 from bigtrain.data.tokenizer import BYTES, file_digest, tokenizer_file
 
@@ -102,6 +104,22 @@ def run_tokenizer(run_dir: Path) -> Path | None:
     return None
 
 
+def cap_warning(d: DataConfig, manifest: dict | None) -> str | None:
+    """``data.max_bytes`` cutting a corpus the user named (its default of 16 MB keeps the 'stdlib'
+    demo short; on a user's corpus it dropped everything past it without a word): whether the cap
+    cut a tokenized corpus is in its manifest, a byte-level one is its files' bytes."""
+    if not d.max_bytes or d.source == "stdlib" or is_token_file(d.source):
+        return None
+    if manifest is not None:
+        cut = bool(manifest.get("cut_at_max_bytes"))
+    else:
+        cut = sum(f.stat().st_size for f in text_files(source_path(d))) > d.max_bytes
+    if not cut:
+        return None
+    return (f"data.max_bytes = {d.max_bytes} cut data.source = '{d.source}' short: the run reads only its first "
+            f"{d.max_bytes:,} bytes of text; set data.max_bytes = 0 to read all of it")
+
+
 def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
     """Before the ranks start: tokenize the corpus if it needs it (once; verified when it was there
     already), refuse one too short for a window, and keep the tokenizer in the run directory (on the
@@ -117,12 +135,18 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
     except ValueError as e:  # a record without its field, a damaged cache: one line naming it
         raise ConfigError(str(e)) from None
     if manifest is not None:
-        train = manifest["tokens"] - int(manifest["tokens"] * d.val_fraction)
+        tokens = manifest["tokens"]
+        train = tokens - int(tokens * d.val_fraction)
         if train < d.seq_len + 2:
-            raise ConfigError(f"data.source = '{d.source}' tokenizes to {manifest['tokens']} tokens"
+            raise ConfigError(f"data.source = '{d.source}' tokenizes to {tokens} tokens"
                               + (f" ({train} before the held-out slice)" if d.val_fraction else "")
                               + f", fewer than data.seq_len + 2 = {d.seq_len + 2}; lower data.seq_len or give a "
                               f"longer corpus")
+        problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
+        if problem:
+            raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
+    if main and (warning := cap_warning(d, manifest)):
+        print(f"bigtrain: warning: {warning}", file=sys.stderr)
     if main and d.tokenizer != BYTES:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

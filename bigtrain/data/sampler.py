@@ -55,27 +55,47 @@ class MappedFile:
                           f"continue with --resume")
 
 
+def split_problem(tokens: int, seq_len: int, val_fraction: float) -> str | None:
+    """Why a corpus of ``tokens`` ids cannot be cut into a training part holding one window and the
+    next target and a held-out slice (``val_fraction``) holding one window; None when it can. The
+    sampler raises it, and the checks before launch ask it of every corpus whose length they know."""
+    held_out = int(tokens * val_fraction)
+    if tokens - held_out < seq_len + 2:
+        if not held_out:
+            return f"corpus has {tokens} tokens, fewer than data.seq_len + 2 = {seq_len + 2}"
+        return (f"data.val_fraction = {val_fraction:g} leaves {tokens - held_out} tokens before the held-out slice, "
+                f"fewer than data.seq_len + 2 = {seq_len + 2}; lower data.val_fraction or give a longer corpus")
+    if held_out and held_out < seq_len + 1:
+        return (f"data.val_fraction = {val_fraction:g} holds out {held_out} tokens, fewer than one window "
+                f"(data.seq_len + 1 = {seq_len + 1}); raise data.val_fraction or give a longer corpus")
+    return None
+
+
 class TokenSampler:
     """Random windows of ``seq_len + 1`` tokens; inputs and next-token targets. Targets equal to
     ``ignore_target`` (when >= 0) become :data:`IGNORE_INDEX`, so the loss leaves them out.
 
     ``val_fraction`` holds out the corpus's last tokens: training windows lie wholly before them,
     validation windows (:meth:`eval_batch`) wholly inside them, so the two never share a token.
-    The split depends on the corpus and the fraction only, not on the layout or the seed."""
+    The split depends on the corpus and the fraction only, not on the layout or the seed.
+
+    ``vocab_size`` (set by ``vocab_field``): every window is checked against it as it is read, and
+    one holding an id outside it is refused, naming the id and where it is. ``bigtrain train``
+    checks token files before launch; this guards what reaches a Trainer made directly, where an
+    id past the vocabulary crashed at tp=1 and trained silently at tp=2 (no vocabulary shard holds
+    it: a zero embedding row, a target no logit stands for)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, ignore_target: int = -1,
-                 val_fraction: float = 0.0):
+                 val_fraction: float = 0.0, vocab_size: int | None = None, vocab_field: str = "model.vocab_size"):
+        problem = split_problem(len(tokens), seq_len, val_fraction)
+        if problem:
+            raise ValueError(problem)
         held_out = int(len(tokens) * val_fraction)
         self.val_tokens = tokens[len(tokens) - held_out:] if held_out else tokens[:0]
         tokens = tokens[:len(tokens) - held_out]
-        if len(tokens) < seq_len + 2:
-            raise ValueError(f"corpus has {len(tokens)} tokens" + (" before the held-out slice" if held_out else "") +
-                             f", fewer than data.seq_len + 2 = {seq_len + 2}")
-        if held_out and len(self.val_tokens) < seq_len + 1:
-            raise ValueError(f"data.val_fraction = {val_fraction:g} holds out {held_out} tokens, fewer than one window "
-                             f"(data.seq_len + 1 = {seq_len + 1}); raise data.val_fraction or give a longer corpus")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.ignore_target = ignore_target
+        self.vocab_size, self.vocab_field = vocab_size, vocab_field
         self.mapped = MappedFile.of(tokens)
 
     def starts(self, step: int) -> np.ndarray:
@@ -83,15 +103,25 @@ class TokenSampler:
         rng = np.random.default_rng([self.seed, step])
         return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)
 
-    def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, tokens: np.ndarray, starts: np.ndarray, where: str = "corpus") -> tuple[torch.Tensor, torch.Tensor]:
         if self.mapped is not None:
             self.mapped.check()
         windows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        if self.vocab_size is not None and len(windows) and (windows.min() < 0 or windows.max() >= self.vocab_size):
+            raise ValueError(self._outside_vocabulary(windows, starts, where))
         data = torch.from_numpy(windows)
         targets = data[:, 1:]
         if self.ignore_target >= 0:
             targets = targets.masked_fill(targets == self.ignore_target, IGNORE_INDEX)
         return data[:, :-1], targets
+
+    def _outside_vocabulary(self, windows: np.ndarray, starts: np.ndarray, where: str) -> str:
+        row, column = (int(i) for i in np.argwhere((windows < 0) | (windows >= self.vocab_size))[0])
+        value, field = int(windows[row, column]), self.vocab_field
+        fix = (f"set {field} to at least {value + 1}, or re-tokenize" if value >= 0 else
+               "ids cannot be negative, re-tokenize")
+        return (f"data.source: token id {value} at position {int(starts[row]) + column} of the {where}, outside "
+                f"0 .. {field} - 1 = {self.vocab_size - 1}; {fix}")
 
     def batch(self, step: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``first .. first+count-1`` of the global batch at ``step``."""
@@ -121,7 +151,7 @@ class TokenSampler:
 
     def eval_batch(self, batch: int, batches: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``first .. first+count-1`` of validation global batch ``batch``."""
-        return self._windows(self.val_tokens, self.eval_starts(batch, batches)[first:first + count])
+        return self._windows(self.val_tokens, self.eval_starts(batch, batches)[first:first + count], "held-out slice")
 
     def eval_targets(self, batches: int) -> int:
         """Targets the validation loss counts over all ``batches`` (its normalizer; at least 1)."""

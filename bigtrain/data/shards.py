@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bigtrain.data.documents import documents
+from bigtrain.data.documents import Documents
 from bigtrain.data.tokenizer import file_digest, ids_dtype, load_tokenizer
 
-FORMAT = 1
+FORMAT = 2  # 2: tokenizer.json files read without their truncation and padding, ids sized by the largest
 SHARD_BYTES = 32 << 20  # text per shard: a worker's unit of work and of resumption
 MANIFEST = "manifest.json"
 DIGESTS = "file-digests.json"
@@ -170,8 +170,9 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
     markers: dict[int, dict] = {}
     pending: deque = deque()
     kept = 0
+    docs = Documents(files, text_field, max_bytes)
     try:
-        for index, texts in enumerate(_text_batches(documents(files, text_field, max_bytes), shard_bytes)):
+        for index, texts in enumerate(_text_batches(docs, shard_bytes)):
             digest = _texts_digest(texts)
             done = _finished_shard(folder, index, digest, dtype.itemsize)
             if done is not None:
@@ -197,7 +198,8 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
     manifest = {"format": FORMAT, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "tokenizer": spec,
                 "tokenizer_sha256": tokenizer.digest, "text_field": text_field, "max_bytes": max_bytes,
                 "source": source, "files": len(files), "documents": sum(m["documents"] for m in markers.values()),
-                "tokens": sum(s["tokens"] for s in shards), "shards": shards, "resumed_shards": kept}
+                "tokens": sum(s["tokens"] for s in shards), "shards": shards, "resumed_shards": kept,
+                "cut_at_max_bytes": docs.cut}
     _write_text(folder / MANIFEST, json.dumps(manifest, indent=1))
     if log:
         log(f"bigtrain: tokenized {manifest['documents']:,} documents into {manifest['tokens']:,} tokens "

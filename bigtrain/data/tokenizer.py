@@ -88,7 +88,15 @@ class HFTokenizer:
         except Exception as e:  # noqa: BLE001 - the Rust library raises its own exception type
             raise TokenizerError(f"data.tokenizer = '{path}' is not a tokenizers file ({e}); give a "
                                  f"tokenizer.json saved by the tokenizers or transformers library") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Each document whole, as the file's model and post-processor encode it: a truncation or
+        # padding a pipeline saved in the file would cut every document to its max_length and fill the
+        # short ones with pad ids.
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        # Its largest id + 1, not its count of tokens: a file may leave ids unused, and an id past the
+        # count would pass the check against the model and wrap in the shards' narrower dtype.
+        self.vocab_size = max([self._tok.get_vocab_size(with_added_tokens=True),
+                               *(i + 1 for i in self._tok.get_vocab(with_added_tokens=True).values())])
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts)]

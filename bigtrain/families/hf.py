@@ -362,6 +362,12 @@ def planner_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
+def vocabulary(cfg: Config) -> tuple[int, str]:
+    """The config.json's vocab_size (the embedding transformers builds; model.vocab_size is not
+    read) and the field that sets it: what the tokenizer and the token ids are checked against."""
+    return described_fields(cfg)["vocab_size"], f"vocab_size of {config_path(cfg)}"
+
+
 def parameter_count(cfg: Config) -> int:
     model = build_meta(cfg)
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -404,5 +410,6 @@ HF = Family(
     parameter_count=parameter_count,
     export=export_folder,
     planner_config=planner_config,
+    vocabulary=vocabulary,
     generation_model=generation_model,
 )

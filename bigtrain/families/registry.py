@@ -23,3 +23,10 @@ def family_of(cfg: Config) -> Family:
     except KeyError:
         raise KeyError(f"model.family = '{cfg.model.family}': must be one of "
                        f"{', '.join(repr(n) for n in FAMILIES)}") from None
+
+
+def model_vocabulary(cfg: Config) -> tuple[int, str]:
+    """The vocabulary the model's embedding has and the field that sets it: what token ids are
+    checked against (model.vocab_size, unless the family's own file sets it: Family.vocabulary)."""
+    family = family_of(cfg)
+    return family.vocabulary(cfg) if family.vocabulary is not None else (cfg.model.vocab_size, "model.vocab_size")

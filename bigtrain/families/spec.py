@@ -60,6 +60,9 @@ class Family:
     # apply_context_parallel fails on none); None: the family has none and validation refuses cp.
     context_parallel: Callable[..., list] | None = None
     reads_tokens: bool = True  # a token corpus (data.source, data.tokenizer): preflight checks it
+    # (its vocabulary size, the field that sets it): what preflight checks the tokenizer and the token
+    # ids against; None: model.vocab_size (a family described by its own file sets it there).
+    vocabulary: Callable[["Config"], tuple[int, str]] | None = None
     # The model's parameter count from the config (the run summary, the planner).
     parameter_count: Callable[["Config"], int] | None = None
     # ``bigtrain export --format hf`` of its checkpoints: (the run's [model], {name: full tensor},
