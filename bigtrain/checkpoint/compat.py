@@ -24,9 +24,13 @@ from bigtrain.optim import get_optimizer  # plain data: imports no torch
 SHAPE_FIELDS = ("model.family", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
                 "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings", "model.attention_head_dim",
                 "model.attention_bias", "model.qkv_bias", "model.mlp_bias",
+                "model.moe_experts",
                 # DLRM: its tables (rows each, compared as a list: '2x10' is '10,10') and MLPs
                 "embedding.tables", "embedding.dim", "model.dlrm_dense_features", "model.dlrm_bottom_mlp",
                 "model.dlrm_top_mlp")
+# The experts' shapes (their blocks, MLP size, a shared expert, the router's bias), compared where both
+# the checkpoint and the run have experts (in a dense model they mean nothing).
+EXPERT_FIELDS = ("model.moe_every", "model.moe_ffn_hidden", "model.moe_shared_expert", "model.moe_router")
 CHANGES = {
     "model.rope_theta": "the positional encoding the weights were trained with",
     "model.norm_eps": "the normalization the weights were trained with",
@@ -67,6 +71,9 @@ def _effective(section: str, name: str, values: dict[str, Any]) -> Any:
     if section == "model" and name in ("n_kv_heads", "ffn_hidden"):
         model = _model(values)
         return model.kv_heads if name == "n_kv_heads" else model.ffn_dim
+    if section == "model" and name.startswith("moe_"):
+        model = _model(values)  # a checkpoint older than a field has its default
+        return model.moe_ffn_dim if name == "moe_ffn_hidden" else getattr(model, name)
     if section == "model" and name in ("attention_head_dim", "attention_bias", "qkv_bias", "mlp_bias"):
         model = _model(values)  # a checkpoint older than these fields has their defaults
         return model.head_dim if name == "attention_head_dim" else getattr(model, name)
@@ -81,7 +88,8 @@ def compare_configs(saved: dict[str, dict[str, Any]], run: Config, where: str) -
     saved = {section: canonical_keys(section, values, f"the checkpoint {where}") if isinstance(values, dict)
              else values for section, values in saved.items()}
     errors, changes = [], []
-    for dotted in SHAPE_FIELDS:
+    experts = _effective("model", "moe_experts", saved.get("model", {})) and current["model"]["moe_experts"]
+    for dotted in SHAPE_FIELDS + (EXPERT_FIELDS if experts else ()):
         section, name = dotted.split(".")
         before = _effective(section, name, saved.get(section, {}))
         after = _effective(section, name, current[section])
