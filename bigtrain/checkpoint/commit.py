@@ -187,6 +187,16 @@ def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], ke
     return final
 
 
+def remove_later_checkpoints(root: Path, step: int) -> list[str]:
+    """Remove the checkpoints under ``root`` of steps after ``step``, which a run resumed from
+    ``step`` trains again (a timeline it left: rotation would keep them as the newest and the next
+    'auto' resume would load them); their names."""
+    later = [p for p in list_checkpoints(root) if checkpoint_step(p) > step]
+    for path in later:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in later]
+
+
 def save_checkpoint(root: Path, step: int, files: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
     """Atomically write small objects ``files`` ({'extra.pt': obj, ...}) with ``torch.save`` as
     checkpoint ``step``, through the same commit as the sharded format; keep the newest ``keep``."""

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from bigtrain.checkpoint.commit import list_checkpoints, newest_valid_checkpoint, valid_checkpoints
+from bigtrain.checkpoint.commit import (list_checkpoints, newest_valid_checkpoint, remove_later_checkpoints,
+                                        valid_checkpoints)
 from bigtrain.checkpoint.compat import compare_configs
 from bigtrain.distributed.comm import CollectiveError
 from bigtrain.parallel.parallel_model import persistent_buffers
@@ -87,6 +88,8 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
         if _all_loaded(world, error is None, device):
             if trainer.engine.scaler is not None and meta.get("loss_scaler"):
                 trainer.engine.scaler.load_state_dict(meta["loss_scaler"])
+            if trainer.is_main:
+                _leave_later_checkpoints(trainer.checkpoint_root, path, int(meta["step"]))
             return path, meta
         warnings.warn(f"checkpoint {path} verifies but failed to load ({error or 'on another rank'}); "
                       f"falling back to the previous one", stacklevel=2)
@@ -97,6 +100,21 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
                           f"remove the broken ones to start afresh, or give checkpoint.resume a good one's path")
     raise ResumeError(f"checkpoint.resume = '{where}': {source} holds no checkpoint that verifies (see the warnings "
                       f"above); remove the broken ones to start afresh, or give checkpoint.resume a good one's path")
+
+
+def _leave_later_checkpoints(root: Path, resumed: Path, step: int) -> None:
+    """A run resumed from an earlier checkpoint of its own (a roll-back, or a fall-back past newer ones
+    that are corrupt or do not load) trains the later steps again: the later checkpoints are a
+    timeline it left. Kept, rotation counted them as the newest (deleting the run's new saves) and the
+    next 'auto' resume (a crash, a restart) loaded them; they are removed, with a line."""
+    try:
+        own = resumed.resolve().parent == root.resolve()
+    except OSError:
+        own = False
+    removed = remove_later_checkpoints(root, step) if own else []
+    if removed:
+        print(f"bigtrain: resumed from {resumed.name}: removed the later checkpoints {', '.join(removed)} (the run "
+              f"trains those steps again; kept, a later resume would load them)", flush=True)
 
 
 def _finish_like_the_others(engine) -> None:

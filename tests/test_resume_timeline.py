@@ -1,0 +1,80 @@
+"""A run resumed from one of its earlier checkpoints leaves the later ones behind: they are removed.
+
+Resuming a run from an earlier checkpoint of its own (``checkpoint.resume`` = a path under
+``RUN/checkpoints``: a roll-back past a loss spike; or 'auto' falling back past a newest one that is
+corrupt or fails to load) trains those steps again. The later checkpoints hold the timeline it left.
+They used to stay, and be taken for the run's own: rotation (``checkpoint.keep``) counted them as
+the newest, deleting the resumed run's fresh saves instead (with ``keep = 1`` its first save was
+deleted as it was committed), and the next 'auto' resume (a crash, a launcher's restart, whose
+``resume_after_restart`` saw "a checkpoint of its own") loaded the abandoned timeline's step with no
+word. Now rank 0 removes them once every rank has loaded the checkpoint it resumes from.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from bigtrain import checkpoint as ckpt
+from bigtrain.checkpoint.resume import resume_after_restart
+from helpers import run_steps, tiny_config, trainer_on_rank
+
+
+def _names(run_dir):
+    return [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")]
+
+
+@pytest.fixture
+def four_steps(corpus_cache, tmp_path):
+    """A run saved at steps 2 and 4 (keep 2); its step 4 is the timeline a roll-back leaves."""
+    run = tmp_path / "run"
+    trainer = trainer_on_rank(0, 1, tiny_config(corpus_cache, "--train.steps=6", "--checkpoint.keep=2"), str(run))
+    for _ in range(2):
+        run_steps(trainer, 2)
+        trainer.save()
+    assert _names(run) == ["step_00000004", "step_00000002"]
+    return run
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_rolled_back_run_resumes_its_own_newest_checkpoint_after_a_crash(keep, four_steps, corpus_cache):
+    run = four_steps
+    cfg = tiny_config(corpus_cache, "--train.steps=6", f"--checkpoint.keep={keep}")
+    rolled_back = trainer_on_rank(0, 1, cfg, str(run))
+    assert rolled_back.resume(str(run / "checkpoints" / "step_00000002")) and rolled_back.step == 2
+    # a launcher's restart before its first save starts from the roll-back's checkpoint again, not step 4
+    restarted = trainer_on_rank(0, 1, cfg, str(run))
+    assert restarted.resume(resume_after_restart(str(run / "checkpoints" / "step_00000002"), run))
+    assert restarted.step == 2
+    run_steps(rolled_back, 1)
+    rolled_back.save()  # step 3, then the run "crashes"
+    assert _names(run)[0] == "step_00000003"
+    again = trainer_on_rank(0, 1, cfg, str(run))
+    assert again.resume("auto") and again.step == 3
+
+
+def test_a_fallback_past_a_corrupt_newest_checkpoint_keeps_the_runs_new_saves(four_steps, corpus_cache):
+    run = four_steps
+    shard = next((run / "checkpoints" / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8])  # the checksum no longer matches
+    cfg = tiny_config(corpus_cache, "--train.steps=6", "--checkpoint.keep=1")
+    resumed = trainer_on_rank(0, 1, cfg, str(run))
+    with pytest.warns(UserWarning, match="checksum mismatch"):
+        assert resumed.resume("auto") and resumed.step == 2
+    run_steps(resumed, 1)
+    resumed.save()
+    assert _names(run) == ["step_00000003"]  # not the corrupt step 4 alone: the save is kept
+
+
+def test_resuming_the_newest_checkpoint_removes_nothing(four_steps, corpus_cache):
+    run = four_steps
+    copy = run.parent / "copy"
+    shutil.copytree(run, copy)
+    cfg = tiny_config(corpus_cache, "--train.steps=6", "--checkpoint.keep=2")
+    assert trainer_on_rank(0, 1, cfg, str(run)).resume("auto")
+    assert _names(run) == ["step_00000004", "step_00000002"]
+    # a checkpoint of another folder (a run started from it) leaves that folder as it was
+    other = trainer_on_rank(0, 1, cfg, str(run.parent / "elsewhere"))
+    assert other.resume(str(copy / "checkpoints" / "step_00000002"))
+    assert _names(copy) == ["step_00000004", "step_00000002"]
