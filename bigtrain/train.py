@@ -28,6 +28,7 @@ from bigtrain.evaluate import held_out_loss
 from bigtrain.metrics import MetricsLog
 from bigtrain.models.llama import count_parameters
 from bigtrain.nonfinite import BadSteps, NonFiniteStop
+from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.parallel.pipeline.draw import draw_timeline
 from bigtrain.parallel.pipeline.executor import align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
@@ -45,6 +46,7 @@ class Trainer(StepRunner):
         self._run_id: str | None = None
         self.wall_time_s: float | None = None  # of the last fit() (this attempt, when resumed)
         self._fit_started: float | None = None
+        self._stop_deferred = False  # a signal's stop waits for local SGD's next average (noted once)
 
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> list[StepResult]:
@@ -83,7 +85,9 @@ class Trainer(StepRunner):
                     self._run_step(log, bad)
                     saved = False
                     by_steps = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
-                    if by_steps or timed.due(self.step):
+                    # A timed save between local SGD's averages waits for the next one (checkpoint.every
+                    # is validated to fall on them).
+                    if by_steps or (timed.due(self.step) and self._replicas_agree()):
                         self._record_landed(self.flush_update(), log, bad)  # the checkpoint holds this step's update
                         saved = self._save_unless_bad(bad, log)
                         saved_at = self.step if saved else saved_at
@@ -91,7 +95,7 @@ class Trainer(StepRunner):
                     # Every rank, every boundary: one decision. Deferred 2BW reads the previous
                     # boundary's (a signal stops the run a step later) rather than wait for the others.
                     signum = signals.agreed_late(self.device) if deferred else signals.agreed(self.device)
-                    if signum is not None and self.step < cfg.train.steps:
+                    if signum is not None and self.step < cfg.train.steps and self._stop_now(signum, log):
                         self._record_landed(self.flush_update(), log, bad)
                         self._stop_on_signal(signum, saved or self._save_unless_bad(bad, log))
                 self._record_landed(self.flush_update(), log, bad)  # the last step's update
@@ -193,6 +197,23 @@ class Trainer(StepRunner):
             return False
         return self.save()
 
+    def _replicas_agree(self) -> bool:
+        """Whether the data-parallel replicas hold the same parameters (local SGD: only after an
+        average), so that a checkpoint of them is one every replica trained."""
+        averaging = self.engine.averaging if isinstance(self.engine, ReplicatedEngine) else None
+        return averaging is None or averaging.in_agreement()
+
+    def _stop_now(self, signum: int, log: MetricsLog) -> bool:
+        """Whether a run that got ``signum`` stops at this step: local SGD's replicas train on to their
+        next average (at most K - 1 steps), whose parameters the checkpoint can hold."""
+        if self._replicas_agree():
+            return True
+        if not self._stop_deferred:
+            self._stop_deferred = True
+            log.note(f"bigtrain: {signal_name(signum)} at step {self.step}: stopping after the replicas' next "
+                     f"average (parallel.local_sgd_every), which the checkpoint holds")
+        return False
+
     def _stop_on_signal(self, signum: int, saved: bool) -> None:
         self.wait_for_save()
         name = signal_name(signum)
@@ -255,10 +276,16 @@ class Trainer(StepRunner):
         parallel (torch.distributed.checkpoint); rank 0 commits it (manifest, checksums, rename)
         once all are written. With ``checkpoint.async`` the chunks are snapshotted here and written
         in a background thread while training goes on (see :meth:`wait_for_save`). Nothing is
-        written, and False returned, when any rank's weights or optimizer state are not finite."""
+        written, and False returned, when any rank's weights or optimizer state are not finite, or
+        between local SGD's averages (each replica's part of a range would be a patchwork)."""
         self.wait_for_save()
         self._land_pending()  # the checkpoint holds the update of the step it is named after
         background = getattr(self.cfg.checkpoint, "async")
+        if not self._replicas_agree():
+            if self.is_main:
+                print(f"bigtrain: step {self.step}: not saving a checkpoint: local SGD's replicas hold different "
+                      f"parameters between averages (every parallel.local_sgd_every steps)", flush=True)
+            return False
         chunks = self.parallel.owned_chunks(copy=background)
         if not self.checkpoint_writer.all_finite(chunks):
             if self.is_main:
@@ -285,6 +312,8 @@ class Trainer(StepRunner):
         if found is None:
             return False
         self.step = int(found[1]["step"])
+        if isinstance(self.engine, ReplicatedEngine) and self.engine.averaging is not None:
+            self.engine.averaging.continue_at(self.step)
         return True
 
     def summary(self) -> dict:
