@@ -46,6 +46,7 @@ class Trainer(StepRunner):
         self._run_id: str | None = None
         self.wall_time_s: float | None = None  # of the last fit() (this attempt, when resumed)
         self._fit_started: float | None = None
+        self.resumed_from: Path | None = None  # the checkpoint the last resume loaded
         self._stop_deferred = False  # a signal's stop waits for local SGD's next average (noted once)
 
     # -- the run --------------------------------------------------------------------------------
@@ -54,10 +55,14 @@ class Trainer(StepRunner):
         (``train.max_bad_steps`` bad steps in a row) or Preempted (SIGINT / SIGTERM, after saving)."""
         cfg = self.cfg
         started = self._fit_started = time.perf_counter()
+        saved_at = None  # the step of this launch's newest checkpoint
         if self.is_main:  # unfinished saves of an earlier attempt: nothing reads them, they take space
             ckpt.remove_temp_dirs(self.checkpoint_root)
-        if cfg.checkpoint.resume != "none":
-            self.resume(cfg.checkpoint.resume)
+        if cfg.checkpoint.resume != "none" and self.resume(cfg.checkpoint.resume):
+            # Its own checkpoint of this step is saved already: a run that has nothing left to train (a
+            # launcher's restart after the final save) would otherwise write it again, removing the
+            # old one first (a crash meanwhile lost the run's newest checkpoint).
+            saved_at = self.step if ckpt.is_checkpoint_of(self.checkpoint_root, self.resumed_from) else None
         elif ckpt.list_checkpoints(self.checkpoint_root):  # a fresh run would rotate them away, or resume them
             newest = ckpt.list_checkpoints(self.checkpoint_root)[0].name
             raise ResumeError(f"{self.run_dir} holds checkpoints of a run (newest {newest}): continue it with "
@@ -78,7 +83,6 @@ class Trainer(StepRunner):
         bad = BadSteps(cfg.train.max_bad_steps, scaler.min_scale if scaler is not None else None)
         deferred = self.start_deferred_updates()
         timed = SaveInterval(cfg.checkpoint.every_minutes, self.mesh.comm("world"), self.device)
-        saved_at = None  # the step of this launch's newest checkpoint
         try:
             with SignalWatch(self.mesh.comm("world")) as signals:
                 while self.step < cfg.train.steps:
@@ -312,6 +316,7 @@ class Trainer(StepRunner):
         if found is None:
             return False
         self.step = int(found[1]["step"])
+        self.resumed_from = found[0]
         if isinstance(self.engine, ReplicatedEngine) and self.engine.averaging is not None:
             self.engine.averaging.continue_at(self.step)
         return True

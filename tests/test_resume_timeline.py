@@ -78,3 +78,22 @@ def test_resuming_the_newest_checkpoint_removes_nothing(four_steps, corpus_cache
     other = trainer_on_rank(0, 1, cfg, str(run.parent / "elsewhere"))
     assert other.resume(str(copy / "checkpoints" / "step_00000002"))
     assert _names(copy) == ["step_00000004", "step_00000002"]
+
+
+def test_a_run_resumed_at_its_last_step_does_not_write_that_checkpoint_again(corpus_cache, tmp_path, monkeypatch):
+    """A launcher's restart of a run whose ranks failed after the final save resumes at train.steps
+    with nothing to train: its final save wrote the same step again, deleting the old folder first
+    (a second failure meanwhile lost the run's newest checkpoint). As ``--resume`` of a finished run,
+    it changes no checkpoint now."""
+    from bigtrain.checkpoint import commit
+
+    cfg = tiny_config(corpus_cache, "--train.steps=2", "--checkpoint.save_final=true", "--checkpoint.every=0")
+    trainer_on_rank(0, 1, cfg, str(tmp_path)).fit()
+    assert _names(tmp_path) == ["step_00000002"]
+    replaced, remove = [], commit._remove
+    monkeypatch.setattr(commit, "_remove", lambda path: (replaced.append(path.name), remove(path)))
+    restarted = tiny_config(corpus_cache, "--train.steps=2", "--checkpoint.save_final=true", "--checkpoint.every=0",
+                            "--checkpoint.resume=auto")
+    trainer = trainer_on_rank(0, 1, restarted, str(tmp_path))
+    trainer.fit()
+    assert trainer.step == 2 and replaced == []

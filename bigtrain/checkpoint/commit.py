@@ -187,6 +187,14 @@ def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], ke
     return final
 
 
+def is_checkpoint_of(root: Path, path: Path) -> bool:
+    """Whether the checkpoint ``path`` is one of ``root``'s (the run's own, not another folder's)."""
+    try:
+        return Path(path).resolve().parent == Path(root).resolve()
+    except OSError:
+        return False
+
+
 def remove_later_checkpoints(root: Path, step: int) -> list[str]:
     """Remove the checkpoints under ``root`` of steps after ``step``, which a run resumed from
     ``step`` trains again (a timeline it left: rotation would keep them as the newest and the next

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from bigtrain.checkpoint.commit import (list_checkpoints, newest_valid_checkpoint, remove_later_checkpoints,
-                                        valid_checkpoints)
+from bigtrain.checkpoint.commit import (is_checkpoint_of, list_checkpoints, newest_valid_checkpoint,
+                                        remove_later_checkpoints, valid_checkpoints)
 from bigtrain.checkpoint.compat import compare_configs
 from bigtrain.distributed.comm import CollectiveError
 from bigtrain.parallel.parallel_model import persistent_buffers
@@ -107,11 +107,7 @@ def _leave_later_checkpoints(root: Path, resumed: Path, step: int) -> None:
     that are corrupt or do not load) trains the later steps again: the later checkpoints are a
     timeline it left. Kept, rotation counted them as the newest (deleting the run's new saves) and the
     next 'auto' resume (a crash, a restart) loaded them; they are removed, with a line."""
-    try:
-        own = resumed.resolve().parent == root.resolve()
-    except OSError:
-        own = False
-    removed = remove_later_checkpoints(root, step) if own else []
+    removed = remove_later_checkpoints(root, step) if is_checkpoint_of(root, resumed) else []
     if removed:
         print(f"bigtrain: resumed from {resumed.name}: removed the later checkpoints {', '.join(removed)} (the run "
               f"trains those steps again; kept, a later resume would load them)", flush=True)
