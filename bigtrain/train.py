@@ -47,6 +47,7 @@ class Trainer(StepRunner):
         self.wall_time_s: float | None = None  # of the last fit() (this attempt, when resumed)
         self._fit_started: float | None = None
         self.resumed_from: Path | None = None  # the checkpoint the last resume loaded
+        self._resumed_run_id: str | None = None  # the run id its manifest names
         self._stop_deferred = False  # a signal's stop waits for local SGD's next average (noted once)
 
     # -- the run --------------------------------------------------------------------------------
@@ -72,7 +73,7 @@ class Trainer(StepRunner):
                   flush=True)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._run_id = ensure_run_id(self.run_dir)
+            self._run_id = ensure_run_id(self.run_dir, self._continued_run_id())
             forget_stop(self.run_dir)
             write_atomic(self.run_dir / "config.toml", to_toml(cfg))  # a full disk keeps the old one whole
             layout = run_info.layout_text(cfg, self.device.type == "cuda")
@@ -267,8 +268,13 @@ class Trainer(StepRunner):
     def run_id(self) -> str | None:
         """This run's id (recorded in ``run.json`` and in every checkpoint's manifest; rank 0)."""
         if self._run_id is None and self.is_main:
-            self._run_id = ensure_run_id(self.run_dir)
+            self._run_id = ensure_run_id(self.run_dir, self._continued_run_id())
         return self._run_id
+
+    def _continued_run_id(self) -> str | None:
+        """The run id of the run's own checkpoint the last resume loaded (None: none, or another folder's)."""
+        own = self.resumed_from is not None and ckpt.is_checkpoint_of(self.checkpoint_root, self.resumed_from)
+        return self._resumed_run_id if own else None
 
     @property
     def checkpoint_format(self) -> str:
@@ -316,7 +322,7 @@ class Trainer(StepRunner):
         if found is None:
             return False
         self.step = int(found[1]["step"])
-        self.resumed_from = found[0]
+        self.resumed_from, self._resumed_run_id = found[0], found[1].get("run_id")
         if isinstance(self.engine, ReplicatedEngine) and self.engine.averaging is not None:
             self.engine.averaging.continue_at(self.step)
         return True

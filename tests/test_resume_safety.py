@@ -134,6 +134,22 @@ def test_checkpoints_of_another_run_are_not_resumed(straight, tmp_path, corpus_c
         trainer_on_rank(0, 1, cfg, str(out)).resume("auto")
 
 
+def test_a_run_that_lost_its_run_json_keeps_the_id_of_the_checkpoints_it_continues(straight, tmp_path,
+                                                                                   corpus_cache):
+    """A run folder without run.json (copied without it, or lost) resumed its checkpoints, then
+    recorded a new run id: before its first save, its next resume (a crash, a launcher's restart)
+    skipped every checkpoint as another run's and had nothing to resume from."""
+    out = _copy(straight, tmp_path)
+    saved_by = read_run_id(out)
+    (out / "run.json").unlink()
+    cfg = tiny_config(corpus_cache, "--train.steps=6", "--checkpoint.resume=auto", "--checkpoint.save_final=false")
+    first = trainer_on_rank(0, 1, cfg, str(out))
+    first.fit()  # resumes step 6 of 6: nothing to train, nothing saved
+    assert read_run_id(out) == saved_by
+    again = trainer_on_rank(0, 1, cfg, str(out))
+    assert again.resume("auto") and again.step == 6
+
+
 # -- ranks agree on the step they resume at -------------------------------------------------------
 def _resume_from_own_dir(rank, world_size, cfg, dirs):
     trainer = trainer_on_rank(rank, world_size, cfg, dirs[rank])
