@@ -57,6 +57,32 @@ CHANGES = {
     "optim.beta2": "the optimizer's update",
     "optim.eps": "the optimizer's update",
     "optim.grad_clip": "the optimizer's update",
+    "optim.adafactor_decay": "the optimizer's update",
+    "optim.adafactor_clip": "the optimizer's update",
+    "optim.adafactor_eps": "the optimizer's update",
+    "model.moe_top_k": "the routing of tokens to the experts",
+    "model.moe_capacity_factor": "the routing of tokens to the experts (which ones are dropped)",
+    "model.moe_aux_loss_coef": "the experts' load-balancing loss",
+    "data.val_fraction": "the corpus the run samples from (the held-out tail it leaves out) and the order of the "
+                         "data from here on",
+    "embedding.hotness": "the ids per sample the run trains on",
+    "embedding.optimizer": "the tables' optimizer (its state is dropped, or missing)",
+    "embedding.lr": "the tables' optimizer's update",
+    "embedding.eps": "the tables' optimizer's update",
+}
+# The rest of the model, data, train, optim and embedding fields, free on resume, and why: a new
+# field goes in one of the three (tests/test_resume_safety.py checks that each field is in one).
+FREE_FIELDS = {
+    "model.hf_config": "the file's shapes are compared through the checkpoint's entries (resume.check_same_entries)",
+    "model.init_std": "a resumed run starts from its checkpoint, not an init",
+    "model.init_from": "a resumed run starts from its checkpoint, not an init",
+    "model.fused_loss": "the same loss, computed in chunks", "model.fused_loss_chunk": "the same loss",
+    "data.cache_dir": "where the same tokens are cached",
+    "train.micro_batch": "the same global batch, accumulated differently", "train.device": "where it computes",
+    "train.max_bad_steps": "the NaN policy", "train.eval_every": "evaluation only", "train.eval_batches": "evaluation only",
+    "optim.name": "compared on its own (the checkpoint's optimizer state must be the run's)",
+    "optim.block_size": "compared on its own for an optimizer with per-block state",
+    "embedding.sharding": "a layout: checkpoints reshard", "embedding.budget_gb": "the planner's memory budget",
 }
 
 
