@@ -1,13 +1,15 @@
-"""A run resumed from one of its earlier checkpoints leaves the later ones behind: they are removed.
+"""A run rolled back to an earlier checkpoint of its own leaves the later ones behind, and the
+checkpoints a run resumed past never rotate its new saves away.
 
-Resuming a run from an earlier checkpoint of its own (``checkpoint.resume`` = a path under
-``RUN/checkpoints``: a roll-back past a loss spike; or 'auto' falling back past a newest one that is
-corrupt or fails to load) trains those steps again. The later checkpoints hold the timeline it left.
-They used to stay, and be taken for the run's own: rotation (``checkpoint.keep``) counted them as
-the newest, deleting the resumed run's fresh saves instead (with ``keep = 1`` its first save was
-deleted as it was committed), and the next 'auto' resume (a crash, a launcher's restart, whose
-``resume_after_restart`` saw "a checkpoint of its own") loaded the abandoned timeline's step with no
-word. Now rank 0 removes them once every rank has loaded the checkpoint it resumes from.
+A roll-back (``checkpoint.resume`` = a path under ``RUN/checkpoints``: past a loss spike, with other
+settings maybe) trains those steps again on another timeline. The later checkpoints used to stay:
+rotation (``checkpoint.keep``) counted them as the newest, deleting the rolled-back run's new saves
+(with ``keep = 1`` each save as it was committed), and the next 'auto' resume (a crash, a launcher's
+restart, whose ``resume_after_restart`` saw "a checkpoint of its own") loaded the abandoned step
+without a word. Now rank 0 removes them once every rank has loaded the roll-back's checkpoint. An
+'auto' fall-back past newer checkpoints that do not verify or load removes nothing (the same steps
+trained again are the same run; the failure may pass), and rotation counts only the checkpoints up
+to the step it commits, so they no longer evict the run's new saves either.
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ def test_a_fallback_past_a_corrupt_newest_checkpoint_keeps_the_runs_new_saves(fo
         assert resumed.resume("auto") and resumed.step == 2
     run_steps(resumed, 1)
     resumed.save()
-    assert _names(run) == ["step_00000003"]  # not the corrupt step 4 alone: the save is kept
+    assert _names(run) == ["step_00000004", "step_00000003"]  # the save is kept (not the corrupt step 4 alone)
+    again = trainer_on_rank(0, 1, cfg, str(run))
+    with pytest.warns(UserWarning, match="checksum mismatch"):
+        assert again.resume("auto") and again.step == 3
 
 
 def test_resuming_the_newest_checkpoint_removes_nothing(four_steps, corpus_cache):

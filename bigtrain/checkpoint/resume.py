@@ -88,7 +88,7 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
         if _all_loaded(world, error is None, device):
             if trainer.engine.scaler is not None and meta.get("loss_scaler"):
                 trainer.engine.scaler.load_state_dict(meta["loss_scaler"])
-            if trainer.is_main:
+            if trainer.is_main and where != "auto":
                 _leave_later_checkpoints(trainer.checkpoint_root, path, int(meta["step"]))
             return path, meta
         warnings.warn(f"checkpoint {path} verifies but failed to load ({error or 'on another rank'}); "
@@ -103,10 +103,12 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
 
 
 def _leave_later_checkpoints(root: Path, resumed: Path, step: int) -> None:
-    """A run resumed from an earlier checkpoint of its own (a roll-back, or a fall-back past newer ones
-    that are corrupt or do not load) trains the later steps again: the later checkpoints are a
-    timeline it left. Kept, rotation counted them as the newest (deleting the run's new saves) and the
-    next 'auto' resume (a crash, a restart) loaded them; they are removed, with a line."""
+    """A run rolled back to an earlier checkpoint of its own (``checkpoint.resume`` = its path: past a
+    loss spike, with other settings maybe) trains the later steps again, on another timeline. Its
+    later checkpoints were kept, and the next 'auto' resume (a crash, a launcher's restart) loaded
+    the abandoned timeline's newest step without a word: they are removed, with a line. (An 'auto'
+    fall-back past newer checkpoints that do not verify or load removes nothing: the same steps
+    trained again are the same run, and a failure may pass; rotation leaves them alone.)"""
     removed = remove_later_checkpoints(root, step) if is_checkpoint_of(root, resumed) else []
     if removed:
         print(f"bigtrain: resumed from {resumed.name}: removed the later checkpoints {', '.join(removed)} (the run "
