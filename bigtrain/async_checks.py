@@ -28,6 +28,12 @@ def check_async(cfg: Config) -> list[str]:
             problems.append(f"checkpoint.every = {every} with parallel.local_sgd_every = {k}: a checkpoint between "
                             f"averages would hold one replica's parameters; use checkpoint.every = "
                             f"{max(k, every // k * k)} (a multiple of {k})")
+        steps = cfg.train.steps
+        if cfg.checkpoint.save_final and k > 1 and steps % k:
+            problems.append(f"train.steps = {steps} with parallel.local_sgd_every = {k} and checkpoint.save_final: "
+                            f"the last step is not an average, and the final checkpoint would hold pieces of each "
+                            f"replica's parameters; use train.steps = {max(k, steps // k * k)} or "
+                            f"{(steps // k + 1) * k} (a multiple of {k})")
     kind = p.pp_schedule
     if kind in ("pipedream-2bw", "pipedream"):
         what = f"parallel.pp_schedule = '{kind}'"

@@ -78,13 +78,15 @@ def read_run_id(run_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def ensure_run_id(run_dir: Path) -> str:
-    """The run's id, made and recorded now if the directory has none (rank 0 only)."""
+def ensure_run_id(run_dir: Path, continued: str | None = None) -> str:
+    """The run's id, recorded now if the directory has none (rank 0 only): ``continued``, the id of
+    the run's own checkpoint it resumed from (its run.json was lost: a new id would make the next
+    resume skip every checkpoint as another run's), else a new one."""
     run_dir = Path(run_dir)
     found = read_run_id(run_dir)
     if found is not None:
         return found
-    run_id = uuid.uuid4().hex[:16]
+    run_id = continued or uuid.uuid4().hex[:16]
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_json(run_dir / RUN_FILE, {"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     return run_id

@@ -28,6 +28,7 @@ from bigtrain.evaluate import held_out_loss
 from bigtrain.metrics import MetricsLog
 from bigtrain.models.llama import count_parameters
 from bigtrain.nonfinite import BadSteps, NonFiniteStop
+from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.parallel.pipeline.draw import draw_timeline
 from bigtrain.parallel.pipeline.executor import align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
@@ -45,6 +46,9 @@ class Trainer(StepRunner):
         self._run_id: str | None = None
         self.wall_time_s: float | None = None  # of the last fit() (this attempt, when resumed)
         self._fit_started: float | None = None
+        self.resumed_from: Path | None = None  # the checkpoint the last resume loaded
+        self._resumed_run_id: str | None = None  # the run id its manifest names
+        self._stop_deferred = False  # a signal's stop waits for local SGD's next average (noted once)
 
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> list[StepResult]:
@@ -52,10 +56,14 @@ class Trainer(StepRunner):
         (``train.max_bad_steps`` bad steps in a row) or Preempted (SIGINT / SIGTERM, after saving)."""
         cfg = self.cfg
         started = self._fit_started = time.perf_counter()
+        saved_at = None  # the step of this launch's newest checkpoint
         if self.is_main:  # unfinished saves of an earlier attempt: nothing reads them, they take space
             ckpt.remove_temp_dirs(self.checkpoint_root)
-        if cfg.checkpoint.resume != "none":
-            self.resume(cfg.checkpoint.resume)
+        if cfg.checkpoint.resume != "none" and self.resume(cfg.checkpoint.resume):
+            # Its own checkpoint of this step is saved already: a run that has nothing left to train (a
+            # launcher's restart after the final save) would otherwise write it again, removing the
+            # old one first (a crash meanwhile lost the run's newest checkpoint).
+            saved_at = self.step if ckpt.is_checkpoint_of(self.checkpoint_root, self.resumed_from) else None
         elif ckpt.list_checkpoints(self.checkpoint_root):  # a fresh run would rotate them away, or resume them
             newest = ckpt.list_checkpoints(self.checkpoint_root)[0].name
             raise ResumeError(f"{self.run_dir} holds checkpoints of a run (newest {newest}): continue it with "
@@ -65,7 +73,7 @@ class Trainer(StepRunner):
                   flush=True)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._run_id = ensure_run_id(self.run_dir)
+            self._run_id = ensure_run_id(self.run_dir, self._continued_run_id())
             forget_stop(self.run_dir)
             write_atomic(self.run_dir / "config.toml", to_toml(cfg))  # a full disk keeps the old one whole
             layout = run_info.layout_text(cfg, self.device.type == "cuda")
@@ -76,14 +84,15 @@ class Trainer(StepRunner):
         bad = BadSteps(cfg.train.max_bad_steps, scaler.min_scale if scaler is not None else None)
         deferred = self.start_deferred_updates()
         timed = SaveInterval(cfg.checkpoint.every_minutes, self.mesh.comm("world"), self.device)
-        saved_at = None  # the step of this launch's newest checkpoint
         try:
             with SignalWatch(self.mesh.comm("world")) as signals:
                 while self.step < cfg.train.steps:
                     self._run_step(log, bad)
                     saved = False
                     by_steps = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
-                    if by_steps or timed.due(self.step):
+                    # A timed save between local SGD's averages waits for the next one (checkpoint.every
+                    # is validated to fall on them).
+                    if by_steps or (timed.due(self.step) and self._replicas_agree()):
                         self._record_landed(self.flush_update(), log, bad)  # the checkpoint holds this step's update
                         saved = self._save_unless_bad(bad, log)
                         saved_at = self.step if saved else saved_at
@@ -91,7 +100,7 @@ class Trainer(StepRunner):
                     # Every rank, every boundary: one decision. Deferred 2BW reads the previous
                     # boundary's (a signal stops the run a step later) rather than wait for the others.
                     signum = signals.agreed_late(self.device) if deferred else signals.agreed(self.device)
-                    if signum is not None and self.step < cfg.train.steps:
+                    if signum is not None and self.step < cfg.train.steps and self._stop_now(signum, log):
                         self._record_landed(self.flush_update(), log, bad)
                         self._stop_on_signal(signum, saved or self._save_unless_bad(bad, log))
                 self._record_landed(self.flush_update(), log, bad)  # the last step's update
@@ -193,6 +202,23 @@ class Trainer(StepRunner):
             return False
         return self.save()
 
+    def _replicas_agree(self) -> bool:
+        """Whether the data-parallel replicas hold the same parameters (local SGD: only after an
+        average), so that a checkpoint of them is one every replica trained."""
+        averaging = self.engine.averaging if isinstance(self.engine, ReplicatedEngine) else None
+        return averaging is None or averaging.in_agreement()
+
+    def _stop_now(self, signum: int, log: MetricsLog) -> bool:
+        """Whether a run that got ``signum`` stops at this step: local SGD's replicas train on to their
+        next average (at most K - 1 steps), whose parameters the checkpoint can hold."""
+        if self._replicas_agree():
+            return True
+        if not self._stop_deferred:
+            self._stop_deferred = True
+            log.note(f"bigtrain: {signal_name(signum)} at step {self.step}: stopping after the replicas' next "
+                     f"average (parallel.local_sgd_every), which the checkpoint holds")
+        return False
+
     def _stop_on_signal(self, signum: int, saved: bool) -> None:
         self.wait_for_save()
         name = signal_name(signum)
@@ -242,8 +268,13 @@ class Trainer(StepRunner):
     def run_id(self) -> str | None:
         """This run's id (recorded in ``run.json`` and in every checkpoint's manifest; rank 0)."""
         if self._run_id is None and self.is_main:
-            self._run_id = ensure_run_id(self.run_dir)
+            self._run_id = ensure_run_id(self.run_dir, self._continued_run_id())
         return self._run_id
+
+    def _continued_run_id(self) -> str | None:
+        """The run id of the run's own checkpoint the last resume loaded (None: none, or another folder's)."""
+        own = self.resumed_from is not None and ckpt.is_checkpoint_of(self.checkpoint_root, self.resumed_from)
+        return self._resumed_run_id if own else None
 
     @property
     def checkpoint_format(self) -> str:
@@ -255,10 +286,16 @@ class Trainer(StepRunner):
         parallel (torch.distributed.checkpoint); rank 0 commits it (manifest, checksums, rename)
         once all are written. With ``checkpoint.async`` the chunks are snapshotted here and written
         in a background thread while training goes on (see :meth:`wait_for_save`). Nothing is
-        written, and False returned, when any rank's weights or optimizer state are not finite."""
+        written, and False returned, when any rank's weights or optimizer state are not finite, or
+        between local SGD's averages (each replica's part of a range would be a patchwork)."""
         self.wait_for_save()
         self._land_pending()  # the checkpoint holds the update of the step it is named after
         background = getattr(self.cfg.checkpoint, "async")
+        if not self._replicas_agree():
+            if self.is_main:
+                print(f"bigtrain: step {self.step}: not saving a checkpoint: local SGD's replicas hold different "
+                      f"parameters between averages (every parallel.local_sgd_every steps)", flush=True)
+            return False
         chunks = self.parallel.owned_chunks(copy=background)
         if not self.checkpoint_writer.all_finite(chunks):
             if self.is_main:
@@ -285,6 +322,9 @@ class Trainer(StepRunner):
         if found is None:
             return False
         self.step = int(found[1]["step"])
+        self.resumed_from, self._resumed_run_id = found[0], found[1].get("run_id")
+        if isinstance(self.engine, ReplicatedEngine) and self.engine.averaging is not None:
+            self.engine.averaging.continue_at(self.step)
         return True
 
     def data_extent(self) -> dict | None:

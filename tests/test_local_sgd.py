@@ -9,6 +9,7 @@ the dp axis moves per step are 1/K of the synchronous engine's.
 import functools
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -75,3 +76,104 @@ def test_local_sgd_matches_plain_pytorch_and_moves_a_kth_of_the_bytes(corpus_cac
     sync_bytes, local_payload = _synchronous(corpus_cache)[0][2]["all_reduce:grads"], results[0][2]
     assert "all_reduce:grads" not in local_payload
     assert local_payload["all_reduce:params"] * K == sync_bytes  # STEPS / K averages vs STEPS reductions
+
+
+# -- checkpoints hold parameters every replica has: only after an average ------------------------
+class _TimedSaveDueFromStep2:
+    """A ``checkpoint.every_minutes`` interval whose save is due from step 2 on, once."""
+
+    def __init__(self, *args):
+        self.saved = False
+
+    def due(self, step):
+        return step >= 2 and not self.saved
+
+    def replan(self, step):
+        self.saved = True
+
+
+def _fit_and_record_saves(rank, world_size, cfg, run_dir, stop_at_step):
+    """``fit`` with a timed save due at step 2 (``stop_at_step`` 0), SIGTERM on rank 0 after step
+    ``stop_at_step``, or as configured (None); the parameters each save was asked to write, and how
+    the run ended."""
+    import os
+    import signal
+
+    import bigtrain.train as train_module
+    from bigtrain.preemption import Preempted
+    from bigtrain.train import Trainer
+
+    asked = {}
+    save, train_step = Trainer.save, Trainer.train_step
+
+    def recording_save(self):
+        asked[self.step] = params_of(self)
+        return save(self)
+
+    def signalling_step(self, *args, **kwargs):
+        result = train_step(self, *args, **kwargs)
+        if result.step + 1 == stop_at_step and self.mesh.rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    Trainer.save = recording_save  # this forked rank's copies only
+    if stop_at_step:
+        Trainer.train_step = signalling_step
+    elif stop_at_step == 0:
+        train_module.SaveInterval = _TimedSaveDueFromStep2
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    try:
+        trainer.fit()
+        code = 0
+    except Preempted as stop:
+        code = stop.exit_code
+    return asked, code, trainer.step
+
+
+def _saved_weights(path):
+    from bigtrain.checkpoint.sharded import ChunkReader
+
+    reader = ChunkReader(path)
+    out = {}
+    for name in reader.entries:
+        if not name.startswith("optim/"):
+            out[name] = reader.empty(name)
+            reader.read([(name, (0,) * out[name].dim(), out[name])])
+    return out
+
+
+@pytest.mark.parametrize("stop_at_step", [0, 2], ids=["timed-save", "sigterm"])
+def test_a_checkpoint_between_averages_waits_for_the_next_one(stop_at_step, corpus_cache, tmp_path):
+    """A timed save (checkpoint.every_minutes, on by default) and the save of a SIGTERM fell between
+    averages and wrote each replica's part of every range: half rank 0's parameters, half rank 1's,
+    a model no replica had. They wait for the average at step K = 4 now."""
+    from bigtrain import checkpoint as ckpt
+
+    cfg = tiny_config(corpus_cache, *LOCAL, "--parallel.dp_sync=local-sgd", f"--parallel.local_sgd_every={K}")
+    ranks = run_ranks(_fit_and_record_saves, 2, cfg, str(tmp_path), stop_at_step)
+    (asked0, code, step), (asked1, _, _) = ranks
+    assert (code, step) == ((143, K) if stop_at_step else (0, STEPS))
+    assert list(asked0) == [K]
+    saved = ckpt.list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in saved] == [f"step_{K:08d}"]
+    for name, value in _saved_weights(saved[0]).items():
+        assert torch.equal(asked0[K][name], asked1[K][name]), name  # every replica holds them
+        assert torch.equal(value, asked0[K][name]), name
+
+
+def test_a_resumed_run_averages_at_the_multiples_of_k(corpus_cache, tmp_path):
+    """Resumed at step 2 (a checkpoint of a synchronous run: the layout is free), local SGD's averages
+    fall on steps 4 and 8, where checkpoint.every = 4 saves, not K steps after the resume (6, 10)."""
+    from bigtrain import checkpoint as ckpt
+    from helpers import save_after_steps
+
+    run_ranks(save_after_steps, 2, tiny_config(corpus_cache, *LOCAL), str(tmp_path), 2)
+    cfg = tiny_config(corpus_cache, *LOCAL, "--parallel.dp_sync=local-sgd", f"--parallel.local_sgd_every={K}",
+                      f"--checkpoint.every={K}", "--checkpoint.resume=auto", "--checkpoint.keep=3")
+    (asked0, _, _), (asked1, _, _) = run_ranks(_fit_and_record_saves, 2, cfg, str(tmp_path), None)
+    assert list(asked0) == [4, 8]
+    for step in asked0:
+        for name, value in asked0[step].items():
+            assert torch.equal(asked1[step][name], value), (step, name)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == [
+        "step_00000008", "step_00000004", "step_00000002"]

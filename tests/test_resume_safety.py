@@ -101,6 +101,24 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(straight, tm
         trainer_on_rank(0, 1, cfg, str(out)).fit()
 
 
+def test_every_model_data_train_optim_and_embedding_field_is_compared_or_free_by_name():
+    """A field a resumed run may change without a word must be listed free, with why: val_fraction
+    (the corpus the sampler draws from), Adafactor's settings, the routing of MoE tokens and the
+    tables' optimizer changed on resume without a warning."""
+    from bigtrain.checkpoint.compat import CHANGES, EXPERT_FIELDS, FREE_FIELDS, SHAPE_FIELDS, compare_configs
+    from bigtrain.config import Config
+
+    fields = {f"{section}.{name}" for section, values in Config().to_dict().items()
+              if section in ("model", "data", "train", "optim", "embedding") for name in values}
+    kinds = [set(SHAPE_FIELDS), set(EXPERT_FIELDS), set(CHANGES), set(FREE_FIELDS)]
+    assert fields == set().union(*kinds), sorted(fields ^ set().union(*kinds))
+    assert sum(len(kind) for kind in kinds) == len(fields), "a field in two kinds"
+    saved = tiny_config("", "--data.val_fraction=0.1").to_dict()
+    _, changes = compare_configs(saved, tiny_config("", "--data.val_fraction=0.2"), "step_6")
+    assert changes == ["data.val_fraction = 0.2 differs from the checkpoint's 0.1: this changes the corpus the run "
+                       "samples from (the held-out tail it leaves out) and the order of the data from here on"]
+
+
 def test_resume_of_a_folder_without_a_run_exits_2_and_creates_nothing(tmp_path, capsys):
     assert main(_resume(tmp_path / "typo")) == 2
     assert "holds no bigtrain run" in capsys.readouterr().err and not (tmp_path / "typo").exists()
@@ -149,6 +167,22 @@ def test_checkpoints_of_another_run_are_not_resumed(straight, tmp_path, corpus_c
     with pytest.warns(UserWarning, match="written by another run"), \
             pytest.raises(ResumeError, match="holds no checkpoint that verifies"):
         trainer_on_rank(0, 1, cfg, str(out)).resume("auto")
+
+
+def test_a_run_that_lost_its_run_json_keeps_the_id_of_the_checkpoints_it_continues(straight, tmp_path,
+                                                                                   corpus_cache):
+    """A run folder without run.json (copied without it, or lost) resumed its checkpoints, then
+    recorded a new run id: before its first save, its next resume (a crash, a launcher's restart)
+    skipped every checkpoint as another run's and had nothing to resume from."""
+    out = _copy(straight, tmp_path)
+    saved_by = read_run_id(out)
+    (out / "run.json").unlink()
+    cfg = tiny_config(corpus_cache, "--train.steps=6", "--checkpoint.resume=auto", "--checkpoint.save_final=false")
+    first = trainer_on_rank(0, 1, cfg, str(out))
+    first.fit()  # resumes step 6 of 6: nothing to train, nothing saved
+    assert read_run_id(out) == saved_by
+    again = trainer_on_rank(0, 1, cfg, str(out))
+    assert again.resume("auto") and again.step == 6
 
 
 # -- ranks agree on the step they resume at -------------------------------------------------------

@@ -7,7 +7,7 @@
 """
 
 from bigtrain.checkpoint.commit import (PREFIX, CheckpointWriteError, CorruptCheckpoint, commit_checkpoint,
-                                        fresh_temp_dir, is_disk_full, list_checkpoints, load_file,
+                                        fresh_temp_dir, is_checkpoint_of, is_disk_full, list_checkpoints, load_file,
                                         newest_valid_checkpoint, read_manifest, remove_temp_dirs, save_checkpoint,
                                         temp_dir, valid_checkpoints, verify_checkpoint)
 

@@ -5,7 +5,7 @@ A checkpoint is a directory ``step_00000010/``. Its files are written into ``ste
 process writes ``meta.json``, the manifest (step, config, the run's id, and a SHA-256 of every
 file), fsyncs it and the directory, and renames the directory into place in one step. A crash
 leaves at worst a ``.tmp`` directory that loading ignores and the next run removes
-(:func:`remove_temp_dirs`). Rotation keeps the newest K.
+(:func:`remove_temp_dirs`). Rotation keeps the newest K up to the step committed.
 
 The manifest is trusted no more than the files: it carries a checksum of itself (so an edited step
 or a deleted checksum map is found), may name only the files this code writes (no ``..``, no
@@ -182,9 +182,28 @@ def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], ke
     _remove(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for old in list_checkpoints(root)[keep:]:
+    # The newest ``keep`` up to this step: later ones (a resumed run's fall-back past newer checkpoints
+    # that did not verify or load) are not counted, or they would rotate the run's new saves away.
+    for old in [p for p in list_checkpoints(root) if checkpoint_step(p) <= step][keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def is_checkpoint_of(root: Path, path: Path) -> bool:
+    """Whether the checkpoint ``path`` is one of ``root``'s (the run's own, not another folder's)."""
+    try:
+        return Path(path).resolve().parent == Path(root).resolve()
+    except OSError:
+        return False
+
+
+def remove_later_checkpoints(root: Path, step: int) -> list[str]:
+    """Remove the checkpoints under ``root`` of steps after ``step`` (a timeline a run rolled back to
+    ``step`` left: the next 'auto' resume would load them); their names."""
+    later = [p for p in list_checkpoints(root) if checkpoint_step(p) > step]
+    for path in later:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in later]
 
 
 def save_checkpoint(root: Path, step: int, files: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:

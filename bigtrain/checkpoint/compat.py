@@ -24,9 +24,13 @@ from bigtrain.optim import get_optimizer  # plain data: imports no torch
 SHAPE_FIELDS = ("model.family", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
                 "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings", "model.attention_head_dim",
                 "model.attention_bias", "model.qkv_bias", "model.mlp_bias",
+                "model.moe_experts",
                 # DLRM: its tables (rows each, compared as a list: '2x10' is '10,10') and MLPs
                 "embedding.tables", "embedding.dim", "model.dlrm_dense_features", "model.dlrm_bottom_mlp",
                 "model.dlrm_top_mlp")
+# The experts' shapes (their blocks, MLP size, a shared expert, the router's bias), compared where both
+# the checkpoint and the run have experts (in a dense model they mean nothing).
+EXPERT_FIELDS = ("model.moe_every", "model.moe_ffn_hidden", "model.moe_shared_expert", "model.moe_router")
 CHANGES = {
     "model.rope_theta": "the positional encoding the weights were trained with",
     "model.norm_eps": "the normalization the weights were trained with",
@@ -55,6 +59,33 @@ CHANGES = {
     "optim.beta2": "the optimizer's update",
     "optim.eps": "the optimizer's update",
     "optim.grad_clip": "the optimizer's update",
+    "optim.adafactor_decay": "the optimizer's update",
+    "optim.adafactor_clip": "the optimizer's update",
+    "optim.adafactor_eps": "the optimizer's update",
+    "model.moe_top_k": "the routing of tokens to the experts",
+    "model.moe_capacity_factor": "the routing of tokens to the experts (which ones are dropped)",
+    "model.moe_aux_loss_coef": "the experts' load-balancing loss",
+    "data.val_fraction": "the corpus the run samples from (the held-out tail it leaves out) and the order of the "
+                         "data from here on",
+    "embedding.hotness": "the ids per sample the run trains on",
+    "embedding.optimizer": "the tables' optimizer (its state is dropped, or missing)",
+    "embedding.lr": "the tables' optimizer's update",
+    "embedding.eps": "the tables' optimizer's update",
+}
+# The rest of the model, data, train, optim and embedding fields, free on resume, and why: a new
+# field goes in one of the three (tests/test_resume_safety.py checks that each field is in one).
+FREE_FIELDS = {
+    "model.hf_config": "the file's shapes are compared through the checkpoint's entries (resume.check_same_entries)",
+    "model.init_std": "a resumed run starts from its checkpoint, not an init",
+    "model.init_from": "a resumed run starts from its checkpoint, not an init",
+    "model.fused_loss": "the same loss, computed in chunks", "model.fused_loss_chunk": "the same loss",
+    "data.cache_dir": "where the same tokens are cached",
+    "train.micro_batch": "the same global batch, accumulated differently", "train.device": "where it computes",
+    "train.max_bad_steps": "the NaN policy",
+    "train.eval_every": "evaluation only", "train.eval_batches": "evaluation only",
+    "optim.name": "compared on its own (the checkpoint's optimizer state must be the run's)",
+    "optim.block_size": "compared on its own for an optimizer with per-block state",
+    "embedding.sharding": "a layout: checkpoints reshard", "embedding.budget_gb": "the planner's memory budget",
 }
 
 
@@ -69,6 +100,9 @@ def _effective(section: str, name: str, values: dict[str, Any]) -> Any:
     if section == "model" and name in ("n_kv_heads", "ffn_hidden"):
         model = _model(values)
         return model.kv_heads if name == "n_kv_heads" else model.ffn_dim
+    if section == "model" and name.startswith("moe_"):
+        model = _model(values)  # a checkpoint older than a field has its default
+        return model.moe_ffn_dim if name == "moe_ffn_hidden" else getattr(model, name)
     if section == "model" and name in ("attention_head_dim", "attention_bias", "qkv_bias", "mlp_bias"):
         model = _model(values)  # a checkpoint older than these fields has their defaults
         return model.head_dim if name == "attention_head_dim" else getattr(model, name)
@@ -83,7 +117,8 @@ def compare_configs(saved: dict[str, dict[str, Any]], run: Config, where: str) -
     saved = {section: canonical_keys(section, values, f"the checkpoint {where}") if isinstance(values, dict)
              else values for section, values in saved.items()}
     errors, changes = [], []
-    for dotted in SHAPE_FIELDS:
+    experts = _effective("model", "moe_experts", saved.get("model", {})) and current["model"]["moe_experts"]
+    for dotted in SHAPE_FIELDS + (EXPERT_FIELDS if experts else ()):
         section, name = dotted.split(".")
         before = _effective(section, name, saved.get(section, {}))
         after = _effective(section, name, current[section])

@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
-from bigtrain.checkpoint.commit import list_checkpoints, newest_valid_checkpoint, valid_checkpoints
+from bigtrain.checkpoint.commit import (is_checkpoint_of, list_checkpoints, newest_valid_checkpoint,
+                                        remove_later_checkpoints, valid_checkpoints)
 from bigtrain.checkpoint.compat import compare_configs
 from bigtrain.distributed.comm import CollectiveError
+from bigtrain.parallel.parallel_model import persistent_buffers
 
 
 class ResumeError(ValueError):
@@ -72,9 +74,12 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
         from bigtrain.checkpoint.sharded import ChunkReader
 
         try:
-            trainer.parallel.load_sharded(ChunkReader(path))
+            reader = ChunkReader(path)
+            if trainer.family.build_meta is not None:  # a decoder (a DLRM's tables are config fields)
+                check_same_entries(trainer.family.build_meta(trainer.cfg), reader, path)
+            trainer.parallel.load_sharded(reader)
             error = None
-        except CollectiveError:
+        except (CollectiveError, ResumeError):  # ResumeError: every rank finds it, from the same files
             raise
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises a BaseException
             error = " ".join(str(e).split())[:400]
@@ -83,6 +88,8 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
         if _all_loaded(world, error is None, device):
             if trainer.engine.scaler is not None and meta.get("loss_scaler"):
                 trainer.engine.scaler.load_state_dict(meta["loss_scaler"])
+            if trainer.is_main and where != "auto":
+                _leave_later_checkpoints(trainer.checkpoint_root, path, int(meta["step"]))
             return path, meta
         warnings.warn(f"checkpoint {path} verifies but failed to load ({error or 'on another rank'}); "
                       f"falling back to the previous one", stacklevel=2)
@@ -93,6 +100,19 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
                           f"remove the broken ones to start afresh, or give checkpoint.resume a good one's path")
     raise ResumeError(f"checkpoint.resume = '{where}': {source} holds no checkpoint that verifies (see the warnings "
                       f"above); remove the broken ones to start afresh, or give checkpoint.resume a good one's path")
+
+
+def _leave_later_checkpoints(root: Path, resumed: Path, step: int) -> None:
+    """A run rolled back to an earlier checkpoint of its own (``checkpoint.resume`` = its path: past a
+    loss spike, with other settings maybe) trains the later steps again, on another timeline. Its
+    later checkpoints were kept, and the next 'auto' resume (a crash, a launcher's restart) loaded
+    the abandoned timeline's newest step without a word: they are removed, with a line. (An 'auto'
+    fall-back past newer checkpoints that do not verify or load removes nothing: the same steps
+    trained again are the same run, and a failure may pass; rotation leaves them alone.)"""
+    removed = remove_later_checkpoints(root, step) if is_checkpoint_of(root, resumed) else []
+    if removed:
+        print(f"bigtrain: resumed from {resumed.name}: removed the later checkpoints {', '.join(removed)} (the run "
+              f"trains those steps again; kept, a later resume would load them)", flush=True)
 
 
 def _finish_like_the_others(engine) -> None:
@@ -136,6 +156,31 @@ def check_same_model(cfg, optimizer: str, path: Path, meta: dict[str, Any], warn
     if warn:
         for text in changes:
             warnings.warn(f"resuming from {path.name}: {text}", stacklevel=4)
+
+
+def check_same_entries(whole, reader, path: Path) -> None:
+    """The checkpoint's model entries are ``whole``'s (the run's model on the meta device): the same
+    names and full shapes. A rank reads only the rectangles its layout holds, and a read of fewer
+    rows than were saved succeeds, so the config fields :func:`check_same_model` compares are not
+    enough: a checkpoint of 4 experts loaded into 2 (the first two kept), of experts with a wider
+    MLP into narrower ones (cut), of a model with a shared expert into one without (dropped), and a
+    Hugging Face model whose config.json was edited, all loaded without a word."""
+    expected = {n: tuple(p.shape) for n, p in whole.named_parameters()}
+    buffers = {n: tuple(b.shape) for n, b in persistent_buffers(whole).items()}
+    saved = {n: tuple(e.size) for n, e in reader.entries.items() if not n.startswith("optim/")}
+    problems = [f"{n} is {saved[n]} in the checkpoint and {shape} in this model"
+                for n, shape in {**expected, **buffers}.items() if n in saved and saved[n] != shape]
+    missing = [n for n in expected if n not in saved]  # a buffer older checkpoints lack: load_sharded says so
+    extra = [n for n in saved if n not in expected and n not in buffers]
+    for names, what in ((missing, "this model has {} that the checkpoint lacks"),
+                        (extra, "the checkpoint holds {} that this model lacks")):
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            problems.append(what.format(shown))
+    if problems:
+        raise ResumeError(f"{path} was written by another model: {'; '.join(problems[:6])}; resume with the "
+                          f"model settings it was written with (model.* and, for model.family = 'hf', the "
+                          f"config.json of model.hf_config), or start a new run in another --output-dir")
 
 
 def resume_after_restart(resume: str, run_dir: Path) -> str:

@@ -29,6 +29,17 @@ class ParameterAveraging:
         self.params, self.comm, self.every = params, comm, every
         self.steps = 0
 
+    def in_agreement(self) -> bool:
+        """Whether the replicas hold the same parameters: the last step ended with an average (or
+        none was taken since they started equal). Only then can a checkpoint hold the parameters: a
+        replica's part of each range in between is a patchwork of replicas that no one trained."""
+        return self.steps % self.every == 0
+
+    def continue_at(self, step: int) -> None:
+        """Count from optimizer step ``step`` (a resumed run's): the averages stay at the multiples of
+        K that ``checkpoint.every`` is validated against, not K steps after the resume."""
+        self.steps = step
+
     def due(self) -> bool:
         """Whether the step about to finish ends with an average."""
         return (self.steps + 1) % self.every == 0

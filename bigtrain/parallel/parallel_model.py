@@ -267,8 +267,8 @@ class ParallelModel:
         buffers = persistent_buffers(self.model)
         missing = [n for n in buffers if not reader.has(n)]
         if missing:
-            raise ValueError(f"{path} has no {', '.join(missing)} (model state outside the parameters, saved since "
-                             f"the sigmoid-bias router's bias became a buffer); resume from a newer checkpoint")
+            raise ValueError(f"{reader.path} has no {', '.join(missing)} (model state outside the parameters, saved "
+                             f"since the sigmoid-bias router's bias became a buffer); resume from a newer checkpoint")
         reader.read([(name, (0,) * b.dim(), b) for name, b in buffers.items()])
 
     def _block_layout(self, names):
