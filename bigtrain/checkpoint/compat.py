@@ -30,7 +30,8 @@ SHAPE_FIELDS = ("model.family", "model.vocab_size", "model.dim", "model.n_layers
                 "model.dlrm_top_mlp")
 # The experts' shapes (their blocks, MLP size, a shared expert, the router's bias), compared where both
 # the checkpoint and the run have experts (in a dense model they mean nothing).
-EXPERT_FIELDS = ("model.moe_every", "model.moe_ffn_hidden", "model.moe_shared_expert", "model.moe_router")
+EXPERT_FIELDS = ("model.moe_every", "model.moe_dense_layers", "model.moe_ffn_hidden", "model.moe_shared_expert",
+                 "model.moe_shared_expert_hidden", "model.moe_shared_expert_gate", "model.moe_router")
 CHANGES = {
     "model.rope_theta": "the positional encoding the weights were trained with",
     "model.norm_eps": "the normalization the weights were trained with",
@@ -102,6 +103,10 @@ def _effective(section: str, name: str, values: dict[str, Any]) -> Any:
         return model.kv_heads if name == "n_kv_heads" else model.ffn_dim
     if section == "model" and name.startswith("moe_"):
         model = _model(values)  # a checkpoint older than a field has its default
+        if name == "moe_shared_expert_hidden":  # its size when there is one: 0 means the expert size
+            return model.moe_shared_ffn_dim if model.moe_shared_expert else 0
+        if name == "moe_dense_layers":  # '1,0' is '0,1'
+            return tuple(sorted(set(model.moe_dense_blocks)))
         return model.moe_ffn_dim if name == "moe_ffn_hidden" else getattr(model, name)
     if section == "model" and name in ("attention_head_dim", "attention_bias", "qkv_bias", "mlp_bias"):
         model = _model(values)  # a checkpoint older than these fields has their defaults
