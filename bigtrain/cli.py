@@ -171,14 +171,18 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.parallel == "auto":
         from bigtrain.plan.auto import auto_overrides
 
-        chosen, why = auto_overrides(cfg, args.world_size or env_world_size() or 1,
-                                     hardware_file=args.hardware_file)
+        planned = args.world_size or env_world_size() or 1
+        chosen, why = auto_overrides(cfg, planned, hardware_file=args.hardware_file)
         print(why)
         cfg = _resolve(args, chosen + overrides)  # what the user set explicitly still wins
     else:
+        planned = None
         cfg = _infer_dp(args, overrides, cfg, args.world_size or env_world_size())
-    validate(cfg, world_size=env_world_size() or (args.world_size if args.parallel != "auto" else None),
-             world_size_from="from the launcher" if env_world_size() else "--world-size",
+    # Under --parallel auto too: an axis set on the command line wins over the planner's layout, and
+    # must not silently launch a world other than the one planned for.
+    validate(cfg, world_size=env_world_size() or args.world_size or planned,
+             world_size_from="from the launcher" if env_world_size() else
+             "--world-size" if args.world_size else "what --parallel auto planned for",
              cuda_available=torch.cuda.is_available(),
              cuda_capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     if launched_externally() and any(k in os.environ for k in LAUNCHER_MARKERS):

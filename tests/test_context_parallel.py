@@ -96,6 +96,19 @@ LAYOUTS = {
                                            *MOE],
     "ring-cp2-moe-sigmoid-bias-dropless": ["--parallel.cp=2", "--model.moe_experts=4", "--model.moe_top_k=2",
                                            "--model.moe_router=sigmoid-bias", "--model.moe_capacity_factor=0.0"],
+    # Masked targets (data.ignore_target: byte 32, the space): each rank's two chunks count different
+    # numbers of targets, and the loss is still normalized by the global count.
+    "ring-cp2-masked-targets": ["--parallel.cp=2", "--data.ignore_target=32"],
+    "all-to-all-cp2-masked-targets": ["--parallel.cp=2", "--parallel.cp_mode=all-to-all", "--data.ignore_target=32"],
+    # An odd cp (6 chunks of 6 tokens), and Ulysses over sp = 3 cutting each cp rank's two chunks of 9
+    # tokens into parts of 6 that straddle them (6 ranks).
+    "ring-cp3": ["--parallel.cp=3", "--data.seq_len=36", "--train.global_batch=3"],
+    "hybrid-cp2-sp3-parts-straddle-chunks": ["--parallel.cp=2", "--parallel.sp=3", "--parallel.cp_mode=hybrid",
+                                             "--model.n_heads=6", "--model.n_kv_heads=3", "--model.dim=96",
+                                             "--data.seq_len=36"],
+    # Biases on q, k, v and the output, heads of 6, one key/value head passed round 4 ranks.
+    "ring-cp4-biases-head-dim-6-kv1": ["--parallel.cp=4", "--model.attention_bias=true",
+                                       "--model.attention_head_dim=6", "--model.n_kv_heads=1"],
 }
 
 

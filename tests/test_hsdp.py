@@ -61,6 +61,9 @@ LAYOUTS = {
     "hsdp-2x2-zero2-offload-cpu": [*HSDP_2X2, "--parallel.zero=2", "--offload.optimizer=cpu", "--train.global_batch=8"],
     "hsdp-2x2-cp2-zero3-8-ranks": ["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
                                    "--parallel.cp=2", "--parallel.zero=3", "--train.global_batch=8"],
+    # ZeRO groups of 3 (6 ranks): no unit divides evenly, so every shard's padding is in play.
+    "hsdp-2x3-zero3-uneven-shards": ["--parallel.dp=6", "--parallel.dp_replicate=2", "--parallel.zero=3",
+                                     "--train.global_batch=6"],
 }
 
 

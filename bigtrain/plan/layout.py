@@ -146,10 +146,13 @@ class Layout:
 
     def to_overrides(self) -> list[str]:
         """The layout as ``bigtrain train`` overrides (``--parallel.dp=8`` ...), for ``--parallel auto``."""
-        out = [f"--parallel.{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "sp", "zero", "ep")]
-        out += [f"--parallel.dp_replicate={self.dp_replicate}"] if self.dp_replicate > 1 else []
+        # Every axis, at 1 too: a config that set cp or dp_replicate (or dp_shard) must not keep
+        # it under a layout without it (the run would launch more ranks than planned, or cut ZeRO
+        # differently from the planner's memory; dp_shard = 0 follows as dp / dp_replicate).
+        out = [f"--parallel.{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "sp", "zero", "ep", "dp_replicate")]
+        out += ["--parallel.dp_shard=0"]
         out += [f"--parallel.pp_schedule={self.schedule}", f"--parallel.pp_virtual={self.v}"]
-        out += [f"--parallel.cp={self.cp}", f"--parallel.cp_mode={self.cp_mode}"] if self.cp > 1 else []
+        out += [f"--parallel.cp={self.cp}", f"--parallel.cp_mode={self.cp_mode}"]
         out += [f"--parallel.sequence_parallel={str(self.tp_sp).lower()}", f"--precision.mode={self.precision}",
                 f"--memory.checkpointing={self.recompute}", f"--memory.checkpoint_every={self.every}",
                 f"--train.micro_batch={self.micro_batch}",
@@ -160,10 +163,8 @@ class Layout:
             out.append(f"--precision.fp8={self.fp8}")
         if self.compiled:  # not compiled: the run's own compile.enabled decides ('auto': on CUDA only)
             out.append("--compile.enabled=true")
-        if self.offload_optimizer != "none" or self.offload_params != "none":
-            out += [f"--offload.optimizer={self.offload_optimizer}", f"--offload.params={self.offload_params}",
-                    f"--offload.delayed_update={str(self.delayed_update).lower()}"]
-            out += [f"--offload.masters={self.offload_masters}"] if self.offload_masters != "auto" else []
+        out += [f"--offload.optimizer={self.offload_optimizer}", f"--offload.params={self.offload_params}",
+                f"--offload.delayed_update={str(self.delayed_update).lower()}", f"--offload.masters={self.offload_masters}"]
         return out
 
 
