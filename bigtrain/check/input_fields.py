@@ -23,7 +23,7 @@ INT_FIELDS: dict[str, tuple[int, int | None]] = {
     "data.max_bytes": (0, None), "data.ignore_target": (-1, 256), "train.steps": (1, None),
     "train.global_batch": (1, 2**40), "train.micro_batch": (1, 9), "train.seed": (0, SEED_MAX + 1),
     "train.max_bad_steps": (1, None), "model.moe_experts": (0, None), "model.moe_top_k": (1, None),
-    "model.moe_every": (1, None), "model.moe_ffn_hidden": (0, None),
+    "model.moe_every": (1, None), "model.moe_ffn_hidden": (0, None), "model.moe_shared_expert_hidden": (0, None),
     "checkpoint.every": (0, None), "checkpoint.keep": (1, None), "logging.log_every": (1, None),
     "model.fused_loss_chunk": (1, None), "memory.offload_min_bytes": (0, None),
     "train.eval_every": (0, None), "train.eval_batches": (1, None),
