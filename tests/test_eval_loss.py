@@ -54,7 +54,8 @@ def test_resuming_with_another_val_fraction_says_what_it_changes():
     errors, changes = compare_configs(saved, load_config(preset="tiny", overrides=["--data.val_fraction=0.01"]), "C")
     assert errors == [] and changes == [
         "data.val_fraction = 0.01 differs from the checkpoint's 0.05: this changes the training part and the held-out "
-        "slice (a smaller one trains on tokens earlier evaluations held out; eval_loss before and after differ)"]
+        "slice (a smaller one trains on tokens earlier evaluations held out; eval_loss before and after differ) and "
+        "the order of the data from here on"]
 
 
 def test_settings_are_checked_before_launch():

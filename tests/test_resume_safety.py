@@ -115,8 +115,9 @@ def test_every_model_data_train_optim_and_embedding_field_is_compared_or_free_by
     assert sum(len(kind) for kind in kinds) == len(fields), "a field in two kinds"
     saved = tiny_config("", "--data.val_fraction=0.1").to_dict()
     _, changes = compare_configs(saved, tiny_config("", "--data.val_fraction=0.2"), "step_6")
-    assert changes == ["data.val_fraction = 0.2 differs from the checkpoint's 0.1: this changes the corpus the run "
-                       "samples from (the held-out tail it leaves out) and the order of the data from here on"]
+    assert changes == ["data.val_fraction = 0.2 differs from the checkpoint's 0.1: this changes the training part "
+                       "and the held-out slice (a smaller one trains on tokens earlier evaluations held out; "
+                       "eval_loss before and after differ) and the order of the data from here on"]
 
 
 def test_resume_of_a_folder_without_a_run_exits_2_and_creates_nothing(tmp_path, capsys):

@@ -46,7 +46,8 @@ CHANGES = {
     "data.max_bytes": "the corpus the run samples from",
     "data.ignore_target": "which targets count in the loss",
     "data.val_fraction": "the training part and the held-out slice (a smaller one trains on tokens earlier "
-                         "evaluations held out; eval_loss before and after differ)",
+                         "evaluations held out; eval_loss before and after differ) and the order of the data "
+                         "from here on",
     "train.seed": "the order of the data from here on",
     "train.global_batch": "the data per step and the learning rate's meaning",
     "train.steps": "the learning-rate schedule: its cosine decay ends at the new step count",
@@ -66,8 +67,6 @@ CHANGES = {
     "model.moe_top_k": "the routing of tokens to the experts",
     "model.moe_capacity_factor": "the routing of tokens to the experts (which ones are dropped)",
     "model.moe_aux_loss_coef": "the experts' load-balancing loss",
-    "data.val_fraction": "the corpus the run samples from (the held-out tail it leaves out) and the order of the "
-                         "data from here on",
     "embedding.hotness": "the ids per sample the run trains on",
     "embedding.optimizer": "the tables' optimizer (its state is dropped, or missing)",
     "embedding.lr": "the tables' optimizer's update",
