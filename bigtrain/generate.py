@@ -56,7 +56,7 @@ def load_model(source: Path) -> tuple[Decoder, dict]:
         return _hf_folder_model(source), {}
     from bigtrain.checkpoint.commit import newest_valid_checkpoint
     from bigtrain.checkpoint.export import checkpoint_weights
-    from bigtrain.checkpoint.hf import model_config
+    from bigtrain.checkpoint.hf import model_as_trained
 
     root = source / "checkpoints" if (source / "checkpoints").is_dir() else source
     found = newest_valid_checkpoint(root)
@@ -64,7 +64,8 @@ def load_model(source: Path) -> tuple[Decoder, dict]:
         raise GenerateError(f"no valid checkpoint under {source} (a run saves one at its end unless "
                             f"checkpoint.save_final = false)")
     path, meta = found
-    decoder = run_model(model_config(meta["config"]["model"]))
+    with model_as_trained(meta) as model:  # a config.json as the run trained with it
+        decoder = run_model(model)
     load_weights(decoder.model, checkpoint_weights(path), str(path))
     return decoder, meta["config"]
 

@@ -305,7 +305,8 @@ class Trainer(StepRunner):
         scaler = self.engine.scaler
         meta = {"format": self.checkpoint_format, "config": self.cfg.to_dict(), "world_size": self.mesh.world_size,
                 "optimizer": self.engine.optim_spec.name, "run_id": self.run_id,
-                "loss_scaler": scaler.state_dict() if scaler is not None else None, "data": self.data_extent()}
+                "loss_scaler": scaler.state_dict() if scaler is not None else None, "data": self.data_extent(),
+                "model_description": self.model_description}
         self._note_segment()
         self.checkpoint_writer.write(self.step, chunks, meta, background)
         return True

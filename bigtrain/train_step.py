@@ -109,6 +109,8 @@ class StepRunner:
         self.cfg, self.run_dir, self.mesh, self.device = cfg, Path(run_dir), mesh, torch.device(device)
         self.is_main = mesh.rank == 0
         self.family = family_of(cfg)
+        # Read once, as the model is built from it: the file may change while the run goes on.
+        self.model_description = self.family.description(cfg.model) if self.family.description else None
         self.deferred: DeferredUpdate | None = None  # 2BW's deferred update, once started (fit does)
         # A family with a step of its own (the recommender's): the run below is this one's all the same.
         self.own_step = self.family.own_step(cfg, mesh, self.device) if self.family.own_step is not None else None

@@ -98,7 +98,10 @@ def test_a_hugging_face_family_run_writes_what_its_model_computes(corpus_cache, 
     assert greedy == bytes(ids).decode("utf-8", errors="replace")
 
 
-def test_a_run_whose_config_json_is_gone_is_refused_by_name(corpus_cache, tmp_path, capsys):
+def test_a_run_whose_config_json_is_gone_generates_from_the_copy_its_checkpoint_recorded(corpus_cache, tmp_path,
+                                                                                          capsys):
+    """(It was refused by name: the file is read again to build the model. A checkpoint now records
+    the config.json it trained with, bigtrain.checkpoint.hf.model_as_trained.)"""
     pytest.importorskip("transformers")
     import shutil
     from pathlib import Path
@@ -112,6 +115,4 @@ def test_a_run_whose_config_json_is_gone_is_refused_by_name(corpus_cache, tmp_pa
                  "--logging.progress=false", "--logging.report=false"]) == 0
     shutil.rmtree(moved)
     capsys.readouterr()
-    assert main(["generate", str(run), "--prompt", "x"]) == 1
-    err = capsys.readouterr().err
-    assert "model.family = 'hf'" in err and str(moved) in err, err
+    assert main(["generate", str(run), "--prompt", "x", "--tokens", "2"]) == 0, capsys.readouterr().err

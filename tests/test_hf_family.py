@@ -11,6 +11,7 @@ the loss and the weights by 1e-3 or more (the ``seam`` tests below show one such
 
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -498,6 +499,30 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_equal_logit
     with torch.no_grad():
         theirs = loaded.eval()(tokens).logits
     torch.testing.assert_close(theirs, logits, rtol=0, atol=0)  # the same weights through the same ops
+
+
+def test_export_generate_and_resume_use_the_config_json_the_run_trained_with(corpus_cache, tmp_path):
+    """A checkpoint records its config.json: edited after the run (rope_theta, which no shape shows),
+    export writes the recorded one and generate builds it (the trained logits); the resume says
+    what changed. Deleted, export still works. (Both read the file again, and built another model.)"""
+    from bigtrain.cli import main
+    from bigtrain.generate import load_model
+
+    fields = json.loads((FIXTURES / "qwen2" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    cfg = hf_config(corpus_cache, "qwen2", f"--model.hf_config={tmp_path}")
+    _, logits = train_and_save(0, 1, cfg, str(tmp_path / "run"), tokens)
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "rope_theta": 500.0}))
+    decoder, _ = load_model(tmp_path / "run")
+    with torch.no_grad():
+        torch.testing.assert_close(decoder.model(tokens), logits, rtol=0, atol=0)
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "hf"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_theta"] == fields["rope_theta"]
+    with pytest.warns(UserWarning, match=r"changed since the checkpoint was written \(rope_theta: 10000.0 -> 500.0\)"):
+        trainer_on_rank(0, 1, cfg, str(tmp_path / "run")).resume("auto")
+    (tmp_path / "config.json").unlink()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out2"), "--format", "hf"]) == 0
 
 
 def test_a_tensor_parallel_checkpoint_exports_whole_weights(corpus_cache, tmp_path):

@@ -78,12 +78,12 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors",
         raise ValueError(f"{path} is an old-format checkpoint; export reads sharded '{FORMAT}' checkpoints")
     weights = checkpoint_weights(path)
     if fmt == "hf":
-        from bigtrain.checkpoint.hf import model_config, save_hf
+        from bigtrain.checkpoint.hf import model_as_trained, save_hf
 
-        cfg = model_config(meta["config"]["model"])
-        writer = folder_writer(cfg) if folder_writer is not None else None
-        if writer is not None:  # a family with names and a config.json of its own
-            return writer(cfg, weights, out), "hf"
+        with model_as_trained(meta) as cfg:
+            writer = folder_writer(cfg) if folder_writer is not None else None
+            if writer is not None:  # a family with names and a config.json of its own
+                return writer(cfg, weights, out), "hf"
         folder = save_hf(weights, cfg, out)
         write_tokenizer(path, meta["config"].get("data", {}), folder, cfg.max_seq_len)
         return folder, "hf"

@@ -21,7 +21,10 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -95,6 +98,23 @@ def model_config(values: dict) -> ModelConfig:
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     values = canonical_keys("model", values, "the checkpoint's manifest")  # older manifests: model.name
     return ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+
+@contextmanager
+def model_as_trained(meta: dict) -> Iterator[ModelConfig]:
+    """The [model] a checkpoint's manifest recorded, its family's description (a config.json at
+    ``model.hf_config``) the one the run trained with, recorded in the manifest: a file edited,
+    moved or deleted since would build another model (export, generate). Inside the context only:
+    the recorded copy is a temporary file."""
+    cfg = model_config(meta["config"]["model"])
+    described = meta.get("model_description")
+    if not described:  # a family described by its config alone, or a checkpoint older than the record
+        yield cfg
+        return
+    with tempfile.TemporaryDirectory(prefix="bigtrain-described-") as folder:
+        path = Path(folder) / CONFIG_FILE
+        path.write_text(json.dumps(described, indent=2))
+        yield dataclasses.replace(cfg, hf_config=str(path))
 
 
 def hf_rope_scaling(cfg: ModelConfig) -> dict | None:

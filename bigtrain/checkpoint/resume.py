@@ -133,6 +133,13 @@ def _check_serves(trainer, path: Path, meta: dict[str, Any]) -> None:
         raise ResumeError(f"{path} is an old-format checkpoint ({meta.get('format', 'full tensors in model.pt')}); "
                          f"this run loads sharded '{wanted}' checkpoints only: start the run afresh")
     check_same_model(trainer.cfg, trainer.engine.optim_spec.name, path, meta, warn=trainer.is_main)
+    described, describes = meta.get("model_description"), trainer.model_description
+    if trainer.is_main and described and describes and described != describes:  # shapes: check_same_entries
+        changed = sorted(k for k in set(described) | set(describes) if described.get(k) != describes.get(k))
+        warnings.warn(f"resuming from {path.name}: {trainer.cfg.model.hf_config} changed since the checkpoint was "
+                      f"written ({', '.join(f'{k}: {described.get(k)!r} -> {describes.get(k)!r}' for k in changed[:6])}"
+                      f"{' ...' if len(changed) > 6 else ''}): the run continues the checkpoint's weights with the "
+                      f"model the file describes now", stacklevel=3)
     saved, now = meta.get("data"), trainer.data_extent()
     if trainer.is_main and saved and now and saved != now:  # the same data.source, another corpus
         warnings.warn(f"resuming from {path.name}: data.source = '{trainer.cfg.data.source}' now gives "

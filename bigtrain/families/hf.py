@@ -374,8 +374,8 @@ def parameter_count(cfg: Config) -> int:
 
 
 def export_folder(model: ModelConfig, weights: dict, out) -> Path:
-    """A folder ``from_pretrained`` loads: the run's config.json (``model.hf_config``, read again
-    now) and ``model.safetensors`` holding ``weights`` (full tensors under the Hugging Face names
+    """A folder ``from_pretrained`` loads: the run's config.json (``model.hf_config``: the
+    checkpoint's recorded copy, bigtrain.checkpoint.hf.model_as_trained) and ``model.safetensors`` holding ``weights`` (full tensors under the Hugging Face names
     the model trained with, as they are, each expert bank cut into transformers' per-expert weights)."""
     from safetensors.torch import save_file
 
@@ -408,6 +408,7 @@ HF = Family(
     reference=HFReference,
     captured=captured_module,
     parameter_count=parameter_count,
+    description=read_config,
     export=export_folder,
     planner_config=planner_config,
     vocabulary=vocabulary,

@@ -63,6 +63,10 @@ class Family:
     # (its vocabulary size, the field that sets it): what preflight checks the tokenizer and the token
     # ids against; None: model.vocab_size (a family described by its own file sets it there).
     vocabulary: Callable[["Config"], tuple[int, str]] | None = None
+    # The model's description outside the config, as the model was built from it (a config.json's
+    # fields; None: the config says all): each checkpoint records it, so a resume says what changed in
+    # the file since, and export and generate build what the run trained (bigtrain.checkpoint.hf).
+    description: Callable[["ModelConfig"], dict] | None = None
     # The model's parameter count from the config (the run summary, the planner).
     parameter_count: Callable[["Config"], int] | None = None
     # ``bigtrain export --format hf`` of its checkpoints: (the run's [model], {name: full tensor},
