@@ -26,8 +26,8 @@ import numpy as np
 
 from bigtrain.config import Config, ConfigError
 from bigtrain.families import family_of, model_vocabulary
-from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_files, stdlib_key, text_files,
-                           token_dtype_problem, uses_shards)
+from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, is_token_file, stdlib_files, stdlib_key,
+                           text_files, token_dtype_problem, uses_shards)
 from bigtrain.data.fields import records_problem, tokenizer_problem
 from bigtrain.data.sampler import split_problem
 
@@ -131,7 +131,10 @@ def data_problems(cfg: Config) -> list[str]:
         return []
     vocab, vocab_field = model_vocabulary(cfg)  # a family described by its own file (a config.json) sets it there
     need = d.seq_len + 2  # TokenSampler draws starts in [0, len - seq_len - 1): a window of seq_len + 1, and one more
-    if d.tokenizer != "bytes" and (problem := tokenizer_problem(cfg, vocab, vocab_field)):
+    if d.document_end and is_token_file(d.source):
+        return [f"data.document_end = {d.document_end!r} with data.source = '{d.source}', ids tokenized already: "
+                f"it is put between documents as they are tokenized; leave data.document_end = '' (or give the text)"]
+    if (d.tokenizer != "bytes" or d.document_end) and (problem := tokenizer_problem(cfg, vocab, vocab_field)):
         return [problem]
     if d.source == "stdlib" and uses_shards(d):
         return [problem] if (problem := _writable_cache_problem(cfg)) else []

@@ -18,7 +18,7 @@ import torch
 from bigtrain.check.reference import reference_losses
 from bigtrain.checkpoint.export import checkpoint_weights
 from bigtrain.cli import main
-from bigtrain.config import ConfigError, DataConfig
+from bigtrain.config import ConfigError, DataConfig, load_config
 from bigtrain.data import ShardedTokens, TokenSampler, load_corpus, prepare_corpus
 from bigtrain.data.load import shard_folder
 from bigtrain.data.shards import CorpusError, read_manifest
@@ -95,6 +95,39 @@ def test_shards_hold_each_documents_ids_in_order_and_sample_as_one_array(bpe, te
         for a, b in zip(ours.batch(step, 0, 8) + ours.eval_batch(1, 2, 0, 8),
                         plain.batch(step, 0, 8) + plain.eval_batch(1, 2, 0, 8)):
             assert torch.equal(a, b)
+
+
+def test_data_document_end_puts_its_token_after_each_document(bpe, text_folder, tmp_path):
+    """data.document_end = '<|endoftext|>': each document's ids, then that token's id (appended as an
+    id, not text), in a corpus of its own (the cache key holds it); without it the documents run into
+    each other as before (the same key as before the field existed)."""
+    path, tok = bpe
+    end = tok.token_to_id("<|endoftext|>")
+    plain, ended = _data(text_folder, path, tmp_path), _data(text_folder, path, tmp_path, document_end="<|endoftext|>")
+    assert shard_folder(plain) != shard_folder(ended)
+    manifest = prepare_corpus(ended, shard_bytes=60_000, workers=2)
+    expected = np.concatenate([np.append(tok.encode(t).ids, end) for t in _texts()])
+    assert manifest["document_end"] == "<|endoftext|>" and np.array_equal(np.asarray(load_corpus(ended)), expected)
+    assert np.array_equal(np.asarray(load_corpus(plain)), _expected_ids(tok, _texts()))
+
+
+@pytest.mark.parametrize("tokenizer, end, accepted", [("bpe", "<|endoftext|>", True), ("bpe", "</s>", False),
+                                                      ("bytes", "|", True), ("bytes", "<eos>", False)])
+def test_a_document_end_that_is_not_one_token_is_refused_before_launch(bpe, text_folder, tmp_path, tokenizer, end,
+                                                                      accepted):
+    spec = str(bpe[0]) if tokenizer == "bpe" else "bytes"
+    cfg = load_config(preset="tiny", overrides=[f"--data.source={text_folder}", f"--data.tokenizer={spec}",
+                                                f"--data.cache_dir={tmp_path}", "--data.max_bytes=0",
+                                                f"--model.vocab_size={VOCAB}", f"--data.document_end={end}"])
+    problems = data_problems(cfg)
+    assert (problems == []) if accepted else ("data.document_end" in problems[0] and "one token" in problems[0])
+
+
+def test_a_document_end_with_ids_tokenized_already_is_refused(tmp_path):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(1000, dtype=np.uint16) % 256)
+    cfg = load_config(preset="tiny", overrides=[f"--data.source={ids}", "--data.document_end=<|endoftext|>"])
+    assert "data.document_end" in data_problems(cfg)[0]
 
 
 def test_an_interrupted_build_resumes_and_a_damaged_shard_is_found(bpe, text_folder, tmp_path):

@@ -45,6 +45,7 @@ CHANGES = {
     "data.seq_len": "the sequences the run trains on (and the activations' shapes)",
     "data.max_bytes": "the corpus the run samples from",
     "data.ignore_target": "which targets count in the loss",
+    "data.document_end": "the tokens the run trains on (a token between documents, or none)",
     "data.val_fraction": "the training part and the held-out slice (a smaller one trains on tokens earlier "
                          "evaluations held out; eval_loss before and after differ) and the order of the data "
                          "from here on",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from bigtrain.config import Config
 from bigtrain.data.documents import corpus_files, parquet_missing
-from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, load_tokenizer, missing_package, tokenizer_file,
-                                     tokenizer_kind)
+from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, document_end_id, load_tokenizer, missing_package,
+                                     tokenizer_file, tokenizer_kind)
 
 
 def data_field_problems(cfg: Config) -> list[str]:
@@ -60,12 +60,13 @@ def _has_parquet(folder: Path) -> bool:
 
 
 def tokenizer_problem(cfg: Config, vocab: int | None = None, vocab_field: str = "model.vocab_size") -> str | None:
-    """The tokenizer can be read, and every id it gives fits the model's vocabulary (``vocab``, set
-    by ``vocab_field``; model.vocab_size by default)."""
+    """The tokenizer can be read, data.document_end is one of its tokens, and every id it gives fits
+    the model's vocabulary (``vocab``, set by ``vocab_field``; model.vocab_size by default)."""
     d, m = cfg.data, cfg.model
     vocab = m.vocab_size if vocab is None else vocab
     try:
         tokenizer = load_tokenizer(d.tokenizer)
+        document_end_id(tokenizer, d.document_end)
     except TokenizerError as e:
         return str(e)
     if tokenizer.vocab_size > vocab:

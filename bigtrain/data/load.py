@@ -44,7 +44,7 @@ def uses_shards(d: DataConfig) -> bool:
     """Whether the corpus is tokenized into shards (a real tokenizer, or JSON Lines / Parquet)."""
     if is_token_file(d.source):
         return False
-    if d.tokenizer != BYTES:
+    if d.tokenizer != BYTES or d.document_end:  # (the byte corpus puts nothing between its files)
         return True
     if d.source == "stdlib":
         return False
@@ -59,7 +59,8 @@ def shard_folder(d: DataConfig, files: list[Path] | None = None) -> Path:
     files = source_files(d) if files is None else files
     digest = BYTES if d.tokenizer == BYTES else file_digest(tokenizer_file(d.tokenizer))
     cache = cache_root(d.cache_dir)
-    return cache / f"tok-{corpus_key(source_path(d), files, digest, d.text_field, d.max_bytes, cache)}"
+    key = corpus_key(source_path(d), files, digest, d.text_field, d.max_bytes, cache, d.document_end)
+    return cache / f"tok-{key}"
 
 
 def prepare_corpus(d: DataConfig, check: bool = True, log=None, **build_args) -> dict | None:
@@ -71,7 +72,7 @@ def prepare_corpus(d: DataConfig, check: bool = True, log=None, **build_args) ->
     if not files:
         raise ValueError(f"data.source = '{d.source}': no text, .jsonl or .parquet files in it")
     return prepared(shard_folder(d, files), files, d.tokenizer, d.text_field, d.max_bytes, d.source,
-                    check=check, log=log, **build_args)
+                    check=check, log=log, document_end=d.document_end, **build_args)
 
 
 def load_corpus(d: DataConfig):
@@ -82,7 +83,8 @@ def load_corpus(d: DataConfig):
         return load_byte_corpus(d.source, d.cache_dir, d.max_bytes)
     files = source_files(d)
     folder = shard_folder(d, files)
-    manifest = prepared(folder, files, d.tokenizer, d.text_field, d.max_bytes, d.source)
+    manifest = prepared(folder, files, d.tokenizer, d.text_field, d.max_bytes, d.source,
+                        document_end=d.document_end)
     return ShardedTokens.open(folder, manifest)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bigtrain.data.documents import Documents
-from bigtrain.data.tokenizer import file_digest, ids_dtype, load_tokenizer
+from bigtrain.data.tokenizer import document_end_id, file_digest, ids_dtype, load_tokenizer
 
 FORMAT = 2  # 2: tokenizer.json files read without their truncation and padding, ids sized by the largest
 SHARD_BYTES = 32 << 20  # text per shard: a worker's unit of work and of resumption
@@ -69,8 +69,10 @@ def file_digests(files: list[Path], cache: Path) -> list[str]:
 
 
 def corpus_key(source: Path, files: list[Path], tokenizer_digest: str, text_field: str, max_bytes: int,
-               cache: Path) -> str:
-    h = hashlib.sha256(f"bigtrain-corpus {FORMAT}|{tokenizer_digest}|{text_field}|{max_bytes}".encode())
+               cache: Path, document_end: str = "") -> str:
+    # (document_end only when set: the corpora tokenized before it existed keep their key)
+    end = f"|end={document_end!r}" if document_end else ""
+    h = hashlib.sha256(f"bigtrain-corpus {FORMAT}|{tokenizer_digest}|{text_field}|{max_bytes}{end}".encode())
     root = source if source.is_dir() else source.parent
     for f, digest in zip(files, file_digests(files, cache)):
         h.update(f"|{f.relative_to(root).as_posix()}:{digest}".encode())
@@ -122,11 +124,15 @@ def _texts_digest(texts: list[str]) -> str:
 _WORKER_TOKENIZERS: dict[str, object] = {}  # per process: each worker loads the tokenizer once
 
 
-def _tokenize_shard(spec: str, folder: str, index: int, texts: list[str], text_digest: str) -> dict:
-    """Tokenize one shard's documents and write its ids and marker (runs in a worker)."""
+def _tokenize_shard(spec: str, folder: str, index: int, texts: list[str], text_digest: str,
+                    end: int | None = None) -> dict:
+    """Tokenize one shard's documents (each followed by the id ``end``, when given) and write its
+    ids and marker (runs in a worker)."""
     tokenizer = _WORKER_TOKENIZERS.get(spec) or _WORKER_TOKENIZERS.setdefault(spec, load_tokenizer(spec))
     dtype = ids_dtype(tokenizer.vocab_size)
     encoded = tokenizer.encode_batch(texts)
+    if end is not None:  # appended as an id: as text it could merge with the document's last characters
+        encoded = [np.append(ids, end) for ids in encoded]
     ids = np.concatenate(encoded).astype(dtype) if encoded else np.zeros(0, dtype)
     name = shard_name(index)
     sha = _write_ids(Path(folder) / f"{name}.bin", ids)
@@ -156,10 +162,12 @@ def _finished_shard(folder: Path, index: int, text_digest: str, itemsize: int) -
 
 
 def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes: int, source: str,
-          workers: int = 0, shard_bytes: int = SHARD_BYTES, log=None) -> dict:
+          workers: int = 0, shard_bytes: int = SHARD_BYTES, log=None, document_end: str = "") -> dict:
     """Tokenize ``files`` into ``folder`` (resuming what an earlier build finished); returns the
-    manifest. ``workers``: processes (0: one per CPU this process may use)."""
+    manifest. ``workers``: processes (0: one per CPU this process may use); ``document_end``: the
+    token put after each document (data.document_end)."""
     tokenizer = load_tokenizer(spec)
+    end = document_end_id(tokenizer, document_end)
     dtype = ids_dtype(tokenizer.vocab_size)
     folder.mkdir(parents=True, exist_ok=True)
     workers = workers or len(os.sched_getaffinity(0))
@@ -178,7 +186,7 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
             if done is not None:
                 markers[index], kept = done, kept + 1
                 continue
-            args = (spec, str(folder), index, texts, digest)
+            args = (spec, str(folder), index, texts, digest, end)
             if pool is None:
                 markers[index] = _tokenize_shard(*args)
                 continue
@@ -197,6 +205,7 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
               for i in sorted(markers)]
     manifest = {"format": FORMAT, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "tokenizer": spec,
                 "tokenizer_sha256": tokenizer.digest, "text_field": text_field, "max_bytes": max_bytes,
+                "document_end": document_end,
                 "source": source, "files": len(files), "documents": sum(m["documents"] for m in markers.values()),
                 "tokens": sum(s["tokens"] for s in shards), "shards": shards, "resumed_shards": kept,
                 "cut_at_max_bytes": docs.cut}

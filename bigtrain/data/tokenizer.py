@@ -73,6 +73,10 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
+    def token_id(self, text: str) -> int | None:
+        data = text.encode("utf-8")
+        return data[0] if len(data) == 1 else None
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` file."""
@@ -101,6 +105,9 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts)]
 
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
+
 
 class TiktokenTokenizer:
     """A tiktoken encoding file (mergeable ranks), split with cl100k's pattern."""
@@ -123,6 +130,10 @@ class TiktokenTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int64) for ids in self._enc.encode_ordinary_batch(texts, num_threads=1)]
 
+    def token_id(self, text: str) -> int | None:  # an encoding file has no special tokens: one of its ranks
+        ids = self._enc.encode_ordinary(text)
+        return ids[0] if len(ids) == 1 else None
+
 
 def load_tokenizer(spec: str):
     """The tokenizer ``data.tokenizer`` names; raises TokenizerError naming the field and the fix."""
@@ -139,6 +150,18 @@ def load_tokenizer(spec: str):
         raise TokenizerError(f"data.tokenizer = '{spec}' is {what}, which needs a package that is not installed: "
                              f"{need}")
     return HFTokenizer(path) if kind == "hf" else TiktokenTokenizer(path)
+
+
+def document_end_id(tokenizer, text: str) -> int | None:
+    """The id ``data.document_end`` names (None for ''); raises TokenizerError when it is not one
+    token of ``tokenizer``."""
+    if not text:
+        return None
+    found = tokenizer.token_id(text)
+    if found is None:
+        raise TokenizerError(f"data.document_end = {text!r} is not one token of data.tokenizer ({tokenizer.kind}); "
+                             f"give a token the tokenizer has, such as its end-of-text token, or '' for none")
+    return int(found)
 
 
 def ids_dtype(vocab_size: int) -> np.dtype:
