@@ -259,8 +259,8 @@ def _infer_dp(args: argparse.Namespace, overrides: list[str], cfg: Config, world
         return cfg
     preset = _preset(args)
     dp = inferred_dp(cfg, world_size)
-    if dp is None or dp_given(preset, args.config, overrides):
-        return cfg  # validation names the mismatch and the fix
+    if dp is None or dp_given(preset, args.config, overrides) or cfg.parallel.dp_shard > 0:
+        return cfg  # validation names the mismatch and the fix (HSDP's two axes, both given, set dp)
     if os.environ.get("RANK", "0") == "0":  # under a launcher every rank comes here; one says it
         print(f"bigtrain: parallel.dp = {dp} (world size {world_size} / tp x pp x sp x cp = "
               f"{cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp * cfg.parallel.cp})")

@@ -422,11 +422,13 @@ def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | 
         problems += rule(cfg)
     if world_size is not None and not problems and world_size != cfg.parallel.world_size:
         p = cfg.parallel
+        dp = max(1, world_size // max(1, p.tp * p.pp * p.sp * p.cp))
+        fix = f"parallel.dp = {dp}" if not p.dp_shard else \
+            f"parallel.dp_shard = {max(1, dp // max(1, p.dp_replicate))} (HSDP: dp = dp_replicate x dp_shard)"
         problems.append(
             f"world size {world_size} ({world_size_from}) != parallel.dp x tp x pp x sp x cp = "
             f"{p.dp} x {p.tp} x {p.pp} x {p.sp} x {p.cp} = {p.world_size}; "
-            f"set parallel.dp = {max(1, world_size // max(1, p.tp * p.pp * p.sp * p.cp))} or launch {p.world_size} "
-            f"rank{'s' if p.world_size > 1 else ''}")
+            f"set {fix} or launch {p.world_size} rank{'s' if p.world_size > 1 else ''}")
     if cuda_available is False and cfg.train.device == "cuda":
         problems.append("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     problems += check_fp8_device(cfg, cuda_available, cuda_capability)

@@ -70,6 +70,15 @@ def test_world_size_without_auto_is_checked_against_the_layout(capsys):
     assert "world size 2 (--world-size) != parallel.dp" in capsys.readouterr().err  # not "from the launcher"
 
 
+def test_hsdp_axes_given_are_not_overridden_by_the_world_size(capsys):
+    """dp_replicate x dp_shard, both given, set dp: --world-size 8 with 2 x 2 once set dp = 8 itself
+    and then asked for parallel.dp = 4; the fix named is the HSDP axis."""
+    assert main(["train", "--preset", "tiny", "--world-size", "8", "--parallel.dp_replicate=2",
+                 "--parallel.dp_shard=2", "--parallel.zero=3", "--train.global_batch=16"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.dp = 8 (world size" not in err and "set parallel.dp_shard = 4 (HSDP" in err, err
+
+
 def test_a_value_may_follow_its_flag_as_argparse_users_type_it(capsys):
     assert main(["config", "--preset", "tiny", "--optim.lr", "1e-3", "--parallel.zero", "1"]) == 0
     out = capsys.readouterr().out
