@@ -42,7 +42,8 @@ LAYOUTS = {
 # Uneven stages at explicit split points (the layout fuzzer never draws parallel.pp_split): 1 + 3
 # layers under zero-bubble, and 2 + 1 + 1 over pp=3 with m=4 micro-batches (not a multiple of pp).
 SPLIT_LAYOUTS = {
-    "pp2-zb-h1-split-1": (["--parallel.pp=2", "--parallel.pp_schedule=zb-h1", "--parallel.pp_split=1"], [[0], [1, 2, 3]]),
+    "pp2-zb-h1-split-1": (["--parallel.pp=2", "--parallel.pp_schedule=zb-h1", "--parallel.pp_split=1"],
+                          [[0], [1, 2, 3]]),
     "pp3-split-2-3-m4": (["--parallel.pp=3", "--parallel.pp_split=2,3"], [[0, 1], [2], [3]]),
 }
 
