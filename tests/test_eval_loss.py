@@ -142,3 +142,37 @@ def test_evaluation_leaves_moe_routing_statistics_alone(corpus_cache, tmp_path):
     evaluated = run_ranks(_routing_loads, 1, cfg, str(tmp_path), True)[0]
     assert evaluated == run_ranks(_routing_loads, 1, cfg, str(tmp_path), False)[0]
     assert sum(evaluated[0]["layers.0.feed_forward"]["load"]) == 8 * 32 * 2  # tokens x top_k of one batch
+
+
+def _evaluate(rank, world_size, cfg, run_dir):
+    return trainer_on_rank(rank, world_size, cfg, run_dir).evaluate()
+
+
+@pytest.mark.parametrize("layout", [("--parallel.tp=2", "--parallel.pp=2"), ("--parallel.sp=2", "--parallel.pp=2")],
+                         ids=["tp2-pp2", "ulysses-sp2-pp2"])
+def test_hugging_face_stages_give_the_transformers_models_eval_loss(corpus_cache, tmp_path, layout):
+    """The held-out loss through a Hugging Face decoder's pipeline stages (families/hf_stages.py) with
+    a tied head whose vocabulary tp does not divide (padded rows masked) and masked targets equals
+    transformers' own model's, summed by torch's cross-entropy over the counted targets."""
+    import json
+
+    from bigtrain.check.fuzz_layouts import tiny_hf_config
+    from bigtrain.core.targets import IGNORE_INDEX
+    from bigtrain.families.hf_reference import HFReference
+
+    fields = json.loads(tiny_hf_config("qwen3:2:1:True", tmp_path).read_text())
+    fields["vocab_size"] = 257
+    (tmp_path / "v257").mkdir()
+    (tmp_path / "v257" / "config.json").write_text(json.dumps(fields))
+    cfg = tiny_config(corpus_cache, "--model.family=hf", f"--model.hf_config={tmp_path / 'v257'}",
+                      "--data.val_fraction=0.05", "--train.eval_batches=2", "--data.ignore_target=10", *layout)
+    plain, total, counted = HFReference(cfg), 0.0, 0
+    with torch.no_grad():
+        for b in range(2):
+            x, y = plain.sampler.eval_batch(b, 2, 0, cfg.train.global_batch)
+            logits = plain.model(input_ids=x).logits
+            total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                           reduction="sum"))
+            counted += int((y != IGNORE_INDEX).sum())
+    losses = run_ranks(_evaluate, 4, cfg, str(tmp_path / "run"))
+    assert losses == pytest.approx([total / counted] * 4, rel=1e-5)

@@ -39,6 +39,13 @@ LAYOUTS = {
     "pp2-dp2-zero3": (4, ["--parallel.pp=2", "--parallel.dp=2", "--parallel.zero=3", "--train.micro_batch=1"]),
     "dp2-tp2-pp2": (8, ["--parallel.pp=2", "--parallel.dp=2", "--parallel.tp=2", "--train.micro_batch=1"]),
 }
+# Uneven stages at explicit split points (the layout fuzzer never draws parallel.pp_split): 1 + 3
+# layers under zero-bubble, and 2 + 1 + 1 over pp=3 with m=4 micro-batches (not a multiple of pp).
+SPLIT_LAYOUTS = {
+    "pp2-zb-h1-split-1": (["--parallel.pp=2", "--parallel.pp_schedule=zb-h1", "--parallel.pp_split=1"],
+                          [[0], [1, 2, 3]]),
+    "pp3-split-2-3-m4": (["--parallel.pp=3", "--parallel.pp_split=2,3"], [[0, 1], [2], [3]]),
+}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -46,6 +53,22 @@ def test_pipeline_layouts_match_one_process(layout, corpus_cache, tmp_path):
     world_size, parallel = LAYOUTS[layout]
     cfg = tiny_config(corpus_cache, *MODEL, *parallel)
     for losses in run_ranks(_losses, world_size, cfg, str(tmp_path), timeout=180):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(corpus_cache)), rtol=1e-5, atol=0)
+
+
+def _layers_and_losses(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    layers = sorted(int(i) for stage in trainer.parallel.stages.values() for i in stage.layers)
+    return layers, run_steps(trainer, STEPS)
+
+
+@pytest.mark.parametrize("layout", list(SPLIT_LAYOUTS))
+def test_split_points_place_the_layers_they_name_and_match_one_process(layout, corpus_cache, tmp_path):
+    parallel, expected_layers = SPLIT_LAYOUTS[layout]
+    cfg = tiny_config(corpus_cache, *MODEL, *parallel)
+    results = run_ranks(_layers_and_losses, len(expected_layers), cfg, str(tmp_path), timeout=180)
+    assert [layers for layers, _ in results] == expected_layers
+    for _, losses in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(corpus_cache)), rtol=1e-5, atol=0)
 
 
