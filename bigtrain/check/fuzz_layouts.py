@@ -236,7 +236,21 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     # with fp16, which validation refuses with them (the fp16 samples keep training).
     if "--precision.mode=fp16" not in out and rng.random() < 0.2:
         out += [f"--precision.fp8={rng.choice(['tensorwise', 'rowwise'])}", "--precision.fp8_emulate=true"]
-    return out + _hybrid_choice(rng, out)
+    return out + _hybrid_choice(rng, out) + _split_choice(rng, out)
+
+
+def _split_choice(rng: random.Random, out: list[str]) -> list[str]:
+    """Explicit pipeline cut points (parallel.pp_split: the first layer of each stage after the
+    first) for a quarter of the pipelined samples without a virtual stage or params balancing, from
+    a generator of its own (every seed's samples stay as they were besides): pp - 1 increasing
+    points in 1 .. layers - 1 where the layers allow, else points validation must refuse by name."""
+    last = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in out if "=" in o}
+    pp, layers = int(last.get("--parallel.pp", 1)), int(last.get("--model.n_layers", 2))
+    side = random.Random(repr(rng.getstate()) + "pp_split")
+    if pp < 2 or "--parallel.pp_virtual" in last or "--parallel.pp_balance" in last or side.random() >= 0.25:
+        return []
+    points = sorted(side.sample(range(1, layers), pp - 1)) if layers > pp - 1 else list(range(1, pp))
+    return [f"--parallel.pp_split={','.join(map(str, points))}"]
 
 
 def _hybrid_choice(rng: random.Random, out: list[str]) -> list[str]:
