@@ -224,6 +224,12 @@ def _optimizer_serves_layout(cfg: Config, spec) -> list[str]:
         # Row-parallel weights are cut along their rows: a block must not straddle two ranks' parts.
         m = cfg.model
         widths = {"model.dim / parallel.tp": m.dim // par.tp, "ffn_dim / parallel.tp": m.ffn_dim // par.tp}
+        # The attention output's rows (wo, row-parallel) and the q bias are cut at n_heads x head_dim,
+        # which attention_head_dim sets apart from dim; the k and v biases where tp splits their heads.
+        if m.n_heads * m.head_dim != m.dim:
+            widths["model.n_heads x head_dim / parallel.tp"] = m.n_heads * m.head_dim // par.tp
+        if m.q_bias and m.kv_heads % par.tp == 0:
+            widths["model.n_kv_heads x head_dim / parallel.tp"] = m.kv_heads * m.head_dim // par.tp
         bad = {k: w for k, w in widths.items() if w % o.block_size}
         if bad:
             fit = math.gcd(o.block_size, *widths.values())

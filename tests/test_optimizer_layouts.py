@@ -304,6 +304,42 @@ def test_a_block_that_tp_would_split_is_rejected_at_validation():
     tiny_config("", "--optim.name=adamw8bit", "--parallel.tp=2", "--optim.block_size=32")  # accepted
 
 
+@pytest.mark.parametrize("flags, width", [
+    (["--model.attention_bias=true"], r"model.n_kv_heads x head_dim / parallel.tp = 16"),  # k, v biases of 32
+    (["--model.attention_head_dim=24"], r"model.n_heads x head_dim / parallel.tp = 48"),  # wo's rows, not dim's
+], ids=["kv-bias", "head-dim"])
+def test_a_block_that_a_tp_cut_of_the_attention_would_split_is_rejected_at_validation(flags, width):
+    """Not only dim and ffn_dim are cut: the q, k, v biases and wo's rows at n_heads x head_dim."""
+    from bigtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"optim.block_size = 32 must divide .*{width}.*use optim.block_size = 16"):
+        tiny_config("", "--optim.name=adamw8bit", "--parallel.tp=2", "--optim.block_size=32", *flags)
+    tiny_config("", "--optim.name=adamw8bit", "--parallel.tp=2", "--optim.block_size=16", *flags)  # accepted
+
+
+def _build_trainer(rank, world_size, cfg, run_dir):
+    from helpers import trainer_on_rank
+
+    trainer_on_rank(rank, world_size, cfg, run_dir)
+
+
+def test_the_zero_engine_refuses_at_build_a_cut_that_splits_a_block(corpus_cache, tmp_path):
+    """A config validation did not refuse (built here without it) must not train: the ZeRO engine
+    checks the tensor-parallel cuts against the blocks as the replicated engine does. It used to
+    train with the k bias quantized in two 16-element blocks (the reference: one of 32) and fail
+    only when the first checkpoint gathered the state."""
+    from bigtrain.config import load_config
+    from bigtrain.testing import RankFailure
+    from helpers import CORPUS_BYTES
+
+    cfg = load_config(preset="tiny", overrides=[
+        "--logging.progress=false", "--logging.report=false", f"--data.cache_dir={corpus_cache}",
+        f"--data.max_bytes={CORPUS_BYTES}", "--parallel.tp=2", "--parallel.zero=1", "--optim.name=adamw8bit",
+        "--optim.block_size=32", "--model.attention_bias=true"])
+    with pytest.raises(RankFailure, match=r"layers.0.attention.wk.bias: its part \(16,\) of \(32,\).*block of 32"):
+        run_ranks(_build_trainer, 2, cfg, str(tmp_path), timeout=120)
+
+
 def test_the_engine_refuses_a_cut_that_splits_a_block():
     """What validation prevents, the runtime refuses too, naming the parameter (a model the
     validation rule does not know)."""
