@@ -40,7 +40,8 @@ def test_half_the_fp16_samples_overflow_and_skip_as_the_reference_does(corpus_ca
     from bigtrain.check.reference import ReferenceRun
     from helpers import tiny_config
 
-    fp16 = [layout for layout in LAYOUTS if [o for o in layout if o.startswith("--precision.mode=")][-1].endswith("fp16")]
+    modes = [[o for o in layout if o.startswith("--precision.mode=")][-1] for layout in LAYOUTS]  # the last counts
+    fp16 = [layout for layout, mode in zip(LAYOUTS, modes) if mode.endswith("fp16")]
     overflowing = [layout for layout in fp16 if FP16_OVERFLOW[0] in layout]
     assert 0 < len(overflowing) < len(fp16)
     assert all(FP16_OVERFLOW[0] not in layout for layout in LAYOUTS if layout not in fp16)
