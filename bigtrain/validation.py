@@ -224,12 +224,28 @@ def _optimizer_serves_layout(cfg: Config, spec) -> list[str]:
         # Row-parallel weights are cut along their rows: a block must not straddle two ranks' parts.
         m = cfg.model
         widths = {"model.dim / parallel.tp": m.dim // par.tp, "ffn_dim / parallel.tp": m.ffn_dim // par.tp}
+        # The attention output's rows (wo, row-parallel) and the q bias are cut at n_heads x head_dim,
+        # which attention_head_dim sets apart from dim; the k and v biases where tp splits their heads.
+        if m.n_heads * m.head_dim != m.dim:
+            widths["model.n_heads x head_dim / parallel.tp"] = m.n_heads * m.head_dim // par.tp
+        if m.q_bias and m.kv_heads % par.tp == 0:
+            widths["model.n_kv_heads x head_dim / parallel.tp"] = m.kv_heads * m.head_dim // par.tp
         bad = {k: w for k, w in widths.items() if w % o.block_size}
         if bad:
             fit = math.gcd(o.block_size, *widths.values())
             return [f"optim.block_size = {o.block_size} must divide each tensor-parallel slice of a row "
                     f"({', '.join(f'{k} = {w}' for k, w in bad.items())}), so that no quantization block "
                     f"straddles two ranks; use optim.block_size = {fit} or a smaller parallel.tp"]
+    m = cfg.model
+    if spec.needs == "blocks" and par.ep > 1 and m.moe_experts and m.moe_experts % par.ep == 0 and o.block_size > 0:
+        # Each expert weight (experts x hidden rows of model.dim) is cut over ep along its rows: where
+        # a row is not a whole number of blocks, each rank's part must be.
+        part = m.moe_experts // par.ep * m.moe_ffn_dim * m.dim
+        if m.dim % o.block_size and part % o.block_size:
+            return [f"optim.block_size = {o.block_size} must divide model.dim = {m.dim} or each expert-parallel "
+                    f"rank's part of an expert weight (model.moe_experts / parallel.ep x moe_ffn_dim x model.dim "
+                    f"= {part} elements), so that no quantization block straddles two ranks; use "
+                    f"optim.block_size = {math.gcd(o.block_size, part)} or another parallel.ep"]
     return []
 
 

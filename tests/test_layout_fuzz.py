@@ -33,6 +33,23 @@ def test_the_sample_spans_the_composition_space():
         assert any(k.endswith(key + "*") for k in seen), f"no sampled layout sets {key}"
 
 
+def test_half_the_fp16_samples_overflow_and_skip_as_the_reference_does(corpus_cache):
+    """fp16's skip, backoff and growth are sampled: the drawn loss scale overflows the tiny model's
+    first step (the reference skips it) and the run recovers within the steps compared."""
+    from bigtrain.check.fuzz_layouts import FP16_OVERFLOW
+    from bigtrain.check.reference import ReferenceRun
+    from helpers import tiny_config
+
+    modes = [[o for o in layout if o.startswith("--precision.mode=")][-1] for layout in LAYOUTS]  # the last counts
+    fp16 = [layout for layout, mode in zip(LAYOUTS, modes) if mode.endswith("fp16")]
+    overflowing = [layout for layout in fp16 if FP16_OVERFLOW[0] in layout]
+    assert 0 < len(overflowing) < len(fp16)
+    assert all(FP16_OVERFLOW[0] not in layout for layout in LAYOUTS if layout not in fp16)
+    run = ReferenceRun(tiny_config(corpus_cache, "--precision.mode=fp16", *FP16_OVERFLOW))
+    skipped = [run.train_step().skipped for _ in range(3)]
+    assert skipped[0] and not skipped[-1], skipped
+
+
 def test_context_parallel_draws_fit_the_world_and_leave_other_samples_as_they_were():
     from bigtrain.check.fuzz import draw_sample
     from bigtrain.check.fuzz_layouts import CP

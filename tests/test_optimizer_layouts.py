@@ -304,6 +304,55 @@ def test_a_block_that_tp_would_split_is_rejected_at_validation():
     tiny_config("", "--optim.name=adamw8bit", "--parallel.tp=2", "--optim.block_size=32")  # accepted
 
 
+TP2 = ["--parallel.tp=2"]
+EP2 = ["--parallel.dp=2", "--parallel.ep=2", "--model.moe_experts=2", "--model.moe_top_k=1",
+       "--model.moe_ffn_hidden=42"]
+
+
+@pytest.mark.parametrize("flags, block, width, fit", [
+    (TP2 + ["--model.attention_bias=true"], 32, r"model.n_kv_heads x head_dim / parallel.tp = 16", 16),  # k, v biases
+    (TP2 + ["--model.attention_head_dim=24"], 32, r"model.n_heads x head_dim / parallel.tp = 48", 16),  # wo's rows
+    (EP2, 256, r"model.moe_experts / parallel.ep x moe_ffn_dim x model.dim = 2688 elements", 128),  # 42 rows of 64
+], ids=["tp-kv-bias", "tp-head-dim", "ep-experts"])
+def test_a_block_that_a_tp_or_ep_cut_would_split_is_rejected_at_validation(flags, block, width, fit):
+    """Not only dim and ffn_dim are cut: the q, k, v biases and wo's rows at n_heads x head_dim (tp),
+    and each expert weight's rows (ep), whose rows of model.dim are not whole blocks here."""
+    from bigtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"optim.block_size = {block} must divide .*{width}.*"
+                                          rf"use optim.block_size = {fit}"):
+        tiny_config("", "--optim.name=adamw8bit", f"--optim.block_size={block}", *flags)
+    tiny_config("", "--optim.name=adamw8bit", f"--optim.block_size={fit}", *flags)  # accepted
+
+
+def _build_trainer(rank, world_size, cfg, run_dir):
+    from helpers import trainer_on_rank
+
+    trainer_on_rank(rank, world_size, cfg, run_dir)
+
+
+@pytest.mark.parametrize("flags, block, part", [
+    (TP2 + ["--model.attention_bias=true"], 32, r"layers.0.attention.wk.bias: its part \(16,\) of \(32,\)"),
+    (EP2, 256, r"layers.0.feed_forward.experts.w1: its part \(42, 64\) of \(84, 64\)"),
+], ids=["tp-kv-bias", "ep-experts"])
+def test_the_zero_engine_refuses_at_build_a_cut_that_splits_a_block(flags, block, part, corpus_cache, tmp_path):
+    """A config validation did not refuse (built here without it) must not train: the ZeRO engine
+    checks the tensor- and expert-parallel cuts against the blocks as the replicated engine does. It
+    used to train with the k bias quantized in two 16-element blocks (the reference: one of 32), or
+    an expert weight's blocks cut between ranks, and fail only when the first checkpoint gathered
+    the state."""
+    from bigtrain.config import load_config
+    from bigtrain.testing import RankFailure
+    from helpers import CORPUS_BYTES
+
+    cfg = load_config(preset="tiny", overrides=[
+        "--logging.progress=false", "--logging.report=false", f"--data.cache_dir={corpus_cache}",
+        f"--data.max_bytes={CORPUS_BYTES}", "--parallel.zero=1", "--optim.name=adamw8bit",
+        f"--optim.block_size={block}", *flags])
+    with pytest.raises(RankFailure, match=rf"{part}.*block of {block} elements"):
+        run_ranks(_build_trainer, 2, cfg, str(tmp_path), timeout=120)
+
+
 def test_the_engine_refuses_a_cut_that_splits_a_block():
     """What validation prevents, the runtime refuses too, naming the parameter (a model the
     validation rule does not know)."""

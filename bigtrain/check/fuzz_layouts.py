@@ -236,7 +236,21 @@ def sample_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     # with fp16, which validation refuses with them (the fp16 samples keep training).
     if "--precision.mode=fp16" not in out and rng.random() < 0.2:
         out += [f"--precision.fp8={rng.choice(['tensorwise', 'rowwise'])}", "--precision.fp8_emulate=true"]
-    return out + _hybrid_choice(rng, out) + _split_choice(rng, out)
+    return out + _hybrid_choice(rng, out) + _overflow_choice(rng, out) + _split_choice(rng, out)
+
+
+def _overflow_choice(rng: random.Random, out: list[str]) -> list[str]:
+    """For half the fp16 samples, a loss scale the tiny model's gradients overflow at: the first
+    step or two are skipped on every rank, the scale backs off, then grows every clean step (at the
+    default 65536 they never overflow, and the skip, backoff and growth against the reference's went
+    unsampled). From a generator seeded by rng's state, which draws nothing from rng."""
+    mode = [o for o in out if o.startswith("--precision.mode=")][-1]  # the last one counts (2BW makes it fp32)
+    if mode != "--precision.mode=fp16" or random.Random(repr(rng.getstate()) + "overflow").random() >= 0.5:
+        return []
+    return list(FP16_OVERFLOW)
+
+
+FP16_OVERFLOW = ("--precision.loss_scale=1e9", "--precision.scale_backoff=0.001", "--precision.scale_growth_interval=1")
 
 
 def _split_choice(rng: random.Random, out: list[str]) -> list[str]:

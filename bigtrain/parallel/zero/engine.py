@@ -50,6 +50,7 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim import OptimizerSpec, decay_groups, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
+from bigtrain.parallel.blocks import block_cuts
 from bigtrain.parallel.grad_hooks import on_grad_ready
 from bigtrain.parallel.placement import NORM_AXIS, Placements
 from bigtrain.parallel.zero.allocate import allocate_units
@@ -86,6 +87,8 @@ class ZeroEngine(GradSync):
         # Where each parameter lives (default: replicated over ``comm``): which group reduces its
         # gradient and cuts its unit, which parts this rank counts in the norm. ZeRO records its cut.
         self.placements = placements if placements is not None else Placements.data_parallel(model, comm)
+        if self.optim_spec.needs == "blocks":  # before any state exists: a cut must not split a block
+            _check_block_cuts(model, self.placements, self.block)
         if stage >= 1:
             for name in list(self.placements):
                 self.placements.update(name, self.placements[name].sharded_flat())
@@ -346,6 +349,17 @@ class ZeroEngine(GradSync):
         optimizer = optimizer_tensors(self.optimizer)
         optimizer += [u.master for u in self.units if u.master is not u.shard_param]
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
+
+
+def _check_block_cuts(model: nn.Module, placements: Placements, block: int) -> None:
+    """A blocked optimizer's state is the single-process one only where every tensor- or expert-
+    parallel cut falls on a block boundary (ZeRO aligns its own cuts): refuse, naming the parameter
+    and ``optim.block_size``, a cut that would quantize a block in two parts on two ranks. (The
+    replicated engine and the checkpoint's block grid check the same; without this the engine
+    trained with other blocks than the reference's and failed only at its first checkpoint.)"""
+    for name, p in model.named_parameters():
+        if name in placements:
+            block_cuts(name, placements[name], tuple(p.shape), block)
 
 
 def _replica_comm(unit: FlatUnit, placements: Placements) -> AxisComm:
