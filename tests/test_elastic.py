@@ -238,7 +238,11 @@ def _logged_so_far(run_dir: Path) -> list[dict]:
 
 
 def _committed_checkpoints(run_dir: Path) -> list[Path]:
-    return [p for p in (run_dir / "checkpoints").glob("step_*") if (p / "meta.json").exists()]
+    """Renamed into place (a save writes its meta.json into ``step_N.tmp`` first: a glob of ``step_*``
+    caught one mid-commit, and its name parsed as no step)."""
+    from bigtrain.checkpoint.commit import list_checkpoints
+
+    return [p for p in list_checkpoints(run_dir / "checkpoints") if (p / "meta.json").exists()]
 
 
 def _uninterrupted(rank: int, world_size: int, config_toml: str, run_dir: str) -> None:
