@@ -220,9 +220,9 @@ def _optimizer_serves_layout(cfg: Config, spec) -> list[str]:
                 f"(parallel.zero >= 1, or precision.mode other than fp32) runs the optimizer on flat shards and "
                 f"tensor parallelism (parallel.tp > 1) cuts parameters; use parallel.zero = 0, "
                 f"precision.mode = 'fp32' and parallel.tp = 1"]
+    m, described = _model_shapes(cfg)
     if spec.needs == "blocks" and par.tp > 1 and o.block_size > 0:
         # Row-parallel weights are cut along their rows: a block must not straddle two ranks' parts.
-        m = cfg.model
         widths = {"model.dim / parallel.tp": m.dim // par.tp, "ffn_dim / parallel.tp": m.ffn_dim // par.tp}
         # The attention output's rows (wo, row-parallel) and the q bias are cut at n_heads x head_dim,
         # which attention_head_dim sets apart from dim; the k and v biases where tp splits their heads.
@@ -234,9 +234,8 @@ def _optimizer_serves_layout(cfg: Config, spec) -> list[str]:
         if bad:
             fit = math.gcd(o.block_size, *widths.values())
             return [f"optim.block_size = {o.block_size} must divide each tensor-parallel slice of a row "
-                    f"({', '.join(f'{k} = {w}' for k, w in bad.items())}), so that no quantization block "
-                    f"straddles two ranks; use optim.block_size = {fit} or a smaller parallel.tp"]
-    m = cfg.model
+                    f"({', '.join(f'{k} = {w}' for k, w in bad.items())}{described}), so that no quantization "
+                    f"block straddles two ranks; use optim.block_size = {fit} or a smaller parallel.tp"]
     if spec.needs == "blocks" and par.ep > 1 and m.moe_experts and m.moe_experts % par.ep == 0 and o.block_size > 0:
         # Each expert weight (experts x hidden rows of model.dim) is cut over ep along its rows: where
         # a row is not a whole number of blocks, each rank's part must be.
@@ -244,9 +243,22 @@ def _optimizer_serves_layout(cfg: Config, spec) -> list[str]:
         if m.dim % o.block_size and part % o.block_size:
             return [f"optim.block_size = {o.block_size} must divide model.dim = {m.dim} or each expert-parallel "
                     f"rank's part of an expert weight (model.moe_experts / parallel.ep x moe_ffn_dim x model.dim "
-                    f"= {part} elements), so that no quantization block straddles two ranks; use "
+                    f"= {part} elements{described}), so that no quantization block straddles two ranks; use "
                     f"optim.block_size = {math.gcd(o.block_size, part)} or another parallel.ep"]
     return []
+
+
+def _model_shapes(cfg: Config) -> tuple:
+    """(the [model] whose shapes the layout cuts, a note naming where they come from): ``cfg.model``,
+    or for a family described by its own file (a Hugging Face config.json) the bigtrain Llama of its
+    shapes (``Family.planner_config``), whose fields the messages then name."""
+    family = FAMILIES.get(cfg.model.family)
+    if family is None or family.planner_config is None:
+        return cfg.model, ""
+    try:
+        return family.planner_config(cfg).model, f"; the shapes of model.family = '{cfg.model.family}' description"
+    except (OSError, ValueError, KeyError, TypeError, ImportError):  # its family's check names the description
+        return cfg.model, ""
 
 
 def check_runtime(cfg: Config) -> list[str]:

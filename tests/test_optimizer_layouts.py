@@ -325,6 +325,24 @@ def test_a_block_that_a_tp_or_ep_cut_would_split_is_rejected_at_validation(flags
     tiny_config("", "--optim.name=adamw8bit", f"--optim.block_size={fit}", *flags)  # accepted
 
 
+def test_a_hugging_face_model_s_cuts_are_its_config_json_s():
+    """model.family = 'hf': the shapes cut are the config.json's, not [model]'s (the tiny preset's
+    dim 64 and ffn 192, which the family never reads): Qwen2-MoE's experts under ep at block 48 were
+    accepted before launch and refused only in the ranks."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from bigtrain.config import ConfigError
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "hf" / "qwen2_moe"
+    flags = ["--model.family=hf", f"--model.hf_config={fixture}", "--optim.name=adamw8bit", "--parallel.zero=1",
+             "--parallel.dp=2", "--parallel.ep=2", "--train.global_batch=8"]
+    with pytest.raises(ConfigError, match=r"optim.block_size = 48 must divide model.dim = 64 .* = 4096 elements; "
+                                          r"the shapes of model.family = 'hf' description"):
+        tiny_config("", *flags, "--optim.block_size=48")
+    tiny_config("", *flags, "--optim.block_size=64")  # accepted
+
+
 def _build_trainer(rank, world_size, cfg, run_dir):
     from helpers import trainer_on_rank
 

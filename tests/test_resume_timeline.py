@@ -72,6 +72,18 @@ def test_a_fallback_past_a_corrupt_newest_checkpoint_keeps_the_runs_new_saves(fo
         assert again.resume("auto") and again.step == 3
 
 
+def test_a_fallback_in_a_checkpoints_folder_named_by_path_removes_nothing(four_steps, corpus_cache):
+    """checkpoint.resume = the checkpoints folder (not one checkpoint): falling back past its newest,
+    which fails to verify, is no roll-back; that checkpoint stays (its failure may pass)."""
+    run = four_steps
+    shard = next((run / "checkpoints" / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    resumed = trainer_on_rank(0, 1, tiny_config(corpus_cache, "--train.steps=6"), str(run))
+    with pytest.warns(UserWarning, match="checksum mismatch"):
+        assert resumed.resume(str(run / "checkpoints")) and resumed.step == 2
+    assert _names(run) == ["step_00000004", "step_00000002"]
+
+
 def test_resuming_the_newest_checkpoint_removes_nothing(four_steps, corpus_cache):
     run = four_steps
     copy = run.parent / "copy"

@@ -88,7 +88,8 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
         if _all_loaded(world, error is None, device):
             if trainer.engine.scaler is not None and meta.get("loss_scaler"):
                 trainer.engine.scaler.load_state_dict(meta["loss_scaler"])
-            if trainer.is_main and where != "auto":
+            # A roll-back is a path naming this checkpoint; a folder the run fell back in removes nothing.
+            if trainer.is_main and where != "auto" and Path(where).resolve() == path.resolve():
                 _leave_later_checkpoints(trainer.checkpoint_root, path, int(meta["step"]))
             return path, meta
         warnings.warn(f"checkpoint {path} verifies but failed to load ({error or 'on another rank'}); "

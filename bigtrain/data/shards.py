@@ -70,7 +70,7 @@ def file_digests(files: list[Path], cache: Path) -> list[str]:
 
 def corpus_key(source: Path, files: list[Path], tokenizer_digest: str, text_field: str, max_bytes: int,
                cache: Path, document_end: str = "") -> str:
-    # (document_end only when set: the corpora tokenized before it existed keep their key)
+    # (document_end only when set: unset, a corpus keeps the key it had without the field)
     end = f"|end={document_end!r}" if document_end else ""
     h = hashlib.sha256(f"bigtrain-corpus {FORMAT}|{tokenizer_digest}|{text_field}|{max_bytes}{end}".encode())
     root = source if source.is_dir() else source.parent

@@ -163,7 +163,8 @@ class SafetensorsWeights:
 
 # The config.json fields that decide every parameter's name and shape.
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias", *MOE_SHAPE_KEYS)
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias",
+              *MOE_SHAPE_KEYS)  # qkv_bias: Qwen2-MoE's q, k and v biases
 
 
 def init_from_problems(cfg: Config, fields: dict) -> list[str]:

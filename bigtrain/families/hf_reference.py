@@ -17,7 +17,7 @@ decoder-layer linears are stated as for bigtrain's Llama (check/reference.py): t
 :mod:`bigtrain.core.int8_reference`, and :class:`bigtrain.fp8.linear.Float8Linear` on the
 emulated backend as part of the model under test.
 
-A mixture-of-experts model (Mixtral, Qwen3-MoE) runs transformers' own sparse blocks here (its
+A mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE) runs transformers' own sparse blocks here (its
 loop over experts); only its gradients and weights are reported under the names the trainer's
 model has (each expert's matrices stacked into a bank: families/hf_moe.py's conversion, the one
 the trainer's initialization uses), so they are compared name by name. A wrong conversion cannot

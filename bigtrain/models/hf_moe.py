@@ -1,7 +1,7 @@
 """A transformers sparse-MoE block's place in its decoder layer, held by bigtrain's own MoE block.
 
-The family (bigtrain/families/hf_moe.py) swaps each ``MixtralSparseMoeBlock`` or
-``Qwen3MoeSparseMoeBlock`` of a built model for a :class:`SparseMoE`: a child swap, as tensor and
+The family (bigtrain/families/hf_moe.py) swaps each ``MixtralSparseMoeBlock``,
+``Qwen2MoeSparseMoeBlock`` or ``Qwen3MoeSparseMoeBlock`` of a built model for a :class:`SparseMoE`: a child swap, as tensor and
 expert parallelism make theirs. Inside is a :class:`~bigtrain.models.moe.MoEFeedForward` (its
 router, its experts stacked 2-D, its dispatcher), which expert parallelism, the tp plan, ZeRO,
 checkpoints and the planner already know; this module only returns what the decoder layer

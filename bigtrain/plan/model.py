@@ -288,7 +288,11 @@ class ModelSpec:
         moe = ""
         if self.experts:
             where = "every block" if self.moe_every == 1 else f"every {self.moe_every}th block"
-            moe = (f", {self.experts} experts of {self.expert_ffn} top-{self.top_k} in {where} "
+            if self.dense_blocks:
+                where += f" but {', '.join(map(str, sorted(self.dense_blocks)))}"
+            shared = (f" and a{' gated' if self.shared_expert_gate else ''} shared expert of {self.shared_ffn}"
+                      if self.shared_expert else "")
+            moe = (f", {self.experts} experts of {self.expert_ffn} top-{self.top_k}{shared} in {where} "
                    f"({_count(self.matmul_params)} active)")
         return (f"{self.name + ': ' if self.name else ''}{kind}, {self.layers} layers, hidden {self.hidden}, "
                 f"{self.heads} heads{gqa}, ffn {self.ffn_hidden}, vocab {self.vocab}, seq {self.seq}, "
