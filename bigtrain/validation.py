@@ -116,17 +116,26 @@ def _check_expert_parallel(cfg: Config) -> list[str]:
     return problems
 
 
+def described_model(cfg: Config):
+    """For a family described by its own file (a Hugging Face config.json), the bigtrain Llama
+    [model] of its shapes (``Family.planner_config``); None for the others, and for a description
+    that cannot be read (its family's check names it)."""
+    family = FAMILIES.get(cfg.model.family)
+    if family is None or family.planner_config is None:
+        return None
+    try:
+        return family.planner_config(cfg).model
+    except (OSError, ValueError, KeyError, TypeError, ImportError):
+        return None
+
+
 def model_experts(cfg: Config) -> tuple[int, str]:
     """(the experts of each MoE block, the field that says so), as :func:`model_layers` reads the
     layers: ``model.moe_experts``, or the count in a family's own description (a config.json)."""
-    family = FAMILIES.get(cfg.model.family)
-    if family is None or family.planner_config is None:
+    described = described_model(cfg)
+    if described is None:
         return cfg.model.moe_experts, "model.moe_experts"
-    try:
-        return (family.planner_config(cfg).model.moe_experts,
-                f"the expert count of its model.family = '{cfg.model.family}' description")
-    except (OSError, ValueError, KeyError, TypeError):  # an unreadable description: its family's check names it
-        return cfg.model.moe_experts, "model.moe_experts"
+    return described.moe_experts, f"the expert count of its model.family = '{cfg.model.family}' description"
 
 
 def check_moe(cfg: Config) -> list[str]:
@@ -250,15 +259,11 @@ def _optimizer_serves_layout(cfg: Config, spec) -> list[str]:
 
 def _model_shapes(cfg: Config) -> tuple:
     """(the [model] whose shapes the layout cuts, a note naming where they come from): ``cfg.model``,
-    or for a family described by its own file (a Hugging Face config.json) the bigtrain Llama of its
-    shapes (``Family.planner_config``), whose fields the messages then name."""
-    family = FAMILIES.get(cfg.model.family)
-    if family is None or family.planner_config is None:
+    or a family's own description's (:func:`described_model`), whose fields the messages then name."""
+    described = described_model(cfg)
+    if described is None:
         return cfg.model, ""
-    try:
-        return family.planner_config(cfg).model, f"; the shapes of model.family = '{cfg.model.family}' description"
-    except (OSError, ValueError, KeyError, TypeError, ImportError):  # its family's check names the description
-        return cfg.model, ""
+    return described, f"; the shapes of model.family = '{cfg.model.family}' description"
 
 
 def check_runtime(cfg: Config) -> list[str]:
@@ -319,14 +324,10 @@ def model_layers(cfg: Config) -> tuple[int, str]:
     """(the model's blocks, the field that says so): ``model.n_layers``, or, for a family described
     by its own file (a Hugging Face config.json), the count of the bigtrain Llama of its shapes
     (``Family.planner_config``)."""
-    family = FAMILIES.get(cfg.model.family)
-    if family is None or family.planner_config is None:
+    described = described_model(cfg)
+    if described is None:
         return cfg.model.n_layers, "model.n_layers"
-    try:
-        described = f"the layer count of its model.family = '{cfg.model.family}' description"
-        return family.planner_config(cfg).model.n_layers, described
-    except (OSError, ValueError, KeyError, TypeError):  # an unreadable description: its family's check names it
-        return cfg.model.n_layers, "model.n_layers"
+    return described.n_layers, f"the layer count of its model.family = '{cfg.model.family}' description"
 
 
 def check_pipeline(cfg: Config) -> list[str]:
