@@ -253,12 +253,17 @@ def _overflow_choice(rng: random.Random, out: list[str]) -> list[str]:
 FP16_OVERFLOW = ("--precision.loss_scale=1e9", "--precision.scale_backoff=0.001", "--precision.scale_growth_interval=1")
 
 
+def last_values(out: list[str]) -> dict[str, str]:
+    """``--key=value`` overrides as {key: value}, the last of each key winning (as the config reads them)."""
+    return {o.split("=", 1)[0]: o.split("=", 1)[1] for o in out if "=" in o}
+
+
 def _split_choice(rng: random.Random, out: list[str]) -> list[str]:
     """Explicit pipeline cut points (parallel.pp_split: the first layer of each stage after the
     first) for a quarter of the pipelined samples without a virtual stage or params balancing, from
     a generator of its own (every seed's samples stay as they were besides): pp - 1 increasing
     points in 1 .. layers - 1 where the layers allow, else points validation must refuse by name."""
-    last = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in out if "=" in o}
+    last = last_values(out)
     pp, layers = int(last.get("--parallel.pp", 1)), int(last.get("--model.n_layers", 2))
     side = random.Random(repr(rng.getstate()) + "pp_split")
     if pp < 2 or "--parallel.pp_virtual" in last or "--parallel.pp_balance" in last or side.random() >= 0.25:
@@ -272,7 +277,7 @@ def _hybrid_choice(rng: random.Random, out: list[str]) -> list[str]:
     experts, a number of groups that leaves ep inside one, which validation refuses otherwise):
     drawn from a generator seeded by rng's state, which draws nothing from rng, so every seed's
     samples stay as they were besides."""
-    last = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in out if "=" in o}
+    last = last_values(out)
     dp, zero = int(last.get("--parallel.dp", 1)), int(last.get("--parallel.zero", 0))
     ep = int(last.get("--parallel.ep", 1))
     sequence = int(last.get("--parallel.cp", 1)) * int(last.get("--parallel.sp", 1))
