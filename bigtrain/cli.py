@@ -16,7 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
-from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog,
+from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog, unread_model_overrides,
                                unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.failure import RunFailure
@@ -106,6 +106,8 @@ def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
         cfg = load_config(preset=preset, path=args.config, overrides=overrides)
         if architecture := init_from_architecture(cfg):  # the folder's shape, under what the user set
             cfg = load_config(preset=preset, path=args.config, overrides=architecture + list(overrides))
+    if problems := unread_model_overrides(cfg, overrides):
+        raise ConfigError(problems)
     if resume:
         cfg.checkpoint.resume = "auto"
     return cfg

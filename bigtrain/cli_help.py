@@ -8,7 +8,7 @@ import argparse
 import difflib
 from pathlib import Path
 
-from bigtrain.config import Config, field_docs, load_config, parse_overrides, read_toml
+from bigtrain.config import Config, canonical_keys, field_docs, load_config, parse_overrides, read_toml
 
 COMMON_FIELDS = ("train.steps", "train.global_batch", "train.micro_batch", "parallel.dp", "parallel.tp",
                  "parallel.pp", "parallel.sp", "parallel.zero", "precision.mode", "memory.checkpointing",
@@ -136,3 +136,23 @@ def inferred_dp(cfg: Config, world_size: int) -> int | None:
     p = cfg.parallel
     rest = p.tp * p.pp * p.sp * p.cp
     return world_size // rest if world_size % rest == 0 else None
+
+
+def unread_model_overrides(cfg: Config, overrides: list[str]) -> list[str]:
+    """``--model.KEY=...`` overrides that the model family does not read (``Family.model_keys``):
+    ``--model.vocab_size=32000`` beside ``--model.family=hf`` would train the config.json's
+    vocabulary all the same. Only the command line is judged: a config file written by ``bigtrain
+    config`` holds every field, and a preset's shape beside ``model.family = 'hf'`` is documented use."""
+    from bigtrain.families import family_of
+
+    try:
+        family = family_of(cfg)
+    except KeyError:
+        return []  # validation names the unknown family
+    if family.model_keys is None:
+        return []
+    given = canonical_keys("model", parse_overrides(list(overrides)).get("model", {}), "command line")
+    return [f"--model.{key}: model.family = '{family.name}' does not read model.{key}, so it would change nothing; "
+            f"leave it out" + (", or set model.family = 'hf' to use model.hf_config" if key == "hf_config" else "")
+            for key in given if key not in family.model_keys]
+

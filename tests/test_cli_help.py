@@ -79,6 +79,34 @@ def test_hsdp_axes_given_are_not_overridden_by_the_world_size(capsys):
     assert "parallel.dp = 8 (world size" not in err and "set parallel.dp_shard = 4 (HSDP" in err, err
 
 
+HF_LLAMA = "--model.hf_config=tests/fixtures/hf/llama"
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (("--model.family=hf", HF_LLAMA, "--model.vocab_size=512", "--model.dim=64"), ("vocab_size", "dim")),
+    (("--model.name=hf", HF_LLAMA, "--model.n_layers=8"), ("n_layers",)),  # the older spelling of family
+    (("--preset", "dlrm-tiny", "--model.family=dlrm", "--model.dim=8"), ("dim",)),
+    (("--model.hf_config=tests/fixtures/hf/llama",), ("hf_config",)),  # model.family left at 'llama'
+])
+def test_a_model_field_the_family_does_not_read_is_refused_on_the_command_line(argv, refused, capsys):
+    """--model.vocab_size=512 beside model.family = 'hf' trained the config.json's 256 all the same:
+    an override that changes nothing is refused, by train, config and check alike."""
+    for command in ("train", "config", "check"):
+        assert main([command, *argv]) == 2
+        err = capsys.readouterr().err
+        for key in refused:
+            assert f"--model.{key}: model.family = " in err and f"does not read model.{key}" in err, err
+    assert "set model.family = 'hf' to use model.hf_config" in err or refused != ("hf_config",)
+
+
+def test_the_fields_a_family_reads_are_taken_on_the_command_line(capsys):
+    """The preset's decoder shape beside model.family = 'hf' is documented use (docs/families.md):
+    only what the command line sets is judged."""
+    assert main(["config", "--preset", "tiny", "--model.family=hf", HF_LLAMA, "--model.fused_loss=true",
+                 "--model.fused_loss_chunk=7"]) == 0
+    assert "\nfused_loss_chunk = 7 " in capsys.readouterr().out
+
+
 def test_a_value_may_follow_its_flag_as_argparse_users_type_it(capsys):
     assert main(["config", "--preset", "tiny", "--optim.lr", "1e-3", "--parallel.zero", "1"]) == 0
     out = capsys.readouterr().out

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bigtrain.cli_help import unread_model_overrides
 from bigtrain.config import Config, ConfigError, load_config, preset_names, to_toml
 from bigtrain.validation import validate
 
@@ -36,6 +37,8 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def check_config(preset: str | None, path: str | None, overrides: list[str]) -> Config:
     preset = preset if preset is not None else (None if path else DEFAULT_PRESET)
     cfg = load_config(preset=preset, path=path, overrides=overrides)
+    if problems := unread_model_overrides(cfg, overrides):
+        raise ConfigError(problems)
     # A check compares numbers: no progress bar, report, checkpoint or resume of an older run.
     cfg.logging.progress = cfg.logging.report = cfg.checkpoint.save_final = False
     cfg.checkpoint.every, cfg.checkpoint.resume = 0, "none"

@@ -90,4 +90,5 @@ DLRM = Family(
     own_step=DlrmStep,
     checkpoint_format=FORMAT,
     full_optimizer_state=False,  # its parallel model gathers no full optimizer state
+    model_keys=("family", "init_from", "dlrm_dense_features", "dlrm_bottom_mlp", "dlrm_top_mlp"),
 )

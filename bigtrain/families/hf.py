@@ -414,4 +414,5 @@ HF = Family(
     planner_config=planner_config,
     vocabulary=vocabulary,
     generation_model=generation_model,
+    model_keys=("family", "hf_config", "init_from", "fused_loss", "fused_loss_chunk"),
 )

@@ -3,7 +3,9 @@ model every layout was built around, so most of its slots are the defaults."""
 
 from __future__ import annotations
 
-from bigtrain.config import Config
+import dataclasses
+
+from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
 from bigtrain.model_fields import llama_field_problems
@@ -25,6 +27,8 @@ LLAMA = Family(
     # init_fn None: model.init_from's weights, else the model's own initial_value (by seed and name)
     parameter_count=lambda cfg: count_parameters(build_model(cfg.model)),
     model_fields=True,
+    model_keys=tuple(f.name for f in dataclasses.fields(ModelConfig)
+                     if f.name != "hf_config" and not f.name.startswith("dlrm_")),
     compiles=True,
     block_linears=True,
     context_parallel=attach_to_cores,  # ring or all-to-all around its AttentionCore modules

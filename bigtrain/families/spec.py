@@ -112,3 +112,6 @@ class Family:
     # The decoder-shape fields of [model] (dim, n_layers, n_heads, ...) describe it (validation
     # checks them against tp and sp); a family with its own description (a config.json) does not.
     model_fields: bool = False
+    # The [model] fields it reads; None: every one. A command-line override of another would change
+    # nothing (an hf decoder's shape is its config.json's), so the CLI refuses it (cli_help).
+    model_keys: tuple[str, ...] | None = None
