@@ -211,9 +211,19 @@ EVAL_STEPS = 4
 
 
 def _fit_evaluating(rank, world_size, cfg, run_dir):
+    """(losses, held-out losses, weights) of a fit, and at each evaluation the training receives this
+    rank had posted and not yet consumed (an asynchronous pipeline's, carried to the next step)."""
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    pending, evaluate = [], trainer.evaluate
+
+    def evaluate_counting():
+        carried = trainer.executor._carry
+        pending.append(0 if carried is None else len(carried.recvs))
+        return evaluate()
+
+    trainer.evaluate = evaluate_counting
     history = sorted(trainer.fit(), key=lambda r: r.step)
-    return [r.loss for r in history], [r.eval_loss for r in history], params_of(trainer)
+    return [r.loss for r in history], [r.eval_loss for r in history], params_of(trainer), pending
 
 
 @pytest.mark.slow
@@ -229,7 +239,12 @@ def test_evaluation_between_pipeline_steps_gives_the_reference_losses_and_weight
         ref_evals.append(_plain_held_out_loss(cfg, reference.master, reference.sampler))
     ref_weights = dict(reference.master.named_parameters())
     compared = set()
-    for losses, evals, weights in run_ranks(_fit_evaluating, 2, cfg, str(tmp_path), timeout=240):
+    results = run_ranks(_fit_evaluating, 2, cfg, str(tmp_path), timeout=240)
+    pending = [sum(counts) for counts in zip(*(r[3] for r in results))]  # per evaluation, over the ranks
+    assert len(pending) == EVAL_STEPS
+    if schedule.startswith("pipedream"):  # every evaluation ran beside training receives still posted
+        assert all(pending), pending
+    for losses, evals, weights, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert evals == pytest.approx(ref_evals, rel=1e-5)
         for name, value in weights.items():
