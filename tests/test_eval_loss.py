@@ -205,6 +205,8 @@ PIPELINE_SCHEDULES = {  # id: (overrides, the reference's gradient delay)
     "interleaved": (("--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2", "--train.micro_batch=2"), 0),
     "zb-h1": (("--parallel.pp_schedule=zb-h1",), 0),
     "pipedream-2bw": (("--parallel.pp_schedule=pipedream-2bw",), 1),  # the deferred boundary: flushed to evaluate
+    # Weights tied across the pipeline's ends: the synchronous 2BW boundary (not deferrable).
+    "pipedream-2bw-tied": (("--parallel.pp_schedule=pipedream-2bw", "--model.tie_embeddings=true"), 1),
     "pipedream": (("--parallel.pp_schedule=pipedream", "--train.micro_batch=8"), _first_stage_delay_pp2),
 }
 EVAL_STEPS = 4
@@ -237,7 +239,7 @@ def test_evaluation_between_pipeline_steps_gives_the_reference_losses_and_weight
     for _ in range(EVAL_STEPS):
         ref_losses.append(reference.train_step().loss)
         ref_evals.append(_plain_held_out_loss(cfg, reference.master, reference.sampler))
-    ref_weights = dict(reference.master.named_parameters())
+    ref_weights = dict(reference.master.named_parameters(remove_duplicate=False))  # a tied weight by both names
     compared = set()
     results = run_ranks(_fit_evaluating, 2, cfg, str(tmp_path), timeout=240)
     pending = [sum(counts) for counts in zip(*(r[3] for r in results))]  # per evaluation, over the ranks
