@@ -188,12 +188,12 @@ def _check_no_deadlock(schedule: Schedule) -> None:
 
 def _check_step_boundaries(schedule: Schedule) -> None:
     """An asynchronous schedule runs one step's segment (``step_segments``) per executor run and leaves
-    its transfers posted across the boundary; between two runs come the update's collectives, an
-    evaluation's and a checkpoint's, with their own transfers on the same channels. All point-to-point
-    transfers between two ranks share one channel and match in the order both ranks post them (Gloo:
-    one tag; NCCL: one communicator), and on Gloo a message smaller than the receive it meets fills
-    part of the buffer silently. So each transfer must be paired within its step: then at every boundary the
-    two ends of each channel have posted as many transfers, and whatever comes between the steps
+    its transfers posted across the boundary; between two runs come the update's collectives, a
+    checkpoint's save and an evaluation, whose blocking transfers use the same channels. The tensors
+    sent between two ranks share one channel and match in the order both ranks post them (Gloo: one
+    tag; NCCL: one communicator), and on Gloo a message smaller than the receive it meets fills part
+    of the buffer silently. So each transfer must be paired within its step: then at every boundary
+    the two ends of each channel have posted as many transfers, and whatever comes between the steps
     meets only its own. (It also keeps a run from waiting for a tensor its peer sends in the next
     run, behind those collectives: a deadlock the whole-list proof above cannot see.)"""
     if not schedule.asynchronous:
