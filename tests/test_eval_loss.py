@@ -6,12 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bigtrain.check.reference import ReferenceRun
 from bigtrain.config import ConfigError, load_config
 from bigtrain.data import TokenSampler, load_tokens
 from bigtrain.models.llama import build_model
 from bigtrain.testing import run_ranks
 from bigtrain.validation import validate
-from tests.helpers import tiny_config, trainer_on_rank
+from tests.helpers import assert_rel_close, params_of, tiny_config, trainer_on_rank
 
 HELD_OUT = ("--data.val_fraction=0.05", "--train.eval_batches=2", "--model.n_layers=4")  # 4 stages at pp 2 x v 2
 
@@ -77,6 +78,12 @@ def _plain_loss(cfg) -> float:
     d = cfg.data
     sampler = TokenSampler(load_tokens(d.source, d.cache_dir, d.max_bytes), d.seq_len, cfg.train.global_batch,
                            cfg.train.seed, val_fraction=d.val_fraction)
+    return _plain_held_out_loss(cfg, model, sampler)
+
+
+def _plain_held_out_loss(cfg, model, sampler) -> float:
+    """The held-out loss of ``model``'s weights: the whole validation batches through the plain model,
+    summed by torch's cross-entropy over every target."""
     losses = []
     with torch.no_grad():
         for b in range(cfg.train.eval_batches):
@@ -176,3 +183,84 @@ def test_hugging_face_stages_give_the_transformers_models_eval_loss(corpus_cache
             counted += int((y != IGNORE_INDEX).sum())
     losses = run_ranks(_evaluate, 4, cfg, str(tmp_path / "run"))
     assert losses == pytest.approx([total / counted] * 4, rel=1e-5)
+
+
+# -- evaluation between the steps of a pipeline schedule -------------------------------------------------
+# Evaluation sends its activations between the pipeline ranks with blocking transfers on the same
+# channels as the training step's. A synchronous schedule has waited for all of its transfers when the
+# step ends; an asynchronous one (no flush) leaves transfers posted across the step boundary, which
+# evaluation (and a checkpoint's save) then runs between: ``validate`` proves that each of those is
+# paired within its step (``_check_step_boundaries``), so no evaluation message can be matched to a
+# training receive. Here the whole run says so: a fit that evaluates after every step and saves every
+# two gives, at every step, the loss, the held-out loss and in the end the weights of the one-process
+# reference (with the schedule's gradient delay), fp32 within 1e-5.
+def _first_stage_delay_pp2(name: str) -> int:
+    """PipeDream's per-stage delay at pp 2 (stage versions): the first stage (embedding and blocks 0-1
+    of 4) computes a micro-batch with the weights of one update before, the last with the newest."""
+    return 1 if name.startswith(("tok_embeddings", "layers.0.", "layers.1.")) else 0
+
+
+PIPELINE_SCHEDULES = {  # id: (overrides, the reference's gradient delay)
+    "1f1b": (("--parallel.pp_schedule=1f1b",), 0),
+    "interleaved": (("--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2", "--train.micro_batch=2"), 0),
+    "zb-h1": (("--parallel.pp_schedule=zb-h1",), 0),
+    "pipedream-2bw": (("--parallel.pp_schedule=pipedream-2bw",), 1),  # the deferred boundary: flushed to evaluate
+    # Weights tied across the pipeline's ends: the synchronous 2BW boundary (not deferrable).
+    "pipedream-2bw-tied": (("--parallel.pp_schedule=pipedream-2bw", "--model.tie_embeddings=true"), 1),
+    "pipedream": (("--parallel.pp_schedule=pipedream", "--train.micro_batch=8"), _first_stage_delay_pp2),
+}
+EVAL_STEPS = 4
+
+
+def _fit_evaluating(rank, world_size, cfg, run_dir):
+    """(losses, held-out losses, weights) of a fit, and at each evaluation the training receives this
+    rank had posted and not yet consumed (an asynchronous pipeline's, carried to the next step)."""
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    pending, evaluate = [], trainer.evaluate
+
+    def evaluate_counting():
+        carried = trainer.executor._carry
+        pending.append(0 if carried is None else len(carried.recvs))
+        return evaluate()
+
+    trainer.evaluate = evaluate_counting
+    history = sorted(trainer.fit(), key=lambda r: r.step)
+    return [r.loss for r in history], [r.eval_loss for r in history], params_of(trainer), pending
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(PIPELINE_SCHEDULES))
+def test_evaluation_between_pipeline_steps_gives_the_reference_losses_and_weights(corpus_cache, tmp_path, schedule):
+    overrides, delay = PIPELINE_SCHEDULES[schedule]
+    cfg = tiny_config(corpus_cache, *HELD_OUT, "--parallel.pp=2", *overrides, f"--train.steps={EVAL_STEPS}",
+                      "--train.eval_every=1", "--checkpoint.every=2")
+    reference = ReferenceRun(cfg, gradient_delay=delay)
+    ref_losses, ref_evals = [], []
+    for _ in range(EVAL_STEPS):
+        ref_losses.append(reference.train_step().loss)
+        ref_evals.append(_plain_held_out_loss(cfg, reference.master, reference.sampler))
+    ref_weights = dict(reference.master.named_parameters(remove_duplicate=False))  # a tied weight by both names
+    compared = set()
+    results = run_ranks(_fit_evaluating, 2, cfg, str(tmp_path), timeout=240)
+    pending = [sum(counts) for counts in zip(*(r[3] for r in results))]  # per evaluation, over the ranks
+    assert len(pending) == EVAL_STEPS
+    if schedule.startswith("pipedream"):  # every evaluation ran beside training receives still posted
+        assert all(pending), pending
+    for losses, evals, weights, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert evals == pytest.approx(ref_evals, rel=1e-5)
+        for name, value in weights.items():
+            assert_rel_close(value, ref_weights[name], 1e-5, name)
+            compared.add(name)
+    assert compared == set(ref_weights), "some weights were not compared"
+    if delay:  # the delayed reference differs from the synchronous one: the comparison could fail
+        assert ref_evals[-1] != pytest.approx(_synchronous_evals(cfg)[-1], rel=1e-4)
+
+
+def _synchronous_evals(cfg) -> list[float]:
+    reference = ReferenceRun(cfg, gradient_delay=0)
+    evals = []
+    for _ in range(EVAL_STEPS):
+        reference.train_step()
+        evals.append(_plain_held_out_loss(cfg, reference.master, reference.sampler))
+    return evals

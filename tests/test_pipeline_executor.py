@@ -42,6 +42,7 @@ from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.precision import Precision
 from bigtrain.testing import run_ranks
 from bigtrain.parallel.build import token_loss_sum
+from bigtrain.parallel.pipeline.executor import _encode_spec, _recv_spec
 from helpers import assert_rel_close
 
 SEQ, BATCH, STEPS, SEED = 16, 8, 2, 3
@@ -315,6 +316,33 @@ def test_p2p_bytes_are_counted_per_send_and_timeline_follows_the_schedule(tmp_pa
         assert waited >= 0.0
     path = draw_timeline(align_timelines([r[4] for r in results]), tmp_path / "measured.png", "measured 1f1b")
     assert path.stat().st_size > 0
+
+
+def _shape_message_beside_a_posted_receive(rank, world_size):
+    """Rank 1 has a tensor's receive from rank 0 posted (an asynchronous pipeline's, carried over a
+    step boundary) when it waits for a shape announcement from rank 0, which rank 0 sends before
+    the tensor: the order the two ranks post them in differs."""
+    comm = Mesh({"pp": 2}, rank).comm("pp")
+    tensor = torch.arange(100, dtype=torch.float32).reshape(5, 20)  # 400 bytes; a shape message is 64
+    if rank == 0:
+        comm.send(_encode_spec(tensor, torch.device("cpu")), 1, tag="meta")
+        for work in comm.batch_isend_irecv([comm.send_op(tensor, 1, tag="activations")]):
+            work.wait()
+        return None
+    received = torch.full_like(tensor, -1.0)
+    (work,) = comm.batch_isend_irecv([comm.recv_op(received, 0)])
+    spec = _recv_spec(comm, 0, torch.device("cpu"))
+    work.wait()
+    return spec, received
+
+
+def test_a_shape_message_never_meets_a_tensors_receive():
+    # On one Gloo channel the posted receive would take the 64-byte shape message into its first 64
+    # bytes, silently, and the shape's receive the 400-byte tensor (Gloo aborts the process): shapes
+    # travel on a channel of their own (comm.WIRE_TAGS).
+    spec, received = run_ranks(_shape_message_beside_a_posted_receive, 2)[1]
+    assert spec == ((5, 20), torch.float32)
+    assert torch.equal(received, torch.arange(100, dtype=torch.float32).reshape(5, 20))
 
 
 # ------------------------------------------------------------------ a user's nn.Sequential

@@ -225,6 +225,21 @@ def test_compute_mistakes_are_caught():
             validate(hand_made("hand", len(rows), 1, rows))
 
 
+def test_an_asynchronous_transfer_crossing_a_step_boundary_is_caught():
+    # Each of the whole list's checks passes (it is still deadlock-free as one list), but the executor
+    # runs it a step at a time: rank 0 would wait in step 0 for a gradient that rank 1 sends only in
+    # step 1, and whatever runs between the steps (an evaluation's transfers) would meet it instead.
+    schedule = build_schedule("pipedream-2bw", p=2, m=1)
+    row = schedule.actions[1]
+    late = Action(Op.SEND_BWD, 1, 0, peer=0)
+    at = row.index(late)
+    assert str(row[at + 1]) == "F1.s1"  # the first compute of rank 1's step 1
+    row[at], row[at + 1] = row[at + 1], row[at]
+    with pytest.raises(ScheduleError, match=r"rank 0, action #4 \(RECV_BWD s0 mb0 <-r1\): in step 0's segment, but "
+                                            r"its SEND_BWD s1 mb0 ->r0 on rank 1 is in step 1's"):
+        validate(schedule)
+
+
 def test_wrong_peer_is_caught():
     schedule = build_schedule("1f1b", p=4, m=1)
     schedule.actions[1][2] = Action(Op.SEND_FWD, 1, 0, peer=3)

@@ -178,6 +178,18 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# The shape announcements of pipeline transfers (8 int64, 64 bytes): the smallest point-to-point
+# message. On one channel with the tensors, an announcement matched out of order to a tensor's
+# receive would fill the head of its buffer silently (Gloo accepts a message smaller than the
+# receive), and a tensor matched to an announcement's receive would abort the process; on a channel
+# of its own, an order broken anywhere leaves both waiting, and the timeout names the transfer.
+WIRE_TAGS = {"meta": 1}
+
+
+def _wire_tag(tag: str | None) -> int:
+    return WIRE_TAGS.get(tag, 0)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -299,7 +311,10 @@ class AxisComm:
 
     # -- point to point (pipeline stages) --------------------------------------------------------
     # ``peer`` is a rank index along this axis (a pp-rank), not a global rank. Only sends are
-    # recorded, under op "send": the receiver's bytes are its peer's sends.
+    # recorded, under op "send": the receiver's bytes are its peer's sends. ``tag`` names the
+    # traffic; most kinds share one channel between two ranks (wire tag 0), where transfers match
+    # in the order both ranks post them. A kind in ``WIRE_TAGS`` travels on a channel of its own on
+    # Gloo (NCCL ignores tags and keeps the order alone), so it never meets another kind's receive.
     def _global_peer(self, peer: int) -> int:
         if not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"peer {peer} along axis {self.axis!r} must be another of its {self.size} ranks "
@@ -311,13 +326,17 @@ class AxisComm:
         unmodified until its work completes. A strided view (a sequence shard under Megatron
         sequence parallelism) is sent as a contiguous copy, which the op keeps alive."""
         self._record("send", _nbytes(tensor), tag)
-        op = dist.P2POp(dist.isend, tensor.contiguous(), self._global_peer(peer), group=self.group)
+        op = dist.P2POp(dist.isend, tensor.contiguous(), self._global_peer(peer), group=self.group,
+                        tag=_wire_tag(tag))
         op._bigtrain_tag = tag  # for the failure report of batch_isend_irecv
         return op
 
-    def recv_op(self, tensor: torch.Tensor, peer: int) -> dist.P2POp:
-        """A receive from ``peer`` into ``tensor`` for :meth:`batch_isend_irecv`."""
-        return dist.P2POp(dist.irecv, tensor, self._global_peer(peer), group=self.group)
+    def recv_op(self, tensor: torch.Tensor, peer: int, tag: str | None = None) -> dist.P2POp:
+        """A receive from ``peer`` into ``tensor`` for :meth:`batch_isend_irecv` (``tag``: the
+        sender's, where it is one of ``WIRE_TAGS``)."""
+        op = dist.P2POp(dist.irecv, tensor, self._global_peer(peer), group=self.group, tag=_wire_tag(tag))
+        op._bigtrain_tag = tag
+        return op
 
     def _p2p(self, op: dist.P2POp) -> Collective:
         kind = "send to" if op.op is dist.isend else "recv from"
@@ -339,15 +358,15 @@ class AxisComm:
         global_peer = self._global_peer(peer)
         collective = Collective(f"send to rank {global_peer}", self.axis, tag, _nbytes(tensor))
         with self._guard(collective):
-            dist.send(tensor, global_peer, group=self.group)
+            dist.send(tensor, global_peer, group=self.group, tag=_wire_tag(tag))
         self.stats.recent.append(collective)
 
-    def recv(self, tensor: torch.Tensor, peer: int) -> None:
-        """Blocking receive into ``tensor``."""
+    def recv(self, tensor: torch.Tensor, peer: int, tag: str | None = None) -> None:
+        """Blocking receive into ``tensor`` (``tag``: the sender's, where it is one of ``WIRE_TAGS``)."""
         global_peer = self._global_peer(peer)
-        collective = Collective(f"recv from rank {global_peer}", self.axis, None, _nbytes(tensor))
+        collective = Collective(f"recv from rank {global_peer}", self.axis, tag, _nbytes(tensor))
         with self._guard(collective):
-            dist.recv(tensor, global_peer, group=self.group)
+            dist.recv(tensor, global_peer, group=self.group, tag=_wire_tag(tag))
         self.stats.recent.append(collective)
 
     def gather_objects(self, obj):

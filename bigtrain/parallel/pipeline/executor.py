@@ -378,8 +378,9 @@ class PipelineExecutor:
         """Before the first activation of a stage for a new input shape, tell the receiver its shape.
 
         Blocking, and only once per (input shape, stage): the queue is posted first so that this
-        message stays in list order on the channel, and the validator's proof (every transfer
-        blocking at its place in the list cannot deadlock) covers a blocking transfer here.
+        message stays in list order (on NCCL's one channel; Gloo gives shapes a channel of their own,
+        ``comm.WIRE_TAGS``), and the validator's proof (every transfer blocking at its place in the
+        list cannot deadlock) covers a blocking transfer here.
         """
         announced = self._announced.setdefault(self._input_key(step), set())
         if action.stage not in announced:
@@ -408,7 +409,7 @@ def _encode_spec(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _recv_spec(comm: AxisComm, peer: int, device: torch.device) -> tuple[tuple[int, ...], torch.dtype]:
     message = torch.empty(_SPEC_SLOTS, dtype=torch.int64, device=device)
-    comm.recv(message, peer)
+    comm.recv(message, peer, tag="meta")  # the shapes' own channel (comm.WIRE_TAGS)
     dtype_code, ndim, *sizes = message.tolist()
     return tuple(sizes[:ndim]), _DTYPES[dtype_code]
 

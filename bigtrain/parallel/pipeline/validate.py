@@ -11,6 +11,7 @@ from bigtrain.parallel.pipeline.schedules import (
     Schedule,
     compute_dependencies,
     matching_comm,
+    step_segments,
 )
 
 
@@ -46,8 +47,10 @@ def validate(schedule: Schedule) -> None:
     in-range micro-batch and the right peer; each (stage, micro-batch) has exactly one
     F and one B (or one I and one W); every compute runs after its local inputs and
     after the RECV of its remote inputs, every SEND after the compute it ships; every
-    SEND has exactly one matching RECV on its peer; and executing the lists with
-    blocking rendezvous transfers (the strictest model) cannot deadlock.
+    SEND has exactly one matching RECV on its peer; executing the lists with
+    blocking rendezvous transfers (the strictest model) cannot deadlock; and, for an
+    asynchronous schedule run one step's segment at a time, every transfer lies in the
+    same step as its counterpart.
     """
     if len(schedule.actions) != schedule.p:
         raise ScheduleError(f"schedule has {len(schedule.actions)} rank lists for p={schedule.p} ranks")
@@ -56,6 +59,7 @@ def validate(schedule: Schedule) -> None:
     _check_local_order(schedule)
     _check_pairing(schedule)
     _check_no_deadlock(schedule)
+    _check_step_boundaries(schedule)
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -180,6 +184,36 @@ def _check_no_deadlock(schedule: Schedule) -> None:
             return
         if not progressed:
             raise _deadlock_error(rows, heads)
+
+
+def _check_step_boundaries(schedule: Schedule) -> None:
+    """An asynchronous schedule runs one step's segment (``step_segments``) per executor run and leaves
+    its transfers posted across the boundary; between two runs come the update's collectives, a
+    checkpoint's save and an evaluation, whose blocking transfers use the same channels. The tensors
+    sent between two ranks share one channel and match in the order both ranks post them (Gloo: one
+    tag; NCCL: one communicator), and on Gloo a message smaller than the receive it meets fills part
+    of the buffer silently. So each transfer must be paired within its step: then at every boundary
+    the two ends of each channel have posted as many transfers, and whatever comes between the steps
+    meets only its own. (It also keeps a run from waiting for a tensor its peer sends in the next
+    run, behind those collectives: a deadlock the whole-list proof above cannot see.)"""
+    if not schedule.asynchronous:
+        return  # one step, every transfer waited for before it ends
+    step_of: dict[tuple[int, Action], int] = {}
+    for rank in range(schedule.p):
+        for step, segment in enumerate(step_segments(schedule, rank)):
+            for action in segment:
+                if not action.kind.is_compute:
+                    step_of[(rank, action)] = step
+    for rank, row in enumerate(schedule.actions):
+        for index, action in enumerate(row):
+            if action.kind.is_compute:
+                continue
+            counterpart = matching_comm(action, schedule.p)
+            step, peer_step = step_of[(rank, action)], step_of[(action.peer, counterpart)]
+            if step != peer_step:
+                raise _error(rank, index, action, f"in step {step}'s segment, but its {counterpart} on rank "
+                             f"{action.peer} is in step {peer_step}'s: it would stay unpaired across the step "
+                             f"boundary, where the update, evaluation and checkpoints run their own transfers")
 
 
 def _deadlock_error(rows: list[list[Action]], heads: list[int]) -> ScheduleError:
