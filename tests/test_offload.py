@@ -450,6 +450,34 @@ def test_bigtrain_check_delays_its_reference_for_the_delayed_update():
     assert config_gradient_delay(tiny_config("", "--parallel.zero=1", "--offload.optimizer=cpu")) == 0
 
 
+def _check_bf16_delayed(corpus_cache, tmp_path):
+    from bigtrain.check.run import check_on_rank
+
+    cfg = tiny_config(corpus_cache, *MIXED_DELAYED_CASES["bf16-cpu-zero1"][0], "--offload.delayed_update=true")
+    return run_ranks(check_on_rank, 1, cfg, str(tmp_path), 3, timeout=240)[0]
+
+
+@pytest.mark.slow
+def test_bigtrain_check_judges_a_bf16_delayed_update_per_tensor(corpus_cache, tmp_path):
+    """In bf16 the free run's single tensors are diagnostic; each AdamW step is also replayed from the
+    layout's own fp32 masters, moments and gradient and held to fp32's 1e-5 (bigtrain/check/replay.py)."""
+    report = _check_bf16_delayed(corpus_cache, tmp_path)
+    assert report.agree, report.text()
+    assert report.worst["replayed"] <= 1e-5 and report.worst["loss"] <= MIXED_BOUND, report.worst
+
+
+@pytest.mark.slow
+def test_bigtrain_check_finds_a_bf16_delayed_step_the_loss_cannot_see(corpus_cache, tmp_path, monkeypatch):
+    """The worker steps at 1.001 times the step's learning rate: the loss stays within bf16's 1e-3
+    and the gradient norm within its bound, the replayed weights and moments do not."""
+    from bigtrain.parallel.zero.delayed import DelayedUpdate
+
+    original = DelayedUpdate._run
+    monkeypatch.setattr(DelayedUpdate, "_run", lambda self, grads, lr: original(self, grads, lr * 1.001))
+    report = _check_bf16_delayed(corpus_cache, tmp_path)
+    assert not report.agree and report.first_step == 0
+    assert {f.kind for f in report.findings if f.error > report.tolerance.of(f.kind)} == {"replayed"}, report.text()
+
 # -- the GPU path's copies, counted on the CPU (OffloadPlan.separate_host) -----------------------------
 COPY_CASES = {  # layout -> (bytes down per element of this rank's shards per micro-batch, bytes up per step)
     # Every micro-batch's reduced gradient shard comes down in the reduce dtype (bf16 in bf16, fp32 in

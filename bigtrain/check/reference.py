@@ -101,8 +101,8 @@ class ReferenceRun:
         if exact:  # the same initial values and tables in float64: fp32's own rounding left out
             self.master.double()
         delayed = any(self.delay(n) for n, _ in self.master.named_parameters())
-        # Computes with the delayed weights, in the compute dtype: a copy of the compute model (in fp32
-        # the masters themselves), whose weights _delayed_model sets from the masters' history.
+        # Computes with the delayed weights, in the compute dtype: a copy of the compute model (in fp32,
+        # of the masters), whose weights _delayed_model sets from the masters' history.
         self.stale = copy.deepcopy(self.compute) if delayed else None
         if cfg.memory.activation_compression == "int8":
             for model in (self.compute, self.stale):
