@@ -343,7 +343,6 @@ def _max_error(values, reference, skipped=None):
     return max(abs(a - b) / abs(b) for i, (a, b) in enumerate(zip(values, reference)) if not (skipped and skipped[i]))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name,mode", [(n, m) for n, (_, modes) in MIXED_DELAYED_CASES.items() for m in modes])
 def test_mixed_precision_delayed_update_equals_the_delayed_reference_in_its_precision(name, mode, corpus_cache,
                                                                                       tmp_path, monkeypatch):
@@ -376,7 +375,6 @@ class _SkipLeavesTheLandedUpdateOut(ReferenceRun):
         return record
 
 
-@pytest.mark.slow
 def test_the_mixed_precision_bound_fails_a_wrong_delay_and_a_wrong_skip(corpus_cache, tmp_path):
     """The bound can fail: the bf16 run against references delayed by 0 and 2 steps, and the fp16 run
     with overflows against a reference whose skipped steps leave the landed update unpublished."""
@@ -457,7 +455,6 @@ def _check_bf16_delayed(corpus_cache, tmp_path):
     return run_ranks(check_on_rank, 1, cfg, str(tmp_path), 3, timeout=240)[0]
 
 
-@pytest.mark.slow
 def test_bigtrain_check_judges_a_bf16_delayed_update_per_tensor(corpus_cache, tmp_path):
     """In bf16 the free run's single tensors are diagnostic; each AdamW step is also replayed from the
     layout's own fp32 masters, moments and gradient and held to fp32's 1e-5 (bigtrain/check/replay.py)."""
@@ -466,7 +463,6 @@ def test_bigtrain_check_judges_a_bf16_delayed_update_per_tensor(corpus_cache, tm
     assert report.worst["replayed"] <= 1e-5 and report.worst["loss"] <= MIXED_BOUND, report.worst
 
 
-@pytest.mark.slow
 def test_bigtrain_check_finds_a_bf16_delayed_step_the_loss_cannot_see(corpus_cache, tmp_path, monkeypatch):
     """The worker steps at 1.001 times the step's learning rate: the loss stays within bf16's 1e-3
     and the gradient norm within its bound, the replayed weights and moments do not."""
