@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bigtrain.check.reference import ReferenceRun
 from bigtrain.config import ConfigError
 from bigtrain.testing import run_ranks
 from helpers import assert_rel_close, save_after_steps, tiny_config, trainer_on_rank
@@ -178,8 +179,6 @@ DELAYED_CASES = {
 
 
 def _reference_delayed(cfg, steps):
-    from bigtrain.check.reference import ReferenceRun
-
     run = ReferenceRun(cfg, gradient_delay=1)
     records = [run.train_step() for _ in range(steps)]
     return [r.loss for r in records], [r.grad_norm for r in records], \
@@ -212,8 +211,6 @@ def test_delayed_update_equals_a_reference_that_applies_each_update_one_step_lat
 
 
 def _train_plain_loss(cfg, tmp_path):
-    from bigtrain.check.reference import ReferenceRun
-
     run = ReferenceRun(cfg, gradient_delay=0)
     return [run.train_step().loss for _ in range(2)][1]
 
@@ -285,6 +282,114 @@ def test_fit_ends_with_every_delayed_update_in_the_model(corpus_cache, tmp_path)
         torch.testing.assert_close(model[n], w, rtol=0, atol=0)
 
 
+
+# -- the delayed update in mixed precision (bf16 / fp16 compute, fp32 masters) -----------------------
+# Against the reference in the same precision that delays by one step (ReferenceRun, the delay taken
+# from the config: step t computes at the bf16/fp16 rounding of the masters after t - 1 steps, its
+# fp32 gradient applied to the current masters at lr(t); a skipped step counts as a step that changed
+# nothing), every step's loss and gradient norm and every fp32 master after the last step within 1e-3
+# relative. Why 1e-3 holds: both sides run the same low-precision forward and backward from the
+# roundings of the same fp32 masters and add the gradients up in fp32; they part only by fp32 rounding
+# (the order of the sums over micro-batches and ranks, torch's fused CPU AdamW against its loop:
+# ~1e-7 relative a step). A master that far off changes its low-precision copy only where it lies
+# within ~1e-7 of a rounding boundary, ~1e-7 / 2^-8 = 3e-5 of the elements (bf16; fp16's 2^-11
+# step: 2e-4), each by one step of the format, which moves the next gradient by ~sqrt(3e-5) * 2^-8
+# = 2e-5: measured over these steps, loss within 5e-7, gradient norm 4e-6, the worst single weight
+# 3.6e-5 (fp16, dp=2 ZeRO-3). bf16's own reduction (reduce_dtype 'auto') rounds each reduced
+# gradient to 2^-9 and moves a single tensor by up to that share of its travel (measured 9.6e-4 after
+# 10 steps: no bound for single tensors); it is proved against the same reference by the loss
+# (tests/test_reference_parity.py), so the dp=2 bf16 case reduces in fp32 here. Why it can fail: a
+# delay off by one computes step 1 at other weights, and one update moves the loss by ~5% (measured
+# 4.7e-2 to 6.9e-2 for delays 0 and 2); a skipped step that left the update it waited for out of the
+# next step's weights moves it by 8.7e-3 (both shown below).
+MIXED_STEPS = 6
+# fp16: a scale at the edge of overflow that doubles after each clean step: steps 0, 3 and 5 overflow
+# (3 and 5 while the update of the step before is running), the rest do not.
+FP16_OVERFLOWS = ["--precision.mode=fp16", f"--precision.loss_scale={2.0 ** 17}", "--precision.scale_growth_interval=1"]
+MIXED_DELAYED_CASES = {  # name -> (layout, host modes)
+    "bf16-cpu-zero1": (["--parallel.zero=1", "--precision.mode=bf16", "--offload.optimizer=cpu"], HOST_MODES),
+    # gradients in files: the handed-over gradient goes to a file of its own
+    "bf16-nvme-zero2-dp2-clipped": (["--parallel.dp=2", "--parallel.zero=2", "--precision.mode=bf16",
+                                     "--precision.reduce_dtype=fp32", "--offload.optimizer=nvme",
+                                     "--optim.grad_clip=0.05"], ["same"]),
+    "fp16-overflowing-cpu-zero3-dp2": (["--parallel.dp=2", "--parallel.zero=3", *FP16_OVERFLOWS,
+                                        "--offload.optimizer=cpu"], HOST_MODES),
+}
+MIXED_BOUND = 1e-3
+_mixed_references: dict = {}
+
+
+def _mixed_delayed_config(corpus_cache, tmp_path, layout, steps=MIXED_STEPS):
+    return tiny_config(corpus_cache, *layout, "--offload.delayed_update=true", "--optim.warmup_steps=2",
+                       f"--train.steps={steps}", f"--offload.nvme_dir={tmp_path / 'nvme'}")
+
+
+def _reference_run(cfg, steps, run=None):
+    """(losses, gradient norms, skipped flags, fp32 weights) of ``steps`` steps of a reference run."""
+    run = run or ReferenceRun(cfg)
+    records = [run.train_step() for _ in range(steps)]
+    return ([r.loss for r in records], [r.grad_norm for r in records], [r.skipped for r in records],
+            {n: p.detach().clone() for n, p in run.master.named_parameters()})
+
+
+def _train_mixed_delayed(rank, world_size, cfg, run_dir):
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    results = [trainer.train_step() for _ in range(cfg.train.steps)]
+    weights = trainer.parallel.full_weights()  # the fp32 masters, the last update waited for
+    return [r.loss for r in results], [r.grad_norm for r in results], [r.skipped for r in results], weights
+
+
+def _max_error(values, reference, skipped=None):
+    return max(abs(a - b) / abs(b) for i, (a, b) in enumerate(zip(values, reference)) if not (skipped and skipped[i]))
+
+
+@pytest.mark.parametrize("name,mode", [(n, m) for n, (_, modes) in MIXED_DELAYED_CASES.items() for m in modes])
+def test_mixed_precision_delayed_update_equals_the_delayed_reference_in_its_precision(name, mode, corpus_cache,
+                                                                                      tmp_path, monkeypatch):
+    _host_mode(mode, monkeypatch)
+    cfg = _mixed_delayed_config(corpus_cache, tmp_path, MIXED_DELAYED_CASES[name][0])
+    losses, norms, skipped, weights = run_ranks(_train_mixed_delayed, cfg.parallel.world_size, cfg,
+                                                str(tmp_path / "run"), timeout=240)[0]
+    if name not in _mixed_references:  # the same for both host modes
+        _mixed_references[name] = _reference_run(cfg, MIXED_STEPS)
+    ref_losses, ref_norms, ref_skipped, ref_weights = _mixed_references[name]
+    assert skipped == ref_skipped
+    if cfg.precision.mode == "fp16":  # a step overflowed while the update of the step before was running
+        assert any(skipped[t] and not skipped[t - 1] for t in range(1, MIXED_STEPS - 1)), skipped
+    assert _max_error(losses, ref_losses) <= MIXED_BOUND
+    assert _max_error(norms, ref_norms, skipped) <= MIXED_BOUND
+    for n, w in ref_weights.items():
+        assert_rel_close(weights[n], w, MIXED_BOUND, n)
+
+
+class _SkipLeavesTheLandedUpdateOut(ReferenceRun):
+    """A reference whose skipped step leaves the update it waited for out of the next step's weights:
+    that step computes one update behind, as if the skip had returned before publishing it. The
+    trainer's rule (and ReferenceRun's): a skipped step is a step that changed nothing, so the next
+    step computes at the current masters (no update is running then)."""
+
+    def train_step(self, capture=False):
+        record = super().train_step(capture)
+        if record.skipped and len(self.history) >= 3:
+            self.history[-2] = self.history[-3]  # the weights the next step computes at
+        return record
+
+
+def test_the_mixed_precision_bound_fails_a_wrong_delay_and_a_wrong_skip(corpus_cache, tmp_path):
+    """The bound can fail: the bf16 run against references delayed by 0 and 2 steps, and the fp16 run
+    with overflows against a reference whose skipped steps leave the landed update unpublished."""
+    cfg = _mixed_delayed_config(corpus_cache, tmp_path, MIXED_DELAYED_CASES["bf16-cpu-zero1"][0], steps=3)
+    losses = run_ranks(_train_mixed_delayed, 1, cfg, str(tmp_path / "bf16"), timeout=240)[0][0]
+    for delay in (0, 2):
+        wrong = _reference_run(cfg, 3, ReferenceRun(cfg, gradient_delay=delay))[0]
+        assert _max_error(losses, wrong) > 10 * MIXED_BOUND, delay
+    cfg = _mixed_delayed_config(corpus_cache, tmp_path, ["--parallel.zero=1", *FP16_OVERFLOWS,
+                                                         "--offload.optimizer=cpu"], steps=5)
+    losses, _, skipped, _ = run_ranks(_train_mixed_delayed, 1, cfg, str(tmp_path / "fp16"), timeout=240)[0]
+    wrong_losses, _, wrong_skipped, _ = _reference_run(cfg, 5, _SkipLeavesTheLandedUpdateOut(cfg))
+    assert skipped == wrong_skipped == [True, False, False, True, False]  # step 4 computes after the skip
+    assert _max_error(losses, wrong_losses) > 5 * MIXED_BOUND
+
 # -- metrics: the tiers' bytes and the overlap timeline ------------------------------------------------
 MEM_CASES = {  # layout -> (host, nvme) bytes per parameter of this rank's shard, fp32 AdamW
     "cpu-zero1": (["--parallel.zero=1", "--offload.optimizer=cpu"], 8, 0),  # moments; the masters are the weights
@@ -342,6 +447,32 @@ def test_bigtrain_check_delays_its_reference_for_the_delayed_update():
                                              "--offload.delayed_update=true")) == 1
     assert config_gradient_delay(tiny_config("", "--parallel.zero=1", "--offload.optimizer=cpu")) == 0
 
+
+def _check_bf16_delayed(corpus_cache, tmp_path):
+    from bigtrain.check.run import check_on_rank
+
+    cfg = tiny_config(corpus_cache, *MIXED_DELAYED_CASES["bf16-cpu-zero1"][0], "--offload.delayed_update=true")
+    return run_ranks(check_on_rank, 1, cfg, str(tmp_path), 3, timeout=240)[0]
+
+
+def test_bigtrain_check_judges_a_bf16_delayed_update_per_tensor(corpus_cache, tmp_path):
+    """In bf16 the free run's single tensors are diagnostic; each AdamW step is also replayed from the
+    layout's own fp32 masters, moments and gradient and held to fp32's 1e-5 (bigtrain/check/replay.py)."""
+    report = _check_bf16_delayed(corpus_cache, tmp_path)
+    assert report.agree, report.text()
+    assert report.worst["replayed"] <= 1e-5 and report.worst["loss"] <= MIXED_BOUND, report.worst
+
+
+def test_bigtrain_check_finds_a_bf16_delayed_step_the_loss_cannot_see(corpus_cache, tmp_path, monkeypatch):
+    """The worker steps at 1.001 times the step's learning rate: the loss stays within bf16's 1e-3
+    and the gradient norm within its bound, the replayed weights and moments do not."""
+    from bigtrain.parallel.zero.delayed import DelayedUpdate
+
+    original = DelayedUpdate._run
+    monkeypatch.setattr(DelayedUpdate, "_run", lambda self, grads, lr: original(self, grads, lr * 1.001))
+    report = _check_bf16_delayed(corpus_cache, tmp_path)
+    assert not report.agree and report.first_step == 0
+    assert {f.kind for f in report.findings if f.error > report.tolerance.of(f.kind)} == {"replayed"}, report.text()
 
 # -- the GPU path's copies, counted on the CPU (OffloadPlan.separate_host) -----------------------------
 COPY_CASES = {  # layout -> (bytes down per element of this rank's shards per micro-batch, bytes up per step)

@@ -33,6 +33,8 @@ class Tolerance:
     pp=3, the loss within 9e-5), which no fixed bound separates from a bug. So in bf16/fp16 single
     tensors are ``diagnostic``: reported beyond 5e-2 once the loss or the gradient norm shows a
     divergence, but not deciding one. A missing or doubled reduction moves the gradient norm by ~50%.
+    Per tensor they are judged by ``replayed`` where the optimizer is AdamW (8-bit or not): each step
+    replayed from the layout's own fp32 masters, moments and gradient (:func:`bigtrain.check.run.replays_steps`).
     """
 
     loss: float

@@ -73,11 +73,14 @@ class ReferenceRun:
     """``replica = (i, n)``: train on the i-th of n equal slices of each global batch, its loss the
     mean over that slice (a data-parallel replica stepping alone, for local SGD).
 
-    ``gradient_delay`` (fp32 only; steps, or a function of the parameter's name): step t computes
-    its loss and gradient with each weight as it was ``delay`` updates before (the first weights
-    for t < delay) and applies that gradient to the current weights, W(t+1) = W(t) - lr * grad(W(t -
-    delay)): the asynchronous pipelines' rule. None takes it from the config's schedule
-    (:func:`config_gradient_delay`)."""
+    ``gradient_delay`` (steps, or a function of the parameter's name): step t computes its loss and
+    gradient with each weight as it was ``delay`` steps before (the first weights for t < delay; a
+    skipped step counts as a step that changed nothing) and applies that gradient, at step t's
+    learning rate, to the current weights, W(t+1) = W(t) - lr(t) * grad(W(t - delay)): the
+    asynchronous pipelines' rule, and ZeRO-Offload's delayed update at a delay of 1. In mixed
+    precision the delayed weights are the fp32 masters of then, rounded to the compute dtype, whose
+    gradients add into the current masters' in fp32 (the same recipe as without the delay). None
+    takes it from the config's schedule (:func:`config_gradient_delay`)."""
 
     def __init__(self, cfg: Config, device: torch.device | str = "cpu", replica: tuple[int, int] = (0, 1),
                  gradient_delay: int | Callable[[str], int] | None = None, exact: bool = False):
@@ -98,15 +101,15 @@ class ReferenceRun:
         if exact:  # the same initial values and tables in float64: fp32's own rounding left out
             self.master.double()
         delayed = any(self.delay(n) for n, _ in self.master.named_parameters())
-        if delayed and self.mixed:
-            raise ValueError("gradient_delay: the reference delays fp32 weights only; use precision.mode = 'fp32'")
-        self.stale = copy.deepcopy(self.master) if delayed else None  # computes with the delayed weights
+        # Computes with the delayed weights, in the compute dtype: a copy of the compute model (in fp32,
+        # of the masters), whose weights _delayed_model sets from the masters' history.
+        self.stale = copy.deepcopy(self.compute) if delayed else None
         if cfg.memory.activation_compression == "int8":
             for model in (self.compute, self.stale):
                 if model is not None:
                     int8_weight_gradients(model.layers, None if cfg.model.fused_loss else model.output,
                                           exact=[block.router for _, block in moe_blocks(model.layers)])
-        self.history = [self._weights()] if delayed else []  # history[t]: the weights after t updates
+        self.history = [self._weights()] if delayed else []  # history[t]: the fp32 weights after t steps
         if cfg.precision.fp8 != "none":
             for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
                 convert_to_float8(model, Float8Recipe(cfg.precision.fp8), "emulated")
@@ -153,12 +156,12 @@ class ReferenceRun:
                                        reduction="sum")
                 loss_sum += float(loss.detach())
                 (loss / counted * self.loss_scale).backward()
-                if self.mixed:
-                    accumulate_into_masters(self.master, self.compute)
+                if self.mixed:  # with a delay, the gradient of the delayed weights into the current masters
+                    accumulate_into_masters(self.master, model)
         finally:
             for h in handles:
                 h.remove()
-        if self.stale is not None:  # the gradient of the delayed weights, applied to the current ones
+        if self.stale is not None and not self.mixed:  # the delayed weights' gradient, onto the current ones
             for master, stale in zip(self.master.parameters(), self.stale.parameters()):
                 master.grad, stale.grad = stale.grad, None
         result = self._update()

@@ -1,4 +1,5 @@
-"""Each AdamW step of a layout (8-bit or fp32), replayed by the reference from the layout's own inputs.
+"""Each AdamW step of a layout (8-bit or not, in any compute precision: the step itself is fp32),
+replayed by the reference from the layout's own inputs.
 
 Run freely, a layout and the reference part ways in 8-bit state: a gradient a rounding error away
 from the reference's can put a moment on the other side of a code boundary, one code step (up to
