@@ -628,7 +628,9 @@ def test_the_fuzzed_key_bias_layout_agrees_within_the_fp32_bound(corpus_cache):
     ends 1.2e-4 off the reference after one step with every gradient equal. The usual 1e-4 holds
     every gradient; the update is what fp32 AdamW makes of the layout's own gradient (replayed,
     bigtrain/check/replay.py), so it is reported, not a divergence. (Until 2026-11-27 the family had
-    a bound of its own, 5e-4, for key-bias models; the fuzzer found 8.5e-4.)"""
+    a bound of its own, 5e-4, for key-bias models; the fuzzer found 8.5e-4.) Whether the key bias
+    lands past 1e-4 at all depends on the CPU's kernels (8.2e-5 on an AVX-512 Xeon): where it does,
+    it is reported as rounding (tests/test_check_exact.py makes it land past on every CPU)."""
     from bigtrain.check.fuzz import run_sample
 
     sample = ["--model.family=hf", "--model.hf_config=tiny:qwen2:3:2:False", "--parallel.dp=2", "--parallel.tp=2",
@@ -636,7 +638,10 @@ def test_the_fuzzed_key_bias_layout_agrees_within_the_fp32_bound(corpus_cache):
               "--optim.warmup_steps=2", "--parallel.sequence_parallel=True", "--memory.checkpointing=full"]
     outcome = run_sample(sample, corpus_cache, steps=2)
     assert outcome.verdict == "agree", outcome.detail
-    assert "tensors 1e-04" in outcome.detail and "k_proj.bias updated value" in outcome.detail
+    assert "tensors 1e-04" in outcome.detail
+    if "updated value" in outcome.detail:  # reported as rounding, by the replay or the float64 twin
+        assert "k_proj.bias updated value" in outcome.detail, outcome.detail
+        assert "replayed update" in outcome.detail or "within fp32's own rounding" in outcome.detail, outcome.detail
 
 
 @pytest.mark.parametrize("engine", ["--parallel.zero=0", "--parallel.zero=1"])
