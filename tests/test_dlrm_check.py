@@ -126,6 +126,18 @@ def test_the_compile_draw_keeps_the_decoder_samples_and_never_compiles_a_dlrm():
     assert all(COMPILED not in draw_sample(SEED, i, 8, 0.2, compile_share=0.0) for i in range(20))
 
 
+def test_the_int8_draw_never_joins_a_float8_sample():
+    """Validation refuses int8 compression with float8 linears, so int8 drawn on a float8 sample
+    would only make it a rejection: the float8 samples (compared at the bf16 bounds) all train."""
+    from bigtrain.check.fuzz import INT8
+
+    samples = [draw_sample(SEED, i, 8, 0.0, resume_share=0.0, int8_share=1.0, hf_share=hf, compile_share=0.0)
+               for hf in (0.0, 1.0) for i in range(60)]
+    float8 = [s for s in samples if any(o.startswith("--precision.fp8=") for o in s)]
+    assert float8 and not any(INT8 in s for s in float8)
+    assert any(INT8 in s for s in samples)
+
+
 @pytest.mark.slow
 def test_the_check_command_runs_dlrm_ranks_under_torchrun(tmp_path, capsys):
     code = main(["check", "--preset", "dlrm-tiny", "--steps", "2", "--output-dir", str(tmp_path), *SMALL,

@@ -101,6 +101,30 @@ def test_no_transform_leaves_an_attribute_on_a_module(policy):
         assert transforms["layers.1.attention_norm"] == ("compile", "recompute")
 
 
+def _cut_sequence_on_a_fake_rank(rank, world_size, axis):
+    """Ulysses (sp) or context parallelism (cp, ring) on the MoE model of one rank of two: the MoE
+    blocks' view of the sequence is swapped (bigtrain/parallel/sequence_moe.py), a child module in
+    place of the model's own, as the dispatcher is; no plain attribute set on the block."""
+    from bigtrain.parallel.context import apply_context_parallel
+
+    model = build_model(CFG)
+    before = _snapshot(model)
+    mesh = Mesh({axis: 2}, rank)
+    if axis == "sp":
+        apply_tensor_parallel(model, mesh, TensorParallelPlan())
+    else:
+        apply_context_parallel(model, mesh.comm("cp"), "ring")
+    views = {type(m.sequence).__name__ for m in model.modules() if hasattr(m, "dispatcher")}
+    return _changed(before), views
+
+
+@pytest.mark.parametrize("axis, view", [("sp", "SequenceParts"), ("cp", "ChunkPairsOverCP")])
+def test_cutting_the_sequence_leaves_no_attribute_on_an_moe_block(axis, view):
+    changed, views = run_fake_rank(_cut_sequence_on_a_fake_rank, 2, axis, rank=1)
+    assert changed == [], f"attributes set on modules by another package: {changed}"
+    assert views == {view}
+
+
 def _parallel(plan_kwargs: dict) -> tuple[nn.Module, object]:
     plain = build_model(CFG, "cpu")
     plain.init_weights(0)

@@ -70,8 +70,8 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout
     (bigtrain's or a Hugging Face one), with context parallelism (cp 2 or 4, where the world allows)
     added with probability ``cp_share``,
-    int8 activation compression (a Hugging Face decoder too, unless it drew float8) with probability
-    ``int8_share``, compiled (``compile.enabled``; a Hugging Face decoder too) with probability
+    int8 activation compression (a Hugging Face decoder too; never on a sample that drew float8) with
+    probability ``int8_share``, compiled (``compile.enabled``; a Hugging Face decoder too) with probability
     ``compile_share``, resumed then stepped with probability ``resume_share``. The model, int8, compilation and the resume are drawn from generators of their
     own, so a decoder sample with none of them is the one :func:`sample_layout` drew for
     (seed, index) before DLRMs, int8, compilation and resumes joined, whatever the shares."""
@@ -85,20 +85,24 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
         cp = random.Random(f"{seed}:{index}:cp")  # its own generator: cp_share 0 leaves the samples as they were
         if cp.random() < cp_share:
             out += context_parallel_choice(cp, out, max_world)
-        float8 = any(o.startswith("--precision.fp8=") for o in out)  # int8 and float8 exclude each other
-        int8 = int8 and not float8 and not is_hf_moe(out)  # int8 on an HF MoE sample is refused (families/hf_moe.py)
+        int8 = int8 and not _float8(out) and not is_hf_moe(out)  # int8 on an HF MoE is refused (families/hf_moe.py)
         return out + ([INT8] if int8 else []) + ([COMPILED] if compiled else [])
     out = sample_layout(rng, max_world)
     cp = random.Random(f"{seed}:{index}:cp")
     if cp.random() < cp_share:
         out += context_parallel_choice(cp, out, max_world)
-    if int8:
+    if int8 and not _float8(out):  # both would be refused: the float8 sample would never train
         out.append(INT8)
     if compiled:
         out.append(COMPILED)
     resume = random.Random(f"{seed}:{index}:resume")
     return resume_choice(resume, out, max_world) if resume.random() < resume_share else out
 
+
+def _float8(out: list[str]) -> bool:
+    """Whether a sample drew float8 linears: int8 compression and float8 exclude each other
+    (validation refuses both together, bigtrain/fp8/checks.py), so int8 is not added to it."""
+    return any(o.startswith("--precision.fp8=") for o in out)
 
 
 # -- resume then step ----------------------------------------------------------------------------

@@ -76,11 +76,13 @@ class Experts(nn.Module):
         return torch._grouped_mm(h, w2, offs=offs)
 
 
-class WholeSequences:
+class WholeSequences(nn.Module):
     """The model's own view of a block's tokens: whole sequences, which capacity and the balance
     loss are defined over. Ulysses leaves a block one part of each sequence:
     :mod:`bigtrain.parallel.sequence_moe` swaps in a view that adds the other parts' statistics,
-    so the block routes its own tokens and still keeps and balances as one process does."""
+    so the block routes its own tokens and still keeps and balances as one process does. A child
+    module (no parameters or buffers: state dicts are unchanged), as the ``dispatcher`` is: the
+    parallel step replaces a child of the block, never sets a plain attribute on it."""
 
     def length(self, local: int) -> int:
         """The whole sequence's length, from this part's."""
@@ -175,7 +177,7 @@ class MoEFeedForward(nn.Module):
         self.shared = FeedForward(dim, shared_hidden or hidden) if shared_expert else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_expert and shared_gate else None
         self.dispatcher = LocalExperts()
-        self.sequence = WholeSequences()  # what part of each sequence the block holds (Ulysses: one)
+        self.sequence = WholeSequences()  # what part of each sequence the block holds (Ulysses, cp: a child swapped in)
         self.aux_scale: float | None = None  # per sequence; None: 1 / the sequences of each forward
         # sigmoid-bias: model state outside the gradient (a persistent buffer: checkpointed by name,
         # whole on every rank that holds the block); fp32 zeros from init_router_biases.

@@ -42,11 +42,14 @@ class WholeSequenceOverTP(Style):
         module.register_forward_hook(lambda m, args, out: split_sequence(out, tp))
 
 
-class SequenceParts:
+class SequenceParts(nn.Module):
     """An MoE block's view when it holds part ``comm.rank`` of each sequence, the parts equal and in
-    the order of the ranks of ``comm`` (Ulysses' sp); see :class:`bigtrain.models.moe.WholeSequences`."""
+    the order of the ranks of ``comm`` (Ulysses' sp); see :class:`bigtrain.models.moe.WholeSequences`.
+    A module put in the block's ``sequence`` child place (as expert parallelism puts its dispatcher),
+    so the plain block carries no attribute set by this package (tests/test_wrappers.py)."""
 
     def __init__(self, comm: AxisComm):
+        super().__init__()
         self.comm = comm
 
     def length(self, local: int) -> int:
