@@ -2,8 +2,10 @@
 (exit 2), ``train --help`` with fields, defaults and examples, dp from the world size; and what
 importing the command line costs a process."""
 
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +70,15 @@ def test_dp_follows_the_world_size_when_nothing_sets_it(argv, world, dp, capsys)
 def test_world_size_without_auto_is_checked_against_the_layout(capsys):
     assert main(["train", "--preset", "tiny", "--parallel.dp=1", "--world-size", "2"]) == 2
     assert "world size 2 (--world-size) != parallel.dp" in capsys.readouterr().err  # not "from the launcher"
+
+
+def test_a_world_no_dp_can_make_names_the_other_axes_not_dp(capsys):
+    """tp=2 on --world-size 1: the fix once named was "set parallel.dp = 1" (dp was 1 already) or
+    "launch 2 ranks" (the user had given --world-size, not launched anything)."""
+    assert main(["train", "--preset", "tiny", "--parallel.tp=2", "--world-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "tp x pp x sp x cp = 2 does not divide it" in err and "or give --world-size 2" in err, err
+    assert "set parallel.dp" not in err, err
 
 
 def test_hsdp_axes_given_are_not_overridden_by_the_world_size(capsys):
