@@ -81,6 +81,16 @@ def test_a_world_no_dp_can_make_names_the_other_axes_not_dp(capsys):
     assert "set parallel.dp" not in err, err
 
 
+def test_a_batch_hsdp_cannot_split_names_the_axis_the_user_set(capsys):
+    """Only parallel.dp_shard given (dp follows as dp_replicate x dp_shard): the message named
+    parallel.dp alone, a field the user never typed (scripts/fuzz-inputs.sh 400 1, as the README
+    runs it, exited 1 on it)."""
+    assert main(["train", "--preset", "tiny", "--parallel.dp_shard=3"]) == 2
+    err = capsys.readouterr().err
+    assert ("train.micro_batch x parallel.dp (parallel.dp_replicate x parallel.dp_shard = 1 x 3) = 4 x 3; "
+            "use train.global_batch = 12 or change train.micro_batch or parallel.dp_shard") in err, err
+
+
 def test_hsdp_axes_given_are_not_overridden_by_the_world_size(capsys):
     """dp_replicate x dp_shard, both given, set dp: --world-size 8 with 2 x 2 once set dp = 8 itself
     and then asked for parallel.dp = 4; the fix named is the HSDP axis."""
