@@ -113,9 +113,14 @@ def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
 
 def init_from_architecture(cfg: Config) -> list[str]:
     """``model.init_from = "hf:PATH"``: the [model] fields of PATH/config.json as overrides (the
-    model's shape is the folder's, whatever the preset says); [] without one."""
+    model's shape is the folder's, whatever the preset says); [] without one, and for a family that
+    the [model] shape fields do not describe (``model.family = "hf"`` is built from model.hf_config:
+    reading a Qwen3 or Mixtral folder as bigtrain's Llama refused the run its own docs show)."""
     from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, read_hf_config
 
+    family = FAMILIES.get(cfg.model.family)
+    if family is None or not family.model_fields:
+        return []  # validation checks the folder against the family's own description
     folder = hf_folder(cfg.model.init_from)
     if folder is None or not folder.is_dir():
         return []  # validation names the problem

@@ -91,6 +91,20 @@ def test_a_batch_hsdp_cannot_split_names_the_axis_the_user_set(capsys):
             "use train.global_batch = 12 or change train.micro_batch or parallel.dp_shard") in err, err
 
 
+def test_init_from_under_the_hf_family_is_not_read_as_a_llama(tmp_path, capsys):
+    """docs/families.md's `--model.family=hf --model.hf_config=runs/qwen-hf --model.init_from=hf:runs/qwen-hf`
+    was refused for a Qwen3 export: the CLI read the folder as bigtrain's Llama ("model_type = 'qwen3',
+    not 'llama' or 'qwen2'"), which only the llama family's [model] fields are taken from."""
+    folder = tmp_path / "qwen-hf"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((Path(__file__).parent / "fixtures" / "hf" / "qwen3" / "config.json").read_bytes())
+    (folder / "model.safetensors").write_bytes(b"")
+    argv = ["config", "--preset", "tiny", "--model.family=hf", f"--model.hf_config={folder}",
+            f"--model.init_from=hf:{folder}"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert f'init_from = "hf:{folder}"' in capsys.readouterr().out
+
+
 def test_hsdp_axes_given_are_not_overridden_by_the_world_size(capsys):
     """dp_replicate x dp_shard, both given, set dp: --world-size 8 with 2 x 2 once set dp = 8 itself
     and then asked for parallel.dp = 4; the fix named is the HSDP axis."""
