@@ -11,6 +11,7 @@ import argparse
 import atexit
 import gc
 import os
+import signal
 import sys
 import time
 import warnings
@@ -397,7 +398,20 @@ def main(argv: list[str] | None = None) -> int:
         atexit.register(gc.freeze)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
-        return _main(argv)
+        try:
+            return _main(argv)
+        except BrokenPipeError:  # `bigtrain fields | head`: the reader has gone; a traceback told it nothing
+            _drop_stdout()
+            return 128 + signal.SIGPIPE  # as a program the pipe's signal ended
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not raise on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a test's capture)
+        pass
 
 
 def _main(argv: list[str] | None = None) -> int:

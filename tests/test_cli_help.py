@@ -105,6 +105,17 @@ def test_init_from_under_the_hf_family_is_not_read_as_a_llama(tmp_path, capsys):
     assert f'init_from = "hf:{folder}"' in capsys.readouterr().out
 
 
+def test_a_closed_pipe_ends_the_command_quietly():
+    """`bigtrain fields | head`: the reader leaves early; the command stops with the pipe's status
+    (128 + SIGPIPE), not a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "bigtrain", "fields"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before it prints: its first write finds no reader
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_hsdp_axes_given_are_not_overridden_by_the_world_size(capsys):
     """dp_replicate x dp_shard, both given, set dp: --world-size 8 with 2 x 2 once set dp = 8 itself
     and then asked for parallel.dp = 4; the fix named is the HSDP axis."""
