@@ -116,6 +116,23 @@ def test_a_closed_pipe_ends_the_command_quietly():
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
+def test_warnings_are_said_by_the_launcher_not_again_by_its_ranks(monkeypatch, capsys):
+    """`bigtrain train --parallel.tp=2 --parallel.zero=1` printed each warning twice: the launcher
+    before the launch, then its rank 0 on the same resolved config."""
+    from bigtrain.distributed.launch import LAUNCHER_ENV
+    from bigtrain.preflight import print_warnings
+
+    print_warnings(["said once"])
+    assert "bigtrain: warning: said once" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    print_warnings(["said once"])  # a rank of another launcher (torchrun): its rank 0 says them
+    assert "said once" in capsys.readouterr().err
+    monkeypatch.setenv(LAUNCHER_ENV, "1")
+    print_warnings(["said once"])  # a rank bigtrain started: the launcher said them
+    assert capsys.readouterr().err == ""
+
+
 def test_hsdp_axes_given_are_not_overridden_by_the_world_size(capsys):
     """dp_replicate x dp_shard, both given, set dp: --world-size 8 with 2 x 2 once set dp = 8 itself
     and then asked for parallel.dp = 4; the fix named is the HSDP axis."""
