@@ -11,6 +11,7 @@ import argparse
 import atexit
 import gc
 import os
+import signal
 import sys
 import time
 import warnings
@@ -115,9 +116,14 @@ def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
 
 def init_from_architecture(cfg: Config) -> list[str]:
     """``model.init_from = "hf:PATH"``: the [model] fields of PATH/config.json as overrides (the
-    model's shape is the folder's, whatever the preset says); [] without one."""
+    model's shape is the folder's, whatever the preset says); [] without one, and for a family that
+    the [model] shape fields do not describe (``model.family = "hf"`` is built from model.hf_config:
+    reading a Qwen3 or Mixtral folder as bigtrain's Llama refused the run its own docs show)."""
     from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, read_hf_config
 
+    family = FAMILIES.get(cfg.model.family)
+    if family is None or not family.model_fields:
+        return []  # validation checks the folder against the family's own description
     folder = hf_folder(cfg.model.init_from)
     if folder is None or not folder.is_dir():
         return []  # validation names the problem
@@ -394,7 +400,20 @@ def main(argv: list[str] | None = None) -> int:
         atexit.register(gc.freeze)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
-        return _main(argv)
+        try:
+            return _main(argv)
+        except BrokenPipeError:  # `bigtrain fields | head`: the reader has gone; a traceback told it nothing
+            _drop_stdout()
+            return 128 + signal.SIGPIPE  # as a program the pipe's signal ended
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not raise on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a test's capture)
+        pass
 
 
 def _main(argv: list[str] | None = None) -> int:

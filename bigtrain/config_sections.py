@@ -26,11 +26,11 @@ class ModelConfig:
 
     family: str = doc("Model family (bigtrain/families): 'llama' (the decoder), 'dlrm' (a recommender: bottom MLP, "
                       "the [embedding] tables, dot interaction, top MLP, binary cross-entropy) or 'hf' (a Hugging "
-                      "Face Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE from model.hf_config). model.name is "
+                      "Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE from model.hf_config). model.name is "
                       "its older spelling, still read.", "llama")
     hf_config: str = doc("model.family = 'hf': a local config.json (or the folder holding one) of a LlamaForCausalLM, "
-                         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or "
-                         "Qwen3MoeForCausalLM; no hub access.", "")
+                         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
+                         "Qwen2MoeForCausalLM or Qwen3MoeForCausalLM; no hub access.", "")
     vocab_size: int = doc("Vocabulary size; 256 for the byte-level corpora.", 256)
     dim: int = doc("Hidden size h.", 128)
     n_layers: int = doc("Number of transformer blocks L.", 4)
@@ -62,8 +62,9 @@ class ModelConfig:
     rope_attention_factor: float = doc("rope_scaling 'yarn': the factor on cos and sin; 0 means "
                                        "0.1 ln(rope_factor) + 1.", 0.0)
     init_from: str = doc("Start from existing weights instead of a random init: 'hf:PATH', a local Hugging Face "
-                         "Llama folder (config.json, *.safetensors; `bigtrain export --format hf` writes one). "
-                         "`bigtrain train` takes the [model] shape from its config.json. '' for a random init.", "")
+                         "folder (config.json, *.safetensors; `bigtrain export --format hf` writes one). "
+                         "model.family = 'llama': `bigtrain train` takes the [model] shape from its config.json; "
+                         "'hf': model.hf_config must describe the same model. '' for a random init.", "")
     moe_experts: int = doc("Mixture of experts: experts E per MoE block; 0 keeps every block dense.", 0)
     moe_top_k: int = doc("MoE: experts each token is routed to (1 = Switch, 2 = Mixtral); <= moe_experts.", 2)
     moe_every: int = doc("MoE: every k-th block is an MoE block (blocks k-1, 2k-1, ...; 1 = all of them).", 1)

@@ -393,8 +393,12 @@ def layout_warnings(cfg: Config) -> list[str]:
 
 
 def print_warnings(warnings: list[str]) -> None:
-    """On stderr, once: under a launcher every rank finds the same warnings, and rank 0 says them."""
-    if os.environ.get("RANK", "0") != "0":
+    """On stderr, once: under a launcher every rank finds the same warnings, and rank 0 says them;
+    in ranks that ``bigtrain train`` or ``check`` started, none does: the launching process said them
+    before the launch (from the same resolved config), and its rank 0 said each a second time."""
+    from bigtrain.distributed.launch import launched_by_bigtrain
+
+    if os.environ.get("RANK", "0") != "0" or launched_by_bigtrain():
         return
     for text in warnings:
         print(f"bigtrain: warning: {text}", file=sys.stderr)

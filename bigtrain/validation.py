@@ -451,13 +451,20 @@ def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | 
         problems += rule(cfg)
     if world_size is not None and not problems and world_size != cfg.parallel.world_size:
         p = cfg.parallel
-        dp = max(1, world_size // max(1, p.tp * p.pp * p.sp * p.cp))
-        fix = f"parallel.dp = {dp}" if not p.dp_shard else \
-            f"parallel.dp_shard = {max(1, dp // max(1, p.dp_replicate))} (HSDP: dp = dp_replicate x dp_shard)"
+        rest = max(1, p.tp * p.pp * p.sp * p.cp)
+        dp = world_size // rest
+        if world_size % rest:  # no dp makes this world: "set parallel.dp = 1" when dp is 1 fixed nothing
+            fix = (f"tp x pp x sp x cp = {rest} does not divide it: lower tp, pp, sp or cp to a product that "
+                   f"divides {world_size},")
+        elif not p.dp_shard:
+            fix = f"set parallel.dp = {dp}"
+        else:
+            fix = f"set parallel.dp_shard = {max(1, dp // max(1, p.dp_replicate))} (HSDP: dp = dp_replicate x dp_shard)"
+        ranks = f"{p.world_size} rank{'s' if p.world_size > 1 else ''}"
+        launch = f"give --world-size {p.world_size}" if world_size_from == "--world-size" else f"launch {ranks}"
         problems.append(
             f"world size {world_size} ({world_size_from}) != parallel.dp x tp x pp x sp x cp = "
-            f"{p.dp} x {p.tp} x {p.pp} x {p.sp} x {p.cp} = {p.world_size}; "
-            f"set {fix} or launch {p.world_size} rank{'s' if p.world_size > 1 else ''}")
+            f"{p.dp} x {p.tp} x {p.pp} x {p.sp} x {p.cp} = {p.world_size}; {fix} or {launch}")
     if cuda_available is False and cfg.train.device == "cuda":
         problems.append("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     problems += check_fp8_device(cfg, cuda_available, cuda_capability)

@@ -80,7 +80,7 @@ def test_check_names_the_step_the_unit_and_the_ranks_of_a_broken_reduction(corpu
     assert wrong and all(name.startswith("layers.1.") for name in wrong), report.text()
     assert report.first("gradient").ranks == [0, 1]
     assert report.first("gradient").error > 0.1
-    assert "layers.1." in report.text() and "DIFFER from step 0" in report.text()
+    assert "layers.1." in report.text() and "DIFFER from step 1" in report.text()
 
 
 def test_the_check_command_exits_0_when_the_layout_agrees(corpus_cache, tmp_path, capsys):
@@ -90,6 +90,20 @@ def test_the_check_command_exits_0_when_the_layout_agrees(corpus_cache, tmp_path
     out = capsys.readouterr().out
     assert "agree: 2 steps" in out
     assert (tmp_path / "check.json").exists()
+
+
+def test_the_report_numbers_steps_as_the_trainer_does():
+    """Step k is the k-th update everywhere (README): train's console said 'step 1/N' for the loss the
+    check printed as 'step 0'. A resumed check (start = the checkpoint's step) goes on from there."""
+    from bigtrain.check.run import CheckReport
+
+    tolerance = next(iter(TOLERANCES.values()))
+    report = CheckReport(agree=False, steps=2, tolerance=tolerance, losses=[(5.0, 5.0), (4.0, 4.5)], first_step=1)
+    assert report.text().splitlines()[:3] == ["step 1: loss 5.000000 (reference 5.000000)",
+                                              "step 2: loss 4.000000 (reference 4.500000)",
+                                              f"DIFFER from step 2 (bounds: {tolerance.text()}):"]
+    resumed = CheckReport(agree=True, steps=1, tolerance=tolerance, losses=[(3.0, 3.0)], start=4)
+    assert resumed.text().startswith("step 5: loss 3.000000")
 
 
 def test_the_check_command_rejects_a_bad_layout_before_starting(tmp_path, capsys):

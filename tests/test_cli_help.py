@@ -2,8 +2,10 @@
 (exit 2), ``train --help`` with fields, defaults and examples, dp from the world size; and what
 importing the command line costs a process."""
 
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +70,67 @@ def test_dp_follows_the_world_size_when_nothing_sets_it(argv, world, dp, capsys)
 def test_world_size_without_auto_is_checked_against_the_layout(capsys):
     assert main(["train", "--preset", "tiny", "--parallel.dp=1", "--world-size", "2"]) == 2
     assert "world size 2 (--world-size) != parallel.dp" in capsys.readouterr().err  # not "from the launcher"
+
+
+def test_a_world_no_dp_can_make_names_the_other_axes_not_dp(capsys):
+    """tp=2 on --world-size 1: the fix once named was "set parallel.dp = 1" (dp was 1 already) or
+    "launch 2 ranks" (the user had given --world-size, not launched anything)."""
+    assert main(["train", "--preset", "tiny", "--parallel.tp=2", "--world-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "tp x pp x sp x cp = 2 does not divide it" in err and "or give --world-size 2" in err, err
+    assert "set parallel.dp" not in err, err
+
+
+def test_a_batch_hsdp_cannot_split_names_the_axis_the_user_set(capsys):
+    """Only parallel.dp_shard given (dp follows as dp_replicate x dp_shard): the message named
+    parallel.dp alone, a field the user never typed (scripts/fuzz-inputs.sh 400 1, as the README
+    runs it, exited 1 on it)."""
+    assert main(["train", "--preset", "tiny", "--parallel.dp_shard=3"]) == 2
+    err = capsys.readouterr().err
+    assert ("train.micro_batch x parallel.dp (parallel.dp_replicate x parallel.dp_shard = 1 x 3) = 4 x 3; "
+            "use train.global_batch = 12 or change train.micro_batch or parallel.dp_shard") in err, err
+
+
+def test_init_from_under_the_hf_family_is_not_read_as_a_llama(tmp_path, capsys):
+    """docs/families.md's `--model.family=hf --model.hf_config=runs/qwen-hf --model.init_from=hf:runs/qwen-hf`
+    was refused for a Qwen3 export: the CLI read the folder as bigtrain's Llama ("model_type = 'qwen3',
+    not 'llama' or 'qwen2'"), which only the llama family's [model] fields are taken from."""
+    folder = tmp_path / "qwen-hf"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((Path(__file__).parent / "fixtures" / "hf" / "qwen3" / "config.json").read_bytes())
+    (folder / "model.safetensors").write_bytes(b"")
+    argv = ["config", "--preset", "tiny", "--model.family=hf", f"--model.hf_config={folder}",
+            f"--model.init_from=hf:{folder}"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert f'init_from = "hf:{folder}"' in capsys.readouterr().out
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """`bigtrain fields | head`: the reader leaves early; the command stops with the pipe's status
+    (128 + SIGPIPE), not a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "bigtrain", "fields"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before it prints: its first write finds no reader
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_warnings_are_said_by_the_launcher_not_again_by_its_ranks(monkeypatch, capsys):
+    """`bigtrain train --parallel.tp=2 --parallel.zero=1` printed each warning twice: the launcher
+    before the launch, then its rank 0 on the same resolved config."""
+    from bigtrain.distributed.launch import LAUNCHER_ENV
+    from bigtrain.preflight import print_warnings
+
+    print_warnings(["said once"])
+    assert "bigtrain: warning: said once" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    print_warnings(["said once"])  # a rank of another launcher (torchrun): its rank 0 says them
+    assert "said once" in capsys.readouterr().err
+    monkeypatch.setenv(LAUNCHER_ENV, "1")
+    print_warnings(["said once"])  # a rank bigtrain started: the launcher said them
+    assert capsys.readouterr().err == ""
 
 
 def test_hsdp_axes_given_are_not_overridden_by_the_world_size(capsys):

@@ -56,7 +56,7 @@ def test_check_catches_a_broken_row_offset(tmp_path, monkeypatch):
     assert report.first("loss").error > 1e-5
     wrong = {f.name for f in report.findings if f.kind == "weight"}
     assert {f"embeddings.tables.{t}.weight" for t in range(3)} <= wrong
-    assert "DIFFER from step 0" in report.text() and "module embeddings output" in report.text()
+    assert "DIFFER from step 1" in report.text() and "module embeddings output" in report.text()
 
 
 def test_check_catches_column_adagrad_without_the_other_columns(tmp_path, monkeypatch):

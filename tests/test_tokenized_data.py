@@ -458,6 +458,23 @@ def test_a_cap_that_cuts_a_users_corpus_is_said_before_launch(bpe, tmp_path, cap
             assert (warning in capsys.readouterr().err) == said, (source, cap)
 
 
+def test_the_cap_warning_is_said_by_the_launcher_not_again_by_its_rank_0(tmp_path, monkeypatch, capsys):
+    """bigtrain train --parallel.dp=2 on a capped corpus said the warning twice: the launcher, which
+    prepares the data before the launch, then its rank 0 doing the same."""
+    from bigtrain.data.load import prepare_run_data
+    from bigtrain.distributed.launch import LAUNCHER_ENV
+
+    folder = tmp_path / "text"
+    folder.mkdir()
+    (folder / "a.txt").write_text("def f(x):\n    return x\n" * 100)  # 2,400 bytes
+    cfg = tiny_config(str(tmp_path), f"--data.source={folder}", "--data.max_bytes=1000")
+    for env, said in (({}, True), ({"RANK": "0", "WORLD_SIZE": "2", LAUNCHER_ENV: "1"}, False)):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        assert ("warning: data.max_bytes = 1000 cut" in capsys.readouterr().err) == said, env
+
+
 def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tmp_path):
     """Skipped where tiktoken is not installed (it is optional; the venv has none)."""
     import base64

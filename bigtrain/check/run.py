@@ -69,7 +69,7 @@ class CheckReport:
     steps: int  # steps compared
     tolerance: Tolerance
     losses: list[tuple[float, float]]  # (layout, reference) per step
-    first_step: int | None = None
+    first_step: int | None = None  # updates done before the first step that differs (text() prints it + 1)
     findings: list[Finding] = field(default_factory=list)  # beyond bounds at first_step
     worst: dict[str, float] = field(default_factory=dict)  # largest difference of each kind, over all steps
     start: int = 0  # the first step compared (a resumed run's step after its checkpoint)
@@ -81,13 +81,16 @@ class CheckReport:
         return next((f for f in self.findings if f.kind == kind), None)
 
     def text(self) -> str:
-        lines = [f"step {i}: loss {a:.6f} (reference {b:.6f})" for i, (a, b) in enumerate(self.losses, self.start)]
+        # Printed as the trainer counts (step k is the k-th update: train's console, metrics.jsonl and
+        # checkpoint step_k); first_step and start count the updates done before, as the trainer's step.
+        lines = [f"step {i}: loss {a:.6f} (reference {b:.6f})"
+                 for i, (a, b) in enumerate(self.losses, self.start + 1)]
         worst = ", ".join(f"{kind} {err:.1e}" for kind, err in self.worst.items() if err != float("inf"))
         if self.agree:
             lines.append(f"agree: {self.steps} steps within {self.tolerance.text()} (largest: {worst})")
             lines += [f"  within fp32's own rounding: {f.line()}" for f in self.within_rounding]
             return "\n".join(lines)
-        lines.append(f"DIFFER from step {self.first_step} (bounds: {self.tolerance.text()}):")
+        lines.append(f"DIFFER from step {self.first_step + 1} (bounds: {self.tolerance.text()}):")
         for kind, title in (("forward", "first module whose forward output differs"),
                             ("gradient", "first parameter whose gradient differs"),
                             ("weight", "first parameter whose updated value differs")):

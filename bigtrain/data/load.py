@@ -130,6 +130,7 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
 
     from bigtrain.config import ConfigError
     from bigtrain.data.tokenizer import tokenizer_kind
+    from bigtrain.distributed.launch import launched_by_bigtrain
 
     d = cfg.data
     try:
@@ -147,7 +148,7 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
-    if main and (warning := cap_warning(d, manifest)):
+    if main and (warning := cap_warning(d, manifest)) and not launched_by_bigtrain():  # else its launcher said it
         print(f"bigtrain: warning: {warning}", file=sys.stderr)
     if main and d.tokenizer != BYTES:
         run_dir = Path(run_dir)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from bigtrain.config import Config
 from bigtrain.core.tables import SHARDINGS, check_layout, parse_sizes, requested_kinds
 from bigtrain.families.spec import Family
-from bigtrain.families.tokens import exists
+from bigtrain.families.tokens import data_parallel_named, exists
 from bigtrain.recsys.placement import cmd_plan_embedding
 from bigtrain.recsys.checkpoint import FORMAT
 from bigtrain.recsys.train import DlrmStep, layout_for
@@ -22,8 +22,10 @@ def batch_problems(cfg: Config) -> list[str]:
     if t.global_batch <= 0 or dp <= 0:  # validation's own rules name those
         return []
     if t.global_batch % dp:
-        return [f"train.global_batch = {t.global_batch} is not divisible by parallel.dp = {dp} (each rank takes "
-                f"global_batch / dp samples); use train.global_batch = {max(dp, t.global_batch // dp * dp)}"]
+        named, field = data_parallel_named(cfg)
+        other = "" if field == "parallel.dp" else f" or change {field}"
+        return [f"train.global_batch = {t.global_batch} is not divisible by {named} = {dp} (each rank takes "
+                f"global_batch / dp samples); use train.global_batch = {max(dp, t.global_batch // dp * dp)}{other}"]
     return []
 
 

@@ -16,6 +16,17 @@ def exists(path: str) -> bool:
         return False
 
 
+def data_parallel_named(cfg: Config) -> tuple[str, str]:
+    """(``parallel.dp`` as a message names it, the field to change for another dp). Under HSDP the
+    user may have set only ``parallel.dp_shard`` (dp follows as dp_replicate x dp_shard): a message
+    about parallel.dp alone named a field they never typed."""
+    p = cfg.parallel
+    if p.dp_shard > 0:
+        return (f"parallel.dp (parallel.dp_replicate x parallel.dp_shard = {p.dp_replicate} x {p.dp_shard})",
+                "parallel.dp_shard")
+    return "parallel.dp", "parallel.dp"
+
+
 def token_batch_problems(cfg: Config) -> list[str]:
     """Micro-batches of whole sequences: the global batch splits evenly over them and the dp ranks."""
     t, dp = cfg.train, cfg.parallel.dp
@@ -24,8 +35,10 @@ def token_batch_problems(cfg: Config) -> list[str]:
     if t.global_batch % (t.micro_batch * dp):
         per_rank = t.micro_batch * dp
         fix = max(per_rank, t.global_batch // per_rank * per_rank)
-        return [f"train.global_batch = {t.global_batch} is not divisible by train.micro_batch x parallel.dp = "
-                f"{t.micro_batch} x {dp}; use train.global_batch = {fix} or change train.micro_batch"]
+        named, field = data_parallel_named(cfg)
+        other = "train.micro_batch" if field == "parallel.dp" else f"train.micro_batch or {field}"
+        return [f"train.global_batch = {t.global_batch} is not divisible by train.micro_batch x {named} = "
+                f"{t.micro_batch} x {dp}; use train.global_batch = {fix} or change {other}"]
     return []
 
 
