@@ -155,4 +155,3 @@ def unread_model_overrides(cfg: Config, overrides: list[str]) -> list[str]:
     return [f"--model.{key}: model.family = '{family.name}' does not read model.{key}, so it would change nothing; "
             f"leave it out" + (", or set model.family = 'hf' to use model.hf_config" if key == "hf_config" else "")
             for key in given if key not in family.model_keys]
-
