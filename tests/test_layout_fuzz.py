@@ -131,6 +131,6 @@ def test_a_resumed_sample_is_checked_after_its_checkpoint(sample, verdict, corpu
     outcome = run_sample(sample, corpus_cache, steps=2)
     assert outcome.verdict == verdict, outcome.detail
     if verdict == "agree":
-        assert "step 2: loss" in outcome.detail and "replayed" in outcome.detail
+        assert "step 3: loss" in outcome.detail and "replayed" in outcome.detail  # 1st update after 2
     else:
         assert "optim.block_size" in outcome.detail
