@@ -73,6 +73,40 @@ def test_context_parallel_draws_fit_the_world_and_leave_other_samples_as_they_we
                for i in range(20) if not any(o.startswith("then:") for o in draw_sample(SEED, i, MAX_WORLD, cp_share=1.0)))
 
 
+# -- the delayed update in bf16/fp16 ------------------------------------------------------------
+# sha256 of the JSON of draw_sample(SEED, i, 4) for i < 200, as drawn before the mixed-precision
+# delayed update joined (main 089d238). A new draw passes its share 0 here: the seeds' samples stay.
+SAMPLES_BEFORE_MIXED_DELAYED = "fb2faeac7afb618c33b7abc43d41dd1d79ff0e58fd4945e2251088afa515ede2"
+
+
+def test_mixed_precision_delayed_update_is_drawn_where_valid_and_leaves_other_samples_as_they_were():
+    import hashlib
+    import json
+
+    from bigtrain.check.fuzz import DELAYED, _valid, draw_sample, split_resume
+
+    before = [draw_sample(SEED, i, 4, delayed_share=0.0) for i in range(200)]
+    assert hashlib.sha256(json.dumps(before).encode()).hexdigest() == SAMPLES_BEFORE_MIXED_DELAYED
+    drawn = [draw_sample(SEED, i, 4) for i in range(200)]
+    gained = [new for old, new in zip(before, drawn) if new != old]
+    # the default share changes nothing but the flag, on bf16/fp16 samples only, each still valid
+    for old, new in zip(before, drawn):
+        assert new == old or (new[:new.index(DELAYED)] + new[new.index(DELAYED) + 1:] == old and DELAYED not in old)
+    assert len(gained) >= 2, gained  # samples 103 (resumed) and 180 of this seed
+    for sample in gained:
+        saved, after, resumed = split_resume(sample)
+        assert sample.count(DELAYED) == 1 and DELAYED in saved
+        assert [o for o in saved if o.startswith("--precision.mode=")][-1] in ("--precision.mode=bf16",
+                                                                               "--precision.mode=fp16")
+        assert _valid(saved) and (not after or _valid(resumed)), sample
+    # share 1: every eligible one takes it (fp16 too), none where validation refuses it (pp > 1, ...)
+    every = [draw_sample(77, i, 8, delayed_share=1.0) for i in range(300)]
+    modes = {[o for o in s if o.startswith("--precision.mode=")][-1] for s in every if DELAYED in s
+             and "--precision.mode=fp32" not in s}
+    assert modes == {"--precision.mode=bf16", "--precision.mode=fp16"}, modes
+    assert all(_valid(split_resume(s)[0]) for s in every if DELAYED in s and "--precision.mode=fp32" not in s)
+
+
 # -- resume then step ----------------------------------------------------------------------------
 def test_resume_draws_cover_every_optimizer_and_other_layouts():
     from bigtrain.check.fuzz import OPTIMIZERS, draw_sample, split_resume
@@ -97,6 +131,6 @@ def test_a_resumed_sample_is_checked_after_its_checkpoint(sample, verdict, corpu
     outcome = run_sample(sample, corpus_cache, steps=2)
     assert outcome.verdict == verdict, outcome.detail
     if verdict == "agree":
-        assert "step 2: loss" in outcome.detail and "replayed" in outcome.detail
+        assert "step 3: loss" in outcome.detail and "replayed" in outcome.detail  # 1st update after 2
     else:
         assert "optim.block_size" in outcome.detail

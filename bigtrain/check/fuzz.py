@@ -7,7 +7,8 @@ tied embeddings, grouped and replicated key/value heads, a vocabulary that tp do
 masked targets, fp32/bf16/fp16, ZeRO-3 prefetch and resharding, the asynchronous pipelines 2BW and PipeDream
 with vertical sync, local SGD at K = 1, the memory-efficient optimizers, mixture of experts with its ep
 degree, capacity, router, balance loss, shared expert and grouped GEMM, offload's tiers and its delayed
-update, float8 linears emulated); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
+update (fp32, and bf16/fp16 where validation accepts it: :func:`delayed_update_choice`), float8
+linears emulated); and the DLRM recommender (:func:`sample_dlrm_layout`: its tables sharded table-, row-,
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
 in backward, the dense part's optimizer, 1 to 4 ranks); Hugging Face decoders (:func:`sample_hf_layout`:
 Llama, Mistral, Qwen2 and Qwen3 config.json files drawn tiny, under dp, ZeRO, tp with or without
@@ -45,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, INT8, context_parallel_choice, is_hf_moe,
-                                         optimizer_choice, sample_dlrm_layout, sample_hf_layout, sample_layout,
-                                         tiny_hf_config)
+                                         last_values, optimizer_choice, sample_dlrm_layout, sample_hf_layout,
+                                         sample_layout, tiny_hf_config)
 from bigtrain.config import Config, ConfigError, load_config
 from bigtrain.families import family_of
 from bigtrain.validation import validate
@@ -61,20 +62,25 @@ INT8_SHARE = 0.2
 COMPILE_SHARE = 0.25
 COMPILED = "--compile.enabled=true"
 CP_SHARE = 0.15
+DELAYED_SHARE = 0.5
+DELAYED = "--offload.delayed_update=true"
 
 
 def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE,
                 resume_share: float = RESUME_SHARE, int8_share: float = INT8_SHARE,
                 compile_share: float = COMPILE_SHARE, hf_share: float = HF_SHARE,
-                cp_share: float = CP_SHARE) -> list[str]:
+                cp_share: float = CP_SHARE, delayed_share: float = DELAYED_SHARE) -> list[str]:
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout
     (bigtrain's or a Hugging Face one), with context parallelism (cp 2 or 4, where the world allows)
     added with probability ``cp_share``,
     int8 activation compression (a Hugging Face decoder too; never on a sample that drew float8) with
     probability ``int8_share``, compiled (``compile.enabled``; a Hugging Face decoder too) with probability
-    ``compile_share``, resumed then stepped with probability ``resume_share``. The model, int8, compilation and the resume are drawn from generators of their
-    own, so a decoder sample with none of them is the one :func:`sample_layout` drew for
-    (seed, index) before DLRMs, int8, compilation and resumes joined, whatever the shares."""
+    ``compile_share``, resumed then stepped with probability ``resume_share``, and a bf16/fp16
+    sample with offloaded optimizer the one-step delayed update with probability ``delayed_share``
+    where validation accepts it (:func:`delayed_update_choice`). The model, int8, compilation, the
+    resume and that delayed update are drawn from generators of their own, so a decoder sample
+    with none of them is the one :func:`sample_layout` drew for (seed, index) before DLRMs, int8,
+    compilation, resumes and mixed-precision delayed updates joined, whatever the shares."""
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
@@ -96,7 +102,32 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     if compiled:
         out.append(COMPILED)
     resume = random.Random(f"{seed}:{index}:resume")
-    return resume_choice(resume, out, max_world) if resume.random() < resume_share else out
+    if resume.random() < resume_share:
+        out = resume_choice(resume, out, max_world)
+    # Last, after the resume: resume_choice validates the layouts it draws, so a flag added before
+    # it would change which one it keeps (the seeds' resumed samples would not stay as they were).
+    if random.Random(f"{seed}:{index}:delayed_update").random() < delayed_share:
+        out = delayed_update_choice(out)
+    return out
+
+
+def delayed_update_choice(sample: list[str]) -> list[str]:
+    """Sample ``sample`` with ZeRO-Offload's one-step delayed update, where it offloads the
+    optimizer in bf16 or fp16 and validation accepts the delayed update in the saved run and in the
+    resumed one (not with pp > 1, local SGD, or Adafactor at world > 1: bigtrain/offload_checks.py);
+    else ``sample`` as it is. The flag goes beside the offload tiers, in the saved run's overrides
+    (the resumed run inherits it). fp32 samples draw it in :func:`sample_layout`, before this
+    joined (also where validation refuses it); the reference delays bf16/fp16 weights in their
+    precision (check/reference.py, tests/test_offload.py)."""
+    saved, after, resumed = split_resume(sample)
+    last = last_values(saved)
+    if last.get("--offload.optimizer", "none") == "none" or DELAYED in saved \
+            or last.get("--precision.mode", "fp32") not in ("bf16", "fp16"):
+        return sample
+    if not _valid(saved + [DELAYED]) or (after and not _valid(resumed + [DELAYED])):
+        return sample
+    at = max(i for i, o in enumerate(sample) if o.startswith("--offload.")) + 1
+    return sample[:at] + [DELAYED] + sample[at:]
 
 
 def _float8(out: list[str]) -> bool:
@@ -255,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-share", type=float, default=COMPILE_SHARE,
                         help=f"share of the decoder samples compiled (compile.enabled = true), 0 to 1 (default "
                              f"{COMPILE_SHARE}; 0: as before compilation joined; 1: every decoder sample)")
+    parser.add_argument("--delayed-share", type=float, default=DELAYED_SHARE,
+                        help=f"share of the bf16/fp16 decoder samples with an offloaded optimizer that take the "
+                             f"one-step delayed update where validation accepts it, 0 to 1 (default {DELAYED_SHARE}, "
+                             f"as fp32's; 0: as before it joined, fp32 samples only)")
     args = parser.parse_args(argv)
     import torch
 
@@ -264,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
         sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share, args.int8_share,
-                             args.compile_share, args.hf_share, args.cp_share)
+                             args.compile_share, args.hf_share, args.cp_share, args.delayed_share)
         outcome = run_sample(sample, args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)
@@ -281,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                          ("resumed", [o for o in outcomes if split_resume(o.overrides)[1]]),
                          ("int8", [o for o in outcomes if INT8 in o.overrides]),
                          ("cp", [o for o in outcomes if any(x.startswith(CP) for x in o.overrides)]),
-                         ("compiled", [o for o in outcomes if COMPILED in o.overrides])):
+                         ("compiled", [o for o in outcomes if COMPILED in o.overrides]),
+                         ("delayed update", [o for o in outcomes if DELAYED in o.overrides])):
         if group:
             by_verdict = {v: sum(o.verdict == v for o in group) for v in sorted({o.verdict for o in group})}
             summary += f" ({label}: {len(group)}, " + ", ".join(f"{n} {v}" for v, n in by_verdict.items()) + ")"

@@ -291,9 +291,10 @@ def _hybrid_choice(rng: random.Random, out: list[str]) -> list[str]:
 
 def _offload_choice(rng: random.Random, fp32: bool) -> list[str]:
     """ZeRO-Offload / -Infinity tiers (validation rejects them without the ZeRO engine's units), and
-    in fp32 sometimes the one-step delayed update (the reference delays bf16/fp16 weights too, and
-    tests/test_offload.py proves those; drawing them here is left to a change that keeps each seed's
-    samples as they were)."""
+    in fp32 half the time the one-step delayed update, whatever the layout (validation's refusals
+    are checked too). bf16/fp16 samples draw it in :func:`bigtrain.check.fuzz.delayed_update_choice`
+    (fuzz.py's ``--delayed-share``), from a generator of its own after the resume, where validation
+    accepts it: drawn here from rng it would change every later draw of those samples."""
     out = [f"--offload.optimizer={rng.choice(['cpu', 'nvme'])}",
            f"--offload.params={rng.choice(['none', 'cpu', 'nvme'])}"]
     if fp32 and rng.random() < 0.5:
