@@ -159,6 +159,12 @@ def test_float8_under_ulysses_is_not_compiled():
     validate(auto)
     assert not runtime_compiles(auto, "cuda")
     assert runtime_compiles(load_config("tiny", overrides=fp8_sp[:3]), "cuda")  # sp 1: compiled
+    from bigtrain.preflight import compile_warnings
+
+    assert compile_warnings(auto, cuda=True) == [
+        "compile.enabled = 'auto' leaves this run eager: compiled float8 linear layers under Ulysses gave NaN "
+        "gradients (docs/compile.md); precision.fp8 = 'none' or parallel.sp = 1 compiles"]
+    assert compile_warnings(auto, cuda=False) == []  # 'auto' compiles nothing on a CPU
 
 
 def test_a_toml_boolean_sets_runtime_compiles(tmp_path):
