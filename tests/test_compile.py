@@ -167,6 +167,15 @@ def test_float8_under_ulysses_is_not_compiled():
     assert compile_warnings(auto, cuda=False) == []  # 'auto' compiles nothing on a CPU
 
 
+def test_a_one_block_model_compiles_its_block(corpus_cache, tmp_path):
+    """The blocks are the family's container (a Llama's ``layers``), not the largest container of
+    two or more: a one-layer Llama with compile.enabled = true stopped in its rank ("Llama has no
+    blocks") after validation had accepted it."""
+    cfg = tiny_config(corpus_cache, *COMPILE, "--model.n_layers=1")
+    trainer = Trainer(cfg, tmp_path, Mesh({}), "cpu")
+    assert set(trainer.parallel.transforms) == {"layers.0", "norm"}
+
+
 def test_a_toml_boolean_sets_runtime_compiles(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[compile]\nenabled = true\n")

@@ -21,7 +21,7 @@ from torch import nn
 
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.fp8.linear import apply_float8
-from bigtrain.memory.activations import apply_activation_memory
+from bigtrain.memory.activations import apply_activation_memory, block_list
 from bigtrain.parallel.compile import apply_compile
 from bigtrain.parallel.context import apply_context_parallel
 from bigtrain.parallel.experts import apply_expert_parallel
@@ -66,7 +66,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     if plan.compile.enabled:  # the plain loss is compiled too; the vocabulary-parallel one communicates
         plain_loss = activations.head is None and (layout is None or layout.vocab is None)
         split_backward = mesh.comm("pp").size > 1 and plan.pipeline.schedule == "zb-h1"  # keeps the graph
-        compiled = apply_compile(model, token_loss_sum if plain_loss else None, keep_graph=split_backward, device=device)
+        compiled = apply_compile(model, token_loss_sum if plain_loss else None, keep_graph=split_backward, device=device,
+                                 blocks=block_list(model, plan.activations))
     if float8 is not None:  # the plans above replace some linears (a row-parallel bias): still float8?
         float8.check_kept(model)
     transforms = transforms_of(model)  # before the pipeline split: every rank records the whole model

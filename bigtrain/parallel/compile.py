@@ -49,7 +49,7 @@ from bigtrain.memory.compression import Int8SavedInput
 from bigtrain.memory.selective import RecomputedAttention
 from bigtrain.models.moe import MoEFeedForward
 from bigtrain.core.blocks import default_unit_modules
-from bigtrain.wrappers import ModuleWrapper, WholeBackward, replace_module
+from bigtrain.wrappers import ModuleWrapper, WholeBackward, name_in, replace_module
 
 # Modules that run eagerly inside a compiled block (see the module docstring).
 EAGER_MODULES: tuple[type, ...] = (MoEFeedForward, Int8SavedInput)
@@ -149,15 +149,20 @@ CPP_WRAPPER_ENV = "TORCHINDUCTOR_CPP_WRAPPER"  # inductor's switch; '0' here: th
 
 
 def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False,
-                  device: torch.device | str = "cpu") -> Compiled:
-    """Compile every block of ``model`` (the children of its largest container of modules with
-    parameters: a Llama's ``layers``) and its final ``norm`` regionally, in place; and ``loss_fn``
-    (a plain function of logits and targets) when given. ``keep_graph``: see :class:`CompiledRegion`;
+                  device: torch.device | str = "cpu", blocks: nn.Module | None = None) -> Compiled:
+    """Compile every block of ``model`` (the children of ``blocks``, the family's container of them;
+    not given: of its largest container of modules with parameters, a Llama's ``layers``, which
+    takes two blocks to find) and its final ``norm`` regionally, in place; and ``loss_fn`` (a plain
+    function of logits and targets) when given. ``keep_graph``: see :class:`CompiledRegion`;
     ``device``: where the graphs run (on a CPU through inductor's C++ wrapper, unless
     ``TORCHINDUCTOR_CPP_WRAPPER=0``)."""
     cpp_wrapper = torch.device(device).type == "cpu" and os.environ.get(CPP_WRAPPER_ENV) != "0"
-    names = {id(m): n for n, m in model.named_modules()}
-    blocks = [names[id(m)] for m in default_unit_modules(model)]
+    if blocks is not None:  # a one-block model too, which the search below cannot tell from no blocks
+        root = name_in(model, blocks)
+        blocks = [f"{root}.{name}" for name, _ in blocks.named_children()]
+    else:
+        names = {id(m): n for n, m in model.named_modules()}
+        blocks = [names[id(m)] for m in default_unit_modules(model)]
     if not blocks:
         raise ValueError(f"compile.enabled: {type(model).__name__} has no blocks (a list of modules with parameters) "
                          f"to compile one by one; set compile.enabled = false")
