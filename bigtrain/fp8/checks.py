@@ -83,7 +83,7 @@ def check_fp8_device(cfg: Config, cuda_available: bool | None, capability: tuple
 
 # Compiled float8 linear layers under Ulysses (parallel.sp > 1) gave NaN gradients from the first
 # step while eager agreed with the reference (CPU, emulated float8, bf16: layout fuzzer seed
-# 20261416 sample 13, sp 2 ZeRO-3; tensorwise and rowwise alike; fp8 off, sp 1, or fp32 compute agreed
+# 20261416 sample 13, sp 2 at ZeRO-3 and ZeRO-0; tensorwise and rowwise alike; fp8 off, sp 1, or fp32 compute agreed
 # compiled). Not understood yet:
 # ``compile.enabled = true`` is refused with them (validation.check_compile) and 'auto' leaves
 # them eager (from_config.compile_enabled).
