@@ -385,9 +385,9 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
 def compile_warnings(cfg: Config, cuda: bool) -> list[str]:
     """``compile.enabled = 'auto'`` compiles on CUDA, but leaves float8 linears under Ulysses eager
     (bigtrain/fp8/checks.py): said, since the user may expect the compiled speed."""
-    from bigtrain.fp8.checks import FLOAT8_ULYSSES, float8_under_ulysses
+    from bigtrain.fp8.checks import FLOAT8_ULYSSES, auto_leaves_eager
 
-    if cuda and cfg.compile.enabled == "auto" and float8_under_ulysses(cfg):
+    if cuda and auto_leaves_eager(cfg):
         return [f"compile.enabled = 'auto' leaves this run eager: {FLOAT8_ULYSSES}; precision.fp8 = 'none' or "
                 f"parallel.sp = 1 compiles"]
     return []
