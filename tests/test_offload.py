@@ -243,6 +243,23 @@ def test_a_delayed_update_run_resumes_onto_the_uninterrupted_run(layout, mode, c
         assert_rel_close(resumed[1][n], w, 1e-6, n)
 
 
+def test_a_delayed_run_saved_before_its_first_update_landed_resumes(corpus_cache, tmp_path):
+    """fp16 with a loss scale that overflows: step 1 is skipped, so the checkpoint after it holds the
+    weights in use but no optimizer state (8-bit AdamW makes its state at its first update); the
+    resume reads none (it once asked for the step count of a state never written: the layout fuzzer,
+    seed 20261417 sample 10) and goes on as the uninterrupted run does."""
+    flags = ["--parallel.zero=1", "--offload.optimizer=cpu", "--offload.delayed_update=true", "--precision.mode=fp16",
+             "--precision.loss_scale=1e9", "--precision.scale_backoff=0.001", "--optim.name=adamw8bit", "--train.steps=3"]
+    cfg = tiny_config(corpus_cache, *flags)
+    run_ranks(save_after_steps, 1, cfg, str(tmp_path / "run"), 1, timeout=240)
+    resumed = run_ranks(_train_then_weights, 1, tiny_config(corpus_cache, *flags, "--checkpoint.resume=auto"),
+                        str(tmp_path / "run"), 2, timeout=240)[0]
+    straight = run_ranks(_train_then_weights, 1, cfg, str(tmp_path / "straight"), 3, timeout=240)[0]
+    torch.testing.assert_close(torch.tensor(resumed[0]), torch.tensor(straight[0][1:]), rtol=0, atol=0)
+    for n, w in straight[1].items():
+        torch.testing.assert_close(resumed[1][n], w, rtol=0, atol=0)
+
+
 def _skip_with_a_delayed_update(rank, world_size, cfg, run_dir):
     """Two clean steps, a step whose loss is NaN on rank 1, a clean step: (skipped flags, whether the
     skipped step left the masters as they were, whether the last step changed them)."""

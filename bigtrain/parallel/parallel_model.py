@@ -240,7 +240,9 @@ class ParallelModel:
         ZeRO unit, or one parameter) reads only the rectangles this rank's new layout holds. No
         collectives."""
         spec = self.engine.optim_spec
-        with_state = any(k.startswith("optim/") for k in reader.entries)
+        # Optimizer state, if the saving run had stepped: a delayed update's run saved before its
+        # first update landed (the first step skipped on overflow) holds its weights in use alone.
+        with_state = any(k.startswith("optim/") and not k.endswith(f"/{WEIGHT_IN_USE}") for k in reader.entries)
         in_use = any(k.endswith(f"/{WEIGHT_IN_USE}") for k in reader.entries)
         for batch in self._load_batches(with_state):
             requests, asked = [], {}
