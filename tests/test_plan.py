@@ -394,7 +394,7 @@ def test_fixed_keys_are_kept_and_the_rest_chosen(capsys):
     ([*LLAMA_7B, "--gpus", 12], "--gpus"),
     ([*LLAMA_7B, "--gpus", 0], "--gpus"),
     ([*LLAMA_7B, "--gpus", 10**12], "at most 1048576"),  # once enumerated 10**12 divisor candidates: a hang
-    ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=3"], "dp=3 = 3 does not divide --gpus = 8"),
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=3"], "dp=3 takes 3 GPUs, which does not divide --gpus = 8"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=4,tp=4,pp=1,sp=1"], "dp x tp x pp x sp = 4 x 4 x 1 x 1"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dq=8"], "unknown key 'dq'"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "tp=3,dp=1,pp=1,sp=1"], "tp = 3"),

@@ -174,8 +174,9 @@ def _mesh_problems(fixed: dict, cluster: Cluster) -> list[str]:
         product *= value
     text = " x ".join(f"{k}={v}" for k, v in degrees.items())
     if cluster.gpus % product:
-        return [f"--layout: {text} = {product} does not divide --gpus = {cluster.gpus}; dp x tp x pp x sp must "
-                f"equal the GPUs"]
+        return [f"--layout: {text} takes {product} GPUs, which does not divide --gpus = {cluster.gpus} (the degrees "
+                f"left out fill the rest: dp x tp x pp x sp equals the GPUs); give --gpus a multiple of {product} "
+                f"or other degrees"]
     return [f"--layout: no layout with {text} fits the search space on {cluster.gpus} GPUs (tp at most "
             f"{cluster.gpus_per_node}, sp at most 8 and dividing the heads, pp at most the layers); give every "
             f"degree explicitly to use it anyway"]
