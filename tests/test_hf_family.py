@@ -105,6 +105,24 @@ def test_layout_matches_transformers_reference(corpus_cache, arch, layout):
     assert_layout_matches_reference(corpus_cache, arch, LAYOUTS[layout], layout)
 
 
+def test_a_delayed_update_trains_like_the_reference_that_delays(corpus_cache):
+    """ZeRO-Offload's one-step delayed update on a transformers model (the optimizer on the host,
+    dp=2 ZeRO-3) against the transformers reference that computes each step at the weights from
+    before the last update; the delay is real (the reference without it differs from step 1 on),
+    so a run that ignored it, or a reference that did (found by the layout fuzzer, seed 20261420
+    sample 3 under the Hugging Face draw), fails here."""
+    from bigtrain.families.hf_reference import reference_hf
+
+    delayed = ["--parallel.dp=2", "--parallel.zero=3", "--offload.optimizer=cpu", "--offload.delayed_update=true"]
+    cfg = hf_config(corpus_cache, "qwen3", *delayed)
+    losses, weights, _ = train_layout(cfg)
+    exact, fp32 = reference_hf(cfg, STEPS, torch.float64), reference_hf(cfg, STEPS)
+    noise = {n: float((fp32.weights[n].double() - w).norm() / w.norm()) for n, w in exact.weights64.items()}
+    assert_matches_reference(losses, weights, (exact, noise), "qwen3 delayed update")
+    undelayed = reference(corpus_cache, "qwen3")[0].losses
+    assert losses[0] == pytest.approx(undelayed[0], rel=RTOL) and losses[1] != pytest.approx(undelayed[1], rel=1e-4)
+
+
 def _train_compiled(rank, world_size, cfg, run_dir):
     """_train where a decoder layer the compiler fails on (which would run eagerly and agree
     anyway) is an error; also the transforms recorded and the graphs dynamo compiled."""

@@ -78,7 +78,9 @@ def test_context_parallel_draws_fit_the_world_and_leave_other_samples_as_they_we
 # delayed update joined (main 089d238). A new draw passes its share 0 here: the seeds' samples stay.
 # A change of validation may move a resumed sample (resume_choice keeps the first valid layout): so
 # since compiled float8 under Ulysses is refused, sample 104 resumes at sp 1, ZeRO-2 (was sp 2, ZeRO-0).
-SAMPLES_BEFORE_MIXED_DELAYED = "938e57c3f3645c3c3cf87d90d27fe3647c8b938dc8f4cab1e3429f4b6f2903b9"
+# Since Hugging Face samples draw the offload tiers and resumes too, 4 of the 200 (all hf, the rest
+# as they were: test_hugging_face_samples_draw_offload_and_resumes) took them.
+SAMPLES_BEFORE_MIXED_DELAYED = "95f47fb0cb1b3a4f7d7c4ad351713696a7e15ed1977329ffb8111b1939e39b8f"
 
 
 def test_mixed_precision_delayed_update_is_drawn_where_valid_and_leaves_other_samples_as_they_were():
@@ -103,10 +105,27 @@ def test_mixed_precision_delayed_update_is_drawn_where_valid_and_leaves_other_sa
         assert _valid(saved) and (not after or _valid(resumed)), sample
     # share 1: every eligible one takes it (fp16 too), none where validation refuses it (pp > 1, ...)
     every = [draw_sample(77, i, 8, delayed_share=1.0) for i in range(300)]
-    modes = {[o for o in s if o.startswith("--precision.mode=")][-1] for s in every if DELAYED in s
-             and "--precision.mode=fp32" not in s}
-    assert modes == {"--precision.mode=bf16", "--precision.mode=fp16"}, modes
-    assert all(_valid(split_resume(s)[0]) for s in every if DELAYED in s and "--precision.mode=fp32" not in s)
+    mode = {id(s): ([o for o in s if o.startswith("--precision.mode=")] or ["--precision.mode=fp32"])[-1] for s in every}
+    mixed = [s for s in every if DELAYED in s and mode[id(s)] != "--precision.mode=fp32"]
+    assert {mode[id(s)] for s in mixed} == {"--precision.mode=bf16", "--precision.mode=fp16"}
+    assert all(_valid(split_resume(s)[0]) for s in mixed)
+
+
+def test_hugging_face_samples_draw_offload_and_resumes():
+    """Hugging Face decoders draw the optimizer/parameter offload tiers (in fp32 half the time with
+    the delayed update, which their reference states: families/hf_reference.py) and resumes at
+    AdamW, the one optimizer their reference steps with; a sample that draws neither is as before."""
+    from bigtrain.check.fuzz import DELAYED, HF, draw_sample
+
+    hf = [s for s in (draw_sample(SEED, i, MAX_WORLD, hf_share=1.0, dlrm_share=0.0) for i in range(120))]
+    offloaded = [s for s in hf if any(o.startswith("--offload.optimizer=") for o in s)]
+    resumed = [s for s in hf if any(o.startswith("resume-after=") for o in s)]
+    assert all(HF in s for s in hf) and len(offloaded) >= 10 and len(resumed) >= 15
+    assert any(DELAYED in s for s in offloaded)
+    assert not any(o.startswith("--optim.name=") and o != "--optim.name=adamw" for s in resumed for o in s)
+    plain = [draw_sample(SEED, i, MAX_WORLD, hf_share=1.0, dlrm_share=0.0, resume_share=0.0) for i in range(40)]
+    assert all(s == [o for o in t if not o.startswith("resume-after=") and not o.startswith("then:")]
+               for s, t in zip(plain, hf) if not any(o.startswith("--optim.name=") for o in s))
 
 
 # -- resume then step ----------------------------------------------------------------------------

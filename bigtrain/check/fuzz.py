@@ -12,7 +12,7 @@ linears emulated); and the DLRM recommender (:func:`sample_dlrm_layout`: its tab
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
 in backward, the dense part's optimizer, 1 to 4 ranks); Hugging Face decoders (:func:`sample_hf_layout`:
 Llama, Mistral, Qwen2 and Qwen3 config.json files drawn tiny, under dp, ZeRO, tp with or without
-sequence parallelism, pp and recomputation, against their own reference); on top of a decoder sample, int8
+sequence parallelism, pp, recomputation and the offload tiers, resumed too, against their own reference); on top of a decoder sample, int8
 activation compression, against the reference that quantizes the same linear inputs by the same
 rule, and regional compilation (``compile.enabled``), each from a generator of its own so the rest of
 a sample is what it was before it joined (:func:`draw_sample`). Each sample must either be rejected by validation before any rank
@@ -20,7 +20,7 @@ starts, with every problem naming a field, or train like the independent referen
 (:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
 a bug.
 
-A share of the decoder samples resume then step (:func:`resume_choice`): the run stops at a
+A share of the decoder samples (bigtrain's and Hugging Face's) resume then step (:func:`resume_choice`): the run stops at a
 checkpoint after 1 or 2 steps, resumes (at the same or another layout) with any of the four
 optimizers, must load exactly what it saved, and is compared with the reference over the steps
 after the resume. A share of them compress saved activations to int8, compared with a reference
@@ -75,7 +75,8 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     added with probability ``cp_share``,
     int8 activation compression (a Hugging Face decoder too; never on a sample that drew float8) with
     probability ``int8_share``, compiled (``compile.enabled``; a Hugging Face decoder too) with probability
-    ``compile_share``, resumed then stepped with probability ``resume_share``, and a bf16/fp16
+    ``compile_share``, resumed then stepped with probability ``resume_share`` (a Hugging Face decoder
+    too), and a bf16/fp16
     sample with offloaded optimizer the one-step delayed update with probability ``delayed_share``
     where validation accepts it (:func:`delayed_update_choice`). The model, int8, compilation, the
     resume and that delayed update are drawn from generators of their own, so a decoder sample
@@ -92,7 +93,8 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
         if cp.random() < cp_share:
             out += context_parallel_choice(cp, out, max_world)
         int8 = int8 and not _float8(out) and not is_hf_moe(out)  # int8 on an HF MoE is refused (families/hf_moe.py)
-        return out + ([INT8] if int8 else []) + ([COMPILED] if compiled else [])
+        return _resumed_and_delayed(seed, index, out + ([INT8] if int8 else []) + ([COMPILED] if compiled else []),
+                                    max_world, resume_share, delayed_share)
     out = sample_layout(rng, max_world)
     cp = random.Random(f"{seed}:{index}:cp")
     if cp.random() < cp_share:
@@ -101,9 +103,17 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
         out.append(INT8)
     if compiled:
         out.append(COMPILED)
+    return _resumed_and_delayed(seed, index, out, max_world, resume_share, delayed_share)
+
+
+def _resumed_and_delayed(seed: int, index: int, out: list[str], max_world: int, resume_share: float,
+                         delayed_share: float) -> list[str]:
+    """The sample resumed then stepped, and in bf16/fp16 with the delayed update, each drawn from a
+    generator of its own (a Hugging Face sample draws both too since they were drawn for bigtrain's)."""
     resume = random.Random(f"{seed}:{index}:resume")
     if resume.random() < resume_share:
-        out = resume_choice(resume, out, max_world)
+        # AdamW alone for a Hugging Face decoder: its reference steps with nothing else (hf_reference.py)
+        out = resume_choice(resume, out, max_world, optimizers=("adamw",) if HF in out else OPTIMIZERS)
     # Last, after the resume: resume_choice validates the layouts it draws, so a flag added before
     # it would change which one it keeps (the seeds' resumed samples would not stay as they were).
     if random.Random(f"{seed}:{index}:delayed_update").random() < delayed_share:
@@ -147,14 +157,15 @@ _LAYOUT_KEYS = ("--parallel.dp=", "--parallel.tp=", "--parallel.pp=", "--paralle
                 "--train.micro_batch=", "--parallel.sequence_parallel=")
 
 
-def resume_choice(rng: random.Random, out: list[str], max_world: int = 8, tries: int = 20) -> list[str]:
-    """Sample ``out`` with any of the four optimizers (each alike), stopped at a checkpoint after 1
+def resume_choice(rng: random.Random, out: list[str], max_world: int = 8, tries: int = 20,
+                  optimizers: tuple[str, ...] = OPTIMIZERS) -> list[str]:
+    """Sample ``out`` with any of ``optimizers`` (each alike; the four by default), stopped at a checkpoint after 1
     or 2 steps and resumed: a third of the time at its own layout, else at another (dp, tp, pp, sp,
     ZeRO stage and micro-batch drawn again for the same global batch) that validation accepts, drawn
     up to ``tries`` times (most random layouts break a constraint of the rest of the sample: the
     resume would hardly ever run); the sample's own layout when none is accepted or the sample
     itself is not (it is rejected before anything resumes)."""
-    out = [o for o in out if not o.startswith(_OPTIMIZER_KEYS)] + optimizer_choice(rng, OPTIMIZERS)
+    out = [o for o in out if not o.startswith(_OPTIMIZER_KEYS)] + optimizer_choice(rng, optimizers)
     after = [f"{RESUME_AFTER}{rng.choice([1, 2])}"]
     # An asynchronous pipeline resumes at its own layout: the reference replays the steps before
     # the checkpoint with the resumed run's gradient delay.

@@ -78,7 +78,7 @@ def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     """One Hugging Face layout (bigtrain/families/hf.py) as overrides of the tiny preset: a tiny
     config.json of each architecture (blocks, key/value heads, tied head drawn), dp, ZeRO, tp with
     or without sequence parallelism, Ulysses sp, pp, recomputation, activation offload, the fused
-    loss or emulated float8 linears; now and then a field it does not support or a shape tp or sp
+    loss or emulated float8 linears, optimizer and parameter offload; now and then a field it does not support or a shape tp or sp
     does not divide, which validation must reject by name."""
     while True:
         dp, tp, pp = (rng.choice(c) for c in ([1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2]))
@@ -136,6 +136,11 @@ def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     window = random.Random(repr(rng.getstate()) + "window")
     if not out[1].startswith(HF_TINY + "llama:") and window.random() < 0.2:
         out[1] += ":W8"
+    # ZeRO-Offload / -Infinity tiers (and in fp32 half the time the delayed update) under the
+    # family's own units, from a generator of its own
+    offload = random.Random(repr(rng.getstate()) + "offload")
+    if offload.random() < 0.2:
+        out += _offload_choice(offload, "--precision.mode=bf16" not in out)
     return out
 
 

@@ -11,7 +11,8 @@ micro-batches of ``train.micro_batch`` sequences), the gradient is clipped by
 at linear warm-up then cosine decay to ``optim.min_lr_ratio`` of the peak; a parameter no token
 reached this step (an expert of an MoE model) steps with a zero gradient, as it is. AdamW only; fp32, or
 bf16 as the trainer's mixed precision computes it (a bf16 copy of the weights runs forward and
-backward, its gradients summed in fp32 into the fp32 masters the optimizer steps).
+backward, its gradients summed in fp32 into the fp32 masters the optimizer steps); with
+ZeRO-Offload's delayed update, each step computes at the weights from before the last update.
 The fused loss needs nothing here (it is the same cross-entropy); int8 compression and float8
 decoder-layer linears are stated as for bigtrain's Llama (check/reference.py): the int8 rule of
 :mod:`bigtrain.core.int8_reference`, and :class:`bigtrain.fp8.linear.Float8Linear` on the
@@ -108,8 +109,14 @@ class HFReference:
                 p.copy_(init_value(name, tuple(p.shape), cfg.train.seed, std))
         # bf16: the forward and backward run on a bf16 copy of the weights (the rotary tables, buffers,
         # stay fp32), whose gradients are summed into the fp32 masters, as ZeRO's mixed precision does.
+        # ZeRO-Offload's one-step delayed update (offload.delayed_update): step t computes at the
+        # weights from before step t - 1's update, W(t + 1) = W(t) - lr(t) * g(W(t - 1)) (steps 0 and
+        # 1 at W(0)), so the computing copy is apart from the masters in fp32 too and takes their
+        # values just before each step, one update behind.
         self.mixed = MODES[cfg.precision.mode] is not None
-        self.compute = parameters_in(self.model, MODES[cfg.precision.mode]) if self.mixed else self.model
+        self.delayed = cfg.offload.delayed_update
+        apart = self.mixed or self.delayed
+        self.compute = parameters_in(self.model, MODES[cfg.precision.mode] or dtype) if apart else self.model
         if cfg.memory.activation_compression == "int8":  # the rule stated again, not the trainer's wrapper
             int8_weight_gradients(self.compute.model.layers, None if cfg.model.fused_loss else self.compute.lm_head)
         if cfg.precision.fp8 != "none":  # float8 is part of the model under test (as in check/reference.py)
@@ -146,7 +153,7 @@ class HFReference:
                                        targets[first:first + t.micro_batch].flatten(), reduction="sum")
                 loss_sum += float(loss.detach())
                 (loss / counted).backward()
-                if self.mixed:
+                if self.compute is not self.model:
                     accumulate_into_masters(self.model, self.compute)
         finally:
             for h in handles:
@@ -164,9 +171,11 @@ class HFReference:
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.step)
+        if self.delayed:  # the next step computes at the weights from before this update
+            copy_masters_to(self.compute, self.model)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.mixed:
+        if self.compute is not self.model and not self.delayed:
             copy_masters_to(self.compute, self.model)
         self.step += 1
         result = ReferenceStep(loss=loss_sum / counted, grad_norm=norm, skipped=False, grads=grads)
