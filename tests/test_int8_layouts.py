@@ -95,6 +95,7 @@ def test_the_int8_bounds_can_fail(corpus_cache, tmp_path, monkeypatch):
 def test_the_int8_tolerance_keeps_the_fp32_loss_and_norm_bounds():
     fp32, int8 = tolerance_for("fp32", "adamw"), tolerance_for("fp32", "adamw", "int8")
     assert (int8.loss, int8.grad_norm) == (fp32.loss, fp32.grad_norm) and not int8.diagnostic
+    assert int8.grad_norm_bound(before_any_update=True, gradients_apart=1e-3) == fp32.grad_norm  # tests/test_int8_norm.py
     assert tolerance_for("bf16", "adamw", "int8") == tolerance_for("bf16", "adamw")
 
 
