@@ -137,10 +137,14 @@ def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     if not out[1].startswith(HF_TINY + "llama:") and window.random() < 0.2:
         out[1] += ":W8"
     # ZeRO-Offload / -Infinity tiers (and in fp32 half the time the delayed update) under the
-    # family's own units, from a generator of its own
+    # family's own units, from a generator of its own; where the ZeRO stage takes them (the
+    # refusals of the others are drawn by sample_layout), parameters off the device at ZeRO-3 only
     offload = random.Random(repr(rng.getstate()) + "offload")
-    if offload.random() < 0.2:
-        out += _offload_choice(offload, "--precision.mode=bf16" not in out)
+    zero = int(last_values(out)["--parallel.zero"])
+    if zero > 0 and offload.random() < 0.3:
+        tiers = _offload_choice(offload, "--precision.mode=bf16" not in out)
+        out += tiers if zero == 3 else [t if not t.startswith("--offload.params=") else "--offload.params=none"
+                                        for t in tiers]
     return out
 
 
