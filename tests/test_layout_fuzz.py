@@ -76,9 +76,9 @@ def test_context_parallel_draws_fit_the_world_and_leave_other_samples_as_they_we
 # -- the delayed update in bf16/fp16 ------------------------------------------------------------
 # sha256 of the JSON of draw_sample(SEED, i, 4) for i < 200, as drawn before the mixed-precision
 # delayed update joined (main 089d238). A new draw passes its share 0 here: the seeds' samples stay.
-# A change of validation may move a resumed sample (resume_choice keeps the first valid layout): so
-# since compiled float8 under Ulysses is refused, sample 104 resumes at sp 1, ZeRO-2 (was sp 2, ZeRO-0).
-SAMPLES_BEFORE_MIXED_DELAYED = "938e57c3f3645c3c3cf87d90d27fe3647c8b938dc8f4cab1e3429f4b6f2903b9"
+# A change of validation may move a resumed sample (resume_choice keeps the first valid layout): while
+# compiled float8 under Ulysses was refused (8be8389 to its fix), sample 104 resumed at sp 1, ZeRO-2.
+SAMPLES_BEFORE_MIXED_DELAYED = "fb2faeac7afb618c33b7abc43d41dd1d79ff0e58fd4945e2251088afa515ede2"
 
 
 def test_mixed_precision_delayed_update_is_drawn_where_valid_and_leaves_other_samples_as_they_were():
