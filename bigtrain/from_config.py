@@ -8,7 +8,6 @@ so the same steps run on a user's model without a Config.
 from __future__ import annotations
 
 from bigtrain.config import Config
-from bigtrain.fp8.checks import auto_leaves_eager
 from bigtrain.parallel.parallel_plan import (ActivationPlan, CompilePlan, EnginePlan, ExpertPlan, Float8Plan,
                                              LossScaling,
                                              ParallelPlan, PipelinePlan, TensorParallelPlan)
@@ -31,10 +30,7 @@ def offload_plan(cfg: Config, run_dir: str | None = None) -> OffloadPlan:
 
 def compile_enabled(cfg: Config, device_type: str, family_compiles: bool) -> bool:
     """``compile.enabled`` on a device of this type, for a model whose family compiles its blocks
-    (``Family.compiles``) or not (:func:`compiles`). 'auto' leaves float8 linears under Ulysses
-    eager: compiled, they gave NaN gradients (validation refuses ``true`` with them: bigtrain/fp8/checks.py)."""
-    if auto_leaves_eager(cfg):
-        return False
+    (``Family.compiles``) or not (:func:`compiles`)."""
     return compiles(cfg.compile.enabled, device_type, family_compiles)
 
 

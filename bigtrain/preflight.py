@@ -379,18 +379,7 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     problems += size
     if problems:
         raise ConfigError(problems)
-    return layout_warnings(cfg) + compile_warnings(cfg, cuda) + warnings
-
-
-def compile_warnings(cfg: Config, cuda: bool) -> list[str]:
-    """``compile.enabled = 'auto'`` compiles on CUDA, but leaves float8 linears under Ulysses eager
-    (bigtrain/fp8/checks.py): said, since the user may expect the compiled speed."""
-    from bigtrain.fp8.checks import FLOAT8_ULYSSES, auto_leaves_eager
-
-    if cuda and auto_leaves_eager(cfg):
-        return [f"compile.enabled = 'auto' leaves this run eager: {FLOAT8_ULYSSES}; precision.fp8 = 'none' or "
-                f"parallel.sp = 1 compiles"]
-    return []
+    return layout_warnings(cfg) + warnings
 
 
 def layout_warnings(cfg: Config) -> list[str]:

@@ -18,7 +18,7 @@ from bigtrain.field_checks import non_negative, one_of, path_exists, positive
 from bigtrain.hsdp_checks import check_hybrid_sharding  # imports no torch
 from bigtrain.data.fields import data_field_problems
 from bigtrain.families import FAMILIES, family_names
-from bigtrain.fp8.checks import FLOAT8_ULYSSES, check_fp8, check_fp8_device, float8_under_ulysses  # no torch
+from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
 from bigtrain.offload_checks import check_offload  # imports no torch
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
 
@@ -425,10 +425,6 @@ def check_compile(cfg: Config) -> list[str]:
     if setting == "true" and family is not None and not family.compiles:
         problems.append(f"compile.enabled = true compiles the decoder's transformer blocks; model.family = "
                         f"'{cfg.model.family}' has none: use compile.enabled = 'auto' or false")
-    if setting == "true" and float8_under_ulysses(cfg):
-        problems.append(f"compile.enabled = true with precision.fp8 = '{cfg.precision.fp8}' and parallel.sp = "
-                        f"{cfg.parallel.sp}: {FLOAT8_ULYSSES}; use compile.enabled = 'auto' (float8 under Ulysses "
-                        f"runs eager) or false, precision.fp8 = 'none', or parallel.sp = 1")
     return problems
 
 

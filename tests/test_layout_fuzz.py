@@ -76,11 +76,11 @@ def test_context_parallel_draws_fit_the_world_and_leave_other_samples_as_they_we
 # -- the delayed update in bf16/fp16 ------------------------------------------------------------
 # sha256 of the JSON of draw_sample(SEED, i, 4) for i < 200, as drawn before the mixed-precision
 # delayed update joined (main 089d238). A new draw passes its share 0 here: the seeds' samples stay.
-# A change of validation may move a resumed sample (resume_choice keeps the first valid layout): so
-# since compiled float8 under Ulysses is refused, sample 104 resumes at sp 1, ZeRO-2 (was sp 2, ZeRO-0).
+# A change of validation may move a resumed sample (resume_choice keeps the first valid layout): while
+# compiled float8 under Ulysses was refused (8be8389 to its fix), sample 104 resumed at sp 1, ZeRO-2.
 # Since Hugging Face samples draw the offload tiers and resumes too, 4 of the 200 (all hf, the rest
 # as they were: test_hugging_face_samples_draw_offload_and_resumes) took them.
-SAMPLES_BEFORE_MIXED_DELAYED = "563c15f36092266a8bcfcfb159c85dc955de901122e861e003a22e96c0c97805"
+SAMPLES_BEFORE_MIXED_DELAYED = "8506e5895e294c99734e01d6e89aa048469f9aa54a7abd2406aa0799a6785851"
 
 
 def test_mixed_precision_delayed_update_is_drawn_where_valid_and_leaves_other_samples_as_they_were():

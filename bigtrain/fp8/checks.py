@@ -79,21 +79,3 @@ def check_fp8_device(cfg: Config, cuda_available: bool | None, capability: tuple
         return []
     return [f"precision.fp8 = '{pr.fp8}' needs float8 matmuls (CUDA capability >= 8.9: Ada, Hopper or newer), and "
             f"this run computes on {where}: {_EMULATE}, or precision.fp8 = 'none'"]
-
-
-# Compiled float8 linear layers under Ulysses (parallel.sp > 1) gave NaN gradients from the first
-# step while eager agreed with the reference (CPU, emulated float8, bf16: layout fuzzer seed
-# 20261416 sample 13, sp 2 at ZeRO-3 and ZeRO-0; tensorwise and rowwise alike; float8 off, sp 1 or
-# fp32 compute agreed compiled). Not understood yet: ``compile.enabled = true`` is refused with them
-# (validation.check_compile) and 'auto' leaves them eager (from_config.compile_enabled), saying so
-# before launch on CUDA (preflight.compile_warnings).
-FLOAT8_ULYSSES = "compiled float8 linear layers under Ulysses gave NaN gradients (docs/compile.md)"
-
-
-def float8_under_ulysses(cfg) -> bool:
-    return cfg.precision.fp8 != "none" and cfg.parallel.sp > 1
-
-
-def auto_leaves_eager(cfg) -> bool:
-    """``compile.enabled = 'auto'`` runs this layout eagerly where it would compile it."""
-    return cfg.compile.enabled == "auto" and float8_under_ulysses(cfg)

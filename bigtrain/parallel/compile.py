@@ -32,6 +32,15 @@ device's queue, and the wrapper is left as inductor's default. ``TORCHINDUCTOR_C
 (inductor's own switch) keeps the Python wrapper on a CPU too: a cold compile is shorter without
 the C++ one to build (tests/conftest.py sets it for the suite: a tiny tp2 layout's test, 35 s
 against 52 s from an empty inductor cache).
+
+A region holding a float8 linear keeps the Python wrapper on a CPU too. The C++ wrapper builds all
+of a graph's kernels into one C++ file, and g++ 12.2 at -O3 miscompiles torch's AVX-512 bfloat16
+tile transpose (``at::vec::transpose_mxn<BFloat16>``) once that file calls it from two kernels:
+its interprocedural constant propagation clones the function and the clone drops most of its
+stores, leaving stack garbage (NaN among it) in the transposed copy. Emulated float8 in bf16
+transposes weights and gradients for its GEMMs (``fp8/gemm.py``); under Ulysses the graph before the
+first all-to-all quantizes three weights of one shape, and the block's input gradient came out NaN
+(docs/compile.md has the reproduction). The Python wrapper builds each kernel on its own.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from bigtrain.memory.compression import Int8SavedInput
 from bigtrain.memory.selective import RecomputedAttention
 from bigtrain.models.moe import MoEFeedForward
 from bigtrain.core.blocks import default_unit_modules
+from bigtrain.fp8.linear import Float8Linear
 from bigtrain.wrappers import ModuleWrapper, WholeBackward, name_in, replace_module
 
 # Modules that run eagerly inside a compiled block (see the module docstring).
@@ -111,11 +121,17 @@ def _holds_eager(module: nn.Module) -> bool:
     return any(isinstance(m, EAGER_MODULES) for m in module.modules())
 
 
+def _holds_float8(module: nn.Module) -> bool:
+    return any(isinstance(m, Float8Linear) for m in module.modules())
+
+
 def compile_regions(root: nn.Module, name: str, keep_graph: bool = False, cpp_wrapper: bool = False) -> list[str]:
     """Wrap the submodule ``name`` of ``root`` in a :class:`CompiledRegion` in place, or, if it holds
     a module that must run eagerly, each of its children that holds none (recursively). Returns the
-    names of the regions."""
+    names of the regions. ``cpp_wrapper`` is not used for a region holding a float8 linear (see the
+    module docstring)."""
     module = root.get_submodule(name)
+    cpp_wrapper = cpp_wrapper and not _holds_float8(module)
     if isinstance(module, EAGER_MODULES + (RecomputedAttention,)):
         # A recomputed attention core runs eagerly by design (memory/selective.py): a region around
         # it alone would compile nothing and be recorded as compiled. Inside a block compiled whole
