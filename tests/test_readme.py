@@ -48,6 +48,8 @@ COVERED_BY_ANOTHER_LINE = {
     "bigtrain train --parallel.dp=2 --parallel.zero=3 --precision.mode=bf16": SAME_LAUNCH,
     "bigtrain train --parallel.tp=2 --parallel.sequence_parallel=true": SAME_LAUNCH,
     "bigtrain train --parallel.dp=2 --parallel.sp=2": SAME_LAUNCH,
+    "bigtrain train --parallel.pp=2 --parallel.pp_schedule=interleaved --parallel.pp_virtual=2 --train.micro_batch=2":
+        SAME_LAUNCH,
 }
 
 
