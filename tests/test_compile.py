@@ -107,13 +107,13 @@ def test_on_a_cpu_the_graphs_are_called_through_inductor_s_cpp_wrapper(corpus_ca
     monkeypatch.delenv(CPP_WRAPPER_ENV)
     trainer = Trainer(tiny_config(corpus_cache, *COMPILE), tmp_path / "run", Mesh({}), "cpu")
     regions = [m for m in trainer.parallel.model.modules() if isinstance(m, CompiledRegion)]
-    assert len(regions) == 3 and all(r.cpp_wrapper for r in regions)  # two blocks and the final norm
+    assert len(regions) == 3 and all(r.options["cpp_wrapper"] for r in regions)  # two blocks and the final norm
     assert trainer.parallel.compiled.cpp_wrapper and trainer.parallel.compiled.loss_fn is not None
     with torch.device("meta"):
         on_gpu = Llama(trainer.cfg.model)
     compiled = apply_compile(on_gpu, device="cuda")
     assert not compiled.cpp_wrapper
-    assert not any(m.cpp_wrapper for m in on_gpu.modules() if isinstance(m, CompiledRegion))
+    assert not any(m.options for m in on_gpu.modules() if isinstance(m, CompiledRegion))
 
 
 def test_a_region_the_compiler_fails_on_runs_eagerly_after_one_named_warning():
@@ -149,26 +149,46 @@ def test_compile_settings_are_validated_before_launch(corpus_cache):
 FLOAT8_ULYSSES = ["--parallel.sp=2", "--precision.mode=bf16", "--precision.fp8=tensorwise", "--precision.fp8_emulate=true"]
 
 
-def test_a_block_holding_float8_linears_keeps_the_python_wrapper_on_a_cpu(corpus_cache, monkeypatch):
-    """Built by inductor's C++ wrapper (one C++ file a graph), the float8 block's bf16 transposes met
-    a g++ 12.2 miscompilation and its input gradient came out NaN under Ulysses (docs/compile.md):
-    a region holding a float8 linear compiles with the Python wrapper, the final norm keeps the C++
-    one. Compiled float8 under Ulysses, refused while the NaN was not understood, is accepted, and
-    'auto' compiles it on CUDA."""
-    from bigtrain.fp8.linear import convert_to_float8
-    from bigtrain.fp8.scaling import Float8Recipe
-    from bigtrain.models.llama import Llama
-    from bigtrain.parallel.compile import apply_compile
+def test_sixteen_bit_regions_compile_for_avx2_vectors_where_inductor_would_pick_avx512(corpus_cache, tmp_path,
+                                                                                       monkeypatch):
+    """g++ 12.2 miscompiles torch's AVX-512 16-bit tile transpose when one C++ file calls it twice
+    (docs/compile.md): a model computing in bf16/fp16 or holding float8 linears compiles for AVX2
+    vectors on such a CPU, whatever the wrapper; fp32 keeps inductor's default; a GPU gets no
+    options. Compiled float8 under Ulysses, refused while its NaN was not understood, is accepted."""
+    import bigtrain.parallel.compile as compile_module
+    from bigtrain.parallel.compile import inductor_options
 
     monkeypatch.delenv(CPP_WRAPPER_ENV, raising=False)
-    with torch.device("meta"):
-        model = Llama(tiny_config(corpus_cache).model)
-    convert_to_float8(model, Float8Recipe("tensorwise"), "emulated")
-    apply_compile(model, device="cpu")
-    regions = {name: m for name, m in model.named_modules() if isinstance(m, CompiledRegion)}
-    assert {name: m.cpp_wrapper for name, m in regions.items()} == {"layers.0": False, "layers.1": False, "norm": True}
+    monkeypatch.setattr(compile_module, "_vector_bits", lambda: 512)
+    assert inductor_options("cpu", sixteen_bit=True) == {"cpp_wrapper": True, "cpp.simdlen": 256}
+    assert inductor_options("cpu", sixteen_bit=False) == {"cpp_wrapper": True}
+    assert inductor_options("cuda", sixteen_bit=True) == {}
+    monkeypatch.setenv(CPP_WRAPPER_ENV, "0")
+    assert inductor_options("cpu", sixteen_bit=True) == {"cpp.simdlen": 256}
+    monkeypatch.setattr(compile_module, "_vector_bits", lambda: 256)  # an AVX2 CPU: inductor's own choice
+    assert inductor_options("cpu", sixteen_bit=True) == {}
+    for flags, sixteen in (([], False), (["--precision.mode=bf16"], True), (["--precision.mode=fp16"], True),
+                           (["--precision.fp8=tensorwise", "--precision.fp8_emulate=true"], True)):
+        trainer = Trainer(tiny_config(corpus_cache, *COMPILE, *flags), tmp_path / flags[0][2:] if flags else tmp_path / "fp32",
+                          Mesh({}), "cpu")
+        assert trainer.parallel.compiled.options == inductor_options("cpu", sixteen), flags
     validate(load_config("tiny", overrides=FLOAT8_ULYSSES + COMPILE))
     assert runtime_compiles(load_config("tiny", overrides=FLOAT8_ULYSSES), "cuda")
+
+
+def test_two_sixteen_bit_transposes_in_one_kernel_compile_right():
+    """The smallest case of the miscompilation (two bf16 transposes fused into one kernel: 96% of the
+    elements wrong, NaN among them, on an AVX-512 CPU with g++ 12.2) compiled with the options a
+    bf16 model gets (on an AVX2 CPU, inductor's own)."""
+    from bigtrain.parallel.compile import compiled_function, inductor_options
+
+    def transposed(a, b):
+        return a.t().contiguous() * 2, b.t().contiguous() * 3
+
+    a, b = (torch.randn(256, 128, dtype=torch.bfloat16) for _ in range(2))
+    out = compiled_function(transposed, options=inductor_options("cpu", sixteen_bit=True))(a, b)
+    for got, want in zip(out, transposed(a, b)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.slow
@@ -219,7 +239,7 @@ def test_a_compiled_check_that_falls_back_to_eager_fails(corpus_cache, tmp_path,
     and the compiled layout tests check through check_compiled_on_rank, where a fallback raises."""
     import bigtrain.parallel.compile as compile_module
 
-    def failing(fn, keep_graph=False, cpp_wrapper=False):
+    def failing(fn, keep_graph=False, options=None):
         def backend(gm, example_inputs):
             raise RuntimeError("this backend cannot compile anything")
         return torch.compile(fn, backend=backend)

@@ -9,7 +9,7 @@ comparable", never as agreement).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,14 +55,15 @@ class Tolerance:
     def grad_norm_bound(self, before_any_update: bool, gradients_apart: float | None) -> float:
         """The gradient norm's bound at a step: ``grad_norm``, or where the norm follows the
         gradients and weights were updated already, ``grad_norm`` plus ``gradients_apart`` (the
-        step's gradients' distance from the reference's, :func:`gradients_difference`; None where
-        the layout's are not at hand: the bound every single gradient is held to instead). By the
-        triangle inequality | |a| - |b| | <= |a - b|: a norm that agrees with the gradients it is the
-        norm of passes, one computed otherwise (a dropped or doubled reduction in it, a scaled
-        gradient clipped by it) does not."""
-        if not self.norm_follows_gradients or before_any_update:
+        step's gradients' distance from the reference's, :func:`gradients_difference`; capped at
+        the tensor bound). By the triangle inequality | |a| - |b| | <= |a - b|: a norm that agrees
+        with the gradients it is the norm of passes, one computed otherwise (a dropped or doubled
+        reduction in it, a scaled gradient clipped by it) does not. None (the layout's gradients
+        not at hand: 2BW's deferred steps) keeps ``grad_norm``: nothing compared bounds the drift
+        then, and a false alarm is better than a bound nothing backs."""
+        if not self.norm_follows_gradients or before_any_update or gradients_apart is None:
             return self.grad_norm
-        return self.grad_norm + min(self.tensor if gradients_apart is None else gradients_apart, self.tensor)
+        return self.grad_norm + min(gradients_apart, self.tensor)
 
     def decides(self, kind: str) -> bool:
         return kind not in self.diagnostic
@@ -129,7 +130,8 @@ def tolerance_for(precision: str, optimizer: str, activation_compression: str = 
     if fp8 != "none":
         return _FLOAT8
     if precision == "fp32" and optimizer in _DISCONTINUOUS_UPDATE:
-        return _DISCONTINUOUS_UPDATE[optimizer]
+        # with int8 compression too: the same tensor bound, and its flips move the norm as AdamW's do
+        return replace(_DISCONTINUOUS_UPDATE[optimizer], norm_follows_gradients=activation_compression == "int8")
     if precision == "fp32" and activation_compression == "int8":
         return _INT8_ACTIVATIONS
     return TOLERANCES[precision]

@@ -66,8 +66,9 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     if plan.compile.enabled:  # the plain loss is compiled too; the vocabulary-parallel one communicates
         plain_loss = activations.head is None and (layout is None or layout.vocab is None)
         split_backward = mesh.comm("pp").size > 1 and plan.pipeline.schedule == "zb-h1"  # keeps the graph
+        sixteen_bit = plan.engine.precision.compute in (torch.bfloat16, torch.float16) or float8 is not None
         compiled = apply_compile(model, token_loss_sum if plain_loss else None, keep_graph=split_backward, device=device,
-                                 blocks=block_list(model, plan.activations))
+                                 blocks=block_list(model, plan.activations), sixteen_bit=sixteen_bit)
     if float8 is not None:  # the plans above replace some linears (a row-parallel bias): still float8?
         float8.check_kept(model)
     transforms = transforms_of(model)  # before the pipeline split: every rank records the whole model

@@ -33,14 +33,17 @@ device's queue, and the wrapper is left as inductor's default. ``TORCHINDUCTOR_C
 the C++ one to build (tests/conftest.py sets it for the suite: a tiny tp2 layout's test, 35 s
 against 52 s from an empty inductor cache).
 
-A region holding a float8 linear keeps the Python wrapper on a CPU too. The C++ wrapper builds all
-of a graph's kernels into one C++ file, and g++ 12.2 at -O3 miscompiles torch's AVX-512 bfloat16
-tile transpose (``at::vec::transpose_mxn<BFloat16>``) once that file calls it from two kernels:
-its interprocedural constant propagation clones the function and the clone drops most of its
-stores, leaving stack garbage (NaN among it) in the transposed copy. Emulated float8 in bf16
-transposes weights and gradients for its GEMMs (``fp8/gemm.py``); under Ulysses the graph before the
-first all-to-all quantizes three weights of one shape, and the block's input gradient came out NaN
-(docs/compile.md has the reproduction). The Python wrapper builds each kernel on its own.
+A model computing in 16 bits (bf16/fp16, or float8 linears, whose emulation transposes bf16 copies)
+is compiled for AVX2 vectors on a CPU whose inductor would pick AVX-512 (``cpp.simdlen = 256``,
+:func:`inductor_options`). There g++ 12.2 at -O3 miscompiles torch's AVX-512 16-bit tile transpose
+(``at::vec::transpose_mxn<BFloat16>``, ``<Half>`` alike) once one C++ file calls it twice: its
+interprocedural constant propagation clones the function and the clone drops most of its stores,
+leaving stack garbage (NaN among it, or finite values) in the transposed copy. Inductor emits one
+kernel that transposes two tensors for as little as ``(a.t().contiguous(), b.t().contiguous())``
+(96% of the elements wrong, with either wrapper); emulated float8 under Ulysses quantizes three
+transposed weights of one shape in the graph before the first all-to-all, and the block's input
+gradient came out NaN (docs/compile.md has the reproductions). fp32 kernels use another transpose
+and are right; AVX2's 16-bit transpose is right (measured on the same cases).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -58,7 +61,6 @@ from bigtrain.memory.compression import Int8SavedInput
 from bigtrain.memory.selective import RecomputedAttention
 from bigtrain.models.moe import MoEFeedForward
 from bigtrain.core.blocks import default_unit_modules
-from bigtrain.fp8.linear import Float8Linear
 from bigtrain.wrappers import ModuleWrapper, WholeBackward, name_in, replace_module
 
 # Modules that run eagerly inside a compiled block (see the module docstring).
@@ -73,16 +75,16 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
     """Runs what it wraps through ``torch.compile`` (static shapes). Its one backward computes the
     input and weight gradients together (``WholeBackward``). ``keep_graph``: backward runs with the
     graph retained (the zero-bubble split backward), so the compiled backward must not reuse its
-    saved tensors' memory (AOT autograd's donated buffers). ``cpp_wrapper``: inductor's C++ wrapper
-    calls the graph (for a CPU: see the module docstring). If the compiler fails on it, the region
+    saved tensors' memory (AOT autograd's donated buffers). ``options``: inductor's, from
+    :func:`inductor_options` (see the module docstring). If the compiler fails on it, the region
     runs eagerly from then on, after one :class:`CompileFallbackWarning` per process."""
 
     kind = "compile"
 
-    def __init__(self, module: nn.Module, keep_graph: bool = False, cpp_wrapper: bool = False):
+    def __init__(self, module: nn.Module, keep_graph: bool = False, options: dict | None = None):
         super().__init__(module)
-        object.__setattr__(self, "compiled", compiled_function(module.forward, keep_graph, cpp_wrapper))
-        object.__setattr__(self, "cpp_wrapper", cpp_wrapper)
+        object.__setattr__(self, "compiled", compiled_function(module.forward, keep_graph, options))
+        object.__setattr__(self, "options", dict(options or {}))
         object.__setattr__(self, "failed", False)
 
     def forward(self, *args, **kwargs):
@@ -101,10 +103,10 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
             return self.wrapped.forward(*args, **kwargs)
 
 
-def compiled_function(fn, keep_graph: bool = False, cpp_wrapper: bool = False):
+def compiled_function(fn, keep_graph: bool = False, options: dict | None = None):
     """``torch.compile(fn)`` with static shapes; ``keep_graph``: for a backward that retains the graph
-    (see :class:`CompiledRegion`); ``cpp_wrapper``: graphs called through inductor's C++ wrapper
-    (regions compiled with the same options share their graphs: dynamo matches them by options)."""
+    (see :class:`CompiledRegion`); ``options``: inductor's (regions compiled with the same options
+    share their graphs: dynamo matches them by options)."""
     if keep_graph:
         # AOT autograd donates a backward's saved buffers unless told not to, which forbids the
         # retained graph zb-h1's split backward needs. Read when a graph compiles, and graphs also
@@ -114,24 +116,41 @@ def compiled_function(fn, keep_graph: bool = False, cpp_wrapper: bool = False):
         import torch._functorch.config as aot_config  # loaded with dynamo, which may not be yet
 
         aot_config.donated_buffer = False
-    return torch.compile(fn, dynamic=False, options={"cpp_wrapper": True} if cpp_wrapper else None)
+    return torch.compile(fn, dynamic=False, options=options or None)
+
+
+CPP_WRAPPER_ENV = "TORCHINDUCTOR_CPP_WRAPPER"  # inductor's switch; '0' here: the Python wrapper on a CPU too
+AVX2_BITS = 256
+
+
+def inductor_options(device: torch.device | str, sixteen_bit: bool) -> dict:
+    """Inductor's options for a model's regions on ``device``: on a CPU its C++ wrapper (unless
+    ``TORCHINDUCTOR_CPP_WRAPPER=0``), and where the model computes in 16 bits and inductor would
+    vectorize for AVX-512, AVX2 vectors (the module docstring says why). On a GPU: none."""
+    if torch.device(device).type != "cpu":
+        return {}
+    options = {"cpp_wrapper": True} if os.environ.get(CPP_WRAPPER_ENV) != "0" else {}
+    if sixteen_bit and _vector_bits() > AVX2_BITS:
+        options["cpp.simdlen"] = AVX2_BITS
+    return options
+
+
+def _vector_bits() -> int:
+    """The width of the vectors inductor generates CPU kernels for by default (0: none)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return pick_vec_isa().bit_width()
 
 
 def _holds_eager(module: nn.Module) -> bool:
     return any(isinstance(m, EAGER_MODULES) for m in module.modules())
 
 
-def _holds_float8(module: nn.Module) -> bool:
-    return any(isinstance(m, Float8Linear) for m in module.modules())
-
-
-def compile_regions(root: nn.Module, name: str, keep_graph: bool = False, cpp_wrapper: bool = False) -> list[str]:
+def compile_regions(root: nn.Module, name: str, keep_graph: bool = False, options: dict | None = None) -> list[str]:
     """Wrap the submodule ``name`` of ``root`` in a :class:`CompiledRegion` in place, or, if it holds
     a module that must run eagerly, each of its children that holds none (recursively). Returns the
-    names of the regions. ``cpp_wrapper`` is not used for a region holding a float8 linear (see the
-    module docstring)."""
+    names of the regions."""
     module = root.get_submodule(name)
-    cpp_wrapper = cpp_wrapper and not _holds_float8(module)
     if isinstance(module, EAGER_MODULES + (RecomputedAttention,)):
         # A recomputed attention core runs eagerly by design (memory/selective.py): a region around
         # it alone would compile nothing and be recorded as compiled. Inside a block compiled whole
@@ -143,13 +162,13 @@ def compile_regions(root: nn.Module, name: str, keep_graph: bool = False, cpp_wr
         # of every seeded op it recomputes, SDPA's among them, which inductor cannot lower on a CPU
         # (torch 2.13: ``AssertionError: ... RunAndSaveRngState``; the block ran eagerly). Inside,
         # the same compiled forward runs again in backward.
-        replace_module(root, name, Checkpointed(CompiledRegion(module.wrapped, keep_graph, cpp_wrapper)))
+        replace_module(root, name, Checkpointed(CompiledRegion(module.wrapped, keep_graph, options)))
         return [name]
     if not _holds_eager(module):
-        replace_module(root, name, CompiledRegion(module, keep_graph, cpp_wrapper))
+        replace_module(root, name, CompiledRegion(module, keep_graph, options))
         return [name]
     return [region for child, _ in module.named_children()
-            for region in compile_regions(root, f"{name}.{child}", keep_graph, cpp_wrapper)]
+            for region in compile_regions(root, f"{name}.{child}", keep_graph, options)]
 
 
 @dataclass
@@ -158,21 +177,24 @@ class Compiled:
 
     regions: list[str]
     loss_fn: object | None = None  # a compiled plain loss (None: the model's loss as it is)
-    cpp_wrapper: bool = False  # the graphs are called through inductor's C++ wrapper (on a CPU)
+    options: dict = field(default_factory=dict)  # inductor's, for every region (inductor_options)
 
-
-CPP_WRAPPER_ENV = "TORCHINDUCTOR_CPP_WRAPPER"  # inductor's switch; '0' here: the Python wrapper on a CPU too
+    @property
+    def cpp_wrapper(self) -> bool:
+        """The graphs are called through inductor's C++ wrapper (on a CPU)."""
+        return bool(self.options.get("cpp_wrapper"))
 
 
 def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False,
-                  device: torch.device | str = "cpu", blocks: nn.Module | None = None) -> Compiled:
+                  device: torch.device | str = "cpu", blocks: nn.Module | None = None,
+                  sixteen_bit: bool = False) -> Compiled:
     """Compile every block of ``model`` (the children of ``blocks``, the family's container of them;
     not given: of its largest container of modules with parameters, a Llama's ``layers``, which
     takes two blocks to find) and its final ``norm`` regionally, in place; and ``loss_fn`` (a plain
     function of logits and targets) when given. ``keep_graph``: see :class:`CompiledRegion`;
-    ``device``: where the graphs run (on a CPU through inductor's C++ wrapper, unless
-    ``TORCHINDUCTOR_CPP_WRAPPER=0``)."""
-    cpp_wrapper = torch.device(device).type == "cpu" and os.environ.get(CPP_WRAPPER_ENV) != "0"
+    ``device``: where the graphs run; ``sixteen_bit``: the model computes in bf16/fp16 or holds float8
+    linears (both choose inductor's options: :func:`inductor_options`)."""
+    options = inductor_options(device, sixteen_bit)
     if blocks is not None:  # a one-block model too, which the search below cannot tell from no blocks
         root = name_in(model, blocks)
         blocks = [f"{root}.{name}" for name, _ in blocks.named_children()]
@@ -182,11 +204,11 @@ def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False,
     if not blocks:
         raise ValueError(f"compile.enabled: {type(model).__name__} has no blocks (a list of modules with parameters) "
                          f"to compile one by one; set compile.enabled = false")
-    regions = [region for name in blocks for region in compile_regions(model, name, keep_graph, cpp_wrapper)]
+    regions = [region for name in blocks for region in compile_regions(model, name, keep_graph, options)]
     if "norm" in dict(model.named_children()):
-        regions += compile_regions(model, "norm", keep_graph, cpp_wrapper)
-    compiled_loss = compiled_function(loss_fn, keep_graph, cpp_wrapper) if loss_fn is not None else None
-    return Compiled(regions, compiled_loss, cpp_wrapper)
+        regions += compile_regions(model, "norm", keep_graph, options)
+    compiled_loss = compiled_function(loss_fn, keep_graph, options) if loss_fn is not None else None
+    return Compiled(regions, compiled_loss, options)
 
 
 class CompileClock:
