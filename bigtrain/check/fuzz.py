@@ -12,16 +12,16 @@ linears emulated); and the DLRM recommender (:func:`sample_dlrm_layout`: its tab
 column-wise, replicated, per table or by the planner under a memory budget, row-wise Adagrad or SGD
 in backward, the dense part's optimizer, 1 to 4 ranks); Hugging Face decoders (:func:`sample_hf_layout`:
 Llama, Mistral, Qwen2 and Qwen3 config.json files drawn tiny, under dp, ZeRO, tp with or without
-sequence parallelism, pp, recomputation and the offload tiers, resumed too, against their own reference); on top of a decoder sample, int8
-activation compression, against the reference that quantizes the same linear inputs by the same
+sequence parallelism, pp, recomputation and the offload tiers, resumed too, against their own
+reference); on top of a decoder sample, int8 activation compression, against the reference that quantizes the same linear inputs by the same
 rule, and regional compilation (``compile.enabled``), each from a generator of its own so the rest of
 a sample is what it was before it joined (:func:`draw_sample`). Each sample must either be rejected by validation before any rank
 starts, with every problem naming a field, or train like the independent reference
 (:func:`bigtrain.check.run.check_layout`). Anything else (a divergence, a crash after launch, a hang) is
 a bug.
 
-A share of the decoder samples (bigtrain's and Hugging Face's) resume then step (:func:`resume_choice`): the run stops at a
-checkpoint after 1 or 2 steps, resumes (at the same or another layout) with any of the four
+A share of the decoder samples (bigtrain's and Hugging Face's) resume then step
+(:func:`resume_choice`): the run stops at a checkpoint after 1 or 2 steps, resumes (at the same or another layout) with any of the four
 optimizers, must load exactly what it saved, and is compared with the reference over the steps
 after the resume. A share of them compress saved activations to int8, compared with a reference
 that quantizes the same rows.
@@ -159,8 +159,8 @@ _LAYOUT_KEYS = ("--parallel.dp=", "--parallel.tp=", "--parallel.pp=", "--paralle
 
 def resume_choice(rng: random.Random, out: list[str], max_world: int = 8, tries: int = 20,
                   optimizers: tuple[str, ...] = OPTIMIZERS) -> list[str]:
-    """Sample ``out`` with any of ``optimizers`` (each alike; the four by default), stopped at a checkpoint after 1
-    or 2 steps and resumed: a third of the time at its own layout, else at another (dp, tp, pp, sp,
+    """Sample ``out`` with any of ``optimizers`` (each alike; the four by default), stopped at a
+    checkpoint after 1 or 2 steps and resumed: a third of the time at its own layout, else at another (dp, tp, pp, sp,
     ZeRO stage and micro-batch drawn again for the same global batch) that validation accepts, drawn
     up to ``tries`` times (most random layouts break a constraint of the rest of the sample: the
     resume would hardly ever run); the sample's own layout when none is accepted or the sample

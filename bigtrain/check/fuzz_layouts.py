@@ -78,8 +78,8 @@ def sample_hf_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     """One Hugging Face layout (bigtrain/families/hf.py) as overrides of the tiny preset: a tiny
     config.json of each architecture (blocks, key/value heads, tied head drawn), dp, ZeRO, tp with
     or without sequence parallelism, Ulysses sp, pp, recomputation, activation offload, the fused
-    loss or emulated float8 linears, optimizer and parameter offload; now and then a field it does not support or a shape tp or sp
-    does not divide, which validation must reject by name."""
+    loss or emulated float8 linears, optimizer and parameter offload; now and then a field it does
+    not support or a shape tp or sp does not divide, which validation must reject by name."""
     while True:
         dp, tp, pp = (rng.choice(c) for c in ([1, 1, 2, 4], [1, 1, 2, 4], [1, 1, 2]))
         if dp * tp * pp <= max_world:
