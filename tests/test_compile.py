@@ -168,10 +168,10 @@ def test_sixteen_bit_regions_compile_for_avx2_vectors_where_inductor_would_pick_
     assert inductor_options("cpu", sixteen_bit=True) == {"cpp.simdlen": 256}
     monkeypatch.setattr(compile_module, "_vector_bits", lambda: 256)  # an AVX2 CPU: inductor's own choice
     assert inductor_options("cpu", sixteen_bit=True) == {}
-    for flags, sixteen in (([], False), (["--precision.mode=bf16"], True), (["--precision.mode=fp16"], True),
-                           (["--precision.fp8=tensorwise", "--precision.fp8_emulate=true"], True)):
-        trainer = Trainer(tiny_config(corpus_cache, *COMPILE, *flags), tmp_path / flags[0][2:] if flags else tmp_path / "fp32",
-                          Mesh({}), "cpu")
+    for run, (flags, sixteen) in enumerate((([], False), (["--precision.mode=bf16"], True),
+                                            (["--precision.mode=fp16"], True),
+                                            (["--precision.fp8=tensorwise", "--precision.fp8_emulate=true"], True))):
+        trainer = Trainer(tiny_config(corpus_cache, *COMPILE, *flags), tmp_path / str(run), Mesh({}), "cpu")
         assert trainer.parallel.compiled.options == inductor_options("cpu", sixteen), flags
     validate(load_config("tiny", overrides=FLOAT8_ULYSSES + COMPILE))
     assert runtime_compiles(load_config("tiny", overrides=FLOAT8_ULYSSES), "cuda")
