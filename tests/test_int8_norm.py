@@ -70,14 +70,20 @@ def test_without_the_layouts_gradients_the_norm_keeps_its_own_bound():
     assert INT8.grad_norm_bound(False, 0.5) == pytest.approx(1e-5 + INT8.tensor)
 
 
+@pytest.mark.parametrize("compression", ["none", "int8"])
 @pytest.mark.parametrize("optimizer", ["adamw8bit", "lion"])
-def test_int8_with_a_discontinuous_optimizer_follows_its_gradients_too(optimizer):
-    tol = tolerance_for("fp32", optimizer, "int8")
-    assert tol.norm_follows_gradients and tol.tensor == tolerance_for("fp32", optimizer).tensor
+def test_a_discontinuous_optimizer_follows_its_gradients_with_int8_or_without(optimizer, compression):
+    """8-bit AdamW's code flips and Lion's sign ties move weights apart after an update as int8's
+    flips do (fuzz seed 20261428 sample 2: 8-bit AdamW, dp 2 resumed at pp 4, the norm 3.1e-5 off
+    at the third step compared, its gradients 2.2e-4 apart); the first step keeps 1e-5."""
+    tol = tolerance_for("fp32", optimizer, compression)
+    assert tol.norm_follows_gradients and tol.tensor == 5e-3
+    assert tol.grad_norm_bound(True, 1e-3) == 1e-5
+    assert tol.grad_norm_bound(False, 2.2e-4) == pytest.approx(1e-5 + 2.2e-4)
 
 
-@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw"), ("fp32", "adamw8bit"), ("fp32", "lion"),
-                                                 ("bf16", "adamw")])
+@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw"), ("fp32", "adafactor"), ("bf16", "adamw"),
+                                                 ("bf16", "adamw8bit")])
 def test_other_tolerances_keep_their_norm_bound_at_every_step(precision, optimizer):
     tol = tolerance_for(precision, optimizer)
     assert not tol.norm_follows_gradients
