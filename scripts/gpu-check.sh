@@ -5,9 +5,10 @@
 #   2. benchmarks/bench_gpu.py on llama-1b (bf16, 4 x 2048 tokens a step): transformers'
 #      LlamaForCausalLM + torch.compile as the peer in the same call (20 timed steps), then eager
 #      (20), compiled (compile.enabled) and, where the checkout has precision.fp8, fp8 (200 each,
-#      so that fp8's loss can be compared with bf16's at the end, issue 27), then hf-family (the
-#      peer's model from a config.json, trained by bigtrain: model.family = "hf"; 20, last, so
-#      that the limit can only cut it; rows are written as they finish)           <= 240 s
+#      so that fp8's loss can be compared with bf16's at the end, issue 27; rowwise), then hf-family
+#      (the peer's model from a config.json, trained by bigtrain: model.family = "hf"; 20), then
+#      fp8-tensorwise (20; last, so that the limit can only cut the rows least needed; rows are
+#      written as they finish)                                                      <= 240 s
 #   3. benchmarks/compile_fusions.py: the kernels inductor generates for one block <=  40 s
 #   4. benchmarks/bench_offload.py --case gpu on llama-1b (offload.optimizer = cpu) <=  50 s
 # and writes one Markdown summary, $OUT/gpu-check.md (OUT defaults to runs/gpu-check), with every
@@ -73,7 +74,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run with a time limit, log it, recor
 }
 
 stage tests 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
-stage bench_gpu 240 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET" --variants eager,compiled,fp8,hf-family \
+stage bench_gpu 240 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET" --variants eager,compiled,fp8,hf-family,fp8-tensorwise \
   --peer hf-compiled --steps 20 --loss-steps "$STEPS" --warmup 2 --json "$OUT/bench_gpu.json"
 stage fusions 40 "$PY" benchmarks/compile_fusions.py --preset "$PRESET" --batch 1 --json "$OUT/fusions.json"
 stage bench_offload 50 "$PY" benchmarks/bench_offload.py --case gpu --preset "$PRESET" --global-batch 8 --steps 3 \
