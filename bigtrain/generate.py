@@ -23,6 +23,7 @@ from torch import nn
 from bigtrain.config import ModelConfig
 from bigtrain.families import FAMILIES
 from bigtrain.models.llama import build_model
+from bigtrain.parallel.parallel_model import persistent_buffers
 
 BYTE_VOCAB = 256
 
@@ -95,10 +96,8 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str)
     tensors: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         tensors.setdefault(id(param), (param, []))[1].append(name)
-    persistent = set(model.state_dict(keep_vars=True))  # rotary tables and the like are not checkpointed
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        if name in persistent:
-            tensors.setdefault(id(buffer), (buffer, []))[1].append(name)
+    for name, buffer in persistent_buffers(model).items():  # not the rotary tables: derived, not checkpointed
+        tensors.setdefault(id(buffer), (buffer, []))[1].append(name)
     missing, wrong = [], []
     for param, names in tensors.values():
         found = next((n for n in names if n in weights), None)
