@@ -83,9 +83,12 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors",
         with model_as_trained(meta) as cfg:
             writer = folder_writer(cfg) if folder_writer is not None else None
             if writer is not None:  # a family with names and a config.json of its own
-                return writer(cfg, weights, out), "hf"
-        folder = save_hf(weights, cfg, out)
-        write_tokenizer(path, meta["config"].get("data", {}), folder, cfg.max_seq_len)
+                folder = writer(cfg, weights, out)
+                # Its context is its config.json's (the family reads no model.max_seq_len).
+                context = (meta.get("model_description") or {}).get("max_position_embeddings", cfg.max_seq_len)
+            else:
+                folder, context = save_hf(weights, cfg, out), cfg.max_seq_len
+        write_tokenizer(path, meta["config"].get("data", {}), folder, context)
         return folder, "hf"
     info = {"step": str(meta["step"]), "source": str(path), "format": FORMAT}
     out = Path(out)
