@@ -532,3 +532,26 @@ def test_a_hugging_face_family_run_exports_its_tokenizer_too(bpe, corpus_cache, 
     assert transformers.AutoTokenizer.from_pretrained(str(out))(sample)["input_ids"] == tok.encode(sample).ids
     assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == \
         hf_config["max_position_embeddings"]
+
+
+def test_exporting_a_byte_level_run_over_an_earlier_export_names_the_tokenizer_left_there(bpe, tmp_path,
+                                                                                             corpus_cache, capsys):
+    """An export writes config.json and the weights over the folder's; the tokenizer files of an
+    earlier export (a run trained with a tokenizer) stayed, and AutoTokenizer loaded that BPE for a
+    byte-level model without a word."""
+    path, _ = bpe
+    out = tmp_path / "hf"
+    out.mkdir()
+    shutil.copyfile(path, out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text("{}")
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--output-dir", str(run), f"--data.cache_dir={corpus_cache}",
+                 "--data.max_bytes=400000", "--train.steps=1", "--logging.progress=false",
+                 "--logging.report=false"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 0
+    assert (f"bigtrain export: warning: {out} holds tokenizer.json, tokenizer_config.json, which this byte-level "
+            f"run did not write") in capsys.readouterr().err
+    shutil.rmtree(out)
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 0
+    assert "warning" not in capsys.readouterr().err
