@@ -23,6 +23,7 @@ from torch import nn
 from bigtrain.config import ModelConfig
 from bigtrain.families import FAMILIES
 from bigtrain.models.llama import build_model
+from bigtrain.parallel.parallel_model import persistent_buffers
 
 BYTE_VOCAB = 256
 
@@ -88,11 +89,15 @@ def run_model(cfg: ModelConfig) -> Decoder:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
-    """Copy ``weights`` (full tensors by parameter name) into ``model``; a tied weight is found
-    under any of its names."""
-    tensors: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
+    """Copy ``weights`` (full tensors by name) into ``model``'s parameters and persistent buffers
+    (model state outside the gradient, such as sigmoid-bias routers' biases: left at their init,
+    generation routed with other biases than the run trained); a tied weight is found under any of
+    its names."""
+    tensors: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         tensors.setdefault(id(param), (param, []))[1].append(name)
+    for name, buffer in persistent_buffers(model).items():  # not the rotary tables: derived, not checkpointed
+        tensors.setdefault(id(buffer), (buffer, []))[1].append(name)
     missing, wrong = [], []
     for param, names in tensors.values():
         found = next((n for n in names if n in weights), None)

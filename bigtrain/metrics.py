@@ -71,7 +71,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, first_step: int, progress: bool,
                  tensorboard: bool = False):
         self.enabled = enabled
-        self.board = tensorboard_writer(run_dir) if enabled and tensorboard else None
+        self.board = tensorboard_writer(run_dir, first_step) if enabled and tensorboard else None
         self.path = run_dir / "metrics.jsonl"
         self.total_steps, self.first_step = total_steps, first_step
         self._pace_from: tuple[int, float] | None = None  # (steps done, time) at the first record
@@ -139,16 +139,19 @@ class MetricsLog:
 TENSORBOARD_DIR = "tensorboard"
 
 
-def tensorboard_writer(run_dir: Path):
+def tensorboard_writer(run_dir: Path, first_step: int = 0):
     """torch's SummaryWriter into ``run_dir/tensorboard``; None (with a warning) without the
-    ``tensorboard`` package, which torch's writer needs."""
+    ``tensorboard`` package, which torch's writer needs. A run that has done ``first_step`` updates
+    (resumed) trains step ``first_step + 1`` on: the events of those steps and later, left by the
+    run it continues (steps past its checkpoint, an abandoned timeline), are purged, as
+    ``metrics.jsonl`` drops their records; kept, TensorBoard drew two values for each such step."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         warnings.warn("logging.tensorboard = true, but the tensorboard package is not installed "
                       "(pip install tensorboard); no event files are written", stacklevel=2)
         return None
-    return SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+    return SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=first_step + 1)
 
 
 def write_scalars(writer, record: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ from bigtrain.parallel.pipeline.executor import align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
 from bigtrain.preemption import Preempted, SignalWatch
 from bigtrain.run_dir import RunDirWriteError, ensure_run_id, forget_stop, read_run_id, record_stop, write_atomic
-from bigtrain.run_segments import open_segment, update_segment
+from bigtrain.run_segments import open_segment, read_segments, totals, update_segment
 from bigtrain.train_step import StepResult, StepRunner
 
 
@@ -336,6 +336,13 @@ class Trainer(StepRunner):
             return None
         return {"train_tokens": len(self.sampler.tokens), "held_out_tokens": len(self.sampler.val_tokens)}
 
+    def tokens_seen(self) -> int:
+        """The tokens of every step the run trained, each at the global batch of the launch that
+        trained it (a resume may change train.global_batch): the run's segments' sum (rank 0 keeps
+        them), else this launch's batch for every step."""
+        segments = read_segments(self.run_dir) if self.is_main else []
+        return totals(segments)["tokens"] if segments else self.step * self.global_tokens
+
     def summary(self) -> dict:
         """What ``summary.json`` records (the report reads it): the run's size and shape, what
         identifies it (:mod:`bigtrain.run_info`), and the planner's prediction for its layout."""
@@ -350,7 +357,7 @@ class Trainer(StepRunner):
                 "transforms": {name: list(kinds) for name, kinds in self.parallel.transforms.items()},
                 "compile_s": self.compile_clock.seconds if self.compile_clock is not None else 0.0,
                 "mesh": self.mesh.sizes, "model_params": self.family.parameter_count(cfg),  # whole, on meta
-                "tokens_seen": self.step * self.global_tokens,
+                "tokens_seen": self.tokens_seen(),
                 "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg, self.device.type == "cuda"),
                 "data": {"source": cfg.data.source, **self.data_extent()},
                 # The planner models the decoder the [model] fields describe; another family's is not.

@@ -48,7 +48,7 @@ def test_tensorboard_scalars_go_through_torchs_writer(corpus_cache, tmp_path, mo
     written, closed = [], []
 
     class Writer:  # stands in for torch.utils.tensorboard.SummaryWriter (tensorboard is an optional extra)
-        def __init__(self, log_dir):
+        def __init__(self, log_dir, purge_step=None):
             self.log_dir = log_dir
 
         def add_scalar(self, tag, value, step):
@@ -65,6 +65,34 @@ def test_tensorboard_scalars_go_through_torchs_writer(corpus_cache, tmp_path, mo
     assert [s for s, _ in losses] == [1, 2, 4]  # logged steps, counted from 1
     assert [tag for _, tag, _, step in written if step == 4].count("eval/loss") == 1
     assert {"train/lr", "train/tokens_per_s", "memory/total_bytes"} <= {tag for _, tag, _, _ in written}
+
+
+def test_a_resumed_run_purges_the_tensorboard_steps_it_trains_again(corpus_cache, tmp_path, monkeypatch):
+    """metrics.jsonl drops the records past the checkpoint a run resumes from (a killed run's last
+    steps, an abandoned timeline); the event files kept them, so TensorBoard drew two values for each
+    step trained again. torch's writer purges them when told the step (``purge_step``): the first
+    step the run trains."""
+    import shutil
+    import sys
+    import types
+
+    purged = []
+
+    class Writer:
+        def __init__(self, log_dir, purge_step=None):
+            purged.append(purge_step)
+
+        def add_scalar(self, tag, value, step):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    assert _tiny_run(corpus_cache, tmp_path, "--logging.tensorboard=true", "--checkpoint.every=2") == 0
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000004")  # the run "died" after its step-2 save
+    assert main(["train", "--output-dir", str(tmp_path), "--resume"]) == 0
+    assert purged == [1, 3]  # a fresh run (a restart before any save leaves events too), then from step 3
 
 
 def test_tensorboard_without_the_package_warns_and_trains(corpus_cache, tmp_path, monkeypatch, capsys):

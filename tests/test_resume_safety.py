@@ -101,6 +101,19 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(straight, tm
         trainer_on_rank(0, 1, cfg, str(out)).fit()
 
 
+def test_a_checkpoint_of_another_optimizer_is_refused_before_launch(straight, tmp_path, capsys):
+    """Its state cannot serve the run's optimizer: the ranks refused it (exit 1, each rank printing
+    the line, under torchrun its failure report too) after the launch; now before it, as another
+    model is, with the folder as it was."""
+    out = _copy(straight, tmp_path)
+    before = (out / "metrics.jsonl").read_text()
+    assert main(_resume(out, "--optim.name=lion", "--train.steps=8")) == 2
+    err = capsys.readouterr().err
+    assert ("optim.name = 'lion', but the checkpoint step_00000006 holds adamw's optimizer state; resume with "
+            "optim.name = 'adamw'") in err
+    assert (out / "metrics.jsonl").read_text() == before and 'name = "lion"' not in (out / "config.toml").read_text()
+
+
 def test_every_model_data_train_optim_and_embedding_field_is_compared_or_free_by_name():
     """A field a resumed run may change without a word must be listed free, with why: val_fraction
     (the corpus the sampler draws from), Adafactor's settings, the routing of MoE tokens and the

@@ -59,3 +59,16 @@ def test_a_resume_from_an_earlier_checkpoint_cuts_the_segments_it_rolls_back(tmp
     assert totals(read_segments(tmp_path)) == {"steps": 9, "tokens": 90, "wall_time_s": 7.0}
     open_segment(tmp_path, 0, 10, "c", None)  # started over from nothing
     assert [s["layout"] for s in read_segments(tmp_path)] == ["c"]
+
+
+def test_summary_json_counts_the_tokens_of_every_segment(corpus_cache, tmp_path):
+    """A resume that changes train.global_batch (a warned change) trains its steps with the new
+    batch: summary.json said step x the new batch's tokens for the whole run (3,072 here), the
+    report the segments' sum (2,048)."""
+    import json
+
+    out = tmp_path / "run"
+    assert main(_args(corpus_cache, out, "--train.steps=4", "--logging.report=false")) == 0
+    assert main(["train", "--output-dir", str(out), "--resume", "--train.steps=6", "--train.global_batch=16"]) == 0
+    assert totals(read_segments(out))["tokens"] == 4 * 8 * 32 + 2 * 16 * 32
+    assert json.loads((out / "summary.json").read_text())["tokens_seen"] == 4 * 8 * 32 + 2 * 16 * 32

@@ -508,3 +508,50 @@ def test_generate_refuses_a_model_trained_with_a_tokenizer_by_name():
     with pytest.raises(GenerateError, match=r"trained with data.tokenizer = 'tok.json': export it"):
         check_byte_level(decoder, {"data": {"source": "corpus", "tokenizer": "tok.json"}})
     check_byte_level(decoder, {"data": {"source": "corpus", "tokenizer": "bytes"}})
+
+
+def test_a_hugging_face_family_run_exports_its_tokenizer_too(bpe, corpus_cache, tmp_path, capsys):
+    """``export --format hf`` of a ``model.family = "hf"`` run went through the family's folder
+    writer, which wrote config.json and the weights only: the folder of a run trained with a
+    tokenizer came without one, and the export said nothing. It gets the run's tokenizer, as the
+    Llama export does, so that ``AutoTokenizer`` loads the folder with the ids the run trained on."""
+    transformers = pytest.importorskip("transformers")
+    path, tok = bpe
+    hf_config = json.loads((Path(__file__).parent / "fixtures" / "hf" / "qwen3" / "config.json").read_text())
+    (tmp_path / "qwen3").mkdir()
+    (tmp_path / "qwen3" / "config.json").write_text(json.dumps({**hf_config, "vocab_size": MODEL_VOCAB}))
+    text = tmp_path / "a.txt"
+    text.write_text("".join(_texts()[:3]))
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", "--preset", "tiny", "--output-dir", str(run), "--model.family=hf",
+                 f"--model.hf_config={tmp_path / 'qwen3'}", f"--data.source={text}", f"--data.tokenizer={path}",
+                 f"--data.cache_dir={tmp_path / 'cache'}", "--train.steps=1", "--logging.progress=false",
+                 "--logging.report=false"]) == 0
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 0
+    sample = "def main(argv):\n    return sorted(argv)\n"
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(sample)["input_ids"] == tok.encode(sample).ids
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == \
+        hf_config["max_position_embeddings"]
+
+
+def test_exporting_a_byte_level_run_over_an_earlier_export_names_the_tokenizer_left_there(bpe, tmp_path,
+                                                                                             corpus_cache, capsys):
+    """An export writes config.json and the weights over the folder's; the tokenizer files of an
+    earlier export (a run trained with a tokenizer) stayed, and AutoTokenizer loaded that BPE for a
+    byte-level model without a word."""
+    path, _ = bpe
+    out = tmp_path / "hf"
+    out.mkdir()
+    shutil.copyfile(path, out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text("{}")
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--output-dir", str(run), f"--data.cache_dir={corpus_cache}",
+                 "--data.max_bytes=400000", "--train.steps=1", "--logging.progress=false",
+                 "--logging.report=false"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 0
+    assert (f"bigtrain export: warning: {out} holds tokenizer.json, tokenizer_config.json, which this byte-level "
+            f"run did not write") in capsys.readouterr().err
+    shutil.rmtree(out)
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -140,7 +140,19 @@ def compare_configs(saved: dict[str, dict[str, Any]], run: Config, where: str) -
         errors.append("a checkpoint of another model cannot serve this run: resume with the run's own model "
                       "settings (bigtrain train --output-dir RUN --resume reads RUN/config.toml), or start a "
                       "new run in another --output-dir")
-    return errors + _block_errors(saved.get("optim", {}), run, where), changes
+    optim = saved.get("optim", {})
+    return errors + _optimizer_errors(optim, run, where) + _block_errors(optim, run, where), changes
+
+
+def _optimizer_errors(saved: dict[str, Any], run: Config, where: str) -> list[str]:
+    """A checkpoint's optimizer state serves only the optimizer that wrote it. The ranks refuse
+    another (from the manifest's "optimizer"), but only once launched, each rank printing it: the
+    checks before launch say it too."""
+    name = saved.get("name")
+    if name is None or name == run.optim.name:
+        return []
+    return [f"optim.name = '{run.optim.name}', but the checkpoint {where} holds {name}'s optimizer state; resume "
+            f"with optim.name = '{name}', or start a new run in another --output-dir"]
 
 
 def _block_errors(saved: dict[str, Any], run: Config, where: str) -> list[str]:

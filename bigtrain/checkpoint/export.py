@@ -38,6 +38,8 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 FORMATS = ("safetensors", "hf")
+# What AutoTokenizer reads from a model folder (the first two are what an export writes).
+STALE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def write_tokenizer(checkpoint: Path, data: dict, out: Path, max_len: int) -> None:
@@ -49,6 +51,13 @@ def write_tokenizer(checkpoint: Path, data: dict, out: Path, max_len: int) -> No
 
     spec = data.get("tokenizer", BYTES)
     if spec == BYTES:
+        # A folder an earlier export filled keeps its tokenizer files: AutoTokenizer would load another
+        # run's tokenizer for this byte-level model. Said, not removed (a user may have put one there).
+        stale = [name for name in STALE_TOKENIZER_FILES if (Path(out) / name).exists()]
+        if stale:
+            print(f"bigtrain export: warning: {out} holds {', '.join(stale)}, which this byte-level run did not "
+                  f"write (an earlier export into the same folder?); AutoTokenizer would load it for this "
+                  f"model: remove it, or export into an empty folder", file=sys.stderr)
         return
     run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
     kept = run_tokenizer(run_dir) if run_dir is not None else None
@@ -83,9 +92,12 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors",
         with model_as_trained(meta) as cfg:
             writer = folder_writer(cfg) if folder_writer is not None else None
             if writer is not None:  # a family with names and a config.json of its own
-                return writer(cfg, weights, out), "hf"
-        folder = save_hf(weights, cfg, out)
-        write_tokenizer(path, meta["config"].get("data", {}), folder, cfg.max_seq_len)
+                folder = writer(cfg, weights, out)
+                # Its context is its config.json's (the family reads no model.max_seq_len).
+                context = (meta.get("model_description") or {}).get("max_position_embeddings", cfg.max_seq_len)
+            else:
+                folder, context = save_hf(weights, cfg, out), cfg.max_seq_len
+        write_tokenizer(path, meta["config"].get("data", {}), folder, context)
         return folder, "hf"
     info = {"step": str(meta["step"]), "source": str(path), "format": FORMAT}
     out = Path(out)
