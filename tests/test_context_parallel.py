@@ -220,6 +220,27 @@ def test_ring_bytes_per_layer_equal_the_formula(cp, corpus_cache, tmp_path):
         assert sent["send:ring_grad"] == m.n_layers * cp * kv
 
 
+def test_the_planners_ring_traffic_is_what_a_bf16_run_sends(corpus_cache, tmp_path):
+    """In bf16 the keys and values travel in bf16 but their gradients in fp32 (the ring accumulates
+    them wide), so the backward sends (cp - 1) KV of 2-byte elements and cp KV of 4-byte ones. The
+    planner priced both at the compute dtype: the gradients' half, and 3/8 of the backward's bytes
+    at cp = 2, went uncounted. The planner's seconds on a link of one byte a second and no latency
+    are its bytes."""
+    from bigtrain.plan.cost import ring_seconds
+    from bigtrain.plan.layout import Layout
+    from bigtrain.plan.links import Link
+    from bigtrain.plan.model import ModelSpec
+
+    cp = 2
+    cfg = tiny_config(corpus_cache, *LONG, f"--parallel.cp={cp}", "--precision.mode=bf16")
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    layout = Layout(cp=cp, micro_batch=1, precision="bf16")
+    forward, backward = ring_seconds(model, layout, Link(bandwidth=1.0, latency=0.0), cfg.data.seq_len / cp,
+                                     cfg.model.n_layers, 0)
+    for _, sent in run_ranks(_one_step, cp, cfg, str(tmp_path), timeout=300):
+        assert (forward, backward) == (sent["send:ring"] / 2, sent["send:ring"] / 2 + sent["send:ring_grad"]), sent
+
+
 def _attention_work(cp: int, rank: int, chunks) -> int:
     """Query-key pairs rank ``rank`` computes (chunk size 1: a pair of chunks a >= b is a x b work)."""
     from bigtrain.parallel.ring_attention import _pairs

@@ -177,13 +177,16 @@ def ring_seconds(model: ModelSpec, layout: Layout, link: Link, local_tokens: flo
     """Seconds of the cp ring's transfers, one micro-batch, before overlap: (forward, backward).
     Per layer, forward: cp - 1 hops, each sending this rank's keys and values (its tp share) to the
     next rank; backward: the keys and values again (cp - 1 hops) and their gradients, which go on
-    home after the last (cp hops); a recomputed layer's forward once more. The bytes are those
-    tests/test_context_parallel.py counts."""
+    home after the last (cp hops); a recomputed layer's forward once more. The keys and values
+    travel in the compute dtype, their gradients in fp32 whatever it is (the ring accumulates them
+    wide, ring_attention.py). The bytes are those tests/test_context_parallel.py counts."""
     if layout.ring == 1:
         return 0.0, 0.0
-    hop = link.collective("p2p", local_tokens * 2 * model.kv_dim * BYTES[layout.precision] / layout.tp, layout.ring)
+    elements = local_tokens * 2 * model.kv_dim / layout.tp
     cp = layout.ring
-    return layers * (cp - 1) * hop, (layers * (2 * cp - 1) + recomputed * (cp - 1)) * hop
+    hop = link.collective("p2p", elements * BYTES[layout.precision], cp)
+    grad_hop = link.collective("p2p", elements * max(4, BYTES[layout.precision]), cp)
+    return layers * (cp - 1) * hop, (layers + recomputed) * (cp - 1) * hop + layers * cp * grad_hop
 
 
 def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomputed_share: float = 0.0
