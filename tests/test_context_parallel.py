@@ -226,18 +226,35 @@ def test_the_planners_ring_traffic_is_what_a_bf16_run_sends(corpus_cache, tmp_pa
     planner priced both at the compute dtype: the gradients' half, and 3/8 of the backward's bytes
     at cp = 2, went uncounted. The planner's seconds on a link of one byte a second and no latency
     are its bytes."""
+    _planned_ring_bytes_are_sent(corpus_cache, tmp_path, "--parallel.cp=2", "--precision.mode=bf16")
+
+
+@pytest.mark.parametrize("layout", [["--parallel.cp=2", "--parallel.tp=2"],
+                                    ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"]],
+                         ids=["ring-cp2-tp2", "hybrid-cp2-sp2"])
+def test_the_planners_ring_traffic_counts_replicated_key_value_heads(layout, corpus_cache, tmp_path):
+    """One key/value head, fewer than tp (or than sp under hybrid): each rank holds a copy of it
+    (tensor-parallel and Ulysses replication), and the ring passes that whole head, not kv_dim / tp
+    (or / sp) of one: the planner counted half the bytes a run sends."""
+    _planned_ring_bytes_are_sent(corpus_cache, tmp_path, *layout, "--model.n_kv_heads=1",
+                                 "--precision.mode=fp32", seq=64)
+
+
+def _planned_ring_bytes_are_sent(corpus_cache, tmp_path, *overrides: str, seq: int = 1024) -> None:
+    """The planner's ring seconds on a link of one byte a second and no latency are its bytes: the
+    forward's equal what a run sends as ``ring`` in the forward (half of it: the backward sends the
+    blocks again), the backward's that half plus the gradients (``ring_grad``), on every rank."""
     from bigtrain.plan.cost import ring_seconds
-    from bigtrain.plan.layout import Layout
+    from bigtrain.plan.fit import _layout
     from bigtrain.plan.links import Link
     from bigtrain.plan.model import ModelSpec
 
-    cp = 2
-    cfg = tiny_config(corpus_cache, *LONG, f"--parallel.cp={cp}", "--precision.mode=bf16")
+    cfg = tiny_config(corpus_cache, *LONG, f"--model.max_seq_len={seq}", f"--data.seq_len={seq}", *overrides)
     model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
-    layout = Layout(cp=cp, micro_batch=1, precision="bf16")
-    forward, backward = ring_seconds(model, layout, Link(bandwidth=1.0, latency=0.0), cfg.data.seq_len / cp,
+    layout = _layout(cfg)
+    forward, backward = ring_seconds(model, layout, Link(bandwidth=1.0, latency=0.0), seq / layout.seq_shards,
                                      cfg.model.n_layers, 0)
-    for _, sent in run_ranks(_one_step, cp, cfg, str(tmp_path), timeout=300):
+    for _, sent in run_ranks(_one_step, cfg.parallel.world_size, cfg, str(tmp_path), timeout=300):
         assert (forward, backward) == (sent["send:ring"] / 2, sent["send:ring"] / 2 + sent["send:ring_grad"]), sent
 
 

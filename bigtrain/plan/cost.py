@@ -179,10 +179,14 @@ def ring_seconds(model: ModelSpec, layout: Layout, link: Link, local_tokens: flo
     next rank; backward: the keys and values again (cp - 1 hops) and their gradients, which go on
     home after the last (cp hops); a recomputed layer's forward once more. The keys and values
     travel in the compute dtype, their gradients in fp32 whatever it is (the ring accumulates them
-    wide, ring_attention.py). The bytes are those tests/test_context_parallel.py counts."""
+    wide, ring_attention.py). Under hybrid each sp rank's ring passes its cp rank's whole part for
+    its share of the heads. A rank passes whole key/value heads: its share of them, or one copy where
+    there are fewer than tp (or tp x sp) ranks to share them (tensor-parallel and Ulysses
+    replication). The bytes are those tests/test_context_parallel.py counts."""
     if layout.ring == 1:
         return 0.0, 0.0
-    elements = local_tokens * 2 * model.kv_dim / layout.tp
+    kv_heads = max(1, max(1, model.kv_heads // layout.tp) // layout.sp)
+    elements = local_tokens * layout.sp * 2 * kv_heads * model.head_dim
     cp = layout.ring
     hop = link.collective("p2p", elements * BYTES[layout.precision], cp)
     grad_hop = link.collective("p2p", elements * max(4, BYTES[layout.precision]), cp)
