@@ -240,6 +240,39 @@ def test_the_planners_ring_traffic_counts_replicated_key_value_heads(layout, cor
                                  "--precision.mode=fp32", seq=64)
 
 
+@pytest.mark.parametrize("layout", [["--parallel.cp=2", "--parallel.cp_mode=all-to-all"],
+                                    ["--parallel.cp=4", "--parallel.cp_mode=all-to-all"],
+                                    ["--parallel.sp=4"]],
+                         ids=["all-to-all-cp2-heads-split", "all-to-all-cp4-heads-replicated", "ulysses-sp4"])
+def test_the_planners_head_exchange_traffic_is_what_a_run_sends(layout, corpus_cache, tmp_path):
+    """The all-to-alls that give each rank whole heads (Ulysses over sp, or over cp): 2 key/value
+    heads over 4 ranks are replicated first (replicate_kv_heads), so each rank's keys and values
+    leave at 4 heads' width, not 2; the planner priced the 2 (3/4 of the bytes sent). Its seconds on
+    a link of one byte a second with no latency are its bytes; forward and backward send the same."""
+    from dataclasses import replace
+
+    from bigtrain.plan.cost import stage_costs
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.layout import Cluster
+    from bigtrain.plan.model import ModelSpec
+
+    cfg = tiny_config(corpus_cache, *LONG, "--model.max_seq_len=64", "--data.seq_len=64", "--precision.mode=fp32",
+                      *layout)
+    hardware = replace(get_profile("cpu"), intra_node_bandwidth=1.0, intra_node_latency_s=0.0)
+    planned = stage_costs(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg),
+                          Cluster.build(cfg.parallel.world_size, hardware, cfg.parallel.world_size))
+    axis = "cp" if cfg.parallel.cp > 1 else "sp"
+
+    def exchanged(rank, world_size, cfg, run_dir):
+        from helpers import trainer_on_rank
+
+        return trainer_on_rank(rank, world_size, cfg, run_dir).train_step().comm_ops[axis]["all_to_all:ulysses"]
+
+    for sent in run_ranks(exchanged, cfg.parallel.world_size, cfg, str(tmp_path), timeout=300):
+        assert (planned.comm_f, planned.comm_b) == (sent / 2, sent / 2), (planned, sent)
+
+
 def _planned_ring_bytes_are_sent(corpus_cache, tmp_path, *overrides: str, seq: int = 1024) -> None:
     """The planner's ring seconds on a link of one byte a second and no latency are its bytes: the
     forward's equal what a run sends as ``ring`` in the forward (half of it: the backward sends the

@@ -126,12 +126,19 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     # in the forward, two in the backward, two more per recomputed layer.
     tp_op = tp_link.collective("all_reduce", local_tokens * model.hidden * nbytes, layout.tp)
     # Ulysses: q, k, v to head-sharded layout and the output back, per layer and direction (q and
-    # the output span the query heads' width, heads x head_dim).
-    qkv = local_tokens * (model.attention_dim + 2 * model.kv_dim) * nbytes / layout.tp
+    # the output span the query heads' width, heads x head_dim). Key/value heads fewer than the
+    # ranks are replicated to one a rank before they are sent (replicate_kv_heads), as are those
+    # fewer than tp (one a tp rank).
+    def qkv(ranks: int) -> float:
+        kv_heads = max(max(1, model.kv_heads // layout.tp), ranks)
+        return local_tokens * (model.attention_dim / layout.tp + 2 * kv_heads * model.head_dim) * nbytes
+
     out_bytes = local_tokens * model.attention_dim * nbytes / layout.tp
-    sp_op = sp_link.collective("all_to_all", qkv, layout.sp) + sp_link.collective("all_to_all", out_bytes, layout.sp)
+    sp_op = sp_link.collective("all_to_all", qkv(layout.sp), layout.sp) + \
+        sp_link.collective("all_to_all", out_bytes, layout.sp)
     if layout.cp > 1 and layout.ring == 1:  # cp's all-to-all: the same exchange over the cp ranks
-        sp_op += cp_link.collective("all_to_all", qkv, layout.cp) + cp_link.collective("all_to_all", out_bytes, layout.cp)
+        sp_op += cp_link.collective("all_to_all", qkv(layout.cp), layout.cp) + \
+            cp_link.collective("all_to_all", out_bytes, layout.cp)
     tp_f, tp_b = layers * 2 * tp_op, (layers + recomputed) * 2 * tp_op
     sp_f, sp_b = layers * sp_op, (layers + recomputed) * sp_op
     ring_f, ring_b = ring_seconds(model, layout, cp_link, local_tokens, layers, recomputed)
