@@ -397,6 +397,9 @@ def test_fixed_keys_are_kept_and_the_rest_chosen(capsys):
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=3"], "dp=3 takes 3 GPUs, which does not divide --gpus = 8"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=4,tp=4,pp=1,sp=1"], "dp x tp x pp x sp = 4 x 4 x 1 x 1"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dq=8"], "unknown key 'dq'"),
+    # an axis given twice (or once more by an alias) was taken from its last mention, unseen
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=2,tp=4,dp=8"], "dp is given twice .'dp=2' and 'dp=8'"),
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "tp=2,tp_sp=on,sequence_parallel=off"], "tp_sp is given twice"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "tp=3,dp=1,pp=1,sp=1"], "tp = 3"),
     ([*LLAMA_7B, "--hardware", "tpu"], "--hardware"),
     ([*LLAMA_7B, "--global-batch", 0], "--global-batch"),

@@ -220,13 +220,17 @@ def parse_layout(text: str) -> dict:
     text = (text or "auto").strip()
     if text == "auto":
         return {}
-    out, problems = {}, []
+    out, problems, given_as = {}, [], {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         if "=" not in item:
             problems.append(f"--layout: '{item}' must look like key=value (e.g. dp=8)")
             continue
         key, value = (s.strip() for s in item.split("=", 1))
         key = _ALIASES.get(key, key)
+        if key in given_as:  # the later one would win unseen (an alias names the same setting)
+            problems.append(f"--layout: {key} is given twice ('{given_as[key]}' and '{item}'); keep one")
+            continue
+        given_as[key] = item
         if key not in LAYOUT_KEYS:
             close = difflib.get_close_matches(key, LAYOUT_KEYS, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; keys: {', '.join(LAYOUT_KEYS)}"
