@@ -497,6 +497,21 @@ def test_the_search_weighs_cp_for_long_sequences_only():
                                                 Cluster.build(3, PRESETS["cpu"]), 1))
 
 
+@pytest.mark.parametrize("model,layout,words", [
+    # 3 key/value heads over cp = 2: neither split nor replicated (context_checks.py refuses it)
+    (dict(heads=12, kv_heads=3, seq=1024), dict(cp=2, cp_mode="all-to-all"), "3 key/value heads per tp rank"),
+    # each cp rank's 12 tokens cut over sp = 8, though sp divides the whole 24
+    (dict(heads=8, kv_heads=8, seq=24), dict(cp=2, sp=8, cp_mode="hybrid"), "--seq / cp = 12 must divide by sp"),
+], ids=["all-to-all-kv-heads-neither", "hybrid-cp-part-not-cut-by-sp"])
+def test_the_planner_refuses_the_cp_layouts_the_runtime_refuses(model, layout, words):
+    """What bigtrain/context_checks.py refuses before launch, the planner must not offer (a fixed
+    cp_mode, or a search, would propose a layout the run then refuses)."""
+    spec = ModelSpec.build(layers=2, hidden=96 if model["heads"] == 12 else 64, vocab=256, **model)
+    chosen = Layout(micro_batch=1, **layout)
+    problems = " ".join(layout_problems(chosen, spec, Cluster.build(chosen.gpus, PRESETS["cpu"]), 1))
+    assert words in problems, problems
+
+
 @pytest.mark.parametrize("fields", [
     {"attention_head_dim": 32},
     {"qkv_bias": True},
