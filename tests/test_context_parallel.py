@@ -220,6 +220,77 @@ def test_ring_bytes_per_layer_equal_the_formula(cp, corpus_cache, tmp_path):
         assert sent["send:ring_grad"] == m.n_layers * cp * kv
 
 
+def test_the_planners_ring_traffic_is_what_a_bf16_run_sends(corpus_cache, tmp_path):
+    """In bf16 the keys and values travel in bf16 but their gradients in fp32 (the ring accumulates
+    them wide), so the backward sends (cp - 1) KV of 2-byte elements and cp KV of 4-byte ones. The
+    planner priced both at the compute dtype: the gradients' half, and 3/8 of the backward's bytes
+    at cp = 2, went uncounted. The planner's seconds on a link of one byte a second and no latency
+    are its bytes."""
+    _planned_ring_bytes_are_sent(corpus_cache, tmp_path, "--parallel.cp=2", "--precision.mode=bf16")
+
+
+@pytest.mark.parametrize("layout", [["--parallel.cp=2", "--parallel.tp=2"],
+                                    ["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"]],
+                         ids=["ring-cp2-tp2", "hybrid-cp2-sp2"])
+def test_the_planners_ring_traffic_counts_replicated_key_value_heads(layout, corpus_cache, tmp_path):
+    """One key/value head, fewer than tp (or than sp under hybrid): each rank holds a copy of it
+    (tensor-parallel and Ulysses replication), and the ring passes that whole head, not kv_dim / tp
+    (or / sp) of one: the planner counted half the bytes a run sends."""
+    _planned_ring_bytes_are_sent(corpus_cache, tmp_path, *layout, "--model.n_kv_heads=1",
+                                 "--precision.mode=fp32", seq=64)
+
+
+@pytest.mark.parametrize("layout", [["--parallel.cp=2", "--parallel.cp_mode=all-to-all"],
+                                    ["--parallel.cp=4", "--parallel.cp_mode=all-to-all"],
+                                    ["--parallel.sp=4"]],
+                         ids=["all-to-all-cp2-heads-split", "all-to-all-cp4-heads-replicated", "ulysses-sp4"])
+def test_the_planners_head_exchange_traffic_is_what_a_run_sends(layout, corpus_cache, tmp_path):
+    """The all-to-alls that give each rank whole heads (Ulysses over sp, or over cp): 2 key/value
+    heads over 4 ranks are replicated first (replicate_kv_heads), so each rank's keys and values
+    leave at 4 heads' width, not 2; the planner priced the 2 (3/4 of the bytes sent). Its seconds on
+    a link of one byte a second with no latency are its bytes; forward and backward send the same."""
+    from dataclasses import replace
+
+    from bigtrain.plan.cost import stage_costs
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.layout import Cluster
+    from bigtrain.plan.model import ModelSpec
+
+    cfg = tiny_config(corpus_cache, *LONG, "--model.max_seq_len=64", "--data.seq_len=64", "--precision.mode=fp32",
+                      *layout)
+    hardware = replace(get_profile("cpu"), intra_node_bandwidth=1.0, intra_node_latency_s=0.0)
+    planned = stage_costs(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg),
+                          Cluster.build(cfg.parallel.world_size, hardware, cfg.parallel.world_size))
+    axis = "cp" if cfg.parallel.cp > 1 else "sp"
+
+    def exchanged(rank, world_size, cfg, run_dir):
+        from helpers import trainer_on_rank
+
+        return trainer_on_rank(rank, world_size, cfg, run_dir).train_step().comm_ops[axis]["all_to_all:ulysses"]
+
+    for sent in run_ranks(exchanged, cfg.parallel.world_size, cfg, str(tmp_path), timeout=300):
+        assert (planned.comm_f, planned.comm_b) == (sent / 2, sent / 2), (planned, sent)
+
+
+def _planned_ring_bytes_are_sent(corpus_cache, tmp_path, *overrides: str, seq: int = 1024) -> None:
+    """The planner's ring seconds on a link of one byte a second and no latency are its bytes: the
+    forward's equal what a run sends as ``ring`` in the forward (half of it: the backward sends the
+    blocks again), the backward's that half plus the gradients (``ring_grad``), on every rank."""
+    from bigtrain.plan.cost import ring_seconds
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.links import Link
+    from bigtrain.plan.model import ModelSpec
+
+    cfg = tiny_config(corpus_cache, *LONG, f"--model.max_seq_len={seq}", f"--data.seq_len={seq}", *overrides)
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    layout = _layout(cfg)
+    forward, backward = ring_seconds(model, layout, Link(bandwidth=1.0, latency=0.0), seq / layout.seq_shards,
+                                     cfg.model.n_layers, 0)
+    for _, sent in run_ranks(_one_step, cfg.parallel.world_size, cfg, str(tmp_path), timeout=300):
+        assert (forward, backward) == (sent["send:ring"] / 2, sent["send:ring"] / 2 + sent["send:ring_grad"]), sent
+
+
 def _attention_work(cp: int, rank: int, chunks) -> int:
     """Query-key pairs rank ``rank`` computes (chunk size 1: a pair of chunks a >= b is a x b work)."""
     from bigtrain.parallel.ring_attention import _pairs

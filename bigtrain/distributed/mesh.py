@@ -330,7 +330,7 @@ class Mesh:
 
     def device_mesh(self, layout: str = "dense", device_type: str | None = None):
         """torch's ``DeviceMesh`` over this mesh's axes of more than one rank, for DTensor and DCP:
-        ``layout`` "dense" has the dims (pp, dp, sp, tp), "expert" (pp, edp, ep, tp). It is made
+        ``layout`` "dense" has the dims (pp, dp, cp, sp, tp), "expert" (pp, edp, ep, tp). It is made
         from this mesh's process groups (``DeviceMesh.from_group``), so it makes no new ones, and
         once per layout. ``device_type``: "cuda" under NCCL, else "cpu", unless given."""
         if layout not in DEVICE_MESH_LAYOUTS:

@@ -27,6 +27,9 @@ Layouts (t = tp degree, u = Ulysses degree; every count is per token the rank ho
                    saves a whole-sequence copy of its gathered input: SP_GATHERED_COPIES x B h
     Ulysses:       as one rank, on s/u tokens, plus B h for attention's output after the
                    all-to-all back (a new tensor, where wo otherwise saves a view of SDPA's output)
+    key/value heads fewer than the ranks: a rank keeps whole heads, one copy where there are fewer
+                   than tp, and under Ulysses (or cp's all-to-all) the whole sequence of one copy
+                   where fewer than u per tp rank (replicate_kv_heads): more than 2Bk/t per token
 A checkpointed block keeps only its input (B h, sharded along the sequence under Megatron SP).
 After the last block: the final norm (as above), the fp32 log-softmax of the logits 4V
 (vocab-parallel under tp: 4V/t), the targets (int64 copy; under tp plus a bool mask) and a
@@ -131,6 +134,7 @@ class BlockActivations:
     gathered_bytes: float = 0.0  # per token of one Megatron-SP gathered copy (B h; h + 4 in int8)
     ulysses_extra: float = 0.0  # per token: wo's own copy of attention's output after the all-to-all
     per_block: float = 0.0  # bytes a block keeps whatever its tokens (averaged over the blocks), unless checkpointed
+    kv_heads: int = 0  # the model's key/value heads (0: never replicated, the items' share of them is exact)
 
     def _sum(self, kind: str) -> float:
         return self._sums.get(kind, 0)
@@ -168,7 +172,22 @@ class BlockActivations:
             out = self.replicated + self.split / tp
         if ulysses > 1:  # the all-to-all brings attention's output back as a new tensor, which wo saves
             out += self.ulysses_extra / tp
-        return out + self._sum("whole")
+        return out + self._sum("whole") + self._replicated_kv(tp, ulysses)
+
+    def _replicated_kv(self, tp: int, ulysses: int) -> float:
+        """Bytes per token the saved keys and values hold beyond their 1/tp share: a rank keeps whole
+        heads, one copy of a head where there are fewer than tp (tensor parallelism replicates it),
+        and under Ulysses (or cp's all-to-all) the whole sequence for its kv heads / u, one copy a
+        rank where fewer (replicate_kv_heads): u x that many heads per token of its own."""
+        if not self.kv_heads:
+            return 0.0
+        held = max(1, max(1, self.kv_heads // tp) // ulysses) * ulysses
+        kv = self._key_value_bytes
+        return kv * held / self.kv_heads - kv / tp
+
+    @functools.cached_property
+    def _key_value_bytes(self) -> float:
+        return sum(nbytes for name, nbytes, _ in self.items if name in ("attention.k", "attention.v"))
 
 
 @dataclass(frozen=True)
@@ -277,7 +296,7 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                  *_ffn("feed_forward.w1_out", nbytes, f, f_moe), *_ffn("feed_forward.w3_out", nbytes, f, f_moe)]
         return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
                                 gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
-                                ulysses_extra=nbytes * q)
+                                ulysses_extra=nbytes * q, kv_heads=model.kv_heads)
     if selective:
         items = [(f"{first_norm}.input", nbytes * h, "norm_in"), (f"{first_norm}.output", linear_in, "norm_out")]
     else:
@@ -322,7 +341,8 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
         per_block = (4 * model.experts * h if nbytes < 4 else 0) * share  # the router weight's fp32 copy
     return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
                             gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
-                            ulysses_extra=0.0 if int8 or core_recomputed else nbytes * q, per_block=per_block)
+                            ulysses_extra=0.0 if int8 or core_recomputed else nbytes * q, per_block=per_block,
+                            kv_heads=model.kv_heads)
 
 
 def _ffn_widths(model: ModelSpec) -> tuple[float, float]:

@@ -126,12 +126,19 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     # in the forward, two in the backward, two more per recomputed layer.
     tp_op = tp_link.collective("all_reduce", local_tokens * model.hidden * nbytes, layout.tp)
     # Ulysses: q, k, v to head-sharded layout and the output back, per layer and direction (q and
-    # the output span the query heads' width, heads x head_dim).
-    qkv = local_tokens * (model.attention_dim + 2 * model.kv_dim) * nbytes / layout.tp
+    # the output span the query heads' width, heads x head_dim). Key/value heads fewer than the
+    # ranks are replicated to one a rank before they are sent (replicate_kv_heads), as are those
+    # fewer than tp (one a tp rank).
+    def qkv(ranks: int) -> float:
+        kv_heads = max(max(1, model.kv_heads // layout.tp), ranks)
+        return local_tokens * (model.attention_dim / layout.tp + 2 * kv_heads * model.head_dim) * nbytes
+
     out_bytes = local_tokens * model.attention_dim * nbytes / layout.tp
-    sp_op = sp_link.collective("all_to_all", qkv, layout.sp) + sp_link.collective("all_to_all", out_bytes, layout.sp)
+    sp_op = sp_link.collective("all_to_all", qkv(layout.sp), layout.sp) + \
+        sp_link.collective("all_to_all", out_bytes, layout.sp)
     if layout.cp > 1 and layout.ring == 1:  # cp's all-to-all: the same exchange over the cp ranks
-        sp_op += cp_link.collective("all_to_all", qkv, layout.cp) + cp_link.collective("all_to_all", out_bytes, layout.cp)
+        sp_op += cp_link.collective("all_to_all", qkv(layout.cp), layout.cp) + \
+            cp_link.collective("all_to_all", out_bytes, layout.cp)
     tp_f, tp_b = layers * 2 * tp_op, (layers + recomputed) * 2 * tp_op
     sp_f, sp_b = layers * sp_op, (layers + recomputed) * sp_op
     ring_f, ring_b = ring_seconds(model, layout, cp_link, local_tokens, layers, recomputed)
@@ -177,13 +184,20 @@ def ring_seconds(model: ModelSpec, layout: Layout, link: Link, local_tokens: flo
     """Seconds of the cp ring's transfers, one micro-batch, before overlap: (forward, backward).
     Per layer, forward: cp - 1 hops, each sending this rank's keys and values (its tp share) to the
     next rank; backward: the keys and values again (cp - 1 hops) and their gradients, which go on
-    home after the last (cp hops); a recomputed layer's forward once more. The bytes are those
-    tests/test_context_parallel.py counts."""
+    home after the last (cp hops); a recomputed layer's forward once more. The keys and values
+    travel in the compute dtype, their gradients in fp32 whatever it is (the ring accumulates them
+    wide, ring_attention.py). Under hybrid each sp rank's ring passes its cp rank's whole part for
+    its share of the heads. A rank passes whole key/value heads: its share of them, or one copy where
+    there are fewer than tp (or tp x sp) ranks to share them (tensor-parallel and Ulysses
+    replication). The bytes are those tests/test_context_parallel.py counts."""
     if layout.ring == 1:
         return 0.0, 0.0
-    hop = link.collective("p2p", local_tokens * 2 * model.kv_dim * BYTES[layout.precision] / layout.tp, layout.ring)
+    kv_heads = max(1, max(1, model.kv_heads // layout.tp) // layout.sp)
+    elements = local_tokens * layout.sp * 2 * kv_heads * model.head_dim
     cp = layout.ring
-    return layers * (cp - 1) * hop, (layers * (2 * cp - 1) + recomputed * (cp - 1)) * hop
+    hop = link.collective("p2p", elements * BYTES[layout.precision], cp)
+    grad_hop = link.collective("p2p", elements * max(4, BYTES[layout.precision]), cp)
+    return layers * (cp - 1) * hop, (layers + recomputed) * (cp - 1) * hop + layers * cp * grad_hop
 
 
 def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomputed_share: float = 0.0

@@ -220,13 +220,17 @@ def parse_layout(text: str) -> dict:
     text = (text or "auto").strip()
     if text == "auto":
         return {}
-    out, problems = {}, []
+    out, problems, given_as = {}, [], {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         if "=" not in item:
             problems.append(f"--layout: '{item}' must look like key=value (e.g. dp=8)")
             continue
         key, value = (s.strip() for s in item.split("=", 1))
         key = _ALIASES.get(key, key)
+        if key in given_as:  # the later one would win unseen (an alias names the same setting)
+            problems.append(f"--layout: {key} is given twice ('{given_as[key]}' and '{item}'); keep one")
+            continue
+        given_as[key] = item
         if key not in LAYOUT_KEYS:
             close = difflib.get_close_matches(key, LAYOUT_KEYS, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; keys: {', '.join(LAYOUT_KEYS)}"
@@ -333,14 +337,21 @@ def _context_problems(layout: Layout, model: ModelSpec) -> list[str]:
     problems, seq = [], model.seq
     if seq % (2 * layout.cp):
         problems.append(f"cp = {layout.cp}: --seq = {seq} must split into 2 x cp = {2 * layout.cp} equal chunks")
+    elif (seq // layout.cp) % layout.sp:
+        problems.append(f"cp = {layout.cp} x sp = {layout.sp}: --seq / cp = {seq // layout.cp} must divide by sp "
+                        f"(Ulysses cuts each cp rank's part)")
     elif (seq // layout.seq_shards) % (layout.tp if layout.tp_sp else 1):
         problems.append(f"tp_sp = on: --seq / (cp x sp) = {seq // layout.seq_shards} must divide by tp = {layout.tp}")
     if (layout.cp_mode == "hybrid") != (layout.sp > 1):
         problems.append(f"cp_mode = {layout.cp_mode} with sp = {layout.sp}: hybrid is Ulysses (sp > 1) inside "
                         f"the ring, ring and all-to-all need sp = 1")
+    local_kv = max(1, model.kv_heads // layout.tp)  # fewer than tp: one replicated head a tp rank
     if layout.cp_mode == "all-to-all" and (model.heads // layout.tp) % layout.cp:
         problems.append(f"cp_mode = all-to-all: cp = {layout.cp} must divide the {model.heads // layout.tp} "
                         f"query heads per tp rank (or use cp_mode = ring)")
+    elif layout.cp_mode == "all-to-all" and local_kv % layout.cp and layout.cp % local_kv:
+        problems.append(f"cp_mode = all-to-all: the {local_kv} key/value heads per tp rank must divide by cp = "
+                        f"{layout.cp} (split) or divide it (replicated) (or use cp_mode = ring)")
     if model.experts and layout.sp > 1:
         problems.append(f"cp = {layout.cp} x sp = {layout.sp} with experts: not built (use sp = 1)")
     return problems
