@@ -336,10 +336,10 @@ class Trainer(StepRunner):
             return None
         return {"train_tokens": len(self.sampler.tokens), "held_out_tokens": len(self.sampler.val_tokens)}
 
-    def tokens_seen(self) -> int:
-        """The tokens of every step the run trained, each at the global batch of the launch that
-        trained it (a resume may change train.global_batch): the run's segments' sum (rank 0 keeps
-        them), else this launch's batch for every step."""
+    def units_seen(self) -> int:
+        """The tokens (a recommender: the samples) of every step the run trained, each at the global
+        batch of the launch that trained it (a resume may change train.global_batch): the run's
+        segments' sum (rank 0 keeps them), else this launch's batch for every step."""
         segments = read_segments(self.run_dir) if self.is_main else []
         return totals(segments)["tokens"] if segments else self.step * self.global_tokens
 
@@ -350,14 +350,14 @@ class Trainer(StepRunner):
         if self.own_step is not None:
             return {"steps": self.step, "mesh": self.mesh.sizes, "wall_time_s": self.wall_time_s,
                     "run": run_info.identity(cfg, self.device.type == "cuda"),
-                    f"{self.own_step.unit}_seen": self.step * self.own_step.per_step,
+                    f"{self.own_step.unit}_seen": self.units_seen(),
                     "predicted": None, **self.own_step.summary()}
         return {"params": count_parameters(self.model), "steps": self.step,
                 "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,
                 "transforms": {name: list(kinds) for name, kinds in self.parallel.transforms.items()},
                 "compile_s": self.compile_clock.seconds if self.compile_clock is not None else 0.0,
                 "mesh": self.mesh.sizes, "model_params": self.family.parameter_count(cfg),  # whole, on meta
-                "tokens_seen": self.tokens_seen(),
+                "tokens_seen": self.units_seen(),
                 "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg, self.device.type == "cuda"),
                 "data": {"source": cfg.data.source, **self.data_extent()},
                 # The planner models the decoder the [model] fields describe; another family's is not.

@@ -229,6 +229,15 @@ def test_a_dlrm_records_its_throughput_in_samples_and_claims_no_tokens(straight)
     assert log_line(records[-1], 6, None).endswith(" samples/s") and "tok" not in log_line(records[-1], 6, None)
 
 
+def test_summary_json_counts_the_samples_of_every_segment(straight, tmp_path):
+    """A resume that changes train.global_batch (a warned change) trains its steps with the new
+    batch: summary.json said step x the new batch for the whole run (8 x 32 here), not the segments'
+    sum the report and the decoder's tokens_seen use (6 x 16 + 2 x 32)."""
+    out = _copy(straight, tmp_path)
+    assert main(["train", "--output-dir", str(out), "--resume", "--train.steps=8", "--train.global_batch=32"]) == 0
+    assert json.loads((out / "summary.json").read_text())["samples_seen"] == 6 * 16 + 2 * 32
+
+
 def test_a_fresh_dlrm_run_over_a_runs_checkpoints_is_refused(straight, tmp_path):
     out = _copy(straight, tmp_path)
     with pytest.raises(ResumeError, match="holds checkpoints of a run"):
