@@ -20,15 +20,19 @@ import uuid
 from pathlib import Path
 
 from bigtrain.checkpoint.commit import list_checkpoints
+from bigtrain.data.load import RUN_TOKENIZER_NAMES
 from bigtrain.distributed.launch import launched_by_bigtrain, launched_externally
 from bigtrain.run_lock import RunLock, own_run_dir
 from bigtrain.run_segments import SEGMENTS_FILE
 
 RUN_FILE = "run.json"
 STOP_FILE = "stopped.json"
-# What a run writes into its directory (and --overwrite removes); anything else is left alone.
+# What a run writes into its directory (and --overwrite removes); anything else is left alone. The
+# tokenizer's copy too: a new run with another tokenizer (or none) would keep the old one, which its
+# export would then ship beside weights that never saw it.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "config.toml", RUN_FILE, STOP_FILE, SEGMENTS_FILE, "summary.json",
-               "report.md", "report.json", "loss.png", "timeline_measured.png", "timeline_simulated.png", "tensorboard")
+               "report.md", "report.json", "loss.png", "timeline_measured.png", "timeline_simulated.png", "tensorboard",
+               *RUN_TOKENIZER_NAMES.values())
 
 
 class RunDirWriteError(RuntimeError):

@@ -555,3 +555,20 @@ def test_exporting_a_byte_level_run_over_an_earlier_export_names_the_tokenizer_l
     shutil.rmtree(out)
     assert main(["export", str(run), str(out), "--format", "hf"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_overwrite_removes_the_tokenizer_copy_of_the_run_it_replaces(bpe, tmp_path, corpus_cache):
+    """The run folder's copy of its tokenizer was not a run output: ``--overwrite`` with a
+    byte-level run kept the BPE of the run it replaced, and the new run's export shipped it."""
+    path, _ = bpe
+    run, out = tmp_path / "run", tmp_path / "hf"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')  # the run it replaces
+    shutil.copyfile(path, run / "tokenizer.json")
+    (run / "tokenizer.tiktoken").write_text("YQ== 0\n")
+    assert main(["train", "--preset", "tiny", "--output-dir", str(run), f"--data.cache_dir={corpus_cache}",
+                 "--data.max_bytes=400000", "--train.steps=1", "--logging.progress=false", "--logging.report=false",
+                 "--overwrite"]) == 0
+    assert not (run / "tokenizer.json").exists() and not (run / "tokenizer.tiktoken").exists()
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 0
+    assert not (out / "tokenizer.json").exists()
