@@ -111,3 +111,21 @@ def test_exports_are_readable_like_any_new_file_and_init_from_says_it_was_used(c
     capsys.readouterr()
     assert main(["train", *args, "--output-dir", str(tmp_path / "tuned"), f"--model.init_from=hf:{tmp_path / 'hf'}"]) == 0
     assert f"bigtrain: initial weights from model.init_from = 'hf:{tmp_path / 'hf'}'" in capsys.readouterr().out
+
+
+def test_a_refused_hf_export_writes_nothing(corpus_cache, tmp_path, capsys):
+    """An MoE Llama has no Hugging Face Llama counterpart: the export is refused, and it left a
+    config.json (and the folder) behind, which from_pretrained then half-read."""
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", "--preset", "moe-tiny", f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000",
+                 "--train.steps=1", "--logging.report=false", "--logging.progress=false",
+                 "--output-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 1
+    assert "model.moe_experts = 4: bigtrain's MoE Llama has no Hugging Face architecture; export its weights with " \
+        "--format safetensors" in capsys.readouterr().err
+    assert not out.exists()
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # an earlier export's: kept as it was
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 1
+    assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "{}"

@@ -137,6 +137,10 @@ def hf_rope_scaling(cfg: ModelConfig) -> dict | None:
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """'qwen2' for biases on q, k, v alone (Qwen2's attention), else 'llama'."""
+    if any(cfg.is_moe_block(i) for i in range(cfg.n_layers)):
+        raise HFFormatError(f"model.moe_experts = {cfg.moe_experts}: bigtrain's MoE Llama has no Hugging Face "
+                            f"architecture; export its weights with --format safetensors (or train a Mixtral or "
+                            f"Qwen-MoE config.json with model.family = 'hf', which exports to Hugging Face)")
     if cfg.qkv_bias and not cfg.attention_bias:
         if cfg.mlp_bias:
             raise HFFormatError("model.qkv_bias with model.mlp_bias has no Hugging Face architecture (Qwen2 has no "
@@ -180,7 +184,9 @@ def to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
 
 
 def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: Path) -> Path:
-    """Write the folder ``out`` (config.json, model.safetensors); returns it."""
+    """Write the folder ``out`` (config.json, model.safetensors); returns it. A model the format
+    cannot hold (an MoE Llama) is refused before anything is written: a config.json left alone in
+    the folder (or over an earlier export's) would be read as a model."""
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -188,9 +194,10 @@ def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: Path) -> Pa
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file; --format hf writes a folder: give a folder name")
+    config, tensors = hf_config(cfg), to_hf(weights, cfg)  # each raises HFFormatError for what it cannot hold
     out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2, sort_keys=True) + "\n")
-    save_file(to_hf(weights, cfg), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     readable_as_umask(out / WEIGHTS_FILE)
     return out
 

@@ -381,11 +381,11 @@ def export_folder(model: ModelConfig, weights: dict, out) -> Path:
     from safetensors.torch import save_file
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     weights = to_transformers_names(weights, sparse_blocks(hf_config(model)))  # experts' banks cut per expert
     fields = read_config(model)
     fields.setdefault("architectures", [architecture(fields)])
     fields["torch_dtype"] = "float32"
+    out.mkdir(parents=True, exist_ok=True)  # once the conversion went through: a refusal writes nothing
     (out / CONFIG_FILE).write_text(json.dumps(fields, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
