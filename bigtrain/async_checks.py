@@ -87,3 +87,27 @@ def _async_needs_plain_replicas(cfg: Config, what: str, axes: tuple[str, ...]) -
             problems.append(f"parallel.{axis} = {getattr(p, axis)} with {what}: not supported; use parallel.{axis} = 1")
     return problems
 
+
+def resume_caveat(cfg: Config, saved: dict, checkpoint: str) -> str | None:
+    """What a resume of an asynchronous run does not bring back (docs/async.md), said once by rank 0
+    at the resume: such a run trains on, but not along the trajectory the uninterrupted run would
+    have taken. ``saved``: the checkpoint's recorded config (the run that wrote it)."""
+    caveats = []
+    written = saved.get("parallel", {})
+    if (written.get("dp_sync", "sync") == "local-sgd" and written.get("local_sgd_every", 1) > 1
+            and written.get("dp", 1) > 1):
+        # The checkpoint's weights are an average, but each replica kept its own Adam moments and the
+        # checkpoint holds a piece of each replica's: every replica resumes from the same pieced state.
+        caveats.append(f"it was written by local SGD (parallel.dp_sync = 'local-sgd', local_sgd_every = "
+                       f"{written['local_sgd_every']}, parallel.dp = {written['dp']}), whose replicas each keep "
+                       f"their own optimizer moments: the checkpoint holds pieces of them, and every replica "
+                       f"resumes from those pieces (docs/async.md, 'Local SGD')")
+    kind = cfg.parallel.pp_schedule
+    if kind in ("pipedream-2bw", "pipedream"):
+        caveats.append(f"parallel.pp_schedule = '{kind}' keeps a stashed weight version that no checkpoint holds: "
+                       f"the pipeline restarts empty and the first step after the resume computes with the newest "
+                       f"weights, as step 0 does (docs/async.md, 'Limits')")
+    if not caveats:
+        return None
+    return (f"resuming from {checkpoint}: the run goes on, but not along the trajectory of the uninterrupted run: "
+            + "; and ".join(caveats))

@@ -13,12 +13,14 @@ import signal
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 from bigtrain import checkpoint as ckpt
 from bigtrain import run_info
+from bigtrain.async_checks import resume_caveat
 from bigtrain.checkpoint.interval import SaveInterval
 from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.writer import CheckpointWriter
@@ -324,6 +326,8 @@ class Trainer(StepRunner):
             return False
         self.step = int(found[1]["step"])
         self.resumed_from, self._resumed_run_id = found[0], found[1].get("run_id")
+        if self.is_main and (caveat := resume_caveat(self.cfg, found[1].get("config", {}), found[0].name)):
+            warnings.warn(caveat, stacklevel=2)  # bigtrain train prints it as one 'bigtrain: warning:' line
         if isinstance(self.engine, ReplicatedEngine) and self.engine.averaging is not None:
             self.engine.averaging.continue_at(self.step)
         return True

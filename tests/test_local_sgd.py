@@ -177,3 +177,52 @@ def test_a_resumed_run_averages_at_the_multiples_of_k(corpus_cache, tmp_path):
             assert torch.equal(asked1[step][name], value), (step, name)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == [
         "step_00000008", "step_00000004", "step_00000002"]
+
+
+
+def _resume_noting_warnings(rank, world_size, cfg, run_dir):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert trainer_on_rank(rank, world_size, cfg, run_dir).resume("auto")
+    return [str(w.message) for w in caught if "trajectory" in str(w.message)]
+
+
+@pytest.mark.slow
+def test_resuming_a_local_sgd_checkpoint_warns_once_that_the_moments_are_pieced(corpus_cache, tmp_path):
+    """The replicas' moments are saved in pieces (docs/async.md), so a resume does not continue the
+    uninterrupted run: rank 0 says so at the resume (nothing did). One replica (dp = 1) has whole
+    moments: nothing to say."""
+    from helpers import save_after_steps
+
+    local = ["--parallel.dp_sync=local-sgd", f"--parallel.local_sgd_every={K}"]
+    cfg = tiny_config(corpus_cache, *LOCAL, *local)
+    run_ranks(save_after_steps, 2, cfg, str(tmp_path / "dp2"), K)
+    said, quiet = run_ranks(_resume_noting_warnings, 2, cfg, str(tmp_path / "dp2"))
+    assert quiet == [] and len(said) == 1, said
+    assert said[0].startswith("resuming from step_00000004: the run goes on, but not along the trajectory of the "
+                              "uninterrupted run: it was written by local SGD (parallel.dp_sync = 'local-sgd', "
+                              "local_sgd_every = 4, parallel.dp = 2)")
+    assert said[0].endswith("(docs/async.md, 'Local SGD')")
+    one = tiny_config(corpus_cache, *local, f"--train.steps={STEPS}")
+    save_after_steps(0, 1, one, str(tmp_path / "dp1"), K)
+    assert _resume_noting_warnings(0, 1, one, str(tmp_path / "dp1")) == []
+
+
+def test_the_resume_caveat_names_what_a_checkpoint_of_an_asynchronous_run_lacks(corpus_cache):
+    """Which resumes warn (the one above and tests/test_async_pipeline.py see the warning itself):
+    a checkpoint of local SGD over several replicas, and a run resumed into a pipeline without flush."""
+    from bigtrain.async_checks import resume_caveat
+
+    sync = tiny_config(corpus_cache)
+
+    def written(**parallel):
+        return {"parallel": {"dp_sync": "local-sgd", "local_sgd_every": 4, "dp": 2, **parallel}}
+
+    assert "(docs/async.md, 'Local SGD')" in resume_caveat(sync, written(), "step_00000004")
+    for whole in (written(dp=1), written(local_sgd_every=1), written(dp_sync="sync"), {}):
+        assert resume_caveat(sync, whole, "step_00000004") is None, whole
+    two_bw = tiny_config(corpus_cache, "--model.n_layers=4", "--train.micro_batch=2", "--parallel.pp=2",
+                         "--parallel.pp_schedule=pipedream-2bw")
+    assert "(docs/async.md, 'Limits')" in resume_caveat(two_bw, {}, "step_00000004")
