@@ -572,3 +572,48 @@ def test_overwrite_removes_the_tokenizer_copy_of_the_run_it_replaces(bpe, tmp_pa
     assert not (run / "tokenizer.json").exists() and not (run / "tokenizer.tiktoken").exists()
     assert main(["export", str(run), str(out), "--format", "hf"]) == 0
     assert not (out / "tokenizer.json").exists()
+
+
+def test_an_hf_export_names_the_tokenizers_bos_and_eos_so_generate_stops(bpe, tmp_path, corpus_cache):
+    """config.json said bos_token_id = eos_token_id = null whatever the run's tokenizer, so
+    transformers' generate() never stopped: the tokenizer's end-of-text token is its eos (a
+    byte-level run has none: null, as before)."""
+    transformers = pytest.importorskip("transformers")
+    path, tok = bpe
+    text = tmp_path / "a.txt"
+    text.write_text("".join(_texts()[:3]))
+    run, out = tmp_path / "run", tmp_path / "hf"
+    common = ["--preset", "tiny", "--train.steps=1", "--logging.progress=false", "--logging.report=false"]
+    assert main(["train", *common, "--output-dir", str(run), f"--data.source={text}", f"--data.tokenizer={path}",
+                 f"--data.cache_dir={tmp_path / 'cache'}", f"--model.vocab_size={MODEL_VOCAB}"]) == 0
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 0
+    end = tok.token_to_id("<|endoftext|>")
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == end and config["bos_token_id"] is None  # nothing before a document
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(out)).generation_config.eos_token_id == end
+    byte_run = tmp_path / "bytes"
+    assert main(["train", *common, "--output-dir", str(byte_run), f"--data.cache_dir={corpus_cache}",
+                 "--data.max_bytes=400000"]) == 0
+    assert main(["export", str(byte_run), str(tmp_path / "bytes-hf"), "--format", "hf"]) == 0
+    config = json.loads((tmp_path / "bytes-hf" / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+
+
+def test_bos_and_eos_are_what_framed_each_training_document(bpe, tmp_path):
+    """A post-processor's tokens around each document come first (Llama's <s> ... </s>), then
+    data.document_end (what the run put after each one), then an end-of-text token by name."""
+    from tokenizers import Tokenizer, processors
+
+    from bigtrain.data.tokenizer import ByteTokenizer, HFTokenizer, bos_eos_ids
+
+    path, tok = bpe
+    end = tok.token_to_id("<|endoftext|>")
+    plain = HFTokenizer(path)
+    assert bos_eos_ids(plain) == {"eos_token_id": end}
+    assert bos_eos_ids(plain, "d") == {"eos_token_id": tok.token_to_id("d")}
+    framing = Tokenizer.from_file(str(path))
+    framing.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A <|endoftext|>", special_tokens=[("<|endoftext|>", end)])
+    framing.save(str(tmp_path / "framed.json"))
+    assert bos_eos_ids(HFTokenizer(tmp_path / "framed.json"), "d") == {"bos_token_id": end, "eos_token_id": end}
+    assert bos_eos_ids(ByteTokenizer()) == {} and bos_eos_ids(ByteTokenizer(), "\n") == {"eos_token_id": 10}

@@ -46,7 +46,6 @@ def write_tokenizer(checkpoint: Path, data: dict, out: Path, max_len: int) -> No
     """Put the run's tokenizer beside the exported weights, so that ``AutoTokenizer`` loads the
     folder too: the copy the run keeps in its directory (``bigtrain train`` writes one), else the
     file its ``data.tokenizer`` names. A byte-level run has none to write."""
-    from bigtrain.data.load import run_tokenizer
     from bigtrain.data.tokenizer import BYTES, TokenizerError, write_for_transformers
 
     spec = data.get("tokenizer", BYTES)
@@ -59,12 +58,36 @@ def write_tokenizer(checkpoint: Path, data: dict, out: Path, max_len: int) -> No
                   f"write (an earlier export into the same folder?); AutoTokenizer would load it for this "
                   f"model: remove it, or export into an empty folder", file=sys.stderr)
         return
-    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
-    kept = run_tokenizer(run_dir) if run_dir is not None else None
     try:
-        write_for_transformers(str(kept) if kept else spec, out, max_len)
+        write_for_transformers(tokenizer_source(checkpoint, spec), out, max_len)
     except TokenizerError as e:
         print(f"bigtrain export: warning: {e}", file=sys.stderr)
+
+
+def tokenizer_source(checkpoint: Path, spec: str) -> str:
+    """The run's tokenizer: the copy its directory keeps (``bigtrain train`` writes one), else the
+    file ``data.tokenizer`` (``spec``) names."""
+    from bigtrain.data.load import run_tokenizer
+    from bigtrain.data.tokenizer import BYTES
+
+    if spec == BYTES:
+        return spec
+    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    kept = run_tokenizer(run_dir) if run_dir is not None else None
+    return str(kept) if kept else spec
+
+
+def special_token_ids(checkpoint: Path, data: dict) -> dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` of the run's tokenizer, those it has
+    (:func:`bigtrain.data.tokenizer.bos_eos_ids`); none when it cannot be read (the tokenizer's
+    export says why)."""
+    from bigtrain.data.tokenizer import BYTES, TokenizerError, bos_eos_ids, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(tokenizer_source(checkpoint, data.get("tokenizer", BYTES)))
+        return bos_eos_ids(tokenizer, data.get("document_end", ""))
+    except TokenizerError:
+        return {}
 
 
 def export(run_dir: Path, out: Path, fmt: str = "safetensors",
@@ -95,8 +118,9 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors",
                 folder = writer(cfg, weights, out)
                 # Its context is its config.json's (the family reads no model.max_seq_len).
                 context = (meta.get("model_description") or {}).get("max_position_embeddings", cfg.max_seq_len)
-            else:
-                folder, context = save_hf(weights, cfg, out), cfg.max_seq_len
+            else:  # its config.json's bos / eos are the run's tokenizer's (generate() stops at the eos)
+                special = special_token_ids(path, meta["config"].get("data", {}))
+                folder, context = save_hf(weights, cfg, out, special), cfg.max_seq_len
         write_tokenizer(path, meta["config"].get("data", {}), folder, context)
         return folder, "hf"
     info = {"step": str(meta["step"]), "source": str(path), "format": FORMAT}

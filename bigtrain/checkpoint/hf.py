@@ -149,9 +149,10 @@ def hf_architecture(cfg: ModelConfig) -> str:
     return "llama"
 
 
-def hf_config(cfg: ModelConfig) -> dict:
+def hf_config(cfg: ModelConfig, special: dict[str, int] | None = None) -> dict:
     """``config.json`` for ``cfg``: every field LlamaConfig (or Qwen2Config) needs, nothing
-    run-specific (so the same weights always give the same file)."""
+    run-specific (so the same weights always give the same file) but the tokenizer's ``special``
+    ``bos_token_id`` / ``eos_token_id`` (those it has)."""
     arch = hf_architecture(cfg)
     out = {
         "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"], "model_type": arch,
@@ -161,8 +162,8 @@ def hf_config(cfg: ModelConfig) -> dict:
         "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta, "rope_scaling": hf_rope_scaling(cfg),
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "initializer_range": cfg.init_std,
-        # Byte-level vocabularies have no special tokens.
-        "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32",
+        # None where the tokenizer has no such token (a byte-level vocabulary has none).
+        "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32", **(special or {}),
     }
     if arch == "qwen2":
         out.update(use_sliding_window=False, max_window_layers=cfg.n_layers)
@@ -183,8 +184,10 @@ def to_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
     return out
 
 
-def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: Path) -> Path:
-    """Write the folder ``out`` (config.json, model.safetensors); returns it. A model the format
+def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: Path,
+            special: dict[str, int] | None = None) -> Path:
+    """Write the folder ``out`` (config.json, with the tokenizer's ``special`` token ids, and
+    model.safetensors); returns it. A model the format
     cannot hold (an MoE Llama) is refused before anything is written: a config.json left alone in
     the folder (or over an earlier export's) would be read as a model."""
     try:
@@ -194,7 +197,7 @@ def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: Path) -> Pa
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file; --format hf writes a folder: give a folder name")
-    config, tensors = hf_config(cfg), to_hf(weights, cfg)  # each raises HFFormatError for what it cannot hold
+    config, tensors = hf_config(cfg, special), to_hf(weights, cfg)  # each raises HFFormatError for what it cannot hold
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})

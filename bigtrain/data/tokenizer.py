@@ -77,6 +77,12 @@ class ByteTokenizer:
         data = text.encode("utf-8")
         return data[0] if len(data) == 1 else None
 
+    def frame_ids(self) -> tuple[list[int], list[int]]:
+        return [], []  # a document is its bytes
+
+    def special_id(self, names: tuple[str, ...]) -> int | None:
+        return None  # 256 byte values, none special
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` file."""
@@ -108,6 +114,20 @@ class HFTokenizer:
     def token_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
 
+    def frame_ids(self) -> tuple[list[int], list[int]]:
+        """The ids the file's post-processor puts before and after each document (Llama 3's
+        ``<|begin_of_text|>`` before; none for GPT-2's): what every training document carried."""
+        framed, plain = self._tok.encode("a").ids, self._tok.encode("a", add_special_tokens=False).ids
+        for start in range(len(framed) - len(plain) + 1):
+            if framed[start:start + len(plain)] == plain:
+                return framed[:start], framed[start + len(plain):]
+        return [], []
+
+    def special_id(self, names: tuple[str, ...]) -> int | None:
+        """The id of the first of ``names`` that is one of the file's special tokens."""
+        special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return next((special[name] for name in names if name in special), None)
+
 
 class TiktokenTokenizer:
     """A tiktoken encoding file (mergeable ranks), split with cl100k's pattern."""
@@ -133,6 +153,12 @@ class TiktokenTokenizer:
     def token_id(self, text: str) -> int | None:  # an encoding file has no special tokens: one of its ranks
         ids = self._enc.encode_ordinary(text)
         return ids[0] if len(ids) == 1 else None
+
+    def frame_ids(self) -> tuple[list[int], list[int]]:
+        return [], []  # encode_ordinary: nothing around a document
+
+    def special_id(self, names: tuple[str, ...]) -> int | None:
+        return None  # an encoding file has no special tokens
 
 
 def load_tokenizer(spec: str):
@@ -162,6 +188,30 @@ def document_end_id(tokenizer, text: str) -> int | None:
         raise TokenizerError(f"data.document_end = {text!r} is not one token of data.tokenizer ({tokenizer.kind}); "
                              f"give a token the tokenizer has, such as its end-of-text token, or '' for none")
     return int(found)
+
+
+# End-of-text tokens by their usual names: GPT-2's and Qwen's, Llama 3's, Llama 2's and Mistral's, Gemma's.
+END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def bos_eos_ids(tokenizer, document_end: str = "") -> dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` of an exported model's config.json, those the tokenizer
+    has (transformers' ``generate()`` stops at the eos; without one it never stops): the token the
+    tokenizer puts before each document is the bos; the eos is the token it puts after each one,
+    else ``data.document_end`` (the token the run put after each document), else a special token
+    named as an end of text (:data:`END_OF_TEXT_NAMES`). Byte-level and tiktoken vocabularies have
+    no special tokens: only ``data.document_end`` gives them an eos."""
+    leading, trailing = tokenizer.frame_ids()
+    out = {}
+    if len(leading) == 1:
+        out["bos_token_id"] = leading[0]
+    if len(trailing) == 1:
+        out["eos_token_id"] = trailing[0]
+    elif document_end:
+        out["eos_token_id"] = document_end_id(tokenizer, document_end)
+    elif (end := tokenizer.special_id(END_OF_TEXT_NAMES)) is not None:
+        out["eos_token_id"] = end
+    return out
 
 
 def ids_dtype(vocab_size: int) -> np.dtype:
