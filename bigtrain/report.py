@@ -132,18 +132,21 @@ def _identity_lines(run: dict, segments: list[dict]) -> list[str]:
     if data:
         held = f", {data['held_out_tokens']:,} held out" if data.get("held_out_tokens") else ""
         lines.append(f"- data: {data.get('source')} ({data.get('train_tokens', 0):,} training tokens{held})")
+    # What a step counts: tokens, or a recommender's samples (its summary's samples_seen); the
+    # segments keep either under "tokens".
+    unit = "samples" if "samples_seen" in run else "tokens"
     if segments:  # every launch of the run: the last one's summary covers only itself
         whole = totals(segments)
         wall = whole["wall_time_s"]
-        lines.append(f"- tokens seen: {whole['tokens']:,}; wall time {human_duration(wall)} ({wall:.1f} s) "
+        lines.append(f"- {unit} seen: {whole['tokens']:,}; wall time {human_duration(wall)} ({wall:.1f} s) "
                      f"over {len(segments)} segment{'s' if len(segments) > 1 else ''}")
         if len(segments) > 1:
             lines += [f"  - steps {seg['first_step'] + 1}-{seg['last_step']}: {seg.get('layout')}, code "
                       f"{seg.get('git_commit') or 'not a git checkout'}, {human_duration(seg['wall_time_s'])} "
                       f"({seg['wall_time_s']:.1f} s)" for seg in segments]
-    elif "tokens_seen" in run:
+    elif f"{unit}_seen" in run:
         wall = run.get("wall_time_s")
-        lines.append(f"- tokens seen: {run['tokens_seen']:,}" +
+        lines.append(f"- {unit} seen: {run[f'{unit}_seen']:,}" +
                      (f"; wall time {human_duration(wall)} ({wall:.1f} s)" if wall is not None else ""))
     return lines
 

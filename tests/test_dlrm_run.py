@@ -236,6 +236,9 @@ def test_summary_json_counts_the_samples_of_every_segment(straight, tmp_path):
     out = _copy(straight, tmp_path)
     assert main(["train", "--output-dir", str(out), "--resume", "--train.steps=8", "--train.global_batch=32"]) == 0
     assert json.loads((out / "summary.json").read_text())["samples_seen"] == 6 * 16 + 2 * 32
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()  # the segments' total, said as what it counts
+    assert f"- samples seen: {6 * 16 + 2 * 32:,};" in report and "tokens seen" not in report
 
 
 def test_a_fresh_dlrm_run_over_a_runs_checkpoints_is_refused(straight, tmp_path):
