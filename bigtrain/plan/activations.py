@@ -110,7 +110,7 @@ from dataclasses import dataclass
 
 from bigtrain.plan.layout import BYTES
 from bigtrain.plan.memo import cached
-from bigtrain.plan.model import ModelSpec, local_vocab
+from bigtrain.plan.model import ModelSpec, kv_heads_held, local_vocab
 
 
 # Under Megatron sequence parallelism the runtime all-gathers a norm's output once per sub-block
@@ -181,7 +181,7 @@ class BlockActivations:
         rank where fewer (replicate_kv_heads): u x that many heads per token of its own."""
         if not self.kv_heads:
             return 0.0
-        held = max(1, max(1, self.kv_heads // tp) // ulysses) * ulysses
+        held = kv_heads_held(self.kv_heads, tp, ulysses) * ulysses
         kv = self._key_value_bytes
         return kv * held / self.kv_heads - kv / tp
 

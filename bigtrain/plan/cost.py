@@ -52,7 +52,7 @@ from bigtrain.plan.layout import BYTES, Cluster, Layout
 from bigtrain.plan.links import MESH_AXES, Link, link_of
 from bigtrain.plan.memo import by_layout_fields
 from bigtrain.plan.memory import chunk_activation_bytes, unit_state_bytes
-from bigtrain.plan.model import ModelSpec
+from bigtrain.plan.model import ModelSpec, kv_heads_held
 from bigtrain.plan.pipeline import PipelineModel
 from bigtrain.plan.tiers import host_step, reduce_bytes
 from bigtrain.plan.units import checked_pp_ranks, rank_units
@@ -130,7 +130,7 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     # ranks are replicated to one a rank before they are sent (replicate_kv_heads), as are those
     # fewer than tp (one a tp rank).
     def qkv(ranks: int) -> float:
-        kv_heads = max(max(1, model.kv_heads // layout.tp), ranks)
+        kv_heads = max(kv_heads_held(model.kv_heads, layout.tp), ranks)
         return local_tokens * (model.attention_dim / layout.tp + 2 * kv_heads * model.head_dim) * nbytes
 
     out_bytes = local_tokens * model.attention_dim * nbytes / layout.tp
@@ -192,7 +192,7 @@ def ring_seconds(model: ModelSpec, layout: Layout, link: Link, local_tokens: flo
     replication). The bytes are those tests/test_context_parallel.py counts."""
     if layout.ring == 1:
         return 0.0, 0.0
-    kv_heads = max(1, max(1, model.kv_heads // layout.tp) // layout.sp)
+    kv_heads = kv_heads_held(model.kv_heads, layout.tp, layout.sp)
     elements = local_tokens * layout.sp * 2 * kv_heads * model.head_dim
     cp = layout.ring
     hop = link.collective("p2p", elements * BYTES[layout.precision], cp)

@@ -18,7 +18,7 @@ from bigtrain.config import ConfigError
 from bigtrain.parallel.pipeline import SCHEDULE_KINDS
 from bigtrain.plan.engine import BIGTRAIN, Engine
 from bigtrain.plan.hardware import HardwareProfile
-from bigtrain.plan.model import ModelSpec
+from bigtrain.plan.model import ModelSpec, kv_heads_held
 
 RECOMPUTE = ("none", "full", "every", "selective")
 COMPRESSIONS = ("none", "int8")
@@ -345,7 +345,7 @@ def _context_problems(layout: Layout, model: ModelSpec) -> list[str]:
     if (layout.cp_mode == "hybrid") != (layout.sp > 1):
         problems.append(f"cp_mode = {layout.cp_mode} with sp = {layout.sp}: hybrid is Ulysses (sp > 1) inside "
                         f"the ring, ring and all-to-all need sp = 1")
-    local_kv = max(1, model.kv_heads // layout.tp)  # fewer than tp: one replicated head a tp rank
+    local_kv = kv_heads_held(model.kv_heads, layout.tp)  # fewer than tp: one replicated head a tp rank
     if layout.cp_mode == "all-to-all" and (model.heads // layout.tp) % layout.cp:
         problems.append(f"cp_mode = all-to-all: cp = {layout.cp} must divide the {model.heads // layout.tp} "
                         f"query heads per tp rank (or use cp_mode = ring)")

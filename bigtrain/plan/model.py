@@ -58,6 +58,13 @@ def local_vocab(vocab: int, tp: int) -> int:
     return even_shard(vocab, tp, 0, 0, vocab_pad_to(vocab, tp)).local_size
 
 
+def kv_heads_held(kv_heads: int, tp: int, ulysses: int = 1) -> int:
+    """Key/value heads one rank holds (the runtime's replicate_kv_heads rule): its share of them per
+    tp rank, one replicated copy where there are fewer than tp; then per Ulysses (or cp all-to-all)
+    rank, its share of those, one copy where there are fewer than ``ulysses``."""
+    return max(1, max(1, kv_heads // tp) // ulysses)
+
+
 # The spec is frozen: its inventory's sums are computed once per spec (a layout search asks for them
 # per layout), in a cache beside it rather than in its __dict__, which reports print.
 _per_spec = functools.lru_cache(maxsize=64)
