@@ -57,13 +57,18 @@ MEASURED = {
     + _layouts(sp=2, variants=[("fp32", "selective", 2), ("fp32", "none", 2)], compression="int8")
     # context parallelism: the ring, and the all-to-all (issue 31)
     + _layouts(cp=2, zeros=(0, 3), variants=[("fp32", "none", 2), ("bf16", "full", 2)])
-    + _layouts(cp=2, cp_mode="all-to-all", variants=[("fp32", "none", 2)]),
+    + _layouts(cp=2, cp_mode="all-to-all", variants=[("fp32", "none", 2)])
+    # fp16 reduces in fp32 (precision.py): the reduce-scatter outputs are fp32, stage 0 reduces the
+    # fp32 buffer in place (the planner once priced fp16 buffers as bf16's)
+    + _layouts(dp=2, zeros=(0, 1, 2), variants=[("fp16", "none", 2)]),
     4: _layouts(dp=4, zeros=(2, 3), variants=[("bf16", "every", 2)])
     + _layouts(dp=2, tp=2, tp_sp=True, zeros=(2,), variants=[("bf16", "none", 2)])
     + _layouts(dp=2, sp=2, zeros=(1,), variants=[("fp32", "full", 1)])
     + _layouts(dp=2, pp=2, zeros=(1,), variants=[("bf16", "none", 1)])
     + _layouts(cp=4, zeros=(1,), variants=[("fp32", "none", 2), ("bf16", "selective", 2)])
-    + _layouts(cp=2, tp=2, tp_sp=True, zeros=(2,), variants=[("fp32", "none", 2)]),
+    + _layouts(cp=2, tp=2, tp_sp=True, zeros=(2,), variants=[("fp32", "none", 2)])
+    # 2 key/value heads over tp = 4: each rank holds the whole wk and wv (ReplicatedKVHeads)
+    + _layouts(tp=4, variants=[("fp32", "none", 2)]),
 }
 
 
@@ -132,7 +137,9 @@ MEASURED_MOE = {
     (1, "moe-shared-every2"): _layouts(variants=[("bf16", "none", 2), ("fp32", "selective", 2)]),
     (1, "moe-shared-gated"): _layouts(variants=[("fp32", "none", 2), ("bf16", "selective", 2)]),
     (2, "moe-dense-first"): _layouts(dp=2, ep=2, zeros=(3,), variants=[("fp32", "none", 2)]),
-    (2, "moe"): _layouts(tp=2, variants=[("fp32", "none", 2)]),
+    (2, "moe"): _layouts(tp=2, variants=[("fp32", "none", 2)])
+    # ep = dp: each rank's experts alone in their edp group, which stages 0-1 do not reduce
+    + _layouts(dp=2, ep=2, zeros=(0, 1), variants=[("bf16", "none", 2)]),
     (4, "moe"): _layouts(dp=4, ep=2, zeros=(2, 3), variants=[("fp32", "none", 2)])
     + _layouts(dp=4, ep=2, zeros=(1,), variants=[("bf16", "none", 2)]),
 }
@@ -167,7 +174,9 @@ def test_predicted_memory_matches_the_trainer(world_size, moe, token_file, tmp_p
         if not (moe and layout.ep > 1):  # under ep a step's routing, which data decides, sets the experts' rows
             assert probe["activations"] == measured["activations"], what
         assert abs(pred.activations - probe["activations"]) <= 0.05 * probe["activations"], (what, pred, probe)
-        if moe:  # the experts' units each over its own group: the buffers the engine holds, exactly
+        # the buffers the engine holds, exactly: each unit over its own group (the experts' over edp),
+        # in the reduce dtype (fp32 under fp16), at stages 0-1 only the units with another replica
+        if True:
             assert {k: pred.buffers.get(k, 0) for k in MEASURABLE_BUFFERS} == {k: probe[k] for k in MEASURABLE_BUFFERS}, what
         if moe and layout.ep == layout.tp == 1:  # the block's saved tensors (plan/activations.py moe_routing_bytes)
             assert pred.activations == probe["activations"], (what, pred.activations, probe["activations"])
@@ -183,15 +192,18 @@ def _saved_activations(rank, world_size, cfg, run_dir):
 
 
 @pytest.mark.parametrize("layout,within", [(["--parallel.tp=2"], 1e-3), (["--parallel.sp=2"], 1e-3),
-                                           (["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"], 7e-3)],
-                         ids=["tp2", "ulysses-sp2", "hybrid-cp2-sp2"])
+                                           (["--parallel.cp=2", "--parallel.sp=2", "--parallel.cp_mode=hybrid"], 7e-3),
+                                           (["--parallel.tp=4", "--model.n_kv_heads=2"], 1e-3)],
+                         ids=["tp2", "ulysses-sp2", "hybrid-cp2-sp2", "tp4-kv2"])
 def test_replicated_key_value_heads_are_in_the_predicted_activations(layout, within, tmp_path):
     """One key/value head over 2 tp ranks (each keeps a copy) or 2 Ulysses ranks (replicate_kv_heads:
     each saves the whole sequence's copy for attention): the ranks save twice the 1/tp (1/sp) share
     of the keys and values the planner counted, 1.6-2.5% of the activations here (6% at cp 4
     all-to-all). With the copies counted the prediction is within 0.1% (what remains: a few bytes of
     the tp hooks'); under cp within 0.7%: each cp rank also keeps its gathered rotary tables and
-    positions, which the planner leaves out (0.57% for the ring, docs/context-parallel.md)."""
+    positions, which the planner leaves out (0.57% for the ring, docs/context-parallel.md). Two heads
+    over tp = 4: each rank computes both and keeps its one; a view of it kept both heads' values
+    alive in attention's saved v (2% more here, kv_heads times a rank's share), a copy keeps one."""
     cfg = tiny_config(str(tmp_path), "--train.global_batch=1", "--train.micro_batch=1", "--model.max_seq_len=256",
                       "--data.seq_len=256", "--precision.mode=fp32", "--model.n_kv_heads=1", *layout)
     predicted = estimate_memory(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg),
@@ -533,6 +545,21 @@ def test_the_planner_refuses_the_cp_layouts_the_runtime_refuses(model, layout, w
     chosen = Layout(micro_batch=1, **layout)
     problems = " ".join(layout_problems(chosen, spec, Cluster.build(chosen.gpus, PRESETS["cpu"]), 1))
     assert words in problems, problems
+
+
+@pytest.mark.parametrize("tp,sp,kv_heads,words", [
+    (4, 1, 2, ""), (8, 1, 2, ""), (2, 2, 2, ""), (4, 2, 2, ""),  # replicated over tp, then over sp: run
+    (4, 1, 6, "tp = 4 must divide --kv-heads = 6 (split) or be a multiple of it"),
+    (2, 4, 6, "sp = 4 must divide the 3 key/value heads per tp rank"),
+], ids=["tp4-kv2", "tp8-kv2", "tp2-sp2-kv2", "tp4-sp2-kv2", "tp4-kv6", "tp2-sp4-kv6"])
+def test_the_planner_takes_the_key_value_heads_the_runtime_replicates(tp, sp, kv_heads, words):
+    """validation.py accepts tp a multiple of the key/value heads (each rank holds the whole wk and
+    wv: ReplicatedKVHeads) and Ulysses' sp a multiple of a tp rank's share; the planner refused tp not
+    dividing them, so a search never offered (and `plan --layout` refused) layouts the run takes."""
+    spec = ModelSpec.build(layers=2, hidden=96 * 2, heads=24, kv_heads=kv_heads, vocab=256, seq=64)
+    chosen = Layout(tp=tp, sp=sp, micro_batch=1)
+    problems = " ".join(layout_problems(chosen, spec, Cluster.build(chosen.gpus, PRESETS["cpu"]), 1))
+    assert (words in problems) if words else not problems, problems
 
 
 @pytest.mark.parametrize("fields", [

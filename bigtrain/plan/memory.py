@@ -19,12 +19,14 @@ and the rest is host memory (``detail["host_activations"]``). Buffers are what t
 runtime allocates besides (named so tests can compare those they can measure):
 
     zero_reduce_outputs  one reduce-scatter output per unit (cut over its own group: an expert unit
-                         over edp), held until the step (stages 2-3 fold
-                         a unit's previous micro-batch in before reducing its next one); mixed
-                         stage 0: the compute-dtype copy of the fp32 gradients, all-reduced in place
+                         over edp), in the reduce dtype (fp32 under fp16), held until the step
+                         (stages 2-3 fold a unit's previous micro-batch in before reducing its next
+                         one); bf16 stage 0: the bf16 copy of the fp32 gradients, all-reduced in
+                         place; at stages 0-1 only the units with another replica (an expert alone
+                         in its edp group keeps its local sum)
     zero_reduce_in_flight  stage 2-3 (and any stage with offload, over more than one replica): the
-                         flat gradient of one unit handed to the collective; mixed stage 1: a unit's
-                         compute-dtype copy of its fp32 gradient
+                         flat gradient of one unit handed to the collective; bf16 stage 1: a unit's
+                         bf16 copy of its fp32 gradient
     offload_grad_buckets offload: the device buffers every reduced gradient passes through to the host
     zero3_gathered       stage 3: the root unit (gathered for the whole forward and backward)
                          plus two blocks (the current one and the prefetched one)
@@ -285,21 +287,32 @@ def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, i
 def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tuple[str, int], ...]) -> dict[str, int]:
     """The buffers of a rank whose units are those of ``key`` (:func:`units_key`), over gradient
     groups of ``sizes`` (:func:`_group_sizes`)."""
-    nbytes = BYTES[layout.precision]
+    nbytes, wide = BYTES[layout.precision], reduce_bytes(layout.precision)  # the reduce dtype: fp32 in fp16
     # each unit over its own group (an expert unit over edp: units.py), from ZeRO stage 1 on
     cuts = sizes if layout.zero >= 1 else tuple((axis, 1) for axis, _ in sizes)
     padded_total, padded_largest, shard_total, gathered = _padded_sums(key, cuts, layout.zero == 3)
     out: dict[str, int] = {}
-    reduced, mixed = replicas(layout) > 1, layout.precision != "fp32"  # one replica reduces nothing
+    reduced = replicas(layout) > 1  # one replica reduces nothing
     if host_step(layout):  # offload: every micro-batch reduces into the gradient buckets (offload_grad_buckets)
         if reduced:  # the flat gradient of one unit handed to the collective (one replica writes the bucket)
-            out["zero_reduce_in_flight"] = reduce_bytes(layout.precision) * padded_largest
-    elif layout.zero >= 2 or (layout.zero == 1 and reduced):
-        out["zero_reduce_outputs"] = nbytes * shard_total
-    elif layout.zero == 0 and mixed and reduced:
-        out["zero_reduce_outputs"] = nbytes * padded_total
-    if not host_step(layout) and (layout.zero >= 2 or (layout.zero == 1 and mixed and reduced)):
-        out["zero_reduce_in_flight"] = nbytes * padded_largest
+            out["zero_reduce_in_flight"] = wide * padded_largest
+    elif layout.zero >= 2:  # every unit's reduce-scatter output (a group of one's too), and one flat gradient
+        out["zero_reduce_outputs"] = wide * shard_total
+        out["zero_reduce_in_flight"] = wide * padded_largest
+    else:
+        # Stages 0-1 reduce only the units with another replica (grad_sync.py: a unit alone in its
+        # group, an expert under ep = dp, keeps its local sum), from the fp32 buffer: stage 1 into a
+        # shard in the reduce dtype, stage 0 in place, through a copy where that dtype is not fp32
+        # (bf16; fp16 reduces in fp32, precision.py), a unit's copy handed to the collective at stage 1.
+        hybrid = bool(layout.gradient_axes()[1])
+        groups = tuple(axis for axis, n in sizes if n > 1 or hybrid)
+        total, largest, shards = _reduced_sums(key, cuts, groups)
+        if layout.zero == 1 and shards:
+            out["zero_reduce_outputs"] = wide * shards
+        elif layout.zero == 0 and wide < 4 and total:
+            out["zero_reduce_outputs"] = wide * total
+        if layout.zero == 1 and wide < 4 and largest:
+            out["zero_reduce_in_flight"] = wide * largest
     if layout.zero == 3:
         weight = nbytes if layout.precision != "fp32" else 4
         out["zero3_gathered"] = weight * gathered
@@ -349,6 +362,17 @@ def _padded_sums(key: tuple, sizes: tuple[tuple[str, int], ...], zero3: bool) ->
         root_size = padded_numel(root) if root else 0
         gathered = root_size + sum(sorted(modules, reverse=True)[:2])
     return sum(padded), max(padded, default=0), shard_total, gathered
+
+
+@cached()
+def _reduced_sums(key: tuple, sizes: tuple[tuple[str, int], ...], groups: tuple[str, ...]) -> tuple[int, int, int]:
+    """:func:`_padded_sums`' (padded elements, the largest unit's, the shards' elements) of the
+    units whose gradient axis is one of ``groups`` (those a stage 0-1 engine reduces)."""
+    root, blocks = units_of_key(key)
+    cut = dict(sizes)
+    padded = [(-(-u.numel // cut[u.axis]) * cut[u.axis], cut[u.axis])
+              for u in ([root] if root else []) + list(blocks) if u.axis in groups]
+    return sum(p for p, _ in padded), max((p for p, _ in padded), default=0), sum(p // n for p, n in padded)
 
 
 def float8_operand_bytes(model: ModelSpec, layout: Layout) -> int:
