@@ -273,13 +273,23 @@ def layout_problems(layout: Layout, model: ModelSpec, cluster: Cluster, global_b
                         f"{layout.gpus} != --gpus = {cluster.gpus}")
     if layout.zero not in (0, 1, 2, 3):
         problems.append(f"zero = {layout.zero}: must be 0, 1, 2 or 3")
-    for key, divides in (("tp", [("--heads", model.heads), ("--kv-heads", model.kv_heads),
-                                 ("--ffn-hidden", model.ffn_hidden)]),
-                         ("sp", [("--heads", model.heads), ("--kv-heads", model.kv_heads), ("--seq", model.seq)])):
+    for key, divides in (("tp", [("--heads", model.heads), ("--ffn-hidden", model.ffn_hidden)]),
+                         ("sp", [("--heads", model.heads // layout.tp), ("--seq", model.seq)])):
         degree = getattr(layout, key)
         for flag, value in divides:
             if value % degree:
-                problems.append(f"{key} = {degree} must divide {flag} = {value}")
+                per_tp = " / tp" if key == "sp" and flag == "--heads" and layout.tp > 1 else ""
+                problems.append(f"{key} = {degree} must divide {flag}{per_tp} = {value}")
+    # Key/value heads (the runtime's rule, validation.py): split over tp where tp divides them, else
+    # replicated (tp a multiple of them: each rank holds the whole wk and wv); then each tp rank's
+    # share split over sp, or replicated where sp is a multiple of it.
+    held = kv_heads_held(model.kv_heads, layout.tp)
+    if model.kv_heads % layout.tp and layout.tp % model.kv_heads:
+        problems.append(f"tp = {layout.tp} must divide --kv-heads = {model.kv_heads} (split) or be a multiple of "
+                        f"it (replicated)")
+    elif held % layout.sp and layout.sp % held:
+        problems.append(f"sp = {layout.sp} must divide the {held} key/value heads per tp rank (split) or be a "
+                        f"multiple of them (replicated)")
     if layout.tp_sp and layout.tp == 1:
         problems.append("tp_sp = on needs tp > 1 (it shards along the sequence inside the tp group)")
     if layout.compiled and model.mlp != "swiglu":

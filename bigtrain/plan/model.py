@@ -34,6 +34,9 @@ class Tensor:
     shape: tuple[int, ...]
     decays: bool
     split: str
+    # 'col' over this many key/value heads (wk, wv): tp ranks beyond them hold the whole projection
+    # (the runtime's ReplicatedKVHeads, tp a multiple of the heads); 0: not a key/value projection
+    heads: int = 0
 
     @property
     def numel(self) -> int:
@@ -42,7 +45,7 @@ class Tensor:
     def placement(self, tp: int, index: int = 0) -> Placement:
         """Where tensor-parallel rank ``index`` of ``tp`` holds it (a dense weight over dp x sp)."""
         placed = dense()
-        if self.split == "rep" or tp == 1:
+        if self.split == "rep" or tp == 1 or (self.heads and self.heads % tp):
             return placed
         dim = 1 if self.split == "row" else 0
         pad_to = vocab_pad_to(self.shape[0], tp) if self.split == "vocab" else 1
@@ -144,10 +147,12 @@ class ModelSpec:
         h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
         if self.mlp == "swiglu":
             q = self.attention_dim
-            biases = [Tensor(f"attention.{w}.bias", (n,), False, "col") for w, n in (("wq", q), ("wk", kv), ("wv", kv))
-                      if self.qkv_bias] + ([Tensor("attention.wo.bias", (h,), False, "rep")] if self.out_bias else [])
-            return [Tensor("attention.wq", (q, h), True, "col"), Tensor("attention.wk", (kv, h), True, "col"),
-                    Tensor("attention.wv", (kv, h), True, "col"), Tensor("attention.wo", (h, q), True, "row"),
+            kvh = self.kv_heads
+            biases = [Tensor(f"attention.{w}.bias", (n,), False, "col", heads) for w, n, heads
+                      in (("wq", q, 0), ("wk", kv, kvh), ("wv", kv, kvh)) if self.qkv_bias]
+            biases += [Tensor("attention.wo.bias", (h,), False, "rep")] if self.out_bias else []
+            return [Tensor("attention.wq", (q, h), True, "col"), Tensor("attention.wk", (kv, h), True, "col", kvh),
+                    Tensor("attention.wv", (kv, h), True, "col", kvh), Tensor("attention.wo", (h, q), True, "row"),
                     *biases,
                     Tensor("feed_forward.w1", (f, h), True, "col"), Tensor("feed_forward.w3", (f, h), True, "col"),
                     Tensor("feed_forward.w2", (h, f), True, "row"), Tensor("attention_norm", (h,), False, "rep"),

@@ -201,7 +201,9 @@ class ReplicatedKVHeads(Style):
         ctx.partial_grads.add(id(module.weight))
         if module.bias is not None:
             ctx.partial_grads.add(id(module.bias))
-        module.register_forward_hook(lambda m, args, out: out[..., cols])
+        # A copy of the head, not a view: attention saves v (and a view would keep every head's
+        # output alive with it: kv_heads times the bytes a rank needs)
+        module.register_forward_hook(lambda m, args, out: out[..., cols].contiguous())
 
 
 class UlyssesAttention(Style):
