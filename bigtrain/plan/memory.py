@@ -391,7 +391,9 @@ def float8_operand_bytes(model: ModelSpec, layout: Layout) -> int:
 
 # -- one rank, and the worst one ----------------------------------------------------------------------
 def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int, pp_rank: int,
-                inflight: int, optimizer: str = "adamw", block: int = 256) -> RankMemory:
+                inflight: int, optimizer: str = "adamw", block: int = 256, held: float | None = None) -> RankMemory:
+    """One pipeline rank's memory; ``held``: the most activation bytes its schedule holds at once
+    (:meth:`PipelineModel.peak_held_bytes`), else ``inflight`` times its largest chunk's."""
     key, sizes = units_key(model, layout, pp_rank), _group_sizes(layout)
     root, blocks = units_of_key(key)
     units = ([root] if root else []) + list(blocks)
@@ -408,7 +410,7 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     versions = weight_versions(layout.schedule, layout.pp, pp_rank)
     if versions:  # asynchronous pipelines: stashed copies of the rank's weights
         buffers["weight_versions"] = versions * states["params"]
-    activations, host = per_mb * inflight, 0
+    activations, host = (per_mb * inflight if held is None else math.ceil(held)), 0
     if layout.offload:
         activations, host = offloaded_activation_bytes(model, layout, pp_rank, inflight)
     mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], activations, buffers,
@@ -488,7 +490,15 @@ def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile,
     pipeline = pipeline or PipelineModel()
     peaks = pipeline.terms(layout.schedule, layout.pp, layout.micro_batches(global_batch), layout.v,
                            1.0, 2.0, 1.0 if layout.schedule == "zb-h1" else 0.0).peak_inflight
-    ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer, block)
+    m = layout.micro_batches(global_batch)
+
+    def held(r: int) -> float | None:  # interleaved: a rank's chunks differ (the last one has the loss)
+        if layout.v == 1:
+            return None
+        chunks = tuple(blocks + ends for blocks, ends, _ in _stage_chunks(model, layout, r))
+        return pipeline.peak_held_bytes(layout.schedule, layout.pp, m, layout.v, r, chunks)
+
+    ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer, block, held(r))
              for r in checked_pp_ranks(layout.pp)]
     worst = max(ranks, key=lambda m: m.total)
     acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled)
