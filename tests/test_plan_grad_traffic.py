@@ -137,3 +137,54 @@ def test_fp16_gradients_are_priced_in_the_reduce_dtype_the_runtime_uses():
         elements = root.numel + sum(u.numel for u in blocks)
         costs = data_parallel_costs(model, layout, cluster, stage_costs(model, layout, cluster), 1)
         assert costs["dp_grad_sync"] == pytest.approx(link.collective("all_reduce", width * elements, 8)), precision
+
+
+# Tensor parallelism's collectives and a tied weight's all-reduce across the pipeline, per step:
+# (overrides, the tp axis's tags counted). 2 blocks (4 under SP, checkpointing every other one).
+TP_LAYOUTS = {
+    "tp2-full-bf16": ["--parallel.tp=2", "--memory.checkpointing=full", "--precision.mode=bf16",
+                      "--train.global_batch=4", "--train.micro_batch=2"],
+    "tp2-sp-every-fp32": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--memory.checkpointing=every",
+                          "--model.n_layers=4", "--train.global_batch=4", "--train.micro_batch=2"],
+    "pp2-tied-fp32": ["--parallel.pp=2", "--model.tie_embeddings=true", "--train.global_batch=4",
+                      "--train.micro_batch=1"],
+}
+
+
+def _step_ops(rank, world_size, run_dir, layouts):
+    out = []
+    for overrides in layouts:
+        trainer = trainer_on_rank(rank, world_size, tiny_config(run_dir, *overrides), run_dir)
+        trainer.train_step()
+        out.append(trainer.train_step().comm_ops)
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_and_tied_copy_bytes_equal_what_the_ranks_send(corpus_cache):
+    """Per step, the bytes a rank sends over tp (the blocks' sums, the embedding's and the output
+    layer's, a checkpointed block's recomputation stopping at w2's input: one all-reduce, or under SP
+    two all-gathers and a reduce-scatter) and over the pipeline's two ends (a tied embedding's fp32
+    gradient), equal the planner's (cost.tp_collectives, grad_traffic.tied_copy_collectives). The
+    planner charged 2 all-reduces a recomputed block and none for the embedding and output layer, and
+    the tied weight's all-reduce not at all."""
+    from bigtrain.plan.activations import checkpointed_block_indices
+    from bigtrain.plan.cost import tp_collectives
+    from bigtrain.plan.grad_traffic import tied_copy_collectives
+    from bigtrain.plan.layout import BYTES
+
+    names = list(TP_LAYOUTS)
+    results = run_ranks(_step_ops, 2, corpus_cache, [TP_LAYOUTS[n] for n in names], timeout=300)
+    for i, name in enumerate(names):
+        cfg = tiny_config(corpus_cache, *TP_LAYOUTS[name])
+        layout, model = _layout(cfg), ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+        m = layout.micro_batches(cfg.train.global_batch)
+        layers = model.layers / layout.pp
+        recomputed = len(checkpointed_block_indices(model.layers, layout.recompute, layout.every)) / layout.pp
+        one = layout.micro_batch * model.seq * model.hidden * BYTES[layout.precision] * 2 * (layout.tp - 1) / layout.tp
+        planned_tp = m * sum(tp_collectives(layout, layers, recomputed)) * one
+        planned_tied = sum(c.sent_bytes for c in tied_copy_collectives(model, layout))
+        for ops in (r[i] for r in results):
+            sent_tp = sum(b for op, b in ops.get("tp", {}).items() if op.endswith((":tp", ":sp")))
+            assert sent_tp == planned_tp, (name, ops.get("tp"), planned_tp)
+            assert ops.get("pp_ends", {}).get("all_reduce:tied_grads", 0) == planned_tied, (name, ops)

@@ -47,7 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bigtrain.plan.activations import block_activations, checkpointed_block_indices
-from bigtrain.plan.grad_traffic import UnitCollective, busiest_rank_units, reduces_every_micro_batch, step_collectives
+from bigtrain.plan.grad_traffic import (UnitCollective, busiest_rank_units, reduces_every_micro_batch, step_collectives,
+                                        tied_copy_collectives)
 from bigtrain.plan.layout import BYTES, Cluster, Layout
 from bigtrain.plan.links import MESH_AXES, Link, link_of
 from bigtrain.plan.memo import by_layout_fields
@@ -123,7 +124,7 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     tp_link, sp_link = link_of(cluster, layout, ("tp",)), link_of(cluster, layout, ("sp",))
     cp_link = link_of(cluster, layout, ("cp",))
     # Megatron: two all-reduces (or all-gather + reduce-scatter with SP, the same volume) per layer
-    # in the forward, two in the backward, two more per recomputed layer.
+    # in each direction, the embedding's and the output layer's, and the recomputed layers' (tp_collectives).
     tp_op = tp_link.collective("all_reduce", local_tokens * model.hidden * nbytes, layout.tp)
     # Ulysses: q, k, v to head-sharded layout and the output back, per layer and direction (q and
     # the output span the query heads' width, heads x head_dim). Key/value heads fewer than the
@@ -139,7 +140,8 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     if layout.cp > 1 and layout.ring == 1:  # cp's all-to-all: the same exchange over the cp ranks
         sp_op += cp_link.collective("all_to_all", qkv(layout.cp), layout.cp) + \
             cp_link.collective("all_to_all", out_bytes, layout.cp)
-    tp_f, tp_b = layers * 2 * tp_op, (layers + recomputed) * 2 * tp_op
+    tp_forward, tp_backward = tp_collectives(layout, layers, recomputed)
+    tp_f, tp_b = tp_forward * tp_op, tp_backward * tp_op
     sp_f, sp_b = layers * sp_op, (layers + recomputed) * sp_op
     ring_f, ring_b = ring_seconds(model, layout, cp_link, local_tokens, layers, recomputed)
     moe_f, moe_b = expert_all_to_all(model, layout, cluster, recomputed / max(layers, 1e-9))
@@ -166,6 +168,20 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     ring_f, ring_b = exposed(ring_f, f), exposed(ring_b, b)
     return StageCosts(f, b, w, tp_f + sp_f + moe_f + ring_f, tp_b + sp_b + moe_b + ring_b, p2p, moe_f + moe_b,
                       ring_f + ring_b)
+
+
+def tp_collectives(layout: Layout, layers: float, recomputed: float) -> tuple[float, float]:
+    """A pipeline rank's tensor-parallel collectives of one micro-batch, in all-reduces of its
+    tokens' hidden states (an all-gather and a reduce-scatter under Megatron SP move one's bytes):
+    (forward, backward), as a run counts them (tests/test_plan_grad_traffic.py). Per block two each
+    way (attention's and the MLP's output summed; their inputs' gradients summed in backward); the
+    vocabulary-parallel embedding's output in the forward and the output layer's input gradient in
+    the backward (spread over the stages, as the output layer's FLOPs are); a recomputed block's
+    forward stops at its last saved tensor (torch's non-reentrant checkpoint), w2's input, before
+    the MLP's output sum: one all-reduce, or under SP two all-gathers and attention's reduce-scatter."""
+    ends = 1 / layout.pp
+    recompute = 1.5 if layout.tp_sp else 1.0
+    return 2 * layers + ends, 2 * layers + ends + recompute * recomputed
 
 
 def blocks_with_weight_grads_in_i(model: ModelSpec, layout: Layout, layers: float, recomputed: float) -> float:
@@ -327,6 +343,12 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
         forward, backward = _zero3_forward_gathers(model, layout, cluster, m), traffic["gather"]
         out["zero_param_gather"] = m * (max(gather_tail, forward - window_f) + max(gather_tail, backward - window_b))
     out["optimizer_step"] = traffic["optimizer_step"]
+    # A weight tied across the pipeline: its two copies' gradients all-reduced over the first and
+    # last pipeline ranks after the reduction, synchronously (exposed)
+    pp_link = link_of(cluster, layout, ("pp",))
+    tied = sum(pp_link.collective(c.op, c.payload, c.ranks) for c in tied_copy_collectives(model, layout))
+    if tied:
+        out["tied_copy_sync"] = tied
     return out
 
 

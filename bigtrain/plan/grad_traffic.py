@@ -98,3 +98,18 @@ def step_collectives(model: ModelSpec, layout: Layout, micro_batches: int, grad_
             calls = micro_batches + 1 if index in kept else 2 * micro_batches
             out.append(UnitCollective("all_gather", axis, ranks, padded * weight, calls, "params", expert))
     return out
+
+
+def tied_copy_collectives(model: ModelSpec, layout: Layout) -> list[UnitCollective]:
+    """A weight tied across the pipeline (the embedding and a tied output layer, on its first and
+    last ranks): each end keeps a copy, and after the data-parallel reduction the two ends all-reduce
+    their gradient pieces over ``pp_ends`` (parallel/tied.py), once a step, in fp32 (the gradient
+    buffers' dtype whatever the compute dtype): the whole weight at stage 0, the rank's ZeRO shard of
+    it from stage 1 (the copy is a unit alone: build.py)."""
+    if not model.tie_embeddings or layout.pp == 1:
+        return []
+    weight = next(t for t in model.embedding_tensors() if t.name == "tok_embeddings")
+    numel = weight.local_numel(layout.tp)
+    shards = layout.size(layout.gradient_axes()[0]) if layout.zero >= 1 else 1
+    return [UnitCollective("all_reduce", "pp_ends", 2, 4 * -(-numel // shards), 1, "tied_grads", False)]
+
