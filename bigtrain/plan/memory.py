@@ -55,6 +55,7 @@ cuBLAS workspaces); a layout fits when the total is at most the device's memory.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -255,18 +256,33 @@ def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, eve
     stages = pp * v
     blocks = stage_blocks(model.layers, stages)
     checkpointed = checkpointed_block_indices(model.layers, recompute, every)
-    acts = block_activations(model, precision, recompute, compression, compiled=compiled, ep=ep)
+    # A model of dense and MoE blocks: each block's own figure (block_activations averages the two
+    # over the model, exact only where every block is held alike: not when the blocks a policy
+    # checkpoints, or a stage's, are mostly of one kind; every=2 with moe_every=2 keeps the MoE ones)
+    kinds = {kind: block_activations(spec, precision, recompute, compression, compiled=compiled, ep=ep)
+             for kind, spec in _block_kinds(model).items()}
     head = head_activations(model, precision, compression, fused_loss, compiled)
     seq = model.seq // seq_shards
     tokens = samples * seq
     mode = dict(tp=tp, tp_sp=tp_sp, ulysses=head_exchange)
     out = []
     for s in range(pp_rank, stages, pp):
-        per_block = [tokens * acts.per_token(checkpointed=i in checkpointed, **mode)
-                     + (0 if i in checkpointed else acts.per_block) for i in blocks[s]]
+        per_block = []
+        for i in blocks[s]:
+            acts = kinds[len(kinds) > 1 and model.is_moe_block(i)]
+            per_block.append(tokens * acts.per_token(checkpointed=i in checkpointed, **mode)
+                             + (0 if i in checkpointed else acts.per_block))
         ends = head.bytes(samples, seq, last=s == stages - 1, first=s == 0, **mode)
         out.append((sum(per_block), ends, max(per_block, default=0.0)))
     return tuple(out)
+
+
+def _block_kinds(model: ModelSpec) -> dict[bool, ModelSpec]:
+    """{False: a model of its dense blocks, True: of its MoE blocks} where it has both; else
+    {False: the model} (its one kind of block)."""
+    if not model.experts or model.moe_layers in (0, model.layers):
+        return {False: model}
+    return {False: dataclasses.replace(model, experts=0), True: dataclasses.replace(model, moe_every=1, dense_blocks=())}
 
 
 def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, inflight: int) -> tuple[int, int]:
