@@ -527,6 +527,20 @@ def test_cp_divides_activations_and_adds_the_rings_traffic():
     assert "cp_ring" not in a2a.breakdown and a2a.breakdown["tp_sp_comm"] > 0
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_ring_buffer_holds_whole_key_value_heads_and_the_fp32_gradient_blocks(precision):
+    """ring_attention.py's backward holds, besides the key/value block and the next arriving (compute
+    dtype), four fp32 gradient blocks at once (the one arrived, this rank's share, their sum being
+    sent, the next arriving); a block is the rank's whole key/value heads: one replicated head over
+    tp = 2 here, where kv_dim / tp counted half of one."""
+    model = ModelSpec.build(layers=2, hidden=64, heads=4, kv_heads=1, vocab=256, seq=1024)
+    layout = Layout(cp=2, tp=2, micro_batch=2, precision=precision)
+    tokens = 2 * 1024 // 2
+    block = tokens * 2 * 1 * model.head_dim  # k and v of the one head, this rank's tokens
+    nbytes = 2 if precision == "bf16" else 4
+    assert estimate_memory(model, layout, PRESETS["cpu"], 2).buffers["cp_ring"] == block * (2 * nbytes + 4 * 4)
+
+
 def test_the_search_weighs_cp_for_long_sequences_only():
     cluster = Cluster.build(4, PRESETS["cpu"])
     long = search(ModelSpec.build(**LONG_SEQUENCE), cluster, 4, fixed={"micro_batch": 1})

@@ -31,6 +31,8 @@ runtime allocates besides (named so tests can compare those they can measure):
     zero3_gathered       stage 3: the root unit (gathered for the whole forward and backward)
                          plus two blocks (the current one and the prefetched one)
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
+    cp_ring              cp's ring: the key/value block held and the next arriving (compute dtype),
+                         and the backward's four fp32 gradient blocks (whole key/value heads)
     fused_loss_chunk     the fused loss's one chunk of fp32 logits and exponentials (model.fused_loss)
     fp8_operands         precision.fp8: the largest float8 linear's operand copies during one GEMM
                          (:func:`float8_operand_bytes`); its saved activations are unchanged
@@ -68,7 +70,7 @@ from bigtrain.plan.gemm import linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.memo import by_layout_fields, cached
-from bigtrain.plan.model import ModelSpec
+from bigtrain.plan.model import ModelSpec, kv_heads_held
 from bigtrain.plan.pipeline import PipelineModel, weight_versions
 from bigtrain.plan.tiers import host_step, piecewise_shard_bytes, reduce_bytes, shard_pieces, tier_detail
 # rank_units: imported from here by callers that predate units.py
@@ -337,8 +339,13 @@ def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tupl
         out["tp_collective"] = 2 * tokens * model.hidden * nbytes
     if layout.head_exchange > 1:  # Ulysses, or cp's all-to-all: q, k, v out and the output back
         out["sp_all_to_all"] = tokens * (2 * model.attention_dim + 2 * model.kv_dim) * nbytes // layout.tp
-    if layout.ring > 1:  # the ring's key/value block held and the next arriving
-        out["cp_ring"] = 4 * tokens * model.kv_dim * nbytes // layout.tp
+    if layout.ring > 1:
+        # the ring's key/value block held and the next arriving, in the compute dtype, and in its
+        # backward four fp32 gradient blocks at once (ring_attention.py: the one arrived, this rank's
+        # share, their sum being sent, the next arriving); a block holds whole key/value heads, as
+        # cost.ring_seconds passes them (replicated where fewer than tp x sp)
+        elements = tokens * layout.sp * 2 * kv_heads_held(model.kv_heads, layout.tp, layout.sp) * model.head_dim
+        out["cp_ring"] = elements * (2 * nbytes + 4 * max(4, nbytes))
     if layout.pp > 1:
         out["pp_p2p"] = 2 * tokens * model.hidden * nbytes // (layout.tp if layout.tp_sp else 1)
     if model.experts and layout.ep > 1:  # one MoE layer's dispatch: the rows sent and received
