@@ -48,6 +48,9 @@ class ModelConfig:
                                "attention_bias).", False)
     qkv_bias: bool = doc("Biases on the q, k and v projections only (Qwen2).", False)
     mlp_bias: bool = doc("Biases on the three SwiGLU projections (Hugging Face Llama's mlp_bias).", False)
+    qk_norm: bool = doc("An RMSNorm over each query and key head before the rotary embedding (Qwen3's q_norm "
+                        "and k_norm). Set by the Hugging Face family from its config.json, for the planner's "
+                        "pricing; bigtrain's Llama does not build it.", False)
     rope_scaling: str = doc("Rotary frequency scaling for contexts past the trained one: 'none', 'linear' "
                             "(every frequency / rope_factor), 'llama3' (Llama 3.1: low frequencies / rope_factor, "
                             "high ones kept, blended between) or 'yarn' (YaRN: blended over rope_beta_fast .. "

@@ -65,4 +65,6 @@ def llama_field_problems(cfg: Config) -> list[str]:
     as without (parallel/tensor/styles.py: ``RowParallel``)."""
     if cfg.model.family != "llama":
         return []
-    return head_problems(cfg) + rope_problems(cfg)
+    qk_norm = ["model.qk_norm = true: bigtrain's Llama has no per-head query and key norms (Qwen3's); train "
+               "such a model as model.family = 'hf', or set model.qk_norm = false"] if cfg.model.qk_norm else []
+    return qk_norm + head_problems(cfg) + rope_problems(cfg)

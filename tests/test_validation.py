@@ -28,6 +28,8 @@ CASES = [
     ("2bw-fewer-micro-batches-than-stages", ["--parallel.pp=4", "--model.n_layers=4", "--parallel.pp_schedule=pipedream-2bw",
                                              "--train.global_batch=2", "--train.micro_batch=1"], "train.global_batch >= 3"),
     ("global-batch-indivisible", ["--train.global_batch=6"], "train.global_batch"),
+    # the planner's field for Qwen3's per-head norms (the Hugging Face family sets it): not built here
+    ("qk-norm-on-bigtrain-llama", ["--model.qk_norm=true"], "model.qk_norm"),
     ("global-batch-indivisible-by-dp", ["--parallel.dp=2", "--train.micro_batch=8"], "train.global_batch"),
     ("dim-not-divisible-by-heads", ["--model.dim=66"], "model.dim"),
     ("kv-heads-not-dividing-heads", ["--model.n_kv_heads=3"], "model.n_kv_heads"),

@@ -342,11 +342,15 @@ def _described_at(path: str, mtime_ns: int, size: int) -> dict:
     return {**fields, **{k: getattr(conf, k) for k in DESCRIBED if getattr(conf, k, None) is not None}}
 
 
+# The architectures whose attention norms each query and key head (Qwen3Attention's q_norm and k_norm)
+QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
 def planner_config(cfg: Config) -> Config:
     """``cfg`` with bigtrain's Llama of the config.json's shapes in place of the model: what the
     planner prices before launch (the same GEMMs, attention and saved activations up to the
-    architectures' small differences: head_dim, q/k/v and output biases are counted, Qwen3's q/k
-    norms and Llama's mlp_bias are not). Fields the file leaves out take the architecture's
+    architectures' small differences: head_dim, q/k/v and output biases and Qwen3's q/k norms are
+    counted, Llama's mlp_bias is not). Fields the file leaves out take the architecture's
     defaults (:func:`described_fields`)."""
     fields = described_fields(cfg)
     heads = fields["num_attention_heads"]
@@ -359,6 +363,7 @@ def planner_config(cfg: Config) -> Config:
         qkv_bias=architecture(fields) == "Qwen2ForCausalLM" or (architecture(fields) == "Qwen2MoeForCausalLM"
                                                                 and bool(fields.get("qkv_bias", True))),
         attention_bias=architecture(fields) in ATTENTION_BIASED and bool(fields.get("attention_bias", False)),
+        qk_norm=architecture(fields) in QK_NORMED,
         **planner_moe_fields(fields, architecture(fields)))
     return dataclasses.replace(cfg, model=model)
 

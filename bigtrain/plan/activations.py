@@ -187,7 +187,7 @@ class BlockActivations:
 
     @functools.cached_property
     def _key_value_bytes(self) -> float:
-        return sum(nbytes for name, nbytes, _ in self.items if name in ("attention.k", "attention.v"))
+        return sum(nbytes for name, nbytes, _ in self.items if name in ("attention.k", "attention.v", "attention.k_norm"))
 
 
 @dataclass(frozen=True)
@@ -303,6 +303,9 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
         items = _norm_items(model, nbytes, first_norm, linear_in, compiled)
     items += [("attention.q", nbytes * q, "split"), ("attention.k", nbytes * k, "split"),
               ("attention.v", nbytes * k, "split")]
+    if model.qk_norm:  # each head's RMSNorm (Qwen3's): its fp32 input, rsqrt a head, normalized x
+        items += [("attention.q_norm", (4 + nbytes) * q + 4 * model.heads, "split"),
+                  ("attention.k_norm", (4 + nbytes) * k + 4 * model.kv_heads, "split")]
     if core_recomputed:  # no log-sum-exp; wo alone keeps attention's output
         items.append(("attention.output", _int8(q) if int8 else nbytes * q, "split"))
     else:

@@ -101,6 +101,7 @@ class ModelSpec:
     head_size: int = 0
     qkv_bias: bool = False
     out_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen3's q_norm, k_norm)
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -109,7 +110,7 @@ class ModelSpec:
         return cls(layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.kv_heads,
                    vocab=cfg.vocab_size, seq=seq, ffn_hidden=cfg.ffn_dim, mlp="swiglu",
                    tie_embeddings=cfg.tie_embeddings, name=name, head_size=cfg.attention_head_dim,
-                   qkv_bias=cfg.q_bias, out_bias=cfg.attention_bias, **moe_fields(cfg))
+                   qkv_bias=cfg.q_bias, out_bias=cfg.attention_bias, qk_norm=cfg.qk_norm, **moe_fields(cfg))
 
     @classmethod
     def build(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, kv_heads: int = 0,
@@ -151,6 +152,8 @@ class ModelSpec:
             biases = [Tensor(f"attention.{w}.bias", (n,), False, "col", heads) for w, n, heads
                       in (("wq", q, 0), ("wk", kv, kvh), ("wv", kv, kvh)) if self.qkv_bias]
             biases += [Tensor("attention.wo.bias", (h,), False, "rep")] if self.out_bias else []
+            biases += [Tensor(f"attention.{n}", (self.head_dim,), False, "rep") for n in ("q_norm", "k_norm")
+                       if self.qk_norm]
             return [Tensor("attention.wq", (q, h), True, "col"), Tensor("attention.wk", (kv, h), True, "col", kvh),
                     Tensor("attention.wv", (kv, h), True, "col", kvh), Tensor("attention.wo", (h, q), True, "row"),
                     *biases,
