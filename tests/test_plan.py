@@ -60,7 +60,11 @@ MEASURED = {
     + _layouts(cp=2, cp_mode="all-to-all", variants=[("fp32", "none", 2)])
     # fp16 reduces in fp32 (precision.py): the reduce-scatter outputs are fp32, stage 0 reduces the
     # fp32 buffer in place (the planner once priced fp16 buffers as bf16's)
-    + _layouts(dp=2, zeros=(0, 1, 2), variants=[("fp16", "none", 2)]),
+    + _layouts(dp=2, zeros=(0, 1, 2), variants=[("fp16", "none", 2)])
+    # ZeRO-3 without resharding after the forward (every unit gathered at its end: the planner held
+    # two blocks, 47% of the gathered bytes here) and without prefetch (one block)
+    + _layouts(dp=2, zeros=(3,), variants=[("fp32", "none", 2)], reshard_after_forward=False)
+    + _layouts(dp=2, zeros=(3,), variants=[("bf16", "none", 2)], prefetch=False),
     4: _layouts(dp=4, zeros=(2, 3), variants=[("bf16", "every", 2)])
     + _layouts(dp=2, tp=2, tp_sp=True, zeros=(2,), variants=[("bf16", "none", 2)])
     + _layouts(dp=2, sp=2, zeros=(1,), variants=[("fp32", "full", 1)])

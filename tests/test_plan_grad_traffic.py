@@ -31,6 +31,9 @@ LAYOUTS = {
     "dp4-ep2-zero1-bf16": ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=1", "--train.global_batch=8",
                            "--precision.mode=bf16"],
     "dp4-ep2-zero0-bf16": ["--parallel.dp=4", "--parallel.ep=2", "--train.global_batch=8", "--precision.mode=bf16"],
+    # held from each forward into its backward: every unit gathered once a micro-batch
+    "dp4-ep2-zero3-no-reshard": ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=3", "--train.global_batch=12",
+                                 "--parallel.reshard_after_forward=false"],
 }
 COUNTED = {"dp_sp": "dp", "edp": "edp"}  # the runtime counts dp x sp with sp = cp = 1 as dp (mesh.COUNTED_AS)
 
@@ -59,7 +62,8 @@ def test_planned_data_parallel_bytes_equal_what_the_ranks_send(corpus_cache):
     """Per group (dp, edp) and op, the bytes a rank sends in a step equal the planner's, exactly:
     experts reduce-scattered, all-reduced and gathered over edp = 2 of the 4 ranks, the dense
     weights over 4; stage 0-1 once a step, stage 2-3 every micro-batch; ZeRO-3's gathers twice a
-    micro-batch but for the units still gathered. A planner that puts the experts over dp is off."""
+    micro-batch but for the units still gathered (once without resharding after the forward). A
+    planner that puts the experts over dp is off."""
     names = list(LAYOUTS)
     results = run_ranks(_measure, 4, corpus_cache, [LAYOUTS[n] for n in names], timeout=600)
     for i, name in enumerate(names):

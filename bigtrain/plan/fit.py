@@ -85,6 +85,7 @@ def _layout(cfg: Config, cuda: bool = False):
                   fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params,
                   fp8=cfg.precision.fp8, offload_masters=cfg.offload.masters if optimizer == "nvme" else "auto",
                   delayed_update=cfg.offload.delayed_update and optimizer != "none", dp_replicate=p.dp_replicate,
+                  reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch,
                   compiled=runtime_compiles(cfg, "cuda" if cuda else "cpu"))
 
 

@@ -18,7 +18,9 @@ padded to a multiple of its group from stage 1 on (flat.py).
   freed when the backward reaches the next unit (gather.py ``after_reduce``), so the last two the
   backward reaches, the root and the first block, are still gathered when the next micro-batch's
   forward starts with them, and are gathered m + 1 times a step, not 2m (without a pipeline; with
-  one, other micro-batches' passes run in between: 2m, a bound).
+  one, other micro-batches' passes run in between: 2m, a bound). With reshard_after_forward off a
+  unit gathered for the forward stays gathered until its backward has reduced it: m gathers a step
+  (counted: the root and the first block too).
 """
 
 from __future__ import annotations
@@ -95,7 +97,10 @@ def step_collectives(model: ModelSpec, layout: Layout, micro_batches: int, grad_
             out.append(UnitCollective("all_gather", axis, ranks, padded * nbytes, 1, "params", expert))
         elif layout.zero == 3:
             weight = nbytes if layout.precision != "fp32" else 4
-            calls = micro_batches + 1 if index in kept else 2 * micro_batches
+            if layout.reshard_after_forward:
+                calls = micro_batches + 1 if index in kept else 2 * micro_batches
+            else:  # gathered once a micro-batch, in its forward, and held into its backward
+                calls = micro_batches
             out.append(UnitCollective("all_gather", axis, ranks, padded * weight, calls, "params", expert))
     return out
 

@@ -60,6 +60,11 @@ class Layout:
     # blocks keep fewer activations (plan/activations.py) and move fewer element-wise bytes in fewer
     # kernels (plan/gemm.py).
     compiled: bool = False
+    # ZeRO-3's gathers (parallel.reshard_after_forward, parallel.prefetch): off, a unit gathered for
+    # the forward stays gathered until its backward reduced it (every unit at the forward's end);
+    # prefetch gathers the next unit while one runs (two blocks gathered at once, else one)
+    reshard_after_forward: bool = True
+    prefetch: bool = True
 
     @property
     def gpus(self) -> int:
@@ -131,6 +136,9 @@ class Layout:
         parts.append(self.precision + (f",fp8={self.fp8}" if self.fp8 != "none" else ""))
         parts += [k for k, on in (("offload", self.offload), ("int8", self.compression == "int8"),
                                   ("fused_loss", self.fused_loss), ("compiled", self.compiled)) if on]
+        if self.zero == 3:
+            parts += [k for k, off in (("reshard_after_forward=off", not self.reshard_after_forward),
+                                       ("prefetch=off", not self.prefetch)) if off]
         if self.offload_optimizer != "none":
             parts.append(f"offload_optimizer={self.offload_optimizer}")
         if self.offload_params != "none":
@@ -158,7 +166,9 @@ class Layout:
                 f"--train.micro_batch={self.micro_batch}",
                 f"--memory.activation_offload={str(self.offload).lower()}",
                 f"--memory.activation_compression={self.compression}",
-                f"--model.fused_loss={str(self.fused_loss).lower()}"]
+                f"--model.fused_loss={str(self.fused_loss).lower()}",
+                f"--parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}",
+                f"--parallel.prefetch={str(self.prefetch).lower()}"]
         if self.fp8 != "none":
             out.append(f"--precision.fp8={self.fp8}")
         if self.compiled:  # not compiled: the run's own compile.enabled decides ('auto': on CUDA only)
@@ -207,10 +217,10 @@ _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": 
             "activation_offload": "offload", "activation_compression": "compression",
             "optimizer_offload": "offload_optimizer", "params_offload": "offload_params",
             "masters_offload": "offload_masters", "compile": "compiled"}
-_BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update", "compiled")
+_BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update", "compiled", "reshard_after_forward", "prefetch")
 LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss",
                            "offload_optimizer", "offload_params", "offload_masters", "delayed_update", "fp8",
-                           "cp_mode", "compiled")
+                           "cp_mode", "compiled", "reshard_after_forward", "prefetch")
 OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "cpu", "nvme"),
                  "offload_masters": ("auto", "cpu")}
 

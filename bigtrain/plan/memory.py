@@ -29,7 +29,8 @@ runtime allocates besides (named so tests can compare those they can measure):
                          bf16 copy of its fp32 gradient
     offload_grad_buckets offload: the device buffers every reduced gradient passes through to the host
     zero3_gathered       stage 3: the root unit (gathered for the whole forward and backward)
-                         plus two blocks (the current one and the prefetched one)
+                         plus two blocks (the current one and the prefetched one; one without
+                         prefetch), every block with reshard_after_forward off
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
     cp_ring              cp's ring: the key/value block held and the next arriving (compute dtype),
                          and the backward's four fp32 gradient blocks (whole key/value heads)
@@ -308,7 +309,8 @@ def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tupl
     nbytes, wide = BYTES[layout.precision], reduce_bytes(layout.precision)  # the reduce dtype: fp32 in fp16
     # each unit over its own group (an expert unit over edp: units.py), from ZeRO stage 1 on
     cuts = sizes if layout.zero >= 1 else tuple((axis, 1) for axis, _ in sizes)
-    padded_total, padded_largest, shard_total, gathered = _padded_sums(key, cuts, layout.zero == 3)
+    held = None if not layout.reshard_after_forward else 2 if layout.prefetch else 1  # blocks gathered at once
+    padded_total, padded_largest, shard_total, gathered = _padded_sums(key, cuts, layout.zero == 3, held)
     out: dict[str, int] = {}
     reduced = replicas(layout) > 1  # one replica reduces nothing
     if host_step(layout):  # offload: every micro-batch reduces into the gradient buckets (offload_grad_buckets)
@@ -358,10 +360,12 @@ def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tupl
 
 
 @cached()
-def _padded_sums(key: tuple, sizes: tuple[tuple[str, int], ...], zero3: bool) -> tuple[int, int, int, int]:
+def _padded_sums(key: tuple, sizes: tuple[tuple[str, int], ...], zero3: bool, held: int | None = 2
+                 ) -> tuple[int, int, int, int]:
     """Of a rank's units (a :func:`units_key`), each padded to a multiple of its group's ``sizes``:
     (the padded elements, the largest unit's, the shards' elements, and at ZeRO-3 the elements
-    gathered at once: the root unit and the two largest block modules)."""
+    gathered at once: the root unit and the ``held`` largest block modules, the current one and the
+    prefetched one; every one where ``held`` is None, reshard_after_forward off)."""
     root, blocks = units_of_key(key)
     cut = dict(sizes)
 
@@ -383,7 +387,7 @@ def _padded_sums(key: tuple, sizes: tuple[tuple[str, int], ...], zero3: bool) ->
             else:
                 modules.append(padded_numel(u))
         root_size = padded_numel(root) if root else 0
-        gathered = root_size + sum(sorted(modules, reverse=True)[:2])
+        gathered = root_size + sum(sorted(modules, reverse=True)[:held])
     return sum(padded), max(padded, default=0), shard_total, gathered
 
 
