@@ -240,3 +240,19 @@ def test_forward_traffic_per_layer_matches_theory(kind, corpus_cache, tmp_path):
         # The same volume as all-gathers (before each sub-block and the head) and reduce-scatters
         # (after each sub-block and the embedding): all-reduce = reduce-scatter + all-gather.
         assert payload == {("tp", "all_gather:sp"): (2 * L + 1) * sbh, ("tp", "reduce_scatter:sp"): (2 * L + 1) * sbh}
+
+
+def test_a_rank_s_sequence_shard_does_not_keep_the_whole_sequence_alive():
+    """split_sequence (the first block's input under SP in a Hugging Face decoder) and the token ids'
+    chunks: a single sample's shard is a contiguous slice, and as a view it kept the whole sequence's
+    storage alive wherever autograd saved it (the layout fuzzer's HF draws: (tp - 1) / tp of the
+    embedding's output, 5% of a tiny model's activations at tp 4). Each shard is a copy of its own."""
+    from types import SimpleNamespace
+
+    from bigtrain.parallel.tensor.functional import local_chunk
+
+    whole = torch.randn(1, 32, 8)
+    for rank in range(4):
+        shard = local_chunk(whole, SimpleNamespace(size=4, rank=rank), 1)
+        assert torch.equal(shard, whole[:, 8 * rank:8 * (rank + 1)])
+        assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()

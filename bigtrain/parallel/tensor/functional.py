@@ -48,8 +48,10 @@ def _reduce_scatter(x: torch.Tensor, comm: AxisComm, dim: int, tag: str) -> torc
 
 
 def local_chunk(x: torch.Tensor, comm: AxisComm, dim: int) -> torch.Tensor:
-    """This rank's equal slice of a replicated tensor (no gradient flows: used for token ids)."""
-    return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+    """This rank's equal slice of a replicated tensor, a copy: a slice that happens to be contiguous
+    (the sequence of a single sample) would otherwise be a view keeping the whole tensor alive
+    wherever autograd saves it (split_sequence's output, the first block's input under SP)."""
+    return x.chunk(comm.size, dim=dim)[comm.rank].clone(memory_format=torch.contiguous_format)
 
 
 class _Dual(torch.autograd.Function):
