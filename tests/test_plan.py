@@ -149,7 +149,9 @@ MEASURED_MOE = {
     + _layouts(dp=2, ep=2, zeros=(0, 1), variants=[("bf16", "none", 2)]),
     # interleaving: the last stage's chunk (the loss's logits) is held for one micro-batch where the
     # rank's others are held for two; the planner counted every chunk held at the largest (14% over)
-    (2, "four-blocks"): _layouts(pp=2, schedule="interleaved", v=2, variants=[("bf16", "none", 4)]),
+    (2, "four-blocks"): _layouts(pp=2, schedule="interleaved", v=2, variants=[("bf16", "none", 4)])
+    # stages cut at parallel.pp_split (1 block, then 3): the planner cut them evenly (30% under)
+    + _layouts(pp=2, zeros=(3,), variants=[("fp32", "none", 2)], split=(1,)),
     (4, "moe"): _layouts(dp=4, ep=2, zeros=(2, 3), variants=[("fp32", "none", 2)])
     + _layouts(dp=4, ep=2, zeros=(1,), variants=[("bf16", "none", 2)]),
 }
@@ -221,6 +223,29 @@ def test_replicated_key_value_heads_are_in_the_predicted_activations(layout, wit
                                 PRESETS["cpu"], cfg.train.global_batch).activations
     for measured in run_ranks(_saved_activations, cfg.parallel.world_size, cfg, str(tmp_path), timeout=300):
         assert abs(predicted - measured) <= within * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--parallel.pp=4", "--model.n_layers=6"], ["--parallel.pp=2", "--model.n_layers=4", "--model.tie_embeddings=true"],
+    ["--parallel.pp=2", "--model.n_layers=4", "--model.moe_experts=4", "--model.moe_every=2"],
+    ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved", "--model.n_layers=8",
+     "--model.vocab_size=4096"],
+    ["--parallel.pp=2", "--model.n_layers=4", "--parallel.pp_balance=layers"],
+], ids=["pp4", "pp2-tied", "pp2-moe-every2", "interleaved-large-vocab", "balance-layers"])
+def test_the_planner_cuts_the_pipeline_where_the_runtime_does(overrides, tmp_path):
+    """parallel.pp_balance = 'params' (the default 'layers' in the last case) cuts the stages where
+    the plain model's parameters balance, embedding and head included (partition.py); the planner's
+    layout (fit.pipeline_split) has the same first block of each stage, and prices each rank's blocks."""
+    from bigtrain.parallel.pipeline.partition import split_model
+    from bigtrain.plan.fit import pipeline_split
+    from bigtrain.plan.units import stage_blocks
+
+    cfg = tiny_config(str(tmp_path), "--parallel.pp_balance=params", *overrides)
+    model = build_model(cfg.model, "meta")
+    stages = split_model(model, cfg.parallel.pp * cfg.parallel.pp_virtual, cfg.parallel.pp_balance)
+    runtime = [[int(i) for i in stage.layers] for stage in stages]
+    planned = stage_blocks(cfg.model.n_layers, len(stages), pipeline_split(cfg))
+    assert [list(r) for r in planned] == runtime, (runtime, pipeline_split(cfg))
 
 
 def test_enough_layouts_are_measured():

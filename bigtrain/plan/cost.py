@@ -257,7 +257,7 @@ def activation_option_costs(model: ModelSpec, layout: Layout, cluster: Cluster, 
                    - block_activations(model, layout.precision, "selective", compiled=layout.compiled).per_token())
         out["selective_recompute"] = micro_batches * 2 * dropped * tokens * model.layers / layout.pp / hw.hbm_bandwidth
     if layout.offload:
-        moved = max(chunk_activation_bytes(model, layout, r) for r in checked_pp_ranks(layout.pp))
+        moved = max(chunk_activation_bytes(model, layout, r) for r in checked_pp_ranks(layout.pp, layout.split))
         window = OVERLAP * (costs.compute_f + costs.compute_b)
         out["activation_offload"] = micro_batches * max(0.0, 2 * moved / hw.host_bandwidth - window)
     if layout.compression == "int8":
@@ -462,7 +462,7 @@ def offload_costs(model: ModelSpec, layout: Layout, cluster: Cluster, costs: Sta
     hw, nbytes, reduce = cluster.hardware, BYTES[layout.precision], reduce_bytes(layout.precision)
     window = OVERLAP * micro_batches * (costs.compute_f + costs.compute_b)
     worst = {}
-    for r in checked_pp_ranks(layout.pp):
+    for r in checked_pp_ranks(layout.pp, layout.split):
         root, blocks = rank_units(model, layout, r)
         units = ([root] if root else []) + blocks
         states = unit_state_bytes(units, layout)

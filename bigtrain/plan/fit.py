@@ -85,8 +85,33 @@ def _layout(cfg: Config, cuda: bool = False):
                   fused_loss=cfg.model.fused_loss, offload_optimizer=optimizer, offload_params=params,
                   fp8=cfg.precision.fp8, offload_masters=cfg.offload.masters if optimizer == "nvme" else "auto",
                   delayed_update=cfg.offload.delayed_update and optimizer != "none", dp_replicate=p.dp_replicate,
-                  reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch,
+                  reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch, split=pipeline_split(cfg),
                   compiled=runtime_compiles(cfg, "cuda" if cuda else "cpu"))
+
+
+def pipeline_split(cfg: Config) -> tuple[int, ...]:
+    """Where the run's pipeline stages start (the first block of stages 1..), as the runtime cuts
+    them (parallel/pipeline/partition.py): parallel.pp_split, or for bigtrain's Llama with
+    parallel.pp_balance = 'params' the cut balancing the plain model's parameters (the embedding on
+    the first stage, the final norm and the output layer on the last); () for the even cut."""
+    p = cfg.parallel
+    stages = p.pp * p.pp_virtual
+    if stages <= 1:
+        return ()
+    if p.split_points is not None:
+        return tuple(p.split_points)
+    if p.pp_balance != "params" or cfg.model.family != "llama":
+        return ()
+    from bigtrain.parallel.pipeline.partition import balanced_split_points, even_split_points
+    from bigtrain.plan.model import ModelSpec
+
+    spec = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    dense = sum(t.numel for t in spec.block_tensors())
+    moe = sum(t.numel for t in spec.moe_block_tensors() + spec.expert_tensors()) if spec.experts else dense
+    costs = [moe if spec.is_moe_block(i) else dense for i in range(spec.layers)]
+    head = spec.hidden + spec.vocab * spec.hidden  # the final norm and the output (a tied one counted again)
+    points = balanced_split_points(costs, stages, spec.vocab * spec.hidden, head)
+    return () if points == even_split_points(spec.layers, stages) else tuple(points)
 
 
 def runtime_compiles(cfg: Config, device_type: str) -> bool:

@@ -54,7 +54,7 @@ class UnitCollective:
 
 def busiest_rank_units(model: ModelSpec, layout: Layout) -> tuple[Unit | None, list[Unit]]:
     """(root unit or None, block units) of the pipeline rank holding the most parameters."""
-    ranks = [rank_units(model, layout, r) for r in checked_pp_ranks(layout.pp)]
+    ranks = [rank_units(model, layout, r) for r in checked_pp_ranks(layout.pp, layout.split)]
     return max(ranks, key=lambda rb: (sum(u.numel for u in _all(rb)), max(u.numel for u in _all(rb))))
 
 

@@ -65,6 +65,9 @@ class Layout:
     # prefetch gathers the next unit while one runs (two blocks gathered at once, else one)
     reshard_after_forward: bool = True
     prefetch: bool = True
+    # Where the pipeline's stages start (parallel.pp_split, or the cut parallel.pp_balance = 'params'
+    # makes: fit._layout): the first block of stages 1 .. pp x v - 1; () cuts them evenly
+    split: tuple[int, ...] = ()
 
     @property
     def gpus(self) -> int:
@@ -130,6 +133,8 @@ class Layout:
         parts[1:1] = [f"dp_replicate={self.dp_replicate}"] if self.dp_replicate > 1 else []
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f",v={self.v}" if self.v > 1 else ""))
+            if self.split:
+                parts.append(f"split={'/'.join(map(str, self.split))}")
         parts.append(f"recompute={self.recompute}" + (f",every={self.every}" if self.recompute == "every" else ""))
         if self.tp > 1:
             parts.append(f"tp_sp={'on' if self.tp_sp else 'off'}")
@@ -169,6 +174,8 @@ class Layout:
                 f"--model.fused_loss={str(self.fused_loss).lower()}",
                 f"--parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}",
                 f"--parallel.prefetch={str(self.prefetch).lower()}"]
+        if self.split:  # where the stages start (else the run's own pp_split / pp_balance decide)
+            out.append(f"--parallel.pp_split={','.join(map(str, self.split))}")
         if self.fp8 != "none":
             out.append(f"--precision.fp8={self.fp8}")
         if self.compiled:  # not compiled: the run's own compile.enabled decides ('auto': on CUDA only)

@@ -247,7 +247,7 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[tuple
     head's, the largest block's)."""
     return _chunks(model, pp_rank, layout.pp, layout.v, layout.recompute, layout.every, layout.precision,
                    layout.compression, layout.compiled, layout.ep, layout.fused_loss, layout.micro_batch,
-                   layout.seq_shards, layout.tp, layout.tp_sp, layout.head_exchange)
+                   layout.seq_shards, layout.tp, layout.tp_sp, layout.head_exchange, layout.split)
 
 
 # Keyed on the layout's fields the saved activations read, so that the layouts of a search that
@@ -255,9 +255,9 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[tuple
 @cached()
 def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, every: int, precision: str,
             compression: str, compiled: bool, ep: int, fused_loss: bool, samples: int, seq_shards: int, tp: int,
-            tp_sp: bool, head_exchange: int) -> tuple[tuple[float, float, float], ...]:
+            tp_sp: bool, head_exchange: int, split: tuple[int, ...] = ()) -> tuple[tuple[float, float, float], ...]:
     stages = pp * v
-    blocks = stage_blocks(model.layers, stages)
+    blocks = stage_blocks(model.layers, stages, split)
     checkpointed = checkpointed_block_indices(model.layers, recompute, every)
     # A model of dense and MoE blocks: each block's own figure (block_activations averages the two
     # over the model, exact only where every block is held alike: not when the blocks a policy
@@ -504,7 +504,7 @@ def device_lower_bound(model: ModelSpec, layout: Layout, hardware: HardwareProfi
         return 0
     sizes = _group_sizes(layout)
     states = max(sum(_rank_state_bytes(units_key(model, layout, r), layout.zero, layout.precision, sizes, optimizer,
-                                       block).values()) for r in checked_pp_ranks(layout.pp))
+                                       block).values()) for r in checked_pp_ranks(layout.pp, layout.split))
     return states + math.ceil(hardware.fragmentation * states) + hardware.reserved_bytes
 
 
@@ -526,7 +526,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile,
         return pipeline.peak_held_bytes(layout.schedule, layout.pp, m, layout.v, r, chunks)
 
     ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer, block, held(r))
-             for r in checked_pp_ranks(layout.pp)]
+             for r in checked_pp_ranks(layout.pp, layout.split)]
     worst = max(ranks, key=lambda m: m.total)
     acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled)
     worst.detail.update({"activation_c1": round(acts.c1, 4), "activation_c2": round(acts.c2, 4)})

@@ -26,8 +26,13 @@ class Unit:
     axis: str = "dp_sp"  # the ranks that reduce its gradients and, from ZeRO stage 1, cut it (edp: experts)
 
 
-def stage_blocks(layers: int, stages: int) -> list[range]:
-    """Blocks of each pipeline stage, as even as possible (the first stages take the extra ones)."""
+def stage_blocks(layers: int, stages: int, split: tuple[int, ...] = ()) -> list[range]:
+    """Blocks of each pipeline stage: from ``split``, the first block of stages 1.. (the run's
+    parallel.pp_split, or its pp_balance = 'params' cut: ``Layout.split``), else as even as possible
+    (the first stages take the extra ones)."""
+    if split:
+        edges = [0, *split, layers]
+        return [range(a, b) for a, b in zip(edges, edges[1:])]
     base, extra = divmod(layers, stages)
     out, start = [], 0
     for s in range(stages):
@@ -69,7 +74,7 @@ def units_key(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple:
     """All that a rank's units depend on: the model, the stages, the tp cut, the experts' degree and
     the names of the two gradient axes (the dense weights', then the experts'); what the memory
     estimate's caches of sums over the units key on."""
-    return (model, layout.pp, layout.v, layout.tp, layout.ep, *gradient_axis_names(layout), pp_rank)
+    return (model, layout.pp, layout.v, layout.tp, layout.ep, *gradient_axis_names(layout), pp_rank, layout.split)
 
 
 def gradient_axis_names(layout: Layout) -> tuple[str, str]:
@@ -97,11 +102,11 @@ def units_of_key(key: tuple) -> tuple[Unit | None, tuple[Unit, ...]]:
 # on (the stages, the tp cut, the experts' degree and the names of the gradient axes), so the layouts
 # that differ in dp, ZeRO stage, micro-batch, schedule or recomputation share them.
 @cached()
-def _rank_units(model: ModelSpec, pp: int, v: int, tp: int, ep: int, axis: str, expert_axis: str, pp_rank: int
-                ) -> tuple[Unit | None, tuple[Unit, ...]]:
+def _rank_units(model: ModelSpec, pp: int, v: int, tp: int, ep: int, axis: str, expert_axis: str, pp_rank: int,
+                split: tuple[int, ...] = ()) -> tuple[Unit | None, tuple[Unit, ...]]:
     stages = pp * v
     mine = range(pp_rank, stages, pp)
-    per_stage = stage_blocks(model.layers, stages)
+    per_stage = stage_blocks(model.layers, stages, split)
     blocks = sum(len(per_stage[s]) for s in mine)
     root: list[Tensor] = []
     if 0 in mine:
@@ -124,8 +129,9 @@ def _rank_units(model: ModelSpec, pp: int, v: int, tp: int, ep: int, axis: str, 
     return root_unit, tuple(units)
 
 
-def checked_pp_ranks(pp: int) -> list[int]:
+def checked_pp_ranks(pp: int, split: tuple[int, ...] = ()) -> list[int]:
     """Pipeline ranks that can be the worst: the first holds the embedding, the most blocks (the
     first stages take the extra ones) and the most micro-batches in flight (peaks never grow with
-    the rank in any schedule); the last holds the output layer and the logits."""
-    return sorted({0, pp - 1})
+    the rank in any schedule); the last holds the output layer and the logits. With stages cut
+    where ``split`` says, any rank may hold the most blocks: every one."""
+    return list(range(pp)) if split else sorted({0, pp - 1})
