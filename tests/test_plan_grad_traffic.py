@@ -152,6 +152,10 @@ TP_LAYOUTS = {
                           "--model.n_layers=4", "--train.global_batch=4", "--train.micro_batch=2"],
     "pp2-tied-fp32": ["--parallel.pp=2", "--model.tie_embeddings=true", "--train.global_batch=4",
                       "--train.micro_batch=1"],
+    # experts whole on every tp rank: an MoE block sums attention's output alone (the planner once
+    # counted the MLP's too: 67% over)
+    "tp2-moe-every2-full": ["--parallel.tp=2", "--model.moe_experts=4", "--model.moe_every=2", "--model.n_layers=4",
+                            "--memory.checkpointing=full", "--train.global_batch=4", "--train.micro_batch=2"],
 }
 
 
@@ -186,7 +190,7 @@ def test_tensor_parallel_and_tied_copy_bytes_equal_what_the_ranks_send(corpus_ca
         layers = model.layers / layout.pp
         recomputed = len(checkpointed_block_indices(model.layers, layout.recompute, layout.every)) / layout.pp
         one = layout.micro_batch * model.seq * model.hidden * BYTES[layout.precision] * 2 * (layout.tp - 1) / layout.tp
-        planned_tp = m * sum(tp_collectives(layout, layers, recomputed)) * one
+        planned_tp = m * sum(tp_collectives(layout, layers, recomputed, model.moe_layers / layout.pp)) * one
         planned_tied = sum(c.sent_bytes for c in tied_copy_collectives(model, layout))
         for ops in (r[i] for r in results):
             sent_tp = sum(b for op, b in ops.get("tp", {}).items() if op.endswith((":tp", ":sp")))

@@ -112,3 +112,18 @@ def test_the_shape_aware_time_of_an_moe_block_counts_its_top_k_experts():
     assert at_tp2[0] - at_tp2[1] == pytest.approx(seconds - top1, rel=1e-6)
     best = search(moe, Cluster.build(8, h100), 64, {"micro_batch": 1}).best  # any layout: none beats the GEMM share
     assert best.time.mfu < h100.gemm_fraction
+
+
+def test_the_recomputed_all_to_all_is_that_of_the_checkpointed_moe_blocks():
+    """A recomputed MoE block runs its dispatch and combine again; a block that is not checkpointed
+    does not. With every = 2 and moe_every = 2 the checkpointed blocks are the dense ones: the
+    experts' all-to-all is what no recomputation sends (a run counted 29,184 bytes a step either
+    way, the planner charged a third more: each MoE block at the model's share of recomputed blocks)."""
+    from bigtrain.plan.cost import stage_costs
+
+    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=1024, experts=8, top_k=2, moe_every=2)
+    cluster = Cluster.build(8, get_profile("h100-80g"))
+    moe = {r: stage_costs(model, Layout(dp=8, ep=8, recompute=r, every=2), cluster).moe_comm
+           for r in ("none", "every", "full")}
+    assert moe["every"] == pytest.approx(moe["none"])
+    assert moe["full"] == pytest.approx(moe["none"] * 6 / 4)  # forward 2, backward 2 + the recomputed 2

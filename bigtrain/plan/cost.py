@@ -140,11 +140,13 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     if layout.cp > 1 and layout.ring == 1:  # cp's all-to-all: the same exchange over the cp ranks
         sp_op += cp_link.collective("all_to_all", qkv(layout.cp), layout.cp) + \
             cp_link.collective("all_to_all", out_bytes, layout.cp)
-    tp_forward, tp_backward = tp_collectives(layout, layers, recomputed)
+    tp_forward, tp_backward = tp_collectives(layout, layers, recomputed, model.moe_layers / layout.pp)
     tp_f, tp_b = tp_forward * tp_op, tp_backward * tp_op
     sp_f, sp_b = layers * sp_op, (layers + recomputed) * sp_op
     ring_f, ring_b = ring_seconds(model, layout, cp_link, local_tokens, layers, recomputed)
-    moe_f, moe_b = expert_all_to_all(model, layout, cluster, recomputed / max(layers, 1e-9))
+    checkpointed = checkpointed_block_indices(model.layers, layout.recompute, layout.every)
+    moe_recomputed = sum(model.is_moe_block(i) for i in checkpointed) / max(model.moe_layers, 1)
+    moe_f, moe_b = expert_all_to_all(model, layout, cluster, moe_recomputed)
     boundary = local_tokens * model.hidden * nbytes / (layout.tp if layout.tp_sp else 1)
     p2p = link_of(cluster, layout, ("pp",)).collective("p2p", boundary, layout.pp)
 
@@ -170,7 +172,7 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
                       ring_f + ring_b)
 
 
-def tp_collectives(layout: Layout, layers: float, recomputed: float) -> tuple[float, float]:
+def tp_collectives(layout: Layout, layers: float, recomputed: float, moe_layers: float = 0.0) -> tuple[float, float]:
     """A pipeline rank's tensor-parallel collectives of one micro-batch, in all-reduces of its
     tokens' hidden states (an all-gather and a reduce-scatter under Megatron SP move one's bytes):
     (forward, backward), as a run counts them (tests/test_plan_grad_traffic.py). Per block two each
@@ -178,10 +180,13 @@ def tp_collectives(layout: Layout, layers: float, recomputed: float) -> tuple[fl
     vocabulary-parallel embedding's output in the forward and the output layer's input gradient in
     the backward (spread over the stages, as the output layer's FLOPs are); a recomputed block's
     forward stops at its last saved tensor (torch's non-reentrant checkpoint), w2's input, before
-    the MLP's output sum: one all-reduce, or under SP two all-gathers and attention's reduce-scatter."""
+    the MLP's output sum: one all-reduce, or under SP two all-gathers and attention's reduce-scatter.
+    An MoE block (``moe_layers`` of the ``layers``) runs its experts whole on every tp rank, outside
+    any tp region (docs/moe.md): attention's one sum each way."""
     ends = 1 / layout.pp
     recompute = 1.5 if layout.tp_sp else 1.0
-    return 2 * layers + ends, 2 * layers + ends + recompute * recomputed
+    blocks = 2 * layers - moe_layers
+    return blocks + ends, blocks + ends + recompute * recomputed
 
 
 def blocks_with_weight_grads_in_i(model: ModelSpec, layout: Layout, layers: float, recomputed: float) -> float:
@@ -221,7 +226,8 @@ def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomp
     """Exposed seconds of one micro-batch's expert all-to-alls on a pipeline rank: (forward,
     backward). Per MoE layer, dispatch and combine each move the tokens' top_k copies of the
     hidden state, (ep-1)/ep of them leaving the rank (tests/test_expert_parallel.py measures it);
-    backward runs both again, and a recomputed layer's forward once more. The ep ranks are
+    backward runs both again, and a recomputed layer's forward once more (``recomputed_share``: of
+    the MoE layers, those checkpointed; with every = 2 and moe_every = 2 none of them). The ep ranks are
     adjacent inside dp x sp, tp apart: they cross nodes when tp x ep exceeds a node."""
     if not model.experts or layout.ep == 1:
         return 0.0, 0.0
