@@ -74,6 +74,28 @@ def test_a_resumed_check_does_not_explain_updates_from_moments_it_never_verified
     assert any(f.kind == "weight" for f in report.findings), report.text()
 
 
+def test_a_checked_saving_run_catches_lost_moments_and_hands_its_chain_to_the_resumed_check(corpus_cache, tmp_path,
+                                                                                           monkeypatch):
+    """The fuzzer checks a resumed sample's first part as well (``check_layout``'s ``save``), so the
+    resumed check may continue its chain of replayed updates (``saved_anchored``): a Hugging Face
+    Qwen2's key bias, whose gradient is near Adam's eps, drifted 2.1e-4 in the unchecked saving run
+    and was then a false divergence after the resume (fuzz seed 20261442, sample 11). The moments
+    lost in the saving run above are caught there, at the step that lost them, and nothing is saved."""
+    cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=1", "--train.global_batch=4",
+                      "--train.micro_batch=1")
+    with monkeypatch.context() as patch:
+        patch.setattr(ZeroEngine, "step", _moments_lost_after_step(1))
+        lost = run_ranks(check_on_rank, 2, cfg, str(tmp_path / "lost"), 2, None, False, True)[0]
+    assert not lost.agree and lost.first_step == 1 and lost.saved is None, lost.text()
+    assert any(f.kind == "replayed" for f in lost.findings), lost.text()
+    before = run_ranks(check_on_rank, 2, cfg, str(tmp_path / "kept"), 2, None, False, True)[0]
+    assert before.agree and before.anchored and before.saved is not None, before.text()
+    after = run_ranks(check_on_rank, 2, cfg, str(tmp_path / "kept"), 1, before.saved, True)[0]
+    assert after.agree and after.anchored and after.start == 2, after.text()
+    unchained = run_ranks(check_on_rank, 2, cfg, str(tmp_path / "kept"), 1, before.saved)[0]
+    assert not unchained.anchored  # a checkpoint nothing checked: its moments are not the chain's
+
+
 def test_the_replay_vouches_for_a_tied_copy_only_while_it_equals_the_weight_it_copies():
     from bigtrain.check.replay import stepped_parameters
 

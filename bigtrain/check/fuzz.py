@@ -236,10 +236,11 @@ def _validate(cfg: Config) -> None:
 
 def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: float = 240.0) -> Outcome:
     """Validate one sample; if valid, check it on forked Gloo ranks against the reference (a
-    resumed sample: run its first part and save, then check the resumed part). A compiled sample
+    resumed sample: check its first part and save, then check the resumed part, which continues
+    the first part's chain of replayed updates: :func:`bigtrain.check.run.check_layout`). A compiled sample
     gets 3x the time (each rank compiles its blocks in its first step, 6-25 s a graph on a loaded
     2-core machine), and its ranks wait that long for each other in a collective."""
-    from bigtrain.check.run import check_compiled_on_rank, check_on_rank, save_on_rank
+    from bigtrain.check.run import check_compiled_on_rank, check_on_rank
     from bigtrain.testing import RankFailure, run_ranks
 
     start = time.perf_counter()
@@ -255,15 +256,19 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
     if COMPILED in overrides:
         timeout *= 3
     with tempfile.TemporaryDirectory(prefix="bigtrain-fuzz-") as run_dir:
+        check = check_compiled_on_rank if COMPILED in overrides else check_on_rank  # a fallback: crashed
         try:
-            saved = None
+            saved, anchored = None, False
             if resume_after:
                 a = configs[0]
-                saved = run_ranks(save_on_rank, a.parallel.world_size, a, run_dir, resume_after, timeout=timeout,
-                                  group_timeout=timeout)[0]
+                before = run_ranks(check, a.parallel.world_size, a, run_dir, resume_after, None, False, True,
+                                   timeout=timeout, group_timeout=timeout)[0]
+                if not before.agree:
+                    return Outcome(overrides, "diverged", f"before the checkpoint:\n{before.text()}",
+                                   time.perf_counter() - start)
+                saved, anchored = before.saved, before.anchored
             cfg = configs[-1]
-            check = check_compiled_on_rank if COMPILED in overrides else check_on_rank  # a fallback: crashed
-            report = run_ranks(check, cfg.parallel.world_size, cfg, run_dir, steps, saved,
+            report = run_ranks(check, cfg.parallel.world_size, cfg, run_dir, steps, saved, anchored,
                                timeout=timeout, group_timeout=timeout)[0]
         except RankFailure as e:
             verdict = "hung" if "did not finish" in str(e) else "crashed"

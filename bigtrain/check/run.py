@@ -77,6 +77,11 @@ class CheckReport:
     # Single tensors over the bound that the float64 reference showed within fp32's own rounding
     # (bigtrain/check/exact.py): reported, not a divergence.
     within_rounding: list[Finding] = field(default_factory=list)
+    # Whether its updates were judged along the replays' chain (updates_explained): a run resumed
+    # from the checkpoint it ends with continues that chain (check_layout's ``saved_anchored``).
+    anchored: bool = False
+    # With check_layout's ``save``: the full (weights, optimizer state) of the checkpoint it wrote.
+    saved: tuple[dict, dict] | None = field(default=None, repr=False)
 
     def first(self, kind: str) -> Finding | None:
         return next((f for f in self.findings if f.kind == kind), None)
@@ -210,14 +215,18 @@ def reference_problems(cfg: Config) -> list[str]:
 
 
 def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
-                 device: torch.device | str = "cpu", saved: tuple[dict, dict] | None = None) -> CheckReport | None:
+                 device: torch.device | str = "cpu", saved: tuple[dict, dict] | None = None,
+                 saved_anchored: bool = False, save: bool = False) -> CheckReport | None:
     """Run ``steps`` steps of ``cfg`` on ``mesh`` (every rank calls this) and compare them with the
     reference on the first rank; returns the report there, None elsewhere.
 
     ``saved``: the full (weights, optimizer state) a run saved in ``run_dir``'s newest checkpoint
     (:func:`save_on_rank`'s, on the first rank; anything elsewhere). The layout resumes from it,
     what it loaded must be what was saved (dtypes and bits), the reference replays the steps
-    before it uncompared, and the ``steps`` after it are compared."""
+    before it uncompared, and the ``steps`` after it are compared. ``saved_anchored``: the steps
+    before it were checked too, along the replays' chain (``CheckReport.anchored``), which the
+    compared steps then continue. ``save``: after the steps, save a checkpoint in ``run_dir`` and
+    put its full state in the report (``CheckReport.saved``), for a check resumed from it."""
     trainer, reference_of, captured = _layout_and_reference(cfg, mesh, run_dir, device)
     world, is_first = mesh.comm("world"), mesh.rank == 0
     # The reference computes on this rank's device: the same kernels on both sides, so the
@@ -245,11 +254,15 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
                         schedule_is_asynchronous(cfg)) if is_first else None
     state = trainer.parallel.full_state() if replaying else None  # before the first step
     # The replays explain an update only along a chain of steps from moments the check verified:
-    # a fresh run's (none, or zeros). A resumed run's loaded moments equal what was saved, but
-    # nothing compares them with the reference's: from wrong ones every step replays and every
+    # a fresh run's (none, or zeros), or a resumed run's whose steps before the checkpoint were
+    # checked along the chain (``saved_anchored``). Loaded moments equal what was saved, but
+    # nothing else compares them with the reference's: from wrong ones every step replays and every
     # gradient is within bound while every weight goes astray (tests/test_check_review.py).
     # fp32 only: in bf16/fp16 single tensors of the free run are diagnostic, nothing to explain.
-    anchored = replaying and cfg.optim.name == "adamw" and cfg.precision.mode == "fp32" and starts_fresh(state[1])
+    anchored = replaying and cfg.optim.name == "adamw" and cfg.precision.mode == "fp32" and (
+        starts_fresh(state[1]) or (saved is not None and saved_anchored))
+    if report is not None:
+        report.anchored = anchored
     for step, result, grads in _steps(trainer, steps, deferred):
         weights = trainer.parallel.full_weights()
         before, state = state, trainer.parallel.full_state() if replaying else None
@@ -291,7 +304,13 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
                 verdict.fill_(1)
         world.all_reduce(verdict, tag="check")  # every rank stops at the first divergence
         if verdict.item():  # the host waits for the verdict (on NCCL the all-reduce does not block it)
-            break
+            return report
+    if save:
+        trainer.save()
+        trainer.wait_for_save()
+        full = trainer.parallel.full_state()  # collective
+        if report is not None:
+            report.saved = full
     return report
 
 
@@ -403,20 +422,23 @@ def _step_measurements(result: StepResult, ref: ReferenceStep, grads: dict, weig
 
 
 def check_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int,
-                  saved: tuple[dict, dict] | None = None) -> CheckReport | None:
+                  saved: tuple[dict, dict] | None = None, saved_anchored: bool = False,
+                  save: bool = False) -> CheckReport | None:
     """:func:`check_layout` on the mesh ``cfg`` describes, for rank ``rank`` of ``world_size``: the
     shape ``bigtrain.testing.run_ranks`` calls (the fuzzer and the tests use it)."""
-    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps, saved=saved)
+    return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps, saved=saved,
+                        saved_anchored=saved_anchored, save=save)
 
 
 def check_compiled_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int,
-                           saved: tuple[dict, dict] | None = None) -> CheckReport | None:
+                           saved: tuple[dict, dict] | None = None, saved_anchored: bool = False,
+                           save: bool = False) -> CheckReport | None:
     """:func:`check_on_rank` where a compiled region that falls back to eager is an error: run
     eagerly, it would agree with the reference and prove nothing about compiling (the fuzzer's
     compiled samples, tests/test_compile.py)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)
-        return check_on_rank(rank, world_size, cfg, run_dir, steps, saved)
+        return check_on_rank(rank, world_size, cfg, run_dir, steps, saved, saved_anchored, save)
 
 
 def save_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int) -> tuple[dict, dict]:
