@@ -143,9 +143,9 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
                        [part for part in selective_parts(block, plan.selective_attention)
                         if not _has_submodule(block, part)])
             if missing:  # the parts are a Llama block's, by name: a block of another shape is refused
-                raise ValueError(f"ActivationPlan(policy='selective') recomputes the parts of bigtrain's Llama block by "
-                                 f"name; a {type(block).__name__} has no {', '.join(missing)}: use policy='full' "
-                                 f"or policy='every'")
+                raise ValueError(f"ActivationPlan(policy='selective') recomputes the parts of bigtrain's Llama "
+                                 f"block by name; a {type(block).__name__} has no {', '.join(missing)}: use "
+                                 f"policy='full' or policy='every'")
         apply_selective_recomputation(blocks, plan.selective_attention)
         checkpointed = []
     elif plan.policy == "none":  # a model of any shape (no blocks asked for)
