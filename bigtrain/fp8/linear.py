@@ -190,5 +190,9 @@ def apply_float8(model: nn.Module, plan: "Float8Plan", device: torch.device | st
     ValueError naming the fix when the device has no float8 matmuls and emulation was not asked for."""
     if plan.scaling == "none":
         return None
+    if plan.blocks is None and not isinstance(getattr(model, "layers", None), nn.Module):
+        raise ValueError(f"Float8Plan turns the blocks' linears float8, and a {type(model).__name__} has no "
+                         f"'layers' (bigtrain's Llama's): give Float8Plan(blocks=lambda model: model.<its "
+                         f"nn.ModuleList of blocks>)")
     root = name_in(model, plan.blocks(model)) if plan.blocks is not None else "layers"
     return convert_to_float8(model, Float8Recipe(plan.scaling), float8_backend(device, plan.emulate), root)

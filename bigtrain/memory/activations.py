@@ -20,7 +20,7 @@ from bigtrain.memory.checkpointing import apply_activation_checkpointing
 from bigtrain.memory.compression import compress_linear_inputs
 from bigtrain.memory.fused_loss import fuse_head_into_loss
 from bigtrain.memory.offload import ActivationOffloader
-from bigtrain.memory.selective import apply_selective_recomputation
+from bigtrain.memory.selective import apply_selective_recomputation, selective_parts
 from bigtrain.models.moe import MoEFeedForward
 from bigtrain.wrappers import name_in
 
@@ -62,12 +62,35 @@ def offloaded_modules(model: nn.Module, blocks=None) -> list[nn.Module]:
     Hugging Face decoder's layers, where nearly all of its saved activations are)."""
     if blocks is not None:
         return list(blocks(model))
+    parts = ("tok_embeddings", "layers", "norm", "output")
+    if not all(hasattr(model, part) for part in parts):
+        raise ValueError(f"ActivationPlan(offload=True): a {type(model).__name__} is not bigtrain's Llama (no "
+                         f"{', '.join(p for p in parts if not hasattr(model, p))}); give the modules whose "
+                         f"saved tensors move: ActivationPlan(blocks=lambda model: model.<its nn.ModuleList>)")
     return [model.tok_embeddings, *model.layers, model.norm, model.output]
 
 
-def block_list(model: nn.Module, plan: "ActivationPlan") -> nn.Module:
-    """The container of ``model``'s blocks: the family's (``plan.blocks``), else a Llama's ``layers``."""
-    return plan.blocks(model) if plan.blocks is not None else model.layers
+def block_list(model: nn.Module, plan: "ActivationPlan", what: str = "ActivationPlan") -> nn.Module:
+    """The container of ``model``'s blocks: the family's (``plan.blocks``), else a Llama's ``layers``;
+    a model with neither is named with the fix (``what``: the plan that asked)."""
+    if plan.blocks is not None:
+        return plan.blocks(model)
+    if not isinstance(getattr(model, "layers", None), nn.Module):
+        raise ValueError(f"{what} needs the blocks of a {type(model).__name__}, which has no 'layers' (bigtrain's "
+                         f"Llama's): give {what}(blocks=lambda model: model.<its nn.ModuleList of blocks>)")
+    return model.layers
+
+
+def head_module(model: nn.Module, plan: "ActivationPlan", why: str) -> str:
+    """``plan.head`` (the dotted name of the output projection), checked: a model of another shape
+    gets the fix named rather than an AttributeError from deep inside a wrapper."""
+    try:
+        model.get_submodule(plan.head)
+    except AttributeError:
+        raise ValueError(f"ActivationPlan({why}) wraps the model's output projection, ActivationPlan.head = "
+                         f"{plan.head!r}, which a {type(model).__name__} does not have: give "
+                         f"ActivationPlan(head='<the dotted name of its output nn.Linear>')") from None
+    return plan.head
 
 
 def rows_split_over(model: nn.Module, layout: "TensorLayout | None") -> dict[str, AxisComm]:
@@ -95,6 +118,14 @@ def compressed_linears(blocks: nn.Module) -> list[str]:
     return [n for n, m in blocks.named_modules() if isinstance(m, nn.Linear) and id(m) not in routers]
 
 
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=None) -> ActivationMemory:
     """Apply ``plan`` to ``model`` (after tensor parallelism: ``layout`` is its TensorLayout, or None)."""
     compressed = 0
@@ -103,10 +134,19 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
         root = name_in(model, blocks)
         linears = [f"{root}.{n}" for n in compressed_linears(blocks)]
         if not plan.fused_loss:
-            linears.append(plan.head)
+            linears.append(head_module(model, plan, "compression='int8'"))
         compressed = compress_linear_inputs(model, linears, rows_split_over(model, layout))
     if plan.policy == "selective":
-        apply_selective_recomputation(model.layers, plan.selective_attention)
+        blocks = block_list(model, plan)
+        for block in blocks:
+            missing = (["feed_forward"] if not _has_submodule(block, "feed_forward") else
+                       [part for part in selective_parts(block, plan.selective_attention)
+                        if not _has_submodule(block, part)])
+            if missing:  # the parts are a Llama block's, by name: a block of another shape is refused
+                raise ValueError(f"ActivationPlan(policy='selective') recomputes the parts of bigtrain's Llama "
+                                 f"block by name; a {type(block).__name__} has no {', '.join(missing)}: use "
+                                 f"policy='full' or policy='every'")
+        apply_selective_recomputation(blocks, plan.selective_attention)
         checkpointed = []
     elif plan.policy == "none":  # a model of any shape (no blocks asked for)
         checkpointed = []
@@ -116,7 +156,7 @@ def apply_activation_memory(model: nn.Module, plan: "ActivationPlan", layout=Non
     if plan.fused_loss:
         vocab = layout.vocab if layout is not None else None
         head = fuse_head_into_loss(model, plan.fused_loss_chunk, layout.tp if vocab is not None else None, vocab,
-                                   name=plan.head)
+                                   name=head_module(model, plan, "fused_loss=True"))
     offloader = (ActivationOffloader(offloaded_modules(model, plan.blocks), plan.offload_min_bytes)
                  if plan.offload else None)
     return ActivationMemory(checkpointed, plan.policy == "selective", offloader, head, compressed)

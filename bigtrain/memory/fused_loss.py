@@ -114,6 +114,13 @@ class FusedLossHead(WholeBackward, ModuleWrapper):
     kind = "fused_loss"
 
     def __init__(self, head: nn.Linear, chunk: int, tp=None, vocab: tuple[int, int] | None = None):
+        # The loss is hidden @ weight.T alone: a head with a bias trained without it, silently (a
+        # user's head nn.Linear(dim, vocab), bias=True by default: the loss 3x the plain model's).
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            what = "has a bias" if isinstance(head, nn.Linear) else f"is no nn.Linear (a {type(head).__name__})"
+            raise ValueError(f"fused loss (ActivationPlan(fused_loss=True), model.fused_loss): the head {what}; "
+                             f"the fused cross-entropy computes hidden @ weight.T only. Give the model an "
+                             f"nn.Linear head with bias=False, or leave the loss unfused")
         super().__init__(head)
         first, vocab_size = vocab if vocab is not None else (0, None)
         object.__setattr__(self, "loss_args", (chunk, tp, first, vocab_size))  # plain state, not a child

@@ -14,6 +14,7 @@ No Config here: the Trainer builds the plan from its Config (:mod:`bigtrain.from
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -26,7 +27,7 @@ from bigtrain.parallel.compile import apply_compile
 from bigtrain.parallel.context import apply_context_parallel
 from bigtrain.parallel.experts import apply_expert_parallel
 from bigtrain.parallel.parallel_model import ParallelModel, token_loss_sum
-from bigtrain.parallel.parallel_plan import EnginePlan, ParallelPlan, PipelinePlan, TensorParallelPlan
+from bigtrain.parallel.parallel_plan import ActivationPlan, EnginePlan, ParallelPlan, PipelinePlan, TensorParallelPlan
 from bigtrain.parallel.pipeline.partition import PipelineStage, StageGroup, stages_for_rank
 from bigtrain.parallel.pipeline.schedules import Schedule, build_schedule
 from bigtrain.parallel.placement import Placements
@@ -51,6 +52,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     ``initial_value(name, shape, plan.seed)``, as the reference Llama has)."""
     device = torch.device(device)
     given_init_fn = init_fn
+    if init_fn is None and not hasattr(model, "initial_value"):
+        raise ValueError(f"parallelize: no init_fn, and a {type(model).__name__} has no initial_value(name, shape, "
+                         f"seed) method (bigtrain's Llama's): give init_fn=lambda name, shape: <the full fp32 "
+                         f"value of that parameter or buffer>")
     init_fn = init_fn or (lambda name, shape: model.initial_value(name, shape, plan.seed))
     float8 = apply_float8(model, plan.float8, device)  # first: the plans below cut and hook the float8 linears
     data_axis, replica_axes = mesh.gradient_axes()  # dp x cp x sp, or HSDP's ZeRO group and its replicas
@@ -68,7 +73,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
         split_backward = mesh.comm("pp").size > 1 and plan.pipeline.schedule == "zb-h1"  # keeps the graph
         sixteen_bit = plan.engine.precision.compute in (torch.bfloat16, torch.float16) or float8 is not None
         compiled = apply_compile(model, token_loss_sum if plain_loss else None, keep_graph=split_backward, device=device,
-                                 blocks=block_list(model, plan.activations), sixteen_bit=sixteen_bit)
+                                 blocks=compiled_blocks(model, plan.activations), sixteen_bit=sixteen_bit)
     if float8 is not None:  # the plans above replace some linears (a row-parallel bias): still float8?
         float8.check_kept(model)
     transforms = transforms_of(model)  # before the pipeline split: every rank records the whole model
@@ -99,10 +104,23 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
                          f"({'; '.join(problems) or ', '.join(unset) + ': still on the meta device'}): give init_fn "
                          f"their values by name (as for parameters) or the model an init_buffers(device) method")
     register_partial_grad_hooks(pipeline.module, placements)
+    compute = plan.engine.precision.compute
+    if compute != torch.float32:  # the weights compute in bf16 / fp16: so must a float input meeting them
+        for module in pipeline.stages.values() or [pipeline.module]:
+            module.register_forward_pre_hook(partial(_float_inputs_to, compute), with_kwargs=True)
     return ParallelModel(pipeline.module, engine, layout, placements, mesh.comm("dp_sp"), mesh.comm("sp"),
                          mesh.comm("pp"), activations.checkpointed, pipeline.stages, pipeline.schedule,
                          tied if tied.names else None, device, activations, float8, transforms, compiled,
                          cp=mesh.comm("cp"))
+
+
+def compiled_blocks(model: nn.Module, plan: ActivationPlan) -> nn.Module | None:
+    """The container whose children regional compilation compiles one by one: the plan's blocks,
+    bigtrain's Llama's ``layers``, or None (``apply_compile`` then takes the model's largest list of
+    modules with parameters: a model of one's own need not name its blocks to be compiled)."""
+    if plan.blocks is not None or isinstance(getattr(model, "layers", None), nn.Module):
+        return block_list(model, plan)
+    return None
 
 
 # -- tensor and sequence parallelism ----------------------------------------------------------------
@@ -155,6 +173,15 @@ def build_pipeline(model: nn.Module, mesh: Mesh, plan: PipelinePlan, placements:
     if copies:
         unit_modules = _units_isolating(module, unit_modules, copies)
     return Pipeline(module, placements, stages, schedule, unit_modules)
+
+
+def _float_inputs_to(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The model's floating-point inputs in the compute dtype (FSDP's ``cast_forward_inputs``): a
+    model of one's own taking float features (not token ids) met its bf16 weights with fp32 and
+    failed in its first layer (``mat1 and mat2 must have the same dtype``). Token ids and positions
+    (integers) pass as they are; a pipeline stage's received activations are in it already."""
+    cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
 def buffers_from_init_fn(model: nn.Module, names: list[str], init_fn: InitFn, device: torch.device) -> list[str]:

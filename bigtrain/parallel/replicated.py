@@ -36,7 +36,9 @@ class ReplicatedEngine:
         self._named = dict(model.named_parameters())
         local = local_sgd_every > 1
         # Local SGD: each replica clips by its own gradients' norm (validation keeps it to pure dp).
-        self._in_norm = [p for n, p in self._named.items() if local or self.placements.counted_in_norm(n)]
+        # Frozen parameters (``requires_grad = False``) have no gradient: not in the norm, not updated.
+        self._in_norm = [p for n, p in self._named.items()
+                         if p.requires_grad and (local or self.placements.counted_in_norm(n))]
         self._norm_comm = None if local else self.placements.comm(NORM_AXIS)
         self.dp = DataParallel(model, comm, bucket_mb, self.placements, reduce=not local)
         self.averaging = ParameterAveraging(self.dp.params, comm, local_sgd_every) if local else None
@@ -137,16 +139,22 @@ class ReplicatedEngine:
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim_state: dict) -> None:
         with torch.no_grad():
-            for n, p in self.model.named_parameters():
+            for n, p in self._trained():
                 p.copy_(weights[n])
         load_optimizer_state_by_name(self.model, self.optimizer, self.optim_spec, optim_state)
+
+    def _trained(self):
+        """(name, parameter) of what trains: a frozen parameter (``requires_grad = False``) is, as
+        under ZeRO, neither saved nor loaded (its value is init_fn's, every run), and has no
+        gradient group (saving it failed on that lookup)."""
+        return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
 
     # -- sharded checkpoints ------------------------------------------------------------------------
     def checkpoint_pieces(self):
         """One batch per parameter: all of it (a replica over ``comm``), with its optimizer state."""
 
         spec = self.optim_spec
-        for name, p in self.model.named_parameters():
+        for name, p in self._trained():
             state = self.optimizer.state.get(p)
             tensors, scalars, blocks = {WEIGHT: p.detach().reshape(-1)}, {}, {}
             if state:
@@ -165,7 +173,7 @@ class ReplicatedEngine:
         dtype = declared_dtypes(spec)
         if with_state:  # replaced below: do not hold the old and the loaded state at once
             self.optimizer.state.clear()
-        for name, p in self.model.named_parameters():
+        for name, p in self._trained():
             fresh = {k: torch.zeros(p.shape, dtype=dtype[k], device=p.device) for k in spec.element_state} \
                 if with_state else {}
             blocks = {k: torch.zeros(-(-p.numel() // self.block), dtype=dtype[k], device=p.device)

@@ -162,8 +162,14 @@ class PipelineStage(nn.Module):
         return self.index == self.num_stages - 1
 
     def blocks(self) -> list[nn.Module]:
-        """This chunk's blocks (ZeRO's units, one at a time), in order."""
-        return list(self.layers.values())
+        """This chunk's blocks (ZeRO's units, one at a time), in order: its ``layers`` (a ModuleDict,
+        as Llama's and the Hugging Face stages keep them); a stage of another shape says its own."""
+        layers = getattr(self, "layers", None)
+        if not isinstance(layers, nn.ModuleDict):
+            raise TypeError(f"{type(self).__name__}.blocks(): the stage has no 'layers' ModuleDict; a PipelineStage "
+                            f"of one's own (PipelinePlan.split) must define blocks(), the modules ZeRO gathers "
+                            f"and reduces one at a time")
+        return list(layers.values())
 
 
 class LlamaStage(PipelineStage):
@@ -229,6 +235,11 @@ class SequentialStage(PipelineStage):
             x = child(x)
         return x
 
+    def blocks(self) -> list[nn.Module]:
+        """The children holding parameters (parallelize's ZeRO units; it called the base class's,
+        which looked for a Llama's ``layers`` and failed on every Sequential)."""
+        return [child for child in self.children() if any(True for _ in child.parameters())]
+
 
 # ------------------------------------------------------------------ splitting
 
@@ -279,7 +290,8 @@ def split_model(model: nn.Module, num_stages: int, balance: str = "layers",
     if isinstance(model, nn.Sequential):
         return split_sequential(model, num_stages, balance, split_points)
     raise TypeError(f"cannot split a {type(model).__name__} into pipeline stages; use bigtrain's Llama or "
-                    f"an nn.Sequential")
+                    f"an nn.Sequential (split over its children), or give PipelinePlan(split=your_split), "
+                    f"(model, stages, balance, split_points) -> a list of PipelineStage")
 
 
 def stages_for_rank(model: nn.Module, pp: int, pp_rank: int, v: int = 1, balance: str = "layers",

@@ -46,7 +46,9 @@ class WholeSequenceEmbedding(VocabParallelEmbedding):
     on every rank, with or without sequence parallelism (see the module's docstring)."""
 
     def apply(self, module: nn.Embedding, ctx: TPContext) -> VocabParallelLookup:
+        entered = ctx.sequence_entered
         lookup = super().apply(module, ctx)
+        ctx.sequence_entered = entered  # this lookup returns the whole sequence: it cuts nothing
         object.__setattr__(lookup, "ctx", replace(ctx, sequence_parallel=False))  # all-reduce, never cut
         return lookup
 
@@ -58,6 +60,7 @@ class EnterSequenceShards(Style):
     def apply(self, module: nn.Module, ctx: TPContext) -> None:
         if not ctx.sequence_parallel:
             return
+        ctx.sequence_entered = True
 
         def hook(m, args, kwargs):
             if "hidden_states" in kwargs:

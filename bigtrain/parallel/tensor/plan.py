@@ -15,6 +15,7 @@ from bigtrain.distributed.comm import AxisComm
 from bigtrain.models.moe import MoEFeedForward
 from bigtrain.wrappers import replace_module
 from bigtrain.parallel.placement import Placements, ShardSpec
+from bigtrain.parallel.tied import shared_parameter_names
 from bigtrain.parallel.sequence_moe import SequencePartsOverSP, WholeSequenceOverTP
 from bigtrain.parallel.tensor.loss import vocab_parallel_loss_sum
 from bigtrain.parallel.tensor.styles import (ColumnParallel, PartialGradient, PrepareInput, ReplicatedKVHeads,
@@ -113,6 +114,22 @@ class TensorLayout:
         return vocab_parallel_loss_sum(logits, targets, self.tp, *self.vocab)
 
 
+def _check_ties_kept(model: nn.Module, ties: dict[str, str]) -> None:
+    """A style replaces the weight it cuts; a weight tied to it through another module is replaced
+    with it only when the plan cuts that module too (``TPContext.replaced``). A plan cutting one
+    side alone (a vocabulary-parallel head, the embedding left whole) untied them: two weights
+    trained apart, silently (a tied GPT-2 at tp 2: the loss 6e-2 off the tied model's)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    broken = [(alias, canonical) for alias, canonical in ties.items()
+              if alias in params and canonical in params and params[alias] is not params[canonical]]
+    if broken:
+        alias, canonical = broken[0]
+        raise ValueError(f"tensor-parallel plan: {canonical} and {alias} are one tied weight, but the plan cuts "
+                         f"only one of their modules ({canonical.rpartition('.')[0]}, {alias.rpartition('.')[0]}); "
+                         f"give both a style that cuts the same rows (VocabParallelEmbedding and "
+                         f"VocabParallelOutput), or neither")
+
+
 def register_partial_grad_hooks(model: nn.Module, placements: Placements) -> None:
     """Sum the gradients that the placement record says are partial over tp (replicated weights
     seeing a sequence shard or part of a projection) before anything else sees them: a tensor hook
@@ -149,7 +166,17 @@ def apply_plan(model: nn.Module, plan: Plan, tp: AxisComm, sp: AxisComm, sequenc
     """Apply ``plan`` on the meta device; returns how each weight was cut (for the placement record)
     and which loss to use."""
     ctx = TPContext(tp=tp, sequence_parallel=sequence_parallel and tp.size > 1, sp=sp)
+    ties = shared_parameter_names(model)
     parallelize_module(model, plan, ctx)
+    _check_ties_kept(model, ties)
+    if ctx.sequence_parallel and not ctx.sequence_entered:
+        # PrepareInput's all-gather then concatenated tp copies of the whole sequence, and a
+        # RowParallel reduce-scatter handed each rank one copy: the forward right, the MLPs'
+        # weight gradients tp times too large, trained silently (a GPT-2's MLPs at tp 2).
+        raise ValueError("sequence parallelism: no style of the tensor-parallel plan cuts the sequence into this "
+                         "rank's shard; give the embedding VocabParallelEmbedding (its lookup reduce-scatters along "
+                         "the sequence) or the first block EnterSequenceShards (bigtrain/parallel/tensor/"
+                         "entry_styles.py), or set sequence_parallel=False")
     layout = TensorLayout(tp=tp, sp=sp, vocab=ctx.vocab)
     # Every name of a shared (tied) weight: once pipeline stages split the model, the head's copy is
     # known by its own name only, and must still find how it is cut.

@@ -37,6 +37,9 @@ class TPContext:
     partial_grads: set[int] = field(default_factory=set)  # replicated params whose grads are partial sums
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)  # id(old) -> new (tied weights)
     vocab: tuple[int, int] | None = None  # (first local vocab id, real vocabulary size)
+    # A style cut the sequence into this rank's shard (sequence parallelism's entry): without one,
+    # PrepareInput gathers tp copies of a whole sequence (see apply_plan's check).
+    sequence_entered: bool = False
 
 
 def _shard_param(module: nn.Module, attr: str, dim: int, ctx: TPContext, pad_to: int = 1) -> ShardSpec:
@@ -167,6 +170,7 @@ class VocabParallelEmbedding(Style):
 
     def apply(self, module: nn.Embedding, ctx: TPContext) -> VocabParallelLookup:
         spec = _shard_param(module, "weight", 0, ctx, pad_to=vocab_pad_to(module.num_embeddings, ctx.tp.size))
+        ctx.sequence_entered |= ctx.sequence_parallel  # the lookup reduce-scatters along the sequence
         return VocabParallelLookup(module, spec.offset, spec.local_size, ctx)
 
 

@@ -163,6 +163,20 @@ class ZeroEngine(GradSync):
 
     def _allocate(self, init_fn: InitFn) -> None:
         allocate_units(self, init_fn)
+        self._materialize_frozen(init_fn)
+
+    def _materialize_frozen(self, init_fn: InitFn) -> None:
+        """Parameters with ``requires_grad = False`` are in no unit (nothing to reduce, shard or
+        update): each rank holds them whole, in the compute dtype, valued by ``init_fn`` as every
+        other parameter is. Left alone they stayed on the meta device (a model built there failed
+        in its forward, far from here) or kept the values of the model built on the CPU, which the
+        trainable weights, taken from ``init_fn``, no longer match."""
+        for name, p in list(self.model.named_parameters()):
+            if p.requires_grad:
+                continue
+            owner, _, leaf = name.rpartition(".")
+            value = init_fn(name, tuple(p.shape)).to(device=self.device, dtype=self.precision.compute)
+            self.model.get_submodule(owner)._parameters[leaf] = nn.Parameter(value, requires_grad=False)
 
     def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
         """The optimizer over at most two flat pieces of each unit's master shard (decayed / not),
@@ -319,7 +333,8 @@ class ZeroEngine(GradSync):
     def full_weights(self) -> dict[str, torch.Tensor]:
         from bigtrain.parallel.zero.state import full_weights
 
-        return full_weights(self)
+        frozen = {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters() if not p.requires_grad}
+        return {**full_weights(self), **frozen}  # every parameter, as the replicated engine's
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         from bigtrain.parallel.zero.state import full_grads
