@@ -136,6 +136,36 @@ def test_a_region_the_compiler_fails_on_runs_eagerly_after_one_named_warning():
     assert region.failed
 
 
+def test_a_region_whose_backward_the_compiler_fails_on_runs_eagerly_instead_of_stopping_the_run():
+    """AOT autograd compiles a static graph's backward at its first backward, outside the region's
+    call: a failure there stopped the run from inside loss.backward(). The region has it compiled
+    with the forward, so it falls back like a forward that fails, and the gradients are eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(0)
+    block = FeedForward(16, 32)
+    region = CompiledRegion(block)
+
+    def failing_backward(gm, example_inputs):
+        raise RuntimeError("this backend cannot compile a backward")
+
+    backend = aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
+                           bw_compiler=failing_backward)
+    object.__setattr__(region, "compiled", torch.compile(block.forward, backend=backend))
+    x = torch.randn(2, 16, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        region(x).square().sum().backward()
+    assert region.failed and any(issubclass(w.category, CompileFallbackWarning) for w in caught)
+    grads = [x.grad] + [p.grad for p in block.parameters()]
+    x_eager = x.detach().clone().requires_grad_()
+    block.zero_grad()
+    block.forward(x_eager).square().sum().backward()
+    for got, want in zip(grads, [x_eager.grad] + [p.grad for p in block.parameters()]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_compile_settings_are_validated_before_launch(corpus_cache):
     cfg = load_config("tiny", overrides=["--compile.enabled=sometimes"])
     with pytest.raises(ConfigError, match=r"compile\.enabled = 'sometimes': must be one of"):

@@ -91,7 +91,11 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
         if self.failed:
             return self.wrapped.forward(*args, **kwargs)
         try:
-            return self.compiled(*args, **kwargs)
+            # AOT autograd compiles a static graph's backward at its first backward, outside this
+            # call, where a failure would stop the run instead of falling back: compiled with the
+            # forward instead, the backward's failure is the forward's, caught here.
+            with _backward_compiled_with_forward():
+                return self.compiled(*args, **kwargs)
         except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.InternalTorchDynamoError) as e:
             object.__setattr__(self, "failed", True)
             # Python's default filter shows a warning once per text and call site: one line for a
@@ -101,6 +105,14 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
                           f"{str(e).splitlines()[0][:200]}); it and any other region that fails run eagerly. "
                           f"Set compile.enabled = false to silence this.", CompileFallbackWarning, stacklevel=2)
             return self.wrapped.forward(*args, **kwargs)
+
+
+def _backward_compiled_with_forward():
+    """AOT autograd's switch that compiles a graph's backward when its forward compiles (torch
+    defers it to the first backward where shapes are static); read when a graph compiles."""
+    import torch._functorch.config as aot_config  # loaded with dynamo, which may not be yet
+
+    return aot_config.patch(force_non_lazy_backward_lowering=True)
 
 
 def compiled_function(fn, keep_graph: bool = False, options: dict | None = None):
