@@ -300,6 +300,7 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     from bigtrain.nonfinite import NonFiniteStop
     from bigtrain.preemption import Preempted
     from bigtrain.report import write_report
+    from bigtrain.run_dir import check_shared_run_dir
     from bigtrain.train import Trainer, write_summary
 
     from bigtrain.distributed.join import join_group  # torch.distributed: only where a rank runs
@@ -307,6 +308,14 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     info = join_group(cfg)
     try:
         mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
+        # Several machines: their ranks must write into one folder (a shared filesystem), or each
+        # checkpoint would lack the parts of the ranks that wrote elsewhere. Refused here, before
+        # anything trains; rank 0 names the ranks that do not see its folder, the others stop quietly.
+        stop, why = check_shared_run_dir(run_dir, mesh.comm("world"), info.device)
+        if stop:
+            if why is not None:
+                raise ConfigError(why)
+            return 2
         trainer = Trainer(cfg, run_dir, mesh, info.device)
         try:
             history = trainer.fit()
