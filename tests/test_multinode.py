@@ -116,3 +116,45 @@ def test_two_torchrun_machines(shared, corpus_cache, tmp_path):
         assert all(n.returncode != 0 for n in nodes), outputs
         assert "ranks 2, 3 on " in outputs[0] and "not one folder for every rank" in outputs[0], outputs[0]
         assert not (dirs[0] / "run" / "checkpoints").exists() and not (dirs[1] / "run" / "checkpoints").exists()
+
+
+def _cache_writer(cache: str, rounds: int, start, errors) -> None:
+    """A process of another machine sharing ``cache``, whose pid happens to equal this one's."""
+    import numpy as np
+
+    from bigtrain.data import corpus
+
+    os.getpid = lambda: 4242  # containers on two machines number their processes alike
+    source = Path(cache).parent / "text.txt"
+    try:
+        for i in range(rounds):
+            start.wait(timeout=30)  # both write the same cache file at once
+            path = corpus.build_byte_corpus([source], Path(cache), 0, key=f"round-{i}")
+            if np.fromfile(path, dtype=np.uint8).size != source.stat().st_size:
+                errors.put(f"round {i}: {path} holds {path.stat().st_size} of {source.stat().st_size} bytes")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        errors.put(f"{type(e).__name__}: {e}")
+
+
+def test_two_machines_with_the_same_pid_build_one_shared_cache(tmp_path):
+    # Before: both wrote text.u8.tmp-4242; one truncated the other's bytes, and the second rename
+    # found no file (FileNotFoundError), or a reader mapped a corpus cut short.
+    import multiprocessing as mp
+
+    (tmp_path / "text.txt").write_bytes(bytes(range(256)) * (16 << 10))  # 4 MiB: a write takes a while
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    ctx = mp.get_context("fork")
+    start, errors = ctx.Barrier(2), ctx.SimpleQueue()  # put() is written at once: nothing lost at exit
+    writers = [ctx.Process(target=_cache_writer, args=(str(cache), 6, start, errors)) for _ in range(2)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=60)
+        if w.is_alive():
+            w.kill()
+    found = [f"a writer exited with {w.exitcode}" for w in writers if w.exitcode != 0]
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, found
+    assert not [p.name for p in cache.iterdir() if ".tmp-" in p.name]

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bigtrain.data.corpus import temp_beside
 from bigtrain.data.documents import Documents
 from bigtrain.data.tokenizer import document_end_id, file_digest, ids_dtype, load_tokenizer
 
@@ -81,13 +82,13 @@ def corpus_key(source: Path, files: list[Path], tokenizer_digest: str, text_fiel
 
 # -- files ----------------------------------------------------------------------------------------
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_beside(path)  # unique across machines sharing the cache
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
 def _write_ids(path: Path, ids: np.ndarray) -> str:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_beside(path)  # unique across machines sharing the cache
     ids.tofile(tmp)
     os.replace(tmp, path)
     return hashlib.sha256(ids.tobytes()).hexdigest()
