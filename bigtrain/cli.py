@@ -300,7 +300,7 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     from bigtrain.nonfinite import NonFiniteStop
     from bigtrain.preemption import Preempted
     from bigtrain.report import write_report
-    from bigtrain.run_dir import check_shared_run_dir
+    from bigtrain.run_dir import SHARED_CHECK_WAIT_S, check_shared_run_dir
     from bigtrain.train import Trainer, write_summary
 
     from bigtrain.distributed.join import join_group  # torch.distributed: only where a rank runs
@@ -311,7 +311,8 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
         # Several machines: their ranks must write into one folder (a shared filesystem), or each
         # checkpoint would lack the parts of the ranks that wrote elsewhere. Refused here, before
         # anything trains; rank 0 names the ranks that do not see its folder, the others stop quietly.
-        stop, why = check_shared_run_dir(run_dir, mesh.comm("world"), info.device)
+        stop, why = check_shared_run_dir(run_dir, mesh.comm("world"), info.device,
+                                         wait_s=min(SHARED_CHECK_WAIT_S, cfg.distributed.timeout_s / 2))
         if stop:
             if why is not None:
                 raise ConfigError(why)

@@ -240,10 +240,11 @@ def _inside(path: Path, root: Path) -> bool:
         return False
 
 
-SHARED_CHECK_FILE = ".shared-check"  # written by rank 0 and removed again by it once every rank looked
+SHARED_CHECK_FILE = ".shared-check-"  # + a fresh token: written by rank 0, removed by it once every rank looked
+SHARED_CHECK_WAIT_S = 3.0  # how long a rank looks for it: a network filesystem may show a new file late
 
 
-def check_shared_run_dir(run_dir: Path, world, device) -> tuple[bool, str | None]:
+def check_shared_run_dir(run_dir: Path, world, device, wait_s: float = SHARED_CHECK_WAIT_S) -> tuple[bool, str | None]:
     """Whether every rank sees the run directory rank 0 writes into; collective over ``world``
     (the mesh's "world" axis), once the group has formed and before anything trains.
 
@@ -251,6 +252,8 @@ def check_shared_run_dir(run_dir: Path, world, device) -> tuple[bool, str | None
     (checksums, manifest): a folder that is not shared (node-local disks, the same relative path on
     each machine) would commit checkpoints that lack the other machines' files, and train on with
     nothing resumable. Rank 0 writes a file with a fresh token, every rank reads it back.
+    ``wait_s``: how long a rank that does not see the file looks again (keep it below the group's
+    timeout: rank 0 waits for it in the gather that follows).
     Returns (stop, message): ``stop`` on every rank when any rank did not see it; ``message`` (the
     error to raise) on rank 0 and on the ranks that did not see it, None on the others."""
     import socket
@@ -260,10 +263,10 @@ def check_shared_run_dir(run_dir: Path, world, device) -> tuple[bool, str | None
     if world.size == 1:
         return False, None
     run_dir = Path(run_dir)
-    marker = run_dir / SHARED_CHECK_FILE
     token = uuid.uuid4().hex if world.rank == 0 else ""
     written = None
     if world.rank == 0:
+        marker = run_dir / f"{SHARED_CHECK_FILE}{token}"
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(marker, token)
@@ -274,10 +277,18 @@ def check_shared_run_dir(run_dir: Path, world, device) -> tuple[bool, str | None
         sent.copy_(torch.tensor(list(token.encode()), dtype=torch.uint8))
     world.broadcast(sent, 0, tag="run_dir")
     token = bytes(sent.tolist()).decode() if sent.any() else None
-    try:
-        seen = token is not None and marker.read_text() == token
-    except (OSError, UnicodeDecodeError):
-        seen = False
+    # A name never used before: an NFS client may trust a cached "no such file" for a name it
+    # looked up lately (the previous check's) for up to 30 s.
+    marker = run_dir / f"{SHARED_CHECK_FILE}{token}"
+    seen, deadline = False, time.monotonic() + wait_s
+    while token is not None and not seen:
+        try:
+            seen = marker.read_text() == token
+        except (OSError, UnicodeDecodeError):
+            pass
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     views = world.gather_objects((seen, socket.gethostname(), str(run_dir.absolute())))
     failed = torch.zeros(1, device=device)
     message = None
