@@ -158,3 +158,24 @@ def test_two_machines_with_the_same_pid_build_one_shared_cache(tmp_path):
         found.append(errors.get())
     assert not found, found
     assert not [p.name for p in cache.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_cache_folder_without_file_locks_is_tokenized_all_the_same(tmp_path, monkeypatch):
+    # Before: a shared filesystem without flock (ENOLCK) stopped every rank with a raw OSError.
+    import errno
+    import json
+
+    from bigtrain.config import DataConfig
+    from bigtrain.data import shards
+    from bigtrain.data.load import load_corpus, prepare_corpus
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(shards.fcntl, "flock", no_flock)
+    source = tmp_path / "records.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50)))
+    d = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"))
+    manifest = prepare_corpus(d)
+    assert manifest["documents"] == 50
+    assert len(load_corpus(d)) == manifest["tokens"]

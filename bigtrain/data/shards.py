@@ -22,6 +22,7 @@ and ``np.asarray`` of a slice reads across shard boundaries.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -251,7 +252,14 @@ def prepared(folder: Path, files: list[Path], spec: str, text_field: str, max_by
             verify(folder, manifest)
         return manifest
     with open(folder.parent / f"{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait and find it built
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait and find it built
+        except OSError as e:
+            # A filesystem without flock (some network ones, shared by several machines): every
+            # process builds. Safe, only slower: the same text gives the same files, each written
+            # under a name of its own and renamed into place (temp_beside), the manifest last.
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
         manifest = read_manifest(folder)
         if manifest is None:
             if log:
