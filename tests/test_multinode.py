@@ -70,7 +70,7 @@ def test_ranks_that_share_the_run_directory_go_on(tmp_path):
     assert not list((tmp_path / "run").glob(f"{SHARED_CHECK_FILE}*"))
 
 
-def _torchrun_node(node: int, port: int, cwd: Path, corpus_cache: str) -> subprocess.Popen:
+def _torchrun_node(node: int, port: int, cwd: Path, corpus_cache: str, *extra: str) -> subprocess.Popen:
     """One "machine" of two: torchrun with 2 ranks, joining the other at localhost:``port``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -78,7 +78,7 @@ def _torchrun_node(node: int, port: int, cwd: Path, corpus_cache: str) -> subpro
            "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "bigtrain", "train", "--preset", "tiny",
            "--train.steps=2", "--train.global_batch=16", "--checkpoint.every=1", "--output-dir", "run",
            "--logging.progress=false", "--logging.report=false", f"--data.cache_dir={corpus_cache}",
-           "--data.max_bytes=200000", "--distributed.timeout_s=60"]
+           "--data.max_bytes=200000", "--distributed.timeout_s=60", *extra]
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -91,15 +91,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shared", [True, False], ids=["shared-folder", "node-local-folders"])
-def test_two_torchrun_machines(shared, corpus_cache, tmp_path):
-    """Two torchrun invocations (static rendezvous, 2 ranks each), as on two machines: into one
-    folder the run trains and its checkpoints hold all four parts; into a folder each (node-local
-    disks) every rank stops before training, rank 0 naming the ranks that do not see its folder."""
+def _two_machines(dirs: list[Path], corpus_cache: str, extra: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+                  ) -> tuple[list[subprocess.Popen], list[str]]:
     port = _free_port()
-    dirs = [tmp_path, tmp_path] if shared else [tmp_path / "node0", tmp_path / "node1"]
-    nodes = [_torchrun_node(n, port, dirs[n], corpus_cache) for n in (0, 1)]
+    nodes = [_torchrun_node(n, port, dirs[n], corpus_cache, *extra[n]) for n in (0, 1)]
     outputs = []
     for node in nodes:
         try:
@@ -108,6 +103,44 @@ def test_two_torchrun_machines(shared, corpus_cache, tmp_path):
             for other in nodes:
                 other.kill()
             pytest.fail("two torchrun machines did not finish within 240 s")
+    return nodes, outputs
+
+
+@pytest.mark.slow
+def test_two_torchrun_machines_with_different_flags_are_refused(corpus_cache, tmp_path):
+    """Machine 1 given another learning rate (its own copy of the command, edited): before, all four
+    ranks trained, each machine's replicas at its own rate, and exited 0."""
+    nodes, outputs = _two_machines([tmp_path, tmp_path], corpus_cache, ((), ("--optim.lr=0.01",)))
+    assert all(n.returncode != 0 for n in nodes), outputs  # torchrun: 1 for any failed rank
+    assert "2 different configurations" in outputs[0] and "ranks 2-3: optim.lr = 0.01" in outputs[0], outputs[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _config_check(rank: int, world_size: int, cfgs: list) -> tuple[bool, str | None]:
+    from bigtrain.distributed.join import check_same_config, world_comm
+
+    return check_same_config(cfgs[rank], world_comm(rank, world_size), torch.device("cpu"))
+
+
+def test_ranks_that_resolved_different_configs_are_refused_naming_the_fields(corpus_cache):
+    same = tiny_config(corpus_cache, "--parallel.dp=4", "--train.global_batch=16")
+    other = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.tp=2", "--train.global_batch=16")
+    results = run_ranks(_config_check, 4, [same, same, other, other], timeout=60)
+    assert [stop for stop, _ in results] == [True] * 4
+    message = results[0][1]
+    assert "ranks 0-1: parallel.dp = 4, parallel.tp = 1; ranks 2-3: parallel.dp = 2, parallel.tp = 2" in message, message
+    assert [m for _, m in results[1:]] == [None] * 3
+    assert run_ranks(_config_check, 2, [same, same], timeout=60) == [(False, None), (False, None)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-folder", "node-local-folders"])
+def test_two_torchrun_machines(shared, corpus_cache, tmp_path):
+    """Two torchrun invocations (static rendezvous, 2 ranks each), as on two machines: into one
+    folder the run trains and its checkpoints hold all four parts; into a folder each (node-local
+    disks) every rank stops before training, rank 0 naming the ranks that do not see its folder."""
+    dirs = [tmp_path, tmp_path] if shared else [tmp_path / "node0", tmp_path / "node1"]
+    nodes, outputs = _two_machines(dirs, corpus_cache)
     if shared:
         assert [n.returncode for n in nodes] == [0, 0], outputs
         newest = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
