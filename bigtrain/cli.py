@@ -300,12 +300,28 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     from bigtrain.nonfinite import NonFiniteStop
     from bigtrain.preemption import Preempted
     from bigtrain.report import write_report
+    from bigtrain.run_dir import SHARED_CHECK_WAIT_S, check_shared_run_dir
     from bigtrain.train import Trainer, write_summary
 
-    from bigtrain.distributed.join import join_group  # torch.distributed: only where a rank runs
+    # torch.distributed: only where a rank runs
+    from bigtrain.distributed.join import check_same_config, join_group, world_comm
 
     info = join_group(cfg)
     try:
+        # Several machines: their ranks must run one config (each reads its own file, flags and
+        # --parallel auto's plan; checked before the mesh makes its groups, which ranks of other
+        # layouts would not match) and write into one folder (a shared filesystem), or each
+        # checkpoint would lack the parts of the ranks that wrote elsewhere. Refused here, before
+        # anything trains; rank 0 names the ranks and the fix, the others stop quietly.
+        world = world_comm(info.rank, info.world_size)
+        stop, why = check_same_config(cfg, world, info.device)
+        if not stop:
+            stop, why = check_shared_run_dir(run_dir, world, info.device,
+                                             wait_s=min(SHARED_CHECK_WAIT_S, cfg.distributed.timeout_s / 2))
+        if stop:
+            if why is not None:
+                raise ConfigError(why)
+            return 2
         mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
         trainer = Trainer(cfg, run_dir, mesh, info.device)
         try:

@@ -238,3 +238,79 @@ def _inside(path: Path, root: Path) -> bool:
         return path.resolve().is_relative_to(root.resolve())
     except (OSError, ValueError):
         return False
+
+
+SHARED_CHECK_FILE = ".shared-check-"  # + a fresh token: written by rank 0, removed by it once every rank looked
+SHARED_CHECK_WAIT_S = 3.0  # how long a rank looks for it: a network filesystem may show a new file late
+
+
+def check_shared_run_dir(run_dir: Path, world, device, wait_s: float = SHARED_CHECK_WAIT_S) -> tuple[bool, str | None]:
+    """Whether every rank sees the run directory rank 0 writes into; collective over ``world``
+    (the mesh's "world" axis), once the group has formed and before anything trains.
+
+    Every rank writes its part of each checkpoint into ``run_dir/checkpoints`` and rank 0 commits it
+    (checksums, manifest): a folder that is not shared (node-local disks, the same relative path on
+    each machine) would commit checkpoints that lack the other machines' files, and train on with
+    nothing resumable. Rank 0 writes a file with a fresh token, every rank reads it back.
+    ``wait_s``: how long a rank that does not see the file looks again (keep it below the group's
+    timeout: rank 0 waits for it in the gather that follows).
+    Returns (stop, message): ``stop`` on every rank when any rank did not see it; ``message`` (the
+    error to raise) on rank 0 and on the ranks that did not see it, None on the others."""
+    import socket
+
+    import torch
+
+    if world.size == 1:
+        return False, None
+    run_dir = Path(run_dir)
+    token = uuid.uuid4().hex if world.rank == 0 else ""
+    written = None
+    if world.rank == 0:
+        marker = run_dir / f"{SHARED_CHECK_FILE}{token}"
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(marker, token)
+        except (OSError, RunDirWriteError) as e:
+            written = str(e)
+    sent = torch.zeros(32, dtype=torch.uint8, device=device)  # rank 0's token; all zeros: it could not write it
+    if written is None and world.rank == 0:
+        sent.copy_(torch.tensor(list(token.encode()), dtype=torch.uint8))
+    world.broadcast(sent, 0, tag="run_dir")
+    token = bytes(sent.tolist()).decode() if sent.any() else None
+    # A name never used before: an NFS client may trust a cached "no such file" for a name it
+    # looked up lately (the previous check's) for up to 30 s.
+    marker = run_dir / f"{SHARED_CHECK_FILE}{token}"
+    seen, deadline = False, time.monotonic() + wait_s
+    while token is not None and not seen:
+        try:
+            seen = marker.read_text() == token
+        except (OSError, UnicodeDecodeError):
+            pass
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    views = world.gather_objects((seen, socket.gethostname(), str(run_dir.absolute())))
+    failed = torch.zeros(1, device=device)
+    message = None
+    if world.rank == 0:
+        marker.unlink(missing_ok=True)
+        if written is not None:
+            message = f"--output-dir = '{run_dir}': rank 0 could not write into it: {written}"
+        elif blind := [r for r, (ok, _, _) in enumerate(views) if not ok]:
+            places: dict[tuple[str, str], list[int]] = {}  # (host, folder): its ranks, one entry a machine
+            for r in blind:
+                places.setdefault(views[r][1:], []).append(r)
+            where = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on {host} ({path})"
+                              for (host, path), ranks in places.items())
+            message = (f"--output-dir = '{run_dir}' is not one folder for every rank: {where} "
+                       f"{'does' if len(blind) == 1 else 'do'} not see the file that rank 0 on {views[0][1]} wrote "
+                       f"into {run_dir.absolute()}; every rank writes its part of each checkpoint there, so the run "
+                       f"directory must be on a filesystem that every machine shares: give --output-dir a path on "
+                       f"one (NFS, Lustre, ...) that names the same folder on every machine")
+        failed += 1 if message else 0
+    elif not seen and token is not None:
+        message = (f"rank {world.rank} on {socket.gethostname()}: --output-dir = '{run_dir}' "
+                   f"({run_dir.absolute()}) is not the folder rank 0 writes into (rank 0 names the ranks and the "
+                   f"fix)")
+    world.max(failed, tag="run_dir")
+    return bool(failed.item()), message

@@ -28,7 +28,7 @@ RUNS_IN_ORDER = True  # later commands use what earlier ones made (tests/lanes.p
 SKIPPED = {
     "bash scripts/setup.sh": "makes .venv and installs packages (needs the network); the train after it runs",
     "bash scripts/test.sh": "the whole test suite, which this test is part of",
-    "torchrun --nnodes 2": "two machines of 8 ranks each",
+    "torchrun --nnodes 2": "two machines of 8 ranks each (tests/test_multinode.py runs two torchrun machines of 2)",
 }
 IN_A_SHELL_ONLY = {  # what the in-process run leaves to the fresh shells
     "source ": "changes the shell, not this process",

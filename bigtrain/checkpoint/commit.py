@@ -159,6 +159,12 @@ def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], ke
     """Checksum every file under ``tmp``, write and fsync the manifest ``meta.json`` (itself
     checksummed), rename ``tmp`` to ``step_<step>`` and keep the newest ``keep`` checkpoints. Call
     once every file is written."""
+    missing = _missing_parts(tmp)
+    if missing:
+        raise ValueError(f"checkpoint {step}: {tmp} lacks {', '.join(missing[:4])}"
+                         f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}, which its .metadata "
+                         f"says other ranks wrote: the ranks wrote into different folders (a run directory that is "
+                         f"not on a filesystem every machine shares?)")
     checksums = {}
     for path in sorted(tmp.rglob("*")):
         if path.is_file():
@@ -187,6 +193,18 @@ def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], ke
     for old in [p for p in list_checkpoints(root) if checkpoint_step(p) <= step][keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _missing_parts(tmp: Path) -> list[str]:
+    """The files that DCP's ``.metadata`` in ``tmp`` names and ``tmp`` does not hold: every rank
+    wrote its file, but into a folder that is not this one (ranks on machines that do not share
+    the run directory). A checkpoint committed without them verifies and never loads."""
+    if not (tmp / ".metadata").is_file():  # a single-process checkpoint (*.pt): nothing names other files
+        return []
+    from torch.distributed.checkpoint import FileSystemReader
+
+    named = {info.relative_path for info in FileSystemReader(tmp).read_metadata().storage_data.values()}
+    return sorted(name for name in named if not (tmp / name).is_file())
 
 
 def is_checkpoint_of(root: Path, path: Path) -> bool:

@@ -13,6 +13,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +44,17 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
 
 
+def temp_beside(path: Path) -> Path:
+    """A name beside ``path`` to write it under before renaming it into place, which no other writer
+    uses: a cache folder may be shared by several machines (a home directory on NFS), whose
+    processes can have the same pid (containers number theirs alike). Two writers of one temporary
+    file truncated each other's bytes, and the second rename found nothing (or a reader mapped a
+    corpus cut short)."""
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+
+
 def _write_atomic(path: Path, data: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp = temp_beside(path)
     data.tofile(tmp)
     os.replace(tmp, path)
 

@@ -22,6 +22,7 @@ and ``np.asarray`` of a slice reads across shard boundaries.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bigtrain.data.corpus import temp_beside
 from bigtrain.data.documents import Documents
 from bigtrain.data.tokenizer import document_end_id, file_digest, ids_dtype, load_tokenizer
 
@@ -81,13 +83,13 @@ def corpus_key(source: Path, files: list[Path], tokenizer_digest: str, text_fiel
 
 # -- files ----------------------------------------------------------------------------------------
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_beside(path)  # unique across machines sharing the cache
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
 def _write_ids(path: Path, ids: np.ndarray) -> str:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_beside(path)  # unique across machines sharing the cache
     ids.tofile(tmp)
     os.replace(tmp, path)
     return hashlib.sha256(ids.tobytes()).hexdigest()
@@ -250,7 +252,14 @@ def prepared(folder: Path, files: list[Path], spec: str, text_field: str, max_by
             verify(folder, manifest)
         return manifest
     with open(folder.parent / f"{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait and find it built
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait and find it built
+        except OSError as e:
+            # A filesystem without flock (some network ones, shared by several machines): every
+            # process builds. Safe, only slower: the same text gives the same files, each written
+            # under a name of its own and renamed into place (temp_beside), the manifest last.
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
         manifest = read_manifest(folder)
         if manifest is None:
             if log:
