@@ -61,7 +61,7 @@ from bigtrain.parallel.zero.lazy_grads import gradient_buffers
 from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
 from bigtrain.core.blocks import default_unit_modules
 from bigtrain.parallel.zero.tiers import device_state_bytes, held_bytes
-from bigtrain.parallel.zero.units import build_units
+from bigtrain.parallel.zero.units import build_units, replace_parameters
 from bigtrain.precision import DynamicLossScaler, Precision
 
 if TYPE_CHECKING:  # a section of the config, read here; the config module is the caller's
@@ -170,13 +170,13 @@ class ZeroEngine(GradSync):
         update): each rank holds them whole, in the compute dtype, valued by ``init_fn`` as every
         other parameter is. Left alone they stayed on the meta device (a model built there failed
         in its forward, far from here) or kept the values of the model built on the CPU, which the
-        trainable weights, taken from ``init_fn``, no longer match."""
-        for name, p in list(self.model.named_parameters()):
-            if p.requires_grad:
-                continue
-            owner, _, leaf = name.rpartition(".")
-            value = init_fn(name, tuple(p.shape)).to(device=self.device, dtype=self.precision.compute)
-            self.model.get_submodule(owner)._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        trainable weights, taken from ``init_fn``, no longer match. Swapped wherever it is registered:
+        a frozen tied weight (a GPT's embedding and head) replaced under one name only left the head
+        its constructor's value, silently."""
+        compute = self.precision.compute
+        frozen = {id(p): nn.Parameter(init_fn(name, tuple(p.shape)).to(self.device, compute), requires_grad=False)
+                  for name, p in self.model.named_parameters() if not p.requires_grad}
+        replace_parameters(self.model, frozen)
 
     def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
         """The optimizer over at most two flat pieces of each unit's master shard (decayed / not),
