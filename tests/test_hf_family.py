@@ -395,9 +395,9 @@ SHAPE_VARIANTS = {
 @pytest.mark.parametrize("name", list(SHAPE_VARIANTS))
 def test_the_planner_counts_the_parameters_transformers_builds(corpus_cache, tmp_path, name):
     """The size check's parameter count (the planner's spec of Family.planner_config) equals the
-    transformers model's, exactly (Qwen3's q/k norms, 2 x head_dim a layer, included). Fails on a planner that reads hidden / heads for the head size, drops
-    the biases, or reads a field the file leaves out as bigtrain's default instead of the
-    architecture's."""
+    transformers model's, exactly (Qwen3's q/k norms, 2 x head_dim a layer, included). Fails on a
+    planner that reads hidden / heads for the head size, drops the biases, or reads a field the file
+    leaves out as bigtrain's default instead of the architecture's."""
     import json
 
     from bigtrain.families.hf import parameter_count, planner_config

@@ -128,7 +128,8 @@ def test_ranks_that_resolved_different_configs_are_refused_naming_the_fields(cor
     results = run_ranks(_config_check, 4, [same, same, other, other], timeout=60)
     assert [stop for stop, _ in results] == [True] * 4
     message = results[0][1]
-    assert "ranks 0-1: parallel.dp = 4, parallel.tp = 1; ranks 2-3: parallel.dp = 2, parallel.tp = 2" in message, message
+    differ = "ranks 0-1: parallel.dp = 4, parallel.tp = 1; ranks 2-3: parallel.dp = 2, parallel.tp = 2"
+    assert differ in message, message
     assert [m for _, m in results[1:]] == [None] * 3
     assert run_ranks(_config_check, 2, [same, same], timeout=60) == [(False, None), (False, None)]
 

@@ -160,7 +160,8 @@ MOE_MODELS = {"moe": MOE, "moe-shared-every2": [*MOE, "--model.moe_shared_expert
               "moe-shared-gated": [*MOE, "--model.moe_shared_expert=true", "--model.moe_shared_expert_hidden=64",
                                    "--model.moe_shared_expert_gate=true"],
               "moe-dense-first": [*MOE, "--model.moe_dense_layers=0"],  # Qwen-MoE's mlp_only_layers
-              "four-blocks": ["--model.n_layers=4"], "moe-every2": [*MOE, "--model.moe_every=2"]}  # dense: a pipeline of 2 x 2 stages
+              # dense: a pipeline of 2 x 2 stages
+              "four-blocks": ["--model.n_layers=4"], "moe-every2": [*MOE, "--model.moe_every=2"]}
 
 
 @pytest.mark.parametrize("world_size,moe", [(w, m) for w, m in sorted(MEASURED_MOE)] + [(w, "") for w in sorted(MEASURED)],

@@ -187,7 +187,8 @@ class BlockActivations:
 
     @functools.cached_property
     def _key_value_bytes(self) -> float:
-        return sum(nbytes for name, nbytes, _ in self.items if name in ("attention.k", "attention.v", "attention.k_norm"))
+        kept = ("attention.k", "attention.v", "attention.k_norm")
+        return sum(nbytes for name, nbytes, _ in self.items if name in kept)
 
 
 @dataclass(frozen=True)

@@ -348,7 +348,8 @@ def data_parallel_costs(model: ModelSpec, layout: Layout, cluster: Cluster, cost
         # gathered (grad_traffic.py): the forward's share of the calls beyond the backward's m
         if layout.reshard_after_forward:
             forward, backward = _zero3_forward_gathers(model, layout, cluster, m), traffic["gather"]
-            out["zero_param_gather"] = m * (max(gather_tail, forward - window_f) + max(gather_tail, backward - window_b))
+            out["zero_param_gather"] = m * (max(gather_tail, forward - window_f)
+                                            + max(gather_tail, backward - window_b))
         else:  # each unit gathered once a micro-batch, in the forward, and held through its backward
             out["zero_param_gather"] = m * max(gather_tail, traffic["gather"] - window_f)
     out["optimizer_step"] = traffic["optimizer_step"]

@@ -285,7 +285,8 @@ def _block_kinds(model: ModelSpec) -> dict[bool, ModelSpec]:
     {False: the model} (its one kind of block)."""
     if not model.experts or model.moe_layers in (0, model.layers):
         return {False: model}
-    return {False: dataclasses.replace(model, experts=0), True: dataclasses.replace(model, moe_every=1, dense_blocks=())}
+    return {False: dataclasses.replace(model, experts=0),
+            True: dataclasses.replace(model, moe_every=1, dense_blocks=())}
 
 
 def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, inflight: int) -> tuple[int, int]:
