@@ -221,9 +221,10 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     reference on the first rank; returns the report there, None elsewhere.
 
     ``saved``: the full (weights, optimizer state) a run saved in ``run_dir``'s newest checkpoint
-    (:func:`save_on_rank`'s, on the first rank; anything elsewhere). The layout resumes from it,
-    what it loaded must be what was saved (dtypes and bits), the reference replays the steps
-    before it uncompared, and the ``steps`` after it are compared. ``saved_anchored``: the steps
+    (:func:`save_on_rank`'s, or ``CheckReport.saved`` of a check with ``save``; on the first rank,
+    anything elsewhere). The layout resumes from it, what it loaded must be what was saved (dtypes
+    and bits), the reference replays the steps before it uncompared, and the ``steps`` after it are
+    compared. ``saved_anchored``: the steps
     before it were checked too, along the replays' chain (``CheckReport.anchored``), which the
     compared steps then continue. ``save``: after the steps, save a checkpoint in ``run_dir`` and
     put its full state in the report (``CheckReport.saved``), for a check resumed from it."""
