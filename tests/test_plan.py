@@ -628,3 +628,21 @@ def test_the_spec_counts_the_llama_it_describes(fields):
     cfg = with_fields(ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=32), **fields)
     built = sum(p.numel() for p in build_model(cfg).parameters())
     assert ModelSpec.from_model_config(cfg, 32).params == built, (fields, built)
+
+
+def test_zero3_gather_settings_given_to_the_search_are_the_ones_it_prices_and_auto_keeps_the_runs():
+    """``--layout reshard_after_forward=off,prefetch=off`` was accepted and ignored (every layout
+    searched had both on), and --parallel auto, whose overrides now set both, set them on over a
+    config that had them off."""
+    from bigtrain.config import load_config
+    from bigtrain.plan.auto import auto_overrides
+    from bigtrain.plan.layout import parse_layout
+    from bigtrain.plan.search import candidate_layouts
+
+    model = ModelSpec.build(layers=4, hidden=256, heads=4, vocab=1000, seq=128)
+    fixed = parse_layout("dp=2,zero=3,reshard_after_forward=off,prefetch=off")
+    layouts = list(candidate_layouts(model, Cluster.build(2, PRESETS["h100-80g"]), fixed))
+    assert layouts and {(lay.reshard_after_forward, lay.prefetch) for lay in layouts} == {(False, False)}
+    cfg = load_config(preset="tiny", overrides=["--parallel.reshard_after_forward=false", "--parallel.prefetch=false"])
+    overrides, _ = auto_overrides(cfg, 1, hardware="cpu")
+    assert "--parallel.reshard_after_forward=false" in overrides and "--parallel.prefetch=false" in overrides

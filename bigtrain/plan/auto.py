@@ -53,7 +53,9 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     device = "cpu" if cfg.train.device == "cpu" else profile.device
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
              "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
-             "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, device)}
+             "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, device),
+             # ZeRO-3's gathers as configured: the layout's overrides set them, and the search does not vary them
+             "reshard_after_forward": cfg.parallel.reshard_after_forward, "prefetch": cfg.parallel.prefetch}
     try:
         result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode)
     except ConfigError as e:  # no layout is valid: the planner's reasons, in train's field names

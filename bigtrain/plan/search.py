@@ -138,7 +138,9 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                 offload_params=fixed.get("offload_params", "none"),
                                 offload_masters=fixed.get("offload_masters", "auto"),
                                 delayed_update=fixed.get("delayed_update", False), fp8=fixed.get("fp8", "none"),
-                                dp_replicate=dp_replicate, compiled=fixed.get("compiled", False))
+                                dp_replicate=dp_replicate, compiled=fixed.get("compiled", False),
+                                reshard_after_forward=fixed.get("reshard_after_forward", True),
+                                prefetch=fixed.get("prefetch", True))
                 if layout not in seen:
                     seen.add(layout)
                     yield layout
