@@ -84,12 +84,10 @@ def block_list(model: nn.Module, plan: "ActivationPlan", what: str = "Activation
 def head_module(model: nn.Module, plan: "ActivationPlan", why: str) -> str:
     """``plan.head`` (the dotted name of the output projection), checked: a model of another shape
     gets the fix named rather than an AttributeError from deep inside a wrapper."""
-    try:
-        model.get_submodule(plan.head)
-    except AttributeError:
+    if not _has_submodule(model, plan.head):
         raise ValueError(f"ActivationPlan({why}) wraps the model's output projection, ActivationPlan.head = "
                          f"{plan.head!r}, which a {type(model).__name__} does not have: give "
-                         f"ActivationPlan(head='<the dotted name of its output nn.Linear>')") from None
+                         f"ActivationPlan(head='<the dotted name of its output nn.Linear>')")
     return plan.head
 
 
