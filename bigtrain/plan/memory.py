@@ -307,19 +307,19 @@ def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, i
 def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tuple[str, int], ...]) -> dict[str, int]:
     """The buffers of a rank whose units are those of ``key`` (:func:`units_key`), over gradient
     groups of ``sizes`` (:func:`_group_sizes`)."""
-    nbytes, wide = BYTES[layout.precision], reduce_bytes(layout.precision)  # the reduce dtype: fp32 in fp16
+    nbytes, reduce_nbytes = BYTES[layout.precision], reduce_bytes(layout.precision)  # the reduce dtype: fp32 in fp16
     # each unit over its own group (an expert unit over edp: units.py), from ZeRO stage 1 on
     cuts = sizes if layout.zero >= 1 else tuple((axis, 1) for axis, _ in sizes)
-    held = None if not layout.reshard_after_forward else 2 if layout.prefetch else 1  # blocks gathered at once
-    padded_total, padded_largest, shard_total, gathered = _padded_sums(key, cuts, layout.zero == 3, held)
+    blocks_gathered = None if not layout.reshard_after_forward else 2 if layout.prefetch else 1  # None: every one
+    padded_total, padded_largest, shard_total, gathered = _padded_sums(key, cuts, layout.zero == 3, blocks_gathered)
     out: dict[str, int] = {}
     reduced = replicas(layout) > 1  # one replica reduces nothing
     if host_step(layout):  # offload: every micro-batch reduces into the gradient buckets (offload_grad_buckets)
         if reduced:  # the flat gradient of one unit handed to the collective (one replica writes the bucket)
-            out["zero_reduce_in_flight"] = wide * padded_largest
+            out["zero_reduce_in_flight"] = reduce_nbytes * padded_largest
     elif layout.zero >= 2:  # every unit's reduce-scatter output (a group of one's too), and one flat gradient
-        out["zero_reduce_outputs"] = wide * shard_total
-        out["zero_reduce_in_flight"] = wide * padded_largest
+        out["zero_reduce_outputs"] = reduce_nbytes * shard_total
+        out["zero_reduce_in_flight"] = reduce_nbytes * padded_largest
     else:
         # Stages 0-1 reduce only the units with another replica (grad_sync.py: a unit alone in its
         # group, an expert under ep = dp, keeps its local sum), from the fp32 buffer: stage 1 into a
@@ -329,11 +329,11 @@ def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tupl
         groups = tuple(axis for axis, n in sizes if n > 1 or hybrid)
         total, largest, shards = _reduced_sums(key, cuts, groups)
         if layout.zero == 1 and shards:
-            out["zero_reduce_outputs"] = wide * shards
-        elif layout.zero == 0 and wide < 4 and total:
-            out["zero_reduce_outputs"] = wide * total
-        if layout.zero == 1 and wide < 4 and largest:
-            out["zero_reduce_in_flight"] = wide * largest
+            out["zero_reduce_outputs"] = reduce_nbytes * shards
+        elif layout.zero == 0 and reduce_nbytes < 4 and total:
+            out["zero_reduce_outputs"] = reduce_nbytes * total
+        if layout.zero == 1 and reduce_nbytes < 4 and largest:
+            out["zero_reduce_in_flight"] = reduce_nbytes * largest
     if layout.zero == 3:
         weight = nbytes if layout.precision != "fp32" else 4
         out["zero3_gathered"] = weight * gathered
@@ -361,12 +361,12 @@ def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tupl
 
 
 @cached()
-def _padded_sums(key: tuple, sizes: tuple[tuple[str, int], ...], zero3: bool, held: int | None = 2
+def _padded_sums(key: tuple, sizes: tuple[tuple[str, int], ...], zero3: bool, blocks_gathered: int | None = 2
                  ) -> tuple[int, int, int, int]:
     """Of a rank's units (a :func:`units_key`), each padded to a multiple of its group's ``sizes``:
     (the padded elements, the largest unit's, the shards' elements, and at ZeRO-3 the elements
-    gathered at once: the root unit and the ``held`` largest block modules, the current one and the
-    prefetched one; every one where ``held`` is None, reshard_after_forward off)."""
+    gathered at once: the root unit and the ``blocks_gathered`` largest block modules, the current one and the
+    prefetched one; every one where ``blocks_gathered`` is None, reshard_after_forward off)."""
     root, blocks = units_of_key(key)
     cut = dict(sizes)
 
@@ -388,7 +388,7 @@ def _padded_sums(key: tuple, sizes: tuple[tuple[str, int], ...], zero3: bool, he
             else:
                 modules.append(padded_numel(u))
         root_size = padded_numel(root) if root else 0
-        gathered = root_size + sum(sorted(modules, reverse=True)[:held])
+        gathered = root_size + sum(sorted(modules, reverse=True)[:blocks_gathered])
     return sum(padded), max(padded, default=0), shard_total, gathered
 
 
@@ -419,8 +419,9 @@ def float8_operand_bytes(model: ModelSpec, layout: Layout) -> int:
 
 # -- one rank, and the worst one ----------------------------------------------------------------------
 def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, global_batch: int, pp_rank: int,
-                inflight: int, optimizer: str = "adamw", block: int = 256, held: float | None = None) -> RankMemory:
-    """One pipeline rank's memory; ``held``: the most activation bytes its schedule holds at once
+                inflight: int, optimizer: str = "adamw", block: int = 256, held_bytes: float | None = None
+                ) -> RankMemory:
+    """One pipeline rank's memory; ``held_bytes``: the most activation bytes its schedule holds at once
     (:meth:`PipelineModel.peak_held_bytes`), else ``inflight`` times its largest chunk's."""
     key, sizes = units_key(model, layout, pp_rank), _group_sizes(layout)
     root, blocks = units_of_key(key)
@@ -438,7 +439,7 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     versions = weight_versions(layout.schedule, layout.pp, pp_rank)
     if versions:  # asynchronous pipelines: stashed copies of the rank's weights
         buffers["weight_versions"] = versions * states["params"]
-    activations, host = (per_mb * inflight if held is None else math.ceil(held)), 0
+    activations, host = (per_mb * inflight if held_bytes is None else math.ceil(held_bytes)), 0
     if layout.offload:
         activations, host = offloaded_activation_bytes(model, layout, pp_rank, inflight)
     mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], activations, buffers,
@@ -520,13 +521,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile,
                            1.0, 2.0, 1.0 if layout.schedule == "zb-h1" else 0.0).peak_inflight
     m = layout.micro_batches(global_batch)
 
-    def held(r: int) -> float | None:  # interleaved: a rank's chunks differ (the last one has the loss)
+    def held_bytes(r: int) -> float | None:  # interleaved: a rank's chunks differ (the last one has the loss)
         if layout.v == 1:
             return None
         chunks = tuple(blocks + ends for blocks, ends, _ in _stage_chunks(model, layout, r))
         return pipeline.peak_held_bytes(layout.schedule, layout.pp, m, layout.v, r, chunks)
 
-    ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer, block, held(r))
+    ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer, block, held_bytes(r))
              for r in checked_pp_ranks(layout.pp, layout.split)]
     worst = max(ranks, key=lambda m: m.total)
     acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled)
