@@ -60,10 +60,11 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(h))
 
 
-def tiny_gpt(frozen_embedding: bool = False) -> TinyGPT:
-    """A TinyGPT; ``frozen_embedding``: its tied embedding (the head's weight too) not trained."""
+def tiny_gpt(frozen: tuple[str, ...] = ()) -> TinyGPT:
+    """A TinyGPT with the parameters named in ``frozen`` not trained (``wte.weight``: the head's too)."""
     model = TinyGPT()
-    model.wte.weight.requires_grad_(not frozen_embedding)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     return model
 
 
@@ -88,9 +89,9 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
-def reference(steps: int, frozen_embedding: bool = False) -> tuple[list[float], dict]:
+def reference(steps: int, frozen: tuple[str, ...] = ()) -> tuple[list[float], dict]:
     """Plain PyTorch in one process: AdamW (decay on matrices), clip_grad_norm_."""
-    model = tiny_gpt(frozen_embedding)
+    model = tiny_gpt(frozen)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(init_fn(name, tuple(p.shape)))
@@ -110,10 +111,10 @@ def reference(steps: int, frozen_embedding: bool = False) -> tuple[list[float], 
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _build(rank: int, world_size: int, zero: int, on: str, frozen_embedding: bool = False):
+def _build(rank: int, world_size: int, zero: int, on: str, frozen: tuple[str, ...] = ()):
     mesh = Mesh({"dp": world_size}, rank)
     with torch.device(on):
-        model = tiny_gpt(frozen_embedding)
+        model = tiny_gpt(frozen)
     plan = ParallelPlan(optim=OPTIM, engine=EnginePlan(zero=zero),
                         activations=ActivationPlan(policy="full", blocks=lambda m: m.h))
     return mesh, parallelize(model, mesh, plan, init_fn=init_fn)
@@ -134,8 +135,8 @@ def _train(mesh, parallel, first: int, steps: int) -> list[float]:
     return losses
 
 
-def _run(rank, world_size, zero, on, steps, frozen_embedding=False):
-    mesh, parallel = _build(rank, world_size, zero, on, frozen_embedding)
+def _run(rank, world_size, zero, on, steps, frozen=()):
+    mesh, parallel = _build(rank, world_size, zero, on, frozen)
     return _train(mesh, parallel, 0, steps), parallel.full_weights()
 
 
@@ -164,8 +165,8 @@ def test_a_frozen_tied_embedding_trains_like_the_plain_loop(zero, on):
     init_fn's value under the embedding's name only, and the head, built on the CPU, trained on
     its constructor's value (the loss 7.1 where the plain loop's is 3.5)."""
     steps = 3
-    expected_losses, expected_weights = reference(steps, frozen_embedding=True)
-    for losses, weights in run_ranks(_run, 2, zero, on, steps, True, timeout=120):
+    expected_losses, expected_weights = reference(steps, frozen=("wte.weight",))
+    for losses, weights in run_ranks(_run, 2, zero, on, steps, ("wte.weight",), timeout=120):
         _assert_like_reference(losses, weights, expected_losses, expected_weights)
 
 
@@ -349,12 +350,12 @@ def _tp_styles(head_only: bool = False, sequence_parallel: bool = False) -> dict
     return styles if head_only else {**styles, "wte": VocabParallelEmbedding()}
 
 
-def _tensor_parallel(rank, world_size, steps, sequence_parallel=False):
+def _tensor_parallel(rank, world_size, steps, sequence_parallel=False, frozen=()):
     from bigtrain.parallel.parallel_plan import TensorParallelPlan
 
     mesh = Mesh({"tp": world_size}, rank)
     with torch.device("meta"):
-        model = TinyGPT()
+        model = tiny_gpt(frozen)
     plan = ParallelPlan(optim=OPTIM, tensor=TensorParallelPlan(styles=_tp_styles(sequence_parallel=sequence_parallel),
                                                                sequence_parallel=sequence_parallel))
     parallel = parallelize(model, mesh, plan, init_fn=init_fn)
@@ -374,6 +375,16 @@ def _tensor_parallel(rank, world_size, steps, sequence_parallel=False):
 def test_hand_written_tensor_parallel_styles_on_a_tied_gpt_equal_the_plain_loop(sequence_parallel):
     expected_losses, expected_weights = reference(3)
     for losses, weights in run_ranks(_tensor_parallel, 2, 3, sequence_parallel, timeout=120):
+        _assert_like_reference(losses, weights, expected_losses, expected_weights)
+
+
+def test_a_frozen_norm_whose_gradient_sequence_parallelism_makes_partial_trains_like_the_plain_loop():
+    """A frozen weight the plan marks partial over tp (a LayerNorm under sequence parallelism):
+    its gradient-summing hook was registered all the same, and torch refuses a hook on a tensor
+    that needs no gradient (the model failed to build)."""
+    frozen = ("ln_f.weight", "h.0.ln.weight")
+    expected_losses, expected_weights = reference(3, frozen)
+    for losses, weights in run_ranks(_tensor_parallel, 2, 3, True, frozen, timeout=120):
         _assert_like_reference(losses, weights, expected_losses, expected_weights)
 
 

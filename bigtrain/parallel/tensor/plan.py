@@ -137,7 +137,7 @@ def register_partial_grad_hooks(model: nn.Module, placements: Placements) -> Non
     params = dict(model.named_parameters())
     tp = placements.comm("tp")
     for name in placements.names_partial_over("tp"):
-        if name in params:
+        if name in params and params[name].requires_grad:  # a frozen weight has no gradient to sum
             params[name].register_hook(lambda g: _summed(g, tp))
 
 
