@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, INT8, context_parallel_choice, is_hf_moe,
@@ -261,15 +262,15 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
             saved, anchored = None, False
             if resume_after:
                 a = configs[0]
-                before = run_ranks(check, a.parallel.world_size, a, run_dir, resume_after, None, False, True,
+                before = run_ranks(partial(check, save=True), a.parallel.world_size, a, run_dir, resume_after,
                                    timeout=timeout, group_timeout=timeout)[0]
                 if not before.agree:
                     return Outcome(overrides, "diverged", f"before the checkpoint:\n{before.text()}",
                                    time.perf_counter() - start)
                 saved, anchored = before.saved, before.anchored
             cfg = configs[-1]
-            report = run_ranks(check, cfg.parallel.world_size, cfg, run_dir, steps, saved, anchored,
-                               timeout=timeout, group_timeout=timeout)[0]
+            report = run_ranks(partial(check, saved=saved, saved_anchored=anchored), cfg.parallel.world_size, cfg,
+                               run_dir, steps, timeout=timeout, group_timeout=timeout)[0]
         except RankFailure as e:
             verdict = "hung" if "did not finish" in str(e) else "crashed"
             return Outcome(overrides, verdict, str(e)[-3000:], time.perf_counter() - start)

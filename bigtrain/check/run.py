@@ -224,10 +224,10 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     (:func:`save_on_rank`'s, or ``CheckReport.saved`` of a check with ``save``; on the first rank,
     anything elsewhere). The layout resumes from it, what it loaded must be what was saved (dtypes
     and bits), the reference replays the steps before it uncompared, and the ``steps`` after it are
-    compared. ``saved_anchored``: the steps
-    before it were checked too, along the replays' chain (``CheckReport.anchored``), which the
-    compared steps then continue. ``save``: after the steps, save a checkpoint in ``run_dir`` and
-    put its full state in the report (``CheckReport.saved``), for a check resumed from it."""
+    compared. ``saved_anchored``: the steps before it were checked too, along the replays' chain
+    (``CheckReport.anchored``), which the compared steps then continue. ``save``: after the steps,
+    save a checkpoint in ``run_dir`` and put its full state in the report (``CheckReport.saved``),
+    for a check resumed from it."""
     trainer, reference_of, captured = _layout_and_reference(cfg, mesh, run_dir, device)
     world, is_first = mesh.comm("world"), mesh.rank == 0
     # The reference computes on this rank's device: the same kernels on both sides, so the
