@@ -92,7 +92,8 @@ def parallelize_family(family: Family, cfg: Config, mesh: Mesh, run_dir: str, de
     if family.blocks is not None:
         plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, blocks=family.blocks),
                                    float8=dataclasses.replace(plan.float8, blocks=family.blocks))
-    plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, head=family.head))
+    plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, head=family.head),
+                               compile=dataclasses.replace(plan.compile, final_norm=family.final_norm))
     if family.split_stages is not None:
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=family.split_stages))
     if family.context_parallel is not None:

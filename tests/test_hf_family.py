@@ -176,8 +176,24 @@ def test_compiled_decoder_layers_match_transformers_reference(corpus_cache, name
     losses, weights, transforms, graphs = results[0]
     layers = [f"model.layers.{i}" for i in range(2)]
     assert all("compile" in transforms.get(layer, ()) for layer in layers), transforms
+    assert "compile" in transforms.get("model.norm", ()), transforms  # Family.final_norm
     assert graphs > 0
     assert_matches_reference(losses, weights, reference(corpus_cache, arch), f"{arch} {layout} compiled")
+
+
+def test_the_final_norm_is_a_compiled_region_of_its_own(corpus_cache):
+    """A decoder's final norm is compiled beside its blocks, named by its family (``model.norm``
+    here; only a child called ``norm`` was, so a Hugging Face model's stayed eager). Meta device:
+    nothing compiles here."""
+    from bigtrain.families import family_of
+    from bigtrain.parallel.compile import apply_compile
+
+    cfg = hf_config(corpus_cache, "qwen3", "--compile.enabled=true")
+    family = family_of(cfg)
+    with torch.device("meta"):
+        model = family.build_meta(cfg)
+    regions = apply_compile(model, blocks=family.blocks(model), final_norm=family.final_norm).regions
+    assert regions == ["model.layers.0", "model.layers.1", "model.norm"]
 
 
 # The fused loss (model.fused_loss: lm_head and the cross-entropy in chunks) is the same function as

@@ -409,6 +409,7 @@ HF = Family(
     context_parallel=attach_context_parallel,
     blocks=lambda model: model.model.layers,
     head="lm_head",
+    final_norm="model.norm",
     compiles=True,
     block_linears=True,
     reference=HFReference,

@@ -52,6 +52,9 @@ class Family:
     # The attribute (a dotted path) of its output projection: what model.fused_loss wraps into the
     # loss and int8 compression takes as the last linear (the reference Llama's ``output``).
     head: str = "output"
+    # The attribute (a dotted path) of its final norm, which compile.enabled compiles as a region of
+    # its own beside the blocks (the reference Llama's ``norm``).
+    final_norm: str = "norm"
     # Its split into pipeline stages, (model, stages, balance, split points) -> stages; None: the
     # reference Llama's (bigtrain.parallel.pipeline.partition.split_model).
     split_stages: Callable[..., list] | None = None

@@ -73,7 +73,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
         split_backward = mesh.comm("pp").size > 1 and plan.pipeline.schedule == "zb-h1"  # keeps the graph
         sixteen_bit = plan.engine.precision.compute in (torch.bfloat16, torch.float16) or float8 is not None
         compiled = apply_compile(model, token_loss_sum if plain_loss else None, keep_graph=split_backward, device=device,
-                                 blocks=compiled_blocks(model, plan.activations), sixteen_bit=sixteen_bit)
+                                 blocks=compiled_blocks(model, plan.activations), sixteen_bit=sixteen_bit,
+                                 final_norm=plan.compile.final_norm)
     if float8 is not None:  # the plans above replace some linears (a row-parallel bias): still float8?
         float8.check_kept(model)
     transforms = transforms_of(model)  # before the pipeline split: every rank records the whole model

@@ -199,10 +199,11 @@ class Compiled:
 
 def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False,
                   device: torch.device | str = "cpu", blocks: nn.Module | None = None,
-                  sixteen_bit: bool = False) -> Compiled:
+                  sixteen_bit: bool = False, final_norm: str | None = "norm") -> Compiled:
     """Compile every block of ``model`` (the children of ``blocks``, the family's container of them;
     not given: of its largest container of modules with parameters, a Llama's ``layers``, which
-    takes two blocks to find) and its final ``norm`` regionally, in place; and ``loss_fn`` (a plain
+    takes two blocks to find) and its final norm (``final_norm``, a dotted name, when the model has
+    it: a Hugging Face decoder's is ``model.norm``) regionally, in place; and ``loss_fn`` (a plain
     function of logits and targets) when given. ``keep_graph``: see :class:`CompiledRegion`;
     ``device``: where the graphs run; ``sixteen_bit``: the model computes in bf16/fp16 or holds float8
     linears (both choose inductor's options: :func:`inductor_options`)."""
@@ -217,8 +218,8 @@ def apply_compile(model: nn.Module, loss_fn=None, keep_graph: bool = False,
         raise ValueError(f"compile.enabled: {type(model).__name__} has no blocks (a list of modules with parameters) "
                          f"to compile one by one; set compile.enabled = false")
     regions = [region for name in blocks for region in compile_regions(model, name, keep_graph, options)]
-    if "norm" in dict(model.named_children()):
-        regions += compile_regions(model, "norm", keep_graph, options)
+    if final_norm is not None and final_norm in dict(model.named_modules()):
+        regions += compile_regions(model, final_norm, keep_graph, options)
     compiled_loss = compiled_function(loss_fn, keep_graph, options) if loss_fn is not None else None
     return Compiled(regions, compiled_loss, options)
 

@@ -88,6 +88,7 @@ class CompilePlan:
     (bigtrain/parallel/compile.py, docs/compile.md)."""
 
     enabled: bool = False
+    final_norm: str | None = "norm"  # the dotted name of the final norm, a region of its own when the model has one
 
 
 @dataclass(frozen=True)
