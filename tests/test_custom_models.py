@@ -193,6 +193,32 @@ def test_a_model_with_a_frozen_parameter_resumes_on_another_layout(tmp_path, sav
     _assert_like_reference(first[0] + second[0], second[1], expected_losses, expected_weights)
 
 
+class OneBlockGPT(TinyGPT):
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList([Block()])
+
+
+def _zero3_units(rank, world_size):
+    import warnings
+
+    with torch.device("meta"):
+        model = OneBlockGPT()
+    plan = ParallelPlan(optim=OPTIM, engine=EnginePlan(zero=3), activations=ActivationPlan(blocks=lambda m: m.h))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel = parallelize(model, Mesh({"dp": world_size}, rank), plan, init_fn=init_fn)
+    units = [name for name, m in parallel.model.named_modules() if any(m is u for u in parallel.engine.unit_modules)]
+    return units, [str(w.message) for w in caught if "found no blocks" in str(w.message)]
+
+
+def test_zero_units_are_the_blocks_the_plan_names():
+    """ZeRO's units are the plan's blocks (ActivationPlan.blocks), not a guess from the model's
+    structure: a one-block model was one unit, gathered whole by ZeRO-3, with a warning."""
+    units, warned = run_ranks(_zero3_units, 1, timeout=60)[0]
+    assert units == ["", "h.0"] and not warned  # the root unit, and the block
+
+
 # -- a Sequential split into pipeline stages --------------------------------------------------------
 class Features(nn.Module):
     def __init__(self):

@@ -87,8 +87,14 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     # The buffers a constructor computed on the meta device: the engine's to_empty gives them memory,
     # uninitialized (no longer meta), so they are named now.
     meta_buffers = [name for name, b in pipeline.module.named_buffers() if b.is_meta]
+    unit_modules = pipeline.unit_modules
+    if unit_modules is None and plan.activations.blocks is not None:
+        # The plan's blocks, not a guess from the model's structure (default_unit_modules), which
+        # makes a one-block model, or blocks in two lists, one unit or the wrong ones.
+        unit_modules = [b for b in block_list(pipeline.module, plan.activations).children()
+                        if any(True for _ in b.parameters())]
     engine = apply_engine(pipeline.module, mesh, plan, placements.local_init(full_init), placements, device,
-                          activations.zero_units(pipeline.module, pipeline.unit_modules))
+                          activations.zero_units(pipeline.module, unit_modules))
     tied.check_layout(engine)
     computed = False
     for module in pipeline.stages.values() or [pipeline.module]:  # after to_empty, which leaves them unset
