@@ -74,10 +74,10 @@ class Tolerance:
         return kind not in self.diagnostic
 
     def text(self) -> str:
+        # norm_recomputed is not said here: whether it applies depends on the reference (a DLRM's
+        # has no at_weights); where a norm was recomputed, the report says so with both distances
         norm = f"{self.grad_norm:.0e}" + (" (after the first update: + its gradients' difference)"
-                                          if self.norm_follows_gradients else
-                                          " (after an update: or from the layout's weights before the step)"
-                                          if self.norm_recomputed else "")
+                                          if self.norm_follows_gradients else "")
         return (f"loss {self.loss:.0e}, gradient norm {norm}, tensors {self.tensor:.0e} relative"
                 + (f" ({', '.join(self.diagnostic)} diagnostic only)" if self.diagnostic else ""))
 
