@@ -343,8 +343,8 @@ def _norm_recomputed(findings: list[Finding], layout_norm: float, ahead, weights
     amplifies (each weight compared at ``tol.tensor``, each update explained by its replay), and a
     gradient, hence its norm, moves with them: seed 20261443 sample 2 (Qwen3-MoE tp 4 x pp 2,
     resumed at Ulysses sp 2) had its gradients 2.6e-5 and its norm 1.6e-5 from the reference's at
-    the fourth step, while from the layout's own weights the reference's fp32 norm was 1.9e-7 and
-    a float64 one 1.0e-7 from the layout's. Recomputed there, the norm is held to 1e-5 at every
+    the fourth step, while the reference recomputing it at the layout's own weights was 2.5e-7 from
+    the layout's norm (a float64 reference 1.0e-7). Recomputed there, the norm is held to 1e-5 at every
     step, as at a fresh run's first: a systematic scale of the gradient (a token count a few off in
     100,000), which every single tensor's 1e-4 lets through, still fails at any step it appears
     (tests/test_check_norm.py); a bound following the gradients' distance would let it through."""
