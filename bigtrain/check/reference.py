@@ -177,6 +177,20 @@ class ReferenceRun:
     def _weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.master.named_parameters()}
 
+    @torch.no_grad()
+    def at_weights(self, weights: dict[str, torch.Tensor]) -> bool:
+        """Set the master weights to ``weights`` (full tensors by name, a layout's) so that the next
+        step computes its gradient at them; whether it will: not with a gradient delay (it computes
+        at the history's weights), nor where ``weights`` lacks one of the model's."""
+        held = dict(self.master.named_parameters())
+        if self.stale is not None or any(name not in weights for name in held):
+            return False
+        for name, p in held.items():
+            p.copy_(weights[name].reshape(p.shape))
+        if self.mixed:
+            copy_masters_to(self.compute, self.master)
+        return True
+
     def restart_delays(self) -> None:
         """From here on, as a run resumed now: its asynchronous pipeline starts empty (the stashed
         versions are not saved, docs/async.md), so the next steps compute with the current weights

@@ -43,7 +43,8 @@ from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.core.reference_step import (ReferenceStep, accumulate_into_masters, copy_masters_to,
                                           reference_learning_rate)
 from bigtrain.data import TokenSampler, load_corpus
-from bigtrain.families.hf_moe import file_views, from_transformers_names, sparse_blocks, transformers_major
+from bigtrain.families.hf_moe import (file_views, from_transformers_names, sparse_blocks, to_transformers_names,
+                                      transformers_major)
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.hf_causal_lm import init_value
@@ -183,6 +184,22 @@ class HFReference:
             result.outputs = {name: torch.cat(parts) for name, parts in outputs.items()}
             result.weights = self.weights()
         return result
+
+    @torch.no_grad()
+    def at_weights(self, weights: dict[str, torch.Tensor]) -> bool:
+        """Set the master weights to ``weights`` (full tensors under the trainer's names, a
+        layout's) so that the next step computes its gradient at them; whether it will: not with the
+        delayed update (it computes at the weights from before the last update), nor where
+        ``weights`` lacks one of the model's."""
+        views = file_views(dict(self.model.named_parameters()), self.blocks)
+        theirs = to_transformers_names(weights, self.blocks)
+        if self.delayed or any(name not in theirs for name in views):
+            return False
+        for name, view in views.items():
+            view.copy_(theirs[name].reshape(view.shape))
+        if self.compute is not self.model:
+            copy_masters_to(self.compute, self.model)
+        return True
 
     def weights(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The master weights, on the CPU, under the trainer's names."""
