@@ -64,9 +64,11 @@ def import_family_module(model: ModelConfig) -> list[str]:
     name = model.family_module.strip()
     if not name:
         return []
-    if not all(part.isidentifier() for part in name.split(".")):
-        return [f"{FIELD} = {model.family_module!r}: write the module's import path, dotted, like "
-                f"'my_models.gpt2' (no file path, no '.py'); the module calls bigtrain.families.register_family"]
+    if name.endswith(".py") or not all(part.isidentifier() for part in name.split(".")):
+        dotted = name.removesuffix(".py").replace("/", ".").replace("\\", ".").strip(".")
+        return [f"{FIELD} = {model.family_module!r}: write the module's import path, dotted, like '{dotted}' "
+                f"(no file path, no '.py'), and run from the folder it is found under; the module calls "
+                f"bigtrain.families.register_family"]
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)  # after the installed packages: a local folder does not shadow them

@@ -1,0 +1,249 @@
+"""A family of one's own (``register_family``, ``model.family_module``) through ``bigtrain train``:
+examples/own_family's GPT-2 at dp 2 x ZeRO-2 through the launcher against a plain one-process
+PyTorch loop on the same weights and data (fp32, 1e-5 relative: losses and final weights), and
+what is refused before launch, naming the field or the slot the family leaves None."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bigtrain.cli import main
+from bigtrain.config import ConfigError, load_config
+from bigtrain.families import Family, registry
+from bigtrain.validation import validate
+from tests.helpers import assert_rel_close
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "own_family"
+CONFIG = EXAMPLE / "gpt2.toml"
+MODULES = ("gpt2_family", "gpt2_renamed", "registers_another")
+
+
+@pytest.fixture(autouse=True)
+def clean_registry(monkeypatch):
+    """Each test imports the example afresh and leaves the registry as it found it (a family
+    registered here would otherwise be one of every later test's choices)."""
+    saved = dict(registry.FAMILIES)
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    for name in MODULES:
+        sys.modules.pop(name, None)
+    yield
+    registry.FAMILIES.clear()
+    registry.FAMILIES.update(saved)
+    for name in MODULES:
+        sys.modules.pop(name, None)
+
+
+def _overrides(cache: str, out: Path, *extra: str) -> list[str]:
+    return ["--output-dir", str(out), f"--data.cache_dir={cache}", "--data.max_bytes=400000",
+            "--logging.progress=false", "--logging.report=false", "--logging.log_every=1", *extra]
+
+
+# -- dp 2 x ZeRO-2 through the launcher, against a plain loop ----------------------------------
+STEPS = 4
+# A constant learning rate (no warmup, a floor at the peak): the plain loop's AdamW runs at optim.lr.
+CONSTANT_LR = ("--optim.warmup_steps=0", "--optim.min_lr_ratio=1.0")
+
+
+def plain_loop(cfg, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The example's GPT-2 in one process on the CPU: the family's initial values, the global batch
+    at once, the mean next-token cross-entropy, clip_grad_norm_, torch.optim.AdamW (decay on matrices)."""
+    from bigtrain.data import TokenSampler, load_corpus
+    from bigtrain.families.own import seeded_init
+    import gpt2_family
+
+    torch.manual_seed(0)
+    model = gpt2_family.build(cfg, "cpu")
+    init = seeded_init(cfg, model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init(name, tuple(p.shape)))
+    d, t, o = cfg.data, cfg.train, cfg.optim
+    sampler = TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target, d.val_fraction,
+                           vocab_size=cfg.model.vocab_size)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    losses = []
+    for step in range(steps):
+        tokens, targets = sampler.batch(step, 0, t.global_batch)
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_the_example_family_trained_by_bigtrain_train_at_dp2_zero2_equals_a_plain_loop(corpus_cache, tmp_path):
+    """``bigtrain train --config gpt2.toml`` from the example's folder: the launcher imports the
+    module named by model.family_module, so does each of the 2 ranks; every loss and every final
+    weight (the checkpoint's) within fp32 1e-5 of the plain loop."""
+    from bigtrain.checkpoint.export import checkpoint_weights
+    from bigtrain.checkpoint.commit import newest_valid_checkpoint
+    from bigtrain.metrics import read_metrics
+
+    out = tmp_path / "run"
+    extra = _overrides(corpus_cache, out, f"--train.steps={STEPS}", *CONSTANT_LR)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "bigtrain", "train", "--config", "gpt2.toml", *extra],
+                          cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "starting 2 ranks with torchrun" in done.stdout
+    losses = [r["loss"] for r in read_metrics(out)]
+    path, _ = newest_valid_checkpoint(out / "checkpoints")
+    weights = checkpoint_weights(path)
+
+    cfg = load_config(path=CONFIG, overrides=extra[2:])  # the run's fields (not validated: no import needed)
+    expected_losses, expected_weights = plain_loop(cfg, STEPS)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    assert set(weights) == set(expected_weights)  # the tied head is saved once, as wte.weight
+    for name, expected in comparable(expected_weights, cfg.model.dim).items():
+        assert_rel_close(comparable(weights, cfg.model.dim)[name], expected, 1e-5, name)
+
+
+def comparable(weights: dict[str, torch.Tensor], dim: int) -> dict[str, torch.Tensor]:
+    """The weights by name, each attention's ``c_attn.bias`` as its query and value parts: its key
+    part's gradient is zero but for rounding (a bias on every key adds q . b to each of a query's
+    scores alike, and the softmax cancels it), so Adam's normalized step turns that rounding noise
+    into full-size updates that differ with any change of summation order (docs/families.md: Qwen2's
+    key biases, the same effect)."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith("attn.c_attn.bias"):
+            out[f"{name}[q]"], out[f"{name}[v]"] = tensor[:dim], tensor[2 * dim:]
+        else:
+            out[name] = tensor
+    return out
+
+
+# -- refused before launch ---------------------------------------------------------------------
+def _config(tmp_path: Path, module: str, family: str = "gpt2", extra: str = "") -> Path:
+    text = CONFIG.read_text().replace('family_module = "gpt2_family"', f'family_module = "{module}"')
+    text = text.replace('family = "gpt2"', f'family = "{family}"') + extra
+    path = tmp_path / "my.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_missing_family_module_is_refused_before_launch_naming_the_field(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(_config(tmp_path, "no_such_module")), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "model.family_module = 'no_such_module': no module 'no_such_module' can be imported from the working " \
+           "directory" in err and "PYTHONPATH" in err
+    assert not out.exists()  # nothing launched, nothing written
+
+
+def test_a_module_that_registers_no_such_family_is_refused_naming_both_fields(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", str(_config(tmp_path, "gpt2_family", family="gpt3"))]) == 2
+    err = capsys.readouterr().err
+    assert "model.family = 'gpt3': model.family_module = 'gpt2_family' imported, and registered no family of " \
+           "that name" in err and "'gpt2'" in err
+
+
+def test_a_module_path_written_as_a_file_is_refused_naming_the_form(tmp_path):
+    cfg = load_config(path=_config(tmp_path, "gpt2_family.py"))
+    with pytest.raises(ConfigError, match=r"model.family_module = 'gpt2_family.py'.*dotted.*no '\.py'"):
+        validate(cfg)
+
+
+def test_the_family_module_is_imported_from_the_working_directory(tmp_path, monkeypatch):
+    """The ``bigtrain`` script's sys.path holds its own folder, not the working directory (where
+    ``python -m`` and the launched ranks look): the module is found there all the same."""
+    (tmp_path / "registers_another.py").write_text(
+        "from gpt2_family import GPT2_FAMILY\nfrom dataclasses import replace\n"
+        "from bigtrain.families import register_family\n"
+        "register_family(replace(GPT2_FAMILY, name='gpt2-local'))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    validate(load_config(path=_config(tmp_path, "registers_another", family="gpt2-local"),
+                         overrides=["--parallel.dp=1"]))
+
+
+def test_register_family_refuses_a_name_another_family_holds_naming_it():
+    import gpt2_family
+
+    with pytest.raises(ValueError, match=r"model.family = 'llama' is taken by another family \(bigtrain's own"):
+        registry.register_family(replace(gpt2_family.GPT2_FAMILY, name="llama"))
+    with pytest.raises(ValueError, match=r"'gpt2' is taken by another family \(registered from gpt2_family"):
+        registry.register_family(Family(name="gpt2", summary="another", build_meta=lambda cfg: None))
+    assert registry.register_family(gpt2_family.GPT2_FAMILY) is gpt2_family.GPT2_FAMILY  # again: a no-op
+    with pytest.raises(ValueError, match="has no build_meta"):
+        registry.register_family(Family(name="empty", summary="nothing"))
+
+
+@pytest.mark.parametrize("override,slot,fix", [
+    ("--parallel.tp=2", "tp_plan", "set parallel.tp = 1"),
+    ("--parallel.sp=2", "tp_plan", "set parallel.sp = 1"),
+    ("--parallel.pp=2", "split_stages", "set parallel.pp = 1"),
+    ("--model.fused_loss=true", "head", "set model.fused_loss = false"),
+    ("--model.init_from=hf:somewhere", "init_fn", "set model.init_from = ''"),
+])
+def test_a_layout_that_needs_a_slot_the_family_leaves_none_is_refused_naming_it(override, slot, fix):
+    cfg = load_config(path=CONFIG, overrides=["--parallel.dp=1", override])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert f"none for this family (model.family = 'gpt2' has no Family.{slot}); {fix}" in str(e.value)
+
+
+def test_recomputation_takes_the_blocks_the_family_gives():
+    """The example gives ``blocks``: full recomputation is accepted (a family without them is refused)."""
+    validate(load_config(path=CONFIG, overrides=["--memory.checkpointing=full"]))
+    import gpt2_family
+
+    registry.FAMILIES["gpt2"] = replace(gpt2_family.GPT2_FAMILY, blocks=None)
+    with pytest.raises(ConfigError, match="memory.checkpointing = 'full'.*has no Family.blocks"):
+        validate(load_config(path=CONFIG, overrides=["--memory.checkpointing=full"]))
+
+
+# -- a one-process run: resume, check, plan, export, generate ----------------------------------
+@pytest.fixture
+def one_process_run(corpus_cache, tmp_path, monkeypatch):
+    """2 steps of the example's family in this process, from the example's folder; its run dir."""
+    monkeypatch.chdir(EXAMPLE)
+    out = tmp_path / "run"
+    assert main(["train", "--config", "gpt2.toml", *_overrides(corpus_cache, out, "--parallel.dp=1",
+                                                                "--parallel.zero=0", "--train.steps=2")]) == 0
+    return out
+
+
+def test_a_resume_naming_another_family_module_is_refused(one_process_run, tmp_path, capsys, monkeypatch):
+    """The checkpoint's config records model.family_module: a resume whose module differs (the same
+    family name from another module) would load the weights into whatever that module builds."""
+    (tmp_path / "gpt2_renamed.py").write_text("import gpt2_family  # registers 'gpt2' from another module path\n")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    code = main(["train", "--output-dir", str(one_process_run), "--resume", "--train.steps=3",
+                 "--model.family_module=gpt2_renamed"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "model.family_module = 'gpt2_renamed', but the checkpoint" in err
+    assert "written with model.family_module = 'gpt2_family'" in err
+
+
+def test_check_plan_export_and_generate_say_none_for_this_family(one_process_run, capsys, tmp_path):
+    capsys.readouterr()
+    assert main(["check", "--config", "gpt2.toml", "--parallel.dp=1", "--parallel.zero=0"]) == 2
+    assert "none for this family (model.family = 'gpt2' has no Family.reference)" in capsys.readouterr().err
+    assert main(["plan", "--config", "gpt2.toml"]) == 2
+    assert "none for this family (model.family = 'gpt2' has no Family.planner_config)" in capsys.readouterr().err
+    assert main(["export", str(one_process_run), str(tmp_path / "hf"), "--format", "hf"]) == 1
+    err = capsys.readouterr().err
+    assert "--format hf (a Hugging Face folder of the model): none for this family" in err and "--format safetensors" in err
+    assert main(["export", str(one_process_run), str(tmp_path / "model.safetensors")]) == 0  # by name: any family
+    assert main(["generate", str(one_process_run), "--prompt", "def "]) != 0
+    assert "none for this family (model.family = 'gpt2' has no Family.generation_model)" in capsys.readouterr().err
