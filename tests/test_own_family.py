@@ -5,6 +5,7 @@ what is refused before launch, naming the field or the slot the family leaves No
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -208,6 +209,23 @@ def test_recomputation_takes_the_blocks_the_family_gives():
     registry.FAMILIES["gpt2"] = replace(gpt2_family.GPT2_FAMILY, blocks=None)
     with pytest.raises(ConfigError, match="memory.checkpointing = 'full'.*has no Family.blocks"):
         validate(load_config(path=CONFIG, overrides=["--memory.checkpointing=full"]))
+
+
+def test_recomputing_the_familys_blocks_changes_no_loss(corpus_cache, tmp_path, monkeypatch):
+    """``blocks`` is what full recomputation wraps: the same losses, bit for bit, as without it."""
+    from bigtrain.metrics import read_metrics
+
+    monkeypatch.chdir(EXAMPLE)
+    losses = {}
+    for policy in ("none", "full"):
+        out = tmp_path / policy
+        assert main(["train", "--config", "gpt2.toml", *_overrides(corpus_cache, out, "--parallel.dp=1",
+                     "--parallel.zero=0", "--train.steps=2", "--checkpoint.save_final=false",
+                     f"--memory.checkpointing={policy}")]) == 0
+        losses[policy] = [r["loss"] for r in read_metrics(out)]
+    assert losses["full"] == losses["none"]
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["checkpointed_blocks"] == [0, 1]  # the family's two blocks were recomputed
 
 
 # -- a one-process run: resume, check, plan, export, generate ----------------------------------

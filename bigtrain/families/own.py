@@ -41,7 +41,7 @@ def slot_problems(cfg: Config, family: Family) -> list[str]:
     if family.split_stages is None and p.pp > 1:
         problems.append(none_for(family, "split_stages", f"parallel.pp = {p.pp} (pipeline stages)",
                                  "set parallel.pp = 1"))
-    if p.ep > 1:
+    if p.ep > 1 and m.moe_experts > 0:  # without experts the generic rule says so already
         problems.append(f"parallel.ep = {p.ep}: expert parallelism shards bigtrain's own MoE blocks; "
                         f"model.family = '{family.name}' has none of them: set parallel.ep = 1")
     if family.blocks is None:

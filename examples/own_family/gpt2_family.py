@@ -12,10 +12,10 @@ family. The module must be importable from the working directory (or sys.path).
 What the family gives (docs/families.md, "A family of your own"): a name, a line for help texts,
 and the model on the meta device from the config (bigtrain materializes each rank's part and
 initializes it by (seed, name): LayerNorm weights one, biases zero, other weights normal with
-model.init_std). ``blocks`` lets recomputation (memory.checkpointing) and ZeRO take the decoder
-blocks one by one. Everything else is left None: tensor or pipeline parallelism, the fused loss,
-``bigtrain plan``, ``bigtrain check``, export to Hugging Face and generate say "none for this family"
-before launch.
+model.init_std). ``blocks`` lets recomputation (memory.checkpointing) and activation offload take
+the decoder blocks one by one. Everything else is left None: tensor or pipeline parallelism, the
+fused loss, ``bigtrain plan``, ``bigtrain check``, export to Hugging Face and generate say "none for
+this family" before launch.
 """
 
 from __future__ import annotations
@@ -87,5 +87,5 @@ GPT2_FAMILY = register_family(Family(
     name="gpt2",
     summary="a GPT-2 decoder of one's own (examples/own_family/gpt2_family.py)",
     build_meta=build,
-    blocks=lambda model: model.h,  # recomputation and ZeRO's units: one block each
+    blocks=lambda model: model.h,  # what recomputation and activation offload take, block by block
 ))
