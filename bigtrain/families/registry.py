@@ -56,6 +56,10 @@ def register_family(family: Family) -> Family:
     return family
 
 
+def _dotted(name: str) -> bool:
+    return all(part.isidentifier() for part in name.split("."))
+
+
 def import_family_module(model: ModelConfig) -> list[str]:
     """Import ``model.family_module`` (the module that registers ``model.family``); the problems,
     each naming the field and the fix ([] when it imported and the family is registered, and when
@@ -64,9 +68,11 @@ def import_family_module(model: ModelConfig) -> list[str]:
     name = model.family_module.strip()
     if not name:
         return []
-    if name.endswith(".py") or not all(part.isidentifier() for part in name.split(".")):
+    if name.endswith(".py") or not _dotted(name):
+        # A file path's dotted form, where it has one ('my_models/gpt2.py' -> 'my_models.gpt2').
         dotted = name.removesuffix(".py").replace("/", ".").replace("\\", ".").strip(".")
-        return [f"{FIELD} = {model.family_module!r}: write the module's import path, dotted, like '{dotted}' "
+        like = dotted if _dotted(dotted) else "my_models.gpt2"
+        return [f"{FIELD} = {model.family_module!r}: write the module's import path, dotted, like '{like}' "
                 f"(no file path, no '.py'), and run from the folder it is found under; the module calls "
                 f"bigtrain.families.register_family"]
     cwd = os.getcwd()
