@@ -242,6 +242,8 @@ def one_process_run(corpus_cache, tmp_path, monkeypatch):
 def test_a_resume_naming_another_family_module_is_refused(one_process_run, tmp_path, capsys, monkeypatch):
     """The checkpoint's config records model.family_module: a resume whose module differs (the same
     family name from another module) would load the weights into whatever that module builds."""
+    from bigtrain.metrics import read_metrics
+
     (tmp_path / "gpt2_renamed.py").write_text("import gpt2_family  # registers 'gpt2' from another module path\n")
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
@@ -251,6 +253,9 @@ def test_a_resume_naming_another_family_module_is_refused(one_process_run, tmp_p
     assert code == 2, err
     assert "model.family_module = 'gpt2_renamed', but the checkpoint" in err
     assert "written with model.family_module = 'gpt2_family'" in err
+    monkeypatch.chdir(EXAMPLE)  # the run's own module: it goes on from its checkpoint
+    assert main(["train", "--output-dir", str(one_process_run), "--resume", "--train.steps=3"]) == 0
+    assert [r["step"] for r in read_metrics(one_process_run)] == [1, 2, 3]
 
 
 def test_check_plan_export_and_generate_say_none_for_this_family(one_process_run, capsys, tmp_path):
