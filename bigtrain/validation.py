@@ -17,7 +17,7 @@ from bigtrain.embedding_checks import check_embedding  # imports no torch
 from bigtrain.field_checks import non_negative, one_of, path_exists, positive
 from bigtrain.hsdp_checks import check_hybrid_sharding  # imports no torch
 from bigtrain.data.fields import data_field_problems
-from bigtrain.families import family_names, find_family, import_family_module
+from bigtrain.families import family_names, import_family_module, registered_family
 from bigtrain.families.own import own_family_problems
 from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
 from bigtrain.offload_checks import check_offload  # imports no torch
@@ -41,7 +41,8 @@ def check_model(cfg: Config) -> list[str]:
     problems = positive(cfg, ["model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
                               "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std"])
     problems += non_negative(cfg, ["model.n_kv_heads", "model.ffn_hidden"])
-    # The module of one's own first: the family it registers is then one of the choices.
+    # The module of one's own first, once (check_model is the first rule): the family it registers is
+    # then one of the choices, which the other rules look up without importing it again.
     problems += import_family_module(m) or one_of("model.family", m.family, family_names())
     if problems:
         return problems
@@ -56,7 +57,7 @@ def check_model(cfg: Config) -> list[str]:
     if m.n_heads % m.kv_heads:
         problems.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}; "
                         f"e.g. {_divisor_near(m.n_heads, m.kv_heads)}")
-    family = find_family(m)
+    family = registered_family(m.family)
     return problems + (check_init_from(m) if family is not None and family.model_fields else [])
 
 
@@ -122,7 +123,7 @@ def described_model(cfg: Config):
     """For a family described by its own file (a Hugging Face config.json), the bigtrain Llama
     [model] of its shapes (``Family.planner_config``); None for the others, and for a description
     that cannot be read (its family's check names it)."""
-    family = find_family(cfg.model)
+    family = registered_family(cfg.model.family)
     if family is None or family.planner_config is None:
         return None
     try:
@@ -189,7 +190,7 @@ def check_batch(cfg: Config) -> list[str]:
 
 def check_data(cfg: Config) -> list[str]:
     """The domains of the token corpus fields; the data against the model is the family's rule."""
-    family = find_family(cfg.model)
+    family = registered_family(cfg.model.family)
     if family is None or not family.reads_tokens:
         return []
     return positive(cfg, ["data.seq_len"]) + non_negative(cfg, ["data.max_bytes"])
@@ -198,7 +199,7 @@ def check_data(cfg: Config) -> list[str]:
 def check_family(cfg: Config) -> list[str]:
     """The model family's own rules (bigtrain/families): its config fields, its batches and data,
     and the layouts it supports (check_model names an unknown family)."""
-    family = find_family(cfg.model)
+    family = registered_family(cfg.model.family)
     return family.check_config(cfg) + own_family_problems(cfg, family) if family is not None else []
 
 
@@ -294,7 +295,7 @@ def check_model_split(cfg: Config) -> list[str]:
     """Tensor and sequence parallelism against the model's shapes (the [model] decoder fields, for a
     family they describe; another family checks its own shapes)."""
     m, p, seq = cfg.model, cfg.parallel, cfg.data.seq_len
-    family = find_family(m)
+    family = registered_family(m.family)
     if family is None or not family.model_fields:
         return []
     if p.tp <= 0 or p.sp <= 0 or m.n_heads <= 0 or m.dim <= 0 or m.n_heads % max(1, m.kv_heads):
@@ -403,7 +404,7 @@ def check_evaluation(cfg: Config) -> list[str]:
 def check_block_linears(cfg: Config) -> list[str]:
     """``precision.fp8`` (bigtrain/fp8/checks.py) and ``memory.activation_compression``, which
     change how the linear layers of a decoder's blocks compute, for the model's family."""
-    family = find_family(cfg.model)
+    family = registered_family(cfg.model.family)
     if family is None:  # an unknown family: check_family names it
         return check_fp8(cfg, shapes=cfg)
     # A family whose config.json describes it checks the float8 kernels' shapes with its own rules.
@@ -423,7 +424,7 @@ def check_compile(cfg: Config) -> list[str]:
     refused here, before launch."""
     setting = cfg.compile.enabled
     problems = one_of("compile.enabled", setting, COMPILE_SETTINGS)
-    family = find_family(cfg.model)
+    family = registered_family(cfg.model.family)
     if setting == "true" and family is not None and not family.compiles:
         problems.append(f"compile.enabled = true compiles the decoder's transformer blocks; model.family = "
                         f"'{cfg.model.family}' has none: use compile.enabled = 'auto' or false")
@@ -432,7 +433,7 @@ def check_compile(cfg: Config) -> list[str]:
 
 def check_context(cfg: Config) -> list[str]:
     """``parallel.cp`` (bigtrain/context_checks.py) for ``model.family``'s attention."""
-    return check_context_parallel(cfg, find_family(cfg.model))
+    return check_context_parallel(cfg, registered_family(cfg.model.family))
 
 
 # Every rule, in the order their problems are listed; the Llama fields' rules: bigtrain/families/llama.py.

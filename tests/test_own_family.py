@@ -156,6 +156,16 @@ def test_a_module_that_registers_no_such_family_is_refused_naming_both_fields(tm
            "that name" in err and "'gpt2'" in err
 
 
+def test_a_module_that_raises_on_import_is_refused_with_its_error_once(tmp_path, capsys, monkeypatch):
+    """Its error, naming the field, before launch; imported once by validation (not again by each rule)."""
+    (tmp_path / "broken_family.py").write_text("print('importing broken_family')\nraise RuntimeError('boom')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"model.family_module = 'broken_family': importing it raised "
+                                          r"RuntimeError: boom"):
+        validate(load_config(path=_config(tmp_path, "broken_family")))
+    assert capsys.readouterr().out.count("importing broken_family") == 1
+
+
 def test_a_module_path_written_as_a_file_is_refused_naming_the_form(tmp_path):
     cfg = load_config(path=_config(tmp_path, "gpt2_family.py"))
     with pytest.raises(ConfigError, match=r"model.family_module = 'gpt2_family.py'.*dotted.*no '\.py'"):

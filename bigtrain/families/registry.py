@@ -96,6 +96,12 @@ def import_family_module(model: ModelConfig) -> list[str]:
     return []
 
 
+def registered_family(name: str) -> Family | None:
+    """The family registered under ``name``, importing nothing (validation imports the module once,
+    first: a module that fails would otherwise run again for every rule that asks)."""
+    return FAMILIES.get(name)
+
+
 def find_family(model: ModelConfig) -> Family | None:
     """The family ``model.family`` names, after importing ``model.family_module``; None for a name
     nothing registered (validation names it, with the module's problem)."""
