@@ -33,11 +33,13 @@ def slot_problems(cfg: Config, family: Family) -> list[str]:
     """The layouts and features ``cfg`` asks for that need a slot ``family`` leaves None."""
     p, m, mem = cfg.parallel, cfg.model, cfg.memory
     problems = []
-    if family.tp_plan is None:
-        for axis, size, what in (("tp", p.tp, "tensor parallelism"), ("sp", p.sp, "Ulysses sequence parallelism")):
-            if size > 1:
-                problems.append(none_for(family, "tp_plan", f"parallel.{axis} = {size} ({what} cuts the modules by "
-                                         f"the family's plan of styles)", f"set parallel.{axis} = 1"))
+    if family.tp_plan is None and p.tp > 1:
+        problems.append(none_for(family, "tp_plan", f"parallel.tp = {p.tp} (tensor parallelism cuts the modules by "
+                                 f"the family's plan of styles)", "set parallel.tp = 1"))
+    if p.sp > 1:  # whatever its tp_plan: a plan that ignored `ulysses` would attend within each shard, silently
+        problems.append(f"parallel.sp = {p.sp}: Ulysses attention is built for bigtrain's Llama and the hf family's "
+                        f"attention (an all-to-all around it), not for model.family = '{family.name}': set "
+                        f"parallel.sp = 1")
     if family.split_stages is None and p.pp > 1:
         problems.append(none_for(family, "split_stages", f"parallel.pp = {p.pp} (pipeline stages)",
                                  "set parallel.pp = 1"))

@@ -12,10 +12,11 @@ family. The module must be importable from the working directory (or sys.path).
 What the family gives (docs/families.md, "A family of your own"): a name, a line for help texts,
 and the model on the meta device from the config (bigtrain materializes each rank's part and
 initializes it by (seed, name): LayerNorm weights one, biases zero, other weights normal with
-model.init_std). ``blocks`` lets recomputation (memory.checkpointing) and activation offload take
-the decoder blocks one by one. Everything else is left None: tensor or pipeline parallelism, the
-fused loss, ``bigtrain plan``, ``bigtrain check``, export to Hugging Face and generate say "none for
-this family" before launch.
+model.init_std). Optional slots it fills: ``blocks`` lets recomputation (memory.checkpointing) and
+activation offload take the decoder blocks one by one; ``tp_plan`` cuts it for parallel.tp > 1;
+``check_config`` refuses what that plan does not do. Everything else is left None: pipeline
+parallelism, the fused loss, ``bigtrain plan``, ``bigtrain check``, export to Hugging Face and
+generate say "none for this family" before launch.
 """
 
 from __future__ import annotations
@@ -42,18 +43,27 @@ class Attention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.c_proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, eps: float):
         super().__init__()
         self.ln_1 = nn.LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, heads)
         self.ln_2 = nn.LayerNorm(dim, eps=eps)
-        self.c_fc = nn.Linear(dim, 4 * dim)
-        self.c_proj = nn.Linear(4 * dim, dim)
+        self.mlp = MLP(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT2(nn.Module):
@@ -83,9 +93,35 @@ def build(cfg, device: str | torch.device = "meta") -> GPT2:
         return GPT2(m.vocab_size, m.max_seq_len, m.dim, m.n_layers, m.n_heads, m.norm_eps)
 
 
+def tp_plan(model: GPT2, tp: int, sequence_parallel: bool, ulysses: bool) -> dict:
+    """parallel.tp > 1: Megatron's cut of each MLP (c_fc by columns, c_proj by rows, one all-reduce)
+    and of the tied vocabulary (the embedding and the head both, so they stay one weight). Attention
+    stays whole on every tp rank: its c_attn holds [q | k | v] in one weight, and a plain column cut
+    would give the first rank q and half of k."""
+    from bigtrain.parallel.tensor.styles import (ColumnParallel, PrepareInput, RowParallel,
+                                                 VocabParallelEmbedding, VocabParallelOutput)
+
+    return {"wte": VocabParallelEmbedding(), "lm_head": VocabParallelOutput(),
+            "h.*.mlp.c_fc": [PrepareInput(), ColumnParallel()], "h.*.mlp.c_proj": RowParallel()}
+
+
+def check_config(cfg) -> list[str]:
+    """The family's own rules, run by validation before launch (each naming the field and the fix)."""
+    p = cfg.parallel
+    if p.tp > 1 and p.sequence_parallel:
+        return ["parallel.sequence_parallel = true: the gpt2 family's attention needs the whole sequence and its "
+                "tp_plan cuts none; set parallel.sequence_parallel = false"]
+    if p.tp > 1 and (4 * cfg.model.dim % p.tp or cfg.model.vocab_size % p.tp):
+        return [f"parallel.tp = {p.tp} must divide the MLP's 4 x model.dim = {4 * cfg.model.dim} and "
+                f"model.vocab_size = {cfg.model.vocab_size}; use parallel.tp = 2"]
+    return []
+
+
 GPT2_FAMILY = register_family(Family(
     name="gpt2",
     summary="a GPT-2 decoder of one's own (examples/own_family/gpt2_family.py)",
     build_meta=build,
     blocks=lambda model: model.h,  # what recomputation and activation offload take, block by block
+    tp_plan=tp_plan,
+    check_config=check_config,
 ))
