@@ -245,6 +245,9 @@ def test_register_family_refuses_a_name_another_family_holds_naming_it():
     assert registry.register_family(gpt2_family.GPT2_FAMILY) is gpt2_family.GPT2_FAMILY  # again: a no-op
     with pytest.raises(ValueError, match="has no build_meta"):
         registry.register_family(Family(name="empty", summary="nothing"))
+    with pytest.raises(ValueError, match="reads_tokens=False and no own_step"):
+        registry.register_family(Family(name="features", summary="no tokens", build_meta=gpt2_family.build,
+                                        reads_tokens=False))
 
 
 @pytest.mark.parametrize("override,slot,fix", [
@@ -304,6 +307,19 @@ def test_recomputing_the_familys_blocks_changes_no_loss(corpus_cache, tmp_path, 
     assert losses["full"] == losses["none"]
     summary = json.loads((tmp_path / "full" / "summary.json").read_text())
     assert summary["checkpointed_blocks"] == [0, 1]  # the family's two blocks were recomputed
+
+
+def test_the_trainer_imports_the_family_module_itself(corpus_cache, tmp_path, monkeypatch):
+    """From Python: a Trainer of a config naming the module, nothing imported before it."""
+    from tests.helpers import trainer_on_rank
+
+    monkeypatch.chdir(EXAMPLE)
+    assert "gpt2" not in registry.FAMILIES
+    cfg = load_config(path=CONFIG, overrides=["--parallel.dp=1", "--parallel.zero=0", "--train.steps=1",
+                                              f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000",
+                                              "--logging.progress=false", "--logging.report=false"])
+    trainer = trainer_on_rank(0, 1, cfg, str(tmp_path))
+    assert trainer.family.name == "gpt2" and type(trainer.model).__name__ == "GPT2"
 
 
 # -- a one-process run: resume, check, plan, export, generate ----------------------------------

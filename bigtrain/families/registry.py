@@ -45,6 +45,10 @@ def register_family(family: Family) -> Family:
     if family.own_step is None and family.build_meta is None:
         raise ValueError(f"register_family: Family(name={family.name!r}) has no build_meta (the model on the meta "
                          f"device, from the config) and no own_step: give build_meta=lambda cfg: MyModel(...)")
+    if family.own_step is None and not family.reads_tokens:
+        raise ValueError(f"register_family: Family(name={family.name!r}) has reads_tokens=False and no own_step, but "
+                         f"the Trainer's decoder step trains on token batches; give an own_step for other data "
+                         f"(as the DLRM family's DlrmStep), or leave reads_tokens=True")
     taken = FAMILIES.get(family.name)
     if taken is not None and taken is not family and taken != family:
         same_source = taken not in BUILT_IN and _defined_in(taken) == _defined_in(family)
