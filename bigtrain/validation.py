@@ -46,18 +46,18 @@ def check_model(cfg: Config) -> list[str]:
     problems += import_family_module(m) or one_of("model.family", m.family, family_names())
     if problems:
         return problems
+    family = registered_family(m.family)
     if m.attention_head_dim:
         pass  # a head size of its own: bigtrain.model_fields checks it
     elif m.dim % m.n_heads:
         problems.append(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
                         f"use a head count that divides it (e.g. {_divisor_near(m.dim, m.n_heads)}), "
                         f"or set model.attention_head_dim")
-    elif m.head_dim % 2:
+    elif m.head_dim % 2 and (family is None or family.llama_fallbacks):  # a family of one's own may have no rotary
         problems.append(f"model.dim / model.n_heads = {m.head_dim} must be even for rotary embeddings")
     if m.n_heads % m.kv_heads:
         problems.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}; "
                         f"e.g. {_divisor_near(m.n_heads, m.kv_heads)}")
-    family = registered_family(m.family)
     return problems + (check_init_from(m) if family is not None and family.model_fields else [])
 
 

@@ -21,8 +21,8 @@ from bigtrain.core.tables import parse_sizes
 from bigtrain.optim import get_optimizer  # plain data: imports no torch
 
 # The model's parameter shapes (compared on effective values: ffn_hidden 0 means a computed size).
-SHAPE_FIELDS = ("model.family", "model.family_module", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
-                "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings", "model.attention_head_dim",
+SHAPE_FIELDS = ("model.family", "model.family_module", "model.vocab_size", "model.dim", "model.n_layers",
+                "model.n_heads", "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings", "model.attention_head_dim",
                 "model.attention_bias", "model.qkv_bias", "model.mlp_bias", "model.qk_norm",
                 "model.moe_experts",
                 # DLRM: its tables (rows each, compared as a list: '2x10' is '10,10') and MLPs

@@ -54,17 +54,19 @@ class Family:
     # model.init_std (bigtrain.families.own.seeded_init).
     init_fn: Callable[["Config", "nn.Module"], InitFn | None] | None = None
     # {module pattern: style} for tensor / sequence parallelism (model, tp, sequence_parallel, ulysses);
-    # None: parallelize's default (the reference Llama's plan).
+    # None: parallelize's default (the reference Llama's plan; a family of one's own: none, tp refused).
     tp_plan: Callable[["nn.Module", int, bool, bool], dict] | None = None
-    # The container of its blocks (nn.ModuleList): what recomputation wraps, one by one; ZeRO's
-    # units are its entries. None: the model's ``layers`` (the reference Llama's).
+    # The container of its blocks (nn.ModuleList): what recomputation wraps, one by one (ZeRO's units
+    # are found apart from it: core/blocks.py default_unit_modules, the largest list of blocks). None:
+    # the model's ``layers`` (the reference Llama's; a family of one's own: none, recomputation and
+    # activation offload refused).
     blocks: Callable[["nn.Module"], "nn.Module"] | None = None
     # The attribute (a dotted path) of its output projection: what model.fused_loss wraps into the
     # loss and int8 compression takes as the last linear (the reference Llama's ``output``); the
     # model then takes ``forward(tokens, with_head=False)``, ending at its final norm. None: it has none.
     head: str | None = None
     # Its split into pipeline stages, (model, stages, balance, split points) -> stages; None: the
-    # reference Llama's (bigtrain.parallel.pipeline.partition.split_model).
+    # reference Llama's (bigtrain.parallel.pipeline.partition.split_model; a family of one's own: none).
     split_stages: Callable[..., list] | None = None
     # Its attention over a sequence cut by context parallelism (parallel.cp > 1), (model, the cp
     # AxisComm, parallel.cp_mode) -> the names of the modules changed (bigtrain.parallel.context's
