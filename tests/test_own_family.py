@@ -1,7 +1,8 @@
 """A family of one's own (``register_family``, ``model.family_module``) through ``bigtrain train``:
 examples/own_family's GPT-2 at dp 2 x ZeRO-2 through the launcher against a plain one-process
-PyTorch loop on the same weights and data (fp32, 1e-5 relative: losses and final weights), and
-what is refused before launch, naming the field or the slot the family leaves None."""
+PyTorch loop on the same weights and data (fp32, 1e-5 relative: losses and final weights), its
+tp_plan at tp 2 through the Trainer (docs/correctness.md's fp32 bounds), and what is refused before
+launch, naming the field or the slot the family leaves None."""
 
 from __future__ import annotations
 
