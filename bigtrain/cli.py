@@ -21,7 +21,7 @@ from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epi
                                unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.failure import RunFailure
-from bigtrain.families import FAMILIES, family_of
+from bigtrain.families import family_of, find_family
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "small"
@@ -121,7 +121,7 @@ def init_from_architecture(cfg: Config) -> list[str]:
     reading a Qwen3 or Mixtral folder as bigtrain's Llama refused the run its own docs show)."""
     from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, read_hf_config
 
-    family = FAMILIES.get(cfg.model.family)
+    family = find_family(cfg.model)
     if family is None or not family.model_fields:
         return []  # validation checks the folder against the family's own description
     folder = hf_folder(cfg.model.init_from)
@@ -352,12 +352,29 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     return 0
 
 
+def hf_folder_writer(model):
+    """``bigtrain export --format hf``'s writer for the run's family (its [model] section): its own,
+    None for the Llama conversion (bigtrain's decoders); a ValueError, which export prints, for a family
+    that has none (a family of one's own, unless it gives Family.export)."""
+    from bigtrain.families.own import none_for
+
+    family = find_family(model)
+    if family is None:
+        raise ValueError(f"model.family = '{model.family}': the run's family is not registered here "
+                         f"(model.family_module = '{model.family_module}' did not register it); run from where "
+                         f"its module imports")
+    if family.export is None and not family.llama_fallbacks:
+        raise ValueError(none_for(family, "export", "--format hf (a Hugging Face folder of the model)",
+                                  "use --format safetensors (every weight by its name)"))
+    return family.export
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from bigtrain.checkpoint.export import export
 
     try:
         path, kind = export(Path(args.run_dir), Path(args.out), args.format,
-                            folder_writer=lambda model: FAMILIES[model.family].export if model.family in FAMILIES else None)
+                            folder_writer=hf_folder_writer)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"bigtrain export: {e}", file=sys.stderr)
         return 1

@@ -27,7 +27,12 @@ class ModelConfig:
     family: str = doc("Model family (bigtrain/families): 'llama' (the decoder), 'dlrm' (a recommender: bottom MLP, "
                       "the [embedding] tables, dot interaction, top MLP, binary cross-entropy) or 'hf' (a Hugging "
                       "Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE from model.hf_config). model.name is "
-                      "its older spelling, still read.", "llama")
+                      "its older spelling, still read. Or a family of one's own, which model.family_module "
+                      "registers.", "llama")
+    family_module: str = doc("A module of one's own to import before the config is validated, in the launcher and "
+                             "in every rank, as a dotted import path ('my_models.gpt2', importable from the working "
+                             "directory or sys.path): it calls bigtrain.families.register_family, so that "
+                             "model.family can name the family it registers (docs/families.md). '' for none.", "")
     hf_config: str = doc("model.family = 'hf': a local config.json (or the folder holding one) of a LlamaForCausalLM, "
                          "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
                          "Qwen2MoeForCausalLM or Qwen3MoeForCausalLM; no hub access.", "")

@@ -42,11 +42,11 @@ def held_out_loss(parallel: ParallelModel, sampler: TokenSampler, batches: int, 
 
 
 def _through_the_stages(parallel: ParallelModel, tokens: torch.Tensor, targets: torch.Tensor,
-                        start: int) -> torch.Tensor:
+                        start: int | torch.Tensor | None) -> torch.Tensor:
     """One micro-batch forward through every pipeline stage in order; its summed loss on the rank of
     the last stage, 0 elsewhere. Each hand-over to another rank sends the shape first."""
     schedule, pp, device = parallel.schedule, parallel.pp, parallel.device
-    kwargs = parallel.forward_kwargs(start if parallel.sp.size > 1 or not isinstance(start, int) else None)
+    kwargs = parallel.forward_kwargs(start)  # None for a whole sequence
     h, loss = tokens, torch.zeros((), device=device)
     for stage in range(schedule.num_stages):
         here = schedule.rank_of_stage(stage)

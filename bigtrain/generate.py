@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from bigtrain.config import ModelConfig
-from bigtrain.families import FAMILIES
+from bigtrain.families import find_family
+from bigtrain.families.own import none_for
 from bigtrain.models.llama import build_model
 from bigtrain.parallel.parallel_model import persistent_buffers
 
@@ -73,10 +74,14 @@ def load_model(source: Path) -> tuple[Decoder, dict]:
 
 def run_model(cfg: ModelConfig) -> Decoder:
     """The whole model of a run's [model] section, built by its family, on the CPU in eval mode."""
-    family = FAMILIES.get(cfg.family)
+    family = find_family(cfg)
     if family is None or not family.reads_tokens:
         raise GenerateError(f"model.family = '{cfg.family}': generate writes tokens from a decoder, and this "
                             f"run trained {family.summary if family is not None else 'no family bigtrain knows'}")
+    if family.generation_model is None and not family.llama_fallbacks:
+        raise GenerateError(none_for(family, "generation_model", "bigtrain generate (the whole model on the CPU, "
+                                     "called as tokens -> logits)", "export its weights (bigtrain export RUN "
+                                     "OUT.safetensors) and sample from your own model"))
     if family.generation_model is None:
         return Decoder(_plain_model(cfg), cfg.vocab_size, cfg.max_seq_len)
     try:

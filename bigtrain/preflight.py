@@ -26,6 +26,7 @@ import numpy as np
 
 from bigtrain.config import Config, ConfigError
 from bigtrain.families import family_of, model_vocabulary
+from bigtrain.families.own import none_for
 from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, is_token_file, stdlib_files, stdlib_key,
                            text_files, token_dtype_problem, uses_shards)
 from bigtrain.data.fields import records_problem, tokenizer_problem
@@ -366,7 +367,10 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     else:
         nvme_dir = cfg.offload.nvme_dir or str(Path(output_dir) / "offload")
         family = family_of(cfg)
-        if family.size_problems is not None:
+        if family.size_problems is None and family.planner_config is None and not family.llama_fallbacks:
+            size, warnings = [], [none_for(family, "size_problems", "no size check before launch (whether the model "
+                                           "fits this machine's memory)", "the run finds out when it runs")]
+        elif family.size_problems is not None:
             size, warnings = family.size_problems(cfg, local_ranks, cuda, nvme_dir=nvme_dir)
         elif family.planner_config is not None:  # priced as bigtrain's Llama of the same shapes
             size, warnings = size_problems_and_fixes(family.planner_config(cfg), local_ranks, cuda, nvme_dir=nvme_dir,

@@ -27,6 +27,7 @@ from bigtrain.checkpoint.writer import CheckpointWriter
 from bigtrain.config import Config, to_toml
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.evaluate import held_out_loss
+from bigtrain.families.own import parameter_count as family_parameters
 from bigtrain.metrics import MetricsLog
 from bigtrain.models.llama import count_parameters
 from bigtrain.nonfinite import BadSteps, NonFiniteStop
@@ -360,7 +361,7 @@ class Trainer(StepRunner):
                 "checkpointed_blocks": self.parallel.checkpointed, "grad_accum": self.accum,
                 "transforms": {name: list(kinds) for name, kinds in self.parallel.transforms.items()},
                 "compile_s": self.compile_clock.seconds if self.compile_clock is not None else 0.0,
-                "mesh": self.mesh.sizes, "model_params": self.family.parameter_count(cfg),  # whole, on meta
+                "mesh": self.mesh.sizes, "model_params": family_parameters(self.family, cfg),  # whole, on meta
                 "tokens_seen": self.units_seen(),
                 "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg, self.device.type == "cuda"),
                 "data": {"source": cfg.data.source, **self.data_extent()},

@@ -25,6 +25,7 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.families import Family, family_of, model_vocabulary
+from bigtrain.families.own import seeded_init
 from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.deferred import DeferredUpdate, LandedUpdate, deferrable
 from bigtrain.parallel.pipeline.executor import PipelineExecutor
@@ -92,14 +93,20 @@ def parallelize_family(family: Family, cfg: Config, mesh: Mesh, run_dir: str, de
     if family.blocks is not None:
         plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, blocks=family.blocks),
                                    float8=dataclasses.replace(plan.float8, blocks=family.blocks))
-    plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, head=family.head),
-                               compile=dataclasses.replace(plan.compile, final_norm=family.final_norm))
+    if family.head is not None:
+        plan = dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, head=family.head))
+    plan = dataclasses.replace(plan, compile=dataclasses.replace(plan.compile, final_norm=family.final_norm))
     if family.split_stages is not None:
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, split=family.split_stages))
     if family.context_parallel is not None:
         plan = dataclasses.replace(plan, tensor=dataclasses.replace(plan.tensor,
                                                                     context_attention=family.context_parallel))
-    init_fn = family.init_fn(cfg, model) if family.init_fn is not None else initial_weights(cfg.model)
+    if family.init_fn is not None:
+        init_fn = family.init_fn(cfg, model)
+    elif family.llama_fallbacks or hasattr(model, "initial_value"):
+        init_fn = initial_weights(cfg.model)  # model.init_from's weights, else the model's own initial_value
+    else:  # a family of one's own (validation refused model.init_from for it)
+        init_fn = seeded_init(cfg, model)
     return parallelize(model, mesh, plan, device, init_fn=init_fn)
 
 

@@ -17,7 +17,8 @@ from bigtrain.embedding_checks import check_embedding  # imports no torch
 from bigtrain.field_checks import non_negative, one_of, path_exists, positive
 from bigtrain.hsdp_checks import check_hybrid_sharding  # imports no torch
 from bigtrain.data.fields import data_field_problems
-from bigtrain.families import FAMILIES, family_names
+from bigtrain.families import family_names, import_family_module, registered_family
+from bigtrain.families.own import own_family_problems
 from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
 from bigtrain.offload_checks import check_offload  # imports no torch
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
@@ -29,7 +30,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("auto", "fp32")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
-MODELS = family_names()
+MODELS = family_names()  # the built-in families; model.family is checked against the live registry
 MOE_ROUTERS = ("softmax", "sigmoid-bias")  # bigtrain.models.moe.ROUTERS (this module imports no torch)
 
 Rule = Callable[[Config], list[str]]
@@ -40,21 +41,23 @@ def check_model(cfg: Config) -> list[str]:
     problems = positive(cfg, ["model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
                               "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std"])
     problems += non_negative(cfg, ["model.n_kv_heads", "model.ffn_hidden"])
-    problems += one_of("model.family", m.family, MODELS)
+    # The module of one's own first, once (check_model is the first rule): the family it registers is
+    # then one of the choices, which the other rules look up without importing it again.
+    problems += import_family_module(m) or one_of("model.family", m.family, family_names())
     if problems:
         return problems
+    family = registered_family(m.family)
     if m.attention_head_dim:
         pass  # a head size of its own: bigtrain.model_fields checks it
     elif m.dim % m.n_heads:
         problems.append(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
                         f"use a head count that divides it (e.g. {_divisor_near(m.dim, m.n_heads)}), "
                         f"or set model.attention_head_dim")
-    elif m.head_dim % 2:
+    elif m.head_dim % 2 and (family is None or family.llama_fallbacks):  # a family of one's own may have no rotary
         problems.append(f"model.dim / model.n_heads = {m.head_dim} must be even for rotary embeddings")
     if m.n_heads % m.kv_heads:
         problems.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}; "
                         f"e.g. {_divisor_near(m.n_heads, m.kv_heads)}")
-    family = FAMILIES.get(m.family)
     return problems + (check_init_from(m) if family is not None and family.model_fields else [])
 
 
@@ -120,7 +123,7 @@ def described_model(cfg: Config):
     """For a family described by its own file (a Hugging Face config.json), the bigtrain Llama
     [model] of its shapes (``Family.planner_config``); None for the others, and for a description
     that cannot be read (its family's check names it)."""
-    family = FAMILIES.get(cfg.model.family)
+    family = registered_family(cfg.model.family)
     if family is None or family.planner_config is None:
         return None
     try:
@@ -187,7 +190,7 @@ def check_batch(cfg: Config) -> list[str]:
 
 def check_data(cfg: Config) -> list[str]:
     """The domains of the token corpus fields; the data against the model is the family's rule."""
-    family = FAMILIES.get(cfg.model.family)
+    family = registered_family(cfg.model.family)
     if family is None or not family.reads_tokens:
         return []
     return positive(cfg, ["data.seq_len"]) + non_negative(cfg, ["data.max_bytes"])
@@ -196,8 +199,8 @@ def check_data(cfg: Config) -> list[str]:
 def check_family(cfg: Config) -> list[str]:
     """The model family's own rules (bigtrain/families): its config fields, its batches and data,
     and the layouts it supports (check_model names an unknown family)."""
-    family = FAMILIES.get(cfg.model.family)
-    return family.check_config(cfg) if family is not None else []
+    family = registered_family(cfg.model.family)
+    return family.check_config(cfg) + own_family_problems(cfg, family) if family is not None else []
 
 
 def check_optim(cfg: Config) -> list[str]:
@@ -292,7 +295,7 @@ def check_model_split(cfg: Config) -> list[str]:
     """Tensor and sequence parallelism against the model's shapes (the [model] decoder fields, for a
     family they describe; another family checks its own shapes)."""
     m, p, seq = cfg.model, cfg.parallel, cfg.data.seq_len
-    family = FAMILIES.get(m.family)
+    family = registered_family(m.family)
     if family is None or not family.model_fields:
         return []
     if p.tp <= 0 or p.sp <= 0 or m.n_heads <= 0 or m.dim <= 0 or m.n_heads % max(1, m.kv_heads):
@@ -401,7 +404,7 @@ def check_evaluation(cfg: Config) -> list[str]:
 def check_block_linears(cfg: Config) -> list[str]:
     """``precision.fp8`` (bigtrain/fp8/checks.py) and ``memory.activation_compression``, which
     change how the linear layers of a decoder's blocks compute, for the model's family."""
-    family = FAMILIES.get(cfg.model.family)
+    family = registered_family(cfg.model.family)
     if family is None:  # an unknown family: check_family names it
         return check_fp8(cfg, shapes=cfg)
     # A family whose config.json describes it checks the float8 kernels' shapes with its own rules.
@@ -421,7 +424,7 @@ def check_compile(cfg: Config) -> list[str]:
     refused here, before launch."""
     setting = cfg.compile.enabled
     problems = one_of("compile.enabled", setting, COMPILE_SETTINGS)
-    family = FAMILIES.get(cfg.model.family)
+    family = registered_family(cfg.model.family)
     if setting == "true" and family is not None and not family.compiles:
         problems.append(f"compile.enabled = true compiles the decoder's transformer blocks; model.family = "
                         f"'{cfg.model.family}' has none: use compile.enabled = 'auto' or false")
@@ -430,7 +433,7 @@ def check_compile(cfg: Config) -> list[str]:
 
 def check_context(cfg: Config) -> list[str]:
     """``parallel.cp`` (bigtrain/context_checks.py) for ``model.family``'s attention."""
-    return check_context_parallel(cfg, FAMILIES.get(cfg.model.family))
+    return check_context_parallel(cfg, registered_family(cfg.model.family))
 
 
 # Every rule, in the order their problems are listed; the Llama fields' rules: bigtrain/families/llama.py.

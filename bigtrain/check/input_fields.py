@@ -142,12 +142,15 @@ def field_case(rng: random.Random) -> tuple[Case | None, str]:
         text = rng.choice(STR_TEXT + [good.upper(), good + " ", " " + good, good[:-1], good + "x", "cuda"])
         bad = str_is_bad(name, text)
     else:
-        name = rng.choice(["data.source", "parallel.pp_split", "checkpoint.resume", "data.tokenizer"])
+        name = rng.choice(["data.source", "parallel.pp_split", "checkpoint.resume", "data.tokenizer",
+                           "model.family_module"])
         text = rng.choice(STR_TEXT + ["/nonexistent/corpus.txt", "stdlib ", "STDLIB", "1,2", "a,b", "-1", "1,,2"])
         if name == "parallel.pp_split":
             bad = bool(text.strip())  # one stage: any split point is one too many
         elif name == "checkpoint.resume":
             bad = text not in ("none", "auto") and not os.path.lexists(text)
+        elif name == "model.family_module":  # '' or a module that imports: none of these texts names one
+            bad = bool(text.strip())
         elif name == "data.tokenizer":  # 'bytes', or a tokenizer file: none of these texts names one
             bad = text != "bytes" and not os.path.isfile(os.path.expanduser(text))
         else:

@@ -38,6 +38,7 @@ from bigtrain.check.replay import replayed_step, starts_fresh, stepped_parameter
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
 from bigtrain.families import family_of
+from bigtrain.families.own import none_for
 from bigtrain.parallel.compile import CompileFallbackWarning
 from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS
 from bigtrain.train import Trainer
@@ -211,8 +212,10 @@ def reference_problems(cfg: Config) -> list[str]:
             f"model.family = '{family.name}': bigtrain check has no reference for its step"]
     if family.reference is not None:
         return family.reference.problems(cfg)
-    return [] if family.model_fields else [
-        f"model.family = '{family.name}': bigtrain check has no step-by-step reference for it"]
+    if family.llama_fallbacks and family.model_fields:
+        return []
+    return [none_for(family, "reference", "bigtrain check compares each step with an independent reference of the "
+                     "model", "compare your family's run with a plain PyTorch loop of your own (docs/families.md)")]
 
 
 def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,

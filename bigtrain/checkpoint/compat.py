@@ -21,8 +21,8 @@ from bigtrain.core.tables import parse_sizes
 from bigtrain.optim import get_optimizer  # plain data: imports no torch
 
 # The model's parameter shapes (compared on effective values: ffn_hidden 0 means a computed size).
-SHAPE_FIELDS = ("model.family", "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads",
-                "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings", "model.attention_head_dim",
+SHAPE_FIELDS = ("model.family", "model.family_module", "model.vocab_size", "model.dim", "model.n_layers",
+                "model.n_heads", "model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings", "model.attention_head_dim",
                 "model.attention_bias", "model.qkv_bias", "model.mlp_bias", "model.qk_norm",
                 "model.moe_experts",
                 # DLRM: its tables (rows each, compared as a list: '2x10' is '10,10') and MLPs
@@ -108,6 +108,8 @@ def _effective(section: str, name: str, values: dict[str, Any]) -> Any:
         if name == "moe_dense_layers":  # '1,0' is '0,1'
             return tuple(sorted(set(model.moe_dense_blocks)))
         return model.moe_ffn_dim if name == "moe_ffn_hidden" else getattr(model, name)
+    if section == "model" and name == "family_module":  # the module that registers a family of one's own
+        return (values.get(name) or "").strip()  # a checkpoint older than the field: none
     if section == "model" and name in ("attention_head_dim", "attention_bias", "qkv_bias", "mlp_bias", "qk_norm"):
         model = _model(values)  # a checkpoint older than these fields has their defaults
         return model.head_dim if name == "attention_head_dim" else getattr(model, name)

@@ -421,4 +421,5 @@ HF = Family(
     vocabulary=vocabulary,
     generation_model=generation_model,
     model_keys=("family", "hf_config", "init_from", "fused_loss", "fused_loss_chunk"),
+    llama_fallbacks=True,  # the planner prices it as bigtrain's Llama of its shapes (planner_config)
 )

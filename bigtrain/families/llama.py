@@ -32,4 +32,7 @@ LLAMA = Family(
     compiles=True,
     block_linears=True,
     context_parallel=attach_to_cores,  # ring or all-to-all around its AttentionCore modules
+    head="output",
+    final_norm="norm",
+    llama_fallbacks=True,  # the implementations the None slots fall back to are its own
 )

@@ -3,8 +3,14 @@ and initialized, how tensor parallelism cuts it, its blocks, its loss, its own c
 what the steps above the model (preflight, the planner, ``bigtrain check``, the launcher) ask of it.
 
 A :class:`Family` is plain data: functions and flags, no state. The registry
-(:mod:`bigtrain.families.registry`) maps ``model.family`` to one. Code outside ``bigtrain/families``
-asks the family and never names one.
+(:mod:`bigtrain.families.registry`) maps ``model.family`` to one; a user's module adds its own with
+``register_family`` (``model.family_module`` imports it). Code outside ``bigtrain/families`` asks
+the family and never names one.
+
+A slot left None means bigtrain's Llama's implementation only for the built-in decoders
+(``llama_fallbacks``). In a family of one's own it means the family has none: what needs the slot
+(tp, pp, recomputation, the fused loss, the planner, ``bigtrain check``, export, generate) is
+refused before launch naming it (:mod:`bigtrain.families.own`), never run with Llama's.
 
 Layering: this package sits above the model, parallel and recommender packages (it names their
 pieces) and below validation, the trainer, preflight, the planner, ``check`` and the CLI (they ask
@@ -42,21 +48,28 @@ class Family:
 
     # -- a decoder trained by bigtrain.train.Trainer: tokens (batch, seq) -> logits -------------
     build_meta: Callable[["Config"], "nn.Module"] | None = None  # the whole model on the meta device
-    init_fn: Callable[["Config", "nn.Module"], InitFn | None] | None = None  # None: the model's own
+    # Each parameter's (and computed buffer's) full initial value by name. None: the model's own
+    # ``initial_value`` (bigtrain's Llama; model.init_from under llama_fallbacks), else, in a family
+    # of one's own, (seed, name) draws: norms' weights one, biases zero, other weights normal with
+    # model.init_std (bigtrain.families.own.seeded_init).
+    init_fn: Callable[["Config", "nn.Module"], InitFn | None] | None = None
     # {module pattern: style} for tensor / sequence parallelism (model, tp, sequence_parallel, ulysses);
-    # None: parallelize's default (the reference Llama's plan).
+    # None: parallelize's default (the reference Llama's plan; a family of one's own: none, tp refused).
     tp_plan: Callable[["nn.Module", int, bool, bool], dict] | None = None
-    # The container of its blocks (nn.ModuleList): what recomputation wraps, one by one; ZeRO's
-    # units are its entries. None: the model's ``layers`` (the reference Llama's).
+    # The container of its blocks (nn.ModuleList): what recomputation wraps, one by one, and ZeRO's
+    # units (without it, core/blocks.py default_unit_modules guesses the largest list of blocks). None:
+    # the model's ``layers`` (the reference Llama's; a family of one's own: none, recomputation and
+    # activation offload refused).
     blocks: Callable[["nn.Module"], "nn.Module"] | None = None
     # The attribute (a dotted path) of its output projection: what model.fused_loss wraps into the
-    # loss and int8 compression takes as the last linear (the reference Llama's ``output``).
-    head: str = "output"
+    # loss and int8 compression takes as the last linear (the reference Llama's ``output``); the
+    # model then takes ``forward(tokens, with_head=False)``, ending at its final norm. None: it has none.
+    head: str | None = None
     # The attribute (a dotted path) of its final norm, which compile.enabled compiles as a region of
-    # its own beside the blocks (the reference Llama's ``norm``).
-    final_norm: str = "norm"
+    # its own beside the blocks (the reference Llama's ``norm``). None: none is compiled.
+    final_norm: str | None = None
     # Its split into pipeline stages, (model, stages, balance, split points) -> stages; None: the
-    # reference Llama's (bigtrain.parallel.pipeline.partition.split_model).
+    # reference Llama's (bigtrain.parallel.pipeline.partition.split_model; a family of one's own: none).
     split_stages: Callable[..., list] | None = None
     # Its attention over a sequence cut by context parallelism (parallel.cp > 1), (model, the cp
     # AxisComm, parallel.cp_mode) -> the names of the modules changed (bigtrain.parallel.context's
@@ -115,6 +128,11 @@ class Family:
     # The decoder-shape fields of [model] (dim, n_layers, n_heads, ...) describe it (validation
     # checks them against tp and sp); a family with its own description (a config.json) does not.
     model_fields: bool = False
+    # A slot above left None takes bigtrain's Llama's implementation (its tp plan, ``model.layers``,
+    # its stage split, the dense planner of the [model] fields, the decoder reference, the Llama export
+    # and generation): the built-in decoders. False (a family registered from outside): None means
+    # none, and validation refuses what needs the slot (bigtrain.families.own).
+    llama_fallbacks: bool = False
     # The [model] fields it reads; None: every one. A command-line override of another would change
     # nothing (an hf decoder's shape is its config.json's), so the CLI refuses it (cli_help).
     model_keys: tuple[str, ...] | None = None

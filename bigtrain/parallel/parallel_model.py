@@ -105,15 +105,16 @@ class ParallelModel:
         return self.sp.rank * seq_len // self.sp.size if self.sp.size > 1 else None
 
     def sequence_chunk(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   int | torch.Tensor]:
+                                                                                   int | torch.Tensor | None]:
         """This rank's part of the sequence (all of it without Ulysses or context parallelism) and
-        where it sits (:meth:`sequence_position`; 0 when whole)."""
+        where it sits (:meth:`sequence_position`; None when whole: the model is then called with its
+        tokens alone, so a model of one's own need not take ``start_pos``)."""
         if self.cp is not None and self.cp.size > 1:  # each cp rank's two chunks, then Ulysses' part of them
             positions = self.sequence_position(tokens.shape[1]).to(tokens.device)
             tokens, targets = local_sequence(tokens, self.cp), local_sequence(targets, self.cp)
             return local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1), positions
         if self.sp.size == 1:
-            return tokens, targets, 0
+            return tokens, targets, None
         start = self.sp.rank * tokens.shape[1] // self.sp.size
         return local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1), start
 

@@ -7,6 +7,7 @@ import os
 
 from bigtrain.config import Config, ConfigError, with_overrides
 from bigtrain.families import family_of
+from bigtrain.families.own import none_for
 from bigtrain.plan.fit import runtime_compiles
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, sharing_cores
 from bigtrain.plan.layout import Cluster
@@ -37,7 +38,11 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     # A family described by its own file (a Hugging Face config.json) is priced as bigtrain's Llama
     # of its shapes (Family.planner_config), as preflight's size check prices it: not the preset's
     # model.* fields, which such a family does not read.
-    planner_config = family_of(cfg).planner_config
+    family = family_of(cfg)
+    planner_config = family.planner_config
+    if planner_config is None and not family.llama_fallbacks:
+        raise ConfigError(none_for(family, "planner_config", "--parallel auto (the planner prices a model as "
+                                   "bigtrain's Llama of its shapes)", "choose the layout by hand (parallel.dp, ...)"))
     model = ModelSpec.from_model_config((planner_config(cfg) if planner_config else cfg).model, cfg.data.seq_len)
     here = local_hardware()
     profile = get_profile(hardware or here) if hardware_file is None else load_profile(hardware_file)

@@ -13,6 +13,7 @@ import sys
 
 from bigtrain.config import Config, ConfigError, ModelConfig, load_config, preset_names
 from bigtrain.families import Family, family_of
+from bigtrain.families.own import none_for
 from bigtrain.from_config import compiles
 from bigtrain.optim import optimizer_names
 from bigtrain.plan.auto import runnable_plans
@@ -111,6 +112,10 @@ def _priced_model(cfg: Config) -> ModelConfig:
     """The [model] the dense planner prices for ``cfg``: its family's planner config (a Hugging Face
     config.json's shapes as bigtrain's Llama), else its own."""
     family = _family(cfg)
+    if family.planner_config is None and not family.llama_fallbacks:
+        raise ConfigError(none_for(family, "planner_config", "bigtrain plan prices a model as bigtrain's Llama of "
+                                   "its shapes", "give the shapes by hand (--layers, --hidden, --heads, --vocab, "
+                                   "--seq, --mlp gelu) instead of --config"))
     if family.planner_config is None:
         return cfg.model
     try:
