@@ -319,9 +319,7 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
             stop, why = check_shared_run_dir(run_dir, world, info.device,
                                              wait_s=min(SHARED_CHECK_WAIT_S, cfg.distributed.timeout_s / 2))
         if stop:
-            if why is not None:
-                raise ConfigError(why)
-            return 2
+            return _refuse_before_training(why, world, info.device, run_dir)
         mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
         trainer = Trainer(cfg, run_dir, mesh, info.device)
         try:
@@ -350,6 +348,31 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
     finally:
         shutdown_distributed()
     return 0
+
+
+def _refuse_before_training(why: str | None, world, device, run_dir: Path) -> int:
+    """A rank's refusal found once the group formed, before anything trained (the ranks' configs
+    differ, the run folder is not shared): the same on every rank, and the same in any restart.
+    Each rank says its part (``why``; None: rank 0 names the fix). Then, once every rank has, each
+    machine's torchrun agent is stopped if it has restarts left: it would restart the group on any
+    failed rank and meet the same refusal each time
+    (:func:`~bigtrain.distributed.elastic.stop_agent_restarts`). Exit code 2, as a refusal before launch."""
+    import torch
+
+    from bigtrain.distributed.elastic import stop_agent_restarts
+    from bigtrain.distributed.launch import launched_by_bigtrain
+    from bigtrain.run_dir import record_stop
+
+    if why is not None:
+        print(f"bigtrain: invalid configuration:\n{ConfigError(why)}", file=sys.stderr, flush=True)
+    # Every rank has said its part before an agent stops its ranks.
+    world.max(torch.zeros(1, device=device), tag="refused")
+    if launched_by_bigtrain() and world.rank == 0:  # bigtrain's launcher reads the code from here
+        record_stop(run_dir, 2, why or "refused before training", 0)
+    if (agent := stop_agent_restarts()) is not None:
+        print(f"bigtrain: rank {world.rank}: stopped this machine's torchrun agent (pid {agent}) rather than let it "
+              f"restart the ranks: a restart would be refused the same way", file=sys.stderr, flush=True)
+    return 2
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -116,6 +116,26 @@ def test_two_torchrun_machines_with_different_flags_are_refused(corpus_cache, tm
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
+def test_a_refused_config_mismatch_is_not_restarted(corpus_cache, tmp_path):
+    """Under a user's torchrun with --max-restarts 2, ranks that resolved different configs (here:
+    each rank its own learning rate) were refused three times, once per round (50 s here). The
+    refusal repeats in every restart: the agent is stopped after the first."""
+    entry = tmp_path / "rank_own_lr.py"  # as two machines, each with its own edited copy of the command
+    entry.write_text("import os, sys\nfrom bigtrain.cli import main\n"
+                     "sys.exit(main(sys.argv[1:] + [f\"--optim.lr=0.00{1 + int(os.environ['RANK'])}\"]))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+           str(entry), "train", "--preset", "tiny", "--train.steps=2", "--train.global_batch=16",
+           "--output-dir", str(tmp_path / "run"), "--logging.progress=false", "--logging.report=false",
+           f"--data.cache_dir={corpus_cache}", "--data.max_bytes=200000", "--distributed.timeout_s=60"]
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert done.returncode != 0, done.stdout
+    assert done.stdout.count("2 different configurations") == 1, done.stdout
+    assert "restart 1 of 2" not in done.stdout and "stopped this machine's torchrun agent" in done.stdout, done.stdout
+
+
 def _config_check(rank: int, world_size: int, cfgs: list) -> tuple[bool, str | None]:
     from bigtrain.distributed.join import check_same_config, world_comm
 
