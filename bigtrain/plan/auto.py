@@ -27,6 +27,13 @@ def local_hardware() -> str:
     return next((preset for key, preset in _GPU_NAMES.items() if key in name), "h100-80g")
 
 
+def ranks_per_machine(world_size: int) -> int:
+    """The ranks on each machine: ``LOCAL_WORLD_SIZE`` under a launcher that sets it (torchrun's
+    ``--nproc-per-node``), else all ``world_size`` (bigtrain's launcher starts them on this machine)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and 0 < int(local) <= world_size and world_size % int(local) == 0 else world_size
+
+
 def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
                    hardware_file: str | None = None) -> tuple[list[str], str]:
     """Overrides that set the fastest layout that fits ``world_size`` ranks, and a line saying why.
@@ -41,13 +48,15 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     model = ModelSpec.from_model_config((planner_config(cfg) if planner_config else cfg).model, cfg.data.seq_len)
     here = local_hardware()
     profile = get_profile(hardware or here) if hardware_file is None else load_profile(hardware_file)
+    local = ranks_per_machine(world_size)
     if hardware in (None, "cpu") and here == "cpu":  # this machine's CPU ranks
-        # CPU ranks of one host share its cores (the launcher starts world_size of them here,
-        # LOCAL_WORLD_SIZE under an outside torchrun): planned at one core each, 4 ranks on 2
-        # cores were predicted 2.8x faster than they ran.
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        profile = sharing_cores(profile, host_share(int(local) if local.isdigit() else world_size))
-    cluster = Cluster.build(world_size, profile)
+        # CPU ranks of one host share its cores: planned at one core each, 4 ranks on 2 cores were
+        # predicted 2.8x faster than they ran.
+        profile = sharing_cores(profile, host_share(local))
+    # Machines of as many ranks as the launcher starts on each, not the profile's gpus_per_node
+    # (8 for the GPU presets): 2 machines of 4 were planned as one machine of 8, every
+    # collective at the intra-machine bandwidth.
+    cluster = Cluster.build(world_size, profile, gpus_per_node=local)
     # The activation options are the user's to choose: the search keeps them as configured, and
     # compile.enabled as the run will resolve it on its device (train.device, else the profile's).
     device = "cpu" if cfg.train.device == "cpu" else profile.device
@@ -73,7 +82,8 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
         if best is None:
             raise ConfigError(f"--parallel auto: no layout of {world_size} rank(s) that fits this model is one "
                               f"model.family = '{cfg.model.family}' runs; choose the layout by hand")
-    why = (f"--parallel auto: {best.layout.describe()} on {world_size} x {cluster.hardware.name}, "
+    machines = f"{cluster.nodes} machines of {local}" if cluster.nodes > 1 else f"{world_size}"
+    why = (f"--parallel auto: {best.layout.describe()} on {machines} x {cluster.hardware.name}, "
            f"predicted {best.tokens_per_s:,.0f} tokens/s ({len(result.ranked)} layouts fit)")
     return best.layout.to_overrides(), why
 
