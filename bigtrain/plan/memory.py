@@ -426,7 +426,8 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     key, sizes = units_key(model, layout, pp_rank), _group_sizes(layout)
     root, blocks = units_of_key(key)
     units = ([root] if root else []) + list(blocks)
-    tiers = tier_detail(units, layout, optimizer, block) if host_step(layout) else None
+    tiers = (tier_detail(units, layout, optimizer, block, host_is_device=hardware.device == "cpu")
+             if host_step(layout) else None)
     if tiers is not None:
         states, moved = offloaded_states(tiers)
     else:
@@ -487,8 +488,11 @@ def lazy_grad_moments(model: ModelSpec, layout: Layout, global_batch: int, root:
 
 def offloaded_states(tiers: dict[str, dict[str, int]]) -> tuple[dict[str, int], dict[str, int]]:
     """(model states left on the device, bytes on the ``host`` and in ``nvme`` files) of an offload
-    layout from its :func:`~bigtrain.plan.tiers.tier_detail`, as the runtime's GPU path holds them."""
-    device = {k: tiers["device"].get(k, 0) for k in ("params", "grads", "optimizer")}
+    layout from its :func:`~bigtrain.plan.tiers.tier_detail`, as the runtime holds them (on a CPU
+    device the masters and the optimizer's state are the device's too)."""
+    held = tiers["device"]
+    device = {"params": held.get("params", 0), "grads": held.get("grads", 0),
+              "optimizer": held.get("masters", 0) + held.get("state", 0)}
     return device, {tier: sum(tiers[tier].values()) for tier in ("host", "nvme")}
 
 
