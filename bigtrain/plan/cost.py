@@ -52,7 +52,8 @@ from bigtrain.plan.grad_traffic import (UnitCollective, busiest_rank_units, redu
 from bigtrain.plan.layout import BYTES, Cluster, Layout
 from bigtrain.plan.links import MESH_AXES, Link, link_of
 from bigtrain.plan.memo import by_layout_fields
-from bigtrain.plan.memory import chunk_activation_bytes, unit_state_bytes
+from bigtrain.plan.memory import chunk_activation_bytes
+from bigtrain.plan.states import unit_state_bytes
 from bigtrain.plan.model import ModelSpec, kv_heads_held
 from bigtrain.plan.pipeline import PipelineModel
 from bigtrain.plan.tiers import host_step, reduce_bytes

@@ -92,7 +92,7 @@ def fitting_layout(cfg: Config, capacity: int, sharing: int, cuda: bool, runs_as
         return (f"a layout that fits on this machine ({ranks} rank{plural}): {' '.join(overrides) or '(as configured)'} "
                 f"(the planner: {plan.layout.describe()}, {plan.memory.total / 2**30:.1f} GiB per rank)")
     # Sharded over every rank (ZeRO-3), the model states alone need this many machines: start there.
-    from bigtrain.plan.memory import zero_formula_bytes
+    from bigtrain.plan.states import zero_formula_bytes
     from bigtrain.plan.model import ModelSpec
 
     params = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len).params
