@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from bigtrain.config import Config, ConfigError, with_overrides
 from bigtrain.families import family_of
-from bigtrain.plan.fit import runtime_compiles
+from bigtrain.plan.fit import runtime_compiles, stage_split
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, sharing_cores
 from bigtrain.plan.layout import Cluster
 from bigtrain.plan.model import ModelSpec
@@ -65,8 +66,11 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
              "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, device),
              # ZeRO-3's gathers as configured: the layout's overrides set them, and the search does not vary them
              "reshard_after_forward": cfg.parallel.reshard_after_forward, "prefetch": cfg.parallel.prefetch}
+    # Each pipeline cut where the run will make it (parallel.pp_split, or pp_balance = 'params'), not evenly.
+    split_of = functools.lru_cache(maxsize=None)(lambda pp, v: stage_split(cfg, pp, v))
     try:
-        result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode)
+        result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode,
+                        split_of=split_of)
     except ConfigError as e:  # no layout is valid: the planner's reasons, in train's field names
         raise ConfigError([f"--parallel auto --world-size {world_size}: no layout is valid: "
                            + p.replace("--global-batch =", "train.global_batch =") for p in e.problems]

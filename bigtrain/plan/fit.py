@@ -111,7 +111,25 @@ def pipeline_split(cfg: Config) -> tuple[int, ...]:
         return ()
     if p.split_points is not None:
         return tuple(p.split_points)
-    if p.pp_balance != "params" or cfg.model.family != "llama":
+    return balanced_split(cfg, stages)
+
+
+def stage_split(cfg: Config, pp: int, v: int) -> tuple[int, ...] | None:
+    """:func:`pipeline_split` of ``cfg`` run with ``pp`` x ``v`` stages (what ``--parallel auto``
+    prices for each layout it weighs); None where the run would refuse that many: a
+    parallel.pp_split names the stages' starts, so it fixes their count."""
+    p = cfg.parallel
+    if p.split_points is not None:
+        return tuple(p.split_points) if len(p.split_points) == pp * v - 1 else None
+    try:
+        return balanced_split(cfg, pp * v) if pp * v > 1 else ()
+    except ValueError:  # more stages than blocks: the run refuses them too (the search's check names it)
+        return ()
+
+
+def balanced_split(cfg: Config, stages: int) -> tuple[int, ...]:
+    """Without parallel.pp_split: the cut parallel.pp_balance makes of ``stages`` stages (() when even)."""
+    if cfg.parallel.pp_balance != "params" or cfg.model.family != "llama":
         return ()
     from bigtrain.parallel.pipeline.partition import balanced_split_points, even_split_points
     from bigtrain.plan.model import ModelSpec
