@@ -114,7 +114,7 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     split = layout.tp * layout.seq_shards  # each of these ranks does 1/split of the stage's FLOPs
     head = 2 * model.vocab * model.hidden / layout.pp
     forward = tokens * (layers * model.block_forward_flops_per_token() + head)
-    backward = 2 * forward + tokens * (recomputed * model.block_forward_flops_per_token()
+    backward = 2 * forward + tokens * (model.recompute_flops_per_token(recomputed)
                                        + activation_recompute_flops_per_token(model, layout) / layout.pp)
     # W defers the weight gradients of the layers whose dW I does not compute (split_backward.py).
     in_i = blocks_with_weight_grads_in_i(model, layout, layers, recomputed)
