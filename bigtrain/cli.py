@@ -252,7 +252,7 @@ def _train_in(args: argparse.Namespace, cfg: Config, run_dir: Path, lock) -> int
         if code != 0:
             print(f"bigtrain: the ranks exited with status {code}; see the messages above", file=sys.stderr)
         return code
-    return _run_rank(cfg, run_dir)
+    return _run_rank(cfg, run_dir, lock)
 
 
 def _infer_dp(args: argparse.Namespace, overrides: list[str], cfg: Config, world_size: int | None) -> Config:
@@ -293,7 +293,9 @@ def restart_warnings(cfg: Config, max_restarts: int) -> list[str]:
     return []
 
 
-def _run_rank(cfg: Config, run_dir: Path) -> int:
+def _run_rank(cfg: Config, run_dir: Path, lock=None) -> int:
+    """A rank: join the group, check it, train. ``lock``: what this process holds of the run folder
+    (:func:`~bigtrain.run_dir.claim_run_dir`)."""
     from bigtrain.distributed.comm import CollectiveError
     from bigtrain.distributed.launch import launched_by_bigtrain, shutdown_distributed
     from bigtrain.distributed.mesh import Mesh
@@ -319,9 +321,7 @@ def _run_rank(cfg: Config, run_dir: Path) -> int:
             stop, why = check_shared_run_dir(run_dir, world, info.device,
                                              wait_s=min(SHARED_CHECK_WAIT_S, cfg.distributed.timeout_s / 2))
         if stop:
-            if why is not None:
-                raise ConfigError(why)
-            return 2
+            return _refuse_before_training(why, world, info.device, run_dir, lock)
         mesh = Mesh.from_config(cfg.parallel, info.rank, info.world_size)
         trainer = Trainer(cfg, run_dir, mesh, info.device)
         try:
@@ -367,6 +367,34 @@ def hf_folder_writer(model):
         raise ValueError(none_for(family, "export", "--format hf (a Hugging Face folder of the model)",
                                   "use --format safetensors (every weight by its name)"))
     return family.export
+
+
+def _refuse_before_training(why: str | None, world, device, run_dir: Path, lock=None) -> int:
+    """A rank's refusal found once the group formed, before anything trained (the ranks' configs
+    differ, the run folder is not shared): the same on every rank, and the same in any restart.
+    Each rank says its part (``why``; None: rank 0 names the fix) and leaves the run folder as it
+    found it (``lock``: what taking it created, the folder and its run.lock, is removed). Then,
+    once every rank has, each machine's torchrun agent is stopped if it has restarts left: it
+    would restart the group on any failed rank and meet the same refusal each time
+    (:func:`~bigtrain.distributed.elastic.stop_agent_restarts`). Exit code 2, as a refusal before launch."""
+    import torch
+
+    from bigtrain.distributed.elastic import stop_agent_restarts
+    from bigtrain.distributed.launch import launched_by_bigtrain
+    from bigtrain.run_dir import record_stop
+
+    if why is not None:
+        print(f"bigtrain: invalid configuration:\n{ConfigError(why)}", file=sys.stderr, flush=True)
+    if lock is not None:  # before the agent may stop this process: a refused run leaves no lock file behind
+        lock.release(remove_created=True)
+    # Every rank has said its part and let go of the folder before an agent stops its ranks.
+    world.max(torch.zeros(1, device=device), tag="refused")
+    if launched_by_bigtrain() and world.rank == 0:  # bigtrain's launcher reads the code from here
+        record_stop(run_dir, 2, why or "refused before training", 0)
+    if (agent := stop_agent_restarts()) is not None:
+        print(f"bigtrain: rank {world.rank}: stopped this machine's torchrun agent (pid {agent}) rather than let it "
+              f"restart the ranks: a restart would be refused the same way", file=sys.stderr, flush=True)
+    return 2
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ def _launches(monkeypatch, tmp_path, argv):
     import bigtrain.distributed.launch as launch
 
     started = []
-    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir: started.append(1) or 0)
+    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir, lock=None: started.append(1) or 0)
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **_: started.append(nproc) or 0)
     monkeypatch.setattr(launch, "init_distributed", lambda *a, **k: started.append("init"))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -61,3 +61,35 @@ def test_a_command_line_axis_against_the_planned_world_is_refused(corpus_cache, 
     err = capsys.readouterr().err
     assert code == 2 and started == [], started
     assert "world size 2 (--world-size) != parallel.dp x tp x pp x sp x cp" in err, err
+
+
+def test_the_planner_prices_the_pipeline_cut_the_run_makes(corpus_cache, monkeypatch):
+    """parallel.pp_split / pp_balance decide where the run cuts its stages; the search priced every
+    cut as even. With pp_split = '1' (two stages) --parallel auto chose dp = 2, pp = 1, which the run
+    then refused (1 stage needs 0 split points); with pp_balance = 'params' and a large embedding,
+    3 stages of 6 blocks run 1/4/1 while the search priced 2/2/2."""
+    from bigtrain.plan.fit import _layout, stage_split
+    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.layout import Cluster
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.model import ModelSpec
+    from bigtrain.plan.search import search
+    from bigtrain.validation import validate
+
+    monkeypatch.setattr(bigtrain.plan.auto, "local_hardware", lambda: "cpu")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = with_overrides(tiny_config(corpus_cache, "--model.n_layers=4"), ["--parallel.pp_split=1"], "the user")
+    chosen, why = auto_overrides(cfg, 2)
+    validate(with_overrides(cfg, chosen, "the planner's layout"))
+    assert "pp=2" in why and "split=1" in why, why
+
+    cfg = tiny_config(corpus_cache, "--model.n_layers=6", "--model.vocab_size=4096", "--parallel.pp_balance=params")
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    best = search(model, Cluster.build(3, get_profile("cpu")), cfg.train.global_batch,
+                  fixed={"pp": 3, "precision": "fp32"}, precision="fp32",
+                  split_of=lambda pp, v: stage_split(cfg, pp, v)).best
+    assert best.layout.split == (1, 5)  # where the run cuts (the embedding and the output layer weigh 4 blocks)
+    run = with_overrides(cfg, best.layout.to_overrides(), "the planner's layout")
+    assert _layout(run).split == (1, 5)
+    held = estimate_memory(model, _layout(run), get_profile("cpu"), cfg.train.global_batch)
+    assert best.memory.total == held.total

@@ -94,6 +94,25 @@ def test_parallel_auto_on_cpu_plans_ranks_that_share_the_host_cores(monkeypatch,
     assert "4 x calibrated" in why
 
 
+
+def test_parallel_auto_plans_as_many_machines_as_the_launcher_started(monkeypatch):
+    """Under torchrun on 2 machines of 4 ranks (LOCAL_WORLD_SIZE = 4) the plan was of one machine
+    of 8 (the H100 profile's gpus_per_node): the same 6.6M tokens/s as 8 ranks on one machine, its
+    gradient all-reduce priced at the bandwidth within a machine."""
+    from bigtrain.config import load_config
+    from bigtrain.plan import auto
+
+    cfg = load_config(preset="small")
+    why = {}
+    for local in ("8", "4"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        why[local] = auto.auto_overrides(cfg, 8, hardware="h100-80g")[1]
+    predicted = {k: float(v.split("predicted ")[1].split(" tokens/s")[0].replace(",", "")) for k, v in why.items()}
+    assert "on 8 x h100-80g" in why["8"] and "on 2 machines of 4 x h100-80g" in why["4"], why
+    assert predicted["4"] < 0.6 * predicted["8"], predicted
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # bigtrain's own launcher: every rank on this machine
+    assert auto.ranks_per_machine(8) == 8
+
 def test_hardware_file_without_parallel_auto_is_refused(capsys):
     assert main(["train", "--hardware-file", "hw.json", "--train.steps=1"]) == 2
     assert "--hardware-file is what --parallel auto plans with" in capsys.readouterr().err

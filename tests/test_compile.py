@@ -136,6 +136,24 @@ def test_a_region_the_compiler_fails_on_runs_eagerly_after_one_named_warning():
     assert region.failed
 
 
+
+def test_a_region_past_dynamos_recompile_limit_says_so_once_with_the_named_warning():
+    """Past torch._dynamo.config.recompile_limit recompilations of its code, dynamo runs a region
+    eagerly with only torch's own log line: a run compiled nothing more and no bigtrain warning said
+    so. Now the region falls back as on a compiler failure, after one CompileFallbackWarning."""
+    torch.manual_seed(0)
+    block = FeedForward(16, 32)
+    region = CompiledRegion(block)
+    object.__setattr__(region, "compiled", torch.compile(block.forward, backend="eager", dynamic=False))
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (2, 3, 4):  # static shapes: a second shape recompiles, past the limit of 1
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(region(x), block.forward(x), rtol=0, atol=0)
+    named = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    assert len(named) == 1 and "recompile" in str(named[0].message), [str(w.message) for w in caught]
+    assert region.failed
+
 def test_a_region_whose_backward_the_compiler_fails_on_runs_eagerly_instead_of_stopping_the_run():
     """AOT autograd compiles a static graph's backward at its first backward, outside the region's
     call: a failure there stopped the run from inside loss.backward(). The region has it compiled

@@ -152,6 +152,22 @@ def test_several_machines_sharing_the_agent_store_are_warned():
     assert elastic.elastic_warnings({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}) == []
 
 
+
+def test_only_an_agent_with_restarts_left_is_stopped_after_a_refusal(monkeypatch):
+    """A refusal before training repeats in every restart: each machine's first rank stops its agent."""
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(os, "getppid", lambda: 4321)
+    env = {"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RESTART_COUNT": "1",
+           "LOCAL_RANK": "0"}
+    assert elastic.restarts_left(env) == 1 and elastic.stop_agent_restarts(env) == 4321
+    assert sent == [(4321, signal.SIGTERM)]
+    for other in ({"TORCHELASTIC_RESTART_COUNT": "2"}, {"LOCAL_RANK": "1"}, {"TORCHELASTIC_MAX_RESTARTS": "0"}):
+        assert elastic.stop_agent_restarts({**env, **other}) is None
+    env.pop("TORCHELASTIC_RUN_ID")  # another launcher (srun): its restarts are not torchrun's
+    assert elastic.restarts_left(env) == 0 and elastic.stop_agent_restarts(env) is None
+    assert sent == [(4321, signal.SIGTERM)]
+
 # -- what a restarted round resumes from ---------------------------------------------------------------
 def test_a_restarted_round_resumes_the_runs_newest_checkpoint(tmp_path, monkeypatch):
     from bigtrain.checkpoint import resume

@@ -116,6 +116,44 @@ def test_two_torchrun_machines_with_different_flags_are_refused(corpus_cache, tm
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+
+def test_a_refusal_before_training_leaves_the_folder_it_took_as_it_was(tmp_path, capsys):
+    """Rank 0 of a user's torchrun takes the folder (creating it and its run.lock) before the ranks
+    find that they may not run; refused, it left both behind."""
+    from bigtrain.cli import _refuse_before_training
+    from bigtrain.distributed.join import world_comm
+    from bigtrain.run_lock import take_run_dir
+
+    (tmp_path / "kept").mkdir()
+    for run_dir in (tmp_path / "new" / "run", tmp_path / "kept"):
+        lock = take_run_dir(run_dir)
+        assert (run_dir / "run.lock").exists()
+        assert _refuse_before_training("the reason", world_comm(0, 1), torch.device("cpu"), run_dir, lock) == 2
+        assert "invalid configuration:\n  - the reason" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not list((tmp_path / "kept").iterdir())
+
+@pytest.mark.slow
+def test_a_refused_config_mismatch_is_not_restarted(corpus_cache, tmp_path):
+    """Under a user's torchrun with --max-restarts 2, ranks that resolved different configs (here:
+    each rank its own learning rate) were refused three times, once per round (50 s here). The
+    refusal repeats in every restart: the agent is stopped after the first. And the folder is as
+    it was (none): it kept the run.lock rank 0 created."""
+    entry = tmp_path / "rank_own_lr.py"  # as two machines, each with its own edited copy of the command
+    entry.write_text("import os, sys\nfrom bigtrain.cli import main\n"
+                     "sys.exit(main(sys.argv[1:] + [f\"--optim.lr=0.00{1 + int(os.environ['RANK'])}\"]))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+           str(entry), "train", "--preset", "tiny", "--train.steps=2", "--train.global_batch=16",
+           "--output-dir", str(tmp_path / "run"), "--logging.progress=false", "--logging.report=false",
+           f"--data.cache_dir={corpus_cache}", "--data.max_bytes=200000", "--distributed.timeout_s=60"]
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert done.returncode != 0, done.stdout
+    assert done.stdout.count("2 different configurations") == 1, done.stdout
+    assert "restart 1 of 2" not in done.stdout and "stopped this machine's torchrun agent" in done.stdout, done.stdout
+    assert not (tmp_path / "run").exists(), sorted(p.name for p in (tmp_path / "run").iterdir())
+
+
 def _config_check(rank: int, world_size: int, cfgs: list) -> tuple[bool, str | None]:
     from bigtrain.distributed.join import check_same_config, world_comm
 
@@ -149,7 +187,8 @@ def test_two_torchrun_machines(shared, corpus_cache, tmp_path):
     else:
         assert all(n.returncode != 0 for n in nodes), outputs
         assert "ranks 2, 3 on " in outputs[0] and "not one folder for every rank" in outputs[0], outputs[0]
-        assert not (dirs[0] / "run" / "checkpoints").exists() and not (dirs[1] / "run" / "checkpoints").exists()
+        # Each folder as it was (none): rank 0's kept the run.lock it took the folder with.
+        assert not (dirs[0] / "run").exists() and not (dirs[1] / "run").exists()
 
 
 def _cache_writer(cache: str, rounds: int, start, errors) -> None:

@@ -150,8 +150,50 @@ def test_a_recomputed_block_pays_the_checkpoint_overhead_per_kernel():
     full = Layout(micro_batch=1, recompute="full")
     plain, costly = (step_time(model, full, Cluster.build(1, dataclasses.replace(A100, recompute_op_overhead_s=o)), 8)
                      for o in (0.0, 1e-3))
-    # 8 micro-batches, 4 recomputed blocks each, OPS_PER_BLOCK kernels 1 ms dearer apiece
-    assert costly.step_time_s - plain.step_time_s == pytest.approx(8 * 4 * OPS_PER_BLOCK[model.mlp] * 1e-3, rel=1e-6)
+    # 8 micro-batches, 4 recomputed blocks each, OPS_PER_BLOCK kernels but the down projection's
+    # (the checkpoint stops before it) 1 ms dearer apiece
+    assert costly.step_time_s - plain.step_time_s == pytest.approx(8 * 4 * (OPS_PER_BLOCK[model.mlp] - 1) * 1e-3,
+                                                                   rel=1e-6)
+
+
+def test_a_checkpointed_block_is_priced_the_gemms_its_recomputation_runs():
+    """torch's non-reentrant checkpoint stops recomputing a block at the last tensor its backward
+    needs, w2's input: counted, the backward of a fully checkpointed tiny model runs every linear of
+    each block again but w2 (6 GEMMs of 7). The planner charged the whole forward, w2's GEMM too
+    (2 F h a token, a quarter of a tiny block's GEMM FLOPs: its recomputation priced 33% over)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bigtrain.config import load_config
+    from bigtrain.memory.checkpointing import apply_activation_checkpointing
+    from bigtrain.models import build_model
+
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class GemmFlops(TorchDispatchMode):
+        flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in gemms:
+                a, b = args[-2], args[-1]
+                self.flops += 2 * a.numel() * b.shape[-1]
+            return func(*args, **(kwargs or {}))
+
+    cfg = load_config(preset="tiny")
+    batch, seq = 2, 32
+    backward = {}
+    for policy in ("none", "full"):
+        torch.manual_seed(0)
+        model = build_model(cfg.model, "cpu")
+        apply_activation_checkpointing(model.layers, policy)
+        loss = model(torch.randint(0, cfg.model.vocab_size, (batch, seq))).float().logsumexp(-1).mean()
+        with GemmFlops() as counted:
+            loss.backward()
+        backward[policy] = counted.flops
+    spec = ModelSpec.from_model_config(cfg.model, seq)
+    attention = 4 * spec.attention_dim * seq  # the SDPA kernel's, which is no GEMM here
+    priced = (spec.recompute_flops_per_token(cfg.model.n_layers) - cfg.model.n_layers * attention) * batch * seq
+    assert backward["full"] - backward["none"] == priced
 
 
 def test_the_recomputation_overhead_is_measured_and_positive_on_cpu():

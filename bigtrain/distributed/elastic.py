@@ -85,3 +85,28 @@ def restart_notice(resume: str, run_dir: Path, env: Mapping[str, str] = os.envir
     where = f"the newest valid checkpoint in {run_dir / 'checkpoints'}" if resume == "auto" else f"'{resume}'"
     return (f"bigtrain: the launcher restarted the ranks after a failure (restart {restart_round(env)} of "
             f"{env.get('TORCHELASTIC_MAX_RESTARTS', '?')}); resuming from {where}")
+
+
+def restarts_left(env: Mapping[str, str] = os.environ) -> int:
+    """How many more times torchrun's agent would restart this group after a failure (0 outside
+    one). With several machines an agent whose own ranks were healthy may not count a restart
+    (``TORCH_ISSUE``): then more are counted here than are left, never fewer."""
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return 0
+    return max(0, _int_env(env, "TORCHELASTIC_MAX_RESTARTS", 0) - restart_round(env))
+
+
+def stop_agent_restarts(env: Mapping[str, str] = os.environ) -> int | None:
+    """After a refusal that every restart would repeat (the ranks' configs differ, the run folder is
+    not shared: deterministic, found before anything trained), keep torchrun's agent from
+    restarting the group: it restarts on any failed rank whatever its exit code, and only a
+    success ends it otherwise. The first local rank of each machine sends its agent (its parent)
+    SIGTERM, which makes the agent stop its ranks and exit non-zero without a restart. The pid
+    signalled, or None: no restart left, not under torchrun's agent, or not the machine's first rank."""
+    import signal
+
+    agent = os.getppid()
+    if restarts_left(env) == 0 or _int_env(env, "LOCAL_RANK", 0) != 0 or agent <= 1:
+        return None
+    os.kill(agent, signal.SIGTERM)
+    return agent

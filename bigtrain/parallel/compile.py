@@ -94,17 +94,22 @@ class CompiledRegion(WholeBackward, ModuleWrapper):
             # AOT autograd compiles a static graph's backward at its first backward, outside this
             # call, where a failure would stop the run instead of falling back: compiled with the
             # forward instead, the backward's failure is the forward's, caught here.
-            with _backward_compiled_with_forward():
+            with _backward_compiled_with_forward(), _recompile_limit_raises():
                 return self.compiled(*args, **kwargs)
         except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.InternalTorchDynamoError) as e:
-            object.__setattr__(self, "failed", True)
-            # Python's default filter shows a warning once per text and call site: one line for a
-            # model whose blocks all fail alike. A filter set to "error" makes any fallback fail
-            # (the compiled tests, the fuzzer's compiled samples: check.run.check_compiled_on_rank).
-            warnings.warn(f"compile.enabled: torch.compile failed on a {type(self.wrapped).__name__} ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]}); it and any other region that fails run eagerly. "
-                          f"Set compile.enabled = false to silence this.", CompileFallbackWarning, stacklevel=2)
-            return self.wrapped.forward(*args, **kwargs)
+            why = f"torch.compile failed on a {type(self.wrapped).__name__} ({type(e).__name__}: " \
+                  f"{str(e).splitlines()[0][:200]})"
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            why = (f"torch.compile recompiled a {type(self.wrapped).__name__} more than "
+                   f"torch._dynamo.config.recompile_limit = {torch._dynamo.config.recompile_limit} times (its "
+                   f"inputs' shapes, dtypes or devices keep changing; TORCH_LOGS=recompiles says which)")
+        object.__setattr__(self, "failed", True)
+        # Python's default filter shows a warning once per text and call site: one line for a
+        # model whose blocks all fail alike. A filter set to "error" makes any fallback fail
+        # (the compiled tests, the fuzzer's compiled samples: check.run.check_compiled_on_rank).
+        warnings.warn(f"compile.enabled: {why}; it and any other region that fails run eagerly. "
+                      f"Set compile.enabled = false to silence this.", CompileFallbackWarning, stacklevel=2)
+        return self.wrapped.forward(*args, **kwargs)
 
 
 def _backward_compiled_with_forward():
@@ -113,6 +118,20 @@ def _backward_compiled_with_forward():
     import torch._functorch.config as aot_config  # loaded with dynamo, which may not be yet
 
     return aot_config.patch(force_non_lazy_backward_lowering=True)
+
+
+def _recompile_limit_raises():
+    """Past ``torch._dynamo.config.recompile_limit`` recompilations of a code object dynamo runs it
+    eagerly from then on, saying so only in torch's log: raised instead (``FailOnRecompileLimitHit``),
+    the region falls back with bigtrain's one named warning. Dynamo refuses the switch together with
+    its ``suppress_errors`` (``TORCHDYNAMO_SUPPRESS_ERRORS``), which a user set to run on regardless."""
+    import contextlib
+
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.suppress_errors:
+        return contextlib.nullcontext()
+    return dynamo_config.patch(fail_on_recompile_limit_hit=True)
 
 
 def compiled_function(fn, keep_graph: bool = False, options: dict | None = None):

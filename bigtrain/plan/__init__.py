@@ -17,7 +17,8 @@ from bigtrain.plan.activations import BlockActivations, block_activations, head_
 from bigtrain.plan.cost import StepTime, step_time
 from bigtrain.plan.hardware import PRESETS, HardwareProfile, calibrate, get_profile, load_profile, save_profile
 from bigtrain.plan.layout import Cluster, Layout, layout_problems, parse_layout
-from bigtrain.plan.memory import RankMemory, estimate_memory, state_bytes, zero_formula_bytes
+from bigtrain.plan.memory import RankMemory, estimate_memory
+from bigtrain.plan.states import state_bytes, zero_formula_bytes
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel, PipelineTerms, closed_form
 from bigtrain.plan.search import Plan, SearchResult, evaluate, search

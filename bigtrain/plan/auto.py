@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from bigtrain.config import Config, ConfigError, with_overrides
 from bigtrain.families import family_of
 from bigtrain.families.own import none_for
-from bigtrain.plan.fit import runtime_compiles
+from bigtrain.plan.fit import runtime_compiles, stage_split
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, sharing_cores
 from bigtrain.plan.layout import Cluster
 from bigtrain.plan.model import ModelSpec
@@ -26,6 +27,13 @@ def local_hardware() -> str:
         return "cpu"
     name = torch.cuda.get_device_name(0)
     return next((preset for key, preset in _GPU_NAMES.items() if key in name), "h100-80g")
+
+
+def ranks_per_machine(world_size: int) -> int:
+    """The ranks on each machine: ``LOCAL_WORLD_SIZE`` under a launcher that sets it (torchrun's
+    ``--nproc-per-node``), else all ``world_size`` (bigtrain's launcher starts them on this machine)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and 0 < int(local) <= world_size and world_size % int(local) == 0 else world_size
 
 
 def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
@@ -46,13 +54,15 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     model = ModelSpec.from_model_config((planner_config(cfg) if planner_config else cfg).model, cfg.data.seq_len)
     here = local_hardware()
     profile = get_profile(hardware or here) if hardware_file is None else load_profile(hardware_file)
+    local = ranks_per_machine(world_size)
     if hardware in (None, "cpu") and here == "cpu":  # this machine's CPU ranks
-        # CPU ranks of one host share its cores (the launcher starts world_size of them here,
-        # LOCAL_WORLD_SIZE under an outside torchrun): planned at one core each, 4 ranks on 2
-        # cores were predicted 2.8x faster than they ran.
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        profile = sharing_cores(profile, host_share(int(local) if local.isdigit() else world_size))
-    cluster = Cluster.build(world_size, profile)
+        # CPU ranks of one host share its cores: planned at one core each, 4 ranks on 2 cores were
+        # predicted 2.8x faster than they ran.
+        profile = sharing_cores(profile, host_share(local))
+    # Machines of as many ranks as the launcher starts on each, not the profile's gpus_per_node
+    # (8 for the GPU presets): 2 machines of 4 were planned as one machine of 8, every
+    # collective at the intra-machine bandwidth.
+    cluster = Cluster.build(world_size, profile, gpus_per_node=local)
     # The activation options are the user's to choose: the search keeps them as configured, and
     # compile.enabled as the run will resolve it on its device (train.device, else the profile's).
     device = "cpu" if cfg.train.device == "cpu" else profile.device
@@ -61,8 +71,11 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
              "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, device),
              # ZeRO-3's gathers as configured: the layout's overrides set them, and the search does not vary them
              "reshard_after_forward": cfg.parallel.reshard_after_forward, "prefetch": cfg.parallel.prefetch}
+    # Each pipeline cut where the run will make it (parallel.pp_split, or pp_balance = 'params'), not evenly.
+    split_of = functools.lru_cache(maxsize=None)(lambda pp, v: stage_split(cfg, pp, v))
     try:
-        result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode)
+        result = search(model, cluster, cfg.train.global_batch, fixed=fixed, precision=cfg.precision.mode,
+                        split_of=split_of)
     except ConfigError as e:  # no layout is valid: the planner's reasons, in train's field names
         raise ConfigError([f"--parallel auto --world-size {world_size}: no layout is valid: "
                            + p.replace("--global-batch =", "train.global_batch =") for p in e.problems]
@@ -78,7 +91,8 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
         if best is None:
             raise ConfigError(f"--parallel auto: no layout of {world_size} rank(s) that fits this model is one "
                               f"model.family = '{cfg.model.family}' runs; choose the layout by hand")
-    why = (f"--parallel auto: {best.layout.describe()} on {world_size} x {cluster.hardware.name}, "
+    machines = f"{cluster.nodes} machines of {local}" if cluster.nodes > 1 else f"{world_size}"
+    why = (f"--parallel auto: {best.layout.describe()} on {machines} x {cluster.hardware.name}, "
            f"predicted {best.tokens_per_s:,.0f} tokens/s ({len(result.ranked)} layouts fit)")
     return best.layout.to_overrides(), why
 

@@ -52,7 +52,8 @@ from bigtrain.plan.grad_traffic import (UnitCollective, busiest_rank_units, redu
 from bigtrain.plan.layout import BYTES, Cluster, Layout
 from bigtrain.plan.links import MESH_AXES, Link, link_of
 from bigtrain.plan.memo import by_layout_fields
-from bigtrain.plan.memory import chunk_activation_bytes, unit_state_bytes
+from bigtrain.plan.memory import chunk_activation_bytes
+from bigtrain.plan.states import unit_state_bytes
 from bigtrain.plan.model import ModelSpec, kv_heads_held
 from bigtrain.plan.pipeline import PipelineModel
 from bigtrain.plan.tiers import host_step, reduce_bytes
@@ -113,7 +114,7 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     split = layout.tp * layout.seq_shards  # each of these ranks does 1/split of the stage's FLOPs
     head = 2 * model.vocab * model.hidden / layout.pp
     forward = tokens * (layers * model.block_forward_flops_per_token() + head)
-    backward = 2 * forward + tokens * (recomputed * model.block_forward_flops_per_token()
+    backward = 2 * forward + tokens * (model.recompute_flops_per_token(recomputed)
                                        + activation_recompute_flops_per_token(model, layout) / layout.pp)
     # W defers the weight gradients of the layers whose dW I does not compute (split_backward.py).
     in_i = blocks_with_weight_grads_in_i(model, layout, layers, recomputed)

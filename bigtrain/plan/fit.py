@@ -64,10 +64,21 @@ def _model_fields(cfg: Config) -> str:
 
 
 def _offload_tiers(cfg: Config, cuda: bool) -> tuple[str, str]:
-    """(offload.optimizer, offload.params) as far as they take bytes off this machine's device: on
-    a CPU device the host is the device, so only the files (``nvme``) do."""
+    """(offload.optimizer, offload.params) as the planner prices them on this machine's device. On a
+    CPU device the host is the device: only the files (``nvme``) take bytes off it, and host
+    memory is the run without offload, except for the delayed update, which keeps what a host step
+    apart needs there too (a separate fp32 master and a second gradient, a third more optimizer
+    state and as much again in gradients): its tiers price that (``tiers.tier_detail``, the host
+    as the device)."""
     o = cfg.offload
-    return tuple(tier if cuda or tier == "nvme" else "none" for tier in (o.optimizer, o.params))
+    host_step_apart = o.delayed_update and o.optimizer == "cpu"
+    return tuple(tier if cuda or tier == "nvme" or (host_step_apart and kind == "optimizer") else "none"
+                 for kind, tier in (("optimizer", o.optimizer), ("params", o.params)))
+
+
+def _off_device(tier: str, cuda: bool) -> bool:
+    """Whether an offload tier takes bytes off this machine's device (on a CPU only the files do)."""
+    return tier == "nvme" or (cuda and tier != "none")
 
 
 def _layout(cfg: Config, cuda: bool = False):
@@ -100,7 +111,25 @@ def pipeline_split(cfg: Config) -> tuple[int, ...]:
         return ()
     if p.split_points is not None:
         return tuple(p.split_points)
-    if p.pp_balance != "params" or cfg.model.family != "llama":
+    return balanced_split(cfg, stages)
+
+
+def stage_split(cfg: Config, pp: int, v: int) -> tuple[int, ...] | None:
+    """:func:`pipeline_split` of ``cfg`` run with ``pp`` x ``v`` stages (what ``--parallel auto``
+    prices for each layout it weighs); None where the run would refuse that many: a
+    parallel.pp_split names the stages' starts, so it fixes their count."""
+    p = cfg.parallel
+    if p.split_points is not None:
+        return tuple(p.split_points) if len(p.split_points) == pp * v - 1 else None
+    try:
+        return balanced_split(cfg, pp * v) if pp * v > 1 else ()
+    except ValueError:  # more stages than blocks: the run refuses them too (the search's check names it)
+        return ()
+
+
+def balanced_split(cfg: Config, stages: int) -> tuple[int, ...]:
+    """Without parallel.pp_split: the cut parallel.pp_balance makes of ``stages`` stages (() when even)."""
+    if cfg.parallel.pp_balance != "params" or cfg.model.family != "llama":
         return ()
     from bigtrain.parallel.pipeline.partition import balanced_split_points, even_split_points
     from bigtrain.plan.model import ModelSpec
@@ -151,7 +180,8 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
 def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: str | None = None) -> SizeCheck:
     """:func:`size_problems`, each problem saying whether another layout may solve it."""
     from bigtrain.plan.hardware import get_profile
-    from bigtrain.plan.memory import estimate_memory, zero_formula_bytes
+    from bigtrain.plan.memory import estimate_memory
+    from bigtrain.plan.states import zero_formula_bytes
     from bigtrain.plan.model import ModelSpec
 
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
@@ -163,9 +193,9 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
     optimizer = cfg.optim.name
     zero_group = p.dp // max(1, p.dp_replicate) * p.cp * p.sp  # HSDP: ZeRO cuts within one dp_shard x cp x sp group
     formula = zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, zero_group, cfg.precision.mode, optimizer)
-    off_optimizer, off_params = _offload_tiers(cfg, cuda)  # what offload keeps off the device
+    off_optimizer, off_params = (_off_device(tier, cuda) for tier in _offload_tiers(cfg, cuda))
     states = sum(v for k, v in formula.items()
-                 if not (k == "optimizer" and off_optimizer != "none") and not (k == "params" and off_params != "none"))
+                 if not (k == "optimizer" and off_optimizer) and not (k == "params" and off_params))
     if states * sharing > capacity:
         text = (f"{_model_fields(cfg)} make {spec.params:.3g} parameters: their weights, gradients and "
                 f"optimizer state alone take {_size(states)} per rank (the planner's ZeRO formula at "

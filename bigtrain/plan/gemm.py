@@ -122,6 +122,11 @@ class BlockTimes:
     forward: float
     backward: float
     weight_grad: float  # the dW GEMMs of the backward (what zb-h1 defers)
+    # The forward run again when the block is checkpointed: torch's non-reentrant checkpoint stops
+    # at the last tensor the backward needs, the MLP's down projection's input, so a dense block's
+    # recomputation skips that GEMM (w2 / fc2; counted on a CPU: every linear of a tiny block runs
+    # again but w2); an MoE block's is priced whole.
+    recompute: float
 
 
 def linear_shapes(model: ModelSpec, layout: Layout, tokens: float, moe: bool = False
@@ -210,6 +215,7 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
         timed = float8_fwd_bwd if float8 and layout.fp8 != "none" else gemm_fwd_bwd
         f, b, w = timed(hw, p, m, n, k, count)
         fwd, bwd, dw = fwd + f, bwd + b, dw + w
+    not_recomputed = 0.0 if moe else f  # the last linear of a dense block: the MLP's down projection
     heads = model.heads / (t * u)  # the all-to-all (Ulysses): the whole sequence and heads / (t u)
     d, ring = model.head_dim, layout.ring
     # A ring of cp: each rank attends its 2 chunks of s / 2cp queries over the chunks before them,
@@ -239,7 +245,9 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
         ops_forward, ops_backward = OPS_PER_BLOCK[model.mlp], 2 * OPS_PER_BLOCK[model.mlp]
     fwd += _memory_seconds(hw, moved_forward * tokens)
     bwd += _memory_seconds(hw, moved_backward * tokens)
-    return BlockTimes(fwd + ops_forward * hw.op_overhead_s, bwd + ops_backward * hw.op_overhead_s, dw)
+    forward = fwd + ops_forward * hw.op_overhead_s
+    recompute = forward - (not_recomputed + hw.op_overhead_s if not moe else 0.0)
+    return BlockTimes(forward, bwd + ops_backward * hw.op_overhead_s, dw, recompute)
 
 
 def head_times(model: ModelSpec, layout: Layout, hw) -> tuple[float, float, float]:
@@ -266,7 +274,9 @@ def shape_aware_compute(model: ModelSpec, layout: Layout, hw, layers: float,
     head = head_times(model, layout, hw)
     forward = layers * block.forward + head[0] / layout.pp
     ops = compiled_ops_per_block(layout.precision)[0] if compiles_block(model, layout) else OPS_PER_BLOCK[model.mlp]
-    recompute = block.forward + ops * hw.recompute_op_overhead_s
+    dense_share = 1 - (model.moe_layers / model.layers if model.experts else 0)
+    # a checkpointed dense block runs its kernels again but the MLP's down projection (BlockTimes.recompute)
+    recompute = block.recompute + (ops - dense_share) * hw.recompute_op_overhead_s
     backward = layers * block.backward + head[1] / layout.pp + recomputed * recompute
     # The fused loss head computes its dW in I too (a WholeBackward wrapper: split_backward.py).
     head_deferred = 0.0 if layout.fused_loss else head[1] / layout.pp

@@ -1,16 +1,7 @@
 """Per-rank memory: model states, saved activations, buffers and an allocator allowance.
 
-Model states follow the runtime byte for byte (engine.py, flat.py, units.py, replicated.py):
-one ZeRO unit per transformer block plus a root unit (embedding, final norm, output), each
-padded to a multiple of the ranks holding replicas (dp, times sp under Ulysses) from stage 1 on; with P the unit's padded elements, N the
-shards, B the compute dtype's bytes, a "piece" the decayed / non-decayed part of a shard, and the
-optimizer's declared state (``bigtrain.optim``) of E bytes per element and T bytes per tensor it is
-given (AdamW: E = 8, two fp32 moments; T = 4, its step count):
-
-    fp32, stage 0 (replicated engine): params 4P, grads 4P (bucket views), optimizer E P + T per tensor
-    stage 0-2: params B P; stage 3: the shard, B P/N (mixed) or 4 P/N (fp32: it is the master)
-    stage 0-1: grads 4P;   stage 2-3: grads 4P/N (fp32 whatever the compute dtype, see engine.py)
-    optimizer: (4 master if mixed + E) P/N + T per piece
+Model states (weights, gradients, the optimizer's state) follow the runtime byte for byte:
+:mod:`bigtrain.plan.states`.
 
 Activations are the saved tensors of ``activations.py`` for one micro-batch, times the pipeline's
 peak in-flight micro-batches on the rank (from the schedule simulator); with activation offload,
@@ -60,10 +51,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 
-from bigtrain.optim import get_optimizer
 from bigtrain.parallel.zero.lazy_grads import applies as frees_grads_between_steps
 from bigtrain.plan.activations import (block_activations, checkpointed_block_indices, fused_chunk_bytes,
                                        head_activations)
@@ -73,10 +62,13 @@ from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.memo import by_layout_fields, cached
 from bigtrain.plan.model import ModelSpec, kv_heads_held
 from bigtrain.plan.pipeline import PipelineModel, weight_versions
-from bigtrain.plan.tiers import host_step, piecewise_shard_bytes, reduce_bytes, shard_pieces, tier_detail
+# state_bytes, zero_formula_bytes: imported from here by callers that predate states.py
+from bigtrain.plan.states import (group_sizes, rank_state_bytes, state_bytes, unit_state_bytes,  # noqa: F401
+                                  zero_formula_bytes)
+from bigtrain.plan.tiers import host_step, reduce_bytes, tier_detail
 # rank_units: imported from here by callers that predate units.py
-from bigtrain.plan.units import (Unit, checked_pp_ranks, gradient_axis_names, rank_units, replicas, stage_blocks,
-                                 units_key, units_of_key)
+from bigtrain.plan.units import (Unit, checked_pp_ranks, rank_units, replicas, stage_blocks, units_key,
+                                 units_of_key)
 
 MEASURABLE_BUFFERS = ("zero_reduce_outputs", "zero3_gathered")
 FUSED_LOSS_CHUNK = 1024  # model.fused_loss_chunk's default: the planner's layouts do not carry it
@@ -142,98 +134,6 @@ class RankMemory:
                 "nvme_capacity": self.nvme_capacity,
                 "worst_pp_rank": self.pp_rank, "inflight_microbatches": self.inflight,
                 "activations_per_microbatch": self.activation_per_microbatch, **self.detail}
-
-
-def unit_state_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw", block: int = 256
-                     ) -> dict[str, int]:
-    """:func:`state_bytes` of each group of units that shares a gradient axis (the experts' edp, or
-    edp_shard under HSDP, apart from the dense weights'), summed."""
-    return _grouped_state_bytes(units, layout.zero, layout.precision, layout.size, optimizer, block)
-
-
-def _grouped_state_bytes(units, zero: int, precision: str, size_of, optimizer: str, block: int) -> dict[str, int]:
-    out: Counter = Counter()
-    for axis in dict.fromkeys(u.axis for u in units):
-        out.update(state_bytes([u for u in units if u.axis == axis], zero, precision, size_of(axis), optimizer, block))
-    return {k: out[k] for k in ("params", "grads", "optimizer")}
-
-
-def _group_sizes(layout: Layout) -> tuple[tuple[str, int], ...]:
-    """The sizes of the two gradient axes a rank's units are reduced over (the dense weights', the
-    experts'), by name."""
-    return tuple((axis, layout.size(axis)) for axis in gradient_axis_names(layout))
-
-
-@cached()
-def _rank_state_bytes(key: tuple, zero: int, precision: str, sizes: tuple[tuple[str, int], ...], optimizer: str,
-                      block: int) -> dict[str, int]:
-    """:func:`unit_state_bytes` of the units of a :func:`units_key` (a rank's, without offload) cut
-    over groups of ``sizes``: computed once for all the layouts that share the units, the ZeRO
-    stage, the precision and the groups' sizes (a search weighs each with every micro-batch,
-    recomputation and schedule)."""
-    root, blocks = units_of_key(key)
-    return _grouped_state_bytes(([root] if root else []) + list(blocks), zero, precision, dict(sizes).__getitem__,
-                                optimizer, block)
-
-
-def state_bytes(units: list[Unit], zero: int, precision: str, replicas: int, optimizer: str = "adamw",
-                block: int = 256) -> dict[str, int]:
-    """Model-state bytes on the worst rank of the ``replicas`` ranks holding these units (dp, times
-    sp under Ulysses), as the runtime allocates and measures them, with ``optimizer``'s declared state
-    (``block``: ``optim.block_size``, for a blocked optimizer)."""
-    nbytes, mixed = BYTES[precision], precision != "fp32"
-    spec = get_optimizer(optimizer)
-    if not spec.elementwise and all(u.sizes for u in units):
-        return _piecewise_state_bytes(units, zero, nbytes, mixed, replicas, spec, spec.alignment_of(block))
-    per_element, per_tensor = spec.bytes_per_param, spec.bytes_per_tensor
-    numel = sum(u.numel for u in units)
-    if zero == 0 and not mixed:  # ReplicatedEngine: the optimizer is given each parameter tensor
-        return {"params": 4 * numel, "grads": 4 * numel,
-                "optimizer": per_element * numel + per_tensor * sum(u.tensors for u in units)}
-    shards = replicas if zero >= 1 else 1
-    padded = sum(-(-u.numel // shards) * shards for u in units)
-    shard = padded // shards
-    if shards <= 1024:
-        distinct = Counter(units)  # blocks are alike: count each kind of unit once per rank
-        pieces = max(sum(n * shard_pieces(u, shards, r) for u, n in distinct.items()) for r in range(shards))
-    else:  # each shard becomes at most two optimizer parameters: a bound is exact enough
-        pieces = 2 * len(units)
-    return {"params": nbytes * padded if zero < 3 else (nbytes if mixed else 4) * shard,
-            "grads": 4 * (padded if zero <= 1 else shard),
-            "optimizer": (4 * mixed + per_element) * shard + per_tensor * pieces}
-
-
-def _piecewise_state_bytes(units: list[Unit], zero: int, nbytes: int, mixed: bool, replicas: int, spec,
-                           block: int) -> dict[str, int]:
-    if zero == 0 and not mixed:  # ReplicatedEngine: each parameter whole, with its own blocks
-        numel = sum(u.numel for u in units)
-        per_block = sum(s.nbytes for s in spec.state if s.per == "block")
-        optimizer = sum(spec.bytes_per_param * n + per_block * -(-n // block) + spec.bytes_per_tensor
-                        + (spec.factored_bytes(g) if spec.factored_bytes else 0)
-                        for u in units for n, g in zip(u.sizes, u.grids))
-        return {"params": 4 * numel, "grads": 4 * numel, "optimizer": optimizer}
-    shards = replicas if zero >= 1 else 1
-    distinct = Counter(units)
-    padded = sum(n * piecewise_shard_bytes(u, shards, 0, spec, block, mixed)[0] for u, n in distinct.items())
-    shard = padded // shards
-    worst = max(sum(n * piecewise_shard_bytes(u, shards, r, spec, block, mixed)[1] for u, n in distinct.items())
-                for r in range(min(shards, 1024)))
-    return {"params": nbytes * padded if zero < 3 else (nbytes if mixed else 4) * shard,
-            "grads": 4 * (padded if zero <= 1 else shard), "optimizer": worst}
-
-
-def zero_formula_bytes(params: float, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw"
-                       ) -> dict[str, float]:
-    """The ZeRO paper's per-rank model states, without padding: 2+2+K bytes per parameter in mixed
-    precision (4+4+K' in fp32), the stage deciding which parts are divided by dp. K is the fp32
-    master plus the optimizer's state, K' the state alone: 12 and 8 for AdamW."""
-    weight = BYTES[precision] if precision != "fp32" else 4
-    spec = get_optimizer(optimizer)
-    per_block = sum(s.nbytes for s in spec.state if s.per == "block")
-    optimizer_bytes = (4 if precision != "fp32" else 0) + spec.bytes_per_param + per_block / spec.alignment_of(256)
-    return {"params": weight * params / (dp if zero >= 3 else 1),
-            "grads": weight * params / (dp if zero >= 2 else 1),
-            "optimizer": optimizer_bytes * params / (dp if zero >= 1 else 1)}
 
 
 # -- activations and buffers ---------------------------------------------------------------------------
@@ -306,7 +206,7 @@ def offloaded_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, i
 
 def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tuple[str, int], ...]) -> dict[str, int]:
     """The buffers of a rank whose units are those of ``key`` (:func:`units_key`), over gradient
-    groups of ``sizes`` (:func:`_group_sizes`)."""
+    groups of ``sizes`` (:func:`group_sizes`)."""
     nbytes, reduce_nbytes = BYTES[layout.precision], reduce_bytes(layout.precision)  # the reduce dtype: fp32 in fp16
     # each unit over its own group (an expert unit over edp: units.py), from ZeRO stage 1 on
     cuts = sizes if layout.zero >= 1 else tuple((axis, 1) for axis, _ in sizes)
@@ -423,14 +323,15 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
                 ) -> RankMemory:
     """One pipeline rank's memory; ``held_bytes``: the most activation bytes its schedule holds at once
     (:meth:`PipelineModel.peak_held_bytes`), else ``inflight`` times its largest chunk's."""
-    key, sizes = units_key(model, layout, pp_rank), _group_sizes(layout)
+    key, sizes = units_key(model, layout, pp_rank), group_sizes(layout)
     root, blocks = units_of_key(key)
     units = ([root] if root else []) + list(blocks)
-    tiers = tier_detail(units, layout, optimizer, block) if host_step(layout) else None
+    tiers = (tier_detail(units, layout, optimizer, block, host_is_device=hardware.device == "cpu")
+             if host_step(layout) else None)
     if tiers is not None:
         states, moved = offloaded_states(tiers)
     else:
-        states = dict(_rank_state_bytes(key, layout.zero, layout.precision, sizes, optimizer, block))
+        states = dict(rank_state_bytes(key, layout.zero, layout.precision, sizes, optimizer, block))
         moved = {"host": 0, "nvme": 0}
     per_mb = chunk_activation_bytes(model, layout, pp_rank)
     buffers = buffer_bytes(model, layout, key, sizes)
@@ -487,8 +388,11 @@ def lazy_grad_moments(model: ModelSpec, layout: Layout, global_batch: int, root:
 
 def offloaded_states(tiers: dict[str, dict[str, int]]) -> tuple[dict[str, int], dict[str, int]]:
     """(model states left on the device, bytes on the ``host`` and in ``nvme`` files) of an offload
-    layout from its :func:`~bigtrain.plan.tiers.tier_detail`, as the runtime's GPU path holds them."""
-    device = {k: tiers["device"].get(k, 0) for k in ("params", "grads", "optimizer")}
+    layout from its :func:`~bigtrain.plan.tiers.tier_detail`, as the runtime holds them (on a CPU
+    device the masters and the optimizer's state are the device's too)."""
+    held = tiers["device"]
+    device = {"params": held.get("params", 0), "grads": held.get("grads", 0),
+              "optimizer": held.get("masters", 0) + held.get("state", 0)}
     return device, {tier: sum(tiers[tier].values()) for tier in ("host", "nvme")}
 
 
@@ -504,8 +408,8 @@ def device_lower_bound(model: ModelSpec, layout: Layout, hardware: HardwareProfi
     device holds only in part."""
     if host_step(layout) or hardware.fragmentation < 0:
         return 0
-    sizes = _group_sizes(layout)
-    states = max(sum(_rank_state_bytes(units_key(model, layout, r), layout.zero, layout.precision, sizes, optimizer,
+    sizes = group_sizes(layout)
+    states = max(sum(rank_state_bytes(units_key(model, layout, r), layout.zero, layout.precision, sizes, optimizer,
                                        block).values()) for r in checked_pp_ranks(layout.pp, layout.split))
     return states + math.ceil(hardware.fragmentation * states) + hardware.reserved_bytes
 

@@ -293,9 +293,17 @@ class ModelSpec:
         a, so it is also the work done. Over the whole s x s matrix, as they count it."""
         return 6 * self.matmul_params + 12 * self.layers * self.attention_dim * self.seq
 
-    def recompute_flops_per_token(self, checkpointed_blocks: int) -> int:
+    def block_recompute_flops_per_token(self) -> float:
+        """What a checkpointed block runs again in the backward: its forward up to the last tensor the
+        backward needs (torch's non-reentrant checkpoint stops there), the MLP's down projection's
+        input, so all but that GEMM (2 F h: w2, or fc2) in a dense block; an MoE block's whole
+        forward (its experts' last GEMM is not the block's last op). Averaged over the blocks."""
+        dense = self.layers - (self.moe_layers if self.experts else 0)
+        return self.block_forward_flops_per_token() - 2 * self.ffn_hidden * self.hidden * dense / self.layers
+
+    def recompute_flops_per_token(self, checkpointed_blocks: float) -> float:
         """Extra hardware FLOPs of recomputing the forward of ``checkpointed_blocks`` blocks."""
-        return checkpointed_blocks * self.block_forward_flops_per_token()
+        return checkpointed_blocks * self.block_recompute_flops_per_token()
 
     def describe(self) -> str:
         kind = "Llama-style (SwiGLU, RMSNorm, rotary)" if self.mlp == "swiglu" else "GPT-style (GELU, LayerNorm, learned positions)"

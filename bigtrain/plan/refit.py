@@ -15,9 +15,10 @@ micro-batch; the precision, the optimizer and the activation options stay what t
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from bigtrain.config import Config, ConfigError, with_overrides
-from bigtrain.plan.fit import runtime_compiles, size_check, size_problems
+from bigtrain.plan.fit import runtime_compiles, size_check, size_problems, stage_split
 
 MACHINES_MAX = 1024
 CANDIDATES = 24  # fitting layouts (fastest first) tried against the fit check and validation
@@ -54,7 +55,8 @@ def _search(cfg: Config, ranks: int, memory_bytes: int, cuda: bool):
              "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, "cuda" if cuda else "cpu")}
     try:
         return search(model, Cluster.build(ranks, hardware), cfg.train.global_batch, fixed=fixed,
-                      precision=cfg.precision.mode, retime=0, optimizer=cfg.optim.name)
+                      precision=cfg.precision.mode, retime=0, optimizer=cfg.optim.name,
+                      split_of=functools.lru_cache(maxsize=None)(lambda pp, v: stage_split(cfg, pp, v)))
     except ConfigError:  # no valid layout of this many ranks (the batch does not divide, ...)
         return None
 
@@ -92,7 +94,7 @@ def fitting_layout(cfg: Config, capacity: int, sharing: int, cuda: bool, runs_as
         return (f"a layout that fits on this machine ({ranks} rank{plural}): {' '.join(overrides) or '(as configured)'} "
                 f"(the planner: {plan.layout.describe()}, {plan.memory.total / 2**30:.1f} GiB per rank)")
     # Sharded over every rank (ZeRO-3), the model states alone need this many machines: start there.
-    from bigtrain.plan.memory import zero_formula_bytes
+    from bigtrain.plan.states import zero_formula_bytes
     from bigtrain.plan.model import ModelSpec
 
     params = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len).params

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from bigtrain.config import ConfigError
 from bigtrain.optim import get_optimizer
@@ -29,6 +29,7 @@ from bigtrain.plan.pipeline import PipelineModel
 MICRO_BATCHES = (1, 2, 4, 8)
 SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4))
 RECOMPUTES = ("none", "selective", "every", "full")
+SplitRule = Callable[[int, int], "tuple[int, ...] | None"]  # (pp, v) -> where the run cuts (search's split_of)
 
 
 @dataclass
@@ -115,8 +116,10 @@ def _schedules(fixed: dict, pp: int) -> list[tuple[str, int]]:
     return [("1f1b", 1)] if pp == 1 else list(SCHEDULES)
 
 
-def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision: str = "bf16") -> Iterator[Layout]:
-    """Every layout the search considers, honoring the user's fixed keys (valid or not)."""
+def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision: str = "bf16",
+                      split_of: SplitRule | None = None) -> Iterator[Layout]:
+    """Every layout the search considers, honoring the user's fixed keys (valid or not); with
+    ``split_of``, each pipeline cut where the run will make it (and none the run would refuse)."""
     seen = set()
     for dp, tp, pp, sp, cp in _mesh_shapes(model, cluster, fixed):
         # ZeRO shards over dp x cp x sp; on one replica its units still serve offload (stepped one at a time)
@@ -127,6 +130,9 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                     _options(fixed, "recompute", RECOMPUTES),
                                     _options(fixed, "tp_sp", (False, True) if tp > 1 else (False,)))
         for zero, mb, (schedule, v), recompute, tp_sp in choices:
+            split = split_of(pp, v) if split_of is not None else ()
+            if split is None:
+                continue
             for ep, dp_replicate in _data_degrees(model, cluster, fixed, dp, tp, sp * cp, zero):
                 layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, cp_mode=cp_mode if cp > 1 else "ring", zero=zero,
                                 micro_batch=mb, schedule=schedule, v=v,
@@ -140,7 +146,7 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                 delayed_update=fixed.get("delayed_update", False), fp8=fixed.get("fp8", "none"),
                                 dp_replicate=dp_replicate, compiled=fixed.get("compiled", False),
                                 reshard_after_forward=fixed.get("reshard_after_forward", True),
-                                prefetch=fixed.get("prefetch", True))
+                                prefetch=fixed.get("prefetch", True), split=split)
                 if layout not in seen:
                     seen.add(layout)
                     yield layout
@@ -203,8 +209,12 @@ class SearchResult:
 
 def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | None = None,
            precision: str = "bf16", pipeline: PipelineModel | None = None, retime: int = 12,
-           optimizer: str = "adamw", block: int = 256, prune: bool = True) -> SearchResult:
+           optimizer: str = "adamw", block: int = 256, prune: bool = True,
+           split_of: SplitRule | None = None) -> SearchResult:
     """Rank the layouts that fit; raises ConfigError when no layout is even valid.
+    ``split_of(pp, v)``: where the run cuts its pp x v stages (:attr:`Layout.split`; None: it
+    would refuse that many), for a run whose parallel.pp_split or pp_balance the search must price;
+    without it every cut is even.
 
     Candidates are timed with the pipeline's closed forms (fast, and equal to the simulator when
     transfers are free); the ``retime`` fastest are then timed again with the simulator.
@@ -220,7 +230,7 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | 
     closest = off_device = None
     capacity = cluster.hardware.memory_bytes
     skipped: list[tuple[float, int, Layout]] = []  # (the bound's share of the device, place, layout)
-    for layout in candidate_layouts(model, cluster, fixed, precision):
+    for layout in candidate_layouts(model, cluster, fixed, precision, split_of):
         considered += 1
         problems = layout_problems(layout, model, cluster, global_batch)
         if problems:

@@ -23,6 +23,10 @@ bytes per element and T its per-tensor state (AdamW: E = 8, T = 4 for each piece
 :func:`tier_bytes` is what ``estimate_memory`` charges to the device and adds up for the host and
 the files; ``ZeroEngine.tier_bytes`` measures the same from where its buffers live, and a test
 compares the two for every offload layout.
+
+On a CPU device (``host_is_device``) the host is the device: one copy where the GPU path keeps two
+(the fp32 weights are the masters, in fp32 without the delayed update), no buckets, no staging,
+and every tier but the files is the device's.
 """
 
 from __future__ import annotations
@@ -93,26 +97,32 @@ def host_step(layout: Layout) -> bool:
 
 
 def tier_bytes(units: list, layout: Layout, optimizer: str = "adamw", block: int = 256,
-               rank: int | None = None, grad_buckets: int = GRAD_BUCKETS) -> dict[str, int]:
+               rank: int | None = None, grad_buckets: int = GRAD_BUCKETS, host_is_device: bool = False
+               ) -> dict[str, int]:
     """Bytes of model state per tier (``device``, ``host``, ``nvme``) on shard ``rank`` of every
-    unit (None: the worst rank) of an offload layout on a GPU, as the runtime holds them between steps."""
-    detail = tier_detail(units, layout, optimizer, block, rank, grad_buckets)
+    unit (None: the worst rank) of an offload layout on a GPU (``host_is_device``: on a CPU), as the
+    runtime holds them between steps."""
+    detail = tier_detail(units, layout, optimizer, block, rank, grad_buckets, host_is_device)
     return {tier: sum(detail[tier].values()) for tier in TIERS}
 
 
 def tier_detail(units: list, layout: Layout, optimizer: str = "adamw", block: int = 256,
-                rank: int | None = None, grad_buckets: int = GRAD_BUCKETS) -> dict[str, dict[str, int]]:
+                rank: int | None = None, grad_buckets: int = GRAD_BUCKETS, host_is_device: bool = False
+                ) -> dict[str, dict[str, int]]:
     """:func:`tier_bytes` by what holds them: {tier: {"params" | "masters" | "state" | "grads" |
     "grad_buckets" | "staging": bytes}}."""
     if rank is None:
         shards = max((layout.size(u.axis) for u in units), default=1) if layout.zero >= 1 else 1
-        ranks = [tier_detail(units, layout, optimizer, block, r, grad_buckets) for r in range(min(shards, 1024))]
-        return max(ranks, key=lambda d: (sum(d["host"].values()), sum(d["nvme"].values())))
+        ranks = [tier_detail(units, layout, optimizer, block, r, grad_buckets, host_is_device)
+                 for r in range(min(shards, 1024))]
+        return max(ranks, key=lambda d: (sum(d["host"].values()), sum(d["nvme"].values()), sum(d["device"].values())))
     spec = get_optimizer(optimizer)
     align = spec.alignment_of(block) if not spec.elementwise else 1
     mixed, nbytes = layout.precision != "fp32", BYTES[layout.precision]
     params_on_host = layout.zero == 3 and layout.offload_params != "none"
-    separate_master = mixed or layout.delayed_update or not params_on_host
+    # On a CPU device the fp32 weights are the masters (ZeroEngine._separate_master): there is no
+    # device copy apart from the host's.
+    separate_master = mixed or layout.delayed_update or not (params_on_host or host_is_device)
     opt_files, param_files = layout.offload_optimizer == "nvme", layout.offload_params == "nvme"
     masters_in_files = opt_files and layout.offload_masters != "cpu"  # else in host memory (the split)
     grads_in_files = opt_files and layout.zero >= 2
@@ -128,10 +138,11 @@ def tier_detail(units: list, layout: Layout, optimizer: str = "adamw", block: in
             per["device"]["params"] += nbytes * full
         elif separate_master:
             per["nvme" if param_files else "host" if params_on_host else "device"]["params"] += nbytes * shard
-        # fp32 masters apart from the compute weights (else the stage-3 shard on the host is the master)
+        # fp32 masters apart from the compute weights (else the stage-3 shard on the host is the
+        # master, and below stage 3 on a CPU the compute weights are)
         if separate_master:
             per["nvme" if masters_in_files else "host"]["masters"] += 4 * shard
-        else:
+        elif layout.zero >= 3:
             per["nvme" if param_files else "host"]["masters"] += 4 * shard
         # the optimizer's state: its tensors in files with the NVMe tier, the scalars in memory
         per["host"]["state"] += scalars
@@ -141,7 +152,11 @@ def tier_detail(units: list, layout: Layout, optimizer: str = "adamw", block: in
         for tier in TIERS:
             for k, v in per[tier].items():
                 out[tier][k] += count * v
-    buckets = grad_buckets * largest * reduce_bytes(layout.precision)
-    out["device"]["grad_buckets"] += buckets
-    out["host"]["staging"] += buckets + STAGING_SLOTS * largest * nbytes
+    if host_is_device:  # nothing to copy between them: no buckets, no staging, one tier
+        out["device"] += out.pop("host")
+        out["host"] = Counter()
+    else:
+        buckets = grad_buckets * largest * reduce_bytes(layout.precision)
+        out["device"]["grad_buckets"] += buckets
+        out["host"]["staging"] += buckets + STAGING_SLOTS * largest * nbytes
     return {tier: dict(out[tier]) for tier in TIERS}
