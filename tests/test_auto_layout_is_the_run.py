@@ -36,7 +36,7 @@ def _launches(monkeypatch, tmp_path, argv):
     import bigtrain.distributed.launch as launch
 
     started = []
-    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir, lock=None: started.append(1) or 0)
+    monkeypatch.setattr(cli, "run_rank", lambda cfg, run_dir, lock=None: started.append(1) or 0)
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **_: started.append(nproc) or 0)
     monkeypatch.setattr(launch, "init_distributed", lambda *a, **k: started.append("init"))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -172,7 +172,7 @@ def test_the_cli_refuses_bad_context_parallel_input_before_any_rank_starts(tmp_p
     import bigtrain.distributed.launch as launch
 
     started = []
-    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir, lock=None: started.append("rank") or 0)
+    monkeypatch.setattr(cli, "run_rank", lambda cfg, run_dir, lock=None: started.append("rank") or 0)
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **_: started.append("torchrun") or 0)
     monkeypatch.setattr(launch, "init_distributed", lambda *a, **k: started.append("init"))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

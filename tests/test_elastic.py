@@ -217,7 +217,7 @@ def test_max_restarts_inside_someone_elses_launcher_is_rejected(corpus_cache, tm
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
                         "TORCHELASTIC_RUN_ID": "x"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cli, "_run_rank", lambda *a: pytest.fail("a rank started"))
+    monkeypatch.setattr(cli, "run_rank", lambda *a: pytest.fail("a rank started"))
     assert cli.main(_train(corpus_cache, tmp_path, "--max-restarts", "1")) == 2
     assert "pass --max-restarts to the launcher instead" in capsys.readouterr().err
 

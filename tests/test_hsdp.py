@@ -308,7 +308,7 @@ def _cli(tmp_path, monkeypatch, *args):
     import bigtrain.distributed.launch as launch
 
     started = []
-    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir, lock=None: started.append(("rank", cfg)) or 0)
+    monkeypatch.setattr(cli, "run_rank", lambda cfg, run_dir, lock=None: started.append(("rank", cfg)) or 0)
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **_: started.append(("torchrun", nproc)) or 0)
     monkeypatch.setattr(launch, "init_distributed", lambda *a, **k: started.append(("init", None)))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -120,7 +120,7 @@ def test_two_torchrun_machines_with_different_flags_are_refused(corpus_cache, tm
 def test_a_refusal_before_training_leaves_the_folder_it_took_as_it_was(tmp_path, capsys):
     """Rank 0 of a user's torchrun takes the folder (creating it and its run.lock) before the ranks
     find that they may not run; refused, it left both behind."""
-    from bigtrain.cli import _refuse_before_training
+    from bigtrain.run_rank import refuse_before_training
     from bigtrain.distributed.join import world_comm
     from bigtrain.run_lock import take_run_dir
 
@@ -128,7 +128,7 @@ def test_a_refusal_before_training_leaves_the_folder_it_took_as_it_was(tmp_path,
     for run_dir in (tmp_path / "new" / "run", tmp_path / "kept"):
         lock = take_run_dir(run_dir)
         assert (run_dir / "run.lock").exists()
-        assert _refuse_before_training("the reason", world_comm(0, 1), torch.device("cpu"), run_dir, lock) == 2
+        assert refuse_before_training("the reason", world_comm(0, 1), torch.device("cpu"), run_dir, lock) == 2
         assert "invalid configuration:\n  - the reason" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not list((tmp_path / "kept").iterdir())
 

@@ -232,7 +232,7 @@ def test_launchers_pass_and_unmarked_groups_are_warned_about():
 @pytest.fixture
 def cli_sentinels(tmp_path, monkeypatch):
     started = []
-    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir, lock=None: started.append("rank") or 0)
+    monkeypatch.setattr(cli, "run_rank", lambda cfg, run_dir, lock=None: started.append("rank") or 0)
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **_: started.append("torchrun") or 0)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)

@@ -125,7 +125,7 @@ def test_train_into_a_held_folder_is_refused_before_anything_is_written(corpus_c
     from bigtrain import cli
     from bigtrain.distributed import launch
 
-    monkeypatch.setattr(cli, "_run_rank", lambda *a: pytest.fail("a rank started"))
+    monkeypatch.setattr(cli, "run_rank", lambda *a: pytest.fail("a rank started"))
     monkeypatch.setattr(launch, "launch_local", lambda *a, **k: pytest.fail("torchrun started"))
     run = tmp_path / "run"
     run.mkdir()

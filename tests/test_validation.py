@@ -176,7 +176,7 @@ def test_validate_rejects(case_id, overrides, field):
 def train_cli(tmp_path, capsys, monkeypatch):
     """Run ``bigtrain train --preset tiny ...`` in-process; nothing that starts a rank really runs."""
     started: list[tuple] = []
-    monkeypatch.setattr(cli, "_run_rank", lambda cfg, run_dir, lock=None: started.append(("rank", run_dir)) or 0)
+    monkeypatch.setattr(cli, "run_rank", lambda cfg, run_dir, lock=None: started.append(("rank", run_dir)) or 0)
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv, **_: started.append(("torchrun", nproc)) or 0)
     monkeypatch.setattr(launch, "init_distributed", lambda *a, **k: started.append(("init",)) or None)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

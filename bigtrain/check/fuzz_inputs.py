@@ -2,7 +2,7 @@
 
 Every case of :mod:`bigtrain.check.input_cases` runs through the real command-line entry,
 ``bigtrain.cli.main(["train" | "check", ...])``, in this process, with the places a run starts
-(``_run_rank``, ``_check_rank``, ``launch_local``, ``init_distributed``) replaced by recorders and an
+(``run_rank``, ``_check_rank``, ``launch_local``, ``init_distributed``) replaced by recorders and an
 alarm as the timeout guard. A case passes when the command
 
 * exits with code 2,
@@ -16,7 +16,7 @@ within the timeout. Anything else is counted as a traceback, a hang, accepted (i
 a wrong exit code, an unnamed field, a start, or a leftover, and printed.
 
 ``python -m bigtrain.fuzz_inputs N SEED`` (``scripts/fuzz-inputs.sh``) runs N cases. This module
-is handed the command-line module (``cli``: its ``main`` runs a case, its ``_run_rank`` is where a
+is handed the command-line module (``cli``: its ``main`` runs a case, its ``run_rank`` is where a
 run would start) by that entry point, above both packages: the CLI runs ``bigtrain check``, so
 importing it from here would make a cycle between ``bigtrain.check`` and ``bigtrain.cli``.
 """
@@ -80,15 +80,15 @@ def _patched(started: list[str], cli):
     import bigtrain.check.cli as check_cli
     import bigtrain.distributed.launch as launch
 
-    saved = (cli._run_rank, check_cli._check_rank, launch.launch_local, launch.init_distributed)
-    cli._run_rank = lambda cfg, run_dir: started.append("rank") or 0
+    saved = (cli.run_rank, check_cli._check_rank, launch.launch_local, launch.init_distributed)
+    cli.run_rank = lambda cfg, run_dir, lock=None: started.append("rank") or 0
     check_cli._check_rank = lambda cfg, out, steps: started.append("check rank") or 0
     launch.launch_local = lambda nproc, argv, **_: started.append(f"torchrun x {nproc}") or 0
     launch.init_distributed = lambda *a, **k: started.append("init_distributed")
     try:
         yield
     finally:
-        cli._run_rank, check_cli._check_rank, launch.launch_local, launch.init_distributed = saved
+        cli.run_rank, check_cli._check_rank, launch.launch_local, launch.init_distributed = saved
 
 
 @contextlib.contextmanager

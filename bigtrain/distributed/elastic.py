@@ -96,17 +96,21 @@ def restarts_left(env: Mapping[str, str] = os.environ) -> int:
     return max(0, _int_env(env, "TORCHELASTIC_MAX_RESTARTS", 0) - restart_round(env))
 
 
-def stop_agent_restarts(env: Mapping[str, str] = os.environ) -> int | None:
+def stop_agent_restarts(env: Mapping[str, str] = os.environ, before=None) -> int | None:
     """After a refusal that every restart would repeat (the ranks' configs differ, the run folder is
     not shared: deterministic, found before anything trained), keep torchrun's agent from
     restarting the group: it restarts on any failed rank whatever its exit code, and only a
     success ends it otherwise. The first local rank of each machine sends its agent (its parent)
-    SIGTERM, which makes the agent stop its ranks and exit non-zero without a restart. The pid
-    signalled, or None: no restart left, not under torchrun's agent, or not the machine's first rank."""
+    SIGTERM, which makes the agent stop its ranks and exit non-zero without a restart. ``before``
+    (the agent's pid): called first, since the agent's SIGTERM to this rank may come before a line
+    printed after the kill is out. The pid signalled, or None: no restart left, not under torchrun's
+    agent, or not the machine's first rank."""
     import signal
 
     agent = os.getppid()
     if restarts_left(env) == 0 or _int_env(env, "LOCAL_RANK", 0) != 0 or agent <= 1:
         return None
+    if before is not None:
+        before(agent)
     os.kill(agent, signal.SIGTERM)
     return agent
