@@ -351,7 +351,8 @@ def test_the_planner_prices_the_two_levels_on_their_own_links():
     reduce-scatter's tail is), which the step waits for once (an earlier micro-batch's is folded a
     micro-batch later): max(largest, excess) + (m - 1) excess, excess = max(0, sum - window). Here the
     window (0.9 x 0.41 s) hides the whole sum (0.039 s a micro-batch), so the last unit's 1.5 ms is left."""
-    from bigtrain.plan.cost import _largest_rank_units, stage_costs
+    from bigtrain.plan.cost import stage_costs
+    from bigtrain.plan.dp_cost import _largest_rank_units
 
     _, _, _, flat = _planned(1)
     model, layout, cluster, hsdp = _planned(2)
