@@ -1,6 +1,6 @@
 """The data-parallel collectives of one training step on the busiest pipeline rank, unit by unit, as
 the ZeRO engine issues them (``parallel/zero/grad_sync.py``, ``gather.py``, ``engine.py``): what
-``cost.data_parallel_costs`` prices, and what a run's counted bytes (``CommStats``, per axis and
+``dp_cost.data_parallel_costs`` prices, and what a run's counted bytes (``CommStats``, per axis and
 op) are compared with (tests/test_plan_grad_traffic.py).
 
 Each unit's collectives run over its own gradient group, as the placement record says: a dense
