@@ -22,6 +22,13 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+# Dynamo in this process before any test forks ranks: every rank that builds a model imports it (a
+# module made under torch.device("meta") initializes through the Python meta kernel of normal_,
+# which disables dynamo and so imports it), 1.3 s of CPU a process. Forked ranks inherit it instead
+# of each paying it (test_context_parallel.py alone: 289 s of CPU without, 76 s with). Before, a shard
+# imported it whenever one of its tests first compiled or built a model in this process: one shard
+# of CI forked its ranks for 335 s first (test_activation_parity.py to test_context_parallel.py).
+import torch._dynamo  # noqa: E402, F401
 
 # One thread in the test process too: forked ranks inherit a clean pool, and timings do not fight.
 torch.set_num_threads(1)

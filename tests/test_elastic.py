@@ -31,7 +31,7 @@ from helpers import descendant_pids, trainer_on_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 300  # a whole torchrun job on a loaded 2-core machine; a hang fails here, named
-STEPS = 40
+STEPS = 24  # the kill comes after 4 logged steps and a checkpoint, with at least 2 steps to go
 ROUND_TIMEOUT_S = 20  # one restart round of two forked ranks; a hang fails the test after it
 
 

@@ -314,7 +314,7 @@ def measure_matmul_flops(size: int, dtype_name: str = "fp32", repeats: int = 3) 
 def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_size: int = 256,
               comm_ranks: int = 2, comm_bytes: int = 16 * MIB, measure_comm: bool = True,
               base: HardwareProfile | None = None, split_stage: dict[str, int] | None = None,
-              threads: int | None = 1, comm_trials: int = 3) -> HardwareProfile:
+              threads: int | None = 1, comm_trials: int = 3, comm_burst_s: float = 50e-3) -> HardwareProfile:
     """Measure this machine and return (and, with ``output``, write) a profile.
 
     On a CPU the rates are one rank's, measured with ``threads`` intra-op threads (1: what a rank
@@ -327,7 +327,9 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
     preset unless given). Links inside a node are the measured all-reduce; across nodes keep base's.
     ``weight_grad_fraction`` is measured on a pipeline stage shaped by ``split_stage`` (keyword
     arguments of ``weight_grad.measure_backward_split``; its defaults if None). ``comm_trials``:
-    separate measurements of the collectives, their median kept (:func:`measure_collectives`).
+    separate measurements of the collectives, their median kept (:func:`measure_collectives`);
+    ``comm_burst_s``: the compute between two collectives when their latency after compute is
+    measured (``burst_s`` there: a CPU micro-batch's forward; a test shortens it).
     """
     import torch
 
@@ -347,7 +349,7 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
         if not cpu:
             values["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
         if measure_comm and comm_ranks > 1:
-            rates = measure_collectives(comm_ranks, comm_bytes, trials=comm_trials)
+            rates = measure_collectives(comm_ranks, comm_bytes, burst_s=comm_burst_s, trials=comm_trials)
             values.update(rates.profile_fields())
             source.append(rates.describe(comm_ranks, comm_bytes))
         points = measure_gemms("fp32", repeats=10)
