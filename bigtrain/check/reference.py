@@ -118,7 +118,7 @@ class ReferenceRun:
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        self.optimizer = _optimizer([g for g in groups if g["params"]], cfg.optim)
+        self.optimizer = reference_optimizer_of([g for g in groups if g["params"]], cfg.optim)
         d = cfg.data
         self.sampler = TokenSampler(load_corpus(d), d.seq_len,
                                     cfg.train.global_batch, cfg.train.seed, d.ignore_target, d.val_fraction)
@@ -279,7 +279,12 @@ def config_gradient_delay(cfg: Config) -> int:
                      "parallel.pp_vertical_sync = true")
 
 
-def _optimizer(groups: list[dict], o) -> torch.optim.Optimizer:
+# The optimizers the references state (optim.name); any other is the trainer's alone.
+REFERENCE_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion", "sgd_momentum")
+
+
+def reference_optimizer_of(groups: list[dict], o) -> torch.optim.Optimizer:
+    """The reference's own optimizer of ``optim.name`` (one of REFERENCE_OPTIMIZERS) over ``groups``."""
     if o.name == "adamw":
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     if o.name == "sgd_momentum":
