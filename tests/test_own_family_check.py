@@ -126,3 +126,77 @@ def test_bigtrain_check_runs_from_the_command_line(corpus_cache, tmp_path, capsy
                  "--data.max_bytes=400000"]) == 0
     assert "agree: 2 steps" in capsys.readouterr().out
     assert "gpt2_family" in sys.modules
+
+
+class TupleBlock(torch.nn.Module):
+    """A block returning (hidden, None), as Hugging Face's layers do: no single tensor to compare."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x)))), None
+
+
+class TupleDecoder(torch.nn.Module):
+    """Token embeddings scaled by a buffer its constructor computes (lost on the meta device: the
+    family's init_fn gives it), blocks of tuples, a final norm and an untied head."""
+
+    def __init__(self, vocab: int, dim: int, layers: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, dim), persistent=False)
+        self.layers = torch.nn.ModuleList(TupleBlock(dim) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) * self.gain
+        for layer in self.layers:
+            x, _ = layer(x)
+        return self.head(self.norm(x))
+
+
+def _tuple_init(cfg, model):
+    from bigtrain.families.own import seeded_init
+
+    weights = seeded_init(cfg, model)
+    return lambda name, shape: torch.linspace(0.5, 1.5, shape[0]) if name == "gain" else weights(name, shape)
+
+
+def test_a_family_with_its_own_init_and_tuple_blocks_is_checked_at_dp2_zero3(corpus_cache, tmp_path):
+    """The family's init_fn values the reference too (its buffer included); blocks returning tuples
+    are not compared, the final norm and head are; ZeRO-3 with the blocks as units agrees."""
+    from bigtrain.families import Family
+
+    def build(cfg):
+        with torch.device("meta"):
+            return TupleDecoder(cfg.model.vocab_size, cfg.model.dim, cfg.model.n_layers)
+
+    registry.register_family(Family(name="tuples", summary="a test decoder of tuples", build_meta=build,
+                                    init_fn=_tuple_init, blocks=lambda m: m.layers, final_norm="norm",
+                                    head="head"))
+    cfg = _config(corpus_cache, "--model.family=tuples", "--model.family_module=", "--parallel.dp=2",
+                  "--parallel.zero=3")
+    report = _check(cfg, tmp_path)
+    assert report.agree, report.text()
+    assert report.worst["loss"] <= 1e-6, report.text()
+    reference = OwnReference(cfg)
+    assert torch.equal(reference.model.gain, torch.linspace(0.5, 1.5, cfg.model.dim))
+    step = reference.train_step(capture=True)
+    assert sorted(step.outputs) == ["head", "norm"]  # the blocks' tuples are not compared
+
+
+def test_a_familys_own_reference_replaces_the_generic_one(corpus_cache):
+    import gpt2_family
+
+    class Mine:
+        @staticmethod
+        def problems(cfg):
+            return ["mine"]
+
+    cfg = _config(corpus_cache, "--parallel.dp=1", "--parallel.zero=0")
+    registry.FAMILIES["gpt2"] = replace(gpt2_family.GPT2_FAMILY, reference=Mine)
+    assert reference_problems(cfg) == ["mine"]
