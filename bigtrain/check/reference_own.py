@@ -93,8 +93,9 @@ def captured_of(family: Family, cfg: Config) -> Callable[[str], bool]:
     names = {name for name in (family.final_norm, family.head) if name}
     if family.blocks is not None:
         blocks = family.blocks(model)
-        prefix = next(name for name, m in model.named_modules() if m is blocks)
-        names |= {f"{prefix}.{child}" if prefix else child for child, _ in blocks.named_children()}
+        prefix = next((name for name, m in model.named_modules() if m is blocks), None)
+        if prefix is not None:  # else not the model's own module: nothing of it can be named
+            names |= {f"{prefix}.{child}" if prefix else child for child, _ in blocks.named_children()}
     return names.__contains__
 
 
