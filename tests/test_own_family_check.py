@@ -113,10 +113,21 @@ def test_the_reference_starts_from_the_trainers_values_and_compares_the_blocks(c
 
 def test_check_refuses_what_the_reference_does_not_state_naming_the_field(corpus_cache, capsys, monkeypatch):
     monkeypatch.chdir(EXAMPLE)
-    assert main(["check", "--config", "gpt2.toml", "--parallel.dp=1", "--parallel.zero=0",
-                 "--precision.mode=fp16"]) == 2
-    assert "precision.mode = 'fp16': the reference of a family of one's own (model.family = 'gpt2') does not " \
-           "state it" in capsys.readouterr().err
+    assert main(["check", "--config", "gpt2.toml", "--offload.optimizer=cpu", "--offload.delayed_update=true"]) == 2
+    assert "offload.delayed_update = true: the reference of a family of one's own (model.family = 'gpt2') does " \
+           "not state it (a gradient one update old); set offload.delayed_update = false" in capsys.readouterr().err
+
+
+def test_fp16_skips_the_same_overflowing_steps_on_both_sides(corpus_cache, tmp_path):
+    """A loss scale of 1e12, backed off by 1e-6: the first two steps overflow fp16 on both sides
+    and are skipped (their inf gradients are no difference), the third is compared at fp16's bounds."""
+    scale = ("--precision.mode=fp16", "--precision.loss_scale=1e12", "--precision.scale_backoff=1e-6")
+    cfg = _config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", *scale)
+    report = _check(cfg, tmp_path)
+    assert report.agree, report.text()
+    assert report.tolerance.loss == 1e-3
+    reference = OwnReference(cfg)
+    assert [reference.train_step().skipped for _ in range(STEPS)] == [True, True, False]
 
 
 def test_bigtrain_check_runs_from_the_command_line(corpus_cache, tmp_path, capsys, monkeypatch):

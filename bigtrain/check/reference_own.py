@@ -13,15 +13,16 @@ The recipe it states:
 - loss: the summed next-token cross-entropy (fp32) over the global batch, divided by the number of
   targets the loss counts (masked targets are left out), accumulated over micro-batches of
   ``train.micro_batch`` sequences;
-- precision: fp32; or bf16 compute weights that are a copy of fp32 masters, gradients accumulated in
-  fp32 on the masters (FSDP's ``param_dtype`` + fp32 ``reduce_dtype`` recipe);
+- precision: fp32; or bf16/fp16 compute weights that are a copy of fp32 masters, gradients accumulated
+  in fp32 on the masters (FSDP's ``param_dtype`` + fp32 ``reduce_dtype`` recipe); fp16 with a dynamic
+  loss scale that skips overflowing steps (:class:`bigtrain.core.reference_step.ReferenceLossScale`);
 - ``torch.nn.utils.clip_grad_norm_`` over the trainable parameters, then the reference's optimizer
   of ``optim.name`` (``torch.optim.AdamW``, ...: :func:`bigtrain.check.reference.reference_optimizer_of`)
   with decay on matrices only, at the learning rate of linear warm-up then cosine decay; a
   parameter the forward did not reach steps with a zero gradient, as the trainer's flat buffers do.
 
 What it does not state, :meth:`OwnReference.problems` names and ``bigtrain check`` refuses before
-launch: fp16's dynamic loss scale, float8 and int8 activation compression (they change the blocks'
+launch: float8 and int8 activation compression (they change the blocks'
 linears), the delays of ZeRO-Offload's delayed update and of asynchronous pipelines, local SGD, and
 bigtrain's MoE blocks (their routers' bias updates and balance loss).
 
@@ -40,8 +41,8 @@ from torch import nn
 
 from bigtrain.check.reference import REFERENCE_OPTIMIZERS, exact_problem, reference_optimizer_of
 from bigtrain.config import Config
-from bigtrain.core.reference_step import (ReferenceStep, accumulate_into_masters, copy_masters_to,
-                                          reference_learning_rate)
+from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, accumulate_into_masters,
+                                          copy_masters_to, reference_learning_rate)
 from bigtrain.core.targets import IGNORE_INDEX
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.families import Family, family_of
@@ -50,7 +51,8 @@ from bigtrain.families.own import initial_values
 from bigtrain.models.moe import MoEFeedForward
 from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS
 
-MODES = {"fp32": None, "bf16": torch.bfloat16}  # precision.mode -> the compute copy's dtype (None: the masters)
+# precision.mode -> the compute copy's dtype (None: the masters)
+MODES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def materialized(family: Family, cfg: Config, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -109,9 +111,6 @@ class OwnReference:
         p, name = cfg.parallel, cfg.model.family
         why = f"the reference of a family of one's own (model.family = '{name}') does not state it"
         out = []
-        if cfg.precision.mode not in MODES:
-            out.append(f"precision.mode = '{cfg.precision.mode}': {why} (fp16's dynamic loss scale); check in "
-                       f"'fp32' or 'bf16'")
         if cfg.optim.name not in REFERENCE_OPTIMIZERS:
             out.append(f"optim.name = '{cfg.optim.name}': the reference steps with "
                        f"{', '.join(repr(o) for o in REFERENCE_OPTIMIZERS)} only")
@@ -151,8 +150,8 @@ class OwnReference:
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.model = materialized(family_of(cfg), cfg, dtype)  # the masters
         low = MODES[cfg.precision.mode]
-        # bf16: a bf16 copy of the weights computes (buffers as they are), its gradients summed into
-        # the fp32 masters the optimizer steps.
+        # bf16 / fp16: a copy of the weights in it computes (buffers as they are), its gradients
+        # summed into the fp32 masters the optimizer steps.
         self.compute = parameters_in(self.model, low) if low is not None else self.model
         self.model.to(self.device)
         self.compute.to(self.device)
@@ -165,6 +164,7 @@ class OwnReference:
         self.sampler = TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target,
                                     d.val_fraction)
         self.captured = captured_of(family_of(cfg), cfg)
+        self.loss_scale = ReferenceLossScale(cfg.precision)
         self.step = 0
 
     def learning_rate(self, step: int) -> float:
@@ -186,7 +186,7 @@ class OwnReference:
                 loss = F.cross_entropy(logits.to(self.dtype).flatten(0, 1),
                                        targets[first:first + t.micro_batch].flatten(), reduction="sum")
                 loss_sum += float(loss.detach())
-                (loss / counted).backward()
+                (loss / counted * self.loss_scale.scale).backward()
                 if self.compute is not self.model:
                     accumulate_into_masters(self.model, self.compute)
         finally:
@@ -195,18 +195,22 @@ class OwnReference:
         for p in self.params:  # not reached by this step's forward: a zero gradient, as in a flat buffer
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif self.loss_scale.scale != 1.0:
+                p.grad.div_(self.loss_scale.scale)
         grads = {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()
                  if capture and p.requires_grad}
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.learning_rate(self.step)
-        self.optimizer.step()
+        skipped = self.loss_scale.skips(norm)
+        if not skipped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.learning_rate(self.step)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.compute is not self.model:
             copy_masters_to(self.compute, self.model)
         self.step += 1
-        result = ReferenceStep(loss=loss_sum / counted, grad_norm=norm, skipped=False, grads=grads)
+        result = ReferenceStep(loss=loss_sum / counted, grad_norm=norm, skipped=skipped, grads=grads)
         if capture:
             result.outputs = {name: torch.cat(parts) for name, parts in outputs.items()}
             result.weights = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
