@@ -194,7 +194,8 @@ def _owners(shared: list[dict], key: str) -> dict[str, list[int]]:
 
 def _layout_and_reference(cfg: Config, mesh: Mesh, run_dir: str | Path, device: torch.device | str):
     """(the trainer of ``cfg``'s model on this rank, a factory of its reference on a device, the
-    predicate naming the modules whose outputs are compared)."""
+    predicate naming the modules whose outputs are compared). A family of one's own without a
+    reference of its own gets the generic one (bigtrain/check/reference_own.py)."""
     family = family_of(cfg)
     trainer = Trainer(cfg, Path(run_dir), mesh, device)
     if family.own_step is not None:  # a step of its own, and the reference written for it
@@ -207,8 +208,9 @@ def _layout_and_reference(cfg: Config, mesh: Mesh, run_dir: str | Path, device: 
 
 def reference_problems(cfg: Config) -> list[str]:
     """What ``bigtrain check`` cannot compare for ``cfg``'s model: the family's own reference says
-    what it does not state; the decoder reference builds the model of the [model] fields; a loop of
-    its own brings its own (OWN_STEP_REFERENCES)."""
+    what it does not state, and so does the generic one of a decoder of one's own
+    (:class:`~bigtrain.check.reference_own.OwnReference`); the decoder reference builds the model of
+    the [model] fields; a loop of its own brings its own (OWN_STEP_REFERENCES)."""
     family = family_of(cfg)
     if family.own_step is not None:
         return [] if family.own_step in OWN_STEP_REFERENCES else [
