@@ -63,6 +63,7 @@ def materialized(family: Family, cfg: Config, dtype: torch.dtype = torch.float32
     if values is None:  # the model's own (parallelize's default)
         values = lambda name, shape: model.initial_value(name, shape, cfg.train.seed)  # noqa: E731
     computed = [name for name, b in model.named_buffers() if b.is_meta]
+    held = {name: b.clone() for name, b in model.named_buffers() if not b.is_meta}  # to_empty would drop them
     first: dict[int, str] = {}  # each parameter's first name: a tied weight's other names copy it
     ties = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
     model.to_empty(device="cpu")  # a new tensor for each name: a tied weight is tied again below
@@ -70,6 +71,9 @@ def materialized(family: Family, cfg: Config, dtype: torch.dtype = torch.float32
         if name != tied_to:
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, model.get_parameter(tied_to))
+    for name, value in held.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied weight once, by the name the trainer saves
             p.data = values(name, tuple(p.shape)).to(dtype).reshape(p.shape).clone()
