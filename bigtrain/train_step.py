@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 
-from bigtrain.checkpoint.hf import initial_weights
 from bigtrain.config import Config
 from bigtrain.core.targets import IGNORE_INDEX
 from bigtrain.data import TokenSampler, load_corpus
@@ -25,7 +24,7 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.families import Family, family_of, model_vocabulary
-from bigtrain.families.own import seeded_init
+from bigtrain.families.own import initial_values
 from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.deferred import DeferredUpdate, LandedUpdate, deferrable
 from bigtrain.parallel.pipeline.executor import PipelineExecutor
@@ -101,13 +100,7 @@ def parallelize_family(family: Family, cfg: Config, mesh: Mesh, run_dir: str, de
     if family.context_parallel is not None:
         plan = dataclasses.replace(plan, tensor=dataclasses.replace(plan.tensor,
                                                                     context_attention=family.context_parallel))
-    if family.init_fn is not None:
-        init_fn = family.init_fn(cfg, model)
-    elif family.llama_fallbacks or hasattr(model, "initial_value"):
-        init_fn = initial_weights(cfg.model)  # model.init_from's weights, else the model's own initial_value
-    else:  # a family of one's own (validation refused model.init_from for it)
-        init_fn = seeded_init(cfg, model)
-    return parallelize(model, mesh, plan, device, init_fn=init_fn)
+    return parallelize(model, mesh, plan, device, init_fn=initial_values(family, cfg, model))
 
 
 class StepRunner:

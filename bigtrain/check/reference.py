@@ -38,7 +38,6 @@ a captured step returns (outputs, gradients, weights) is copied to the CPU.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Callable
 
 import torch
@@ -47,8 +46,8 @@ import torch.nn.functional as F
 from bigtrain.config import Config
 from bigtrain.core.int8_reference import int8_weight_gradients
 # every family's reference writes a ReferenceStep
-from bigtrain.core.reference_step import (ReferenceStep, accumulate_into_masters, copy_masters_to,
-                                          reference_learning_rate)
+from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, accumulate_into_masters,
+                                          copy_masters_to, reference_learning_rate)
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
@@ -118,12 +117,11 @@ class ReferenceRun:
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        self.optimizer = _optimizer([g for g in groups if g["params"]], cfg.optim)
+        self.optimizer = reference_optimizer_of([g for g in groups if g["params"]], cfg.optim)
         d = cfg.data
         self.sampler = TokenSampler(load_corpus(d), d.seq_len,
                                     cfg.train.global_batch, cfg.train.seed, d.ignore_target, d.val_fraction)
-        self.loss_scale = cfg.precision.loss_scale if mode == "fp16" else 1.0
-        self.clean_steps = 0
+        self.loss_scale = ReferenceLossScale(cfg.precision)
         self.step = 0
 
     @classmethod
@@ -155,7 +153,7 @@ class ReferenceRun:
                 loss = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets[first:first + micro].flatten(),
                                        reduction="sum")
                 loss_sum += float(loss.detach())
-                (loss / counted * self.loss_scale).backward()
+                (loss / counted * self.loss_scale.scale).backward()
                 if self.mixed:  # with a delay, the gradient of the delayed weights into the current masters
                     accumulate_into_masters(self.master, model)
         finally:
@@ -214,21 +212,14 @@ class ReferenceRun:
 
     def _update(self) -> ReferenceStep:
         params = [p for p in self.master.parameters() if p.grad is not None]
-        if self.loss_scale != 1.0:
+        if self.loss_scale.scale != 1.0:
             for p in params:
-                p.grad.div_(self.loss_scale)
+                p.grad.div_(self.loss_scale.scale)
         grads = {n: p.grad.detach().cpu().clone() for n, p in self.master.named_parameters() if p.grad is not None}
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        skipped = self.cfg.precision.mode == "fp16" and not math.isfinite(norm)
-        if skipped:
-            self.loss_scale = max(1.0, self.loss_scale * self.cfg.precision.scale_backoff)
-            self.clean_steps = 0
-        else:
-            if self.cfg.precision.mode == "fp16":
-                self.clean_steps += 1
-                if self.clean_steps % self.cfg.precision.scale_growth_interval == 0:
-                    self.loss_scale *= 2.0
+        skipped = self.loss_scale.skips(norm)
+        if not skipped:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.learning_rate(self.step)
             self.optimizer.step()
@@ -279,7 +270,12 @@ def config_gradient_delay(cfg: Config) -> int:
                      "parallel.pp_vertical_sync = true")
 
 
-def _optimizer(groups: list[dict], o) -> torch.optim.Optimizer:
+# The optimizers the references state (optim.name); any other is the trainer's alone.
+REFERENCE_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion", "sgd_momentum")
+
+
+def reference_optimizer_of(groups: list[dict], o) -> torch.optim.Optimizer:
+    """The reference's own optimizer of ``optim.name`` (one of REFERENCE_OPTIMIZERS) over ``groups``."""
     if o.name == "adamw":
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     if o.name == "sgd_momentum":

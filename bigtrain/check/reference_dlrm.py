@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bigtrain.check.reference import ReferenceRun, ReferenceStep, _optimizer
+from bigtrain.check.reference import ReferenceRun, ReferenceStep, reference_optimizer_of
 from bigtrain.config import Config
 from bigtrain.models.dlrm import build_dlrm
 from bigtrain.recsys.data import sampler_for
@@ -46,7 +46,7 @@ class DlrmReference:
         dense = [p for n, p in self.model.named_parameters() if not n.startswith("embeddings.")]
         groups = [{"params": [p for p in dense if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                   {"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0}]
-        self.optimizer = _optimizer(groups, cfg.optim)
+        self.optimizer = reference_optimizer_of(groups, cfg.optim)
         self.dense = dense
         self.tables = [t.weight for t in self.model.embeddings.tables]
         self.accumulators = [torch.zeros(w.shape[0], device=self.device) for w in self.tables]

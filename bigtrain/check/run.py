@@ -34,11 +34,12 @@ from bigtrain.check.compare import (Tolerance, assemble, gradients_difference, r
                                    tolerance_for)
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
 from bigtrain.check.reference_dlrm import OWN_STEP_REFERENCES
+from bigtrain.check.reference_own import OwnReference, captured_of
 from bigtrain.check.replay import replayed_step, starts_fresh, stepped_parameters, updates_explained
 from bigtrain.config import Config
 from bigtrain.distributed.mesh import AXES, Mesh
 from bigtrain.families import family_of
-from bigtrain.families.own import none_for
+from bigtrain.families.own import none_for, owns_slots
 from bigtrain.parallel.compile import CompileFallbackWarning
 from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS
 from bigtrain.train import Trainer
@@ -126,8 +127,8 @@ class OutputProbe:
                         for name, m in modules if captured(name)]
 
     def _record(self, name: str, out) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return
+        if torch._C._current_graph_task_id() != -1 or not torch.is_tensor(out):
+            return  # a tuple (a block of one's own may return one): the reference compares none either
         self.outputs.setdefault(name, []).append(out.detach().float().cpu().clone())
 
     def take(self) -> dict[str, torch.Tensor]:
@@ -193,25 +194,31 @@ def _owners(shared: list[dict], key: str) -> dict[str, list[int]]:
 
 def _layout_and_reference(cfg: Config, mesh: Mesh, run_dir: str | Path, device: torch.device | str):
     """(the trainer of ``cfg``'s model on this rank, a factory of its reference on a device, the
-    predicate naming the modules whose outputs are compared)."""
+    predicate naming the modules whose outputs are compared). A family of one's own without a
+    reference of its own gets the generic one (bigtrain/check/reference_own.py)."""
     family = family_of(cfg)
     trainer = Trainer(cfg, Path(run_dir), mesh, device)
     if family.own_step is not None:  # a step of its own, and the reference written for it
         reference, captured = OWN_STEP_REFERENCES[family.own_step]
         return trainer, reference, captured
+    if family.reference is None and owns_slots(family):  # a decoder of one's own: the generic reference
+        return trainer, OwnReference, captured_of(family, cfg)
     return trainer, family.reference or ReferenceRun, family.captured or captured_module
 
 
 def reference_problems(cfg: Config) -> list[str]:
     """What ``bigtrain check`` cannot compare for ``cfg``'s model: the family's own reference says
-    what it does not state; the decoder reference builds the model of the [model] fields; a loop of
-    its own brings its own (OWN_STEP_REFERENCES)."""
+    what it does not state, and so does the generic one of a decoder of one's own
+    (:class:`~bigtrain.check.reference_own.OwnReference`); the decoder reference builds the model of
+    the [model] fields; a loop of its own brings its own (OWN_STEP_REFERENCES)."""
     family = family_of(cfg)
     if family.own_step is not None:
         return [] if family.own_step in OWN_STEP_REFERENCES else [
             f"model.family = '{family.name}': bigtrain check has no reference for its step"]
     if family.reference is not None:
         return family.reference.problems(cfg)
+    if owns_slots(family):
+        return OwnReference.problems(cfg)
     if family.llama_fallbacks and family.model_fields:
         return []
     return [none_for(family, "reference", "bigtrain check compares each step with an independent reference of the "

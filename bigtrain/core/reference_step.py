@@ -37,6 +37,33 @@ def reference_learning_rate(cfg, step: int) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class ReferenceLossScale:
+    """fp16's dynamic loss scale as the references state it (apart from bigtrain.precision's): the
+    loss is multiplied by ``scale`` before backward and the gradients divided by it after; a step
+    whose gradient norm is not finite is skipped and the scale multiplied by
+    ``precision.scale_backoff`` (not below 1); every ``precision.scale_growth_interval`` clean steps
+    it doubles. Outside fp16: 1, and no step is skipped."""
+
+    def __init__(self, precision):
+        self.fp16 = precision.mode == "fp16"
+        self.scale = precision.loss_scale if self.fp16 else 1.0
+        self.backoff, self.growth_interval = precision.scale_backoff, precision.scale_growth_interval
+        self.clean_steps = 0
+
+    def skips(self, norm: float) -> bool:
+        """Whether the step whose unscaled gradient norm is ``norm`` is skipped; the scale moves for the next."""
+        if not self.fp16:
+            return False
+        if not math.isfinite(norm):
+            self.scale = max(1.0, self.scale * self.backoff)
+            self.clean_steps = 0
+            return True
+        self.clean_steps += 1
+        if self.clean_steps % self.growth_interval == 0:
+            self.scale *= 2.0
+        return False
+
+
 # -- mixed precision, as the references state it: a low-precision copy computes, fp32 masters step --
 def accumulate_into_masters(masters, low) -> None:
     """Add each low-precision parameter's gradient (``low``, the compute copy) into its master's,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import zlib
 from typing import TYPE_CHECKING
 
+from bigtrain.checkpoint.hf import initial_weights
 from bigtrain.config import Config
 from bigtrain.families.spec import Family, InitFn
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
@@ -113,6 +114,19 @@ def seeded_init(cfg: Config, model: "nn.Module") -> InitFn:
         return torch.randn(shape, generator=gen) * std
 
     return init_fn
+
+
+def initial_values(family: Family, cfg: Config, model: "nn.Module") -> InitFn | None:
+    """Each parameter's (and computed buffer's) full initial value by name, as the Trainer gives it
+    to ``parallelize`` and ``bigtrain check``'s reference of a family of one's own draws it (one
+    function, so the two cannot start apart): the family's ``init_fn``; else, for a model with its
+    own ``initial_value`` (bigtrain's Llama) or a built-in decoder, model.init_from's weights, None
+    without it (then ``model.initial_value(name, shape, train.seed)``); else :func:`seeded_init`."""
+    if family.init_fn is not None:
+        return family.init_fn(cfg, model)
+    if family.llama_fallbacks or hasattr(model, "initial_value"):
+        return initial_weights(cfg.model)
+    return seeded_init(cfg, model)  # a family of one's own (validation refused model.init_from for it)
 
 
 def parameter_count(family: Family, cfg: Config) -> int:

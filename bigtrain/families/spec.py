@@ -9,7 +9,7 @@ the family and never names one.
 
 A slot left None means bigtrain's Llama's implementation only for the built-in decoders
 (``llama_fallbacks``). In a family of one's own it means the family has none: what needs the slot
-(tp, pp, recomputation, the fused loss, the planner, ``bigtrain check``, export, generate) is
+(tp, pp, recomputation, the fused loss, the planner, export, generate) is
 refused before launch naming it (:mod:`bigtrain.families.own`), never run with Llama's.
 
 Layering: this package sits above the model, parallel and recommender packages (it names their
@@ -102,7 +102,8 @@ class Family:
     plan_command: Callable[["Config", int, bool], int] | None = None
     # Its independent reference for ``bigtrain check``: a class (cfg, device) with train_step(capture)
     # -> ReferenceStep, learning_rate(step) and problems(cfg) (what it does not state), and which
-    # modules' outputs are compared (by name); None: the decoder reference of bigtrain.check.reference.
+    # modules' outputs are compared (by name); None: the decoder reference of bigtrain.check.reference
+    # (a family of one's own: bigtrain.check.reference_own's, of its model, comparing its blocks' outputs).
     reference: type | None = None
     captured: Callable[[str], bool] | None = None
     # Its own step, taken by bigtrain.train.Trainer (whose run, NaN policy, signals, metrics and

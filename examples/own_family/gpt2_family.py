@@ -14,9 +14,10 @@ and the model on the meta device from the config (bigtrain materializes each ran
 initializes it by (seed, name): LayerNorm weights one, biases zero, other weights normal with
 model.init_std). Optional slots it fills: ``blocks`` lets recomputation (memory.checkpointing) and
 activation offload take the decoder blocks one by one; ``tp_plan`` cuts it for parallel.tp > 1;
-``check_config`` refuses what that plan does not do. Everything else is left None: pipeline
-parallelism, the fused loss, ``bigtrain plan``, ``bigtrain check``, export to Hugging Face and
-generate say "none for this family" before launch.
+``check_config`` refuses what that plan does not do. ``bigtrain check --config gpt2.toml`` compares
+its layouts with bigtrain's generic reference of a family of one's own (the model in one plain
+process). Everything else is left None: pipeline parallelism, the fused loss, ``bigtrain plan``,
+export to Hugging Face and generate say "none for this family" before launch.
 """
 
 from __future__ import annotations
