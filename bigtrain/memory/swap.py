@@ -8,12 +8,20 @@ writes run on a small thread pool (file I/O releases the GIL), so the next unit'
 while this one is stepped and the last one's written: :meth:`prefetch` starts a read, :meth:`swap_in`
 waits for it. Each write completes before the tensor's next read (a tensor's jobs are chained).
 No native code: ``os.pwrite`` / ``os.preadv`` of the tensor's storage, seen through ctypes.
+
+The files go in a directory of the store's own, made under the one it is given and removed with
+its files when the store is closed, collected or the process exits: the file names (global rank and
+unit) are the same in every run, so two runs given one ``offload.nvme_dir`` would otherwise read
+each other's tensors, silently (as would a run and a leftover of one killed with SIGKILL).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import tempfile
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,14 +30,16 @@ import torch
 
 class SwapStore:
     def __init__(self, directory: str | Path, threads: int = 2):
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        parent = Path(directory)
+        parent.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"swap-{os.getpid()}-", dir=parent))
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bigtrain-swap")
         self._jobs: dict[str, Future] = {}
         self._nbytes: dict[str, int] = {}
         self._fds: dict[str, int] = {}
         self.bytes_written = 0
         self.bytes_read = 0
+        self._remove = weakref.finalize(self, _remove_files, self.dir, self._fds)
 
     def _fd(self, key: str) -> int:
         if key not in self._fds:
@@ -93,7 +103,11 @@ class SwapStore:
             view = self._buffer(t)
             done = 0
             while done < len(view):
-                done += os.preadv(fd, [view[done:]], done)
+                got = os.preadv(fd, [view[done:]], done)
+                if got == 0:  # the file is shorter than what was written to it: never read zeros as data
+                    raise OSError(f"offload file {self.dir / key} holds {done} bytes, {len(view)} were written "
+                                  f"to it: it was truncated by something else; its tensor is lost")
+                done += got
 
         self.bytes_read += self._nbytes[key]
         self._after(key, read)
@@ -119,6 +133,11 @@ class SwapStore:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._remove()
+
+
+def _remove_files(directory: Path, fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+    shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,41 @@
+"""The NVMe tier's files (bigtrain/memory/swap.py): two runs given one offload.nvme_dir keep their
+tensors apart (their file names, global rank and unit, are the same in every run), a file cut short
+by something else is an error, never zeros read as data, and the files go when the store does."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bigtrain.memory.swap import SwapStore
+
+
+def test_two_stores_given_one_directory_keep_their_own_tensors(tmp_path):
+    first, second = SwapStore(tmp_path), SwapStore(tmp_path)
+    a, b = torch.full((64,), 1.0), torch.full((64,), 2.0)
+    first.swap_out("0.unit0.master", a)  # the same key: the same rank and unit of another run
+    second.swap_out("0.unit0.master", b)
+    first.swap_in("0.unit0.master", a)
+    second.swap_in("0.unit0.master", b)
+    assert torch.equal(a, torch.full((64,), 1.0)) and torch.equal(b, torch.full((64,), 2.0))
+
+
+def test_a_truncated_file_is_an_error_not_a_hang_or_zeros(tmp_path):
+    store = SwapStore(tmp_path)
+    t = torch.arange(64, dtype=torch.float32)
+    store.swap_out("k", t)
+    store.wait()
+    os.truncate(store.dir / "k", 100)
+    with pytest.raises(OSError, match="truncated"):
+        store.swap_in("k", t)
+
+
+def test_closing_the_store_removes_its_files(tmp_path):
+    store = SwapStore(tmp_path)
+    store.swap_out("k", torch.ones(16))
+    store.wait()
+    assert any(store.dir.iterdir())
+    store.close()
+    assert list(tmp_path.iterdir()) == []
