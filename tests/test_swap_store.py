@@ -39,3 +39,21 @@ def test_closing_the_store_removes_its_files(tmp_path):
     assert any(store.dir.iterdir())
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_processs_files_are_removed_by_the_next_store(tmp_path):
+    """A run killed with SIGKILL leaves its store's directory (named by host and pid); its restart,
+    a new process, removes it, and leaves a live process's alone."""
+    import subprocess
+
+    from bigtrain.memory.swap import _prefix
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process that is no more, as a killed run's
+    left = tmp_path / f"{_prefix()}{gone.pid}-x1"
+    left.mkdir()
+    (left / "0.unit0.master").write_bytes(b"\0" * 4096)
+    live = SwapStore(tmp_path)
+    assert not left.exists() and live.dir.exists()
+    SwapStore(tmp_path)  # another store of a live process beside it
+    assert live.dir.exists()

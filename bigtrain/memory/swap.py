@@ -12,7 +12,9 @@ No native code: ``os.pwrite`` / ``os.preadv`` of the tensor's storage, seen thro
 The files go in a directory of the store's own, made under the one it is given and removed with
 its files when the store is closed, collected or the process exits: the file names (global rank and
 unit) are the same in every run, so two runs given one ``offload.nvme_dir`` would otherwise read
-each other's tensors, silently (as would a run and a leftover of one killed with SIGKILL).
+each other's tensors, silently. A directory left by a process that died without closing it (SIGKILL,
+an out-of-memory kill) is removed by the next store made beside it on the same host, so a run
+restarted after crashes does not pile its files up on the disk.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import socket
 import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +35,8 @@ class SwapStore:
     def __init__(self, directory: str | Path, threads: int = 2):
         parent = Path(directory)
         parent.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"swap-{os.getpid()}-", dir=parent))
+        _remove_dead_processes_files(parent)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{_prefix()}{os.getpid()}-", dir=parent))
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bigtrain-swap")
         self._jobs: dict[str, Future] = {}
         self._nbytes: dict[str, int] = {}
@@ -134,6 +138,26 @@ class SwapStore:
         self.wait()
         self._pool.shutdown()
         self._remove()
+
+
+def _prefix() -> str:
+    return f"swap-{socket.gethostname().replace('-', '_')}-"
+
+
+def _remove_dead_processes_files(parent: Path) -> None:
+    """Remove the directories of this host's stores whose process is gone (it was killed before
+    its store was closed). Another host's, or a live process's, are left alone."""
+    prefix = _prefix()
+    for entry in parent.glob(f"{prefix}*"):
+        pid = entry.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
 
 
 def _remove_files(directory: Path, fds: dict[str, int]) -> None:
