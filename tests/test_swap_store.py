@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from bigtrain.memory.swap import SwapStore
+from bigtrain.memory.swap import LOCK, PREFIX, SwapStore
 
 
 def test_two_stores_given_one_directory_keep_their_own_tensors(tmp_path):
@@ -42,18 +42,13 @@ def test_closing_the_store_removes_its_files(tmp_path):
 
 
 def test_a_killed_processs_files_are_removed_by_the_next_store(tmp_path):
-    """A run killed with SIGKILL leaves its store's directory (named by host and pid); its restart,
-    a new process, removes it, and leaves a live process's alone."""
-    import subprocess
-
-    from bigtrain.memory.swap import _prefix
-
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # a process that is no more, as a killed run's
-    left = tmp_path / f"{_prefix()}{gone.pid}-x1"
+    """A run killed with SIGKILL leaves its store's directory, whose lock the kernel released; its
+    restart (a new store beside it) removes it, and leaves a live store's alone."""
+    left = tmp_path / f"{PREFIX}999999-x1"  # as a killed process leaves it: files, a lock nobody holds
     left.mkdir()
+    (left / LOCK).touch()
     (left / "0.unit0.master").write_bytes(b"\0" * 4096)
     live = SwapStore(tmp_path)
     assert not left.exists() and live.dir.exists()
-    SwapStore(tmp_path)  # another store of a live process beside it
+    SwapStore(tmp_path)  # another store beside a live one (its lock is held)
     assert live.dir.exists()

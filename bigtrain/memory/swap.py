@@ -12,17 +12,19 @@ No native code: ``os.pwrite`` / ``os.preadv`` of the tensor's storage, seen thro
 The files go in a directory of the store's own, made under the one it is given and removed with
 its files when the store is closed, collected or the process exits: the file names (global rank and
 unit) are the same in every run, so two runs given one ``offload.nvme_dir`` would otherwise read
-each other's tensors, silently. A directory left by a process that died without closing it (SIGKILL,
-an out-of-memory kill) is removed by the next store made beside it on the same host, so a run
-restarted after crashes does not pile its files up on the disk.
+each other's tensors, silently. Each store holds a lock on its directory (``flock``, released by
+the kernel when the process ends however it ends), so a directory left by a process that died
+without closing it (SIGKILL, an out-of-memory kill) is removed by the next store made beside it, and
+a run restarted after crashes does not pile its files up on the disk; a live process's is left alone
+(a pid would not say: processes in other containers share the directory but not the pids).
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import shutil
-import socket
 import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,14 +38,15 @@ class SwapStore:
         parent = Path(directory)
         parent.mkdir(parents=True, exist_ok=True)
         _remove_dead_processes_files(parent)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{_prefix()}{os.getpid()}-", dir=parent))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+        self._lock = _new_lock(self.dir / LOCK)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bigtrain-swap")
         self._jobs: dict[str, Future] = {}
         self._nbytes: dict[str, int] = {}
         self._fds: dict[str, int] = {}
         self.bytes_written = 0
         self.bytes_read = 0
-        self._remove = weakref.finalize(self, _remove_files, self.dir, self._fds)
+        self._remove = weakref.finalize(self, _remove_files, self.dir, self._fds, self._lock)
 
     def _fd(self, key: str) -> int:
         if key not in self._fds:
@@ -140,28 +143,46 @@ class SwapStore:
         self._remove()
 
 
-def _prefix() -> str:
-    return f"swap-{socket.gethostname().replace('-', '_')}-"
+PREFIX = "swap-"
+LOCK = ".lock"
+
+
+def _locked(path: Path) -> int | None:
+    """An fd holding an exclusive lock on ``path`` (created if missing), or None if another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _new_lock(path: Path) -> int:
+    """``path`` made, already locked by this process: the lock is taken under another name and the file
+    renamed, so no other store sees ``path`` unlocked (and takes this directory for a dead one's)."""
+    making = path.with_name(path.name + ".new")
+    fd = _locked(making)
+    assert fd is not None, f"{making} is locked by another process"
+    os.rename(making, path)
+    return fd
 
 
 def _remove_dead_processes_files(parent: Path) -> None:
-    """Remove the directories of this host's stores whose process is gone (it was killed before
-    its store was closed). Another host's, or a live process's, are left alone."""
-    prefix = _prefix()
-    for entry in parent.glob(f"{prefix}*"):
-        pid = entry.name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit():
+    """Remove the directories of stores whose process is gone (killed before its store was closed):
+    their lock is free. A directory whose lock file is not there yet is being made: left alone."""
+    for entry in parent.glob(f"{PREFIX}*"):
+        if not (entry / LOCK).exists():
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        fd = _locked(entry / LOCK)
+        if fd is not None:
             shutil.rmtree(entry, ignore_errors=True)
-        except OSError:  # alive, another user's
-            pass
+            os.close(fd)
 
 
-def _remove_files(directory: Path, fds: dict[str, int]) -> None:
+def _remove_files(directory: Path, fds: dict[str, int], lock: int) -> None:
     for fd in fds.values():
         os.close(fd)
     fds.clear()
     shutil.rmtree(directory, ignore_errors=True)
+    os.close(lock)
