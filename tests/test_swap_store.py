@@ -52,3 +52,21 @@ def test_a_killed_processs_files_are_removed_by_the_next_store(tmp_path):
     assert not left.exists() and live.dir.exists()
     SwapStore(tmp_path)  # another store beside a live one (its lock is held)
     assert live.dir.exists()
+
+
+def test_a_full_disk_is_an_error_naming_the_file_and_the_fix_and_keeps_the_tensor(tmp_path, monkeypatch):
+    import errno
+
+    import bigtrain.memory.swap as swap
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(swap.os, "pwrite", full)
+    store = SwapStore(tmp_path)
+    t = torch.arange(64, dtype=torch.float32)
+    store.swap_out("0.unit0.master", t)
+    with pytest.raises(OSError, match=r"offload could not write 256 bytes to .*0.unit0.master \(No space left on "
+                                      r"device\).*set offload.nvme_dir to a larger disk"):
+        store.wait()
+    assert torch.equal(t, torch.arange(64, dtype=torch.float32))  # still in memory

@@ -89,8 +89,14 @@ class SwapStore:
         def write():
             view = self._buffer(t)
             done = 0
-            while done < nbytes:
-                done += os.pwrite(fd, view[done:], done)
+            try:
+                while done < nbytes:
+                    done += os.pwrite(fd, view[done:], done)
+            except OSError as e:  # the tensor keeps its bytes (not freed): nothing is lost but the run
+                raise OSError(e.errno, f"offload could not write {nbytes:,} bytes to {self.dir / key} "
+                                       f"({e.strerror}); offload.nvme_dir's disk must hold every rank's files "
+                                       f"(bigtrain plan's NVMe figure): free space there or set offload.nvme_dir "
+                                       f"to a larger disk") from e
             t.untyped_storage().resize_(0)
 
         self.bytes_written += nbytes
