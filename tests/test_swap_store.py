@@ -70,3 +70,24 @@ def test_a_full_disk_is_an_error_naming_the_file_and_the_fix_and_keeps_the_tenso
                                       r"device\).*set offload.nvme_dir to a larger disk"):
         store.wait()
     assert torch.equal(t, torch.arange(64, dtype=torch.float32))  # still in memory
+
+
+def _resident_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the process's resident set from /proc")
+def test_a_tensor_written_to_its_file_gives_its_memory_back_to_the_os(tmp_path):
+    """glibc raises its mmap threshold to each freed mapped block's size (to 32 MiB at most), and a
+    later block under it comes from the heap and stays there when freed: a shard under 32 MiB
+    written to its file freed nothing (57M parameters with everything in files: 0.9-1.4 GiB
+    resident between steps where 0.33 GiB with the store's setting)."""
+    torch.ones(24 << 18)  # a 24 MiB block mapped and freed: glibc's threshold goes up to it
+    store = SwapStore(tmp_path)
+    t = torch.ones(16 << 18)  # 16 MiB, under the raised threshold
+    before = _resident_bytes()
+    store.swap_out("0.unit0.master", t)
+    store.wait()
+    assert before - _resident_bytes() >= 12 << 20
+    store.swap_in("0.unit0.master", t)
+    assert torch.equal(t, torch.ones(16 << 18))

@@ -35,6 +35,7 @@ import torch
 
 class SwapStore:
     def __init__(self, directory: str | Path, threads: int = 2):
+        _free_to_the_os()
         parent = Path(directory)
         parent.mkdir(parents=True, exist_ok=True)
         _remove_dead_processes_files(parent)
@@ -147,6 +148,29 @@ class SwapStore:
         self.wait()
         self._pool.shutdown()
         self._remove()
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _free_to_the_os() -> None:
+    """Make a freed storage of 1 MiB or more go back to the OS (glibc; elsewhere nothing to do).
+
+    A storage written to its file is freed to malloc, and glibc keeps a freed block below 32 MiB
+    in the process's heap: each free of an mmap'd block raises its mmap threshold to that block's
+    size (up to 32 MiB), after which such blocks come from the heap and stay there. A run whose
+    units' shards are under 32 MiB (many ranks, narrow layers) then held its whole state resident
+    although it was in files: 57M parameters, ZeRO-3 with optimizer and parameters in files, peak
+    RSS 1.0-1.7 GiB, 0.9-1.4 GiB between steps, where 0.52 and 0.33 GiB with the threshold fixed
+    (the planner: 0.67 GiB). Setting the threshold turns its raising off, for the whole process: each
+    large host allocation is mapped and unmapped (its pages faulted in again), as blocks above
+    32 MiB always are; the price of files that free memory."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        pass
 
 
 PREFIX = "swap-"
