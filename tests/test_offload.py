@@ -669,3 +669,47 @@ def test_pinned_host_memory_is_registered_once_and_unregistered_before_it_is_fre
     del other, c
     gc.collect()
     assert calls == [("pin", ptr, 400), ("unpin", ptr)]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_prefetch_depth_is_how_many_units_are_read_ahead_of_the_step(depth, corpus_cache, tmp_path):
+    """offload.prefetch_depth = 0 was taken as 1 (the docs: units read ahead; 0 is accepted): the most
+    units whose files are being read while one is stepped, counted by the store's reads."""
+    from bigtrain.parallel.zero.offload import UnitOffload
+
+    cfg = tiny_config(corpus_cache, "--parallel.zero=1", "--offload.optimizer=nvme", f"--offload.prefetch_depth={depth}",
+                      f"--offload.nvme_dir={tmp_path / 'nvme'}")
+    trainer = trainer_on_rank(0, 1, cfg, str(tmp_path / "run"))
+    ahead, original = [], UnitOffload.step_units
+
+    def counting(self, grads, lr, publish):
+        units, reads = self.engine.units, []
+        prefetch = self.store.prefetch
+
+        def read(key, t):
+            reads.append(next(i for i, u in enumerate(units) if key.startswith(self._keys(u) + ".")))
+            prefetch(key, t)
+
+        self.store.prefetch = read
+        stepped = []
+        step = self.engine.optimizer.step
+
+        def step_and_count():
+            i = len(stepped)
+            stepped.append(i)
+            ahead.append(max(reads) - i)  # units read (or being read) beyond the one stepped now
+            step()
+
+        self.engine.optimizer.step = step_and_count
+        try:
+            return original(self, grads, lr, publish)
+        finally:
+            self.store.prefetch, self.engine.optimizer.step = prefetch, step
+
+    UnitOffload.step_units = counting
+    try:
+        trainer.train_step()
+    finally:
+        UnitOffload.step_units = original
+    units = len(trainer.engine.units)
+    assert ahead == [min(depth, units - 1 - i) for i in range(units)]

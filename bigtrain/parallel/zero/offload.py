@@ -281,7 +281,7 @@ class UnitOffload:
             group["lr"] = lr
         self._stepping = publish
         try:
-            ahead, in_flight = max(1, self.plan.prefetch_depth), []
+            ahead, in_flight = self.plan.prefetch_depth, []  # 0: each unit read when it is stepped
             if self.store is not None:
                 for unit in units[:ahead]:
                     self._in(moved(unit), wait=False)
