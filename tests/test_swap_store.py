@@ -91,3 +91,20 @@ def test_a_tensor_written_to_its_file_gives_its_memory_back_to_the_os(tmp_path):
     assert before - _resident_bytes() >= 12 << 20
     store.swap_in("0.unit0.master", t)
     assert torch.equal(t, torch.ones(16 << 18))
+
+
+def test_a_dead_stores_directory_removed_by_another_first_is_passed_over(tmp_path, monkeypatch):
+    """The ranks of a restarted run all look for a dead store's directory: one that another rank
+    removed between the listing and the lock is not an error (it was: FileNotFoundError)."""
+    import bigtrain.memory.swap as swap
+
+    left = tmp_path / f"{PREFIX}999999-x1"
+    left.mkdir()
+    (left / LOCK).touch()
+    listed = list(tmp_path.glob(f"{PREFIX}*"))
+    import shutil
+
+    shutil.rmtree(left)  # the other rank was first
+    monkeypatch.setattr(type(tmp_path), "glob", lambda self, pattern: iter(listed))
+    monkeypatch.setattr(type(tmp_path), "exists", lambda self: True)  # as seen just before the other rank removed it
+    swap._remove_dead_processes_files(tmp_path)

@@ -177,9 +177,10 @@ PREFIX = "swap-"
 LOCK = ".lock"
 
 
-def _locked(path: Path) -> int | None:
-    """An fd holding an exclusive lock on ``path`` (created if missing), or None if another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+def _locked(path: Path, create: bool = True) -> int | None:
+    """An fd holding an exclusive lock on ``path`` (created if missing, with ``create``), or None if
+    another process holds it."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -200,11 +201,13 @@ def _new_lock(path: Path) -> int:
 
 def _remove_dead_processes_files(parent: Path) -> None:
     """Remove the directories of stores whose process is gone (killed before its store was closed):
-    their lock is free. A directory whose lock file is not there yet is being made: left alone."""
+    their lock is free. A directory whose lock file is not there yet is being made: left alone; one
+    removed meanwhile (the ranks of a restarted run all look) is passed over."""
     for entry in parent.glob(f"{PREFIX}*"):
-        if not (entry / LOCK).exists():
+        try:
+            fd = _locked(entry / LOCK, create=False)
+        except OSError:  # no lock file yet (being made), or gone: another process removed it first
             continue
-        fd = _locked(entry / LOCK)
         if fd is not None:
             shutil.rmtree(entry, ignore_errors=True)
             os.close(fd)
