@@ -253,6 +253,24 @@ class UnitOffload:
                     self.grad_out(unit)
             self.release_all()
 
+    @contextlib.contextmanager
+    def unit_resident(self, unit):
+        """One unit's file-kept masters, state and parameter shard in memory for the duration (a
+        checkpoint copies that unit's pieces meanwhile), back in their files after; a delayed
+        update still running is waited for first (its masters are what is read)."""
+        if self.delayed is not None:
+            self.delayed.wait()
+        if self.store is None or self._depth:
+            yield
+            return
+        self._stepping, self._depth = True, 1
+        try:
+            self._in(self._optimizer_side(unit) + self._shard(unit))
+            yield
+        finally:
+            self._stepping, self._depth = False, 0
+            self.release(unit)
+
     # -- the step, unit by unit ----------------------------------------------------------------------
     def before_step(self) -> None:
         """Start of the engine's step: a delayed update computed during this step's forward and
