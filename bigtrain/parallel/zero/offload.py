@@ -20,7 +20,8 @@ What lives where (``offload.optimizer`` / ``offload.params``):
   gathered (read in when the gather starts, which the gatherer's static prefetch order already
   runs a unit ahead; released when the gather completes) and while it is stepped.
 
-Checkpoints and full state read everything back first (:meth:`UnitOffload.all_resident`).
+A checkpoint reads one unit back at a time (:meth:`UnitOffload.unit_resident`); loading one and the full
+state read everything back first (:meth:`UnitOffload.all_resident`).
 
 Host and device (:mod:`.host`): on a GPU the masters, the optimizer's state, the files' tensors and
 the offloaded parameter shards are host tensors; each unit's gradient shard comes down to a pinned
