@@ -290,7 +290,9 @@ class OffloadConfig:
                        "holds masters and gradients but not the state too). 'cpu' needs offload.optimizer = 'nvme'.",
                        "auto")
     nvme_dir: str = doc("Directory for offload files (a fast local disk); '' means <run dir>/offload.", "")
-    prefetch_depth: int = doc("NVMe: units read ahead of the one being stepped or gathered.", 1)
+    prefetch_depth: int = doc("NVMe: units whose files are read ahead of the one being stepped (0: none, each "
+                              "unit read when its step needs it). ZeRO-3's gathers read one unit ahead, in "
+                              "their own order, whatever this says.", 1)
     grad_buckets: int = doc("With the host apart from the device (a GPU): device buffers (the largest unit's "
                             "gradient shard each, in the reduce dtype) that reduced gradients pass through on "
                             "their way to their fp32 accumulators in host memory; the device never holds more "

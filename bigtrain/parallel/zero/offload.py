@@ -20,7 +20,8 @@ What lives where (``offload.optimizer`` / ``offload.params``):
   gathered (read in when the gather starts, which the gatherer's static prefetch order already
   runs a unit ahead; released when the gather completes) and while it is stepped.
 
-Checkpoints and full state read everything back first (:meth:`UnitOffload.all_resident`).
+A checkpoint reads one unit back at a time (:meth:`UnitOffload.unit_resident`); loading one and the full
+state read everything back first (:meth:`UnitOffload.all_resident`).
 
 Host and device (:mod:`.host`): on a GPU the masters, the optimizer's state, the files' tensors and
 the offloaded parameter shards are host tensors; each unit's gradient shard comes down to a pinned
@@ -253,6 +254,24 @@ class UnitOffload:
                     self.grad_out(unit)
             self.release_all()
 
+    @contextlib.contextmanager
+    def unit_resident(self, unit):
+        """One unit's file-kept masters, state and parameter shard in memory for the duration (a
+        checkpoint copies that unit's pieces meanwhile), back in their files after; a delayed
+        update still running is waited for first (its masters are what is read)."""
+        if self.delayed is not None:
+            self.delayed.wait()
+        if self.store is None or self._depth:
+            yield
+            return
+        self._stepping, self._depth = True, 1
+        try:
+            self._in(self._optimizer_side(unit) + self._shard(unit))
+            yield
+        finally:
+            self._stepping, self._depth = False, 0
+            self.release(unit)
+
     # -- the step, unit by unit ----------------------------------------------------------------------
     def before_step(self) -> None:
         """Start of the engine's step: a delayed update computed during this step's forward and
@@ -281,7 +300,7 @@ class UnitOffload:
             group["lr"] = lr
         self._stepping = publish
         try:
-            ahead, in_flight = max(1, self.plan.prefetch_depth), []
+            ahead, in_flight = self.plan.prefetch_depth, []  # 0: each unit read when it is stepped
             if self.store is not None:
                 for unit in units[:ahead]:
                     self._in(moved(unit), wait=False)
