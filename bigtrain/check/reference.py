@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from bigtrain.config import Config
 from bigtrain.core.int8_reference import int8_weight_gradients
 # every family's reference writes a ReferenceStep
-from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, accumulate_into_masters,
+from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, accumulate_into_masters, decay_groups,
                                           copy_masters_to, reference_learning_rate)
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.fp8.linear import convert_to_float8
@@ -115,9 +115,7 @@ class ReferenceRun:
         for model in {id(m): m for m in (self.compute, self.stale) if m is not None}.values():
             set_aux_loss_scale(model, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        self.optimizer = reference_optimizer_of([g for g in groups if g["params"]], cfg.optim)
+        self.optimizer = reference_optimizer_of(decay_groups(params, cfg.optim.weight_decay), cfg.optim)
         d = cfg.data
         self.sampler = TokenSampler(load_corpus(d), d.seq_len,
                                     cfg.train.global_batch, cfg.train.seed, d.ignore_target, d.val_fraction)

@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from bigtrain.core.reference_step import decay_groups
+
 
 class PaperLion(torch.optim.Optimizer):
     def __init__(self, groups, lr, beta1, beta2):
@@ -117,9 +119,7 @@ def replay_adamw8bit(weights: dict[str, torch.Tensor], state: dict[str, dict], g
     params = {n: torch.nn.Parameter(w.detach().clone().float()) for n, w in weights.items() if n in grads}
     for n, p in params.items():
         p.grad = grads[n].detach().clone().float().view_as(p)
-    groups = [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = PlainAdamW8bit([g for g in groups if g["params"]], lr, o.beta1, o.beta2, o.eps, o.block_size,
+    optimizer = PlainAdamW8bit(decay_groups(params.values(), o.weight_decay), lr, o.beta1, o.beta2, o.eps, o.block_size,
                                keep_moments=True)
     for n, p in params.items():
         if state.get(n):
@@ -141,9 +141,7 @@ def replay_adamw(weights: dict[str, torch.Tensor], state: dict[str, dict], grads
     params = {n: torch.nn.Parameter(w.detach().clone().float()) for n, w in weights.items() if n in grads}
     for n, p in params.items():
         p.grad = grads[n].detach().clone().float().view_as(p)
-    groups = [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(o.beta1, o.beta2), eps=o.eps,
+    optimizer = torch.optim.AdamW(decay_groups(params.values(), o.weight_decay), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   foreach=False)
     for n, p in params.items():
         if state.get(n):

@@ -36,13 +36,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.check.reference import REFERENCE_OPTIMIZERS, exact_problem, reference_optimizer_of
 from bigtrain.config import Config
-from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, accumulate_into_masters,
-                                          copy_masters_to, reference_learning_rate)
+from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, copy_masters_to, decay_groups,
+                                          next_token_loss_backward, reference_learning_rate)
 from bigtrain.core.targets import IGNORE_INDEX
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.families import Family, family_of
@@ -161,9 +160,7 @@ class OwnReference:
         self.compute.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # a tied weight once
         o = cfg.optim
-        groups = [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                  {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}]
-        self.optimizer = reference_optimizer_of([g for g in groups if g["params"]], o)
+        self.optimizer = reference_optimizer_of(decay_groups(self.params, o.weight_decay), o)
         d, t = cfg.data, cfg.train
         self.sampler = TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target,
                                     d.val_fraction)
@@ -183,16 +180,9 @@ class OwnReference:
         handles = [m.register_forward_hook(lambda mod, args, out, name=name: outputs.setdefault(name, []).append(
                    out.detach().to(self.dtype).cpu().clone()) if torch.is_tensor(out) else None)
                    for name, m in self.compute.named_modules() if capture and self.captured(name)]
-        loss_sum = 0.0
         try:
-            for first in range(0, tokens.shape[0], t.micro_batch):
-                logits = self.compute(tokens[first:first + t.micro_batch])
-                loss = F.cross_entropy(logits.to(self.dtype).flatten(0, 1),
-                                       targets[first:first + t.micro_batch].flatten(), reduction="sum")
-                loss_sum += float(loss.detach())
-                (loss / counted * self.loss_scale.scale).backward()
-                if self.compute is not self.model:
-                    accumulate_into_masters(self.model, self.compute)
+            loss_sum = next_token_loss_backward(self.compute, tokens, targets, t.micro_batch, counted, self.dtype,
+                                                self.loss_scale.scale, self.model, self.compute)
         finally:
             for h in handles:
                 h.remove()

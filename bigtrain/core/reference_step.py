@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -80,3 +81,31 @@ def copy_masters_to(low, masters) -> None:
     """The compute copy takes the masters' values (rounded to its dtype) after an optimizer step."""
     for master, copy in zip(masters.parameters(), low.parameters()):
         copy.copy_(master)
+
+
+def decay_groups(params, weight_decay: float) -> list[dict]:
+    """The optimizer's parameter groups as every reference states them, apart from the trainer's:
+    decay on matrices, none on vectors (norms, biases); an empty group left out."""
+    params = list(params)
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def next_token_loss_backward(logits_of, tokens: torch.Tensor, targets: torch.Tensor, micro_batch: int,
+                             counted: int, dtype: torch.dtype, scale: float = 1.0, masters=None, low=None) -> float:
+    """A reference's step of the next-token loss, written apart from the trainer's: micro-batch by
+    micro-batch of ``micro_batch`` sequences, the cross-entropy summed in ``dtype`` over the targets
+    and its backward divided by the step's ``counted`` targets (times the fp16 loss ``scale``); a
+    16-bit copy's (``low``) gradients accumulated into its fp32 ``masters`` after each. ``logits_of``:
+    tokens -> logits. Returns the summed loss."""
+    loss_sum = 0.0
+    for first in range(0, tokens.shape[0], micro_batch):
+        logits = logits_of(tokens[first:first + micro_batch])
+        loss = F.cross_entropy(logits.to(dtype).flatten(0, 1), targets[first:first + micro_batch].flatten(),
+                               reduction="sum")
+        loss_sum += float(loss.detach())
+        (loss / counted * scale).backward()
+        if low is not None and low is not masters:
+            accumulate_into_masters(masters, low)
+    return loss_sum

@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from bigtrain.config import Config
 from bigtrain.core.int8_reference import int8_weight_gradients
-from bigtrain.core.reference_step import (ReferenceStep, accumulate_into_masters, copy_masters_to,
+from bigtrain.core.reference_step import (ReferenceStep, copy_masters_to, decay_groups, next_token_loss_backward,
                                           reference_learning_rate)
 from bigtrain.data import TokenSampler, load_corpus
 from bigtrain.families.hf_moe import (file_views, from_transformers_names, sparse_blocks, to_transformers_names,
@@ -126,9 +125,8 @@ class HFReference:
         self.compute.to(self.device)
         self.params = list(self.model.parameters())
         o = cfg.optim
-        groups = [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                  {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        self.optimizer = torch.optim.AdamW(decay_groups(self.params, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                                           eps=o.eps)
         d, t = cfg.data, cfg.train
         self.sampler = TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target,
                                     d.val_fraction)
@@ -146,16 +144,9 @@ class HFReference:
         handles = [m.register_forward_hook(lambda mod, args, out, name=name: outputs.setdefault(name, []).append(
                    out.detach().float().cpu().clone())) for name, m in self.compute.named_modules()
                    if capture and captured_module(name)]
-        loss_sum = 0.0
         try:
-            for first in range(0, tokens.shape[0], t.micro_batch):
-                logits = self.compute(input_ids=tokens[first:first + t.micro_batch]).logits
-                loss = F.cross_entropy(logits.to(self.dtype).flatten(0, 1),
-                                       targets[first:first + t.micro_batch].flatten(), reduction="sum")
-                loss_sum += float(loss.detach())
-                (loss / counted).backward()
-                if self.compute is not self.model:
-                    accumulate_into_masters(self.model, self.compute)
+            loss_sum = next_token_loss_backward(lambda ids: self.compute(input_ids=ids).logits, tokens, targets,
+                                                t.micro_batch, counted, self.dtype, masters=self.model, low=self.compute)
         finally:
             for h in handles:
                 h.remove()
