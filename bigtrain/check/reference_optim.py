@@ -141,8 +141,8 @@ def replay_adamw(weights: dict[str, torch.Tensor], state: dict[str, dict], grads
     params = {n: torch.nn.Parameter(w.detach().clone().float()) for n, w in weights.items() if n in grads}
     for n, p in params.items():
         p.grad = grads[n].detach().clone().float().view_as(p)
-    optimizer = torch.optim.AdamW(decay_groups(params.values(), o.weight_decay), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  foreach=False)
+    optimizer = torch.optim.AdamW(decay_groups(params.values(), o.weight_decay), lr=lr, betas=(o.beta1, o.beta2),
+                                  eps=o.eps, foreach=False)
     for n, p in params.items():
         if state.get(n):
             s = state[n]
