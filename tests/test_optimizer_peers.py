@@ -66,10 +66,14 @@ def _ours(params):
     return get_optimizer("adamw8bit").build([{"params": params, "weight_decay": DECAY}], cfg)
 
 
-def test_adamw8bit_matches_torchao():
+def test_adamw8bit_matches_torchao(monkeypatch):
     optim = pytest.importorskip("torchao.optim", reason="torchao is a test-only extra")
+    # torchao compiles its step per parameter shape (torch.compile(single_param_adam, fullgraph=True)):
+    # 35 s of a cold compile on 2 CPU cores. Run eagerly, it is the same arithmetic (measured: its
+    # parameter change 4.4e-5 relative from the compiled step's, against a gap of 0.039 to ours).
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.compile's notes on torchao's tensor subclass
+        warnings.simplefilter("ignore")  # notes on torchao's tensor subclass
         theirs = _change(lambda ps: optim.AdamW8bit(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY,
                                                     block_size=256))
     assert _relative(_change(_ours), theirs) <= TOLERANCE
