@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh --test) and runs the whole test suite, in BIGTRAIN_TEST_SHARDS shards side
-# by side (default 3: many long tests wait on launchers, compilers and timeouts while another shard
+# by side (default 4: many long tests wait on launchers, compilers and timeouts while another shard
 # computes; on 2 cores, from an empty inductor cache, the suite took 852 s in 3 shards against 934 s
-# in 2; tests/lanes.py splits whole files by tests/durations.json). Extra arguments go to every shard's
+# in 2, and on 2026-11-28, idle, 854 s in 4 for 1,672 s of CPU: 98% of two cores, where CI had taken
+# 955 s in 3; tests/lanes.py splits whole files by tests/durations.json). Extra arguments go to every shard's
 # pytest, e.g. the fast lane:  bash scripts/test.sh -m "not slow"
 # Shard 1 prints as it goes; the others' output follows when they end. Exit: the first failure's code.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test || exit $?
-shards=${BIGTRAIN_TEST_SHARDS:-3}
+shards=${BIGTRAIN_TEST_SHARDS:-4}
 if [ "$shards" -le 1 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi

@@ -40,7 +40,7 @@ ACTIVATE = "source .venv/bin/activate"
 # up to its launch (config, validation, preflight, torchrun's world size and arguments), and the
 # layouts themselves are proven against the reference on forked ranks (tests/test_zero.py,
 # test_tensor_parallel.py (Megatron SP and Ulysses), test_pipeline_training.py). Each full launch
-# costs 20-40 s of the suite's 15 minutes (2 cores, 3 shards).
+# costs 20-40 s of the suite's 15 minutes (2 cores, 4 shards).
 SAME_LAUNCH = "the launch of `bigtrain train --parallel.dp=2` (run in a fresh shell above) with another layout"
 COVERED_BY_ANOTHER_LINE = {
     "bigtrain train --parallel auto --world-size 4":
