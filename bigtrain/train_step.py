@@ -19,7 +19,7 @@ import torch
 
 from bigtrain.config import Config
 from bigtrain.core.targets import IGNORE_INDEX
-from bigtrain.data import TokenSampler, load_corpus
+from bigtrain.data import run_sampler
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations
@@ -135,9 +135,7 @@ class StepRunner:
         set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
         vocab, vocab_field = model_vocabulary(cfg)
-        self.sampler = TokenSampler(load_corpus(cfg.data),
-                                    cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.data.ignore_target,
-                                    cfg.data.val_fraction, vocab_size=vocab, vocab_field=vocab_field)
+        self.sampler = run_sampler(cfg, vocab_size=vocab, vocab_field=vocab_field)
         self.accum = cfg.train.grad_accum(mesh.size("dp"))
         self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
         self.counted_targets = self.global_tokens  # this step's loss normalizer (fewer when targets are masked)

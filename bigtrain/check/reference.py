@@ -48,7 +48,7 @@ from bigtrain.core.int8_reference import int8_weight_gradients
 # every family's reference writes a ReferenceStep
 from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, accumulate_into_masters, decay_groups,
                                           copy_masters_to, reference_learning_rate)
-from bigtrain.data import TokenSampler, load_corpus
+from bigtrain.data import run_sampler
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.llama import Llama
@@ -116,9 +116,7 @@ class ReferenceRun:
             set_aux_loss_scale(model, 1.0 / cfg.train.global_batch)  # MoE: balance loss, batch mean
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         self.optimizer = reference_optimizer_of(decay_groups(params, cfg.optim.weight_decay), cfg.optim)
-        d = cfg.data
-        self.sampler = TokenSampler(load_corpus(d), d.seq_len,
-                                    cfg.train.global_batch, cfg.train.seed, d.ignore_target, d.val_fraction)
+        self.sampler = run_sampler(cfg)
         self.loss_scale = ReferenceLossScale(cfg.precision)
         self.step = 0
 

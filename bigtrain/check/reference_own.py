@@ -41,9 +41,10 @@ from torch import nn
 from bigtrain.check.reference import REFERENCE_OPTIMIZERS, exact_problem, reference_optimizer_of
 from bigtrain.config import Config
 from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, copy_masters_to, decay_groups,
-                                          next_token_loss_backward, reference_learning_rate)
+                                          next_token_loss_backward, recorded_outputs,
+                                          reference_learning_rate)
 from bigtrain.core.targets import IGNORE_INDEX
-from bigtrain.data import TokenSampler, load_corpus
+from bigtrain.data import run_sampler
 from bigtrain.families import Family, family_of
 from bigtrain.families.hf_reference import parameters_in
 from bigtrain.families.own import initial_values
@@ -161,9 +162,7 @@ class OwnReference:
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # a tied weight once
         o = cfg.optim
         self.optimizer = reference_optimizer_of(decay_groups(self.params, o.weight_decay), o)
-        d, t = cfg.data, cfg.train
-        self.sampler = TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target,
-                                    d.val_fraction)
+        self.sampler = run_sampler(cfg)
         self.captured = captured_of(family_of(cfg), cfg)
         self.loss_scale = ReferenceLossScale(cfg.precision)
         self.step = 0
@@ -176,16 +175,10 @@ class OwnReference:
         tokens, targets = self.sampler.batch(self.step, 0, t.global_batch)
         counted = max(1, int((targets != IGNORE_INDEX).sum()))
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        outputs: dict[str, list[torch.Tensor]] = {}
-        handles = [m.register_forward_hook(lambda mod, args, out, name=name: outputs.setdefault(name, []).append(
-                   out.detach().to(self.dtype).cpu().clone()) if torch.is_tensor(out) else None)
-                   for name, m in self.compute.named_modules() if capture and self.captured(name)]
-        try:
+        captured = self.captured if capture else (lambda name: False)
+        with recorded_outputs(self.compute, captured, lambda out: out.to(self.dtype)) as outputs:
             loss_sum = next_token_loss_backward(self.compute, tokens, targets, t.micro_batch, counted, self.dtype,
                                                 self.loss_scale.scale, self.model, self.compute)
-        finally:
-            for h in handles:
-                h.remove()
         for p in self.params:  # not reached by this step's forward: a zero gradient, as in a flat buffer
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -4,6 +4,8 @@ rate every reference steps with, written apart from the trainer's (``optim/sched
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 from dataclasses import dataclass, field
@@ -109,3 +111,23 @@ def next_token_loss_backward(logits_of, tokens: torch.Tensor, targets: torch.Ten
         if low is not None and low is not masters:
             accumulate_into_masters(masters, low)
     return loss_sum
+
+
+@contextlib.contextmanager
+def recorded_outputs(model: torch.nn.Module, captured, convert):
+    """While the block runs, ``{name: [output, ...]}`` of the modules of ``model`` that ``captured``
+    (name -> bool) names, each output kept as ``convert(output)`` on the CPU; forward hooks, removed
+    after. An output that is not one tensor (a layer's tuple) is left out, as the layout's probe does."""
+    outputs: dict[str, list[torch.Tensor]] = {}
+
+    def record(name, module, args, out):
+        if torch.is_tensor(out):
+            outputs.setdefault(name, []).append(convert(out.detach()).cpu().clone())
+
+    handles = [m.register_forward_hook(functools.partial(record, name)) for name, m in model.named_modules()
+               if captured(name)]
+    try:
+        yield outputs
+    finally:
+        for h in handles:
+            h.remove()

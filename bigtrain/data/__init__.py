@@ -11,10 +11,10 @@
 
 from bigtrain.data.corpus import (TEXT_SUFFIXES, build_byte_corpus, cache_path, cache_root, cached_corpus,
                                   files_key, stdlib_files, stdlib_key, text_files, token_dtype_problem)
-from bigtrain.data.load import is_token_file, load_corpus, load_tokens, prepare_corpus, uses_shards
+from bigtrain.data.load import is_token_file, load_corpus, load_tokens, prepare_corpus, run_sampler, uses_shards
 from bigtrain.data.sampler import IGNORE_INDEX, DataChanged, TokenSampler
 from bigtrain.data.shards import ShardedTokens
 
 __all__ = ["TEXT_SUFFIXES", "IGNORE_INDEX", "DataChanged", "ShardedTokens", "TokenSampler", "build_byte_corpus", "cache_path",
-           "cache_root", "cached_corpus", "files_key", "load_corpus", "load_tokens", "prepare_corpus",
+           "cache_root", "cached_corpus", "files_key", "load_corpus", "load_tokens", "prepare_corpus", "run_sampler",
            "stdlib_files", "stdlib_key", "text_files", "token_dtype_problem", "uses_shards", "is_token_file"]

@@ -88,6 +88,16 @@ def load_corpus(d: DataConfig):
     return ShardedTokens.open(folder, manifest)
 
 
+def run_sampler(cfg, vocab_size: int | None = None, vocab_field: str = "model.vocab_size"):
+    """The run's :class:`~bigtrain.data.sampler.TokenSampler` of ``cfg``'s corpus, batch, seed and
+    held-out share: the one the trainer and every independent reference draw their batches from."""
+    from bigtrain.data.sampler import TokenSampler
+
+    d, t = cfg.data, cfg.train
+    return TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target, d.val_fraction,
+                        vocab_size=vocab_size, vocab_field=vocab_field)
+
+
 def load_tokens(source: str, cache_dir: str = "", max_bytes: int = 0, tokenizer: str = BYTES,
                 text_field: str = "text"):
     """:func:`load_corpus` from the fields themselves."""

@@ -40,8 +40,8 @@ import torch
 from bigtrain.config import Config
 from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.core.reference_step import (ReferenceStep, copy_masters_to, decay_groups, next_token_loss_backward,
-                                          reference_learning_rate)
-from bigtrain.data import TokenSampler, load_corpus
+                                          recorded_outputs, reference_learning_rate)
+from bigtrain.data import run_sampler
 from bigtrain.families.hf_moe import (file_views, from_transformers_names, sparse_blocks, to_transformers_names,
                                       transformers_major)
 from bigtrain.fp8.linear import convert_to_float8
@@ -127,9 +127,7 @@ class HFReference:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(decay_groups(self.params, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                                            eps=o.eps)
-        d, t = cfg.data, cfg.train
-        self.sampler = TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target,
-                                    d.val_fraction)
+        self.sampler = run_sampler(cfg)
         self.step = 0
 
     def learning_rate(self, step: int) -> float:
@@ -140,16 +138,10 @@ class HFReference:
         tokens, targets = self.sampler.batch(self.step, 0, t.global_batch)
         counted = max(1, int((targets != IGNORED).sum()))
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        outputs: dict[str, list[torch.Tensor]] = {}
-        handles = [m.register_forward_hook(lambda mod, args, out, name=name: outputs.setdefault(name, []).append(
-                   out.detach().float().cpu().clone())) for name, m in self.compute.named_modules()
-                   if capture and captured_module(name)]
-        try:
+        captured = captured_module if capture else (lambda name: False)
+        with recorded_outputs(self.compute, captured, lambda out: out.float()) as outputs:
             loss_sum = next_token_loss_backward(lambda ids: self.compute(input_ids=ids).logits, tokens, targets,
                                                 t.micro_batch, counted, self.dtype, masters=self.model, low=self.compute)
-        finally:
-            for h in handles:
-                h.remove()
         for p in self.params:
             # An expert no token of the step reached has no gradient (autograd leaves it None) and
             # torch's AdamW would skip it: no decay, no moment update. Its gradient is zero, which
