@@ -95,7 +95,7 @@ def test_the_check_command_exits_0_when_the_layout_agrees(corpus_cache, tmp_path
 def test_the_report_numbers_steps_as_the_trainer_does():
     """Step k is the k-th update everywhere (README): train's console said 'step 1/N' for the loss the
     check printed as 'step 0'. A resumed check (start = the checkpoint's step) goes on from there."""
-    from bigtrain.check.run import CheckReport
+    from bigtrain.check.report import CheckReport
 
     tolerance = next(iter(TOLERANCES.values()))
     report = CheckReport(agree=False, steps=2, tolerance=tolerance, losses=[(5.0, 5.0), (4.0, 4.5)], first_step=1)

@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bigtrain.check.exact import ROUNDING_FACTOR, ExactTwin, judge_against_exact
 from bigtrain.check.reference import ReferenceRun, ReferenceStep, exact_problem
-from bigtrain.check.run import Finding, check_on_rank
+from bigtrain.check.report import Finding
+from bigtrain.check.run import check_on_rank
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.testing import run_ranks
 from helpers import tiny_config
@@ -187,7 +188,7 @@ def test_an_update_the_replay_explains_is_reported_not_a_divergence(corpus_cache
 
 def test_the_replay_explains_only_a_replayed_weight_whose_gradient_held():
     from bigtrain.check.replay import updates_explained
-    from bigtrain.check.run import Finding
+    from bigtrain.check.report import Finding
 
     bias, other, tied = (Finding("weight", name, 4e-4) for name in ("k.bias", "w", "tied"))
     off_gradient = Finding("gradient", "w", 2e-4)
