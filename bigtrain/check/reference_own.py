@@ -66,7 +66,9 @@ def materialized(family: Family, cfg: Config, dtype: torch.dtype = torch.float32
     held = {name: b.clone() for name, b in model.named_buffers() if not b.is_meta}  # to_empty would drop them
     first: dict[int, str] = {}  # each parameter's first name: a tied weight's other names copy it
     ties = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
-    model.to_empty(device="cpu")  # a new tensor for each name: a tied weight is tied again below
+    # A new tensor for each name: a tied weight is tied again below. Stated here, not by
+    # parallel/tied.py's to_empty_keeping_ties: a tie the trainer's materialization broke must show.
+    model.to_empty(device="cpu")
     for name, tied_to in ties.items():
         if name != tied_to:
             owner, _, leaf = name.rpartition(".")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from bigtrain.checkpoint.hf import initial_weights
 from bigtrain.config import Config
-from bigtrain.families.spec import Family, InitFn
+from bigtrain.families.spec import Family, InitFn, vocabulary_of
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
 
 if TYPE_CHECKING:
@@ -81,8 +81,7 @@ def decoder_problems(cfg: Config, family: Family) -> list[str]:
     the global batch over dp, and a corpus of the model's vocabulary within model.max_seq_len."""
     if not family.reads_tokens:
         return []
-    vocab, field = family.vocabulary(cfg) if family.vocabulary is not None else (cfg.model.vocab_size,
-                                                                                 "model.vocab_size")
+    vocab, field = vocabulary_of(family, cfg)
     return token_batch_problems(cfg) + token_data_problems(cfg, vocab, cfg.model.max_seq_len, field)
 
 

@@ -13,7 +13,7 @@ from bigtrain.config import Config, ModelConfig
 from bigtrain.families.dlrm import DLRM
 from bigtrain.families.hf import HF
 from bigtrain.families.llama import LLAMA
-from bigtrain.families.spec import Family
+from bigtrain.families.spec import Family, vocabulary_of
 
 BUILT_IN: tuple[Family, ...] = (LLAMA, DLRM, HF)
 # Live: register_family adds to it. Read it through family_of / find_family, which import a
@@ -130,5 +130,4 @@ def family_of(cfg: Config) -> Family:
 def model_vocabulary(cfg: Config) -> tuple[int, str]:
     """The vocabulary the model's embedding has and the field that sets it: what token ids are
     checked against (model.vocab_size, unless the family's own file sets it: Family.vocabulary)."""
-    family = family_of(cfg)
-    return family.vocabulary(cfg) if family.vocabulary is not None else (cfg.model.vocab_size, "model.vocab_size")
+    return vocabulary_of(family_of(cfg), cfg)

@@ -137,3 +137,9 @@ class Family:
     # The [model] fields it reads; None: every one. A command-line override of another would change
     # nothing (an hf decoder's shape is its config.json's), so the CLI refuses it (cli_help).
     model_keys: tuple[str, ...] | None = None
+
+
+def vocabulary_of(family: Family, cfg: "Config") -> tuple[int, str]:
+    """The vocabulary ``family``'s model has under ``cfg`` and the field that sets it: what token ids
+    are checked against (model.vocab_size, unless the family's own file sets it: Family.vocabulary)."""
+    return family.vocabulary(cfg) if family.vocabulary is not None else (cfg.model.vocab_size, "model.vocab_size")
