@@ -108,3 +108,24 @@ def test_a_dead_stores_directory_removed_by_another_first_is_passed_over(tmp_pat
     monkeypatch.setattr(type(tmp_path), "glob", lambda self, pattern: iter(listed))
     monkeypatch.setattr(type(tmp_path), "exists", lambda self: True)  # as seen just before the other rank removed it
     swap._remove_dead_processes_files(tmp_path)
+
+
+def test_a_filesystem_without_flock_keeps_the_store_working(tmp_path, monkeypatch):
+    """Some network filesystems refuse flock (ENOLCK): the store works without its lock, and a
+    directory whose lock cannot be taken is left alone (it may be a live run's), not removed."""
+    import errno
+    import fcntl
+
+    other = SwapStore(tmp_path)  # another run's store, made before the filesystem refuses locks
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    store = SwapStore(tmp_path)
+    t = torch.arange(32, dtype=torch.float32)
+    store.swap_out("k", t)
+    store.swap_in("k", t)
+    assert torch.equal(t, torch.arange(32, dtype=torch.float32)) and other.dir.is_dir()
+    store.close()
+    other.close()

@@ -186,6 +186,9 @@ def _locked(path: Path, create: bool = True) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError:  # a filesystem without flock (ENOLCK, EOPNOTSUPP: some network ones)
+        os.close(fd)
+        raise
     return fd
 
 
@@ -193,7 +196,11 @@ def _new_lock(path: Path) -> int:
     """``path`` made, already locked by this process: the lock is taken under another name and the file
     renamed, so no other store sees ``path`` unlocked (and takes this directory for a dead one's)."""
     making = path.with_name(path.name + ".new")
-    fd = _locked(making)
+    try:
+        fd = _locked(making)
+    except OSError:  # no flock on this filesystem: the store works unlocked, and no other store can
+        # tell its directory from a dead one's, so none removes it (_remove_dead_processes_files)
+        fd = os.open(making, os.O_RDWR | os.O_CREAT, 0o600)
     assert fd is not None, f"{making} is locked by another process"
     os.rename(making, path)
     return fd
@@ -202,11 +209,12 @@ def _new_lock(path: Path) -> int:
 def _remove_dead_processes_files(parent: Path) -> None:
     """Remove the directories of stores whose process is gone (killed before its store was closed):
     their lock is free. A directory whose lock file is not there yet is being made: left alone; one
-    removed meanwhile (the ranks of a restarted run all look) is passed over."""
+    removed meanwhile (the ranks of a restarted run all look), or whose lock this filesystem cannot
+    take (no flock: it may be a live run's), is passed over."""
     for entry in parent.glob(f"{PREFIX}*"):
         try:
             fd = _locked(entry / LOCK, create=False)
-        except OSError:  # no lock file yet (being made), or gone: another process removed it first
+        except OSError:  # no lock file yet (being made), gone (removed first by another), or no flock here
             continue
         if fd is not None:
             shutil.rmtree(entry, ignore_errors=True)
