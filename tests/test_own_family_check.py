@@ -211,3 +211,35 @@ def test_a_familys_own_reference_replaces_the_generic_one(corpus_cache):
     cfg = _config(corpus_cache, "--parallel.dp=1", "--parallel.zero=0")
     registry.FAMILIES["gpt2"] = replace(gpt2_family.GPT2_FAMILY, reference=Mine)
     assert reference_problems(cfg) == ["mine"]
+
+
+def _frozen_positions(cfg):
+    """The example's GPT-2 with its learned positions frozen (``requires_grad = False``), as a user
+    fine-tuning part of a model sets it in their family's build."""
+    import gpt2_family
+
+    model = gpt2_family.build(cfg)
+    model.wpe.weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("layout", [("--parallel.dp=2", "--parallel.zero=3"),
+                                    ("--parallel.dp=2", "--parallel.zero=1"),
+                                    ("--parallel.dp=1", "--parallel.zero=0", "--parallel.tp=2")],
+                         ids=["dp2-zero3", "dp2-zero1", "tp2"])
+def test_a_frozen_parameter_stays_at_its_initial_value_and_the_rest_agrees(corpus_cache, tmp_path, layout):
+    """A parameter the family freezes is in no optimizer, no gradient norm and no update on either
+    side; the check compares every weight by name each step, so a layout that moved it diverges at
+    its first step (a reference that trains it was reported 5e-2 off at step 1)."""
+    import gpt2_family
+
+    registry.FAMILIES["gpt2"] = replace(gpt2_family.GPT2_FAMILY, build_meta=_frozen_positions)
+    cfg = _config(corpus_cache, *layout)
+    report = _check(cfg, tmp_path)
+    assert report.agree, report.text()
+    assert report.worst["loss"] <= 1e-6, report.text()
+    reference = OwnReference(cfg)
+    start = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
+    step = reference.train_step(capture=True)
+    assert "wpe.weight" not in step.grads and torch.equal(step.weights["wpe.weight"], start["wpe.weight"])
+    assert not torch.equal(step.weights["wte.weight"], start["wte.weight"])  # the rest trains
