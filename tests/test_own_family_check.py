@@ -53,6 +53,17 @@ def test_bigtrain_check_of_the_example_family_agrees(corpus_cache, tmp_path, lay
     assert all(f.name.endswith("attn.c_attn.bias") for f in report.within_rounding), report.text()
 
 
+def test_lion_steps_the_key_bias_by_its_rounding_and_the_check_tells_it_from_a_defect(corpus_cache, tmp_path):
+    """The key third of c_attn.bias has a gradient of rounding alone, so Lion steps each of its
+    elements by +-lr as fp32's rounding falls, the layout one way and the reference another (0.56
+    apart by step 2); the float64 twin measures the fp32 reference as far from the exact run, so
+    that tensor is within rounding, and every other tensor keeps its bound."""
+    cfg = _config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", "--optim.name=lion", "--optim.lr=3e-4")
+    report = _check(cfg, tmp_path)
+    assert report.agree, report.text()
+    assert report.within_rounding and all(f.name.endswith("attn.c_attn.bias") for f in report.within_rounding)
+
+
 class ScaledGradient(Style):
     """Wrong on purpose: a column-parallel cut whose output's gradient is taken 1.01 times (a layout
     that scales what it reduces), the forward untouched."""
