@@ -77,7 +77,7 @@ def test_a_discontinuous_optimizer_follows_its_gradients_with_int8_or_without(op
     flips do (fuzz seed 20261428 sample 2: 8-bit AdamW, dp 2 resumed at pp 4, the norm 3.1e-5 off
     at the third step compared, its gradients 2.2e-4 apart); the first step keeps 1e-5."""
     tol = tolerance_for("fp32", optimizer, compression)
-    assert tol.norm_follows_gradients and tol.tensor == 5e-3
+    assert tol.norm_follows_gradients and tol.tensor == 5e-3  # where the reference cannot recompute the norm
     assert tol.grad_norm_bound(True, 1e-3) == 1e-5
     assert tol.grad_norm_bound(False, 2.2e-4) == pytest.approx(1e-5 + 2.2e-4)
 

@@ -9,7 +9,7 @@ comparable", never as agreement).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,7 +51,10 @@ class Tolerance:
     # Whether a gradient norm over ``grad_norm`` after an update is judged again, at ``grad_norm``,
     # against the reference's recomputation of the step at the layout's own weights before it
     # (check/run.py's _norm_recomputed): fp32 where nothing rounds on purpose, whose weights part
-    # from the reference's only by rounding that Adam amplifies, which the recomputation leaves out.
+    # from the reference's only by rounding that Adam amplifies, which the recomputation leaves out;
+    # and 8-bit AdamW's and Lion's without int8 activations (their updates round on purpose, their
+    # gradients at given weights do not). Where it applies, the norm keeps ``grad_norm`` at every
+    # step, and ``norm_follows_gradients`` only where the reference cannot compute at those weights.
     norm_recomputed: bool = False
 
     def of(self, kind: str) -> float:
@@ -76,8 +79,9 @@ class Tolerance:
     def text(self) -> str:
         # norm_recomputed is not said here: whether it applies depends on the reference (a DLRM's
         # has no at_weights); where a norm was recomputed, the report says so with both distances
-        norm = f"{self.grad_norm:.0e}" + (" (after the first update: + its gradients' difference)"
-                                          if self.norm_follows_gradients else "")
+        drift = " (after the first update: + its gradients' difference"
+        drift += ", where not recomputed at the layout's weights)" if self.norm_recomputed else ")"
+        norm = f"{self.grad_norm:.0e}" + (drift if self.norm_follows_gradients else "")
         return (f"loss {self.loss:.0e}, gradient norm {norm}, tensors {self.tensor:.0e} relative"
                 + (f" ({', '.join(self.diagnostic)} diagnostic only)" if self.diagnostic else ""))
 
@@ -143,8 +147,10 @@ def tolerance_for(precision: str, optimizer: str, activation_compression: str = 
     if fp8 != "none":
         return _FLOAT8
     if precision == "fp32" and optimizer in _DISCONTINUOUS_UPDATE:
-        # with int8 compression too: the same bounds, its flips move the norm as the optimizer's do
-        return _DISCONTINUOUS_UPDATE[optimizer]
+        # with int8 compression too: the same bounds, its flips move the norm as the optimizer's do;
+        # without it, the gradient at given weights is plain fp32, so the norm is recomputed there
+        tol = _DISCONTINUOUS_UPDATE[optimizer]
+        return tol if activation_compression == "int8" else replace(tol, norm_recomputed=True)
     if precision == "fp32" and activation_compression == "int8":
         return _INT8_ACTIVATIONS
     return TOLERANCES[precision]

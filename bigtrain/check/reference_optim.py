@@ -82,6 +82,9 @@ class PlainAdamW8bit(torch.optim.Optimizer):
         super().__init__(groups, {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": 0.0})
         self.block, self.keep_moments = block, keep_moments
 
+    def __getstate__(self):  # torch's keeps defaults, state and groups only: a deep copy lost these
+        return {**super().__getstate__(), "block": self.block, "keep_moments": self.keep_moments}
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
