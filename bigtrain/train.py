@@ -39,10 +39,14 @@ from bigtrain.preemption import Preempted, SignalWatch
 from bigtrain.run_dir import RunDirWriteError, ensure_run_id, forget_stop, read_run_id, record_stop, write_atomic
 from bigtrain.run_segments import open_segment, read_segments, totals, update_segment
 from bigtrain.train_step import StepResult, StepRunner
+from bigtrain.validation import validate
 
 
 class Trainer(StepRunner):
     def __init__(self, cfg: Config, run_dir: Path, mesh: Mesh, device: torch.device | str = "cpu"):
+        # The CLI validates before launch; a script that builds its own config is held to the same
+        # rules here, so a bad field is named, not met as a shape error deep in a forward.
+        validate(cfg, world_size=mesh.world_size, world_size_from="the mesh")
         super().__init__(cfg, run_dir, mesh, device)
         self.history: list[StepResult] = []
         self.checkpoint_writer = CheckpointWriter(cfg, mesh, self.device, self.checkpoint_root)

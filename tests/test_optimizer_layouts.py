@@ -344,9 +344,11 @@ def test_a_hugging_face_model_s_cuts_are_its_config_json_s():
 
 
 def _build_trainer(rank, world_size, cfg, run_dir):
-    from helpers import trainer_on_rank
+    """The step's model and engine without the Trainer, which validates its config first."""
+    from bigtrain.distributed.mesh import Mesh
+    from bigtrain.train_step import StepRunner
 
-    trainer_on_rank(rank, world_size, cfg, run_dir)
+    StepRunner(cfg, run_dir, Mesh.from_config(cfg.parallel, rank, world_size))
 
 
 @pytest.mark.parametrize("flags, block, part", [
