@@ -63,17 +63,17 @@ def test_a_reference_refuses_weights_it_would_not_compute_at(corpus_cache):
 
 
 def test_fp32_recomputes_the_norm_and_the_quantized_follow_their_gradients():
-    """fp32 computes every gradient from the weights alone, so the norm is recomputed at the layout's
-    weights with any optimizer: 8-bit AdamW's and Lion's updates round on purpose, their gradients do
-    not (they follow their gradients only where the reference cannot recompute). int8 activations,
-    bf16 and float8 round the gradient itself."""
+    """In fp32 the norm is recomputed at the layout's weights with any optimizer, int8 activations or
+    not: 8-bit AdamW's and Lion's updates and int8's codes move the weights apart on purpose, and the
+    recomputation leaves that out (they follow their gradients only where the reference cannot
+    recompute). bf16 and float8 round every gradient: their bounds are bf16's."""
     for optimizer in ("adamw", "adafactor", "adamw8bit", "lion"):
-        assert tolerance_for("fp32", optimizer).norm_recomputed, optimizer
+        for compression in ("none", "int8"):
+            assert tolerance_for("fp32", optimizer, compression).norm_recomputed, (optimizer, compression)
     for optimizer in ("adamw8bit", "lion"):
         assert tolerance_for("fp32", optimizer).norm_follows_gradients
-    for tol in (tolerance_for("fp32", "adamw", "int8"), tolerance_for("fp32", "lion", "int8"),
-                tolerance_for("fp32", "adamw8bit", "int8"), tolerance_for("bf16", "adamw"),
-                tolerance_for("bf16", "lion"), tolerance_for("fp32", "adamw", fp8="tensorwise")):
+    for tol in (tolerance_for("bf16", "adamw"), tolerance_for("bf16", "lion"),
+                tolerance_for("fp32", "adamw", fp8="tensorwise")):
         assert not tol.norm_recomputed
 
 
@@ -123,16 +123,16 @@ def test_a_gradient_scaled_after_the_first_step_fails_at_that_step(corpus_cache,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw8bit", "lion"])
-def test_a_discontinuous_optimizers_scaled_gradient_fails_after_the_first_step(corpus_cache, tmp_path,
-                                                                               monkeypatch, optimizer):
-    """8-bit AdamW's and Lion's norms once followed their gradients after an update: a SCALE x
-    gradient then passed at every step but a fresh run's first (its norm SCALE - 1 off, within 1e-5
-    plus its gradients' SCALE - 1). Recomputed at the layout's weights, it fails at the step it starts;
-    unscaled, the same layout agrees."""
+@pytest.mark.parametrize("flags", [["--optim.name=adamw8bit"], ["--optim.name=lion", "--optim.lr=3e-4"],
+                                   ["--memory.activation_compression=int8"]], ids=["adamw8bit", "lion", "int8"])
+def test_a_quantizing_layouts_scaled_gradient_fails_after_the_first_step(corpus_cache, tmp_path, monkeypatch,
+                                                                         flags):
+    """8-bit AdamW's, Lion's and int8's norms once followed their gradients after an update: a
+    SCALE x gradient then passed at every step but a fresh run's first (its norm SCALE - 1 off,
+    within 1e-5 plus its gradients' SCALE - 1). Recomputed at the layout's weights, it fails at the
+    step it starts; unscaled, the same layout agrees."""
     cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=1", "--train.global_batch=2",
-                      "--train.micro_batch=1", f"--optim.name={optimizer}",
-                      *(["--optim.lr=3e-4"] if optimizer == "lion" else []))
+                      "--train.micro_batch=1", *flags)
     right = run_ranks(check_on_rank, 2, cfg, str(tmp_path / "right"), 3)[0]
     assert right.agree, right.text()
     monkeypatch.setattr(GradSync, "backward", _scaled_backward(from_call=1))
