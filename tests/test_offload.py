@@ -603,9 +603,11 @@ def test_offload_on_a_gpu_equals_the_same_run_without_it(name, corpus_cache, tmp
     from device_watch import DeviceWatch
 
     layout, offload, rtol = GPU_CASES[name]
-    plain = tiny_config(corpus_cache, "--train.global_batch=4", "--train.micro_batch=2", *layout)
-    moved = tiny_config(corpus_cache, "--train.global_batch=4", "--train.micro_batch=2", *layout, *offload,
-                        f"--offload.nvme_dir={tmp_path / 'nvme'}")
+    # Eager (compile.enabled = 'auto' compiles on CUDA): the copies and the host step are what is
+    # compared, and each case would otherwise pay a cold compile in the GPU lane's 150 s.
+    small = ["--train.global_batch=4", "--train.micro_batch=2", "--compile.enabled=false"]
+    plain = tiny_config(corpus_cache, *small, *layout)
+    moved = tiny_config(corpus_cache, *small, *layout, *offload, f"--offload.nvme_dir={tmp_path / 'nvme'}")
     a_losses, lrs, a_weights, _ = _cuda_run(plain, tmp_path / "a")
     # Collectives still get device tensors, never host copies; the norm is summed where the fp32
     # gradients are, on the host.
