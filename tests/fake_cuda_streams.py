@@ -16,6 +16,7 @@ has not (the staging ring's per-slot event); the compute stream's own asynchrony
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -124,5 +125,9 @@ def install(monkeypatch) -> None:
         built(self, device, True, staging_slots)
         self.cuda = True
         self.stream, self.down_stream = FakeStream(), FakeStream()
+        # the unpinning at collection waits for these streams, as it would for CUDA's
+        self._unpin.detach()
+        self._unpin = weakref.finalize(self, host._unregister_all, self._registered, [self.stream, self.down_stream])
+        self._unpin.atexit = False
 
     monkeypatch.setattr(host.HostLink, "__init__", cuda_branch)

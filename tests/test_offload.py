@@ -736,6 +736,30 @@ def test_a_late_copy_is_seen_only_after_its_event():
         mp.undo()
 
 
+def test_a_collected_link_waits_for_its_copies_before_it_unpins(monkeypatch):
+    """A link collected with a copy in flight (a deleted trainer's last weights going up) unpins
+    its buffers only after its streams completed: unpinned and freed first, the host memory would
+    still be read by the copy."""
+    import gc
+    from types import SimpleNamespace
+
+    import fake_cuda_streams
+    from bigtrain.parallel.zero import host
+
+    fake_cuda_streams.install(monkeypatch)
+    link = host.HostLink(torch.device("cpu"))
+    up, at_unpin = link.stream, []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(
+        cudaHostRegister=lambda ptr, size, flags: 0,
+        cudaHostUnregister=lambda ptr: at_unpin.append(up.done == up.issued) or 0))
+    target = torch.zeros(8, dtype=torch.bfloat16)
+    link.to_device(torch.ones(8), target)  # through a pinned staging buffer, on the copy stream
+    assert target.sum() == 0  # not made yet
+    del link
+    gc.collect()
+    assert at_unpin and all(at_unpin) and target.sum() == 8
+
+
 @pytest.mark.parametrize("depth", [0, 1, 3])
 def test_prefetch_depth_is_how_many_units_are_read_ahead_of_the_step(depth, corpus_cache, tmp_path):
     """offload.prefetch_depth = 0 was taken as 1 (the docs: units read ahead; 0 is accepted): the most
