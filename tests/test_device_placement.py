@@ -28,10 +28,12 @@ DEVICES = [pytest.param("cpu", id="cpu"),
            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
                not torch.cuda.is_available(), reason="no CUDA device")])]
 
-# compile.enabled = 'auto' compiles on CUDA: the cuda cases would each compile the model (a cold
-# inductor compile per precision and stage, ~10 s or more each, in the GPU lane's 150 s) and run
-# DeviceWatch's function mode under dynamo. They test placement, parity, resume and freeing in eager
-# mode, as on the CPU; the cases named "compiled" test compiling on the device.
+# compile.enabled = 'auto' compiles on CUDA: the cuda cases would each compile the model (one
+# inductor compile per precision and stage, its Triton kernels built one at a time in this process:
+# tests/conftest.py), within scripts/gpu-check.sh's 150 s for the lane (on the H200, 2026-11-27, the
+# lane needed a rerun with a longer limit, the two fp8 cases 38 s each), and run DeviceWatch's
+# function mode under dynamo. They test placement, parity, resume and freeing in eager mode, as on
+# the CPU; the cases named "compiled" test compiling on the device.
 EAGER = ["--compile.enabled=false"]
 SMALL = ["--train.global_batch=4", "--train.micro_batch=2", *EAGER]
 LAYOUTS = {
