@@ -28,7 +28,14 @@ DEVICES = [pytest.param("cpu", id="cpu"),
            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
                not torch.cuda.is_available(), reason="no CUDA device")])]
 
-SMALL = ["--train.global_batch=4", "--train.micro_batch=2"]
+# compile.enabled = 'auto' compiles on CUDA: the cuda cases would each compile the model (one
+# inductor compile per precision and stage, its Triton kernels built one at a time in this process:
+# tests/conftest.py), within scripts/gpu-check.sh's 150 s for the lane (on the H200, 2026-11-27, the
+# lane needed a rerun with a longer limit, the two fp8 cases 38 s each), and run DeviceWatch's
+# function mode under dynamo. They test placement, parity, resume and freeing in eager mode, as on
+# the CPU; the cases named "compiled" test compiling on the device.
+EAGER = ["--compile.enabled=false"]
+SMALL = ["--train.global_batch=4", "--train.micro_batch=2", *EAGER]
 LAYOUTS = {
     "dp2-zero0-fp32": ["--parallel.dp=2"],  # bucketed DataParallel + ReplicatedEngine
     "dp2-zero0-bf16": ["--parallel.dp=2", "--precision.mode=bf16"],
@@ -111,7 +118,8 @@ def test_one_rank_steps_keep_everything_on_the_device(stage, device, corpus_cach
 
 
 PARITY = {"fp32": [], "bf16-zero0": ["--precision.mode=bf16"],
-          "bf16-zero3": ["--precision.mode=bf16", "--parallel.zero=3"]}
+          "bf16-zero3": ["--precision.mode=bf16", "--parallel.zero=3"],
+          "bf16-compiled": ["--precision.mode=bf16", "--compile.enabled=true"]}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -119,9 +127,21 @@ PARITY = {"fp32": [], "bf16-zero0": ["--precision.mode=bf16"],
 def test_one_device_run_matches_the_reference_on_that_device(recipe, device, corpus_cache, tmp_path):
     """The trainer on one device against the independent reference on the same device, in the same
     precision: same kernels on both sides, so the precision's tolerance (bf16: loss within 1e-3 and
-    every weight within 1e-2 relative at every step) measures the trainer, not the hardware."""
+    every weight within 1e-2 relative at every step) measures the trainer, not the hardware.
+    ``bf16-compiled``: the blocks compiled on the device (compile.enabled's default there), against the
+    eager reference at the same bf16 bounds a compiled layout is held to on the CPU: inductor's fused
+    kernels round bf16 in other places, as another layout's reduction order does; a region falling
+    back to eager fails the case."""
+    import warnings
+
+    from bigtrain.parallel.compile import CompileFallbackWarning
+
+    if recipe.endswith("compiled") and device == "cpu":
+        pytest.skip("compiling on the CPU is tests/test_compile.py's: the GPU's case")
     cfg = tiny_config(corpus_cache, *SMALL, *PARITY[recipe])
-    report = check_layout(cfg, Mesh({}), tmp_path, steps=4, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)  # run eagerly, it would prove nothing
+        report = check_layout(cfg, Mesh({}), tmp_path, steps=4, device=device)
     assert report.agree, report.text()
     assert report.tolerance == TOLERANCES[cfg.precision.mode]
 
@@ -158,6 +178,17 @@ FREED_RANKS = {"dp2-zero0": ["--parallel.dp=2"], "dp2-zero3-bf16": ["--parallel.
                "tp2": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
                "pp2": ["--parallel.pp=2", "--train.micro_batch=1"]}
 WORKSPACE_SLACK = 64 * 2**20  # cuBLAS / cuDNN workspaces the caching allocator keeps for the stream
+
+
+def test_the_cuda_cases_compile_only_where_their_name_says(corpus_cache):
+    """compile.enabled = 'auto' compiles on CUDA: every single-device case pins it, so that on a GPU
+    only the cases named "compiled" compile (see EAGER)."""
+    from bigtrain.from_config import compile_enabled
+
+    for cases in (STAGES, PARITY, RESUME, FREED):
+        for name, flags in cases.items():
+            cfg = tiny_config(corpus_cache, *SMALL, *flags)
+            assert compile_enabled(cfg, "cuda", family_compiles=True) == name.endswith("compiled"), name
 
 
 def _holders(obj, depth: int = 3) -> list[str]:

@@ -201,6 +201,45 @@ def test_the_scaled_mm_call_matches_the_emulation_on_the_cpu(scaling, dtype):
         assert err <= 2 * GEMM_BOUND[dtype], f"{name}: worst row {err:.2e}"  # each side rounds once
 
 
+def _sm90_scaled_mm(calls: list):
+    """``torch._scaled_mm`` holding each call to what the CUDA build takes on an H100/H200
+    (torch's ScaledBlas.cpp: cuBLASLt there multiplies a row-major ``mat1`` by a column-major
+    ``mat2`` only; every dimension but ``mat1``'s rows a multiple of 16; never two e5m2 operands; fp32
+    scales, one element each or ``(M, 1)`` and ``(1, N)`` contiguous), then computing it from the
+    dequantized operands. The CPU kernel is laxer: a call it takes can still fail on the GPU."""
+    def checked(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        (m, k), (k2, n) = mat1.shape, mat2.shape
+        assert k == k2 and k % 16 == 0 and n % 16 == 0, f"shapes {(m, k)} x {(k2, n)}: multiples of 16"
+        assert mat1.stride(1) == 1 and mat2.stride(0) == 1, f"strides {mat1.stride()}, {mat2.stride()}: " \
+                                                             "mat1 row-major, mat2 column-major"
+        assert E5M2 not in (mat1.dtype, mat2.dtype) or mat1.dtype != mat2.dtype, "two e5m2 operands"
+        assert scale_a.dtype == scale_b.dtype == torch.float32
+        tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
+        rowwise = (tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n)
+                   and scale_a.is_contiguous() and scale_b.is_contiguous())
+        assert tensorwise or rowwise, f"scales {tuple(scale_a.shape)}, {tuple(scale_b.shape)}"
+        assert out_dtype in (torch.bfloat16, torch.float16, torch.float32) and bias is None
+        calls.append("tensorwise" if tensorwise else "rowwise")
+        return ((mat1.float() * scale_a) @ (mat2.float() * scale_b)).to(out_dtype)
+    return checked
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_every_float8_gemm_call_is_one_the_cuda_kernels_take(scaling, monkeypatch):
+    """A linear's three GEMMs (forward, input and weight gradient) on the ``scaled_mm`` backend call
+    ``torch._scaled_mm`` as the CUDA build requires (see :func:`_sm90_scaled_mm`), the gradient in
+    e5m2 as the first operand, with the scales of the recipe."""
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _sm90_scaled_mm(calls))
+    x, w, g = wide_range(2, 32, 64, seed=7), weight(96, 64), wide_range(2, 32, 96, seed=8) * 1e-3
+    kernel = run_linear("scaled_mm", scaling, torch.bfloat16, x, w, g)
+    emulated = run_linear("emulated", scaling, torch.bfloat16, x, w, g)
+    assert calls == [scaling] * 3
+    for name, a, e in zip(("output", "input gradient", "weight gradient"), kernel, emulated):
+        err = worst_row_error(a, e)
+        assert err <= 2 * GEMM_BOUND[torch.bfloat16], f"{name}: worst row {err:.2e}"  # each side rounds once
+
+
 # -------------------------------------------------------------------- the swap
 
 def test_the_swap_keeps_parameters_and_names_and_leaves_routers_norms_and_head():
@@ -424,7 +463,10 @@ def test_float8_training_on_cuda_follows_the_emulated_reference(scaling, corpus_
     from bigtrain.distributed.mesh import Mesh
     from bigtrain.train import Trainer
 
-    cfg = tiny_config(corpus_cache, f"--precision.fp8={scaling}", "--precision.mode=bf16", "--parallel.zero=1")
+    # Eager: the float8 kernels as the linears call them (compile.enabled = 'auto' would compile on
+    # CUDA; benchmarks/bench_gpu.py's fp8 variants run them compiled).
+    cfg = tiny_config(corpus_cache, f"--precision.fp8={scaling}", "--precision.mode=bf16", "--parallel.zero=1",
+                      "--compile.enabled=false")
     assert Trainer(cfg, tmp_path / "probe", Mesh({}), "cuda").parallel.float8.backend == "scaled_mm"
     report = check_layout(cfg, Mesh({}), tmp_path / "check", steps=4, device="cuda")
     assert report.agree, report.text()

@@ -603,9 +603,11 @@ def test_offload_on_a_gpu_equals_the_same_run_without_it(name, corpus_cache, tmp
     from device_watch import DeviceWatch
 
     layout, offload, rtol = GPU_CASES[name]
-    plain = tiny_config(corpus_cache, "--train.global_batch=4", "--train.micro_batch=2", *layout)
-    moved = tiny_config(corpus_cache, "--train.global_batch=4", "--train.micro_batch=2", *layout, *offload,
-                        f"--offload.nvme_dir={tmp_path / 'nvme'}")
+    # Eager (compile.enabled = 'auto' compiles on CUDA): the copies and the host step are what is
+    # compared, and each case would otherwise pay a cold compile in the GPU lane's 150 s.
+    small = ["--train.global_batch=4", "--train.micro_batch=2", "--compile.enabled=false"]
+    plain = tiny_config(corpus_cache, *small, *layout)
+    moved = tiny_config(corpus_cache, *small, *layout, *offload, f"--offload.nvme_dir={tmp_path / 'nvme'}")
     a_losses, lrs, a_weights, _ = _cuda_run(plain, tmp_path / "a")
     # Collectives still get device tensors, never host copies; the norm is summed where the fp32
     # gradients are, on the host.
@@ -669,6 +671,93 @@ def test_pinned_host_memory_is_registered_once_and_unregistered_before_it_is_fre
     del other, c
     gc.collect()
     assert calls == [("pin", ptr, 400), ("unpin", ptr)]
+
+
+LATE_COPY_CASES = {  # the GPU cases' layouts whose host tier is apart from the device
+    "zero2-bf16": (["--parallel.zero=2", "--precision.mode=bf16"], ["--offload.optimizer=cpu"]),
+    "zero3-bf16-params": (["--parallel.zero=3", "--precision.mode=bf16"],
+                          ["--offload.optimizer=cpu", "--offload.params=cpu"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LATE_COPY_CASES))
+def test_the_cuda_branch_of_the_link_reads_each_copy_only_after_it_completed(name, corpus_cache, tmp_path,
+                                                                             monkeypatch):
+    """HostLink's CUDA branch (side copy streams, events, the pinned staging ring), which a CPU device
+    otherwise never takes, on the CPU with every asynchronous copy made only once it is waited for
+    (tests/fake_cuda_streams.py): a read before its event, or a gather before the compute stream
+    waited for the weights going up, sees stale values. The run equals the one without offload bit
+    for bit, as the separate host tier does with copies made at once; so it would not with either
+    wait left out (both mutations fail it)."""
+    from bigtrain.distributed.mesh import Mesh
+    from bigtrain.train import Trainer
+    import fake_cuda_streams
+
+    layout, offload = LATE_COPY_CASES[name]
+    small = ["--train.global_batch=4", "--train.micro_batch=2"]
+    plain = Trainer(tiny_config(corpus_cache, *small, *layout), tmp_path / "a", Mesh({}), "cpu")
+    expected = [plain.train_step().loss for _ in range(3)]
+    fake_cuda_streams.install(monkeypatch)
+    moved = Trainer(tiny_config(corpus_cache, *small, *layout, *offload), tmp_path / "b", Mesh({}), "cpu")
+    try:
+        link = moved.engine.offload.link
+        assert link.cuda and isinstance(link.stream, fake_cuda_streams.FakeStream)
+        losses = [moved.train_step().loss for _ in range(3)]
+        assert link.bytes_down > 0 and link.bytes_up > 0
+        assert link.stream.issued > 0 and link.down_stream.issued > 0  # the copies went through the streams
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=0)
+        for n, w in plain.parallel.full_weights().items():
+            torch.testing.assert_close(moved.parallel.full_weights()[n], w, rtol=0, atol=0, msg=n)
+    finally:
+        moved.engine.offload.close()  # unpins through the stand-in, before monkeypatch restores cudart
+
+
+def test_a_late_copy_is_seen_only_after_its_event():
+    """tests/fake_cuda_streams.py itself: a copy on a side stream lands when its event is waited for,
+    reading its source then; the compute stream's wait makes every copy queued so far land."""
+    import fake_cuda_streams as fake
+
+    mp = pytest.MonkeyPatch()
+    try:
+        fake.install(mp)
+        side, src, dst = torch.cuda.Stream(), torch.ones(4), torch.zeros(4)
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+            torch.zeros(4).copy_(src, non_blocking=True)  # after the event
+        src.fill_(2)  # rewritten before the copy ran: the copy reads 2s
+        assert dst.sum() == 0 and not done.query()
+        done.synchronize()
+        assert torch.equal(dst, torch.full((4,), 2.0)) and side.done == 1
+        torch.cuda.current_stream().wait_stream(side)
+        assert side.done == side.issued == 2
+    finally:
+        mp.undo()
+
+
+def test_a_collected_link_waits_for_its_copies_before_it_unpins(monkeypatch):
+    """A link collected with a copy in flight (a deleted trainer's last weights going up) unpins
+    its buffers only after its streams completed: unpinned and freed first, the host memory would
+    still be read by the copy."""
+    import gc
+    from types import SimpleNamespace
+
+    import fake_cuda_streams
+    from bigtrain.parallel.zero import host
+
+    fake_cuda_streams.install(monkeypatch)
+    link = host.HostLink(torch.device("cpu"))
+    up, at_unpin = link.stream, []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(
+        cudaHostRegister=lambda ptr, size, flags: 0,
+        cudaHostUnregister=lambda ptr: at_unpin.append(up.done == up.issued) or 0))
+    target = torch.zeros(8, dtype=torch.bfloat16)
+    link.to_device(torch.ones(8), target)  # through a pinned staging buffer, on the copy stream
+    assert target.sum() == 0  # not made yet
+    del link
+    gc.collect()
+    assert at_unpin and all(at_unpin) and target.sum() == 8
 
 
 @pytest.mark.parametrize("depth", [0, 1, 3])

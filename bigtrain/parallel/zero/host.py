@@ -51,9 +51,12 @@ class HostLink:
         self._host: dict[int, torch.Tensor] = {}
         # Pinned by cudaHostRegister: kept alive here, and unregistered before they are freed (at
         # close, or when the link is collected: freed memory left registered would make a later
-        # registration of the same addresses fail).
+        # registration of the same addresses fail). Collected, the link may still have copies in
+        # flight (a deleted trainer's last weights going up): the streams are waited for first, so
+        # that no copy reads or writes host memory after it was unpinned and freed.
         self._registered: list[torch.Tensor] = []
-        self._unpin = weakref.finalize(self, _unregister_all, self._registered)
+        streams = [s for s in (self.stream, self.down_stream) if s is not None]
+        self._unpin = weakref.finalize(self, _unregister_all, self._registered, streams)
         self._unpin.atexit = False  # the process's exit frees them; CUDA may be shut down by then
 
     # -- host memory -----------------------------------------------------------------------------------
@@ -173,7 +176,10 @@ def _register(t: torch.Tensor) -> None:
                            f"limit (ulimit -l) is too low")
 
 
-def _unregister_all(tensors: list[torch.Tensor]) -> None:
+def _unregister_all(tensors: list[torch.Tensor], streams: list) -> None:
+    if tensors:
+        for stream in streams:
+            stream.synchronize()
     for t in tensors:
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
     tensors.clear()
