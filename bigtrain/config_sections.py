@@ -177,9 +177,9 @@ class ParallelConfig:
                        "ring over cp across: the sequence cut cp x sp ways).", "ring")
     sequence_parallel: bool = doc("Megatron sequence parallelism on the tp axis: norms and residuals on "
                                   "sequence shards, all-gather / reduce-scatter instead of all-reduce.", False)
-    ep: int = doc("Expert-parallel degree: experts are sharded over ep adjacent ranks of the dp x sp replicas "
-                  "(ep divides dp x sp and adds no ranks; model.moe_experts divisible by ep). Tokens reach their "
-                  "experts by all-to-all.", 1)
+    ep: int = doc("Expert-parallel degree: experts are sharded over ep adjacent ranks of the dp x cp x sp "
+                  "replicas (ep divides dp x cp x sp, under HSDP one ZeRO group's dp_shard x cp x sp, and adds no "
+                  "ranks; model.moe_experts divisible by ep). Tokens reach their experts by all-to-all.", 1)
     moe_grouped_mm: bool = doc("Run each rank's experts with torch._grouped_mm (one grouped GEMM; CPU and "
                                "CUDA sm90+) instead of a loop over experts.", False)
     zero: int = doc("ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state), 2 (+ gradients), "

@@ -290,6 +290,20 @@ def test_bad_hybrid_sharding_input_is_refused_naming_the_field_and_fix(name, cor
         assert word in str(err.value), (word, str(err.value))
 
 
+def test_another_family_is_refused_with_its_own_reason(corpus_cache, tmp_path):
+    """A Hugging Face decoder is refused naming the field and the fix, without the DLRM's reason
+    (its tables), which the message once gave every family."""
+    from bigtrain.check.fuzz_layouts import tiny_hf_config
+
+    hf = ["--model.family=hf", f"--model.hf_config={tiny_hf_config('llama:2:2:False', tmp_path)}"]
+    for family, reason in ((hf, False), (["--model.family=dlrm"], True)):
+        with pytest.raises(ConfigError) as err:
+            tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, "--parallel.zero=1", *family)
+        text = str(err.value)
+        assert "hybrid sharding is built and proved for the Llama family" in text, text
+        assert "use parallel.dp_replicate = 1" in text and ("DLRM shards its tables" in text) == reason, text
+
+
 def test_the_axis_product_must_be_the_world_size(corpus_cache):
     cfg = tiny_config(corpus_cache, *SMALL_BATCH, *HSDP_2X2, "--parallel.zero=1")
     with pytest.raises(ConfigError) as err:

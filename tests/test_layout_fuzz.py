@@ -73,6 +73,36 @@ def test_context_parallel_draws_fit_the_world_and_leave_other_samples_as_they_we
                for i in range(20) if not any(o.startswith("then:") for o in draw_sample(SEED, i, MAX_WORLD, cp_share=1.0)))
 
 
+def test_cp_shapes_and_resumed_cp_are_drawn_on_cp_samples_only_and_share_0_leaves_them():
+    """--cp-shape-share: a sample with cp takes a sequence of 2 x cp chunks of 1, 3, 5 or 7 tokens,
+    and a resumed one another cp after its checkpoint (validated with the resumed layout); the
+    default 0 draws every seed's samples as before (tests pin some), a sample without cp never
+    changes."""
+    from bigtrain.check.fuzz import THEN, _valid, draw_sample, split_resume
+    from bigtrain.check.fuzz_layouts import CP, last_values
+
+    shares = dict(dlrm_share=0.0, compile_share=0.0, resume_share=0.5)
+    for i in range(40):
+        assert draw_sample(SEED, i, MAX_WORLD, **shares) == draw_sample(SEED, i, MAX_WORLD, **shares, cp_shape_share=0.0)
+    plain = [draw_sample(SEED, i, MAX_WORLD, **shares, cp_share=1.0) for i in range(60)]
+    shaped = [draw_sample(SEED, i, MAX_WORLD, **shares, cp_share=1.0, cp_shape_share=1.0) for i in range(60)]
+    changed_cp, valid = 0, 0
+    for old, new in zip(plain, shaped):
+        saved, after, resumed = split_resume(new)
+        cp = int(last_values(saved).get(CP[:-1], 1))
+        seq = [int(o.split("=")[1]) for o in new if o.startswith("--data.seq_len=")]
+        assert (seq != []) == (cp > 1), new
+        if cp == 1:
+            assert new == old
+            continue
+        assert len(seq) == 1 and seq[0] % (2 * cp) == 0 and seq[0] // (2 * cp) in (1, 3, 5, 7), new
+        if any(o.startswith(THEN + CP) for o in new):
+            changed_cp += 1
+            assert after and _valid(resumed) and int(last_values(resumed)[CP[:-1]]) != cp, new
+        valid += _valid(saved)
+    assert changed_cp >= 5 and valid >= 10, (changed_cp, valid)
+
+
 # -- the delayed update in bf16/fp16 ------------------------------------------------------------
 # sha256 of the JSON of draw_sample(SEED, i, 4) for i < 200, as drawn before the mixed-precision
 # delayed update joined (main 089d238). A new draw passes its share 0 here: the seeds' samples stay.

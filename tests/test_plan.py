@@ -467,6 +467,9 @@ def test_fixed_keys_are_kept_and_the_rest_chosen(capsys):
     ([*LLAMA_7B, "--gpus", 0], "--gpus"),
     ([*LLAMA_7B, "--gpus", 10**12], "at most 1048576"),  # once enumerated 10**12 divisor candidates: a hang
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=3"], "dp=3 takes 3 GPUs, which does not divide --gpus = 8"),
+    # a cp the GPUs do not divide said "no layout with  fits", naming no field
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "cp=3"], "cp=3 takes 3 GPUs, which does not divide --gpus = 8"),
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=2,cp=3"], "dp=2 x cp=3 takes 6 GPUs"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=4,tp=4,pp=1,sp=1"], "dp x tp x pp x sp = 4 x 4 x 1 x 1"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dq=8"], "unknown key 'dq'"),
     # an axis given twice (or once more by an alias) was taken from its last mention, unseen

@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, INT8, context_parallel_choice, is_hf_moe,
-                                         last_values, optimizer_choice, sample_dlrm_layout, sample_hf_layout,
-                                         sample_layout, tiny_hf_config)
+from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, INT8, context_parallel_choice, context_resume_choice,
+                                         context_shape_choice, is_hf_moe, last_values, optimizer_choice,
+                                         sample_dlrm_layout, sample_hf_layout, sample_layout, tiny_hf_config)
 from bigtrain.config import Config, ConfigError, load_config
 from bigtrain.families import family_of
 from bigtrain.validation import validate
@@ -63,6 +63,10 @@ INT8_SHARE = 0.2
 COMPILE_SHARE = 0.25
 COMPILED = "--compile.enabled=true"
 CP_SHARE = 0.15
+# Of the samples with cp: a sequence of odd or one-token chunks, and a resume that changes cp
+# (context_shape_choice, context_resume_choice). 0 by default: the seeds' samples, which tests pin,
+# stay as they were; a campaign over cp passes --cp-shape-share.
+CP_SHAPE_SHARE = 0.0
 DELAYED_SHARE = 0.5
 DELAYED = "--offload.delayed_update=true"
 
@@ -70,7 +74,8 @@ DELAYED = "--offload.delayed_update=true"
 def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = DLRM_SHARE,
                 resume_share: float = RESUME_SHARE, int8_share: float = INT8_SHARE,
                 compile_share: float = COMPILE_SHARE, hf_share: float = HF_SHARE,
-                cp_share: float = CP_SHARE, delayed_share: float = DELAYED_SHARE) -> list[str]:
+                cp_share: float = CP_SHARE, delayed_share: float = DELAYED_SHARE,
+                cp_shape_share: float = CP_SHAPE_SHARE) -> list[str]:
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout
     (bigtrain's or a Hugging Face one), with context parallelism (cp 2 or 4, where the world allows)
     added with probability ``cp_share``,
@@ -79,7 +84,9 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     ``compile_share``, resumed then stepped with probability ``resume_share`` (a Hugging Face decoder
     too), and a bf16/fp16
     sample with offloaded optimizer the one-step delayed update with probability ``delayed_share``
-    where validation accepts it (:func:`delayed_update_choice`). The model, int8, compilation, the
+    where validation accepts it (:func:`delayed_update_choice`); a sample with cp, with probability
+    ``cp_shape_share``, a sequence of odd or one-token chunks and, when resumed, another cp after the
+    resume (:func:`context_shape_choice`, :func:`context_resume_choice`). The model, int8, compilation, the
     resume and that delayed update are drawn from generators of their own, so a decoder sample
     with none of them is the one :func:`sample_layout` drew for (seed, index) before DLRMs, int8,
     compilation, resumes and mixed-precision delayed updates joined, whatever the shares."""
@@ -93,33 +100,61 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
         cp = random.Random(f"{seed}:{index}:cp")  # its own generator: cp_share 0 leaves the samples as they were
         if cp.random() < cp_share:
             out += context_parallel_choice(cp, out, max_world)
+        shaped = _context_shaped(seed, index, out, cp_shape_share)
+        out += context_shape_choice(random.Random(f"{seed}:{index}:cp_shape"), out) if shaped else []
         int8 = int8 and not _float8(out) and not is_hf_moe(out)  # int8 on an HF MoE is refused (families/hf_moe.py)
         return _resumed_and_delayed(seed, index, out + ([INT8] if int8 else []) + ([COMPILED] if compiled else []),
-                                    max_world, resume_share, delayed_share)
+                                    max_world, resume_share, delayed_share, shaped)
     out = sample_layout(rng, max_world)
     cp = random.Random(f"{seed}:{index}:cp")
     if cp.random() < cp_share:
         out += context_parallel_choice(cp, out, max_world)
+    shaped = _context_shaped(seed, index, out, cp_shape_share)
+    out += context_shape_choice(random.Random(f"{seed}:{index}:cp_shape"), out) if shaped else []
     if int8 and not _float8(out):  # both would be refused: the float8 sample would never train
         out.append(INT8)
     if compiled:
         out.append(COMPILED)
-    return _resumed_and_delayed(seed, index, out, max_world, resume_share, delayed_share)
+    return _resumed_and_delayed(seed, index, out, max_world, resume_share, delayed_share, shaped)
+
+
+def _context_shaped(seed: int, index: int, out: list[str], share: float) -> bool:
+    """Whether sample ``out`` (with cp) takes :func:`context_shape_choice` and, resumed, a cp change:
+    drawn from a generator of its own, so a share of 0 leaves every sample as it was."""
+    return any(o.startswith(CP) for o in out) and random.Random(f"{seed}:{index}:cp_shaped").random() < share
 
 
 def _resumed_and_delayed(seed: int, index: int, out: list[str], max_world: int, resume_share: float,
-                         delayed_share: float) -> list[str]:
+                         delayed_share: float, cp_resumed: bool = False) -> list[str]:
     """The sample resumed then stepped, and in bf16/fp16 with the delayed update, each drawn from a
-    generator of its own (a Hugging Face sample draws both too since they were drawn for bigtrain's)."""
+    generator of its own (a Hugging Face sample draws both too since they were drawn for bigtrain's).
+    ``cp_resumed``: a resumed sample's layout after the checkpoint takes another cp
+    (:func:`context_resume_choice`) where validation accepts it."""
     resume = random.Random(f"{seed}:{index}:resume")
     if resume.random() < resume_share:
         # AdamW alone for a Hugging Face decoder: its reference steps with nothing else (hf_reference.py)
         out = resume_choice(resume, out, max_world, optimizers=("adamw",) if HF in out else OPTIMIZERS)
+        if cp_resumed:
+            out = _with_resumed_cp(random.Random(f"{seed}:{index}:cp_resume"), out, max_world)
     # Last, after the resume: resume_choice validates the layouts it draws, so a flag added before
     # it would change which one it keeps (the seeds' resumed samples would not stay as they were).
     if random.Random(f"{seed}:{index}:delayed_update").random() < delayed_share:
         out = delayed_update_choice(out)
     return out
+
+
+def _with_resumed_cp(rng: random.Random, sample: list[str], max_world: int) -> list[str]:
+    """Resumed ``sample`` with another cp after its checkpoint (1, 2 or 4: the checkpoint moves
+    between cp and plain layouts, and between cp degrees), when the resumed layout fits
+    ``max_world`` and validation accepts it; else ``sample`` as it is."""
+    saved, after, resumed = split_resume(sample)
+    last = last_values(resumed)
+    sizes = {a: int(last.get(f"--parallel.{a}", 1)) for a in ("dp", "tp", "pp", "sp", "cp")}
+    then = context_resume_choice(rng, sizes["cp"], sizes["sp"], sizes["dp"] * sizes["tp"] * sizes["pp"] * sizes["sp"],
+                                 max_world)
+    if not after or not then or not _valid(resumed + then):
+        return sample
+    return sample + [THEN + o for o in then]
 
 
 def delayed_update_choice(sample: list[str]) -> list[str]:
@@ -300,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp-share", type=float, default=CP_SHARE,
                         help=f"share of the decoder samples with context parallelism, 0 to 1 (default {CP_SHARE}; "
                              f"0: as before cp joined)")
+    parser.add_argument("--cp-shape-share", type=float, default=CP_SHAPE_SHARE,
+                        help=f"share of the samples with cp that take a sequence of odd or one-token chunks and, "
+                             f"resumed, another cp after the checkpoint, 0 to 1 (default {CP_SHAPE_SHARE}: the "
+                             f"seeds' samples as before it joined)")
     parser.add_argument("--compile-share", type=float, default=COMPILE_SHARE,
                         help=f"share of the decoder samples compiled (compile.enabled = true), 0 to 1 (default "
                              f"{COMPILE_SHARE}; 0: as before compilation joined; 1: every decoder sample)")
@@ -316,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.count):
         # One generator per sample: sample i of a seed is the same whatever the count.
         sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share, args.int8_share,
-                             args.compile_share, args.hf_share, args.cp_share, args.delayed_share)
+                             args.compile_share, args.hf_share, args.cp_share, args.delayed_share,
+                             args.cp_shape_share)
         outcome = run_sample(sample, args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)

@@ -39,6 +39,26 @@ def context_parallel_choice(rng: random.Random, out: list[str], max_world: int) 
     return [f"{CP}{rng.choice(cps)}", f"--parallel.cp_mode={mode}"]
 
 
+def context_shape_choice(rng: random.Random, out: list[str]) -> list[str]:
+    """For a sample with cp (:func:`context_parallel_choice`), a sequence of 2 x cp chunks of 1, 3, 5
+    or 7 tokens: chunks of one token, and odd ones that Ulysses' sp under hybrid or Megatron's tp may
+    not cut evenly (validation must refuse those by name). At most 2 x 4 x 7 = 56 tokens, within the
+    tiny preset's and the tiny Hugging Face configs' rotary tables. None for a sample without cp."""
+    cp = int(last_values(out).get(CP[:-1], 1))
+    return [f"--data.seq_len={2 * cp * rng.choice([1, 3, 5, 7])}"] if cp > 1 else []
+
+
+def context_resume_choice(rng: random.Random, cp: int, sp: int, world: int, max_world: int) -> list[str]:
+    """The cp of a resumed layout (``cp`` its saved layout's, ``sp`` and ``world`` the resumed
+    layout's before cp): another of 1, 2 and 4 that fits ``max_world``, in a mode the resumed sp
+    allows, as ``--parallel.cp=`` and ``--parallel.cp_mode=`` overrides; none when nothing fits."""
+    options = [c for c in (1, 2, 4) if c != cp and world * c <= max_world]
+    if not options:
+        return []
+    mode = "hybrid" if sp > 1 else rng.choice(["ring", "all-to-all"])
+    return [f"{CP}{rng.choice(options)}", f"--parallel.cp_mode={mode}"]
+
+
 def sample_dlrm_layout(rng: random.Random, max_world: int = 8) -> list[str]:
     """One DLRM layout as overrides of the dlrm-tiny preset: a few small tables (some row counts or
     dimensions the ranks do not divide, which validation must reject by name), one sharding or one

@@ -175,19 +175,20 @@ def _expert_degrees(model: ModelSpec, fixed: dict, replicas: int) -> list[int]:
 
 
 def _mesh_problems(fixed: dict, cluster: Cluster) -> list[str]:
-    """Why no dp x tp x pp x sp factorization of the GPUs matches the fixed degrees."""
-    degrees = {k: fixed[k] for k in ("dp", "tp", "pp", "sp") if k in fixed}
+    """Why no dp x tp x pp x sp x cp factorization of the GPUs matches the fixed degrees (cp among
+    them: a fixed cp that does not divide the GPUs once said "no layout with  fits", naming nothing)."""
+    degrees = {k: fixed[k] for k in ("dp", "tp", "pp", "sp", "cp") if k in fixed}
     product = 1
     for value in degrees.values():
         product *= value
     text = " x ".join(f"{k}={v}" for k, v in degrees.items())
     if cluster.gpus % product:
         return [f"--layout: {text} takes {product} GPUs, which does not divide --gpus = {cluster.gpus} (the degrees "
-                f"left out fill the rest: dp x tp x pp x sp equals the GPUs); give --gpus a multiple of {product} "
-                f"or other degrees"]
-    return [f"--layout: no layout with {text} fits the search space on {cluster.gpus} GPUs (tp at most "
-            f"{cluster.gpus_per_node}, sp at most 8 and dividing the heads, pp at most the layers); give every "
-            f"degree explicitly to use it anyway"]
+                f"left out fill the rest: dp x tp x pp x sp x cp equals the GPUs); give --gpus a multiple of "
+                f"{product} or other degrees"]
+    return [f"--layout: no layout{' with ' + text if text else ''} fits the search space on {cluster.gpus} GPUs "
+            f"(tp at most {cluster.gpus_per_node}, sp at most 8 and dividing the heads, pp at most the layers); "
+            f"give every degree explicitly to use it anyway"]
 
 
 @dataclass
