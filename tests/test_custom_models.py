@@ -464,3 +464,26 @@ def test_sequence_parallelism_with_no_style_cutting_the_sequence_is_refused():
     tp, sp = AxisComm("tp", None, 2, 0, CommStats()), AxisComm("sp", None, 1, 0, CommStats())
     with pytest.raises(ValueError, match="no style of the tensor-parallel plan cuts the sequence"):
         apply_plan(model, styles, tp, sp, sequence_parallel=True)
+
+
+def _llama_zero3_units(rank, world_size, n_layers):
+    import warnings
+
+    from bigtrain.models.llama import Llama, ModelConfig
+
+    with torch.device("meta"):
+        model = Llama(ModelConfig(dim=32, n_layers=n_layers, n_heads=2, vocab_size=64, max_seq_len=16))
+    plan = ParallelPlan(optim=OPTIM, engine=EnginePlan(zero=3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel = parallelize(model, Mesh({"dp": world_size}, rank), plan)
+    units = [name for name, m in parallel.model.named_modules() if any(m is u for u in parallel.engine.unit_modules)]
+    return units, [str(w.message) for w in caught if "found no blocks" in str(w.message)]
+
+
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_a_llamas_zero_units_are_its_layers_whatever_their_count(n_layers):
+    """Where the plan names no blocks, a Llama's ``layers`` are ZeRO's units, as recomputation's: a
+    one-layer Llama was one unit (the guess needs two blocks), gathered whole, with a warning."""
+    units, warned = run_ranks(_llama_zero3_units, 1, n_layers, timeout=60)[0]
+    assert units == ["", *(f"layers.{i}" for i in range(n_layers))] and not warned

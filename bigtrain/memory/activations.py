@@ -70,12 +70,17 @@ def offloaded_modules(model: nn.Module, blocks=None) -> list[nn.Module]:
     return [model.tok_embeddings, *model.layers, model.norm, model.output]
 
 
+def has_default_blocks(model: nn.Module) -> bool:
+    """Whether ``model`` has the blocks :func:`block_list` takes where a plan names none (a Llama's)."""
+    return isinstance(getattr(model, "layers", None), nn.Module)
+
+
 def block_list(model: nn.Module, plan: "ActivationPlan", what: str = "ActivationPlan") -> nn.Module:
     """The container of ``model``'s blocks: the family's (``plan.blocks``), else a Llama's ``layers``;
     a model with neither is named with the fix (``what``: the plan that asked)."""
     if plan.blocks is not None:
         return plan.blocks(model)
-    if not isinstance(getattr(model, "layers", None), nn.Module):
+    if not has_default_blocks(model):
         raise ValueError(f"{what} needs the blocks of a {type(model).__name__}, which has no 'layers' (bigtrain's "
                          f"Llama's): give {what}(blocks=lambda model: model.<its nn.ModuleList of blocks>)")
     return model.layers

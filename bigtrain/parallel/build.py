@@ -22,7 +22,7 @@ from torch import nn
 
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.fp8.linear import apply_float8
-from bigtrain.memory.activations import apply_activation_memory, block_list
+from bigtrain.memory.activations import apply_activation_memory, block_list, has_default_blocks
 from bigtrain.parallel.compile import apply_compile
 from bigtrain.parallel.context import apply_context_parallel
 from bigtrain.parallel.experts import apply_expert_parallel
@@ -88,9 +88,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     # uninitialized (no longer meta), so they are named now.
     meta_buffers = [name for name, b in pipeline.module.named_buffers() if b.is_meta]
     unit_modules = pipeline.unit_modules
-    if unit_modules is None and plan.activations.blocks is not None:
-        # The plan's blocks, not a guess from the model's structure (default_unit_modules), which
-        # makes a one-block model, or blocks in two lists, one unit or the wrong ones.
+    if unit_modules is None and (plan.activations.blocks is not None or has_default_blocks(pipeline.module)):
+        # The plan's blocks (a Llama's ``layers`` where it names none, as recomputation takes them),
+        # not a guess from the model's structure (default_unit_modules), which makes a one-block
+        # model, or blocks in two lists, one unit or the wrong ones.
         unit_modules = [b for b in block_list(pipeline.module, plan.activations).children()
                         if any(True for _ in b.parameters())]
     engine = apply_engine(pipeline.module, mesh, plan, placements.local_init(full_init), placements, device,
