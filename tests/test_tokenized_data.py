@@ -591,12 +591,34 @@ def test_an_hf_export_names_the_tokenizers_bos_and_eos_so_generate_stops(bpe, tm
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == end and config["bos_token_id"] is None  # nothing before a document
     assert transformers.AutoModelForCausalLM.from_pretrained(str(out)).generation_config.eos_token_id == end
+    # The tokenizer names it too: its eos_token was None, and `tokenizer.pad_token = tokenizer.eos_token`
+    # (a collator, a batched pipeline) failed on the export.
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == end and loaded.bos_token is None
+    assert loaded("def f(x):").input_ids == tok.encode("def f(x):").ids
     byte_run = tmp_path / "bytes"
     assert main(["train", *common, "--output-dir", str(byte_run), f"--data.cache_dir={corpus_cache}",
                  "--data.max_bytes=400000"]) == 0
     assert main(["export", str(byte_run), str(tmp_path / "bytes-hf"), "--format", "hf"]) == 0
     config = json.loads((tmp_path / "bytes-hf" / "config.json").read_text())
     assert config["bos_token_id"] is None and config["eos_token_id"] is None
+
+
+def test_an_exported_tokenizer_names_only_special_tokens_as_bos_and_eos(bpe, tmp_path):
+    """tokenizer_config.json names the config.json's bos / eos by their text when they are special
+    tokens of the file; an ordinary token (a data.document_end of 'd') is not named, since
+    transformers would make it special and split it out of every word that holds it."""
+    transformers = pytest.importorskip("transformers")
+    path, tok = bpe
+    end = tok.token_to_id("<|endoftext|>")
+    write_for_transformers(str(path), tmp_path, 64, {"bos_token_id": end, "eos_token_id": end})
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["bos_token"] == config["eos_token"] == "<|endoftext|>"
+    (tmp_path / "ordinary").mkdir()
+    write_for_transformers(str(path), tmp_path / "ordinary", 64, {"eos_token_id": tok.token_to_id("d")})
+    assert "eos_token" not in json.loads((tmp_path / "ordinary" / "tokenizer_config.json").read_text())
+    loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "ordinary"))
+    assert loaded("def add(d):").input_ids == tok.encode("def add(d):").ids
 
 
 def test_bos_and_eos_are_what_framed_each_training_document(bpe, tmp_path):

@@ -222,11 +222,16 @@ def ids_dtype(vocab_size: int) -> np.dtype:
 
 
 # -- beside an exported model --------------------------------------------------------------------
-def write_for_transformers(spec: str, out: Path, max_len: int) -> list[str]:
+def write_for_transformers(spec: str, out: Path, max_len: int, special: dict[str, int] | None = None) -> list[str]:
     """Write ``spec``'s tokenizer into the model folder ``out`` so that transformers'
     ``AutoTokenizer.from_pretrained(out)`` loads it (a ``tokenizer.json`` and a
     ``tokenizer_config.json`` naming the plain fast tokenizer: a model-specific class would add
-    its own special tokens and encode otherwise than training did). Returns the files written."""
+    its own special tokens and encode otherwise than training did). ``special``: the
+    ``bos_token_id`` / ``eos_token_id`` the export's config.json names (:func:`bos_eos_ids`), also
+    named in ``tokenizer_config.json`` as ``bos_token`` / ``eos_token``: without them the loaded
+    tokenizer's ``eos_token`` was None while the model's config named one, and what a user of
+    transformers writes next (``tokenizer.pad_token = tokenizer.eos_token`` for a collator or a
+    batched pipeline) failed. Returns the files written."""
     kind = tokenizer_kind(spec)
     if kind == BYTES:
         return []
@@ -246,6 +251,20 @@ def write_for_transformers(spec: str, out: Path, max_len: int) -> list[str]:
         TikTokenConverter(vocab_file=str(source), pattern=CL100K_PATTERN,
                           additional_special_tokens=[]).converted().save(str(target))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
-              "clean_up_tokenization_spaces": False}
+              "clean_up_tokenization_spaces": False, **_special_token_names(target, special or {})}
     (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [HF_FILE, "tokenizer_config.json"]
+
+
+def _special_token_names(tokenizer_json: Path, special: dict[str, int]) -> dict[str, str]:
+    """``bos_token`` / ``eos_token`` of a ``tokenizer_config.json``: the text of each id of
+    ``special`` in ``tokenizer_json`` (the file AutoTokenizer loads), so that the names map back to
+    the same ids. Only the file's special tokens are named: transformers registers a named token as
+    special, and an ordinary one (a ``data.document_end`` such as a newline, or a tiktoken rank) would
+    then be split out of text and encode otherwise than training did."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    specials = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return {key: specials[special[f"{key}_id"]] for key in ("bos_token", "eos_token")
+            if special.get(f"{key}_id") in specials}
