@@ -120,7 +120,7 @@ def init_from_architecture(cfg: Config) -> list[str]:
     model's shape is the folder's, whatever the preset says); [] without one, and for a family that
     the [model] shape fields do not describe (``model.family = "hf"`` is built from model.hf_config:
     reading a Qwen3 or Mixtral folder as bigtrain's Llama refused the run its own docs show)."""
-    from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, read_hf_config
+    from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, other_family_hint, read_hf_config
 
     family = find_family(cfg.model)
     if family is None or not family.model_fields:
@@ -131,7 +131,7 @@ def init_from_architecture(cfg: Config) -> list[str]:
     try:
         values = model_values(read_hf_config(folder), str(folder))
     except HFFormatError as e:
-        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}") from None
+        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}{other_family_hint(folder)}") from None
     return [f"--model.{k}={v}" for k, v in values.items()]
 
 

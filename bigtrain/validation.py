@@ -63,7 +63,7 @@ def check_model(cfg: Config) -> list[str]:
 
 def check_init_from(m) -> list[str]:
     """``model.init_from``: '' or a local Hugging Face folder whose architecture is the model's."""
-    from bigtrain.checkpoint.hf import HFFormatError, architecture_problems, hf_folder
+    from bigtrain.checkpoint.hf import HFFormatError, architecture_problems, hf_folder, other_family_hint
 
     if not m.init_from:
         return []
@@ -77,7 +77,7 @@ def check_init_from(m) -> list[str]:
     try:
         return architecture_problems(m, folder)
     except HFFormatError as e:
-        return [f"model.init_from = {m.init_from!r}: {e}"]
+        return [f"model.init_from = {m.init_from!r}: {e}{other_family_hint(folder)}"]
 
 
 def check_parallel(cfg: Config) -> list[str]:

@@ -105,6 +105,23 @@ def test_init_from_under_the_hf_family_is_not_read_as_a_llama(tmp_path, capsys):
     assert f'init_from = "hf:{folder}"' in capsys.readouterr().out
 
 
+def test_init_from_a_qwen3_folder_names_the_hf_family_as_the_fix(tmp_path, capsys):
+    """`--model.init_from=hf:FOLDER` of a Qwen3 (or Mistral) folder said only "model_type = 'qwen3',
+    not 'llama' or 'qwen2'", and with --model.family=hf added, "needs model.hf_config": a user
+    coming from transformers was not told the two fields that train it (the folder's path quoted,
+    since a path may hold a space)."""
+    folder = tmp_path / "my qwen"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((Path(__file__).parent / "fixtures" / "hf" / "qwen3" / "config.json").read_bytes())
+    (folder / "model.safetensors").write_bytes(b"")
+    assert main(["config", "--preset", "tiny", f"--model.init_from=hf:{folder}"]) == 2
+    err = capsys.readouterr().err
+    assert f"add --model.family=hf --model.hf_config='{folder}'" in err, err
+    assert main(["config", "--preset", "tiny", "--model.family=hf", f"--model.init_from=hf:{folder}"]) == 2
+    err = capsys.readouterr().err
+    assert f"set model.hf_config = '{folder}', the folder model.init_from reads" in err, err
+
+
 def test_a_closed_pipe_ends_the_command_quietly():
     """`bigtrain fields | head`: the reader leaves early; the command stops with the pipe's status
     (128 + SIGPIPE), not a BrokenPipeError traceback."""

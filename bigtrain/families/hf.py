@@ -249,7 +249,9 @@ def check_hf(cfg: Config) -> list[str]:
     installed, the layout is one this family supports and divides its shapes."""
     where = cfg.model.hf_config
     if not where.strip():
-        return [f"model.family = '{NAME}' needs model.hf_config: the path of a config.json (or its folder)"]
+        folder = hf_folder(cfg.model.init_from)  # the model's folder is named already: say to name it here too
+        return [f"model.family = '{NAME}' needs model.hf_config: the path of a config.json (or its folder)"
+                + (f"; set model.hf_config = '{folder}', the folder model.init_from reads" if folder else "")]
     path = config_path(cfg)
     try:
         fields = read_config(cfg)
