@@ -344,6 +344,29 @@ def test_a_parquet_column_that_is_not_text_is_named(monkeypatch, tmp_path):
         list(file_documents(path, "messages"))
 
 
+def test_a_text_file_that_is_not_utf8_is_said_before_launch(bpe, tmp_path, capsys):
+    """A Latin-1 text file in a tokenized corpus had its accented letters read as U+FFFD without a
+    word (JSON Lines that is not UTF-8 was refused, a .txt trained on replacement characters): its
+    path is named before launch, once, with the fix; a UTF-8 corpus says nothing."""
+    from bigtrain.data.load import prepare_run_data
+
+    path, _ = bpe
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("".join(_texts()[:2]), encoding="utf-8")
+    (corpus / "b.txt").write_bytes("Caf\u00e9, na\u00efve, \u00fcber: ".encode("latin-1") * 50)
+    overrides = [f"--data.source={corpus}", f"--data.tokenizer={path}", f"--data.cache_dir={tmp_path / 'cache'}",
+                 f"--model.vocab_size={MODEL_VOCAB}"]
+    prepare_run_data(load_config(preset="tiny", overrides=overrides), tmp_path / "run", main=True)
+    err = capsys.readouterr().err
+    assert (f"bigtrain: warning: data.source = '{corpus}': 1 text file is not UTF-8 ({corpus / 'b.txt'}); its "
+            f"undecodable bytes were read as U+FFFD") in err, err
+    assert "convert them to UTF-8" in err
+    (corpus / "b.txt").write_text("Caf\u00e9, na\u00efve, \u00fcber: " * 50, encoding="utf-8")
+    prepare_run_data(load_config(preset="tiny", overrides=overrides), tmp_path / "run", main=True)
+    assert "UTF-8" not in capsys.readouterr().err
+
+
 # -- end to end: train at dp=2, export, load with transformers --------------------------------------
 def _export_and_compare(run_dir: Path, out: Path, cfg_model, tok) -> None:
     """Export, load with AutoTokenizer + AutoModelForCausalLM, and compare ids and logits."""

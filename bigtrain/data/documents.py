@@ -83,27 +83,39 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
             yield text
 
 
-def file_documents(path: Path, field: str) -> Iterator[str]:
+def file_documents(path: Path, field: str, not_utf8: list[str] | None = None) -> Iterator[str]:
+    """The documents of one file. A text file that is not UTF-8 (Latin-1, say) is read with its
+    undecodable bytes as U+FFFD rather than stopping the run, and its path is added to
+    ``not_utf8``: the launcher says so (every accented letter of such a file became the same token,
+    without a word)."""
     if path.suffix == ".jsonl":
         yield from _jsonl(path, field)
     elif path.suffix == ".parquet":
         yield from _parquet(path, field)
-    else:  # a whole text file; undecodable bytes become U+FFFD rather than stopping the run
-        yield path.read_bytes().decode("utf-8", errors="replace")
+    else:
+        data = path.read_bytes()
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError:
+            if not_utf8 is not None:
+                not_utf8.append(str(path))
+            yield data.decode("utf-8", errors="replace")
 
 
 class Documents:
     """Every document of ``files`` in order, at most ``max_bytes`` bytes of UTF-8 in all (0: no cap).
     Once iterated, ``cut`` says whether the cap left text out (the launcher says so: a cap that
-    keeps a demo short must not drop most of a user's corpus without a word)."""
+    keeps a demo short must not drop most of a user's corpus without a word), and ``not_utf8``
+    lists the text files read with undecodable bytes replaced (:func:`file_documents`)."""
 
     def __init__(self, files: list[Path], field: str, max_bytes: int = 0):
         self.files, self.field, self.max_bytes, self.cut = files, field, max_bytes, False
+        self.not_utf8: list[str] = []
 
     def __iter__(self) -> Iterator[str]:
         total, cap = 0, self.max_bytes
         for path in self.files:
-            for text in file_documents(path, self.field):
+            for text in file_documents(path, self.field, self.not_utf8):
                 if cap:
                     if total >= cap:  # full: a document with any text left is text left out
                         if text:
