@@ -78,11 +78,11 @@ def _parser() -> argparse.ArgumentParser:
                              "and model.safetensors that transformers' LlamaForCausalLM.from_pretrained loads, "
                              "and model.init_from = 'hf:OUT' starts a run from")
     export.set_defaults(run=cmd_export)
-    generate = sub.add_parser("generate", help="print text a trained model writes after a prompt (byte-level)")
+    generate = sub.add_parser("generate", help="print text a trained model writes after a prompt (in the run's tokenizer, or bytes)")
     generate.add_argument("run_dir", help="a run directory, its checkpoints/, one checkpoint, or a Hugging Face "
                                           "Llama folder")
     generate.add_argument("--prompt", required=True, help="the text to continue")
-    generate.add_argument("--tokens", type=int, default=200, help="new tokens (bytes) to write (default 200)")
+    generate.add_argument("--tokens", type=int, default=200, help="new tokens to write (bytes for a byte-level run) (default 200)")
     generate.add_argument("--temperature", type=float, default=0.8,
                           help="sampling temperature; 0 is greedy (the most likely token each time) (default 0.8)")
     generate.add_argument("--top-k", type=int, default=0,

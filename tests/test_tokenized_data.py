@@ -522,15 +522,44 @@ def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tm
     assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == enc.encode_ordinary(text)
 
 
-def test_generate_refuses_a_model_trained_with_a_tokenizer_by_name():
+def test_generate_writes_with_the_runs_tokenizer_and_refuses_ids_without_one(bpe, tmp_path, capsys):
+    """`bigtrain generate RUN` of a run trained with its own tokenizer was refused ("generate reads
+    and writes bytes ... generate with transformers"), right after the README's train command: it
+    encodes the prompt and decodes the ids with the run's tokenizer, greedy is the argmax over the
+    tokenizer's ids (the model's padding rows past them are never drawn), and the run's Hugging
+    Face export writes the same text. A model of another vocabulary with no tokenizer (pre-tokenized
+    ids) is still refused by name."""
     from bigtrain.config import ModelConfig
-    from bigtrain.generate import Decoder, GenerateError, check_byte_level
+    from bigtrain.generate import Decoder, GenerateError, load_model, sample, text_tokenizer
 
-    cfg = ModelConfig()
-    decoder = Decoder(build_model(cfg, device="meta"), cfg.vocab_size, cfg.max_seq_len)
-    with pytest.raises(GenerateError, match=r"trained with data.tokenizer = 'tok.json': export it"):
-        check_byte_level(decoder, {"data": {"source": "corpus", "tokenizer": "tok.json"}})
-    check_byte_level(decoder, {"data": {"source": "corpus", "tokenizer": "bytes"}})
+    path, tok = bpe
+    text = tmp_path / "a.txt"
+    text.write_text("".join(_texts()[:3]))
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--train.steps=2", "--logging.progress=false", "--logging.report=false",
+                 "--output-dir", str(run), f"--data.source={text}", f"--data.tokenizer={path}",
+                 f"--data.cache_dir={tmp_path / 'cache'}", f"--model.vocab_size={MODEL_VOCAB}"]) == 0
+    decoder, _ = load_model(run)
+    prompt = tok.encode("def ").ids
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(decoder.model(torch.tensor([ids]))[0, -1, :VOCAB].argmax()))
+    capsys.readouterr()
+    args = ["--prompt", "def ", "--tokens", "8", "--temperature", "0"]
+    assert main(["generate", str(run), *args]) == 0
+    assert capsys.readouterr().out == tok.decode(ids, skip_special_tokens=False) + "\n"
+    assert main(["export", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "hf"), *args]) == 0
+    assert capsys.readouterr().out == tok.decode(ids, skip_special_tokens=False) + "\n"
+    drawn = {t for seed in range(20) for t in sample(decoder, prompt, 4, temperature=50.0, seed=seed, vocab=VOCAB)}
+    assert max(drawn) < VOCAB < MODEL_VOCAB
+
+    cfg = ModelConfig(vocab_size=1024)
+    ids_only = Decoder(build_model(cfg, device="meta"), cfg.vocab_size, cfg.max_seq_len)
+    with pytest.raises(GenerateError, match=r"vocabulary of 1024 and no tokenizer .*pre-tokenized ids \(ids.bin\)"):
+        text_tokenizer(tmp_path, ids_only, {"data": {"source": "ids.bin", "tokenizer": "bytes"}})
 
 
 def test_a_hugging_face_family_run_exports_its_tokenizer_too(bpe, corpus_cache, tmp_path, capsys):

@@ -83,6 +83,12 @@ class ByteTokenizer:
     def special_id(self, names: tuple[str, ...]) -> int | None:
         return None  # 256 byte values, none special
 
+    def prompt_ids(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` file."""
@@ -128,6 +134,14 @@ class HFTokenizer:
         special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         return next((special[name] for name in names if name in special), None)
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """``text`` as the start of a document: the post-processor's leading ids (Llama's BOS), as
+        every training document began, then the text's ids, without the trailing ones (an end)."""
+        return self.frame_ids()[0] + self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
 
 class TiktokenTokenizer:
     """A tiktoken encoding file (mergeable ranks), split with cl100k's pattern."""
@@ -159,6 +173,12 @@ class TiktokenTokenizer:
 
     def special_id(self, names: tuple[str, ...]) -> int | None:
         return None  # an encoding file has no special tokens
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
 
 
 def load_tokenizer(spec: str):
