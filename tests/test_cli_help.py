@@ -122,6 +122,21 @@ def test_init_from_a_qwen3_folder_names_the_hf_family_as_the_fix(tmp_path, capsy
     assert f"set model.hf_config = '{folder}', the folder model.init_from reads" in err, err
 
 
+def test_a_relative_data_path_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch, capsys):
+    """A run's config.toml keeps data.source and data.tokenizer as given ('corpus', 'tok.json'):
+    `--resume` from another folder said "no such file or folder" of a folder the user could see.
+    A relative path is said to be read from the current folder, which is named."""
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["config", "--preset", "tiny", "--data.source=corpus", "--data.tokenizer=tok.json"]) == 2
+    err = capsys.readouterr().err
+    here = f"(a relative path, looked for in the current folder {tmp_path / 'elsewhere'}: run from the folder it is relative to"
+    assert f"data.source = 'corpus': no such file or folder {here}" in err, err
+    assert f"data.tokenizer = 'tok.json': no such file {here}" in err, err
+    assert main(["config", "--preset", "tiny", f"--data.source={tmp_path / 'corpus'}"]) == 2
+    assert "relative path" not in capsys.readouterr().err
+
+
 def test_a_closed_pipe_ends_the_command_quietly():
     """`bigtrain fields | head`: the reader leaves early; the command stops with the pipe's status
     (128 + SIGPIPE), not a BrokenPipeError traceback."""
