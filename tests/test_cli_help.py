@@ -122,6 +122,25 @@ def test_init_from_a_qwen3_folder_names_the_hf_family_as_the_fix(tmp_path, capsy
     assert f"set model.hf_config = '{folder}', the folder model.init_from reads" in err, err
 
 
+@pytest.mark.parametrize("family", ["llama", "hf"])
+def test_init_from_a_folder_of_pytorch_model_bin_is_refused_before_launch_with_the_conversion(family, tmp_path, capsys):
+    """A folder of an older Hugging Face save (config.json and pytorch_model.bin, no safetensors)
+    passed validation under the llama family and the ranks died with a traceback ("holds no
+    .safetensors file"); it is refused before launch, with the line that writes safetensors."""
+    folder = tmp_path / "old-save"
+    folder.mkdir()
+    fixture = "llama" if family == "llama" else "qwen3"
+    (folder / "config.json").write_bytes((Path(__file__).parent / "fixtures" / "hf" / fixture / "config.json").read_bytes())
+    (folder / "pytorch_model.bin").write_bytes(b"")
+    argv = ["config", "--preset", "tiny", f"--model.init_from=hf:{folder}"]
+    argv += ["--model.family=hf", f"--model.hf_config={folder}"] if family == "hf" else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (f"{folder} holds no *.safetensors weights: it holds pytorch_model.bin, which bigtrain does not read (a "
+            f"pickle); write safetensors beside it with transformers") in err, err
+    assert f"M.from_pretrained('{folder}').save_pretrained('{folder}')" in err
+
+
 def test_a_relative_data_path_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch, capsys):
     """A run's config.toml keeps data.source and data.tokenizer as given ('corpus', 'tok.json'):
     `--resume` from another folder said "no such file or folder" of a folder the user could see.

@@ -345,6 +345,19 @@ def hf_folder(init_from: str) -> Path | None:
     return Path(init_from[3:]).expanduser() if init_from.startswith("hf:") else None
 
 
+def weights_problem(folder: Path) -> str | None:
+    """Why ``folder`` holds no weights ``model.init_from`` reads (None when it has ``*.safetensors``):
+    a folder of ``pytorch_model*.bin`` only (an older Hugging Face save) got a traceback from the
+    ranks after launch; it is named before launch, with the line that converts it."""
+    if any(folder.glob("*.safetensors")):
+        return None
+    pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+    convert = (f": it holds {pickled[0]}{' and more' if len(pickled) > 1 else ''}, which bigtrain does not read (a "
+               f"pickle); write safetensors beside it with transformers: python -c \"from transformers import "
+               f"AutoModelForCausalLM as M; M.from_pretrained('{folder}').save_pretrained('{folder}')\"") if pickled else ""
+    return f"{folder} holds no *.safetensors weights{convert}"
+
+
 def architecture_problems(cfg: ModelConfig, folder: Path) -> list[str]:
     """How ``cfg`` differs from the folder's architecture, each with the override that fixes it."""
     values = model_values(read_hf_config(folder), str(folder / CONFIG_FILE))
