@@ -156,6 +156,15 @@ def test_a_relative_data_path_not_found_says_where_it_was_looked_for(tmp_path, m
     assert "relative path" not in capsys.readouterr().err
 
 
+def test_a_folder_given_to_resume_says_output_dir(capsys):
+    """`bigtrain train --resume runs/x` (resume_from_checkpoint=PATH, as elsewhere) said only
+    "unrecognized arguments: runs/x"; it names --output-dir, the folder quoted (it may hold a space)."""
+    assert main(["train", "--resume", "runs/my run"]) == 2
+    err = capsys.readouterr().err
+    assert ("runs/my run: a run folder is given as --output-dir 'runs/my run' (--resume takes no value: "
+            "bigtrain train --output-dir 'runs/my run' --resume continues that run)") in err, err
+
+
 def test_a_closed_pipe_ends_the_command_quietly():
     """`bigtrain fields | head`: the reader leaves early; the command stops with the pipe's status
     (128 + SIGPIPE), not a BrokenPipeError traceback."""
