@@ -691,3 +691,18 @@ def test_bos_and_eos_are_what_framed_each_training_document(bpe, tmp_path):
     framing.save(str(tmp_path / "framed.json"))
     assert bos_eos_ids(HFTokenizer(tmp_path / "framed.json"), "d") == {"bos_token_id": end, "eos_token_id": end}
     assert bos_eos_ids(ByteTokenizer()) == {} and bos_eos_ids(ByteTokenizer(), "\n") == {"eos_token_id": 10}
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_a_compressed_data_file_is_refused_before_launch(bpe, tokenizer, tmp_path):
+    """data.source = 'data.jsonl.gz' (as datasets are often shipped) was read as one text document:
+    its gzip bytes trained on without a word at the byte level, or as U+FFFD with a tokenizer."""
+    import gzip
+
+    packed = tmp_path / "my data.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"text": "a document"}\n' * 200))
+    chosen = [f"--data.tokenizer={bpe[0]}", f"--model.vocab_size={MODEL_VOCAB}"] if tokenizer == "bpe" else []
+    cfg = load_config(preset="tiny", overrides=[f"--data.source={packed}", f"--data.cache_dir={tmp_path}", *chosen])
+    with pytest.raises(ConfigError, match=r"data.source = '.*my data.jsonl.gz' is a gzip-compressed file, which bigtrain "
+                                          r"does not decompress .*\(gunzip -k '.*my data.jsonl.gz'\)"):
+        validate(cfg)

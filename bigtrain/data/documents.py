@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,29 @@ DOCUMENT_SUFFIXES = TEXT_SUFFIXES + RECORD_SUFFIXES
 
 class DocumentError(ValueError):
     """A corpus file that cannot be read as documents; the message names the file, line and field."""
+
+
+# The first bytes of compressed files: a corpus named as one was read as text (its compressed bytes
+# trained on, without a word at the byte level).
+COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2",
+                    b"\xfd7zXZ\x00": "xz", b"PK\x03\x04": "zip"}
+DECOMPRESS = {"gzip": "gunzip -k", "zstd": "zstd -d", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zip": "unzip"}
+
+
+def compressed_problem(path: Path) -> str | None:
+    """Why a ``data.source`` file cannot be read as it is: compressed (gzip, zstd, ...), by its
+    first bytes; None for anything else (or a file that cannot be read: said elsewhere)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError:
+        return None
+    kind = next((k for magic, k in COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
+    if kind is None:
+        return None
+    return (f"data.source = '{path}' is a {kind}-compressed file, which bigtrain does not decompress (its compressed "
+            f"bytes would be trained on as text); decompress it first ({DECOMPRESS[kind]} {shlex.quote(str(path))}) and give the "
+            f"plain file")
 
 
 def corpus_files(source: Path) -> list[Path]:
