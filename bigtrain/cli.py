@@ -78,11 +78,11 @@ def _parser() -> argparse.ArgumentParser:
                              "and model.safetensors that transformers' LlamaForCausalLM.from_pretrained loads, "
                              "and model.init_from = 'hf:OUT' starts a run from")
     export.set_defaults(run=cmd_export)
-    generate = sub.add_parser("generate", help="print text a trained model writes after a prompt (byte-level)")
+    generate = sub.add_parser("generate", help="print text a trained model writes after a prompt (in the run's tokenizer, or bytes)")
     generate.add_argument("run_dir", help="a run directory, its checkpoints/, one checkpoint, or a Hugging Face "
                                           "Llama folder")
     generate.add_argument("--prompt", required=True, help="the text to continue")
-    generate.add_argument("--tokens", type=int, default=200, help="new tokens (bytes) to write (default 200)")
+    generate.add_argument("--tokens", type=int, default=200, help="new tokens to write (bytes for a byte-level run) (default 200)")
     generate.add_argument("--temperature", type=float, default=0.8,
                           help="sampling temperature; 0 is greedy (the most likely token each time) (default 0.8)")
     generate.add_argument("--top-k", type=int, default=0,
@@ -120,7 +120,7 @@ def init_from_architecture(cfg: Config) -> list[str]:
     model's shape is the folder's, whatever the preset says); [] without one, and for a family that
     the [model] shape fields do not describe (``model.family = "hf"`` is built from model.hf_config:
     reading a Qwen3 or Mixtral folder as bigtrain's Llama refused the run its own docs show)."""
-    from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, read_hf_config
+    from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, other_family_hint, read_hf_config
 
     family = find_family(cfg.model)
     if family is None or not family.model_fields:
@@ -131,7 +131,7 @@ def init_from_architecture(cfg: Config) -> list[str]:
     try:
         values = model_values(read_hf_config(folder), str(folder))
     except HFFormatError as e:
-        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}") from None
+        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}{other_family_hint(folder)}") from None
     return [f"--model.{k}={v}" for k, v in values.items()]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import shlex
 from pathlib import Path
 
 from bigtrain.config import Config, canonical_keys, field_docs, load_config, parse_overrides, read_toml
@@ -101,6 +102,11 @@ def unknown_arguments_message(command: str, unknown: list[str], parser: argparse
     for arg in unknown:
         if arg.startswith("-") and (hint := suggest_flag(arg, parser, takes_overrides)):
             lines.append(f"  {arg}: did you mean {hint}?")
+        elif not arg.startswith("-") and "--output-dir" in _options(parser) and "--resume" in _options(parser):
+            # `--resume runs/x`, as resume_from_checkpoint=PATH elsewhere: --resume takes no value
+            folder = shlex.quote(arg)
+            lines.append(f"  {arg}: a run folder is given as --output-dir {folder} (--resume takes no value: "
+                         f"bigtrain {command} --output-dir {folder} --resume continues that run)")
     if takes_overrides:
         lines.append(f"  (config fields are given as --section.key=value, e.g. --train.steps=5; "
                      f"bigtrain {command} --help lists them)")

@@ -47,6 +47,15 @@ def path_exists(path: str, expand: bool = True) -> bool:
         return False
 
 
+def looked_in(path: str) -> str:
+    """Where a relative ``path`` that was not found was looked for: the current folder. A run's
+    config.toml keeps paths as they were given, so ``--resume`` (or ``--config``) from another
+    folder looks for them there, and "no such file" named a file the user could see."""
+    if os.path.isabs(os.path.expanduser(path)):
+        return ""
+    return f" (a relative path, looked for in the current folder {os.getcwd()}: run from the folder it is relative to, or give it absolute)"
+
+
 def writable_dir(field: str, path: str) -> list[str]:
     target = Path(path)
     probe = target

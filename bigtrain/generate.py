@@ -4,8 +4,9 @@ what a trained model writes after a prompt.
 One process, the whole model (as ``bigtrain export``): the newest valid checkpoint's weights, whatever
 layout wrote them, in the model the run's family builds (bigtrain's Llama; a Hugging Face decoder
 through transformers: ``Family.generation_model``); or a Hugging Face Llama folder (``config.json``
-and ``*.safetensors``, as ``model.init_from = "hf:PATH"`` reads) in bigtrain's Llama. The tokenizer is the one the byte-level
-corpora use: a token is a byte of the UTF-8 text (vocabulary 256). Sampling: temperature 0 is greedy
+and ``*.safetensors``, as ``model.init_from = "hf:PATH"`` reads) in bigtrain's Llama. The tokenizer is the run's
+(``data.tokenizer``: its copy in the run directory) or the folder's ``tokenizer.json``, else bytes: a
+token is a byte of the UTF-8 text (vocabulary 256). Sampling: temperature 0 is greedy
 (argmax); otherwise softmax(logits / temperature), over the ``top_k`` most likely tokens when
 ``top_k > 0``, drawn from a generator seeded with ``seed`` (same seed, same text). The context is the
 last ``model.max_seq_len`` tokens (a config.json's ``max_position_embeddings``); no key/value cache: each new token
@@ -140,24 +141,52 @@ def _hf_folder_model(folder: Path) -> Decoder:
     return Decoder(model, cfg.vocab_size, cfg.max_seq_len)
 
 
-def check_byte_level(decoder: Decoder, run_config: dict) -> None:
-    """The prompt is encoded as bytes: the model must have been trained on bytes."""
-    source = str(run_config.get("data", {}).get("source", ""))
-    tokenizer = str(run_config.get("data", {}).get("tokenizer", "bytes"))
-    if tokenizer != "bytes":
-        raise GenerateError(f"generate reads and writes bytes; this model was trained with data.tokenizer = "
-                            f"'{tokenizer}': export it (bigtrain export RUN OUT --format hf) and generate with "
-                            f"transformers, whose AutoTokenizer loads that folder")
-    if decoder.vocab_size != BYTE_VOCAB or source.endswith((".bin", ".npy")):
-        raise GenerateError(f"generate reads and writes bytes (vocabulary {BYTE_VOCAB}); this model has a "
-                            f"vocabulary of {decoder.vocab_size}" +
-                            (f" and was trained on pre-tokenized data ({source})" if source else ""))
+def run_directory(source: Path) -> Path:
+    """The run directory of ``source`` (a run directory, its ``checkpoints/`` or one checkpoint)."""
+    if (source / "checkpoints").is_dir():
+        return source
+    return source.parent if source.name == "checkpoints" else source.parent.parent
+
+
+def text_tokenizer(source: Path, decoder: Decoder, run_config: dict):
+    """The tokenizer the model's ids are in: the run's own (the copy ``bigtrain train`` keeps in
+    the run directory, else the file its ``data.tokenizer`` names), a Hugging Face folder's
+    ``tokenizer.json`` (what ``bigtrain export --format hf`` writes beside a tokenized run's
+    weights), else bytes. A model trained on pre-tokenized ids, or whose vocabulary is smaller than
+    its tokenizer's, is refused by name. (A run trained with its own tokenizer was refused with
+    "export it and generate with transformers", right after the README's train command.)"""
+    from bigtrain.data.load import run_tokenizer
+    from bigtrain.data.tokenizer import BYTES, ByteTokenizer, TokenizerError, load_tokenizer
+
+    source = Path(source)
+    data = run_config.get("data", {})
+    spec = str(data.get("tokenizer", BYTES))
+    if run_config and spec != BYTES:
+        spec = str(run_tokenizer(run_directory(source)) or spec)
+    elif not run_config and (source / "tokenizer.json").is_file():  # a Hugging Face folder's own
+        spec = str(source / "tokenizer.json")
+    try:
+        tokenizer = ByteTokenizer() if spec == BYTES else load_tokenizer(spec)
+    except TokenizerError as e:
+        raise GenerateError(f"the model's tokenizer cannot be read: {e}") from None
+    where = str(data.get("source", ""))
+    if spec == BYTES and (decoder.vocab_size != BYTE_VOCAB or where.endswith((".bin", ".npy"))):
+        raise GenerateError(f"this model has a vocabulary of {decoder.vocab_size} and no tokenizer to write text "
+                            f"with" + (f": it was trained on pre-tokenized ids ({where})" if where else
+                                       " (no tokenizer.json in the folder)") +
+                            f"; generate reads and writes bytes (vocabulary {BYTE_VOCAB}) or a run's tokenizer")
+    if tokenizer.vocab_size > decoder.vocab_size:
+        raise GenerateError(f"the tokenizer ({spec}) has {tokenizer.vocab_size} ids, more than the model's "
+                            f"vocabulary of {decoder.vocab_size}: they are not the model's tokens")
+    return tokenizer
 
 
 @torch.no_grad()
 def sample(decoder: Decoder, prompt: list[int], tokens: int, temperature: float = 1.0, top_k: int = 0,
-           seed: int = 0) -> list[int]:
-    """``tokens`` new token ids after ``prompt`` (see the module's docstring for the rules)."""
+           seed: int = 0, vocab: int = 0) -> list[int]:
+    """``tokens`` new token ids after ``prompt`` (see the module's docstring for the rules), drawn
+    from the first ``vocab`` ids only when given: a model's vocabulary padded past its tokenizer's
+    (1024 rows for 1000 ids) has rows no text ever trained, which no tokenizer can decode."""
     if not prompt:
         raise GenerateError("--prompt is empty; give at least one character to continue")
     generator = torch.Generator().manual_seed(seed)
@@ -165,6 +194,8 @@ def sample(decoder: Decoder, prompt: list[int], tokens: int, temperature: float 
     out = []
     for _ in range(tokens):
         logits = decoder.last_logits(ids)
+        if vocab:
+            logits = logits[:vocab]
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -192,10 +223,14 @@ def check_settings(tokens: int, temperature: float, top_k: int) -> None:
 
 def generate_text(source: Path, prompt: str, tokens: int, temperature: float = 1.0, top_k: int = 0,
                   seed: int = 0) -> str:
-    """The prompt and its continuation, as text (bytes that are not valid UTF-8 are shown as U+FFFD)."""
+    """The prompt and its continuation, as text, in the model's tokenizer (:func:`text_tokenizer`;
+    bytes that are not valid UTF-8 are shown as U+FFFD; a special token, such as an end of text, as
+    itself). A leading token the tokenizer puts before each document (Llama's BOS) starts the
+    prompt, as it started every training document, and is not printed."""
     check_settings(tokens, temperature, top_k)
     decoder, run_config = load_model(source)
-    check_byte_level(decoder, run_config)
-    ids = list(prompt.encode("utf-8"))
-    new = sample(decoder, ids, tokens, temperature, top_k, seed)
-    return bytes(ids + new).decode("utf-8", errors="replace")
+    tokenizer = text_tokenizer(source, decoder, run_config)
+    ids = tokenizer.prompt_ids(prompt) if prompt else []
+    leading = len(tokenizer.frame_ids()[0]) if prompt else 0
+    new = sample(decoder, ids, tokens, temperature, top_k, seed, vocab=tokenizer.vocab_size)
+    return tokenizer.decode(ids[leading:] + new)

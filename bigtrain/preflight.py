@@ -383,7 +383,37 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     problems += size
     if problems:
         raise ConfigError(problems)
-    return layout_warnings(cfg) + warnings
+    return layout_warnings(cfg) + init_from_tokenizer_warnings(cfg) + warnings
+
+
+def init_from_tokenizer_warnings(cfg: Config) -> list[str]:
+    """A model started from a Hugging Face folder that holds a tokenizer, trained on other ids: its
+    embedding rows mean that tokenizer's tokens. `--model.init_from=hf:FOLDER` with the default
+    data.tokenizer = 'bytes' fine-tuned a pretrained model on byte ids without a word (a user of
+    transformers expects the folder's tokenizer to come with its model)."""
+    from bigtrain.checkpoint.hf import hf_folder
+    from bigtrain.data.tokenizer import BYTES, HF_FILE, file_digest, tokenizer_file
+
+    folder = hf_folder(cfg.model.init_from)
+    if folder is None or cfg.data.source.endswith((".bin", ".npy")):  # ids given as they are
+        return []
+    theirs = folder / HF_FILE
+    if not theirs.is_file():
+        return []
+    fix = f"set data.tokenizer = '{folder}' to train on the model's own tokens"
+    if cfg.data.tokenizer == BYTES:
+        return [f"model.init_from's folder has a tokenizer ({theirs}), but data.tokenizer = 'bytes': the model is "
+                f"trained on byte ids (0-255), which its embedding reads as other tokens; {fix}"]
+    try:
+        ours = tokenizer_file(cfg.data.tokenizer)
+        same = ours.is_file() and file_digest(ours) == file_digest(theirs)
+    except OSError:
+        return []  # an unreadable data.tokenizer is refused by name elsewhere
+    if same or not ours.is_file():
+        return []
+    return [f"data.tokenizer = '{cfg.data.tokenizer}' is not the tokenizer beside model.init_from's weights "
+            f"({theirs} holds another file): if its ids are not that tokenizer's, the model reads them as other "
+            f"tokens; {fix}"]
 
 
 def layout_warnings(cfg: Config) -> list[str]:

@@ -63,7 +63,8 @@ def check_model(cfg: Config) -> list[str]:
 
 def check_init_from(m) -> list[str]:
     """``model.init_from``: '' or a local Hugging Face folder whose architecture is the model's."""
-    from bigtrain.checkpoint.hf import HFFormatError, architecture_problems, hf_folder
+    from bigtrain.checkpoint.hf import (HFFormatError, architecture_problems, hf_folder, other_family_hint,
+                                       weights_problem)
 
     if not m.init_from:
         return []
@@ -75,9 +76,11 @@ def check_init_from(m) -> list[str]:
         return [f"model.init_from = {m.init_from!r}: {folder} is not a folder; give the folder that holds "
                 f"config.json and model.safetensors (bigtrain export RUN OUT --format hf writes one)"]
     try:
-        return architecture_problems(m, folder)
+        problems = architecture_problems(m, folder)
     except HFFormatError as e:
-        return [f"model.init_from = {m.init_from!r}: {e}"]
+        return [f"model.init_from = {m.init_from!r}: {e}{other_family_hint(folder)}"]
+    missing = weights_problem(folder)
+    return problems + ([f"model.init_from = {m.init_from!r}: {missing}"] if missing else [])
 
 
 def check_parallel(cfg: Config) -> list[str]:

@@ -239,3 +239,33 @@ def test_2bw_ranks_agree_on_the_boundary_they_run_when_only_some_stages_hold_wha
     reports = run_ranks(_check_2bw, world, cfg, str(tmp_path), 3, timeout=120)
     assert reports[0][0].agree, reports[0][0].text()
     assert {calls for _, calls in reports} == {0}  # all synchronous
+
+
+@pytest.mark.parametrize("family", ["llama", "hf"])
+def test_the_reference_starts_from_init_from_weights_and_check_takes_the_folders_shape(family, corpus_cache,
+                                                                                        tmp_path):
+    """`bigtrain check` with model.init_from: its reference started from the seed's random weights
+    while the layout started from the folder's, so every check said DIFFER from step 1 (a loss 3e-3
+    apart, the embedding 1.4 relative); and `check --config` refused a file `bigtrain train` ran,
+    naming each [model] field the folder's config.json sets. The reference's first loss is
+    transformers' own on the folder's model and the same batch."""
+    transformers = pytest.importorskip("transformers")
+    from bigtrain.check.cli import check_config
+    from bigtrain.families.hf_reference import HFReference
+
+    torch.manual_seed(3)
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    made = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)) if family == "llama" else
+            transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=8)))
+    folder = tmp_path / "hf"
+    made.save_pretrained(str(folder))
+    overrides = [f"--model.init_from=hf:{folder}", f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000"]
+    overrides += ["--model.family=hf", f"--model.hf_config={folder}"] if family == "hf" else []
+    cfg = check_config("tiny", None, overrides)  # the llama family: dim, layers and heads from the folder
+    reference = ReferenceRun(cfg) if family == "llama" else HFReference(cfg)
+    tokens, targets = reference.sampler.batch(0, 0, cfg.train.global_batch)
+    with torch.no_grad():
+        logits = made.float().eval()(tokens).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert reference.train_step().loss == pytest.approx(expected, rel=1e-5)

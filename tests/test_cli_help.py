@@ -105,6 +105,66 @@ def test_init_from_under_the_hf_family_is_not_read_as_a_llama(tmp_path, capsys):
     assert f'init_from = "hf:{folder}"' in capsys.readouterr().out
 
 
+def test_init_from_a_qwen3_folder_names_the_hf_family_as_the_fix(tmp_path, capsys):
+    """`--model.init_from=hf:FOLDER` of a Qwen3 (or Mistral) folder said only "model_type = 'qwen3',
+    not 'llama' or 'qwen2'", and with --model.family=hf added, "needs model.hf_config": a user
+    coming from transformers was not told the two fields that train it (the folder's path quoted,
+    since a path may hold a space)."""
+    folder = tmp_path / "my qwen"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((Path(__file__).parent / "fixtures" / "hf" / "qwen3" / "config.json").read_bytes())
+    (folder / "model.safetensors").write_bytes(b"")
+    assert main(["config", "--preset", "tiny", f"--model.init_from=hf:{folder}"]) == 2
+    err = capsys.readouterr().err
+    assert f"add --model.family=hf --model.hf_config='{folder}'" in err, err
+    assert main(["config", "--preset", "tiny", "--model.family=hf", f"--model.init_from=hf:{folder}"]) == 2
+    err = capsys.readouterr().err
+    assert f"set model.hf_config = '{folder}', the folder model.init_from reads" in err, err
+
+
+@pytest.mark.parametrize("family", ["llama", "hf"])
+def test_init_from_a_folder_of_pytorch_model_bin_is_refused_before_launch_with_the_conversion(family, tmp_path, capsys):
+    """A folder of an older Hugging Face save (config.json and pytorch_model.bin, no safetensors)
+    passed validation under the llama family and the ranks died with a traceback ("holds no
+    .safetensors file"); it is refused before launch, with the line that writes safetensors."""
+    folder = tmp_path / "old-save"
+    folder.mkdir()
+    fixture = "llama" if family == "llama" else "qwen3"
+    (folder / "config.json").write_bytes((Path(__file__).parent / "fixtures" / "hf" / fixture / "config.json").read_bytes())
+    (folder / "pytorch_model.bin").write_bytes(b"")
+    argv = ["config", "--preset", "tiny", f"--model.init_from=hf:{folder}"]
+    argv += ["--model.family=hf", f"--model.hf_config={folder}"] if family == "hf" else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (f"{folder} holds no *.safetensors weights: it holds pytorch_model.bin, which bigtrain does not read (a "
+            f"pickle); write safetensors beside it with transformers") in err, err
+    assert f"M.from_pretrained('{folder}').save_pretrained('{folder}')" in err
+
+
+def test_a_relative_data_path_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch, capsys):
+    """A run's config.toml keeps data.source and data.tokenizer as given ('corpus', 'tok.json'):
+    `--resume` from another folder said "no such file or folder" of a folder the user could see.
+    A relative path is said to be read from the current folder, which is named."""
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["config", "--preset", "tiny", "--data.source=corpus", "--data.tokenizer=tok.json"]) == 2
+    err = capsys.readouterr().err
+    here = f"(a relative path, looked for in the current folder {tmp_path / 'elsewhere'}: run from the folder it is relative to"
+    assert f"data.source = 'corpus': no such file or folder {here}" in err, err
+    assert f"data.tokenizer = 'tok.json': no such file {here}" in err, err
+    assert main(["config", "--preset", "tiny", f"--data.source={tmp_path / 'corpus'}"]) == 2
+    assert "relative path" not in capsys.readouterr().err
+
+
+def test_a_folder_given_to_resume_says_output_dir(capsys):
+    """`bigtrain train --resume runs/x` (resume_from_checkpoint=PATH, as elsewhere) said only
+    "unrecognized arguments: runs/x"; it names --output-dir, the folder quoted (it may hold a space)."""
+    assert main(["train", "--resume", "runs/my run"]) == 2
+    err = capsys.readouterr().err
+    assert ("runs/my run: a run folder is given as --output-dir 'runs/my run' (--resume takes no value: "
+            "bigtrain train --output-dir 'runs/my run' --resume continues that run)") in err, err
+
+
 def test_a_closed_pipe_ends_the_command_quietly():
     """`bigtrain fields | head`: the reader leaves early; the command stops with the pipe's status
     (128 + SIGPIPE), not a BrokenPipeError traceback."""

@@ -369,3 +369,32 @@ def test_the_run_records_its_layout_as_it_runs_on_its_device():
     cfg = load_config(preset="small", overrides=["--compile.enabled=auto"])
     assert "compiled" in run_info.layout_text(cfg, cuda=True) and "compiled" not in run_info.layout_text(cfg)
     assert run_info.identity(cfg, cuda=True)["layout"] == run_info.layout_text(cfg, cuda=True)
+
+
+def test_a_model_started_from_a_folder_with_a_tokenizer_is_warned_when_trained_on_other_ids(tmp_path):
+    """`--model.init_from=hf:FOLDER` with the default data.tokenizer = 'bytes' fine-tuned a
+    pretrained model on byte ids without a word, though the folder held the model's tokenizer.json;
+    another tokenizer file is said too; the folder's own (or one with the same bytes) says nothing."""
+    from bigtrain.config import load_config
+    from bigtrain.preflight import init_from_tokenizer_warnings
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text('{"model": "theirs"}')
+    (tmp_path / "other.json").write_text('{"model": "other"}')
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "tokenizer.json").write_text('{"model": "theirs"}')
+
+    def warnings(*overrides):
+        return init_from_tokenizer_warnings(load_config(preset="tiny", overrides=[f"--model.init_from=hf:{folder}",
+                                                                                   *overrides]))
+    said = warnings()
+    assert len(said) == 1 and "data.tokenizer = 'bytes'" in said[0], said
+    assert f"set data.tokenizer = '{folder}' to train on the model's own tokens" in said[0]
+    said = warnings(f"--data.tokenizer={tmp_path / 'other.json'}")
+    assert len(said) == 1 and "is not the tokenizer beside model.init_from's weights" in said[0], said
+    assert warnings(f"--data.tokenizer={folder}") == []
+    assert warnings(f"--data.tokenizer={tmp_path / 'copy'}") == []
+    assert warnings("--data.source=ids.bin") == []  # pre-tokenized ids: what they mean is not known
+    (folder / "tokenizer.json").unlink()
+    assert warnings() == []  # no tokenizer beside the weights (a byte-level export)

@@ -344,6 +344,29 @@ def test_a_parquet_column_that_is_not_text_is_named(monkeypatch, tmp_path):
         list(file_documents(path, "messages"))
 
 
+def test_a_text_file_that_is_not_utf8_is_said_before_launch(bpe, tmp_path, capsys):
+    """A Latin-1 text file in a tokenized corpus had its accented letters read as U+FFFD without a
+    word (JSON Lines that is not UTF-8 was refused, a .txt trained on replacement characters): its
+    path is named before launch, once, with the fix; a UTF-8 corpus says nothing."""
+    from bigtrain.data.load import prepare_run_data
+
+    path, _ = bpe
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("".join(_texts()[:2]), encoding="utf-8")
+    (corpus / "b.txt").write_bytes("Caf\u00e9, na\u00efve, \u00fcber: ".encode("latin-1") * 50)
+    overrides = [f"--data.source={corpus}", f"--data.tokenizer={path}", f"--data.cache_dir={tmp_path / 'cache'}",
+                 f"--model.vocab_size={MODEL_VOCAB}"]
+    prepare_run_data(load_config(preset="tiny", overrides=overrides), tmp_path / "run", main=True)
+    err = capsys.readouterr().err
+    assert (f"bigtrain: warning: data.source = '{corpus}': 1 text file is not UTF-8 ({corpus / 'b.txt'}); its "
+            f"undecodable bytes were read as U+FFFD") in err, err
+    assert "convert them to UTF-8" in err
+    (corpus / "b.txt").write_text("Caf\u00e9, na\u00efve, \u00fcber: " * 50, encoding="utf-8")
+    prepare_run_data(load_config(preset="tiny", overrides=overrides), tmp_path / "run", main=True)
+    assert "UTF-8" not in capsys.readouterr().err
+
+
 # -- end to end: train at dp=2, export, load with transformers --------------------------------------
 def _export_and_compare(run_dir: Path, out: Path, cfg_model, tok) -> None:
     """Export, load with AutoTokenizer + AutoModelForCausalLM, and compare ids and logits."""
@@ -499,15 +522,44 @@ def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tm
     assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == enc.encode_ordinary(text)
 
 
-def test_generate_refuses_a_model_trained_with_a_tokenizer_by_name():
+def test_generate_writes_with_the_runs_tokenizer_and_refuses_ids_without_one(bpe, tmp_path, capsys):
+    """`bigtrain generate RUN` of a run trained with its own tokenizer was refused ("generate reads
+    and writes bytes ... generate with transformers"), right after the README's train command: it
+    encodes the prompt and decodes the ids with the run's tokenizer, greedy is the argmax over the
+    tokenizer's ids (the model's padding rows past them are never drawn), and the run's Hugging
+    Face export writes the same text. A model of another vocabulary with no tokenizer (pre-tokenized
+    ids) is still refused by name."""
     from bigtrain.config import ModelConfig
-    from bigtrain.generate import Decoder, GenerateError, check_byte_level
+    from bigtrain.generate import Decoder, GenerateError, load_model, sample, text_tokenizer
 
-    cfg = ModelConfig()
-    decoder = Decoder(build_model(cfg, device="meta"), cfg.vocab_size, cfg.max_seq_len)
-    with pytest.raises(GenerateError, match=r"trained with data.tokenizer = 'tok.json': export it"):
-        check_byte_level(decoder, {"data": {"source": "corpus", "tokenizer": "tok.json"}})
-    check_byte_level(decoder, {"data": {"source": "corpus", "tokenizer": "bytes"}})
+    path, tok = bpe
+    text = tmp_path / "a.txt"
+    text.write_text("".join(_texts()[:3]))
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--train.steps=2", "--logging.progress=false", "--logging.report=false",
+                 "--output-dir", str(run), f"--data.source={text}", f"--data.tokenizer={path}",
+                 f"--data.cache_dir={tmp_path / 'cache'}", f"--model.vocab_size={MODEL_VOCAB}"]) == 0
+    decoder, _ = load_model(run)
+    prompt = tok.encode("def ").ids
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(decoder.model(torch.tensor([ids]))[0, -1, :VOCAB].argmax()))
+    capsys.readouterr()
+    args = ["--prompt", "def ", "--tokens", "8", "--temperature", "0"]
+    assert main(["generate", str(run), *args]) == 0
+    assert capsys.readouterr().out == tok.decode(ids, skip_special_tokens=False) + "\n"
+    assert main(["export", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "hf"), *args]) == 0
+    assert capsys.readouterr().out == tok.decode(ids, skip_special_tokens=False) + "\n"
+    drawn = {t for seed in range(20) for t in sample(decoder, prompt, 4, temperature=50.0, seed=seed, vocab=VOCAB)}
+    assert max(drawn) < VOCAB < MODEL_VOCAB
+
+    cfg = ModelConfig(vocab_size=1024)
+    ids_only = Decoder(build_model(cfg, device="meta"), cfg.vocab_size, cfg.max_seq_len)
+    with pytest.raises(GenerateError, match=r"vocabulary of 1024 and no tokenizer .*pre-tokenized ids \(ids.bin\)"):
+        text_tokenizer(tmp_path, ids_only, {"data": {"source": "ids.bin", "tokenizer": "bytes"}})
 
 
 def test_a_hugging_face_family_run_exports_its_tokenizer_too(bpe, corpus_cache, tmp_path, capsys):
@@ -591,12 +643,34 @@ def test_an_hf_export_names_the_tokenizers_bos_and_eos_so_generate_stops(bpe, tm
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == end and config["bos_token_id"] is None  # nothing before a document
     assert transformers.AutoModelForCausalLM.from_pretrained(str(out)).generation_config.eos_token_id == end
+    # The tokenizer names it too: its eos_token was None, and `tokenizer.pad_token = tokenizer.eos_token`
+    # (a collator, a batched pipeline) failed on the export.
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == end and loaded.bos_token is None
+    assert loaded("def f(x):").input_ids == tok.encode("def f(x):").ids
     byte_run = tmp_path / "bytes"
     assert main(["train", *common, "--output-dir", str(byte_run), f"--data.cache_dir={corpus_cache}",
                  "--data.max_bytes=400000"]) == 0
     assert main(["export", str(byte_run), str(tmp_path / "bytes-hf"), "--format", "hf"]) == 0
     config = json.loads((tmp_path / "bytes-hf" / "config.json").read_text())
     assert config["bos_token_id"] is None and config["eos_token_id"] is None
+
+
+def test_an_exported_tokenizer_names_only_special_tokens_as_bos_and_eos(bpe, tmp_path):
+    """tokenizer_config.json names the config.json's bos / eos by their text when they are special
+    tokens of the file; an ordinary token (a data.document_end of 'd') is not named, since
+    transformers would make it special and split it out of every word that holds it."""
+    transformers = pytest.importorskip("transformers")
+    path, tok = bpe
+    end = tok.token_to_id("<|endoftext|>")
+    write_for_transformers(str(path), tmp_path, 64, {"bos_token_id": end, "eos_token_id": end})
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["bos_token"] == config["eos_token"] == "<|endoftext|>"
+    (tmp_path / "ordinary").mkdir()
+    write_for_transformers(str(path), tmp_path / "ordinary", 64, {"eos_token_id": tok.token_to_id("d")})
+    assert "eos_token" not in json.loads((tmp_path / "ordinary" / "tokenizer_config.json").read_text())
+    loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "ordinary"))
+    assert loaded("def add(d):").input_ids == tok.encode("def add(d):").ids
 
 
 def test_bos_and_eos_are_what_framed_each_training_document(bpe, tmp_path):
@@ -617,3 +691,18 @@ def test_bos_and_eos_are_what_framed_each_training_document(bpe, tmp_path):
     framing.save(str(tmp_path / "framed.json"))
     assert bos_eos_ids(HFTokenizer(tmp_path / "framed.json"), "d") == {"bos_token_id": end, "eos_token_id": end}
     assert bos_eos_ids(ByteTokenizer()) == {} and bos_eos_ids(ByteTokenizer(), "\n") == {"eos_token_id": 10}
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_a_compressed_data_file_is_refused_before_launch(bpe, tokenizer, tmp_path):
+    """data.source = 'data.jsonl.gz' (as datasets are often shipped) was read as one text document:
+    its gzip bytes trained on without a word at the byte level, or as U+FFFD with a tokenizer."""
+    import gzip
+
+    packed = tmp_path / "my data.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"text": "a document"}\n' * 200))
+    chosen = [f"--data.tokenizer={bpe[0]}", f"--model.vocab_size={MODEL_VOCAB}"] if tokenizer == "bpe" else []
+    cfg = load_config(preset="tiny", overrides=[f"--data.source={packed}", f"--data.cache_dir={tmp_path}", *chosen])
+    with pytest.raises(ConfigError, match=r"data.source = '.*my data.jsonl.gz' is a gzip-compressed file, which bigtrain "
+                                          r"does not decompress .*\(gunzip -k '.*my data.jsonl.gz'\)"):
+        validate(cfg)

@@ -35,8 +35,14 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def check_config(preset: str | None, path: str | None, overrides: list[str]) -> Config:
+    from bigtrain.cli import init_from_architecture  # (bigtrain.cli imports this module)
+
     preset = preset if preset is not None else (None if path else DEFAULT_PRESET)
     cfg = load_config(preset=preset, path=path, overrides=overrides)
+    # model.init_from's folder gives the [model] shape, as `bigtrain train` takes it: a config that
+    # trained was refused here, each shape field named as differing from the folder's.
+    if architecture := init_from_architecture(cfg):
+        cfg = load_config(preset=preset, path=path, overrides=architecture + list(overrides))
     if problems := unread_model_overrides(cfg, overrides):
         raise ConfigError(problems)
     # A check compares numbers: no progress bar, report, checkpoint or resume of an older run.

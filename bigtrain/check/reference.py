@@ -93,6 +93,8 @@ class ReferenceRun:
         with self.device:
             self.master = Llama(cfg.model)  # fp32
         self.master.init_weights(cfg.train.seed)
+        if cfg.model.init_from:  # the run starts from these, not the seed's (the check compared a random init)
+            load_init_from(self.master, cfg.model)
         mode = cfg.precision.mode
         self.mixed = mode != "fp32"
         self.compute = copy.deepcopy(self.master).to(COMPUTE_DTYPES[mode]) if self.mixed else self.master
@@ -228,6 +230,17 @@ class ReferenceRun:
         if self.mixed:
             copy_masters_to(self.compute, self.master)
         return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
+
+
+@torch.no_grad()
+def load_init_from(model: Llama, m) -> None:
+    """``model.init_from``'s weights (a Hugging Face folder) into the whole ``model``, each
+    parameter as the folder holds it under its Hugging Face name (a tied head is one parameter)."""
+    from bigtrain.checkpoint.hf import HFWeights, hf_folder
+
+    weights = HFWeights(hf_folder(m.init_from), m)
+    for name, param in model.named_parameters():
+        param.copy_(weights(name, tuple(param.shape)))
 
 
 def exact_problem(cfg: Config) -> str | None:

@@ -59,7 +59,7 @@ def write_tokenizer(checkpoint: Path, data: dict, out: Path, max_len: int) -> No
                   f"model: remove it, or export into an empty folder", file=sys.stderr)
         return
     try:
-        write_for_transformers(tokenizer_source(checkpoint, spec), out, max_len)
+        write_for_transformers(tokenizer_source(checkpoint, spec), out, max_len, special_token_ids(checkpoint, data))
     except TokenizerError as e:
         print(f"bigtrain export: warning: {e}", file=sys.stderr)
 

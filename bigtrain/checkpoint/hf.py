@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -224,6 +225,23 @@ def read_hf_config(folder: str | Path) -> dict:
         raise HFFormatError(f"{path} is not valid JSON: {e}") from None
 
 
+LLAMA_MODEL_TYPES = ("llama", "qwen2")  # the config.json model_types bigtrain's Llama reads
+
+
+def other_family_hint(folder: str | Path) -> str:
+    """What to set when ``model.init_from = "hf:FOLDER"`` names a decoder bigtrain's Llama does not
+    read (a Qwen3, Mistral or Mixtral folder): the ``hf`` family builds it with transformers from
+    the folder's config.json. '' for a folder of a type the Llama reads (its own problems say why)."""
+    try:
+        model_type = read_hf_config(folder).get("model_type", "llama")
+    except HFFormatError:
+        return ""
+    if model_type in LLAMA_MODEL_TYPES:
+        return ""
+    return (f"; a '{model_type}' model trains as model.family = 'hf', built by transformers from its config.json: "
+            f"add --model.family=hf --model.hf_config={shlex.quote(str(folder))}")
+
+
 ROPE_KEYS = {"linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor",
                                                 "original_max_position_embeddings"},
              "yarn": {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "attention_factor",
@@ -293,7 +311,7 @@ def model_values(hf: dict, where: str) -> dict[str, object]:
     scalings, partial rotary embeddings, sliding windows)."""
     problems = []
     arch = hf.get("model_type", "llama")
-    if arch not in ("llama", "qwen2"):
+    if arch not in LLAMA_MODEL_TYPES:
         problems.append(f"model_type = {arch!r}, not 'llama' or 'qwen2'")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act = {hf['hidden_act']!r}; bigtrain's MLP is SwiGLU ('silu')")
@@ -325,6 +343,19 @@ def model_values(hf: dict, where: str) -> dict[str, object]:
 def hf_folder(init_from: str) -> Path | None:
     """The folder of ``model.init_from = "hf:PATH"`` (None when it names none)."""
     return Path(init_from[3:]).expanduser() if init_from.startswith("hf:") else None
+
+
+def weights_problem(folder: Path) -> str | None:
+    """Why ``folder`` holds no weights ``model.init_from`` reads (None when it has ``*.safetensors``):
+    a folder of ``pytorch_model*.bin`` only (an older Hugging Face save) got a traceback from the
+    ranks after launch; it is named before launch, with the line that converts it."""
+    if any(folder.glob("*.safetensors")):
+        return None
+    pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+    convert = (f": it holds {pickled[0]}{' and more' if len(pickled) > 1 else ''}, which bigtrain does not read (a "
+               f"pickle); write safetensors beside it with transformers: python -c \"from transformers import "
+               f"AutoModelForCausalLM as M; M.from_pretrained('{folder}').save_pretrained('{folder}')\"") if pickled else ""
+    return f"{folder} holds no *.safetensors weights{convert}"
 
 
 def architecture_problems(cfg: ModelConfig, folder: Path) -> list[str]:

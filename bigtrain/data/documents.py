@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,29 @@ DOCUMENT_SUFFIXES = TEXT_SUFFIXES + RECORD_SUFFIXES
 
 class DocumentError(ValueError):
     """A corpus file that cannot be read as documents; the message names the file, line and field."""
+
+
+# The first bytes of compressed files: a corpus named as one was read as text (its compressed bytes
+# trained on, without a word at the byte level).
+COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2",
+                    b"\xfd7zXZ\x00": "xz", b"PK\x03\x04": "zip"}
+DECOMPRESS = {"gzip": "gunzip -k", "zstd": "zstd -d", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zip": "unzip"}
+
+
+def compressed_problem(path: Path) -> str | None:
+    """Why a ``data.source`` file cannot be read as it is: compressed (gzip, zstd, ...), by its
+    first bytes; None for anything else (or a file that cannot be read: said elsewhere)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError:
+        return None
+    kind = next((k for magic, k in COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
+    if kind is None:
+        return None
+    return (f"data.source = '{path}' is a {kind}-compressed file, which bigtrain does not decompress (its compressed "
+            f"bytes would be trained on as text); decompress it first ({DECOMPRESS[kind]} {shlex.quote(str(path))}) and give the "
+            f"plain file")
 
 
 def corpus_files(source: Path) -> list[Path]:
@@ -83,27 +107,39 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
             yield text
 
 
-def file_documents(path: Path, field: str) -> Iterator[str]:
+def file_documents(path: Path, field: str, not_utf8: list[str] | None = None) -> Iterator[str]:
+    """The documents of one file. A text file that is not UTF-8 (Latin-1, say) is read with its
+    undecodable bytes as U+FFFD rather than stopping the run, and its path is added to
+    ``not_utf8``: the launcher says so (every accented letter of such a file became the same token,
+    without a word)."""
     if path.suffix == ".jsonl":
         yield from _jsonl(path, field)
     elif path.suffix == ".parquet":
         yield from _parquet(path, field)
-    else:  # a whole text file; undecodable bytes become U+FFFD rather than stopping the run
-        yield path.read_bytes().decode("utf-8", errors="replace")
+    else:
+        data = path.read_bytes()
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError:
+            if not_utf8 is not None:
+                not_utf8.append(str(path))
+            yield data.decode("utf-8", errors="replace")
 
 
 class Documents:
     """Every document of ``files`` in order, at most ``max_bytes`` bytes of UTF-8 in all (0: no cap).
     Once iterated, ``cut`` says whether the cap left text out (the launcher says so: a cap that
-    keeps a demo short must not drop most of a user's corpus without a word)."""
+    keeps a demo short must not drop most of a user's corpus without a word), and ``not_utf8``
+    lists the text files read with undecodable bytes replaced (:func:`file_documents`)."""
 
     def __init__(self, files: list[Path], field: str, max_bytes: int = 0):
         self.files, self.field, self.max_bytes, self.cut = files, field, max_bytes, False
+        self.not_utf8: list[str] = []
 
     def __iter__(self) -> Iterator[str]:
         total, cap = 0, self.max_bytes
         for path in self.files:
-            for text in file_documents(path, self.field):
+            for text in file_documents(path, self.field, self.not_utf8):
                 if cap:
                     if total >= cap:  # full: a document with any text left is text left out
                         if text:

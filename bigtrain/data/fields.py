@@ -14,6 +14,7 @@ from bigtrain.config import Config
 from bigtrain.data.documents import corpus_files, parquet_missing
 from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, document_end_id, load_tokenizer, missing_package,
                                      tokenizer_file, tokenizer_kind)
+from bigtrain.field_checks import looked_in
 
 
 def data_field_problems(cfg: Config) -> list[str]:
@@ -28,7 +29,7 @@ def data_field_problems(cfg: Config) -> list[str]:
         try:
             path = tokenizer_file(d.tokenizer)
             where = None if path.is_file() else (f"{path} does not exist" if path.name == HF_FILE
-                                                 and path.parent.is_dir() else "no such file")
+                                                 and path.parent.is_dir() else f"no such file{looked_in(d.tokenizer)}")
         except (OSError, ValueError) as e:  # a name no file can have (too long)
             where = f"cannot be read ({getattr(e, 'strerror', None) or e})"
         if where:

@@ -132,6 +132,21 @@ def cap_warning(d: DataConfig, manifest: dict | None) -> str | None:
             f"{d.max_bytes:,} bytes of text; set data.max_bytes = 0 to read all of it")
 
 
+def encoding_warning(d: DataConfig, manifest: dict | None) -> str | None:
+    """Text files of a tokenized corpus that were not UTF-8 (its manifest counts them): their
+    undecodable bytes were read as U+FFFD, one token for every accented letter of a Latin-1 file.
+    (A byte-level corpus reads bytes as they are; JSON Lines that is not UTF-8 is refused.)"""
+    count = (manifest or {}).get("not_utf8_files", 0)
+    if not count:
+        return None
+    files = manifest.get("not_utf8", [])
+    more = f" and {count - len(files)} more" if count > len(files) else ""
+    return (f"data.source = '{d.source}': {count} text file{'s are' if count != 1 else ' is'} not UTF-8 "
+            f"({', '.join(files)}{more}); {'their' if count != 1 else 'its'} undecodable bytes were read as U+FFFD, the replacement "
+            f"character, so the model never sees those characters: convert them to UTF-8 (e.g. iconv -f latin1 "
+            f"-t utf-8), or train on bytes (data.tokenizer = 'bytes')")
+
+
 def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
     """Before the ranks start: tokenize the corpus if it needs it (once; verified when it was there
     already), refuse one too short for a window, and keep the tokenizer in the run directory (on the
@@ -158,8 +173,9 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
-    if main and (warning := cap_warning(d, manifest)) and not launched_by_bigtrain():  # else its launcher said it
-        print(f"bigtrain: warning: {warning}", file=sys.stderr)
+    for warning in (cap_warning(d, manifest), encoding_warning(d, manifest)):
+        if main and warning and not launched_by_bigtrain():  # else its launcher said it
+            print(f"bigtrain: warning: {warning}", file=sys.stderr)
     if main and d.tokenizer != BYTES:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -210,7 +210,7 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
                 "document_end": document_end,
                 "source": source, "files": len(files), "documents": sum(m["documents"] for m in markers.values()),
                 "tokens": sum(s["tokens"] for s in shards), "shards": shards, "resumed_shards": kept,
-                "cut_at_max_bytes": docs.cut}
+                "cut_at_max_bytes": docs.cut, "not_utf8_files": len(docs.not_utf8), "not_utf8": docs.not_utf8[:5]}
     _write_text(folder / MANIFEST, json.dumps(manifest, indent=1))
     if log:
         log(f"bigtrain: tokenized {manifest['documents']:,} documents into {manifest['tokens']:,} tokens "

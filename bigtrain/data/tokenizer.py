@@ -83,6 +83,12 @@ class ByteTokenizer:
     def special_id(self, names: tuple[str, ...]) -> int | None:
         return None  # 256 byte values, none special
 
+    def prompt_ids(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` file."""
@@ -128,6 +134,14 @@ class HFTokenizer:
         special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         return next((special[name] for name in names if name in special), None)
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """``text`` as the start of a document: the post-processor's leading ids (Llama's BOS), as
+        every training document began, then the text's ids, without the trailing ones (an end)."""
+        return self.frame_ids()[0] + self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
 
 class TiktokenTokenizer:
     """A tiktoken encoding file (mergeable ranks), split with cl100k's pattern."""
@@ -159,6 +173,12 @@ class TiktokenTokenizer:
 
     def special_id(self, names: tuple[str, ...]) -> int | None:
         return None  # an encoding file has no special tokens
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
 
 
 def load_tokenizer(spec: str):
@@ -222,11 +242,16 @@ def ids_dtype(vocab_size: int) -> np.dtype:
 
 
 # -- beside an exported model --------------------------------------------------------------------
-def write_for_transformers(spec: str, out: Path, max_len: int) -> list[str]:
+def write_for_transformers(spec: str, out: Path, max_len: int, special: dict[str, int] | None = None) -> list[str]:
     """Write ``spec``'s tokenizer into the model folder ``out`` so that transformers'
     ``AutoTokenizer.from_pretrained(out)`` loads it (a ``tokenizer.json`` and a
     ``tokenizer_config.json`` naming the plain fast tokenizer: a model-specific class would add
-    its own special tokens and encode otherwise than training did). Returns the files written."""
+    its own special tokens and encode otherwise than training did). ``special``: the
+    ``bos_token_id`` / ``eos_token_id`` the export's config.json names (:func:`bos_eos_ids`), also
+    named in ``tokenizer_config.json`` as ``bos_token`` / ``eos_token``: without them the loaded
+    tokenizer's ``eos_token`` was None while the model's config named one, and what a user of
+    transformers writes next (``tokenizer.pad_token = tokenizer.eos_token`` for a collator or a
+    batched pipeline) failed. Returns the files written."""
     kind = tokenizer_kind(spec)
     if kind == BYTES:
         return []
@@ -246,6 +271,20 @@ def write_for_transformers(spec: str, out: Path, max_len: int) -> list[str]:
         TikTokenConverter(vocab_file=str(source), pattern=CL100K_PATTERN,
                           additional_special_tokens=[]).converted().save(str(target))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
-              "clean_up_tokenization_spaces": False}
+              "clean_up_tokenization_spaces": False, **_special_token_names(target, special or {})}
     (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [HF_FILE, "tokenizer_config.json"]
+
+
+def _special_token_names(tokenizer_json: Path, special: dict[str, int]) -> dict[str, str]:
+    """``bos_token`` / ``eos_token`` of a ``tokenizer_config.json``: the text of each id of
+    ``special`` in ``tokenizer_json`` (the file AutoTokenizer loads), so that the names map back to
+    the same ids. Only the file's special tokens are named: transformers registers a named token as
+    special, and an ordinary one (a ``data.document_end`` such as a newline, or a tiktoken rank) would
+    then be split out of text and encode otherwise than training did."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    specials = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return {key: specials[special[f"{key}_id"]] for key in ("bos_token", "eos_token")
+            if special.get(f"{key}_id") in specials}

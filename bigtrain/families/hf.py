@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bigtrain.checkpoint.hf import hf_folder
+from bigtrain.checkpoint.hf import hf_folder, weights_problem
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
@@ -173,9 +173,11 @@ def init_from_problems(cfg: Config, fields: dict) -> list[str]:
     where = cfg.model.init_from
     if folder is None:
         return [f"model.init_from = {where!r}: write 'hf:PATH' (a Hugging Face folder), or '' for a random init"]
-    if not (folder / CONFIG_FILE).is_file() or not any(folder.glob("*.safetensors")):
+    if not (folder / CONFIG_FILE).is_file():
         return [f"model.init_from = {where!r}: {folder} holds no {CONFIG_FILE} and *.safetensors; give a folder "
                 f"that does (bigtrain export RUN OUT --format hf writes one)"]
+    if missing := weights_problem(folder):
+        return [f"model.init_from = {where!r}: {missing}"]
     try:
         theirs = json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
@@ -249,7 +251,9 @@ def check_hf(cfg: Config) -> list[str]:
     installed, the layout is one this family supports and divides its shapes."""
     where = cfg.model.hf_config
     if not where.strip():
-        return [f"model.family = '{NAME}' needs model.hf_config: the path of a config.json (or its folder)"]
+        folder = hf_folder(cfg.model.init_from)  # the model's folder is named already: say to name it here too
+        return [f"model.family = '{NAME}' needs model.hf_config: the path of a config.json (or its folder)"
+                + (f"; set model.hf_config = '{folder}', the folder model.init_from reads" if folder else "")]
     path = config_path(cfg)
     try:
         fields = read_config(cfg)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from bigtrain.checkpoint.hf import hf_folder
 from bigtrain.config import Config
 from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.core.reference_step import (ReferenceStep, copy_masters_to, decay_groups, next_token_loss_backward,
@@ -103,10 +104,16 @@ class HFReference:
         self.model = transformers_model(cfg.model.hf_config).to(dtype)  # the master weights (fp32)
         self.blocks = sparse_blocks(self.model.config)  # None for a dense model
         std = self.model.config.initializer_range
+        folder = hf_folder(cfg.model.init_from)
+        if folder is not None:  # the run starts from these, not the seed's (the check compared a random init)
+            from bigtrain.families.hf import SafetensorsWeights  # (it imports this module)
+
+            initial = SafetensorsWeights(folder)
+        else:  # drawn on the CPU by their names in a checkpoint file, as the trainer's
+            initial = lambda name, shape: init_value(name, shape, cfg.train.seed, std)  # noqa: E731
         with torch.no_grad():
-            # drawn on the CPU by their names in a checkpoint file, as the trainer's
             for name, p in file_views(dict(self.model.named_parameters()), self.blocks).items():
-                p.copy_(init_value(name, tuple(p.shape), cfg.train.seed, std))
+                p.copy_(initial(name, tuple(p.shape)))
         # bf16: the forward and backward run on a bf16 copy of the weights (the rotary tables, buffers,
         # stay fp32), whose gradients are summed into the fp32 masters, as ZeRO's mixed precision does.
         # ZeRO-Offload's one-step delayed update (offload.delayed_update): step t computes at the

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 from bigtrain.config import Config
+from bigtrain.data.documents import compressed_problem
+from bigtrain.field_checks import looked_in
 
 
 def exists(path: str) -> bool:
@@ -55,7 +57,10 @@ def token_data_problems(cfg: Config, vocab_size: int, max_seq_len: int, vocab_fi
     if not d.source.strip():  # Path('') is the current directory: every text file under it
         problems.append("data.source is empty; use 'stdlib', a text file or folder, or a .bin / .npy token file")
     elif d.source != "stdlib" and not exists(d.source):
-        problems.append(f"data.source = '{d.source}': no such file or folder; use 'stdlib' or an existing path")
+        problems.append(f"data.source = '{d.source}': no such file or folder{looked_in(d.source)}; use 'stdlib' or an "
+                        f"existing path")
+    elif d.source != "stdlib" and not is_tokens and (packed := compressed_problem(Path(os.path.expanduser(d.source)))):
+        problems.append(packed)
     if not is_tokens and d.tokenizer == "bytes" and vocab_size < 256:
         problems.append(f"{vocab_field} = {vocab_size}: byte-level text needs at least 256; set it to 256")
     if not -1 <= d.ignore_target < vocab_size:
