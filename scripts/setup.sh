@@ -2,8 +2,10 @@
 # Sets up .venv with torch and bigtrain; `--test` adds the test tools and the peers the tests compare
 # with (pytest, transformers, torchao, bitsandbytes: about 1.5 GB more). Safe to run again: it skips
 # what is there.
-# torch is installed first and pinned to the local CPU build when none is present, so that pip
-# never resolves bigtrain's torch range to the registry's newest CUDA build (several GB).
+# torch is installed first and pinned (BIGTRAIN_TORCH, default torch==2.13.0) when none is present,
+# so that pip never resolves bigtrain's torch range to the registry's newest CUDA build (several
+# GB). Where the registry is PyPI (not a local mirror of CPU wheels), torch==2.13.0 on Linux is the
+# CUDA build: on a machine without a GPU set BIGTRAIN_TORCH_INDEX=https://download.pytorch.org/whl/cpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -17,7 +19,9 @@ sys.exit(0 if (2, 5) <= (major, minor) < (3, 0) else 1)
 PY
 then
     echo "setup: installing $TORCH_SPEC"
-    .venv/bin/pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
+    index=()
+    [ -n "${BIGTRAIN_TORCH_INDEX:-}" ] && index=(--index-url "$BIGTRAIN_TORCH_INDEX")
+    .venv/bin/pip install --quiet --disable-pip-version-check "${index[@]}" "$TORCH_SPEC"
 fi
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
