@@ -7,15 +7,7 @@ from pathlib import Path
 
 from bigtrain.config import Config
 from bigtrain.data.documents import compressed_problem
-from bigtrain.field_checks import looked_in
-
-
-def exists(path: str) -> bool:
-    """Like Path.exists, but False for names no file can have (too long, NUL) instead of raising."""
-    try:
-        return Path(os.path.expanduser(path)).exists()
-    except (OSError, ValueError):
-        return False
+from bigtrain.field_checks import looked_in, path_exists
 
 
 def data_parallel_named(cfg: Config) -> tuple[str, str]:
@@ -56,7 +48,7 @@ def token_data_problems(cfg: Config, vocab_size: int, max_seq_len: int, vocab_fi
     is_tokens = d.source.endswith((".bin", ".npy"))
     if not d.source.strip():  # Path('') is the current directory: every text file under it
         problems.append("data.source is empty; use 'stdlib', a text file or folder, or a .bin / .npy token file")
-    elif d.source != "stdlib" and not exists(d.source):
+    elif d.source != "stdlib" and not path_exists(d.source):
         problems.append(f"data.source = '{d.source}': no such file or folder{looked_in(d.source)}; use 'stdlib' or an "
                         f"existing path")
     elif d.source != "stdlib" and not is_tokens and (packed := compressed_problem(Path(os.path.expanduser(d.source)))):
