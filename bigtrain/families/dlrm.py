@@ -9,7 +9,8 @@ from __future__ import annotations
 from bigtrain.config import Config
 from bigtrain.core.tables import SHARDINGS, check_layout, parse_sizes, requested_kinds
 from bigtrain.families.spec import Family
-from bigtrain.families.tokens import data_parallel_named, exists
+from bigtrain.families.tokens import data_parallel_named
+from bigtrain.field_checks import path_exists
 from bigtrain.recsys.placement import cmd_plan_embedding
 from bigtrain.recsys.checkpoint import FORMAT
 from bigtrain.recsys.train import DlrmStep, layout_for
@@ -31,7 +32,7 @@ def batch_problems(cfg: Config) -> list[str]:
 
 def data_problems(cfg: Config) -> list[str]:
     source = cfg.data.source
-    if source != "synthetic" and not exists(source):
+    if source != "synthetic" and not path_exists(source):
         return [f"data.source = '{source}': the DLRM reads 'synthetic' (the Criteo-like generator) or a Criteo TSV "
                 f"file; no such file"]
     return []
