@@ -745,3 +745,52 @@ def test_a_checkpoint_reads_one_unit_in_from_the_files_at_a_time(corpus_cache, t
         for key, value in entry.items():
             if value.dim():
                 torch.testing.assert_close(chunks[f"optim/{name}/{key}"].reshape(-1), value.reshape(-1), rtol=0, atol=0)
+
+
+def test_a_resume_reads_one_unit_in_from_the_files_at_a_time(corpus_cache, tmp_path, monkeypatch):
+    """Loading a checkpoint read every unit's masters, state and shards back into memory for the whole
+    load (1.21 GiB peak RSS for 57M parameters whose training peak is 0.52 GiB): the bytes in memory
+    of what lives in files, and of the tensors being filled, are measured at each read of the
+    checkpoint and stay within one unit's. The resumed run goes on as the uninterrupted one does."""
+    from bigtrain.checkpoint.sharded import ChunkReader
+
+    flags = ["--parallel.zero=3", "--offload.optimizer=nvme", "--offload.params=nvme", "--offload.delayed_update=true",
+             "--train.steps=4", f"--offload.nvme_dir={tmp_path / 'nvme'}"]
+    cfg = tiny_config(corpus_cache, *flags)
+    saving = trainer_on_rank(0, 1, cfg, str(tmp_path / "run"))
+    for _ in range(2):
+        saving.train_step()
+    saving.save()
+    saving.wait_for_save()
+    resuming = tiny_config(corpus_cache, *flags, "--checkpoint.resume=auto")
+    trainer = trainer_on_rank(0, 1, resuming, str(tmp_path / "run"))
+    offload, live = trainer.engine.offload, []
+
+    def unit_bytes(unit):  # what the unit keeps in files, and its weights in use read beside them
+        prefix = offload._keys(unit) + "."
+        kept = sum(n for k, n in offload.store._nbytes.items() if k.startswith(prefix) and not k.endswith("grad"))
+        return kept + unit.shard_numel * 4
+
+    original = ChunkReader.read
+
+    def measured(self, requests):
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for u in trainer.engine.units for _, t in offload._optimizer_side(u) + offload._shard(u)}
+        storages.update({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, _, t in requests if t.dim()})
+        live.append(sum(storages.values()))
+        return original(self, requests)
+
+    monkeypatch.setattr(ChunkReader, "read", measured)
+    assert trainer.resume("auto")
+    monkeypatch.setattr(ChunkReader, "read", original)
+    units = trainer.engine.units
+    assert len(units) > 2 and live
+    assert max(live) <= max(unit_bytes(u) for u in units) < sum(unit_bytes(u) for u in units) / 2, live
+    # Everything is back in its file after the load: no state or master left in memory.
+    assert not any(offload.store.resident(t) for u in units for _, t in offload._optimizer_side(u) + offload._shard(u))
+    resumed = [trainer.train_step().loss for _ in range(2)]
+    straight = trainer_on_rank(0, 1, cfg, str(tmp_path / "straight"))
+    losses = [straight.train_step().loss for _ in range(4)]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[2:]), rtol=1e-6, atol=0)
+    for n, w in straight.parallel.full_weights().items():
+        assert_rel_close(trainer.parallel.full_weights()[n], w, 1e-6, n)

@@ -218,7 +218,7 @@ class ZeroEngine(GradSync):
     def step(self, lr: float, max_norm: float, skip: torch.Tensor | None = None) -> tuple[float, bool]:
         """Unscale, check for overflow, clip and update; returns (grad norm, skipped). A non-zero
         ``skip`` (a flag every rank shares, e.g. a non-finite loss) skips like an overflow."""
-        self._drop_gathered()
+        self.drop_gathered()
         if self.offload is not None:
             self.offload.before_step()  # a delayed update: the last step's, published now
         if self.offload is not None and self.offload.grads_in_files:
@@ -267,12 +267,12 @@ class ZeroEngine(GradSync):
 
     def refresh_compute_weights(self) -> None:
         """Make the compute weights equal the (just loaded) masters on every rank."""
-        self._drop_gathered()
+        self.drop_gathered()
         self._publish_weights()
         if self.offload is not None and self.offload.delayed is not None:
             self.offload.delayed.unpublished = False
 
-    def _drop_gathered(self) -> None:
+    def drop_gathered(self) -> None:
         """ZeRO-3: a unit still gathered now (a prefetch that the model or a pipeline schedule
         never used) holds the weights of before the update; the next forward must gather anew."""
         if self.gatherer is not None:

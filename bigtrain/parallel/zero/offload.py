@@ -20,8 +20,8 @@ What lives where (``offload.optimizer`` / ``offload.params``):
   gathered (read in when the gather starts, which the gatherer's static prefetch order already
   runs a unit ahead; released when the gather completes) and while it is stepped.
 
-A checkpoint reads one unit back at a time (:meth:`UnitOffload.unit_resident`); loading one and the full
-state read everything back first (:meth:`UnitOffload.all_resident`).
+A checkpoint is saved and loaded one unit in memory at a time (:meth:`UnitOffload.unit_resident`); the
+full state reads everything back first (:meth:`UnitOffload.all_resident`).
 
 Host and device (:mod:`.host`): on a GPU the masters, the optimizer's state, the files' tensors and
 the offloaded parameter shards are host tensors; each unit's gradient shard comes down to a pinned
@@ -229,7 +229,7 @@ class UnitOffload:
 
     @contextlib.contextmanager
     def all_resident(self):
-        """Everything in memory for the duration (checkpoints, full state, loading); a delayed
+        """Everything in memory for the duration (the full state, its loading); a delayed
         update still running is waited for first (its masters are what is read)."""
         if self.delayed is not None:
             self.delayed.wait()
@@ -257,7 +257,7 @@ class UnitOffload:
     @contextlib.contextmanager
     def unit_resident(self, unit):
         """One unit's file-kept masters, state and parameter shard in memory for the duration (a
-        checkpoint copies that unit's pieces meanwhile), back in their files after; a delayed
+        checkpoint copies that unit's pieces meanwhile, or a load fills them), back in their files after; a delayed
         update still running is waited for first (its masters are what is read)."""
         if self.delayed is not None:
             self.delayed.wait()
