@@ -230,6 +230,10 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
     }
     if not cuda and mem.detail.get("host_states"):  # the host is the device: offload's host tier is here too
         parts["states"] = (mem.model_states + mem.detail["host_states"], parts["states"][1])
+    extra = mem.detail.get("checkpoint_copies", 0) - parts["activations"][0]
+    if not cuda and extra > 0:  # a save (between steps, no activation held) holds more than a step
+        parts["checkpoint"] = (extra, "a checkpoint save's copies (the delayed update's weights in use, a chunk "
+                                      "out of the files) beyond the activations of a step")
     per_rank = sum(nbytes for nbytes, _ in parts.values())
     need = per_rank * sharing
     if need <= WARN_FRACTION * capacity:
@@ -242,7 +246,8 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
         fix = {"states": "make the model smaller or shard it (parallel.zero, parallel.tp, parallel.pp)",
                "activations": "lower train.micro_batch or data.seq_len, or set memory.checkpointing = 'full'",
                "allocator": "start fewer ranks (parallel.dp, parallel.tp, parallel.pp, parallel.sp)",
-               "rotary": "lower model.max_seq_len", "sampler": "lower train.global_batch"}[big]
+               "rotary": "lower model.max_seq_len", "sampler": "lower train.global_batch",
+               "checkpoint": "set offload.delayed_update = false, or shard over more ranks (parallel.zero)"}[big]
         layout_helps = big in ("states", "activations", "allocator")  # not the rotary tables, nor the sampler
         found.problems.append(SizeProblem(f"{text}; {fix}", layout_helps))
         return found

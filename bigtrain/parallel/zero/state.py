@@ -14,6 +14,7 @@ own per-tensor state, which only the ranks holding part of that parameter have.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -192,6 +193,17 @@ def checkpoint_pieces(engine):
     for unit in engine.units:
         with engine.offload.unit_resident(unit):
             yield from _checkpoint_pieces(engine, [unit])
+
+
+def checkpoint_units(engine):
+    """:func:`checkpoint_pieces` with offload's files, each batch with the context manager that
+    reads its unit back in (``SavedChunk.readable``): the writer reads each chunk when it writes
+    it, so the save holds no copy of the rank's states (their copies were all in memory until
+    written, the whole rank's masters and state)."""
+    for unit in engine.units:
+        with engine.offload.unit_resident(unit):
+            for batch in _checkpoint_pieces(engine, [unit]):
+                yield batch, functools.partial(engine.offload.unit_resident, unit)
 
 
 def _delayed(engine) -> bool:
