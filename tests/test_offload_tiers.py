@@ -281,3 +281,34 @@ def test_the_planner_prices_what_a_save_holds_beside_the_states(name, corpus_cac
     if layout.delayed_update:
         assert min(measured) > 0
 
+
+def _state_and_tiers(rank, world_size, cfgs, run_dir):
+    out = []
+    for i, cfg in enumerate(cfgs):
+        trainer = trainer_on_rank(rank, world_size, cfg, f"{run_dir}/{i}")
+        for _ in range(2):
+            trainer.train_step()
+        trainer.engine.finish_update()
+        out.append((trainer.engine.state_bytes(), trainer.engine.tier_bytes(),
+                    sum(p.numel() for p in trainer.model.parameters())))
+        trainer.engine.offload.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["same", "separate"])
+def test_state_bytes_and_tier_bytes_count_the_same_buffers(mode, corpus_cache, tmp_path, monkeypatch):
+    """state_bytes (the metrics' params / grads / optimizer) left out the delayed update's
+    handed-over gradient that tier_bytes counts (on a CPU device: 2.63 MB against 3.15 MB held, fp32
+    ZeRO-1): both now count one set of buffers, state_bytes by kind (offload's buffers as
+    gradients), tier_bytes by tier."""
+    _host_mode(mode, monkeypatch)
+    names = ["zero1-cpu", "zero2-cpu-bf16-delayed", "zero3-both-nvme-delayed", "zero3-8bit-nvme-bf16"]
+    cfgs = _configs(corpus_cache, tmp_path, names) + [tiny_config(corpus_cache, "--parallel.zero=1",
+                                                                  "--offload.optimizer=cpu",
+                                                                  "--offload.delayed_update=true")]
+    for (states, tiers, params), name in zip(run_ranks(_state_and_tiers, 1, cfgs, str(tmp_path / "run"))[0],
+                                             names + ["zero1-cpu-delayed"]):
+        in_memory = tiers["device"] + (tiers["host"] if mode == "same" else 0)
+        assert sum(states.values()) == in_memory, (name, states, tiers)
+        if name == "zero1-cpu-delayed" and mode == "same":  # the unit's fp32 gradient and the one handed over
+            assert states["grads"] == 2 * 4 * params, (states, params)

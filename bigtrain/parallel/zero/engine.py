@@ -47,7 +47,6 @@ import torch
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
-from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim import OptimizerSpec, decay_groups, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.blocks import block_cuts
@@ -60,7 +59,7 @@ from bigtrain.parallel.zero.grad_sync import GradSync
 from bigtrain.parallel.zero.lazy_grads import gradient_buffers
 from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
 from bigtrain.core.blocks import default_unit_modules
-from bigtrain.parallel.zero.tiers import device_state_bytes, held_bytes
+from bigtrain.parallel.zero.tiers import held_bytes, state_bytes
 from bigtrain.parallel.zero.units import build_units, replace_parameters
 from bigtrain.precision import DynamicLossScaler, Precision
 
@@ -354,16 +353,11 @@ class ZeroEngine(GradSync):
         return held_bytes(self)
 
     def state_bytes(self) -> dict[str, int]:
-        """Measured bytes of parameters, gradients and optimizer state (with masters) on this rank:
-        on the device only when offload keeps a host apart from it (the host's are in :meth:`tier_bytes`)."""
-        if self.offload is not None and self.offload.link.separate:
-            return device_state_bytes(self)
-        params = [u.full for u in self.units] + [u.shard_param for u in self.units if self.stage == 3]
-        grads = [u.full_grad if self.stage <= 1 else u.grad_shard for u in self.units]
-        grads += [p.grad for p in self.params if p.grad is not None]
-        optimizer = optimizer_tensors(self.optimizer)
-        optimizer += [u.master for u in self.units if u.master is not u.shard_param]
-        return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
+        """Measured bytes of parameters, gradients and optimizer state (with masters) on this rank,
+        the same buffers as :meth:`tier_bytes` counts: on the device only when offload keeps a host
+        apart from it (the host's are in :meth:`tier_bytes`), else all of them (their sum is the
+        device's and the host's)."""
+        return state_bytes(self)
 
 
 def _check_block_cuts(model: nn.Module, placements: Placements, block: int) -> None:
