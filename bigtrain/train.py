@@ -303,7 +303,7 @@ class Trainer(StepRunner):
                 print(f"bigtrain: step {self.step}: not saving a checkpoint: local SGD's replicas hold different "
                       f"parameters between averages (every parallel.local_sgd_every steps)", flush=True)
             return False
-        chunks = self.parallel.owned_chunks(copy=background)
+        chunks = self.parallel.owned_chunks(copy=background, deferred=True)
         if not self.checkpoint_writer.all_finite(chunks):
             if self.is_main:
                 print(f"bigtrain: step {self.step}: not saving a checkpoint: the weights or optimizer state are "

@@ -218,3 +218,97 @@ def test_each_initial_value_is_computed_once(corpus_cache, tmp_path, monkeypatch
     reference.init_weights(cfg.train.seed)
     for n, w in parallel.engine.full_weights().items():
         assert torch.equal(w, reference.get_parameter(n).detach()), n
+
+
+def _save_copies(rank, world_size, cfg, run_dir):
+    """The most bytes a save holds in tensors of its own (not the engine's buffers, nor views or
+    aliases of them), measured at each chunk the writer takes."""
+    import bigtrain.checkpoint.sharded as sharded
+    from bigtrain.parallel.zero.tiers import _buffers
+
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    for _ in range(2):
+        trainer.train_step()
+    trainer.engine.finish_update()
+    buffers = [t.untyped_storage() for _, t, _ in _buffers(trainer.engine) if torch.is_tensor(t)]
+    storages, live = {s._cdata for s in buffers}, [(s.data_ptr(), s.nbytes()) for s in buffers if s.nbytes()]
+
+    def own(t):  # neither an engine buffer (one read back from its file too) nor an alias of one
+        ptr = t.untyped_storage().data_ptr()
+        return t.untyped_storage()._cdata not in storages and not any(a <= ptr < a + n for a, n in live)
+
+    peak, original = [0], sharded._ChunkSavePlanner.resolve_data
+
+    def measured(self, item):
+        data = original(self, item)
+        held = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in [c.data for c in self._data.values()] + [data] if own(t)}
+        peak[0] = max(peak[0], sum(held.values()))
+        return data
+
+    sharded._ChunkSavePlanner.resolve_data = measured
+    try:
+        assert trainer.save()
+        trainer.wait_for_save()
+    finally:
+        sharded._ChunkSavePlanner.resolve_data = original
+    trainer.engine.offload.close()
+    return peak[0]
+
+
+@pytest.mark.parametrize("name", ["dp2-zero2-cpu", "zero2-cpu-bf16-delayed", "zero3-8bit-nvme-bf16",
+                                  "dp2-zero2-nvme-bf16-delayed"])
+def test_the_planner_prices_what_a_save_holds_beside_the_states(name, corpus_cache, tmp_path, monkeypatch):
+    """A save of an offload layout copied the rank's whole masters and state into host memory
+    before writing them, unpriced. It now writes the live states (views; those in files read back
+    a unit at a time), and holds beside them the delayed update's weights in use (a copy of the
+    compute weights) and, with files, the chunk being written: the planner's
+    ``checkpoint_copy_bytes``, at most the one chunk over what is measured (the GPU path, on the CPU)."""
+    from bigtrain.plan.memory import rank_units
+    from bigtrain.plan.tiers import checkpoint_copy_bytes
+
+    _host_mode("separate", monkeypatch)
+    cfg, = _configs(corpus_cache, tmp_path, [name])
+    measured = run_ranks(_save_copies, cfg.parallel.world_size, cfg, str(tmp_path / "run"), timeout=240)
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    layout = _layout(cfg, cuda=True)
+    root, blocks = rank_units(model, layout, 0)
+    planned = checkpoint_copy_bytes([root] + blocks, layout)
+    files = "nvme" in (layout.offload_optimizer, layout.offload_params)
+    chunk = 4 * max(-(-u.numel // (layout.size(u.axis) if layout.zero else 1)) for u in [root] + blocks)
+    for held in measured:
+        assert planned - chunk * files <= held <= planned, (held, planned, chunk)
+    if layout.delayed_update:
+        assert min(measured) > 0
+
+
+def _state_and_tiers(rank, world_size, cfgs, run_dir):
+    out = []
+    for i, cfg in enumerate(cfgs):
+        trainer = trainer_on_rank(rank, world_size, cfg, f"{run_dir}/{i}")
+        for _ in range(2):
+            trainer.train_step()
+        trainer.engine.finish_update()
+        out.append((trainer.engine.state_bytes(), trainer.engine.tier_bytes(),
+                    sum(p.numel() for p in trainer.model.parameters())))
+        trainer.engine.offload.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["same", "separate"])
+def test_state_bytes_and_tier_bytes_count_the_same_buffers(mode, corpus_cache, tmp_path, monkeypatch):
+    """state_bytes (the metrics' params / grads / optimizer) left out the delayed update's
+    handed-over gradient that tier_bytes counts (on a CPU device: 2.63 MB against 3.15 MB held, fp32
+    ZeRO-1): both now count one set of buffers, state_bytes by kind (offload's buffers as
+    gradients), tier_bytes by tier."""
+    _host_mode(mode, monkeypatch)
+    names = ["zero1-cpu", "zero2-cpu-bf16-delayed", "zero3-both-nvme-delayed", "zero3-8bit-nvme-bf16"]
+    cfgs = _configs(corpus_cache, tmp_path, names) + [tiny_config(corpus_cache, "--parallel.zero=1",
+                                                                  "--offload.optimizer=cpu",
+                                                                  "--offload.delayed_update=true")]
+    for (states, tiers, params), name in zip(run_ranks(_state_and_tiers, 1, cfgs, str(tmp_path / "run"))[0],
+                                             names + ["zero1-cpu-delayed"]):
+        in_memory = tiers["device"] + (tiers["host"] if mode == "same" else 0)
+        assert sum(states.values()) == in_memory, (name, states, tiers)
+        if name == "zero1-cpu-delayed" and mode == "same":  # the unit's fp32 gradient and the one handed over
+            assert states["grads"] == 2 * 4 * params, (states, params)

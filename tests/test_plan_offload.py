@@ -188,3 +188,38 @@ def test_an_offload_that_cannot_fit_this_hosts_memory_is_refused_before_launch(m
     nvme = tiny_config("", "--parallel.zero=2", "--offload.optimizer=nvme")
     problems, _ = fit.size_problems(nvme, cuda=True, nvme_dir="/tmp/bigtrain-nvme")
     assert len(problems) == 1 and "in files" in problems[0] and "its disk has 1000 B free" in problems[0]
+
+
+def test_files_on_a_filesystem_in_memory_are_counted_as_host_memory_and_warned_of(tmp_path, monkeypatch):
+    """offload.nvme_dir on a tmpfs (/dev/shm) passed the disk check, though its files take the host's
+    memory: the run is warned (the field, what it costs, the fix) and the size check counts the
+    files as host memory: a run that fits with them on a disk is refused with them in memory."""
+    from bigtrain.plan import fit
+
+    monkeypatch.setattr(fit, "_mounts", lambda: [("/", "ext4"), (str(tmp_path / "shm"), "tmpfs")])
+    (tmp_path / "shm").mkdir()
+    assert fit.memory_filesystem(str(tmp_path / "shm" / "not-yet" / "offload")) == "tmpfs"
+    assert fit.memory_filesystem(str(tmp_path / "disk")) is None
+    states = ["--parallel.zero=3", "--offload.optimizer=nvme", "--offload.params=nvme"]
+    problems, warnings = fit.size_problems(tiny_config("", *states), nvme_dir=str(tmp_path / "shm" / "offload"))
+    assert not problems
+    said = [w for w in warnings if "offload.nvme_dir" in w]
+    assert len(said) == 1 and "tmpfs" in said[0] and "take host memory, not disk" in said[0], warnings
+    assert "set offload.nvme_dir to a directory on a disk" in said[0] and "offload.optimizer = 'cpu'" in said[0]
+    _, warnings = fit.size_problems(tiny_config("", *states), nvme_dir=str(tmp_path / "disk"))
+    assert not [w for w in warnings if "offload.nvme_dir" in w], warnings
+    # 203M parameters (3.25 GB of states) on 2.5 GiB: they fit with their files on a disk, not in memory.
+    monkeypatch.setattr(fit, "machine_memory", lambda cuda: (int(2.5 * 2**30), "this machine has"))
+    wide = tiny_config("", "--model.dim=1024", "--model.n_layers=16", "--model.n_heads=8", "--model.n_kv_heads=0",
+                       "--data.seq_len=16", "--model.max_seq_len=16", "--train.micro_batch=1",
+                       "--train.global_batch=1", "--precision.mode=fp32", *states)
+    monkeypatch.setattr(fit, "disk_free", lambda path: 2**40)
+    assert not fit.size_problems(wide, nvme_dir=str(tmp_path / "disk"))[0]
+    problems, _ = fit.size_problems(wide, nvme_dir=str(tmp_path / "shm" / "offload"))
+    assert problems and "a tmpfs" in problems[0], problems
+    # On a GPU machine: the host's memory holds the host tier and the files.
+    monkeypatch.setattr(fit, "host_memory", lambda: int(2.5 * 2**30))
+    gpu = fit.size_problems(wide, cuda=True, nvme_dir=str(tmp_path / "disk"))[0]
+    in_memory = fit.size_problems(wide, cuda=True, nvme_dir=str(tmp_path / "shm" / "offload"))[0]
+    assert not [p for p in gpu if "host memory needed" in p]
+    assert [p for p in in_memory if "host memory needed" in p and "(tmpfs, in memory)" in p], in_memory

@@ -6,7 +6,8 @@ Saving: each rank hands :func:`save_chunks` the rectangles of full tensors it ow
 ``ChunkStorageMetadata``), so DCP's own global planning merges every rank's chunks into one
 entry per tensor with its full shape, and its validation rejects overlapping chunks and chunks
 that do not cover the tensor. The writer resolves one item at a time (copying only a view that
-does not own its storage), so a rank holds its shards plus one chunk's buffer.
+does not own its storage), so a rank holds its shards plus one chunk's buffer. A chunk kept in
+offload's files (``SavedChunk.readable``) is read back in, its unit at a time, when it is resolved.
 
 Loading: :class:`ChunkReader` reads the metadata once; :meth:`ChunkReader.read` takes the
 rectangles a rank needs with the tensors to fill, and DCP's resharding helper
@@ -53,12 +54,13 @@ class _ChunkSavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._data = {}
         self._items = []
+        self._window = self._window_of = self._last = None  # a chunk read back in: see resolve_data
         for c in chunks:
             offsets = torch.Size(c.offsets)
             key = (c.fqn, tuple(offsets))
             if key in self._data:
                 raise ValueError(f"checkpoint: two chunks of {c.fqn} at {c.offsets} on one rank")
-            self._data[key] = c.data
+            self._data[key] = c
             self._items.append(WriteItem(
                 index=MetadataIndex(c.fqn, offsets),
                 type=WriteItemType.SHARD if c.shape else WriteItemType.TENSOR,
@@ -71,7 +73,27 @@ class _ChunkSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return _exact_storage(self._data[(write_item.index.fqn, tuple(write_item.index.offset))])
+        chunk = self._data[(write_item.index.fqn, tuple(write_item.index.offset))]
+        if chunk.readable is None:
+            return _exact_storage(chunk.data)
+        # Offload's files: the chunk's unit read back in (the last one's back to its files) and the
+        # chunk copied out of it; the last copy's bytes are given back, as the serial loader asks
+        # for an item only once the one before is written (save_chunks: no copy-ahead).
+        if self._last is not None:
+            self._last.untyped_storage().resize_(0)
+        if self._window_of is not chunk.readable:
+            self.close()
+            self._window, self._window_of = chunk.readable(), chunk.readable
+            self._window.__enter__()
+        self._last = chunk.data.clone()
+        return self._last
+
+    def close(self) -> None:
+        """The last unit read back in goes back to its files."""
+        if self._window is not None:
+            window, self._window, self._window_of = self._window, None, None
+            window.__exit__(None, None, None)
+        self._last = None
 
 
 _NUMPY_FREE = {torch.bfloat16: torch.int16}  # dtypes numpy lacks: aliased through a same-size integer
@@ -96,10 +118,18 @@ def save_chunks(path: Path, chunks: list[SavedChunk], process_group=None) -> Met
     group) when torch.distributed is initialized with more than one rank. On return every rank's
     files and the ``.metadata`` are written (the coordinator writes it after all ranks report)."""
     no_dist = not dist.is_initialized() or dist.get_world_size(process_group) == 1
-    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-    with _one_process() if no_dist else nullcontext():
-        return dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(chunks),
-                        process_group=None if no_dist else process_group, no_dist=no_dist)
+    # Chunks read back in from offload's files as they are written must be resolved one at a time
+    # (with CUDA, DCP's default loader resolves 10 MB of items ahead of the write).
+    ahead = 0 if any(c.readable is not None for c in chunks) else 10_000_000
+    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1,
+                              per_thread_copy_ahead=ahead)
+    planner = _ChunkSavePlanner(chunks)
+    try:
+        with _one_process() if no_dist else nullcontext():
+            return dcp.save({}, storage_writer=writer, planner=planner,
+                            process_group=None if no_dist else process_group, no_dist=no_dist)
+    finally:
+        planner.close()
 
 
 class _ChunkLoadPlanner(LoadPlanner):

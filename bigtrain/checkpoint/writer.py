@@ -56,7 +56,8 @@ class CheckpointWriter:
 
     def all_finite(self, chunks: list) -> bool:
         """Whether every rank's chunks (weights, optimizer state) are finite; collective."""
-        finite = [torch.isfinite(c.data).all() for c in chunks if c.data.is_floating_point()]
+        finite = [torch.isfinite(c.data).all() if c.finite is None else torch.tensor(c.finite)
+                  for c in chunks if c.data.is_floating_point()]
         flag = torch.zeros(1, device=self.device)
         if finite:  # one host sync for all of them
             flag += (~torch.stack(finite).all()).to(self.device, torch.float32)

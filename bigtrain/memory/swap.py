@@ -26,6 +26,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +35,7 @@ import torch
 
 
 class SwapStore:
-    def __init__(self, directory: str | Path, threads: int = 2):
+    def __init__(self, directory: str | Path, threads: int = 2, spare_limit: int = 0):
         _free_to_the_os()
         parent = Path(directory)
         parent.mkdir(parents=True, exist_ok=True)
@@ -47,6 +48,13 @@ class SwapStore:
         self._fds: dict[str, int] = {}
         self.bytes_written = 0
         self.bytes_read = 0
+        # Buffers given back by tensors written to their files, by size, for the next tensors read
+        # in (DeepSpeed's fixed pool of staging buffers): their pages stay mapped, so a read does not
+        # fault them in again. At most ``spare_limit`` bytes of them (more are freed), and none
+        # between steps (:meth:`drop_spares`): the files still free the memory.
+        self._spares: dict[int, list[torch.UntypedStorage]] = {}
+        self._spares_lock = threading.Lock()
+        self.spare_limit = spare_limit
         self._remove = weakref.finalize(self, _remove_files, self.dir, self._fds, self._lock)
 
     def _fd(self, key: str) -> int:
@@ -79,6 +87,42 @@ class SwapStore:
     def resident(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().nbytes() > 0
 
+    def give_bytes(self, t: torch.Tensor, nbytes: int) -> None:
+        """Give ``t``'s storage (holding none) ``nbytes`` bytes: a spare buffer of that size if there
+        is one (its pages mapped already), else new ones. Its values are whatever they were."""
+        with self._spares_lock:
+            spares = self._spares.get(nbytes)
+            spare = spares.pop() if spares else None
+        if spare is None:
+            t.untyped_storage().resize_(nbytes)
+        else:  # the storage object stays (every view of it stays valid): only its bytes change
+            t.untyped_storage()._swap_data_ptr_(spare)
+
+    def take_bytes(self, t: torch.Tensor) -> None:
+        """Take ``t``'s bytes (it holds none after) and keep them as a spare for the next tensor of
+        that size read in."""
+        nbytes = t.untyped_storage().nbytes()
+        if not nbytes:
+            return
+        spare = torch.UntypedStorage(0)
+        t.untyped_storage()._swap_data_ptr_(spare)
+        with self._spares_lock:
+            if sum(n * len(v) for n, v in self._spares.items()) + nbytes <= self.spare_limit:
+                self._spares.setdefault(nbytes, []).append(spare)
+                return
+        del spare  # over the limit: freed (its pages unmapped: _free_to_the_os)
+
+    def drop_spares(self) -> None:
+        """Give the spare buffers back (to the OS: glibc unmaps blocks of 1 MiB or more, see
+        :func:`_free_to_the_os`): between steps, the files hold what they hold and memory nothing."""
+        with self._spares_lock:
+            self._spares.clear()
+
+    @property
+    def spare_bytes(self) -> int:
+        with self._spares_lock:
+            return sum(n * len(spares) for n, spares in self._spares.items())
+
     def swap_out(self, key: str, t: torch.Tensor) -> None:
         """Write ``t`` (a CPU tensor owning its whole storage) to its file, then free its bytes."""
         if not self.resident(t):
@@ -98,7 +142,7 @@ class SwapStore:
                                        f"({e.strerror}); offload.nvme_dir's disk must hold every rank's files "
                                        f"(bigtrain plan's NVMe figure): free space there or set offload.nvme_dir "
                                        f"to a larger disk") from e
-            t.untyped_storage().resize_(0)
+            self.take_bytes(t)
 
         self.bytes_written += nbytes
         self._after(key, write)
@@ -110,7 +154,7 @@ class SwapStore:
         self._after(key, lambda: None).result()  # the write must be done before the storage regrows
         if self.resident(t):
             return
-        t.untyped_storage().resize_(self._nbytes[key])
+        self.give_bytes(t, self._nbytes[key])
         fd = self._fd(key)
 
         def read():

@@ -19,6 +19,8 @@ engines and by :mod:`bigtrain.checkpoint`, which sits above them.)
 
 from __future__ import annotations
 
+from typing import Callable, ContextManager
+
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +62,11 @@ class SavedChunk:
     shape: tuple[int, ...]  # the full tensor's
     offsets: tuple[int, ...]
     data: torch.Tensor  # shaped like the chunk
+    # Offload's files: ``data`` has its bytes only inside ``readable()`` (its unit read back in from
+    # the files), and ``finite`` says whether they are finite (found while they were read for the
+    # listing); None: ``data`` is readable as it is.
+    readable: Callable[[], ContextManager] | None = None
+    finite: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,16 @@ class ParallelModel:
             return checkpoint_load_batches(engine, with_state)
         return engine.checkpoint_load_batches(with_state)
 
-    def owned_chunks(self, copy: bool = False) -> list:
+    def _readable_pieces(self, deferred: bool):
+        """(batch, None), or with offload's files and ``deferred`` (batch, the context manager that reads
+        its unit back in): the save reads each chunk as it writes it (:mod:`bigtrain.checkpoint.sharded`)."""
+        engine = self.engine
+        if deferred and getattr(engine, "offload", None) is not None and engine.offload.store is not None:
+            from bigtrain.parallel.zero.state import checkpoint_units
+            return checkpoint_units(engine)
+        return ((batch, None) for batch in self._pieces())
+
+    def owned_chunks(self, copy: bool = False, deferred: bool = False) -> list:
         """The chunks of full tensors this rank writes (:class:`SavedChunk`): one entry per parameter
         under its canonical name (a tied weight once) and ``optim/<name>/<state>`` per optimizer
         state tensor. Every element has one owner, as the placement record says: its ZeRO shard's
@@ -202,13 +211,18 @@ class ParallelModel:
         even split of it; of the ranks holding the same values over any other axis (tp for a
         replicated norm, pp_ends for a tied copy) the first. Per-tensor state (a step count) is
         written whole by the owner of the parameter's first element. ``copy``: clone the data (a
-        snapshot for a write that overlaps training); else views of the live shards."""
+        snapshot for a write that overlaps training); else views of the live shards. Offload's files
+        hold a unit's masters and state in memory only while its pieces are listed: ``deferred``
+        (a save that writes at once), their chunks are views read back in by the writer, one unit
+        at a time (``SavedChunk.readable``); else copies (the whole rank's states in memory at once)."""
 
         placements = self.placements
-        # Offloaded masters and state are resident only while their pieces are listed: copy them.
-        copy = copy or getattr(self.engine, "offload", None) is not None
+        offload = getattr(self.engine, "offload", None)
+        files = offload is not None and offload.store is not None
+        copy = copy or (files and not deferred)
         out = []
-        for batch in self._pieces():
+        for batch, readable in self._readable_pieces(deferred and not copy):
+            listed = len(out)
             for piece in batch:
                 if not placements.writes_checkpoint(piece.name):
                     continue
@@ -225,6 +239,9 @@ class ParallelModel:
                 if lo == 0 < hi and placements.first_part(piece.name):
                     out += [SavedChunk(f"optim/{piece.name}/{k}", tuple(v.shape), (0,) * v.dim(),
                                        v.detach().clone() if copy else v.detach()) for k, v in piece.scalars.items()]
+            for chunk in out[listed:] if readable is not None else []:
+                chunk.readable = readable
+                chunk.finite = not chunk.data.is_floating_point() or bool(torch.isfinite(chunk.data).all())
         if self._writes_buffers():
             out += [SavedChunk(name, tuple(b.shape), (0,) * b.dim(), b.detach().clone() if copy else b.detach())
                     for name, b in persistent_buffers(self.model).items()]

@@ -16,6 +16,7 @@ the measured saved tensors, so a larger true peak only makes it worse); above 80
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -215,6 +216,9 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
     if tiers:
         found.problems += [SizeProblem(text, layout_helps=False) for text in tiers]
         return found
+    in_memory = memory_filesystem(nvme_dir) if mem.nvme and nvme_dir else None
+    if in_memory:
+        found.warnings.append(files_in_memory_warning(cfg, mem, nvme_dir, in_memory, sharing))
     parts = {
         "states": (mem.model_states, f"{_model_fields(cfg)} ({spec.params:.3g} parameters): weights, gradients "
                                      f"and optimizer state"),
@@ -230,6 +234,13 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
     }
     if not cuda and mem.detail.get("host_states"):  # the host is the device: offload's host tier is here too
         parts["states"] = (mem.model_states + mem.detail["host_states"], parts["states"][1])
+    if not cuda and in_memory:  # and so are the files on a filesystem in memory
+        parts["states"] = (parts["states"][0] + mem.nvme, parts["states"][1] + f" (with offload's files on "
+                                                                                 f"offload.nvme_dir, a {in_memory})")
+    extra = mem.detail.get("checkpoint_copies", 0) - parts["activations"][0]
+    if not cuda and extra > 0:  # a save (between steps, no activation held) holds more than a step
+        parts["checkpoint"] = (extra, "a checkpoint save's copies (the delayed update's weights in use, a chunk "
+                                      "out of the files) beyond the activations of a step")
     per_rank = sum(nbytes for nbytes, _ in parts.values())
     need = per_rank * sharing
     if need <= WARN_FRACTION * capacity:
@@ -242,7 +253,8 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
         fix = {"states": "make the model smaller or shard it (parallel.zero, parallel.tp, parallel.pp)",
                "activations": "lower train.micro_batch or data.seq_len, or set memory.checkpointing = 'full'",
                "allocator": "start fewer ranks (parallel.dp, parallel.tp, parallel.pp, parallel.sp)",
-               "rotary": "lower model.max_seq_len", "sampler": "lower train.global_batch"}[big]
+               "rotary": "lower model.max_seq_len", "sampler": "lower train.global_batch",
+               "checkpoint": "set offload.delayed_update = false, or shard over more ranks (parallel.zero)"}[big]
         layout_helps = big in ("states", "activations", "allocator")  # not the rotary tables, nor the sampler
         found.problems.append(SizeProblem(f"{text}; {fix}", layout_helps))
         return found
@@ -260,6 +272,43 @@ def disk_free(path: str) -> int:
     return shutil.disk_usage(where).free
 
 
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")  # their files are pages of the machine's memory
+
+
+def _mounts() -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of this process's mounts (none where /proc is not Linux's)."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return []
+    # A space in a mount point is written \040 (and a tab, newline, backslash alike).
+    unescape = lambda field: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)  # noqa: E731
+    return [(unescape(f[1]), f[2]) for f in (line.split() for line in lines) if len(f) >= 3]
+
+
+def memory_filesystem(path: str) -> str | None:
+    """The type of the filesystem ``path`` (or its nearest existing parent) is on, if it keeps its
+    files in memory (tmpfs, ramfs: /dev/shm, often /tmp or /run); else None."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    where = where.resolve()
+    on = [(mount, kind) for mount, kind in _mounts() if where == Path(mount) or Path(mount) in where.parents]
+    if not on:
+        return None
+    kind = max(on, key=lambda m: len(Path(m[0]).parts))[1]  # the innermost mount holds it
+    return kind if kind in MEMORY_FILESYSTEMS else None
+
+
+def files_in_memory_warning(cfg: Config, mem, nvme_dir: str, kind: str, ranks: int) -> str:
+    on_machine = f" x {ranks} ranks on this machine" if ranks > 1 else ""
+    return (f"offload.nvme_dir = '{nvme_dir}' is on a {kind} (a filesystem in memory): the {_size(mem.nvme)} of "
+            f"offload's files per rank{on_machine} take host memory, not disk, and the size check counts them as "
+            f"host memory; set offload.nvme_dir to a directory on a disk (an NVMe) to free that memory, or "
+            f"offload.optimizer = 'cpu' (offload.params = 'cpu') to keep the states in memory without the files' "
+            f"copies")
+
+
 def offload_problems(cfg: Config, mem, local_ranks: int, cuda: bool, nvme_dir: str | None) -> list[str]:
     """Offload's tiers against this machine: on a GPU what every local rank keeps in host memory
     (the planner's host tier, byte for byte, and each process's ``host_reserved_bytes``) against
@@ -272,14 +321,18 @@ def offload_problems(cfg: Config, mem, local_ranks: int, cuda: bool, nvme_dir: s
     tiers = f"offload.optimizer = '{o.optimizer}', offload.params = '{o.params}'"
     problems = []
     held = mem.detail.get("tiers", {})
+    # Files on a filesystem in memory (/dev/shm) are host memory too.
+    files_in_memory = mem.nvme if mem.nvme and nvme_dir and memory_filesystem(nvme_dir) else 0
     if cuda:
-        need, have = mem.host * ranks, host_memory()
+        need, have = (mem.host + files_in_memory) * ranks, host_memory()
         if need > have:
             what = ", ".join(f"{k} {_size(v)}" for k, v in held.get("host", {}).items() if v)
+            files = (f", and its files on offload.nvme_dir = '{nvme_dir}' ({memory_filesystem(nvme_dir)}, in memory) "
+                     f"{_size(files_in_memory)}" if files_in_memory else "")
             problems.append(
                 f"{tiers} keep {_size(mem.detail.get('host_states', 0))} per rank in host memory ({what}), plus "
                 f"{_size(mem.host - mem.detail.get('host_states', 0))} for the process and offloaded activations"
-                f"{on_machine}: {_size(need)} of host memory needed, and this machine has {_size(have)}; put the "
+                f"{files}{on_machine}: {_size(need)} of host memory needed, and this machine has {_size(have)}; put the "
                 f"optimizer's state in files (offload.optimizer = 'nvme'), use smaller state (optim.name = "
                 f"'adamw8bit'), or shard over more ranks on more machines (parallel.dp with parallel.zero >= 1)")
     if mem.nvme and nvme_dir:

@@ -65,7 +65,7 @@ from bigtrain.plan.pipeline import PipelineModel, weight_versions
 # state_bytes, zero_formula_bytes: imported from here by callers that predate states.py
 from bigtrain.plan.states import (group_sizes, rank_state_bytes, state_bytes, unit_state_bytes,  # noqa: F401
                                   zero_formula_bytes)
-from bigtrain.plan.tiers import host_step, reduce_bytes, tier_detail
+from bigtrain.plan.tiers import checkpoint_copy_bytes, host_step, reduce_bytes, tier_detail
 # rank_units: imported from here by callers that predate units.py
 from bigtrain.plan.units import (Unit, checked_pp_ranks, rank_units, replicas, stage_blocks, units_key,
                                  units_of_key)
@@ -343,11 +343,17 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     activations, host = (per_mb * inflight if held_bytes is None else math.ceil(held_bytes)), 0
     if layout.offload:
         activations, host = offloaded_activation_bytes(model, layout, pp_rank, inflight)
+    # A checkpoint save of an offload layout holds a few copies (the delayed update's weights in
+    # use, one chunk out of the files) between steps, when no offloaded activation is held: the
+    # host holds the larger of the two. On a CPU device that memory is the device's.
+    copies = checkpoint_copy_bytes(units, layout) if tiers is not None else 0
+    on_host = max(host, copies) if hardware.device != "cpu" else host
     mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], activations, buffers,
                      inflight, per_mb, capacity=hardware.memory_bytes,
-                     host=moved["host"] + host + hardware.host_reserved_bytes, host_capacity=hardware.host_memory_bytes,
+                     host=moved["host"] + on_host + hardware.host_reserved_bytes, host_capacity=hardware.host_memory_bytes,
                      nvme=moved["nvme"], nvme_capacity=hardware.nvme_bytes)
     mem.detail["host_activations"] = host
+    mem.detail["checkpoint_copies"] = copies
     mem.lazy_grads = lazy_grad_moments(model, layout, global_batch, root, list(blocks), pp_rank, mem.activations,
                                        mem.grads, optimizer, block)
     if mem.lazy_grads is not None:

@@ -160,3 +160,20 @@ def tier_detail(units: list, layout: Layout, optimizer: str = "adamw", block: in
         out["device"]["grad_buckets"] += buckets
         out["host"]["staging"] += buckets + STAGING_SLOTS * largest * nbytes
     return {tier: dict(out[tier]) for tier in TIERS}
+
+
+
+def checkpoint_copy_bytes(units: list, layout: Layout) -> int:
+    """Host bytes a (synchronous) checkpoint save of an offload layout holds beyond the states the
+    rank keeps between steps: with the delayed update the weights in use (S x 4 a unit: a copy of
+    the compute weights beside the masters, saved with them), and with files the one chunk the
+    writer has copied out of its unit (at most the largest unit's masters, S x 4). The rest is
+    written from the live states: views of those in host memory, and those in files read back
+    one unit at a time as the writer reaches them (fewer than a step holds: it reads
+    ``offload.prefetch_depth`` units ahead). A save runs between steps, when no activation is
+    held: the host holds the larger of the two, not their sum. (``checkpoint.async`` snapshots
+    every state first: not priced here.)"""
+    files = "nvme" in (layout.offload_optimizer, layout.offload_params)
+    shards = [-(-u.numel // (layout.size(u.axis) if layout.zero >= 1 else 1)) for u in units]
+    in_use = 4 * sum(shards) if layout.delayed_update else 0
+    return in_use + (4 * max(shards, default=0) if files else 0)

@@ -67,8 +67,8 @@ class ParallelDLRM:
         return self.engine.full_grads()
 
     # -- checkpoints: what bigtrain.train.Trainer's save and resume ask of a parallel model --------
-    def owned_chunks(self, copy: bool = False) -> list[SavedChunk]:
-        return dlrm_chunks(self, copy)
+    def owned_chunks(self, copy: bool = False, deferred: bool = False) -> list[SavedChunk]:
+        return dlrm_chunks(self, copy)  # no offload: nothing to read back (``deferred`` changes nothing)
 
     def load_sharded(self, reader: ChunkReader) -> None:
         load_dlrm(self, reader)

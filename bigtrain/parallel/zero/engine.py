@@ -47,7 +47,6 @@ import torch
 from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
-from bigtrain.memory.accounting import optimizer_tensors, tensor_bytes
 from bigtrain.optim import OptimizerSpec, decay_groups, get_optimizer
 from bigtrain.optim.clip import clip_, global_norm, square_sums
 from bigtrain.parallel.blocks import block_cuts
@@ -60,7 +59,7 @@ from bigtrain.parallel.zero.grad_sync import GradSync
 from bigtrain.parallel.zero.lazy_grads import gradient_buffers
 from bigtrain.parallel.zero.offload import OffloadPlan, UnitOffload
 from bigtrain.core.blocks import default_unit_modules
-from bigtrain.parallel.zero.tiers import device_state_bytes, held_bytes
+from bigtrain.parallel.zero.tiers import held_bytes, state_bytes
 from bigtrain.parallel.zero.units import build_units, replace_parameters
 from bigtrain.precision import DynamicLossScaler, Precision
 
@@ -218,7 +217,7 @@ class ZeroEngine(GradSync):
     def step(self, lr: float, max_norm: float, skip: torch.Tensor | None = None) -> tuple[float, bool]:
         """Unscale, check for overflow, clip and update; returns (grad norm, skipped). A non-zero
         ``skip`` (a flag every rank shares, e.g. a non-finite loss) skips like an overflow."""
-        self._drop_gathered()
+        self.drop_gathered()
         if self.offload is not None:
             self.offload.before_step()  # a delayed update: the last step's, published now
         if self.offload is not None and self.offload.grads_in_files:
@@ -267,12 +266,12 @@ class ZeroEngine(GradSync):
 
     def refresh_compute_weights(self) -> None:
         """Make the compute weights equal the (just loaded) masters on every rank."""
-        self._drop_gathered()
+        self.drop_gathered()
         self._publish_weights()
         if self.offload is not None and self.offload.delayed is not None:
             self.offload.delayed.unpublished = False
 
-    def _drop_gathered(self) -> None:
+    def drop_gathered(self) -> None:
         """ZeRO-3: a unit still gathered now (a prefetch that the model or a pipeline schedule
         never used) holds the weights of before the update; the next forward must gather anew."""
         if self.gatherer is not None:
@@ -354,16 +353,11 @@ class ZeroEngine(GradSync):
         return held_bytes(self)
 
     def state_bytes(self) -> dict[str, int]:
-        """Measured bytes of parameters, gradients and optimizer state (with masters) on this rank:
-        on the device only when offload keeps a host apart from it (the host's are in :meth:`tier_bytes`)."""
-        if self.offload is not None and self.offload.link.separate:
-            return device_state_bytes(self)
-        params = [u.full for u in self.units] + [u.shard_param for u in self.units if self.stage == 3]
-        grads = [u.full_grad if self.stage <= 1 else u.grad_shard for u in self.units]
-        grads += [p.grad for p in self.params if p.grad is not None]
-        optimizer = optimizer_tensors(self.optimizer)
-        optimizer += [u.master for u in self.units if u.master is not u.shard_param]
-        return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
+        """Measured bytes of parameters, gradients and optimizer state (with masters) on this rank,
+        the same buffers as :meth:`tier_bytes` counts: on the device only when offload keeps a host
+        apart from it (the host's are in :meth:`tier_bytes`), else all of them (their sum is the
+        device's and the host's)."""
+        return state_bytes(self)
 
 
 def _check_block_cuts(model: nn.Module, placements: Placements, block: int) -> None:

@@ -20,8 +20,8 @@ What lives where (``offload.optimizer`` / ``offload.params``):
   gathered (read in when the gather starts, which the gatherer's static prefetch order already
   runs a unit ahead; released when the gather completes) and while it is stepped.
 
-A checkpoint reads one unit back at a time (:meth:`UnitOffload.unit_resident`); loading one and the full
-state read everything back first (:meth:`UnitOffload.all_resident`).
+A checkpoint is saved and loaded one unit in memory at a time (:meth:`UnitOffload.unit_resident`); the
+full state reads everything back first (:meth:`UnitOffload.all_resident`).
 
 Host and device (:mod:`.host`): on a GPU the masters, the optimizer's state, the files' tensors and
 the offloaded parameter shards are host tensors; each unit's gradient shard comes down to a pinned
@@ -123,6 +123,11 @@ class UnitOffload:
             return [(f"{self._keys(unit)}.shard", unit.shard_param)]
         return []
 
+    def _file_bytes(self, unit) -> int:
+        """Bytes of the unit's tensors kept in files (each written once at least)."""
+        prefix = self._keys(unit) + "."
+        return sum(n for key, n in self.store._nbytes.items() if key.startswith(prefix))
+
     def _optimizer_side(self, unit):
         return self._master(unit) + self._state_tensors(unit)
 
@@ -137,7 +142,7 @@ class UnitOffload:
         """The unit's gradient shard, in memory (zeros if it was zeroed since its last write)."""
         g = unit.grad_shard
         if id(unit) in self._zero:
-            g.untyped_storage().resize_(g.numel() * g.element_size())
+            self.store.give_bytes(g, g.numel() * g.element_size())
             g.zero_()
             self._zero.discard(id(unit))
         else:
@@ -152,7 +157,7 @@ class UnitOffload:
         file (on the fold thread of :mod:`.grad_stream` when the host is apart from the device)."""
         if id(unit) in self._zero:  # nothing to add to: no read
             g = unit.grad_shard
-            g.untyped_storage().resize_(g.numel() * g.element_size())
+            self.store.give_bytes(g, g.numel() * g.element_size())
             g.copy_(reduced)
             self._zero.discard(id(unit))
         else:
@@ -164,7 +169,7 @@ class UnitOffload:
         self.zero_grad_now(unit)
 
     def zero_grad_now(self, unit) -> None:
-        unit.grad_shard.untyped_storage().resize_(0)
+        self.store.take_bytes(unit.grad_shard)
         self._zero.add(id(unit))
 
     # -- moves -----------------------------------------------------------------------------------------
@@ -200,7 +205,7 @@ class UnitOffload:
     def release_grad(self, unit) -> None:
         """A newly allocated (zero) gradient shard: no bytes until a reduction is folded in."""
         if self.grads_in_files:
-            unit.grad_shard.untyped_storage().resize_(0)
+            self.store.take_bytes(unit.grad_shard)
             self._zero.add(id(unit))
 
     def release_all(self) -> None:
@@ -210,6 +215,7 @@ class UnitOffload:
         for unit in self.engine.units:
             self._out(self._optimizer_side(unit) + self._shard(unit))
         self.store.wait()  # the memory is free when this returns
+        self.store.drop_spares()
 
     def before_gather(self, unit) -> torch.Tensor:
         """The tensor to all-gather the unit from: its shard (read back from its file first), or,
@@ -229,7 +235,7 @@ class UnitOffload:
 
     @contextlib.contextmanager
     def all_resident(self):
-        """Everything in memory for the duration (checkpoints, full state, loading); a delayed
+        """Everything in memory for the duration (the full state, its loading); a delayed
         update still running is waited for first (its masters are what is read)."""
         if self.delayed is not None:
             self.delayed.wait()
@@ -257,7 +263,7 @@ class UnitOffload:
     @contextlib.contextmanager
     def unit_resident(self, unit):
         """One unit's file-kept masters, state and parameter shard in memory for the duration (a
-        checkpoint copies that unit's pieces meanwhile), back in their files after; a delayed
+        checkpoint copies that unit's pieces meanwhile, or a load fills them), back in their files after; a delayed
         update still running is waited for first (its masters are what is read)."""
         if self.delayed is not None:
             self.delayed.wait()
@@ -298,6 +304,8 @@ class UnitOffload:
         moved = (lambda u: self._optimizer_side(u) + self._shard(u)) if publish else self._optimizer_side
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
+        if self.store is not None:  # spare buffers for one unit: the next unit's reads reuse the last one's
+            self.store.spare_limit = max(self._file_bytes(u) for u in units)
         self._stepping = publish
         try:
             ahead, in_flight = self.plan.prefetch_depth, []  # 0: each unit read when it is stepped
@@ -319,7 +327,7 @@ class UnitOffload:
                 if publish:
                     engine.publish_unit(unit)
                 elif self.grads_in_files:  # the handed-over gradient is spent: no bytes, no write
-                    grad.untyped_storage().resize_(0)
+                    self.store.take_bytes(grad)
                 if self.store is not None:
                     written = moved(unit)
                     if self.grads_in_files and publish:  # stepped: its gradient is spent, no write needed
@@ -330,6 +338,7 @@ class UnitOffload:
                     in_flight = written
             if self.store is not None:
                 self.store.wait_for([key for u in units for key, _ in moved(u)])
+                self.store.drop_spares()
         finally:
             self._stepping = False
 
@@ -371,7 +380,7 @@ class UnitOffload:
         its own for the worker, and the shard the next backward folds into starts at zero."""
         held = self.delayed.held_buffer(unit)
         self.store.wait_for([self._held_key(unit)])
-        held.untyped_storage().resize_(held.numel() * held.element_size())
+        self.store.give_bytes(held, held.numel() * held.element_size())
         held.copy_(g)
         self.store.swap_out(self._held_key(unit), held)
         self.store.wait_for([self._grad_key(unit)])

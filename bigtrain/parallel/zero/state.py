@@ -14,6 +14,7 @@ own per-tensor state, which only the ranks holding part of that parameter have.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -194,6 +195,17 @@ def checkpoint_pieces(engine):
             yield from _checkpoint_pieces(engine, [unit])
 
 
+def checkpoint_units(engine):
+    """:func:`checkpoint_pieces` with offload's files, each batch with the context manager that
+    reads its unit back in (``SavedChunk.readable``): the writer reads each chunk when it writes
+    it, so the save holds no copy of the rank's states (their copies were all in memory until
+    written, the whole rank's masters and state)."""
+    for unit in engine.units:
+        with engine.offload.unit_resident(unit):
+            for batch in _checkpoint_pieces(engine, [unit]):
+                yield batch, functools.partial(engine.offload.unit_resident, unit)
+
+
 def _delayed(engine) -> bool:
     return engine.offload is not None and engine.offload.delayed is not None
 
@@ -223,58 +235,70 @@ def _checkpoint_pieces(engine, units):
 
 def checkpoint_load_batches(engine, with_state: bool):
     """Per unit, :class:`Piece` s whose tensors are this rank's master shard and fresh optimizer
-    state (zeros) to be filled by the caller; after the last batch the optimizer gets the state and
-    the compute weights are refreshed. Each piece's ``scalars`` are filled with its parameter's
-    per-tensor state (flat pieces of an elementwise optimizer share their first parameter's)."""
-    with _resident(engine):
-        yield from _checkpoint_load_batches(engine, with_state)
-
-
-def _checkpoint_load_batches(engine, with_state: bool):
-
-    spec, dev, states, in_use = engine.optim_spec, engine.host_device, {}, {}
-    declared = declared_dtypes(spec)
-    if with_state:  # replaced below: do not hold the old and the loaded state at once
+    state (zeros) to be filled by the caller; once the caller has filled a batch, its unit's
+    optimizer gets the state and its compute weights are refreshed. Each piece's ``scalars`` are
+    filled with its parameter's per-tensor state (flat pieces of an elementwise optimizer share their
+    first parameter's). With offload's files, only the unit being read is in memory (as for a save:
+    :func:`checkpoint_pieces`): reading every unit back for the whole load held the states as a run
+    without offload does (1.21 GiB peak RSS for a run whose training peak is 0.52 GiB)."""
+    offload = engine.offload
+    if offload is not None and offload.delayed is not None:
+        offload.delayed.wait()  # an update still running writes the masters being replaced
+    if with_state:  # replaced unit by unit below: neither read back from files nor held twice
         engine.optimizer.state.clear()
+    engine.drop_gathered()
+    in_use = False
     for unit in engine.units:
-        block = unit.align
-        fresh = [{k: torch.zeros(b - a, dtype=declared[k], device=dev) for k in spec.element_state}
-                 | {k: torch.zeros(_blocks(b - a, block), dtype=declared[k], device=dev) for k in spec.block_state}
-                 for a, b, _ in unit.pieces] if with_state else []
-        batch, holder = [], []
-        use = torch.empty(unit.shard_numel, dtype=torch.float32, device=dev) if _delayed(engine) else None
-        for slot, a, b in unit.shard_slot_ranges():
-            lo, hi = _piece_range(unit, slot, a, b)
-            tensors, blocks = {WEIGHT: unit.master[a:b]}, {}
-            if use is not None:
-                tensors[WEIGHT_IN_USE] = use[a:b]
-            i = _piece_index(unit, a, b) if unit.pieces else None
-            if with_state:
-                pa = unit.pieces[i][0]
-                tensors.update({k: fresh[i][k][a - pa:b - pa] for k in spec.element_state})
-                blocks = {k: fresh[i][k] for k in spec.block_state}
-            batch.append(Piece(slot.name, slot.shape, lo, hi, tensors, {}, 1, 0, blocks, block))
-            holder.append(i)
-        # The carrier holds no range; it also says, alike on every rank, whether the weights in use
-        # were in the checkpoint (the loader drops the entry where they were not).
-        carrier = Piece(unit.slots[0].name, unit.slots[0].shape, 0, 0, {WEIGHT_IN_USE: use} if use is not None else {})
-        batch.append(carrier)
-        per_piece = {i: piece for piece, i in zip(batch, holder) if i is not None}
-        for i, ((a, b, _), slot) in enumerate(zip(unit.pieces, _slot_of_piece(unit))):
-            if slot is not None and i not in per_piece:  # an empty piece: its per-tensor state only
-                per_piece[i] = Piece(slot.name, slot.shape, 0, 0, {})
-                batch.append(per_piece[i])
-        yield batch
-        if WEIGHT_IN_USE in carrier.tensors:
-            in_use[id(unit)] = use
+        with offload.unit_resident(unit) if offload is not None else contextlib.nullcontext():
+            in_use = yield from _load_unit(engine, unit, with_state)
+    if offload is not None and offload.delayed is not None:
+        # A delayed update's run: its next step computes with the saved weights in use.
+        offload.delayed.unpublished = in_use
+
+
+def _load_unit(engine, unit: FlatUnit, with_state: bool):
+    """One unit's batch (see :func:`checkpoint_load_batches`); once it is filled, the optimizer's
+    state of its pieces and its compute weights (the saved weights in use of a delayed update's run,
+    else the masters). Returns whether the weights in use were in the checkpoint."""
+    spec, dev = engine.optim_spec, engine.host_device
+    declared = declared_dtypes(spec)
+    block = unit.align
+    fresh = [{k: torch.zeros(b - a, dtype=declared[k], device=dev) for k in spec.element_state}
+             | {k: torch.zeros(_blocks(b - a, block), dtype=declared[k], device=dev) for k in spec.block_state}
+             for a, b, _ in unit.pieces] if with_state else []
+    batch, holder = [], []
+    use = torch.empty(unit.shard_numel, dtype=torch.float32, device=dev) if _delayed(engine) else None
+    for slot, a, b in unit.shard_slot_ranges():
+        lo, hi = _piece_range(unit, slot, a, b)
+        tensors, blocks = {WEIGHT: unit.master[a:b]}, {}
+        if use is not None:
+            tensors[WEIGHT_IN_USE] = use[a:b]
+        i = _piece_index(unit, a, b) if unit.pieces else None
         if with_state:
-            for i, ((_, _, view), values) in enumerate(zip(unit.pieces, fresh)):
-                source = carrier if _slot_of_piece(unit)[i] is None else per_piece[i]
-                states[view] = {**{k: source.scalars[k].clone() for k in spec.tensor_state}, **values}
-    if states:
-        load_state(engine.optimizer, states, engine.optim_spec)
-    engine.refresh_compute_weights()
-    if in_use:  # a delayed update's run: its next step computes with the saved weights in use
-        for unit in engine.units:
-            engine.publish_unit(unit, in_use.get(id(unit), unit.master))
-        engine.offload.delayed.unpublished = True
+            pa = unit.pieces[i][0]
+            tensors.update({k: fresh[i][k][a - pa:b - pa] for k in spec.element_state})
+            blocks = {k: fresh[i][k] for k in spec.block_state}
+        batch.append(Piece(slot.name, slot.shape, lo, hi, tensors, {}, 1, 0, blocks, block))
+        holder.append(i)
+    # The carrier holds no range; it also says, alike on every rank, whether the weights in use
+    # were in the checkpoint (the loader drops the entry where they were not).
+    carrier = Piece(unit.slots[0].name, unit.slots[0].shape, 0, 0, {WEIGHT_IN_USE: use} if use is not None else {})
+    batch.append(carrier)
+    per_piece = {i: piece for piece, i in zip(batch, holder) if i is not None}
+    for i, ((a, b, _), slot) in enumerate(zip(unit.pieces, _slot_of_piece(unit))):
+        if slot is not None and i not in per_piece:  # an empty piece: its per-tensor state only
+            per_piece[i] = Piece(slot.name, slot.shape, 0, 0, {})
+            batch.append(per_piece[i])
+    yield batch
+    if with_state:
+        states = {}
+        for i, ((_, _, view), values) in enumerate(zip(unit.pieces, fresh)):
+            source = carrier if _slot_of_piece(unit)[i] is None else per_piece[i]
+            states[view] = {**{k: source.scalars[k].clone() for k in spec.tensor_state}, **values}
+        if states:
+            kept = dict(engine.optimizer.state)  # load_state leaves the optimizer only the states it is given
+            load_state(engine.optimizer, states, spec)
+            engine.optimizer.state.update({p: s for p, s in kept.items() if p not in states})
+    in_use = WEIGHT_IN_USE in carrier.tensors
+    engine.publish_unit(unit, use if in_use else None)
+    return in_use

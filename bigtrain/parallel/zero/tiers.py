@@ -64,8 +64,12 @@ def held_bytes(engine) -> dict[str, int]:
     return out
 
 
-def device_state_bytes(engine) -> dict[str, int]:
-    """{"params", "grads", "optimizer"} on the device (the gradient buckets count as gradients)."""
-    counted = _counted(engine, lambda kind, where: where == "device")
+def state_bytes(engine) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} of :func:`held_bytes`'s buffers, by kind: on the device when
+    offload keeps a host apart from it (a GPU: the host's are in :func:`held_bytes` alone), else
+    everything in memory (the host is the device: the sum is ``device + host``). Offload's own
+    buffers count as gradients (the gradient buckets, the delayed update's handed-over gradients)."""
+    apart = engine.offload is not None and engine.offload.link.separate
+    counted = _counted(engine, lambda kind, where: where == "device" or not apart)
     return {"params": counted.get("params", 0), "grads": counted.get("grads", 0) + counted.get("offload", 0),
             "optimizer": counted.get("optimizer", 0)}
