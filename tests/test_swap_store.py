@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from bigtrain.memory.swap import LOCK, PREFIX, SwapStore
+from bigtrain.memory.swap import _CAN_MOVE_BYTES, LOCK, PREFIX, SwapStore
 
 
 def test_two_stores_given_one_directory_keep_their_own_tensors(tmp_path):
@@ -132,6 +132,7 @@ def test_a_filesystem_without_flock_keeps_the_store_working(tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the process's resident set from /proc")
+@pytest.mark.skipif(not _CAN_MOVE_BYTES, reason="this torch cannot move a storage's bytes: no spare buffers")
 def test_a_tensor_read_in_reuses_the_bytes_of_one_written_out_and_the_spares_are_given_back(tmp_path):
     """With the mmap threshold at 1 MiB every tensor read in had its pages faulted in again (the
     NVMe step about 2x slower): a tensor written out now leaves its buffer as a spare for the next
@@ -158,3 +159,18 @@ def test_a_tensor_read_in_reuses_the_bytes_of_one_written_out_and_the_spares_are
     assert store.spare_bytes == 0 and before - _resident_bytes() >= 12 << 20
     store.swap_in("a", a)
     assert torch.equal(a, torch.full((4 << 20,), 0.0))
+
+
+def test_without_a_way_to_move_bytes_a_store_frees_them_and_keeps_no_spares(tmp_path, monkeypatch):
+    """torch 2.11 (the GPU image's) has no UntypedStorage._swap_data_ptr_: the store frees what it
+    writes out and reads into new bytes, as before the pool, and the values come back."""
+    import bigtrain.memory.swap as swap
+
+    monkeypatch.setattr(swap, "_CAN_MOVE_BYTES", False)
+    store = SwapStore(tmp_path, spare_limit=64 << 20)
+    t = torch.arange(1 << 20, dtype=torch.float32)
+    store.swap_out("t", t)
+    store.wait()
+    assert not store.resident(t) and store.spare_bytes == 0
+    store.swap_in("t", t)
+    assert torch.equal(t, torch.arange(1 << 20, dtype=torch.float32))

@@ -34,6 +34,12 @@ from pathlib import Path
 import torch
 
 
+# A storage's bytes moved to another storage object, every view of the first staying valid: torch
+# 2.13 has it, 2.11 (the GPU image's) does not; without it there are no spare buffers (each tensor
+# read in gets new pages, as before the pool).
+_CAN_MOVE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 class SwapStore:
     def __init__(self, directory: str | Path, threads: int = 2, spare_limit: int = 0):
         _free_to_the_os()
@@ -103,6 +109,9 @@ class SwapStore:
         that size read in."""
         nbytes = t.untyped_storage().nbytes()
         if not nbytes:
+            return
+        if not _CAN_MOVE_BYTES or self.spare_limit < nbytes:
+            t.untyped_storage().resize_(0)
             return
         spare = torch.UntypedStorage(0)
         t.untyped_storage()._swap_data_ptr_(spare)
