@@ -47,10 +47,13 @@ class _NarrowOps(TorchDispatchMode):
         return out
 
 
-def test_the_exact_reference_computes_in_float64_throughout(corpus_cache):
+@pytest.mark.parametrize("extra", [[], ["--memory.activation_compression=int8"], ["--optim.name=lion"]],
+                         ids=["adamw", "int8", "lion"])
+def test_the_exact_reference_computes_in_float64_throughout(corpus_cache, extra):
     """No op of an exact step (forward, backward, optimizer) makes an fp32 tensor: one ``.float()``
-    left in a norm, the rotary positions, the router or the loss would show here by name."""
-    cfg = tiny_config(corpus_cache, "--train.global_batch=4", "--train.micro_batch=2", *MOE)
+    left in a norm, the rotary positions, the router, int8's round trip or the loss would show here
+    by name."""
+    cfg = tiny_config(corpus_cache, "--train.global_batch=4", "--train.micro_batch=2", *MOE, *extra)
     run = ReferenceRun(cfg, exact=True)
     with _NarrowOps() as narrow:
         step = run.train_step(capture=True)
@@ -63,7 +66,6 @@ def test_the_exact_reference_computes_in_float64_throughout(corpus_cache):
 
 def test_a_reference_that_rounds_on_purpose_has_no_exact_twin(corpus_cache):
     for override, field in (("--precision.mode=bf16", "precision.mode"),
-                            ("--memory.activation_compression=int8", "memory.activation_compression"),
                             ("--optim.name=adamw8bit", "optim.name")):
         cfg = tiny_config(corpus_cache, override)
         assert field in exact_problem(cfg)

@@ -20,8 +20,9 @@ from torch import nn
 
 
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as int8 compression keeps it for a weight gradient: q s in ``x``'s dtype."""
-    x32 = x.detach().float()
+    """``x`` as int8 compression keeps it for a weight gradient: q s in ``x``'s dtype, computed in fp32
+    (in float64 for a float64 ``x``: a check's exact twin of its reference, the same rule unrounded)."""
+    x32 = x.detach().to(torch.promote_types(x.dtype, torch.float32))
     s = x32.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
     return (torch.round(x32 / s).clamp(-127, 127) * s).to(x.dtype)
 
