@@ -17,7 +17,7 @@ from bigtrain.parallel.context import chunk_order, chunks_of, local_positions, l
 from bigtrain.parallel.ring_attention import ring_attention
 from bigtrain.testing import run_ranks
 from bigtrain.validation import validate
-from helpers import tiny_config, warm_compiler
+from helpers import compiled_once_for_all_ranks, tiny_config, warm_compiler
 
 SMALL_BATCH = ["--train.global_batch=4", "--train.micro_batch=1"]
 MOE = ["--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_capacity_factor=1.0",
@@ -358,7 +358,8 @@ def test_compiled_blocks_under_context_parallelism_match_the_reference(mode, cor
     warm_compiler()  # the forked ranks inherit inductor's set-up
     cfg = tiny_config(corpus_cache, *SMALL_BATCH, "--compile.enabled=true", "--parallel.cp=2",
                       f"--parallel.cp_mode={mode}")
-    report = run_ranks(check_compiled_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=300)[0]
+    with compiled_once_for_all_ranks(tmp_path / "compiled"):  # both ranks compile the same graphs
+        report = run_ranks(check_compiled_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=300)[0]
     assert report.agree, report.text()
 
 

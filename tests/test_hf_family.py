@@ -22,7 +22,8 @@ import torch
 from bigtrain.config import ConfigError
 from bigtrain.testing import run_ranks
 from bigtrain.validation import validate
-from tests.helpers import assert_rel_close, tiny_config, trainer_on_rank, warm_compiler
+from tests.helpers import (assert_rel_close, compiled_once_for_all_ranks, tiny_config, trainer_on_rank,
+                           warm_compiler)
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,7 +171,9 @@ def test_compiled_decoder_layers_match_transformers_reference(corpus_cache, name
     cfg = hf_config(corpus_cache, arch, *layout, "--compile.enabled=true")
     world = cfg.parallel.world_size
     warm_compiler()  # the ranks inherit inductor's once-a-process set-up instead of each paying it
-    with tempfile.TemporaryDirectory() as run_dir:
+    # tp2 + SP: both ranks compile the same graphs
+    with tempfile.TemporaryDirectory() as run_dir, tempfile.TemporaryDirectory() as markers, \
+            compiled_once_for_all_ranks(markers):
         results = (run_ranks(_train_compiled, world, cfg, run_dir, timeout=600) if world > 1
                    else [_train_compiled(0, 1, cfg, run_dir)])
     losses, weights, transforms, graphs = results[0]
