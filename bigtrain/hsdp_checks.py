@@ -43,8 +43,7 @@ def check_hybrid_sharding(cfg: Config) -> list[str]:
                         f"which ep does not divide; use parallel.ep = {divisor_near(group, p.ep)} or "
                         f"parallel.dp_replicate = 1")
     if cfg.model.family != "llama":  # proved on the Llama family's ZeRO engine (tests/test_hsdp.py)
-        # the DLRM's reason is its own: said of a Hugging Face decoder it misled
-        why = " (a DLRM shards its tables over every data-parallel rank)" if cfg.model.family == "dlrm" else ""
+        # a family's own reason is its own check's (the DLRM's tables): said here of every family it misled
         problems.append(f"{what}: hybrid sharding is built and proved for the Llama family, not model.family = "
-                        f"'{cfg.model.family}'{why}; use parallel.dp_replicate = 1")
+                        f"'{cfg.model.family}'; use parallel.dp_replicate = 1")
     return problems

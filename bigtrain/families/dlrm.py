@@ -57,6 +57,9 @@ def layout_problems(cfg: Config) -> list[str]:
     if p.tp * p.pp * p.sp * p.ep != 1:
         problems.append(f"model.family = '{NAME}' runs over parallel.dp only (tables sharded over the dp ranks); "
                         f"set parallel.tp, pp, sp and ep to 1")
+    if p.dp_replicate > 1:
+        problems.append(f"parallel.dp_replicate = {p.dp_replicate}: the DLRM shards its tables over every data-parallel "
+                        f"rank, in no replica groups; set parallel.dp_replicate = 1")
     if cfg.precision.mode != "fp32":
         problems.append(f"precision.mode = '{cfg.precision.mode}': the DLRM trains in fp32; set it to 'fp32'")
     if p.zero:
