@@ -22,6 +22,7 @@ from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epi
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.failure import RunFailure
 from bigtrain.families import family_of, find_family
+from bigtrain.families.init_from import init_from_architecture
 from bigtrain.run_rank import run_rank
 from bigtrain.validation import validate
 
@@ -113,26 +114,6 @@ def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
     if resume:
         cfg.checkpoint.resume = "auto"
     return cfg
-
-
-def init_from_architecture(cfg: Config) -> list[str]:
-    """``model.init_from = "hf:PATH"``: the [model] fields of PATH/config.json as overrides (the
-    model's shape is the folder's, whatever the preset says); [] without one, and for a family that
-    the [model] shape fields do not describe (``model.family = "hf"`` is built from model.hf_config:
-    reading a Qwen3 or Mixtral folder as bigtrain's Llama refused the run its own docs show)."""
-    from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, other_family_hint, read_hf_config
-
-    family = find_family(cfg.model)
-    if family is None or not family.model_fields:
-        return []  # validation checks the folder against the family's own description
-    folder = hf_folder(cfg.model.init_from)
-    if folder is None or not folder.is_dir():
-        return []  # validation names the problem
-    try:
-        values = model_values(read_hf_config(folder), str(folder))
-    except HFFormatError as e:
-        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}{other_family_hint(folder)}") from None
-    return [f"--model.{k}={v}" for k, v in values.items()]
 
 
 def _run_config(args: argparse.Namespace) -> Path:

@@ -9,7 +9,8 @@ import torch
 
 from bigtrain.checkpoint.export import checkpoint_weights
 from bigtrain.checkpoint.hf import HFWeights
-from bigtrain.cli import init_from_architecture, main
+from bigtrain.cli import main
+from bigtrain.families.init_from import init_from_architecture
 from bigtrain.config import ModelConfig, load_config
 from bigtrain.models.llama import build_model
 from bigtrain.models.rope import rope_frequencies

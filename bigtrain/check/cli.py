@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bigtrain.cli_help import unread_model_overrides
 from bigtrain.config import Config, ConfigError, load_config, preset_names, to_toml
+from bigtrain.families.init_from import init_from_architecture
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "tiny"
@@ -35,8 +36,6 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def check_config(preset: str | None, path: str | None, overrides: list[str]) -> Config:
-    from bigtrain.cli import init_from_architecture  # (bigtrain.cli imports this module)
-
     preset = preset if preset is not None else (None if path else DEFAULT_PRESET)
     cfg = load_config(preset=preset, path=path, overrides=overrides)
     # model.init_from's folder gives the [model] shape, as `bigtrain train` takes it: a config that

@@ -407,3 +407,27 @@ def initial_weights(cfg: ModelConfig) -> HFWeights | None:
     """``parallelize``'s ``init_fn`` for ``model.init_from`` (None: the model's own random init)."""
     folder = hf_folder(cfg.init_from)
     return HFWeights(folder, cfg) if folder is not None else None
+
+
+class SafetensorsWeights:
+    """Initial values from a Hugging Face folder's ``*.safetensors`` under the model's own names."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder, self._where = folder, {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as handle:
+                self._where.update({k: f for k in handle.keys()})
+
+    def __call__(self, name: str, shape: tuple) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self._where:
+            raise ValueError(f"model.init_from: {self.folder} has no tensor '{name}'")
+        with safe_open(str(self._where[name]), framework="pt") as handle:
+            tensor = handle.get_tensor(name).float()
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"model.init_from: '{name}' in {self.folder} has shape {tuple(tensor.shape)}, the "
+                             f"model of model.hf_config needs {tuple(shape)}")
+        return tensor

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bigtrain.checkpoint.hf import hf_folder, weights_problem
+from bigtrain.checkpoint.hf import SafetensorsWeights, hf_folder, weights_problem
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
@@ -135,30 +135,6 @@ def init_fn(cfg: Config, model: nn.Module):
         return by_transformers_names(SafetensorsWeights(folder), blocks)
     std, seed = model.config.initializer_range, cfg.train.seed
     return by_transformers_names(lambda name, shape: init_value(name, shape, seed, std), blocks)
-
-
-class SafetensorsWeights:
-    """Initial values from a Hugging Face folder's ``*.safetensors`` under the model's own names."""
-
-    def __init__(self, folder: Path):
-        from safetensors import safe_open
-
-        self.folder, self._where = folder, {}
-        for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as handle:
-                self._where.update({k: f for k in handle.keys()})
-
-    def __call__(self, name: str, shape: tuple) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if name not in self._where:
-            raise ValueError(f"model.init_from: {self.folder} has no tensor '{name}'")
-        with safe_open(str(self._where[name]), framework="pt") as handle:
-            tensor = handle.get_tensor(name).float()
-        if tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"model.init_from: '{name}' in {self.folder} has shape {tuple(tensor.shape)}, the "
-                             f"model of model.hf_config needs {tuple(shape)}")
-        return tensor
 
 
 # The config.json fields that decide every parameter's name and shape.

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bigtrain.checkpoint.hf import hf_folder
+from bigtrain.checkpoint.hf import SafetensorsWeights, hf_folder
 from bigtrain.config import Config
 from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.core.reference_step import (ReferenceStep, copy_masters_to, decay_groups, next_token_loss_backward,
@@ -106,8 +106,6 @@ class HFReference:
         std = self.model.config.initializer_range
         folder = hf_folder(cfg.model.init_from)
         if folder is not None:  # the run starts from these, not the seed's (the check compared a random init)
-            from bigtrain.families.hf import SafetensorsWeights  # (it imports this module)
-
             initial = SafetensorsWeights(folder)
         else:  # drawn on the CPU by their names in a checkpoint file, as the trainer's
             initial = lambda name, shape: init_value(name, shape, cfg.train.seed, std)  # noqa: E731
