@@ -60,17 +60,26 @@ def _configs(corpus_cache, tmp_path, names):
     return [tiny_config(corpus_cache, *TIER_CASES[n], f"--offload.nvme_dir={tmp_path / n}") for n in names]
 
 
-def _held(rank, world_size, cfgs, run_dir):
-    """Each config trained two steps (the optimizer's state exists), its update landed: the tiers."""
+def _after_two_steps(rank, world_size, cfgs, run_dir, measure):
+    """Each config trained two steps (the optimizer's state exists), its update landed: ``measure``
+    of its trainer."""
     out = []
     for i, cfg in enumerate(cfgs):
         trainer = trainer_on_rank(rank, world_size, cfg, f"{run_dir}/{i}")
         for _ in range(2):
             trainer.train_step()
         trainer.engine.finish_update()
-        out.append(trainer.engine.tier_bytes())
+        out.append(measure(trainer))
         trainer.engine.offload.close()
     return out
+
+
+def _tiers(trainer):
+    return trainer.engine.tier_bytes()
+
+
+def _held(rank, world_size, cfgs, run_dir):
+    return _after_two_steps(rank, world_size, cfgs, run_dir, _tiers)
 
 
 def _predicted(cfg, rank):
@@ -282,17 +291,13 @@ def test_the_planner_prices_what_a_save_holds_beside_the_states(name, corpus_cac
         assert min(measured) > 0
 
 
+def _states_tiers_and_parameters(trainer):
+    return (trainer.engine.state_bytes(), trainer.engine.tier_bytes(),
+            sum(p.numel() for p in trainer.model.parameters()))
+
+
 def _state_and_tiers(rank, world_size, cfgs, run_dir):
-    out = []
-    for i, cfg in enumerate(cfgs):
-        trainer = trainer_on_rank(rank, world_size, cfg, f"{run_dir}/{i}")
-        for _ in range(2):
-            trainer.train_step()
-        trainer.engine.finish_update()
-        out.append((trainer.engine.state_bytes(), trainer.engine.tier_bytes(),
-                    sum(p.numel() for p in trainer.model.parameters())))
-        trainer.engine.offload.close()
-    return out
+    return _after_two_steps(rank, world_size, cfgs, run_dir, _states_tiers_and_parameters)
 
 
 @pytest.mark.parametrize("mode", ["same", "separate"])
