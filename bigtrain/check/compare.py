@@ -78,8 +78,8 @@ class Tolerance:
         return kind not in self.diagnostic
 
     def text(self) -> str:
-        # norm_recomputed is not said here: whether it applies depends on the reference (a DLRM's
-        # has no at_weights); where a norm was recomputed, the report says so with both distances
+        # whether norm_recomputed applies depends on the reference (a DLRM's has no at_weights):
+        # said only beside the drift it replaces; where a norm was recomputed, the report says so
         drift = " (after the first update: + its gradients' difference"
         drift += ", where not recomputed at the layout's weights)" if self.norm_recomputed else ")"
         norm = f"{self.grad_norm:.0e}" + (drift if self.norm_follows_gradients else "")

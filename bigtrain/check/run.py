@@ -291,8 +291,8 @@ def _norm_recomputed(findings: list[Finding], layout_norm: float, ahead, weights
     step, as at a fresh run's first: a systematic scale of the gradient (a token count a few off in
     100,000), which every single tensor's 1e-4 lets through, still fails at any step it appears
     (tests/test_check_norm.py); a bound following the gradients' distance would let it through.
-    8-bit AdamW's and Lion's weights part by their discontinuous updates too, and are held the same
-    way. ``drifted``: the norm's bound where the reference cannot compute at ``weights`` (it lacks
+    8-bit AdamW's and Lion's weights part by their discontinuous updates too, int8's by code flips,
+    and are held the same way. ``drifted``: the norm's bound where the reference cannot compute at ``weights`` (it lacks
     one of the model's), as though nothing were recomputed."""
     norm = next(f for f in findings if f.kind == "grad_norm")
     if not ahead.at_weights(weights):
