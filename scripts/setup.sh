@@ -25,5 +25,12 @@ then
 fi
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".$extras"
+# pip resolves everything again even when nothing changed (12 s, before any test starts): skipped
+# when this checkout's pyproject.toml, with these extras, is what .venv was last set up from.
+stamp=".venv/.bigtrain-setup"
+want="$(pwd) $extras $(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c "import bigtrain" 2>/dev/null; then
+    .venv/bin/pip install --quiet --disable-pip-version-check -e ".$extras"
+    echo "$want" > "$stamp"
+fi
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
