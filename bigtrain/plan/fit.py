@@ -322,12 +322,13 @@ def offload_problems(cfg: Config, mem, local_ranks: int, cuda: bool, nvme_dir: s
     problems = []
     held = mem.detail.get("tiers", {})
     # Files on a filesystem in memory (/dev/shm) are host memory too.
-    files_in_memory = mem.nvme if mem.nvme and nvme_dir and memory_filesystem(nvme_dir) else 0
+    in_memory = memory_filesystem(nvme_dir) if mem.nvme and nvme_dir else None
+    files_in_memory = mem.nvme if in_memory else 0
     if cuda:
         need, have = (mem.host + files_in_memory) * ranks, host_memory()
         if need > have:
             what = ", ".join(f"{k} {_size(v)}" for k, v in held.get("host", {}).items() if v)
-            files = (f", and its files on offload.nvme_dir = '{nvme_dir}' ({memory_filesystem(nvme_dir)}, in memory) "
+            files = (f", and its files on offload.nvme_dir = '{nvme_dir}' ({in_memory}, in memory) "
                      f"{_size(files_in_memory)}" if files_in_memory else "")
             problems.append(
                 f"{tiers} keep {_size(mem.detail.get('host_states', 0))} per rank in host memory ({what}), plus "
