@@ -28,7 +28,7 @@ What is priced (:attr:`ExpertLoad.priced`), as users of the peers expect it:
 
 Without expert parallelism the rank's experts take its own routings: top_k a token, fewer with a
 capacity factor below 1. Step time prices the even split in both cases (a throughput estimate:
-on a skewed step the busiest rank's exchanges and experts take up to ``priced / even`` longer).
+on a skewed step the busiest rank's exchanges and experts take up to ``worst / even`` longer).
 """
 
 from __future__ import annotations
