@@ -26,7 +26,7 @@ from tests.helpers import assert_rel_close
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "own_family"
 CONFIG = EXAMPLE / "gpt2.toml"
-MODULES = ("gpt2_family", "gpt2_renamed", "registers_another")
+MODULES = ("gpt2_family", "gpt2_renamed", "registers_another", "regression_family")
 
 
 @pytest.fixture(autouse=True)

@@ -254,3 +254,45 @@ def test_a_frozen_parameter_stays_at_its_initial_value_and_the_rest_agrees(corpu
     step = reference.train_step(capture=True)
     assert "wpe.weight" not in step.grads and torch.equal(step.weights["wpe.weight"], start["wpe.weight"])
     assert not torch.equal(step.weights["wte.weight"], start["wte.weight"])  # the rest trains
+
+
+# -- a family that takes no tokens: its own step and its own reference --------------------------------
+REGRESSION = EXAMPLE / "regression.toml"
+
+
+def _regression_config(*overrides: str):
+    cfg = load_config(path=REGRESSION, overrides=["--logging.progress=false", "--logging.report=false",
+                                                  "--checkpoint.save_final=false", *overrides])
+    validate(cfg, world_size=cfg.parallel.world_size)  # imports regression_family: the forked ranks inherit it
+    return cfg
+
+
+@pytest.mark.slow
+def test_a_family_with_its_own_step_and_reference_is_checked_at_dp2_zero3(tmp_path):
+    """examples/own_family/regression_family.py (float features, Family.own_step built on
+    parallelize) at dp 2 x ZeRO-3 against its Family.reference (the model in one plain process,
+    torch's AdamW): every loss, gradient norm, reduced gradient and updated weight within fp32's
+    bounds. Until 2026-11-28 bigtrain check took no reference from a family with its own step (the
+    DLRM's, by class, only) and refused it: 'bigtrain check has no reference for its step'."""
+    cfg = _regression_config("--train.steps=3")
+    assert reference_problems(cfg) == []
+    report = run_ranks(check_on_rank, 2, cfg, str(tmp_path), 3, timeout=180)[0]
+    assert report.agree, report.text()
+    assert report.steps == 3 and report.worst["loss"] <= 1e-6 and report.worst["weight"] <= 1e-5, report.text()
+
+
+def test_a_step_of_its_own_without_a_reference_or_planner_names_the_slot_to_write(capsys, monkeypatch):
+    """bigtrain check and bigtrain plan of a family with its own step say which Family slot would do
+    it and what it is (check: a reference class and what it returns; plan: no decoder of its shapes
+    prices it, a plan_command would)."""
+    cfg = _regression_config()
+    registry.FAMILIES["regression"] = replace(registry.FAMILIES["regression"], reference=None)
+    problems = reference_problems(cfg)
+    assert len(problems) == 1 and "none for this family (model.family = 'regression' has no Family.reference)" \
+        in problems[0] and "train_step(capture) -> ReferenceStep" in problems[0], problems
+    monkeypatch.chdir(EXAMPLE)
+    capsys.readouterr()
+    assert main(["plan", "--config", "regression.toml"]) == 2
+    err = capsys.readouterr().err
+    assert "trains by its own step: none for this family (model.family = 'regression' has no " \
+           "Family.plan_command); choose its layout by hand" in err, err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,9 +14,9 @@ from bigtrain.config import load_config
 from bigtrain.plan.cost import expert_all_to_all
 from bigtrain.plan.hardware import get_profile
 from bigtrain.plan.layout import Cluster, Layout, layout_problems
-from bigtrain.plan.memory import rank_units, unit_state_bytes
+from bigtrain.plan.memory import estimate_memory, rank_units, unit_state_bytes
 from bigtrain.plan.model import ModelSpec
-from bigtrain.plan.search import search
+from bigtrain.plan.search import evaluate, search
 from bigtrain.testing import run_ranks
 from helpers import tiny_config, trainer_on_rank
 
@@ -127,3 +128,138 @@ def test_the_recomputed_all_to_all_is_that_of_the_checkpointed_moe_blocks():
            for r in ("none", "every", "full")}
     assert moe["every"] == pytest.approx(moe["none"])
     assert moe["full"] == pytest.approx(moe["none"] * 6 / 4)  # forward 2, backward 2 + the recomputed 2
+
+
+# -- a skewed router (plan/expert_load.py) ------------------------------------------------------------
+def test_the_rows_a_rank_s_experts_take_even_worst_and_capacity_bound():
+    """Dropless: an even split is priced (top_k a token), the worst case is every token of the ep
+    group on one rank's experts, each expert once (ep x min(top_k, E/ep)); a capacity factor bounds
+    it by E x C a sequence (C = ceil(factor x seq x top_k / E)), and that bound is priced."""
+    from bigtrain.plan.expert_load import expert_load
+
+    model = ModelSpec.build(layers=2, hidden=64, heads=4, vocab=256, seq=32, experts=8, top_k=2)
+    assert (expert_load(model, 1).priced, expert_load(model, 1).worst) == (2, 2)  # one rank: its own routings
+    load = expert_load(model, 4)
+    assert (load.even, load.priced, load.worst, load.bounded) == (2, 2, 8, False)  # 4 ranks x 2 experts each
+    assert expert_load(model, 8).worst == 8  # one expert a rank: a token reaches it once
+    skewed = dataclasses.replace(model, skewed_routing=True)
+    assert expert_load(skewed, 4).priced == 8
+    capped = dataclasses.replace(model, capacity_factor=1.25)  # C = ceil(1.25 x 32 x 2 / 8) = 10 a sequence
+    assert (expert_load(capped, 4).priced, expert_load(capped, 4).bounded) == (8 * 10 / 32, True)
+    assert expert_load(capped, 4, seq_shards=2).priced == 8 * 10 * 2 / 32  # a rank holds half of each sequence
+    assert expert_load(dataclasses.replace(model, capacity_factor=8.0), 4).priced == 8  # the routing's own bound
+    assert expert_load(dataclasses.replace(model, capacity_factor=0.5), 1).priced == 1  # drops, without ep too
+
+
+def test_the_skewed_activations_add_the_experts_rows_and_the_report_says_which_is_priced():
+    """The worst case adds only what a rank's experts keep per received row (their input, SwiGLU
+    products and the permutation), not the routing tokens' own tensors; the report names the
+    routing it priced: dropless, the even split and the worst case beside it; a capacity, its bound."""
+    from bigtrain.plan.report import plan_table
+
+    cfg = load_config(preset="moe-tiny")
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    cluster = Cluster.build(2, get_profile("cpu"))
+    layout = Layout(dp=2, ep=2, micro_batch=2, precision="fp32")
+    even = estimate_memory(model, layout, cluster.hardware, 8)
+    skewed = estimate_memory(dataclasses.replace(model, skewed_routing=True), layout, cluster.hardware, 8)
+    tokens, per_row = 2 * model.seq, 4 * (model.hidden + 4 * model.expert_ffn) + 16  # fp32 h + 4 F, 2 int64
+    assert skewed.activations - even.activations == model.moe_layers * tokens * (4 - 2) * per_row
+    dropless = "\n".join(plan_table(evaluate(model, layout, cluster, 8)))
+    assert "dropless, priced at an even split: 2 routed rows a token" in dropless
+    assert "worst case, every routing on one rank's experts (4 rows a token)" in dropless
+    capped = dataclasses.replace(model, capacity_factor=1.25)
+    bounded = "\n".join(plan_table(evaluate(capped, layout, cluster, 8)))
+    assert "capacity 1.25, priced at its bound: at most 2.5 routed rows a token" in bounded
+    assert "worst case" not in bounded
+    assert "experts" not in "\n".join(plan_table(evaluate(model, Layout(dp=2, micro_batch=2, precision="fp32"),
+                                                          cluster, 8)))
+
+
+def test_the_all_to_all_counts_a_rank_s_own_part_of_the_sequence():
+    """Under Ulysses each rank routes its part of the sequence (measured: tests below): the
+    exchange is seq / sp tokens a micro-batch, not the whole sequence's (it was, until 2026-11-28)."""
+    from bigtrain.plan.expert_load import exchange_payload
+    from bigtrain.plan.links import Link
+
+    model = ModelSpec.build(layers=2, hidden=1024, heads=16, vocab=32000, seq=4096, experts=8, top_k=2)
+    cluster = Cluster.build(8, get_profile("h100-80g"))
+    layout = Layout(dp=4, sp=2, ep=8, micro_batch=1)
+    hw = cluster.hardware
+    link = Link(hw.intra_node_bandwidth, hw.intra_node_latency_s)
+    rows = 2048 * 2 * 1024 * 2  # a rank's 2,048 tokens, top-2, bf16
+    assert exchange_payload(model, layout, 2) == (rows, rows)
+    assert expert_all_to_all(model, layout, cluster)[0] == pytest.approx(2 * 2 * link.collective("all_to_all", rows, 8))
+
+
+SKEW = ["--model.moe_experts=4", "--model.moe_top_k=2", "--train.micro_batch=2", "--train.global_batch=8",
+        "--model.moe_router=sigmoid-bias"]
+# sigmoid-bias selects by score + bias: these biases send every routing to experts 0 and 1, rank 0's
+SKEWED_BIAS = [10.0, 10.0, 0.0, 0.0]
+SKEW_RUNS = {"dropless": ["--parallel.dp=2", "--parallel.ep=2"],
+             "capacity-1.25": ["--parallel.dp=2", "--parallel.ep=2", "--model.moe_capacity_factor=1.25"],
+             "ulysses": ["--parallel.sp=2", "--parallel.ep=2"]}
+
+
+def _skewed_step(rank, world_size, configs, run_dir):
+    from bigtrain.memory.accounting import SavedActivations
+    from bigtrain.models.moe import moe_blocks
+
+    out = {}
+    for name, (cfg, bias) in configs.items():
+        trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+        for _, block in moe_blocks(trainer.model):
+            block.expert_bias.copy_(torch.tensor(bias))
+        before = dict(trainer.mesh.stats.payload)
+        tracker = SavedActivations(trainer.model)
+        batches = trainer.sampler.micro_batches(trainer.step, trainer.mesh.coord("dp"), trainer.mesh.size("dp"),
+                                                cfg.train.micro_batch)
+        for i, (tokens, targets) in enumerate(batches):
+            trainer._forward_backward(tokens, targets, sync=i == trainer.accum - 1, tracker=tracker)
+        trainer.parallel.finish_grad_sync()
+        payload = {k[1].split(":")[1]: v - before.get(k, 0) for k, v in trainer.mesh.stats.payload.items()
+                   if k[0] == "ep"}
+        out[name] = {"activations": tracker.peak, "payload": payload}
+    return out
+
+
+@pytest.mark.slow
+def test_a_skewed_router_is_within_the_planned_bound(tmp_path):
+    """Every routing on rank 0's experts (sigmoid-bias, biases 10, 10, 0, 0), one step at dp2 ep2 on
+    forked ranks: dropless, rank 0's saved activations equal the planner's worst case to the byte
+    and its combine carries the worst case's rows (twice the even split's); with capacity 1.25 no
+    rank holds more than the priced bound (rank 0 takes 1.25 x an even split's rows, and its own
+    tokens' routings past the capacity are dropped). Under Ulysses each rank sends its own half of
+    the sequence's routings. (At initialization, the router's own skew put 1.064 x the even split's
+    activations on the busier rank, docs/moe.md.)"""
+    from bigtrain.plan.expert_load import exchange_payload, expert_load
+
+    tokens = tmp_path / "tokens.npy"  # as tests/test_plan.py measures: pre-tokenized, every target counted
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, 50_000, dtype=np.uint16))
+    configs = {name: (tiny_config(str(tmp_path), f"--data.source={tokens}", *SKEW, *extra), SKEWED_BIAS)
+               for name, extra in SKEW_RUNS.items()}
+    ranks = run_ranks(_skewed_step, 2, configs, str(tmp_path), timeout=300)
+    hardware = get_profile("cpu")
+    for name, (cfg, _) in configs.items():
+        p = cfg.parallel
+        model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+        layout = Layout(dp=p.dp, sp=p.sp, ep=p.ep, micro_batch=cfg.train.micro_batch, precision="fp32")
+        priced = estimate_memory(model, layout, hardware, cfg.train.global_batch).activations
+        skewed = estimate_memory(dataclasses.replace(model, skewed_routing=True), layout, hardware,
+                                 cfg.train.global_batch).activations
+        exchanges = model.moe_layers * layout.micro_batches(cfg.train.global_batch)  # per step
+        load = expert_load(model, layout.ep, layout.seq_shards)
+        dispatch, _ = exchange_payload(model, layout, load.even)
+        _, most = exchange_payload(model, layout, load.worst)
+        measured = [r[name] for r in ranks]
+        assert all(m["payload"]["moe_dispatch"] <= exchanges * dispatch for m in measured), name
+        assert all(m["payload"]["moe_combine"] <= exchanges * most for m in measured), name
+        if name == "dropless":
+            assert priced < skewed and measured[0]["activations"] == skewed, (priced, skewed, measured)
+            assert measured[0]["payload"]["moe_combine"] == exchanges * most == 2 * exchanges * dispatch
+            assert measured[1]["payload"]["moe_combine"] == 0
+        elif name == "capacity-1.25":
+            assert priced == skewed and all(m["activations"] <= priced for m in measured), (priced, measured)
+            assert measured[0]["payload"]["moe_combine"] == exchanges * most  # 1.25 x the even split's
+        else:  # Ulysses: a rank's half of each sequence, every routing sent
+            assert all(m["payload"]["moe_dispatch"] == exchanges * dispatch for m in measured), measured

@@ -129,11 +129,18 @@ def _layout_and_reference(cfg: Config, mesh: Mesh, run_dir: str | Path, device: 
     family = family_of(cfg)
     trainer = Trainer(cfg, Path(run_dir), mesh, device)
     if family.own_step is not None:  # a step of its own, and the reference written for it
+        if family.reference is not None:  # a family of one's own's (outputs compared where it says)
+            return trainer, family.reference, family.captured or _no_module
         reference, captured = OWN_STEP_REFERENCES[family.own_step]
         return trainer, reference, captured
     if family.reference is None and owns_slots(family):  # a decoder of one's own: the generic reference
         return trainer, OwnReference, captured_of(family, cfg)
     return trainer, family.reference or ReferenceRun, family.captured or captured_module
+
+
+def _no_module(name: str) -> bool:
+    """No module's output is compared (a family's own step whose reference names none: ``captured``)."""
+    return False
 
 
 def reference_problems(cfg: Config) -> list[str]:
@@ -142,9 +149,14 @@ def reference_problems(cfg: Config) -> list[str]:
     (:class:`~bigtrain.check.reference_own.OwnReference`); the decoder reference builds the model of
     the [model] fields; a loop of its own brings its own (OWN_STEP_REFERENCES)."""
     family = family_of(cfg)
-    if family.own_step is not None:
+    if family.own_step is not None and family.reference is None:
         return [] if family.own_step in OWN_STEP_REFERENCES else [
-            f"model.family = '{family.name}': bigtrain check has no reference for its step"]
+            none_for(family, "reference", "bigtrain check compares each step of the family's own_step with an "
+                     "independent reference: a class (cfg, device) with train_step(capture) -> ReferenceStep "
+                     "(bigtrain.core.reference_step: the loss, gradient norm and skip, and when captured the "
+                     "reduced gradients and updated weights by parameter name), learning_rate(step) and "
+                     "problems(cfg), as bigtrain/check/reference_dlrm.py's DlrmReference",
+                     "compare your family's run with a plain PyTorch loop of your own")]
     if family.reference is not None:
         return family.reference.problems(cfg)
     if owns_slots(family):

@@ -276,11 +276,14 @@ def compiles_blocks(model: ModelSpec, compiled: bool, recompute: str = "none", c
 @cached()  # a pure function of frozen values, asked per layout of a search
 def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                       compression: str = "none", selective_attention: bool = False,
-                      compiled: bool = False, ep: int = 1) -> BlockActivations:
+                      compiled: bool = False, ep: int = 1, routed_rows: float = 0.0) -> BlockActivations:
     """The itemized saved tensors of one block (see the module docstring); ``compiled``: the run
-    compiles its blocks (``Layout.compiled``); ``ep``: the experts' degree (its dispatch saves more)."""
+    compiles its blocks (``Layout.compiled``); ``ep``: the experts' degree (its dispatch saves more);
+    ``routed_rows``: the rows an MoE block's experts on this rank take per token of the rank
+    (plan/expert_load.py; 0: top_k, an even split)."""
     nbytes, h, k = BYTES[precision], model.hidden, model.kv_dim
-    f, f_moe = _ffn_widths(model)
+    rows = routed_rows or model.top_k
+    f, f_moe = _ffn_widths(model, rows)
     q = model.attention_dim  # attention's query and output width (h unless a head size is set)
     first_norm, second_norm = ("attention_norm", "ffn_norm") if model.mlp == "swiglu" else ("ln_1", "ln_2")
     int8 = compression == "int8"
@@ -321,7 +324,7 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
     product = [("feed_forward.product", dense * _int8(model.ffn_hidden) if int8 else nbytes * f, "split")]
     if f_moe:  # the experts' product (their matmuls are no nn.Linear: int8 leaves them as they are)
         share = model.moe_layers / model.layers
-        routed = share * model.top_k * model.expert_ffn
+        routed = share * rows * model.expert_ffn
         product.append(("feed_forward.product.moe", nbytes * routed, "whole"))
         if model.shared_expert:  # but the shared expert's w2 is one: int8 keeps its input
             product.append(("feed_forward.product.shared", share * (_int8(model.shared_ffn) if int8 else
@@ -332,7 +335,7 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
     if selective or (model.mlp == "swiglu" and compiled):  # silu(w1 x) recomputed
         items += [*w1_w3, *product]
         if selective and model.experts:  # but the routed experts' (memory/selective.py): the shared expert's only
-            routed = model.top_k * model.expert_ffn * model.moe_layers / model.layers
+            routed = rows * model.expert_ffn * model.moe_layers / model.layers
             items.append(("feed_forward.silu_out.moe", nbytes * routed, "whole"))
     elif model.mlp == "swiglu":
         items += [*w1_w3, *_ffn("feed_forward.silu_out", nbytes, f, f_moe), *product]
@@ -341,7 +344,7 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
     per_block = 0.0
     if model.experts:
         share = model.moe_layers / model.layers
-        items.append(("feed_forward.routing", moe_routing_bytes(model, nbytes, ep, compression) * share, "whole"))
+        items.append(("feed_forward.routing", moe_routing_bytes(model, nbytes, ep, compression, rows) * share, "whole"))
         per_block = (4 * model.experts * h if nbytes < 4 else 0) * share  # the router weight's fp32 copy
     return BlockActivations(tuple(items), checkpointed=nbytes * h, hidden=h, nbytes=nbytes,
                             gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
@@ -349,22 +352,26 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                             kv_heads=model.kv_heads)
 
 
-def _ffn_widths(model: ModelSpec) -> tuple[float, float]:
+def _ffn_widths(model: ModelSpec, routed_rows: float) -> tuple[float, float]:
     """The SwiGLU width a token's saved activations span, averaged over the blocks: (the dense blocks'
-    ffn, split over tp; an MoE block's top_k experts' and shared expert's, whole on every tp rank)."""
+    ffn, split over tp; an MoE block's experts' for ``routed_rows`` rows a token and its shared
+    expert's, whole on every tp rank)."""
     if not model.experts:
         return model.ffn_hidden, 0.0
     share = model.moe_layers / model.layers
-    return (1 - share) * model.ffn_hidden, share * (model.top_k * model.expert_ffn + model.shared_ffn)
+    return (1 - share) * model.ffn_hidden, share * (routed_rows * model.expert_ffn + model.shared_ffn)
 
 
 def _ffn(name: str, nbytes: int, split: float, whole: float) -> list[tuple[str, float, str]]:
     return [(name, nbytes * split, "split")] + ([(f"{name}.moe", nbytes * whole, "whole")] if whole else [])
 
 
-def moe_routing_bytes(model: ModelSpec, nbytes: int, ep: int = 1, compression: str = "none") -> float:
+def moe_routing_bytes(model: ModelSpec, nbytes: int, ep: int = 1, compression: str = "none",
+                      routed_rows: float = 0.0) -> float:
     """What an MoE block (models/moe.py, the softmax router) saves per token besides its experts'
-    SwiGLU activations, read off its saved tensors (h hidden, k top_k, E experts, B compute bytes):
+    SwiGLU activations, read off its saved tensors (h hidden, k top_k, E experts, B compute bytes; r
+    the rows this rank's experts take per token, ``routed_rows``, k in an even split: the tensors
+    marked r are the experts', the others the routing tokens'):
 
         router    its fp32 input 4h, exact (int8 compression leaves routers out: memory/
                   activations.py), where the block's list counts the norm's output as the linears
@@ -373,23 +380,23 @@ def moe_routing_bytes(model: ModelSpec, nbytes: int, ep: int = 1, compression: s
                   tensor, kept once with a shared expert and no int8 (its int8 copy besides);
                   softmax 4E, top-k indices 8k and values 4k, their sum 4 (the renormalization)
         dispatch  the capacity mask k (bool), the sort order 8k, each routing's token 8k, the
-                  gathered rows B k h (the experts' input)
+                  gathered rows B r h (the experts' input; under ep, the rows received)
         combine   the experts' rows in fp32 4kh and their weights 4k (the weighted sum), the
                   weighted rows B k h (index_add's source)
         balance   two fp32 E-vectors per sequence (8E / s a token)
-        ep > 1    the received rows' permutation to expert order and back, 16k (a balanced routing:
-                  k rows a token)
+        ep > 1    the received rows' permutation to expert order and back, 16r
 
     Besides, whatever the tokens, below fp32 the router weight's fp32 copy: 4 E h bytes a block
     (``BlockActivations.per_block``)."""
     h, k, e = model.hidden, model.top_k, model.experts
+    r = routed_rows or k
     int8 = compression == "int8"
     counted = _int8(h) if int8 else nbytes * h  # the norm's output in the block's list
     by_shared = (_int8(h) if int8 else (nbytes * h if nbytes < 4 else 0)) if model.shared_expert else 0
     router = 4 * h + by_shared - counted + 4 * e + 12 * k + 4
-    dispatch = k + 16 * k + nbytes * k * h
+    dispatch = k + 16 * k + nbytes * r * h
     combine = 4 * k * h + 4 * k + nbytes * k * h
-    return router + dispatch + combine + 8 * e / model.seq + (16 * k if ep > 1 else 0)
+    return router + dispatch + combine + 8 * e / model.seq + (16 * r if ep > 1 else 0)
 
 
 @cached()

@@ -112,6 +112,10 @@ def _priced_model(cfg: Config) -> ModelConfig:
     """The [model] the dense planner prices for ``cfg``: its family's planner config (a Hugging Face
     config.json's shapes as bigtrain's Llama), else its own."""
     family = _family(cfg)
+    if family.own_step is not None:  # its own step and data: no decoder of its shapes prices it
+        raise ConfigError(none_for(family, "plan_command", f"bigtrain plan prices decoders (bigtrain's Llama of "
+                                   f"their shapes), and model.family = '{family.name}' trains by its own step",
+                                   "choose its layout by hand (parallel.dp, parallel.zero)"))
     if family.planner_config is None and not family.llama_fallbacks:
         raise ConfigError(none_for(family, "planner_config", "bigtrain plan prices a model as bigtrain's Llama of "
                                    "its shapes", "give the shapes by hand (--layers, --hidden, --heads, --vocab, "

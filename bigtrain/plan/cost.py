@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 from bigtrain.plan.activations import block_activations, checkpointed_block_indices
 from bigtrain.plan.dp_cost import data_parallel_costs
+from bigtrain.plan.expert_load import exchange_payload, expert_load
 from bigtrain.plan.layout import BYTES, Cluster, Layout
 from bigtrain.plan.links import MESH_AXES, Link, link_of
 from bigtrain.plan.memo import by_layout_fields
@@ -223,8 +224,10 @@ def ring_seconds(model: ModelSpec, layout: Layout, link: Link, local_tokens: flo
 def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomputed_share: float = 0.0
                       ) -> tuple[float, float]:
     """Exposed seconds of one micro-batch's expert all-to-alls on a pipeline rank: (forward,
-    backward). Per MoE layer, dispatch and combine each move the tokens' top_k copies of the
-    hidden state, (ep-1)/ep of them leaving the rank (tests/test_expert_parallel.py measures it);
+    backward). Per MoE layer, dispatch and combine each move the rank's tokens' top_k copies of
+    the hidden state (its part of each sequence under Ulysses or cp), (ep-1)/ep of them leaving the
+    rank (tests/test_expert_parallel.py measures it), at an even split of the routings (a skewed
+    step's busiest rank takes longer: plan/expert_load.py);
     backward runs both again, and a recomputed layer's forward once more (``recomputed_share``: of
     the MoE layers, those checkpointed; with every = 2 and moe_every = 2 none of them). The ep ranks are
     adjacent inside dp x sp, tp apart: they cross nodes when tp x ep exceeds a node."""
@@ -234,8 +237,8 @@ def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomp
     crosses = layout.tp * layout.ep > cluster.gpus_per_node
     link = Link(hw.inter_node_bandwidth, hw.inter_node_latency_s) if crosses else \
         Link(hw.intra_node_bandwidth, hw.intra_node_latency_s)
-    rows = layout.micro_batch * model.seq * model.top_k * model.hidden * BYTES[layout.precision]
-    layer = 2 * link.collective("all_to_all", rows, layout.ep)
+    dispatch, combine = exchange_payload(model, layout, expert_load(model, layout.ep, layout.seq_shards).even)
+    layer = link.collective("all_to_all", dispatch, layout.ep) + link.collective("all_to_all", combine, layout.ep)
     layers = model.moe_layers / layout.pp
     return layers * layer, layers * layer * (1 + recomputed_share)
 

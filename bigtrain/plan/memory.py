@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from bigtrain.parallel.zero.lazy_grads import applies as frees_grads_between_steps
 from bigtrain.plan.activations import (block_activations, checkpointed_block_indices, fused_chunk_bytes,
                                        head_activations)
+from bigtrain.plan.expert_load import expert_load
 from bigtrain.plan.gemm import linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
@@ -162,7 +163,9 @@ def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, eve
     # A model of dense and MoE blocks: each block's own figure (block_activations averages the two
     # over the model, exact only where every block is held alike: not when the blocks a policy
     # checkpoints, or a stage's, are mostly of one kind; every=2 with moe_every=2 keeps the MoE ones)
-    kinds = {kind: block_activations(spec, precision, recompute, compression, compiled=compiled, ep=ep)
+    rows = expert_load(model, ep, seq_shards).priced if model.experts else 0.0  # an MoE block's experts' rows
+    kinds = {kind: block_activations(spec, precision, recompute, compression, compiled=compiled, ep=ep,
+                                     routed_rows=rows)
              for kind, spec in _block_kinds(model).items()}
     head = head_activations(model, precision, compression, fused_loss, compiled)
     seq = model.seq // seq_shards
@@ -252,7 +255,8 @@ def buffer_bytes(model: ModelSpec, layout: Layout, key: tuple, sizes: tuple[tupl
     if layout.pp > 1:
         out["pp_p2p"] = 2 * tokens * model.hidden * nbytes // (layout.tp if layout.tp_sp else 1)
     if model.experts and layout.ep > 1:  # one MoE layer's dispatch: the rows sent and received
-        out["moe_all_to_all"] = 2 * tokens * model.top_k * model.hidden * nbytes
+        received = expert_load(model, layout.ep, layout.seq_shards).priced
+        out["moe_all_to_all"] = math.ceil(tokens * (model.top_k + received) * model.hidden * nbytes)
     if layout.fused_loss:  # on the last stage; counted on every rank (a bound)
         out["fused_loss_chunk"] = fused_chunk_bytes(model, FUSED_LOSS_CHUNK, layout.tp)
     if layout.fp8 != "none":
@@ -442,5 +446,24 @@ def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile,
     worst = max(ranks, key=lambda m: m.total)
     acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled)
     worst.detail.update({"activation_c1": round(acts.c1, 4), "activation_c2": round(acts.c2, 4)})
+    if model.experts and model.moe_layers:  # what the activations assume of the routing (expert_load.py)
+        load = expert_load(model, layout.ep, layout.seq_shards)
+        worst.detail["moe_expert_rows"] = {"priced": load.priced, "even": load.even, "worst": load.worst,
+                                           "capacity_bound": load.bounded}
     worst.optimizer_name = optimizer
     return worst
+
+
+def add_skewed_routing(memory: RankMemory, model: ModelSpec, layout: Layout, hardware: HardwareProfile,
+                       global_batch: int, pipeline: PipelineModel | None = None, optimizer: str = "adamw",
+                       block: int = 256) -> None:
+    """Dropless under ep, where the activations are priced at an even split of the routings: the
+    worst rank's memory with a fully skewed router (plan/expert_load.py) beside it, in
+    ``memory.detail["moe_expert_rows"]`` (skewed_activations, skewed_total, skewed_fits). Asked for
+    the plans a report shows, not for every layout of a search (it is a second estimate)."""
+    rows = memory.detail.get("moe_expert_rows")
+    if rows is None or rows["worst"] <= rows["priced"]:
+        return
+    skewed = estimate_memory(dataclasses.replace(model, skewed_routing=True), layout, hardware, global_batch,
+                             pipeline, optimizer, block)
+    rows.update(skewed_activations=skewed.activations, skewed_total=skewed.total, skewed_fits=skewed.fits)

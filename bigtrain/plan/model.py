@@ -95,6 +95,12 @@ class ModelSpec:
     shared_expert_hidden: int = 0  # the shared expert's SwiGLU size (0: expert_ffn)
     shared_expert_gate: bool = False  # its output scaled by sigmoid(w x) per token (Qwen2-MoE's)
     dense_blocks: tuple[int, ...] = ()  # blocks kept dense whatever moe_every says (model.moe_dense_layers)
+    # model.moe_capacity_factor (0: dropless): what bounds the rows a rank's experts take under a
+    # skewed router (plan/expert_load.py)
+    capacity_factor: float = 0.0
+    # The router the planner prices when dropless: False, an even split of the routings over the ep
+    # ranks; True, a fully skewed one (the worst case the report shows beside it: expert_load.py).
+    skewed_routing: bool = False
     # Attention shapes beyond hidden / heads (model.attention_head_dim, a Hugging Face head_dim such
     # as Qwen3's 128 at hidden 1024 and 16 heads: 0 means hidden / heads) and the projections'
     # biases (model.qkv_bias or attention_bias on q, k, v; attention_bias on the output too).
@@ -315,7 +321,8 @@ class ModelSpec:
                 where += f" but {', '.join(map(str, sorted(self.dense_blocks)))}"
             shared = (f" and a{' gated' if self.shared_expert_gate else ''} shared expert of {self.shared_ffn}"
                       if self.shared_expert else "")
-            moe = (f", {self.experts} experts of {self.expert_ffn} top-{self.top_k}{shared} in {where} "
+            capacity = f", capacity {self.capacity_factor:g}" if self.capacity_factor > 0 else ""
+            moe = (f", {self.experts} experts of {self.expert_ffn} top-{self.top_k}{shared} in {where}{capacity} "
                    f"({_count(self.matmul_params)} active)")
         return (f"{self.name + ': ' if self.name else ''}{kind}, {self.layers} layers, hidden {self.hidden}, "
                 f"{self.heads} heads{gqa}, ffn {self.ffn_hidden}, vocab {self.vocab}, seq {self.seq}, "
@@ -329,7 +336,7 @@ def moe_fields(cfg: ModelConfig) -> dict:
     return dict(experts=cfg.moe_experts, top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
                 expert_hidden=cfg.moe_ffn_hidden, shared_expert=cfg.moe_shared_expert,
                 shared_expert_hidden=cfg.moe_shared_expert_hidden, shared_expert_gate=cfg.moe_shared_expert_gate,
-                dense_blocks=cfg.moe_dense_blocks)
+                dense_blocks=cfg.moe_dense_blocks, capacity_factor=cfg.moe_capacity_factor)
 
 
 def _count(n: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bigtrain.plan.expert_load import exchange_payload, expert_load
 from bigtrain.plan.layout import Cluster
 from bigtrain.plan.search import Plan, SearchResult, explain_no_fit, explain_ranking, readable_bytes
 from bigtrain.plan.model import ModelSpec
@@ -41,12 +42,39 @@ def plan_table(plan: Plan) -> list[str]:
              f"on the worst rank, pipeline rank {mem['worst_pp_rank']})",
              "memory on the worst rank:"]
     lines += [f"  {name:<13}{size(mem[name]):>12}" for name in MEMORY_ROWS]
+    lines += expert_rows_lines(plan)
     t = plan.time
     if t is not None:
         parts = ", ".join(f"{k} {v:.3g}" for k, v in t.breakdown.items() if v > 0)
         lines += [f"step     {t.step_time_s:.3g} s ({parts}; pipeline: {t.pipeline_source})",
                   f"speed    {t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / plan.cluster.gpus:,.0f} per GPU), "
                   f"MFU {t.mfu:.1%}, HFU {t.hfu:.1%}, {t.micro_batches} micro-batches per step"]
+    return lines
+
+
+def expert_rows_lines(plan: Plan) -> list[str]:
+    """What the activations and all-to-all assume of the routing (plan/expert_load.py), where it
+    matters: under expert parallelism, or with a capacity factor."""
+    model, layout, rows = plan.model, plan.layout, plan.memory.detail.get("moe_expert_rows")
+    if rows is None or (layout.ep == 1 and not rows["capacity_bound"]):
+        return []
+    load = expert_load(model, layout.ep, layout.seq_shards)
+    dispatch, combine = exchange_payload(model, layout, load.even)
+    _, most = exchange_payload(model, layout, load.worst)
+    if load.bounded:
+        return [f"experts  capacity {model.capacity_factor:g}, priced at its bound: at most {load.worst:g} routed rows a "
+                f"token on a rank's experts ({load.even:g} at an even split); the activations are an upper bound "
+                f"whatever the router does",
+                f"         all-to-all per MoE block and micro-batch: dispatch {size(dispatch)} at most, combine "
+                f"{size(combine)} at an even split, {size(most)} at most (again in backward; time at the even split)"]
+    lines = [f"experts  dropless, priced at an even split: {load.even:g} routed rows a token on each rank's experts; "
+             f"all-to-all per MoE block and micro-batch: dispatch {size(dispatch)}, combine {size(combine)} "
+             f"(again in backward)"]
+    if "skewed_total" in rows:
+        fits = "fits" if rows["skewed_fits"] else "does NOT fit"
+        lines.append(f"         worst case, every routing on one rank's experts ({load.worst:g} rows a token): "
+                     f"activations {size(rows['skewed_activations'])}, total {size(rows['skewed_total'])} ({fits}), "
+                     f"combine {size(most)}; model.moe_capacity_factor bounds it")
     return lines
 
 

@@ -22,7 +22,7 @@ from bigtrain.config import ConfigError
 from bigtrain.optim import get_optimizer
 from bigtrain.plan.cost import StepTime, step_time
 from bigtrain.plan.layout import Cluster, Layout, layout_problems
-from bigtrain.plan.memory import RankMemory, device_lower_bound, estimate_memory
+from bigtrain.plan.memory import RankMemory, add_skewed_routing, device_lower_bound, estimate_memory
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.pipeline import PipelineModel
 
@@ -67,6 +67,7 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: i
         raise ConfigError(problems)
     pipeline = pipeline or PipelineModel()
     memory = estimate_memory(model, layout, cluster.hardware, global_batch, pipeline, optimizer, block)
+    add_skewed_routing(memory, model, layout, cluster.hardware, global_batch, pipeline, optimizer, block)
     time = step_time(model, layout, cluster, global_batch, pipeline) if with_time else None
     return Plan(model, layout, cluster, global_batch, memory, time)
 
@@ -266,6 +267,9 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | 
     fitting[:retime] = sorted(fitting[:retime], key=lambda p: (-p.tokens_per_s, p.memory.total))
     if not fitting and closest is not None:
         closest.time = step_time(model, closest.layout, cluster, global_batch, pipeline)
+    shown = fitting[0] if fitting else closest  # the plan a report details
+    if shown is not None:
+        add_skewed_routing(shown.memory, model, shown.layout, cluster.hardware, global_batch, pipeline, optimizer, block)
     return SearchResult(fitting, None if fitting else closest, considered, valid, rejected,
                         None if fitting else off_device, optimizer)
 
