@@ -232,7 +232,11 @@ def test_replicated_key_value_heads_are_in_the_predicted_activations(layout, wit
     ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved", "--model.n_layers=8",
      "--model.vocab_size=4096"],
     ["--parallel.pp=2", "--model.n_layers=4", "--parallel.pp_balance=layers"],
-], ids=["pp4", "pp2-tied", "pp2-moe-every2", "interleaved-large-vocab", "balance-layers"])
+    # a dense first block with model.mlp_bias before six MoE blocks (whose experts have none): the
+    # planner left the biases out and cut after block 3 where the runtime cut after block 2
+    ["--parallel.pp=2", "--model.n_layers=7", "--model.vocab_size=1024", "--model.moe_experts=2",
+     "--model.moe_ffn_hidden=96", "--model.moe_dense_layers=0", "--model.mlp_bias=true", "--model.n_kv_heads=4"],
+], ids=["pp4", "pp2-tied", "pp2-moe-every2", "interleaved-large-vocab", "balance-layers", "mlp-bias-dense-first"])
 def test_the_planner_cuts_the_pipeline_where_the_runtime_does(overrides, tmp_path):
     """parallel.pp_balance = 'params' (the default 'layers' in the last case) cuts the stages where
     the plain model's parameters balance, embedding and head included (partition.py); the planner's
@@ -622,7 +626,9 @@ def test_the_planner_takes_the_key_value_heads_the_runtime_replicates(tp, sp, kv
     {"attention_head_dim": 32},
     {"qkv_bias": True},
     {"attention_bias": True, "attention_head_dim": 8, "n_kv_heads": 2},
-], ids=["head-dim", "qkv-bias", "attention-bias-head-dim-gqa"])
+    {"mlp_bias": True},  # left out until 2026-11-28
+    {"mlp_bias": True, "moe_experts": 4, "moe_every": 2},  # the dense blocks' biases, none on the experts
+], ids=["head-dim", "qkv-bias", "attention-bias-head-dim-gqa", "mlp-bias", "mlp-bias-moe-every2"])
 def test_the_spec_counts_the_llama_it_describes(fields):
     """ModelSpec.from_model_config prices the runtime's Llama: its parameter count is the built
     model's, with a head size that is not dim / n_heads and with attention biases (the fields a
