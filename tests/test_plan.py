@@ -151,7 +151,10 @@ MEASURED_MOE = {
     # rank's others are held for two; the planner counted every chunk held at the largest (14% over)
     (2, "four-blocks"): _layouts(pp=2, schedule="interleaved", v=2, variants=[("bf16", "none", 4)])
     # stages cut at parallel.pp_split (1 block, then 3): the planner cut them evenly (30% under)
-    + _layouts(pp=2, zeros=(3,), variants=[("fp32", "none", 2)], split=(1,)),
+    + _layouts(pp=2, zeros=(3,), variants=[("fp32", "none", 2)], split=(1,))
+    # 2BW: the executor counted the weight version each micro-batch's linears save as activations,
+    # once per micro-batch in flight (57% over the planner, whose versions are buffers)
+    + _layouts(pp=2, schedule="pipedream-2bw", variants=[("fp32", "none", 2)]),
     (4, "moe"): _layouts(dp=4, ep=2, zeros=(2, 3), variants=[("fp32", "none", 2)])
     + _layouts(dp=4, ep=2, zeros=(1,), variants=[("bf16", "none", 2)]),
 }
