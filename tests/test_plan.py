@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bigtrain.config import ConfigError, ModelConfig
+from bigtrain.config import ConfigError, ModelConfig, load_config
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.models.llama import build_model
 from bigtrain.parallel.pipeline import build_schedule, simulate
@@ -464,6 +464,44 @@ def test_fixed_keys_are_kept_and_the_rest_chosen(capsys):
     assert _cli("plan", "--preset", "llama-7b", "--gpus", 16, "--layout", "tp=2,zero=1", "--json") == 0
     layout = json.loads(capsys.readouterr().out)["layout"]
     assert layout["tp"] == 2 and layout["zero"] == 1 and layout["dp"] * layout["pp"] * layout["sp"] == 8
+
+
+SPLIT_CONFIG = """[model]
+dim = 64
+n_layers = 4
+n_heads = 4
+moe_experts = 4
+moe_ffn_hidden = 96
+moe_dense_layers = "0"
+mlp_bias = true
+[data]
+seq_len = 32
+[train]
+global_batch = 8
+micro_batch = 2
+[parallel]
+pp = 2
+pp_split = "1"
+"""
+
+
+def test_plan_of_a_config_prices_its_pipeline_split_and_its_biases(capsys, tmp_path):
+    """``bigtrain plan --config`` priced every pipeline cut evenly whatever parallel.pp_split said
+    (--parallel auto already cut where the run does), and left model.mlp_bias (and a Hugging
+    Face config's qk_norm) out of the model: the plan of such a config named rank 0 worst, where
+    the run's stage 1 holds three of the four blocks."""
+    path = tmp_path / "split.toml"
+    path.write_text(SPLIT_CONFIG)
+    layout = "pp=2,dp=1,zero=0,micro_batch=2,schedule=1f1b,precision=fp32,recompute=none"
+    assert _cli("plan", "--config", str(path), "--hardware", "cpu", "--gpus", 2, "--layout", layout, "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"]["split"] == [1]
+    cfg = load_config(path=str(path))
+    spec = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    assert report["model"]["mlp_bias"]
+    assert report["params"] == spec.params == sum(p.numel() for p in build_model(cfg.model).parameters())
+    with pytest.raises(ConfigError, match="parallel.pp_split = '1' cuts 2; use pp x v = 2"):
+        _cli("plan", "--config", str(path), "--hardware", "cpu", "--gpus", 4, "--layout", "pp=4,dp=1")
 
 
 # -- (d) bad input -------------------------------------------------------------------------------------------
