@@ -234,7 +234,10 @@ def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomp
     crosses = layout.tp * layout.ep > cluster.gpus_per_node
     link = Link(hw.inter_node_bandwidth, hw.inter_node_latency_s) if crosses else \
         Link(hw.intra_node_bandwidth, hw.intra_node_latency_s)
-    rows = layout.micro_batch * model.seq * model.top_k * model.hidden * BYTES[layout.precision]
+    # A rank routes its own sequence shard (Ulysses x cp); Megatron SP gathers the tp shards, so tp
+    # does not divide it. The whole sequence here charged sp = 2 twice the 8,192 bytes a micro-batch
+    # the ranks send (tests/test_plan_moe.py).
+    rows = layout.micro_batch * model.seq / layout.seq_shards * model.top_k * model.hidden * BYTES[layout.precision]
     layer = 2 * link.collective("all_to_all", rows, layout.ep)
     layers = model.moe_layers / layout.pp
     return layers * layer, layers * layer * (1 + recomputed_share)
