@@ -242,6 +242,19 @@ def test_a_pipeline_resumed_at_another_schedule_and_its_delay_agree_with_the_ref
     assert outcome.verdict == "agree", outcome.detail
 
 
+def test_check_refuses_pipedream_without_vertical_sync_before_launch(corpus_cache):
+    """Each stage of PipeDream without vertical sync computes with weights of its own age, which the
+    reference's one delay for the whole model does not state: `bigtrain check` launched the ranks and
+    crashed in them (ValueError from config_gradient_delay); now it is refused naming the field."""
+    from bigtrain.check.run import reference_problems
+
+    cfg = tiny_config(corpus_cache, "--parallel.pp=2", "--parallel.pp_schedule=pipedream", "--train.global_batch=8",
+                      "--train.micro_batch=8")
+    assert any("parallel.pp_vertical_sync = true" in p for p in reference_problems(cfg))
+    cfg.parallel.pp_vertical_sync = True
+    assert reference_problems(cfg) == []
+
+
 class _TorchWithoutZeroing:
     """``torch`` for deferred.py, whose zeroing of a landed step's gradients does nothing."""
 

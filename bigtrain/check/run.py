@@ -32,7 +32,8 @@ from torch import nn
 from bigtrain.check.exact import SINGLE_TENSORS, ExactTwin, judge_against_exact
 from bigtrain.check.compare import (Tolerance, assemble, gradients_difference, relative_error, scalar_error,
                                    tolerance_for)
-from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module, replay_to_checkpoint
+from bigtrain.check.reference import (ReferenceRun, ReferenceStep, captured_module, config_gradient_delay,
+                                      replay_to_checkpoint)
 from bigtrain.check.reference_dlrm import OWN_STEP_REFERENCES
 from bigtrain.check.reference_own import OwnReference, captured_of
 from bigtrain.check.report import CheckReport, Finding
@@ -141,6 +142,13 @@ def reference_problems(cfg: Config) -> list[str]:
     what it does not state, and so does the generic one of a decoder of one's own
     (:class:`~bigtrain.check.reference_own.OwnReference`); the decoder reference builds the model of
     the [model] fields; a loop of its own brings its own (OWN_STEP_REFERENCES)."""
+    try:  # the references delay a gradient by one count of steps for the whole model
+        config_gradient_delay(cfg)
+    except ValueError:
+        # It raised in the ranks' reference, after launch: a crash instead of a refusal.
+        return ["parallel.pp_schedule = 'pipedream' with parallel.pp_vertical_sync = false: each stage computes "
+                "with weights of another age, which bigtrain check's reference does not state; set "
+                "parallel.pp_vertical_sync = true, or use parallel.pp_schedule = 'pipedream-2bw'"]
     family = family_of(cfg)
     if family.own_step is not None:
         return [] if family.own_step in OWN_STEP_REFERENCES else [
