@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bigtrain.config import ConfigError, ModelConfig
+from bigtrain.config import ConfigError, ModelConfig, load_config
 from bigtrain.memory.accounting import SavedActivations
 from bigtrain.models.llama import build_model
 from bigtrain.parallel.pipeline import build_schedule, simulate
@@ -151,7 +151,10 @@ MEASURED_MOE = {
     # rank's others are held for two; the planner counted every chunk held at the largest (14% over)
     (2, "four-blocks"): _layouts(pp=2, schedule="interleaved", v=2, variants=[("bf16", "none", 4)])
     # stages cut at parallel.pp_split (1 block, then 3): the planner cut them evenly (30% under)
-    + _layouts(pp=2, zeros=(3,), variants=[("fp32", "none", 2)], split=(1,)),
+    + _layouts(pp=2, zeros=(3,), variants=[("fp32", "none", 2)], split=(1,))
+    # 2BW: the executor counted the weight version each micro-batch's linears save as activations,
+    # once per micro-batch in flight (57% over the planner, whose versions are buffers)
+    + _layouts(pp=2, schedule="pipedream-2bw", variants=[("fp32", "none", 2)]),
     (4, "moe"): _layouts(dp=4, ep=2, zeros=(2, 3), variants=[("fp32", "none", 2)])
     + _layouts(dp=4, ep=2, zeros=(1,), variants=[("bf16", "none", 2)]),
 }
@@ -232,7 +235,11 @@ def test_replicated_key_value_heads_are_in_the_predicted_activations(layout, wit
     ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved", "--model.n_layers=8",
      "--model.vocab_size=4096"],
     ["--parallel.pp=2", "--model.n_layers=4", "--parallel.pp_balance=layers"],
-], ids=["pp4", "pp2-tied", "pp2-moe-every2", "interleaved-large-vocab", "balance-layers"])
+    # a dense first block with model.mlp_bias before six MoE blocks (whose experts have none): the
+    # planner left the biases out and cut after block 3 where the runtime cut after block 2
+    ["--parallel.pp=2", "--model.n_layers=7", "--model.vocab_size=1024", "--model.moe_experts=2",
+     "--model.moe_ffn_hidden=96", "--model.moe_dense_layers=0", "--model.mlp_bias=true", "--model.n_kv_heads=4"],
+], ids=["pp4", "pp2-tied", "pp2-moe-every2", "interleaved-large-vocab", "balance-layers", "mlp-bias-dense-first"])
 def test_the_planner_cuts_the_pipeline_where_the_runtime_does(overrides, tmp_path):
     """parallel.pp_balance = 'params' (the default 'layers' in the last case) cuts the stages where
     the plain model's parameters balance, embedding and head included (partition.py); the planner's
@@ -459,6 +466,44 @@ def test_fixed_keys_are_kept_and_the_rest_chosen(capsys):
     assert layout["tp"] == 2 and layout["zero"] == 1 and layout["dp"] * layout["pp"] * layout["sp"] == 8
 
 
+SPLIT_CONFIG = """[model]
+dim = 64
+n_layers = 4
+n_heads = 4
+moe_experts = 4
+moe_ffn_hidden = 96
+moe_dense_layers = "0"
+mlp_bias = true
+[data]
+seq_len = 32
+[train]
+global_batch = 8
+micro_batch = 2
+[parallel]
+pp = 2
+pp_split = "1"
+"""
+
+
+def test_plan_of_a_config_prices_its_pipeline_split_and_its_biases(capsys, tmp_path):
+    """``bigtrain plan --config`` priced every pipeline cut evenly whatever parallel.pp_split said
+    (--parallel auto already cut where the run does), and left model.mlp_bias (and a Hugging
+    Face config's qk_norm) out of the model: the plan of such a config named rank 0 worst, where
+    the run's stage 1 holds three of the four blocks."""
+    path = tmp_path / "split.toml"
+    path.write_text(SPLIT_CONFIG)
+    layout = "pp=2,dp=1,zero=0,micro_batch=2,schedule=1f1b,precision=fp32,recompute=none"
+    assert _cli("plan", "--config", str(path), "--hardware", "cpu", "--gpus", 2, "--layout", layout, "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"]["split"] == [1]
+    cfg = load_config(path=str(path))
+    spec = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    assert report["model"]["mlp_bias"]
+    assert report["params"] == spec.params == sum(p.numel() for p in build_model(cfg.model).parameters())
+    with pytest.raises(ConfigError, match="parallel.pp_split = '1' cuts 2; use pp x v = 2"):
+        _cli("plan", "--config", str(path), "--hardware", "cpu", "--gpus", 4, "--layout", "pp=4,dp=1")
+
+
 # -- (d) bad input -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv,field", [
     (["--layers", 32, "--hidden", 100, "--heads", 32, "--vocab", 1000, "--seq", 128], "--hidden"),
@@ -622,7 +667,9 @@ def test_the_planner_takes_the_key_value_heads_the_runtime_replicates(tp, sp, kv
     {"attention_head_dim": 32},
     {"qkv_bias": True},
     {"attention_bias": True, "attention_head_dim": 8, "n_kv_heads": 2},
-], ids=["head-dim", "qkv-bias", "attention-bias-head-dim-gqa"])
+    {"mlp_bias": True},  # left out until 2026-11-28
+    {"mlp_bias": True, "moe_experts": 4, "moe_every": 2},  # the dense blocks' biases, none on the experts
+], ids=["head-dim", "qkv-bias", "attention-bias-head-dim-gqa", "mlp-bias", "mlp-bias-moe-every2"])
 def test_the_spec_counts_the_llama_it_describes(fields):
     """ModelSpec.from_model_config prices the runtime's Llama: its parameter count is the built
     model's, with a head size that is not dim / n_heads and with attention biases (the fields a

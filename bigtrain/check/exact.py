@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from bigtrain.check.compare import relative_error
-from bigtrain.check.reference import ReferenceStep
+from bigtrain.check.reference import ReferenceStep, replay_to_checkpoint
 from bigtrain.config import Config
 
 # The layout may land this many times as far from the exact value as the fp32 reference does. The
@@ -47,22 +47,25 @@ class ExactTwin:
     ``build``: makes the float64 reference (the reference class's ``exact(cfg, device)``; :meth:`of`
     gives no twin where the class's ``exact_problem`` names one). ``start``: the first compared step (a resumed
     check's reference replayed the steps before it); ``restart_delays``: that replay restarted an
-    asynchronous pipeline's delays at ``start``, so the twin does too."""
+    asynchronous pipeline's delays at ``start``, so the twin does too; ``saved_delay``: it replayed
+    them with the delay of the run that saved the checkpoint (:func:`replay_to_checkpoint`)."""
 
-    def __init__(self, build: Callable[[], object], start: int = 0, restart_delays: bool = False):
+    def __init__(self, build: Callable[[], object], start: int = 0, restart_delays: bool = False,
+                 saved_delay: int | None = None):
         self.build, self.start, self.restart_delays = build, start, restart_delays
+        self.saved_delay = saved_delay
         self.run = None
         self.captured: tuple[int, ReferenceStep] | None = None  # the last step asked for
 
     @staticmethod
     def of(reference_class, cfg: Config, device: torch.device | str, start: int = 0,
-           restart_delays: bool = False) -> "ExactTwin | None":
+           restart_delays: bool = False, saved_delay: int | None = None) -> "ExactTwin | None":
         """The twin of ``reference_class``'s run of ``cfg``, or None where it has none."""
         exact = getattr(reference_class, "exact", None)
         problem = getattr(reference_class, "exact_problem", lambda _: None)
         if exact is None or problem(cfg) is not None:
             return None
-        return ExactTwin(lambda: exact(cfg, device), start, restart_delays)
+        return ExactTwin(lambda: exact(cfg, device), start, restart_delays, saved_delay)
 
     def step(self, step: int) -> ReferenceStep:
         """The exact reference's capture of ``step`` (the steps before it are run uncaptured)."""
@@ -70,10 +73,9 @@ class ExactTwin:
             return self.captured[1]
         if self.run is None:
             self.run = self.build()
+            replay_to_checkpoint(self.run, self.start, self.saved_delay, self.restart_delays)
         while self.run.step < step:
             self.run.train_step()
-            if self.restart_delays and self.run.step == self.start:
-                self.run.restart_delays()
         self.captured = (step, self.run.train_step(capture=True))
         return self.captured[1]
 

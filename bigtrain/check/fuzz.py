@@ -304,13 +304,24 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
                                    time.perf_counter() - start)
                 saved, anchored = before.saved, before.anchored
             cfg = configs[-1]
-            report = run_ranks(partial(check, saved=saved, saved_anchored=anchored), cfg.parallel.world_size, cfg,
-                               run_dir, steps, timeout=timeout, group_timeout=timeout)[0]
+            report = run_ranks(partial(check, saved=saved, saved_anchored=anchored, saved_delay=_saved_delay(configs)),
+                               cfg.parallel.world_size, cfg, run_dir, steps, timeout=timeout, group_timeout=timeout)[0]
         except RankFailure as e:
             verdict = "hung" if "did not finish" in str(e) else "crashed"
             return Outcome(overrides, verdict, str(e)[-3000:], time.perf_counter() - start)
     verdict = "agree" if report.agree else "diverged"
     return Outcome(overrides, verdict, report.text(), time.perf_counter() - start)
+
+
+def _saved_delay(configs: list[Config]) -> int | None:
+    """The gradient delay of a resumed sample's saved run where the resumed run's differs (a change of
+    schedule at the resume: the reference replays the steps before the checkpoint with it); else None."""
+    from bigtrain.check.reference import config_gradient_delay
+
+    if len(configs) < 2:
+        return None
+    saved, resumed = (config_gradient_delay(c) for c in configs)
+    return saved if saved != resumed else None
 
 
 def main(argv: list[str] | None = None) -> int:

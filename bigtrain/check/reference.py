@@ -194,6 +194,21 @@ class ReferenceRun:
         if self.stale is not None:
             self.history = [self._weights()] * (self.step + 1)
 
+    def set_gradient_delay(self, gradient_delay: int | Callable[[str], int]) -> None:
+        """From here on, step with ``gradient_delay`` (as the constructor's) as a run resumed now:
+        the delayed weights restart at the current ones (:meth:`restart_delays`). A resumed check
+        replays the steps before its checkpoint with the delay of the run that saved it, then takes
+        the resumed run's: a resume across a change of schedule (2BW saved, 1F1B resumed, or the
+        other way round) replayed them with the resumed run's delay, a reference on another
+        trajectory, and every such resume diverged at its first step."""
+        self.delay = gradient_delay if callable(gradient_delay) else (lambda name: gradient_delay)
+        delayed = any(self.delay(n) for n, _ in self.master.named_parameters())
+        if delayed and self.stale is None:
+            self.stale = copy.deepcopy(self.compute)  # carries the compute model's int8 / float8 conversion
+        elif not delayed:
+            self.stale = None
+        self.history = [self._weights()] * (self.step + 1) if delayed else []
+
     @torch.no_grad()
     def _delayed_model(self) -> torch.nn.Module:
         for name, p in self.stale.named_parameters():
@@ -262,6 +277,24 @@ def exact_problem(cfg: Config) -> str | None:
     if cfg.optim.name == "adamw8bit":
         return f"optim.name = '{cfg.optim.name}' quantizes its state on purpose"
     return None
+
+
+def replay_to_checkpoint(reference, steps: int, saved_delay: int | None, restart: bool) -> None:
+    """Step ``reference`` (at step 0) up to a checkpoint after ``steps`` steps, as the run that saved it
+    took them (with ``saved_delay`` where given), then as the resumed run goes on: with its own
+    delay (``config_gradient_delay``), or, ``restart`` (an asynchronous pipeline resumed at its
+    own schedule), with its delays restarted (it starts empty)."""
+    if saved_delay is not None:
+        if not hasattr(reference, "set_gradient_delay"):
+            raise ValueError(f"{type(reference).__name__} cannot replay a resume across a change of gradient "
+                             f"delay (parallel.pp_schedule, offload.delayed_update)")
+        reference.set_gradient_delay(saved_delay)
+    for _ in range(steps):
+        reference.train_step()
+    if saved_delay is not None:
+        reference.set_gradient_delay(config_gradient_delay(reference.cfg))
+    elif restart:
+        reference.restart_delays()
 
 
 def config_gradient_delay(cfg: Config) -> int:

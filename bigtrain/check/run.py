@@ -32,7 +32,8 @@ from torch import nn
 from bigtrain.check.exact import SINGLE_TENSORS, ExactTwin, judge_against_exact
 from bigtrain.check.compare import (Tolerance, assemble, gradients_difference, relative_error, scalar_error,
                                    tolerance_for)
-from bigtrain.check.reference import ReferenceRun, ReferenceStep, captured_module
+from bigtrain.check.reference import (ReferenceRun, ReferenceStep, captured_module, config_gradient_delay,
+                                      replay_to_checkpoint)
 from bigtrain.check.reference_dlrm import OWN_STEP_REFERENCES
 from bigtrain.check.reference_own import OwnReference, captured_of
 from bigtrain.check.report import CheckReport, Finding
@@ -148,6 +149,13 @@ def reference_problems(cfg: Config) -> list[str]:
     what it does not state, and so does the generic one of a decoder of one's own
     (:class:`~bigtrain.check.reference_own.OwnReference`); the decoder reference builds the model of
     the [model] fields; a loop of its own brings its own (OWN_STEP_REFERENCES)."""
+    try:  # the references delay a gradient by one count of steps for the whole model
+        config_gradient_delay(cfg)
+    except ValueError:
+        # It raised in the ranks' reference, after launch: a crash instead of a refusal.
+        return ["parallel.pp_schedule = 'pipedream' with parallel.pp_vertical_sync = false: each stage computes "
+                "with weights of another age, which bigtrain check's reference does not state; set "
+                "parallel.pp_vertical_sync = true, or use parallel.pp_schedule = 'pipedream-2bw'"]
     family = family_of(cfg)
     if family.own_step is not None and family.reference is None:
         return [] if family.own_step in OWN_STEP_REFERENCES else [
@@ -169,7 +177,8 @@ def reference_problems(cfg: Config) -> list[str]:
 
 def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
                  device: torch.device | str = "cpu", saved: tuple[dict, dict] | None = None,
-                 saved_anchored: bool = False, save: bool = False) -> CheckReport | None:
+                 saved_anchored: bool = False, save: bool = False,
+                 saved_delay: int | None = None) -> CheckReport | None:
     """Run ``steps`` steps of ``cfg`` on ``mesh`` (every rank calls this) and compare them with the
     reference on the first rank; returns the report there, None elsewhere.
 
@@ -180,7 +189,10 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     compared. ``saved_anchored``: the steps before it were checked too, along the replays' chain
     (``CheckReport.anchored``), which the compared steps then continue. ``save``: after the steps,
     save a checkpoint in ``run_dir`` and put its full state in the report (``CheckReport.saved``),
-    for a check resumed from it."""
+    for a check resumed from it. ``saved_delay``: the gradient delay of the run that saved the
+    checkpoint (:func:`~bigtrain.check.reference.config_gradient_delay` of its config) where it is
+    not ``cfg``'s (a resume across a change of schedule); the reference replays the steps before it
+    with that delay."""
     trainer, reference_of, captured = _layout_and_reference(cfg, mesh, run_dir, device)
     world, is_first = mesh.comm("world"), mesh.rank == 0
     # The reference computes on this rank's device: the same kernels on both sides, so the
@@ -200,7 +212,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     # ones; a fresh run's first step computes at the reference's own (nothing to recompute there).
     weights_before = None
     if saved is not None:
-        loaded = _resumed_as_saved(trainer, reference, report, saved, world)
+        loaded = _resumed_as_saved(trainer, reference, report, saved, world, saved_delay)
         if loaded is None:
             return report
         weights_before = loaded[0]
@@ -215,7 +227,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
     replaying = replays_steps(cfg, deferred)
     # A float64 twin of the family's reference, for single tensors over the bound (built then).
     twin = ExactTwin.of(reference_of, cfg, trainer.device, report.start,
-                        schedule_is_asynchronous(cfg)) if is_first else None
+                        schedule_is_asynchronous(cfg), saved_delay) if is_first else None
     state = trainer.parallel.full_state() if replaying else None  # before the first step
     # The replays explain an update only along a chain of steps from moments the check verified:
     # a fresh run's (none, or zeros), or a resumed run's whose steps before the checkpoint were
@@ -351,21 +363,18 @@ def schedule_is_asynchronous(cfg: Config) -> bool:
 
 
 def _resumed_as_saved(trainer: Trainer, reference, report: CheckReport | None, saved: tuple[dict, dict],
-                      world) -> tuple[dict, dict] | None:
+                      world, saved_delay: int | None = None) -> tuple[dict, dict] | None:
     """Resume ``trainer`` from its run's newest checkpoint and bring the reference to the same step
-    (on the first rank; the run that saved it delayed its gradients as this config says); the
-    loaded full state (complete on the first rank) where every rank goes on: it is the ``saved``
-    one; else None."""
+    (on the first rank; the run that saved it delayed its gradients by ``saved_delay``, None: as
+    this config says); the loaded full state (complete on the first rank) where every rank goes on:
+    it is the ``saved`` one; else None."""
     if not trainer.resume("auto"):
         raise RuntimeError(f"check: no checkpoint to resume from in {trainer.run_dir}")
     loaded = trainer.parallel.full_state()  # collective
     verdict = torch.zeros(1, device=trainer.device)
     if report is not None:
         report.start = trainer.step
-        for _ in range(trainer.step):
-            reference.train_step()
-        if schedule_is_asynchronous(trainer.cfg):
-            reference.restart_delays()
+        replay_to_checkpoint(reference, trainer.step, saved_delay, schedule_is_asynchronous(trainer.cfg))
         findings = loaded_differences(loaded, saved)
         if findings:
             report.agree, report.first_step, report.findings = False, trainer.step, findings
@@ -430,22 +439,22 @@ def _step_measurements(result: StepResult, ref: ReferenceStep, grads: dict, weig
 
 def check_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int,
                   saved: tuple[dict, dict] | None = None, saved_anchored: bool = False,
-                  save: bool = False) -> CheckReport | None:
+                  save: bool = False, saved_delay: int | None = None) -> CheckReport | None:
     """:func:`check_layout` on the mesh ``cfg`` describes, for rank ``rank`` of ``world_size``: the
     shape ``bigtrain.testing.run_ranks`` calls (the fuzzer and the tests use it)."""
     return check_layout(cfg, Mesh.from_config(cfg.parallel, rank, world_size), run_dir, steps, saved=saved,
-                        saved_anchored=saved_anchored, save=save)
+                        saved_anchored=saved_anchored, save=save, saved_delay=saved_delay)
 
 
 def check_compiled_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int,
                            saved: tuple[dict, dict] | None = None, saved_anchored: bool = False,
-                           save: bool = False) -> CheckReport | None:
+                           save: bool = False, saved_delay: int | None = None) -> CheckReport | None:
     """:func:`check_on_rank` where a compiled region that falls back to eager is an error: run
     eagerly, it would agree with the reference and prove nothing about compiling (the fuzzer's
     compiled samples, tests/test_compile.py)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)
-        return check_on_rank(rank, world_size, cfg, run_dir, steps, saved, saved_anchored, save)
+        return check_on_rank(rank, world_size, cfg, run_dir, steps, saved, saved_anchored, save, saved_delay)
 
 
 def save_on_rank(rank: int, world_size: int, cfg: Config, run_dir: str | Path, steps: int) -> tuple[dict, dict]:

@@ -8,6 +8,7 @@ layout fits, 1 when none does, 2 for invalid input (a ConfigError naming the fie
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -17,8 +18,9 @@ from bigtrain.families.own import none_for
 from bigtrain.from_config import compiles
 from bigtrain.optim import optimizer_names
 from bigtrain.plan.auto import runnable_plans
+from bigtrain.plan.fit import stage_split
 from bigtrain.plan.hardware import HardwareProfile, calibrate, get_profile, load_profile
-from bigtrain.plan.layout import Cluster, parse_layout
+from bigtrain.plan.layout import LAYOUT_KEYS, Cluster, parse_layout
 from bigtrain.plan.model import MLP_KINDS, ModelSpec, moe_fields
 from bigtrain.plan.report import json_report, text_report, write_png
 from bigtrain.plan.search import explain_offload_fit, offload_fit, search
@@ -60,8 +62,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                      help="the optimizer whose declared state is counted (optim.name; default adamw)")
     run.add_argument("--block-size", type=int, default=256, help="adamw8bit's optim.block_size (default 256)")
     run.add_argument("--layout", default="auto",
-                     help="'auto' or keys dp,tp,pp,sp,cp,cp_mode,zero,micro_batch,schedule,v,recompute,every,tp_sp,"
-                          "precision,offload,compression,fused_loss,fp8,compiled, e.g. dp=8,tp=4,pp=2,zero=1,"
+                     help=f"'auto' or keys {','.join(LAYOUT_KEYS)}, e.g. dp=8,tp=4,pp=2,zero=1,"
                           "schedule=interleaved,v=2,recompute=selective,offload=on; missing keys are chosen by the "
                           "planner (offload, compression and fused_loss default to off; compiled to what "
                           "compile.enabled = 'auto' does on the hardware: on for a GPU and --mlp swiglu, off on a CPU)")
@@ -88,7 +89,8 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, int | None]:
         m = _priced_model(cfg)
         base = dict(layers=m.n_layers, hidden=m.dim, heads=m.n_heads, kv_heads=m.n_kv_heads, vocab=m.vocab_size,
                     seq=cfg.data.seq_len, ffn_hidden=m.ffn_hidden, tie_embeddings=m.tie_embeddings,
-                    head_size=m.attention_head_dim, qkv_bias=m.q_bias, out_bias=m.attention_bias, **moe_fields(m))
+                    head_size=m.attention_head_dim, qkv_bias=m.q_bias, out_bias=m.attention_bias, qk_norm=m.qk_norm,
+                    mlp_bias=m.mlp_bias, **moe_fields(m))
         batch = cfg.train.global_batch
     given = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "seq", "ffn_hidden",
                                           "tie_embeddings") if getattr(args, k) is not None}
@@ -99,6 +101,18 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, int | None]:
     mlp = args.mlp or "swiglu"
     name = args.preset or args.config or ""
     return ModelSpec.build(mlp=mlp, name=name, **values), batch
+
+
+def _stage_split_of(cfg: Config | None, args: argparse.Namespace):
+    """Where the config's run cuts pp x v pipeline stages (parallel.pp_split, or pp_balance =
+    'params'), as ``--parallel auto`` prices them (fit.stage_split); None (an even cut) without a
+    config or where a dimension flag (--layers ...) makes the model another than the config's. The
+    plan of a config with parallel.pp_split priced an even cut: its worst rank's memory was that of
+    stages the run does not have."""
+    if cfg is None or any(getattr(args, k) is not None for k in ("layers", "hidden", "heads", "kv_heads", "vocab",
+                                                                    "seq", "ffn_hidden", "tie_embeddings")):
+        return None
+    return functools.lru_cache(maxsize=None)(lambda pp, v: stage_split(cfg, pp, v))
 
 
 def _family(cfg: Config) -> Family:
@@ -183,8 +197,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # layouts than the planner models: only those its own validation accepts are ranked or proposed.
     priced_as = cfg is not None and _family(cfg).planner_config is not None
     runnable = (lambda found: runnable_plans(cfg, found)) if priced_as else (lambda found: found)
+    split_of = _stage_split_of(cfg, args)
+    if split_of is not None and "pp" in fixed and ("v" in fixed or fixed.get("schedule") != "interleaved"):
+        stages = fixed["pp"] * fixed.get("v", 1)
+        if stages > 1 and split_of(fixed["pp"], fixed.get("v", 1)) is None:
+            starts = len(cfg.parallel.split_points or ()) + 1
+            raise ConfigError(f"--layout: pp x v = {stages} stages, but the config's parallel.pp_split = "
+                              f"'{cfg.parallel.pp_split}' cuts {starts}; use pp x v = {starts}, or a "
+                              f"parallel.pp_split of {stages - 1} points")
     result = search(model, cluster, global_batch, fixed, precision=fixed["precision"], optimizer=args.optim,
-                    block=args.block_size)
+                    block=args.block_size, split_of=split_of)
     fitting = len(result.ranked)
     result = runnable(result)
     if fitting and result.best is None:
@@ -193,7 +215,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"change the cluster", file=sys.stderr)
         return 1
     # Nothing fits on the device: would offloading model states to the host or NVMe make it fit?
-    fit = offload_fit(model, cluster, global_batch, fixed, fixed["precision"], args.optim, args.block_size) \
+    fit = offload_fit(model, cluster, global_batch, fixed, fixed["precision"], args.optim, args.block_size, split_of) \
         if result.best is None else None
     if fit is not None and fit.best is not None:
         fit = runnable(fit)

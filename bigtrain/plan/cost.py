@@ -237,6 +237,8 @@ def expert_all_to_all(model: ModelSpec, layout: Layout, cluster: Cluster, recomp
     crosses = layout.tp * layout.ep > cluster.gpus_per_node
     link = Link(hw.inter_node_bandwidth, hw.inter_node_latency_s) if crosses else \
         Link(hw.intra_node_bandwidth, hw.intra_node_latency_s)
+    # A rank routes its own sequence shard (Ulysses x cp; Megatron SP gathers the tp shards, so tp
+    # does not divide it): exchange_payload's tokens (tests/test_plan_moe.py).
     dispatch, combine = exchange_payload(model, layout, expert_load(model, layout.ep, layout.seq_shards).even)
     layer = link.collective("all_to_all", dispatch, layout.ep) + link.collective("all_to_all", combine, layout.ep)
     layers = model.moe_layers / layout.pp

@@ -108,6 +108,10 @@ class ModelSpec:
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen3's q_norm, k_norm)
+    # model.mlp_bias: biases on a dense block's w1, w3 (cut over tp) and w2 (whole, added after the
+    # tp sum); not on the experts (models/moe.py). Left out, a pipeline's cut by parameters
+    # (pp_balance = 'params') could differ from the runtime's by a block.
+    mlp_bias: bool = False
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -116,7 +120,8 @@ class ModelSpec:
         return cls(layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.kv_heads,
                    vocab=cfg.vocab_size, seq=seq, ffn_hidden=cfg.ffn_dim, mlp="swiglu",
                    tie_embeddings=cfg.tie_embeddings, name=name, head_size=cfg.attention_head_dim,
-                   qkv_bias=cfg.q_bias, out_bias=cfg.attention_bias, qk_norm=cfg.qk_norm, **moe_fields(cfg))
+                   qkv_bias=cfg.q_bias, out_bias=cfg.attention_bias, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias,
+                   **moe_fields(cfg))
 
     @classmethod
     def build(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, kv_heads: int = 0,
@@ -160,6 +165,10 @@ class ModelSpec:
             biases += [Tensor("attention.wo.bias", (h,), False, "rep")] if self.out_bias else []
             biases += [Tensor(f"attention.{n}", (self.head_dim,), False, "rep") for n in ("q_norm", "k_norm")
                        if self.qk_norm]
+            if self.mlp_bias:
+                biases += [Tensor("feed_forward.w1.bias", (f,), False, "col"),
+                           Tensor("feed_forward.w3.bias", (f,), False, "col"),
+                           Tensor("feed_forward.w2.bias", (h,), False, "rep")]
             return [Tensor("attention.wq", (q, h), True, "col"), Tensor("attention.wk", (kv, h), True, "col", kvh),
                     Tensor("attention.wv", (kv, h), True, "col", kvh), Tensor("attention.wo", (h, q), True, "row"),
                     *biases,

@@ -305,14 +305,15 @@ SMALLER_STATE = {"adamw": "adamw8bit"}
 
 
 def offload_fit(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: dict | None = None,
-                precision: str = "bf16", optimizer: str = "adamw", block: int = 256) -> SearchResult | None:
+                precision: str = "bf16", optimizer: str = "adamw", block: int = 256,
+                split_of: SplitRule | None = None) -> SearchResult | None:
     """When nothing fits on the device: the first offload that makes something fit the device, the
     host's memory and its NVMe (the optimizer on the host, then with the delayed update, then the
     parameters on the host too at ZeRO-3, then the optimizer's state alone on NVMe with the masters
     on the host at ZeRO-1 (ZeRO-Infinity's split; gradients stay in host memory), with and without
     the delayed update, then optimizer and parameters on NVMe at ZeRO-3), as a
     search with those keys fixed, first with ``optimizer`` and then with its smaller-state
-    alternative (``SMALLER_STATE``; the result's ``optimizer`` says which). None when the user fixed
+    alternative (``SMALLER_STATE``; the result's ``optimizer`` says which; ``split_of`` as :func:`search`'s). None when the user fixed
     offload keys already; when none fits, the result that missed the host or NVMe by least (its
     ``best`` is None, its ``off_device`` the layout)."""
     fixed = dict(fixed or {})
@@ -325,7 +326,7 @@ def offload_fit(model: ModelSpec, cluster: Cluster, global_batch: int, fixed: di
                 continue  # the user fixed a ZeRO stage this offload cannot use
             try:
                 result = search(model, cluster, global_batch, {**fixed, **tiers}, precision, optimizer=name,
-                                block=block)
+                                block=block, split_of=split_of)
             except ConfigError:
                 continue
             if result.best is not None:
