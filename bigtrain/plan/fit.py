@@ -180,6 +180,7 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
 
 def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: str | None = None) -> SizeCheck:
     """:func:`size_problems`, each problem saying whether another layout may solve it."""
+    from bigtrain.plan.auto import UNKNOWN_GPU, local_hardware  # auto imports this module
     from bigtrain.plan.hardware import get_profile
     from bigtrain.plan.memory import estimate_memory
     from bigtrain.plan.states import zero_formula_bytes
@@ -208,7 +209,8 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
     if m.n_layers > EXACT_LAYERS_MAX:
         return found
     try:
-        hardware = get_profile("cpu" if not cuda else "h100-80g")
+        # this GPU's profile (an H200's, not an H100's); a CUDA run planned on a machine without one: the default GPU's
+        hardware = get_profile(local_hardware(without_gpu=UNKNOWN_GPU) if cuda else "cpu")
         mem = estimate_memory(spec, _layout(cfg, cuda), hardware, t.global_batch, optimizer=optimizer)
     except Exception:  # noqa: BLE001 - a layout the planner does not model is no reason to refuse a run
         return found
