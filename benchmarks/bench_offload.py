@@ -25,8 +25,9 @@ first two. On a CPU device the "device work" and the host step share the same co
 in bf16 with ``offload.optimizer = cpu`` (``--delayed`` adds ``offload.delayed_update``) at the
 planner's fit: the fastest layout ``bigtrain plan --preset <preset> --gpus 1 --hardware <--hardware>
 --global-batch <--global-batch> --layout offload_optimizer=cpu`` finds that fits the device, the
-host's memory and its NVMe (``--hw`` sets the profile's fields, e.g. ``host_memory_bytes``; ``--optim
-adamw8bit`` for smaller state). After ``--warmup`` untimed steps, each of ``--steps`` steps is
+host's memory and its NVMe (``--hardware``: this GPU's profile by default, from its name and memory as
+``bigtrain.plan.auto.local_hardware`` reads them: h200-141g on an H200; ``--hw`` sets the profile's
+fields, e.g. ``host_memory_bytes``; ``--optim adamw8bit`` for smaller state). After ``--warmup`` untimed steps, each of ``--steps`` steps is
 bracketed by ``torch.cuda.synchronize()``; medians. Prints the build time, the first step against
 the steady one, tokens/s, MFU (tokens/s x the planner's ``ModelSpec.model_flops_per_token`` / the
 device's dense bf16 peak, as benchmarks/bench_gpu.py), the planner's device peak against
