@@ -25,8 +25,9 @@ first two. On a CPU device the "device work" and the host step share the same co
 in bf16 with ``offload.optimizer = cpu`` (``--delayed`` adds ``offload.delayed_update``) at the
 planner's fit: the fastest layout ``bigtrain plan --preset <preset> --gpus 1 --hardware <--hardware>
 --global-batch <--global-batch> --layout offload_optimizer=cpu`` finds that fits the device, the
-host's memory and its NVMe (``--hw`` sets the profile's fields, e.g. ``host_memory_bytes``; ``--optim
-adamw8bit`` for smaller state). After ``--warmup`` untimed steps, each of ``--steps`` steps is
+host's memory and its NVMe (``--hardware``: this GPU's profile by default, from its name and memory as
+``bigtrain.plan.auto.local_hardware`` reads them: h200-141g on an H200; ``--hw`` sets the profile's
+fields, e.g. ``host_memory_bytes``; ``--optim adamw8bit`` for smaller state). After ``--warmup`` untimed steps, each of ``--steps`` steps is
 bracketed by ``torch.cuda.synchronize()``; medians. Prints the build time, the first step against
 the steady one, tokens/s, MFU (tokens/s x the planner's ``ModelSpec.model_flops_per_token`` / the
 device's dense bf16 peak, as benchmarks/bench_gpu.py), the planner's device peak against
@@ -297,11 +298,21 @@ def _rss(args) -> dict:
     return out
 
 
+def default_hardware(device: str) -> str:
+    """The profile the gpu case plans for without ``--hardware``: this machine's accelerator's (it
+    planned for an h100-80g on an H200, 80 GiB of its 141 GiB); with ``--device cpu``, the cpu's."""
+    from bigtrain.plan.auto import local_hardware
+
+    return "cpu" if device == "cpu" else local_hardware()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--case", choices=("speed", "rss", "rss-child", "overlap", "gpu"), default="speed")
     p.add_argument("--preset", default="llama-7b", help="gpu: the model")
-    p.add_argument("--hardware", default="h100-80g", help="gpu: the planner's profile of the device")
+    p.add_argument("--hardware", default=None, help="gpu: the planner's profile of the device (default: this "
+                                                      "machine's, bigtrain.plan.auto.local_hardware: h200-141g on "
+                                                      "an H200)")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
                    help="gpu: a profile field for the planner, e.g. host_memory_bytes=134000000000")
     p.add_argument("--global-batch", type=int, default=16, help="gpu: sequences a step (the planner picks the "
@@ -327,6 +338,7 @@ def main() -> int:
     p.add_argument("--offload-only", action="store_true", help="rss: skip the run without offload")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args()
+    args.hardware = args.hardware or default_hardware(args.device)
     if args.case == "rss-child":
         _rss_child(args)
         return 0

@@ -322,6 +322,20 @@ class Trainer(StepRunner):
         """Block until a background checkpoint write is committed (re-raising its error)."""
         self.checkpoint_writer.wait()
 
+    def close(self) -> None:
+        """A background checkpoint write committed first (re-raising its error), then the step's
+        resources released (:meth:`StepRunner.close`). Idempotent."""
+        try:
+            self.checkpoint_writer.close()
+        finally:
+            super().close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def resume(self, where: str) -> bool:
         """Continue from checkpoint ``where`` ('auto': this run's newest that verifies and loads);
         collective. False when 'auto' finds nothing (a fresh start). See :mod:`bigtrain.checkpoint.resume`."""

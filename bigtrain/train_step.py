@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from bigtrain.families.own import initial_values
 from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.deferred import DeferredUpdate, LandedUpdate, deferrable
 from bigtrain.parallel.pipeline.executor import PipelineExecutor
+from bigtrain.parallel.zero.delayed import abandon
 from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 from bigtrain.parallel.build import ParallelModel, parallelize
 from bigtrain.parallel.compile import compile_clock
@@ -123,6 +125,23 @@ class StepRunner:
         else:
             self._build_decoder()
         self.step = 0
+        self._closed = False
+        delayed = getattr(getattr(self.engine, "offload", None), "delayed", None)
+        if delayed is not None:  # a runner dropped mid-update: its host step is cancelled, not run out
+            weakref.finalize(self, abandon, weakref.ref(delayed))
+
+    def close(self) -> None:
+        """Release now what the step holds beyond tensors: offload's host update (a delayed one still
+        running is cancelled at its next unit; ``fit`` lands the last before it returns), its files,
+        pinned buffers and threads. Nothing is run on this runner after. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        offload = getattr(self.engine, "offload", None)
+        if offload is not None:
+            if offload.delayed is not None:
+                offload.delayed.cancel()
+            offload.close()
 
     def _build_decoder(self) -> None:
         """The decoder's parallel model, executor and token sampler (the Trainer's own step)."""

@@ -77,18 +77,21 @@ MEASURED = {
 
 
 class _GatherWatch:
-    """Peak bytes of ZeRO-3's gathered parameter buffers, sampled after every unit's forward
-    pre-hook and every gradient's arrival (after the engine's own hooks, registered earlier)."""
+    """Peak bytes of ZeRO-3's gathered parameter buffers and the gatherer's spare bytes (freed
+    units' kept for the next gathers), sampled after every unit's forward pre-hook and every
+    gradient's arrival (after the engine's own hooks, registered earlier)."""
 
     def __init__(self, engine):
         self.units, self.peak = getattr(engine, "units", []), 0
+        self.gatherer = getattr(engine, "gatherer", None)
         self.handles = []
         if getattr(engine, "stage", 0) == 3:
             self.handles = [m.register_forward_pre_hook(lambda *_: self._sample()) for m in engine.unit_modules]
             self.handles += [p.register_post_accumulate_grad_hook(lambda _: self._sample()) for p in engine.params]
 
     def _sample(self) -> None:
-        self.peak = max(self.peak, sum(u.full.untyped_storage().nbytes() for u in self.units))
+        spares = self.gatherer.spares.nbytes if self.gatherer is not None else 0
+        self.peak = max(self.peak, spares + sum(u.full.untyped_storage().nbytes() for u in self.units))
 
     def remove(self) -> None:
         for h in self.handles:

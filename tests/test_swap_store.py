@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtrain.memory.swap import _CAN_MOVE_BYTES, LOCK, PREFIX, SwapStore
+from bigtrain.memory.spares import CAN_MOVE_BYTES
+from bigtrain.memory.swap import LOCK, PREFIX, SwapStore
 
 
 def test_two_stores_given_one_directory_keep_their_own_tensors(tmp_path):
@@ -146,7 +147,7 @@ def test_a_filesystem_without_flock_keeps_the_store_working(tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the process's resident set from /proc")
-@pytest.mark.skipif(not _CAN_MOVE_BYTES, reason="this torch cannot move a storage's bytes: no spare buffers")
+@pytest.mark.skipif(not CAN_MOVE_BYTES, reason="this torch cannot move a storage's bytes: no spare buffers")
 def test_a_tensor_read_in_reuses_the_bytes_of_one_written_out_and_the_spares_are_given_back(tmp_path):
     """With the mmap threshold at 1 MiB every tensor read in had its pages faulted in again (the
     NVMe step about 2x slower): a tensor written out now leaves its buffer as a spare for the next
@@ -178,9 +179,9 @@ def test_a_tensor_read_in_reuses_the_bytes_of_one_written_out_and_the_spares_are
 def test_without_a_way_to_move_bytes_a_store_frees_them_and_keeps_no_spares(tmp_path, monkeypatch):
     """torch 2.11 (the GPU image's) has no UntypedStorage._swap_data_ptr_: the store frees what it
     writes out and reads into new bytes, as before the pool, and the values come back."""
-    import bigtrain.memory.swap as swap
+    import bigtrain.memory.spares as spares
 
-    monkeypatch.setattr(swap, "_CAN_MOVE_BYTES", False)
+    monkeypatch.setattr(spares, "CAN_MOVE_BYTES", False)
     store = SwapStore(tmp_path, spare_limit=64 << 20)
     t = torch.arange(1 << 20, dtype=torch.float32)
     store.swap_out("t", t)

@@ -54,6 +54,15 @@ class CheckpointWriter:
             pending, self.pending = self.pending, None
             pending.result()
 
+    def close(self) -> None:
+        """Wait for a background write (re-raising its error), then end its thread."""
+        try:
+            self.wait()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown()
+                self._thread = None
+
     def all_finite(self, chunks: list) -> bool:
         """Whether every rank's chunks (weights, optimizer state) are finite; collective."""
         finite = [torch.isfinite(c.data).all() if c.finite is None else torch.tensor(c.finite)

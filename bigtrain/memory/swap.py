@@ -26,18 +26,13 @@ import fcntl
 import os
 import shutil
 import tempfile
-import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-
-# A storage's bytes moved to another storage object, every view of the first staying valid: torch
-# 2.13 has it, 2.11 (the GPU image's) does not; without it there are no spare buffers (each tensor
-# read in gets new pages, as before the pool).
-_CAN_MOVE_BYTES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+from bigtrain.memory.spares import SpareBuffers
 
 
 class SwapStore:
@@ -54,13 +49,11 @@ class SwapStore:
         self._fds: dict[str, int] = {}
         self.bytes_written = 0
         self.bytes_read = 0
-        # Buffers given back by tensors written to their files, by size, for the next tensors read
-        # in (DeepSpeed's fixed pool of staging buffers): their pages stay mapped, so a read does not
-        # fault them in again. At most ``spare_limit`` bytes of them (more are freed), and none
-        # between steps (:meth:`drop_spares`): the files still free the memory.
-        self._spares: dict[int, list[torch.UntypedStorage]] = {}
-        self._spares_lock = threading.Lock()
-        self.spare_limit = spare_limit
+        # Buffers given back by tensors written to their files, for the next tensors read in: their
+        # pages stay mapped, so a read does not fault them in again. At most ``spare_limit`` bytes of
+        # them (more are freed), and none between steps (:meth:`drop_spares`): the files still free
+        # the memory.
+        self.spares = SpareBuffers(spare_limit)
         self._remove = weakref.finalize(self, _remove_files, self.dir, self._fds, self._lock)
 
     def _fd(self, key: str) -> int:
@@ -93,44 +86,32 @@ class SwapStore:
     def resident(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().nbytes() > 0
 
+    @property
+    def spare_limit(self) -> int:
+        return self.spares.limit
+
+    @spare_limit.setter
+    def spare_limit(self, nbytes: int) -> None:
+        self.spares.limit = nbytes
+
     def give_bytes(self, t: torch.Tensor, nbytes: int) -> None:
         """Give ``t``'s storage (holding none) ``nbytes`` bytes: a spare buffer of that size if there
         is one (its pages mapped already), else new ones. Its values are whatever they were."""
-        with self._spares_lock:
-            spares = self._spares.get(nbytes)
-            spare = spares.pop() if spares else None
-        if spare is None:
-            t.untyped_storage().resize_(nbytes)
-        else:  # the storage object stays (every view of it stays valid): only its bytes change
-            t.untyped_storage()._swap_data_ptr_(spare)
+        self.spares.give(t.untyped_storage(), nbytes)
 
     def take_bytes(self, t: torch.Tensor) -> None:
         """Take ``t``'s bytes (it holds none after) and keep them as a spare for the next tensor of
         that size read in."""
-        nbytes = t.untyped_storage().nbytes()
-        if not nbytes:
-            return
-        if not _CAN_MOVE_BYTES or self.spare_limit < nbytes:
-            t.untyped_storage().resize_(0)
-            return
-        spare = torch.UntypedStorage(0)
-        t.untyped_storage()._swap_data_ptr_(spare)
-        with self._spares_lock:
-            if sum(n * len(v) for n, v in self._spares.items()) + nbytes <= self.spare_limit:
-                self._spares.setdefault(nbytes, []).append(spare)
-                return
-        del spare  # over the limit: freed (its pages unmapped: _free_to_the_os)
+        self.spares.take(t.untyped_storage())
 
     def drop_spares(self) -> None:
         """Give the spare buffers back (to the OS: glibc unmaps blocks of 1 MiB or more, see
         :func:`_free_to_the_os`): between steps, the files hold what they hold and memory nothing."""
-        with self._spares_lock:
-            self._spares.clear()
+        self.spares.drop()
 
     @property
     def spare_bytes(self) -> int:
-        with self._spares_lock:
-            return sum(n * len(spares) for n, spares in self._spares.items())
+        return self.spares.nbytes
 
     def swap_out(self, key: str, t: torch.Tensor) -> None:
         """Write ``t`` (a CPU tensor owning its whole storage) to its file, then free its bytes."""

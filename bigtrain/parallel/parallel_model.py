@@ -43,6 +43,13 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory: ``checkpoint.async``'s snapshot, held while training goes on
+    (on a GPU a second copy of the states it saves would take the device's memory; DCP's async_save
+    stages to the host too), priced by the planner (``plan.states.checkpoint_snapshot_bytes``)."""
+    return t.detach().to("cpu", copy=True)
+
+
 @dataclass
 class ParallelModel:
     model: nn.Module  # what this rank runs and its engine owns: the model, one pipeline stage, or a group
@@ -210,8 +217,9 @@ class ParallelModel:
         rank; among the data-parallel replicas of a range (ZeRO stage 0, the replicated engine) an
         even split of it; of the ranks holding the same values over any other axis (tp for a
         replicated norm, pp_ends for a tied copy) the first. Per-tensor state (a step count) is
-        written whole by the owner of the parameter's first element. ``copy``: clone the data (a
-        snapshot for a write that overlaps training); else views of the live shards. Offload's files
+        written whole by the owner of the parameter's first element. ``copy``: copies of the data in
+        host memory (:func:`host_copy`: a snapshot for a write that overlaps training); else views of
+        the live shards. Offload's files
         hold a unit's masters and state in memory only while its pieces are listed: ``deferred``
         (a save that writes at once), their chunks are views read back in by the writer, one unit
         at a time (``SavedChunk.readable``); else copies (the whole rank's states in memory at once)."""
@@ -233,17 +241,17 @@ class ParallelModel:
                     for key, flat in piece.tensors.items():
                         data = flat[c.start - piece.lo:c.stop - piece.lo].view(c.sizes)
                         fqn = piece.name if key == WEIGHT else f"optim/{piece.name}/{key}"
-                        out.append(SavedChunk(fqn, shape, c.offsets, data.clone() if copy else data))
+                        out.append(SavedChunk(fqn, shape, c.offsets, host_copy(data) if copy else data))
                 if piece.blocks:
                     out += self._block_chunks(piece, lo, hi, copy)
                 if lo == 0 < hi and placements.first_part(piece.name):
                     out += [SavedChunk(f"optim/{piece.name}/{k}", tuple(v.shape), (0,) * v.dim(),
-                                       v.detach().clone() if copy else v.detach()) for k, v in piece.scalars.items()]
+                                       host_copy(v) if copy else v.detach()) for k, v in piece.scalars.items()]
             for chunk in out[listed:] if readable is not None else []:
                 chunk.readable = readable
                 chunk.finite = not chunk.data.is_floating_point() or bool(torch.isfinite(chunk.data).all())
         if self._writes_buffers():
-            out += [SavedChunk(name, tuple(b.shape), (0,) * b.dim(), b.detach().clone() if copy else b.detach())
+            out += [SavedChunk(name, tuple(b.shape), (0,) * b.dim(), host_copy(b) if copy else b.detach())
                     for name, b in persistent_buffers(self.model).items()]
         return out
 
@@ -343,7 +351,7 @@ class ParallelModel:
         for c in rects:
             for key, flat in piece.blocks.items():
                 data = flat[c.start - first:c.stop - first].view(c.sizes)
-                out.append(SavedChunk(f"optim/{name}/{key}", full, c.offsets, data.clone() if copy else data))
+                out.append(SavedChunk(f"optim/{name}/{key}", full, c.offsets, host_copy(data) if copy else data))
         return out
 
     def _block_requests(self, piece, name: str) -> list:

@@ -16,17 +16,29 @@ from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.search import SearchResult, search
 from bigtrain.validation import validate
 
-_GPU_NAMES = {"H200": "h200-141g", "H100": "h100-80g", "A100-SXM4-80GB": "a100-80g", "A100": "a100-40g"}
+# The chip in torch.cuda.get_device_name's text -> its presets; the first key found wins (GH200 is an
+# H200's HBM beside a Grace CPU: its H100 chip, as the H200's).
+_GPU_CHIPS = {"H200": ("h200-141g",), "H100": ("h100-80g",), "A100": ("a100-40g", "a100-80g")}
+UNKNOWN_GPU = "h100-80g"  # a chip the presets do not know: the one bigtrain's plans default to
 
 
-def local_hardware() -> str:
-    """The preset that matches this machine's accelerator (cpu without one)."""
+def hardware_of(device_name: str, total_memory: int) -> str:
+    """The preset of a CUDA device: its chip's from its name, of the memory nearest ``total_memory``
+    (an A100 of 80 GB is "A100-SXM4-80GB" or "A100 80GB PCIe", an H100 NVL has 94 GB: the name's
+    form does not say); a chip no preset describes: ``UNKNOWN_GPU``."""
+    from bigtrain.plan.hardware import PRESETS
+
+    chip = next((presets for key, presets in _GPU_CHIPS.items() if key in device_name.upper()), (UNKNOWN_GPU,))
+    return min(chip, key=lambda name: abs(PRESETS[name].memory_bytes - total_memory))
+
+
+def local_hardware(without_gpu: str = "cpu") -> str:
+    """The preset that matches this machine's accelerator (``without_gpu`` without one)."""
     import torch
 
     if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name(0)
-    return next((preset for key, preset in _GPU_NAMES.items() if key in name), "h100-80g")
+        return without_gpu
+    return hardware_of(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
 
 
 def ranks_per_machine(world_size: int) -> int:
@@ -70,7 +82,8 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
              "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
              "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, device),
              # ZeRO-3's gathers as configured: the layout's overrides set them, and the search does not vary them
-             "reshard_after_forward": cfg.parallel.reshard_after_forward, "prefetch": cfg.parallel.prefetch}
+             "reshard_after_forward": cfg.parallel.reshard_after_forward, "prefetch": cfg.parallel.prefetch,
+             "checkpoint_async": getattr(cfg.checkpoint, "async")}  # its snapshot's host memory
     # Each pipeline cut where the run will make it (parallel.pp_split, or pp_balance = 'params'), not evenly.
     split_of = functools.lru_cache(maxsize=None)(lambda pp, v: stage_split(cfg, pp, v))
     try:

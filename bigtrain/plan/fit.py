@@ -98,6 +98,7 @@ def _layout(cfg: Config, cuda: bool = False):
                   fp8=cfg.precision.fp8, offload_masters=cfg.offload.masters if optimizer == "nvme" else "auto",
                   delayed_update=cfg.offload.delayed_update and optimizer != "none", dp_replicate=p.dp_replicate,
                   reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch, split=pipeline_split(cfg),
+                  checkpoint_async=getattr(cfg.checkpoint, "async"),
                   compiled=runtime_compiles(cfg, "cuda" if cuda else "cpu"))
 
 
@@ -180,6 +181,7 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
 
 def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: str | None = None) -> SizeCheck:
     """:func:`size_problems`, each problem saying whether another layout may solve it."""
+    from bigtrain.plan.auto import UNKNOWN_GPU, local_hardware  # auto imports this module
     from bigtrain.plan.hardware import get_profile
     from bigtrain.plan.memory import estimate_memory
     from bigtrain.plan.states import zero_formula_bytes
@@ -208,7 +210,8 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
     if m.n_layers > EXACT_LAYERS_MAX:
         return found
     try:
-        hardware = get_profile("cpu" if not cuda else "h100-80g")
+        # this GPU's profile (an H200's, not an H100's); a CUDA run planned on a machine without one: the default GPU's
+        hardware = get_profile(local_hardware(without_gpu=UNKNOWN_GPU) if cuda else "cpu")
         mem = estimate_memory(spec, _layout(cfg, cuda), hardware, t.global_batch, optimizer=optimizer)
     except Exception:  # noqa: BLE001 - a layout the planner does not model is no reason to refuse a run
         return found

@@ -68,6 +68,9 @@ class Layout:
     # Where the pipeline's stages start (parallel.pp_split, or the cut parallel.pp_balance = 'params'
     # makes: fit._layout): the first block of stages 1 .. pp x v - 1; () cuts them evenly
     split: tuple[int, ...] = ()
+    # checkpoint.async: a save snapshots the states the rank writes into host memory, held while the
+    # write overlaps training (tiers.checkpoint_snapshot_bytes); the run's to choose, not the search's
+    checkpoint_async: bool = False
 
     @property
     def gpus(self) -> int:
@@ -152,6 +155,8 @@ class Layout:
             parts.append(f"offload_masters={self.offload_masters}")
         if self.delayed_update:
             parts.append("delayed_update")
+        if self.checkpoint_async:
+            parts.append("checkpoint_async")
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -224,10 +229,11 @@ _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": 
             "activation_offload": "offload", "activation_compression": "compression",
             "optimizer_offload": "offload_optimizer", "params_offload": "offload_params",
             "masters_offload": "offload_masters", "compile": "compiled"}
-_BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update", "compiled", "reshard_after_forward", "prefetch")
+_BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update", "compiled", "reshard_after_forward", "prefetch",
+              "checkpoint_async")
 LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss",
                            "offload_optimizer", "offload_params", "offload_masters", "delayed_update", "fp8",
-                           "cp_mode", "compiled", "reshard_after_forward", "prefetch")
+                           "cp_mode", "compiled", "reshard_after_forward", "prefetch", "checkpoint_async")
 OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "cpu", "nvme"),
                  "offload_masters": ("auto", "cpu")}
 

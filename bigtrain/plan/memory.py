@@ -25,6 +25,8 @@ runtime allocates besides (named so tests can compare those they can measure):
     tp_collective / sp_all_to_all / pp_p2p  one layer's communication buffers (modeled layouts)
     cp_ring              cp's ring: the key/value block held and the next arriving (compute dtype),
                          and the backward's four fp32 gradient blocks (whole key/value heads)
+    checkpoint_snapshot  checkpoint.async on a CPU device: the save's copy of the states the rank writes
+                         (:func:`checkpoint_snapshot_bytes`; on a GPU it is host memory, in ``host``)
     fused_loss_chunk     the fused loss's one chunk of fp32 logits and exponentials (model.fused_loss)
     fp8_operands         precision.fp8: the largest float8 linear's operand copies during one GEMM
                          (:func:`float8_operand_bytes`); its saved activations are unchanged
@@ -64,8 +66,8 @@ from bigtrain.plan.memo import by_layout_fields, cached
 from bigtrain.plan.model import ModelSpec, kv_heads_held
 from bigtrain.plan.pipeline import PipelineModel, weight_versions
 # state_bytes, zero_formula_bytes: imported from here by callers that predate states.py
-from bigtrain.plan.states import (group_sizes, rank_state_bytes, state_bytes, unit_state_bytes,  # noqa: F401
-                                  zero_formula_bytes)
+from bigtrain.plan.states import (checkpoint_snapshot_bytes, group_sizes, rank_state_bytes, state_bytes,  # noqa: F401
+                                  unit_state_bytes, zero_formula_bytes)
 from bigtrain.plan.tiers import checkpoint_copy_bytes, host_step, reduce_bytes, tier_detail
 # rank_units: imported from here by callers that predate units.py
 from bigtrain.plan.units import (Unit, checked_pp_ranks, rank_units, replicas, stage_blocks, units_key,
@@ -352,12 +354,20 @@ def rank_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile, glo
     # host holds the larger of the two. On a CPU device that memory is the device's.
     copies = checkpoint_copy_bytes(units, layout) if tiers is not None else 0
     on_host = max(host, copies) if hardware.device != "cpu" else host
+    # checkpoint.async: the save's snapshot in host memory while the write overlaps the next steps
+    # (on a CPU device the host is the device: a buffer beside the step's peak)
+    snapshot = checkpoint_snapshot_bytes(units, layout, optimizer, block) if layout.checkpoint_async else 0
+    if snapshot and hardware.device == "cpu":
+        buffers["checkpoint_snapshot"] = snapshot
+    elif snapshot:
+        on_host += snapshot
     mem = RankMemory(pp_rank, states["params"], states["grads"], states["optimizer"], activations, buffers,
                      inflight, per_mb, capacity=hardware.memory_bytes,
                      host=moved["host"] + on_host + hardware.host_reserved_bytes, host_capacity=hardware.host_memory_bytes,
                      nvme=moved["nvme"], nvme_capacity=hardware.nvme_bytes)
     mem.detail["host_activations"] = host
     mem.detail["checkpoint_copies"] = copies
+    mem.detail["checkpoint_snapshot"] = snapshot
     mem.lazy_grads = lazy_grad_moments(model, layout, global_batch, root, list(blocks), pp_rank, mem.activations,
                                        mem.grads, optimizer, block)
     if mem.lazy_grads is not None:

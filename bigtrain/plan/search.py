@@ -147,7 +147,8 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                 delayed_update=fixed.get("delayed_update", False), fp8=fixed.get("fp8", "none"),
                                 dp_replicate=dp_replicate, compiled=fixed.get("compiled", False),
                                 reshard_after_forward=fixed.get("reshard_after_forward", True),
-                                prefetch=fixed.get("prefetch", True), split=split)
+                                prefetch=fixed.get("prefetch", True), split=split,
+                                checkpoint_async=fixed.get("checkpoint_async", False))
                 if layout not in seen:
                     seen.add(layout)
                     yield layout

@@ -24,7 +24,7 @@ from bigtrain.optim import get_optimizer
 from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.memo import cached
 from bigtrain.plan.tiers import piecewise_shard_bytes, shard_pieces
-from bigtrain.plan.units import Unit, gradient_axis_names, units_of_key
+from bigtrain.plan.units import Unit, gradient_axis_names, replicas, units_of_key
 
 
 def unit_state_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw", block: int = 256
@@ -103,6 +103,25 @@ def _piecewise_state_bytes(units: list[Unit], zero: int, nbytes: int, mixed: boo
                 for r in range(min(shards, 1024)))
     return {"params": nbytes * padded if zero < 3 else (nbytes if mixed else 4) * shard,
             "grads": 4 * (padded if zero <= 1 else shard), "optimizer": worst}
+
+
+def checkpoint_snapshot_bytes(units: list[Unit], layout: Layout, optimizer: str = "adamw", block: int = 256) -> int:
+    """``checkpoint.async``: the copy of what the rank saves that a save takes before training goes on
+    (``owned_chunks(copy=True)``, in host memory, held until the background write is committed, so
+    beside a whole step's memory): the fp32 weights of the elements it owns (the masters in mixed
+    precision, counted in the optimizer's bytes) and their optimizer state. Each element has one owner:
+    its shard's rank from ZeRO stage 1 on (over HSDP's replica groups, an even split of it), among
+    the replicas at stage 0 an even split. A bound by at most the padding and a few scalars."""
+    states = unit_state_bytes(units, layout, optimizer, block)
+    mixed = layout.precision != "fp32"
+    # per-tensor state (a step count) is saved per parameter by the owner of its first element, where
+    # the rank holds it per piece of its shard: a bound, every parameter's
+    scalars = get_optimizer(optimizer).bytes_per_tensor * sum(u.tensors for u in units)
+    if layout.zero == 0:  # every replica holds all of it: each writes its share
+        weights = 0 if mixed else states["params"]
+        return -(-(weights + states["optimizer"]) // (replicas(layout) * layout.dp_replicate)) + scalars
+    shards = sum(-(-u.numel // layout.size(u.axis)) for u in units)
+    return -(-(states["optimizer"] + (0 if mixed else 4 * shards)) // layout.dp_replicate) + scalars
 
 
 def zero_formula_bytes(params: float, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw"

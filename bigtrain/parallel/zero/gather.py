@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bigtrain.memory.spares import SpareBuffers
 from bigtrain.parallel.zero.flat import FlatUnit
 
 
@@ -73,6 +74,8 @@ class ParameterGatherer:
         self._next_forward, self._next_backward = _successors(forward), _successors(backward)
         self._work: dict[int, object] = {}
         self._reduced: list[FlatUnit] = []  # units whose gradients are reduced, freed when backward moves on
+        self.spares = SpareBuffers()  # freed units' bytes, for the next gathers (the module's docstring)
+        self._most_gathered = 0  # the most bytes gathered at once so far: the spares' bound
         for i, module in enumerate(self.modules):
             module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
             module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
@@ -98,7 +101,8 @@ class ParameterGatherer:
         for unit in units:
             if unit.gathered or id(unit) in self._work:
                 continue
-            unit.allocate_full()
+            self.spares.give(unit.full.untyped_storage(), unit.padded_numel * unit.full.element_size())
+            self._most_gathered = max(self._most_gathered, self.gathered_bytes())
             source = unit.shard_param
             if self.engine.offload is not None:  # the shard read back from its file, or copied up from the host
                 source = self.engine.offload.before_gather(unit)
@@ -149,7 +153,14 @@ class ParameterGatherer:
     def _free(self, unit: FlatUnit) -> None:
         self._finish(unit)
         if unit.gathered:
-            unit.free_full()
+            storage = unit.full.untyped_storage()
+            # kept while what is gathered (this unit no longer) and the spares stay within the peak
+            room = self._most_gathered - (self.gathered_bytes() - storage.nbytes())
+            self.spares.take(storage, limit=room)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of the units gathered now (or being gathered)."""
+        return sum(unit.full.untyped_storage().nbytes() for unit in self.engine.units)
 
     def after_reduce(self, unit: FlatUnit) -> None:
         """Called once the unit's gradients are handed to the reduce-scatter. Its weights may still
@@ -166,9 +177,11 @@ class ParameterGatherer:
         self._reduced.clear()
 
     def free_all(self) -> None:
-        """Drop every gathered copy (waiting for gathers in flight): the weights are about to change."""
+        """Drop every gathered copy (waiting for gathers in flight): the weights are about to change;
+        and the spare bytes (between steps ZeRO-3 holds no gathered unit)."""
         self._reduced.clear()
         for units in self.units:
             for unit in units:
                 self._free(unit)
+        self.spares.drop()
 

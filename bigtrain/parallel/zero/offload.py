@@ -295,11 +295,12 @@ class UnitOffload:
         self.step_units(grads, lr, publish=True)
         self.last_host_step = (start, time.perf_counter())
 
-    def step_units(self, grads: list, lr: float, publish: bool) -> None:
+    def step_units(self, grads: list, lr: float, publish: bool, stop=None) -> None:
         """Step each unit alone (its pieces given their gradient, the others none); with files, the
         next units' reads overlap this unit's step. ``publish``: each unit's compute weights are
         updated after its step (the parameter shard is read in for it); the delayed update leaves
-        them to :meth:`publish_all` and never touches the shards the forward is gathering."""
+        them to :meth:`publish_all` and never touches the shards the forward is gathering. ``stop``
+        (a ``threading.Event``, the delayed update's): once set, no further unit is stepped."""
         engine, units = self.engine, self.engine.units
         moved = (lambda u: self._optimizer_side(u) + self._shard(u)) if publish else self._optimizer_side
         for group in engine.optimizer.param_groups:
@@ -313,6 +314,8 @@ class UnitOffload:
                 for unit in units[:ahead]:
                     self._in(moved(unit), wait=False)
             for i, (unit, grad) in enumerate(zip(units, grads)):
+                if stop is not None and stop.is_set():  # cancelled: its trainer is closed or gone
+                    break
                 if self.store is not None:
                     for nxt in units[i + 1:i + 1 + ahead]:
                         self._in(moved(nxt), wait=False)
