@@ -26,7 +26,7 @@ in bf16 with ``offload.optimizer = cpu`` (``--delayed`` adds ``offload.delayed_u
 planner's fit: the fastest layout ``bigtrain plan --preset <preset> --gpus 1 --hardware <--hardware>
 --global-batch <--global-batch> --layout offload_optimizer=cpu`` finds that fits the device, the
 host's memory and its NVMe (``--hardware``: this GPU's profile by default, from its name and memory as
-``bigtrain.plan.auto.local_hardware`` reads them: h200-141g on an H200; ``--hw`` sets the profile's
+``bigtrain.plan.hardware.local_hardware`` reads them: h200-141g on an H200; ``--hw`` sets the profile's
 fields, e.g. ``host_memory_bytes``; ``--optim adamw8bit`` for smaller state). After ``--warmup`` untimed steps, each of ``--steps`` steps is
 bracketed by ``torch.cuda.synchronize()``; medians. Prints the build time, the first step against
 the steady one, tokens/s, MFU (tokens/s x the planner's ``ModelSpec.model_flops_per_token`` / the
@@ -301,7 +301,7 @@ def _rss(args) -> dict:
 def default_hardware(device: str) -> str:
     """The profile the gpu case plans for without ``--hardware``: this machine's accelerator's (it
     planned for an h100-80g on an H200, 80 GiB of its 141 GiB); with ``--device cpu``, the cpu's."""
-    from bigtrain.plan.auto import local_hardware
+    from bigtrain.plan.hardware import local_hardware
 
     return "cpu" if device == "cpu" else local_hardware()
 
@@ -311,7 +311,7 @@ def main() -> int:
     p.add_argument("--case", choices=("speed", "rss", "rss-child", "overlap", "gpu"), default="speed")
     p.add_argument("--preset", default="llama-7b", help="gpu: the model")
     p.add_argument("--hardware", default=None, help="gpu: the planner's profile of the device (default: this "
-                                                      "machine's, bigtrain.plan.auto.local_hardware: h200-141g on "
+                                                      "machine's, bigtrain.plan.hardware.local_hardware: h200-141g on "
                                                       "an H200)")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
                    help="gpu: a profile field for the planner, e.g. host_memory_bytes=134000000000")

@@ -53,7 +53,7 @@ def identity(cfg: Config, cuda: bool = False) -> dict:
 def prediction(cfg: Config, cuda: bool) -> dict | None:
     """The planner's step time, tokens/s and worst-rank memory (params, grads, optimizer,
     activations) of this config's layout on this machine's profile; None where it models no such run."""
-    from bigtrain.plan.auto import local_hardware
+    from bigtrain.plan.hardware import local_hardware
     from bigtrain.plan.fit import _layout
     from bigtrain.plan.hardware import get_profile
     from bigtrain.plan.layout import Cluster

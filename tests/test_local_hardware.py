@@ -1,4 +1,4 @@
-"""The planner's profile of this machine's GPU (``bigtrain.plan.auto.local_hardware``), with torch.cuda
+"""The planner's profile of this machine's GPU (``bigtrain.plan.hardware.local_hardware``), with torch.cuda
 faked: no GPU here. benchmarks/bench_offload.py --case gpu planned for an h100-80g on an H200 (its
 default), and preflight's size check priced every GPU as an H100."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bigtrain.plan import auto
+from bigtrain.plan import hardware
 from bigtrain.plan.hardware import PRESETS
 
 GIB = 2**30
@@ -23,10 +23,10 @@ GIB = 2**30
     ("NVIDIA A100-SXM4-80GB", 85_198_045_184, "a100-80g"),
     ("NVIDIA A100 80GB PCIe", 85_100_000_000, "a100-80g"),  # was a100-40g: only the SXM name was known
     ("NVIDIA A100-SXM4-40GB", 42_505_273_344, "a100-40g"),
-    ("NVIDIA B200", 191_000_000_000, auto.UNKNOWN_GPU),
+    ("NVIDIA B200", 191_000_000_000, hardware.UNKNOWN_GPU),
 ])
 def test_a_gpus_preset_is_its_chips_of_the_nearest_memory(name, memory, preset):
-    assert auto.hardware_of(name, memory) == preset
+    assert hardware.hardware_of(name, memory) == preset
 
 
 def _fake_gpu(monkeypatch, name: str, memory: int) -> None:
@@ -36,9 +36,9 @@ def _fake_gpu(monkeypatch, name: str, memory: int) -> None:
 
 
 def test_local_hardware_reads_this_gpus_name_and_memory(monkeypatch):
-    assert auto.local_hardware() == "cpu" and auto.local_hardware(without_gpu="h100-80g") == "h100-80g"
+    assert hardware.local_hardware() == "cpu" and hardware.local_hardware(without_gpu="h100-80g") == "h100-80g"
     _fake_gpu(monkeypatch, "NVIDIA H200", 150_754_820_096)
-    assert auto.local_hardware() == "h200-141g"
+    assert hardware.local_hardware() == "h200-141g"
 
 
 def test_bench_offload_plans_for_the_gpu_it_runs_on(monkeypatch):
@@ -68,4 +68,4 @@ def test_preflight_prices_a_gpu_run_with_its_gpus_profile(monkeypatch):
     fit.size_problems(cfg, cuda=True)  # no GPU: the default GPU's, as before
     _fake_gpu(monkeypatch, "NVIDIA H200", 150_754_820_096)
     fit.size_problems(cfg, cuda=True)
-    assert seen == [auto.UNKNOWN_GPU, "h200-141g"] and PRESETS["h200-141g"].memory_bytes > 140 * GIB
+    assert seen == [hardware.UNKNOWN_GPU, "h200-141g"] and PRESETS["h200-141g"].memory_bytes > 140 * GIB

@@ -181,8 +181,7 @@ def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False,
 
 def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: str | None = None) -> SizeCheck:
     """:func:`size_problems`, each problem saying whether another layout may solve it."""
-    from bigtrain.plan.auto import UNKNOWN_GPU, local_hardware  # auto imports this module
-    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.hardware import UNKNOWN_GPU, get_profile, local_hardware
     from bigtrain.plan.memory import estimate_memory
     from bigtrain.plan.states import zero_formula_bytes
     from bigtrain.plan.model import ModelSpec

@@ -373,3 +373,26 @@ def calibrate(output: str | Path | None = None, matmul_size: int = 1024, bf16_si
     if output is not None:
         save_profile(profile, output)
     return profile
+
+
+# The chip in torch.cuda.get_device_name's text -> its presets; the first key found wins (GH200 is an
+# H200's HBM beside a Grace CPU: its H100 chip, as the H200's).
+_GPU_CHIPS = {"H200": ("h200-141g",), "H100": ("h100-80g",), "A100": ("a100-40g", "a100-80g")}
+UNKNOWN_GPU = "h100-80g"  # a chip the presets do not know: the one bigtrain's plans default to
+
+
+def hardware_of(device_name: str, total_memory: int) -> str:
+    """The preset of a CUDA device: its chip's from its name, of the memory nearest ``total_memory``
+    (an A100 of 80 GB is "A100-SXM4-80GB" or "A100 80GB PCIe", an H100 NVL has 94 GB: the name's
+    form does not say); a chip no preset describes: ``UNKNOWN_GPU``."""
+    chip = next((presets for key, presets in _GPU_CHIPS.items() if key in device_name.upper()), (UNKNOWN_GPU,))
+    return min(chip, key=lambda name: abs(PRESETS[name].memory_bytes - total_memory))
+
+
+def local_hardware(without_gpu: str = "cpu") -> str:
+    """The preset that matches this machine's accelerator (``without_gpu`` without one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return without_gpu
+    return hardware_of(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)

@@ -37,7 +37,7 @@ def _overrides_that_differ(cfg: Config, overrides: list[str]) -> list[str]:
 
 
 def _profile(cuda: bool):
-    from bigtrain.plan.auto import local_hardware
+    from bigtrain.plan.hardware import local_hardware
     from bigtrain.plan.hardware import get_profile
 
     return get_profile(local_hardware() if cuda else "cpu")
