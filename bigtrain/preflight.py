@@ -29,7 +29,7 @@ from bigtrain.families import family_of, model_vocabulary
 from bigtrain.families.own import none_for
 from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, is_token_file, stdlib_files, stdlib_key,
                            text_files, token_dtype_problem, uses_shards)
-from bigtrain.data.fields import records_problem, tokenizer_problem
+from bigtrain.data.fields import holds, records_problem, tokenizer_problem
 from bigtrain.data.sampler import split_problem
 
 SCAN_CHUNK = 1 << 24  # token ids compared with the vocabulary per step of the scan (64 MiB of int32)
@@ -299,8 +299,8 @@ def _text_problem(cfg: Config, src: Path, need: int) -> str | None:
             return f"{field}: the folder cannot be listed ({e.strerror})"
     files = text_files(src)
     if not files:
-        return (f"{field}: no text files in this folder (looked for {', '.join(TEXT_SUFFIXES)}); give a folder "
-                f"with such files, a text file, or a .bin / .npy token file")
+        return (f"{field}: no text files in this folder (looked for {', '.join(TEXT_SUFFIXES)}"
+                f"{holds(src)}); give a folder with such files, a text file, or a .bin / .npy token file")
     total = 0
     for f in files:
         reason = _unreadable(f)

@@ -231,6 +231,57 @@ def test_a_folder_without_text_files_names_data_source(tmp_path):
         load_tokens(str(src), cache_dir=str(tmp_path / "cache"))
 
 
+def _mixed_folder(root: Path) -> Path:
+    """Three .md documents, one .py, JSON Lines, and files bigtrain does not read: .csv (also in a
+    subfolder), .js, a suffix-less LICENSE, and hidden ones (.git's, .DS_Store) that are nobody's corpus."""
+    src = root / "mixed"
+    (src / "sub").mkdir(parents=True)
+    (src / ".git").mkdir()
+    for i in range(3):
+        (src / f"a{i}.md").write_text("hello world " * 300)
+    (src / "b.py").write_text("x = 1\n")
+    (src / "c.jsonl").write_text('{"text": "hi"}\n')
+    for name in ("d.csv", "sub/e.csv", "f.js", "LICENSE", ".git/config", ".DS_Store"):
+        (src / name).write_text("a,b\n")
+    return src
+
+
+def test_files_a_folder_source_does_not_read_are_counted_by_suffix_before_launch(tmp_path, capsys):
+    """A folder of .md, .py and .jsonl beside .csv, .js and LICENSE trained on the first three alone,
+    without a word: the launcher now says which files it leaves out, by suffix, and how to include them."""
+    from bigtrain.data.load import prepare_run_data
+
+    src = _mixed_folder(tmp_path)
+    cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={src}", "--data.seq_len=16")
+    prepare_run_data(cfg, tmp_path / "run", main=True)
+    err = capsys.readouterr().err
+    assert (f"bigtrain: warning: data.source = '{src}': 4 files in this folder are not read: 2 .csv, 1 .js, "
+            f"1 without a suffix (LICENSE). The run reads only the 5 ending in .py, .txt,") in err
+    assert "give them one of these suffixes" in err and ".git" not in err and "DS_Store" not in err
+    for quiet in (src / "a0.md", tmp_path / "only_text"):  # a file source, a folder it reads whole: nothing said
+        if quiet.name == "only_text":
+            quiet.mkdir()
+            (quiet / "a.txt").write_text("hello world " * 300)
+        cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={quiet}", "--data.seq_len=16")
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        assert "not read" not in capsys.readouterr().err, quiet
+
+
+def test_a_folder_with_nothing_to_read_says_what_it_holds(tmp_path):
+    """'no text files in this folder' of a folder of .js files left its owner guessing why."""
+    from bigtrain.preflight import data_problems
+
+    src = tmp_path / "js"
+    src.mkdir()
+    (src / "a.js").write_text("var x = 1;\n" * 100)
+    (src / "b.js").write_text("var y = 1;\n" * 100)
+    problems = data_problems(tiny_config(str(tmp_path / "cache"), f"--data.source={src}"))
+    assert len(problems) == 1 and "no text files in this folder" in problems[0] and "it holds 2 .js)" in problems[0]
+    from bigtrain.data.fields import records_problem  # the same words where a tokenizer reads the folder
+
+    assert "it holds 2 .js)" in records_problem(tiny_config(str(tmp_path / "cache"), f"--data.source={src}"))
+
+
 # --------------------------------------------------------------------------- load_tokens: pre-tokenized
 
 

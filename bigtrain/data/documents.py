@@ -54,6 +54,35 @@ def corpus_files(source: Path) -> list[Path]:
     return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in DOCUMENT_SUFFIXES)
 
 
+def left_out_files(source: Path) -> list[Path]:
+    """The files of a folder source that :func:`corpus_files` does not read (their suffix is none of
+    :data:`DOCUMENT_SUFFIXES`), hidden files and folders aside (``.git``, ``.DS_Store``): a folder of
+    .js, .csv or suffix-less files beside its .md ones trained on less than its owner thought,
+    without a word (the launcher says so)."""
+    if not source.is_dir():
+        return []
+    return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix not in DOCUMENT_SUFFIXES
+                  and not any(part.startswith(".") for part in p.relative_to(source).parts))
+
+
+def left_out_summary(source: Path, files: list[Path], shown: int = 6) -> str:
+    """'5 .js, 3 .csv, 1 without a suffix (LICENSE)': ``files`` counted by suffix, most first."""
+    counts: dict[str, int] = {}
+    for f in files:
+        counts[f.suffix] = counts.get(f.suffix, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (not kv[0], -kv[1], kv[0]))  # suffix-less files last
+    parts = []
+    for suffix, count in ranked[:shown]:
+        if suffix:
+            parts.append(f"{count} {suffix}")
+        else:
+            names = [f.relative_to(source).as_posix() for f in files if not f.suffix][:3]
+            parts.append(f"{count} without a suffix ({', '.join(names)}{', ...' if count > len(names) else ''})")
+    if len(ranked) > shown:
+        parts.append(f"{sum(c for _, c in ranked[shown:])} of {len(ranked) - shown} other suffixes")
+    return ", ".join(parts)
+
+
 def has_records(files: list[Path]) -> bool:
     return any(f.suffix in RECORD_SUFFIXES for f in files)
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from bigtrain.config import Config
-from bigtrain.data.documents import corpus_files, parquet_missing
+from bigtrain.data.documents import DOCUMENT_SUFFIXES, corpus_files, left_out_files, left_out_summary, parquet_missing
 from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, document_end_id, load_tokenizer, missing_package,
                                      tokenizer_file, tokenizer_kind)
 from bigtrain.field_checks import looked_in
@@ -93,7 +93,17 @@ def records_problem(cfg: Config) -> str | None:
     except OSError as e:
         return f"data.source = '{d.source}': the folder cannot be listed ({e.strerror})"
     if not files:
-        return (f"data.source = '{d.source}': no text, .jsonl or .parquet files in this folder; give a folder with "
-                f"such files, a file, or a .bin / .npy token file")
+        return (f"data.source = '{d.source}': no text, .jsonl or .parquet files in this folder (looked for "
+                f"{', '.join(DOCUMENT_SUFFIXES)}{holds(source)}); give a folder with such files, a file, or a .bin / "
+                f".npy token file")
     return None
+
+
+def holds(folder: Path) -> str:
+    """'; it holds 3 .js, 1 .csv': what an empty-looking corpus folder has instead ('' for nothing)."""
+    try:
+        files = left_out_files(folder)
+    except OSError:
+        return ""
+    return f"; it holds {left_out_summary(folder, files)}" if files else "; it holds no files"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bigtrain.config import DataConfig
 from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files, text_files
-from bigtrain.data.documents import corpus_files, has_records
+from bigtrain.data.documents import DOCUMENT_SUFFIXES, corpus_files, has_records, left_out_files, left_out_summary
 from bigtrain.data.sampler import split_problem
 from bigtrain.data.shards import ShardedTokens, corpus_key, prepared
 from bigtrain.data.tokenizer import BYTES, file_digest, tokenizer_file
@@ -132,6 +132,28 @@ def cap_warning(d: DataConfig, manifest: dict | None) -> str | None:
             f"{d.max_bytes:,} bytes of text; set data.max_bytes = 0 to read all of it")
 
 
+def left_out_warning(d: DataConfig) -> str | None:
+    """A folder ``data.source`` holding files that are not read (a suffix bigtrain does not read as
+    text or records): the run trains on fewer documents than the folder holds. Said before launch
+    with the count of each suffix left out; no field selects suffixes, so the fix is the files'."""
+    if d.source == "stdlib" or is_token_file(d.source):
+        return None
+    source = source_path(d)
+    try:
+        left_out = left_out_files(source)
+    except OSError:  # a folder that cannot be listed: the pre-launch checks say so
+        return None
+    if not left_out:
+        return None
+    read = len(source_files(d))
+    them = "them" if len(left_out) != 1 else "it"
+    return (f"data.source = '{d.source}': {len(left_out)} file{'s' if len(left_out) != 1 else ''} in this folder "
+            f"{'are' if len(left_out) != 1 else 'is'} not read: {left_out_summary(source, left_out)}. The run reads "
+            f"only the {read} ending in {', '.join(DOCUMENT_SUFFIXES)}; to train on {them} too, give {them} one of "
+            f"these suffixes (text as .txt, records as .jsonl lines of {{\"{d.text_field}\": ...}}), or move {them} "
+            f"out of the folder to silence this")
+
+
 def encoding_warning(d: DataConfig, manifest: dict | None) -> str | None:
     """Text files of a tokenized corpus that were not UTF-8 (its manifest counts them): their
     undecodable bytes were read as U+FFFD, one token for every accented letter of a Latin-1 file.
@@ -173,7 +195,7 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
-    for warning in (cap_warning(d, manifest), encoding_warning(d, manifest)):
+    for warning in (left_out_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest)):
         if main and warning and not launched_by_bigtrain():  # else its launcher said it
             print(f"bigtrain: warning: {warning}", file=sys.stderr)
     if main and d.tokenizer != BYTES:
