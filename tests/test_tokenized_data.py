@@ -111,6 +111,32 @@ def test_data_document_end_puts_its_token_after_each_document(bpe, text_folder, 
     assert np.array_equal(np.asarray(load_corpus(plain)), _expected_ids(tok, _texts()))
 
 
+def test_a_document_end_the_tokenizer_appends_itself_is_put_once(bpe, text_folder, tmp_path):
+    """A tokenizer.json whose post-processor ends each document with <|endoftext|> (``$A <|endoftext|>``),
+    and data.document_end = '<|endoftext|>': each document ended with two of them. Now once, as without
+    the field; the manifest and the build's log say the tokenizer put it there."""
+    from tokenizers import Tokenizer, processors
+
+    path, tok = bpe
+    end = tok.token_to_id("<|endoftext|>")
+    own = Tokenizer.from_file(str(path))
+    own.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", end)])
+    appends = tmp_path / "appends" / "tokenizer.json"
+    appends.parent.mkdir()
+    own.save(str(appends))
+    expected = np.concatenate([np.append(tok.encode(t).ids, end) for t in _texts()])
+    said = []
+    for document_end in ("", "<|endoftext|>"):
+        d = _data(text_folder, appends, tmp_path, document_end=document_end)
+        manifest = prepare_corpus(d, shard_bytes=60_000, workers=1, log=said.append)
+        assert np.array_equal(np.asarray(load_corpus(d)), expected), document_end
+        assert manifest["document_end_by_tokenizer"] is bool(document_end)
+    assert sum("not put there a second time" in line for line in said) == 1
+    # A tokenizer that puts nothing after a document still gets the token from the field.
+    d = _data(text_folder, path, tmp_path, document_end="<|endoftext|>")
+    assert np.array_equal(np.asarray(load_corpus(d)), expected)
+
+
 @pytest.mark.parametrize("tokenizer, end, accepted", [("bpe", "<|endoftext|>", True), ("bpe", "</s>", False),
                                                       ("bytes", "|", True), ("bytes", "<eos>", False)])
 def test_a_document_end_that_is_not_one_token_is_refused_before_launch(bpe, text_folder, tmp_path, tokenizer, end,
