@@ -35,6 +35,13 @@ def data_field_problems(cfg: Config) -> list[str]:
         if where:
             problems.append(f"data.tokenizer = '{d.tokenizer}': {where}; give a local tokenizer.json, a folder "
                             f"holding one, a .tiktoken file, or 'bytes' (nothing is downloaded)")
+        elif tokenizer_kind(d.tokenizer) == "tiktoken" and _binary(path):
+            # Llama 2's and Mistral's tokenizer.model (a SentencePiece protobuf) was taken for a tiktoken
+            # file: "pip install tiktoken", then a parse error (Llama 3's tokenizer.model is tiktoken's text)
+            problems.append(f"data.tokenizer = '{d.tokenizer}' is a binary file (a SentencePiece model?), not a "
+                            f"tiktoken file's 'BASE64 RANK' lines; bigtrain does not read SentencePiece: give the "
+                            f"tokenizer.json beside it, or make one (transformers' "
+                            f"AutoTokenizer.from_pretrained(FOLDER).save_pretrained(OUT) writes OUT/tokenizer.json)")
         else:
             kind = tokenizer_kind(d.tokenizer)
             need = missing_package(kind)
@@ -51,6 +58,21 @@ def data_field_problems(cfg: Config) -> list[str]:
             problems.append(f"data.source = '{d.source}' holds Parquet files, which need pyarrow: {need} (or convert "
                             f"them to JSON Lines: one {{\"{d.text_field or 'text'}\": ...}} record a line)")
     return problems
+
+
+def _binary(path: Path) -> bool:
+    """Whether a file's first bytes hold a NUL or are not UTF-8 (no tiktoken file's are)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # not a character cut at the end of the 512 bytes
+            return True
+    return b"\x00" in head
 
 
 def _has_parquet(folder: Path) -> bool:
