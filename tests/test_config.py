@@ -210,6 +210,33 @@ def test_unknown_key_suggests_the_nearest():
     assert e.value.problems == ["command line: unknown key 'train.stepz'; did you mean 'steps'?"]
 
 
+@pytest.mark.parametrize("given, meant", [
+    ("train.max_steps", "'train.steps'"),  # was "did you mean 'max_bad_steps'?"
+    ("optim.learning_rate", "'optim.lr'"),  # was every optim field
+    ("train.seq_len", "'data.seq_len'"),  # a field of another section
+    ("train.seqlen", "'data.seq_len'"),  # close to another section's field: not 'seed'
+    ("model.hidden_size", "'model.dim'"),
+    ("parallel.zero_stage", "'parallel.zero'"),
+    ("train.batch_size", "'train.global_batch' (sequences a step) or 'train.micro_batch'"),
+    ("train.output_dir", "'--output-dir' (a flag of bigtrain train, not a field)"),
+])
+def test_an_unknown_key_is_answered_with_the_field_a_user_of_other_tools_meant(given, meant):
+    with pytest.raises(ConfigError) as e:
+        load_config(preset="tiny", overrides=[f"--{given}=5"])
+    assert e.value.problems == [f"command line: unknown key '{given}'; did you mean {meant}?"]
+
+
+def test_other_tools_names_point_at_fields_that_exist():
+    import re
+
+    from bigtrain.config import OTHER_TOOLS_NAMES, _field_types, _section_types
+
+    sections = _section_types()
+    for name, meant in OTHER_TOOLS_NAMES.items():
+        for dotted in re.findall(r"\b([a-z]+)\.([a-z_0-9]+)", meant):
+            assert dotted[1] in _field_types(sections[dotted[0]]), (name, dotted)
+
+
 def test_unknown_key_without_a_close_match_lists_the_valid_keys():
     with pytest.raises(ConfigError) as e:
         load_config(preset="tiny", overrides=["--precision.qqqqqq=1"])
