@@ -471,7 +471,11 @@ def test_fixed_keys_are_kept_and_the_rest_chosen(capsys):
     ([*LLAMA_7B, "--gpus", 8, "--layout", "cp=3"], "cp=3 takes 3 GPUs, which does not divide --gpus = 8"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=2,cp=3"], "dp=2 x cp=3 takes 6 GPUs"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=4,tp=4,pp=1,sp=1"], "dp x tp x pp x sp = 4 x 4 x 1 x 1"),
-    ([*LLAMA_7B, "--gpus", 8, "--layout", "dq=8"], "unknown key 'dq'"),
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "dq=8"], "unknown key 'dq'; did you mean 'dp'?"),
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=8;tp=1"], "dp = '8;tp=1': separate the keys with commas, e.g. 'dp=8,tp=1'"),
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=eight"], "dp = 'eight': must be a whole number"),  # was int()'s words
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "zero=4"], "--layout: zero = '4': must be 0, 1, 2 or 3"),
+    ([*LLAMA_7B, "--gpus", 8, "--layout", "pq=2"], "unknown key 'pq'; keys: dp, tp"),  # as near six axes: no guess
     # an axis given twice (or once more by an alias) was taken from its last mention, unseen
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=2,tp=4,dp=8"], "dp is given twice .'dp=2' and 'dp=8'"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "tp=2,tp_sp=on,sequence_parallel=off"], "tp_sp is given twice"),
@@ -481,6 +485,7 @@ def test_fixed_keys_are_kept_and_the_rest_chosen(capsys):
     ([*LLAMA_7B, "--hw", "achievable_fraction=2"], "achievable_fraction"),
 ])
 def test_bad_input_names_the_field(argv, field):
+    field = field.replace("?", r"\?")
     with pytest.raises(ConfigError, match=field.replace("(", r"\(")):
         _cli("plan", *argv)
 
@@ -651,3 +656,9 @@ def test_zero3_gather_settings_given_to_the_search_are_the_ones_it_prices_and_au
     cfg = load_config(preset="tiny", overrides=["--parallel.reshard_after_forward=false", "--parallel.prefetch=false"])
     overrides, _ = auto_overrides(cfg, 1, hardware="cpu")
     assert "--parallel.reshard_after_forward=false" in overrides and "--parallel.prefetch=false" in overrides
+
+
+def test_layout_keys_are_read_whatever_their_case():
+    from bigtrain.plan.layout import parse_layout
+
+    assert parse_layout("DP=8,Recompute=full") == {"dp": 8, "recompute": "full"}
