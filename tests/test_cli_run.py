@@ -31,14 +31,17 @@ def test_one_rank_run_writes_metrics_report_and_config(corpus_cache, tmp_path):
     assert "dim = 64" in (tmp_path / "config.toml").read_text()
 
 
-def test_cli_resume_continues_and_rewrites_the_log(corpus_cache, tmp_path):
+def test_cli_resume_continues_and_rewrites_the_log(corpus_cache, tmp_path, capsys):
     assert main(_args(corpus_cache, tmp_path / "straight")) == 0
     straight = [r["loss"] for r in read_metrics(tmp_path / "straight")]
     assert main(_args(corpus_cache, tmp_path / "resumed", "--checkpoint.every=3")) == 0
     # Drop the last checkpoint as if the run had died after step 3.
     import shutil
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000006")
+    capsys.readouterr()
     assert main(_args(corpus_cache, tmp_path / "resumed", "--checkpoint.every=3", "--resume")) == 0
+    # said first: a resumed run had begun at 'step 4/6' without a word of where it came from
+    assert capsys.readouterr().out.startswith("bigtrain: resuming from step_00000003 (step 3 of 6)\n")
     resumed = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(1, 7))
     assert [r["loss"] for r in resumed] == straight
