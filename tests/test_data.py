@@ -267,6 +267,25 @@ def test_files_a_folder_source_does_not_read_are_counted_by_suffix_before_launch
         assert "not read" not in capsys.readouterr().err, quiet
 
 
+def test_a_corpus_smaller_than_one_batch_is_said_before_launch(tmp_path, capsys):
+    """181 bytes of text at 8 windows of 32 a step trained without a word (windows are drawn with
+    replacement); said now, with how often the run reads each token. A corpus of one batch or more,
+    a text file or ids, says nothing."""
+    from bigtrain.data.load import prepare_run_data
+
+    short = tmp_path / "short.txt"
+    short.write_text("the quick brown fox jumps over the lazy dog. " * 4 + "\n")  # 181 bytes
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(256, dtype=np.uint16) % 200)
+    for source, said in ((short, True), (ids, False)):
+        cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={source}", "--data.seq_len=32",
+                          "--train.global_batch=8", "--train.micro_batch=8", "--train.steps=200")
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        err = capsys.readouterr().err
+        assert ("has 181 training tokens, fewer than one step's batch (train.global_batch x data.seq_len = 8 x 32 = "
+                "256 tokens)" in err and "the run's 200 steps read each about 283 times" in err) == said, source
+
+
 def test_a_folder_with_nothing_to_read_says_what_it_holds(tmp_path):
     """'no text files in this folder' of a folder of .js files left its owner guessing why."""
     from bigtrain.preflight import data_problems

@@ -154,6 +154,41 @@ def left_out_warning(d: DataConfig) -> str | None:
             f"out of the folder to silence this")
 
 
+def corpus_tokens(d: DataConfig, manifest: dict | None) -> int | None:
+    """The corpus's token count where it is cheap to know (None for 'stdlib', large anyway): a
+    tokenized corpus's manifest, a token file's length, a byte-level corpus's bytes up to the cap."""
+    if manifest is not None:
+        return int(manifest["tokens"])
+    if d.source == "stdlib":
+        return None
+    try:
+        if is_token_file(d.source):
+            return len(load_token_file(d.source))
+        total = sum(f.stat().st_size for f in text_files(source_path(d)))
+    except (OSError, ValueError):  # said by the pre-launch checks
+        return None
+    return min(total, d.max_bytes) if d.max_bytes else total
+
+
+def small_corpus_warning(cfg, manifest: dict | None) -> str | None:
+    """A corpus smaller than one step's batch trains (windows are drawn with replacement), but every
+    step reads the same few tokens again: a user who gave a short file for a first try got a loss
+    that fell to nothing, without a word of why."""
+    d, t = cfg.data, cfg.train
+    tokens = corpus_tokens(d, manifest)
+    if tokens is None:
+        return None
+    train = tokens - int(tokens * d.val_fraction)
+    batch = t.global_batch * d.seq_len
+    if train >= batch:
+        return None
+    reads = t.steps * batch / max(train, 1)
+    return (f"data.source = '{d.source}' has {train:,} training tokens, fewer than one step's batch (train.global_batch"
+            f" x data.seq_len = {t.global_batch} x {d.seq_len} = {batch:,} tokens): windows are drawn with "
+            f"replacement, so every step reads the same tokens again (the run's {t.steps:,} steps read each about "
+            f"{reads:,.0f} times); give a longer corpus, or lower train.global_batch or data.seq_len")
+
+
 def encoding_warning(d: DataConfig, manifest: dict | None) -> str | None:
     """Text files of a tokenized corpus that were not UTF-8 (its manifest counts them): their
     undecodable bytes were read as U+FFFD, one token for every accented letter of a Latin-1 file.
@@ -195,7 +230,8 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
-    for warning in (left_out_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest)):
+    for warning in (left_out_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest),
+                    small_corpus_warning(cfg, manifest)):
         if main and warning and not launched_by_bigtrain():  # else its launcher said it
             print(f"bigtrain: warning: {warning}", file=sys.stderr)
     if main and d.tokenizer != BYTES:
