@@ -352,6 +352,19 @@ def test_the_proposed_layout_fits_the_same_machine(monkeypatch):
     assert fixed.parallel.world_size == 2 and fit.size_problems(fixed, local_ranks=2)[0] == []
 
 
+def test_the_proposed_layout_leaves_room_when_one_does(monkeypatch):
+    """llama-1b on a 23.5 GiB host was proposed --train.micro_batch=2 at 23.5 GiB a rank: all of the
+    machine (the fit check's 'close to the limit' warning on the very advice it gave). The fastest
+    layout below that limit comes first now."""
+    cfg = load_config(preset="llama-1b")
+    monkeypatch.setattr(fit, "host_memory", lambda: int(23.5 * 2**30))
+    problems, _ = refit.size_problems_and_fixes(cfg)
+    assert len(problems) == 1 and "A layout that fits on this machine (1 rank): --" in problems[0], problems
+    overrides = problems[0].split("(1 rank): ")[1].split(" (the planner:")[0].split()
+    fixed = load_config(preset="llama-1b", overrides=overrides)
+    assert fit.size_problems(fixed) == ([], []), overrides
+
+
 def test_the_layouts_proposed_keep_the_runs_fp8_and_say_so():
     # The search behind a proposal prices the run as configured: fp8's weight copies and its speed
     # (the planner once searched in bf16 alone and described its layout without fp8).
