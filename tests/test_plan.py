@@ -662,3 +662,15 @@ def test_layout_keys_are_read_whatever_their_case():
     from bigtrain.plan.layout import parse_layout
 
     assert parse_layout("DP=8,Recompute=full") == {"dp": 8, "recompute": "full"}
+
+
+def test_a_slow_plan_says_its_rate_and_why_its_first_wins(capsys):
+    """llama-1b in bf16 on the cpu profile: '0 tokens/s' in every row, and 'Why #1 beats #2' said the
+    runner-up's 3.7 s longer step (its selective_recompute, a part #1 does not have) was the same
+    time, won on memory by the layout that took more."""
+    _cli("plan", "--preset", "llama-1b", "--gpus", 1, "--hardware", "cpu")
+    out = capsys.readouterr().out
+    assert " 0 tokens/s" not in out and "speed    0.186 tokens/s (0.186 per GPU)" in out
+    why = next(line for line in out.splitlines() if line.startswith("Why #1 beats #2"))
+    assert why == ("Why #1 beats #2 (recompute none vs selective): #2's step is <0.1% longer "
+                   "(+3.72 s selective_recompute).")
