@@ -139,6 +139,18 @@ def _suggest_key(section: str, key: str, sections: dict[str, type]) -> str:
     return _suggest(key, own)
 
 
+def _outside_hint(key: str, sections: dict[str, type]) -> str:
+    """For a key above every [section]: the section(s) that have it ('steps': [train]), else the
+    field it most likely meant (:func:`_suggest_key`'s guesses), else where to look."""
+    homes = [name for name, cls in sections.items() if key in _field_types(cls)]
+    if homes:
+        return "; put it under " + " or ".join(f"[{h}] ({h}.{key})" for h in homes)
+    meant = _suggest_key("train", key, sections)
+    if "did you mean '" in meant and "." in meant.split("did you mean '", 1)[1].split("'", 1)[0]:
+        return meant
+    return "; `bigtrain fields` lists them by section"
+
+
 def _coerce(dotted: str, value: Any, typ: type) -> Any:
     """Turn a TOML or command-line value into the field's type, or raise a ConfigError."""
     return _checked_value(dotted, _typed(dotted, value, typ))
@@ -215,6 +227,10 @@ def apply_values(cfg: Config, values: dict[str, dict[str, Any]], origin: str) ->
     problems = []
     sections = _section_types()
     for section, items in values.items():
+        if section not in sections and not isinstance(items, dict):  # 'steps = 3' above every [section]
+            problems.append(f"{origin}: '{section}' is set outside any [section]; every field belongs to one"
+                            f"{_outside_hint(section, sections)}")
+            continue
         if section not in sections:
             problems.append(f"{origin}: unknown section [{section}]{_suggest(section, list(sections))}")
             continue

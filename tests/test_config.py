@@ -226,6 +226,21 @@ def test_an_unknown_key_is_answered_with_the_field_a_user_of_other_tools_meant(g
     assert e.value.problems == [f"command line: unknown key '{given}'; did you mean {meant}?"]
 
 
+@pytest.mark.parametrize("line, said", [
+    ("steps = 3", "'steps' is set outside any [section]; every field belongs to one; put it under [train] (train.steps)"),
+    ("learning_rate = 1e-3", "'learning_rate' is set outside any [section]; every field belongs to one; did you "
+                             "mean 'optim.lr'?"),
+    ("xyzzy = 1", "'xyzzy' is set outside any [section]; every field belongs to one; `bigtrain fields` lists them "
+                  "by section"),
+])
+def test_a_key_above_every_section_is_named_as_such(tmp_path, line, said):
+    """'steps = 3' at the top of a file was answered "unknown section [steps]; valid: model, ..."."""
+    path = _write(tmp_path, line + "\n[train]\nseed = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path=path)
+    assert e.value.problems == [f"{path}: {said}"]
+
+
 def test_other_tools_names_point_at_fields_that_exist():
     import re
 
