@@ -41,7 +41,10 @@ def test_cli_resume_continues_and_rewrites_the_log(corpus_cache, tmp_path, capsy
     capsys.readouterr()
     assert main(_args(corpus_cache, tmp_path / "resumed", "--checkpoint.every=3", "--resume")) == 0
     # said first: a resumed run had begun at 'step 4/6' without a word of where it came from
-    assert capsys.readouterr().out.startswith("bigtrain: resuming from step_00000003 (step 3 of 6)\n")
+    out = capsys.readouterr().out
+    assert out.startswith("bigtrain: resuming from step_00000003 (step 3 of 6)\n")
+    # and its last line is this launch's: '6 steps, loss <step 4's> -> ...' read as the whole run's
+    assert "bigtrain: steps 4-6 (resumed at step 3), loss " in out
     resumed = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(1, 7))
     assert [r["loss"] for r in resumed] == straight
