@@ -23,6 +23,13 @@ from bigtrain.cli import _infer_dp, _parser, _resolve, main
     (["export", "run", "out", "--formt", "hf"], "did you mean --format?"),
     (["generate", "run", "--prompt", "x", "--temprature=0"], "did you mean --temperature=0?"),
     (["trian", "--preset", "tiny"], "no command 'trian'; did you mean 'train'?"),
+    # a preset or config file given bare was taken for a run folder; a command left out was
+    # "invalid choice: 'tiny'"
+    (["train", "tiny"], "  tiny: a preset is given as --preset tiny\n"),
+    (["train", "smal"], "  smal: a preset is given as --preset small\n"),
+    (["train", "nowhere/my.toml"], "  nowhere/my.toml: a config file is given as --config nowhere/my.toml\n"),
+    (["--preset", "tiny"], "bigtrain: no command before --preset; give one first, e.g. bigtrain train --preset tiny"),
+    (["--train.steps=3"], "bigtrain: no command before --train.steps; give one first, e.g. bigtrain train"),
 ])
 def test_a_mistyped_flag_or_command_gets_a_suggestion_and_exit_2(argv, hint, capsys):
     assert main(argv) == 2
