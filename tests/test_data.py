@@ -286,6 +286,29 @@ def test_a_corpus_smaller_than_one_batch_is_said_before_launch(tmp_path, capsys)
                 "256 tokens)" in err and "the run's 200 steps read each about 283 times" in err) == said, source
 
 
+def test_a_single_table_or_binary_file_read_as_text_is_said_and_a_torch_file_refused(tmp_path, capsys):
+    """A .csv given as data.source trained on its header and commas, a binary file on its bytes, both
+    without a word; a torch.save'd tensor of ids was 'a zip-compressed file ... unzip it'."""
+    from bigtrain.config import ConfigError
+    from bigtrain.data.load import prepare_run_data
+
+    table, blob, text = tmp_path / "rows.csv", tmp_path / "x.arrow", tmp_path / "a.txt"
+    table.write_text("text,label\n" + "".join(f'"sentence {i}",{i % 2}\n' for i in range(100)))
+    blob.write_bytes(b"ARROW1\x00\x00" + bytes(range(256)) * 4)
+    text.write_text("hello world " * 100)
+    for source, said in ((table, "is read as one plain-text document: its header, commas and quotes"),
+                         (blob, "holds NUL bytes: it looks binary"), (text, None)):
+        cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={source}", "--data.seq_len=16")
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        err = capsys.readouterr().err
+        assert (said in err) if said else "warning" not in err, source
+    ids = tmp_path / "ids.pt"
+    torch.save(torch.arange(500), ids)
+    with pytest.raises(ConfigError) as refused:
+        tiny_config(str(tmp_path / "cache"), f"--data.source={ids}")
+    assert "is a PyTorch file (torch.save)" in str(refused.value) and "unzip" not in str(refused.value)
+
+
 def test_a_folder_with_nothing_to_read_says_what_it_holds(tmp_path):
     """'no text files in this folder' of a folder of .js files left its owner guessing why."""
     from bigtrain.preflight import data_problems

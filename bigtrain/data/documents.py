@@ -42,9 +42,23 @@ def compressed_problem(path: Path) -> str | None:
     kind = next((k for magic, k in COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
     if kind is None:
         return None
+    if kind == "zip" and _torch_saved(path):  # torch.save writes a zip: "unzip ids.pt" was the advice
+        return (f"data.source = '{path}' is a PyTorch file (torch.save), not text or token ids bigtrain reads; save "
+                f"the ids with numpy instead: np.save('ids.npy', tensor.numpy()) (integers), and give the .npy")
     return (f"data.source = '{path}' is a {kind}-compressed file, which bigtrain does not decompress (its compressed "
             f"bytes would be trained on as text); decompress it first ({DECOMPRESS[kind]} {shlex.quote(str(path))}) and give the "
             f"plain file")
+
+
+def _torch_saved(path: Path) -> bool:
+    """Whether a zip file is torch.save's (its archive holds a pickle: ``NAME/data.pkl``)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def corpus_files(source: Path) -> list[Path]:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from bigtrain.config import DataConfig
 from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files, text_files
-from bigtrain.data.documents import DOCUMENT_SUFFIXES, corpus_files, has_records, left_out_files, left_out_summary
+from bigtrain.data.documents import (DOCUMENT_SUFFIXES, RECORD_SUFFIXES, corpus_files, has_records, left_out_files,
+                                     left_out_summary)
 from bigtrain.data.sampler import split_problem
 from bigtrain.data.shards import ShardedTokens, corpus_key, prepared
 from bigtrain.data.tokenizer import BYTES, file_digest, tokenizer_file
@@ -113,6 +114,34 @@ def run_tokenizer(run_dir: Path) -> Path | None:
     for name in RUN_TOKENIZER_NAMES.values():
         if (Path(run_dir) / name).is_file():
             return Path(run_dir) / name
+    return None
+
+
+TABLE_SUFFIXES = (".csv", ".tsv")
+
+
+def single_file_warning(d: DataConfig) -> str | None:
+    """A single file ``data.source`` that is read as one plain-text document but was likely meant
+    otherwise: a table (.csv / .tsv: its header, separators and quotes trained on as they are) or a
+    binary file (NUL bytes: an .arrow, .pkl or .safetensors trained on as bytes, without a word)."""
+    if d.source == "stdlib" or is_token_file(d.source):
+        return None
+    path = source_path(d)
+    if not path.is_file() or path.suffix in RECORD_SUFFIXES:
+        return None
+    if path.suffix in TABLE_SUFFIXES:
+        return (f"data.source = '{d.source}' is read as one plain-text document: its header, "
+                f"{'commas' if path.suffix == '.csv' else 'tabs'} and quotes are trained on as they are (bigtrain "
+                f"reads records only from .jsonl and .parquet); to train on one column, write it as .jsonl lines "
+                f"of {{\"{d.text_field}\": ...}}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    if b"\x00" in head:
+        return (f"data.source = '{d.source}' holds NUL bytes: it looks binary, not text, and is trained on as it is; "
+                f"give text (.txt, .jsonl, .parquet) or token ids (.npy, .bin)")
     return None
 
 
@@ -230,7 +259,7 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
-    for warning in (left_out_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest),
+    for warning in (left_out_warning(d), single_file_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest),
                     small_corpus_warning(cfg, manifest)):
         if main and warning and not launched_by_bigtrain():  # else its launcher said it
             print(f"bigtrain: warning: {warning}", file=sys.stderr)
