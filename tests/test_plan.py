@@ -480,7 +480,9 @@ def test_fixed_keys_are_kept_and_the_rest_chosen(capsys):
     ([*LLAMA_7B, "--gpus", 8, "--layout", "dp=2,tp=4,dp=8"], "dp is given twice .'dp=2' and 'dp=8'"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "tp=2,tp_sp=on,sequence_parallel=off"], "tp_sp is given twice"),
     ([*LLAMA_7B, "--gpus", 8, "--layout", "tp=3,dp=1,pp=1,sp=1"], "tp = 3"),
-    ([*LLAMA_7B, "--hardware", "tpu"], "--hardware"),
+    ([*LLAMA_7B, "--hardware", "tpu"], "--hardware = 'tpu': unknown; presets: "),  # no guess of cpu
+    ([*LLAMA_7B, "--hardware", "h100"], "--hardware = 'h100': unknown; did you mean 'h100-80g'?"),
+    ([*LLAMA_7B, "--hardware", "a100"], "did you mean 'a100-40g' or 'a100-80g'?"),
     ([*LLAMA_7B, "--global-batch", 0], "--global-batch"),
     ([*LLAMA_7B, "--hw", "achievable_fraction=2"], "achievable_fraction"),
 ])
