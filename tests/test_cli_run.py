@@ -75,7 +75,7 @@ def test_plan_command_says_why_7b_does_not_fit_one_gpu(capsys):
     code = main(["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000", "--seq", "4096",
                  "--gpus", "1", "--hardware", "h100-80g"])
     out = capsys.readouterr().out
-    assert code == 1 and "Nothing fits" in out and "16 bytes per parameter" in out
+    assert code == 1 and "Nothing fits" in out and "18 bytes per parameter" in out
 
 
 def test_parallel_auto_on_cpu_plans_ranks_that_share_the_host_cores(monkeypatch, tmp_path):

@@ -454,10 +454,15 @@ def explain_no_fit(result: SearchResult, cluster: Cluster) -> list[str]:
     lines += explain_memory(plan.memory, plan.model, plan.layout, hw.name)
     usable = hw.usable_bytes / (1 + hw.fragmentation)
     if plan.memory.model_states > usable:
-        full = 16  # 2 + 2 + 12 mixed (bf16 weights and grads, fp32 master and moments) or 4 + 4 + 8 in fp32
+        # bigtrain's own bytes, as the line above counts them: the ZeRO paper's 16 (2 + 2 + 12) keeps
+        # bf16 gradients, bigtrain reduces and keeps them in fp32: 2 + 4 + 12 = 18 mixed, 4 + 4 + 8 in fp32
+        # (the paper's 16 was said under a line that counted 18, and undercounted the GPUs needed).
+        mixed = plan.layout.precision != "fp32"
+        spec = get_optimizer(plan.memory.optimizer_name)
+        full = (2 if mixed else 4) + 4 + (4 if mixed else 0) + spec.bytes_per_param
         need = -(-int(full * plan.model.params) // int(usable))
-        lines.append(f"  model states alone exceed the device: full training with AdamW keeps {full} bytes per "
-                     f"parameter; sharded over every GPU (ZeRO-3) it needs at least {need} GPUs of this kind, "
+        lines.append(f"  model states alone exceed the device: full training with {spec.name} keeps {full:g} bytes "
+                     f"per parameter; sharded over every GPU (ZeRO-3) it needs at least {need} GPUs of this kind, "
                      f"before activations")
     else:
         lines.append("  model states fit: lower the micro-batch, recompute more, or shard activations (tp, pp, sp)")
