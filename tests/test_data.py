@@ -309,6 +309,20 @@ def test_a_single_table_or_binary_file_read_as_text_is_said_and_a_torch_file_ref
     assert "is a PyTorch file (torch.save)" in str(refused.value) and "unzip" not in str(refused.value)
 
 
+def test_a_hugging_face_save_to_disk_folder_is_refused_by_what_it_is(tmp_path):
+    """datasets' save_to_disk folder: its state.json and dataset_info.json (read as text) were the
+    whole corpus, its .arrow records left out."""
+    from bigtrain.config import ConfigError
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"\xff\xff\xff\xff" + b"\x00" * 4000)
+    (saved / "state.json").write_text('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}' * 20)
+    (saved / "dataset_info.json").write_text('{"features": {"text": {"dtype": "string"}}}' * 20)
+    with pytest.raises(ConfigError, match="is a Hugging Face datasets folder .save_to_disk's .arrow files."):
+        tiny_config(str(tmp_path / "cache"), f"--data.source={saved}")
+
+
 def test_a_folder_with_nothing_to_read_says_what_it_holds(tmp_path):
     """'no text files in this folder' of a folder of .js files left its owner guessing why."""
     from bigtrain.preflight import data_problems

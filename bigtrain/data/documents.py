@@ -50,6 +50,22 @@ def compressed_problem(path: Path) -> str | None:
             f"plain file")
 
 
+def saved_dataset_problem(path: Path) -> str | None:
+    """A Hugging Face ``datasets`` folder written by ``save_to_disk`` (``*.arrow`` shards beside its
+    ``state.json`` and ``dataset_info.json``): read as a corpus folder, its two JSON metadata files
+    were the whole corpus (.json is read as text) and its records were left out."""
+    try:
+        if not (path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+                and any(path.glob("*.arrow"))):
+            return None
+    except OSError:
+        return None
+    return (f"data.source = '{path}' is a Hugging Face datasets folder (save_to_disk's .arrow files), which bigtrain "
+            f"does not read (only its JSON metadata would be trained on); write it as Parquet or JSON Lines first: "
+            f"datasets.load_from_disk('{path}').to_parquet('corpus.parquet'), and give that file (with "
+            f"data.text_field naming the text column)")
+
+
 def _torch_saved(path: Path) -> bool:
     """Whether a zip file is torch.save's (its archive holds a pickle: ``NAME/data.pkl``)."""
     import zipfile
