@@ -562,9 +562,9 @@ def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tm
     enc = tiktoken.Encoding("small", pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
     expected = np.concatenate([np.asarray(enc.encode_ordinary(t)) for t in _texts()])
     assert np.array_equal(np.asarray(load_corpus(d)), expected)
-    ended = _data(text_folder, enc_file, tmp_path / "cache", document_end="\x00")
+    ended = _data(text_folder, enc_file, tmp_path / "cache", document_end="\n")  # one rank: the byte 10
     assert np.array_equal(np.asarray(load_corpus(ended)),
-                          np.concatenate([np.append(enc.encode_ordinary(t), 0) for t in _texts()]))
+                          np.concatenate([np.append(enc.encode_ordinary(t), 10) for t in _texts()]))
 
     out = tmp_path / "hf"
     out.mkdir()
