@@ -383,7 +383,19 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     problems += size
     if problems:
         raise ConfigError(problems)
-    return layout_warnings(cfg) + init_from_tokenizer_warnings(cfg) + warnings
+    return layout_warnings(cfg) + init_from_tokenizer_warnings(cfg) + held_out_warnings(cfg) + warnings
+
+
+def held_out_warnings(cfg: Config) -> list[str]:
+    """A held-out slice nothing evaluates: data.val_fraction takes its tokens from training, and with
+    train.eval_every = 0 no eval_loss is ever logged (the opposite, eval_every without a slice, is
+    refused by validation)."""
+    d, t = cfg.data, cfg.train
+    if d.val_fraction > 0 and t.eval_every == 0 and family_of(cfg).reads_tokens:
+        return [f"data.val_fraction = {d.val_fraction:g} holds out the corpus's last tokens from training, but "
+                f"train.eval_every = 0 never evaluates them (no eval_loss is logged); set train.eval_every, e.g. "
+                f"{max(1, t.steps // 10)}, or data.val_fraction = 0"]
+    return []
 
 
 def init_from_tokenizer_warnings(cfg: Config) -> list[str]:

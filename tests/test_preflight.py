@@ -411,3 +411,16 @@ def test_a_model_started_from_a_folder_with_a_tokenizer_is_warned_when_trained_o
     assert warnings("--data.source=ids.bin") == []  # pre-tokenized ids: what they mean is not known
     (folder / "tokenizer.json").unlink()
     assert warnings() == []  # no tokenizer beside the weights (a byte-level export)
+
+
+def test_a_held_out_slice_nothing_evaluates_is_warned():
+    """data.val_fraction without train.eval_every took tokens from training and logged no eval_loss,
+    without a word (eval_every without a slice is refused)."""
+    from bigtrain.preflight import held_out_warnings
+
+    said = held_out_warnings(load_config(preset="tiny", overrides=["--data.val_fraction=0.1"]))
+    assert said == ["data.val_fraction = 0.1 holds out the corpus's last tokens from training, but train.eval_every = 0 "
+                    "never evaluates them (no eval_loss is logged); set train.eval_every, e.g. 2, or "
+                    "data.val_fraction = 0"]
+    assert held_out_warnings(load_config(preset="tiny", overrides=["--data.val_fraction=0.1",
+                                                                   "--train.eval_every=5"])) == []
