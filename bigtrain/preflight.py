@@ -383,7 +383,20 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     problems += size
     if problems:
         raise ConfigError(problems)
-    return layout_warnings(cfg) + init_from_tokenizer_warnings(cfg) + held_out_warnings(cfg) + warnings
+    return (layout_warnings(cfg) + init_from_tokenizer_warnings(cfg) + held_out_warnings(cfg) + schedule_warnings(cfg)
+            + warnings)
+
+
+def schedule_warnings(cfg: Config) -> list[str]:
+    """A warm-up as long as the run: the learning rate rises the whole run and never reaches
+    optim.lr (a preset's 100-step warm-up under a short --train.steps, without a word)."""
+    o, t = cfg.optim, cfg.train
+    if o.warmup_steps >= t.steps > 0:
+        reached = o.lr * t.steps / o.warmup_steps
+        return [f"optim.warmup_steps = {o.warmup_steps} >= train.steps = {t.steps}: the learning rate rises for the "
+                f"whole run and ends at {reached:.3g}, not optim.lr = {o.lr:g}; lower optim.warmup_steps (e.g. "
+                f"{max(1, t.steps // 10)}) or train longer"]
+    return []
 
 
 def held_out_warnings(cfg: Config) -> list[str]:

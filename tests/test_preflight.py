@@ -424,3 +424,13 @@ def test_a_held_out_slice_nothing_evaluates_is_warned():
                     "data.val_fraction = 0"]
     assert held_out_warnings(load_config(preset="tiny", overrides=["--data.val_fraction=0.1",
                                                                    "--train.eval_every=5"])) == []
+
+
+def test_a_warm_up_as_long_as_the_run_is_warned():
+    """A preset's warm-up under a short --train.steps: the learning rate never reached optim.lr."""
+    from bigtrain.preflight import schedule_warnings
+
+    said = schedule_warnings(load_config(preset="tiny", overrides=["--optim.warmup_steps=500", "--train.steps=2"]))
+    assert said == ["optim.warmup_steps = 500 >= train.steps = 2: the learning rate rises for the whole run and ends "
+                    "at 1.2e-05, not optim.lr = 0.003; lower optim.warmup_steps (e.g. 1) or train longer"]
+    assert schedule_warnings(load_config(preset="tiny")) == []
