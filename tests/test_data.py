@@ -323,6 +323,23 @@ def test_a_hugging_face_save_to_disk_folder_is_refused_by_what_it_is(tmp_path):
         tiny_config(str(tmp_path / "cache"), f"--data.source={saved}")
 
 
+def test_a_project_folder_whose_environment_would_be_read_is_said(tmp_path, capsys):
+    """A project folder as data.source read its .venv's and node_modules' .py / .json files with its
+    docs, without a word."""
+    from bigtrain.data.load import prepare_run_data
+
+    project = tmp_path / "project"
+    for name in (".venv/lib/site-packages/pkg/a.py", ".venv/lib/site-packages/pkg/b.py", "node_modules/x/package.json",
+                 "docs/guide.md"):
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text("text of the file " * 40)
+    for source, said in ((project, True), (project / "docs", False)):
+        cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={source}", "--data.seq_len=16")
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        assert (f"data.source = '{source}' reads 3 files under hidden or tool folders (.venv/: 2, node_modules/: 1)"
+                in capsys.readouterr().err) == said, source
+
+
 def test_a_folder_with_nothing_to_read_says_what_it_holds(tmp_path):
     """'no text files in this folder' of a folder of .js files left its owner guessing why."""
     from bigtrain.preflight import data_problems

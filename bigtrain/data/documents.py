@@ -95,6 +95,25 @@ def left_out_files(source: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(source).parts))
 
 
+TOOL_FOLDERS = ("node_modules", "site-packages", "__pycache__")  # a project's tools, not its text
+
+
+def tool_folder_files(source: Path, files: list[Path]) -> dict[str, int]:
+    """Of the files a folder source reads, those under a hidden folder (.venv, .git, .tox) or a tool's
+    (node_modules, site-packages), counted by that folder's name: a project folder given as the
+    corpus trained on its virtual environment's thousands of .py files."""
+    counts: dict[str, int] = {}
+    for f in files:
+        try:
+            parts = f.relative_to(source).parts[:-1]
+        except ValueError:
+            continue
+        home = next((p for p in parts if p.startswith(".") or p in TOOL_FOLDERS), None)
+        if home is not None:
+            counts[home] = counts.get(home, 0) + 1
+    return counts
+
+
 def left_out_summary(source: Path, files: list[Path], shown: int = 6) -> str:
     """'5 .js, 3 .csv, 1 without a suffix (LICENSE)': ``files`` counted by suffix, most first."""
     counts: dict[str, int] = {}

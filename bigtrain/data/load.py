@@ -21,7 +21,7 @@ from pathlib import Path
 from bigtrain.config import DataConfig
 from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files, text_files
 from bigtrain.data.documents import (DOCUMENT_SUFFIXES, RECORD_SUFFIXES, corpus_files, has_records, left_out_files,
-                                     left_out_summary)
+                                     left_out_summary, tool_folder_files)
 from bigtrain.data.sampler import split_problem
 from bigtrain.data.shards import ShardedTokens, corpus_key, prepared
 from bigtrain.data.tokenizer import BYTES, file_digest, tokenizer_file
@@ -115,6 +115,27 @@ def run_tokenizer(run_dir: Path) -> Path | None:
         if (Path(run_dir) / name).is_file():
             return Path(run_dir) / name
     return None
+
+
+def tool_folder_warning(d: DataConfig) -> str | None:
+    """A folder source whose read files include a hidden or tool folder's (.venv, .git, node_modules):
+    said with their counts, since a project folder given as the corpus trained on its dependencies."""
+    if d.source == "stdlib" or is_token_file(d.source):
+        return None
+    source = source_path(d)
+    if not source.is_dir():
+        return None
+    try:
+        counts = tool_folder_files(source, source_files(d))
+    except OSError:
+        return None
+    if not counts:
+        return None
+    total = sum(counts.values())
+    where = ", ".join(f"{name}/: {n:,}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return (f"data.source = '{d.source}' reads {total:,} file{'s' if total != 1 else ''} under hidden or tool folders "
+            f"({where}), a project's environment rather than its text; point data.source at the folder of the "
+            f"text itself, or move those out")
 
 
 TABLE_SUFFIXES = (".csv", ".tsv")
@@ -259,7 +280,7 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
-    for warning in (left_out_warning(d), single_file_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest),
+    for warning in (left_out_warning(d), tool_folder_warning(d), single_file_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest),
                     small_corpus_warning(cfg, manifest)):
         if main and warning and not launched_by_bigtrain():  # else its launcher said it
             print(f"bigtrain: warning: {warning}", file=sys.stderr)
