@@ -102,6 +102,8 @@ def _preset(args: argparse.Namespace) -> str | None:
 
 def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
     resume = getattr(args, "resume", False)
+    if resume and not args.output_dir:  # (with --preset it resumed a new runs/<preset>-<time>: "nothing valid")
+        raise ConfigError(f"--resume continues the run in --output-dir: give --output-dir RUN_DIR{_newest_run()}")
     if resume and args.preset is None and args.config is None:  # the run's own settings, not the default preset
         cfg = load_config(path=_run_config(args), overrides=overrides)
     else:
@@ -114,6 +116,17 @@ def _resolve(args: argparse.Namespace, overrides: list[str]) -> Config:
     if resume:
         cfg.checkpoint.resume = "auto"
     return cfg
+
+
+def _newest_run() -> str:
+    """' (the newest here: runs/small-20261128-160452)': the run folder a bare --resume most likely meant."""
+    try:
+        runs = [p for p in Path("runs").iterdir() if (p / "config.toml").is_file()]
+    except OSError:
+        return ""
+    if not runs:
+        return ""
+    return f" (the newest here: {max(runs, key=lambda p: p.stat().st_mtime)})"
 
 
 def _run_config(args: argparse.Namespace) -> Path:

@@ -102,6 +102,11 @@ def unknown_arguments_message(command: str, unknown: list[str], parser: argparse
     for arg in unknown:
         if arg.startswith("-") and (hint := suggest_flag(arg, parser, takes_overrides)):
             lines.append(f"  {arg}: did you mean {hint}?")
+        elif not arg.startswith("-") and "--preset" in _options(parser) and (preset := _preset_meant(arg)):
+            # `bigtrain train tiny`: was answered as a run folder given without --output-dir
+            lines.append(f"  {arg}: a preset is given as --preset {preset}")
+        elif not arg.startswith("-") and "--config" in _options(parser) and arg.endswith(".toml"):
+            lines.append(f"  {arg}: a config file is given as --config {shlex.quote(arg)}")
         elif not arg.startswith("-") and "--output-dir" in _options(parser) and "--resume" in _options(parser):
             # `--resume runs/x`, as resume_from_checkpoint=PATH elsewhere: --resume takes no value
             folder = shlex.quote(arg)
@@ -115,8 +120,24 @@ def unknown_arguments_message(command: str, unknown: list[str], parser: argparse
     return "\n".join(lines)
 
 
+def _preset_meant(arg: str) -> str | None:
+    """The preset a bare word names or nearly names ('tiny', 'smal'), else None."""
+    from bigtrain.config import preset_names
+
+    if Path(arg).exists():  # a folder or file of that name: not a preset (the other hints say what it is)
+        return None
+    close = difflib.get_close_matches(arg, preset_names(), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def suggest_command(argv: list[str], commands: list[str]) -> str | None:
-    """For ``bigtrain trian ...``: 'did you mean train?' (None when the command is known)."""
+    """For ``bigtrain trian ...``: 'did you mean train?'; for ``bigtrain --preset tiny``: the command
+    it lacks (argparse said "invalid choice: 'tiny'"). None when the command is known."""
+    if argv and argv[0].startswith("--") and argv[0] not in ("--help", "--version") and "-h" not in argv:
+        flag = argv[0].split("=", 1)[0]
+        if flag in ("--preset", "--config", "--output-dir", "--resume") or "." in flag:
+            return (f"bigtrain: no command before {flag}; give one first, e.g. bigtrain train {' '.join(argv)} "
+                    f"(commands: {', '.join(commands)})")
     if not argv or argv[0].startswith("-") or argv[0] in commands:
         return None
     close = difflib.get_close_matches(argv[0], commands, n=1)

@@ -92,6 +92,65 @@ def _suggest(name: str, choices: list[str]) -> str:
     return "; did you mean " + " or ".join(f"'{c}'" for c in best) + "?"
 
 
+# Names other tools give these fields (Hugging Face's TrainingArguments and config.json, Megatron,
+# DeepSpeed, nanoGPT): `--train.max_steps` was answered "did you mean 'max_bad_steps'?", and
+# `--optim.learning_rate` with a list of every optim field.
+OTHER_TOOLS_NAMES: dict[str, str] = {
+    "learning_rate": "optim.lr", "lr": "optim.lr", "max_lr": "optim.lr", "warmup": "optim.warmup_steps",
+    "warmup_iters": "optim.warmup_steps", "max_grad_norm": "optim.grad_clip", "clip_grad": "optim.grad_clip",
+    "gradient_clipping": "optim.grad_clip", "optimizer": "optim.name",
+    "max_steps": "train.steps", "train_iters": "train.steps", "max_iters": "train.steps", "num_steps": "train.steps",
+    "batch_size": "'train.global_batch' (sequences a step) or 'train.micro_batch'", "global_batch_size": "train.global_batch",
+    "train_batch_size": "train.global_batch", "micro_batch_size": "train.micro_batch",
+    "per_device_train_batch_size": "train.micro_batch", "train_micro_batch_size_per_gpu": "train.micro_batch",
+    "seq_length": "data.seq_len", "sequence_length": "data.seq_len", "context_length": "data.seq_len",
+    "max_seq_length": "data.seq_len", "block_size": "data.seq_len", "dataset": "data.source",
+    "data_path": "data.source", "hidden_size": "model.dim", "n_embd": "model.dim", "d_model": "model.dim",
+    "num_hidden_layers": "model.n_layers", "num_layers": "model.n_layers", "n_layer": "model.n_layers",
+    "num_attention_heads": "model.n_heads", "n_head": "model.n_heads", "num_key_value_heads": "model.n_kv_heads",
+    "intermediate_size": "model.ffn_hidden", "ffn_hidden_size": "model.ffn_hidden",
+    "max_position_embeddings": "model.max_seq_len", "tie_word_embeddings": "model.tie_embeddings",
+    "zero_stage": "parallel.zero", "stage": "parallel.zero", "tensor_model_parallel_size": "parallel.tp",
+    "tensor_parallel": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp", "pipeline_parallel": "parallel.pp",
+    "data_parallel": "parallel.dp", "dtype": "precision.mode", "mixed_precision": "precision.mode",
+    "output_dir": "'--output-dir' (a flag of bigtrain train, not a field)",
+}
+
+
+def _suggest_key(section: str, key: str, sections: dict[str, type]) -> str:
+    """What an unknown ``[section] key`` most likely meant: a field of that section close to it, the
+    same name in another section ('train.seq_len': 'data.seq_len'), another tool's name for a field
+    (:data:`OTHER_TOOLS_NAMES`), a close field of another section, else the section's fields."""
+    own = list(_field_types(sections[section]))
+    if key in OTHER_TOOLS_NAMES:
+        meant = OTHER_TOOLS_NAMES[key]
+        return f"; did you mean {meant if meant.startswith(chr(39)) else repr(meant)}?"
+    elsewhere = [f"{name}.{key}" for name, cls in sections.items() if key in _field_types(cls)]
+    if elsewhere:
+        return "; did you mean " + " or ".join(f"'{d}'" for d in elsewhere) + "?"
+    def score(choice: str) -> float:
+        return difflib.SequenceMatcher(None, key, choice).ratio()
+
+    everywhere = [f"{name}.{field}" for name, cls in sections.items() for field in _field_types(cls)]
+    close = difflib.get_close_matches(key, [d.split(".", 1)[1] for d in everywhere], n=1, cutoff=0.75)
+    near = difflib.get_close_matches(key, own, n=1)
+    if close and (not near or score(close[0]) > score(near[0])):  # 'train.seqlen': data.seq_len, not seed
+        return "; did you mean " + " or ".join(f"'{d}'" for d in everywhere if d.endswith(f".{close[0]}")) + "?"
+    return _suggest(key, own)
+
+
+def _outside_hint(key: str, sections: dict[str, type]) -> str:
+    """For a key above every [section]: the section(s) that have it ('steps': [train]), else the
+    field it most likely meant (:func:`_suggest_key`'s guesses), else where to look."""
+    homes = [name for name, cls in sections.items() if key in _field_types(cls)]
+    if homes:
+        return "; put it under " + " or ".join(f"[{h}] ({h}.{key})" for h in homes)
+    meant = _suggest_key("train", key, sections)
+    if "did you mean '" in meant and "." in meant.split("did you mean '", 1)[1].split("'", 1)[0]:
+        return meant
+    return "; `bigtrain fields` lists them by section"
+
+
 def _coerce(dotted: str, value: Any, typ: type) -> Any:
     """Turn a TOML or command-line value into the field's type, or raise a ConfigError."""
     return _checked_value(dotted, _typed(dotted, value, typ))
@@ -168,6 +227,10 @@ def apply_values(cfg: Config, values: dict[str, dict[str, Any]], origin: str) ->
     problems = []
     sections = _section_types()
     for section, items in values.items():
+        if section not in sections and not isinstance(items, dict):  # 'steps = 3' above every [section]
+            problems.append(f"{origin}: '{section}' is set outside any [section]; every field belongs to one"
+                            f"{_outside_hint(section, sections)}")
+            continue
         if section not in sections:
             problems.append(f"{origin}: unknown section [{section}]{_suggest(section, list(sections))}")
             continue
@@ -184,7 +247,7 @@ def apply_values(cfg: Config, values: dict[str, dict[str, Any]], origin: str) ->
         for key, value in items.items():
             dotted = f"{section}.{key}"
             if key not in types:
-                problems.append(f"{origin}: unknown key '{dotted}'{_suggest(key, list(types))}")
+                problems.append(f"{origin}: unknown key '{dotted}'{_suggest_key(section, key, sections)}")
                 continue
             try:
                 setattr(obj, key, _coerce(dotted, value, types[key]))

@@ -320,8 +320,9 @@ class DataConfig:
     text_field: str = doc("JSON Lines / Parquet sources: the key (column) that holds each record's text.", "text")
     document_end: str = doc("A token put after each document, as the token id it is in data.tokenizer, e.g. "
                             "'<|endoftext|>' (GPT-2, Qwen) or '</s>' (Llama 2): documents then meet at it "
-                            "instead of running into each other. It must be one token of the tokenizer. '' "
-                            "puts nothing (a tokenizer may add its own).", "")
+                            "instead of running into each other. It must be one token of the tokenizer; one that the "
+                            "tokenizer already puts after each document is not put a second time. '' puts nothing "
+                            "(a tokenizer may add its own).", "")
     seq_len: int = doc("Tokens per sample.", 128)
     cache_dir: str = doc("Where tokenized corpora are cached; '' means ~/.cache/bigtrain.", "")
     max_bytes: int = doc("Cap on the bytes of text read from a corpus, before tokenizing (0: no cap).", 16_000_000)

@@ -29,7 +29,7 @@ from bigtrain.families import family_of, model_vocabulary
 from bigtrain.families.own import none_for
 from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, is_token_file, stdlib_files, stdlib_key,
                            text_files, token_dtype_problem, uses_shards)
-from bigtrain.data.fields import records_problem, tokenizer_problem
+from bigtrain.data.fields import holds, records_problem, tokenizer_problem
 from bigtrain.data.sampler import split_problem
 
 SCAN_CHUNK = 1 << 24  # token ids compared with the vocabulary per step of the scan (64 MiB of int32)
@@ -299,8 +299,8 @@ def _text_problem(cfg: Config, src: Path, need: int) -> str | None:
             return f"{field}: the folder cannot be listed ({e.strerror})"
     files = text_files(src)
     if not files:
-        return (f"{field}: no text files in this folder (looked for {', '.join(TEXT_SUFFIXES)}); give a folder "
-                f"with such files, a text file, or a .bin / .npy token file")
+        return (f"{field}: no text files in this folder (looked for {', '.join(TEXT_SUFFIXES)}"
+                f"{holds(src)}); give a folder with such files, a text file, or a .bin / .npy token file")
     total = 0
     for f in files:
         reason = _unreadable(f)
@@ -383,7 +383,32 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     problems += size
     if problems:
         raise ConfigError(problems)
-    return layout_warnings(cfg) + init_from_tokenizer_warnings(cfg) + warnings
+    return (layout_warnings(cfg) + init_from_tokenizer_warnings(cfg) + held_out_warnings(cfg) + schedule_warnings(cfg)
+            + warnings)
+
+
+def schedule_warnings(cfg: Config) -> list[str]:
+    """A warm-up as long as the run: the learning rate rises the whole run and never reaches
+    optim.lr (a preset's 100-step warm-up under a short --train.steps, without a word)."""
+    o, t = cfg.optim, cfg.train
+    if o.warmup_steps >= t.steps > 0:
+        reached = o.lr * t.steps / o.warmup_steps
+        return [f"optim.warmup_steps = {o.warmup_steps} >= train.steps = {t.steps}: the learning rate rises for the "
+                f"whole run and ends at {reached:.3g}, not optim.lr = {o.lr:g}; lower optim.warmup_steps (e.g. "
+                f"{max(1, t.steps // 10)}) or train longer"]
+    return []
+
+
+def held_out_warnings(cfg: Config) -> list[str]:
+    """A held-out slice nothing evaluates: data.val_fraction takes its tokens from training, and with
+    train.eval_every = 0 no eval_loss is ever logged (the opposite, eval_every without a slice, is
+    refused by validation)."""
+    d, t = cfg.data, cfg.train
+    if d.val_fraction > 0 and t.eval_every == 0 and family_of(cfg).reads_tokens:
+        return [f"data.val_fraction = {d.val_fraction:g} holds out the corpus's last tokens from training, but "
+                f"train.eval_every = 0 never evaluates them (no eval_loss is logged); set train.eval_every, e.g. "
+                f"{max(1, t.steps // 10)}, or data.val_fraction = 0"]
+    return []
 
 
 def init_from_tokenizer_warnings(cfg: Config) -> list[str]:

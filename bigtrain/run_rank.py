@@ -61,6 +61,10 @@ def run_rank(cfg: Config, run_dir: Path, lock=None) -> int:
             report = write_report(run_dir) if cfg.logging.report else None
             if history:
                 steps = f"{trainer.step} step" + ("" if trainer.step == 1 else "s")
+                if history[0].step > 0:  # resumed: '25 steps, loss 3.19 -> 3.01' read as the whole run's loss
+                    first = history[0].step + 1
+                    steps = (f"step {first}" if first == trainer.step else f"steps {first}-{trainer.step}") \
+                        + f" (resumed at step {history[0].step})"
                 print(f"bigtrain: {steps}, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}; "
                       f"run directory {run_dir}" + (f", report {report}" if report else ""))
     finally:

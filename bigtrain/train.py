@@ -71,6 +71,9 @@ class Trainer(StepRunner):
             # launcher's restart after the final save) would otherwise write it again, removing the
             # old one first (a crash meanwhile lost the run's newest checkpoint).
             saved_at = self.step if ckpt.is_checkpoint_of(self.checkpoint_root, self.resumed_from) else None
+            if self.is_main and self.step < cfg.train.steps:  # (a resumed run began at 'step 5/N', saying nothing)
+                where = self.resumed_from.name if saved_at is not None else str(self.resumed_from)  # another run's
+                print(f"bigtrain: resuming from {where} (step {self.step} of {cfg.train.steps})", flush=True)
         elif ckpt.list_checkpoints(self.checkpoint_root):  # a fresh run would rotate them away, or resume them
             newest = ckpt.list_checkpoints(self.checkpoint_root)[0].name
             raise ResumeError(f"{self.run_dir} holds checkpoints of a run (newest {newest}): continue it with "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv with torch and bigtrain; `--test` adds the test tools and the peers the tests compare
-# with (pytest, transformers, torchao, bitsandbytes: about 1.5 GB more). Safe to run again: it skips
+# with (pytest, transformers, torchao, bitsandbytes, tiktoken: about 1.5 GB more). Safe to run again: it skips
 # what is there.
 # torch is installed first and pinned (BIGTRAIN_TORCH, default torch==2.13.0) when none is present,
 # so that pip never resolves bigtrain's torch range to the registry's newest CUDA build (several

@@ -2,6 +2,7 @@
 (exit 2), ``train --help`` with fields, defaults and examples, dp from the world size; and what
 importing the command line costs a process."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,15 @@ from bigtrain.cli import _infer_dp, _parser, _resolve, main
     (["export", "run", "out", "--formt", "hf"], "did you mean --format?"),
     (["generate", "run", "--prompt", "x", "--temprature=0"], "did you mean --temperature=0?"),
     (["trian", "--preset", "tiny"], "no command 'trian'; did you mean 'train'?"),
+    # a preset or config file given bare was taken for a run folder; a command left out was
+    # "invalid choice: 'tiny'"
+    (["train", "tiny"], "  tiny: a preset is given as --preset tiny\n"),
+    (["train", "smal"], "  smal: a preset is given as --preset small\n"),
+    (["train", "nowhere/my.toml"], "  nowhere/my.toml: a config file is given as --config nowhere/my.toml\n"),
+    (["--preset", "tiny"], "bigtrain: no command before --preset; give one first, e.g. bigtrain train --preset tiny"),
+    (["--train.steps=3"], "bigtrain: no command before --train.steps; give one first, e.g. bigtrain train"),
+    # with --preset, a bare --resume resumed a new runs/tiny-<time>: "nothing valid to resume from"
+    (["train", "--preset", "tiny", "--resume"], "--resume continues the run in --output-dir: give --output-dir RUN_DIR"),
 ])
 def test_a_mistyped_flag_or_command_gets_a_suggestion_and_exit_2(argv, hint, capsys):
     assert main(argv) == 2
@@ -263,3 +273,14 @@ def test_the_command_line_and_the_trainer_import_dcp_only_to_save_or_load(tmp_pa
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_bare_resume_names_the_newest_run_here(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for name in ("small-1", "small-2", "not-a-run"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+    for name, when in (("small-1", 1000), ("small-2", 2000)):
+        (tmp_path / "runs" / name / "config.toml").write_text("")
+        os.utime(tmp_path / "runs" / name, (when, when))
+    assert main(["train", "--resume"]) == 2
+    assert f"give --output-dir RUN_DIR (the newest here: {Path('runs') / 'small-2'})" in capsys.readouterr().err

@@ -31,14 +31,20 @@ def test_one_rank_run_writes_metrics_report_and_config(corpus_cache, tmp_path):
     assert "dim = 64" in (tmp_path / "config.toml").read_text()
 
 
-def test_cli_resume_continues_and_rewrites_the_log(corpus_cache, tmp_path):
+def test_cli_resume_continues_and_rewrites_the_log(corpus_cache, tmp_path, capsys):
     assert main(_args(corpus_cache, tmp_path / "straight")) == 0
     straight = [r["loss"] for r in read_metrics(tmp_path / "straight")]
     assert main(_args(corpus_cache, tmp_path / "resumed", "--checkpoint.every=3")) == 0
     # Drop the last checkpoint as if the run had died after step 3.
     import shutil
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000006")
+    capsys.readouterr()
     assert main(_args(corpus_cache, tmp_path / "resumed", "--checkpoint.every=3", "--resume")) == 0
+    # said first: a resumed run had begun at 'step 4/6' without a word of where it came from
+    out = capsys.readouterr().out
+    assert out.startswith("bigtrain: resuming from step_00000003 (step 3 of 6)\n")
+    # and its last line is this launch's: '6 steps, loss <step 4's> -> ...' read as the whole run's
+    assert "bigtrain: steps 4-6 (resumed at step 3), loss " in out
     resumed = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(1, 7))
     assert [r["loss"] for r in resumed] == straight
@@ -69,7 +75,7 @@ def test_plan_command_says_why_7b_does_not_fit_one_gpu(capsys):
     code = main(["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000", "--seq", "4096",
                  "--gpus", "1", "--hardware", "h100-80g"])
     out = capsys.readouterr().out
-    assert code == 1 and "Nothing fits" in out and "16 bytes per parameter" in out
+    assert code == 1 and "Nothing fits" in out and "18 bytes per parameter" in out
 
 
 def test_parallel_auto_on_cpu_plans_ranks_that_share_the_host_cores(monkeypatch, tmp_path):

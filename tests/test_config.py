@@ -210,6 +210,48 @@ def test_unknown_key_suggests_the_nearest():
     assert e.value.problems == ["command line: unknown key 'train.stepz'; did you mean 'steps'?"]
 
 
+@pytest.mark.parametrize("given, meant", [
+    ("train.max_steps", "'train.steps'"),  # was "did you mean 'max_bad_steps'?"
+    ("optim.learning_rate", "'optim.lr'"),  # was every optim field
+    ("train.seq_len", "'data.seq_len'"),  # a field of another section
+    ("train.seqlen", "'data.seq_len'"),  # close to another section's field: not 'seed'
+    ("model.hidden_size", "'model.dim'"),
+    ("parallel.zero_stage", "'parallel.zero'"),
+    ("train.batch_size", "'train.global_batch' (sequences a step) or 'train.micro_batch'"),
+    ("train.output_dir", "'--output-dir' (a flag of bigtrain train, not a field)"),
+])
+def test_an_unknown_key_is_answered_with_the_field_a_user_of_other_tools_meant(given, meant):
+    with pytest.raises(ConfigError) as e:
+        load_config(preset="tiny", overrides=[f"--{given}=5"])
+    assert e.value.problems == [f"command line: unknown key '{given}'; did you mean {meant}?"]
+
+
+@pytest.mark.parametrize("line, said", [
+    ("steps = 3", "'steps' is set outside any [section]; every field belongs to one; put it under [train] (train.steps)"),
+    ("learning_rate = 1e-3", "'learning_rate' is set outside any [section]; every field belongs to one; did you "
+                             "mean 'optim.lr'?"),
+    ("xyzzy = 1", "'xyzzy' is set outside any [section]; every field belongs to one; `bigtrain fields` lists them "
+                  "by section"),
+])
+def test_a_key_above_every_section_is_named_as_such(tmp_path, line, said):
+    """'steps = 3' at the top of a file was answered "unknown section [steps]; valid: model, ..."."""
+    path = _write(tmp_path, line + "\n[train]\nseed = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path=path)
+    assert e.value.problems == [f"{path}: {said}"]
+
+
+def test_other_tools_names_point_at_fields_that_exist():
+    import re
+
+    from bigtrain.config import OTHER_TOOLS_NAMES, _field_types, _section_types
+
+    sections = _section_types()
+    for name, meant in OTHER_TOOLS_NAMES.items():
+        for dotted in re.findall(r"\b([a-z]+)\.([a-z_0-9]+)", meant):
+            assert dotted[1] in _field_types(sections[dotted[0]]), (name, dotted)
+
+
 def test_unknown_key_without_a_close_match_lists_the_valid_keys():
     with pytest.raises(ConfigError) as e:
         load_config(preset="tiny", overrides=["--precision.qqqqqq=1"])

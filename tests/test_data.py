@@ -231,6 +231,130 @@ def test_a_folder_without_text_files_names_data_source(tmp_path):
         load_tokens(str(src), cache_dir=str(tmp_path / "cache"))
 
 
+def _mixed_folder(root: Path) -> Path:
+    """Three .md documents, one .py, JSON Lines, and files bigtrain does not read: .csv (also in a
+    subfolder), .js, a suffix-less LICENSE, and hidden ones (.git's, .DS_Store) that are nobody's corpus."""
+    src = root / "mixed"
+    (src / "sub").mkdir(parents=True)
+    (src / ".git").mkdir()
+    for i in range(3):
+        (src / f"a{i}.md").write_text("hello world " * 300)
+    (src / "b.py").write_text("x = 1\n")
+    (src / "c.jsonl").write_text('{"text": "hi"}\n')
+    for name in ("d.csv", "sub/e.csv", "f.js", "LICENSE", ".git/config", ".DS_Store"):
+        (src / name).write_text("a,b\n")
+    return src
+
+
+def test_files_a_folder_source_does_not_read_are_counted_by_suffix_before_launch(tmp_path, capsys):
+    """A folder of .md, .py and .jsonl beside .csv, .js and LICENSE trained on the first three alone,
+    without a word: the launcher now says which files it leaves out, by suffix, and how to include them."""
+    from bigtrain.data.load import prepare_run_data
+
+    src = _mixed_folder(tmp_path)
+    cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={src}", "--data.seq_len=16")
+    prepare_run_data(cfg, tmp_path / "run", main=True)
+    err = capsys.readouterr().err
+    assert (f"bigtrain: warning: data.source = '{src}': 4 files in this folder are not read: 2 .csv, 1 .js, "
+            f"1 without a suffix (LICENSE). The run reads only the 5 ending in .py, .txt,") in err
+    assert "give them one of these suffixes" in err and ".git" not in err and "DS_Store" not in err
+    for quiet in (src / "a0.md", tmp_path / "only_text"):  # a file source, a folder it reads whole: nothing said
+        if quiet.name == "only_text":
+            quiet.mkdir()
+            (quiet / "a.txt").write_text("hello world " * 300)
+        cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={quiet}", "--data.seq_len=16")
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        assert "not read" not in capsys.readouterr().err, quiet
+
+
+def test_a_corpus_smaller_than_one_batch_is_said_before_launch(tmp_path, capsys):
+    """181 bytes of text at 8 windows of 32 a step trained without a word (windows are drawn with
+    replacement); said now, with how often the run reads each token. A corpus of one batch or more,
+    a text file or ids, says nothing."""
+    from bigtrain.data.load import prepare_run_data
+
+    short = tmp_path / "short.txt"
+    short.write_text("the quick brown fox jumps over the lazy dog. " * 4 + "\n")  # 181 bytes
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(256, dtype=np.uint16) % 200)
+    for source, said in ((short, True), (ids, False)):
+        cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={source}", "--data.seq_len=32",
+                          "--train.global_batch=8", "--train.micro_batch=8", "--train.steps=200")
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        err = capsys.readouterr().err
+        assert ("has 181 training tokens, fewer than one step's batch (train.global_batch x data.seq_len = 8 x 32 = "
+                "256 tokens)" in err and "the run's 200 steps read each about 283 times" in err) == said, source
+
+
+def test_a_single_table_or_binary_file_read_as_text_is_said_and_a_torch_file_refused(tmp_path, capsys):
+    """A .csv given as data.source trained on its header and commas, a binary file on its bytes, both
+    without a word; a torch.save'd tensor of ids was 'a zip-compressed file ... unzip it'."""
+    from bigtrain.config import ConfigError
+    from bigtrain.data.load import prepare_run_data
+
+    table, blob, text = tmp_path / "rows.csv", tmp_path / "x.arrow", tmp_path / "a.txt"
+    table.write_text("text,label\n" + "".join(f'"sentence {i}",{i % 2}\n' for i in range(100)))
+    blob.write_bytes(b"ARROW1\x00\x00" + bytes(range(256)) * 4)
+    text.write_text("hello world " * 100)
+    for source, said in ((table, "is read as one plain-text document: its header, commas and quotes"),
+                         (blob, "holds NUL bytes: it looks binary"), (text, None)):
+        cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={source}", "--data.seq_len=16")
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        err = capsys.readouterr().err
+        assert (said in err) if said else "warning" not in err, source
+    ids = tmp_path / "ids.pt"
+    torch.save(torch.arange(500), ids)
+    with pytest.raises(ConfigError) as refused:
+        tiny_config(str(tmp_path / "cache"), f"--data.source={ids}")
+    assert "is a PyTorch file (torch.save)" in str(refused.value) and "unzip" not in str(refused.value)
+
+
+def test_a_hugging_face_save_to_disk_folder_is_refused_by_what_it_is(tmp_path):
+    """datasets' save_to_disk folder: its state.json and dataset_info.json (read as text) were the
+    whole corpus, its .arrow records left out."""
+    from bigtrain.config import ConfigError
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"\xff\xff\xff\xff" + b"\x00" * 4000)
+    (saved / "state.json").write_text('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}' * 20)
+    (saved / "dataset_info.json").write_text('{"features": {"text": {"dtype": "string"}}}' * 20)
+    with pytest.raises(ConfigError, match="is a Hugging Face datasets folder .save_to_disk's .arrow files."):
+        tiny_config(str(tmp_path / "cache"), f"--data.source={saved}")
+
+
+def test_a_project_folder_whose_environment_would_be_read_is_said(tmp_path, capsys):
+    """A project folder as data.source read its .venv's and node_modules' .py / .json files with its
+    docs, without a word."""
+    from bigtrain.data.load import prepare_run_data
+
+    project = tmp_path / "project"
+    for name in (".venv/lib/site-packages/pkg/a.py", ".venv/lib/site-packages/pkg/b.py", "node_modules/x/package.json",
+                 "docs/guide.md"):
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text("text of the file " * 40)
+    for source, said in ((project, True), (project / "docs", False)):
+        cfg = tiny_config(str(tmp_path / "cache"), f"--data.source={source}", "--data.seq_len=16")
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        assert (f"data.source = '{source}' reads 3 files under hidden or tool folders (.venv/: 2, node_modules/: 1)"
+                in capsys.readouterr().err) == said, source
+
+
+def test_a_folder_with_nothing_to_read_says_what_it_holds(tmp_path):
+    """'no text files in this folder' of a folder of .js files left its owner guessing why."""
+    from bigtrain.preflight import data_problems
+
+    src = tmp_path / "js"
+    src.mkdir()
+    (src / "a.js").write_text("var x = 1;\n" * 100)
+    (src / "b.js").write_text("var y = 1;\n" * 100)
+    problems = data_problems(tiny_config(str(tmp_path / "cache"), f"--data.source={src}"))
+    assert len(problems) == 1 and "no text files in this folder" in problems[0] and "it holds 2 .js)" in problems[0]
+    from bigtrain.data.fields import records_problem  # the same words where a tokenizer reads the folder
+
+    assert "it holds 2 .js)" in records_problem(tiny_config(str(tmp_path / "cache"), f"--data.source={src}"))
+
+
 # --------------------------------------------------------------------------- load_tokens: pre-tokenized
 
 

@@ -68,6 +68,8 @@ def test_what_generation_cannot_use_is_refused(trained_run, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 1
     assert "no valid checkpoint" in capsys.readouterr().err
+    main(["export", str(tmp_path), str(tmp_path / "out")])  # export says why there is none, as generate does
+    assert "unless checkpoint.save_final = false" in capsys.readouterr().err
     assert main(["generate", str(trained_run), "--prompt", "x", "--temperature", "-1", "--top-k", "-2"]) == 1
     err = capsys.readouterr().err
     assert "--temperature = -1.0" in err and "--top-k = -2" in err

@@ -352,6 +352,19 @@ def test_the_proposed_layout_fits_the_same_machine(monkeypatch):
     assert fixed.parallel.world_size == 2 and fit.size_problems(fixed, local_ranks=2)[0] == []
 
 
+def test_the_proposed_layout_leaves_room_when_one_does(monkeypatch):
+    """llama-1b on a 23.5 GiB host was proposed --train.micro_batch=2 at 23.5 GiB a rank: all of the
+    machine (the fit check's 'close to the limit' warning on the very advice it gave). The fastest
+    layout below that limit comes first now."""
+    cfg = load_config(preset="llama-1b")
+    monkeypatch.setattr(fit, "host_memory", lambda: int(23.5 * 2**30))
+    problems, _ = refit.size_problems_and_fixes(cfg)
+    assert len(problems) == 1 and "A layout that fits on this machine (1 rank): --" in problems[0], problems
+    overrides = problems[0].split("(1 rank): ")[1].split(" (the planner:")[0].split()
+    fixed = load_config(preset="llama-1b", overrides=overrides)
+    assert fit.size_problems(fixed) == ([], []), overrides
+
+
 def test_the_layouts_proposed_keep_the_runs_fp8_and_say_so():
     # The search behind a proposal prices the run as configured: fp8's weight copies and its speed
     # (the planner once searched in bf16 alone and described its layout without fp8).
@@ -398,3 +411,26 @@ def test_a_model_started_from_a_folder_with_a_tokenizer_is_warned_when_trained_o
     assert warnings("--data.source=ids.bin") == []  # pre-tokenized ids: what they mean is not known
     (folder / "tokenizer.json").unlink()
     assert warnings() == []  # no tokenizer beside the weights (a byte-level export)
+
+
+def test_a_held_out_slice_nothing_evaluates_is_warned():
+    """data.val_fraction without train.eval_every took tokens from training and logged no eval_loss,
+    without a word (eval_every without a slice is refused)."""
+    from bigtrain.preflight import held_out_warnings
+
+    said = held_out_warnings(load_config(preset="tiny", overrides=["--data.val_fraction=0.1"]))
+    assert said == ["data.val_fraction = 0.1 holds out the corpus's last tokens from training, but train.eval_every = 0 "
+                    "never evaluates them (no eval_loss is logged); set train.eval_every, e.g. 2, or "
+                    "data.val_fraction = 0"]
+    assert held_out_warnings(load_config(preset="tiny", overrides=["--data.val_fraction=0.1",
+                                                                   "--train.eval_every=5"])) == []
+
+
+def test_a_warm_up_as_long_as_the_run_is_warned():
+    """A preset's warm-up under a short --train.steps: the learning rate never reached optim.lr."""
+    from bigtrain.preflight import schedule_warnings
+
+    said = schedule_warnings(load_config(preset="tiny", overrides=["--optim.warmup_steps=500", "--train.steps=2"]))
+    assert said == ["optim.warmup_steps = 500 >= train.steps = 2: the learning rate rises for the whole run and ends "
+                    "at 1.2e-05, not optim.lr = 0.003; lower optim.warmup_steps (e.g. 1) or train longer"]
+    assert schedule_warnings(load_config(preset="tiny")) == []

@@ -111,6 +111,32 @@ def test_data_document_end_puts_its_token_after_each_document(bpe, text_folder, 
     assert np.array_equal(np.asarray(load_corpus(plain)), _expected_ids(tok, _texts()))
 
 
+def test_a_document_end_the_tokenizer_appends_itself_is_put_once(bpe, text_folder, tmp_path):
+    """A tokenizer.json whose post-processor ends each document with <|endoftext|> (``$A <|endoftext|>``),
+    and data.document_end = '<|endoftext|>': each document ended with two of them. Now once, as without
+    the field; the manifest and the build's log say the tokenizer put it there."""
+    from tokenizers import Tokenizer, processors
+
+    path, tok = bpe
+    end = tok.token_to_id("<|endoftext|>")
+    own = Tokenizer.from_file(str(path))
+    own.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", end)])
+    appends = tmp_path / "appends" / "tokenizer.json"
+    appends.parent.mkdir()
+    own.save(str(appends))
+    expected = np.concatenate([np.append(tok.encode(t).ids, end) for t in _texts()])
+    said = []
+    for document_end in ("", "<|endoftext|>"):
+        d = _data(text_folder, appends, tmp_path, document_end=document_end)
+        manifest = prepare_corpus(d, shard_bytes=60_000, workers=1, log=said.append)
+        assert np.array_equal(np.asarray(load_corpus(d)), expected), document_end
+        assert manifest["document_end_by_tokenizer"] is bool(document_end)
+    assert sum("not put there a second time" in line for line in said) == 1
+    # A tokenizer that puts nothing after a document still gets the token from the field.
+    d = _data(text_folder, path, tmp_path, document_end="<|endoftext|>")
+    assert np.array_equal(np.asarray(load_corpus(d)), expected)
+
+
 @pytest.mark.parametrize("tokenizer, end, accepted", [("bpe", "<|endoftext|>", True), ("bpe", "</s>", False),
                                                       ("bytes", "|", True), ("bytes", "<eos>", False)])
 def test_a_document_end_that_is_not_one_token_is_refused_before_launch(bpe, text_folder, tmp_path, tokenizer, end,
@@ -498,8 +524,30 @@ def test_the_cap_warning_is_said_by_the_launcher_not_again_by_its_rank_0(tmp_pat
         assert ("warning: data.max_bytes = 1000 cut" in capsys.readouterr().err) == said, env
 
 
+def test_a_binary_tokenizer_file_is_named_as_no_tiktoken_file_before_anything_is_installed(corpus_cache, tmp_path):
+    """Llama 2's tokenizer.model (SentencePiece's protobuf) was read as a tiktoken file: 'pip install
+    tiktoken', and once installed, a parse error. Refused by what it is, with tiktoken or without."""
+    model = tmp_path / "tokenizer.model"
+    model.write_bytes(b"\n\x0b\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02\n\x07\n\x03<s>\x15\x00\x00\x00\x00")
+    with pytest.raises(ConfigError, match=r"is a binary file \(a SentencePiece model\?\), not a tiktoken file's"):
+        tiny_config(corpus_cache, f"--data.tokenizer={model}")
+
+
+def test_an_empty_tiktoken_file_is_refused_by_field(corpus_cache, tmp_path):
+    """tiktoken.Encoding of no ranks raised a bare 'max() arg is an empty sequence' from the launcher."""
+    pytest.importorskip("tiktoken")
+    empty = tmp_path / "empty.tiktoken"
+    empty.write_text("")
+    text = tmp_path / "a.txt"
+    text.write_text("def f(x):\n    return x\n" * 40)
+    cfg = tiny_config(corpus_cache, f"--data.source={text}", f"--data.tokenizer={empty}")
+    assert data_problems(cfg) == [f"data.tokenizer = '{empty}' is an empty tiktoken encoding file (no tokens in it); "
+                                  f"give a .tiktoken file of 'BASE64 RANK' lines, a tokenizer.json or 'bytes'"]
+
+
 def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tmp_path):
-    """Skipped where tiktoken is not installed (it is optional; the venv has none)."""
+    """tiktoken is in the test extras (data.tokenizer claims .tiktoken files); skipped where it is not
+    installed. data.document_end is one of the file's ranks, appended after each document."""
     import base64
 
     tiktoken = pytest.importorskip("tiktoken")
@@ -514,6 +562,9 @@ def test_a_tiktoken_file_tokenizes_and_exports_as_tokenizer_json(text_folder, tm
     enc = tiktoken.Encoding("small", pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
     expected = np.concatenate([np.asarray(enc.encode_ordinary(t)) for t in _texts()])
     assert np.array_equal(np.asarray(load_corpus(d)), expected)
+    ended = _data(text_folder, enc_file, tmp_path / "cache", document_end="\n")  # one rank: the byte 10
+    assert np.array_equal(np.asarray(load_corpus(ended)),
+                          np.concatenate([np.append(enc.encode_ordinary(t), 10) for t in _texts()]))
 
     out = tmp_path / "hf"
     out.mkdir()

@@ -104,7 +104,8 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors",
     root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
     found = newest_valid_checkpoint(root)
     if found is None:
-        raise FileNotFoundError(f"no valid checkpoint under {run_dir}")
+        raise FileNotFoundError(f"no valid checkpoint under {run_dir} (a run saves one at its end unless "
+                                f"checkpoint.save_final = false; a folder that is no run directory holds none)")
     path, meta = found
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is an old-format checkpoint; export reads sharded '{FORMAT}' checkpoints")

@@ -42,9 +42,39 @@ def compressed_problem(path: Path) -> str | None:
     kind = next((k for magic, k in COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
     if kind is None:
         return None
+    if kind == "zip" and _torch_saved(path):  # torch.save writes a zip: "unzip ids.pt" was the advice
+        return (f"data.source = '{path}' is a PyTorch file (torch.save), not text or token ids bigtrain reads; save "
+                f"the ids with numpy instead: np.save('ids.npy', tensor.numpy()) (integers), and give the .npy")
     return (f"data.source = '{path}' is a {kind}-compressed file, which bigtrain does not decompress (its compressed "
             f"bytes would be trained on as text); decompress it first ({DECOMPRESS[kind]} {shlex.quote(str(path))}) and give the "
             f"plain file")
+
+
+def saved_dataset_problem(path: Path) -> str | None:
+    """A Hugging Face ``datasets`` folder written by ``save_to_disk`` (``*.arrow`` shards beside its
+    ``state.json`` and ``dataset_info.json``): read as a corpus folder, its two JSON metadata files
+    were the whole corpus (.json is read as text) and its records were left out."""
+    try:
+        if not (path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+                and any(path.glob("*.arrow"))):
+            return None
+    except OSError:
+        return None
+    return (f"data.source = '{path}' is a Hugging Face datasets folder (save_to_disk's .arrow files), which bigtrain "
+            f"does not read (only its JSON metadata would be trained on); write it as Parquet or JSON Lines first: "
+            f"datasets.load_from_disk('{path}').to_parquet('corpus.parquet'), and give that file (with "
+            f"data.text_field naming the text column)")
+
+
+def _torch_saved(path: Path) -> bool:
+    """Whether a zip file is torch.save's (its archive holds a pickle: ``NAME/data.pkl``)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def corpus_files(source: Path) -> list[Path]:
@@ -52,6 +82,54 @@ def corpus_files(source: Path) -> list[Path]:
     if source.is_file():
         return [source]
     return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in DOCUMENT_SUFFIXES)
+
+
+def left_out_files(source: Path) -> list[Path]:
+    """The files of a folder source that :func:`corpus_files` does not read (their suffix is none of
+    :data:`DOCUMENT_SUFFIXES`), hidden files and folders aside (``.git``, ``.DS_Store``): a folder of
+    .js, .csv or suffix-less files beside its .md ones trained on less than its owner thought,
+    without a word (the launcher says so)."""
+    if not source.is_dir():
+        return []
+    return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix not in DOCUMENT_SUFFIXES
+                  and not any(part.startswith(".") for part in p.relative_to(source).parts))
+
+
+TOOL_FOLDERS = ("node_modules", "site-packages", "__pycache__")  # a project's tools, not its text
+
+
+def tool_folder_files(source: Path, files: list[Path]) -> dict[str, int]:
+    """Of the files a folder source reads, those under a hidden folder (.venv, .git, .tox) or a tool's
+    (node_modules, site-packages), counted by that folder's name: a project folder given as the
+    corpus trained on its virtual environment's thousands of .py files."""
+    counts: dict[str, int] = {}
+    for f in files:
+        try:
+            parts = f.relative_to(source).parts[:-1]
+        except ValueError:
+            continue
+        home = next((p for p in parts if p.startswith(".") or p in TOOL_FOLDERS), None)
+        if home is not None:
+            counts[home] = counts.get(home, 0) + 1
+    return counts
+
+
+def left_out_summary(source: Path, files: list[Path], shown: int = 6) -> str:
+    """'5 .js, 3 .csv, 1 without a suffix (LICENSE)': ``files`` counted by suffix, most first."""
+    counts: dict[str, int] = {}
+    for f in files:
+        counts[f.suffix] = counts.get(f.suffix, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (not kv[0], -kv[1], kv[0]))  # suffix-less files last
+    parts = []
+    for suffix, count in ranked[:shown]:
+        if suffix:
+            parts.append(f"{count} {suffix}")
+        else:
+            names = [f.relative_to(source).as_posix() for f in files if not f.suffix][:3]
+            parts.append(f"{count} without a suffix ({', '.join(names)}{', ...' if count > len(names) else ''})")
+    if len(ranked) > shown:
+        parts.append(f"{sum(c for _, c in ranked[shown:])} of {len(ranked) - shown} other suffixes")
+    return ", ".join(parts)
 
 
 def has_records(files: list[Path]) -> bool:

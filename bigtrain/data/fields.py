@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from bigtrain.config import Config
-from bigtrain.data.documents import corpus_files, parquet_missing
+from bigtrain.data.documents import DOCUMENT_SUFFIXES, corpus_files, left_out_files, left_out_summary, parquet_missing
 from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, document_end_id, load_tokenizer, missing_package,
                                      tokenizer_file, tokenizer_kind)
 from bigtrain.field_checks import looked_in
@@ -35,6 +35,13 @@ def data_field_problems(cfg: Config) -> list[str]:
         if where:
             problems.append(f"data.tokenizer = '{d.tokenizer}': {where}; give a local tokenizer.json, a folder "
                             f"holding one, a .tiktoken file, or 'bytes' (nothing is downloaded)")
+        elif tokenizer_kind(d.tokenizer) == "tiktoken" and _binary(path):
+            # Llama 2's and Mistral's tokenizer.model (a SentencePiece protobuf) was taken for a tiktoken
+            # file: "pip install tiktoken", then a parse error (Llama 3's tokenizer.model is tiktoken's text)
+            problems.append(f"data.tokenizer = '{d.tokenizer}' is a binary file (a SentencePiece model?), not a "
+                            f"tiktoken file's 'BASE64 RANK' lines; bigtrain does not read SentencePiece: give the "
+                            f"tokenizer.json beside it, or make one (transformers' "
+                            f"AutoTokenizer.from_pretrained(FOLDER).save_pretrained(OUT) writes OUT/tokenizer.json)")
         else:
             kind = tokenizer_kind(d.tokenizer)
             need = missing_package(kind)
@@ -51,6 +58,21 @@ def data_field_problems(cfg: Config) -> list[str]:
             problems.append(f"data.source = '{d.source}' holds Parquet files, which need pyarrow: {need} (or convert "
                             f"them to JSON Lines: one {{\"{d.text_field or 'text'}\": ...}} record a line)")
     return problems
+
+
+def _binary(path: Path) -> bool:
+    """Whether a file's first bytes hold a NUL or are not UTF-8 (no tiktoken file's are)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # not a character cut at the end of the 512 bytes
+            return True
+    return b"\x00" in head
 
 
 def _has_parquet(folder: Path) -> bool:
@@ -93,7 +115,17 @@ def records_problem(cfg: Config) -> str | None:
     except OSError as e:
         return f"data.source = '{d.source}': the folder cannot be listed ({e.strerror})"
     if not files:
-        return (f"data.source = '{d.source}': no text, .jsonl or .parquet files in this folder; give a folder with "
-                f"such files, a file, or a .bin / .npy token file")
+        return (f"data.source = '{d.source}': no text, .jsonl or .parquet files in this folder (looked for "
+                f"{', '.join(DOCUMENT_SUFFIXES)}{holds(source)}); give a folder with such files, a file, or a .bin / "
+                f".npy token file")
     return None
+
+
+def holds(folder: Path) -> str:
+    """'; it holds 3 .js, 1 .csv': what an empty-looking corpus folder has instead ('' for nothing)."""
+    try:
+        files = left_out_files(folder)
+    except OSError:
+        return ""
+    return f"; it holds {left_out_summary(folder, files)}" if files else "; it holds no files"
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from bigtrain.config import DataConfig
 from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files, text_files
-from bigtrain.data.documents import corpus_files, has_records
+from bigtrain.data.documents import (DOCUMENT_SUFFIXES, RECORD_SUFFIXES, corpus_files, has_records, left_out_files,
+                                     left_out_summary, tool_folder_files)
 from bigtrain.data.sampler import split_problem
 from bigtrain.data.shards import ShardedTokens, corpus_key, prepared
 from bigtrain.data.tokenizer import BYTES, file_digest, tokenizer_file
@@ -116,6 +117,55 @@ def run_tokenizer(run_dir: Path) -> Path | None:
     return None
 
 
+def tool_folder_warning(d: DataConfig) -> str | None:
+    """A folder source whose read files include a hidden or tool folder's (.venv, .git, node_modules):
+    said with their counts, since a project folder given as the corpus trained on its dependencies."""
+    if d.source == "stdlib" or is_token_file(d.source):
+        return None
+    source = source_path(d)
+    if not source.is_dir():
+        return None
+    try:
+        counts = tool_folder_files(source, source_files(d))
+    except OSError:
+        return None
+    if not counts:
+        return None
+    total = sum(counts.values())
+    where = ", ".join(f"{name}/: {n:,}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return (f"data.source = '{d.source}' reads {total:,} file{'s' if total != 1 else ''} under hidden or tool folders "
+            f"({where}), a project's environment rather than its text; point data.source at the folder of the "
+            f"text itself, or move those out")
+
+
+TABLE_SUFFIXES = (".csv", ".tsv")
+
+
+def single_file_warning(d: DataConfig) -> str | None:
+    """A single file ``data.source`` that is read as one plain-text document but was likely meant
+    otherwise: a table (.csv / .tsv: its header, separators and quotes trained on as they are) or a
+    binary file (NUL bytes: an .arrow, .pkl or .safetensors trained on as bytes, without a word)."""
+    if d.source == "stdlib" or is_token_file(d.source):
+        return None
+    path = source_path(d)
+    if not path.is_file() or path.suffix in RECORD_SUFFIXES:
+        return None
+    if path.suffix in TABLE_SUFFIXES:
+        return (f"data.source = '{d.source}' is read as one plain-text document: its header, "
+                f"{'commas' if path.suffix == '.csv' else 'tabs'} and quotes are trained on as they are (bigtrain "
+                f"reads records only from .jsonl and .parquet); to train on one column, write it as .jsonl lines "
+                f"of {{\"{d.text_field}\": ...}}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    if b"\x00" in head:
+        return (f"data.source = '{d.source}' holds NUL bytes: it looks binary, not text, and is trained on as it is; "
+                f"give text (.txt, .jsonl, .parquet) or token ids (.npy, .bin)")
+    return None
+
+
 def cap_warning(d: DataConfig, manifest: dict | None) -> str | None:
     """``data.max_bytes`` cutting a corpus the user named (its default of 16 MB keeps the 'stdlib'
     demo short; on a user's corpus it dropped everything past it without a word): whether the cap
@@ -130,6 +180,63 @@ def cap_warning(d: DataConfig, manifest: dict | None) -> str | None:
         return None
     return (f"data.max_bytes = {d.max_bytes} cut data.source = '{d.source}' short: the run reads only its first "
             f"{d.max_bytes:,} bytes of text; set data.max_bytes = 0 to read all of it")
+
+
+def left_out_warning(d: DataConfig) -> str | None:
+    """A folder ``data.source`` holding files that are not read (a suffix bigtrain does not read as
+    text or records): the run trains on fewer documents than the folder holds. Said before launch
+    with the count of each suffix left out; no field selects suffixes, so the fix is the files'."""
+    if d.source == "stdlib" or is_token_file(d.source):
+        return None
+    source = source_path(d)
+    try:
+        left_out = left_out_files(source)
+    except OSError:  # a folder that cannot be listed: the pre-launch checks say so
+        return None
+    if not left_out:
+        return None
+    read = len(source_files(d))
+    them = "them" if len(left_out) != 1 else "it"
+    return (f"data.source = '{d.source}': {len(left_out)} file{'s' if len(left_out) != 1 else ''} in this folder "
+            f"{'are' if len(left_out) != 1 else 'is'} not read: {left_out_summary(source, left_out)}. The run reads "
+            f"only the {read} ending in {', '.join(DOCUMENT_SUFFIXES)}; to train on {them} too, give {them} one of "
+            f"these suffixes (text as .txt, records as .jsonl lines of {{\"{d.text_field}\": ...}}), or move {them} "
+            f"out of the folder to silence this")
+
+
+def corpus_tokens(d: DataConfig, manifest: dict | None) -> int | None:
+    """The corpus's token count where it is cheap to know (None for 'stdlib', large anyway): a
+    tokenized corpus's manifest, a token file's length, a byte-level corpus's bytes up to the cap."""
+    if manifest is not None:
+        return int(manifest["tokens"])
+    if d.source == "stdlib":
+        return None
+    try:
+        if is_token_file(d.source):
+            return len(load_token_file(d.source))
+        total = sum(f.stat().st_size for f in text_files(source_path(d)))
+    except (OSError, ValueError):  # said by the pre-launch checks
+        return None
+    return min(total, d.max_bytes) if d.max_bytes else total
+
+
+def small_corpus_warning(cfg, manifest: dict | None) -> str | None:
+    """A corpus smaller than one step's batch trains (windows are drawn with replacement), but every
+    step reads the same few tokens again: a user who gave a short file for a first try got a loss
+    that fell to nothing, without a word of why."""
+    d, t = cfg.data, cfg.train
+    tokens = corpus_tokens(d, manifest)
+    if tokens is None:
+        return None
+    train = tokens - int(tokens * d.val_fraction)
+    batch = t.global_batch * d.seq_len
+    if train >= batch:
+        return None
+    reads = t.steps * batch / max(train, 1)
+    return (f"data.source = '{d.source}' has {train:,} training tokens, fewer than one step's batch (train.global_batch"
+            f" x data.seq_len = {t.global_batch} x {d.seq_len} = {batch:,} tokens): windows are drawn with "
+            f"replacement, so every step reads the same tokens again (the run's {t.steps:,} steps read each about "
+            f"{reads:,.0f} times); give a longer corpus, or lower train.global_batch or data.seq_len")
 
 
 def encoding_warning(d: DataConfig, manifest: dict | None) -> str | None:
@@ -173,7 +280,8 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
-    for warning in (cap_warning(d, manifest), encoding_warning(d, manifest)):
+    for warning in (left_out_warning(d), tool_folder_warning(d), single_file_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest),
+                    small_corpus_warning(cfg, manifest)):
         if main and warning and not launched_by_bigtrain():  # else its launcher said it
             print(f"bigtrain: warning: {warning}", file=sys.stderr)
     if main and d.tokenizer != BYTES:

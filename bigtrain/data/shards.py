@@ -72,8 +72,10 @@ def file_digests(files: list[Path], cache: Path) -> list[str]:
 
 def corpus_key(source: Path, files: list[Path], tokenizer_digest: str, text_field: str, max_bytes: int,
                cache: Path, document_end: str = "") -> str:
-    # (document_end only when set: unset, a corpus keeps the key it had without the field)
-    end = f"|end={document_end!r}" if document_end else ""
+    # (document_end only when set: unset, a corpus keeps the key it had without the field. "once":
+    # since a tokenizer that ends each document with that token itself no longer gets it twice; a
+    # corpus cached before then may hold two ends a document, and is not reused.)
+    end = f"|end={document_end!r} once" if document_end else ""
     h = hashlib.sha256(f"bigtrain-corpus {FORMAT}|{tokenizer_digest}|{text_field}|{max_bytes}{end}".encode())
     root = source if source.is_dir() else source.parent
     for f, digest in zip(files, file_digests(files, cache)):
@@ -143,6 +145,13 @@ def _tokenize_shard(spec: str, folder: str, index: int, texts: list[str], text_d
     return marker
 
 
+def end_added_by_tokenizer(tokenizer, end: int) -> bool:
+    """Whether ``tokenizer`` itself puts the id ``end`` last in every document (a post-processor such
+    as ``$A </s>``): data.document_end naming that token then gave each document two of them."""
+    trailing = tokenizer.frame_ids()[1]
+    return bool(trailing) and trailing[-1] == end
+
+
 def _worker_init() -> None:
     # One thread per worker process: the pool is the parallelism (and a forked tokenizers library
     # that already used its thread pool would warn and fall back anyway).
@@ -170,6 +179,12 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
     token put after each document (data.document_end)."""
     tokenizer = load_tokenizer(spec)
     end = document_end_id(tokenizer, document_end)
+    added_by_tokenizer = end is not None and end_added_by_tokenizer(tokenizer, end)
+    if added_by_tokenizer:
+        end = None  # its post-processor puts it after each document already: once is the field's meaning
+        if log:
+            log(f"bigtrain: data.document_end = {document_end!r}: data.tokenizer already ends every document with "
+                f"it (its post-processor), so it is not put there a second time")
     dtype = ids_dtype(tokenizer.vocab_size)
     folder.mkdir(parents=True, exist_ok=True)
     workers = workers or len(os.sched_getaffinity(0))
@@ -207,7 +222,7 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
               for i in sorted(markers)]
     manifest = {"format": FORMAT, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "tokenizer": spec,
                 "tokenizer_sha256": tokenizer.digest, "text_field": text_field, "max_bytes": max_bytes,
-                "document_end": document_end,
+                "document_end": document_end, "document_end_by_tokenizer": added_by_tokenizer,
                 "source": source, "files": len(files), "documents": sum(m["documents"] for m in markers.values()),
                 "tokens": sum(s["tokens"] for s in shards), "shards": shards, "resumed_shards": kept,
                 "cut_at_max_bytes": docs.cut, "not_utf8_files": len(docs.not_utf8), "not_utf8": docs.not_utf8[:5]}

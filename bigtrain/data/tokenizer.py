@@ -158,6 +158,9 @@ class TiktokenTokenizer:
         except Exception as e:  # noqa: BLE001 - base64 / format errors of a file that is not one
             raise TokenizerError(f"data.tokenizer = '{path}' is not a tiktoken encoding file ({e}); give a "
                                  f"tokenizer.json, a .tiktoken file or 'bytes'") from None
+        if not ranks:  # (tiktoken.Encoding raised a bare "max() arg is an empty sequence" on it)
+            raise TokenizerError(f"data.tokenizer = '{path}' is an empty tiktoken encoding file (no tokens in it); "
+                                 f"give a .tiktoken file of 'BASE64 RANK' lines, a tokenizer.json or 'bytes'")
         self._enc = tiktoken.Encoding(path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
         self.vocab_size = self._enc.n_vocab
 

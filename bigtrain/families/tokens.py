@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from bigtrain.config import Config
-from bigtrain.data.documents import compressed_problem
+from bigtrain.data.documents import compressed_problem, saved_dataset_problem
 from bigtrain.field_checks import looked_in, path_exists
 
 
@@ -53,6 +53,8 @@ def token_data_problems(cfg: Config, vocab_size: int, max_seq_len: int, vocab_fi
                         f"existing path")
     elif d.source != "stdlib" and not is_tokens and (packed := compressed_problem(Path(os.path.expanduser(d.source)))):
         problems.append(packed)
+    elif d.source != "stdlib" and (saved := saved_dataset_problem(Path(os.path.expanduser(d.source)))):
+        problems.append(saved)
     if not is_tokens and d.tokenizer == "bytes" and vocab_size < 256:
         problems.append(f"{vocab_field} = {vocab_size}: byte-level text needs at least 256; set it to 256")
     if not -1 <= d.ignore_target < vocab_size:

@@ -13,7 +13,7 @@ from bigtrain.plan.fit import runtime_compiles, stage_split
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, local_hardware, sharing_cores
 from bigtrain.plan.layout import Cluster
 from bigtrain.plan.model import ModelSpec
-from bigtrain.plan.search import SearchResult, search
+from bigtrain.plan.search import SearchResult, readable_rate, search
 from bigtrain.validation import validate
 
 def ranks_per_machine(world_size: int) -> int:
@@ -81,7 +81,7 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
                               f"model.family = '{cfg.model.family}' runs; choose the layout by hand")
     machines = f"{cluster.nodes} machines of {local}" if cluster.nodes > 1 else f"{world_size}"
     why = (f"--parallel auto: {best.layout.describe()} on {machines} x {cluster.hardware.name}, "
-           f"predicted {best.tokens_per_s:,.0f} tokens/s ({len(result.ranked)} layouts fit)")
+           f"predicted {readable_rate(best.tokens_per_s)} tokens/s ({len(result.ranked)} layouts fit)")
     return best.layout.to_overrides(), why
 
 

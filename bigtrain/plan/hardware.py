@@ -249,7 +249,14 @@ def host_share(ranks_on_host: int, cores: int | None = None) -> float:
 
 def get_profile(name: str) -> HardwareProfile:
     if name not in PRESETS:
-        raise ConfigError(f"--hardware = '{name}': unknown; presets: {', '.join(PRESETS)} "
+        import difflib
+
+        # 'h100', 'H100-80G', 'a100': the preset of that chip, when one is named so
+        lowered = name.lower()
+        starts = [p for p in PRESETS if p.startswith(lowered)] if lowered else []
+        close = starts or difflib.get_close_matches(lowered, list(PRESETS), n=1, cutoff=0.7)  # not tpu: cpu
+        hint = ("did you mean " + " or ".join(f"'{c}'" for c in close) + "? ") if close else ""
+        raise ConfigError(f"--hardware = '{name}': unknown; {hint}presets: {', '.join(PRESETS)} "
                           f"(or --hardware-file PATH)")
     return PRESETS[name]
 

@@ -249,15 +249,23 @@ def parse_layout(text: str) -> dict:
             problems.append(f"--layout: '{item}' must look like key=value (e.g. dp=8)")
             continue
         key, value = (s.strip() for s in item.split("=", 1))
-        key = _ALIASES.get(key, key)
+        key = _ALIASES.get(key.lower(), key.lower())  # 'DP=8' is dp
         if key in given_as:  # the later one would win unseen (an alias names the same setting)
             problems.append(f"--layout: {key} is given twice ('{given_as[key]}' and '{item}'); keep one")
             continue
         given_as[key] = item
         if key not in LAYOUT_KEYS:
-            close = difflib.get_close_matches(key, LAYOUT_KEYS, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; keys: {', '.join(LAYOUT_KEYS)}"
+            # (cutoff 0.5: a two-letter key one letter off, 'dq', is half alike)
+            close = difflib.get_close_matches(key, LAYOUT_KEYS, n=len(LAYOUT_KEYS), cutoff=0.5 if len(key) <= 2 else 0.6)
+            best = [c for c in close if difflib.SequenceMatcher(None, key, c).ratio()
+                    == difflib.SequenceMatcher(None, key, close[0]).ratio()]  # every one as close: 'pq', tp or pp
+            hint = ("; did you mean " + " or ".join(f"'{c}'" for c in best) + "?") if 0 < len(best) <= 2 \
+                else f"; keys: {', '.join(LAYOUT_KEYS)}"  # ('pq' is as near tp, sp, pp, ep, dp and cp: no guess)
             problems.append(f"--layout: unknown key '{key}'{hint}")
+            continue
+        if ";" in value or " " in value:  # 'dp=8;tp=2', 'dp=8 tp=2': one key's value holding the next key
+            problems.append(f"--layout: {key} = '{value}': separate the keys with commas, e.g. "
+                            f"'{item.replace(';', ',').replace(' ', ',')}'")
             continue
         try:
             out[key] = _parse_value(key, value)
@@ -270,8 +278,11 @@ def parse_layout(text: str) -> dict:
 
 def _parse_value(key: str, value: str):
     if key in _INT_KEYS:
-        number = int(value)
-        if number < (0 if key == "zero" else 1):
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError("must be a whole number") from None
+        if number < (0 if key == "zero" else 1) or (key == "zero" and number > 3):
             raise ValueError("must be >= 1" if key != "zero" else "must be 0, 1, 2 or 3")
         return number
     if key in _BOOL_KEYS:

@@ -69,6 +69,7 @@ def _runnable(cfg: Config, result, local_ranks: int, cuda: bool, runs_as: Config
     whose validation must accept the overrides too."""
     from bigtrain.validation import validate
 
+    close = None  # the first that fits but close to the limit: proposed only when none fits with room
     for plan in (result.ranked[:CANDIDATES] if result else []):
         overrides = _overrides_that_differ(cfg, plan.layout.to_overrides())
         candidate = with_overrides(cfg, overrides, "the planner's layout")
@@ -78,10 +79,14 @@ def _runnable(cfg: Config, result, local_ranks: int, cuda: bool, runs_as: Config
                 validate(with_overrides(runs_as, overrides, "the planner's layout"))
         except ConfigError:
             continue  # a layout the planner models but the runtime does not run
-        if size_problems(candidate, local_ranks, cuda)[0]:
+        problems, warnings = size_problems(candidate, local_ranks, cuda)
+        if problems:
+            continue
+        if warnings:  # (llama-1b on a 23.5 GiB host was proposed at 23.5 GiB a rank: 100% of the machine)
+            close = close or (plan, overrides)
             continue
         return plan, overrides
-    return None, []
+    return close or (None, [])
 
 
 def fitting_layout(cfg: Config, capacity: int, sharing: int, cuda: bool, runs_as: Config | None = None) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from bigtrain.plan.expert_load import exchange_payload, expert_load
 from bigtrain.plan.layout import Cluster
-from bigtrain.plan.search import Plan, SearchResult, explain_no_fit, explain_ranking, readable_bytes
+from bigtrain.plan.search import Plan, SearchResult, explain_no_fit, explain_ranking, readable_bytes, readable_rate
 from bigtrain.plan.model import ModelSpec
 
 GIB = 2**30
@@ -47,7 +47,7 @@ def plan_table(plan: Plan) -> list[str]:
     if t is not None:
         parts = ", ".join(f"{k} {v:.3g}" for k, v in t.breakdown.items() if v > 0)
         lines += [f"step     {t.step_time_s:.3g} s ({parts}; pipeline: {t.pipeline_source})",
-                  f"speed    {t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / plan.cluster.gpus:,.0f} per GPU), "
+                  f"speed    {readable_rate(t.tokens_per_s)} tokens/s ({readable_rate(t.tokens_per_s / plan.cluster.gpus)} per GPU), "
                   f"MFU {t.mfu:.1%}, HFU {t.hfu:.1%}, {t.micro_batches} micro-batches per step"]
     return lines
 
@@ -83,7 +83,7 @@ def ranking_table(result: SearchResult, top: int) -> list[str]:
     width = max(len(p.layout.describe()) for p in plans) + 2
     rows = [f"{'#':>3}  {'layout':<{width}}{'tokens/s':>12}{'MFU':>7}{'memory':>12}"]
     for i, plan in enumerate(plans, 1):
-        rows.append(f"{i:>3}  {plan.layout.describe():<{width}}{plan.tokens_per_s:>12,.0f}{plan.time.mfu:>7.1%}"
+        rows.append(f"{i:>3}  {plan.layout.describe():<{width}}{readable_rate(plan.tokens_per_s):>12}{plan.time.mfu:>7.1%}"
                     f"{size(plan.memory.total):>12}")
     return rows
 
@@ -172,7 +172,7 @@ def _ranking_panel(ax, ranked: list[Plan], total: int) -> None:
     for y, plan in enumerate(ranked[::-1]):
         gap = plan.tokens_per_s / high - 1
         ax.text(left, y, f" {plan.layout.describe()}   MFU {plan.time.mfu:.1%}   "
-                         f"{plan.tokens_per_s:,.0f} tok/s" + (f" ({gap:+.1%} vs #1)" if y < len(ranked) - 1 else ""),
+                         f"{readable_rate(plan.tokens_per_s)} tok/s" + (f" ({gap:+.1%} vs #1)" if y < len(ranked) - 1 else ""),
                 va="center", fontsize=7)
     ax.set_yticks(range(len(ranked)), [f"#{i}" for i in range(len(ranked), 0, -1)])
     ax.set_xlabel("predicted tokens/s")

@@ -364,7 +364,7 @@ def explain_offload_fit(result: SearchResult, cluster: Cluster) -> list[str]:
               f"{readable_bytes(m.host)} of {readable_bytes(m.host_capacity)} ({readable_bytes(detail.get('host_states', 0))} "
               f"of model states and offload buffers); NVMe {readable_bytes(detail.get('nvme_states', 0))} of "
               f"{readable_bytes(m.nvme_capacity)} per GPU",
-              f"  step {plan.time.step_time_s:.3g} s ({plan.tokens_per_s:,.0f} tokens/s, MFU {plan.time.mfu:.0%}), "
+              f"  step {plan.time.step_time_s:.3g} s ({readable_rate(plan.tokens_per_s)} tokens/s, MFU {plan.time.mfu:.0%}), "
               f"of which {added:.3g} s offload (PCIe {hw.host_bandwidth / 1e9:.3g} GB/s, host memory "
               f"{hw.host_memory_bandwidth / 1e9:.3g} GB/s, NVMe {hw.nvme_bandwidth / 1e9:.3g} GB/s per rank: profile "
               f"assumptions)",
@@ -385,6 +385,12 @@ def readable_bytes(nbytes: float, digits: int = 1) -> str:
     return f"{nbytes:.0f} B"
 
 
+def readable_rate(per_s: float) -> str:
+    """Tokens (or samples) a second, whole above 100, else three digits: a 1B model in bf16 on the
+    cpu profile, 0.19 tokens/s, printed as '0 tokens/s'."""
+    return f"{per_s:,.0f}" if per_s >= 100 or per_s == 0 else f"{per_s:.3g}"
+
+
 def _differences(a: Layout, b: Layout) -> str:
     keys = [f.name for f in dataclasses.fields(Layout)]
     diff = [f"{k} {getattr(a, k)} vs {getattr(b, k)}" for k in keys if getattr(a, k) != getattr(b, k)]
@@ -395,9 +401,9 @@ def explain_ranking(result: SearchResult, top: int = 3) -> list[str]:
     lines = [f"{result.valid} valid layouts of {result.considered} considered, {len(result.ranked)} fit."]
     for i, plan in enumerate(result.ranked[:top], 1):
         t, m = plan.time, plan.memory
-        main = sorted(t.breakdown.items(), key=lambda kv: -kv[1])[:3]
+        main = sorted((kv for kv in t.breakdown.items() if kv[1] > 0), key=lambda kv: -kv[1])[:3]  # no 'tp_sp_comm 0 s'
         parts = ", ".join(f"{k} {v:.3g} s" for k, v in main)
-        lines.append(f"{i}. {plan.layout.describe()}: {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, step "
+        lines.append(f"{i}. {plan.layout.describe()}: {readable_rate(t.tokens_per_s)} tokens/s, MFU {t.mfu:.1%}, step "
                      f"{t.step_time_s:.3g} s ({parts}); {readable_bytes(m.total)} of {readable_bytes(m.capacity)} on the worst rank")
     if len(result.ranked) >= 2:
         lines.append(why_best_wins(result.ranked[0], result.ranked[1]))
@@ -407,11 +413,18 @@ def explain_ranking(result: SearchResult, top: int = 3) -> list[str]:
 def why_best_wins(best: Plan, runner_up: Plan) -> str:
     a, b = best.time, runner_up.time
     gap = b.step_time_s / a.step_time_s - 1
-    deltas = sorted(((k, b.breakdown.get(k, 0.0) - a.breakdown.get(k, 0.0)) for k in a.breakdown),
+    # Every part either has: #2's own (selective_recompute, of a layout that recomputes) were left out,
+    # and a 3.7 s longer step was said to be the same time, won on memory by the layout that took more.
+    parts = list(a.breakdown) + [k for k in b.breakdown if k not in a.breakdown]
+    deltas = sorted(((k, b.breakdown.get(k, 0.0) - a.breakdown.get(k, 0.0)) for k in parts),
                     key=lambda kv: -abs(kv[1]))
     reasons = "; ".join(f"{'+' if d > 0 else ''}{d:.3g} s {k}" for k, d in deltas[:2] if abs(d) > 0)
-    return (f"Why #1 beats #2 ({_differences(best.layout, runner_up.layout)}): #2's step is {gap:.1%} longer "
-            f"({reasons or 'same time; #1 needs less memory'}).")
+    if not reasons:
+        less = best.memory.total < runner_up.memory.total
+        reasons = "same time; " + ("#1 needs less memory" if less else "ranked by the search's order")
+    longer = f"{gap:.1%}" if gap >= 0.0005 or gap <= 0 else "<0.1%"
+    return (f"Why #1 beats #2 ({_differences(best.layout, runner_up.layout)}): #2's step is {longer} longer "
+            f"({reasons}).")
 
 
 def explain_memory(memory: RankMemory, model: ModelSpec, layout: Layout, hardware_name: str) -> list[str]:
@@ -447,10 +460,15 @@ def explain_no_fit(result: SearchResult, cluster: Cluster) -> list[str]:
     lines += explain_memory(plan.memory, plan.model, plan.layout, hw.name)
     usable = hw.usable_bytes / (1 + hw.fragmentation)
     if plan.memory.model_states > usable:
-        full = 16  # 2 + 2 + 12 mixed (bf16 weights and grads, fp32 master and moments) or 4 + 4 + 8 in fp32
+        # bigtrain's own bytes, as the line above counts them: the ZeRO paper's 16 (2 + 2 + 12) keeps
+        # bf16 gradients, bigtrain reduces and keeps them in fp32: 2 + 4 + 12 = 18 mixed, 4 + 4 + 8 in fp32
+        # (the paper's 16 was said under a line that counted 18, and undercounted the GPUs needed).
+        mixed = plan.layout.precision != "fp32"
+        spec = get_optimizer(plan.memory.optimizer_name)
+        full = (2 if mixed else 4) + 4 + (4 if mixed else 0) + spec.bytes_per_param
         need = -(-int(full * plan.model.params) // int(usable))
-        lines.append(f"  model states alone exceed the device: full training with AdamW keeps {full} bytes per "
-                     f"parameter; sharded over every GPU (ZeRO-3) it needs at least {need} GPUs of this kind, "
+        lines.append(f"  model states alone exceed the device: full training with {spec.name} keeps {full:g} bytes "
+                     f"per parameter; sharded over every GPU (ZeRO-3) it needs at least {need} GPUs of this kind, "
                      f"before activations")
     else:
         lines.append("  model states fit: lower the micro-batch, recompute more, or shard activations (tp, pp, sp)")
