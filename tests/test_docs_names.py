@@ -119,3 +119,37 @@ def test_toml_blocks_are_fields():
         if not set(values) <= SECTIONS:
             continue  # a hardware profile or another file's TOML, not a run's config
         apply_values(Config(), values, f"docs/{page}")  # raises naming an unknown key
+
+
+def test_scripts_and_their_flags_exist():
+    """``benchmarks/X.py --flag`` / ``scripts/X.sh`` named in a page: the file is there, and each flag
+    given to a Python script is one it defines (its source names it: read, not run, so no import)."""
+    wrong = []
+    for page in PAGES + [ROOT / "README.md"]:
+        text = re.sub(r"\\\n\s*", " ", page.read_text())
+        for m in re.finditer(r"((?:benchmarks|scripts)/[\w-]+\.(?:py|sh))([^\n`#|;)]*)", text):
+            path, args = ROOT / m.group(1), m.group(2)
+            if not path.is_file():
+                wrong.append(f"{page.name}: {m.group(1)} does not exist")
+                continue
+            source = _with_helpers(path)
+            for flag in re.findall(r"(?<!\S)(--[a-z][\w.-]*)", args):
+                name = flag.split("=", 1)[0]
+                if "." in name:  # a config override the script hands to bigtrain
+                    known = name[2:] in FIELDS
+                else:
+                    known = path.suffix == ".sh" or f'"{name}"' in source or f"'{name}'" in source
+                if not known:
+                    wrong.append(f"{page.name}: {m.group(1)}{args.rstrip()}: {name} is not a flag of {m.group(1)}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def _with_helpers(path: Path) -> str:
+    """A script's source and that of the modules beside it that it imports (a shared argparse)."""
+    source = path.read_text()
+    for name in set(re.findall(r"^\s*(?:from|import)\s+(?:benchmarks\.)?(\w+)", source, re.M)) | \
+            set(re.findall(r"^\s*from benchmarks import (\w+)", source, re.M)):
+        helper = path.parent / f"{name}.py"
+        if helper.is_file() and helper != path:
+            source += helper.read_text()
+    return source
