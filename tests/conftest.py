@@ -3,8 +3,8 @@ import os
 
 # Inductor compiles in this process, not in a pool of workers: a test that compiles here and then
 # forks ranks (tests/test_compile.py) must not fork while a pool's threads hold a lock (seen: both
-# ranks of a compiled tp2 layout waiting on a futex from their first second). Set before torch.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# ranks of a compiled tp2 layout waiting on a futex from their first second). Set before torch
+# (below, with what it costs).
 # And one thread in every process a test starts (fresh shells, `python -m bigtrain`, torchrun's
 # ranks): scripts/test.sh runs its shards side by side, and an OpenMP pool of two on two busy cores
 # spins at each barrier. Measured beside one busy core: `bigtrain generate` of a `small` run,

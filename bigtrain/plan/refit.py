@@ -37,8 +37,7 @@ def _overrides_that_differ(cfg: Config, overrides: list[str]) -> list[str]:
 
 
 def _profile(cuda: bool):
-    from bigtrain.plan.hardware import local_hardware
-    from bigtrain.plan.hardware import get_profile
+    from bigtrain.plan.hardware import get_profile, local_hardware
 
     return get_profile(local_hardware() if cuda else "cpu")
 
