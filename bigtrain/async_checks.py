@@ -102,11 +102,16 @@ def resume_caveat(cfg: Config, saved: dict, checkpoint: str) -> str | None:
                        f"{written['local_sgd_every']}, parallel.dp = {written['dp']}), whose replicas each keep "
                        f"their own optimizer moments: the checkpoint holds pieces of them, and every replica "
                        f"resumes from those pieces (docs/async.md, 'Local SGD')")
-    kind = cfg.parallel.pp_schedule
-    if kind in ("pipedream-2bw", "pipedream"):
-        caveats.append(f"parallel.pp_schedule = '{kind}' keeps a stashed weight version that no checkpoint holds: "
-                       f"the pipeline restarts empty and the first step after the resume computes with the newest "
-                       f"weights, as step 0 does (docs/async.md, 'Limits')")
+    # The stash lost is the saved run's: a checkpoint written by a pipeline without flush lacks the
+    # weight version(s) its next forwards would have read. A synchronous save resumed into such a
+    # pipeline loses nothing (it had no stash; the new pipeline starts empty, as at step 0).
+    saved_kind, kind = written.get("pp_schedule", "1f1b"), cfg.parallel.pp_schedule
+    if saved_kind in ("pipedream-2bw", "pipedream"):
+        instead = ("the pipeline restarts empty and the first step after the resume computes with the newest "
+                   "weights, as step 0 does" if kind in ("pipedream-2bw", "pipedream") else
+                   f"the resumed run (parallel.pp_schedule = '{kind}') computes every step with the newest weights")
+        caveats.append(f"it was written by parallel.pp_schedule = '{saved_kind}', which keeps a stashed weight "
+                       f"version that no checkpoint holds: {instead} (docs/async.md, 'Limits')")
     if not caveats:
         return None
     return (f"resuming from {checkpoint}: the run goes on, but not along the trajectory of the uninterrupted run: "

@@ -52,7 +52,8 @@ class ModelConfig:
     attention_bias: bool = doc("Biases on the q, k, v and output projections (Hugging Face Llama's "
                                "attention_bias).", False)
     qkv_bias: bool = doc("Biases on the q, k and v projections only (Qwen2).", False)
-    mlp_bias: bool = doc("Biases on the three SwiGLU projections (Hugging Face Llama's mlp_bias).", False)
+    mlp_bias: bool = doc("Biases on the three SwiGLU projections (Hugging Face Llama's mlp_bias); dense models "
+                         "only (the experts have none: refused with model.moe_experts > 0).", False)
     qk_norm: bool = doc("An RMSNorm over each query and key head before the rotary embedding (Qwen3's q_norm "
                         "and k_norm). Set by the Hugging Face family from its config.json, for the planner's "
                         "pricing; bigtrain's Llama does not build it.", False)

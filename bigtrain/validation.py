@@ -171,6 +171,13 @@ def check_moe(cfg: Config) -> list[str]:
     if outside:
         problems.append(f"model.moe_dense_layers = '{m.moe_dense_layers}': block {outside[0]} is not one of the "
                         f"model.n_layers = {m.n_layers} blocks (0 to {m.n_layers - 1})")
+    if m.mlp_bias and not outside and any(m.is_moe_block(i) for i in range(m.n_layers)):
+        # The experts and the shared expert are bias-free SwiGLUs (models/moe.py): only the dense
+        # blocks would get the biases, and no supported architecture is shaped so (Llama's
+        # mlp_bias has no experts; Mixtral's, Qwen-MoE's and DeepSeek's MLPs have no biases).
+        problems.append(f"model.mlp_bias = true with model.moe_experts = {m.moe_experts}: the experts and the "
+                        f"shared expert have no biases, so only the dense blocks would get them; set "
+                        f"model.mlp_bias = false (or model.moe_experts = 0 for a dense model with MLP biases)")
     if m.moe_every > m.n_layers:
         problems.append(f"model.moe_every = {m.moe_every} > model.n_layers = {m.n_layers}: no block would have "
                         f"experts; use model.moe_every <= {m.n_layers}")

@@ -228,7 +228,8 @@ def test_2bw_deferred_fit_checkpoints_and_resumes_as_the_synchronous_boundary(co
         assert head[rank][2] and tail[rank][2], "fit ran the deferred boundary"
         # The stash is not saved (docs/async.md): said once, by rank 0, at the resume.
         assert len(tail[rank][3]) == (1 if rank == 0 else 0), tail[rank][3]
-        assert all("parallel.pp_schedule = 'pipedream-2bw' keeps a stashed weight version that no checkpoint holds"
+        assert all("written by parallel.pp_schedule = 'pipedream-2bw', which keeps a stashed weight version that no "
+                   "checkpoint holds"
                    in said and "(docs/async.md, 'Limits')" in said for said in tail[rank][3])
         losses = [loss for _, loss, _ in head[rank][0][:2] + tail[rank][0]]
         assert [s for s, _, _ in tail[rank][0]] == [2, 3, 4]

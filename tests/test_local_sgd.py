@@ -212,7 +212,8 @@ def test_resuming_a_local_sgd_checkpoint_warns_once_that_the_moments_are_pieced(
 
 def test_the_resume_caveat_names_what_a_checkpoint_of_an_asynchronous_run_lacks(corpus_cache):
     """Which resumes warn (the one above and tests/test_async_pipeline.py see the warning itself):
-    a checkpoint of local SGD over several replicas, and a run resumed into a pipeline without flush."""
+    a checkpoint of local SGD over several replicas, and a checkpoint written by a pipeline without flush
+    (its stash is not saved), whatever schedule resumes it; not a synchronous save resumed into one."""
     from bigtrain.async_checks import resume_caveat
 
     sync = tiny_config(corpus_cache)
@@ -225,4 +226,18 @@ def test_the_resume_caveat_names_what_a_checkpoint_of_an_asynchronous_run_lacks(
         assert resume_caveat(sync, whole, "step_00000004") is None, whole
     two_bw = tiny_config(corpus_cache, "--model.n_layers=4", "--train.micro_batch=2", "--parallel.pp=2",
                          "--parallel.pp_schedule=pipedream-2bw")
-    assert "(docs/async.md, 'Limits')" in resume_caveat(two_bw, {}, "step_00000004")
+    one_f_one_b = tiny_config(corpus_cache, "--model.n_layers=4", "--train.micro_batch=2", "--parallel.pp=2")
+    saved_2bw = {"parallel": {"pp": 2, "pp_schedule": "pipedream-2bw"}}
+    saved_1f1b = {"parallel": {"pp": 2, "pp_schedule": "1f1b"}}
+    # A 1F1B save (or one recording no schedule: the default, 1f1b) had no stash: nothing is lost.
+    for saved in (saved_1f1b, {}):
+        assert resume_caveat(two_bw, saved, "step_00000004") is None, saved
+        assert resume_caveat(one_f_one_b, saved, "step_00000004") is None, saved
+    # A 2BW save lost its stash, whichever schedule resumes it; the warning says what the resumed run gets.
+    same = resume_caveat(two_bw, saved_2bw, "step_00000004")
+    assert "it was written by parallel.pp_schedule = 'pipedream-2bw', which keeps a stashed weight version that " \
+           "no checkpoint holds: the pipeline restarts empty" in same and same.endswith("(docs/async.md, 'Limits')")
+    into_sync = resume_caveat(one_f_one_b, saved_2bw, "step_00000004")
+    assert "it was written by parallel.pp_schedule = 'pipedream-2bw', which keeps a stashed weight version that " \
+           "no checkpoint holds: the resumed run (parallel.pp_schedule = '1f1b') computes every step with the " \
+           "newest weights" in into_sync and into_sync.endswith("(docs/async.md, 'Limits')")

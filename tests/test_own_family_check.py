@@ -296,3 +296,24 @@ def test_a_step_of_its_own_without_a_reference_or_planner_names_the_slot_to_writ
     err = capsys.readouterr().err
     assert "trains by its own step: none for this family (model.family = 'regression' has no " \
            "Family.plan_command); choose its layout by hand" in err, err
+    # train --parallel auto said "give the family a planner_config", which a family with its own step
+    # cannot use: it says what bigtrain plan says (one function, families/own.py: own_step_unpriced).
+    capsys.readouterr()
+    assert main(["train", "--config", "regression.toml", "--parallel", "auto"]) == 2
+    auto = capsys.readouterr().err
+    assert "planner_config" not in auto, auto
+    planned = err[err.index("bigtrain plan prices decoders"):].strip()
+    assert planned.replace("bigtrain plan prices", "--parallel auto prices") in auto, (planned, auto)
+
+
+def test_parallel_auto_of_a_family_with_its_own_step_and_planner_names_that_planner():
+    """DLRM trains by its own step and has a planner of its own (Family.plan_command): --parallel
+    auto points at it (bigtrain plan --config) instead of asking for a planner_config."""
+    from bigtrain.config import ConfigError
+    from bigtrain.plan.auto import auto_overrides
+
+    with pytest.raises(ConfigError) as e:
+        auto_overrides(load_config(preset="dlrm-tiny"), 1, hardware="cpu")
+    assert "--parallel auto prices decoders (bigtrain's Llama of their shapes), and model.family = 'dlrm' trains " \
+           "by its own step: its own planner (Family.plan_command) prices it, run by bigtrain plan --config; " \
+           "choose its layout by hand (parallel.dp, parallel.zero)" in str(e.value), str(e.value)

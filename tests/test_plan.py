@@ -238,11 +238,12 @@ def test_replicated_key_value_heads_are_in_the_predicted_activations(layout, wit
     ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved", "--model.n_layers=8",
      "--model.vocab_size=4096"],
     ["--parallel.pp=2", "--model.n_layers=4", "--parallel.pp_balance=layers"],
-    # a dense first block with model.mlp_bias before six MoE blocks (whose experts have none): the
-    # planner left the biases out and cut after block 3 where the runtime cut after block 2
-    ["--parallel.pp=2", "--model.n_layers=7", "--model.vocab_size=1024", "--model.moe_experts=2",
-     "--model.moe_ffn_hidden=96", "--model.moe_dense_layers=0", "--model.mlp_bias=true", "--model.n_kv_heads=4"],
-], ids=["pp4", "pp2-tied", "pp2-moe-every2", "interleaved-large-vocab", "balance-layers", "mlp-bias-dense-first"])
+    # model.mlp_bias: the planner left the biases out (a dense first block with them before MoE
+    # blocks was cut after block 3 where the runtime cut after block 2; validation now refuses
+    # mlp_bias with experts, which have no biases)
+    ["--parallel.pp=2", "--model.n_layers=7", "--model.vocab_size=1024", "--model.mlp_bias=true",
+     "--model.n_kv_heads=4"],
+], ids=["pp4", "pp2-tied", "pp2-moe-every2", "interleaved-large-vocab", "balance-layers", "mlp-bias"])
 def test_the_planner_cuts_the_pipeline_where_the_runtime_does(overrides, tmp_path):
     """parallel.pp_balance = 'params' (the default 'layers' in the last case) cuts the stages where
     the plain model's parameters balance, embedding and head included (partition.py); the planner's
@@ -475,9 +476,6 @@ SPLIT_CONFIG = """[model]
 dim = 64
 n_layers = 4
 n_heads = 4
-moe_experts = 4
-moe_ffn_hidden = 96
-moe_dense_layers = "0"
 mlp_bias = true
 [data]
 seq_len = 32

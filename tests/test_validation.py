@@ -90,6 +90,11 @@ CASES = [
      "model.moe_dense_layers"),
     ("moe-every-block-kept-dense", ["--model.moe_experts=4", "--model.moe_dense_layers=0,1"],
      "model.moe_dense_layers"),
+    # The experts and the shared expert have no biases: only the dense blocks would get them.
+    ("moe-mlp-bias", ["--model.moe_experts=4", "--model.mlp_bias=true"], "model.mlp_bias"),
+    ("moe-mlp-bias-shared-expert-dense-first", ["--model.n_layers=3", "--model.moe_experts=4",
+                                                "--model.moe_shared_expert=true", "--model.moe_dense_layers=0",
+                                                "--model.mlp_bias=true"], "model.mlp_bias"),
     ("moe-negative-shared-size", ["--model.moe_experts=4", "--model.moe_shared_expert=true",
                                   "--model.moe_shared_expert_hidden=-1"], "model.moe_shared_expert_hidden"),
     ("unknown-axis", ["--parallel.xp=2"], "parallel.xp"),
@@ -144,6 +149,17 @@ def test_the_table_is_big_enough():
 
 def test_the_tiny_preset_itself_is_valid():
     validate(load_config(preset="tiny"), world_size=1, cuda_available=False)
+
+
+def test_mlp_bias_is_refused_with_experts_naming_the_fix_and_valid_on_a_dense_model():
+    """model.mlp_bias on an MoE model gave the dense blocks biases and the experts silently none;
+    it is refused before launch, saying how to fix it. A dense model keeps its biases."""
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(preset="tiny", overrides=["--model.moe_experts=4", "--model.mlp_bias=true"]))
+    assert "model.mlp_bias = true with model.moe_experts = 4" in str(e.value)
+    assert "set model.mlp_bias = false" in str(e.value)
+    validate(load_config(preset="tiny", overrides=["--model.mlp_bias=true"]))
+    validate(load_config(preset="tiny", overrides=["--model.moe_experts=4"]))
 
 
 TIED_PIPELINES = {

@@ -30,6 +30,19 @@ def none_for(family: Family, slot: str, what: str, fix: str) -> str:
             f"the family a {slot} (docs/families.md, 'A family of your own')")
 
 
+def own_step_unpriced(family: Family, what: str) -> str:
+    """Why ``what`` (bigtrain plan, --parallel auto), whose planner prices decoders, cannot price a
+    family with its own step (Family.own_step): said the same by both. A family with a planner of
+    its own (Family.plan_command) is priced by ``bigtrain plan --config``."""
+    why = (f"{what} prices decoders (bigtrain's Llama of their shapes), and model.family = '{family.name}' trains "
+           f"by its own step")
+    by_hand = "choose its layout by hand (parallel.dp, parallel.zero)"
+    if family.plan_command is not None:
+        return (f"{why}: its own planner (Family.plan_command) prices it, run by bigtrain plan --config; "
+                f"{by_hand}")
+    return none_for(family, "plan_command", why, by_hand)
+
+
 def slot_problems(cfg: Config, family: Family) -> list[str]:
     """The layouts and features ``cfg`` asks for that need a slot ``family`` leaves None."""
     p, m, mem = cfg.parallel, cfg.model, cfg.memory

@@ -8,7 +8,7 @@ import os
 
 from bigtrain.config import Config, ConfigError, with_overrides
 from bigtrain.families import family_of
-from bigtrain.families.own import none_for
+from bigtrain.families.own import none_for, own_step_unpriced
 from bigtrain.plan.fit import runtime_compiles, stage_split
 from bigtrain.plan.hardware import get_profile, host_share, load_profile, local_hardware, sharing_cores
 from bigtrain.plan.layout import Cluster
@@ -35,6 +35,8 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     # model.* fields, which such a family does not read.
     family = family_of(cfg)
     planner_config = family.planner_config
+    if family.own_step is not None:  # its own step and data: no decoder of its shapes prices it
+        raise ConfigError(own_step_unpriced(family, "--parallel auto"))
     if planner_config is None and not family.llama_fallbacks:
         raise ConfigError(none_for(family, "planner_config", "--parallel auto (the planner prices a model as "
                                    "bigtrain's Llama of its shapes)", "choose the layout by hand (parallel.dp, ...)"))

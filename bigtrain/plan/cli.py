@@ -14,7 +14,7 @@ import sys
 
 from bigtrain.config import Config, ConfigError, ModelConfig, load_config, preset_names
 from bigtrain.families import Family, family_of
-from bigtrain.families.own import none_for
+from bigtrain.families.own import none_for, own_step_unpriced
 from bigtrain.from_config import compiles
 from bigtrain.optim import optimizer_names
 from bigtrain.plan.auto import runnable_plans
@@ -127,9 +127,7 @@ def _priced_model(cfg: Config) -> ModelConfig:
     config.json's shapes as bigtrain's Llama), else its own."""
     family = _family(cfg)
     if family.own_step is not None:  # its own step and data: no decoder of its shapes prices it
-        raise ConfigError(none_for(family, "plan_command", f"bigtrain plan prices decoders (bigtrain's Llama of "
-                                   f"their shapes), and model.family = '{family.name}' trains by its own step",
-                                   "choose its layout by hand (parallel.dp, parallel.zero)"))
+        raise ConfigError(own_step_unpriced(family, "bigtrain plan"))
     if family.planner_config is None and not family.llama_fallbacks:
         raise ConfigError(none_for(family, "planner_config", "bigtrain plan prices a model as bigtrain's Llama of "
                                    "its shapes", "give the shapes by hand (--layers, --hidden, --heads, --vocab, "
