@@ -1,5 +1,5 @@
 import sys
 
-from bigtrain.cli import main
+from bigtrain.entry_point import main
 
 sys.exit(main())

@@ -20,6 +20,7 @@ from pathlib import Path
 from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog, unread_model_overrides,
                                unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
+from bigtrain.entry_point import INTERRUPTED
 from bigtrain.failure import RunFailure
 from bigtrain.families import family_of, find_family
 from bigtrain.families.init_from import init_from_architecture
@@ -374,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `bigtrain fields | head`: the reader has gone; a traceback told it nothing
             _drop_stdout()
             return 128 + signal.SIGPIPE  # as a program the pipe's signal ended
+        except KeyboardInterrupt:  # anywhere, the parsing and the lazy imports too (the CLI's own: entry_point)
+            print(INTERRUPTED, file=sys.stderr)
+            return 130
 
 
 def _drop_stdout() -> None:
@@ -452,9 +456,6 @@ def _main(argv: list[str] | None = None) -> int:
             raise
         print(f"bigtrain: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("bigtrain: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

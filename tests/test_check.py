@@ -1,6 +1,8 @@
 """``bigtrain check``: the independent reference, putting a layout's pieces back together, and a
 bisection that names the step, the unit and the ranks of an injected fault."""
 
+import re
+
 import pytest
 import torch
 
@@ -318,3 +320,29 @@ def test_the_reference_starts_from_init_from_weights_and_check_takes_the_folders
         logits = made.float().eval()(tokens).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
     assert reference.train_step().loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_train_steps_given_to_check_without_steps_is_said_to_set_the_schedule_not_the_steps_compared(
+        corpus_cache, tmp_path, capsys, monkeypatch):
+    """docs/optimizers.md measured with ``bigtrain check --train.steps=5``, meaning 5 steps compared:
+    the check compared --steps' default 4, of a 5-step schedule, without a word. It says so now."""
+    from pathlib import Path
+
+    from bigtrain.check import cli as check_cli
+
+    compared = []
+    monkeypatch.setattr(check_cli, "_check_rank",
+                        lambda cfg, out, steps: compared.append((steps, cfg.train.steps)) or 0)
+    base = ["check", "--output-dir", str(tmp_path), f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000"]
+    assert main(base + ["--train.steps=5"]) == 0
+    assert ("bigtrain check: note: --train.steps=5 sets the learning-rate schedule's length; the steps compared "
+            "are --steps (default 4): give --steps 5 to compare 5") in capsys.readouterr().err
+    assert main(base + ["--steps", "5", "--train.steps", "5"]) == 0  # both given: the user said which is which
+    assert main(base + ["--steps", "3"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert compared == [(4, 5), (5, 5), (3, 20)]
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    for page in docs.glob("*.md"):  # a documented check command that means --steps says it
+        for command in re.findall(r"`(bigtrain check [^`]*)`", page.read_text()):
+            assert "--train.steps" not in command or "--steps" in command.replace("--train.steps", ""), \
+                (page.name, command)

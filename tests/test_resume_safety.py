@@ -95,10 +95,36 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(straight, tm
     assert main(_resume(out, "--model.n_layers=1", "--model.dim=32")) == 2
     err = capsys.readouterr().err
     assert "model.n_layers = 1, but the checkpoint step_00000006 was written with model.n_layers = 2" in err
-    assert "model.dim = 32" in err
+    assert ("model.dim = 32, but the checkpoint step_00000006 was written with model.dim = 64 (and so "
+            "model.ffn_hidden 192 -> 128, model.attention_head_dim 16 -> 8)") in err
+    assert "model.ffn_hidden = " not in err  # computed from model.dim: not a field the user set
     cfg = tiny_config(corpus_cache, "--model.n_layers=3", "--checkpoint.resume=auto")  # the Python API too
     with pytest.raises(ResumeError, match="model.n_layers = 3, but"):
         trainer_on_rank(0, 1, cfg, str(out)).fit()
+
+
+def test_a_refused_resume_names_the_fields_the_user_changed_and_shows_computed_sizes_as_following():
+    """tiny's model.ffn_hidden and model.attention_head_dim are 0 (computed from model.dim and
+    n_heads): a resume with another model.dim listed them as if the user had set them. A size
+    computed from a changed field follows it (through MoE's sizes too); one the user set is its own line."""
+    from bigtrain.checkpoint.compat import compare_configs
+
+    saved = tiny_config("").to_dict()
+    errors, _ = compare_configs(saved, tiny_config("", "--model.dim=128"), "step_6")
+    assert errors[:-1] == ["model.dim = 128, but the checkpoint step_6 was written with model.dim = 64 (and so "
+                           "model.ffn_hidden 192 -> 384, model.attention_head_dim 16 -> 32)"]
+    errors, _ = compare_configs(saved, tiny_config("", "--model.dim=128", "--model.ffn_hidden=352"), "step_6")
+    assert errors[:-1] == ["model.dim = 128, but the checkpoint step_6 was written with model.dim = 64 (and so "
+                           "model.attention_head_dim 16 -> 32)",
+                           "model.ffn_hidden = 352, but the checkpoint step_6 was written with model.ffn_hidden = 192"]
+    errors, _ = compare_configs(saved, tiny_config("", "--model.n_heads=2"), "step_6")
+    assert errors[:-1] == ["model.n_heads = 2, but the checkpoint step_6 was written with model.n_heads = 4 (and so "
+                           "model.attention_head_dim 16 -> 32)"]
+    moe = ("--model.moe_experts=4", "--model.moe_shared_expert=true")
+    errors, _ = compare_configs(tiny_config("", *moe).to_dict(), tiny_config("", *moe, "--model.dim=128"), "s")
+    assert errors[:-1] == ["model.dim = 128, but the checkpoint s was written with model.dim = 64 (and so "
+                           "model.ffn_hidden 192 -> 384, model.attention_head_dim 16 -> 32, model.moe_ffn_hidden "
+                           "192 -> 384, model.moe_shared_expert_hidden 192 -> 384)"]
 
 
 def test_a_checkpoint_of_another_optimizer_is_refused_before_launch(straight, tmp_path, capsys):

@@ -16,11 +16,12 @@ import tempfile
 from pathlib import Path
 
 from bigtrain.cli_help import unread_model_overrides
-from bigtrain.config import Config, ConfigError, load_config, preset_names, to_toml
+from bigtrain.config import Config, ConfigError, load_config, parse_overrides, preset_names, to_toml
 from bigtrain.families.init_from import init_from_architecture
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "tiny"
+DEFAULT_STEPS = 4
 REPORT = "check.json"
 
 
@@ -30,7 +31,8 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())} (default {DEFAULT_PRESET})")
     source.add_argument("--config", help="a TOML config file")
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps to compare (default 4)")
+    p.add_argument("--steps", type=int, help=f"optimizer steps to compare (default {DEFAULT_STEPS}; "
+                                             f"--train.steps sets the learning-rate schedule's length only)")
     p.add_argument("--output-dir", help="where the ranks write (default: a temporary directory)")
     return p
 
@@ -65,9 +67,12 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
              cuda_capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     if problems := reference_problems(cfg):
         raise ConfigError(problems)
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         print("bigtrain check: --steps must be at least 1", file=sys.stderr)
         return 2
+    steps = DEFAULT_STEPS if args.steps is None else args.steps
+    if note := steps_note(args.steps, overrides):
+        print(note, file=sys.stderr)
     print_warnings(env_warnings + check_inputs(cfg, args.output_dir or tempfile.gettempdir(),
                                                "--output-dir" if args.output_dir else "the temporary folder"))
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="bigtrain-check-"))
@@ -77,14 +82,25 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
         resolved.write_text(to_toml(cfg))
         (out / REPORT).unlink(missing_ok=True)
         code = launch_local(cfg.parallel.world_size, ["check", "--config", str(resolved), "--steps",
-                                                      str(args.steps), "--output-dir", str(out)])
+                                                      str(steps), "--output-dir", str(out)])
         if code != 0 or not (out / REPORT).exists():
             print(f"bigtrain check: the ranks exited with status {code}; see the messages above", file=sys.stderr)
             return code or 1
         report = json.loads((out / REPORT).read_text())
         print(report["text"])
         return 0 if report["agree"] else 1
-    return _check_rank(cfg, out, args.steps)
+    return _check_rank(cfg, out, steps)
+
+
+def steps_note(steps: int | None, overrides: list[str]) -> str | None:
+    """The line for ``--train.steps=N`` given without ``--steps``: a user who writes it means N
+    steps compared, but the check compares ``--steps`` (default 4) and N is the schedule's length
+    (its warm-up and cosine decay), so the check ran 4 steps of an N-step schedule without a word."""
+    given = parse_overrides(overrides).get("train", {}).get("steps")
+    if given is None or steps is not None:
+        return None
+    return (f"bigtrain check: note: --train.steps={given} sets the learning-rate schedule's length; the steps "
+            f"compared are --steps (default {DEFAULT_STEPS}): give --steps {given} to compare {given}")
 
 
 def _check_rank(cfg: Config, out: Path, steps: int) -> int:

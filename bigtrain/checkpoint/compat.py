@@ -32,6 +32,16 @@ SHAPE_FIELDS = ("model.family", "model.family_module", "model.vocab_size", "mode
 # the checkpoint and the run have experts (in a dense model they mean nothing).
 EXPERT_FIELDS = ("model.moe_every", "model.moe_dense_layers", "model.moe_ffn_hidden", "model.moe_shared_expert",
                  "model.moe_shared_expert_hidden", "model.moe_shared_expert_gate", "model.moe_router")
+# The shape fields whose 0 means a size computed from other fields, and those fields: where the
+# field's own value is unchanged (0 in both) but its size moved, it follows from them, and the
+# message names the field the user changed, with this one shown as following from it.
+DERIVED_FROM = {
+    "model.n_kv_heads": ("model.n_heads",),
+    "model.ffn_hidden": ("model.dim",),
+    "model.attention_head_dim": ("model.dim", "model.n_heads"),
+    "model.moe_ffn_hidden": ("model.ffn_hidden",),
+    "model.moe_shared_expert_hidden": ("model.moe_ffn_hidden",),
+}
 CHANGES = {
     "model.rope_theta": "the positional encoding the weights were trained with",
     "model.norm_eps": "the normalization the weights were trained with",
@@ -123,14 +133,7 @@ def compare_configs(saved: dict[str, dict[str, Any]], run: Config, where: str) -
     # An older manifest spells model.family model.name: read under the field's name.
     saved = {section: canonical_keys(section, values, f"the checkpoint {where}") if isinstance(values, dict)
              else values for section, values in saved.items()}
-    errors, changes = [], []
-    experts = _effective("model", "moe_experts", saved.get("model", {})) and current["model"]["moe_experts"]
-    for dotted in SHAPE_FIELDS + (EXPERT_FIELDS if experts else ()):
-        section, name = dotted.split(".")
-        before = _effective(section, name, saved.get(section, {}))
-        after = _effective(section, name, current[section])
-        if before != after:
-            errors.append(f"{dotted} = {after!r}, but the checkpoint {where} was written with {dotted} = {before!r}")
+    errors, changes = _shape_errors(saved, current, where), []
     for dotted, what in CHANGES.items():
         section, name = dotted.split(".")
         if name not in saved.get(section, {}):
@@ -144,6 +147,48 @@ def compare_configs(saved: dict[str, dict[str, Any]], run: Config, where: str) -
                       "new run in another --output-dir")
     optim = saved.get("optim", {})
     return errors + _optimizer_errors(optim, run, where) + _block_errors(optim, run, where), changes
+
+
+def _shape_errors(saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]], where: str) -> list[str]:
+    """One line per shape field the run changed. A field computed from others (ffn_hidden 0: from
+    dim) whose size moved only because they did is shown after the field it follows from, not as a
+    change of its own: the user set model.dim, not model.ffn_hidden."""
+    experts = _effective("model", "moe_experts", saved.get("model", {})) and current["model"]["moe_experts"]
+    moved = {}  # dotted -> (before, after), in SHAPE_FIELDS order
+    for dotted in SHAPE_FIELDS + (EXPERT_FIELDS if experts else ()):
+        section, name = dotted.split(".")
+        before = _effective(section, name, saved.get(section, {}))
+        after = _effective(section, name, current[section])
+        if before != after:
+            moved[dotted] = (before, after)
+
+    def set_the_same(dotted: str) -> bool:  # the field's own value (0: computed) is the checkpoint's
+        section, name = dotted.split(".")
+        default = getattr(ModelConfig(), name)  # a checkpoint older than the field has its default
+        return saved.get(section, {}).get(name, default) == current[section][name]
+
+    def cause(dotted: str) -> str | None:  # the changed field a computed size follows from
+        if dotted not in DERIVED_FROM or not set_the_same(dotted):
+            return None
+        for source in DERIVED_FROM[dotted]:
+            if source in moved:
+                return cause(source) or source
+        return None
+
+    follows: dict[str, list[str]] = {}
+    for dotted in moved:
+        if (root := cause(dotted)) is not None:
+            follows.setdefault(root, []).append(dotted)
+    shown_after = {d for derived in follows.values() for d in derived}
+    lines = []
+    for dotted, (before, after) in moved.items():
+        if dotted in shown_after:
+            continue
+        line = f"{dotted} = {after!r}, but the checkpoint {where} was written with {dotted} = {before!r}"
+        if dotted in follows:
+            line += " (and so " + ", ".join(f"{d} {moved[d][0]!r} -> {moved[d][1]!r}" for d in follows[dotted]) + ")"
+        lines.append(line)
+    return lines
 
 
 def _optimizer_errors(saved: dict[str, Any], run: Config, where: str) -> list[str]:
