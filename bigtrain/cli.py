@@ -20,8 +20,7 @@ from pathlib import Path
 from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog, unread_model_overrides,
                                unknown_arguments_message)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
-from bigtrain.entry_point import INTERRUPTED
-from bigtrain.failure import RunFailure
+from bigtrain.failure import INTERRUPTED, RunFailure
 from bigtrain.families import family_of, find_family
 from bigtrain.families.init_from import init_from_architecture
 from bigtrain.run_rank import run_rank

@@ -8,7 +8,7 @@ runs inside the handler.
 
 import sys
 
-INTERRUPTED = "bigtrain: interrupted"
+from bigtrain.failure import INTERRUPTED
 
 
 def main() -> int:
