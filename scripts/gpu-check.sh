@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU lease, at most 8 minutes on one H100, with the image's own torch (PYTHONPATH=., no install):
 #   1. the GPU tests (pytest -m gpu: every ZeRO stage on cuda, parity with the reference on the
-#      device, resume, offload against no offload)                                 <= 150 s
+#      device, resume, offload against no offload; 25 cases, two fp8 trainings ~40 s each) <= 180 s
 #   2. benchmarks/compile_fusions.py: the kernels inductor generates for one block <=  40 s
 #   3. benchmarks/bench_offload.py --case gpu on llama-1b (offload.optimizer = cpu; its planner
 #      layout compiles the blocks)                                                  <=  50 s
@@ -11,13 +11,13 @@
 #      so that fp8's loss can be compared with bf16's at the end, issue 27; rowwise), then hf-family
 #      (the peer's model from a config.json, trained by bigtrain: model.family = "hf"; 20), then
 #      fp8-tensorwise (20; last, so that the limit can only cut the rows least needed; rows are
-#      written as they finish)                                                      <= 240 s
+#      written as they finish)                                                      <= 210 s
 # and writes one Markdown summary, $OUT/gpu-check.md (OUT defaults to runs/gpu-check), with every
 # stage's status, time and figures, next to the logs and JSON files. Each stage has its own time
 # limit, its share of the 8 minutes plus what the stages before it left unused: a stage that fails
 # or runs out of time is reported and the next one runs, and the whole stays within 480 s. The
 # benchmark, whose rows are kept as they finish, runs last and takes what the others left (the
-# tests rarely need their 150 s): the stages that keep nothing when cut finish first, with the
+# tests rarely need their 180 s): the stages that keep nothing when cut finish first, with the
 # tests' spare time (fusions took 31 s of its 40 on the H200's rerun; bench_offload's layout now
 # compiles its blocks, which it did not when it took its 50 s there).
 # Without a CUDA device it writes a summary saying so and exits 0; GPU_CHECK_SMOKE=1 then runs the
@@ -85,11 +85,11 @@ stage() {  # stage NAME SHARE_S COMMAND...: run within its share (plus what earl
   tail -n 3 "$OUT/$name.log"
 }
 
-stage tests 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+stage tests 180 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 stage fusions 40 "$PY" benchmarks/compile_fusions.py --preset "$PRESET" --batch 1 --json "$OUT/fusions.json"
 stage bench_offload 50 "$PY" benchmarks/bench_offload.py --case gpu --preset "$PRESET" --global-batch 8 --steps 3 \
   --warmup 1 "${OFFLOAD_CPU[@]}" --json "$OUT/bench_offload.json"
-stage bench_gpu 240 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET" --variants eager,compiled,fp8,hf-family,fp8-tensorwise \
+stage bench_gpu 210 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET" --variants eager,compiled,fp8,hf-family,fp8-tensorwise \
   --peer hf-compiled "${BENCH_STEPS[@]}" --json "$OUT/bench_gpu.json"
 
 {
