@@ -84,6 +84,9 @@ def test_a_unit_without_gradients_reads_as_zeros_after_its_buffer_was_freed(stag
     for grads, norm, skipped in run_ranks(_blocks_get_no_gradient, world_size, stage, mode):
         blocks = {n: g for n, g in grads.items() if n.startswith("layers.")}
         assert blocks and all(g == 0.0 for g in blocks.values()), blocks
+        # the root unit got gradients, but only the embedding's: its other slots are zeros too
+        others = {n: g for n, g in grads.items() if not n.startswith("layers.") and n != "tok_embeddings.weight"}
+        assert others and all(g == 0.0 for g in others.values()), others
         assert grads["tok_embeddings.weight"] > 0 and not skipped
         assert 0 < norm < float("inf")
 

@@ -90,19 +90,23 @@ class GradSync:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit = self._unit_of[id(param)]
         if self.stage <= 1 and self._host_grads is None:
-            self._lazy.ensure(unit)  # the unit's first gradient of the step: zeros to add into
-            self._accumulate(param)
+            self._lazy.grow(unit)  # the unit's first gradient of the step: its buffer back in memory
+            self._accumulate(unit, param)
             if not self._sync:
                 return
         self._remaining[id(unit)] -= 1
         if self._remaining[id(unit)] == 0:
             self._reduce(unit)
 
-    def _accumulate(self, param: nn.Parameter) -> None:
-        """Stages 0-1: bring a parameter's new gradient into its place in the fp32 buffer."""
+    def _accumulate(self, unit: FlatUnit, param: nn.Parameter) -> None:
+        """Stages 0-1: bring a parameter's new gradient into its place in the fp32 buffer (copied
+        there if it is the step's first, which the freed buffer holds no zeros for: lazy_grads.py)."""
         home = self._grad_home[id(param)]
         if self._grads_in_place:
             rehome_grad(param, home)
+        elif self._lazy.first_write(unit, param):
+            home.copy_(param.grad)
+            param.grad = None
         else:
             home.add_(param.grad)
             param.grad = None

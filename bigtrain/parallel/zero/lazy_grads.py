@@ -6,8 +6,9 @@ every forward, next to the activations, although it holds nothing there: the pre
 optimizer consumed it and the next gradient has not come. PyTorch's own loop frees ``p.grad``
 after each step (``zero_grad(set_to_none=True)``) and regrows it in backward; so do we, without
 dropping the tensor: after the step the buffer's storage is resized to zero bytes, and it is
-resized back and zeroed when the unit's first gradient of the next step arrives (stages 0-1: the
-first add of a micro-batch's gradient; stage 2: the first reduced shard folded in, in
+resized back when the unit's first gradient of the next step arrives (stages 0-1: each parameter's
+first gradient of the step is copied into its slot, and only the gaps between slots are zeroed,
+:meth:`LazyGrads.grow`; stage 2: zeroed, then the first reduced shard folded in, in
 ``finish_grad_sync``). Resizing the storage keeps every view of it valid (the per-parameter
 ``grad_views``, the ``grad_shard`` of stages 0-1, the optimizer's ``view.grad`` pieces), as
 ZeRO-3's gathered parameter buffers do (:meth:`FlatUnit.free_full`).
@@ -52,6 +53,12 @@ class KeptGrads:
 
     active = False
 
+    def grow(self, unit: FlatUnit) -> None:
+        pass
+
+    def first_write(self, unit: FlatUnit, param: torch.Tensor) -> bool:
+        return False
+
     def ensure(self, unit: FlatUnit) -> bool:
         return False
 
@@ -60,12 +67,15 @@ class KeptGrads:
 
 
 class LazyGrads:
-    """The units' fp32 gradient buffers, released after a step and regrown (as zeros) on first use."""
+    """The units' fp32 gradient buffers, released after a step and regrown on first use."""
 
     active = True
 
     def __init__(self, units: list[FlatUnit], stage: int):
         self.units, self.stage = units, stage
+        # Stages 0-1: ids of the parameters of regrown buffers whose slot holds no value yet this
+        # step (its first gradient is copied there, not added to zeros), by unit.
+        self._unwritten: dict[int, set[int]] = {}
 
     def buffer(self, unit: FlatUnit) -> torch.Tensor:
         """The tensor that owns the unit's fp32 gradient storage (the others are views of it)."""
@@ -74,13 +84,53 @@ class LazyGrads:
     def release(self, unit: FlatUnit) -> None:
         """No bytes until the next gradient (every view stays, pointing at none)."""
         self.buffer(unit).untyped_storage().resize_(0)
+        self._unwritten.pop(id(unit), None)
 
     def release_all(self) -> None:
         for unit in self.units:
             self.release(unit)
 
+    def grow(self, unit: FlatUnit) -> None:
+        """Stages 0-1, as a micro-batch's gradient of the unit arrives: the buffer in memory again
+        if it was released, with zeros only where no parameter lies (alignment gaps, padding); each
+        parameter's slot is written by its first gradient of the step (:meth:`first_write`), or
+        zeroed by :meth:`ensure` if none comes. Zeroing the whole buffer and adding the first
+        gradient into it read and wrote every element once more than the copy (on a GPU, a memset
+        and an fp32 add over every parameter each step); 0 + g is g, so the sums are the same."""
+        if self.stage > 1:
+            self.ensure(unit)
+            return
+        buf = self.buffer(unit)
+        storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
+        if storage.nbytes() >= nbytes:
+            return
+        storage.resize_(nbytes)
+        end = 0
+        for slot in sorted(unit.slots, key=lambda s: s.offset):
+            if slot.offset > end:
+                buf[end:slot.offset].zero_()
+            end = max(end, slot.offset + slot.numel)
+        if end < buf.numel():
+            buf[end:].zero_()
+        self._unwritten[id(unit)] = {id(p) for p in unit.params}
+
+    def first_write(self, unit: FlatUnit, param: torch.Tensor) -> bool:
+        """Whether ``param``'s slot holds no value yet this step (its gradient is to be copied
+        there, not added); from now on it does."""
+        unwritten = self._unwritten.get(id(unit))
+        if unwritten is None or id(param) not in unwritten:
+            return False
+        unwritten.discard(id(param))
+        return True
+
     def ensure(self, unit: FlatUnit) -> bool:
-        """The unit's buffer in memory, zeros if it was released; whether it was."""
+        """The unit's buffer in memory, zeros if it was released (and zeros in the slots of the
+        parameters whose gradient never came since :meth:`grow`); whether it was released."""
+        unwritten = self._unwritten.pop(id(unit), None)
+        if unwritten:
+            views = {id(p): view for p, view in zip(unit.params, unit.grad_views)}
+            for pid in unwritten:
+                views[pid].zero_()
         buf = self.buffer(unit)
         storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
         if storage.nbytes() >= nbytes:
