@@ -24,7 +24,6 @@ times there say little about a GPU).
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -42,27 +41,19 @@ from bigtrain.models.llama import build_model, init_value
 from bigtrain.models.rope import rotary_tables_for
 from bigtrain.parallel.compile import CompiledRegion, CompileFallbackWarning, inductor_options
 from fp8_previous import use_previous_formulation
+from profile_gpu_step import kind_of as step_kind_of
 
 SKIPPED = "no CUDA device: skipped"  # what the GPU lane's scripts print without one (bench_gpu.py)
 VARIANTS = ("bf16", "tensorwise-previous", "tensorwise", "rowwise-previous", "rowwise")
 
-# Device kernels by kind, first match wins. Inductor's Triton kernels first: their names hold the
-# aten ops they fused, "_scaled_mm" among them when a float8 cast feeds the GEMM. cuBLAS's float8
-# GEMMs on sm90 are nvjet kernels whose tile code starts with q (``nvjet_sm90_qqtst_...``,
-# ``..._qrtst_...``); CUTLASS's rowwise one is ``f8f8bf16_rowwise``.
-KINDS = (
-    ("triton", re.compile(r"^triton_|^cpp_fused", re.I)),
-    ("gemm (fp8)", re.compile(r"nvjet_sm\d+_q|f8f8|e4m3|e5m2|fp8|float8|scaled_mm", re.I)),
-    ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
-    ("gemm (bf16)", re.compile(r"gemm|cutlass|nvjet|xmma|sm\d+_.*mma|matmul|addmm|\bmm\b", re.I)),
-)
+# Device kernels by kind as the step's profile sorts them (its classifier: "fused" is inductor's Triton
+# kernels, whatever ops they fused); optimizer and copy kernels count as other here
+TABLE_KINDS = ("fused", "gemm (fp8)", "gemm (bf16)", "attention")
 
 
 def kind_of(name: str) -> str:
-    for kind, pattern in KINDS:
-        if pattern.search(name):
-            return kind
-    return "other"
+    kind = step_kind_of(name)
+    return kind if kind in TABLE_KINDS else "other"
 
 
 def build_block(preset: str, variant: str, device: str):
@@ -137,7 +128,7 @@ def run_variant(preset: str, variant: str, device: str, batch: int, seq: int, wa
     kinds: dict[str, float] = {}
     for name, ms in kernels.items():
         kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
-    triton = sorted(((n, ms) for n, ms in kernels.items() if kind_of(n) == "triton"), key=lambda kv: -kv[1])
+    triton = sorted(((n, ms) for n, ms in kernels.items() if kind_of(n) == "fused"), key=lambda kv: -kv[1])
     out = {"variant": variant, "median_ms": statistics.median(times), "min_ms": min(times),
            "max_ms": max(times), "compile_s": compile_s, "kernel_ms": sum(kernels.values()), "kinds": kinds,
            "top_triton": triton[:8]}
@@ -155,7 +146,7 @@ def report(result: dict) -> None:
     print(f"\n{result['preset']} block, {result['batch']} x {result['seq']} tokens, forward + backward, compiled, on "
           f"{result['device_name']} (torch {result['torch']}); median of {result['iters']} after {result['warmup']}; "
           f"kernel times: ms per step from torch.profiler over {result['profiled']} steps\n")
-    kinds = ("triton", "gemm (fp8)", "gemm (bf16)", "attention", "other")
+    kinds = (*TABLE_KINDS, "other")
     print("| variant | median ms | vs bf16 | compile s | " + " | ".join(f"{k} ms" for k in kinds) + " |")
     print("|---|---|---|---|" + "---|" * len(kinds))
     for r in rows:
@@ -167,8 +158,8 @@ def report(result: dict) -> None:
         new, old = by_name.get(scaling), by_name.get(f"{scaling}-previous")
         if new and old:
             print(f"\n- {scaling}: {old['median_ms']:.2f} -> {new['median_ms']:.2f} ms a block "
-                  f"({old['median_ms'] - new['median_ms']:+.2f}); Triton kernels {old['kinds'].get('triton', 0):.2f} -> "
-                  f"{new['kinds'].get('triton', 0):.2f} ms")
+                  f"({old['median_ms'] - new['median_ms']:+.2f}); Triton kernels {old['kinds'].get('fused', 0):.2f} -> "
+                  f"{new['kinds'].get('fused', 0):.2f} ms")
     for r in rows:
         if r["top_triton"]:
             print(f"\nCostliest Triton kernels, {r['variant']} (ms per step):\n")

@@ -9,7 +9,7 @@
 - :mod:`bigtrain.data.fields`: validation of the ``[data]`` fields against the model.
 """
 
-from importlib import import_module
+from bigtrain.lazy_exports import lazy_getattr
 
 # name -> the submodule that defines it, imported on first use: the sampler and the shards import
 # torch (about 2 s of CPU), which validation (bigtrain.data.fields) and the commands that build
@@ -25,9 +25,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'bigtrain.data' has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # once
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
