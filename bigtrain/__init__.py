@@ -8,7 +8,7 @@ bigtrain``, and with it the CLI's start, stays free of torch)::
     bigtrain.Trainer(cfg, "runs/mine", bigtrain.Mesh({})).fit()   # validated first, as the CLI does
 """
 
-from importlib import import_module
+from bigtrain.lazy_exports import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -22,9 +22,4 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'bigtrain' has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # once
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

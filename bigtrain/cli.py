@@ -17,8 +17,8 @@ import time
 import warnings
 from pathlib import Path
 
-from bigtrain.cli_help import (dp_given, inferred_dp, suggest_command, train_epilog, unread_model_overrides,
-                               unknown_arguments_message)
+from bigtrain.cli_help import (BENCH_HELP, PLAN_HELP, dp_given, inferred_dp, suggest_command, train_epilog,
+                               unknown_arguments_message, unread_model_overrides)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.failure import INTERRUPTED, RunFailure
 from bigtrain.families import family_of, find_family
@@ -31,7 +31,14 @@ WORLD_SIZE_MAX = 2**20  # --world-size for --parallel auto; the planner enumerat
 MAX_RESTARTS_MAX = 10_000  # --max-restarts: a bound that still reads as a number of failures, not an accident
 
 
-def _parser() -> argparse.ArgumentParser:
+# Commands that build no model: their process imports no torch (about 2 s of CPU a start), so the
+# parser leaves out the arguments of the commands whose modules import it.
+LIGHT_COMMANDS = ("presets", "fields", "config")
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; ``command``: the command about to run (its first word), which
+    decides whether plan and bench get their arguments (any other command's parser has them all)."""
     parser = argparse.ArgumentParser(prog="bigtrain", description="Train models that do not fit on one accelerator.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model (overrides: --section.key=value)"),
@@ -63,11 +70,16 @@ def _parser() -> argparse.ArgumentParser:
                            help="after a rank fails, restart all ranks up to N times (torchrun elastic); "
                                 "each restart resumes from the run directory's newest checkpoint (default 0)")
     from bigtrain.check.cli import add_check_parser
-    from bigtrain.plan.cli import add_bench_parser, add_plan_parser
 
     add_check_parser(sub)
-    add_plan_parser(sub)
-    add_bench_parser(sub)
+    if command in LIGHT_COMMANDS:  # plan and bench by name and help line only: their module imports torch
+        sub.add_parser("plan", help=PLAN_HELP)
+        sub.add_parser("bench", help=BENCH_HELP)
+    else:
+        from bigtrain.plan.cli import add_bench_parser, add_plan_parser
+
+        add_plan_parser(sub)
+        add_bench_parser(sub)
     report = sub.add_parser("report", help="write report.md and loss.png for a run directory")
     report.add_argument("run_dir")
     export = sub.add_parser("export", help="write the newest checkpoint's weights: one safetensors file, or a "
@@ -337,7 +349,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _stop_code(error: RuntimeError) -> int | None:
     """The exit code of a run that stopped on purpose or on a named failure; None for a bug."""
     from bigtrain.checkpoint import CheckpointWriteError
-    from bigtrain.data import DataChanged
+    from bigtrain.data.sampler import DataChanged
     from bigtrain.distributed.comm import CollectiveError
     from bigtrain.nonfinite import NonFiniteStop
     from bigtrain.run_dir import RunDirWriteError
@@ -390,7 +402,7 @@ def _drop_stdout() -> None:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = _parser()
+    parser = _parser(argv[0] if argv else None)
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     if wrong := suggest_command(argv, list(commands)):
         print(wrong, file=sys.stderr)

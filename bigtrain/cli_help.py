@@ -130,6 +130,12 @@ def _preset_meant(arg: str) -> str | None:
     return close[0] if close else None
 
 
+# The one-line help of the commands whose modules import torch (bigtrain.plan.cli): the CLI lists
+# them under these lines without importing those modules when another command runs (cli._parser).
+PLAN_HELP = "predict per-rank memory and step time; find the fastest layout"
+BENCH_HELP = "measure this machine (--calibrate writes a hardware profile)"
+
+
 def suggest_command(argv: list[str], commands: list[str]) -> str | None:
     """For ``bigtrain trian ...``: 'did you mean train?'; for ``bigtrain --preset tiny``: the command
     it lacks (argparse said "invalid choice: 'tiny'"). None when the command is known."""

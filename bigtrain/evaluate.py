@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from bigtrain.data import TokenSampler
+from bigtrain.data.sampler import TokenSampler
 from bigtrain.models.moe import routing_statistics_set_aside
 from bigtrain.parallel.parallel_model import ParallelModel
 from bigtrain.parallel.pipeline.executor import _encode_spec, _recv_spec

@@ -27,8 +27,9 @@ import numpy as np
 from bigtrain.config import Config, ConfigError
 from bigtrain.families import family_of, model_vocabulary
 from bigtrain.families.own import none_for
-from bigtrain.data import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, is_token_file, stdlib_files, stdlib_key,
-                           text_files, token_dtype_problem, uses_shards)
+from bigtrain.data.corpus import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_files, stdlib_key, text_files,
+                                  token_dtype_problem)
+from bigtrain.data.load import is_token_file, uses_shards
 from bigtrain.data.fields import holds, records_problem, tokenizer_problem
 from bigtrain.data.sampler import split_problem
 

@@ -20,7 +20,7 @@ import torch
 
 from bigtrain.config import Config
 from bigtrain.core.targets import IGNORE_INDEX
-from bigtrain.data import run_sampler
+from bigtrain.data.load import run_sampler
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.from_config import parallel_plan
 from bigtrain.memory.accounting import SavedActivations

@@ -30,7 +30,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("auto", "fp32")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
-MODELS = family_names()  # the built-in families; model.family is checked against the live registry
+MODELS = family_names()  # the built-in families (none imported); model.family is checked against the live registry
 MOE_ROUTERS = ("softmax", "sigmoid-bias")  # bigtrain.models.moe.ROUTERS (this module imports no torch)
 
 Rule = Callable[[Config], list[str]]
@@ -63,11 +63,11 @@ def check_model(cfg: Config) -> list[str]:
 
 def check_init_from(m) -> list[str]:
     """``model.init_from``: '' or a local Hugging Face folder whose architecture is the model's."""
+    if not m.init_from:  # first: the checkpoint package imports torch
+        return []
     from bigtrain.checkpoint.hf import (HFFormatError, architecture_problems, hf_folder, other_family_hint,
                                        weights_problem)
 
-    if not m.init_from:
-        return []
     folder = hf_folder(m.init_from)
     if folder is None:
         return [f"model.init_from = {m.init_from!r}: write 'hf:PATH' (a local Hugging Face Llama folder), "

@@ -414,3 +414,16 @@ def test_a_head_size_apart_from_dim_over_heads_saves_what_the_planner_says(check
     blocks = block_activations(spec, "fp32", checkpointing)
     predicted = BATCH * SEQ * cfg.model.n_layers * blocks.per_token() + head_activations(spec, "fp32").bytes(BATCH, SEQ)
     assert tracker.peak == predicted, (tracker.peak, predicted)
+
+
+def test_a_storage_freed_mid_forward_does_not_hide_the_next_one():
+    """The tracker holds each storage it counted: one freed during the forward (its graph dropped)
+    would otherwise give its C++ address to the next, which then counted as already seen (136 bytes
+    for these 1,088 before; one CI run of test_plan_moe's skewed router measured 544 bytes short)."""
+    w = torch.ones(34, requires_grad=True)
+    with SavedActivations() as tracker:
+        for _ in range(8):  # each graph dropped before the next: its saved input freed with it
+            x = torch.full((34,), 2.0)
+            (x * w).sum()
+            del x
+    assert tracker.peak == 8 * 34 * 4

@@ -40,7 +40,7 @@ def test_ctrl_c_while_the_cli_imports_exits_130_with_one_line(monkeypatch, capsy
 
 
 def test_ctrl_c_while_the_arguments_are_parsed_exits_130_with_one_line(monkeypatch, capsys):
-    def interrupted():
+    def interrupted(*_):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "_parser", interrupted)  # outside the commands' handlers before

@@ -17,9 +17,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "bigtrain"
 
 def test_the_dlrm_is_named_only_in_its_family_module():
     """``grep -rn '"dlrm"' bigtrain/`` finds it in bigtrain/families/dlrm.py only (the presets aside:
-    configs name the family they describe; help texts quote it as 'dlrm')."""
+    configs name the family they describe; help texts quote it as 'dlrm'), and in the registry's
+    table of the built-in families by name (imported when a config names one), there only."""
     found = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if '"dlrm"' in p.read_text())
-    assert found == ["families/dlrm.py"], found
+    assert found == ["families/dlrm.py", "families/registry.py"], found
+    in_registry = [line for line in (PACKAGE / "families/registry.py").read_text().splitlines() if '"dlrm"' in line]
+    assert len(in_registry) == 1 and in_registry[0].startswith("BUILT_IN_NAMES"), in_registry
 
 
 def test_model_names_are_the_registered_families():

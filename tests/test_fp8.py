@@ -22,6 +22,8 @@ Tolerances, from the arithmetic:
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,13 +34,16 @@ from bigtrain.check.reference import ReferenceRun
 from bigtrain.config import ConfigError, load_config
 from bigtrain.fp8.gemm import float8_matmul_nt
 from bigtrain.fp8.linear import Float8Linear, apply_float8, convert_to_float8, float8_backend
-from bigtrain.fp8.scaling import E4M3, E5M2, Float8Recipe, dequantize, quantize
+from bigtrain.fp8.scaling import E4M3, E5M2, Float8Recipe, dequantize, quantize, quantize_transposed
 from bigtrain.models.llama import build_model
 from bigtrain.parallel.parallel_plan import Float8Plan
 from bigtrain.testing import run_ranks
 from bigtrain.validation import validate
 from helpers import tiny_config, trainer_on_rank
 from test_validation import _assert_rejected, train_cli  # noqa: F401 - the CLI fixture
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fp8_previous import PreviousFloat8Linear, use_previous_formulation  # noqa: E402
 
 BF16_ROUNDING = 2.0**-8  # one rounding to bf16: at most half of its 2^-7 relative spacing
 FP32_GEMM = 1e-5
@@ -238,6 +243,130 @@ def test_every_float8_gemm_call_is_one_the_cuda_kernels_take(scaling, monkeypatc
     for name, a, e in zip(("output", "input gradient", "weight gradient"), kernel, emulated):
         err = worst_row_error(a, e)
         assert err <= 2 * GEMM_BOUND[torch.bfloat16], f"{name}: worst row {err:.2e}"  # each side rounds once
+
+
+# -------------------------------------------------------------------- against the previous formulation
+
+def codes(q: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor's bytes (``torch.equal`` compares float8 values as numbers, where the CPU
+    build supports it at all: -0 and 0, and NaNs, would pass or fail by value)."""
+    return q.view(torch.uint8)
+
+
+def wide_columns(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Rows and columns both spanning 2^-12 ... 2^12, one column all zero (the EPS guard): a scale
+    taken along the wrong dimension, or over the whole tensor, shows on some row or column."""
+    t = wide_range(rows, cols, seed=seed)
+    t *= torch.exp2(torch.linspace(-12, 12, cols))[torch.randperm(cols, generator=torch.Generator().manual_seed(seed))]
+    t[:, 3] = 0
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantizing_in_place_then_transposing_the_codes_is_quantizing_the_transposed_copy(fmt, rowwise, dtype):
+    """What the backward's transposed operands rely on: the codes and scales of ``t^T`` computed in
+    ``t``'s layout equal those of a transposed copy, byte for byte (from a strided view too)."""
+    t = (wide_columns(96, 80, seed=21) * 300).to(dtype)  # 300: some values saturate in e4m3
+    for source in (t, t.t().contiguous().t()):  # contiguous, and a column-major view of the same values
+        q, scale = quantize_transposed(source, fmt, rowwise)
+        q_ref, scale_ref = quantize(source.t().contiguous(), fmt, rowwise)
+        assert q.shape == q_ref.shape == (80, 96) and q.is_contiguous() and q.dtype == fmt
+        assert torch.equal(codes(q), codes(q_ref))
+        assert scale.shape == scale_ref.shape and scale.is_contiguous() and torch.equal(scale, scale_ref)
+
+
+def _previous_and_current(scaling: str, dtype: torch.dtype, backend: str, x, w, g):
+    """(y, dX, dW) of the current Float8Linear and of the previous formulation on the same data."""
+    out = []
+    for cls in (PreviousFloat8Linear, Float8Linear):
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight = nn.Parameter(w.to(dtype))
+        layer = cls.from_linear(linear, Float8Recipe(scaling), backend)
+        xx = x.to(dtype).requires_grad_()
+        y = layer(xx)
+        y.backward(g.to(dtype))
+        out.append((y.detach(), xx.grad, layer.weight.grad))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["emulated", "scaled_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_the_linear_equals_its_previous_formulation_bit_for_bit(scaling, dtype, backend):
+    """The current formulation (each backward operand quantized in its own layout, the float8 codes
+    transposed; tensorwise dW from the forward's float8 input) changes no bit of the output or of
+    either gradient: same float8 operands, same GEMM calls."""
+    if backend == "scaled_mm" and not _cpu_scaled_mm(scaling):
+        pytest.skip(f"this torch build's CPU torch._scaled_mm takes no {scaling} scales")
+    x, w = wide_columns(64, 64, seed=22).reshape(2, 32, 64), weight(96, 64)
+    g = wide_columns(64, 96, seed=23).reshape(2, 32, 96) * 1e-3
+    previous, current = _previous_and_current(scaling, dtype, backend, x, w, g)
+    for name, a, b in zip(("output", "input gradient", "weight gradient"), current, previous):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max():.3e}"
+
+
+class _FeedForwardAndQuery(nn.Module):
+    """What a block's float8 linears see, small: a SwiGLU (w1, w3 on one input, w2 on their product:
+    the gradient the costliest quantization kernel on the GPU fused) and a fourth linear reading the
+    same input as w1 and w3 (wq, wk, wv share theirs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"w1": nn.Linear(64, 128, bias=False),
+                                                    "w3": nn.Linear(64, 128, bias=False),
+                                                    "w2": nn.Linear(128, 64, bias=False),
+                                                    "wq": nn.Linear(64, 48, bias=False)})])
+
+    def forward(self, x):
+        b = self.layers[0]
+        return b["w2"](torch.nn.functional.silu(b["w1"](x)) * b["w3"](x)) + b["wq"](x).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_compiled_the_linear_equals_its_previous_formulation_bit_for_bit(scaling):
+    """Compiled as a bf16 run compiles its blocks (inductor's fusions, the graph's merged
+    quantizations), the current formulation's output and gradients equal the previous one's
+    compiled the same way, bit for bit; eager, they equal the previous one's eager."""
+    from bigtrain.parallel.compile import compiled_function, inductor_options
+
+    torch.manual_seed(0)
+    plain = _FeedForwardAndQuery()
+    gen = torch.Generator().manual_seed(24)
+    x = (torch.randn(2, 32, 64, generator=gen) * torch.exp2(torch.linspace(-6, 6, 64))).bfloat16()
+    g = torch.randn(2, 32, 64, generator=gen).bfloat16() * 1e-3
+    results = {}
+    for name in ("previous", "current"):
+        model = copy.deepcopy(plain)
+        convert_to_float8(model, Float8Recipe(scaling), "emulated")
+        if name == "previous":
+            assert use_previous_formulation(model) == 4
+        model = model.to(torch.bfloat16)
+        for mode in ("compiled", "eager"):
+            fn = compiled_function(model.forward, options=inductor_options("cpu", sixteen_bit=True)) \
+                if mode == "compiled" else model.forward
+            leaf = x.clone().requires_grad_()
+            y = fn(leaf)
+            y.backward(g)
+            results[name, mode] = [y.detach(), leaf.grad] + [p.grad for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+    # compiled against compiled, eager against eager: inductor computes the SwiGLU between the
+    # linears in fp32 registers where eager rounds each op to bf16, so the two modes differ anyway
+    for mode in ("compiled", "eager"):
+        for i, (a, b) in enumerate(zip(results["current", mode], results["previous", mode])):
+            assert torch.equal(a, b), f"{mode} tensor {i}: {(a.double() - b.double()).abs().max():.3e}"
+
+
+def test_tensorwise_keeps_the_float8_input_for_the_weight_gradient():
+    """Tensorwise, the weight-gradient node keeps the forward's float8 input and its scale (1 byte
+    an element), not the bf16 input; rowwise keeps the input (dW scales it along the tokens)."""
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    for scaling, kept in (("tensorwise", [(E4M3, (32, 64)), (torch.float32, ())]),
+                          ("rowwise", [(torch.bfloat16, (32, 64))])):
+        layer = Float8Linear.from_linear(nn.Linear(64, 96, bias=False).bfloat16(), Float8Recipe(scaling), "emulated")
+        node = layer(x).grad_fn.next_functions[0][0]  # under the view: the weight-gradient node
+        assert [(t.dtype, tuple(t.shape)) for t in node.saved_tensors] == kept
 
 
 # -------------------------------------------------------------------- the swap

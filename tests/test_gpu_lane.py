@@ -71,6 +71,12 @@ def test_the_step_profile_sorts_kernels_into_kinds():
     assert prof.kind_of("void cutlass::device_kernel<at::cuda::detail::f8f8bf16_rowwise>") == "gemm (fp8)"
     assert prof.kind_of("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNN") == "gemm (bf16)"
     assert prof.kind_of("triton_red_fused__to_copy_abs_amax_clamp_0") == "fused"
+    # Names from the H200's profile of 2026-11-28, which the first classifier swapped: cuBLAS's
+    # float8 GEMMs, and inductor's quantization kernels named after the GEMM they feed.
+    assert prof.kind_of("nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_TNT") == "gemm (fp8)"
+    assert prof.kind_of("nvjet_sm90_qrtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT") == "gemm (fp8)"
+    assert prof.kind_of("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm (bf16)"
+    assert prof.kind_of("triton_red_fused__scaled_mm__to_copy_abs_add_amax_clamp_t_view_8") == "fused"
     assert prof.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     assert prof.kind_of("void at::native::(anonymous namespace)::fused_adamw_kernel") == "optimizer"
     assert prof.kind_of("Memcpy HtoD (Pinned -> Device)") == "copy"

@@ -27,6 +27,21 @@ def test_importing_the_package_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
+def test_the_commands_that_build_no_model_import_no_torch():
+    """`bigtrain presets`, `fields` and `config` (of the decoder) paid about 2 s of CPU importing torch
+    (the families' model modules, the data and checkpoint packages, the planner's parser); the
+    suite and the README's shells start them often. The families are imported when a config names
+    one, and their models when one is built."""
+    code = ("import contextlib, io, sys; from bigtrain.cli import main\n"
+            "for argv in (['presets'], ['fields'], ['config', '--preset', 'small', '--parallel.dp=2']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out: assert main(argv) == 0, argv\n"
+            "    assert out.getvalue(), argv\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[]\n", done.stdout
+
+
 def test_a_scripts_trainer_validates_its_config_naming_each_field(tmp_path):
     cfg = bigtrain.load_config(preset="tiny", overrides=["--train.global_batch=3", "--model.n_heads=3"])
     with pytest.raises(bigtrain.ConfigError) as refused:

@@ -48,7 +48,7 @@ from bigtrain.core.int8_reference import int8_weight_gradients
 # every family's reference writes a ReferenceStep
 from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, accumulate_into_masters, decay_groups,
                                           copy_masters_to, reference_learning_rate)
-from bigtrain.data import run_sampler
+from bigtrain.data.load import run_sampler
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.llama import Llama

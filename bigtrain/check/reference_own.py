@@ -44,7 +44,7 @@ from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, cop
                                           next_token_loss_backward, recorded_outputs,
                                           reference_learning_rate)
 from bigtrain.core.targets import IGNORE_INDEX
-from bigtrain.data import run_sampler
+from bigtrain.data.load import run_sampler
 from bigtrain.families import Family, family_of
 from bigtrain.families.hf_reference import parameters_in
 from bigtrain.families.own import initial_values

@@ -9,12 +9,20 @@
 - :mod:`bigtrain.data.fields`: validation of the ``[data]`` fields against the model.
 """
 
-from bigtrain.data.corpus import (TEXT_SUFFIXES, build_byte_corpus, cache_path, cache_root, cached_corpus,
-                                  files_key, stdlib_files, stdlib_key, text_files, token_dtype_problem)
-from bigtrain.data.load import is_token_file, load_corpus, load_tokens, prepare_corpus, run_sampler, uses_shards
-from bigtrain.data.sampler import IGNORE_INDEX, DataChanged, TokenSampler
-from bigtrain.data.shards import ShardedTokens
+from bigtrain.lazy_exports import lazy_getattr
 
-__all__ = ["TEXT_SUFFIXES", "IGNORE_INDEX", "DataChanged", "ShardedTokens", "TokenSampler", "build_byte_corpus", "cache_path",
-           "cache_root", "cached_corpus", "files_key", "load_corpus", "load_tokens", "prepare_corpus", "run_sampler",
-           "stdlib_files", "stdlib_key", "text_files", "token_dtype_problem", "uses_shards", "is_token_file"]
+# name -> the submodule that defines it, imported on first use: the sampler and the shards import
+# torch (about 2 s of CPU), which validation (bigtrain.data.fields) and the commands that build
+# nothing (presets, fields, config) do not need. bigtrain's own modules import from the submodules.
+_EXPORTS = {
+    **dict.fromkeys(["TEXT_SUFFIXES", "build_byte_corpus", "cache_path", "cache_root", "cached_corpus", "files_key",
+                     "stdlib_files", "stdlib_key", "text_files", "token_dtype_problem"], "bigtrain.data.corpus"),
+    **dict.fromkeys(["is_token_file", "load_corpus", "load_tokens", "prepare_corpus", "run_sampler", "uses_shards"],
+                    "bigtrain.data.load"),
+    **dict.fromkeys(["IGNORE_INDEX", "DataChanged", "TokenSampler"], "bigtrain.data.sampler"),
+    "ShardedTokens": "bigtrain.data.shards",
+}
+__all__ = list(_EXPORTS)
+
+
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

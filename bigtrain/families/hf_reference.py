@@ -42,7 +42,7 @@ from bigtrain.config import Config
 from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.core.reference_step import (ReferenceStep, copy_masters_to, decay_groups, next_token_loss_backward,
                                           recorded_outputs, reference_learning_rate)
-from bigtrain.data import run_sampler
+from bigtrain.data.load import run_sampler
 from bigtrain.families.hf_moe import (file_views, from_transformers_names, sparse_blocks, to_transformers_names,
                                       transformers_major)
 from bigtrain.fp8.linear import convert_to_float8

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, other_family_hint, read_hf_config
 from bigtrain.config import Config, ConfigError
 from bigtrain.families.registry import find_family
 
@@ -13,6 +12,10 @@ def init_from_architecture(cfg: Config) -> list[str]:
     model's shape is the folder's, whatever the preset says); [] without one, and for a family that
     the [model] shape fields do not describe (``model.family = "hf"`` is built from model.hf_config:
     reading a Qwen3 or Mixtral folder as bigtrain's Llama refused the run its own docs show)."""
+    if not cfg.model.init_from:  # (the usual case: the commands that build no model then import no torch)
+        return []
+    from bigtrain.checkpoint.hf import HFFormatError, hf_folder, model_values, other_family_hint, read_hf_config
+
     family = find_family(cfg.model)
     if family is None or not family.model_fields:
         return []  # validation checks the folder against the family's own description

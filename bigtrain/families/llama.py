@@ -9,8 +9,26 @@ from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
 from bigtrain.model_fields import llama_field_problems
-from bigtrain.models.llama import build_model, count_parameters
-from bigtrain.parallel.context import attach_to_cores
+
+
+# The model's modules (torch) are imported when a model is built, not with the family: validating a
+# config (bigtrain config) imports no torch.
+def build_meta(cfg: Config):
+    from bigtrain.models.llama import build_model
+
+    return build_model(cfg.model)
+
+
+def parameter_count(cfg: Config) -> int:
+    from bigtrain.models.llama import build_model, count_parameters
+
+    return count_parameters(build_model(cfg.model))
+
+
+def attach_context_parallel(*args, **kwargs) -> list:
+    from bigtrain.parallel.context import attach_to_cores
+
+    return attach_to_cores(*args, **kwargs)
 
 
 def check_llama(cfg: Config) -> list[str]:
@@ -23,15 +41,15 @@ LLAMA = Family(
     name="llama",
     summary="the decoder (the [model] fields: dim, n_layers, heads, rotary, MoE)",
     check_config=check_llama,
-    build_meta=lambda cfg: build_model(cfg.model),
+    build_meta=build_meta,
     # init_fn None: model.init_from's weights, else the model's own initial_value (by seed and name)
-    parameter_count=lambda cfg: count_parameters(build_model(cfg.model)),
+    parameter_count=parameter_count,
     model_fields=True,
     model_keys=tuple(f.name for f in dataclasses.fields(ModelConfig)
                      if f.name != "hf_config" and not f.name.startswith("dlrm_")),
     compiles=True,
     block_linears=True,
-    context_parallel=attach_to_cores,  # ring or all-to-all around its AttentionCore modules
+    context_parallel=attach_context_parallel,  # ring or all-to-all around its AttentionCore modules
     head="output",
     final_norm="norm",
     llama_fallbacks=True,  # the implementations the None slots fall back to are its own

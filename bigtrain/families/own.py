@@ -10,7 +10,6 @@ from __future__ import annotations
 import zlib
 from typing import TYPE_CHECKING
 
-from bigtrain.checkpoint.hf import initial_weights
 from bigtrain.config import Config
 from bigtrain.families.spec import Family, InitFn, vocabulary_of
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
@@ -137,6 +136,8 @@ def initial_values(family: Family, cfg: Config, model: "nn.Module") -> InitFn | 
     if family.init_fn is not None:
         return family.init_fn(cfg, model)
     if family.llama_fallbacks or hasattr(model, "initial_value"):
+        from bigtrain.checkpoint.hf import initial_weights  # torch: validation imports this module
+
         return initial_weights(cfg.model)
     return seeded_init(cfg, model)  # a family of one's own (validation refused model.init_from for it)
 

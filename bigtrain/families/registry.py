@@ -9,21 +9,67 @@ import importlib
 import os
 import sys
 
+from typing import Callable
+
 from bigtrain.config import Config, ModelConfig
-from bigtrain.families.dlrm import DLRM
-from bigtrain.families.hf import HF
-from bigtrain.families.llama import LLAMA
 from bigtrain.families.spec import Family, vocabulary_of
 
-BUILT_IN: tuple[Family, ...] = (LLAMA, DLRM, HF)
-# Live: register_family adds to it. Read it through family_of / find_family, which import a
-# config's model.family_module first.
-FAMILIES: dict[str, Family] = {f.name: f for f in BUILT_IN}
+
+# The built-in families, by name, each imported when a config first names it: their modules import
+# torch (and the hf one transformers), about 2 s of CPU, which commands that build no model
+# (presets, fields, config) need not pay.
+def _llama() -> Family:
+    from bigtrain.families.llama import LLAMA
+
+    return LLAMA
+
+
+def _dlrm() -> Family:
+    from bigtrain.families.dlrm import DLRM
+
+    return DLRM
+
+
+def _hf() -> Family:
+    from bigtrain.families.hf import HF
+
+    return HF
+
+
+BUILT_IN_NAMES: dict[str, Callable[[], Family]] = {"llama": _llama, "dlrm": _dlrm, "hf": _hf}
+_built_in: dict[str, Family] = {}  # those imported so far
+# Live: register_family adds to it. Read it through family_of / find_family / registered_family,
+# which import a config's model.family_module and a built-in family first; the module attribute
+# FAMILIES is this dict with every built-in family imported (module __getattr__ below).
+_registered: dict[str, Family] = {}
 FIELD = "model.family_module"
 
 
+def _load(name: str) -> None:
+    """Import the built-in family ``name`` once, into the registry (a name the registry lost since,
+    a test's clear(), stays lost)."""
+    if name in BUILT_IN_NAMES and name not in _built_in:
+        family = _built_in[name] = BUILT_IN_NAMES[name]()
+        assert family.name == name, (family.name, name)
+        _registered.setdefault(name, family)
+
+
+def _is_built_in(family: Family) -> bool:
+    return _built_in.get(family.name) is family
+
+
+def __getattr__(name: str):
+    if name in ("FAMILIES", "BUILT_IN"):
+        for built_in in BUILT_IN_NAMES:
+            _load(built_in)
+        return _registered if name == "FAMILIES" else tuple(_built_in[n] for n in BUILT_IN_NAMES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def family_names() -> tuple[str, ...]:
-    return tuple(FAMILIES)
+    """The registered names, the built-in ones first, importing no family."""
+    return tuple(dict.fromkeys([*(n for n in BUILT_IN_NAMES if n in _registered or n not in _built_in),
+                                *_registered]))
 
 
 def _defined_in(family: Family) -> str | None:
@@ -49,14 +95,15 @@ def register_family(family: Family) -> Family:
         raise ValueError(f"register_family: Family(name={family.name!r}) has reads_tokens=False and no own_step, but "
                          f"the Trainer's decoder step trains on token batches; give an own_step for other data "
                          f"(as the DLRM family's DlrmStep), or leave reads_tokens=True")
-    taken = FAMILIES.get(family.name)
+    _load(family.name)  # a built-in name is taken by bigtrain's own family
+    taken = _registered.get(family.name)
     if taken is not None and taken is not family and taken != family:
-        same_source = taken not in BUILT_IN and _defined_in(taken) == _defined_in(family)
+        same_source = not _is_built_in(taken) and _defined_in(taken) == _defined_in(family)
         if not same_source:
-            where = "bigtrain's own" if taken in BUILT_IN else f"registered from {_defined_in(taken)}"
+            where = "bigtrain's own" if _is_built_in(taken) else f"registered from {_defined_in(taken)}"
             raise ValueError(f"register_family: model.family = {family.name!r} is taken by another family "
                              f"({where}: {taken.summary}); give yours another Family.name")
-    FAMILIES[family.name] = family
+    _registered[family.name] = family
     return family
 
 
@@ -92,9 +139,10 @@ def import_family_module(model: ModelConfig) -> list[str]:
         return [f"{FIELD} = '{name}': importing it failed: {type(e).__name__}: {e}; install what it imports"]
     except Exception as e:  # the user's module raised: say what, with the field
         return [f"{FIELD} = '{name}': importing it raised {type(e).__name__}: {e}"]
-    if model.family not in FAMILIES:
+    _load(model.family)
+    if model.family not in _registered:
         return [f"model.family = '{model.family}': {FIELD} = '{name}' imported, and registered no family of that "
-                f"name (registered: {', '.join(repr(n) for n in FAMILIES)}); call "
+                f"name (registered: {', '.join(repr(n) for n in family_names())}); call "
                 f"bigtrain.families.register_family(Family(name='{model.family}', ...)) in it, or set model.family "
                 f"to the name it registers"]
     return []
@@ -102,16 +150,19 @@ def import_family_module(model: ModelConfig) -> list[str]:
 
 def registered_family(name: str) -> Family | None:
     """The family registered under ``name``, importing nothing (validation imports the module once,
-    first: a module that fails would otherwise run again for every rule that asks)."""
-    return FAMILIES.get(name)
+    first: a module that fails would otherwise run again for every rule that asks); a built-in
+    family is imported here, the first time."""
+    _load(name)
+    return _registered.get(name)
 
 
 def find_family(model: ModelConfig) -> Family | None:
     """The family ``model.family`` names, after importing ``model.family_module``; None for a name
     nothing registered (validation names it, with the module's problem)."""
-    if model.family not in FAMILIES and model.family_module.strip():
+    _load(model.family)
+    if model.family not in _registered and model.family_module.strip():
         import_family_module(model)
-    return FAMILIES.get(model.family)
+    return _registered.get(model.family)
 
 
 def family_of(cfg: Config) -> Family:
@@ -122,7 +173,7 @@ def family_of(cfg: Config) -> Family:
         problems = import_family_module(cfg.model) if cfg.model.family_module.strip() else []
         raise KeyError(problems[0] if problems else
                        f"model.family = '{cfg.model.family}': must be one of "
-                       f"{', '.join(repr(n) for n in FAMILIES)}, or a family that the module named by {FIELD} "
+                       f"{', '.join(repr(n) for n in family_names())}, or a family that the module named by {FIELD} "
                        f"registers")
     return family
 

@@ -23,12 +23,10 @@ from bigtrain.fp8.scaling import dequantize, quantize
 BACKENDS = ("scaled_mm", "emulated")
 
 
-def float8_matmul_nt(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_dtype: torch.dtype, rowwise: bool,
+def scaled_matmul_nt(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
                      backend: str, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
-    """``a @ b.T`` for 2-D ``a`` (M, K) and ``b`` (N, K), each quantized to its float8 format with
-    its own scale (per row of each, over K, when ``rowwise``)."""
-    a_q, a_scale = quantize(a.contiguous(), a_dtype, rowwise)
-    b_q, b_scale = quantize(b.contiguous(), b_dtype, rowwise)
+    """``(a_q * a_scale) @ (b_q * b_scale)^T`` of quantized operands: ``a_q`` (M, K) and ``b_q``
+    (N, K), both row-major, with scales () each or (M, 1) and (N, 1)."""
     if backend == "scaled_mm":
         # b_q is (N, K) row-major, so b_q.t() is the column-major (K, N) matrix the kernel wants.
         return torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=out_dtype,
@@ -36,3 +34,12 @@ def float8_matmul_nt(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_d
     if backend == "emulated":
         return torch.mm(dequantize(a_q, a_scale, out_dtype), dequantize(b_q, b_scale, out_dtype).t())
     raise ValueError(f"float8 backend '{backend}': must be one of {', '.join(BACKENDS)}")
+
+
+def float8_matmul_nt(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_dtype: torch.dtype, rowwise: bool,
+                     backend: str, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """``a @ b.T`` for 2-D ``a`` (M, K) and ``b`` (N, K), each quantized to its float8 format with
+    its own scale (per row of each, over K, when ``rowwise``)."""
+    a_q, a_scale = quantize(a.contiguous(), a_dtype, rowwise)
+    b_q, b_scale = quantize(b.contiguous(), b_dtype, rowwise)
+    return scaled_matmul_nt(a_q, a_scale, b_q, b_scale, backend, out_dtype, fast_accum)

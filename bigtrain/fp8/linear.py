@@ -8,10 +8,20 @@ For y = x W^T (x: M x K tokens by input features, W: N x K):
 
 each scale taken along that GEMM's reduction dimension (K, N, then the tokens M): rowwise
 quantizes every operand twice, once per GEMM it enters. Dynamic scaling: each scale comes from the
-tensor at hand, no amax history. What backward keeps is what ``F.linear`` keeps: the input and
-the weight in their own (compute) precision, quantized again in backward, as torchao does. A
-float8 copy of the input would not do for rowwise (dW needs x scaled along the tokens, not per
-token), and a float8 copy of the weight would keep a whole gathered weight alive under ZeRO-3.
+tensor at hand, no amax history. What backward keeps of the weight is the weight itself, in the
+compute precision: a float8 copy would keep a whole gathered weight alive under ZeRO-3. Of the
+input it keeps, rowwise, the input itself (dW needs x scaled along the tokens, not per token, as
+torchao does) and, tensorwise, the forward's float8 input and its scale: x^T's tensorwise
+quantization is x's transposed (one amax, the same codes), so dW reads 1 byte an element of x,
+not 2, and the saved activation is half bf16's.
+
+Every operand whose reduction dimension is its first (W for dX, dY and x for dW) is quantized in
+its own layout and only its float8 codes transposed (``scaling.quantize_transposed``): the
+rowwise scales reduce along the tokens in memory order, and tensorwise dY is quantized by the
+same operations for both backward GEMMs, which a compiled graph then computes once. The float8
+values, and so the results, are bit for bit those of quantizing each transposed operand from a
+transposed bf16 copy, as this module did until 2026-11-28 (``benchmarks/fp8_previous.py``, the
+reference of ``tests/test_fp8.py -k previous``; docs/precision.md has what it saves).
 
 The two backward GEMMs are two autograd nodes, as in :mod:`bigtrain.memory.compression`: the
 forward node's backward computes dX only, and an identity node on its output computes dW. The
@@ -32,8 +42,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from bigtrain.fp8.gemm import BACKENDS, float8_matmul_nt
-from bigtrain.fp8.scaling import Float8Recipe
+from bigtrain.fp8.gemm import BACKENDS, scaled_matmul_nt
+from bigtrain.fp8.scaling import Float8Recipe, quantize, quantize_transposed
 from bigtrain.wrappers import name_in, unwrapped
 
 if TYPE_CHECKING:  # a plan object, read here; the parallel plans are the caller's
@@ -43,47 +53,59 @@ MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cor
 
 
 class _Float8InputPath(torch.autograd.Function):
-    """y = x W^T in float8; backward: dX = dY W in float8 (the weight comes in detached)."""
+    """y = x W^T in float8 from x's float8 codes (quantized by the caller, which also hands them to
+    the weight-gradient node); backward: dX = dY W in float8 (the weight comes in detached)."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: Float8Recipe, backend: str):
+    def forward(ctx, x, x_q, x_scale, weight, recipe: Float8Recipe, backend: str):
         ctx.save_for_backward(weight)
         ctx.recipe, ctx.backend, ctx.x_dtype = recipe, backend, x.dtype
-        y = float8_matmul_nt(x.reshape(-1, x.shape[-1]), recipe.forward_dtype, weight, recipe.forward_dtype,
-                             recipe.rowwise, backend, x.dtype, recipe.fast_accum_forward)
+        w_q, w_scale = quantize(weight.contiguous(), recipe.forward_dtype, recipe.rowwise)
+        y = scaled_matmul_nt(x_q, x_scale, w_q, w_scale, backend, x.dtype, recipe.fast_accum_forward)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
         r = ctx.recipe
-        rows = grad.reshape(-1, grad.shape[-1])
+        rows = grad.reshape(-1, grad.shape[-1]).contiguous()
+        grad_q, grad_scale = quantize(rows, r.grad_dtype, r.rowwise)
         # dX = dY @ W: B = W^T, whose rows (input features) run over the reduction (output features).
-        grad_x = float8_matmul_nt(rows, r.grad_dtype, weight.t(), r.forward_dtype, r.rowwise, ctx.backend,
-                                  ctx.x_dtype)
-        return grad_x.view(*grad.shape[:-1], weight.shape[1]), None, None, None
+        weight_t_q, weight_t_scale = quantize_transposed(weight, r.forward_dtype, r.rowwise)
+        grad_x = scaled_matmul_nt(grad_q, grad_scale, weight_t_q, weight_t_scale, ctx.backend, ctx.x_dtype)
+        return grad_x.view(*grad.shape[:-1], weight.shape[1]), None, None, None, None, None
 
 
 class _Float8WeightGrad(torch.autograd.Function):
-    """Identity on the output; backward: dW = dY^T x in float8, from the saved input alone."""
+    """Identity on the output; backward: dW = dY^T x in float8, from what was saved of the input
+    alone: ``x_saved`` is the input itself (rowwise, ``x_scale`` None) or its float8 codes with their
+    tensorwise scale ``x_scale``."""
 
     @staticmethod
-    def forward(ctx, y, weight, x, recipe: Float8Recipe, backend: str):
-        ctx.save_for_backward(x)
+    def forward(ctx, y, weight, x_saved, x_scale, recipe: Float8Recipe, backend: str):
+        if recipe.rowwise:
+            ctx.save_for_backward(x_saved)
+        else:
+            ctx.save_for_backward(x_saved, x_scale)
         ctx.recipe, ctx.backend, ctx.weight_dtype = recipe, backend, weight.dtype
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
         r = ctx.recipe
         grad_w = None
         if ctx.needs_input_grad[1]:
-            rows, inputs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+            rows = grad.reshape(-1, grad.shape[-1]).contiguous()
             # dW = dY^T @ x: A = dY^T (output features x tokens), B = x^T (input features x tokens).
-            grad_w = float8_matmul_nt(rows.t(), r.grad_dtype, inputs.t(), r.forward_dtype, r.rowwise, ctx.backend,
-                                      ctx.weight_dtype)
-        return grad, grad_w, None, None, None
+            grad_t_q, grad_t_scale = quantize_transposed(rows, r.grad_dtype, r.rowwise)
+            if r.rowwise:
+                (x,) = ctx.saved_tensors
+                x_t_q, x_t_scale = quantize_transposed(x.reshape(-1, x.shape[-1]), r.forward_dtype, True)
+            else:
+                x_q, x_t_scale = ctx.saved_tensors
+                x_t_q = x_q.t().contiguous()
+            grad_w = scaled_matmul_nt(grad_t_q, grad_t_scale, x_t_q, x_t_scale, ctx.backend, ctx.weight_dtype)
+        return grad, grad_w, None, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -113,10 +135,14 @@ class Float8Linear(nn.Linear):
     def float8_product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T in float8, without the bias (a row-parallel layer adds it after its sum:
         bigtrain/parallel/tensor/styles.py's ``RowParallelFloat8Linear``)."""
-        weight = self.weight
-        y = _Float8InputPath.apply(x, weight.detach(), self.recipe, self.backend)
+        weight, recipe = self.weight, self.recipe
+        # x's float8 codes, for the forward GEMM and (tensorwise) saved for dW.
+        x_q, x_scale = quantize(x.detach().reshape(-1, x.shape[-1]).contiguous(), recipe.forward_dtype,
+                              recipe.rowwise)
+        y = _Float8InputPath.apply(x, x_q, x_scale, weight.detach(), recipe, self.backend)
         if weight.requires_grad and torch.is_grad_enabled():
-            y = _Float8WeightGrad.apply(y, weight, x.detach(), self.recipe, self.backend)
+            saved = (x.detach(), None) if recipe.rowwise else (x_q, x_scale)
+            y = _Float8WeightGrad.apply(y, weight, *saved, recipe, self.backend)
         # A view on top, as F.linear's output is a view of its matmul: a hook put on the module's
         # output (ZeRO-3 gathers before backward with one) must not sit on the node that the
         # split backward's W re-enters.

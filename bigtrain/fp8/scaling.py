@@ -53,23 +53,40 @@ class Float8Recipe:
         return self.scaling == "rowwise"
 
 
-def float8_scale(t: torch.Tensor, dtype: torch.dtype, rowwise: bool) -> torch.Tensor:
-    """The power-of-two dequantization scale of ``t`` (rows x reduction): shape () tensorwise,
-    (rows, 1) rowwise, fp32."""
-    amax = t.detach().abs().amax(dim=-1, keepdim=True) if rowwise else t.detach().abs().amax()
+def float8_scale(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, dim: int = -1) -> torch.Tensor:
+    """The power-of-two dequantization scale of ``t``: shape () tensorwise; rowwise one per slice
+    along ``dim``, kept as a dimension of 1 ((rows, 1) along the last, (1, columns) along the first);
+    fp32."""
+    amax = t.detach().abs().amax(dim=dim, keepdim=True) if rowwise else t.detach().abs().amax()
     # fmax / amax in fp64 then fp32, as torchao does: eager and compiled code agree on it.
     multiplier = (torch.finfo(dtype).max / amax.double().clamp_min(EPS)).float()
     return torch.exp2(torch.floor(torch.log2(multiplier))).reciprocal()
 
 
-def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 values, scale) of a 2-D operand ``t`` (rows x reduction dimension)."""
-    scale = float8_scale(t, dtype, rowwise)
+def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 values, scale) of a 2-D operand ``t`` (rows x reduction dimension); rowwise scales
+    along ``dim``, the reduction dimension (:func:`quantize_transposed` passes 0)."""
+    scale = float8_scale(t, dtype, rowwise, dim)
     fmax = torch.finfo(dtype).max
     # Dividing by a power of two is exact in the operand's own dtype (bf16 has fp32's exponents),
     # which saves eager mode an fp32 copy; the cast then rounds that exact value to float8.
     q = (t.detach() / scale.to(t.dtype)).clamp_(-fmax, fmax).to(dtype)
     return q, scale
+
+
+def quantize_transposed(t: torch.Tensor, dtype: torch.dtype, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 values, scale) of the operand ``t^T`` for a 2-D ``t`` whose *first* dimension is the
+    GEMM's reduction dimension (the tokens of dY and x for dW, the output features of W for dX):
+    bit for bit ``quantize(t.t().contiguous(), dtype, rowwise)``, values (columns, rows) row-major
+    and scale () or (columns, 1), computed in ``t``'s own layout. The scales reduce along dim 0 (an
+    amax is exact in any order), in memory order: no bf16/fp32 transposed copy is made and no
+    reduction runs along a strided dimension; the division and cast are elementwise, and only the
+    float8 result is transposed, at 1 byte an element. Tensorwise, the operand's codes are ``t``'s
+    own, transposed: the same operations as ``quantize(t, ...)``, so a compiled graph that
+    quantizes dY for dX and dY^T for dW quantizes it once (AOT autograd merges identical
+    operations) and copies the float8 bytes."""
+    q, scale = quantize(t, dtype, rowwise, dim=0)
+    return q.t().contiguous(), (scale.reshape(-1, 1) if rowwise else scale)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -59,7 +59,11 @@ class SavedActivations:
         excluded = list(model.parameters()) + list(model.buffers()) if model is not None else []
         excluded += list(extra_exclude)
         self._excluded = {_storage_key(t) for t in excluded if t.device.type != "meta"}
-        self._seen: dict[tuple, int] = {}
+        # key -> (bytes, the storage): holding the storage keeps its key from being reused. A
+        # tensor saved by a graph that is dropped during the forward (a router's side computation)
+        # is freed there, and a later storage could be allocated with the same C++ address and
+        # counted as already seen: 544 bytes short of the planner's figure in one CI run out of many.
+        self._seen: dict[int, tuple[int, torch.UntypedStorage]] = {}
         self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -67,13 +71,14 @@ class SavedActivations:
         if t.device.type != "meta":
             key = _storage_key(t)
             if key not in self._excluded and key not in self._seen:
-                self._seen[key] = t.untyped_storage().nbytes()
+                storage = t.untyped_storage()
+                self._seen[key] = (storage.nbytes(), storage)
                 self.peak = max(self.peak, self.current)
         return t
 
     @property
     def current(self) -> int:
-        return sum(self._seen.values())
+        return sum(nbytes for nbytes, _ in self._seen.values())
 
     def reset(self) -> None:
         self._seen.clear()

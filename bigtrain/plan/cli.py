@@ -12,6 +12,7 @@ import functools
 import json
 import sys
 
+from bigtrain.cli_help import BENCH_HELP, PLAN_HELP
 from bigtrain.config import Config, ConfigError, ModelConfig, load_config, preset_names
 from bigtrain.families import Family, family_of
 from bigtrain.families.own import none_for, own_step_unpriced
@@ -30,7 +31,7 @@ DEFAULT_BATCH_TOKENS = 2**22  # Llama's 4 M tokens per step, when neither a pres
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="predict per-rank memory and step time; find the fastest layout",
+    p = subparsers.add_parser("plan", help=PLAN_HELP,
                               description="Will it fit, and which layout is fastest? Memory on the worst rank and "
                                           "step time for a model, a batch and a cluster, before launch.")
     source = p.add_mutually_exclusive_group()
@@ -238,7 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # -- bench ---------------------------------------------------------------------------------------
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="measure this machine (--calibrate writes a hardware profile)")
+    p = subparsers.add_parser("bench", help=BENCH_HELP)
     p.add_argument("--calibrate", action="store_true",
                    help="measure matmul rate, the collectives (bandwidth, latency, overlap) and the split "
                         "backward's weight_grad_fraction")
