@@ -96,10 +96,8 @@ class LazyGrads:
         parameter's slot is written by its first gradient of the step (:meth:`first_write`), or
         zeroed by :meth:`ensure` if none comes. Zeroing the whole buffer and adding the first
         gradient into it read and wrote every element once more than the copy (on a GPU, a memset
-        and an fp32 add over every parameter each step); 0 + g is g, so the sums are the same."""
-        if self.stage > 1:
-            self.ensure(unit)
-            return
+        and an fp32 add over every parameter each step); 0 + g is g, so the sums are the same.
+        (Stage 2 regrows with :meth:`ensure`: its first reduced shard is folded into zeros.)"""
         buf = self.buffer(unit)
         storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
         if storage.nbytes() >= nbytes:
