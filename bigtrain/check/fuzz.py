@@ -242,13 +242,15 @@ def split_resume(sample: list[str]) -> tuple[list[str], int, list[str]]:
 @dataclass
 class Outcome:
     overrides: list[str]
-    verdict: str  # agree | rejected | diverged | crashed | hung | bad-rejection
+    verdict: str  # agree | boundary | rejected | diverged | crashed | hung | bad-rejection
     detail: str = ""
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.verdict in ("agree", "rejected")
+        # boundary: agreed up to fp16's overflow boundary, where the runs part by design
+        # (bigtrain/check/fp16_boundary.py); printed with its reason, as a divergence is.
+        return self.verdict in ("agree", "boundary", "rejected")
 
 
 def _config(overrides: list[str], cache_dir: str) -> Config:
@@ -299,8 +301,8 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
                 a = configs[0]
                 before = run_ranks(partial(check, save=True), a.parallel.world_size, a, run_dir, resume_after,
                                    timeout=timeout, group_timeout=timeout)[0]
-                if not before.agree:
-                    return Outcome(overrides, "diverged", f"before the checkpoint:\n{before.text()}",
+                if not before.agree or before.boundary:
+                    return Outcome(overrides, _verdict(before), f"before the checkpoint:\n{before.text()}",
                                    time.perf_counter() - start)
                 saved, anchored = before.saved, before.anchored
             cfg = configs[-1]
@@ -309,8 +311,11 @@ def run_sample(overrides: list[str], cache_dir: str, steps: int = 3, timeout: fl
         except RankFailure as e:
             verdict = "hung" if "did not finish" in str(e) else "crashed"
             return Outcome(overrides, verdict, str(e)[-3000:], time.perf_counter() - start)
-    verdict = "agree" if report.agree else "diverged"
-    return Outcome(overrides, verdict, report.text(), time.perf_counter() - start)
+    return Outcome(overrides, _verdict(report), report.text(), time.perf_counter() - start)
+
+
+def _verdict(report) -> str:
+    return "diverged" if not report.agree else "boundary" if report.boundary else "agree"
 
 
 def _saved_delay(configs: list[Config]) -> int | None:
@@ -375,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if not outcome.ok:
             bad.append(outcome)
+        if not outcome.ok or outcome.verdict == "boundary":
             print("    " + outcome.detail.replace("\n", "\n    "), flush=True)
         elif outcome.verdict == "rejected":  # why, on one line: what validation named (its start)
             print("    " + " ".join(outcome.detail.split())[:300], flush=True)

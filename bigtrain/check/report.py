@@ -46,6 +46,9 @@ class CheckReport:
     anchored: bool = False
     # With check_layout's ``save``: the full (weights, optimizer state) of the checkpoint it wrote.
     saved: tuple[dict, dict] | None = field(default=None, repr=False)
+    # Where the check stopped at fp16's overflow boundary (bigtrain/check/fp16_boundary.py): why, at
+    # first_step, which is then no divergence (agree stays True) and the last step compared.
+    boundary: str = ""
 
     def first(self, kind: str) -> Finding | None:
         return next((f for f in self.findings if f.kind == kind), None)
@@ -56,6 +59,11 @@ class CheckReport:
         lines = [f"step {i}: loss {a:.6f} (reference {b:.6f})"
                  for i, (a, b) in enumerate(self.losses, self.start + 1)]
         worst = ", ".join(f"{kind} {err:.1e}" for kind, err in self.worst.items() if err != float("inf"))
+        if self.agree and self.boundary:
+            lines.append(f"agree: {self.steps - 1} steps within {self.tolerance.text()} (largest: {worst}); "
+                         f"stopped at step {self.first_step + 1}, {self.boundary}")
+            lines += [f"  at step {self.first_step + 1}: {f.line()}" for f in self.findings if f.kind != "weight"]
+            return "\n".join(lines)
         if self.agree:
             lines.append(f"agree: {self.steps} steps within {self.tolerance.text()} (largest: {worst})")
             lines += [f"  within fp32's own rounding: {f.line()}" for f in self.within_rounding]

@@ -21,6 +21,7 @@ and the top MLP's.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import replace
 import warnings
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from bigtrain.check.fp16_boundary import overflow_boundary
 from bigtrain.check.exact import SINGLE_TENSORS, ExactTwin, judge_against_exact
 from bigtrain.check.compare import (Tolerance, assemble, gradients_difference, relative_error, scalar_error,
                                    tolerance_for)
@@ -260,6 +262,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
                 measured += [Finding("replayed", what, error, detail=detail) for what, error, detail
                              in replayed_step(before, grads, state, reference.learning_rate(step), cfg.optim)]
                 replayed = stepped_parameters(before, grads, weights, aliases)
+            worst_before = dict(report.worst)
             for m in measured:
                 report.worst[m.kind] = max(report.worst.get(m.kind, 0.0), m.error)
             # Before any update (a fresh run's first step) the weights are the reference's; after
@@ -285,7 +288,16 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
                 report.within_rounding += [replace(f, detail="the replayed update of a gradient within its bound")
                                            for f in explained]
             if any(tol.decides(m.kind) for m in findings):
-                report.agree, report.first_step, report.findings = False, step, findings
+                boundary = overflow_boundary(cfg, result.skipped, ref.skipped, grads, ref.grads, aliases, findings)
+                report.first_step, report.findings = step, findings
+                if boundary is None:
+                    report.agree = False
+                else:  # no divergence, and nothing after it to compare: its largest differences are
+                    # of the steps before and of what the step agreed on (its loss, outputs, replay)
+                    report.boundary, report.worst = boundary, worst_before
+                    for m in measured:
+                        if m.kind in ("loss", "forward", "replayed") or (m.kind == "gradient" and math.isfinite(m.error)):
+                            report.worst[m.kind] = max(report.worst.get(m.kind, 0.0), m.error)
                 verdict.fill_(1)
         world.all_reduce(verdict, tag="check")  # every rank stops at the first divergence
         if verdict.item():  # the host waits for the verdict (on NCCL the all-reduce does not block it)
