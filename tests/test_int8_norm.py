@@ -95,11 +95,15 @@ def test_other_tolerances_keep_their_norm_bound_at_every_step(precision, optimiz
 def test_the_fuzzers_int8_tp4_sample_agrees(corpus_cache):
     outcome = run_sample(SAMPLE, corpus_cache, steps=3)
     assert outcome.verdict == "agree", outcome.detail
-    # The norm beyond 1e-5 from the free reference's (measured 2.1e-5 at step 3), and 1.2e-7 from
-    # the reference's recomputation at the layout's own weights, which holds it to 1e-5.
+    # Where an int8 code flips (on the AVX-512 Xeons that found it: one code of 4,096 at step 1),
+    # the norm lands beyond 1e-5 from the free reference's (measured 2.1e-5 at step 3) and 1.2e-7
+    # from the reference's recomputation at the layout's own weights, which holds it to 1e-5. Whether
+    # that code flips is the machine's rounding: on an AVX2 EPYC none did, and the norm stayed within
+    # 1.2e-7 of the free reference's. Either way the sample agrees; the flip, where it happens, is
+    # judged by the recomputation (its mechanism alone: tests/test_check_norm.py).
     worst_norm = float(outcome.detail.split("grad_norm ")[1].split(",")[0])
-    assert worst_norm > 1e-5, outcome.detail
-    assert "recomputed by the reference at the layout's weights" in outcome.detail, outcome.detail
+    if worst_norm > 1e-5:
+        assert "recomputed by the reference at the layout's weights" in outcome.detail, outcome.detail
 
 
 @pytest.mark.slow

@@ -39,6 +39,17 @@ from bigtrain.config import Config
 # float64 run (tests/test_hf_family.py), where the layouts measured within 1.5x.
 ROUNDING_FACTOR = 3.0
 SINGLE_TENSORS = ("forward", "gradient", "weight")
+# A tensor the fp32 reference lands at least its own size away from the exact one (relative distance
+# >= 1) has no correct digit in fp32: its exact value is below the rounding of its own sums (a softmax
+# over equal scores, whose gradient is zero: the fuzzer's seed 20261454 sample 8), and both the
+# reference and the layout hold rounding noise alone. How large one summation order's noise is
+# against another's is no property of a layout (measured on the same sample: the layout's 1.5x the
+# reference's on an AVX-512 Xeon, 4.8x on an AVX2 EPYC, whose kernels block their sums otherwise); a
+# term a layout adds or drops (a lost partial sum of terms that cancel) is the size of the terms,
+# about 1/eps = 1.7e7 times their rounding. Such a tensor may be ROUNDING_ALONE_FACTOR times as far
+# from the exact value as the reference, which leaves five orders of magnitude below a lost term.
+NO_CORRECT_DIGIT = 1.0
+ROUNDING_ALONE_FACTOR = 100.0
 
 
 class ExactTwin:
@@ -100,10 +111,15 @@ def judge_against_exact(findings: list, against_exact: list, fp32: ReferenceStep
         if f.kind not in SINGLE_TENSORS or (f.kind, f.name) not in layout_error:
             stand.append(f)
             continue
-        own = rounding_distance(f.kind, aliases.get(f.name, f.name), fp32, exact)
+        name = aliases.get(f.name, f.name)
+        own = rounding_distance(f.kind, name, fp32, exact)
         mine = layout_error[(f.kind, f.name)]
-        detail = (f"from the float64 reference: layout {mine:.2e}, fp32 reference {own:.2e}; "
-                  f"bound max({bound:.0e}, {ROUNDING_FACTOR:g} x {own:.2e})")
-        allowed = max(bound, ROUNDING_FACTOR * own) if own != float("inf") else bound
+        # A tensor the fp32 reference computes with no correct digit is rounding alone on both sides.
+        factor = ROUNDING_ALONE_FACTOR if NO_CORRECT_DIGIT <= own < float("inf") else ROUNDING_FACTOR
+        detail = (f"from the float64 reference: layout {mine:.2e}, fp32 reference {own:.2e}"
+                  f"{' (no correct digit: rounding alone)' if factor == ROUNDING_ALONE_FACTOR else ''}; "
+                  f"bound max({bound:.0e}, {factor:g} x {own:.2e})")
+        allowed = max(bound, factor * own) if own != float("inf") else bound
         (rounding if mine <= allowed else stand).append(replace(f, detail=detail))
     return stand, rounding
+
