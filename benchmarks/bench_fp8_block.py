@@ -13,7 +13,11 @@ of ``--iters`` after ``--warmup``), then profiled to split the device time into 
 Variants: ``bf16`` (no float8), and for each recipe the current formulation (bigtrain/fp8) and
 the previous one (``benchmarks/fp8_previous.py``; bit for bit the same float8 values and results,
 more passes over memory): ``tensorwise-previous``, ``tensorwise``, ``rowwise-previous``,
-``rowwise``. Without a CUDA device it prints "no CUDA device: skipped"; ``--allow-cpu`` runs it on
+``rowwise``; and ``rowwise-features``, an experiment (``benchmarks/fp8_feature_scaled.py``: x and dY
+quantized once per feature, the scales folded into the weight operands; rowwise's results bit for
+bit where no value is subnormal). Each variant's output and gradients are also measured against the
+block computed in fp32, on the random input and on one with outlier features and massive first
+tokens (where the scalings' windows of exponents differ). Without a CUDA device it prints "no CUDA device: skipped"; ``--allow-cpu`` runs it on
 the CPU (the ``tiny`` preset, 2 x 64 tokens, float8 emulated: a smoke test of this script; the
 times there say little about a GPU).
 
@@ -40,11 +44,14 @@ from bigtrain.fp8.scaling import Float8Recipe
 from bigtrain.models.llama import build_model, init_value
 from bigtrain.models.rope import rotary_tables_for
 from bigtrain.parallel.compile import CompiledRegion, CompileFallbackWarning, inductor_options
+from fp8_feature_scaled import use_feature_scaled
 from fp8_previous import use_previous_formulation
 from profile_gpu_step import kind_of as step_kind_of
 
 SKIPPED = "no CUDA device: skipped"  # what the GPU lane's scripts print without one (bench_gpu.py)
-VARIANTS = ("bf16", "tensorwise-previous", "tensorwise", "rowwise-previous", "rowwise")
+VARIANTS = ("bf16", "tensorwise-previous", "tensorwise", "rowwise-previous", "rowwise", "rowwise-features")
+# How each variant's formulation is put in after the swap (the current one: nothing to do)
+FORMULATIONS = {"previous": use_previous_formulation, "features": use_feature_scaled}
 
 # Device kernels by kind as the step's profile sorts them (its classifier: "fused" is inductor's Triton
 # kernels, whatever ops they fused); optimizer and copy kernels count as other here
@@ -62,10 +69,10 @@ def build_block(preset: str, variant: str, device: str):
     cfg = load_config(preset=preset).model
     model = build_model(cfg)  # on the meta device: only the block is materialized below
     if variant != "bf16":
-        scaling, _, previous = variant.partition("-")
+        scaling, _, formulation = variant.partition("-")
         convert_to_float8(model, Float8Recipe(scaling), float8_backend(device, emulate=device != "cuda"))
-        if previous:
-            use_previous_formulation(model.layers[0])
+        if formulation:
+            FORMULATIONS[formulation](model.layers[0])
     block = model.layers[0].to_empty(device=device)
     with torch.no_grad():
         for name, param in block.named_parameters():
@@ -82,6 +89,9 @@ def run_variant(preset: str, variant: str, device: str, batch: int, seq: int, wa
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(batch, seq, dim, device=device, generator=gen).bfloat16().requires_grad_()
     grad = torch.randn(batch, seq, dim, device=device, generator=gen).bfloat16() * 1e-3
+    exact = fp32_results(preset, device, x, grad, cos, sin)
+    x_outliers = with_outliers(x)
+    exact_outliers = fp32_results(preset, device, x_outliers, grad, cos, sin)
     region = CompiledRegion(block, options=inductor_options(device, sixteen_bit=True))
     params = list(block.parameters())
     cuda = device == "cuda"
@@ -131,13 +141,57 @@ def run_variant(preset: str, variant: str, device: str, batch: int, seq: int, wa
     triton = sorted(((n, ms) for n, ms in kernels.items() if kind_of(n) == "fused"), key=lambda kv: -kv[1])
     out = {"variant": variant, "median_ms": statistics.median(times), "min_ms": min(times),
            "max_ms": max(times), "compile_s": compile_s, "kernel_ms": sum(kernels.values()), "kinds": kinds,
-           "top_triton": triton[:8]}
+           "top_triton": triton[:8], "errors": errors_against(exact, region, block, x, grad, cos, sin),
+           "errors_outliers": errors_against(exact_outliers, region, block, x_outliers, grad, cos, sin)}
     del region, block, x, grad
     if cuda:
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return out
+
+
+def with_outliers(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a trained model's kinds of outliers: every 64th feature 64x (outlier channels, which
+    the attention norm passes on) and each sequence's first token 256x (a massive activation, which
+    the norm scales back but the residual carries): where the scalings' windows of float8 exponents
+    differ."""
+    out = x.detach().clone()
+    out[..., ::64] *= 64
+    out[:, 0] *= 256
+    return out.requires_grad_()
+
+
+def fp32_results(preset: str, device: str, x: torch.Tensor, grad: torch.Tensor, cos, sin) -> dict[str, torch.Tensor]:
+    """The block's output, input gradient and weight gradients computed eagerly in fp32 from the same
+    weights (the bf16 ones, widened), input and output gradient: what each variant's error is of."""
+    block, _, _ = build_block(preset, "bf16", device)
+    block = block.float()
+    x32 = x.detach().float().requires_grad_()
+    out = block(x32, cos[:x.shape[1]], sin[:x.shape[1]])
+    out.backward(grad.float())
+    found = {"output": out.detach(), "input grad": x32.grad}
+    found.update({f"{n} grad": p.grad for n, p in block.named_parameters()})
+    return found
+
+
+def errors_against(exact: dict[str, torch.Tensor], region, block, x, grad, cos, sin) -> dict[str, float]:
+    """Each of the block's results relative to the fp32 ones (|a - b| / |b| over the whole tensor):
+    the output, the input gradient, and the largest and median of the weight gradients'."""
+    x.grad = None
+    for p in block.parameters():
+        p.grad = None
+    out = region(x, cos[:x.shape[1]], sin[:x.shape[1]])
+    out.backward(grad)
+    mine = {"output": out.detach(), "input grad": x.grad}
+    mine.update({f"{n} grad": p.grad for n, p in block.named_parameters()})
+
+    def rel(a, b):
+        return float(torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double()))
+
+    weights = sorted(rel(mine[k], exact[k]) for k in exact if k not in ("output", "input grad"))
+    return {"output": rel(mine["output"], exact["output"]), "input grad": rel(mine["input grad"], exact["input grad"]),
+            "weight grads max": weights[-1], "weight grads median": statistics.median(weights)}
 
 
 def report(result: dict) -> None:
@@ -153,6 +207,14 @@ def report(result: dict) -> None:
         ratio = f"{base / r['median_ms']:.2f}x" if base else "-"
         cells = " | ".join(f"{r['kinds'].get(k, 0.0):.2f}" for k in kinds)
         print(f"| {r['variant']} | {r['median_ms']:.2f} | {ratio} | {r['compile_s']:.0f} | {cells} |")
+    for key, title in (("errors", "random normal input"), ("errors_outliers", "input with outliers")):
+        print(f"\nError against the block in fp32, {title} (whole-tensor relative):\n")
+        print("| variant | output | input grad | weight grads, largest | weight grads, median |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            e = r[key]
+            print(f"| {r['variant']} | {e['output']:.2e} | {e['input grad']:.2e} | {e['weight grads max']:.2e} | "
+                  f"{e['weight grads median']:.2e} |")
     by_name = {r["variant"]: r for r in rows}
     for scaling in ("tensorwise", "rowwise"):
         new, old = by_name.get(scaling), by_name.get(f"{scaling}-previous")

@@ -43,6 +43,7 @@ from helpers import tiny_config, trainer_on_rank
 from test_validation import _assert_rejected, train_cli  # noqa: F401 - the CLI fixture
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fp8_feature_scaled import FeatureScaledFloat8Linear  # noqa: E402
 from fp8_previous import PreviousFloat8Linear, use_previous_formulation  # noqa: E402
 
 BF16_ROUNDING = 2.0**-8  # one rounding to bf16: at most half of its 2^-7 relative spacing
@@ -305,6 +306,48 @@ def test_the_linear_equals_its_previous_formulation_bit_for_bit(scaling, dtype, 
     previous, current = _previous_and_current(scaling, dtype, backend, x, w, g)
     for name, a, b in zip(("output", "input gradient", "weight gradient"), current, previous):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max():.3e}"
+
+
+def _linear_results(cls, scaling: str, dtype: torch.dtype, backend: str, x, w, g):
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    linear.weight = nn.Parameter(w.to(dtype))
+    layer = cls.from_linear(linear, Float8Recipe(scaling), backend)
+    xx = x.to(dtype).requires_grad_()
+    y = layer(xx)
+    y.backward(g.to(dtype))
+    return y.detach(), xx.grad, layer.weight.grad
+
+
+def _signed_octave(shape: tuple[int, ...], seed: int, scales: torch.Tensor) -> torch.Tensor:
+    """Values of magnitude 1 to 2 with random signs, times a power of two per last-dim index: every
+    nonzero value of a row or a column within a few octaves of its largest (no float8 subnormal
+    under any of the scalings)."""
+    gen = torch.Generator().manual_seed(seed)
+    mags = 1 + torch.rand(shape, generator=gen)
+    signs = torch.randint(0, 2, shape, generator=gen) * 2 - 1
+    return mags * signs * scales
+
+
+@pytest.mark.parametrize("backend", ["emulated", "scaled_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_feature_scaled_benchmark_formulation_is_rowwise_where_no_value_is_subnormal(dtype, backend):
+    """benchmarks/fp8_feature_scaled.py quantizes x and dY once per feature and folds the scales into
+    the weight operand: with power-of-two scales a value's float8 rounding does not depend on its scale
+    (only its exponent moves), so where no value falls to float8's subnormals or saturates, every GEMM
+    multiplies the same rounded values as rowwise's, scaled by a power of two: the results are rowwise's,
+    bit for bit. (Where values do fall there, each scaling keeps another window of exponents: what the
+    block benchmark's error table measures.)"""
+    if backend == "scaled_mm" and not _cpu_scaled_mm("rowwise"):
+        pytest.skip("this torch build's CPU torch._scaled_mm takes no rowwise scales")
+    x = _signed_octave((2, 32, 64), 31, torch.exp2(torch.arange(64) % 4.0))
+    w = _signed_octave((96, 64), 32, torch.exp2(-(torch.arange(64) % 3.0)))
+    g = _signed_octave((2, 32, 96), 33, torch.exp2(torch.arange(96) % 5.0) * 1e-3)
+    rowwise = _linear_results(Float8Linear, "rowwise", dtype, backend, x, w, g)
+    features = _linear_results(FeatureScaledFloat8Linear, "rowwise", dtype, backend, x, w, g)
+    for name, a, b in zip(("output", "input gradient", "weight gradient"), features, rowwise):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max():.3e}"
+    # and float8 is in the results: they are not the plain product's
+    assert not torch.equal(rowwise[0], (x.to(dtype) @ w.to(dtype).t()))
 
 
 class _FeedForwardAndQuery(nn.Module):
