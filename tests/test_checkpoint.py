@@ -178,3 +178,20 @@ def test_checkpoints_are_written_by_time_by_default(corpus_cache, tmp_path, monk
     trainer_on_rank(0, 1, cfg, tmp_path).fit()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step_00000005", "step_00000007"]  # planned at step 3 for 5, then 7 (the last, not saved twice)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2])
+def test_the_save_finiteness_check_agrees_with_isfinite_everywhere(dtype):
+    """The check before a save reads each chunk in place (min and max) instead of making a bool copy
+    of it: it must say what ``isfinite(x).all()`` says, wherever the bad element is, also in a
+    strided view and an empty chunk."""
+    from bigtrain.parallel.chunks import all_finite
+
+    base = torch.randn(64, 48).to(dtype)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in ((0, 0), (31, 17), (63, 47)):
+            x = base.clone()
+            x[where] = bad
+            for view in (x, x[:, 17], x.t()[5:]):
+                assert bool(all_finite(view)) == bool(torch.isfinite(view).all()), (bad, where)
+    assert bool(all_finite(base)) and bool(all_finite(base[:0])) and bool(all_finite(torch.arange(5)))

@@ -6,15 +6,20 @@ the bf16 reference at 1e-3 over 20 steps lives in tests/test_reference_parity.py
 that shows the bound can fail.
 """
 
+import contextlib
 import functools
+import gc
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from bigtrain.check.reference import reference_trajectory
 from bigtrain.config import ModelConfig, OptimConfig
 from bigtrain.distributed.mesh import Mesh
+from bigtrain.memory.spares import CAN_MOVE_BYTES
 from bigtrain.models.llama import build_model, count_parameters, init_value
+from bigtrain.optim import get_optimizer
 from bigtrain.parallel.zero.engine import ZeroEngine
 from bigtrain.precision import DynamicLossScaler, Precision
 from bigtrain.testing import RankFailure, run_fake_rank, run_ranks
@@ -138,6 +143,91 @@ def test_shards_and_accounting_at_64_ranks_with_the_fake_group(stage):
     states, padding, shard_sizes = run_fake_rank(_states_at_scale, 64, stage, rank=37)
     _assert_formula(states, padding, stage, P, 64)
     assert all(n > 0 for n in shard_sizes)
+
+
+
+def _live_storage_bytes() -> int:
+    """Bytes of every live CPU storage, each once: those of tensors and bare storages too (the
+    gatherer's spare bytes are storages that no tensor views)."""
+    gc.collect()
+    seen = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) and obj.device.type == "cpu":
+            obj = obj.untyped_storage()  # a forked rank inherits the session's FakeTensors: they own nothing
+        if isinstance(obj, torch.UntypedStorage) and obj.device.type == "cpu":
+            seen[obj._cdata] = obj.nbytes()
+    return sum(seen.values())
+
+
+def _live_across_steps(rank, world_size):
+    """Live bytes over what the rank held before it built the engine: after a non-final micro-batch,
+    after each step's ``finish_grad_sync`` (the end of its backward) and after each step."""
+    before = _live_storage_bytes()
+    engine = _engine(rank, world_size, 3)
+    live = {}
+    for step in range(2):
+        for micro in range(2):
+            tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(4 * step + 2 * micro + rank))
+            with engine.no_sync() if micro == 0 else contextlib.nullcontext():
+                engine.backward(token_loss_sum(engine.model(tokens), tokens) / 128)
+            del tokens
+            if micro == 0:
+                live[f"step {step}: between micro-batches"] = _live_storage_bytes() - before
+        engine.finish_grad_sync()
+        live[f"step {step}: backward done"] = _live_storage_bytes() - before
+        engine.step(1e-3, 1.0)
+        engine.zero_grad()
+        live[f"step {step}: updated"] = _live_storage_bytes() - before
+    return live
+
+
+def _units_from_shapes(world_size: int) -> list[tuple[int, int]]:
+    """(padded elements, elements with weight decay) of each ZeRO unit of MEM_MODEL: a unit per block,
+    a root unit for the rest; padded to a multiple of the ranks (AdamW: no block alignment)."""
+    units: dict[str, list[int]] = {}
+    for name, p in build_model(MEM_MODEL).named_parameters():
+        parts = name.split(".")
+        key = ".".join(parts[:2]) if parts[0] == "layers" else "root"
+        units.setdefault(key, [0, 0])[0] += p.numel()
+        units[key][1] += p.numel() if p.ndim >= 2 else 0
+    return [(-(-n // world_size) * world_size, decayed) for n, decayed in units.values()]
+
+
+def _pieces(units: list[tuple[int, int]], world_size: int, rank: int) -> int:
+    """The optimizer's tensors on ``rank``: each unit's shard, cut where the decayed parameters
+    (laid out first) end."""
+    count = 0
+    for padded, decayed in units:
+        lo, hi = rank * padded // world_size, (rank + 1) * padded // world_size
+        count += (lo < decayed) + (hi > max(lo, decayed))
+    return count
+
+
+def test_zero3_holds_no_gathered_unit_once_the_backward_is_done():
+    """The root and the first block, reduced last, waited in the gatherer for a next backward and the
+    spare bytes for the next gathers until the step: the planner's root + two blocks held past the
+    backward. Exact bytes from the shapes: bf16 shards (2), fp32 gradient shards (4), fp32 masters
+    (4), AdamW's moments (8) and step count per piece (4) once it has stepped, the rotary tables."""
+    world_size = 2
+    units = _units_from_shapes(world_size)
+    shard = sum(padded // world_size for padded, _ in units)
+    model = build_model(MEM_MODEL)
+    model.init_buffers("cpu")
+    tables = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    adamw = get_optimizer("adamw")
+    largest = max(padded for padded, _ in units[1:])
+    # between micro-batches: the reduce-scatter outputs (bf16) and the root and the first block, kept
+    # for the next forward, which starts with them; the spares: the largest block's bytes
+    gathered = 2 * (units[0][0] + largest) + (2 * largest if CAN_MOVE_BYTES else 0)
+    for rank, live in enumerate(run_ranks(_live_across_steps, world_size)):
+        moments = adamw.state_bytes(shard, _pieces(units, world_size, rank))
+        first = (2 + 4 + 4) * shard + tables  # no optimizer state before the first update
+        assert live == {"step 0: between micro-batches": first + 2 * shard + gathered,
+                        "step 0: backward done": first,
+                        "step 0: updated": first + moments,
+                        "step 1: between micro-batches": first + moments + 2 * shard + gathered,
+                        "step 1: backward done": first + moments,
+                        "step 1: updated": first + moments}, (rank, live)
 
 
 # -- traffic ---------------------------------------------------------------------------------------

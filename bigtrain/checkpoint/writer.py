@@ -22,6 +22,7 @@ from bigtrain.checkpoint.commit import (CheckpointWriteError, commit_checkpoint,
 from bigtrain.config import Config
 from bigtrain.distributed.comm import AxisComm, CollectiveError, CommStats
 from bigtrain.distributed.mesh import Mesh
+from bigtrain.parallel.chunks import all_finite
 
 
 class CheckpointWriter:
@@ -65,7 +66,7 @@ class CheckpointWriter:
 
     def all_finite(self, chunks: list) -> bool:
         """Whether every rank's chunks (weights, optimizer state) are finite; collective."""
-        finite = [torch.isfinite(c.data).all() if c.finite is None else torch.tensor(c.finite)
+        finite = [all_finite(c.data) if c.finite is None else torch.tensor(c.finite)
                   for c in chunks if c.data.is_floating_point()]
         flag = torch.zeros(1, device=self.device)
         if finite:  # one host sync for all of them

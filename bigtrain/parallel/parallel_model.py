@@ -18,7 +18,7 @@ from bigtrain.fp8.linear import Float8Linears
 from bigtrain.parallel.pipeline.partition import PipelineStage
 from bigtrain.parallel.pipeline.schedules import Schedule
 from bigtrain.parallel.context import local_positions, local_sequence
-from bigtrain.parallel.chunks import WEIGHT, WEIGHT_IN_USE, SavedChunk, chunks, owned_range
+from bigtrain.parallel.chunks import WEIGHT, WEIGHT_IN_USE, SavedChunk, all_finite, chunks, owned_range
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
 from bigtrain.parallel.tensor.functional import local_chunk
@@ -249,7 +249,7 @@ class ParallelModel:
                                        host_copy(v) if copy else v.detach()) for k, v in piece.scalars.items()]
             for chunk in out[listed:] if readable is not None else []:
                 chunk.readable = readable
-                chunk.finite = not chunk.data.is_floating_point() or bool(torch.isfinite(chunk.data).all())
+                chunk.finite = bool(all_finite(chunk.data))
         if self._writes_buffers():
             out += [SavedChunk(name, tuple(b.shape), (0,) * b.dim(), host_copy(b) if copy else b.detach())
                     for name, b in persistent_buffers(self.model).items()]

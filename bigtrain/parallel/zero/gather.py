@@ -168,7 +168,10 @@ class ParameterGatherer:
         (int8 activation compression, float8) reads the weight for its input gradient after that
         node. A unit holding only such a weight (a tied head's copy on the last pipeline stage)
         would be freed under that read. So the unit is freed when backward reaches the next unit,
-        whose output gradient needs every read of this one done, or at the step."""
+        whose output gradient needs every read of this one done; the last ones reduced (the root,
+        the first block), which no next unit follows, by the engine's ``finish_grad_sync`` once the
+        step's backward is over (between micro-batches they stay for the next forward, which
+        starts with them)."""
         self._reduced.append(unit)
 
     def _free_reduced(self) -> None:

@@ -24,7 +24,8 @@ nothing.
 The state it reads is the engine's (set up in ``ZeroEngine.__init__``): ``units``, ``stage``,
 ``precision``, ``offload``, ``gatherer``, ``_lazy`` (the fp32 buffers, :mod:`.lazy_grads`),
 ``_host_grads``, ``_grads_in_place``, ``_sync`` (cleared by ``no_sync``), ``_pending`` (reductions
-in flight), ``_remaining`` (gradients still to come per unit), ``_unit_of`` and ``_grad_home``.
+in flight), ``_remaining`` (gradients still to come per unit), ``_unit_of`` and ``_grad_home``; it
+calls the engine's ``drop_gathered``.
 
 In flight, held in ``_pending`` until folded: at most one reduced shard per unit (a unit's previous
 result is folded before it is reduced again), the unit shards together the rank's gradient shard
@@ -184,13 +185,21 @@ class GradSync:
             self.gatherer.after_reduce(unit)
 
     def finish_grad_sync(self) -> None:
-        """Wait for every reduction and fold the results into the gradient shards."""
+        """Wait for every reduction and fold the results into the gradient shards. ZeRO-3: no
+        gathered unit outlives the step's backward (see below)."""
         if self._sync:
             reduced = {id(u) for u, _, _ in self._pending}
             local = self.stage <= 1 and self._host_grads is None  # accumulated here, reduced once a step
             for unit in self.units:  # units whose gradients never arrived (unused parameters)
                 if self._remaining[id(unit)] != len(unit.params) or (local and id(unit) not in reduced):
                     self._reduce(unit)
+        # ZeRO-3: the units reduced last (the root, whose last gradient is the embedding's, and the
+        # first block) wait in the gatherer for a next unit's backward that never comes, and the
+        # spares keep the bytes of those freed before: root + two blocks held from here to the
+        # step. The backward is over (this runs after the last micro-batch's), so nothing reads
+        # them; freed before the folds below, which allocate none. (Between micro-batches they
+        # stay: the next forward starts with the root and the first block.)
+        self.drop_gathered()
         if self._host_grads is not None:
             self._host_grads.finish(self.units)
         self._complete(lambda u: True)
