@@ -96,10 +96,11 @@ def weight(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.02
 
 
-def run_linear(backend: str, scaling: str, dtype: torch.dtype, x, w, g):
+def run_linear(backend: str, scaling: str, dtype: torch.dtype, x, w, g, cls=Float8Linear):
+    """(y, dX, dW) of a ``cls`` float8 linear holding ``w``, on ``x`` with output gradient ``g``."""
     linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
     linear.weight = nn.Parameter(w.to(dtype))
-    layer = Float8Linear.from_linear(linear, Float8Recipe(scaling), backend)
+    layer = cls.from_linear(linear, Float8Recipe(scaling), backend)
     xx = x.to(dtype).requires_grad_()
     y = layer(xx)
     y.backward(g.to(dtype))
@@ -280,16 +281,7 @@ def test_quantizing_in_place_then_transposing_the_codes_is_quantizing_the_transp
 
 def _previous_and_current(scaling: str, dtype: torch.dtype, backend: str, x, w, g):
     """(y, dX, dW) of the current Float8Linear and of the previous formulation on the same data."""
-    out = []
-    for cls in (PreviousFloat8Linear, Float8Linear):
-        linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
-        linear.weight = nn.Parameter(w.to(dtype))
-        layer = cls.from_linear(linear, Float8Recipe(scaling), backend)
-        xx = x.to(dtype).requires_grad_()
-        y = layer(xx)
-        y.backward(g.to(dtype))
-        out.append((y.detach(), xx.grad, layer.weight.grad))
-    return out
+    return [run_linear(backend, scaling, dtype, x, w, g, cls) for cls in (PreviousFloat8Linear, Float8Linear)]
 
 
 @pytest.mark.parametrize("backend", ["emulated", "scaled_mm"])
@@ -306,16 +298,6 @@ def test_the_linear_equals_its_previous_formulation_bit_for_bit(scaling, dtype, 
     previous, current = _previous_and_current(scaling, dtype, backend, x, w, g)
     for name, a, b in zip(("output", "input gradient", "weight gradient"), current, previous):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max():.3e}"
-
-
-def _linear_results(cls, scaling: str, dtype: torch.dtype, backend: str, x, w, g):
-    linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
-    linear.weight = nn.Parameter(w.to(dtype))
-    layer = cls.from_linear(linear, Float8Recipe(scaling), backend)
-    xx = x.to(dtype).requires_grad_()
-    y = layer(xx)
-    y.backward(g.to(dtype))
-    return y.detach(), xx.grad, layer.weight.grad
 
 
 def _signed_octave(shape: tuple[int, ...], seed: int, scales: torch.Tensor) -> torch.Tensor:
@@ -342,8 +324,8 @@ def test_the_feature_scaled_benchmark_formulation_is_rowwise_where_no_value_is_s
     x = _signed_octave((2, 32, 64), 31, torch.exp2(torch.arange(64) % 4.0))
     w = _signed_octave((96, 64), 32, torch.exp2(-(torch.arange(64) % 3.0)))
     g = _signed_octave((2, 32, 96), 33, torch.exp2(torch.arange(96) % 5.0) * 1e-3)
-    rowwise = _linear_results(Float8Linear, "rowwise", dtype, backend, x, w, g)
-    features = _linear_results(FeatureScaledFloat8Linear, "rowwise", dtype, backend, x, w, g)
+    rowwise = run_linear(backend, "rowwise", dtype, x, w, g)
+    features = run_linear(backend, "rowwise", dtype, x, w, g, FeatureScaledFloat8Linear)
     for name, a, b in zip(("output", "input gradient", "weight gradient"), features, rowwise):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max():.3e}"
     # and float8 is in the results: they are not the plain product's
