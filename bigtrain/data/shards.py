@@ -38,7 +38,11 @@ from bigtrain.data.corpus import temp_beside
 from bigtrain.data.documents import Documents
 from bigtrain.data.tokenizer import document_end_id, file_digest, ids_dtype, load_tokenizer
 
-FORMAT = 2  # 2: tokenizer.json files read without their truncation and padding, ids sized by the largest
+# 2: tokenizer.json files read without their truncation and padding, ids sized by the largest.
+# 3: special-token text in a document ("<|endoftext|>" quoted on a web page) encoded as ordinary text,
+# not as the special id: a format-2 corpus of a tokenizer.json may hold ids its documents' text injected.
+# FORMAT is in the key, so such a corpus is tokenized again under a new folder (the old one is not read).
+FORMAT = 3
 SHARD_BYTES = 32 << 20  # text per shard: a worker's unit of work and of resumption
 MANIFEST = "manifest.json"
 DIGESTS = "file-digests.json"
