@@ -2,7 +2,9 @@
 
 ``data.source`` names a text file (one document), a JSON Lines file (one document a line: the string
 in its ``data.text_field``), a Parquet file (one document a row of that column; needs ``pyarrow``),
-or a folder of such files (sorted by path, each read as its suffix says). ``data.max_bytes`` caps
+a ``.json`` file of records (an array of objects, or JSON lines: :func:`json_records_source`), or
+a folder of such files (sorted by path, each read as its suffix says; a ``.json`` file in a folder
+is text, as a code folder's ``package.json`` is). ``data.max_bytes`` caps
 the UTF-8 bytes taken, in that order; the last document is cut at the cap.
 """
 
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bigtrain.data.corpus import TEXT_SUFFIXES
+from bigtrain.data.json_array import JSONShapeError, array_items, top_level
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")  # a document per line / row, in data.text_field
 DOCUMENT_SUFFIXES = TEXT_SUFFIXES + RECORD_SUFFIXES
@@ -136,8 +139,29 @@ def has_records(files: list[Path]) -> bool:
     return any(f.suffix in RECORD_SUFFIXES for f in files)
 
 
+JSON_SUFFIX = ".json"
+
+
+def json_records_source(source: Path) -> bool:
+    """Whether ``data.source`` names one ``.json`` file, read as records (a top-level array of
+    objects, or JSON lines, as datasets' ``to_json`` writes), not as one document of JSON syntax.
+    Only a file named by itself: in a folder a ``.json`` file is text (a project's configuration
+    files), as before."""
+    return source.suffix == JSON_SUFFIX and source.is_file()
+
+
 def parquet_missing() -> str | None:
     return None if importlib.util.find_spec("pyarrow") else "pip install pyarrow"
+
+
+def _record_text(record: object, field: str, where: str) -> str:
+    """The text under ``field`` of one record (``where``: its file and line or item, for the error)."""
+    text = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        keys = ", ".join(repr(k) for k in list(record)[:8]) if isinstance(record, dict) else "none"
+        raise DocumentError(f"data.text_field = '{field}': {where} has no text under it "
+                            f"(its keys: {keys}); set data.text_field to the key that holds the text")
+    return text
 
 
 def _jsonl(path: Path, field: str) -> Iterator[str]:
@@ -154,12 +178,44 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
                 record = json.loads(line)
             except ValueError as e:
                 raise DocumentError(f"data.source: {path} line {number} is not JSON ({e})") from None
-            text = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                keys = ", ".join(repr(k) for k in list(record)[:8]) if isinstance(record, dict) else "none"
-                raise DocumentError(f"data.text_field = '{field}': {path} line {number} has no text under it "
-                                    f"(its keys: {keys}); set data.text_field to the key that holds the text")
-            yield text
+            yield _record_text(record, field, f"{path} line {number}")
+
+
+JSON_SHAPES = ("bigtrain reads a .json data.source as records: a top-level array of objects ([{\"text\": ...}, ...], "
+               "datasets' to_json(lines=False)) or JSON lines (one object a line, datasets' to_json())")
+
+
+def _json_records(path: Path, field: str) -> Iterator[str]:
+    """A ``.json`` file's records: its top-level array's objects (streamed), or its lines."""
+    try:
+        first = top_level(path)
+        if first == "[":
+            for index, record in array_items(path):
+                yield _record_text(record, field, f"{path} item {index + 1} of its array")
+            return
+    except JSONShapeError as e:
+        fix = "save the file as UTF-8" if str(e).startswith("is not UTF-8") else JSON_SHAPES
+        raise DocumentError(f"data.source: {path} {e}; {fix}") from None
+    if first is None:
+        return  # empty: no records, as an empty .jsonl
+    if first == "{" and _first_line_is_an_object(path):
+        yield from _jsonl(path, field)
+        return
+    shape = ("one JSON object over several lines" if first == "{"
+             else f"neither an array nor JSON lines (it starts with {first!r})")
+    raise DocumentError(f"data.source: {path} is {shape}, not records; {JSON_SHAPES}. Write its records as one of "
+                        f"these, or give a .txt file to train on it as one plain-text document")
+
+
+def _first_line_is_an_object(path: Path) -> bool:
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    return isinstance(json.loads(raw), dict)
+                except ValueError:
+                    return False
+    return False
 
 
 def _parquet(path: Path, field: str) -> Iterator[str]:
@@ -185,12 +241,15 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
             yield text
 
 
-def file_documents(path: Path, field: str, not_utf8: list[str] | None = None) -> Iterator[str]:
+def file_documents(path: Path, field: str, not_utf8: list[str] | None = None,
+                   json_records: bool = False) -> Iterator[str]:
     """The documents of one file. A text file that is not UTF-8 (Latin-1, say) is read with its
     undecodable bytes as U+FFFD rather than stopping the run, and its path is added to
     ``not_utf8``: the launcher says so (every accented letter of such a file became the same token,
-    without a word)."""
-    if path.suffix == ".jsonl":
+    without a word). ``json_records``: a ``.json`` file is records (:func:`json_records_source`)."""
+    if json_records and path.suffix == JSON_SUFFIX:
+        yield from _json_records(path, field)
+    elif path.suffix == ".jsonl":
         yield from _jsonl(path, field)
     elif path.suffix == ".parquet":
         yield from _parquet(path, field)
@@ -208,16 +267,18 @@ class Documents:
     """Every document of ``files`` in order, at most ``max_bytes`` bytes of UTF-8 in all (0: no cap).
     Once iterated, ``cut`` says whether the cap left text out (the launcher says so: a cap that
     keeps a demo short must not drop most of a user's corpus without a word), and ``not_utf8``
-    lists the text files read with undecodable bytes replaced (:func:`file_documents`)."""
+    lists the text files read with undecodable bytes replaced (:func:`file_documents`).
+    ``json_records``: the ``.json`` files are records (a ``.json`` data.source)."""
 
-    def __init__(self, files: list[Path], field: str, max_bytes: int = 0):
+    def __init__(self, files: list[Path], field: str, max_bytes: int = 0, json_records: bool = False):
         self.files, self.field, self.max_bytes, self.cut = files, field, max_bytes, False
+        self.json_records = json_records
         self.not_utf8: list[str] = []
 
     def __iter__(self) -> Iterator[str]:
         total, cap = 0, self.max_bytes
         for path in self.files:
-            for text in file_documents(path, self.field, self.not_utf8):
+            for text in file_documents(path, self.field, self.not_utf8, self.json_records):
                 if cap:
                     if total >= cap:  # full: a document with any text left is text left out
                         if text:

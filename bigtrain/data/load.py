@@ -20,8 +20,8 @@ from pathlib import Path
 
 from bigtrain.config import DataConfig
 from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files, text_files
-from bigtrain.data.documents import (DOCUMENT_SUFFIXES, RECORD_SUFFIXES, corpus_files, has_records, left_out_files,
-                                     left_out_summary, tool_folder_files)
+from bigtrain.data.documents import (DOCUMENT_SUFFIXES, RECORD_SUFFIXES, corpus_files, has_records,
+                                     json_records_source, left_out_files, left_out_summary, tool_folder_files)
 from bigtrain.data.sampler import split_problem
 from bigtrain.data.shards import ShardedTokens, corpus_key, prepared
 from bigtrain.data.tokenizer import BYTES, file_digest, tokenizer_file
@@ -41,8 +41,14 @@ def source_files(d: DataConfig) -> list[Path]:
     return stdlib_files() if d.source == "stdlib" else corpus_files(source_path(d))
 
 
+def json_records(d: DataConfig) -> bool:
+    """Whether ``data.source`` is one .json file, read as records (:func:`json_records_source`)."""
+    return d.source != "stdlib" and json_records_source(source_path(d))
+
+
 def uses_shards(d: DataConfig) -> bool:
-    """Whether the corpus is tokenized into shards (a real tokenizer, or JSON Lines / Parquet)."""
+    """Whether the corpus is tokenized into shards (a real tokenizer, or JSON Lines / Parquet / a
+    .json file of records)."""
     if is_token_file(d.source):
         return False
     if d.tokenizer != BYTES or d.document_end:  # (the byte corpus puts nothing between its files)
@@ -50,7 +56,7 @@ def uses_shards(d: DataConfig) -> bool:
     if d.source == "stdlib":
         return False
     try:
-        return has_records(corpus_files(source_path(d)))
+        return json_records(d) or has_records(corpus_files(source_path(d)))
     except OSError:  # a folder that cannot be listed: the pre-launch checks say so
         return False
 
@@ -60,7 +66,7 @@ def shard_folder(d: DataConfig, files: list[Path] | None = None) -> Path:
     files = source_files(d) if files is None else files
     digest = BYTES if d.tokenizer == BYTES else file_digest(tokenizer_file(d.tokenizer))
     cache = cache_root(d.cache_dir)
-    key = corpus_key(source_path(d), files, digest, d.text_field, d.max_bytes, cache, d.document_end)
+    key = corpus_key(source_path(d), files, digest, d.text_field, d.max_bytes, cache, d.document_end, json_records(d))
     return cache / f"tok-{key}"
 
 
@@ -73,7 +79,7 @@ def prepare_corpus(d: DataConfig, check: bool = True, log=None, **build_args) ->
     if not files:
         raise ValueError(f"data.source = '{d.source}': no text, .jsonl or .parquet files in it")
     return prepared(shard_folder(d, files), files, d.tokenizer, d.text_field, d.max_bytes, d.source,
-                    check=check, log=log, document_end=d.document_end, **build_args)
+                    check=check, log=log, document_end=d.document_end, json_records=json_records(d), **build_args)
 
 
 def load_corpus(d: DataConfig):
@@ -85,7 +91,7 @@ def load_corpus(d: DataConfig):
     files = source_files(d)
     folder = shard_folder(d, files)
     manifest = prepared(folder, files, d.tokenizer, d.text_field, d.max_bytes, d.source,
-                        document_end=d.document_end)
+                        document_end=d.document_end, json_records=json_records(d))
     return ShardedTokens.open(folder, manifest)
 
 
@@ -148,12 +154,12 @@ def single_file_warning(d: DataConfig) -> str | None:
     if d.source == "stdlib" or is_token_file(d.source):
         return None
     path = source_path(d)
-    if not path.is_file() or path.suffix in RECORD_SUFFIXES:
+    if not path.is_file() or path.suffix in RECORD_SUFFIXES or json_records(d):
         return None
     if path.suffix in TABLE_SUFFIXES:
         return (f"data.source = '{d.source}' is read as one plain-text document: its header, "
                 f"{'commas' if path.suffix == '.csv' else 'tabs'} and quotes are trained on as they are (bigtrain "
-                f"reads records only from .jsonl and .parquet); to train on one column, write it as .jsonl lines "
+                f"reads records only from .jsonl, .parquet and .json); to train on one column, write it as .jsonl lines "
                 f"of {{\"{d.text_field}\": ...}}")
     try:
         with open(path, "rb") as f:

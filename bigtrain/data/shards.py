@@ -38,7 +38,12 @@ from bigtrain.data.corpus import temp_beside
 from bigtrain.data.documents import Documents
 from bigtrain.data.tokenizer import document_end_id, file_digest, ids_dtype, load_tokenizer
 
-FORMAT = 2  # 2: tokenizer.json files read without their truncation and padding, ids sized by the largest
+# 2: tokenizer.json files read without their truncation and padding, ids sized by the largest.
+# 3: special-token text in a document ("<|endoftext|>" quoted on a web page) encoded as ordinary text,
+# not as the special id: a format-2 corpus of a tokenizer.json may hold ids its documents' text injected.
+# FORMAT is in the key, so such a corpus is tokenized again under a new folder (the old one is not read).
+# (Also 3: a .json data.source is read as records, where format 2 read it as one document of JSON text.)
+FORMAT = 3
 SHARD_BYTES = 32 << 20  # text per shard: a worker's unit of work and of resumption
 MANIFEST = "manifest.json"
 DIGESTS = "file-digests.json"
@@ -71,11 +76,14 @@ def file_digests(files: list[Path], cache: Path) -> list[str]:
 
 
 def corpus_key(source: Path, files: list[Path], tokenizer_digest: str, text_field: str, max_bytes: int,
-               cache: Path, document_end: str = "") -> str:
+               cache: Path, document_end: str = "", json_records: bool = False) -> str:
     # (document_end only when set: unset, a corpus keeps the key it had without the field. "once":
     # since a tokenizer that ends each document with that token itself no longer gets it twice; a
-    # corpus cached before then may hold two ends a document, and is not reused.)
+    # corpus cached before then may hold two ends a document, and is not reused. json_records: a
+    # .json file named as the source is records, the same file in a folder named as the source is
+    # text, and both have the same relative path and bytes.)
     end = f"|end={document_end!r} once" if document_end else ""
+    end += "|json-records" if json_records else ""
     h = hashlib.sha256(f"bigtrain-corpus {FORMAT}|{tokenizer_digest}|{text_field}|{max_bytes}{end}".encode())
     root = source if source.is_dir() else source.parent
     for f, digest in zip(files, file_digests(files, cache)):
@@ -173,10 +181,12 @@ def _finished_shard(folder: Path, index: int, text_digest: str, itemsize: int) -
 
 
 def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes: int, source: str,
-          workers: int = 0, shard_bytes: int = SHARD_BYTES, log=None, document_end: str = "") -> dict:
+          workers: int = 0, shard_bytes: int = SHARD_BYTES, log=None, document_end: str = "",
+          json_records: bool = False) -> dict:
     """Tokenize ``files`` into ``folder`` (resuming what an earlier build finished); returns the
     manifest. ``workers``: processes (0: one per CPU this process may use); ``document_end``: the
-    token put after each document (data.document_end)."""
+    token put after each document (data.document_end); ``json_records``: the source is one .json
+    file of records (:func:`~bigtrain.data.documents.json_records_source`)."""
     tokenizer = load_tokenizer(spec)
     end = document_end_id(tokenizer, document_end)
     added_by_tokenizer = end is not None and end_added_by_tokenizer(tokenizer, end)
@@ -195,7 +205,7 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
     markers: dict[int, dict] = {}
     pending: deque = deque()
     kept = 0
-    docs = Documents(files, text_field, max_bytes)
+    docs = Documents(files, text_field, max_bytes, json_records)
     try:
         for index, texts in enumerate(_text_batches(docs, shard_bytes)):
             digest = _texts_digest(texts)

@@ -7,6 +7,11 @@
 - a tiktoken encoding file (``NAME.tiktoken``: one base64 token and its rank a line), read with the
   ``tiktoken`` package; such a file carries no split pattern, so cl100k's (also Llama 3's) is used.
 
+Document text is always ordinary text, for every kind: a document that quotes a special token
+(``<|endoftext|>``, ``</s>``) is encoded as those characters, never as the special id (tiktoken's
+``encode_ordinary``; ``encode_special_tokens`` for a tokenizer.json); the special ids a corpus
+holds are those bigtrain puts there itself (the post-processor's frame, ``data.document_end``).
+
 Local files only: nothing is downloaded. A tokenizer is identified by the SHA-256 of its file, so a
 corpus tokenized with it is cached under that digest (:mod:`bigtrain.data.shards`), and
 :func:`write_for_transformers` puts it beside an exported model for ``AutoTokenizer``.
@@ -109,6 +114,16 @@ class HFTokenizer:
         # short ones with pad ids.
         self._tok.no_truncation()
         self._tok.no_padding()
+        # Document text is text: a page that quotes "<|endoftext|>" or "</s>" was encoded as that special
+        # id (add_special_tokens=False stops only the post-processor's), ending a document where its
+        # author only wrote characters, and letting a document inject control tokens. As tiktoken's
+        # encode_ordinary, special tokens' text is encoded as ordinary pieces; the ids bigtrain puts
+        # around documents itself (the post-processor's frame, data.document_end) are ids, not text.
+        # (Ordinary added tokens, special=False, are vocabulary words and still match.)
+        if not hasattr(self._tok, "encode_special_tokens"):
+            raise TokenizerError(f"data.tokenizer = '{path}' needs tokenizers >= 0.15 (its encode_special_tokens "
+                                 f"keeps special-token text in documents as text): pip install -U tokenizers")
+        self._tok.encode_special_tokens = True
         # Its largest id + 1, not its count of tokens: a file may leave ids unused, and an id past the
         # count would pass the check against the model and wrap in the shards' narrower dtype.
         self.vocab_size = max([self._tok.get_vocab_size(with_added_tokens=True),
@@ -136,7 +151,8 @@ class HFTokenizer:
 
     def prompt_ids(self, text: str) -> list[int]:
         """``text`` as the start of a document: the post-processor's leading ids (Llama's BOS), as
-        every training document began, then the text's ids, without the trailing ones (an end)."""
+        every training document began, then the text's ids, without the trailing ones (an end).
+        Special-token text in it is ordinary text, as in every training document."""
         return self.frame_ids()[0] + self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
@@ -254,7 +270,14 @@ def write_for_transformers(spec: str, out: Path, max_len: int, special: dict[str
     named in ``tokenizer_config.json`` as ``bos_token`` / ``eos_token``: without them the loaded
     tokenizer's ``eos_token`` was None while the model's config named one, and what a user of
     transformers writes next (``tokenizer.pad_token = tokenizer.eos_token`` for a collator or a
-    batched pipeline) failed. Returns the files written."""
+    batched pipeline) failed. Returns the files written.
+
+    transformers' fast tokenizer, called on text (``tokenizer(text)``), turns special-token text in
+    it (``"<|endoftext|>"``) into the special id, where training encoded it as ordinary text
+    (:class:`HFTokenizer`): pass ``split_special_tokens=True`` (to the call, or to
+    ``from_pretrained``) to encode text as the run's documents were. That is left to the user, not
+    written into ``tokenizer_config.json``: text that means its special tokens (a template's
+    markers) would then lose them."""
     kind = tokenizer_kind(spec)
     if kind == BYTES:
         return []
