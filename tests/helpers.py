@@ -15,6 +15,27 @@ from bigtrain.validation import validate
 CORPUS_BYTES = 400_000
 
 
+def stdlib_texts(count: int) -> list[str]:
+    """The first ``count`` standard-library modules' text: the same on every run of this machine's Python."""
+    import sysconfig
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:count]
+    return [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+
+
+def byte_level_bpe(vocab: int, special: list[str], texts: list[str]):
+    """A ``tokenizers`` byte-level BPE of ``vocab`` ids with ``special`` tokens, trained on ``texts``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=special, show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
 def tiny_config(cache_dir: str, *overrides: str) -> Config:
     """The tiny preset on a small stdlib corpus, no progress bar, logging off."""
     base = ["--logging.progress=false", "--logging.report=false", f"--data.cache_dir={cache_dir}",

@@ -8,7 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from bigtrain.models.llama import build_model
 from bigtrain.preflight import data_problems
 from bigtrain.testing import run_ranks
 from bigtrain.validation import validate
-from tests.helpers import run_steps, tiny_config, trainer_on_rank
+from tests.helpers import byte_level_bpe, run_steps, stdlib_texts, tiny_config, trainer_on_rank
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -37,21 +36,13 @@ MODEL_VOCAB = 320
 
 def _texts() -> list[str]:
     """Twenty standard-library modules: the same text on every run of this machine's Python."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]
-    return [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+    return stdlib_texts(20)
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     """(tokenizer.json path, the tokenizers object): a byte-level BPE of VOCAB ids trained here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
-    tok.train_from_iterator(_texts(), trainer)
+    tok = byte_level_bpe(VOCAB, ["<|endoftext|>"], _texts())
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     tok.save(str(path))
     assert tok.get_vocab_size() == VOCAB

@@ -10,7 +10,6 @@ the text as special. The ids bigtrain puts there itself (the post-processor's fr
 reused."""
 
 import json
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from bigtrain.data import shards
 from bigtrain.data.load import shard_folder
 from bigtrain.data.shards import read_manifest
 from bigtrain.data.tokenizer import ByteTokenizer, HFTokenizer, write_for_transformers
+from tests.helpers import byte_level_bpe, stdlib_texts
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -31,22 +31,10 @@ DOCUMENTS = ["print('<|endoftext|>')  # GPT-2's end of text\n", "</s>", "a<s>b</
              "plain text without any\n", "the tag <s> opens, </s> closes <|endoftext|>"]
 
 
-def _training_text() -> list[str]:
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:6]
-    return [f.read_bytes().decode("utf-8", errors="replace") for f in files]
-
-
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     """(tokenizer.json with special tokens, the same file without them): a 300-id byte-level BPE."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=SPECIAL, show_progress=False)
-    tok.train_from_iterator(_training_text(), trainer)
+    tok = byte_level_bpe(300, SPECIAL, stdlib_texts(6))
     folder = tmp_path_factory.mktemp("tok")
     path = folder / "tokenizer.json"
     tok.save(str(path))
