@@ -200,3 +200,28 @@ def test_the_recomputation_overhead_is_measured_and_positive_on_cpu():
     from bigtrain.plan.calibrate import measure_recompute_overhead
 
     assert 0 < measure_recompute_overhead(ops=10, repeats=20) < 1e-3
+
+
+@pytest.mark.parametrize("precision,update", [("bf16", 32), ("fp32", 28)])
+def test_the_optimizer_step_reads_the_gradients_for_their_norm_and_scales_them_when_clipping(precision, update):
+    # AdamW's update (masters, moments, gradient, weight), the global norm's read of every fp32
+    # gradient (optim/clip.py: every step) and, with optim.grad_clip > 0, the clip's read and write
+    # (a step whose norm exceeds the clip: priced as the bound), over the rank's ZeRO shard
+    from bigtrain.config import load_config
+    from bigtrain.plan import evaluate
+    from bigtrain.plan.fit import _layout
+    from bigtrain.plan.layout import Cluster, parse_layout
+
+    h200 = get_profile("h200-141g")
+    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=1024)
+    for zero, dp in ((0, 1), (1, 4)):
+        for clip, extra in ((True, 8), (False, 0)):
+            layout = Layout(dp=dp, zero=zero, micro_batch=1, precision=precision, grad_clip=clip)
+            step = evaluate(model, layout, Cluster.build(dp, h200), dp).time.breakdown["optimizer_step"]
+            shard = model.params / dp  # (padding aside: within 0.1%)
+            assert step == pytest.approx(shard * (update + 4 + extra) / h200.hbm_bandwidth, rel=1e-3)
+    # optim.grad_clip reaches the plan: from a config, and as a layout key
+    assert _layout(load_config(preset="tiny", overrides=["--optim.grad_clip=0"])).grad_clip is False
+    assert _layout(load_config(preset="tiny")).grad_clip is True
+    assert parse_layout("grad_clip=off") == {"grad_clip": False}
+    assert "grad_clip=off" in Layout(grad_clip=False).describe() and "grad_clip" not in Layout().describe()

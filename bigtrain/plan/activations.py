@@ -276,11 +276,12 @@ def compiles_blocks(model: ModelSpec, compiled: bool, recompute: str = "none", c
 @cached()  # a pure function of frozen values, asked per layout of a search
 def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                       compression: str = "none", selective_attention: bool = False,
-                      compiled: bool = False, ep: int = 1, routed_rows: float = 0.0) -> BlockActivations:
+                      compiled: bool = False, ep: int = 1, routed_rows: float = 0.0,
+                      fp8: str = "none") -> BlockActivations:
     """The itemized saved tensors of one block (see the module docstring); ``compiled``: the run
     compiles its blocks (``Layout.compiled``); ``ep``: the experts' degree (its dispatch saves more);
     ``routed_rows``: the rows an MoE block's experts on this rank take per token of the rank
-    (plan/expert_load.py; 0: top_k, an even split)."""
+    (plan/expert_load.py; 0: top_k, an even split); ``fp8``: precision.fp8 (:func:`_float8_items`)."""
     nbytes, h, k = BYTES[precision], model.hidden, model.kv_dim
     rows = routed_rows or model.top_k
     f, f_moe = _ffn_widths(model, rows)
@@ -342,6 +343,11 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
     else:
         items += [("mlp.fc1_out", nbytes * f, "split"), ("mlp.gelu_out", nbytes * f, "split")]
     per_block = 0.0
+    if fp8 != "none" and not int8 and not selective and not model.experts:
+        items = _float8_items(model, items, fp8, compiled, (first_norm, second_norm))
+        if fp8 == "tensorwise":  # fp32 scales: each linear's input's beside its codes; compiled, the graph
+            # keeps those of the 7 weights and of the 4 distinct inputs (wq, wk, wv share one), measured
+            per_block = 4 * (11 if compiled else 7 if model.mlp == "swiglu" else 4)
     if model.experts:
         share = model.moe_layers / model.layers
         items.append(("feed_forward.routing", moe_routing_bytes(model, nbytes, ep, compression, rows) * share, "whole"))
@@ -350,6 +356,43 @@ def block_activations(model: ModelSpec, precision: str, recompute: str = "none",
                             gathered_copies=SP_GATHERED_COPIES[model.mlp], gathered_bytes=linear_in,
                             ulysses_extra=0.0 if int8 or core_recomputed else nbytes * q, per_block=per_block,
                             kv_heads=model.kv_heads)
+
+
+def _float8_items(model: ModelSpec, items: list, fp8: str, compiled: bool, norms: tuple[str, str]) -> list:
+    """A block's saved list with float8 linears (bigtrain/fp8/linear.py), where it differs from the
+    compute precision's; read off ``SavedActivations`` on one block (dim 256, 512 tokens, bf16, torch
+    2.13 CPU, ``scaled_mm``): bf16 13,848 bytes a token eager and 9,752 compiled; tensorwise 13,336
+    and 6,680; rowwise 13,848 and 6,680.
+
+    Compiled (either recipe): the graph keeps no linear's input nor its float8 codes. The norms'
+    outputs and the SwiGLU product, which bf16's graph keeps for the linears' weight gradients, are
+    recomputed from what the block keeps anyway (the norms' inputs and rsqrt, w1 x and w3 x, and
+    each operand's scale), and so are their codes. Eager tensorwise: each linear keeps its own
+    float8 input (1 byte an element: one copy per linear, where bf16's linears share their input),
+    so a norm's output becomes one code copy per linear reading it, wo keeps a copy of attention's
+    output, and w2 a 1-byte product (and each its 4-byte scale, ``per_block``). Eager rowwise keeps the input itself in the compute dtype, as
+    bf16 does. Under selective recomputation or int8 compression, and in a model with experts, the
+    compute precision's list is kept (not measured with float8)."""
+    names = {f"{norms[0]}.output", f"{norms[1]}.output", "feed_forward.product"}
+    if compiled:
+        return [item for item in items if item[0] not in names]
+    if fp8 != "tensorwise":
+        return items
+    # the linears reading each norm's output: wq, wk, wv and w1, w3 (Llama); the fused qkv and fc1 (GPT)
+    readers = (3, 2) if model.mlp == "swiglu" else (1, 1)
+    out = []
+    for name, nbytes, kind in items:
+        if name == f"{norms[0]}.output":
+            out.append((name, readers[0] * model.hidden, kind))
+        elif name == f"{norms[1]}.output":
+            out.append((name, readers[1] * model.hidden, kind))
+        elif name == "feed_forward.product":
+            out.append((name, model.ffn_hidden, kind))
+        else:
+            out.append((name, nbytes, kind))
+            if name == "attention.output":  # wo's codes beside the output SDPA keeps
+                out.append(("attention.wo_input", model.attention_dim, "split"))
+    return out
 
 
 def _ffn_widths(model: ModelSpec, routed_rows: float) -> tuple[float, float]:

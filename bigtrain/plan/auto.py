@@ -60,7 +60,8 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
              "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, device),
              # ZeRO-3's gathers as configured: the layout's overrides set them, and the search does not vary them
              "reshard_after_forward": cfg.parallel.reshard_after_forward, "prefetch": cfg.parallel.prefetch,
-             "checkpoint_async": getattr(cfg.checkpoint, "async")}  # its snapshot's host memory
+             "checkpoint_async": getattr(cfg.checkpoint, "async"),  # its snapshot's host memory
+             "grad_clip": cfg.optim.grad_clip > 0}  # the step's clip pass (plan/dp_cost.py)
     # Each pipeline cut where the run will make it (parallel.pp_split, or pp_balance = 'params'), not evenly.
     split_of = functools.lru_cache(maxsize=None)(lambda pp, v: stage_split(cfg, pp, v))
     try:

@@ -177,6 +177,10 @@ def resolve(args: argparse.Namespace):
     # compile.enabled's default ('auto') on this hardware, as the runtime resolves it (bigtrain's Llama
     # is the swiglu model; the GPT-style block is not one of the runtime's)
     fixed.setdefault("compiled", compiles("auto", cluster.hardware.device, model.mlp == "swiglu"))
+    cfg = _config_from_args(args)
+    if cfg is not None:  # what the run of this config does, unless --layout says otherwise
+        fixed.setdefault("fp8", cfg.precision.fp8)
+        fixed.setdefault("grad_clip", cfg.optim.grad_clip > 0)
     if args.top < 1:
         raise ConfigError(f"--top = {args.top}: must be >= 1")
     return model, cluster, _global_batch(args, preset_batch, model, cluster.gpus), fixed

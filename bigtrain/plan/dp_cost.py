@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from bigtrain.plan.cost import StageCosts
 
 OPTIMIZER_BYTES_PER_PARAM = {"mixed": 32, "fp32": 28}  # read+write master, moments, grad, weight
+# Before the update the engine reads every fp32 gradient of the rank for the global norm (optim/clip.py
+# square_sums, whatever optim.grad_clip) and, with clipping on, scales them in place (read + write)
+# on a step whose norm exceeds optim.grad_clip: the planner cannot tell which steps do, and prices
+# the step that clips (a bound: 8 bytes a parameter more than a step under the clip).
+GRAD_NORM_BYTES_PER_PARAM = 4
+GRAD_CLIP_BYTES_PER_PARAM = 8
 
 
 def _largest_rank_units(model: ModelSpec, layout: Layout) -> list[int]:
@@ -129,7 +135,8 @@ def _data_parallel_traffic(model: ModelSpec, layout: Layout, cluster: Cluster) -
         out["gather"] = _per_group(link, gathers, "all_gather")
     root, blocks = busiest_rank_units(model, layout)
     shard = sum(u.numel / (layout.size(u.axis) if layout.zero >= 1 else 1) for u in ([root] if root else []) + blocks)
-    per_param = OPTIMIZER_BYTES_PER_PARAM["fp32" if layout.precision == "fp32" else "mixed"]
+    per_param = (OPTIMIZER_BYTES_PER_PARAM["fp32" if layout.precision == "fp32" else "mixed"] + GRAD_NORM_BYTES_PER_PARAM
+                 + (GRAD_CLIP_BYTES_PER_PARAM if layout.grad_clip else 0))
     # With offload.optimizer the step runs on the host instead (offload_costs).
     on_device = not host_step(layout)
     out["optimizer_step"] = shard * per_param / cluster.hardware.hbm_bandwidth if on_device else 0.0

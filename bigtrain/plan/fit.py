@@ -98,7 +98,7 @@ def _layout(cfg: Config, cuda: bool = False):
                   fp8=cfg.precision.fp8, offload_masters=cfg.offload.masters if optimizer == "nvme" else "auto",
                   delayed_update=cfg.offload.delayed_update and optimizer != "none", dp_replicate=p.dp_replicate,
                   reshard_after_forward=p.reshard_after_forward, prefetch=p.prefetch, split=pipeline_split(cfg),
-                  checkpoint_async=getattr(cfg.checkpoint, "async"),
+                  checkpoint_async=getattr(cfg.checkpoint, "async"), grad_clip=cfg.optim.grad_clip > 0,
                   compiled=runtime_compiles(cfg, "cuda" if cuda else "cpu"))
 
 

@@ -16,12 +16,37 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
   bigtrain's Llama (``mlp = swiglu``) is unfused (RMSNorm in fp32, SwiGLU in three kernels);
   the GPT block (``mlp = gelu``) is Megatron's, with fused LayerNorm, bias-GeLU and bias-dropout-add.
 * **Float8 linears** (``layout.fp8``; the attention, dense MLP and shared-expert linears, not the
-  routers, experts or head): each GEMM at ``peak_flops_fp8`` on the bf16 curve's efficiency (an
-  assumption until measured) with 1-byte operands, plus the casts, memory-bound: every operand is
-  read twice (its amax, then the cast) and written once in float8, and the backward's transposed
-  operands (W^T for dX; dY^T and x^T for dW) are copied first. Without float8 matmuls
-  (``peak_flops_fp8 = 0``: emulation) the GEMMs stay at the compute precision and the casts are
-  added, with one more pass per operand to dequantize.
+  routers, experts or head): each GEMM at ``peak_flops_fp8`` on the bf16 curve's efficiency with
+  1-byte operands. Where the profile has the GEMM kernels' own share of the peak
+  (``gemm_kernel_fraction[_fp8]``, from a profiler), a float8 GEMM is instead the compute
+  precision's fitted GEMM time less its kernel time plus the float8 kernel's: ``gemm_fraction`` is
+  fitted to whole steps, so it carries time beside the kernels (launch gaps, copies, kernels the
+  planner does not list) that faster tensor cores do not shorten. Plus the casts
+  (:func:`float8_cast_bytes`): memory-bound kernels at ``hbm_bandwidth x cast_fraction``, their
+  bytes counted per operand from bigtrain/fp8 (linear.py, scaling.py): a quantization is an amax
+  pass (reads the operand in the compute dtype) and a cast (reads it again, writes 1 byte an
+  element); a float8 transpose reads and writes 1 byte an element.
+
+      per element of              x (M K)          W (N K)            dY (M N)
+      tensorwise, compiled        q + 2            2q + 2             q + 2
+      tensorwise, eager           q + 2            2q + 2             2q + 2
+      rowwise                     2q + 2           2q + 2             2q + 2
+
+  with q = 2B + 1 compiled (inductor fuses abs, division, clamp and cast into the two kernels) and
+  8B + 1 eager (abs, amax, division, clamp, cast: each a kernel). Tensorwise quantizes x once (its
+  codes are saved and transposed for dW), the weight for the forward and again (the same
+  operations, in the backward's graph) for dX, and dY once for both backward GEMMs in a compiled
+  graph (the same operations, merged by AOT autograd; eager runs them in two autograd nodes).
+  Rowwise quantizes every operand once per GEMM it enters, along that GEMM's reduction dimension.
+  (The eager table is what one Float8Linear's ATen ops read and write, byte for byte:
+  tests/test_plan_fp8.py. Inductor's own count on a CPU block, dim 256, 512 tokens, torch 2.13,
+  fused kernels of float8 less those of bf16: tensorwise 30.4 MB against this table's 32.0; rowwise
+  28.0 against 46.4, its amax and cast fused into one kernel that reads a row once. On the H200 the
+  rowwise casts ran slower than tensorwise's, not faster; until a GPU times the current code,
+  ``cast_fraction`` comes from tensorwise's and rowwise is priced by the table.)
+  Without float8 matmuls (``peak_flops_fp8 = 0``: emulation) the GEMMs stay at the compute
+  precision and each operand is dequantized for both of its GEMMs (reads 1 byte, writes B;
+  eager 3B + 1).
 * **Compiled blocks** (``layout.compiled``: bigtrain's Llama, each block one inductor region).
   Inductor fuses every element-wise op of the block into 5 forward and 6 backward kernels
   (read off the generated code of a ``small`` block on the CPU, ``benchmarks/compile_fusions.py``;
@@ -92,29 +117,68 @@ def gemm_fwd_bwd(hw, precision: str, m: float, n: float, k: float, batch: float 
     return gemm_seconds(hw, precision, m, n, k, batch), gemm_seconds(hw, precision, m, k, n, batch) + dw, dw
 
 
-def float8_gemm_seconds(hw, precision: str, m: float, n: float, k: float, batch: float = 1,
-                        transposed: tuple[bool, bool] = (False, False)) -> float:
-    """One float8 GEMM (m x k times k x n) with the casts of its two operands (see the module
-    docstring); ``transposed``: which operands are copied to the layout the kernel takes first."""
+# (forward, dX, dW) passes over one element of x, W and dY, in units of a quantization ("q") and
+# bytes of float8 transposes ("t"), per recipe and (eager) compiled: the module docstring's table
+_CAST_PASSES = {  # (operand: ((q, t) forward, (q, t) dX, (q, t) dW))
+    ("tensorwise", True): {"x": ((1, 0), (0, 0), (0, 2)), "w": ((1, 0), (1, 2), (0, 0)), "dy": ((0, 0), (1, 0), (0, 2))},
+    ("tensorwise", False): {"x": ((1, 0), (0, 0), (0, 2)), "w": ((1, 0), (1, 2), (0, 0)), "dy": ((0, 0), (1, 0), (1, 2))},
+    ("rowwise", True): {"x": ((1, 0), (0, 0), (1, 2)), "w": ((1, 0), (1, 2), (0, 0)), "dy": ((0, 0), (1, 0), (1, 2))},
+}
+_CAST_PASSES[("rowwise", False)] = _CAST_PASSES[("rowwise", True)]
+
+
+def quantize_bytes(precision: str, compiled: bool) -> int:
+    """Bytes one element costs to quantize: an amax pass and a cast (module docstring)."""
+    b = BYTES[precision]
+    return 2 * b + 1 if compiled else 8 * b + 1
+
+
+def float8_cast_bytes(precision: str, recipe: str, compiled: bool, emulated: bool, m: float, n: float, k: float
+                      ) -> tuple[float, float, float]:
+    """(forward, dX, dW) bytes the casts of one float8 linear move (x: m x k, W: n x k, dY: m x n)."""
+    q, b = quantize_bytes(precision, compiled), BYTES[precision]
+    passes = _CAST_PASSES[(recipe, compiled)]
+    out = [0.0, 0.0, 0.0]
+    for operand, elements in (("x", m * k), ("w", n * k), ("dy", m * n)):
+        for i, (quantizations, transposed) in enumerate(passes[operand]):
+            out[i] += elements * (quantizations * q + transposed)
+    if emulated:  # each operand dequantized for each of its two GEMMs
+        dequantize = (b + 1) if compiled else (3 * b + 1)
+        out[0] += dequantize * (m * k + n * k)
+        out[1] += dequantize * (m * n + n * k)
+        out[2] += dequantize * (m * n + m * k)
+    return out[0], out[1], out[2]
+
+
+def float8_gemm_seconds(hw, precision: str, m: float, n: float, k: float, batch: float = 1) -> float:
+    """One float8 GEMM (m x k times k x n) without its casts (see the module docstring)."""
     if min(m, n, k) <= 0:
         return 0.0
-    b = BYTES[precision]
-    cast = 0.0
-    for elements, copied in ((m * k, transposed[0]), (n * k, transposed[1])):
-        passes = 2 * b + 1 + (2 * b if copied else 0) + (0 if hw.peak_flops_fp8 > 0 else 1 + b)
-        cast += batch * elements * passes / (hw.hbm_bandwidth * hw.memory_fraction)
     if hw.peak_flops_fp8 <= 0:  # emulated: the compute precision's GEMM on the dequantized operands
-        return gemm_seconds(hw, precision, m, n, k, batch) + cast
-    compute = 2 * m * n * k * batch / (hw.peak_flops_fp8 * gemm_efficiency(hw, m, n, k))
-    moved = batch * (m * k + k * n + b * m * n) / (hw.hbm_bandwidth * hw.memory_fraction)
-    return max(compute, moved) + cast
+        return gemm_seconds(hw, precision, m, n, k, batch)
+    flops = 2 * m * n * k * batch
+    moved = batch * (m * k + k * n + BYTES[precision] * m * n) / (hw.hbm_bandwidth * hw.memory_fraction)
+    if hw.gemm_kernel_fraction <= 0:
+        return max(flops / (hw.peak_flops_fp8 * gemm_efficiency(hw, m, n, k)), moved)
+    # The fitted time less the compute precision's kernel plus the float8 kernel: what is not the
+    # kernel's in the fitted figure stays (module docstring).
+    shape = gemm_efficiency(hw, m, n, k) / hw.gemm_fraction
+    fitted = gemm_seconds(hw, precision, m, n, k, batch)
+    kernel = flops / (hw.peak_flops(precision) * hw.gemm_kernel_fraction * shape)
+    float8 = flops / (hw.peak_flops_fp8 * hw.gemm_kernel_fraction_fp8 * shape)
+    return max(0.0, fitted - kernel) + max(float8, moved)
 
 
-def float8_fwd_bwd(hw, precision: str, m: float, n: float, k: float, batch: float = 1) -> tuple[float, float, float]:
-    """(forward, backward, the backward's weight-gradient part) of one float8 linear's GEMMs."""
-    dw = float8_gemm_seconds(hw, precision, n, k, m, batch, (True, True))  # dY^T x: both copied
-    dx = float8_gemm_seconds(hw, precision, m, k, n, batch, (False, True))  # dY W: W^T copied
-    return float8_gemm_seconds(hw, precision, m, n, k, batch), dx + dw, dw
+def float8_fwd_bwd(hw, layout: Layout, compiled: bool, m: float, n: float, k: float, batch: float = 1
+                   ) -> tuple[float, float, float]:
+    """(forward, backward, the backward's weight-gradient part) of one float8 linear, its GEMMs and
+    casts; ``compiled``: whether it runs inside an inductor region (:func:`compiles_block`)."""
+    p = layout.precision
+    casts = float8_cast_bytes(p, layout.fp8, compiled, hw.peak_flops_fp8 <= 0, m, n, k)
+    cast_f, cast_dx, cast_dw = (batch * c / (hw.hbm_bandwidth * hw.cast_fraction) for c in casts)
+    dw = float8_gemm_seconds(hw, p, n, k, m, batch) + cast_dw  # dY^T x
+    dx = float8_gemm_seconds(hw, p, m, k, n, batch) + cast_dx  # dY W
+    return float8_gemm_seconds(hw, p, m, n, k, batch) + cast_f, dx + dw, dw
 
 
 @dataclass(frozen=True)
@@ -211,9 +275,12 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
     p, t, u = layout.precision, layout.tp, layout.head_exchange
     tokens = layout.micro_batch * model.seq / layout.seq_shards  # what the linears see (Ulysses, cp)
     fwd = bwd = dw = 0.0
+    compiled = compiles_block(model, layout)
     for m, n, k, count, float8 in linear_shapes(model, layout, tokens, moe):
-        timed = float8_fwd_bwd if float8 and layout.fp8 != "none" else gemm_fwd_bwd
-        f, b, w = timed(hw, p, m, n, k, count)
+        if float8 and layout.fp8 != "none":
+            f, b, w = float8_fwd_bwd(hw, layout, compiled, m, n, k, count)
+        else:
+            f, b, w = gemm_fwd_bwd(hw, p, m, n, k, count)
         fwd, bwd, dw = fwd + f, bwd + b, dw + w
     not_recomputed = 0.0 if moe else f  # the last linear of a dense block: the MLP's down projection
     heads = model.heads / (t * u)  # the all-to-all (Ulysses): the whole sequence and heads / (t u)
@@ -236,7 +303,7 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
         nbytes = BYTES[p]
         fwd += _memory_seconds(hw, scores * (2 * nbytes + 2 * nbytes + 1))  # scale-mask-softmax, dropout
         bwd += _memory_seconds(hw, scores * (5 * nbytes + 1))
-    if compiles_block(model, layout):
+    if compiled:
         moved_forward, moved_backward = compiled_elementwise_bytes(model, layout)
         ops_forward, ops_backward = compiled_ops_per_block(layout.precision)
     else:

@@ -94,6 +94,14 @@ class HardwareProfile:
     # is taken to follow the bf16 GEMM curve (gemm_fraction, gemm_half_dim): an assumption until a
     # GPU measures it (docs/precision.md).
     peak_flops_fp8: float = 0.0
+    # Share of hbm_bandwidth float8's cast kernels reach (amax reductions, scaling and casts, float8
+    # transposes: plan/gemm.py counts their bytes); the default is memory_fraction's STREAM-like figure.
+    cast_fraction: float = 0.8
+    # Share of the dense peak the GEMM kernels themselves sustain, as a profiler times them (bf16 /
+    # fp16, and float8 of peak_flops_fp8); 0: gemm_fraction's. gemm_fraction is fitted to whole steps
+    # and so carries time beside the kernels that float8's faster kernels do not shorten (plan/gemm.py).
+    gemm_kernel_fraction: float = 0.0
+    gemm_kernel_fraction_fp8: float = 0.0
     # What the ranks run on: "cuda" or "cpu". compile.enabled = 'auto' compiles on CUDA only
     # (bigtrain/from_config.py ``compiles``), so ``bigtrain plan`` prices a compiled step on a GPU.
     device: str = "cuda"
@@ -123,6 +131,17 @@ _NVIDIA_RESERVE = dict(reserved_bytes=int(1.5 * GIB), fragmentation=0.05, gpus_p
 # ~70% of peak on A100, ~50% on H100 without FA3); memory_fraction 0.8: what STREAM-like kernels reach.
 _A100_SHAPES = dict(gemm_fraction=0.7, gemm_half_dim=64, attention_fraction=0.7, memory_fraction=0.8)
 _H100_SHAPES = dict(gemm_fraction=0.58, gemm_half_dim=64, attention_fraction=0.5, memory_fraction=0.8)
+# Hopper's kernels as one H200 timed them (docs/benchmarks.md, "One H200, 2026-11-28 (evening)":
+# llama-1b, 4 x 2048 tokens, bf16 compiled; the H100 has the same chip): the step's bf16 GEMM kernels
+# took 62.7 ms where gemm_fraction's curve gives 88.0 (0.58 x 88.0 / 62.7 = 0.81 on that curve), its
+# float8 GEMM kernels 33.7 ms where the curve at peak_flops_fp8 gives 44.0 (0.76); the float8 casts
+# took 32.0 - 8.9 = 23.1 ms of Triton kernels (tensorwise; the float8 step's less the bf16 step's)
+# for the 67.4 GB that run's formulation moved (benchmarks/fp8_previous.py: every GEMM operand
+# quantized from bf16, 2B + 1 bytes an element, twice each of x, W and dY): 67.4e9 / 23.1e-3 s =
+# 2.92 TB/s, 0.61 of 4.8 TB/s. (Its rowwise casts took 33.7 ms for the same bytes, 16.1 of them in
+# one reduction over a strided dimension, which the current formulation no longer makes: not a
+# bandwidth figure.) plan/gemm.py has the byte counts.
+_HOPPER_KERNELS = dict(gemm_kernel_fraction=0.81, gemm_kernel_fraction_fp8=0.76, cast_fraction=0.61)
 # One rank's single-threaded fp32 GEMMs on the CI machine (bench --calibrate, 2026-11-23: 94 GFLOP/s at
 # 1024^3 = 0.6 of the preset's peak, the curve's half dimension 8) and its dispatch cost per kernel.
 _CPU_SHAPES = dict(gemm_fraction=0.6, gemm_half_dim=8, op_overhead_s=2.2e-6)
@@ -144,12 +163,13 @@ PRESETS: dict[str, HardwareProfile] = {
     "a100-80g": HardwareProfile("a100-80g", 312e12, 19.5e12, 0.65, 81920 * MIB, hbm_bandwidth=2.039e12,
                                 source=_A100_SOURCE, **_NVIDIA_RESERVE, **_A100_LINKS, **_A100_SHAPES),
     "h100-80g": HardwareProfile("h100-80g", 989e12, 67e12, 0.55, 81559 * MIB, hbm_bandwidth=3.35e12,
-                                peak_flops_fp8=1979e12, source=_H100_SOURCE, **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
+                                peak_flops_fp8=1979e12, source=_H100_SOURCE, **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES,
+                                **_HOPPER_KERNELS),
     "h200-141g": HardwareProfile("h200-141g", 989e12, 67e12, 0.55, 143771 * MIB, hbm_bandwidth=4.8e12,
                                  peak_flops_fp8=1979e12,  # H200 datasheet: 3,958 TFLOP/s fp8 with sparsity
                                  source=_H100_SOURCE.replace("3.35 TB/s HBM3", "4.8 TB/s HBM3e, 141 GB")
                                  .replace("H100 SXM datasheet", "H200 SXM datasheet"),
-                                 **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES),
+                                 **_NVIDIA_RESERVE, **_H100_LINKS, **_H100_SHAPES, **_HOPPER_KERNELS),
     # The CI machine of notes-cpu-distributed.md: 2 cores, Gloo over loopback. bf16 matmuls have no
     # fast kernel there (a 1024^3 product takes 2.4 s), hence the low bf16 peak. Calibrate your own.
     "cpu": HardwareProfile("cpu", 2e9, 1.6e11, 0.6, 24 * GIB, reserved_bytes=GIB // 2, fragmentation=0.0, device="cpu",

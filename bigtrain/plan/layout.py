@@ -71,6 +71,9 @@ class Layout:
     # checkpoint.async: a save snapshots the states the rank writes into host memory, held while the
     # write overlaps training (tiers.checkpoint_snapshot_bytes); the run's to choose, not the search's
     checkpoint_async: bool = False
+    # optim.grad_clip > 0: the step may scale every gradient by the clip factor (plan/dp_cost.py); the
+    # run's to choose, not the search's
+    grad_clip: bool = True
 
     @property
     def gpus(self) -> int:
@@ -157,6 +160,8 @@ class Layout:
             parts.append("delayed_update")
         if self.checkpoint_async:
             parts.append("checkpoint_async")
+        if not self.grad_clip:
+            parts.append("grad_clip=off")
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -230,10 +235,11 @@ _ALIASES = {"mb": "micro_batch", "micro-batch": "micro_batch", "checkpointing": 
             "optimizer_offload": "offload_optimizer", "params_offload": "offload_params",
             "masters_offload": "offload_masters", "compile": "compiled"}
 _BOOL_KEYS = ("tp_sp", "offload", "fused_loss", "delayed_update", "compiled", "reshard_after_forward", "prefetch",
-              "checkpoint_async")
+              "checkpoint_async", "grad_clip")
 LAYOUT_KEYS = _INT_KEYS + ("schedule", "recompute", "tp_sp", "precision", "offload", "compression", "fused_loss",
                            "offload_optimizer", "offload_params", "offload_masters", "delayed_update", "fp8",
-                           "cp_mode", "compiled", "reshard_after_forward", "prefetch", "checkpoint_async")
+                           "cp_mode", "compiled", "reshard_after_forward", "prefetch", "checkpoint_async",
+                           "grad_clip")
 OFFLOAD_TIERS = {"offload_optimizer": ("none", "cpu", "nvme"), "offload_params": ("none", "cpu", "nvme"),
                  "offload_masters": ("auto", "cpu")}
 

@@ -28,8 +28,8 @@ runtime allocates besides (named so tests can compare those they can measure):
     checkpoint_snapshot  checkpoint.async on a CPU device: the save's copy of the states the rank writes
                          (:func:`checkpoint_snapshot_bytes`; on a GPU it is host memory, in ``host``)
     fused_loss_chunk     the fused loss's one chunk of fp32 logits and exponentials (model.fused_loss)
-    fp8_operands         precision.fp8: the largest float8 linear's operand copies during one GEMM
-                         (:func:`float8_operand_bytes`); its saved activations are unchanged
+    fp8_operands         precision.fp8: the largest float8 linear's operand codes during one GEMM
+                         (:func:`float8_operand_bytes`); its saved activations: plan/activations.py
 
 Offload (``offload.optimizer`` cpu | nvme, ``offload.params`` cpu | nvme) keeps model states on the
 host and in files as the runtime's GPU path does, byte for byte (:mod:`bigtrain.plan.tiers`): the
@@ -59,7 +59,7 @@ from bigtrain.parallel.zero.lazy_grads import applies as frees_grads_between_ste
 from bigtrain.plan.activations import (block_activations, checkpointed_block_indices, fused_chunk_bytes,
                                        head_activations)
 from bigtrain.plan.expert_load import expert_load
-from bigtrain.plan.gemm import linear_shapes
+from bigtrain.plan.gemm import compiles_block, linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
 from bigtrain.plan.layout import BYTES, Layout
 from bigtrain.plan.memo import by_layout_fields, cached
@@ -150,7 +150,7 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[tuple
     head's, the largest block's)."""
     return _chunks(model, pp_rank, layout.pp, layout.v, layout.recompute, layout.every, layout.precision,
                    layout.compression, layout.compiled, layout.ep, layout.fused_loss, layout.micro_batch,
-                   layout.seq_shards, layout.tp, layout.tp_sp, layout.head_exchange, layout.split)
+                   layout.seq_shards, layout.tp, layout.tp_sp, layout.head_exchange, layout.split, layout.fp8)
 
 
 # Keyed on the layout's fields the saved activations read, so that the layouts of a search that
@@ -158,7 +158,8 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[tuple
 @cached()
 def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, every: int, precision: str,
             compression: str, compiled: bool, ep: int, fused_loss: bool, samples: int, seq_shards: int, tp: int,
-            tp_sp: bool, head_exchange: int, split: tuple[int, ...] = ()) -> tuple[tuple[float, float, float], ...]:
+            tp_sp: bool, head_exchange: int, split: tuple[int, ...] = (), fp8: str = "none"
+            ) -> tuple[tuple[float, float, float], ...]:
     stages = pp * v
     blocks = stage_blocks(model.layers, stages, split)
     checkpointed = checkpointed_block_indices(model.layers, recompute, every)
@@ -167,7 +168,7 @@ def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, eve
     # checkpoints, or a stage's, are mostly of one kind; every=2 with moe_every=2 keeps the MoE ones)
     rows = expert_load(model, ep, seq_shards).priced if model.experts else 0.0  # an MoE block's experts' rows
     kinds = {kind: block_activations(spec, precision, recompute, compression, compiled=compiled, ep=ep,
-                                     routed_rows=rows)
+                                     routed_rows=rows, fp8=fp8)
              for kind, spec in _block_kinds(model).items()}
     head = head_activations(model, precision, compression, fused_loss, compiled)
     seq = model.seq // seq_shards
@@ -311,15 +312,19 @@ def _reduced_sums(key: tuple, sizes: tuple[tuple[str, int], ...], groups: tuple[
 
 def float8_operand_bytes(model: ModelSpec, layout: Layout) -> int:
     """What one float8 linear (bigtrain/fp8) allocates during its largest GEMM, the worst linear of a
-    block: forward x and W in float8 (M K + N K bytes); dX = dY W: dY in float8, W^T copied in the
-    compute dtype and cast (M N + (B + 1) N K); dW = dY^T x: dY^T and x^T copied and cast
-    ((B + 1)(M N + M K)). Freed after the GEMM. The linears keep for backward what F.linear keeps (the
-    input and the weight in the compute dtype), so the saved activations are those of bf16."""
+    block. Forward: x's and W's codes (M K + N K bytes). dX = dY W: dY's codes, and W's in its own
+    layout and transposed (M N + 2 N K). dW = dY^T x: dY's and x's codes, each in its own layout and
+    transposed (2 (M N + M K)); only float8 codes are transposed (scaling.quantize_transposed). Eager,
+    the quantization's division holds a compute-dtype copy of the operand besides (B x the largest
+    operand); a compiled graph casts in the kernel that divides. Freed after the GEMM. The saved
+    activations are plan/activations.py's (``_float8_items``)."""
     b, tokens = BYTES[layout.precision], layout.micro_batch * model.seq / layout.seq_shards
     kinds = [moe for moe, present in ((False, model.layers > model.moe_layers), (True, model.moe_layers > 0))
              if present]  # dense blocks, MoE blocks
     shapes = [(n, k) for moe in kinds for _, n, k, _, float8 in linear_shapes(model, layout, tokens, moe) if float8]
-    per_gemm = [max(tokens * k + n * k, tokens * n + (b + 1) * n * k, (b + 1) * tokens * (n + k)) for n, k in shapes]
+    eager = 0 if compiles_block(model, layout) else b
+    per_gemm = [max(tokens * k + n * k, tokens * n + 2 * n * k, 2 * tokens * (n + k)) + eager * max(tokens * k, n * k,
+                tokens * n) for n, k in shapes]
     return math.ceil(max(per_gemm, default=0))
 
 
@@ -454,7 +459,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile,
     ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer, block, held_bytes(r))
              for r in checked_pp_ranks(layout.pp, layout.split)]
     worst = max(ranks, key=lambda m: m.total)
-    acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled)
+    acts = block_activations(model, layout.precision, layout.recompute, layout.compression, compiled=layout.compiled,
+                             fp8=layout.fp8)
     worst.detail.update({"activation_c1": round(acts.c1, 4), "activation_c2": round(acts.c2, 4)})
     if model.experts and model.moe_layers:  # what the activations assume of the routing (expert_load.py)
         load = expert_load(model, layout.ep, layout.seq_shards)

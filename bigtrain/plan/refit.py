@@ -52,7 +52,7 @@ def _search(cfg: Config, ranks: int, memory_bytes: int, cuda: bool):
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
              "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
              "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, "cuda" if cuda else "cpu"),
-             "checkpoint_async": getattr(cfg.checkpoint, "async")}
+             "checkpoint_async": getattr(cfg.checkpoint, "async"), "grad_clip": cfg.optim.grad_clip > 0}
     try:
         return search(model, Cluster.build(ranks, hardware), cfg.train.global_batch, fixed=fixed,
                       precision=cfg.precision.mode, retime=0, optimizer=cfg.optim.name,

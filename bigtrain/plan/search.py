@@ -148,7 +148,8 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                                 dp_replicate=dp_replicate, compiled=fixed.get("compiled", False),
                                 reshard_after_forward=fixed.get("reshard_after_forward", True),
                                 prefetch=fixed.get("prefetch", True), split=split,
-                                checkpoint_async=fixed.get("checkpoint_async", False))
+                                checkpoint_async=fixed.get("checkpoint_async", False),
+                                grad_clip=fixed.get("grad_clip", True))
                 if layout not in seen:
                     seen.add(layout)
                     yield layout
