@@ -233,8 +233,9 @@ class GradSync:
                     unit.grad_shard.copy_(out)
             elif self.offload is not None and self.offload.grads_in_files:
                 self.offload.fold_grad(unit, out)
+            elif self._lazy.regrow(unit):  # released since the last step: this is its first fold
+                unit.grad_shard.copy_(out)
             else:
-                self._lazy.ensure(unit)
                 unit.grad_shard.add_(out)
         self._pending = keep
 

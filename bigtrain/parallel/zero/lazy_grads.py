@@ -8,8 +8,8 @@ after each step (``zero_grad(set_to_none=True)``) and regrows it in backward; so
 dropping the tensor: after the step the buffer's storage is resized to zero bytes, and it is
 resized back when the unit's first gradient of the next step arrives (stages 0-1: each parameter's
 first gradient of the step is copied into its slot, and only the gaps between slots are zeroed,
-:meth:`LazyGrads.grow`; stage 2: zeroed, then the first reduced shard folded in, in
-``finish_grad_sync``). Resizing the storage keeps every view of it valid (the per-parameter
+:meth:`LazyGrads.grow`; stage 2: the step's first reduced shard is copied in, the later ones
+added, :meth:`LazyGrads.regrow`). Resizing the storage keeps every view of it valid (the per-parameter
 ``grad_views``, the ``grad_shard`` of stages 0-1, the optimizer's ``view.grad`` pieces), as
 ZeRO-3's gathered parameter buffers do (:meth:`FlatUnit.free_full`).
 
@@ -62,6 +62,9 @@ class KeptGrads:
     def ensure(self, unit: FlatUnit) -> bool:
         return False
 
+    def regrow(self, unit: FlatUnit) -> bool:
+        return False
+
     def ensure_all(self) -> None:
         pass
 
@@ -97,7 +100,7 @@ class LazyGrads:
         zeroed by :meth:`ensure` if none comes. Zeroing the whole buffer and adding the first
         gradient into it read and wrote every element once more than the copy (on a GPU, a memset
         and an fp32 add over every parameter each step); 0 + g is g, so the sums are the same.
-        (Stage 2 regrows with :meth:`ensure`: its first reduced shard is folded into zeros.)"""
+        (Stage 2 regrows with :meth:`regrow`, its whole shard at once.)"""
         buf = self.buffer(unit)
         storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
         if storage.nbytes() >= nbytes:
@@ -119,6 +122,17 @@ class LazyGrads:
         if unwritten is None or id(param) not in unwritten:
             return False
         unwritten.discard(id(param))
+        return True
+
+    def regrow(self, unit: FlatUnit) -> bool:
+        """Stage 2, as a reduced shard is folded in: the buffer in memory again, whether it was
+        released; if it was, its bytes are stale and the caller copies the whole shard over them
+        (the step's first fold: a copy, where zeros and an add read and wrote the shard once more)."""
+        buf = self.buffer(unit)
+        storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
+        if storage.nbytes() >= nbytes:
+            return False
+        storage.resize_(nbytes)
         return True
 
     def ensure(self, unit: FlatUnit) -> bool:
