@@ -262,9 +262,6 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
                 measured += [Finding("replayed", what, error, detail=detail) for what, error, detail
                              in replayed_step(before, grads, state, reference.learning_rate(step), cfg.optim)]
                 replayed = stepped_parameters(before, grads, weights, aliases)
-            worst_before = dict(report.worst)
-            for m in measured:
-                report.worst[m.kind] = max(report.worst.get(m.kind, 0.0), m.error)
             # Before any update (a fresh run's first step) the weights are the reference's; after
             # it, where single tensors may drift, the norm is held to its own gradients' difference,
             # unless the reference recomputes it at the layout's own weights (then 1e-5 holds).
@@ -287,18 +284,21 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
                 findings, explained = updates_explained(findings, replayed, compared)
                 report.within_rounding += [replace(f, detail="the replayed update of a gradient within its bound")
                                            for f in explained]
+            boundary = None
             if any(tol.decides(m.kind) for m in findings):
                 boundary = overflow_boundary(cfg, result.skipped, ref.skipped, grads, ref.grads, aliases, findings)
                 report.first_step, report.findings = step, findings
                 if boundary is None:
                     report.agree = False
-                else:  # no divergence, and nothing after it to compare: its largest differences are
-                    # of the steps before and of what the step agreed on (its loss, outputs, replay)
-                    report.boundary, report.worst = boundary, worst_before
-                    for m in measured:
-                        if m.kind in ("loss", "forward", "replayed") or (m.kind == "gradient" and math.isfinite(m.error)):
-                            report.worst[m.kind] = max(report.worst.get(m.kind, 0.0), m.error)
+                else:  # no divergence, and nothing after it to compare
+                    report.boundary = boundary
                 verdict.fill_(1)
+            # The largest differences; at fp16's boundary only of what the step agreed on (its loss,
+            # outputs, replay and finite gradients), not of the update one run made and the other not.
+            for m in measured:
+                if boundary is None or m.kind in ("loss", "forward", "replayed") or (
+                        m.kind == "gradient" and math.isfinite(m.error)):
+                    report.worst[m.kind] = max(report.worst.get(m.kind, 0.0), m.error)
         world.all_reduce(verdict, tag="check")  # every rank stops at the first divergence
         if verdict.item():  # the host waits for the verdict (on NCCL the all-reduce does not block it)
             return report

@@ -101,11 +101,9 @@ class LazyGrads:
         gradient into it read and wrote every element once more than the copy (on a GPU, a memset
         and an fp32 add over every parameter each step); 0 + g is g, so the sums are the same.
         (Stage 2 regrows with :meth:`regrow`, its whole shard at once.)"""
-        buf = self.buffer(unit)
-        storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
-        if storage.nbytes() >= nbytes:
+        if not self.regrow(unit):
             return
-        storage.resize_(nbytes)
+        buf = self.buffer(unit)
         end = 0
         for slot in sorted(unit.slots, key=lambda s: s.offset):
             if slot.offset > end:
@@ -125,9 +123,9 @@ class LazyGrads:
         return True
 
     def regrow(self, unit: FlatUnit) -> bool:
-        """Stage 2, as a reduced shard is folded in: the buffer in memory again, whether it was
-        released; if it was, its bytes are stale and the caller copies the whole shard over them
-        (the step's first fold: a copy, where zeros and an add read and wrote the shard once more)."""
+        """The buffer in memory again, whether it was released; if it was, its bytes are stale and
+        the caller writes them (stage 2, as a reduced shard is folded in: the step's first fold is a
+        copy, where zeros and an add read and wrote the shard once more; :meth:`grow`, :meth:`ensure`)."""
         buf = self.buffer(unit)
         storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
         if storage.nbytes() >= nbytes:
@@ -143,12 +141,9 @@ class LazyGrads:
             views = {id(p): view for p, view in zip(unit.params, unit.grad_views)}
             for pid in unwritten:
                 views[pid].zero_()
-        buf = self.buffer(unit)
-        storage, nbytes = buf.untyped_storage(), buf.numel() * buf.element_size()
-        if storage.nbytes() >= nbytes:
+        if not self.regrow(unit):
             return False
-        storage.resize_(nbytes)
-        buf.zero_()
+        self.buffer(unit).zero_()
         return True
 
     def ensure_all(self) -> None:
