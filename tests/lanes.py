@@ -14,12 +14,18 @@ what the tests cost:
   of the long tests wait (launchers, timeouts, a frozen rank) while the other shard computes.
 - ``--record-durations`` writes this run's seconds into the file (merged under a lock, so that
   shards can record together); run it after adding slow tests: ``scripts/test.sh --record-durations``.
+- ``--record-cpu PATH`` appends one JSON line a test to PATH: its wall seconds and the CPU seconds and
+  minor page faults of the test process and of the children it reaped (forked ranks, fresh
+  interpreters, inductor's g++), for finding where the suite's CPU goes (docs/benchmarks.md, "The
+  test suite's CPU, by kind"): ``scripts/test.sh --record-cpu /tmp/cpu.jsonl``.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import resource
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,6 +41,8 @@ def add_options(parser) -> None:
                      help="run the I-th of N shards of the selected tests (whole files, balanced by tests/durations.json)")
     parser.addoption("--record-durations", action="store_true",
                      help="merge each test's seconds into tests/durations.json")
+    parser.addoption("--record-cpu", default="", metavar="PATH",
+                     help="append each test's wall and CPU seconds and page faults (its own and its children's) to PATH")
 
 
 def recorded() -> dict[str, float]:
@@ -49,6 +57,8 @@ def register(config) -> None:
     config.pluginmanager.register(Shards(), "bigtrain-shards")
     if config.getoption("--record-durations"):
         config.pluginmanager.register(DurationRecorder(), "bigtrain-durations")
+    if config.getoption("--record-cpu"):
+        config.pluginmanager.register(CpuRecorder(config.getoption("--record-cpu")), "bigtrain-cpu")
 
 
 class SlowMarker:
@@ -131,3 +141,26 @@ class DurationRecorder:
             fcntl.flock(lock, fcntl.LOCK_EX)
             merged = {**recorded(), **{k: round(v, 3) for k, v in self.seconds.items()}}
             DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
+
+
+class CpuRecorder:
+    """Each test's wall seconds, CPU seconds and minor page faults (this process, and the children it
+    reaped during the test), one JSON line a test appended to ``path`` (shards append side by side)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @staticmethod
+    def _now() -> dict[str, float]:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return {"wall": time.monotonic(), "self": own.ru_utime + own.ru_stime, "kids": kids.ru_utime + kids.ru_stime,
+                "faults_self": own.ru_minflt, "faults_kids": kids.ru_minflt}
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        before = self._now()
+        yield
+        after = self._now()
+        line = {"id": item.nodeid, **{k: round(after[k] - before[k], 3) for k in before}}
+        with open(self.path, "a") as out:
+            out.write(json.dumps(line) + "\n")
