@@ -393,6 +393,21 @@ def test_sampler_over_uint16_tokens_keeps_values_above_255(tmp_path):
 # --------------------------------------------------------------------------- the stdlib corpus
 
 
+def test_the_stdlib_walk_leaves_out_site_packages_and_the_test_suite_below_the_library_only(tmp_path,
+                                                                                            monkeypatch):
+    """Folders named site-packages or test inside the library are not walked; the folders above it
+    do not count (a Python installed under /home/test kept no file before)."""
+    import bigtrain.data.corpus as corpus
+
+    root = tmp_path / "test" / "lib" / "python3.11"  # the install itself under a folder named test
+    for name in ("os.py", "json/decoder.py", "site-packages/torch/nn.py", "test/test_os.py",
+                 "json/tests/test_json.py", "lib2to3/fixer.txt"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x = 1\n")
+    monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    assert stdlib_files() == [root / "json" / "decoder.py", root / "json" / "tests" / "test_json.py", root / "os.py"]
+
+
 def test_stdlib_corpus_is_the_standard_library_bytes(tmp_path):
     tokens = load_tokens("stdlib", cache_dir=str(tmp_path), max_bytes=200_000)
     assert tokens.dtype == np.uint8
