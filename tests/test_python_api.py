@@ -31,15 +31,27 @@ def test_the_commands_that_build_no_model_import_no_torch():
     """`bigtrain presets`, `fields` and `config` (of the decoder) paid about 2 s of CPU importing torch
     (the families' model modules, the data and checkpoint packages, the planner's parser); the
     suite and the README's shells start them often. The families are imported when a config names
-    one, and their models when one is built."""
+    one, and their models when one is built. So did `bigtrain --help` and a bare `bigtrain` (3.3 s
+    against 0.33), which list the commands by name and help line."""
     code = ("import contextlib, io, sys; from bigtrain.cli import main\n"
             "for argv in (['presets'], ['fields'], ['config', '--preset', 'small', '--parallel.dp=2']):\n"
             "    with contextlib.redirect_stdout(io.StringIO()) as out: assert main(argv) == 0, argv\n"
             "    assert out.getvalue(), argv\n"
+            "for argv, code in ((['--help'], 0), (['-h'], 0), ([], 2)):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "        try: main(argv)\n"
+            "        except SystemExit as e: assert e.code == code, (argv, e.code)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "[]\n", done.stdout
+
+
+def test_the_top_level_help_is_the_full_parsers():
+    """The light parser of `bigtrain --help` lists every command with the help line the full one has."""
+    from bigtrain.cli import _parser
+
+    assert _parser("--help").format_help() == _parser(None).format_help() == _parser("train").format_help()
 
 
 def test_a_scripts_trainer_validates_its_config_naming_each_field(tmp_path):
