@@ -36,12 +36,13 @@ MAX_RESTARTS_MAX = 10_000  # --max-restarts: a bound that still reads as a numbe
 # help (`bigtrain --help`, or no command at all), which lists each command's name and help line only:
 # a new user's first command took 3.3 s here, 2.9 of them importing torch for the planner's parser.
 LIGHT_COMMANDS = ("presets", "fields", "config")
-TOP_LEVEL_HELP = (None, "-h", "--help")
+TOP_LEVEL_HELP = ("", "-h", "--help")  # "": no command given
 
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The command line's parser; ``command``: the command about to run (its first word), which
-    decides whether plan and bench get their arguments (any other command's parser has them all)."""
+    """The command line's parser; ``command``: the command about to run (its first word, ``""`` when
+    none is given), which decides whether plan and bench get their arguments (None, the default, and
+    any command but the light ones and the top-level help get them all)."""
     parser = argparse.ArgumentParser(prog="bigtrain", description="Train models that do not fit on one accelerator.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model (overrides: --section.key=value)"),
@@ -405,7 +406,7 @@ def _drop_stdout() -> None:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = _parser(argv[0] if argv else None)
+    parser = _parser(argv[0] if argv else "")
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     if wrong := suggest_command(argv, list(commands)):
         print(wrong, file=sys.stderr)

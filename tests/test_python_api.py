@@ -51,7 +51,7 @@ def test_the_top_level_help_is_the_full_parsers():
     """The light parser of `bigtrain --help` lists every command with the help line the full one has."""
     from bigtrain.cli import _parser
 
-    assert _parser("--help").format_help() == _parser(None).format_help() == _parser("train").format_help()
+    assert _parser("--help").format_help() == _parser("").format_help() == _parser().format_help()
 
 
 def test_a_scripts_trainer_validates_its_config_naming_each_field(tmp_path):
