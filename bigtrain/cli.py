@@ -76,7 +76,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     from bigtrain.check.cli import add_check_parser
 
     add_check_parser(sub)
-    if command in LIGHT_COMMANDS + TOP_LEVEL_HELP:  # plan and bench by name and help line only: their module imports torch
+    # plan and bench by name and help line only: their module imports torch
+    if command in LIGHT_COMMANDS + TOP_LEVEL_HELP:
         sub.add_parser("plan", help=PLAN_HELP)
         sub.add_parser("bench", help=BENCH_HELP)
     else:
