@@ -98,7 +98,9 @@ def _suggest(name: str, choices: list[str]) -> str:
 OTHER_TOOLS_NAMES: dict[str, str] = {
     "learning_rate": "optim.lr", "lr": "optim.lr", "max_lr": "optim.lr", "warmup": "optim.warmup_steps",
     "warmup_iters": "optim.warmup_steps", "max_grad_norm": "optim.grad_clip", "clip_grad": "optim.grad_clip",
-    "gradient_clipping": "optim.grad_clip", "optimizer": "optim.name",
+    "gradient_clipping": "optim.grad_clip", "optimizer": "optim.name", "lr_scheduler_type": "optim.schedule",
+    "lr_scheduler": "optim.schedule", "lr_decay_style": "optim.schedule", "decay_ratio": "optim.decay_fraction",
+    "min_lr_rate": "optim.min_lr_ratio",
     "max_steps": "train.steps", "train_iters": "train.steps", "max_iters": "train.steps", "num_steps": "train.steps",
     "batch_size": "'train.global_batch' (sequences a step) or 'train.micro_batch'", "global_batch_size": "train.global_batch",
     "train_batch_size": "train.global_batch", "micro_batch_size": "train.micro_batch",

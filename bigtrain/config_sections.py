@@ -255,7 +255,13 @@ class OptimConfig:
                     "use a 3-10x smaller lr, beta2 0.99). Others plug in through "
                     "bigtrain.optim.register_optimizer; the tests register 'sgd_momentum'.", "adamw")
     lr: float = doc("Peak learning rate (before linear scaling, if enabled).", 3e-3)
-    min_lr_ratio: float = doc("Cosine floor as a fraction of the peak.", 0.1)
+    schedule: str = doc("The learning rate after the warm-up: 'cosine' (a cosine from the peak down to the floor, "
+                        "reached at train.steps), 'linear' (a straight line down to it), 'wsd' (warm-up, stable, "
+                        "decay: the peak until the last optim.decay_fraction of the steps, then a straight line down "
+                        "to the floor; a run extended on resume keeps its stable part) or 'constant' (the peak).",
+                        "cosine")
+    min_lr_ratio: float = doc("The floor the schedule decays to, as a fraction of the peak.", 0.1)
+    decay_fraction: float = doc("schedule = 'wsd': the fraction of train.steps at the end that decays.", 0.2)
     warmup_steps: int = doc("Linear warm-up steps.", 20)
     weight_decay: float = doc("Weight decay on matrices, not on norms or vectors (AdamW: decoupled; "
                               "'sgd_momentum': L2, added to the gradient).", 0.1)
@@ -392,6 +398,14 @@ class LoggingConfig:
     tensorboard: bool = doc("Also write each logged step's loss, held-out loss, learning rate, gradient norm, "
                             "tokens/s and memory as TensorBoard event files in RUN_DIR/tensorboard (torch's "
                             "SummaryWriter; needs `pip install tensorboard`, else a warning and no files).", False)
+    profile_steps: str = doc("Trace these steps with torch.profiler, 'A-B' or 'A' (counted from 1, as the console "
+                             "counts; e.g. '5-6', after the warm-up): each rank writes a Chrome trace of its "
+                             "operators, kernels, collectives and the trainer's phases to "
+                             "RUN_DIR/profile/rank{R}_steps{A}-{B}.json (open in https://ui.perfetto.dev). "
+                             "'': no trace.", "")
+    profile_memory: bool = doc("With profile_steps: record allocations in the trace too, and on a GPU dump the "
+                               "caching allocator's history of those steps to RUN_DIR/profile/rank{R}_memory.pickle "
+                               "(https://pytorch.org/memory_viz).", False)
 
 
 @dataclass

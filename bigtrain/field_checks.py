@@ -66,3 +66,28 @@ def writable_dir(field: str, path: str) -> list[str]:
                 f"directory (a fast NVMe disk)"]
     return []
 
+
+
+def step_window(text: str) -> tuple[int, int] | None:
+    """'A-B' or 'A' -> the steps (A, B), inclusive, counted from 1 as the console counts them; '' ->
+    None. ValueError on anything else."""
+    text = text.strip()
+    if not text:
+        return None
+    first, _, last = text.partition("-")
+    a, b = int(first), int(last) if last else int(first)
+    if a < 1 or b < a:
+        raise ValueError(text)
+    return a, b
+
+
+def step_window_problems(dotted: str, text: str, steps: int) -> list[str]:
+    """What is wrong with a window of steps (:func:`step_window`) for a run of ``steps`` steps."""
+    try:
+        window = step_window(text)
+    except ValueError:
+        return [f"{dotted} = '{text}': give the steps as 'A-B' or 'A', counted from 1 as the console counts "
+                f"them, e.g. '5-6' (not the first: it compiles and warms up)"]
+    if window is not None and window[1] > steps:
+        return [f"{dotted} = '{text}' goes past train.steps = {steps}: give steps up to {steps}"]
+    return []

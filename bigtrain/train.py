@@ -36,6 +36,7 @@ from bigtrain.parallel.pipeline.draw import draw_timeline
 from bigtrain.parallel.pipeline.executor import align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
 from bigtrain.preemption import Preempted, SignalWatch
+from bigtrain.profiling import StepProfiler
 from bigtrain.run_dir import RunDirWriteError, ensure_run_id, forget_stop, read_run_id, record_stop, write_atomic
 from bigtrain.run_segments import open_segment, read_segments, totals, update_segment
 from bigtrain.train_step import StepResult, StepRunner
@@ -94,10 +95,14 @@ class Trainer(StepRunner):
         bad = BadSteps(cfg.train.max_bad_steps, scaler.min_scale if scaler is not None else None)
         deferred = self.start_deferred_updates()
         timed = SaveInterval(cfg.checkpoint.every_minutes, self.mesh.comm("world"), self.device)
+        profiler = StepProfiler(cfg.logging.profile_steps, self.run_dir, self.mesh.rank, self.mesh.world_size,
+                                self.device, cfg.logging.profile_memory)
         try:
             with SignalWatch(self.mesh.comm("world")) as signals:
                 while self.step < cfg.train.steps:
-                    self._run_step(log, bad)
+                    with profiler.step(self.step + 1):
+                        self._run_step(log, bad)
+                    profiler.stepped(self.step)
                     saved = False
                     by_steps = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
                     # A timed save between local SGD's averages waits for the next one (checkpoint.every
@@ -116,6 +121,7 @@ class Trainer(StepRunner):
                 self._record_landed(self.flush_update(), log, bad)  # the last step's update
                 signals.settle()
         finally:
+            profiler.close()  # a run that ended inside the window writes what it traced
             log.close()
             self._note_segment()  # however the loop ended (a stop, a failure): the steps it got to
         if (ended := bad.ended_on_bad_steps()) is not None:  # whatever their number: exit 3, no final save

@@ -33,6 +33,7 @@ from bigtrain.parallel.zero.delayed import abandon
 from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
 from bigtrain.parallel.build import ParallelModel, parallelize
 from bigtrain.parallel.compile import compile_clock
+from bigtrain.profiling import phase
 
 MEM_KEYS = ("params", "grads", "optimizer", "activations")
 OFFLOAD_MEM_KEYS = ("host", "nvme")  # with offload: bytes its tiers hold (not part of the device's total)
@@ -245,11 +246,13 @@ class StepRunner:
         local = getattr(self.engine, "averaging", None) is not None
         self.counted_targets = max(1, sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)) if local else global_targets
         computing = time.perf_counter()
-        if self.executor is not None:
-            loss_sum, activations = self._micro_batches_through_pipeline(batches, measure)
-        else:
-            loss_sum, activations = self._micro_batches_in_turn(batches, measure)
-        self.parallel.finish_grad_sync()
+        with phase("forward and backward"):
+            if self.executor is not None:
+                loss_sum, activations = self._micro_batches_through_pipeline(batches, measure)
+            else:
+                loss_sum, activations = self._micro_batches_in_turn(batches, measure)
+        with phase("gradient reduction"):
+            self.parallel.finish_grad_sync()
         if self.device.type == "cuda" and getattr(self.engine, "offload", None) is not None:
             torch.cuda.current_stream(self.device).synchronize()  # the overlap timeline's end: the device's
         computed = time.perf_counter()
@@ -259,7 +262,8 @@ class StepRunner:
         # rank, through the overflow flag the gradient norm's reduction carries (the NaN policy).
         self.parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
         veto = (~torch.isfinite(loss_sum)).float()
-        grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip, skip=veto)  # host sync 1: norm, skip
+        with phase("optimizer step"):
+            grad_norm, skipped = self.engine.step(lr, cfg.optim.grad_clip, skip=veto)  # host sync 1: norm, skip
         if self.deferred is not None:  # the executor keeps versions when told: these weights are the next
             self.executor.keep_version(self.executor.runs)
         # The replicas' loads summed; a skipped step leaves the routers' biases as they were.

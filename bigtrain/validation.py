@@ -14,7 +14,7 @@ from bigtrain.async_checks import check_async  # imports no torch
 from bigtrain.config import Config, ConfigError
 from bigtrain.context_checks import check_context_parallel, divisor_near as _divisor_near, head_split_problems  # imports no torch
 from bigtrain.embedding_checks import check_embedding  # imports no torch
-from bigtrain.field_checks import non_negative, one_of, path_exists, positive
+from bigtrain.field_checks import non_negative, one_of, path_exists, positive, step_window_problems
 from bigtrain.hsdp_checks import check_hybrid_sharding  # imports no torch
 from bigtrain.data.fields import data_field_problems
 from bigtrain.families import family_names, import_family_module, registered_family
@@ -22,6 +22,7 @@ from bigtrain.families.own import own_family_problems
 from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
 from bigtrain.offload_checks import check_offload  # imports no torch
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
+from bigtrain.optim.schedule import SCHEDULES  # imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
 MINUTES_MAX = 1e7  # checkpoint.every_minutes: 19 years; a larger one only risks overflowing the step count
@@ -224,6 +225,10 @@ def check_optim(cfg: Config) -> list[str]:
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
     problems += one_of("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
+    problems += one_of("optim.schedule", o.schedule, SCHEDULES)
+    if not 0.0 < o.decay_fraction <= 1.0:
+        problems.append(f"optim.decay_fraction = {o.decay_fraction}: must be in (0, 1], the fraction of train.steps "
+                        f"that schedule = 'wsd' decays over, e.g. 0.2")
     problems += one_of("optim.name", o.name, optimizer_names())
     problems += positive(cfg, ["optim.block_size", "optim.adafactor_clip", "optim.adafactor_eps"])
     if not -1.0 <= o.adafactor_decay <= 0.0:
@@ -295,6 +300,7 @@ def check_runtime(cfg: Config) -> list[str]:
         problems.append(f"checkpoint.every_minutes = {cfg.checkpoint.every_minutes:g}: at most {MINUTES_MAX:g} "
                         f"(19 years); use 0 for no time-based checkpoints")
     problems += one_of("train.device", cfg.train.device, DEVICES)
+    problems += step_window_problems("logging.profile_steps", cfg.logging.profile_steps, cfg.train.steps)
     resume = cfg.checkpoint.resume
     if resume not in ("none", "auto") and not path_exists(resume, expand=False):
         problems.append(f"checkpoint.resume = '{resume}': no such checkpoint; use 'auto', 'none' or an existing path")

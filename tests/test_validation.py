@@ -104,6 +104,8 @@ CASES = [
     ("beta1-one", ["--optim.beta1=1.0"], "optim.beta1"),
     ("min-lr-ratio-two", ["--optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
     ("lr-scaling-quadratic", ["--optim.lr_scaling=quadratic"], "optim.lr_scaling"),
+    ("schedule-step", ["--optim.schedule=step"], "optim.schedule"),
+    ("decay-fraction-zero", ["--optim.schedule=wsd", "--optim.decay_fraction=0"], "optim.decay_fraction"),
     ("negative-lr", ["--optim.lr=-0.001"], "optim.lr"),
     ("device-tpu", ["--train.device=tpu"], "train.device"),
     ("data-source-missing", [f"--data.source={MISSING}/corpus.txt"], "data.source"),

@@ -39,6 +39,7 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, float, bool]] = {
     "model.init_std": (0, False, math.inf, False), "parallel.bucket_mb": (0, False, 2**20, True),
     "precision.loss_scale": (0, False, math.inf, False), "precision.scale_backoff": (0, False, 1, False),
     "optim.lr": (0, False, math.inf, False), "optim.min_lr_ratio": (0, True, 1, True),
+    "optim.decay_fraction": (0, False, 1, True),
     "optim.weight_decay": (0, True, math.inf, False), "optim.beta1": (0, True, 1, False),
     "optim.beta2": (0, True, 1, False), "optim.eps": (0, False, math.inf, False),
     "optim.grad_clip": (0, True, math.inf, False), "optim.adafactor_decay": (-1, True, 0, True),
@@ -62,7 +63,7 @@ ENUM_FIELDS: dict[str, tuple[str, ...]] = {
     "parallel.pp_balance": ("layers", "params"), "precision.mode": ("fp32", "bf16", "fp16"),
     "precision.reduce_dtype": ("auto", "fp32"), "memory.checkpointing": ("none", "full", "every", "selective"),
     "memory.activation_compression": ("none", "int8"),
-    "optim.lr_scaling": ("none", "linear"), "optim.name": ("adamw", "adamw8bit", "adafactor", "lion"),  # others register at run time
+    "optim.lr_scaling": ("none", "linear"), "optim.schedule": ("cosine", "linear", "wsd", "constant"), "optim.name": ("adamw", "adamw8bit", "adafactor", "lion"),  # others register at run time
     "train.device": ("auto", "cpu"),  # cuda: only with a GPU
     "model.rope_scaling": ("none", "linear", "yarn"),  # 'llama3' needs model.rope_original_max_len
     "embedding.sharding": ("auto", "table", "row", "column", "data"),  # a DLRM's; refused for any model

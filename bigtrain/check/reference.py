@@ -14,7 +14,7 @@ The recipe it states:
   accumulated in fp32 on the masters (FSDP's ``param_dtype`` + fp32 ``reduce_dtype`` recipe);
   fp16 with a dynamic loss scale that skips overflowing steps;
 - ``torch.nn.utils.clip_grad_norm_``, then ``torch.optim.AdamW`` with decay on matrices only, at the
-  learning rate of linear warm-up then cosine decay to ``min_lr_ratio`` of the peak;
+  learning rate of linear warm-up then ``optim.schedule``'s decay to ``min_lr_ratio`` of the peak;
 - ``optim.name = 'sgd_momentum'`` (the tests' optimizer, plugged into the trainer through
   ``bigtrain.optim.register_optimizer``): ``torch.optim.SGD`` with momentum ``optim.beta1``, no
   dampening, and its L2 weight decay (added to the gradient) on matrices only;

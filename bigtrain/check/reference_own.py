@@ -18,7 +18,7 @@ The recipe it states:
   loss scale that skips overflowing steps (:class:`bigtrain.core.reference_step.ReferenceLossScale`);
 - ``torch.nn.utils.clip_grad_norm_`` over the trainable parameters, then the reference's optimizer
   of ``optim.name`` (``torch.optim.AdamW``, ...: :func:`bigtrain.check.reference.reference_optimizer_of`)
-  with decay on matrices only, at the learning rate of linear warm-up then cosine decay; a
+  with decay on matrices only, at the learning rate of linear warm-up then ``optim.schedule``'s decay; a
   parameter the forward did not reach steps with a zero gradient, as the trainer's flat buffers do.
 
 What it does not state, :meth:`OwnReference.problems` names and ``bigtrain check`` refuses before

@@ -30,14 +30,26 @@ class ReferenceStep:
 
 def reference_learning_rate(cfg, step: int) -> float:
     """Step ``step``'s learning rate as the references compute it, from the config alone: linear
-    warm-up to the (optionally batch-scaled) peak, then a cosine to ``min_lr_ratio`` of it."""
+    warm-up to the (optionally batch-scaled) peak, then ``optim.schedule``: a cosine or a straight
+    line from the peak at the end of the warm-up to ``min_lr_ratio`` of it at the last step; WSD:
+    the peak, then a straight line to the floor over the last ``decay_fraction`` of the steps (not
+    before the warm-up ends); 'constant': the peak."""
     o, t = cfg.optim, cfg.train
     peak = o.lr * t.global_batch / o.base_batch if o.lr_scaling == "linear" else o.lr
     if step < o.warmup_steps:
         return peak * (step + 1) / o.warmup_steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
+    if o.schedule == "constant":
+        return peak
+    first = o.warmup_steps
+    if o.schedule == "wsd":
+        first = max(first, t.steps - round(o.decay_fraction * t.steps))
+        if step < first:
+            return peak
+    progress = min(1.0, (step - first) / max(1, t.steps - first))
     floor = peak * o.min_lr_ratio
-    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if o.schedule == "cosine":
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return peak + (floor - peak) * progress
 
 
 class ReferenceLossScale:

@@ -8,7 +8,7 @@ it (``model(input_ids).logits``; no bigtrain adapter, no meta build, no plan, no
 is the summed cross-entropy over the global batch divided by its counted targets (accumulated over
 micro-batches of ``train.micro_batch`` sequences), the gradient is clipped by
 ``torch.nn.utils.clip_grad_norm_``, and the step is ``torch.optim.AdamW`` (decay on matrices only)
-at linear warm-up then cosine decay to ``optim.min_lr_ratio`` of the peak; a parameter no token
+at linear warm-up then ``optim.schedule``'s decay to ``optim.min_lr_ratio`` of the peak; a parameter no token
 reached this step (an expert of an MoE model) steps with a zero gradient, as it is. AdamW only; fp32, or
 bf16 as the trainer's mixed precision computes it (a bf16 copy of the weights runs forward and
 backward, its gradients summed in fp32 into the fp32 masters the optimizer steps); with
