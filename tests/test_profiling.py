@@ -63,6 +63,19 @@ def test_each_rank_writes_its_own_trace_with_its_collectives(corpus_cache, tmp_p
         assert any("reduce_scatter" in n for n in names), sorted(n for n in names if "gloo" in n or "c10d" in n)
 
 
+def _trace_names_on_rank(rank, world_size, cfg, run_dir):
+    trainer_on_rank(rank, world_size, cfg, run_dir).fit()
+    return _names(Path(run_dir) / "profile" / f"rank{rank}_steps1-1.json")
+
+
+def test_a_pipeline_rank_s_trace_names_each_forward_and_backward_it_ran(corpus_cache, tmp_path):
+    cfg = tiny_config(corpus_cache, "--parallel.pp=2", "--train.micro_batch=4", "--train.steps=1",
+                      "--logging.profile_steps=1")
+    first, last = run_ranks(_trace_names_on_rank, 2, cfg, str(tmp_path))
+    assert {"bigtrain: F0.s0", "bigtrain: F1.s0", "bigtrain: B0.s0", "bigtrain: B1.s0"} <= first
+    assert {"bigtrain: F0.s1", "bigtrain: B1.s1"} <= last and "bigtrain: F0.s0" not in last
+
+
 @pytest.mark.parametrize("text, words", [
     ("3-2", ["logging.profile_steps = '3-2'", "'A-B'", "e.g. '5-6'"]),
     ("0", ["logging.profile_steps = '0'", "counted from 1"]),

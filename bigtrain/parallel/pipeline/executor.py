@@ -175,7 +175,8 @@ class PipelineExecutor:
                 self._post_queued(step)
                 self._await_inputs(step, action)
                 start = time.perf_counter()
-                self._dispatch[action.kind](step, action)
+                with torch.profiler.record_function(f"bigtrain: {action}"):  # named on a trace (logging.profile_steps)
+                    self._dispatch[action.kind](step, action)
                 self.timeline.append((str(action), start, time.perf_counter()))
             else:
                 self._dispatch[action.kind](step, action)
