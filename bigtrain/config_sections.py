@@ -337,6 +337,9 @@ class DataConfig:
                              "separator, say); the loss is the mean over the targets kept. -1: keep all.", -1)
     val_fraction: float = doc("Hold out this fraction of the corpus (its last tokens) for validation: training "
                               "windows never reach into it, whatever the layout. 0: no held-out data.", 0.0)
+    val_source: str = doc("A held-out corpus of its own, for validation instead of a fraction of data.source (a "
+                          "validation split, nanoGPT's val.bin): any form data.source takes, read with the same "
+                          "tokenizer, text field and data.max_bytes. '': none (data.val_fraction, if set).", "")
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The validation loss (``train.eval_every``): the mean next-token loss over the held-out windows of
-``data.val_fraction``, forward only, in whatever layout the run trains.
+``data.val_fraction``, or of the corpus ``data.val_source``, forward only, in whatever layout the run trains.
 
 Each data-parallel rank takes its rows of every validation batch, as in training; the loss sums go
 through the same reductions as the training loss (the pipeline's last stage to every stage, then

@@ -14,6 +14,7 @@ at once, in the nearest folder that already exists.
 
 from __future__ import annotations
 
+import copy
 import os
 import stat
 import sys
@@ -29,7 +30,7 @@ from bigtrain.families import family_of, model_vocabulary
 from bigtrain.families.own import none_for
 from bigtrain.data.corpus import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_files, stdlib_key, text_files,
                                   token_dtype_problem)
-from bigtrain.data.load import is_token_file, uses_shards
+from bigtrain.data.load import held_out_config, is_token_file, uses_shards
 from bigtrain.data.fields import holds, records_problem, tokenizer_problem
 from bigtrain.data.sampler import split_problem
 
@@ -166,6 +167,16 @@ def data_problems(cfg: Config) -> list[str]:
     else:
         problem = _text_problem(cfg, src, need)
     return [problem] if problem else []
+
+
+def held_out_source_problems(cfg: Config) -> list[str]:
+    """``data.val_source`` held to ``data.source``'s checks (it is read the same way, and its ids meet
+    the same embedding), each message naming it."""
+    if not cfg.data.val_source:
+        return []
+    as_source = copy.copy(cfg)
+    as_source.data = held_out_config(cfg.data)
+    return [p.replace("data.source", "data.val_source") for p in data_problems(as_source)]
 
 
 def _stdlib_tokens(d) -> int:
@@ -359,7 +370,7 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     prints them)."""
     from bigtrain.plan.refit import size_problems_and_fixes
 
-    problems = data_problems(cfg)
+    problems = data_problems(cfg) + held_out_source_problems(cfg)
     out = writable_dir_problem(output_dir, output_name)
     if out:
         problems.append(out)
@@ -405,6 +416,9 @@ def held_out_warnings(cfg: Config) -> list[str]:
     train.eval_every = 0 no eval_loss is ever logged (the opposite, eval_every without a slice, is
     refused by validation)."""
     d, t = cfg.data, cfg.train
+    if d.val_source and t.eval_every == 0 and family_of(cfg).reads_tokens:
+        return [f"data.val_source = '{d.val_source}' is never evaluated: train.eval_every = 0 (no eval_loss is logged); "
+                f"set train.eval_every, e.g. {max(1, t.steps // 10)}"]
     if d.val_fraction > 0 and t.eval_every == 0 and family_of(cfg).reads_tokens:
         return [f"data.val_fraction = {d.val_fraction:g} holds out the corpus's last tokens from training, but "
                 f"train.eval_every = 0 never evaluates them (no eval_loss is logged); set train.eval_every, e.g. "

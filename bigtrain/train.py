@@ -202,7 +202,7 @@ class Trainer(StepRunner):
 
     def evaluate(self) -> float | dict[str, float]:
         """The mean loss over the held-out windows (``train.eval_batches`` global batches of
-        ``data.val_fraction``) at the current weights; collective (:mod:`bigtrain.evaluate`). A family
+        ``data.val_fraction`` or ``data.val_source``) at the current weights; collective (:mod:`bigtrain.evaluate`). A family
         with its own step: its held-out metrics (a recommender's AUC and log loss)."""
         if self.own_step is not None:
             return self.own_step.evaluate()
@@ -391,7 +391,8 @@ class Trainer(StepRunner):
                 "mesh": self.mesh.sizes, "model_params": family_parameters(self.family, cfg),  # whole, on meta
                 "tokens_seen": self.units_seen(),
                 "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg, self.device.type == "cuda"),
-                "data": {"source": cfg.data.source, **self.data_extent()},
+                "data": {"source": cfg.data.source, **self.data_extent(),
+                         **({"val_source": cfg.data.val_source} if cfg.data.val_source else {})},
                 # The planner models the decoder the [model] fields describe; another family's is not.
                 "predicted": run_info.prediction(cfg, self.device.type == "cuda") if self.family.model_fields else None}
 

@@ -411,9 +411,14 @@ def check_evaluation(cfg: Config) -> list[str]:
     problems = non_negative(cfg, ["train.eval_every"]) + positive(cfg, ["train.eval_batches"])
     if not 0.0 <= d.val_fraction < 1.0:  # NaN fails too
         problems.append(f"data.val_fraction = {d.val_fraction:g}: must be in [0, 1), e.g. 0.01 (0: no held-out data)")
-    elif t.eval_every > 0 and d.val_fraction == 0:
+    elif d.val_source and d.val_fraction:
+        problems.append(f"data.val_source = '{d.val_source}' and data.val_fraction = {d.val_fraction:g} both give "
+                        f"held-out data: evaluate on one of them, set data.val_fraction = 0 or data.val_source = ''")
+    elif t.eval_every > 0 and d.val_fraction == 0 and not d.val_source:
         problems.append(f"train.eval_every = {t.eval_every} needs held-out data: set data.val_fraction, e.g. 0.01, "
-                        f"or train.eval_every = 0")
+                        f"or data.val_source (a corpus of its own), or train.eval_every = 0")
+    if d.val_source and d.val_source != "stdlib" and not path_exists(d.val_source):
+        problems.append(f"data.val_source = '{d.val_source}': no such file or folder; give the held-out corpus's path")
     return problems
 
 

@@ -264,3 +264,54 @@ def _synchronous_evals(cfg) -> list[float]:
         reference.train_step()
         evals.append(_plain_held_out_loss(cfg, reference.master, reference.sampler))
     return evals
+
+
+# -- a held-out corpus of its own (data.val_source) ----------------------------------------------------
+def _val_text(tmp_path) -> str:
+    """A held-out text file: bytes the training corpus (the stdlib) never reads in this order."""
+    path = tmp_path / "val.txt"
+    path.write_text("".join(f"line {i}: the held-out corpus says {i * i % 97} things.\n" for i in range(300)))
+    return str(path)
+
+
+def test_a_held_out_corpus_is_evaluated_in_every_layout_as_a_plain_loop_reads_it(corpus_cache, tmp_path):
+    """dp=2 under ZeRO-3 at the initial weights: the held-out loss is the plain model's over windows cut
+    from the file's bytes at starts spread evenly over it (written out here, not the sampler's)."""
+    val = _val_text(tmp_path)
+    cfg = tiny_config(corpus_cache, f"--data.val_source={val}", "--train.eval_batches=2", "--parallel.dp=2",
+                      "--parallel.zero=3")
+    data = np.frombuffer(open(val, "rb").read(), dtype=np.uint8).astype(np.int64)
+    seq, windows = cfg.data.seq_len, 2 * cfg.train.global_batch
+    starts = np.linspace(0, len(data) - seq - 1, windows).round().astype(np.int64)
+    x = torch.from_numpy(np.stack([data[s:s + seq] for s in starts]))
+    y = torch.from_numpy(np.stack([data[s + 1:s + seq + 1] for s in starts]))
+    model = build_model(cfg.model, device="cpu")
+    model.init_weights(cfg.train.seed)
+    with torch.no_grad():
+        expected = float(F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")) / y.numel()
+    losses = run_ranks(_evaluate, 2, cfg, str(tmp_path / "run"))
+    assert losses == pytest.approx([expected] * 2, rel=1e-5)
+
+
+def test_a_held_out_corpus_is_checked_before_launch_naming_its_field(corpus_cache, tmp_path):
+    from bigtrain.preflight import preflight
+
+    with pytest.raises(ConfigError, match="data.val_source = .* and data.val_fraction = 0.05 both give held-out data"):
+        tiny_config(corpus_cache, f"--data.val_source={_val_text(tmp_path)}", "--data.val_fraction=0.05")
+    with pytest.raises(ConfigError, match="data.val_source = '/nonexistent/val.bin': no such file or folder"):
+        tiny_config(corpus_cache, "--data.val_source=/nonexistent/val.bin")
+    ids = tmp_path / "val.npy"
+    np.save(ids, np.array([1, 2, 300] * 100, dtype=np.int64))  # 300: past the tiny model's 256 ids
+    cfg = tiny_config(corpus_cache, f"--data.val_source={ids}", "--train.eval_every=5")
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg, tmp_path / "run", check_size=False)
+    assert "data.val_source" in str(err.value) and "300" in str(err.value), str(err.value)
+    assert "data.source" not in str(err.value).replace("data.val_source", ""), str(err.value)
+    never = tiny_config(corpus_cache, f"--data.val_source={_val_text(tmp_path)}")
+    assert any("data.val_source" in w and "train.eval_every = 0" in w
+               for w in preflight(never, tmp_path / "run", check_size=False))
+
+
+def test_a_held_out_corpus_shorter_than_a_window_is_refused():
+    with pytest.raises(ValueError, match="data.val_source has 10 tokens, fewer than one window"):
+        TokenSampler(np.arange(1000), seq_len=16, global_batch=2, seed=0, val_tokens=np.arange(10))

@@ -88,6 +88,27 @@ def test_shards_hold_each_documents_ids_in_order_and_sample_as_one_array(bpe, te
             assert torch.equal(a, b)
 
 
+def test_a_held_out_corpus_is_tokenized_before_launch_as_the_training_corpus_is(bpe, text_folder, tmp_path):
+    """data.val_source with a real tokenizer: prepared into shards of its own by the launcher's
+    preparation (with the training corpus's tokenizer), and the evaluation's windows are its ids."""
+    from bigtrain.data.load import prepare_run_data, run_sampler
+
+    path, tok = bpe
+    val_text = "A held-out document, in words the training corpus may not have. " * 20
+    (tmp_path / "val.txt").write_text(val_text)
+    cfg = load_config(preset="tiny", overrides=[f"--data.source={text_folder}", f"--data.tokenizer={path}",
+                                                f"--data.val_source={tmp_path / 'val.txt'}", f"--model.vocab_size={VOCAB}",
+                                                f"--data.cache_dir={tmp_path / 'cache'}", "--data.seq_len=16"])
+    prepare_run_data(cfg, tmp_path / "run", main=True)
+    sampler = run_sampler(cfg)
+    expected = np.asarray(tok.encode(val_text).ids)
+    assert isinstance(sampler.val_tokens, ShardedTokens) and np.array_equal(np.asarray(sampler.val_tokens), expected)
+    assert np.array_equal(np.asarray(sampler.tokens), _expected_ids(tok, _texts()))  # all of it trains
+    x, y = sampler.eval_batch(1, 2, 0, 8)
+    starts = np.linspace(0, len(expected) - 17, 16).round().astype(np.int64)[8:]
+    assert torch.equal(x, torch.from_numpy(np.stack([expected[s:s + 16] for s in starts])))
+
+
 def test_data_document_end_puts_its_token_after_each_document(bpe, text_folder, tmp_path):
     """data.document_end = '<|endoftext|>': each document's ids, then that token's id (appended as an
     id, not text), in a corpus of its own (the cache key holds it); without it the documents run into

@@ -59,6 +59,7 @@ CHANGES = {
     "data.val_fraction": "the training part and the held-out slice (a smaller one trains on tokens earlier "
                          "evaluations held out; eval_loss before and after differ) and the order of the data "
                          "from here on",
+    "data.val_source": "the held-out data (eval_loss before and after differ)",
     "train.seed": "the order of the data from here on",
     "train.global_batch": "the data per step and the learning rate's meaning",
     "train.steps": "the learning-rate schedule: its decay ends at the new step count",

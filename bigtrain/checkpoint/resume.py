@@ -143,7 +143,9 @@ def _check_serves(trainer, path: Path, meta: dict[str, Any]) -> None:
                       f"model the file describes now", stacklevel=3)
     saved, now = meta.get("data"), trainer.data_extent()
     if trainer.is_main and saved and now and saved != now:  # the same data.source, another corpus
-        warnings.warn(f"resuming from {path.name}: data.source = '{trainer.cfg.data.source}' now gives "
+        d = trainer.cfg.data
+        named = f"data.source = '{d.source}'" + (f" and data.val_source = '{d.val_source}'" if d.val_source else "")
+        warnings.warn(f"resuming from {path.name}: {named} now give{'' if d.val_source else 's'} "
                       f"{now['train_tokens']:,} training and {now['held_out_tokens']:,} held-out tokens, "
                       f"{saved['train_tokens']:,} and {saved['held_out_tokens']:,} when the checkpoint was written: "
                       f"the corpus changed, so the run trains on other data from here (possibly on tokens held "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 from bigtrain.config import DataConfig
@@ -95,14 +96,20 @@ def load_corpus(d: DataConfig):
     return ShardedTokens.open(folder, manifest)
 
 
+def held_out_config(d: DataConfig) -> DataConfig:
+    """``data.val_source`` read as ``data.source`` is (the same tokenizer, text field and cap)."""
+    return replace(d, source=d.val_source, val_fraction=0.0, val_source="")
+
+
 def run_sampler(cfg, vocab_size: int | None = None, vocab_field: str = "model.vocab_size"):
     """The run's :class:`~bigtrain.data.sampler.TokenSampler` of ``cfg``'s corpus, batch, seed and
-    held-out share: the one the trainer and every independent reference draw their batches from."""
+    held-out data: the one the trainer and every independent reference draw their batches from."""
     from bigtrain.data.sampler import TokenSampler
 
     d, t = cfg.data, cfg.train
+    held_out = load_corpus(held_out_config(d)) if d.val_source else None
     return TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target, d.val_fraction,
-                        vocab_size=vocab_size, vocab_field=vocab_field)
+                        vocab_size=vocab_size, vocab_field=vocab_field, val_tokens=held_out)
 
 
 def load_tokens(source: str, cache_dir: str = "", max_bytes: int = 0, tokenizer: str = BYTES,
@@ -286,6 +293,14 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
+    if d.val_source:
+        try:
+            held_out = prepare_corpus(held_out_config(d), check=True, log=log if main else None)
+        except ValueError as e:
+            raise ConfigError(f"data.val_source: {e}") from None
+        if held_out is not None and held_out["tokens"] < d.seq_len + 1:
+            raise ConfigError(f"data.val_source = '{d.val_source}' tokenizes to {held_out['tokens']} tokens, fewer than "
+                              f"one window (data.seq_len + 1 = {d.seq_len + 1}); give a longer held-out corpus")
     for warning in (left_out_warning(d), tool_folder_warning(d), single_file_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest),
                     small_corpus_warning(cfg, manifest)):
         if main and warning and not launched_by_bigtrain():  # else its launcher said it

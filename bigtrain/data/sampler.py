@@ -26,16 +26,16 @@ class MappedFile:
     nothing; :meth:`check` is called before every read of windows and names the file instead.
     (A file replaced by a rename keeps the old one mapped and is not a problem.)"""
 
-    def __init__(self, path: str, size: int):
-        self.path, self.size = path, size
+    def __init__(self, path: str, size: int, field: str = "data.source"):
+        self.path, self.size, self.field = path, size, field
 
     @classmethod
-    def of(cls, tokens: np.ndarray) -> "MappedFile | None":
+    def of(cls, tokens: np.ndarray, field: str = "data.source") -> "MappedFile | None":
         name = getattr(tokens, "filename", None)
         if not isinstance(tokens, np.memmap) or not name:
             return None
         try:
-            return cls(name, os.stat(name).st_size)
+            return cls(name, os.stat(name).st_size, field)
         except OSError:
             return None
 
@@ -49,9 +49,9 @@ class MappedFile:
         if now is not None and now >= self.size:
             return
         state = f"it has {now} bytes" if now is not None else f"it cannot be read ({why})"
-        raise DataChanged(f"data.source: the token file {self.path} changed while the run read it: {state}, {self.size} when the "
+        raise DataChanged(f"{self.field}: the token file {self.path} changed while the run read it: {state}, {self.size} when the "
                           f"run started (truncated or rewritten in place?); the run stopped before reading past its "
-                          f"end. Restore the file (or write a new one under another name: data.source), then "
+                          f"end. Restore the file (or write a new one under another name: {self.field}), then "
                           f"continue with --resume")
 
 
@@ -77,7 +77,8 @@ class TokenSampler:
 
     ``val_fraction`` holds out the corpus's last tokens: training windows lie wholly before them,
     validation windows (:meth:`eval_batch`) wholly inside them, so the two never share a token.
-    The split depends on the corpus and the fraction only, not on the layout or the seed.
+    The split depends on the corpus and the fraction only, not on the layout or the seed. Or
+    ``val_tokens``: a held-out corpus of its own (``data.val_source``), read as that slice is.
 
     ``vocab_size`` (set by ``vocab_field``): every window is checked against it as it is read, and
     one holding an id outside it is refused, naming the id and where it is. ``bigtrain train``
@@ -86,17 +87,29 @@ class TokenSampler:
     it: a zero embedding row, a target no logit stands for)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, ignore_target: int = -1,
-                 val_fraction: float = 0.0, vocab_size: int | None = None, vocab_field: str = "model.vocab_size"):
+                 val_fraction: float = 0.0, vocab_size: int | None = None, vocab_field: str = "model.vocab_size",
+                 val_tokens: np.ndarray | None = None):
         problem = split_problem(len(tokens), seq_len, val_fraction)
         if problem:
             raise ValueError(problem)
+        if val_tokens is not None and val_fraction:
+            raise ValueError("held-out data twice: a held-out corpus (data.val_source) and data.val_fraction")
+        if val_tokens is not None and len(val_tokens) < seq_len + 1:
+            raise ValueError(f"data.val_source has {len(val_tokens)} tokens, fewer than one window (data.seq_len + 1 "
+                             f"= {seq_len + 1}); give a longer held-out corpus")
         held_out = int(len(tokens) * val_fraction)
         self.val_tokens = tokens[len(tokens) - held_out:] if held_out else tokens[:0]
+        if val_tokens is not None:  # a corpus of its own (data.val_source)
+            self.val_tokens = val_tokens
+            self.val_mapped = MappedFile.of(val_tokens, "data.val_source")
         tokens = tokens[:len(tokens) - held_out]
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.ignore_target = ignore_target
         self.vocab_size, self.vocab_field = vocab_size, vocab_field
         self.mapped = MappedFile.of(tokens)
+        if val_tokens is None:
+            self.val_mapped = self.mapped  # the held-out slice is the corpus's
+        self.val_where = "held-out slice" if val_tokens is None else "held-out corpus"
 
     def starts(self, step: int) -> np.ndarray:
         """Window starts of the whole global batch at ``step`` (layout-independent)."""
@@ -104,8 +117,9 @@ class TokenSampler:
         return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray, where: str = "corpus") -> tuple[torch.Tensor, torch.Tensor]:
-        if self.mapped is not None:
-            self.mapped.check()
+        mapped = self.mapped if where == "corpus" else self.val_mapped
+        if mapped is not None:
+            mapped.check()
         windows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
         if self.vocab_size is not None and len(windows) and (windows.min() < 0 or windows.max() >= self.vocab_size):
             raise ValueError(self._outside_vocabulary(windows, starts, where))
@@ -120,7 +134,8 @@ class TokenSampler:
         value, field = int(windows[row, column]), self.vocab_field
         fix = (f"set {field} to at least {value + 1}, or re-tokenize" if value >= 0 else
                "ids cannot be negative, re-tokenize")
-        return (f"data.source: token id {value} at position {int(starts[row]) + column} of the {where}, outside "
+        source = "data.val_source" if where == "held-out corpus" else "data.source"
+        return (f"{source}: token id {value} at position {int(starts[row]) + column} of the {where}, outside "
                 f"0 .. {field} - 1 = {self.vocab_size - 1}; {fix}")
 
     def batch(self, step: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +166,7 @@ class TokenSampler:
 
     def eval_batch(self, batch: int, batches: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``first .. first+count-1`` of validation global batch ``batch``."""
-        return self._windows(self.val_tokens, self.eval_starts(batch, batches)[first:first + count], "held-out slice")
+        return self._windows(self.val_tokens, self.eval_starts(batch, batches)[first:first + count], self.val_where)
 
     def eval_targets(self, batches: int) -> int:
         """Targets the validation loss counts over all ``batches`` (its normalizer; at least 1)."""
