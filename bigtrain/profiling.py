@@ -2,7 +2,8 @@
 
 What torchtitan's ``[profiling]`` gives a user who asks why a step is slow: the operators, kernels
 and collectives of a few steps on a timeline, in a Chrome trace per rank
-(``RUN_DIR/profile/rank{R}_steps{A}-{B}.json``; https://ui.perfetto.dev opens it). The step runner
+(``RUN_DIR/profile/rank{R}_steps{A}-{B}.json``; https://ui.perfetto.dev opens it), and the operators
+that took the most time as a table beside it (``.txt``). The step runner
 marks its phases (``bigtrain: forward and backward``, ``bigtrain: gradient reduction``, ``bigtrain:
 optimizer step``) with :func:`phase`, so the trace reads in the trainer's terms. With
 ``logging.profile_memory`` the trace records allocations too, and on a GPU the caching
@@ -68,6 +69,9 @@ class StepProfiler:
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / f"rank{self.rank}_steps{self.first_traced}-{self.window[1]}.json"
         profiler.export_chrome_trace(str(path))
+        # The operators that took the most time, as a table beside the trace (read without a viewer).
+        by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        path.with_suffix(".txt").write_text(profiler.key_averages().table(sort_by=by, row_limit=30) + "\n")
         if self.memory and self.device.type == "cuda":
             torch.cuda.memory._dump_snapshot(str(self.out / f"rank{self.rank}_memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)

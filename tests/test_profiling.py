@@ -27,9 +27,11 @@ def test_a_window_of_steps_is_traced_with_the_trainer_s_phases_and_the_rest_is_n
     cfg = tiny_config(corpus_cache, "--train.steps=4", "--logging.profile_steps=2-3")
     with Trainer(cfg, tmp_path / "run", Mesh({})) as trainer:
         trainer.fit()
-    traces = list((tmp_path / "run" / "profile").iterdir())
-    assert [t.name for t in traces] == ["rank0_steps2-3.json"]
+    traces = sorted((tmp_path / "run" / "profile").iterdir())
+    assert [t.name for t in traces] == ["rank0_steps2-3.json", "rank0_steps2-3.txt"]
     names = _names(traces[0])
+    table = traces[1].read_text()
+    assert "Self CPU" in table and "aten::" in table and "bigtrain: optimizer step" in table
     assert {"bigtrain: step 2", "bigtrain: step 3", *PHASES} <= names
     assert "bigtrain: step 1" not in names and "bigtrain: step 4" not in names
     assert any(n.startswith("aten::") and "mm" in n for n in names), "the model's matmuls are on the trace"
@@ -57,7 +59,8 @@ def test_each_rank_writes_its_own_trace_with_its_collectives(corpus_cache, tmp_p
     cfg = tiny_config(corpus_cache, "--parallel.dp=2", "--parallel.zero=2", "--train.steps=2",
                       "--logging.profile_steps=2")
     listed = run_ranks(_trace_on_rank, 2, cfg, str(tmp_path))
-    assert listed[0] == listed[1] == ["rank0_steps2-2.json", "rank1_steps2-2.json"]
+    assert listed[0] == listed[1] == ["rank0_steps2-2.json", "rank0_steps2-2.txt", "rank1_steps2-2.json",
+                                      "rank1_steps2-2.txt"]
     for rank in (0, 1):
         names = _names(tmp_path / "profile" / f"rank{rank}_steps2-2.json")
         assert any("reduce_scatter" in n for n in names), sorted(n for n in names if "gloo" in n or "c10d" in n)
