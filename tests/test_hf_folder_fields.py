@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from bigtrain.config import ConfigError, ModelConfig
+from tests.helpers import tiny_config
 from tests.test_hf_family import FIXTURES, hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -83,3 +84,50 @@ def test_an_export_of_a_config_json_saved_in_bf16_loads_in_fp32_with_the_runs_lo
     tokens = torch.randint(0, 256, (2, 16), generator=generator)
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(tokens).logits, ours(tokens), rtol=0, atol=0)  # the same ops
+
+
+def fp8_folder(folder, arch: str):
+    """``arch``'s fixture saved as a block-FP8 checkpoint is stored (Qwen3-FP8's layout): each
+    projection's weight float8 codes of its full shape, its scale in ``weight_scale_inv`` beside it."""
+    from safetensors.torch import load_file, save_file
+
+    saved = saved_folder(folder, arch)
+    quantized = {}
+    for name, tensor in load_file(saved / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            scale = tensor.abs().amax() / 448
+            tensor = (tensor / scale).to(torch.float8_e4m3fn)
+            quantized[name.replace(".weight", ".weight_scale_inv")] = scale.reshape(1, 1)
+        quantized[name] = tensor
+    save_file(quantized, str(saved / "model.safetensors"), metadata={"format": "pt"})
+    fields = json.loads((saved / "config.json").read_text())
+    fields["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (saved / "config.json").write_text(json.dumps(fields))
+    return saved
+
+
+def test_a_quantized_folder_is_refused_before_launch_naming_quantization_config(corpus_cache, tmp_path, capsys):
+    """Its float8 codes have the weights' shapes: they loaded unscaled (5e3 off, relative), silently,
+    in both families (the hf family's docs point model.hf_config at the folder itself)."""
+    from bigtrain.cli import main
+    from bigtrain.generate import GenerateError, load_model
+
+    folder = fp8_folder(tmp_path / "qwen2", "qwen2")
+    for family in (["--model.family=hf", f"--model.hf_config={folder}"], []):
+        with pytest.raises(ConfigError, match=r"quantization_config \(quant_method 'fp8'\).*unquantized"):
+            tiny_config(corpus_cache, *family, f"--model.init_from=hf:{folder}")
+    llama = fp8_folder(tmp_path / "llama", "llama")
+    assert main(["config", "--preset", "tiny", f"--model.init_from=hf:{llama}"]) == 2  # the shape read from it
+    assert "quantization_config (quant_method 'fp8')" in capsys.readouterr().err
+    with pytest.raises(GenerateError, match="quantization_config"):
+        load_model(llama)
+
+
+def test_float8_weights_are_refused_when_read_whatever_the_config_json_says(tmp_path):
+    from bigtrain.checkpoint.hf import HFFormatError, SafetensorsWeights
+
+    folder = fp8_folder(tmp_path, "qwen2")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(HFFormatError, match=f"'{name}' is stored as torch.float8_e4m3fn"):
+        SafetensorsWeights(folder)(name, (64, 64))
+    assert SafetensorsWeights(folder)("model.norm.weight", (64,)).dtype == torch.float32

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bigtrain.checkpoint.hf import SafetensorsWeights, hf_folder, weights_problem
+from bigtrain.checkpoint.hf import SafetensorsWeights, hf_folder, quantized_problem, weights_problem
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
@@ -174,6 +174,8 @@ def init_from_problems(cfg: Config, fields: dict) -> list[str]:
         theirs = json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
         return [f"model.init_from = {where!r}: cannot read {folder / CONFIG_FILE} ({e})"]
+    if quantized := quantized_problem(theirs):
+        return [f"model.init_from = {where!r}: {folder / CONFIG_FILE} has {quantized}"]
     ours, other, keys = fields, theirs, SHAPE_KEYS
     if architecture(theirs) == architecture(fields) and architecture(fields) in ARCHITECTURES:
         # Not the shapes alone: a folder of equal shapes and another rope_theta, rms_norm_eps,
