@@ -319,6 +319,8 @@ def model_values(hf: dict, where: str) -> dict[str, object]:
         problems.append(f"partial_rotary_factor = {hf['partial_rotary_factor']}; bigtrain rotates whole heads")
     if arch == "qwen2" and hf.get("use_sliding_window"):
         problems.append("use_sliding_window = true; bigtrain's attention is full causal attention")
+    if quantized := quantized_problem(hf):
+        problems.append(quantized)
     scaling, theta = rope_scaling_and_theta(hf)
     rope = rope_values(scaling, problems)
     heads = hf.get("num_attention_heads", 0)
@@ -343,6 +345,32 @@ def model_values(hf: dict, where: str) -> dict[str, object]:
 def hf_folder(init_from: str) -> Path | None:
     """The folder of ``model.init_from = "hf:PATH"`` (None when it names none)."""
     return Path(init_from[3:]).expanduser() if init_from.startswith("hf:") else None
+
+
+# The config.json fields of a quantized checkpoint (transformers' and llm-compressor's older one):
+# weights stored as float8 or int8 codes of the full shape, their scales in tensors beside them.
+QUANTIZATION_FIELDS = ("quantization_config", "compression_config")
+
+
+def quantized_problem(fields: dict) -> str | None:
+    """Why a quantized checkpoint's config.json (an FP8 Qwen3, a compressed-tensors Llama) cannot be
+    read: its weights have the model's shapes, so they loaded as plain values, unscaled (an FP8
+    block-quantized folder: 5e3 off relative), and trained silently from them."""
+    field = next((f for f in QUANTIZATION_FIELDS if fields.get(f)), None)
+    if field is None:
+        return None
+    method = fields[field].get("quant_method", "?") if isinstance(fields[field], dict) else "?"
+    return (f"{field} (quant_method {method!r}): the weights are stored quantized, their scales apart, which "
+            f"bigtrain reads as plain values; use the model's unquantized (bf16 or fp32) checkpoint")
+
+
+def float_weights(tensor: torch.Tensor, key: str, folder: Path) -> torch.Tensor:
+    """``tensor`` in fp32; a float8 or integer tensor (quantized codes, whatever the config.json
+    says) refused by name rather than read as values."""
+    if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise HFFormatError(f"{folder}: '{key}' is stored as {tensor.dtype}, quantized codes rather than weights; "
+                            f"use the model's unquantized (bf16 or fp32) checkpoint")
+    return tensor.float()
 
 
 def weights_problem(folder: Path) -> str | None:
@@ -396,7 +424,7 @@ class HFWeights:
         if key not in self._where:
             raise HFFormatError(f"{self.folder}: no tensor '{key}' (bigtrain's '{name}')")
         with safe_open(str(self._where[key]), framework="pt") as handle:
-            tensor = handle.get_tensor(key).float()
+            tensor = float_weights(handle.get_tensor(key), key, self.folder)
         if tuple(tensor.shape) != tuple(shape):
             raise HFFormatError(f"{self.folder}: '{key}' has shape {tuple(tensor.shape)}, the model needs {tuple(shape)}")
         heads = _rotary_heads(name, self.cfg)
@@ -426,7 +454,7 @@ class SafetensorsWeights:
         if name not in self._where:
             raise ValueError(f"model.init_from: {self.folder} has no tensor '{name}'")
         with safe_open(str(self._where[name]), framework="pt") as handle:
-            tensor = handle.get_tensor(name).float()
+            tensor = float_weights(handle.get_tensor(name), name, self.folder)
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"model.init_from: '{name}' in {self.folder} has shape {tuple(tensor.shape)}, the "
                              f"model of model.hf_config needs {tuple(shape)}")

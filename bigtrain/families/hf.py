@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bigtrain.checkpoint.hf import SafetensorsWeights, hf_folder, weights_problem
+from bigtrain.checkpoint.hf import SafetensorsWeights, hf_folder, quantized_problem, weights_problem
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.hf_attention import CAUSAL, register_attention, ulysses_problems, with_ulysses
@@ -141,6 +141,22 @@ def init_fn(cfg: Config, model: nn.Module):
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias",
               *MOE_SHAPE_KEYS)  # qkv_bias: Qwen2-MoE's q, k and v biases
+# An architecture's config fields that change nothing its weights compute: token ids, the random
+# init, and training-only settings the family checks on model.hf_config's own values.
+NOT_COMPUTED = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "attention_dropout",
+                "output_router_logits", "router_aux_loss_coef", "router_jitter_noise")
+
+
+def computed_fields(path: Path) -> dict:
+    """The fields of the config.json at ``path`` that decide what its weights compute (rotary base and
+    scaling, norm epsilon, activation, sliding windows, routing, shapes), as transformers resolves
+    them: its architecture's defaults filled in, transformers 4's and 5's spellings made one. Raises
+    ImportError without transformers."""
+    import transformers
+
+    generic = transformers.PretrainedConfig().to_dict()  # transformers' bookkeeping (dtype, version, labels)
+    resolved = hf_config(ModelConfig(hf_config=str(path))).to_dict()
+    return {k: v for k, v in resolved.items() if k not in generic and k not in NOT_COMPUTED}
 
 
 def init_from_problems(cfg: Config, fields: dict) -> list[str]:
@@ -158,9 +174,20 @@ def init_from_problems(cfg: Config, fields: dict) -> list[str]:
         theirs = json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
         return [f"model.init_from = {where!r}: cannot read {folder / CONFIG_FILE} ({e})"]
-    differ = [k for k in SHAPE_KEYS if fields.get(k) != theirs.get(k)]
+    if quantized := quantized_problem(theirs):
+        return [f"model.init_from = {where!r}: {folder / CONFIG_FILE} has {quantized}"]
+    ours, other, keys = fields, theirs, SHAPE_KEYS
+    if architecture(theirs) == architecture(fields) and architecture(fields) in ARCHITECTURES:
+        # Not the shapes alone: a folder of equal shapes and another rope_theta, rms_norm_eps,
+        # sliding_window or activation loaded silently into the model model.hf_config describes.
+        try:
+            ours, other = computed_fields(config_path(cfg)), computed_fields(folder / CONFIG_FILE)
+            keys = sorted(set(ours) | set(other))
+        except ImportError:  # without transformers (check_hf says so): the files' own shape fields
+            pass
+    differ = [k for k in keys if ours.get(k) != other.get(k)]
     if architecture(theirs) != architecture(fields) or differ:
-        what = ", ".join(f"{k} {fields.get(k)!r} vs {theirs.get(k)!r}" for k in differ) or "the architecture"
+        what = ", ".join(f"{k} {ours.get(k)!r} vs {other.get(k)!r}" for k in differ) or "the architecture"
         return [f"model.init_from = {where!r}: its {CONFIG_FILE} describes another model than model.hf_config "
                 f"({what}); point model.hf_config at {folder / CONFIG_FILE}"]
     return []
@@ -369,6 +396,9 @@ def export_folder(model: ModelConfig, weights: dict, out) -> Path:
     weights = to_transformers_names(weights, sparse_blocks(hf_config(model)))  # experts' banks cut per expert
     fields = read_config(model)
     fields.setdefault("architectures", [architecture(fields)])
+    # The weights are fp32. transformers 5 writes (and loads by) "dtype", before "torch_dtype": a
+    # config.json it saved as bf16 loaded this export in bf16 by default (logits 1e-2 off the run's).
+    fields.pop("dtype", None)
     fields["torch_dtype"] = "float32"
     out.mkdir(parents=True, exist_ok=True)  # once the conversion went through: a refusal writes nothing
     (out / CONFIG_FILE).write_text(json.dumps(fields, indent=2) + "\n")
