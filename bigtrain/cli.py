@@ -106,6 +106,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0,
                           help="sample among the k most likely tokens only; 0: all of them (default 0)")
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    generate.add_argument("--ignore-eos", action="store_true",
+                          help="write all --tokens, past the model's end-of-text token (default: stop after it, as "
+                               "transformers' generate does)")
     generate.set_defaults(run=cmd_generate)
     sub.add_parser("presets", help="list the shipped presets")
     sub.add_parser("fields", help="list every config field with its help")
@@ -343,7 +346,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from bigtrain.generate import GenerateError, generate_text
 
     try:
-        text = generate_text(Path(args.run_dir), args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+        text = generate_text(Path(args.run_dir), args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
+                             ignore_eos=args.ignore_eos)
     except (GenerateError, FileNotFoundError) as e:
         print(f"bigtrain generate: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,8 @@ and ``*.safetensors``, as ``model.init_from = "hf:PATH"`` reads) in bigtrain's L
 (``data.tokenizer``: its copy in the run directory) or the folder's ``tokenizer.json``, else bytes: a
 token is a byte of the UTF-8 text (vocabulary 256). Sampling: temperature 0 is greedy
 (argmax); otherwise softmax(logits / temperature), over the ``top_k`` most likely tokens when
-``top_k > 0``, drawn from a generator seeded with ``seed`` (same seed, same text). The context is the
+``top_k > 0``, drawn from a generator seeded with ``seed`` (same seed, same text); it ends at the
+model's end-of-text token, as transformers' ``generate()`` does (``--ignore-eos``: not). The context is the
 last ``model.max_seq_len`` tokens (a config.json's ``max_position_embeddings``); no key/value cache: each new token
 runs the model over the context again, which is what a small model on a CPU can afford.
 """
@@ -181,12 +182,34 @@ def text_tokenizer(source: Path, decoder: Decoder, run_config: dict):
     return tokenizer
 
 
+def end_ids(source: Path, tokenizer, run_config: dict) -> set[int]:
+    """The ids a generation stops at, as transformers' ``generate()`` stops on the same model: a Hugging
+    Face folder's ``eos_token_id`` (one id or a list); a run's, the eos its export names
+    (:func:`bigtrain.data.tokenizer.bos_eos_ids`: the token its tokenizer puts after each document,
+    else ``data.document_end``, else a special token named as an end of text). Byte-level runs
+    without ``data.document_end`` have none and write every token asked for."""
+    import json
+
+    from bigtrain.checkpoint.hf import CONFIG_FILE
+    from bigtrain.data.tokenizer import bos_eos_ids
+
+    if not run_config:
+        try:
+            eos = json.loads((Path(source) / CONFIG_FILE).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            return set()
+        return {int(i) for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)}
+    eos = bos_eos_ids(tokenizer, str(run_config.get("data", {}).get("document_end", ""))).get("eos_token_id")
+    return {int(eos)} if eos is not None else set()
+
+
 @torch.no_grad()
 def sample(decoder: Decoder, prompt: list[int], tokens: int, temperature: float = 1.0, top_k: int = 0,
-           seed: int = 0, vocab: int = 0) -> list[int]:
+           seed: int = 0, vocab: int = 0, stop: set[int] = frozenset()) -> list[int]:
     """``tokens`` new token ids after ``prompt`` (see the module's docstring for the rules), drawn
     from the first ``vocab`` ids only when given: a model's vocabulary padded past its tokenizer's
-    (1024 rows for 1000 ids) has rows no text ever trained, which no tokenizer can decode."""
+    (1024 rows for 1000 ids) has rows no text ever trained, which no tokenizer can decode. Ends
+    early after writing an id of ``stop`` (an end of text)."""
     if not prompt:
         raise GenerateError("--prompt is empty; give at least one character to continue")
     generator = torch.Generator().manual_seed(seed)
@@ -205,6 +228,8 @@ def sample(decoder: Decoder, prompt: list[int], tokens: int, temperature: float 
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
         out.append(nxt)
+        if nxt in stop:
+            break
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
     return out
 
@@ -222,15 +247,17 @@ def check_settings(tokens: int, temperature: float, top_k: int) -> None:
 
 
 def generate_text(source: Path, prompt: str, tokens: int, temperature: float = 1.0, top_k: int = 0,
-                  seed: int = 0) -> str:
+                  seed: int = 0, ignore_eos: bool = False) -> str:
     """The prompt and its continuation, as text, in the model's tokenizer (:func:`text_tokenizer`;
     bytes that are not valid UTF-8 are shown as U+FFFD; a special token, such as an end of text, as
     itself). A leading token the tokenizer puts before each document (Llama's BOS) starts the
-    prompt, as it started every training document, and is not printed."""
+    prompt, as it started every training document, and is not printed. The continuation ends at
+    the model's end of text (:func:`end_ids`), printed, unless ``ignore_eos``."""
     check_settings(tokens, temperature, top_k)
     decoder, run_config = load_model(source)
     tokenizer = text_tokenizer(source, decoder, run_config)
     ids = tokenizer.prompt_ids(prompt) if prompt else []
     leading = len(tokenizer.frame_ids()[0]) if prompt else 0
-    new = sample(decoder, ids, tokens, temperature, top_k, seed, vocab=tokenizer.vocab_size)
+    stop = set() if ignore_eos else end_ids(source, tokenizer, run_config)
+    new = sample(decoder, ids, tokens, temperature, top_k, seed, vocab=tokenizer.vocab_size, stop=stop)
     return tokenizer.decode(ids[leading:] + new)

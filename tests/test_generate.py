@@ -151,3 +151,42 @@ def test_a_sigmoid_bias_moe_run_generates_with_its_trained_router_biases(corpus_
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(decoder.model.eval()(ids), reference.eval()(ids))
+
+
+class _Always:
+    """A decoder whose next token is always ``token`` (greedy), whatever it read."""
+
+    vocab_size, context = 16, 8
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def last_logits(self, ids):
+        return torch.nn.functional.one_hot(torch.tensor(self.token), self.vocab_size).float()
+
+
+def test_generation_stops_after_the_models_end_of_text_token_unless_told_not_to():
+    assert sample(_Always(7), [1, 2], 5, temperature=0, stop={7}) == [7]
+    assert sample(_Always(7), [1, 2], 5, temperature=0, stop={3}) == [7] * 5
+    assert sample(_Always(7), [1, 2], 5, temperature=0) == [7] * 5
+
+
+def test_the_end_of_text_is_the_one_transformers_would_stop_at(tmp_path):
+    """A Hugging Face folder's eos_token_id (one or a list); a run's, the eos its export names: its
+    data.document_end for a byte-level run, none without one (a byte run writes every token asked)."""
+    import json
+
+    from bigtrain.data.tokenizer import ByteTokenizer
+    from bigtrain.generate import end_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert end_ids(tmp_path, ByteTokenizer(), {}) == {5, 7}
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert end_ids(tmp_path, ByteTokenizer(), {}) == {2}
+    assert end_ids(tmp_path, ByteTokenizer(), {"data": {"document_end": "\n"}}) == {10}
+    assert end_ids(tmp_path, ByteTokenizer(), {"data": {"document_end": ""}}) == set()
+
+
+def test_ignore_eos_is_a_flag_of_generate(trained_run, capsys):
+    assert _generated(capsys, trained_run, "--prompt", "def ", "--tokens", 6, "--temperature", 0, "--ignore-eos") == \
+        _generated(capsys, trained_run, "--prompt", "def ", "--tokens", 6, "--temperature", 0)
