@@ -130,3 +130,16 @@ def test_a_refused_hf_export_writes_nothing(corpus_cache, tmp_path, capsys):
     (out / "config.json").write_text("{}")  # an earlier export's: kept as it was
     assert main(["export", str(run), str(out), "--format", "hf"]) == 1
     assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("model_type, positions", [("llama", 2048), ("qwen2", 32768)])
+def test_a_config_json_without_max_position_embeddings_gets_transformers_default(model_type, positions):
+    """What transformers' own config class defaults it to for that model type (LlamaConfig 2048,
+    Qwen2Config 32768): a Qwen2 file without it got 2048 here."""
+    from bigtrain.checkpoint.hf import model_values
+
+    fields = {"model_type": model_type, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4}
+    assert model_values(fields, "config.json")["max_seq_len"] == positions
+    transformers = pytest.importorskip("transformers")
+    assert transformers.AutoConfig.for_model(model_type).max_position_embeddings == positions

@@ -305,6 +305,11 @@ def rope_scaling_and_theta(hf: dict) -> tuple[dict | None, float]:
     return hf.get("rope_scaling"), float(hf.get("rope_theta", 1e4))
 
 
+# max_position_embeddings where a config.json leaves it out: transformers' default of its model type
+# (a Qwen2 file without it got 2048 here and 32768 there, which yarn without an original length reads).
+DEFAULT_POSITIONS = {"llama": 2048, "qwen2": 32768}
+
+
 def model_values(hf: dict, where: str) -> dict[str, object]:
     """The ``[model]`` fields a Hugging Face Llama or Qwen2 ``config.json`` sets; raises
     HFFormatError for what bigtrain's Llama does not have (other activations, other rotary
@@ -335,7 +340,7 @@ def model_values(hf: dict, where: str) -> dict[str, object]:
     return {"family": "llama", "vocab_size": hf["vocab_size"], "dim": hf["hidden_size"],
             "n_layers": hf["num_hidden_layers"], "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
-            "max_seq_len": hf.get("max_position_embeddings", 2048), "rope_theta": theta,
+            "max_seq_len": hf.get("max_position_embeddings", DEFAULT_POSITIONS[arch]), "rope_theta": theta,
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings")),
             "attention_head_dim": own_head_dim,
             "attention_bias": arch == "llama" and bool(hf.get("attention_bias")),
