@@ -337,6 +337,11 @@ class DataConfig:
                              "separator, say); the loss is the mean over the targets kept. -1: keep all.", -1)
     val_fraction: float = doc("Hold out this fraction of the corpus (its last tokens) for validation: training "
                               "windows never reach into it, whatever the layout. 0: no held-out data.", 0.0)
+    blend: str = doc("Corpora to train on besides data.source, each with its share of the training windows: "
+                     "'PATH=SHARE, PATH=SHARE' (each share in (0, 1), together below 1; data.source takes the rest), "
+                     "e.g. 'code.jsonl=0.3, math.txt=0.1'. Each is read as data.source is (any form it takes, the "
+                     "same tokenizer, text field and caps) and keeps its own data.val_fraction tail. '': "
+                     "data.source alone.", "")
     val_source: str = doc("A held-out corpus of its own, for validation instead of a fraction of data.source (a "
                           "validation split, nanoGPT's val.bin): any form data.source takes, read with the same "
                           "tokenizer, text field and data.max_bytes. '': none (data.val_fraction, if set).", "")

@@ -30,7 +30,8 @@ from bigtrain.families import family_of, model_vocabulary
 from bigtrain.families.own import none_for
 from bigtrain.data.corpus import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_files, stdlib_key, text_files,
                                   token_dtype_problem)
-from bigtrain.data.load import held_out_config, is_token_file, uses_shards
+from bigtrain.data.blend_spec import parse_blend
+from bigtrain.data.load import blended_config, held_out_config, is_token_file, uses_shards
 from bigtrain.data.fields import holds, records_problem, tokenizer_problem
 from bigtrain.data.sampler import split_problem
 
@@ -170,13 +171,17 @@ def data_problems(cfg: Config) -> list[str]:
 
 
 def held_out_source_problems(cfg: Config) -> list[str]:
-    """``data.val_source`` held to ``data.source``'s checks (it is read the same way, and its ids meet
-    the same embedding), each message naming it."""
-    if not cfg.data.val_source:
-        return []
-    as_source = copy.copy(cfg)
-    as_source.data = held_out_config(cfg.data)
-    return [p.replace("data.source", "data.val_source") for p in data_problems(as_source)]
+    """``data.val_source`` and the corpora of ``data.blend`` held to ``data.source``'s checks (each is
+    read the same way, and its ids meet the same embedding), each message naming its field."""
+    d, problems = cfg.data, []
+    named = [(held_out_config(d), f"data.val_source = '{d.val_source}'", "data.val_source")] if d.val_source else []
+    named += [(blended_config(d, path), f"data.blend's {path}", "data.blend") for path, _ in parse_blend(d.blend)]
+    for data, label, field in named:
+        as_source = copy.copy(cfg)
+        as_source.data = data
+        problems += [p.replace(f"data.source = '{data.source}'", label).replace("data.source", field)
+                     for p in data_problems(as_source)]
+    return problems
 
 
 def _stdlib_tokens(d) -> int:

@@ -132,7 +132,8 @@ def _identity_lines(run: dict, segments: list[dict]) -> list[str]:
     if data:
         held = f", {data['held_out_tokens']:,} held out" if data.get("held_out_tokens") else ""
         held += f" in {data['val_source']}" if data.get("val_source") else ""
-        lines.append(f"- data: {data.get('source')} ({data.get('train_tokens', 0):,} training tokens{held})")
+        blend = f" blended with {data['blend']}" if data.get("blend") else ""
+        lines.append(f"- data: {data.get('source')}{blend} ({data.get('train_tokens', 0):,} training tokens{held})")
     # What a step counts: tokens, or a recommender's samples (its summary's samples_seen); the
     # segments keep either under "tokens".
     unit = "samples" if "samples_seen" in run else "tokens"

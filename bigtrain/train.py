@@ -366,7 +366,8 @@ class Trainer(StepRunner):
         says so (:mod:`bigtrain.checkpoint.resume`)."""
         if self.own_step is not None:
             return None
-        return {"train_tokens": len(self.sampler.tokens), "held_out_tokens": len(self.sampler.val_tokens)}
+        train, held_out = self.sampler.token_counts()
+        return {"train_tokens": train, "held_out_tokens": held_out}
 
     def units_seen(self) -> int:
         """The tokens (a recommender: the samples) of every step the run trained, each at the global
@@ -392,7 +393,8 @@ class Trainer(StepRunner):
                 "tokens_seen": self.units_seen(),
                 "wall_time_s": self.wall_time_s, "run": run_info.identity(cfg, self.device.type == "cuda"),
                 "data": {"source": cfg.data.source, **self.data_extent(),
-                         **({"val_source": cfg.data.val_source} if cfg.data.val_source else {})},
+                         **({"val_source": cfg.data.val_source} if cfg.data.val_source else {}),
+                         **({"blend": cfg.data.blend} if cfg.data.blend else {})},
                 # The planner models the decoder the [model] fields describe; another family's is not.
                 "predicted": run_info.prediction(cfg, self.device.type == "cuda") if self.family.model_fields else None}
 

@@ -16,6 +16,7 @@ from bigtrain.context_checks import check_context_parallel, divisor_near as _div
 from bigtrain.embedding_checks import check_embedding  # imports no torch
 from bigtrain.field_checks import non_negative, one_of, path_exists, positive, step_window_problems
 from bigtrain.hsdp_checks import check_hybrid_sharding  # imports no torch
+from bigtrain.data.blend_spec import blend_problems, parse_blend  # imports no torch
 from bigtrain.data.fields import data_field_problems
 from bigtrain.families import family_names, import_family_module, registered_family
 from bigtrain.families.own import own_family_problems
@@ -203,8 +204,15 @@ def check_data(cfg: Config) -> list[str]:
     """The domains of the token corpus fields; the data against the model is the family's rule."""
     family = registered_family(cfg.model.family)
     if family is None or not family.reads_tokens:
+        if cfg.data.blend and family is not None:
+            return [f"data.blend: model.family = '{cfg.model.family}' reads data of its own, not token corpora; "
+                    f"leave data.blend = ''"]
         return []
-    return positive(cfg, ["data.seq_len"]) + non_negative(cfg, ["data.max_bytes"])
+    problems = positive(cfg, ["data.seq_len"]) + non_negative(cfg, ["data.max_bytes"]) + blend_problems(cfg.data.blend)
+    if not problems and cfg.data.blend:
+        problems += [f"data.blend's {path}: no such file or folder; give an existing corpus"
+                     for path, _ in parse_blend(cfg.data.blend) if path != "stdlib" and not path_exists(path)]
+    return problems
 
 
 def check_family(cfg: Config) -> list[str]:

@@ -88,23 +88,30 @@ def test_shards_hold_each_documents_ids_in_order_and_sample_as_one_array(bpe, te
             assert torch.equal(a, b)
 
 
-def test_a_held_out_corpus_is_tokenized_before_launch_as_the_training_corpus_is(bpe, text_folder, tmp_path):
-    """data.val_source with a real tokenizer: prepared into shards of its own by the launcher's
-    preparation (with the training corpus's tokenizer), and the evaluation's windows are its ids."""
+def test_held_out_and_blended_corpora_are_tokenized_before_launch_as_the_training_corpus_is(bpe, text_folder,
+                                                                                            tmp_path):
+    """data.val_source and data.blend with a real tokenizer: prepared into shards of their own by the
+    launcher's preparation (with the training corpus's tokenizer); the evaluation's windows are the
+    held-out corpus's ids, the blended corpus's training ids its text's."""
     from bigtrain.data.load import prepare_run_data, run_sampler
 
     path, tok = bpe
     val_text = "A held-out document, in words the training corpus may not have. " * 20
     (tmp_path / "val.txt").write_text(val_text)
+    blended_text = "def blended(x):\n    return [x for x in range(x)]\n" * 30
+    (tmp_path / "code.txt").write_text(blended_text)
     cfg = load_config(preset="tiny", overrides=[f"--data.source={text_folder}", f"--data.tokenizer={path}",
                                                 f"--data.val_source={tmp_path / 'val.txt'}", f"--model.vocab_size={VOCAB}",
-                                                f"--data.cache_dir={tmp_path / 'cache'}", "--data.seq_len=16"])
+                                                f"--data.cache_dir={tmp_path / 'cache'}", "--data.seq_len=16",
+                                                f"--data.blend={tmp_path / 'code.txt'}=0.25"])
     prepare_run_data(cfg, tmp_path / "run", main=True)
-    sampler = run_sampler(cfg)
+    blended = run_sampler(cfg)
+    sampler = blended.parts[0]
     expected = np.asarray(tok.encode(val_text).ids)
     assert isinstance(sampler.val_tokens, ShardedTokens) and np.array_equal(np.asarray(sampler.val_tokens), expected)
     assert np.array_equal(np.asarray(sampler.tokens), _expected_ids(tok, _texts()))  # all of it trains
-    x, y = sampler.eval_batch(1, 2, 0, 8)
+    assert np.array_equal(np.asarray(blended.parts[1].tokens), np.asarray(tok.encode(blended_text).ids))
+    x, y = blended.eval_batch(1, 2, 0, 8)  # data.val_source's windows, blend or not
     starts = np.linspace(0, len(expected) - 17, 16).round().astype(np.int64)[8:]
     assert torch.equal(x, torch.from_numpy(np.stack([expected[s:s + 16] for s in starts])))
 

@@ -60,6 +60,7 @@ CHANGES = {
                          "evaluations held out; eval_loss before and after differ) and the order of the data "
                          "from here on",
     "data.val_source": "the held-out data (eval_loss before and after differ)",
+    "data.blend": "the corpora the run trains on and the order of the data from here on",
     "train.seed": "the order of the data from here on",
     "train.global_batch": "the data per step and the learning rate's meaning",
     "train.steps": "the learning-rate schedule: its decay ends at the new step count",

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bigtrain.config import DataConfig
+from bigtrain.data.blend_spec import parse_blend, source_share
 from bigtrain.data.corpus import cache_root, load_byte_corpus, load_token_file, stdlib_files, text_files
 from bigtrain.data.documents import (DOCUMENT_SUFFIXES, RECORD_SUFFIXES, corpus_files, has_records,
                                      json_records_source, left_out_files, left_out_summary, tool_folder_files)
@@ -98,7 +99,7 @@ def load_corpus(d: DataConfig):
 
 def held_out_config(d: DataConfig) -> DataConfig:
     """``data.val_source`` read as ``data.source`` is (the same tokenizer, text field and cap)."""
-    return replace(d, source=d.val_source, val_fraction=0.0, val_source="")
+    return replace(d, source=d.val_source, val_fraction=0.0, val_source="", blend="")
 
 
 def run_sampler(cfg, vocab_size: int | None = None, vocab_field: str = "model.vocab_size"):
@@ -108,8 +109,23 @@ def run_sampler(cfg, vocab_size: int | None = None, vocab_field: str = "model.vo
 
     d, t = cfg.data, cfg.train
     held_out = load_corpus(held_out_config(d)) if d.val_source else None
-    return TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target, d.val_fraction,
-                        vocab_size=vocab_size, vocab_field=vocab_field, val_tokens=held_out)
+    source = TokenSampler(load_corpus(d), d.seq_len, t.global_batch, t.seed, d.ignore_target, d.val_fraction,
+                          vocab_size=vocab_size, vocab_field=vocab_field, val_tokens=held_out)
+    blend = parse_blend(d.blend)
+    if not blend:
+        return source
+    from bigtrain.data.blend import BlendedSampler
+
+    parts = [TokenSampler(load_corpus(blended_config(d, path)), d.seq_len, t.global_batch, t.seed, d.ignore_target,
+                          d.val_fraction, vocab_size=vocab_size, vocab_field=vocab_field,
+                          source_field=f"data.blend's {path}") for path, _ in blend]
+    return BlendedSampler([source, *parts], [source_share(blend), *(share for _, share in blend)],
+                          held_out_corpus=bool(d.val_source))
+
+
+def blended_config(d: DataConfig, path: str) -> DataConfig:
+    """A corpus of ``data.blend`` read as ``data.source`` is (the same tokenizer, text field and cap)."""
+    return replace(d, source=path, val_source="", blend="")
 
 
 def load_tokens(source: str, cache_dir: str = "", max_bytes: int = 0, tokenizer: str = BYTES,
@@ -293,6 +309,14 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
+    for path, _ in parse_blend(d.blend):
+        blended = blended_config(d, path)
+        try:
+            part = prepare_corpus(blended, check=True, log=log if main else None)
+        except ValueError as e:
+            raise ConfigError(f"data.blend's {path}: {e}") from None
+        if part is not None and (problem := split_problem(part["tokens"], d.seq_len, d.val_fraction)):
+            raise ConfigError(f"{problem} (data.blend's {path} tokenizes to {part['tokens']} tokens)")
     if d.val_source:
         try:
             held_out = prepare_corpus(held_out_config(d), check=True, log=log if main else None)

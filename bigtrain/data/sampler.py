@@ -88,7 +88,7 @@ class TokenSampler:
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, ignore_target: int = -1,
                  val_fraction: float = 0.0, vocab_size: int | None = None, vocab_field: str = "model.vocab_size",
-                 val_tokens: np.ndarray | None = None):
+                 val_tokens: np.ndarray | None = None, source_field: str = "data.source"):
         problem = split_problem(len(tokens), seq_len, val_fraction)
         if problem:
             raise ValueError(problem)
@@ -105,8 +105,8 @@ class TokenSampler:
         tokens = tokens[:len(tokens) - held_out]
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.ignore_target = ignore_target
-        self.vocab_size, self.vocab_field = vocab_size, vocab_field
-        self.mapped = MappedFile.of(tokens)
+        self.vocab_size, self.vocab_field, self.source_field = vocab_size, vocab_field, source_field
+        self.mapped = MappedFile.of(tokens, source_field)
         if val_tokens is None:
             self.val_mapped = self.mapped  # the held-out slice is the corpus's
         self.val_where = "held-out slice" if val_tokens is None else "held-out corpus"
@@ -134,9 +134,13 @@ class TokenSampler:
         value, field = int(windows[row, column]), self.vocab_field
         fix = (f"set {field} to at least {value + 1}, or re-tokenize" if value >= 0 else
                "ids cannot be negative, re-tokenize")
-        source = "data.val_source" if where == "held-out corpus" else "data.source"
+        source = "data.val_source" if where == "held-out corpus" else self.source_field
         return (f"{source}: token id {value} at position {int(starts[row]) + column} of the {where}, outside "
                 f"0 .. {field} - 1 = {self.vocab_size - 1}; {fix}")
+
+    def token_counts(self) -> tuple[int, int]:
+        """(training tokens, held-out tokens)."""
+        return len(self.tokens), len(self.val_tokens)
 
     def batch(self, step: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``first .. first+count-1`` of the global batch at ``step``."""
