@@ -91,3 +91,15 @@ def test_a_blended_run_trains_in_a_layout_as_the_reference_does(corpus_cache, tm
     cfg = tiny_config(corpus_cache, f"--data.blend={text}=0.5", "--parallel.dp=2", "--parallel.zero=2")
     report = run_ranks(check_on_rank, 2, cfg, str(tmp_path / "run"), 3)[0]
     assert report.agree, report.text()
+
+
+def test_data_source_s_warnings_name_a_blended_corpus_too(corpus_cache, tmp_path, capsys):
+    """data.max_bytes cuts every corpus (16 MB by default): a blended one cut short is said as
+    data.source is, by its name."""
+    from bigtrain.data.load import prepare_run_data
+
+    text = tmp_path / "long.txt"
+    text.write_text("def f(x):\n    return x\n" * 400)
+    cfg = tiny_config(corpus_cache, f"--data.blend={text}=0.2", "--data.max_bytes=2000")
+    prepare_run_data(cfg, tmp_path / "run", main=True)
+    assert f"data.max_bytes = 2000 cut data.blend's {text} short" in capsys.readouterr().err

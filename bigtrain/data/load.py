@@ -283,6 +283,14 @@ def encoding_warning(d: DataConfig, manifest: dict | None) -> str | None:
             f"-t utf-8), or train on bytes (data.tokenizer = 'bytes')")
 
 
+def _other_corpus_warnings(d: DataConfig, manifest: dict | None, label: str) -> list[str]:
+    """data.source's warnings (files left out, a cap that cut it, ...) of a corpus of data.blend or
+    data.val_source, read as data.source (``d``), their messages naming it by ``label``."""
+    found = (left_out_warning(d), tool_folder_warning(d), single_file_warning(d), cap_warning(d, manifest),
+             encoding_warning(d, manifest))
+    return [w.replace(f"data.source = '{d.source}'", label) for w in found if w]
+
+
 def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
     """Before the ranks start: tokenize the corpus if it needs it (once; verified when it was there
     already), refuse one too short for a window, and keep the tokenizer in the run directory (on the
@@ -309,6 +317,8 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
+    warnings = [left_out_warning(d), tool_folder_warning(d), single_file_warning(d), cap_warning(d, manifest),
+                encoding_warning(d, manifest), small_corpus_warning(cfg, manifest)]
     for path, _ in parse_blend(d.blend):
         blended = blended_config(d, path)
         try:
@@ -317,16 +327,18 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
             raise ConfigError(f"data.blend's {path}: {e}") from None
         if part is not None and (problem := split_problem(part["tokens"], d.seq_len, d.val_fraction)):
             raise ConfigError(f"{problem} (data.blend's {path} tokenizes to {part['tokens']} tokens)")
+        warnings += _other_corpus_warnings(blended, part, f"data.blend's {path}")
     if d.val_source:
+        held_out_data = held_out_config(d)
         try:
-            held_out = prepare_corpus(held_out_config(d), check=True, log=log if main else None)
+            held_out = prepare_corpus(held_out_data, check=True, log=log if main else None)
         except ValueError as e:
             raise ConfigError(f"data.val_source: {e}") from None
         if held_out is not None and held_out["tokens"] < d.seq_len + 1:
             raise ConfigError(f"data.val_source = '{d.val_source}' tokenizes to {held_out['tokens']} tokens, fewer than "
                               f"one window (data.seq_len + 1 = {d.seq_len + 1}); give a longer held-out corpus")
-    for warning in (left_out_warning(d), tool_folder_warning(d), single_file_warning(d), cap_warning(d, manifest), encoding_warning(d, manifest),
-                    small_corpus_warning(cfg, manifest)):
+        warnings += _other_corpus_warnings(held_out_data, held_out, f"data.val_source = '{d.val_source}'")
+    for warning in warnings:
         if main and warning and not launched_by_bigtrain():  # else its launcher said it
             print(f"bigtrain: warning: {warning}", file=sys.stderr)
     if main and d.tokenizer != BYTES:
