@@ -46,7 +46,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bigtrain", description="Train models that do not fit on one accelerator.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model (overrides: --section.key=value)"),
-                       ("config", "print the resolved, validated config as TOML")):
+                       ("config", "print the resolved, validated config as TOML"),
+                       ("data", "show what a config trains on: its corpora, tokens, how often a run reads each, and "
+                                "step 1's first windows as text")):
         extra = {"epilog": train_epilog(DEFAULT_PRESET), "formatter_class": argparse.RawDescriptionHelpFormatter} \
             if name == "train" else {}
         p = sub.add_parser(name, help=text, description=text, **extra)
@@ -73,6 +75,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                            help="after a rank fails, restart all ranks up to N times (torchrun elastic); "
                                 "each restart resumes from the run directory's newest checkpoint (default 0)")
+        if name == "data":
+            p.add_argument("--windows", type=int, default=2, metavar="N", help="windows of step 1 to show (default 2)")
     from bigtrain.check.cli import add_check_parser
 
     add_check_parser(sub)
@@ -418,7 +422,7 @@ def _main(argv: list[str] | None = None) -> int:
         return 2
     args, rest = parser.parse_known_args(argv)
     rest = joined_overrides(rest)
-    takes_overrides = args.command in ("train", "config", "check")
+    takes_overrides = args.command in ("train", "config", "check", "data")
     unknown = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if unknown or (rest and not takes_overrides):
         print(unknown_arguments_message(args.command, unknown or rest, commands[args.command], takes_overrides),
@@ -439,6 +443,12 @@ def _main(argv: list[str] | None = None) -> int:
             preset = _preset(args)
             # dp left to the launcher's world size, so `torchrun ... --config` of this file runs as is
             print(to_toml(cfg, unset=() if dp_given(preset, args.config, rest) else ("parallel.dp",)))
+        elif args.command == "data":
+            from bigtrain.data.summary import describe_data
+
+            cfg = _resolve(args, rest)
+            validate(cfg)
+            print(describe_data(cfg, windows=max(0, args.windows)))
         elif args.command == "report":
             from bigtrain.report import write_report
 
