@@ -448,6 +448,14 @@ def _main(argv: list[str] | None = None) -> int:
 
             cfg = _resolve(args, rest)
             validate(cfg)
+            if not family_of(cfg).reads_tokens:
+                print(f"bigtrain data: model.family = '{cfg.model.family}' reads data of its own, not token corpora; "
+                      f"bigtrain data shows token corpora", file=sys.stderr)
+                return 1
+            from bigtrain.preflight import data_problems, held_out_source_problems
+
+            if problems := data_problems(cfg) + held_out_source_problems(cfg):  # as bigtrain train before launch
+                raise ConfigError(problems)
             print(describe_data(cfg, windows=max(0, args.windows)))
         elif args.command == "report":
             from bigtrain.report import write_report

@@ -38,3 +38,12 @@ def test_a_blend_shows_each_corpus_with_its_share_and_a_held_out_corpus(tmp_path
     assert "data.source = 'stdlib'" in out and "share 0.75" in out
     assert f"data.blend's {tmp_path / 'code.txt'}: 4,600 training tokens; share 0.25" in out
     assert f"data.val_source = '{tmp_path / 'val.txt'}': 600 held-out tokens" in out
+
+
+def test_what_it_cannot_show_is_said_in_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["data", "--preset", "tiny", f"--data.source={tmp_path / 'empty'}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.source" in err and "no text files" in err and "Traceback" not in err
+    assert main(["data", "--preset", "dlrm-tiny"]) == 1
+    assert "reads data of its own" in capsys.readouterr().err
