@@ -217,6 +217,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
                       f"exit code {stopped} ({run_dir / 'stopped.json'})", file=sys.stderr)
             return stopped
         cfg.checkpoint.resume = resume_after_restart(cfg.checkpoint.resume, run_dir)
+        # The same command line as the first round's: its --overwrite replaced the old run then, and
+        # here would remove what the first round saved (and train from step 0 again).
+        args.overwrite = False
         if notice := restart_notice(cfg.checkpoint.resume, run_dir):
             print(notice, file=sys.stderr)
     print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
