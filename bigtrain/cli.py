@@ -224,6 +224,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
                       f"exit code {stopped} ({run_dir / 'stopped.json'})", file=sys.stderr)
             return stopped
         cfg.checkpoint.resume = resume_after_restart(cfg.checkpoint.resume, run_dir)
+        # The same command line as the first round's: its --overwrite replaced the old run then, and
+        # here would remove what the first round saved (and train from step 0 again).
+        args.overwrite = False
         if notice := restart_notice(cfg.checkpoint.resume, run_dir):
             print(notice, file=sys.stderr)
     print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
@@ -241,12 +244,18 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _train_in(args: argparse.Namespace, cfg: Config, run_dir: Path, lock) -> int:
     """``bigtrain train`` once the run directory is this run's (``lock``): launch the ranks, or be one."""
+    from bigtrain.distributed.elastic import restart_round
     from bigtrain.distributed.launch import launch_local, launched_externally
     from bigtrain.run_dir import clear_run, forget_stop, recorded_exit_code, write_atomic
     from bigtrain.run_lock import TOKEN_ENV
 
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
         clear_run(run_dir)
+    if restart_round() == 0 and os.environ.get("RANK", "0") == "0":
+        # An earlier launch's stop is not this launch's: a restarted round reads stopped.json as its
+        # previous round's, and one left from before (a run stopped by SIGTERM, then resumed under
+        # torchrun) ended every restart at once if the first round failed before fit forgot it.
+        forget_stop(run_dir)
     if family_of(cfg).reads_tokens:  # text tokenized once, here: in the launcher, or by the first rank to come
         from bigtrain.data.load import prepare_run_data
 

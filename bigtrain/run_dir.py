@@ -189,6 +189,12 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
     if held is not None and not continuing and not overwrite:
         raise ConfigError(f"--output-dir = '{run_dir}' holds a run ({held}); continue it with --resume, choose "
                           f"another --output-dir, or pass --overwrite to replace it")
+    if overwrite and continuing and resume != "auto":
+        # A path into the run's own checkpoints: --overwrite would remove it with the rest, and the
+        # ranks would then stop on a path that is gone, the whole run lost.
+        raise ConfigError(f"--overwrite removes {root}, which holds checkpoint.resume = '{resume}': leave out "
+                          f"--overwrite to go on from it (a checkpoint of the run's own continues the run; its "
+                          f"later checkpoints are removed), or copy it out of --output-dir first")
     if source is None or (overwrite and continuing):  # what it would continue is about to be removed
         return None
     with warnings.catch_warnings(record=True) as skipped:

@@ -127,3 +127,36 @@ def test_a_checkpoint_of_other_tables_or_another_dense_optimizer_is_refused(tmp_
         cfg = dlrm_config(2, "table", overrides=(f"--checkpoint.resume={saved}", "--train.steps=8", changed))
         with pytest.raises(RankFailure, match=f"ResumeError: .*{message}"):
             run_ranks(fit_in, 2, cfg, str(tmp_path / "again"), timeout=300)
+
+
+def _save_then_resume_with(rank: int, world: int, saved_with: str, resumed_with: str, run_dir: str) -> int:
+    first = trainer_on_rank(rank, world, dlrm_config(world, "row", saved_with), run_dir)
+    first.train_step()
+    assert first.save()
+    cfg = dlrm_config(world, "row", resumed_with)
+    cfg.checkpoint.resume = "auto"
+    again = trainer_on_rank(rank, world, cfg, run_dir)
+    assert again.resume("auto")
+    return again.step
+
+
+def test_tables_saved_without_state_refuse_an_optimizer_that_needs_it_by_name(tmp_path):
+    """A checkpoint of SGD tables has no row-wise Adagrad accumulators. The check before launch let it
+    pass with a warning ('its state is ... missing'); every rank then found each checkpoint 'verifies
+    but failed to load' and stopped with 'remove the broken ones to start afresh': good checkpoints,
+    which the advice would have deleted. Now one error naming the field and the value to resume with,
+    before launch and in the ranks; the other way (the state dropped) resumes with a warning."""
+    import json
+
+    from bigtrain.checkpoint.compat import compare_configs
+    from bigtrain.checkpoint.resume import ResumeError
+
+    with pytest.raises(ResumeError, match="embedding.optimizer = 'rowwise_adagrad', but the checkpoint .* "
+                                          "resume with embedding.optimizer = 'sgd'") as refused:
+        _save_then_resume_with(0, 1, "sgd", "rowwise_adagrad", str(tmp_path / "sgd"))
+    assert "broken" not in str(refused.value)
+    meta = json.loads((tmp_path / "sgd" / "checkpoints" / "step_00000001" / "meta.json").read_text())
+    errors, _ = compare_configs(meta["config"], dlrm_config(1, "row", "rowwise_adagrad"), "step_00000001")
+    assert len(errors) == 1 and "resume with embedding.optimizer = 'sgd'" in errors[0]
+    with pytest.warns(UserWarning, match="embedding.optimizer = 'sgd' differs .* per-row state is dropped"):
+        assert _save_then_resume_with(0, 1, "rowwise_adagrad", "sgd", str(tmp_path / "adagrad")) == 1

@@ -180,6 +180,55 @@ def test_a_restarted_round_resumes_the_runs_newest_checkpoint(tmp_path, monkeypa
     assert resume.resume_after_restart("/elsewhere/step_00000100", tmp_path) == "auto"
 
 
+def test_a_restarted_round_of_an_overwrite_command_continues_what_the_first_round_saved(corpus_cache, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """A user's ``torchrun --max-restarts N -m bigtrain train --overwrite ...`` re-runs the same command
+    line after a failure: the restarted round's --overwrite removed the checkpoints the first round had
+    saved and trained from step 0 again, under the notice 'resuming from the newest valid checkpoint'
+    (every failure lost the run). The first round replaced the old run; a restarted one continues."""
+    from bigtrain.metrics import read_metrics
+
+    out = tmp_path / "run"
+    argv = _train(corpus_cache, out, "--logging.log_every=1", "--checkpoint.every=2", "--overwrite")
+    # The first round (4 of 6 steps here: as if it failed after its step-4 checkpoint).
+    assert cli.main(argv + ["--train.steps=4"]) == 0
+    first = read_metrics(out)
+    capsys.readouterr()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert cli.main(argv + ["--train.steps=6"]) == 0
+    assert "resuming from step_00000004 (step 4 of 6)" in capsys.readouterr().out
+    assert read_metrics(out)[:4] == first and [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_stop_recorded_by_an_earlier_launch_does_not_end_this_launchs_restarts(corpus_cache, tmp_path,
+                                                                                  monkeypatch):
+    """A run stopped by SIGTERM (stopped.json: 143), relaunched with --resume under a user's torchrun
+    with restarts. If its first round failed before training (a rank lost while the group formed or
+    the checkpoint loaded), every restarted round read the earlier launch's stopped.json as its own
+    previous round's stop and exited 143 at once: the restarts meant for that failure never ran."""
+    from bigtrain.run_dir import record_stop
+
+    out = tmp_path / "run"
+    assert cli.main(_train(corpus_cache, out, "--train.steps=2", "--checkpoint.every=2")) == 0
+    record_stop(out, 143, "stopped by SIGTERM after step 2", 2)  # the launch before this one
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rounds = []
+
+    def rank(cfg, run_dir, lock=None):
+        rounds.append(elastic.restart_round())
+        if len(rounds) == 1:
+            raise RuntimeError("a peer was lost while the checkpoint loaded")
+        return 0
+
+    monkeypatch.setattr(cli, "run_rank", rank)
+    resume = ["train", "--output-dir", str(out), "--resume", "--train.steps=4"]
+    with pytest.raises(RuntimeError, match="peer was lost"):  # round 0 fails before training
+        cli.main(resume)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert cli.main(resume) == 0 and rounds == [0, 1]
+
+
 def test_a_restart_is_announced_once_by_rank_0(tmp_path):
     env = {"TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "3", "RANK": "0"}
     assert elastic.restart_notice("auto", tmp_path, env) == (

@@ -190,6 +190,21 @@ def test_a_second_run_in_the_same_directory_is_refused_without_overwrite(straigh
     assert meta["run_id"] == read_run_id(out)
 
 
+@pytest.mark.parametrize("inside", ["checkpoints/step_00000004", "checkpoints"])
+def test_overwrite_never_removes_the_checkpoint_the_run_starts_from(inside, straight, tmp_path, capsys, corpus_cache):
+    """--overwrite with checkpoint.resume naming a checkpoint of the run it replaces: it removed every
+    checkpoint (that one too), config.toml and metrics, then stopped: 'no such checkpoint' (exit 2)."""
+    out = _copy(straight, tmp_path)
+    before = sorted(p.name for p in out.iterdir())
+    assert main(_args(corpus_cache, out, "--train.steps=6", f"--checkpoint.resume={out / inside}",
+                      "--overwrite")) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite removes" in err and "leave out --overwrite" in err
+    assert sorted(p.name for p in out.iterdir()) == before and len(ckpt.list_checkpoints(out / "checkpoints")) == 3
+    assert main(_args(corpus_cache, out, "--train.steps=6", f"--checkpoint.resume={out / inside}")) == 0
+    assert _losses(out) == _losses(straight)  # the fix the message gives: the run goes on from it
+
+
 def test_a_restarted_rank_command_continues_the_same_run(straight, tmp_path):
     """What torchrun re-runs after a restart: the run's own config, resume 'auto'; accepted."""
     out = _copy(straight, tmp_path)

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from bigtrain.config import Config, ModelConfig, canonical_keys
-from bigtrain.core.tables import parse_sizes
+from bigtrain.core.tables import ROW_STATE_OPTIMIZERS, parse_sizes
 from bigtrain.optim import get_optimizer  # plain data: imports no torch
 
 # The model's parameter shapes (compared on effective values: ffn_hidden 0 means a computed size).
@@ -83,7 +83,7 @@ CHANGES = {
     "model.moe_capacity_factor": "the routing of tokens to the experts (which ones are dropped)",
     "model.moe_aux_loss_coef": "the experts' load-balancing loss",
     "embedding.hotness": "the ids per sample the run trains on",
-    "embedding.optimizer": "the tables' optimizer (its state is dropped, or missing)",
+    "embedding.optimizer": "the tables' optimizer (their per-row state is dropped)",
     "embedding.lr": "the tables' optimizer's update",
     "embedding.eps": "the tables' optimizer's update",
 }
@@ -150,7 +150,8 @@ def compare_configs(saved: dict[str, dict[str, Any]], run: Config, where: str) -
                       "settings (bigtrain train --output-dir RUN --resume reads RUN/config.toml), or start a "
                       "new run in another --output-dir")
     optim = saved.get("optim", {})
-    return errors + _optimizer_errors(optim, run, where) + _block_errors(optim, run, where), changes
+    return (errors + _optimizer_errors(optim, run, where) + _block_errors(optim, run, where)
+            + _table_state_errors(saved.get("embedding", {}), run, where)), changes
 
 
 def _shape_errors(saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]], where: str) -> list[str]:
@@ -204,6 +205,18 @@ def _optimizer_errors(saved: dict[str, Any], run: Config, where: str) -> list[st
         return []
     return [f"optim.name = '{run.optim.name}', but the checkpoint {where} holds {name}'s optimizer state; resume "
             f"with optim.name = '{name}', or start a new run in another --output-dir"]
+
+
+def _table_state_errors(saved: dict[str, Any], run: Config, where: str) -> list[str]:
+    """Tables saved by an optimizer without per-row state (SGD) hold none for one that keeps it
+    (row-wise Adagrad's accumulators): the ranks' load finds it missing and gives up every checkpoint
+    as broken. The other way the state is dropped (a warning, CHANGES)."""
+    name, now = saved.get("optimizer"), run.embedding.optimizer
+    if name is None or name == now or now not in ROW_STATE_OPTIMIZERS or name in ROW_STATE_OPTIMIZERS:
+        return []
+    return [f"embedding.optimizer = '{now}', but the checkpoint {where} was written with embedding.optimizer = "
+            f"'{name}', which keeps no per-row state for it to go on from; resume with embedding.optimizer = "
+            f"'{name}', or start a new run in another --output-dir"]
 
 
 def _block_errors(saved: dict[str, Any], run: Config, where: str) -> list[str]:

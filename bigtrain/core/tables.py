@@ -5,6 +5,7 @@ from __future__ import annotations
 KINDS = ("table", "row", "column", "data")
 SHARDINGS = ("auto", *KINDS)
 SPARSE_OPTIMIZERS = ("rowwise_adagrad", "sgd")
+ROW_STATE_OPTIMIZERS = ("rowwise_adagrad",)  # those that keep state per row (an accumulator: optim/sparse.py)
 
 
 def parse_sizes(text: str) -> list[int]:
