@@ -351,6 +351,15 @@ def test_a_checkpoint_that_verifies_but_fails_to_load_falls_back(corpus_cache, t
     again = trainer_on_rank(0, 1, cfg, tmp_path)
     with pytest.warns(UserWarning, match="step_00000004 verifies but failed to load"):
         assert again.resume("auto") and again.step == 2
+    # None loads: the files verify, so the message points at the settings, not at removing them.
+    oldest = ckpt.list_checkpoints(trainer.checkpoint_root)[1]
+    shard = next(oldest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _resign(oldest)
+    with pytest.warns(UserWarning), pytest.raises(ResumeError) as err:
+        trainer_on_rank(0, 1, cfg, tmp_path).resume("auto")
+    assert "their files verify, so this run's settings" in str(err.value)
+    assert "remove them only to start afresh" in str(err.value)
 
 
 def _fall_back_when_rank_1_cannot_load(rank, world_size, cfg, run_dir):

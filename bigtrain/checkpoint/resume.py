@@ -97,8 +97,13 @@ def resume_checkpoint(trainer, where: str, run_id: str | None) -> tuple[Path, di
     if where == "auto" and not tried and not list_checkpoints(source):
         return None
     if tried:
+        # Each of them verified (its files are whole as written): what fails is more likely this run's
+        # settings or code against them than the files, and removing them would lose good checkpoints.
         raise ResumeError(f"checkpoint.resume = '{where}': no checkpoint under {source} loads ({'; '.join(tried)}); "
-                          f"remove the broken ones to start afresh, or give checkpoint.resume a good one's path")
+                          f"their files verify, so this run's settings (or code) more likely differ from those they "
+                          f"were written with than the files are broken: resume with those settings (bigtrain train "
+                          f"--output-dir RUN --resume reads RUN/config.toml), or give checkpoint.resume another "
+                          f"checkpoint's path; remove them only to start afresh")
     raise ResumeError(f"checkpoint.resume = '{where}': {source} holds no checkpoint that verifies (see the warnings "
                       f"above); remove the broken ones to start afresh, or give checkpoint.resume a good one's path")
 
