@@ -30,7 +30,7 @@ from bigtrain.optim.schedule import lr_at
 from bigtrain.parallel.pipeline.deferred import DeferredUpdate, LandedUpdate, deferrable
 from bigtrain.parallel.pipeline.executor import PipelineExecutor
 from bigtrain.parallel.zero.delayed import abandon
-from bigtrain.models.moe import set_aux_loss_scale, update_router_biases
+from bigtrain.models.moe import moe_blocks, set_aux_loss_scale, update_router_biases
 from bigtrain.parallel.build import ParallelModel, parallelize
 from bigtrain.parallel.compile import compile_clock
 from bigtrain.profiling import phase
@@ -153,12 +153,23 @@ class StepRunner:
         if self.compile_clock is not None:
             self.compile_clock.take()  # what compiled before this run (another trainer's) is not this run's
         set_aux_loss_scale(self.model, 1.0 / cfg.train.global_batch)  # each sequence's share of the batch mean
+        self.moe_on_other_stages = self._moe_on_other_stages()
         self.executor = self._build_executor() if self.parallel.schedule is not None else None
         vocab, vocab_field = model_vocabulary(cfg)
         self.sampler = run_sampler(cfg, vocab_size=vocab, vocab_field=vocab_field)
         self.accum = cfg.train.grad_accum(mesh.size("dp"))
         self.global_tokens = cfg.train.global_batch * cfg.data.seq_len
         self.counted_targets = self.global_tokens  # this step's loss normalizer (fewer when targets are masked)
+
+    def _moe_on_other_stages(self) -> bool:
+        """Whether pipeline stages hold MoE blocks that this stage's record would leave out (a step's
+        ``moe`` metrics are the first rank's, which updates only its own stage's blocks): agreed by
+        every pipeline rank once, so that dense pipelines pay no collective a step."""
+        pp = self.parallel.pp
+        if pp.size == 1:
+            return False
+        held = torch.tensor([float(bool(moe_blocks(self.model)))], device=self.device)
+        return bool(pp.max(held).item())
 
     # -- one optimizer step -------------------------------------------------------------------
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, sync: bool,
@@ -275,6 +286,9 @@ class StepRunner:
         loss = float(loss_sum) / global_targets
         step_time = time.perf_counter() - start
         mem = self._memory(activations) if measure else {}  # one more sync, on measured steps only
+        if self.moe_on_other_stages:  # the record is the first rank's: every stage's blocks (after the timing)
+            stages = self.parallel.pp.gather_objects(moe)
+            moe = {name: m for stage in stages for name, m in stage.items()} if stages is not None else moe
         self.engine.zero_grad()
         self.step += 1
         scaler = self.engine.scaler

@@ -70,3 +70,25 @@ def test_all_to_all_bytes_equal_the_formula(corpus_cache, tmp_path):
             assert all(payload[key][0] == blocks * micro * per_exchange for payload, _ in ranks), tag
     sent = sum(v for _, ops in ranks for k, v in ops["ep"].items() if "moe_counts" not in k)
     assert sent == pytest.approx(2 * 4 * blocks * micro * per_exchange * (2 - 1) / 2)
+
+
+def _moe_records(rank, world_size, cfg, run_dir, steps):
+    from helpers import trainer_on_rank
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    return [trainer.train_step().moe for _ in range(steps)]
+
+
+@pytest.mark.parametrize("layout", [["--parallel.pp=2"], ["--parallel.pp=2", "--parallel.dp=2", "--parallel.ep=2"]])
+def test_the_step_record_holds_every_stages_moe_blocks(layout, corpus_cache, tmp_path):
+    """The record (the first rank's) held only the first pipeline stage's blocks: a pp run's
+    metrics and report lost the expert load of every block past it. Routings per expert and drops
+    are counts (exact); the aux loss is a sum of fp32 per-sequence values (1e-5 relative)."""
+    extra = ["--model.moe_capacity_factor=1.0", "--model.moe_aux_loss_coef=0.01"]
+    one = run_ranks(_moe_records, 1, tiny_config(corpus_cache, *MOE, *extra), str(tmp_path / "one"), 2)[0]
+    cfg = tiny_config(corpus_cache, *MOE, *extra, *layout)
+    cut = run_ranks(_moe_records, cfg.parallel.world_size, cfg, str(tmp_path / "cut"), 2, timeout=240)[0]
+    for ours, theirs in zip(cut, one):
+        assert list(ours) == list(theirs) == ["layers.0.feed_forward", "layers.1.feed_forward"]
+        for name, m in theirs.items():
+            assert (ours[name]["load"], ours[name]["dropped"]) == (m["load"], m["dropped"]), name
+            assert ours[name]["aux"] == pytest.approx(m["aux"], rel=1e-5), name
