@@ -453,7 +453,7 @@ def _main(argv: list[str] | None = None) -> int:
             # dp left to the launcher's world size, so `torchrun ... --config` of this file runs as is
             print(to_toml(cfg, unset=() if dp_given(preset, args.config, rest) else ("parallel.dp",)))
         elif args.command == "data":
-            from bigtrain.data.summary import describe_data
+            from bigtrain.data_summary import describe_data
 
             cfg = _resolve(args, rest)
             validate(cfg)
