@@ -88,6 +88,38 @@ def test_shards_hold_each_documents_ids_in_order_and_sample_as_one_array(bpe, te
             assert torch.equal(a, b)
 
 
+def test_a_shard_is_encoded_a_group_of_documents_at_a_time(bpe, text_folder, tmp_path, monkeypatch):
+    """A shard's documents go to the tokenizer in groups of about ENCODE_BYTES of text, not all at
+    once: a tokenizers Encoding holds strings, offsets and masks for every token, and a 32 MB shard
+    of JSON Lines encoded in one call peaked at 2.0 GB in its worker. The ids are those of each
+    document encoded alone, the end id after each, in order."""
+    import bigtrain.data.shards as shards
+    from bigtrain.data.tokenizer import load_tokenizer
+
+    path, tok = bpe
+    real, calls = load_tokenizer(str(path)), []
+
+    class Counting:
+        vocab_size, kind = real.vocab_size, real.kind
+
+        def encode_batch(self, texts):
+            calls.append([len(t) for t in texts])
+            return real.encode_batch(texts)
+
+        def __getattr__(self, name):  # frame_ids, token_id: the real tokenizer's
+            return getattr(real, name)
+
+    monkeypatch.setattr(shards, "ENCODE_BYTES", 30_000)
+    monkeypatch.setitem(shards._WORKER_TOKENIZERS, str(path), Counting())
+    d = _data(text_folder, path, tmp_path, document_end="<|endoftext|>")
+    prepare_corpus(d, shard_bytes=200_000, workers=1)  # in this process: the counting tokenizer
+    assert len(calls) > 2 and sum(len(c) for c in calls) == 20
+    assert all(len(c) == 1 or sum(c) <= 30_000 for c in calls), calls
+    end = tok.token_to_id("<|endoftext|>")
+    expected = np.concatenate([np.append(tok.encode(t).ids, end) for t in _texts()])
+    assert np.array_equal(np.asarray(load_corpus(d)), expected)
+
+
 def test_data_document_end_puts_its_token_after_each_document(bpe, text_folder, tmp_path):
     """data.document_end = '<|endoftext|>': each document's ids, then that token's id (appended as an
     id, not text), in a corpus of its own (the cache key holds it); without it the documents run into
@@ -379,6 +411,16 @@ def test_a_text_file_that_is_not_utf8_is_said_before_launch(bpe, tmp_path, capsy
     assert (f"bigtrain: warning: data.source = '{corpus}': 1 text file is not UTF-8 ({corpus / 'b.txt'}); its "
             f"undecodable bytes were read as U+FFFD") in err, err
     assert "convert them to UTF-8" in err
+    assert "or train on bytes (data.tokenizer = 'bytes')" in err
+    # Bytes already, through documents for data.document_end: the fix is to leave that field unset,
+    # not "train on bytes" (this run's own tokenizer), and without it the bytes are read as they are.
+    ended = [f"--data.source={corpus}", "--data.document_end=\n", f"--data.cache_dir={tmp_path / 'cache'}"]
+    prepare_run_data(load_config(preset="tiny", overrides=ended), tmp_path / "run", main=True)
+    err = capsys.readouterr().err
+    assert "1 text file is not UTF-8" in err and "data.tokenizer = 'bytes'" not in err, err
+    assert "or leave data.document_end = '' (the byte-level corpus then reads the files' bytes as they are)" in err
+    raw = load_corpus(DataConfig(source=str(corpus / "b.txt"), cache_dir=str(tmp_path / "cache"), max_bytes=0))
+    assert bytes(np.asarray(raw)) == (corpus / "b.txt").read_bytes()
     (corpus / "b.txt").write_text("Caf\u00e9, na\u00efve, \u00fcber: " * 50, encoding="utf-8")
     prepare_run_data(load_config(preset="tiny", overrides=overrides), tmp_path / "run", main=True)
     assert "UTF-8" not in capsys.readouterr().err

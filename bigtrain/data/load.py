@@ -254,10 +254,18 @@ def encoding_warning(d: DataConfig, manifest: dict | None) -> str | None:
         return None
     files = manifest.get("not_utf8", [])
     more = f" and {count - len(files)} more" if count > len(files) else ""
+    if d.tokenizer != BYTES:
+        other = "train on bytes (data.tokenizer = 'bytes')"
+    elif not (json_records(d) or has_records(source_files(d))):
+        # Bytes already: data.document_end is what made the text go through documents (the byte corpus,
+        # without it, reads files as they are); "train on bytes" was the advice given to this very run.
+        other = "leave data.document_end = '' (the byte-level corpus then reads the files' bytes as they are)"
+    else:
+        other = None  # records: bytes go through documents (and JSON Lines that is not UTF-8 is refused)
     return (f"data.source = '{d.source}': {count} text file{'s are' if count != 1 else ' is'} not UTF-8 "
             f"({', '.join(files)}{more}); {'their' if count != 1 else 'its'} undecodable bytes were read as U+FFFD, the replacement "
             f"character, so the model never sees those characters: convert them to UTF-8 (e.g. iconv -f latin1 "
-            f"-t utf-8), or train on bytes (data.tokenizer = 'bytes')")
+            f"-t utf-8){f', or {other}' if other else ''}")
 
 
 def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:

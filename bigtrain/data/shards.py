@@ -45,6 +45,10 @@ from bigtrain.data.tokenizer import document_end_id, file_digest, ids_dtype, loa
 # (Also 3: a .json data.source is read as records, where format 2 read it as one document of JSON text.)
 FORMAT = 3
 SHARD_BYTES = 32 << 20  # text per shard: a worker's unit of work and of resumption
+# Text encoded at a time within a shard: a tokenizers Encoding keeps strings, offsets and masks for
+# every token (a 32 MB shard encoded in one call peaked at 2.0 GB in its worker), so each group's
+# ids are narrowed to the shard's dtype and its encodings freed before the next group is encoded.
+ENCODE_BYTES = 1 << 20
 MANIFEST = "manifest.json"
 DIGESTS = "file-digests.json"
 
@@ -142,15 +146,30 @@ def _tokenize_shard(spec: str, folder: str, index: int, texts: list[str], text_d
     ids and marker (runs in a worker)."""
     tokenizer = _WORKER_TOKENIZERS.get(spec) or _WORKER_TOKENIZERS.setdefault(spec, load_tokenizer(spec))
     dtype = ids_dtype(tokenizer.vocab_size)
-    encoded = tokenizer.encode_batch(texts)
+    encoded = []
+    for group in _groups(texts, ENCODE_BYTES):
+        encoded += [ids.astype(dtype) for ids in tokenizer.encode_batch(group)]  # ids < vocab_size: no wrap
     if end is not None:  # appended as an id: as text it could merge with the document's last characters
-        encoded = [np.append(ids, end) for ids in encoded]
-    ids = np.concatenate(encoded).astype(dtype) if encoded else np.zeros(0, dtype)
+        encoded = [np.append(ids, np.asarray(end, dtype)) for ids in encoded]
+    ids = np.concatenate(encoded) if encoded else np.zeros(0, dtype)
     name = shard_name(index)
     sha = _write_ids(Path(folder) / f"{name}.bin", ids)
     marker = {"tokens": int(len(ids)), "sha256": sha, "text_sha256": text_digest, "documents": len(texts)}
     _write_text(Path(folder) / f"{name}.json", json.dumps(marker))
     return marker
+
+
+def _groups(texts: list[str], size: int) -> Iterator[list[str]]:
+    """``texts`` in order, in consecutive groups of about ``size`` characters (a longer text alone)."""
+    group, chars = [], 0
+    for text in texts:
+        if group and chars + len(text) > size:
+            yield group
+            group, chars = [], 0
+        group.append(text)
+        chars += len(text)
+    if group:
+        yield group
 
 
 def end_added_by_tokenizer(tokenizer, end: int) -> bool:
