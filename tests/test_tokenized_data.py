@@ -201,6 +201,44 @@ def test_an_interrupted_build_resumes_and_a_damaged_shard_is_found(bpe, text_fol
         prepare_corpus(d, check=True)
 
 
+def test_a_tokenizing_process_the_system_kills_is_said_not_waited_for(bpe, text_folder, tmp_path, monkeypatch):
+    """A worker killed while it tokenizes a shard (the out-of-memory killer, on a long document): the
+    build stops with a CorpusError naming the shard and the fix. multiprocessing.Pool replaced the
+    worker and waited for its shard forever, the launcher printing nothing (SIGALRM ends that here)."""
+    import os
+    import signal
+
+    import bigtrain.data.shards as shards
+    from bigtrain.data.tokenizer import load_tokenizer
+
+    real, doomed = load_tokenizer(str(bpe[0])), _texts()[10]
+
+    class KilledOnOneDocument:  # what the forked workers find loaded (shards._WORKER_TOKENIZERS)
+        vocab_size = real.vocab_size
+
+        def encode_batch(self, texts):
+            if doomed in texts:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real.encode_batch(texts)
+
+    def hung(*_):
+        raise AssertionError("the build waited for a shard whose process was killed")
+
+    monkeypatch.setitem(shards._WORKER_TOKENIZERS, str(bpe[0]), KilledOnOneDocument())
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        with pytest.raises(CorpusError, match=r"a process tokenizing the corpus died \(shard \d+, whose longest "
+                                              r"document is [\d,]+ characters; killed by the system, out of memory"):
+            prepare_corpus(_data(text_folder, bpe[0], tmp_path), shard_bytes=60_000, workers=2)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    # Nothing half-built is taken for the corpus: the next build finishes it.
+    monkeypatch.delitem(shards._WORKER_TOKENIZERS, str(bpe[0]))
+    assert np.array_equal(np.asarray(load_corpus(_data(text_folder, bpe[0], tmp_path))), _expected_ids(bpe[1], _texts()))
+
+
 def test_the_cache_is_keyed_by_content(bpe, text_folder, tmp_path):
     path, _ = bpe
     copy = tmp_path / "elsewhere"

@@ -30,6 +30,8 @@ import multiprocessing
 import os
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -219,8 +221,10 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
     workers = workers or len(os.sched_getaffinity(0))
     if multiprocessing.current_process().daemon:  # a daemonic process may not start children: tokenize here
         workers = 1
+    # An executor, not multiprocessing.Pool: a Pool replaces a worker the system killed (out of memory on
+    # a long document) and waits for its shard forever, the launcher silent; the executor says it broke.
     context = multiprocessing.get_context("fork")
-    pool = context.Pool(workers, initializer=_worker_init) if workers > 1 else None
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) if workers > 1 else None
     markers: dict[int, dict] = {}
     pending: deque = deque()
     kept = 0
@@ -236,17 +240,20 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
             if pool is None:
                 markers[index] = _tokenize_shard(*args)
                 continue
-            pending.append((index, pool.apply_async(_tokenize_shard, args)))
+            pending.append((index, max(map(len, texts)), pool.submit(_tokenize_shard, *args)))
             while len(pending) >= 2 * workers:  # bounded: the text of at most 2 shards a worker in memory
-                i, result = pending.popleft()
-                markers[i] = result.get()
+                i, longest, result = pending.popleft()
+                markers[i] = _shard_result(result, i, longest)
         while pending:
-            i, result = pending.popleft()
-            markers[i] = result.get()
+            i, longest, result = pending.popleft()
+            markers[i] = _shard_result(result, i, longest)
+    except BaseException:
+        if pool is not None:
+            _stop_now(pool)
+        raise
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
     shards = [{"file": f"{shard_name(i)}.bin", "tokens": markers[i]["tokens"], "sha256": markers[i]["sha256"]}
               for i in sorted(markers)]
     manifest = {"format": FORMAT, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "tokenizer": spec,
@@ -261,6 +268,28 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
             f"({len(shards)} shard{'s' if len(shards) != 1 else ''}{f', {kept} kept from an earlier build' if kept else ''}) "
             f"in {folder}")
     return manifest
+
+
+def _shard_result(result: Future, index: int, longest: int) -> dict:
+    """The marker of a shard a worker tokenized; a worker that died (killed: out of memory?) is said."""
+    try:
+        return result.result()
+    except BrokenProcessPool:
+        raise CorpusError(f"a process tokenizing the corpus died (shard {index}, whose longest document is "
+                          f"{longest:,} characters; killed by the system, out of memory?): a tokenizer holds "
+                          f"about a hundred times a document's text while it encodes it, so give long texts as "
+                          f"several documents (files, or JSON Lines: one document a line)") from None
+
+
+def _stop_now(pool: ProcessPoolExecutor) -> None:
+    """Stop the workers at once (an error, Ctrl-C): shutdown() alone lets each finish its shard."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
+    if terminate is not None:
+        terminate()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 def read_manifest(folder: Path) -> dict | None:
