@@ -317,6 +317,13 @@ def test_a_corpus_smaller_than_one_batch_is_said_before_launch(tmp_path, capsys)
         err = capsys.readouterr().err
         assert ("has 181 training tokens, fewer than one step's batch (train.global_batch x data.seq_len = 8 x 32 = "
                 "256 tokens)" in err and "the run's 200 steps read each about 283 times" in err) == said, source
+    # The demo corpus cut by data.max_bytes too (its bytes up to the cap), and not at its default cap.
+    for cap, said in ((200, True), (400_000, False)):
+        cfg = tiny_config(str(tmp_path / "cache"), f"--data.max_bytes={cap}", "--data.seq_len=32",
+                          "--train.global_batch=8", "--train.micro_batch=8", "--train.steps=200")
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+        err = capsys.readouterr().err
+        assert ("data.source = 'stdlib' has 200 training tokens, fewer than one step's batch" in err) == said, cap
 
 
 def test_a_single_table_or_binary_file_read_as_text_is_said_and_a_torch_file_refused(tmp_path, capsys):

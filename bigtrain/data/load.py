@@ -211,12 +211,13 @@ def left_out_warning(d: DataConfig) -> str | None:
 
 
 def corpus_tokens(d: DataConfig, manifest: dict | None) -> int | None:
-    """The corpus's token count where it is cheap to know (None for 'stdlib', large anyway): a
-    tokenized corpus's manifest, a token file's length, a byte-level corpus's bytes up to the cap."""
+    """The corpus's token count where it is cheap to know: a tokenized corpus's manifest, a token
+    file's length, a byte-level corpus's bytes up to the cap. 'stdlib' is tens of MB: its cap when
+    one is set (data.max_bytes = 200 read 200 bytes again every step without a word), else None."""
     if manifest is not None:
         return int(manifest["tokens"])
     if d.source == "stdlib":
-        return None
+        return d.max_bytes or None
     try:
         if is_token_file(d.source):
             return len(load_token_file(d.source))
