@@ -240,6 +240,27 @@ def test_a_byte_corpus_is_built_without_holding_its_files_in_memory(tmp_path):
     assert not [f for f in (tmp_path / "cache").iterdir() if ".tmp-" in f.name]
 
 
+def test_a_file_name_that_is_not_utf8_is_read_as_any_other(tmp_path):
+    """A folder holding 'caf\\xe9.txt' (a Latin-1 name from an old archive): its bytes corpus failed
+    with a traceback (UnicodeEncodeError in the cache name), its tokenized one with "'utf-8' codec
+    can't encode character" naming no file. Both read it, in sorted order, as any other file."""
+    import os
+
+    from bigtrain.config import DataConfig
+    from bigtrain.data.load import load_corpus, prepare_corpus
+
+    src = tmp_path / "corpus"
+    src.mkdir()
+    odd = os.fsdecode(os.path.join(os.fsencode(src), b"caf\xe9.txt"))
+    Path(odd).write_bytes(b"latin name ")
+    (src / "a.txt").write_bytes(b"plain name ")
+    cache = str(tmp_path / "cache")
+    assert bytes(load_tokens(str(src), cache_dir=cache)) == b"plain name latin name "
+    ended = DataConfig(source=str(src), cache_dir=cache, max_bytes=0, document_end="\n")
+    prepare_corpus(ended)
+    assert bytes(np.asarray(load_corpus(ended))) == b"plain name \nlatin name \n"
+
+
 def test_a_changed_file_is_not_served_from_a_stale_cache(tmp_path, text_folder):
     src, _ = text_folder
     cache = tmp_path / "cache"

@@ -64,7 +64,14 @@ def temp_beside(path: Path) -> Path:
 
 
 def _cache_name(key: str, max_bytes: int) -> str:
-    return f"bytes-{hashlib.sha1(f'{key}|{max_bytes}'.encode()).hexdigest()[:16]}.u8"
+    return f"bytes-{hashlib.sha1(key_bytes(f'{key}|{max_bytes}')).hexdigest()[:16]}.u8"
+
+
+def key_bytes(key: str) -> bytes:
+    """A cache key holding file paths, as bytes: a file name that is not UTF-8 (an old archive's
+    Latin-1 'caf\\xe9.txt') is a str with surrogates, which .encode() refused with a traceback naming
+    no file; surrogateescape gives back its bytes, and any other key the UTF-8 it had."""
+    return key.encode("utf-8", "surrogateescape")
 
 
 def cached_corpus(key: str, cache_dir: str, max_bytes: int) -> Path:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bigtrain.data.corpus import temp_beside
+from bigtrain.data.corpus import key_bytes, temp_beside
 from bigtrain.data.documents import Documents
 from bigtrain.data.tokenizer import document_end_id, file_digest, ids_dtype, load_tokenizer
 
@@ -93,7 +93,7 @@ def corpus_key(source: Path, files: list[Path], tokenizer_digest: str, text_fiel
     h = hashlib.sha256(f"bigtrain-corpus {FORMAT}|{tokenizer_digest}|{text_field}|{max_bytes}{end}".encode())
     root = source if source.is_dir() else source.parent
     for f, digest in zip(files, file_digests(files, cache)):
-        h.update(f"|{f.relative_to(root).as_posix()}:{digest}".encode())
+        h.update(key_bytes(f"|{f.relative_to(root).as_posix()}:{digest}"))
     return h.hexdigest()[:20]
 
 
