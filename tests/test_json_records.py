@@ -52,6 +52,12 @@ def test_a_json_array_is_streamed_across_reads_that_split_its_items(tmp_path):
     path.write_text(" \n" + json.dumps(items, ensure_ascii=False) + "\n\n")
     for chunk in range(1, 8):
         assert [item for _, item in array_items(path, chunk)] == items, chunk
+    # A number cut after its '.', 'e' or 'e-' decodes as the digits before it: those items ended
+    # there, and the rest was "followed by '.', not ',' or ']'" (read again, the number whole).
+    numbers = [12.5, 0.25, 3e-07, 4.5e+22, -1e+100, 7, 0.125]
+    path.write_text(json.dumps(numbers))
+    for chunk in range(1, 12):
+        assert [item for _, item in array_items(path, chunk)] == numbers, chunk
     path.write_text("[ ]")
     assert list(array_items(path, 1)) == []
 

@@ -116,6 +116,38 @@ def test_held_out_and_blended_corpora_are_tokenized_before_launch_as_the_trainin
     assert torch.equal(x, torch.from_numpy(np.stack([expected[s:s + 16] for s in starts])))
 
 
+def test_a_shard_is_encoded_a_group_of_documents_at_a_time(bpe, text_folder, tmp_path, monkeypatch):
+    """A shard's documents go to the tokenizer in groups of about ENCODE_BYTES of text, not all at
+    once: a tokenizers Encoding holds strings, offsets and masks for every token, and a 32 MB shard
+    of JSON Lines encoded in one call peaked at 2.0 GB in its worker. The ids are those of each
+    document encoded alone, the end id after each, in order."""
+    import bigtrain.data.shards as shards
+    from bigtrain.data.tokenizer import load_tokenizer
+
+    path, tok = bpe
+    real, calls = load_tokenizer(str(path)), []
+
+    class Counting:
+        vocab_size, kind = real.vocab_size, real.kind
+
+        def encode_batch(self, texts):
+            calls.append([len(t) for t in texts])
+            return real.encode_batch(texts)
+
+        def __getattr__(self, name):  # frame_ids, token_id: the real tokenizer's
+            return getattr(real, name)
+
+    monkeypatch.setattr(shards, "ENCODE_BYTES", 30_000)
+    monkeypatch.setitem(shards._WORKER_TOKENIZERS, str(path), Counting())
+    d = _data(text_folder, path, tmp_path, document_end="<|endoftext|>")
+    prepare_corpus(d, shard_bytes=200_000, workers=1)  # in this process: the counting tokenizer
+    assert len(calls) > 2 and sum(len(c) for c in calls) == 20
+    assert all(len(c) == 1 or sum(c) <= 30_000 for c in calls), calls
+    end = tok.token_to_id("<|endoftext|>")
+    expected = np.concatenate([np.append(tok.encode(t).ids, end) for t in _texts()])
+    assert np.array_equal(np.asarray(load_corpus(d)), expected)
+
+
 def test_data_document_end_puts_its_token_after_each_document(bpe, text_folder, tmp_path):
     """data.document_end = '<|endoftext|>': each document's ids, then that token's id (appended as an
     id, not text), in a corpus of its own (the cache key holds it); without it the documents run into
@@ -195,6 +227,44 @@ def test_an_interrupted_build_resumes_and_a_damaged_shard_is_found(bpe, text_fol
     (folder / last).write_bytes(bytes(data))
     with pytest.raises(CorpusError, match=rf"damaged \({last} does not match its checksum\); delete that folder"):
         prepare_corpus(d, check=True)
+
+
+def test_a_tokenizing_process_the_system_kills_is_said_not_waited_for(bpe, text_folder, tmp_path, monkeypatch):
+    """A worker killed while it tokenizes a shard (the out-of-memory killer, on a long document): the
+    build stops with a CorpusError naming the shard and the fix. multiprocessing.Pool replaced the
+    worker and waited for its shard forever, the launcher printing nothing (SIGALRM ends that here)."""
+    import os
+    import signal
+
+    import bigtrain.data.shards as shards
+    from bigtrain.data.tokenizer import load_tokenizer
+
+    real, doomed = load_tokenizer(str(bpe[0])), _texts()[10]
+
+    class KilledOnOneDocument:  # what the forked workers find loaded (shards._WORKER_TOKENIZERS)
+        vocab_size = real.vocab_size
+
+        def encode_batch(self, texts):
+            if doomed in texts:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real.encode_batch(texts)
+
+    def hung(*_):
+        raise AssertionError("the build waited for a shard whose process was killed")
+
+    monkeypatch.setitem(shards._WORKER_TOKENIZERS, str(bpe[0]), KilledOnOneDocument())
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        with pytest.raises(CorpusError, match=r"a process tokenizing the corpus died \(shard \d+, whose longest "
+                                              r"document is [\d,]+ characters; killed by the system, out of memory"):
+            prepare_corpus(_data(text_folder, bpe[0], tmp_path), shard_bytes=60_000, workers=2)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    # Nothing half-built is taken for the corpus: the next build finishes it.
+    monkeypatch.delitem(shards._WORKER_TOKENIZERS, str(bpe[0]))
+    assert np.array_equal(np.asarray(load_corpus(_data(text_folder, bpe[0], tmp_path))), _expected_ids(bpe[1], _texts()))
 
 
 def test_the_cache_is_keyed_by_content(bpe, text_folder, tmp_path):
@@ -407,6 +477,16 @@ def test_a_text_file_that_is_not_utf8_is_said_before_launch(bpe, tmp_path, capsy
     assert (f"bigtrain: warning: data.source = '{corpus}': 1 text file is not UTF-8 ({corpus / 'b.txt'}); its "
             f"undecodable bytes were read as U+FFFD") in err, err
     assert "convert them to UTF-8" in err
+    assert "or train on bytes (data.tokenizer = 'bytes')" in err
+    # Bytes already, through documents for data.document_end: the fix is to leave that field unset,
+    # not "train on bytes" (this run's own tokenizer), and without it the bytes are read as they are.
+    ended = [f"--data.source={corpus}", "--data.document_end=\n", f"--data.cache_dir={tmp_path / 'cache'}"]
+    prepare_run_data(load_config(preset="tiny", overrides=ended), tmp_path / "run", main=True)
+    err = capsys.readouterr().err
+    assert "1 text file is not UTF-8" in err and "data.tokenizer = 'bytes'" not in err, err
+    assert "or leave data.document_end = '' (the byte-level corpus then reads the files' bytes as they are)" in err
+    raw = load_corpus(DataConfig(source=str(corpus / "b.txt"), cache_dir=str(tmp_path / "cache"), max_bytes=0))
+    assert bytes(np.asarray(raw)) == (corpus / "b.txt").read_bytes()
     (corpus / "b.txt").write_text("Caf\u00e9, na\u00efve, \u00fcber: " * 50, encoding="utf-8")
     prepare_run_data(load_config(preset="tiny", overrides=overrides), tmp_path / "run", main=True)
     assert "UTF-8" not in capsys.readouterr().err

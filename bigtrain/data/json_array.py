@@ -97,7 +97,9 @@ def array_items(path: Path, chunk: int = CHUNK) -> Iterator[tuple[int, object]]:
                         raise JSONShapeError(f"ends inside item {index + 1} of its top-level array (a file cut "
                                              f"short?)") from None
                     raise JSONShapeError(f"item {index + 1} of its top-level array is not JSON ({e.msg})") from None
-                if end == len(text.buf) and text.fill():  # a number may go on in the next read
+                # A number may go on in the next read: cut after its '.', 'e' or 'e-', its digits decode alone.
+                if (end == len(text.buf) or (isinstance(item, (int, float)) and end + 2 >= len(text.buf))) \
+                        and text.fill():
                     continue
                 break
             text.pos = end

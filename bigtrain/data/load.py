@@ -234,12 +234,13 @@ def left_out_warning(d: DataConfig) -> str | None:
 
 
 def corpus_tokens(d: DataConfig, manifest: dict | None) -> int | None:
-    """The corpus's token count where it is cheap to know (None for 'stdlib', large anyway): a
-    tokenized corpus's manifest, a token file's length, a byte-level corpus's bytes up to the cap."""
+    """The corpus's token count where it is cheap to know: a tokenized corpus's manifest, a token
+    file's length, a byte-level corpus's bytes up to the cap. 'stdlib' is tens of MB: its cap when
+    one is set (data.max_bytes = 200 read 200 bytes again every step without a word), else None."""
     if manifest is not None:
         return int(manifest["tokens"])
     if d.source == "stdlib":
-        return None
+        return d.max_bytes or None
     try:
         if is_token_file(d.source):
             return len(load_token_file(d.source))
@@ -277,10 +278,18 @@ def encoding_warning(d: DataConfig, manifest: dict | None) -> str | None:
         return None
     files = manifest.get("not_utf8", [])
     more = f" and {count - len(files)} more" if count > len(files) else ""
+    if d.tokenizer != BYTES:
+        other = "train on bytes (data.tokenizer = 'bytes')"
+    elif not (json_records(d) or has_records(source_files(d))):
+        # Bytes already: data.document_end is what made the text go through documents (the byte corpus,
+        # without it, reads files as they are); "train on bytes" was the advice given to this very run.
+        other = "leave data.document_end = '' (the byte-level corpus then reads the files' bytes as they are)"
+    else:
+        other = None  # records: bytes go through documents (and JSON Lines that is not UTF-8 is refused)
     return (f"data.source = '{d.source}': {count} text file{'s are' if count != 1 else ' is'} not UTF-8 "
             f"({', '.join(files)}{more}); {'their' if count != 1 else 'its'} undecodable bytes were read as U+FFFD, the replacement "
             f"character, so the model never sees those characters: convert them to UTF-8 (e.g. iconv -f latin1 "
-            f"-t utf-8), or train on bytes (data.tokenizer = 'bytes')")
+            f"-t utf-8){f', or {other}' if other else ''}")
 
 
 def _other_corpus_warnings(d: DataConfig, manifest: dict | None, label: str) -> list[str]:

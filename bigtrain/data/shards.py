@@ -30,11 +30,13 @@ import multiprocessing
 import os
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 
-from bigtrain.data.corpus import temp_beside
+from bigtrain.data.corpus import key_bytes, temp_beside
 from bigtrain.data.documents import Documents
 from bigtrain.data.tokenizer import document_end_id, file_digest, ids_dtype, load_tokenizer
 
@@ -45,6 +47,10 @@ from bigtrain.data.tokenizer import document_end_id, file_digest, ids_dtype, loa
 # (Also 3: a .json data.source is read as records, where format 2 read it as one document of JSON text.)
 FORMAT = 3
 SHARD_BYTES = 32 << 20  # text per shard: a worker's unit of work and of resumption
+# Text encoded at a time within a shard: a tokenizers Encoding keeps strings, offsets and masks for
+# every token (a 32 MB shard encoded in one call peaked at 2.0 GB in its worker), so each group's
+# ids are narrowed to the shard's dtype and its encodings freed before the next group is encoded.
+ENCODE_BYTES = 1 << 20
 MANIFEST = "manifest.json"
 DIGESTS = "file-digests.json"
 
@@ -87,7 +93,7 @@ def corpus_key(source: Path, files: list[Path], tokenizer_digest: str, text_fiel
     h = hashlib.sha256(f"bigtrain-corpus {FORMAT}|{tokenizer_digest}|{text_field}|{max_bytes}{end}".encode())
     root = source if source.is_dir() else source.parent
     for f, digest in zip(files, file_digests(files, cache)):
-        h.update(f"|{f.relative_to(root).as_posix()}:{digest}".encode())
+        h.update(key_bytes(f"|{f.relative_to(root).as_posix()}:{digest}"))
     return h.hexdigest()[:20]
 
 
@@ -142,15 +148,30 @@ def _tokenize_shard(spec: str, folder: str, index: int, texts: list[str], text_d
     ids and marker (runs in a worker)."""
     tokenizer = _WORKER_TOKENIZERS.get(spec) or _WORKER_TOKENIZERS.setdefault(spec, load_tokenizer(spec))
     dtype = ids_dtype(tokenizer.vocab_size)
-    encoded = tokenizer.encode_batch(texts)
+    encoded = []
+    for group in _groups(texts, ENCODE_BYTES):
+        encoded += [ids.astype(dtype) for ids in tokenizer.encode_batch(group)]  # ids < vocab_size: no wrap
     if end is not None:  # appended as an id: as text it could merge with the document's last characters
-        encoded = [np.append(ids, end) for ids in encoded]
-    ids = np.concatenate(encoded).astype(dtype) if encoded else np.zeros(0, dtype)
+        encoded = [np.append(ids, np.asarray(end, dtype)) for ids in encoded]
+    ids = np.concatenate(encoded) if encoded else np.zeros(0, dtype)
     name = shard_name(index)
     sha = _write_ids(Path(folder) / f"{name}.bin", ids)
     marker = {"tokens": int(len(ids)), "sha256": sha, "text_sha256": text_digest, "documents": len(texts)}
     _write_text(Path(folder) / f"{name}.json", json.dumps(marker))
     return marker
+
+
+def _groups(texts: list[str], size: int) -> Iterator[list[str]]:
+    """``texts`` in order, in consecutive groups of about ``size`` characters (a longer text alone)."""
+    group, chars = [], 0
+    for text in texts:
+        if group and chars + len(text) > size:
+            yield group
+            group, chars = [], 0
+        group.append(text)
+        chars += len(text)
+    if group:
+        yield group
 
 
 def end_added_by_tokenizer(tokenizer, end: int) -> bool:
@@ -200,8 +221,10 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
     workers = workers or len(os.sched_getaffinity(0))
     if multiprocessing.current_process().daemon:  # a daemonic process may not start children: tokenize here
         workers = 1
+    # An executor, not multiprocessing.Pool: a Pool replaces a worker the system killed (out of memory on
+    # a long document) and waits for its shard forever, the launcher silent; the executor says it broke.
     context = multiprocessing.get_context("fork")
-    pool = context.Pool(workers, initializer=_worker_init) if workers > 1 else None
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) if workers > 1 else None
     markers: dict[int, dict] = {}
     pending: deque = deque()
     kept = 0
@@ -217,17 +240,20 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
             if pool is None:
                 markers[index] = _tokenize_shard(*args)
                 continue
-            pending.append((index, pool.apply_async(_tokenize_shard, args)))
+            pending.append((index, max(map(len, texts)), pool.submit(_tokenize_shard, *args)))
             while len(pending) >= 2 * workers:  # bounded: the text of at most 2 shards a worker in memory
-                i, result = pending.popleft()
-                markers[i] = result.get()
+                i, longest, result = pending.popleft()
+                markers[i] = _shard_result(result, i, longest)
         while pending:
-            i, result = pending.popleft()
-            markers[i] = result.get()
+            i, longest, result = pending.popleft()
+            markers[i] = _shard_result(result, i, longest)
+    except BaseException:
+        if pool is not None:
+            _stop_now(pool)
+        raise
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
     shards = [{"file": f"{shard_name(i)}.bin", "tokens": markers[i]["tokens"], "sha256": markers[i]["sha256"]}
               for i in sorted(markers)]
     manifest = {"format": FORMAT, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "tokenizer": spec,
@@ -242,6 +268,28 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
             f"({len(shards)} shard{'s' if len(shards) != 1 else ''}{f', {kept} kept from an earlier build' if kept else ''}) "
             f"in {folder}")
     return manifest
+
+
+def _shard_result(result: Future, index: int, longest: int) -> dict:
+    """The marker of a shard a worker tokenized; a worker that died (killed: out of memory?) is said."""
+    try:
+        return result.result()
+    except BrokenProcessPool:
+        raise CorpusError(f"a process tokenizing the corpus died (shard {index}, whose longest document is "
+                          f"{longest:,} characters; killed by the system, out of memory?): a tokenizer holds "
+                          f"about a hundred times a document's text while it encodes it, so give long texts as "
+                          f"several documents (files, or JSON Lines: one document a line)") from None
+
+
+def _stop_now(pool: ProcessPoolExecutor) -> None:
+    """Stop the workers at once (an error, Ctrl-C): shutdown() alone lets each finish its shard."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
+    if terminate is not None:
+        terminate()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 def read_manifest(folder: Path) -> dict | None:
