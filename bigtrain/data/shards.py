@@ -264,7 +264,7 @@ def build(folder: Path, files: list[Path], spec: str, text_field: str, max_bytes
                 "cut_at_max_bytes": docs.cut, "not_utf8_files": len(docs.not_utf8), "not_utf8": docs.not_utf8[:5]}
     _write_text(folder / MANIFEST, json.dumps(manifest, indent=1))
     if log:
-        log(f"bigtrain: tokenized {manifest['documents']:,} documents into {manifest['tokens']:,} tokens "
+        log(f"bigtrain: tokenized {manifest['documents']:,} document{'s' if manifest['documents'] != 1 else ''} into {manifest['tokens']:,} tokens "
             f"({len(shards)} shard{'s' if len(shards) != 1 else ''}{f', {kept} kept from an earlier build' if kept else ''}) "
             f"in {folder}")
     return manifest
