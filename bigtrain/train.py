@@ -367,7 +367,7 @@ class Trainer(StepRunner):
         if self.own_step is not None:
             return None
         train, held_out = self.sampler.token_counts()
-        return {"train_tokens": train, "held_out_tokens": held_out}
+        return {"train_tokens": train, "held_out_tokens": held_out, "fingerprint": self.sampler.fingerprint()}
 
     def units_seen(self) -> int:
         """The tokens (a recommender: the samples) of every step the run trained, each at the global

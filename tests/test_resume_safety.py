@@ -88,6 +88,11 @@ def test_resuming_on_a_corpus_that_changed_under_the_same_source_says_so(corpus_
     assert (f"data.source = '{ids}' now gives 5,400 training and 600 held-out tokens, 3,600 and 400 when the "
             f"checkpoint was written: the corpus changed, so the run trains on other data from here") \
         in capsys.readouterr().err
+    # Edited in place with as many tokens (or tokenized again by another tokenizer): said too.
+    np.save(ids, np.random.default_rng(2).integers(0, 256, 6000).astype(np.uint16))
+    assert main(_resume(out, "--train.steps=5")) == 0
+    assert (f"data.source = '{ids}' holds as many tokens as when the checkpoint was written, but other ones "
+            f"(edited in place, or tokenized again otherwise): the corpus changed") in capsys.readouterr().err
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(straight, tmp_path, capsys, corpus_cache):

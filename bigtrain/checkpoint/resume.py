@@ -147,14 +147,20 @@ def _check_serves(trainer, path: Path, meta: dict[str, Any]) -> None:
                       f"{' ...' if len(changed) > 6 else ''}): the run continues the checkpoint's weights with the "
                       f"model the file describes now", stacklevel=3)
     saved, now = meta.get("data"), trainer.data_extent()
-    if trainer.is_main and saved and now and saved != now:  # the same data.source, another corpus
+    # (A checkpoint written before the fingerprint existed is compared on the counts it has.)
+    differ = [k for k in (now or {}) if saved and k in saved and saved[k] != now[k]]
+    if trainer.is_main and differ:  # the same data.source, another corpus
         d = trainer.cfg.data
         named = f"data.source = '{d.source}'" + (f" and data.val_source = '{d.val_source}'" if d.val_source else "")
-        warnings.warn(f"resuming from {path.name}: {named} now give{'' if d.val_source else 's'} "
-                      f"{now['train_tokens']:,} training and {now['held_out_tokens']:,} held-out tokens, "
-                      f"{saved['train_tokens']:,} and {saved['held_out_tokens']:,} when the checkpoint was written: "
-                      f"the corpus changed, so the run trains on other data from here (possibly on tokens held "
-                      f"out before; eval_loss before and after differ)", stacklevel=3)
+        counts = (f"now give{'' if d.val_source else 's'} {now['train_tokens']:,} training and "
+                  f"{now['held_out_tokens']:,} held-out tokens, {saved['train_tokens']:,} and "
+                  f"{saved['held_out_tokens']:,} when the checkpoint was written"
+                  if differ != ["fingerprint"] else
+                  f"hold{'' if d.val_source else 's'} as many tokens as when the checkpoint was written, but other "
+                  f"ones (edited in place, or tokenized again otherwise)")
+        warnings.warn(f"resuming from {path.name}: {named} {counts}: the corpus changed, so the run trains on other "
+                      f"data from here (possibly on tokens held out before; eval_loss before and after differ)",
+                      stacklevel=3)
 
 
 def check_same_model(cfg, optimizer: str, path: Path, meta: dict[str, Any], warn: bool) -> None:

@@ -12,6 +12,7 @@ by share (largest remainders) and spread evenly within each, the same at every e
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 import numpy as np
@@ -34,6 +35,9 @@ class BlendedSampler(TokenSampler):
         counts = [p.token_counts() for p in self.parts]
         held_out = counts[0][1] if self.held_out_corpus else sum(h for _, h in counts)
         return sum(t for t, _ in counts), held_out
+
+    def fingerprint(self) -> str:
+        return hashlib.sha1("|".join(p.fingerprint() for p in self.parts).encode()).hexdigest()[:16]
 
     def picks(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(corpus, start) of each window of the global batch at ``step`` (layout-independent)."""

@@ -8,12 +8,16 @@ into arrays: a memory-mapped file, or the shards of a tokenized corpus (:class:`
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
 import torch
 
 from bigtrain.core.targets import IGNORE_INDEX
+
+
+FINGERPRINT_SAMPLES, FINGERPRINT_TOKENS = 16, 64  # places read for a corpus's fingerprint, tokens at each
 
 
 class DataChanged(RuntimeError):
@@ -141,6 +145,19 @@ class TokenSampler:
     def token_counts(self) -> tuple[int, int]:
         """(training tokens, held-out tokens)."""
         return len(self.tokens), len(self.val_tokens)
+
+    def fingerprint(self) -> str:
+        """A digest of the corpus's tokens at :data:`FINGERPRINT_SAMPLES` places spread over its
+        training part and its held-out tokens: a checkpoint records it, so a resume on a corpus
+        edited in place (or tokenized again by another tokenizer) with the same token counts is
+        said too. A sample, not every token: it costs a few reads whatever the corpus's size."""
+        digest = hashlib.sha1()
+        for tokens in (self.tokens, self.val_tokens):
+            if len(tokens) == 0:
+                continue
+            for start in np.linspace(0, max(0, len(tokens) - FINGERPRINT_TOKENS), FINGERPRINT_SAMPLES).astype(np.int64):
+                digest.update(np.asarray(tokens[start:start + FINGERPRINT_TOKENS], dtype=np.int64).tobytes())
+        return digest.hexdigest()[:16]
 
     def batch(self, step: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``first .. first+count-1`` of the global batch at ``step``."""
