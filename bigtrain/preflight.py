@@ -400,8 +400,18 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     problems += size
     if problems:
         raise ConfigError(problems)
-    return (layout_warnings(cfg) + init_from_tokenizer_warnings(cfg) + held_out_warnings(cfg) + schedule_warnings(cfg)
-            + warnings)
+    return (layout_warnings(cfg) + init_from_tokenizer_warnings(cfg) + init_from_position_warnings(cfg)
+            + held_out_warnings(cfg) + schedule_warnings(cfg) + warnings)
+
+
+def init_from_position_warnings(cfg: Config) -> list[str]:
+    """A Hugging Face family's model.hf_config that changes only the positions of model.init_from's
+    folder (a context extension: bigtrain.families.hf.init_from_position_changes)."""
+    if cfg.model.family != "hf" or not cfg.model.init_from:
+        return []
+    from bigtrain.families.hf import init_from_position_changes
+
+    return init_from_position_changes(cfg)
 
 
 def schedule_warnings(cfg: Config) -> list[str]:

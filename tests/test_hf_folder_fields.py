@@ -60,6 +60,23 @@ def test_init_from_a_folder_that_computes_another_function_is_refused_naming_the
     assert any("hidden_act 'silu' vs 'gelu'" in p for p in init_from_problems(corpus_cache, "llama", gelu))
 
 
+def test_init_from_a_folder_whose_positions_only_differ_is_a_context_extension_said_not_refused(corpus_cache,
+                                                                                               tmp_path):
+    """A longer context on a folder's weights (another max_position_embeddings and rope_theta in
+    model.hf_config, nothing else): the run trains with model.hf_config's positions, said before launch."""
+    from bigtrain.preflight import init_from_position_warnings
+
+    folder = saved_folder(tmp_path / "short", "llama")
+    longer = config_file(tmp_path / "long", "llama", max_position_embeddings=4096, rope_theta=5e5)
+    cfg = tiny_config(corpus_cache, "--model.family=hf", f"--model.hf_config={longer}",
+                      f"--model.init_from=hf:{folder}")  # accepted: validation raised nothing
+    said = init_from_position_warnings(cfg)
+    assert len(said) == 1 and "max_position_embeddings" in said[0] and "4096" in said[0], said
+    assert "a context extension" in said[0] and f"point model.hf_config at {folder / 'config.json'}" in said[0]
+    same = tiny_config(corpus_cache, "--model.family=hf", f"--model.hf_config={folder}", f"--model.init_from=hf:{folder}")
+    assert init_from_position_warnings(same) == []
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])
 def test_init_from_the_folder_transformers_saves_of_the_same_model_is_accepted(corpus_cache, tmp_path, arch):
     """Its config.json spells out what the fixture leaves to defaults (Llama's head_dim), in

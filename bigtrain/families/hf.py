@@ -147,6 +147,12 @@ NOT_COMPUTED = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_ran
                 "output_router_logits", "router_aux_loss_coef", "router_jitter_noise")
 
 
+# The fields a context extension changes on purpose (a longer max_position_embeddings, another
+# rotary base or scaling: YaRN or ABF fine-tuning of a folder's weights): a difference in these
+# alone is said before launch (:func:`init_from_position_changes`), not refused.
+POSITION_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters")
+
+
 def computed_fields(path: Path) -> dict:
     """The fields of the config.json at ``path`` that decide what its weights compute (rotary base and
     scaling, norm epsilon, activation, sliding windows, routing, shapes), as transformers resolves
@@ -176,21 +182,45 @@ def init_from_problems(cfg: Config, fields: dict) -> list[str]:
         return [f"model.init_from = {where!r}: cannot read {folder / CONFIG_FILE} ({e})"]
     if quantized := quantized_problem(theirs):
         return [f"model.init_from = {where!r}: {folder / CONFIG_FILE} has {quantized}"]
-    ours, other, keys = fields, theirs, SHAPE_KEYS
-    if architecture(theirs) == architecture(fields) and architecture(fields) in ARCHITECTURES:
-        # Not the shapes alone: a folder of equal shapes and another rope_theta, rms_norm_eps,
-        # sliding_window or activation loaded silently into the model model.hf_config describes.
-        try:
-            ours, other = computed_fields(config_path(cfg)), computed_fields(folder / CONFIG_FILE)
-            keys = sorted(set(ours) | set(other))
-        except ImportError:  # without transformers (check_hf says so): the files' own shape fields
-            pass
-    differ = [k for k in keys if ours.get(k) != other.get(k)]
-    if architecture(theirs) != architecture(fields) or differ:
+    ours, other = _compared_fields(cfg, fields, folder)
+    differ = [k for k in sorted(set(ours) | set(other)) if ours.get(k) != other.get(k)]
+    if architecture(theirs) != architecture(fields) or [k for k in differ if k not in POSITION_KEYS]:
         what = ", ".join(f"{k} {ours.get(k)!r} vs {other.get(k)!r}" for k in differ) or "the architecture"
         return [f"model.init_from = {where!r}: its {CONFIG_FILE} describes another model than model.hf_config "
                 f"({what}); point model.hf_config at {folder / CONFIG_FILE}"]
     return []
+
+
+def _compared_fields(cfg: Config, fields: dict, folder: Path) -> tuple[dict, dict]:
+    """model.hf_config's and the init_from folder's fields that init_from compares: what their
+    weights compute, as transformers resolves them (:func:`computed_fields`), for one architecture;
+    else (another architecture, or no transformers: check_hf says so) the files' own shape fields."""
+    theirs = json.loads((folder / CONFIG_FILE).read_text())
+    if architecture(theirs) == architecture(fields) and architecture(fields) in ARCHITECTURES:
+        # Not the shapes alone: a folder of equal shapes and another rope_theta, rms_norm_eps,
+        # sliding_window or activation loaded silently into the model model.hf_config describes.
+        try:
+            return computed_fields(config_path(cfg)), computed_fields(folder / CONFIG_FILE)
+        except ImportError:
+            pass
+    return ({k: fields.get(k) for k in SHAPE_KEYS}, {k: theirs.get(k) for k in SHAPE_KEYS})
+
+
+def init_from_position_changes(cfg: Config) -> list[str]:
+    """The positional fields (:data:`POSITION_KEYS`) in which model.hf_config differs from model.init_from's
+    folder, otherwise the same model: the run trains the folder's weights with model.hf_config's
+    positions (a context extension), said before launch; [] where they agree or the pair is refused."""
+    folder = hf_folder(cfg.model.init_from)
+    if cfg.model.family != "hf" or folder is None or init_from_problems(cfg, read_config(cfg.model)):
+        return []
+    ours, other = _compared_fields(cfg, read_config(cfg.model), folder)
+    differ = [k for k in POSITION_KEYS if ours.get(k) != other.get(k)]
+    if not differ:
+        return []
+    what = ", ".join(f"{k} {other.get(k)!r} -> {ours.get(k)!r}" for k in differ)
+    return [f"model.init_from = {cfg.model.init_from!r}: model.hf_config changes the folder's positions ({what}): "
+            f"its weights train with model.hf_config's (a context extension); to keep the folder's, point "
+            f"model.hf_config at {folder / CONFIG_FILE}"]
 
 
 def tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, ulysses: bool) -> dict:
