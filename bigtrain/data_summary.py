@@ -45,13 +45,22 @@ def describe_data(cfg: Config, windows: int = 2, width: int = 240) -> str:
         lines.append(f"data.val_source = '{d.val_source}': {len(parts[0].val_tokens):,} held-out tokens")
     tokenizer = load_tokenizer(d.tokenizer)
     shown = min(windows, t.global_batch)
-    lines.append(f"step 1's first {shown} of {t.global_batch} windows, as the tokenizer writes them:")
+    lines.append(f"step 1's first {shown} of {t.global_batch} windows, as the tokenizer writes them (ids where it cannot):")
     inputs, _ = sampler.batch(0, 0, shown)
     picks = sampler.picks(0) if isinstance(sampler, BlendedSampler) else (None, sampler.starts(0))
     for i in range(shown):
         where = names[int(picks[0][i])] if picks[0] is not None else names[0]
-        text = tokenizer.decode(inputs[i].tolist())
-        shown_text = repr(text if len(text) <= width else text[:width] + "...")
+        shown_text = _as_text(tokenizer, inputs[i].tolist(), width)
         first = int(picks[1][i])
         lines.append(f"  [{i + 1}] {where}, tokens {first:,} to {first + d.seq_len - 1:,}: {shown_text}")
     return "\n".join(lines)
+
+
+def _as_text(tokenizer, ids: list[int], width: int) -> str:
+    """The window as the tokenizer writes it, cut to ``width`` characters; its ids where the tokenizer
+    cannot write them (pre-tokenized ids past 255 read with data.tokenizer = 'bytes')."""
+    try:
+        text = tokenizer.decode(ids)
+    except (ValueError, OverflowError, TypeError):
+        return "ids " + " ".join(map(str, ids[:48])) + (" ..." if len(ids) > 48 else "")
+    return repr(text if len(text) <= width else text[:width] + "...")

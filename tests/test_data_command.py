@@ -47,3 +47,11 @@ def test_what_it_cannot_show_is_said_in_one_line(tmp_path, capsys):
     assert "data.source" in err and "no text files" in err and "Traceback" not in err
     assert main(["data", "--preset", "dlrm-tiny"]) == 1
     assert "reads data of its own" in capsys.readouterr().err
+
+
+def test_pre_tokenized_ids_the_tokenizer_cannot_write_are_shown_as_ids(tmp_path, capsys):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, (np.arange(5000) % 1000).astype(np.uint16))
+    out = _shown(capsys, f"--data.source={ids}", "--model.vocab_size=1000", "--windows", "1")
+    start = TokenSampler(np.load(ids), 32, 8, seed=1234).starts(0)[0]
+    assert f"tokens {start:,} to {start + 31:,}: ids " + " ".join(str(i % 1000) for i in range(start, start + 32)) in out
