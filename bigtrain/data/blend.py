@@ -23,7 +23,10 @@ from bigtrain.data.sampler import TokenSampler
 
 class BlendedSampler(TokenSampler):
     """``parts[0]`` is data.source's sampler (holding data.val_source's corpus, when
-    ``held_out_corpus``), the others data.blend's; ``shares`` their shares of the windows."""
+    ``held_out_corpus``), the others data.blend's; ``shares`` their shares of the windows. It holds
+    no corpus of its own: it draws the windows (:meth:`batch`, :meth:`eval_batch`) and reads them
+    from its parts, and what :class:`TokenSampler` builds on those two (the micro-batches of a rank,
+    the counted targets, the evaluation's) is shared as it is."""
 
     def __init__(self, parts: list[TokenSampler], shares: list[float], held_out_corpus: bool = False):
         first = parts[0]
