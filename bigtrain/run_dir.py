@@ -174,7 +174,7 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
     """
     import warnings
 
-    from bigtrain.checkpoint.commit import valid_checkpoints
+    from bigtrain.checkpoint.commit import ROLLBACK_RECORD, repeated_rollback, valid_checkpoints
     from bigtrain.checkpoint.compat import compare_configs
     from bigtrain.config import ConfigError
 
@@ -197,6 +197,13 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
                           f"later checkpoints are removed), or copy it out of --output-dir first")
     if source is None or (overwrite and continuing):  # what it would continue is about to be removed
         return None
+    if continuing and resume != "auto" and (again := repeated_rollback(root, source)) is not None:
+        step, newest = again
+        raise ConfigError(f"checkpoint.resume = '{resume}' rolls the run back to step {step} again: it rolled back to "
+                          f"it before and has trained on since (newest: {newest}), which a roll-back removes (a "
+                          f"requeued job whose command holds the roll-back?); continue with --resume "
+                          f"(checkpoint.resume = 'auto'), or, to roll back to step {step} once more, remove "
+                          f"{root / ROLLBACK_RECORD} first")
     with warnings.catch_warnings(record=True) as skipped:
         warnings.simplefilter("always")
         found = next(valid_checkpoints(source, read_run_id(run_dir) if continuing else None, files=verify_files),

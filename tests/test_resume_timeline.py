@@ -114,3 +114,28 @@ def test_a_run_resumed_at_its_last_step_does_not_write_that_checkpoint_again(cor
     trainer = trainer_on_rank(0, 1, restarted, str(tmp_path))
     trainer.fit()
     assert trainer.step == 2 and replaced == []
+
+
+def test_a_roll_back_repeated_after_the_run_went_on_is_refused_before_launch(four_steps, corpus_cache):
+    """A job script holding the roll-back (checkpoint.resume = RUN/checkpoints/step_2), requeued after
+    the run trained on, would roll it back again and remove what it trained since: refused, naming
+    both fixes; once the record is removed (a deliberate second roll-back), it runs."""
+    from bigtrain.config import ConfigError
+    from bigtrain.run_dir import check_run_dir
+
+    run, target = four_steps, str(four_steps / "checkpoints" / "step_00000002")
+    cfg = tiny_config(corpus_cache, "--train.steps=6", f"--checkpoint.resume={target}")
+    assert check_run_dir(cfg, run, explicit_resume=False, overwrite=False) is not None  # the first roll-back
+    rolled_back = trainer_on_rank(0, 1, cfg, str(run))
+    assert rolled_back.resume(target) and rolled_back.step == 2
+    assert check_run_dir(cfg, run, explicit_resume=False, overwrite=False) is not None  # nothing trained since
+    run_steps(rolled_back, 1)
+    rolled_back.save()  # step 3
+    with pytest.raises(ConfigError) as err:
+        check_run_dir(cfg, run, explicit_resume=False, overwrite=False)
+    said = str(err.value)
+    assert "rolls the run back to step 2 again" in said and "newest: step_00000003" in said, said
+    assert "continue with --resume" in said and str(run / "checkpoints" / "rolled_back.json") in said
+    (run / "checkpoints" / "rolled_back.json").unlink()
+    assert check_run_dir(cfg, run, explicit_resume=False, overwrite=False) is not None
+    assert _names(run) == ["step_00000003", "step_00000002"]  # the record is no checkpoint

@@ -215,6 +215,30 @@ def is_checkpoint_of(root: Path, path: Path) -> bool:
         return False
 
 
+ROLLBACK_RECORD = "rolled_back.json"  # under checkpoints/: the run's last roll-back (not a step_* name: never listed)
+
+
+def record_rollback(root: Path, resumed: Path) -> None:
+    """Note that the run rolled back to its own checkpoint ``resumed`` (:func:`repeated_rollback`)."""
+    tmp = root / f".{ROLLBACK_RECORD}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"checkpoint": resumed.name, "step": checkpoint_step(resumed)}))
+    os.replace(tmp, root / ROLLBACK_RECORD)
+
+
+def repeated_rollback(root: Path, resumed: Path) -> tuple[int, str] | None:
+    """(step, newest checkpoint's name) when ``resumed`` is the checkpoint the run already rolled back to
+    and went on from (a checkpoint of a later step exists): a job script with the roll-back in it,
+    requeued, would roll it back again and remove what it trained since. None otherwise."""
+    try:
+        record = json.loads((root / ROLLBACK_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("checkpoint") != Path(resumed).name:
+        return None
+    later = [p for p in list_checkpoints(root) if checkpoint_step(p) > checkpoint_step(Path(resumed))]
+    return (checkpoint_step(Path(resumed)), later[0].name) if later else None
+
+
 def remove_later_checkpoints(root: Path, step: int) -> list[str]:
     """Remove the checkpoints under ``root`` of steps after ``step`` (a timeline a run rolled back to
     ``step`` left: the next 'auto' resume would load them); their names."""

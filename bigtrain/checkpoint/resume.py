@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bigtrain.checkpoint.commit import (is_checkpoint_of, list_checkpoints, newest_valid_checkpoint,
+from bigtrain.checkpoint.commit import (is_checkpoint_of, list_checkpoints, newest_valid_checkpoint, record_rollback,
                                         remove_later_checkpoints, valid_checkpoints)
 from bigtrain.checkpoint.compat import compare_configs
 from bigtrain.distributed.comm import CollectiveError
@@ -115,7 +115,10 @@ def _leave_later_checkpoints(root: Path, resumed: Path, step: int) -> None:
     the abandoned timeline's newest step without a word: they are removed, with a line. (An 'auto'
     fall-back past newer checkpoints that do not verify or load removes nothing: the same steps
     trained again are the same run, and a failure may pass; rotation leaves them alone.)"""
-    removed = remove_later_checkpoints(root, step) if is_checkpoint_of(root, resumed) else []
+    if not is_checkpoint_of(root, resumed):
+        return
+    removed = remove_later_checkpoints(root, step)
+    record_rollback(root, resumed)  # a second roll-back to it, once the run went on, is refused before launch
     if removed:
         print(f"bigtrain: resumed from {resumed.name}: removed the later checkpoints {', '.join(removed)} (the run "
               f"trains those steps again; kept, a later resume would load them)", flush=True)
