@@ -42,6 +42,7 @@ class StepProfiler:
         self.rank, self.world_size, self.device, self.memory = rank, world_size, device, memory
         self.profiler: torch.profiler.profile | None = None
         self.first_traced: int | None = None
+        self.last_traced: int | None = None  # the window's end, unless the run ended before it
         self.written: Path | None = None
 
     def step(self, step: int) -> AbstractContextManager:
@@ -51,6 +52,7 @@ class StepProfiler:
             return nullcontext()
         if self.profiler is None:
             self._start(step)
+        self.last_traced = step
         return torch.profiler.record_function(f"bigtrain: step {step}")
 
     def stepped(self, step: int) -> None:
@@ -67,7 +69,8 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
         profiler.stop()
         self.out.mkdir(parents=True, exist_ok=True)
-        path = self.out / f"rank{self.rank}_steps{self.first_traced}-{self.window[1]}.json"
+        steps = f"{self.first_traced}-{self.last_traced}"  # what the trace holds, not what the window asked
+        path = self.out / f"rank{self.rank}_steps{steps}.json"
         profiler.export_chrome_trace(str(path))
         # The operators that took the most time, as a table beside the trace (read without a viewer).
         by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
@@ -78,7 +81,7 @@ class StepProfiler:
         self.written = path
         if self.rank == 0:
             others = f" and the other {self.world_size - 1} ranks' beside it" if self.world_size > 1 else ""
-            print(f"bigtrain: traced steps {self.first_traced}-{self.window[1]}: {path}{others} (open in "
+            print(f"bigtrain: traced steps {steps}: {path}{others} (open in "
                   f"https://ui.perfetto.dev)", flush=True)
 
     def _start(self, step: int) -> None:

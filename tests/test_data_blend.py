@@ -73,6 +73,7 @@ def test_each_corpus_keeps_its_held_out_tail_and_evaluation_shares_out_its_windo
 def test_the_field_is_read_and_refused_naming_the_entry_and_the_fix(corpus_cache, tmp_path):
     assert parse_blend(" a.txt=0.25, /x/b c.jsonl=0.5 ") == [("a.txt", 0.25), ("/x/b c.jsonl", 0.5)]
     assert "cannot read 'a.txt'" in blend_problems("a.txt")[0]
+    assert "cannot read 'b.txt=abc'" in blend_problems("b.txt=abc")[0]
     assert "a share must be in (0, 1)" in blend_problems("a.txt=1.5")[0]
     assert "add up to 1.1" in blend_problems("a.txt=0.6, b.txt=0.5")[0]
     assert "names a.txt twice" in blend_problems("a.txt=0.2, a.txt=0.1")[0]

@@ -38,13 +38,15 @@ def test_a_window_of_steps_is_traced_with_the_trainer_s_phases_and_the_rest_is_n
     assert "traced steps 2-3" in capsys.readouterr().out
 
 
-def test_a_run_that_ends_inside_the_window_writes_what_it_traced(corpus_cache, tmp_path):
-    """Stopped at step 3 of a 2-4 window (a stop, a failure): steps 2 and 3 are on the trace."""
+def test_a_run_that_ends_inside_the_window_writes_what_it_traced(corpus_cache, tmp_path, capsys):
+    """Stopped at step 3 of a 2-4 window (a stop, a failure): steps 2 and 3 are on the trace, and
+    its name and the console say so (not 2-4: step 4 never ran)."""
     cfg = tiny_config(corpus_cache, "--train.steps=4", "--logging.profile_steps=2-4", "--logging.profile_memory=true")
     trainer = Trainer(cfg, tmp_path / "run", Mesh({}))
     cfg.train.steps = 3  # the run ends at step 3, as one stopped there would
     trainer.fit()
-    trace = tmp_path / "run" / "profile" / "rank0_steps2-4.json"
+    trace = tmp_path / "run" / "profile" / "rank0_steps2-3.json"
+    assert "traced steps 2-3" in capsys.readouterr().out
     names = _names(trace)
     assert {"bigtrain: step 2", "bigtrain: step 3"} <= names and "bigtrain: step 4" not in names
     assert "[memory]" in names, "profile_memory: the allocations are on the trace"

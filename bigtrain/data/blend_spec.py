@@ -16,9 +16,13 @@ def parse_blend(text: str) -> list[tuple[str, float]]:
         if not entry:
             continue
         path, sep, share = entry.rpartition("=")
+        try:
+            value = float(share)
+        except ValueError:  # float's own message names the share only, not the entry it stands in
+            raise ValueError(entry) from None
         if not sep or not path.strip():
             raise ValueError(entry)
-        entries.append((path.strip(), float(share)))
+        entries.append((path.strip(), value))
     return entries
 
 
