@@ -57,7 +57,7 @@ def looked_in(path: str) -> str:
 
 
 def writable_dir(field: str, path: str) -> list[str]:
-    target = Path(path)
+    target = Path(os.path.expanduser(path))
     probe = target
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

@@ -7,6 +7,8 @@ so the same steps run on a user's model without a Config.
 
 from __future__ import annotations
 
+import os
+
 from bigtrain.config import Config
 from bigtrain.parallel.parallel_plan import (ActivationPlan, CompilePlan, EnginePlan, ExpertPlan, Float8Plan,
                                              LossScaling,
@@ -23,7 +25,9 @@ def activation_plan(cfg: Config) -> ActivationPlan:
 
 def offload_plan(cfg: Config, run_dir: str | None = None) -> OffloadPlan:
     o = cfg.offload
-    directory = o.nvme_dir or (f"{run_dir}/offload" if run_dir else "")
+    # '~' as the other path fields take it (a TOML file's value reaches no shell): unexpanded, the files
+    # went to a folder named '~' on the working directory's disk.
+    directory = os.path.expanduser(o.nvme_dir) if o.nvme_dir else (f"{run_dir}/offload" if run_dir else "")
     return OffloadPlan(o.optimizer, o.params, directory, o.prefetch_depth, o.delayed_update, o.grad_buckets,
                        masters=o.masters)
 

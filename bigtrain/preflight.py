@@ -382,7 +382,7 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
     if not check_size:
         size, warnings = [], []
     else:
-        nvme_dir = cfg.offload.nvme_dir or str(Path(output_dir) / "offload")
+        nvme_dir = os.path.expanduser(cfg.offload.nvme_dir) if cfg.offload.nvme_dir else str(Path(output_dir) / "offload")
         family = family_of(cfg)
         if family.size_problems is None and family.planner_config is None and not family.llama_fallbacks:
             size, warnings = [], [none_for(family, "size_problems", "no size check before launch (whether the model "

@@ -936,3 +936,21 @@ def test_a_save_reads_each_unit_back_in_as_its_chunks_are_written(corpus_cache, 
             saved = reader.empty(fqn)
             reader.read([(fqn, (0,) * saved.dim(), saved)])
             torch.testing.assert_close(saved.reshape(-1), value.reshape(-1), rtol=0, atol=0)
+
+
+def test_a_home_relative_nvme_dir_is_the_home_directory_not_a_folder_named_tilde(tmp_path, monkeypatch):
+    """``offload.nvme_dir = '~/nvme'`` (a TOML file: no shell expands it) put the files in ``./~/nvme``,
+    on whatever disk the working directory is, and checked that disk's writability, not the one named."""
+    from bigtrain.field_checks import writable_dir
+    from bigtrain.from_config import offload_plan
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_config("", "--parallel.zero=1", "--offload.optimizer=nvme", "--offload.nvme_dir=~/nvme")
+    assert offload_plan(cfg).nvme_dir == str(home / "nvme")
+    not_a_dir = tmp_path / "home-file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("HOME", str(not_a_dir))  # '~' now names a file: no directory can be made under it
+    assert writable_dir("offload.nvme_dir", "~/nvme"), "checked the working directory instead of the home"
