@@ -74,7 +74,9 @@ def step_window(text: str) -> tuple[int, int] | None:
     text = text.strip()
     if not text:
         return None
-    first, _, last = text.partition("-")
+    first, dash, last = text.partition("-")
+    if dash and not last.strip():  # '5-': an end left out is no step
+        raise ValueError(text)
     a, b = int(first), int(last) if last else int(first)
     if a < 1 or b < a:
         raise ValueError(text)

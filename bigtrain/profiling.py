@@ -16,6 +16,7 @@ launch starts.
 
 from __future__ import annotations
 
+import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -68,21 +69,31 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         profiler.stop()
-        self.out.mkdir(parents=True, exist_ok=True)
         steps = f"{self.first_traced}-{self.last_traced}"  # what the trace holds, not what the window asked
         path = self.out / f"rank{self.rank}_steps{steps}.json"
+        try:
+            self._write(profiler, path)
+        except OSError as e:  # a full disk: said, and the run's own ending (a failure, maybe) is not hidden
+            print(f"bigtrain: warning: the trace of steps {steps} could not be written to {self.out} ({e})",
+                  file=sys.stderr, flush=True)
+            return
+        finally:
+            if self.memory and self.device.type == "cuda":
+                torch.cuda.memory._record_memory_history(enabled=None)  # recording stops with the window
+        self.written = path
+        if self.rank == 0:
+            others = f" and the other {self.world_size - 1} ranks' beside it" if self.world_size > 1 else ""
+            print(f"bigtrain: traced steps {steps}: {path}{others} (open in "
+                  f"https://ui.perfetto.dev)", flush=True)
+
+    def _write(self, profiler: torch.profiler.profile, path: Path) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(path))
         # The operators that took the most time, as a table beside the trace (read without a viewer).
         by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         path.with_suffix(".txt").write_text(profiler.key_averages().table(sort_by=by, row_limit=30) + "\n")
         if self.memory and self.device.type == "cuda":
             torch.cuda.memory._dump_snapshot(str(self.out / f"rank{self.rank}_memory.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
-        self.written = path
-        if self.rank == 0:
-            others = f" and the other {self.world_size - 1} ranks' beside it" if self.world_size > 1 else ""
-            print(f"bigtrain: traced steps {steps}: {path}{others} (open in "
-                  f"https://ui.perfetto.dev)", flush=True)
 
     def _start(self, step: int) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]

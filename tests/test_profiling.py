@@ -85,6 +85,7 @@ def test_a_pipeline_rank_s_trace_names_each_forward_and_backward_it_ran(corpus_c
     ("3-2", ["logging.profile_steps = '3-2'", "'A-B'", "e.g. '5-6'"]),
     ("0", ["logging.profile_steps = '0'", "counted from 1"]),
     ("five", ["logging.profile_steps = 'five'"]),
+    ("5-", ["logging.profile_steps = '5-'", "'A-B'"]),
     ("4-9", ["logging.profile_steps = '4-9' goes past train.steps = 5", "up to 5"]),
 ])
 def test_a_bad_window_is_refused_naming_the_field_and_the_fix(text, words, corpus_cache):
@@ -107,3 +108,13 @@ def test_on_a_gpu_the_trace_has_kernels_and_the_allocator_s_history_is_dumped(co
     with open(out / "rank0_memory.pickle", "rb") as f:
         snapshot = pickle.load(f)
     assert snapshot["segments"] and snapshot["device_traces"][0], "the allocator's segments and history"
+
+
+def test_a_trace_that_cannot_be_written_is_said_and_the_run_goes_on(corpus_cache, tmp_path, capsys):
+    """A full disk (here: a file where the profile folder goes) costs the trace, not the run."""
+    cfg = tiny_config(corpus_cache, "--train.steps=3", "--logging.profile_steps=2")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "profile").write_text("not a folder")
+    with Trainer(cfg, tmp_path / "run", Mesh({})) as trainer:
+        assert len(trainer.fit()) == 3
+    assert "the trace of steps 2-2 could not be written" in capsys.readouterr().err
