@@ -378,6 +378,19 @@ def test_pipeline_closed_forms_equal_the_simulator(kind, v):
             assert list(form.peak_inflight) == sim.peak_inflight, (p, m)
 
 
+@pytest.mark.parametrize("f,b,w", [(1.0, 2.0, 0.5), (1.0, 2.0, 1.2), (1.0, 4.0, 2.0), (0.5, 2.0, 1.0), (1.0, 2.0, 2.0)])
+def test_zero_bubble_closed_form_equals_the_simulator_for_few_micro_batches_and_a_costly_w(f, b, w):
+    # The layout search times every candidate with the closed forms (PipelineModel(max_actions=0)):
+    # m < p (a small global batch on a deep pipeline) and a W costlier than F or I were predicted
+    # faster than zb-h1 runs, down to less than the compute itself (p = 3, m = 1, w = b: 1 vs 5).
+    for p in (2, 3, 4, 6):
+        for m in (1, 2, p - 1, p, 2 * p + 1):
+            sim = simulate(build_schedule("zb-h1", p, m, 1), f, b, w, 0.0)
+            form = closed_form("zb-h1", p, m, 1, f, b, w)
+            assert form.makespan == pytest.approx(sim.makespan), (p, m)
+            assert form.bubble >= 0
+
+
 def test_pipeline_extrapolation_matches_a_full_simulation():
     small = PipelineModel(max_actions=2 * 4 * 12 * 2)  # simulates m <= 3p only, extrapolates beyond
     exact = simulate(build_schedule("interleaved", 4, 32, 2), 1.0, 2.0, 0.0, 0.1)

@@ -13,7 +13,10 @@ for thousands of micro-batches on 64 stages inside a layout search, so:
       gpipe       (m + p - 1)(f + b)                peak m
       1f1b        (m + p - 1)(f + b)                peak min(p - r, m) on rank r
       interleaved m (f + b) + (p - 1)(f + b) / v    peak min(2(p - r - 1) + (v - 1)p + 1, m v)
-      zb-h1       m (f + b) + (p - 1)(f + b - 2w)   peak min(p, m)
+      zb-h1       m (f + b) + (p - 1)(f + b - w)    peak min(p, m)
+                    - (min(m, p) - 1) min(w, b - w, f)
+                  (each of the first min(m, p) - 1 micro-batches' W fills a gap no longer than
+                  the F and I around it; (p - 1)(f + b - 2w) when m >= p and w <= f, b - w)
       pipedream-2bw, pipedream (no flush; a step in the steady state)
                   m (f + b)                         peak p - r
   (the asynchronous kinds always use their closed form: their simulated lists unroll several steps),
@@ -61,7 +64,8 @@ def closed_form(kind: str, p: int, m: int, v: int, f: float, b: float, w: float 
         peaks = tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p))
         return PipelineTerms(busy + (p - 1) * (f + b) / v + fill, busy, peaks, "closed form")
     if kind == "zb-h1":
-        return PipelineTerms(busy + (p - 1) * (f + b - 2 * w) + fill, busy, (min(p, m),) * p, "closed form")
+        bubble = (p - 1) * (f + b - w) - (min(m, p) - 1) * min(w, b - w, f)
+        return PipelineTerms(busy + bubble + fill, busy, (min(p, m),) * p, "closed form")
     if kind in ASYNC_KINDS:  # the next step's forwards fill this one's drain: no bubble once steady
         return PipelineTerms(busy, busy, tuple(p - r for r in range(p)), "closed form (steady state)")
     raise ValueError(f"unknown schedule kind {kind!r}")
