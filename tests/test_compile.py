@@ -92,7 +92,8 @@ def test_compiled_layouts_match_the_independent_reference(layout, corpus_cache, 
     # pipeline stages compile graphs of their own; the other layouts' ranks compile the same ones
     once = contextlib.nullcontext() if cfg.parallel.pp > 1 else compiled_once_for_all_ranks(tmp_path / "compiled")
     with once:
-        report = run_ranks(check_compiled_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=600)[0]
+        report = run_ranks(check_compiled_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=600,
+                           group_timeout=600)[0]  # a stage waits on its peer compiling from a cold cache
     assert report.agree, report.text()
 
 

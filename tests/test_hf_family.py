@@ -174,7 +174,7 @@ def test_compiled_decoder_layers_match_transformers_reference(corpus_cache, name
     # tp2 + SP: both ranks compile the same graphs
     with tempfile.TemporaryDirectory() as run_dir, tempfile.TemporaryDirectory() as markers, \
             compiled_once_for_all_ranks(markers):
-        results = (run_ranks(_train_compiled, world, cfg, run_dir, timeout=600) if world > 1
+        results = (run_ranks(_train_compiled, world, cfg, run_dir, timeout=600, group_timeout=600) if world > 1
                    else [_train_compiled(0, 1, cfg, run_dir)])
     losses, weights, transforms, graphs = results[0]
     layers = [f"model.layers.{i}" for i in range(2)]
