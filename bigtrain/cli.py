@@ -453,19 +453,9 @@ def _main(argv: list[str] | None = None) -> int:
             # dp left to the launcher's world size, so `torchrun ... --config` of this file runs as is
             print(to_toml(cfg, unset=() if dp_given(preset, args.config, rest) else ("parallel.dp",)))
         elif args.command == "data":
-            from bigtrain.data_summary import describe_data
+            from bigtrain.data_summary import cmd_data
 
-            cfg = _resolve(args, rest)
-            validate(cfg)
-            if not family_of(cfg).reads_tokens:
-                print(f"bigtrain data: model.family = '{cfg.model.family}' reads data of its own, not token corpora; "
-                      f"bigtrain data shows token corpora", file=sys.stderr)
-                return 1
-            from bigtrain.preflight import data_problems, held_out_source_problems
-
-            if problems := data_problems(cfg) + held_out_source_problems(cfg):  # as bigtrain train before launch
-                raise ConfigError(problems)
-            print(describe_data(cfg, windows=max(0, args.windows)))
+            return cmd_data(_resolve(args, rest), args.windows)
         elif args.command == "report":
             from bigtrain.report import write_report
 

@@ -9,6 +9,7 @@ prepares it). A first look at a new dataset, and the answer to "what did my conf
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
@@ -18,6 +19,26 @@ from bigtrain.data.blend_spec import parse_blend, source_share
 from bigtrain.data.load import prepare_run_data, run_sampler
 from bigtrain.data.tokenizer import load_tokenizer
 from bigtrain.families import model_vocabulary
+
+
+def cmd_data(cfg: Config, windows: int) -> int:
+    """``bigtrain data``: the config validated and its data checked as ``bigtrain train`` checks them
+    before launch (ConfigError naming the field), then :func:`describe_data` printed; 1 for a family
+    with data of its own."""
+    from bigtrain.config import ConfigError
+    from bigtrain.families import family_of
+    from bigtrain.preflight import data_problems, held_out_source_problems
+    from bigtrain.validation import validate
+
+    validate(cfg)
+    if not family_of(cfg).reads_tokens:
+        print(f"bigtrain data: model.family = '{cfg.model.family}' reads data of its own, not token corpora; "
+              f"bigtrain data shows token corpora", file=sys.stderr)
+        return 1
+    if problems := data_problems(cfg) + held_out_source_problems(cfg):
+        raise ConfigError(problems)
+    print(describe_data(cfg, windows=max(0, windows)))
+    return 0
 
 
 def describe_data(cfg: Config, windows: int = 2, width: int = 240) -> str:
