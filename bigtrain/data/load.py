@@ -99,7 +99,7 @@ def load_corpus(d: DataConfig):
 
 def held_out_config(d: DataConfig) -> DataConfig:
     """``data.val_source`` read as ``data.source`` is (the same tokenizer, text field and cap)."""
-    return replace(d, source=d.val_source, val_fraction=0.0, val_source="", blend="")
+    return replace(blended_config(d, d.val_source), val_fraction=0.0)  # held out whole
 
 
 def run_sampler(cfg, vocab_size: int | None = None, vocab_field: str = "model.vocab_size"):
