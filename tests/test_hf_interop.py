@@ -143,3 +143,15 @@ def test_a_config_json_without_max_position_embeddings_gets_transformers_default
     assert model_values(fields, "config.json")["max_seq_len"] == positions
     transformers = pytest.importorskip("transformers")
     assert transformers.AutoConfig.for_model(model_type).max_position_embeddings == positions
+
+
+def test_a_config_json_with_attention_dropout_is_refused_for_bigtrains_llama():
+    """The Llama family has no dropout: a folder asking for it was fine-tuned without it, silently
+    (model.family = 'hf' refused it already); 0.0 and a missing field load."""
+    from bigtrain.checkpoint.hf import HFFormatError, model_values
+
+    fields = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4}
+    assert model_values({**fields, "attention_dropout": 0.0}, "config.json")["dim"] == 64
+    with pytest.raises(HFFormatError, match=r'attention_dropout = 0.1; .*"attention_dropout": 0.0'):
+        model_values({**fields, "attention_dropout": 0.1}, "config.json")

@@ -57,6 +57,9 @@ class Tolerance:
     # 20261417 sample 16). Where it applies, the norm keeps ``grad_norm`` at every step, and
     # ``norm_follows_gradients`` only where the reference cannot compute at those weights.
     norm_recomputed: bool = False
+    # Whether a recomputed norm still over ``grad_norm`` is reported, not a divergence, where the
+    # recomputation routed MoE tokens otherwise than the layout (bf16/fp16: bigtrain/check/routing.py).
+    routing_flips: bool = False
 
     def of(self, kind: str) -> float:
         return {"loss": self.loss, "grad_norm": self.grad_norm, "replayed": self.replayed}.get(kind, self.tensor)
@@ -87,7 +90,11 @@ class Tolerance:
                 + (f" ({', '.join(self.diagnostic)} diagnostic only)" if self.diagnostic else ""))
 
 
-_LOW_PRECISION = Tolerance(1e-3, 2e-2, 5e-2, diagnostic=("gradient", "forward", "weight"))
+# After an update the weights part by bf16 rounding that Adam amplifies (a gradient norm 14.6% off by
+# step 5 on fuzz seed 20261470 sample 5, a tp 4 MoE); recomputed at the layout's own weights the norm
+# is held to the bound as at a fresh run's first step, MoE routing flips aside (check/routing.py).
+_LOW_PRECISION = Tolerance(1e-3, 2e-2, 5e-2, diagnostic=("gradient", "forward", "weight"), norm_recomputed=True,
+                           routing_flips=True)
 TOLERANCES = {"fp32": Tolerance(1e-5, 1e-5, 1e-4, norm_recomputed=True), "bf16": _LOW_PRECISION,
               "fp16": _LOW_PRECISION}
 # 8-bit optimizer state in fp32: a gradient a rounding error away from the reference's can land a

@@ -174,10 +174,12 @@ class ReferenceRun:
         return {n: p.detach().clone() for n, p in self.master.named_parameters()}
 
     @torch.no_grad()
-    def at_weights(self, weights: dict[str, torch.Tensor]) -> bool:
-        """Set the master weights to ``weights`` (full tensors by name, a layout's) so that the next
-        step computes its gradient at them; whether it will: not with a gradient delay (it computes
-        at the history's weights), nor where ``weights`` lacks one of the model's."""
+    def at_weights(self, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None) -> bool:
+        """Set the master weights to ``weights`` (full tensors by name, a layout's), and the model
+        state outside them to ``buffers`` (a sigmoid-bias router's bias, which moves by the sign of
+        its expert's load: a layout whose routing parted moves it otherwise), so that the next step
+        computes its gradient at them; whether it will: not with a gradient delay (it computes at
+        the history's weights), nor where ``weights`` lacks one of the model's."""
         held = dict(self.master.named_parameters())
         if self.stale is not None or any(name not in weights for name in held):
             return False
@@ -185,6 +187,7 @@ class ReferenceRun:
             p.copy_(weights[name].reshape(p.shape))
         if self.mixed:
             copy_masters_to(self.compute, self.master)
+        copy_buffers({id(m): m for m in (self.master, self.compute)}.values(), buffers or {})
         return True
 
     def restart_delays(self) -> None:
@@ -240,14 +243,24 @@ class ReferenceRun:
         # the forward (with a delay, the stale copy), and their biases move there at once: they are
         # model state outside the optimizer, not delayed (as the trainer moves them after each step).
         ran = self.stale if self.stale is not None else self.compute
-        update_router_biases(ran, move_biases=not skipped)
+        routing = update_router_biases(ran, move_biases=not skipped)
         self.optimizer.zero_grad(set_to_none=True)
         if self.mixed:
             copy_masters_to(self.compute, self.master)
-        return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads)
+        return ReferenceStep(loss=0.0, grad_norm=norm, skipped=skipped, grads=grads,
+                             routing={name: block["load"] for name, block in routing.items()})
 
 
 @torch.no_grad()
+@torch.no_grad()
+def copy_buffers(models, buffers: dict[str, torch.Tensor]) -> None:
+    """Each of ``models``' buffers named in ``buffers`` set to its value there (in its own dtype)."""
+    for model in models:
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name].reshape(b.shape))
+
+
 def load_init_from(model: Llama, m) -> None:
     """``model.init_from``'s weights (a Hugging Face folder) into the whole ``model``, each
     parameter as the folder holds it under its Hugging Face name (a tied head is one parameter)."""

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from bigtrain.check.reference import REFERENCE_OPTIMIZERS, exact_problem, reference_optimizer_of
+from bigtrain.check.reference import REFERENCE_OPTIMIZERS, copy_buffers, exact_problem, reference_optimizer_of
 from bigtrain.config import Config
 from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, copy_masters_to, decay_groups,
                                           next_token_loss_backward, recorded_outputs,
@@ -206,15 +206,18 @@ class OwnReference:
         return result
 
     @torch.no_grad()
-    def at_weights(self, weights: dict[str, torch.Tensor]) -> bool:
+    def at_weights(self, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None) -> bool:
         """Set the master weights to ``weights`` (full tensors by name, a layout's) so that the next
-        step computes its gradient at them; whether it will: not where ``weights`` lacks one of the
-        model's."""
+        step computes its gradient at them, and the model state outside them to ``buffers`` (the
+        layout's, by the same names); whether it will: not where ``weights`` lacks one of the
+        model's, nor where ``buffers`` names state this model does not hold."""
         held = dict(self.model.named_parameters())
-        if any(name not in weights for name in held):
+        state = {n for m in (self.model, self.compute) for n, _ in m.named_buffers()}
+        if any(name not in weights for name in held) or any(name not in state for name in buffers or {}):
             return False
         for name, p in held.items():
             p.copy_(weights[name].reshape(p.shape))
         if self.compute is not self.model:
             copy_masters_to(self.compute, self.model)
+        copy_buffers({id(m): m for m in (self.model, self.compute)}.values(), buffers or {})
         return True

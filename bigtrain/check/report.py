@@ -49,6 +49,7 @@ class CheckReport:
     # Where the check stopped at fp16's overflow boundary (bigtrain/check/fp16_boundary.py): why, at
     # first_step, which is then no divergence (agree stays True) and the last step compared.
     boundary: str = ""
+    precision: str = "fp32"  # precision.mode: whose own rounding ``within_rounding`` is
 
     def first(self, kind: str) -> Finding | None:
         return next((f for f in self.findings if f.kind == kind), None)
@@ -66,7 +67,7 @@ class CheckReport:
             return "\n".join(lines)
         if self.agree:
             lines.append(f"agree: {self.steps} steps within {self.tolerance.text()} (largest: {worst})")
-            lines += [f"  within fp32's own rounding: {f.line()}" for f in self.within_rounding]
+            lines += [f"  within {self.precision}'s own rounding: {f.line()}" for f in self.within_rounding]
             return "\n".join(lines)
         lines.append(f"DIFFER from step {self.first_step + 1} (bounds: {self.tolerance.text()}):")
         for kind, title in (("forward", "first module whose forward output differs"),

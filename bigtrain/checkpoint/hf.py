@@ -313,7 +313,7 @@ DEFAULT_POSITIONS = {"llama": 2048, "qwen2": 32768}
 def model_values(hf: dict, where: str) -> dict[str, object]:
     """The ``[model]`` fields a Hugging Face Llama or Qwen2 ``config.json`` sets; raises
     HFFormatError for what bigtrain's Llama does not have (other activations, other rotary
-    scalings, partial rotary embeddings, sliding windows)."""
+    scalings, partial rotary embeddings, sliding windows, attention dropout)."""
     problems = []
     arch = hf.get("model_type", "llama")
     if arch not in LLAMA_MODEL_TYPES:
@@ -324,6 +324,9 @@ def model_values(hf: dict, where: str) -> dict[str, object]:
         problems.append(f"partial_rotary_factor = {hf['partial_rotary_factor']}; bigtrain rotates whole heads")
     if arch == "qwen2" and hf.get("use_sliding_window"):
         problems.append("use_sliding_window = true; bigtrain's attention is full causal attention")
+    if float(hf.get("attention_dropout") or 0.0) > 0:  # fine-tuned without it, not a word: refused, as model.family = 'hf' does
+        problems.append(f"attention_dropout = {float(hf['attention_dropout']):g}; bigtrain's Llama trains without "
+                        f"dropout (set \"attention_dropout\": 0.0 in its config.json to fine-tune without it)")
     if quantized := quantized_problem(hf):
         problems.append(quantized)
     scaling, theta = rope_scaling_and_theta(hf)

@@ -25,6 +25,9 @@ class ReferenceStep:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # after the update
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # reduced, unscaled, before clipping
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # forward outputs over the global batch
+    # MoE: each block's routings per expert over the step (before capacity drops), by block name;
+    # empty where the reference does not count them (bigtrain/check/routing.py).
+    routing: dict[str, list[int]] = field(default_factory=dict)
 
 
 

@@ -174,14 +174,15 @@ class HFReference:
         return result
 
     @torch.no_grad()
-    def at_weights(self, weights: dict[str, torch.Tensor]) -> bool:
+    def at_weights(self, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None) -> bool:
         """Set the master weights to ``weights`` (full tensors under the trainer's names, a
         layout's) so that the next step computes its gradient at them; whether it will: not with the
         delayed update (it computes at the weights from before the last update), nor where
-        ``weights`` lacks one of the model's."""
+        ``weights`` lacks one of the model's, nor where the layout holds model state outside them
+        (``buffers``: transformers' models keep no such state a step moves, so none is placed)."""
         views = file_views(dict(self.model.named_parameters()), self.blocks)
         theirs = to_transformers_names(weights, self.blocks)
-        if self.delayed or any(name not in theirs for name in views):
+        if buffers or self.delayed or any(name not in theirs for name in views):
             return False
         for name, view in views.items():
             view.copy_(theirs[name].reshape(view.shape))
