@@ -195,3 +195,55 @@ def test_the_save_finiteness_check_agrees_with_isfinite_everywhere(dtype):
             for view in (x, x[:, 17], x.t()[5:]):
                 assert bool(all_finite(view)) == bool(torch.isfinite(view).all()), (bad, where)
     assert bool(all_finite(base)) and bool(all_finite(base[:0])) and bool(all_finite(torch.arange(5)))
+
+
+def _verify_shares(rank, world_size, cfg, run_dir, corrupt):
+    """Two ranks save at steps 3 and 5; the files each hashes on resume, and the step it resumes at
+    (``corrupt``: one byte of the newest checkpoint's last file in name order flipped first)."""
+    import bigtrain.checkpoint.commit as commit
+
+    first = trainer_on_rank(rank, world_size, cfg, run_dir)
+    run_steps(first, 3)
+    first.save()
+    run_steps(first, 2)
+    first.save()
+    first.wait_for_save()
+    newest = ckpt.list_checkpoints(first.checkpoint_root)[0]
+    names = sorted(ckpt.read_manifest(newest)["sha256"])
+    world = first.mesh.comm("world")
+    world.all_reduce(torch.zeros(1), tag="saved")  # both ranks past the save before one corrupts it
+    if corrupt and rank == 0:
+        victim = newest / names[-1]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    world.all_reduce(torch.zeros(1), tag="corrupted")
+    hashed, original = [], commit._sha256
+    commit._sha256 = lambda path: (hashed.append(path.name), original(path))[1]
+    second = trainer_on_rank(rank, world_size, cfg, run_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert second.resume("auto")
+    commit._sha256 = original
+    return names, hashed, second.step, [str(w.message) for w in caught if "corrupt" in str(w.message)]
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["whole", "corrupt"])
+def test_ranks_verify_a_checkpoint_together_each_hashing_its_share(corpus_cache, tmp_path, corrupt):
+    """Two ranks resuming hash disjoint halves of the newest checkpoint's files, together all of
+    them (each hashed every file: ranks x checkpoint size read before the first step); a file that
+    does not verify, in one rank's share, makes both fall back to the previous checkpoint, that rank
+    naming the file and the other the rank that found it."""
+    cfg = _config(corpus_cache, **{"parallel.dp": 2, "parallel.zero": 1, "checkpoint.keep": 3})
+    results = run_ranks(_verify_shares, 2, cfg, str(tmp_path), corrupt)
+    names = results[0][0]
+    hashed = [set(r[1]) for r in results]
+    if not corrupt:
+        assert hashed[0] | hashed[1] == set(names) and not hashed[0] & hashed[1], hashed
+        assert all(len(r[1]) == len(set(r[1])) for r in results)  # each file once
+        assert [r[2] for r in results] == [5, 5] and not any(r[3] for r in results)
+        return
+    assert [r[2] for r in results] == [3, 3], results
+    finder = next(i for i, r in enumerate(results) if names[-1] in r[1][:len(names)])
+    assert any(f"checksum mismatch in {names[-1]}" in w for w in results[finder][3]), results
+    assert any(f"rank {finder} found a file" in w for w in results[1 - finder][3]), results

@@ -295,10 +295,20 @@ def verify_checkpoint(path: Path, files: bool = True) -> dict[str, Any]:
     CorruptCheckpoint."""
     meta = read_manifest(path)
     if files:
-        for name, expected in meta["sha256"].items():
-            if _sha256(path / name) != expected:
-                raise CorruptCheckpoint(f"{path}: checksum mismatch in {name}")
+        verify_files(path, meta)
     return meta
+
+
+def verify_files(path: Path, meta: dict[str, Any], share: tuple[int, int] = (0, 1)) -> list[str]:
+    """Check the files of the checkpoint at ``path`` against its (read) manifest ``meta``: with
+    ``share = (i, n)`` only the i-th of every n of its files in name order (n ranks verify a
+    checkpoint together, each reading its share once); the names checked. Raises CorruptCheckpoint."""
+    index, count = share
+    names = sorted(meta["sha256"])[index::count]
+    for name in names:
+        if _sha256(path / name) != meta["sha256"][name]:
+            raise CorruptCheckpoint(f"{path}: checksum mismatch in {name}")
+    return names
 
 
 def valid_checkpoints(root_or_path: Path, run_id: str | None = None, files: bool = True
