@@ -182,10 +182,13 @@ def tp_collectives(layout: Layout, layers: float, recomputed: float, moe_layers:
     forward stops at its last saved tensor (torch's non-reentrant checkpoint), w2's input, before
     the MLP's output sum: one all-reduce, or under SP two all-gathers and attention's reduce-scatter.
     An MoE block (``moe_layers`` of the ``layers``) runs its experts whole on every tp rank, outside
-    any tp region (docs/moe.md): attention's one sum each way."""
+    any tp region (docs/moe.md): attention's one sum each way, and under SP the all-gather of its
+    input (forward) and of its output's gradient (backward) that give it the whole sequence
+    (parallel/sequence_moe.py): half an all-reduce's bytes each way (a recomputed MoE block's
+    forward: attention's all-gather and reduce-scatter and that all-gather, as a dense block's)."""
     ends = 1 / layout.pp
     recompute = 1.5 if layout.tp_sp else 1.0
-    blocks = 2 * layers - moe_layers
+    blocks = 2 * layers - moe_layers + (0.5 * moe_layers if layout.tp_sp else 0.0)
     return blocks + ends, blocks + ends + recompute * recomputed
 
 
