@@ -161,6 +161,15 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
         b += extra
     else:
         f, b, w = seconds(forward), seconds(backward), seconds(weight_grad)
+        # An MoE block's router and experts run whole on every tp rank (docs/moe.md): their FLOPs
+        # are shared by the sequence shards only, not by tp (as gemm.linear_shapes prices them).
+        whole = tokens * tp_whole_flops_per_token(model)  # one MoE block
+        moe_recomputed_blocks = sum(model.is_moe_block(i) for i in checkpointed_block_indices(
+            model.layers, layout.recompute, layout.every)) / layout.pp
+        whole_f = whole * model.moe_layers / layout.pp
+        whole_b = 2 * whole_f + whole * moe_recomputed_blocks
+        unshared = (1 / layout.seq_shards - 1 / split) / rate
+        f, b = f + whole_f * unshared, b + whole_b * unshared
     def exposed(comm: float, compute: float) -> float:  # what the compute beside it does not hide
         return max(comm - hw.comm_overlap * compute, (1 - hw.comm_overlap) * comm)
 
@@ -170,6 +179,15 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     ring_f, ring_b = exposed(ring_f, f), exposed(ring_b, b)
     return StageCosts(f, b, w, tp_f + sp_f + moe_f + ring_f, tp_b + sp_b + moe_b + ring_b, p2p, moe_f + moe_b,
                       ring_f + ring_b)
+
+
+def tp_whole_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs per token of one MoE block's router, top_k experts and shared expert: the part
+    of the block every tp rank runs whole (0 without experts)."""
+    if not model.experts:
+        return 0.0
+    ffn = sum(t.numel for t in model.moe_block_tensors() if t.name.startswith("feed_forward.") and t.decays)
+    return 2 * (ffn + model.top_k * 3 * model.expert_ffn * model.hidden)
 
 
 def tp_collectives(layout: Layout, layers: float, recomputed: float, moe_layers: float = 0.0) -> tuple[float, float]:
