@@ -409,5 +409,5 @@ def test_parallelize_refuses_an_moe_block_cut_over_both_cp_and_sp():
     """The config refuses cp x sp with experts (context_checks.py); ``parallelize`` called from Python
     did not: cp's chunk pairs silently replaced the block's Ulysses parts, so its capacity and balance
     loss were sized by a sequence sp times too short (a quarter of the tokens seen as a half)."""
-    for message in run_ranks(_hybrid_moe_sequence_view, 4, timeout=120):
+    for message in run_ranks(_hybrid_moe_sequence_view, 4, timeout=300):
         assert "layers.0.feed_forward" in message and "parallel.sp = 1" in message, message
