@@ -299,3 +299,6 @@ def test_flop_priced_experts_are_not_shared_by_tp():
         cut = stage_costs(model, Layout(dp=8 // tp, tp=tp, micro_batch=1), cluster)
         assert cut.compute_f - one.compute_f / tp == pytest.approx(whole * (1 - 1 / tp) / rate, rel=1e-9)
         assert cut.compute_b - one.compute_b / tp == pytest.approx(2 * whole * (1 - 1 / tp) / rate, rel=1e-9)
+        # zb-h1's W (the experts' weight gradients, deferred: no block recomputed) likewise
+        assert cut.compute_w - one.compute_w / tp == pytest.approx(
+            hw.weight_grad_fraction * 2 * whole * (1 - 1 / tp) / rate, rel=1e-9)

@@ -168,8 +168,11 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
             model.layers, layout.recompute, layout.every)) / layout.pp
         whole_f = whole * model.moe_layers / layout.pp
         whole_b = 2 * whole_f + whole * moe_recomputed_blocks
+        # zb-h1's W: the weight gradients of the MoE blocks not recomputed (a recomputed one's run in I)
+        whole_w = hw.weight_grad_fraction * 2 * whole * (model.moe_layers / layout.pp - moe_recomputed_blocks)
         unshared = (1 / layout.seq_shards - 1 / split) / rate
-        f, b = f + whole_f * unshared, b + whole_b * unshared
+        f, b, w = f + whole_f * unshared, b + whole_b * unshared, w + whole_w * unshared
+
     def exposed(comm: float, compute: float) -> float:  # what the compute beside it does not hide
         return max(comm - hw.comm_overlap * compute, (1 - hw.comm_overlap) * comm)
 
