@@ -384,3 +384,30 @@ def test_the_cpu_flash_pair_equals_the_whole_pair(causal):
     for a, b in zip(_pair_backward(do, q, k, v, out, lse, delta, scale, causal),
                     _whole_pair_backward(do, q, k, v, lse, delta, scale, causal)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _hybrid_moe_sequence_view(rank, world_size):
+    from bigtrain.config import ModelConfig
+    from bigtrain.models.llama import Llama
+    from bigtrain.parallel.build import apply_tensor_parallel
+    from bigtrain.parallel.context import apply_context_parallel
+    from bigtrain.parallel.parallel_plan import TensorParallelPlan
+
+    mesh = Mesh({"cp": 2, "sp": 2}, rank)
+    with torch.device("meta"):
+        model = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16,
+                                  moe_experts=4, moe_top_k=2))
+    apply_tensor_parallel(model, mesh, TensorParallelPlan(cp_mode="hybrid"))  # Ulysses: the block's sp parts
+    try:
+        apply_context_parallel(model, mesh.comm("cp"), "hybrid")
+    except ValueError as e:
+        return str(e)
+    return f"kept: {type(model.layers[0].feed_forward.sequence).__name__}"
+
+
+def test_parallelize_refuses_an_moe_block_cut_over_both_cp_and_sp():
+    """The config refuses cp x sp with experts (context_checks.py); ``parallelize`` called from Python
+    did not: cp's chunk pairs silently replaced the block's Ulysses parts, so its capacity and balance
+    loss were sized by a sequence sp times too short (a quarter of the tokens seen as a half)."""
+    for message in run_ranks(_hybrid_moe_sequence_view, 4, timeout=300):
+        assert "layers.0.feed_forward" in message and "parallel.sp = 1" in message, message

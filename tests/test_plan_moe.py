@@ -279,3 +279,26 @@ def test_a_skewed_router_is_within_the_planned_bound(tmp_path):
             assert measured[0]["payload"]["moe_combine"] == exchanges * most  # 1.25 x the even split's
         else:  # Ulysses: a rank's half of each sequence, every routing sent
             assert all(m["payload"]["moe_dispatch"] == exchanges * dispatch for m in measured), measured
+
+
+def test_flop_priced_experts_are_not_shared_by_tp():
+    """A profile without a GEMM curve (gemm_fraction = 0) prices compute from FLOPs. An MoE block's
+    router and experts run whole on every tp rank (docs/moe.md; the shape-aware path prices them so):
+    of a micro-batch's forward, tp shares all but their 2 (E h + top_k 3 F h) FLOPs a token and
+    block, which every rank does (the planner divided them by tp too: at tp 4 this model's forward
+    was priced 1.77 ms, 36% of tp 1's, where the shape-aware path gives 73%)."""
+    from bigtrain.plan.cost import stage_costs
+
+    hw = dataclasses.replace(get_profile("h100-80g"), gemm_fraction=0.0)
+    cluster = Cluster.build(8, hw)
+    model = ModelSpec.build(layers=4, hidden=2048, heads=16, vocab=32000, seq=4096, experts=8, top_k=2)
+    whole = model.seq * model.moe_layers * 2 * (8 * 2048 + 2 * 3 * model.expert_ffn * 2048)  # micro-batch 1
+    rate = hw.sustained_flops("bf16")
+    one = stage_costs(model, Layout(dp=8, micro_batch=1), cluster)
+    for tp in (2, 4):
+        cut = stage_costs(model, Layout(dp=8 // tp, tp=tp, micro_batch=1), cluster)
+        assert cut.compute_f - one.compute_f / tp == pytest.approx(whole * (1 - 1 / tp) / rate, rel=1e-9)
+        assert cut.compute_b - one.compute_b / tp == pytest.approx(2 * whole * (1 - 1 / tp) / rate, rel=1e-9)
+        # zb-h1's W (the experts' weight gradients, deferred: no block recomputed) likewise
+        assert cut.compute_w - one.compute_w / tp == pytest.approx(
+            hw.weight_grad_fraction * 2 * whole * (1 - 1 / tp) / rate, rel=1e-9)

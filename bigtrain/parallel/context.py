@@ -37,7 +37,7 @@ from torch import nn
 
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.models.llama import AttentionCore
-from bigtrain.models.moe import MoEFeedForward
+from bigtrain.models.moe import MoEFeedForward, WholeSequences
 from bigtrain.parallel.ring_attention import RingAttention
 from bigtrain.parallel.sequence_moe import ChunkPairsOverCP
 from bigtrain.parallel.tensor.functional import all_to_all
@@ -148,7 +148,17 @@ def apply_context_parallel(model: nn.Module, comm: AxisComm, mode: str, attach: 
     if not names:
         raise ValueError(f"context parallelism: nothing in a {type(model).__name__} attends over the cut sequence "
                          f"({'its family' if attach else 'no AttentionCore'}; bigtrain/parallel/context.py)")
-    for module in model.modules():  # MoE blocks: capacity and balance over the whole sequence
-        if isinstance(unwrapped(module), MoEFeedForward):
-            unwrapped(module).sequence = ChunkPairsOverCP(comm)
+    for name, module in model.named_modules():  # MoE blocks: capacity and balance over the whole sequence
+        block = unwrapped(module)
+        if isinstance(block, MoEFeedForward):
+            if type(block.sequence) is not WholeSequences:
+                # Ulysses (hybrid) gave it its sp parts: replacing them by cp's chunk pairs would size
+                # its capacity and balance loss by a sequence sp times too short, silently (the config
+                # refuses the pair: context_checks.py; this guards parallelize called from Python).
+                raise ValueError(f"context parallelism: the MoE block {name} already holds a part of each "
+                                 f"sequence ({type(block.sequence).__name__}, parallel.sp = "
+                                 f"{getattr(getattr(block.sequence, 'comm', None), 'size', '?')}); its capacity "
+                                 f"queues do not follow a sequence cut over both cp and sp: use parallel.sp = 1 "
+                                 f"(cp alone) or parallel.cp = 1")
+            block.sequence = ChunkPairsOverCP(comm)
     return names

@@ -161,6 +161,18 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
         b += extra
     else:
         f, b, w = seconds(forward), seconds(backward), seconds(weight_grad)
+        # An MoE block's router and experts run whole on every tp rank (docs/moe.md): their FLOPs
+        # are shared by the sequence shards only, not by tp (as gemm.linear_shapes prices them).
+        whole = tokens * tp_whole_flops_per_token(model)  # one MoE block
+        moe_recomputed_blocks = sum(model.is_moe_block(i) for i in checkpointed_block_indices(
+            model.layers, layout.recompute, layout.every)) / layout.pp
+        whole_f = whole * model.moe_layers / layout.pp
+        whole_b = 2 * whole_f + whole * moe_recomputed_blocks
+        # zb-h1's W: the weight gradients of the MoE blocks not recomputed (a recomputed one's run in I)
+        whole_w = hw.weight_grad_fraction * 2 * whole * (model.moe_layers / layout.pp - moe_recomputed_blocks)
+        unshared = (1 / layout.seq_shards - 1 / split) / rate
+        f, b, w = f + whole_f * unshared, b + whole_b * unshared, w + whole_w * unshared
+
     def exposed(comm: float, compute: float) -> float:  # what the compute beside it does not hide
         return max(comm - hw.comm_overlap * compute, (1 - hw.comm_overlap) * comm)
 
@@ -170,6 +182,15 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: Cluster) -> StageCost
     ring_f, ring_b = exposed(ring_f, f), exposed(ring_b, b)
     return StageCosts(f, b, w, tp_f + sp_f + moe_f + ring_f, tp_b + sp_b + moe_b + ring_b, p2p, moe_f + moe_b,
                       ring_f + ring_b)
+
+
+def tp_whole_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs per token of one MoE block's router, top_k experts and shared expert: the part
+    of the block every tp rank runs whole (0 without experts)."""
+    if not model.experts:
+        return 0.0
+    ffn = sum(t.numel for t in model.moe_block_tensors() if t.name.startswith("feed_forward.") and t.decays)
+    return 2 * (ffn + model.top_k * 3 * model.expert_ffn * model.hidden)
 
 
 def tp_collectives(layout: Layout, layers: float, recomputed: float, moe_layers: float = 0.0) -> tuple[float, float]:
@@ -182,10 +203,13 @@ def tp_collectives(layout: Layout, layers: float, recomputed: float, moe_layers:
     forward stops at its last saved tensor (torch's non-reentrant checkpoint), w2's input, before
     the MLP's output sum: one all-reduce, or under SP two all-gathers and attention's reduce-scatter.
     An MoE block (``moe_layers`` of the ``layers``) runs its experts whole on every tp rank, outside
-    any tp region (docs/moe.md): attention's one sum each way."""
+    any tp region (docs/moe.md): attention's one sum each way, and under SP the all-gather of its
+    input (forward) and of its output's gradient (backward) that give it the whole sequence
+    (parallel/sequence_moe.py): half an all-reduce's bytes each way (a recomputed MoE block's
+    forward: attention's all-gather and reduce-scatter and that all-gather, as a dense block's)."""
     ends = 1 / layout.pp
     recompute = 1.5 if layout.tp_sp else 1.0
-    blocks = 2 * layers - moe_layers
+    blocks = 2 * layers - moe_layers + (0.5 * moe_layers if layout.tp_sp else 0.0)
     return blocks + ends, blocks + ends + recompute * recomputed
 
 
