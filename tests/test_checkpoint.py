@@ -247,3 +247,43 @@ def test_ranks_verify_a_checkpoint_together_each_hashing_its_share(corpus_cache,
     finder = next(i for i, r in enumerate(results) if names[-1] in r[1][:len(names)])
     assert any(f"checksum mismatch in {names[-1]}" in w for w in results[finder][3]), results
     assert any(f"rank {finder} found a file" in w for w in results[1 - finder][3]), results
+
+
+def _save_shares(rank, world_size, cfg, run_dir, failing_rank):
+    """Two ranks save at step 2; the files each hashed while saving (``failing_rank``: that rank's
+    checksumming raises instead), and the error the save raised (None when it committed)."""
+    import bigtrain.checkpoint.commit as commit
+    import bigtrain.checkpoint.writer as writer
+
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    run_steps(trainer, 2)
+    hashed, original, share = [], commit._sha256, writer.file_checksums
+    commit._sha256 = lambda path: (hashed.append(path.name), original(path))[1]
+    if rank == failing_rank:
+        def failing(*args):
+            raise OSError("disk went away")
+        writer.file_checksums = failing
+    try:
+        trainer.save()
+        trainer.wait_for_save()
+        error = None
+    except ckpt.CheckpointWriteError as e:
+        error = str(e)
+    finally:
+        commit._sha256, writer.file_checksums = original, share
+    saved = ckpt.list_checkpoints(trainer.checkpoint_root)
+    return hashed, error, [p.name for p in saved], sorted(ckpt.read_manifest(saved[0])["sha256"]) if saved else []
+
+
+def test_ranks_checksum_a_save_together_and_a_rank_that_cannot_fails_the_save_on_all(corpus_cache, tmp_path):
+    """Each of two ranks hashes its share of the checkpoint's files while saving (rank 0 hashed them
+    all); one that cannot checksum its share fails the save on both ranks, nothing committed."""
+    cfg = _config(corpus_cache, **{"parallel.dp": 2, "parallel.zero": 1})
+    results = run_ranks(_save_shares, 2, cfg, str(tmp_path / "both"), -1)
+    hashed = [set(r[0]) for r in results]
+    names = results[0][3]
+    assert names and hashed[0] | hashed[1] == set(names) and not hashed[0] & hashed[1], results
+    assert [r[1] for r in results] == [None, None] and results[0][2] == ["step_00000002"]
+    failed = run_ranks(_save_shares, 2, cfg, str(tmp_path / "failed"), 1)
+    assert all(r[1] is not None and r[2] == [] for r in failed), failed
+    assert "disk went away" in failed[1][1] and "another rank" in failed[0][1], failed

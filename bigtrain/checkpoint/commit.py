@@ -155,27 +155,51 @@ def is_disk_full(error: BaseException) -> bool:
     return False
 
 
-def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], keep: int) -> Path:
-    """Checksum every file under ``tmp``, write and fsync the manifest ``meta.json`` (itself
-    checksummed), rename ``tmp`` to ``step_<step>`` and keep the newest ``keep`` checkpoints. Call
-    once every file is written."""
-    missing = _missing_parts(tmp)
-    if missing:
-        raise ValueError(f"checkpoint {step}: {tmp} lacks {', '.join(missing[:4])}"
-                         f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}, which its .metadata "
-                         f"says other ranks wrote: the ranks wrote into different folders (a run directory that is "
-                         f"not on a filesystem every machine shares?)")
-    checksums = {}
+def checkpoint_files(tmp: Path, step: int) -> list[str]:
+    """The names of the files under ``tmp`` (a checkpoint being written), sorted; raises ValueError
+    for a file the manifest cannot list."""
+    names = []
     for path in sorted(tmp.rglob("*")):
         if path.is_file():
             name = str(path.relative_to(tmp))
             if not _KNOWN_FILE.fullmatch(name):
                 raise ValueError(f"checkpoint {step}: unexpected file {name!r} in {tmp}; the manifest lists "
                                  f"only DCP's files and *.pt")
-            with open(path, "rb") as f:  # written by other processes: make sure they are on disk
-                os.fsync(f.fileno())
-            checksums[name] = _sha256(path)
-    manifest = {**meta, "step": step, "sha256": checksums}
+            names.append(name)
+    return names
+
+
+def file_checksums(tmp: Path, step: int, share: tuple[int, int] = (0, 1)) -> dict[str, str]:
+    """Each file's SHA-256 under ``tmp``, once it is on disk (fsynced: other processes wrote it);
+    with ``share = (i, n)`` the i-th of every n files in name order only (the ranks of a save
+    checksum it together, as they verify it on resume: :func:`verify_files`)."""
+    index, count = share
+    checksums = {}
+    for name in checkpoint_files(tmp, step)[index::count]:
+        with open(tmp / name, "rb") as f:
+            os.fsync(f.fileno())
+        checksums[name] = _sha256(tmp / name)
+    return checksums
+
+
+def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], keep: int,
+                      checksums: dict[str, str] | None = None) -> Path:
+    """Write and fsync the manifest ``meta.json`` of the files under ``tmp`` (itself checksummed)
+    with their ``checksums`` (None: computed here, every file: :func:`file_checksums`), rename
+    ``tmp`` to ``step_<step>`` and keep the newest ``keep`` checkpoints. Call once every file is
+    written."""
+    missing = _missing_parts(tmp)
+    if missing:
+        raise ValueError(f"checkpoint {step}: {tmp} lacks {', '.join(missing[:4])}"
+                         f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}, which its .metadata "
+                         f"says other ranks wrote: the ranks wrote into different folders (a run directory that is "
+                         f"not on a filesystem every machine shares?)")
+    if checksums is None:
+        checksums = file_checksums(tmp, step)
+    elif sorted(checksums) != checkpoint_files(tmp, step):
+        raise ValueError(f"checkpoint {step}: the ranks checksummed {len(checksums)} files and {tmp} holds "
+                         f"{len(checkpoint_files(tmp, step))}: the ranks listed different folders")
+    manifest = {**meta, "step": step, "sha256": dict(sorted(checksums.items()))}
     manifest["manifest_sha256"] = _manifest_digest(manifest)
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bigtrain.checkpoint.commit import (CheckpointWriteError, commit_checkpoint, fresh_temp_dir, is_disk_full,
-                                        temp_dir, valid_checkpoints)
+from bigtrain.checkpoint.commit import (CheckpointWriteError, commit_checkpoint, file_checksums, fresh_temp_dir,
+                                        is_disk_full, temp_dir, valid_checkpoints)
 from bigtrain.config import Config
 from bigtrain.distributed.comm import AxisComm, CollectiveError, CommStats
 from bigtrain.distributed.mesh import Mesh
@@ -107,10 +107,30 @@ class CheckpointWriter:
             if error is None:
                 try:
                     save_chunks(tmp, chunks, group)  # returns once every rank's files and the metadata are written
-                    if self.is_main:
-                        commit_checkpoint(root, step, tmp, meta, keep)
                 except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises a BaseException
                     error = e
+                if several:
+                    error = _agree(error, comm, device, f"another rank failed to write checkpoint step {step}")
+            if error is None:
+                # Every rank checksums its share of the files (rank 0 hashed them all: a 7B model's
+                # 84 GB of weights and Adam state read by one process at each save), rank 0 commits.
+                checksums = None
+                if several:
+                    try:
+                        mine = file_checksums(tmp, step, (comm.rank, comm.size))
+                    except Exception as e:  # noqa: BLE001 - a file gone: every rank still gathers, agreed below
+                        error, mine = e, None
+                    shares = comm.gather_objects(mine)
+                    if shares is not None and error is None:
+                        if any(share is None for share in shares):
+                            error = CheckpointWriteError("another rank failed to checksum its files")
+                        else:
+                            checksums = {n: d for share in shares for n, d in share.items()}
+                if self.is_main and error is None:
+                    try:
+                        commit_checkpoint(root, step, tmp, meta, keep, checksums)
+                    except Exception as e:  # noqa: BLE001 - a full disk: agreed below
+                        error = e
                 if several:  # every rank sees the committed save, or the failure
                     error = _agree(error, comm, device, f"another rank failed to write checkpoint step {step}")
         except CollectiveError as lost:  # another rank died or froze during the save
