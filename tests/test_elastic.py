@@ -176,7 +176,8 @@ def test_a_restarted_round_resumes_the_runs_newest_checkpoint(tmp_path, monkeypa
     assert resume.resume_after_restart("auto", tmp_path) == "auto"
     # An explicit checkpoint to start from stays the start until the run has saved one of its own.
     assert resume.resume_after_restart("/elsewhere/step_00000100", tmp_path) == "/elsewhere/step_00000100"
-    monkeypatch.setattr(resume, "newest_valid_checkpoint", lambda root: (root / "step_00000004", {"step": 4}))
+    monkeypatch.setattr(resume, "newest_valid_checkpoint",
+                        lambda root, files=True: (root / "step_00000004", {"step": 4}))
     assert resume.resume_after_restart("/elsewhere/step_00000100", tmp_path) == "auto"
 
 

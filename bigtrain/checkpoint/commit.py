@@ -355,9 +355,10 @@ def valid_checkpoints(root_or_path: Path, run_id: str | None = None, files: bool
         yield path, meta
 
 
-def newest_valid_checkpoint(root_or_path: Path, run_id: str | None = None) -> tuple[Path, dict[str, Any]] | None:
+def newest_valid_checkpoint(root_or_path: Path, run_id: str | None = None,
+                            files: bool = True) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that verifies (see :func:`valid_checkpoints`)."""
-    return next(valid_checkpoints(root_or_path, run_id), None)
+    return next(valid_checkpoints(root_or_path, run_id, files), None)
 
 
 def load_file(path: Path, name: str) -> Any:

@@ -244,4 +244,6 @@ def resume_after_restart(resume: str, run_dir: Path) -> str:
     """
     if resume in ("none", "auto"):
         return "auto"
-    return "auto" if newest_valid_checkpoint(run_dir / "checkpoints") is not None else resume
+    # Every rank asks: the manifests answer it (each rank hashing every file read the checkpoint
+    # N times); 'auto' then verifies the files together and falls back past a corrupt one.
+    return "auto" if newest_valid_checkpoint(run_dir / "checkpoints", files=False) is not None else resume
