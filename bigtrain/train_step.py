@@ -209,7 +209,9 @@ class StepRunner:
         for ahead in range(1, self.executor.lookahead_steps + 1):
             batches = batches + list(self.sampler.micro_batches(self.step + ahead, self.mesh.coord("dp"),
                                                                 self.mesh.size("dp"), self.cfg.train.micro_batch))
-        chunks = [self.parallel.sequence_chunk(self._to_device(t), self._to_device(y))[:2] for t, y in batches]
+        # Each micro-batch's documents (block-causal attention) travel with it to every stage.
+        chunks = [self.parallel.model_inputs(self._to_device(t), self._to_device(y)) for t, y in batches]
+        chunks = [(t, y, self._own_kwargs(kwargs)) for t, y, kwargs in chunks]
         self.executor.measure_activations = measure
         out = self.executor.run(chunks)
         loss_sum = torch.zeros((), device=self.device)
@@ -218,6 +220,11 @@ class StepRunner:
         if reduce:
             self.parallel.pp.all_reduce(loss_sum, tag="metrics")
         return loss_sum, self.executor.peak_activation_bytes
+
+    def _own_kwargs(self, kwargs: dict) -> dict:
+        """A micro-batch's keywords beside those the executor gives every call (its documents)."""
+        shared = self.executor.forward_kwargs
+        return {k: v for k, v in kwargs.items() if k not in shared}
 
     def _loss_scale(self) -> float:
         return self.engine.scaler.scale if self.engine.scaler is not None else 1.0

@@ -43,7 +43,9 @@ from torch import nn
 
 from bigtrain.config import Config
 from bigtrain.context_checks import divisor_near
+from bigtrain.core.documents import document_mask
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.models.hf_causal_lm import DOCUMENTS
 from bigtrain.parallel.tensor.functional import all_to_all
 from bigtrain.parallel.tensor.styles import Style, TPContext, replicate_kv_heads
 
@@ -77,7 +79,8 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise RuntimeError(f"attention implementation '{CAUSAL}' was given a mask of shape "
                            f"{tuple(attention_mask.shape)}: bigtrain's decoders attend causally over whole sequences")
     window = layer_window(module, sliding_window)
-    return attend(query, key, value, dropout, scaling, window).transpose(1, 2).contiguous(), None
+    out = attend(query, key, value, dropout, scaling, window, kwargs.get(DOCUMENTS))
+    return out.transpose(1, 2).contiguous(), None
 
 
 def layer_window(module: nn.Module, sliding_window: int | None) -> int | None:
@@ -106,13 +109,18 @@ def carried_group(name: str, key: str, kind: type, prepared_by: str, module: nn.
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
-           window: int | None) -> torch.Tensor:
-    """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads. With a
-    window's mask the key/value heads are repeated for their query heads first, as transformers'
+           window: int | None, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads; given
+    ``documents`` (batch, seq: each token's document, the keyword :data:`DOCUMENTS` the decoder
+    passes its layers), block-causal, within the window too (one explicit mask of both). With a
+    mask the key/value heads are repeated for their query heads first, as transformers'
     sdpa path does whenever it passes a mask (sdpa's grouped path with a mask is its math kernel
     anyway): the same call, so a windowed layer rounds as the reference's (in bf16, one process's
     first gradients were 3.5e-3 off it with the grouped call, bit-equal with this one)."""
-    mask = sliding_window_mask(q.shape[2], window, q.device)
+    if documents is not None:
+        mask = document_mask(documents.to(q.device), window)
+    else:
+        mask = sliding_window_mask(q.shape[2], window, q.device)
     if mask is not None and k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
@@ -126,7 +134,9 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     (batch, kv heads, seq / sp, head_dim) of this rank's shard -> (batch, seq / sp, heads,
     head_dim), no attention weights."""
     sp = carried_group(ULYSSES, GROUP, AxisComm, "UlyssesAttentionGroup", module, attention_mask, kwargs)
-    out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, layer_window(module, sliding_window))
+    # The documents are the whole sequence's, as q, k and v are after the all-to-all.
+    out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, layer_window(module, sliding_window),
+                 kwargs.get(DOCUMENTS))
     return heads_to_shard(out, sp), None
 
 

@@ -46,6 +46,7 @@ from bigtrain.families.hf_attention import GROUP as ULYSSES_GROUP
 from bigtrain.families.hf_attention import (attend, carried_group, heads_to_shard, layer_window, register_attention,
                                             shard_to_heads)
 from bigtrain.parallel.context import AllToAllContext, chunks_of
+from bigtrain.models.hf_causal_lm import DOCUMENTS
 from bigtrain.parallel.ring_attention import ring_attention_heads_first
 
 CONTEXT = "bigtrain_context"  # the attention implementation's name in transformers' registry
@@ -79,6 +80,9 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     (batch, kv heads, local seq, head_dim) of this rank's chunks -> (batch, local seq, heads,
     head_dim) attended over the whole sequence, no attention weights."""
     group = carried_group(CONTEXT, GROUP, ContextGroup, "attach_context_parallel", module, attention_mask, kwargs)
+    if kwargs.get(DOCUMENTS) is not None:  # validation refuses it first; never attend across documents silently
+        raise RuntimeError("model.attn_mask = 'block_causal' with parallel.cp > 1: context-parallel attention has "
+                           "no document mask; set parallel.cp = 1 or model.attn_mask = 'causal'")
     sliding_window = layer_window(module, sliding_window)
     sp = kwargs.get(ULYSSES_GROUP)
     if (group.mode == "hybrid") != (isinstance(sp, AxisComm) and sp.size > 1):

@@ -189,9 +189,9 @@ class LlamaStage(PipelineStage):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, with_head: bool = True,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``x``: tokens on the first stage, hidden states after; ``start_pos``, ``with_head`` and
-        ``positions`` as in ``Llama.forward``.
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: tokens on the first stage, hidden states after; ``start_pos``, ``with_head``,
+        ``positions`` and ``documents`` as in ``Llama.forward`` (every stage is given its micro-batch's).
         The rotary tables go from ``start_pos`` to the end: attention takes as many positions as its
         queries have, which under Megatron sequence parallelism is more than ``x`` (a sequence shard)."""
         if positions is not None:
@@ -200,7 +200,7 @@ class LlamaStage(PipelineStage):
             cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
         h = self.tok_embeddings(x) if self.is_first else x
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
         if not self.is_last:
             return h
         h = self.norm(h)

@@ -1,0 +1,46 @@
+"""``model.attn_mask`` and ``model.reset_positions`` against the rest of a config, before any process
+starts (docs/documents.md). Imports no torch (as :mod:`bigtrain.validation`).
+
+Block-causal attention is refused where it would be silently wrong or meaningless:
+- a model family whose model takes no documents (``Family.document_mask``): it would attend causally;
+- ``parallel.cp > 1``: ring and all-to-all context attention carry no document mask (not proved);
+- a corpus with no token that marks where documents meet (:func:`bigtrain.data.boundaries.boundary_ids`).
+"""
+
+from __future__ import annotations
+
+from bigtrain.config import Config
+from bigtrain.data.boundaries import boundary_ids
+from bigtrain.data.tokenizer import TokenizerError
+from bigtrain.families import registered_family
+
+ATTN_MASKS = ("causal", "block_causal")  # bigtrain.core.documents.ATTN_MASKS (this module imports no torch)
+
+
+def check_documents(cfg: Config) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    if m.attn_mask not in ATTN_MASKS:
+        return [f"model.attn_mask = {m.attn_mask!r}: must be one of {', '.join(repr(x) for x in ATTN_MASKS)}"]
+    if m.attn_mask == "causal":
+        if m.reset_positions:
+            return ["model.reset_positions = true needs model.attn_mask = 'block_causal' (positions restart at "
+                    "each document only when attention stays inside it); set model.attn_mask = 'block_causal' or "
+                    "model.reset_positions = false"]
+        return []
+    family = registered_family(m.family)
+    if family is None:
+        return []  # check_model names an unknown family
+    if not family.document_mask:
+        return [f"model.attn_mask = 'block_causal': model.family = '{m.family}' has no document mask (its model "
+                f"takes no documents); use model.attn_mask = 'causal'"]
+    problems = []
+    if p.cp > 1:
+        problems.append(f"model.attn_mask = 'block_causal' with parallel.cp = {p.cp}: context-parallel attention "
+                        f"(ring, all-to-all) has no document mask; set parallel.cp = 1 (Ulysses' parallel.sp "
+                        f"supports it) or model.attn_mask = 'causal'")
+    try:
+        boundary_ids(cfg.data)
+    except TokenizerError as e:
+        if "model.attn_mask" in str(e):  # an unreadable tokenizer is data.tokenizer's own problem, named there
+            problems.append(str(e))
+    return problems
