@@ -102,7 +102,7 @@ class ModelConfig:
                          "document, its BOS); the end token is the last token of the document it ends. Refused "
                          "before launch when the corpus has no such token (a byte corpus without "
                          "data.document_end, a pre-tokenized .bin / .npy source) and with parallel.cp > 1 "
-                         "(docs/documents.md).", "causal")
+                         "(docs/ecosystem.md, Document masking).", "causal")
     reset_positions: bool = doc("With model.attn_mask = 'block_causal': rotary positions count from 0 at each "
                                 "document's first token (Megatron's reset_position_ids), so a document is encoded "
                                 "as if it began its own sequence. false: positions count along the window.", False)

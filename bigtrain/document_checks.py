@@ -1,5 +1,5 @@
 """``model.attn_mask`` and ``model.reset_positions`` against the rest of a config, before any process
-starts (docs/documents.md). Imports no torch (as :mod:`bigtrain.validation`).
+starts (docs/ecosystem.md, "Document masking"). Imports no torch (as :mod:`bigtrain.validation`).
 
 Block-causal attention is refused where it would be silently wrong or meaningless:
 - a model family whose model takes no documents (``Family.document_mask``): it would attend causally;

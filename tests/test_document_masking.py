@@ -175,8 +175,10 @@ LAYOUTS = {
     "dp2-zero1-reset": ["--parallel.dp=2", "--parallel.zero=1", "--model.reset_positions=true"],
     "tp2-sp-reset": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--model.reset_positions=true"],
     "pp2-1f1b-reset": ["--parallel.pp=2", "--train.micro_batch=1", "--model.reset_positions=true"],
-    "pp2-interleaved-zb": ["--parallel.pp=2", "--model.n_layers=4", "--parallel.pp_schedule=interleaved",
+    "pp2-interleaved": ["--parallel.pp=2", "--model.n_layers=4", "--parallel.pp_schedule=interleaved",
                            "--parallel.pp_virtual=2", "--train.micro_batch=1"],
+    "pp2-zb-h1-recompute": ["--parallel.pp=2", "--train.micro_batch=1", "--parallel.pp_schedule=zb-h1",
+                            "--memory.checkpointing=full"],
     "ulysses-sp2-reset": ["--parallel.sp=2", "--model.reset_positions=true"],
     "ulysses-sp2-tp2": ["--parallel.sp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
 }

@@ -26,6 +26,12 @@ rotated before the all-to-all. Qwen3's per-head q/k norms also run before it, on
 sequence and all heads. Every weight sees its sequence shard only; its gradient is summed over the
 data axis, which counts dp x sp (as for bigtrain's Llama), so no partial-gradient entry is needed.
 
+Block-causal attention (``model.attn_mask``): each token's document over the whole sequence
+reaches both functions as the keyword :data:`~bigtrain.models.hf_causal_lm.DOCUMENTS` (the adapter
+passes it to the decoder, transformers hands a layer's keywords on to its attention function), and
+:func:`attend` builds one explicit mask of the documents and the layer's window. Under Ulysses the
+documents are the whole sequence's, as q, k and v are after the all-to-all.
+
 Without Ulysses the family's layers attend through :func:`causal_attention` (:data:`CAUSAL`, the
 name the family builds its models with): the same sdpa call on the sequence the layer holds, so that
 transformers builds no (batch, 1, seq, seq) mask (see the function) and a sliding window holds in
