@@ -108,6 +108,33 @@ def test_without_the_mask_the_packed_window_differs():
     assert (causal - masked).abs().max() > 1e-2
 
 
+def test_one_mask_a_forward_is_saved_for_backward_whatever_the_layers():
+    """What block-causal attention adds to the saved activations, measured by the storages autograd
+    saves: one (batch, 1, seq, seq) mask in the compute dtype a forward, shared by the layers (a
+    boolean mask given to each layer was turned into an fp32 copy and saved by every one)."""
+    tokens = _window(2)
+    model = Llama(ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64))
+    model.init_weights(0)
+
+    def saved_storages(**kwargs) -> dict[int, tuple]:
+        out = {}
+
+        def pack(t):
+            out[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(tokens, **kwargs).sum()
+        return out
+
+    causal = saved_storages()
+    masked = saved_storages(documents=document_ids(tokens, DocumentBoundaries(ends=(END,))))
+    masks = [nbytes for shape, nbytes in masked.values() if shape == (2, 1, 24, 24)]
+    assert masks == [2 * 24 * 24 * 4], masks  # one fp32 mask for the four layers
+    extra = sum(n for _, n in masked.values()) - sum(n for _, n in causal.values())
+    assert extra == 2 * 24 * 24 * 4, extra
+
+
 # -- the trainer against the reference (each document alone) ---------------------------------------
 ONE_PROCESS = {
     "llama": [],

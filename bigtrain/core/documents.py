@@ -84,3 +84,15 @@ def document_mask(documents: torch.Tensor, window: int | None = None) -> torch.T
         allowed = allowed & (i[None, :] > i[:, None] - window)
     same = documents[:, :, None] == documents[:, None, :]
     return (same & allowed)[:, None]
+
+
+def document_bias(documents: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """:func:`document_mask` as an additive mask in ``dtype`` (0 where a query may attend, the
+    dtype's lowest value where not), (batch, 1, seq, seq): what sdpa adds to its scores. Built once
+    per forward and given to every layer: sdpa turns a boolean mask into such a tensor itself, and
+    saves it for backward, in each layer (measured on the CPU: one fp32 copy a layer); one tensor
+    shared by the layers is saved once (tests/test_document_masking.py)."""
+    allowed = document_mask(documents, window)
+    return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed,
+                                                                                          torch.finfo(dtype).min)
+

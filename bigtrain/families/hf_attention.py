@@ -29,7 +29,7 @@ data axis, which counts dp x sp (as for bigtrain's Llama), so no partial-gradien
 Block-causal attention (``model.attn_mask``): each token's document over the whole sequence
 reaches both functions as the keyword :data:`~bigtrain.models.hf_causal_lm.DOCUMENTS` (the adapter
 passes it to the decoder, transformers hands a layer's keywords on to its attention function), and
-:func:`attend` builds one explicit mask of the documents and the layer's window. Under Ulysses the
+:func:`attend` adds the layer's window to the documents' mask (built once a forward by the adapter). Under Ulysses the
 documents are the whole sequence's, as q, k and v are after the all-to-all.
 
 Without Ulysses the family's layers attend through :func:`causal_attention` (:data:`CAUSAL`, the
@@ -49,7 +49,6 @@ from torch import nn
 
 from bigtrain.config import Config
 from bigtrain.context_checks import divisor_near
-from bigtrain.core.documents import document_mask
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.models.hf_causal_lm import DOCUMENTS
 from bigtrain.parallel.tensor.functional import all_to_all
@@ -117,14 +116,17 @@ def carried_group(name: str, key: str, kind: type, prepared_by: str, module: nn.
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
            window: int | None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads; given
-    ``documents`` (batch, seq: each token's document, the keyword :data:`DOCUMENTS` the decoder
-    passes its layers), block-causal, within the window too (one explicit mask of both). With a
-    mask the key/value heads are repeated for their query heads first, as transformers'
+    ``documents`` (the additive (batch, 1, seq, seq) mask of the documents the decoder passes its
+    layers as :data:`DOCUMENTS`), block-causal, within the window too (one explicit mask of both;
+    a windowed layer makes its own copy). With a mask the key/value heads are repeated for their query heads first, as transformers'
     sdpa path does whenever it passes a mask (sdpa's grouped path with a mask is its math kernel
     anyway): the same call, so a windowed layer rounds as the reference's (in bf16, one process's
     first gradients were 3.5e-3 off it with the grouped call, bit-equal with this one)."""
     if documents is not None:
-        mask = document_mask(documents.to(q.device), window)
+        mask = documents.to(q.dtype)
+        windowed = sliding_window_mask(q.shape[2], window, q.device)
+        if windowed is not None:
+            mask = mask.masked_fill(~windowed, torch.finfo(mask.dtype).min)
     else:
         mask = sliding_window_mask(q.shape[2], window, q.device)
     if mask is not None and k.shape[1] != q.shape[1]:

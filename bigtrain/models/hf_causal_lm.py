@@ -14,8 +14,11 @@ import zlib
 import torch
 from torch import nn
 
-# The keyword each decoder layer's attention function receives the window's documents under
-# (block-causal attention): transformers hands a layer's extra keywords on to it.
+from bigtrain.core.documents import document_bias
+
+# The keyword each decoder layer's attention function receives the window's documents under, as
+# one additive mask for every layer (block-causal attention, bigtrain.core.documents.document_bias):
+# transformers hands a layer's extra keywords on to it.
 DOCUMENTS = "bigtrain_documents"
 
 
@@ -36,7 +39,7 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True,
                 positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         positions = token_positions(tokens.shape[1], start_pos, positions, tokens.device)
-        extra = {} if documents is None else {DOCUMENTS: documents}
+        extra = {} if documents is None else {DOCUMENTS: document_bias(documents, self.model.embed_tokens.weight.dtype)}
         hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False, **extra).last_hidden_state
         return self.lm_head(hidden) if with_head else hidden
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config import ModelConfig
-from bigtrain.core.documents import document_mask
+from bigtrain.core.documents import document_bias
 from bigtrain.models.feed_forward import FeedForward
 from bigtrain.models.moe import MoEFeedForward, init_router_biases
 from bigtrain.models.rope import rotary_tables_for
@@ -55,21 +55,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class AttentionCore(nn.Module):
-    """Causal softmax attention on (batch, seq, heads, head_dim) tensors; given ``documents``
-    (batch, seq: each token's document, :func:`bigtrain.core.documents.document_ids`), block-causal:
-    a token attends to the earlier tokens of its own document only (an explicit boolean mask).
+    """Causal softmax attention on (batch, seq, heads, head_dim) tensors; given ``mask`` (an
+    additive (batch, 1, seq, seq) mask of the documents, :func:`bigtrain.core.documents.document_bias`),
+    block-causal: a token attends to the earlier tokens of its own document only.
 
     A module of its own so a parallel plan can wrap it (Ulysses re-shards q, k, v around it; the
-    documents are always the whole sequence's, which attention sees after the all-to-all)."""
+    mask is always the whole sequence's, which attention sees after the all-to-all)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
-        if documents is None:
+        if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents), enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
         return out.transpose(1, 2)
 
 
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer heads) runs unchanged.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         if cos.dim() == 2:  # a table from the first position on (per-row tables are one per token already)
             cos, sin = cos[:s], sin[:s]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -107,8 +107,9 @@ class TransformerBlock(nn.Module):
                              else FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_bias))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, documents)
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: block-causal attention's additive mask of the whole sequence (None: causal)."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -150,8 +151,9 @@ class Llama(nn.Module):
         else:
             cos, sin = self.rope_cos[start_pos:start_pos + s], self.rope_sin[start_pos:start_pos + s]
         h = self.tok_embeddings(tokens)
+        mask = None if documents is None else document_bias(documents, h.dtype)  # one for every layer
         for layer in self.layers:
-            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         h = self.norm(h)
         return self.output(h) if with_head else h
 

@@ -231,8 +231,8 @@ class RingAttention(ModuleWrapper):
         self.comm, self.chunks = comm, chunks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        if documents is not None:  # validation refuses it first; never attend across documents silently
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None:  # validation refuses it first; never attend across documents silently
             raise RuntimeError("model.attn_mask = 'block_causal' with parallel.cp > 1: ring attention has no "
                                "document mask; set parallel.cp = 1 or model.attn_mask = 'causal'")
         return ring_attention(q, k, v, self.comm, self.chunks)

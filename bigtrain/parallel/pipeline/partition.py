@@ -29,6 +29,7 @@ from torch import nn
 
 from bigtrain.models.llama import Llama, init_value
 from bigtrain.models.moe import init_router_biases
+from bigtrain.core.documents import document_bias
 from bigtrain.models.rope import rotary_tables_for
 from bigtrain.parallel.pipeline.schedules import SCHEDULE_KINDS
 from bigtrain.parallel.tied import shared_parameter_names
@@ -199,8 +200,9 @@ class LlamaStage(PipelineStage):
         else:
             cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
         h = self.tok_embeddings(x) if self.is_first else x
+        mask = None if documents is None else document_bias(documents, h.dtype)  # one for this stage's layers
         for layer in self.layers.values():
-            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         if not self.is_last:
             return h
         h = self.norm(h)

@@ -220,7 +220,7 @@ class UlyssesAttention(Style):
         sp = ctx.sp
 
         def before(m, args):
-            q, k, v, *rest = args  # rest: the whole sequence's documents (block-causal), passed on as they are
+            q, k, v, *rest = args  # rest: the whole sequence's document mask (block-causal), passed on as they are
             return (all_to_all(q, sp, split_dim=2, cat_dim=1),
                     *(all_to_all(replicate_kv_heads(t, sp.size), sp, split_dim=2, cat_dim=1) for t in (k, v)), *rest)
 
