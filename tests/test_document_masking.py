@@ -236,6 +236,33 @@ def test_hf_layout_with_a_sliding_window_matches_the_reference(name, documents_c
     assert report.agree, report.text()
 
 
+# -- the held-out loss: evaluation attends block-causally too ----------------------------------------
+def _evaluate(rank, world_size, cfg, run_dir):
+    from bigtrain.distributed.mesh import Mesh
+    from bigtrain.train import Trainer
+
+    return Trainer(cfg, run_dir, Mesh.from_config(cfg.parallel, rank, world_size)).evaluate()
+
+
+@pytest.mark.parametrize("layout", [
+    [],
+    pytest.param(["--parallel.pp=2", "--train.micro_batch=1"], marks=pytest.mark.slow),
+    pytest.param(["--parallel.sp=2"], marks=pytest.mark.slow),
+], ids=["one-process", "pp2", "ulysses-sp2"])
+def test_the_held_out_loss_is_the_reference_model_s_over_documents_alone(layout, documents_corpus, tmp_path):
+    from bigtrain.check.reference import ReferenceRun
+
+    cfg = packed_config(documents_corpus, "--data.val_fraction=0.1", "--model.reset_positions=true", *layout)
+    world = cfg.parallel.world_size
+    seen = run_ranks(_evaluate, world, cfg, str(tmp_path))[0] if world > 1 else _evaluate(0, 1, cfg, str(tmp_path))
+    run, t = ReferenceRun(cfg), cfg.train
+    with torch.no_grad():
+        total = sum(float(F.cross_entropy(run._logits(run.compute, x, None).flatten(0, 1), y.flatten(), reduction="sum"))
+                    for x, y in (run.sampler.eval_batch(b, t.eval_batches, 0, t.global_batch)
+                                 for b in range(t.eval_batches)))
+    assert seen == pytest.approx(total / (t.eval_batches * t.global_batch * cfg.data.seq_len), rel=RTOL)
+
+
 # -- compiled: the mask is data, so a new window's documents compile nothing ------------------------
 @pytest.mark.slow
 def test_compiled_blocks_recompile_nothing_for_new_documents_and_match_the_reference(documents_corpus, tmp_path):
