@@ -84,7 +84,9 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise RuntimeError(f"attention implementation '{CAUSAL}' was given a mask of shape "
                            f"{tuple(attention_mask.shape)}: bigtrain's decoders attend causally over whole sequences")
     window = layer_window(module, sliding_window)
-    out = attend(query, key, value, dropout, scaling, window, kwargs.get(DOCUMENTS))
+    documents = kwargs.get(DOCUMENTS)
+    extra = () if documents is None else (documents,)  # a causal call stays the six-argument one
+    out = attend(query, key, value, dropout, scaling, window, *extra)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -143,8 +145,9 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     head_dim), no attention weights."""
     sp = carried_group(ULYSSES, GROUP, AxisComm, "UlyssesAttentionGroup", module, attention_mask, kwargs)
     # The documents are the whole sequence's, as q, k and v are after the all-to-all.
-    out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, layer_window(module, sliding_window),
-                 kwargs.get(DOCUMENTS))
+    documents = kwargs.get(DOCUMENTS)
+    extra = () if documents is None else (documents,)
+    out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, layer_window(module, sliding_window), *extra)
     return heads_to_shard(out, sp), None
 
 
