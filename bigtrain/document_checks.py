@@ -3,7 +3,9 @@ starts (docs/ecosystem.md, "Document masking"). Imports no torch (as :mod:`bigtr
 
 Block-causal attention is refused where it would be silently wrong or meaningless:
 - a model family whose model takes no documents (``Family.document_mask``): it would attend causally;
-- ``parallel.cp > 1``: ring and all-to-all context attention carry no document mask (not proved);
+- ``parallel.cp > 1`` with ``cp_mode`` 'ring' or 'hybrid': ring attention carries no document mask
+  (its blocks would each need theirs; not built). 'all-to-all' gathers the whole sequence around
+  attention, where the mask holds as without cp;
 - a corpus with no token that marks where documents meet (:func:`bigtrain.data.boundaries.boundary_ids`).
 """
 
@@ -34,10 +36,11 @@ def check_documents(cfg: Config) -> list[str]:
         return [f"model.attn_mask = 'block_causal': model.family = '{m.family}' has no document mask (its model "
                 f"takes no documents); use model.attn_mask = 'causal'"]
     problems = []
-    if p.cp > 1:
-        problems.append(f"model.attn_mask = 'block_causal' with parallel.cp = {p.cp}: context-parallel attention "
-                        f"(ring, all-to-all) has no document mask; set parallel.cp = 1 (Ulysses' parallel.sp "
-                        f"supports it) or model.attn_mask = 'causal'")
+    if p.cp > 1 and p.cp_mode != "all-to-all":
+        problems.append(f"model.attn_mask = 'block_causal' with parallel.cp = {p.cp} and parallel.cp_mode = "
+                        f"'{p.cp_mode}': ring attention has no document mask; set parallel.cp_mode = 'all-to-all' "
+                        f"(the whole sequence is gathered around attention, and the mask holds there) or "
+                        f"parallel.cp = 1")
     try:
         boundary_ids(cfg.data)
     except TokenizerError as e:

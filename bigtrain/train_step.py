@@ -210,8 +210,8 @@ class StepRunner:
             batches = batches + list(self.sampler.micro_batches(self.step + ahead, self.mesh.coord("dp"),
                                                                 self.mesh.size("dp"), self.cfg.train.micro_batch))
         # Each micro-batch's documents (block-causal attention) travel with it to every stage.
+        # (Its keywords go on top of the executor's own, which they repeat: per-token positions win.)
         chunks = [self.parallel.model_inputs(self._to_device(t), self._to_device(y)) for t, y in batches]
-        chunks = [(t, y, self._own_kwargs(kwargs)) for t, y, kwargs in chunks]
         self.executor.measure_activations = measure
         out = self.executor.run(chunks)
         loss_sum = torch.zeros((), device=self.device)
@@ -220,11 +220,6 @@ class StepRunner:
         if reduce:
             self.parallel.pp.all_reduce(loss_sum, tag="metrics")
         return loss_sum, self.executor.peak_activation_bytes
-
-    def _own_kwargs(self, kwargs: dict) -> dict:
-        """A micro-batch's keywords beside those the executor gives every call (its documents)."""
-        shared = self.executor.forward_kwargs
-        return {k: v for k, v in kwargs.items() if k not in shared}
 
     def _loss_scale(self) -> float:
         return self.engine.scaler.scale if self.engine.scaler is not None else 1.0

@@ -208,6 +208,11 @@ LAYOUTS = {
                             "--memory.checkpointing=full"],
     "ulysses-sp2-reset": ["--parallel.sp=2", "--model.reset_positions=true"],
     "ulysses-sp2-tp2": ["--parallel.sp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
+    # context parallelism's all-to-all: the whole sequence in position order around attention
+    "cp2-all-to-all-reset": ["--parallel.cp=2", "--parallel.cp_mode=all-to-all", "--model.reset_positions=true"],
+    "cp2-all-to-all-tp2-sp-pp2": ["--parallel.cp=2", "--parallel.cp_mode=all-to-all", "--parallel.tp=2",
+                                  "--parallel.sequence_parallel=true", "--parallel.pp=2", "--train.micro_batch=1",
+                                  "--model.reset_positions=true"],
 }
 
 
@@ -223,6 +228,7 @@ HF_LAYOUTS = {
     "tp2-sp-reset": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--model.reset_positions=true"],
     "pp2": ["--parallel.pp=2", "--train.micro_batch=1"],
     "ulysses-sp2-reset": ["--parallel.sp=2", "--model.reset_positions=true"],
+    "cp2-all-to-all-reset": ["--parallel.cp=2", "--parallel.cp_mode=all-to-all", "--model.reset_positions=true"],
 }
 
 
@@ -310,10 +316,23 @@ def test_a_pre_tokenized_corpus_is_refused(corpus_cache, tmp_path):
     assert any("pre-tokenized" in p and "model.attn_mask" in p for p in problems), problems
 
 
-def test_context_parallelism_is_refused(documents_corpus):
+@pytest.mark.parametrize("mode", ["ring", "hybrid"])
+def test_ring_context_parallelism_is_refused(documents_corpus, mode):
+    sp = ["--parallel.sp=2"] if mode == "hybrid" else []
     with pytest.raises(ConfigError) as err:
-        packed_config(documents_corpus, "--parallel.cp=2")
-    assert any("parallel.cp = 2" in p and "model.attn_mask" in p for p in err.value.problems), err.value.problems
+        packed_config(documents_corpus, "--parallel.cp=2", f"--parallel.cp_mode={mode}", *sp)
+    assert any("parallel.cp = 2" in p and "model.attn_mask" in p and "parallel.cp_mode = 'all-to-all'" in p
+               for p in err.value.problems), err.value.problems
+
+
+def test_the_ring_raises_if_a_mask_reaches_it():
+    """Never silently causal: a mask that reaches ring attention past validation is an error."""
+    from bigtrain.parallel.ring_attention import RingAttention
+
+    ring = RingAttention(torch.nn.Identity(), comm=None, chunks=None)
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="model.attn_mask = 'block_causal'"):
+        ring(q, q, q, torch.zeros(1, 1, 4, 4))
 
 
 def test_a_family_without_a_document_mask_is_refused():

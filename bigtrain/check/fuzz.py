@@ -108,9 +108,12 @@ def document_mask_choice(rng: random.Random, out: list[str]) -> list[str]:
     """Block-causal attention (model.attn_mask) over the corpus cut at each ':' (data.document_end: the
     byte corpus has no other boundary; a printable byte keeps the sample's overrides one line; in the
     standard library's sources it ends a line or two, so a window holds several documents), half the
-    time with positions reset at each document; none for a sample with cp, before or after a resume
-    (refused: docs/ecosystem.md, "Document masking")."""
-    if any(o.split(":", 1)[-1].startswith(CP) and o.split("=", 1)[1] != "1" for o in out):
+    time with positions reset at each document; none for a sample with cp in a mode other than
+    'all-to-all', before or after a resume (the ring's is refused: docs/ecosystem.md, "Document masking")."""
+    values = [o.split(":", 1)[-1] if o.startswith(THEN) else o for o in out]
+    with_cp = any(v.startswith(CP) and v.split("=", 1)[1] != "1" for v in values)
+    modes = {v.split("=", 1)[1] for v in values if v.startswith("--parallel.cp_mode=")}
+    if with_cp and modes != {"all-to-all"}:
         return []
     return [BLOCK_CAUSAL, "--data.document_end=:", f"--model.reset_positions={rng.random() < 0.5}"]
 

@@ -131,15 +131,18 @@ class ParallelModel:
     def document_kwargs(self, tokens: torch.Tensor) -> dict:
         """Block-causal attention's inputs for a micro-batch of whole-sequence ``tokens`` (before any
         cut): ``documents``, each token's document over the whole sequence (what attention sees, after
-        Megatron SP's gather or Ulysses' all-to-all), and, with ``reset_positions``, ``positions``
-        restarting at each document, for this rank's tokens (its Ulysses chunk). Empty when causal.
+        Megatron SP's gather, Ulysses' or context parallelism's all-to-all), and, with
+        ``reset_positions``, ``positions`` restarting at each document, for this rank's tokens (its cp
+        chunks, its Ulysses part). Empty when causal.
         Every rank, stage and micro-batch computes them from the same tokens, so they travel as data
         with the micro-batch, never as state on a module."""
         if self.documents is None:
             return {}
         out = {"documents": document_ids(tokens, self.documents)}
-        if self.documents.reset_positions:
+        if self.documents.reset_positions:  # this rank's tokens' positions, cut as its tokens are
             positions = document_positions(tokens, self.documents)
+            if self.cp is not None and self.cp.size > 1:
+                positions = local_sequence(positions, self.cp)
             out["positions"] = local_chunk(positions, self.sp, 1) if self.sp.size > 1 else positions
         return out
 
