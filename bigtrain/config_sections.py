@@ -101,8 +101,9 @@ class ModelConfig:
                          "begins one, and so does a start token (the token data.tokenizer puts before each "
                          "document, its BOS); the end token is the last token of the document it ends. Refused "
                          "before launch when the corpus has no such token (a byte corpus without "
-                         "data.document_end, a pre-tokenized .bin / .npy source) and with parallel.cp > 1 in a ring mode (cp_mode 'all-to-all' is supported) "
-                         "(docs/ecosystem.md, Document masking).", "causal")
+                         "data.document_end, a pre-tokenized .bin / .npy source) and with parallel.cp > 1 in a "
+                         "ring mode (cp_mode 'all-to-all' is supported; docs/ecosystem.md, Document masking).",
+                         "causal")
     reset_positions: bool = doc("With model.attn_mask = 'block_causal': rotary positions count from 0 at each "
                                 "document's first token (Megatron's reset_position_ids), so a document is encoded "
                                 "as if it began its own sequence. false: positions count along the window.", False)

@@ -22,7 +22,8 @@ def boundary_ids(d) -> tuple[tuple[int, ...], tuple[int, ...]]:
     each document begins one; the last id it puts after each one, and ``data.document_end``, end one.
     Raises TokenizerError (naming the fields and the fix) when there are none, or the tokenizer
     cannot be read."""
-    token_files = [s for s in (d.source, d.val_source, *(p for p, _ in parse_blend(d.blend))) if s and s.endswith(TOKEN_FILE_SUFFIXES)]
+    sources = (d.source, d.val_source, *(p for p, _ in parse_blend(d.blend)))
+    token_files = [s for s in sources if s and s.endswith(TOKEN_FILE_SUFFIXES)]
     if token_files:
         raise TokenizerError(f"model.attn_mask = 'block_causal' with the pre-tokenized corpus '{token_files[0]}': "
                              f"bigtrain does not know which of its ids separates documents; give the text (with "
@@ -33,7 +34,8 @@ def boundary_ids(d) -> tuple[tuple[int, ...], tuple[int, ...]]:
     ends = tuple(dict.fromkeys([*trailing[-1:], *filter(lambda i: i is not None,
                                                          [document_end_id(tokenizer, d.document_end)])]))
     if not starts and not ends:
-        which = "a byte corpus" if d.tokenizer == BYTES else f"data.tokenizer = '{d.tokenizer}' puts no token around documents"
+        which = ("a byte corpus" if d.tokenizer == BYTES
+                 else f"data.tokenizer = '{d.tokenizer}' puts no token around documents")
         raise TokenizerError(f"model.attn_mask = 'block_causal' needs a token that marks where documents meet, and "
                              f"{which} with data.document_end = '' has none; set data.document_end (e.g. "
                              f"'<|endoftext|>', or a byte such as '\\n' for bytes) or model.attn_mask = 'causal'")

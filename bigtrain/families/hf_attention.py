@@ -120,9 +120,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, sc
     """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads; given
     ``documents`` (the additive (batch, 1, seq, seq) mask of the documents the decoder passes its
     layers as :data:`DOCUMENTS`), block-causal, within the window too (one explicit mask of both;
-    a windowed layer makes its own copy). With a mask the key/value heads are repeated for their query heads first, as transformers'
-    sdpa path does whenever it passes a mask (sdpa's grouped path with a mask is its math kernel
-    anyway): the same call, so a windowed layer rounds as the reference's (in bf16, one process's
+    a windowed layer makes its own copy). With a mask the key/value heads are repeated for their
+    query heads first, as transformers' sdpa path does whenever it passes a mask (sdpa's grouped
+    path with a mask is its math kernel anyway): the same call, so a windowed layer rounds as the reference's (in bf16, one process's
     first gradients were 3.5e-3 off it with the grouped call, bit-equal with this one)."""
     if documents is not None:
         mask = documents.to(q.dtype)
