@@ -94,6 +94,19 @@ class ModelConfig:
                                         "(Qwen2-MoE's shared_expert_intermediate_size).", 0)
     moe_shared_expert_gate: bool = doc("MoE: scale the shared expert's output per token by sigmoid(w x), w one "
                                        "learned row (Qwen2-MoE's shared_expert_gate).", False)
+    attn_mask: str = doc("'causal' (each token attends to every earlier token of its window) or 'block_causal' "
+                         "(to the earlier tokens of its own document only: torchtitan's block_causal, Megatron's "
+                         "reset_attention_mask). Documents are found from the window's token ids: the token after "
+                         "an end token (data.document_end, or the token data.tokenizer puts after each document) "
+                         "begins one, and so does a start token (the token data.tokenizer puts before each "
+                         "document, its BOS); the end token is the last token of the document it ends. Refused "
+                         "before launch when the corpus has no such token (a byte corpus without "
+                         "data.document_end, a pre-tokenized .bin / .npy source) and with parallel.cp > 1 in a "
+                         "ring mode (cp_mode 'all-to-all' is supported; docs/ecosystem.md, Document masking).",
+                         "causal")
+    reset_positions: bool = doc("With model.attn_mask = 'block_causal': rotary positions count from 0 at each "
+                                "document's first token (Megatron's reset_position_ids), so a document is encoded "
+                                "as if it began its own sequence. false: positions count along the window.", False)
     fused_loss: bool = doc("Compute the output projection and the cross-entropy together in chunks of tokens, "
                            "recomputing each chunk's logits in backward: the (tokens x vocabulary) logits are "
                            "never held (with tp: the vocabulary-parallel loss, chunk by chunk). Same loss.", False)

@@ -29,12 +29,12 @@ def held_out_loss(parallel: ParallelModel, sampler: TokenSampler, batches: int, 
     loss_sum = torch.zeros((), device=parallel.device)
     with routing_statistics_set_aside(parallel.model):
         for tokens, targets in sampler.eval_micro_batches(batches, dp_rank, dp, micro_batch):
-            tokens, targets, start = parallel.sequence_chunk(to_device(tokens), to_device(targets))
+            tokens, targets, kwargs = parallel.model_inputs(to_device(tokens), to_device(targets))
             if parallel.schedule is None:
-                out = parallel.model(tokens, **parallel.forward_kwargs(start))
+                out = parallel.model(tokens, **kwargs)
                 loss_sum += parallel.loss_sum(out, targets).float()
             else:
-                loss_sum += _through_the_stages(parallel, tokens, targets, start)
+                loss_sum += _through_the_stages(parallel, tokens, targets, kwargs)
     if parallel.schedule is not None:
         parallel.pp.all_reduce(loss_sum, tag="metrics")  # the last stage's sum, to every stage
     parallel.grad_comm.all_reduce(loss_sum, tag="metrics")
@@ -42,11 +42,10 @@ def held_out_loss(parallel: ParallelModel, sampler: TokenSampler, batches: int, 
 
 
 def _through_the_stages(parallel: ParallelModel, tokens: torch.Tensor, targets: torch.Tensor,
-                        start: int | torch.Tensor | None) -> torch.Tensor:
+                        kwargs: dict) -> torch.Tensor:
     """One micro-batch forward through every pipeline stage in order; its summed loss on the rank of
     the last stage, 0 elsewhere. Each hand-over to another rank sends the shape first."""
     schedule, pp, device = parallel.schedule, parallel.pp, parallel.device
-    kwargs = parallel.forward_kwargs(start)  # None for a whole sequence
     h, loss = tokens, torch.zeros((), device=device)
     for stage in range(schedule.num_stages):
         here = schedule.rank_of_stage(stage)

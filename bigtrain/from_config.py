@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 
 from bigtrain.config import Config
+from bigtrain.core.documents import DocumentBoundaries
+from bigtrain.data.boundaries import boundary_ids
 from bigtrain.parallel.parallel_plan import (ActivationPlan, CompilePlan, EnginePlan, ExpertPlan, Float8Plan,
                                              LossScaling,
                                              ParallelPlan, PipelinePlan, TensorParallelPlan)
@@ -65,4 +67,14 @@ def parallel_plan(cfg: Config, run_dir: str | None = None, device_type: str = "c
         float8=Float8Plan(precision.fp8, precision.fp8_emulate),
         compile=CompilePlan(compile_enabled(cfg, device_type, family_compiles)),
         seed=cfg.train.seed,
+        documents=document_boundaries(cfg),
     )
+
+
+def document_boundaries(cfg: Config) -> DocumentBoundaries | None:
+    """model.attn_mask = 'block_causal': the corpus's document delimiters (validation refused a
+    corpus without one); None: causal attention."""
+    if cfg.model.attn_mask != "block_causal":
+        return None
+    starts, ends = boundary_ids(cfg.data)
+    return DocumentBoundaries(starts, ends, cfg.model.reset_positions)

@@ -209,7 +209,9 @@ class StepRunner:
         for ahead in range(1, self.executor.lookahead_steps + 1):
             batches = batches + list(self.sampler.micro_batches(self.step + ahead, self.mesh.coord("dp"),
                                                                 self.mesh.size("dp"), self.cfg.train.micro_batch))
-        chunks = [self.parallel.sequence_chunk(self._to_device(t), self._to_device(y))[:2] for t, y in batches]
+        # Each micro-batch's documents (block-causal attention) travel with it to every stage.
+        # (Its keywords go on top of the executor's own, which they repeat: per-token positions win.)
+        chunks = [self.parallel.model_inputs(self._to_device(t), self._to_device(y)) for t, y in batches]
         self.executor.measure_activations = measure
         out = self.executor.run(chunks)
         loss_sum = torch.zeros((), device=self.device)

@@ -13,6 +13,7 @@ from typing import Callable
 from bigtrain.async_checks import check_async  # imports no torch
 from bigtrain.config import Config, ConfigError
 from bigtrain.context_checks import check_context_parallel, divisor_near as _divisor_near, head_split_problems  # imports no torch
+from bigtrain.document_checks import check_documents  # imports no torch
 from bigtrain.embedding_checks import check_embedding  # imports no torch
 from bigtrain.field_checks import non_negative, one_of, path_exists, positive, step_window_problems
 from bigtrain.hsdp_checks import check_hybrid_sharding  # imports no torch
@@ -470,7 +471,7 @@ RULES: list[Rule] = [check_model, check_parallel, check_model_split, check_pipel
                      check_family, check_optim, check_runtime,
                      check_seed, check_distributed, check_limits, check_moe, check_offload, check_block_linears,
                      check_evaluation, check_embedding, check_compile,
-                     check_async, data_field_problems, check_context, check_hybrid_sharding]
+                     check_async, data_field_problems, check_context, check_hybrid_sharding, check_documents]
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | None = None,

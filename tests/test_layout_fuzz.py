@@ -119,9 +119,10 @@ def test_mixed_precision_delayed_update_is_drawn_where_valid_and_leaves_other_sa
 
     from bigtrain.check.fuzz import DELAYED, _valid, draw_sample, split_resume
 
-    before = [draw_sample(SEED, i, 4, delayed_share=0.0) for i in range(200)]
+    # (block-causal attention joined after the delayed update, drawn last: its share 0 here)
+    before = [draw_sample(SEED, i, 4, delayed_share=0.0, documents_share=0.0) for i in range(200)]
     assert hashlib.sha256(json.dumps(before).encode()).hexdigest() == SAMPLES_BEFORE_MIXED_DELAYED
-    drawn = [draw_sample(SEED, i, 4) for i in range(200)]
+    drawn = [draw_sample(SEED, i, 4, documents_share=0.0) for i in range(200)]
     gained = [new for old, new in zip(before, drawn) if new != old]
     # the default share changes nothing but the flag, on bf16/fp16 samples only, each still valid
     for old, new in zip(before, drawn):
@@ -185,3 +186,25 @@ def test_a_resumed_sample_is_checked_after_its_checkpoint(sample, verdict, corpu
         assert "step 3: loss" in outcome.detail and "replayed" in outcome.detail  # 1st update after 2
     else:
         assert "optim.block_size" in outcome.detail
+
+
+def test_block_causal_is_drawn_last_on_decoder_samples_without_cp_and_share_0_leaves_them():
+    """The documents draw (fuzz.py document_mask_choice) only adds its three flags at the end of a
+    decoder sample (bigtrain's or a Hugging Face one) without cp or with cp all-to-all; a share of 0 leaves every sample
+    as it was; each drawn sample validates as its layout did without them (no refusal it brings)."""
+    from bigtrain.check.fuzz import BLOCK_CAUSAL, DLRM, _valid, draw_sample, split_resume
+    from bigtrain.check.fuzz_layouts import CP
+
+    gained = 0
+    for i in range(80):
+        old, new = draw_sample(SEED, i, 4, documents_share=0.0), draw_sample(SEED, i, 4, documents_share=1.0)
+        if new == old:
+            assert DLRM in old or any(o.split(":", 1)[-1].startswith(CP) and not o.endswith("=1") for o in old), old
+            assert not any(o.endswith("cp_mode=all-to-all") for o in old) or any(o.endswith("cp_mode=ring") for o in old)
+            continue
+        assert new[:len(old)] == old and new[len(old)] == BLOCK_CAUSAL and len(new) == len(old) + 3, new
+        gained += 1
+        if gained <= 12:
+            saved, _, _ = split_resume(new)
+            assert _valid(saved) == _valid(split_resume(old)[0]), new
+    assert gained >= 30, gained

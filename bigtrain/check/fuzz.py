@@ -62,6 +62,9 @@ RESUME_SHARE = 0.25
 INT8_SHARE = 0.2
 COMPILE_SHARE = 0.25
 COMPILED = "--compile.enabled=true"
+BLOCK_CAUSAL = "--model.attn_mask=block_causal"
+# Of the decoder samples without cp: block-causal attention over the corpus's lines (document_mask_choice).
+DOCUMENTS_SHARE = 0.15
 CP_SHARE = 0.15
 # Of the samples with cp: a sequence of odd or one-token chunks, and a resume that changes cp
 # (context_shape_choice, context_resume_choice). 0 by default: the seeds' samples, which tests pin,
@@ -75,7 +78,7 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
                 resume_share: float = RESUME_SHARE, int8_share: float = INT8_SHARE,
                 compile_share: float = COMPILE_SHARE, hf_share: float = HF_SHARE,
                 cp_share: float = CP_SHARE, delayed_share: float = DELAYED_SHARE,
-                cp_shape_share: float = CP_SHAPE_SHARE) -> list[str]:
+                cp_shape_share: float = CP_SHAPE_SHARE, documents_share: float = DOCUMENTS_SHARE) -> list[str]:
     """Sample ``index`` of ``seed``: a DLRM with probability ``dlrm_share``, else a decoder layout
     (bigtrain's or a Hugging Face one), with context parallelism (cp 2 or 4, where the world allows)
     added with probability ``cp_share``,
@@ -89,10 +92,36 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     resume (:func:`context_shape_choice`, :func:`context_resume_choice`). The model, int8, compilation, the
     resume and that delayed update are drawn from generators of their own, so a decoder sample
     with none of them is the one :func:`sample_layout` drew for (seed, index) before DLRMs, int8,
-    compilation, resumes and mixed-precision delayed updates joined, whatever the shares."""
+    compilation, resumes and mixed-precision delayed updates joined, whatever the shares.
+    Last, with probability ``documents_share``, a decoder sample without cp attends block-causally
+    (:func:`document_mask_choice`, from a generator of its own: a share of 0 leaves every sample as it was)."""
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
         return sample_dlrm_layout(rng, max_world)
+    out = _decoder_sample(seed, index, rng, max_world, resume_share, int8_share, compile_share, hf_share, cp_share,
+                          delayed_share, cp_shape_share)
+    documents = random.Random(f"{seed}:{index}:documents")
+    return out + (document_mask_choice(documents, out) if documents.random() < documents_share else [])
+
+
+def document_mask_choice(rng: random.Random, out: list[str]) -> list[str]:
+    """Block-causal attention (model.attn_mask) over the corpus cut at each ':' (data.document_end: the
+    byte corpus has no other boundary; a printable byte keeps the sample's overrides one line; in the
+    standard library's sources it ends a line or two, so a window holds several documents), half the
+    time with positions reset at each document; none for a sample with cp in a mode other than
+    'all-to-all', before or after a resume (the ring's is refused: docs/ecosystem.md, "Document masking")."""
+    values = [o.split(":", 1)[-1] if o.startswith(THEN) else o for o in out]
+    with_cp = any(v.startswith(CP) and v.split("=", 1)[1] != "1" for v in values)
+    modes = {v.split("=", 1)[1] for v in values if v.startswith("--parallel.cp_mode=")}
+    if with_cp and modes != {"all-to-all"}:
+        return []
+    return [BLOCK_CAUSAL, "--data.document_end=:", f"--model.reset_positions={rng.random() < 0.5}"]
+
+
+def _decoder_sample(seed: int, index: int, rng: random.Random, max_world: int, resume_share: float,
+                    int8_share: float, compile_share: float, hf_share: float, cp_share: float, delayed_share: float,
+                    cp_shape_share: float) -> list[str]:
+    """A decoder sample of :func:`draw_sample` (bigtrain's or a Hugging Face one), before its documents."""
     compiled = random.Random(f"{seed}:{index}:compile").random() < compile_share
     int8 = random.Random(f"{seed}:{index}:int8").random() < int8_share
     if random.Random(f"{seed}:{index}:hf").random() < hf_share:  # 0: the samples drawn before it joined
@@ -362,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"share of the bf16/fp16 decoder samples with an offloaded optimizer that take the "
                              f"one-step delayed update where validation accepts it, 0 to 1 (default {DELAYED_SHARE}, "
                              f"as fp32's; 0: as before it joined, fp32 samples only)")
+    parser.add_argument("--documents-share", type=float, default=DOCUMENTS_SHARE,
+                        help=f"share of the decoder samples without cp that attend block-causally over the "
+                             f"corpus's lines (model.attn_mask, model.reset_positions), 0 to 1 (default "
+                             f"{DOCUMENTS_SHARE}; 0: as before it joined)")
     args = parser.parse_args(argv)
     import torch
 
@@ -372,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         # One generator per sample: sample i of a seed is the same whatever the count.
         sample = draw_sample(args.seed, i, args.max_world, args.dlrm_share, args.resume_share, args.int8_share,
                              args.compile_share, args.hf_share, args.cp_share, args.delayed_share,
-                             args.cp_shape_share)
+                             args.cp_shape_share, args.documents_share)
         outcome = run_sample(sample, args.cache_dir, args.steps)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         outcomes.append(outcome)
@@ -391,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                          ("int8", [o for o in outcomes if INT8 in o.overrides]),
                          ("cp", [o for o in outcomes if any(x.startswith(CP) for x in o.overrides)]),
                          ("compiled", [o for o in outcomes if COMPILED in o.overrides]),
-                         ("delayed update", [o for o in outcomes if DELAYED in o.overrides])):
+                         ("delayed update", [o for o in outcomes if DELAYED in o.overrides]),
+                         ("block_causal", [o for o in outcomes if BLOCK_CAUSAL in o.overrides])):
         if group:
             by_verdict = {v: sum(o.verdict == v for o in group) for v in sorted({o.verdict for o in group})}
             summary += f" ({label}: {len(group)}, " + ", ".join(f"{n} {v}" for v, n in by_verdict.items()) + ")"

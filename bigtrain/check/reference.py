@@ -48,6 +48,8 @@ from bigtrain.core.int8_reference import int8_weight_gradients
 # every family's reference writes a ReferenceStep
 from bigtrain.core.reference_step import (ReferenceLossScale, ReferenceStep, accumulate_into_masters, decay_groups,
                                           copy_masters_to, reference_learning_rate)
+from bigtrain.core.reference_documents import each_document_alone, join_pieces, spans_as_documents, spans_as_positions
+from bigtrain.data.boundaries import boundary_ids
 from bigtrain.data.load import run_sampler
 from bigtrain.fp8.linear import convert_to_float8
 from bigtrain.fp8.scaling import Float8Recipe
@@ -119,6 +121,8 @@ class ReferenceRun:
         params = list(self.master.parameters())  # de-duplicated: a tied weight once
         self.optimizer = reference_optimizer_of(decay_groups(params, cfg.optim.weight_decay), cfg.optim)
         self.sampler = run_sampler(cfg)
+        # block-causal attention: the corpus's document delimiters (a fact of the data, as the sampler is)
+        self.boundaries = boundary_ids(cfg.data) if cfg.model.attn_mask == "block_causal" else None
         self.loss_scale = ReferenceLossScale(cfg.precision)
         self.step = 0
 
@@ -147,7 +151,7 @@ class ReferenceRun:
         micro = self.cfg.train.micro_batch
         try:
             for first in range(0, tokens.shape[0], micro):
-                logits = model(tokens[first:first + micro])
+                logits = self._logits(model, tokens[first:first + micro], outputs if capture else None)
                 loss = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets[first:first + micro].flatten(),
                                        reduction="sum")
                 loss_sum += float(loss.detach())
@@ -172,6 +176,25 @@ class ReferenceRun:
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.master.named_parameters()}
+
+    def _logits(self, model: torch.nn.Module, tokens: torch.Tensor, outputs: dict | None) -> torch.Tensor:
+        """The micro-batch's logits: causal over each window; block-causal (model.attn_mask) as each
+        document run alone (core/reference_documents.py), or, where MoE blocks route a sequence as a
+        whole (capacity, balance loss: a document alone would route otherwise), the window whole
+        with its documents written out by that module's own loop."""
+        if self.cfg.model.attn_mask != "block_causal":
+            return model(tokens)
+        starts, ends = self.boundaries
+        if self._routes_whole_sequences():
+            positions = spans_as_positions(tokens, starts, ends) if self.cfg.model.reset_positions else None
+            return model(tokens, positions=positions, documents=spans_as_documents(tokens, starts, ends))
+        join = (lambda pieces: join_pieces(outputs, pieces)) if outputs is not None else None
+        return each_document_alone(lambda doc, first: model(doc, start_pos=first), tokens, starts, ends,
+                                   self.cfg.model.reset_positions, join)
+
+    def _routes_whole_sequences(self) -> bool:
+        m = self.cfg.model
+        return m.moe_experts > 0 and (m.moe_capacity_factor > 0 or m.moe_aux_loss_coef > 0)
 
     @torch.no_grad()
     def at_weights(self, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None) -> bool:

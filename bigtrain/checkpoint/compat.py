@@ -49,6 +49,8 @@ CHANGES = {
     **{f"model.{name}": "the rotary frequencies the weights were trained with" for name in (
         "rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor", "rope_high_freq_factor",
         "rope_beta_fast", "rope_beta_slow", "rope_attention_factor")},
+    "model.attn_mask": "what each token attends to (its whole window, or its own document)",
+    "model.reset_positions": "the rotary positions of the tokens after a document's first",
     "data.tokenizer": "the token ids the embedding rows stand for",
     "data.text_field": "the text the run trains on",
     "data.source": "the data the run trains on",

@@ -451,6 +451,7 @@ HF = Family(
     head="lm_head",
     final_norm="model.norm",
     compiles=True,
+    document_mask=True,  # CausalLM.forward(documents=): the family's attention functions build the mask
     block_linears=True,
     reference=HFReference,
     captured=captured_module,
@@ -460,6 +461,6 @@ HF = Family(
     planner_config=planner_config,
     vocabulary=vocabulary,
     generation_model=generation_model,
-    model_keys=("family", "hf_config", "init_from", "fused_loss", "fused_loss_chunk"),
+    model_keys=("family", "hf_config", "init_from", "fused_loss", "fused_loss_chunk", "attn_mask", "reset_positions"),
     llama_fallbacks=True,  # the planner prices it as bigtrain's Llama of its shapes (planner_config)
 )

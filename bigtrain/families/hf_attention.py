@@ -26,6 +26,12 @@ rotated before the all-to-all. Qwen3's per-head q/k norms also run before it, on
 sequence and all heads. Every weight sees its sequence shard only; its gradient is summed over the
 data axis, which counts dp x sp (as for bigtrain's Llama), so no partial-gradient entry is needed.
 
+Block-causal attention (``model.attn_mask``): each token's document over the whole sequence
+reaches both functions as the keyword :data:`~bigtrain.models.hf_causal_lm.DOCUMENTS` (the adapter
+passes it to the decoder, transformers hands a layer's keywords on to its attention function), and
+:func:`attend` adds the layer's window to the documents' mask (built once a forward by the adapter). Under Ulysses the
+documents are the whole sequence's, as q, k and v are after the all-to-all.
+
 Without Ulysses the family's layers attend through :func:`causal_attention` (:data:`CAUSAL`, the
 name the family builds its models with): the same sdpa call on the sequence the layer holds, so that
 transformers builds no (batch, 1, seq, seq) mask (see the function) and a sliding window holds in
@@ -44,6 +50,7 @@ from torch import nn
 from bigtrain.config import Config
 from bigtrain.context_checks import divisor_near
 from bigtrain.distributed.comm import AxisComm
+from bigtrain.models.hf_causal_lm import DOCUMENTS
 from bigtrain.parallel.tensor.functional import all_to_all
 from bigtrain.parallel.tensor.styles import Style, TPContext, replicate_kv_heads
 
@@ -77,7 +84,10 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise RuntimeError(f"attention implementation '{CAUSAL}' was given a mask of shape "
                            f"{tuple(attention_mask.shape)}: bigtrain's decoders attend causally over whole sequences")
     window = layer_window(module, sliding_window)
-    return attend(query, key, value, dropout, scaling, window).transpose(1, 2).contiguous(), None
+    documents = kwargs.get(DOCUMENTS)
+    extra = () if documents is None else (documents,)  # a causal call stays the six-argument one
+    out = attend(query, key, value, dropout, scaling, window, *extra)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def layer_window(module: nn.Module, sliding_window: int | None) -> int | None:
@@ -106,13 +116,21 @@ def carried_group(name: str, key: str, kind: type, prepared_by: str, module: nn.
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
-           window: int | None) -> torch.Tensor:
-    """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads. With a
-    window's mask the key/value heads are repeated for their query heads first, as transformers'
-    sdpa path does whenever it passes a mask (sdpa's grouped path with a mask is its math kernel
-    anyway): the same call, so a windowed layer rounds as the reference's (in bf16, one process's
+           window: int | None, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal sdpa of (batch, heads, seq, head_dim) q over k and v of as many or fewer heads; given
+    ``documents`` (the additive (batch, 1, seq, seq) mask of the documents the decoder passes its
+    layers as :data:`DOCUMENTS`), block-causal, within the window too (one explicit mask of both;
+    a windowed layer makes its own copy). With a mask the key/value heads are repeated for their
+    query heads first, as transformers' sdpa path does whenever it passes a mask (sdpa's grouped
+    path with a mask is its math kernel anyway): the same call, so a windowed layer rounds as the reference's (in bf16, one process's
     first gradients were 3.5e-3 off it with the grouped call, bit-equal with this one)."""
-    mask = sliding_window_mask(q.shape[2], window, q.device)
+    if documents is not None:
+        mask = documents.to(q.dtype)
+        windowed = sliding_window_mask(q.shape[2], window, q.device)
+        if windowed is not None:
+            mask = mask.masked_fill(~windowed, torch.finfo(mask.dtype).min)
+    else:
+        mask = sliding_window_mask(q.shape[2], window, q.device)
     if mask is not None and k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
@@ -126,7 +144,10 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     (batch, kv heads, seq / sp, head_dim) of this rank's shard -> (batch, seq / sp, heads,
     head_dim), no attention weights."""
     sp = carried_group(ULYSSES, GROUP, AxisComm, "UlyssesAttentionGroup", module, attention_mask, kwargs)
-    out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, layer_window(module, sliding_window))
+    # The documents are the whole sequence's, as q, k and v are after the all-to-all.
+    documents = kwargs.get(DOCUMENTS)
+    extra = () if documents is None else (documents,)
+    out = attend(*shard_to_heads(query, key, value, sp), dropout, scaling, layer_window(module, sliding_window), *extra)
     return heads_to_shard(out, sp), None
 
 

@@ -46,6 +46,7 @@ from bigtrain.families.hf_attention import GROUP as ULYSSES_GROUP
 from bigtrain.families.hf_attention import (attend, carried_group, heads_to_shard, layer_window, register_attention,
                                             shard_to_heads)
 from bigtrain.parallel.context import AllToAllContext, chunks_of
+from bigtrain.models.hf_causal_lm import DOCUMENTS
 from bigtrain.parallel.ring_attention import ring_attention_heads_first
 
 CONTEXT = "bigtrain_context"  # the attention implementation's name in transformers' registry
@@ -87,8 +88,13 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if group.mode == "all-to-all":
         hooks = AllToAllContext(group.comm)
         q, k, v = (t.transpose(1, 2) for t in hooks.to_whole_sequence(*(t.transpose(1, 2) for t in (query, key, value))))
-        out = attend(q, k, v, dropout, scaling, sliding_window)  # (batch, heads / cp, seq, head_dim)
+        documents = kwargs.get(DOCUMENTS)  # block-causal: the whole sequence's mask, in position order as q, k, v
+        extra = () if documents is None else (documents,)
+        out = attend(q, k, v, dropout, scaling, sliding_window, *extra)  # (batch, heads / cp, seq, head_dim)
         return hooks.to_local_chunks(out.transpose(1, 2)).contiguous(), None
+    if kwargs.get(DOCUMENTS) is not None:  # validation refuses it first; never attend across documents silently
+        raise RuntimeError(f"model.attn_mask = 'block_causal' with parallel.cp_mode = '{group.mode}': ring attention "
+                           f"has no document mask; set parallel.cp_mode = 'all-to-all' or parallel.cp = 1")
     whole = query.shape[2] * group.comm.size * (sp.size if group.mode == "hybrid" else 1)
     if sliding_window is not None and sliding_window < whole:
         raise RuntimeError(f"parallel.cp_mode = '{group.mode}': the ring attends causally over whole chunks and "

@@ -42,6 +42,8 @@ from bigtrain.config import Config
 from bigtrain.core.int8_reference import int8_weight_gradients
 from bigtrain.core.reference_step import (ReferenceStep, copy_masters_to, decay_groups, next_token_loss_backward,
                                           recorded_outputs, reference_learning_rate)
+from bigtrain.core.reference_documents import each_document_alone, join_pieces
+from bigtrain.data.boundaries import boundary_ids
 from bigtrain.data.load import run_sampler
 from bigtrain.families.hf_moe import (file_views, from_transformers_names, sparse_blocks, to_transformers_names,
                                       transformers_major)
@@ -133,6 +135,7 @@ class HFReference:
         self.optimizer = torch.optim.AdamW(decay_groups(self.params, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                                            eps=o.eps)
         self.sampler = run_sampler(cfg)
+        self.boundaries = boundary_ids(cfg.data) if cfg.model.attn_mask == "block_causal" else None
         self.step = 0
 
     def learning_rate(self, step: int) -> float:
@@ -145,7 +148,7 @@ class HFReference:
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         captured = captured_module if capture else (lambda name: False)
         with recorded_outputs(self.compute, captured, lambda out: out.float()) as outputs:
-            loss_sum = next_token_loss_backward(lambda ids: self.compute(input_ids=ids).logits, tokens, targets,
+            loss_sum = next_token_loss_backward(lambda ids: self._logits(ids, outputs), tokens, targets,
                                                 t.micro_batch, counted, self.dtype, masters=self.model, low=self.compute)
         for p in self.params:
             # An expert no token of the step reached has no gradient (autograd leaves it None) and
@@ -172,6 +175,22 @@ class HFReference:
             result.outputs = {name: torch.cat(parts) for name, parts in outputs.items()}
             result.weights = self.weights()
         return result
+
+    def _logits(self, ids: torch.Tensor, outputs: dict) -> torch.Tensor:
+        """transformers' logits of a micro-batch; block-causal (model.attn_mask) as each document
+        run alone, a sequence of its own at its position (core/reference_documents.py): transformers'
+        own causal attention, no mask of bigtrain's. Its MoE blocks route each token alone (no
+        capacity), so a document alone routes as in the window."""
+        if self.boundaries is None:
+            return self.compute(input_ids=ids).logits
+
+        def alone(doc: torch.Tensor, first: int) -> torch.Tensor:
+            positions = torch.arange(first, first + doc.shape[1], device=doc.device)[None]
+            return self.compute(input_ids=doc, position_ids=positions).logits
+
+        starts, ends = self.boundaries
+        return each_document_alone(alone, ids, starts, ends, self.cfg.model.reset_positions,
+                                   lambda pieces: join_pieces(outputs, pieces))
 
     @torch.no_grad()
     def at_weights(self, weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None) -> bool:

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from bigtrain.models.hf_causal_lm import CausalLM, init_rotary_buffers, token_positions
+from bigtrain.core.documents import document_bias
+from bigtrain.models.hf_causal_lm import DOCUMENTS, CausalLM, init_rotary_buffers, token_positions
 from bigtrain.parallel.pipeline.partition import PipelineStage, _split_points, stage_ranges
 
 
@@ -37,14 +38,15 @@ class CausalLMStage(PipelineStage):
         return list(self.model.layers.values())
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, with_head: bool = True,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: tokens on the first stage, hidden states (this rank's sequence) after; ``positions``
-        as in ``CausalLM.forward`` (context parallelism's chunks)."""
+        and ``documents`` as in ``CausalLM.forward`` (context parallelism's chunks; block-causal attention)."""
         h = self.model.embed_tokens(x) if self.is_first else x
         positions = token_positions(h.shape[1], start_pos, positions, h.device)
         rotary = self.model.rotary_emb(h, positions)
+        extra = {} if documents is None else {DOCUMENTS: document_bias(documents, h.dtype)}  # one for the layers
         for layer in self.model.layers.values():
-            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary, **extra)
         if not self.is_last:
             return h
         h = self.model.norm(h)

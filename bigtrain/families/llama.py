@@ -48,6 +48,7 @@ LLAMA = Family(
     model_keys=tuple(f.name for f in dataclasses.fields(ModelConfig)
                      if f.name != "hf_config" and not f.name.startswith("dlrm_")),
     compiles=True,
+    document_mask=True,  # Llama.forward(documents=, positions=): AttentionCore's block-causal mask
     block_linears=True,
     context_parallel=attach_context_parallel,  # ring or all-to-all around its AttentionCore modules
     head="output",

@@ -123,6 +123,9 @@ class Family:
     # The trainer gathers the full optimizer state (``bigtrain check`` replays 8-bit AdamW steps from it).
     full_optimizer_state: bool = True
     compiles: bool = False  # compile.enabled may compile its blocks (the reference decoder's only)
+    # Its model takes ``documents`` (and per-row ``positions``) in forward and attends block-causally
+    # with them (model.attn_mask = 'block_causal', bigtrain.core.documents); False: refused before launch.
+    document_mask: bool = False
     # Its blocks' linear layers may compute in float8 (precision.fp8) and keep int8 copies of their
     # inputs (memory.activation_compression): plain nn.Linear modules a wrapper or a swap can take.
     block_linears: bool = False

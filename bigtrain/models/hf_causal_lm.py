@@ -14,11 +14,21 @@ import zlib
 import torch
 from torch import nn
 
+from bigtrain.core.documents import document_bias
+
+# The keyword each decoder layer's attention function receives the window's documents under, as
+# one additive mask for every layer (block-causal attention, bigtrain.core.documents.document_bias):
+# transformers hands a layer's extra keywords on to it.
+DOCUMENTS = "bigtrain_documents"
+
 
 class CausalLM(nn.Module):
-    """``forward(tokens, start_pos, with_head, positions)`` as :class:`bigtrain.models.llama.Llama`'s:
-    ``start_pos`` is the first token's position, ``positions`` (a LongTensor, one per token: context
-    parallelism's two chunks) each token's instead, ``with_head=False`` ends at the final norm."""
+    """``forward(tokens, start_pos, with_head, positions, documents)`` as
+    :class:`bigtrain.models.llama.Llama`'s: ``start_pos`` is the first token's position, ``positions``
+    (a LongTensor, one per token: context parallelism's two chunks; or one per row and token,
+    restarting at each document) each token's instead, ``with_head=False`` ends at the final norm,
+    ``documents`` (batch, whole seq) each token's document for block-causal attention (passed to
+    the family's attention function as the keyword :data:`DOCUMENTS`)."""
 
     def __init__(self, causal_lm: nn.Module):
         super().__init__()
@@ -27,9 +37,10 @@ class CausalLM(nn.Module):
         self.config = causal_lm.config  # plain data (a PretrainedConfig), not a module
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         positions = token_positions(tokens.shape[1], start_pos, positions, tokens.device)
-        hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
+        extra = {} if documents is None else {DOCUMENTS: document_bias(documents, self.model.embed_tokens.weight.dtype)}
+        hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False, **extra).last_hidden_state
         return self.lm_head(hidden) if with_head else hidden
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
@@ -37,11 +48,12 @@ class CausalLM(nn.Module):
 
 
 def token_positions(seq: int, start_pos: int, positions: torch.Tensor | None, device) -> torch.Tensor:
-    """transformers' ``position_ids`` (1, seq): ``positions`` when given, else ``start_pos`` onwards."""
+    """transformers' ``position_ids`` (1, seq), or (batch, seq) given per-row ``positions``:
+    ``positions`` when given, else ``start_pos`` onwards."""
     if positions is not None:
         if positions.shape[-1] != seq:
             raise ValueError(f"{positions.shape[-1]} positions for {seq} tokens")
-        return positions.to(device).reshape(1, seq)
+        return positions.to(device).reshape(-1, seq)
     return torch.arange(start_pos, start_pos + seq, device=device).unsqueeze(0)
 
 

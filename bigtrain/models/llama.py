@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config import ModelConfig
+from bigtrain.core.documents import document_bias
 from bigtrain.models.feed_forward import FeedForward
 from bigtrain.models.moe import MoEFeedForward, init_router_biases
 from bigtrain.models.rope import rotary_tables_for
@@ -44,21 +45,31 @@ def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) ->
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x (batch, seq, heads, head_dim) by position."""
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x (batch, seq, heads, head_dim) by position: cos
+    and sin (seq, head_dim / 2), or (batch, seq, head_dim / 2) when each row has positions of its own
+    (``model.reset_positions``: they restart at each document)."""
     x1, x2 = at_least_fp32(x).unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return rotated.type_as(x)
 
 
 class AttentionCore(nn.Module):
-    """Causal softmax attention on (batch, seq, heads, head_dim) tensors.
+    """Causal softmax attention on (batch, seq, heads, head_dim) tensors; given ``mask`` (an
+    additive (batch, 1, seq, seq) mask of the documents, :func:`bigtrain.core.documents.document_bias`),
+    block-causal: a token attends to the earlier tokens of its own document only.
 
-    A module of its own so a parallel plan can wrap it (Ulysses re-shards q, k, v around it)."""
+    A module of its own so a parallel plan can wrap it (Ulysses re-shards q, k, v around it; the
+    mask is always the whole sequence's, which attention sees after the all-to-all)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
         return out.transpose(1, 2)
 
 
@@ -72,14 +83,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.attention_bias)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer heads) runs unchanged.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
-        out = self.core(q, k, v)
+        if cos.dim() == 2:  # a table from the first position on (per-row tables are one per token already)
+            cos, sin = cos[:s], sin[:s]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -92,8 +106,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward = (moe_feed_forward(cfg) if cfg.is_moe_block(index)
                              else FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_bias))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: block-causal attention's additive mask of the whole sequence (None: causal)."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -123,18 +139,21 @@ class Llama(nn.Module):
         return self
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """``start_pos``: position of the first token (a sequence-parallel rank holds a later chunk);
         ``with_head``: False ends at the final norm (its output goes to a fused loss head);
-        ``positions``: each token's position instead (a context-parallel rank holds two chunks)."""
+        ``positions``: each token's position instead, (seq,) (a context-parallel rank holds two
+        chunks) or (batch, seq) (positions restarting at each document); ``documents``: each token's
+        document (batch, whole seq), for block-causal attention (None: causal)."""
         s = tokens.shape[1]
         if positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         else:
             cos, sin = self.rope_cos[start_pos:start_pos + s], self.rope_sin[start_pos:start_pos + s]
         h = self.tok_embeddings(tokens)
+        mask = None if documents is None else document_bias(documents, h.dtype)  # one for every layer
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         h = self.norm(h)
         return self.output(h) if with_head else h
 

@@ -104,7 +104,9 @@ class AllToAllContext:
         return all_to_all(_reorder(out, self.to_ranks), self.comm, split_dim=1, cat_dim=2)
 
     def before(self, module, args):
-        return self.to_whole_sequence(*args)
+        # rest: block-causal attention's mask, of the whole sequence in position order as q, k, v become
+        q, k, v, *rest = args
+        return (*self.to_whole_sequence(q, k, v), *rest)
 
     def after(self, module, args, out):
         return self.to_local_chunks(out)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigtrain.core.documents import DocumentBoundaries, document_ids, document_positions
 from bigtrain.memory.activations import ActivationMemory
 from bigtrain.parallel.compile import Compiled
 from bigtrain.distributed.comm import AxisComm
@@ -70,6 +71,8 @@ class ParallelModel:
     transforms: dict[str, tuple[str, ...]] = field(default_factory=dict)
     compiled: Compiled | None = None  # compile.enabled: the compiled regions and loss
     cp: AxisComm | None = None  # context parallelism: the ranks this rank's sequence chunks are cut over
+    # model.attn_mask = 'block_causal': the token ids that delimit documents (None: causal attention)
+    documents: DocumentBoundaries | None = None
 
     @property
     def head_in_loss(self) -> bool:
@@ -125,10 +128,36 @@ class ParallelModel:
         start = self.sp.rank * tokens.shape[1] // self.sp.size
         return local_chunk(tokens, self.sp, 1), local_chunk(targets, self.sp, 1), start
 
+    def document_kwargs(self, tokens: torch.Tensor) -> dict:
+        """Block-causal attention's inputs for a micro-batch of whole-sequence ``tokens`` (before any
+        cut): ``documents``, each token's document over the whole sequence (what attention sees, after
+        Megatron SP's gather, Ulysses' or context parallelism's all-to-all), and, with
+        ``reset_positions``, ``positions`` restarting at each document, for this rank's tokens (its cp
+        chunks, its Ulysses part). Empty when causal.
+        Every rank, stage and micro-batch computes them from the same tokens, so they travel as data
+        with the micro-batch, never as state on a module."""
+        if self.documents is None:
+            return {}
+        out = {"documents": document_ids(tokens, self.documents)}
+        if self.documents.reset_positions:  # this rank's tokens' positions, cut as its tokens are
+            positions = document_positions(tokens, self.documents)
+            if self.cp is not None and self.cp.size > 1:
+                positions = local_sequence(positions, self.cp)
+            out["positions"] = local_chunk(positions, self.sp, 1) if self.sp.size > 1 else positions
+        return out
+
+    def model_inputs(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(this rank's tokens, its targets, the keywords the model is called with): the sequence
+        chunk, where it sits, the head's place and the documents (per-token ``positions`` take the
+        place of ``start_pos`` in the model)."""
+        extra = self.document_kwargs(tokens)
+        tokens, targets, start = self.sequence_chunk(tokens, targets)
+        return tokens, targets, {**self.forward_kwargs(start), **extra}
+
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's summed loss over its tokens (its sequence chunk under Ulysses)."""
-        tokens, targets, start = self.sequence_chunk(tokens, targets)
-        return self.loss_sum(self.model(tokens, **self.forward_kwargs(start)), targets)
+        tokens, targets, kwargs = self.model_inputs(tokens, targets)
+        return self.loss_sum(self.model(tokens, **kwargs), targets)
 
     def gather_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tensors by parameter name (full over dp already) -> full tensors of the whole

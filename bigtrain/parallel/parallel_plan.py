@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from bigtrain.core.documents import DocumentBoundaries
 from bigtrain.precision import Precision
 
 if TYPE_CHECKING:
@@ -152,3 +153,6 @@ class ParallelPlan:
     float8: Float8Plan = Float8Plan()
     compile: CompilePlan = CompilePlan()
     seed: int = 0  # of the model's initial values (which depend on the name and the seed only)
+    # Block-causal attention (model.attn_mask): the ids that delimit documents; None: causal. The
+    # model is then called with each micro-batch's ``documents`` (and ``positions``): its forward takes them.
+    documents: DocumentBoundaries | None = None

@@ -230,5 +230,9 @@ class RingAttention(ModuleWrapper):
         super().__init__(core)
         self.comm, self.chunks = comm, chunks
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None:  # validation refuses it first; never attend across documents silently
+            raise RuntimeError("model.attn_mask = 'block_causal' with parallel.cp_mode = 'ring' / 'hybrid': ring "
+                               "attention has no document mask; set parallel.cp_mode = 'all-to-all' or parallel.cp = 1")
         return ring_attention(q, k, v, self.comm, self.chunks)

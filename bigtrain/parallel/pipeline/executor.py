@@ -50,7 +50,8 @@ from bigtrain.parallel.pipeline.validate import validate
 from bigtrain.parallel.pipeline.versions import WeightVersions, version_of
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs of the first stage, targets of the last)
+# (inputs of the first stage, targets of the last[, keywords every stage's call of it gets: its documents])
+MicroBatch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]
 Key = tuple[int, int]  # (stage, micro-batch)
 RecvKey = tuple[Op, int, int]  # (RECV_FWD or RECV_BWD, stage, micro-batch)
 TimelineEntry = tuple[str, float, float]  # ("F3.s1", start, end), perf_counter seconds
@@ -238,11 +239,14 @@ class PipelineExecutor:
             self.make_version(version)
         return self.versions[action.stage].weights(version)
 
-    def _call_stage(self, action: Action, x: torch.Tensor, weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    def _call_stage(self, action: Action, x: torch.Tensor, weights: dict[str, torch.Tensor] | None,
+                    own: Mapping[str, Any]) -> torch.Tensor:
+        """``own``: the micro-batch's keywords (its documents), on top of those of every call."""
         stage = self.stages[action.stage]
+        kwargs = {**self.forward_kwargs, **own}
         if weights is None:
-            return stage(x, **self.forward_kwargs)
-        return torch.func.functional_call(stage, weights, (x,), dict(self.forward_kwargs))
+            return stage(x, **kwargs)
+        return torch.func.functional_call(stage, weights, (x,), kwargs)
 
     def _log_backward_version(self, action: Action) -> None:
         if self._segments:
@@ -251,7 +255,9 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ compute
     def _forward(self, step: _Step, action: Action) -> None:
         key, stage = (action.stage, action.microbatch), self.stages[action.stage]
-        inputs, targets = step.micro_batches[action.microbatch - step.first]
+        micro_batch = step.micro_batches[action.microbatch - step.first]
+        inputs, targets = micro_batch[0], micro_batch[1]
+        own = micro_batch[2] if len(micro_batch) > 2 else {}  # what travels with it to every stage
         x = inputs if stage.is_first else step.inputs.pop(key)
         weights = self._version_weights(action)
         # A weight version's tensors, saved by the stage's linears, are weights the versions count
@@ -260,7 +266,7 @@ class PipelineExecutor:
         # 2.17 MB measured where the planner's 1.38 MB of activations are what autograd holds).
         tracker = SavedActivations(stage, extra_exclude=(weights or {}).values()) if self.measure_activations else None
         with tracker if tracker is not None else nullcontext():
-            out = self._call_stage(action, x, weights)
+            out = self._call_stage(action, x, weights, own)
             if stage.is_last:
                 out = self.loss_fn(out, targets)
                 step.losses.append(out.detach())

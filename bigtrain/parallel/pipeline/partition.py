@@ -29,6 +29,7 @@ from torch import nn
 
 from bigtrain.models.llama import Llama, init_value
 from bigtrain.models.moe import init_router_biases
+from bigtrain.core.documents import document_bias
 from bigtrain.models.rope import rotary_tables_for
 from bigtrain.parallel.pipeline.schedules import SCHEDULE_KINDS
 from bigtrain.parallel.tied import shared_parameter_names
@@ -189,9 +190,9 @@ class LlamaStage(PipelineStage):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, with_head: bool = True,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``x``: tokens on the first stage, hidden states after; ``start_pos``, ``with_head`` and
-        ``positions`` as in ``Llama.forward``.
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: tokens on the first stage, hidden states after; ``start_pos``, ``with_head``,
+        ``positions`` and ``documents`` as in ``Llama.forward`` (every stage is given its micro-batch's).
         The rotary tables go from ``start_pos`` to the end: attention takes as many positions as its
         queries have, which under Megatron sequence parallelism is more than ``x`` (a sequence shard)."""
         if positions is not None:
@@ -199,8 +200,9 @@ class LlamaStage(PipelineStage):
         else:
             cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
         h = self.tok_embeddings(x) if self.is_first else x
+        mask = None if documents is None else document_bias(documents, h.dtype)  # one for this stage's layers
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         if not self.is_last:
             return h
         h = self.norm(h)

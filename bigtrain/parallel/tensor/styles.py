@@ -220,9 +220,9 @@ class UlyssesAttention(Style):
         sp = ctx.sp
 
         def before(m, args):
-            q, *kv = args
+            q, k, v, *rest = args  # rest: the whole sequence's document mask (block-causal), passed on as they are
             return (all_to_all(q, sp, split_dim=2, cat_dim=1),
-                    *(all_to_all(replicate_kv_heads(t, sp.size), sp, split_dim=2, cat_dim=1) for t in kv))
+                    *(all_to_all(replicate_kv_heads(t, sp.size), sp, split_dim=2, cat_dim=1) for t in (k, v)), *rest)
 
         module.register_forward_pre_hook(before)
         module.register_forward_hook(lambda m, args, out: all_to_all(out, sp, split_dim=1, cat_dim=2))

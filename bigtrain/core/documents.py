@@ -1,0 +1,98 @@
+"""Documents of a packed window (``model.attn_mask = "block_causal"``): which document each token
+belongs to, its position inside it, and the attention mask they make.
+
+A training window is cut from a corpus of documents laid end to end, so it holds the end of one
+document, some whole ones and the start of another. Under block-causal attention (torchtitan's
+``block_causal``, Megatron's ``reset_attention_mask``) a token attends only to the earlier tokens of
+its own document; with ``reset_positions`` (Megatron's ``reset_position_ids``) its rotary position
+counts from its document's first token.
+
+Where a document begins, from the window's token ids alone:
+- a token right after an end token (``ends``: ``data.document_end``, or the id the tokenizer puts
+  after each document) begins one: the end token itself is the last token of the document it ends
+  (its target is the next document's first token, predicted from its own document only);
+- a start token (``starts``: the id the tokenizer puts before each document, its BOS) begins one;
+- the window's first token begins one (the part of a document cut off before the window is not seen).
+An end token followed by a start token makes one boundary, not two.
+
+The trainer computes these from each micro-batch's whole-sequence tokens before any layout cuts it,
+so every rank, stage and sequence chunk of a window sees the same documents. Plain functions of
+tensors, no state: compiled regions receive their outputs as data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ATTN_MASKS = ("causal", "block_causal")
+
+
+@dataclass(frozen=True)
+class DocumentBoundaries:
+    """The token ids that delimit documents: ``starts`` begin one (a BOS), the token after one of
+    ``ends`` begins one (an EOS, ``data.document_end``). ``reset_positions``: rotary positions count
+    from each document's first token."""
+
+    starts: tuple[int, ...] = ()
+    ends: tuple[int, ...] = ()
+    reset_positions: bool = False
+
+    def __post_init__(self):
+        if not self.starts and not self.ends:
+            raise ValueError("document boundaries need a start or an end token id (data.document_end, or a "
+                             "tokenizer that puts a token before or after each document)")
+
+
+def _is_any(tokens: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
+    if not ids:
+        return torch.zeros_like(tokens, dtype=torch.bool)
+    return torch.isin(tokens, torch.tensor(ids, dtype=tokens.dtype, device=tokens.device))
+
+
+def document_starts(tokens: torch.Tensor, boundaries: DocumentBoundaries) -> torch.Tensor:
+    """bool (batch, seq): the tokens that begin a document (the first token of the window always)."""
+    begins = _is_any(tokens, boundaries.starts)
+    begins[:, 1:] |= _is_any(tokens[:, :-1], boundaries.ends)
+    begins[:, 0] = True
+    return begins
+
+
+def document_ids(tokens: torch.Tensor, boundaries: DocumentBoundaries) -> torch.Tensor:
+    """int64 (batch, seq): each token's document, counted from 0 at the window's first token."""
+    return document_starts(tokens, boundaries).long().cumsum(1) - 1
+
+
+def document_positions(tokens: torch.Tensor, boundaries: DocumentBoundaries) -> torch.Tensor:
+    """int64 (batch, seq): each token's position inside its document (0 at the document's first token)."""
+    begins = document_starts(tokens, boundaries)
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    first = torch.where(begins, index, torch.zeros_like(index)).cummax(1).values  # the latest start so far
+    return index - first
+
+
+def document_mask(documents: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """bool (batch, 1, seq, seq) from ``documents`` (batch, seq; :func:`document_ids`): query i may
+    attend to key j when j <= i, both are of one document and, given a sliding ``window``, j > i - window
+    (sdpa's boolean ``attn_mask``, broadcast over heads). Every query keeps its own key, so no row is
+    empty (an empty row would give NaN)."""
+    seq = documents.shape[1]
+    i = torch.arange(seq, device=documents.device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None and window < seq:
+        allowed = allowed & (i[None, :] > i[:, None] - window)
+    same = documents[:, :, None] == documents[:, None, :]
+    return (same & allowed)[:, None]
+
+
+def document_bias(documents: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """:func:`document_mask` as an additive mask in ``dtype`` (0 where a query may attend, the
+    dtype's lowest value where not), (batch, 1, seq, seq): what sdpa adds to its scores. Built once
+    per forward and given to every layer: sdpa turns a boolean mask into such a tensor itself, and
+    saves it for backward, in each layer (measured on the CPU: one fp32 copy a layer); one tensor
+    shared by the layers is saved once (tests/test_document_masking.py)."""
+    allowed = document_mask(documents, window)
+    return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed,
+                                                                                          torch.finfo(dtype).min)
+

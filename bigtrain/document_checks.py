@@ -1,0 +1,49 @@
+"""``model.attn_mask`` and ``model.reset_positions`` against the rest of a config, before any process
+starts (docs/ecosystem.md, "Document masking"). Imports no torch (as :mod:`bigtrain.validation`).
+
+Block-causal attention is refused where it would be silently wrong or meaningless:
+- a model family whose model takes no documents (``Family.document_mask``): it would attend causally;
+- ``parallel.cp > 1`` with ``cp_mode`` 'ring' or 'hybrid': ring attention carries no document mask
+  (its blocks would each need theirs; not built). 'all-to-all' gathers the whole sequence around
+  attention, where the mask holds as without cp;
+- a corpus with no token that marks where documents meet (:func:`bigtrain.data.boundaries.boundary_ids`).
+"""
+
+from __future__ import annotations
+
+from bigtrain.config import Config
+from bigtrain.data.boundaries import boundary_ids
+from bigtrain.data.tokenizer import TokenizerError
+from bigtrain.families import registered_family
+
+ATTN_MASKS = ("causal", "block_causal")  # bigtrain.core.documents.ATTN_MASKS (this module imports no torch)
+
+
+def check_documents(cfg: Config) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    if m.attn_mask not in ATTN_MASKS:
+        return [f"model.attn_mask = {m.attn_mask!r}: must be one of {', '.join(repr(x) for x in ATTN_MASKS)}"]
+    if m.attn_mask == "causal":
+        if m.reset_positions:
+            return ["model.reset_positions = true needs model.attn_mask = 'block_causal' (positions restart at "
+                    "each document only when attention stays inside it); set model.attn_mask = 'block_causal' or "
+                    "model.reset_positions = false"]
+        return []
+    family = registered_family(m.family)
+    if family is None:
+        return []  # check_model names an unknown family
+    if not family.document_mask:
+        return [f"model.attn_mask = 'block_causal': model.family = '{m.family}' has no document mask (its model "
+                f"takes no documents); use model.attn_mask = 'causal'"]
+    problems = []
+    if p.cp > 1 and p.cp_mode != "all-to-all":
+        problems.append(f"model.attn_mask = 'block_causal' with parallel.cp = {p.cp} and parallel.cp_mode = "
+                        f"'{p.cp_mode}': ring attention has no document mask; set parallel.cp_mode = 'all-to-all' "
+                        f"(the whole sequence is gathered around attention, and the mask holds there) or "
+                        f"parallel.cp = 1")
+    try:
+        boundary_ids(cfg.data)
+    except TokenizerError as e:
+        if "model.attn_mask" in str(e):  # an unreadable tokenizer is data.tokenizer's own problem, named there
+            problems.append(str(e))
+    return problems
