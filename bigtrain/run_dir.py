@@ -23,10 +23,10 @@ from bigtrain.checkpoint.commit import list_checkpoints
 from bigtrain.data.load import RUN_TOKENIZER_NAMES
 from bigtrain.distributed.launch import launched_by_bigtrain, launched_externally
 from bigtrain.run_lock import RunLock, own_run_dir
-from bigtrain.run_segments import SEGMENTS_FILE
 
 RUN_FILE = "run.json"
 STOP_FILE = "stopped.json"
+SEGMENTS_FILE = "segments.json"  # each launch's share of the run (bigtrain.run_segments)
 # What a run writes into its directory (and --overwrite removes); anything else is left alone. The
 # tokenizer's copy too: a new run with another tokenizer (or none) would keep the old one, which its
 # export would then ship beside weights that never saw it.
@@ -50,8 +50,13 @@ def write_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise RunDirWriteError(f"{path} could not be written ({e.strerror or e}); it was left as it was; "
-                               f"{_fix(e)}") from e
+        raise write_failed(path, e, "it was left as it was") from e
+
+
+def write_failed(path: Path, error: OSError, state: str) -> RunDirWriteError:
+    """The error for a run-directory file ``path`` that could not be written; ``state``: what became
+    of the file (kept whole, or a record appended in part)."""
+    return RunDirWriteError(f"{path} could not be written ({error.strerror or error}); {state}; {_fix(error)}")
 
 
 def _fix(error: OSError) -> str:
