@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -154,6 +155,26 @@ def test_a_refused_run_leaves_no_lock_file_behind(corpus_cache, tmp_path, capsys
                  f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000"]) == 2
     assert "nothing valid to resume from" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.toml"]
+
+
+def test_a_folder_of_another_programs_files_under_a_runs_names_is_refused_not_removed(corpus_cache, tmp_path, capsys):
+    """A folder that holds no bigtrain run but a checkpoints/ of another program (and a report.md):
+    --overwrite removed the whole checkpoints/ folder by name, and a fresh run wrote its report over
+    the file. Both are refused before launch now, naming the files; nothing in the folder changes."""
+    run = tmp_path / "project"
+    (run / "checkpoints" / "their-model").mkdir(parents=True)
+    (run / "checkpoints" / "their-model" / "weights.bin").write_bytes(b"weights")
+    (run / "report.md").write_text("my notes")
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    for extra in (["--overwrite"], []):
+        assert main(_train(corpus_cache, run, "--train.steps=1", *extra)) == 2
+        err = capsys.readouterr().err
+        assert f"--output-dir = '{run}' holds no bigtrain run" in err and "checkpoints/, report.md" in err, err
+        assert ("--overwrite would remove them" if extra else "the run would write over them") in err
+        assert sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.name != LOCK_FILE) == before
+    (run / "report.md").unlink()
+    shutil.rmtree(run / "checkpoints" / "their-model")  # an empty checkpoints/ holds nothing to lose
+    assert main(_train(corpus_cache, run, "--train.steps=1", "--overwrite")) == 0
 
 
 def test_a_finished_run_releases_its_folder(corpus_cache, tmp_path):
