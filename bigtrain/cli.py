@@ -158,7 +158,7 @@ def _run_config(args: argparse.Namespace) -> Path:
     """``--output-dir``'s config.toml, which ``--resume`` continues from."""
     if not args.output_dir:
         raise ConfigError("--resume continues the run in --output-dir: give --output-dir RUN_DIR")
-    path = Path(args.output_dir) / "config.toml"
+    path = Path(args.output_dir).expanduser() / "config.toml"
     if not path.is_file():
         raise ConfigError(f"--resume: --output-dir = '{args.output_dir}' holds no bigtrain run ({path} does not "
                           f"exist; a mistyped folder?); give the run directory to continue, or leave out --resume "
@@ -168,7 +168,9 @@ def _run_config(args: argparse.Namespace) -> Path:
 
 def _run_dir(args: argparse.Namespace) -> Path:
     if args.output_dir:
-        return Path(args.output_dir)
+        # '~' is the home directory, as the checks before launch read it: `--output-dir=~/runs/x` (no
+        # shell expands a '~' after '=') made a folder named '~' here while they checked the home's
+        return Path(args.output_dir).expanduser()
     name = args.preset or (Path(args.config).stem if args.config else DEFAULT_PRESET)
     base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = base, 1

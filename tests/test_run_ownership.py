@@ -19,6 +19,7 @@ import pytest
 
 from bigtrain.cli import main
 from bigtrain.config import ConfigError
+from bigtrain.metrics import read_metrics
 from bigtrain.run_lock import LOCK_FILE, TOKEN_ENV, join_run_dir, take_run_dir
 from helpers import descendant_pids
 
@@ -284,3 +285,17 @@ def test_a_signal_to_the_launcher_alone_stops_every_rank_with_one_line(signum, c
     assert len(lines) == 1 and signal.Signals(signum).name in lines[0] and "saved checkpoint" in lines[0], err
     stopped = json.loads((run / "stopped.json").read_text())
     assert (run / "checkpoints" / f"step_{stopped['step']:08d}" / "meta.json").is_file()
+
+
+def test_an_output_dir_under_the_home_directory_is_the_folder_the_checks_read(corpus_cache, tmp_path, monkeypatch):
+    """`--output-dir=~/runs/x`: no shell expands a '~' after '='. The checks before launch read the
+    home's folder while the run wrote into a folder named '~' in the working directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert main(_train(corpus_cache, "~/runs/x", "--train.steps=1")) == 0
+    assert (home / "runs" / "x" / "metrics.jsonl").is_file() and not (work / "~").exists()
+    assert main(["train", "--output-dir=~/runs/x", "--resume", "--train.steps=2", "--logging.report=false"]) == 0
+    assert [r["step"] for r in read_metrics(home / "runs" / "x")] == [1, 2]
