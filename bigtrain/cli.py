@@ -17,8 +17,8 @@ import time
 import warnings
 from pathlib import Path
 
-from bigtrain.cli_help import (BENCH_HELP, PLAN_HELP, dp_given, inferred_dp, suggest_command, train_epilog,
-                               unknown_arguments_message, unread_model_overrides)
+from bigtrain.cli_help import (BENCH_HELP, PLAN_HELP, dp_given, inferred_dp, resume_source_warnings, suggest_command,
+                               train_epilog, unknown_arguments_message, unread_model_overrides)
 from bigtrain.config import Config, ConfigError, field_defaults, field_docs, joined_overrides, load_config, preset_names, to_toml
 from bigtrain.failure import INTERRUPTED, RunFailure
 from bigtrain.families import family_of, find_family
@@ -58,8 +58,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--output-dir", help="run directory (default runs/<preset>-<time>)")
             p.add_argument("--resume", action="store_true",
-                           help="continue the run in --output-dir: its own config.toml (overrides on top) from its "
-                                "newest valid checkpoint")
+                           help="continue the run in --output-dir from its newest valid checkpoint, with its own "
+                                "config.toml (overrides on top); with --preset or --config, with theirs instead "
+                                "(the fields that differ from the run's are named)")
             p.add_argument("--overwrite", action="store_true",
                            help="replace the run --output-dir holds (its checkpoints, metrics and records)")
             p.add_argument("--parallel", choices=["auto"], help="let the planner choose the layout")
@@ -157,7 +158,7 @@ def _run_config(args: argparse.Namespace) -> Path:
     """``--output-dir``'s config.toml, which ``--resume`` continues from."""
     if not args.output_dir:
         raise ConfigError("--resume continues the run in --output-dir: give --output-dir RUN_DIR")
-    path = Path(args.output_dir) / "config.toml"
+    path = Path(args.output_dir).expanduser() / "config.toml"
     if not path.is_file():
         raise ConfigError(f"--resume: --output-dir = '{args.output_dir}' holds no bigtrain run ({path} does not "
                           f"exist; a mistyped folder?); give the run directory to continue, or leave out --resume "
@@ -167,7 +168,9 @@ def _run_config(args: argparse.Namespace) -> Path:
 
 def _run_dir(args: argparse.Namespace) -> Path:
     if args.output_dir:
-        return Path(args.output_dir)
+        # '~' is the home directory, as the checks before launch read it: `--output-dir=~/runs/x` (no
+        # shell expands a '~' after '=') made a folder named '~' here while they checked the home's
+        return Path(args.output_dir).expanduser()
     name = args.preset or (Path(args.config).stem if args.config else DEFAULT_PRESET)
     base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = base, 1
@@ -230,6 +233,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         if notice := restart_notice(cfg.checkpoint.resume, run_dir):
             print(notice, file=sys.stderr)
     print_warnings(env_warnings + elastic_warnings() + restart_warnings(cfg, args.max_restarts)
+                   + (resume_source_warnings(args.preset, args.config, overrides, cfg, run_dir) if args.resume else [])
                    + check_inputs(cfg, run_dir, "--output-dir", check_size=not args.force))
     if args.resume and (finished := finished_run(run_dir, cfg)) is not None:
         print(finished)  # and nothing in the folder changes: no lock taken, no launch, no report rewritten

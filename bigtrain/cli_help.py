@@ -9,7 +9,7 @@ import difflib
 import shlex
 from pathlib import Path
 
-from bigtrain.config import Config, canonical_keys, field_docs, load_config, parse_overrides, read_toml
+from bigtrain.config import Config, ConfigError, canonical_keys, field_docs, load_config, parse_overrides, read_toml
 
 COMMON_FIELDS = ("train.steps", "train.global_batch", "train.micro_batch", "parallel.dp", "parallel.tp",
                  "parallel.pp", "parallel.sp", "parallel.zero", "precision.mode", "memory.checkpointing",
@@ -188,3 +188,35 @@ def unread_model_overrides(cfg: Config, overrides: list[str]) -> list[str]:
     return [f"--model.{key}: model.family = '{family.name}' does not read model.{key}, so it would change nothing; "
             f"leave it out" + (", or set model.family = 'hf' to use model.hf_config" if key == "hf_config" else "")
             for key in given if key not in family.model_keys]
+
+
+# -- what --resume continues with ------------------------------------------------------------------
+def resume_source_warnings(preset: str | None, config_path: str | None, overrides: list[str], cfg: Config,
+                           run_dir: Path) -> list[str]:
+    """``--resume`` beside ``--preset`` or ``--config``: the run goes on with the settings they give
+    (as torchtitan, accelerate and Hugging Face's Trainer resume with the config on the command line;
+    a job script that repeats its first command with ``--resume`` must run), not with the run's own
+    ``config.toml``, which a bare ``--resume`` reads. Said once, naming the fields that differ from the
+    run's own settings and how to keep them: the checks against the checkpoint (compat.py) warn field
+    by field about the schedule and the data only, and say nothing of where the change came from.
+    Compared with what a bare ``--resume`` and the same ``overrides`` would run: what the command
+    line changes was asked for."""
+    if preset is None and config_path is None:
+        return []
+    try:
+        own = load_config(path=Path(run_dir) / "config.toml", overrides=overrides)
+    except ConfigError:  # no run here (refused after, naming the folder), or a file older than its fields
+        return []
+    flat = lambda c: {f"{s}.{k}": v for s, values in c.to_dict().items() for k, v in values.items()}  # noqa: E731
+    before, after = flat(own), flat(cfg)
+    moved = [f"{k} {before[k]!r} -> {after[k]!r}" for k in after if k in before and before[k] != after[k]
+             and k != "checkpoint.resume"]
+    if not moved:
+        return []
+    given = f"--preset {preset}" if preset is not None else f"--config {config_path}"
+    shown = "; ".join(moved[:8]) + (f"; and {len(moved) - 8} more" if len(moved) > 8 else "")
+    return [f"--resume with {given}: the run goes on with the settings {given} gives, not with "
+            f"{Path(run_dir) / 'config.toml'} (the run's own, which --resume reads without --preset or --config); "
+            f"{len(moved)} field{'s differ' if len(moved) > 1 else ' differs'} from it: {shown}; to go on "
+            f"with the run's own settings, leave out {given.split()[0]} (and give only what you change as "
+            f"--section.key=value)"]

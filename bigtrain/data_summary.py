@@ -66,6 +66,8 @@ def describe_data(cfg: Config, windows: int = 2, width: int = 240) -> str:
         lines.append(f"data.val_source = '{d.val_source}': {len(parts[0].val_tokens):,} held-out tokens")
     tokenizer = load_tokenizer(d.tokenizer)
     shown = min(windows, t.global_batch)
+    if shown <= 0:  # --windows 0: the summary alone (a batch of no windows cannot be stacked)
+        return "\n".join(lines)
     lines.append(f"step 1's first {shown} of {t.global_batch} windows, as the tokenizer writes them (ids where it cannot):")
     inputs, _ = sampler.batch(0, 0, shown)
     picks = sampler.picks(0) if isinstance(sampler, BlendedSampler) else (None, sampler.starts(0))

@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from bigtrain.run_dir import write_atomic
+from bigtrain.run_dir import write_atomic, write_failed
 
 
 def human_bytes(n: float) -> str:
@@ -94,8 +94,11 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: said in a line (exit 1); a torn last line is dropped on resume
+            raise write_failed(self.path, e, "its last record may be cut short, which a resume drops") from e
         if self.board is not None:
             write_scalars(self.board, record)
         if self.bar is not None:

@@ -23,10 +23,10 @@ from bigtrain.checkpoint.commit import list_checkpoints
 from bigtrain.data.load import RUN_TOKENIZER_NAMES
 from bigtrain.distributed.launch import launched_by_bigtrain, launched_externally
 from bigtrain.run_lock import RunLock, own_run_dir
-from bigtrain.run_segments import SEGMENTS_FILE
 
 RUN_FILE = "run.json"
 STOP_FILE = "stopped.json"
+SEGMENTS_FILE = "segments.json"  # each launch's share of the run (bigtrain.run_segments)
 # What a run writes into its directory (and --overwrite removes); anything else is left alone. The
 # tokenizer's copy too: a new run with another tokenizer (or none) would keep the old one, which its
 # export would then ship beside weights that never saw it.
@@ -50,8 +50,13 @@ def write_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise RunDirWriteError(f"{path} could not be written ({e.strerror or e}); it was left as it was; "
-                               f"{_fix(e)}") from e
+        raise write_failed(path, e, "it was left as it was") from e
+
+
+def write_failed(path: Path, error: OSError, state: str) -> RunDirWriteError:
+    """The error for a run-directory file ``path`` that could not be written; ``state``: what became
+    of the file (kept whole, or a record appended in part)."""
+    return RunDirWriteError(f"{path} could not be written ({error.strerror or error}); {state}; {_fix(error)}")
 
 
 def _fix(error: OSError) -> str:
@@ -112,6 +117,35 @@ def held_run(run_dir: Path) -> str | None:
     if has_metrics:
         parts.append("metrics.jsonl")
     return "; ".join(parts)
+
+
+# What a launch writes before its run has an id (the resolved config for its ranks, the tokenizer's
+# copy): left by a launch that stopped before training, not another program's files.
+BEFORE_RUN_ID = ("config.toml", *RUN_TOKENIZER_NAMES.values())
+
+
+def foreign_outputs(run_dir: Path) -> list[str]:
+    """The names a run writes (:data:`RUN_OUTPUTS`) that ``run_dir`` holds although no run of ours
+    ever started there (no run.json): another program's ``checkpoints/`` or ``report.md``, which
+    ``--overwrite`` removed (a whole folder of checkpoints) and a fresh run wrote over. An empty
+    ``checkpoints/`` holds nothing to lose."""
+    run_dir = Path(run_dir)
+    if read_run_id(run_dir) is not None or not run_dir.is_dir():
+        return []
+    found = []
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if name in BEFORE_RUN_ID or name == RUN_FILE or not os.path.lexists(path):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            try:
+                if not any(path.iterdir()):
+                    continue
+            except OSError:
+                pass
+            name += "/"
+        found.append(name)
+    return found
 
 
 def clear_run(run_dir: Path) -> list[str]:
@@ -189,6 +223,12 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
     if held is not None and not continuing and not overwrite:
         raise ConfigError(f"--output-dir = '{run_dir}' holds a run ({held}); continue it with --resume, choose "
                           f"another --output-dir, or pass --overwrite to replace it")
+    if held is None and not continuing and (foreign := foreign_outputs(run_dir)):
+        does = "--overwrite would remove them first" if overwrite else "the run would write over them"
+        raise ConfigError(f"--output-dir = '{run_dir}' holds no bigtrain run (no {RUN_FILE}, no checkpoints or "
+                          f"metrics of one) but files under the names a run writes: {', '.join(foreign)}; {does} "
+                          f"(a folder of another program's checkpoints?); choose another --output-dir, or move "
+                          f"them out of it")
     if overwrite and continuing and resume != "auto":
         # A path into the run's own checkpoints: --overwrite would remove it with the rest, and the
         # ranks would then stop on a path that is gone, the whole run lost.

@@ -11,11 +11,10 @@ earlier segment at step k: the steps after it are trained again and counted in t
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
-SEGMENTS_FILE = "segments.json"
+from bigtrain.run_dir import SEGMENTS_FILE, write_atomic
 
 
 def read_segments(run_dir: Path) -> list[dict]:
@@ -27,10 +26,9 @@ def read_segments(run_dir: Path) -> list[dict]:
 
 
 def _write(run_dir: Path, segments: list[dict]) -> None:
-    path = Path(run_dir) / SEGMENTS_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(segments, indent=1) + "\n")
-    os.replace(tmp, path)  # whole or not at all
+    # Whole or not at all; a full disk is RunDirWriteError (exit 1, said in a line), not an OSError
+    # traceback that a save's segment update raised before the checkpoint's own message could.
+    write_atomic(Path(run_dir) / SEGMENTS_FILE, json.dumps(segments, indent=1) + "\n")
 
 
 def open_segment(run_dir: Path, first_step: int, tokens_per_step: int, layout: str, git_commit: str | None) -> None:

@@ -123,7 +123,9 @@ class Trainer(StepRunner):
         finally:
             profiler.close()  # a run that ended inside the window writes what it traced
             log.close()
-            self._note_segment()  # however the loop ended (a stop, a failure): the steps it got to
+            # however the loop ended (a stop, a failure): the steps it got to; a failure in flight
+            # (a full disk that stopped metrics.jsonl) is the one said, not this record's own
+            self._note_segment(failing=sys.exc_info()[1] is not None)
         if (ended := bad.ended_on_bad_steps()) is not None:  # whatever their number: exit 3, no final save
             self.wait_for_save()
             raise self._record(NonFiniteStop(f"{ended}; {self._last_finite_checkpoint()}", ended.step))
@@ -142,10 +144,15 @@ class Trainer(StepRunner):
         self._note_segment()
         return self.history
 
-    def _note_segment(self) -> None:
-        """This launch's segment of the run has reached ``self.step`` (rank 0 records it)."""
+    def _note_segment(self, failing: bool = False) -> None:
+        """This launch's segment of the run has reached ``self.step`` (rank 0 records it). ``failing``:
+        the run is ending on an error already, which a record that cannot be written must not replace."""
         if self.is_main and self._fit_started is not None:
-            update_segment(self.run_dir, self.step, time.perf_counter() - self._fit_started)
+            try:
+                update_segment(self.run_dir, self.step, time.perf_counter() - self._fit_started)
+            except RunDirWriteError:
+                if not failing:
+                    raise
 
     def _logged(self, step: int) -> bool:
         cfg = self.cfg

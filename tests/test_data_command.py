@@ -28,6 +28,9 @@ def test_a_corpus_its_reads_and_step_one_s_windows_are_what_the_run_trains_on(tm
         assert f"[{i + 1}] data.source = '{tmp_path / 'corpus.txt'}', tokens {start:,} to {start + 31:,}: " \
                f"{data[start:start + 32].decode()!r}" in out
     assert "[4]" not in out
+    for none in ("0", "-1"):  # the summary alone: it was numpy's 'need at least one array to stack'
+        out = _shown(capsys, f"--data.source={tmp_path / 'corpus.txt'}", "--windows", none)
+        assert "training tokens" in out and "[1]" not in out and "windows, as the tokenizer" not in out
 
 
 def test_a_blend_shows_each_corpus_with_its_share_and_a_held_out_corpus(tmp_path, capsys, corpus_cache):

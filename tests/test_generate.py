@@ -77,6 +77,23 @@ def test_what_generation_cannot_use_is_refused(trained_run, tmp_path, capsys):
         sample(load_model(trained_run)[0], [], 3)
 
 
+def test_an_export_the_place_refuses_is_said_naming_it_not_a_traceback(trained_run, tmp_path, capsys):
+    """OUT an existing folder without --format hf (runs/mine-hf given twice), or a path through a
+    file: each was a traceback from safetensors' writer (SafetensorError, 'Is a directory')."""
+    pytest.importorskip("safetensors")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "a-file").write_text("")
+    capsys.readouterr()
+    assert main(["export", str(trained_run), str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "is a folder; --format safetensors writes one file" in err and "--format hf" in err
+    for out, fmt in ((tmp_path / "a-file" / "model.safetensors", "safetensors"), (tmp_path / "a-file" / "hf", "hf")):
+        assert main(["export", str(trained_run), str(out), "--format", fmt]) == 1
+        err = capsys.readouterr().err
+        assert f"{out} could not be written (a part of its path is a file" in err, err
+    assert main(["export", str(trained_run), str(tmp_path / "hf" / "model.safetensors")]) == 0
+
+
 def test_a_hugging_face_family_run_writes_what_its_model_computes(corpus_cache, tmp_path, capsys):
     """A run of ``model.family = "hf"`` (a Qwen3 config.json) generates through its family's model,
     under the Hugging Face names its checkpoint holds: greedy is transformers' own argmax, step by

@@ -246,3 +246,58 @@ def test_a_full_disk_while_writing_run_files_is_one_line(corpus_cache, tmp_path,
     err = capsys.readouterr().err
     assert f"bigtrain: {out}/config.toml could not be written (No space left on device)" in err, err
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("filled", ["segments.json", "metrics.jsonl"])
+def test_a_disk_that_fills_during_training_is_one_line_not_a_traceback(filled, corpus_cache, tmp_path, monkeypatch,
+                                                                       capsys):
+    """The disk fills between steps (another job's files): the next save updates segments.json
+    before its checkpoint, and each logged step appends to metrics.jsonl. Both were an OSError
+    traceback (twice over: fit's finally updates the segment again), and segments.json's left an
+    empty .segments.json.PID.tmp; now the run directory's one line and exit 1, as for config.toml.
+    Seen on a 2 MiB tmpfs that another process kept full."""
+    import builtins
+    from pathlib import Path as P
+
+    from bigtrain import metrics
+
+    state = {"full": False}
+    write_text, open_ = P.write_text, builtins.open
+
+    def full_write_text(self, text, *args, **kwargs):
+        if state["full"] and self.name.startswith(".segments.json"):
+            write_text(self, "", *args, **kwargs)  # created, then nothing fits
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(self, text, *args, **kwargs)
+
+    def full_open(path, mode="r", *args, **kwargs):
+        if state["full"] and "a" in mode and P(path).name == "metrics.jsonl":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return open_(path, mode, *args, **kwargs)
+
+    real_save = train_module.Trainer.save
+
+    def fill_at_the_second_save(self):  # step 4: step_00000002 is saved
+        state["full"] = self.step >= 4 and filled == "segments.json"
+        return real_save(self)
+
+    monkeypatch.setattr(P, "write_text", full_write_text)
+    monkeypatch.setattr(train_module.Trainer, "save", fill_at_the_second_save)
+    if filled == "metrics.jsonl":
+        real_write = metrics.MetricsLog.write
+
+        def fill_at_step_3(self, record):
+            state["full"] = record.get("step", 0) >= 3
+            return real_write(self, record)
+
+        monkeypatch.setattr(metrics.MetricsLog, "write", fill_at_step_3)
+        monkeypatch.setattr(metrics, "open", full_open, raising=False)
+    out = tmp_path / "run"
+    assert main(_args(corpus_cache, out, "--train.steps=6", "--checkpoint.every=2")) == 1
+    err = capsys.readouterr().err
+    assert f"bigtrain: {out}/{filled} could not be written (No space left on device)" in err, err
+    assert "Traceback" not in err and "continue with --resume" in err
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.undo()  # room again: the run goes on
+    assert main(["train", "--output-dir", str(out), "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))

@@ -127,6 +127,11 @@ def test_a_record_without_the_text_field_names_the_field_its_keys_and_the_fix(sh
     source.write_text(json.dumps(["just a string"]))
     with pytest.raises(DocumentError, match=r"item 1 of its array has no text under it \(its keys: none\)"):
         list(Documents([source], "text", json_records=True))
+    # the key is there but holds no string: "set data.text_field to the key that holds the text" named the one it had
+    source.write_text(json.dumps([{"text": 5}]))
+    with pytest.raises(DocumentError, match=r"item 1 of its array holds 5 under it \(int, not text\); make every "
+                                            r"record's 'text' a string"):
+        list(Documents([source], "text", json_records=True))
 
 
 @pytest.mark.parametrize("content, said", [

@@ -63,6 +63,30 @@ def test_resume_reads_the_run_directorys_own_config(straight, tmp_path, capsys):
     assert main(["report", str(out)]) == 0
 
 
+def test_resume_with_a_preset_goes_on_with_the_preset_and_says_what_it_changes_of_the_runs_own(tmp_path, capsys):
+    """``--resume --preset X`` takes X's settings, as torchtitan, accelerate and Hugging Face's Trainer
+    resume with the config on the command line (a job script repeating its first command with
+    --resume must run): said once, naming the fields X changes of the run's config.toml and how to
+    keep them; what the command line sets itself was asked for and is not named. It was about ten
+    per-field warnings (compat.py's, the schedule and data only) that never named --preset."""
+    from bigtrain.config import load_config, to_toml
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # nothing saved: refused after the warnings, nothing trains
+    own = load_config(preset="tiny", overrides=["--optim.lr=0.01", "--train.seed=7", "--checkpoint.every=2"])
+    (run / "config.toml").write_text(to_toml(own))
+    assert main(["train", "--preset", "tiny", "--output-dir", str(run), "--resume", "--train.steps=9",
+                 "--train.seed=7"]) == 2
+    err = capsys.readouterr().err
+    notice = next(line for line in err.splitlines() if "--resume with --preset tiny" in line)
+    assert f"not with {run / 'config.toml'}" in notice and "leave out --preset" in notice
+    assert "optim.lr 0.01 -> 0.003" in notice and "checkpoint.every 2 -> 0" in notice
+    assert "train.seed" not in notice and "train.steps" not in notice  # given on the command line
+    for same in (["--config", str(run / "config.toml")], []):  # the run's own settings: nothing to say
+        assert main(["train", *same, "--output-dir", str(run), "--resume", "--train.steps=9"]) == 2
+        assert "--resume with" not in capsys.readouterr().err
+
+
 def test_resume_warns_for_each_override_that_changes_the_schedule(straight, tmp_path, capsys):
     out = _copy(straight, tmp_path)
     assert main(_resume(out, "--train.steps=8", "--optim.lr=1e-3", "--parallel.zero=1")) == 0

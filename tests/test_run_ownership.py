@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from bigtrain.cli import main
 from bigtrain.config import ConfigError
+from bigtrain.metrics import read_metrics
 from bigtrain.run_lock import LOCK_FILE, TOKEN_ENV, join_run_dir, take_run_dir
 from helpers import descendant_pids
 
@@ -156,6 +158,26 @@ def test_a_refused_run_leaves_no_lock_file_behind(corpus_cache, tmp_path, capsys
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.toml"]
 
 
+def test_a_folder_of_another_programs_files_under_a_runs_names_is_refused_not_removed(corpus_cache, tmp_path, capsys):
+    """A folder that holds no bigtrain run but a checkpoints/ of another program (and a report.md):
+    --overwrite removed the whole checkpoints/ folder by name, and a fresh run wrote its report over
+    the file. Both are refused before launch now, naming the files; nothing in the folder changes."""
+    run = tmp_path / "project"
+    (run / "checkpoints" / "their-model").mkdir(parents=True)
+    (run / "checkpoints" / "their-model" / "weights.bin").write_bytes(b"weights")
+    (run / "report.md").write_text("my notes")
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    for extra in (["--overwrite"], []):
+        assert main(_train(corpus_cache, run, "--train.steps=1", *extra)) == 2
+        err = capsys.readouterr().err
+        assert f"--output-dir = '{run}' holds no bigtrain run" in err and "checkpoints/, report.md" in err, err
+        assert ("--overwrite would remove them" if extra else "the run would write over them") in err
+        assert sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.name != LOCK_FILE) == before
+    (run / "report.md").unlink()
+    shutil.rmtree(run / "checkpoints" / "their-model")  # an empty checkpoints/ holds nothing to lose
+    assert main(_train(corpus_cache, run, "--train.steps=1", "--overwrite")) == 0
+
+
 def test_a_finished_run_releases_its_folder(corpus_cache, tmp_path):
     run = tmp_path / "run"
     assert main(_train(corpus_cache, run, "--train.steps=1")) == 0
@@ -263,3 +285,17 @@ def test_a_signal_to_the_launcher_alone_stops_every_rank_with_one_line(signum, c
     assert len(lines) == 1 and signal.Signals(signum).name in lines[0] and "saved checkpoint" in lines[0], err
     stopped = json.loads((run / "stopped.json").read_text())
     assert (run / "checkpoints" / f"step_{stopped['step']:08d}" / "meta.json").is_file()
+
+
+def test_an_output_dir_under_the_home_directory_is_the_folder_the_checks_read(corpus_cache, tmp_path, monkeypatch):
+    """`--output-dir=~/runs/x`: no shell expands a '~' after '='. The checks before launch read the
+    home's folder while the run wrote into a folder named '~' in the working directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert main(_train(corpus_cache, "~/runs/x", "--train.steps=1")) == 0
+    assert (home / "runs" / "x" / "metrics.jsonl").is_file() and not (work / "~").exists()
+    assert main(["train", "--output-dir=~/runs/x", "--resume", "--train.steps=2", "--logging.report=false"]) == 0
+    assert [r["step"] for r in read_metrics(home / "runs" / "x")] == [1, 2]

@@ -75,7 +75,7 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
         print(note, file=sys.stderr)
     print_warnings(env_warnings + check_inputs(cfg, args.output_dir or tempfile.gettempdir(),
                                                "--output-dir" if args.output_dir else "the temporary folder"))
-    out = Path(args.output_dir or tempfile.mkdtemp(prefix="bigtrain-check-"))
+    out = Path(args.output_dir).expanduser() if args.output_dir else Path(tempfile.mkdtemp(prefix="bigtrain-check-"))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.parallel.world_size > 1 and not launched_externally():
         resolved = out / "config.toml"

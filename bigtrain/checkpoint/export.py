@@ -13,8 +13,9 @@ Optimizer state is not exported.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -107,13 +108,17 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors",
         raise FileNotFoundError(f"no valid checkpoint under {run_dir} (a run saves one at its end unless "
                                 f"checkpoint.save_final = false; a folder that is no run directory holds none)")
     path, meta = found
+    out = Path(out)
+    if fmt == "safetensors" and out.is_dir():  # `export RUN runs/mine-hf` without --format hf
+        raise ValueError(f"{out} is a folder; --format safetensors writes one file: give a file name "
+                         f"({out / 'model.safetensors'}), or --format hf to write a Hugging Face folder")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is an old-format checkpoint; export reads sharded '{FORMAT}' checkpoints")
     weights = checkpoint_weights(path)
     if fmt == "hf":
         from bigtrain.checkpoint.hf import model_as_trained, save_hf
 
-        with model_as_trained(meta) as cfg:
+        with model_as_trained(meta) as cfg, _writing(out):
             writer = folder_writer(cfg) if folder_writer is not None else None
             if writer is not None:  # a family with names and a config.json of its own
                 folder = writer(cfg, weights, out)
@@ -125,15 +130,43 @@ def export(run_dir: Path, out: Path, fmt: str = "safetensors",
         write_tokenizer(path, meta["config"].get("data", {}), folder, context)
         return folder, "hf"
     info = {"step": str(meta["step"]), "source": str(path), "format": FORMAT}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         from safetensors.torch import save_file
     except ImportError:
         if out.suffix == ".safetensors":
             out = out.with_suffix(".pt")
-        torch.save({"weights": weights, "meta": info}, out)
+        with _writing(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"weights": weights, "meta": info}, out)
         return out, "torch"
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out), metadata=info)
-    readable_as_umask(out)
+    with _writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out), metadata=info)
+        readable_as_umask(out)
     return out, "safetensors"
+
+
+@contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """A write the place refuses (no permission, a full disk, a path through a file) is a ValueError
+    naming ``out`` and the fix, which the command prints: it was a traceback from safetensors' Rust
+    writer. The errors raised with a message of our own (no errno) pass unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None:
+            raise
+        import errno
+
+        why = "a part of its path is a file, not a folder" if e.errno in (errno.EEXIST, errno.ENOTDIR) \
+            else e.strerror or str(e)
+        raise ValueError(_unwritable(out, why)) from None
+    except Exception as e:  # safetensors' own error type, which it does not export under a stable name
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(_unwritable(out, str(e))) from None
+
+
+def _unwritable(out: Path, why: str) -> str:
+    return (f"{out} could not be written ({why}); give OUT a place this process can write to (a writable folder "
+            f"with free space)")

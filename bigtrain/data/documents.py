@@ -157,6 +157,12 @@ def parquet_missing() -> str | None:
 def _record_text(record: object, field: str, where: str) -> str:
     """The text under ``field`` of one record (``where``: its file and line or item, for the error)."""
     text = record.get(field) if isinstance(record, dict) else None
+    if isinstance(record, dict) and field in record and not isinstance(text, str):
+        # the key is there: "set data.text_field to the key that holds the text" named the one it had
+        shown = repr(text) if len(repr(text)) <= 40 else repr(text)[:37] + "..."
+        raise DocumentError(f"data.text_field = '{field}': {where} holds {shown} under it ({type(text).__name__}, "
+                            f"not text); make every record's '{field}' a string, or set data.text_field to the key "
+                            f"that holds the text")
     if not isinstance(text, str):
         keys = ", ".join(repr(k) for k in list(record)[:8]) if isinstance(record, dict) else "none"
         raise DocumentError(f"data.text_field = '{field}': {where} has no text under it "
