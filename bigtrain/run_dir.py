@@ -229,6 +229,10 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
                           f"metrics of one) but files under the names a run writes: {', '.join(foreign)}; {does} "
                           f"(a folder of another program's checkpoints?); choose another --output-dir, or move "
                           f"them out of it")
+    if overwrite and not continuing and (used := inputs_among_outputs(cfg, run_dir)):
+        raise ConfigError(f"--overwrite removes what a run wrote into '{run_dir}', and this run reads "
+                          f"{'; '.join(used)} from there: it would be gone before the run reads it; copy it out of "
+                          f"--output-dir first and name the copy, or choose another --output-dir")
     if overwrite and continuing and resume != "auto":
         # A path into the run's own checkpoints: --overwrite would remove it with the rest, and the
         # ranks would then stop on a path that is gone, the whole run lost.
@@ -284,6 +288,30 @@ def finished_run(run_dir: Path, cfg) -> str | None:
     step = found[1]["step"]
     return (f"bigtrain: {run_dir} is finished: {found[0].name} holds step {step} of train.steps = {steps}; "
             f"nothing to do (to train further: --resume --train.steps=N with N > {step})")
+
+
+def inputs_among_outputs(cfg, run_dir: Path) -> list[str]:
+    """The inputs of ``cfg`` (``field = path``) that lie among what ``--overwrite`` removes from
+    ``run_dir`` (:data:`RUN_OUTPUTS`: the earlier run's tokenizer copy, say, given as
+    data.tokenizer to train the new run with the same one)."""
+    from bigtrain.data.blend_spec import parse_blend
+
+    named = [("data.tokenizer", cfg.data.tokenizer), ("data.source", cfg.data.source),
+             ("data.val_source", cfg.data.val_source), ("model.init_from", cfg.model.init_from),
+             ("model.hf_config", cfg.model.hf_config)]
+    if cfg.data.blend:
+        try:
+            named += [("data.blend", path) for path, _ in parse_blend(cfg.data.blend)]
+        except ValueError:
+            pass  # validation names it
+    outputs = [Path(run_dir) / name for name in RUN_OUTPUTS]
+    out = []
+    for field_name, value in named:
+        text = str(value or "").removeprefix("hf:")
+        if text and os.path.lexists(Path(text).expanduser()) and any(
+                _inside(Path(text).expanduser(), output) for output in outputs if os.path.lexists(output)):
+            out.append(f"{field_name} = '{value}'")
+    return out
 
 
 def _inside(path: Path, root: Path) -> bool:

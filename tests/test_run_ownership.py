@@ -299,3 +299,23 @@ def test_an_output_dir_under_the_home_directory_is_the_folder_the_checks_read(co
     assert (home / "runs" / "x" / "metrics.jsonl").is_file() and not (work / "~").exists()
     assert main(["train", "--output-dir=~/runs/x", "--resume", "--train.steps=2", "--logging.report=false"]) == 0
     assert [r["step"] for r in read_metrics(home / "runs" / "x")] == [1, 2]
+
+
+def test_overwrite_refuses_to_remove_an_input_the_run_reads_from_the_folder(corpus_cache, tmp_path):
+    """``--data.tokenizer=RUN/tokenizer.json --overwrite`` (the earlier run's tokenizer copy, to train
+    again with the same one): --overwrite removed it before the run read it. Refused before anything
+    is removed, naming the field; an input outside what --overwrite removes is fine."""
+    from bigtrain.run_dir import check_run_dir
+    from helpers import tiny_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"run_id": "x"}))
+    (run / "tokenizer.json").write_text("{}")
+    (run / "notes.txt").write_text("mine")
+    cfg = tiny_config(corpus_cache, f"--data.tokenizer={run / 'tokenizer.json'}")
+    with pytest.raises(ConfigError, match=r"data.tokenizer = .*tokenizer.json.*copy it out of --output-dir"):
+        check_run_dir(cfg, run, explicit_resume=False, overwrite=True)
+    assert (run / "tokenizer.json").exists()
+    cfg = tiny_config(corpus_cache, f"--data.source={run / 'notes.txt'}")
+    assert check_run_dir(cfg, run, explicit_resume=False, overwrite=True) is None
