@@ -27,7 +27,7 @@ def cmd_data(cfg: Config, windows: int) -> int:
     with data of its own."""
     from bigtrain.config import ConfigError
     from bigtrain.families import family_of
-    from bigtrain.preflight import data_problems, held_out_source_problems
+    from bigtrain.data_checks import data_problems, held_out_source_problems
     from bigtrain.validation import validate
 
     validate(cfg)

@@ -172,9 +172,9 @@ def test_load_tokens_refuses_to_cast_floats(tmp_path):
 
 
 def test_a_large_file_is_scanned_in_chunks(tmp_path, monkeypatch):
-    import bigtrain.preflight as preflight_module
+    import bigtrain.data_checks as data_checks
 
-    monkeypatch.setattr(preflight_module, "SCAN_CHUNK", 1000)
+    monkeypatch.setattr(data_checks, "SCAN_CHUNK", 1000)
     ids = np.zeros(10_000, dtype=np.uint16)
     ids[7654], ids[9999] = 300, 500  # the first in one chunk, the largest in a later one
     ids.tofile(tmp_path / "t.bin")
