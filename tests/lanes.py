@@ -9,9 +9,11 @@ what the tests cost:
   ``pytest -m "not slow"`` is the fast lane a developer runs between edits;
 - ``--shard=i/n`` keeps the i-th of n shards: whole test files (a file's module fixtures and order
   stay together; tests/test_readme.py relies on its order), given out longest first to the shard
-  with the least so far (LPT), each file weighted by its selected tests' recorded seconds
-  (``DEFAULT_S`` for a test not recorded yet). ``scripts/test.sh`` runs the shards at once: many
-  of the long tests wait (launchers, timeouts, a frozen rank) while the other shard computes.
+  with the least so far (LPT), each file weighted by its tests' recorded seconds (in the fast lane,
+  ``-m "not slow"``, those under ``SLOW_S``; ``DEFAULT_S`` for a file not recorded yet), split
+  before any file is imported, so that a shard imports only its own. ``scripts/test.sh`` runs the
+  shards at once: many of the long tests wait (launchers, timeouts, a frozen rank) while the other
+  shard computes.
 - ``--record-durations`` writes this run's seconds into the file (merged under a lock, so that
   shards can record together); run it after adding slow tests: ``scripts/test.sh --record-durations``.
 - ``--record-cpu PATH`` appends one JSON line a test to PATH: its wall seconds and the CPU seconds and
@@ -81,11 +83,50 @@ class SlowMarker:
 
 
 class Shards:
-    """After ``-m`` and ``-k`` select: keep this shard's files."""
+    """Before collection: import only this shard's test files; after ``-m`` and ``-k`` select: keep
+    the tests of those files.
+
+    Files are split from ``tests/durations.json`` alone, before any is imported: a shard that
+    collected the whole suite to keep a quarter of it imported and assertion-rewrote every test
+    module, 23.5 CPU-s of each shard's start (14.4 with pytest's rewritten modules cached, which a
+    clean checkout has not), 4 shards side by side in CI and in the fast lane alike. Every shard
+    computes the same split (same file list, same record, same options), so each file runs in
+    exactly one shard."""
+
+    def __init__(self):
+        self.split: dict[str, int] | None = None
+
+    def shard_files(self, config) -> dict[str, int]:
+        if self.split is None:
+            self.split = shard_of_paths(suite_files(config), recorded(), parse_shard(config.getoption("--shard"))[1],
+                                        fast_lane=config.getoption("markexpr", "").replace(" ", "") == "notslow")
+        return self.split
+
+    def pytest_ignore_collect(self, collection_path, config):
+        if not config.getoption("--shard") or collection_path.suffix != ".py":
+            return None
+        path = relative_path(collection_path, config)
+        split = self.shard_files(config)
+        if path in split and split[path] != parse_shard(config.getoption("--shard"))[0] - 1:
+            return True
+        return None
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items) -> None:
-        keep_shard(config, items, recorded())
+        if config.getoption("--shard"):
+            keep_shard(config, items, self.shard_files(config))
+
+
+def relative_path(path, config) -> str:
+    try:
+        return path.relative_to(config.rootpath).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def suite_files(config) -> list[str]:
+    """tests/test_*.py, as node ids start: the files a shard may collect."""
+    return sorted(relative_path(p, config) for p in Path(__file__).parent.glob("test_*.py"))
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -98,11 +139,33 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-def shard_of_files(items: list, seconds: dict[str, float], count: int) -> dict[str, int]:
-    """Each file of ``items`` -> its shard (0-based), longest files first to the lightest shard."""
-    weight: dict[str, float] = defaultdict(float)
-    for item in items:
-        weight[item.nodeid.split("::")[0]] += seconds.get(item.nodeid, DEFAULT_S)
+def file_weights(files: list[str], seconds: dict[str, float], fast_lane: bool) -> dict[str, float]:
+    """Each file's recorded seconds (``DEFAULT_S`` for a file with none recorded yet); in the fast
+    lane (``-m "not slow"``) only its tests under ``SLOW_S``, and none of a file whose tests run in
+    order when one of them is slow (as ``SlowMarker`` marks them)."""
+    weight = {path: 0.0 for path in files}
+    seen, slow = set(), set()
+    for nodeid, s in seconds.items():
+        path = nodeid.split("::")[0]
+        if path not in weight:
+            continue
+        seen.add(path)
+        if fast_lane and s >= SLOW_S:
+            slow.add(path)
+        else:
+            weight[path] += s
+    root = Path(__file__).parent.parent
+    for path in files:
+        if path not in seen:
+            weight[path] = DEFAULT_S
+        elif path in slow and (root / path).is_file() and "RUNS_IN_ORDER = True" in (root / path).read_text():
+            weight[path] = 0.0
+    return weight
+
+
+def shard_of_paths(files: list[str], seconds: dict[str, float], count: int, fast_lane: bool = False) -> dict[str, int]:
+    """Each file -> its shard (0-based), longest files first to the lightest shard (LPT)."""
+    weight = file_weights(files, seconds, fast_lane)
     loads = [0.0] * count
     out = {}
     for path in sorted(weight, key=lambda p: (-weight[p], p)):
@@ -112,14 +175,16 @@ def shard_of_files(items: list, seconds: dict[str, float], count: int) -> dict[s
     return out
 
 
-def keep_shard(config, items: list, seconds: dict[str, float]) -> None:
-    text = config.getoption("--shard")
-    if not text:
-        return
-    index, count = parse_shard(text)
-    shards = shard_of_files(items, seconds, count)
-    kept = [item for item in items if shards[item.nodeid.split("::")[0]] == index - 1]
-    dropped = [item for item in items if shards[item.nodeid.split("::")[0]] != index - 1]
+def keep_shard(config, items: list, split: dict[str, int]) -> None:
+    """Keep the items of this shard's files (a file outside tests/, named on the command line, runs
+    in the first shard)."""
+    index, _ = parse_shard(config.getoption("--shard"))
+
+    def mine(item) -> bool:
+        return split.get(item.nodeid.split("::")[0], 0) == index - 1
+
+    kept = [item for item in items if mine(item)]
+    dropped = [item for item in items if not mine(item)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = kept
