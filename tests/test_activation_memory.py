@@ -147,6 +147,35 @@ def test_offload_frees_the_device_copy(corpus_cache):
     loss.backward()
 
 
+@pytest.mark.parametrize("min_bytes", [0, 1 << 30], ids=["offloaded", "kept"])
+@pytest.mark.parametrize("where", ["inside", "next-module"])
+def test_offload_refuses_a_saved_tensor_changed_in_place_as_autograd_does(where, min_bytes):
+    """Saved-tensor hooks switch off autograd's in-place check (torch checks versions only without
+    hooks). Offload must keep it: a kept tensor came back with its new values (wrong gradients, no
+    error), an offloaded one with a host copy that on CUDA races the in-place write."""
+    from torch import nn
+
+    from bigtrain.memory.offload import ActivationOffloader
+
+    class TanhThenDouble(nn.Module):  # tanh saves its output, changed in place here or by the next module
+        def forward(self, x):
+            h = torch.tanh(x)
+            return h.mul_(2) if where == "inside" else h
+
+    class InPlace(nn.Module):
+        def forward(self, x):
+            return x.add_(1) if where == "next-module" else x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), TanhThenDouble(), InPlace(), nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()  # plain autograd
+    ActivationOffloader(list(model), min_bytes=min_bytes)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+
+
 # -- int8: compressed bytes and the gradient error -------------------------------------------------------
 def test_int8_keeps_under_0_3x_of_each_compressed_input_and_reports_the_gradient_error(corpus_cache):
     cfg = tiny_config(corpus_cache, "--memory.activation_compression=int8")
