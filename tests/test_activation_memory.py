@@ -6,6 +6,7 @@ error reported and bounded)."""
 import ctypes
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -174,6 +175,20 @@ def test_offload_refuses_a_saved_tensor_changed_in_place_as_autograd_does(where,
     ActivationOffloader(list(model), min_bytes=min_bytes)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(x).sum().backward()
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"compression": "int4"}, "compression='int4'"), ({"compression": "INT8"}, "compression='INT8'"),
+    ({"policy": "every", "every": 0}, "every=0"), ({"fused_loss": True, "fused_loss_chunk": 0}, "fused_loss_chunk=0"),
+    ({"offload": True, "offload_min_bytes": -1}, "offload_min_bytes=-1"), ({"policy": "Full"}, "policy='Full'")])
+def test_an_activation_plan_built_in_python_names_a_bad_field(fields, named):
+    """The Config is validated before launch; a plan built in Python was not: an unknown compression
+    was silently none (no int8 copy, the memory it was chosen for never saved), and a zero step a
+    bare 'range() arg 3 must not be zero' (the fused loss's at its first step)."""
+    from bigtrain.parallel.parallel_plan import ActivationPlan
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ActivationPlan(**fields)
 
 
 # -- int8: compressed bytes and the gradient error -------------------------------------------------------
