@@ -226,7 +226,8 @@ class ActivationOffloader:
             self.stats.offloaded_count += 1
         stored.waiting += 1
         view = _View(stored, t, t.storage_offset(), t.stride(), source)
-        group.saved.append(source)
+        if t is source:  # not a small view's large storage, which the module may be done with
+            group.saved.append(source)
         self._live.append(view)
         return view
 
