@@ -220,6 +220,34 @@ def test_int8_keeps_under_0_3x_of_each_compressed_input_and_reports_the_gradient
     assert min(errors.values()) < 1e-2
 
 
+def test_int8_keeps_no_copy_alive_after_the_step_and_still_shares_one_per_input(corpus_cache):
+    """The shared copy's cache held the last int8 input (the head's, B T h bytes) from one step to
+    the next; and wq, wk, wv (w1, w3) still save one int8 storage between them."""
+    import weakref
+
+    cfg = tiny_config(corpus_cache, "--memory.activation_compression=int8")
+    model = _model(cfg)
+    apply_activation_memory(model, activation_plan(cfg))
+    tokens, targets = _batch(cfg)
+    saved, copies = [], []
+
+    def pack(t):
+        if t.dtype == torch.int8:
+            saved.append(t.untyped_storage()._cdata)
+            copies.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = token_loss_sum(model(tokens), targets)
+    # per block: one for wq, wk, wv, one for wo, one for w1, w3, one for w2; and the head's
+    assert len(set(saved)) == 4 * cfg.model.n_layers + 1 and len(saved) == 7 * cfg.model.n_layers + 1
+    loss.backward()
+    del loss
+    gc.collect()
+    alive = [tuple(t.shape) for t in (ref() for ref in copies) if t is not None]
+    assert not alive, f"int8 copies alive after the step: {alive}"
+
+
 # -- int8 with experts: routers left exact, in the trainer, the reference and the planner -------------------
 MOE_INT8 = {"moe": [], "shared-expert": ["--model.moe_shared_expert=true"],
             "every2-selective": ["--model.moe_every=2", "--memory.checkpointing=selective"],
