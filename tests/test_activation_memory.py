@@ -6,6 +6,7 @@ error reported and bounded)."""
 import ctypes
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -147,6 +148,49 @@ def test_offload_frees_the_device_copy(corpus_cache):
     loss.backward()
 
 
+@pytest.mark.parametrize("min_bytes", [0, 1 << 30], ids=["offloaded", "kept"])
+@pytest.mark.parametrize("where", ["inside", "next-module"])
+def test_offload_refuses_a_saved_tensor_changed_in_place_as_autograd_does(where, min_bytes):
+    """Saved-tensor hooks switch off autograd's in-place check (torch checks versions only without
+    hooks). Offload must keep it: a kept tensor came back with its new values (wrong gradients, no
+    error), an offloaded one with a host copy that on CUDA races the in-place write."""
+    from torch import nn
+
+    from bigtrain.memory.offload import ActivationOffloader
+
+    class TanhThenDouble(nn.Module):  # tanh saves its output, changed in place here or by the next module
+        def forward(self, x):
+            h = torch.tanh(x)
+            return h.mul_(2) if where == "inside" else h
+
+    class InPlace(nn.Module):
+        def forward(self, x):
+            return x.add_(1) if where == "next-module" else x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), TanhThenDouble(), InPlace(), nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()  # plain autograd
+    ActivationOffloader(list(model), min_bytes=min_bytes)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"compression": "int4"}, "compression='int4'"), ({"compression": "INT8"}, "compression='INT8'"),
+    ({"policy": "every", "every": 0}, "every=0"), ({"fused_loss": True, "fused_loss_chunk": 0}, "fused_loss_chunk=0"),
+    ({"offload": True, "offload_min_bytes": -1}, "offload_min_bytes=-1"), ({"policy": "Full"}, "policy='Full'")])
+def test_an_activation_plan_built_in_python_names_a_bad_field(fields, named):
+    """The Config is validated before launch; a plan built in Python was not: an unknown compression
+    was silently none (no int8 copy, the memory it was chosen for never saved), and a zero step a
+    bare 'range() arg 3 must not be zero' (the fused loss's at its first step)."""
+    from bigtrain.parallel.parallel_plan import ActivationPlan
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ActivationPlan(**fields)
+
+
 # -- int8: compressed bytes and the gradient error -------------------------------------------------------
 def test_int8_keeps_under_0_3x_of_each_compressed_input_and_reports_the_gradient_error(corpus_cache):
     cfg = tiny_config(corpus_cache, "--memory.activation_compression=int8")
@@ -174,6 +218,34 @@ def test_int8_keeps_under_0_3x_of_each_compressed_input_and_reports_the_gradient
     assert max(errors.values()) < 2e-2, errors
     assert errors["tok_embeddings.weight"] < max(errors.values())  # exact input gradients reach it
     assert min(errors.values()) < 1e-2
+
+
+def test_int8_keeps_no_copy_alive_after_the_step_and_still_shares_one_per_input(corpus_cache):
+    """The shared copy's cache held the last int8 input (the head's, B T h bytes) from one step to
+    the next; and wq, wk, wv (w1, w3) still save one int8 storage between them."""
+    import weakref
+
+    cfg = tiny_config(corpus_cache, "--memory.activation_compression=int8")
+    model = _model(cfg)
+    apply_activation_memory(model, activation_plan(cfg))
+    tokens, targets = _batch(cfg)
+    saved, copies = [], []
+
+    def pack(t):
+        if t.dtype == torch.int8:
+            saved.append(t.untyped_storage()._cdata)
+            copies.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = token_loss_sum(model(tokens), targets)
+    # per block: one for wq, wk, wv, one for wo, one for w1, w3, one for w2; and the head's
+    assert len(set(saved)) == 4 * cfg.model.n_layers + 1 and len(saved) == 7 * cfg.model.n_layers + 1
+    loss.backward()
+    del loss
+    gc.collect()
+    alive = [tuple(t.shape) for t in (ref() for ref in copies) if t is not None]
+    assert not alive, f"int8 copies alive after the step: {alive}"
 
 
 # -- int8 with experts: routers left exact, in the trainer, the reference and the planner -------------------

@@ -85,16 +85,22 @@ class _Int8WeightGrad(torch.autograd.Function):
 
 class _SharedQuantization:
     """The int8 copy of the input seen last, for the linears that read the same input one after the
-    other (wq, wk, wv; w1, w3). Held by weak reference: the cache never keeps an input alive."""
+    other (wq, wk, wv; w1, w3). Held by weak reference, the input and its copy alike: the cache never
+    keeps either alive. (It held the copy itself until 2026-11-29: the head's int8 input, B T h
+    bytes, stayed alive from one step to the next, through evaluation and checkpoint saves.) The
+    graph that saved the copy keeps it while the next linear may share it; where nothing does (a
+    recomputed block's first forward, whose saved tensors are dropped), each linear quantizes anew."""
 
     def __init__(self):
-        self._last: tuple[weakref.ref, int, torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple[weakref.ref, int, weakref.ref, weakref.ref] | None = None
 
     def of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._last is not None and self._last[0]() is x and self._last[1] == x._version:
-            return self._last[2], self._last[3]
+            q, scale = self._last[2](), self._last[3]()
+            if q is not None and scale is not None:
+                return q, scale
         q, scale = quantize_rows(x)
-        self._last = (weakref.ref(x), x._version, q, scale)
+        self._last = (weakref.ref(x), x._version, weakref.ref(q), weakref.ref(scale))
         return q, scale
 
 

@@ -72,6 +72,7 @@ class _Group:
         self.storages: list[_Storage] = []
         self.by_key: dict[int, _Storage] | None = {}  # while the module runs: storage identity -> copy
         self.originals: list | None = []  # the device storages, held until the module's forward ends
+        self.saved: list | None = []  # the tensors packed, held as long: checked for in-place changes at its end
         self.prefetch_started = False
         self.released_any = False  # backward has freed one of its device copies
         self.unpacked_any = False
@@ -92,21 +93,39 @@ class _Storage:
 
 
 class _View:
-    """What autograd keeps for an offloaded tensor: its storage's copy and how to view it."""
+    """What autograd keeps for an offloaded tensor: its storage's copy and how to view it; and, to
+    check it as autograd would, the tensor that was saved (weakly) and its version then."""
 
-    __slots__ = ("stored", "dtype", "offset", "shape", "stride")
+    __slots__ = ("stored", "dtype", "offset", "shape", "stride", "source", "version", "modified")
 
-    def __init__(self, stored: _Storage, t: torch.Tensor, offset: int, stride: tuple[int, ...]):
+    def __init__(self, stored: _Storage, t: torch.Tensor, offset: int, stride: tuple[int, ...],
+                 source: torch.Tensor):
         self.stored, self.dtype, self.offset, self.shape, self.stride = stored, t.dtype, offset, t.shape, stride
+        self.source, self.version, self.modified = weakref.ref(source), source._version, False
+
+    def check(self) -> None:
+        source = self.source()
+        _check_version(self.modified or (source is not None and source._version != self.version))
 
 
 class _Kept:
     """A saved tensor left on the device, wrapped so its release is counted."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+        self.tensor, self.version = tensor, tensor._version
+
+
+def _check_version(modified: bool) -> None:
+    """Autograd checks that a saved tensor was not changed in place before backward reads it, but not
+    where saved-tensor hooks (these) hold it: the check is made here instead. Without it, a model
+    plain autograd refuses trains on: a kept tensor's new values (wrong gradients), or an offloaded
+    copy whose bytes, on CUDA, race the in-place write on the side stream."""
+    if modified:
+        raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
+                           "operation (activation offload: a tensor saved for backward was changed in place after "
+                           "it was saved, which plain autograd refuses too); make that operation out of place")
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -152,6 +171,7 @@ class ActivationOffloader:
         self._groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._modules = list(modules)
         self._weights: set[int] = set()
+        self._live: list[_View] = []  # offloaded views whose saved tensor may still be alive (checked, then dropped)
         for i, module in enumerate(modules):
             module.register_forward_pre_hook(lambda m, args, i=i: self._enter(i))
             module.register_forward_hook(lambda m, args, out, i=i: self._exit(i))
@@ -166,6 +186,7 @@ class ActivationOffloader:
         self._last_index = index
         # The module's weights by storage: a detached view of one (int8 compression's matmul) is one too.
         self._weights = {p.untyped_storage()._cdata for p in self._modules[index].parameters()}
+        self._sweep()  # the module before may have changed its input in place (a residual stream's +=)
         self._current = _Group(index, self._pass)
         self._groups[(self._pass, index)] = self._current  # weakly: it lives as long as its saved tensors
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -176,7 +197,8 @@ class ActivationOffloader:
         hooks = self._hooks.pop()
         if hooks is not None:
             hooks.__exit__(None, None, None)
-            self._current.by_key, self._current.originals = None, None  # the device storages may go now
+            self._sweep()  # before the module's own saved tensors, held until now, may go
+            self._current.by_key, self._current.originals, self._current.saved = None, None, None
             self._current = None
 
     def _pack(self, t: torch.Tensor):
@@ -190,7 +212,7 @@ class ActivationOffloader:
             self.stats.add(nbytes)
             weakref.finalize(kept, self.stats.sub, nbytes)
             return kept
-        group = self._current
+        group, source = self._current, t
         if t.untyped_storage().nbytes() > 2 * nbytes:  # a small view of a large storage: move the view only
             t = t.detach().clone(memory_format=torch.contiguous_format)
         key = t.untyped_storage()._cdata
@@ -203,14 +225,35 @@ class ActivationOffloader:
             self.stats.offloaded += stored.nbytes
             self.stats.offloaded_count += 1
         stored.waiting += 1
-        return _View(stored, t, t.storage_offset(), t.stride())
+        view = _View(stored, t, t.storage_offset(), t.stride(), source)
+        if t is source:  # not a small view's large storage, which the module may be done with
+            group.saved.append(source)
+        self._live.append(view)
+        return view
+
+    def _sweep(self) -> None:
+        """Mark the offloaded views whose saved tensor was changed in place since it was saved (it is
+        checked when unpacked, :func:`_check_version`); forget those whose tensor is gone (weakly
+        held: a module's own are held until its forward ends), which nothing can change any more."""
+        live = []
+        for view in self._live:
+            source = view.source()
+            if source is None:
+                continue
+            if source._version != view.version:
+                view.modified = True
+            else:
+                live.append(view)
+        self._live = live
 
     # -- backward: bring tensors back, one group ahead ----------------------------------------------
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
         if isinstance(packed, _Kept):
+            _check_version(packed.tensor._version != packed.version)
             return packed.tensor
+        packed.check()
         stored = packed.stored
         group = stored.group
         self.stats.events.append(("unpack", group.module_index))

@@ -71,6 +71,27 @@ class ActivationPlan:
     blocks: Callable | None = None
     head: str = "output"  # the model's output projection (a dotted attribute path): what the fused loss wraps
 
+    def __post_init__(self):
+        # The Config is validated before launch (bigtrain/validation.py); a plan built in Python is
+        # checked here: an unknown compression was silently no compression (full-size saved inputs,
+        # the memory the plan counted on never saved), and a zero step a range() error at the first step.
+        problems = []
+        if self.policy not in ACTIVATION_POLICIES:
+            problems.append(f"policy={self.policy!r}: must be one of {', '.join(map(repr, ACTIVATION_POLICIES))}")
+        if self.compression not in COMPRESSIONS:
+            problems.append(f"compression={self.compression!r}: must be one of {', '.join(map(repr, COMPRESSIONS))}")
+        for name in ("every", "fused_loss_chunk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)!r}: must be a whole number >= 1")
+        if not isinstance(self.offload_min_bytes, int) or self.offload_min_bytes < 0:
+            problems.append(f"offload_min_bytes={self.offload_min_bytes!r}: must be a whole number >= 0")
+        if problems:
+            raise ValueError(f"ActivationPlan: {'; '.join(problems)}")
+
+
+ACTIVATION_POLICIES = ("none", "full", "every", "selective")  # bigtrain.validation.CHECKPOINTING_POLICIES
+COMPRESSIONS = ("none", "int8")  # memory.activation_compression's values
+
 
 @dataclass(frozen=True)
 class Float8Plan:
