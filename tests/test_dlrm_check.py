@@ -105,7 +105,8 @@ def test_the_dlrm_draws_span_shardings_optimizers_and_ranks():
 def test_the_model_draw_keeps_the_decoder_samples_of_a_seed():
     from bigtrain.check.fuzz_layouts import sample_layout
 
-    mixed = [draw_sample(SEED, i, 8, 0.5, resume_share=0.0, int8_share=0.0, hf_share=0.0, cp_share=0.0)
+    mixed = [draw_sample(SEED, i, 8, 0.5, resume_share=0.0, int8_share=0.0, hf_share=0.0, cp_share=0.0,
+                         documents_share=0.0)
              for i in range(40)]
     assert 5 < sum(DLRM in s for s in mixed) < 35
     for i, s in enumerate(mixed):
@@ -118,7 +119,7 @@ def test_the_compile_draw_keeps_the_decoder_samples_and_never_compiles_a_dlrm():
     from bigtrain.check.fuzz_layouts import sample_layout
 
     compiled = [draw_sample(SEED, i, 8, 0.0, resume_share=0.0, int8_share=0.0, compile_share=1.0, hf_share=0.0,
-                cp_share=0.0)
+                cp_share=0.0, documents_share=0.0)
                 for i in range(20)]
     assert all(s[-1] == COMPILED and s[:-1] == sample_layout(random.Random(f"{SEED}:{i}"), 8)
                for i, s in enumerate(compiled))

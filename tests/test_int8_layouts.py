@@ -148,7 +148,7 @@ def test_only_the_row_parallel_linears_agree_their_scales(corpus_cache):
 # -- the fuzzer draws int8 -----------------------------------------------------------------------------------
 def test_the_fuzzer_draws_int8_on_top_of_the_samples_it_drew_before():
     drawn = [draw_sample(7, i, 8, dlrm_share=0.0, resume_share=0.0, int8_share=0.5, compile_share=0.0, hf_share=0.0,
-                         cp_share=0.0)
+                         cp_share=0.0, documents_share=0.0)
              for i in range(40)]
     with_int8 = [s for s in drawn if INT8 in s]
     assert 10 <= len(with_int8) <= 30
