@@ -35,6 +35,9 @@ def data_problems(cfg: Config) -> list[str]:
     if source != "synthetic" and not path_exists(source):
         return [f"data.source = '{source}': the DLRM reads 'synthetic' (the Criteo-like generator) or a Criteo TSV "
                 f"file; no such file"]
+    if source != "synthetic" and cfg.embedding.hotness != 1:  # the file would be read one-hot all the same
+        return [f"embedding.hotness = {cfg.embedding.hotness}: a Criteo TSV file (data.source = '{source}') holds one "
+                f"id per sparse feature; set embedding.hotness = 1"]
     return []
 
 
