@@ -105,3 +105,14 @@ def test_tsv_with_hotness_above_one_is_refused_before_launch(tmp_path):
     from bigtrain.config import ConfigError
     with pytest.raises(ConfigError, match="embedding.hotness = 2: a Criteo TSV file"):
         config(1, "table", "26x100", hotness=2, extra=(f"--data.source={path}",))
+
+
+def test_tsv_short_file_holds_out_a_sample_not_its_training_data(tmp_path):
+    path = tmp_path / "day_0.tsv"
+    path.write_text("\n".join(_line(str(i % 2)) for i in range(5)) + "\n")  # 10% of 5 lines rounds to 0
+    sampler = CriteoTsv(path, [100] * 26, global_batch=2)
+    assert sampler.split == 4 and sampler.held_out().samples(0, 1)[2].tolist() == [0.0]  # line 5, label 0
+    path.write_text(_line("1") + "\n")
+    with pytest.raises(ValueError, match="1 sample"):
+        CriteoTsv(path, [100] * 26, global_batch=2)
+

@@ -132,7 +132,13 @@ class CriteoTsv:
         self.data = data if data is not None else read_criteo_tsv(path, table_rows, dense)
         self.path, self.table_rows, self.global_batch, self.dense = path, table_rows, global_batch, dense
         n = self.data[2].shape[0]
-        self.split = max(1, n - int(n * held_out_fraction)) if data is None else n
+        # at least one held-out sample: a file shorter than 1 / held_out_fraction lines would
+        # otherwise be scored on its own training samples
+        held = max(1, int(n * held_out_fraction)) if held_out_fraction > 0 and data is None else 0
+        if held and n - held < 1:
+            raise ValueError(f"data.source = '{path}': {n} sample(s), too few to hold out the last "
+                             f"{held_out_fraction:.0%} and train on the rest; give it at least 2 lines")
+        self.split = n - held
         self.train = tuple(t[:self.split] for t in self.data)
         self.rest = tuple(t[self.split:] for t in self.data) if self.split < n else self.train
 
