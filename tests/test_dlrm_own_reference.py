@@ -116,3 +116,26 @@ def test_tsv_short_file_holds_out_a_sample_not_its_training_data(tmp_path):
     with pytest.raises(ValueError, match="1 sample"):
         CriteoTsv(path, [100] * 26, global_batch=2)
 
+
+
+# -- preflight: the tables against this machine's memory ---------------------------------------------------
+def test_preflight_refuses_tables_larger_than_the_machine(tmp_path, monkeypatch):
+    """dlrm-criteo's 90 GiB of tables passed preflight on a 23 GiB host (only embedding.budget_gb was
+    checked) and the ranks were then killed allocating them. The planner's bytes of the fullest rank
+    x the ranks sharing the host must fit the host (a GPU's memory per rank with CUDA)."""
+    import bigtrain.plan.fit as fit
+    from bigtrain.config import ConfigError
+    from bigtrain.preflight import preflight
+
+    cfg = load_config(preset="dlrm-criteo", overrides=["--parallel.dp=8"])
+    monkeypatch.setattr(fit, "machine_memory", lambda cuda: (64 * 2**30, "this machine has"))
+    with pytest.raises(ConfigError, match=r"embedding.tables \(26 tables, .*13.053 GiB.* x 8 ranks on this machine, "
+                                          r"and this machine has 64.000 GiB"):
+        preflight(cfg, tmp_path / "run", local_ranks=8)
+    # one rank per GPU of 80 GiB: 13 GiB each fits; on 8 hosts of 16 GiB, one rank each, too
+    monkeypatch.setattr(fit, "machine_memory", lambda cuda: (80 * 2**30, "each GPU of this machine has"))
+    preflight(cfg, tmp_path / "run", local_ranks=8, cuda=True)
+    monkeypatch.setattr(fit, "machine_memory", lambda cuda: (16 * 2**30, "this machine has"))
+    preflight(cfg, tmp_path / "run", local_ranks=1)
+    small = load_config(preset="dlrm-tiny", overrides=["--parallel.dp=2"])
+    preflight(small, tmp_path / "tiny", local_ranks=2)
