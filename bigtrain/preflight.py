@@ -102,7 +102,9 @@ def preflight(cfg: Config, output_dir: str | Path, output_name: str = "--output-
             size, warnings = [], [none_for(family, "size_problems", "no size check before launch (whether the model "
                                            "fits this machine's memory)", "the run finds out when it runs")]
         elif family.size_problems is not None:
-            size, warnings = family.size_problems(cfg, local_ranks, cuda, nvme_dir=nvme_dir)
+            from bigtrain.plan.fit import machine_memory
+
+            size, warnings = family.size_problems(cfg, local_ranks, cuda, nvme_dir=nvme_dir, machine=machine_memory(cuda))
         elif family.planner_config is not None:  # priced as bigtrain's Llama of the same shapes
             size, warnings = size_problems_and_fixes(family.planner_config(cfg), local_ranks, cuda, nvme_dir=nvme_dir,
                                                      runs_as=cfg)

@@ -7,7 +7,7 @@ The only module that names it (``model.family = "dlrm"``)."""
 from __future__ import annotations
 
 from bigtrain.config import Config
-from bigtrain.core.tables import SHARDINGS, check_layout, parse_sizes, requested_kinds
+from bigtrain.core.tables import ROW_STATE_OPTIMIZERS, SHARDINGS, check_layout, parse_sizes, requested_kinds
 from bigtrain.families.spec import Family
 from bigtrain.families.tokens import data_parallel_named
 from bigtrain.field_checks import path_exists
@@ -35,6 +35,9 @@ def data_problems(cfg: Config) -> list[str]:
     if source != "synthetic" and not path_exists(source):
         return [f"data.source = '{source}': the DLRM reads 'synthetic' (the Criteo-like generator) or a Criteo TSV "
                 f"file; no such file"]
+    if source != "synthetic" and cfg.embedding.hotness != 1:  # the file would be read one-hot all the same
+        return [f"embedding.hotness = {cfg.embedding.hotness}: a Criteo TSV file (data.source = '{source}') holds one "
+                f"id per sparse feature; set embedding.hotness = 1"]
     return []
 
 
@@ -85,13 +88,38 @@ def tables_fit_problems(cfg: Config) -> list[str]:
     return []
 
 
+def size_problems(cfg: Config, local_ranks: int = 1, cuda: bool = False, machine: tuple[int, str] = (0, ""),
+                  **_) -> tuple[list[str], list[str]]:
+    """Preflight's size check: the planner's placement within embedding.budget_gb, and the tables
+    (weights and sparse optimizer state, the planner's bytes of the fullest rank) against this
+    machine's memory: each GPU's, or on CPUs the host's, which its local ranks share (a 90 GiB
+    dlrm-criteo passed on a 23 GiB host before, to be killed allocating its tables). ``machine``:
+    (bytes, what has them) as preflight measured them; (0, ...) checks the budget only."""
+    problems = tables_fit_problems(cfg)
+    if problems:
+        return problems, []
+    layout, e = layout_for(cfg, cfg.parallel.dp), cfg.embedding
+    state = 4 if e.optimizer in ROW_STATE_OPTIMIZERS else 0
+    worst = max(layout.rank_bytes(r, state) for r in range(layout.world))
+    sharing = 1 if cuda else max(1, min(local_ranks, layout.world))
+    capacity, has = machine
+    if capacity and worst * sharing > capacity:
+        on_machine = f" x {sharing} ranks on this machine" if sharing > 1 else ""
+        return [f"embedding.tables ({len(layout.rows)} tables, {sum(layout.rows):,} rows) x embedding.dim = {e.dim}: "
+                f"a rank holds up to {worst / 2**30:.3f} "
+                f"GiB of tables and {e.optimizer} state (the planner's layout on parallel.dp = {layout.world}, "
+                f"embedding.sharding = '{e.sharding}'){on_machine}, and {has} {capacity / 2**30:.3f} GiB; use more "
+                f"machines, or fewer or smaller tables"], []
+    return [], []
+
+
 DLRM = Family(
     name=NAME,
     summary="a recommender: bottom MLP, the [embedding] tables, dot interaction, top MLP, binary cross-entropy",
     check_config=check_dlrm,
     reads_tokens=False,
     placement_problems=tables_fit_problems,
-    size_problems=lambda cfg, *args, **kwargs: (tables_fit_problems(cfg), []),
+    size_problems=size_problems,
     plan_command=cmd_plan_embedding,
     own_step=DlrmStep,
     checkpoint_format=FORMAT,

@@ -92,7 +92,8 @@ class Family:
     # -- what the steps above the model ask ---------------------------------------------------
     # Before launch, without measuring the machine: can the planner place the model at all.
     placement_problems: Rules = no_problems
-    # Preflight's size check (cfg, local ranks, cuda, nvme_dir) -> (problems, warnings); None: the
+    # Preflight's size check (cfg, local ranks, cuda, nvme_dir=, machine=(bytes, what has them): this
+    # machine's memory, each GPU's or the host's) -> (problems, warnings); None: the
     # dense planner's (bigtrain.plan.refit.size_problems_and_fixes), of ``planner_config(cfg)`` if given.
     size_problems: Callable[..., tuple[list[str], list[str]]] | None = None
     # The config of bigtrain's Llama with this model's shapes (layers, widths, heads, MLP, vocabulary,

@@ -106,9 +106,13 @@ def read_criteo_tsv(path: str | Path, table_rows: list[int], dense: int = DENSE
             fields = line.rstrip("\n").split("\t")
             if len(fields) != 1 + dense + tables:
                 raise ValueError(f"{path}:{number}: {len(fields)} tab-separated fields, expected "
-                                 f"1 label + {dense} dense + {tables} categorical = {1 + dense + tables}")
+                                 f"1 label + {dense} dense (model.dlrm_dense_features) + {tables} categorical "
+                                 f"(the tables of embedding.tables) = {1 + dense + tables}")
+            # a click label; any other value would train binary cross-entropy on a target outside [0, 1]
+            if fields[0] not in ("0", "1"):
+                raise ValueError(f"{path}:{number}: label {fields[0]!r} is not 0 or 1 (the first field is the click)")
             try:
-                labels.append(float(int(fields[0])))
+                labels.append(float(fields[0]))
                 dense_rows.append([math.log1p(max(int(x), 0)) if x else 0.0 for x in fields[1:1 + dense]])
                 id_rows.append([int(x, 16) % r if x else 0 for x, r in zip(fields[1 + dense:], table_rows)])
             except ValueError as e:
@@ -124,16 +128,22 @@ class CriteoTsv:
     of the file is the held-out slice."""
 
     def __init__(self, path: str | Path, table_rows: list[int], global_batch: int, held_out_fraction: float = 0.1,
-                 data=None):
-        self.data = data if data is not None else read_criteo_tsv(path, table_rows)
-        self.path, self.table_rows, self.global_batch = path, table_rows, global_batch
+                 data=None, dense: int = DENSE):
+        self.data = data if data is not None else read_criteo_tsv(path, table_rows, dense)
+        self.path, self.table_rows, self.global_batch, self.dense = path, table_rows, global_batch, dense
         n = self.data[2].shape[0]
-        self.split = max(1, n - int(n * held_out_fraction)) if data is None else n
+        # at least one held-out sample: a file shorter than 1 / held_out_fraction lines would
+        # otherwise be scored on its own training samples
+        held = max(1, int(n * held_out_fraction)) if held_out_fraction > 0 and data is None else 0
+        if held and n - held < 1:
+            raise ValueError(f"data.source = '{path}': {n} sample(s), too few to hold out the last "
+                             f"{held_out_fraction:.0%} and train on the rest; give it at least 2 lines")
+        self.split = n - held
         self.train = tuple(t[:self.split] for t in self.data)
         self.rest = tuple(t[self.split:] for t in self.data) if self.split < n else self.train
 
     def held_out(self) -> "CriteoTsv":
-        return CriteoTsv(self.path, self.table_rows, self.global_batch, data=self.rest)
+        return CriteoTsv(self.path, self.table_rows, self.global_batch, data=self.rest, dense=self.dense)
 
     def samples(self, first: int, count: int):
         index = torch.arange(first, first + count) % self.train[2].shape[0]
@@ -148,4 +158,4 @@ def sampler_for(cfg, table_rows: list[int]):
     if cfg.data.source == "synthetic":
         return SyntheticCriteo(table_rows, cfg.embedding.hotness, cfg.train.seed, cfg.model.dlrm_dense_features,
                                cfg.train.global_batch)
-    return CriteoTsv(cfg.data.source, table_rows, cfg.train.global_batch)
+    return CriteoTsv(cfg.data.source, table_rows, cfg.train.global_batch, dense=cfg.model.dlrm_dense_features)

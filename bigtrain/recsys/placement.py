@@ -116,6 +116,12 @@ def cmd_plan_embedding(cfg, gpus: int, as_json: bool = False) -> int:
 
     e = cfg.embedding
     state = SparseOptimizer(e.optimizer, e.lr).state_bytes_per_row()
+    if gpus < 1:  # was a ZeroDivisionError (0) or "min() arg is an empty sequence" (-1)
+        raise ConfigError(f"--gpus = {gpus}: must be a positive integer")
+    if cfg.train.global_batch % gpus:  # a run refuses it: the payload of a floored batch is no run's
+        raise ConfigError(f"train.global_batch = {cfg.train.global_batch} is not divisible by --gpus = {gpus} (each "
+                          f"rank takes global_batch / gpus samples); use --gpus dividing it, or a config whose "
+                          f"train.global_batch is a multiple of {gpus}")
     batch = cfg.train.global_batch // gpus
     try:
         layout = plan_embedding(parse_sizes(e.tables), e.dim, gpus, e.sharding, state, int(e.budget_gb * 2**30))
