@@ -275,7 +275,6 @@ class ReferenceRun:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def copy_buffers(models, buffers: dict[str, torch.Tensor]) -> None:
     """Each of ``models``' buffers named in ``buffers`` set to its value there (in its own dtype)."""
     for model in models:
@@ -284,6 +283,7 @@ def copy_buffers(models, buffers: dict[str, torch.Tensor]) -> None:
                 b.copy_(buffers[name].reshape(b.shape))
 
 
+@torch.no_grad()
 def load_init_from(model: Llama, m) -> None:
     """``model.init_from``'s weights (a Hugging Face folder) into the whole ``model``, each
     parameter as the folder holds it under its Hugging Face name (a tied head is one parameter)."""
