@@ -199,7 +199,9 @@ def test_a_checkpointed_block_is_priced_the_gemms_its_recomputation_runs():
 def test_the_recomputation_overhead_is_measured_and_positive_on_cpu():
     from bigtrain.plan.calibrate import measure_recompute_overhead
 
-    assert 0 < measure_recompute_overhead(ops=10, repeats=20) < 1e-3
+    # Positive, and in seconds, not microseconds: 17 us on an idle machine; a median of 20 runs on 2 cores
+    # shared by four test shards was 1.2 ms (CI emulation of 2026-11-29), so the bound is a unit check.
+    assert 0 < measure_recompute_overhead(ops=10, repeats=20) < 1e-2
 
 
 @pytest.mark.parametrize("precision,update", [("bf16", 32), ("fp32", 28)])
