@@ -220,7 +220,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
         if loaded is None:
             return report
         weights_before = loaded[0]
-        state_before = _merged_state(world.gather_objects(model_state(trainer.model)))
+        state_before = _merged_state(world.gather_objects({"state": model_state(trainer.model)}))
     schedule = getattr(trainer.parallel, "schedule", None)  # a DLRM has no pipeline
     asynchronous = schedule is not None and schedule.asynchronous
     # Whether a gradient norm over its bound may be recomputed by the reference at the layout's own
@@ -317,7 +317,7 @@ def check_layout(cfg: Config, mesh: Mesh, run_dir: str | Path, steps: int,
 
 def _merged_state(shared: list[dict] | None) -> dict[str, torch.Tensor]:
     """The whole model's state outside the weights from every rank's part (on the first rank)."""
-    return {name: t for part in shared or [] for name, t in (part["state"] if "state" in part else part).items()}
+    return {name: t for part in shared or [] for name, t in part["state"].items()}
 
 
 def _norm_recomputed(findings: list[Finding], result: StepResult, ahead, weights: dict[str, torch.Tensor],

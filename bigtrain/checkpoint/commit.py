@@ -196,9 +196,9 @@ def commit_checkpoint(root: Path, step: int, tmp: Path, meta: dict[str, Any], ke
                          f"not on a filesystem every machine shares?)")
     if checksums is None:
         checksums = file_checksums(tmp, step)
-    elif sorted(checksums) != checkpoint_files(tmp, step):
+    elif sorted(checksums) != (held := checkpoint_files(tmp, step)):
         raise ValueError(f"checkpoint {step}: the ranks checksummed {len(checksums)} files and {tmp} holds "
-                         f"{len(checkpoint_files(tmp, step))}: the ranks listed different folders")
+                         f"{len(held)}: the ranks listed different folders")
     manifest = {**meta, "step": step, "sha256": dict(sorted(checksums.items()))}
     manifest["manifest_sha256"] = _manifest_digest(manifest)
     with open(tmp / MANIFEST, "w") as f:
@@ -323,16 +323,14 @@ def verify_checkpoint(path: Path, files: bool = True) -> dict[str, Any]:
     return meta
 
 
-def verify_files(path: Path, meta: dict[str, Any], share: tuple[int, int] = (0, 1)) -> list[str]:
+def verify_files(path: Path, meta: dict[str, Any], share: tuple[int, int] = (0, 1)) -> None:
     """Check the files of the checkpoint at ``path`` against its (read) manifest ``meta``: with
     ``share = (i, n)`` only the i-th of every n of its files in name order (n ranks verify a
-    checkpoint together, each reading its share once); the names checked. Raises CorruptCheckpoint."""
+    checkpoint together, each reading its share once). Raises CorruptCheckpoint."""
     index, count = share
-    names = sorted(meta["sha256"])[index::count]
-    for name in names:
+    for name in sorted(meta["sha256"])[index::count]:
         if _sha256(path / name) != meta["sha256"][name]:
             raise CorruptCheckpoint(f"{path}: checksum mismatch in {name}")
-    return names
 
 
 def valid_checkpoints(root_or_path: Path, run_id: str | None = None, files: bool = True

@@ -6,11 +6,11 @@ lags) would otherwise train on from different steps, so a mismatch stops every r
 one's step. Then they check its files' checksums together, each rank its share of the files, and
 give it up together if any share does not verify: a run reads the checkpoint once to verify it,
 not once per rank (every rank hashed every file: at 64 ranks, 64 times a 7B model's 84 GB of
-weights and Adam state from a shared filesystem before the first step). A checkpoint that verifies but fails to load on
-any rank (a truncated shard whose manifest was rewritten, a DCP file of another model) is given up
-by all ranks together, with a warning, for the next older one. With ``'auto'`` and no checkpoint at
-all the run starts fresh; with checkpoints none of which serves, or an explicit path that does not,
-it stops (a half-loaded model must not train).
+weights and Adam state from a shared filesystem before the first step). A checkpoint that verifies
+but fails to load on any rank (a truncated shard whose manifest was rewritten, a DCP file of
+another model) is given up by all ranks together, with a warning, for the next older one. With
+``'auto'`` and no checkpoint at all the run starts fresh; with checkpoints none of which serves, or
+an explicit path that does not, it stops (a half-loaded model must not train).
 """
 
 from __future__ import annotations
