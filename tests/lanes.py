@@ -16,6 +16,13 @@ what the tests cost:
   shard computes.
 - ``--record-durations`` writes this run's seconds into the file (merged under a lock, so that
   shards can record together); run it after adding slow tests: ``scripts/test.sh --record-durations``.
+- the **extended lane**: the tests ``tests/extended.txt`` names (node ids or their prefixes, each group
+  under the reason it is there) run only with ``--extended`` (``scripts/test.sh --extended``: every
+  test). They are proven layouts' further variants: eight ranks on two cores, compiled twins of
+  layouts proven eager, a second parametrization along an axis the code treats alike. The suite
+  without them is what CI runs in its 15 minutes; the extended lane runs before a session ends, with
+  the layout fuzzer's campaign. A test named on the command line (``file::test``) runs whatever
+  the list says. Shards weigh only the tests that will run.
 - ``--record-cpu PATH`` appends one JSON line a test to PATH: its wall seconds and the CPU seconds and
   minor page faults of the test process and of the children it reaped (forked ranks, fresh
   interpreters, inductor's g++), for finding where the suite's CPU goes (docs/benchmarks.md, "The
@@ -34,13 +41,16 @@ from pathlib import Path
 import pytest
 
 DURATIONS = Path(__file__).with_name("durations.json")
-SLOW_S = 1.0  # recorded seconds from which a test leaves the fast lane
+SLOW_S = 0.7  # recorded seconds from which a test leaves the fast lane (its 3 minutes on 2 cores)
 DEFAULT_S = 0.3  # a test with no record yet (about the suite's median)
+EXTENDED = Path(__file__).with_name("extended.txt")
 
 
 def add_options(parser) -> None:
     parser.addoption("--shard", default="", metavar="I/N",
                      help="run the I-th of N shards of the selected tests (whole files, balanced by tests/durations.json)")
+    parser.addoption("--extended", action="store_true",
+                     help="run the extended lane too (the tests tests/extended.txt names): the whole suite")
     parser.addoption("--record-durations", action="store_true",
                      help="merge each test's seconds into tests/durations.json")
     parser.addoption("--record-cpu", default="", metavar="PATH",
@@ -54,13 +64,53 @@ def recorded() -> dict[str, float]:
         return {}
 
 
+def extended_prefixes(path: Path | None = None) -> list[str]:
+    """The node ids (or their prefixes: a test's every parametrization, a whole file) of the extended
+    lane, from ``tests/extended.txt`` (``#`` starts a comment)."""
+    try:
+        lines = (path or EXTENDED).read_text().splitlines()
+    except OSError:
+        return []
+    return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
+
+
+def in_extended(nodeid: str, prefixes: list[str]) -> bool:
+    """``nodeid`` is named by a prefix: the same id, or the id followed by ``[`` (its
+    parametrizations) or ``::`` (a file's or a class's tests)."""
+    return any(nodeid == p or nodeid.startswith(p + "[") or nodeid.startswith(p + "::") for p in prefixes)
+
+
 def register(config) -> None:
+    config.pluginmanager.register(ExtendedLane(), "bigtrain-extended-lane")
     config.pluginmanager.register(SlowMarker(), "bigtrain-slow-marker")
     config.pluginmanager.register(Shards(), "bigtrain-shards")
     if config.getoption("--record-durations"):
         config.pluginmanager.register(DurationRecorder(), "bigtrain-durations")
     if config.getoption("--record-cpu"):
         config.pluginmanager.register(CpuRecorder(config.getoption("--record-cpu")), "bigtrain-cpu")
+
+
+class ExtendedLane:
+    """Before ``-m`` selects: a test of the extended lane gets the ``extended`` marker and, without
+    ``--extended``, leaves the run, unless its id (``file::test``, with or without parameters) was
+    named on the command line."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        prefixes = extended_prefixes()
+        named = [relative_path(Path(arg.split("::", 1)[0]).resolve(), config) + "::" + arg.split("::", 1)[1]
+                 for arg in config.args if "::" in arg]
+        kept, dropped = [], []
+        for item in items:
+            if not in_extended(item.nodeid, prefixes):
+                kept.append(item)
+                continue
+            item.add_marker(pytest.mark.extended)
+            wanted = config.getoption("--extended") or in_extended(item.nodeid, named)
+            (kept if wanted else dropped).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
 
 
 class SlowMarker:
@@ -98,7 +148,11 @@ class Shards:
 
     def shard_files(self, config) -> dict[str, int]:
         if self.split is None:
-            self.split = shard_of_paths(suite_files(config), recorded(), parse_shard(config.getoption("--shard"))[1],
+            seconds = recorded()
+            if not config.getoption("--extended"):
+                prefixes = extended_prefixes()
+                seconds = {k: v for k, v in seconds.items() if not in_extended(k, prefixes)}
+            self.split = shard_of_paths(suite_files(config), seconds, parse_shard(config.getoption("--shard"))[1],
                                         fast_lane=config.getoption("markexpr", "").replace(" ", "") == "notslow")
         return self.split
 

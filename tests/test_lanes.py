@@ -1,4 +1,4 @@
-"""tests/lanes.py: the recorder of where the suite's CPU goes (``--record-cpu``)."""
+"""tests/lanes.py: the shards, the extended lane and the recorder of where the suite's CPU goes."""
 
 import json
 import subprocess
@@ -44,3 +44,50 @@ def test_the_shards_split_every_test_file_once_from_the_record_alone():
     assert set(split) == set(files) and split["tests/test_a.py"] != split["tests/test_readme.py"]
     assert split["tests/test_b.py"] == split["tests/test_readme.py"]  # 9.5 | 5.2 + 4.0 (+ 0.3 to the lighter)
     assert shard_of_paths(files, seconds, 2) == split  # every shard computes the same split
+
+
+def test_every_entry_of_the_extended_lane_names_a_recorded_test():
+    """An entry that names nothing (a test renamed, a parametrization dropped) would leave its
+    replacement in the suite unnoticed: each names at least one test of tests/durations.json."""
+    from lanes import extended_prefixes, in_extended, recorded
+
+    seconds = recorded()
+    prefixes = extended_prefixes()
+    assert prefixes
+    stale = [p for p in prefixes if not any(in_extended(nodeid, [p]) for nodeid in seconds)]
+    assert not stale, f"tests/extended.txt names no recorded test: {stale}"
+
+
+def test_the_extended_lane_leaves_the_run_unless_asked_or_named(tmp_path, monkeypatch):
+    """A prefix names a test, its parametrizations or a file's tests, not a test whose name merely
+    starts alike; its tests leave a plain run (reported as deselected), stay with --extended, and
+    stay when named on the command line; the shards weigh only the tests that run."""
+    import lanes
+
+    listing = tmp_path / "extended.txt"
+    listing.write_text("# why\ntests/test_a.py::t  # a test's every parametrization\ntests/test_b.py\n")
+    monkeypatch.setattr(lanes, "EXTENDED", listing)
+    assert lanes.in_extended("tests/test_a.py::t[x]", lanes.extended_prefixes())
+    assert lanes.in_extended("tests/test_b.py::u", lanes.extended_prefixes())
+    assert not lanes.in_extended("tests/test_a.py::t_other", lanes.extended_prefixes())
+
+    class Item(SimpleNamespace):
+        def add_marker(self, mark):
+            self.marks.append(mark.name)
+
+    def run(extended: bool, args: list[str]) -> tuple[list[str], list[str]]:
+        items = [Item(nodeid=n, marks=[]) for n in ("tests/test_a.py::t[x]", "tests/test_a.py::t_other",
+                                                    "tests/test_b.py::u", "tests/test_c.py::v")]
+        deselected = []
+        config = SimpleNamespace(getoption=lambda name: extended, args=args, rootpath=tmp_path.parent.parent,
+                                 hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
+        lanes.ExtendedLane().pytest_collection_modifyitems(config, items)
+        return [i.nodeid for i in items], [i.nodeid for i in deselected]
+
+    kept, dropped = run(False, ["tests"])
+    assert kept == ["tests/test_a.py::t_other", "tests/test_c.py::v"]
+    assert dropped == ["tests/test_a.py::t[x]", "tests/test_b.py::u"]
+    assert run(True, ["tests"])[1] == []
+    monkeypatch.chdir(tmp_path.parent.parent)
+    kept, dropped = run(False, [f"{tmp_path.parent.parent}/tests/test_a.py::t"])
+    assert "tests/test_a.py::t[x]" in kept and dropped == ["tests/test_b.py::u"]
