@@ -11,6 +11,7 @@ import pytest
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.plan import PRESETS, Layout, ModelSpec, estimate_memory
 from bigtrain.plan.fit import _layout
+from bigtrain.plan.gemm import block_times
 from bigtrain.plan.memory import chunk_activation_bytes
 from bigtrain.train import Trainer
 from helpers import tiny_config
@@ -57,3 +58,22 @@ def test_a_pipeline_holds_one_mask_per_micro_batch_in_flight_on_each_stage():
             assert chunk_activation_bytes(spec, layout, rank) - chunk_activation_bytes(plain, layout, rank) == mask
         masked = estimate_memory(spec, layout, PRESETS["h100-80g"], 16)
         assert (masked.pp_rank, masked.activations - base.activations) == (0, 4 * mask), kind
+
+
+def test_the_time_model_prices_the_documents_attention_not_the_window_s():
+    """One block of 8192 tokens in bf16 on an H100's profile: sdpa under the dense mask adds the
+    causal half a kernel with a mask cannot skip and the mask's read per head; FlexAttention over
+    documents of 1024 tokens keeps 9 x 10 / 2 tiles a document, 90 x 128^2 / (1024 x 8192) of the
+    causal work; with the documents' length unknown it is priced as causal."""
+    hw, layout = PRESETS["h100-80g"], Layout(micro_batch=1, precision="bf16")
+    assert hw.gemm_fraction > 0 and hw.attention_kernel == "flash"
+    plain = ModelSpec.build(layers=2, hidden=2048, heads=16, vocab=32000, seq=8192)
+    causal = block_times(plain, layout, hw).forward
+    attention = 2 * 16 * 8192 ** 2 * 128 / (hw.peak_flops("bf16") * hw.attention_fraction)
+    mask_read = 16 * 8192 ** 2 * 2 / (hw.hbm_bandwidth * hw.memory_fraction)
+    sdpa = block_times(dataclasses.replace(plain, document_mask="sdpa"), layout, hw).forward
+    assert sdpa - causal == pytest.approx(attention + mask_read, rel=1e-9)
+    flex = block_times(dataclasses.replace(plain, document_mask="flex", document_tokens=1024), layout, hw).forward
+    assert causal - flex == pytest.approx((1 - 90 * 128 ** 2 / (1024 * 8192)) * attention, rel=1e-9)
+    unknown = block_times(dataclasses.replace(plain, document_mask="flex"), layout, hw).forward
+    assert unknown == causal

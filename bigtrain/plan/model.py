@@ -117,6 +117,9 @@ class ModelSpec:
     # bigtrain.core.attention_kind): '' causal (no mask), 'sdpa' the dense additive mask, 'flex' a
     # BlockMask. Each stage chunk builds one a micro-batch, kept until its backward (plan/activations.py).
     document_mask: str = ""
+    # The corpus's mean tokens a document, for FlexAttention's time (plan/gemm.py,
+    # document_attention_share): 0, unknown, prices block-causal attention as causal (an upper bound).
+    document_tokens: float = 0.0
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
