@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 ATTN_MASKS = ("causal", "block_causal")
 
@@ -97,15 +98,14 @@ def document_bias(documents: torch.Tensor, dtype: torch.dtype, window: int | Non
                                                                                           torch.finfo(dtype).min)
 
 
-
-def document_block_mask(documents: torch.Tensor, block: int = 128):
+def document_block_mask(documents: torch.Tensor, block: int = 128) -> BlockMask:
     """:func:`document_mask` as FlexAttention's BlockMask (``model.attention = 'flex'``), written from
     the documents' ids tile by tile: (batch, 1, tiles, tiles) int32 indices for tiles of ``block``
     tokens, never the (seq, seq) mask (torch's ``create_block_mask`` evaluates the mask at every
     pair, a dense boolean of batch x seq^2 bytes unless it is compiled).
 
-    Ids grow along a row (:func:`document_ids` counts them), so a tile's first and last ids are its
-    least and greatest. A key tile strictly before a query tile holds an allowed pair exactly when
+    ``documents`` must grow along a row, as :func:`document_ids` counts them (every caller's ids do):
+    a tile's first and last ids are then its least and greatest. A key tile strictly before a query tile holds an allowed pair exactly when
     its last document is the query tile's first (the one document both may share), and every pair
     is allowed when that one document covers both tiles (key tile's first id = query tile's last):
     a *full* tile, computed without the mask. A diagonal tile always holds an allowed pair (each
@@ -114,8 +114,6 @@ def document_block_mask(documents: torch.Tensor, block: int = 128):
     tile that held no allowed pair would cost time, never correctness. The tail tile of a sequence
     that ``block`` does not divide is never full; its padded tokens carry id -1 in the mask
     function, a document of their own that no real token attends to."""
-    from torch.nn.attention.flex_attention import BlockMask  # prototype API: imported where used
-
     b, s = documents.shape
     tiles = -(-s // block)
     pad = tiles * block - s
@@ -143,7 +141,7 @@ def document_block_mask(documents: torch.Tensor, block: int = 128):
                                     seq_lengths=(s, s))
 
 
-def layer_mask(documents: torch.Tensor, dtype: torch.dtype, kind: str):
+def layer_mask(documents: torch.Tensor, dtype: torch.dtype, kind: str) -> torch.Tensor | BlockMask:
     """What every layer of one forward attends with (built once, shared): sdpa's additive mask
     (:func:`document_bias`) or, ``kind`` 'flex' (:mod:`bigtrain.core.attention_kind`), the BlockMask
     (:func:`document_block_mask`)."""
