@@ -107,6 +107,13 @@ class ModelConfig:
     reset_positions: bool = doc("With model.attn_mask = 'block_causal': rotary positions count from 0 at each "
                                 "document's first token (Megatron's reset_position_ids), so a document is encoded "
                                 "as if it began its own sequence. false: positions count along the window.", False)
+    attention: str = doc("How block-causal attention (model.attn_mask = 'block_causal') is computed: 'sdpa' (one "
+                         "additive (micro_batch, 1, seq, seq) mask in the compute dtype a forward, shared by the "
+                         "layers: O(seq^2) memory, and sdpa leaves its flash kernel for it), 'flex' (FlexAttention "
+                         "with a BlockMask of the documents: only the blocks a document covers are computed, "
+                         "O(seq^2 / 128^2) memory; CUDA only, as torch has no FlexAttention backward on a CPU) or "
+                         "'auto' (flex on a CUDA device when block_causal, sdpa otherwise). Causal attention "
+                         "always runs sdpa's causal kernel (docs/ecosystem.md, Document masking).", "auto")
     fused_loss: bool = doc("Compute the output projection and the cross-entropy together in chunks of tokens, "
                            "recomputing each chunk's logits in backward: the (tokens x vocabulary) logits are "
                            "never held (with tp: the vocabulary-parallel loss, chunk by chunk). Same loss.", False)

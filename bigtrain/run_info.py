@@ -62,7 +62,7 @@ def prediction(cfg: Config, cuda: bool) -> dict | None:
 
     hardware = local_hardware() if cuda else "cpu"
     try:
-        plan = evaluate(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg, cuda),
+        plan = evaluate(ModelSpec.from_model_config(cfg.model, cfg.data.seq_len, device="cuda" if cuda else "cpu"), _layout(cfg, cuda),
                         Cluster.build(cfg.parallel.world_size, get_profile(hardware)), cfg.train.global_batch)
     except Exception:  # noqa: BLE001 - a layout the planner does not model is no reason to fail a finished run
         return None

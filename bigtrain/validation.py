@@ -13,7 +13,7 @@ from typing import Callable
 from bigtrain.async_checks import check_async  # imports no torch
 from bigtrain.config import Config, ConfigError
 from bigtrain.context_checks import check_context_parallel, divisor_near as _divisor_near, head_split_problems  # imports no torch
-from bigtrain.document_checks import check_documents  # imports no torch
+from bigtrain.document_checks import check_attention_device, check_documents  # imports no torch
 from bigtrain.embedding_checks import check_embedding  # imports no torch
 from bigtrain.field_checks import non_negative, one_of, path_exists, positive, step_window_problems
 from bigtrain.hsdp_checks import check_hybrid_sharding  # imports no torch
@@ -501,6 +501,7 @@ def validate(cfg: Config, world_size: int | None = None, cuda_available: bool | 
     if cuda_available is False and cfg.train.device == "cuda":
         problems.append("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     problems += check_fp8_device(cfg, cuda_available, cuda_capability)
+    problems += check_attention_device(cfg, cuda_available)
     if problems:
         raise ConfigError(problems)
 

@@ -11,7 +11,9 @@
 #      so that fp8's loss can be compared with bf16's at the end, issue 27; rowwise), then hf-family
 #      (the peer's model from a config.json, trained by bigtrain: model.family = "hf"; 20), then
 #      fp8-tensorwise (20; last, so that the limit can only cut the rows least needed; rows are
-#      written as they finish)                                                      <= 210 s
+#      written as they finish)                                                      <= 185 s
+#   5. benchmarks/bench_document_attention.py: block-causal attention's forward and backward at
+#      8192 tokens, sdpa under the dense mask against FlexAttention (model.attention)  <=  25 s
 # and writes one Markdown summary, $OUT/gpu-check.md (OUT defaults to runs/gpu-check), with every
 # stage's status, time and figures, next to the logs and JSON files. Each stage has its own time
 # limit, its share of the 8 minutes plus what the stages before it left unused: a stage that fails
@@ -53,11 +55,12 @@ fi
 if [ "$gpus" -eq 0 ]; then  # the smoke run: the same stages, on the CPU, the tiny preset
   PRESET=tiny; CPU=(--allow-cpu); TESTS=(tests/test_compile.py -k validated); OFFLOAD_CPU=(--device cpu)
   BENCH_STEPS=(--steps 2 --loss-steps 3 --warmup 1); SCALE=${GPU_CHECK_SMOKE_SCALE:-5}
+  DOC_ATTENTION=(--allow-cpu --seq 256 --heads 4 --kv-heads 2 --head-dim 16 --doc-mean 40 --steps 2)
   echo "**Smoke run on the CPU (GPU_CHECK_SMOKE=1): a test of this script; its figures mean nothing.**" >> "$SUMMARY"
   echo >> "$SUMMARY"
 else
   PRESET=llama-1b; CPU=(); TESTS=(-m gpu); OFFLOAD_CPU=()
-  BENCH_STEPS=(--steps 20 --loss-steps 198 --warmup 2); SCALE=1
+  BENCH_STEPS=(--steps 20 --loss-steps 198 --warmup 2); SCALE=1; DOC_ATTENTION=()
 fi
 
 failed=0
@@ -89,7 +92,8 @@ stage tests 180 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 stage fusions 40 "$PY" benchmarks/compile_fusions.py --preset "$PRESET" --batch 1 --json "$OUT/fusions.json"
 stage bench_offload 50 "$PY" benchmarks/bench_offload.py --case gpu --preset "$PRESET" --global-batch 8 --steps 3 \
   --warmup 1 "${OFFLOAD_CPU[@]}" --json "$OUT/bench_offload.json"
-stage bench_gpu 210 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET" --variants eager,compiled,fp8,hf-family,fp8-tensorwise \
+stage doc_attention 25 "$PY" benchmarks/bench_document_attention.py "${DOC_ATTENTION[@]}" --json "$OUT/doc_attention.json"
+stage bench_gpu 185 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET" --variants eager,compiled,fp8,hf-family,fp8-tensorwise \
   --peer hf-compiled "${BENCH_STEPS[@]}" --json "$OUT/bench_gpu.json"
 
 {
@@ -110,6 +114,13 @@ stage bench_gpu 210 "$PY" benchmarks/bench_gpu.py "${CPU[@]}" --presets "$PRESET
   else
     echo "no result (see bench_gpu.log)"
   fi
+  echo
+  echo "## Block-causal attention: sdpa's dense mask against FlexAttention (benchmarks/bench_document_attention.py)"
+  echo
+  echo '```'
+  grep -E "^(device|seq|batch|documents_per_row|allowed_over_causal|max_relative_difference|sdpa_|flex_)" \
+    "$OUT/doc_attention.log" || tail -n 5 "$OUT/doc_attention.log"
+  echo '```'
   echo
   echo "## What inductor fused in one block (benchmarks/compile_fusions.py)"
   echo

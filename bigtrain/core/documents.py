@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 ATTN_MASKS = ("causal", "block_causal")
 
@@ -96,3 +97,52 @@ def document_bias(documents: torch.Tensor, dtype: torch.dtype, window: int | Non
     return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed,
                                                                                           torch.finfo(dtype).min)
 
+
+def document_block_mask(documents: torch.Tensor, block: int = 128) -> BlockMask:
+    """:func:`document_mask` as FlexAttention's BlockMask (``model.attention = 'flex'``), written from
+    the documents' ids tile by tile: (batch, 1, tiles, tiles) int32 indices for tiles of ``block``
+    tokens, never the (seq, seq) mask (torch's ``create_block_mask`` evaluates the mask at every
+    pair, a dense boolean of batch x seq^2 bytes unless it is compiled).
+
+    ``documents`` must grow along a row, as :func:`document_ids` counts them (every caller's ids do):
+    a tile's first and last ids are then its least and greatest. A key tile strictly before a query tile holds an allowed pair exactly when
+    its last document is the query tile's first (the one document both may share), and every pair
+    is allowed when that one document covers both tiles (key tile's first id = query tile's last):
+    a *full* tile, computed without the mask. A diagonal tile always holds an allowed pair (each
+    token its own key) and is never full (causal inside). Every other tile is skipped. A tile that
+    is neither is *partial*: the kernel applies the mask function to it, pair by pair, so a partial
+    tile that held no allowed pair would cost time, never correctness. The tail tile of a sequence
+    that ``block`` does not divide is never full; its padded tokens carry id -1 in the mask
+    function, a document of their own that no real token attends to."""
+    b, s = documents.shape
+    tiles = -(-s // block)
+    pad = tiles * block - s
+    grown = torch.cat([documents, documents[:, -1:].expand(b, pad)], dim=1).view(b, tiles, block)
+    first, last = grown[..., 0], grown[..., -1]  # (batch, tiles): least and greatest id of each tile
+    index = torch.arange(tiles, device=documents.device)
+    before = index[None, :] < index[:, None]  # (query tile, key tile): the key tile strictly earlier
+    shares = (before | (index[None, :] == index[:, None])) & (last[:, None, :] >= first[:, :, None])
+    full = before & (first[:, None, :] == last[:, :, None])
+    if pad:
+        full[:, -1, :] = False
+        full[:, :, -1] = False
+    partial = shares & ~full
+    ids = torch.cat([documents, documents.new_full((b, pad), -1)], dim=1)
+
+    def same_document(batch, head, q, k):
+        return (k <= q) & (ids[batch, q] == ids[batch, k])
+
+    def listed(tiles_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the kept key tiles of each query tile first, in order (a stable sort of "not kept")
+        order = torch.sort((~tiles_of).to(torch.int8), dim=-1, stable=True).indices
+        return tiles_of.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=block, mask_mod=same_document,
+                                    seq_lengths=(s, s))
+
+
+def layer_mask(documents: torch.Tensor, dtype: torch.dtype, kind: str) -> torch.Tensor | BlockMask:
+    """What every layer of one forward attends with (built once, shared): sdpa's additive mask
+    (:func:`document_bias`) or, ``kind`` 'flex' (:mod:`bigtrain.core.attention_kind`), the BlockMask
+    (:func:`document_block_mask`)."""
+    return document_block_mask(documents) if kind == "flex" else document_bias(documents, dtype)

@@ -401,6 +401,7 @@ def planner_config(cfg: Config) -> Config:
                                                                 and bool(fields.get("qkv_bias", True))),
         attention_bias=architecture(fields) in ATTENTION_BIASED and bool(fields.get("attention_bias", False)),
         qk_norm=architecture(fields) in QK_NORMED,
+        attention="sdpa",  # its attention functions take sdpa's dense document mask only (no flex)
         **planner_moe_fields(fields, architecture(fields)))
     return dataclasses.replace(cfg, model=model)
 

@@ -127,6 +127,9 @@ class Family:
     # Its model takes ``documents`` (and per-row ``positions``) in forward and attends block-causally
     # with them (model.attn_mask = 'block_causal', bigtrain.core.documents); False: refused before launch.
     document_mask: bool = False
+    # Its attention takes a BlockMask as the documents' mask (model.attention = 'flex', FlexAttention);
+    # False: 'flex' is refused before launch ('auto' stays on sdpa's dense mask).
+    flex_attention: bool = False
     # Its blocks' linear layers may compute in float8 (precision.fp8) and keep int8 copies of their
     # inputs (memory.activation_compression): plain nn.Linear modules a wrapper or a swap can take.
     block_linears: bool = False

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config import ModelConfig
-from bigtrain.core.documents import document_bias
+from bigtrain.core.attention_kind import attention_kind
+from bigtrain.core.documents import layer_mask
 from bigtrain.models.feed_forward import FeedForward
+from bigtrain.models.flex import BlockMask, flex_attend
 from bigtrain.models.moe import MoEFeedForward, init_router_biases
 from bigtrain.models.rope import rotary_tables_for
 from bigtrain.models.widen import at_least_fp32
@@ -55,9 +57,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class AttentionCore(nn.Module):
-    """Causal softmax attention on (batch, seq, heads, head_dim) tensors; given ``mask`` (an
-    additive (batch, 1, seq, seq) mask of the documents, :func:`bigtrain.core.documents.document_bias`),
-    block-causal: a token attends to the earlier tokens of its own document only.
+    """Causal softmax attention on (batch, seq, heads, head_dim) tensors; given ``mask``,
+    block-causal: a token attends to the earlier tokens of its own document only. The mask is data,
+    built once a forward (:func:`bigtrain.core.documents.layer_mask`), and its type says the kernel:
+    an additive (batch, 1, seq, seq) tensor goes to sdpa, a BlockMask to FlexAttention
+    (``model.attention``; :mod:`bigtrain.models.flex`).
 
     A module of its own so a parallel plan can wrap it (Ulysses re-shards q, k, v around it; the
     mask is always the whole sequence's, which attention sees after the all-to-all)."""
@@ -68,6 +72,8 @@ class AttentionCore(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(mask, BlockMask):
+            out = flex_attend(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
         return out.transpose(1, 2)
@@ -151,7 +157,7 @@ class Llama(nn.Module):
         else:
             cos, sin = self.rope_cos[start_pos:start_pos + s], self.rope_sin[start_pos:start_pos + s]
         h = self.tok_embeddings(tokens)
-        mask = None if documents is None else document_bias(documents, h.dtype)  # one for every layer
+        mask = None if documents is None else documents_mask(self.cfg, documents, h.dtype)  # one for every layer
         for layer in self.layers:
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         h = self.norm(h)
@@ -175,6 +181,14 @@ class Llama(nn.Module):
         self.init_buffers()
         for name, param in self.named_parameters():
             param.copy_(init_value(name, tuple(param.shape), seed, self.cfg))
+
+
+def documents_mask(cfg: ModelConfig, documents: torch.Tensor, dtype: torch.dtype):
+    """The mask every layer of one forward (or pipeline stage) attends with, for ``documents``
+    (batch, seq): sdpa's additive one in ``dtype`` or FlexAttention's BlockMask, as
+    ``model.attention`` resolves on the device the documents are on
+    (:func:`bigtrain.core.attention_kind.attention_kind`)."""
+    return layer_mask(documents, dtype, attention_kind(cfg.attention, "block_causal", documents.device.type))
 
 
 def init_value(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> torch.Tensor:

@@ -98,6 +98,15 @@ activation-memory options (each measured on the trainer at one rank, fp32 and bf
 A model with experts keeps the eager figures: its MoE layers run eagerly inside a block compiled
 child by child, not measured compiled. The GPT block below is priced with fused kernels already.
 
+Block-causal attention (``model.attn_mask``, ``ModelSpec.document_mask``) adds, per stage chunk and
+micro-batch in flight, the one mask its layers share (:func:`document_mask_bytes`): with sdpa the
+additive (samples, 1, s, s) mask in the compute dtype, B s^2 a sample, of the whole sequence s
+whatever cuts the tokens (tp, Megatron SP, Ulysses, cp's all-to-all: attention sees the whole
+sequence); with FlexAttention its BlockMask, int32 tile indices. sdpa saves the mask for backward
+once (every layer saves the same tensor: measured, tests/test_document_masking.py); a checkpointed
+block keeps it alive as an input of its recomputation. It lives until the chunk's first block has
+run its backward, so it is counted with the chunk's largest block too.
+
 GPT-style blocks (not in the runtime; standard fused kernels, flash attention, no dropout):
 LayerNorm keeps its input B h, mean and rstd 8 and its output B h; attention as above; the
 GELU MLP keeps fc1's output and the GELU's output, 2 B F.
@@ -454,6 +463,22 @@ def head_activations(model: ModelSpec, precision: str, compression: str = "none"
                            norm_out=sum(b for _, b, k in items if k == "norm_out"), vocab=model.vocab,
                            nbytes=nbytes, hidden=model.hidden, seq=model.seq, fused=fused_loss,
                            linear_input=linear_in, compiled=compiled)
+
+
+def document_mask_bytes(model: ModelSpec, samples: int, precision: str, tile: int = 128) -> int:
+    """What one micro-batch's block-causal mask holds on a stage chunk with blocks (module
+    docstring): sdpa's (samples, 1, s, s) additive mask in the compute dtype; FlexAttention's
+    BlockMask (:func:`bigtrain.core.documents.document_block_mask`): the partial and the full tiles'
+    counts (samples, 1, n) and indices (samples, 1, n, n), int32, for key tiles by query tile and
+    their transposes (n = s / 128 tiles), and the padded ids its mask function reads (int64, n x 128
+    a sample). 0 under causal attention (sdpa's causal kernel takes no mask)."""
+    s = model.seq
+    if model.document_mask == "sdpa":
+        return samples * s * s * BYTES[precision]
+    if model.document_mask == "flex":
+        n = -(-s // tile)
+        return samples * (4 * 4 * (n + n * n) + 8 * n * tile)
+    return 0
 
 
 def fused_chunk_bytes(model: ModelSpec, chunk: int, tp: int = 1) -> int:

@@ -40,7 +40,6 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     if planner_config is None and not family.llama_fallbacks:
         raise ConfigError(none_for(family, "planner_config", "--parallel auto (the planner prices a model as "
                                    "bigtrain's Llama of its shapes)", "choose the layout by hand (parallel.dp, ...)"))
-    model = ModelSpec.from_model_config((planner_config(cfg) if planner_config else cfg).model, cfg.data.seq_len)
     here = local_hardware()
     profile = get_profile(hardware or here) if hardware_file is None else load_profile(hardware_file)
     local = ranks_per_machine(world_size)
@@ -55,6 +54,9 @@ def auto_overrides(cfg: Config, world_size: int, hardware: str | None = None,
     # The activation options are the user's to choose: the search keeps them as configured, and
     # compile.enabled as the run will resolve it on its device (train.device, else the profile's).
     device = "cpu" if cfg.train.device == "cpu" else profile.device
+    # (model.attention = 'auto' as well: flex on CUDA, sdpa's dense mask on a CPU)
+    model = ModelSpec.from_model_config((planner_config(cfg) if planner_config else cfg).model, cfg.data.seq_len,
+                                        device=device)
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
              "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
              "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, device),

@@ -191,7 +191,7 @@ def size_check(cfg: Config, local_ranks: int = 1, cuda: bool = False, nvme_dir: 
     sharing = 1 if cuda else max(1, local_ranks)
     found = SizeCheck(capacity=capacity, sharing=sharing)
     on_machine = f" x {sharing} ranks on this machine" if sharing > 1 else ""
-    spec = ModelSpec.from_model_config(m, d.seq_len)
+    spec = ModelSpec.from_model_config(m, d.seq_len, device="cuda" if cuda else "cpu")
     optimizer = cfg.optim.name
     zero_group = p.dp // max(1, p.dp_replicate) * p.cp * p.sp  # HSDP: ZeRO cuts within one dp_shard x cp x sp group
     formula = zero_formula_bytes(spec.params / (p.tp * p.pp), p.zero, zero_group, cfg.precision.mode, optimizer)

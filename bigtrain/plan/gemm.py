@@ -10,7 +10,12 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
 * **Attention**: with a flash kernel (``attention_kernel = "flash"``) its causal FLOPs (half of
   the 4 s^2 h convention) at ``attention_fraction`` of the peak, backward 2.5x (recomputes S);
   unfused (Megatron 2021-22) two batched GEMMs with k = head_dim (or s) plus the softmax /
-  mask / dropout passes over the b a s^2 score matrix, memory-bound.
+  mask / dropout passes over the b a s^2 score matrix, memory-bound. Block-causal attention
+  (``ModelSpec.document_mask``; :func:`document_attention_share`) scales a fused kernel's work:
+  sdpa under the dense mask runs a kernel that takes a mask (memory-efficient, not flash), which
+  cannot skip the causal half, so the whole square (twice the causal FLOPs) plus the mask read per
+  head in the forward and again in the backward; FlexAttention only the 128 x 128 tiles its
+  documents cover (of ``ModelSpec.document_tokens`` tokens on average; unknown: priced as causal).
 * **Element-wise ops** (norms, rotary, activation, residuals, bias-dropout-add, loss) by the bytes
   they read and write at ``hbm_bandwidth x memory_fraction``; backward moves twice the bytes.
   bigtrain's Llama (``mlp = swiglu``) is unfused (RMSNorm in fp32, SwiGLU in three kernels);
@@ -292,8 +297,11 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
     if hw.attention_kernel == "flash":
         # causal: half of QK^T and AV's 4 s^2 d; a ring's 2cp - 1 whole pairs and 2 halves
         flops = (2 if ring == 1 else 4 * (pairs - 1)) * layout.micro_batch * heads * s * s * d
-        attention = flops / (hw.peak_flops(p) * hw.attention_fraction)
+        attention = flops * document_attention_share(model) / (hw.peak_flops(p) * hw.attention_fraction)
         fwd, bwd = fwd + attention, bwd + FLASH_BACKWARD * attention
+        if model.document_mask == "sdpa":  # the (b, 1, s, s) mask, read for every head, both ways
+            mask_read = _memory_seconds(hw, layout.micro_batch * heads * s * s * BYTES[p])
+            fwd, bwd = fwd + mask_read, bwd + mask_read
     else:
         batch = layout.micro_batch * heads * pairs
         for m, n, k in ((s, s, d), (s, d, s)):
@@ -315,6 +323,21 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
     forward = fwd + ops_forward * hw.op_overhead_s
     recompute = forward - (not_recomputed + hw.op_overhead_s if not moe else 0.0)
     return BlockTimes(forward, bwd + ops_backward * hw.op_overhead_s, dw, recompute)
+
+
+def document_attention_share(model: ModelSpec, tile: int = 128) -> float:
+    """Block-causal attention's work over a causal kernel's (module docstring): 2 under sdpa's dense
+    mask (the whole square); under FlexAttention the tiles documents of L = ``document_tokens``
+    tokens keep, a document spanning n = L / tile + 1 tiles keeping n (n + 1) / 2 of them, s / L
+    documents a window, over the causal kernel's s^2 / 2 pairs: n (n + 1) tile^2 / (L s), at most 1
+    (1 when L is unknown or spans the window); 1 for causal attention."""
+    if model.document_mask == "sdpa":
+        return 2.0
+    if model.document_mask != "flex" or not model.document_tokens or model.document_tokens >= model.seq:
+        return 1.0
+    length = model.document_tokens
+    spanned = length / tile + 1
+    return min(1.0, spanned * (spanned + 1) * tile * tile / (length * model.seq))
 
 
 def head_times(model: ModelSpec, layout: Layout, hw) -> tuple[float, float, float]:

@@ -56,8 +56,8 @@ import math
 from dataclasses import dataclass, field
 
 from bigtrain.parallel.zero.lazy_grads import applies as frees_grads_between_steps
-from bigtrain.plan.activations import (block_activations, checkpointed_block_indices, fused_chunk_bytes,
-                                       head_activations)
+from bigtrain.plan.activations import (block_activations, checkpointed_block_indices, document_mask_bytes,
+                                       fused_chunk_bytes, head_activations)
 from bigtrain.plan.expert_load import expert_load
 from bigtrain.plan.gemm import compiles_block, linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
@@ -182,7 +182,9 @@ def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, eve
             per_block.append(tokens * acts.per_token(checkpointed=i in checkpointed, **mode)
                              + (0 if i in checkpointed else acts.per_block))
         ends = head.bytes(samples, seq, last=s == stages - 1, first=s == 0, **mode)
-        out.append((sum(per_block), ends, max(per_block, default=0.0)))
+        # block-causal attention: the chunk's one mask a micro-batch, alive until its first block's backward
+        mask = document_mask_bytes(model, samples, precision) if per_block else 0
+        out.append((sum(per_block) + mask, ends, max(per_block, default=0.0) + mask))
     return tuple(out)
 
 

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from bigtrain.config import ConfigError, ModelConfig
+from bigtrain.core.attention_kind import attention_kind
 from bigtrain.parallel.placement import Placement, dense, even_shard, vocab_pad_to
 
 MLP_KINDS = ("swiglu", "gelu")
@@ -112,16 +113,25 @@ class ModelSpec:
     # tp sum); not on the experts (models/moe.py). Left out, a pipeline's cut by parameters
     # (pp_balance = 'params') could differ from the runtime's by a block.
     mlp_bias: bool = False
+    # Block-causal attention (model.attn_mask, model.attention, resolved for the device planned:
+    # bigtrain.core.attention_kind): '' causal (no mask), 'sdpa' the dense additive mask, 'flex' a
+    # BlockMask. Each stage chunk builds one a micro-batch, kept until its backward (plan/activations.py).
+    document_mask: str = ""
+    # The corpus's mean tokens a document, for FlexAttention's time (plan/gemm.py,
+    # document_attention_share): 0, unknown, prices block-causal attention as causal (an upper bound).
+    document_tokens: float = 0.0
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_model_config(cls, cfg: ModelConfig, seq: int, name: str = "") -> "ModelSpec":
-        """The spec of the runtime's Llama built from ``cfg`` and trained on ``seq``-token samples."""
+    def from_model_config(cls, cfg: ModelConfig, seq: int, name: str = "", device: str = "cuda") -> "ModelSpec":
+        """The spec of the runtime's Llama built from ``cfg`` and trained on ``seq``-token samples on a
+        ``device`` ('cuda', 'cpu': what model.attention = 'auto' chooses by)."""
+        mask = attention_kind(cfg.attention, cfg.attn_mask, device) if cfg.attn_mask == "block_causal" else ""
         return cls(layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.kv_heads,
                    vocab=cfg.vocab_size, seq=seq, ffn_hidden=cfg.ffn_dim, mlp="swiglu",
                    tie_embeddings=cfg.tie_embeddings, name=name, head_size=cfg.attention_head_dim,
                    qkv_bias=cfg.q_bias, out_bias=cfg.attention_bias, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias,
-                   **moe_fields(cfg))
+                   document_mask=mask, **moe_fields(cfg))
 
     @classmethod
     def build(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, kv_heads: int = 0,

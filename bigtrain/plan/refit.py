@@ -48,7 +48,7 @@ def _search(cfg: Config, ranks: int, memory_bytes: int, cuda: bool):
     from bigtrain.plan.search import search
 
     hardware = dataclasses.replace(_profile(cuda), memory_bytes=memory_bytes)
-    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len)
+    model = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len, device="cuda" if cuda else "cpu")
     fixed = {"precision": cfg.precision.mode, "offload": cfg.memory.activation_offload,
              "compression": cfg.memory.activation_compression, "fused_loss": cfg.model.fused_loss,
              "fp8": cfg.precision.fp8, "compiled": runtime_compiles(cfg, "cuda" if cuda else "cpu"),

@@ -27,9 +27,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from bigtrain.models.llama import Llama, init_value
+from bigtrain.models.llama import Llama, documents_mask, init_value
 from bigtrain.models.moe import init_router_biases
-from bigtrain.core.documents import document_bias
 from bigtrain.models.rope import rotary_tables_for
 from bigtrain.parallel.pipeline.schedules import SCHEDULE_KINDS
 from bigtrain.parallel.tied import shared_parameter_names
@@ -200,7 +199,7 @@ class LlamaStage(PipelineStage):
         else:
             cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
         h = self.tok_embeddings(x) if self.is_first else x
-        mask = None if documents is None else document_bias(documents, h.dtype)  # one for this stage's layers
+        mask = None if documents is None else documents_mask(self.cfg, documents, h.dtype)  # one for the stage
         for layer in self.layers.values():
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         if not self.is_last:
