@@ -113,7 +113,6 @@ def test_the_check_command_rejects_a_bad_layout_before_starting(tmp_path, capsys
     assert "train.global_batch" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_the_check_command_refuses_absurd_steps_in_one_line_before_anything_runs(monkeypatch, capsys):
     """--steps 10**20 was taken (a check that never ends), 1e20 and 2.5 answered with argparse's
     usage block: each is one line naming --steps and its range, before the config is even read."""
@@ -126,6 +125,7 @@ def test_the_check_command_refuses_absurd_steps_in_one_line_before_anything_runs
         assert err == f"bigtrain check: --steps = {bad!r}: give a whole number of steps from 1 to 10,000\n", err
 
 
+@pytest.mark.slow
 def test_the_check_command_runs_several_ranks_under_torchrun(corpus_cache, tmp_path, capsys):
     code = main(["check", "--steps", "2", "--output-dir", str(tmp_path), "--parallel.dp=2", "--parallel.zero=3",
                  f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000", "--train.global_batch=4",
