@@ -18,9 +18,9 @@ samples with ``L`` ids per table:
    :attr:`ShardedEmbeddingBags.pending` (one record a micro-batch, inside
    :meth:`~ShardedEmbeddingBags.accumulating`) until the step decides it (the NaN policy: a step any rank
    finds non-finite updates nothing, tables included): :meth:`~ShardedEmbeddingBags.finish_update`
-   then has the sparse optimizer (:mod:`bigtrain.optim.sparse`) update the rows the batch touched
-   (the micro-batches' gradients summed per row first: one update of the whole batch)
-   (row-wise Adagrad on a column piece first all-reduces its per-row squares over the ranks), or
+   then has the sparse optimizer (:mod:`bigtrain.optim.sparse`) update the rows the batch touched,
+   each row's gradients summed over the step's micro-batches first (one update of the whole batch;
+   row-wise Adagrad on a column piece first all-reduces its per-row squares over the ranks), or
    drops the gradients.
 
 ``data`` tables look up locally; backward all-gathers their ids and pooled gradients, so every
