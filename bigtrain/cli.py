@@ -250,7 +250,7 @@ def _train_in(args: argparse.Namespace, cfg: Config, run_dir: Path, lock) -> int
     """``bigtrain train`` once the run directory is this run's (``lock``): launch the ranks, or be one."""
     from bigtrain.distributed.elastic import restart_round
     from bigtrain.distributed.launch import launch_local, launched_externally
-    from bigtrain.run_dir import clear_run, forget_stop, recorded_exit_code, write_atomic
+    from bigtrain.run_dir import clear_run, forget_stop, recorded_exit_code, write_run_config
     from bigtrain.run_lock import TOKEN_ENV
 
     if args.overwrite and os.environ.get("RANK", "0") == "0":  # one process clears; the others find it clear
@@ -265,8 +265,7 @@ def _train_in(args: argparse.Namespace, cfg: Config, run_dir: Path, lock) -> int
 
         prepare_run_data(cfg, run_dir, main=os.environ.get("RANK", "0") == "0", log=print)
     if (cfg.parallel.world_size > 1 or args.max_restarts) and not launched_externally():
-        resolved = run_dir / "config.toml"
-        write_atomic(resolved, to_toml(cfg))
+        resolved = write_run_config(run_dir, cfg)
         forget_stop(run_dir)
         times = f"{args.max_restarts} time{'s' if args.max_restarts > 1 else ''}"
         restarts = f", restarted up to {times} after a failure" if args.max_restarts else ""

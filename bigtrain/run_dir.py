@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 from bigtrain.checkpoint.commit import list_checkpoints
+from bigtrain.config import to_toml
 from bigtrain.data.load import RUN_TOKENIZER_NAMES
 from bigtrain.distributed.launch import launched_by_bigtrain, launched_externally
 from bigtrain.run_lock import RunLock, own_run_dir
@@ -148,11 +149,42 @@ def foreign_outputs(run_dir: Path) -> list[str]:
     return found
 
 
+# The first line of the config.toml bigtrain writes into a run folder: how a later command tells it
+# from a config.toml the user wrote there (their --config, or notes), which no run may remove or replace.
+CONFIG_HEADER = "# bigtrain: the resolved config of the run in this folder (bigtrain train writes it; --resume reads it)"
+
+
+def write_run_config(run_dir: Path, cfg) -> Path:
+    """The run's resolved config as ``run_dir/config.toml``, marked as bigtrain's (:data:`CONFIG_HEADER`)."""
+    path = Path(run_dir) / "config.toml"
+    write_atomic(path, f"{CONFIG_HEADER}\n{to_toml(cfg)}")  # a full disk keeps the old one whole
+    return path
+
+
+def users_config(run_dir: Path) -> Path | None:
+    """``run_dir/config.toml`` when bigtrain did not write it: no :data:`CONFIG_HEADER` and no run of
+    ours ever started in the folder (run.json; a run before the header wrote its config.toml
+    unmarked). None when there is none, or it is bigtrain's."""
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file() or read_run_id(run_dir) is not None:
+        return None
+    try:
+        with open(path, errors="replace") as f:
+            first = f.readline().rstrip("\n")
+    except OSError:
+        return None
+    return None if first == CONFIG_HEADER else path
+
+
 def clear_run(run_dir: Path) -> list[str]:
-    """Remove what a run wrote into ``run_dir`` (``--overwrite``); other files stay. The names removed."""
+    """Remove what a run wrote into ``run_dir`` (``--overwrite``); other files stay (a config.toml the
+    user wrote too: :func:`check_run_dir` refused the run already). The names removed."""
     removed = []
+    keep = users_config(run_dir)
     for name in RUN_OUTPUTS:
         path = Path(run_dir) / name
+        if keep is not None and path == keep:
+            continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         elif os.path.lexists(path):
@@ -229,6 +261,14 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
                           f"metrics of one) but files under the names a run writes: {', '.join(foreign)}; {does} "
                           f"(a folder of another program's checkpoints?); choose another --output-dir, or move "
                           f"them out of it")
+    if not continuing and (theirs := users_config(run_dir)) is not None:
+        # --overwrite removed it (the --config of this very run, even), and a fresh run wrote its
+        # resolved config over it: a file bigtrain did not write is neither removed nor replaced.
+        does = "--overwrite would remove it and " if overwrite else ""
+        raise ConfigError(f"--output-dir = '{run_dir}' holds a config.toml that bigtrain did not write (yours: a "
+                          f"--config, or notes); {does}the run would write its resolved config over it; move it out "
+                          f"of the folder (e.g. to {run_dir.with_name(run_dir.name + '.toml')}, and give --config "
+                          f"that path), or choose another --output-dir")
     if overwrite and not continuing and (used := inputs_among_outputs(cfg, run_dir)):
         raise ConfigError(f"--overwrite removes what a run wrote into '{run_dir}', and this run reads "
                           f"{'; '.join(used)} from there: it would be gone before the run reads it; copy it out of "

@@ -24,7 +24,7 @@ from bigtrain.async_checks import resume_caveat
 from bigtrain.checkpoint.interval import SaveInterval
 from bigtrain.checkpoint.resume import ResumeError, resume_checkpoint
 from bigtrain.checkpoint.writer import CheckpointWriter
-from bigtrain.config import Config, to_toml
+from bigtrain.config import Config
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.evaluate import held_out_loss
 from bigtrain.families.own import parameter_count as family_parameters
@@ -37,7 +37,7 @@ from bigtrain.parallel.pipeline.executor import align_timelines
 from bigtrain.parallel.pipeline.simulate import simulate
 from bigtrain.preemption import Preempted, SignalWatch
 from bigtrain.profiling import StepProfiler
-from bigtrain.run_dir import RunDirWriteError, ensure_run_id, forget_stop, read_run_id, record_stop, write_atomic
+from bigtrain.run_dir import RunDirWriteError, ensure_run_id, forget_stop, read_run_id, record_stop, write_run_config
 from bigtrain.run_segments import open_segment, read_segments, totals, update_segment
 from bigtrain.train_step import StepResult, StepRunner
 from bigtrain.validation import validate
@@ -86,7 +86,7 @@ class Trainer(StepRunner):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._run_id = ensure_run_id(self.run_dir, self._continued_run_id())
             forget_stop(self.run_dir)
-            write_atomic(self.run_dir / "config.toml", to_toml(cfg))  # a full disk keeps the old one whole
+            write_run_config(self.run_dir, cfg)
             layout = run_info.layout_text(cfg, self.device.type == "cuda")
             open_segment(self.run_dir, self.step, self.global_tokens, layout, run_info.git_commit())
         log = MetricsLog(self.run_dir, self.is_main, cfg.train.steps, self.step, cfg.logging.progress,

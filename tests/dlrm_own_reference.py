@@ -29,8 +29,8 @@ def _mlp(prefix: str, sizes: list[int], last_relu: bool, seed: int) -> nn.Sequen
 
 
 class PlainDLRM:
-    """Full-batch steps on one process; the config's dense optimizer must be AdamW at a constant lr
-    without clipping (the tests set schedule = constant, warmup 0, grad_clip 0)."""
+    """Global-batch steps on one process (micro-batches of train.micro_batch accumulated); the
+    config's dense optimizer must be AdamW at a constant lr without clipping (the tests set schedule = constant, warmup 0, grad_clip 0)."""
 
     def __init__(self, cfg):
         m, e, o, seed = cfg.model, cfg.embedding, cfg.optim, cfg.train.seed
@@ -69,8 +69,15 @@ class PlainDLRM:
         for bag in self.tables:
             bag.weight.grad = None
         self.adam.zero_grad(set_to_none=True)
-        loss = F.binary_cross_entropy_with_logits(self.logits(dense, ids), labels, reduction="sum") / g
-        loss.backward()
+        # Gradient accumulation as a plain loop does it: autograd sums each micro-batch's gradients
+        # into .grad (the tables' dense [rows, dim] ones included), one step after the last.
+        micro, loss = min(self.cfg.train.micro_batch, g), 0.0
+        for first in range(0, g, micro):
+            part = slice(first, first + micro)
+            piece = F.binary_cross_entropy_with_logits(self.logits(dense[part], ids[part]), labels[part],
+                                                       reduction="sum") / g
+            piece.backward()
+            loss += float(piece.detach())
         self.adam.step()
         with torch.no_grad():
             for t, bag in enumerate(self.tables):
@@ -84,7 +91,7 @@ class PlainDLRM:
                     bag.weight[touched] -= (e.lr * gr.double() / (self.acc[t][touched].sqrt() + e.eps)
                                             .unsqueeze(1)).float()
         self.step += 1
-        return float(loss.detach())
+        return loss
 
     def weights(self) -> dict[str, torch.Tensor]:
         out = {f"embeddings.tables.{t}.weight": bag.weight.detach().clone() for t, bag in enumerate(self.tables)}

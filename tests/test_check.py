@@ -113,6 +113,18 @@ def test_the_check_command_rejects_a_bad_layout_before_starting(tmp_path, capsys
     assert "train.global_batch" in capsys.readouterr().err
 
 
+def test_the_check_command_refuses_absurd_steps_in_one_line_before_anything_runs(monkeypatch, capsys):
+    """--steps 10**20 was taken (a check that never ends), 1e20 and 2.5 answered with argparse's
+    usage block: each is one line naming --steps and its range, before the config is even read."""
+    import bigtrain.check.cli as check_cli
+
+    monkeypatch.setattr(check_cli, "check_config", lambda *a: pytest.fail("read the config"))
+    for bad in ("1e20", str(10**20), "10001", "0", "-3", "2.5", "x", ""):
+        assert main(["check", "--steps", bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert err == f"bigtrain check: --steps = {bad!r}: give a whole number of steps from 1 to 10,000\n", err
+
+
 @pytest.mark.slow
 def test_the_check_command_runs_several_ranks_under_torchrun(corpus_cache, tmp_path, capsys):
     code = main(["check", "--steps", "2", "--output-dir", str(tmp_path), "--parallel.dp=2", "--parallel.zero=3",

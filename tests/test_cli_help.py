@@ -189,7 +189,7 @@ def test_a_closed_pipe_ends_the_command_quietly():
 def test_warnings_are_said_by_the_launcher_not_again_by_its_ranks(monkeypatch, capsys):
     """`bigtrain train --parallel.tp=2 --parallel.zero=1` printed each warning twice: the launcher
     before the launch, then its rank 0 on the same resolved config."""
-    from bigtrain.distributed.launch import LAUNCHER_ENV
+    from bigtrain.distributed.launch import LAUNCHER_ENV, parent_of
     from bigtrain.preflight import print_warnings
 
     print_warnings(["said once"])
@@ -198,9 +198,26 @@ def test_warnings_are_said_by_the_launcher_not_again_by_its_ranks(monkeypatch, c
     monkeypatch.setenv("WORLD_SIZE", "2")
     print_warnings(["said once"])  # a rank of another launcher (torchrun): its rank 0 says them
     assert "said once" in capsys.readouterr().err
-    monkeypatch.setenv(LAUNCHER_ENV, "1")
+    monkeypatch.setenv(LAUNCHER_ENV, str(parent_of(os.getppid())))  # as launch_local's ranks see it
     print_warnings(["said once"])  # a rank bigtrain started: the launcher said them
     assert capsys.readouterr().err == ""
+
+
+def test_a_leftover_launcher_pid_does_not_silence_a_users_own_torchrun(monkeypatch, capsys):
+    """BIGTRAIN_LAUNCHER_PID inherited by a shell (a user's own torchrun started from it) silenced
+    that run's warnings, made its ranks exit 0 on a stop and watch a stranger's pid: it counts only
+    when it names the parent of the rank's agent, the launcher that started it."""
+    from bigtrain.distributed.launch import LAUNCHER_ENV, bigtrain_launcher, launched_by_bigtrain, parent_of
+    from bigtrain.preflight import print_warnings
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    launcher = parent_of(os.getppid())  # what launch_local's value would be here (pid 1 under some shells)
+    for leftover in {"1", str(os.getpid()), str(os.getppid()), "x"} - {str(launcher)}:  # init, self, parent, junk
+        monkeypatch.setenv(LAUNCHER_ENV, leftover)
+        assert not launched_by_bigtrain() and bigtrain_launcher() is None, leftover
+        print_warnings(["said once"])
+        assert "bigtrain: warning: said once" in capsys.readouterr().err, leftover
 
 
 def test_hsdp_axes_given_are_not_overridden_by_the_world_size(capsys):

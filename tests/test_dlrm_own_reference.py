@@ -65,6 +65,26 @@ def test_three_ranks_against_own_reference(tmp_path, sharding, optimizer):
     check(losses, weights, cfg)
 
 
+def _train_counting_forwards(rank: int, world: int, cfg, run_dir: str, steps: int):
+    """``train``, and the batch size of every forward of the bottom MLP on this rank (a forward hook)."""
+    trainer = trainer_on_rank(rank, world, cfg, run_dir)
+    sizes: list[int] = []
+    trainer.parallel.model.bottom.register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape[0]))
+    losses = [trainer.train_step().loss for _ in range(steps)]
+    return losses, {k: v.clone() for k, v in trainer.parallel.full_weights().items()}, sizes
+
+
+def test_micro_batches_accumulate_against_own_reference(tmp_path):
+    """train.micro_batch was ignored by the DLRM (each rank took its 4 samples in one forward). Now
+    each rank takes micro-batches of it (3 + 1: the last one smaller) and the tables' and the dense
+    part's gradients are accumulated into one update, against the plain loop that accumulates .grad
+    over micro-batches of the global batch; every kind of piece in the layout."""
+    cfg = config(3, "table,data,column,row", "2,1,6,9", extra=("--train.micro_batch=3",))
+    losses, weights, sizes = run_ranks(_train_counting_forwards, 3, cfg, str(tmp_path / "run"), 2, timeout=300)[0]
+    assert sizes == [3, 1, 3, 1]  # two steps
+    check(losses, weights, cfg)
+
+
 def test_resume_two_ranks_column_to_three_ranks_against_own_reference(tmp_path):
     saved = config(2, "column", "2,4,66,9")
     run_ranks(train, 2, saved, str(tmp_path / "a"), SAVED_AT, True, timeout=300)
@@ -186,3 +206,17 @@ def test_plan_command_refuses_bad_gpus_by_name(gpus, message):
 
     with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
         cmd_plan_embedding(load_config(preset="dlrm-tiny"), gpus)
+
+
+def test_plan_command_takes_global_batch_flag(capsys):
+    """bigtrain plan --global-batch priced a DLRM's payload at the config's batch (256) all the same."""
+    import json
+
+    from bigtrain.cli import main
+
+    assert main(["plan", "--preset", "dlrm-tiny", "--gpus", "2", "--global-batch", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["batch_per_rank"] == 32
+    assert main(["plan", "--preset", "dlrm-tiny", "--gpus", "2", "--global-batch", "0"]) == 2
+    assert "--global-batch = 0: must be a positive integer" in capsys.readouterr().err
+    assert main(["plan", "--preset", "dlrm-tiny", "--gpus", "3", "--global-batch", "64"]) == 2
+    assert "train.global_batch = 64 is not divisible by --gpus = 3" in capsys.readouterr().err

@@ -95,6 +95,6 @@ def test_preflight_and_the_planner_ask_the_family(monkeypatch, tmp_path):
                      plan_command=lambda c, gpus, as_json: calls.append(("plan", gpus)) or 0)
     monkeypatch.setitem(registry.FAMILIES, "dlrm", family)
     assert "w" in preflight(cfg, tmp_path)
-    args = type("Args", (), {"preset": "dlrm-tiny", "config": None, "gpus": 3, "json": False})()
+    args = type("Args", (), {"preset": "dlrm-tiny", "config": None, "gpus": 3, "json": False, "global_batch": None})()
     assert cmd_plan(args) == 0
     assert calls == ["size", ("plan", 3)]

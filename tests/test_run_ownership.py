@@ -319,3 +319,31 @@ def test_overwrite_refuses_to_remove_an_input_the_run_reads_from_the_folder(corp
     assert (run / "tokenizer.json").exists()
     cfg = tiny_config(corpus_cache, f"--data.source={run / 'notes.txt'}")
     assert check_run_dir(cfg, run, explicit_resume=False, overwrite=True) is None
+
+
+def test_a_config_toml_the_user_wrote_in_the_run_folder_is_neither_removed_nor_replaced(corpus_cache, tmp_path, capsys):
+    """--overwrite removed a config.toml the user wrote into --output-dir (their --config, even), and a
+    fresh run wrote its resolved config over it, comments and all gone. Refused before launch now,
+    the file as it was; the config.toml bigtrain wrote (its header) is still replaced."""
+    from bigtrain.config import load_config
+    from bigtrain.run_dir import CONFIG_HEADER, check_run_dir, clear_run, write_run_config
+
+    run = tmp_path / "x"
+    run.mkdir()
+    mine = "# my experiment: lr sweep 3 of 5\n[optim]\nlr = 0.001\n"
+    (run / "config.toml").write_text(mine)
+    for extra in (["--config", str(run / "config.toml"), "--overwrite"], ["--overwrite"], []):
+        args = _train(corpus_cache, run, "--train.steps=1", *extra)
+        if "--config" in extra:
+            args.remove("--preset"), args.remove("tiny")
+        assert main(args) == 2, extra
+        err = capsys.readouterr().err
+        assert f"--output-dir = '{run}' holds a config.toml that bigtrain did not write" in err, err
+        assert f"move it out of the folder (e.g. to {tmp_path / 'x.toml'}" in err, err
+        assert ("--overwrite would remove it" in err) == ("--overwrite" in extra), err
+        assert (run / "config.toml").read_text() == mine and sorted(p.name for p in run.iterdir()) == ["config.toml"]
+    assert clear_run(run) == [] and (run / "config.toml").read_text() == mine
+    cfg = load_config(preset="tiny")
+    write_run_config(run, cfg)  # bigtrain's own (a launch that stopped before training): --overwrite takes it
+    assert (run / "config.toml").read_text().startswith(CONFIG_HEADER + "\n[model]")
+    assert check_run_dir(cfg, run, False, True) is None and clear_run(run) == ["config.toml"]

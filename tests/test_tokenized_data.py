@@ -5,6 +5,7 @@ cached by content), sampled as any corpus is, and exported beside the weights so
 AutoTokenizer and AutoModelForCausalLM load the folder and give bigtrain's logits."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -610,13 +611,13 @@ def test_the_cap_warning_is_said_by_the_launcher_not_again_by_its_rank_0(tmp_pat
     """bigtrain train --parallel.dp=2 on a capped corpus said the warning twice: the launcher, which
     prepares the data before the launch, then its rank 0 doing the same."""
     from bigtrain.data.load import prepare_run_data
-    from bigtrain.distributed.launch import LAUNCHER_ENV
+    from bigtrain.distributed.launch import LAUNCHER_ENV, parent_of
 
     folder = tmp_path / "text"
     folder.mkdir()
     (folder / "a.txt").write_text("def f(x):\n    return x\n" * 100)  # 2,400 bytes
     cfg = tiny_config(str(tmp_path), f"--data.source={folder}", "--data.max_bytes=1000")
-    for env, said in (({}, True), ({"RANK": "0", "WORLD_SIZE": "2", LAUNCHER_ENV: "1"}, False)):
+    for env, said in (({}, True), ({"RANK": "0", "WORLD_SIZE": "2", LAUNCHER_ENV: str(parent_of(os.getppid()))}, False)):
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         prepare_run_data(cfg, tmp_path / "run", main=True)

@@ -22,6 +22,7 @@ from bigtrain.validation import validate
 
 DEFAULT_PRESET = "tiny"
 DEFAULT_STEPS = 4
+STEPS_MAX = 10_000  # each compared step runs the layout and the single-process reference: hours at most
 REPORT = "check.json"
 
 
@@ -31,8 +32,11 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())} (default {DEFAULT_PRESET})")
     source.add_argument("--config", help="a TOML config file")
-    p.add_argument("--steps", type=int, help=f"optimizer steps to compare (default {DEFAULT_STEPS}; "
-                                             f"--train.steps sets the learning-rate schedule's length only)")
+    # read as text and parsed by check_steps: argparse's int() took 10**20 (a check that never ends)
+    # and answered '1e20' with its usage block
+    p.add_argument("--steps", metavar="K", help=f"optimizer steps to compare, 1 to {STEPS_MAX} (default "
+                                                f"{DEFAULT_STEPS}; --train.steps sets the learning-rate schedule's "
+                                                f"length only)")
     p.add_argument("--output-dir", help="where the ranks write (default: a temporary directory)")
     return p
 
@@ -60,6 +64,11 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     from bigtrain.preflight import check_environment, check_inputs, print_warnings
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
+    try:
+        given = check_steps(args.steps)
+    except ValueError as e:
+        print(f"bigtrain check: {e}", file=sys.stderr)
+        return 2
     if args.output_dir is not None and not args.output_dir.strip():
         raise ConfigError("--output-dir is empty; give a folder, or leave the flag out for a temporary one")
     cfg = check_config(args.preset, args.config, overrides)
@@ -67,11 +76,8 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
              cuda_capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     if problems := reference_problems(cfg):
         raise ConfigError(problems)
-    if args.steps is not None and args.steps < 1:
-        print("bigtrain check: --steps must be at least 1", file=sys.stderr)
-        return 2
-    steps = DEFAULT_STEPS if args.steps is None else args.steps
-    if note := steps_note(args.steps, overrides):
+    steps = DEFAULT_STEPS if given is None else given
+    if note := steps_note(given, overrides):
         print(note, file=sys.stderr)
     print_warnings(env_warnings + check_inputs(cfg, args.output_dir or tempfile.gettempdir(),
                                                "--output-dir" if args.output_dir else "the temporary folder"))
@@ -90,6 +96,20 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
         print(report["text"])
         return 0 if report["agree"] else 1
     return _check_rank(cfg, out, steps)
+
+
+def check_steps(text: str | None) -> int | None:
+    """``--steps`` as an int (None when not given); a ValueError naming the flag and its range for
+    anything else: not a whole number (1e20, 2.5, x), below 1, or above STEPS_MAX."""
+    if text is None:
+        return None
+    try:
+        steps = int(text.strip().replace("_", ""))
+    except ValueError:
+        steps = None
+    if steps is None or not 1 <= steps <= STEPS_MAX:
+        raise ValueError(f"--steps = {text!r}: give a whole number of steps from 1 to {STEPS_MAX:,}")
+    return steps
 
 
 def steps_note(steps: int | None, overrides: list[str]) -> str | None:

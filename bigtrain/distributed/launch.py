@@ -101,7 +101,31 @@ def torchrun_command(nproc: int, max_restarts: int = 0) -> list[str]:
 
 def launched_by_bigtrain() -> bool:
     """True in a rank that ``bigtrain train``'s own launcher started (:func:`launch_local`)."""
-    return launched_externally() and LAUNCHER_ENV in os.environ
+    return bigtrain_launcher() is not None
+
+
+def bigtrain_launcher() -> int | None:
+    """In a rank that :func:`launch_local` started, the pid of the bigtrain that did; else None.
+    :data:`LAUNCHER_ENV` names it, and it must be the parent of this rank's parent (the agent): the
+    variable alone is inherited by whatever a rank's shell starts next (a user's own torchrun run
+    from an environment that kept it), where it named a launcher that is not there: that run's
+    warnings went unsaid, its ranks watched a stranger's pid and exited 0 on a stop, as if a
+    launcher would read the code."""
+    text = os.environ.get(LAUNCHER_ENV, "")
+    if not launched_externally() or not text.isdigit():
+        return None
+    return int(text) if parent_of(os.getppid()) == int(text) else None
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` (Linux: /proc; elsewhere ``ps``), or None where unknown."""
+    if (parent := _proc_parent(pid)) is not None:
+        return parent
+    try:
+        out = subprocess.run(["ps", "-o", "ppid=", "-p", str(pid)], capture_output=True, text=True, timeout=10)
+        return int(out.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, env: dict[str, str] | None = None) -> int:
@@ -157,17 +181,17 @@ def rank_processes(agent: int) -> list[int]:
     except OSError:
         pass
     try:  # a kernel without the children files: every process's parent
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        if int(f.read().rsplit(")", 1)[1].split()[1]) == agent:
-                            found.append(int(entry))
-                except (OSError, IndexError, ValueError):
-                    continue
+        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _proc_parent(entry) == agent]
     except OSError:
         return []
-    return found
+
+
+def _proc_parent(pid: int | str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def wait_for_ranks(proc: subprocess.Popen) -> int:
@@ -206,8 +230,7 @@ def stop_when_orphaned(grace_s: float, poll_s: float = 0.2) -> threading.Thread 
     if any(t.name == _WATCH_THREAD for t in threading.enumerate()):
         return None
     parent = os.getppid()
-    launcher = os.environ.get(LAUNCHER_ENV, "")
-    launcher_pid = int(launcher) if launcher.isdigit() else None
+    launcher_pid = bigtrain_launcher()  # a leftover LAUNCHER_ENV names no process of this rank's to watch
     if parent == 1 and launcher_pid is None:  # started by init (or orphaned already): nothing to watch
         return None
 

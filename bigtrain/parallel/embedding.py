@@ -14,11 +14,13 @@ samples with ``L`` ids per table:
 3. pooled embeddings, forward: all-to-all back to the samples' ranks, which sum the row pieces and
    put the column pieces side by side;
 4. backward: the pooled gradients travel the reverse all-to-all to the pieces' owners (started
-   asynchronously: autograd goes on with the dense part meanwhile); the update waits as
-   :attr:`ShardedEmbeddingBags.pending` until the step decides it (the NaN policy: a step any rank
+   asynchronously: autograd goes on with the dense part meanwhile); the update waits in
+   :attr:`ShardedEmbeddingBags.pending` (one record a micro-batch, inside
+   :meth:`~ShardedEmbeddingBags.accumulating`) until the step decides it (the NaN policy: a step any rank
    finds non-finite updates nothing, tables included): :meth:`~ShardedEmbeddingBags.finish_update`
-   then has the sparse optimizer (:mod:`bigtrain.optim.sparse`) update the rows the batch touched
-   (row-wise Adagrad on a column piece first all-reduces its per-row squares over the ranks), or
+   then has the sparse optimizer (:mod:`bigtrain.optim.sparse`) update the rows the batch touched,
+   each row's gradients summed over the step's micro-batches first (one update of the whole batch;
+   row-wise Adagrad on a column piece first all-reduces its per-row squares over the ranks), or
    drops the gradients.
 
 ``data`` tables look up locally; backward all-gathers their ids and pooled gradients, so every
@@ -32,6 +34,7 @@ data-parallel reduction), and the engine is handed only the dense modules.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -120,9 +123,10 @@ class ShardedEmbeddingBags(nn.Module):
             holders[t] = TablePiece(torch.empty((layout.rows[t], layout.dim), device=device))
         self.tables = nn.ModuleDict({str(t): holders[t] for t in sorted(holders)})
         self.data_state = {t: optimizer.new_state(self.weight(t)) for t in layout.data_tables}
-        # The last backward's table gradients (ids, saved lookup, pooled gradients, the all-to-all in
-        # flight), until finish_update applies or drops them.
-        self.pending: tuple | None = None
+        # The step's backwards' table gradients, one record (ids, saved lookup, pooled gradients, the
+        # all-to-all in flight) a micro-batch, until finish_update applies or drops them together.
+        self.pending: list[tuple] = []
+        self._micro_batches_open = False  # inside accumulating(): a forward may find records pending
         self._plan_exchanges(device)
 
     def _plan_exchanges(self, device) -> None:
@@ -172,8 +176,20 @@ class ShardedEmbeddingBags(nn.Module):
         states = [g.state for g in self.groups] + list(self.data_state.values())
         return [s for state in states for s in state.values()]
 
+    @contextlib.contextmanager
+    def accumulating(self):
+        """The forwards and backwards of one step's micro-batches: each backward's table gradients
+        join the pending ones, for one update of the whole batch at :meth:`finish_update` (a table
+        must not change between the micro-batches of a step). Outside, a forward with an update still
+        pending is refused: the previous step was not finished."""
+        self._micro_batches_open = True
+        try:
+            yield
+        finally:
+            self._micro_batches_open = False
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.pending is not None and torch.is_grad_enabled():
+        if self.pending and torch.is_grad_enabled() and not self._micro_batches_open:
             raise RuntimeError("the tables' update of the previous backward is still pending: call finish_update "
                                "(apply or drop it) after the step's decision, before the next forward")
         check_ids(ids, self.layout.rows)
@@ -290,28 +306,29 @@ class ShardedEmbeddingBags(nn.Module):
     # -- backward: the sparse update ------------------------------------------------------------------
     def apply_gradient(self, ids: torch.Tensor, saved: list, grad: torch.Tensor) -> None:
         """Send the pooled gradients to the pieces' owners and update the tables, at once."""
-        self.update_tables(ids, saved, grad, self.send_gradient(grad))
+        self.update_tables([(ids, saved, grad, self.send_gradient(grad))])
 
     def pending_nonfinite(self) -> torch.Tensor:
-        """1.0 when the pooled gradients this rank sent in the last backward hold a NaN or inf, else
+        """1.0 when the pooled gradients this rank sent in the step's backwards hold a NaN or inf, else
         0.0 (a flag the step sums over the ranks: what any rank sent reaches some table's owner)."""
-        if self.pending is None:
-            return torch.zeros((), device=self.piece_tables.device)
-        grad = self.pending[2]
-        return (~torch.isfinite(grad).all()).float()
+        flag = torch.zeros((), device=self.piece_tables.device)
+        for _, _, grad, _ in self.pending:
+            flag = torch.maximum(flag, (~torch.isfinite(grad).all()).float().to(flag.device))
+        return flag
 
     def finish_update(self, apply: bool) -> None:
-        """Apply the last backward's update to the tables (``apply``; every rank decides alike: the
-        data tables' and column pieces' updates are collectives) or drop it, waiting for its
-        all-to-all either way."""
-        if self.pending is None:
+        """Apply the step's pending updates to the tables as one (``apply``; every rank decides alike:
+        the data tables' and column pieces' updates are collectives) or drop them, waiting for their
+        all-to-alls either way."""
+        records, self.pending = self.pending, []
+        if not records:
             return
-        ids, saved, grad, sent = self.pending
-        self.pending = None
         if apply:
-            self.update_tables(ids, saved, grad, sent)
-        elif sent is not None and sent[0] is not None:
-            sent[0].wait()  # the buffers live until the exchange is done
+            self.update_tables(records)
+            return
+        for *_, sent in records:
+            if sent is not None and sent[0] is not None:
+                sent[0].wait()  # the buffers live until the exchange is done
 
     def send_gradient(self, grad: torch.Tensor):
         """Start the all-to-all of the pooled gradients ``grad`` [B, T, D] to the pieces' owners:
@@ -330,32 +347,56 @@ class ShardedEmbeddingBags(nn.Module):
                                     input_splits=self._splits([batch * p.width for p in pieces]))
         return work, recv, send
 
-    def update_tables(self, ids: torch.Tensor, saved: list, grad: torch.Tensor, sent) -> None:
-        """The sparse update of every local piece from the gradients ``sent`` brought (waiting for them),
-        then the data tables' (gathered here)."""
-        batch, _, hot = ids.shape
-        world = self.layout.world
-        if sent is not None:
-            work, recv, _ = sent
-            if work is not None:
-                work.wait()
-            for g, (rows, bags) in zip(self.groups, saved):  # gradients in the order (member, source, sample)
-                if g.first_member is not None:
-                    start = batch * self.local_start[g.first_member]
-                    part = recv[:, start:start + batch * g.width * len(g.members)].view(world, len(g.members), -1)
-                    group_grad = part.transpose(0, 1).reshape(-1, g.width)
-                else:
-                    starts = [batch * self.local_start[k] for k in g.members]
-                    group_grad = torch.stack([recv[:, s:s + batch * g.width] for s in starts]).view(-1, g.width)
-                self._update(g.store, g.state, rows, group_grad, g.kind == "column", bags)
+    def update_tables(self, records: list[tuple]) -> None:
+        """The sparse update of every local piece from the gradients the records' all-to-alls brought
+        (waiting for them), then the data tables' (gathered here). ``records``: one (ids, saved lookup,
+        pooled gradients, the exchange) per micro-batch of the step; each row's gradients are summed
+        over all of them before the optimizer sees it, as one lookup of the whole batch gives."""
+        per_group: list[list] = [[] for _ in self.groups]  # per group, per record: (rows, bags, grads)
+        for ids, saved, _, sent in records:
+            if sent is not None:
+                for g, parts, got in zip(self.groups, per_group, self._received_grads(ids, saved, sent)):
+                    parts.append(got)
+        for g, parts in zip(self.groups, per_group):
+            if parts:
+                rows, bags, grad = _concat_bags(parts)
+                self._update(g.store, g.state, rows, grad, g.kind == "column", bags)
         data = self.layout.data_tables
         if data:  # every replica applies the global batch's update
-            all_ids = ids.new_empty((world * batch, len(data), hot))
-            self.comm.all_gather(all_ids, ids[:, data].contiguous(), tag="emb_data_ids")
-            all_grads = grad.new_empty((world * batch, len(data), self.layout.dim))
-            self.comm.all_gather(all_grads, grad[:, data].contiguous(), tag="emb_data_grads")
+            gathered = [self._gathered_data(ids, grad) for ids, _, grad, _ in records]
+            all_ids = torch.cat([i for i, _ in gathered])
+            all_grads = torch.cat([gr for _, gr in gathered])
             for k, t in enumerate(data):
                 self._update(self.weight(t), self.data_state[t], all_ids[:, k], all_grads[:, k], False)
+
+    def _received_grads(self, ids: torch.Tensor, saved: list, sent) -> list[tuple]:
+        """Per group: (its store rows, their bags, the pooled gradients ``sent`` brought for them, in
+        the order (member, source, sample)), once the exchange is done."""
+        batch, world = ids.shape[0], self.layout.world
+        work, recv, _ = sent
+        if work is not None:
+            work.wait()
+        out = []
+        for g, (rows, bags) in zip(self.groups, saved):
+            if g.first_member is not None:
+                start = batch * self.local_start[g.first_member]
+                part = recv[:, start:start + batch * g.width * len(g.members)].view(world, len(g.members), -1)
+                group_grad = part.transpose(0, 1).reshape(-1, g.width)
+            else:
+                starts = [batch * self.local_start[k] for k in g.members]
+                group_grad = torch.stack([recv[:, s:s + batch * g.width] for s in starts]).view(-1, g.width)
+            out.append((rows, bags, group_grad))
+        return out
+
+    def _gathered_data(self, ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The data tables' ids and pooled gradients of every rank's samples (all-gathered)."""
+        batch, _, hot = ids.shape
+        data, world = self.layout.data_tables, self.layout.world
+        all_ids = ids.new_empty((world * batch, len(data), hot))
+        self.comm.all_gather(all_ids, ids[:, data].contiguous(), tag="emb_data_ids")
+        all_grads = grad.new_empty((world * batch, len(data), self.layout.dim))
+        self.comm.all_gather(all_grads, grad[:, data].contiguous(), tag="emb_data_grads")
+        return all_ids, all_grads
 
     def _update(self, weight: torch.Tensor, state: dict, rows: torch.Tensor, pooled_grad: torch.Tensor,
                 column: bool, bags: torch.Tensor | None = None) -> None:
@@ -366,6 +407,20 @@ class ShardedEmbeddingBags(nn.Module):
                 self.comm.all_reduce(squares, tag="emb_column_squares")
                 return squares
         self.optimizer.update(weight, state, touched, grad, self.layout.dim, combine)
+
+
+def _concat_bags(parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One group's (rows, bags, pooled gradients) of several micro-batches as one lookup's: the rows
+    and gradients one after the other, each micro-batch's bags shifted past the earlier ones'."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = torch.cat([r.reshape(-1, r.shape[-1]) if b is None else r for r, b, _ in parts])
+    bags, shift = [], 0
+    for _, b, grad in parts:
+        if b is not None:
+            bags.append(b + shift)
+        shift += grad.shape[0]
+    return rows, (torch.cat(bags) if bags else None), torch.cat([grad for _, _, grad in parts])
 
 
 class _ShardedLookup(torch.autograd.Function):
@@ -383,5 +438,5 @@ class _ShardedLookup(torch.autograd.Function):
         # the update waits for the step's decision (finish_update), which knows whether any rank's
         # loss or gradients were non-finite.
         module = ctx.module
-        module.pending = (ctx.ids, ctx.saved, grad, module.send_gradient(grad))
+        module.pending.append((ctx.ids, ctx.saved, grad, module.send_gradient(grad)))
         return None, None, None

@@ -8,6 +8,7 @@ layout fits, 1 when none does, 2 for invalid input (a ConfigError naming the fie
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -164,6 +165,16 @@ def _global_batch(args: argparse.Namespace, preset_batch: int | None, model: Mod
     return max(gpus, -(-sequences // gpus) * gpus)
 
 
+def _with_global_batch(cfg: Config, args: argparse.Namespace) -> Config:
+    """``cfg`` with --global-batch as its train.global_batch, as the dense search takes it (a family's
+    own planner read the config's batch and ignored the flag)."""
+    if args.global_batch is None:
+        return cfg
+    if args.global_batch < 1:
+        raise ConfigError(f"--global-batch = {args.global_batch}: must be a positive integer")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=args.global_batch))
+
+
 def resolve(args: argparse.Namespace):
     """(model, cluster, global batch, fixed layout keys) from the command line; raises ConfigError."""
     model, preset_batch = _model_from_args(args)
@@ -192,7 +203,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if cfg is not None:  # a family with a planner of its own (a recommender: its tables' placement)
         family = _family(cfg)
         if family.plan_command is not None:
-            return family.plan_command(cfg, args.gpus, args.json)
+            return family.plan_command(_with_global_batch(cfg, args), args.gpus, args.json)
     model, cluster, global_batch, fixed = resolve(args)
     if args.block_size < 1:
         raise ConfigError(f"--block-size = {args.block_size}: must be a positive integer")

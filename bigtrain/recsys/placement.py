@@ -110,7 +110,8 @@ def describe_plan(layout: EmbeddingLayout, batch: int, hotness: int, state_bytes
 
 
 def cmd_plan_embedding(cfg, gpus: int, as_json: bool = False) -> int:
-    """``bigtrain plan --preset dlrm-... --gpus N``: the tables' placement on N ranks, or why none fits."""
+    """``bigtrain plan --preset dlrm-... --gpus N``: the tables' placement on N ranks, or why none fits
+    (the batch: train.global_batch, which ``--global-batch`` sets)."""
     from bigtrain.config import ConfigError
     from bigtrain.optim.sparse import SparseOptimizer
 
@@ -120,8 +121,8 @@ def cmd_plan_embedding(cfg, gpus: int, as_json: bool = False) -> int:
         raise ConfigError(f"--gpus = {gpus}: must be a positive integer")
     if cfg.train.global_batch % gpus:  # a run refuses it: the payload of a floored batch is no run's
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch} is not divisible by --gpus = {gpus} (each "
-                          f"rank takes global_batch / gpus samples); use --gpus dividing it, or a config whose "
-                          f"train.global_batch is a multiple of {gpus}")
+                          f"rank takes global_batch / gpus samples); use --gpus dividing it, or --global-batch (or a "
+                          f"config's train.global_batch) a multiple of {gpus}")
     batch = cfg.train.global_batch // gpus
     try:
         layout = plan_embedding(parse_sizes(e.tables), e.dim, gpus, e.sharding, state, int(e.budget_gb * 2**30))

@@ -10,6 +10,7 @@ their sparse optimizer takes the pooled gradients once the step is decided.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -101,7 +102,8 @@ class DlrmStep:
     sharded model, engine and sampler, one optimizer step, and the held-out metrics. The run around
     it (the NaN policy, signals, metrics, checkpoints and their commit, resume) is the Trainer's.
 
-    A step on each of the W ranks: its B = global_batch / W samples of the step's global batch, the
+    A step on each of the W ranks: its B = global_batch / W samples of the step's global batch (in
+    micro-batches of train.micro_batch, :meth:`micro_batches`), the
     summed binary cross-entropy divided by the global batch (so the sum over ranks is the mean), the
     dense update at the schedule's learning rate after clipping the dense gradients' norm, and the
     tables' sparse update; a step whose loss or gradients (dense or the tables') are not finite on
@@ -119,6 +121,7 @@ class DlrmStep:
         self.sampler = sampler_for(cfg, parse_sizes(cfg.embedding.tables))
         self.local_batch = cfg.train.global_batch // self.world
         self.per_step = cfg.train.global_batch  # samples in a step
+        self.micro = max(1, min(cfg.train.micro_batch, self.local_batch))  # samples a forward, at most
 
     def _local(self, sampler, step: int):
         dense, ids, labels = sampler.batch(step, self.rank * self.local_batch, self.local_batch)
@@ -128,18 +131,35 @@ class DlrmStep:
         """This rank's part of step ``step``'s global batch: (dense, ids, labels) on the device."""
         return self._local(self.sampler, step)
 
+    def micro_batches(self) -> int:
+        """Forwards and backwards a step takes on a rank: its B samples in micro-batches of
+        train.micro_batch (the last one smaller when it does not divide B); one when train.micro_batch
+        >= B (the presets set it to the global batch: no accumulation at any dp)."""
+        return len(range(0, self.local_batch, self.micro))
+
     def train_step(self, step: int, lr: float, before_update=None, batch=None) -> tuple[float, float, bool]:
         """Step ``step`` at learning rate ``lr`` on ``batch`` (from :meth:`local_batch_of`) or the
         sampler's; (mean loss, dense gradient norm, skipped). ``before_update`` is called once the
-        dense gradients are reduced, before any update (``bigtrain check`` reads them there)."""
+        dense gradients are reduced, before any update (``bigtrain check`` reads them there).
+
+        Gradient accumulation: the batch's micro-batches go forward and backward in turn (the dense
+        gradients summed, reduced over the ranks after the last; the tables' pooled gradients kept
+        until the step's decision, then applied as one update), so the step is the whole batch's."""
         cfg, emb = self.cfg, self.parallel.embeddings
         dense, ids, labels = batch if batch is not None else self._local(self.sampler, step)
-        loss_sum = bce_loss_sum(self.model(dense, ids), labels)
-        self.engine.backward(loss_sum / cfg.train.global_batch)  # the tables' update waits: emb.pending
+        starts = range(0, dense.shape[0], self.micro)
+        total = torch.zeros((), device=self.device)
+        with emb.accumulating():
+            for k, first in enumerate(starts):
+                part = slice(first, first + self.micro)
+                with self.engine.no_sync() if k < len(starts) - 1 else contextlib.nullcontext():
+                    loss_sum = bce_loss_sum(self.model(dense[part], ids[part]), labels[part])
+                    # over the global batch: the sum over micro-batches and ranks is the mean
+                    self.engine.backward(loss_sum / cfg.train.global_batch)  # the tables wait: emb.pending
+                total += loss_sum.detach()
         self.engine.finish_grad_sync()
         if before_update is not None:
             before_update()
-        total = loss_sum.detach().clone()
         self.comm.all_reduce(total, tag="metrics")
         # The NaN policy: a non-finite loss, or non-finite pooled gradients on any rank, vetoes the
         # step on every rank (the flag is summed with the gradient norm); the tables follow the verdict.
@@ -171,7 +191,7 @@ class DlrmStep:
         layout = self.layout
         dense = sum(p.numel() for p in self.parallel.dense.parameters())
         return {"params": dense + sum(rows * layout.dim for rows in layout.rows),
-                "embedding_bytes": self.parallel.embedding_bytes(), "grad_accum": 1}
+                "embedding_bytes": self.parallel.embedding_bytes(), "grad_accum": self.micro_batches()}
 
 
 def gather_tables(parallel: ParallelDLRM, layout: EmbeddingLayout) -> dict[int, torch.Tensor]:
