@@ -4,7 +4,8 @@
 # computes; on 2 cores, from an empty inductor cache, the suite took 852 s in 3 shards against 934 s
 # in 2, and on 2026-11-28, idle, 854 s in 4 for 1,672 s of CPU: 98% of two cores, where CI had taken
 # 955 s in 3; tests/lanes.py splits whole files by tests/durations.json). Extra arguments go to every shard's
-# pytest, e.g. the fast lane:  bash scripts/test.sh -m "not slow"
+# pytest, e.g. the fast lane:  bash scripts/test.sh -m "not slow"; every test, the extended lane
+# (tests/extended.txt) too:  bash scripts/test.sh --extended
 # Shard 1 prints as it goes; the others' output follows when they end. Exit: the first failure's code.
 set -uo pipefail
 cd "$(dirname "$0")/.."
