@@ -25,7 +25,7 @@ from bigtrain.fp8.checks import check_fp8, check_fp8_device  # imports no torch
 from bigtrain.offload_checks import check_offload  # imports no torch
 from bigtrain.shape_checks import check_expert_parallel, check_model_split, check_pipeline, model_shapes  # imports no torch
 from bigtrain.optim import get_optimizer, optimizer_names  # plain data: imports no torch
-from bigtrain.optim.schedule import SCHEDULES  # imports no torch
+from bigtrain.optim.schedule import SCHEDULES, peak_lr  # imports no torch
 
 CHECKPOINTING_POLICIES = ("none", "full", "every", "selective")
 MINUTES_MAX = 1e7  # checkpoint.every_minutes: 19 years; a larger one only risks overflowing the step count
@@ -186,6 +186,15 @@ def check_optim(cfg: Config) -> list[str]:
             problems.append(f"optim.{name} = {value}: must be in [0, 1), e.g. 0.9")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
+    if o.lr > 0 and o.weight_decay > 0 and cfg.train.global_batch > 0 and o.base_batch > 0:
+        # decoupled decay multiplies each weight by 1 - lr x weight_decay a step: at 1 it zeroes them,
+        # above it flips their sign, and nothing else would say so
+        lr = peak_lr(o, cfg.train.global_batch)
+        if lr * o.weight_decay >= 1.0:
+            problems.append(f"optim.weight_decay = {o.weight_decay} at the peak rate {lr:g} (optim.lr"
+                            f"{', scaled by optim.lr_scaling' if lr != o.lr else ''}): each step multiplies the "
+                            f"weights by 1 - lr x weight_decay = {1 - lr * o.weight_decay:g}, which zeroes or "
+                            f"flips them; keep lr x weight_decay well under 1 (e.g. weight_decay = 0.1)")
     problems += one_of("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
     problems += one_of("optim.schedule", o.schedule, SCHEDULES)
     if not 0.0 < o.decay_fraction <= 1.0:

@@ -124,6 +124,10 @@ CASES = [
     pytest.param("lr-inf", ["--optim.lr=inf"], "optim.lr", id="lr-inf"),
     pytest.param("weight-decay-nan", ["--optim.weight_decay=nan"], "optim.weight_decay",
                  id="weight-decay-nan"),
+    # decoupled decay: 1 - lr x weight_decay a step zeroes (at 1) or flips (above) every weight
+    ("weight-decay-flips-weights", ["--optim.lr=0.5", "--optim.weight_decay=2"], "1 - lr x weight_decay = 0"),
+    ("weight-decay-at-a-scaled-rate", ["--optim.lr=0.1", "--optim.weight_decay=1", "--optim.lr_scaling=linear",
+                                       "--train.global_batch=800", "--optim.base_batch=8"], "scaled by optim.lr_scaling"),
     ("empty-source", ["--data.source="], "data.source is empty"),
     ("blank-source", ["--data.source= "], "data.source"),
     ("empty-resume", ["--checkpoint.resume="], "checkpoint.resume is empty"),
