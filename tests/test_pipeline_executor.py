@@ -453,6 +453,7 @@ def test_balanced_split_points_are_optimal():
     ((4, 2, 1, 4, "gpipe", [4]), "parallel.pp_split = [4]: split point(s) [4] do not exist"),
     ((4, 2, 1, 4, "gpipe", [1, 2]), "parallel.pp_split = [1, 2]: 2 stages need 1 split point"),
     ((4, 3, 1, 4, "gpipe", [2, 2]), "strictly increasing"),
+    ((4, 1, 1, 4, "gpipe", [2]), "one stage (parallel.pp x parallel.pp_virtual = 1) has no split points; clear it"),
 ])
 def test_bad_layouts_name_the_field(args, field):
     problems = check_pipeline_layout(*args)
