@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from bigtrain.parallel.zero.lazy_grads import applies as frees_grads_between_steps
 from bigtrain.plan.activations import (block_activations, checkpointed_block_indices, document_mask_bytes,
                                        fused_chunk_bytes, head_activations)
+from bigtrain.plan.deferred_grads import deferred_chunk_bytes
 from bigtrain.plan.expert_load import expert_load
 from bigtrain.plan.gemm import compiles_block, linear_shapes
 from bigtrain.plan.hardware import HardwareProfile
@@ -453,10 +454,15 @@ def estimate_memory(model: ModelSpec, layout: Layout, hardware: HardwareProfile,
     m = layout.micro_batches(global_batch)
 
     def held_bytes(r: int) -> float | None:  # interleaved: a rank's chunks differ (the last one has the loss)
-        if layout.v == 1:
+        split = layout.schedule == "zb-h1" and layout.pp > 1  # W's gradients, held from I on
+        if layout.v == 1 and not split:
             return None
         chunks = tuple(blocks + ends for blocks, ends, _ in _stage_chunks(model, layout, r))
-        return pipeline.peak_held_bytes(layout.schedule, layout.pp, m, layout.v, r, chunks)
+        deferred = deferred_chunk_bytes(model, layout, r) if split else ()
+        held = pipeline.peak_held_bytes(layout.schedule, layout.pp, m, layout.v, r, chunks, deferred)
+        if held is None and split:  # not walked: every micro-batch in flight holding both, a bound
+            held = peaks[r] * max(c + d for c, d in zip(chunks, deferred))
+        return held
 
     ranks = [rank_memory(model, layout, hardware, global_batch, r, peaks[r], optimizer, block, held_bytes(r))
              for r in checked_pp_ranks(layout.pp, layout.split)]

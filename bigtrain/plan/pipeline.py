@@ -80,7 +80,7 @@ class PipelineModel:
     def __init__(self, max_actions: int = 3000):
         self.max_actions = max_actions
         self._cache: dict[tuple, tuple[float, tuple[int, ...]]] = {}
-        self._held: dict[tuple, tuple] = {}  # (kind, p, m, v) -> per rank, (+1 F / -1 B, chunk) in order
+        self._held: dict[tuple, tuple] = {}  # (kind, p, m, v) -> per rank, (compute op, chunk) in order
 
     def _simulate(self, kind: str, p: int, m: int, v: int, f: float, b: float, w: float, comm: float
                   ) -> tuple[float, tuple[int, ...]]:
@@ -114,14 +114,16 @@ class PipelineModel:
             return PipelineTerms(makespan, busy, peaks, f"simulator at m={m1},{m2}, extrapolated to {m}")
         return closed_form(kind, p, m, v, f, b, w, comm)
 
-    def peak_held_bytes(self, kind: str, p: int, m: int, v: int, rank: int, chunk_bytes: tuple[float, ...]
-                        ) -> float | None:
+    def peak_held_bytes(self, kind: str, p: int, m: int, v: int, rank: int, chunk_bytes: tuple[float, ...],
+                        deferred_bytes: tuple[float, ...] = ()) -> float | None:
         """The most bytes of saved activations pipeline rank ``rank`` holds at once, its chunk ``j``
         (stage ``rank + j p``) holding ``chunk_bytes[j]`` a micro-batch, walked in the schedule's
         order as :func:`~bigtrain.parallel.pipeline.peak_inflight` counts (held from F to B, or W).
         Chunks differ under interleaving: the last stage's carries the loss's logits, and it holds
-        one micro-batch where the rank's other chunks hold several. None where the schedule is not
-        simulated (the caller bounds it by the count times the largest chunk)."""
+        one micro-batch where the rank's other chunks hold several. ``deferred_bytes[j]``: what the
+        split backward's W keeps of a micro-batch from its I on besides (plan/deferred_grads.py).
+        None where the schedule is not simulated (the caller bounds it by the count times the
+        largest chunk)."""
         if p == 1 or self.max_actions <= 0 or kind in ASYNC_KINDS:
             return None
         if m > 3 * p:  # the peak saturates by m = 2p; gpipe's grows with m (all of each chunk held)
@@ -133,13 +135,19 @@ class PipelineModel:
         key = (kind, p, m, v)
         if key not in self._held:
             schedule = build_schedule(kind, p, m, v)
-            release = Op.BACKWARD_WEIGHT if schedule.split_backward else Op.BACKWARD
-            self._held[key] = tuple(tuple((1 if a.kind is Op.FORWARD else -1, a.stage // p)
-                                          for a in schedule.compute_actions(r) if a.kind in (Op.FORWARD, release))
+            self._held[key] = tuple(tuple((a.kind, a.stage // p) for a in schedule.compute_actions(r))
                                     for r in range(p))
         held = peak = 0.0
-        for sign, chunk in self._held[key][rank]:
-            held += sign * chunk_bytes[chunk]
+        for op, chunk in self._held[key][rank]:
+            deferred = deferred_bytes[chunk] if deferred_bytes else 0.0
+            if op is Op.FORWARD:
+                held += chunk_bytes[chunk]
+            elif op is Op.BACKWARD_INPUT:
+                held += deferred
+            elif op is Op.BACKWARD_WEIGHT:
+                held -= chunk_bytes[chunk] + deferred
+            elif op is Op.BACKWARD:
+                held -= chunk_bytes[chunk]
             peak = max(peak, held)
         return peak
 

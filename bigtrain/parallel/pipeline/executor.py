@@ -80,7 +80,8 @@ class _Step:
     recvs: dict[RecvKey, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # posted, maybe unfinished
     losses: list[torch.Tensor] = field(default_factory=list)
-    activation_bytes: dict[Key, int] = field(default_factory=dict)
+    activation_bytes: dict[Key, int] = field(default_factory=dict)  # saved by each forward
+    held: dict[Key, int] = field(default_factory=dict)  # held now: saved tensors, and W's gradients after I
     held_bytes: int = 0
 
 
@@ -91,7 +92,8 @@ class PipelineExecutor:
     ``loss_fn(last_stage_output, targets)`` gives a micro-batch's loss (normalize it by the global
     token count so gradients sum over micro-batches). ``engines`` maps a stage to its gradient
     engine (see the module docstring). With ``measure_activations`` each forward's saved-for-backward
-    bytes are counted and ``peak_activation_bytes`` is the most held at once. ``forward_kwargs`` go
+    bytes are counted and ``peak_activation_bytes`` is the most held at once (under the zero-bubble
+    split, with the gradients W keeps from I on: :meth:`WeightGrads.held_bytes`). ``forward_kwargs`` go
     to every stage call.
 
     Shapes need no declaring: on the first step with a new input shape, each activation sender
@@ -275,8 +277,7 @@ class PipelineExecutor:
             step.inputs[key] = x
         if tracker is not None:
             step.activation_bytes[key] = tracker.current
-            step.held_bytes += tracker.current
-            self.peak_activation_bytes = max(self.peak_activation_bytes, step.held_bytes)
+            self._hold(step, key, tracker.current)
         if action.stage + 1 in self.stages:  # next stage on this rank (p == 1): hand over in memory
             step.inputs[(action.stage + 1, action.microbatch)] = out.detach().requires_grad_()
 
@@ -300,6 +301,8 @@ class PipelineExecutor:
         deferred, eager = split_parameters(self.stages[action.stage])  # read now: engines replace parameters
         with self._sync_context(action):
             input_grads, step.weight_grads[key] = backward_input([out], [grad], inputs, deferred, eager)
+        if self.measure_activations:  # W's gradients are held from here on, beside the saved tensors
+            self._hold(step, key, step.weight_grads[key].held_bytes())
         if x is not None:
             self._hand_upstream(step, action, input_grads[0])
 
@@ -335,8 +338,13 @@ class PipelineExecutor:
             return nullcontext()
         return engine.no_sync()
 
+    def _hold(self, step: _Step, key: Key, nbytes: int) -> None:
+        step.held[key] = step.held.get(key, 0) + nbytes
+        step.held_bytes += nbytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, step.held_bytes)
+
     def _release(self, step: _Step, key: Key) -> None:
-        step.held_bytes -= step.activation_bytes.get(key, 0)
+        step.held_bytes -= step.held.pop(key, 0)
 
     # ------------------------------------------------------------------ transfers
     def _send_forward(self, step: _Step, action: Action) -> None:

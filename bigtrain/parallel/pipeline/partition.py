@@ -43,6 +43,9 @@ def check_split_points(split_points: Sequence[int], n_layers: int, num_stages: i
     """Problems with explicit split points, each naming ``parallel.pp_split`` (and ``layers_field``,
     where the model's layer count comes from)."""
     points = list(split_points)
+    if num_stages == 1 and points:  # (it said "1 stages need 0 split points ..., e.g. []")
+        return [f"parallel.pp_split = {points}: one stage (parallel.pp x parallel.pp_virtual = 1) has no split "
+                f"points; clear it (parallel.pp_split = '') or raise parallel.pp"]
     if len(points) != num_stages - 1:
         return [f"parallel.pp_split = {points}: {num_stages} stages need {num_stages - 1} split points "
                 f"(the first layer of stages 1..{num_stages - 1}), e.g. {even_split_points(n_layers, num_stages)}"]

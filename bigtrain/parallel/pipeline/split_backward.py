@@ -71,6 +71,15 @@ class WeightGrads:
     captured: dict[Node, tuple[torch.Tensor | None, ...]]
     whole: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor | None], list[torch.Tensor]] | None = None
 
+    def held_bytes(self) -> int:
+        """Bytes of the gradients kept for W (distinct storages): the junctions' output gradients (a
+        linear's dY, the head's d logits), or the whole backward's output gradients. Held from I to
+        W on top of the forward's saved tensors, which the retained graph keeps as well."""
+        kept = [g for grads in self.captured.values() for g in grads if g is not None]
+        if self.whole is not None:
+            kept += [g for g in self.whole[1] if g is not None]
+        return sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in kept}.values())
+
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad`` (hooks fire as in a plain backward)."""
         if self.whole is not None and self.whole[2]:
