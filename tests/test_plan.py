@@ -151,6 +151,9 @@ MEASURED_MOE = {
     (1, "moe-every2"): _layouts(variants=[("fp32", "every", 4), ("bf16", "every", 4)]),
     (2, "moe-dense-first"): _layouts(dp=2, ep=2, zeros=(3,), variants=[("fp32", "none", 2)]),
     (2, "moe"): _layouts(tp=2, variants=[("fp32", "none", 2)])
+    # Megatron SP: each MoE block gathers the whole sequence and runs it on every tp rank
+    # (sequence_moe.py), its saved tensors whole beside the norms' cut ones
+    + _layouts(tp=2, tp_sp=True, variants=[("bf16", "selective", 2), ("fp32", "every", 2)])
     # ep = dp: each rank's experts alone in their edp group, which stages 0-1 do not reduce
     + _layouts(dp=2, ep=2, zeros=(0, 1), variants=[("bf16", "none", 2)]),
     # interleaving: the last stage's chunk (the loss's logits) is held for one micro-batch where the
@@ -178,7 +181,8 @@ MOE_MODELS = {"moe": MOE, "moe-shared-every2": [*MOE, "--model.moe_shared_expert
 def test_predicted_memory_matches_the_trainer(world_size, moe, token_file, tmp_path):
     """Model states within 1% and the peak (states + saved activations + buffers) within 5% of what
     the real Trainer holds after one step, for every layout of MEASURED (and MEASURED_MOE: with
-    experts, without ep the saved activations exactly, the planner's routing balanced)."""
+    experts, without ep the saved activations exactly, under tp and Megatron SP too; under ep the
+    planner's routing balanced)."""
     extra = MOE_MODELS.get(moe, [])
     layouts = MEASURED_MOE[(world_size, moe)] if moe else MEASURED[world_size]
     cfg = tiny_config(str(tmp_path), f"--data.source={token_file}", *extra)
@@ -201,7 +205,7 @@ def test_predicted_memory_matches_the_trainer(world_size, moe, token_file, tmp_p
         # in the reduce dtype (fp32 under fp16), at stages 0-1 only the units with another replica
         if True:
             assert {k: pred.buffers.get(k, 0) for k in MEASURABLE_BUFFERS} == {k: probe[k] for k in MEASURABLE_BUFFERS}, what
-        if moe and layout.ep == layout.tp == 1:  # the block's saved tensors (plan/activations.py moe_routing_bytes)
+        if moe and layout.ep == 1:  # the block's saved tensors (plan/activations.py moe_routing_bytes), tp and SP too
             assert pred.activations == probe["activations"], (what, pred.activations, probe["activations"])
         buffers = sum(probe[k] for k in MEASURABLE_BUFFERS)
         states = sum(measured[k] for k in ("params", "grads", "optimizer"))

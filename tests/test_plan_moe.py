@@ -12,6 +12,7 @@ import torch
 
 from bigtrain.config import load_config
 from bigtrain.plan.cost import expert_all_to_all
+from bigtrain.plan.fit import _layout
 from bigtrain.plan.hardware import get_profile
 from bigtrain.plan.layout import Cluster, Layout, layout_problems
 from bigtrain.plan.memory import estimate_memory, rank_units, unit_state_bytes
@@ -98,7 +99,7 @@ def test_mixtral_plan_uses_what_the_runtime_accepts():
     result = search(model, Cluster.build(64, get_profile("h100-80g")), cfg.train.global_batch, fixed={"pp": 8, "micro_batch": 1, "schedule": "1f1b", "zero": 1})
     best = result.best
     assert best is not None and best.fits
-    assert all(not p.layout.tp_sp for p in result.ranked)  # not counted yet: refused (plan/layout.py)
+    assert any(p.layout.tp_sp for p in result.ranked)  # Megatron SP with experts (the test below)
     assert any(p.layout.sp > 1 for p in result.ranked)  # Ulysses with experts runs (issue 29)
     assert any(p.layout.ep > 1 for p in result.ranked)
     assert torch.tensor(best.memory.total).item() <= best.memory.capacity
@@ -302,3 +303,85 @@ def test_flop_priced_experts_are_not_shared_by_tp():
         # zb-h1's W (the experts' weight gradients, deferred: no block recomputed) likewise
         assert cut.compute_w - one.compute_w / tp == pytest.approx(
             hw.weight_grad_fraction * 2 * whole * (1 - 1 / tp) / rate, rel=1e-9)
+
+
+def _gemm_flops(rank, world_size, cfg, run_dir):
+    """One micro-batch's forward and backward on this rank: the FLOPs of its GEMMs, (forward, backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class GemmFlops(TorchDispatchMode):
+        flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in gemms:
+                a, b = args[-2], args[-1]
+                self.flops += 2 * a.numel() * b.shape[-1]
+            return func(*args, **(kwargs or {}))
+
+    trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
+    tokens, targets = next(iter(trainer.sampler.micro_batches(0, trainer.mesh.coord("dp"), trainer.mesh.size("dp"),
+                                                              cfg.train.micro_batch)))
+    with GemmFlops() as forward:
+        loss = trainer.parallel.forward_loss(tokens, targets)
+    with GemmFlops() as backward:
+        loss.backward()
+    return forward.flops, backward.flops
+
+
+def test_under_megatron_sp_a_tp_rank_runs_the_gemms_the_planner_times(corpus_cache, tmp_path):
+    """The shape-aware time (plan/gemm.py linear_shapes) of a tp rank under Megatron SP, GEMM by
+    GEMM against what the rank runs (2 Gloo ranks, tp 2, a dense block and an MoE block with a
+    gated shared expert, dropless): the dense block's linears a tp share of the whole sequence, the
+    MoE block's router, experts and shared expert whole on the gathered sequence (sequence_moe.py),
+    the output layer a vocabulary share; backward twice the forward (dX and dW). Had the MoE block
+    run on the rank's sequence shard, or been priced a tp share, the FLOPs would differ by 2x."""
+    from bigtrain.plan.gemm import linear_shapes
+    from bigtrain.plan.model import local_vocab
+
+    cfg = tiny_config(corpus_cache, "--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_every=2",
+                      "--model.moe_shared_expert=true", "--model.moe_shared_expert_gate=true",
+                      "--parallel.tp=2", "--parallel.sequence_parallel=true", "--precision.mode=fp32",
+                      "--train.global_batch=2", "--train.micro_batch=2")
+    model, layout = ModelSpec.from_model_config(cfg.model, cfg.data.seq_len), _layout(cfg)
+    assert layout.tp_sp and model.moe_layers == 1 and model.layers == 2
+    tokens = layout.micro_batch * model.seq
+    planned = sum(2 * m * n * k * count for moe in (False, True)
+                  for m, n, k, count, _ in linear_shapes(model, layout, tokens, moe))
+    planned += 2 * tokens * local_vocab(model.vocab, layout.tp) * model.hidden  # the output layer
+    for forward, backward in run_ranks(_gemm_flops, 2, cfg, str(tmp_path), timeout=240):
+        assert (forward, backward) == (planned, 2 * planned)
+
+
+def test_the_search_offers_megatron_sp_with_experts_and_takes_it_where_it_is_what_fits():
+    """tp_sp with experts (refused by the planner until 2026-11-29): the search offers it. Against its
+    twin with tp_sp off, a layout holds fewer activations (the norms' inputs cut by tp; an MoE
+    block's tensors whole on every tp rank either way, measured: tests/test_plan.py), sends half an
+    all-reduce more each way per MoE block over tp (its input's and its output gradient's
+    all-gathers, measured: tests/test_plan_grad_traffic.py) and runs its norms and residuals on a tp
+    share of the tokens. Where only that memory lets a layout fit, the search chooses it."""
+    from bigtrain.plan.cost import stage_costs, tp_collectives
+
+    model = ModelSpec.build(layers=4, hidden=1024, heads=16, vocab=32000, seq=4096, experts=8, top_k=2)
+    h100 = get_profile("h100-80g")
+    cluster, fixed = Cluster.build(8, h100), {"tp": 2, "pp": 1, "micro_batch": 1, "zero": 1, "recompute": "none"}
+    ranked = search(model, cluster, 64, fixed).ranked
+    on = [p for p in ranked if p.layout.tp_sp]
+    assert on and len(on) == len(ranked) // 2  # each ep, with and without SP
+    for plan in on:
+        off = evaluate(model, dataclasses.replace(plan.layout, tp_sp=False), cluster, 64)
+        assert plan.memory.activations < off.memory.activations
+        sp_costs, costs = stage_costs(model, plan.layout, cluster), stage_costs(model, off.layout, cluster)
+        assert sp_costs.compute_f < costs.compute_f
+        layers, moe = model.layers, model.moe_layers
+        assert [a - b for a, b in zip(tp_collectives(plan.layout, layers, 0, moe),
+                                      tp_collectives(off.layout, layers, 0, moe))] == [moe / 2, moe / 2]
+    # a device between the two: of the pair, only tp_sp fits, and the search takes it
+    best = on[0]
+    twin = evaluate(model, dataclasses.replace(best.layout, tp_sp=False), cluster, 64)
+    between = (best.memory.total + twin.memory.total) // 2 + h100.memory_bytes - best.memory.capacity
+    tight = Cluster.build(8, dataclasses.replace(h100, memory_bytes=between))
+    assert not evaluate(model, twin.layout, tight, 64).fits
+    chosen = search(model, tight, 64, {**fixed, "ep": best.layout.ep, "sp": best.layout.sp}).best
+    assert chosen.fits and chosen.layout == best.layout

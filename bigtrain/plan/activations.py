@@ -32,7 +32,7 @@ Layouts (t = tp degree, u = Ulysses degree; every count is per token the rank ho
                    where fewer than u per tp rank (replicate_kv_heads): more than 2Bk/t per token
 A checkpointed block keeps only its input (B h, sharded along the sequence under Megatron SP).
 After the last block: the final norm (as above), the fp32 log-softmax of the logits 4V
-(vocab-parallel under tp: 4V/t), the targets (int64 copy; under tp plus a bool mask) and a
+(vocab-parallel under tp: 4V/t), the targets (int64 copy; under tp plus two bool masks) and a
 4-byte scalar (not under tp). The first stage keeps the token ids: the sampler's (s+1)-token
 window per sample, a copied chunk under Ulysses, shifted ids and a mask (9 bytes) under tp.
 
@@ -239,8 +239,9 @@ class HeadActivations:
             elif self.compiled and tp == 1:  # the compiled plain loss: logits and int64 targets, no scalar
                 out += tokens * (norm + self.loss_per_token(tp) + 8)
             else:
-                # vocab-parallel loss: int64 targets and a bool mask; else int64 targets and a scalar
-                targets = tokens * 9 if tp > 1 else tokens * 8 + 4
+                # vocab-parallel loss (tensor/loss.py): int64 target indices and two bool masks (the
+                # targets in this rank's columns, the counted ones); else int64 targets and a scalar
+                targets = tokens * 10 if tp > 1 else tokens * 8 + 4
                 out += tokens * (norm + self.loss_per_token(tp)) + targets
         if first:
             if tp > 1:  # vocab-parallel embedding: shifted ids (int64) and a bool mask

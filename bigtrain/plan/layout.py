@@ -411,9 +411,6 @@ def _expert_problems(layout: Layout, model: ModelSpec) -> list[str]:
     """Experts and ep (the runtime's rules, validation.py): ep part of the dp x cp x sp ranks and
     dividing the experts."""
     problems = []
-    if model.experts and layout.tp_sp:  # the runtime gathers the sequence for them (sequence_moe.py)
-        problems.append("tp_sp = on with experts: MoE blocks run on the whole sequence on every tp rank, which "
-                        "the planner does not count yet; use tp_sp = off")
     if layout.ep == 1:
         return problems
     if not model.experts:
