@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from bigtrain.cli_help import unread_model_overrides
-from bigtrain.config import Config, ConfigError, load_config, parse_overrides, preset_names, to_toml
+from bigtrain.config import Config, ConfigError, load_config, parse_overrides, preset_names
 from bigtrain.families.init_from import init_from_architecture
 from bigtrain.validation import validate
 
@@ -62,6 +62,7 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     from bigtrain.check.run import reference_problems
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
     from bigtrain.preflight import check_environment, check_inputs, print_warnings
+    from bigtrain.run_dir import users_config_problem, write_run_config
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
     try:
@@ -71,6 +72,11 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
         return 2
     if args.output_dir is not None and not args.output_dir.strip():
         raise ConfigError("--output-dir is empty; give a folder, or leave the flag out for a temporary one")
+    # the rule `bigtrain train` follows: the ranks' resolved config (and the Trainer's) went over a
+    # config.toml the user keeps there (their --config, even)
+    if args.output_dir is not None and (problem := users_config_problem(Path(args.output_dir).expanduser(),
+                                                                        writer="the check")):
+        raise ConfigError(problem)
     cfg = check_config(args.preset, args.config, overrides)
     validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available(),
              cuda_capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
@@ -84,8 +90,7 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     out = Path(args.output_dir).expanduser() if args.output_dir else Path(tempfile.mkdtemp(prefix="bigtrain-check-"))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.parallel.world_size > 1 and not launched_externally():
-        resolved = out / "config.toml"
-        resolved.write_text(to_toml(cfg))
+        resolved = write_run_config(out, cfg)  # marked as bigtrain's: the next check may replace it
         (out / REPORT).unlink(missing_ok=True)
         code = launch_local(cfg.parallel.world_size, ["check", "--config", str(resolved), "--steps",
                                                       str(steps), "--output-dir", str(out)])
