@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bigtrain.check.bounds import STEPS_MAX, check_steps
 from bigtrain.cli_help import unread_model_overrides
 from bigtrain.config import Config, ConfigError, load_config, parse_overrides, preset_names
 from bigtrain.families.init_from import init_from_architecture
@@ -22,7 +23,6 @@ from bigtrain.validation import validate
 
 DEFAULT_PRESET = "tiny"
 DEFAULT_STEPS = 4
-STEPS_MAX = 10_000  # each compared step runs the layout and the single-process reference: hours at most
 REPORT = "check.json"
 
 
@@ -32,8 +32,7 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())} (default {DEFAULT_PRESET})")
     source.add_argument("--config", help="a TOML config file")
-    # read as text and parsed by check_steps: argparse's int() took 10**20 (a check that never ends)
-    # and answered '1e20' with its usage block
+    # read as text and parsed by check_steps (bigtrain.check.bounds, the fuzzer's --steps too)
     p.add_argument("--steps", metavar="K", help=f"optimizer steps to compare, 1 to {STEPS_MAX} (default "
                                                 f"{DEFAULT_STEPS}; --train.steps sets the learning-rate schedule's "
                                                 f"length only)")
@@ -101,20 +100,6 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
         print(report["text"])
         return 0 if report["agree"] else 1
     return _check_rank(cfg, out, steps)
-
-
-def check_steps(text: str | None) -> int | None:
-    """``--steps`` as an int (None when not given); a ValueError naming the flag and its range for
-    anything else: not a whole number (1e20, 2.5, x), below 1, or above STEPS_MAX."""
-    if text is None:
-        return None
-    try:
-        steps = int(text.strip().replace("_", ""))
-    except ValueError:
-        steps = None
-    if steps is None or not 1 <= steps <= STEPS_MAX:
-        raise ValueError(f"--steps = {text!r}: give a whole number of steps from 1 to {STEPS_MAX:,}")
-    return steps
 
 
 def steps_note(steps: int | None, overrides: list[str]) -> str | None:
