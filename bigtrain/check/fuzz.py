@@ -364,8 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     # read as text and held to their ranges by bigtrain.check.bounds (as `bigtrain check --steps`):
     # argparse's int() took 10**20 and answered 1e20 with its usage block
     parser.add_argument("count", metavar="N", help=f"layouts to sample, 1 to {COUNT_MAX:,}")
-    parser.add_argument("seed", metavar="SEED", help="the sampler's seed, a whole number from 0 (same seed, same layouts)")
-    parser.add_argument("--max-world", default="8", help=f"most ranks a layout may use, 1 to {WORLD_MAX} (default 8)")
+    parser.add_argument("seed", metavar="SEED",
+                        help="the sampler's seed, a whole number from 0 (same seed, same layouts)")
+    parser.add_argument("--max-world", default="8",
+                        help=f"most ranks a layout may use, 1 to {WORLD_MAX} (default 8)")
     parser.add_argument("--steps", default="3", help=f"steps compared per layout, 1 to {STEPS_MAX:,} (default 3)")
     parser.add_argument("--cache-dir", default="", help="corpus cache (default ~/.cache/bigtrain)")
     parser.add_argument("--dlrm-share", type=float, default=DLRM_SHARE,
