@@ -176,6 +176,22 @@ def users_config(run_dir: Path) -> Path | None:
     return None if first == CONFIG_HEADER else path
 
 
+def users_config_problem(run_dir: Path, overwrite: bool = False, writer: str = "the run") -> str | None:
+    """The refusal, before launch, of an ``--output-dir`` that holds a config.toml the user wrote
+    (:func:`users_config`), naming the fix; None when it holds none. ``bigtrain train`` and
+    ``bigtrain check`` both ask here: --overwrite removed it (the --config of this very run, even),
+    and a fresh run or check wrote its resolved config over it. A file bigtrain did not write is
+    neither removed nor replaced. ``writer``: who would write over it."""
+    if users_config(run_dir) is None:
+        return None
+    run_dir = Path(run_dir)
+    does = "--overwrite would remove it and " if overwrite else ""
+    return (f"--output-dir = '{run_dir}' holds a config.toml that bigtrain did not write (yours: a --config, or "
+            f"notes); {does}{writer} would write its resolved config over it; move it out of the folder (e.g. to "
+            f"{run_dir.with_name(run_dir.name + '.toml')}, and give --config that path), or choose another "
+            f"--output-dir")
+
+
 def clear_run(run_dir: Path) -> list[str]:
     """Remove what a run wrote into ``run_dir`` (``--overwrite``); other files stay (a config.toml the
     user wrote too: :func:`check_run_dir` refused the run already). The names removed."""
@@ -261,14 +277,8 @@ def check_run_dir(cfg, run_dir: Path, explicit_resume: bool, overwrite: bool,
                           f"metrics of one) but files under the names a run writes: {', '.join(foreign)}; {does} "
                           f"(a folder of another program's checkpoints?); choose another --output-dir, or move "
                           f"them out of it")
-    if not continuing and (theirs := users_config(run_dir)) is not None:
-        # --overwrite removed it (the --config of this very run, even), and a fresh run wrote its
-        # resolved config over it: a file bigtrain did not write is neither removed nor replaced.
-        does = "--overwrite would remove it and " if overwrite else ""
-        raise ConfigError(f"--output-dir = '{run_dir}' holds a config.toml that bigtrain did not write (yours: a "
-                          f"--config, or notes); {does}the run would write its resolved config over it; move it out "
-                          f"of the folder (e.g. to {run_dir.with_name(run_dir.name + '.toml')}, and give --config "
-                          f"that path), or choose another --output-dir")
+    if not continuing and (problem := users_config_problem(run_dir, overwrite)) is not None:
+        raise ConfigError(problem)
     if overwrite and not continuing and (used := inputs_among_outputs(cfg, run_dir)):
         raise ConfigError(f"--overwrite removes what a run wrote into '{run_dir}', and this run reads "
                           f"{'; '.join(used)} from there: it would be gone before the run reads it; copy it out of "

@@ -358,3 +358,37 @@ def test_train_steps_given_to_check_without_steps_is_said_to_set_the_schedule_no
         for command in re.findall(r"`(bigtrain check [^`]*)`", page.read_text()):
             assert "--train.steps" not in command or "--steps" in command.replace("--train.steps", ""), \
                 (page.name, command)
+
+
+def test_the_check_command_neither_replaces_nor_refuses_by_mistake_a_config_toml_in_output_dir(
+        corpus_cache, tmp_path, capsys, monkeypatch):
+    """`bigtrain check --output-dir DIR` wrote the ranks' resolved config over a config.toml the user
+    kept in DIR (their --config, even). Refused before anything runs now, by the rule and the function
+    `bigtrain train` uses (bigtrain.run_dir.users_config_problem); the config.toml the check writes
+    for its ranks is marked as bigtrain's, so the next check into DIR may replace it."""
+    import json
+
+    import bigtrain.distributed.launch as launch
+    from bigtrain.run_dir import CONFIG_HEADER
+
+    mine = "# my experiment\n[optim]\nlr = 0.001\n"
+    (tmp_path / "config.toml").write_text(mine)
+    base = ["check", "--output-dir", str(tmp_path), f"--data.cache_dir={corpus_cache}", "--data.max_bytes=400000",
+            "--parallel.dp=2"]
+    launched = []
+
+    def ranks(world, argv):  # the ranks' check, as far as the launching process sees it
+        launched.append((tmp_path / "config.toml").read_text())
+        (tmp_path / "check.json").write_text(json.dumps({"agree": True, "text": "agree"}))
+        return 0
+
+    monkeypatch.setattr(launch, "launch_local", ranks)
+    for extra in ([], ["--config", str(tmp_path / "config.toml")]):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert (f"--output-dir = '{tmp_path}' holds a config.toml that bigtrain did not "
+                                         f"write") in err and "the check would write" in err, err
+        assert (tmp_path / "config.toml").read_text() == mine and not launched
+    (tmp_path / "config.toml").unlink()
+    assert main(base) == 0 and main(base) == 0  # the second replaces the first's own config.toml
+    assert len(launched) == 2 and all(text.startswith(CONFIG_HEADER + "\n") for text in launched)

@@ -66,23 +66,66 @@ def test_three_ranks_against_own_reference(tmp_path, sharding, optimizer):
 
 
 def _train_counting_forwards(rank: int, world: int, cfg, run_dir: str, steps: int):
-    """``train``, and the batch size of every forward of the bottom MLP on this rank (a forward hook)."""
+    """``train``, the batch size of every forward of the bottom MLP on this rank (a forward hook), and
+    the bytes this rank handed each all-to-all in the first step (what its AxisComm recorded)."""
     trainer = trainer_on_rank(rank, world, cfg, run_dir)
     sizes: list[int] = []
     trainer.parallel.model.bottom.register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape[0]))
-    losses = [trainer.train_step().loss for _ in range(steps)]
-    return losses, {k: v.clone() for k, v in trainer.parallel.full_weights().items()}, sizes
+    before = trainer.mesh.stats.snapshot()
+    losses = [trainer.train_step().loss]
+    payload = {op.split(":", 1)[1]: n for (_, op), n in trainer.mesh.stats.since(before).payload.items()
+               if op.startswith("all_to_all:emb")}
+    losses += [trainer.train_step().loss for _ in range(steps - 1)]
+    return losses, {k: v.clone() for k, v in trainer.parallel.full_weights().items()}, sizes, payload
 
 
 def test_micro_batches_accumulate_against_own_reference(tmp_path):
     """train.micro_batch was ignored by the DLRM (each rank took its 4 samples in one forward). Now
     each rank takes micro-batches of it (3 + 1: the last one smaller) and the tables' and the dense
     part's gradients are accumulated into one update, against the plain loop that accumulates .grad
-    over micro-batches of the global batch; every kind of piece in the layout."""
+    over micro-batches of the global batch; every kind of piece in the layout. The planner's payload
+    per step (``bigtrain plan --micro-batch``) is what each rank measured: every micro-batch exchanges
+    its own ids, counts and pooled embeddings (the row-wise table's id counts twice, not once)."""
+    from bigtrain.parallel.embedding_layout import all_to_all_payload
+    from bigtrain.recsys.placement import step_payload
+    from bigtrain.recsys.train import layout_for
+
     cfg = config(3, "table,data,column,row", "2,1,6,9", extra=("--train.micro_batch=3",))
-    losses, weights, sizes = run_ranks(_train_counting_forwards, 3, cfg, str(tmp_path / "run"), 2, timeout=300)[0]
+    ranks = run_ranks(_train_counting_forwards, 3, cfg, str(tmp_path / "run"), 2, timeout=300)
+    losses, weights, sizes, _ = ranks[0]
     assert sizes == [3, 1, 3, 1]  # two steps
     check(losses, weights, cfg)
+    layout = layout_for(cfg, 3)
+    for rank, (*_, measured) in enumerate(ranks):
+        assert measured == step_payload(layout, rank, 4, 3, 3), rank
+        assert measured["emb_id_counts"] == 2 * all_to_all_payload(layout, rank, 4, 3)["emb_id_counts"]
+
+
+def test_plan_command_takes_micro_batch_and_refuses_the_dense_planners_flags(capsys):
+    """bigtrain plan priced a DLRM's all-to-all as one exchange of the rank's batch whatever
+    --micro-batch said, and ignored --layers, --hardware, ... without a word (the config's model was
+    priced). --micro-batch now reaches its planner (train.micro_batch: an exchange per micro-batch);
+    the flags its planner does not read are refused in one line naming them."""
+    import json
+
+    from bigtrain.cli import main
+
+    plan = ["plan", "--preset", "dlrm-tiny", "--gpus", "2", "--global-batch", "64", "--json"]
+    found = {}
+    for micro in ("32", "10"):
+        assert main(plan + ["--micro-batch", micro]) == 0
+        found[micro] = json.loads(capsys.readouterr().out)
+    assert found["32"]["micro_batches"] == [32] and found["10"]["micro_batches"] == [10, 10, 10, 2]
+    assert main(plan + ["--micro-batch", "0"]) == 2
+    assert "--micro-batch = 0: must be a positive integer" in capsys.readouterr().err
+    for flags, named in ((["--layers", "4"], "--layers"), (["--hardware", "h100-80g"], "--hardware"),
+                         (["--precision", "bf16", "--hw", "a=1", "--top", "3"], "--hw, --precision, --top")):
+        assert main(plan + flags) == 2, flags
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+        assert captured.err.startswith(f"bigtrain plan: {named}: model.family = 'dlrm' has a planner of its own, "
+                                       f"which takes the model from the config and reads only --gpus, "
+                                       f"--global-batch, --micro-batch and --json; leave "), captured.err
 
 
 def test_resume_two_ranks_column_to_three_ranks_against_own_reference(tmp_path):

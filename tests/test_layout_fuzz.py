@@ -208,3 +208,26 @@ def test_block_causal_is_drawn_last_on_decoder_samples_without_cp_and_share_0_le
             saved, _, _ = split_resume(new)
             assert _valid(saved) == _valid(split_resume(old)[0]), new
     assert gained >= 30, gained
+
+
+def test_the_fuzzers_arguments_are_whole_numbers_in_range_refused_in_one_line_before_anything_runs(capsys,
+                                                                                                 monkeypatch):
+    """``scripts/fuzz-layouts.sh N SEED --steps K`` took --steps 10**20 (a run that never ends) and
+    N or SEED of 1e20 or 2.5 answered with argparse's usage block. Each is one line naming the argument
+    and its range now; --steps is held to `bigtrain check --steps`'s bound (bigtrain.check.bounds)."""
+    import bigtrain.check.fuzz as fuzz
+    from bigtrain.check.bounds import STEPS_MAX
+
+    monkeypatch.setattr(fuzz, "run_sample", lambda *a, **k: pytest.fail("a sample ran"))
+    for argv, line in ((["x", "7"], "N = 'x': give a whole number of layouts from 1 to 100,000"),
+                       (["2.5", "7"], "N = '2.5': give a whole number of layouts from 1 to 100,000"),
+                       (["0", "7"], "N = '0': give a whole number of layouts from 1 to 100,000"),
+                       (["3", "1e20"], "SEED = '1e20': give a whole number from 0 to 9,223,372,036,854,775,807"),
+                       (["3", "-1"], "SEED = '-1': give a whole number from 0 to 9,223,372,036,854,775,807"),
+                       (["3", "7", "--steps", "2.5"], f"--steps = '2.5': give a whole number of steps from 1 to "
+                                                      f"{STEPS_MAX:,}"),
+                       (["3", "7", "--steps", str(10**20)], f"--steps = '{10**20}': give a whole number of steps "
+                                                            f"from 1 to 10,000"),
+                       (["3", "7", "--max-world", "0"], "--max-world = '0': give a whole number of ranks from 1 to 64")):
+        assert fuzz.main(argv) == 2, argv
+        assert capsys.readouterr().err == f"fuzz-layouts: {line}\n"

@@ -15,14 +15,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bigtrain.check.bounds import STEPS_MAX, check_steps
 from bigtrain.cli_help import unread_model_overrides
-from bigtrain.config import Config, ConfigError, load_config, parse_overrides, preset_names, to_toml
+from bigtrain.config import Config, ConfigError, load_config, parse_overrides, preset_names
 from bigtrain.families.init_from import init_from_architecture
 from bigtrain.validation import validate
 
 DEFAULT_PRESET = "tiny"
 DEFAULT_STEPS = 4
-STEPS_MAX = 10_000  # each compared step runs the layout and the single-process reference: hours at most
 REPORT = "check.json"
 
 
@@ -32,8 +32,7 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())} (default {DEFAULT_PRESET})")
     source.add_argument("--config", help="a TOML config file")
-    # read as text and parsed by check_steps: argparse's int() took 10**20 (a check that never ends)
-    # and answered '1e20' with its usage block
+    # read as text and parsed by check_steps (bigtrain.check.bounds, the fuzzer's --steps too)
     p.add_argument("--steps", metavar="K", help=f"optimizer steps to compare, 1 to {STEPS_MAX} (default "
                                                 f"{DEFAULT_STEPS}; --train.steps sets the learning-rate schedule's "
                                                 f"length only)")
@@ -62,6 +61,7 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     from bigtrain.check.run import reference_problems
     from bigtrain.distributed.launch import env_world_size, launch_local, launched_externally
     from bigtrain.preflight import check_environment, check_inputs, print_warnings
+    from bigtrain.run_dir import users_config_problem, write_run_config
 
     env_warnings = check_environment()  # before anything reads RANK / WORLD_SIZE
     try:
@@ -71,6 +71,11 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
         return 2
     if args.output_dir is not None and not args.output_dir.strip():
         raise ConfigError("--output-dir is empty; give a folder, or leave the flag out for a temporary one")
+    # the rule `bigtrain train` follows: the ranks' resolved config (and the Trainer's) went over a
+    # config.toml the user keeps there (their --config, even)
+    if args.output_dir is not None and (problem := users_config_problem(Path(args.output_dir).expanduser(),
+                                                                        writer="the check")):
+        raise ConfigError(problem)
     cfg = check_config(args.preset, args.config, overrides)
     validate(cfg, world_size=env_world_size(), cuda_available=torch.cuda.is_available(),
              cuda_capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
@@ -84,8 +89,7 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
     out = Path(args.output_dir).expanduser() if args.output_dir else Path(tempfile.mkdtemp(prefix="bigtrain-check-"))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.parallel.world_size > 1 and not launched_externally():
-        resolved = out / "config.toml"
-        resolved.write_text(to_toml(cfg))
+        resolved = write_run_config(out, cfg)  # marked as bigtrain's: the next check may replace it
         (out / REPORT).unlink(missing_ok=True)
         code = launch_local(cfg.parallel.world_size, ["check", "--config", str(resolved), "--steps",
                                                       str(steps), "--output-dir", str(out)])
@@ -96,20 +100,6 @@ def cmd_check(args: argparse.Namespace, overrides: list[str]) -> int:
         print(report["text"])
         return 0 if report["agree"] else 1
     return _check_rank(cfg, out, steps)
-
-
-def check_steps(text: str | None) -> int | None:
-    """``--steps`` as an int (None when not given); a ValueError naming the flag and its range for
-    anything else: not a whole number (1e20, 2.5, x), below 1, or above STEPS_MAX."""
-    if text is None:
-        return None
-    try:
-        steps = int(text.strip().replace("_", ""))
-    except ValueError:
-        steps = None
-    if steps is None or not 1 <= steps <= STEPS_MAX:
-        raise ValueError(f"--steps = {text!r}: give a whole number of steps from 1 to {STEPS_MAX:,}")
-    return steps
 
 
 def steps_note(steps: int | None, overrides: list[str]) -> str | None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from bigtrain.check.bounds import COUNT_MAX, SEED_MAX, STEPS_MAX, WORLD_MAX, check_steps, whole_number
 from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, INT8, context_parallel_choice, context_resume_choice,
                                          context_shape_choice, is_hf_moe, last_values, optimizer_choice,
                                          sample_dlrm_layout, sample_hf_layout, sample_layout, tiny_hf_config)
@@ -360,10 +361,14 @@ def _saved_delay(configs: list[Config]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bigtrain.check.fuzz", description=__doc__.split("\n")[0])
-    parser.add_argument("count", type=int, help="layouts to sample")
-    parser.add_argument("seed", type=int, help="the sampler's seed (same seed, same layouts)")
-    parser.add_argument("--max-world", type=int, default=8, help="most ranks a layout may use (default 8)")
-    parser.add_argument("--steps", type=int, default=3, help="steps compared per layout (default 3)")
+    # read as text and held to their ranges by bigtrain.check.bounds (as `bigtrain check --steps`):
+    # argparse's int() took 10**20 and answered 1e20 with its usage block
+    parser.add_argument("count", metavar="N", help=f"layouts to sample, 1 to {COUNT_MAX:,}")
+    parser.add_argument("seed", metavar="SEED",
+                        help="the sampler's seed, a whole number from 0 (same seed, same layouts)")
+    parser.add_argument("--max-world", default="8",
+                        help=f"most ranks a layout may use, 1 to {WORLD_MAX} (default 8)")
+    parser.add_argument("--steps", default="3", help=f"steps compared per layout, 1 to {STEPS_MAX:,} (default 3)")
     parser.add_argument("--cache-dir", default="", help="corpus cache (default ~/.cache/bigtrain)")
     parser.add_argument("--dlrm-share", type=float, default=DLRM_SHARE,
                         help=f"share of the samples that are DLRMs, 0 to 1 (default {DLRM_SHARE}; 0: decoders only, "
@@ -396,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
                              f"corpus's lines (model.attn_mask, model.reset_positions), 0 to 1 (default "
                              f"{DOCUMENTS_SHARE}; 0: as before it joined)")
     args = parser.parse_args(argv)
+    try:
+        args.count = whole_number(args.count, "N", 1, COUNT_MAX, "layouts")
+        args.seed = whole_number(args.seed, "SEED", 0, SEED_MAX)
+        args.max_world = whole_number(args.max_world, "--max-world", 1, WORLD_MAX, "ranks")
+        args.steps = check_steps(args.steps)
+    except ValueError as e:
+        print(f"fuzz-layouts: {e}", file=sys.stderr)
+        return 2
     import torch
 
     torch.set_num_threads(1)  # forked ranks must not inherit a busy thread pool

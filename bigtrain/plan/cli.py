@@ -29,6 +29,16 @@ from bigtrain.plan.search import explain_offload_fit, offload_fit, search
 from bigtrain.plan.weight_grad import measure_backward_split
 
 DEFAULT_BATCH_TOKENS = 2**22  # Llama's 4 M tokens per step, when neither a preset nor a flag says
+# The dense search's flags that have a default: the parser leaves them None (given or not is then
+# known: a family's own planner refuses them by name) and the search takes these.
+DENSE_DEFAULTS = {"hardware": "h100-80g", "hw": [], "precision": "bf16", "optim": "adamw", "block_size": 256,
+                  "layout": "auto", "top": 5}
+# What a family's own planner (Family.plan_command) reads besides the config: --gpus, --json, and
+# --global-batch / --micro-batch, which reach it as the config's train.global_batch / micro_batch.
+# The other flags (the dense search's) would be ignored by it.
+DENSE_ONLY = ("layers", "hidden", "heads", "kv_heads", "vocab", "seq", "ffn_hidden", "mlp", "tie_embeddings",
+              "hardware", "hardware_file", "hw", "gpus_per_node", "precision", "optim", "block_size", "layout",
+              "top", "png")
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,26 +60,26 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     dims.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                       help="share the embedding with the output layer (default: gelu yes, swiglu no)")
     hw = p.add_argument_group("cluster")
-    hw.add_argument("--hardware", default="h100-80g", help="a100-40g, a100-80g, h100-80g, h200-141g or cpu")
+    hw.add_argument("--hardware", help="a100-40g, a100-80g, h100-80g, h200-141g or cpu (default h100-80g)")
     hw.add_argument("--hardware-file", help="a TOML/JSON profile (e.g. from bigtrain bench --calibrate)")
-    hw.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
+    hw.add_argument("--hw", action="append", metavar="KEY=VALUE",
                     help="override one profile field, e.g. --hw achievable_fraction=0.5")
     hw.add_argument("--gpus", type=int, default=1, help="accelerators in the job (default 1)")
     hw.add_argument("--gpus-per-node", type=int, help="default: the profile's (8)")
     run = p.add_argument_group("batch and layout")
     run.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the preset's, or ~4M tokens)")
     run.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: searched)")
-    run.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    run.add_argument("--optim", default="adamw", choices=optimizer_names(),
+    run.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default bf16")
+    run.add_argument("--optim", choices=optimizer_names(),
                      help="the optimizer whose declared state is counted (optim.name; default adamw)")
-    run.add_argument("--block-size", type=int, default=256, help="adamw8bit's optim.block_size (default 256)")
-    run.add_argument("--layout", default="auto",
-                     help=f"'auto' or keys {','.join(LAYOUT_KEYS)}, e.g. dp=8,tp=4,pp=2,zero=1,"
+    run.add_argument("--block-size", type=int, help="adamw8bit's optim.block_size (default 256)")
+    run.add_argument("--layout",
+                     help=f"'auto' (the default) or keys {','.join(LAYOUT_KEYS)}, e.g. dp=8,tp=4,pp=2,zero=1,"
                           "schedule=interleaved,v=2,recompute=selective,offload=on; missing keys are chosen by the "
                           "planner (offload, compression and fused_loss default to off; compiled to what "
                           "compile.enabled = 'auto' does on the hardware: on for a GPU and --mlp swiglu, off on a CPU)")
     out = p.add_argument_group("output")
-    out.add_argument("--top", type=int, default=5, help="how many ranked layouts to show")
+    out.add_argument("--top", type=int, help="how many ranked layouts to show (default 5)")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument("--png", metavar="PATH", help="write a PNG of the memory breakdown and the ranked layouts")
     p.set_defaults(run=cmd_plan)
@@ -165,18 +175,34 @@ def _global_batch(args: argparse.Namespace, preset_batch: int | None, model: Mod
     return max(gpus, -(-sequences // gpus) * gpus)
 
 
-def _with_global_batch(cfg: Config, args: argparse.Namespace) -> Config:
-    """``cfg`` with --global-batch as its train.global_batch, as the dense search takes it (a family's
-    own planner read the config's batch and ignored the flag)."""
-    if args.global_batch is None:
-        return cfg
-    if args.global_batch < 1:
-        raise ConfigError(f"--global-batch = {args.global_batch}: must be a positive integer")
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=args.global_batch))
+def _with_batch(cfg: Config, args: argparse.Namespace) -> Config:
+    """``cfg`` with --global-batch and --micro-batch as its train.global_batch and train.micro_batch,
+    as the dense search takes them (a family's own planner read the config's and ignored the flags)."""
+    given = {}
+    for flag, name in (("--global-batch", "global_batch"), ("--micro-batch", "micro_batch")):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} = {value}: must be a positive integer")
+        if value is not None:
+            given[name] = value
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **given)) if given else cfg
+
+
+def _not_read(args: argparse.Namespace) -> list[str]:
+    """The flags given that a family's own planner does not read (:data:`DENSE_ONLY`)."""
+    return [f"--{name.replace('_', '-')}" for name in DENSE_ONLY if getattr(args, name, None) not in (None, [])]
+
+
+def _with_dense_defaults(args: argparse.Namespace) -> None:
+    """The dense search's defaults (:data:`DENSE_DEFAULTS`) on ``args`` for the flags not given."""
+    for name, value in DENSE_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, list(value) if isinstance(value, list) else value)
 
 
 def resolve(args: argparse.Namespace):
     """(model, cluster, global batch, fixed layout keys) from the command line; raises ConfigError."""
+    _with_dense_defaults(args)
     model, preset_batch = _model_from_args(args)
     cluster = Cluster.build(args.gpus, _hardware_from_args(args), args.gpus_per_node)
     fixed = parse_layout(args.layout)
@@ -203,7 +229,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if cfg is not None:  # a family with a planner of its own (a recommender: its tables' placement)
         family = _family(cfg)
         if family.plan_command is not None:
-            return family.plan_command(_with_global_batch(cfg, args), args.gpus, args.json)
+            if ignored := _not_read(args):  # it priced the config's model and said nothing of them
+                print(f"bigtrain plan: {', '.join(ignored)}: model.family = '{cfg.model.family}' has a planner of "
+                      f"its own, which takes the model from the config and reads only --gpus, --global-batch, "
+                      f"--micro-batch and --json; leave {'them' if len(ignored) > 1 else 'it'} out (to change the "
+                      f"model, change the config)", file=sys.stderr)
+                return 2
+            return family.plan_command(_with_batch(cfg, args), args.gpus, args.json)
     model, cluster, global_batch, fixed = resolve(args)
     if args.block_size < 1:
         raise ConfigError(f"--block-size = {args.block_size}: must be a positive integer")

@@ -97,12 +97,38 @@ def _owners(rows: list[int], dim: int, world: int, kinds: list[str], state_bytes
     return tuple(owners)
 
 
-def describe_plan(layout: EmbeddingLayout, batch: int, hotness: int, state_bytes_per_row: int = 4) -> str:
-    """The table placement and, per rank, its bytes and its all-to-all payload per step."""
-    lines = [f"embedding tables over {layout.world} ranks (batch {batch} per rank, {hotness} ids per feature):",
-             layout.describe(), "", f"{'rank':>4}  {'tables GiB':>11}  {'all-to-all MiB/step':>20}"]
+def micro_batch_sizes(batch: int, micro_batch: int) -> list[int]:
+    """The forwards a rank takes on its ``batch`` samples of a step: micro-batches of
+    ``train.micro_batch`` (clamped to 1..batch), the last one smaller when it does not divide
+    (:class:`bigtrain.recsys.train.DlrmStep`)."""
+    micro = max(1, min(micro_batch, batch))
+    return [min(micro, batch - first) for first in range(0, batch, micro)]
+
+
+def step_payload(layout: EmbeddingLayout, rank: int, batch: int, hotness: int, micro_batch: int) -> dict[str, int]:
+    """Bytes ``rank`` hands each all-to-all over one step, by tag: every micro-batch of its ``batch``
+    (:func:`micro_batch_sizes`) exchanges its own ids and pooled embeddings, forward and backward, so
+    the sizes add up to the whole batch's, and what each exchange pays whatever its size (the id
+    counts of row-wise tables) is paid once a micro-batch."""
+    out: dict[str, int] = {}
+    for size in micro_batch_sizes(batch, micro_batch):
+        for tag, n in all_to_all_payload(layout, rank, size, hotness).items():
+            out[tag] = out.get(tag, 0) + n
+    return out
+
+
+def describe_plan(layout: EmbeddingLayout, batch: int, hotness: int, state_bytes_per_row: int = 4,
+                  micro_batch: int | None = None) -> str:
+    """The table placement and, per rank, its bytes and its all-to-all payload per step (its batch in
+    micro-batches of ``micro_batch``; None: one)."""
+    micro = batch if micro_batch is None else micro_batch
+    sizes = micro_batch_sizes(batch, micro)
+    micro_text = (f", {len(sizes)} micro-batches of {sizes[0]}, each exchanging its own" if len(sizes) > 1
+                  else "")
+    lines = [f"embedding tables over {layout.world} ranks (batch {batch} per rank{micro_text}, {hotness} ids per "
+             f"feature):", layout.describe(), "", f"{'rank':>4}  {'tables GiB':>11}  {'all-to-all MiB/step':>20}"]
     for r in range(layout.world):
-        payload = sum(all_to_all_payload(layout, r, batch, hotness).values())
+        payload = sum(step_payload(layout, r, batch, hotness, micro).values())
         lines.append(f"{r:>4}  {layout.rank_bytes(r, state_bytes_per_row) / 2**30:>11.3f}  {payload / 2**20:>20.2f}")
     counts = {k: layout.kinds.count(k) for k in KINDS if k in layout.kinds}
     lines.append("kinds: " + ", ".join(f"{n} {k}-wise" for k, n in counts.items()))
@@ -111,7 +137,8 @@ def describe_plan(layout: EmbeddingLayout, batch: int, hotness: int, state_bytes
 
 def cmd_plan_embedding(cfg, gpus: int, as_json: bool = False) -> int:
     """``bigtrain plan --preset dlrm-... --gpus N``: the tables' placement on N ranks, or why none fits
-    (the batch: train.global_batch, which ``--global-batch`` sets)."""
+    (the batch: train.global_batch, which ``--global-batch`` sets; its micro-batches: train.micro_batch,
+    which ``--micro-batch`` sets)."""
     from bigtrain.config import ConfigError
     from bigtrain.optim.sparse import SparseOptimizer
 
@@ -128,11 +155,14 @@ def cmd_plan_embedding(cfg, gpus: int, as_json: bool = False) -> int:
         layout = plan_embedding(parse_sizes(e.tables), e.dim, gpus, e.sharding, state, int(e.budget_gb * 2**30))
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    micro = cfg.train.micro_batch
     if as_json:
         print(json.dumps({"kinds": layout.kinds, "owners": layout.owners, "batch_per_rank": batch,
+                          "micro_batches": micro_batch_sizes(batch, micro),
                           "rank_bytes": [layout.rank_bytes(r, state) for r in range(gpus)],
-                          "all_to_all_payload": [all_to_all_payload(layout, r, batch, e.hotness) for r in range(gpus)]},
+                          "all_to_all_payload": [step_payload(layout, r, batch, e.hotness, micro)
+                                                 for r in range(gpus)]},
                          indent=1))
     else:
-        print(describe_plan(layout, batch, e.hotness, state))
+        print(describe_plan(layout, batch, e.hotness, state, micro))
     return 0

@@ -29,7 +29,7 @@ from bigtrain.parallel.embedding import ShardedEmbeddingBags
 from bigtrain.parallel.embedding_layout import EmbeddingLayout
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
-from bigtrain.recsys.placement import plan_embedding
+from bigtrain.recsys.placement import micro_batch_sizes, plan_embedding
 from bigtrain.parallel.chunks import SavedChunk
 from bigtrain.recsys.checkpoint import dlrm_chunks, load_dlrm
 from bigtrain.recsys.data import sampler_for
@@ -135,7 +135,7 @@ class DlrmStep:
         """Forwards and backwards a step takes on a rank: its B samples in micro-batches of
         train.micro_batch (the last one smaller when it does not divide B); one when train.micro_batch
         >= B (the presets set it to the global batch: no accumulation at any dp)."""
-        return len(range(0, self.local_batch, self.micro))
+        return len(micro_batch_sizes(self.local_batch, self.cfg.train.micro_batch))
 
     def train_step(self, step: int, lr: float, before_update=None, batch=None) -> tuple[float, float, bool]:
         """Step ``step`` at learning rate ``lr`` on ``batch`` (from :meth:`local_batch_of`) or the
