@@ -186,7 +186,7 @@ def check_optim(cfg: Config) -> list[str]:
             problems.append(f"optim.{name} = {value}: must be in [0, 1), e.g. 0.9")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
-    if o.lr > 0 and o.weight_decay > 0 and cfg.train.global_batch > 0 and o.base_batch > 0:
+    if 0 < o.lr < math.inf and 0 < o.weight_decay < math.inf and cfg.train.global_batch > 0 and o.base_batch > 0:
         # decoupled decay multiplies each weight by 1 - lr x weight_decay a step: at 1 it zeroes them,
         # above it flips their sign, and nothing else would say so
         lr = peak_lr(o, cfg.train.global_batch)
