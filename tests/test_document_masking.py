@@ -278,11 +278,14 @@ def test_compiled_blocks_recompile_nothing_for_new_documents_and_match_the_refer
 
     cfg = packed_config(documents_corpus, "--compile.enabled=true", "--model.reset_positions=true")
     trainer = Trainer(cfg, tmp_path / "counted", Mesh({}), "cpu")
-    trainer.train_step()
+    first = trainer.train_step()
     warm = graphs_compiled()
-    for _ in range(3):  # each step's windows hold other documents: other masks and positions
-        trainer.train_step()
+    # each step's windows hold other documents: other masks and positions
+    later = [trainer.train_step() for _ in range(3)]
     assert graphs_compiled() == warm, "a step with other documents compiled again"
+    # the first step reports how long it compiled, the later ones nothing
+    assert first.compile_s > 0 and first.record()["compile_s"] == first.compile_s
+    assert all(r.compile_s == 0.0 and "compile_s" not in r.record() for r in later)
     report = check_compiled_on_rank(0, 1, cfg, str(tmp_path / "checked"), 3)
     assert report.agree, report.text()
 
