@@ -276,13 +276,20 @@ def test_compiled_blocks_recompile_nothing_for_new_documents_and_match_the_refer
     from bigtrain.parallel.compile import graphs_compiled
     from bigtrain.train import Trainer
 
-    cfg = packed_config(documents_corpus, "--compile.enabled=true", "--model.reset_positions=true")
+    # full recomputation around the compiled blocks (Checkpointed(CompiledRegion)) and a held-out
+    # slice: the evaluation compiles graphs of its own (no backward) once too
+    cfg = packed_config(documents_corpus, "--compile.enabled=true", "--model.reset_positions=true",
+                        "--memory.checkpointing=full", "--data.val_fraction=0.1")
     trainer = Trainer(cfg, tmp_path / "counted", Mesh({}), "cpu")
+    assert trainer.parallel.transforms["layers.0"] == ("checkpoint", "compile")
     first = trainer.train_step()
+    trainer.evaluate()
     warm = graphs_compiled()
+    trainer.compile_clock.take()  # the evaluation's compile time (the next step would report it)
     # each step's windows hold other documents: other masks and positions
     later = [trainer.train_step() for _ in range(3)]
-    assert graphs_compiled() == warm, "a step with other documents compiled again"
+    trainer.evaluate()
+    assert graphs_compiled() == warm, "a step or an evaluation with other documents compiled again"
     # the first step reports how long it compiled, the later ones nothing
     assert first.compile_s > 0 and first.record()["compile_s"] == first.compile_s
     assert all(r.compile_s == 0.0 and "compile_s" not in r.record() for r in later)
