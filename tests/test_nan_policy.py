@@ -155,9 +155,9 @@ def _assert_stopped_with_last_finite_checkpoint(run_dir, max_bad=5):
         assert torch.isfinite(tensor).all(), f"{newest[0].name}: {fqn} is not finite"
 
 
-@pytest.mark.parametrize("overrides", [["--precision.mode=fp32", "--optim.lr=1e6"],
-                                       ["--precision.mode=bf16", "--optim.lr=1e6"],
-                                       ["--precision.mode=fp16", "--optim.lr=1e6"],
+@pytest.mark.parametrize("overrides", [["--precision.mode=fp32", "--optim.lr=1e6", "--optim.weight_decay=0"],
+                                       ["--precision.mode=bf16", "--optim.lr=1e6", "--optim.weight_decay=0"],
+                                       ["--precision.mode=fp16", "--optim.lr=1e6", "--optim.weight_decay=0"],
                                        ["--model.init_std=1e300"], ["--model.rope_theta=1e-300"]],
                          ids=["fp32-lr1e6", "bf16-lr1e6", "fp16-lr1e6", "init_std", "rope_theta"])
 def test_a_diverging_run_stops_with_exit_3_and_keeps_the_last_finite_checkpoint(overrides, corpus_cache, tmp_path,
@@ -178,7 +178,7 @@ def test_two_ranks_through_torchrun_stop_with_exit_3(corpus_cache, tmp_path):
     launch_local with torchrun's --max-restarts=0, and this run asserts all it would, and no restart."""
     cmd = [sys.executable, "-m", "bigtrain", *_args(corpus_cache, tmp_path, "--train.steps=40", "--parallel.dp=2",
                                                     "--parallel.zero=1", "--checkpoint.every=1", "--optim.lr=1e6",
-                                                    "--max-restarts", "1")]
+                                                    "--optim.weight_decay=0", "--max-restarts", "1")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 3, done.stderr[-3000:]
     assert done.stderr.count("stopped at step") == 1  # rank 0 says it once
@@ -186,8 +186,8 @@ def test_two_ranks_through_torchrun_stop_with_exit_3(corpus_cache, tmp_path):
     _assert_stopped_with_last_finite_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("overrides, bad", [(["--optim.lr=1e6", "--train.steps=4"], 3),
-                                            (["--optim.lr=1e6", "--train.steps=2"], 1),
+@pytest.mark.parametrize("overrides, bad", [(["--optim.lr=1e6", "--optim.weight_decay=0", "--train.steps=4"], 3),
+                                            (["--optim.lr=1e6", "--optim.weight_decay=0", "--train.steps=2"], 1),
                                             (["--model.init_std=1e300", "--train.steps=3"], 3)],
                          ids=["lr1e6-4-steps", "lr1e6-2-steps", "init_std-3-steps"])
 def test_a_run_that_ends_on_bad_steps_exits_3_whatever_their_number(overrides, bad, corpus_cache, tmp_path, capsys):

@@ -96,6 +96,7 @@ FREE_FIELDS = {
     "model.init_std": "a resumed run starts from its checkpoint, not an init",
     "model.init_from": "a resumed run starts from its checkpoint, not an init",
     "model.fused_loss": "the same loss, computed in chunks", "model.fused_loss_chunk": "the same loss",
+    "model.attention": "the same attention, computed by sdpa's dense mask or FlexAttention's tiles",
     "data.cache_dir": "where the same tokens are cached",
     "train.micro_batch": "the same global batch, accumulated differently", "train.device": "where it computes",
     "train.max_bad_steps": "the NaN policy",

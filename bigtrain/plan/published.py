@@ -159,7 +159,7 @@ CHOSEN = {
     "GPT 1T, 3072 x A100": dict(micro_batch=1, schedule="interleaved", v=2),
     "GPT 22B, 8 x A100": dict(zero=0, micro_batch=4, recompute="none"),
     "GPT 175B, 64 x A100": dict(zero=0, micro_batch=1, schedule="interleaved", v=4, recompute="none"),
-    "GPT 530B, 280 x A100": dict(zero=0, micro_batch=1, schedule="zb-h1", recompute="none"),
+    "GPT 530B, 280 x A100": dict(zero=0, micro_batch=1, schedule="1f1b", recompute="none"),
     "GPT 1T, 512 x A100": dict(zero=0, micro_batch=1, schedule="interleaved", v=2, recompute="every", every=2),
     "GPT 1.7B, 48 x H100": dict(micro_batch=4, recompute="none"),
     "GPT 7.1B, 96 x H100": dict(micro_batch=4, recompute="none"),
