@@ -6,6 +6,7 @@ import contextlib
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bigtrain.config import Config, load_config
 from bigtrain.distributed.mesh import Mesh
@@ -169,3 +170,21 @@ def compiled_once_for_all_ranks(marker_dir: str | Path, timeout_s: float = 120.0
         yield
     finally:
         compile_fx_module.compile_fx = original
+
+
+class GemmFlops(TorchDispatchMode):
+    """While active, counts the FLOPs of the matrix multiplies dispatched (mm, addmm, bmm: 2 m n k
+    each) in ``flops``: what the planner's time model prices, counted from what runs."""
+
+    GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.GEMMS:
+            a, b = args[-2], args[-1]
+            self.flops += 2 * a.numel() * b.shape[-1]
+        return func(*args, **(kwargs or {}))
+

@@ -19,7 +19,7 @@ from bigtrain.plan.memory import estimate_memory, rank_units, unit_state_bytes
 from bigtrain.plan.model import ModelSpec
 from bigtrain.plan.search import evaluate, search
 from bigtrain.testing import run_ranks
-from helpers import tiny_config, trainer_on_rank
+from helpers import GemmFlops, tiny_config, trainer_on_rank
 
 MOE = ["--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_ffn_hidden=96", "--model.n_layers=3",
        "--train.global_batch=8", "--train.micro_batch=1"]
@@ -307,19 +307,6 @@ def test_flop_priced_experts_are_not_shared_by_tp():
 
 def _gemm_flops(rank, world_size, cfg, run_dir):
     """One micro-batch's forward and backward on this rank: the FLOPs of its GEMMs, (forward, backward)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-
-    class GemmFlops(TorchDispatchMode):
-        flops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in gemms:
-                a, b = args[-2], args[-1]
-                self.flops += 2 * a.numel() * b.shape[-1]
-            return func(*args, **(kwargs or {}))
-
     trainer = trainer_on_rank(rank, world_size, cfg, run_dir)
     tokens, targets = next(iter(trainer.sampler.micro_batches(0, trainer.mesh.coord("dp"), trainer.mesh.size("dp"),
                                                               cfg.train.micro_batch)))

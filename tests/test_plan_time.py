@@ -162,22 +162,11 @@ def test_a_checkpointed_block_is_priced_the_gemms_its_recomputation_runs():
     each block again but w2 (6 GEMMs of 7). The planner charged the whole forward, w2's GEMM too
     (2 F h a token, a quarter of a tiny block's GEMM FLOPs: its recomputation priced 33% over)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from bigtrain.config import load_config
     from bigtrain.memory.checkpointing import apply_activation_checkpointing
     from bigtrain.models import build_model
-
-    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-
-    class GemmFlops(TorchDispatchMode):
-        flops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in gemms:
-                a, b = args[-2], args[-1]
-                self.flops += 2 * a.numel() * b.shape[-1]
-            return func(*args, **(kwargs or {}))
+    from helpers import GemmFlops
 
     cfg = load_config(preset="tiny")
     batch, seq = 2, 32
