@@ -108,6 +108,15 @@ class ExtendedLane:
             item.add_marker(pytest.mark.extended)
             wanted = config.getoption("--extended") or in_extended(item.nodeid, named)
             (kept if wanted else dropped).append(item)
+        if config.getoption("--extended"):
+            # a file whose tests build on each other (RUNS_IN_ORDER, the README's lines) runs whole
+            # under ``-m extended`` too: its extended tests use what its earlier tests made
+            in_order = {item.nodeid.split("::")[0] for item in items
+                        if "extended" in {m.name for m in item.iter_markers()}
+                        and getattr(getattr(item, "module", None), "RUNS_IN_ORDER", False)}
+            for item in items:
+                if item.nodeid.split("::")[0] in in_order:
+                    item.add_marker(pytest.mark.extended)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept

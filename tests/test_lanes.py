@@ -75,19 +75,31 @@ def test_the_extended_lane_leaves_the_run_unless_asked_or_named(tmp_path, monkey
         def add_marker(self, mark):
             self.marks.append(mark.name)
 
-    def run(extended: bool, args: list[str]) -> tuple[list[str], list[str]]:
-        items = [Item(nodeid=n, marks=[]) for n in ("tests/test_a.py::t[x]", "tests/test_a.py::t_other",
-                                                    "tests/test_b.py::u", "tests/test_c.py::v")]
+        def iter_markers(self):
+            return [SimpleNamespace(name=name) for name in self.marks]
+
+    in_order = SimpleNamespace(RUNS_IN_ORDER=True)  # test_a.py's tests build on each other
+
+    def run(extended: bool, args: list[str], marked: dict | None = None) -> tuple[list[str], list[str]]:
+        items = [Item(nodeid=n, marks=[], module=in_order if "test_a" in n else None)
+                 for n in ("tests/test_a.py::t[x]", "tests/test_a.py::t_other", "tests/test_b.py::u",
+                           "tests/test_c.py::v")]
         deselected = []
         config = SimpleNamespace(getoption=lambda name: extended, args=args, rootpath=tmp_path.parent.parent,
                                  hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
         lanes.ExtendedLane().pytest_collection_modifyitems(config, items)
+        if marked is not None:
+            marked.update({i.nodeid: "extended" in i.marks for i in items})
         return [i.nodeid for i in items], [i.nodeid for i in deselected]
 
     kept, dropped = run(False, ["tests"])
     assert kept == ["tests/test_a.py::t_other", "tests/test_c.py::v"]
     assert dropped == ["tests/test_a.py::t[x]", "tests/test_b.py::u"]
-    assert run(True, ["tests"])[1] == []
+    marked = {}
+    assert run(True, ["tests"], marked)[1] == []
+    # with --extended, a file that runs in order is marked whole (``-m extended`` keeps its order)
+    assert marked == {"tests/test_a.py::t[x]": True, "tests/test_a.py::t_other": True,
+                      "tests/test_b.py::u": True, "tests/test_c.py::v": False}
     monkeypatch.chdir(tmp_path.parent.parent)
     kept, dropped = run(False, [f"{tmp_path.parent.parent}/tests/test_a.py::t"])
     assert "tests/test_a.py::t[x]" in kept and dropped == ["tests/test_b.py::u"]
