@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 DURATIONS = Path(__file__).with_name("durations.json")
-SLOW_S = 0.7  # recorded seconds from which a test leaves the fast lane (its 3 minutes on 2 cores)
+SLOW_S = 0.6  # recorded seconds from which a test leaves the fast lane (its 3 minutes on 2 cores)
 DEFAULT_S = 0.3  # a test with no record yet (about the suite's median)
 EXTENDED = Path(__file__).with_name("extended.txt")
 
