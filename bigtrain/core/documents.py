@@ -104,9 +104,10 @@ def document_block_mask(documents: torch.Tensor, block: int = 128) -> BlockMask:
     tokens, never the (seq, seq) mask (torch's ``create_block_mask`` evaluates the mask at every
     pair, a dense boolean of batch x seq^2 bytes unless it is compiled).
 
-    ``documents`` must grow along a row, as :func:`document_ids` counts them (every caller's ids do):
-    a tile's first and last ids are then its least and greatest. A key tile strictly before a query tile holds an allowed pair exactly when
-    its last document is the query tile's first (the one document both may share), and every pair
+    ``documents`` must grow along a row, as :func:`document_ids` counts them (every caller's ids
+    do): a tile's first and last ids are then its least and greatest. A key tile strictly before a
+    query tile holds an allowed pair exactly when its last document is the query tile's first (the
+    one document both may share), and every pair
     is allowed when that one document covers both tiles (key tile's first id = query tile's last):
     a *full* tile, computed without the mask. A diagonal tile always holds an allowed pair (each
     token its own key) and is never full (causal inside). Every other tile is skipped. A tile that

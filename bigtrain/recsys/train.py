@@ -121,7 +121,6 @@ class DlrmStep:
         self.sampler = sampler_for(cfg, parse_sizes(cfg.embedding.tables))
         self.local_batch = cfg.train.global_batch // self.world
         self.per_step = cfg.train.global_batch  # samples in a step
-        self.micro = max(1, min(cfg.train.micro_batch, self.local_batch))  # samples a forward, at most
 
     def _local(self, sampler, step: int):
         dense, ids, labels = sampler.batch(step, self.rank * self.local_batch, self.local_batch)
@@ -147,12 +146,13 @@ class DlrmStep:
         until the step's decision, then applied as one update), so the step is the whole batch's."""
         cfg, emb = self.cfg, self.parallel.embeddings
         dense, ids, labels = batch if batch is not None else self._local(self.sampler, step)
-        starts = range(0, dense.shape[0], self.micro)
+        sizes = micro_batch_sizes(dense.shape[0], cfg.train.micro_batch)
         total = torch.zeros((), device=self.device)
+        first = 0
         with emb.accumulating():
-            for k, first in enumerate(starts):
-                part = slice(first, first + self.micro)
-                with self.engine.no_sync() if k < len(starts) - 1 else contextlib.nullcontext():
+            for k, size in enumerate(sizes):
+                part, first = slice(first, first + size), first + size
+                with self.engine.no_sync() if k < len(sizes) - 1 else contextlib.nullcontext():
                     loss_sum = bce_loss_sum(self.model(dense[part], ids[part]), labels[part])
                     # over the global batch: the sum over micro-batches and ranks is the mean
                     self.engine.backward(loss_sum / cfg.train.global_batch)  # the tables wait: emb.pending
