@@ -249,9 +249,19 @@ def resume_choice(rng: random.Random, out: list[str], max_world: int = 8, tries:
                 f"--train.micro_batch={rng.choice([m for m in (1, 2, 4) if (batch // dp) % m == 0])}"]
         if tp > 1:
             then.append(f"--parallel.sequence_parallel={rng.random() < 0.5}")
+        if pp == 1:  # one stage: the run refuses a schedule that is not the default (shape_checks.one_stage_problems)
+            then += _one_stage_pipeline(out)
         if _valid(out + then):
             return out + after + [THEN + o for o in then]
     return out + after
+
+
+def _one_stage_pipeline(out: list[str]) -> list[str]:
+    """The defaults of the schedule fields ``out`` sets otherwise, for a resume at pp = 1; drawing
+    nothing, so each seed's resumed layouts stay those drawn before the run refused them there."""
+    last = last_values(out)
+    return [f"--parallel.{key}={value}" for key, value in (("pp_schedule", "1f1b"), ("pp_virtual", "1"))
+            if last.get(f"--parallel.{key}", value) != value]
 
 
 def _valid(overrides: list[str]) -> bool:
