@@ -123,6 +123,12 @@ def check_pipeline(cfg: Config) -> list[str]:
         split_points = p.split_points
     except ValueError:
         return problems + [f"parallel.pp_split = '{p.pp_split}': write layer indices like '2,4,6'"]
+    default = type(p)()
+    if split_points and p.pp_balance != default.pp_balance and not problems:
+        problems.append(f"parallel.pp_split = '{p.pp_split}' with parallel.pp_balance = '{p.pp_balance}': the split "
+                        f"decides where the stages start, so the balance would be ignored; remove one of them "
+                        f"(parallel.pp_balance = '{default.pp_balance}' is its default, parallel.pp_split = '' "
+                        f"balances by it)")
     if p.pp == 1 and p.pp_virtual == 1 and not split_points and p.pp_schedule == "1f1b":
         return problems
     from bigtrain.parallel.pipeline.partition import check_pipeline_layout  # imports torch: only when needed

@@ -71,3 +71,25 @@ def test_a_fuzzer_resume_at_one_stage_resets_the_schedule_fields_it_would_ignore
     assert _valid(saved + ["--parallel.pp=1", *_one_stage_pipeline(saved)])
     assert _one_stage_pipeline(["--parallel.pp=2", "--parallel.pp_schedule=1f1b"]) == []
 
+
+def test_a_split_beside_a_balance_is_refused_naming_both_fields():
+    """parallel.pp_split decides where the stages start; a parallel.pp_balance beside it was ignored."""
+    pipeline = ["--model.n_layers=4", "--parallel.pp=2"]
+    assert _problems(*pipeline, "--parallel.pp_split=1", "--parallel.pp_balance=params") == [
+        "parallel.pp_split = '1' with parallel.pp_balance = 'params': the split decides where the stages start, "
+        "so the balance would be ignored; remove one of them (parallel.pp_balance = 'layers' is its default, "
+        "parallel.pp_split = '' balances by it)"]
+    # either at its default: accepted
+    assert _problems(*pipeline, "--parallel.pp_split=1", "--parallel.pp_balance=layers") == []
+    assert _problems(*pipeline, "--parallel.pp_balance=params") == []
+
+
+def test_the_planners_split_is_written_with_the_default_balance():
+    """--parallel auto prices a config's pp_balance = 'params' cut and writes it as parallel.pp_split
+    (plan/fit.py: stage_split): the run's config then carries the cut once, as the split."""
+    cfg = load_config(preset="tiny", overrides=["--model.n_layers=4", "--parallel.pp_balance=params"])
+    layout = Layout(dp=1, tp=1, pp=2, sp=1, zero=0, micro_batch=cfg.train.micro_batch, split=(1,),
+                    precision=cfg.precision.mode)
+    run = with_overrides(cfg, layout.to_overrides(), "the planner's layout")
+    assert (run.parallel.pp_split, run.parallel.pp_balance) == ("1", "layers")
+    validate(run)

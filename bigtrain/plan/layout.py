@@ -188,7 +188,9 @@ class Layout:
                 f"--parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}",
                 f"--parallel.prefetch={str(self.prefetch).lower()}"]
         if self.split:  # where the stages start (else the run's own pp_split / pp_balance decide)
-            out.append(f"--parallel.pp_split={','.join(map(str, self.split))}")
+            # The cut may be the one the config's pp_balance = 'params' makes (fit.stage_split): the
+            # run refuses a balance beside a split, so the split states it alone.
+            out += [f"--parallel.pp_split={','.join(map(str, self.split))}", "--parallel.pp_balance=layers"]
         if self.fp8 != "none":
             out.append(f"--precision.fp8={self.fp8}")
         if self.compiled:  # not compiled: the run's own compile.enabled decides ('auto': on CUDA only)
