@@ -233,3 +233,22 @@ def test_the_fuzzers_arguments_are_whole_numbers_in_range_refused_in_one_line_be
                        (["3", "7", "--max-world", "0"], "--max-world = '0': give a whole number of ranks from 1 to 64")):
         assert fuzz.main(argv) == 2, argv
         assert capsys.readouterr().err == f"fuzz-layouts: {line}\n"
+
+
+@pytest.mark.parametrize("flag", ["--dlrm-share", "--hf-share", "--resume-share", "--int8-share", "--cp-share",
+                                  "--cp-shape-share", "--compile-share", "--delayed-share", "--documents-share"])
+def test_the_fuzzers_shares_are_probabilities_refused_in_one_line_outside_0_to_1(flag, capsys, monkeypatch):
+    """Each --*-share is the probability a sample takes a choice: argparse's float() took 1.5, -0.2
+    and nan (a share that is never or always drawn, silently). Outside 0..1 it is one line naming
+    the flag; 0 and 1 themselves stay valid."""
+    import bigtrain.check.fuzz as fuzz
+
+    monkeypatch.setattr(fuzz, "run_sample", lambda *a, **k: pytest.fail("a sample ran"))
+    for bad in ("1.5", "-0.2", "nan", "x"):
+        assert fuzz.main(["3", "7", flag, bad]) == 2, bad
+        assert capsys.readouterr().err == f"fuzz-layouts: {flag} = '{bad}': give a share from 0 to 1 (the " \
+                                          f"probability a sample takes it)\n"
+    monkeypatch.setattr(fuzz, "draw_sample", lambda *a, **k: pytest.fail("drawn"))
+    for good in ("0", "1"):
+        with pytest.raises(pytest.fail.Exception, match="drawn"):
+            fuzz.main(["3", "7", flag, good])
