@@ -123,11 +123,41 @@ def check_pipeline(cfg: Config) -> list[str]:
         split_points = p.split_points
     except ValueError:
         return problems + [f"parallel.pp_split = '{p.pp_split}': write layer indices like '2,4,6'"]
+    default = type(p)()
+    if split_points and p.pp_balance != default.pp_balance and not problems:
+        problems.append(f"parallel.pp_split = '{p.pp_split}' with parallel.pp_balance = '{p.pp_balance}': the split "
+                        f"decides where the stages start, so the balance would be ignored; remove one of them "
+                        f"(parallel.pp_balance = '{default.pp_balance}' is its default, parallel.pp_split = '' "
+                        f"balances by it)")
     if p.pp == 1 and p.pp_virtual == 1 and not split_points and p.pp_schedule == "1f1b":
         return problems
     from bigtrain.parallel.pipeline.partition import check_pipeline_layout  # imports torch: only when needed
+
+    ignored = one_stage_problems(p) if p.pp == 1 else []
+    if ignored:
+        return problems + ignored
 
     return problems + check_pipeline_layout(n_layers, p.pp, p.pp_virtual, t.grad_accum(p.dp),
                                             p.pp_schedule, split_points,
                                             m_field="train.global_batch / (train.micro_batch x parallel.dp)",
                                             layers_field=layers_field)
+
+
+def one_stage_problems(p) -> list[str]:
+    """What ``parallel.pp = 1`` would ignore: one stage runs no pipeline (parallel/build.py builds
+    none), so a schedule or stages per rank other than the defaults did nothing, silently. The
+    defaults pass (the planner's layouts of one stage write them); an asynchronous kind is named by
+    async_checks, an unknown one by check_pipeline_layout."""
+    from bigtrain.parallel.pipeline.schedules import ASYNC_KINDS, SCHEDULE_KINDS
+
+    default, problems = type(p)(), []
+    kind = p.pp_schedule
+    if kind != default.pp_schedule and kind in SCHEDULE_KINDS and kind not in ASYNC_KINDS:
+        problems.append(f"parallel.pp_schedule = '{kind}' with parallel.pp = 1: one stage runs no pipeline "
+                        f"schedule, so it would be ignored; set parallel.pp >= 2, or remove parallel.pp_schedule "
+                        f"(its default '{default.pp_schedule}')")
+    if p.pp_virtual != default.pp_virtual:
+        problems.append(f"parallel.pp_virtual = {p.pp_virtual} with parallel.pp = 1: one stage runs no pipeline, "
+                        f"so its stages per rank would be ignored; set parallel.pp >= 2, or remove "
+                        f"parallel.pp_virtual (its default {default.pp_virtual})")
+    return problems

@@ -67,16 +67,18 @@ def test_three_ranks_against_own_reference(tmp_path, sharding, optimizer):
 
 def _train_counting_forwards(rank: int, world: int, cfg, run_dir: str, steps: int):
     """``train``, the batch size of every forward of the bottom MLP on this rank (a forward hook), and
-    the bytes this rank handed each all-to-all in the first step (what its AxisComm recorded)."""
+    the bytes this rank handed each all-to-all in the first step and how many it called (what its
+    AxisComm recorded)."""
     trainer = trainer_on_rank(rank, world, cfg, run_dir)
     sizes: list[int] = []
     trainer.parallel.model.bottom.register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape[0]))
     before = trainer.mesh.stats.snapshot()
     losses = [trainer.train_step().loss]
-    payload = {op.split(":", 1)[1]: n for (_, op), n in trainer.mesh.stats.since(before).payload.items()
-               if op.startswith("all_to_all:emb")}
+    step = trainer.mesh.stats.since(before)
+    payload, calls = ({op.split(":", 1)[1]: n for (_, op), n in counted.items() if op.startswith("all_to_all:emb")}
+                      for counted in (step.payload, step.calls))
     losses += [trainer.train_step().loss for _ in range(steps - 1)]
-    return losses, {k: v.clone() for k, v in trainer.parallel.full_weights().items()}, sizes, payload
+    return losses, {k: v.clone() for k, v in trainer.parallel.full_weights().items()}, sizes, (payload, calls)
 
 
 def test_micro_batches_accumulate_against_own_reference(tmp_path):
@@ -85,9 +87,10 @@ def test_micro_batches_accumulate_against_own_reference(tmp_path):
     part's gradients are accumulated into one update, against the plain loop that accumulates .grad
     over micro-batches of the global batch; every kind of piece in the layout. The planner's payload
     per step (``bigtrain plan --micro-batch``) is what each rank measured: every micro-batch exchanges
-    its own ids, counts and pooled embeddings (the row-wise table's id counts twice, not once)."""
+    its own ids, counts and pooled embeddings (the row-wise table's id counts twice, not once), and
+    so are its all-to-all calls per step (each pays a collective's latency: 4 an exchange, 2 of them)."""
     from bigtrain.parallel.embedding_layout import all_to_all_payload
-    from bigtrain.recsys.placement import step_payload
+    from bigtrain.recsys.placement import step_calls, step_payload
     from bigtrain.recsys.train import layout_for
 
     cfg = config(3, "table,data,column,row", "2,1,6,9", extra=("--train.micro_batch=3",))
@@ -96,7 +99,9 @@ def test_micro_batches_accumulate_against_own_reference(tmp_path):
     assert sizes == [3, 1, 3, 1]  # two steps
     check(losses, weights, cfg)
     layout = layout_for(cfg, 3)
-    for rank, (*_, measured) in enumerate(ranks):
+    for rank, (*_, (measured, calls)) in enumerate(ranks):
+        assert calls == step_calls(layout, 4, 3) == dict.fromkeys(
+            ("emb_ids", "emb_id_counts", "emb_pooled", "emb_pooled_backward"), 2), (rank, calls)
         assert measured == step_payload(layout, rank, 4, 3, 3), rank
         assert measured["emb_id_counts"] == 2 * all_to_all_payload(layout, rank, 4, 3)["emb_id_counts"]
 

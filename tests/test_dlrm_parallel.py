@@ -121,6 +121,21 @@ def test_payload_formula_by_hand():
             "emb_pooled_backward": 4 * 3 * (4 + 2 * 4 + 2 * 2)}
 
 
+def test_call_counts_by_hand():
+    """All-to-all calls a step (the latency each pays): per micro-batch the ids, the pooled
+    embeddings and their gradients, and the id counts only with a row-wise table; none on one rank
+    (the exchange is a copy) or with every table replicated (no exchange). Measured against the
+    ranks: tests/test_dlrm_own_reference.py::test_micro_batches_accumulate_against_own_reference."""
+    from bigtrain.recsys.placement import step_calls
+
+    assert step_calls(plan_embedding([8, 8], 4, 2, "table,column"), 6, 4) == {
+        "emb_ids": 2, "emb_pooled": 2, "emb_pooled_backward": 2}  # micro-batches of 4 and 2
+    assert step_calls(plan_embedding([8, 8], 4, 2, "row"), 3, 3) == {
+        "emb_ids": 1, "emb_id_counts": 1, "emb_pooled": 1, "emb_pooled_backward": 1}
+    assert step_calls(plan_embedding([8, 8], 4, 1, "table"), 3, 1) == {}
+    assert step_calls(plan_embedding([8, 8], 4, 2, "data"), 3, 1) == {}
+
+
 def lookup_with_an_idle_row_piece(rank: int, world: int) -> dict:
     """Row-wise tables whose ids all fall in rank 0's rows: rank 1's pieces receive no id at all
     (every one of their bags is empty) and are left as they were by the update."""

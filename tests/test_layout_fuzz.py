@@ -109,8 +109,10 @@ def test_cp_shapes_and_resumed_cp_are_drawn_on_cp_samples_only_and_share_0_leave
 # A change of validation may move a resumed sample (resume_choice keeps the first valid layout): while
 # compiled float8 under Ulysses was refused (8be8389 to its fix), sample 104 resumed at sp 1, ZeRO-2.
 # Since Hugging Face samples draw the offload tiers and resumes too, 4 of the 200 (all hf, the rest
-# as they were: test_hugging_face_samples_draw_offload_and_resumes) took them.
-SAMPLES_BEFORE_MIXED_DELAYED = "8506e5895e294c99734e01d6e89aa048469f9aa54a7abd2406aa0799a6785851"
+# as they were: test_hugging_face_samples_draw_offload_and_resumes) took them. Since parallel.pp = 1
+# refuses a schedule it would ignore, the 3 resumed at pp 1 from a pipeline (samples 74, 119, 125)
+# reset pp_schedule / pp_virtual to their defaults (then:, drawn from nothing; the layouts as they were).
+SAMPLES_BEFORE_MIXED_DELAYED = "2e273e85f046a9f534a56460c7990a546a1f80001a7b6bddb47cbc1c4ab38f1c"
 
 
 def test_mixed_precision_delayed_update_is_drawn_where_valid_and_leaves_other_samples_as_they_were():
@@ -231,3 +233,22 @@ def test_the_fuzzers_arguments_are_whole_numbers_in_range_refused_in_one_line_be
                        (["3", "7", "--max-world", "0"], "--max-world = '0': give a whole number of ranks from 1 to 64")):
         assert fuzz.main(argv) == 2, argv
         assert capsys.readouterr().err == f"fuzz-layouts: {line}\n"
+
+
+@pytest.mark.parametrize("flag", ["--dlrm-share", "--hf-share", "--resume-share", "--int8-share", "--cp-share",
+                                  "--cp-shape-share", "--compile-share", "--delayed-share", "--documents-share"])
+def test_the_fuzzers_shares_are_probabilities_refused_in_one_line_outside_0_to_1(flag, capsys, monkeypatch):
+    """Each --*-share is the probability a sample takes a choice: argparse's float() took 1.5, -0.2
+    and nan (a share that is never or always drawn, silently). Outside 0..1 it is one line naming
+    the flag; 0 and 1 themselves stay valid."""
+    import bigtrain.check.fuzz as fuzz
+
+    monkeypatch.setattr(fuzz, "run_sample", lambda *a, **k: pytest.fail("a sample ran"))
+    for bad in ("1.5", "-0.2", "nan", "x"):
+        assert fuzz.main(["3", "7", flag, bad]) == 2, bad
+        assert capsys.readouterr().err == f"fuzz-layouts: {flag} = '{bad}': give a share from 0 to 1 (the " \
+                                          f"probability a sample takes it)\n"
+    monkeypatch.setattr(fuzz, "draw_sample", lambda *a, **k: pytest.fail("drawn"))
+    for good in ("0", "1"):
+        with pytest.raises(pytest.fail.Exception, match="drawn"):
+            fuzz.main(["3", "7", flag, good])

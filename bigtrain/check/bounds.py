@@ -1,7 +1,8 @@
 """The whole-number arguments of ``bigtrain check`` and of its layout fuzzer
-(``python -m bigtrain.check.fuzz``, ``scripts/fuzz-layouts.sh``), each read as text and held to a
-range, so that a bad value is one line naming the argument and its range: argparse's ``int()`` took
-``10**20`` (a check that never ends) and answered ``1e20`` or ``2.5`` with its usage block."""
+(``python -m bigtrain.check.fuzz``, ``scripts/fuzz-layouts.sh``), and the fuzzer's shares, each read
+as text and held to a range, so that a bad value is one line naming the argument and its range:
+argparse's ``int()`` took ``10**20`` (a check that never ends) and answered ``1e20`` or ``2.5`` with
+its usage block, and its ``float()`` took a share of 1.5 or nan."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def check_steps(text: str | None, name: str = "--steps") -> int | None:
     """``--steps`` (steps compared) as an int from 1 to :data:`STEPS_MAX`, None when not given;
     a ValueError naming the flag and its range for anything else."""
     return None if text is None else whole_number(text, name, 1, STEPS_MAX, "steps")
+
+
+def share(text: str, name: str) -> float:
+    """``text`` as a share from 0 to 1 (the probability a fuzzer's sample takes a choice); else a
+    ValueError naming ``name`` (the argument): a share past 1 or below 0 is drawn always or never,
+    and nan never, with no word said."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        value = None
+    if value is None or not 0.0 <= value <= 1.0:  # nan fails both comparisons
+        raise ValueError(f"{name} = {text!r}: give a share from 0 to 1 (the probability a sample takes it)")
+    return value

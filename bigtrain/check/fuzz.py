@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from bigtrain.check.bounds import COUNT_MAX, SEED_MAX, STEPS_MAX, WORLD_MAX, check_steps, whole_number
+from bigtrain.check.bounds import COUNT_MAX, SEED_MAX, STEPS_MAX, WORLD_MAX, check_steps, share, whole_number
 from bigtrain.check.fuzz_layouts import (CP, DLRM, HF, HF_TINY, INT8, context_parallel_choice, context_resume_choice,
                                          context_shape_choice, is_hf_moe, last_values, optimizer_choice,
                                          sample_dlrm_layout, sample_hf_layout, sample_layout, tiny_hf_config)
@@ -249,9 +249,19 @@ def resume_choice(rng: random.Random, out: list[str], max_world: int = 8, tries:
                 f"--train.micro_batch={rng.choice([m for m in (1, 2, 4) if (batch // dp) % m == 0])}"]
         if tp > 1:
             then.append(f"--parallel.sequence_parallel={rng.random() < 0.5}")
+        if pp == 1:  # one stage: the run refuses a schedule that is not the default (shape_checks.one_stage_problems)
+            then += _one_stage_pipeline(out)
         if _valid(out + then):
             return out + after + [THEN + o for o in then]
     return out + after
+
+
+def _one_stage_pipeline(out: list[str]) -> list[str]:
+    """The defaults of the schedule fields ``out`` sets otherwise, for a resume at pp = 1; drawing
+    nothing, so each seed's resumed layouts stay those drawn before the run refused them there."""
+    last = last_values(out)
+    return [f"--parallel.{key}={value}" for key, value in (("pp_schedule", "1f1b"), ("pp_virtual", "1"))
+            if last.get(f"--parallel.{key}", value) != value]
 
 
 def _valid(overrides: list[str]) -> bool:
@@ -359,10 +369,14 @@ def _saved_delay(configs: list[Config]) -> int | None:
     return saved if saved != resumed else None
 
 
+SHARES = ("dlrm_share", "hf_share", "resume_share", "int8_share", "cp_share", "cp_shape_share", "compile_share",
+          "delayed_share", "documents_share")  # held to 0..1 by bigtrain.check.bounds.share
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bigtrain.check.fuzz", description=__doc__.split("\n")[0])
     # read as text and held to their ranges by bigtrain.check.bounds (as `bigtrain check --steps`):
-    # argparse's int() took 10**20 and answered 1e20 with its usage block
+    # argparse's int() took 10**20 and answered 1e20 with its usage block; its float() took a share of 1.5
     parser.add_argument("count", metavar="N", help=f"layouts to sample, 1 to {COUNT_MAX:,}")
     parser.add_argument("seed", metavar="SEED",
                         help="the sampler's seed, a whole number from 0 (same seed, same layouts)")
@@ -370,33 +384,33 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"most ranks a layout may use, 1 to {WORLD_MAX} (default 8)")
     parser.add_argument("--steps", default="3", help=f"steps compared per layout, 1 to {STEPS_MAX:,} (default 3)")
     parser.add_argument("--cache-dir", default="", help="corpus cache (default ~/.cache/bigtrain)")
-    parser.add_argument("--dlrm-share", type=float, default=DLRM_SHARE,
+    parser.add_argument("--dlrm-share", default=DLRM_SHARE,
                         help=f"share of the samples that are DLRMs, 0 to 1 (default {DLRM_SHARE}; 0: decoders only, "
                              f"as before DLRMs joined)")
-    parser.add_argument("--hf-share", type=float, default=HF_SHARE,
+    parser.add_argument("--hf-share", default=HF_SHARE,
                         help=f"share of the other samples that are Hugging Face decoders, 0 to 1 (default {HF_SHARE}; "
                              f"0: as before they joined)")
-    parser.add_argument("--resume-share", type=float, default=RESUME_SHARE,
+    parser.add_argument("--resume-share", default=RESUME_SHARE,
                         help=f"share of the decoder samples resumed then stepped, 0 to 1 (default {RESUME_SHARE}; "
                              f"0: the samples of seeds recorded before resumes joined)")
-    parser.add_argument("--int8-share", type=float, default=INT8_SHARE,
+    parser.add_argument("--int8-share", default=INT8_SHARE,
                         help=f"share of the decoder samples with int8 activation compression, 0 to 1 (default "
                              f"{INT8_SHARE}; 0: none, as before int8 joined)")
-    parser.add_argument("--cp-share", type=float, default=CP_SHARE,
+    parser.add_argument("--cp-share", default=CP_SHARE,
                         help=f"share of the decoder samples with context parallelism, 0 to 1 (default {CP_SHARE}; "
                              f"0: as before cp joined)")
-    parser.add_argument("--cp-shape-share", type=float, default=CP_SHAPE_SHARE,
+    parser.add_argument("--cp-shape-share", default=CP_SHAPE_SHARE,
                         help=f"share of the samples with cp that take a sequence of odd or one-token chunks and, "
                              f"resumed, another cp after the checkpoint, 0 to 1 (default {CP_SHAPE_SHARE}: the "
                              f"seeds' samples as before it joined)")
-    parser.add_argument("--compile-share", type=float, default=COMPILE_SHARE,
+    parser.add_argument("--compile-share", default=COMPILE_SHARE,
                         help=f"share of the decoder samples compiled (compile.enabled = true), 0 to 1 (default "
                              f"{COMPILE_SHARE}; 0: as before compilation joined; 1: every decoder sample)")
-    parser.add_argument("--delayed-share", type=float, default=DELAYED_SHARE,
+    parser.add_argument("--delayed-share", default=DELAYED_SHARE,
                         help=f"share of the bf16/fp16 decoder samples with an offloaded optimizer that take the "
                              f"one-step delayed update where validation accepts it, 0 to 1 (default {DELAYED_SHARE}, "
                              f"as fp32's; 0: as before it joined, fp32 samples only)")
-    parser.add_argument("--documents-share", type=float, default=DOCUMENTS_SHARE,
+    parser.add_argument("--documents-share", default=DOCUMENTS_SHARE,
                         help=f"share of the decoder samples without cp that attend block-causally over the "
                              f"corpus's lines (model.attn_mask, model.reset_positions), 0 to 1 (default "
                              f"{DOCUMENTS_SHARE}; 0: as before it joined)")
@@ -406,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         args.seed = whole_number(args.seed, "SEED", 0, SEED_MAX)
         args.max_world = whole_number(args.max_world, "--max-world", 1, WORLD_MAX, "ranks")
         args.steps = check_steps(args.steps)
+        for name in SHARES:
+            setattr(args, name, share(getattr(args, name), f"--{name.replace('_', '-')}"))
     except ValueError as e:
         print(f"fuzz-layouts: {e}", file=sys.stderr)
         return 2

@@ -174,7 +174,10 @@ class Layout:
         # differently from the planner's memory; dp_shard = 0 follows as dp / dp_replicate).
         out = [f"--parallel.{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "sp", "zero", "ep", "dp_replicate")]
         out += ["--parallel.dp_shard=0"]
-        out += [f"--parallel.pp_schedule={self.schedule}", f"--parallel.pp_virtual={self.v}"]
+        # One stage runs no schedule (the planner prices every kind alike there) and the run refuses
+        # one that is not the default: a fixed --layout schedule=gpipe reaches pp = 1 layouts too.
+        schedule, v = (self.schedule, self.v) if self.pp > 1 else ("1f1b", 1)
+        out += [f"--parallel.pp_schedule={schedule}", f"--parallel.pp_virtual={v}"]
         out += [f"--parallel.cp={self.cp}", f"--parallel.cp_mode={self.cp_mode}"]
         out += [f"--parallel.sequence_parallel={str(self.tp_sp).lower()}", f"--precision.mode={self.precision}",
                 f"--memory.checkpointing={self.recompute}", f"--memory.checkpoint_every={self.every}",
@@ -185,7 +188,9 @@ class Layout:
                 f"--parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}",
                 f"--parallel.prefetch={str(self.prefetch).lower()}"]
         if self.split:  # where the stages start (else the run's own pp_split / pp_balance decide)
-            out.append(f"--parallel.pp_split={','.join(map(str, self.split))}")
+            # The cut may be the one the config's pp_balance = 'params' makes (fit.stage_split): the
+            # run refuses a balance beside a split, so the split states it alone.
+            out += [f"--parallel.pp_split={','.join(map(str, self.split))}", "--parallel.pp_balance=layers"]
         if self.fp8 != "none":
             out.append(f"--precision.fp8={self.fp8}")
         if self.compiled:  # not compiled: the run's own compile.enabled decides ('auto': on CUDA only)

@@ -127,6 +127,9 @@ class ModelSpec:
         """The spec of the runtime's Llama built from ``cfg`` and trained on ``seq``-token samples on a
         ``device`` ('cuda', 'cpu': what model.attention = 'auto' chooses by)."""
         mask = attention_kind(cfg.attention, cfg.attn_mask, device) if cfg.attn_mask == "block_causal" else ""
+        # document_tokens stays 0 (unknown): no config field states a document's length (data.document_end
+        # only delimits documents; their lengths are the corpus's, known once it is tokenized), so
+        # FlexAttention's block-causal time is priced as causal attention's, an upper bound (gemm.py).
         return cls(layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.kv_heads,
                    vocab=cfg.vocab_size, seq=seq, ffn_hidden=cfg.ffn_dim, mlp="swiglu",
                    tie_embeddings=cfg.tie_embeddings, name=name, head_size=cfg.attention_head_dim,

@@ -117,6 +117,18 @@ def step_payload(layout: EmbeddingLayout, rank: int, batch: int, hotness: int, m
     return out
 
 
+def step_calls(layout: EmbeddingLayout, batch: int, micro_batch: int) -> dict[str, int]:
+    """All-to-all calls each rank makes over one step, by tag: the count a collective's latency is
+    paid for (as the dense planner's ``UnitCollective.calls``, each priced by ``Link.collective``),
+    which the bytes of :func:`step_payload` do not show. Every micro-batch of the rank's ``batch``
+    posts its own: the ids (after their counts when a table is row-wise), the pooled embeddings and,
+    backward, their gradients. None on one rank (the exchange is a copy) or without pieces."""
+    if layout.world == 1 or not layout.pieces:
+        return {}
+    tags = ["emb_ids", *(["emb_id_counts"] if "row" in layout.kinds else []), "emb_pooled", "emb_pooled_backward"]
+    return dict.fromkeys(tags, len(micro_batch_sizes(batch, micro_batch)))
+
+
 def describe_plan(layout: EmbeddingLayout, batch: int, hotness: int, state_bytes_per_row: int = 4,
                   micro_batch: int | None = None) -> str:
     """The table placement and, per rank, its bytes and its all-to-all payload per step (its batch in
@@ -132,6 +144,10 @@ def describe_plan(layout: EmbeddingLayout, batch: int, hotness: int, state_bytes
         lines.append(f"{r:>4}  {layout.rank_bytes(r, state_bytes_per_row) / 2**30:>11.3f}  {payload / 2**20:>20.2f}")
     counts = {k: layout.kinds.count(k) for k in KINDS if k in layout.kinds}
     lines.append("kinds: " + ", ".join(f"{n} {k}-wise" for k, n in counts.items()))
+    calls = step_calls(layout, batch, micro)
+    if calls:
+        lines.append(f"all-to-all calls per step on each rank: {sum(calls.values())} ("
+                     + ", ".join(f"{n} {tag}" for tag, n in calls.items()) + "), each paying the link's latency")
     return "\n".join(lines)
 
 
@@ -161,7 +177,8 @@ def cmd_plan_embedding(cfg, gpus: int, as_json: bool = False) -> int:
                           "micro_batches": micro_batch_sizes(batch, micro),
                           "rank_bytes": [layout.rank_bytes(r, state) for r in range(gpus)],
                           "all_to_all_payload": [step_payload(layout, r, batch, e.hotness, micro)
-                                                 for r in range(gpus)]},
+                                                 for r in range(gpus)],
+                          "all_to_all_calls": step_calls(layout, batch, micro)},
                          indent=1))
     else:
         print(describe_plan(layout, batch, e.hotness, state, micro))
