@@ -3,8 +3,9 @@ starts (docs/ecosystem.md, "Document masking"). Imports no torch (as :mod:`bigtr
 
 Block-causal attention is refused where it would be silently wrong or meaningless:
 - a model family whose model takes no documents (``Family.document_mask``): it would attend causally;
-- ``parallel.cp > 1`` with ``cp_mode`` 'ring' or 'hybrid': ring attention carries no document mask
-  (its blocks would each need theirs; not built). 'all-to-all' gathers the whole sequence around
+- ``parallel.cp > 1`` with ``cp_mode`` 'ring' or 'hybrid' in a family whose ring takes no documents
+  (``Family.ring_documents``: bigtrain's Llama masks each pair of chunks by the documents' ids;
+  the Hugging Face families' ring does not). 'all-to-all' gathers the whole sequence around
   attention, where the mask holds as without cp;
 - a corpus with no token that marks where documents meet (:func:`bigtrain.data.boundaries.boundary_ids`).
 
@@ -51,11 +52,11 @@ def check_documents(cfg: Config) -> list[str]:
     if m.attention == "flex" and not family.flex_attention:
         problems.append(f"model.attention = 'flex': model.family = '{m.family}' has no FlexAttention path (its "
                         f"attention takes sdpa's dense mask only); set model.attention = 'sdpa' or 'auto'")
-    if p.cp > 1 and p.cp_mode != "all-to-all":
+    if p.cp > 1 and p.cp_mode != "all-to-all" and not family.ring_documents:
         problems.append(f"model.attn_mask = 'block_causal' with parallel.cp = {p.cp} and parallel.cp_mode = "
-                        f"'{p.cp_mode}': ring attention has no document mask; set parallel.cp_mode = 'all-to-all' "
-                        f"(the whole sequence is gathered around attention, and the mask holds there) or "
-                        f"parallel.cp = 1")
+                        f"'{p.cp_mode}': model.family = '{m.family}' has no document mask in its ring attention; "
+                        f"set parallel.cp_mode = 'all-to-all' (the whole sequence is gathered around attention, "
+                        f"and the mask holds there) or parallel.cp = 1")
     try:
         boundary_ids(cfg.data)
     except TokenizerError as e:

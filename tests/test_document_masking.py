@@ -326,22 +326,14 @@ def test_a_pre_tokenized_corpus_is_refused(corpus_cache, tmp_path):
     assert any("pre-tokenized" in p and "model.attn_mask" in p for p in problems), problems
 
 
-@pytest.mark.parametrize("mode", ["ring", "hybrid"])
-def test_ring_context_parallelism_is_refused(documents_corpus, mode):
-    sp = ["--parallel.sp=2"] if mode == "hybrid" else []
-    with pytest.raises(ConfigError) as err:
-        packed_config(documents_corpus, "--parallel.cp=2", f"--parallel.cp_mode={mode}", *sp)
-    assert any("parallel.cp = 2" in p and "model.attn_mask" in p and "parallel.cp_mode = 'all-to-all'" in p
-               for p in err.value.problems), err.value.problems
-
-
 def test_the_ring_raises_if_a_mask_reaches_it():
-    """Never silently causal: a mask that reaches ring attention past validation is an error."""
+    """Never silently across documents: a whole sequence's mask that reaches ring attention (which
+    masks its pairs by the documents' ids, tests/test_ring_documents.py) is an error."""
     from bigtrain.parallel.ring_attention import RingAttention
 
     ring = RingAttention(torch.nn.Identity(), comm=None, chunks=None)
     q = torch.zeros(1, 4, 2, 8)
-    with pytest.raises(RuntimeError, match="model.attn_mask = 'block_causal'"):
+    with pytest.raises(RuntimeError, match="a mask of the whole sequence"):
         ring(q, q, q, torch.zeros(1, 1, 4, 4))
 
 

@@ -94,7 +94,7 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     resume and that delayed update are drawn from generators of their own, so a decoder sample
     with none of them is the one :func:`sample_layout` drew for (seed, index) before DLRMs, int8,
     compilation, resumes and mixed-precision delayed updates joined, whatever the shares.
-    Last, with probability ``documents_share``, a decoder sample without cp attends block-causally
+    Last, with probability ``documents_share``, a decoder sample attends block-causally
     (:func:`document_mask_choice`, from a generator of its own: a share of 0 leaves every sample as it was)."""
     rng = random.Random(f"{seed}:{index}")
     if random.Random(f"{seed}:{index}:model").random() < dlrm_share:
@@ -109,12 +109,13 @@ def document_mask_choice(rng: random.Random, out: list[str]) -> list[str]:
     """Block-causal attention (model.attn_mask) over the corpus cut at each ':' (data.document_end: the
     byte corpus has no other boundary; a printable byte keeps the sample's overrides one line; in the
     standard library's sources it ends a line or two, so a window holds several documents), half the
-    time with positions reset at each document; none for a sample with cp in a mode other than
-    'all-to-all', before or after a resume (the ring's is refused: docs/ecosystem.md, "Document masking")."""
+    time with positions reset at each document; none for a Hugging Face sample with cp in a mode other
+    than 'all-to-all', before or after a resume (their ring takes no documents: docs/ecosystem.md,
+    "Document masking"; bigtrain's Llama masks the ring's pairs by the documents' ids)."""
     values = [o.split(":", 1)[-1] if o.startswith(THEN) else o for o in out]
     with_cp = any(v.startswith(CP) and v.split("=", 1)[1] != "1" for v in values)
     modes = {v.split("=", 1)[1] for v in values if v.startswith("--parallel.cp_mode=")}
-    if with_cp and modes != {"all-to-all"}:
+    if with_cp and modes != {"all-to-all"} and HF in out:
         return []
     return [BLOCK_CAUSAL, "--data.document_end=:", f"--model.reset_positions={rng.random() < 0.5}"]
 

@@ -142,8 +142,22 @@ def document_block_mask(documents: torch.Tensor, block: int = 128) -> BlockMask:
                                     seq_lengths=(s, s))
 
 
-def layer_mask(documents: torch.Tensor, dtype: torch.dtype, kind: str) -> torch.Tensor | BlockMask:
+@dataclass(frozen=True)
+class DocumentIds:
+    """The documents of a window as they are, for an attention that masks each block of its own
+    from them instead of one mask of the whole sequence: ring attention (context parallelism, whose
+    ranks hold chunks of a sequence too long for a (seq, seq) mask). ``ids``: :func:`document_ids`
+    of the whole sequence (batch, seq), in position order."""
+
+    ids: torch.Tensor
+
+
+def layer_mask(documents: torch.Tensor | DocumentIds, dtype: torch.dtype,
+               kind: str) -> torch.Tensor | BlockMask | DocumentIds:
     """What every layer of one forward attends with (built once, shared): sdpa's additive mask
     (:func:`document_bias`) or, ``kind`` 'flex' (:mod:`bigtrain.core.attention_kind`), the BlockMask
-    (:func:`document_block_mask`)."""
+    (:func:`document_block_mask`); documents given as :class:`DocumentIds` (the context-parallel
+    ring's) go to the layers as they are."""
+    if isinstance(documents, DocumentIds):
+        return documents
     return document_block_mask(documents) if kind == "flex" else document_bias(documents, dtype)

@@ -49,6 +49,7 @@ LLAMA = Family(
                      if f.name != "hf_config" and not f.name.startswith("dlrm_")),
     compiles=True,
     document_mask=True,  # Llama.forward(documents=, positions=): AttentionCore's block-causal mask
+    ring_documents=True,  # RingAttention takes DocumentIds in its AttentionCore's place
     flex_attention=True,  # AttentionCore: a BlockMask goes to FlexAttention (bigtrain/models/flex.py)
     block_linears=True,
     context_parallel=attach_context_parallel,  # ring or all-to-all around its AttentionCore modules

@@ -127,6 +127,9 @@ class Family:
     # Its model takes ``documents`` (and per-row ``positions``) in forward and attends block-causally
     # with them (model.attn_mask = 'block_causal', bigtrain.core.documents); False: refused before launch.
     document_mask: bool = False
+    # Its ring attention (parallel.cp_mode 'ring' / 'hybrid') masks each pair of chunks by the documents'
+    # ids (bigtrain.core.documents.DocumentIds); False: block-causal attention needs cp_mode 'all-to-all'.
+    ring_documents: bool = False
     # Its attention takes a BlockMask as the documents' mask (model.attention = 'flex', FlexAttention);
     # False: 'flex' is refused before launch ('auto' stays on sdpa's dense mask).
     flex_attention: bool = False

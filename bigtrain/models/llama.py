@@ -17,7 +17,7 @@ from torch import nn
 
 from bigtrain.config import ModelConfig
 from bigtrain.core.attention_kind import attention_kind
-from bigtrain.core.documents import layer_mask
+from bigtrain.core.documents import DocumentIds, layer_mask
 from bigtrain.models.feed_forward import FeedForward
 from bigtrain.models.flex import BlockMask, flex_attend
 from bigtrain.models.moe import MoEFeedForward, init_router_biases
@@ -74,6 +74,9 @@ class AttentionCore(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif isinstance(mask, BlockMask):
             out = flex_attend(q, k, v, mask)
+        elif isinstance(mask, DocumentIds):  # the ring's (RingAttention takes this core's place)
+            raise RuntimeError("document ids reached attention over a whole sequence: only ring attention "
+                               "(parallel.cp_mode = 'ring' / 'hybrid') masks its blocks from them")
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
         return out.transpose(1, 2)
@@ -187,7 +190,10 @@ def documents_mask(cfg: ModelConfig, documents: torch.Tensor, dtype: torch.dtype
     """The mask every layer of one forward (or pipeline stage) attends with, for ``documents``
     (batch, seq): sdpa's additive one in ``dtype`` or FlexAttention's BlockMask, as
     ``model.attention`` resolves on the device the documents are on
-    (:func:`bigtrain.core.attention_kind.attention_kind`)."""
+    (:func:`bigtrain.core.attention_kind.attention_kind`); :class:`~bigtrain.core.documents.DocumentIds`
+    (the context-parallel ring's) as they are."""
+    if isinstance(documents, DocumentIds):
+        return documents
     return layer_mask(documents, dtype, attention_kind(cfg.attention, "block_causal", documents.device.type))
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigtrain.core.documents import DocumentBoundaries, document_ids, document_positions
+from bigtrain.core.documents import DocumentBoundaries, DocumentIds, document_ids, document_positions
 from bigtrain.memory.activations import ActivationMemory
 from bigtrain.parallel.compile import Compiled
 from bigtrain.distributed.comm import AxisComm
@@ -138,13 +138,20 @@ class ParallelModel:
         with the micro-batch, never as state on a module."""
         if self.documents is None:
             return {}
-        out = {"documents": document_ids(tokens, self.documents)}
+        ids = document_ids(tokens, self.documents)
+        # The ring (cp_mode 'ring' / 'hybrid') masks each pair of chunks from the ids themselves: a
+        # mask of the whole sequence, (seq, seq), is what context parallelism cannot hold.
+        out = {"documents": DocumentIds(ids) if self._attends_in_a_ring() else ids}
         if self.documents.reset_positions:  # this rank's tokens' positions, cut as its tokens are
             positions = document_positions(tokens, self.documents)
             if self.cp is not None and self.cp.size > 1:
                 positions = local_sequence(positions, self.cp)
             out["positions"] = local_chunk(positions, self.sp, 1) if self.sp.size > 1 else positions
         return out
+
+    def _attends_in_a_ring(self) -> bool:
+        """Whether the model's attention runs as ring attention (the record of its transforms)."""
+        return any("ring_attention" in kinds for kinds in self.transforms.values())
 
     def model_inputs(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(this rank's tokens, its targets, the keywords the model is called with): the sequence

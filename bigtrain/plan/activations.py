@@ -102,7 +102,10 @@ Block-causal attention (``model.attn_mask``, ``ModelSpec.document_mask``) adds, 
 micro-batch in flight, the one mask its layers share (:func:`document_mask_bytes`): with sdpa the
 additive (samples, 1, s, s) mask in the compute dtype, B s^2 a sample, of the whole sequence s
 whatever cuts the tokens (tp, Megatron SP, Ulysses, cp's all-to-all: attention sees the whole
-sequence); with FlexAttention its BlockMask, int32 tile indices. sdpa saves the mask for backward
+sequence); with FlexAttention its BlockMask, int32 tile indices; under ring context parallelism
+(cp_mode 'ring' / 'hybrid') the documents' int64 ids of the whole sequence, 8 B s a sample, from
+which the ring masks each pair of chunks (a pair's mask lives while the pair is computed, as its
+scores do: not saved). sdpa saves the mask for backward
 once (every layer saves the same tensor: measured, tests/test_document_masking.py); a checkpointed
 block keeps it alive as an input of its recomputation. It lives until the chunk's first block has
 run its backward, so it is counted with the chunk's largest block too.
@@ -466,14 +469,17 @@ def head_activations(model: ModelSpec, precision: str, compression: str = "none"
                            linear_input=linear_in, compiled=compiled)
 
 
-def document_mask_bytes(model: ModelSpec, samples: int, precision: str, tile: int = 128) -> int:
+def document_mask_bytes(model: ModelSpec, samples: int, precision: str, tile: int = 128, ring: bool = False) -> int:
     """What one micro-batch's block-causal mask holds on a stage chunk with blocks (module
     docstring): sdpa's (samples, 1, s, s) additive mask in the compute dtype; FlexAttention's
     BlockMask (:func:`bigtrain.core.documents.document_block_mask`): the partial and the full tiles'
     counts (samples, 1, n) and indices (samples, 1, n, n), int32, for key tiles by query tile and
     their transposes (n = s / 128 tiles), and the padded ids its mask function reads (int64, n x 128
-    a sample). 0 under causal attention (sdpa's causal kernel takes no mask)."""
+    a sample); ``ring``: the ids of the whole sequence the ring masks its pairs by (int64). 0 under
+    causal attention (sdpa's causal kernel takes no mask)."""
     s = model.seq
+    if ring and model.document_mask:
+        return samples * s * 8
     if model.document_mask == "sdpa":
         return samples * s * s * BYTES[precision]
     if model.document_mask == "flex":

@@ -151,7 +151,8 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[tuple
     head's, the largest block's)."""
     return _chunks(model, pp_rank, layout.pp, layout.v, layout.recompute, layout.every, layout.precision,
                    layout.compression, layout.compiled, layout.ep, layout.fused_loss, layout.micro_batch,
-                   layout.seq_shards, layout.tp, layout.tp_sp, layout.head_exchange, layout.split, layout.fp8)
+                   layout.seq_shards, layout.tp, layout.tp_sp, layout.head_exchange, layout.split, layout.fp8,
+                   layout.cp > 1 and layout.cp_mode != "all-to-all")
 
 
 # Keyed on the layout's fields the saved activations read, so that the layouts of a search that
@@ -159,7 +160,7 @@ def _stage_chunks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[tuple
 @cached()
 def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, every: int, precision: str,
             compression: str, compiled: bool, ep: int, fused_loss: bool, samples: int, seq_shards: int, tp: int,
-            tp_sp: bool, head_exchange: int, split: tuple[int, ...] = (), fp8: str = "none"
+            tp_sp: bool, head_exchange: int, split: tuple[int, ...] = (), fp8: str = "none", ring: bool = False
             ) -> tuple[tuple[float, float, float], ...]:
     stages = pp * v
     blocks = stage_blocks(model.layers, stages, split)
@@ -184,7 +185,7 @@ def _chunks(model: ModelSpec, pp_rank: int, pp: int, v: int, recompute: str, eve
                              + (0 if i in checkpointed else acts.per_block))
         ends = head.bytes(samples, seq, last=s == stages - 1, first=s == 0, **mode)
         # block-causal attention: the chunk's one mask a micro-batch, alive until its first block's backward
-        mask = document_mask_bytes(model, samples, precision) if per_block else 0
+        mask = document_mask_bytes(model, samples, precision, ring=ring) if per_block else 0
         out.append((sum(per_block) + mask, ends, max(per_block, default=0.0) + mask))
     return tuple(out)
 
