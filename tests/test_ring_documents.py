@@ -18,7 +18,7 @@ from bigtrain.distributed.mesh import Mesh
 from bigtrain.parallel.context import chunks_of, local_sequence
 from bigtrain.parallel.ring_attention import _ChunkDocuments, ring_attention
 from bigtrain.testing import run_ranks
-from test_document_masking import documents_corpus, packed_config  # noqa: F401 (a fixture)
+from test_document_masking import HF, documents_corpus, packed_config  # noqa: F401 (a fixture)
 
 # Each row's documents, by where each begins (the row's first token always does), over 32 tokens
 # cut into 2 x cp chunks: at cp 2 chunks of 8, at cp 4 chunks of 4. Row 0: boundaries inside chunks,
@@ -96,12 +96,34 @@ def test_ring_layout_with_documents_matches_the_reference(name, documents_corpus
     assert report.agree, report.text()
 
 
-def test_a_family_whose_ring_takes_no_documents_is_refused(documents_corpus):  # noqa: F811
+HF_LAYOUTS = {
+    "ring-cp2-reset": ["--parallel.cp=2", "--parallel.cp_mode=ring", "--model.reset_positions=true"],
+}
+
+
+@pytest.mark.parametrize("name", list(HF_LAYOUTS))
+def test_hf_ring_layout_with_documents_matches_transformers_reference(name, documents_corpus, tmp_path):  # noqa: F811
+    """The Hugging Face family's ring (families/hf_context.py) takes the same ids; its reference runs
+    transformers' own model over each document alone."""
+    pytest.importorskip("transformers")
+    cfg = packed_config(documents_corpus, "--model.family=hf", "--optim.name=adamw", f"--model.hf_config={HF / 'qwen3'}",
+                        *HF_LAYOUTS[name])
+    report = run_ranks(check_on_rank, cfg.parallel.world_size, cfg, str(tmp_path), 3, timeout=600)[0]
+    assert report.agree, report.text()
+
+
+def test_a_family_whose_ring_takes_no_documents_is_refused(documents_corpus, monkeypatch):  # noqa: F811
+    import dataclasses
+
+    import bigtrain.document_checks
+    from bigtrain.families.llama import LLAMA
+
+    own = dataclasses.replace(LLAMA, ring_documents=False)  # a family of one's own, say, with no ring of ids
+    monkeypatch.setattr(bigtrain.document_checks, "registered_family", lambda name: own)
     with pytest.raises(ConfigError) as err:
-        packed_config(documents_corpus, "--model.family=hf", "--model.hf_config=tiny:llama", "--parallel.cp=2",
-                      "--parallel.cp_mode=ring")
+        packed_config(documents_corpus, "--parallel.cp=2", "--parallel.cp_mode=ring")
     assert any("parallel.cp_mode = 'ring'" in p and "no document mask in its ring" in p
-               for p in err.value.problems), err.value.problems
+               and "parallel.cp_mode = 'all-to-all'" in p for p in err.value.problems), err.value.problems
 
 
 def _saved_activations(rank, world_size, cfg, run_dir):

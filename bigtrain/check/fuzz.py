@@ -64,7 +64,7 @@ INT8_SHARE = 0.2
 COMPILE_SHARE = 0.25
 COMPILED = "--compile.enabled=true"
 BLOCK_CAUSAL = "--model.attn_mask=block_causal"
-# Of the decoder samples without cp: block-causal attention over the corpus's lines (document_mask_choice).
+# Of the decoder samples: block-causal attention over the corpus's lines (document_mask_choice), under any cp mode.
 DOCUMENTS_SHARE = 0.15
 CP_SHARE = 0.15
 # Of the samples with cp: a sequence of odd or one-token chunks, and a resume that changes cp
@@ -102,21 +102,15 @@ def draw_sample(seed: int, index: int, max_world: int = 8, dlrm_share: float = D
     out = _decoder_sample(seed, index, rng, max_world, resume_share, int8_share, compile_share, hf_share, cp_share,
                           delayed_share, cp_shape_share)
     documents = random.Random(f"{seed}:{index}:documents")
-    return out + (document_mask_choice(documents, out) if documents.random() < documents_share else [])
+    return out + (document_mask_choice(documents) if documents.random() < documents_share else [])
 
 
-def document_mask_choice(rng: random.Random, out: list[str]) -> list[str]:
+def document_mask_choice(rng: random.Random) -> list[str]:
     """Block-causal attention (model.attn_mask) over the corpus cut at each ':' (data.document_end: the
     byte corpus has no other boundary; a printable byte keeps the sample's overrides one line; in the
     standard library's sources it ends a line or two, so a window holds several documents), half the
-    time with positions reset at each document; none for a Hugging Face sample with cp in a mode other
-    than 'all-to-all', before or after a resume (their ring takes no documents: docs/ecosystem.md,
-    "Document masking"; bigtrain's Llama masks the ring's pairs by the documents' ids)."""
-    values = [o.split(":", 1)[-1] if o.startswith(THEN) else o for o in out]
-    with_cp = any(v.startswith(CP) and v.split("=", 1)[1] != "1" for v in values)
-    modes = {v.split("=", 1)[1] for v in values if v.startswith("--parallel.cp_mode=")}
-    if with_cp and modes != {"all-to-all"} and HF in out:
-        return []
+    time with positions reset at each document; under any cp mode (the ring masks its pairs by the
+    documents' ids: docs/context-parallel.md)."""
     return [BLOCK_CAUSAL, "--data.document_end=:", f"--model.reset_positions={rng.random() < 0.5}"]
 
 
@@ -412,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"one-step delayed update where validation accepts it, 0 to 1 (default {DELAYED_SHARE}, "
                              f"as fp32's; 0: as before it joined, fp32 samples only)")
     parser.add_argument("--documents-share", default=DOCUMENTS_SHARE,
-                        help=f"share of the decoder samples without cp that attend block-causally over the "
+                        help=f"share of the decoder samples that attend block-causally over the "
                              f"corpus's lines (model.attn_mask, model.reset_positions), 0 to 1 (default "
                              f"{DOCUMENTS_SHARE}; 0: as before it joined)")
     args = parser.parse_args(argv)

@@ -453,6 +453,7 @@ HF = Family(
     final_norm="model.norm",
     compiles=True,
     document_mask=True,  # CausalLM.forward(documents=): the family's attention functions build the mask
+    ring_documents=True,  # hf_context.py: the ring masks its pairs by the DocumentIds it is given
     block_linears=True,
     reference=HFReference,
     captured=captured_module,

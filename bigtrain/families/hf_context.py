@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from bigtrain.config import Config
+from bigtrain.core.documents import DocumentIds
 from bigtrain.context_checks import divisor_near
 from bigtrain.distributed.comm import AxisComm
 from bigtrain.families.hf_attention import GROUP as ULYSSES_GROUP
@@ -92,9 +93,10 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         extra = () if documents is None else (documents,)
         out = attend(q, k, v, dropout, scaling, sliding_window, *extra)  # (batch, heads / cp, seq, head_dim)
         return hooks.to_local_chunks(out.transpose(1, 2)).contiguous(), None
-    if kwargs.get(DOCUMENTS) is not None:  # validation refuses it first; never attend across documents silently
-        raise RuntimeError(f"model.attn_mask = 'block_causal' with parallel.cp_mode = '{group.mode}': ring attention "
-                           f"has no document mask; set parallel.cp_mode = 'all-to-all' or parallel.cp = 1")
+    documents = kwargs.get(DOCUMENTS)  # block-causal: the ring masks its pairs by the ids (never a whole mask)
+    if documents is not None and not isinstance(documents, DocumentIds):
+        raise RuntimeError(f"block-causal attention reached the ring (parallel.cp_mode = '{group.mode}') with a mask "
+                           f"of the whole sequence, not the document ids it masks each pair of chunks by")
     whole = query.shape[2] * group.comm.size * (sp.size if group.mode == "hybrid" else 1)
     if sliding_window is not None and sliding_window < whole:
         raise RuntimeError(f"parallel.cp_mode = '{group.mode}': the ring attends causally over whole chunks and "
@@ -102,7 +104,7 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if dropout:
         raise RuntimeError(f"parallel.cp_mode = '{group.mode}': the ring has no attention dropout ({dropout})")
     ring = partial(ring_attention_heads_first, comm=group.comm, chunks=partial(chunks_of, group.comm.size),
-                   scale=scaling)
+                   scale=scaling, documents=None if documents is None else documents.ids)
     if group.mode == "ring":
         return ring(query, key, value).transpose(1, 2), None
     return heads_to_shard(ring(*shard_to_heads(query, key, value, sp)), sp), None  # hybrid

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from bigtrain.core.documents import document_bias
-from bigtrain.models.hf_causal_lm import DOCUMENTS, CausalLM, init_rotary_buffers, token_positions
+from bigtrain.models.hf_causal_lm import CausalLM, documents_keyword, init_rotary_buffers, token_positions
 from bigtrain.parallel.pipeline.partition import PipelineStage, _split_points, stage_ranges
 
 
@@ -44,7 +43,7 @@ class CausalLMStage(PipelineStage):
         h = self.model.embed_tokens(x) if self.is_first else x
         positions = token_positions(h.shape[1], start_pos, positions, h.device)
         rotary = self.model.rotary_emb(h, positions)
-        extra = {} if documents is None else {DOCUMENTS: document_bias(documents, h.dtype)}  # one for the layers
+        extra = documents_keyword(documents, h.dtype)  # one for the layers
         for layer in self.model.layers.values():
             h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary, **extra)
         if not self.is_last:

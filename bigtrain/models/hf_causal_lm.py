@@ -14,12 +14,21 @@ import zlib
 import torch
 from torch import nn
 
-from bigtrain.core.documents import document_bias
+from bigtrain.core.documents import DocumentIds, document_bias
 
 # The keyword each decoder layer's attention function receives the window's documents under, as
-# one additive mask for every layer (block-causal attention, bigtrain.core.documents.document_bias):
-# transformers hands a layer's extra keywords on to it.
+# one additive mask for every layer (block-causal attention, bigtrain.core.documents.document_bias),
+# or as their ids under ring context parallelism (families/hf_context.py): transformers hands a
+# layer's extra keywords on to it.
 DOCUMENTS = "bigtrain_documents"
+
+
+def documents_keyword(documents: torch.Tensor | DocumentIds | None, dtype: torch.dtype) -> dict:
+    """The layers' keyword for ``documents`` (None: causal): the whole sequence's additive mask,
+    or the ring's :class:`~bigtrain.core.documents.DocumentIds` as they are."""
+    if documents is None:
+        return {}
+    return {DOCUMENTS: documents if isinstance(documents, DocumentIds) else document_bias(documents, dtype)}
 
 
 class CausalLM(nn.Module):
@@ -39,7 +48,7 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, with_head: bool = True,
                 positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         positions = token_positions(tokens.shape[1], start_pos, positions, tokens.device)
-        extra = {} if documents is None else {DOCUMENTS: document_bias(documents, self.model.embed_tokens.weight.dtype)}
+        extra = documents_keyword(documents, self.model.embed_tokens.weight.dtype)
         hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False, **extra).last_hidden_state
         return self.lm_head(hidden) if with_head else hidden
 

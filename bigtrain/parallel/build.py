@@ -119,7 +119,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan, device: torch.
     return ParallelModel(pipeline.module, engine, layout, placements, mesh.comm("dp_sp"), mesh.comm("sp"),
                          mesh.comm("pp"), activations.checkpointed, pipeline.stages, pipeline.schedule,
                          tied if tied.names else None, device, activations, float8, transforms, compiled,
-                         cp=mesh.comm("cp"), documents=plan.documents)
+                         cp=mesh.comm("cp"), cp_mode=plan.tensor.cp_mode, documents=plan.documents)
 
 
 def compiled_blocks(model: nn.Module, plan: ActivationPlan) -> nn.Module | None:

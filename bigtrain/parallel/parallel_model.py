@@ -71,6 +71,7 @@ class ParallelModel:
     transforms: dict[str, tuple[str, ...]] = field(default_factory=dict)
     compiled: Compiled | None = None  # compile.enabled: the compiled regions and loss
     cp: AxisComm | None = None  # context parallelism: the ranks this rank's sequence chunks are cut over
+    cp_mode: str = "ring"  # parallel.cp_mode: how attention runs over them
     # model.attn_mask = 'block_causal': the token ids that delimit documents (None: causal attention)
     documents: DocumentBoundaries | None = None
 
@@ -150,8 +151,9 @@ class ParallelModel:
         return out
 
     def _attends_in_a_ring(self) -> bool:
-        """Whether the model's attention runs as ring attention (the record of its transforms)."""
-        return any("ring_attention" in kinds for kinds in self.transforms.values())
+        """Whether the model's attention runs as ring attention (cp_mode 'ring', or 'hybrid': Ulysses
+        over sp around the ring)."""
+        return self.cp is not None and self.cp.size > 1 and self.cp_mode in ("ring", "hybrid")
 
     def model_inputs(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(this rank's tokens, its targets, the keywords the model is called with): the sequence
