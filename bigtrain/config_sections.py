@@ -203,7 +203,8 @@ class ParallelConfig:
                   "ranks; model.moe_experts divisible by ep). Tokens reach their experts by all-to-all.", 1)
     moe_grouped_mm: bool = doc("Run each rank's experts with torch._grouped_mm (one grouped GEMM; CPU and "
                                "CUDA sm90+) instead of a loop over experts.", False)
-    zero: int = doc("ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state), 2 (+ gradients), "
+    zero: int = doc("ZeRO stage over the ranks that hold replicas, dp x cp x sp (dp_shard x cp x sp under "
+                    "parallel.dp_replicate): 0 (replicated), 1 (optimizer state), 2 (+ gradients), "
                     "3 (+ parameters).", 0)
     bucket_mb: float = doc("Gradient all-reduce bucket size in MiB (stage 0 in fp32).", 25.0)
     reshard_after_forward: bool = doc("ZeRO-3: free gathered parameters after forward and gather again for "

@@ -190,10 +190,13 @@ def init_from_tokenizer_warnings(cfg: Config) -> list[str]:
 def layout_warnings(cfg: Config) -> list[str]:
     """Layouts that run but do not do what their name promises."""
     p, offload = cfg.parallel, cfg.offload
-    if p.zero and p.dp == 1 and offload.optimizer == "none" and offload.params == "none":  # offload runs on ZeRO's engine
+    # ZeRO's group is dp x cp x sp (the ranks of cp and sp hold replicas too): cp = 4 at dp = 1 shards 4 ways,
+    # and the warning told such a run that nothing was saved and to set zero = 0 (4x the states a rank holds).
+    alone = p.dp == 1 and p.cp == 1 and p.sp == 1
+    if p.zero and alone and offload.optimizer == "none" and offload.params == "none":  # offload runs on ZeRO's engine
         return [f"parallel.zero = {p.zero} with parallel.dp = 1: ZeRO shards over the data-parallel ranks, so one "
-                f"rank holds everything and nothing is saved (it only adds the engine's work); use parallel.dp > 1 "
-                f"or parallel.zero = 0"]
+                f"rank holds everything and nothing is saved (it only adds the engine's work; parallel.cp and "
+                f"parallel.sp, whose ranks it shards over too, are 1); use parallel.dp > 1 or parallel.zero = 0"]
     return []
 
 

@@ -161,6 +161,17 @@ def test_the_axis_product_must_be_the_world_size(corpus_cache):
     assert "dp x tp x pp x sp x cp = 1 x 2 x 1 x 1 x 2 = 4" in str(err.value) and "launch 4 ranks" in str(err.value), str(err.value)
 
 
+def test_zero_over_cp_alone_is_not_warned_as_sharding_nothing(corpus_cache):
+    """ZeRO's group is dp x cp x sp: at dp = 1 and cp = 4 it shards 4 ways. The preflight warning
+    said such a run saved nothing and to set parallel.zero = 0 (4x the states on each rank)."""
+    from bigtrain.preflight import layout_warnings
+
+    assert layout_warnings(tiny_config(corpus_cache, "--parallel.cp=4", "--parallel.zero=1")) == []
+    assert layout_warnings(tiny_config(corpus_cache, "--parallel.cp=2", "--parallel.sp=2", "--parallel.zero=3",
+                                       "--parallel.cp_mode=hybrid")) == []
+    assert "nothing is saved" in layout_warnings(tiny_config(corpus_cache, "--parallel.zero=1"))[0]
+
+
 def test_all_to_all_cp_above_the_kv_heads_replicates_them(corpus_cache):
     """4 query heads, 2 key/value heads, cp = 4: each cp rank gets one query head and a copy of its
     key/value head (as Ulysses does over sp); accepted, and trained in the parity tests' layouts."""
