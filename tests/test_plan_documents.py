@@ -79,22 +79,23 @@ def test_the_time_model_prices_the_documents_attention_not_the_window_s():
     assert unknown == causal
 
 
-def test_the_planner_gives_block_causal_context_parallelism_the_mode_that_holds_the_mask():
-    """cp is searched at 8192 tokens and more, and only all-to-all attends under a document mask (the
-    run refuses ring and hybrid with block-causal attention, context_checks.py). The search gave cp
-    the ring whatever the mask: `bigtrain train --parallel auto` on 8 CPU ranks at 16384 tokens
-    planned dp=4 x cp=2 ring, which its own validation then refused (the review of 2026-11-29)."""
+def test_the_planner_gives_block_causal_context_parallelism_a_ring_the_run_accepts(corpus_cache):
+    """cp is searched at 8192 tokens and more. `bigtrain train --parallel auto` on 8 CPU ranks at
+    16384 tokens once planned dp=4 x cp=2 ring for a block-causal model, which its own validation
+    then refused (the review of 2026-11-29); the ring now masks its pairs by the documents' ids, so
+    the run takes it, and the planner prices the ids, not a (seq, seq) mask (test_ring_documents.py)."""
+    from bigtrain.config import with_overrides
     from bigtrain.plan.layout import Cluster, layout_problems
     from bigtrain.plan.search import candidate_layouts
+    from bigtrain.validation import validate
 
     spec = dataclasses.replace(ModelSpec.build(layers=2, hidden=256, heads=4, vocab=1000, seq=16384),
                                document_mask="sdpa")
     cluster = Cluster.build(8, PRESETS["cpu"], gpus_per_node=8)
     fixed = {"tp": 1, "pp": 1, "sp": 1, "zero": 0, "micro_batch": 1, "recompute": "none"}
-    with_cp = [layout for layout in candidate_layouts(spec, cluster, fixed) if layout.cp > 1]
-    assert with_cp and {layout.cp_mode for layout in with_cp} == {"all-to-all"}
-    assert not layout_problems(with_cp[0], spec, cluster, 8)
-    ring = dataclasses.replace(with_cp[0], cp_mode="ring")
-    assert any("no document mask" in p for p in layout_problems(ring, spec, cluster, 8))
-    assert not any("no document mask" in p for p in layout_problems(ring, dataclasses.replace(spec, document_mask=""),
-                                                                      cluster, 8))
+    ring = [layout for layout in candidate_layouts(spec, cluster, fixed) if layout.cp > 1 and layout.cp_mode == "ring"]
+    assert ring and not layout_problems(ring[0], spec, cluster, 8)
+    cfg = tiny_config(corpus_cache, "--data.document_end=\n", "--model.attn_mask=block_causal", "--data.seq_len=64",
+                      "--model.max_seq_len=64")
+    validate(with_overrides(cfg, ring[0].to_overrides(), "the planner's layout"))  # raises ConfigError if refused
+

@@ -400,9 +400,6 @@ def _context_problems(layout: Layout, model: ModelSpec) -> list[str]:
     if (layout.cp_mode == "hybrid") != (layout.sp > 1):
         problems.append(f"cp_mode = {layout.cp_mode} with sp = {layout.sp}: hybrid is Ulysses (sp > 1) inside "
                         f"the ring, ring and all-to-all need sp = 1")
-    if model.document_mask and layout.cp_mode != "all-to-all":  # as context_checks.py refuses it at launch
-        problems.append(f"cp_mode = {layout.cp_mode} with block-causal attention (model.attn_mask): the ring has "
-                        f"no document mask; use cp_mode = all-to-all (with sp = 1) or cp = 1")
     local_kv = kv_heads_held(model.kv_heads, layout.tp)  # fewer than tp: one replicated head a tp rank
     if layout.cp_mode == "all-to-all" and (model.heads // layout.tp) % layout.cp:
         problems.append(f"cp_mode = all-to-all: cp = {layout.cp} must divide the {model.heads // layout.tp} "

@@ -126,7 +126,7 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
         # ZeRO shards over dp x cp x sp; on one replica its units still serve offload (stepped one at a time)
         offloading = fixed.get("offload_optimizer", "none") != "none" or fixed.get("offload_params", "none") != "none"
         zeros = _options(fixed, "zero", (0, 1, 2, 3) if dp * sp * cp > 1 or offloading else (0,))
-        cp_mode = fixed.get("cp_mode", _default_cp_mode(model, sp))
+        cp_mode = fixed.get("cp_mode", "hybrid" if sp > 1 else "ring")
         choices = itertools.product(zeros, _options(fixed, "micro_batch", MICRO_BATCHES), _schedules(fixed, pp),
                                     _options(fixed, "recompute", RECOMPUTES),
                                     _options(fixed, "tp_sp", (False, True) if tp > 1 else (False,)))
@@ -153,15 +153,6 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, fixed: dict, precision
                 if layout not in seen:
                     seen.add(layout)
                     yield layout
-
-
-def _default_cp_mode(model: ModelSpec, sp: int) -> str:
-    """The cp_mode a layout of ``sp`` gets when the user fixes none: the ring (USP's hybrid with
-    Ulysses); with a document mask all-to-all, the one mode whose attention holds the mask (the
-    ring's has none: the run refuses ring and hybrid with block-causal attention)."""
-    if model.document_mask:
-        return "all-to-all"
-    return "hybrid" if sp > 1 else "ring"
 
 
 def _data_degrees(model: ModelSpec, cluster: Cluster, fixed: dict, dp: int, tp: int, sp: int,
