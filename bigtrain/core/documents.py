@@ -147,9 +147,12 @@ class DocumentIds:
     """The documents of a window as they are, for an attention that masks each block of its own
     from them instead of one mask of the whole sequence: ring attention (context parallelism, whose
     ranks hold chunks of a sequence too long for a (seq, seq) mask). ``ids``: :func:`document_ids`
-    of the whole sequence (batch, seq), in position order."""
+    of the whole sequence (batch, seq), in position order; ``bounds``: the first and last id of each
+    of the ring's chunks, (2, batch, chunks) on the host, read once for every layer
+    (:func:`bigtrain.parallel.ring_attention.chunk_bounds`)."""
 
     ids: torch.Tensor
+    bounds: torch.Tensor | None = None
 
 
 def layer_mask(documents: torch.Tensor | DocumentIds, dtype: torch.dtype,

@@ -22,6 +22,7 @@ from bigtrain.parallel.context import local_positions, local_sequence
 from bigtrain.parallel.chunks import WEIGHT, WEIGHT_IN_USE, SavedChunk, all_finite, chunks, owned_range
 from bigtrain.parallel.placement import Placements
 from bigtrain.parallel.replicated import ReplicatedEngine
+from bigtrain.parallel.ring_attention import chunk_bounds
 from bigtrain.parallel.tensor.functional import local_chunk
 from bigtrain.parallel.tensor.plan import TensorLayout
 from bigtrain.parallel.tied import TiedCopies
@@ -142,7 +143,10 @@ class ParallelModel:
         ids = document_ids(tokens, self.documents)
         # The ring (cp_mode 'ring' / 'hybrid') masks each pair of chunks from the ids themselves: a
         # mask of the whole sequence, (seq, seq), is what context parallelism cannot hold.
-        out = {"documents": DocumentIds(ids) if self._attends_in_a_ring() else ids}
+        if self._attends_in_a_ring():  # each chunk's bounds read once here, not in every layer
+            out = {"documents": DocumentIds(ids, chunk_bounds(ids, 2 * self.cp.size))}
+        else:
+            out = {"documents": ids}
         if self.documents.reset_positions:  # this rank's tokens' positions, cut as its tokens are
             positions = document_positions(tokens, self.documents)
             if self.cp is not None and self.cp.size > 1:

@@ -91,12 +91,15 @@ class _ChunkDocuments:
     """Which keys of a pair of chunks each query sees, from the window's document ids (batch, seq)
     in position order, cut into chunks of ``chunk`` tokens. Ids grow along a sequence
     (:func:`~bigtrain.core.documents.document_ids`), so a chunk's first and last ids bound it: read
-    to the host once (2 x cp chunks a sample), they sort every pair."""
+    to the host once (2 x cp chunks a sample), they sort every pair. ``bounds``: those ids, (2,
+    batch, chunks) on the host, where the caller read them once for every layer (on a GPU each read
+    waits for the device); else read here."""
 
-    def __init__(self, ids: torch.Tensor, chunk: int):
+    def __init__(self, ids: torch.Tensor, chunk: int, bounds: torch.Tensor | None = None):
         self.ids, self.chunk = ids, chunk
-        self.first = ids[:, ::chunk].tolist()  # per sample, per chunk
-        self.last = ids[:, chunk - 1::chunk].tolist()
+        if bounds is None:
+            bounds = chunk_bounds(ids, ids.shape[1] // chunk)
+        self.first, self.last = bounds.tolist()  # per sample, per chunk
 
     def pairs(self, mine: tuple[int, ...], theirs: tuple[int, ...]):
         """(query slot, key slot, causal, mask) of the pairs where some query sees some key; mask None
@@ -118,6 +121,13 @@ class _ChunkDocuments:
         if causal:
             allowed = allowed & torch.ones(c, c, dtype=torch.bool, device=allowed.device).tril()
         return allowed[:, None]  # over the heads
+
+
+def chunk_bounds(ids: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The first and last document id of each of ``chunks`` equal chunks of ``ids`` (batch, seq), as
+    (2, batch, chunks) on the host (:class:`_ChunkDocuments`' reading of a window's ids)."""
+    chunk = ids.shape[1] // chunks
+    return torch.stack((ids[:, ::chunk], ids[:, chunk - 1::chunk])).cpu()
 
 
 def _attended(documents: _ChunkDocuments | None, mine: tuple[int, ...], theirs: tuple[int, ...]):
@@ -203,13 +213,15 @@ def attend_block(qs: list[torch.Tensor], block: torch.Tensor, mine: tuple[int, .
 class _RingAttention(torch.autograd.Function):
     """q (batch, heads, local seq, dim), k and v (batch, kv heads, local seq, dim), all this rank's
     chunks concatenated; ``chunks(r)``: the global chunk indices rank r holds, in that order;
-    ``documents``: the window's document ids (batch, seq), or None (causal)."""
+    ``documents``: the window's document ids (batch, seq), or None (causal); ``bounds``: their
+    :func:`chunk_bounds`, when read already."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: AxisComm, chunks, scale: float, documents: torch.Tensor | None = None):
+    def forward(ctx, q, k, v, comm: AxisComm, chunks, scale: float, documents: torch.Tensor | None = None,
+                bounds: torch.Tensor | None = None):
         n, r = comm.size, comm.rank
         mine = chunks(r)
-        chunked = None if documents is None else _ChunkDocuments(documents, q.shape[2] // len(mine))
+        chunked = None if documents is None else _ChunkDocuments(documents, q.shape[2] // len(mine), bounds)
         qs = _wide(q).chunk(len(mine), dim=2)
         out: list[torch.Tensor | None] = [None] * len(mine)
         lse: list[torch.Tensor | None] = [None] * len(mine)
@@ -226,6 +238,7 @@ class _RingAttention(torch.autograd.Function):
         # the ids too (the same tensor in every layer: held once), for the backward's pairs
         ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=2), *(() if documents is None else (documents,)))
         ctx.comm, ctx.chunks, ctx.scale = comm, chunks, scale
+        ctx.bounds = None if chunked is None else torch.tensor([chunked.first, chunked.last])  # host: read once
         return result
 
     @staticmethod
@@ -235,7 +248,7 @@ class _RingAttention(torch.autograd.Function):
         n, r, heads, kv_heads = comm.size, comm.rank, q.shape[1], k.shape[1]
         mine = chunks(r)
         parts = len(mine)
-        documents = _ChunkDocuments(ids[0], q.shape[2] // parts) if ids else None
+        documents = _ChunkDocuments(ids[0], q.shape[2] // parts, ctx.bounds) if ids else None
         do, wide_out = _wide(grad_out), _wide(out)
         delta = (do * wide_out).sum(-1)  # rowsum(dO * O): the softmax's backward term
         qs, dos, outs = _wide(q).chunk(parts, dim=2), do.chunk(parts, dim=2), wide_out.chunk(parts, dim=2)
@@ -271,29 +284,30 @@ class _RingAttention(torch.autograd.Function):
             block = incoming
         _wait(grad_works)
         grads = arrived
-        return (torch.cat(dq, dim=2).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None)
+        return (torch.cat(dq, dim=2).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), *[None] * 5)
 
 
 @eager_under_compile  # point-to-point traffic in Python: a compiled block breaks around it
 def ring_attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: AxisComm, chunks,
-                               scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                               scale: float | None = None, documents: torch.Tensor | None = None,
+                               bounds: torch.Tensor | None = None) -> torch.Tensor:
     """The ring itself, in the (batch, heads, seq, dim) layout of sdpa and transformers' attention
     functions: q (batch, heads, local seq, dim), k and v (batch, kv heads, local seq, dim) of the
     chunks ``chunks(comm.rank)`` -> this rank's (batch, heads, local seq, dim), laid out (batch,
     seq, heads, dim) in memory (its ``transpose(1, 2)`` is contiguous). ``scale``: the softmax's,
     head_dim ** -0.5 when None. ``documents``: the window's document ids (batch, seq; block-causal
-    attention), None: causal."""
+    attention), None: causal; ``bounds``: their :func:`chunk_bounds` when read already."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, comm, chunks, scale, documents)
+    return _RingAttention.apply(q, k, v, comm, chunks, scale, documents, bounds)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: AxisComm, chunks,
-                   documents: torch.Tensor | None = None) -> torch.Tensor:
+                   documents: torch.Tensor | None = None, bounds: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (``documents`` given: block-causal) attention of (batch, local seq, heads, dim) q, k, v
     whose sequence is cut over ``comm``'s ranks as ``chunks(rank)`` says; returns this rank's
     (batch, local seq, heads, dim)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return ring_attention_heads_first(q, k, v, comm, chunks, documents=documents).transpose(1, 2)
+    return ring_attention_heads_first(q, k, v, comm, chunks, documents=documents, bounds=bounds).transpose(1, 2)
 
 
 class RingAttention(ModuleWrapper):
@@ -314,4 +328,6 @@ class RingAttention(ModuleWrapper):
             raise RuntimeError("block-causal attention reached the ring with a mask of the whole sequence, not the "
                                "document ids it masks each pair of chunks by (ParallelModel.document_kwargs gives "
                                "them under parallel.cp_mode = 'ring' / 'hybrid')")
-        return ring_attention(q, k, v, self.comm, self.chunks, None if mask is None else mask.ids)
+        if mask is None:
+            return ring_attention(q, k, v, self.comm, self.chunks)
+        return ring_attention(q, k, v, self.comm, self.chunks, mask.ids, mask.bounds)
