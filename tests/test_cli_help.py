@@ -77,6 +77,22 @@ def test_dp_follows_the_world_size_when_nothing_sets_it(argv, world, dp, capsys)
     assert cfg.parallel.dp == dp
 
 
+def test_dp_follows_the_world_size_under_a_config_file_that_leaves_it_unset(tmp_path, capsys):
+    """The README's ``bigtrain config --preset small > my.toml`` then ``torchrun --nproc-per-node 2 -m
+    bigtrain train --config my.toml``: the file leaves parallel.dp commented, so dp is the world
+    size's (dp_given reads the file: its only test in the suite; that line's launch from a fresh
+    shell is in the extended lane, tests/extended.txt); a file that sets dp keeps it."""
+    assert main(["config", "--preset", "small"]) == 0
+    text = capsys.readouterr().out
+    assert "# dp = 1" in text
+    unset, given = tmp_path / "my.toml", tmp_path / "dp1.toml"
+    unset.write_text(text)
+    given.write_text(text.replace("# dp = 1", "dp = 1", 1))
+    for path, dp in ((unset, 2), (given, 1)):
+        args, rest = _train_args("--config", str(path))
+        assert _infer_dp(args, rest, _resolve(args, rest), 2).parallel.dp == dp, path.name
+
+
 def test_world_size_without_auto_is_checked_against_the_layout(capsys):
     assert main(["train", "--preset", "tiny", "--parallel.dp=1", "--world-size", "2"]) == 2
     assert "world size 2 (--world-size) != parallel.dp" in capsys.readouterr().err  # not "from the launcher"

@@ -350,6 +350,11 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_losses_match(corpus_cache, t
     assert "the launcher restarted the ranks after a failure (restart 1 of 1)" in log.read_text()
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1)), "steps logged twice or lost across the restart"
+    # What a launch by bigtrain itself records, the suite's one check of it (tests/test_cli_run.py's
+    # plain dp=2 launch is the same launch_local and is in the extended lane): each step's
+    # data-parallel traffic, and the launched mesh in summary.json.
+    assert all(r["comm"]["dp"] > 0 for r in resumed), resumed[0]
+    assert json.loads((run_dir / "summary.json").read_text())["mesh"]["dp"] == 2
     # It resumed rather than starting over: the steps before the newest checkpoint at the kill were
     # not run again (their records, measured times included, are the ones written before the kill).
     newest = max(int(p.name.split("_")[1]) for p in saved)

@@ -7,8 +7,9 @@ is resolved, validated and pre-flighted as written, torchrun's world size and ar
 the launch itself recorded), and every quoted output (a ```console block: ``$ command`` then what it
 prints) must be what the command prints now. In a fresh ``bash -l`` each (slow): every "Using it"
 line after the activate line the README states, with nothing of this process's environment but
-PYTHONPATH, launches included, as a new user would type them. What cannot run here is skipped by
-name, with the reason (:data:`SKIPPED`).
+PYTHONPATH, launches included, as a new user would type them (the two launch lines, bigtrain's
+and torchrun's, in the extended lane: tests/extended.txt says which suite launches make them). What
+cannot run here is skipped by name, with the reason (:data:`SKIPPED`).
 """
 
 import json
@@ -41,7 +42,8 @@ ACTIVATE = "source .venv/bin/activate"
 # layouts themselves are proven against the reference on forked ranks (tests/test_zero.py,
 # test_tensor_parallel.py (Megatron SP and Ulysses), test_pipeline_training.py). Each full launch
 # costs 20-40 s of the suite's 15 minutes (2 cores, 4 shards).
-SAME_LAUNCH = "the launch of `bigtrain train --parallel.dp=2` (run in a fresh shell above) with another layout"
+SAME_LAUNCH = ("the launch of `bigtrain train --parallel.dp=2` (in a fresh shell in the extended lane; the same "
+               "launch_local runs in the suite in tests/test_elastic.py) with another layout")
 COVERED_BY_ANOTHER_LINE = {
     "bigtrain train --parallel auto --world-size 4":
         "the calibrate line after it runs this command, with --hardware-file added",

@@ -269,9 +269,12 @@ def test_kill_9_of_the_launchers_process_group_leaves_no_rank_alive(corpus_cache
 def test_a_signal_to_the_launcher_alone_stops_every_rank_with_one_line(signum, corpus_cache, tmp_path):
     """kill -TERM / kill -INT to bigtrain's pid only (not its group): the ranks save a checkpoint of one
     step and stop, exit 128 + N, and stderr holds the one stop line and no traceback (torchrun's agent
-    never sees the signal)."""
+    never sees the signal). Under --max-restarts 1, and not restarted: a stop on purpose leaves its
+    ranks exiting 0 and its code in stopped.json, which the launcher returns. The NaN policy's stop
+    takes the same path (run_rank's NonFiniteStop / Preempted branch, cli.py's recorded_exit_code):
+    test_nan_policy.py's launch of it is in the extended lane, its stop in-process in the suite."""
     run, log = tmp_path / "run", tmp_path / "log"
-    job = _start_training(corpus_cache, run, log)
+    job = _start_training(corpus_cache, run, log, "--max-restarts", "1")
     try:
         os.kill(job.pid, signum)
         code = job.wait(timeout=240)
@@ -281,6 +284,7 @@ def test_a_signal_to_the_launcher_alone_stops_every_rank_with_one_line(signum, c
     err = log.read_text()
     assert code == 128 + signum, err[-3000:]
     assert "Traceback" not in err and "Exception" not in err, err[-3000:]
+    assert "restart" not in err, err[-3000:]  # bigtrain says each restart, and a restarted round's stop
     lines = [line for line in err.splitlines() if line.startswith("bigtrain: stopped by")]
     assert len(lines) == 1 and signal.Signals(signum).name in lines[0] and "saved checkpoint" in lines[0], err
     stopped = json.loads((run / "stopped.json").read_text())
