@@ -174,7 +174,8 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                # a byte-order mark (Windows tools write one) starts the file, not its first record
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:  # name the file and line (the codec's message names neither)
                 raise DocumentError(f"data.source: {path} line {number} is not UTF-8 ({e.reason} at byte {e.start} "
                                     f"of the line); save the file as UTF-8") from None
