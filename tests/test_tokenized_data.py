@@ -633,6 +633,16 @@ def test_a_binary_tokenizer_file_is_named_as_no_tiktoken_file_before_anything_is
         tiny_config(corpus_cache, f"--data.tokenizer={model}")
 
 
+def test_a_folder_without_tokenizer_json_names_the_tokenizer_file_it_holds(corpus_cache, tmp_path):
+    """A Llama 2 / Llama 3 download with tokenizer.model and no tokenizer.json: "does not exist", with
+    no word of the file beside it or how to make one."""
+    (tmp_path / "tokenizer.model").write_bytes(b"\n\x0b\n\x05<unk>")
+    with pytest.raises(ConfigError, match=rf"tokenizer.json does not exist, but the folder holds tokenizer.model: give "
+                                          rf"it \(data.tokenizer = '{tmp_path}/tokenizer.model'\) if it is a tiktoken "
+                                          rf"file .* AutoTokenizer.from_pretrained\(FOLDER\).save_pretrained\(FOLDER\)"):
+        tiny_config(corpus_cache, f"--data.tokenizer={tmp_path}")
+
+
 def test_an_empty_tiktoken_file_is_refused_by_field(corpus_cache, tmp_path):
     """tiktoken.Encoding of no ranks raised a bare 'max() arg is an empty sequence' from the launcher."""
     pytest.importorskip("tiktoken")
