@@ -607,6 +607,19 @@ def test_a_cap_that_cuts_a_users_corpus_is_said_before_launch(bpe, tmp_path, cap
             assert (warning in capsys.readouterr().err) == said, (source, cap)
 
 
+def test_a_corpus_the_cap_cut_below_a_window_names_the_cap(tmp_path):
+    """Records cut by data.max_bytes to fewer tokens than a window: "lower data.seq_len or give a
+    longer corpus", of a corpus that was long."""
+    from bigtrain.data.load import prepare_run_data
+
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps({"text": "long enough " * 10}) + "\n" for _ in range(3)))
+    cfg = tiny_config(str(tmp_path), f"--data.source={records}", "--data.max_bytes=20")
+    with pytest.raises(ConfigError, match=r"tokenizes to 20 tokens \(data.max_bytes = 20 cut it short\), fewer than "
+                                          r"data.seq_len \+ 2 = 34; raise data.max_bytes \(0: no cap\)"):
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+
+
 def test_the_cap_warning_is_said_by_the_launcher_not_again_by_its_rank_0(tmp_path, monkeypatch, capsys):
     """bigtrain train --parallel.dp=2 on a capped corpus said the warning twice: the launcher, which
     prepares the data before the launch, then its rank 0 doing the same."""

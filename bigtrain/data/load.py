@@ -353,10 +353,13 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         tokens = manifest["tokens"]
         train = tokens - int(tokens * d.val_fraction)
         if train < d.seq_len + 2:
-            raise ConfigError(f"data.source = '{d.source}' tokenizes to {tokens} tokens"
+            # a cap that cut the corpus is the cause to name (the byte-level check names it too)
+            cut = manifest.get("cut_at_max_bytes") and f" (data.max_bytes = {d.max_bytes} cut it short)"
+            raise ConfigError(f"data.source = '{d.source}' tokenizes to {tokens} tokens{cut or ''}"
                               + (f" ({train} before the held-out slice)" if d.val_fraction else "")
-                              + f", fewer than data.seq_len + 2 = {d.seq_len + 2}; lower data.seq_len or give a "
-                              f"longer corpus")
+                              + f", fewer than data.seq_len + 2 = {d.seq_len + 2}; "
+                              + ("raise data.max_bytes (0: no cap) or lower data.seq_len" if cut else
+                                 "lower data.seq_len or give a longer corpus"))
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
