@@ -169,6 +169,19 @@ def test_text_folder_gives_bytes_in_sorted_file_order(tmp_path, text_folder):
     assert len(tokens) == len(expected) == 34
 
 
+def test_a_linked_folder_of_a_text_folder_is_read_once_and_a_link_to_an_ancestor_ends(tmp_path, text_folder):
+    """Path.rglob does not enter a linked folder: a corpus made of links (ln -s /data/wiki corpus/wiki)
+    trained on none of their files, without a word."""
+    src, expected = text_folder
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "linked.txt").write_text("linked\n")
+    (src / "sub" / "z_link").symlink_to(outside, target_is_directory=True)
+    (src / "sub" / "loop").symlink_to(src, target_is_directory=True)
+    tokens = load_tokens(str(src), cache_dir=str(tmp_path / "cache"))
+    assert bytes(tokens) == expected + b"linked\n"
+
+
 def test_single_text_file(tmp_path):
     path = tmp_path / "notes.log"  # a file is read whatever its suffix
     path.write_bytes(b"\x00\x01hello\xff")
