@@ -360,6 +360,29 @@ def test_a_corpus_smaller_than_one_batch_is_said_before_launch(tmp_path, capsys)
         assert ("data.source = 'stdlib' has 200 training tokens, fewer than one step's batch" in err) == said, cap
 
 
+def test_a_utf16_text_file_is_said_with_the_conversion_that_fits_it(tmp_path, capsys):
+    """Windows' "Unicode" .txt (UTF-16, a BOM) in a byte-level folder trained on a NUL beside every
+    letter without a word; alone it was "binary", and tokenized the fix named was iconv -f latin1."""
+    from dataclasses import replace
+
+    from bigtrain.data.load import encoding_warning, prepare_run_data
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world " * 20, encoding="utf-16")
+    (src / "b.txt").write_text("plain text " * 20)
+    for source in (src, src / "a.txt"):
+        prepare_run_data(tiny_config(str(tmp_path / "cache"), f"--data.source={source}"), tmp_path / "run", main=True)
+        err = capsys.readouterr().err
+        assert f"1 text file is UTF-16 ({src / 'a.txt'}): a byte-level run trains on its bytes as they are" in err
+        assert "iconv -f utf-16 -t utf-8" in err and "binary" not in err, err
+    d = replace(tiny_config(str(tmp_path / "cache"), f"--data.source={src}").data, tokenizer="t.json")
+    said = encoding_warning(d, {"not_utf8_files": 1, "not_utf8": [str(src / "a.txt")]})
+    assert "iconv -f utf-16 -t utf-8" in said, said
+    (src / "a.txt").write_text("hello world " * 20)
+    assert encoding_warning(tiny_config(str(tmp_path / "cache"), f"--data.source={src}").data, None) is None
+
+
 def test_a_single_table_or_binary_file_read_as_text_is_said_and_a_torch_file_refused(tmp_path, capsys):
     """A .csv given as data.source trained on its header and commas, a binary file on its bytes, both
     without a word; a torch.save'd tensor of ids was 'a zip-compressed file ... unzip it'."""
