@@ -453,6 +453,7 @@ def test_a_warm_up_as_long_as_the_run_is_warned():
     from bigtrain.preflight import schedule_warnings
 
     said = schedule_warnings(load_config(preset="tiny", overrides=["--optim.warmup_steps=500", "--train.steps=2"]))
-    assert said == ["optim.warmup_steps = 500 >= train.steps = 2: the learning rate rises for the whole run and ends "
+    assert schedule_warnings(load_config(preset="tiny", overrides=["--optim.warmup_steps=1", "--train.steps=1"])) == []
+    assert said == ["optim.warmup_steps = 500 > train.steps = 2: the learning rate rises for the whole run and ends "
                     "at 1.2e-05, not optim.lr = 0.003; lower optim.warmup_steps (e.g. 1) or train longer"]
     assert schedule_warnings(load_config(preset="tiny")) == []
