@@ -19,7 +19,7 @@ from bigtrain.families import family_of, model_vocabulary
 from bigtrain.data.corpus import (TEXT_SUFFIXES, cache_path, cached_corpus, files_key, stdlib_files, stdlib_key, text_files,
                                   token_dtype_problem)
 from bigtrain.data.blend_spec import parse_blend
-from bigtrain.data.load import blended_config, held_out_config, is_token_file, uses_shards
+from bigtrain.data.load import blended_config, held_out_config, is_token_file, source_files, uses_shards
 from bigtrain.data.fields import holds, records_problem, tokenizer_problem
 from bigtrain.data.sampler import split_problem
 from bigtrain.writable import writable_dir_problem
@@ -87,7 +87,33 @@ def held_out_source_problems(cfg: Config) -> list[str]:
         as_source.data = data
         problems += [p.replace(f"data.source = '{data.source}'", label).replace("data.source", field)
                      for p in data_problems(as_source)]
-    return problems
+    return problems + held_out_overlap_problems(cfg)
+
+
+def held_out_overlap_problems(cfg: Config) -> list[str]:
+    """``data.val_source`` that reads a file a training corpus reads (the same path given twice, a
+    file of the training folder given as its validation split, a folder holding the training file):
+    eval_loss was measured on text the run trains on, without a word."""
+    d = cfg.data
+    if not d.val_source or not family_of(cfg).reads_tokens:
+        return []
+    held = _read_files(held_out_config(d))
+    for label, data in [(f"data.source = '{d.source}'", d)] + [
+            (f"data.blend's {path}", blended_config(d, path)) for path, _ in parse_blend(d.blend)]:
+        shared = sorted(held & _read_files(data))
+        if shared:
+            said = f"{shared[0]}" + (f" and {len(shared) - 1:,} more" if len(shared) > 1 else "")
+            return [f"data.val_source = '{d.val_source}' reads what {label} trains on ({said}): the held-out loss "
+                    f"would be measured on training text; give a held-out corpus apart from the training data, or "
+                    f"data.val_source = '' with data.val_fraction (a tail of data.source the run never trains on)"]
+    return []
+
+
+def _read_files(d) -> set[Path]:
+    try:
+        return {f.resolve() for f in source_files(d)}
+    except OSError:  # a corpus that cannot be listed: its own check says so
+        return set()
 
 
 def _stdlib_tokens(d) -> int:

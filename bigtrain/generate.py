@@ -171,7 +171,11 @@ def text_tokenizer(source: Path, decoder: Decoder, run_config: dict):
     except TokenizerError as e:
         raise GenerateError(f"the model's tokenizer cannot be read: {e}") from None
     where = str(data.get("source", ""))
-    if spec == BYTES and (decoder.vocab_size != BYTE_VOCAB or where.endswith((".bin", ".npy"))):
+    # A byte-level text run may pad its vocabulary past 256 (a multiple of 64, of tp): its text is
+    # still bytes, and sampling keeps to them. It was refused as "trained on pre-tokenized ids".
+    padded_text_run = bool(run_config) and decoder.vocab_size > BYTE_VOCAB
+    if spec == BYTES and ((decoder.vocab_size != BYTE_VOCAB and not padded_text_run)
+                          or where.endswith((".bin", ".npy"))):
         raise GenerateError(f"this model has a vocabulary of {decoder.vocab_size} and no tokenizer to write text "
                             f"with" + (f": it was trained on pre-tokenized ids ({where})" if where else
                                        " (no tokenizer.json in the folder)") +

@@ -132,11 +132,13 @@ def init_from_position_warnings(cfg: Config) -> list[str]:
 
 def schedule_warnings(cfg: Config) -> list[str]:
     """A warm-up as long as the run: the learning rate rises the whole run and never reaches
-    optim.lr (a preset's 100-step warm-up under a short --train.steps, without a word)."""
+    optim.lr (a preset's 100-step warm-up under a short --train.steps, without a word). One as long
+    as the run reaches optim.lr at its last step: not said ("ends at 0.003, not optim.lr = 0.003;
+    lower optim.warmup_steps (e.g. 1)" was said of warmup_steps = train.steps = 1)."""
     o, t = cfg.optim, cfg.train
-    if o.warmup_steps >= t.steps > 0:
+    if o.warmup_steps > t.steps > 0:
         reached = o.lr * t.steps / o.warmup_steps
-        return [f"optim.warmup_steps = {o.warmup_steps} >= train.steps = {t.steps}: the learning rate rises for the "
+        return [f"optim.warmup_steps = {o.warmup_steps} > train.steps = {t.steps}: the learning rate rises for the "
                 f"whole run and ends at {reached:.3g}, not optim.lr = {o.lr:g}; lower optim.warmup_steps (e.g. "
                 f"{max(1, t.steps // 10)}) or train longer"]
     return []

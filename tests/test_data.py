@@ -169,6 +169,19 @@ def test_text_folder_gives_bytes_in_sorted_file_order(tmp_path, text_folder):
     assert len(tokens) == len(expected) == 34
 
 
+def test_a_linked_folder_of_a_text_folder_is_read_once_and_a_link_to_an_ancestor_ends(tmp_path, text_folder):
+    """Path.rglob does not enter a linked folder: a corpus made of links (ln -s /data/wiki corpus/wiki)
+    trained on none of their files, without a word."""
+    src, expected = text_folder
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "linked.txt").write_text("linked\n")
+    (src / "sub" / "z_link").symlink_to(outside, target_is_directory=True)
+    (src / "sub" / "loop").symlink_to(src, target_is_directory=True)
+    tokens = load_tokens(str(src), cache_dir=str(tmp_path / "cache"))
+    assert bytes(tokens) == expected + b"linked\n"
+
+
 def test_single_text_file(tmp_path):
     path = tmp_path / "notes.log"  # a file is read whatever its suffix
     path.write_bytes(b"\x00\x01hello\xff")
@@ -345,6 +358,29 @@ def test_a_corpus_smaller_than_one_batch_is_said_before_launch(tmp_path, capsys)
         prepare_run_data(cfg, tmp_path / "run", main=True)
         err = capsys.readouterr().err
         assert ("data.source = 'stdlib' has 200 training tokens, fewer than one step's batch" in err) == said, cap
+
+
+def test_a_utf16_text_file_is_said_with_the_conversion_that_fits_it(tmp_path, capsys):
+    """Windows' "Unicode" .txt (UTF-16, a BOM) in a byte-level folder trained on a NUL beside every
+    letter without a word; alone it was "binary", and tokenized the fix named was iconv -f latin1."""
+    from dataclasses import replace
+
+    from bigtrain.data.load import encoding_warning, prepare_run_data
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world " * 20, encoding="utf-16")
+    (src / "b.txt").write_text("plain text " * 20)
+    for source in (src, src / "a.txt"):
+        prepare_run_data(tiny_config(str(tmp_path / "cache"), f"--data.source={source}"), tmp_path / "run", main=True)
+        err = capsys.readouterr().err
+        assert f"1 text file is UTF-16 ({src / 'a.txt'}): a byte-level run trains on its bytes as they are" in err
+        assert "iconv -f utf-16 -t utf-8" in err and "binary" not in err, err
+    d = replace(tiny_config(str(tmp_path / "cache"), f"--data.source={src}").data, tokenizer="t.json")
+    said = encoding_warning(d, {"not_utf8_files": 1, "not_utf8": [str(src / "a.txt")]})
+    assert "iconv -f utf-16 -t utf-8" in said, said
+    (src / "a.txt").write_text("hello world " * 20)
+    assert encoding_warning(tiny_config(str(tmp_path / "cache"), f"--data.source={src}").data, None) is None
 
 
 def test_a_single_table_or_binary_file_read_as_text_is_said_and_a_torch_file_refused(tmp_path, capsys):

@@ -207,3 +207,21 @@ def test_the_end_of_text_is_the_one_transformers_would_stop_at(tmp_path):
 def test_ignore_eos_is_a_flag_of_generate(trained_run, capsys):
     assert _generated(capsys, trained_run, "--prompt", "def ", "--tokens", 6, "--temperature", 0, "--ignore-eos") == \
         _generated(capsys, trained_run, "--prompt", "def ", "--tokens", 6, "--temperature", 0)
+
+
+def test_a_byte_level_run_with_a_padded_vocabulary_writes_bytes(tmp_path):
+    """model.vocab_size = 320 on text read as bytes: its ids are bytes and padding rows, so generate
+    writes bytes from the first 256 ids. It was refused as "trained on pre-tokenized ids (corpus/)";
+    a run that did train on ids is still refused."""
+    from bigtrain.generate import text_tokenizer
+
+    class Padded:
+        vocab_size = 320
+
+    for source in ("corpus/", "stdlib"):
+        tokenizer = text_tokenizer(tmp_path, Padded(), {"data": {"tokenizer": "bytes", "source": source}})
+        assert tokenizer.vocab_size == 256 and tokenizer.decode(list(b"caf\xc3\xa9")) == "caf\u00e9"
+    with pytest.raises(GenerateError, match=r"pre-tokenized ids \(ids.npy\)"):
+        text_tokenizer(tmp_path, Padded(), {"data": {"tokenizer": "bytes", "source": "ids.npy"}})
+    with pytest.raises(GenerateError, match="no tokenizer.json in the folder"):
+        text_tokenizer(tmp_path, Padded(), {})  # a Hugging Face folder: nothing says its ids are bytes

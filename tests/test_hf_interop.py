@@ -89,6 +89,13 @@ def test_train_takes_the_model_shape_from_the_folder(corpus_cache, tmp_path, cap
     assert main(["config", "--preset", "tiny", f"--model.init_from=hf:{folder}"]) == 2
     assert "rope_scaling type 'dynamic'; bigtrain has 'linear', 'llama3' and 'yarn'" in capsys.readouterr().err
 
+    # The small preset's data.seq_len = 128 past the folder's 64 positions: "raise model.max_seq_len",
+    # the fix it named, was then refused as a mismatch with the folder
+    (folder / "config.json").write_text(json.dumps(hf))
+    assert main(["config", f"--model.init_from=hf:{folder}"]) == 2
+    assert (f"data.seq_len = 128 exceeds model.max_seq_len = 64, which model.init_from's {folder / 'config.json'} "
+            f"(max_position_embeddings) sets; lower data.seq_len to at most 64") in capsys.readouterr().err
+
 
 def test_init_from_problems_name_the_field_and_the_fix(corpus_cache, tmp_path):
     with pytest.raises(ConfigError, match=r"model.init_from = 'runs/x': write 'hf:PATH'"):

@@ -155,6 +155,17 @@ def test_a_json_file_that_is_not_utf8_is_named_with_the_byte(tmp_path):
         list(Documents([source], "text", json_records=True))
 
 
+@pytest.mark.parametrize("name", ["data.json", "data-lines.json", "data.jsonl"])
+def test_records_after_a_byte_order_mark_are_read(name, tmp_path):
+    """A file saved by a Windows tool starts with a UTF-8 byte-order mark (and may end its lines with
+    CRLF): it was refused, line 1 "not JSON (Unexpected UTF-8 BOM ...)" or "neither an array nor
+    JSON lines (it starts with '\\ufeff')"."""
+    source = tmp_path / name
+    lines = "\r\n".join(json.dumps(r, ensure_ascii=False) for r in RECORDS)
+    source.write_bytes(b"\xef\xbb\xbf" + (json.dumps(RECORDS) if name == "data.json" else lines).encode())
+    assert list(Documents([source], "text", json_records=True)) == TEXTS
+
+
 def test_an_empty_json_file_has_no_records(tmp_path):
     source = tmp_path / "data.json"
     source.write_text("  \n")

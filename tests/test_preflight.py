@@ -426,11 +426,34 @@ def test_a_held_out_slice_nothing_evaluates_is_warned():
                                                                    "--train.eval_every=5"])) == []
 
 
+def test_a_held_out_corpus_that_is_training_data_is_refused(tmp_path):
+    """data.val_source naming the training folder again, or one of its files: eval_loss was measured
+    on text the run trains on, without a word."""
+    from bigtrain.data_checks import held_out_overlap_problems
+
+    (tmp_path / "corpus").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "corpus" / name).write_text("text " * 20)
+    (tmp_path / "val.txt").write_text("held " * 20)
+
+    def problems(val, *more):
+        return held_out_overlap_problems(_cfg(tmp_path, f"--data.source={tmp_path / 'corpus'}",
+                                              f"--data.val_source={val}", "--train.eval_every=1", *more))
+
+    said = problems(tmp_path / "corpus" / "b.txt")
+    assert len(said) == 1 and said[0].startswith(f"data.val_source = '{tmp_path / 'corpus' / 'b.txt'}' reads what "
+                                                 f"data.source = '{tmp_path / 'corpus'}' trains on"), said
+    assert "and 1 more" in problems(f"{tmp_path}/corpus/./")[0]
+    assert "data.blend's" in problems(tmp_path / "val.txt", f"--data.blend={tmp_path / 'val.txt'}=0.5")[0]
+    assert problems(tmp_path / "val.txt") == []
+
+
 def test_a_warm_up_as_long_as_the_run_is_warned():
     """A preset's warm-up under a short --train.steps: the learning rate never reached optim.lr."""
     from bigtrain.preflight import schedule_warnings
 
     said = schedule_warnings(load_config(preset="tiny", overrides=["--optim.warmup_steps=500", "--train.steps=2"]))
-    assert said == ["optim.warmup_steps = 500 >= train.steps = 2: the learning rate rises for the whole run and ends "
+    assert schedule_warnings(load_config(preset="tiny", overrides=["--optim.warmup_steps=1", "--train.steps=1"])) == []
+    assert said == ["optim.warmup_steps = 500 > train.steps = 2: the learning rate rises for the whole run and ends "
                     "at 1.2e-05, not optim.lr = 0.003; lower optim.warmup_steps (e.g. 1) or train longer"]
     assert schedule_warnings(load_config(preset="tiny")) == []

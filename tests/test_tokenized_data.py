@@ -607,6 +607,19 @@ def test_a_cap_that_cuts_a_users_corpus_is_said_before_launch(bpe, tmp_path, cap
             assert (warning in capsys.readouterr().err) == said, (source, cap)
 
 
+def test_a_corpus_the_cap_cut_below_a_window_names_the_cap(tmp_path):
+    """Records cut by data.max_bytes to fewer tokens than a window: "lower data.seq_len or give a
+    longer corpus", of a corpus that was long."""
+    from bigtrain.data.load import prepare_run_data
+
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps({"text": "long enough " * 10}) + "\n" for _ in range(3)))
+    cfg = tiny_config(str(tmp_path), f"--data.source={records}", "--data.max_bytes=20")
+    with pytest.raises(ConfigError, match=r"tokenizes to 20 tokens \(data.max_bytes = 20 cut it short\), fewer than "
+                                          r"data.seq_len \+ 2 = 34; raise data.max_bytes \(0: no cap\)"):
+        prepare_run_data(cfg, tmp_path / "run", main=True)
+
+
 def test_the_cap_warning_is_said_by_the_launcher_not_again_by_its_rank_0(tmp_path, monkeypatch, capsys):
     """bigtrain train --parallel.dp=2 on a capped corpus said the warning twice: the launcher, which
     prepares the data before the launch, then its rank 0 doing the same."""
@@ -631,6 +644,16 @@ def test_a_binary_tokenizer_file_is_named_as_no_tiktoken_file_before_anything_is
     model.write_bytes(b"\n\x0b\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02\n\x07\n\x03<s>\x15\x00\x00\x00\x00")
     with pytest.raises(ConfigError, match=r"is a binary file \(a SentencePiece model\?\), not a tiktoken file's"):
         tiny_config(corpus_cache, f"--data.tokenizer={model}")
+
+
+def test_a_folder_without_tokenizer_json_names_the_tokenizer_file_it_holds(corpus_cache, tmp_path):
+    """A Llama 2 / Llama 3 download with tokenizer.model and no tokenizer.json: "does not exist", with
+    no word of the file beside it or how to make one."""
+    (tmp_path / "tokenizer.model").write_bytes(b"\n\x0b\n\x05<unk>")
+    with pytest.raises(ConfigError, match=rf"tokenizer.json does not exist, but the folder holds tokenizer.model: give "
+                                          rf"it \(data.tokenizer = '{tmp_path}/tokenizer.model'\) if it is a tiktoken "
+                                          rf"file .* AutoTokenizer.from_pretrained\(FOLDER\).save_pretrained\(FOLDER\)"):
+        tiny_config(corpus_cache, f"--data.tokenizer={tmp_path}")
 
 
 def test_an_empty_tiktoken_file_is_refused_by_field(corpus_cache, tmp_path):

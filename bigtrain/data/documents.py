@@ -16,7 +16,7 @@ import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
-from bigtrain.data.corpus import TEXT_SUFFIXES
+from bigtrain.data.corpus import TEXT_SUFFIXES, folder_files
 from bigtrain.data.json_array import JSONShapeError, array_items, top_level
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")  # a document per line / row, in data.text_field
@@ -84,7 +84,7 @@ def corpus_files(source: Path) -> list[Path]:
     """The files a source holds, in the order they are read."""
     if source.is_file():
         return [source]
-    return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in DOCUMENT_SUFFIXES)
+    return [p for p in folder_files(source) if p.suffix in DOCUMENT_SUFFIXES]
 
 
 def left_out_files(source: Path) -> list[Path]:
@@ -94,7 +94,7 @@ def left_out_files(source: Path) -> list[Path]:
     without a word (the launcher says so)."""
     if not source.is_dir():
         return []
-    return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix not in DOCUMENT_SUFFIXES
+    return sorted(p for p in folder_files(source) if p.suffix not in DOCUMENT_SUFFIXES
                   and not any(part.startswith(".") for part in p.relative_to(source).parts))
 
 
@@ -174,7 +174,8 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                # a byte-order mark (Windows tools write one) starts the file, not its first record
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:  # name the file and line (the codec's message names neither)
                 raise DocumentError(f"data.source: {path} line {number} is not UTF-8 ({e.reason} at byte {e.start} "
                                     f"of the line); save the file as UTF-8") from None

@@ -17,6 +17,14 @@ from bigtrain.data.tokenizer import (BYTES, HF_FILE, TokenizerError, document_en
 from bigtrain.field_checks import looked_in
 
 
+def _other_tokenizer_file(path: Path) -> Path | None:
+    """A folder's tokenizer file that is not its tokenizer.json (``path``): SentencePiece's or tiktoken's."""
+    if path.name != HF_FILE or not path.parent.is_dir():
+        return None
+    return next((f for f in sorted(path.parent.glob("*.model")) + sorted(path.parent.glob("*.tiktoken"))
+                 if f.is_file()), None)
+
+
 def data_field_problems(cfg: Config) -> list[str]:
     d = cfg.data
     if cfg.model.family != "llama":
@@ -32,7 +40,14 @@ def data_field_problems(cfg: Config) -> list[str]:
                                                  and path.parent.is_dir() else f"no such file{looked_in(d.tokenizer)}")
         except (OSError, ValueError) as e:  # a name no file can have (too long)
             where = f"cannot be read ({getattr(e, 'strerror', None) or e})"
-        if where:
+        if where and (other := _other_tokenizer_file(path)):
+            # a Llama 2 / Mistral / Llama 3 download that has no tokenizer.json: the folder's own
+            # file named by the fix, not only "does not exist"
+            problems.append(f"data.tokenizer = '{d.tokenizer}': {where}, but the folder holds {other.name}: give "
+                            f"it (data.tokenizer = '{other}') if it is a tiktoken file (Llama 3's), else make a "
+                            f"tokenizer.json beside it (transformers' AutoTokenizer.from_pretrained(FOLDER)"
+                            f".save_pretrained(FOLDER) writes one; nothing is downloaded)")
+        elif where:
             problems.append(f"data.tokenizer = '{d.tokenizer}': {where}; give a local tokenizer.json, a folder "
                             f"holding one, a .tiktoken file, or 'bytes' (nothing is downloaded)")
         elif tokenizer_kind(d.tokenizer) == "tiktoken" and _binary(path):

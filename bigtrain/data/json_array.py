@@ -28,7 +28,8 @@ class _Text:
 
     def __init__(self, f, chunk: int):
         self.f, self.chunk, self.buf, self.pos, self.eof, self.read = f, chunk, "", 0, False, 0
-        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        # utf-8-sig: a byte-order mark (Windows tools write one) starts the file, not its JSON
+        self.utf8 = codecs.getincrementaldecoder("utf-8-sig")()
 
     def fill(self) -> bool:
         """Read more (at least as much as is buffered, so an item read again after each read costs

@@ -189,7 +189,7 @@ def single_file_warning(d: DataConfig) -> str | None:
             head = f.read(4096)
     except OSError:
         return None
-    if b"\x00" in head:
+    if b"\x00" in head and head[:2] not in UTF16_BOMS:  # UTF-16 text: encoding_warning says so
         return (f"data.source = '{d.source}' holds NUL bytes: it looks binary, not text, and is trained on as it is; "
                 f"give text (.txt, .jsonl, .parquet) or token ids (.npy, .bin)")
     return None
@@ -269,14 +269,39 @@ def small_corpus_warning(cfg, manifest: dict | None) -> str | None:
             f"{reads:,.0f} times); give a longer corpus, or lower train.global_batch or data.seq_len")
 
 
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # what Windows' "Unicode" text files start with
+
+
+def _utf16(path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) in UTF16_BOMS
+    except OSError:
+        return False
+
+
 def encoding_warning(d: DataConfig, manifest: dict | None) -> str | None:
     """Text files of a tokenized corpus that were not UTF-8 (its manifest counts them): their
     undecodable bytes were read as U+FFFD, one token for every accented letter of a Latin-1 file.
-    (A byte-level corpus reads bytes as they are; JSON Lines that is not UTF-8 is refused.)"""
+    A byte-level corpus reads bytes as they are, but a UTF-16 file's are a NUL beside every ASCII
+    letter: said too (it trained without a word). JSON Lines that is not UTF-8 is refused."""
+    if manifest is None and d.source != "stdlib" and not is_token_file(d.source):
+        try:
+            utf16 = [str(f) for f in text_files(source_path(d)) if _utf16(f)]
+        except OSError:  # said by the pre-launch checks
+            utf16 = []
+        if utf16:
+            more = f" and {len(utf16) - 5} more" if len(utf16) > 5 else ""
+            return (f"data.source = '{d.source}': {len(utf16)} text file{'s are' if len(utf16) != 1 else ' is'} "
+                    f"UTF-16 ({', '.join(utf16[:5])}{more}): a byte-level run trains on {'their' if len(utf16) != 1 else 'its'} "
+                    f"bytes as they are, a NUL byte beside every ASCII letter; convert to UTF-8 (e.g. iconv -f utf-16 "
+                    f"-t utf-8)")
     count = (manifest or {}).get("not_utf8_files", 0)
     if not count:
         return None
     files = manifest.get("not_utf8", [])
+    # a UTF-16 file decodes as UTF-8 but for its first two bytes: its letters come with NULs between
+    source_encoding = "utf-16" if any(_utf16(f) for f in files) else "latin1"
     more = f" and {count - len(files)} more" if count > len(files) else ""
     if d.tokenizer != BYTES:
         other = "train on bytes (data.tokenizer = 'bytes')"
@@ -288,8 +313,8 @@ def encoding_warning(d: DataConfig, manifest: dict | None) -> str | None:
         other = None  # records: bytes go through documents (and JSON Lines that is not UTF-8 is refused)
     return (f"data.source = '{d.source}': {count} text file{'s are' if count != 1 else ' is'} not UTF-8 "
             f"({', '.join(files)}{more}); {'their' if count != 1 else 'its'} undecodable bytes were read as U+FFFD, the replacement "
-            f"character, so the model never sees those characters: convert them to UTF-8 (e.g. iconv -f latin1 "
-            f"-t utf-8){f', or {other}' if other else ''}")
+            f"character, so the model never sees those characters: convert them to UTF-8 (e.g. iconv -f "
+            f"{source_encoding} -t utf-8){f', or {other}' if other else ''}")
 
 
 # A tokenizer holds about this many times a document's text while it encodes it (a 64 MB .txt, one
@@ -353,10 +378,13 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         tokens = manifest["tokens"]
         train = tokens - int(tokens * d.val_fraction)
         if train < d.seq_len + 2:
-            raise ConfigError(f"data.source = '{d.source}' tokenizes to {tokens} tokens"
+            # a cap that cut the corpus is the cause to name (the byte-level check names it too)
+            cut = manifest.get("cut_at_max_bytes") and f" (data.max_bytes = {d.max_bytes} cut it short)"
+            raise ConfigError(f"data.source = '{d.source}' tokenizes to {tokens} tokens{cut or ''}"
                               + (f" ({train} before the held-out slice)" if d.val_fraction else "")
-                              + f", fewer than data.seq_len + 2 = {d.seq_len + 2}; lower data.seq_len or give a "
-                              f"longer corpus")
+                              + f", fewer than data.seq_len + 2 = {d.seq_len + 2}; "
+                              + ("raise data.max_bytes (0: no cap) or lower data.seq_len" if cut else
+                                 "lower data.seq_len or give a longer corpus"))
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")

@@ -37,12 +37,17 @@ def token_batch_problems(cfg: Config) -> list[str]:
 
 
 def token_data_problems(cfg: Config, vocab_size: int, max_seq_len: int, vocab_field: str = "model.vocab_size",
-                        seq_field: str = "model.max_seq_len") -> list[str]:
+                        seq_field: str = "model.max_seq_len", seq_fixed_by: str = "") -> list[str]:
     """data.source, data.seq_len and data.ignore_target against a model of ``vocab_size`` tokens and
-    ``max_seq_len`` positions (the fields named say where those come from)."""
+    ``max_seq_len`` positions (the fields named say where those come from; ``seq_fixed_by``: the
+    file that sets ``seq_field``, which an override may not change)."""
     d = cfg.data
     problems = []
-    if d.seq_len > max_seq_len:
+    if d.seq_len > max_seq_len and seq_fixed_by:
+        # "raise model.max_seq_len" was the fix named, and raising it is refused as a mismatch with the file
+        problems.append(f"data.seq_len = {d.seq_len} exceeds {seq_field} = {max_seq_len}, which {seq_fixed_by} "
+                        f"sets; lower data.seq_len to at most {max_seq_len}")
+    elif d.seq_len > max_seq_len:
         problems.append(f"data.seq_len = {d.seq_len} exceeds {seq_field} = {max_seq_len}; "
                         f"raise {seq_field} or lower data.seq_len")
     is_tokens = d.source.endswith((".bin", ".npy"))
