@@ -91,7 +91,8 @@ class _ChunkDocuments:
     """Which keys of a pair of chunks each query sees, from the window's document ids (batch, seq)
     in position order, cut into chunks of ``chunk`` tokens. Ids grow along a sequence
     (:func:`~bigtrain.core.documents.document_ids`), so a chunk's first and last ids bound it: read
-    to the host once (2 x cp chunks a sample), they sort every pair."""
+    to the host (2 x cp chunks a sample) each time a layer's ring runs (its forward, its backward, a
+    recomputation: a device sync each on a GPU), they sort every pair."""
 
     def __init__(self, ids: torch.Tensor, chunk: int):
         self.ids, self.chunk = ids, chunk
