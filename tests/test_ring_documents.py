@@ -162,3 +162,27 @@ def test_compiled_blocks_around_the_ring_with_documents_match_the_reference(docu
     cfg = packed_config(documents_corpus, "--parallel.cp=2", "--parallel.cp_mode=ring", "--compile.enabled=true")
     report = run_ranks(check_compiled_on_rank, 2, cfg, str(tmp_path), 2, timeout=900)[0]
     assert report.agree, report.text()
+
+
+def test_bigtrain_plan_prices_a_configs_documents_and_a_ring_as_its_causal_pairs(tmp_path):
+    """``bigtrain plan --config`` read no model.attn_mask: a block-causal run was priced causal (sdpa's
+    (seq, seq) mask left out). A ring masks its pairs from the ids whatever model.attention says:
+    its time is the causal ring's, not sdpa's masked square."""
+    import argparse
+    import dataclasses
+
+    from bigtrain.plan.cli import add_plan_parser, resolve
+    from bigtrain.plan.gemm import block_times
+    from bigtrain.plan.layout import Layout
+
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\ndim = 64\nn_layers = 2\nn_heads = 4\nattn_mask = "block_causal"\nattention = "sdpa"\n'
+                    '[data]\nseq_len = 64\ndocument_end = ":"\n')
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    model, cluster, _, _ = resolve(parser.parse_args(["plan", "--config", str(path), "--hardware", "h100-80g"]))
+    assert model.document_mask == "sdpa"
+    causal, hw = dataclasses.replace(model, document_mask=""), cluster.hardware
+    assert block_times(model, Layout(), hw).forward > block_times(causal, Layout(), hw).forward
+    ring = Layout(cp=2, cp_mode="ring")
+    assert block_times(model, ring, hw) == block_times(causal, ring, hw)

@@ -15,6 +15,7 @@ import sys
 
 from bigtrain.cli_help import BENCH_HELP, PLAN_HELP
 from bigtrain.config import Config, ConfigError, ModelConfig, load_config, preset_names
+from bigtrain.core.attention_kind import attention_kind
 from bigtrain.families import Family, family_of
 from bigtrain.families.own import none_for, own_step_unpriced
 from bigtrain.from_config import compiles
@@ -215,6 +216,11 @@ def resolve(args: argparse.Namespace):
     # is the swiglu model; the GPT-style block is not one of the runtime's)
     fixed.setdefault("compiled", compiles("auto", cluster.hardware.device, model.mlp == "swiglu"))
     cfg = _config_from_args(args)
+    if cfg is not None and (m := _priced_model(cfg)).attn_mask == "block_causal":
+        # the config's document mask, as its run resolves model.attention on this hardware (sdpa's
+        # (seq, seq) mask, a BlockMask, or the ring's ids): left out, a block-causal run was priced causal
+        model = dataclasses.replace(model, document_mask=attention_kind(m.attention, m.attn_mask,
+                                                                        cluster.hardware.device))
     if cfg is not None:  # what the run of this config does, unless --layout says otherwise
         fixed.setdefault("fp8", cfg.precision.fp8)
         fixed.setdefault("grad_clip", cfg.optim.grad_clip > 0)

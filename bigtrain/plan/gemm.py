@@ -16,6 +16,9 @@ planner keeps one ``achievable_fraction`` for everything). Per micro-batch and r
   cannot skip the causal half, so the whole square (twice the causal FLOPs) plus the mask read per
   head in the forward and again in the backward; FlexAttention only the 128 x 128 tiles its
   documents cover (of ``ModelSpec.document_tokens`` tokens on average; unknown: priced as causal).
+  A ring (cp_mode 'ring' / 'hybrid') masks its chunk pairs from the documents' ids whatever
+  ``model.attention`` says: priced as its causal pairs (an upper bound: it skips the pairs no
+  document spans).
 * **Element-wise ops** (norms, rotary, activation, residuals, bias-dropout-add, loss) by the bytes
   they read and write at ``hbm_bandwidth x memory_fraction``; backward moves twice the bytes.
   bigtrain's Llama (``mlp = swiglu``) is unfused (RMSNorm in fp32, SwiGLU in three kernels);
@@ -297,9 +300,12 @@ def block_times(model: ModelSpec, layout: Layout, hw, moe: bool = False) -> Bloc
     if hw.attention_kernel == "flash":
         # causal: half of QK^T and AV's 4 s^2 d; a ring's 2cp - 1 whole pairs and 2 halves
         flops = (2 if ring == 1 else 4 * (pairs - 1)) * layout.micro_batch * heads * s * s * d
-        attention = flops * document_attention_share(model) / (hw.peak_flops(p) * hw.attention_fraction)
+        # A ring with documents masks each pair from the ids: its causal pairs' work at most (pairs
+        # before a query chunk's documents are skipped), no kernel over the whole square, no dense mask.
+        share = document_attention_share(model) if ring == 1 else 1.0
+        attention = flops * share / (hw.peak_flops(p) * hw.attention_fraction)
         fwd, bwd = fwd + attention, bwd + FLASH_BACKWARD * attention
-        if model.document_mask == "sdpa":  # the (b, 1, s, s) mask, read for every head, both ways
+        if model.document_mask == "sdpa" and ring == 1:  # the (b, 1, s, s) mask, read for every head, both ways
             mask_read = _memory_seconds(hw, layout.micro_batch * heads * s * s * BYTES[p])
             fwd, bwd = fwd + mask_read, bwd + mask_read
     else:
