@@ -4,8 +4,8 @@ starts (docs/ecosystem.md, "Document masking"). Imports no torch (as :mod:`bigtr
 Block-causal attention is refused where it would be silently wrong or meaningless:
 - a model family whose model takes no documents (``Family.document_mask``): it would attend causally;
 - ``parallel.cp > 1`` with ``cp_mode`` 'ring' or 'hybrid' in a family whose ring takes no documents
-  (``Family.ring_documents``: bigtrain's Llama masks each pair of chunks by the documents' ids;
-  the Hugging Face families' ring does not). 'all-to-all' gathers the whole sequence around
+  (``Family.ring_documents``: bigtrain's Llama and the Hugging Face family mask each pair of chunks
+  by the documents' ids; a family of one's own may not). 'all-to-all' gathers the whole sequence around
   attention, where the mask holds as without cp;
 - a corpus with no token that marks where documents meet (:func:`bigtrain.data.boundaries.boundary_ids`).
 
