@@ -102,11 +102,9 @@ Block-causal attention (``model.attn_mask``, ``ModelSpec.document_mask``) adds, 
 micro-batch in flight, the one mask its layers share (:func:`document_mask_bytes`): with sdpa the
 additive (samples, 1, s, s) mask in the compute dtype, B s^2 a sample, of the whole sequence s
 whatever cuts the tokens (tp, Megatron SP, Ulysses, cp's all-to-all: attention sees the whole
-sequence); with FlexAttention its BlockMask, int32 tile indices; under ring context parallelism
-(cp_mode 'ring' / 'hybrid') the documents' int64 ids of the whole sequence, 8 B s a sample, from
-which the ring masks each pair of chunks (a pair's mask lives while the pair is computed, as its
-scores do: not saved). sdpa saves the mask for backward
-once (every layer saves the same tensor: measured, tests/test_document_masking.py); a checkpointed
+sequence); with FlexAttention its BlockMask, int32 tile indices; under the cp ring the documents'
+int64 ids, 8 B s a sample (each pair of chunks masks itself from them while it runs). sdpa saves the
+mask for backward once (every layer saves the same tensor: measured, tests/test_document_masking.py); a checkpointed
 block keeps it alive as an input of its recomputation. It lives until the chunk's first block has
 run its backward, so it is counted with the chunk's largest block too.
 
