@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from bigtrain.checkpoint.hf import hf_folder
 from bigtrain.config import Config, ModelConfig
 from bigtrain.families.spec import Family
 from bigtrain.families.tokens import token_batch_problems, token_data_problems
@@ -34,8 +33,11 @@ def attach_context_parallel(*args, **kwargs) -> list:
 
 def check_llama(cfg: Config) -> list[str]:
     m = cfg.model
-    folder = hf_folder(m.init_from)  # its config.json sets the [model] shape, max_seq_len too
-    fixed_by = f"model.init_from's {folder / 'config.json'} (max_position_embeddings)" if folder else ""
+    fixed_by = ""
+    if m.init_from.startswith("hf:"):  # its config.json sets the [model] shape, max_seq_len too
+        from bigtrain.checkpoint.hf import hf_folder  # imports torch: only for a run that starts from a folder
+
+        fixed_by = f"model.init_from's {hf_folder(m.init_from) / 'config.json'} (max_position_embeddings)"
     return (token_batch_problems(cfg) + token_data_problems(cfg, m.vocab_size, m.max_seq_len, seq_fixed_by=fixed_by)
             + llama_field_problems(cfg))  # head size, rotary scaling, biases
 
