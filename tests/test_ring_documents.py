@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from bigtrain.check.run import check_on_rank
 from bigtrain.config import ConfigError
-from bigtrain.core.documents import document_mask
+from bigtrain.core.documents import DocumentIds, document_mask
 from bigtrain.distributed.mesh import Mesh
 from bigtrain.parallel.context import chunks_of, local_sequence
 from bigtrain.parallel.ring_attention import _ChunkDocuments, ring_attention
@@ -49,7 +49,7 @@ def _ring_vs_sdpa(rank, world_size, heads, kv_heads):
                                          enable_gqa=heads != kv_heads).transpose(1, 2)
     ref.backward(dout)
     mine = [local_sequence(t, cp).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, cp, partial(chunks_of, world_size), documents=ids)
+    out = ring_attention(*mine, cp, partial(chunks_of, world_size), documents=DocumentIds(ids))
     out.backward(local_sequence(dout, cp))
     errors = [float((out - local_sequence(ref, cp)).abs().max())]
     return errors + [float((t.grad - local_sequence(w.grad, cp)).abs().max()) for t, w in zip(mine, whole)]

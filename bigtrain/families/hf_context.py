@@ -104,8 +104,7 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if dropout:
         raise RuntimeError(f"parallel.cp_mode = '{group.mode}': the ring has no attention dropout ({dropout})")
     ring = partial(ring_attention_heads_first, comm=group.comm, chunks=partial(chunks_of, group.comm.size),
-                   scale=scaling, documents=None if documents is None else documents.ids,
-                   bounds=None if documents is None else documents.bounds)
+                   scale=scaling, documents=documents)
     if group.mode == "ring":
         return ring(query, key, value).transpose(1, 2), None
     return heads_to_shard(ring(*shard_to_heads(query, key, value, sp)), sp), None  # hybrid

@@ -97,9 +97,8 @@ class _ChunkDocuments:
 
     def __init__(self, ids: torch.Tensor, chunk: int, bounds: torch.Tensor | None = None):
         self.ids, self.chunk = ids, chunk
-        if bounds is None:
-            bounds = chunk_bounds(ids, ids.shape[1] // chunk)
-        self.first, self.last = bounds.tolist()  # per sample, per chunk
+        self.bounds = chunk_bounds(ids, ids.shape[1] // chunk) if bounds is None else bounds
+        self.first, self.last = self.bounds.tolist()  # per sample, per chunk
 
     def pairs(self, mine: tuple[int, ...], theirs: tuple[int, ...]):
         """(query slot, key slot, causal, mask) of the pairs where some query sees some key; mask None
@@ -143,18 +142,19 @@ def _attended(documents: _ChunkDocuments | None, mine: tuple[int, ...], theirs: 
 # the blocks the causal mask removes. Its forward returns the log-sum-exp the ring merges by; its
 # backward, given the ring's merged output and log-sum-exp, computes this pair's share of dq, dk,
 # dv (its delta, rowsum(dO * O), is taken from the merged output: the same as the ring's own).
-# Elsewhere (CUDA) each pair's scores are materialized whole.
+# Elsewhere (CUDA), and for a pair masked by its documents, the pair's scores are materialized whole.
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _pair_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(q k^T scale) v, its log-sum-exp per query) of one chunk pair, (batch, heads, ...)."""
-    if q.device.type == "cpu":
+def _pair_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q k^T scale) v, its log-sum-exp per query) of one chunk pair, (batch, heads, ...);
+    ``allowed``: the pair's document mask (:meth:`_ChunkDocuments.pairs`), None: causal or whole."""
+    if q.device.type == "cpu" and allowed is None:
         out, lse = _FLASH_CPU(q, k, v, 0.0, causal, scale=scale)
         return out, lse
-    return _whole_pair_forward(q, k, v, scale, causal)
+    return _whole_pair_forward(q, k, v, scale, causal, allowed)
 
 
 def _whole_pair_forward(q, k, v, scale: float, causal: bool,
@@ -164,12 +164,12 @@ def _whole_pair_forward(q, k, v, scale: float, causal: bool,
     return torch.exp(s - _finite(lse)[..., None]) @ v, lse
 
 
-def _pair_backward(do, q, k, v, out, lse, delta, scale: float, causal: bool):
+def _pair_backward(do, q, k, v, out, lse, delta, scale: float, causal: bool, allowed: torch.Tensor | None = None):
     """One pair's (dq, dk, dv) given the ring's merged output ``out``, its log-sum-exp ``lse`` and
-    ``delta`` = rowsum(dO * out)."""
-    if q.device.type == "cpu":
+    ``delta`` = rowsum(dO * out); ``allowed`` as for :func:`_pair_forward`."""
+    if q.device.type == "cpu" and allowed is None:
         return _FLASH_CPU_BACKWARD(do, q, k, v, out, lse, 0.0, causal, scale=scale)
-    return _whole_pair_backward(do, q, k, v, lse, delta, scale, causal)
+    return _whole_pair_backward(do, q, k, v, lse, delta, scale, causal, allowed)
 
 
 def _whole_pair_backward(do, q, k, v, lse, delta, scale: float, causal: bool,
@@ -197,10 +197,7 @@ def attend_block(qs: list[torch.Tensor], block: torch.Tensor, mine: tuple[int, .
     ks = _expand_heads(_wide(block[0]), heads).chunk(len(theirs), dim=2)
     vs = _expand_heads(_wide(block[1]), heads).chunk(len(theirs), dim=2)
     for qi, ki, causal, allowed in _attended(documents, mine, theirs):
-        if allowed is None:
-            part, part_lse = _pair_forward(qs[qi], ks[ki], vs[ki], scale, causal)
-        else:
-            part, part_lse = _whole_pair_forward(qs[qi], ks[ki], vs[ki], scale, causal, allowed)
+        part, part_lse = _pair_forward(qs[qi], ks[ki], vs[ki], scale, causal, allowed)
         if out[qi] is None:
             out[qi], lse[qi] = part, part_lse
         else:  # merge two softmaxes by their log-sum-exp (a row that saw no key of either: weight 0)
@@ -213,15 +210,14 @@ def attend_block(qs: list[torch.Tensor], block: torch.Tensor, mine: tuple[int, .
 class _RingAttention(torch.autograd.Function):
     """q (batch, heads, local seq, dim), k and v (batch, kv heads, local seq, dim), all this rank's
     chunks concatenated; ``chunks(r)``: the global chunk indices rank r holds, in that order;
-    ``documents``: the window's document ids (batch, seq), or None (causal); ``bounds``: their
-    :func:`chunk_bounds`, when read already."""
+    ``documents``: the window's :class:`~bigtrain.core.documents.DocumentIds`, or None (causal)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: AxisComm, chunks, scale: float, documents: torch.Tensor | None = None,
-                bounds: torch.Tensor | None = None):
+    def forward(ctx, q, k, v, comm: AxisComm, chunks, scale: float, documents: DocumentIds | None = None):
         n, r = comm.size, comm.rank
         mine = chunks(r)
-        chunked = None if documents is None else _ChunkDocuments(documents, q.shape[2] // len(mine), bounds)
+        chunked = None if documents is None else _ChunkDocuments(documents.ids, q.shape[2] // len(mine),
+                                                                 documents.bounds)
         qs = _wide(q).chunk(len(mine), dim=2)
         out: list[torch.Tensor | None] = [None] * len(mine)
         lse: list[torch.Tensor | None] = [None] * len(mine)
@@ -236,9 +232,9 @@ class _RingAttention(torch.autograd.Function):
         # saved here is then the one it saves (one process's SDPA kernel does the same).
         result = torch.cat(out, dim=2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         # the ids too (the same tensor in every layer: held once), for the backward's pairs
-        ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=2), *(() if documents is None else (documents,)))
+        ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=2), *(() if chunked is None else (chunked.ids,)))
         ctx.comm, ctx.chunks, ctx.scale = comm, chunks, scale
-        ctx.bounds = None if chunked is None else torch.tensor([chunked.first, chunked.last])  # host: read once
+        ctx.bounds = None if chunked is None else chunked.bounds  # on the host: read once
         return result
 
     @staticmethod
@@ -266,12 +262,8 @@ class _RingAttention(torch.autograd.Function):
             dk = [torch.zeros_like(x) for x in ks]
             dv = [torch.zeros_like(x) for x in vs]
             for qi, ki, causal, allowed in _attended(documents, mine, chunks(source)):
-                if allowed is None:
-                    dq_pair, dk_pair, dv_pair = _pair_backward(dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi],
-                                                               deltas[qi], scale, causal)
-                else:
-                    dq_pair, dk_pair, dv_pair = _whole_pair_backward(dos[qi], qs[qi], ks[ki], vs[ki], lses[qi],
-                                                                     deltas[qi], scale, causal, allowed)
+                dq_pair, dk_pair, dv_pair = _pair_backward(dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi],
+                                                           deltas[qi], scale, causal, allowed)
                 dq[qi] += dq_pair
                 dk[ki] += dk_pair
                 dv[ki] += dv_pair
@@ -284,30 +276,29 @@ class _RingAttention(torch.autograd.Function):
             block = incoming
         _wait(grad_works)
         grads = arrived
-        return (torch.cat(dq, dim=2).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), *[None] * 5)
+        return (torch.cat(dq, dim=2).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None)
 
 
 @eager_under_compile  # point-to-point traffic in Python: a compiled block breaks around it
 def ring_attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: AxisComm, chunks,
-                               scale: float | None = None, documents: torch.Tensor | None = None,
-                               bounds: torch.Tensor | None = None) -> torch.Tensor:
+                               scale: float | None = None, documents: DocumentIds | None = None) -> torch.Tensor:
     """The ring itself, in the (batch, heads, seq, dim) layout of sdpa and transformers' attention
     functions: q (batch, heads, local seq, dim), k and v (batch, kv heads, local seq, dim) of the
     chunks ``chunks(comm.rank)`` -> this rank's (batch, heads, local seq, dim), laid out (batch,
     seq, heads, dim) in memory (its ``transpose(1, 2)`` is contiguous). ``scale``: the softmax's,
-    head_dim ** -0.5 when None. ``documents``: the window's document ids (batch, seq; block-causal
-    attention), None: causal; ``bounds``: their :func:`chunk_bounds` when read already."""
+    head_dim ** -0.5 when None. ``documents``: the window's documents (block-causal attention), None:
+    causal."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, comm, chunks, scale, documents, bounds)
+    return _RingAttention.apply(q, k, v, comm, chunks, scale, documents)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: AxisComm, chunks,
-                   documents: torch.Tensor | None = None, bounds: torch.Tensor | None = None) -> torch.Tensor:
+                   documents: DocumentIds | None = None) -> torch.Tensor:
     """Causal (``documents`` given: block-causal) attention of (batch, local seq, heads, dim) q, k, v
     whose sequence is cut over ``comm``'s ranks as ``chunks(rank)`` says; returns this rank's
     (batch, local seq, heads, dim)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return ring_attention_heads_first(q, k, v, comm, chunks, documents=documents, bounds=bounds).transpose(1, 2)
+    return ring_attention_heads_first(q, k, v, comm, chunks, documents=documents).transpose(1, 2)
 
 
 class RingAttention(ModuleWrapper):
@@ -328,6 +319,4 @@ class RingAttention(ModuleWrapper):
             raise RuntimeError("block-causal attention reached the ring with a mask of the whole sequence, not the "
                                "document ids it masks each pair of chunks by (ParallelModel.document_kwargs gives "
                                "them under parallel.cp_mode = 'ring' / 'hybrid')")
-        if mask is None:
-            return ring_attention(q, k, v, self.comm, self.chunks)
-        return ring_attention(q, k, v, self.comm, self.chunks, mask.ids, mask.bounds)
+        return ring_attention(q, k, v, self.comm, self.chunks, mask)
