@@ -388,8 +388,11 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         problem = split_problem(tokens, d.seq_len, d.val_fraction)  # the held-out slice: a window too
         if problem:
             raise ConfigError(f"{problem} (data.source = '{d.source}' tokenizes to {tokens} tokens)")
+    # Said by the main process of a run no launcher of ours started (else its launcher said them):
+    # only there are they worked out (they walk folders and open files; every rank came here).
+    say = main and not launched_by_bigtrain()
     warnings = [left_out_warning(d), tool_folder_warning(d), single_file_warning(d), cap_warning(d, manifest),
-                encoding_warning(d, manifest), small_corpus_warning(cfg, manifest)]
+                encoding_warning(d, manifest), small_corpus_warning(cfg, manifest)] if say else []
     for path, _ in parse_blend(d.blend):
         blended = blended_config(d, path)
         try:
@@ -398,7 +401,7 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
             raise ConfigError(f"data.blend's {path}: {e}") from None
         if part is not None and (problem := split_problem(part["tokens"], d.seq_len, d.val_fraction)):
             raise ConfigError(f"{problem} (data.blend's {path} tokenizes to {part['tokens']} tokens)")
-        warnings += _other_corpus_warnings(blended, part, f"data.blend's {path}")
+        warnings += _other_corpus_warnings(blended, part, f"data.blend's {path}") if say else []
     if d.val_source:
         held_out_data = held_out_config(d)
         try:
@@ -408,10 +411,10 @@ def prepare_run_data(cfg, run_dir: Path, main: bool, log=None) -> None:
         if held_out is not None and held_out["tokens"] < d.seq_len + 1:
             raise ConfigError(f"data.val_source = '{d.val_source}' tokenizes to {held_out['tokens']} tokens, fewer than "
                               f"one window (data.seq_len + 1 = {d.seq_len + 1}); give a longer held-out corpus")
-        warnings += _other_corpus_warnings(held_out_data, held_out, f"data.val_source = '{d.val_source}'")
-    for warning in warnings:
-        if main and warning and not launched_by_bigtrain():  # else its launcher said it
-            print(f"bigtrain: warning: {warning}", file=sys.stderr)
+        if say:
+            warnings += _other_corpus_warnings(held_out_data, held_out, f"data.val_source = '{d.val_source}'")
+    for warning in filter(None, warnings):
+        print(f"bigtrain: warning: {warning}", file=sys.stderr)
     if main and d.tokenizer != BYTES:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
